@@ -1,0 +1,74 @@
+"""kvbridge: move LLM KV caches between prefill and decode engines, over pluggable transports.
+
+Start with `list_backends()`, then `create_backend(name)`.
+"""
+
+from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
+from kvbridge.device import Device
+from kvbridge.errors import (
+    ConfigError,
+    InvalidDescriptor,
+    KVBridgeError,
+    LayoutMismatch,
+    LoadError,
+    PeerGone,
+    PluginAPIMismatch,
+    PluginError,
+    PluginNotFound,
+    PluginUnavailable,
+    ProtocolError,
+    TopologyError,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+)
+from kvbridge.hookspecs import hookimpl
+from kvbridge.plugins import (
+    PLUGIN_API_VERSION,
+    create_backend,
+    get_device,
+    list_backends,
+    list_devices,
+    refused_plugins,
+    reset_plugins,
+)
+from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion, PluginInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PLUGIN_API_VERSION",
+    "BackendCapabilities",
+    "BackendConfig",
+    "ConfigError",
+    "Device",
+    "EndpointInfo",
+    "InvalidDescriptor",
+    "KVBridgeError",
+    "LayoutMismatch",
+    "LoadError",
+    "MemoryKind",
+    "MemoryRegion",
+    "MigrationBackend",
+    "Peer",
+    "PeerGone",
+    "PluginAPIMismatch",
+    "PluginError",
+    "PluginInfo",
+    "PluginNotFound",
+    "PluginUnavailable",
+    "ProtocolError",
+    "TopologyError",
+    "TransferError",
+    "TransferFailed",
+    "TransferHandle",
+    "TransferTimeout",
+    "create_backend",
+    "get_device",
+    "hookimpl",
+    "list_backends",
+    "list_devices",
+    "refused_plugins",
+    "reset_plugins",
+    "wait_all",
+]

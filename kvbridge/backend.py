@@ -1,0 +1,288 @@
+"""The transport contract: `MigrationBackend`, its peers and its transfer handles.
+
+A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`,
+`_submit`); this base class does everything common around them once: normalizing memory and
+descriptors, bounds checks on both sides, batch splitting, endpoint encoding, thread-safe
+bookkeeping and a clean close.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ClassVar, Literal
+
+import attrs
+
+from kvbridge import wire
+from kvbridge.errors import ConfigError, KVBridgeError, TransferTimeout
+from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions
+from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
+
+log = logging.getLogger(__name__)
+
+Op = Literal["read", "write"]
+
+
+@attrs.define(eq=False)
+class Peer:
+    """A connected remote endpoint. `handle` is whatever the transport needs to reach it."""
+
+    endpoint: EndpointInfo
+    handle: Any = None
+    regions: RegionIndex = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.regions = RegionIndex(self.endpoint.regions)
+
+    @property
+    def name(self) -> str:
+        return f"{self.endpoint.backend}://{self.endpoint.address}"
+
+
+class TransferHandle:
+    """A submitted transfer. `wait` raises the transport's error; `done` never blocks."""
+
+    def __init__(self, future: Future, *, peer: str, descriptors: int, nbytes: int) -> None:
+        self._future = future
+        self.peer = peer
+        self.descriptors = descriptors
+        self.nbytes = nbytes
+
+    @classmethod
+    def completed(cls, *, peer: str, descriptors: int = 0, nbytes: int = 0) -> TransferHandle:
+        fut: Future = Future()
+        fut.set_result(None)
+        return cls(fut, peer=peer, descriptors=descriptors, nbytes=nbytes)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer finished; raise TransferTimeout or the transport's TransferError."""
+        try:
+            self._future.result(timeout=timeout)
+        except TimeoutError:
+            raise TransferTimeout(
+                f"transfer of {self.nbytes} bytes in {self.descriptors} descriptors with {self.peer} "
+                f"did not finish within {timeout}s; check that the peer is alive and reachable",
+                peer=self.peer,
+                cause="timeout",
+            ) from None
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+
+class MigrationBackend(abc.ABC):
+    """A transport that moves bytes between registered memory of two processes.
+
+    Subclasses are constructed with a `BackendConfig` and must be ready to use once
+    `__init__` returns. Submission is thread-safe.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[BackendCapabilities]
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.protocol = config.protocol or self.capabilities.protocols[0]
+        if self.protocol not in self.capabilities.protocols:
+            raise ConfigError(
+                f"backend {self.name!r} does not support protocol {self.protocol!r}; "
+                f"choose one of {list(self.capabilities.protocols)}"
+            )
+        self._lock = threading.RLock()
+        self._local = RegionIndex()
+        self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _spawn(self, fn: Callable[[], None]) -> Future:
+        """Run a blocking transport call on this backend's worker threads."""
+        with self._lock:
+            if self._pool is None:
+                workers = int(self.config.options.get("workers", 4))  # type: ignore[arg-type]
+                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kvbridge-{self.name}")
+            return self._pool.submit(fn)
+
+    # -- what transports implement ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Make these regions readable/writable by peers (one call for the whole batch)."""
+
+    @abc.abstractmethod
+    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        """Undo `_register`."""
+
+    @abc.abstractmethod
+    def _address(self) -> str:
+        """The transport address peers connect to."""
+
+    @abc.abstractmethod
+    def _connect(self, endpoint: EndpointInfo) -> Any:
+        """Open whatever reaches the peer; the result is stored as `Peer.handle`."""
+
+    @abc.abstractmethod
+    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
+        """Start moving `desc` (already bounds-checked, at most `max_batch` rows, merged where possible).
+
+        Returns a Future that resolves to None or raises a TransferError naming the peer.
+        """
+
+    def _disconnect(self, peer: Peer) -> None:
+        """Release what `_connect` opened (optional)."""
+
+    def _shutdown(self) -> None:
+        """Stop threads and release the engine (optional)."""
+
+    # -- public API ------------------------------------------------------------------------
+
+    def register_memory(self, x: Any) -> list[MemoryRegion]:
+        """Register a tensor, list of tensors, numpy array or (address, length) pairs, once each."""
+        self._check_open()
+        regions = as_regions(x)
+        if not regions:
+            raise ConfigError("register_memory() got nothing to register")
+        for r in regions:
+            if r.kind not in self.capabilities.memory_kinds:
+                raise ConfigError(
+                    f"backend {self.name!r} cannot reach {r.kind.value} memory; "
+                    f"it reaches {sorted(k.value for k in self.capabilities.memory_kinds)}. "
+                    "Pick a transport that reaches it, or stage through host memory"
+                )
+        with self._lock:
+            known = {r.addr for r in self._local.regions}
+            fresh = [r for r in regions if r.addr not in known]
+            if fresh:
+                self._register(fresh)
+                self._local.add(fresh)
+        log.debug("%s registered %d regions (%d new)", self.name, len(regions), len(fresh))
+        return regions
+
+    def unregister_memory(self, x: Any) -> None:
+        """Unregister what `register_memory` registered."""
+        with self._lock:
+            removed = self._local.remove(r.addr for r in as_regions(x))
+            if removed:
+                self._unregister(removed)
+
+    @property
+    def registered(self) -> tuple[MemoryRegion, ...]:
+        return self._local.regions
+
+    def endpoint(self) -> EndpointInfo:
+        return EndpointInfo(
+            backend=self.name, protocol=self.protocol, address=self._address(), regions=self._local.regions
+        )
+
+    def endpoint_info(self) -> bytes:
+        """This endpoint, versioned and self-describing: what a peer passes to `connect`."""
+        self._check_open()
+        return wire.encode(self.endpoint())
+
+    def connect(self, info: bytes | EndpointInfo) -> Peer:
+        """Connect to a peer described by its `endpoint_info()`."""
+        self._check_open()
+        endpoint = info if isinstance(info, EndpointInfo) else wire.decode(info, EndpointInfo)
+        if endpoint.backend != self.name:
+            raise ConfigError(
+                f"peer endpoint is for backend {endpoint.backend!r}, this is {self.name!r}; "
+                "both sides must select the same migration backend"
+            )
+        if endpoint.protocol != self.protocol:
+            raise ConfigError(
+                f"peer {endpoint.address} speaks {endpoint.protocol!r}, this side {self.protocol!r}; "
+                "start both sides with the same protocol"
+            )
+        return Peer(endpoint=endpoint, handle=self._connect(endpoint))
+
+    def disconnect(self, peer: Peer) -> None:
+        self._disconnect(peer)
+
+    def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
+        """Move (local_addr, remote_addr, length) descriptors as one transfer.
+
+        `read` copies remote into local, `write` local into remote. Batches larger than the
+        transport accepts are split here; the handle completes when every part has.
+        """
+        self._check_open()
+        if op not in ("read", "write"):
+            raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
+        if not getattr(self.capabilities, op):
+            raise ConfigError(f"backend {self.name!r} does not support {op}")
+        desc = as_descriptors(descriptors)
+        if len(desc) == 0:
+            return TransferHandle.completed(peer=peer.name)
+        self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")
+        peer.regions.check(desc[:, 1], desc[:, 2], side="remote", peer=peer.name)
+        nbytes = int(desc[:, 2].sum())
+        step = self.capabilities.max_batch or len(desc)
+        parts = [self._submit(peer, desc[i : i + step], op) for i in range(0, len(desc), step)]
+        future = parts[0] if len(parts) == 1 else _gather(parts)
+        return TransferHandle(future, peer=peer.name, descriptors=len(desc), nbytes=nbytes)
+
+    def close(self) -> None:
+        """Unregister memory and stop the transport; safe to call twice or after a peer died."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            regions = self._local.regions
+            self._local = RegionIndex()
+        try:
+            if regions:
+                self._unregister(regions)
+        except KVBridgeError as exc:
+            log.warning("%s: unregistering on close failed: %s", self.name, exc)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+            self._shutdown()
+
+    def __enter__(self) -> MigrationBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"backend {self.name!r} is closed; create a new one")
+
+
+def _gather(parts: list[Future]) -> Future:
+    """A future that resolves when all parts have, with the first error."""
+    out: Future = Future()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def _one_done(_f: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            errors = [p.exception() for p in parts if p.exception() is not None]
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(None)
+
+    for p in parts:
+        p.add_done_callback(_one_done)
+    return out
+
+
+def wait_all(handles: Sequence[TransferHandle], timeout: float | None = None) -> None:
+    """Wait for several handles against one deadline."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for h in handles:
+        h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+

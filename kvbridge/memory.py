@@ -1,0 +1,138 @@
+"""Memory regions and transfer descriptors: normalizing what callers pass, checking bounds.
+
+Descriptors are an (N, 3) int64 array of (local_addr, remote_addr, length); every check here
+is vectorized so a batch of a million descriptors costs a few numpy calls, not a Python loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import ConfigError, InvalidDescriptor
+from kvbridge.types import MemoryRegion
+
+Descriptors = np.ndarray  # shape (N, 3), dtype int64: local_addr, remote_addr, length
+
+
+def _is_tensor_like(x: Any) -> bool:
+    return hasattr(x, "data_ptr") and hasattr(x, "element_size") and hasattr(x, "device")
+
+
+def as_regions(x: Any) -> list[MemoryRegion]:
+    """Regions for a tensor, a numpy array, a MemoryRegion, an (addr, length) pair, or a list of them.
+
+    Tensors are turned into regions by the device plugin for their device type, so a CUDA
+    or NPU tensor gets its memory kind and device id from the plugin that knows it.
+    """
+    if isinstance(x, MemoryRegion):
+        return [x]
+    if _is_tensor_like(x):
+        from kvbridge.plugins import device_for_tensor
+
+        return device_for_tensor(x).regions(x)
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise ConfigError("a numpy array must be C-contiguous to be registered; pass np.ascontiguousarray(x)")
+        return [MemoryRegion(x.ctypes.data, x.nbytes)]
+    if isinstance(x, tuple) and len(x) == 2 and all(isinstance(v, (int, np.integer)) for v in x):
+        return [MemoryRegion(int(x[0]), int(x[1]))]
+    if isinstance(x, Iterable) and not isinstance(x, (str, bytes)):
+        out: list[MemoryRegion] = []
+        for item in x:
+            out.extend(as_regions(item))
+        return out
+    raise ConfigError(
+        f"cannot register {type(x).__name__}: pass a tensor, a numpy array, an (address, length) pair, "
+        "a MemoryRegion, or a list of those"
+    )
+
+
+def as_descriptors(descriptors: Any) -> Descriptors:
+    """An (N, 3) int64 array from triples or an array; refuses non-positive lengths."""
+    arr = np.asarray(descriptors, dtype=np.int64)
+    if arr.size == 0:
+        return arr.reshape(0, 3)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise ConfigError(
+            f"descriptors must be (local_addr, remote_addr, length) triples or an N x 3 array, got shape {arr.shape}"
+        )
+    if (arr[:, 2] <= 0).any():
+        bad = int(np.flatnonzero(arr[:, 2] <= 0)[0])
+        raise ConfigError(f"descriptor {bad} has length {int(arr[bad, 2])}; every length must be positive")
+    return arr
+
+
+class RegionIndex:
+    """Sorted, merged view of registered regions that answers 'is this range inside?' in bulk."""
+
+    def __init__(self, regions: Sequence[MemoryRegion] = ()) -> None:
+        self._regions: list[MemoryRegion] = []
+        self._starts = np.empty(0, dtype=np.int64)
+        self._ends = np.empty(0, dtype=np.int64)
+        self.add(regions)
+
+    def add(self, regions: Iterable[MemoryRegion]) -> None:
+        self._regions.extend(regions)
+        self._rebuild()
+
+    def remove(self, addrs: Iterable[int]) -> list[MemoryRegion]:
+        drop = set(addrs)
+        removed = [r for r in self._regions if r.addr in drop]
+        self._regions = [r for r in self._regions if r.addr not in drop]
+        self._rebuild()
+        return removed
+
+    def _rebuild(self) -> None:
+        spans = sorted((r.addr, r.end) for r in self._regions)
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self._starts = np.array([m[0] for m in merged], dtype=np.int64)
+        self._ends = np.array([m[1] for m in merged], dtype=np.int64)
+
+    @property
+    def regions(self) -> tuple[MemoryRegion, ...]:
+        return tuple(self._regions)
+
+    def __len__(self) -> int:
+        return len(self._regions)
+
+    def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Indices of the ranges [addr, addr+length) not wholly inside one registered span."""
+        if len(self._starts) == 0:
+            return np.arange(len(addrs))
+        slot = np.searchsorted(self._starts, addrs, side="right") - 1
+        ok = slot >= 0
+        slot = np.clip(slot, 0, None)
+        ok &= addrs + lengths <= self._ends[slot]
+        return np.flatnonzero(~ok)
+
+    def check(self, addrs: np.ndarray, lengths: np.ndarray, *, side: str, peer: str) -> None:
+        """Raise InvalidDescriptor naming the first range outside the registration."""
+        bad = self.outside(addrs, lengths)
+        if len(bad):
+            i = int(bad[0])
+            raise InvalidDescriptor(
+                f"descriptor {i} ({len(bad)} in all) reaches {side} memory "
+                f"[{int(addrs[i]):#x}, +{int(lengths[i])}) that is not registered"
+                f"{' with ' + peer if peer else ''}; register the whole KV tensor before transferring",
+                peer=peer,
+                cause="unregistered memory",
+            )
+
+
+def merge_runs(desc: Descriptors) -> Descriptors:
+    """Merge descriptors whose local and remote ranges both continue the previous one."""
+    if len(desc) < 2:
+        return desc
+    local, remote, length = desc[:, 0], desc[:, 1], desc[:, 2]
+    continues = (local[1:] == local[:-1] + length[:-1]) & (remote[1:] == remote[:-1] + length[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+    sums = np.add.reduceat(length, starts)
+    return np.stack([local[starts], remote[starts], sums], axis=1)

@@ -1,0 +1,301 @@
+"""Plugin discovery and the registry of transports and devices.
+
+Built-ins are registered first through the same hooks as third-party plugins, then every
+entry point in the ``kvbridge`` group. Two environment variables, read when the registry is
+first built (never at import), choose which entry-point plugins load:
+
+- ``KVBRIDGE_PLUGINS``: comma-separated allow-list of entry point names; empty loads none.
+- ``KVBRIDGE_BLOCK_PLUGINS``: comma-separated names never to load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from typing import Any
+
+import attrs
+import pluggy
+
+from kvbridge import hookspecs
+from kvbridge.backend import MigrationBackend
+from kvbridge.device import Device
+from kvbridge.errors import ConfigError, PluginAPIMismatch, PluginNotFound, PluginUnavailable
+from kvbridge.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
+
+log = logging.getLogger(__name__)
+
+PLUGIN_API_VERSION = 1
+ENTRY_POINT_GROUP = "kvbridge"
+ALLOW_ENV = "KVBRIDGE_PLUGINS"
+BLOCK_ENV = "KVBRIDGE_BLOCK_PLUGINS"
+
+
+@attrs.define
+class Registration:
+    """One transport or device a plugin registered, with its lazy factory."""
+
+    kind: str
+    name: str
+    factory: Callable[..., Any]
+    probe: Callable[[], str | None] | None
+    install_hint: str
+    distribution: str
+    version: str
+    capabilities: BackendCapabilities | None = None
+    memory_kind: MemoryKind | None = None
+    _reason: str | None = attrs.field(default=None, init=False)
+    _probed: bool = attrs.field(default=False, init=False)
+
+    def unavailable_reason(self) -> str | None:
+        """Why this cannot run here, or None. Probed once; a probe that raises is a reason too."""
+        if not self._probed:
+            try:
+                self._reason = self.probe() if self.probe else None
+            except Exception as exc:  # a probe must not take the registry down; its failure is the reason
+                self._reason = f"availability check failed: {type(exc).__name__}: {exc}"
+            self._probed = True
+        return self._reason
+
+    def info(self) -> PluginInfo:
+        reason = self.unavailable_reason()
+        detail: dict[str, object] = {}
+        if self.capabilities is not None:
+            detail = {
+                "protocols": list(self.capabilities.protocols),
+                "memory": sorted(k.value for k in self.capabilities.memory_kinds),
+            }
+        elif self.memory_kind is not None:
+            detail = {"memory": self.memory_kind.value}
+        return PluginInfo(
+            kind=self.kind,
+            name=self.name,
+            available=reason is None,
+            reason=reason or "",
+            hint=self.install_hint if reason else "",
+            distribution=self.distribution,
+            version=self.version,
+            detail=detail,
+        )
+
+
+def _csv(value: str | None) -> set[str] | None:
+    if value is None:
+        return None
+    return {v.strip().lower() for v in value.split(",") if v.strip()}
+
+
+class Registry:
+    """Loads plugins once and answers lookups by case-insensitive name."""
+
+    def __init__(self, *, entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager("kvbridge")
+        self.pm.add_hookspecs(hookspecs)
+        self._sources: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
+        self.backends: dict[str, Registration] = {}
+        self.devices: dict[str, Registration] = {}
+        self.refused: list[PluginInfo] = []
+        self._devices_made: dict[str, Device] = {}
+        self._lock = threading.Lock()
+
+        from kvbridge import builtins
+
+        self._add_plugin(builtins, "builtin", "kvbridge", _version("kvbridge"))
+        if entry_points:
+            self._load_entry_points()
+        self._collect()
+
+    def _load_entry_points(self) -> None:
+        allow = _csv(os.environ.get(ALLOW_ENV))
+        block = _csv(os.environ.get(BLOCK_ENV)) or set()
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist else "?"
+            version = ep.dist.version if ep.dist else "?"
+            if ep.name.lower() in block or (allow is not None and ep.name.lower() not in allow):
+                log.debug("plugin %s skipped by %s/%s", ep.name, ALLOW_ENV, BLOCK_ENV)
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # reported, not swallowed: `kvbridge plugins` shows the reason
+                self._refuse(ep.name, dist, version, f"import failed: {type(exc).__name__}: {exc}",
+                             f"reinstall it: pip install --force-reinstall {dist}")
+                continue
+            api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
+            if api != PLUGIN_API_VERSION:
+                self._refuse(
+                    ep.name, dist, version,
+                    f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
+                    f"{PLUGIN_API_VERSION}",
+                    f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it",
+                )
+                continue
+            self._add_plugin(plugin, ep.name, dist, version)
+
+    def _add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
+        if self.pm.has_plugin(name):
+            return
+        self.pm.register(plugin, name=name)
+        self._sources[name] = (dist, version)
+
+    def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
+        log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
+        self.refused.append(PluginInfo("plugin", name, False, reason, hint, dist, version))
+
+    def _collect(self) -> None:
+        # Each hook implementation gets a `register` bound to its own plugin, so every
+        # registration knows which distribution it came from.
+        for hook, table, kind in (
+            (self.pm.hook.kvbridge_register_backends, self.backends, "backend"),
+            (self.pm.hook.kvbridge_register_devices, self.devices, "device"),
+        ):
+            for impl in hook.get_hookimpls():
+                dist, version = self._sources[impl.plugin_name]
+                register = self._registrar(table, kind, dist, version)
+                try:
+                    impl.function(register=register)
+                except Exception as exc:  # one broken plugin must not hide the others; it is listed
+                    self._refuse(impl.plugin_name, dist, version,
+                                 f"{hook.name} raised {type(exc).__name__}: {exc}", f"report it to {dist}")
+
+    def _registrar(self, table: dict[str, Registration], kind: str, dist: str, version: str) -> Callable[..., None]:
+        def register(
+            name: str,
+            factory: Callable[..., Any],
+            *,
+            capabilities: BackendCapabilities | None = None,
+            memory_kind: MemoryKind | str | None = None,
+            probe: Callable[[], str | None] | None = None,
+            install_hint: str = "",
+        ) -> None:
+            key = name.lower()
+            if kind == "backend" and capabilities is None:
+                raise ConfigError(f"backend {name!r} must declare its capabilities")
+            if kind == "device" and memory_kind is None:
+                raise ConfigError(f"device {name!r} must declare its memory_kind")
+            if key in table:
+                first = table[key]
+                log.warning("%s %r from %s ignored: already registered by %s", kind, name, dist, first.distribution)
+                return
+            table[key] = Registration(
+                kind=kind, name=key, factory=factory, probe=probe, install_hint=install_hint,
+                distribution=dist, version=version, capabilities=capabilities,
+                memory_kind=MemoryKind(memory_kind) if memory_kind is not None else None,
+            )
+
+        return register
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def _lookup(self, table: dict[str, Registration], kind: str, name: str) -> Registration:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
+        entry = table.get(name.lower())
+        if entry is None:
+            for refused in self.refused:
+                if refused.name.lower() == name.lower():
+                    raise PluginAPIMismatch(f"plugin {refused.name!r} from {refused.distribution} was refused: "
+                                            f"{refused.reason}. Fix: {refused.hint}")
+            raise PluginNotFound(kind, name, table)
+        return entry
+
+    def backend_entry(self, name: str) -> Registration:
+        return self._lookup(self.backends, "backend", name)
+
+    def device_entry(self, name: str) -> Registration:
+        return self._lookup(self.devices, "device", name)
+
+    def create_backend(self, name: str, config: BackendConfig) -> MigrationBackend:
+        entry = self.backend_entry(name)
+        reason = entry.unavailable_reason()
+        if reason:
+            raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
+        return entry.factory(config)
+
+    def device(self, name: str) -> Device:
+        entry = self.device_entry(name)
+        with self._lock:
+            if entry.name not in self._devices_made:
+                reason = entry.unavailable_reason()
+                if reason:
+                    raise PluginUnavailable("device", entry.name, reason, entry.install_hint)
+                self._devices_made[entry.name] = entry.factory()
+            return self._devices_made[entry.name]
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+_registry: Registry | None = None
+_registry_lock = threading.Lock()
+
+
+def registry() -> Registry:
+    """The process-wide registry, built on first use."""
+    global _registry
+    with _registry_lock:
+        if _registry is None:
+            _registry = Registry()
+        return _registry
+
+
+def reset_plugins() -> None:
+    """Forget loaded plugins so the next lookup rediscovers them (tests, after pip install)."""
+    global _registry
+    with _registry_lock:
+        _registry = None
+
+
+def list_backends() -> list[PluginInfo]:
+    """Every registered transport: name, available, reason, distribution, version."""
+    return [e.info() for e in registry().backends.values()]
+
+
+def list_devices() -> list[PluginInfo]:
+    """Every registered device: name, available, reason, distribution, version."""
+    return [e.info() for e in registry().devices.values()]
+
+
+def refused_plugins() -> list[PluginInfo]:
+    """Plugins found but not loaded (wrong API version, import failure), with the reason."""
+    return list(registry().refused)
+
+
+def create_backend(
+    name: str,
+    *,
+    protocol: str | None = None,
+    hostname: str | None = None,
+    metadata_server: str | None = None,
+    device_name: str = "",
+    **options: Any,
+) -> MigrationBackend:
+    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...)."""
+    config = BackendConfig(
+        protocol=protocol,
+        hostname=hostname or "127.0.0.1",
+        metadata_server=metadata_server,
+        device_name=device_name,
+        options=dict(options),
+    )
+    return registry().create_backend(name, config)
+
+
+def get_device(name: str) -> Device:
+    """The device plugin for `cpu`, `cuda`, `npu`, `mlu`, ... (one instance per process)."""
+    return registry().device(name)
+
+
+def device_for_tensor(tensor: Any) -> Device:
+    """The device plugin that owns a tensor, by its `device.type`."""
+    return get_device(getattr(tensor.device, "type", str(tensor.device)))
+
+
+def available(infos: Iterable[PluginInfo]) -> list[str]:
+    return [i.name for i in infos if i.available]

@@ -1,0 +1,1 @@
+"""Built-in transports: `tcp` (pure-Python reference) and `loopback` (in-process, fault injection)."""

@@ -1,0 +1,65 @@
+"""The one place where kvbridge values become bytes and back.
+
+msgpack maps of `{"v": WIRE_VERSION, "t": type name, "d": attrs fields}`, structured with
+cattrs into the expected class. Nothing is ever unpickled: a peer can only send data.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, TypeVar
+
+import cattrs
+import msgpack
+
+from kvbridge.errors import ProtocolError
+
+WIRE_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+T = TypeVar("T")
+
+converter = cattrs.Converter(forbid_extra_keys=True)
+converter.register_unstructure_hook(enum.Enum, lambda e: e.value)
+converter.register_unstructure_hook(frozenset, lambda s: sorted(converter.unstructure(x) for x in s))
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain dict/list/scalar form of an attrs value (what JSON or msgpack carries)."""
+    return converter.unstructure(obj)
+
+
+def from_dict(data: Any, cls: type[T]) -> T:
+    """Build `cls` from its plain form; raises ProtocolError naming the bad field."""
+    try:
+        return converter.structure(data, cls)
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+        detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+        raise ProtocolError(f"malformed {cls.__name__}: {detail}") from None
+
+
+def encode(obj: Any) -> bytes:
+    """Serialize an attrs value with its type name and the wire version."""
+    return msgpack.packb({"v": WIRE_VERSION, "t": type(obj).__name__, "d": to_dict(obj)}, use_bin_type=True)
+
+
+def decode(data: bytes, cls: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
+    """Parse bytes made by `encode` into `cls`, refusing anything else with a ProtocolError."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"expected bytes for {cls.__name__}, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"{cls.__name__} message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
+    try:
+        envelope = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=max_bytes)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ProtocolError(f"undecodable {cls.__name__} message: {exc}") from None
+    if not isinstance(envelope, dict) or set(envelope) != {"v", "t", "d"}:
+        raise ProtocolError(f"not a kvbridge {cls.__name__} message (missing version/type envelope)")
+    if envelope["v"] != WIRE_VERSION:
+        raise ProtocolError(
+            f"{cls.__name__} message has wire version {envelope['v']!r}, this kvbridge speaks {WIRE_VERSION}; "
+            "run the same kvbridge version on both sides"
+        )
+    if envelope["t"] != cls.__name__:
+        raise ProtocolError(f"expected a {cls.__name__} message, got {envelope['t']!r}")
+    return from_dict(envelope["d"], cls)
