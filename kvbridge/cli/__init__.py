@@ -1,0 +1,50 @@
+"""`kvbridge` command line: one module per subcommand, each with `add_parser` and `run`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from kvbridge.errors import KVBridgeError
+
+# Each module defines add_parser(subparsers) and run(args) -> int.
+SUBCOMMANDS = ["plugins", "doctor"]
+
+EPILOG = """\
+Start with `kvbridge plugins` to see which transports and devices are installed, then
+`kvbridge bench --migration-backend mooncake` for a verified prefill->decode migration.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge",
+        description="Move LLM KV caches between prefill and decode engines over pluggable transports.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"kvbridge.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except KVBridgeError as exc:
+        # Expected failures get one clear line and the fix, not a traceback.
+        print(f"kvbridge: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

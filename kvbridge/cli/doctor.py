@@ -1,0 +1,69 @@
+"""`kvbridge doctor`: check this machine for every installed plugin and say how to fix each problem."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes.util
+import os
+from pathlib import Path
+
+import attrs
+
+from kvbridge import wire
+from kvbridge.cli.output import print_json, print_table
+from kvbridge.plugins import list_backends, list_devices, refused_plugins
+
+
+@attrs.frozen
+class Check:
+    subject: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def machine_checks() -> list[Check]:
+    """Native libraries, RDMA devices and network interfaces that transports depend on."""
+    checks = []
+    verbs = ctypes.util.find_library("ibverbs")
+    checks.append(Check("libibverbs", verbs is not None, verbs or "not found",
+                        "" if verbs else "apt-get install libibverbs1 (Mooncake needs it, even for TCP)"))
+    ib = Path("/sys/class/infiniband")
+    rdma = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+    checks.append(Check("RDMA devices", True, ", ".join(rdma) or "none (tcp only; rdma needs an RDMA NIC)"))
+    net = Path("/sys/class/net")
+    nics = sorted(p.name for p in net.iterdir()) if net.is_dir() else []
+    checks.append(Check("network interfaces", bool(nics), ", ".join(nics) or "none", "" if nics else "no network"))
+    for var in ("KVBRIDGE_PLUGINS", "KVBRIDGE_BLOCK_PLUGINS"):
+        if var in os.environ:
+            checks.append(Check(var, True, f"set to {os.environ[var]!r}: limits which plugins load"))
+    return checks
+
+
+def plugin_checks() -> list[Check]:
+    out = []
+    for info in list_backends() + list_devices() + refused_plugins():
+        detail = "available" if info.available else info.reason
+        out.append(Check(f"{info.kind} {info.name}", info.available, detail, info.hint))
+    return out
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check this machine for each installed plugin",
+        description="Check native libraries, devices and NICs for every installed plugin; print the fix for "
+        "each problem. Exit status 1 when an installed plugin cannot run here.",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = machine_checks() + plugin_checks()
+    if args.json:
+        print_json([wire.to_dict(c) for c in checks])
+    else:
+        rows = [(c.subject, "ok" if c.ok else "PROBLEM", c.detail, c.fix) for c in checks]
+        print_table("kvbridge doctor", ["check", "status", "detail", "fix"], rows)
+    return 0 if all(c.ok for c in checks) else 1
