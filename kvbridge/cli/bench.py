@@ -1,0 +1,46 @@
+"""`kvbridge bench`: a verified prefill->decode migration, measured against the raw transport.
+
+Modes live in `kvbridge.bench.*`; this module owns the options they share and picks the mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from kvbridge.presets import PRESETS
+
+# mode name -> module in kvbridge.bench; each has add_arguments(group) and run(args) -> int
+MODES = {"pair": "kvbridge.bench.pair"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a verified prefill->decode KV migration and report its speed",
+        description=(
+            "Start a prefill and a decode process, fill the prefill KV cache with fingerprinted values, migrate "
+            "the requests, verify every byte on the decode side, and report GB/s and latency beside the raw "
+            "transport measured in the same run. Exit status 1 when verification fails."
+        ),
+        epilog="example: kvbridge bench --migration-backend mooncake --model llama3-8b --tokens 4096",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--migration-backend", default="mooncake", metavar="NAME",
+                   help="transport to use, by name (see `kvbridge plugins`); default: mooncake")
+    p.add_argument("--protocol", default=None, help="transport protocol (default: the transport's first, e.g. tcp)")
+    p.add_argument("--model", default=None, choices=sorted(PRESETS), help="KV cache shape preset")
+    p.add_argument("--tokens", type=int, default=None, help="prompt tokens per request")
+    p.add_argument("--requests", type=int, default=None, help="number of requests to migrate")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    for name, module in MODES.items():
+        importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
+    p.set_defaults(run=run)
+
+
+def pick_mode(args: argparse.Namespace) -> str:
+    return "pair"
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(MODES[pick_mode(args)]).run(args))
