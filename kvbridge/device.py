@@ -5,6 +5,8 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
+import numpy as np
+
 from kvbridge.errors import ConfigError
 from kvbridge.types import MemoryKind, MemoryRegion
 
@@ -23,6 +25,8 @@ class Device(abc.ABC):
 
         A non-contiguous view is refused: a transport moves bytes, not strides.
         """
+        if isinstance(tensor, np.ndarray):
+            return [MemoryRegion(tensor.ctypes.data, tensor.nbytes, self.memory_kind, -1)]
         if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
             raise ConfigError("register a contiguous tensor (the KV cache itself, not a strided view of it)")
         nbytes = tensor.numel() * tensor.element_size()
@@ -41,6 +45,18 @@ class Device(abc.ABC):
     @abc.abstractmethod
     def after_transfer(self, device_id: int = -1) -> None:
         """Make bytes a transfer wrote visible to compute that reads them next."""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int, device_id: int = 0) -> Any:
+        """A zeroed, contiguous byte buffer in this device's memory (a tensor or array with a data pointer)."""
+
+    @abc.abstractmethod
+    def to_host(self, buffer: Any) -> np.ndarray:
+        """A host copy of a buffer from `allocate`, as a uint8 numpy array."""
+
+    @abc.abstractmethod
+    def from_host(self, buffer: Any, data: np.ndarray) -> None:
+        """Copy host bytes into a buffer from `allocate` (same size)."""
 
     def protocols(self) -> tuple[str, ...]:
         """Transport protocols that reach this device's memory directly, best first."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
 from kvbridge.device import Device
 from kvbridge.types import MemoryKind
 
@@ -18,5 +22,23 @@ class CpuDevice(Device):
     def after_transfer(self, device_id: int = -1) -> None:
         return None
 
+    def allocate(self, nbytes: int, device_id: int = 0) -> np.ndarray:
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    def to_host(self, buffer: Any) -> np.ndarray:
+        return np.array(_as_bytes(buffer), copy=True)
+
+    def from_host(self, buffer: Any, data: np.ndarray) -> None:
+        _as_bytes(buffer)[:] = data.reshape(-1).view(np.uint8)
+
     def protocols(self) -> tuple[str, ...]:
         return ("tcp", "rdma")
+
+
+def _as_bytes(buffer: Any) -> np.ndarray:
+    """A flat uint8 view of a numpy array or a CPU torch tensor, sharing memory."""
+    if isinstance(buffer, np.ndarray):
+        return buffer.reshape(-1).view(np.uint8)
+    import torch  # only reached for torch tensors; numpy cannot view bf16, so view as bytes first
+
+    return buffer.detach().reshape(-1).view(torch.uint8).numpy()
