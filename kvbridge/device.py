@@ -26,12 +26,16 @@ class Device(abc.ABC):
         A non-contiguous view is refused: a transport moves bytes, not strides.
         """
         if isinstance(tensor, np.ndarray):
-            return [MemoryRegion(tensor.ctypes.data, tensor.nbytes, self.memory_kind, -1)]
-        if hasattr(tensor, "is_contiguous") and not tensor.is_contiguous():
+            contiguous, nbytes = tensor.flags.c_contiguous, tensor.nbytes
+        else:
+            contiguous = not hasattr(tensor, "is_contiguous") or tensor.is_contiguous()
+            nbytes = tensor.numel() * tensor.element_size()
+        if not contiguous:
             raise ConfigError("register a contiguous tensor (the KV cache itself, not a strided view of it)")
-        nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             raise ConfigError("cannot register an empty tensor")
+        if isinstance(tensor, np.ndarray):
+            return [MemoryRegion(tensor.ctypes.data, nbytes, self.memory_kind, -1)]
         return [MemoryRegion(tensor.data_ptr(), nbytes, self.memory_kind, self.device_id(tensor))]
 
     def device_id(self, tensor: Any) -> int:
@@ -58,10 +62,23 @@ class Device(abc.ABC):
     def from_host(self, buffer: Any, data: np.ndarray) -> None:
         """Copy host bytes into a buffer from `allocate` (same size)."""
 
+    def host_buffer(self, nbytes: int) -> Any:
+        """Zeroed host memory this device copies to and from fastest (pinned on accelerators).
+
+        `kvbridge.staging` mirrors device buffers into it when a transport cannot reach device memory.
+        """
+        return np.zeros(nbytes, dtype=np.uint8)
+
     def protocols(self) -> tuple[str, ...]:
         """Transport protocols that reach this device's memory directly, best first."""
         return ("tcp",)
 
     def nics(self, device_id: int = -1) -> list[str]:
-        """Network interfaces nearest to a device, best first (empty when unknown)."""
-        return []
+        """Network interfaces nearest to a device, best first (empty when unknown).
+
+        `KVBRIDGE_NIC_<DEVICE>_<ID>` (for example `KVBRIDGE_NIC_CUDA_0=mlx5_0,mlx5_1`) overrides it;
+        see `kvbridge.nics`.
+        """
+        from kvbridge.nics import nic_override
+
+        return nic_override(self.name, device_id) or []

@@ -1,0 +1,79 @@
+"""What every torch accelerator device (`cuda`, `npu`, `mlu`) does the same way.
+
+torch.cuda, torch_npu's ``torch.npu`` and torch_mlu's ``torch.mlu`` share one surface
+(``is_available``, ``device_count``, ``current_stream``, ``Event``, ``synchronize``), and tensors on
+them share ``data_ptr``/``copy_``. A plugin subclasses `TorchAcceleratorDevice`, names its device
+and memory kind, returns its library's module from `accel()`, and declares its protocols and NIC
+affinity. Nothing here imports torch or the vendor library until a method runs.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+from kvbridge.device import Device
+from kvbridge.nics import device_nics
+
+
+class TorchAcceleratorDevice(Device):
+    """A device behind a torch accelerator module."""
+
+    @abc.abstractmethod
+    def accel(self) -> Any:
+        """The library's accelerator module (``torch.cuda``, ``torch_npu.npu``, ``torch_mlu.mlu``)."""
+
+    def pci_address(self, device_id: int) -> str | None:
+        """The device's PCI function (``0000:3b:00.0``) where the platform exposes it."""
+        return None
+
+    def _ids(self, device_id: int) -> list[int]:
+        return list(range(self.accel().device_count())) if device_id < 0 else [device_id]
+
+    def before_transfer(self, device_id: int = -1) -> None:
+        # A NIC or a copy engine reads device memory outside stream order: wait for the work queued
+        # on the compute stream (an event recorded after it) to finish. device_id -1: every device.
+        acc = self.accel()
+        for i in self._ids(device_id):
+            event = acc.Event()
+            event.record(acc.current_stream(i))
+            event.synchronize()
+
+    def after_transfer(self, device_id: int = -1) -> None:
+        # Bytes that arrived by DMA (GPUDirect RDMA, a staged host->device copy on any stream) must be
+        # complete and flushed before a kernel reads them: a device-wide synchronize does both.
+        acc = self.accel()
+        for i in self._ids(device_id):
+            acc.synchronize(i)
+
+    def allocate(self, nbytes: int, device_id: int = 0) -> Any:
+        import torch
+
+        self.accel()  # import the vendor library first: it is what teaches torch the device type
+        return torch.zeros(nbytes, dtype=torch.uint8, device=f"{self.name}:{device_id}")
+
+    def host_buffer(self, nbytes: int) -> Any:
+        import torch
+
+        self.accel()
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def to_host(self, buffer: Any) -> np.ndarray:
+        import torch
+
+        flat = buffer.detach().reshape(-1).view(torch.uint8)
+        return flat.to("cpu", copy=True).numpy()
+
+    def from_host(self, buffer: Any, data: np.ndarray) -> None:
+        import torch
+
+        src = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        buffer.detach().reshape(-1).view(torch.uint8).copy_(src)
+        self.after_transfer(self.device_id(buffer))
+
+    def nics(self, device_id: int = -1) -> list[str]:
+        if device_id < 0:
+            return device_nics(self.name, device_id, None)
+        return device_nics(self.name, device_id, self.pci_address(device_id))

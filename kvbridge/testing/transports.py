@@ -1,0 +1,185 @@
+"""Conformance suite for transport plugins: subclass `TransportConformance` in a ``Test...`` class.
+
+    from kvbridge.testing import TransportConformance
+
+    class TestMyTransportConformance(TransportConformance):
+        transport_name = "mytransport"
+
+Both backends live in the test's process and move host memory (numpy buffers); every byte moved
+is checked, and so is every byte that must not have moved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+
+import kvbridge
+from kvbridge import wire
+from kvbridge.backend import MigrationBackend
+from kvbridge.errors import ConfigError, InvalidDescriptor, KVBridgeError, PluginNotFound, TransferError
+from kvbridge.types import EndpointInfo, MemoryKind
+
+SIZE = 1 << 16
+
+
+class TransportConformance:
+    """What every available transport plugin must do."""
+
+    transport_name: ClassVar[str]
+    protocol: ClassVar[str | None] = None
+    options: ClassVar[dict[str, Any]] = {}
+    #: seconds a transfer may take before the suite calls it hung
+    timeout: ClassVar[float] = 60.0
+
+    def make(self) -> MigrationBackend:
+        return kvbridge.create_backend(self.transport_name, protocol=self.protocol, **self.options)
+
+    def kill(self, backend: MigrationBackend) -> None:
+        """Make a backend's peers see it gone (a crashed process); closing it is the default."""
+        backend.close()
+
+    @pytest.fixture
+    def pair(self) -> Iterator[tuple[MigrationBackend, MigrationBackend]]:
+        kvbridge.reset_plugins()
+        a = self.make()
+        try:
+            b = self.make()
+        except BaseException:
+            a.close()
+            raise
+        yield a, b
+        a.close()
+        b.close()
+        kvbridge.reset_plugins()
+
+    @pytest.fixture
+    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        src = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
+        return src, np.zeros(SIZE, dtype=np.uint8)
+
+    # -- registration ------------------------------------------------------------------------
+
+    def test_registered_with_capabilities(self, pair: tuple[MigrationBackend, MigrationBackend]) -> None:
+        a, _ = pair
+        info = {i.name: i for i in kvbridge.list_backends()}[self.transport_name]
+        assert info.available, info.reason
+        caps = a.capabilities
+        assert caps.protocols and a.protocol in caps.protocols
+        assert MemoryKind.DRAM in caps.memory_kinds
+        assert caps.read or caps.write
+        assert caps.max_batch is None or caps.max_batch > 0
+        assert info.detail["protocols"] == list(caps.protocols)
+
+    def test_unknown_transport_is_plugin_not_found(self) -> None:
+        with pytest.raises(PluginNotFound, match=self.transport_name):
+            kvbridge.create_backend(f"no-such-{self.transport_name}")
+
+    def test_endpoint_info_is_self_describing(self, pair: tuple[MigrationBackend, MigrationBackend],
+                                              buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        a, _ = pair
+        regions = a.register_memory(buffers[0])
+        assert a.register_memory(buffers[0]) == regions  # registering twice is harmless
+        info = wire.decode(a.endpoint_info(), EndpointInfo)
+        assert info.backend == a.name and info.protocol == a.protocol and info.address
+        assert info.regions == tuple(regions)
+
+    # -- moving bytes --------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("op", ["read", "write"])
+    def test_round_trip(self, pair: tuple[MigrationBackend, MigrationBackend],
+                        buffers: tuple[np.ndarray, np.ndarray], op: str) -> None:
+        """Ranges of mixed sizes (1 byte up to 16 KiB), scattered and shuffled, both directions."""
+        a, b = pair
+        src, dst = buffers
+        a.register_memory(src)
+        b.register_memory(dst)
+        rng = np.random.default_rng(11)
+        lengths = np.array([1, 7, 64, 512, 4096, 16384, 3, 1000], dtype=np.int64)
+        slots = np.cumsum(np.concatenate(([0], lengths[:-1] + 16)))  # gaps of 16 bytes stay untouched
+        src_off = slots[rng.permutation(len(slots))]
+        src_off = np.minimum(src_off, SIZE - lengths)
+        expected = np.zeros(SIZE, dtype=np.uint8)
+        for s, d, n in zip(src_off.tolist(), slots.tolist(), lengths.tolist()):  # the oracle, not the transport
+            expected[d : d + n] = src[s : s + n]
+        if op == "read":  # b pulls a's bytes into its buffer
+            desc = np.stack([dst.ctypes.data + slots, src.ctypes.data + src_off, lengths], axis=1)
+            b.transfer(b.connect(a.endpoint_info()), desc, "read").wait(self.timeout)
+        else:  # a pushes its bytes into b's buffer
+            desc = np.stack([src.ctypes.data + src_off, dst.ctypes.data + slots, lengths], axis=1)
+            a.transfer(a.connect(b.endpoint_info()), desc, "write").wait(self.timeout)
+        assert np.array_equal(dst, expected)
+
+    def test_batch_larger_than_max_batch(self, pair: tuple[MigrationBackend, MigrationBackend],
+                                         buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        a, b = pair
+        src, dst = buffers
+        a.register_memory(src)
+        b.register_memory(dst)
+        n = min(2 * (a.capabilities.max_batch or 256) + 3, SIZE // 16)
+        order = np.random.default_rng(5).permutation(n).astype(np.int64)
+        desc = np.stack([dst.ctypes.data + np.arange(n) * 16, src.ctypes.data + order * 16, np.full(n, 16)], axis=1)
+        handle = b.transfer(b.connect(a.endpoint_info()), desc, "read")
+        handle.wait(self.timeout)
+        assert handle.done() and handle.descriptors == n and handle.nbytes == 16 * n
+        assert np.array_equal(dst[: 16 * n].reshape(n, 16), src[: 16 * n].reshape(n, 16)[order])
+
+    def test_empty_transfer_completes(self, pair: tuple[MigrationBackend, MigrationBackend],
+                                      buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        a, b = pair
+        a.register_memory(buffers[0])
+        handle = b.transfer(b.connect(a.endpoint_info()), np.empty((0, 3), dtype=np.int64))
+        handle.wait(1)
+        assert handle.done()
+
+    # -- error kinds -------------------------------------------------------------------------------
+
+    def test_unregistered_ranges_are_invalid_descriptors(self, pair: tuple[MigrationBackend, MigrationBackend],
+                                                         buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        a, b = pair
+        src, dst = buffers
+        a.register_memory(src)
+        b.register_memory(dst)
+        peer = b.connect(a.endpoint_info())
+        with pytest.raises(InvalidDescriptor):
+            b.transfer(peer, [(dst.ctypes.data + SIZE - 8, src.ctypes.data, 16)], "read")
+        with pytest.raises(InvalidDescriptor):
+            b.transfer(peer, [(dst.ctypes.data, src.ctypes.data + SIZE, 1)], "read")
+        with pytest.raises(ConfigError):
+            b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 0)], "read")
+        with pytest.raises(ConfigError):
+            b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 8)], "move")
+
+    def test_endpoint_of_another_transport_is_refused(self, pair: tuple[MigrationBackend, MigrationBackend]) -> None:
+        a, b = pair
+        other = EndpointInfo(backend=f"not-{a.name}", protocol=a.protocol, address="nowhere")
+        with pytest.raises(ConfigError, match="same migration backend"):
+            b.connect(wire.encode(other))
+
+    def test_closed_backend_refuses_work_and_closes_twice(self, pair: tuple[MigrationBackend, MigrationBackend],
+                                                          buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        a, _ = pair
+        a.register_memory(buffers[0])
+        a.close()
+        a.close()
+        with pytest.raises(ConfigError, match="closed"):
+            a.register_memory(buffers[1])
+        with pytest.raises(ConfigError, match="closed"):
+            a.endpoint_info()
+
+    def test_dead_peer_is_a_transfer_error(self, pair: tuple[MigrationBackend, MigrationBackend],
+                                           buffers: tuple[np.ndarray, np.ndarray]) -> None:
+        a, b = pair
+        src, dst = buffers
+        a.register_memory(src)
+        b.register_memory(dst)
+        peer = b.connect(a.endpoint_info())
+        b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 64)], "read").wait(self.timeout)
+        self.kill(a)
+        with pytest.raises(TransferError) as err:
+            b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 64)], "read").wait(self.timeout)
+        assert isinstance(err.value, KVBridgeError)
+        assert err.value.peer, "a transfer error names its peer"

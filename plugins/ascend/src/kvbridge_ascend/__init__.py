@@ -1,0 +1,1 @@
+"""kvbridge device plugin for Huawei Ascend NPUs."""

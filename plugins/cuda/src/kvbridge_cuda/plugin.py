@@ -1,0 +1,39 @@
+"""Registers the `cuda` device. Imports torch only when the registry asks whether CUDA is here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import kvbridge
+from kvbridge.types import MemoryKind
+
+KVBRIDGE_PLUGIN_API = 1
+
+INSTALL_HINT = (
+    "run on a machine with an NVIDIA GPU and driver, in an environment with a CUDA build of torch "
+    "(pip install 'kvbridge-cuda[torch]', or torch from https://download.pytorch.org/whl/cu128)"
+)
+
+
+def probe() -> str | None:
+    """Why CUDA cannot run here, or None."""
+    try:
+        import torch
+    except ImportError as exc:
+        return f"no CUDA device: torch is not importable ({exc})"
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"no CUDA device: torch {torch.__version__} is built without CUDA"
+    return "no CUDA device: torch.cuda.is_available() is False (check the driver and CUDA_VISIBLE_DEVICES)"
+
+
+def _factory() -> kvbridge.Device:
+    from kvbridge_cuda.device import CudaDevice
+
+    return CudaDevice()
+
+
+@kvbridge.hookimpl
+def kvbridge_register_devices(register: Callable[..., None]) -> None:
+    register("cuda", _factory, memory_kind=MemoryKind.VRAM, probe=probe, install_hint=INSTALL_HINT)
