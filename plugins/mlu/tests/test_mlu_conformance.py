@@ -1,0 +1,30 @@
+"""Conformance of the `mlu` device plugin.
+
+Without the hardware, the suite runs on a *stand-in* for torch_mlu (kvbridge.testing.standins):
+host memory behind the library's module surface, installed only inside these tests. Test ids
+carry `stand-in`. Where no stand-in is installed, the plugin must report itself unavailable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvbridge.testing import DeviceConformance, UnavailableDeviceConformance
+from kvbridge.testing.standins import install_standin
+
+
+class TestMluStandInConformance(DeviceConformance):
+    device_name = "mlu"
+    device_ids = (0, 1)
+    transports = (("tcp", None), ("loopback", None), ("mooncake", "tcp"))
+
+    @pytest.fixture(params=["stand-in"])
+    def library(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+        return install_standin(monkeypatch, "mlu", "torch_mlu")
+
+
+class TestMluUnavailableConformance(UnavailableDeviceConformance):
+    device_name = "mlu"
+    reason_contains = "torch_mlu is not importable"

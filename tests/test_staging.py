@@ -1,0 +1,126 @@
+"""Host staging (kvbridge.staging) and NIC affinity (kvbridge.nics), below the conformance suites."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import kvbridge
+from kvbridge import nics, staging
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "mixed"])
+def test_copy_ranges_matches_slicing(kind: str) -> None:
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 1 << 14, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    d_off = np.array([0, 4096, 1024, 8192], dtype=np.int64)
+    s_off = np.array([512, 0, 12288, 2048], dtype=np.int64)
+    lengths = np.array([512, 1024, 2048, 512], dtype=np.int64)
+    expected = dst.copy()
+    for d, s, n in zip(d_off, s_off, lengths):
+        expected[d : d + n] = src[s : s + n]
+    if kind == "numpy":
+        staging.copy_ranges(dst, src, d_off, s_off, lengths)
+    elif kind == "torch":
+        t = torch.from_numpy(dst)
+        staging.copy_ranges(t, torch.from_numpy(src), d_off, s_off, lengths)
+    else:
+        staging.copy_ranges(torch.from_numpy(dst), src, d_off, s_off, lengths)
+    assert np.array_equal(dst, expected)
+
+
+def test_copy_ranges_with_odd_offsets_uses_byte_rows() -> None:
+    src = np.arange(100, dtype=np.uint8)
+    dst = np.zeros(100, dtype=np.uint8)
+    staging.copy_ranges(dst, src, [3, 50], [91, 7], [5, 13])
+    assert list(dst[3:8]) == list(range(91, 96)) and list(dst[50:63]) == list(range(7, 20))
+    assert dst[:3].sum() == 0 and dst[8:50].sum() == 0 and dst[63:].sum() == 0
+
+
+def test_staged_publish_and_accept_ranges() -> None:
+    device = kvbridge.get_device("cpu")
+    a = staging.attach(kvbridge.create_backend("loopback"), device, force=True)
+    try:
+        buf = np.arange(4096, dtype=np.uint8).astype(np.uint8)
+        a.register_memory(buf)
+        mirror = a.endpoint().regions[0]
+        assert mirror.addr != buf.ctypes.data and mirror.length == 4096
+        a.publish([(buf.ctypes.data + 1024, 512)])
+        host = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * 4096).from_address(mirror.addr))
+        assert host[:1024].sum() == 0 and np.array_equal(host[1024:1536], buf[1024:1536]) and host[1536:].sum() == 0
+        host[:16] = 7
+        a.accept([(buf.ctypes.data, 16)])
+        assert (buf[:16] == 7).all() and buf[16] == 16
+        with pytest.raises(kvbridge.InvalidDescriptor):
+            a.publish([(buf.ctypes.data + 4000, 200)])
+        with pytest.raises(kvbridge.ConfigError):
+            a.accept([(buf.ctypes.data, 0)])
+    finally:
+        a.close()
+
+
+def test_direct_when_the_transport_reaches_host_memory() -> None:
+    tcp = kvbridge.create_backend("tcp")
+    try:
+        assert staging.attach(tcp, kvbridge.get_device("cpu")) is tcp
+    finally:
+        tcp.close()
+
+
+def _pci(sysfs: Path, chain: str) -> Path:
+    node = sysfs / "devices" / chain
+    node.mkdir(parents=True)
+    return node
+
+
+def _link(sysfs: Path, cls: str, name: str, target: Path) -> None:
+    entry = sysfs / "class" / cls / name
+    entry.mkdir(parents=True)
+    (entry / "device").symlink_to(target)
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    """A sysfs tree: a GPU and mlx5_1 behind one PCIe switch, mlx5_0 on another root port."""
+    gpu = _pci(tmp_path, "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0")
+    near = _pci(tmp_path, "pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0")
+    far = _pci(tmp_path, "pci0000:00/0000:00:02.0/0000:05:00.0")
+    bus = tmp_path / "bus" / "pci" / "devices"
+    bus.mkdir(parents=True)
+    for node, vendor, cls in ((gpu, "0x10de", "0x030200"), (near, "0x15b3", "0x020000"), (far, "0x15b3", "0x020000")):
+        (node / "vendor").write_text(vendor + "\n")
+        (node / "class").write_text(cls + "\n")
+        (bus / node.name).symlink_to(node)
+    _link(tmp_path, "infiniband", "mlx5_0", far)
+    _link(tmp_path, "infiniband", "mlx5_1", near)
+    _link(tmp_path, "net", "eth1", near)
+    (tmp_path / "class" / "net" / "lo").mkdir()  # virtual: no PCI function
+    return tmp_path
+
+
+def test_nics_ranked_by_pci_distance(sysfs: Path) -> None:
+    assert nics.nics_near("0000:03:00.0", sysfs) == ["mlx5_1", "mlx5_0"]
+    assert nics.nics_near("0000:99:00.0", sysfs) == []
+    assert nics.pci_functions("0x10de", sysfs=sysfs) == ["0000:03:00.0"]
+    assert nics.pci_functions("0x15b3", device_class="0x0200", sysfs=sysfs) == ["0000:04:00.0", "0000:05:00.0"]
+
+
+def test_net_interfaces_when_no_rdma_device(sysfs: Path) -> None:
+    for entry in (sysfs / "class" / "infiniband").iterdir():
+        (entry / "device").unlink()
+        entry.rmdir()
+    assert nics.nics_near("0000:03:00.0", sysfs) == ["eth1"]
+
+
+def test_environment_overrides_topology(sysfs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBRIDGE_NIC_CUDA_0", "mlx5_0")
+    assert nics.device_nics("cuda", 0, "0000:03:00.0", sysfs) == ["mlx5_0"]
+    assert nics.device_nics("cuda", 1, "0000:03:00.0", sysfs) == ["mlx5_1", "mlx5_0"]
+    monkeypatch.setenv("KVBRIDGE_NIC_CUDA_0", "")
+    assert nics.device_nics("cuda", 0, "0000:03:00.0", sysfs) == []
+    assert "KVBRIDGE_NIC_CUDA_0" in os.environ
