@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 PLUGIN_MODULE = '''
 import kvbridge
+from kvbridge.devices.cpu import CpuDevice
 from kvbridge.transports.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = {api}
@@ -34,6 +35,15 @@ def kvbridge_register_backends(register):
     register("needs-lib", ThrowawayBackend, capabilities=LoopbackBackend.capabilities,
              probe=lambda: "libmissing.so.9: cannot open shared object file",
              install_hint="apt-get install libmissing9")
+
+
+class ThrowawayDevice(CpuDevice):
+    name = "throwaway-dev"
+
+
+@kvbridge.hookimpl
+def kvbridge_register_devices(register):
+    register("Throwaway-Dev", ThrowawayDevice, memory_kind="dram")
 '''
 
 BROKEN_MODULE = "raise ImportError('libfoo.so.1: cannot open shared object file')\n"
@@ -77,6 +87,7 @@ LIST = """
 import json, kvbridge
 print(json.dumps({
     "backends": {i.name: [i.available, i.reason, i.hint, i.distribution, i.version] for i in kvbridge.list_backends()},
+    "devices": {i.name: [i.available, i.distribution] for i in kvbridge.list_devices()},
     "refused": {i.name: [i.reason, i.hint, i.distribution] for i in kvbridge.refused_plugins()},
 }))
 """
@@ -95,8 +106,10 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]
 def test_a_real_installed_distribution_is_discovered_through_its_entry_point(dists: dict[str, Path]) -> None:
     got = run_kvbridge(LIST, dists["good"])
     assert got["backends"]["throwaway"] == [True, "", "", "kvbridge-throwaway", "1.2.3"]
+    assert got["devices"]["throwaway-dev"] == [True, "kvbridge-throwaway"]
     # built-ins come first and stay
     assert list(got["backends"])[:2] == ["tcp", "loopback"]
+    assert list(got["devices"])[0] == "cpu"
 
 
 def test_a_plugin_missing_its_native_library_is_unavailable_with_reason_and_hint(dists: dict[str, Path]) -> None:
