@@ -24,6 +24,16 @@ converter.register_unstructure_hook(enum.Enum, lambda e: e.value)
 converter.register_unstructure_hook(frozenset, lambda s: sorted(converter.unstructure(x) for x in s))
 
 
+def _strict_bytes(value: Any, _cls: type) -> bytes:
+    # cattrs' default is bytes(value): bytes(10**9) from a peer would allocate a gigabyte.
+    if not isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"expected bytes, got {type(value).__name__}")
+    return bytes(value)
+
+
+converter.register_structure_hook(bytes, _strict_bytes)
+
+
 def to_dict(obj: Any) -> Any:
     """Plain dict/list/scalar form of an attrs value (what JSON or msgpack carries)."""
     return converter.unstructure(obj)
