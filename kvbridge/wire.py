@@ -43,7 +43,7 @@ def from_dict(data: Any, cls: type[T]) -> T:
     """Build `cls` from its plain form; raises ProtocolError naming the bad field."""
     try:
         return converter.structure(data, cls)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
         detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
         raise ProtocolError(f"malformed {cls.__name__}: {detail}") from None
 
