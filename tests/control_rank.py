@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 import kvbridge
-from kvbridge.control import ControlClient, ControlServer, KVTransferParams, Ledger, LeaseState, open_registry
+from kvbridge.control import ControlClient, ControlServer, KVTransferParams, Ledger, LeaseState, open_registry, resolve
 from kvbridge.proc import serve
 
 LAYERS, TOKENS, DIM = 2, 4, 8
@@ -143,7 +143,7 @@ def read(request_id: str, params: dict, sources: list[dict], local_blocks: list[
         R.held[request_id] = list(local_blocks)
     epochs = []
     for src in sources:
-        client = R.client(p.side_channel(src["rank"]))
+        client = R.client(resolve(p, src["rank"], registry=R.registry, wait_s=wait_s))
         info = client.get_info(wait_s=wait_s)
         peer = R.backend.connect(info.endpoint)
         remote_shape = json.loads(info.layout)["shape"]
@@ -160,9 +160,11 @@ def done(params: dict, epochs: list[list], also: list[int] = ()) -> list[bool]:
     """DONE to every rank read (fenced: raises LoadError if a lease did not hold), and a release-only
     DONE (epoch 0) to the prefill ranks in `also` that nobody reads."""
     p = KVTransferParams.from_dict(params)
-    out = [R.client(p.side_channel(rank)).done(p.remote_request_id, R.name, epoch).released for rank, epoch in epochs]
+    out = [R.client(resolve(p, rank, registry=R.registry)).done(p.remote_request_id, R.name, epoch).released
+           for rank, epoch in epochs]
     for rank in also:
-        out.append(R.client(p.side_channel(rank)).done(p.remote_request_id, R.name, 0, check=False).released)
+        out.append(R.client(resolve(p, rank, registry=R.registry)).done(p.remote_request_id, R.name, 0,
+                                                                         check=False).released)
     return out
 
 

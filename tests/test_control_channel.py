@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import zmq
+from control_helpers import wait_for
 
 from kvbridge import wire
 from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
@@ -17,13 +18,6 @@ from kvbridge.control.messages import Frame, GetInfo, Refused
 from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
 
 SECRET = "0123456789abcdef0123456789abcdef"
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 class Prefill:

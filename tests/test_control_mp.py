@@ -5,13 +5,13 @@ last DONE, duplicate DONE, decode killed mid-pull, a pull overlapping an expiry,
 from __future__ import annotations
 
 import os
-import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
+
+from control_helpers import free_base_port, wait_for
 
 from kvbridge.control import KVTransferParams
 from kvbridge.proc import Child, ChildError
@@ -19,36 +19,6 @@ from kvbridge.proc import Child, ChildError
 HERE = Path(__file__).parent
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
        "NO_PROXY": "127.0.0.1,localhost", "GLOG_minloglevel": "2"}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-def free_base_port(n: int) -> int:
-    """A port p such that p .. p+n-1 are free on 127.0.0.1 right now (peer-to-peer: rank r on p + r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no run of free ports")
 
 
 @attrs.frozen

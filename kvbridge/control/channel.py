@@ -107,7 +107,11 @@ class ControlServer:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=f"kvbridge-ctl-{self.name}", daemon=True)
         self._thread.start()
-        self._publish()
+        try:
+            self._publish()
+        except KVBridgeError:
+            self.close()
+            raise
         log.info("side channel of %s serving on tcp://%s:%d%s", self.name, host, port,
                  " (authenticated)" if self._auth.enabled else "")
 
