@@ -31,6 +31,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--fragmented", action="store_true",
                        help="shuffle block ids on both sides (worst case: one descriptor per block)")
     group.add_argument("--device", default="cpu", help="device plugin that holds both KV caches (default: cpu)")
+    group.add_argument("--stage", action="store_true",
+                       help="copy through host memory even where the transport reaches the device's memory, to "
+                            "measure staging (it is automatic where the transport cannot, e.g. tcp for cuda)")
     group.add_argument("--repeat", type=int, default=3, help="measured rounds (default: 3)")
     group.add_argument("--seed", type=int, default=0, help="seed for --fragmented block ids")
     group.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
@@ -67,7 +70,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     src_plan = plan_blocks(requests, per_request, prefill_blocks, args.fragmented, rng)
     dst_plan = plan_blocks(requests, per_request, decode_blocks, args.fragmented, rng)
     common = dict(backend=args.migration_backend, protocol=args.protocol, device=args.device, model=spec.name,
-                  options={})
+                  options={}, stage=args.stage)
     request_bytes = per_request * spec.bytes_per_token() * spec.block_size
 
     # Mooncake logs every handshake at INFO through glog; the bench keeps its children to warnings.
@@ -117,7 +120,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": {
             "migration_backend": args.migration_backend, "protocol": args.protocol, "device": args.device,
-            "model": spec.name, "tokens": tokens, "requests": requests, "fragmented": args.fragmented,
+            "stage": args.stage, "model": spec.name, "tokens": tokens, "requests": requests, "fragmented": args.fragmented,
             "repeat": args.repeat, "bytes_per_request": request_bytes,
         },
         "kvbridge": {

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 import kvbridge
+from kvbridge import staging
 from kvbridge.bench.fingerprint import block_values, element_dtype
 from kvbridge.presets import get_preset
 from kvbridge.proc import serve
@@ -23,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class Side:
     def __init__(
-        self, *, backend: str, protocol: str | None, device: str, model: str, blocks: int, options: dict[str, Any]
+        self, *, backend: str, protocol: str | None, device: str, model: str, blocks: int, options: dict[str, Any],
+        stage: bool = False,
     ) -> None:
         self.spec = get_preset(model)
         self.device = kvbridge.get_device(device)
@@ -33,9 +35,12 @@ class Side:
         self.blocks = blocks
         self.tensor_bytes = blocks * self.block_bytes
         self.pool = self.device.allocate(self.tensors * self.tensor_bytes)
-        self.backend = kvbridge.create_backend(backend, protocol=protocol, **options)
+        # Staged where the transport cannot reach the device's memory (or when asked to, to measure it).
+        self.backend = staging.attach(kvbridge.create_backend(backend, protocol=protocol, **options), self.device,
+                                      force=stage)
         (region,) = self.backend.register_memory(self.pool)
-        self.base = region.addr
+        self.base = region.addr  # local descriptors use device addresses, staged or not
+        self.published = self.backend.endpoint().regions[0].addr  # what the peer addresses: a host mirror if staged
         self.peer: kvbridge.Peer | None = None
 
     def host_view(self, host: np.ndarray) -> np.ndarray:
@@ -51,6 +56,8 @@ class Side:
                                                block_elems=self.block_elems, nbytes=self.spec.dtype_bytes)
         self.device.from_host(self.pool, host)
         self.device.before_transfer()
+        if isinstance(self.backend, staging.StagedBackend):
+            self.backend.publish()  # the decode side reads the mirror
 
     def descriptors(self, src: dict[str, int], src_blocks: list[int], dst_blocks: list[int]) -> np.ndarray:
         """Pull descriptors for one request: every (tensor, block) pair, built with numpy broadcasting."""
@@ -74,7 +81,8 @@ def _get() -> Side:
 def init(**kwargs: Any) -> dict[str, Any]:
     global _side
     _side = Side(**kwargs)
-    return {"endpoint": _side.backend.endpoint_info().hex(), "base": _side.base, "tensor_bytes": _side.tensor_bytes}
+    return {"endpoint": _side.backend.endpoint_info().hex(), "base": _side.published,
+            "tensor_bytes": _side.tensor_bytes}
 
 
 def fill(requests: list[list[int]]) -> None:
@@ -108,7 +116,9 @@ def raw(src_base: int, nbytes: int, wait_s: float) -> dict[str, Any]:
     side = _get()
     assert side.peer is not None
     start = time.perf_counter()
-    side.backend.transfer(side.peer, [(side.base, src_base, nbytes)], op="read").wait(wait_s)
+    # Staged or not, the ceiling is the transport alone: host mirror to host mirror when staged.
+    transport = side.backend.backend if isinstance(side.backend, staging.StagedBackend) else side.backend
+    transport.transfer(side.peer, [(side.published, src_base, nbytes)], op="read").wait(wait_s)
     return {"seconds": time.perf_counter() - start, "bytes": nbytes}
 
 

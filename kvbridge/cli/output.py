@@ -8,9 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-console = Console()
+# Piped output (logs, CI) has no terminal width to respect: keep tables wide enough to stay readable.
+console = Console() if Console().is_terminal else Console(width=160)
 err_console = Console(stderr=True)
 
 
@@ -20,8 +22,12 @@ def print_json(obj: Any) -> None:
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     table = Table(title=title, title_justify="left")
-    for col in columns:
-        table.add_column(col)
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
+    cells = [["" if v is None else str(v) for v in row] for row in rows]
+    for i, col in enumerate(columns):
+        # Prose (reasons, fixes) wraps; a column of single words (names, versions) is never cut short for it.
+        words = [row[i] for row in cells if row[i]]
+        single = all(len(w.split()) == 1 for w in words)
+        table.add_column(col, min_width=max((len(w) for w in words), default=0) if single else None)
+    for row in cells:
+        table.add_row(*(escape(c) for c in row))  # text, not markup: "pip install 'x[extra]'" stays intact
     console.print(table)

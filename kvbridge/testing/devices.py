@@ -11,6 +11,7 @@ be installed (``pip install -e .``) for its entry point to be found.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -60,8 +61,10 @@ class DeviceConformance:
         kvbridge.reset_plugins()
 
     def observed_syncs(self, library: Any, device: Device) -> list[tuple[str, int]] | None:
-        """Synchronizations the library saw as (what, device_id), or None where they are not observable."""
-        return getattr(library, "calls", None)
+        """Every synchronization seen so far as (what, device_id) pairs (a fresh list each call; order does
+        not matter), or None where they are not observable."""
+        calls = getattr(library, "calls", None)
+        return None if calls is None else list(calls)
 
     # -- registration and availability ---------------------------------------------------
 
@@ -126,21 +129,23 @@ class DeviceConformance:
 
     # -- synchronization -------------------------------------------------------------------
 
+    def _syncs_during(self, library: Any, device: Device, call: Any) -> list[int] | None:
+        """Device ids of the synchronizations `call()` caused, or None where they are not observable."""
+        before = self.observed_syncs(library, device)
+        call()
+        after = self.observed_syncs(library, device)
+        if before is None or after is None:
+            return None
+        return [d for _, d in (collections.Counter(after) - collections.Counter(before)).elements()]
+
     def test_synchronization_calls(self, device: Device, library: Any, device_id: int) -> None:
-        seen = self.observed_syncs(library, device)
-        before = len(seen) if seen is not None else 0
-        assert device.before_transfer(device_id) is None
-        if seen is not None:
-            assert any(d == device_id for _, d in seen[before:]), f"before_transfer({device_id}) synchronized nothing"
-        mark = len(seen) if seen is not None else 0
-        assert device.after_transfer(device_id) is None
-        if seen is not None:
-            assert any(d == device_id for _, d in seen[mark:]), f"after_transfer({device_id}) synchronized nothing"
-        mark = len(seen) if seen is not None else 0
-        assert device.before_transfer(-1) is None  # -1: every device
-        assert device.after_transfer(-1) is None
-        if seen is not None:
-            assert {d for _, d in seen[mark:]} >= set(self.device_ids)
+        assert device.before_transfer(device_id) is None and device.after_transfer(device_id) is None
+        for hook in (device.before_transfer, device.after_transfer):
+            seen = self._syncs_during(library, device, lambda: hook(device_id))
+            assert seen is None or device_id in seen, f"{hook.__name__}({device_id}) reached no device {device_id}"
+            # -1 means every device: each one in use must be reached (or the call passes -1 through)
+            seen = self._syncs_during(library, device, lambda: hook(-1))
+            assert seen is None or set(seen) >= set(self.device_ids) or seen == [-1], f"{hook.__name__}(-1): {seen}"
 
     # -- reachability and topology ---------------------------------------------------------
 

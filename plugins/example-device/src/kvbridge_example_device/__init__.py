@@ -1,0 +1,1 @@
+"""Example kvbridge device plugin (see docs/plugins.md in kvbridge)."""
