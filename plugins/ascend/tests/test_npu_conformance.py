@@ -21,7 +21,7 @@ class TestNpuStandInConformance(DeviceConformance):
     transports = (("tcp", None), ("loopback", None), ("mooncake", "tcp"))
 
     @pytest.fixture(params=["stand-in"])
-    def library(self, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    def library(self, monkeypatch: pytest.MonkeyPatch) -> Any:
         return install_standin(monkeypatch, "npu", "torch_npu")
 
 
