@@ -1,10 +1,12 @@
 """A third party's path, end to end: `pip install -e plugins/example-device`, see it in `kvbridge plugins`,
 run its own conformance tests through the `kvbridge.testing` pytest plugin, then a verified
-`kvbridge bench` on its device. Also: the bench through host staging."""
+`kvbridge bench` on its device; the same for the transport that docs/plugins.md builds from its own
+code blocks. Also: the bench through host staging."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -76,3 +78,39 @@ def test_bench_through_host_staging_is_verified(backend: str) -> None:
     out = run("-m", "kvbridge", "bench", "--migration-backend", backend, "--stage", *QUICK, "--json")
     result = json.loads(out.stdout)
     assert result["verified"] is True and result["config"]["stage"] is True
+
+
+def doc_files() -> dict[str, str]:
+    """The code blocks of docs/plugins.md that start with the file they are (``# path/to/file.py``)."""
+    text = (REPO / "docs" / "plugins.md").read_text()
+    files = {}
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        first, _, body = block.partition("\n")
+        match = re.fullmatch(r"# ([\w./-]+\.(?:py|toml))", first.strip())
+        if match:
+            files[match.group(1)] = body
+    return files
+
+
+@pytest.mark.slow
+def test_the_transport_in_the_docs_installs_conforms_and_benches(tmp_path: Path) -> None:
+    files = doc_files()
+    assert set(files) >= {"pyproject.toml", "src/kvbridge_mytransport/plugin.py",
+                          "src/kvbridge_mytransport/backend.py", "tests/test_mytransport_conformance.py"}
+    root = tmp_path / "kvbridge-mytransport"
+    for path, body in {**files, "src/kvbridge_mytransport/__init__.py": ""}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(body)
+    run("-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", str(root))
+    try:
+        rows = json.loads(run("-m", "kvbridge", "plugins", "--json").stdout)
+        assert {(r["kind"], r["name"], r["available"]) for r in rows} >= {("backend", "mytransport", True)}
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "conformance"],
+                             capture_output=True, text=True, timeout=600, cwd=root)
+        assert out.returncode == 0, out.stdout[-4000:]
+        assert " passed" in out.stdout and "skipped" not in out.stdout
+        result = json.loads(run("-m", "kvbridge", "bench", "--migration-backend", "mytransport", *QUICK,
+                                "--json").stdout)
+        assert result["verified"] is True
+    finally:
+        run("-m", "pip", "uninstall", "-q", "-y", "kvbridge-mytransport")
