@@ -33,10 +33,12 @@ import numpy as np
 from kvbridge.backend import MigrationBackend, Op, Peer, TransferHandle
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, InvalidDescriptor
-from kvbridge.memory import RegionIndex, as_descriptors, as_regions
+from kvbridge.memory import RegionIndex, as_descriptors, as_regions, merge_runs
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
+
+FEW_RUNS = 16  # up to this many merged runs are copied one by one; more go as one gather and one scatter
 
 
 def reaches(device: Device, backend: MigrationBackend) -> bool:
@@ -245,28 +247,40 @@ def _rows(offsets: np.ndarray, lengths: np.ndarray, unit: int) -> np.ndarray:
 
 def copy_ranges(dst: Any, src: Any, dst_offsets: Sequence[int] | np.ndarray, src_offsets: Sequence[int] | np.ndarray,
                 lengths: Sequence[int] | np.ndarray) -> None:
-    """``dst[d:d+n] = src[s:s+n]`` for every range, as one gather and one scatter.
+    """``dst[d:d+n] = src[s:s+n]`` for every range, without a Python loop per range.
 
-    `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. The ranges are
-    cut into rows of the largest size that divides every offset and length, so a block-aligned
-    KV cache moves in block-sized rows.
+    `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. Ranges that continue
+    each other on both sides are merged first; a few runs are copied straight, many as one gather and
+    one scatter in rows of the largest size that divides every offset and length (block-sized for a
+    block-aligned KV cache).
     """
-    d_off = np.asarray(dst_offsets, dtype=np.int64)
-    s_off = np.asarray(src_offsets, dtype=np.int64)
-    n = np.asarray(lengths, dtype=np.int64)
-    if len(n) == 0:
+    runs = merge_runs(np.stack([np.asarray(dst_offsets, dtype=np.int64), np.asarray(src_offsets, dtype=np.int64),
+                                np.asarray(lengths, dtype=np.int64)], axis=1).reshape(-1, 3))
+    if len(runs) == 0:
         return
-    unit = int(np.gcd.reduce(np.concatenate([d_off, s_off, n])))
-    d_rows, s_rows = _rows(d_off, n, unit), _rows(s_off, n, unit)
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+    both_numpy = isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)
+    if not both_numpy:
+        import torch
+
+        dst = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
+        src = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
+    if len(runs) <= FEW_RUNS:
+        for d, s, n in runs.tolist():
+            if both_numpy:
+                dst[d : d + n] = src[s : s + n]
+            else:
+                dst[d : d + n].copy_(src[s : s + n])
+        return
+    unit = int(np.gcd.reduce(runs.reshape(-1)))
+    d_rows, s_rows = _rows(runs[:, 0], runs[:, 2], unit), _rows(runs[:, 1], runs[:, 2], unit)
+    if both_numpy:  # flat byte buffers are contiguous, so these reshapes are views
         dst[: len(dst) // unit * unit].reshape(-1, unit)[d_rows] = src[: len(src) // unit * unit].reshape(-1, unit)[s_rows]
         return
     import torch
 
-    dst_t = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
-    src_t = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
-    dst2 = dst_t[: dst_t.numel() // unit * unit].view(-1, unit)
-    src2 = src_t[: src_t.numel() // unit * unit].view(-1, unit)
+    dst2 = dst[: dst.numel() // unit * unit].view(-1, unit)  # a view: the scatter must land in dst itself
+    src2 = src[: src.numel() // unit * unit].view(-1, unit)
+
     # new_tensor/new_empty place indices and the bounce rows on each tensor's own device.
     rows = src2.index_select(0, src2.new_tensor(s_rows, dtype=torch.int64))
     landed = dst2.new_empty(rows.shape)

@@ -13,33 +13,40 @@ import kvbridge
 from kvbridge import nics, staging
 
 
+@pytest.mark.parametrize("ranges", [4, 64], ids=["few-runs", "gather-scatter"])
 @pytest.mark.parametrize("kind", ["numpy", "torch", "mixed"])
-def test_copy_ranges_matches_slicing(kind: str) -> None:
-    rng = np.random.default_rng(0)
-    src = rng.integers(0, 256, 1 << 14, dtype=np.uint8)
+def test_copy_ranges_matches_slicing(kind: str, ranges: int) -> None:
+    rng = np.random.default_rng(ranges)
+    block = 256
+    src = rng.integers(0, 256, 128 * block, dtype=np.uint8)
     dst = np.zeros_like(src)
-    d_off = np.array([0, 4096, 1024, 8192], dtype=np.int64)
-    s_off = np.array([512, 0, 12288, 2048], dtype=np.int64)
-    lengths = np.array([512, 1024, 2048, 512], dtype=np.int64)
+    d_off = rng.permutation(128)[:ranges].astype(np.int64) * block  # shuffled: nothing merges
+    s_off = rng.permutation(128)[:ranges].astype(np.int64) * block
+    lengths = rng.integers(1, 3, ranges).astype(np.int64) * block // 2  # half and whole blocks
     expected = dst.copy()
     for d, s, n in zip(d_off, s_off, lengths):
         expected[d : d + n] = src[s : s + n]
     if kind == "numpy":
         staging.copy_ranges(dst, src, d_off, s_off, lengths)
     elif kind == "torch":
-        t = torch.from_numpy(dst)
-        staging.copy_ranges(t, torch.from_numpy(src), d_off, s_off, lengths)
+        staging.copy_ranges(torch.from_numpy(dst), torch.from_numpy(src), d_off, s_off, lengths)
     else:
         staging.copy_ranges(torch.from_numpy(dst), src, d_off, s_off, lengths)
     assert np.array_equal(dst, expected)
 
 
 def test_copy_ranges_with_odd_offsets_uses_byte_rows() -> None:
-    src = np.arange(100, dtype=np.uint8)
-    dst = np.zeros(100, dtype=np.uint8)
-    staging.copy_ranges(dst, src, [3, 50], [91, 7], [5, 13])
-    assert list(dst[3:8]) == list(range(91, 96)) and list(dst[50:63]) == list(range(7, 20))
-    assert dst[:3].sum() == 0 and dst[8:50].sum() == 0 and dst[63:].sum() == 0
+    src = np.arange(1000, dtype=np.int64).astype(np.uint8)
+    dst = np.zeros(1000, dtype=np.uint8)
+    d_off = np.arange(20, dtype=np.int64) * 40 + 3  # 20 runs (more than FEW_RUNS), odd offsets: rows of 1 byte
+    s_off = (np.arange(20, dtype=np.int64) * 37 + 11)[::-1]
+    lengths = np.full(20, 7, dtype=np.int64)
+    assert len(d_off) > staging.FEW_RUNS
+    staging.copy_ranges(dst, src, d_off, s_off, lengths)
+    expected = np.zeros_like(dst)
+    for d, s, n in zip(d_off, s_off, lengths):
+        expected[d : d + n] = src[s : s + n]
+    assert np.array_equal(dst, expected)
 
 
 def test_staged_publish_and_accept_ranges() -> None:
