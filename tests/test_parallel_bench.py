@@ -1,0 +1,36 @@
+"""The context PR's eleven prefill -> decode pairs, every rank with its own Mooncake TCP endpoint.
+
+One prefill and one decode process (kvbridge.proc.Child) serve all cases; each case sets up every
+rank anew (new buffers, new registrations), every decode rank pulls its share of one request per
+DP group and checks its whole buffer against its expected image, and every prefill rank's release
+count is checked against the pulls and unpulled notices it received.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.bench.parallel import ParallelBench
+from kvbridge.errors import TopologyError
+
+from test_topology import CONTEXT_PAIRS
+
+# MLA blocks cannot be sliced by heads, so any layout works; GQA pairs that slice heads use HND,
+# where a head slice is one piece per block (NHD slices cost one descriptor per token; covered in
+# test_layout_planner.py). Every layout builder appears at least once.
+LAYOUTS = ["vllm-split-nhd", "vllm-joint-nhd", "lmdeploy", "vllm-split-hnd", "vllm-split-nhd", "lmdeploy",
+           "vllm-split-nhd", "vllm-split-hnd", "vllm-joint-nhd", "lmdeploy", "vllm-split-hnd"]
+
+
+@pytest.mark.slow
+def test_context_pairs_verify_over_mooncake_tcp() -> None:
+    failures = []
+    with ParallelBench() as bench:
+        for (model, prefill, decode), layout in zip(CONTEXT_PAIRS, LAYOUTS):
+            r = bench.run(prefill, decode, model, tokens=2500, backend="mooncake", layout=layout, verify=True)
+            assert r["requests"] >= 1 and r["pulls"] > 0 and r["bytes"] > 0
+            if not r["verified"]:
+                failures.append((model, prefill, decode, layout, r["bad_ranks"], r["expected_release"], r["received"]))
+        with pytest.raises(TopologyError, match="cannot be spread"):
+            bench.run("tp4", "tp3", "tiny-gqa", tokens=100)
+    assert not failures, failures
