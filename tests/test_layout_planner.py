@@ -170,3 +170,18 @@ def test_buffer_layout_moves_whole_blocks_and_refuses_head_slices() -> None:
     small = buffer_layout(gqa, 4, [BufferDesc("k", 0x10000, 8, 2048, 2), BufferDesc("v", 0x90000, 8, 2048, 2)])
     with pytest.raises(LayoutMismatch, match="opaque"):
         pull_descriptors(p.pulls[0], small, opaque, [0, 1], [0, 1])
+
+
+def test_a_misplaced_word_is_caught_and_decoded() -> None:
+    model = PRESETS["tiny-gqa"]
+    buf, layout = _make(model, 16, 4, "split-NHD")
+    share = Share([2, 0], [0, 1], range(16), 20)
+    fill(layout, buf, [share])
+    assert mismatches(layout, buf, [share]) == (0, [])
+    words = buf.view(np.uint64)
+    i = int(np.flatnonzero(words)[5])
+    words[[i, i + 1]] = words[[i + 1, i]]  # two dims swapped
+    n, notes = mismatches(layout, buf, [share])
+    assert n == 2  # block id 0 holds logical block 1: tokens 16..31
+    assert "expected {'layer': 0, 'kind': 'k', 'token': 16, 'head': 2, 'dim': 4}" in notes[0]
+    assert mismatches(layout, buf, [attrs.evolve(share, tokens=33)])[0] > 2  # one token more is expected

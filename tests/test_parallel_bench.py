@@ -8,6 +8,8 @@ count is checked against the pulls and unpulled notices it received.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvbridge.bench.parallel import ParallelBench
@@ -34,3 +36,22 @@ def test_context_pairs_verify_over_mooncake_tcp() -> None:
         with pytest.raises(TopologyError, match="cannot be spread"):
             bench.run("tp4", "tp3", "tiny-gqa", tokens=100)
     assert not failures, failures
+
+
+@pytest.mark.slow
+def test_cli_parallel_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge.cli import main
+
+    rc = main(["bench", "--prefill", "tp2", "--decode", "tp4,dcp2", "--model", "tiny-gqa", "--tokens", "100",
+               "--kv-layout", "vllm-split-hnd", "--verify", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["verified"] is True
+    assert (out["prefill_ranks"], out["decode_ranks"], out["pulls"]) == (2, 4, 4)
+    assert out["expected_release"] == {"req-0": {"0": 2, "1": 2}}
+
+
+def test_cli_parallel_mode_needs_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbridge.cli import main
+
+    assert main(["bench", "--prefill", "tp2", "--model", "tiny-gqa"]) == 2
+    assert "needs both --prefill SPEC and --decode SPEC" in capsys.readouterr().err

@@ -99,13 +99,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(
             f"kvbridge bench: {r['prefill']} -> {r['decode']}, {model}, {r['tokens']} tokens x {r['requests']} requests",
-            ["ranks P/D", "pulls", "descriptors", "MiB", "seconds", "GB/s", "verified", "P process", "D process"],
+            ["ranks P/D", "pulls", "descriptors", "MiB", "seconds", "GB/s", "verified"],
             [(f"{r['prefill_ranks']}/{r['decode_ranks']}", r["pulls"], r["descriptors"], f"{r['bytes'] / 2**20:.2f}",
-              f"{r['seconds']:.3f}", f"{r['gbps']:.2f}",
-              {None: "not checked", True: "yes", False: "NO"}[r["verified"]],
-              f"{r['prefill_process']['rss_mib']} MiB, {r['prefill_process']['threads']} threads",
-              f"{r['decode_process']['rss_mib']} MiB, {r['decode_process']['threads']} threads")],
+              f"{r['seconds']:.3f}", f"{r['gbps']:.3f}", {None: "not checked", True: "yes", False: "NO"}[r["verified"]])],
         )
+        for side in ("prefill", "decode"):
+            proc = r[f"{side}_process"]
+            console.print(f"{side} process (all {r[f'{side}_ranks']} ranks): {proc['rss_mib']} MiB resident, "
+                          f"{proc['threads']} threads")
         for rank, bad in r["bad_ranks"].items():
             console.print(f"decode rank {rank}: {bad['wrong_words']} wrong words, e.g. {bad['first'][:2]}")
         if not r["release_ok"]:
