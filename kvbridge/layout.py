@@ -1,7 +1,8 @@
 """KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them.
 
 A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions,
-one per (layer, kind): "k" / "v" for MHA/GQA, "latent" for MLA, "index" for an indexer cache.
+one per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a
+block (vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache.
 Block b of a region starts at `addr + b * block_stride` and is `block_bytes` long. Where heads
 can be sliced out of a block, a region also says how: a head's bytes are `chunks` pieces of
 `head_bytes`, `chunk_stride` apart, and head h starts at `h * head_bytes` in each piece
@@ -24,7 +25,7 @@ from kvbridge.errors import ConfigError, LayoutMismatch
 from kvbridge.presets import ModelSpec
 
 Order = Literal["NHD", "HND"]
-KINDS = ("k", "v", "latent", "index")
+KINDS = ("k", "v", "kv", "latent", "index")
 
 
 @attrs.frozen
@@ -148,18 +149,29 @@ def vllm_layout(
     layers: Sequence[Any],
     num_blocks: int,
     *,
-    kv: Literal["split", "joint"] = "split",
+    kv: Literal["split", "joint", "per-head"] = "split",
     order: Order = "NHD",
 ) -> KVLayout:
     """A vLLM-style cache: one entry per layer, each a tensor (or address), or a (K, V) pair.
 
     One tensor per layer holds, for GQA, either `(2, num_blocks, ...)` (`kv="split"`: all K blocks,
-    then all V blocks) or `(num_blocks, 2, ...)` (`kv="joint"`: K and V of a block side by side);
+    then all V blocks), `(num_blocks, 2, ...)` (`kv="joint"`: K and V of a block side by side), or
+    `(num_blocks, heads, 2 * block_size, head_dim)` (`kv="per-head"`: each head's K tokens then its
+    V tokens, vLLM's CPU backend `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; HND only);
     for MLA `(num_blocks, block_size, head_dim)`. `order` is the block's inner order: NHD
     `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`.
     """
     if len(layers) != model.layers:
         raise ConfigError(f"{model.name} has {model.layers} layers, got {len(layers)} cache entries")
+    if kv == "per-head":
+        if model.attention == "mla" or order != "HND":
+            raise ConfigError("kv='per-head' is a GQA layout with heads outermost in a block: use order='HND'")
+        slab = model.block_size * model.head_dim * model.dtype_bytes  # one head's K (or V) in a block
+        block_bytes = heads * 2 * slab
+        return KVLayout(model, heads, [
+            KVRegion(layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab)
+            for layer, entry in enumerate(layers)
+        ])
     regions = []
     for layer, entry in enumerate(layers):
         for i, kind in enumerate(_kinds(model)):

@@ -17,11 +17,12 @@ from kvbridge.errors import TopologyError
 
 from test_topology import CONTEXT_PAIRS
 
-# MLA blocks cannot be sliced by heads, so any layout works; GQA pairs that slice heads use HND,
-# where a head slice is one piece per block (NHD slices cost one descriptor per token; covered in
-# test_layout_planner.py). Every layout builder appears at least once.
+# MLA pulls never slice heads, so any layout serves; GQA pairs that slice heads use an HND layout
+# (split-hnd, or vllm-cpu, where each head's K and V sit together), since a head slice is then one
+# piece per block, while NHD costs one descriptor per token (covered in test_layout_planner.py).
+# Every layout builder appears at least once.
 LAYOUTS = ["vllm-split-nhd", "vllm-joint-nhd", "lmdeploy", "vllm-split-hnd", "vllm-split-nhd", "lmdeploy",
-           "vllm-split-nhd", "vllm-split-hnd", "vllm-joint-nhd", "lmdeploy", "vllm-split-hnd"]
+           "vllm-split-nhd", "vllm-cpu", "vllm-joint-nhd", "lmdeploy", "vllm-split-hnd"]
 
 
 @pytest.mark.slow

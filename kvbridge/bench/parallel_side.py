@@ -25,7 +25,8 @@ from kvbridge.topology import HeadPlacement, ParallelConfig
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("vllm-split-nhd", "vllm-split-hnd", "vllm-joint-nhd", "lmdeploy")
+# vllm-cpu: vLLM's CPU backend, [num_blocks, num_kv_heads, block_size, 2 * head_size] per layer
+LAYOUTS = ("vllm-split-nhd", "vllm-split-hnd", "vllm-joint-nhd", "vllm-cpu", "lmdeploy")
 
 
 class Side:
@@ -169,7 +170,7 @@ def _allocate(device: Any, model: ModelSpec, heads: int, num_blocks: int, layout
     base = buf.ctypes.data
     if layout == "lmdeploy":
         return buf, lmdeploy_layout(model, heads, base, num_blocks)
-    _, kv, order = layout.split("-")
+    _, kv, order = ("vllm", "per-head", "hnd") if layout == "vllm-cpu" else layout.split("-")
     addrs = [base + i * layer_bytes for i in range(model.layers)]
     return buf, vllm_layout(model, heads, addrs, num_blocks, kv=kv, order=order.upper())  # type: ignore[arg-type]
 
