@@ -217,7 +217,9 @@ class KVAgent:
         `remote`: the RankInfos of the prefill DP group holding the request (other ranks are ignored
         if the group is clear from them). `remote_blocks`: each prefill rank's block ids of the
         request, keyed by rank, or one list shared by all ranks (each uses its first n). `local_blocks`:
-        this rank's block ids for its share, in order.
+        this rank's block ids for its share, in order. Every check (topology, layouts, block ids)
+        runs before the first transfer is submitted. A rank with nothing to pull gets a handle that
+        is already done (and `on_done` has run before `pull` returns).
         """
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")
@@ -237,18 +239,23 @@ class KVAgent:
                 f"got {len(local_blocks)} block ids"
             )
         by_rank = {r.rank: r for r in remote}
-        handles, pulled = [], []
-        nbytes = ndesc = 0
+        work = []  # everything is checked and built before the first byte moves
         for pull in p.pulls_for(self.rank):
             info = by_rank.get(pull.prefill_rank)
             if info is None:
                 raise ConfigError(f"request {request_id}: no RankInfo for prefill rank {pull.prefill_rank}")
-            blocks = remote_blocks[pull.prefill_rank] if isinstance(remote_blocks, Mapping) else remote_blocks
-            desc = pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)
-            handles.append(self.backend.transfer(self.connect(info), desc, "read"))
-            pulled.append((info.engine_id, info.rank))
-            nbytes += int(desc[:, 2].sum())
-            ndesc += len(desc)
+            if isinstance(remote_blocks, Mapping):
+                if pull.prefill_rank not in remote_blocks:
+                    raise ConfigError(f"request {request_id}: no block ids for prefill rank {pull.prefill_rank}")
+                blocks = remote_blocks[pull.prefill_rank]
+            else:
+                blocks = remote_blocks
+            peer = self.connect(info)
+            work.append((info, peer, pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)))
+        handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
+        pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]
+        nbytes = sum(int(desc[:, 2].sum()) for *_, desc in work)
+        ndesc = sum(len(desc) for *_, desc in work)
         notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
         log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
         result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import attrs
 
 from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.memory import as_regions
 from kvbridge.presets import ModelSpec
 
 Order = Literal["NHD", "HND"]
@@ -57,6 +58,11 @@ class KVRegion:
             raise ConfigError(f"region layer {self.layer} {self.kind}: head chunks reach past the block")
 
     @property
+    def order(self) -> str:
+        """How heads sit in a block: "HND", "NHD", or "opaque" (no head slicing)."""
+        return "opaque" if not self.heads else ("NHD" if self.chunks > 1 else "HND")
+
+    @property
     def span(self) -> tuple[int, int]:
         """[first byte, last byte + 1) the region's blocks occupy."""
         return self.addr, self.addr + (self.num_blocks - 1) * self.block_stride + self.block_bytes
@@ -74,12 +80,6 @@ class KVLayout:
     def num_blocks(self) -> int:
         """Blocks every region can hold (the rank's capacity)."""
         return min(r.num_blocks for r in self.regions)
-
-    @property
-    def order(self) -> str:
-        """"HND", "NHD" or "opaque", from the first region."""
-        r = self.regions[0]
-        return "opaque" if not r.heads else ("NHD" if r.chunks > 1 else "HND")
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
@@ -101,9 +101,9 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         for name in ("layer", "kind"):
             if getattr(a, name) != getattr(b, name):
                 raise LayoutMismatch(f"regions[{i}].{name}", getattr(a, name), getattr(b, name))
-        if bool(a.heads) != bool(b.heads) or (a.chunks > 1) != (b.chunks > 1):
+        if a.order != b.order:
             raise LayoutMismatch(
-                f"regions[{i}].order", _order(a), _order(b), "Use the same cache layout (NHD/HND) on both sides"
+                f"regions[{i}].order", a.order, b.order, "Use the same cache layout (NHD/HND) on both sides"
             )
         if a.heads and a.head_bytes != b.head_bytes:
             raise LayoutMismatch(f"regions[{i}].head_bytes", a.head_bytes, b.head_bytes)
@@ -111,16 +111,10 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
             raise LayoutMismatch(f"regions[{i}].block_bytes", a.block_bytes, b.block_bytes)
 
 
-def _order(r: KVRegion) -> str:
-    return "opaque" if not r.heads else ("NHD" if r.chunks > 1 else "HND")
-
-
 def address(x: Any) -> int:
     """The first byte of a tensor or numpy array (through its device plugin), or an int as is."""
     if isinstance(x, int):
         return x
-    from kvbridge.memory import as_regions
-
     regions = as_regions(x)
     if len(regions) != 1:
         raise ConfigError(f"expected one tensor or address, got {len(regions)} regions")
