@@ -164,3 +164,23 @@ def test_bad_agent_setup_is_refused_and_leaks_nothing() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_rank_info_from_a_peer_is_validated() -> None:
+    from kvbridge import wire
+    from kvbridge.errors import ProtocolError
+
+    (p, _), = _agents("tp1", "prefill", 4, "loopback")
+    try:
+        data = wire.to_dict(p.info())
+        with pytest.raises(ProtocolError):
+            RankInfo.decode(b"\x93garbage")
+        data["parallel"]["dcp"] = 3  # dcp must divide tp
+        with pytest.raises(ProtocolError, match="RankInfo"):
+            wire.from_dict(data, RankInfo)
+        data["parallel"]["dcp"] = 1
+        data["layout"]["regions"][0]["kind"] = "q"
+        with pytest.raises(ProtocolError, match="RankInfo"):
+            wire.from_dict(data, RankInfo)
+    finally:
+        p.close()
