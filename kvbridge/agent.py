@@ -210,12 +210,13 @@ class KVAgent:
         local_blocks: Sequence[int],
         tokens: int,
         *,
+        prefill_dp: int | None = None,
         on_done: Callable[[PullResult], None] | None = None,
     ) -> PullHandle:
         """Read this rank's share of a request from the prefill ranks that hold it.
 
-        `remote`: the RankInfos of the prefill DP group holding the request (other ranks are ignored
-        if the group is clear from them). `remote_blocks`: each prefill rank's block ids of the
+        `remote`: RankInfos of the prefill engine; `prefill_dp` names the DP group holding the request
+        (it may be left out when `remote` holds the ranks of one group only). `remote_blocks`: each prefill rank's block ids of the
         request, keyed by rank, or one list shared by all ranks (each uses its first n). `local_blocks`:
         this rank's block ids for its share, in order. Every check (topology, layouts, block ids)
         runs before the first transfer is submitted. A rank with nothing to pull gets a handle that
@@ -226,12 +227,15 @@ class KVAgent:
         prefill = remote[0].parallel
         if any(r.parallel != prefill or r.engine_id != remote[0].engine_id for r in remote):
             raise TopologyError(f"request {request_id}: RankInfos from different engines or parallel configs")
-        groups = {prefill.coords(r.rank).dp for r in remote}
-        if len(groups) != 1:
-            raise TopologyError(
-                f"request {request_id}: prefill RankInfos span DP groups {sorted(groups)}; pass the group holding it"
-            )
-        p = self.plan(prefill, tokens, prefill_dp=groups.pop())
+        if prefill_dp is None:
+            groups = {prefill.coords(r.rank).dp for r in remote}
+            if len(groups) != 1:
+                raise TopologyError(
+                    f"request {request_id}: prefill RankInfos span DP groups {sorted(groups)}; say which group "
+                    "holds the request with prefill_dp="
+                )
+            prefill_dp = groups.pop()
+        p = self.plan(prefill, tokens, prefill_dp=prefill_dp)
         need = p.blocks_on("decode", self.rank)
         if len(local_blocks) < need:
             raise ConfigError(

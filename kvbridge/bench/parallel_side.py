@@ -114,12 +114,11 @@ class Side:
         handles = []
         started = time.perf_counter()
         for rid, req in self.requests.items():
-            group = [remote[r] for r in prefill.group(req["prefill_dp"])]
-            remote_blocks = {i.rank: blocks[str(i.rank)][rid] for i in group}
+            remote_blocks = {r: blocks[str(r)][rid] for r in prefill.group(req["prefill_dp"])}
             for rank in self.config.group(req["decode_dp"]):
                 share = self.shares[rank][rid]
-                handles.append(self.agents[rank].pull(rid, group, remote_blocks, share.block_ids, req["tokens"],
-                                                      on_done=results.append))
+                handles.append(self.agents[rank].pull(rid, remote, remote_blocks, share.block_ids, req["tokens"],
+                                                      prefill_dp=req["prefill_dp"], on_done=results.append))
         for h in handles:
             h.wait(timeout)
         seconds = time.perf_counter() - started
