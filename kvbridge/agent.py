@@ -4,7 +4,8 @@ Lifecycle::
 
     agent = KVAgent("decode-0", rank, ParallelConfig.parse("tp8,dp2"), layout, kv_tensors, backend="mooncake")
     info = agent.info()                       # RankInfo; RankInfo.encode() -> bytes for the side channel
-    handle = agent.pull(request_id, prefill_infos, prefill_blocks, local_blocks, tokens, on_done=cb)
+    handle = agent.pull(request_id, prefill_infos, prefill_blocks, local_blocks, tokens,
+                        prefill_dp=0, on_done=cb)
     handle.wait(timeout)                      # or let `cb` report it
     agent.close()
 
@@ -12,7 +13,8 @@ On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)`
 pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once.
 
 The completion seam (what the control plane wires to DONE messages and leases): `on_done` is
-called exactly once per `pull`, from a transport thread, with a `PullResult`:
+called exactly once per `pull`, from a transport thread (or before `pull` returns when the rank has
+nothing to pull), with a `PullResult`:
 
 - `pulled`: the (engine_id, rank) of every prefill rank this rank read; each gets one DONE;
 - `notify`: prefill ranks nobody reads, listed only on the plan's notifier rank (the first rank
