@@ -20,7 +20,7 @@ import attrs
 
 from kvbridge import wire
 from kvbridge.errors import ConfigError, KVBridgeError, TransferTimeout
-from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions
+from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions, merge_runs
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -210,15 +210,16 @@ class MigrationBackend(abc.ABC):
     def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
         """Move (local_addr, remote_addr, length) descriptors as one transfer.
 
-        `read` copies remote into local, `write` local into remote. Batches larger than the
-        transport accepts are split here; the handle completes when every part has.
+        `read` copies remote into local, `write` local into remote. Neighbouring descriptors that
+        continue each other on both sides are merged; batches larger than the transport accepts
+        are split here; the handle completes when every part has.
         """
         self._check_open()
         if op not in ("read", "write"):
             raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
         if not getattr(self.capabilities, op):
             raise ConfigError(f"backend {self.name!r} does not support {op}")
-        desc = as_descriptors(descriptors)
+        desc = merge_runs(as_descriptors(descriptors))
         if len(desc) == 0:
             return TransferHandle.completed(peer=peer.name)
         self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")

@@ -44,8 +44,15 @@ def from_dict(data: Any, cls: type[T]) -> T:
     try:
         return converter.structure(data, cls)
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
-        detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+        if isinstance(exc, cattrs.BaseValidationError):
+            detail = "; ".join(cattrs.transform_error(exc, format_exception=_describe))
+        else:
+            detail = str(exc)
         raise ProtocolError(f"malformed {cls.__name__}: {detail}") from None
+
+
+def _describe(exc: BaseException, _type: Any) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def encode(obj: Any) -> bytes:

@@ -11,7 +11,9 @@ import importlib
 from kvbridge.presets import PRESETS
 
 # mode name -> module in kvbridge.bench; each has add_arguments(group) and run(args) -> int
-MODES = {"pair": "kvbridge.bench.pair"}
+MODES = {
+    "pair": "kvbridge.bench.pair",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
