@@ -22,7 +22,8 @@ from kvbridge.control.messages import REQUESTS, Abort, BeginPull, Done, Frame, G
 
 SECRET = "fuzz-secret-0123456789abcdef0123"
 MAX = 64 * 1024
-FAST = settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FAST = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+MANY = settings(FAST, max_examples=1000)
 
 msgpack_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=40)
@@ -67,7 +68,7 @@ def rank() -> Iterator[Rank]:
     r.server.close()
 
 
-@FAST
+@MANY
 @given(payload=st.binary(max_size=512))
 def test_fuzz_random_bytes_are_refused(rank: Rank, payload: bytes) -> None:
     refusal = _refusal(rank.server.handle(payload))

@@ -148,3 +148,19 @@ def test_lease_tombstones_are_bounded(clock: Clock) -> None:
     assert ledger.state("r49") is LeaseState.RELEASED
     assert ledger.state("r0") is LeaseState.UNKNOWN
     assert len(ledger._finished) == 10
+
+
+def test_done_count_stated_by_the_decode_side(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("r1", [1, 2], expected_pulls=None)  # prefill does not know the decode config
+    assert ledger.done("r1", "d0", lease.epoch).valid and released == [], "no count yet: nothing to release"
+    ledger.begin("r1", "d1", expected_pulls=3)  # the decode side's plan: three ranks read this one
+    ledger.done("r1", "d1", lease.epoch, expected_pulls=3)
+    assert released == []
+    ledger.done("r1", "d2", lease.epoch, expected_pulls=5)  # a disagreeing count is logged, the first kept
+    assert released == [("r1", LeaseState.RELEASED, (1, 2))]
+
+
+def test_done_open_count_lease_still_expires(ledger: Ledger, clock: Clock, released: list) -> None:
+    ledger.offer("r1", [1], expected_pulls=None)
+    clock.now += 11
+    assert ledger.reap() == 1 and released == [("r1", LeaseState.EXPIRED, (1,))]

@@ -190,9 +190,9 @@ class ControlServer:
             return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
         if isinstance(msg, BeginPull):
             watcher = (msg.notify_host, msg.notify_port) if msg.notify_port else None
-            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher)
+            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls)
         if isinstance(msg, Done):
-            return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch)
+            return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch, msg.expected_pulls)
         if isinstance(msg, QueryLease):
             return self.ledger.query(msg.request_id, msg.epoch)
         raise ProtocolError(f"no handler for {type(msg).__name__}")
@@ -348,11 +348,16 @@ class ControlClient:
         return self._expect(self._ready_request(GetInfo(), wait_s), RankInfo, "GetInfo")
 
     def begin_pull(
-        self, request_id: str, decode_rank: str, *, notify: Address | None = None, wait_s: float = 0.0
+        self, request_id: str, decode_rank: str, *, notify: Address | None = None, expected_pulls: int = 0,
+        wait_s: float = 0.0,
     ) -> LeaseStatus:
-        """Announce a read of `request_id`; raise LoadError unless its lease is active (recompute)."""
+        """Announce a read of `request_id`; raise LoadError unless its lease is active (recompute).
+
+        `notify`: this rank's side channel, told if the prefill side aborts. `expected_pulls`: the
+        prefill rank's release count from the plan (used when its offer left it open).
+        """
         host, port = notify or ("", 0)
-        msg = BeginPull(request_id, decode_rank, host, port)
+        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls)
         status = self._expect(self._ready_request(msg, wait_s), LeaseStatus, "BeginPull")
         if not status.valid:
             raise LoadError(
@@ -361,9 +366,16 @@ class ControlClient:
             )
         return status
 
-    def done(self, request_id: str, decode_rank: str, epoch: int = 0, *, check: bool = True) -> LeaseStatus:
-        """Report DONE. With `check`, raise LoadError if the lease did not stay valid through the read."""
-        status = self._expect(self.request(Done(request_id, decode_rank, epoch)), LeaseStatus, "Done")
+    def done(
+        self, request_id: str, decode_rank: str, epoch: int = 0, *, expected_pulls: int = 0, check: bool = True
+    ) -> LeaseStatus:
+        """Report DONE. With `check`, raise LoadError if the lease did not stay valid through the read.
+
+        `epoch` 0 reports no read (the plan's notifier releasing a rank nobody reads, with
+        `expected_pulls=1`, and `check=False`).
+        """
+        msg = Done(request_id, decode_rank, epoch, expected_pulls)
+        status = self._expect(self.request(msg), LeaseStatus, "Done")
         if check and not status.valid:
             raise LoadError(
                 f"lease epoch {epoch} of request {request_id!r} on {self.url} was {status.state.value} when the "

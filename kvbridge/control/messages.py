@@ -62,21 +62,30 @@ class GetInfo:
 
 @attrs.frozen
 class BeginPull:
-    """Decode rank `decode_rank` is about to read `request_id`; `notify_*` is its side channel."""
+    """Decode rank `decode_rank` is about to read `request_id`; `notify_*` is its side channel.
+
+    `expected_pulls` (0: not stated) tells the prefill rank its release count when it offered the
+    request without one (the prefill side rarely knows the decode side's parallel config).
+    """
 
     request_id: str = _id()
     decode_rank: str = _id()
     notify_host: str = attrs.field(default="", validator=_bounded_str)
     notify_port: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    expected_pulls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))  # 0: not stated
 
 
 @attrs.frozen
 class Done:
-    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: read nothing)."""
+    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: read nothing).
+
+    `expected_pulls` (0: not stated) is the receiving rank's release count from the decode side's plan.
+    """
 
     request_id: str = _id()
     decode_rank: str = _id()
     epoch: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    expected_pulls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
 
 
 @attrs.frozen
