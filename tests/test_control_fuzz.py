@@ -14,6 +14,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from control_helpers import rank_info
+
 from kvbridge import wire
 from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
 from kvbridge.control.auth import Authenticator
@@ -46,7 +48,7 @@ class Rank:
         self.released: list[tuple[str, LeaseState]] = []
         self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=3600)
         self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=SECRET, max_message_bytes=MAX)
-        self.server.register(layout=b"L", endpoint=b"E")
+        self.server.register(rank_info())
         self.lease = self.ledger.offer("held", [1, 2, 3], expected_pulls=1)
         self.auth = Authenticator(SECRET)
 
@@ -177,7 +179,7 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
         oversize.connect("tcp://%s:%d" % r.server.address)
         oversize.send(b"\x00" * (MAX + 4096))
         oversize.close()
-        assert good.get_info().ready, "the server must keep serving after the fuzzing"
+        assert good.get_info() == rank_info(), "the server must keep serving after the fuzzing"
         assert r.untouched()
         assert r.server._thread.is_alive()
     finally:

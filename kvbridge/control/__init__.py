@@ -12,7 +12,7 @@ See docs/control-plane.md.
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
 from kvbridge.control.discovery import EtcdRegistry, RankRecord, RedisRegistry, Registry, open_registry, resolve
 from kvbridge.control.ledger import Lease, Ledger
-from kvbridge.control.messages import LeaseState, LeaseStatus, RankInfo
+from kvbridge.control.messages import LeaseState, LeaseStatus, RegisteredMemory
 from kvbridge.control.params import KVTransferParams
 
 __all__ = [
@@ -25,9 +25,9 @@ __all__ = [
     "LeaseState",
     "LeaseStatus",
     "Ledger",
-    "RankInfo",
     "RankRecord",
     "RedisRegistry",
+    "RegisteredMemory",
     "Registry",
     "open_registry",
     "resolve",

@@ -20,6 +20,7 @@ import attrs
 import zmq
 
 from kvbridge import wire
+from kvbridge.agent import RankInfo
 from kvbridge.control.auth import Authenticator, new_nonce
 from kvbridge.control.ledger import Ledger
 from kvbridge.control.messages import (
@@ -33,7 +34,7 @@ from kvbridge.control.messages import (
     GetInfo,
     LeaseStatus,
     QueryLease,
-    RankInfo,
+    RegisteredMemory,
     Refused,
 )
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
@@ -85,7 +86,7 @@ class ControlServer:
         self.max_message_bytes = max_message_bytes
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._notify_timeout_s = notify_timeout_s
-        self._info = RankInfo(engine_id=engine_id, rank=rank, ready=False)
+        self._info = RegisteredMemory(engine_id=engine_id, rank=rank, ready=False)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -119,9 +120,11 @@ class ControlServer:
     def ready(self) -> bool:
         return self._info.ready
 
-    def register(self, layout: bytes = b"", endpoint: bytes = b"", meta: dict[str, str] | None = None) -> None:
-        """Publish this rank's registered memory and mark it ready to be pulled from."""
-        self._info = RankInfo(self.engine_id, self.rank, True, bytes(layout), bytes(endpoint), dict(meta or {}))
+    def register(self, info: RankInfo, meta: dict[str, str] | None = None) -> None:
+        """Publish this rank's registered memory (`KVAgent.info()`) and mark it ready to be pulled from."""
+        if (info.engine_id, info.rank) != (self.engine_id, self.rank):
+            raise ConfigError(f"side channel of {self.name} cannot serve the RankInfo of {info.engine_id}/{info.rank}")
+        self._info = RegisteredMemory(self.engine_id, self.rank, True, info, dict(meta or {}))
         self._publish()
 
     def abort(self, request_id: str, reason: str = "", peers: Iterable[Address] = ()) -> int:
@@ -344,8 +347,15 @@ class ControlClient:
             delay = min(delay * 2, 0.5)
 
     def get_info(self, wait_s: float = 0.0) -> RankInfo:
-        """The rank's registered memory, waiting up to `wait_s` for it to become ready."""
-        return self._expect(self._ready_request(GetInfo(), wait_s), RankInfo, "GetInfo")
+        """The rank's `RankInfo` (layout, parallel config, endpoint), waiting up to `wait_s` for it to be ready."""
+        reply = self.registered_memory(wait_s)
+        if reply.info is None:
+            raise ProtocolError(f"side channel {self.url} reported ready without its RankInfo")
+        return reply.info
+
+    def registered_memory(self, wait_s: float = 0.0) -> RegisteredMemory:
+        """The whole GetInfo reply (with `meta`)."""
+        return self._expect(self._ready_request(GetInfo(), wait_s), RegisteredMemory, "GetInfo")
 
     def begin_pull(
         self, request_id: str, decode_rank: str, *, notify: Address | None = None, expected_pulls: int = 0,

@@ -11,6 +11,8 @@ import enum
 
 import attrs
 
+from kvbridge.agent import RankInfo
+
 MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
 MAX_BLOCKS = 1 << 20
 
@@ -57,7 +59,7 @@ class LeaseState(str, enum.Enum):
 
 @attrs.frozen
 class GetInfo:
-    """Ask a rank for its registered memory (KV layout + transport endpoint) and readiness."""
+    """Ask a rank for its registered memory (`RegisteredMemory`) and readiness."""
 
 
 @attrs.frozen
@@ -109,14 +111,14 @@ class Abort:
 
 
 @attrs.frozen
-class RankInfo:
-    """A rank's registered memory. `layout` and `endpoint` are opaque wire bytes for the agent."""
+class RegisteredMemory:
+    """A rank's registered memory: the agent's `RankInfo` (parallel config, KV layout, transport
+    endpoint), None until the rank is ready. `meta` carries free-form strings for adapters."""
 
     engine_id: str = _id()
     rank: int = attrs.field(validator=attrs.validators.instance_of(int))
     ready: bool = attrs.field(validator=attrs.validators.instance_of(bool))
-    layout: bytes = b""
-    endpoint: bytes = b""
+    info: RankInfo | None = None
     meta: dict[str, str] = attrs.field(factory=dict)
 
 
@@ -149,4 +151,4 @@ class Refused:
 
 
 REQUESTS: dict[str, type] = {c.__name__: c for c in (GetInfo, BeginPull, Done, QueryLease, Abort)}
-REPLIES: dict[str, type] = {c.__name__: c for c in (RankInfo, LeaseStatus, Ack, Refused)}
+REPLIES: dict[str, type] = {c.__name__: c for c in (RegisteredMemory, LeaseStatus, Ack, Refused)}
