@@ -19,7 +19,16 @@ import numpy as np
 
 from kvbridge.agent import KVAgent
 from kvbridge.bench.shares import Share, fill, mismatches
-from kvbridge.control import ControlClient, ControlServer, KVTransferParams, Ledger, LeaseState, open_registry, resolve
+from kvbridge.control import (
+    ControlClient,
+    ControlServer,
+    DecodeControl,
+    KVTransferParams,
+    Ledger,
+    LeaseState,
+    open_registry,
+    resolve,
+)
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS, ModelSpec
 from kvbridge.proc import serve
@@ -60,6 +69,8 @@ class Rank:
         self.server = ControlServer(engine_id, rank, ledger=self.ledger, port=port, secret=secret,
                                     on_abort=self._on_abort, registry=self.registry, poll_interval_s=0.02)
         self.clients: dict[tuple[str, int], ControlClient] = {}
+        self.control = (DecodeControl(self.agent, self.server, secret=secret, registry=self.registry)
+                        if role == "decode" else None)
 
     def _on_release(self, lease: object, why: LeaseState) -> None:
         with self.lock:
@@ -152,6 +163,20 @@ def read(request_id: str, params: dict, local_blocks: list[int]) -> dict:
     return {"pulled": sorted(epochs), "notify": notify}
 
 
+def pull(request_id: str, params: dict, local_blocks: list[int]) -> str | None:
+    """The whole decode side through `DecodeControl`: returns None, or the error that means recompute."""
+    with R.lock:
+        R.held[request_id] = list(local_blocks)
+    R.buf[:] = 0
+    outcome: list = []
+    handle = R.control.start(request_id, KVTransferParams.from_dict(params), local_blocks,
+                             on_finished=lambda rid, err: outcome.append((rid, err)))
+    handle.wait(60)
+    assert outcome and outcome[0][0] == request_id, "on_finished ran once, before wait() returned"
+    err = outcome[0][1]
+    return None if err is None else f"{type(err).__name__}: {err}"
+
+
 def done(request_id: str, params: dict) -> list[bool]:
     """DONE to every prefill rank read (fenced: raises LoadError if its lease did not hold through the
     read) and, on the notifier, a release-only DONE to the ranks nobody reads. Returns `released` flags."""
@@ -182,6 +207,8 @@ def abort(request_id: str, peers: list[list] = ()) -> int:
 def close() -> None:
     for c in R.clients.values():
         c.close()
+    if R.control is not None:
+        R.control.close()
     R.server.close()
     R.agent.close()
     if R.registry is not None:
@@ -190,5 +217,5 @@ def close() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    serve({f.__name__: f for f in (setup, register, offer, released, state, advance, reuse, read, done, verify,
+    serve({f.__name__: f for f in (setup, register, offer, released, state, advance, reuse, read, pull, done, verify,
                                    abort, close)})

@@ -137,6 +137,19 @@ def test_done_releases_exactly_at_the_last_done_and_duplicates_are_harmless(clus
 
 
 @pytest.mark.slow
+def test_done_decode_control_end_to_end(cluster: Cluster) -> None:
+    """`DecodeControl` on every decode rank: pulls, fenced DONEs, notifier; every prefill rank released."""
+    rid, blocks, local, tokens = "req-control", [4, 0, 6], [5, 1, 0], 48
+    cluster.offer(rid, blocks, tokens)
+    params = cluster.params(rid, blocks, tokens)
+    for c in cluster.decode:
+        assert c.call("pull", request_id=rid, params=params, local_blocks=local) is None
+        assert c.call("verify", local_blocks=local, tokens=tokens) > 0
+    for c in cluster.prefill:
+        wait_for(lambda c=c: [rid, "released", blocks] in c.call("released"), what="release")
+
+
+@pytest.mark.slow
 def test_lease_pull_overlapping_expiry_is_a_load_error(cluster: Cluster) -> None:
     rid, blocks, local, tokens = "req-overlap", [1, 6], [2, 5], 20
     cluster.offer(rid, blocks, tokens, timeout_s=30)
