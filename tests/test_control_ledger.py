@@ -164,3 +164,13 @@ def test_done_open_count_lease_still_expires(ledger: Ledger, clock: Clock, relea
     ledger.offer("r1", [1], expected_pulls=None)
     clock.now += 11
     assert ledger.reap() == 1 and released == [("r1", LeaseState.EXPIRED, (1,))]
+
+
+def test_lease_reoffered_request_keeps_its_own_deadline(ledger: Ledger, clock: Clock, released: list) -> None:
+    ledger.offer("r1", [1], expected_pulls=1)  # deadline now + 10
+    ledger.abort("r1")
+    ledger.offer("r1", [2], expected_pulls=1, timeout_s=100)
+    clock.now += 11
+    assert ledger.reap() == 0 and ledger.state("r1") is LeaseState.ACTIVE, "the old offer's deadline must not count"
+    clock.now += 90
+    assert ledger.reap() == 1 and released[-1] == ("r1", LeaseState.EXPIRED, (2,))

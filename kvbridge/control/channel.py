@@ -22,6 +22,7 @@ import zmq
 from kvbridge import wire
 from kvbridge.agent import RankInfo
 from kvbridge.control.auth import Authenticator, new_nonce
+from kvbridge.control.discovery import RankRecord, Registry
 from kvbridge.control.ledger import Ledger
 from kvbridge.control.messages import (
     REPLIES,
@@ -70,7 +71,7 @@ class ControlServer:
         port: int = 0,
         secret: str | bytes | None = None,
         on_abort: AbortCallback | None = None,
-        registry: Any = None,
+        registry: Registry | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.05,
         notify_timeout_s: float = 2.0,
@@ -236,8 +237,6 @@ class ControlServer:
 
     def _publish(self) -> None:
         if self._registry is not None:
-            from kvbridge.control.discovery import RankRecord
-
             host, port = self.address
             self._registry.publish(RankRecord(self.engine_id, self.rank, host, port, self._info.ready))
 

@@ -13,6 +13,7 @@ duplicate DONE gets an exact answer.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import threading
@@ -78,6 +79,9 @@ class Ledger:
         self._lock = threading.Lock()
         self._active: dict[str, _Entry] = {}
         self._finished: OrderedDict[str, _Entry] = OrderedDict()
+        # (deadline, epoch, request id) of every offer; stale rows (finished leases) are skipped when
+        # popped, so a reap costs O(expired log n) however many leases are active.
+        self._deadlines: list[tuple[float, int, str]] = []
         # Epochs are unique per ledger and start at a random point, so a restarted prefill
         # never confirms a lease its previous life handed out.
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
@@ -109,6 +113,7 @@ class Ledger:
             self._finished.pop(request_id, None)
             entry = _Entry(lease, expected_pulls)
             self._active[request_id] = entry
+            heapq.heappush(self._deadlines, (lease.deadline, lease.epoch, request_id))
         log.debug("lease %s epoch %d: %d blocks, %s pulls expected", request_id, lease.epoch, len(lease.blocks),
                   expected_pulls)
         if expected_pulls == 0:
@@ -126,13 +131,14 @@ class Ledger:
     def reap(self) -> int:
         """Expire every lease past its deadline; returns how many expired."""
         now = self._clock()
+        due = []
         with self._lock:
-            due = [e for e in self._active.values() if e.lease.deadline <= now]
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _deadline, epoch, request_id = heapq.heappop(self._deadlines)
+                entry = self._active.get(request_id)
+                if entry is not None and entry.lease.epoch == epoch:
+                    due.append(entry)
         return sum(self._finish(e, LeaseState.EXPIRED) for e in due)
-
-    def next_deadline(self) -> float | None:
-        with self._lock:
-            return min((e.lease.deadline for e in self._active.values()), default=None)
 
     @property
     def active(self) -> list[str]:
