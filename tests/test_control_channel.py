@@ -81,6 +81,22 @@ def test_pull_waits_for_a_peer_that_becomes_ready(closing: list) -> None:
     assert c.get_info().endpoint == b"E"
 
 
+def test_lease_pull_waits_for_an_offer_that_trails_the_params(closing: list) -> None:
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    with pytest.raises(LoadError, match="unknown"):
+        c.begin_pull("late", "decode/0", wait_s=0.1)
+    # The prefill worker offers a moment after the proxy already handed the params to decode.
+    offerer = threading.Timer(0.2, p.ledger.offer, args=("late", [4], 1))
+    offerer.start()
+    try:
+        status = c.begin_pull("late", "decode/0", wait_s=30)
+    finally:
+        offerer.join()
+    assert status.valid and status.blocks == (4,)
+
+
 def test_done_over_the_channel_releases_at_the_last_and_duplicates_are_harmless(closing: list) -> None:
     p = Prefill()
     c = p.client()

@@ -174,3 +174,18 @@ def test_lease_reoffered_request_keeps_its_own_deadline(ledger: Ledger, clock: C
     assert ledger.reap() == 0 and ledger.state("r1") is LeaseState.ACTIVE, "the old offer's deadline must not count"
     clock.now += 90
     assert ledger.reap() == 1 and released[-1] == ("r1", LeaseState.EXPIRED, (2,))
+
+
+def test_done_release_only_before_the_offer_counts_when_it_comes(ledger: Ledger, clock: Clock, released: list) -> None:
+    # The plan's notifier releases an unread rank before that rank offered the request.
+    early = ledger.done("r1", "decode/0", 0, expected_pulls=1)
+    assert early.state is LeaseState.UNKNOWN and released == []
+    ledger.offer("r1", [9], expected_pulls=None)
+    assert released == [("r1", LeaseState.RELEASED, (9,))]
+    # A read DONE (epoch != 0) is never kept; a kept DONE is forgotten after the lease timeout.
+    ledger.done("r2", "decode/0", 12345, expected_pulls=1)
+    ledger.done("r3", "decode/0", 0, expected_pulls=1)
+    clock.now += 11
+    ledger.offer("r2", [1], expected_pulls=None)
+    ledger.offer("r3", [1], expected_pulls=None)
+    assert released == [("r1", LeaseState.RELEASED, (9,))] and sorted(ledger.active) == ["r2", "r3"]

@@ -33,6 +33,7 @@ from kvbridge.control.messages import (
     Done,
     Frame,
     GetInfo,
+    LeaseState,
     LeaseStatus,
     QueryLease,
     RegisteredMemory,
@@ -328,17 +329,24 @@ class ControlClient:
             raise ProtocolError(f"side channel {self.url} answered {what} with {type(reply).__name__}")
         return reply
 
-    def _ready_request(self, msg: Any, wait_s: float) -> Any:
-        """Send `msg`, retrying while the peer is not ready yet, for at most `wait_s` seconds."""
+    def _ready_request(self, msg: Any, wait_s: float, *, until_offered: bool = False) -> Any:
+        """Send `msg`, retrying for at most `wait_s` seconds while the peer is not ready yet (and, with
+        `until_offered`, while it does not know the request yet: its offer may trail its answer to the proxy)."""
         deadline = time.monotonic() + wait_s
         delay = 0.01
         while True:
             reply = self.request(msg)
-            if not (isinstance(reply, Refused) and reply.kind == "not_ready"):
+            if isinstance(reply, Refused) and reply.kind == "not_ready":
+                why = f"{reply.message} ({self.url})"
+            elif until_offered and isinstance(reply, LeaseStatus) and reply.state is LeaseState.UNKNOWN:
+                why = f"request {reply.request_id!r} was never offered on {self.url}"
+            else:
                 return reply
             if time.monotonic() + delay > deadline:
+                if isinstance(reply, LeaseStatus):
+                    return reply
                 raise TransferTimeout(
-                    f"{reply.message} ({self.url}) after waiting {wait_s}s; start pulling once the peer is ready "
+                    f"{why} after waiting {wait_s}s; start pulling once the peer is ready "
                     "(its KV cache is allocated after any profiling run), or raise the ready timeout",
                     peer=self.url, cause="peer not ready",
                 )
@@ -362,12 +370,13 @@ class ControlClient:
     ) -> LeaseStatus:
         """Announce a read of `request_id`; raise LoadError unless its lease is active (recompute).
 
+        Waits up to `wait_s` for the peer to be ready and to have offered the request.
         `notify`: this rank's side channel, told if the prefill side aborts. `expected_pulls`: the
         prefill rank's release count from the plan (used when its offer left it open).
         """
         host, port = notify or ("", 0)
         msg = BeginPull(request_id, decode_rank, host, port, expected_pulls)
-        status = self._expect(self._ready_request(msg, wait_s), LeaseStatus, "BeginPull")
+        status = self._expect(self._ready_request(msg, wait_s, until_offered=True), LeaseStatus, "BeginPull")
         if not status.valid:
             raise LoadError(
                 f"request {request_id!r} has no active lease on {self.url} (it is {status.state.value}); "

@@ -82,6 +82,9 @@ class Ledger:
         # (deadline, epoch, request id) of every offer; stale rows (finished leases) are skipped when
         # popped, so a reap costs O(expired log n) however many leases are active.
         self._deadlines: list[tuple[float, int, str]] = []
+        # Release-only DONEs (epoch 0) for requests not offered yet: the plan's notifier may get
+        # there before this rank's offer. request id -> (forget at, {decode rank: stated count}).
+        self._early: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
         # Epochs are unique per ledger and start at a random point, so a restarted prefill
         # never confirms a lease its previous life handed out.
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
@@ -114,9 +117,14 @@ class Ledger:
             entry = _Entry(lease, expected_pulls)
             self._active[request_id] = entry
             heapq.heappush(self._deadlines, (lease.deadline, lease.epoch, request_id))
+            forget_at, early = self._early.pop(request_id, (0.0, {}))
+            for rank, stated in early.items() if forget_at > now else ():
+                entry.done.add(rank)
+                self._expect(entry, stated, rank)
+            last = entry.expected is not None and len(entry.done) >= entry.expected
         log.debug("lease %s epoch %d: %d blocks, %s pulls expected", request_id, lease.epoch, len(lease.blocks),
                   expected_pulls)
-        if expected_pulls == 0:
+        if last:
             self._finish(entry, LeaseState.RELEASED)
         return lease
 
@@ -180,7 +188,8 @@ class Ledger:
 
         A DONE with the wrong epoch is not counted. A duplicate of a counted DONE stays valid
         after the release; any other DONE after a release, expiry or abort is invalid: the read
-        it reports may have overlapped a reuse of the blocks.
+        it reports may have overlapped a reuse of the blocks. A release-only DONE (epoch 0) for a
+        request not offered yet is kept and counted when the offer comes.
         """
         self.reap()
         with self._lock:
@@ -188,6 +197,8 @@ class Ledger:
             if entry is None:
                 old = self._finished.get(request_id)
                 if old is None:
+                    if epoch == 0:
+                        self._stash(request_id, decode_rank, expected_pulls)
                     return LeaseStatus(request_id, LeaseState.UNKNOWN)
                 counted = old.state is LeaseState.RELEASED and decode_rank in old.done
                 return self._status(old, valid=counted and epoch in (0, old.lease.epoch))
@@ -201,6 +212,14 @@ class Ledger:
             return self._status(entry, valid=True, released=released)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _stash(self, request_id: str, decode_rank: str, expected_pulls: int) -> None:
+        """Keep a release-only DONE that came before the offer, for `timeout_s` (lock held)."""
+        now = self._clock()
+        while self._early and (len(self._early) >= self._max_tombstones or next(iter(self._early.values()))[0] <= now):
+            self._early.popitem(last=False)
+        _, ranks = self._early.setdefault(request_id, (now + self.timeout_s, {}))
+        ranks[decode_rank] = expected_pulls
 
     def _expect(self, entry: _Entry, expected_pulls: int, decode_rank: str) -> None:
         """Take the release count a decode rank states, if the lease has none yet (lock held)."""
