@@ -209,10 +209,13 @@ class ControlServer:
         poller.register(self._sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(self._poll_ms):
-                    self._serve_one()
-                if self.ledger is not None:
-                    self.ledger.reap()
+                try:
+                    if poller.poll(self._poll_ms):
+                        self._serve_one()
+                    if self.ledger is not None:
+                        self.ledger.reap()
+                except Exception:  # the loop must outlive any bug; leases depend on its reaping
+                    log.exception("%s: side-channel loop error", self.name)
         finally:
             self._sock.close(linger=0)
 
