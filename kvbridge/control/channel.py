@@ -216,6 +216,7 @@ class ControlServer:
                         self.ledger.reap()
                 except Exception:  # the loop must outlive any bug; leases depend on its reaping
                     log.exception("%s: side-channel loop error", self.name)
+                    self._stop.wait(self._poll_ms / 1000)  # no hot loop if the error repeats
         finally:
             self._sock.close(linger=0)
 
