@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge.control import Ledger, LeaseState
 from kvbridge.errors import ConfigError
@@ -189,3 +191,65 @@ def test_done_release_only_before_the_offer_counts_when_it_comes(ledger: Ledger,
     ledger.offer("r2", [1], expected_pulls=None)
     ledger.offer("r3", [1], expected_pulls=None)
     assert released == [("r1", LeaseState.RELEASED, (9,))] and sorted(ledger.active) == ["r2", "r3"]
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("offer"), st.sampled_from("abc"), st.sampled_from([None, 0, 1, 2, 3])),
+        st.tuples(st.just("begin"), st.sampled_from("abc"), st.sampled_from(["d0", "d1", "d2"]), st.integers(0, 3)),
+        st.tuples(st.just("done"), st.sampled_from("abc"), st.sampled_from(["d0", "d1", "d2"]), st.integers(0, 3),
+                  st.booleans()),
+        st.tuples(st.just("abort"), st.sampled_from("abc")),
+        st.tuples(st.just("advance"), st.floats(0, 6)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True)
+@given(ops)
+def test_lease_fuzz_ledger_invariants(script: list) -> None:
+    """Random offer/begin/done/abort/time sequences: a lease is released once; after an expiry or
+    abort no DONE of that epoch is answered valid, and after a release only the duplicates of
+    DONEs counted before it are (fencing)."""
+    clock = Clock()
+    log: list[tuple] = []  # ("release", epoch, reason), ("valid", epoch, rank), ("early", request, rank)
+    ledger = Ledger(lambda lease, why: log.append(("release", lease.epoch, why)), timeout_s=10.0, clock=clock)
+    epochs: dict[str, int] = {}
+    request_of: dict[int, str] = {}
+    for op in script:
+        if op[0] == "offer":
+            try:
+                epochs[op[1]] = ledger.offer(op[1], [1], expected_pulls=op[2]).epoch
+                request_of[epochs[op[1]]] = op[1]
+            except ConfigError:
+                assert ledger.state(op[1]) is LeaseState.ACTIVE
+        elif op[0] == "begin":
+            ledger.begin(op[1], op[2], expected_pulls=op[3])
+        elif op[0] == "done":
+            epoch = epochs.get(op[1], 0) if op[4] else 0
+            status = ledger.done(op[1], op[2], epoch, expected_pulls=op[3])
+            if status.valid and status.released:  # this DONE was counted, then released the lease
+                log.insert(log.index(("release", status.epoch, LeaseState.RELEASED)),
+                           ("valid", status.epoch, op[2]))
+            elif status.valid:
+                log.append(("valid", status.epoch, op[2]))
+            elif status.state is LeaseState.UNKNOWN and epoch == 0:
+                log.append(("early", op[1], op[2]))
+        elif op[0] == "abort":
+            ledger.abort(op[1])
+        else:
+            clock.now += op[1]
+            ledger.reap()
+    releases = [e for e in log if e[0] == "release"]
+    assert len({e[1] for e in releases}) == len(releases), "a lease was released twice"
+    for entry in releases:
+        _, epoch, reason = entry
+        at = log.index(entry)
+        later = {e[2] for e in log[at + 1:] if e[0] == "valid" and e[1] == epoch}
+        if reason is not LeaseState.RELEASED:
+            assert not later, f"a DONE was answered valid after the lease {reason.value}"
+        else:
+            counted = {e[2] for e in log[:at] if (e[0] == "valid" and e[1] == epoch)
+                       or (e[0] == "early" and e[1] == request_of[epoch])}
+            assert later <= counted, "a DONE not counted before the release was answered valid"
