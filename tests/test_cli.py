@@ -47,10 +47,11 @@ def test_bench_verifies_a_two_process_migration(backend: str, extra: list[str]) 
     assert result["verified"] is True
     assert result["kvbridge"]["gbps"] > 0 and result["raw"]["gbps"] > 0
     per_request = result["kvbridge"]
+    assert per_request["descriptors_per_request"] == 4 * 2 * 16  # (layer, K/V) x blocks
     if "--fragmented" in extra:
-        assert per_request["submitted_descriptors_per_request"] > 1
-    else:  # contiguous blocks: one descriptor per (layer, K/V) tensor
-        assert per_request["submitted_descriptors_per_request"] == 4 * 2
+        assert per_request["merged_runs_per_request"] > 4 * 2
+    else:  # contiguous blocks: one run per (layer, K/V) tensor
+        assert per_request["merged_runs_per_request"] == 4 * 2
 
 
 def test_bench_table_for_people() -> None:

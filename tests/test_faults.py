@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 
@@ -107,3 +108,24 @@ def test_close_is_idempotent_and_a_closed_backend_says_so(link) -> None:
     client.close()
     with pytest.raises(ConfigError, match="closed"):
         client.transfer(peer, blocks(dst, src))
+
+
+def test_long_descriptors_are_cut_to_the_transport_piece_size() -> None:
+    server = kvbridge.create_backend("loopback")
+    client = kvbridge.create_backend("loopback")
+    client.capabilities = attrs.evolve(client.capabilities, max_descriptor_bytes=1000, max_batch=3)
+    src = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    server.register_memory(src)
+    client.register_memory(dst)
+    peer = client.connect(server.endpoint_info())
+    try:
+        handle = client.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 4500), (dst.ctypes.data + 5000,
+                                        src.ctypes.data + 5000, 5000)])
+        handle.wait(10)
+        assert handle.descriptors == 5 + 5 and handle.nbytes == 9500
+        assert client.submissions == 4  # 10 pieces in batches of 3
+        assert (dst[:4500] == src[:4500]).all() and (dst[5000:] == src[5000:]).all() and not dst[4500:5000].any()
+    finally:
+        client.close()
+        server.close()

@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         latencies: list[float] = []
         verified = True
         problems: list[str] = []
-        descriptors = descriptors_in = 0
+        descriptors = descriptors_in = runs = 0
         with Progress(console=err_console, transient=True) as progress:
             task = progress.add_task("migrating", total=args.repeat * requests)
             for _ in range(args.repeat):
@@ -97,7 +97,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                     wait_s=args.timeout, timeout=args.timeout + 30)
                     kv_round += r["seconds"]
                     latencies.append(r["seconds"])
-                    descriptors, descriptors_in = r["descriptors"], r["descriptors_in"]
+                    descriptors, descriptors_in, runs = r["descriptors"], r["descriptors_in"], r["runs"]
                     progress.advance(task)
                 check = decode.call("verify", requests=dst_plan, timeout=600)
                 verified &= check["verified"]
@@ -125,6 +125,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "latency_ms": {"median": statistics.median(lat_ms), "p99": lat_ms[min(len(lat_ms) - 1,
                                                                                   math.ceil(0.99 * len(lat_ms)) - 1)]},
             "descriptors_per_request": descriptors_in,
+            "merged_runs_per_request": runs,
             "submitted_descriptors_per_request": descriptors,
         },
         "raw": {"gbps": raw_gbps, "descriptors_per_request": 1},
@@ -144,12 +145,13 @@ def run(args: argparse.Namespace) -> int:
             f"kvbridge bench: {c['migration_backend']} {c['model']} {c['tokens']} tokens x {c['requests']} requests "
             f"({'fragmented' if c['fragmented'] else 'contiguous'} blocks, {c['bytes_per_request'] / 2**20:.1f} MiB "
             "per request)",
-            ["path", "GB/s", "of raw", "median ms", "p99 ms", "descriptors/request"],
+            ["path", "GB/s", "of raw", "median ms", "p99 ms", "descriptors per request"],
             [
                 ("raw transport (1 descriptor)", f"{r['gbps']:.2f}", "100%", "", "", "1"),
                 ("kvbridge migration", f"{k['gbps']:.2f}", f"{result['ratio']:.0%}",
                  f"{k['latency_ms']['median']:.1f}", f"{k['latency_ms']['p99']:.1f}",
-                 f"{k['descriptors_per_request']} -> {k['submitted_descriptors_per_request']} merged"),
+                 f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} runs -> "
+                 f"{k['submitted_descriptors_per_request']} sent"),
             ],
         )
         status = "verified: every byte on the decode side is correct" if result["verified"] else (

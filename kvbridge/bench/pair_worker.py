@@ -15,6 +15,7 @@ import numpy as np
 
 import kvbridge
 from kvbridge.bench.fingerprint import block_values, element_dtype
+from kvbridge.memory import merge_runs
 from kvbridge.presets import get_preset
 from kvbridge.proc import serve
 
@@ -100,15 +101,16 @@ def migrate(src: dict[str, int], src_blocks: list[int], dst_blocks: list[int], w
     handle = side.backend.transfer(side.peer, desc, op="read")
     handle.wait(wait_s)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "bytes": handle.nbytes, "descriptors_in": len(desc), "descriptors": handle.descriptors}
+    return {"seconds": seconds, "bytes": handle.nbytes, "descriptors_in": len(desc), "runs": len(merge_runs(desc)),
+            "descriptors": handle.descriptors}
 
 
 def raw(src_base: int, nbytes: int, wait_s: float) -> dict[str, Any]:
-    """The transport's ceiling: one descriptor of the same number of bytes."""
+    """The transport's ceiling: one descriptor of the same number of bytes, straight to the transport."""
     side = _get()
     assert side.peer is not None
     start = time.perf_counter()
-    side.backend.transfer(side.peer, [(side.base, src_base, nbytes)], op="read").wait(wait_s)
+    side.backend.raw_transfer(side.peer, side.base, src_base, nbytes, op="read").wait(wait_s)
     return {"seconds": time.perf_counter() - start, "bytes": nbytes}
 
 
