@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from control_helpers import wait_for
 
 from kvbridge.agent import KVAgent
 from kvbridge.control import ControlServer, DecodeControl, KVTransferParams, Ledger, LeaseState
@@ -110,3 +111,10 @@ def test_pull_from_a_rank_that_never_becomes_ready_fails_clearly(pair: Pair) -> 
     with pytest.raises(TransferTimeout, match="has not registered its KV cache"):
         pair.start("r4")
     assert pair.outcomes == [] and pair.released == []
+
+
+def test_abort_through_decode_control_frees_the_prefill_lease(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r5", [1, 2, 3], expected_pulls=1)
+    assert pair.control.abort(pair.params("r5"), reason="client went away") == 1
+    wait_for(lambda: pair.released == [("r5", LeaseState.ABORTED)], what="abort at prefill")
