@@ -11,7 +11,7 @@ from control_helpers import wait_for
 
 from kvbridge.agent import KVAgent
 from kvbridge.control import ControlServer, DecodeControl, KVTransferParams, Ledger, LeaseState
-from kvbridge.errors import LoadError, TransferFailed, TransferTimeout
+from kvbridge.errors import ConfigError, LoadError, TransferFailed, TransferTimeout
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS
 from kvbridge.topology import ParallelConfig
@@ -118,3 +118,12 @@ def test_abort_through_decode_control_frees_the_prefill_lease(pair: Pair) -> Non
     pair.ledger.offer("r5", [1, 2, 3], expected_pulls=1)
     assert pair.control.abort(pair.params("r5"), reason="client went away") == 1
     wait_for(lambda: pair.released == [("r5", LeaseState.ABORTED)], what="abort at prefill")
+
+
+def test_done_sent_when_the_pull_fails_before_moving_bytes(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r6", [1, 2, 3], expected_pulls=1)
+    with pytest.raises(ConfigError, match="holds 3 blocks"):
+        pair.control.start("local-r6", pair.params("r6"), [4])  # too few local blocks: nothing is read
+    assert pair.released == [("r6", LeaseState.RELEASED)], "the announced lease is released at once"
+    assert pair.control.local_id("r6") is None

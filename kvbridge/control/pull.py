@@ -77,42 +77,53 @@ class DecodeControl:
         tokens = int(params.remote_num_tokens or 0)
         plan = self.agent.plan(prefill, tokens, prefill_dp=params.dp_rank)
         leases: dict[int, tuple[ControlClient, int, int]] = {}  # prefill rank -> client, epoch, release count
-        infos = []
-        for rank in sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)}):
-            client, addr = self._client(params, rank)
-            infos.append(self._info(client, addr))
-            count = plan.release_count(rank)
-            status = client.begin_pull(rid, self.name, notify=self.server.address, expected_pulls=count,
-                                       wait_s=self.ready_timeout_s)
-            leases[rank] = (client, status.epoch, count)
         notify = [self._client(params, r)[0] for r in plan.unpulled] if self.agent.rank == plan.notifier else []
-        with self._lock:
-            self._local_ids[rid] = request_id
 
         def finished(result: PullResult) -> None:
-            error = result.error
-            if error is not None:
+            if result.error is not None:
                 with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
                     self._infos.clear()
-            for client, epoch, count in leases.values():
-                try:
-                    client.done(rid, self.name, epoch, expected_pulls=count, check=error is None)
-                except LoadError as exc:
-                    error = error or exc
-                except KVBridgeError as exc:  # unreachable prefill: its lease expires; the data is unconfirmed
-                    error = error or LoadError(f"request {rid!r}: could not confirm the lease on {client.url}: "
-                                               f"{exc}; recompute", peer=client.url, request=rid)
-            for client in notify:
-                try:
-                    client.done(rid, self.name, 0, expected_pulls=1, check=False)
-                except KVBridgeError as exc:
-                    log.warning("request %s: could not release unread prefill rank %s: %s", rid, client.url, exc)
-            with self._lock:
-                self._local_ids.pop(rid, None)
+            error = self._send_dones(rid, leases, notify, result.error)
             if on_finished is not None:
                 on_finished(request_id, error)
 
-        return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
+        with self._lock:
+            self._local_ids[rid] = request_id
+        try:
+            infos = []
+            for rank in sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)}):
+                client, addr = self._client(params, rank)
+                infos.append(self._info(client, addr))
+                count = plan.release_count(rank)
+                status = client.begin_pull(rid, self.name, notify=self.server.address, expected_pulls=count,
+                                           wait_s=self.ready_timeout_s)
+                leases[rank] = (client, status.epoch, count)
+            return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
+        except BaseException as exc:
+            # This rank will not read: release what it announced (and the unread ranks) right away.
+            self._send_dones(rid, leases, notify, exc)
+            raise
+
+    def _send_dones(self, rid: str, leases: dict[int, tuple[ControlClient, int, int]],
+                    notify: list[ControlClient], error: BaseException | None) -> BaseException | None:
+        """DONE to every announced lease (fenced unless the pull already failed) and to the unread
+        ranks; returns the pull's outcome: None, or the error that means recompute."""
+        for client, epoch, count in leases.values():
+            try:
+                client.done(rid, self.name, epoch, expected_pulls=count, check=error is None)
+            except LoadError as exc:
+                error = error or exc
+            except KVBridgeError as exc:  # unreachable prefill: its lease expires; the data is unconfirmed
+                error = error or LoadError(f"request {rid!r}: could not confirm the lease on {client.url}: {exc}; "
+                                           "recompute", peer=client.url, request=rid)
+        for client in notify:
+            try:
+                client.done(rid, self.name, 0, expected_pulls=1, check=False)
+            except KVBridgeError as exc:
+                log.warning("request %s: could not release unread prefill rank %s: %s", rid, client.url, exc)
+        with self._lock:
+            self._local_ids.pop(rid, None)
+        return error
 
     def local_id(self, remote_request_id: str) -> str | None:
         """This engine's id of a request being pulled (an abort from the prefill side names the prefill's id)."""
