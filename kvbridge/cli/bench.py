@@ -13,6 +13,7 @@ from kvbridge.presets import PRESETS
 # mode name -> module in kvbridge.bench; each has add_arguments(group) and run(args) -> int
 MODES = {
     "pair": "kvbridge.bench.pair",
+    "parallel": "kvbridge.bench.parallel",
 }
 
 
@@ -41,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def pick_mode(args: argparse.Namespace) -> str:
+    if getattr(args, "prefill", None) or getattr(args, "decode", None):
+        return "parallel"
     return "pair"
 
 
