@@ -81,7 +81,7 @@ class StagedBackend:
         self.device = device
         self._mirrors: list[_Mirror] = []
         self._index = RegionIndex()
-        self._starts = np.empty(0, dtype=np.int64)
+        self._starts = self._host_starts = np.empty(0, dtype=np.int64)
 
     @property
     def name(self) -> str:
@@ -120,9 +120,7 @@ class StagedBackend:
             (host_region,) = as_regions(host)
             self.backend.register_memory(host)
             self._mirrors.append(_Mirror(region, _flat_bytes(buf), host, _flat_bytes(host), host_region.addr))
-        self._mirrors.sort(key=lambda m: m.region.addr)
-        self._index = RegionIndex([m.region for m in self._mirrors])
-        self._starts = np.array([m.region.addr for m in self._mirrors], dtype=np.int64)
+        self._reindex()
         return out
 
     def unregister_memory(self, x: Any) -> None:
@@ -131,8 +129,14 @@ class StagedBackend:
         for m in gone:
             self.backend.unregister_memory(m.host)
         self._mirrors = [m for m in self._mirrors if m.region.addr not in addrs]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """Mirrors sorted by device address, for vectorized lookups of which buffer a range is in."""
+        self._mirrors.sort(key=lambda m: m.region.addr)
         self._index = RegionIndex([m.region for m in self._mirrors])
         self._starts = np.array([m.region.addr for m in self._mirrors], dtype=np.int64)
+        self._host_starts = np.array([m.host_addr for m in self._mirrors], dtype=np.int64)
 
     def endpoint(self) -> EndpointInfo:
         return self.backend.endpoint()
@@ -157,7 +161,7 @@ class StagedBackend:
         slot = np.searchsorted(self._starts, desc[:, 0], side="right") - 1
         offsets = desc[:, 0] - self._starts[slot]
         staged = desc.copy()
-        staged[:, 0] = np.array([m.host_addr for m in self._mirrors], dtype=np.int64)[slot] + offsets
+        staged[:, 0] = self._host_starts[slot] + offsets
         if op == "write":
             self._copy(slot, offsets, desc[:, 2], to_host=True)
             return self.backend.transfer(peer, staged, op)

@@ -12,6 +12,7 @@ be installed (``pip install -e .``) for its entry point to be found.
 from __future__ import annotations
 
 import collections
+import gc
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -271,6 +272,9 @@ class _pair:
     def __exit__(self, *exc: object) -> None:
         for be in self.made:
             be.close()
+        # Peers, handles and tracebacks form reference cycles; collect them now, so their sockets and
+        # native resources are released inside the test that made them, not during a later one.
+        gc.collect()
 
 
 def _torch() -> Any:

@@ -11,6 +11,7 @@ is checked, and so is every byte that must not have moved.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -54,6 +55,7 @@ class TransportConformance:
         yield a, b
         a.close()
         b.close()
+        gc.collect()  # release what reference cycles (peers, handles, tracebacks) still hold, in this test
         kvbridge.reset_plugins()
 
     @pytest.fixture

@@ -155,6 +155,7 @@ class TcpBackend(MigrationBackend):
         self._stop = threading.Event()
         self._server_threads: list[threading.Thread] = []
         self._conns: list[socket.socket] = []
+        self._pools: list[queue.SimpleQueue[socket.socket]] = []
         accept = threading.Thread(target=self._accept_loop, name=f"kvbridge-tcp-accept-{self._port}", daemon=True)
         accept.start()
         self._server_threads.append(accept)
@@ -248,6 +249,8 @@ class TcpBackend(MigrationBackend):
             raise ConfigError(f"tcp endpoint {endpoint.address} carries no token; pass its endpoint_info() unchanged")
         pool: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         pool.put(self._dial(host, int(port), endpoint.address))  # fail now if the peer is unreachable
+        with self._lock:
+            self._pools.append(pool)  # close() closes them: a peer object may outlive this backend
         return {"host": host, "port": int(port), "token": endpoint.extra["token"], "pool": pool}
 
     def _dial(self, host: str, port: int, name: str) -> socket.socket:
@@ -289,17 +292,14 @@ class TcpBackend(MigrationBackend):
         h["pool"].put(sock)
 
     def _disconnect(self, peer: Peer) -> None:
-        pool = peer.handle["pool"]
-        while True:
-            try:
-                pool.get_nowait().close()
-            except queue.Empty:
-                return
+        _drain(peer.handle["pool"])
 
     def _shutdown(self) -> None:
         self._stop.set()
         self._listener.close()
         with self._lock:
+            for pool in self._pools:
+                _drain(pool)
             for conn in self._conns:
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
@@ -307,3 +307,12 @@ class TcpBackend(MigrationBackend):
                     pass
         for t in self._server_threads:
             t.join(timeout=2)
+
+
+def _drain(pool: queue.SimpleQueue[socket.socket]) -> None:
+    """Close every idle connection of a peer's pool."""
+    while True:
+        try:
+            pool.get_nowait().close()
+        except queue.Empty:
+            return
