@@ -79,6 +79,11 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     def links(self) -> Mapping[str, Link]:
         return MappingProxyType(self._links)
 
+    @property
+    def transports(self) -> Mapping[str, MigrationBackend]:
+        """The open transports by protocol (one serves every link of that protocol)."""
+        return MappingProxyType(self._transports)
+
     # -- setup -------------------------------------------------------------------------------
 
     def _protocol(self, protocol: MigrationProtocol) -> str:
@@ -113,8 +118,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
     def _check_protocol(self, link: Link, protocol: MigrationProtocol, what: str) -> None:
         if MigrationProtocol(protocol) != link.protocol:
-            raise ConfigError(f"{what} for remote engine {link.remote_engine_id!r} uses {protocol!r}, "
-                              f"but the link was initialized with {link.protocol!r}")
+            raise ConfigError(f"{what} for remote engine {link.remote_engine_id!r} uses MigrationProtocol."
+                              f"{MigrationProtocol(protocol).name}, but the link was initialized with "
+                              f"MigrationProtocol.{link.protocol.name}; use one protocol per link")
 
     def p2p_initialize(self, init_request: DistServeInitRequest) -> None:
         """Open (or reuse) the transport for the request's protocol and create the link."""
