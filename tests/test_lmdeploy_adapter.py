@@ -7,6 +7,7 @@ on 127.0.0.1. In-process tests cover planning and failure paths on the loopback 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -37,6 +38,9 @@ from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assi
 
 from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend  # noqa: E402
 from kvbridge.adapters.lmdeploy.plan import instruct_array, plan  # noqa: E402
+from kvbridge.bench import lmdeploy as lmdeploy_bench  # noqa: E402
+from kvbridge.bench.lmdeploy_rank import engine_config  # noqa: E402
+from kvbridge.cli import bench as bench_cli  # noqa: E402
 from kvbridge.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed  # noqa: E402
 from kvbridge.proc import Child, ChildError  # noqa: E402
 from kvbridge.types import MemoryRegion  # noqa: E402
@@ -49,16 +53,13 @@ RANK = "kvbridge.bench.lmdeploy_rank"
 PAIRS = [[p, d] for p, d in zip(range(10, 18), range(2, 10))] + [[30, 12], [29, 13], [28, 14]] + [[0, 20], [39, 16]]
 
 
-def _cfg(blocks: int) -> dict:
-    return DistServeEngineConfig(tp_size=1, ep_size=1, dp_size=1, pp_size=None, dp_rank=0, block_size=16,
-                                 num_cpu_blocks=0, num_gpu_blocks=blocks).model_dump()
+def _cfg(blocks: int) -> DistServeEngineConfig:
+    return engine_config(blocks, block_size=16)
 
 
 def _handshake(prefill: Child, decode: Child) -> None:
-    p_ep = prefill.call("initialize", remote_engine_id="decode-0", local_config=_cfg(P_BLOCKS),
-                        remote_config=_cfg(D_BLOCKS), protocol="TCP")
-    d_ep = decode.call("initialize", remote_engine_id="prefill-0", local_config=_cfg(D_BLOCKS),
-                       remote_config=_cfg(P_BLOCKS), protocol="TCP")
+    p_ep = prefill.call("initialize", remote_engine_id="decode-0", remote_blocks=D_BLOCKS, protocol="TCP")
+    d_ep = decode.call("initialize", remote_engine_id="prefill-0", remote_blocks=P_BLOCKS, protocol="TCP")
     decode.call("connect", remote_engine_id="prefill-0", endpoint=p_ep)
     prefill.call("connect", remote_engine_id="decode-0", endpoint=d_ep)
 
@@ -263,3 +264,33 @@ def test_connect_refuses_a_foreign_endpoint() -> None:
     finally:
         prefill.close()
         decode.close()
+
+
+# -- the bench mode ----------------------------------------------------------------------------
+
+def test_engine_option_picks_the_lmdeploy_mode() -> None:
+    assert bench_cli.MODES["lmdeploy"] == "kvbridge.bench.lmdeploy"
+    assert bench_cli.pick_mode(argparse.Namespace(engine="lmdeploy")) == "lmdeploy"
+    assert bench_cli.pick_mode(argparse.Namespace(engine=None)) == "pair"
+
+
+@pytest.mark.parametrize("pattern", lmdeploy_bench.PATTERNS)
+def test_bench_block_pairs_fit_both_pools(pattern: str) -> None:
+    pairs, p_total, d_total = lmdeploy_bench.block_pairs(pattern, blocks=16, requests=3)
+    arr = np.asarray(pairs)
+    assert p_total != d_total and len(arr) == 48
+    assert len(set(arr[:, 0])) == 48 and len(set(arr[:, 1])) == 48  # no block used twice on a side
+    assert arr[:, 0].max() < p_total and arr[:, 1].max() < d_total
+
+
+@pytest.mark.slow
+def test_bench_runs_verified_and_reports_both_strategies(capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(model="tiny-gqa", tokens=64, requests=2, migration_backend="mooncake", protocol=None,
+                              json=True, engine="lmdeploy", lmdeploy_pattern="contiguous", lmdeploy_repeat=1)
+    assert lmdeploy_bench.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    strategies = [r["strategy"] for r in report["rows"]]
+    assert strategies == ["kvbridge (sync)", "kvbridge (async)", "per-instruct (lmdeploy 0.18)"]
+    assert all(r["verified"] and r["gbps_median"] > 0 for r in report["rows"])
+    # 2 layers x 2 requests of 4 contiguous blocks: kvbridge merges each request's run per layer.
+    assert report["rows"][0]["instructs"] == 16 and report["rows"][0]["descriptors"] == 4

@@ -39,10 +39,10 @@ from kvbridge.proc import serve
 log = logging.getLogger(__name__)
 
 
-def engine_config(num_blocks: int, block_size: int = 16) -> dict[str, Any]:
-    """A single-rank DistServeEngineConfig as a dict (what travels between processes)."""
+def engine_config(num_blocks: int, block_size: int) -> DistServeEngineConfig:
+    """A single-rank engine config, as a worker's p2p_initialize receives it."""
     return DistServeEngineConfig(tp_size=1, ep_size=1, dp_size=1, pp_size=None, dp_rank=0, block_size=block_size,
-                                 num_cpu_blocks=0, num_gpu_blocks=num_blocks).model_dump()
+                                 num_cpu_blocks=0, num_gpu_blocks=num_blocks)
 
 
 def fingerprint(layers: np.ndarray, blocks: np.ndarray, words: int) -> np.ndarray:
@@ -76,11 +76,12 @@ class Rank:
         self.backend = cls()
         return {"backend": f"{cls.__module__}.{cls.__qualname__}"}
 
-    def initialize(self, remote_engine_id: str, local_config: dict, remote_config: dict,
+    def initialize(self, remote_engine_id: str, remote_blocks: int, block_size: int = 16,
                    protocol: str = "TCP") -> str:
+        assert self.pool is not None
         req = DistServeInitRequest(
-            local_engine_id=self.engine_id, local_engine_config=DistServeEngineConfig(**local_config),
-            remote_engine_id=remote_engine_id, remote_engine_config=DistServeEngineConfig(**remote_config),
+            local_engine_id=self.engine_id, local_engine_config=engine_config(self.pool.shape[1], block_size),
+            remote_engine_id=remote_engine_id, remote_engine_config=engine_config(remote_blocks, block_size),
             protocol=MigrationProtocol[protocol], rank=0,
         )
         self.backend.p2p_initialize(req)
@@ -139,7 +140,18 @@ class Rank:
 
         seconds, ticks = asyncio.run(main())
         return {"seconds": seconds, "ticks": ticks, "instructs": len(assignment.batch),
-                "bytes": sum(i.length for i in assignment.batch)}
+                "bytes": sum(i.length for i in assignment.batch), "descriptors": self._descriptors(assignment)}
+
+    def _descriptors(self, assignment: MigrationAssignment) -> int | None:
+        """How many descriptors kvbridge's planner makes of this assignment (None for another backend)."""
+        link = self.backend.links[assignment.remote_engine_id]
+        if not hasattr(link, "local_regions"):
+            return None
+        from kvbridge.adapters.lmdeploy.plan import instruct_array, plan
+
+        p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions,
+                 engine=assignment.remote_engine_id)
+        return len(p.descriptors)
 
     def store(self, remote_engine_id: str, pairs: list[list[int]]) -> None:
         self.backend.store(self.assignment(remote_engine_id, pairs))
