@@ -204,6 +204,13 @@ def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
         [(1 << 20) + layer * D_BLOCKS * BLOCK_BYTES, (1 << 30) + (layer * P_BLOCKS + 5) * BLOCK_BYTES, 20 * BLOCK_BYTES]
         for layer in range(LAYERS)
     ]
+    # Runs longer than max_bytes are cut again; errors still map each batch back to its instructs.
+    cut = plan(instruct_array(batch), local, remote, engine="prefill-0", max_bytes=4 * BLOCK_BYTES)
+    assert len(cut.descriptors) == LAYERS * 5 and (cut.descriptors[:, 2] == 4 * BLOCK_BYTES).all()
+    assert cut.descriptors[:, 2].sum() == p.descriptors[:, 2].sum()
+    first_batch = cut.batches(2)[0]
+    assert len(first_batch[0]) == 2 and first_batch[2] == 8  # two pieces of four blocks each
+    assert tuple(batch[first_batch[1]].model_dump().values()) == (0, 5 * BLOCK_BYTES, 0, BLOCK_BYTES)
     # Scattered blocks stay one descriptor per instruct; the bytes are the same.
     scattered = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(3, 0), (1, 1), (7, 2)])
     s = plan(instruct_array(scattered), local, remote, engine="prefill-0")

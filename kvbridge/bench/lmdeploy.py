@@ -70,8 +70,10 @@ def _measure(prefill: Child, decode: Child, pattern: str, args: argparse.Namespa
     _handshake(prefill, decode, p_total, d_total, spec.block_size)
     rows = []
     runs = {
-        "kvbridge (sync)": lambda: decode.call("migrate", remote_engine_id="prefill", pairs=pairs, async_op=False),
-        "kvbridge (async)": lambda: decode.call("migrate", remote_engine_id="prefill", pairs=pairs, async_op=True),
+        "kvbridge (sync)": lambda: decode.call("migrate", remote_engine_id="prefill", pairs=pairs, async_op=False,
+                                               ticker=False),
+        "kvbridge (async)": lambda: decode.call("migrate", remote_engine_id="prefill", pairs=pairs, async_op=True,
+                                                ticker=False),
         "per-instruct (lmdeploy 0.18)": lambda: decode.call("raw_migrate", remote_engine_id="prefill", pairs=pairs,
                                                             timeout=600),
     }

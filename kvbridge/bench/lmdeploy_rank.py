@@ -113,21 +113,24 @@ class Rank:
                                    batch=batch)
 
     def migrate(self, remote_engine_id: str, pairs: list[list[int]], async_op: bool = False,
-                protocol: str = "TCP") -> dict[str, Any]:
-        """Run p2p_migrate on an event loop beside a ticker; report seconds and ticks during the await."""
+                protocol: str = "TCP", ticker: bool = True) -> dict[str, Any]:
+        """Run p2p_migrate on an event loop; report seconds, and how often a ticker task ran during the await.
+
+        The ticker proves the loop runs during an async migration; it spins, so the bench turns it off.
+        """
         assignment = self.assignment(remote_engine_id, pairs, protocol)
 
         async def main() -> tuple[float, int]:
             ticks = 0
             running = True
 
-            async def ticker() -> None:
+            async def tick() -> None:
                 nonlocal ticks
                 while running:
                     ticks += 1
                     await asyncio.sleep(0)
 
-            task = asyncio.create_task(ticker())
+            task = asyncio.create_task(tick() if ticker else asyncio.sleep(0))
             await asyncio.sleep(0)  # let the ticker start
             start_ticks, start = ticks, time.perf_counter()
             try:
@@ -150,7 +153,7 @@ class Rank:
         from kvbridge.adapters.lmdeploy.plan import instruct_array, plan
 
         p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions,
-                 engine=assignment.remote_engine_id)
+                 engine=assignment.remote_engine_id, max_bytes=self.backend.settings.max_descriptor_bytes)
         return len(p.descriptors)
 
     def store(self, remote_engine_id: str, pairs: list[list[int]]) -> None:

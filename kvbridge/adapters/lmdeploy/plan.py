@@ -3,7 +3,9 @@
 An instruct reads `length` bytes at `target_offset` of the remote region `mr_key` into
 `source_offset` of the local region with the same key. Instructs are sorted by local address
 and runs that are contiguous on both sides become one descriptor, so a request whose blocks
-are consecutive costs one descriptor per layer run instead of one per (layer, block).
+are consecutive costs one descriptor per layer run instead of one per (layer, block). Runs
+longer than `max_bytes` are cut again, since a transport moves several mid-sized descriptors
+in parallel but one huge descriptor on one lane.
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ def instruct_array(batch: Sequence[Any]) -> np.ndarray:
     return np.fromiter(map(_get, batch), dtype=np.dtype((np.int64, 4)), count=len(batch)).reshape(-1, 4)
 
 
+def split_long(desc: np.ndarray, limit: int) -> np.ndarray:
+    """Cut descriptors longer than `limit` bytes into pieces of at most `limit` bytes, in order."""
+    pieces = -(-desc[:, 2] // limit)
+    row = np.repeat(np.arange(len(desc)), pieces)
+    first = np.cumsum(pieces) - pieces
+    offset = (np.arange(len(row)) - first[row]) * limit
+    out = desc[row].copy()
+    out[:, 0] += offset
+    out[:, 1] += offset
+    out[:, 2] = np.minimum(limit, desc[row, 2] - offset)
+    return out
+
+
 def describe(instructs: np.ndarray, i: int) -> str:
     return f"instruct #{i} (" + ", ".join(f"{k}={int(v)}" for k, v in zip(FIELDS, instructs[i])) + ")"
 
@@ -37,17 +52,18 @@ class Plan:
     """Merged descriptors plus what maps them back to instructs for error messages."""
 
     instructs: np.ndarray  # (N, 4) as given
-    descriptors: np.ndarray  # (M, 3) local_addr, remote_addr, length; sorted, merged
+    descriptors: np.ndarray  # (M, 3) local_addr, remote_addr, length; sorted, merged, cut to max_bytes
     order: np.ndarray  # (N,) instruct index in local-address order
-    starts: np.ndarray  # (M + 1,) where each descriptor's instructs begin in `order`, plus N
+    first: np.ndarray  # (M,) position in `order` of the instruct holding each descriptor's first byte
+    last: np.ndarray  # (M,) ... and its last byte
 
     def batches(self, size: int) -> list[tuple[np.ndarray, int, int]]:
-        """(descriptors, first instruct index, number of instructs) per batch of `size` descriptors."""
+        """(descriptors, first instruct index, number of instructs touched) per batch of `size` descriptors."""
         out = []
         for a in range(0, len(self.descriptors), size):
             b = min(a + size, len(self.descriptors))
-            first, end = int(self.starts[a]), int(self.starts[b])
-            out.append((self.descriptors[a:b], int(self.order[first]), end - first))
+            first, last = int(self.first[a]), int(self.last[b - 1])
+            out.append((self.descriptors[a:b], int(self.order[first]), last - first + 1))
         return out
 
     @property
@@ -76,6 +92,7 @@ def plan(
     remote: Mapping[int, MemoryRegion],
     *,
     engine: str,
+    max_bytes: int | None = None,
 ) -> Plan:
     """Check every instruct against the regions on both sides and build merged descriptors.
 
@@ -110,7 +127,10 @@ def plan(
     order = np.lexsort((desc[:, 1], desc[:, 0]))
     ordered = desc[order]
     merged = merge_runs(ordered)
-    # merge_runs keeps the first row of every run, so each merged row's start is found by address.
-    starts = np.searchsorted(ordered[:, 0], merged[:, 0])
-    starts = np.append(starts, len(ordered)).astype(np.int64)
-    return Plan(instructs=instructs, descriptors=merged, order=order, starts=starts)
+    if max_bytes:
+        merged = split_long(merged, max_bytes)
+    # The instructs (positions in `order`) holding each descriptor's first and last byte.
+    local = ordered[:, 0]
+    first = np.searchsorted(local, merged[:, 0], side="right") - 1
+    last = np.searchsorted(local, merged[:, 0] + merged[:, 2] - 1, side="right") - 1
+    return Plan(instructs=instructs, descriptors=merged, order=order, first=first, last=last)
