@@ -17,6 +17,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -41,7 +42,7 @@ from kvbridge.adapters.lmdeploy.plan import instruct_array, plan  # noqa: E402
 from kvbridge.bench import lmdeploy as lmdeploy_bench  # noqa: E402
 from kvbridge.bench.lmdeploy_rank import engine_config  # noqa: E402
 from kvbridge.cli import bench as bench_cli  # noqa: E402
-from kvbridge.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed  # noqa: E402
+from kvbridge.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed, TransferTimeout  # noqa: E402
 from kvbridge.proc import Child, ChildError  # noqa: E402
 from kvbridge.types import MemoryRegion  # noqa: E402
 
@@ -301,3 +302,18 @@ def test_bench_runs_verified_and_reports_both_strategies(capsys: pytest.CaptureF
     assert all(r["verified"] and r["gbps_median"] > 0 for r in report["rows"])
     # 2 layers x 2 requests of 4 contiguous blocks: kvbridge merges each request's run per layer.
     assert report["rows"][0]["instructs"] == 16 and report["rows"][0]["descriptors"] == 4
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_a_stuck_transfer_times_out_naming_the_engine(async_op: bool) -> None:
+    prefill, decode, _src, _dst = _loopback_pair()
+    decode.settings = attrs.evolve(decode.settings, timeout=0.05)
+    try:
+        batch = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(7, 3)])
+        decode.transports["loopback"].inject(delay=1.0)
+        with pytest.raises(TransferTimeout, match=r"remote engine 'p' failed: .*instruct #0 .* not finished within 0.05s"):
+            asyncio.run(decode.p2p_migrate(MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p",
+                                                               batch=batch), async_op=async_op))
+    finally:
+        prefill.close()
+        decode.close()

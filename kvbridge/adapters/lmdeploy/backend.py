@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -218,27 +219,32 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         return out
 
     def _wait(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+        """Block until every batch settled (one deadline for all), then raise the first failure."""
+        timeout = self.settings.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failure: KVBridgeError | None = None
         for handle, first, count in submitted:
             try:
-                handle.wait(self.settings.timeout)
+                handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except TransferTimeout:
+                failure = failure or _failed(rid, p, first, count, TransferTimeout(
+                    f"not finished within {timeout}s", peer=rid, cause="timeout"))
             except TransferError as exc:
-                raise _failed(rid, p, first, count, exc) from exc
+                failure = failure or _failed(rid, p, first, count, exc)
+        if failure is not None:
+            raise failure
 
     async def _wait_async(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+        """Yield to the event loop until every batch settled, then raise the first failure."""
         loop = asyncio.get_running_loop()
         waiters = [_on_loop(loop, handle) for handle, _, _ in submitted]
         try:
             await asyncio.wait_for(asyncio.gather(*waiters), self.settings.timeout)
-        except TimeoutError:
-            pending = next(i for i, (h, _, _) in enumerate(submitted) if not h.done())
-            _, first, count = submitted[pending]
-            raise _failed(rid, p, first, count, TransferTimeout(
+        except asyncio.TimeoutError:
+            late = next((s for s in submitted if not s[0].done()), submitted[-1])
+            raise _failed(rid, p, late[1], late[2], TransferTimeout(
                 f"not finished within {self.settings.timeout}s", peer=rid, cause="timeout")) from None
-        for handle, first, count in submitted:
-            try:
-                handle.wait(0)
-            except TransferError as exc:
-                raise _failed(rid, p, first, count, exc) from exc
+        self._wait(rid, p, submitted)  # every handle is done: this only collects errors
 
     # -- teardown ----------------------------------------------------------------------------
 
