@@ -38,7 +38,7 @@ from kvbridge.plugins import create_backend
 from kvbridge.types import EndpointInfo, MemoryRegion
 
 from kvbridge.adapters.lmdeploy.plan import Plan, describe, instruct_array, plan
-from kvbridge.adapters.lmdeploy.settings import AdapterSettings
+from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,15 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         with self._lock:
             if name not in self._transports:
                 s = self.settings
-                self._transports[name] = create_backend(
-                    s.transport, protocol=name, hostname=s.hostname, metadata_server=s.metadata_server,
-                    device_name=s.device_for(rank),
-                )
+                try:
+                    self._transports[name] = create_backend(
+                        s.transport, protocol=name, hostname=s.hostname, metadata_server=s.metadata_server,
+                        device_name=s.device_for(rank),
+                    )
+                except ConfigError as exc:
+                    raise ConfigError(f"{exc}. LMDeploy asked for MigrationProtocol.{MigrationProtocol(protocol).name}"
+                                      f"; set {PROTOCOL_ENV} to a protocol the {s.transport!r} transport speaks, "
+                                      f"or {TRANSPORT_ENV} to another transport") from exc
                 log.info("kvbridge LMDeploy backend: %s/%s transport up", s.transport, name)
             return self._transports[name]
 
