@@ -36,9 +36,6 @@ from lmdeploy.pytorch.engine.cache_engine.migration import (
 from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge.proc import serve
 
-log = logging.getLogger(__name__)
-
-
 def engine_config(num_blocks: int, block_size: int) -> DistServeEngineConfig:
     """A single-rank engine config, as a worker's p2p_initialize receives it."""
     return DistServeEngineConfig(tp_size=1, ep_size=1, dp_size=1, pp_size=None, dp_rank=0, block_size=block_size,

@@ -158,7 +158,8 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                 self._release(link, old)
             link.local_regions[req.mr_key] = region
             link.local_offsets[req.mr_key] = req.offset
-            self._region_users.setdefault((self._protocol(link.protocol), region.addr), set()).add(link.remote_engine_id)
+            users = self._region_users.setdefault((self._protocol(link.protocol), region.addr), set())
+            users.add(link.remote_engine_id)
 
     def endpoint_info(self, remote_engine_id: str, protocol: MigrationProtocol) -> dict[str, Any]:
         """What the peer's `p2p_connect` needs: the transport endpoint and the cache pools by mr_key."""
@@ -331,10 +332,9 @@ def _parse_endpoint(rid: str, text: str) -> tuple[EndpointInfo, dict[int, Memory
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"endpoint_info from remote engine {rid!r} is not JSON: {exc}") from None
     if not isinstance(data, dict) or "kvbridge" not in data:
-        raise ProtocolError(
-            f"remote engine {rid!r} did not send a kvbridge endpoint (keys: {sorted(data) if isinstance(data, dict) else type(data).__name__}); "
-            "install kvbridge-lmdeploy on both prefill and decode engines"
-        )
+        got = f"keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
+        raise ProtocolError(f"remote engine {rid!r} did not send a kvbridge endpoint (got {got}); "
+                            "install kvbridge-lmdeploy on both prefill and decode engines")
     if data["kvbridge"] != ENDPOINT_VERSION:
         raise ProtocolError(f"remote engine {rid!r} sent endpoint version {data['kvbridge']!r}, this side speaks "
                             f"{ENDPOINT_VERSION}; install the same kvbridge-lmdeploy release on both sides")
