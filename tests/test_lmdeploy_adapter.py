@@ -280,10 +280,17 @@ def test_connect_refuses_a_foreign_endpoint() -> None:
 
 # -- the bench mode ----------------------------------------------------------------------------
 
-def test_engine_option_picks_the_lmdeploy_mode() -> None:
+def test_engine_option_picks_the_lmdeploy_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bench_cli.MODES["lmdeploy"] == "kvbridge.bench.lmdeploy"
-    assert bench_cli.pick_mode(argparse.Namespace(engine="lmdeploy")) == "lmdeploy"
-    assert bench_cli.pick_mode(argparse.Namespace(engine=None)) == "pair"
+    # Only this mode's options: the parser must accept them beside the shared ones.
+    monkeypatch.setattr(bench_cli, "MODES", {"lmdeploy": bench_cli.MODES["lmdeploy"]})
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--engine", "lmdeploy", "--model", "tiny-gqa", "--lmdeploy-pattern",
+                              "scattered", "--lmdeploy-repeat", "2"])
+    assert bench_cli.pick_mode(args) == "lmdeploy"
+    assert (args.lmdeploy_pattern, args.lmdeploy_repeat, args.migration_backend) == ("scattered", 2, "mooncake")
+    assert bench_cli.pick_mode(parser.parse_args(["bench"])) == "pair"
 
 
 @pytest.mark.parametrize("pattern", lmdeploy_bench.PATTERNS)
