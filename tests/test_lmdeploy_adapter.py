@@ -20,8 +20,6 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 pytest.importorskip("lmdeploy.pytorch.disagg.messages", reason="needs lmdeploy 0.18 (scripts/setup --test)")
 
@@ -40,12 +38,11 @@ from lmdeploy.pytorch.disagg.messages import (  # noqa: E402
 from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assignments  # noqa: E402
 
 from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend  # noqa: E402
-from kvbridge.adapters.lmdeploy.plan import instruct_array, plan, split_long  # noqa: E402
+from kvbridge.adapters.lmdeploy.plan import instruct_array, plan  # noqa: E402
 from kvbridge.bench import lmdeploy as lmdeploy_bench  # noqa: E402
 from kvbridge.bench.lmdeploy_rank import engine_config  # noqa: E402
 from kvbridge.cli import bench as bench_cli  # noqa: E402
 from kvbridge.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed, TransferTimeout  # noqa: E402
-from kvbridge.memory import merge_runs  # noqa: E402
 from kvbridge.proc import Child, ChildError  # noqa: E402
 from kvbridge.types import MemoryRegion  # noqa: E402
 
@@ -210,28 +207,10 @@ def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
         [(1 << 20) + layer * D_BLOCKS * BLOCK_BYTES, (1 << 30) + (layer * P_BLOCKS + 5) * BLOCK_BYTES, 20 * BLOCK_BYTES]
         for layer in range(LAYERS)
     ]
-    # Runs longer than max_bytes are cut again; errors still map each batch back to its instructs.
-    cut = plan(instruct_array(batch), local, remote, engine="prefill-0", max_bytes=4 * BLOCK_BYTES)
-    assert len(cut.descriptors) == LAYERS * 5 and (cut.descriptors[:, 2] == 4 * BLOCK_BYTES).all()
-    assert cut.descriptors[:, 2].sum() == p.descriptors[:, 2].sum()
-    first_batch = cut.batches(2)[0]
-    assert len(first_batch[0]) == 2 and first_batch[2] == 8  # two pieces of four blocks each
-    assert tuple(batch[first_batch[1]].model_dump().values()) == (0, 5 * BLOCK_BYTES, 0, BLOCK_BYTES)
     # Scattered blocks stay one descriptor per instruct; the bytes are the same.
     scattered = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(3, 0), (1, 1), (7, 2)])
     s = plan(instruct_array(scattered), local, remote, engine="prefill-0")
     assert len(s.descriptors) == len(scattered) and s.nbytes == len(scattered) * BLOCK_BYTES
-
-
-@given(st.lists(st.integers(1, 5000), min_size=1, max_size=30), st.integers(1, 700))
-def test_split_long_cuts_runs_and_merge_restores_them(lengths: list[int], limit: int) -> None:
-    # Rows with a gap between them on both sides, so merging can only rejoin pieces of one row.
-    local = np.cumsum([0] + [n + 1 for n in lengths[:-1]])
-    desc = np.stack([local + 1000, local + 10**6, np.array(lengths)], axis=1).astype(np.int64)
-    cut = split_long(desc, limit)
-    assert (cut[:, 2] <= limit).all() and (cut[:, 2] > 0).all()
-    assert cut[:, 2].sum() == desc[:, 2].sum()
-    assert np.array_equal(merge_runs(cut), desc)
 
 
 def _loopback_pair() -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:

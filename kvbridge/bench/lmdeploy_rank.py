@@ -150,7 +150,7 @@ class Rank:
         from kvbridge.adapters.lmdeploy.plan import instruct_array, plan
 
         p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions,
-                 engine=assignment.remote_engine_id, max_bytes=self.backend.settings.max_descriptor_bytes)
+                 engine=assignment.remote_engine_id)
         return len(p.descriptors)
 
     def store(self, remote_engine_id: str, pairs: list[list[int]]) -> None:

@@ -202,8 +202,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         if link.peer is None:
             raise ConfigError(f"p2p_migrate: remote engine {rid!r} is initialized but not connected; "
                               "call p2p_connect with its endpoint_info first")
-        p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions, engine=rid,
-                 max_bytes=self.settings.max_descriptor_bytes)
+        p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions, engine=rid)
         if len(p.descriptors) == 0:
             return
         submitted = self._submit(link, p)

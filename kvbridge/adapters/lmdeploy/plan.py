@@ -3,9 +3,9 @@
 An instruct reads `length` bytes at `target_offset` of the remote region `mr_key` into
 `source_offset` of the local region with the same key. Instructs are sorted by local address
 and runs that are contiguous on both sides become one descriptor, so a request whose blocks
-are consecutive costs one descriptor per layer run instead of one per (layer, block). Runs
-longer than `max_bytes` are cut again, since a transport moves several mid-sized descriptors
-in parallel but one huge descriptor on one lane.
+are consecutive costs one descriptor per layer run instead of one per (layer, block). Cutting
+long runs to the transport's preferred piece size is the transport layer's job
+(`BackendCapabilities.max_descriptor_bytes`), not this adapter's.
 """
 
 from __future__ import annotations
@@ -30,19 +30,6 @@ def instruct_array(batch: Sequence[Any]) -> np.ndarray:
     return np.fromiter(map(_get, batch), dtype=np.dtype((np.int64, 4)), count=len(batch)).reshape(-1, 4)
 
 
-def split_long(desc: np.ndarray, limit: int) -> np.ndarray:
-    """Cut descriptors longer than `limit` bytes into pieces of at most `limit` bytes, in order."""
-    pieces = -(-desc[:, 2] // limit)
-    row = np.repeat(np.arange(len(desc)), pieces)
-    first = np.cumsum(pieces) - pieces
-    offset = (np.arange(len(row)) - first[row]) * limit
-    out = desc[row].copy()
-    out[:, 0] += offset
-    out[:, 1] += offset
-    out[:, 2] = np.minimum(limit, desc[row, 2] - offset)
-    return out
-
-
 def describe(instructs: np.ndarray, i: int) -> str:
     return f"instruct #{i} (" + ", ".join(f"{k}={int(v)}" for k, v in zip(FIELDS, instructs[i])) + ")"
 
@@ -52,7 +39,7 @@ class Plan:
     """Merged descriptors plus what maps them back to instructs for error messages."""
 
     instructs: np.ndarray  # (N, 4) as given
-    descriptors: np.ndarray  # (M, 3) local_addr, remote_addr, length; sorted, merged, cut to max_bytes
+    descriptors: np.ndarray  # (M, 3) local_addr, remote_addr, length; sorted and merged
     order: np.ndarray  # (N,) instruct index in local-address order
     first: np.ndarray  # (M,) position in `order` of the instruct holding each descriptor's first byte
     last: np.ndarray  # (M,) ... and its last byte
@@ -92,7 +79,6 @@ def plan(
     remote: Mapping[int, MemoryRegion],
     *,
     engine: str,
-    max_bytes: int | None = None,
 ) -> Plan:
     """Check every instruct against the regions on both sides and build merged descriptors.
 
@@ -127,8 +113,6 @@ def plan(
     order = np.lexsort((desc[:, 1], desc[:, 0]))
     ordered = desc[order]
     merged = merge_runs(ordered)
-    if max_bytes:
-        merged = split_long(merged, max_bytes)
     # The instructs (positions in `order`) holding each descriptor's first and last byte.
     local = ordered[:, 0]
     first = np.searchsorted(local, merged[:, 0], side="right") - 1

@@ -20,7 +20,6 @@ HOSTNAME_ENV = "KVBRIDGE_LMDEPLOY_HOSTNAME"
 METADATA_ENV = "KVBRIDGE_LMDEPLOY_METADATA_SERVER"
 DEVICES_ENV = "KVBRIDGE_LMDEPLOY_DEVICES"
 TIMEOUT_ENV = "KVBRIDGE_LMDEPLOY_TIMEOUT"
-MAX_DESCRIPTOR_ENV = "KVBRIDGE_LMDEPLOY_MAX_DESCRIPTOR_BYTES"
 # LMDeploy's own switch for asynchronous migration; CacheEngine never passes async_op itself.
 LMDEPLOY_ASYNC_ENV = "LMDEPLOY_USE_ASYNC_MIGRATION"
 
@@ -48,17 +47,6 @@ def _timeout(value: str | None) -> float | None:
     return None if seconds <= 0 else seconds
 
 
-def _bytes(value: str | None, default: int) -> int:
-    if value is None or value.strip() == "":
-        return default
-    try:
-        n = int(value)
-    except ValueError:
-        raise ConfigError(f"{MAX_DESCRIPTOR_ENV}={value!r} is not a whole number of bytes (0: no limit)") from None
-    if n < 0:
-        raise ConfigError(f"{MAX_DESCRIPTOR_ENV} must be 0 or more, got {n}")
-    return n
-
 
 @attrs.frozen
 class AdapterSettings:
@@ -70,8 +58,6 @@ class AdapterSettings:
     - `metadata_server`: None for the transport's peer-to-peer handshake.
     - `devices`: NICs; worker rank r uses `devices[r % len(devices)]`.
     - `timeout`: seconds a migration may take before it fails (None: no limit).
-    - `max_descriptor_bytes`: merged runs longer than this are cut (0: never), so the transport
-      can spread one long run over its lanes.
     - `async_migration`: migrate asynchronously even when the caller does not pass `async_op`.
     """
 
@@ -81,7 +67,6 @@ class AdapterSettings:
     metadata_server: str | None = None
     devices: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     timeout: float | None = 300.0
-    max_descriptor_bytes: int = 1 << 20
     async_migration: bool = False
 
     @classmethod
@@ -95,7 +80,6 @@ class AdapterSettings:
             metadata_server=env.get(METADATA_ENV) or None,
             devices=devices,
             timeout=_timeout(env.get(TIMEOUT_ENV)),
-            max_descriptor_bytes=_bytes(env.get(MAX_DESCRIPTOR_ENV), 1 << 20),
             async_migration=bool(env.get(LMDEPLOY_ASYNC_ENV)),
         )
 
