@@ -1,0 +1,64 @@
+"""What the scheduler side tells its workers each step, and the kv_transfer_params it hands out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import attrs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvbridge.errors import ConfigError
+
+# The keys of vLLM's NIXL-style kv_transfer_params that a pull needs.
+PULL_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
+
+
+@attrs.frozen
+class PullTask:
+    """Read a request's blocks from a prefill engine (or, with no local blocks, only release them there)."""
+
+    request_id: str
+    remote_request_id: str
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp: int
+    local_block_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    remote_block_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    report: bool  # the scheduler waits for this request in finished_recving
+
+    @classmethod
+    def from_params(cls, request_id: str, params: Mapping[str, Any], local_block_ids: list[int],
+                    report: bool) -> PullTask:
+        missing = [k for k in PULL_KEYS if params.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"kv_transfer_params of request {request_id} lack {missing}; pass the prefill response's "
+                "kv_transfer_params unchanged into the decode request"
+            )
+        remote = list(params["remote_block_ids"])
+        if remote and isinstance(remote[0], list):  # one list per KV cache group
+            remote = remote[0]
+        # Decode's own prefix cache covers the leading blocks; read only the ones it lacks.
+        remote = remote[len(remote) - len(local_block_ids):] if local_block_ids else []
+        return cls(
+            request_id=request_id,
+            remote_request_id=str(params["remote_request_id"]),
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_host=str(params["remote_host"]),
+            remote_port=int(params["remote_port"]),
+            remote_tp=int(params.get("tp_size") or 1),
+            local_block_ids=local_block_ids,
+            remote_block_ids=remote,
+            report=report,
+        )
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):
+    """One step's work for the workers: pulls to start, finished prefill requests to hold."""
+
+    pulls: list[PullTask] = field(default_factory=list)
+    offers: list[str] = field(default_factory=list)
