@@ -47,8 +47,8 @@ def free_port() -> int:
 
 
 @attrs.define(eq=False)
-class VllmServer:
-    """One running vLLM OpenAI server."""
+class Server:
+    """One running HTTP server process (a vLLM server or `kvbridge proxy`) that we started."""
 
     port: int
     proc: subprocess.Popen
@@ -70,6 +70,10 @@ class VllmServer:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus metrics, summed over labels: {"vllm:kv_cache_usage_perc": 0.0, ...}."""
+        return parse_metrics(_get(f"{self.url}/metrics").text)
 
     def kill(self) -> None:
         """SIGKILL the server and its engine process, as a crash would."""
@@ -106,7 +110,7 @@ def start_vllm(
     port: int | None = None,
     log_dir: str | Path | None = None,
     python: str = sys.executable,
-) -> VllmServer:
+) -> Server:
     """Launch a server (without waiting for it); call `wait_healthy` next."""
     port = port or free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-vllm-"))
@@ -122,7 +126,6 @@ def start_vllm(
         "--block-size", str(block_size),
         "--max-model-len", str(max_model_len),
         "--seed", "0",
-        "--disable-log-stats",
         *extra_args,
     ]
     if kv_transfer_config is not None:
@@ -133,10 +136,46 @@ def start_vllm(
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
-    return VllmServer(port=port, proc=proc, log_path=log_path)
+    return Server(port=port, proc=proc, log_path=log_path)
 
 
-def wait_healthy(servers: Sequence[VllmServer], timeout: float = 600.0) -> None:
+def start_proxy(prefill: Sequence[str], decode: Sequence[str], *, port: int | None = None,
+                log_dir: str | Path | None = None, health_interval: float = 1.0) -> Server:
+    """Launch `kvbridge proxy` in front of these servers (without waiting for it)."""
+    port = port or free_port()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-proxy-"))
+    log_path = log_dir / f"proxy-{port}.log"
+    cmd = [sys.executable, "-m", "kvbridge", "-v", "proxy", "--port", str(port),
+           "--health-interval", str(health_interval), "--prefill", *prefill, "--decode", *decode]
+    env = dict(os.environ)
+    env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Server(port=port, proc=proc, log_path=log_path)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format to {name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _get(url: str, timeout: float = 10.0) -> Any:
+    import httpx
+
+    return httpx.get(url, timeout=timeout, trust_env=False)
+
+
+def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
     """Poll each server's /health until it answers 200; raise with its log if it dies or times out."""
     import httpx
 
@@ -150,7 +189,7 @@ def wait_healthy(servers: Sequence[VllmServer], timeout: float = 600.0) -> None:
                     f"log tail:\n{server.log_tail()}"
                 )
             try:
-                if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                if _get(f"{server.url}/health", timeout=2.0).status_code == 200:
                     pending.remove(server)
             except httpx.HTTPError:
                 pass

@@ -20,6 +20,9 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import attrs
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvbridge.errors import ConfigError
 
@@ -75,7 +78,14 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def until_disconnect(request: Any, work: Any) -> Any:
+def _bind(handle: Any, path: str) -> Any:
+    async def endpoint(request: Request) -> Any:
+        return await handle(path, request)
+
+    return endpoint
+
+
+async def until_disconnect(request: Request, work: Any) -> Any:
     """Run `work`; if the client disconnects first, cancel it (closing the upstream request) and return None."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
@@ -91,18 +101,14 @@ async def until_disconnect(request: Any, work: Any) -> Any:
     return None
 
 
-async def _disconnected(request: Any) -> None:
+async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
 def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval: float = 2.0,
-               timeout: float = 600.0) -> Any:
+               timeout: float = 600.0) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`."""
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-
     pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
@@ -188,13 +194,8 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
         return StreamingResponse(relay(), status_code=resp.status_code,
                                  media_type=resp.headers.get("content-type", "application/json"))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        return await handle("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        return await handle("/v1/chat/completions", request)
+    for path in ROUTES:
+        app.add_api_route(path, _bind(handle, path), methods=["POST"])
 
     @app.get("/health")
     async def health() -> Any:
