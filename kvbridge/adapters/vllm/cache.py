@@ -101,10 +101,7 @@ def check_compatible(local: CacheLayout, remote: CacheLayout) -> None:
         ("total KV heads", local.total_heads, remote.total_heads),
     ):
         if a != b:
-            raise LayoutMismatch(
-                f"prefill and decode KV caches differ in {field}: decode has {a}, prefill {b}; "
-                "start both servers with the same model, dtype and --block-size"
-            )
+            raise LayoutMismatch(field, a, b, "Start prefill and decode with the same model, dtype and --block-size")
 
 
 def overlap(local: CacheLayout, remote: CacheLayout) -> tuple[int, int]:
