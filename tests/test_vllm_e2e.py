@@ -30,10 +30,11 @@ LEASE_S = 20  # prefill holds blocks this long for a decode that never says DONE
 CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
-def connector(role: str) -> dict:
+def connector(role: str, **extra: str) -> dict:
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
+        **extra,
         "kv_connector_extra_config": {
             "migration_backend": "Mooncake",
             "protocol": "tcp",
@@ -89,7 +90,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
         prefill = start_vllm(model, kv_transfer_config=connector("kv_producer"), **common)
         started.append(prefill)
-        decode = [start_vllm(model, kv_transfer_config=connector("kv_consumer"), **common) for _ in range(2)]
+        # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
+        # after a failed load; the other by module path, failing such requests (vLLM's default policy).
+        decode = [
+            start_vllm(model, kv_transfer_config=connector("kv_consumer", kv_load_failure_policy="recompute"), **common),
+            start_vllm(model, kv_transfer_config=connector(
+                "kv_consumer", kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
+        ]
         started += decode
         colocated = start_vllm(model, **common)
         started.append(colocated)
@@ -161,6 +168,26 @@ def test_decode_prefix_cache_hit_still_releases_prefill(cluster: Cluster) -> Non
         params = first["kv_transfer_params"]
         assert params["remote_block_ids"], params
         assert cluster.complete(decode, text, kv_transfer_params=params) == want
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def test_failed_pull_follows_the_load_failure_policy(cluster: Cluster) -> None:
+    text = prompt(200, seed=12)
+    want = cluster.complete(cluster.colocated, text)
+    outcomes = []
+    for decode in cluster.decode:
+        first = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
+            "model": cluster.model, "prompt": text, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}).json()
+        # A stale engine id: the prefill rank refuses to describe itself, so the pull fails.
+        params = {**first["kv_transfer_params"], "remote_engine_id": "not-this-engine"}
+        body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params}
+        outcomes.append(cluster.http.post(f"{decode.url}/v1/completions", json=body))
+    recompute, fail = outcomes
+    assert recompute.status_code == 200 and recompute.json()["choices"][0]["token_ids"] == want
+    assert fail.status_code != 200 or fail.json()["choices"][0]["finish_reason"] == "error", fail.text
+    # Both failed pulls still said DONE: prefill frees at once, not at lease expiry.
     assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
 
 

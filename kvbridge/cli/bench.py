@@ -11,7 +11,7 @@ import importlib
 from kvbridge.presets import PRESETS
 
 # mode name -> module in kvbridge.bench; each has add_arguments(group) and run(args) -> int
-MODES = {"pair": "kvbridge.bench.pair"}
+MODES = {"pair": "kvbridge.bench.pair", "vllm": "kvbridge.bench.vllm"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +39,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def pick_mode(args: argparse.Namespace) -> str:
+    if getattr(args, "engine", None) == "vllm":
+        return "vllm"
     return "pair"
 
 

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
+from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -92,6 +93,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        return None if self._worker is None else self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=data or {})
 
     def shutdown(self) -> None:
         if self._worker is not None:

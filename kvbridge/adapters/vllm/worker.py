@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import kvbridge
 from kvbridge.adapters.vllm.cache import CacheLayout, describe_kv_caches, pull_descriptors, pullers, source_ranks
@@ -19,6 +20,7 @@ from kvbridge.adapters.vllm.channel import Done, DoneAck, RankInfo, SideChannelC
 from kvbridge.adapters.vllm.leases import Leases
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
+from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.backend import Peer
 from kvbridge.errors import KVBridgeError, LoadError
 
@@ -51,6 +53,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
+        self.stats = KVBridgeStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, storages = describe_kv_caches(
@@ -100,12 +103,15 @@ class WorkerSide:
         ranks = source_ranks(self.layout, task.remote_tp)
         try:
             if task.local_block_ids:
+                start = time.perf_counter()
                 handles = []
                 for rank in ranks:
                     peer, info = self._peer(task, rank)
                     desc = pull_descriptors(self.layout, info.layout, task.local_block_ids, task.remote_block_ids)
                     handles.append(self.backend.transfer(peer, desc, "read"))
                 kvbridge.wait_all(handles, timeout=self.settings.pull_timeout_s)
+                self.stats.record(time.perf_counter() - start, sum(h.nbytes for h in handles),
+                                  sum(h.descriptors for h in handles))
         except KVBridgeError as exc:
             ok = False
             self._forget_peers(task.remote_engine_id)
@@ -126,6 +132,7 @@ class WorkerSide:
                 log.error("request %s: DONE to prefill rank %d: %s", task.request_id, rank, exc)
         with self._lock:
             if not ok:
+                self.stats.record_failure()
                 self._load_errors.update(task.local_block_ids)
             if task.report:
                 self._recved.add(task.request_id)
@@ -158,5 +165,5 @@ class WorkerSide:
         if self.backend is not None:
             self.backend.close()
 
-    def stats(self) -> dict[str, Any]:
-        return {"held": self.leases.held()}
+    def take_stats(self) -> KVBridgeStats | None:
+        return None if self.stats.is_empty() else self.stats.clone_and_reset()
