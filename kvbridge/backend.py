@@ -20,7 +20,7 @@ import attrs
 
 from kvbridge import wire
 from kvbridge.errors import ConfigError, KVBridgeError, TransferTimeout
-from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions
+from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions, merge_runs, split_large
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -210,24 +210,39 @@ class MigrationBackend(abc.ABC):
     def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
         """Move (local_addr, remote_addr, length) descriptors as one transfer.
 
-        `read` copies remote into local, `write` local into remote. Batches larger than the
-        transport accepts are split here; the handle completes when every part has.
+        `read` copies remote into local, `write` local into remote. Neighbouring descriptors that
+        continue each other on both sides are merged, then cut to the transport's preferred
+        descriptor size and split into batches it accepts; the handle completes when every part has.
         """
         self._check_open()
         if op not in ("read", "write"):
             raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
         if not getattr(self.capabilities, op):
             raise ConfigError(f"backend {self.name!r} does not support {op}")
-        desc = as_descriptors(descriptors)
+        desc = merge_runs(as_descriptors(descriptors))
         if len(desc) == 0:
             return TransferHandle.completed(peer=peer.name)
         self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")
         peer.regions.check(desc[:, 1], desc[:, 2], side="remote", peer=peer.name)
         nbytes = int(desc[:, 2].sum())
+        if self.capabilities.max_descriptor_bytes:
+            desc = split_large(desc, self.capabilities.max_descriptor_bytes)
         step = self.capabilities.max_batch or len(desc)
         parts = [self._submit(peer, desc[i : i + step], op) for i in range(0, len(desc), step)]
         future = parts[0] if len(parts) == 1 else _gather(parts)
         return TransferHandle(future, peer=peer.name, descriptors=len(desc), nbytes=nbytes)
+
+    def raw_transfer(self, peer: Peer, local_addr: int, remote_addr: int, length: int, op: Op = "read"
+                     ) -> TransferHandle:
+        """One descriptor handed straight to the transport: no merging, cutting or batching.
+
+        The ceiling `kvbridge bench` compares planned migrations against. Bounds are still checked.
+        """
+        self._check_open()
+        desc = as_descriptors([(local_addr, remote_addr, length)])
+        self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")
+        peer.regions.check(desc[:, 1], desc[:, 2], side="remote", peer=peer.name)
+        return TransferHandle(self._submit(peer, desc, op), peer=peer.name, descriptors=1, nbytes=int(length))
 
     def close(self) -> None:
         """Unregister memory and stop the transport; safe to call twice or after a peer died."""

@@ -136,3 +136,17 @@ def merge_runs(desc: Descriptors) -> Descriptors:
     starts = np.flatnonzero(np.concatenate(([True], ~continues)))
     sums = np.add.reduceat(length, starts)
     return np.stack([local[starts], remote[starts], sums], axis=1)
+
+
+def split_large(desc: Descriptors, max_bytes: int) -> Descriptors:
+    """Cut descriptors longer than `max_bytes` into consecutive pieces of at most that size."""
+    pieces = -(-desc[:, 2] // max_bytes)
+    if len(desc) == 0 or (pieces == 1).all():
+        return desc
+    row = np.repeat(np.arange(len(desc)), pieces)
+    offset = (np.arange(len(row)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_bytes
+    out = desc[row].copy()
+    out[:, 0] += offset
+    out[:, 1] += offset
+    out[:, 2] = np.minimum(max_bytes, desc[row, 2] - offset)
+    return out

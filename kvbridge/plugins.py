@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -295,7 +295,3 @@ def get_device(name: str) -> Device:
 def device_for_tensor(tensor: Any) -> Device:
     """The device plugin that owns a tensor, by its `device.type`."""
     return get_device(getattr(tensor.device, "type", str(tensor.device)))
-
-
-def available(infos: Iterable[PluginInfo]) -> list[str]:
-    return [i.name for i in infos if i.available]

@@ -47,6 +47,7 @@ class BackendCapabilities:
     write: bool = True
     notifications: bool = False
     max_batch: int | None = None  # descriptors per submission; the backend splits larger batches
+    max_descriptor_bytes: int | None = None  # longer descriptors are cut, so a transport's lanes run in parallel
 
 
 @attrs.frozen

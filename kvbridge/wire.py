@@ -24,6 +24,16 @@ converter.register_unstructure_hook(enum.Enum, lambda e: e.value)
 converter.register_unstructure_hook(frozenset, lambda s: sorted(converter.unstructure(x) for x in s))
 
 
+def _strict_bytes(value: Any, _cls: type) -> bytes:
+    # cattrs' default is bytes(value): bytes(10**9) from a peer would allocate a gigabyte.
+    if not isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"expected bytes, got {type(value).__name__}")
+    return bytes(value)
+
+
+converter.register_structure_hook(bytes, _strict_bytes)
+
+
 def to_dict(obj: Any) -> Any:
     """Plain dict/list/scalar form of an attrs value (what JSON or msgpack carries)."""
     return converter.unstructure(obj)
@@ -33,9 +43,16 @@ def from_dict(data: Any, cls: type[T]) -> T:
     """Build `cls` from its plain form; raises ProtocolError naming the bad field."""
     try:
         return converter.structure(data, cls)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
-        detail = "; ".join(cattrs.transform_error(exc)) if isinstance(exc, cattrs.BaseValidationError) else str(exc)
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        if isinstance(exc, cattrs.BaseValidationError):
+            detail = "; ".join(cattrs.transform_error(exc, format_exception=_describe))
+        else:
+            detail = str(exc)
         raise ProtocolError(f"malformed {cls.__name__}: {detail}") from None
+
+
+def _describe(exc: BaseException, _type: Any) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def encode(obj: Any) -> bytes:

@@ -10,7 +10,13 @@ import sys
 from kvbridge.errors import KVBridgeError
 
 # Each module defines add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = ["plugins", "doctor", "proxy"]
+SUBCOMMANDS = [
+    "plugins",
+    "doctor",
+    "bench",
+    "plan",
+    "proxy",
+]
 
 EPILOG = """\
 Start with `kvbridge plugins` to see which transports and devices are installed, then

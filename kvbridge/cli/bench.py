@@ -11,7 +11,10 @@ import importlib
 from kvbridge.presets import PRESETS
 
 # mode name -> module in kvbridge.bench; each has add_arguments(group) and run(args) -> int
-MODES = {"pair": "kvbridge.bench.pair", "vllm": "kvbridge.bench.vllm"}
+MODES = {
+    "pair": "kvbridge.bench.pair",
+    "vllm": "kvbridge.bench.vllm",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

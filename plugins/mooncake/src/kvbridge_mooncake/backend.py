@@ -27,6 +27,7 @@ from kvbridge_mooncake.plugin import CAPABILITIES, INSTALL_HINT, probe
 log = logging.getLogger(__name__)
 
 P2P = "P2PHANDSHAKE"
+TCP_DESCRIPTOR_BYTES = 1 << 20
 
 # mooncake-transfer-engine include/error.h
 _ERRORS = {
@@ -56,7 +57,11 @@ def explain(rc: int) -> str:
 
 
 class MooncakeBackend(MigrationBackend):
-    """Mooncake Transfer Engine. Options: `max_batch`, `retries`, `retry_backoff` (seconds)."""
+    """Mooncake Transfer Engine.
+
+    Options: `max_batch` (descriptors per call, default 1024), `max_descriptor_bytes` (default 1 MiB
+    on tcp), `retries` (default 3), `retry_backoff` (seconds, default 0.05).
+    """
 
     name = "mooncake"
     capabilities = CAPABILITIES
@@ -69,8 +74,14 @@ class MooncakeBackend(MigrationBackend):
         from mooncake.engine import TransferEngine
 
         opts = config.options
-        if "max_batch" in opts:
-            self.capabilities = attrs.evolve(CAPABILITIES, max_batch=int(opts["max_batch"]))  # type: ignore[misc]
+        # Mooncake's TCP transport moves one descriptor per lane: ~1 MiB pieces keep its lanes busy in
+        # parallel (measured: 64 x 1 MiB about twice as fast as 1 x 64 MiB on loopback).
+        piece = opts.get("max_descriptor_bytes", TCP_DESCRIPTOR_BYTES if self.protocol == "tcp" else None)
+        self.capabilities = attrs.evolve(  # type: ignore[misc]
+            CAPABILITIES,
+            max_batch=int(opts.get("max_batch", CAPABILITIES.max_batch)),
+            max_descriptor_bytes=int(piece) if piece else None,
+        )
         self._retries = int(opts.get("retries", 3))
         self._backoff = float(opts.get("retry_backoff", 0.05))
         self._metadata = config.metadata_server or P2P

@@ -1,0 +1,274 @@
+"""`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its share of requests.
+
+Lifecycle::
+
+    agent = KVAgent("decode-0", rank, ParallelConfig.parse("tp8,dp2"), layout, kv_tensors, backend="mooncake")
+    info = agent.info()                       # RankInfo; RankInfo.encode() -> bytes for the side channel
+    handle = agent.pull(request_id, prefill_infos, prefill_blocks, local_blocks, tokens, on_done=cb)
+    handle.wait(timeout)                      # or let `cb` report it
+    agent.close()
+
+On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)` says how many
+pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once.
+
+The completion seam (what the control plane wires to DONE messages and leases): `on_done` is
+called exactly once per `pull`, from a transport thread, with a `PullResult`:
+
+- `pulled`: the (engine_id, rank) of every prefill rank this rank read; each gets one DONE;
+- `notify`: prefill ranks nobody reads, listed only on the plan's notifier rank (the first rank
+  of the decode DP group), which tells them to free their blocks;
+- `error`: None, or the exception that failed the pull (the engine recomputes; DONEs still go
+  out so the prefill side does not hold blocks until its lease expires).
+
+The agent keeps no request state after the callback: leases, DONE messages and aborts belong to
+the control plane (`kvbridge.control`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvbridge import wire
+from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
+from kvbridge.errors import ConfigError, TopologyError, TransferTimeout
+from kvbridge.layout import KVLayout, check_compatible
+from kvbridge.memory import RegionIndex
+from kvbridge.planner import pull_descriptors
+from kvbridge.plugins import create_backend, get_device
+from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class RankInfo:
+    """What a rank publishes: who it is, its parallelism, its KV layout and its transport endpoint."""
+
+    engine_id: str
+    rank: int
+    parallel: ParallelConfig
+    layout: KVLayout
+    endpoint: bytes  # the backend's endpoint_info()
+
+    def encode(self) -> bytes:
+        return wire.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> RankInfo:
+        return wire.decode(data, cls)
+
+
+@attrs.frozen
+class PullResult:
+    """How one pull ended; see the module docstring for what the control plane does with it."""
+
+    request_id: str
+    pulled: tuple[tuple[str, int], ...]
+    notify: tuple[tuple[str, int], ...]
+    nbytes: int
+    descriptors: int
+    error: BaseException | None = None
+
+
+class PullHandle:
+    """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks."""
+
+    def __init__(self, result: PullResult, handles: list[TransferHandle],
+                 on_done: Callable[[PullResult], None] | None, after: Callable[[], None]) -> None:
+        self.request_id = result.request_id
+        self.handles = handles
+        self._result = result
+        self._on_done = on_done
+        self._after = after
+        self._finished = threading.Event()
+        self._left = len(handles)
+        self._lock = threading.Lock()
+        if not handles:
+            self._finish()
+        for h in handles:
+            h.add_done_callback(self._one_done)
+
+    def _one_done(self, _h: TransferHandle) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
+        if error is None:
+            self._after()
+        self._result = attrs.evolve(self._result, error=error)
+        if self._on_done is not None:
+            try:
+                self._on_done(self._result)
+            except Exception:  # a broken callback must not take the transport thread with it
+                log.exception("on_done callback for request %s failed", self.request_id)
+        self._finished.set()  # after the callback: wait() returning means it has run
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> PullResult:
+        """Block until every transfer finished and `on_done` ran; raise the first transfer error."""
+        wait_all(self.handles, timeout)
+        if not self._finished.wait(timeout):
+            raise TransferTimeout(f"request {self.request_id}: completion callback still running after {timeout}s",
+                                  request=self.request_id, cause="timeout")
+        return self._result
+
+    @property
+    def result(self) -> PullResult | None:
+        return self._result if self._finished.is_set() else None
+
+
+class KVAgent:
+    """One engine rank's KV cache, reachable by peers, and the pulls of its share of requests."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        rank: int,
+        parallel: ParallelConfig,
+        layout: KVLayout,
+        tensors: Any,
+        *,
+        backend: str | MigrationBackend = "mooncake",
+        device: str = "cpu",
+        **backend_options: Any,
+    ) -> None:
+        self.engine_id = engine_id
+        self.rank = rank
+        self.parallel = parallel
+        self.coords = parallel.coords(rank)
+        self.layout = layout
+        expected = heads_per_rank(layout.model, parallel)
+        if layout.heads != expected:
+            raise TopologyError(
+                f"rank {rank} of {parallel} holds {expected} KV heads of {layout.model.name}, but its layout says "
+                f"{layout.heads}; build the layout with heads={expected}"
+            )
+        self.device = get_device(device)
+        self._own_backend = isinstance(backend, str)
+        self.backend = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._lock = threading.Lock()
+        self._registered: list[Any] = []
+        try:
+            self._registered = self.backend.register_memory(tensors)
+            self._check_registered()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_registered(self) -> None:
+        spans = np.array([r.span for r in self.layout.regions], dtype=np.int64)
+        bad = RegionIndex(self.backend.registered).outside(spans[:, 0], spans[:, 1] - spans[:, 0])
+        if len(bad):
+            r = self.layout.regions[int(bad[0])]
+            raise ConfigError(
+                f"layout region layer {r.layer} {r.kind} [{r.span[0]:#x}, {r.span[1]:#x}) is outside the tensors "
+                "given to the agent; pass the tensors the layout was built from"
+            )
+
+    def info(self) -> RankInfo:
+        return RankInfo(self.engine_id, self.rank, self.parallel, self.layout, self.backend.endpoint_info())
+
+    def connect(self, remote: RankInfo) -> Peer:
+        """Check the remote layout against ours and connect to its endpoint (once per rank)."""
+        key = (remote.engine_id, remote.rank)
+        with self._lock:
+            peer = self._peers.get(key)
+        if peer is None:
+            check_compatible(self.layout, remote.layout)
+            peer = self.backend.connect(remote.endpoint)
+            with self._lock:
+                self._peers[key] = peer
+        return peer
+
+    def plan(self, prefill: ParallelConfig, tokens: int, prefill_dp: int = 0) -> Plan:
+        """The plan of a request this (decode) rank's DP group pulls from `prefill_dp`."""
+        return plan(prefill, self.parallel, self.layout.model, tokens, prefill_dp=prefill_dp, decode_dp=self.coords.dp)
+
+    def release_count(self, decode: ParallelConfig, tokens: int, decode_dp: int = 0) -> int:
+        """On a prefill rank: how many pulls of a request to wait for before freeing its blocks."""
+        p = plan(self.parallel, decode, self.layout.model, tokens, prefill_dp=self.coords.dp, decode_dp=decode_dp)
+        return p.release_count(self.rank)
+
+    def pull(
+        self,
+        request_id: str,
+        remote: Sequence[RankInfo],
+        remote_blocks: Mapping[int, Sequence[int]] | Sequence[int],
+        local_blocks: Sequence[int],
+        tokens: int,
+        *,
+        on_done: Callable[[PullResult], None] | None = None,
+    ) -> PullHandle:
+        """Read this rank's share of a request from the prefill ranks that hold it.
+
+        `remote`: the RankInfos of the prefill DP group holding the request (other ranks are ignored
+        if the group is clear from them). `remote_blocks`: each prefill rank's block ids of the
+        request, keyed by rank, or one list shared by all ranks (each uses its first n). `local_blocks`:
+        this rank's block ids for its share, in order.
+        """
+        if not remote:
+            raise ConfigError(f"request {request_id}: no prefill RankInfos given")
+        prefill = remote[0].parallel
+        if any(r.parallel != prefill or r.engine_id != remote[0].engine_id for r in remote):
+            raise TopologyError(f"request {request_id}: RankInfos from different engines or parallel configs")
+        groups = {prefill.coords(r.rank).dp for r in remote}
+        if len(groups) != 1:
+            raise TopologyError(
+                f"request {request_id}: prefill RankInfos span DP groups {sorted(groups)}; pass the group holding it"
+            )
+        p = self.plan(prefill, tokens, prefill_dp=groups.pop())
+        need = p.blocks_on("decode", self.rank)
+        if len(local_blocks) < need:
+            raise ConfigError(
+                f"request {request_id}: decode rank {self.rank} holds {need} blocks of {tokens} tokens, "
+                f"got {len(local_blocks)} block ids"
+            )
+        by_rank = {r.rank: r for r in remote}
+        handles, pulled = [], []
+        nbytes = ndesc = 0
+        for pull in p.pulls_for(self.rank):
+            info = by_rank.get(pull.prefill_rank)
+            if info is None:
+                raise ConfigError(f"request {request_id}: no RankInfo for prefill rank {pull.prefill_rank}")
+            blocks = remote_blocks[pull.prefill_rank] if isinstance(remote_blocks, Mapping) else remote_blocks
+            desc = pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)
+            handles.append(self.backend.transfer(self.connect(info), desc, "read"))
+            pulled.append((info.engine_id, info.rank))
+            nbytes += int(desc[:, 2].sum())
+            ndesc += len(desc)
+        notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
+        log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
+        result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
+        device_id = self.backend.registered[0].device_id
+        return PullHandle(result, handles, on_done, lambda: self.device.after_transfer(device_id))
+
+    def close(self) -> None:
+        """Disconnect peers and unregister the KV tensors; close the backend if the agent created it."""
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+            registered, self._registered = self._registered, []
+        for peer in peers:
+            self.backend.disconnect(peer)
+        if self._own_backend:
+            self.backend.close()
+        elif registered:
+            self.backend.unregister_memory(registered)
+
+    def __enter__(self) -> KVAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

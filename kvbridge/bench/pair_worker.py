@@ -1,0 +1,152 @@
+"""One side (prefill or decode) of `kvbridge bench` in pair mode, run as a child process.
+
+The KV cache is one pool per side, carved into a tensor per (layer, K/V) of shape
+(blocks, block_size * kv_heads * head_dim) elements, registered once. Decode holds more blocks
+than prefill (asymmetric capacity) and pulls each request's blocks into its own block ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+import kvbridge
+from kvbridge.bench.fingerprint import block_values, element_dtype
+from kvbridge.memory import merge_runs
+from kvbridge.presets import get_preset
+from kvbridge.proc import serve
+
+log = logging.getLogger(__name__)
+
+
+class Side:
+    def __init__(
+        self, *, backend: str, protocol: str | None, device: str, model: str, blocks: int, options: dict[str, Any]
+    ) -> None:
+        self.spec = get_preset(model)
+        self.device = kvbridge.get_device(device)
+        self.tensors = self.spec.layers * self.spec.kv_tensors
+        self.block_elems = self.spec.block_size * self.spec.kv_heads * self.spec.head_dim
+        self.block_bytes = self.block_elems * self.spec.dtype_bytes
+        self.blocks = blocks
+        self.tensor_bytes = blocks * self.block_bytes
+        self.pool = self.device.allocate(self.tensors * self.tensor_bytes)
+        self.backend = kvbridge.create_backend(backend, protocol=protocol, **options)
+        (region,) = self.backend.register_memory(self.pool)
+        self.base = region.addr
+        self.peer: kvbridge.Peer | None = None
+
+    def host_view(self, host: np.ndarray) -> np.ndarray:
+        """(tensors, blocks, block_elems) element view of a host copy of the pool."""
+        return host.view(element_dtype(self.spec.dtype_bytes)).reshape(self.tensors, self.blocks, self.block_elems)
+
+    def fill(self, requests: list[list[int]]) -> None:
+        host = np.zeros(self.tensors * self.tensor_bytes, dtype=np.uint8)
+        view = self.host_view(host)
+        for r, blocks in enumerate(requests):
+            for t in range(self.tensors):
+                view[t, blocks] = block_values(request=r, tensor=t, n_tensors=self.tensors, blocks=len(blocks),
+                                               block_elems=self.block_elems, nbytes=self.spec.dtype_bytes)
+        self.device.from_host(self.pool, host)
+        self.device.before_transfer()
+
+    def descriptors(self, src: dict[str, int], src_blocks: list[int], dst_blocks: list[int]) -> np.ndarray:
+        """Pull descriptors for one request: every (tensor, block) pair, built with numpy broadcasting."""
+        t = np.arange(self.tensors, dtype=np.int64)[:, None]
+        s = np.asarray(src_blocks, dtype=np.int64)[None, :]
+        d = np.asarray(dst_blocks, dtype=np.int64)[None, :]
+        local = self.base + t * self.tensor_bytes + d * self.block_bytes
+        remote = src["base"] + t * src["tensor_bytes"] + s * self.block_bytes
+        length = np.full_like(local, self.block_bytes)
+        return np.stack([local, remote, length], axis=-1).reshape(-1, 3)
+
+
+_side: Side | None = None
+
+
+def _get() -> Side:
+    assert _side is not None, "call init first"
+    return _side
+
+
+def init(**kwargs: Any) -> dict[str, Any]:
+    global _side
+    _side = Side(**kwargs)
+    return {"endpoint": _side.backend.endpoint_info().hex(), "base": _side.base, "tensor_bytes": _side.tensor_bytes}
+
+
+def fill(requests: list[list[int]]) -> None:
+    _get().fill(requests)
+
+
+def connect(endpoint: str) -> None:
+    side = _get()
+    side.peer = side.backend.connect(bytes.fromhex(endpoint))
+
+
+def zero() -> None:
+    side = _get()
+    side.device.from_host(side.pool, np.zeros(side.tensors * side.tensor_bytes, dtype=np.uint8))
+
+
+def migrate(src: dict[str, int], src_blocks: list[int], dst_blocks: list[int], wait_s: float) -> dict[str, Any]:
+    """Pull one request; the time covers descriptor building, submission and completion."""
+    side = _get()
+    assert side.peer is not None
+    start = time.perf_counter()
+    desc = side.descriptors(src, src_blocks, dst_blocks)
+    handle = side.backend.transfer(side.peer, desc, op="read")
+    handle.wait(wait_s)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "bytes": handle.nbytes, "descriptors_in": len(desc), "runs": len(merge_runs(desc)),
+            "descriptors": handle.descriptors}
+
+
+def raw(src_base: int, nbytes: int, wait_s: float) -> dict[str, Any]:
+    """The transport's ceiling: one descriptor of the same number of bytes, straight to the transport."""
+    side = _get()
+    assert side.peer is not None
+    start = time.perf_counter()
+    side.backend.raw_transfer(side.peer, side.base, src_base, nbytes, op="read").wait(wait_s)
+    return {"seconds": time.perf_counter() - start, "bytes": nbytes}
+
+
+def verify(requests: list[list[int]]) -> dict[str, Any]:
+    """Every block of every request holds its fingerprint; every other block is still zero."""
+    side = _get()
+    side.device.after_transfer()
+    view = side.host_view(side.device.to_host(side.pool))
+    touched = np.zeros(side.blocks, dtype=bool)
+    bad: list[str] = []
+    for r, blocks in enumerate(requests):
+        touched[blocks] = True
+        for t in range(side.tensors):
+            expect = block_values(request=r, tensor=t, n_tensors=side.tensors, blocks=len(blocks),
+                                  block_elems=side.block_elems, nbytes=side.spec.dtype_bytes)
+            wrong = np.flatnonzero((view[t, blocks] != expect).any(axis=1))
+            if len(wrong):
+                bad.append(f"request {r} tensor {t}: {len(wrong)} blocks differ (first decode block {blocks[wrong[0]]})")
+    stray = np.flatnonzero(view[:, ~touched].any(axis=(0, 2)))
+    if len(stray):
+        bad.append(f"{len(stray)} blocks outside every request were written")
+    return {"verified": not bad, "problems": bad[:10]}
+
+
+def close() -> None:
+    global _side
+    if _side is not None:
+        _side.backend.close()
+        _side = None
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    serve({"init": init, "fill": fill, "connect": connect, "zero": zero, "migrate": migrate, "raw": raw,
+           "verify": verify, "close": close})
+
+
+if __name__ == "__main__":
+    main()

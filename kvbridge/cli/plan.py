@@ -1,0 +1,106 @@
+"""`kvbridge plan`: which decode rank pulls which heads and blocks from which prefill rank."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvbridge import wire
+from kvbridge.cli.output import console, print_json, print_table
+from kvbridge.presets import PRESETS, get_preset
+from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, Pull, plan
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="show who pulls which KV heads and blocks between two parallel configs",
+        description=(
+            "Plan one request between a prefill and a decode engine with different parallelism: for every decode "
+            "rank, the prefill ranks it reads, the head ranges and the blocks; for every prefill rank, how many pulls "
+            "it waits for before freeing the request's blocks (0: nobody reads it, it frees at once). "
+            "See docs/planning.md."
+        ),
+        epilog="example: kvbridge plan --prefill tp8,pcp2,dcp8 --decode tp8,dcp4,dp2 --model tiny-mla --tokens 2500",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--prefill", required=True, metavar="SPEC",
+                   help="prefill parallelism, e.g. tp8,pcp2,dcp8 (sizes not named are 1)")
+    p.add_argument("--decode", required=True, metavar="SPEC",
+                   help="decode parallelism, e.g. tp8,dcp4,dp2")
+    p.add_argument("--model", required=True, choices=sorted(PRESETS), help="model preset (KV heads, MLA or not)")
+    p.add_argument("--tokens", required=True, type=int, help="prompt tokens of the request")
+    p.add_argument("--prefill-dp", type=int, default=0, help="prefill DP group holding the request (default 0)")
+    p.add_argument("--decode-dp", type=int, default=0, help="decode DP group receiving the request (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=run)
+
+
+def _blocks(first: int, step: int, count: int) -> str:
+    """A run of blocks, readable: '3,19..147 (10)'."""
+    last = first + step * (count - 1)
+    shown = {1: f"{first}", 2: f"{first},{last}"}.get(count, f"{first},{first + step}..{last}")
+    return f"{shown} ({count})"
+
+
+def as_dict(p: Plan) -> dict[str, Any]:
+    start = p.prefill_ranks.start
+    return {
+        "prefill": str(p.prefill),
+        "decode": str(p.decode),
+        "model": wire.to_dict(p.model),
+        "tokens": p.tokens,
+        "num_blocks": p.num_blocks,
+        "last_block_tokens": p.last_block_tokens,
+        "prefill_dp": p.prefill_dp,
+        "decode_dp": p.decode_dp,
+        "pulls": [wire.to_dict(x) for x in p.pulls],
+        "release_counts": {str(start + i): n for i, n in enumerate(p.release_counts)},
+        "unpulled": list(p.unpulled),
+        "notifier": p.notifier,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    model = get_preset(args.model)
+    prefill, decode = ParallelConfig.parse(args.prefill), ParallelConfig.parse(args.decode)
+    p = plan(prefill, decode, model, args.tokens, prefill_dp=args.prefill_dp, decode_dp=args.decode_dp)
+    if args.json:
+        print_json(as_dict(p))
+        return 0
+    dst = HeadPlacement.of(model, p.decode, "decode")
+
+    def row(x: Pull) -> list[object]:
+        d, s = p.decode.coords(x.decode_rank), p.prefill.coords(x.prefill_rank)
+        g = list(dst.heads(d.shard))[slice(*x.dst_heads)]
+        return [
+            f"{x.decode_rank} cp{d.cp}/s{d.shard}",
+            f"{x.prefill_rank} cp{s.cp}/s{s.shard}",
+            f"{x.src_heads[0]}:{x.src_heads[1]}>{x.dst_heads[0]}:{x.dst_heads[1]} g{g[0]}:{g[-1] + 1}",
+            _blocks(x.first_block, x.block_step, x.num_blocks),
+            f"{x.src_first}+{x.src_step}k",
+            f"{x.dst_first}+{x.dst_step}k",
+        ]
+
+    console.print(
+        "decode/prefill: rank, cp rank, head shard; heads: local ranges (g: global heads); blocks: logical "
+        "block ids; pos: where the k-th block sits in each rank's block list of the request"
+    )
+    console.print(
+        f"{model.name} ({model.attention}, {dst.kv_heads} KV heads), {p.tokens} tokens = {p.num_blocks} blocks of "
+        f"{model.block_size} (last holds {p.last_block_tokens}); prefill {p.prefill} group {p.prefill_dp} -> "
+        f"decode {p.decode} group {p.decode_dp}"
+    )
+    print_table(
+        "pulls",
+        ["decode", "prefill", "heads src>dst", "logical blocks", "src pos", "dst pos"],
+        [row(x) for x in p.pulls],
+    )
+    start = p.prefill_ranks.start
+    print_table(
+        "prefill release counts",
+        ["prefill rank", "pulls to wait for", "note"],
+        [(start + i, n, "unpulled: freed at once (told by decode rank %d)" % p.notifier if n == 0 else "")
+         for i, n in enumerate(p.release_counts)],
+    )
+    return 0

@@ -1,0 +1,34 @@
+"""The control plane: side channel per rank, prefill leases, discovery, transfer params.
+
+- `ControlServer` / `ControlClient`: one side channel per engine rank (ZeroMQ, attrs messages
+  in `kvbridge.wire` frames, optional HMAC shared secret).
+- `Ledger`: prefill-side leases: `offer`, DONE counting, expiry, abort, fencing.
+- `open_registry` / `resolve`: peer-to-peer by default, redis or etcd for many nodes.
+- `KVTransferParams`: what the proxy carries, in vLLM's key names.
+
+See docs/control-plane.md.
+"""
+
+from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
+from kvbridge.control.discovery import EtcdRegistry, RankRecord, RedisRegistry, Registry, open_registry, resolve
+from kvbridge.control.ledger import Lease, Ledger
+from kvbridge.control.messages import LeaseState, LeaseStatus, RankInfo
+from kvbridge.control.params import KVTransferParams
+
+__all__ = [
+    "ClientPool",
+    "ControlClient",
+    "ControlServer",
+    "EtcdRegistry",
+    "KVTransferParams",
+    "Lease",
+    "LeaseState",
+    "LeaseStatus",
+    "Ledger",
+    "RankInfo",
+    "RankRecord",
+    "RedisRegistry",
+    "Registry",
+    "open_registry",
+    "resolve",
+]

@@ -1,0 +1,97 @@
+"""Optional shared-secret authentication of side-channel frames: HMAC-SHA256 plus a replay guard.
+
+With a secret, every frame carries a MAC over its canonical wire encoding; a frame is accepted
+once, within `window_s` of its timestamp (the nonces seen inside the window are remembered).
+Without a secret nothing is signed and everything is accepted: a trusted network only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import attrs
+
+from kvbridge import wire
+from kvbridge.control.messages import Frame
+from kvbridge.errors import ConfigError, ProtocolError
+
+NONCE_BYTES = 16
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+class Authenticator:
+    """Signs outgoing frames and checks incoming ones against one shared secret."""
+
+    def __init__(
+        self,
+        secret: str | bytes | None,
+        *,
+        window_s: float = 30.0,
+        max_nonces: int = 200_000,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and len(secret) < 16:
+            raise ConfigError("the side-channel secret must be at least 16 bytes; generate one with `openssl rand -hex 32`")
+        self._key = secret
+        self.window_s = window_s
+        self._max_nonces = max_nonces
+        self._clock = clock
+        # nonce -> when it may be forgotten. A frame accepted now has ts <= now + window, so it is
+        # out of the window (refused on its timestamp alone) after now + 2 * window.
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, frame: Frame) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, wire.encode(attrs.evolve(frame, mac=b"")), hashlib.sha256).digest()
+
+    def seal(self, frame: Frame) -> Frame:
+        """The frame with its MAC (unchanged without a secret)."""
+        return attrs.evolve(frame, mac=self._mac(frame)) if self.enabled else frame
+
+    def check(self, frame: Frame, *, expect_reply_to: bytes | None = None) -> None:
+        """Raise ProtocolError unless the frame is authentic, fresh and not seen before."""
+        if expect_reply_to is not None and frame.reply_to != expect_reply_to:
+            raise ProtocolError("reply does not answer the request that was sent (stale or forged reply)")
+        if not self.enabled:
+            return
+        if not frame.mac:
+            raise ProtocolError(
+                f"unauthenticated {frame.kind!r} from {frame.sender!r}: this side channel requires the shared "
+                "secret; configure the same secret on both engines"
+            )
+        if not hmac.compare_digest(frame.mac, self._mac(frame)):
+            raise ProtocolError(f"bad MAC on {frame.kind!r} from {frame.sender!r}: the peer uses another secret")
+        now = self._clock()
+        if not math.isfinite(frame.ts) or abs(now - frame.ts) > self.window_s:
+            raise ProtocolError(
+                f"{frame.kind!r} from {frame.sender!r} is timestamped {frame.ts:.3f}, now is {now:.3f}: outside the "
+                f"{self.window_s}s window (a replay, or clocks out of sync: synchronize them with NTP)"
+            )
+        if not NONCE_BYTES // 2 <= len(frame.nonce) <= 4 * NONCE_BYTES:
+            raise ProtocolError(f"nonce of {len(frame.nonce)} bytes from {frame.sender!r}")
+        with self._lock:
+            while self._seen and next(iter(self._seen.values())) < now:
+                self._seen.popitem(last=False)
+            if frame.nonce in self._seen:
+                raise ProtocolError(f"replayed {frame.kind!r} from {frame.sender!r} (nonce seen before): refused")
+            if len(self._seen) >= self._max_nonces:
+                # Forgetting a nonce inside the window would open a replay: refuse instead.
+                raise ProtocolError("too many messages inside the replay window; retry shortly")
+            self._seen[frame.nonce] = now + 2 * self.window_s

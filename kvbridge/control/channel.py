@@ -1,0 +1,417 @@
+"""The side channel of one engine rank: a ZeroMQ server (ROUTER) and its clients (REQ).
+
+The server answers GetInfo (registered memory + readiness), BeginPull / Done / QueryLease
+(the prefill ledger) and Abort. Every request and reply is a `Frame` (see `messages`),
+size-bounded by the socket itself (ZMQ_MAXMSGSIZE) and by `wire.decode`, schema-checked and,
+with a shared secret, HMAC-authenticated with a replay guard. A bad message gets a `Refused`
+reply; nothing a peer sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import attrs
+import zmq
+
+from kvbridge import wire
+from kvbridge.control.auth import Authenticator, new_nonce
+from kvbridge.control.ledger import Ledger
+from kvbridge.control.messages import (
+    REPLIES,
+    REQUESTS,
+    Abort,
+    Ack,
+    BeginPull,
+    Done,
+    Frame,
+    GetInfo,
+    LeaseStatus,
+    QueryLease,
+    RankInfo,
+    Refused,
+)
+from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a layout of thousands of regions fits; nothing legitimate is larger
+Address = tuple[str, int]
+AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
+
+T = TypeVar("T")
+
+
+def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"") -> Frame:
+    return Frame(kind=kind, sender=sender, nonce=new_nonce(), ts=time.time(), body=body, reply_to=reply_to)
+
+
+class ControlServer:
+    """Side channel of one rank. Binds at construction; serves on a daemon thread until `close()`.
+
+    Start-up ordering: the server answers at once but reports "not ready" until `register()`
+    is called with the rank's KV layout and transport endpoint (after the KV cache exists, for
+    example after a profiling run fixed the block count). Peers wait, bounded, for readiness.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        rank: int = 0,
+        *,
+        ledger: Ledger | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: str | bytes | None = None,
+        on_abort: AbortCallback | None = None,
+        registry: Any = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        poll_interval_s: float = 0.05,
+        notify_timeout_s: float = 2.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.rank = rank
+        self.ledger = ledger
+        self.name = f"{engine_id}/{rank}"
+        self._auth = Authenticator(secret)
+        self._secret = secret
+        self._on_abort = on_abort
+        self._registry = registry
+        self.max_message_bytes = max_message_bytes
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._notify_timeout_s = notify_timeout_s
+        self._info = RankInfo(engine_id=engine_id, rank=rank, ready=False)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)  # + multipart envelope
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            self._ctx.term()
+            raise ConfigError(f"side channel of {self.name} cannot bind tcp://{host}:{port}: {exc}; "
+                              "pick a free port or host") from None
+        self.address: Address = (host, port)
+        self._stop = threading.Event()
+        self._notifier: ThreadPoolExecutor | None = None
+        self._clients: ClientPool | None = None
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name=f"kvbridge-ctl-{self.name}", daemon=True)
+        self._thread.start()
+        try:
+            self._publish()
+        except KVBridgeError:
+            self.close()
+            raise
+        log.info("side channel of %s serving on tcp://%s:%d%s", self.name, host, port,
+                 " (authenticated)" if self._auth.enabled else "")
+
+    @property
+    def ready(self) -> bool:
+        return self._info.ready
+
+    def register(self, layout: bytes = b"", endpoint: bytes = b"", meta: dict[str, str] | None = None) -> None:
+        """Publish this rank's registered memory and mark it ready to be pulled from."""
+        self._info = RankInfo(self.engine_id, self.rank, True, bytes(layout), bytes(endpoint), dict(meta or {}))
+        self._publish()
+
+    def abort(self, request_id: str, reason: str = "", peers: Iterable[Address] = ()) -> int:
+        """Abort `request_id` here: free its lease (if any) and tell the other side.
+
+        The decode ranks that began pulling it are told automatically; `peers` adds side
+        channels to tell (a decode rank passes the prefill ranks it reads). Returns how many
+        peers are being told (asynchronously; a peer that is gone is logged, its lease expires).
+        """
+        targets = {tuple(p) for p in peers}
+        if self.ledger is not None:
+            targets.update(tuple(w) for w in self.ledger.abort(request_id))  # type: ignore[arg-type]
+        msg = Abort(request_id=request_id, origin=self.name, reason=reason)
+        with self._lock:
+            if self._stop.is_set():
+                return 0
+            if self._notifier is None:
+                self._notifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvbridge-abort-{self.name}")
+                self._clients = ClientPool(secret=self._secret, timeout_s=self._notify_timeout_s, sender=self.name)
+            for host, port in targets:
+                self._notifier.submit(self._notify, (str(host), int(port)), msg)
+        return len(targets)
+
+    def _notify(self, addr: Address, msg: Abort) -> None:
+        assert self._clients is not None
+        try:
+            self._clients.get(*addr).request(msg)
+        except KVBridgeError as exc:
+            log.warning("%s could not tell %s:%d about abort of %s: %s", self.name, *addr, msg.request_id, exc)
+
+    # -- request handling (pure: bytes in, bytes out; used directly by the fuzz tests) ---------
+
+    def handle(self, payload: bytes) -> bytes:
+        """Answer one request. Never raises: anything wrong becomes a `Refused` reply."""
+        reply_to = b""
+        try:
+            frame = wire.decode(payload, Frame, max_bytes=self.max_message_bytes)
+            reply_to = frame.nonce
+            self._auth.check(frame)
+            cls = REQUESTS.get(frame.kind)
+            if cls is None:
+                raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
+            reply: Any = self._dispatch(wire.decode(frame.body, cls, max_bytes=self.max_message_bytes), frame.sender)
+        except ProtocolError as exc:
+            log.debug("%s refused a message: %s", self.name, exc)
+            reply = Refused("protocol", str(exc))
+        except KVBridgeError as exc:
+            reply = Refused("error", str(exc))
+        except Exception as exc:  # a bug must cost one reply, not the server
+            log.exception("%s: handler failed", self.name)
+            reply = Refused("internal", f"{type(exc).__name__}: {exc}")
+        return wire.encode(self._auth.seal(_frame(type(reply).__name__, self.name, wire.encode(reply), reply_to)))
+
+    def _dispatch(self, msg: Any, sender: str) -> Any:
+        if isinstance(msg, Abort):
+            if self.ledger is not None:
+                self.ledger.abort(msg.request_id)
+            if self._on_abort is not None:
+                self._on_abort(msg.request_id, msg.origin or sender, msg.reason)
+            return Ack()
+        if not self._info.ready:
+            return Refused("not_ready", f"rank {self.name} has not registered its KV cache yet")
+        if isinstance(msg, GetInfo):
+            return self._info
+        if self.ledger is None:
+            return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
+        if isinstance(msg, BeginPull):
+            watcher = (msg.notify_host, msg.notify_port) if msg.notify_port else None
+            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher)
+        if isinstance(msg, Done):
+            return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch)
+        if isinstance(msg, QueryLease):
+            return self.ledger.query(msg.request_id, msg.epoch)
+        raise ProtocolError(f"no handler for {type(msg).__name__}")
+
+    # -- the serving thread ------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(self._poll_ms):
+                    self._serve_one()
+                if self.ledger is not None:
+                    self.ledger.reap()
+        finally:
+            self._sock.close(linger=0)
+
+    def _serve_one(self) -> None:
+        try:
+            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return
+        # REQ peers send [identity, (request id with REQ_CORRELATE), b"", payload]; DEALER peers
+        # [identity, payload]. The envelope goes back unchanged; anything else is dropped.
+        if 3 <= len(parts) <= 4 and parts[-2] == b"":
+            envelope = parts[:-1]
+        elif len(parts) == 2:
+            envelope = parts[:1]
+        else:
+            log.debug("%s dropped a %d-part message", self.name, len(parts))
+            return
+        reply = self.handle(parts[-1])
+        try:
+            self._sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer went away before its answer
+            log.debug("%s could not reply: %s", self.name, exc)
+
+    def _publish(self) -> None:
+        if self._registry is not None:
+            from kvbridge.control.discovery import RankRecord
+
+            host, port = self.address
+            self._registry.publish(RankRecord(self.engine_id, self.rank, host, port, self._info.ready))
+
+    def close(self) -> None:
+        """Stop serving, withdraw from the registry, and release the socket. Safe to call twice."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+        self._thread.join(timeout=10)
+        if self._notifier is not None:
+            self._notifier.shutdown(wait=True)
+        if self._clients is not None:
+            self._clients.close()
+        if self._registry is not None:
+            try:
+                self._registry.remove(self.engine_id, self.rank)
+            except KVBridgeError as exc:
+                log.warning("%s could not withdraw from the registry: %s", self.name, exc)
+        self._ctx.term()
+
+    def __enter__(self) -> ControlServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ControlClient:
+    """Talks to one rank's side channel. Thread-safe (one request at a time)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        secret: str | bytes | None = None,
+        timeout_s: float = 5.0,
+        sender: str = "",
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.url = f"tcp://{host}:{port}"
+        self.timeout_s = timeout_s
+        self.sender = sender
+        self._auth = Authenticator(secret)
+        self._max = max_message_bytes
+        self._lock = threading.Lock()
+        self._sock = zmq.Context.instance().socket(zmq.REQ)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # A timed-out request must not wedge the socket: allow a new send and drop stale replies.
+        self._sock.setsockopt(zmq.REQ_RELAXED, 1)
+        self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)
+        self._sock.connect(self.url)
+        self._closed = False
+
+    def request(self, msg: Any, timeout_s: float | None = None) -> Any:
+        """Send one request message and return the reply message (a `Refused` is returned, not raised)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        kind = type(msg).__name__
+        frame = self._auth.seal(_frame(kind, self.sender, wire.encode(msg)))
+        with self._lock:
+            if self._closed:
+                raise ConfigError(f"control client for {self.url} is closed")
+            self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+            self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
+            try:
+                self._sock.send(wire.encode(frame))
+                data = self._sock.recv()
+            except zmq.Again:
+                raise TransferTimeout(
+                    f"side channel {self.url} did not answer {kind} within {timeout_s}s; check that the engine "
+                    "rank is running and its side-channel address is right", peer=self.url, cause="timeout",
+                ) from None
+            except zmq.ZMQError as exc:
+                raise PeerGone(f"side channel {self.url} failed on {kind}: {exc}", peer=self.url,
+                               cause=str(exc)) from None
+        reply_frame = wire.decode(data, Frame, max_bytes=self._max)
+        self._auth.check(reply_frame, expect_reply_to=frame.nonce)
+        cls = REPLIES.get(reply_frame.kind)
+        if cls is None:
+            raise ProtocolError(f"side channel {self.url} answered {kind} with unknown kind {reply_frame.kind!r}")
+        return wire.decode(reply_frame.body, cls, max_bytes=self._max)
+
+    def _expect(self, reply: Any, cls: type[T], what: str) -> T:
+        if isinstance(reply, Refused):
+            raise ProtocolError(f"side channel {self.url} refused {what} ({reply.kind}): {reply.message}")
+        if not isinstance(reply, cls):
+            raise ProtocolError(f"side channel {self.url} answered {what} with {type(reply).__name__}")
+        return reply
+
+    def _ready_request(self, msg: Any, wait_s: float) -> Any:
+        """Send `msg`, retrying while the peer is not ready yet, for at most `wait_s` seconds."""
+        deadline = time.monotonic() + wait_s
+        delay = 0.01
+        while True:
+            reply = self.request(msg)
+            if not (isinstance(reply, Refused) and reply.kind == "not_ready"):
+                return reply
+            if time.monotonic() + delay > deadline:
+                raise TransferTimeout(
+                    f"{reply.message} ({self.url}) after waiting {wait_s}s; start pulling once the peer is ready "
+                    "(its KV cache is allocated after any profiling run), or raise the ready timeout",
+                    peer=self.url, cause="peer not ready",
+                )
+            time.sleep(delay)  # bounded by the deadline above
+            delay = min(delay * 2, 0.5)
+
+    def get_info(self, wait_s: float = 0.0) -> RankInfo:
+        """The rank's registered memory, waiting up to `wait_s` for it to become ready."""
+        return self._expect(self._ready_request(GetInfo(), wait_s), RankInfo, "GetInfo")
+
+    def begin_pull(
+        self, request_id: str, decode_rank: str, *, notify: Address | None = None, wait_s: float = 0.0
+    ) -> LeaseStatus:
+        """Announce a read of `request_id`; raise LoadError unless its lease is active (recompute)."""
+        host, port = notify or ("", 0)
+        msg = BeginPull(request_id, decode_rank, host, port)
+        status = self._expect(self._ready_request(msg, wait_s), LeaseStatus, "BeginPull")
+        if not status.valid:
+            raise LoadError(
+                f"request {request_id!r} has no active lease on {self.url} (it is {status.state.value}); "
+                "its KV cannot be pulled, recompute it", peer=self.url, request=request_id, cause=status.state.value,
+            )
+        return status
+
+    def done(self, request_id: str, decode_rank: str, epoch: int = 0, *, check: bool = True) -> LeaseStatus:
+        """Report DONE. With `check`, raise LoadError if the lease did not stay valid through the read."""
+        status = self._expect(self.request(Done(request_id, decode_rank, epoch)), LeaseStatus, "Done")
+        if check and not status.valid:
+            raise LoadError(
+                f"lease epoch {epoch} of request {request_id!r} on {self.url} was {status.state.value} when the "
+                "read finished: the blocks may have been reused during the read; recompute this request",
+                peer=self.url, request=request_id, cause=status.state.value,
+            )
+        return status
+
+    def query_lease(self, request_id: str, epoch: int = 0) -> LeaseStatus:
+        return self._expect(self.request(QueryLease(request_id, epoch)), LeaseStatus, "QueryLease")
+
+    def abort(self, request_id: str, *, origin: str = "", reason: str = "") -> None:
+        """Tell the rank that `request_id` was aborted (it frees what it holds)."""
+        self._expect(self.request(Abort(request_id, origin or self.sender, reason)), Ack, "Abort")
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sock.close(linger=0)
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@attrs.define
+class ClientPool:
+    """One `ControlClient` per address, created on first use, closed together."""
+
+    secret: str | bytes | None = None
+    timeout_s: float = 5.0
+    sender: str = ""
+    _clients: dict[Address, ControlClient] = attrs.field(factory=dict, init=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+
+    def get(self, host: str, port: int) -> ControlClient:
+        with self._lock:
+            client = self._clients.get((host, port))
+            if client is None:
+                client = ControlClient(host, port, secret=self.secret, timeout_s=self.timeout_s, sender=self.sender)
+                self._clients[(host, port)] = client
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()

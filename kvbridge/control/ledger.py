@@ -1,0 +1,216 @@
+"""Prefill-side block lifetime: leases, DONE counting, expiry and abort.
+
+`offer(request, blocks, expected_pulls)` creates a lease. Decode ranks report DONE; the blocks
+are released (the `on_release` callback) when `expected_pulls` distinct decode ranks have, when
+the lease expires, or when the request is aborted — exactly once. The state change is published
+*before* the callback runs, and the engine may only reuse the blocks after the callback, so a
+DONE or a lease query that still finds the lease ACTIVE proves no reuse overlapped the read
+that preceded it (fencing). Finished leases are kept as tombstones for a while so a late or
+duplicate DONE gets an exact answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+
+import attrs
+
+from kvbridge.control.messages import LeaseState, LeaseStatus
+from kvbridge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class Lease:
+    """A request's prefill blocks, held until `expected_pulls` decode ranks said DONE."""
+
+    request_id: str
+    epoch: int
+    blocks: tuple[int, ...]
+    expected_pulls: int
+    deadline: float  # on the ledger's clock (monotonic seconds)
+
+
+@attrs.define
+class _Entry:
+    lease: Lease
+    state: LeaseState = LeaseState.ACTIVE
+    done: set[str] = attrs.field(factory=set)
+    watchers: dict[str, Hashable] = attrs.field(factory=dict)  # decode rank -> its side channel
+    forget_at: float = 0.0
+
+
+ReleaseCallback = Callable[[Lease, LeaseState], None]
+
+
+class Ledger:
+    """Thread-safe lease table of one prefill rank.
+
+    `on_release(lease, reason)` runs once per lease, outside the ledger's lock, with reason
+    RELEASED, EXPIRED or ABORTED; keep it short (it runs on the caller's or the server's thread).
+    """
+
+    def __init__(
+        self,
+        on_release: ReleaseCallback,
+        *,
+        timeout_s: float = 120.0,
+        tombstone_s: float = 600.0,
+        max_tombstones: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"lease timeout must be positive, got {timeout_s}")
+        self._on_release = on_release
+        self.timeout_s = timeout_s
+        self._tombstone_s = tombstone_s
+        self._max_tombstones = max_tombstones
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._active: dict[str, _Entry] = {}
+        self._finished: OrderedDict[str, _Entry] = OrderedDict()
+        # Epochs are unique per ledger and start at a random point, so a restarted prefill
+        # never confirms a lease its previous life handed out.
+        self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
+
+    # -- prefill side ---------------------------------------------------------------------
+
+    def offer(
+        self, request_id: str, blocks: Sequence[int], expected_pulls: int, *, timeout_s: float | None = None
+    ) -> Lease:
+        """Hold `blocks` for `request_id` until `expected_pulls` distinct decode ranks sent DONE.
+
+        `expected_pulls=0` (nobody will read this rank) releases at once.
+        """
+        if expected_pulls < 0:
+            raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
+        self.reap()
+        now = self._clock()
+        with self._lock:
+            if request_id in self._active:
+                raise ConfigError(
+                    f"request {request_id!r} already holds lease epoch {self._active[request_id].lease.epoch}; "
+                    "abort or release it before offering it again"
+                )
+            lease = Lease(request_id, self._next_epoch, tuple(int(b) for b in blocks), expected_pulls,
+                          now + (timeout_s or self.timeout_s))
+            self._next_epoch += 1
+            self._finished.pop(request_id, None)
+            entry = _Entry(lease)
+            self._active[request_id] = entry
+        log.debug("lease %s epoch %d: %d blocks, %d pulls expected", request_id, lease.epoch, len(lease.blocks),
+                  expected_pulls)
+        if expected_pulls == 0:
+            self._finish(entry, LeaseState.RELEASED)
+        return lease
+
+    def abort(self, request_id: str) -> list[Hashable]:
+        """Release the request's blocks now; returns the side channels of the decode ranks that began pulling."""
+        with self._lock:
+            entry = self._active.get(request_id)
+        if entry is None or not self._finish(entry, LeaseState.ABORTED):
+            return []
+        return list(entry.watchers.values())
+
+    def reap(self) -> int:
+        """Expire every lease past its deadline; returns how many expired."""
+        now = self._clock()
+        with self._lock:
+            due = [e for e in self._active.values() if e.lease.deadline <= now]
+        return sum(self._finish(e, LeaseState.EXPIRED) for e in due)
+
+    def next_deadline(self) -> float | None:
+        with self._lock:
+            return min((e.lease.deadline for e in self._active.values()), default=None)
+
+    @property
+    def active(self) -> list[str]:
+        with self._lock:
+            return list(self._active)
+
+    def state(self, request_id: str) -> LeaseState:
+        with self._lock:
+            entry = self._active.get(request_id) or self._finished.get(request_id)
+            return entry.state if entry else LeaseState.UNKNOWN
+
+    # -- decode side (through the side channel) ------------------------------------------------
+
+    def begin(self, request_id: str, decode_rank: str, watcher: Hashable | None = None) -> LeaseStatus:
+        """A decode rank is about to read: the lease as it stands, and remember who to tell on abort."""
+        self.reap()
+        with self._lock:
+            entry = self._active.get(request_id)
+            if entry is not None and watcher is not None:
+                entry.watchers[decode_rank] = watcher
+        return self.query(request_id)
+
+    def query(self, request_id: str, epoch: int = 0) -> LeaseStatus:
+        """The lease's state; `valid` means ACTIVE (with that epoch, if given) right now."""
+        self.reap()
+        with self._lock:
+            entry = self._active.get(request_id) or self._finished.get(request_id)
+            if entry is None:
+                return LeaseStatus(request_id, LeaseState.UNKNOWN)
+            return self._status(entry, valid=entry.state is LeaseState.ACTIVE and epoch in (0, entry.lease.epoch))
+
+    def done(self, request_id: str, decode_rank: str, epoch: int = 0) -> LeaseStatus:
+        """Count a DONE (idempotent per decode rank). `valid`: the blocks were not released before it.
+
+        A DONE with the wrong epoch is not counted. A duplicate of a counted DONE stays valid
+        after the release; any other DONE after a release, expiry or abort is invalid: the read
+        it reports may have overlapped a reuse of the blocks.
+        """
+        self.reap()
+        with self._lock:
+            entry = self._active.get(request_id)
+            if entry is None:
+                old = self._finished.get(request_id)
+                if old is None:
+                    return LeaseStatus(request_id, LeaseState.UNKNOWN)
+                counted = old.state is LeaseState.RELEASED and decode_rank in old.done
+                return self._status(old, valid=counted and epoch in (0, old.lease.epoch))
+            if epoch not in (0, entry.lease.epoch):
+                return self._status(entry, valid=False)
+            entry.done.add(decode_rank)
+            last = len(entry.done) >= entry.lease.expected_pulls
+        released = last and self._finish(entry, LeaseState.RELEASED)
+        with self._lock:
+            return self._status(entry, valid=True, released=released)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _status(self, entry: _Entry, *, valid: bool, released: bool = False) -> LeaseStatus:
+        lease = entry.lease
+        remaining = max(0.0, lease.deadline - self._clock()) if entry.state is LeaseState.ACTIVE else 0.0
+        return LeaseStatus(lease.request_id, entry.state, valid, lease.epoch, lease.blocks, remaining, released)
+
+    def _finish(self, entry: _Entry, state: LeaseState) -> bool:
+        """Move an active lease to `state` (published first), then call `on_release`. False if already finished."""
+        now = self._clock()
+        with self._lock:
+            if self._active.get(entry.lease.request_id) is not entry:
+                return False
+            del self._active[entry.lease.request_id]
+            entry.state = state
+            entry.forget_at = now + self._tombstone_s
+            self._finished[entry.lease.request_id] = entry
+            while self._finished and (
+                len(self._finished) > self._max_tombstones or next(iter(self._finished.values())).forget_at <= now
+            ):
+                self._finished.popitem(last=False)
+        if state is not LeaseState.RELEASED:
+            log.info("lease %s epoch %d %s with %d of %d DONEs; releasing %d blocks", entry.lease.request_id,
+                     entry.lease.epoch, state.value, len(entry.done), entry.lease.expected_pulls,
+                     len(entry.lease.blocks))
+        try:
+            self._on_release(entry.lease, state)
+        except Exception:  # the engine's callback failing must not wedge the ledger or the server
+            log.exception("on_release callback failed for request %s", entry.lease.request_id)
+        return True
+

@@ -1,0 +1,143 @@
+"""Side-channel messages: versioned attrs classes, carried inside an authenticated `Frame`.
+
+A frame names the message type in `kind` and holds the message's `kvbridge.wire` encoding in
+`body`, so the server checks size, version, authentication and schema before any handler
+runs. Every message type is listed in `REQUESTS` or `REPLIES`; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
+MAX_BLOCKS = 1 << 20
+
+
+def _bounded_str(_inst: object, attr: attrs.Attribute, value: str) -> None:
+    if len(value) > MAX_ID_CHARS:
+        raise ValueError(f"{attr.name} is {len(value)} characters long; at most {MAX_ID_CHARS} are allowed")
+
+
+def _bounded_blocks(_inst: object, attr: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if len(value) > MAX_BLOCKS:
+        raise ValueError(f"{attr.name} lists {len(value)} blocks; at most {MAX_BLOCKS} are allowed")
+
+
+def _id() -> str:
+    return attrs.field(validator=[attrs.validators.instance_of(str), _bounded_str])
+
+
+@attrs.frozen
+class Frame:
+    """What travels on the socket: one message, who sent it, and its authentication."""
+
+    kind: str = attrs.field(validator=[attrs.validators.instance_of(str), _bounded_str])
+    sender: str = attrs.field(validator=[attrs.validators.instance_of(str), _bounded_str])
+    nonce: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
+    ts: float = attrs.field(validator=attrs.validators.instance_of(float))
+    body: bytes = attrs.field(validator=attrs.validators.instance_of(bytes))
+    reply_to: bytes = attrs.field(default=b"", validator=attrs.validators.instance_of(bytes))
+    mac: bytes = attrs.field(default=b"", validator=attrs.validators.instance_of(bytes))
+
+
+class LeaseState(str, enum.Enum):
+    """Where a lease is in its life. Only ACTIVE blocks may be read."""
+
+    ACTIVE = "active"
+    RELEASED = "released"  # every expected DONE arrived
+    EXPIRED = "expired"  # the timeout passed first; the blocks may already be reused
+    ABORTED = "aborted"
+    UNKNOWN = "unknown"  # never offered here, or forgotten long ago
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class GetInfo:
+    """Ask a rank for its registered memory (KV layout + transport endpoint) and readiness."""
+
+
+@attrs.frozen
+class BeginPull:
+    """Decode rank `decode_rank` is about to read `request_id`; `notify_*` is its side channel."""
+
+    request_id: str = _id()
+    decode_rank: str = _id()
+    notify_host: str = attrs.field(default="", validator=_bounded_str)
+    notify_port: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+
+
+@attrs.frozen
+class Done:
+    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: read nothing)."""
+
+    request_id: str = _id()
+    decode_rank: str = _id()
+    epoch: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+
+
+@attrs.frozen
+class QueryLease:
+    """Is the lease on `request_id` (with `epoch`, if not 0) still valid?"""
+
+    request_id: str = _id()
+    epoch: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+
+
+@attrs.frozen
+class Abort:
+    """`request_id` was aborted by `origin`; the receiver frees what it holds for it."""
+
+    request_id: str = _id()
+    origin: str = attrs.field(default="", validator=_bounded_str)
+    reason: str = attrs.field(default="", validator=_bounded_str)
+
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RankInfo:
+    """A rank's registered memory. `layout` and `endpoint` are opaque wire bytes for the agent."""
+
+    engine_id: str = _id()
+    rank: int = attrs.field(validator=attrs.validators.instance_of(int))
+    ready: bool = attrs.field(validator=attrs.validators.instance_of(bool))
+    layout: bytes = b""
+    endpoint: bytes = b""
+    meta: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class LeaseStatus:
+    """A lease as the prefill ledger sees it. `valid` is the fencing answer for the asker's read."""
+
+    request_id: str = _id()
+    state: LeaseState = attrs.field(converter=LeaseState)
+    valid: bool = False
+    epoch: int = 0
+    blocks: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
+    remaining_s: float = 0.0
+    released: bool = False  # this message caused the release
+
+
+@attrs.frozen
+class Ack:
+    """A request was taken into account."""
+
+    ok: bool = True
+
+
+@attrs.frozen
+class Refused:
+    """The server would not act on a request; `kind` says why ("protocol", "not_ready", "no_ledger")."""
+
+    kind: str = _id()
+    message: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+
+
+REQUESTS: dict[str, type] = {c.__name__: c for c in (GetInfo, BeginPull, Done, QueryLease, Abort)}
+REPLIES: dict[str, type] = {c.__name__: c for c in (RankInfo, LeaseStatus, Ack, Refused)}

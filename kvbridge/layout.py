@@ -1,0 +1,216 @@
+"""KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them.
+
+A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions,
+one per (layer, kind): "k" / "v" for MHA/GQA, "latent" for MLA, "index" for an indexer cache.
+Block b of a region starts at `addr + b * block_stride` and is `block_bytes` long. Where heads
+can be sliced out of a block, a region also says how: a head's bytes are `chunks` pieces of
+`head_bytes`, `chunk_stride` apart, and head h starts at `h * head_bytes` in each piece
+(HND: one piece per block; NHD: one piece per token). A region with `heads == 0` is opaque.
+
+Builders cover the layouts engines really use: `vllm_layout` (one tensor per layer, K/V split
+or joint, or a (K, V) pair of tensors; NHD or HND), `lmdeploy_layout` (one packed pool of shape
+(layers, blocks, bytes) per rank), and `buffer_layout` (one descriptor per buffer kind, as MLU
+engines register key/value/index buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+
+from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.presets import ModelSpec
+
+Order = Literal["NHD", "HND"]
+KINDS = ("k", "v", "latent", "index")
+
+
+@attrs.frozen
+class KVRegion:
+    """The blocks of one (layer, kind) of a rank's KV cache."""
+
+    layer: int
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    addr: int
+    num_blocks: int
+    block_stride: int
+    block_bytes: int
+    heads: int = 0  # heads that can be sliced out of a block; 0: the block is opaque
+    head_bytes: int = 0
+    chunks: int = 1
+    chunk_stride: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_bytes < 1:
+            raise ConfigError(f"region layer {self.layer} {self.kind}: needs blocks and bytes, got {self}")
+        if self.num_blocks > 1 and self.block_stride < self.block_bytes:
+            raise ConfigError(
+                f"region layer {self.layer} {self.kind}: block stride {self.block_stride} is smaller than the "
+                f"{self.block_bytes}-byte block, so blocks overlap"
+            )
+        if self.heads and self.heads * self.head_bytes > (self.chunk_stride if self.chunks > 1 else self.block_bytes):
+            raise ConfigError(f"region layer {self.layer} {self.kind}: {self.heads} heads do not fit in a chunk")
+        if self.heads and (self.chunks - 1) * self.chunk_stride + self.heads * self.head_bytes > self.block_bytes:
+            raise ConfigError(f"region layer {self.layer} {self.kind}: head chunks reach past the block")
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """[first byte, last byte + 1) the region's blocks occupy."""
+        return self.addr, self.addr + (self.num_blocks - 1) * self.block_stride + self.block_bytes
+
+
+@attrs.frozen
+class KVLayout:
+    """A rank's KV cache: model facts, KV heads on this rank, and its regions."""
+
+    model: ModelSpec
+    heads: int
+    regions: tuple[KVRegion, ...] = attrs.field(converter=tuple)
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks every region can hold (the rank's capacity)."""
+        return min(r.num_blocks for r in self.regions)
+
+    @property
+    def order(self) -> str:
+        """"HND", "NHD" or "opaque", from the first region."""
+        r = self.regions[0]
+        return "opaque" if not r.heads else ("NHD" if r.chunks > 1 else "HND")
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise LayoutMismatch naming the first field that keeps the two ranks from exchanging blocks.
+
+    Block counts may differ (asymmetric capacity); so may the heads per rank (heterogeneous TP),
+    as long as a head has the same bytes on both sides.
+    """
+    for name in ("attention", "layers", "head_dim", "dtype", "block_size"):
+        a, b = getattr(local.model, name), getattr(remote.model, name)
+        if a != b:
+            raise LayoutMismatch(f"model.{name}", a, b)
+    if len(local.regions) != len(remote.regions):
+        raise LayoutMismatch(
+            "regions", len(local.regions), len(remote.regions),
+            "Both sides must register the same layers and cache kinds (K/V, latent, index)",
+        )
+    for i, (a, b) in enumerate(zip(local.regions, remote.regions)):
+        for name in ("layer", "kind"):
+            if getattr(a, name) != getattr(b, name):
+                raise LayoutMismatch(f"regions[{i}].{name}", getattr(a, name), getattr(b, name))
+        if bool(a.heads) != bool(b.heads) or (a.chunks > 1) != (b.chunks > 1):
+            raise LayoutMismatch(
+                f"regions[{i}].order", _order(a), _order(b), "Use the same cache layout (NHD/HND) on both sides"
+            )
+        if a.heads and a.head_bytes != b.head_bytes:
+            raise LayoutMismatch(f"regions[{i}].head_bytes", a.head_bytes, b.head_bytes)
+        if local.heads == remote.heads and a.block_bytes != b.block_bytes:
+            raise LayoutMismatch(f"regions[{i}].block_bytes", a.block_bytes, b.block_bytes)
+
+
+def _order(r: KVRegion) -> str:
+    return "opaque" if not r.heads else ("NHD" if r.chunks > 1 else "HND")
+
+
+def address(x: Any) -> int:
+    """The first byte of a tensor or numpy array (through its device plugin), or an int as is."""
+    if isinstance(x, int):
+        return x
+    from kvbridge.memory import as_regions
+
+    regions = as_regions(x)
+    if len(regions) != 1:
+        raise ConfigError(f"expected one tensor or address, got {len(regions)} regions")
+    return regions[0].addr
+
+
+def _kind_geometry(model: ModelSpec, heads: int, kind: str, order: Order) -> dict[str, int]:
+    """block_bytes and head slicing of one block of a K, V or latent cache."""
+    row = model.head_dim * model.dtype_bytes  # one token of one head
+    block_bytes = heads * model.block_size * row
+    if order == "HND":
+        return dict(block_bytes=block_bytes, heads=heads, head_bytes=model.block_size * row)
+    if order == "NHD":
+        return dict(block_bytes=block_bytes, heads=heads, head_bytes=row, chunks=model.block_size,
+                    chunk_stride=heads * row)
+    raise ConfigError(f"order must be 'NHD' or 'HND', got {order!r}")
+
+
+def _kinds(model: ModelSpec) -> tuple[str, ...]:
+    return ("latent",) if model.attention == "mla" else ("k", "v")
+
+
+def vllm_layout(
+    model: ModelSpec,
+    heads: int,
+    layers: Sequence[Any],
+    num_blocks: int,
+    *,
+    kv: Literal["split", "joint"] = "split",
+    order: Order = "NHD",
+) -> KVLayout:
+    """A vLLM-style cache: one entry per layer, each a tensor (or address), or a (K, V) pair.
+
+    One tensor per layer holds, for GQA, either `(2, num_blocks, ...)` (`kv="split"`: all K blocks,
+    then all V blocks) or `(num_blocks, 2, ...)` (`kv="joint"`: K and V of a block side by side);
+    for MLA `(num_blocks, block_size, head_dim)`. `order` is the block's inner order: NHD
+    `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`.
+    """
+    if len(layers) != model.layers:
+        raise ConfigError(f"{model.name} has {model.layers} layers, got {len(layers)} cache entries")
+    regions = []
+    for layer, entry in enumerate(layers):
+        for i, kind in enumerate(_kinds(model)):
+            geo = _kind_geometry(model, heads, kind, order)
+            bb = geo["block_bytes"]
+            if isinstance(entry, tuple):
+                if len(entry) != len(_kinds(model)):
+                    raise ConfigError(f"layer {layer}: expected {len(_kinds(model))} tensors, got {len(entry)}")
+                base, stride = address(entry[i]), bb
+            elif kv == "split":
+                base, stride = address(entry) + i * num_blocks * bb, bb
+            elif kv == "joint":
+                base, stride = address(entry) + i * bb, len(_kinds(model)) * bb
+            else:
+                raise ConfigError(f"kv must be 'split' or 'joint', got {kv!r}")
+            regions.append(KVRegion(layer, kind, base, num_blocks, stride, **geo))
+    return KVLayout(model, heads, regions)
+
+
+def lmdeploy_layout(model: ModelSpec, heads: int, pool: Any, num_blocks: int, *, order: Order = "NHD") -> KVLayout:
+    """An LMDeploy-style packed pool of shape (layers, num_blocks, entry): each entry is K then V."""
+    kinds = _kinds(model)
+    base = address(pool)
+    geo = _kind_geometry(model, heads, kinds[0], order)
+    entry = len(kinds) * geo["block_bytes"]
+    regions = [
+        KVRegion(layer, kind, base + layer * num_blocks * entry + i * geo["block_bytes"], num_blocks, entry, **geo)
+        for layer in range(model.layers)
+        for i, kind in enumerate(kinds)
+    ]
+    return KVLayout(model, heads, regions)
+
+
+@attrs.frozen
+class BufferDesc:
+    """One registered buffer of shape (num_layers, num_blocks, size_per_block), as MLU engines describe them."""
+
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    addr: int
+    num_blocks: int
+    size_per_block: int
+    num_layers: int
+
+
+def buffer_layout(model: ModelSpec, heads: int, buffers: Sequence[BufferDesc]) -> KVLayout:
+    """Opaque blocks from buffer descriptors (key, value, index...): whole blocks only, no head slicing."""
+    regions = []
+    for layer in range(model.layers):
+        for b in buffers:
+            if b.num_layers != model.layers:
+                raise ConfigError(f"{b.kind} buffer has {b.num_layers} layers, {model.name} has {model.layers}")
+            regions.append(KVRegion(layer, b.kind, b.addr + layer * b.num_blocks * b.size_per_block,
+                                    b.num_blocks, b.size_per_block, b.size_per_block))
+    return KVLayout(model, heads, regions)

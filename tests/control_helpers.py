@@ -1,0 +1,111 @@
+"""Helpers for the control-plane tests: bounded polling, free ports, real redis and etcd servers."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll `cond` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def free_base_port(n: int = 1) -> int:
+    """A port p such that p .. p+n-1 are free on 127.0.0.1 right now."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no run of free ports on 127.0.0.1")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _require(binary: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        pytest.fail(f"{binary} is not installed; run scripts/setup --test")
+    return path
+
+
+@contextmanager
+def redis_server(tmp: Path) -> Iterator[str]:
+    """A real redis-server on a free 127.0.0.1 port, stopped by its PID; yields redis://127.0.0.1:PORT."""
+    port = free_base_port()
+    proc = subprocess.Popen([_require("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    return s.recv(16).startswith(b"+PONG")
+            except OSError:
+                assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
+                return False
+
+        wait_for(up, what="redis-server")
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+
+
+@contextmanager
+def etcd_server(tmp: Path) -> Iterator[str]:
+    """A real single-member etcd on free 127.0.0.1 ports, stopped by its PID; yields etcd://127.0.0.1:PORT."""
+    client, peer = free_base_port(), free_base_port()
+    c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    proc = subprocess.Popen([_require("etcd"), "--name", "kvb", "--data-dir", str(tmp / "etcd"),
+                             "--listen-client-urls", c_url, "--advertise-client-urls", c_url,
+                             "--listen-peer-urls", p_url, "--initial-advertise-peer-urls", p_url,
+                             "--initial-cluster", f"kvb={p_url}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        def up() -> bool:
+            try:
+                with urllib.request.urlopen(f"{c_url}/health", timeout=1) as resp:  # noqa: S310
+                    return b'"true"' in resp.read()
+            except OSError:
+                assert proc.poll() is None, f"etcd exited with {proc.returncode}"
+                return False
+
+        wait_for(up, what="etcd")
+        yield f"etcd://127.0.0.1:{client}"
+    finally:
+        _stop(proc)

@@ -1,0 +1,106 @@
+"""The `kvbridge` command as a user runs it: plugins, doctor, and the verified pair bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+KVBRIDGE = [sys.executable, "-m", "kvbridge"]
+QUICK = ["--model", "small", "--tokens", "256", "--requests", "2", "--repeat", "1"]
+
+
+def kvbridge(*args: str, prefix: list[str] | None = None, check: bool = True,
+             python: str = sys.executable) -> subprocess.CompletedProcess:
+    out = subprocess.run([*(prefix or []), python, "-m", "kvbridge", *args], capture_output=True, text=True,
+                         timeout=600)
+    if check and out.returncode != 0:
+        raise AssertionError(f"kvbridge {' '.join(args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def test_plugins_lists_the_builtins_and_mooncake() -> None:
+    rows = {(r["kind"], r["name"]): r for r in json.loads(kvbridge("plugins", "--json").stdout)}
+    for key in [("backend", "mooncake"), ("backend", "tcp"), ("backend", "loopback"), ("device", "cpu")]:
+        assert rows[key]["available"], rows[key]
+    assert rows[("backend", "mooncake")]["distribution"] == "kvbridge-mooncake"
+    table = kvbridge("plugins").stdout
+    assert "mooncake" in table and "kvbridge-mooncake" in table
+
+
+def test_doctor_reports_each_plugin() -> None:
+    checks = {c["subject"]: c for c in json.loads(kvbridge("doctor", "--json").stdout)}
+    assert checks["libibverbs"]["ok"]
+    assert checks["backend mooncake"]["ok"]
+
+
+@pytest.mark.parametrize("backend, extra", [("mooncake", []), ("tcp", ["--fragmented"]),
+                                            ("mooncake", ["--fragmented"])])
+def test_bench_verifies_a_two_process_migration(backend: str, extra: list[str]) -> None:
+    result = json.loads(kvbridge("bench", "--migration-backend", backend, *QUICK, *extra, "--json").stdout)
+    assert result["verified"] is True
+    assert result["kvbridge"]["gbps"] > 0 and result["raw"]["gbps"] > 0
+    per_request = result["kvbridge"]
+    assert per_request["descriptors_per_request"] == 4 * 2 * 16  # (layer, K/V) x blocks
+    if "--fragmented" in extra:
+        assert per_request["merged_runs_per_request"] > 4 * 2
+    else:  # contiguous blocks: one run per (layer, K/V) tensor
+        assert per_request["merged_runs_per_request"] == 4 * 2
+
+
+def test_bench_table_for_people() -> None:
+    out = kvbridge("bench", "--migration-backend", "tcp", *QUICK).stdout
+    assert "raw transport" in out and "kvbridge migration" in out and "verified" in out
+
+
+def test_bench_refuses_a_transport_that_cannot_cross_processes() -> None:
+    out = kvbridge("bench", "--migration-backend", "loopback", *QUICK, check=False)
+    assert out.returncode == 2 and "one process only" in out.stderr and "Traceback" not in out.stderr
+
+
+def _hide_libibverbs() -> list[str]:
+    """Run under a private mount namespace where libibverbs.so.1 is an empty file (root only)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("hiding a system library needs root and unshare")
+    lib = subprocess.run(["sh", "-c", "ldconfig -p | grep -m1 'libibverbs.so.1 ' | sed 's/.*=> //'"],
+                         capture_output=True, text=True).stdout.strip()
+    real = os.path.realpath(lib)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            f'mount --bind /dev/null {real} && exec "$0" "$@"']
+
+
+def test_without_libibverbs_mooncake_is_unavailable_with_reason_and_hint() -> None:
+    prefix = _hide_libibverbs()
+    rows = {r["name"]: r for r in json.loads(kvbridge("plugins", "--json", prefix=prefix).stdout)}
+    assert rows["mooncake"]["available"] is False
+    assert "libibverbs.so.1" in rows["mooncake"]["reason"]
+    assert "apt-get install libibverbs1" in rows["mooncake"]["hint"]
+    assert rows["tcp"]["available"] is True
+    out = kvbridge("bench", "--migration-backend", "mooncake", *QUICK, prefix=prefix, check=False)
+    assert out.returncode == 2
+    assert "libibverbs.so.1" in out.stderr and "apt-get install libibverbs1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_without_the_mooncake_wheel_mooncake_is_unavailable(tmp_path: Path) -> None:
+    """A fresh virtualenv with kvbridge and kvbridge-mooncake but no Mooncake wheel."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    deps = ["attrs", "cattrs", "msgpack", "numpy", "pluggy", "pyzmq", "rich"]
+    subprocess.run([py, "-m", "pip", "install", "-q", *deps], check=True, capture_output=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(REPO), str(REPO / "plugins" / "mooncake")],
+                   check=True, capture_output=True)
+    rows = {r["name"]: r for r in json.loads(kvbridge("plugins", "--json", python=py).stdout)}
+    assert rows["mooncake"]["available"] is False
+    assert "mooncake.engine is not importable" in rows["mooncake"]["reason"]
+    assert "kvbridge-mooncake[non-cuda]" in rows["mooncake"]["hint"]
+    out = kvbridge("bench", "--migration-backend", "Mooncake", python=py, check=False)
+    assert out.returncode == 2 and "unavailable" in out.stderr and "Traceback" not in out.stderr

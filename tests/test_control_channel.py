@@ -1,0 +1,210 @@
+"""The side channel over real ZeroMQ sockets on 127.0.0.1: readiness, leases, abort, auth."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from control_helpers import wait_for
+
+from kvbridge import wire
+from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
+from kvbridge.control.auth import Authenticator
+from kvbridge.control.channel import _frame
+from kvbridge.control.messages import Frame, GetInfo, Refused
+from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+class Prefill:
+    """A prefill rank's side channel with a ledger that records releases."""
+
+    def __init__(self, *, secret: str | None = None, timeout_s: float = 60.0, ready: bool = True) -> None:
+        self.released: list[tuple[str, LeaseState]] = []
+        self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=timeout_s)
+        self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=secret, poll_interval_s=0.01)
+        if ready:
+            self.server.register(layout=b"layout-bytes", endpoint=b"endpoint-bytes", meta={"tp": "2"})
+
+    def client(self, **kw: object) -> ControlClient:
+        return ControlClient(*self.server.address, sender="decode/0", **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def closing() -> Iterator[list]:
+    things: list = []
+    yield things
+    for t in reversed(things):
+        (t.server if isinstance(t, Prefill) else t).close()
+
+
+def test_get_info_returns_registered_memory(closing: list) -> None:
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    info = c.get_info()
+    assert (info.engine_id, info.rank, info.ready) == ("prefill", 0, True)
+    assert (info.layout, info.endpoint, info.meta) == (b"layout-bytes", b"endpoint-bytes", {"tp": "2"})
+
+
+def test_pull_before_ready_waits_bounded_then_fails_clearly(closing: list) -> None:
+    p = Prefill(ready=False)
+    c = p.client()
+    closing += [p, c]
+    p.ledger.offer("r1", [1], expected_pulls=1)
+    with pytest.raises(TransferTimeout, match="has not registered its KV cache"):
+        c.get_info(wait_s=0.2)
+    with pytest.raises(TransferTimeout, match="not registered"):
+        c.begin_pull("r1", "decode/0", wait_s=0.2)
+    assert p.released == [], "a refused pull must not count as a DONE"
+
+
+def test_pull_waits_for_a_peer_that_becomes_ready(closing: list) -> None:
+    p = Prefill(ready=False)
+    c = p.client()
+    closing += [p, c]
+    p.ledger.offer("r1", [1], expected_pulls=1)
+    # The KV cache appears later (say, after a profiling run); the waiting pull then proceeds.
+    registrar = threading.Timer(0.2, p.server.register, kwargs={"layout": b"L", "endpoint": b"E"})
+    registrar.start()
+    try:
+        status = c.begin_pull("r1", "decode/0", wait_s=30)
+    finally:
+        registrar.join()
+    assert status.valid and status.blocks == (1,)
+    assert c.get_info().layout == b"L"
+
+
+def test_done_over_the_channel_releases_at_the_last_and_duplicates_are_harmless(closing: list) -> None:
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    p.ledger.offer("r1", [1, 2], expected_pulls=2)
+    epoch = c.begin_pull("r1", "decode/0").epoch
+    c.done("r1", "decode/0", epoch)
+    c.done("r1", "decode/0", epoch)
+    assert p.released == []
+    assert c.done("r1", "decode/1", epoch).released
+    assert c.done("r1", "decode/1", epoch).valid  # duplicate after the release
+    assert p.released == [("r1", LeaseState.RELEASED)]
+    with pytest.raises(LoadError, match="recompute"):
+        c.done("r1", "decode/7", epoch)
+
+
+def test_lease_expiry_by_the_server_reaper_then_done_is_a_load_error(closing: list) -> None:
+    p = Prefill(timeout_s=0.2)
+    c = p.client()
+    closing += [p, c]
+    p.ledger.offer("r1", [1], expected_pulls=1)
+    epoch = c.begin_pull("r1", "decode/0").epoch
+    wait_for(lambda: p.released == [("r1", LeaseState.EXPIRED)], what="lease expiry")
+    assert c.query_lease("r1", epoch).state is LeaseState.EXPIRED
+    with pytest.raises(LoadError, match="expired"):
+        c.done("r1", "decode/0", epoch)
+    with pytest.raises(LoadError, match="no active lease"):
+        c.begin_pull("r1", "decode/1")
+
+
+def test_abort_from_prefill_reaches_the_decode_rank(closing: list) -> None:
+    p = Prefill()
+    aborted: list[tuple[str, str, str]] = []
+    decode = ControlServer("decode", 0, on_abort=lambda *a: aborted.append(a))
+    c = p.client()
+    closing += [p, decode, c]
+    p.ledger.offer("r1", [1], expected_pulls=1)
+    epoch = c.begin_pull("r1", "decode/0", notify=decode.address).epoch
+    assert p.server.abort("r1", reason="client went away") == 1
+    wait_for(lambda: aborted == [("r1", "prefill/0", "client went away")], what="abort at decode")
+    assert p.released == [("r1", LeaseState.ABORTED)]
+    with pytest.raises(LoadError, match="aborted"):
+        c.done("r1", "decode/0", epoch)
+
+
+def test_abort_from_decode_frees_the_prefill_blocks(closing: list) -> None:
+    p = Prefill()
+    decode = ControlServer("decode", 0)
+    closing += [p, decode]
+    p.ledger.offer("r1", [1], expected_pulls=2)
+    assert decode.abort("r1", reason="stopped", peers=[p.server.address]) == 1
+    wait_for(lambda: p.released == [("r1", LeaseState.ABORTED)], what="abort at prefill")
+
+
+def test_abort_to_a_vanished_peer_is_logged_not_raised(closing: list) -> None:
+    decode = ControlServer("decode", 0, notify_timeout_s=0.2)
+    gone = ControlServer("gone", 0)
+    addr = gone.address
+    gone.close()
+    closing.append(decode)
+    assert decode.abort("r1", peers=[addr]) == 1
+    decode.close()  # waits for the notification to give up; must not raise
+
+
+def test_auth_peer_without_the_secret_is_refused(closing: list) -> None:
+    p = Prefill(secret=SECRET)
+    plain, wrong = p.client(), p.client(secret="another-secret-of-32-bytes-long!")
+    closing += [p, plain, wrong]
+    with pytest.raises(ProtocolError, match="requires the shared secret"):
+        plain.get_info()
+    with pytest.raises(ProtocolError, match="bad MAC"):
+        wrong.get_info()
+    assert p.client(secret=SECRET).get_info().ready
+
+
+def test_auth_client_refuses_an_unauthenticated_server(closing: list) -> None:
+    p = Prefill()  # no secret
+    c = p.client(secret=SECRET)
+    closing += [p, c]
+    with pytest.raises(ProtocolError, match="unauthenticated"):
+        c.get_info()
+
+
+def test_auth_replayed_and_stale_frames_are_refused(closing: list) -> None:
+    p = Prefill(secret=SECRET)
+    closing.append(p)
+    auth = Authenticator(SECRET)
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect("tcp://%s:%d" % p.server.address)
+    try:
+        def ask(frame: Frame) -> object:
+            sock.send(wire.encode(frame))
+            reply = wire.decode(sock.recv(), Frame)
+            return wire.decode(reply.body, Refused if reply.kind == "Refused" else type(p.server._info))
+
+        fresh = auth.seal(_frame("GetInfo", "decode/0", wire.encode(GetInfo())))
+        assert ask(fresh).ready
+        replayed = ask(fresh)
+        assert isinstance(replayed, Refused) and "replayed" in replayed.message
+        stale = auth.seal(Frame(kind="GetInfo", sender="decode/0", nonce=b"n" * 16, ts=time.time() - 3600,
+                                body=wire.encode(GetInfo())))
+        refused = ask(stale)
+        assert isinstance(refused, Refused) and "window" in refused.message
+    finally:
+        sock.close()
+
+
+def test_auth_short_secret_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        ControlServer("x", 0, secret="short")
+
+
+def test_bind_conflict_is_a_clear_error(closing: list) -> None:
+    first = ControlServer("a", 0)
+    closing.append(first)
+    with pytest.raises(ConfigError, match="cannot bind"):
+        ControlServer("b", 0, port=first.address[1])
+
+
+def test_client_times_out_on_a_silent_address(closing: list) -> None:
+    gone = ControlServer("gone", 0)
+    addr = gone.address
+    gone.close()
+    c = ControlClient(*addr, timeout_s=0.2)
+    closing.append(c)
+    with pytest.raises(TransferTimeout, match="did not answer GetInfo"):
+        c.get_info()

@@ -1,0 +1,141 @@
+"""Discovery with real servers: redis and etcd started on free 127.0.0.1 ports and stopped by PID.
+Also: the same etcd serving as Mooncake's metadata server while kvbridge's registry uses it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from control_helpers import etcd_server, free_base_port, redis_server
+
+from kvbridge.control import (
+    ControlClient,
+    ControlServer,
+    EtcdRegistry,
+    KVTransferParams,
+    RankRecord,
+    RedisRegistry,
+    Registry,
+    open_registry,
+    resolve,
+)
+from kvbridge.errors import ConfigError, PeerGone, TransferTimeout
+from kvbridge.proc import Child
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
+        yield url
+
+
+@pytest.fixture(params=["redis", "etcd"])
+def registry(request: pytest.FixtureRequest) -> Iterator[Registry]:
+    url = request.getfixturevalue(f"{request.param}_url")
+    reg = open_registry(url)
+    assert isinstance(reg, RedisRegistry if request.param == "redis" else EtcdRegistry)
+    yield reg
+    reg.close()
+
+
+def test_registry_publish_lookup_ranks_remove(registry: Registry) -> None:
+    engine = f"engine-{os.getpid()}-{id(registry)}"
+    registry.publish(RankRecord(engine, 1, "127.0.0.1", 7001, ready=False))
+    registry.publish(RankRecord(engine, 0, "127.0.0.1", 7000, ready=True, meta={"tp": "2"}))
+    registry.publish(RankRecord(engine + "-other", 0, "127.0.0.1", 9000))
+    assert registry.lookup(engine, 0) == RankRecord(engine, 0, "127.0.0.1", 7000, True, {"tp": "2"})
+    assert [r.rank for r in registry.ranks(engine)] == [0, 1]
+    registry.publish(RankRecord(engine, 1, "127.0.0.1", 7001, ready=True))  # replaces
+    assert registry.lookup(engine, 1).ready
+    registry.remove(engine, 1)
+    registry.remove(engine, 1)  # idempotent
+    assert registry.lookup(engine, 1) is None and [r.rank for r in registry.ranks(engine)] == [0]
+    assert registry.lookup("nobody", 0) is None
+
+
+def test_registry_server_announces_readiness_and_withdraws(registry: Registry) -> None:
+    engine = f"prefill-{id(registry)}"
+    server = ControlServer(engine, 0, registry=registry)
+    try:
+        record = registry.lookup(engine, 0)
+        assert record is not None and not record.ready and record.address == server.address
+        with pytest.raises(TransferTimeout, match="registered but not ready"):
+            registry.wait_ready(engine, 0, timeout_s=0.2)
+        server.register(layout=b"L", endpoint=b"E")
+        params = KVTransferParams(do_remote_prefill=True, remote_engine_id=engine, remote_request_id="r")
+        addr = resolve(params, 0, registry=registry, wait_s=5)
+        assert addr == server.address
+        with ControlClient(*addr) as client:
+            assert client.get_info().endpoint == b"E"
+    finally:
+        server.close()
+    assert registry.lookup(engine, 0) is None
+    with pytest.raises(TransferTimeout, match="not registered"):
+        registry.wait_ready(engine, 0, timeout_s=0.2)
+
+
+def test_registry_unreachable_is_a_clear_error() -> None:
+    port = free_base_port()
+    for url in (f"redis://127.0.0.1:{port}", f"etcd://127.0.0.1:{port}"):
+        reg = open_registry(url)
+        with pytest.raises(PeerGone, match="check that (redis|etcd) is running"):
+            reg.lookup("e", 0)
+        with pytest.raises(PeerGone):
+            ControlServer("e", 0, registry=reg)  # a server that cannot announce itself does not start
+        reg.close()
+
+
+def test_registry_urls() -> None:
+    assert open_registry(None) is None and open_registry("p2p") is None and open_registry("P2PHANDSHAKE") is None
+    with pytest.raises(ConfigError, match="unknown registry URL"):
+        open_registry("zookeeper://127.0.0.1:2181")
+    params = KVTransferParams(remote_engine_id="e", remote_request_id="r", remote_host="10.0.0.1", remote_port=5600)
+    assert resolve(params, 3) == ("10.0.0.1", 5603)  # peer-to-peer: base port + rank
+    with pytest.raises(ConfigError, match="remote_host"):
+        resolve(KVTransferParams(), 0)
+
+
+@pytest.mark.slow
+def test_registry_and_mooncake_metadata_share_one_etcd(etcd_url: str) -> None:
+    """Two processes: Mooncake's segment metadata and kvbridge's rank records in the same etcd;
+    the decode rank finds the prefill rank through the registry and pulls fingerprinted KV."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
+           "GLOG_minloglevel": "2"}
+    children = []
+    try:
+        for role in ("prefill", "decode"):
+            child = Child("control_rank", env=env, name=role)
+            children.append(child)
+            child.call("setup", role=role, engine_id=f"{role}-etcd", rank=0, heads=2, head_lo=0, blocks=4,
+                       metadata_server=etcd_url, hostname=f"127.0.0.1:{free_base_port()}", registry=etcd_url)
+        prefill, decode = children
+        prefill.call("register")
+        decode.call("register")
+        prefill.call("offer", request_id="r-etcd", blocks=[3, 1], expected_pulls=1)
+        # No host or port in the params: the registry says where the prefill rank is.
+        params = KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill-etcd", remote_request_id="r-etcd",
+                                  remote_block_ids=[[3, 1]], tp_size=1).to_dict()
+        share = {"rank": 0, "remote_head": 0, "local_head": 0, "heads": 2}
+        epochs = decode.call("read", request_id="r-etcd", params=params, sources=[share], local_blocks=[0, 2])
+        assert decode.call("verify", local_blocks=[0, 2], remote_blocks=[3, 1]) > 0
+        assert decode.call("done", params=params, epochs=epochs) == [True]
+        assert prefill.call("released") == [["r-etcd", "released", [3, 1]]]
+        etcd = EtcdRegistry(etcd_url)
+        assert etcd._range("mooncake/", prefix=True) == []  # Mooncake's values are not rank records...
+        assert etcd._post("kv/range", {"key": etcd._b64("mooncake/"), "range_end": etcd._b64("mooncake0"),
+                                       "count_only": True}).get("count"), "...but Mooncake's keys are there"
+        for c in children:
+            c.call("close")
+    finally:
+        for c in children:
+            c.close()

@@ -1,0 +1,190 @@
+"""Fuzzing the side channel (hypothesis): malformed, oversized, replayed and unauthenticated
+messages are refused; the server keeps serving; no lease changes, no leaked threads or sockets."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbridge import wire
+from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
+from kvbridge.control.auth import Authenticator
+from kvbridge.control.channel import _frame
+from kvbridge.control.messages import REQUESTS, Abort, BeginPull, Done, Frame, GetInfo, QueryLease, Refused
+
+SECRET = "fuzz-secret-0123456789abcdef0123"
+MAX = 64 * 1024
+FAST = settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=40)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=20,
+)
+
+
+def _refusal(reply: bytes) -> Refused | None:
+    """The Refused message in a server reply, or None if the server accepted the request."""
+    frame = wire.decode(reply, Frame)
+    return wire.decode(frame.body, Refused) if frame.kind == "Refused" else None
+
+
+class Rank:
+    """An authenticated prefill rank holding one lease that nothing legitimate touches."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[str, LeaseState]] = []
+        self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=3600)
+        self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=SECRET, max_message_bytes=MAX)
+        self.server.register(layout=b"L", endpoint=b"E")
+        self.lease = self.ledger.offer("held", [1, 2, 3], expected_pulls=1)
+        self.auth = Authenticator(SECRET)
+
+    def sealed(self, msg: object, **changes: object) -> bytes:
+        frame = _frame(type(msg).__name__, "fuzzer", wire.encode(msg))
+        frame = self.auth.seal(frame)
+        for k, v in changes.items():
+            frame = Frame(**{**wire.to_dict(frame), k: v}) if k != "raw" else frame
+        return wire.encode(frame)
+
+    def untouched(self) -> bool:
+        return self.ledger.active == ["held"] and self.released == []
+
+
+@pytest.fixture(scope="module")
+def rank() -> Iterator[Rank]:
+    r = Rank()
+    yield r
+    r.server.close()
+
+
+@FAST
+@given(payload=st.binary(max_size=512))
+def test_fuzz_random_bytes_are_refused(rank: Rank, payload: bytes) -> None:
+    refusal = _refusal(rank.server.handle(payload))
+    assert refusal is not None and refusal.kind == "protocol"
+    assert rank.untouched()
+
+
+@FAST
+@given(envelope=st.dictionaries(st.sampled_from(["v", "t", "d", "x"]), msgpack_values, max_size=4)
+       | st.fixed_dictionaries({"v": st.just(1), "t": st.just("Frame"),
+                                "d": st.dictionaries(st.sampled_from([a.name for a in Frame.__attrs_attrs__]),
+                                                     msgpack_values)}))
+def test_fuzz_malformed_envelopes_and_frames_are_refused(rank: Rank, envelope: dict) -> None:
+    refusal = _refusal(rank.server.handle(msgpack.packb(envelope, use_bin_type=True)))
+    assert refusal is not None and refusal.kind == "protocol"
+    assert rank.untouched()
+
+
+request_msgs = st.one_of(
+    st.builds(GetInfo),
+    st.builds(BeginPull, request_id=st.sampled_from(["held", "other"]) | st.text(max_size=20),
+              decode_rank=st.text(max_size=20)),
+    st.builds(Done, request_id=st.sampled_from(["held", "other"]), decode_rank=st.text(max_size=20),
+              epoch=st.integers(0, 2**62)),
+    st.builds(QueryLease, request_id=st.text(max_size=20), epoch=st.integers(0, 2**62)),
+    st.builds(Abort, request_id=st.sampled_from(["held", "other"]), reason=st.text(max_size=20)),
+)
+
+
+@FAST
+@given(msg=request_msgs, tamper=st.sampled_from(["no-mac", "bad-mac", "body", "kind", "ts", "sender"]))
+def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, msg: object, tamper: str) -> None:
+    frame = rank.auth.seal(_frame(type(msg).__name__, "fuzzer", wire.encode(msg)))
+    changed = {
+        "no-mac": {"mac": b""},
+        "bad-mac": {"mac": bytes(32)},
+        "body": {"body": frame.body + b"\x00"},
+        "kind": {"kind": "Abort" if frame.kind != "Abort" else "Done"},
+        "ts": {"ts": frame.ts + 1.0},
+        "sender": {"sender": frame.sender + "!"},
+    }[tamper]
+    forged = Frame(**{**{a.name: getattr(frame, a.name) for a in Frame.__attrs_attrs__}, **changed})
+    refusal = _refusal(rank.server.handle(wire.encode(forged)))
+    assert refusal is not None and refusal.kind == "protocol"
+    assert rank.untouched(), f"a {tamper} {type(msg).__name__} changed the ledger"
+
+
+@FAST
+@given(kind=st.sampled_from(sorted(REQUESTS)), body=msgpack_values)
+def test_fuzz_auth_signed_but_schema_invalid_bodies_are_refused(rank: Rank, kind: str, body: object) -> None:
+    # Signed with the right secret, so only the schema check stands between the bytes and a handler.
+    payload = msgpack.packb({"v": 1, "t": kind, "d": body}, use_bin_type=True)
+    frame = rank.auth.seal(_frame(kind, "fuzzer", payload))
+    reply = _refusal(rank.server.handle(wire.encode(frame)))
+    if kind == "GetInfo" and body == {}:
+        assert reply is None  # the one valid body of that kind
+    else:
+        assert reply is not None and reply.kind == "protocol"
+    assert rank.untouched()
+
+
+def test_fuzz_replayed_requests_are_refused(rank: Rank) -> None:
+    for _ in range(200):
+        payload = wire.encode(rank.auth.seal(_frame("QueryLease", "fuzzer", wire.encode(QueryLease("held")))))
+        assert _refusal(rank.server.handle(payload)) is None
+        again = _refusal(rank.server.handle(payload))
+        assert again is not None and "replayed" in again.message
+
+
+def test_fuzz_oversized_messages_are_refused(rank: Rank) -> None:
+    huge = rank.auth.seal(_frame("GetInfo", "fuzzer", b"\x00" * (MAX + 1)))
+    refusal = _refusal(rank.server.handle(wire.encode(huge)))
+    assert refusal is not None and "exceeds" in refusal.message
+    # A bytes field given as a huge integer must not allocate it (cattrs would call bytes(n)).
+    bomb = msgpack.packb({"v": 1, "t": "Frame", "d": {"kind": "GetInfo", "sender": "x", "nonce": 10**12,
+                                                      "ts": 0.0, "body": b""}}, use_bin_type=True)
+    assert _refusal(rank.server.handle(bomb)).kind == "protocol"
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
+    zmq.Context.instance().socket(zmq.REQ).close()  # the shared client context's I/O threads predate the baseline
+    threads, fds = threading.active_count(), _fds()
+    r = Rank()
+    good = ControlClient(*r.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect("tcp://%s:%d" % r.server.address)
+    try:
+        @settings(max_examples=300, deadline=None, derandomize=True)
+        @given(payload=st.binary(max_size=256) | st.builds(lambda m: r.sealed(m, mac=b""), request_msgs))
+        def send(payload: bytes) -> None:
+            raw.send(payload)  # DEALER: [payload]; the server answers [reply]
+            assert raw.poll(5000), "the server stopped answering"
+            refusal = _refusal(raw.recv())
+            assert refusal is not None and refusal.kind == "protocol"
+
+        send()
+        # Multipart garbage and a message above the socket's size limit are dropped, not answered.
+        raw.send_multipart([b"a", b"b", b"c", b"d", b"e"])
+        oversize = zmq.Context.instance().socket(zmq.DEALER)
+        oversize.setsockopt(zmq.LINGER, 0)
+        oversize.connect("tcp://%s:%d" % r.server.address)
+        oversize.send(b"\x00" * (MAX + 4096))
+        oversize.close()
+        assert good.get_info().ready, "the server must keep serving after the fuzzing"
+        assert r.untouched()
+        assert r.server._thread.is_alive()
+    finally:
+        raw.close()
+        good.close()
+        r.server.close()
+    deadline = time.monotonic() + 10
+    while (threading.active_count(), _fds()) != (threads, fds) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == threads, "threads leaked"
+    assert _fds() == fds, "sockets leaked"

@@ -1,0 +1,150 @@
+"""The prefill ledger on its own: DONE counting, leases, expiry, fencing, abort (a manual clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.control import Ledger, LeaseState
+from kvbridge.errors import ConfigError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def released() -> list[tuple[str, LeaseState, tuple[int, ...]]]:
+    return []
+
+
+@pytest.fixture
+def ledger(clock: Clock, released: list) -> Ledger:
+    return Ledger(lambda lease, why: released.append((lease.request_id, why, lease.blocks)), timeout_s=10.0,
+                  clock=clock)
+
+
+def test_done_releases_exactly_at_the_last_expected_done(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("r1", [4, 5, 6], expected_pulls=3)
+    for i, rank in enumerate(["d0", "d1"]):
+        status = ledger.done("r1", rank, lease.epoch)
+        assert status.valid and status.state is LeaseState.ACTIVE and not status.released
+        assert released == [], f"released after {i + 1} of 3 DONEs"
+    last = ledger.done("r1", "d2", lease.epoch)
+    assert last.valid and last.released and last.state is LeaseState.RELEASED
+    assert released == [("r1", LeaseState.RELEASED, (4, 5, 6))]
+    assert ledger.active == []
+
+
+def test_duplicate_done_is_counted_once_and_stays_harmless(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("r1", [1], expected_pulls=2)
+    for _ in range(3):
+        assert ledger.done("r1", "d0", lease.epoch).valid
+    assert released == [], "three DONEs from one decode rank must count as one"
+    assert ledger.done("r1", "d1", lease.epoch).released
+    # Duplicates after the release: still valid for the rank that was counted, no second release.
+    again = ledger.done("r1", "d1", lease.epoch)
+    assert again.valid and not again.released and again.state is LeaseState.RELEASED
+    assert len(released) == 1
+
+
+def test_late_done_from_an_uncounted_rank_after_release_is_invalid(ledger: Ledger) -> None:
+    lease = ledger.offer("r1", [1], expected_pulls=1)
+    assert ledger.done("r1", "d0", lease.epoch).released
+    late = ledger.done("r1", "d9", lease.epoch)
+    assert not late.valid, "a read reported after the release may have seen reused blocks"
+
+
+def test_done_from_first_decode_rank_releases_an_unpulled_rank(ledger: Ledger, released: list) -> None:
+    ledger.offer("r1", [7, 8], expected_pulls=1)  # the planner's release count for a rank nobody reads
+    status = ledger.done("r1", "decode/0")  # epoch 0: this DONE reports no read
+    assert status.released and released == [("r1", LeaseState.RELEASED, (7, 8))]
+
+
+def test_done_zero_expected_pulls_releases_at_offer(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("r1", [3], expected_pulls=0)
+    assert released == [("r1", LeaseState.RELEASED, (3,))]
+    assert ledger.state("r1") is LeaseState.RELEASED and lease.expected_pulls == 0
+
+
+def test_lease_expires_and_releases_once(ledger: Ledger, clock: Clock, released: list) -> None:
+    ledger.offer("r1", [1, 2], expected_pulls=2)
+    clock.now += 9.9
+    assert ledger.reap() == 0 and released == []
+    clock.now += 0.2
+    assert ledger.reap() == 1
+    assert ledger.reap() == 0
+    assert released == [("r1", LeaseState.EXPIRED, (1, 2))]
+    assert ledger.query("r1").state is LeaseState.EXPIRED
+
+
+def test_lease_fencing_done_after_expiry_is_invalid(ledger: Ledger, clock: Clock, released: list) -> None:
+    lease = ledger.offer("r1", [1], expected_pulls=2)
+    begun = ledger.begin("r1", "d0")
+    assert begun.valid and begun.epoch == lease.epoch and begun.blocks == (1,)
+    clock.now += 11  # the read is slow; the lease runs out meanwhile (no reap has run yet)
+    status = ledger.done("r1", "d0", lease.epoch)
+    assert not status.valid and status.state is LeaseState.EXPIRED
+    assert released == [("r1", LeaseState.EXPIRED, (1,))], "expiry is published before the DONE is answered"
+
+
+def test_lease_fencing_epoch_of_an_older_offer_is_refused(ledger: Ledger) -> None:
+    old = ledger.offer("r1", [1], expected_pulls=1)
+    ledger.abort("r1")
+    new = ledger.offer("r1", [2], expected_pulls=1)  # the same request id offered again
+    assert new.epoch != old.epoch
+    stale = ledger.done("r1", "d0", old.epoch)
+    assert not stale.valid and ledger.state("r1") is LeaseState.ACTIVE, "a stale epoch must not count"
+    assert ledger.query("r1", old.epoch).valid is False and ledger.query("r1", new.epoch).valid
+
+
+def test_abort_releases_and_returns_watchers(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("r1", [5], expected_pulls=2)
+    ledger.begin("r1", "d0", watcher=("127.0.0.1", 5000))
+    ledger.begin("r1", "d1", watcher=("127.0.0.1", 5001))
+    assert sorted(ledger.abort("r1")) == [("127.0.0.1", 5000), ("127.0.0.1", 5001)]
+    assert released == [("r1", LeaseState.ABORTED, (5,))]
+    assert ledger.abort("r1") == [] and len(released) == 1, "a second abort is a no-op"
+    assert not ledger.done("r1", "d0", lease.epoch).valid
+
+
+def test_done_for_an_unknown_request_is_invalid_and_harmless(ledger: Ledger, released: list) -> None:
+    status = ledger.done("never-offered", "d0", 123)
+    assert status.state is LeaseState.UNKNOWN and not status.valid and released == []
+
+
+def test_offer_twice_while_active_is_refused(ledger: Ledger) -> None:
+    ledger.offer("r1", [1], expected_pulls=1)
+    with pytest.raises(ConfigError, match="already holds lease"):
+        ledger.offer("r1", [2], expected_pulls=1)
+    with pytest.raises(ConfigError, match="expected_pulls"):
+        ledger.offer("r2", [2], expected_pulls=-1)
+
+
+def test_lease_release_callback_failure_does_not_wedge_the_ledger(clock: Clock) -> None:
+    def boom(lease: object, why: object) -> None:
+        raise RuntimeError("engine callback bug")
+
+    ledger = Ledger(boom, timeout_s=1.0, clock=clock)
+    ledger.offer("r1", [1], expected_pulls=1)
+    assert ledger.done("r1", "d0").released
+    ledger.offer("r2", [1], expected_pulls=1)
+    clock.now += 2
+    assert ledger.reap() == 1 and ledger.active == []
+
+
+def test_lease_tombstones_are_bounded(clock: Clock) -> None:
+    ledger = Ledger(lambda lease, why: None, timeout_s=1.0, max_tombstones=10, clock=clock)
+    for i in range(50):
+        ledger.offer(f"r{i}", [i], expected_pulls=0)
+    assert ledger.state("r49") is LeaseState.RELEASED
+    assert ledger.state("r0") is LeaseState.UNKNOWN
+    assert len(ledger._finished) == 10

@@ -1,0 +1,131 @@
+"""Failure paths through the loopback transport's fault injection surface as documented exceptions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+import numpy as np
+import pytest
+
+import kvbridge
+from kvbridge.errors import ConfigError, PeerGone, TransferFailed, TransferTimeout
+from kvbridge.transports.loopback import LoopbackBackend
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[LoopbackBackend, LoopbackBackend, kvbridge.Peer, np.ndarray, np.ndarray]]:
+    server = kvbridge.create_backend("loopback")
+    client = kvbridge.create_backend("loopback", max_batch=4)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    server.register_memory(src)
+    client.register_memory(dst)
+    peer = client.connect(server.endpoint_info())
+    yield server, client, peer, src, dst
+    client.close()
+    server.close()
+
+
+def blocks(dst: np.ndarray, src: np.ndarray, n: int = 16, size: int = 1024) -> np.ndarray:
+    """n reversed blocks: no two merge, so max_batch=4 gives n/4 submissions."""
+    idx = np.arange(n)
+    return np.stack([dst.ctypes.data + idx * size, src.ctypes.data + idx[::-1] * size, np.full(n, size)], axis=1)
+
+
+def test_failed_submit_raises_transfer_failed_at_once(link) -> None:
+    _, client, peer, src, dst = link
+    client.inject(fail_submit=1)
+    with pytest.raises(TransferFailed, match="injected submit failure") as err:
+        client.transfer(peer, blocks(dst, src))
+    assert err.value.peer == peer.name
+
+
+def test_failed_completion_surfaces_on_wait_and_names_the_peer(link) -> None:
+    _, client, peer, src, dst = link
+    client.inject(fail_completion=1)
+    handle = client.transfer(peer, blocks(dst, src))
+    with pytest.raises(TransferFailed, match="injected completion failure") as err:
+        handle.wait(10)
+    assert err.value.peer == peer.name
+    # the next transfer succeeds: a failure leaves the backend usable
+    client.transfer(peer, blocks(dst, src)).wait(10)
+    assert (dst[:1024] == src[15 * 1024 : 16 * 1024]).all()
+
+
+def test_a_slow_transfer_times_out_and_done_stays_false(link) -> None:
+    _, client, peer, src, dst = link
+    client.inject(delay=2.0)
+    handle = client.transfer(peer, blocks(dst, src, n=1))
+    with pytest.raises(TransferTimeout, match="did not finish within 0.2s"):
+        handle.wait(0.2)
+    assert not handle.done()
+    handle.wait(10)
+    assert handle.done()
+
+
+def test_a_peer_that_died_fails_new_transfers_and_connects(link) -> None:
+    server, client, peer, src, dst = link
+    endpoint = server.endpoint_info()
+    server.die()
+    with pytest.raises(PeerGone):
+        client.transfer(peer, blocks(dst, src)).wait(10)
+    with pytest.raises(PeerGone):
+        client.connect(endpoint)
+
+
+def test_batches_are_split_to_the_transport_limit(link) -> None:
+    _, client, peer, src, dst = link
+    before = client.submissions
+    handle = client.transfer(peer, blocks(dst, src, n=16))
+    handle.wait(10)
+    assert client.submissions - before == 4 and handle.descriptors == 16
+    assert (dst[: 16 * 1024].reshape(16, 1024) == src[: 16 * 1024].reshape(16, 1024)[::-1]).all()
+
+
+def test_one_failing_part_of_a_split_batch_fails_the_whole_transfer(link) -> None:
+    _, client, peer, src, dst = link
+    client.inject(fail_completion=1)
+    with pytest.raises(TransferFailed):
+        client.transfer(peer, blocks(dst, src, n=16)).wait(10)
+
+
+def test_bad_descriptors_are_refused_with_what_to_do(link) -> None:
+    _, client, peer, src, dst = link
+    with pytest.raises(ConfigError, match="triples or an N x 3 array"):
+        client.transfer(peer, [(1, 2)])
+    with pytest.raises(ConfigError, match="every length must be positive"):
+        client.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 0)])
+    with pytest.raises(kvbridge.InvalidDescriptor, match="local memory"):
+        client.transfer(peer, [(dst.ctypes.data + len(dst) - 1, src.ctypes.data, 2)])
+    with pytest.raises(ConfigError, match="op must be"):
+        client.transfer(peer, blocks(dst, src), op="copy")  # type: ignore[arg-type]
+
+
+def test_close_is_idempotent_and_a_closed_backend_says_so(link) -> None:
+    _, client, peer, src, dst = link
+    client.close()
+    client.close()
+    with pytest.raises(ConfigError, match="closed"):
+        client.transfer(peer, blocks(dst, src))
+
+
+def test_long_descriptors_are_cut_to_the_transport_piece_size() -> None:
+    server = kvbridge.create_backend("loopback")
+    client = kvbridge.create_backend("loopback")
+    client.capabilities = attrs.evolve(client.capabilities, max_descriptor_bytes=1000, max_batch=3)
+    src = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    server.register_memory(src)
+    client.register_memory(dst)
+    peer = client.connect(server.endpoint_info())
+    try:
+        handle = client.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 4500), (dst.ctypes.data + 5000,
+                                        src.ctypes.data + 5000, 5000)])
+        handle.wait(10)
+        assert handle.descriptors == 5 + 5 and handle.nbytes == 9500
+        assert client.submissions == 4  # 10 pieces in batches of 3
+        assert (dst[:4500] == src[:4500]).all() and (dst[5000:] == src[5000:]).all() and not dst[4500:5000].any()
+    finally:
+        client.close()
+        server.close()
