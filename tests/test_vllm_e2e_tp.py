@@ -30,7 +30,7 @@ CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 def connector(role: str) -> dict:
     return {"kv_connector": "KVBridgeConnector", "kv_role": role,
             "kv_connector_extra_config": {"migration_backend": "Mooncake", "protocol": "tcp",
-                                          "side_channel_port": free_port(), "lease_s": 30}}
+                                          "side_channel_port": free_port(), "lease_s": 90}}
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The side channel between decode and prefill workers: a rank's info, and DONE for a request.
+"""The side channel between decode and prefill workers: a rank's `RankInfo`, and DONE for a request.
 
 Each prefill TP rank answers on a ZMQ ROUTER socket. Requests are two frames, a kind and a
 kvbridge wire message; replies are one wire message. Nothing is unpickled.
@@ -14,19 +14,10 @@ import attrs
 import zmq
 
 from kvbridge import wire
-from kvbridge.adapters.vllm.cache import CacheLayout
+from kvbridge.agent import RankInfo
 from kvbridge.errors import ConfigError, PeerGone, ProtocolError
 
 log = logging.getLogger(__name__)
-
-
-@attrs.frozen
-class RankInfo:
-    """What a puller needs from one prefill rank: its KV layout and transport endpoint."""
-
-    engine_id: str
-    layout: CacheLayout
-    endpoint: bytes
 
 
 @attrs.frozen
@@ -40,7 +31,7 @@ class Done:
 
     request_id: str
     decode_rank: int
-    expected: int  # how many decode ranks read this prefill rank for the request
+    expected: int  # how many decode ranks read this prefill rank for the request (0: nobody does)
     pulled: bool
 
 

@@ -1,8 +1,9 @@
-"""Worker side of KVBridgeConnector: registers the KV cache, serves prefill ranks, pulls on decode.
+"""Worker side of KVBridgeConnector: a `KVAgent` per rank, a side channel on prefill, pulls on decode.
 
-Decode pulls run on a small thread pool between engine steps (vLLM's async load): fetch the prefill
-rank's info once, build descriptors (vectorized), read them through the kvbridge transport, then
-DONE to every prefill rank read. A pull that fails, or whose DONE says the lease expired, marks its
+Decode pulls run on a small thread pool between engine steps (vLLM's async load): fetch each prefill
+rank's `RankInfo` once, let the agent plan and read this rank's share (only the heads it holds),
+then DONE to every prefill rank the plan has it read (and, on the plan's notifier rank, to the
+prefill ranks nobody reads). A pull that fails, or whose DONE says the lease expired, marks its
 blocks as load errors, and vLLM's `kv_load_failure_policy` decides (recompute or fail).
 """
 
@@ -14,15 +15,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import kvbridge
-from kvbridge.adapters.vllm.cache import CacheLayout, describe_kv_caches, pull_descriptors, pullers, source_ranks
-from kvbridge.adapters.vllm.channel import Done, DoneAck, RankInfo, SideChannelClient, SideChannelServer
+from kvbridge.adapters.vllm.cache import describe_kv_caches
+from kvbridge.adapters.vllm.channel import Done, DoneAck, SideChannelClient, SideChannelServer
 from kvbridge.adapters.vllm.leases import Leases
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
-from kvbridge.backend import Peer
+from kvbridge.agent import KVAgent, RankInfo
 from kvbridge.errors import KVBridgeError, LoadError
+from kvbridge.topology import ParallelConfig, Plan
 
 if TYPE_CHECKING:
     import torch
@@ -42,13 +43,12 @@ class WorkerSide:
         self.tp_size = get_tensor_model_parallel_world_size()
         parallel = vllm_config.parallel_config
         self.port = settings.side_channel_port + parallel.data_parallel_index * self.tp_size + self.tp_rank
-        self.layout: CacheLayout | None = None
-        self.backend: kvbridge.MigrationBackend | None = None
+        self.agent: KVAgent | None = None
         self.server: SideChannelServer | None = None
         self.client = SideChannelClient(timeout_s=settings.pull_timeout_s)
         self.leases = Leases(settings.lease_s)
-        self._peers: dict[tuple[str, int], tuple[Peer, RankInfo]] = {}
-        self._peer_lock = threading.Lock()
+        self._infos: dict[tuple[str, int], RankInfo] = {}
+        self._info_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
         self._lock = threading.Lock()
         self._recved: set[str] = set()
@@ -56,20 +56,15 @@ class WorkerSide:
         self.stats = KVBridgeStats()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout, storages = describe_kv_caches(
-            kv_caches, block_size=self.block_size, tp_rank=self.tp_rank, tp_size=self.tp_size
-        )
+        layout, storages = describe_kv_caches(kv_caches, block_size=self.block_size, tp_size=self.tp_size)
         s = self.settings
-        self.backend = kvbridge.create_backend(
-            s.migration_backend, protocol=s.protocol, hostname=s.host, metadata_server=s.metadata_server
-        )
-        self.backend.register_memory(storages)
-        self.layout = layout
-        info = RankInfo(engine_id=self.engine_id, layout=layout, endpoint=self.backend.endpoint_info())
-        self.server = SideChannelServer(s.host, self.port, info, self._on_done)
-        log.info("KVBridgeConnector rank %d/%d: %d layers x %d blocks of %d bytes over %s, side channel %s",
-                 self.tp_rank, self.tp_size, len(layout.layer_addrs), layout.num_blocks, layout.block_bytes,
-                 self.backend.name, self.server.address)
+        self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
+                             backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
+                             metadata_server=s.metadata_server)
+        self.server = SideChannelServer(s.host, self.port, self.agent.info(), self._on_done)
+        log.info("KVBridgeConnector rank %d/%d: %d layers x %d blocks over %s, side channel %s",
+                 self.tp_rank, self.tp_size, layout.model.layers, layout.num_blocks, self.agent.backend.name,
+                 self.server.address)
 
     # -- prefill: hold finished requests until every puller is done ---------------------------
 
@@ -84,51 +79,59 @@ class WorkerSide:
         for task in meta.pulls:
             self._pool.submit(self._pull, task)
 
-    def _peer(self, task: PullTask, rank: int) -> tuple[Peer, RankInfo]:
+    def _info(self, task: PullTask, rank: int) -> RankInfo:
         key = (task.remote_engine_id, rank)
-        with self._peer_lock:
-            if key not in self._peers:
-                assert self.backend is not None
-                info = self.client.info(self._address(task, rank), task.remote_engine_id)
-                self._peers[key] = (self.backend.connect(info.endpoint), info)
-            return self._peers[key]
+        with self._info_lock:
+            info = self._infos.get(key)
+        if info is None:
+            info = self.client.info(self._address(task, rank), task.remote_engine_id)
+            with self._info_lock:
+                self._infos[key] = info
+        return info
 
     @staticmethod
     def _address(task: PullTask, rank: int) -> str:
         return f"{task.remote_host}:{task.remote_port + rank}"
 
+    def _plan(self, task: PullTask) -> tuple[Plan, list[tuple[int, int]]]:
+        """The request's plan and the (prefill rank, expected DONEs) this rank must tell."""
+        assert self.agent is not None
+        tokens = max(1, len(task.local_block_ids)) * self.block_size
+        plan = self.agent.plan(ParallelConfig(tp=task.remote_tp), tokens)
+        ranks = sorted({p.prefill_rank for p in plan.pulls_for(self.tp_rank)})
+        if self.tp_rank == plan.notifier:
+            ranks += [r for r in plan.unpulled if r not in ranks]
+        return plan, [(r, plan.release_count(r)) for r in ranks]
+
     def _pull(self, task: PullTask) -> None:
-        assert self.layout is not None and self.backend is not None
+        assert self.agent is not None
         ok = True
-        ranks = source_ranks(self.layout, task.remote_tp)
+        targets: list[tuple[int, int]] = []
         try:
+            plan, targets = self._plan(task)
             if task.local_block_ids:
                 start = time.perf_counter()
-                handles = []
-                for rank in ranks:
-                    peer, info = self._peer(task, rank)
-                    desc = pull_descriptors(self.layout, info.layout, task.local_block_ids, task.remote_block_ids)
-                    handles.append(self.backend.transfer(peer, desc, "read"))
-                kvbridge.wait_all(handles, timeout=self.settings.pull_timeout_s)
-                self.stats.record(time.perf_counter() - start, sum(h.nbytes for h in handles),
-                                  sum(h.descriptors for h in handles))
+                infos = [self._info(task, r) for r in plan.prefill_ranks]
+                tokens = len(task.local_block_ids) * self.block_size
+                result = self.agent.pull(task.request_id, infos, task.remote_block_ids, task.local_block_ids,
+                                         tokens).wait(self.settings.pull_timeout_s)
+                self.stats.record(time.perf_counter() - start, result.nbytes, result.descriptors)
         except KVBridgeError as exc:
             ok = False
-            self._forget_peers(task.remote_engine_id)
+            self._forget(task.remote_engine_id)
             log.error("request %s: pull from %s failed: %s", task.request_id, task.remote_engine_id, exc)
         except Exception:  # a bug must surface as a load error, never as unread blocks counted as loaded
             ok = False
             log.exception("request %s: pull from %s failed", task.request_id, task.remote_engine_id)
-        for rank in ranks:  # released even after a failure, so prefill need not wait for its lease
-            expected = pullers(rank, task.remote_tp, self.tp_size, self.layout.total_heads)
+        for rank, expected in targets:  # released even after a failure, so prefill need not wait for its lease
             done = Done(task.remote_request_id, self.tp_rank, expected, pulled=ok and bool(task.local_block_ids))
             try:
                 ack = self.client.done(self._address(task, rank), done)
-                if not ack.ok and task.local_block_ids:
+                if not ack.ok and task.local_block_ids and expected:
                     raise LoadError(ack.reason, peer=self._address(task, rank), request=task.request_id,
                                     cause="lease expired")
             except KVBridgeError as exc:
-                ok = ok and not task.local_block_ids
+                ok = ok and not (expected and task.local_block_ids)  # unconfirmed read: not trusted
                 log.error("request %s: DONE to prefill rank %d: %s", task.request_id, rank, exc)
         with self._lock:
             if not ok:
@@ -137,12 +140,11 @@ class WorkerSide:
             if task.report:
                 self._recved.add(task.request_id)
 
-    def _forget_peers(self, engine_id: str) -> None:
-        with self._peer_lock:
-            for key in [k for k in self._peers if k[0] == engine_id]:
-                peer, _ = self._peers.pop(key)
-                if self.backend is not None:
-                    self.backend.disconnect(peer)
+    def _forget(self, engine_id: str) -> None:
+        """Drop what is cached about an engine (it may have restarted at the same address)."""
+        with self._info_lock:
+            for key in [k for k in self._infos if k[0] == engine_id]:
+                del self._infos[key]
 
     # -- both ----------------------------------------------------------------------------------
 
@@ -162,8 +164,8 @@ class WorkerSide:
         if self.server is not None:
             self.server.close()
         self.client.close()
-        if self.backend is not None:
-            self.backend.close()
+        if self.agent is not None:
+            self.agent.close()
 
     def take_stats(self) -> KVBridgeStats | None:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
