@@ -196,3 +196,20 @@ def test_registered_with_vllm_by_name() -> None:
     by_path = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_consumer",
                                kv_connector_module_path="kvbridge.adapters.vllm.connector")
     assert KVConnectorFactory.get_connector_class(by_path) is KVBridgeConnector
+
+
+def test_pull_task_reads_only_the_blocks_decode_lacks() -> None:
+    from kvbridge.adapters.vllm.metadata import PullTask
+    from kvbridge.control.params import KVTransferParams
+
+    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_request_id="r",
+                              remote_block_ids=[[10, 11, 12, 13]], remote_host="127.0.0.1", remote_port=5800,
+                              tp_size=2).to_dict()
+    task = PullTask.from_params("d", params, [7, 8], report=True)  # decode's cache already holds 2 blocks
+    assert (task.remote_block_ids, task.local_block_ids, task.remote_tp) == ((12, 13), (7, 8), 2)
+    release = PullTask.from_params("d", params, [], report=False)  # nothing to read, only to release
+    assert release.remote_block_ids == () and not release.report
+    with pytest.raises(ConfigError, match="remote_engine_id"):
+        PullTask.from_params("d", {"do_remote_prefill": True}, [1], report=True)
+    with pytest.raises(ConfigError, match="5 blocks to fill"):
+        PullTask.from_params("d", params, [1, 2, 3, 4, 5], report=True)

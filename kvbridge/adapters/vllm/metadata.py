@@ -9,10 +9,8 @@ from typing import Any
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
-
-# The keys of vLLM's NIXL-style kv_transfer_params that a pull needs.
-PULL_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids")
 
 
 @attrs.frozen
@@ -32,24 +30,21 @@ class PullTask:
     @classmethod
     def from_params(cls, request_id: str, params: Mapping[str, Any], local_block_ids: list[int],
                     report: bool) -> PullTask:
-        missing = [k for k in PULL_KEYS if params.get(k) is None]
-        if missing:
-            raise ConfigError(
-                f"kv_transfer_params of request {request_id} lack {missing}; pass the prefill response's "
-                "kv_transfer_params unchanged into the decode request"
-            )
-        remote = list(params["remote_block_ids"])
-        if remote and isinstance(remote[0], list):  # one list per KV cache group
-            remote = remote[0]
+        """Raises ConfigError naming what the params lack."""
+        p = KVTransferParams.from_dict(params)
+        p.require_remote()
+        remote = list(p.block_ids)
+        if len(local_block_ids) > len(remote):
+            raise ConfigError(f"request {request_id}: {len(local_block_ids)} blocks to fill, prefill holds {len(remote)}")
         # Decode's own prefix cache covers the leading blocks; read only the ones it lacks.
         remote = remote[len(remote) - len(local_block_ids):] if local_block_ids else []
         return cls(
             request_id=request_id,
-            remote_request_id=str(params["remote_request_id"]),
-            remote_engine_id=str(params["remote_engine_id"]),
-            remote_host=str(params["remote_host"]),
-            remote_port=int(params["remote_port"]),
-            remote_tp=int(params.get("tp_size") or 1),
+            remote_request_id=str(p.remote_request_id),
+            remote_engine_id=str(p.remote_engine_id),
+            remote_host=str(p.remote_host),
+            remote_port=int(p.remote_port),  # type: ignore[arg-type]
+            remote_tp=p.tp_size,
             local_block_ids=local_block_ids,
             remote_block_ids=remote,
             report=report,

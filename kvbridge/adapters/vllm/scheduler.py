@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.adapters.vllm.metadata import PULL_KEYS, KVBridgeMetadata, PullTask
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
+from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -34,10 +35,10 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
-            missing = [k for k in PULL_KEYS if params.get(k) is None]
-            if missing:
-                log.error("request %s: kv_transfer_params lack %s; its prompt is computed here instead",
-                          request.request_id, missing)
+            try:
+                KVTransferParams.from_dict(params).require_remote()
+            except ConfigError as exc:
+                log.error("request %s: %s; its prompt is computed here instead", request.request_id, exc)
                 params["do_remote_prefill"] = False
                 return 0, False
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -84,13 +85,13 @@ class SchedulerSide:
         if not block_ids:
             return False, None
         self._offers.append(request.request_id)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": list(block_ids),
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request.request_id,
-            "remote_host": self.settings.host,
-            "remote_port": self.side_channel_port,
-            "tp_size": self.tp_size,
-        }
+        return True, KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_block_ids=[list(block_ids)],
+            remote_host=self.settings.host,
+            remote_port=self.side_channel_port,
+            tp_size=self.tp_size,
+            remote_num_tokens=request.num_computed_tokens,
+        ).to_dict()
