@@ -99,7 +99,7 @@ def _mooncake_pair(model: Path, logs: Path) -> Pair:
         "MooncakeConnector (vLLM)", prefill, decode,
         lambda tid: {"do_remote_decode": True, "transfer_id": tid},
         lambda tid, _resp: {"do_remote_prefill": True, "remote_engine_id": engine,
-                            "remote_bootstrap_addr": f"127.0.0.1:{bootstrap}", "transfer_id": tid},
+                            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}", "transfer_id": tid},
         prefill.log_path,
     )
 
@@ -115,15 +115,15 @@ def _prompt(n: int, seed: int) -> str:
 def _ttft(http: Any, url: str, body: dict) -> float:
     """Seconds from sending a streamed completion to its first token."""
     start = time.perf_counter()
+    first = None
     with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
         r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        for line in r.iter_lines():  # read to the end, so the request finishes cleanly
+            if first is None and line.startswith("data: ") and line != "data: [DONE]":
                 first = time.perf_counter() - start
-                for _ in r.iter_lines():  # drain, so the request finishes cleanly
-                    pass
-                return first
-    raise RuntimeError(f"{url} streamed no token")
+    if first is None:
+        raise RuntimeError(f"{url} streamed no token")
+    return first
 
 
 def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tuple[float | None, int]:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from kvbridge.adapters.vllm.cache import describe_kv_caches
-from kvbridge.adapters.vllm.channel import Done, DoneAck, SideChannelClient, SideChannelServer
+from kvbridge.adapters.vllm.channel import Done, SideChannelClient, SideChannelServer
 from kvbridge.adapters.vllm.leases import Leases
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
@@ -61,17 +61,13 @@ class WorkerSide:
         self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
                              metadata_server=s.metadata_server)
-        self.server = SideChannelServer(s.host, self.port, self.agent.info(), self._on_done)
+        # Prefill ranks answer RankInfo requests and count DONEs into the leases.
+        self.server = SideChannelServer(s.host, self.port, self.agent.info(), self.leases.done)
         log.info("KVBridgeConnector rank %d/%d: %d layers x %d blocks over %s, side channel %s",
                  self.tp_rank, self.tp_size, layout.model.layers, layout.num_blocks, self.agent.backend.name,
                  self.server.address)
 
-    # -- prefill: hold finished requests until every puller is done ---------------------------
-
-    def _on_done(self, msg: Done) -> DoneAck:
-        return self.leases.done(msg)
-
-    # -- decode: pull --------------------------------------------------------------------------
+    # -- decode: pull; prefill: hold finished requests (offers) -------------------------------
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:
         for request_id in meta.offers:
