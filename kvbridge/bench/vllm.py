@@ -143,9 +143,15 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict
 
     http = httpx.Client(timeout=300, trust_env=False)
     rows = []
-    offset = len(pair.metrics_log.read_text(errors="replace"))
     base = {"model": model, "temperature": 0, "ignore_eos": True}
-    _ttft(http, pair.decode.url, {**base, "prompt": _prompt(8, 0), "max_tokens": 2})  # warm-up
+    # Warm-up: one PD request, so first contact (handshakes, connections) is not measured.
+    warm = http.post(f"{pair.prefill.url}/v1/completions", json={
+        **base, "prompt": _prompt(40, 0), "max_tokens": 1, "kv_transfer_params": pair.prefill_params("warm-up")})
+    warm.raise_for_status()
+    _ttft(http, pair.decode.url, {**base, "prompt": _prompt(40, 0), "max_tokens": 2,
+                                  "kv_transfer_params": pair.decode_params("warm-up", warm.json())})
+    _transfer_ms(pair.metrics_log, 0, 1)
+    offset = len(pair.metrics_log.read_text(errors="replace"))
     for n in lengths:
         prefill_s, decode_s, local_s = [], [], []
         for i in range(reps):

@@ -106,8 +106,8 @@ class WorkerSide:
         try:
             plan, targets = self._plan(task)
             if task.local_block_ids:
-                start = time.perf_counter()
                 infos = [self._info(task, r) for r in plan.prefill_ranks]
+                start = time.perf_counter()  # the transfer itself; a first contact's RankInfo fetch is not in it
                 tokens = len(task.local_block_ids) * self.block_size
                 result = self.agent.pull(task.request_id, infos, task.remote_block_ids, task.local_block_ids,
                                          tokens).wait(self.settings.pull_timeout_s)
