@@ -224,7 +224,10 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
         futures = [pool.submit(cluster.http.post, f"{cluster.proxy.url}/v1/completions", json={
             "model": cluster.model, "prompt": prompt(200, seed=30 + i), "max_tokens": 200, "temperature": 0,
             "ignore_eos": True}) for i in range(4)]
-        time.sleep(1.0)  # let the requests reach the servers; the kill itself is what the test is about
+        deadline = time.monotonic() + 60
+        while victim.metrics().get("vllm:num_requests_running", 0.0) == 0:  # kill it while it decodes
+            assert time.monotonic() < deadline, "no request reached the decode server to kill"
+            time.sleep(0.2)
         victim.kill()
         for f in futures:
             try:
