@@ -72,3 +72,13 @@ __all__ = [
     "reset_plugins",
     "wait_all",
 ]
+
+# Agent, KV layouts and pull planning (docs/planning.md)
+from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo  # noqa: E402
+from kvbridge.layout import KVLayout, KVRegion, check_compatible  # noqa: E402
+from kvbridge.topology import ParallelConfig, Plan, Pull, plan  # noqa: E402
+
+__all__ += [
+    "KVAgent", "KVLayout", "KVRegion", "ParallelConfig", "Plan", "Pull", "PullHandle", "PullResult", "RankInfo",
+    "check_compatible", "plan",
+]

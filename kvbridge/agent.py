@@ -4,7 +4,8 @@ Lifecycle::
 
     agent = KVAgent("decode-0", rank, ParallelConfig.parse("tp8,dp2"), layout, kv_tensors, backend="mooncake")
     info = agent.info()                       # RankInfo; RankInfo.encode() -> bytes for the side channel
-    handle = agent.pull(request_id, prefill_infos, prefill_blocks, local_blocks, tokens, on_done=cb)
+    handle = agent.pull(request_id, prefill_infos, prefill_blocks, local_blocks, tokens,
+                        prefill_dp=0, on_done=cb)
     handle.wait(timeout)                      # or let `cb` report it
     agent.close()
 
@@ -12,7 +13,8 @@ On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)`
 pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once.
 
 The completion seam (what the control plane wires to DONE messages and leases): `on_done` is
-called exactly once per `pull`, from a transport thread, with a `PullResult`:
+called exactly once per `pull`, from a transport thread (or before `pull` returns when the rank has
+nothing to pull), with a `PullResult`:
 
 - `pulled`: the (engine_id, rank) of every prefill rank this rank read; each gets one DONE;
 - `notify`: prefill ranks nobody reads, listed only on the plan's notifier rank (the first rank
@@ -210,26 +212,32 @@ class KVAgent:
         local_blocks: Sequence[int],
         tokens: int,
         *,
+        prefill_dp: int | None = None,
         on_done: Callable[[PullResult], None] | None = None,
     ) -> PullHandle:
         """Read this rank's share of a request from the prefill ranks that hold it.
 
-        `remote`: the RankInfos of the prefill DP group holding the request (other ranks are ignored
-        if the group is clear from them). `remote_blocks`: each prefill rank's block ids of the
+        `remote`: RankInfos of the prefill engine; `prefill_dp` names the DP group holding the request
+        (it may be left out when `remote` holds the ranks of one group only). `remote_blocks`: each prefill rank's block ids of the
         request, keyed by rank, or one list shared by all ranks (each uses its first n). `local_blocks`:
-        this rank's block ids for its share, in order.
+        this rank's block ids for its share, in order. Every check (topology, layouts, block ids)
+        runs before the first transfer is submitted. A rank with nothing to pull gets a handle that
+        is already done (and `on_done` has run before `pull` returns).
         """
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")
         prefill = remote[0].parallel
         if any(r.parallel != prefill or r.engine_id != remote[0].engine_id for r in remote):
             raise TopologyError(f"request {request_id}: RankInfos from different engines or parallel configs")
-        groups = {prefill.coords(r.rank).dp for r in remote}
-        if len(groups) != 1:
-            raise TopologyError(
-                f"request {request_id}: prefill RankInfos span DP groups {sorted(groups)}; pass the group holding it"
-            )
-        p = self.plan(prefill, tokens, prefill_dp=groups.pop())
+        if prefill_dp is None:
+            groups = {prefill.coords(r.rank).dp for r in remote}
+            if len(groups) != 1:
+                raise TopologyError(
+                    f"request {request_id}: prefill RankInfos span DP groups {sorted(groups)}; say which group "
+                    "holds the request with prefill_dp="
+                )
+            prefill_dp = groups.pop()
+        p = self.plan(prefill, tokens, prefill_dp=prefill_dp)
         need = p.blocks_on("decode", self.rank)
         if len(local_blocks) < need:
             raise ConfigError(
@@ -237,18 +245,23 @@ class KVAgent:
                 f"got {len(local_blocks)} block ids"
             )
         by_rank = {r.rank: r for r in remote}
-        handles, pulled = [], []
-        nbytes = ndesc = 0
+        work = []  # everything is checked and built before the first byte moves
         for pull in p.pulls_for(self.rank):
             info = by_rank.get(pull.prefill_rank)
             if info is None:
                 raise ConfigError(f"request {request_id}: no RankInfo for prefill rank {pull.prefill_rank}")
-            blocks = remote_blocks[pull.prefill_rank] if isinstance(remote_blocks, Mapping) else remote_blocks
-            desc = pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)
-            handles.append(self.backend.transfer(self.connect(info), desc, "read"))
-            pulled.append((info.engine_id, info.rank))
-            nbytes += int(desc[:, 2].sum())
-            ndesc += len(desc)
+            if isinstance(remote_blocks, Mapping):
+                if pull.prefill_rank not in remote_blocks:
+                    raise ConfigError(f"request {request_id}: no block ids for prefill rank {pull.prefill_rank}")
+                blocks = remote_blocks[pull.prefill_rank]
+            else:
+                blocks = remote_blocks
+            peer = self.connect(info)
+            work.append((info, peer, pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)))
+        handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
+        pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]
+        nbytes = sum(int(desc[:, 2].sum()) for *_, desc in work)
+        ndesc = sum(len(desc) for *_, desc in work)
         notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
         log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
         result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)

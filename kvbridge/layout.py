@@ -1,7 +1,8 @@
 """KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them.
 
 A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions,
-one per (layer, kind): "k" / "v" for MHA/GQA, "latent" for MLA, "index" for an indexer cache.
+one per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a
+block (vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache.
 Block b of a region starts at `addr + b * block_stride` and is `block_bytes` long. Where heads
 can be sliced out of a block, a region also says how: a head's bytes are `chunks` pieces of
 `head_bytes`, `chunk_stride` apart, and head h starts at `h * head_bytes` in each piece
@@ -21,10 +22,11 @@ from typing import Any, Literal
 import attrs
 
 from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.memory import as_regions
 from kvbridge.presets import ModelSpec
 
 Order = Literal["NHD", "HND"]
-KINDS = ("k", "v", "latent", "index")
+KINDS = ("k", "v", "kv", "latent", "index")
 
 
 @attrs.frozen
@@ -56,6 +58,11 @@ class KVRegion:
             raise ConfigError(f"region layer {self.layer} {self.kind}: head chunks reach past the block")
 
     @property
+    def order(self) -> str:
+        """How heads sit in a block: "HND", "NHD", or "opaque" (no head slicing)."""
+        return "opaque" if not self.heads else ("NHD" if self.chunks > 1 else "HND")
+
+    @property
     def span(self) -> tuple[int, int]:
         """[first byte, last byte + 1) the region's blocks occupy."""
         return self.addr, self.addr + (self.num_blocks - 1) * self.block_stride + self.block_bytes
@@ -73,12 +80,6 @@ class KVLayout:
     def num_blocks(self) -> int:
         """Blocks every region can hold (the rank's capacity)."""
         return min(r.num_blocks for r in self.regions)
-
-    @property
-    def order(self) -> str:
-        """"HND", "NHD" or "opaque", from the first region."""
-        r = self.regions[0]
-        return "opaque" if not r.heads else ("NHD" if r.chunks > 1 else "HND")
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
@@ -100,9 +101,9 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         for name in ("layer", "kind"):
             if getattr(a, name) != getattr(b, name):
                 raise LayoutMismatch(f"regions[{i}].{name}", getattr(a, name), getattr(b, name))
-        if bool(a.heads) != bool(b.heads) or (a.chunks > 1) != (b.chunks > 1):
+        if a.order != b.order:
             raise LayoutMismatch(
-                f"regions[{i}].order", _order(a), _order(b), "Use the same cache layout (NHD/HND) on both sides"
+                f"regions[{i}].order", a.order, b.order, "Use the same cache layout (NHD/HND) on both sides"
             )
         if a.heads and a.head_bytes != b.head_bytes:
             raise LayoutMismatch(f"regions[{i}].head_bytes", a.head_bytes, b.head_bytes)
@@ -110,16 +111,10 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
             raise LayoutMismatch(f"regions[{i}].block_bytes", a.block_bytes, b.block_bytes)
 
 
-def _order(r: KVRegion) -> str:
-    return "opaque" if not r.heads else ("NHD" if r.chunks > 1 else "HND")
-
-
 def address(x: Any) -> int:
     """The first byte of a tensor or numpy array (through its device plugin), or an int as is."""
     if isinstance(x, int):
         return x
-    from kvbridge.memory import as_regions
-
     regions = as_regions(x)
     if len(regions) != 1:
         raise ConfigError(f"expected one tensor or address, got {len(regions)} regions")
@@ -148,18 +143,29 @@ def vllm_layout(
     layers: Sequence[Any],
     num_blocks: int,
     *,
-    kv: Literal["split", "joint"] = "split",
+    kv: Literal["split", "joint", "per-head"] = "split",
     order: Order = "NHD",
 ) -> KVLayout:
     """A vLLM-style cache: one entry per layer, each a tensor (or address), or a (K, V) pair.
 
     One tensor per layer holds, for GQA, either `(2, num_blocks, ...)` (`kv="split"`: all K blocks,
-    then all V blocks) or `(num_blocks, 2, ...)` (`kv="joint"`: K and V of a block side by side);
+    then all V blocks), `(num_blocks, 2, ...)` (`kv="joint"`: K and V of a block side by side), or
+    `(num_blocks, heads, 2 * block_size, head_dim)` (`kv="per-head"`: each head's K tokens then its
+    V tokens, vLLM's CPU backend `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; HND only);
     for MLA `(num_blocks, block_size, head_dim)`. `order` is the block's inner order: NHD
     `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`.
     """
     if len(layers) != model.layers:
         raise ConfigError(f"{model.name} has {model.layers} layers, got {len(layers)} cache entries")
+    if kv == "per-head":
+        if model.attention == "mla" or order != "HND":
+            raise ConfigError("kv='per-head' is a GQA layout with heads outermost in a block: use order='HND'")
+        slab = model.block_size * model.head_dim * model.dtype_bytes  # one head's K (or V) in a block
+        block_bytes = heads * 2 * slab
+        return KVLayout(model, heads, [
+            KVRegion(layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab)
+            for layer, entry in enumerate(layers)
+        ])
     regions = []
     for layer, entry in enumerate(layers):
         for i, kind in enumerate(_kinds(model)):

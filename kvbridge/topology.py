@@ -261,10 +261,6 @@ class Plan:
         config = self.prefill if side == "prefill" else self.decode
         return config.blocks_on(config.coords(rank).cp, self.num_blocks)
 
-    def heads_on(self, side: str) -> int:
-        config = self.prefill if side == "prefill" else self.decode
-        return HeadPlacement.of(self.model, config, side).per_rank
-
 
 def heads_per_rank(model: ModelSpec, config: ParallelConfig) -> int:
     """KV heads (MLA: 1 latent) each rank of a side holds; raises TopologyError when not placeable."""

@@ -34,6 +34,16 @@ def _strict_bytes(value: Any, _cls: type) -> bytes:
 converter.register_structure_hook(bytes, _strict_bytes)
 
 
+def _strict_bool(value: Any, _cls: type) -> bool:
+    # cattrs' default is bool(value), which reads the string "false" as True.
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"expected true or false, got {value!r}")
+
+
+converter.register_structure_hook(bool, _strict_bool)
+
+
 def to_dict(obj: Any) -> Any:
     """Plain dict/list/scalar form of an attrs value (what JSON or msgpack carries)."""
     return converter.unstructure(obj)

@@ -109,3 +109,15 @@ def etcd_server(tmp: Path) -> Iterator[str]:
         yield f"etcd://127.0.0.1:{client}"
     finally:
         _stop(proc)
+
+
+def rank_info(engine_id: str = "prefill", rank: int = 0, endpoint: bytes = b"endpoint-bytes"):  # noqa: ANN201
+    """A RankInfo value (as `KVAgent.info()` makes) for a side channel to serve; addresses are made up."""
+    from kvbridge.agent import RankInfo
+    from kvbridge.layout import vllm_layout
+    from kvbridge.presets import PRESETS
+    from kvbridge.topology import ParallelConfig
+
+    model = PRESETS["tiny-gqa"]
+    layout = vllm_layout(model, 8, [0x10000 * (i + 1) for i in range(model.layers)], 4)
+    return RankInfo(engine_id, rank, ParallelConfig(tp=2), layout, endpoint)

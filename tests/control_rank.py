@@ -1,51 +1,67 @@
 """One engine rank for the multi-process control-plane tests (`python -m control_rank`, run by
-`kvbridge.proc.Child`): a Mooncake TCP backend, a fingerprinted HND KV cache in numpy, and a
-side channel — with a lease ledger on a prefill rank, an abort handler on a decode rank.
+`kvbridge.proc.Child`): a `KVAgent` on Mooncake TCP over a fingerprinted HND cache, and a side
+channel — with a lease ledger on a prefill rank, an abort handler on a decode rank.
 
-KV cache of a rank: int32 array [layers, 2 (K/V), blocks, local heads, block tokens, head dim];
-element (l, kv, b, global head h, t, d) of a prefill rank holds `fingerprint(l, kv, b, h, t, d)`,
-so a decode rank proves every pulled byte came from the right block, head and position.
+Decode ranks plan with `kvbridge.topology` (through the agent), announce each read with
+BeginPull (stating the prefill rank's release count from the plan), pull with `KVAgent.pull`,
+and send fenced DONEs; the plan's notifier also releases the prefill ranks nobody reads.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
 import time
 
+import attrs
 import numpy as np
 
-import kvbridge
-from kvbridge.control import ControlClient, ControlServer, KVTransferParams, Ledger, LeaseState, open_registry, resolve
+from kvbridge.agent import KVAgent
+from kvbridge.bench.shares import Share, fill, mismatches
+from kvbridge.control import (
+    ControlClient,
+    ControlServer,
+    DecodeControl,
+    KVTransferParams,
+    Ledger,
+    LeaseState,
+    open_registry,
+    resolve,
+)
+from kvbridge.layout import vllm_layout
+from kvbridge.presets import PRESETS, ModelSpec
 from kvbridge.proc import serve
-
-LAYERS, TOKENS, DIM = 2, 4, 8
-ITEM = 4  # int32
+from kvbridge.topology import HeadPlacement, ParallelConfig
 
 
-def fingerprint(layer: np.ndarray, kv: np.ndarray, block: np.ndarray, head: np.ndarray, token: np.ndarray,
-                dim: np.ndarray) -> np.ndarray:
-    return ((((layer * 2 + kv) * 1000 + block) * 64 + head) * TOKENS + token) * DIM + dim + 1
+def model_with(kv_heads: int) -> ModelSpec:
+    return attrs.evolve(PRESETS["tiny-gqa"], name=f"tiny-gqa-{kv_heads}h", kv_heads=kv_heads)
 
 
 class Rank:
-    def __init__(self, role: str, engine_id: str, rank: int, *, heads: int, head_lo: int, blocks: int,
+    def __init__(self, role: str, engine_id: str, rank: int, *, parallel: str, kv_heads: int, blocks: int,
                  port: int = 0, secret: str | None = None, lease_timeout_s: float = 60.0,
                  metadata_server: str | None = None, hostname: str = "127.0.0.1", registry: str | None = None):
-        self.role, self.engine_id, self.rank = role, engine_id, rank
+        self.role, self.engine_id, self.rank, self.secret = role, engine_id, rank, secret
         self.name = f"{engine_id}/{rank}"
-        self.heads, self.head_lo, self.secret = heads, head_lo, secret
-        self.kv = np.zeros((LAYERS, 2, blocks, heads, TOKENS, DIM), dtype=np.int32)
-        if role == "prefill":
-            self.fill()
-        self.backend = kvbridge.create_backend("mooncake", hostname=hostname, metadata_server=metadata_server)
-        self.backend.register_memory(self.kv)
+        self.model = model_with(kv_heads)
+        self.parallel = ParallelConfig.parse(parallel)
+        placement = HeadPlacement.of(self.model, self.parallel, role)
+        self.global_heads = tuple(placement.heads(self.parallel.coords(rank).shard))
+        m = self.model
+        layer_bytes = 2 * blocks * placement.per_rank * m.block_size * m.head_dim * m.dtype_bytes
+        self.buf = np.zeros(m.layers * layer_bytes, dtype=np.uint8)
+        self.layout = vllm_layout(m, placement.per_rank, [self.buf.ctypes.data + i * layer_bytes
+                                                          for i in range(m.layers)], blocks, order="HND")
+        self.agent = KVAgent(engine_id, rank, self.parallel, self.layout, self.buf, backend="mooncake",
+                             hostname=hostname, metadata_server=metadata_server)
+        self.lock = threading.Lock()
         self.released: list[list] = []
+        self.shares: dict[str, Share] = {}  # prefill: the requests whose fingerprints the cache holds
         self.held: dict[str, list[int]] = {}  # decode: blocks allocated per request
         self.aborted: list[str] = []
-        self.lock = threading.Lock()
+        self.pending: dict[str, dict] = {}  # decode: what a read left for its DONEs
         self.skew = 0.0  # added to the ledger's clock: `advance` makes a lease expire without waiting
         self.ledger = (Ledger(self._on_release, timeout_s=lease_timeout_s, clock=lambda: time.monotonic() + self.skew)
                        if role == "prefill" else None)
@@ -53,10 +69,8 @@ class Rank:
         self.server = ControlServer(engine_id, rank, ledger=self.ledger, port=port, secret=secret,
                                     on_abort=self._on_abort, registry=self.registry, poll_interval_s=0.02)
         self.clients: dict[tuple[str, int], ControlClient] = {}
-
-    def fill(self) -> None:
-        idx = np.indices(self.kv.shape, dtype=np.int32)
-        self.kv[...] = fingerprint(idx[0], idx[1], idx[2], idx[3] + self.head_lo, idx[4], idx[5])
+        self.control = (DecodeControl(self.agent, self.server, secret=secret, registry=self.registry)
+                        if role == "decode" else None)
 
     def _on_release(self, lease: object, why: LeaseState) -> None:
         with self.lock:
@@ -67,10 +81,15 @@ class Rank:
             self.aborted.append(request_id)
             self.held.pop(request_id, None)  # the decode engine frees the blocks it allocated
 
-    def client(self, addr: tuple[str, int]) -> ControlClient:
+    def client(self, params: KVTransferParams, rank: int) -> ControlClient:
+        addr = resolve(params, rank, registry=self.registry, wait_s=30)
         if addr not in self.clients:
             self.clients[addr] = ControlClient(*addr, secret=self.secret, sender=self.name, timeout_s=10)
         return self.clients[addr]
+
+    def share(self, block_ids: list[int], tokens: int) -> Share:
+        n = -(-tokens // self.model.block_size)
+        return Share(block_ids[:n], range(n), self.global_heads, tokens)
 
 
 R: Rank | None = None
@@ -79,16 +98,21 @@ R: Rank | None = None
 def setup(**kw: object) -> dict:
     global R
     R = Rank(**kw)  # type: ignore[arg-type]
-    return {"address": list(R.server.address), "session": R.backend.endpoint().address}
+    return {"address": list(R.server.address)}
 
 
 def register() -> None:
-    """The KV cache exists: publish it and become ready."""
-    layout = json.dumps({"shape": list(R.kv.shape), "head_lo": R.head_lo, "dtype": "int32"}).encode()
-    R.server.register(layout=layout, endpoint=R.backend.endpoint_info())
+    """The KV cache exists: publish the agent's RankInfo and become ready."""
+    R.server.register(R.agent.info())
 
 
-def offer(request_id: str, blocks: list[int], expected_pulls: int, timeout_s: float | None = None) -> int:
+def offer(request_id: str, blocks: list[int], tokens: int, expected_pulls: int | None = None,
+          timeout_s: float | None = None) -> int:
+    """Prefill finished `request_id`: its fingerprints are in `blocks`; hold them under a lease."""
+    active = set(R.ledger.active)
+    R.shares = {rid: s for rid, s in R.shares.items() if rid in active}
+    R.shares[request_id] = R.share(blocks, tokens)
+    fill(R.layout, R.buf, list(R.shares.values()))
     return R.ledger.offer(request_id, blocks, expected_pulls, timeout_s=timeout_s).epoch
 
 
@@ -102,19 +126,76 @@ def state() -> dict:
         return {"held": sorted(R.held), "aborted": list(R.aborted), "active": R.ledger.active if R.ledger else []}
 
 
-def refill() -> None:
-    """Restore the fingerprints (after `reuse`)."""
-    R.fill()
-
-
 def advance(seconds: float) -> None:
     """Move the ledger's clock forward (the server's reaper then expires what is due)."""
     R.skew += seconds
 
 
 def reuse(blocks: list[int]) -> None:
-    """The prefill engine reuses released blocks for another request (new contents)."""
-    R.kv[:, :, blocks] = -7
+    """The prefill engine hands released blocks to another request (new contents)."""
+    for region in R.layout.regions:
+        for b in blocks:
+            start = region.addr - R.buf.ctypes.data + b * region.block_stride
+            R.buf[start:start + region.block_bytes] = 0xAB
+
+
+def read(request_id: str, params: dict, local_blocks: list[int]) -> dict:
+    """Announce and pull this decode rank's share of `request_id`; DONEs are sent by `done`."""
+    p = KVTransferParams.from_dict(params)
+    tokens = int(p.remote_num_tokens)
+    prefill = ParallelConfig(tp=p.tp_size, pcp=p.pcp_size, dcp=p.dcp_size, dp=p.dp_size)
+    plan = R.agent.plan(prefill, tokens, prefill_dp=p.dp_rank)
+    with R.lock:
+        R.held[request_id] = list(local_blocks)
+    R.buf[:] = 0  # a fresh allocation: afterwards the cache must hold exactly this request's share
+    epochs, infos = {}, []
+    for rank in sorted({pull.prefill_rank for pull in plan.pulls_for(R.rank)}):
+        client = R.client(p, rank)
+        infos.append(client.get_info(wait_s=30))
+        status = client.begin_pull(p.remote_request_id, R.name, notify=R.server.address,
+                                   expected_pulls=plan.release_count(rank), wait_s=30)
+        epochs[rank] = status.epoch
+    handle = R.agent.pull(p.remote_request_id, infos, list(p.block_ids), local_blocks, tokens)
+    handle.wait(60)
+    notify = [rank for _engine, rank in handle.result.notify]
+    R.pending[request_id] = {"epochs": epochs, "notify": notify,
+                             "counts": {r: plan.release_count(r) for r in [*epochs, *notify]}}
+    return {"pulled": sorted(epochs), "notify": notify}
+
+
+def pull(request_id: str, params: dict, local_blocks: list[int]) -> str | None:
+    """The whole decode side through `DecodeControl`: returns None, or the error that means recompute."""
+    with R.lock:
+        R.held[request_id] = list(local_blocks)
+    R.buf[:] = 0
+    outcome: list = []
+    handle = R.control.start(request_id, KVTransferParams.from_dict(params), local_blocks,
+                             on_finished=lambda rid, err: outcome.append((rid, err)))
+    handle.wait(60)
+    assert outcome and outcome[0][0] == request_id, "on_finished ran once, before wait() returned"
+    err = outcome[0][1]
+    return None if err is None else f"{type(err).__name__}: {err}"
+
+
+def done(request_id: str, params: dict) -> list[bool]:
+    """DONE to every prefill rank read (fenced: raises LoadError if its lease did not hold through the
+    read) and, on the notifier, a release-only DONE to the ranks nobody reads. Returns `released` flags."""
+    p = KVTransferParams.from_dict(params)
+    job = R.pending[request_id]
+    out = [R.client(p, rank).done(p.remote_request_id, R.name, epoch, expected_pulls=job["counts"][rank]).released
+           for rank, epoch in job["epochs"].items()]
+    for rank in job["notify"]:
+        out.append(R.client(p, rank).done(p.remote_request_id, R.name, 0, expected_pulls=1, check=False).released)
+    return out
+
+
+def verify(local_blocks: list[int], tokens: int) -> int:
+    """The whole decode cache equals the fingerprints of its share: nothing missing, misplaced or extra."""
+    share = R.share(local_blocks, tokens)
+    bad, notes = mismatches(R.layout, R.buf, [share])
+    if bad:
+        raise AssertionError(f"{R.name}: {bad} wrong words, e.g. {notes}")
+    return len(share.block_ids) * len(share.heads)
 
 
 def abort(request_id: str, peers: list[list] = ()) -> int:
@@ -123,73 +204,18 @@ def abort(request_id: str, peers: list[list] = ()) -> int:
     return R.server.abort(request_id, reason="test abort", peers=[tuple(p) for p in peers])
 
 
-def _descriptors(rb: np.ndarray, lb: np.ndarray, remote_shape: list[int], remote_base: int, remote_head: int,
-                 local_head: int, n_heads: int) -> np.ndarray:
-    """(local, remote, length) per (layer, K/V, block): `n_heads` contiguous heads of an HND block."""
-    head_bytes = TOKENS * DIM * ITEM
-    _, _, r_blocks, r_heads, _, _ = remote_shape
-    l_blocks, l_heads = R.kv.shape[2], R.kv.shape[3]
-    layer, kv = np.meshgrid(np.arange(LAYERS), np.arange(2), indexing="ij")
-    lk = (layer * 2 + kv).reshape(-1, 1)
-    remote = remote_base + ((lk * r_blocks + rb) * r_heads + remote_head) * head_bytes
-    local = R.kv.ctypes.data + ((lk * l_blocks + lb) * l_heads + local_head) * head_bytes
-    return np.stack([local.ravel(), remote.ravel(), np.full(local.size, n_heads * head_bytes)], axis=1)
-
-
-def read(request_id: str, params: dict, sources: list[dict], local_blocks: list[int], wait_s: float = 30.0) -> list:
-    """Begin a pull from every source prefill rank and read its heads; returns the lease epochs."""
-    p = KVTransferParams.from_dict(params)
-    with R.lock:
-        R.held[request_id] = list(local_blocks)
-    epochs = []
-    for src in sources:
-        client = R.client(resolve(p, src["rank"], registry=R.registry, wait_s=wait_s))
-        info = client.get_info(wait_s=wait_s)
-        peer = R.backend.connect(info.endpoint)
-        remote_shape = json.loads(info.layout)["shape"]
-        status = client.begin_pull(p.remote_request_id, R.name, notify=R.server.address, wait_s=wait_s)
-        base = peer.endpoint.regions[0].addr
-        desc = _descriptors(np.asarray(p.block_ids), np.asarray(local_blocks), remote_shape, base,
-                            src["remote_head"], src["local_head"], src["heads"])
-        R.backend.transfer(peer, desc, op="read").wait(30)
-        epochs.append([src["rank"], status.epoch])
-    return epochs
-
-
-def done(params: dict, epochs: list[list], also: list[int] = ()) -> list[bool]:
-    """DONE to every rank read (fenced: raises LoadError if a lease did not hold), and a release-only
-    DONE (epoch 0) to the prefill ranks in `also` that nobody reads."""
-    p = KVTransferParams.from_dict(params)
-    out = [R.client(resolve(p, rank, registry=R.registry)).done(p.remote_request_id, R.name, epoch).released
-           for rank, epoch in epochs]
-    for rank in also:
-        out.append(R.client(resolve(p, rank, registry=R.registry)).done(p.remote_request_id, R.name, 0,
-                                                                         check=False).released)
-    return out
-
-
-def verify(local_blocks: list[int], remote_blocks: list[int]) -> int:
-    """Check every pulled element against the fingerprint of the prefill block it came from."""
-    idx = np.indices((LAYERS, 2, len(local_blocks), R.heads, TOKENS, DIM), dtype=np.int32)
-    expect = fingerprint(idx[0], idx[1], np.asarray(remote_blocks, dtype=np.int32)[idx[2]], idx[3] + R.head_lo,
-                         idx[4], idx[5])
-    got = R.kv[:, :, local_blocks]
-    bad = int((got != expect).sum())
-    if bad:
-        raise AssertionError(f"{R.name}: {bad} of {got.size} pulled elements are wrong")
-    return got.size
-
-
 def close() -> None:
     for c in R.clients.values():
         c.close()
+    if R.control is not None:
+        R.control.close()
     R.server.close()
-    R.backend.close()
+    R.agent.close()
     if R.registry is not None:
         R.registry.close()
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    serve({f.__name__: f for f in (setup, register, offer, released, state, advance, reuse, refill, abort, read, done, verify,
-                                   close)})
+    serve({f.__name__: f for f in (setup, register, offer, released, state, advance, reuse, read, pull, done, verify,
+                                   abort, close)})

@@ -164,3 +164,41 @@ def test_bad_agent_setup_is_refused_and_leaks_nothing() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_rank_info_from_a_peer_is_validated() -> None:
+    from kvbridge import wire
+    from kvbridge.errors import ProtocolError
+
+    (p, _), = _agents("tp1", "prefill", 4, "loopback")
+    try:
+        data = wire.to_dict(p.info())
+        with pytest.raises(ProtocolError):
+            RankInfo.decode(b"\x93garbage")
+        data["parallel"]["dcp"] = 3  # dcp must divide tp
+        with pytest.raises(ProtocolError, match="RankInfo"):
+            wire.from_dict(data, RankInfo)
+        data["parallel"]["dcp"] = 1
+        data["layout"]["regions"][0]["kind"] = "q"
+        with pytest.raises(ProtocolError, match="RankInfo"):
+            wire.from_dict(data, RankInfo)
+    finally:
+        p.close()
+
+
+def test_the_request_dp_group_picks_the_prefill_ranks() -> None:
+    prefill = _agents("tp1,dp2", "prefill", 4, "loopback")
+    (d, dbuf), = _agents("tp1", "decode", 4, "loopback")
+    try:
+        infos = [a.info() for a, _ in prefill]
+        with pytest.raises(TopologyError, match="span DP groups"):
+            d.pull("r", infos, [0, 1], [2, 3], 20)
+        agent, buf = prefill[1]
+        fill(agent.layout, buf, [Share([0, 1], [0, 1], range(16), 20)])
+        result = d.pull("r", infos, {1: [0, 1]}, [2, 3], 20, prefill_dp=1).wait(30)
+        assert result.pulled == (("prefill", 1),)
+        assert mismatches(d.layout, dbuf, [Share([2, 3], [0, 1], range(16), 20)])[0] == 0
+    finally:
+        for a, _ in prefill:
+            a.close()
+        d.close()

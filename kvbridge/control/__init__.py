@@ -5,6 +5,7 @@
 - `Ledger`: prefill-side leases: `offer`, DONE counting, expiry, abort, fencing.
 - `open_registry` / `resolve`: peer-to-peer by default, redis or etcd for many nodes.
 - `KVTransferParams`: what the proxy carries, in vLLM's key names.
+- `DecodeControl`: the decode side of a request wired end to end (plan, leases, pull, DONEs).
 
 See docs/control-plane.md.
 """
@@ -12,22 +13,24 @@ See docs/control-plane.md.
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
 from kvbridge.control.discovery import EtcdRegistry, RankRecord, RedisRegistry, Registry, open_registry, resolve
 from kvbridge.control.ledger import Lease, Ledger
-from kvbridge.control.messages import LeaseState, LeaseStatus, RankInfo
+from kvbridge.control.messages import LeaseState, LeaseStatus, RegisteredMemory
 from kvbridge.control.params import KVTransferParams
+from kvbridge.control.pull import DecodeControl
 
 __all__ = [
     "ClientPool",
     "ControlClient",
     "ControlServer",
+    "DecodeControl",
     "EtcdRegistry",
     "KVTransferParams",
     "Lease",
     "LeaseState",
     "LeaseStatus",
     "Ledger",
-    "RankInfo",
     "RankRecord",
     "RedisRegistry",
+    "RegisteredMemory",
     "Registry",
     "open_registry",
     "resolve",

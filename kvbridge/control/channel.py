@@ -20,7 +20,9 @@ import attrs
 import zmq
 
 from kvbridge import wire
+from kvbridge.agent import RankInfo
 from kvbridge.control.auth import Authenticator, new_nonce
+from kvbridge.control.discovery import RankRecord, Registry
 from kvbridge.control.ledger import Ledger
 from kvbridge.control.messages import (
     REPLIES,
@@ -31,9 +33,10 @@ from kvbridge.control.messages import (
     Done,
     Frame,
     GetInfo,
+    LeaseState,
     LeaseStatus,
     QueryLease,
-    RankInfo,
+    RegisteredMemory,
     Refused,
 )
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
@@ -69,7 +72,7 @@ class ControlServer:
         port: int = 0,
         secret: str | bytes | None = None,
         on_abort: AbortCallback | None = None,
-        registry: Any = None,
+        registry: Registry | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.05,
         notify_timeout_s: float = 2.0,
@@ -85,7 +88,7 @@ class ControlServer:
         self.max_message_bytes = max_message_bytes
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._notify_timeout_s = notify_timeout_s
-        self._info = RankInfo(engine_id=engine_id, rank=rank, ready=False)
+        self._info = RegisteredMemory(engine_id=engine_id, rank=rank, ready=False)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -119,9 +122,11 @@ class ControlServer:
     def ready(self) -> bool:
         return self._info.ready
 
-    def register(self, layout: bytes = b"", endpoint: bytes = b"", meta: dict[str, str] | None = None) -> None:
-        """Publish this rank's registered memory and mark it ready to be pulled from."""
-        self._info = RankInfo(self.engine_id, self.rank, True, bytes(layout), bytes(endpoint), dict(meta or {}))
+    def register(self, info: RankInfo, meta: dict[str, str] | None = None) -> None:
+        """Publish this rank's registered memory (`KVAgent.info()`) and mark it ready to be pulled from."""
+        if (info.engine_id, info.rank) != (self.engine_id, self.rank):
+            raise ConfigError(f"side channel of {self.name} cannot serve the RankInfo of {info.engine_id}/{info.rank}")
+        self._info = RegisteredMemory(self.engine_id, self.rank, True, info, dict(meta or {}))
         self._publish()
 
     def abort(self, request_id: str, reason: str = "", peers: Iterable[Address] = ()) -> int:
@@ -190,9 +195,9 @@ class ControlServer:
             return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
         if isinstance(msg, BeginPull):
             watcher = (msg.notify_host, msg.notify_port) if msg.notify_port else None
-            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher)
+            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls)
         if isinstance(msg, Done):
-            return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch)
+            return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch, msg.expected_pulls)
         if isinstance(msg, QueryLease):
             return self.ledger.query(msg.request_id, msg.epoch)
         raise ProtocolError(f"no handler for {type(msg).__name__}")
@@ -204,10 +209,14 @@ class ControlServer:
         poller.register(self._sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(self._poll_ms):
-                    self._serve_one()
-                if self.ledger is not None:
-                    self.ledger.reap()
+                try:
+                    if poller.poll(self._poll_ms):
+                        self._serve_one()
+                    if self.ledger is not None:
+                        self.ledger.reap()
+                except Exception:  # the loop must outlive any bug; leases depend on its reaping
+                    log.exception("%s: side-channel loop error", self.name)
+                    self._stop.wait(self._poll_ms / 1000)  # no hot loop if the error repeats
         finally:
             self._sock.close(linger=0)
 
@@ -233,8 +242,6 @@ class ControlServer:
 
     def _publish(self) -> None:
         if self._registry is not None:
-            from kvbridge.control.discovery import RankRecord
-
             host, port = self.address
             self._registry.publish(RankRecord(self.engine_id, self.rank, host, port, self._info.ready))
 
@@ -326,17 +333,24 @@ class ControlClient:
             raise ProtocolError(f"side channel {self.url} answered {what} with {type(reply).__name__}")
         return reply
 
-    def _ready_request(self, msg: Any, wait_s: float) -> Any:
-        """Send `msg`, retrying while the peer is not ready yet, for at most `wait_s` seconds."""
+    def _ready_request(self, msg: Any, wait_s: float, *, until_offered: bool = False) -> Any:
+        """Send `msg`, retrying for at most `wait_s` seconds while the peer is not ready yet (and, with
+        `until_offered`, while it does not know the request yet: its offer may trail its answer to the proxy)."""
         deadline = time.monotonic() + wait_s
         delay = 0.01
         while True:
             reply = self.request(msg)
-            if not (isinstance(reply, Refused) and reply.kind == "not_ready"):
+            if isinstance(reply, Refused) and reply.kind == "not_ready":
+                why = f"{reply.message} ({self.url})"
+            elif until_offered and isinstance(reply, LeaseStatus) and reply.state is LeaseState.UNKNOWN:
+                why = f"request {reply.request_id!r} was never offered on {self.url}"
+            else:
                 return reply
             if time.monotonic() + delay > deadline:
+                if isinstance(reply, LeaseStatus):
+                    return reply
                 raise TransferTimeout(
-                    f"{reply.message} ({self.url}) after waiting {wait_s}s; start pulling once the peer is ready "
+                    f"{why} after waiting {wait_s}s; start pulling once the peer is ready "
                     "(its KV cache is allocated after any profiling run), or raise the ready timeout",
                     peer=self.url, cause="peer not ready",
                 )
@@ -344,16 +358,29 @@ class ControlClient:
             delay = min(delay * 2, 0.5)
 
     def get_info(self, wait_s: float = 0.0) -> RankInfo:
-        """The rank's registered memory, waiting up to `wait_s` for it to become ready."""
-        return self._expect(self._ready_request(GetInfo(), wait_s), RankInfo, "GetInfo")
+        """The rank's `RankInfo` (layout, parallel config, endpoint), waiting up to `wait_s` for it to be ready."""
+        reply = self.registered_memory(wait_s)
+        if reply.info is None:
+            raise ProtocolError(f"side channel {self.url} reported ready without its RankInfo")
+        return reply.info
+
+    def registered_memory(self, wait_s: float = 0.0) -> RegisteredMemory:
+        """The whole GetInfo reply (with `meta`)."""
+        return self._expect(self._ready_request(GetInfo(), wait_s), RegisteredMemory, "GetInfo")
 
     def begin_pull(
-        self, request_id: str, decode_rank: str, *, notify: Address | None = None, wait_s: float = 0.0
+        self, request_id: str, decode_rank: str, *, notify: Address | None = None, expected_pulls: int = 0,
+        wait_s: float = 0.0,
     ) -> LeaseStatus:
-        """Announce a read of `request_id`; raise LoadError unless its lease is active (recompute)."""
+        """Announce a read of `request_id`; raise LoadError unless its lease is active (recompute).
+
+        Waits up to `wait_s` for the peer to be ready and to have offered the request.
+        `notify`: this rank's side channel, told if the prefill side aborts. `expected_pulls`: the
+        prefill rank's release count from the plan (used when its offer left it open).
+        """
         host, port = notify or ("", 0)
-        msg = BeginPull(request_id, decode_rank, host, port)
-        status = self._expect(self._ready_request(msg, wait_s), LeaseStatus, "BeginPull")
+        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls)
+        status = self._expect(self._ready_request(msg, wait_s, until_offered=True), LeaseStatus, "BeginPull")
         if not status.valid:
             raise LoadError(
                 f"request {request_id!r} has no active lease on {self.url} (it is {status.state.value}); "
@@ -361,9 +388,16 @@ class ControlClient:
             )
         return status
 
-    def done(self, request_id: str, decode_rank: str, epoch: int = 0, *, check: bool = True) -> LeaseStatus:
-        """Report DONE. With `check`, raise LoadError if the lease did not stay valid through the read."""
-        status = self._expect(self.request(Done(request_id, decode_rank, epoch)), LeaseStatus, "Done")
+    def done(
+        self, request_id: str, decode_rank: str, epoch: int = 0, *, expected_pulls: int = 0, check: bool = True
+    ) -> LeaseStatus:
+        """Report DONE. With `check`, raise LoadError if the lease did not stay valid through the read.
+
+        `epoch` 0 reports no read (the plan's notifier releasing a rank nobody reads, with
+        `expected_pulls=1`, and `check=False`).
+        """
+        msg = Done(request_id, decode_rank, epoch, expected_pulls)
+        status = self._expect(self.request(msg), LeaseStatus, "Done")
         if check and not status.valid:
             raise LoadError(
                 f"lease epoch {epoch} of request {request_id!r} on {self.url} was {status.state.value} when the "

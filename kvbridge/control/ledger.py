@@ -2,7 +2,9 @@
 
 `offer(request, blocks, expected_pulls)` creates a lease. Decode ranks report DONE; the blocks
 are released (the `on_release` callback) when `expected_pulls` distinct decode ranks have, when
-the lease expires, or when the request is aborted — exactly once. The state change is published
+the lease expires, or when the request is aborted — exactly once. A prefill rank rarely knows
+the decode side's parallel config, so `expected_pulls` may be None: the first BeginPull or DONE
+that states the count (the decode side computes it from the plan) sets it. The state change is published
 *before* the callback runs, and the engine may only reuse the blocks after the callback, so a
 DONE or a lease query that still finds the lease ACTIVE proves no reuse overlapped the read
 that preceded it (fencing). Finished leases are kept as tombstones for a while so a late or
@@ -11,6 +13,7 @@ duplicate DONE gets an exact answer.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import threading
@@ -33,13 +36,14 @@ class Lease:
     request_id: str
     epoch: int
     blocks: tuple[int, ...]
-    expected_pulls: int
+    expected_pulls: int | None  # None: the decode side states it
     deadline: float  # on the ledger's clock (monotonic seconds)
 
 
 @attrs.define
 class _Entry:
     lease: Lease
+    expected: int | None = None
     state: LeaseState = LeaseState.ACTIVE
     done: set[str] = attrs.field(factory=set)
     watchers: dict[str, Hashable] = attrs.field(factory=dict)  # decode rank -> its side channel
@@ -75,6 +79,12 @@ class Ledger:
         self._lock = threading.Lock()
         self._active: dict[str, _Entry] = {}
         self._finished: OrderedDict[str, _Entry] = OrderedDict()
+        # (deadline, epoch, request id) of every offer; stale rows (finished leases) are skipped when
+        # popped, so a reap costs O(expired log n) however many leases are active.
+        self._deadlines: list[tuple[float, int, str]] = []
+        # Release-only DONEs (epoch 0) for requests not offered yet: the plan's notifier may get
+        # there before this rank's offer. request id -> (forget at, {decode rank: stated count}).
+        self._early: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
         # Epochs are unique per ledger and start at a random point, so a restarted prefill
         # never confirms a lease its previous life handed out.
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
@@ -82,13 +92,15 @@ class Ledger:
     # -- prefill side ---------------------------------------------------------------------
 
     def offer(
-        self, request_id: str, blocks: Sequence[int], expected_pulls: int, *, timeout_s: float | None = None
+        self, request_id: str, blocks: Sequence[int], expected_pulls: int | None = None, *,
+        timeout_s: float | None = None,
     ) -> Lease:
         """Hold `blocks` for `request_id` until `expected_pulls` distinct decode ranks sent DONE.
 
-        `expected_pulls=0` (nobody will read this rank) releases at once.
+        `expected_pulls=0` (nobody will read this rank) releases at once; None leaves the count
+        to the decode side (stated in its BeginPull or DONE messages).
         """
-        if expected_pulls < 0:
+        if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
         self.reap()
         now = self._clock()
@@ -102,11 +114,17 @@ class Ledger:
                           now + (timeout_s or self.timeout_s))
             self._next_epoch += 1
             self._finished.pop(request_id, None)
-            entry = _Entry(lease)
+            entry = _Entry(lease, expected_pulls)
             self._active[request_id] = entry
-        log.debug("lease %s epoch %d: %d blocks, %d pulls expected", request_id, lease.epoch, len(lease.blocks),
+            heapq.heappush(self._deadlines, (lease.deadline, lease.epoch, request_id))
+            forget_at, early = self._early.pop(request_id, (0.0, {}))
+            for rank, stated in early.items() if forget_at > now else ():
+                entry.done.add(rank)
+                self._expect(entry, stated, rank)
+            last = entry.expected is not None and len(entry.done) >= entry.expected
+        log.debug("lease %s epoch %d: %d blocks, %s pulls expected", request_id, lease.epoch, len(lease.blocks),
                   expected_pulls)
-        if expected_pulls == 0:
+        if last:
             self._finish(entry, LeaseState.RELEASED)
         return lease
 
@@ -121,13 +139,14 @@ class Ledger:
     def reap(self) -> int:
         """Expire every lease past its deadline; returns how many expired."""
         now = self._clock()
+        due = []
         with self._lock:
-            due = [e for e in self._active.values() if e.lease.deadline <= now]
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _deadline, epoch, request_id = heapq.heappop(self._deadlines)
+                entry = self._active.get(request_id)
+                if entry is not None and entry.lease.epoch == epoch:
+                    due.append(entry)
         return sum(self._finish(e, LeaseState.EXPIRED) for e in due)
-
-    def next_deadline(self) -> float | None:
-        with self._lock:
-            return min((e.lease.deadline for e in self._active.values()), default=None)
 
     @property
     def active(self) -> list[str]:
@@ -141,13 +160,18 @@ class Ledger:
 
     # -- decode side (through the side channel) ------------------------------------------------
 
-    def begin(self, request_id: str, decode_rank: str, watcher: Hashable | None = None) -> LeaseStatus:
-        """A decode rank is about to read: the lease as it stands, and remember who to tell on abort."""
+    def begin(
+        self, request_id: str, decode_rank: str, watcher: Hashable | None = None, expected_pulls: int = 0
+    ) -> LeaseStatus:
+        """A decode rank is about to read: the lease as it stands; remember who to tell on abort and,
+        if the offer left it open, the release count the decode side states."""
         self.reap()
         with self._lock:
             entry = self._active.get(request_id)
-            if entry is not None and watcher is not None:
-                entry.watchers[decode_rank] = watcher
+            if entry is not None:
+                if watcher is not None:
+                    entry.watchers[decode_rank] = watcher
+                self._expect(entry, expected_pulls, decode_rank)
         return self.query(request_id)
 
     def query(self, request_id: str, epoch: int = 0) -> LeaseStatus:
@@ -159,12 +183,13 @@ class Ledger:
                 return LeaseStatus(request_id, LeaseState.UNKNOWN)
             return self._status(entry, valid=entry.state is LeaseState.ACTIVE and epoch in (0, entry.lease.epoch))
 
-    def done(self, request_id: str, decode_rank: str, epoch: int = 0) -> LeaseStatus:
+    def done(self, request_id: str, decode_rank: str, epoch: int = 0, expected_pulls: int = 0) -> LeaseStatus:
         """Count a DONE (idempotent per decode rank). `valid`: the blocks were not released before it.
 
         A DONE with the wrong epoch is not counted. A duplicate of a counted DONE stays valid
         after the release; any other DONE after a release, expiry or abort is invalid: the read
-        it reports may have overlapped a reuse of the blocks.
+        it reports may have overlapped a reuse of the blocks. A release-only DONE (epoch 0) for a
+        request not offered yet is kept and counted when the offer comes.
         """
         self.reap()
         with self._lock:
@@ -172,18 +197,39 @@ class Ledger:
             if entry is None:
                 old = self._finished.get(request_id)
                 if old is None:
+                    if epoch == 0:
+                        self._stash(request_id, decode_rank, expected_pulls)
                     return LeaseStatus(request_id, LeaseState.UNKNOWN)
                 counted = old.state is LeaseState.RELEASED and decode_rank in old.done
                 return self._status(old, valid=counted and epoch in (0, old.lease.epoch))
             if epoch not in (0, entry.lease.epoch):
                 return self._status(entry, valid=False)
             entry.done.add(decode_rank)
-            last = len(entry.done) >= entry.lease.expected_pulls
+            self._expect(entry, expected_pulls, decode_rank)
+            last = entry.expected is not None and len(entry.done) >= entry.expected
         released = last and self._finish(entry, LeaseState.RELEASED)
         with self._lock:
             return self._status(entry, valid=True, released=released)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _stash(self, request_id: str, decode_rank: str, expected_pulls: int) -> None:
+        """Keep a release-only DONE that came before the offer, for `timeout_s` (lock held)."""
+        now = self._clock()
+        while self._early and (len(self._early) >= self._max_tombstones or next(iter(self._early.values()))[0] <= now):
+            self._early.popitem(last=False)
+        _, ranks = self._early.setdefault(request_id, (now + self.timeout_s, {}))
+        ranks[decode_rank] = expected_pulls
+
+    def _expect(self, entry: _Entry, expected_pulls: int, decode_rank: str) -> None:
+        """Take the release count a decode rank states, if the lease has none yet (lock held)."""
+        if expected_pulls <= 0:
+            return
+        if entry.expected is None:
+            entry.expected = expected_pulls
+        elif entry.expected != expected_pulls:
+            log.warning("request %s: decode rank %s states %d pulls, the lease expects %d; keeping %d",
+                        entry.lease.request_id, decode_rank, expected_pulls, entry.expected, entry.expected)
 
     def _status(self, entry: _Entry, *, valid: bool, released: bool = False) -> LeaseStatus:
         lease = entry.lease
@@ -205,8 +251,8 @@ class Ledger:
             ):
                 self._finished.popitem(last=False)
         if state is not LeaseState.RELEASED:
-            log.info("lease %s epoch %d %s with %d of %d DONEs; releasing %d blocks", entry.lease.request_id,
-                     entry.lease.epoch, state.value, len(entry.done), entry.lease.expected_pulls,
+            log.info("lease %s epoch %d %s with %d of %s DONEs; releasing %d blocks", entry.lease.request_id,
+                     entry.lease.epoch, state.value, len(entry.done), entry.expected,
                      len(entry.lease.blocks))
         try:
             self._on_release(entry.lease, state)

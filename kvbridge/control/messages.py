@@ -11,6 +11,8 @@ import enum
 
 import attrs
 
+from kvbridge.agent import RankInfo
+
 MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
 MAX_BLOCKS = 1 << 20
 
@@ -57,26 +59,35 @@ class LeaseState(str, enum.Enum):
 
 @attrs.frozen
 class GetInfo:
-    """Ask a rank for its registered memory (KV layout + transport endpoint) and readiness."""
+    """Ask a rank for its registered memory (`RegisteredMemory`) and readiness."""
 
 
 @attrs.frozen
 class BeginPull:
-    """Decode rank `decode_rank` is about to read `request_id`; `notify_*` is its side channel."""
+    """Decode rank `decode_rank` is about to read `request_id`; `notify_*` is its side channel.
+
+    `expected_pulls` (0: not stated) tells the prefill rank its release count when it offered the
+    request without one (the prefill side rarely knows the decode side's parallel config).
+    """
 
     request_id: str = _id()
     decode_rank: str = _id()
     notify_host: str = attrs.field(default="", validator=_bounded_str)
     notify_port: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    expected_pulls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))  # 0: not stated
 
 
 @attrs.frozen
 class Done:
-    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: read nothing)."""
+    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: read nothing).
+
+    `expected_pulls` (0: not stated) is the receiving rank's release count from the decode side's plan.
+    """
 
     request_id: str = _id()
     decode_rank: str = _id()
     epoch: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    expected_pulls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
 
 
 @attrs.frozen
@@ -100,14 +111,14 @@ class Abort:
 
 
 @attrs.frozen
-class RankInfo:
-    """A rank's registered memory. `layout` and `endpoint` are opaque wire bytes for the agent."""
+class RegisteredMemory:
+    """A rank's registered memory: the agent's `RankInfo` (parallel config, KV layout, transport
+    endpoint), None until the rank is ready. `meta` carries free-form strings for adapters."""
 
     engine_id: str = _id()
     rank: int = attrs.field(validator=attrs.validators.instance_of(int))
     ready: bool = attrs.field(validator=attrs.validators.instance_of(bool))
-    layout: bytes = b""
-    endpoint: bytes = b""
+    info: RankInfo | None = None
     meta: dict[str, str] = attrs.field(factory=dict)
 
 
@@ -140,4 +151,4 @@ class Refused:
 
 
 REQUESTS: dict[str, type] = {c.__name__: c for c in (GetInfo, BeginPull, Done, QueryLease, Abort)}
-REPLIES: dict[str, type] = {c.__name__: c for c in (RankInfo, LeaseStatus, Ack, Refused)}
+REPLIES: dict[str, type] = {c.__name__: c for c in (RegisteredMemory, LeaseStatus, Ack, Refused)}

@@ -9,11 +9,13 @@ after a short backoff, which keeps the engine usable after any failure.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -52,6 +54,16 @@ _ERRORS = {
 }
 
 
+@functools.cache
+def _supports_redis_metadata() -> bool:
+    """Whether the installed Mooncake binaries carry a redis client (its redis metadata plugin)."""
+    import mooncake
+
+    root = Path(mooncake.__file__).parent
+    libs = [*root.glob("*.so*"), *root.parent.glob("mooncake*.libs/*.so*")]
+    return any(b"redisConnect" in lib.read_bytes() for lib in libs)
+
+
 def explain(rc: int) -> str:
     return f"return code {rc}: {_ERRORS.get(rc, 'unknown error')}"
 
@@ -85,6 +97,13 @@ class MooncakeBackend(MigrationBackend):
         self._retries = int(opts.get("retries", 3))
         self._backoff = float(opts.get("retry_backoff", 0.05))
         self._metadata = config.metadata_server or P2P
+        if self._metadata.startswith("redis://") and not _supports_redis_metadata():
+            # Mooncake aborts the whole process when asked for a metadata plugin it was built without.
+            raise ConfigError(
+                "this Mooncake wheel was built without redis metadata support (no hiredis in it); use "
+                "etcd://HOST:PORT, an http:// metadata server, or P2PHANDSHAKE, or install a Mooncake built "
+                "with USE_REDIS"
+            )
         self._engine = TransferEngine()
         rc = self._engine.initialize(config.hostname, self._metadata, self.protocol, config.device_name)
         if rc != 0:

@@ -1,0 +1,141 @@
+"""The decode side of one request's migration, wired end to end: plan, readiness, leases, the
+agent's pull, fenced DONEs and the notifier's release of ranks nobody reads.
+
+`DecodeControl.start` does the short control round trips (find each prefill rank, wait for it to
+be ready, BeginPull stating its release count), starts `KVAgent.pull`, and returns at once; when
+the transfers end, DONEs go out from the transport thread and `on_finished(request_id, error)`
+reports the outcome: None, or the error that means "recompute" (a `LoadError` when a lease did
+not hold through the read, the transport's error when the bytes did not move). DONEs go out
+even after a failed transfer, so the prefill side never waits for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
+from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
+from kvbridge.control.discovery import Registry, resolve
+from kvbridge.control.params import KVTransferParams
+from kvbridge.errors import KVBridgeError, LoadError
+from kvbridge.topology import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+FinishedCallback = Callable[[str, BaseException | None], None]
+
+
+class DecodeControl:
+    """One decode rank's control plane: its agent, its side channel (told of aborts), its clients."""
+
+    def __init__(
+        self,
+        agent: KVAgent,
+        server: ControlServer,
+        *,
+        secret: str | bytes | None = None,
+        registry: Registry | None = None,
+        ready_timeout_s: float = 30.0,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.agent = agent
+        self.server = server
+        self.name = f"{agent.engine_id}/{agent.rank}"
+        self.registry = registry
+        self.ready_timeout_s = ready_timeout_s
+        self.clients = ClientPool(secret=secret, timeout_s=timeout_s, sender=self.name)
+        self._infos: dict[tuple[str, int], RankInfo] = {}
+        self._local_ids: dict[str, str] = {}  # prefill request id -> this engine's request id, while pulling
+        self._lock = threading.Lock()
+
+    def _client(self, params: KVTransferParams, rank: int) -> tuple[ControlClient, tuple[str, int]]:
+        addr = resolve(params, rank, registry=self.registry, wait_s=self.ready_timeout_s)
+        return self.clients.get(*addr), addr
+
+    def _info(self, client: ControlClient, addr: tuple[str, int]) -> RankInfo:
+        with self._lock:
+            info = self._infos.get(addr)
+        if info is None:
+            info = client.get_info(wait_s=self.ready_timeout_s)
+            with self._lock:
+                self._infos[addr] = info
+        return info
+
+    def start(
+        self, request_id: str, params: KVTransferParams, local_blocks: Sequence[int],
+        on_finished: FinishedCallback | None = None,
+    ) -> PullHandle:
+        """Pull this rank's share of the request `params` describe into `local_blocks`.
+
+        Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank never became
+        ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
+        """
+        rid = str(params.remote_request_id)
+        prefill = ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
+        tokens = int(params.remote_num_tokens or 0)
+        plan = self.agent.plan(prefill, tokens, prefill_dp=params.dp_rank)
+        leases: dict[int, tuple[ControlClient, int, int]] = {}  # prefill rank -> client, epoch, release count
+        notify = [self._client(params, r)[0] for r in plan.unpulled] if self.agent.rank == plan.notifier else []
+
+        def finished(result: PullResult) -> None:
+            if result.error is not None:
+                with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
+                    self._infos.clear()
+            error = self._send_dones(rid, leases, notify, result.error)
+            if on_finished is not None:
+                on_finished(request_id, error)
+
+        with self._lock:
+            self._local_ids[rid] = request_id
+        try:
+            infos = []
+            for rank in sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)}):
+                client, addr = self._client(params, rank)
+                infos.append(self._info(client, addr))
+                count = plan.release_count(rank)
+                status = client.begin_pull(rid, self.name, notify=self.server.address, expected_pulls=count,
+                                           wait_s=self.ready_timeout_s)
+                leases[rank] = (client, status.epoch, count)
+            return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
+        except BaseException as exc:
+            # This rank will not read: release what it announced (and the unread ranks) right away.
+            self._send_dones(rid, leases, notify, exc)
+            raise
+
+    def _send_dones(self, rid: str, leases: dict[int, tuple[ControlClient, int, int]],
+                    notify: list[ControlClient], error: BaseException | None) -> BaseException | None:
+        """DONE to every announced lease (fenced unless the pull already failed) and to the unread
+        ranks; returns the pull's outcome: None, or the error that means recompute."""
+        for client, epoch, count in leases.values():
+            try:
+                client.done(rid, self.name, epoch, expected_pulls=count, check=error is None)
+            except LoadError as exc:
+                error = error or exc
+            except KVBridgeError as exc:  # unreachable prefill: its lease expires; the data is unconfirmed
+                error = error or LoadError(f"request {rid!r}: could not confirm the lease on {client.url}: {exc}; "
+                                           "recompute", peer=client.url, request=rid)
+        for client in notify:
+            try:
+                client.done(rid, self.name, 0, expected_pulls=1, check=False)
+            except KVBridgeError as exc:
+                log.warning("request %s: could not release unread prefill rank %s: %s", rid, client.url, exc)
+        with self._lock:
+            self._local_ids.pop(rid, None)
+        return error
+
+    def local_id(self, remote_request_id: str) -> str | None:
+        """This engine's id of a request being pulled (an abort from the prefill side names the prefill's id)."""
+        with self._lock:
+            return self._local_ids.get(remote_request_id)
+
+    def abort(self, params: KVTransferParams, reason: str = "") -> int:
+        """The decode engine aborted the request: tell every prefill rank of its group."""
+        prefill = ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
+        ranks = prefill.group(params.dp_rank)
+        peers = [resolve(params, r, registry=self.registry, wait_s=self.ready_timeout_s) for r in ranks]
+        return self.server.abort(str(params.remote_request_id), reason=reason, peers=peers)
+
+    def close(self) -> None:
+        self.clients.close()

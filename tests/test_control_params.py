@@ -1,0 +1,91 @@
+"""KVTransferParams: round trips, and compatibility with vLLM's own NIXL connector metadata."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbridge.control import KVTransferParams
+from kvbridge.errors import ConfigError
+
+# What vLLM 0.32's NIXL pull scheduler returns from request_finished() on a prefill node
+# (nixl/pull_scheduler.py: do_remote_prefill ... transfer_mode), as a proxy forwards it.
+VLLM_PREFILL_RESPONSE = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[3, 4, 9]],
+    "remote_engine_id": "prefill-engine-0",
+    "remote_request_id": "cmpl-abc-0",
+    "remote_host": "10.1.2.3",
+    "remote_port": 5600,
+    "tp_size": 2,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 40,
+    "remote_blocks_expiry_time": None,
+    "transfer_mode": "pull",
+}
+
+
+def test_params_read_vllm_keys_and_write_them_back() -> None:
+    p = KVTransferParams.from_dict(VLLM_PREFILL_RESPONSE)
+    assert (p.do_remote_prefill, p.remote_engine_id, p.remote_request_id) == (True, "prefill-engine-0", "cmpl-abc-0")
+    assert p.remote_block_ids == ((3, 4, 9),) and p.block_ids == (3, 4, 9)
+    assert (p.tp_size, p.remote_num_tokens, p.side_channel(1)) == (2, 40, ("10.1.2.3", 5601))
+    out = p.to_dict()
+    assert {k: v for k, v in VLLM_PREFILL_RESPONSE.items() if v is not None}.items() <= out.items()
+    assert json.loads(json.dumps(out)) == out  # JSON-safe for an HTTP proxy
+    assert KVTransferParams.from_dict(out) == p
+
+
+def test_params_keep_unknown_keys_and_accept_flat_block_ids() -> None:
+    p = KVTransferParams.from_dict({"do_remote_decode": True, "remote_block_ids": [1, 2], "_p_side_truncated": True,
+                                    "router_hint": {"x": 1}})
+    assert p.remote_block_ids == ((1, 2),)
+    assert p.extra == {"_p_side_truncated": True, "router_hint": {"x": 1}}
+    assert p.to_dict()["_p_side_truncated"] is True and p.to_dict()["remote_block_ids"] == [[1, 2]]
+
+
+def test_params_kvbridge_fields_round_trip() -> None:
+    p = KVTransferParams(do_remote_prefill=True, remote_engine_id="e", remote_request_id="r", remote_host="h",
+                         remote_port=1, tp_size=4, pcp_size=2, dcp_size=2, dp_size=2, dp_rank=1,
+                         prefix_prompt_ids=[1, 2, 3], cache_keys=["k0", "k1"], remote_num_tokens=3)
+    d = p.to_dict()
+    assert d["prefix_prompt_ids"] == [1, 2, 3] and d["cache_keys"] == ["k0", "k1"] and d["pcp_size"] == 2
+    assert KVTransferParams.from_dict(d) == p
+    assert KVTransferParams.from_dict(None) == KVTransferParams()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"remote_port": "not-a-port"}, "remote_port"),
+        ({"remote_block_ids": [[1, "x"]]}, "remote_block_ids"),
+        ({"tp_size": [2]}, "tp_size"),
+    ],
+)
+def test_params_bad_values_are_config_errors(bad: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        KVTransferParams.from_dict(bad)
+
+
+def test_params_missing_remote_keys_say_what_the_proxy_must_pass() -> None:
+    with pytest.raises(ConfigError, match="remote_host, remote_port"):
+        KVTransferParams(remote_engine_id="e", remote_request_id="r").side_channel(0)
+    with pytest.raises(ConfigError, match="must be a dict"):
+        KVTransferParams.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+def test_params_feed_vllm_nixl_metadata_unchanged() -> None:
+    """vLLM's real decode-side metadata builder accepts what KVTransferParams.to_dict() writes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+
+    params = KVTransferParams.from_dict(VLLM_PREFILL_RESPONSE).to_dict()
+    meta = metadata.NixlConnectorMetadata()
+    meta.add_new_req_to_recv(request_id="decode-req", local_block_ids=([0, 1, 2],), kv_transfer_params=params)
+    req = meta.reqs_to_recv["decode-req"]
+    assert req.remote.block_ids == [[3, 4, 9]]
+    assert (req.remote.engine_id, req.remote.request_id) == ("prefill-engine-0", "cmpl-abc-0")
+    assert (req.remote.host, req.remote.port, req.remote.num_tokens) == ("10.1.2.3", 5600, 40)
+    assert (req.tp_size, req.dcp_size, req.pp_size) == (2, 1, 1)

@@ -1,0 +1,129 @@
+"""DecodeControl in one process over the loopback transport (real memmoves, injected faults):
+a lease expiring during the read, a failed transfer, a prefill rank that is not ready."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from control_helpers import wait_for
+
+from kvbridge.agent import KVAgent
+from kvbridge.control import ControlServer, DecodeControl, KVTransferParams, Ledger, LeaseState
+from kvbridge.errors import ConfigError, LoadError, TransferFailed, TransferTimeout
+from kvbridge.layout import vllm_layout
+from kvbridge.presets import PRESETS
+from kvbridge.topology import ParallelConfig
+
+MODEL = PRESETS["tiny-gqa"]
+TOKENS = 40
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _agent(engine: str, heads: int, blocks: int) -> tuple[KVAgent, np.ndarray]:
+    layer = 2 * blocks * heads * MODEL.block_size * MODEL.head_dim * MODEL.dtype_bytes
+    buf = np.zeros(MODEL.layers * layer, dtype=np.uint8)
+    layout = vllm_layout(MODEL, heads, [buf.ctypes.data + i * layer for i in range(MODEL.layers)], blocks)
+    return KVAgent(engine, 0, ParallelConfig(tp=1), layout, buf, backend="loopback"), buf
+
+
+class Pair:
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.released: list[tuple[str, LeaseState]] = []
+        self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=60,
+                             clock=self.clock)
+        self.prefill, self.p_buf = _agent("prefill", MODEL.kv_heads, 8)
+        self.decode, self.d_buf = _agent("decode", MODEL.kv_heads, 8)
+        self.p_buf[:] = np.arange(self.p_buf.size, dtype=np.uint64).astype(np.uint8)
+        self.p_server = ControlServer("prefill", 0, ledger=self.ledger, poll_interval_s=0.01)
+        self.d_server = ControlServer("decode", 0)
+        self.d_server.register(self.decode.info())
+        self.control = DecodeControl(self.decode, self.d_server, ready_timeout_s=0.3)
+        self.outcomes: list[tuple[str, BaseException | None]] = []
+
+    def params(self, rid: str) -> KVTransferParams:
+        host, port = self.p_server.address
+        return KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill", remote_request_id=rid,
+                                remote_block_ids=[[1, 2, 3]], remote_host=host, remote_port=port, tp_size=1,
+                                remote_num_tokens=TOKENS)
+
+    def start(self, rid: str):  # noqa: ANN201
+        return self.control.start(f"local-{rid}", self.params(rid), [4, 5, 6],
+                                  on_finished=lambda r, e: self.outcomes.append((r, e)))
+
+    def close(self) -> None:
+        self.control.close()
+        for x in (self.p_server, self.d_server, self.prefill, self.decode):
+            x.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_done_decode_control_pulls_and_releases(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r1", [1, 2, 3], expected_pulls=None)
+    pair.start("r1").wait(10)
+    assert pair.outcomes == [("local-r1", None)]
+    assert pair.released == [("r1", LeaseState.RELEASED)]  # the count (1) came from the decode side's plan
+    assert pair.d_buf.any() and pair.control.local_id("r1") is None
+
+
+def test_lease_expiring_during_the_read_is_a_load_error(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r2", [1, 2, 3], expected_pulls=1)
+    pair.decode.backend.inject(delay=2.0)  # a slow read...
+    handle = pair.start("r2")
+    assert pair.control.local_id("r2") == "local-r2"
+    pair.clock.now += 61  # ...outlives the lease: the prefill side expires it and may reuse the blocks
+    pair.ledger.reap()
+    assert pair.released == [("r2", LeaseState.EXPIRED)] and not handle.done(), "expiry must come during the read"
+    handle.wait(10)
+    (rid, err), = pair.outcomes
+    assert rid == "local-r2" and isinstance(err, LoadError) and "recompute" in str(err)
+
+
+def test_done_after_a_failed_transfer_still_releases_the_prefill_blocks(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r3", [1, 2, 3], expected_pulls=1)
+    pair.decode.backend.inject(fail_completion=1)
+    with pytest.raises(TransferFailed):
+        pair.start("r3").wait(10)
+    (rid, err), = pair.outcomes
+    assert isinstance(err, TransferFailed)
+    assert pair.released == [("r3", LeaseState.RELEASED)], "the decode side recomputes; prefill need not wait"
+
+
+def test_pull_from_a_rank_that_never_becomes_ready_fails_clearly(pair: Pair) -> None:
+    pair.ledger.offer("r4", [1, 2, 3], expected_pulls=1)
+    with pytest.raises(TransferTimeout, match="has not registered its KV cache"):
+        pair.start("r4")
+    assert pair.outcomes == [] and pair.released == []
+
+
+def test_abort_through_decode_control_frees_the_prefill_lease(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r5", [1, 2, 3], expected_pulls=1)
+    assert pair.control.abort(pair.params("r5"), reason="client went away") == 1
+    wait_for(lambda: pair.released == [("r5", LeaseState.ABORTED)], what="abort at prefill")
+
+
+def test_done_sent_when_the_pull_fails_before_moving_bytes(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r6", [1, 2, 3], expected_pulls=1)
+    with pytest.raises(ConfigError, match="holds 3 blocks"):
+        pair.control.start("local-r6", pair.params("r6"), [4])  # too few local blocks: nothing is read
+    assert pair.released == [("r6", LeaseState.RELEASED)], "the announced lease is released at once"
+    assert pair.control.local_id("r6") is None
