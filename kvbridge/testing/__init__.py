@@ -1,0 +1,1 @@
+"""Test and bench helpers that ship with kvbridge: a tiny offline model, real vLLM servers on loopback."""
