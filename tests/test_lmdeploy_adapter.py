@@ -280,9 +280,9 @@ def test_engine_option_picks_the_lmdeploy_mode(monkeypatch: pytest.MonkeyPatch) 
     parser = argparse.ArgumentParser()
     bench_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--engine", "lmdeploy", "--model", "tiny-gqa", "--lmdeploy-pattern",
-                              "scattered", "--lmdeploy-repeat", "2"])
+                              "scattered", "--repeat", "2"])
     assert bench_cli.pick_mode(args) == "lmdeploy"
-    assert (args.lmdeploy_pattern, args.lmdeploy_repeat, args.migration_backend) == ("scattered", 2, "mooncake")
+    assert (args.lmdeploy_pattern, args.repeat, args.migration_backend) == ("scattered", 2, "mooncake")
     assert bench_cli.pick_mode(parser.parse_args(["bench"])) == "pair"
 
 
@@ -298,7 +298,7 @@ def test_bench_block_pairs_fit_both_pools(pattern: str) -> None:
 @pytest.mark.slow
 def test_bench_runs_verified_and_reports_both_strategies(capsys: pytest.CaptureFixture[str]) -> None:
     args = argparse.Namespace(model="tiny-gqa", tokens=64, requests=2, migration_backend="mooncake", protocol=None,
-                              json=True, engine="lmdeploy", lmdeploy_pattern="contiguous", lmdeploy_repeat=1)
+                              json=True, engine="lmdeploy", lmdeploy_pattern="contiguous", repeat=1)
     assert lmdeploy_bench.run(args) == 0
     report = json.loads(capsys.readouterr().out)
     strategies = [r["strategy"] for r in report["rows"]]

@@ -32,8 +32,6 @@ PATTERNS = ("contiguous", "scattered")
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--lmdeploy-pattern", choices=(*PATTERNS, "both"), default="both",
                        help="block placement: contiguous runs per request, scattered blocks, or both (default)")
-    group.add_argument("--lmdeploy-repeat", type=int, default=3, metavar="N",
-                       help="timed migrations per strategy and pattern (default 3; the median is reported)")
 
 
 def block_pairs(pattern: str, blocks: int, requests: int, seed: int = 0) -> tuple[list[list[int]], int, int]:
@@ -84,7 +82,7 @@ def _measure(prefill: Child, decode: Child, pattern: str, args: argparse.Namespa
     last: dict[str, dict[str, Any]] = {}
     verified = dict.fromkeys(runs, True)
     # Round-robin over strategies, so load from elsewhere on the machine hits all of them alike.
-    for _ in range(args.lmdeploy_repeat):
+    for _ in range(args.repeat):
         for strategy, run in runs.items():
             decode.call("reset")
             last[strategy] = run()
@@ -111,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
     spec = get_preset(args.model or "small")
     args.tokens = args.tokens or 4096
     args.requests = args.requests or 4
-    if args.lmdeploy_repeat < 1:
-        raise ConfigError("--lmdeploy-repeat must be at least 1")
+    if args.repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
     if (args.protocol or "tcp") != "tcp":
         raise ConfigError("the LMDeploy bench runs over TCP on 127.0.0.1 (the baseline is Mooncake TCP); "
                           "drop --protocol or pass --protocol tcp")

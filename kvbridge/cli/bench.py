@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, choices=sorted(PRESETS), help="KV cache shape preset")
     p.add_argument("--tokens", type=int, default=None, help="prompt tokens per request")
     p.add_argument("--requests", type=int, default=None, help="number of requests to migrate")
+    p.add_argument("--repeat", type=int, default=3, help="measured rounds; medians are reported (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--engine", choices=["lmdeploy", "vllm"], default=None,
                    help="drive the migration through an engine's adapter (lmdeploy: kvbridge's LMDeploy backend "
