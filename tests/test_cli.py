@@ -100,7 +100,11 @@ def test_without_the_mooncake_wheel_mooncake_is_unavailable(tmp_path: Path) -> N
     py = str(venv / "bin" / "python")
     deps = ["attrs", "cattrs", "msgpack", "numpy", "pluggy", "pyzmq", "rich"]
     subprocess.run([py, "-m", "pip", "install", "-q", *deps], check=True, capture_output=True)
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(REPO), str(REPO / "plugins" / "mooncake")],
+    # Build from copies: a non-editable install leaves build/ folders in the source tree.
+    ignore = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", "tests", "plugins")
+    core = shutil.copytree(REPO, tmp_path / "kvbridge-src", ignore=ignore)
+    plugin = shutil.copytree(REPO / "plugins" / "mooncake", tmp_path / "mooncake-src", ignore=ignore)
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(core), str(plugin)],
                    check=True, capture_output=True)
     rows = {r["name"]: r for r in json.loads(kvbridge("plugins", "--json", python=py).stdout)}
     assert rows["mooncake"]["available"] is False

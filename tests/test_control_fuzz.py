@@ -186,8 +186,9 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
         raw.close()
         good.close()
         r.server.close()
+    # Threads or fds that earlier tests left closing may go away meanwhile: only growth is a leak.
     deadline = time.monotonic() + 10
-    while (threading.active_count(), _fds()) != (threads, fds) and time.monotonic() < deadline:
+    while (threading.active_count() > threads or _fds() > fds) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert threading.active_count() == threads, "threads leaked"
-    assert _fds() == fds, "sockets leaked"
+    assert threading.active_count() <= threads, "threads leaked"
+    assert _fds() <= fds, "sockets leaked"

@@ -15,6 +15,7 @@ SUBCOMMANDS = [
     "doctor",
     "bench",
     "plan",
+    "proxy",
 ]
 
 EPILOG = """\

@@ -14,6 +14,8 @@ from kvbridge.presets import PRESETS
 MODES = {
     "pair": "kvbridge.bench.pair",
     "parallel": "kvbridge.bench.parallel",
+    "lmdeploy": "kvbridge.bench.lmdeploy",
+    "vllm": "kvbridge.bench.vllm",
 }
 
 
@@ -35,13 +37,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, choices=sorted(PRESETS), help="KV cache shape preset")
     p.add_argument("--tokens", type=int, default=None, help="prompt tokens per request")
     p.add_argument("--requests", type=int, default=None, help="number of requests to migrate")
+    p.add_argument("--repeat", type=int, default=3, help="measured rounds; medians are reported (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--engine", choices=["lmdeploy", "vllm"], default=None,
+                   help="drive the migration through an engine's adapter (lmdeploy: kvbridge's LMDeploy backend "
+                        "vs LMDeploy's per-(layer, block) strategy; vllm: real vLLM servers, KVBridgeConnector "
+                        "vs vLLM's MooncakeConnector)")
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
     p.set_defaults(run=run)
 
 
 def pick_mode(args: argparse.Namespace) -> str:
+    if getattr(args, "engine", None) == "lmdeploy":
+        return "lmdeploy"
+    if getattr(args, "engine", None) == "vllm":
+        return "vllm"
     if getattr(args, "prefill", None) or getattr(args, "decode", None):
         return "parallel"
     return "pair"

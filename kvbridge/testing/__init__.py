@@ -1,3 +1,4 @@
+<<<<<<< HEAD
 """Test kit for kvbridge plugins: conformance suites to subclass, and stand-ins for accelerator libraries.
 
 Installed as a pytest plugin (entry point ``pytest11``: ``kvbridge``), which adds the ``conformance``
@@ -8,3 +9,6 @@ from kvbridge.testing.devices import DeviceConformance, UnavailableDeviceConform
 from kvbridge.testing.transports import TransportConformance
 
 __all__ = ["DeviceConformance", "TransportConformance", "UnavailableDeviceConformance"]
+=======
+"""Test and bench helpers that ship with kvbridge: a tiny offline model, real vLLM servers on loopback."""
+>>>>>>> main

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, InvalidDescriptor, PeerGone, ProtocolError, TransferFailed
-from kvbridge.memory import Descriptors, RegionIndex
+from kvbridge.memory import Descriptors
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)

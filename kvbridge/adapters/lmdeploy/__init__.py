@@ -1,0 +1,25 @@
+"""LMDeploy adapter: `--migration-backend Mooncake` served by kvbridge.
+
+`KVBridgeMigrationBackend` fulfils LMDeploy's `MigrationBackendImpl`; `register()` puts it in
+LMDeploy's `MIGRATION_BACKENDS` under `Mooncake` (replacing LMDeploy's own) and `KVBridge`.
+The `kvbridge-lmdeploy` distribution calls `register()` in every process that imports
+`lmdeploy.pytorch.disagg.backend`. Importing this package imports LMDeploy.
+"""
+
+from __future__ import annotations
+
+from kvbridge.adapters.lmdeploy.backend import KVBridgeMigrationBackend, Link
+from kvbridge.adapters.lmdeploy.settings import AdapterSettings
+
+NAMES = ("Mooncake", "KVBridge")
+
+
+def register() -> None:
+    """Register `KVBridgeMigrationBackend` in LMDeploy's registry under `NAMES`, replacing what is there."""
+    from lmdeploy.pytorch.disagg.backend.backend import MIGRATION_BACKENDS
+
+    # mmengine refuses a name that is taken unless forced; replacing LMDeploy's Mooncake is the point.
+    MIGRATION_BACKENDS.register_module(name=list(NAMES), force=True, module=KVBridgeMigrationBackend)
+
+
+__all__ = ["NAMES", "AdapterSettings", "KVBridgeMigrationBackend", "Link", "register"]

@@ -1,0 +1,345 @@
+"""`KVBridgeMigrationBackend`: LMDeploy's `MigrationBackendImpl` on any kvbridge transport.
+
+LMDeploy's CacheEngine, in each worker, builds one backend and drives it per remote engine:
+`p2p_initialize` -> `register_memory_region` (per cache pool) -> `endpoint_info` (sent to the
+peer as JSON) -> `p2p_connect` (with the peer's endpoint) -> `await p2p_migrate` (reads the
+remote `target_offset` into the local `source_offset`). It reads
+`links[remote_engine_id].remote_engine_config.num_gpu_blocks` between connect steps.
+
+One transport per protocol serves every link of the process; memory is registered once and
+unregistered when the last link that registered it is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+from lmdeploy.pytorch.disagg.backend.base import MigrationBackendImpl
+from lmdeploy.pytorch.disagg.config import DistServeEngineConfig
+from lmdeploy.pytorch.disagg.conn.protocol import (
+    DistServeInitRequest,
+    DistServeKVTransferEndpointInfo,
+    MigrationProtocol,
+)
+from lmdeploy.pytorch.disagg.messages import DistServeRegisterMRMessage, MigrationAssignment
+
+from kvbridge import wire
+from kvbridge.backend import MigrationBackend, Peer, TransferHandle
+from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
+from kvbridge.plugins import create_backend
+from kvbridge.types import EndpointInfo, MemoryRegion
+
+from kvbridge.adapters.lmdeploy.plan import Plan, describe, instruct_array, plan
+from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_VERSION = 1
+PROTOCOLS = {MigrationProtocol.TCP: "tcp", MigrationProtocol.RDMA: "rdma", MigrationProtocol.NVLINK: "nvlink"}
+
+
+@attrs.define(eq=False)
+class Link:
+    """One remote engine as this worker sees it. LMDeploy reads `remote_engine_config`."""
+
+    remote_engine_id: str
+    local_engine_id: str
+    local_engine_config: DistServeEngineConfig
+    remote_engine_config: DistServeEngineConfig
+    protocol: MigrationProtocol
+    transport: MigrationBackend
+    local_regions: dict[int, MemoryRegion] = attrs.field(factory=dict)
+    local_offsets: dict[int, int] = attrs.field(factory=dict)
+    remote_regions: dict[int, MemoryRegion] = attrs.field(factory=dict)
+    peer: Peer | None = None
+
+
+class KVBridgeMigrationBackend(MigrationBackendImpl):
+    """LMDeploy migration backend that moves KV blocks over a kvbridge transport.
+
+    Registered in LMDeploy's `MIGRATION_BACKENDS` as `Mooncake` and `KVBridge` by the
+    `kvbridge-lmdeploy` distribution. Configured from the environment (`AdapterSettings`).
+    """
+
+    def __init__(self, settings: AdapterSettings | None = None) -> None:
+        self.settings = settings or AdapterSettings.from_env()
+        self._links: dict[str, Link] = {}
+        self._transports: dict[str, MigrationBackend] = {}
+        self._region_users: dict[tuple[str, int], set[str]] = {}  # (protocol, addr) -> engines
+        self._lock = threading.RLock()
+
+    @property
+    def links(self) -> Mapping[str, Link]:
+        return MappingProxyType(self._links)
+
+    @property
+    def transports(self) -> Mapping[str, MigrationBackend]:
+        """The open transports by protocol (one serves every link of that protocol)."""
+        return MappingProxyType(self._transports)
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _protocol(self, protocol: MigrationProtocol) -> str:
+        if self.settings.protocol:
+            return self.settings.protocol
+        try:
+            return PROTOCOLS[MigrationProtocol(protocol)]
+        except (KeyError, ValueError):
+            raise ConfigError(f"LMDeploy migration protocol {protocol!r} has no kvbridge equivalent; "
+                              f"use one of {[p.name for p in PROTOCOLS]}") from None
+
+    def _transport(self, protocol: MigrationProtocol, rank: int | None) -> MigrationBackend:
+        name = self._protocol(protocol)
+        with self._lock:
+            if name not in self._transports:
+                s = self.settings
+                try:
+                    self._transports[name] = create_backend(
+                        s.transport, protocol=name, hostname=s.hostname, metadata_server=s.metadata_server,
+                        device_name=s.device_for(rank),
+                    )
+                except ConfigError as exc:
+                    raise ConfigError(f"{exc}. LMDeploy asked for MigrationProtocol.{MigrationProtocol(protocol).name}"
+                                      f"; set {PROTOCOL_ENV} to a protocol the {s.transport!r} transport speaks, "
+                                      f"or {TRANSPORT_ENV} to another transport") from exc
+                log.info("kvbridge LMDeploy backend: %s/%s transport up", s.transport, name)
+            return self._transports[name]
+
+    def _link(self, remote_engine_id: str, what: str) -> Link:
+        link = self._links.get(remote_engine_id)
+        if link is None:
+            raise ConfigError(
+                f"{what}: no link to remote engine {remote_engine_id!r} (linked: {sorted(self._links) or 'none'}); "
+                "call p2p_initialize for it first"
+            )
+        return link
+
+    def _check_protocol(self, link: Link, protocol: MigrationProtocol, what: str) -> None:
+        if MigrationProtocol(protocol) != link.protocol:
+            raise ConfigError(f"{what} for remote engine {link.remote_engine_id!r} uses MigrationProtocol."
+                              f"{MigrationProtocol(protocol).name}, but the link was initialized with "
+                              f"MigrationProtocol.{link.protocol.name}; use one protocol per link")
+
+    def p2p_initialize(self, init_request: DistServeInitRequest) -> None:
+        """Open (or reuse) the transport for the request's protocol and create the link."""
+        rid = init_request.remote_engine_id
+        if rid in self._links:
+            log.info("re-initializing the link to remote engine %s", rid)
+            self.p2p_drop_connect(rid)
+        transport = self._transport(init_request.protocol, init_request.rank)
+        with self._lock:
+            self._links[rid] = Link(
+                remote_engine_id=rid,
+                local_engine_id=init_request.local_engine_id,
+                local_engine_config=init_request.local_engine_config,
+                remote_engine_config=init_request.remote_engine_config,
+                protocol=MigrationProtocol(init_request.protocol),
+                transport=transport,
+            )
+
+    def register_memory_region(self, register_mr_request: DistServeRegisterMRMessage) -> None:
+        """Register one cache pool with the transport (once per address, whatever the links)."""
+        req = register_mr_request
+        link = self._link(req.remote_engine_id, f"register_memory_region(mr_key={req.mr_key})")
+        self._check_protocol(link, req.protocol, f"register_memory_region(mr_key={req.mr_key})")
+        region = MemoryRegion(req.addr, req.length)
+        with self._lock:
+            link.transport.register_memory(region)
+            old = link.local_regions.get(req.mr_key)
+            if old is not None and old.addr != region.addr:
+                self._release(link, old)
+            link.local_regions[req.mr_key] = region
+            link.local_offsets[req.mr_key] = req.offset
+            users = self._region_users.setdefault((self._protocol(link.protocol), region.addr), set())
+            users.add(link.remote_engine_id)
+
+    def endpoint_info(self, remote_engine_id: str, protocol: MigrationProtocol) -> dict[str, Any]:
+        """What the peer's `p2p_connect` needs: the transport endpoint and the cache pools by mr_key."""
+        link = self._link(remote_engine_id, "endpoint_info")
+        self._check_protocol(link, protocol, "endpoint_info")
+        return {
+            "kvbridge": ENDPOINT_VERSION,
+            "transport": wire.to_dict(link.transport.endpoint()),
+            "mr_info": {
+                str(k): {"addr": r.addr, "length": r.length, "offset": link.local_offsets[k]}
+                for k, r in sorted(link.local_regions.items())
+            },
+        }
+
+    def p2p_connect(self, remote_engine_id: str, conn_req: DistServeKVTransferEndpointInfo) -> None:
+        """Connect to the remote engine described by its `endpoint_info`."""
+        link = self._link(remote_engine_id, "p2p_connect")
+        self._check_protocol(link, conn_req.protocol, "p2p_connect")
+        endpoint, regions = _parse_endpoint(remote_engine_id, conn_req.endpoint_info)
+        peer = link.transport.connect(endpoint)
+        with self._lock:
+            if link.peer is not None:
+                link.transport.disconnect(link.peer)
+            link.peer = peer
+            link.remote_regions = regions
+        log.info("connected to remote engine %s at %s (%d regions)", remote_engine_id, peer.name, len(regions))
+
+    # -- migration ---------------------------------------------------------------------------
+
+    async def p2p_migrate(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
+        """Read every instruct's remote bytes into local memory; returns when all have landed.
+
+        Contiguous instructs are merged and submitted in batches at once. With `async_op` (or
+        LMDeploy's `LMDEPLOY_USE_ASYNC_MIGRATION`) the event loop keeps running while the
+        transport works; otherwise the call blocks the loop like LMDeploy's own backends.
+        """
+        rid = assignment.remote_engine_id
+        link = self._link(rid, "p2p_migrate")
+        self._check_protocol(link, assignment.protocol, "p2p_migrate")
+        if link.peer is None:
+            raise ConfigError(f"p2p_migrate: remote engine {rid!r} is initialized but not connected; "
+                              "call p2p_connect with its endpoint_info first")
+        p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions, engine=rid)
+        if len(p.descriptors) == 0:
+            return
+        submitted = self._submit(link, p)
+        if async_op or self.settings.async_migration:
+            await self._wait_async(rid, p, submitted)
+        else:
+            self._wait(rid, p, submitted)
+
+    def _submit(self, link: Link, p: Plan) -> list[tuple[TransferHandle, int, int]]:
+        assert link.peer is not None
+        size = link.transport.capabilities.max_batch or len(p.descriptors)
+        out = []
+        for desc, first, count in p.batches(size):
+            try:
+                handle = link.transport.transfer(link.peer, desc, op="read")
+            except TransferError as exc:
+                raise _failed(link.remote_engine_id, p, first, count, exc) from exc
+            out.append((handle, first, count))
+        return out
+
+    def _wait(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+        """Block until every batch settled (one deadline for all), then raise the first failure."""
+        timeout = self.settings.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failure: KVBridgeError | None = None
+        for handle, first, count in submitted:
+            try:
+                handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except TransferTimeout:
+                failure = failure or _failed(rid, p, first, count, TransferTimeout(
+                    f"not finished within {timeout}s", peer=rid, cause="timeout"))
+            except TransferError as exc:
+                failure = failure or _failed(rid, p, first, count, exc)
+        if failure is not None:
+            raise failure
+
+    async def _wait_async(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+        """Yield to the event loop until every batch settled, then raise the first failure."""
+        loop = asyncio.get_running_loop()
+        waiters = [_on_loop(loop, handle) for handle, _, _ in submitted]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waiters), self.settings.timeout)
+        except asyncio.TimeoutError:
+            late = next((s for s in submitted if not s[0].done()), submitted[-1])
+            raise _failed(rid, p, late[1], late[2], TransferTimeout(
+                f"not finished within {self.settings.timeout}s", peer=rid, cause="timeout")) from None
+        self._wait(rid, p, submitted)  # every handle is done: this only collects errors
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def p2p_drop_connect(self, remote_engine_id: Any) -> None:
+        """Disconnect a remote engine and unregister memory no other link still uses.
+
+        Takes the engine id or LMDeploy's `DistServeDropConnectionRequest`.
+        """
+        rid = getattr(remote_engine_id, "remote_engine_id", remote_engine_id)
+        with self._lock:
+            link = self._links.pop(rid, None)
+            if link is None:
+                return
+            if link.peer is not None:
+                link.transport.disconnect(link.peer)
+            for region in link.local_regions.values():
+                self._release(link, region)
+        log.info("dropped the link to remote engine %s", rid)
+
+    def _release(self, link: Link, region: MemoryRegion) -> None:
+        key = (self._protocol(link.protocol), region.addr)
+        users = self._region_users.get(key, set())
+        users.discard(link.remote_engine_id)
+        if not users:
+            self._region_users.pop(key, None)
+            link.transport.unregister_memory(region)
+
+    def close(self) -> None:
+        """Drop every link and close the transports."""
+        for rid in list(self._links):
+            self.p2p_drop_connect(rid)
+        with self._lock:
+            transports, self._transports = self._transports, {}
+        for t in transports.values():
+            t.close()
+
+    def store(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
+        raise ConfigError(_no_store("store", self.settings.transport))
+
+    def load(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
+        raise ConfigError(_no_store("load", self.settings.transport))
+
+
+def _no_store(what: str, transport: str) -> str:
+    return (f"{what}() is not supported: kvbridge's LMDeploy backend migrates KV peer to peer only, and the "
+            f"{transport!r} transport has no KV store; use p2p_migrate")
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, handle: TransferHandle) -> asyncio.Future:
+    """An asyncio future on `loop` that resolves when `handle` finishes (success or failure)."""
+    fut = loop.create_future()
+
+    def settle() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    def done(_h: TransferHandle) -> None:
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop closed: nobody is waiting any more
+            pass
+
+    handle.add_done_callback(done)
+    return fut
+
+
+def _failed(rid: str, p: Plan, first: int, count: int, exc: BaseException) -> KVBridgeError:
+    text = (f"KV migration from remote engine {rid!r} failed: a batch of {count} instructs starting at "
+            f"{describe(p.instructs, first)} did not complete: {exc}")
+    if isinstance(exc, TransferTimeout):
+        return TransferTimeout(text, peer=rid, cause="timeout")
+    return TransferFailed(text, peer=rid, cause=getattr(exc, "cause", "") or str(exc))
+
+
+def _parse_endpoint(rid: str, text: str) -> tuple[EndpointInfo, dict[int, MemoryRegion]]:
+    """The transport endpoint and regions a peer's `endpoint_info` carried."""
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"endpoint_info from remote engine {rid!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or "kvbridge" not in data:
+        got = f"keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
+        raise ProtocolError(f"remote engine {rid!r} did not send a kvbridge endpoint (got {got}); "
+                            "install kvbridge-lmdeploy on both prefill and decode engines")
+    if data["kvbridge"] != ENDPOINT_VERSION:
+        raise ProtocolError(f"remote engine {rid!r} sent endpoint version {data['kvbridge']!r}, this side speaks "
+                            f"{ENDPOINT_VERSION}; install the same kvbridge-lmdeploy release on both sides")
+    endpoint = wire.from_dict(data.get("transport"), EndpointInfo)
+    try:
+        regions = {int(k): MemoryRegion(v["addr"], v["length"]) for k, v in data["mr_info"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"malformed mr_info from remote engine {rid!r}: {exc!r}") from None
+    return endpoint, regions

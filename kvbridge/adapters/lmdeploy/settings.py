@@ -1,0 +1,89 @@
+"""How the LMDeploy adapter is configured.
+
+LMDeploy builds its migration backend with no arguments (`MIGRATION_BACKENDS.module_dict[name]()`)
+in every worker, so the settings come from the environment, read when the backend is built.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+
+import attrs
+
+from kvbridge.errors import ConfigError
+
+TRANSPORT_ENV = "KVBRIDGE_LMDEPLOY_TRANSPORT"
+PROTOCOL_ENV = "KVBRIDGE_LMDEPLOY_PROTOCOL"
+HOSTNAME_ENV = "KVBRIDGE_LMDEPLOY_HOSTNAME"
+METADATA_ENV = "KVBRIDGE_LMDEPLOY_METADATA_SERVER"
+DEVICES_ENV = "KVBRIDGE_LMDEPLOY_DEVICES"
+TIMEOUT_ENV = "KVBRIDGE_LMDEPLOY_TIMEOUT"
+# LMDeploy's own switch for asynchronous migration; CacheEngine never passes async_op itself.
+LMDEPLOY_ASYNC_ENV = "LMDEPLOY_USE_ASYNC_MIGRATION"
+
+
+def _outbound_ip() -> str:
+    """The address of the interface that routes off this host, or loopback where none does.
+
+    A UDP connect sends nothing; it only asks the kernel for a route.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def _timeout(value: str | None) -> float | None:
+    if value is None or value.strip() == "":
+        return 300.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds (0 waits forever)") from None
+    return None if seconds <= 0 else seconds
+
+
+
+@attrs.frozen
+class AdapterSettings:
+    """Transport and limits for the LMDeploy migration backend.
+
+    - `transport`: kvbridge transport name (`kvbridge plugins` lists them); Mooncake by default.
+    - `protocol`: transport protocol to use instead of mapping LMDeploy's `MigrationProtocol`.
+    - `hostname`: the address peers reach this worker at.
+    - `metadata_server`: None for the transport's peer-to-peer handshake.
+    - `devices`: NICs; worker rank r uses `devices[r % len(devices)]`.
+    - `timeout`: seconds a migration may take before it fails (None: no limit).
+    - `async_migration`: migrate asynchronously even when the caller does not pass `async_op`.
+    """
+
+    transport: str = "mooncake"
+    protocol: str | None = None
+    hostname: str = "127.0.0.1"
+    metadata_server: str | None = None
+    devices: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    timeout: float | None = 300.0
+    async_migration: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> AdapterSettings:
+        env = os.environ if env is None else env
+        devices = tuple(d.strip() for d in env.get(DEVICES_ENV, "").split(",") if d.strip())
+        return cls(
+            transport=env.get(TRANSPORT_ENV) or "mooncake",
+            protocol=env.get(PROTOCOL_ENV) or None,
+            hostname=env.get(HOSTNAME_ENV) or _outbound_ip(),
+            metadata_server=env.get(METADATA_ENV) or None,
+            devices=devices,
+            timeout=_timeout(env.get(TIMEOUT_ENV)),
+            async_migration=bool(env.get(LMDEPLOY_ASYNC_ENV)),
+        )
+
+    def device_for(self, rank: int | None) -> str:
+        if not self.devices:
+            return ""
+        return self.devices[(rank or 0) % len(self.devices)]

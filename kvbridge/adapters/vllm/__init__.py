@@ -1,0 +1,18 @@
+"""kvbridge for vLLM: `KVBridgeConnector` (a `KVConnectorBase_V1`), its plugin registration, and `kvbridge proxy`.
+
+vLLM loads `register` through the `vllm.general_plugins` entry point in every process it starts, so
+`--kv-transfer-config '{"kv_connector": "KVBridgeConnector", ...}'` needs no module path. Nothing
+here imports vLLM until vLLM itself asks.
+"""
+
+from __future__ import annotations
+
+CONNECTOR_NAME = "KVBridgeConnector"
+
+
+def register() -> None:
+    """Register `KVBridgeConnector` with vLLM's connector factory (idempotent)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:  # vLLM raises on a second registration
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "kvbridge.adapters.vllm.connector", CONNECTOR_NAME)

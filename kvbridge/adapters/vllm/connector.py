@@ -1,0 +1,106 @@
+"""`KVBridgeConnector`: vLLM's `KVConnectorBase_V1` on kvbridge transports, pull mode.
+
+Select it with `--kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_role": "kv_producer"
+| "kv_consumer" | "kv_both", "kv_connector_extra_config": {"migration_backend": "Mooncake",
+"protocol": "tcp"}}'`. The role only says what a server is meant for; each request's
+`kv_transfer_params` (set by the proxy) decides what happens to it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata
+from kvbridge.adapters.vllm.scheduler import SchedulerSide
+from kvbridge.adapters.vllm.settings import Settings
+from kvbridge.adapters.vllm.stats import KVBridgeStats
+from kvbridge.adapters.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """Decode reads each request's prompt KV from the prefill server that computed it."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        assert config is not None and config.engine_id is not None
+        settings = Settings.from_extra_config(config.kv_connector_extra_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
+        else:
+            self._worker = WorkerSide(vllm_config, config.engine_id, settings)
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBridgeMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-request and asynchronous (between steps): nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Pull mode: prefill never pushes."""
+
+    def wait_for_save(self) -> None:
+        """Pull mode: prefill never pushes."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVBridgeStats | None:
+        return None if self._worker is None else self._worker.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
+        return KVBridgeStats(data=data or {})
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,209 @@
+"""An XpYd proxy for vLLM prefill/decode servers, speaking the OpenAI API (`kvbridge proxy`).
+
+The flow is the one vLLM's NIXL example proxies use, so servers configured for those work here
+and the other way round: the prefill server gets the request with `max_tokens: 1` and
+`kv_transfer_params: {"do_remote_decode": true}`; the `kv_transfer_params` its response carries
+go into the decode request, whose answer (streamed or not) is passed through to the client.
+Instances are picked round-robin among the healthy ones; a health loop takes a dead instance
+out and puts it back when it answers again. A client that disconnects closes the upstream
+request, which vLLM turns into an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import attrs
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvbridge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+@attrs.define(eq=False)
+class Instance:
+    url: str
+    role: str
+    healthy: bool = True
+
+
+class Pool:
+    """Round-robin over the healthy instances of one role."""
+
+    def __init__(self, role: str, urls: Sequence[str]) -> None:
+        if not urls:
+            raise ConfigError(f"the proxy needs at least one {role} server URL (--{role} http://HOST:PORT)")
+        self.role = role
+        self.instances = [Instance(u.rstrip("/"), role) for u in urls]
+        self._counter = itertools.count()
+
+    def pick(self) -> Instance:
+        healthy = [i for i in self.instances if i.healthy]
+        if not healthy:
+            raise NoInstance(f"no healthy {self.role} server among {[i.url for i in self.instances]}")
+        return healthy[next(self._counter) % len(healthy)]
+
+
+class NoInstance(ConfigError):
+    """Every instance of a role is down."""
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request the prefill server gets: one token, no streaming, asks to hold KV for a decode."""
+    out = dict(body)
+    out["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.pop("stream_options", None)
+    return out
+
+
+def _bind(handle: Any, path: str) -> Any:
+    async def endpoint(request: Request) -> Any:
+        return await handle(path, request)
+
+    return endpoint
+
+
+async def until_disconnect(request: Request, work: Any) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (closing the upstream request) and return None."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval: float = 2.0,
+               timeout: float = 600.0) -> FastAPI:
+    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`."""
+    pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def probe(inst: Instance) -> None:
+        try:
+            ok = (await client.get(f"{inst.url}/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok != inst.healthy:
+            log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else "down: taken out")
+        inst.healthy = ok
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.gather(*(probe(i) for p in pools.values() for i in p.instances))
+            await asyncio.sleep(health_interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await client.aclose()
+
+    app = FastAPI(lifespan=lifespan)
+
+    async def call_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        """POST to a prefill server; on a connection failure take it out and try the next one."""
+        for _ in range(len(pools["prefill"].instances)):
+            inst = pools["prefill"].pick()
+            try:
+                resp = await client.post(f"{inst.url}{path}", json=prefill_body(body), headers=headers)
+            except httpx.TransportError as exc:
+                log.warning("prefill server %s failed (%s): taken out", inst.url, exc)
+                inst.healthy = False
+                continue
+            resp.raise_for_status()
+            return resp.json()
+        raise NoInstance(f"no prefill server answered for {path}")
+
+    async def handle(path: str, request: Request) -> Any:
+        body = await request.json()
+        request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
+        headers = {"X-Request-Id": request_id}
+        try:
+            first = await until_disconnect(request, call_prefill(path, body, headers))
+            if first is None:
+                log.info("client left during prefill of %s: prefill request cancelled", request_id)
+                return JSONResponse({"error": "client disconnected"}, status_code=499)
+            decode = pools["decode"].pick()
+        except NoInstance as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
+        except httpx.HTTPStatusError as exc:
+            return JSONResponse({"error": f"prefill failed: {exc.response.text}"}, status_code=exc.response.status_code)
+        params = first.get("kv_transfer_params")
+        decode_body = dict(body)
+        if params:
+            decode_body["kv_transfer_params"] = params
+        else:
+            log.warning("prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt",
+                        request_id)
+        upstream = client.build_request("POST", f"{decode.url}{path}", json=decode_body, headers=headers)
+        try:
+            resp = await client.send(upstream, stream=True)
+        except httpx.TransportError as exc:
+            decode.healthy = False
+            return JSONResponse({"error": f"decode server {decode.url} failed: {exc}"}, status_code=503)
+
+        async def relay() -> AsyncIterator[bytes]:
+            # When the client goes away Starlette stops this generator; closing the upstream
+            # response drops the connection, and vLLM aborts the decode request.
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            finally:
+                await resp.aclose()
+
+        return StreamingResponse(relay(), status_code=resp.status_code,
+                                 media_type=resp.headers.get("content-type", "application/json"))
+
+    for path in ROUTES:
+        app.add_api_route(path, _bind(handle, path), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Any:
+        ok = all(any(i.healthy for i in p.instances) for p in pools.values())
+        return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
+
+    @app.get("/instances")
+    async def instances() -> Any:
+        return {role: [{"url": i.url, "healthy": i.healthy} for i in p.instances] for role, p in pools.items()}
+
+    return app

@@ -1,0 +1,97 @@
+"""Scheduler side of KVBridgeConnector: decides what to pull and which finished requests to hold."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
+from kvbridge.adapters.vllm.settings import Settings
+from kvbridge.control.params import KVTransferParams
+from kvbridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerSide:
+    """Prefill: a request that asked for `do_remote_decode` keeps its blocks after finishing and
+    answers with the params a decode needs. Decode: a request with `do_remote_prefill` loads its
+    prompt's KV asynchronously from the prefill named in its params."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
+        self.engine_id = engine_id
+        self.settings = settings
+        parallel = vllm_config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        self.side_channel_port = settings.side_channel_port + parallel.data_parallel_index * self.tp_size
+        self._pulls: list[PullTask] = []
+        self._offers: list[str] = []
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            try:
+                KVTransferParams.from_dict(params).require_remote()
+            except ConfigError as exc:
+                log.error("request %s: %s; its prompt is computed here instead", request.request_id, exc)
+                params["do_remote_prefill"] = False
+                return 0, False
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        # A full hit in decode's own prefix cache loads nothing, but prefill must still be told.
+        local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self._add_pull(request, local, report=num_external_tokens > 0)
+
+    def _add_pull(self, request: Request, local: list[int], report: bool) -> None:
+        params = request.kv_transfer_params
+        assert params is not None
+        params["do_remote_prefill"] = False  # one pull per request
+        try:
+            self._pulls.append(PullTask.from_params(request.request_id, params, local, report))
+        except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
+            log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
+
+    def build_connector_meta(self, _scheduler_output: Any) -> KVBridgeMetadata:
+        meta = KVBridgeMetadata(pulls=self._pulls, offers=self._offers)
+        self._pulls, self._offers = [], []
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Decode dropped the request (abort) before any block was allocated: release prefill's.
+            self._add_pull(request, [], report=False)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted prefill: nobody will pull, free now
+        if not block_ids:
+            return False, None
+        self._offers.append(request.request_id)
+        return True, KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_block_ids=[list(block_ids)],
+            remote_host=self.settings.host,
+            remote_port=self.side_channel_port,
+            tp_size=self.tp_size,
+            remote_num_tokens=request.num_computed_tokens,
+        ).to_dict()

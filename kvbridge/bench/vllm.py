@@ -1,0 +1,209 @@
+"""`kvbridge bench --engine vllm`: decode time-to-first-token and KV transfer time per request against
+prompt length, on real vLLM servers, KVBridgeConnector beside vLLM's own MooncakeConnector.
+
+Each connector gets a fresh prefill + decode pair on 127.0.0.1 (one pair at a time, so they do not
+share the CPU), the same model and the same prompts. Per request: the prefill request
+(`max_tokens` 1, `do_remote_decode`), then the decode request, streamed; decode TTFT is from
+sending the decode request to its first token, so it includes the KV transfer. Transfer time is
+what each connector reports to vLLM's "KV Transfer metrics" log (kvbridge pulls, so its decode
+server logs it; Mooncake pushes, so its prefill server does). "recompute" is the decode server's
+TTFT for a prompt of that length computed locally, without PD.
+
+vLLM's MooncakeConnector calls `torch.accelerator.current_device_index()`, which raises on a
+CPU-only torch. For its servers only, the bench puts a `sitecustomize` on PYTHONPATH that makes
+that call return 0 when no accelerator exists; KVBridgeConnector's servers run unpatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvbridge.cli.output import print_json, print_table
+
+LENGTHS = (64, 256, 512, 1000)
+PATCH = '''\
+# Written by `kvbridge bench --engine vllm` for MooncakeConnector's servers only: on a CPU-only torch,
+# torch.accelerator.current_device_index() raises; vLLM's MooncakeConnector calls it at start-up.
+import torch
+
+if not torch.accelerator.is_available():
+    torch.accelerator.current_device_index = lambda: 0
+'''
+_METRICS = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([0-9.]+)")
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """Options of `--engine vllm` (the shared `--engine` option selects this mode)."""
+    group.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
+                       help=f"prompt lengths in tokens for --engine vllm (default {' '.join(map(str, LENGTHS))})")
+    group.add_argument("--model-dir", default=None, metavar="DIR",
+                       help="a model folder for --engine vllm (default: a tiny random Llama built on the spot)")
+    group.add_argument("--compare", choices=["mooncake", "none"], default="mooncake",
+                       help="also run vLLM's MooncakeConnector (tcp) on the same model (default mooncake)")
+
+
+@attrs.define
+class Pair:
+    name: str
+    prefill: Any
+    decode: Any
+    prefill_params: Callable[[str], dict]
+    decode_params: Callable[[str, dict], dict]
+    metrics_log: Path  # the server whose log carries this connector's transfer metrics
+
+
+def _kvbridge_pair(model: Path, logs: Path) -> Pair:
+    from kvbridge.testing.vllm_server import free_port, start_vllm
+
+    def config(role: str) -> dict:
+        return {"kv_connector": "KVBridgeConnector", "kv_role": role,
+                "kv_connector_extra_config": {"migration_backend": "Mooncake", "protocol": "tcp",
+                                              "side_channel_port": free_port()}}
+
+    env = {"VLLM_LOG_STATS_INTERVAL": "1"}
+    prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=logs / "kvbridge")
+    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "kvbridge")
+    return Pair("KVBridgeConnector", prefill, decode, lambda _tid: {"do_remote_decode": True},
+                lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
+
+
+def _mooncake_pair(model: Path, logs: Path) -> Pair:
+    from kvbridge.testing.vllm_server import free_port, start_vllm
+
+    patch = logs / "mooncake-cpu-patch"
+    patch.mkdir(parents=True, exist_ok=True)
+    (patch / "sitecustomize.py").write_text(PATCH)
+    bootstrap = free_port()
+    engine = f"bench-prefill-{uuid.uuid4().hex[:8]}"
+    env = {"VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": str(patch), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
+
+    def config(role: str, **extra: str) -> dict:
+        return {"kv_connector": "MooncakeConnector", "kv_role": role, **extra,
+                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+
+    prefill = start_vllm(model, kv_transfer_config=config("kv_producer", engine_id=engine), env=env,
+                         log_dir=logs / "mooncake")
+    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "mooncake")
+    return Pair(
+        "MooncakeConnector (vLLM)", prefill, decode,
+        lambda tid: {"do_remote_decode": True, "transfer_id": tid},
+        lambda tid, _resp: {"do_remote_prefill": True, "remote_engine_id": engine,
+                            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}", "transfer_id": tid},
+        prefill.log_path,
+    )
+
+
+def _prompt(n: int, seed: int) -> str:
+    from kvbridge.testing.tiny_model import VOCAB
+
+    chars = [c for c in VOCAB if len(c) == 1 and c != "\n"]
+    rng = random.Random(seed)
+    return "".join(rng.choice(chars) for _ in range(n))
+
+
+def _ttft(http: Any, url: str, body: dict) -> float:
+    """Seconds from sending a streamed completion to its first token."""
+    start = time.perf_counter()
+    first = None
+    with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():  # read to the end, so the request finishes cleanly
+            if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                first = time.perf_counter() - start
+    if first is None:
+        raise RuntimeError(f"{url} streamed no token")
+    return first
+
+
+def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tuple[float | None, int]:
+    """Weighted mean of the transfer times logged after `offset`, once `want` transfers are counted."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log.read_text(errors="replace")[offset:]
+        rows = [(int(n), float(ms)) for n, ms in _METRICS.findall(text)]
+        count = sum(n for n, _ in rows)
+        if count >= want or time.monotonic() > deadline:
+            return (sum(n * ms for n, ms in rows) / count if count else None), len(log.read_text(errors="replace"))
+        time.sleep(0.5)
+
+
+def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict]:
+    import httpx
+
+    http = httpx.Client(timeout=300, trust_env=False)
+    rows = []
+    base = {"model": model, "temperature": 0, "ignore_eos": True}
+    # Warm-up: one PD request, so first contact (handshakes, connections) is not measured.
+    warm = http.post(f"{pair.prefill.url}/v1/completions", json={
+        **base, "prompt": _prompt(40, 0), "max_tokens": 1, "kv_transfer_params": pair.prefill_params("warm-up")})
+    warm.raise_for_status()
+    _ttft(http, pair.decode.url, {**base, "prompt": _prompt(40, 0), "max_tokens": 2,
+                                  "kv_transfer_params": pair.decode_params("warm-up", warm.json())})
+    _transfer_ms(pair.metrics_log, 0, 1)
+    offset = len(pair.metrics_log.read_text(errors="replace"))
+    for n in lengths:
+        prefill_s, decode_s, local_s = [], [], []
+        for i in range(reps):
+            text = _prompt(n, seed=n * 1000 + i)
+            tid = uuid.uuid4().hex
+            start = time.perf_counter()
+            resp = http.post(f"{pair.prefill.url}/v1/completions", json={
+                **base, "prompt": text, "max_tokens": 1, "kv_transfer_params": pair.prefill_params(tid)})
+            resp.raise_for_status()
+            prefill_s.append(time.perf_counter() - start)
+            decode_s.append(_ttft(http, pair.decode.url, {
+                **base, "prompt": text, "max_tokens": 2, "kv_transfer_params": pair.decode_params(tid, resp.json())}))
+            local_s.append(_ttft(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500),
+                                                          "max_tokens": 2}))
+        transfer, offset = _transfer_ms(pair.metrics_log, offset, reps)
+        rows.append({
+            "connector": pair.name, "prompt_tokens": n, "requests": reps,
+            "prefill_ms": _ms(prefill_s), "decode_ttft_ms": _ms(decode_s),
+            "transfer_ms": None if transfer is None else round(transfer, 2), "recompute_ttft_ms": _ms(local_s),
+        })
+    http.close()
+    return rows
+
+
+def _ms(samples: list[float]) -> float:
+    return round(sorted(samples)[len(samples) // 2] * 1e3, 2)  # median
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.testing.tiny_model import build_tiny_llama
+    from kvbridge.testing.vllm_server import wait_healthy
+
+    lengths = args.lengths or list(LENGTHS)
+    reps = args.requests or 5
+    launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp:
+        root = Path(tmp)
+        model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
+        for launch in launchers:
+            pair = launch(model, root / "logs")
+            try:
+                wait_healthy([pair.prefill, pair.decode], timeout=600)
+                rows += _measure(pair, str(model), lengths, reps)
+            finally:
+                pair.prefill.stop()
+                pair.decode.stop()
+    if args.json:
+        print_json({"engine": "vllm", "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)",
+                    "rows": rows})
+    else:
+        cols = ["connector", "prompt_tokens", "requests", "prefill_ms", "decode_ttft_ms", "transfer_ms",
+                "recompute_ttft_ms"]
+        print_table("vLLM PD on this machine (medians; transfer = the connector's own mean)", cols,
+                    [[r[c] for c in cols] for r in rows])
+    return 0

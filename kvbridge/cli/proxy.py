@@ -1,0 +1,36 @@
+"""`kvbridge proxy`: an XpYd OpenAI-compatible proxy in front of vLLM prefill and decode servers."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "proxy",
+        help="serve an OpenAI-compatible proxy in front of prefill and decode servers",
+        description="Send each request to a prefill server (max_tokens 1, kv_transfer_params do_remote_decode), "
+        "then to a decode server with the prefill's kv_transfer_params, and pass the answer through. "
+        "Round-robin over healthy instances; /health and /instances report their state.",
+        epilog="example: kvbridge proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000",
+    )
+    p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
+                   help="prefill server base URLs (repeat or list several)")
+    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
+                   help="decode server base URLs (repeat or list several)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+                   help="seconds between health checks of every instance (default 2)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="upstream request timeout (default 600)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvbridge.adapters.vllm.proxy import create_app
+
+    app = create_app(args.prefill, args.decode, health_interval=args.health_interval, timeout=args.timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

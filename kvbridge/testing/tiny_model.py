@@ -1,0 +1,79 @@
+"""A tiny random-weight Llama-style GQA model with a character-level tokenizer, built offline.
+
+Tests and benches need a real model that vLLM serves, with nothing downloaded: `build_tiny_llama`
+writes one with `save_pretrained` into a folder. Same seed, same weights, same outputs.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import attrs
+
+
+@attrs.frozen
+class TinyLlamaSpec:
+    """Shape of the tiny model. Heads of 64 dims are what vLLM's CPU attention kernels support."""
+
+    layers: int = 2
+    hidden: int = 256
+    heads: int = 4
+    kv_heads: int = 2  # GQA: two query heads per KV head
+    head_dim: int = 64
+    intermediate: int = 512
+    max_positions: int = 2048
+    # Larger than Llama's 0.02 so that logits are peaked: greedy decoding then has no near-ties
+    # that numerical noise (batching, chunking) could flip, and outputs compare token for token.
+    init_std: float = 0.3
+    seed: int = 1234
+
+
+VOCAB = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + string.punctuation + " \n")
+
+
+def build_tokenizer(path: Path) -> None:
+    """A character-level fast tokenizer: every printable ASCII character is one token."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(VOCAB)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    # A chat template so /v1/chat/completions works; plain role-tagged lines.
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    fast.save_pretrained(path)
+
+
+def build_tiny_llama(path: str | Path, spec: TinyLlamaSpec | None = None) -> Path:
+    """Write a tiny Llama model and its tokenizer into `path` (created); return the path."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = spec or TinyLlamaSpec()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_positions,
+        initializer_range=spec.init_std,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer(path)
+    return path

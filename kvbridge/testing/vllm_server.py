@@ -1,0 +1,202 @@
+"""Start real vLLM OpenAI servers on 127.0.0.1 for tests and benches, and stop them by PID.
+
+Each server runs `python -m vllm.entrypoints.openai.api_server` in its own process group, so
+stopping it also stops the engine-core process it spawned. Start-up is polled on `/health`
+against a deadline; a server that exits or misses the deadline raises with its log tail.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvbridge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# Loopback only; small CPU KV cache; no accelerator.
+BASE_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "NO_PROXY": "127.0.0.1,localhost",
+    "no_proxy": "127.0.0.1,localhost",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # cores are shared with other processes here
+    "OMP_NUM_THREADS": "1",
+    "VLLM_LOGGING_LEVEL": "INFO",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@attrs.define(eq=False)
+class Server:
+    """One running HTTP server process (a vLLM server or `kvbridge proxy`) that we started."""
+
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus metrics, summed over labels: {"vllm:kv_cache_usage_perc": 0.0, ...}."""
+        return parse_metrics(_get(f"{self.url}/metrics").text)
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine process, as a crash would."""
+        self._signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL it if it does not exit in time."""
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        # The engine core may outlive its parent for a moment; its group is ours to end.
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # the group this server leads (start_new_session)
+        except ProcessLookupError:
+            pass
+
+
+def start_vllm(
+    model: str | Path,
+    *,
+    kv_transfer_config: Mapping[str, Any] | None = None,
+    max_model_len: int = 1024,
+    block_size: int = 32,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    log_dir: str | Path | None = None,
+    python: str = sys.executable,
+) -> Server:
+    """Launch a server (without waiting for it); call `wait_healthy` next."""
+    port = port or free_port()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-vllm-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"vllm-{port}.log"
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--enforce-eager",
+        "--dtype", "float32",
+        "--block-size", str(block_size),
+        "--max-model-len", str(max_model_len),
+        "--seed", "0",
+        *extra_args,
+    ]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    full_env = dict(os.environ)
+    full_env.update(BASE_ENV)
+    full_env.update(env or {})
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+    log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
+    return Server(port=port, proc=proc, log_path=log_path)
+
+
+def start_proxy(prefill: Sequence[str], decode: Sequence[str], *, port: int | None = None,
+                log_dir: str | Path | None = None, health_interval: float = 1.0) -> Server:
+    """Launch `kvbridge proxy` in front of these servers (without waiting for it)."""
+    port = port or free_port()
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-proxy-"))
+    log_path = log_dir / f"proxy-{port}.log"
+    cmd = [sys.executable, "-m", "kvbridge", "-v", "proxy", "--port", str(port),
+           "--health-interval", str(health_interval), "--prefill", *prefill, "--decode", *decode]
+    env = dict(os.environ)
+    env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Server(port=port, proc=proc, log_path=log_path)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text format to {name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _get(url: str, timeout: float = 10.0) -> Any:
+    import httpx
+
+    return httpx.get(url, timeout=timeout, trust_env=False)
+
+
+def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
+    """Poll each server's /health until it answers 200; raise with its log if it dies or times out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    pending = list(servers)
+    while pending:
+        for server in list(pending):
+            if not server.alive():
+                raise ConfigError(
+                    f"vLLM server on port {server.port} exited with {server.proc.returncode} during start-up; "
+                    f"log tail:\n{server.log_tail()}"
+                )
+            try:
+                if _get(f"{server.url}/health", timeout=2.0).status_code == 200:
+                    pending.remove(server)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            raise ConfigError(
+                f"vLLM server on port {pending[0].port} not healthy after {timeout}s; "
+                f"log tail:\n{pending[0].log_tail()}"
+            )
+        if pending:
+            time.sleep(0.5)

@@ -1,0 +1,343 @@
+"""kvbridge's LMDeploy migration backend against LMDeploy 0.18's real classes.
+
+Two processes act as a prefill and a decode worker (what LMDeploy's CacheEngine does around its
+backend, with LMDeploy's pydantic messages and `build_cache_pool_assignments`) over Mooncake TCP
+on 127.0.0.1. In-process tests cover planning and failure paths on the loopback transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+
+pytest.importorskip("lmdeploy.pytorch.disagg.messages", reason="needs lmdeploy 0.18 (scripts/setup --test)")
+
+from lmdeploy.pytorch.disagg.config import DistServeEngineConfig  # noqa: E402
+from lmdeploy.pytorch.disagg.conn.protocol import (  # noqa: E402
+    DistServeCachePoolInfo,
+    DistServeInitRequest,
+    DistServeKVTransferEndpointInfo,
+    MigrationProtocol,
+)
+from lmdeploy.pytorch.disagg.messages import (  # noqa: E402
+    AssignmentInstruct,
+    DistServeRegisterMRMessage,
+    MigrationAssignment,
+)
+from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assignments  # noqa: E402
+
+from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend  # noqa: E402
+from kvbridge.adapters.lmdeploy.plan import instruct_array, plan  # noqa: E402
+from kvbridge.bench import lmdeploy as lmdeploy_bench  # noqa: E402
+from kvbridge.bench.lmdeploy_rank import engine_config  # noqa: E402
+from kvbridge.cli import bench as bench_cli  # noqa: E402
+from kvbridge.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed, TransferTimeout  # noqa: E402
+from kvbridge.proc import Child, ChildError  # noqa: E402
+from kvbridge.types import MemoryRegion  # noqa: E402
+
+LAYERS, P_BLOCKS, D_BLOCKS, BLOCK_BYTES = 3, 40, 24, 512
+ENV = {"KVBRIDGE_LMDEPLOY_TRANSPORT": "mooncake", "KVBRIDGE_LMDEPLOY_HOSTNAME": "127.0.0.1",
+       "KVBRIDGE_LMDEPLOY_TIMEOUT": "60", "KVBRIDGE_LMDEPLOY": "1"}
+RANK = "kvbridge.bench.lmdeploy_rank"
+# (prefill block, decode block): a contiguous run, a reversed run, and scattered blocks.
+PAIRS = [[p, d] for p, d in zip(range(10, 18), range(2, 10))] + [[30, 12], [29, 13], [28, 14]] + [[0, 20], [39, 16]]
+
+
+def _cfg(blocks: int) -> DistServeEngineConfig:
+    return engine_config(blocks, block_size=16)
+
+
+def _handshake(prefill: Child, decode: Child) -> None:
+    p_ep = prefill.call("initialize", remote_engine_id="decode-0", remote_blocks=D_BLOCKS, protocol="TCP")
+    d_ep = decode.call("initialize", remote_engine_id="prefill-0", remote_blocks=P_BLOCKS, protocol="TCP")
+    decode.call("connect", remote_engine_id="prefill-0", endpoint=p_ep)
+    prefill.call("connect", remote_engine_id="decode-0", endpoint=d_ep)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Child, Child]]:
+    prefill = Child(RANK, env=ENV, name="prefill")
+    decode = Child(RANK, env=ENV, name="decode")
+    try:
+        for child, engine_id, blocks, fill in ((prefill, "prefill-0", P_BLOCKS, True),
+                                               (decode, "decode-0", D_BLOCKS, False)):
+            made = child.call("setup", engine_id=engine_id, layers=LAYERS, blocks=blocks, block_bytes=BLOCK_BYTES,
+                              fill=fill, backend="Mooncake")
+            # The worker resolved LMDeploy's "Mooncake" through the registry to kvbridge's class.
+            assert made["backend"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
+        _handshake(prefill, decode)
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+
+
+# -- registration in a fresh interpreter ------------------------------------------------------
+
+_PROBE = (
+    "import json, sys; import lmdeploy.pytorch.disagg.backend\n"
+    "from lmdeploy.pytorch.disagg.backend.backend import MIGRATION_BACKENDS as M\n"
+    "print(json.dumps({k: f'{v.__module__}.{v.__qualname__}' for k, v in M.module_dict.items()}))"
+)
+
+
+def _fresh(code: str, **env: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_fresh_interpreter_gets_kvbridge_for_mooncake() -> None:
+    names = json.loads(_fresh(_PROBE, KVBRIDGE_LMDEPLOY="1"))
+    assert names["Mooncake"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
+    assert names["KVBridge"] == names["Mooncake"]
+
+
+def test_env_switch_keeps_lmdeploys_own_backend() -> None:
+    names = json.loads(_fresh(_PROBE, KVBRIDGE_LMDEPLOY="0"))
+    assert names["Mooncake"] == "lmdeploy.pytorch.disagg.backend.mooncake.MooncakeBackend"
+    assert "KVBridge" not in names
+
+
+def test_hook_is_installed_by_a_pth_file_and_imports_nothing_else() -> None:
+    site = Path(sysconfig.get_paths()["purelib"])
+    assert (site / "kvbridge_lmdeploy.pth").read_text().startswith("import kvbridge_lmdeploy")
+    loaded = set(json.loads(_fresh("import json, sys; print(json.dumps(sorted(sys.modules)))")))
+    assert "kvbridge_lmdeploy" in loaded
+    heavy = {m for m in loaded if m.split(".")[0] in ("lmdeploy", "torch", "mmengine")
+             or m.startswith("kvbridge.adapters")}
+    assert not heavy, f"a bare interpreter imported {sorted(heavy)}"
+
+
+# -- two processes over Mooncake TCP ----------------------------------------------------------
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_migrate_verifies_every_byte(pair: tuple[Child, Child], async_op: bool) -> None:
+    _prefill, decode = pair
+    decode.call("reset")
+    assert decode.call("verify", pairs=PAIRS)["wrong_blocks"] == len(PAIRS)  # the check can fail
+    result = decode.call("migrate", remote_engine_id="prefill-0", pairs=PAIRS, async_op=async_op, protocol="TCP")
+    assert result["instructs"] == LAYERS * len(PAIRS)
+    assert result["bytes"] == LAYERS * len(PAIRS) * BLOCK_BYTES
+    assert decode.call("verify", pairs=PAIRS) == {"wrong_blocks": 0, "stray_blocks": 0, "checked": len(PAIRS)}
+    if async_op:
+        assert result["ticks"] >= 1, "the event loop must run while an async migration is in flight"
+    else:
+        assert result["ticks"] == 0, "a synchronous migration completes without yielding"
+
+
+def test_prefill_side_reads_from_decode_too(pair: tuple[Child, Child]) -> None:
+    """The links are symmetric: the prefill worker can read the decode pool (blocks swap roles)."""
+    prefill, decode = pair
+    decode.call("reset")
+    decode.call("migrate", remote_engine_id="prefill-0", pairs=PAIRS[:4])
+    before = prefill.call("verify", pairs=[[p, p] for p in range(P_BLOCKS)])
+    assert before["wrong_blocks"] == 0
+    # Prefill block 35 now receives decode block 2 (which holds prefill block 10's fingerprint).
+    prefill.call("migrate", remote_engine_id="decode-0", pairs=[[2, 35]])
+    after = prefill.call("verify", pairs=[[p, p] for p in range(P_BLOCKS)])
+    assert after["wrong_blocks"] == 1
+    assert prefill.call("verify", pairs=[[10, 35]])["wrong_blocks"] == 0
+
+
+def test_unknown_engine_is_named(pair: tuple[Child, Child]) -> None:
+    _prefill, decode = pair
+    with pytest.raises(ChildError, match="no link to remote engine 'nobody'") as err:
+        decode.call("migrate_raw", remote_engine_id="nobody", instructs=[[0, 0, 0, 8]])
+    assert err.value.kind == "ConfigError"
+
+
+def test_unregistered_mr_key_names_engine_and_instruct(pair: tuple[Child, Child]) -> None:
+    _prefill, decode = pair
+    with pytest.raises(ChildError, match=r"remote engine prefill-0: instruct #1 \(mr_key=5") as err:
+        decode.call("migrate_raw", remote_engine_id="prefill-0", instructs=[[0, 0, 0, 8], [5, 0, 0, 8]])
+    assert err.value.kind == "InvalidDescriptor"
+    with pytest.raises(ChildError, match=r"instruct #0 .* past the end of the remote region"):
+        decode.call("migrate_raw", remote_engine_id="prefill-0",
+                    instructs=[[0, 0, LAYERS * P_BLOCKS * BLOCK_BYTES - 8, 16]])
+
+
+@pytest.mark.parametrize("op", ["store", "load"])
+def test_store_and_load_are_refused_clearly(pair: tuple[Child, Child], op: str) -> None:
+    _prefill, decode = pair
+    with pytest.raises(ChildError, match=rf"{op}\(\) is not supported.*use p2p_migrate") as err:
+        decode.call(op, remote_engine_id="prefill-0", pairs=PAIRS[:1])
+    assert err.value.kind == "ConfigError"
+
+
+def test_drop_disconnects_and_unregisters_then_reconnects(pair: tuple[Child, Child]) -> None:
+    prefill, decode = pair
+    assert decode.call("drop", remote_engine_id="prefill-0") == {"links": [], "registered": 0}
+    with pytest.raises(ChildError, match="no link to remote engine 'prefill-0'"):
+        decode.call("migrate", remote_engine_id="prefill-0", pairs=PAIRS[:1])
+    prefill.call("drop", remote_engine_id="decode-0")
+    _handshake(prefill, decode)
+    decode.call("reset")
+    decode.call("migrate", remote_engine_id="prefill-0", pairs=PAIRS, async_op=True)
+    assert decode.call("verify", pairs=PAIRS)["wrong_blocks"] == 0
+
+
+# -- in process: planning and failures on the loopback transport ------------------------------
+
+def _pools(blocks: int) -> tuple[DistServeCachePoolInfo, ...]:
+    return (DistServeCachePoolInfo(shape=(LAYERS, blocks, BLOCK_BYTES), dtype="torch.uint8", element_size=1,
+                                   entry_axis=1),)
+
+
+def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
+    pairs = [(p, d) for p, d in zip(range(5, 25), range(0, 20))]
+    batch = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), pairs)
+    local = {0: MemoryRegion(1 << 20, LAYERS * D_BLOCKS * BLOCK_BYTES)}
+    remote = {0: MemoryRegion(1 << 30, LAYERS * P_BLOCKS * BLOCK_BYTES)}
+    p = plan(instruct_array(batch), local, remote, engine="prefill-0")
+    assert len(batch) == LAYERS * 20
+    assert p.descriptors.tolist() == [
+        [(1 << 20) + layer * D_BLOCKS * BLOCK_BYTES, (1 << 30) + (layer * P_BLOCKS + 5) * BLOCK_BYTES, 20 * BLOCK_BYTES]
+        for layer in range(LAYERS)
+    ]
+    # Scattered blocks stay one descriptor per instruct; the bytes are the same.
+    scattered = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(3, 0), (1, 1), (7, 2)])
+    s = plan(instruct_array(scattered), local, remote, engine="prefill-0")
+    assert len(s.descriptors) == len(scattered) and s.nbytes == len(scattered) * BLOCK_BYTES
+
+
+def _loopback_pair() -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:
+    settings = AdapterSettings(transport="loopback", protocol="loopback", hostname="127.0.0.1", timeout=10)
+    src = np.arange(LAYERS * P_BLOCKS * BLOCK_BYTES, dtype=np.uint64).astype(np.uint8)
+    dst = np.zeros(LAYERS * D_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
+    sides = {}
+    for me, other, arr, mine, theirs in (("p", "d", src, P_BLOCKS, D_BLOCKS), ("d", "p", dst, D_BLOCKS, P_BLOCKS)):
+        b = KVBridgeMigrationBackend(settings)
+        b.p2p_initialize(DistServeInitRequest(local_engine_id=me, local_engine_config=_cfg(mine),
+                                              remote_engine_id=other, remote_engine_config=_cfg(theirs),
+                                              protocol=MigrationProtocol.TCP, rank=0))
+        b.register_memory_region(DistServeRegisterMRMessage(
+            protocol=MigrationProtocol.TCP, remote_engine_id=other, mr_key=0, addr=arr.ctypes.data, offset=0,
+            length=arr.nbytes))
+        sides[me] = b
+    for me, other in (("p", "d"), ("d", "p")):
+        info = json.dumps(sides[other].endpoint_info(me, MigrationProtocol.TCP))
+        conn = DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=info)
+        sides[me].p2p_connect(other, conn)
+    return sides["p"], sides["d"], src, dst
+
+
+def test_transport_failure_names_engine_and_instruct() -> None:
+    prefill, decode, src, dst = _loopback_pair()
+    try:
+        batch = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(7, 3), (9, 4)])
+        assignment = MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch)
+        assert decode.links["p"].remote_engine_config.num_gpu_blocks == P_BLOCKS
+        decode.transports["loopback"].inject(fail_completion=1)
+        with pytest.raises(TransferFailed, match=r"remote engine 'p' failed: a batch of 6 instructs starting at "
+                                                 r"instruct #0 \(mr_key=0, source_offset=1536"):
+            asyncio.run(decode.p2p_migrate(assignment, async_op=True))
+        asyncio.run(decode.p2p_migrate(assignment, async_op=True))  # the fault was one-shot
+        got = dst.reshape(LAYERS, D_BLOCKS, BLOCK_BYTES)[:, 3]
+        assert np.array_equal(got, src.reshape(LAYERS, P_BLOCKS, BLOCK_BYTES)[:, 7])
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_connect_refuses_a_foreign_endpoint() -> None:
+    prefill, decode, _src, _dst = _loopback_pair()
+    try:
+        lmdeploy_style = json.dumps({"mr_info": {}, "session_id": "127.0.0.1:1234"})
+        with pytest.raises(ProtocolError, match="remote engine 'p' did not send a kvbridge endpoint"):
+            decode.p2p_connect("p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP,
+                                                                    endpoint_info=lmdeploy_style))
+        with pytest.raises(ConfigError, match="uses MigrationProtocol.RDMA"):
+            decode.p2p_connect("p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.RDMA,
+                                                                    endpoint_info="{}"))
+        bad = [AssignmentInstruct(mr_key=0, source_offset=-8, target_offset=0, length=8)]
+        with pytest.raises(InvalidDescriptor, match="instruct #0 .* negative offset"):
+            asyncio.run(decode.p2p_migrate(MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p",
+                                                               batch=bad)))
+    finally:
+        prefill.close()
+        decode.close()
+
+
+# -- the bench mode ----------------------------------------------------------------------------
+
+def test_engine_option_picks_the_lmdeploy_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert bench_cli.MODES["lmdeploy"] == "kvbridge.bench.lmdeploy"
+    # Only this mode's options: the parser must accept them beside the shared ones.
+    monkeypatch.setattr(bench_cli, "MODES", {"lmdeploy": bench_cli.MODES["lmdeploy"]})
+    parser = argparse.ArgumentParser()
+    bench_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--engine", "lmdeploy", "--model", "tiny-gqa", "--lmdeploy-pattern",
+                              "scattered", "--repeat", "2"])
+    assert bench_cli.pick_mode(args) == "lmdeploy"
+    assert (args.lmdeploy_pattern, args.repeat, args.migration_backend) == ("scattered", 2, "mooncake")
+    assert bench_cli.pick_mode(parser.parse_args(["bench"])) == "pair"
+
+
+@pytest.mark.parametrize("pattern", lmdeploy_bench.PATTERNS)
+def test_bench_block_pairs_fit_both_pools(pattern: str) -> None:
+    pairs, p_total, d_total = lmdeploy_bench.block_pairs(pattern, blocks=16, requests=3)
+    arr = np.asarray(pairs)
+    assert p_total != d_total and len(arr) == 48
+    assert len(set(arr[:, 0])) == 48 and len(set(arr[:, 1])) == 48  # no block used twice on a side
+    assert arr[:, 0].max() < p_total and arr[:, 1].max() < d_total
+
+
+@pytest.mark.slow
+def test_bench_runs_verified_and_reports_both_strategies(capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(model="tiny-gqa", tokens=64, requests=2, migration_backend="mooncake", protocol=None,
+                              json=True, engine="lmdeploy", lmdeploy_pattern="contiguous", repeat=1)
+    assert lmdeploy_bench.run(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    strategies = [r["strategy"] for r in report["rows"]]
+    assert strategies == ["kvbridge (sync)", "kvbridge (async)", "per-instruct (lmdeploy 0.18)"]
+    assert all(r["verified"] and r["gbps_median"] > 0 for r in report["rows"])
+    # 2 layers x 2 requests of 4 contiguous blocks: kvbridge merges each request's run per layer.
+    assert report["rows"][0]["instructs"] == 16 and report["rows"][0]["descriptors"] == 4
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
+def test_a_stuck_transfer_times_out_naming_the_engine(async_op: bool) -> None:
+    prefill, decode, _src, _dst = _loopback_pair()
+    decode.settings = attrs.evolve(decode.settings, timeout=0.05)
+    try:
+        batch = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(7, 3)])
+        decode.transports["loopback"].inject(delay=1.0)
+        with pytest.raises(TransferTimeout, match=r"engine 'p' failed: .*instruct #0 .* not finished within 0.05s"):
+            asyncio.run(decode.p2p_migrate(MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p",
+                                                               batch=batch), async_op=async_op))
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_settings_come_from_the_environment() -> None:
+    s = AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TRANSPORT": "tcp", "KVBRIDGE_LMDEPLOY_HOSTNAME": "10.0.0.7",
+                                  "KVBRIDGE_LMDEPLOY_DEVICES": "mlx5_0, mlx5_1", "KVBRIDGE_LMDEPLOY_TIMEOUT": "0",
+                                  "LMDEPLOY_USE_ASYNC_MIGRATION": "1"})
+    assert (s.transport, s.hostname, s.timeout, s.async_migration) == ("tcp", "10.0.0.7", None, True)
+    assert [s.device_for(r) for r in range(3)] == ["mlx5_0", "mlx5_1", "mlx5_0"]
+    assert AdapterSettings.from_env({}).transport == "mooncake"
+    with pytest.raises(ConfigError, match="KVBRIDGE_LMDEPLOY_TIMEOUT='soon' is not a number"):
+        AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TIMEOUT": "soon"})
+
+
+def test_a_protocol_the_transport_lacks_says_how_to_fix_it() -> None:
+    backend = KVBridgeMigrationBackend(AdapterSettings(transport="tcp", hostname="127.0.0.1"))
+    with pytest.raises(ConfigError, match="MigrationProtocol.RDMA; set KVBRIDGE_LMDEPLOY_PROTOCOL"):
+        backend.p2p_initialize(DistServeInitRequest(
+            local_engine_id="d", local_engine_config=_cfg(4), remote_engine_id="p", remote_engine_config=_cfg(4),
+            protocol=MigrationProtocol.RDMA, rank=0))
+    backend.close()

