@@ -31,13 +31,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--fragmented", action="store_true",
                        help="shuffle block ids on both sides (worst case: one descriptor per block)")
     group.add_argument("--device", default="cpu", help="device plugin that holds both KV caches (default: cpu)")
-<<<<<<< HEAD
     group.add_argument("--stage", action="store_true",
                        help="copy through host memory even where the transport reaches the device's memory, to "
                             "measure staging (it is automatic where the transport cannot, e.g. tcp for cuda)")
-    group.add_argument("--repeat", type=int, default=3, help="measured rounds (default: 3)")
-=======
->>>>>>> main
     group.add_argument("--seed", type=int, default=0, help="seed for --fragmented block ids")
     group.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
 

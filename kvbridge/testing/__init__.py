@@ -1,14 +1,30 @@
-<<<<<<< HEAD
-"""Test kit for kvbridge plugins: conformance suites to subclass, and stand-ins for accelerator libraries.
+"""Test kit that ships with kvbridge.
 
-Installed as a pytest plugin (entry point ``pytest11``: ``kvbridge``), which adds the ``conformance``
-marker to every test of these suites (``pytest -m conformance``). See docs/plugins.md.
+- Conformance suites for plugin authors: `DeviceConformance`, `UnavailableDeviceConformance`,
+  `TransportConformance` (subclass them in a ``Test...`` class), and stand-ins for accelerator
+  libraries (`kvbridge.testing.standins`). Also a pytest plugin (entry point ``pytest11``:
+  ``kvbridge``) that marks every suite test ``conformance``. See docs/plugins.md.
+- Test and bench helpers: a tiny offline model, real vLLM servers on loopback.
+
+The suites import pytest, so they load on first use: the helpers work without pytest installed.
 """
 
-from kvbridge.testing.devices import DeviceConformance, UnavailableDeviceConformance
-from kvbridge.testing.transports import TransportConformance
+from __future__ import annotations
 
-__all__ = ["DeviceConformance", "TransportConformance", "UnavailableDeviceConformance"]
-=======
-"""Test and bench helpers that ship with kvbridge: a tiny offline model, real vLLM servers on loopback."""
->>>>>>> main
+from typing import Any
+
+_SUITES = {
+    "DeviceConformance": "kvbridge.testing.devices",
+    "UnavailableDeviceConformance": "kvbridge.testing.devices",
+    "TransportConformance": "kvbridge.testing.transports",
+}
+
+__all__ = sorted(_SUITES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUITES:
+        import importlib
+
+        return getattr(importlib.import_module(_SUITES[name]), name)
+    raise AttributeError(f"module 'kvbridge.testing' has no attribute {name!r}")
