@@ -23,7 +23,10 @@ class Settings:
     - `side_channel_port`: base port of the side channel; TP rank r (and DP rank d) listen on
       `port + d * tp_size + r`. Prefill servers on one host need distinct ports.
     - `lease_s`: how long prefill holds a finished request's blocks for its pullers' DONE.
-    - `pull_timeout_s`: how long decode waits for one request's pull before it counts as failed.
+    - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
+      ready and to hold the request) before it counts as failed.
+    - `secret`: shared secret (at least 16 bytes, the same on prefill and decode) that authenticates
+      every side-channel message; without it the side channel trusts its network.
     """
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)
@@ -33,6 +36,7 @@ class Settings:
     metadata_server: str | None = None
     lease_s: float = attrs.field(default=120.0, converter=float)
     pull_timeout_s: float = attrs.field(default=60.0, converter=float)
+    secret: str | None = attrs.field(default=None, repr=False)  # never in a log line
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
