@@ -23,6 +23,7 @@ from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.agent import KVAgent, PullResult
+from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.errors import KVBridgeError
 from kvbridge.topology import ParallelConfig
@@ -106,10 +107,15 @@ class WorkerSide:
         assert self.control is not None
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
-        start = time.perf_counter()  # the whole load: control round trips, the transfer, fenced DONEs
+        elapsed = 0.0
         try:
             handle = self.control.start(task.request_id, task.params, task.local_block_ids,
                                         on_finished=lambda _rid, error: outcome.append(error))
+            # `start` returns as soon as the transfers are submitted. The stats time the transfer itself,
+            # as vLLM's own connectors do: not the control round trips before it or the DONEs after it.
+            start = time.perf_counter()
+            wait_all(handle.handles, self.settings.pull_timeout_s)
+            elapsed = time.perf_counter() - start
             result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
             error = outcome[0]
         except KVBridgeError as exc:
@@ -118,7 +124,7 @@ class WorkerSide:
             log.exception("request %s: pull from %s failed", task.request_id, task.params.remote_engine_id)
             error = exc
         if error is None and result is not None:
-            self.stats.record(time.perf_counter() - start, result.nbytes, result.descriptors)
+            self.stats.record(elapsed, result.nbytes, result.descriptors)
         elif isinstance(error, KVBridgeError):
             log.error("request %s: pull from %s failed: %s", task.request_id, task.params.remote_engine_id, error)
         with self._lock:
