@@ -261,7 +261,7 @@ def test_worker_side_channel_port_taken_is_refused(workers: Workers) -> None:
         WorkerSide("other", settings, block_size=BLOCK)
 
 
-def test_settings_from_extra_config() -> None:
+def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings.from_extra_config({"migration_backend": "Mooncake", "protocol": "tcp", "side_channel_port": "6000"})
     assert (s.migration_backend, s.protocol, s.side_channel_port) == ("Mooncake", "tcp", 6000)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys.*'lease'"):
@@ -269,6 +269,10 @@ def test_settings_from_extra_config() -> None:
     with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
         Settings.from_extra_config({"lease_s": "soon"})
     assert "hunter2" not in repr(Settings.from_extra_config({"secret": "hunter2-hunter2-hunter2"}))
+    assert Settings.from_extra_config({}).secret is None
+    monkeypatch.setenv("KVBRIDGE_SECRET", "from-the-environment-1")  # kept out of vLLM's logged config
+    assert Settings.from_extra_config({}).secret == "from-the-environment-1"
+    assert Settings.from_extra_config({"secret": "from-the-config-12345"}).secret == "from-the-config-12345"
 
 
 def test_registered_with_vllm_by_name() -> None:

@@ -11,6 +11,7 @@ import attrs
 from kvbridge.errors import ConfigError
 
 DEFAULT_SIDE_CHANNEL_PORT = 5800
+SECRET_ENV = "KVBRIDGE_SECRET"
 
 
 @attrs.frozen
@@ -26,7 +27,8 @@ class Settings:
     - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
       ready and to hold the request) before it counts as failed.
     - `secret`: shared secret (at least 16 bytes, the same on prefill and decode) that authenticates
-      every side-channel message; without it the side channel trusts its network.
+      every side-channel message; without it the side channel trusts its network. Default: the
+      `KVBRIDGE_SECRET` environment variable (which vLLM does not log, unlike its config).
     """
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)
@@ -48,6 +50,7 @@ class Settings:
                 f"unknown kv_connector_extra_config keys for KVBridgeConnector: {unknown}; known: {sorted(known)}"
             )
         extra.setdefault("host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
+        extra.setdefault("secret", os.environ.get(SECRET_ENV) or None)
         try:
             return cls(**extra)
         except (TypeError, ValueError) as exc:
