@@ -193,6 +193,26 @@ def test_done_release_only_before_the_offer_counts_when_it_comes(ledger: Ledger,
     assert released == [("r1", LeaseState.RELEASED, (9,))] and sorted(ledger.active) == ["r2", "r3"]
 
 
+def test_abort_before_the_offer_releases_the_offer_at_once(ledger: Ledger, clock: Clock, released: list) -> None:
+    # vLLM: a decode engine drops the request (or needs none of its KV) before this prefill rank's
+    # worker hears of its own scheduler's offer.
+    assert ledger.abort("r1") == [] and released == []
+    lease = ledger.offer("r1", [4, 5], expected_pulls=None)
+    assert released == [("r1", LeaseState.ABORTED, (4, 5))] and ledger.active == []
+    assert not ledger.done("r1", "d0", lease.epoch).valid, "nothing may be read from an aborted offer"
+    # A kept abort is used once, and forgotten after the lease timeout.
+    ledger.abort("r2")
+    clock.now += 11
+    ledger.offer("r1", [6], expected_pulls=1)
+    ledger.offer("r2", [7], expected_pulls=1)
+    assert len(released) == 1 and sorted(ledger.active) == ["r1", "r2"]
+    # An abort of a finished lease is not kept: the id may be offered again as a new request.
+    ledger.done("r1", "d0", 0)
+    ledger.abort("r1")
+    ledger.offer("r1", [8], expected_pulls=1)
+    assert ledger.state("r1") is LeaseState.ACTIVE
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("offer"), st.sampled_from("abc"), st.sampled_from([None, 0, 1, 2, 3])),

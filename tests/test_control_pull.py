@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 from control_helpers import wait_for
@@ -127,3 +128,18 @@ def test_done_sent_when_the_pull_fails_before_moving_bytes(pair: Pair) -> None:
         pair.control.start("local-r6", pair.params("r6"), [4])  # too few local blocks: nothing is read
     assert pair.released == [("r6", LeaseState.RELEASED)], "the announced lease is released at once"
     assert pair.control.local_id("r6") is None
+
+
+def test_stale_engine_id_is_a_load_error_and_still_releases(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r7", [1, 2, 3], expected_pulls=None)
+    stale = attrs.evolve(pair.params("r7"), remote_engine_id="restarted-prefill")
+    with pytest.raises(LoadError, match="serves engine 'prefill', not 'restarted-prefill'"):
+        pair.control.start("local-r7", stale, [4, 5, 6])
+    assert not pair.d_buf.any(), "nothing is read from another engine's blocks"
+    assert pair.released == [("r7", LeaseState.RELEASED)], "the rank it was to read is released at once"
+    # The same failure before the prefill rank offered the request: the release is kept until the offer.
+    with pytest.raises(LoadError, match="restarted-prefill"):
+        pair.control.start("local-r8", attrs.evolve(pair.params("r8"), remote_engine_id="restarted-prefill"), [4, 5, 6])
+    pair.ledger.offer("r8", [1, 2, 3], expected_pulls=None)
+    assert pair.released[-1] == ("r8", LeaseState.RELEASED)

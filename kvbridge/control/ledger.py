@@ -8,7 +8,8 @@ that states the count (the decode side computes it from the plan) sets it. The s
 *before* the callback runs, and the engine may only reuse the blocks after the callback, so a
 DONE or a lease query that still finds the lease ACTIVE proves no reuse overlapped the read
 that preceded it (fencing). Finished leases are kept as tombstones for a while so a late or
-duplicate DONE gets an exact answer.
+duplicate DONE gets an exact answer. A release-only DONE or an abort that comes before the offer
+(the decode side can be quicker than the prefill engine's own bookkeeping) is kept and applied to it.
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ class Ledger:
         # Release-only DONEs (epoch 0) for requests not offered yet: the plan's notifier may get
         # there before this rank's offer. request id -> (forget at, {decode rank: stated count}).
         self._early: OrderedDict[str, tuple[float, dict[str, int]]] = OrderedDict()
+        # Aborts for requests not offered yet (a decode engine may drop a request before this rank's
+        # offer): request id -> forget at. The offer then releases at once.
+        self._early_aborts: OrderedDict[str, float] = OrderedDict()
         # Epochs are unique per ledger and start at a random point, so a restarted prefill
         # never confirms a lease its previous life handed out.
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
@@ -121,17 +125,25 @@ class Ledger:
             for rank, stated in early.items() if forget_at > now else ():
                 entry.done.add(rank)
                 self._expect(entry, stated, rank)
+            aborted = self._early_aborts.pop(request_id, 0.0) > now
             last = entry.expected is not None and len(entry.done) >= entry.expected
         log.debug("lease %s epoch %d: %d blocks, %s pulls expected", request_id, lease.epoch, len(lease.blocks),
                   expected_pulls)
-        if last:
+        if aborted:
+            self._finish(entry, LeaseState.ABORTED)
+        elif last:
             self._finish(entry, LeaseState.RELEASED)
         return lease
 
     def abort(self, request_id: str) -> list[Hashable]:
-        """Release the request's blocks now; returns the side channels of the decode ranks that began pulling."""
+        """Release the request's blocks now; returns the side channels of the decode ranks that began pulling.
+
+        An abort for a request never offered here is kept for `timeout_s` and releases the offer at once.
+        """
         with self._lock:
             entry = self._active.get(request_id)
+            if entry is None and request_id not in self._finished:
+                self._stash_abort(request_id)
         if entry is None or not self._finish(entry, LeaseState.ABORTED):
             return []
         return list(entry.watchers.values())
@@ -220,6 +232,14 @@ class Ledger:
             self._early.popitem(last=False)
         _, ranks = self._early.setdefault(request_id, (now + self.timeout_s, {}))
         ranks[decode_rank] = expected_pulls
+
+    def _stash_abort(self, request_id: str) -> None:
+        """Keep an abort that came before the offer, for `timeout_s` (lock held)."""
+        now = self._clock()
+        while self._early_aborts and (len(self._early_aborts) >= self._max_tombstones
+                                      or next(iter(self._early_aborts.values())) <= now):
+            self._early_aborts.popitem(last=False)
+        self._early_aborts[request_id] = now + self.timeout_s
 
     def _expect(self, entry: _Entry, expected_pulls: int, decode_rank: str) -> None:
         """Take the release count a decode rank states, if the lease has none yet (lock held)."""

@@ -54,13 +54,17 @@ class DecodeControl:
         addr = resolve(params, rank, registry=self.registry, wait_s=self.ready_timeout_s)
         return self.clients.get(*addr), addr
 
-    def _info(self, client: ControlClient, addr: tuple[str, int]) -> RankInfo:
+    def _info(self, client: ControlClient, addr: tuple[str, int], engine_id: str | None, rid: str) -> RankInfo:
         with self._lock:
             info = self._infos.get(addr)
         if info is None:
             info = client.get_info(wait_s=self.ready_timeout_s)
             with self._lock:
                 self._infos[addr] = info
+        if engine_id is not None and info.engine_id != engine_id:  # a stale address: not the blocks asked for
+            raise LoadError(f"request {rid!r}: side channel {client.url} serves engine {info.engine_id!r}, not "
+                            f"{engine_id!r} named by the transfer params; recompute", peer=client.url, request=rid,
+                            cause="engine mismatch")
         return info
 
     def start(
@@ -77,7 +81,9 @@ class DecodeControl:
         tokens = int(params.remote_num_tokens or 0)
         plan = self.agent.plan(prefill, tokens, prefill_dp=params.dp_rank)
         leases: dict[int, tuple[ControlClient, int, int]] = {}  # prefill rank -> client, epoch, release count
-        notify = [self._client(params, r)[0] for r in plan.unpulled] if self.agent.rank == plan.notifier else []
+        # Ranks nobody reads are released by the notifier, one DONE each (release count 1).
+        notify = [(self._client(params, r)[0], 1) for r in plan.unpulled] if self.agent.rank == plan.notifier else []
+        ranks = sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)})
 
         def finished(result: PullResult) -> None:
             if result.error is not None:
@@ -91,23 +97,33 @@ class DecodeControl:
             self._local_ids[rid] = request_id
         try:
             infos = []
-            for rank in sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)}):
+            for rank in ranks:
                 client, addr = self._client(params, rank)
-                infos.append(self._info(client, addr))
+                infos.append(self._info(client, addr, params.remote_engine_id, rid))
                 count = plan.release_count(rank)
                 status = client.begin_pull(rid, self.name, notify=self.server.address, expected_pulls=count,
                                            wait_s=self.ready_timeout_s)
                 leases[rank] = (client, status.epoch, count)
             return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
         except BaseException as exc:
-            # This rank will not read: release what it announced (and the unread ranks) right away.
-            self._send_dones(rid, leases, notify, exc)
+            # This rank will not read: release what it announced, the ranks it was to read but had not
+            # announced yet (their offer may still be on its way: a release-only DONE is kept until
+            # it comes) and the unread ranks, right away.
+            release = list(notify)
+            for rank in ranks:
+                if rank not in leases:
+                    try:
+                        release.append((self._client(params, rank)[0], plan.release_count(rank)))
+                    except KVBridgeError as why:
+                        log.warning("request %s: cannot find prefill rank %d to release it: %s", rid, rank, why)
+            self._send_dones(rid, leases, release, exc)
             raise
 
     def _send_dones(self, rid: str, leases: dict[int, tuple[ControlClient, int, int]],
-                    notify: list[ControlClient], error: BaseException | None) -> BaseException | None:
-        """DONE to every announced lease (fenced unless the pull already failed) and to the unread
-        ranks; returns the pull's outcome: None, or the error that means recompute."""
+                    release: list[tuple[ControlClient, int]], error: BaseException | None) -> BaseException | None:
+        """DONE to every announced lease (fenced unless the pull already failed) and a release-only
+        DONE (with its release count) to each of `release`; returns the pull's outcome: None, or the
+        error that means recompute."""
         for client, epoch, count in leases.values():
             try:
                 client.done(rid, self.name, epoch, expected_pulls=count, check=error is None)
@@ -116,11 +132,11 @@ class DecodeControl:
             except KVBridgeError as exc:  # unreachable prefill: its lease expires; the data is unconfirmed
                 error = error or LoadError(f"request {rid!r}: could not confirm the lease on {client.url}: {exc}; "
                                            "recompute", peer=client.url, request=rid)
-        for client in notify:
+        for client, count in release:
             try:
-                client.done(rid, self.name, 0, expected_pulls=1, check=False)
+                client.done(rid, self.name, 0, expected_pulls=count, check=False)
             except KVBridgeError as exc:
-                log.warning("request %s: could not release unread prefill rank %s: %s", rid, client.url, exc)
+                log.warning("request %s: could not release prefill rank %s: %s", rid, client.url, exc)
         with self._lock:
             self._local_ids.pop(rid, None)
         return error

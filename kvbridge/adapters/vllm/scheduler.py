@@ -28,9 +28,10 @@ class SchedulerSide:
         self.settings = settings
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
+        self.block_size = vllm_config.cache_config.block_size
         self.side_channel_port = settings.side_channel_port + parallel.data_parallel_index * self.tp_size
         self._pulls: list[PullTask] = []
-        self._offers: list[str] = []
+        self._offers: list[tuple[str, tuple[int, ...]]] = []
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -59,7 +60,7 @@ class SchedulerSide:
         assert params is not None
         params["do_remote_prefill"] = False  # one pull per request
         try:
-            self._pulls.append(PullTask.from_params(request.request_id, params, local, report))
+            self._pulls.append(PullTask.from_params(request.request_id, params, local, self.block_size, report))
         except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
 
@@ -84,7 +85,7 @@ class SchedulerSide:
             return False, None  # aborted prefill: nobody will pull, free now
         if not block_ids:
             return False, None
-        self._offers.append(request.request_id)
+        self._offers.append((request.request_id, tuple(block_ids)))
         return True, KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,

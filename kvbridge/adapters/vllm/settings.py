@@ -11,6 +11,7 @@ import attrs
 from kvbridge.errors import ConfigError
 
 DEFAULT_SIDE_CHANNEL_PORT = 5800
+SECRET_ENV = "KVBRIDGE_SECRET"
 
 
 @attrs.frozen
@@ -23,7 +24,11 @@ class Settings:
     - `side_channel_port`: base port of the side channel; TP rank r (and DP rank d) listen on
       `port + d * tp_size + r`. Prefill servers on one host need distinct ports.
     - `lease_s`: how long prefill holds a finished request's blocks for its pullers' DONE.
-    - `pull_timeout_s`: how long decode waits for one request's pull before it counts as failed.
+    - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
+      ready and to hold the request) before it counts as failed.
+    - `secret`: shared secret (at least 16 bytes, the same on prefill and decode) that authenticates
+      every side-channel message; without it the side channel trusts its network. Default: the
+      `KVBRIDGE_SECRET` environment variable (which vLLM does not log, unlike its config).
     """
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)
@@ -33,6 +38,7 @@ class Settings:
     metadata_server: str | None = None
     lease_s: float = attrs.field(default=120.0, converter=float)
     pull_timeout_s: float = attrs.field(default=60.0, converter=float)
+    secret: str | None = attrs.field(default=None, repr=False)  # never in a log line
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
@@ -44,6 +50,7 @@ class Settings:
                 f"unknown kv_connector_extra_config keys for KVBridgeConnector: {unknown}; known: {sorted(known)}"
             )
         extra.setdefault("host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
+        extra.setdefault("secret", os.environ.get(SECRET_ENV) or None)
         try:
             return cls(**extra)
         except (TypeError, ValueError) as exc:
