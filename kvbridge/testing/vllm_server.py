@@ -39,11 +39,24 @@ BASE_ENV = {
 }
 
 
+_given: set[int] = set()
+_SPAN = 8  # side channels listen on port + rank: keep neighbours of a handed-out port free too
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on now and this process has not handed out.
+
+    The kernel may offer a released port again before its first taker binds it, and a side
+    channel uses the ports after its base (one per rank), so ports near earlier ones are skipped.
+    """
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if all(abs(port - q) >= _SPAN for q in _given):
+            _given.add(port)
+            return port
+    raise RuntimeError("no free 127.0.0.1 port away from those already handed out")
 
 
 @attrs.define(eq=False)
