@@ -32,7 +32,7 @@ import numpy as np
 
 from kvbridge.backend import MigrationBackend, Op, Peer, TransferHandle
 from kvbridge.device import Device
-from kvbridge.errors import ConfigError, InvalidDescriptor
+from kvbridge.errors import ConfigError
 from kvbridge.memory import RegionIndex, as_descriptors, as_regions, merge_runs
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.testing.ports import free_port
+
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     """Poll `cond` until it holds; fail the test after `timeout` seconds."""
@@ -21,29 +23,6 @@ def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condi
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def free_base_port(n: int = 1) -> int:
-    """A port p such that p .. p+n-1 are free on 127.0.0.1 right now."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no run of free ports on 127.0.0.1")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -66,7 +45,7 @@ def _require(binary: str) -> str:
 @contextmanager
 def redis_server(tmp: Path) -> Iterator[str]:
     """A real redis-server on a free 127.0.0.1 port, stopped by its PID; yields redis://127.0.0.1:PORT."""
-    port = free_base_port()
+    port = free_port(span=1)
     proc = subprocess.Popen([_require("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -89,7 +68,7 @@ def redis_server(tmp: Path) -> Iterator[str]:
 @contextmanager
 def etcd_server(tmp: Path) -> Iterator[str]:
     """A real single-member etcd on free 127.0.0.1 ports, stopped by its PID; yields etcd://127.0.0.1:PORT."""
-    client, peer = free_base_port(), free_base_port()
+    client, peer = free_port(span=1), free_port(span=1)
     c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
     proc = subprocess.Popen([_require("etcd"), "--name", "kvb", "--data-dir", str(tmp / "etcd"),
                              "--listen-client-urls", c_url, "--advertise-client-urls", c_url,

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from control_helpers import etcd_server, free_base_port, rank_info, redis_server
+from control_helpers import etcd_server, rank_info, redis_server
+
+from kvbridge.testing.ports import free_port
 
 from kvbridge.control import (
     ControlClient,
@@ -85,7 +87,7 @@ def test_registry_server_announces_readiness_and_withdraws(registry: Registry) -
 
 
 def test_registry_unreachable_is_a_clear_error() -> None:
-    port = free_base_port()
+    port = free_port(span=1)
     for url in (f"redis://127.0.0.1:{port}", f"etcd://127.0.0.1:{port}"):
         reg = open_registry(url)
         with pytest.raises(PeerGone, match="check that (redis|etcd) is running"):
@@ -117,7 +119,7 @@ def test_registry_and_mooncake_metadata_share_one_etcd(etcd_url: str) -> None:
             child = Child("control_rank", env=env, name=role)
             children.append(child)
             child.call("setup", role=role, engine_id=f"{role}-etcd", rank=0, parallel="tp1", kv_heads=2, blocks=4,
-                       metadata_server=etcd_url, hostname=f"127.0.0.1:{free_base_port()}", registry=etcd_url)
+                       metadata_server=etcd_url, hostname=f"127.0.0.1:{free_port(span=1)}", registry=etcd_url)
         prefill, decode = children
         prefill.call("register")
         decode.call("register")

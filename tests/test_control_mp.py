@@ -9,7 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from control_helpers import free_base_port, wait_for
+from control_helpers import wait_for
+
+from kvbridge.testing.ports import free_port
 from control_rank import model_with
 
 from kvbridge.control import KVTransferParams
@@ -32,7 +34,7 @@ class Cluster:
         self.p_cfg, self.d_cfg = ParallelConfig.parse(prefill), ParallelConfig.parse(decode)
         self.p_tp, self.d_tp = self.p_cfg.world_size, self.d_cfg.world_size
         self.prefill_knows_counts = prefill_knows_counts
-        self.base = free_base_port(self.p_tp)
+        self.base = free_port(span=self.p_tp)
         self.prefill: list[Child] = []
         self.decode: list[Child] = []
         try:

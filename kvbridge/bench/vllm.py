@@ -63,7 +63,8 @@ class Pair:
 
 
 def _kvbridge_pair(model: Path, logs: Path) -> Pair:
-    from kvbridge.testing.vllm_server import free_port, start_vllm
+    from kvbridge.testing.ports import free_port
+    from kvbridge.testing.vllm_server import start_vllm
 
     def config(role: str) -> dict:
         return {"kv_connector": "KVBridgeConnector", "kv_role": role,
@@ -78,7 +79,8 @@ def _kvbridge_pair(model: Path, logs: Path) -> Pair:
 
 
 def _mooncake_pair(model: Path, logs: Path) -> Pair:
-    from kvbridge.testing.vllm_server import free_port, start_vllm
+    from kvbridge.testing.ports import free_port
+    from kvbridge.testing.vllm_server import start_vllm
 
     patch = logs / "mooncake-cpu-patch"
     patch.mkdir(parents=True, exist_ok=True)

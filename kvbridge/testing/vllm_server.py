@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from kvbridge.errors import ConfigError
+from kvbridge.testing.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -37,26 +38,6 @@ BASE_ENV = {
     "VLLM_LOGGING_LEVEL": "INFO",
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-
-_given: set[int] = set()
-_SPAN = 8  # side channels listen on port + rank: keep neighbours of a handed-out port free too
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now and this process has not handed out.
-
-    The kernel may offer a released port again before its first taker binds it, and a side
-    channel uses the ports after its base (one per rank), so ports near earlier ones are skipped.
-    """
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if all(abs(port - q) >= _SPAN for q in _given):
-            _given.add(port)
-            return port
-    raise RuntimeError("no free 127.0.0.1 port away from those already handed out")
 
 
 @attrs.define(eq=False)
@@ -78,38 +59,89 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def log_tail(self, chars: int = 4000) -> str:
+    def failure_report(self, lines: int = 40) -> str:
+        """The log's error lines (the root cause is often far above the tail), then its tail."""
         try:
-            return self.log_path.read_text(errors="replace")[-chars:]
+            text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            return ""
+            return f"(no log at {self.log_path})"
+        errors = [line for line in text if _ERROR_LINE.search(line)][:lines]
+        return "\n".join(["error lines:", *errors, f"last {lines} lines:", *text[-lines:]])
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus metrics, summed over labels: {"vllm:kv_cache_usage_perc": 0.0, ...}."""
         return parse_metrics(_get(f"{self.url}/metrics").text)
 
     def kill(self) -> None:
-        """SIGKILL the server and its engine process, as a crash would."""
-        self._signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        """SIGKILL the server and its engine processes, as a crash would."""
+        self._end(signal.SIGKILL, timeout=30.0)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the server's process group, then SIGKILL it if it does not exit in time."""
+        self._end(signal.SIGTERM, timeout)
+
+    def _end(self, sig: int, timeout: float) -> None:
+        # vLLM leaves POSIX shared memory behind when killed, and some even on SIGTERM (the CPU
+        # TP ring buffers); /dev/shm keeps it until reboot. What the group maps now is removed
+        # once the whole group is gone.
+        mapped = _shared_memory_of(_group_members(self.proc.pid))
         if self.alive():
-            self._signal(signal.SIGTERM)
+            self._signal(sig)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.proc.wait(timeout=30)
+                log.warning("server on port %d ignored signal %d for %.0fs; killing it", self.port, sig, timeout)
         # The engine core may outlive its parent for a moment; its group is ours to end.
         self._signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        _wait_group_gone(self.proc.pid, timeout=30)
+        for path in mapped:
+            path.unlink(missing_ok=True)
 
     def _signal(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)  # the group this server leads (start_new_session)
         except ProcessLookupError:
             pass
+
+
+_ERROR_LINE = re.compile(r"Error|Exception|Traceback|EADDRINUSE|Address already in use|Killed|CRITICAL")
+
+
+def _group_members(pgid: int) -> list[int]:
+    """PIDs of the live processes in process group `pgid` (from /proc)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _shared_memory_of(pids: Sequence[int]) -> set[Path]:
+    """The /dev/shm files these processes have mapped."""
+    found: set[Path] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith(" (deleted)"):
+                found.add(Path(fields[5]))
+    return found
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _group_members(pgid):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes of group {pgid} still alive {timeout}s after SIGKILL")
+        time.sleep(0.05)
 
 
 def start_vllm(
@@ -199,7 +231,7 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
             if not server.alive():
                 raise ConfigError(
                     f"vLLM server on port {server.port} exited with {server.proc.returncode} during start-up; "
-                    f"log tail:\n{server.log_tail()}"
+                    f"{server.failure_report()}"
                 )
             try:
                 if _get(f"{server.url}/health", timeout=2.0).status_code == 200:
@@ -209,7 +241,7 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
         if pending and time.monotonic() > deadline:
             raise ConfigError(
                 f"vLLM server on port {pending[0].port} not healthy after {timeout}s; "
-                f"log tail:\n{pending[0].log_tail()}"
+                f"{pending[0].failure_report()}"
             )
         if pending:
             time.sleep(0.5)

@@ -1,0 +1,96 @@
+"""The test-harness helpers that every server-starting test relies on: ports and process cleanup."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbridge.testing.ports import ephemeral_start, free_port
+from kvbridge.testing.vllm_server import Server, _group_members
+
+
+def test_free_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
+    top = ephemeral_start()
+    bases = [free_port(span=4) for _ in range(50)]
+    runs = [range(b, b + 4) for b in bases]
+    for run in runs:
+        assert run.stop <= top, f"{run} reaches into the ephemeral range starting at {top}"
+        for port in run:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+    taken = [p for run in runs for p in run]
+    assert len(taken) == len(set(taken)), "a port was handed out twice"
+
+
+def test_free_port_skips_a_port_that_is_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steer the draw onto a listening port first; the next draw must not return it.
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", free_port(span=1)))
+        busy.listen()
+        held = busy.getsockname()[1]
+        draws = iter([held, held + 100])
+        from kvbridge.testing import ports
+
+        monkeypatch.setattr(ports._rng, "randrange", lambda *_: next(draws))
+        assert free_port(span=1) == held + 100
+
+
+def test_ephemeral_start_reads_the_kernel_setting(tmp_path: Path) -> None:
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("40000\t60999\n")
+    assert ephemeral_start(setting) == 40000
+    assert ephemeral_start(tmp_path / "missing") == 32768
+
+
+@pytest.mark.parametrize("end", ["kill", "stop"])
+def test_ending_a_server_ends_its_group_and_removes_its_shared_memory(tmp_path: Path, end: str) -> None:
+    # A parent and a child that share a POSIX shared-memory segment, as vLLM's processes do.
+    script = textwrap.dedent("""
+        import multiprocessing as mp, sys, time
+        from multiprocessing import shared_memory
+        def child(name):
+            seg = shared_memory.SharedMemory(name=name)
+            time.sleep(600)
+        if __name__ == "__main__":
+            seg = shared_memory.SharedMemory(create=True, size=1 << 20)
+            p = mp.get_context("fork").Process(target=child, args=(seg.name,))
+            p.start()
+            print(seg.name, p.pid, flush=True)
+            time.sleep(600)
+    """)
+    log = tmp_path / "group.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    server = Server(port=0, proc=proc, log_path=log)
+    try:
+        deadline = time.monotonic() + 30
+        while not log.read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        name, child_pid = log.read_text().split()
+        segment = Path("/dev/shm") / name
+        assert segment.exists()
+        assert {proc.pid, int(child_pid)} <= set(_group_members(proc.pid))
+        getattr(server, end)()
+        assert _group_members(proc.pid) == []
+        assert not segment.exists(), f"{segment} leaked after {end}"
+    finally:
+        server.stop(timeout=5)
+
+
+def test_failure_report_shows_the_root_cause_far_above_the_tail(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    lines = ["INFO starting"] + ["OSError: [Errno 98] Address already in use"] + [f"INFO line {i}" for i in range(500)]
+    log.write_text("\n".join(lines))
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    report = Server(port=0, proc=proc, log_path=log).failure_report(lines=10)
+    assert "Address already in use" in report
+    assert "INFO line 499" in report and "INFO line 400" not in report
