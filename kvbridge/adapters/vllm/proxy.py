@@ -5,8 +5,11 @@ and the other way round: the prefill server gets the request with `max_tokens: 1
 `kv_transfer_params: {"do_remote_decode": true}`; the `kv_transfer_params` its response carries
 go into the decode request, whose answer (streamed or not) is passed through to the client.
 Instances are picked round-robin among the healthy ones; a health loop takes a dead instance
-out and puts it back when it answers again. A client that disconnects closes the upstream
-request, which vLLM turns into an abort.
+out (at once when it refuses connections, after a few timed-out probes when it is only slow) and
+puts it back when it answers again. A decode server that refuses the connection is skipped for
+the next one, since prefill holds the KV for whichever decode asks. Responses name the servers
+that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`. A client that disconnects closes
+the upstream request, which vLLM turns into an abort.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from kvbridge.errors import ConfigError
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+PROBE_TIMEOUT_S = 5.0
+SLOW_PROBES = 3
 
 
 @attrs.define(eq=False)
@@ -36,6 +41,7 @@ class Instance:
     url: str
     role: str
     healthy: bool = True
+    slow_probes: int = 0  # health probes in a row that timed out
 
 
 class Pool:
@@ -114,8 +120,15 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def probe(inst: Instance) -> None:
+        # A server that refuses connections or answers an error is down now. One that is only slow
+        # to answer /health is busy (a loaded vLLM can take seconds), and taking it out would shift
+        # all its traffic onto the others; it is down after SLOW_PROBES slow answers in a row.
         try:
-            ok = (await client.get(f"{inst.url}/health", timeout=5.0)).status_code == 200
+            resp = await client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+            ok, inst.slow_probes = resp.status_code == 200, 0
+        except httpx.TimeoutException:
+            inst.slow_probes += 1
+            ok = inst.healthy and inst.slow_probes < SLOW_PROBES
         except httpx.HTTPError:
             ok = False
         if ok != inst.healthy:
@@ -140,7 +153,7 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
 
     app = FastAPI(lifespan=lifespan)
 
-    async def call_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    async def call_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
         """POST to a prefill server; on a connection failure take it out and try the next one."""
         for _ in range(len(pools["prefill"].instances)):
             inst = pools["prefill"].pick()
@@ -151,19 +164,35 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
                 inst.healthy = False
                 continue
             resp.raise_for_status()
-            return resp.json()
+            return inst.url, resp.json()
         raise NoInstance(f"no prefill server answered for {path}")
+
+    async def send_decode(path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[Instance, httpx.Response]:
+        """Start the decode request (streamed). A decode server that refuses the connection never saw
+        the request, and prefill still holds the KV for whichever decode asks, so try the next one."""
+        for _ in range(len(pools["decode"].instances)):
+            inst = pools["decode"].pick()
+            upstream = client.build_request("POST", f"{inst.url}{path}", json=body, headers=headers)
+            try:
+                return inst, await client.send(upstream, stream=True)
+            except httpx.ConnectError as exc:
+                log.warning("decode server %s refused the connection (%s): taken out", inst.url, exc)
+                inst.healthy = False
+            except httpx.TransportError:
+                inst.healthy = False
+                raise
+        raise NoInstance(f"no decode server accepted {path}")
 
     async def handle(path: str, request: Request) -> Any:
         body = await request.json()
         request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
         headers = {"X-Request-Id": request_id}
         try:
-            first = await until_disconnect(request, call_prefill(path, body, headers))
-            if first is None:
+            answer = await until_disconnect(request, call_prefill(path, body, headers))
+            if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", request_id)
                 return JSONResponse({"error": "client disconnected"}, status_code=499)
-            decode = pools["decode"].pick()
+            first_url, first = answer
         except NoInstance as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
         except httpx.HTTPStatusError as exc:
@@ -175,12 +204,12 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
         else:
             log.warning("prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt",
                         request_id)
-        upstream = client.build_request("POST", f"{decode.url}{path}", json=decode_body, headers=headers)
         try:
-            resp = await client.send(upstream, stream=True)
+            decode, resp = await send_decode(path, decode_body, headers)
+        except NoInstance as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
         except httpx.TransportError as exc:
-            decode.healthy = False
-            return JSONResponse({"error": f"decode server {decode.url} failed: {exc}"}, status_code=503)
+            return JSONResponse({"error": f"decode failed: {exc}"}, status_code=503)
 
         async def relay() -> AsyncIterator[bytes]:
             # When the client goes away Starlette stops this generator; closing the upstream
@@ -192,7 +221,8 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
                 await resp.aclose()
 
         return StreamingResponse(relay(), status_code=resp.status_code,
-                                 media_type=resp.headers.get("content-type", "application/json"))
+                                 media_type=resp.headers.get("content-type", "application/json"),
+                                 headers={"x-kvbridge-prefill": first_url, "x-kvbridge-decode": decode.url})
 
     for path in ROUTES:
         app.add_api_route(path, _bind(handle, path), methods=["POST"])

@@ -1,0 +1,129 @@
+"""`kvbridge proxy` routing, against small real HTTP upstreams on 127.0.0.1 that answer like vLLM's
+OpenAI server does in a P/D pair (the end-to-end tests run it against real vLLM servers).
+
+These pin what is hard to provoke with real servers at the right moment: a decode server that is
+dead before the health loop has noticed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+
+from kvbridge.adapters.vllm import proxy
+from kvbridge.adapters.vllm.proxy import SLOW_PROBES, create_app
+from kvbridge.testing.ports import free_port
+
+
+class Serving:
+    """A uvicorn server for `app` on 127.0.0.1, in a thread, for the life of a `with` block."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.port = free_port(span=1)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Serving:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+
+class Upstream(Serving):
+    """Answers like a vLLM server of `role`, records the bodies it was sent, and answers /health
+    slowly (`slow_health_s`) for its first `slow_health` probes."""
+
+    def __init__(self, role: str, *, slow_health: int = 0, slow_health_s: float = 0.0) -> None:
+        self.role, self.bodies, self.health_calls = role, [], 0
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def complete(request: Request) -> dict:
+            body = await request.json()
+            self.bodies.append(body)
+            params = {"remote_engine_id": "e", "remote_block_ids": [1, 2]} if role == "prefill" else None
+            return {"choices": [{"text": role, "index": 0}], "kv_transfer_params": params}
+
+        @app.get("/health")
+        async def health() -> dict:
+            self.health_calls += 1
+            if self.health_calls <= slow_health:
+                await asyncio.sleep(slow_health_s)
+            return {}
+
+        super().__init__(app)
+
+
+@pytest.fixture
+def upstreams() -> Iterator[tuple[Upstream, Upstream]]:
+    with Upstream("prefill") as prefill, Upstream("decode") as decode:
+        yield prefill, decode
+
+
+def _session(app: FastAPI, requests: list[dict]) -> tuple[list[httpx.Response], dict]:
+    """POST each body to the proxy in one event loop (the proxy's upstream client lives in it),
+    then read /instances."""
+    async def go() -> tuple[list[httpx.Response], dict]:
+        # No lifespan: the health loop never runs, so only the request path can find a dead server.
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            answers = [await client.post("/v1/completions", json=body) for body in requests]
+            return answers, (await client.get("/instances")).json()
+
+    return asyncio.run(go())
+
+
+def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: tuple[Upstream, Upstream]) -> None:
+    prefill, decode = upstreams
+    dead = f"http://127.0.0.1:{free_port(span=1)}"  # nothing listens there
+    app = create_app([prefill.url], [dead, decode.url])
+    answers, state = _session(app, [{"model": "m", "prompt": f"p{i}", "max_tokens": 8} for i in range(3)])
+    for r in answers:
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "decode"
+        assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, decode.url)
+    # Every decode request carried prefill's kv_transfer_params; prefill was asked for one token.
+    assert [b["kv_transfer_params"] for b in decode.bodies] == [{"remote_engine_id": "e", "remote_block_ids": [1, 2]}] * 3
+    assert all(b["max_tokens"] == 1 and b["kv_transfer_params"]["do_remote_decode"] for b in prefill.bodies)
+    assert state["decode"] == [{"url": dead, "healthy": False}, {"url": decode.url, "healthy": True}]
+
+
+def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upstream, Upstream]) -> None:
+    prefill, _ = upstreams
+    dead = [f"http://127.0.0.1:{free_port(span=1)}" for _ in range(2)]
+    (r,), state = _session(create_app([prefill.url], dead), [{"model": "m", "prompt": "p", "max_tokens": 8}])
+    assert r.status_code == 503
+    assert "no decode server accepted" in r.json()["error"]
+    assert not any(d["healthy"] for d in state["decode"])
+
+
+@pytest.mark.parametrize("slow", [SLOW_PROBES - 1, 10**6])
+def test_a_slow_health_answer_is_busy_not_dead(monkeypatch: pytest.MonkeyPatch, slow: int) -> None:
+    monkeypatch.setattr(proxy, "PROBE_TIMEOUT_S", 0.05)
+    with Upstream("prefill") as prefill, Upstream("decode", slow_health=slow, slow_health_s=0.5) as decode, \
+            Serving(create_app([prefill.url], [decode.url], health_interval=0.01)) as front:
+        deadline = time.monotonic() + 30
+        while decode.health_calls < SLOW_PROBES + 2:
+            assert time.monotonic() < deadline, "the proxy stopped probing"
+            time.sleep(0.01)
+        state = httpx.get(f"{front.url}/instances", trust_env=False).json()
+    # Fewer slow answers in a row than SLOW_PROBES never take a server out; endless ones do.
+    assert state["decode"][0]["healthy"] is (slow < SLOW_PROBES)
