@@ -47,6 +47,7 @@ class Registration:
     version: str
     capabilities: BackendCapabilities | None = None
     memory_kind: MemoryKind | None = None
+    hardware: Callable[[], bool] | None = None
     _reason: str | None = attrs.field(default=None, init=False)
     _probed: bool = attrs.field(default=False, init=False)
 
@@ -59,6 +60,15 @@ class Registration:
                 self._reason = f"availability check failed: {type(exc).__name__}: {exc}"
             self._probed = True
         return self._reason
+
+    def _hardware_here(self) -> bool | None:
+        if self.hardware is None:
+            return None
+        try:
+            return bool(self.hardware())
+        except Exception:  # an unanswerable check is "unknown", never a crash of the listing
+            log.debug("hardware check of %s %s raised", self.kind, self.name, exc_info=True)
+            return None
 
     def info(self) -> PluginInfo:
         reason = self.unavailable_reason()
@@ -76,6 +86,7 @@ class Registration:
             available=reason is None,
             reason=reason or "",
             hint=self.install_hint if reason else "",
+            hardware_here=self._hardware_here(),
             distribution=self.distribution,
             version=self.version,
             detail=detail,
@@ -169,6 +180,7 @@ class Registry:
             memory_kind: MemoryKind | str | None = None,
             probe: Callable[[], str | None] | None = None,
             install_hint: str = "",
+            hardware: Callable[[], bool] | None = None,
         ) -> None:
             key = name.lower()
             if kind == "backend" and capabilities is None:
@@ -183,6 +195,7 @@ class Registry:
                 kind=kind, name=key, factory=factory, probe=probe, install_hint=install_hint,
                 distribution=dist, version=version, capabilities=capabilities,
                 memory_kind=MemoryKind(memory_kind) if memory_kind is not None else None,
+                hardware=hardware,
             )
 
         return register

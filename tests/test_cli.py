@@ -35,13 +35,16 @@ def test_plugins_lists_the_builtins_and_mooncake() -> None:
 
 
 def test_doctor_reports_each_plugin() -> None:
-    # The repo's cuda/npu/mlu device plugins are installed and cannot run here: doctor says so, exit 1.
+    # The repo's cuda/npu/mlu device plugins are installed; this machine has none of that hardware,
+    # which is not a problem to fix, so doctor lists them as "not here" and exits 0.
+    assert not list(Path("/dev").glob("nvidia[0-9]*")), "this test expects a machine without a GPU"
     out = kvbridge("doctor", "--json", check=False)
     checks = {c["subject"]: c for c in json.loads(out.stdout)}
     assert checks["libibverbs"]["ok"]
     assert checks["backend mooncake"]["ok"]
-    assert not checks["device cuda"]["ok"] and "no CUDA device" in checks["device cuda"]["detail"]
-    assert out.returncode == 1
+    assert checks["device cuda"]["status"] == "not here" and "no CUDA device" in checks["device cuda"]["detail"]
+    assert checks["device npu"]["status"] == checks["device mlu"]["status"] == "not here"
+    assert out.returncode == 0, out.stdout
 
 
 @pytest.mark.parametrize("backend, extra", [("mooncake", []), ("tcp", ["--fragmented"]),

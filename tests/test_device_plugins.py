@@ -111,3 +111,15 @@ def test_cuda_pci_address_from_the_driver_listing(tmp_path: Path) -> None:
     assert _pci_by_uuid("GPU-1234abcd-0000", tmp_path) == "0000:3b:00.0"
     assert _pci_by_uuid("GPU-ffff", tmp_path) is None
     assert _pci_by_uuid("GPU-1234abcd-0000", tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize("module, node", [("kvbridge_cuda", "nvidia0"), ("kvbridge_ascend", "davinci3"),
+                                          ("kvbridge_mlu", "cambricon_dev1")])
+def test_hardware_check_reads_device_nodes_without_the_vendor_runtime(tmp_path: Path, module: str,
+                                                                        node: str) -> None:
+    hardware = importlib.import_module(f"{module}.plugin").hardware
+    (tmp_path / "nvidiactl").touch()  # control nodes alone are not a device
+    (tmp_path / "davinci_manager").touch()
+    assert hardware(tmp_path) is False
+    (tmp_path / node).touch()
+    assert hardware(tmp_path) is True

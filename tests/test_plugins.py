@@ -44,6 +44,10 @@ class ThrowawayDevice(CpuDevice):
 @kvbridge.hookimpl
 def kvbridge_register_devices(register):
     register("Throwaway-Dev", ThrowawayDevice, memory_kind="dram")
+    register("gone-dev", ThrowawayDevice, memory_kind="vram", probe=lambda: "no such device",
+             install_hint="install the driver", hardware=lambda: False)
+    register("broken-dev", ThrowawayDevice, memory_kind="vram", probe=lambda: "driver too old",
+             install_hint="upgrade the driver", hardware=lambda: True)
 '''
 
 BROKEN_MODULE = "raise ImportError('libfoo.so.1: cannot open shared object file')\n"
@@ -181,3 +185,15 @@ except kvbridge.PluginUnavailable as e:
     got = run_kvbridge(code, dists["good"])
     assert "libmissing.so.9" in got["reason"] and "Fix: apt-get install libmissing9" in got["text"]
     assert issubclass(PluginUnavailable, kvbridge.KVBridgeError)
+
+
+def test_doctor_tells_absent_hardware_from_a_problem(dists: dict[str, Path]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(dists["good"])}
+    out = subprocess.run([sys.executable, "-m", "kvbridge", "doctor", "--json"], capture_output=True, text=True,
+                         env=env, timeout=120)
+    checks = {c["subject"]: c for c in json.loads(out.stdout)}
+    assert checks["device gone-dev"]["status"] == "not here" and checks["device gone-dev"]["fix"] == ""
+    assert checks["device broken-dev"]["status"] == "PROBLEM"
+    assert checks["device broken-dev"]["fix"] == "upgrade the driver"
+    assert checks["device throwaway-dev"]["status"] == "ok"
+    assert out.returncode == 1  # broken-dev (and needs-lib) are problems; gone-dev alone would not be

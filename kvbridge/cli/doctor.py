@@ -16,10 +16,18 @@ from kvbridge.plugins import list_backends, list_devices, refused_plugins
 
 @attrs.frozen
 class Check:
+    """One line of the report. `absent` marks a plugin whose hardware is not on this machine:
+    nothing to fix here, so it does not fail the exit status."""
+
     subject: str
     ok: bool
     detail: str
     fix: str = ""
+    absent: bool = False
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.ok else "not here" if self.absent else "PROBLEM"
 
 
 def machine_checks() -> list[Check]:
@@ -44,7 +52,8 @@ def plugin_checks() -> list[Check]:
     out = []
     for info in list_backends() + list_devices() + refused_plugins():
         detail = "available" if info.available else info.reason
-        out.append(Check(f"{info.kind} {info.name}", info.available, detail, info.hint))
+        absent = not info.available and info.hardware_here is False
+        out.append(Check(f"{info.kind} {info.name}", info.available, detail, "" if absent else info.hint, absent))
     return out
 
 
@@ -53,7 +62,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "doctor",
         help="check this machine for each installed plugin",
         description="Check native libraries, devices and NICs for every installed plugin; print the fix for "
-        "each problem. Exit status 1 when an installed plugin cannot run here.",
+        "each problem. A device plugin whose hardware is not on this machine (a GPU plugin on a CPU-only "
+        "host) is listed as 'not here'. Exit status 1 when there is a problem: an installed plugin that "
+        "cannot run although its hardware is here (or is not tied to hardware), or a missing library.",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
@@ -62,8 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     checks = machine_checks() + plugin_checks()
     if args.json:
-        print_json([wire.to_dict(c) for c in checks])
+        print_json([{**wire.to_dict(c), "status": c.status} for c in checks])
     else:
-        rows = [(c.subject, "ok" if c.ok else "PROBLEM", c.detail, c.fix) for c in checks]
+        rows = [(c.subject, c.status, c.detail, c.fix) for c in checks]
         print_table("kvbridge doctor", ["check", "status", "detail", "fix"], rows)
-    return 0 if all(c.ok for c in checks) else 1
+    return 0 if all(c.ok or c.absent for c in checks) else 1

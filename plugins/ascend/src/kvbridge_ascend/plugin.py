@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 
 import kvbridge
 from kvbridge.types import MemoryKind
@@ -14,6 +15,11 @@ INSTALL_HINT = (
     "on a machine with an Ascend NPU and CANN, in an environment built for torch-npu (it pins its own torch): "
     "pip install 'kvbridge-ascend[torch-npu]'"
 )
+
+
+def hardware(dev: Path = Path("/dev")) -> bool:
+    """An Ascend NPU device node (/dev/davinciN) exists here; needs neither torch_npu nor CANN."""
+    return any(dev.glob("davinci[0-9]*"))
 
 
 def probe() -> str | None:
@@ -35,4 +41,5 @@ def _factory() -> kvbridge.Device:
 
 @kvbridge.hookimpl
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register("npu", _factory, memory_kind=MemoryKind.NPU, probe=probe, install_hint=INSTALL_HINT)
+    register("npu", _factory, memory_kind=MemoryKind.NPU, probe=probe, install_hint=INSTALL_HINT,
+             hardware=hardware)

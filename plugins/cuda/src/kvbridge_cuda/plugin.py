@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import kvbridge
 from kvbridge.types import MemoryKind
@@ -13,6 +14,11 @@ INSTALL_HINT = (
     "run on a machine with an NVIDIA GPU and driver, in an environment with a CUDA build of torch "
     "(pip install 'kvbridge-cuda[torch]', or torch from https://download.pytorch.org/whl/cu128)"
 )
+
+
+def hardware(dev: Path = Path("/dev")) -> bool:
+    """An NVIDIA GPU device node (/dev/nvidiaN) exists here; needs neither torch nor the driver library."""
+    return any(dev.glob("nvidia[0-9]*"))
 
 
 def probe() -> str | None:
@@ -36,4 +42,5 @@ def _factory() -> kvbridge.Device:
 
 @kvbridge.hookimpl
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register("cuda", _factory, memory_kind=MemoryKind.VRAM, probe=probe, install_hint=INSTALL_HINT)
+    register("cuda", _factory, memory_kind=MemoryKind.VRAM, probe=probe, install_hint=INSTALL_HINT,
+             hardware=hardware)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 
 import kvbridge
 from kvbridge.types import MemoryKind
@@ -14,6 +15,11 @@ INSTALL_HINT = (
     "on a machine with a Cambricon MLU and CNToolkit, install Cambricon's torch_mlu wheel built for your torch "
     "(it is not on PyPI; Cambricon's PyTorch containers ship it)"
 )
+
+
+def hardware(dev: Path = Path("/dev")) -> bool:
+    """A Cambricon MLU device node (/dev/cambricon_devN) exists here; needs neither torch_mlu nor CNToolkit."""
+    return any(dev.glob("cambricon_dev[0-9]*"))
 
 
 def probe() -> str | None:
@@ -35,4 +41,5 @@ def _factory() -> kvbridge.Device:
 
 @kvbridge.hookimpl
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register("mlu", _factory, memory_kind=MemoryKind.MLU, probe=probe, install_hint=INSTALL_HINT)
+    register("mlu", _factory, memory_kind=MemoryKind.MLU, probe=probe, install_hint=INSTALL_HINT,
+             hardware=hardware)
