@@ -15,16 +15,35 @@ import gc
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+import attrs
 import numpy as np
 import pytest
 
 import kvbridge
 from kvbridge import wire
-from kvbridge.backend import MigrationBackend
+from kvbridge.backend import MigrationBackend, Peer
 from kvbridge.errors import ConfigError, InvalidDescriptor, KVBridgeError, PluginNotFound, TransferError
 from kvbridge.types import EndpointInfo, MemoryKind
 
 SIZE = 1 << 16
+
+
+@attrs.frozen
+class Wired:
+    """Both backends of a pair with a buffer each registered: `a` holds `src`, `b` holds `dst`."""
+
+    a: MigrationBackend
+    b: MigrationBackend
+    src: np.ndarray
+    dst: np.ndarray
+
+    def b_to_a(self) -> Peer:
+        """b's handle on a: b reads a's `src` into `dst` through it."""
+        return self.b.connect(self.a.endpoint_info())
+
+    def a_to_b(self) -> Peer:
+        """a's handle on b: a writes its `src` into b's `dst` through it."""
+        return self.a.connect(self.b.endpoint_info())
 
 
 class TransportConformance:
@@ -63,6 +82,14 @@ class TransportConformance:
         src = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
         return src, np.zeros(SIZE, dtype=np.uint8)
 
+    @pytest.fixture
+    def wired(self, pair: tuple[MigrationBackend, MigrationBackend], buffers: tuple[np.ndarray, np.ndarray]) -> Wired:
+        a, b = pair
+        src, dst = buffers
+        a.register_memory(src)
+        b.register_memory(dst)
+        return Wired(a, b, src, dst)
+
     # -- registration ------------------------------------------------------------------------
 
     def test_registered_with_capabilities(self, pair: tuple[MigrationBackend, MigrationBackend]) -> None:
@@ -92,13 +119,9 @@ class TransportConformance:
     # -- moving bytes --------------------------------------------------------------------------
 
     @pytest.mark.parametrize("op", ["read", "write"])
-    def test_round_trip(self, pair: tuple[MigrationBackend, MigrationBackend],
-                        buffers: tuple[np.ndarray, np.ndarray], op: str) -> None:
+    def test_round_trip(self, wired: Wired, op: str) -> None:
         """Ranges of mixed sizes (1 byte up to 16 KiB), scattered and shuffled, both directions."""
-        a, b = pair
-        src, dst = buffers
-        a.register_memory(src)
-        b.register_memory(dst)
+        a, b, src, dst = wired.a, wired.b, wired.src, wired.dst
         rng = np.random.default_rng(11)
         lengths = np.array([1, 7, 64, 512, 4096, 16384, 3, 1000], dtype=np.int64)
         slots = np.cumsum(np.concatenate(([0], lengths[:-1] + 16)))  # gaps of 16 bytes stay untouched
@@ -109,22 +132,18 @@ class TransportConformance:
             expected[d : d + n] = src[s : s + n]
         if op == "read":  # b pulls a's bytes into its buffer
             desc = np.stack([dst.ctypes.data + slots, src.ctypes.data + src_off, lengths], axis=1)
-            b.transfer(b.connect(a.endpoint_info()), desc, "read").wait(self.timeout)
+            b.transfer(wired.b_to_a(), desc, "read").wait(self.timeout)
         else:  # a pushes its bytes into b's buffer
             desc = np.stack([src.ctypes.data + src_off, dst.ctypes.data + slots, lengths], axis=1)
-            a.transfer(a.connect(b.endpoint_info()), desc, "write").wait(self.timeout)
+            a.transfer(wired.a_to_b(), desc, "write").wait(self.timeout)
         assert np.array_equal(dst, expected)
 
-    def test_batch_larger_than_max_batch(self, pair: tuple[MigrationBackend, MigrationBackend],
-                                         buffers: tuple[np.ndarray, np.ndarray]) -> None:
-        a, b = pair
-        src, dst = buffers
-        a.register_memory(src)
-        b.register_memory(dst)
+    def test_batch_larger_than_max_batch(self, wired: Wired) -> None:
+        a, b, src, dst = wired.a, wired.b, wired.src, wired.dst
         n = min(2 * (a.capabilities.max_batch or 256) + 3, SIZE // 16)
         order = np.arange(n, dtype=np.int64)[::-1]  # reversed: no two descriptors merge, so n are submitted
         desc = np.stack([dst.ctypes.data + np.arange(n) * 16, src.ctypes.data + order * 16, np.full(n, 16)], axis=1)
-        handle = b.transfer(b.connect(a.endpoint_info()), desc, "read")
+        handle = b.transfer(wired.b_to_a(), desc, "read")
         handle.wait(self.timeout)
         assert handle.done() and handle.descriptors == n and handle.nbytes == 16 * n
         assert np.array_equal(dst[: 16 * n].reshape(n, 16), src[: 16 * n].reshape(n, 16)[order])
@@ -139,13 +158,9 @@ class TransportConformance:
 
     # -- error kinds -------------------------------------------------------------------------------
 
-    def test_unregistered_ranges_are_invalid_descriptors(self, pair: tuple[MigrationBackend, MigrationBackend],
-                                                         buffers: tuple[np.ndarray, np.ndarray]) -> None:
-        a, b = pair
-        src, dst = buffers
-        a.register_memory(src)
-        b.register_memory(dst)
-        peer = b.connect(a.endpoint_info())
+    def test_unregistered_ranges_are_invalid_descriptors(self, wired: Wired) -> None:
+        b, src, dst = wired.b, wired.src, wired.dst
+        peer = wired.b_to_a()
         with pytest.raises(InvalidDescriptor):
             b.transfer(peer, [(dst.ctypes.data + SIZE - 8, src.ctypes.data, 16)], "read")
         with pytest.raises(InvalidDescriptor):
@@ -172,15 +187,11 @@ class TransportConformance:
         with pytest.raises(ConfigError, match="closed"):
             a.endpoint_info()
 
-    def test_dead_peer_is_a_transfer_error(self, pair: tuple[MigrationBackend, MigrationBackend],
-                                           buffers: tuple[np.ndarray, np.ndarray]) -> None:
-        a, b = pair
-        src, dst = buffers
-        a.register_memory(src)
-        b.register_memory(dst)
-        peer = b.connect(a.endpoint_info())
+    def test_dead_peer_is_a_transfer_error(self, wired: Wired) -> None:
+        b, src, dst = wired.b, wired.src, wired.dst
+        peer = wired.b_to_a()
         b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 64)], "read").wait(self.timeout)
-        self.kill(a)
+        self.kill(wired.a)
         with pytest.raises(TransferError) as err:
             b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 64)], "read").wait(self.timeout)
         assert isinstance(err.value, KVBridgeError)
