@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -59,6 +60,17 @@ def test_bench_verifies_a_two_process_migration(backend: str, extra: list[str]) 
         assert per_request["merged_runs_per_request"] > 4 * 2
     else:  # contiguous blocks: one run per (layer, K/V) tensor
         assert per_request["merged_runs_per_request"] == 4 * 2
+
+
+def test_bench_passes_transport_options_to_both_sides() -> None:
+    piece = 1000  # bytes: every (layer, K/V) run is cut into ceil(run / 1000) descriptors
+    result = json.loads(kvbridge("bench", "--migration-backend", "mooncake", *QUICK,
+                                 "--option", f"max_descriptor_bytes={piece}", "--json").stdout)
+    assert result["verified"] is True and result["config"]["options"] == {"max_descriptor_bytes": piece}
+    run_bytes = result["config"]["bytes_per_request"] // (4 * 2)
+    assert result["kvbridge"]["submitted_descriptors_per_request"] == 4 * 2 * math.ceil(run_bytes / piece)
+    bad = kvbridge("bench", "--migration-backend", "mooncake", "--option", "no-equals-sign", check=False)
+    assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr
 
 
 def test_bench_table_for_people() -> None:

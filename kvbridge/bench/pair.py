@@ -36,6 +36,21 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "measure staging (it is automatic where the transport cannot, e.g. tcp for cuda)")
     group.add_argument("--seed", type=int, default=0, help="seed for --fragmented block ids")
     group.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
+    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", type=_option,
+                       help="transport option passed to create_backend on both sides, repeatable; e.g. "
+                            "--option max_descriptor_bytes=4194304 (see the transport's docs)")
+
+
+def _option(text: str) -> tuple[str, int | float | str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
 
 
 def plan_blocks(requests: int, per_request: int, capacity: int, fragmented: bool, rng: np.random.Generator
@@ -69,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     src_plan = plan_blocks(requests, per_request, prefill_blocks, args.fragmented, rng)
     dst_plan = plan_blocks(requests, per_request, decode_blocks, args.fragmented, rng)
     common = dict(backend=args.migration_backend, protocol=args.protocol, device=args.device, model=spec.name,
-                  options={}, stage=args.stage)
+                  options=dict(args.option), stage=args.stage)
     request_bytes = per_request * spec.bytes_per_token() * spec.block_size
 
     # Mooncake logs every handshake at INFO through glog; the bench keeps its children to warnings.
@@ -120,7 +135,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "migration_backend": args.migration_backend, "protocol": args.protocol, "device": args.device,
             "stage": args.stage, "model": spec.name, "tokens": tokens, "requests": requests, "fragmented": args.fragmented,
-            "repeat": args.repeat, "bytes_per_request": request_bytes,
+            "repeat": args.repeat, "bytes_per_request": request_bytes, "options": dict(args.option),
         },
         "kvbridge": {
             "gbps": kv_gbps,
