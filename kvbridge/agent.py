@@ -10,7 +10,12 @@ Lifecycle::
     agent.close()
 
 On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)` says how many
-pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once.
+pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once, and
+`agent.publish(blocks)` makes a computed request's blocks readable before it is offered.
+
+Device memory a transport cannot reach (GPU memory over `tcp`, say) goes through host staging
+(`kvbridge.staging`): the agent registers host mirrors, publishes a layout whose addresses are the
+mirrors', copies device -> mirror in `publish`, and mirror -> device when a pull lands.
 
 The completion seam (what the control plane wires to DONE messages and leases): `on_done` is
 called exactly once per `pull`, from a transport thread (or before `pull` returns when the rank has
@@ -36,7 +41,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge import wire
+from kvbridge import staging, wire
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
 from kvbridge.errors import ConfigError, TopologyError, TransferTimeout
 from kvbridge.layout import KVLayout, check_compatible
@@ -144,8 +149,11 @@ class KVAgent:
         *,
         backend: str | MigrationBackend = "mooncake",
         device: str = "cpu",
+        stage: bool = False,
         **backend_options: Any,
     ) -> None:
+        """`backend` by name is created (and staged where it cannot reach the device's memory, or
+        always with `stage=True`) and closed by the agent; a backend object is used as given."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -159,16 +167,28 @@ class KVAgent:
             )
         self.device = get_device(device)
         self._own_backend = isinstance(backend, str)
-        self.backend = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
+        self.backend: MigrationBackend | staging.StagedBackend = (
+            staging.attach(create_backend(backend, **backend_options), self.device, force=stage)
+            if isinstance(backend, str) else backend
+        )
         self._peers: dict[tuple[str, int], Peer] = {}
         self._lock = threading.Lock()
         self._registered: list[Any] = []
         try:
             self._registered = self.backend.register_memory(tensors)
             self._check_registered()
+            self._published = self._layout_for_peers()
         except BaseException:
             self.close()
             raise
+
+    def _layout_for_peers(self) -> KVLayout:
+        """The layout with the addresses peers use: the host mirrors' when staged."""
+        if not isinstance(self.backend, staging.StagedBackend):
+            return self.layout
+        bases = self.backend.host_addresses([r.addr for r in self.layout.regions])
+        regions = [attrs.evolve(r, addr=int(a)) for r, a in zip(self.layout.regions, bases.tolist())]
+        return attrs.evolve(self.layout, regions=regions)
 
     def _check_registered(self) -> None:
         spans = np.array([r.span for r in self.layout.regions], dtype=np.int64)
@@ -181,7 +201,27 @@ class KVAgent:
             )
 
     def info(self) -> RankInfo:
-        return RankInfo(self.engine_id, self.rank, self.parallel, self.layout, self.backend.endpoint_info())
+        return RankInfo(self.engine_id, self.rank, self.parallel, self._published, self.backend.endpoint_info())
+
+    def publish(self, blocks: Sequence[int]) -> None:
+        """On a prefill rank: make these computed blocks readable by peers, before offering them.
+
+        Waits for the device's pending work; through staging it also copies the blocks (every
+        region) device -> host mirror, one vectorized copy per registered buffer.
+        """
+        ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
+            raise ConfigError(f"block ids must lie in [0, {self.layout.num_blocks}), got {blocks!r}")
+        if not isinstance(self.backend, staging.StagedBackend):
+            self.device.before_transfer(self.backend.registered[0].device_id)
+            return
+        if len(ids) == 0:
+            return
+        ranges = np.concatenate([
+            np.stack([r.addr + ids * r.block_stride, np.full(len(ids), r.block_bytes, dtype=np.int64)], axis=1)
+            for r in self.layout.regions
+        ])
+        self.backend.publish(ranges)
 
     def connect(self, remote: RankInfo) -> Peer:
         """Check the remote layout against ours and connect to its endpoint (once per rank)."""

@@ -131,6 +131,13 @@ class StagedBackend:
         self._mirrors = [m for m in self._mirrors if m.region.addr not in addrs]
         self._reindex()
 
+    def host_addresses(self, addrs: Any) -> np.ndarray:
+        """Where peers find these device addresses: the same offsets in the host mirrors."""
+        a = np.asarray(addrs, dtype=np.int64).reshape(-1)
+        self._index.check(a, np.ones_like(a), side="local", peer="")
+        slot = np.searchsorted(self._starts, a, side="right") - 1
+        return self._host_starts[slot] + (a - self._starts[slot])
+
     def _reindex(self) -> None:
         """Mirrors sorted by device address, for vectorized lookups of which buffer a range is in."""
         self._mirrors.sort(key=lambda m: m.region.addr)

@@ -30,13 +30,14 @@ def _cache(model: ModelSpec, heads: int, num_blocks: int) -> tuple[np.ndarray, K
     return buf, vllm_layout(model, heads, [buf.ctypes.data + i * layer for i in range(model.layers)], num_blocks)
 
 
-def _agents(spec: str, engine: str, num_blocks: int, backend: str) -> list[tuple[KVAgent, np.ndarray]]:
+def _agents(spec: str, engine: str, num_blocks: int, backend: str, *, stage: bool = False
+            ) -> list[tuple[KVAgent, np.ndarray]]:
     config = ParallelConfig.parse(spec)
     heads = HeadPlacement.of(MODEL, config, engine).per_rank
     out = []
     for rank in range(config.world_size):
         buf, layout = _cache(MODEL, heads, num_blocks)
-        out.append((KVAgent(engine, rank, config, layout, buf, backend=backend), buf))
+        out.append((KVAgent(engine, rank, config, layout, buf, backend=backend, stage=stage), buf))
     return out
 
 
@@ -202,3 +203,35 @@ def test_the_request_dp_group_picks_the_prefill_ranks() -> None:
         for a, _ in prefill:
             a.close()
         d.close()
+
+
+def test_staged_agents_publish_mirrors_and_land_pulls_in_device_memory(backend: str) -> None:
+    # Both sides staged through host mirrors (as GPU memory over tcp is): peers address the mirrors,
+    # `publish` copies computed blocks into them, and a pull lands in the mirror, then the device buffer.
+    prefill = _agents("tp2", "prefill", 8, backend, stage=True)
+    decode = _agents("tp1", "decode", 12, backend, stage=True)
+    try:
+        tokens = 4 * MODEL.block_size
+        src_blocks, dst_blocks = [6, 1, 2, 3], [9, 10, 0, 4]
+        src_place = HeadPlacement.of(MODEL, prefill[0][0].parallel, "prefill")
+        for agent, buf in prefill:
+            info = agent.info()
+            assert info.layout.regions[0].addr != buf.ctypes.data  # peers see the mirror, not the device buffer
+            fill(agent.layout, buf, [Share(src_blocks, range(4), src_place.heads(agent.coords.shard), tokens)])
+        infos = [a.info() for a, _ in prefill]
+        (agent, buf), = decode
+        share = Share(dst_blocks, range(4), HeadPlacement.of(MODEL, agent.parallel, "decode").heads(0), tokens)
+
+        agent.pull("early", infos, src_blocks, dst_blocks, tokens).wait(30)
+        assert mismatches(agent.layout, buf, [share])[0] > 0, "read the device buffer before it was published"
+
+        for a, _ in prefill:
+            a.publish(src_blocks)
+        agent.pull("req", infos, src_blocks, dst_blocks, tokens).wait(30)
+        n, notes = mismatches(agent.layout, buf, [share])
+        assert n == 0, notes
+        with pytest.raises(ConfigError, match="block ids"):
+            prefill[0][0].publish([8])
+    finally:
+        for a, _ in prefill + decode:
+            a.close()

@@ -83,7 +83,9 @@ class WorkerSide:
     # -- decode: pull; prefill: hold finished requests (offers) -------------------------------
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:
+        assert self.agent is not None
         for request_id, blocks in meta.offers:
+            self.agent.publish(blocks)  # computed by now; through staging, copied to the host mirror
             self.ledger.offer(request_id, blocks)  # the decode side states how many of its ranks read
         for task in meta.pulls:
             if task.local_block_ids:
