@@ -153,7 +153,8 @@ class Registry:
 
     def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
         log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
-        self.refused.append(PluginInfo("plugin", name, False, reason, hint, dist, version))
+        self.refused.append(PluginInfo(kind="plugin", name=name, available=False, reason=reason, hint=hint,
+                                       distribution=dist, version=version))
 
     def _collect(self) -> None:
         # Each hook implementation gets a `register` bound to its own plugin, so every

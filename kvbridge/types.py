@@ -81,7 +81,7 @@ class PluginInfo:
     available: bool
     reason: str = ""
     hint: str = ""
-    hardware_here: bool | None = None  # whether the hardware it drives is on this machine; None: not asked
     distribution: str = ""
     version: str = ""
     detail: dict[str, object] = attrs.field(factory=dict)
+    hardware_here: bool | None = None  # whether the hardware it drives is on this machine; None: not asked
