@@ -8,6 +8,7 @@ dead before the health loop has noticed it.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -127,3 +128,26 @@ def test_a_slow_health_answer_is_busy_not_dead(monkeypatch: pytest.MonkeyPatch, 
         state = httpx.get(f"{front.url}/instances", trust_env=False).json()
     # Fewer slow answers in a row than SLOW_PROBES never take a server out; endless ones do.
     assert state["decode"][0]["healthy"] is (slow < SLOW_PROBES)
+
+
+def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstream, Upstream]) -> None:
+    prefill, _ = upstreams
+    # A decode server that takes the connection and dies before answering.
+    listener = socket.create_server(("127.0.0.1", free_port(span=1)))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def drop_one() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    dropper = threading.Thread(target=drop_one, daemon=True)
+    dropper.start()
+    try:
+        (r,), state = _session(create_app([prefill.url], [url]), [{"model": "m", "prompt": "p", "max_tokens": 8}])
+    finally:
+        dropper.join(timeout=10)
+        listener.close()
+    assert r.status_code == 503 and url in r.json()["error"]
+    assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, url)
+    assert state["decode"] == [{"url": url, "healthy": False}]

@@ -50,6 +50,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="a model folder for --engine vllm (default: a tiny random Llama built on the spot)")
     group.add_argument("--compare", choices=["mooncake", "none"], default="mooncake",
                        help="also run vLLM's MooncakeConnector (tcp) on the same model (default mooncake)")
+    group.add_argument("--keep-logs", default=None, metavar="DIR",
+                       help="write the servers' logs under DIR and keep them (default: a temporary folder)")
 
 
 @attrs.define
@@ -191,9 +193,10 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp:
         root = Path(tmp)
+        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         for launch in launchers:
-            pair = launch(model, root / "logs")
+            pair = launch(model, logs)
             try:
                 wait_healthy([pair.prefill, pair.decode], timeout=600)
                 rows += _measure(pair, str(model), lengths, reps)

@@ -8,6 +8,7 @@ Select it with `--kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -32,11 +33,25 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def share_vllm_logging() -> None:
+    """Send kvbridge's log records through vLLM's handlers, so they land in the server log beside
+    vLLM's own at vLLM's level (vLLM configures only its `vllm` logger). A `kvbridge` logger the
+    operator has configured (it has handlers) is left alone."""
+    ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
 class KVBridgeConnector(KVConnectorBase_V1):
     """Decode reads each request's prompt KV from the prefill server that computed it."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        share_vllm_logging()
         config = vllm_config.kv_transfer_config
         assert config is not None and config.engine_id is not None
         settings = Settings.from_extra_config(config.kv_connector_extra_config)

@@ -8,8 +8,9 @@ Instances are picked round-robin among the healthy ones; a health loop takes a d
 out (at once when it refuses connections, after a few timed-out probes when it is only slow) and
 puts it back when it answers again. A decode server that refuses the connection is skipped for
 the next one, since prefill holds the KV for whichever decode asks. Responses name the servers
-that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`. A client that disconnects closes
-the upstream request, which vLLM turns into an abort.
+that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a decode server that
+failed after taking the request included. A client that disconnects closes the upstream request,
+which vLLM turns into an abort.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ class Pool:
 
 class NoInstance(ConfigError):
     """Every instance of a role is down."""
+
+
+class DecodeFailed(Exception):
+    """The decode server took the request and then failed before answering (it died, say)."""
+
+    def __init__(self, url: str, cause: httpx.TransportError) -> None:
+        super().__init__(f"decode server {url} failed: {type(cause).__name__}: {cause}")
+        self.url = url
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -178,9 +187,9 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
             except httpx.ConnectError as exc:
                 log.warning("decode server %s refused the connection (%s): taken out", inst.url, exc)
                 inst.healthy = False
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
                 inst.healthy = False
-                raise
+                raise DecodeFailed(inst.url, exc) from exc
         raise NoInstance(f"no decode server accepted {path}")
 
     async def handle(path: str, request: Request) -> Any:
@@ -208,8 +217,9 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
             decode, resp = await send_decode(path, decode_body, headers)
         except NoInstance as exc:
             return JSONResponse({"error": str(exc)}, status_code=503)
-        except httpx.TransportError as exc:
-            return JSONResponse({"error": f"decode failed: {exc}"}, status_code=503)
+        except DecodeFailed as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503,
+                                headers={"x-kvbridge-prefill": first_url, "x-kvbridge-decode": exc.url})
 
         async def relay() -> AsyncIterator[bytes]:
             # When the client goes away Starlette stops this generator; closing the upstream

@@ -110,6 +110,7 @@ class WorkerSide:
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
         elapsed = 0.0
+        begun = time.perf_counter()
         try:
             handle = self.control.start(task.request_id, task.params, task.local_block_ids,
                                         on_finished=lambda _rid, error: outcome.append(error))
@@ -120,6 +121,8 @@ class WorkerSide:
             elapsed = time.perf_counter() - start
             result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
             error = outcome[0]
+            log.debug("request %s: control %.1f ms, transfer %.1f ms, DONEs %.1f ms", task.request_id,
+                      (start - begun) * 1e3, elapsed * 1e3, (time.perf_counter() - start - elapsed) * 1e3)
         except KVBridgeError as exc:
             error = exc
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
