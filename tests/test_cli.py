@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,36 @@ def test_without_the_mooncake_wheel_mooncake_is_unavailable(tmp_path: Path) -> N
     assert "kvbridge-mooncake[non-cuda]" in rows["mooncake"]["hint"]
     out = kvbridge("bench", "--migration-backend", "Mooncake", python=py, check=False)
     assert out.returncode == 2 and "unavailable" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigterm_stops_the_processes_the_bench_started() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "bench", "--migration-backend", "mooncake",
+                             "--model", "llama3-8b", "--tokens", "4096", "--repeat", "100", "--json"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        children: list[int] = []
+        deadline = time.monotonic() + 120
+        while len(children) < 2:  # the prefill and decode ranks
+            assert proc.poll() is None and time.monotonic() < deadline, "the bench did not start its ranks"
+            time.sleep(0.2)
+            children = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir()
+                        for c in (t / "children").read_text().split()]
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + 15
+        for pid in children:
+            deadline = time.monotonic() + 30
+            while _alive(pid):
+                assert time.monotonic() < deadline, f"rank process {pid} outlived the bench"
+                time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not gone and not a zombie waiting for its parent to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+from types import FrameType
 
 from kvbridge.errors import KVBridgeError
 
@@ -38,8 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    # SIGTERM would end Python without running `finally`, leaving the processes a bench or test
+    # started (prefill and decode ranks, vLLM servers) running; as an exit, they are stopped.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -35,7 +35,6 @@ BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # cores are shared with other processes here
     "OMP_NUM_THREADS": "1",
-    "VLLM_LOGGING_LEVEL": "INFO",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
@@ -176,6 +175,7 @@ def start_vllm(
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
     full_env = dict(os.environ)
+    full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the caller's level wins (DEBUG shows each pull's timings)
     full_env.update(BASE_ENV)
     full_env.update(env or {})
     with open(log_path, "wb") as out:
