@@ -1,0 +1,82 @@
+"""Registers the `nixl` transport. Imports nothing from NIXL until the backend is created or probed."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import kvbridge
+from kvbridge.types import BackendCapabilities, MemoryKind
+
+KVBRIDGE_PLUGIN_API = 1
+
+# NIXL backends that move memory between two agents (kvbridge's protocols, lower case). NIXL's other
+# plugins (POSIX, GDS, GDS_MT, OBJ, ...) move memory to and from storage, which is not a peer transfer.
+PEER_BACKENDS = ("UCX", "LIBFABRIC", "GPUNETIO", "UCCL")
+
+# The meta package `nixl` picks the variant matching the CUDA found (what vLLM imports); without it,
+# the variant wheels are tried directly.
+_API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+INSTALL_HINT = (
+    "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 (--no-deps: the wheel otherwise pulls a CUDA torch; "
+    "nixl-cu13 on CUDA 13)"
+)
+
+
+def nixl_api() -> ModuleType:
+    """NIXL's Python API module (`nixl_agent`, `nixl_agent_config`); ImportError when none is installed."""
+    errors = []
+    for name in _API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError("; ".join(errors))
+
+
+def shipped_backends() -> tuple[str, ...]:
+    """The peer backends whose NIXL plugin library is installed, found by file name (no import)."""
+    found: set[str] = set()
+    for pkg in ("nixl_cu12", "nixl_cu13"):
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.origin:
+            continue
+        libs = Path(spec.origin).parent.parent / f"{pkg}.libs" / "nixl"
+        found.update(p.name[len("libplugin_") : -len(".so")] for p in libs.glob("libplugin_*.so"))
+    return tuple(b for b in PEER_BACKENDS if b in found) or ("UCX",)
+
+
+def capabilities() -> BackendCapabilities:
+    return BackendCapabilities(
+        protocols=tuple(b.lower() for b in shipped_backends()),
+        memory_kinds={MemoryKind.DRAM, MemoryKind.VRAM},
+        read=True,
+        write=True,
+        notifications=False,
+        # one NIXL request per submission: NIXL takes the whole list in one C++ call
+        max_batch=None,
+    )
+
+
+def probe() -> str | None:
+    """Why NIXL cannot run here, or None."""
+    try:
+        nixl_api()
+    except ImportError as exc:
+        return f"NIXL's Python API is not importable ({exc})"
+    return None
+
+
+def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
+    from kvbridge_nixl.backend import NixlBackend
+
+    return NixlBackend.from_config(config)
+
+
+@kvbridge.hookimpl
+def kvbridge_register_backends(register: Callable[..., None]) -> None:
+    register("nixl", _factory, capabilities=capabilities(), probe=probe, install_hint=INSTALL_HINT)

@@ -1,0 +1,10 @@
+"""NIXL passes kvbridge's transport conformance suite, unchanged, over UCX between two agents."""
+
+from __future__ import annotations
+
+from kvbridge.testing import TransportConformance
+
+
+class TestNixlConformance(TransportConformance):
+    transport_name = "nixl"
+    protocol = "ucx"
