@@ -170,6 +170,7 @@ class NixlBackend(MigrationBackend):
             # Metadata is taken fresh on every connect: it carries the regions registered since the last one.
             try:
                 name = self._agent.add_remote_agent(base64.b64decode(meta))
+                name = name.decode() if isinstance(name, bytes) else name
             except Exception as exc:
                 raise ConfigError(f"NIXL refused the metadata of agent {endpoint.address!r}: {exc}") from exc
             self._remote[name] = self._remote.get(name, 0) + 1
@@ -208,6 +209,8 @@ class NixlBackend(MigrationBackend):
                 return future
             handle = None
             try:
+                # Let NIXL take in what peers sent (a departed agent's disconnect above all) before posting.
+                self._agent.get_new_notifs()
                 ldesc = self._agent.get_xfer_descs(local, mem)
                 rdesc = self._agent.get_xfer_descs(remote, remote_mem)
                 handle = self._agent.initialize_xfer("READ" if op == "read" else "WRITE", ldesc, rdesc, peer.handle,

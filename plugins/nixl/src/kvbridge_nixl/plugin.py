@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -32,9 +34,15 @@ def nixl_api() -> ModuleType:
     errors = []
     for name in _API_MODULES:
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError as exc:
             errors.append(f"{name}: {exc}")
+            continue
+        if "NIXL_LOG_LEVEL" not in os.environ:
+            # NIXL's Python logger writes INFO lines to stdout (one per agent and backend), which would mix into
+            # a program's output; keep it to warnings unless the user asked for more.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
     raise ImportError("; ".join(errors))
 
 
