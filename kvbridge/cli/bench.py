@@ -16,6 +16,7 @@ MODES = {
     "parallel": "kvbridge.bench.parallel",
     "lmdeploy": "kvbridge.bench.lmdeploy",
     "vllm": "kvbridge.bench.vllm",
+    "compare": "kvbridge.bench.compare",
 }
 
 
@@ -55,6 +56,8 @@ def pick_mode(args: argparse.Namespace) -> str:
         return "vllm"
     if getattr(args, "prefill", None) or getattr(args, "decode", None):
         return "parallel"
+    if getattr(args, "compare_transports", None):
+        return "compare"
     return "pair"
 
 
