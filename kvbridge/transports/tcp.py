@@ -23,12 +23,14 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import attrs
 import msgpack
 import numpy as np
 
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, InvalidDescriptor, PeerGone, ProtocolError, TransferFailed
 from kvbridge.memory import Descriptors
+from kvbridge.options import TransportOptions, option, parse
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -137,8 +139,16 @@ def _ranges(desc: np.ndarray) -> bytes:
     return np.ascontiguousarray(desc, dtype="<i8").tobytes()
 
 
+@attrs.frozen
+class TcpOptions(TransportOptions):
+    """Options of the `tcp` transport."""
+
+    port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one")
+    connect_timeout: float = option(10.0, "seconds to wait for a peer to accept a connection before PeerGone")
+
+
 class TcpBackend(MigrationBackend):
-    """Reference transport over plain TCP sockets. Options: `port` (0 = any), `connections` per peer."""
+    """Reference transport over plain TCP sockets; options in `TcpOptions`."""
 
     name = "tcp"
     capabilities = BackendCapabilities(
@@ -147,9 +157,10 @@ class TcpBackend(MigrationBackend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
+        self._options: TcpOptions = parse(TcpOptions, config.options, what="backend 'tcp'")
         self._views = _Views()
         self._token = secrets.token_hex(16)
-        self._listener = socket.create_server((config.hostname, int(config.options.get("port", 0))))
+        self._listener = socket.create_server((config.hostname, self._options.port))
         self._listener.settimeout(0.2)
         self._port = self._listener.getsockname()[1]
         self._stop = threading.Event()
@@ -255,7 +266,7 @@ class TcpBackend(MigrationBackend):
 
     def _dial(self, host: str, port: int, name: str) -> socket.socket:
         try:
-            sock = socket.create_connection((host, port), timeout=float(self.config.options.get("connect_timeout", 10)))
+            sock = socket.create_connection((host, port), timeout=self._options.connect_timeout)
         except OSError as exc:
             raise PeerGone(f"cannot reach tcp peer {name}: {exc}; is it running?", peer=name, cause=str(exc)) from None
         sock.settimeout(None)

@@ -22,14 +22,15 @@ import attrs
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed
 from kvbridge.memory import Descriptors
+from kvbridge.options import parse
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryRegion
 
+from kvbridge_mooncake.options import TCP_DESCRIPTOR_BYTES, MooncakeOptions
 from kvbridge_mooncake.plugin import CAPABILITIES, INSTALL_HINT, probe
 
 log = logging.getLogger(__name__)
 
 P2P = "P2PHANDSHAKE"
-TCP_DESCRIPTOR_BYTES = 1 << 20
 
 # mooncake-transfer-engine include/error.h
 _ERRORS = {
@@ -69,11 +70,7 @@ def explain(rc: int) -> str:
 
 
 class MooncakeBackend(MigrationBackend):
-    """Mooncake Transfer Engine.
-
-    Options: `max_batch` (descriptors per call, default 1024), `max_descriptor_bytes` (default 1 MiB
-    on tcp), `retries` (default 3), `retry_backoff` (seconds, default 0.05).
-    """
+    """Mooncake Transfer Engine; options in `MooncakeOptions`."""
 
     name = "mooncake"
     capabilities = CAPABILITIES
@@ -85,17 +82,15 @@ class MooncakeBackend(MigrationBackend):
             raise PluginUnavailable("backend", "mooncake", reason, INSTALL_HINT)
         from mooncake.engine import TransferEngine
 
-        opts = config.options
-        # Mooncake's TCP transport moves one descriptor per lane: ~1 MiB pieces keep its lanes busy in
-        # parallel (measured: 64 x 1 MiB about twice as fast as 1 x 64 MiB on loopback).
-        piece = opts.get("max_descriptor_bytes", TCP_DESCRIPTOR_BYTES if self.protocol == "tcp" else None)
+        opts: MooncakeOptions = parse(MooncakeOptions, config.options, what="backend 'mooncake'")
+        piece = opts.max_descriptor_bytes
+        if piece is None and self.protocol == "tcp":
+            piece = TCP_DESCRIPTOR_BYTES
         self.capabilities = attrs.evolve(  # type: ignore[misc]
-            CAPABILITIES,
-            max_batch=int(opts.get("max_batch", CAPABILITIES.max_batch)),
-            max_descriptor_bytes=int(piece) if piece else None,
+            CAPABILITIES, max_batch=opts.max_batch, max_descriptor_bytes=piece or None
         )
-        self._retries = int(opts.get("retries", 3))
-        self._backoff = float(opts.get("retry_backoff", 0.05))
+        self._retries = opts.retries
+        self._backoff = opts.retry_backoff
         self._metadata = config.metadata_server or P2P
         if self._metadata.startswith("redis://") and not _supports_redis_metadata():
             # Mooncake aborts the whole process when asked for a metadata plugin it was built without.

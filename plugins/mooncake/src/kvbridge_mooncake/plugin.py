@@ -7,6 +7,8 @@ from collections.abc import Callable
 import kvbridge
 from kvbridge.types import BackendCapabilities, MemoryKind
 
+from kvbridge_mooncake.options import MooncakeOptions
+
 KVBRIDGE_PLUGIN_API = 1
 
 CAPABILITIES = BackendCapabilities(
@@ -44,4 +46,5 @@ def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
 
 @kvbridge.hookimpl
 def kvbridge_register_backends(register: Callable[..., None]) -> None:
-    register("mooncake", _factory, capabilities=CAPABILITIES, probe=probe, install_hint=INSTALL_HINT)
+    register("mooncake", _factory, capabilities=CAPABILITIES, probe=probe, install_hint=INSTALL_HINT,
+             options=MooncakeOptions)
