@@ -38,7 +38,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", type=_option,
                        help="transport option passed to create_backend on both sides, repeatable; e.g. "
-                            "--option max_descriptor_bytes=4194304 (see the transport's docs)")
+                            "--option max_descriptor_bytes=4194304 (`kvbridge plugins NAME` lists them)")
 
 
 def _option(text: str) -> tuple[str, int | float | str]:

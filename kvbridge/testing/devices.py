@@ -219,6 +219,22 @@ class DeviceConformance:
             be.close()
 
 
+class StandInDeviceConformance(DeviceConformance):
+    """`DeviceConformance` on a stand-in for the device's library (`kvbridge.testing.standins`): host
+    memory behind the library's module surface, installed only inside these tests, so CI without the
+    hardware runs the whole suite. Test ids carry `stand-in`."""
+
+    #: the vendor package stood in (``torch_npu``); None where torch itself provides the device (``cuda``).
+    standin_module: ClassVar[str | None] = None
+    device_ids = (0, 1)
+
+    @pytest.fixture(params=["stand-in"])
+    def library(self, monkeypatch: pytest.MonkeyPatch) -> Any:
+        from kvbridge.testing.standins import install_standin
+
+        return install_standin(monkeypatch, self.device_name, self.standin_module)
+
+
 class UnavailableDeviceConformance:
     """What a device plugin must do where its hardware or library is missing: register anyway, say
     why, and fail only when used, with the reason and the fix."""
