@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import attrs
 import pytest
@@ -90,3 +91,16 @@ def test_plugins_name_prints_options_with_defaults_and_docs() -> None:
     declared = {o["name"]: (o["default"], o["doc"]) for o in mooncake["options"]}
     assert declared["retries"][0] == 3 and declared["retry_backoff"][0] == 0.05
     assert all(doc for _, doc in declared.values())
+
+
+def test_the_options_class_in_the_plugin_docs_works_as_documented() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "class MyOptions" in b]
+    scope: dict[str, object] = {}
+    exec(compile(block, "docs/plugins.md", "exec"), scope)  # noqa: S102 - our own docs, to keep them true
+    my_options = scope["MyOptions"]
+    assert {o.name: o.default for o in options.describe(my_options)} == {"workers": 4, "queue_depth": 64,
+                                                                         "compress": False}
+    with pytest.raises(ConfigError, match="did you mean 'queue_depth'"):
+        options.parse(my_options, {"queue_depht": 8}, what="backend 'mytransport'")
+    assert options.parse(my_options, {"queue_depth": "8"}, what="t").queue_depth == 8

@@ -53,7 +53,7 @@ class LoopbackBackend(MigrationBackend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        max_batch = parse(LoopbackOptions, config.options, what="backend 'loopback'").max_batch
+        max_batch = parse(LoopbackOptions, config.options, what=f"backend {self.name!r}").max_batch
         if max_batch is not None:
             self.capabilities = attrs.evolve(self.capabilities, max_batch=max_batch)  # type: ignore[misc]
         self.faults = Faults()

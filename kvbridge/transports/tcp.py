@@ -157,7 +157,7 @@ class TcpBackend(MigrationBackend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        self._options: TcpOptions = parse(TcpOptions, config.options, what="backend 'tcp'")
+        self._options: TcpOptions = parse(TcpOptions, config.options, what=f"backend {self.name!r}")
         self._views = _Views()
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server((config.hostname, self._options.port))
