@@ -113,7 +113,7 @@ def _csv(value: str | None) -> set[str] | None:
     return {v.strip().lower() for v in value.split(",") if v.strip()}
 
 
-class Registry:
+class PluginRegistry:
     """Loads plugins once and answers lookups by case-insensitive name."""
 
     def __init__(self, *, entry_points: bool = True) -> None:
@@ -284,16 +284,16 @@ def _version(dist: str) -> str:
         return "0+unknown"
 
 
-_registry: Registry | None = None
+_registry: PluginRegistry | None = None
 _registry_lock = threading.Lock()
 
 
-def registry() -> Registry:
+def registry() -> PluginRegistry:
     """The process-wide registry, built on first use."""
     global _registry
     with _registry_lock:
         if _registry is None:
-            _registry = Registry()
+            _registry = PluginRegistry()
         return _registry
 
 

@@ -37,7 +37,7 @@ from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferE
 from kvbridge.plugins import create_backend
 from kvbridge.types import EndpointInfo, MemoryRegion
 
-from kvbridge.adapters.lmdeploy.plan import Plan, describe, instruct_array, plan
+from kvbridge.adapters.lmdeploy.plan import InstructPlan, describe, instruct_array, plan
 from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         else:
             self._wait(rid, p, submitted)
 
-    def _submit(self, link: Link, p: Plan) -> list[tuple[TransferHandle, int, int]]:
+    def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
         assert link.peer is not None
         size = link.transport.capabilities.max_batch or len(p.descriptors)
         out = []
@@ -223,7 +223,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             out.append((handle, first, count))
         return out
 
-    def _wait(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+    def _wait(self, rid: str, p: InstructPlan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
         """Block until every batch settled (one deadline for all), then raise the first failure."""
         timeout = self.settings.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -239,7 +239,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         if failure is not None:
             raise failure
 
-    async def _wait_async(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+    async def _wait_async(self, rid: str, p: InstructPlan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
         """Yield to the event loop until every batch settled, then raise the first failure."""
         loop = asyncio.get_running_loop()
         waiters = [_on_loop(loop, handle) for handle, _, _ in submitted]
@@ -316,7 +316,7 @@ def _on_loop(loop: asyncio.AbstractEventLoop, handle: TransferHandle) -> asyncio
     return fut
 
 
-def _failed(rid: str, p: Plan, first: int, count: int, exc: BaseException) -> KVBridgeError:
+def _failed(rid: str, p: InstructPlan, first: int, count: int, exc: BaseException) -> KVBridgeError:
     text = (f"KV migration from remote engine {rid!r} failed: a batch of {count} instructs starting at "
             f"{describe(p.instructs, first)} did not complete: {exc}")
     if isinstance(exc, TransferTimeout):
