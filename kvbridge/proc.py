@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvbridge.errors import KVBridgeError, TransferTimeout
@@ -113,11 +113,6 @@ class Child:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def close_all(children: Sequence[Child]) -> None:
-    for c in children:
-        c.close()
 
 
 def serve(handlers: Mapping[str, Callable[..., Any]]) -> None:

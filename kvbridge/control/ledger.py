@@ -21,11 +21,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import attrs
 
 from kvbridge.control.messages import LeaseState, LeaseStatus
 from kvbridge.errors import ConfigError
+
+_V = TypeVar("_V")
 
 log = logging.getLogger(__name__)
 
@@ -228,17 +231,14 @@ class Ledger:
     def _stash(self, request_id: str, decode_rank: str, expected_pulls: int) -> None:
         """Keep a release-only DONE that came before the offer, for `timeout_s` (lock held)."""
         now = self._clock()
-        while self._early and (len(self._early) >= self._max_tombstones or next(iter(self._early.values()))[0] <= now):
-            self._early.popitem(last=False)
+        _evict(self._early, self._max_tombstones - 1, lambda early: early[0], now)  # room for this one
         _, ranks = self._early.setdefault(request_id, (now + self.timeout_s, {}))
         ranks[decode_rank] = expected_pulls
 
     def _stash_abort(self, request_id: str) -> None:
         """Keep an abort that came before the offer, for `timeout_s` (lock held)."""
         now = self._clock()
-        while self._early_aborts and (len(self._early_aborts) >= self._max_tombstones
-                                      or next(iter(self._early_aborts.values())) <= now):
-            self._early_aborts.popitem(last=False)
+        _evict(self._early_aborts, self._max_tombstones - 1, lambda forget_at: forget_at, now)
         self._early_aborts[request_id] = now + self.timeout_s
 
     def _expect(self, entry: _Entry, expected_pulls: int, decode_rank: str) -> None:
@@ -266,10 +266,7 @@ class Ledger:
             entry.state = state
             entry.forget_at = now + self._tombstone_s
             self._finished[entry.lease.request_id] = entry
-            while self._finished and (
-                len(self._finished) > self._max_tombstones or next(iter(self._finished.values())).forget_at <= now
-            ):
-                self._finished.popitem(last=False)
+            _evict(self._finished, self._max_tombstones, lambda finished: finished.forget_at, now)
         if state is not LeaseState.RELEASED:
             log.info("lease %s epoch %d %s with %d of %s DONEs; releasing %d blocks", entry.lease.request_id,
                      entry.lease.epoch, state.value, len(entry.done), entry.expected,
@@ -280,3 +277,8 @@ class Ledger:
             log.exception("on_release callback failed for request %s", entry.lease.request_id)
         return True
 
+
+def _evict(table: OrderedDict[str, _V], keep: int, forget_at: Callable[[_V], float], now: float) -> None:
+    """Drop the oldest entries (insertion order) while more than `keep` remain or the oldest is due."""
+    while table and (len(table) > keep or forget_at(next(iter(table.values()))) <= now):
+        table.popitem(last=False)
