@@ -161,7 +161,7 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
     good = ControlClient(*r.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect("tcp://%s:%d" % r.server.address)
+    raw.connect("tcp://{}:{}".format(*r.server.address))
     try:
         @settings(max_examples=300, deadline=None, derandomize=True)
         @given(payload=st.binary(max_size=256) | st.builds(lambda m: r.sealed(m, mac=b""), request_msgs))
@@ -176,7 +176,7 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
         raw.send_multipart([b"a", b"b", b"c", b"d", b"e"])
         oversize = zmq.Context.instance().socket(zmq.DEALER)
         oversize.setsockopt(zmq.LINGER, 0)
-        oversize.connect("tcp://%s:%d" % r.server.address)
+        oversize.connect("tcp://{}:{}".format(*r.server.address))
         oversize.send(b"\x00" * (MAX + 4096))
         oversize.close()
         assert good.get_info() == rank_info(), "the server must keep serving after the fuzzing"

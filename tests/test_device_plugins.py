@@ -39,7 +39,7 @@ def test_kvbridge_plugins_lists_accelerators_unavailable_with_reasons() -> None:
 
 def test_installing_the_plugins_keeps_torch() -> None:
     assert metadata.version("torch") == "2.13.0+cpu"
-    for dist, vendor, _, _ in PLUGINS.values():
+    for dist, _, _, _ in PLUGINS.values():
         hard = [r for r in metadata.requires(dist) or [] if "extra ==" not in r]
         # nothing that could make a resolver replace torch: no torch, torch-npu or torch_mlu requirement
         assert not any(r.replace("_", "-").lower().startswith("torch") for r in hard), hard

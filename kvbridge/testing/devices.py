@@ -12,6 +12,7 @@ be installed (``pip install -e .``) for its entry point to be found.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -141,10 +142,10 @@ class DeviceConformance:
     def test_synchronization_calls(self, device: Device, library: Any, device_id: int) -> None:
         assert device.before_transfer(device_id) is None and device.after_transfer(device_id) is None
         for hook in (device.before_transfer, device.after_transfer):
-            seen = self._syncs_during(library, device, lambda: hook(device_id))
+            seen = self._syncs_during(library, device, functools.partial(hook, device_id))
             assert seen is None or device_id in seen, f"{hook.__name__}({device_id}) reached no device {device_id}"
             # -1 means every device: each one in use must be reached (or the call passes -1 through)
-            seen = self._syncs_during(library, device, lambda: hook(-1))
+            seen = self._syncs_during(library, device, functools.partial(hook, -1))
             assert seen is None or set(seen) >= set(self.device_ids) or seen == [-1], f"{hook.__name__}(-1): {seen}"
 
     # -- reachability and topology ---------------------------------------------------------

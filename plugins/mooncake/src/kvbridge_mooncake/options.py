@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+
 from kvbridge.options import TransportOptions, option
 
 # Mooncake's TCP transport moves one descriptor per lane: ~1 MiB pieces keep its lanes busy in

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import kvbridge
 from kvbridge.types import BackendCapabilities, MemoryKind
-
 from kvbridge_mooncake.options import MooncakeOptions
 
 KVBRIDGE_PLUGIN_API = 1
