@@ -260,8 +260,8 @@ class KVAgent:
         `remote`: RankInfos of the prefill engine; `prefill_dp` names the DP group holding the request
         (it may be left out when `remote` holds the ranks of one group only). `remote_blocks`: each
         prefill rank's block ids of the request, keyed by rank, or one list shared by all ranks (each
-        uses its first n). `local_blocks`: this rank's block ids for its share, in order. Every check (topology, layouts, block ids)
-        runs before the first transfer is submitted. A rank with nothing to pull gets a handle that
+        uses its first n). `local_blocks`: this rank's block ids for its share, in order. Every check
+        (topology, layouts, block ids) runs before the first transfer is submitted. A rank with nothing to pull gets a handle that
         is already done (and `on_done` has run before `pull` returns).
         """
         if not remote:
