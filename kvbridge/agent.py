@@ -261,8 +261,9 @@ class KVAgent:
         (it may be left out when `remote` holds the ranks of one group only). `remote_blocks`: each
         prefill rank's block ids of the request, keyed by rank, or one list shared by all ranks (each
         uses its first n). `local_blocks`: this rank's block ids for its share, in order. Every check
-        (topology, layouts, block ids) runs before the first transfer is submitted. A rank with nothing to pull gets a handle that
-        is already done (and `on_done` has run before `pull` returns).
+        (topology, layouts, block ids) runs before the first transfer is submitted. A rank with
+        nothing to pull gets a handle that is already done (and `on_done` has run before `pull`
+        returns).
         """
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")
