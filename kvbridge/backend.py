@@ -21,6 +21,7 @@ import attrs
 from kvbridge import wire
 from kvbridge.errors import ConfigError, KVBridgeError, TransferTimeout
 from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions, merge_runs, split_large
+from kvbridge.options import TransportOptions, parse
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ class MigrationBackend(abc.ABC):
         """Run a blocking transport call on this backend's worker threads."""
         with self._lock:
             if self._pool is None:
-                workers = int(self.config.options.get("workers", 4))  # type: ignore[arg-type]
+                # declared in TransportOptions; the registry fills it in, a backend built directly may lack it
+                given = {k: v for k, v in self.config.options.items() if k == "workers"}
+                workers = parse(TransportOptions, given, what=f"backend {self.name!r}").workers
                 self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kvbridge-{self.name}")
             return self._pool.submit(fn)
 
