@@ -13,9 +13,11 @@ On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)`
 pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once, and
 `agent.publish(blocks)` makes a computed request's blocks readable before it is offered.
 
-Device memory a transport cannot reach (GPU memory over `tcp`, say) goes through host staging
-(`kvbridge.staging`): the agent registers host mirrors, publishes a layout whose addresses are the
-mirrors', copies device -> mirror in `publish`, and mirror -> device when a pull lands.
+The tensors' device picks its device plugin (`kvbridge.regions.device_of`), and the transport is
+bound to that device (`kvbridge.staging.attach`): directly where the transport reaches the memory
+(Mooncake `rdma` with GPUDirect, `ascend`), through pinned host mirrors where it cannot (GPU memory
+over `tcp`). Either way the agent makes the same calls: `publish` before offering blocks, a pull's
+handle completes after the bytes are visible on the device, and peers see `peer_addresses`.
 
 The completion seam (what the control plane wires to DONE messages and leases): `on_done` is
 called exactly once per `pull`, from a transport thread (or before `pull` returns when the rank has
@@ -48,6 +50,7 @@ from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import RegionIndex
 from kvbridge.planner import pull_descriptors
 from kvbridge.plugins import create_backend, get_device
+from kvbridge.regions import device_of
 from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
 
 log = logging.getLogger(__name__)
@@ -87,12 +90,11 @@ class PullHandle:
     """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks."""
 
     def __init__(self, result: PullResult, handles: list[TransferHandle],
-                 on_done: Callable[[PullResult], None] | None, after: Callable[[], None]) -> None:
+                 on_done: Callable[[PullResult], None] | None) -> None:
         self.request_id = result.request_id
         self.handles = handles
         self._result = result
         self._on_done = on_done
-        self._after = after
         self._finished = threading.Event()
         self._left = len(handles)
         self._lock = threading.Lock()
@@ -110,8 +112,6 @@ class PullHandle:
 
     def _finish(self) -> None:
         error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
-        if error is None:
-            self._after()
         self._result = attrs.evolve(self._result, error=error)
         if self._on_done is not None:
             try:
@@ -148,12 +148,14 @@ class KVAgent:
         tensors: Any,
         *,
         backend: str | MigrationBackend = "mooncake",
-        device: str = "cpu",
+        device: str | None = None,
         stage: bool = False,
         **backend_options: Any,
     ) -> None:
-        """`backend` by name is created (and staged where it cannot reach the device's memory, or
-        always with `stage=True`) and closed by the agent; a backend object is used as given."""
+        """`device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another
+        is an error. `backend` by name is created and closed by the agent; a backend object is bound to
+        the device as given (or is one `kvbridge.staging.attach` already bound) and left open. Either is
+        staged where the transport cannot reach the device's memory, or always with `stage=True`."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -165,12 +167,14 @@ class KVAgent:
                 f"rank {rank} of {parallel} holds {expected} KV heads of {layout.model.name}, but its layout says "
                 f"{layout.heads}; build the layout with heads={expected}"
             )
-        self.device = get_device(device)
+        self.device = device_of(tensors)
+        if device is not None and get_device(device) is not self.device:
+            raise ConfigError(f"rank {rank}: the KV tensors are {self.device.name} memory, but device={device!r} "
+                              f"was given; pass device={self.device.name!r} or leave it out")
         self._own_backend = isinstance(backend, str)
-        self.backend: MigrationBackend | staging.StagedBackend = (
-            staging.attach(create_backend(backend, **backend_options), self.device, force=stage)
-            if isinstance(backend, str) else backend
-        )
+        inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
+        # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
+        self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage)
         self._peers: dict[tuple[str, int], Peer] = {}
         self._lock = threading.Lock()
         self._registered: list[Any] = []
@@ -183,10 +187,8 @@ class KVAgent:
             raise
 
     def _layout_for_peers(self) -> KVLayout:
-        """The layout with the addresses peers use: the host mirrors' when staged."""
-        if not isinstance(self.backend, staging.StagedBackend):
-            return self.layout
-        bases = self.backend.host_addresses([r.addr for r in self.layout.regions])
+        """The layout with the addresses peers use (the host mirrors' where the memory is staged)."""
+        bases = self.backend.peer_addresses([r.addr for r in self.layout.regions])
         regions = [attrs.evolve(r, addr=int(a)) for r, a in zip(self.layout.regions, bases.tolist())]
         return attrs.evolve(self.layout, regions=regions)
 
@@ -206,15 +208,12 @@ class KVAgent:
     def publish(self, blocks: Sequence[int]) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.
 
-        Waits for the device's pending work; through staging it also copies the blocks (every
+        The backend waits for the device's pending work and, where it stages, copies the blocks (every
         region) device -> host mirror, one vectorized copy per registered buffer.
         """
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
             raise ConfigError(f"block ids must lie in [0, {self.layout.num_blocks}), got {blocks!r}")
-        if not isinstance(self.backend, staging.StagedBackend):
-            self.device.before_transfer(self.backend.registered[0].device_id)
-            return
         if len(ids) == 0:
             return
         ranges = np.concatenate([
@@ -305,8 +304,7 @@ class KVAgent:
         notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
         log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
         result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
-        device_id = self.backend.registered[0].device_id
-        return PullHandle(result, handles, on_done, lambda: self.device.after_transfer(device_id))
+        return PullHandle(result, handles, on_done)  # each handle completes once its bytes are on the device
 
     def close(self) -> None:
         """Disconnect peers and unregister the KV tensors; close the backend if the agent created it."""

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import kvbridge
+import kvbridge.memory
+import kvbridge.regions
 from kvbridge import staging
 from kvbridge.testing.standins import install_standin
 
@@ -78,9 +80,15 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
 
     name, _, device = standin
     kv = torch.zeros(2, 16, 64, dtype=torch.bfloat16, device=f"{name}:1")
-    (region,) = kvbridge.memory.as_regions(kv)  # found through the registry by device type
+    assert kvbridge.regions.device_of([kv, kv[1]]) is device  # found through the registry by device type
+    (region,) = kvbridge.regions.regions_of(kv)
     assert (region.addr, region.length, region.kind, region.device_id) == (
         kv.data_ptr(), 2 * 16 * 64 * 2, device.memory_kind, 1)
+    assert region.kind != kvbridge.MemoryKind.DRAM
+    with pytest.raises(kvbridge.ConfigError, match="regions_of"):  # below the registry: host memory only
+        kvbridge.memory.as_regions(kv)
+    with pytest.raises(kvbridge.ConfigError, match=f"a {name} tensor .* cpu memory"):
+        kvbridge.regions.regions_of(kv, kvbridge.get_device("cpu"))
 
 
 def test_protocols_decide_staging(standin) -> None:
