@@ -45,6 +45,14 @@ class Device(abc.ABC):
         """The device this process computes on (-1 for host memory, which belongs to no device)."""
         return -1
 
+    def set_current(self, device_id: int) -> None:
+        """Make `device_id` the device this process computes on. Transports that bind to one device when
+        they start (Mooncake's ascend) need it first. Host memory has none."""
+
+    def physical_id(self, device_id: int) -> int:
+        """The id the hardware and its fabric know a device by, where a visibility variable renumbers them."""
+        return device_id
+
     def buffer_at(self, region: MemoryRegion) -> Any:
         """A flat byte buffer over existing memory of this device, for staging copies when only the
         address is known. Devices that cannot wrap an address say so."""

@@ -94,7 +94,7 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
 def test_protocols_decide_staging(standin) -> None:
     name, acc, device = standin
     assert device.protocols() == PLUGINS[name][3]
-    from kvbridge_mooncake.plugin import CAPABILITIES
+    from kvbridge_mooncake.spec import CAPABILITIES
 
     for protocol in CAPABILITIES.protocols:  # which Mooncake protocols reach the memory directly
         mooncake = types.SimpleNamespace(capabilities=CAPABILITIES, protocol=protocol)

@@ -52,6 +52,9 @@ class TorchAcceleratorDevice(Device):
     def current_id(self) -> int:
         return int(self.accel().current_device())
 
+    def set_current(self, device_id: int) -> None:
+        self.accel().set_device(device_id)
+
     def buffer_at(self, region: MemoryRegion) -> Any:
         import torch
 
