@@ -15,8 +15,8 @@ from typing import Any
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError
 from kvbridge.memory import as_regions, is_tensor_like
-from kvbridge.plugins import get_device
-from kvbridge.types import MemoryRegion
+from kvbridge.plugins import get_device, registry
+from kvbridge.types import MemoryKind, MemoryRegion
 
 
 def device_type(tensor: Any) -> str:
@@ -59,3 +59,13 @@ def regions_of(x: Any, device: Device | None = None) -> list[MemoryRegion]:
     if isinstance(x, list):
         return [r for item in x for r in regions_of(item, device)]
     return as_regions(x)
+
+
+def local_device() -> Device:
+    """The accelerator this process computes on, for engines that hand out addresses, not tensors: the first
+    registered device plugin of device memory that is available here; `cpu` where none is."""
+    reg = registry()
+    for entry in reg.devices.values():
+        if entry.memory_kind != MemoryKind.DRAM and entry.unavailable_reason() is None:
+            return reg.device(entry.name)
+    return get_device("cpu")
