@@ -13,7 +13,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -79,12 +79,18 @@ def built_with() -> frozenset[str]:
     return spec.wheel_supports(mooncake.engine) | extra
 
 
-def ascend_hostname(ip: str, port: int, npu: int) -> str:
-    """Mooncake's ascend transport names an engine ``ip:port:npu_<physical NPU id>`` (port 0: it picks one)."""
+def ascend_identity(ip: str, opts: Mapping[str, object]) -> str:
+    """Make the NPU current (Mooncake's ascend transport binds to it in `initialize`) and name the engine
+    after it: ``ip:port:npu_<physical NPU id>``. Options `npu` (default: the current NPU) and
+    `ascend_port` (default 0: the transport picks one)."""
     if ":" in ip:
         raise ConfigError(f"the ascend protocol needs a bare IP as hostname, got {ip!r} (the port goes in option "
                           "ascend_port)")
-    return f"{ip}:{port}:npu_{npu}"
+    npu = device_for_memory(MemoryKind.NPU)
+    device_id = int(opts.get("npu", npu.current_id()))  # type: ignore[call-overload]
+    physical = npu.physical_id(device_id)
+    npu.set_current(device_id)
+    return f"{ip}:{int(opts.get('ascend_port', 0))}:npu_{physical}"  # type: ignore[call-overload]
 
 
 def registrations(regions: Sequence[MemoryRegion], protocol: str) -> list[tuple[str, list[int], list[int]]]:
@@ -150,7 +156,7 @@ class MooncakeBackend(MigrationBackend):
             )
         local = config.hostname
         if self.protocol == "ascend":
-            local = self._ascend_identity(opts)
+            local = ascend_identity(config.hostname, opts)
         self._engine = TransferEngine()
         protocol = spec.MOONCAKE_PROTOCOL[self.protocol]
         rc = self._engine.initialize(local, self._metadata, protocol, config.device_name)
@@ -166,14 +172,6 @@ class MooncakeBackend(MigrationBackend):
             self._session = config.hostname
         self._peer_locks: dict[str, threading.Lock] = {}
         log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, self._metadata)
-
-    def _ascend_identity(self, opts: dict[str, object]) -> str:
-        """Make the NPU current (the ascend transport binds to it in `initialize`) and name the engine after it."""
-        npu = device_for_memory(MemoryKind.NPU)
-        device_id = int(opts.get("npu", npu.current_id()))  # type: ignore[call-overload]
-        npu.set_current(device_id)
-        return ascend_hostname(self.config.hostname, int(opts.get("ascend_port", 0)),  # type: ignore[call-overload]
-                               npu.physical_id(device_id))
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
         done: list[int] = []
