@@ -324,7 +324,7 @@ def _then(handle: Any, step: Any) -> Future:
             return
         try:
             step()
-        except Exception as exc:  # handed to the waiter, who sees it from wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter, who sees it from wait()
             out.set_exception(exc)
         else:
             out.set_result(None)

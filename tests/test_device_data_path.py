@@ -14,7 +14,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 import kvbridge
@@ -99,7 +98,6 @@ def test_kvagent_refuses_a_device_that_is_not_the_tensors(npu: Any) -> None:
 
 def test_regions_and_locations_come_from_the_device_plugin(npu: Any) -> None:
     import torch
-
     from kvbridge_mooncake.backend import registrations
 
     device = kvbridge.get_device("npu")
@@ -172,8 +170,8 @@ def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
         DistServeKVTransferEndpointInfo,
         MigrationProtocol,
     )
-    from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assignments, describe_cache_pools
     from lmdeploy.pytorch.engine.cache_engine.layout import CachePool
+    from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assignments, describe_cache_pools
 
     from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend
     from kvbridge.bench.lmdeploy_rank import engine_config
