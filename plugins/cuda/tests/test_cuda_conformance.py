@@ -8,6 +8,9 @@ on a machine with a GPU, pass the suite for real (TestCudaConformance).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -41,3 +44,28 @@ class TestCudaConformance(DeviceConformance):
 class TestCudaUnavailableConformance(UnavailableDeviceConformance):
     device_name = "cuda"
     reason_contains = "no CUDA device"
+
+
+QUICK = ["--model", "small", "--tokens", "256", "--requests", "2", "--repeat", "1"]
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvbridge", "bench", "--migration-backend", "mooncake",
+                           "--device", "cuda", *QUICK, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(NO_GPU is not None, reason=f"the bench on a GPU needs one: {NO_GPU}")
+@pytest.mark.parametrize("stage", [[], ["--stage"]], ids=["auto", "staged"])
+def test_bench_moves_gpu_memory_verified(stage: list[str]) -> None:
+    """Both KV caches in CUDA memory, through the cuda plugin: staged over tcp, direct where rdma has GPUDirect."""
+    out = _bench("--json", *stage)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["verified"] is True and result["config"]["device"] == "cuda"
+
+
+@pytest.mark.skipif(NO_GPU is None, reason="a CUDA device is available here")
+def test_bench_without_a_gpu_says_why_before_starting() -> None:
+    out = _bench()
+    assert out.returncode != 0
+    assert "no CUDA device" in out.stderr and "cuda" in out.stderr
