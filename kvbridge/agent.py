@@ -50,7 +50,7 @@ from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import RegionIndex
 from kvbridge.planner import pull_descriptors
 from kvbridge.plugins import create_backend, get_device
-from kvbridge.regions import device_of
+from kvbridge.regions import for_device, tensor_device
 from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,12 @@ class PullHandle:
     """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks."""
 
     def __init__(self, result: PullResult, handles: list[TransferHandle],
-                 on_done: Callable[[PullResult], None] | None) -> None:
+                 on_done: Callable[[PullResult], None] | None, after: Callable[[], None]) -> None:
         self.request_id = result.request_id
         self.handles = handles
         self._result = result
         self._on_done = on_done
+        self._after = after
         self._finished = threading.Event()
         self._left = len(handles)
         self._lock = threading.Lock()
@@ -112,6 +113,8 @@ class PullHandle:
 
     def _finish(self) -> None:
         error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
+        if error is None:
+            self._after()
         self._result = attrs.evolve(self._result, error=error)
         if self._on_done is not None:
             try:
@@ -153,7 +156,8 @@ class KVAgent:
         **backend_options: Any,
     ) -> None:
         """`device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another
-        is an error. `backend` by name is created and closed by the agent; a backend object is bound to
+        is an error. Memory given as (address, bytes) pairs is the named device's (its current device id),
+        host memory when none is named. `backend` by name is created and closed by the agent; a backend object is bound to
         the device as given (or is one `kvbridge.staging.attach` already bound) and left open. Either is
         staged where the transport cannot reach the device's memory, or always with `stage=True`."""
         self.engine_id = engine_id
@@ -167,10 +171,13 @@ class KVAgent:
                 f"rank {rank} of {parallel} holds {expected} KV heads of {layout.model.name}, but its layout says "
                 f"{layout.heads}; build the layout with heads={expected}"
             )
-        self.device = device_of(tensors)
-        if device is not None and get_device(device) is not self.device:
-            raise ConfigError(f"rank {rank}: the KV tensors are {self.device.name} memory, but device={device!r} "
-                              f"was given; pass device={self.device.name!r} or leave it out")
+        found = tensor_device(tensors)
+        self.device = found if device is None else get_device(device)
+        if found is not None and found is not self.device:
+            raise ConfigError(f"rank {rank}: the KV tensors are {found.name} memory, but device={device!r} "
+                              f"was given; pass device={found.name!r} or leave it out")
+        if self.device is None:
+            self.device = get_device("cpu")
         self._own_backend = isinstance(backend, str)
         inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
@@ -179,7 +186,7 @@ class KVAgent:
         self._lock = threading.Lock()
         self._registered: list[Any] = []
         try:
-            self._registered = self.backend.register_memory(tensors)
+            self._registered = self.backend.register_memory(for_device(tensors, self.device))
             self._check_registered()
             self._published = self._layout_for_peers()
         except BaseException:
@@ -304,7 +311,8 @@ class KVAgent:
         notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
         log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
         result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
-        return PullHandle(result, handles, on_done)  # each handle completes once its bytes are on the device
+        # Each handle completes once its bytes are on the device, synchronized: nothing is left to wait for.
+        return PullHandle(result, handles, on_done, lambda: None)
 
     def close(self) -> None:
         """Disconnect peers and unregister the KV tensors; close the backend if the agent created it."""

@@ -32,14 +32,35 @@ def _tensors(x: Any) -> list[Any]:
     return []
 
 
-def device_of(x: Any) -> Device:
-    """The device plugin owning a tensor or a list of tensors (all on one device type); `cpu` for host
-    arrays and addresses."""
+def tensor_device(x: Any) -> Device | None:
+    """The device plugin owning a tensor or a list of tensors (all on one device type); None where `x`
+    holds no tensor (arrays, addresses)."""
     types = {device_type(t) for t in _tensors(x)}
     if len(types) > 1:
         raise ConfigError(f"tensors on several device types ({sorted(types)}); register each device's KV cache "
                           "with its own agent or backend")
-    return get_device(types.pop() if types else "cpu")
+    return get_device(types.pop()) if types else None
+
+
+def device_of(x: Any) -> Device:
+    """The device plugin owning a tensor or a list of tensors; `cpu` for host arrays and addresses."""
+    return tensor_device(x) or get_device("cpu")
+
+
+def for_device(x: Any, device: Device) -> list[Any]:
+    """What to register for `device`: tensors and arrays as they are (staging copies through them),
+    (address, bytes) pairs and unlabelled regions as the device's memory (engines that hand out
+    addresses, like vLLM's storages, know which device they computed on; the address does not say)."""
+    items = x if isinstance(x, list) else [x]
+    out: list[Any] = []
+    for item in items:
+        if is_tensor_like(item) or hasattr(item, "ctypes") or device.memory_kind == MemoryKind.DRAM:
+            out.append(item)
+        elif isinstance(item, MemoryRegion) and item.kind != MemoryKind.DRAM:
+            out.append(item)
+        else:
+            out.extend(device.region(r.addr, r.length) for r in as_regions(item))
+    return out
 
 
 def regions_of(x: Any, device: Device | None = None) -> list[MemoryRegion]:

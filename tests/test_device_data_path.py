@@ -47,8 +47,9 @@ def _kv(device: str, device_id: int, heads: int) -> tuple[list[Any], Any]:
     return tensors, vllm_layout(MODEL, heads, tensors, BLOCKS)
 
 
-def _pull_once(device: str, acc: Any, ids: tuple[int, int] = (0, 1)) -> None:
-    """Prefill on device ids[0], decode on ids[1], both over Mooncake TCP: decode pulls 3 blocks."""
+def _pull_once(device: str, acc: Any, ids: tuple[int, int] = (0, 1), *, addresses: bool = False) -> None:
+    """Prefill on device ids[0], decode on ids[1], both over Mooncake TCP: decode pulls 3 blocks. With
+    `addresses`, the agents get (address, bytes) pairs and the device by name, as vLLM's worker registers."""
     import torch
 
     heads = MODEL.kv_heads
@@ -57,15 +58,24 @@ def _pull_once(device: str, acc: Any, ids: tuple[int, int] = (0, 1)) -> None:
     gen = torch.Generator().manual_seed(5)
     for t in p_kv:  # what the prefill kernels wrote
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16))
-    prefill = KVAgent("prefill", 0, ParallelConfig(), p_layout, p_kv, backend="mooncake", protocol="tcp")
-    decode = KVAgent("decode", 0, ParallelConfig(), d_layout, d_kv, backend="mooncake", protocol="tcp")
+    def agent(engine: str, layout: Any, kv: list[Any], device_id: int) -> KVAgent:
+        if not addresses:  # the device is picked from the tensors
+            return KVAgent(engine, 0, ParallelConfig(), layout, kv, backend="mooncake", protocol="tcp")
+        if acc is not None:
+            acc.set_device(device_id)  # the engine's current device: addresses carry none
+        pairs = [(t.data_ptr(), t.numel() * t.element_size()) for t in kv]
+        return KVAgent(engine, 0, ParallelConfig(), layout, pairs, backend="mooncake", protocol="tcp", device=device)
+
+    prefill = agent("prefill", p_layout, p_kv, ids[0])
+    decode = agent("decode", d_layout, d_kv, ids[1])
     try:
-        for agent in (prefill, decode):
-            assert agent.device is kvbridge.get_device(device)  # picked from the tensors, no device= given
-            assert isinstance(agent.backend, staging.StagedBackend)  # tcp cannot reach device memory
-            assert {r.kind for r in agent.backend.registered} == {agent.device.memory_kind}
+        for a in (prefill, decode):
+            assert a.device is kvbridge.get_device(device)
+            assert isinstance(a.backend, staging.StagedBackend)  # tcp cannot reach device memory
+            assert {r.kind for r in a.backend.registered} == {a.device.memory_kind}
             # what Mooncake registered and peers address: pinned host mirrors
-            assert {r.kind for r in agent.backend.endpoint().regions} == {MemoryKind.DRAM}
+            assert {r.kind for r in a.backend.endpoint().regions} == {MemoryKind.DRAM}
+        assert [r.device_id for r in decode.backend.registered] == [ids[1]] * MODEL.layers
         if acc is not None:
             acc.calls.clear()
         prefill.publish([1, 4, 6])
@@ -86,8 +96,9 @@ def _pull_once(device: str, acc: Any, ids: tuple[int, int] = (0, 1)) -> None:
         prefill.close()
 
 
-def test_kvagent_picks_the_device_and_stages_over_mooncake_tcp(npu: Any) -> None:
-    _pull_once("npu", npu)
+@pytest.mark.parametrize("addresses", [False, True], ids=["tensors", "addresses"])
+def test_kvagent_picks_the_device_and_stages_over_mooncake_tcp(npu: Any, addresses: bool) -> None:
+    _pull_once("npu", npu, addresses=addresses)
 
 
 def test_kvagent_refuses_a_device_that_is_not_the_tensors(npu: Any) -> None:
