@@ -54,9 +54,8 @@ def for_device(x: Any, device: Device) -> list[Any]:
     items = x if isinstance(x, list) else [x]
     out: list[Any] = []
     for item in items:
-        if is_tensor_like(item) or hasattr(item, "ctypes") or device.memory_kind == MemoryKind.DRAM:
-            out.append(item)
-        elif isinstance(item, MemoryRegion) and item.kind != MemoryKind.DRAM:
+        keep = is_tensor_like(item) or hasattr(item, "ctypes") or device.memory_kind == MemoryKind.DRAM
+        if keep or (isinstance(item, MemoryRegion) and item.kind != MemoryKind.DRAM):
             out.append(item)
         else:
             out.extend(device.region(r.addr, r.length) for r in as_regions(item))

@@ -182,7 +182,10 @@ def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
         MigrationProtocol,
     )
     from lmdeploy.pytorch.engine.cache_engine.layout import CachePool
-    from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assignments, describe_cache_pools
+    from lmdeploy.pytorch.engine.cache_engine.migration import (
+        build_cache_pool_assignments,
+        describe_cache_pools,
+    )
 
     from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend
     from kvbridge.bench.lmdeploy_rank import engine_config
