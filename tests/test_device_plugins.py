@@ -51,13 +51,21 @@ def test_installing_the_plugins_keeps_torch() -> None:
         assert importlib.util.find_spec(vendor) is None, f"{vendor} is installed in this environment"
 
 
-@pytest.fixture(params=sorted(PLUGINS), ids=lambda n: f"{n}-stand-in")
+@pytest.fixture(params=sorted(set(PLUGINS) - {"cuda"}), ids=lambda n: f"{n}-stand-in")  # no fake torch.cuda
 def standin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     name = request.param
     acc = install_standin(monkeypatch, name, PLUGINS[name][1])
     kvbridge.reset_plugins()
     yield name, acc, kvbridge.get_device(name)
     kvbridge.reset_plugins()
+
+
+def test_there_is_no_cuda_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    with pytest.raises(ValueError, match="no CUDA stand-in"):
+        install_standin(monkeypatch, "cuda")
+    assert torch.cuda.__name__ == "torch.cuda"  # torch's own module, untouched
 
 
 def test_before_transfer_waits_for_the_compute_stream(standin) -> None:
