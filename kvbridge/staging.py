@@ -213,6 +213,18 @@ class StagedBackend(DeviceBackend):
         self._index = RegionIndex()
         super().__init__(backend, device)
 
+    def register_memory(self, x: Any) -> list[MemoryRegion]:
+        try:
+            return super().register_memory(x)
+        finally:
+            self._pending.clear()  # buffer objects are kept by their mirrors, never here
+
+    def unregister_memory(self, x: Any) -> None:
+        try:
+            super().unregister_memory(x)
+        finally:
+            self._pending.clear()
+
     def _regions(self, x: Any) -> list[MemoryRegion]:
         if is_tensor_like(x) or isinstance(x, np.ndarray):
             (region,) = self.device.regions(x)
@@ -238,8 +250,6 @@ class StagedBackend(DeviceBackend):
             for m in made:
                 self.backend.unregister_memory(m.host)
             raise
-        finally:
-            self._pending.clear()
         self._mirrors.extend(made)
         self._reindex()
 

@@ -253,3 +253,27 @@ class TestCudaDataPath:
         import torch
 
         _pull_once("cuda", None, (0, min(1, torch.cuda.device_count() - 1)))
+
+
+def test_each_wait_comes_once_and_before_the_copy_that_depends_on_it(npu: Any, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    device = kvbridge.get_device("npu")
+    be = staging.attach(kvbridge.create_backend("loopback"), device)
+    try:
+        buf = device.allocate(4096, 1)
+        (region,) = be.register_memory(buf)
+        copy = staging.copy_ranges  # the real copy, watched: it lands in the same log as the waits
+
+        def watched(dst: Any, src: Any, *args: Any) -> None:
+            npu.calls.append(("copy", -1))
+            copy(dst, src, *args)
+
+        monkeypatch.setattr(staging, "copy_ranges", watched)
+        npu.calls.clear()
+        be.publish([(region.addr + 512, 1024)])  # device -> mirror only after the compute stream finished
+        assert npu.calls == [("event_record", 1), ("event_synchronize", 1), ("copy", -1)]
+        npu.calls.clear()
+        be.accept()  # mirror -> device, then the device synchronizes before compute reads
+        assert npu.calls == [("copy", -1), ("synchronize", 1)]
+    finally:
+        be.close()
