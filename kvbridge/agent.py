@@ -13,7 +13,7 @@ On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)`
 pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once, and
 `agent.publish(blocks)` makes a computed request's blocks readable before it is offered.
 
-The tensors' device picks its device plugin (`kvbridge.regions.device_of`), and the transport is
+The tensors' device picks its device plugin (`kvbridge.regions`), and the transport is
 bound to that device (`kvbridge.staging.attach`): directly where the transport reaches the memory
 (Mooncake `rdma` with GPUDirect, `ascend`), through pinned host mirrors where it cannot (GPU memory
 over `tcp`). Either way the agent makes the same calls: `publish` before offering blocks, a pull's
@@ -156,10 +156,10 @@ class KVAgent:
         **backend_options: Any,
     ) -> None:
         """`device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another
-        is an error. Memory given as (address, bytes) pairs is the named device's (its current device id),
-        host memory when none is named. `backend` by name is created and closed by the agent; a backend object is bound to
-        the device as given (or is one `kvbridge.staging.attach` already bound) and left open. Either is
-        staged where the transport cannot reach the device's memory, or always with `stage=True`."""
+        is an error. Memory given as (address, bytes) pairs is the named device's (its current device
+        id), host memory when none is named. `backend` by name is created and closed by the agent; a
+        backend object (or one `kvbridge.staging.attach` already bound to the device) is left open. Either
+        is staged where the transport cannot reach the device's memory, or always with `stage=True`."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -172,12 +172,10 @@ class KVAgent:
                 f"{layout.heads}; build the layout with heads={expected}"
             )
         found = tensor_device(tensors)
-        self.device = found if device is None else get_device(device)
+        self.device = get_device(device) if device is not None else found or get_device("cpu")
         if found is not None and found is not self.device:
             raise ConfigError(f"rank {rank}: the KV tensors are {found.name} memory, but device={device!r} "
                               f"was given; pass device={found.name!r} or leave it out")
-        if self.device is None:
-            self.device = get_device("cpu")
         self._own_backend = isinstance(backend, str)
         inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
