@@ -208,11 +208,12 @@ class TcpBackend(MigrationBackend):
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        peer = "an unknown peer"
+        peer, authenticated = "an unknown peer", False
         try:
             peer = "%s:%d" % conn.getpeername()[:2]
             if not self._authenticate(conn, peer):
                 return
+            authenticated = True
             while not self._stop.is_set():
                 try:
                     frame = _recv_frame(conn)
@@ -223,7 +224,9 @@ class TcpBackend(MigrationBackend):
         except ProtocolError as exc:
             log.warning("tcp transport %s: refused %s: %s", self._address(), peer, exc)
         except (ConnectionError, OSError) as exc:
-            log.debug("tcp: connection from %s dropped: %s", peer, exc)
+            # A kvbridge peer authenticates at once: a connection that drops before is refused, and said so.
+            log.log(logging.DEBUG if authenticated else logging.WARNING, "tcp transport %s: connection from %s "
+                    "dropped%s: %s", self._address(), peer, "" if authenticated else " before authenticating", exc)
         finally:
             conn.close()
             with self._lock:
@@ -256,7 +259,7 @@ class TcpBackend(MigrationBackend):
         """Serve one request of an authenticated connection; False closes the connection."""
         op = frame.get("op")
         raw = frame.get("ranges")
-        if op not in ("read", "write") or not isinstance(raw, bytes) or len(raw) % 24:
+        if op not in ("read", "write") or not isinstance(raw, bytes) or not raw or len(raw) % 24:
             log.warning("tcp transport %s: malformed request from %s: closed", self._address(), peer)
             _send_frame(conn, {"ok": False, "error": "malformed request"})
             return False
