@@ -269,7 +269,8 @@ class ControlServer:
         elif len(parts) == 2:
             envelope = parts[:1]
         else:
-            log.debug("%s dropped a %d-part message", self.name, len(parts))
+            log.warning("%s dropped a %d-part message from %s: not a REQ or DEALER request", self.name, len(parts),
+                        peer_host or "an unknown host")
             return
         reply = self.handle(parts[-1], peer_host)
         try:
