@@ -111,7 +111,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
         # after a failed load; the other by module path, failing such requests (vLLM's default policy).
         decode = [
-            start_vllm(model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"), **common),
+            start_vllm(model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"),
+                       **common),
             start_vllm(model, kv_transfer_config=connector(
                 "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
         ]
