@@ -124,13 +124,20 @@ class RegionIndex:
         return len(self._regions)
 
     def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Indices of the ranges [addr, addr+length) not wholly inside one registered span."""
+        """Indices of the ranges [addr, addr+length) not wholly inside one registered span (a length <= 0 is
+        outside too). Never computes addr + length: a hostile pair near 2**63 would wrap around int64."""
+        addrs = np.asarray(addrs, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
         if len(self._starts) == 0:
             return np.arange(len(addrs))
         slot = np.searchsorted(self._starts, addrs, side="right") - 1
-        ok = slot >= 0
+        ok = (slot >= 0) & (lengths > 0)
         slot = np.clip(slot, 0, None)
-        ok &= addrs + lengths <= self._ends[slot]
+        # Where ok, start <= addr < 2**63 and end > start >= 0, so end - addr cannot overflow; elsewhere the
+        # subtraction is skipped (room stays 0).
+        room = np.zeros(len(addrs), dtype=np.int64)
+        np.subtract(self._ends[slot], addrs, out=room, where=ok)
+        ok &= lengths <= room
         return np.flatnonzero(~ok)
 
     def check(self, addrs: np.ndarray, lengths: np.ndarray, *, side: str, peer: str) -> None:
