@@ -91,7 +91,8 @@ def parse(schema: type, given: Mapping[str, Any], *, what: str) -> Any:
         return given
     unknown_names(given, [f.name for f in attrs.fields(schema)], what=what)
     hints = _hints(schema)
-    values = {name: _coerce(value, hints.get(name, Any), f"option {name}={value!r} of {what}")
+    # errors name the option and the type given, never the value: it may be a secret
+    values = {name: _coerce(value, hints.get(name, Any), f"option {name} of {what} (given a {type(value).__name__})")
               for name, value in given.items()}
     return schema(**values)
 
@@ -137,6 +138,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where} must be a string")
         return value
+    if tp is bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ConfigError(f"{where} must be bytes")
+        return bytes(value)
     return value
 
 

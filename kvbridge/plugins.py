@@ -353,6 +353,15 @@ def get_device(name: str) -> Device:
     return registry().device(name)
 
 
-def device_for_tensor(tensor: Any) -> Device:
-    """The device plugin that owns a tensor, by its `device.type`."""
-    return get_device(getattr(tensor.device, "type", str(tensor.device)))
+def device_for_memory(kind: MemoryKind | str) -> Device:
+    """The device plugin whose memory is of this kind (the first registered; `cpu` for host memory).
+
+    Transports use it to ask how to register a region (`Device.location`); tensors find their plugin
+    by device type in `kvbridge.regions`.
+    """
+    kind = MemoryKind(kind)
+    reg = registry()
+    name = next((e.name for e in reg.devices.values() if e.memory_kind == kind), None)
+    if name is None:
+        raise ConfigError(f"no device plugin registers {kind.value} memory; `kvbridge plugins` lists the devices")
+    return reg.device(name)

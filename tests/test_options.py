@@ -29,16 +29,19 @@ def test_an_unused_option_is_refused_and_the_used_ones_are_declared() -> None:
     with pytest.raises(ConfigError, match="no option 'connections'"):
         kvbridge.create_backend("tcp", connections=4)
     [(_, declared)] = plugin_options("tcp")
-    assert {o.name: o.default for o in declared} == {"workers": 4, "port": 0, "connect_timeout": 10.0}
+    assert {o.name: o.default for o in declared} == {
+        "workers": 4, "port": 0, "connect_timeout": 10.0, "handshake_timeout": 10.0, "secret": None,
+        "secret_file": None, "insecure": False,
+    }
 
 
 def test_values_are_converted_to_the_declared_type_or_refused() -> None:
     backend = kvbridge.create_backend("tcp", connect_timeout="2.5", workers="2")
     try:
-        assert backend.config.options == {"workers": 2, "port": 0, "connect_timeout": 2.5}
+        assert backend.config.options["workers"] == 2 and backend.config.options["connect_timeout"] == 2.5
     finally:
         backend.close()
-    with pytest.raises(ConfigError, match=r"option port='http' of backend 'tcp' must be int"):
+    with pytest.raises(ConfigError, match=r"option port of backend 'tcp' \(given a str\) must be int"):
         kvbridge.create_backend("tcp", port="http")
     with pytest.raises(ConfigError, match="must be int"):
         kvbridge.create_backend("tcp", port=1.5)

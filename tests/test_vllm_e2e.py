@@ -39,7 +39,7 @@ SECRET = secrets.token_hex(16)
 CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
-def connector(role: str, **extra: str) -> dict:
+def connector(role: str, secret_file: Path, **extra: str) -> dict:
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
@@ -50,7 +50,8 @@ def connector(role: str, **extra: str) -> dict:
             "side_channel_port": free_port(),
             "lease_s": LEASE_S,
             "pull_timeout_s": PULL_TIMEOUT_S,
-            "secret": SECRET,  # every side-channel message between these servers is authenticated
+            # Every side-channel message and transport connection between these servers is authenticated.
+            "secret_file": str(secret_file),
         },
     }
 
@@ -99,17 +100,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-e2e")
     model = build_tiny_llama(root / "model")
     logs = root / "logs"
+    secret = root / "secret"  # a file, so the secret is on no command line
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
     started: list[Server] = []
     try:
         common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
-        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer"), **common)
+        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer", secret), **common)
         started.append(prefill)
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
         # after a failed load; the other by module path, failing such requests (vLLM's default policy).
         decode = [
-            start_vllm(model, kv_transfer_config=connector("kv_consumer", kv_load_failure_policy="recompute"), **common),
+            start_vllm(model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"),
+                       **common),
             start_vllm(model, kv_transfer_config=connector(
-                "kv_consumer", kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
+                "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
         ]
         started += decode
         colocated = start_vllm(model, **common)

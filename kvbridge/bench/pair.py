@@ -18,7 +18,7 @@ from rich.progress import Progress
 
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError, PluginUnavailable
-from kvbridge.plugins import registry
+from kvbridge.plugins import get_device, registry
 from kvbridge.presets import get_preset
 from kvbridge.proc import Child
 
@@ -72,6 +72,7 @@ def _check_backend(name: str) -> None:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     _check_backend(args.migration_backend)
+    get_device(args.device)  # an unavailable device (no GPU here) says why before any process starts
     spec = get_preset(args.model or DEFAULT_MODEL)
     tokens = args.tokens or DEFAULT_TOKENS
     requests = args.requests or DEFAULT_REQUESTS

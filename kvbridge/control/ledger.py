@@ -26,7 +26,7 @@ from typing import TypeVar
 import attrs
 
 from kvbridge.control.messages import LeaseState, LeaseStatus
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, ProtocolError
 
 _V = TypeVar("_V")
 
@@ -176,14 +176,28 @@ class Ledger:
     # -- decode side (through the side channel) ------------------------------------------------
 
     def begin(
-        self, request_id: str, decode_rank: str, watcher: Hashable | None = None, expected_pulls: int = 0
+        self, request_id: str, decode_rank: str, watcher: Hashable | None = None, expected_pulls: int = 0,
+        *, blocks: Sequence[int] = (),
     ) -> LeaseStatus:
-        """A decode rank is about to read: the lease as it stands; remember who to tell on abort and,
-        if the offer left it open, the release count the decode side states."""
+        """A decode rank is about to read `blocks`: the lease as it stands; remember who to tell on abort and,
+        if the offer left it open, the release count the decode side states.
+
+        Raises ProtocolError, and leaves the lease as it was, when `blocks` names a block the lease does
+        not hold: the decode side would read another request's KV (stale or forged transfer params).
+        """
         self.reap()
         with self._lock:
             entry = self._active.get(request_id)
             if entry is not None:
+                foreign = set(blocks).difference(entry.lease.blocks)
+                if foreign:
+                    log.warning("request %s: decode rank %s named blocks %s outside lease epoch %d: refused, lease "
+                                "left as it was", request_id, decode_rank, sorted(foreign)[:8], entry.lease.epoch)
+                    raise ProtocolError(
+                        f"BeginPull of request {request_id!r} names {len(foreign)} blocks that its lease does not "
+                        f"hold (e.g. {sorted(foreign)[:4]}): refused; pass the remote_block_ids the prefill "
+                        "engine returned for this request"
+                    )
                 if watcher is not None:
                     entry.watchers[decode_rank] = watcher
                 self._expect(entry, expected_pulls, decode_rank)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 5.0
 SLOW_PROBES = 3
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a prompt near any max_model_len fits many times over
 
 
 @attrs.define(eq=False)
@@ -91,6 +93,30 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out.pop("stream_options", None)
     return out
+
+
+async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
+    """The request's JSON object, or a 4xx that says what is wrong (logged): bounded in size, never a 500.
+    `kv_transfer_params` are the proxy's to set: a client's own could make decode read from a host it names."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            log.warning("refused a request to %s: body over %d bytes", request.url.path, MAX_BODY_BYTES)
+            return JSONResponse({"error": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        log.warning("refused a request to %s: body is not JSON (%s)", request.url.path, exc)
+        return JSONResponse({"error": f"the request body is not JSON: {exc}"}, status_code=400)
+    if not isinstance(body, dict):
+        log.warning("refused a request to %s: body is a JSON %s, not an object", request.url.path, type(body).__name__)
+        return JSONResponse({"error": "the request body must be a JSON object"}, status_code=400)
+    if "kv_transfer_params" in body:
+        log.warning("refused a request to %s: the client set kv_transfer_params", request.url.path)
+        return JSONResponse({"error": "kv_transfer_params are set by the proxy, not by clients"}, status_code=400)
+    return body
 
 
 def _bind(handle: Any, path: str) -> Any:
@@ -193,7 +219,9 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
         raise NoInstance(f"no decode server accepted {path}")
 
     async def handle(path: str, request: Request) -> Any:
-        body = await request.json()
+        body = await read_body(request)
+        if isinstance(body, JSONResponse):
+            return body
         request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
         headers = {"X-Request-Id": request_id}
         try:

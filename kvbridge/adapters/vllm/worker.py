@@ -51,7 +51,7 @@ class WorkerSide:
         self.ledger = Ledger(self._released, timeout_s=settings.lease_s)
         # Bound now, ready once the KV cache is registered: an early peer waits instead of failing.
         self.server = ControlServer(engine_id, self.tp_rank, ledger=self.ledger, host=settings.host, port=port,
-                                    secret=settings.secret)
+                                    secret=settings.secret, insecure=settings.insecure)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
         self._lock = threading.Lock()
         self._sent: set[str] = set()
@@ -72,7 +72,7 @@ class WorkerSide:
         s = self.settings
         self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server)
+                             metadata_server=s.metadata_server, secret=s.secret, insecure=s.insecure)
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
         self.server.register(self.agent.info())
