@@ -17,10 +17,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvbridge.adapters.vllm.metadata import KVBridgeMetadata
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
-from kvbridge.adapters.vllm.stats import KVBridgeStats
+from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -80,6 +81,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -112,9 +117,18 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         return None if self._worker is None else self._worker.take_stats()
 
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMeta | None:
+        return None if self._worker is None else self._worker.take_timings()
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVBridgePromMetrics:
+        """The `kvbridge_*` series in this server's /metrics (docs/operations.md lists them)."""
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:
