@@ -5,6 +5,7 @@ plugin registration."""
 
 from __future__ import annotations
 
+import functools
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,7 +21,7 @@ from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.agent import KVAgent  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
-from kvbridge.errors import ConfigError, LayoutMismatch  # noqa: E402
+from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 
@@ -315,3 +316,32 @@ def test_pull_task_reads_only_the_blocks_decode_lacks() -> None:
         PullTask.from_params("d", KVTransferParams(do_remote_prefill=True), [1], 32, report=True)
     with pytest.raises(ConfigError, match="5 blocks to fill"):
         PullTask.from_params("d", params, [1, 2, 3, 4, 5], 32, report=True)
+
+
+def test_prom_metrics_take_what_the_workers_recorded() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.config import VllmConfig
+
+    from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+
+    registry = CollectorRegistry()  # vLLM registers in the global one; this test keeps to its own
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
+    metrics = KVBridgePromMetrics(VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    decode, prefill = KVBridgeStats(), KVBridgeStats()
+    decode.record("mooncake", "10.0.0.1:5800", 0.01, 0.002, 4096, 3)
+    decode.record_failure("mooncake", "10.0.0.1:5800", LoadError("lease gone"))
+    prefill.record_lease("offered", 1, 4)
+    prefill.record_lease("offered", 1, 2)
+    prefill.record_lease("released", -1, -4)
+    # As vLLM does: worker stats aggregated, sent as `data`, rebuilt and observed in the API server.
+    for step in (decode, prefill):
+        metrics.observe(KVBridgeStats().aggregate(step).data)
+    samples = {(s.name, s.labels.get("reason") or s.labels.get("event")): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("kvbridge_transfer_bytes_total", None)] == 4096
+    assert samples[("kvbridge_transfer_descriptors_total", None)] == 3
+    assert samples[("kvbridge_transfer_seconds_count", None)] == 1
+    assert samples[("kvbridge_transfer_failures_total", "lease")] == 1
+    assert samples[("kvbridge_lease_events_total", "offered")] == 2
+    assert (samples[("kvbridge_leases_held", None)], samples[("kvbridge_blocks_held", None)]) == (1, 2)

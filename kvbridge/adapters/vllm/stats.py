@@ -142,6 +142,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         self.blocks_held = self._gauge_cls(
             "kvbridge_blocks_held", "KV blocks held on prefill for a remote decode.", labelnames,
             multiprocess_mode="mostrecent")
+        self._held: dict[int, list[int]] = {}  # engine -> [leases, blocks] held now
+        for values in per_engine_labelvalues.values():  # a scrape sees zeros from the start
+            self.leases_held.labels(*values).set(0)
+            self.blocks_held.labels(*values).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         base = self.per_engine_labelvalues[engine_idx]
@@ -157,10 +161,12 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         for (event,) in transfer_stats_data.get("leases", ()):
             self.lease_events.labels(*base, event).inc()
         held = transfer_stats_data.get("held", ())
-        if held:
-            self.leases_held.labels(*base).inc(sum(h[0] for h in held))
-            self.blocks_held.labels(*base).inc(sum(h[1] for h in held))
-
+        if held:  # deltas from every rank: keep the sum here (vLLM's gauges take `set`, not `inc`)
+            total = self._held.setdefault(engine_idx, [0, 0])
+            total[0] += sum(h[0] for h in held)
+            total[1] += sum(h[1] for h in held)
+            self.leases_held.labels(*base).set(total[0])
+            self.blocks_held.labels(*base).set(total[1])
 
 
 def _unregister_ours() -> None:
