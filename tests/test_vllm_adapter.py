@@ -6,6 +6,7 @@ plugin registration."""
 from __future__ import annotations
 
 import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")

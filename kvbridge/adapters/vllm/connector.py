@@ -22,6 +22,7 @@ from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
+from kvbridge.nativelog import quiet_native_logs
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         share_vllm_logging()
+        # Native transport logs at warnings and above beside vLLM's, all of them when kvbridge logs debug.
+        quiet_native_logs(max(logging.getLogger("kvbridge").getEffectiveLevel(), logging.WARNING))
         config = vllm_config.kv_transfer_config
         assert config is not None and config.engine_id is not None
         settings = Settings.from_extra_config(config.kv_connector_extra_config)
