@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import random
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -197,6 +199,12 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     proxy = scrape(cluster.proxy)
     assert proxy["kvbridge_proxy_phase_seconds_count"] >= 2 * 8 + 4  # each phase of each request above
     assert proxy["kvbridge_proxy_upstream_healthy"] == 3
+    # `kvbridge trace` shows the same timelines as a table, or JSON.
+    out = subprocess.run([sys.executable, "-m", "kvbridge", "trace", cluster.proxy.url, "--lengths", "40", "90",
+                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    rows = json.loads(out.stdout)
+    assert [r["prompt_chars"] for r in rows] == [40, 90]
+    assert all(r["transfer_ms"] > 0 and r["prefill_ms"] > 0 and r["total_ms"] > 0 for r in rows), rows
 
 
 def test_eight_concurrent_requests_match(cluster: Cluster) -> None:

@@ -19,6 +19,7 @@ SUBCOMMANDS = [
     "bench",
     "plan",
     "proxy",
+    "trace",
 ]
 
 EPILOG = """\
