@@ -189,6 +189,7 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
                for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "total"),))] == 3
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "transfer"),))] == 3
+    assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1e-3)
     assert samples[("kvbridge_proxy_requests_total", (("code", "200"),))] == 3
     assert samples[("kvbridge_proxy_failovers_total", (("role", "decode"),))] == 1  # the dead one, once
     assert samples[("kvbridge_proxy_upstream_healthy", (("role", "decode"), ("upstream", dead)))] == 0

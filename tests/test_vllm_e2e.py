@@ -197,7 +197,7 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     assert released == 6  # three offered, three released by DONE
     assert after[0]["kvbridge_blocks_held"] == 0 and after[0]["kvbridge_leases_held"] == 0
     proxy = scrape(cluster.proxy)
-    assert proxy["kvbridge_proxy_phase_seconds_count"] >= 2 * 8 + 4  # each phase of each request above
+    assert proxy["kvbridge_proxy_phase_seconds_count"] >= 2 * 9 + 4  # each phase of each request above
     assert proxy["kvbridge_proxy_upstream_healthy"] == 3
     # `kvbridge trace` shows the same timelines as a table, or JSON.
     out = subprocess.run([sys.executable, "-m", "kvbridge", "trace", cluster.proxy.url, "--lengths", "40", "90",

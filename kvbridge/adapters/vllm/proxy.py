@@ -126,7 +126,8 @@ class ProxyMetrics:
     def __init__(self, pools: dict[str, Pool]) -> None:
         self.registry = prom.CollectorRegistry()
         self.phase = prom.Histogram(
-            "kvbridge_proxy_phase_seconds", "Requests' timeline phases (see docs/operations.md), total included.",
+            "kvbridge_proxy_phase_seconds", "Requests' timeline phases, the KV handover (the decode's pull phases "
+            "together) and the total (docs/operations.md).",
             ["phase"], buckets=PHASE_BUCKETS, registry=self.registry)
         self.requests = prom.Counter("kvbridge_proxy_requests_total", "Requests answered, by HTTP status code.",
                                      ["code"], registry=self.registry)
@@ -147,6 +148,9 @@ class ProxyMetrics:
     def observe(self, timeline: Timeline) -> None:
         for name, ms in timeline.phases.items():
             self.phase.labels(name.removesuffix("_ms")).observe(ms / 1e3)
+        handover = timeline.handover_ms()
+        if handover is not None:  # the KV handover: the decode's whole pull
+            self.phase.labels("handover").observe(handover / 1e3)
         self.phase.labels("total").observe(timeline.total_ms / 1e3)
 
 
@@ -275,7 +279,7 @@ class Proxy:
             log.warning("prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt",
                         request_id)
         sent = time.perf_counter()
-        timeline.phases["handover_ms"] = (sent - prefill_done) * 1e3
+        timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
         try:
             decode, resp = await self.send_decode(path, decode_body, headers)
         except NoInstance as exc:
@@ -290,7 +294,7 @@ class Proxy:
     def _finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
         """Close the timeline at the first byte of the decode's answer."""
         decode_ms = (first_byte - sent) * 1e3
-        timeline.phases["decode_first_token_ms"] = max(0.0, decode_ms - timeline.pull_ms())
+        timeline.phases["decode_first_token_ms"] = max(0.0, decode_ms - (timeline.handover_ms() or 0.0))
         timeline.total_ms = (first_byte - begun) * 1e3
         self.metrics.observe(timeline)
         log.info("kvbridge-timing %s", timeline.header())

@@ -4,7 +4,7 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
 
 - `prefill_ms`: the prefill engine, from the request's arrival to its end (queueing and computing the
   prompt), as that engine reports it in its answer's `kv_transfer_params`;
-- `handover_ms`: the proxy, from the prefill's answer to sending the decode request;
+- `proxy_ms`: the proxy itself, from the prefill's answer to sending the decode request;
 - `queue_ms`, `control_ms`, `transfer_ms`, `done_ms`: the decode engine's pull, as its workers
   report it in the answer's `kv_transfer_params` (non-streamed answers only: a stream ends before
   the request does): waiting for a worker step, the side channel (finding the prefill rank, waiting
@@ -14,7 +14,7 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
 
 `total_ms` is the proxy's own clock, from the request's arrival to the moment the header goes out,
 so the phases add up to no more than it; what the proxy cannot see (the network, the HTTP layers
-of the servers) is the difference.
+of the servers) is the difference. The KV handover is the pull phases together (`handover()`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import attrs
 
 HEADER = "x-kvbridge-timing"
 PULL_PHASES = ("queue_ms", "control_ms", "transfer_ms", "done_ms")
-PHASES = ("prefill_ms", "handover_ms", *PULL_PHASES, "decode_first_token_ms")
+PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
 
 
 @attrs.define
@@ -40,8 +40,10 @@ class Timeline:
             if reported and name in reported:
                 self.phases[name] = max(0.0, float(reported[name]))
 
-    def pull_ms(self) -> float:
-        return sum(self.phases.get(p, 0.0) for p in PULL_PHASES)
+    def handover_ms(self) -> float | None:
+        """The decode's pull, all its phases (None when the decode did not report them)."""
+        known = [self.phases[p] for p in PULL_PHASES if p in self.phases]
+        return sum(known) if known else None
 
     def header(self) -> str:
         parts = [f"id={self.request_id}", f"total_ms={self.total_ms:.3f}"]
