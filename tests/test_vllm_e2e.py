@@ -26,8 +26,8 @@ httpx = pytest.importorskip("httpx")
 
 from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E402
 from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
-from kvbridge.testing.tiny_model import VOCAB, TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
+from kvbridge.testing.tiny_model import VOCAB, TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow

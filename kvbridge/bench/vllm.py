@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-
 from rich.progress import Progress
 
 from kvbridge.bench.plot import check_path

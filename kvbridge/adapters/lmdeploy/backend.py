@@ -32,14 +32,13 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
 from lmdeploy.pytorch.disagg.messages import DistServeRegisterMRMessage, MigrationAssignment
 
 from kvbridge import wire
+from kvbridge.adapters.lmdeploy.metrics import TransferMetrics
+from kvbridge.adapters.lmdeploy.plan import Plan, describe, instruct_array, plan
+from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
 from kvbridge.plugins import create_backend
 from kvbridge.types import EndpointInfo, MemoryRegion
-
-from kvbridge.adapters.lmdeploy.metrics import TransferMetrics
-from kvbridge.adapters.lmdeploy.plan import Plan, describe, instruct_array, plan
-from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 
 log = logging.getLogger(__name__)
 

@@ -157,7 +157,8 @@ class ProxyMetrics:
 class Proxy:
     """The proxy's state (pools, upstream client, metrics) and its named handlers."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, health_interval: float, timeout: float) -> None:
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, health_interval: float,
+                 timeout: float) -> None:
         self.pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
         self.health_interval = health_interval
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
