@@ -288,9 +288,9 @@ class Proxy:
         except DecodeFailed as exc:
             return self._answer(503, str(exc), {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": exc.url})
         out_headers = {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": decode.url, "x-request-id": request_id}
-        if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return await self._relay_stream(resp, decode, timeline, begun, sent, out_headers)
-        return await self._relay_whole(resp, decode, timeline, begun, sent, out_headers)
+        relay = self._relay_stream if resp.headers.get("content-type", "").startswith("text/event-stream") \
+            else self._relay_whole
+        return await relay(request, resp, decode, timeline, begun, sent, out_headers)
 
     def _finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
         """Close the timeline at the first byte of the decode's answer."""
@@ -300,14 +300,17 @@ class Proxy:
         self.metrics.observe(timeline)
         log.info("kvbridge-timing %s", timeline.header())
 
-    async def _relay_whole(self, resp: httpx.Response, decode: Instance, timeline: Timeline, begun: float,
-                           sent: float, headers: dict[str, str]) -> Response:
+    async def _relay_whole(self, request: Request, resp: httpx.Response, decode: Instance, timeline: Timeline,
+                           begun: float, sent: float, headers: dict[str, str]) -> Response:
         """A non-streamed answer: read it whole, take the decode's reported pull phases from it."""
         try:
-            content = await resp.aread()
+            content = await until_disconnect(request, resp.aread())
         finally:
-            await resp.aclose()
+            await resp.aclose()  # also when the client left: vLLM aborts the decode request
             decode.in_flight -= 1
+        if content is None:
+            log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected")
         with contextlib.suppress(ValueError, ConfigError, AttributeError):  # an error answer has no params
             reported = KVTransferParams.from_dict(resp.json().get("kv_transfer_params")).kvbridge_timing
             timeline.add(reported, PULL_PHASES)
@@ -316,16 +319,22 @@ class Proxy:
         return Response(content, status_code=resp.status_code, headers={**headers, HEADER: timeline.header()},
                         media_type=resp.headers.get("content-type", "application/json"))
 
-    async def _relay_stream(self, resp: httpx.Response, decode: Instance, timeline: Timeline, begun: float,
-                            sent: float, headers: dict[str, str]) -> Any:
+    async def _relay_stream(self, request: Request, resp: httpx.Response, decode: Instance, timeline: Timeline,
+                            begun: float, sent: float, headers: dict[str, str]) -> Any:
         """A streamed answer: the headers go out with its first chunk, so the timeline ends there."""
         chunks = resp.aiter_raw()
         try:
-            first = await anext(chunks, b"")
+            first = await until_disconnect(request, anext(chunks, b""))
         except BaseException:
-            await resp.aclose()
-            decode.in_flight -= 1
+            first = None
             raise
+        finally:
+            if first is None:
+                await resp.aclose()
+                decode.in_flight -= 1
+        if first is None:
+            log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected")
         self._finish(timeline, begun, sent, time.perf_counter())
         self.metrics.requests.labels(str(resp.status_code)).inc()
 
