@@ -100,7 +100,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         verified = True
         problems: list[str] = []
         descriptors = descriptors_in = runs = 0
-        with Progress(console=err_console, transient=True) as progress:
+        with Progress(console=err_console, transient=True, disable=bool(getattr(args, "json", False))) as progress:
             task = progress.add_task("migrating", total=args.repeat * requests)
             for _ in range(args.repeat):
                 raw_round = sum(decode.call("raw", src_base=src["base"], nbytes=request_bytes, wait_s=args.timeout,

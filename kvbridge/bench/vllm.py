@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         check_path(args.plot)
     with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp, \
-            Progress(console=err_console, transient=True) as progress:
+            Progress(console=err_console, transient=True, disable=bool(args.json)) as progress:
         task = progress.add_task("requests", total=len(launchers) * len(lengths) * reps)
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
