@@ -13,8 +13,8 @@ from xml.sax.saxutils import escape
 
 from kvbridge.errors import ConfigError
 
-WIDTH, HEIGHT = 720, 420
-LEFT, RIGHT, TOP, BOTTOM = 70, 190, 50, 60
+WIDTH, HEIGHT = 760, 420
+LEFT, RIGHT, TOP, BOTTOM = 70, 230, 50, 60
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf")
 
 

@@ -266,7 +266,7 @@ def plot(path: str, rows: list[dict]) -> None:
 
     series: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        short = r["connector"].split()[0]
+        short = "kvbridge" if r["connector"] == "KVBridgeConnector" else "vLLM Mooncake"
         for key, label in (("decode_ttft_ms", f"{short} decode TTFT"), ("prefill_ms", f"{short} prefill"),
                            ("control_ms", f"{short} control"), ("pull_transfer_ms", f"{short} transfer")):
             if r.get(key) is not None:
