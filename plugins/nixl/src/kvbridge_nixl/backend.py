@@ -30,9 +30,10 @@ import numpy as np
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
 from kvbridge.memory import Descriptors
+from kvbridge.options import as_dict, parse
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
-from kvbridge_nixl.plugin import INSTALL_HINT, capabilities, nixl_api, probe
+from kvbridge_nixl.plugin import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +58,10 @@ class NixlBackend(MigrationBackend):
 
     @classmethod
     def from_config(cls, config: BackendConfig) -> NixlBackend:
-        """Build from `config.options`, refusing options this backend does not know."""
-        known = {"progress_thread", "progress_interval", "poll_interval", "num_threads", "transfer_timeout",
-                 "agent_name", "workers"}
-        unknown = sorted(set(config.options) - known)
-        if unknown:
-            raise ConfigError(f"nixl: unknown option(s) {unknown}; it takes {sorted(known)}")
-        opts = {k: v for k, v in config.options.items() if k != "workers"}
-        return cls(config, **opts)  # type: ignore[arg-type]
+        """Build from `config.options` (checked against `NixlOptions`; `workers` is the base class's)."""
+        opts = as_dict(parse(NixlOptions, config.options, what="backend 'nixl'"))
+        opts.pop("workers")
+        return cls(config, **opts)
 
     def __init__(
         self,

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import attrs
 import kvbridge
+from kvbridge.options import TransportOptions, option
 from kvbridge.types import BackendCapabilities, MemoryKind
 
 KVBRIDGE_PLUGIN_API = 1
@@ -27,6 +29,18 @@ INSTALL_HINT = (
     "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 (--no-deps: the wheel otherwise pulls a CUDA torch; "
     "nixl-cu13 on CUDA 13)"
 )
+
+
+@attrs.frozen
+class NixlOptions(TransportOptions):
+    """Options of the `nixl` transport (docs/nixl.md says why NIXL's own progress thread is off by default)."""
+
+    progress_thread: bool = option(False, "use NIXL's own progress thread (it busy-polls: about a core per agent)")
+    progress_interval: float = option(0.005, "seconds between progress calls while idle, when progress_thread is off")
+    poll_interval: float = option(0.0, "seconds between polls of in-flight requests (0: yield the CPU between polls)")
+    num_threads: int = option(0, "worker threads of the NIXL backend (UCX, LIBFABRIC); 0: NIXL's default")
+    transfer_timeout: float = option(120.0, "seconds after which an unfinished request is aborted and fails")
+    agent_name: str = option("", "this agent's NIXL name (default: unique per process)")
 
 
 def nixl_api() -> ModuleType:
@@ -87,4 +101,5 @@ def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
 
 @kvbridge.hookimpl
 def kvbridge_register_backends(register: Callable[..., None]) -> None:
-    register("nixl", _factory, capabilities=capabilities(), probe=probe, install_hint=INSTALL_HINT)
+    register("nixl", _factory, capabilities=capabilities(), probe=probe, install_hint=INSTALL_HINT,
+             options=NixlOptions)
