@@ -8,3 +8,10 @@ from kvbridge.testing import TransportConformance
 class TestNixlConformance(TransportConformance):
     transport_name = "nixl"
     protocol = "ucx"
+
+
+class TestNixlOwnProgressThreadConformance(TransportConformance):
+    """The same contract with NIXL's own (busy-polling) progress thread, the `progress_thread` option."""
+
+    transport_name = "nixl"
+    options = {"progress_thread": True}

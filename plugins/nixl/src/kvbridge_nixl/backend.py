@@ -243,12 +243,12 @@ class NixlBackend(MigrationBackend):
 
     def _progress_loop(self) -> None:
         while not self._stop.is_set():
+            finished: list[tuple[_InFlight, BaseException | None]] = []
             with self._agent_lock:
                 busy = bool(self._inflight)
                 if busy:
                     finished = self._poll()
                 elif self._own_progress:
-                    finished = []
                     try:
                         self._agent.get_new_notifs()  # progresses NIXL's workers for peers reading from us
                     except Exception as exc:
