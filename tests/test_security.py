@@ -232,9 +232,11 @@ def test_begin_pull_naming_blocks_outside_its_lease_is_refused_and_the_lease_unt
     other = prefill.ledger.offer("other", [7, 8], expected_pulls=1)
     client = ControlClient(*prefill.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvbridge"):
-            with pytest.raises(ProtocolError, match="names 1 blocks that its lease does not hold"):
-                client.begin_pull("held", "decode/0", notify=("127.0.0.1", 9), expected_pulls=5, blocks=[1, 7])
+        with (
+            caplog.at_level(logging.WARNING, logger="kvbridge"),
+            pytest.raises(ProtocolError, match="names 1 blocks that its lease does not hold"),
+        ):
+            client.begin_pull("held", "decode/0", notify=("127.0.0.1", 9), expected_pulls=5, blocks=[1, 7])
         assert "named blocks [7] outside lease" in caplog.text
         assert prefill.ledger._active["held"].expected == 1 and prefill.ledger._active["held"].watchers == {}
         assert prefill.ledger.state("other") is LeaseState.ACTIVE and other.epoch != prefill.lease.epoch

@@ -227,7 +227,7 @@ class TcpBackend(MigrationBackend):
     def _serve(self, conn: socket.socket) -> None:
         peer, authenticated = "an unknown peer", False
         try:
-            peer = "%s:%d" % conn.getpeername()[:2]
+            peer = "{}:{}".format(*conn.getpeername()[:2])
             if not self._authenticate(conn, peer):
                 return
             authenticated = True
