@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvbridge.adapters.vllm.cache import describe_kv_caches
+from kvbridge.adapters.vllm.cache import byte_views, describe_kv_caches, resolved_layout
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
@@ -26,6 +26,7 @@ from kvbridge.agent import KVAgent, PullResult
 from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.errors import KVBridgeError
+from kvbridge.landing import Receiver
 from kvbridge.topology import ParallelConfig
 
 if TYPE_CHECKING:
@@ -39,8 +40,11 @@ class WorkerSide:
     """One worker rank of the connector; `from_vllm` reads its place from vLLM's parallel state."""
 
     def __init__(self, engine_id: str, settings: Settings, *, block_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0) -> None:
+                 dp_index: int = 0, kv_layout: str = "LBHNC", mla: bool = False, backend_name: str = "vLLM") -> None:
         self.engine_id = engine_id
+        self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
+        self.mla = mla
+        self.backend_name = backend_name
         self.settings = settings
         self.block_size = block_size
         self.tp_rank = tp_rank
@@ -63,16 +67,21 @@ class WorkerSide:
     def from_vllm(cls, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> WorkerSide:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
+        model = vllm_config.model_config
         return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size,
                    tp_rank=get_tensor_model_parallel_rank(), tp_size=get_tensor_model_parallel_world_size(),
-                   dp_index=vllm_config.parallel_config.data_parallel_index)
+                   dp_index=vllm_config.parallel_config.data_parallel_index, kv_layout=resolved_layout(vllm_config),
+                   mla=bool(model is not None and model.use_mla),
+                   backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout, storages = describe_kv_caches(kv_caches, block_size=self.block_size, tp_size=self.tp_size)
+        layout, storages = describe_kv_caches(kv_caches, layout=self.kv_layout, block_size=self.block_size,
+                                              tp_size=self.tp_size, mla=self.mla, backend=self.backend_name)
         s = self.settings
         self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
                              metadata_server=s.metadata_server)
+        self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
         self.server.register(self.agent.info())
