@@ -27,16 +27,10 @@ def layer_names(layers: int) -> list[str]:
 
 
 def allocate(layout: str, model: ModelSpec, heads: int, num_blocks: int, block_size: int,
-             device: str = "cpu") -> dict[str, Any]:
-    """Per-layer KV cache views of one rank, as vLLM 0.32 (or vllm-ascend) allocates them."""
+             device: str = "cpu") -> tuple[dict[str, Any], Any]:
+    """Per-layer KV cache views of one rank, as vLLM 0.32 (or vllm-ascend) allocates them, and the
+    `KVCacheConfig` vLLM hands its connector."""
     import torch
-
-    dtype = getattr(torch, TORCH_DTYPES[model.dtype])
-    names = layer_names(model.layers)
-    head_dim = model.head_dim
-    if layout == ASCEND_KV_TUPLE:
-        return {n: tuple(torch.zeros(num_blocks, block_size, heads, head_dim, dtype=dtype, device=device)
-                         for _ in range(2)) for n in names}
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -48,11 +42,13 @@ def allocate(layout: str, model: ModelSpec, heads: int, num_blocks: int, block_s
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    dtype = getattr(torch, TORCH_DTYPES[model.dtype])
+    names = layer_names(model.layers)
     if model.attention == "mla":
-        spec: Any = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_dim, dtype=dtype)
+        spec: Any = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=model.head_dim, dtype=dtype)
     else:
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_dim, dtype=dtype)
-    kv_layout = KVCacheLayout[layout]
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=model.head_dim, dtype=dtype)
+    kv_layout = KVCacheLayout["LBNHC" if layout == ASCEND_KV_TUPLE else layout]
     bytes_per_block = model.layers * spec.page_size_bytes
     interleaved = bytes_per_block if kv_layout.is_block_outermost else None
     layer_stride, block_stride, *_ = compute_layout_strides(
@@ -63,7 +59,10 @@ def allocate(layout: str, model: ModelSpec, heads: int, num_blocks: int, block_s
                                         block_stride=block_stride)],
         kv_cache_groups=[KVCacheGroupSpec(names, spec)],
     )
-    return allocate_kv_cache(config, torch.device(device), kv_layout)
+    if layout == ASCEND_KV_TUPLE:  # vllm-ascend: its own K and V tensors per layer
+        return {n: tuple(torch.zeros(num_blocks, block_size, heads, model.head_dim, dtype=dtype, device=device)
+                         for _ in range(2)) for n in names}, config
+    return allocate_kv_cache(config, torch.device(device), kv_layout), config
 
 
 def logical(model: ModelSpec, request: int, tokens: int, heads: range, block_size: int) -> np.ndarray:

@@ -16,6 +16,7 @@ MODES = {
     "parallel": "kvbridge.bench.parallel",
     "lmdeploy": "kvbridge.bench.lmdeploy",
     "vllm": "kvbridge.bench.vllm",
+    "vllm-connector": "kvbridge.bench.connector",
 }
 
 
@@ -39,10 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="number of requests to migrate")
     p.add_argument("--repeat", type=int, default=3, help="measured rounds; medians are reported (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--engine", choices=["lmdeploy", "vllm"], default=None,
+    p.add_argument("--engine", choices=["lmdeploy", "vllm", "vllm-connector"], default=None,
                    help="drive the migration through an engine's adapter (lmdeploy: kvbridge's LMDeploy backend "
                         "vs LMDeploy's per-(layer, block) strategy; vllm: real vLLM servers, KVBridgeConnector "
-                        "vs vLLM's MooncakeConnector)")
+                        "vs vLLM's MooncakeConnector; vllm-connector: one process per rank driving KVBridgeConnector "
+                        "through vLLM's connector API, any KV cache layouts, block sizes and TP on each side)")
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
     p.set_defaults(run=run)
@@ -51,8 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def pick_mode(args: argparse.Namespace) -> str:
     if getattr(args, "engine", None) == "lmdeploy":
         return "lmdeploy"
-    if getattr(args, "engine", None) == "vllm":
-        return "vllm"
+    if getattr(args, "engine", None) in ("vllm", "vllm-connector"):
+        return str(args.engine)
     if getattr(args, "prefill", None) or getattr(args, "decode", None):
         return "parallel"
     return "pair"

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvbridge.adapters.vllm.cache import byte_views, describe_kv_caches, resolved_layout
+from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
@@ -32,8 +32,19 @@ from kvbridge.topology import ParallelConfig
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+
+def is_mla(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bool:
+    """MLA (one latent per token) as vLLM's KV cache specs or model config say."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return any(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in kv_cache_config.kv_cache_groups)
+    model = vllm_config.model_config
+    return bool(model is not None and model.use_mla)
 
 
 class WorkerSide:
@@ -64,17 +75,28 @@ class WorkerSide:
         self.stats = KVBridgeStats()
 
     @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> WorkerSide:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    def from_vllm(cls, vllm_config: VllmConfig, engine_id: str, settings: Settings,
+                  kv_cache_config: KVCacheConfig | None = None) -> WorkerSide:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+            model_parallel_is_initialized,
+        )
 
-        model = vllm_config.model_config
-        return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size,
-                   tp_rank=get_tensor_model_parallel_rank(), tp_size=get_tensor_model_parallel_world_size(),
-                   dp_index=vllm_config.parallel_config.data_parallel_index, kv_layout=resolved_layout(vllm_config),
-                   mla=bool(model is not None and model.use_mla),
+        parallel = vllm_config.parallel_config
+        if model_parallel_is_initialized():
+            tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        else:  # a worker driven without torch.distributed (the connector bench): its rank in the config
+            tp_size = parallel.tensor_parallel_size
+            tp_rank = parallel.rank % tp_size
+        return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size, tp_rank=tp_rank,
+                   tp_size=tp_size, dp_index=parallel.data_parallel_index, kv_layout=resolved_layout(vllm_config),
+                   mla=is_mla(vllm_config, kv_cache_config),
                    backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if any(isinstance(v, (tuple, list)) for v in kv_caches.values()):
+            self.kv_layout = ASCEND_KV_TUPLE  # vllm-ascend hands each layer's K and V as a pair of tensors
         layout, storages = describe_kv_caches(kv_caches, layout=self.kv_layout, block_size=self.block_size,
                                               tp_size=self.tp_size, mla=self.mla, backend=self.backend_name)
         s = self.settings
