@@ -91,7 +91,8 @@ class ConnectorBench:
                 r_ | {"blocks": d_blocks[r_["id"]], "params": params[r_["id"]]}
                 for r_ in reqs if r_["decode_dp"] == d.coords(r).dp]) for r in range(d.world_size)]
             pulled = [f.result() for f in pulls]
-            unsent = [pool.submit(self._child("prefill", r).call, "sent", timeout=timeout, ids=[r_["id"] for r_ in reqs])
+            ids = [r_["id"] for r_ in reqs]
+            unsent = [pool.submit(self._child("prefill", r).call, "sent", timeout=timeout, ids=ids)
                       for r in range(p.world_size)]
             not_released = sorted({i for f in unsent for i in f.result()})
             for side, cfg, *_ in sides:
@@ -139,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(r)
     else:
         print_table(
-            f"kvbridge bench --engine vllm-connector: {r['prefill']} {r['prefill_layout']} (block {r['prefill_block_size']})"
-            f" -> {r['decode']} {r['decode_layout']} (block {r['decode_block_size']}), {r['model']}, "
+            f"kvbridge bench --engine vllm-connector: {r['prefill']} {r['prefill_layout']} "
+            f"(block {r['prefill_block_size']}) -> {r['decode']} {r['decode_layout']} (block {r['decode_block_size']}), {r['model']}, "
             f"{r['tokens']} tokens x {r['requests']} requests",
             ["MiB", "seconds", "GB/s", "descriptors/request", "bound 2 x layers x blocks", "verified"],
             [(f"{r['bytes'] / 2**20:.2f}", f"{r['seconds']:.3f}", f"{r['gbps']:.3f}", r["descriptors_per_request"],

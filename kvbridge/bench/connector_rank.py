@@ -83,8 +83,8 @@ class Rank:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        return Request(rid, list(range(tokens)), SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
-                       None)
+        sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+        return Request(rid, list(range(tokens)), sampling, None)
 
     def _step(self) -> None:
         """One engine step: the scheduler's metadata to the worker, then start_load_kv."""

@@ -9,6 +9,7 @@ from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
+from kvbridge.ranks import group_port
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,7 +30,9 @@ class SchedulerSide:
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
-        self.side_channel_port = settings.side_channel_port + parallel.data_parallel_index * self.tp_size
+        self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size,
+                                            pp_size=parallel.pipeline_parallel_size,
+                                            dp_index=parallel.data_parallel_index)
         self._pulls: list[PullTask] = []
         self._offers: list[tuple[str, tuple[int, ...]]] = []
 

@@ -18,6 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import attrs
+
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
 from kvbridge.adapters.vllm.settings import Settings
@@ -27,6 +29,7 @@ from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.errors import KVBridgeError
 from kvbridge.landing import Receiver
+from kvbridge.ranks import side_channel_port, stage_port
 from kvbridge.topology import ParallelConfig
 
 if TYPE_CHECKING:
@@ -51,7 +54,8 @@ class WorkerSide:
     """One worker rank of the connector; `from_vllm` reads its place from vLLM's parallel state."""
 
     def __init__(self, engine_id: str, settings: Settings, *, block_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, kv_layout: str = "LBHNC", mla: bool = False, backend_name: str = "vLLM") -> None:
+                 dp_index: int = 0, pp_rank: int = 0, pp_size: int = 1, kv_layout: str = "LBHNC", mla: bool = False,
+                 backend_name: str = "vLLM") -> None:
         self.engine_id = engine_id
         self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
         self.mla = mla
@@ -60,7 +64,9 @@ class WorkerSide:
         self.block_size = block_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        port = settings.side_channel_port + dp_index * tp_size + tp_rank
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        port = side_channel_port(settings.side_channel_port, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                 pp_size=pp_size, dp_index=dp_index)
         self.agent: KVAgent | None = None
         self.control: DecodeControl | None = None
         self.ledger = Ledger(self._released, timeout_s=settings.lease_s)
@@ -84,13 +90,16 @@ class WorkerSide:
         )
 
         parallel = vllm_config.parallel_config
+        pp_size = parallel.pipeline_parallel_size
         if model_parallel_is_initialized():
             tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         else:  # a worker driven without torch.distributed (the connector bench): its rank in the config
             tp_size = parallel.tensor_parallel_size
             tp_rank = parallel.rank % tp_size
+        pp_rank = (parallel.rank // parallel.tensor_parallel_size) % pp_size if pp_size > 1 else 0
         return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size, tp_rank=tp_rank,
-                   tp_size=tp_size, dp_index=parallel.data_parallel_index, kv_layout=resolved_layout(vllm_config),
+                   tp_size=tp_size, dp_index=parallel.data_parallel_index, pp_rank=pp_rank, pp_size=pp_size,
+                   kv_layout=resolved_layout(vllm_config),
                    mla=is_mla(vllm_config, kv_cache_config),
                    backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"))
 
@@ -142,8 +151,12 @@ class WorkerSide:
         result: PullResult | None = None
         elapsed = 0.0
         begun = time.perf_counter()
+        params = task.params
+        if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
+            params = attrs.evolve(params, remote_port=stage_port(int(params.remote_port), remote_tp_size=params.tp_size,
+                                                                 pp_rank=self.pp_rank))
         try:
-            handle = self.control.start(task.request_id, task.params, task.local_block_ids,
+            handle = self.control.start(task.request_id, params, task.local_block_ids,
                                         on_finished=lambda _rid, error: outcome.append(error))
             # `start` returns as soon as the transfers are submitted. The stats time the transfer itself,
             # as vLLM's own connectors do: not the control round trips before it or the DONEs after it.
