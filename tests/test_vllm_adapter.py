@@ -303,5 +303,5 @@ def test_pull_task_reads_only_the_blocks_decode_lacks() -> None:
     assert release.params.block_ids == () and not release.report
     with pytest.raises(ConfigError, match="remote_engine_id"):
         PullTask.from_params("d", {"do_remote_prefill": True}, [1], 32, report=True)
-    with pytest.raises(ConfigError, match="5 blocks to fill"):
+    with pytest.raises(ConfigError, match="5 blocks of 32 tokens to fill"):
         PullTask.from_params("d", params, [1, 2, 3, 4, 5], 32, report=True)

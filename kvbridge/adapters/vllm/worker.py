@@ -54,7 +54,7 @@ class WorkerSide:
     """One worker rank of the connector; `from_vllm` reads its place from vLLM's parallel state."""
 
     def __init__(self, engine_id: str, settings: Settings, *, block_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, pp_rank: int = 0, pp_size: int = 1, kv_layout: str = "LBHNC", mla: bool = False,
+                 dp_index: int = 0, dp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, kv_layout: str = "LBHNC", mla: bool = False,
                  backend_name: str = "vLLM") -> None:
         self.engine_id = engine_id
         self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
@@ -65,13 +65,16 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.pp_rank, self.pp_size = pp_rank, pp_size
+        # the rank's identity on the side channel and in plans: its rank among all DP ranks' TP ranks
+        self.parallel = ParallelConfig(tp=tp_size, dp=dp_size)
+        self.rank = dp_index * tp_size + tp_rank
         port = side_channel_port(settings.side_channel_port, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
                                  pp_size=pp_size, dp_index=dp_index)
         self.agent: KVAgent | None = None
         self.control: DecodeControl | None = None
         self.ledger = Ledger(self._released, timeout_s=settings.lease_s)
         # Bound now, ready once the KV cache is registered: an early peer waits instead of failing.
-        self.server = ControlServer(engine_id, self.tp_rank, ledger=self.ledger, host=settings.host, port=port,
+        self.server = ControlServer(engine_id, self.rank, ledger=self.ledger, host=settings.host, port=port,
                                     secret=settings.secret)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
         self._lock = threading.Lock()
@@ -98,7 +101,8 @@ class WorkerSide:
             tp_rank = parallel.rank % tp_size
         pp_rank = (parallel.rank // parallel.tensor_parallel_size) % pp_size if pp_size > 1 else 0
         return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size, tp_rank=tp_rank,
-                   tp_size=tp_size, dp_index=parallel.data_parallel_index, pp_rank=pp_rank, pp_size=pp_size,
+                   tp_size=tp_size, dp_index=parallel.data_parallel_index,
+                   dp_size=parallel.data_parallel_size, pp_rank=pp_rank, pp_size=pp_size,
                    kv_layout=resolved_layout(vllm_config),
                    mla=is_mla(vllm_config, kv_cache_config),
                    backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"))
@@ -109,7 +113,7 @@ class WorkerSide:
         layout, storages = describe_kv_caches(kv_caches, layout=self.kv_layout, block_size=self.block_size,
                                               tp_size=self.tp_size, mla=self.mla, backend=self.backend_name)
         s = self.settings
-        self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
+        self.agent = KVAgent(self.engine_id, self.rank, self.parallel, layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
                              metadata_server=s.metadata_server)
         self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
