@@ -22,8 +22,8 @@ from typing import Any, Literal
 import attrs
 
 from kvbridge.errors import ConfigError, LayoutMismatch
-from kvbridge.memory import as_regions
 from kvbridge.presets import ModelSpec
+from kvbridge.regions import regions_of
 
 Order = Literal["NHD", "HND"]
 KINDS = ("k", "v", "kv", "latent", "index")
@@ -163,7 +163,7 @@ def address(x: Any) -> int:
     """The first byte of a tensor or numpy array (through its device plugin), or an int as is."""
     if isinstance(x, int):
         return x
-    regions = as_regions(x)
+    regions = regions_of(x)
     if len(regions) != 1:
         raise ConfigError(f"expected one tensor or address, got {len(regions)} regions")
     return regions[0].addr

@@ -58,7 +58,7 @@ def pull_descriptors(
     parts = []
     for pieces in np.unique(table[:, 9]):
         t = table[table[:, 9] == pieces]
-        col = lambda j: t[:, j, None, None]  # noqa: E731 - (regions, 1, 1) for broadcasting
+        col = lambda j, t=t: t[:, j, None, None]  # noqa: E731 - (regions, 1, 1) for broadcasting
         k = np.arange(pieces, dtype=np.int64)[None, None, :]
         local_addr = col(0) + dst[None, :, None] * col(1) + k * col(2) + col(3)
         remote_addr = col(4) + src[None, :, None] * col(5) + k * col(6) + col(7)

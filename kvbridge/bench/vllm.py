@@ -9,6 +9,12 @@ what each connector reports to vLLM's "KV Transfer metrics" log (kvbridge pulls,
 server logs it; Mooncake pushes, so its prefill server does). "recompute" is the decode server's
 TTFT for a prompt of that length computed locally, without PD.
 
+For KVBridgeConnector the decode TTFT is also split by phase, from what the servers report:
+`prefill_engine_ms` (the prefill engine's own time, from its answer's `kvbridge_timing`), and
+`control_ms` / `pull_transfer_ms` (means of the decode server's `kvbridge_control_seconds` and
+`kvbridge_transfer_seconds` over the requests of that length). `--plot FILE` draws them against
+prompt length.
+
 vLLM's MooncakeConnector calls `torch.accelerator.current_device_index()`, which raises on a
 CPU-only torch. For its servers only, the bench puts a `sitecustomize` on PYTHONPATH that makes
 that call return 0 when no accelerator exists; KVBridgeConnector's servers run unpatched.
@@ -27,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from rich.progress import Progress
 
-from kvbridge.cli.output import print_json, print_table
+from kvbridge.bench.plot import check_path
+from kvbridge.cli.output import err_console, print_json, print_table
 
 LENGTHS = (64, 256, 512, 1000)
 PATCH = '''\
@@ -65,6 +73,7 @@ class Pair:
 
 
 def _kvbridge_pair(model: Path, logs: Path) -> Pair:
+    from kvbridge.control.params import KVTransferParams
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -76,7 +85,7 @@ def _kvbridge_pair(model: Path, logs: Path) -> Pair:
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
     prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=logs / "kvbridge")
     decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "kvbridge")
-    return Pair("KVBridgeConnector", prefill, decode, lambda _tid: {"do_remote_decode": True},
+    return Pair("KVBridgeConnector", prefill, decode, lambda _tid: KVTransferParams(do_remote_decode=True).to_dict(),
                 lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
 
 
@@ -141,7 +150,23 @@ def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tu
         time.sleep(0.5)
 
 
-def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict]:
+def _pull_sums(pair: Pair) -> dict[str, float]:
+    """The decode server's kvbridge pull series, summed over labels (empty for another connector)."""
+    keys = ("kvbridge_control_seconds_sum", "kvbridge_transfer_seconds_sum", "kvbridge_transfer_seconds_count")
+    m = pair.decode.metrics()
+    return {k: m[k] for k in keys if k in m}
+
+
+def _phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    n = after.get("kvbridge_transfer_seconds_count", 0.0) - before.get("kvbridge_transfer_seconds_count", 0.0)
+    if n <= 0:
+        return {}
+    return {name: round((after[key] - before.get(key, 0.0)) / n * 1e3, 2)
+            for name, key in (("control_ms", "kvbridge_control_seconds_sum"),
+                              ("pull_transfer_ms", "kvbridge_transfer_seconds_sum"))}
+
+
+def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Callable[[], None]) -> list[dict]:
     import httpx
 
     http = httpx.Client(timeout=300, trust_env=False)
@@ -156,7 +181,8 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict
     _transfer_ms(pair.metrics_log, 0, 1)
     offset = len(pair.metrics_log.read_text(errors="replace"))
     for n in lengths:
-        prefill_s, decode_s, local_s = [], [], []
+        prefill_s, decode_s, local_s, engine_ms = [], [], [], []
+        pulls = _pull_sums(pair)
         for i in range(reps):
             text = _prompt(n, seed=n * 1000 + i)
             tid = uuid.uuid4().hex
@@ -165,15 +191,29 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict
                 **base, "prompt": text, "max_tokens": 1, "kv_transfer_params": pair.prefill_params(tid)})
             resp.raise_for_status()
             prefill_s.append(time.perf_counter() - start)
+            timing = (resp.json().get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
+            if "prefill_ms" in timing:
+                engine_ms.append(float(timing["prefill_ms"]) / 1e3)
             decode_s.append(_ttft(http, pair.decode.url, {
                 **base, "prompt": text, "max_tokens": 2, "kv_transfer_params": pair.decode_params(tid, resp.json())}))
             local_s.append(_ttft(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500),
                                                           "max_tokens": 2}))
+            advance()
+        # The pull series reach /metrics at the decode server's next logging step: wait for all of them.
+        deadline = time.monotonic() + 20
+        count = "kvbridge_transfer_seconds_count"
+        while True:
+            now = _pull_sums(pair)
+            if not pulls or now.get(count, 0) - pulls.get(count, 0) >= reps or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        phases = _phases(pulls, now)
         transfer, offset = _transfer_ms(pair.metrics_log, offset, reps)
         rows.append({
             "connector": pair.name, "prompt_tokens": n, "requests": reps,
             "prefill_ms": _ms(prefill_s), "decode_ttft_ms": _ms(decode_s),
             "transfer_ms": None if transfer is None else round(transfer, 2), "recompute_ttft_ms": _ms(local_s),
+            **({"prefill_engine_ms": _ms(engine_ms)} if engine_ms else {}), **phases,
         })
     http.close()
     return rows
@@ -191,7 +231,11 @@ def run(args: argparse.Namespace) -> int:
     reps = args.requests or 5
     launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp:
+    if getattr(args, "plot", None):
+        check_path(args.plot)
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp, \
+            Progress(console=err_console, transient=True, disable=bool(args.json)) as progress:
+        task = progress.add_task("requests", total=len(launchers) * len(lengths) * reps)
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
@@ -199,16 +243,34 @@ def run(args: argparse.Namespace) -> int:
             pair = launch(model, logs)
             try:
                 wait_healthy([pair.prefill, pair.decode], timeout=600)
-                rows += _measure(pair, str(model), lengths, reps)
+                rows += _measure(pair, str(model), lengths, reps, lambda: progress.advance(task))
             finally:
                 pair.prefill.stop()
                 pair.decode.stop()
+    if getattr(args, "plot", None):
+        plot(args.plot, rows)
     if args.json:
         print_json({"engine": "vllm", "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)",
                     "rows": rows})
     else:
         cols = ["connector", "prompt_tokens", "requests", "prefill_ms", "decode_ttft_ms", "transfer_ms",
-                "recompute_ttft_ms"]
+                "recompute_ttft_ms", "prefill_engine_ms", "control_ms", "pull_transfer_ms"]
         print_table("vLLM PD on this machine (medians; transfer = the connector's own mean)", cols,
-                    [[r[c] for c in cols] for r in rows])
+                    [[r.get(c, "") for c in cols] for r in rows])
     return 0
+
+
+def plot(path: str, rows: list[dict]) -> None:
+    """TTFT and its phases against prompt length, per connector."""
+    from kvbridge.bench.plot import write_chart
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        short = "kvbridge" if r["connector"] == "KVBridgeConnector" else "vLLM Mooncake"
+        for key, label in (("decode_ttft_ms", f"{short} decode TTFT"), ("prefill_ms", f"{short} prefill"),
+                           ("control_ms", f"{short} control"), ("pull_transfer_ms", f"{short} transfer")):
+            if r.get(key) is not None:
+                series.setdefault(label, []).append((r["prompt_tokens"], r[key]))
+    for r in rows[: len({r["prompt_tokens"] for r in rows})]:  # once: the first connector's decode server
+        series.setdefault("recompute TTFT", []).append((r["prompt_tokens"], r["recompute_ttft_ms"]))
+    write_chart(path, "vLLM PD: time to first token by phase", "prompt tokens", "ms (median; phases: mean)", series)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
-from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.agent import KVAgent, PullResult
@@ -75,12 +75,13 @@ class WorkerSide:
         self.ledger = Ledger(self._released, timeout_s=settings.lease_s)
         # Bound now, ready once the KV cache is registered: an early peer waits instead of failing.
         self.server = ControlServer(engine_id, self.rank, ledger=self.ledger, host=settings.host, port=port,
-                                    secret=settings.secret)
+                                    secret=settings.secret, insecure=settings.insecure)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
+        self._timings: dict[str, dict[str, float]] = {}  # finished pulls' phases (ms), for the scheduler
         self.stats = KVBridgeStats()
 
     @classmethod
@@ -115,7 +116,7 @@ class WorkerSide:
         s = self.settings
         self.agent = KVAgent(self.engine_id, self.rank, self.parallel, layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server)
+                             metadata_server=s.metadata_server, secret=s.secret, insecure=s.insecure)
         self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
@@ -131,6 +132,7 @@ class WorkerSide:
         for request_id, blocks in meta.offers:
             self.agent.publish(blocks)  # computed by now; through staging, copied to the host mirror
             self.ledger.offer(request_id, blocks)  # the decode side states how many of its ranks read
+            self.stats.record_lease("offered", 1, len(blocks))
         for task in meta.pulls:
             if task.local_block_ids:
                 self._pool.submit(self._pull, task)
@@ -153,7 +155,8 @@ class WorkerSide:
         assert self.control is not None
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
-        elapsed = 0.0
+        elapsed = control = 0.0
+        queued = max(0.0, time.time() - task.asked_at)  # from the scheduler's step to this thread
         begun = time.perf_counter()
         params = task.params
         if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
@@ -162,33 +165,40 @@ class WorkerSide:
         try:
             handle = self.control.start(task.request_id, params, task.local_block_ids,
                                         on_finished=lambda _rid, error: outcome.append(error))
-            # `start` returns as soon as the transfers are submitted. The stats time the transfer itself,
-            # as vLLM's own connectors do: not the control round trips before it or the DONEs after it.
+            # `start` returns as soon as the transfers are submitted. The transfer is timed by itself,
+            # as vLLM's own connectors do; the control round trips before it and the DONEs after apart.
             start = time.perf_counter()
+            control = start - begun
             wait_all(handle.handles, self.settings.pull_timeout_s)
             elapsed = time.perf_counter() - start
             result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
             error = outcome[0]
-            log.debug("request %s: control %.1f ms, transfer %.1f ms, DONEs %.1f ms", task.request_id,
-                      (start - begun) * 1e3, elapsed * 1e3, (time.perf_counter() - start - elapsed) * 1e3)
+            phases = {"queue_ms": queued * 1e3, "control_ms": control * 1e3, "transfer_ms": elapsed * 1e3,
+                      "done_ms": (time.perf_counter() - start - elapsed) * 1e3}
+            with self._lock:
+                self._timings[task.request_id] = {k: round(v, 3) for k, v in phases.items()}
+            log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
         except KVBridgeError as exc:
             error = exc
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
             log.exception("request %s: pull from %s failed", task.request_id, task.params.remote_engine_id)
             error = exc
+        transport = self.agent.backend.name if self.agent is not None else "none"
+        peer = f"{task.params.remote_host}:{task.params.remote_port}"  # one per prefill server: bounded
         if error is None and result is not None:
-            self.stats.record(elapsed, result.nbytes, result.descriptors)
+            self.stats.record(transport, peer, elapsed, control, result.nbytes, result.descriptors)
         elif isinstance(error, KVBridgeError):
             log.error("request %s: pull from %s failed: %s", task.request_id, task.params.remote_engine_id, error)
         with self._lock:
             if error is not None:
-                self.stats.record_failure()
+                self.stats.record_failure(transport, peer, error)
                 self._load_errors.update(task.local_block_ids)
             if task.report:
                 self._recved.add(task.request_id)
 
-    def _released(self, lease: Lease, _reason: LeaseState) -> None:
+    def _released(self, lease: Lease, reason: LeaseState) -> None:
         """Ledger callback (any thread): the request's blocks may be freed; vLLM hears of it in get_finished."""
+        self.stats.record_lease(reason.value, -1, -len(lease.blocks))
         with self._lock:
             self._sent.add(lease.request_id)
 
@@ -215,3 +225,8 @@ class WorkerSide:
 
     def take_stats(self) -> KVBridgeStats | None:
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
+
+    def take_timings(self) -> KVBridgeWorkerMeta | None:
+        with self._lock:
+            timings, self._timings = self._timings, {}
+        return KVBridgeWorkerMeta(timings) if timings else None
