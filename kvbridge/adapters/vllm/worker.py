@@ -73,7 +73,7 @@ class WorkerSide:
         s = self.settings
         self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server, secret=s.secret, insecure=s.insecure)
+                             metadata_server=s.metadata_server, **s.transport_options())
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
         self.server.register(self.agent.info())
