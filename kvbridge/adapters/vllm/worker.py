@@ -29,7 +29,6 @@ from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.errors import KVBridgeError
 from kvbridge.landing import Receiver
-from kvbridge.plugins import registry
 from kvbridge.ranks import side_channel_port, stage_port
 from kvbridge.topology import ParallelConfig
 
@@ -115,12 +114,9 @@ class WorkerSide:
         layout, storages = describe_kv_caches(kv_caches, layout=self.kv_layout, block_size=self.block_size,
                                               tp_size=self.tp_size, mla=self.mla, backend=self.backend_name)
         s = self.settings
-        # The secret reaches transports that authenticate with it (tcp); the others declare no such option.
-        declared = {o.name for o in registry().backend_entry(s.migration_backend).option_infos()}
-        auth = {k: v for k, v in (("secret", s.secret), ("insecure", s.insecure)) if k in declared}
         self.agent = KVAgent(self.engine_id, self.rank, self.parallel, layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server, **auth)
+                             metadata_server=s.metadata_server, **s.transport_options())
         self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
