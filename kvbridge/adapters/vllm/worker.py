@@ -18,6 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import attrs
+
 from kvbridge.adapters.vllm.cache import describe_kv_caches
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
@@ -26,6 +28,7 @@ from kvbridge.agent import KVAgent, PullResult
 from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.errors import KVBridgeError
+from kvbridge.plugins import registry
 from kvbridge.topology import ParallelConfig
 
 if TYPE_CHECKING:
@@ -71,9 +74,13 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, storages = describe_kv_caches(kv_caches, block_size=self.block_size, tp_size=self.tp_size)
         s = self.settings
+        # The shared secret reaches the transport where it authenticates its connections (tcp); one that
+        # declares no such option (Mooncake, loopback) would refuse it. The side channel always uses it.
+        declared = {f.name for f in attrs.fields(registry().backend_entry(s.migration_backend).options)}
+        security = {k: v for k, v in (("secret", s.secret), ("insecure", s.insecure)) if k in declared}
         self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server, secret=s.secret, insecure=s.insecure)
+                             metadata_server=s.metadata_server, **security)
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
         self.server.register(self.agent.info())
