@@ -42,6 +42,7 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
 from lmdeploy.pytorch.disagg.messages import DistServeRegisterMRMessage, MigrationAssignment
 
 from kvbridge import staging, wire
+from kvbridge.adapters.lmdeploy.metrics import TransferMetrics
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
@@ -88,6 +89,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         self._transports: dict[str, MigrationBackend] = {}
         self._region_users: dict[tuple[str, int], set[str]] = {}  # (protocol, addr) -> engines
         self._lock = threading.RLock()
+        self.metrics = TransferMetrics()  # kvbridge_transfer_* series: see kvbridge.adapters.lmdeploy.metrics
 
     @property
     def links(self) -> Mapping[str, Link]:
@@ -242,11 +244,18 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions, engine=rid)
         if len(p.descriptors) == 0:
             return
-        submitted = self._submit(link, p)
-        if async_op or self.settings.async_migration:
-            await self._wait_async(rid, p, submitted)
-        else:
-            self._wait(rid, p, submitted)
+        begun = time.perf_counter()
+        try:
+            submitted = self._submit(link, p)
+            if async_op or self.settings.async_migration:
+                await self._wait_async(rid, p, submitted)
+            else:
+                self._wait(rid, p, submitted)
+        except KVBridgeError as exc:
+            self.metrics.record_failure(link.transport.name, rid, exc)
+            raise
+        self.metrics.record(link.transport.name, rid, time.perf_counter() - begun, int(p.descriptors[:, 2].sum()),
+                            len(p.descriptors))
 
     def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
         assert link.peer is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from kvbridge_cuda.plugin import probe
@@ -34,7 +35,7 @@ class TestCudaUnavailableConformance(UnavailableDeviceConformance):
     reason_contains = "no CUDA device"
 
 
-def test_what_the_plugin_decides_without_cuda() -> None:
+def test_what_the_plugin_decides_without_cuda(tmp_path: Path) -> None:
     from kvbridge import staging
     from kvbridge.types import MemoryKind
     from kvbridge_cuda.device import CudaDevice
@@ -42,7 +43,11 @@ def test_what_the_plugin_decides_without_cuda() -> None:
 
     cuda = CudaDevice()  # no torch.cuda call below: these are the plugin's declarations
     assert (cuda.name, cuda.memory_kind, cuda.synchronizes) == ("cuda", MemoryKind.VRAM, True)
-    assert cuda.protocols() == ("rdma", "nvlink") and cuda.location(3) == "cuda:3"
+    assert cuda.location(3) == "cuda:3"
+    cuda.sys_modules = tmp_path  # type: ignore[misc]
+    assert cuda.protocols() == ("nvlink",)  # no peer-memory module: a NIC cannot reach GPU memory, rdma stages
+    (tmp_path / "nvidia_peermem").mkdir()
+    assert cuda.protocols() == ("rdma", "nvlink")
 
     class Mooncake:  # what a Mooncake engine of each protocol declares, for a CUDA and a plain wheel
         def __init__(self, protocol: str, built: frozenset[str]) -> None:
