@@ -33,7 +33,7 @@ from kvbridge.memory import Descriptors
 from kvbridge.options import as_dict, parse
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
-from kvbridge_nixl.plugin import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
+from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
 
 log = logging.getLogger(__name__)
 
