@@ -33,7 +33,7 @@ from kvbridge.memory import Descriptors
 from kvbridge.options import as_dict, parse
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
-from kvbridge_nixl.plugin import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
+from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
 
 log = logging.getLogger(__name__)
 
@@ -285,8 +285,8 @@ class NixlBackend(MigrationBackend):
                 finished.append((item, self._failed(item.what, item.peer, cause)))
             elif now > item.deadline:
                 finished.append((item, TransferTimeout(
-                    f"{item.what} did not finish within {self._timeout}s and was aborted; check that the peer is "
-                    "alive and reachable", peer=item.peer, cause="timeout")))
+                    f"{item.what} did not finish within {self._timeout}s and was aborted; "
+                    "check that the peer is alive and reachable", peer=item.peer, cause="timeout")))
             else:
                 keep.append(item)
                 continue
