@@ -110,3 +110,62 @@ def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline(p
         assert pair.client.call("digest") == other.call("digest") == expected(desc)
     finally:
         other.close()
+
+
+def test_the_side_channel_answers_while_transfers_run_and_stall() -> None:
+    """The prefill's side channel and its Mooncake engine share a process: reads served to a decode,
+    then a decode that stops reading mid-transfer (the stall's window), must not delay its answers."""
+    import kvbridge
+    from kvbridge.control import ControlClient, ControlServer, Ledger
+    from kvbridge.control.messages import QueryLease
+
+    buf = pattern(64 * MiB, 7)
+    backend = kvbridge.create_backend("mooncake")
+    backend.register_memory(buf)
+    ledger = Ledger(lambda *_: None)
+    server = ControlServer("prefill", 0, ledger=ledger, poll_interval_s=0.01)
+    decode = Child("backend_peer", env={"PYTHONPATH": os.path.dirname(__file__) + "/peers"}, name="decode")
+    client = ControlClient(*server.address, sender="probe")  # type: ignore[arg-type]
+    try:
+        decode.call("init", backend="mooncake", size=64 * MiB, seed=-1)
+        decode.call("connect", endpoint=backend.endpoint_info().hex())
+        whole = [[0, 0, 64 * MiB]]
+        done = threading.Event()
+        pulled: list[object] = []
+
+        def pulls() -> None:
+            for _ in range(500):  # bounded; runs until the probe has seen the whole window
+                if done.is_set():
+                    return
+                try:
+                    pulled.append(decode.call("transfer", descriptors=whole, op="read",
+                                              remote_base=buf.ctypes.data, timeout=60))
+                except ChildError as exc:  # the pull the stopped decode held may fail: that is allowed
+                    pulled.append(exc)
+
+        th = threading.Thread(target=pulls)
+        th.start()
+        latencies = []
+        for i in range(400):  # ~10 ms apart: 20 before the stall, 200 through it (> the deadline), the rest after
+            if i == 20:
+                os.kill(decode.pid, signal.SIGSTOP)  # the decode stops reading: the prefill's writes stall
+            if i == 220:
+                os.kill(decode.pid, signal.SIGCONT)
+            t = time.monotonic()
+            client.request(QueryLease("nothing"))  # any answer (here "not ready") is what is timed
+            latencies.append(time.monotonic() - t)
+            time.sleep(0.01)
+        done.set()
+        th.join(timeout=120)
+        assert not th.is_alive()
+        assert any(not isinstance(p, ChildError) for p in pulled[1:]), "pulls ran after the stall"
+        latencies.sort()
+        p99 = latencies[int(len(latencies) * 0.99)]
+        assert p99 < 0.1, f"side channel p99 {p99 * 1e3:.0f} ms (max {latencies[-1] * 1e3:.0f} ms) while transfers ran"
+        assert latencies[-1] < 1.0, f"side channel went {latencies[-1]:.1f}s without an answer"
+    finally:
+        os.kill(decode.pid, signal.SIGCONT)
+        client.close()
+        decode.close()
+        server.close()
+        backend.close()
