@@ -18,6 +18,7 @@ SUBCOMMANDS = [
     "bench",
     "plan",
     "proxy",
+    "chaos",
 ]
 
 EPILOG = """\

@@ -29,6 +29,9 @@ class Settings:
     - `secret`: shared secret (at least 16 bytes, the same on prefill and decode) that authenticates
       every side-channel message; without it the side channel trusts its network. Default: the
       `KVBRIDGE_SECRET` environment variable (which vLLM does not log, unlike its config).
+    - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
+      "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
+      transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.chaos.inject`).
     """
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)
@@ -39,6 +42,7 @@ class Settings:
     lease_s: float = attrs.field(default=120.0, converter=float)
     pull_timeout_s: float = attrs.field(default=60.0, converter=float)
     secret: str | None = attrs.field(default=None, repr=False)  # never in a log line
+    fault_injection: dict[str, Any] | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:

@@ -73,6 +73,10 @@ class WorkerSide:
         self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
                              metadata_server=s.metadata_server)
+        if s.fault_injection:
+            from kvbridge.chaos.inject import install
+
+            install(self.agent.backend, s.fault_injection)
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
         self.server.register(self.agent.info())
