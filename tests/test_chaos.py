@@ -47,6 +47,7 @@ def test_the_report_fails_on_any_must_be_zero_figure() -> None:
     for bad in ([*clean, Outcome(3, DIFFERENT)], [*clean, Outcome(3, HUNG)]):
         assert not Report(outcomes=bad).ok
     assert not Report(outcomes=clean, blocks_held={"a": 2.0}).ok
+    assert not Report(outcomes=clean, blocks_held={"a": 0.0, "b": -1.0}).ok  # a server that cannot be read
 
 
 @pytest.fixture

@@ -105,10 +105,15 @@ class Deployment:
             return bool(self._restarting)
 
     def blocks_in_use(self, server: Server) -> float:
-        """KV blocks the server holds now, read from its own metrics (usage x its block count)."""
+        """KV blocks the server holds now, read from its own metrics (usage x its block count); -1 when
+        the server cannot be read (then nothing proves it holds none)."""
         import httpx
 
-        text = httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text
+        try:
+            text = httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text
+        except httpx.HTTPError as exc:
+            log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
+            return -1.0
         usage = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                     if line.startswith("vllm:kv_cache_usage_perc"))
         m = _BLOCKS.search(text)
