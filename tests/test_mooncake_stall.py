@@ -22,10 +22,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
 from test_transfer import MiB, Pair, pattern, sha
 
 from kvbridge.proc import Child, ChildError
-from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
 
 SIZE = 16 * MiB
 # An attempt ends within the deadline of its last progress, or at the latest when Mooncake's call times
@@ -91,7 +91,7 @@ def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline(p
             time.sleep(gap)  # the idle gap under test, not a wait for something
             results: dict[str, object] = {}
 
-            def run_other() -> None:
+            def run_other(results: dict[str, object] = results) -> None:
                 t = time.monotonic()
                 try:
                     results["other"] = (other.call("transfer", descriptors=rel, op="read",

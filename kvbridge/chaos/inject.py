@@ -55,7 +55,7 @@ def install(backend: MigrationBackend, config: Mapping[str, Any]) -> None:
             def release() -> None:  # on a timer thread, so held submissions occupy no transport worker
                 try:
                     inner = submit(peer, desc, op)
-                except BaseException as exc:
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting pull, which reports it
                     out.set_exception(exc)
                     return
                 inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()

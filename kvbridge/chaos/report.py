@@ -37,7 +37,8 @@ def _pct(values: list[float], q: float) -> float | None:
 @attrs.define
 class Report:
     outcomes: list[Outcome] = attrs.field(factory=list)
-    blocks_held: dict[str, float] = attrs.field(factory=dict)  # server -> KV blocks in use after the drain (-1: unreadable)
+    # server -> KV blocks in use after the drain (-1: its metrics could not be read)
+    blocks_held: dict[str, float] = attrs.field(factory=dict)
     leases_expired: int = 0
     retries: int = 0  # pulls the decode servers reported failed and recomputed
     faults_injected: dict[str, int] = attrs.field(factory=dict)

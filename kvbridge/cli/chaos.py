@@ -98,13 +98,13 @@ def run(args: argparse.Namespace) -> int:
             err_console.print(f"starting 5 vLLM servers and the proxy (logs in {logs}) ...")
         dep.start()
         with contextlib.ExitStack() as stack:
-            advance = lambda _n: None  # noqa: E731
+            advance = lambda _n: None
             if show:
                 from rich.progress import Progress
 
                 progress = stack.enter_context(Progress(console=err_console, transient=True))
                 task = progress.add_task("requests", total=args.requests)
-                advance = lambda n: progress.advance(task, n)  # noqa: E731
+                advance = lambda n: progress.advance(task, n)
             report = Runner(dep, plan, progress=advance).run()
     finally:
         dep.stop()
