@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import tempfile
 from pathlib import Path
@@ -98,14 +99,14 @@ def run(args: argparse.Namespace) -> int:
             err_console.print(f"starting 5 vLLM servers and the proxy (logs in {logs}) ...")
         dep.start()
         with contextlib.ExitStack() as stack:
-            advance = lambda _n: None
+            runner = Runner(dep, plan)
             if show:
                 from rich.progress import Progress
 
                 progress = stack.enter_context(Progress(console=err_console, transient=True))
                 task = progress.add_task("requests", total=args.requests)
-                advance = lambda n: progress.advance(task, n)
-            report = Runner(dep, plan, progress=advance).run()
+                runner.progress = functools.partial(progress.advance, task)
+            report = runner.run()
     finally:
         dep.stop()
     out = report.as_dict()
