@@ -105,3 +105,10 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
     assert out["requests"] == 30 and out["completed_equal"] >= 15, out
     assert out["faults_injected"].get("disconnect") and out["faults_injected"].get("abort"), out
     assert out["retries"] >= 1, "transfer-error made some pulls fail and recompute"
+
+
+def test_the_cli_names_the_known_faults_when_given_a_wrong_one() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvbridge", "chaos", "--faults", "kill-decode,nope"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "unknown fault(s) ['nope']; choose from" in done.stderr and "idle-gap" in done.stderr

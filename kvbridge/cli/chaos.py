@@ -33,6 +33,13 @@ machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbri
 """
 
 
+def _faults(text: str) -> list[str]:
+    try:
+        return parse_faults(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "chaos",
@@ -48,7 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--requests", type=int, default=30, help="requests to play (default 30)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
-    p.add_argument("--faults", type=parse_faults, default=[], metavar="F1,F2",
+    p.add_argument("--faults", type=_faults, default=[], metavar="F1,F2",
                    help=f"comma-separated faults to inject, from: {', '.join(FAULTS)} (default: none)")
     p.add_argument("--transfer-error-rate", type=float, default=0.1, metavar="P",
                    help="with transfer-error: fraction of decode transfers that fail in the transport (default 0.1)")
