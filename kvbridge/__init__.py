@@ -23,6 +23,7 @@ from kvbridge.errors import (
     TransferTimeout,
 )
 from kvbridge.hookspecs import hookimpl
+from kvbridge.options import NoOptions, TransportOptions, option
 from kvbridge.plugins import (
     PLUGIN_API_VERSION,
     create_backend,
@@ -50,6 +51,7 @@ __all__ = [
     "MemoryKind",
     "MemoryRegion",
     "MigrationBackend",
+    "NoOptions",
     "Peer",
     "PeerGone",
     "PluginAPIMismatch",
@@ -63,11 +65,13 @@ __all__ = [
     "TransferFailed",
     "TransferHandle",
     "TransferTimeout",
+    "TransportOptions",
     "create_backend",
     "get_device",
     "hookimpl",
     "list_backends",
     "list_devices",
+    "option",
     "refused_plugins",
     "reset_plugins",
     "wait_all",

@@ -13,9 +13,11 @@ On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)`
 pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once, and
 `agent.publish(blocks)` makes a computed request's blocks readable before it is offered.
 
-Device memory a transport cannot reach (GPU memory over `tcp`, say) goes through host staging
-(`kvbridge.staging`): the agent registers host mirrors, publishes a layout whose addresses are the
-mirrors', copies device -> mirror in `publish`, and mirror -> device when a pull lands.
+The tensors' device picks its device plugin (`kvbridge.regions`), and the transport is
+bound to that device (`kvbridge.staging.attach`): directly where the transport reaches the memory
+(Mooncake `rdma` with GPUDirect, `ascend`), through pinned host mirrors where it cannot (GPU memory
+over `tcp`). Either way the agent makes the same calls: `publish` before offering blocks, a pull's
+handle completes after the bytes are visible on the device, and peers see `peer_addresses`.
 
 The completion seam (what the control plane wires to DONE messages and leases): `on_done` is
 called exactly once per `pull`, from a transport thread (or before `pull` returns when the rank has
@@ -48,6 +50,7 @@ from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import RegionIndex
 from kvbridge.planner import pull_descriptors
 from kvbridge.plugins import create_backend, get_device
+from kvbridge.regions import for_device, tensor_device
 from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
 
 log = logging.getLogger(__name__)
@@ -87,7 +90,7 @@ class PullHandle:
     """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks."""
 
     def __init__(self, result: PullResult, handles: list[TransferHandle],
-                 on_done: Callable[[PullResult], None] | None, after: Callable[[], None]) -> None:
+                 on_done: Callable[[PullResult], None] | None, after: Callable[[bool], None]) -> None:
         self.request_id = result.request_id
         self.handles = handles
         self._result = result
@@ -110,8 +113,11 @@ class PullHandle:
 
     def _finish(self) -> None:
         error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
-        if error is None:
-            self._after()
+        try:
+            self._after(error is None)
+        except Exception as exc:  # e.g. the rearrangement of landed blocks: the pull failed, recompute
+            log.exception("request %s: finishing the pull failed", self.request_id)
+            error = error or exc
         self._result = attrs.evolve(self._result, error=error)
         if self._on_done is not None:
             try:
@@ -148,12 +154,15 @@ class KVAgent:
         tensors: Any,
         *,
         backend: str | MigrationBackend = "mooncake",
-        device: str = "cpu",
+        device: str | None = None,
         stage: bool = False,
         **backend_options: Any,
     ) -> None:
-        """`backend` by name is created (and staged where it cannot reach the device's memory, or
-        always with `stage=True`) and closed by the agent; a backend object is used as given."""
+        """`device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another
+        is an error. Memory given as (address, bytes) pairs is the named device's (its current device
+        id), host memory when none is named. `backend` by name is created and closed by the agent; a
+        backend object (or one `kvbridge.staging.attach` already bound to the device) is left open. Either
+        is staged where the transport cannot reach the device's memory, or always with `stage=True`."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -165,17 +174,22 @@ class KVAgent:
                 f"rank {rank} of {parallel} holds {expected} KV heads of {layout.model.name}, but its layout says "
                 f"{layout.heads}; build the layout with heads={expected}"
             )
-        self.device = get_device(device)
+        found = tensor_device(tensors)
+        self.device = get_device(device) if device is not None else found or get_device("cpu")
+        if found is not None and found is not self.device:
+            raise ConfigError(f"rank {rank}: the KV tensors are {found.name} memory, but device={device!r} "
+                              f"was given; pass device={found.name!r} or leave it out")
         self._own_backend = isinstance(backend, str)
-        self.backend: MigrationBackend | staging.StagedBackend = (
-            staging.attach(create_backend(backend, **backend_options), self.device, force=stage)
-            if isinstance(backend, str) else backend
-        )
+        inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
+        # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
+        self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage)
         self._peers: dict[tuple[str, int], Peer] = {}
+        # set by an engine adapter whose cache may differ from its peers' (kvbridge.landing.Receiver)
+        self.receiver: Any = None
         self._lock = threading.Lock()
         self._registered: list[Any] = []
         try:
-            self._registered = self.backend.register_memory(tensors)
+            self._registered = self.backend.register_memory(for_device(tensors, self.device))
             self._check_registered()
             self._published = self._layout_for_peers()
         except BaseException:
@@ -183,10 +197,8 @@ class KVAgent:
             raise
 
     def _layout_for_peers(self) -> KVLayout:
-        """The layout with the addresses peers use: the host mirrors' when staged."""
-        if not isinstance(self.backend, staging.StagedBackend):
-            return self.layout
-        bases = self.backend.host_addresses([r.addr for r in self.layout.regions])
+        """The layout with the addresses peers use (the host mirrors' where the memory is staged)."""
+        bases = self.backend.peer_addresses([r.addr for r in self.layout.regions])
         regions = [attrs.evolve(r, addr=int(a)) for r, a in zip(self.layout.regions, bases.tolist())]
         return attrs.evolve(self.layout, regions=regions)
 
@@ -206,15 +218,12 @@ class KVAgent:
     def publish(self, blocks: Sequence[int]) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.
 
-        Waits for the device's pending work; through staging it also copies the blocks (every
+        The backend waits for the device's pending work and, where it stages, copies the blocks (every
         region) device -> host mirror, one vectorized copy per registered buffer.
         """
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
             raise ConfigError(f"block ids must lie in [0, {self.layout.num_blocks}), got {blocks!r}")
-        if not isinstance(self.backend, staging.StagedBackend):
-            self.device.before_transfer(self.backend.registered[0].device_id)
-            return
         if len(ids) == 0:
             return
         ranges = np.concatenate([
@@ -223,13 +232,14 @@ class KVAgent:
         ])
         self.backend.publish(ranges)
 
-    def connect(self, remote: RankInfo) -> Peer:
+    def connect(self, remote: RankInfo, *, check: bool = True) -> Peer:
         """Check the remote layout against ours and connect to its endpoint (once per rank)."""
         key = (remote.engine_id, remote.rank)
         with self._lock:
             peer = self._peers.get(key)
         if peer is None:
-            check_compatible(self.layout, remote.layout)
+            if check:
+                check_compatible(self.layout, remote.layout)
             peer = self.backend.connect(remote.endpoint)
             with self._lock:
                 self._peers[key] = peer
@@ -258,11 +268,12 @@ class KVAgent:
         """Read this rank's share of a request from the prefill ranks that hold it.
 
         `remote`: RankInfos of the prefill engine; `prefill_dp` names the DP group holding the request
-        (it may be left out when `remote` holds the ranks of one group only). `remote_blocks`: each prefill rank's block ids of the
-        request, keyed by rank, or one list shared by all ranks (each uses its first n). `local_blocks`:
-        this rank's block ids for its share, in order. Every check (topology, layouts, block ids)
-        runs before the first transfer is submitted. A rank with nothing to pull gets a handle that
-        is already done (and `on_done` has run before `pull` returns).
+        (it may be left out when `remote` holds the ranks of one group only). `remote_blocks`: each
+        prefill rank's block ids of the request, keyed by rank, or one list shared by all ranks (each
+        uses its first n). `local_blocks`: this rank's block ids for its share, in order. Every check
+        (topology, layouts, block ids) runs before the first transfer is submitted. A rank with
+        nothing to pull gets a handle that is already done (and `on_done` has run before `pull`
+        returns).
         """
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")
@@ -286,6 +297,32 @@ class KVAgent:
             )
         by_rank = {r.rank: r for r in remote}
         work = []  # everything is checked and built before the first byte moves
+        landed: list[Any] = []  # pulls landing elsewhere, rearranged on this device afterwards
+        try:
+            self._build(request_id, p, by_rank, remote_blocks, local_blocks, tokens, work, landed)
+        except BaseException:
+            for land in landed:
+                land.finish(False)
+            raise
+        handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
+        pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]
+        nbytes = sum(int(desc[:, 2].sum()) for *_, desc in work)
+        ndesc = sum(len(desc) for *_, desc in work)
+        notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
+        log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
+        result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
+
+        # Each handle completes once its bytes are on the device, synchronized; landed bytes still need
+        # their rearrangement into this rank's cache.
+        def after(ok: bool) -> None:
+            for land in landed:
+                land.finish(ok)
+
+        return PullHandle(result, handles, on_done, after)
+
+    def _build(self, request_id: str, p: Plan, by_rank: Mapping[int, RankInfo],
+               remote_blocks: Mapping[int, Sequence[int]] | Sequence[int], local_blocks: Sequence[int], tokens: int,
+               work: list[Any], landed: list[Any]) -> None:
         for pull in p.pulls_for(self.rank):
             info = by_rank.get(pull.prefill_rank)
             if info is None:
@@ -296,20 +333,18 @@ class KVAgent:
                 blocks = remote_blocks[pull.prefill_rank]
             else:
                 blocks = remote_blocks
-            peer = self.connect(info)
-            work.append((info, peer, pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)))
-        handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
-        pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]
-        nbytes = sum(int(desc[:, 2].sum()) for *_, desc in work)
-        ndesc = sum(len(desc) for *_, desc in work)
-        notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
-        log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
-        result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
-        device_id = self.backend.registered[0].device_id
-        return PullHandle(result, handles, on_done, lambda: self.device.after_transfer(device_id))
+            if self.receiver is not None and not self.receiver.direct(info.layout):
+                land = self.receiver.prepare(request_id, pull, info.layout, blocks, local_blocks, tokens)
+                landed.append(land)
+                work.append((info, self.connect(info, check=False), land.descriptors))
+            else:
+                peer = self.connect(info)
+                work.append((info, peer, pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)))
 
     def close(self) -> None:
         """Disconnect peers and unregister the KV tensors; close the backend if the agent created it."""
+        if self.receiver is not None:
+            self.receiver.close()
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
             registered, self._registered = self._registered, []

@@ -17,10 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar, Literal
 
 import attrs
+import numpy as np
 
 from kvbridge import wire
 from kvbridge.errors import ConfigError, KVBridgeError, TransferTimeout
 from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions, merge_runs, split_large
+from kvbridge.options import TransportOptions, parse
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class TransferHandle:
         try:
             self._future.result(timeout=timeout)
         except TimeoutError:
+            if self._future.done():  # the transport's own timeout (a TransferTimeout) says what timed out
+                raise
             raise TransferTimeout(
                 f"transfer of {self.nbytes} bytes in {self.descriptors} descriptors with {self.peer} "
                 f"did not finish within {timeout}s; check that the peer is alive and reachable",
@@ -108,7 +112,9 @@ class MigrationBackend(abc.ABC):
         """Run a blocking transport call on this backend's worker threads."""
         with self._lock:
             if self._pool is None:
-                workers = int(self.config.options.get("workers", 4))  # type: ignore[arg-type]
+                # declared in TransportOptions; the registry fills it in, a backend built directly may lack it
+                given = {k: v for k, v in self.config.options.items() if k == "workers"}
+                workers = parse(TransportOptions, given, what=f"backend {self.name!r}").workers
                 self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kvbridge-{self.name}")
             return self._pool.submit(fn)
 
@@ -140,6 +146,11 @@ class MigrationBackend(abc.ABC):
     def _disconnect(self, peer: Peer) -> None:
         """Release what `_connect` opened (optional)."""
 
+    def _regions(self, x: Any) -> list[MemoryRegion]:
+        """What `register_memory` was given, as regions (host memory here; a device-bound wrapper asks its
+        device plugin)."""
+        return as_regions(x)
+
     def _shutdown(self) -> None:
         """Stop threads and release the engine (optional)."""
 
@@ -148,7 +159,7 @@ class MigrationBackend(abc.ABC):
     def register_memory(self, x: Any) -> list[MemoryRegion]:
         """Register a tensor, list of tensors, numpy array or (address, length) pairs, once each."""
         self._check_open()
-        regions = as_regions(x)
+        regions = self._regions(x)
         if not regions:
             raise ConfigError("register_memory() got nothing to register")
         for r in regions:
@@ -170,13 +181,32 @@ class MigrationBackend(abc.ABC):
     def unregister_memory(self, x: Any) -> None:
         """Unregister what `register_memory` registered."""
         with self._lock:
-            removed = self._local.remove(r.addr for r in as_regions(x))
+            removed = self._local.remove(r.addr for r in self._regions(x))
             if removed:
                 self._unregister(removed)
 
     @property
     def registered(self) -> tuple[MemoryRegion, ...]:
         return self._local.regions
+
+    def publish(self, ranges: Any = None) -> None:
+        """Make local bytes current for peers that read them: call before offering blocks to a peer.
+
+        `ranges`: (local_addr, length) pairs (an N x 2 array), None for everything registered. Host
+        memory a transport reads directly is always current, so this does nothing here; a device-bound
+        backend (`kvbridge.staging`) waits for the device and, where it stages, copies to host.
+        """
+
+    def accept(self, ranges: Any = None) -> None:
+        """Make bytes a peer wrote into local memory visible to compute (same `ranges` as `publish`).
+
+        Nothing to do for host memory; a device-bound backend synchronizes (and copies where it stages).
+        Local reads (`transfer(..., "read")`) need no call: their handle completes after this.
+        """
+
+    def peer_addresses(self, addrs: Any) -> np.ndarray:
+        """Where peers address these local addresses (the same, unless memory is staged through host mirrors)."""
+        return np.asarray(addrs, dtype=np.int64).reshape(-1)
 
     def endpoint(self) -> EndpointInfo:
         return EndpointInfo(

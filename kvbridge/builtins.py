@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvbridge.hookspecs import hookimpl
+from kvbridge.options import NoOptions
 
 KVBRIDGE_PLUGIN_API = 1
 
@@ -13,12 +14,13 @@ KVBRIDGE_PLUGIN_API = 1
 def kvbridge_register_backends(register: Callable[..., None]) -> None:
     from kvbridge.transports import loopback, tcp
 
-    register("tcp", tcp.TcpBackend, capabilities=tcp.TcpBackend.capabilities)
-    register("loopback", loopback.LoopbackBackend, capabilities=loopback.LoopbackBackend.capabilities)
+    register("tcp", tcp.TcpBackend, capabilities=tcp.TcpBackend.capabilities, options=tcp.TcpOptions)
+    register("loopback", loopback.LoopbackBackend, capabilities=loopback.LoopbackBackend.capabilities,
+             options=loopback.LoopbackOptions)
 
 
 @hookimpl
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
     from kvbridge.devices.cpu import CpuDevice
 
-    register("cpu", CpuDevice, memory_kind=CpuDevice.memory_kind)
+    register("cpu", CpuDevice, memory_kind=CpuDevice.memory_kind, options=NoOptions)

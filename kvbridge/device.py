@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvbridge.errors import ConfigError
+from kvbridge.memory import buffer_region
 from kvbridge.types import MemoryKind, MemoryRegion
 
 
@@ -19,28 +20,51 @@ class Device(abc.ABC):
 
     name: ClassVar[str]
     memory_kind: ClassVar[MemoryKind]
+    #: False where `before_transfer`/`after_transfer` have nothing to wait for (host memory), so a
+    #: transport that reaches the memory is used as is, without a device-bound wrapper.
+    synchronizes: ClassVar[bool] = True
 
     def regions(self, tensor: Any) -> list[MemoryRegion]:
-        """The memory a tensor occupies: one region from its first to its last byte.
+        """The memory a tensor occupies: one region from its first to its last byte, of this device's kind.
 
         A non-contiguous view is refused: a transport moves bytes, not strides.
         """
-        if isinstance(tensor, np.ndarray):
-            contiguous, nbytes = tensor.flags.c_contiguous, tensor.nbytes
-        else:
-            contiguous = not hasattr(tensor, "is_contiguous") or tensor.is_contiguous()
-            nbytes = tensor.numel() * tensor.element_size()
-        if not contiguous:
-            raise ConfigError("register a contiguous tensor (the KV cache itself, not a strided view of it)")
-        if nbytes == 0:
-            raise ConfigError("cannot register an empty tensor")
-        if isinstance(tensor, np.ndarray):
-            return [MemoryRegion(tensor.ctypes.data, nbytes, self.memory_kind, -1)]
-        return [MemoryRegion(tensor.data_ptr(), nbytes, self.memory_kind, self.device_id(tensor))]
+        device_id = -1 if isinstance(tensor, np.ndarray) else self.device_id(tensor)
+        return [buffer_region(tensor, self.memory_kind, device_id)]
 
     def device_id(self, tensor: Any) -> int:
         index = getattr(getattr(tensor, "device", None), "index", None)
         return -1 if index is None else int(index)
+
+    def region(self, addr: int, length: int, device_id: int = -1) -> MemoryRegion:
+        """A region of this device's memory known only by address (engines that hand out pointers, like
+        LMDeploy's CacheEngine): `device_id` -1 is the device this process is using now."""
+        return MemoryRegion(addr, length, self.memory_kind, self.current_id() if device_id < 0 else device_id)
+
+    def current_id(self) -> int:
+        """The device this process computes on (-1 for host memory, which belongs to no device)."""
+        return -1
+
+    def set_current(self, device_id: int) -> None:
+        """Make `device_id` the device this process computes on. Transports that bind to one device when
+        they start (Mooncake's ascend) need it first. Host memory has none."""
+
+    def physical_id(self, device_id: int) -> int:
+        """The id the hardware and its fabric know a device by, where a visibility variable renumbers them."""
+        return device_id
+
+    def buffer_at(self, region: MemoryRegion) -> Any:
+        """A flat byte buffer over existing memory of this device, for staging copies when only the
+        address is known. Devices that cannot wrap an address say so."""
+        raise ConfigError(
+            f"device {self.name!r} cannot copy from a raw address; register the tensor itself, or use a "
+            f"transport protocol that reaches {self.memory_kind.value} memory directly ({', '.join(self.protocols())})"
+        )
+
+    def location(self, device_id: int) -> str:
+        """How a transport names where this memory lives when registering it (Mooncake's `location`):
+        ``cuda:0``, ``npu:3``; ``*`` lets the transport find out (host memory: its NUMA node)."""
+        return "*" if self.memory_kind == MemoryKind.DRAM else f"{self.name}:{max(device_id, 0)}"
 
     @abc.abstractmethod
     def before_transfer(self, device_id: int = -1) -> None:

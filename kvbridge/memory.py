@@ -12,27 +12,47 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import ConfigError, InvalidDescriptor
-from kvbridge.types import MemoryRegion
+from kvbridge.types import MemoryKind, MemoryRegion
 
 Descriptors = np.ndarray  # shape (N, 3), dtype int64: local_addr, remote_addr, length
 
 
-def _is_tensor_like(x: Any) -> bool:
+def is_tensor_like(x: Any) -> bool:
     return hasattr(x, "data_ptr") and hasattr(x, "element_size") and hasattr(x, "device")
 
 
-def as_regions(x: Any) -> list[MemoryRegion]:
-    """Regions for a tensor, a numpy array, a MemoryRegion, an (addr, length) pair, or a list of them.
+def buffer_region(buf: Any, kind: MemoryKind, device_id: int) -> MemoryRegion:
+    """The one region a contiguous tensor or numpy array occupies, from its first to its last byte.
 
-    Tensors are turned into regions by the device plugin for their device type, so a CUDA
-    or NPU tensor gets its memory kind and device id from the plugin that knows it.
+    A non-contiguous view is refused: a transport moves bytes, not strides.
+    """
+    if isinstance(buf, np.ndarray):
+        contiguous, nbytes, addr = buf.flags.c_contiguous, buf.nbytes, buf.ctypes.data
+    else:
+        contiguous = not hasattr(buf, "is_contiguous") or buf.is_contiguous()
+        nbytes, addr = buf.numel() * buf.element_size(), buf.data_ptr()
+    if not contiguous:
+        raise ConfigError("register a contiguous tensor (the KV cache itself, not a strided view of it)")
+    if nbytes == 0:
+        raise ConfigError("cannot register an empty tensor")
+    return MemoryRegion(addr, nbytes, kind, device_id)
+
+
+def as_regions(x: Any) -> list[MemoryRegion]:
+    """Regions of host memory: a CPU tensor, a numpy array, a MemoryRegion, an (addr, length) pair, or a list.
+
+    Device memory is described by its device plugin (`kvbridge.regions.regions_of`), which sits above
+    the plugin registry; this module stays below it, so a device tensor here is a clear error.
     """
     if isinstance(x, MemoryRegion):
         return [x]
-    if _is_tensor_like(x):
-        from kvbridge.plugins import device_for_tensor
-
-        return device_for_tensor(x).regions(x)
+    if is_tensor_like(x):
+        if str(getattr(x.device, "type", x.device)) != "cpu":
+            raise ConfigError(
+                f"a {x.device} tensor is device memory: describe it with kvbridge.regions.regions_of(tensor), or "
+                "register it through a KVAgent or kvbridge.staging.attach(backend, device), which know its device"
+            )
+        return [buffer_region(x, MemoryKind.DRAM, -1)]
     if isinstance(x, np.ndarray):
         if not x.flags.c_contiguous:
             raise ConfigError("a numpy array must be C-contiguous to be registered; pass np.ascontiguousarray(x)")
@@ -104,13 +124,20 @@ class RegionIndex:
         return len(self._regions)
 
     def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Indices of the ranges [addr, addr+length) not wholly inside one registered span."""
+        """Indices of the ranges [addr, addr+length) not wholly inside one registered span (a length <= 0 is
+        outside too). Never computes addr + length: a hostile pair near 2**63 would wrap around int64."""
+        addrs = np.asarray(addrs, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
         if len(self._starts) == 0:
             return np.arange(len(addrs))
         slot = np.searchsorted(self._starts, addrs, side="right") - 1
-        ok = slot >= 0
+        ok = (slot >= 0) & (lengths > 0)
         slot = np.clip(slot, 0, None)
-        ok &= addrs + lengths <= self._ends[slot]
+        # Where ok, start <= addr < 2**63 and end > start >= 0, so end - addr cannot overflow; elsewhere the
+        # subtraction is skipped (room stays 0).
+        room = np.zeros(len(addrs), dtype=np.int64)
+        np.subtract(self._ends[slot], addrs, out=room, where=ok)
+        ok &= lengths <= room
         return np.flatnonzero(~ok)
 
     def check(self, addrs: np.ndarray, lengths: np.ndarray, *, side: str, peer: str) -> None:

@@ -58,13 +58,15 @@ def pull_descriptors(
     parts = []
     for pieces in np.unique(table[:, 9]):
         t = table[table[:, 9] == pieces]
-        col = lambda j: t[:, j, None, None]  # noqa: E731 - (regions, 1, 1) for broadcasting
+        col = lambda j, t=t: t[:, j, None, None]  # noqa: E731 - (regions, 1, 1) for broadcasting
         k = np.arange(pieces, dtype=np.int64)[None, None, :]
         local_addr = col(0) + dst[None, :, None] * col(1) + k * col(2) + col(3)
         remote_addr = col(4) + src[None, :, None] * col(5) + k * col(6) + col(7)
         length = np.broadcast_to(col(8), local_addr.shape)
         parts.append(np.stack([local_addr.ravel(), remote_addr.ravel(), length.ravel()], axis=1))
-    return merge_runs(np.concatenate(parts))
+    desc = np.concatenate(parts)
+    # in local address order, so a block of every layer (block-outermost layouts) becomes one run
+    return merge_runs(desc[np.argsort(desc[:, 0], kind="stable")])
 
 
 @functools.lru_cache(maxsize=64)

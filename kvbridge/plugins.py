@@ -24,6 +24,7 @@ from kvbridge import hookspecs
 from kvbridge.backend import MigrationBackend
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, PluginAPIMismatch, PluginNotFound, PluginUnavailable
+from kvbridge.options import NoOptions, OptionInfo, TransportOptions, as_dict, describe, parse, unknown_names
 from kvbridge.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Registration:
     capabilities: BackendCapabilities | None = None
     memory_kind: MemoryKind | None = None
     hardware: Callable[[], bool] | None = None
+    options: type = NoOptions
     _reason: str | None = attrs.field(default=None, init=False)
     _probed: bool = attrs.field(default=False, init=False)
 
@@ -69,6 +71,18 @@ class Registration:
         except Exception:  # an unanswerable check is "unknown", never a crash of the listing
             log.debug("hardware check of %s %s raised", self.kind, self.name, exc_info=True)
             return None
+
+    def option_infos(self) -> list[OptionInfo]:
+        """The options this plugin declares."""
+        return describe(self.options)
+
+    def parse_options(self, config: BackendConfig) -> BackendConfig:
+        """`config` with its options checked against the declared class and completed with defaults."""
+        what = f"{self.kind} {self.name!r}"
+        # create_backend's own settings are named too: `protocl=` is a typo of `protocol`, not an option
+        settings = [f.name for f in attrs.fields(BackendConfig) if f.name != "options"]
+        unknown_names(config.options, settings + [f.name for f in attrs.fields(self.options)], what=what)
+        return attrs.evolve(config, options=as_dict(parse(self.options, config.options, what=what)))
 
     def info(self) -> PluginInfo:
         reason = self.unavailable_reason()
@@ -99,7 +113,7 @@ def _csv(value: str | None) -> set[str] | None:
     return {v.strip().lower() for v in value.split(",") if v.strip()}
 
 
-class Registry:
+class PluginRegistry:
     """Loads plugins once and answers lookups by case-insensitive name."""
 
     def __init__(self, *, entry_points: bool = True) -> None:
@@ -148,7 +162,20 @@ class Registry:
     def _add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
         if self.pm.has_plugin(name):
             return
-        self.pm.register(plugin, name=name)
+        try:
+            self.pm.register(plugin, name=name)
+        except Exception as exc:  # a hook with a wrong signature, or a name clash: this plugin only
+            self._refuse(name, dist, version, f"registration failed: {type(exc).__name__}: {exc}",
+                         f"report it to {dist}, or uninstall it: pip uninstall {dist}")
+            return
+        try:
+            # Plugins already registered were checked, so anything pending belongs to this one.
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as exc:  # a misspelt hook name would otherwise do nothing, silently
+            self.pm.unregister(name=name)
+            self._refuse(name, dist, version, f"{exc}; kvbridge hooks are {', '.join(_hook_names())}",
+                         f"report it to {dist}, or uninstall it: pip uninstall {dist}")
+            return
         self._sources[name] = (dist, version)
 
     def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
@@ -182,12 +209,18 @@ class Registry:
             probe: Callable[[], str | None] | None = None,
             install_hint: str = "",
             hardware: Callable[[], bool] | None = None,
+            options: type | None = None,
         ) -> None:
             key = name.lower()
             if kind == "backend" and capabilities is None:
                 raise ConfigError(f"backend {name!r} must declare its capabilities")
             if kind == "device" and memory_kind is None:
                 raise ConfigError(f"device {name!r} must declare its memory_kind")
+            if options is None:
+                options = TransportOptions if kind == "backend" else NoOptions
+            if not attrs.has(options) or (kind == "backend" and not issubclass(options, TransportOptions)):
+                base = "a subclass of kvbridge.TransportOptions" if kind == "backend" else "an attrs class"
+                raise ConfigError(f"{kind} {name!r} declares options={options!r}; it must be {base}")
             if key in table:
                 first = table[key]
                 log.warning("%s %r from %s ignored: already registered by %s", kind, name, dist, first.distribution)
@@ -196,7 +229,7 @@ class Registry:
                 kind=kind, name=key, factory=factory, probe=probe, install_hint=install_hint,
                 distribution=dist, version=version, capabilities=capabilities,
                 memory_kind=MemoryKind(memory_kind) if memory_kind is not None else None,
-                hardware=hardware,
+                hardware=hardware, options=options,
             )
 
         return register
@@ -223,6 +256,7 @@ class Registry:
 
     def create_backend(self, name: str, config: BackendConfig) -> MigrationBackend:
         entry = self.backend_entry(name)
+        config = entry.parse_options(config)  # before the probe: a typo is reported even where it can't run
         reason = entry.unavailable_reason()
         if reason:
             raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
@@ -239,6 +273,10 @@ class Registry:
             return self._devices_made[entry.name]
 
 
+def _hook_names() -> list[str]:
+    return sorted(n for n in dir(hookspecs) if n.startswith("kvbridge_"))
+
+
 def _version(dist: str) -> str:
     try:
         return metadata.version(dist)
@@ -246,16 +284,16 @@ def _version(dist: str) -> str:
         return "0+unknown"
 
 
-_registry: Registry | None = None
+_registry: PluginRegistry | None = None
 _registry_lock = threading.Lock()
 
 
-def registry() -> Registry:
+def registry() -> PluginRegistry:
     """The process-wide registry, built on first use."""
     global _registry
     with _registry_lock:
         if _registry is None:
-            _registry = Registry()
+            _registry = PluginRegistry()
         return _registry
 
 
@@ -279,6 +317,15 @@ def list_devices() -> list[PluginInfo]:
 def refused_plugins() -> list[PluginInfo]:
     """Plugins found but not loaded (wrong API version, import failure), with the reason."""
     return list(registry().refused)
+
+
+def plugin_options(name: str) -> list[tuple[PluginInfo, list[OptionInfo]]]:
+    """Every transport and device registered under `name`, each with the options it declares."""
+    reg = registry()
+    found = [(e.info(), e.option_infos()) for table in (reg.backends, reg.devices) if (e := table.get(name.lower()))]
+    if not found:
+        reg.backend_entry(name)  # raises PluginNotFound (or why the plugin was refused)
+    return found
 
 
 def create_backend(
@@ -306,6 +353,15 @@ def get_device(name: str) -> Device:
     return registry().device(name)
 
 
-def device_for_tensor(tensor: Any) -> Device:
-    """The device plugin that owns a tensor, by its `device.type`."""
-    return get_device(getattr(tensor.device, "type", str(tensor.device)))
+def device_for_memory(kind: MemoryKind | str) -> Device:
+    """The device plugin whose memory is of this kind (the first registered; `cpu` for host memory).
+
+    Transports use it to ask how to register a region (`Device.location`); tensors find their plugin
+    by device type in `kvbridge.regions`.
+    """
+    kind = MemoryKind(kind)
+    reg = registry()
+    name = next((e.name for e in reg.devices.values() if e.memory_kind == kind), None)
+    if name is None:
+        raise ConfigError(f"no device plugin registers {kind.value} memory; `kvbridge plugins` lists the devices")
+    return reg.device(name)

@@ -15,10 +15,11 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvbridge.errors import KVBridgeError, TransferTimeout
+from kvbridge.nativelog import relay_stderr
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Child:
             [sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=None,  # the child's logs go where ours go
+            stderr=subprocess.PIPE,  # native libraries' lines become log records, the rest passes through
             env=full_env,
             text=True,
             bufsize=1,
@@ -53,6 +54,8 @@ class Child:
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name=f"child-{self.pid}", daemon=True).start()
+        threading.Thread(target=relay_stderr, args=(self.name, self.proc.stderr), name=f"child-{self.pid}-stderr",
+                         daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -113,11 +116,6 @@ class Child:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def close_all(children: Sequence[Child]) -> None:
-    for c in children:
-        c.close()
 
 
 def serve(handlers: Mapping[str, Callable[..., Any]]) -> None:

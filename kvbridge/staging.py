@@ -1,23 +1,31 @@
-"""Staging through host memory, so every device works with every transport.
+"""Device-bound transports: every device works with every transport, through one contract.
 
-A transport reaches a device's memory directly only when the device lists the transport's
-protocol in `Device.protocols()` and the transport lists the memory kind in its capabilities
-(Mooncake `rdma` reaches GPU memory with GPUDirect; `tcp` never does). Otherwise `attach`
-wraps the backend in a `StagedBackend`: each registered device buffer gets a host mirror from
-`Device.host_buffer` (pinned on accelerators), the mirror is what the transport registers and
-what peers address, and bytes are copied between the two around each transfer:
+`attach(backend, device)` binds a transport to one device's memory and returns something that
+honours `MigrationBackend` in full, so callers (`KVAgent`, the LMDeploy backend) never ask which:
 
-- local ``write`` (push): device -> mirror for the local ranges, then the transport sends;
-- local ``read`` (pull): the transport lands bytes in the mirror, then mirror -> device and
-  `Device.after_transfer`, before the handle completes;
-- a peer that reads this side's memory reads the mirror: call `publish()` first;
-- a peer that writes this side's memory writes the mirror: call `accept()` once it has finished.
+- host memory with nothing to wait for (`Device.synchronizes` False): the backend itself;
+- device memory the transport reaches (the device lists the transport's protocol in
+  `Device.protocols()` and the transport lists the memory kind: Mooncake `rdma` with GPUDirect,
+  `ascend` on NPUs, `nvlink`): a `DeviceBackend`, which registers the device's regions (with the
+  location the device plugin names) and waits for the device around transfers;
+- otherwise a `StagedBackend`: each registered device buffer gets a host mirror from
+  `Device.host_buffer` (pinned on accelerators), the mirror is what the transport registers and what
+  peers address (`peer_addresses`), and bytes are copied between the two around each transfer.
 
-Cost: every staged byte crosses the device-host link once more on each staging side (one
-extra copy at PCIe speed, typically 20-50 GB/s against 12-50 GB/s for the network), the
-copies are not overlapped with the network transfer, and each registered buffer takes its size
-again in host memory. Peers address the mirror: take remote addresses from the peer's
-endpoint regions (same order and lengths as the device buffers), never from a device pointer.
+Each synchronization happens once, in the wrapper, and always before the copy that depends on it:
+
+- `publish` (before a peer reads): `Device.before_transfer`, then device -> mirror where staged, so no
+  host copy reads device memory before the kernels that write it have finished;
+- a local ``write`` (push): the same, then the transport sends;
+- a local ``read`` (pull): the transport lands bytes (in the mirror where staged, then mirror ->
+  device), then `Device.after_transfer`, all before the handle completes;
+- `accept` (after a peer wrote): mirror -> device where staged, then `Device.after_transfer`.
+
+Cost of staging: every staged byte crosses the device-host link once more on each staging side (one
+extra copy at PCIe speed, typically 20-50 GB/s against 12-50 GB/s for the network), the copies are
+not overlapped with the network transfer, and each registered buffer takes its size again in host
+memory. Peers address the mirror: take remote addresses from the peer's endpoint regions (same order
+and lengths as the device buffers), never from a device pointer.
 """
 
 from __future__ import annotations
@@ -30,10 +38,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.backend import MigrationBackend, Op, Peer, TransferHandle
+from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError
-from kvbridge.memory import RegionIndex, as_descriptors, as_regions, merge_runs
+from kvbridge.memory import Descriptors, RegionIndex, as_regions, is_tensor_like, merge_runs
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -49,16 +57,135 @@ def reaches(device: Device, backend: MigrationBackend) -> bool:
     return device.memory_kind == MemoryKind.DRAM or backend.protocol in device.protocols()
 
 
-def attach(backend: MigrationBackend, device: Device, *, force: bool = False) -> MigrationBackend | StagedBackend:
-    """The backend itself when it reaches the device's memory, else a `StagedBackend` around it.
+def attach(backend: MigrationBackend, device: Device, *, force: bool = False) -> MigrationBackend:
+    """`backend` bound to `device`'s memory: itself, a `DeviceBackend` or a `StagedBackend` (see above).
 
-    `force` stages even when the transport could reach the memory (to measure or test staging).
+    `force` stages even when the transport could reach the memory (to measure or test staging). The
+    returned backend owns `backend`: closing it closes both.
     """
-    if not force and reaches(device, backend):
+    if isinstance(backend, DeviceBackend):  # bound already (by the caller): to this device, or a mistake
+        if backend.device is not device:
+            raise ConfigError(f"backend {backend.name!r} is bound to device {backend.device.name!r}, not "
+                              f"{device.name!r}; attach the transport itself")
+        if force and not isinstance(backend, StagedBackend):
+            raise ConfigError("stage=True needs the transport itself, not one bound to reach the device directly")
         return backend
+    if not force and reaches(device, backend):
+        if not device.synchronizes:
+            return backend
+        return DeviceBackend(backend, device)
     log.info("%s over %s/%s goes through host staging (one extra copy per side)",
              device.name, backend.name, backend.protocol)
     return StagedBackend(backend, device)
+
+
+def transport(backend: MigrationBackend) -> MigrationBackend:
+    """The transport under a device-bound backend (itself when unbound): the bench's raw ceiling."""
+    return backend.backend if isinstance(backend, DeviceBackend) else backend
+
+
+class DeviceBackend(MigrationBackend):
+    """A transport that reaches a device's memory directly, with the device's synchronization around it.
+
+    It honours `MigrationBackend` by delegating the transport's work to the backend it wraps (which
+    it owns) and adding what the device needs: regions described by the device plugin, waits before
+    a peer or this side reads device memory, and a wait after bytes land.
+    """
+
+    def __init__(self, backend: MigrationBackend, device: Device) -> None:
+        self.backend = backend
+        self.device = device
+        self.name = backend.name  # type: ignore[misc]
+        # Merging, cutting and batching are the inner transport's: the wrapper hands it one call.
+        self.capabilities = attrs.evolve(  # type: ignore[misc]
+            backend.capabilities, memory_kinds=backend.capabilities.memory_kinds | {device.memory_kind},
+            max_batch=None, max_descriptor_bytes=None,
+        )
+        super().__init__(attrs.evolve(backend.config, protocol=backend.protocol))
+
+    # -- the contract's hooks, on the inner transport ------------------------------------------
+
+    def _regions(self, x: Any) -> list[MemoryRegion]:
+        if is_tensor_like(x) or isinstance(x, np.ndarray):
+            return self.device.regions(x)
+        if isinstance(x, MemoryRegion):
+            if x.kind != self.device.memory_kind:
+                raise ConfigError(f"a {x.kind.value} region was given to a backend bound to {self.device.name} "
+                                  f"({self.device.memory_kind.value}); build it with device.region(addr, length)")
+            return [x]
+        if isinstance(x, list):
+            return [r for item in x for r in self._regions(item)]
+        raise ConfigError(
+            f"register {self.device.name} memory as the tensor itself or as device.region(addr, length, device_id) "
+            f"(got {type(x).__name__}): an address alone does not say which device it is on"
+        )
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        self.backend.register_memory(list(regions))
+
+    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self.backend.unregister_memory(list(regions))
+
+    def _address(self) -> str:
+        return self.backend.endpoint().address
+
+    def endpoint(self) -> EndpointInfo:
+        return self.backend.endpoint()  # what the transport registered is what peers address
+
+    def _connect(self, endpoint: EndpointInfo) -> Any:
+        return self.backend.connect(endpoint)
+
+    def _disconnect(self, peer: Peer) -> None:
+        self.backend.disconnect(peer.handle)
+
+    def _shutdown(self) -> None:
+        self.backend.close()
+
+    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
+        ids = self._device_ids(desc[:, 0], desc[:, 2])
+        if op == "write":
+            self._before(ids)
+            return _future(self.backend.transfer(peer.handle, desc, op))
+        return _then(self.backend.transfer(peer.handle, desc, op), lambda: self._after(ids))
+
+    # -- device synchronization -----------------------------------------------------------------
+
+    def publish(self, ranges: Any = None) -> None:
+        self._before(self._device_ids(*self._range_columns(ranges)))
+
+    def accept(self, ranges: Any = None) -> None:
+        self._after(self._device_ids(*self._range_columns(ranges)))
+
+    def _range_columns(self, ranges: Any) -> tuple[np.ndarray, np.ndarray]:
+        if ranges is None:
+            regions = self._local.regions
+            return (np.array([r.addr for r in regions], dtype=np.int64),
+                    np.array([r.length for r in regions], dtype=np.int64))
+        arr = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        if (arr[:, 1] <= 0).any():
+            raise ConfigError("every published or accepted range needs a positive length")
+        self._local.check(arr[:, 0], arr[:, 1], side="local", peer="")
+        return arr[:, 0], arr[:, 1]
+
+    def _device_ids(self, addrs: np.ndarray, lengths: np.ndarray) -> list[int]:
+        """The device ids of the registered regions these ranges touch (one wait per device, not per range)."""
+        regions = sorted(self._local.regions, key=lambda r: r.addr)
+        if not regions or len(addrs) == 0:
+            return []
+        ids = {r.device_id for r in regions}
+        if len(ids) == 1:
+            return list(ids)
+        starts = np.array([r.addr for r in regions], dtype=np.int64)
+        slot = np.clip(np.searchsorted(starts, addrs, side="right") - 1, 0, None)
+        return sorted({regions[i].device_id for i in np.unique(slot).tolist()})
+
+    def _before(self, ids: list[int]) -> None:
+        for i in ids:
+            self.device.before_transfer(i)
+
+    def _after(self, ids: list[int]) -> None:
+        for i in ids:
+            self.device.after_transfer(i)
 
 
 @attrs.define(eq=False)
@@ -72,71 +199,67 @@ class _Mirror:
     host_addr: int
 
 
-class StagedBackend:
-    """A transport used through host mirrors of device buffers. Same calls as `MigrationBackend`,
-    plus `publish` and `accept` for transfers the peer drives."""
+class StagedBackend(DeviceBackend):
+    """A transport used through host mirrors of device buffers; the `MigrationBackend` contract unchanged.
+
+    Local addresses (in descriptors, `publish`, `accept`) are device addresses; peers address the
+    mirrors (`peer_addresses`, `endpoint().regions`).
+    """
 
     def __init__(self, backend: MigrationBackend, device: Device) -> None:
-        self.backend = backend
-        self.device = device
         self._mirrors: list[_Mirror] = []
-        self._index = RegionIndex()
+        self._pending: dict[int, Any] = {}  # device address -> the buffer object register_memory was given
         self._starts = self._host_starts = np.empty(0, dtype=np.int64)
-
-    @property
-    def name(self) -> str:
-        return self.backend.name
-
-    @property
-    def protocol(self) -> str:
-        return self.backend.protocol
-
-    @property
-    def capabilities(self) -> Any:
-        return self.backend.capabilities
-
-    @property
-    def registered(self) -> tuple[MemoryRegion, ...]:
-        """The device regions this backend stages (peers see the mirrors: `endpoint().regions`)."""
-        return tuple(m.region for m in self._mirrors)
+        self._index = RegionIndex()
+        super().__init__(backend, device)
 
     def register_memory(self, x: Any) -> list[MemoryRegion]:
-        """Register device buffers (tensors or arrays from this device, one or a list): each gets a mirror."""
-        buffers = _buffers(x)
-        if not buffers:
-            raise ConfigError("register_memory() got nothing to register")
-        out: list[MemoryRegion] = []
-        for buf in buffers:
-            if isinstance(buf, (MemoryRegion, tuple)) or not hasattr(buf, "__len__"):
-                raise ConfigError(
-                    "staging copies through the buffer object: register the device tensor itself, "
-                    "not an address or a MemoryRegion"
-                )
-            (region,) = self.device.regions(buf)
-            out.append(region)
-            if any(m.region.addr == region.addr for m in self._mirrors):
-                continue
-            host = self.device.host_buffer(region.length)
-            (host_region,) = as_regions(host)
-            self.backend.register_memory(host)
-            self._mirrors.append(_Mirror(region, _flat_bytes(buf), host, _flat_bytes(host), host_region.addr))
-        self._reindex()
-        return out
+        try:
+            return super().register_memory(x)
+        finally:
+            self._pending.clear()  # buffer objects are kept by their mirrors, never here
 
     def unregister_memory(self, x: Any) -> None:
-        addrs = {r.addr for b in _buffers(x) for r in self.device.regions(b)}
-        gone = [m for m in self._mirrors if m.region.addr in addrs]
-        for m in gone:
-            self.backend.unregister_memory(m.host)
-        self._mirrors = [m for m in self._mirrors if m.region.addr not in addrs]
+        try:
+            super().unregister_memory(x)
+        finally:
+            self._pending.clear()
+
+    def _regions(self, x: Any) -> list[MemoryRegion]:
+        if is_tensor_like(x) or isinstance(x, np.ndarray):
+            (region,) = self.device.regions(x)
+            self._pending[region.addr] = x
+            return [region]
+        if isinstance(x, tuple):
+            raise ConfigError("staging copies through the buffer object: register the device tensor itself, "
+                              "or device.region(addr, length, device_id) where only the address is known")
+        return super()._regions(x)
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        made: list[_Mirror] = []
+        try:
+            for region in regions:
+                buf = self._pending.pop(region.addr, None)
+                if buf is None:  # known by address only (LMDeploy): the device wraps it
+                    buf = self.device.buffer_at(region)
+                host = self.device.host_buffer(region.length)
+                (host_region,) = as_regions(host)
+                self.backend.register_memory(host)
+                made.append(_Mirror(region, _flat_bytes(buf), host, _flat_bytes(host), host_region.addr))
+        except BaseException:
+            for m in made:
+                self.backend.unregister_memory(m.host)
+            raise
+        self._mirrors.extend(made)
         self._reindex()
 
-    def host_addresses(self, addrs: Any) -> np.ndarray:
-        """Where peers find these device addresses: the same offsets in the host mirrors."""
-        a = np.asarray(addrs, dtype=np.int64).reshape(-1)
-        self._index.check(a, np.ones_like(a), side="local", peer="")
-        slot = np.searchsorted(self._starts, a, side="right") - 1
-        return self._host_starts[slot] + (a - self._starts[slot])
+    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        addrs = {r.addr for r in regions}
+        for m in self._mirrors:
+            if m.region.addr in addrs:
+                self.backend.unregister_memory(m.host)
+        self._mirrors = [m for m in self._mirrors if m.region.addr not in addrs]
+        self._reindex()
 
     def _reindex(self) -> None:
         """Mirrors sorted by device address, for vectorized lookups of which buffer a range is in."""
@@ -145,100 +268,79 @@ class StagedBackend:
         self._starts = np.array([m.region.addr for m in self._mirrors], dtype=np.int64)
         self._host_starts = np.array([m.host_addr for m in self._mirrors], dtype=np.int64)
 
-    def endpoint(self) -> EndpointInfo:
-        return self.backend.endpoint()
+    def peer_addresses(self, addrs: Any) -> np.ndarray:
+        """Where peers find these device addresses: the same offsets in the host mirrors."""
+        a = np.asarray(addrs, dtype=np.int64).reshape(-1)
+        self._index.check(a, np.ones_like(a), side="local", peer="")
+        slot = np.searchsorted(self._starts, a, side="right") - 1
+        return self._host_starts[slot] + (a - self._starts[slot])
 
-    def endpoint_info(self) -> bytes:
-        return self.backend.endpoint_info()
-
-    def connect(self, info: bytes | EndpointInfo) -> Peer:
-        return self.backend.connect(info)
-
-    def disconnect(self, peer: Peer) -> None:
-        self.backend.disconnect(peer)
-
-    def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
-        """Like `MigrationBackend.transfer`; local addresses are device addresses, remote ones the peer's."""
-        desc = as_descriptors(descriptors)
-        if len(desc) == 0:
-            return self.backend.transfer(peer, desc, op)
-        if op not in ("read", "write"):
-            raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
-        self._index.check(desc[:, 0], desc[:, 2], side="local", peer="")
+    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         slot = np.searchsorted(self._starts, desc[:, 0], side="right") - 1
         offsets = desc[:, 0] - self._starts[slot]
         staged = desc.copy()
         staged[:, 0] = self._host_starts[slot] + offsets
         if op == "write":
-            self._copy(slot, offsets, desc[:, 2], to_host=True)
-            return self.backend.transfer(peer, staged, op)
-        inner = self.backend.transfer(peer, staged, op)
-        out: Future = Future()
-
-        def land(h: TransferHandle) -> None:
-            error = h.exception()
-            if error is not None:
-                out.set_exception(error)
-                return
-            try:
-                self._copy(slot, offsets, desc[:, 2], to_host=False)
-            except Exception as exc:  # handed to the waiter, who sees it from wait()
-                out.set_exception(exc)
-            else:
-                out.set_result(None)
-
-        inner.add_done_callback(land)
-        return TransferHandle(out, peer=inner.peer, descriptors=inner.descriptors, nbytes=inner.nbytes)
+            self._stage_out(slot, offsets, desc[:, 2])
+            return _future(self.backend.transfer(peer.handle, staged, op))
+        return _then(self.backend.transfer(peer.handle, staged, op),
+                     lambda: self._stage_in(slot, offsets, desc[:, 2]))
 
     def publish(self, ranges: Any = None) -> None:
-        """Copy device -> mirror so a peer's read sees current bytes. `ranges`: (device_addr, length)
-        pairs (an N x 2 array); None copies every registered buffer."""
-        self._copy(*self._ranges(ranges), to_host=True)
+        self._stage_out(*self._slots(ranges))
 
     def accept(self, ranges: Any = None) -> None:
-        """Copy mirror -> device after a peer wrote this side's memory (same `ranges` as `publish`)."""
-        self._copy(*self._ranges(ranges), to_host=False)
+        self._stage_in(*self._slots(ranges))
 
-    def close(self) -> None:
-        self.backend.close()
-        self._mirrors = []
-
-    def __enter__(self) -> StagedBackend:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- copies --------------------------------------------------------------------------
-
-    def _ranges(self, ranges: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _slots(self, ranges: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if ranges is None:
             n = len(self._mirrors)
-            return np.arange(n), np.zeros(n, dtype=np.int64), np.array(
-                [m.region.length for m in self._mirrors], dtype=np.int64)
-        arr = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        if (arr[:, 1] <= 0).any():
-            raise ConfigError("every staged range needs a positive length")
-        self._index.check(arr[:, 0], arr[:, 1], side="local", peer="")
-        slot = np.searchsorted(self._starts, arr[:, 0], side="right") - 1
-        return slot, arr[:, 0] - self._starts[slot], arr[:, 1]
+            lengths = np.array([m.region.length for m in self._mirrors], dtype=np.int64)
+            return np.arange(n), np.zeros(n, dtype=np.int64), lengths
+        addrs, lengths = self._range_columns(ranges)
+        slot = np.searchsorted(self._starts, addrs, side="right") - 1
+        return slot, addrs - self._starts[slot], lengths
 
-    def _copy(self, slot: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, *, to_host: bool) -> None:
-        # One vectorized copy per registered buffer touched, never one per block.
-        for s in np.unique(slot).tolist():
-            m = self._mirrors[s]
-            pick = slot == s
-            off, n = offsets[pick], lengths[pick]
-            if to_host:
-                self.device.before_transfer(m.region.device_id)
-                copy_ranges(m.host_bytes, m.device_bytes, off, off, n)
-            else:
-                copy_ranges(m.device_bytes, m.host_bytes, off, off, n)
-                self.device.after_transfer(m.region.device_id)
+    # -- copies: one vectorized copy per registered buffer touched, one wait per device ------------
+
+    def _stage_out(self, slot: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        touched = np.unique(slot).tolist()
+        self._before(sorted({self._mirrors[s].region.device_id for s in touched}))
+        for s in touched:
+            m, pick = self._mirrors[s], slot == s
+            copy_ranges(m.host_bytes, m.device_bytes, offsets[pick], offsets[pick], lengths[pick])
+
+    def _stage_in(self, slot: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+        touched = np.unique(slot).tolist()
+        for s in touched:
+            m, pick = self._mirrors[s], slot == s
+            copy_ranges(m.device_bytes, m.host_bytes, offsets[pick], offsets[pick], lengths[pick])
+        self._after(sorted({self._mirrors[s].region.device_id for s in touched}))
 
 
-def _buffers(x: Any) -> list[Any]:
-    return list(x) if isinstance(x, list) else [x]
+def _future(handle: Any) -> Future:
+    """The inner transfer's outcome as a Future (what `MigrationBackend._submit` returns)."""
+    return _then(handle, lambda: None)
+
+
+def _then(handle: Any, step: Any) -> Future:
+    """A Future that completes after `handle` and then `step()` succeeded, or with the first error."""
+    out: Future = Future()
+
+    def done(h: Any) -> None:
+        error = h.exception()
+        if error is not None:
+            out.set_exception(error)
+            return
+        try:
+            step()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter, who sees it from wait()
+            out.set_exception(exc)
+        else:
+            out.set_result(None)
+
+    handle.add_done_callback(done)
+    return out
 
 
 def _flat_bytes(buf: Any) -> Any:

@@ -16,6 +16,9 @@ class MemoryKind(str, enum.Enum):
     MLU = "mlu"  # Cambricon device memory
 
 
+INT64_MAX = (1 << 63) - 1
+
+
 @attrs.frozen
 class MemoryRegion:
     """A contiguous range of memory that a transport registers and peers address."""
@@ -29,6 +32,9 @@ class MemoryRegion:
     def _positive(self, _attr: attrs.Attribute, value: int) -> None:
         if value <= 0:
             raise ValueError(f"a memory region needs a positive length, got {value}")
+        # Descriptors are int64: a region a peer describes past 2**63 would wrap around in the bounds checks.
+        if not 0 <= self.addr <= INT64_MAX - value:
+            raise ValueError(f"memory region [{self.addr:#x}, +{value}) does not fit in [0, 2**63)")
 
     @property
     def end(self) -> int:

@@ -161,3 +161,35 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_readme_first_command_prints_no_native_log_lines() -> None:
+    # Exactly the README's first command: its table and verdict, none of Mooncake's glog start-up lines
+    # (they are routed to kvbridge's logging, the harmless ones at debug); -v brings the library's back.
+    from kvbridge.nativelog import classify
+
+    out = kvbridge("bench", "--migration-backend", "mooncake")
+    assert "verified" in out.stdout.lower(), out.stdout
+    native = [line for line in out.stderr.splitlines() if classify(line) is not None]
+    assert native == [], out.stderr
+    assert out.stderr == ""  # nor anything else: no routed records, no progress bar when piped
+
+
+def test_bench_plot_writes_an_svg_of_the_sweep(tmp_path: Path) -> None:
+    import xml.etree.ElementTree as ET
+
+    svg = tmp_path / "out.svg"
+    results = json.loads(kvbridge("bench", "--plot", str(svg), "--sweep-tokens", "256,4096", "--requests", "2",
+                                  "--repeat", "1", "--json").stdout)
+    assert [r["config"]["tokens"] for r in results] == [256, 4096] and all(r["verified"] for r in results)
+    root = ET.parse(svg).getroot()  # well-formed XML, or this raises
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    lines = root.findall("s:polyline", ns)
+    assert len(lines) == 2  # raw and kvbridge
+    assert all(len(p.get("points").split()) == 2 for p in lines)  # one point per swept length
+    labels = {t.text for t in root.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"raw mooncake", "kvbridge mooncake", "256", "4096"} <= labels
+    bad = kvbridge("bench", "--plot", str(tmp_path / "out.gif"), "--tokens", "256", "--requests", "1",
+                   "--repeat", "1", check=False)
+    assert bad.returncode == 2 and ".svg" in bad.stderr

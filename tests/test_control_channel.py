@@ -189,7 +189,7 @@ def test_auth_replayed_and_stale_frames_are_refused(closing: list) -> None:
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect("tcp://%s:%d" % p.server.address)
+    sock.connect("tcp://{}:{}".format(*p.server.address))
     try:
         def ask(frame: Frame) -> object:
             sock.send(wire.encode(frame))

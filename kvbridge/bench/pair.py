@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 from typing import Any
 
@@ -18,7 +17,7 @@ from rich.progress import Progress
 
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError, PluginUnavailable
-from kvbridge.plugins import registry
+from kvbridge.plugins import get_device, registry
 from kvbridge.presets import get_preset
 from kvbridge.proc import Child
 
@@ -38,7 +37,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
     group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", type=_option,
                        help="transport option passed to create_backend on both sides, repeatable; e.g. "
-                            "--option max_descriptor_bytes=4194304 (see the transport's docs)")
+                            "--option max_descriptor_bytes=4194304 (`kvbridge plugins NAME` lists them)")
 
 
 def _option(text: str) -> tuple[str, int | float | str]:
@@ -72,6 +71,7 @@ def _check_backend(name: str) -> None:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     _check_backend(args.migration_backend)
+    get_device(args.device)  # an unavailable device (no GPU here) says why before any process starts
     spec = get_preset(args.model or DEFAULT_MODEL)
     tokens = args.tokens or DEFAULT_TOKENS
     requests = args.requests or DEFAULT_REQUESTS
@@ -87,10 +87,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                   options=dict(args.option), stage=args.stage)
     request_bytes = per_request * spec.bytes_per_token() * spec.block_size
 
-    # Mooncake logs every handshake at INFO through glog; the bench keeps its children to warnings.
-    env = {"GLOG_minloglevel": os.environ.get("GLOG_minloglevel", "1")}
-    prefill = Child("kvbridge.bench.pair_worker", name="prefill", env=env)
-    decode = Child("kvbridge.bench.pair_worker", name="decode", env=env)
+    # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child.
+    prefill = Child("kvbridge.bench.pair_worker", name="prefill")
+    decode = Child("kvbridge.bench.pair_worker", name="decode")
     try:
         src = prefill.call("init", blocks=prefill_blocks, **common)
         decode.call("init", blocks=decode_blocks, **common)
@@ -102,7 +101,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         verified = True
         problems: list[str] = []
         descriptors = descriptors_in = runs = 0
-        with Progress(console=err_console, transient=True) as progress:
+        with Progress(console=err_console, transient=True, disable=bool(getattr(args, "json", False))) as progress:
             task = progress.add_task("migrating", total=args.repeat * requests)
             for _ in range(args.repeat):
                 raw_round = sum(decode.call("raw", src_base=src["base"], nbytes=request_bytes, wait_s=args.timeout,
@@ -155,27 +154,57 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One measurement per --sweep-tokens length (or the one --tokens run)."""
+    lengths = getattr(args, "sweep_tokens", None) or [args.tokens]
+    return [measure(argparse.Namespace(**{**vars(args), "tokens": n})) for n in lengths]
+
+
+def plot(path: str, results: list[dict[str, Any]]) -> None:
+    """GB/s against request size, raw and kvbridge, for the run's transport."""
+    from kvbridge.bench.plot import write_chart
+
+    c = results[0]["config"]
+    name = c["migration_backend"]
+    series = {f"raw {name}": [(r["config"]["tokens"], r["raw"]["gbps"]) for r in results],
+              f"kvbridge {name}": [(r["config"]["tokens"], r["kvbridge"]["gbps"]) for r in results]}
+    write_chart(path, f"kvbridge bench: {c['model']}, {c['requests']} requests, "
+                f"{'fragmented' if c['fragmented'] else 'contiguous'} blocks", "prompt tokens per request",
+                "GB/s", series)
+
+
 def run(args: argparse.Namespace) -> int:
-    result = measure(args)
+    if getattr(args, "plot", None):
+        from kvbridge.bench.plot import check_path
+
+        check_path(args.plot)
+    results = sweep(args)
+    if getattr(args, "plot", None):
+        plot(args.plot, results)
     if args.json:
-        print_json(result)
+        print_json(results[0] if len(results) == 1 else results)
     else:
-        c, k, r = result["config"], result["kvbridge"], result["raw"]
-        print_table(
-            f"kvbridge bench: {c['migration_backend']} {c['model']} {c['tokens']} tokens x {c['requests']} requests "
-            f"({'fragmented' if c['fragmented'] else 'contiguous'} blocks, {c['bytes_per_request'] / 2**20:.1f} MiB "
-            "per request)",
-            ["path", "GB/s", "of raw (per-round range)", "median ms", "p99 ms", "descriptors per request"],
-            [
-                ("raw transport (1 descriptor)", f"{r['gbps']:.2f}", "100%", "", "", "1"),
-                ("kvbridge migration", f"{k['gbps']:.2f}",
-                 f"{result['ratio']:.0%} ({result['ratio_range'][0]:.0%}-{result['ratio_range'][1]:.0%})",
-                 f"{k['latency_ms']['median']:.1f}", f"{k['latency_ms']['p99']:.1f}",
-                 f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} runs -> "
-                 f"{k['submitted_descriptors_per_request']} sent"),
-            ],
-        )
-        status = "verified: every byte on the decode side is correct" if result["verified"] else (
-            "VERIFICATION FAILED: " + "; ".join(result["problems"]))
-        print(status)
-    return 0 if result["verified"] else 1
+        for result in results:
+            _print_result(result)
+    return 0 if all(r["verified"] for r in results) else 1
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    c, k, r = result["config"], result["kvbridge"], result["raw"]
+    print_table(
+        f"kvbridge bench: {c['migration_backend']} {c['model']} {c['tokens']} tokens x {c['requests']} requests "
+        f"({'fragmented' if c['fragmented'] else 'contiguous'} blocks, {c['bytes_per_request'] / 2**20:.1f} MiB "
+        "per request)",
+        ["path", "GB/s", "of raw (per-round range)", "median ms", "p99 ms", "descriptors per request"],
+        [
+            ("raw transport (1 descriptor)", f"{r['gbps']:.2f}", "100%", "", "", "1"),
+            ("kvbridge migration", f"{k['gbps']:.2f}",
+             f"{result['ratio']:.0%} ({result['ratio_range'][0]:.0%}-{result['ratio_range'][1]:.0%})",
+             f"{k['latency_ms']['median']:.1f}", f"{k['latency_ms']['p99']:.1f}",
+             f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} runs -> "
+             f"{k['submitted_descriptors_per_request']} sent"),
+        ],
+    )
+    status = "verified: every byte on the decode side is correct" if result["verified"] else (
+        "VERIFICATION FAILED: " + "; ".join(result["problems"]))
+    print(status)

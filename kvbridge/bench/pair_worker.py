@@ -56,9 +56,7 @@ class Side:
                 view[t, blocks] = block_values(request=r, tensor=t, n_tensors=self.tensors, blocks=len(blocks),
                                                block_elems=self.block_elems, nbytes=self.spec.dtype_bytes)
         self.device.from_host(self.pool, host)
-        self.device.before_transfer()
-        if isinstance(self.backend, staging.StagedBackend):
-            self.backend.publish()  # the decode side reads the mirror
+        self.backend.publish()  # waits for the device; staged, copies to the mirror the decode side reads
 
     def descriptors(self, src: dict[str, int], src_blocks: list[int], dst_blocks: list[int]) -> np.ndarray:
         """Pull descriptors for one request: every (tensor, block) pair, built with numpy broadcasting."""
@@ -119,15 +117,15 @@ def raw(src_base: int, nbytes: int, wait_s: float) -> dict[str, Any]:
     assert side.peer is not None
     start = time.perf_counter()
     # Staged or not, the ceiling is the transport alone: host mirror to host mirror when staged.
-    transport = side.backend.backend if isinstance(side.backend, staging.StagedBackend) else side.backend
-    transport.raw_transfer(side.peer, side.published, src_base, nbytes, op="read").wait(wait_s)
+    transport = staging.transport(side.backend)
+    peer = side.peer if transport is side.backend else side.peer.handle  # a bound backend's Peer wraps the transport's
+    transport.raw_transfer(peer, side.published, src_base, nbytes, op="read").wait(wait_s)
     return {"seconds": time.perf_counter() - start, "bytes": nbytes}
 
 
 def verify(requests: list[list[int]]) -> dict[str, Any]:
     """Every block of every request holds its fingerprint; every other block is still zero."""
-    side = _get()
-    side.device.after_transfer()
+    side = _get()  # a pull's handle completes after the device synchronized: nothing to wait for here
     view = side.host_view(side.device.to_host(side.pool))
     touched = np.zeros(side.blocks, dtype=bool)
     bad: list[str] = []

@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(r)
     else:
         print_table(
-            f"kvbridge bench: {r['prefill']} -> {r['decode']}, {model}, {r['tokens']} tokens x {r['requests']} requests",
+            f"kvbridge bench: {r['prefill']} -> {r['decode']}, {model}, "
+            f"{r['tokens']} tokens x {r['requests']} requests",
             ["ranks P/D", "pulls", "descriptors", "MiB", "seconds", "GB/s", "verified"],
             [(f"{r['prefill_ranks']}/{r['decode_ranks']}", r["pulls"], r["descriptors"], f"{r['bytes'] / 2**20:.2f}",
               f"{r['seconds']:.3f}", f"{r['gbps']:.3f}", {None: "not checked", True: "yes", False: "NO"}[r["verified"]])],

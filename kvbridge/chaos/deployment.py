@@ -42,8 +42,7 @@ class Deployment:
 
     def _config(self, role: str) -> dict[str, Any]:
         extra: dict[str, Any] = {"migration_backend": "mooncake", "protocol": "tcp", "side_channel_port": free_port(),
-                                 "lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s,
-                                 "secret": self._secret}
+                                 "lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s}
         if role == "kv_consumer" and self.fault_injection:
             extra["fault_injection"] = self.fault_injection
         # A failed load is recomputed: a transport fault then costs time, never the request.
@@ -53,7 +52,8 @@ class Deployment:
     def _start(self, config: dict[str, Any] | None, port: int | None = None) -> Server:
         self._lives += 1
         server = start_vllm(self.model, kv_transfer_config=config, max_model_len=self.max_model_len, port=port,
-                            log_dir=self.logs / f"life-{self._lives}")
+                            log_dir=self.logs / f"life-{self._lives}",
+                            env={"KVBRIDGE_SECRET": self._secret})  # never in the config: vLLM logs that
         self._configs[server.port] = config or {}
         return server
 

@@ -10,6 +10,7 @@ import sys
 from types import FrameType
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.nativelog import quiet_native_logs
 
 # Each module defines add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = [
@@ -18,6 +19,7 @@ SUBCOMMANDS = [
     "bench",
     "plan",
     "proxy",
+    "trace",
     "chaos",
 ]
 
@@ -52,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    quiet_native_logs(level)  # before any transport library loads, here or in a child
     try:
         return int(args.run(args) or 0)
     except KVBridgeError as exc:

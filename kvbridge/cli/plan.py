@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(
         "prefill release counts",
         ["prefill rank", "pulls to wait for", "note"],
-        [(start + i, n, "unpulled: freed at once (told by decode rank %d)" % p.notifier if n == 0 else "")
+        [(start + i, n, f"unpulled: freed at once (told by decode rank {p.notifier})" if n == 0 else "")
          for i, n in enumerate(p.release_counts)],
     )
     return 0

@@ -5,10 +5,16 @@ The server answers GetInfo (registered memory + readiness), BeginPull / Done / Q
 size-bounded by the socket itself (ZMQ_MAXMSGSIZE) and by `wire.decode`, schema-checked and,
 with a shared secret, HMAC-authenticated with a replay guard. A bad message gets a `Refused`
 reply; nothing a peer sends can stop the server.
+
+Closed by default: a server on an address other hosts can reach needs the shared secret (see
+`kvbridge.secret`) or an explicit `insecure=True`. An abort is only ever sent back to the side
+channel a BeginPull named when that address is the host the BeginPull came from (its TCP source),
+so a peer cannot make this rank connect to a third party.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -36,10 +42,11 @@ from kvbridge.control.messages import (
     LeaseState,
     LeaseStatus,
     QueryLease,
-    RegisteredMemory,
     Refused,
+    RegisteredMemory,
 )
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
+from kvbridge.secret import check_listen, is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +78,16 @@ class ControlServer:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: str | bytes | None = None,
+        insecure: bool = False,
         on_abort: AbortCallback | None = None,
         registry: Registry | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.05,
         notify_timeout_s: float = 2.0,
     ) -> None:
+        """`secret`: the shared secret (`kvbridge.secret.load_secret()` reads it from the environment or a
+        file); required on a non-loopback `host` unless `insecure=True` (logged as a warning)."""
+        check_listen(f"side channel of {engine_id}/{rank}", host, secret, insecure=insecure)
         self.engine_id = engine_id
         self.rank = rank
         self.ledger = ledger
@@ -159,8 +170,12 @@ class ControlServer:
 
     # -- request handling (pure: bytes in, bytes out; used directly by the fuzz tests) ---------
 
-    def handle(self, payload: bytes) -> bytes:
-        """Answer one request. Never raises: anything wrong becomes a `Refused` reply."""
+    def handle(self, payload: bytes, peer_host: str | None = None) -> bytes:
+        """Answer one request. Never raises: anything wrong becomes a `Refused` reply, logged with its reason.
+
+        `peer_host`: the TCP source address of the request (None: unknown). A BeginPull's notify address
+        is remembered only when it is that host (or both are loopback).
+        """
         reply_to = b""
         try:
             frame = wire.decode(payload, Frame, max_bytes=self.max_message_bytes)
@@ -169,18 +184,20 @@ class ControlServer:
             cls = REQUESTS.get(frame.kind)
             if cls is None:
                 raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
-            reply: Any = self._dispatch(wire.decode(frame.body, cls, max_bytes=self.max_message_bytes), frame.sender)
+            body = wire.decode(frame.body, cls, max_bytes=self.max_message_bytes)
+            reply: Any = self._dispatch(body, frame.sender, peer_host)
         except ProtocolError as exc:
-            log.debug("%s refused a message: %s", self.name, exc)
+            log.warning("%s refused a message from %s: %s", self.name, peer_host or "an unknown host", exc)
             reply = Refused("protocol", str(exc))
         except KVBridgeError as exc:
+            log.warning("%s refused a request from %s: %s", self.name, peer_host or "an unknown host", exc)
             reply = Refused("error", str(exc))
         except Exception as exc:  # a bug must cost one reply, not the server
             log.exception("%s: handler failed", self.name)
             reply = Refused("internal", f"{type(exc).__name__}: {exc}")
         return wire.encode(self._auth.seal(_frame(type(reply).__name__, self.name, wire.encode(reply), reply_to)))
 
-    def _dispatch(self, msg: Any, sender: str) -> Any:
+    def _dispatch(self, msg: Any, sender: str, peer_host: str | None) -> Any:
         if isinstance(msg, Abort):
             if self.ledger is not None:
                 self.ledger.abort(msg.request_id)
@@ -194,13 +211,28 @@ class ControlServer:
         if self.ledger is None:
             return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
         if isinstance(msg, BeginPull):
-            watcher = (msg.notify_host, msg.notify_port) if msg.notify_port else None
-            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls)
+            watcher = self._watcher(msg, peer_host)
+            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls, blocks=msg.blocks)
         if isinstance(msg, Done):
             return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch, msg.expected_pulls)
         if isinstance(msg, QueryLease):
             return self.ledger.query(msg.request_id, msg.epoch)
         raise ProtocolError(f"no handler for {type(msg).__name__}")
+
+    def _watcher(self, msg: BeginPull, peer_host: str | None) -> Address | None:
+        """The side channel to tell on abort, if the BeginPull named one this rank may connect to: its sender's
+        own host (the request's TCP source; on loopback, any loopback address) and a valid port."""
+        if not msg.notify_port:
+            return None
+        if not 0 < msg.notify_port < 65536:
+            raise ProtocolError(f"BeginPull for {msg.request_id!r} names notify port {msg.notify_port}")
+        if _same_host(msg.notify_host, peer_host):
+            return (msg.notify_host, msg.notify_port)
+        log.warning("%s: BeginPull for %s from %s asks to be told of aborts at %s:%d, not its own host: not "
+                    "remembered (its lease expires instead); bind the decode side channel to the address it "
+                    "connects from", self.name, msg.request_id, peer_host or "an unknown host",
+                    msg.notify_host, msg.notify_port)
+        return None
 
     # -- the serving thread ------------------------------------------------------------------
 
@@ -222,9 +254,14 @@ class ControlServer:
 
     def _serve_one(self) -> None:
         try:
-            parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        parts = [f.bytes for f in frames]
+        try:
+            peer_host: str | None = frames[-1].get("Peer-Address")
+        except zmq.ZMQError:  # not a TCP peer
+            peer_host = None
         # REQ peers send [identity, (request id with REQ_CORRELATE), b"", payload]; DEALER peers
         # [identity, payload]. The envelope goes back unchanged; anything else is dropped.
         if 3 <= len(parts) <= 4 and parts[-2] == b"":
@@ -232,9 +269,10 @@ class ControlServer:
         elif len(parts) == 2:
             envelope = parts[:1]
         else:
-            log.debug("%s dropped a %d-part message", self.name, len(parts))
+            log.warning("%s dropped a %d-part message from %s: not a REQ or DEALER request", self.name, len(parts),
+                        peer_host or "an unknown host")
             return
-        reply = self.handle(parts[-1])
+        reply = self.handle(parts[-1], peer_host)
         try:
             self._sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer went away before its answer
@@ -268,6 +306,18 @@ class ControlServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _same_host(claimed: str, source: str | None) -> bool:
+    """Is `claimed` (a notify host) the `source` host a request came from? Both loopback counts as the same."""
+    if source is None:
+        return False
+    if is_loopback(claimed) and is_loopback(source):
+        return True
+    try:
+        return ipaddress.ip_address(claimed.strip("[]")) == ipaddress.ip_address(source.strip("[]"))
+    except ValueError:
+        return False
 
 
 class ControlClient:
@@ -370,16 +420,18 @@ class ControlClient:
 
     def begin_pull(
         self, request_id: str, decode_rank: str, *, notify: Address | None = None, expected_pulls: int = 0,
-        wait_s: float = 0.0,
+        wait_s: float = 0.0, blocks: Iterable[int] = (),
     ) -> LeaseStatus:
-        """Announce a read of `request_id`; raise LoadError unless its lease is active (recompute).
+        """Announce a read of `blocks` of `request_id`; raise LoadError unless its lease is active (recompute).
 
         Waits up to `wait_s` for the peer to be ready and to have offered the request.
-        `notify`: this rank's side channel, told if the prefill side aborts. `expected_pulls`: the
-        prefill rank's release count from the plan (used when its offer left it open).
+        `notify`: this rank's side channel, told if the prefill side aborts (the prefill rank remembers it
+        only if it is the host this client connects from). `expected_pulls`: the prefill rank's release
+        count from the plan (used when its offer left it open). `blocks`: the prefill block ids to be read;
+        a block outside the lease gets the BeginPull refused (ProtocolError).
         """
         host, port = notify or ("", 0)
-        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls)
+        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls, tuple(int(b) for b in blocks))
         status = self._expect(self._ready_request(msg, wait_s, until_offered=True), LeaseStatus, "BeginPull")
         if not status.valid:
             raise LoadError(

@@ -21,11 +21,14 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import attrs
 
 from kvbridge.control.messages import LeaseState, LeaseStatus
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, ProtocolError
+
+_V = TypeVar("_V")
 
 log = logging.getLogger(__name__)
 
@@ -173,14 +176,28 @@ class Ledger:
     # -- decode side (through the side channel) ------------------------------------------------
 
     def begin(
-        self, request_id: str, decode_rank: str, watcher: Hashable | None = None, expected_pulls: int = 0
+        self, request_id: str, decode_rank: str, watcher: Hashable | None = None, expected_pulls: int = 0,
+        *, blocks: Sequence[int] = (),
     ) -> LeaseStatus:
-        """A decode rank is about to read: the lease as it stands; remember who to tell on abort and,
-        if the offer left it open, the release count the decode side states."""
+        """A decode rank is about to read `blocks`: the lease as it stands; remember who to tell on abort and,
+        if the offer left it open, the release count the decode side states.
+
+        Raises ProtocolError, and leaves the lease as it was, when `blocks` names a block the lease does
+        not hold: the decode side would read another request's KV (stale or forged transfer params).
+        """
         self.reap()
         with self._lock:
             entry = self._active.get(request_id)
             if entry is not None:
+                foreign = set(blocks).difference(entry.lease.blocks)
+                if foreign:
+                    log.warning("request %s: decode rank %s named blocks %s outside lease epoch %d: refused, lease "
+                                "left as it was", request_id, decode_rank, sorted(foreign)[:8], entry.lease.epoch)
+                    raise ProtocolError(
+                        f"BeginPull of request {request_id!r} names {len(foreign)} blocks that its lease does not "
+                        f"hold (e.g. {sorted(foreign)[:4]}): refused; pass the remote_block_ids the prefill "
+                        "engine returned for this request"
+                    )
                 if watcher is not None:
                     entry.watchers[decode_rank] = watcher
                 self._expect(entry, expected_pulls, decode_rank)
@@ -228,17 +245,14 @@ class Ledger:
     def _stash(self, request_id: str, decode_rank: str, expected_pulls: int) -> None:
         """Keep a release-only DONE that came before the offer, for `timeout_s` (lock held)."""
         now = self._clock()
-        while self._early and (len(self._early) >= self._max_tombstones or next(iter(self._early.values()))[0] <= now):
-            self._early.popitem(last=False)
+        _evict(self._early, self._max_tombstones - 1, lambda early: early[0], now)  # room for this one
         _, ranks = self._early.setdefault(request_id, (now + self.timeout_s, {}))
         ranks[decode_rank] = expected_pulls
 
     def _stash_abort(self, request_id: str) -> None:
         """Keep an abort that came before the offer, for `timeout_s` (lock held)."""
         now = self._clock()
-        while self._early_aborts and (len(self._early_aborts) >= self._max_tombstones
-                                      or next(iter(self._early_aborts.values())) <= now):
-            self._early_aborts.popitem(last=False)
+        _evict(self._early_aborts, self._max_tombstones - 1, lambda forget_at: forget_at, now)
         self._early_aborts[request_id] = now + self.timeout_s
 
     def _expect(self, entry: _Entry, expected_pulls: int, decode_rank: str) -> None:
@@ -266,10 +280,7 @@ class Ledger:
             entry.state = state
             entry.forget_at = now + self._tombstone_s
             self._finished[entry.lease.request_id] = entry
-            while self._finished and (
-                len(self._finished) > self._max_tombstones or next(iter(self._finished.values())).forget_at <= now
-            ):
-                self._finished.popitem(last=False)
+            _evict(self._finished, self._max_tombstones, lambda finished: finished.forget_at, now)
         if state is not LeaseState.RELEASED:
             log.info("lease %s epoch %d %s with %d of %s DONEs; releasing %d blocks", entry.lease.request_id,
                      entry.lease.epoch, state.value, len(entry.done), entry.expected,
@@ -280,3 +291,8 @@ class Ledger:
             log.exception("on_release callback failed for request %s", entry.lease.request_id)
         return True
 
+
+def _evict(table: OrderedDict[str, _V], keep: int, forget_at: Callable[[_V], float], now: float) -> None:
+    """Drop the oldest entries (insertion order) while more than `keep` remain or the oldest is due."""
+    while table and (len(table) > keep or forget_at(next(iter(table.values()))) <= now):
+        table.popitem(last=False)

@@ -8,6 +8,7 @@ runs. Every message type is listed in `REQUESTS` or `REPLIES`; anything else is 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 
@@ -15,6 +16,8 @@ from kvbridge.agent import RankInfo
 
 MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
 MAX_BLOCKS = 1 << 20
+MAX_PULLS = 1 << 16  # decode ranks reading one prefill rank: far above any parallel config
+MAX_EPOCH = (1 << 63) - 1
 
 
 def _bounded_str(_inst: object, attr: attrs.Attribute, value: str) -> None:
@@ -25,6 +28,17 @@ def _bounded_str(_inst: object, attr: attrs.Attribute, value: str) -> None:
 def _bounded_blocks(_inst: object, attr: attrs.Attribute, value: tuple[int, ...]) -> None:
     if len(value) > MAX_BLOCKS:
         raise ValueError(f"{attr.name} lists {len(value)} blocks; at most {MAX_BLOCKS} are allowed")
+    if not all(isinstance(b, int) and 0 <= b <= MAX_EPOCH for b in value):
+        raise ValueError(f"{attr.name} must list block ids in [0, 2**63)")
+
+
+def _int_in(low: int, high: int) -> Any:
+    """An int in [low, high]: a count or epoch off the wire never reaches arithmetic unbounded."""
+    def check(_inst: object, attr: attrs.Attribute, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise ValueError(f"{attr.name} must be an integer in [{low}, {high}], got {value!r:.40}")
+
+    return check
 
 
 def _id() -> str:
@@ -64,17 +78,19 @@ class GetInfo:
 
 @attrs.frozen
 class BeginPull:
-    """Decode rank `decode_rank` is about to read `request_id`; `notify_*` is its side channel.
+    """Decode rank `decode_rank` is about to read `blocks` of `request_id`; `notify_*` is its side channel.
 
     `expected_pulls` (0: not stated) tells the prefill rank its release count when it offered the
-    request without one (the prefill side rarely knows the decode side's parallel config).
+    request without one (the prefill side rarely knows the decode side's parallel config). `blocks`
+    must all belong to the request's lease, or the BeginPull is refused.
     """
 
     request_id: str = _id()
     decode_rank: str = _id()
     notify_host: str = attrs.field(default="", validator=_bounded_str)
-    notify_port: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
-    expected_pulls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))  # 0: not stated
+    notify_port: int = attrs.field(default=0, validator=_int_in(0, 65535))
+    expected_pulls: int = attrs.field(default=0, validator=_int_in(0, MAX_PULLS))  # 0: not stated
+    blocks: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
 
 
 @attrs.frozen
@@ -86,8 +102,8 @@ class Done:
 
     request_id: str = _id()
     decode_rank: str = _id()
-    epoch: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
-    expected_pulls: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
+    expected_pulls: int = attrs.field(default=0, validator=_int_in(0, MAX_PULLS))
 
 
 @attrs.frozen
@@ -95,7 +111,7 @@ class QueryLease:
     """Is the lease on `request_id` (with `epoch`, if not 0) still valid?"""
 
     request_id: str = _id()
-    epoch: int = attrs.field(default=0, validator=attrs.validators.instance_of(int))
+    epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
 
 
 @attrs.frozen

@@ -4,7 +4,7 @@ Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pas
 (`do_remote_prefill`, `do_remote_decode`, `remote_engine_id`, `remote_request_id`,
 `remote_block_ids`, `remote_host`, `remote_port`, `tp_size`, `dcp_size`, `pp_size`,
 `remote_num_tokens`, `remote_blocks_expiry_time`, `transfer_mode`), plus kvbridge's own
-(`pcp_size`, `dp_size`, `dp_rank`, `prefix_prompt_ids`, `cache_keys`). Keys it does not know
+(`pcp_size`, `dp_size`, `dp_rank`, `prefix_prompt_ids`, `cache_keys`, `kvbridge_timing`). Keys it does not know
 are kept in `extra` and written back, so a proxy's additions survive a round trip.
 """
 
@@ -66,6 +66,9 @@ class KVTransferParams:
     transfer_mode: str = "pull"
     prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_ints)
     cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_opt_strs)
+    # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,
+    # transfer_ms, done_ms from decode): `kvbridge proxy` assembles its timeline from it
+    kvbridge_timing: dict[str, float] | None = None
     extra: dict[str, Any] = attrs.field(factory=dict)
 
     @classmethod

@@ -15,16 +15,27 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
 from kvbridge.control.discovery import Registry, resolve
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import KVBridgeError, LoadError
-from kvbridge.topology import ParallelConfig
+from kvbridge.topology import ParallelConfig, Plan
 
 log = logging.getLogger(__name__)
 
 FinishedCallback = Callable[[str, BaseException | None], None]
+
+
+def _blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequence[int]) -> list[int]:
+    """The prefill rank's block ids this decode rank reads (named in BeginPull, checked against the lease).
+    Positions past the list are left for the agent to refuse with its own error."""
+    ids = np.asarray(blocks, dtype=np.int64)
+    pos = [p.src_positions() for p in plan.pulls_for(decode_rank) if p.prefill_rank == prefill_rank]
+    picked = np.concatenate(pos) if pos else np.empty(0, dtype=np.int64)
+    return np.unique(ids[picked[picked < len(ids)]]).tolist()
 
 
 class DecodeControl:
@@ -102,7 +113,8 @@ class DecodeControl:
                 infos.append(self._info(client, addr, params.remote_engine_id, rid))
                 count = plan.release_count(rank)
                 status = client.begin_pull(rid, self.name, notify=self.server.address, expected_pulls=count,
-                                           wait_s=self.ready_timeout_s)
+                                           wait_s=self.ready_timeout_s, blocks=_blocks_read(plan, self.agent.rank,
+                                                                                           rank, params.block_ids))
                 leases[rank] = (client, status.epoch, count)
             return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
         except BaseException as exc:

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvbridge.device import Device
 from kvbridge.nics import device_nics
+from kvbridge.types import MemoryRegion
 
 
 class TorchAcceleratorDevice(Device):
@@ -47,6 +48,23 @@ class TorchAcceleratorDevice(Device):
         acc = self.accel()
         for i in self._ids(device_id):
             acc.synchronize(i)
+
+    def current_id(self) -> int:
+        return int(self.accel().current_device())
+
+    def set_current(self, device_id: int) -> None:
+        self.accel().set_device(device_id)
+
+    def buffer_at(self, region: MemoryRegion) -> Any:
+        import torch
+
+        # torch offers no public "tensor over this device pointer" for every device type; its storage
+        # constructor from a data pointer is the one call that works for cuda, npu and mlu alike. The
+        # storage does not own the memory: the engine that allocated it keeps it alive.
+        probe = torch.zeros(0, dtype=torch.uint8, device=f"{self.name}:{max(region.device_id, 0)}")
+        storage = torch._C._construct_storage_from_data_pointer(region.addr, probe.untyped_storage().device,
+                                                                 region.length)
+        return probe.set_(storage)
 
     def allocate(self, nbytes: int, device_id: int = 0) -> Any:
         import torch

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
 
 from kvbridge.device import Device
-from kvbridge.types import MemoryKind
+from kvbridge.types import MemoryKind, MemoryRegion
 
 
 class CpuDevice(Device):
@@ -15,6 +16,7 @@ class CpuDevice(Device):
 
     name = "cpu"
     memory_kind = MemoryKind.DRAM
+    synchronizes = False
 
     def before_transfer(self, device_id: int = -1) -> None:
         return None
@@ -30,6 +32,9 @@ class CpuDevice(Device):
 
     def from_host(self, buffer: Any, data: np.ndarray) -> None:
         _as_bytes(buffer)[:] = data.reshape(-1).view(np.uint8)
+
+    def buffer_at(self, region: MemoryRegion) -> np.ndarray:
+        return np.ctypeslib.as_array((ctypes.c_uint8 * region.length).from_address(region.addr))
 
     def protocols(self) -> tuple[str, ...]:
         return ("tcp", "rdma")

@@ -1,6 +1,7 @@
 """Test kit that ships with kvbridge.
 
-- Conformance suites for plugin authors: `DeviceConformance`, `UnavailableDeviceConformance`,
+- Conformance suites for plugin authors: `DeviceConformance`, `StandInDeviceConformance`,
+  `UnavailableDeviceConformance`,
   `TransportConformance` (subclass them in a ``Test...`` class), and stand-ins for accelerator
   libraries (`kvbridge.testing.standins`). Also a pytest plugin (entry point ``pytest11``:
   ``kvbridge``) that marks every suite test ``conformance``. See docs/plugins.md.
@@ -16,6 +17,7 @@ from typing import Any
 _SUITES = {
     "DeviceConformance": "kvbridge.testing.devices",
     "UnavailableDeviceConformance": "kvbridge.testing.devices",
+    "StandInDeviceConformance": "kvbridge.testing.devices",
     "TransportConformance": "kvbridge.testing.transports",
 }
 

@@ -20,6 +20,7 @@ import attrs
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import PeerGone, TransferFailed
 from kvbridge.memory import Descriptors
+from kvbridge.options import TransportOptions, option, parse
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
 _endpoints: weakref.WeakValueDictionary[str, LoopbackBackend] = weakref.WeakValueDictionary()
@@ -35,8 +36,15 @@ class Faults:
     delay: float = 0.0
 
 
+@attrs.frozen
+class LoopbackOptions(TransportOptions):
+    """Options of the `loopback` transport."""
+
+    max_batch: int | None = option(None, "most descriptors per submission (None: no limit), to test batching")
+
+
 class LoopbackBackend(MigrationBackend):
-    """A transport between backends of one process. Option `max_batch` caps descriptors per submission."""
+    """A transport between backends of one process; options in `LoopbackOptions`."""
 
     name = "loopback"
     capabilities = BackendCapabilities(
@@ -45,9 +53,9 @@ class LoopbackBackend(MigrationBackend):
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        max_batch = config.options.get("max_batch")
+        max_batch = parse(LoopbackOptions, config.options, what=f"backend {self.name!r}").max_batch
         if max_batch is not None:
-            self.capabilities = attrs.evolve(self.capabilities, max_batch=int(max_batch))  # type: ignore[misc]
+            self.capabilities = attrs.evolve(self.capabilities, max_batch=max_batch)  # type: ignore[misc]
         self.faults = Faults()
         self.submissions = 0
         self._fault_lock = threading.Lock()

@@ -5,13 +5,18 @@ per connection round trip: a length-prefixed msgpack header with the remote rang
 payload sent straight from registered memory with scatter/gather `sendmsg` and received in
 place with `recvmsg_into`, so there is no Python-level copy and no syscall per block.
 
-Only ranges inside registered memory are served, and only to callers that present the
-per-endpoint token published in the endpoint info.
+Only ranges inside registered memory are served, and only on authenticated connections. The
+server opens each connection with a fresh challenge; the client answers with an HMAC of it (and a
+challenge of its own, which the server answers the same way), keyed by the shared secret
+(`kvbridge.secret`) or, without one, by a per-endpoint token published in the endpoint info (a
+loopback-only listener, or an explicit `insecure` opt-in). Nothing larger than `_MAX_AUTH_FRAME`
+is read from a connection before it has authenticated, and a shared secret never crosses the wire.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import hmac
 import logging
 import queue
@@ -23,18 +28,25 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import attrs
 import msgpack
 import numpy as np
 
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, InvalidDescriptor, PeerGone, ProtocolError, TransferFailed
 from kvbridge.memory import Descriptors
+from kvbridge.options import TransportOptions, option, parse
+from kvbridge.secret import check_listen, load_secret
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
-_MAX_HEADER = 256 * 1024 * 1024
+_MAX_AUTH_FRAME = 1024  # what an unauthenticated connection may make the server read
+_MAX_HEADER = 64 * 1024 * 1024  # after authentication: 2.8 million descriptors in one request
+_CHALLENGE_BYTES = 16
+_MAX_DISCARD = 1 << 30  # a refused write larger than this closes the connection instead of being drained
+_HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not authenticate in time is dropped
 _IOV_CHUNK = 512  # well under IOV_MAX (1024 on Linux)
 
 
@@ -88,14 +100,26 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> dict[str, Any]:
+def _recv_frame(sock: socket.socket, limit: int = _MAX_HEADER) -> dict[str, Any]:
     (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if size > _MAX_HEADER:
-        raise ProtocolError(f"tcp transport header of {size} bytes exceeds {_MAX_HEADER}")
-    frame = msgpack.unpackb(_recv_exact(sock, size), raw=False)
+    if size > limit:
+        raise ProtocolError(f"tcp transport header of {size} bytes exceeds {limit}")
+    try:
+        frame = msgpack.unpackb(_recv_exact(sock, size), raw=False)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"tcp transport header is not msgpack: {exc}") from None
     if not isinstance(frame, dict):
         raise ProtocolError("tcp transport header is not a map")
     return frame
+
+
+def _mac(key: bytes, role: bytes, *challenges: bytes) -> bytes:
+    return hmac.new(key, b"kvbridge-tcp-v1/" + role + b"".join(challenges), hashlib.sha256).digest()
+
+
+def _secret_key(secret: bytes) -> bytes:
+    """The transport's own key from the shared secret, so a MAC here is never valid on the side channel."""
+    return hmac.new(secret, b"kvbridge-tcp-transport-key", hashlib.sha256).digest()
 
 
 def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -137,8 +161,22 @@ def _ranges(desc: np.ndarray) -> bytes:
     return np.ascontiguousarray(desc, dtype="<i8").tobytes()
 
 
+@attrs.frozen
+class TcpOptions(TransportOptions):
+    """Options of the `tcp` transport."""
+
+    port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one")
+    connect_timeout: float = option(10.0, "seconds to wait for a peer to accept a connection before PeerGone")
+    handshake_timeout: float = option(_HANDSHAKE_TIMEOUT_S, "seconds a connection has to authenticate before it "
+                                      "is dropped")
+    secret: str | bytes | None = option(None, "shared secret (16+ bytes) authenticating every connection; "
+                                        "default: $KVBRIDGE_SECRET or the file secret_file names")
+    secret_file: str | None = option(None, "file holding the shared secret (default: $KVBRIDGE_SECRET_FILE)")
+    insecure: bool = option(False, "listen on a non-loopback address without a secret (logs a warning)")
+
+
 class TcpBackend(MigrationBackend):
-    """Reference transport over plain TCP sockets. Options: `port` (0 = any), `connections` per peer."""
+    """Reference transport over plain TCP sockets; options in `TcpOptions`."""
 
     name = "tcp"
     capabilities = BackendCapabilities(
@@ -146,10 +184,20 @@ class TcpBackend(MigrationBackend):
     )
 
     def __init__(self, config: BackendConfig) -> None:
+        opts: TcpOptions = parse(TcpOptions, config.options, what=f"backend {self.name!r}")
+        secret = opts.secret or load_secret(opts.secret_file)
+        if isinstance(secret, str):
+            secret = secret.encode()
+        check_listen("the tcp transport", config.hostname, secret, insecure=opts.insecure)
         super().__init__(config)
+        self._options = opts
         self._views = _Views()
-        self._token = secrets.token_hex(16)
-        self._listener = socket.create_server((config.hostname, int(config.options.get("port", 0))))
+        # With a shared secret the key never leaves this host; without one (loopback, or the insecure
+        # opt-in) a random per-endpoint token is the key, published to whoever may read the endpoint info.
+        self._token = "" if secret else secrets.token_hex(16)
+        self._key = _secret_key(secret) if secret else self._token.encode()
+        self._peer_key = _secret_key(secret) if secret else None
+        self._listener = socket.create_server((config.hostname, opts.port))
         self._listener.settimeout(0.2)
         self._port = self._listener.getsockname()[1]
         self._stop = threading.Event()
@@ -177,39 +225,72 @@ class TcpBackend(MigrationBackend):
             t.start()
 
     def _serve(self, conn: socket.socket) -> None:
+        peer, authenticated = "an unknown peer", False
         try:
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
+            if not self._authenticate(conn, peer):
+                return
+            authenticated = True
             while not self._stop.is_set():
                 try:
                     frame = _recv_frame(conn)
                 except (ConnectionError, OSError):
                     return
-                if not self._handle(conn, frame):
+                if not self._handle(conn, frame, peer):
                     return
-        except (ConnectionError, OSError, ProtocolError) as exc:
-            log.debug("tcp: connection dropped: %s", exc)
+        except ProtocolError as exc:
+            log.warning("tcp transport %s: refused %s: %s", self._address(), peer, exc)
+        except (ConnectionError, OSError) as exc:
+            # A kvbridge peer authenticates at once: a connection that drops before is refused, and said so.
+            log.log(logging.DEBUG if authenticated else logging.WARNING, "tcp transport %s: connection from %s "
+                    "dropped%s: %s", self._address(), peer, "" if authenticated else " before authenticating", exc)
         finally:
             conn.close()
+            with self._lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
 
-    def _handle(self, conn: socket.socket, frame: dict[str, Any]) -> bool:
-        """Serve one request; False closes the connection."""
-        token = frame.get("token")
+    def _authenticate(self, conn: socket.socket, peer: str) -> bool:
+        """Challenge-response before anything else; reads at most `_MAX_AUTH_FRAME` bytes. False: refused."""
+        challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+        conn.settimeout(self._options.handshake_timeout)
+        _send_frame(conn, {"challenge": challenge})
+        try:
+            hello = _recv_frame(conn, _MAX_AUTH_FRAME)
+        except TimeoutError:
+            raise ProtocolError("no authentication within the handshake timeout") from None
+        mac, theirs = hello.get("mac"), hello.get("challenge")
+        if not isinstance(mac, bytes) or not isinstance(theirs, bytes) or len(theirs) != _CHALLENGE_BYTES:
+            error = "malformed authentication"
+        elif not hmac.compare_digest(mac, _mac(self._key, b"client", challenge)):
+            error = "bad credentials: connect with this endpoint's current info and the same shared secret"
+        else:
+            conn.settimeout(None)
+            _send_frame(conn, {"ok": True, "mac": _mac(self._key, b"server", challenge, theirs)})
+            return True
+        log.warning("tcp transport %s: refused %s: %s", self._address(), peer, error)
+        _send_frame(conn, {"ok": False, "error": error})
+        return False
+
+    def _handle(self, conn: socket.socket, frame: dict[str, Any], peer: str) -> bool:
+        """Serve one request of an authenticated connection; False closes the connection."""
         op = frame.get("op")
         raw = frame.get("ranges")
-        if not isinstance(token, str) or not hmac.compare_digest(token, self._token):
-            _send_frame(conn, {"ok": False, "error": "bad endpoint token: connect with this endpoint's current info"})
-            return False
-        if op not in ("read", "write") or not isinstance(raw, bytes) or len(raw) % 24:
+        if op not in ("read", "write") or not isinstance(raw, bytes) or not raw or len(raw) % 24:
+            log.warning("tcp transport %s: malformed request from %s: closed", self._address(), peer)
             _send_frame(conn, {"ok": False, "error": "malformed request"})
             return False
         desc = np.frombuffer(raw, dtype="<i8").reshape(-1, 3)
         remote, length = desc[:, 1], desc[:, 2]
         with self._lock:
             local_index = self._local
-            bad = local_index.outside(remote, length) if (length > 0).all() else np.array([0])
+            bad = local_index.outside(remote, length)
             error = ""
             if len(bad):
                 i = int(bad[0])
                 error = f"range [{int(remote[i]):#x}, +{int(length[i])}) is not registered here"
+                log.warning("tcp transport %s: %s from %s: %s", self._address(), op, peer, error)
             views = None if error else self._views.slices(remote, length)
         if op == "read":
             if error:
@@ -219,7 +300,10 @@ class TcpBackend(MigrationBackend):
             _sendmsg_all(conn, views)  # type: ignore[arg-type]
             return True
         if error:
-            _discard(conn, int(length[length > 0].sum()))
+            total = sum(length.tolist())  # Python ints: a hostile sum must not wrap around
+            if not 0 < total <= _MAX_DISCARD:
+                return False  # not worth reading: the writer sees the connection close
+            _discard(conn, total)
             _send_frame(conn, {"ok": False, "error": error})
             return True
         _recvmsg_all(conn, views)  # type: ignore[arg-type]
@@ -239,27 +323,58 @@ class TcpBackend(MigrationBackend):
 
     def endpoint(self) -> EndpointInfo:
         base = super().endpoint()
-        return EndpointInfo(base.backend, base.protocol, base.address, base.regions, {"token": self._token})
+        extra = {"token": self._token} if self._token else {"auth": "secret"}
+        return EndpointInfo(base.backend, base.protocol, base.address, base.regions, extra)
 
     def _connect(self, endpoint: EndpointInfo) -> Any:
         host, _, port = endpoint.address.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"tcp endpoint address {endpoint.address!r} is not host:port")
-        if "token" not in endpoint.extra:
-            raise ConfigError(f"tcp endpoint {endpoint.address} carries no token; pass its endpoint_info() unchanged")
+        token = endpoint.extra.get("token")
+        if token:
+            key = str(token).encode()
+        elif self._peer_key is not None:
+            key = self._peer_key
+        else:
+            raise ConfigError(f"tcp endpoint {endpoint.address} authenticates with the shared secret and none is "
+                              "configured here: set KVBRIDGE_SECRET (or KVBRIDGE_SECRET_FILE) to the same secret")
         pool: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
-        pool.put(self._dial(host, int(port), endpoint.address))  # fail now if the peer is unreachable
+        handle = {"host": host, "port": int(port), "key": key, "pool": pool}
+        pool.put(self._dial(handle, endpoint.address))  # fail now if the peer is unreachable or refuses us
         with self._lock:
             self._pools.append(pool)  # close() closes them: a peer object may outlive this backend
-        return {"host": host, "port": int(port), "token": endpoint.extra["token"], "pool": pool}
+        return handle
 
-    def _dial(self, host: str, port: int, name: str) -> socket.socket:
+    def _dial(self, h: dict[str, Any], name: str) -> socket.socket:
+        """A connection to the peer, authenticated both ways."""
+        timeout = self._options.connect_timeout
         try:
-            sock = socket.create_connection((host, port), timeout=float(self.config.options.get("connect_timeout", 10)))
+            sock = socket.create_connection((h["host"], h["port"]), timeout=timeout)
         except OSError as exc:
             raise PeerGone(f"cannot reach tcp peer {name}: {exc}; is it running?", peer=name, cause=str(exc)) from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            challenge = _recv_frame(sock, _MAX_AUTH_FRAME).get("challenge")
+            if not isinstance(challenge, bytes):
+                raise ProtocolError("no challenge")
+            mine = secrets.token_bytes(_CHALLENGE_BYTES)
+            _send_frame(sock, {"mac": _mac(h["key"], b"client", challenge), "challenge": mine})
+            reply = _recv_frame(sock, _MAX_AUTH_FRAME)
+            if not reply.get("ok"):
+                raise TransferFailed(f"tcp peer {name} refused to authenticate this engine: {reply.get('error')}; "
+                                     "use the peer's current endpoint info and the same KVBRIDGE_SECRET",
+                                     peer=name, cause="authentication")
+            mac = reply.get("mac")
+            if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(h["key"], b"server", challenge, mine)):
+                raise TransferFailed(f"tcp peer {name} did not prove it holds the endpoint's key: not the peer the "
+                                     "endpoint info names (or another secret)", peer=name, cause="authentication")
+        except (ConnectionError, OSError, ProtocolError) as exc:
+            sock.close()
+            raise PeerGone(f"tcp peer {name} failed the handshake: {exc}", peer=name, cause=str(exc)) from None
+        except BaseException:
+            sock.close()
+            raise
         sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
@@ -272,9 +387,9 @@ class TcpBackend(MigrationBackend):
         try:
             sock = h["pool"].get_nowait()
         except queue.Empty:
-            sock = self._dial(h["host"], h["port"], peer.name)
+            sock = self._dial(h, peer.name)
         try:
-            _send_frame(sock, {"op": op, "token": h["token"], "ranges": _ranges(desc)})
+            _send_frame(sock, {"op": op, "ranges": _ranges(desc)})
             if op == "write":
                 _sendmsg_all(sock, local_views)
             reply = _recv_frame(sock)

@@ -8,6 +8,16 @@ remote `target_offset` into the local `source_offset`). It reads
 
 One transport per protocol serves every link of the process; memory is registered once and
 unregistered when the last link that registered it is dropped.
+
+The pools live on this worker's device (`AdapterSettings.device`, else the accelerator the process
+has): each pool is registered as that device's memory, with its kind and device id, and the
+transport is bound to the device (`kvbridge.staging.attach`), directly where it reaches the memory,
+through pinned host mirrors where it cannot (GPU memory over TCP). Staged, the reading side is
+complete by itself (bytes land in the mirror, go to the device, the device synchronizes, then
+`p2p_migrate` returns); the serving side must refresh its mirrors with `publish()` once the blocks it
+offers are computed. LMDeploy 0.18's CacheEngine never tells its migration backend that, so an
+engine that serves staged memory says so when it registers: serve with a protocol that reaches the
+device's memory (`rdma`, `ascend`, `nvlink`), or call `publish()` from the integration.
 """
 
 from __future__ import annotations
@@ -31,13 +41,16 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
 )
 from lmdeploy.pytorch.disagg.messages import DistServeRegisterMRMessage, MigrationAssignment
 
-from kvbridge import wire
+from kvbridge import staging, wire
+from kvbridge.adapters.lmdeploy.metrics import TransferMetrics
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle
+from kvbridge.device import Device
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
-from kvbridge.plugins import create_backend
-from kvbridge.types import EndpointInfo, MemoryRegion
+from kvbridge.plugins import create_backend, get_device
+from kvbridge.regions import local_device
+from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
-from kvbridge.adapters.lmdeploy.plan import Plan, describe, instruct_array, plan
+from kvbridge.adapters.lmdeploy.plan import InstructPlan, describe, instruct_array, plan
 from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 
 log = logging.getLogger(__name__)
@@ -71,10 +84,12 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
     def __init__(self, settings: AdapterSettings | None = None) -> None:
         self.settings = settings or AdapterSettings.from_env()
+        self.device: Device = get_device(self.settings.device) if self.settings.device else local_device()
         self._links: dict[str, Link] = {}
         self._transports: dict[str, MigrationBackend] = {}
         self._region_users: dict[tuple[str, int], set[str]] = {}  # (protocol, addr) -> engines
         self._lock = threading.RLock()
+        self.metrics = TransferMetrics()  # kvbridge_transfer_* series: see kvbridge.adapters.lmdeploy.metrics
 
     @property
     def links(self) -> Mapping[str, Link]:
@@ -102,7 +117,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             if name not in self._transports:
                 s = self.settings
                 try:
-                    self._transports[name] = create_backend(
+                    transport = create_backend(
                         s.transport, protocol=name, hostname=s.hostname, metadata_server=s.metadata_server,
                         device_name=s.device_for(rank),
                     )
@@ -110,7 +125,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                     raise ConfigError(f"{exc}. LMDeploy asked for MigrationProtocol.{MigrationProtocol(protocol).name}"
                                       f"; set {PROTOCOL_ENV} to a protocol the {s.transport!r} transport speaks, "
                                       f"or {TRANSPORT_ENV} to another transport") from exc
-                log.info("kvbridge LMDeploy backend: %s/%s transport up", s.transport, name)
+                self._transports[name] = staging.attach(transport, self.device)
+                log.info("kvbridge LMDeploy backend: %s/%s transport up for %s memory", s.transport, name,
+                         self.device.memory_kind.value)
             return self._transports[name]
 
     def _link(self, remote_engine_id: str, what: str) -> Link:
@@ -150,9 +167,15 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         req = register_mr_request
         link = self._link(req.remote_engine_id, f"register_memory_region(mr_key={req.mr_key})")
         self._check_protocol(link, req.protocol, f"register_memory_region(mr_key={req.mr_key})")
-        region = MemoryRegion(req.addr, req.length)
+        region = self.device.region(req.addr, req.length)  # the pool's real kind and device id
         with self._lock:
+            fresh = not any(r.addr == region.addr for r in link.transport.registered)
             link.transport.register_memory(region)
+            if fresh and link.transport.peer_addresses([region.addr])[0] != region.addr:
+                log.warning("mr_key %d (%s memory) is staged through host memory over %s: peers read a mirror "
+                            "that publish() refreshes, and LMDeploy never calls it; serve with a protocol that "
+                            "reaches %s memory directly", req.mr_key, region.kind.value,
+                            self._protocol(link.protocol), self.device.name)
             old = link.local_regions.get(req.mr_key)
             if old is not None and old.addr != region.addr:
                 self._release(link, old)
@@ -169,10 +192,26 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             "kvbridge": ENDPOINT_VERSION,
             "transport": wire.to_dict(link.transport.endpoint()),
             "mr_info": {
-                str(k): {"addr": r.addr, "length": r.length, "offset": link.local_offsets[k]}
+                str(k): {"addr": int(link.transport.peer_addresses([r.addr])[0]), "length": r.length,
+                         "offset": link.local_offsets[k], "kind": r.kind.value}
                 for k, r in sorted(link.local_regions.items())
             },
         }
+
+    def publish(self, remote_engine_id: str | None = None) -> None:
+        """Make this worker's pools current for peers' reads (one link's, or every link's): waits for the
+        device and, where the transport stages, copies the pools to the host mirrors peers read."""
+        with self._lock:
+            links = [self._link(remote_engine_id, "publish")] if remote_engine_id else list(self._links.values())
+            for link in links:
+                ranges = [(r.addr, r.length) for r in link.local_regions.values()]
+                if ranges:
+                    link.transport.publish(ranges)
+
+    def memory_kinds(self) -> dict[int, MemoryKind]:
+        """Each registered pool's memory kind by mr_key (the device's: `vram` for CUDA pools, `npu`, ...)."""
+        with self._lock:
+            return {k: r.kind for link in self._links.values() for k, r in link.local_regions.items()}
 
     def p2p_connect(self, remote_engine_id: str, conn_req: DistServeKVTransferEndpointInfo) -> None:
         """Connect to the remote engine described by its `endpoint_info`."""
@@ -205,13 +244,20 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions, engine=rid)
         if len(p.descriptors) == 0:
             return
-        submitted = self._submit(link, p)
-        if async_op or self.settings.async_migration:
-            await self._wait_async(rid, p, submitted)
-        else:
-            self._wait(rid, p, submitted)
+        begun = time.perf_counter()
+        try:
+            submitted = self._submit(link, p)
+            if async_op or self.settings.async_migration:
+                await self._wait_async(rid, p, submitted)
+            else:
+                self._wait(rid, p, submitted)
+        except KVBridgeError as exc:
+            self.metrics.record_failure(link.transport.name, rid, exc)
+            raise
+        self.metrics.record(link.transport.name, rid, time.perf_counter() - begun, int(p.descriptors[:, 2].sum()),
+                            len(p.descriptors))
 
-    def _submit(self, link: Link, p: Plan) -> list[tuple[TransferHandle, int, int]]:
+    def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
         assert link.peer is not None
         size = link.transport.capabilities.max_batch or len(p.descriptors)
         out = []
@@ -223,7 +269,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             out.append((handle, first, count))
         return out
 
-    def _wait(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+    def _wait(self, rid: str, p: InstructPlan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
         """Block until every batch settled (one deadline for all), then raise the first failure."""
         timeout = self.settings.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -239,7 +285,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         if failure is not None:
             raise failure
 
-    async def _wait_async(self, rid: str, p: Plan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+    async def _wait_async(self, rid: str, p: InstructPlan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
         """Yield to the event loop until every batch settled, then raise the first failure."""
         loop = asyncio.get_running_loop()
         waiters = [_on_loop(loop, handle) for handle, _, _ in submitted]
@@ -316,7 +362,7 @@ def _on_loop(loop: asyncio.AbstractEventLoop, handle: TransferHandle) -> asyncio
     return fut
 
 
-def _failed(rid: str, p: Plan, first: int, count: int, exc: BaseException) -> KVBridgeError:
+def _failed(rid: str, p: InstructPlan, first: int, count: int, exc: BaseException) -> KVBridgeError:
     text = (f"KV migration from remote engine {rid!r} failed: a batch of {count} instructs starting at "
             f"{describe(p.instructs, first)} did not complete: {exc}")
     if isinstance(exc, TransferTimeout):
@@ -339,7 +385,8 @@ def _parse_endpoint(rid: str, text: str) -> tuple[EndpointInfo, dict[int, Memory
                             f"{ENDPOINT_VERSION}; install the same kvbridge-lmdeploy release on both sides")
     endpoint = wire.from_dict(data.get("transport"), EndpointInfo)
     try:
-        regions = {int(k): MemoryRegion(v["addr"], v["length"]) for k, v in data["mr_info"].items()}
+        regions = {int(k): MemoryRegion(v["addr"], v["length"], v.get("kind", "dram"))
+                   for k, v in data["mr_info"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"malformed mr_info from remote engine {rid!r}: {exc!r}") from None
     return endpoint, regions

@@ -35,7 +35,7 @@ def describe(instructs: np.ndarray, i: int) -> str:
 
 
 @attrs.frozen
-class Plan:
+class InstructPlan:
     """Merged descriptors plus what maps them back to instructs for error messages."""
 
     instructs: np.ndarray  # (N, 4) as given
@@ -79,7 +79,7 @@ def plan(
     remote: Mapping[int, MemoryRegion],
     *,
     engine: str,
-) -> Plan:
+) -> InstructPlan:
     """Check every instruct against the regions on both sides and build merged descriptors.
 
     Raises InvalidDescriptor naming the remote engine and the first offending instruct.
@@ -117,4 +117,4 @@ def plan(
     local = ordered[:, 0]
     first = np.searchsorted(local, merged[:, 0], side="right") - 1
     last = np.searchsorted(local, merged[:, 0] + merged[:, 2] - 1, side="right") - 1
-    return Plan(instructs=instructs, descriptors=merged, order=order, first=first, last=last)
+    return InstructPlan(instructs=instructs, descriptors=merged, order=order, first=first, last=last)

@@ -19,6 +19,7 @@ PROTOCOL_ENV = "KVBRIDGE_LMDEPLOY_PROTOCOL"
 HOSTNAME_ENV = "KVBRIDGE_LMDEPLOY_HOSTNAME"
 METADATA_ENV = "KVBRIDGE_LMDEPLOY_METADATA_SERVER"
 DEVICES_ENV = "KVBRIDGE_LMDEPLOY_DEVICES"
+DEVICE_ENV = "KVBRIDGE_LMDEPLOY_DEVICE"
 TIMEOUT_ENV = "KVBRIDGE_LMDEPLOY_TIMEOUT"
 # LMDeploy's own switch for asynchronous migration; CacheEngine never passes async_op itself.
 LMDEPLOY_ASYNC_ENV = "LMDEPLOY_USE_ASYNC_MIGRATION"
@@ -47,7 +48,6 @@ def _timeout(value: str | None) -> float | None:
     return None if seconds <= 0 else seconds
 
 
-
 @attrs.frozen
 class AdapterSettings:
     """Transport and limits for the LMDeploy migration backend.
@@ -57,6 +57,8 @@ class AdapterSettings:
     - `hostname`: the address peers reach this worker at.
     - `metadata_server`: None for the transport's peer-to-peer handshake.
     - `devices`: NICs; worker rank r uses `devices[r % len(devices)]`.
+    - `device`: the device plugin holding the cache pools (`cuda`, `npu`, ...; `kvbridge plugins` lists
+      them); None picks the accelerator this process has (`kvbridge.regions.local_device`), else `cpu`.
     - `timeout`: seconds a migration may take before it fails (None: no limit).
     - `async_migration`: migrate asynchronously even when the caller does not pass `async_op`.
     """
@@ -66,6 +68,7 @@ class AdapterSettings:
     hostname: str = "127.0.0.1"
     metadata_server: str | None = None
     devices: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    device: str | None = None
     timeout: float | None = 300.0
     async_migration: bool = False
 
@@ -79,6 +82,7 @@ class AdapterSettings:
             hostname=env.get(HOSTNAME_ENV) or _outbound_ip(),
             metadata_server=env.get(METADATA_ENV) or None,
             devices=devices,
+            device=env.get(DEVICE_ENV) or None,
             timeout=_timeout(env.get(TIMEOUT_ENV)),
             async_migration=bool(env.get(LMDEPLOY_ASYNC_ENV)),
         )

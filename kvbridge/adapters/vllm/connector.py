@@ -17,11 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvbridge.adapters.vllm.metadata import KVBridgeMetadata
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
-from kvbridge.adapters.vllm.stats import KVBridgeStats
+from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
+from kvbridge.nativelog import quiet_native_logs
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
@@ -52,6 +54,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         share_vllm_logging()
+        # Native transport logs at warnings and above beside vLLM's, all of them when kvbridge logs debug.
+        quiet_native_logs(max(logging.getLogger("kvbridge").getEffectiveLevel(), logging.WARNING))
         config = vllm_config.kv_transfer_config
         assert config is not None and config.engine_id is not None
         settings = Settings.from_extra_config(config.kv_connector_extra_config)
@@ -60,7 +64,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
         else:
-            self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings)
+            self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -79,6 +83,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
 
     # -- worker side ---------------------------------------------------------------------------
 
@@ -112,9 +120,18 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVBridgeStats | None:
         return None if self._worker is None else self._worker.take_stats()
 
+    def build_connector_worker_meta(self) -> KVBridgeWorkerMeta | None:
+        return None if self._worker is None else self._worker.take_timings()
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVBridgeStats:
         return KVBridgeStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVBridgePromMetrics:
+        """The `kvbridge_*` series in this server's /metrics (docs/operations.md lists them)."""
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

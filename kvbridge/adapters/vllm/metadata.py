@@ -1,13 +1,12 @@
-"""What the scheduler side tells its workers each step, and the kv_transfer_params it hands out."""
+"""What the scheduler side tells its workers each step, and what the workers tell it back (timings)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import attrs
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
@@ -21,21 +20,28 @@ class PullTask:
     params: KVTransferParams  # the prefill's params, narrowed to the blocks (and tokens) decode lacks
     local_block_ids: tuple[int, ...] = attrs.field(converter=tuple)
     report: bool  # the scheduler waits for this request in finished_recving
+    asked_at: float = attrs.field(factory=time.time)  # wall clock: the worker may be another process
 
     @classmethod
-    def from_params(cls, request_id: str, params: Mapping[str, Any], local_block_ids: list[int], block_size: int,
+    def from_params(cls, request_id: str, p: KVTransferParams, local_block_ids: list[int], block_size: int,
                     report: bool) -> PullTask:
         """Raises ConfigError naming what the params lack."""
-        p = KVTransferParams.from_dict(params)
         p.require_remote()
         remote = list(p.block_ids)
-        if len(local_block_ids) > len(remote):
+        tokens = p.remote_num_tokens or len(remote) * block_size
+        if (len(local_block_ids) - 1) * block_size >= tokens:
             raise ConfigError(
-                f"request {request_id}: {len(local_block_ids)} blocks to fill, prefill holds {len(remote)}"
+                f"request {request_id}: {len(local_block_ids)} blocks of {block_size} tokens to fill, prefill holds "
+                f"{tokens} tokens"
             )
-        # Decode's own prefix cache covers the leading blocks; read only the ones it lacks.
-        remote = remote[len(remote) - len(local_block_ids):] if local_block_ids else []
-        narrowed = attrs.evolve(p, remote_block_ids=[remote], remote_num_tokens=len(local_block_ids) * block_size)
+        if not local_block_ids:
+            remote, tokens = [], 0
+        elif len(local_block_ids) * block_size < tokens:
+            # Decode's own prefix cache covers the leading blocks; read only the ones it lacks (same block
+            # size on both sides: a prefix hit with different block sizes is not narrowed, see docs/vllm.md).
+            skipped = len(remote) - len(local_block_ids)
+            remote, tokens = remote[skipped:], tokens - skipped * block_size
+        narrowed = attrs.evolve(p, remote_block_ids=[remote], remote_num_tokens=tokens)
         return cls(request_id=request_id, params=narrowed, local_block_ids=local_block_ids, report=report)
 
 
@@ -45,3 +51,21 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
     pulls: list[PullTask] = field(default_factory=list)
     offers: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+
+@dataclass
+class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
+    """Per-request pull phases (milliseconds) the workers measured this step, for the request's answer.
+
+    Ranks pull in parallel, so aggregated over ranks each phase is the slowest rank's.
+    """
+
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVBridgeWorkerMeta)
+        for rid, phases in other.timings.items():
+            mine = self.timings.setdefault(rid, {})
+            for k, v in phases.items():
+                mine[k] = max(mine.get(k, 0.0), v)
+        return self

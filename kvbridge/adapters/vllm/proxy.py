@@ -11,6 +11,11 @@ the next one, since prefill holds the KV for whichever decode asks. Responses na
 that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a decode server that
 failed after taking the request included. A client that disconnects closes the upstream request,
 which vLLM turns into an abort.
+
+Each request keeps one id end to end (the client's `x-request-id`, or a new one, sent to both
+servers as `X-Request-Id`, which vLLM uses for its own request id). Its answer carries the
+`x-kvbridge-timing` header (see `timeline`), also logged as one line at info. `/metrics` serves the
+proxy's Prometheus series (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -18,16 +23,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import attrs
 import httpx
+import prometheus_client as prom
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvbridge.adapters.vllm.timeline import HEADER, PULL_PHASES, Timeline
+from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -35,6 +45,7 @@ log = logging.getLogger(__name__)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 5.0
 SLOW_PROBES = 3
+MAX_BODY_BYTES = 32 * 1024 * 1024  # a prompt near any max_model_len fits many times over
 
 
 @attrs.define(eq=False)
@@ -43,6 +54,7 @@ class Instance:
     role: str
     healthy: bool = True
     slow_probes: int = 0  # health probes in a row that timed out
+    in_flight: int = 0  # requests sent to it and not yet answered in full
 
 
 class Pool:
@@ -77,14 +89,7 @@ class DecodeFailed(Exception):
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The request the prefill server gets: one token, no streaming, asks to hold KV for a decode."""
     out = dict(body)
-    out["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    out["kv_transfer_params"] = KVTransferParams(do_remote_decode=True).to_dict()
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -93,11 +98,28 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _bind(handle: Any, path: str) -> Any:
-    async def endpoint(request: Request) -> Any:
-        return await handle(path, request)
-
-    return endpoint
+async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
+    """The request's JSON object, or a 4xx that says what is wrong (logged): bounded in size, never a 500.
+    `kv_transfer_params` are the proxy's to set: a client's own could make decode read from a host it names."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            log.warning("refused a request to %s: body over %d bytes", request.url.path, MAX_BODY_BYTES)
+            return JSONResponse({"error": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        log.warning("refused a request to %s: body is not JSON (%s)", request.url.path, exc)
+        return JSONResponse({"error": f"the request body is not JSON: {exc}"}, status_code=400)
+    if not isinstance(body, dict):
+        log.warning("refused a request to %s: body is a JSON %s, not an object", request.url.path, type(body).__name__)
+        return JSONResponse({"error": "the request body must be a JSON object"}, status_code=400)
+    if "kv_transfer_params" in body:
+        log.warning("refused a request to %s: the client set kv_transfer_params", request.url.path)
+        return JSONResponse({"error": "kv_transfer_params are set by the proxy, not by clients"}, status_code=400)
+    return body
 
 
 async def until_disconnect(request: Request, work: Any) -> Any:
@@ -121,19 +143,62 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval: float = 2.0,
-               timeout: float = 600.0) -> FastAPI:
-    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`."""
-    pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-    async def probe(inst: Instance) -> None:
+
+class ProxyMetrics:
+    """The proxy's Prometheus series, in a registry of its own (one per app)."""
+
+    def __init__(self, pools: dict[str, Pool]) -> None:
+        self.registry = prom.CollectorRegistry()
+        self.phase = prom.Histogram(
+            "kvbridge_proxy_phase_seconds", "Requests' timeline phases, the KV handover (the decode's pull phases "
+            "together) and the total (docs/operations.md).",
+            ["phase"], buckets=PHASE_BUCKETS, registry=self.registry)
+        self.requests = prom.Counter("kvbridge_proxy_requests_total", "Requests answered, by HTTP status code.",
+                                     ["code"], registry=self.registry)
+        self.failovers = prom.Counter(
+            "kvbridge_proxy_failovers_total", "Upstreams skipped for the next one because they refused or dropped "
+            "the connection.", ["role"], registry=self.registry)
+        instances = [i for p in pools.values() for i in p.instances]
+        healthy = prom.Gauge("kvbridge_proxy_upstream_healthy", "1 while the upstream is in rotation.",
+                             ["role", "upstream"], registry=self.registry)
+        in_flight = prom.Gauge("kvbridge_proxy_upstream_in_flight", "Requests sent to the upstream, not yet answered.",
+                               ["role", "upstream"], registry=self.registry)
+        for inst in instances:  # read at scrape time: the instances are the truth
+            healthy.labels(inst.role, inst.url).set_function(lambda i=inst: float(i.healthy))
+            in_flight.labels(inst.role, inst.url).set_function(lambda i=inst: float(i.in_flight))
+        for role in pools:
+            self.failovers.labels(role)
+
+    def observe(self, timeline: Timeline) -> None:
+        for name, ms in timeline.phases.items():
+            self.phase.labels(name.removesuffix("_ms")).observe(ms / 1e3)
+        handover = timeline.handover_ms()
+        if handover is not None:  # the KV handover: the decode's whole pull
+            self.phase.labels("handover").observe(handover / 1e3)
+        self.phase.labels("total").observe(timeline.total_ms / 1e3)
+
+
+class Proxy:
+    """The proxy's state (pools, upstream client, metrics) and its named handlers."""
+
+    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, health_interval: float,
+                 timeout: float) -> None:
+        self.pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
+        self.health_interval = health_interval
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.metrics = ProxyMetrics(self.pools)
+
+    # -- health --------------------------------------------------------------------------------
+
+    async def probe(self, inst: Instance) -> None:
         # A server that refuses connections or answers an error is down now. One that is only slow
         # to answer /health is busy (a loaded vLLM can take seconds), and taking it out would shift
         # all its traffic onto the others; it is down after SLOW_PROBES slow answers in a row.
         try:
-            resp = await client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+            resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
             ok, inst.slow_probes = resp.status_code == 200, 0
         except httpx.TimeoutException:
             inst.slow_probes += 1
@@ -144,106 +209,206 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval
             log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else "down: taken out")
         inst.healthy = ok
 
-    async def health_loop() -> None:
+    async def health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(probe(i) for p in pools.values() for i in p.instances))
-            await asyncio.sleep(health_interval)
+            await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
+            await asyncio.sleep(self.health_interval)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(health_loop())
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(self.health_loop())
         try:
             yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await client.aclose()
+            await self.client.aclose()
 
-    app = FastAPI(lifespan=lifespan)
+    def _take_out(self, inst: Instance, why: str) -> None:
+        log.warning("%s server %s %s: taken out", inst.role, inst.url, why)
+        inst.healthy = False
+        self.metrics.failovers.labels(inst.role).inc()
 
-    async def call_prefill(path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    # -- upstream calls ------------------------------------------------------------------------
+
+    async def call_prefill(self, path: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
         """POST to a prefill server; on a connection failure take it out and try the next one."""
-        for _ in range(len(pools["prefill"].instances)):
-            inst = pools["prefill"].pick()
+        pool = self.pools["prefill"]
+        for _ in range(len(pool.instances)):
+            inst = pool.pick()
+            inst.in_flight += 1
             try:
-                resp = await client.post(f"{inst.url}{path}", json=prefill_body(body), headers=headers)
+                resp = await self.client.post(f"{inst.url}{path}", json=prefill_body(body), headers=headers)
             except httpx.TransportError as exc:
-                log.warning("prefill server %s failed (%s): taken out", inst.url, exc)
-                inst.healthy = False
+                self._take_out(inst, f"failed ({exc})")
                 continue
+            finally:
+                inst.in_flight -= 1
             resp.raise_for_status()
             return inst.url, resp.json()
         raise NoInstance(f"no prefill server answered for {path}")
 
-    async def send_decode(path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[Instance, httpx.Response]:
-        """Start the decode request (streamed). A decode server that refuses the connection never saw
-        the request, and prefill still holds the KV for whichever decode asks, so try the next one."""
-        for _ in range(len(pools["decode"].instances)):
-            inst = pools["decode"].pick()
-            upstream = client.build_request("POST", f"{inst.url}{path}", json=body, headers=headers)
+    async def send_decode(self, path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> tuple[Instance, httpx.Response]:
+        """Start the decode request (streamed); the caller decrements the instance's in_flight.
+        A decode server that refuses the connection never saw the request, and prefill still holds
+        the KV for whichever decode asks, so try the next one."""
+        pool = self.pools["decode"]
+        for _ in range(len(pool.instances)):
+            inst = pool.pick()
+            upstream = self.client.build_request("POST", f"{inst.url}{path}", json=body, headers=headers)
+            inst.in_flight += 1
             try:
-                return inst, await client.send(upstream, stream=True)
+                return inst, await self.client.send(upstream, stream=True)
             except httpx.ConnectError as exc:
-                log.warning("decode server %s refused the connection (%s): taken out", inst.url, exc)
-                inst.healthy = False
+                inst.in_flight -= 1
+                self._take_out(inst, f"refused the connection ({exc})")
             except httpx.TransportError as exc:
-                inst.healthy = False
+                inst.in_flight -= 1
+                self._take_out(inst, f"failed after taking the request ({exc})")
                 raise DecodeFailed(inst.url, exc) from exc
         raise NoInstance(f"no decode server accepted {path}")
 
-    async def handle(path: str, request: Request) -> Any:
-        body = await request.json()
+    # -- handlers ------------------------------------------------------------------------------
+
+    def _answer(self, code: int, error: str, headers: dict[str, str] | None = None) -> JSONResponse:
+        self.metrics.requests.labels(str(code)).inc()
+        return JSONResponse({"error": error}, status_code=code, headers=headers)
+
+    async def complete(self, path: str, request: Request) -> Any:
+        """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer."""
+        begun = time.perf_counter()
+        body = await read_body(request)
+        if isinstance(body, JSONResponse):
+            self.metrics.requests.labels(str(body.status_code)).inc()
+            return body
         request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
         headers = {"X-Request-Id": request_id}
+        timeline = Timeline(request_id)
         try:
-            answer = await until_disconnect(request, call_prefill(path, body, headers))
+            answer = await until_disconnect(request, self.call_prefill(path, body, headers))
             if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", request_id)
-                return JSONResponse({"error": "client disconnected"}, status_code=499)
-            first_url, first = answer
+                return self._answer(499, "client disconnected")
+            prefill_url, first = answer
+            params = KVTransferParams.from_dict(first.get("kv_transfer_params"))
         except NoInstance as exc:
-            return JSONResponse({"error": str(exc)}, status_code=503)
+            return self._answer(503, str(exc))
         except httpx.HTTPStatusError as exc:
-            return JSONResponse({"error": f"prefill failed: {exc.response.text}"}, status_code=exc.response.status_code)
-        params = first.get("kv_transfer_params")
+            return self._answer(exc.response.status_code, f"prefill failed: {exc.response.text}")
+        except ConfigError as exc:
+            return self._answer(502, f"prefill server answered unusable kv_transfer_params: {exc}")
+        prefill_done = time.perf_counter()
+        timeline.add(params.kvbridge_timing, ("prefill_ms",))
         decode_body = dict(body)
-        if params:
-            decode_body["kv_transfer_params"] = params
+        if first.get("kv_transfer_params"):
+            decode_body["kv_transfer_params"] = attrs.evolve(params, kvbridge_timing=None).to_dict()
         else:
             log.warning("prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt",
                         request_id)
+        sent = time.perf_counter()
+        timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
         try:
-            decode, resp = await send_decode(path, decode_body, headers)
+            decode, resp = await self.send_decode(path, decode_body, headers)
         except NoInstance as exc:
-            return JSONResponse({"error": str(exc)}, status_code=503)
+            return self._answer(503, str(exc))
         except DecodeFailed as exc:
-            return JSONResponse({"error": str(exc)}, status_code=503,
-                                headers={"x-kvbridge-prefill": first_url, "x-kvbridge-decode": exc.url})
+            return self._answer(503, str(exc), {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": exc.url})
+        out_headers = {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": decode.url, "x-request-id": request_id}
+        relay = self._relay_stream if resp.headers.get("content-type", "").startswith("text/event-stream") \
+            else self._relay_whole
+        return await relay(request, resp, decode, timeline, begun, sent, out_headers)
+
+    def _finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
+        """Close the timeline at the first byte of the decode's answer."""
+        decode_ms = (first_byte - sent) * 1e3
+        timeline.phases["decode_first_token_ms"] = max(0.0, decode_ms - (timeline.handover_ms() or 0.0))
+        timeline.total_ms = (first_byte - begun) * 1e3
+        self.metrics.observe(timeline)
+        log.info("kvbridge-timing %s", timeline.header())
+
+    async def _relay_whole(self, request: Request, resp: httpx.Response, decode: Instance, timeline: Timeline,
+                           begun: float, sent: float, headers: dict[str, str]) -> Response:
+        """A non-streamed answer: read it whole, take the decode's reported pull phases from it."""
+        try:
+            content = await until_disconnect(request, resp.aread())
+        finally:
+            await resp.aclose()  # also when the client left: vLLM aborts the decode request
+            decode.in_flight -= 1
+        if content is None:
+            log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected")
+        with contextlib.suppress(ValueError, ConfigError, AttributeError):  # an error answer has no params
+            reported = KVTransferParams.from_dict(resp.json().get("kv_transfer_params")).kvbridge_timing
+            timeline.add(reported, PULL_PHASES)
+        self._finish(timeline, begun, sent, time.perf_counter())
+        self.metrics.requests.labels(str(resp.status_code)).inc()
+        return Response(content, status_code=resp.status_code, headers={**headers, HEADER: timeline.header()},
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    async def _relay_stream(self, request: Request, resp: httpx.Response, decode: Instance, timeline: Timeline,
+                            begun: float, sent: float, headers: dict[str, str]) -> Any:
+        """A streamed answer: the headers go out with its first chunk, so the timeline ends there."""
+        chunks = resp.aiter_raw()
+        try:
+            first = await until_disconnect(request, anext(chunks, b""))
+        except BaseException:
+            first = None
+            raise
+        finally:
+            if first is None:
+                await resp.aclose()
+                decode.in_flight -= 1
+        if first is None:
+            log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected")
+        self._finish(timeline, begun, sent, time.perf_counter())
+        self.metrics.requests.labels(str(resp.status_code)).inc()
 
         async def relay() -> AsyncIterator[bytes]:
             # When the client goes away Starlette stops this generator; closing the upstream
             # response drops the connection, and vLLM aborts the decode request.
             try:
-                async for chunk in resp.aiter_raw():
+                yield first
+                async for chunk in chunks:
                     yield chunk
             finally:
                 await resp.aclose()
+                decode.in_flight -= 1
 
         return StreamingResponse(relay(), status_code=resp.status_code,
-                                 media_type=resp.headers.get("content-type", "application/json"),
-                                 headers={"x-kvbridge-prefill": first_url, "x-kvbridge-decode": decode.url})
+                                 media_type=resp.headers.get("content-type", "text/event-stream"),
+                                 headers={**headers, HEADER: timeline.header()})
 
-    for path in ROUTES:
-        app.add_api_route(path, _bind(handle, path), methods=["POST"])
-
-    @app.get("/health")
-    async def health() -> Any:
-        ok = all(any(i.healthy for i in p.instances) for p in pools.values())
+    async def health(self) -> Any:
+        ok = all(any(i.healthy for i in p.instances) for p in self.pools.values())
         return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
 
-    @app.get("/instances")
-    async def instances() -> Any:
-        return {role: [{"url": i.url, "healthy": i.healthy} for i in p.instances] for role, p in pools.items()}
+    async def instances(self) -> Any:
+        return {role: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
+                for role, p in self.pools.items()}
 
+    async def prometheus(self) -> Response:
+        return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
+
+
+def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval: float = 2.0,
+               timeout: float = 600.0) -> FastAPI:
+    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`."""
+    proxy = Proxy(prefill, decode, health_interval=health_interval, timeout=timeout)
+    app = FastAPI(lifespan=proxy.lifespan)
+    for path in ROUTES:
+        app.add_api_route(path, _bind(proxy.complete, path), methods=["POST"])
+    app.add_api_route("/health", proxy.health, methods=["GET"])
+    app.add_api_route("/instances", proxy.instances, methods=["GET"])
+    app.add_api_route("/metrics", proxy.prometheus, methods=["GET"])
     return app
+
+
+def _bind(handle: Any, path: str) -> Any:
+    async def endpoint(request: Request) -> Any:
+        return await handle(path, request)
+
+    return endpoint

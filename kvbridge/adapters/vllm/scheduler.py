@@ -1,18 +1,26 @@
-"""Scheduler side of KVBridgeConnector: decides what to pull and which finished requests to hold."""
+"""Scheduler side of KVBridgeConnector: decides what to pull and which finished requests to hold.
+
+A request's `kv_transfer_params` are decoded into `KVTransferParams` once, when the scheduler first
+sees the request; the workers get the decoded value in a `PullTask`. The answer's params carry what
+this engine measured of the request (`kvbridge_timing`) for the proxy's timeline.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
+from kvbridge.ranks import group_port
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -29,40 +37,59 @@ class SchedulerSide:
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
-        self.side_channel_port = settings.side_channel_port + parallel.data_parallel_index * self.tp_size
+        # peers find rank r of DP rank d at side_channel_port + d * tp_size + r (kvbridge.ranks)
+        self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size,
+                                            pp_size=parallel.pipeline_parallel_size)
+        self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
         self._pulls: list[PullTask] = []
         self._offers: list[tuple[str, tuple[int, ...]]] = []
+        self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
+        self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def _decode_params(self, request: Request) -> KVTransferParams | None:
+        """The request's params if it is still to be pulled (decoded on first sight), else None."""
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        decoded = self._remote.get(request.request_id)
+        if decoded is None:
             try:
-                KVTransferParams.from_dict(params).require_remote()
+                decoded = KVTransferParams.from_dict(params)
+                decoded.require_remote()
             except ConfigError as exc:
                 log.error("request %s: %s; its prompt is computed here instead", request.request_id, exc)
                 params["do_remote_prefill"] = False
-                return 0, False
+                return None
+            self._remote[request.request_id] = decoded
+        return decoded
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._decode_params(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if self._decode_params(request) is None:
             return
         # A full hit in decode's own prefix cache loads nothing, but prefill must still be told.
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
         self._add_pull(request, local, report=num_external_tokens > 0)
 
     def _add_pull(self, request: Request, local: list[int], report: bool) -> None:
-        params = request.kv_transfer_params
-        assert params is not None
-        params["do_remote_prefill"] = False  # one pull per request
+        assert request.kv_transfer_params is not None
+        request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request, also after a preemption
+        params = self._remote.pop(request.request_id)
         try:
             self._pulls.append(PullTask.from_params(request.request_id, params, local, self.block_size, report))
         except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVBridgeWorkerMeta):
+            self._timings.update(meta.timings)
 
     def build_connector_meta(self, _scheduler_output: Any) -> KVBridgeMetadata:
         meta = KVBridgeMetadata(pulls=self._pulls, offers=self._offers)
@@ -73,14 +100,16 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        timing = self._timings.pop(request.request_id, None)
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):
+        if self._decode_params(request) is not None:
             # Decode dropped the request (abort) before any block was allocated: release prefill's.
             self._add_pull(request, [], report=False)
             return False, None
         if not params.get("do_remote_decode"):
-            return False, None
+            # A decode answers with what its workers measured of the pull, for the proxy's timeline.
+            return False, None if timing is None else KVTransferParams(kvbridge_timing=timing).to_dict()
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted prefill: nobody will pull, free now
         if not block_ids:
@@ -94,5 +123,9 @@ class SchedulerSide:
             remote_host=self.settings.host,
             remote_port=self.side_channel_port,
             tp_size=self.tp_size,
+            dp_size=self.dp_size,
+            dp_rank=self.dp_rank,
             remote_num_tokens=request.num_computed_tokens,
+            # arrival to finish in this engine: queueing and computing the prompt
+            kvbridge_timing={"prefill_ms": round((time.time() - request.arrival_time) * 1e3, 3)},
         ).to_dict()

@@ -9,9 +9,9 @@ from typing import Any
 import attrs
 
 from kvbridge.errors import ConfigError
+from kvbridge.secret import HOW_TO_SET, check_listen, load_secret
 
 DEFAULT_SIDE_CHANNEL_PORT = 5800
-SECRET_ENV = "KVBRIDGE_SECRET"
 
 
 @attrs.frozen
@@ -26,9 +26,12 @@ class Settings:
     - `lease_s`: how long prefill holds a finished request's blocks for its pullers' DONE.
     - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
       ready and to hold the request) before it counts as failed.
-    - `secret`: shared secret (at least 16 bytes, the same on prefill and decode) that authenticates
-      every side-channel message; without it the side channel trusts its network. Default: the
-      `KVBRIDGE_SECRET` environment variable (which vLLM does not log, unlike its config).
+    - `secret_file`: a file holding the shared secret (at least 16 bytes, the same on prefill and
+      decode) that authenticates every side-channel message and TCP-transport connection. The
+      `KVBRIDGE_SECRET` environment variable takes precedence, then `KVBRIDGE_SECRET_FILE`. The secret
+      itself is never a config key: vLLM logs its config and the command line is visible in `ps`.
+    - `insecure`: run without a secret on an address other hosts can reach (logged as a warning).
+      Without it, a `host` other than loopback with no secret fails at start-up, saying how to set one.
     - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
       "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
       transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.chaos.inject`).
@@ -41,20 +44,36 @@ class Settings:
     metadata_server: str | None = None
     lease_s: float = attrs.field(default=120.0, converter=float)
     pull_timeout_s: float = attrs.field(default=60.0, converter=float)
-    secret: str | None = attrs.field(default=None, repr=False)  # never in a log line
+    secret_file: str | None = None
+    insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     fault_injection: dict[str, Any] | None = None
+    secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
+
+    def __attrs_post_init__(self) -> None:
+        check_listen("KVBridgeConnector (side channel and transport)", self.host, self.secret, insecure=self.insecure)
+
+    def transport_options(self) -> dict[str, Any]:
+        """The secret and the insecure opt-in, for a transport that declares them: `tcp` authenticates its
+        peers with them; Mooncake authenticates nothing and takes neither (see docs/security.md)."""
+        from kvbridge.plugins import registry
+
+        declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}
+        return {k: v for k, v in {"secret": self.secret, "insecure": self.insecure}.items() if k in declared}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
         extra = dict(extra or {})
-        known = {a.name for a in attrs.fields(cls)}
+        if "secret" in extra:
+            raise ConfigError("KVBridgeConnector takes no secret in kv_connector_extra_config (vLLM logs it, and the "
+                              f"command line shows it): {HOW_TO_SET}, or name a file with \"secret_file\"")
+        known = {a.name for a in attrs.fields(cls)} - {"secret"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(
                 f"unknown kv_connector_extra_config keys for KVBridgeConnector: {unknown}; known: {sorted(known)}"
             )
         extra.setdefault("host", os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
-        extra.setdefault("secret", os.environ.get(SECRET_ENV) or None)
+        extra["secret"] = load_secret(extra.get("secret_file"))
         try:
             return cls(**extra)
         except (TypeError, ValueError) as exc:

@@ -1,26 +1,55 @@
-"""Transfer statistics in vLLM's `KVConnectorStats` form: vLLM logs them as "KV Transfer metrics"
-with the same keys its own Mooncake connector uses, so the two read side by side."""
+"""Transfer statistics through vLLM's own connector-stats path.
+
+Workers record into a `KVBridgeStats` (`get_kv_connector_stats`); vLLM ships its `data` to the API
+server process each step, logs `reduce()` as "KV Transfer metrics", and hands the same `data` to the
+`KVBridgePromMetrics` that `build_prom_metrics` made, so the `kvbridge_*` series land in the server's
+own `/metrics` beside vLLM's. `data` holds only lists of plain values: it crosses processes.
+
+Labels are bounded: `transport` (a plugin name), `peer` (a prefill server's side-channel address,
+one per prefill instance), `reason` (a fixed set, see `failure_reason`), `event`; never request ids.
+"""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-_KEYS = ("transfer_duration", "bytes_transferred", "num_descriptors", "num_failed_transfers")
+from kvbridge.errors import ConfigError, LoadError, PeerGone, TransferTimeout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+# pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
+# leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta]
+_KEYS = ("pulls", "failures", "leases", "held")
+FAILURE_REASONS = ("lease", "timeout", "peer_gone", "transfer", "config", "internal")
+LEASE_EVENTS = ("offered", "released", "expired", "aborted")
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def failure_reason(error: BaseException) -> str:
+    """One of FAILURE_REASONS for a failed pull (most specific first: PeerGone is a TransferError)."""
+    for kind, reason in ((LoadError, "lease"), (TransferTimeout, "timeout"), (PeerGone, "peer_gone"),
+                         (ConfigError, "config")):
+        if isinstance(error, kind):
+            return reason
+    from kvbridge.errors import TransferError
+
+    return "transfer" if isinstance(error, TransferError) else "internal"
 
 
 @dataclass
 class KVBridgeStats(KVConnectorStats):
-    """One row per pull (decode side: this connector reads). Sent from workers to the logger as `data`."""
+    """What one or more workers recorded since the last step (decode: pulls; prefill: leases)."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        if not self.data:
-            self.reset()
+        for k in _KEYS:
+            self.data.setdefault(k, [])
 
     def __getstate__(self) -> dict[str, Any]:
         return {"data": self.data}  # a lock does not cross processes
@@ -32,42 +61,117 @@ class KVBridgeStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: [] for k in _KEYS}
 
-    def record(self, duration_s: float, nbytes: int, descriptors: int) -> None:
+    def record(self, transport: str, peer: str, transfer_s: float, control_s: float, nbytes: int,
+               descriptors: int) -> None:
         with self._lock:
-            self.data["transfer_duration"].append(duration_s)
-            self.data["bytes_transferred"].append(nbytes)
-            self.data["num_descriptors"].append(descriptors)
+            self.data["pulls"].append([transport, peer, transfer_s, control_s, nbytes, descriptors])
 
-    def record_failure(self) -> None:
+    def record_failure(self, transport: str, peer: str, error: BaseException) -> None:
         with self._lock:
-            self.data["num_failed_transfers"].append(1)
+            self.data["failures"].append([transport, peer, failure_reason(error)])
+
+    def record_lease(self, event: str, leases: int, blocks: int) -> None:
+        """A lease offered (+1 lease, +blocks held) or ended (released / expired / aborted: -1, -blocks)."""
+        with self._lock:
+            self.data["leases"].append([event])
+            self.data["held"].append([leases, blocks])
 
     def clone_and_reset(self) -> KVBridgeStats:
         with self._lock:
-            snapshot = {k: list(v) for k, v in self.data.items()}
-            self.reset()
+            snapshot, self.data = self.data, {k: [] for k in _KEYS}
         return KVBridgeStats(data=snapshot)
 
     def is_empty(self) -> bool:
-        return not self.data["transfer_duration"] and not self.data["num_failed_transfers"]
+        return not any(self.data.get(k) for k in _KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in _KEYS:
-            self.data[k].extend(other.data.get(k, ()))
+            self.data.setdefault(k, []).extend(other.data.get(k, ()))
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        t = np.asarray(self.data["transfer_duration"], dtype=np.float64)
-        mb = np.asarray(self.data["bytes_transferred"], dtype=np.float64) / 2**20
-        n = len(t)
-        out: dict[str, int | float] = {"Num successful transfers": n}
-        if n:
+        pulls = self.data["pulls"]
+        out: dict[str, int | float] = {"Num successful transfers": len(pulls)}
+        if pulls:
+            t = np.asarray([p[2] for p in pulls], dtype=np.float64)
+            mb = np.asarray([p[4] for p in pulls], dtype=np.float64) / 2**20
             out.update({
                 "Avg xfer time (ms)": round(float(t.mean()) * 1e3, 3),
                 "P90 xfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3),
+                "Avg control time (ms)": round(float(np.mean([p[3] for p in pulls])) * 1e3, 3),
                 "Avg MB per transfer": round(float(mb.mean()), 3),
                 "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if t.sum() > 0 else 0.0,
-                "Avg number of descriptors": round(float(np.mean(self.data["num_descriptors"])), 1),
+                "Avg number of descriptors": round(float(np.mean([p[5] for p in pulls])), 1),
             })
-        out["Num failed transfers"] = len(self.data["num_failed_transfers"])
+        out["Num failed transfers"] = len(self.data["failures"])
+        for event in LEASE_EVENTS:
+            n = sum(1 for (e,) in self.data["leases"] if e == event)
+            if n:
+                out[f"Leases {event}"] = n
         return out
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """The `kvbridge_*` series of one vLLM server; vLLM's own labels (model_name, engine) come first."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_ours()  # vLLM builds its stat logger again after a restart in the same process
+        peer = [*labelnames, "transport", "peer"]
+        self.bytes = self._counter_cls("kvbridge_transfer_bytes_total", "KV bytes this decode server read.", peer)
+        self.descriptors = self._counter_cls(
+            "kvbridge_transfer_descriptors_total", "Transfer descriptors (contiguous runs) submitted.", peer)
+        self.transfers = self._counter_cls(
+            "kvbridge_transfers_total", "Requests whose KV was read successfully (one per request and rank).", peer)
+        self.transfer_s = self._histogram_cls(
+            "kvbridge_transfer_seconds", "Time from submitting a request's descriptors until its bytes landed.",
+            peer, buckets=SECONDS_BUCKETS)
+        self.control_s = self._histogram_cls(
+            "kvbridge_control_seconds", "Side-channel time before a pull's transfer starts: finding the prefill "
+            "rank, waiting for its offer, BeginPull.", peer, buckets=SECONDS_BUCKETS)
+        self.failures = self._counter_cls(
+            "kvbridge_transfer_failures_total", "Pulls that failed (the engine recomputes or fails the request), "
+            f"by reason: {', '.join(FAILURE_REASONS)}.", [*peer, "reason"])
+        self.lease_events = self._counter_cls(
+            "kvbridge_lease_events_total", "Prefill leases by event: offered, released (every DONE came), "
+            "expired (no DONE in time), aborted.", [*labelnames, "event"])
+        self.leases_held = self._gauge_cls(
+            "kvbridge_leases_held", "Finished prefill requests whose blocks are held for a remote decode.",
+            labelnames, multiprocess_mode="mostrecent")
+        self.blocks_held = self._gauge_cls(
+            "kvbridge_blocks_held", "KV blocks held on prefill for a remote decode.", labelnames,
+            multiprocess_mode="mostrecent")
+        self._held: dict[int, list[int]] = {}  # engine -> [leases, blocks] held now
+        for values in per_engine_labelvalues.values():  # a scrape sees zeros from the start
+            self.leases_held.labels(*values).set(0)
+            self.blocks_held.labels(*values).set(0)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        base = self.per_engine_labelvalues[engine_idx]
+        for transport, peer, transfer_s, control_s, nbytes, descriptors in transfer_stats_data.get("pulls", ()):
+            labels = [*base, transport, peer]
+            self.bytes.labels(*labels).inc(nbytes)
+            self.descriptors.labels(*labels).inc(descriptors)
+            self.transfers.labels(*labels).inc()
+            self.transfer_s.labels(*labels).observe(transfer_s)
+            self.control_s.labels(*labels).observe(control_s)
+        for transport, peer, reason in transfer_stats_data.get("failures", ()):
+            self.failures.labels(*base, transport, peer, reason).inc()
+        for (event,) in transfer_stats_data.get("leases", ()):
+            self.lease_events.labels(*base, event).inc()
+        held = transfer_stats_data.get("held", ())
+        if held:  # deltas from every rank: keep the sum here (vLLM's gauges take `set`, not `inc`)
+            total = self._held.setdefault(engine_idx, [0, 0])
+            total[0] += sum(h[0] for h in held)
+            total[1] += sum(h[1] for h in held)
+            self.leases_held.labels(*base).set(total[0])
+            self.blocks_held.labels(*base).set(total[1])
+
+
+def _unregister_ours() -> None:
+    from prometheus_client import REGISTRY
+
+    for collector, names in list(REGISTRY._collector_to_names.items()):
+        if any(n.startswith("kvbridge_") for n in names):
+            REGISTRY.unregister(collector)

@@ -9,18 +9,27 @@ from kvbridge.devices.accelerator import TorchAcceleratorDevice
 from kvbridge.types import MemoryKind
 
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
+SYS_MODULES = Path("/sys/module")
+PEERMEM = ("nvidia_peermem", "nv_peer_mem")  # the kernel modules that let a NIC register GPU memory
+
+
+def gpudirect_rdma(modules: Path = SYS_MODULES) -> bool:
+    """Whether a NIC can read and write GPU memory here (GPUDirect RDMA): a peer-memory module is loaded."""
+    return any((modules / name).is_dir() for name in PEERMEM)
 
 
 class CudaDevice(TorchAcceleratorDevice):
     """KV caches in CUDA device memory.
 
-    Mooncake reaches it with `rdma` (GPUDirect RDMA: the NIC reads and writes GPU memory, which needs
-    the nvidia-peermem module) and `nvlink` (GPU to GPU inside one node). Any other protocol, `tcp`
-    included, goes through pinned host staging (`kvbridge.staging`).
+    Mooncake reaches it with `rdma` where GPUDirect RDMA works (the NIC reads and writes GPU memory,
+    which needs the nvidia-peermem module loaded; without it `rdma` is staged) and `nvlink` (GPU to
+    GPU inside one node). Any other protocol, `tcp` included, goes through pinned host staging
+    (`kvbridge.staging`).
     """
 
     name = "cuda"
     memory_kind = MemoryKind.VRAM
+    sys_modules = SYS_MODULES  # where loaded kernel modules are listed
 
     def accel(self) -> Any:
         import torch
@@ -28,7 +37,7 @@ class CudaDevice(TorchAcceleratorDevice):
         return torch.cuda
 
     def protocols(self) -> tuple[str, ...]:
-        return ("rdma", "nvlink")
+        return ("rdma", "nvlink") if gpudirect_rdma(self.sys_modules) else ("nvlink",)
 
     def pci_address(self, device_id: int) -> str | None:
         # CUDA's numbering (CUDA_VISIBLE_DEVICES, FASTEST_FIRST order) maps to a PCI function only through

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import kvbridge
+from kvbridge.devices.probes import device_nodes
 from kvbridge.types import MemoryKind
 
 KVBRIDGE_PLUGIN_API = 1
@@ -18,7 +19,7 @@ INSTALL_HINT = (
 
 def hardware(dev: Path = Path("/dev")) -> bool:
     """An NVIDIA GPU device node (/dev/nvidiaN) exists here; needs neither torch nor the driver library."""
-    return any(dev.glob("nvidia[0-9]*"))
+    return device_nodes("nvidia[0-9]*", dev)
 
 
 def probe() -> str | None:
@@ -43,4 +44,4 @@ def _factory() -> kvbridge.Device:
 @kvbridge.hookimpl
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
     register("cuda", _factory, memory_kind=MemoryKind.VRAM, probe=probe, install_hint=INSTALL_HINT,
-             hardware=hardware)
+             hardware=hardware, options=kvbridge.NoOptions)

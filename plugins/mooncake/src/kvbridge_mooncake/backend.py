@@ -23,23 +23,23 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import attrs
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed
 from kvbridge.memory import Descriptors
-from kvbridge.types import BackendConfig, EndpointInfo, MemoryRegion
+from kvbridge.options import as_dict, parse
+from kvbridge.plugins import device_for_memory
+from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
-from kvbridge_mooncake.plugin import CAPABILITIES, INSTALL_HINT, probe
+from kvbridge_mooncake import spec
 
 log = logging.getLogger(__name__)
 
 P2P = "P2PHANDSHAKE"
-TCP_DESCRIPTOR_BYTES = 1 << 20
 DEFAULT_DEADLINE_S = 2.0
 # Mooncake TCP (0.3.13) reads these per transfer: seconds without progress before it drops a session,
 # and seconds it waits for a READ's status frame. Both default to 30 s.
@@ -49,6 +49,9 @@ _WATCHDOG_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 # the watchdog dropped are not failed by it, and the call would wait the full 30 s (measured).
 _CALL_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 CALL_TIMEOUT_FLOOR_S = 5
+# Class names only a wheel built with that transport carries. A wheel without it silently serves an
+# unknown protocol with TCP, so the plugin checks first.
+ASCEND_TRANSPORTS = (b"HcclTransport", b"AscendDirectTransport", b"HeterogeneousRdmaTransport")
 
 # mooncake-transfer-engine include/error.h
 _ERRORS = {
@@ -74,13 +77,58 @@ _ERRORS = {
 
 
 @functools.cache
-def _supports_redis_metadata() -> bool:
-    """Whether the installed Mooncake binaries carry a redis client (its redis metadata plugin)."""
+def _binaries_mention(*words: bytes) -> bool:
+    """Whether the installed Mooncake binaries carry any of these symbols."""
     import mooncake
 
     root = Path(mooncake.__file__).parent
     libs = [*root.glob("*.so*"), *root.parent.glob("mooncake*.libs/*.so*")]
-    return any(b"redisConnect" in lib.read_bytes() for lib in libs)
+    return any(w in data for data in (lib.read_bytes() for lib in libs) for w in words)
+
+
+def _supports_redis_metadata() -> bool:
+    """Whether the installed Mooncake binaries carry a redis client (its redis metadata plugin)."""
+    return _binaries_mention(b"redisConnect")
+
+
+def built_with() -> frozenset[str]:
+    """What the installed wheel was built with: its `SUPPORT_*` flags, plus `ascend` found in its binaries."""
+    import mooncake.engine
+
+    extra = {"ascend"} if _binaries_mention(*ASCEND_TRANSPORTS) else set()
+    return spec.wheel_supports(mooncake.engine) | extra
+
+
+def ascend_identity(ip: str, opts: Mapping[str, object]) -> str:
+    """Make the NPU current (Mooncake's ascend transport binds to it in `initialize`) and name the engine
+    after it: ``ip:port:npu_<physical NPU id>``. Options `npu` (default: the current NPU) and
+    `ascend_port` (default 0: the transport picks one)."""
+    if ":" in ip:
+        raise ConfigError(f"the ascend protocol needs a bare IP as hostname, got {ip!r} (the port goes in option "
+                          "ascend_port)")
+    npu = device_for_memory(MemoryKind.NPU)
+    device_id = int(opts.get("npu", npu.current_id()))  # type: ignore[call-overload]
+    physical = npu.physical_id(device_id)
+    npu.set_current(device_id)
+    return f"{ip}:{int(opts.get('ascend_port', 0))}:npu_{physical}"  # type: ignore[call-overload]
+
+
+def registrations(regions: Sequence[MemoryRegion], protocol: str) -> list[tuple[str, list[int], list[int]]]:
+    """Regions grouped by the location their device plugin names (``cuda:0``, ``npu:3``, ``*`` for host
+    memory), one `batch_register_memory` call each; ascend registrations must start on 2 MiB."""
+    groups: dict[str, tuple[list[int], list[int]]] = {}
+    for r in regions:
+        location = "*" if r.kind == MemoryKind.DRAM else device_for_memory(r.kind).location(r.device_id)
+        if protocol == "ascend" and r.addr % spec.ASCEND_ALIGNMENT:
+            raise ConfigError(
+                f"the ascend protocol registers memory on 2 MiB boundaries; the region at {r.addr:#x} starts "
+                f"{r.addr % spec.ASCEND_ALIGNMENT} bytes past one. Allocate the KV cache 2 MiB-aligned "
+                "(the npu device plugin's allocate does; vllm-ascend aligns its caches the same way)"
+            )
+        addrs, lengths = groups.setdefault(location, ([], []))
+        addrs.append(r.addr)
+        lengths.append(r.length)
+    return [(loc, addrs, lengths) for loc, (addrs, lengths) in groups.items()]
 
 
 def _arm_watchdog(deadline_s: float) -> None:
@@ -101,38 +149,35 @@ def explain(rc: int) -> str:
 
 
 class MooncakeBackend(MigrationBackend):
-    """Mooncake Transfer Engine.
-
-    Options: `max_batch` (descriptors per call, default 1024), `max_descriptor_bytes` (default 1 MiB
-    on tcp), `transfer_deadline` (seconds without progress before a lane is dropped, default 2),
-    `retries` (default 1), `retry_backoff` (seconds, default 0.05).
-    """
+    """Mooncake Transfer Engine; options (`spec.MooncakeOptions`) and what each protocol reaches are
+    declared in `kvbridge_mooncake.spec`."""
 
     name = "mooncake"
-    capabilities = CAPABILITIES
+    capabilities = spec.CAPABILITIES
 
     def __init__(self, config: BackendConfig) -> None:
         super().__init__(config)
-        reason = probe()
+        reason = spec.probe()
         if reason:
-            raise PluginUnavailable("backend", "mooncake", reason, INSTALL_HINT)
+            raise PluginUnavailable("backend", "mooncake", reason, spec.INSTALL_HINT)
         from mooncake.engine import TransferEngine
 
-        opts = config.options
-        # Mooncake's TCP transport moves one descriptor per lane: ~1 MiB pieces keep its lanes busy in
-        # parallel (measured: 64 x 1 MiB about twice as fast as 1 x 64 MiB on loopback).
-        piece = opts.get("max_descriptor_bytes", TCP_DESCRIPTOR_BYTES if self.protocol == "tcp" else None)
-        self.capabilities = attrs.evolve(  # type: ignore[misc]
-            CAPABILITIES,
-            max_batch=int(opts.get("max_batch", CAPABILITIES.max_batch)),
-            max_descriptor_bytes=int(piece) if piece else None,
-        )
-        self._deadline = float(opts.get("transfer_deadline", DEFAULT_DEADLINE_S))
+        parsed = parse(spec.MooncakeOptions, config.options, what="backend 'mooncake'")
+        opts = {k: v for k, v in as_dict(parsed).items() if v is not None}  # None: spec's default applies
+        wheel = built_with()
+        self.capabilities = spec.capabilities(self.protocol, opts, wheel)  # type: ignore[misc]
+        needs = {"nvlink": "intra_nvlink", "ascend": "ascend"}.get(self.protocol)
+        if needs and needs not in wheel:
+            raise ConfigError(
+                f"this Mooncake wheel was built without its {spec.MOONCAKE_PROTOCOL[self.protocol]!r} transport "
+                f"(it has: {sorted(wheel) or 'none of the optional ones'}), and would silently fall back to TCP; "
+                f"install a Mooncake built for {self.protocol} (USE_INTRA_NVLINK for nvlink, USE_ASCEND for ascend)"
+            )
+        self._retries = parsed.retries
+        self._backoff = parsed.retry_backoff
+        self._deadline = float(parsed.transfer_deadline)
         if self._deadline <= 0:
             raise ConfigError(f"mooncake transfer_deadline must be positive seconds, got {self._deadline}")
-        # One retry on a fresh lane: a second stall means the peer is stuck, and the caller recomputes.
-        self._retries = int(opts.get("retries", 1))
-        self._backoff = float(opts.get("retry_backoff", 0.05))
         if self.protocol == "tcp":
             _arm_watchdog(self._deadline)
         self._metadata = config.metadata_server or P2P
@@ -143,11 +188,15 @@ class MooncakeBackend(MigrationBackend):
                 "etcd://HOST:PORT, an http:// metadata server, or P2PHANDSHAKE, or install a Mooncake built "
                 "with USE_REDIS"
             )
+        local = config.hostname
+        if self.protocol == "ascend":
+            local = ascend_identity(config.hostname, opts)
         self._engine = TransferEngine()
-        rc = self._engine.initialize(config.hostname, self._metadata, self.protocol, config.device_name)
+        protocol = spec.MOONCAKE_PROTOCOL[self.protocol]
+        rc = self._engine.initialize(local, self._metadata, protocol, config.device_name)
         if rc != 0:
             raise ConfigError(
-                f"Mooncake TransferEngine.initialize({config.hostname!r}, {self._metadata!r}, {self.protocol!r}, "
+                f"Mooncake TransferEngine.initialize({local!r}, {self._metadata!r}, {protocol!r}, "
                 f"{config.device_name!r}) failed with {explain(rc)}. Check that the protocol is built into the "
                 "installed wheel, the NIC names exist (`kvbridge doctor`), and the metadata server is reachable"
             )
@@ -159,9 +208,15 @@ class MooncakeBackend(MigrationBackend):
         log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, self._metadata)
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
-        rc = self._engine.batch_register_memory([r.addr for r in regions], [r.length for r in regions])
-        if rc != 0:
-            raise ConfigError(f"Mooncake could not register {len(regions)} regions: {explain(rc)}")
+        done: list[int] = []
+        for location, addrs, lengths in registrations(regions, self.protocol):
+            rc = self._engine.batch_register_memory(addrs, lengths, location)
+            if rc != 0:
+                if done:
+                    self._engine.batch_unregister_memory(done)
+                raise ConfigError(f"Mooncake could not register {len(addrs)} regions at location {location!r}: "
+                                  f"{explain(rc)}")
+            done.extend(addrs)
 
     def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
         rc = self._engine.batch_unregister_memory([r.addr for r in regions])
@@ -172,6 +227,11 @@ class MooncakeBackend(MigrationBackend):
         return self._session
 
     def _connect(self, endpoint: EndpointInfo) -> Any:
+        if self.protocol == "nvlink" and self._metadata == P2P:
+            host = endpoint.address.rsplit(":", 1)[0]
+            if host != self.config.hostname:
+                raise ConfigError(f"nvlink reaches GPUs of this host only ({self.config.hostname}); peer "
+                                  f"{endpoint.address} is on another: use rdma between hosts")
         with self._lock:
             self._peer_locks.setdefault(endpoint.address, threading.Lock())
         return endpoint.address

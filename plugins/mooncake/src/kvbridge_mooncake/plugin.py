@@ -1,39 +1,14 @@
-"""Registers the `mooncake` transport. Imports nothing from Mooncake until the backend is created."""
+"""Registers the `mooncake` transport (declared in `spec`). Imports nothing from Mooncake until it is created."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import kvbridge
-from kvbridge.types import BackendCapabilities, MemoryKind
+
+from kvbridge_mooncake.spec import CAPABILITIES, INSTALL_HINT, MooncakeOptions, probe
 
 KVBRIDGE_PLUGIN_API = 1
-
-CAPABILITIES = BackendCapabilities(
-    protocols=("tcp", "rdma", "nvlink", "ascend"),
-    memory_kinds={MemoryKind.DRAM, MemoryKind.VRAM, MemoryKind.NPU, MemoryKind.MLU},
-    read=True,
-    write=True,
-    notifications=False,
-    max_batch=1024,
-)
-
-INSTALL_HINT = (
-    "pip install 'kvbridge-mooncake[non-cuda]' (or [cuda], [npu] to match the machine); "
-    "on Debian/Ubuntu also `apt-get install libibverbs1`"
-)
-
-
-def probe() -> str | None:
-    """Why Mooncake cannot run here, or None."""
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as exc:
-        text = str(exc)
-        if "libibverbs" in text:
-            return f"{text} (Mooncake links against libibverbs even for TCP)"
-        return f"mooncake.engine is not importable: {text}"
-    return None
 
 
 def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
@@ -44,4 +19,5 @@ def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
 
 @kvbridge.hookimpl
 def kvbridge_register_backends(register: Callable[..., None]) -> None:
-    register("mooncake", _factory, capabilities=CAPABILITIES, probe=probe, install_hint=INSTALL_HINT)
+    register("mooncake", _factory, capabilities=CAPABILITIES, probe=probe, install_hint=INSTALL_HINT,
+             options=MooncakeOptions)

@@ -1,0 +1,107 @@
+"""The LMDeploy backend's transfer series, the same `kvbridge_transfer_*` names the vLLM connector
+puts in vLLM's /metrics (docs/operations.md).
+
+LMDeploy has no connector-stats path to hook into, so the backend keeps cumulative counters in a
+`TransferMetrics` (`KVBridgeMigrationBackend.metrics`), and an operator exposes them where the
+engine's Prometheus registry is:
+
+    from prometheus_client import REGISTRY
+    REGISTRY.register(backend.metrics.collector())
+
+`snapshot()` gives the same numbers as a plain dict, without prometheus-client.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from kvbridge.errors import ConfigError, LoadError, PeerGone, TransferError, TransferTimeout
+
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+def failure_reason(error: BaseException) -> str:
+    """lease, timeout, peer_gone, transfer, config or internal (the vLLM connector's reasons)."""
+    for kind, reason in ((LoadError, "lease"), (TransferTimeout, "timeout"), (PeerGone, "peer_gone"),
+                         (ConfigError, "config"), (TransferError, "transfer")):
+        if isinstance(error, kind):
+            return reason
+    return "internal"
+
+
+class TransferMetrics:
+    """Cumulative transfer counters per (transport, peer); thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self._descriptors: dict[tuple[str, str], int] = defaultdict(int)
+        self._transfers: dict[tuple[str, str], int] = defaultdict(int)
+        self._seconds: dict[tuple[str, str], list[float]] = {}  # bucket counts..., then the sum
+        self._failures: dict[tuple[str, str, str], int] = defaultdict(int)
+
+    def record(self, transport: str, peer: str, seconds: float, nbytes: int, descriptors: int) -> None:
+        key = (transport, peer)
+        with self._lock:
+            self._bytes[key] += nbytes
+            self._descriptors[key] += descriptors
+            self._transfers[key] += 1
+            hist = self._seconds.setdefault(key, [0.0] * (len(SECONDS_BUCKETS) + 2))
+            hist[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1  # the last bucket is +Inf
+            hist[-1] += seconds
+
+    def record_failure(self, transport: str, peer: str, error: BaseException) -> None:
+        with self._lock:
+            self._failures[(transport, peer, failure_reason(error))] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """{"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...]}."""
+        with self._lock:
+            return {
+                "transfers": [{"transport": t, "peer": p, "bytes": self._bytes[(t, p)],
+                               "descriptors": self._descriptors[(t, p)], "count": n,
+                               "seconds_sum": self._seconds[(t, p)][-1]} for (t, p), n in self._transfers.items()],
+                "failures": [{"transport": t, "peer": p, "reason": r, "count": n}
+                             for (t, p, r), n in self._failures.items()],
+            }
+
+    def collector(self) -> Any:
+        """A prometheus-client collector of these series (register it in the engine's registry)."""
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        metrics = self
+
+        class Collector:
+            def collect(self) -> Iterator[Any]:
+                labels = ["transport", "peer"]
+                with metrics._lock:
+                    fams = {
+                        "bytes": CounterMetricFamily("kvbridge_transfer_bytes", "KV bytes read.", labels=labels),
+                        "descriptors": CounterMetricFamily("kvbridge_transfer_descriptors",
+                                                           "Transfer descriptors submitted.", labels=labels),
+                        "transfers": CounterMetricFamily("kvbridge_transfers", "Migrations that completed.",
+                                                         labels=labels),
+                    }
+                    for key in metrics._transfers:
+                        fams["bytes"].add_metric(list(key), metrics._bytes[key])
+                        fams["descriptors"].add_metric(list(key), metrics._descriptors[key])
+                        fams["transfers"].add_metric(list(key), metrics._transfers[key])
+                    seconds = HistogramMetricFamily("kvbridge_transfer_seconds", "Time from submitting a "
+                                                    "migration's descriptors until its bytes landed.", labels=labels)
+                    for key, hist in metrics._seconds.items():
+                        running, buckets = 0.0, []
+                        for bound, n in zip([*map(str, SECONDS_BUCKETS), "+Inf"], hist[:-1]):
+                            running += n
+                            buckets.append((bound, running))
+                        seconds.add_metric(list(key), buckets, hist[-1])
+                    failures = CounterMetricFamily("kvbridge_transfer_failures", "Migrations that failed, by reason.",
+                                                   labels=[*labels, "reason"])
+                    for key, n in metrics._failures.items():
+                        failures.add_metric(list(key), n)
+                yield from (*fams.values(), seconds, failures)
+
+        return Collector()

@@ -1,0 +1,61 @@
+"""One request's timeline through `kvbridge proxy`: the `x-kvbridge-timing` header and its parts.
+
+The phases are disjoint slices of the request's life, in milliseconds, in order:
+
+- `prefill_ms`: the prefill engine, from the request's arrival to its end (queueing and computing the
+  prompt), as that engine reports it in its answer's `kv_transfer_params`;
+- `proxy_ms`: the proxy itself, from the prefill's answer to sending the decode request;
+- `queue_ms`, `control_ms`, `transfer_ms`, `done_ms`: the decode engine's pull, as its workers
+  report it in the answer's `kv_transfer_params` (non-streamed answers only: a stream ends before
+  the request does): waiting for a worker step, the side channel (finding the prefill rank, waiting
+  for its offer, BeginPull), the bytes moving, the DONEs;
+- `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
+  (a streamed answer's first token; a whole answer otherwise).
+
+`total_ms` is the proxy's own clock, from the request's arrival to the moment the header goes out,
+so the phases add up to no more than it; what the proxy cannot see (the network, the HTTP layers
+of the servers) is the difference. The KV handover is the pull phases together (`handover()`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+HEADER = "x-kvbridge-timing"
+PULL_PHASES = ("queue_ms", "control_ms", "transfer_ms", "done_ms")
+PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
+
+
+@attrs.define
+class Timeline:
+    """A request's phases as they become known; `header()` is what the proxy sends."""
+
+    request_id: str
+    phases: dict[str, float] = attrs.field(factory=dict)
+    total_ms: float = 0.0
+
+    def add(self, reported: dict[str, float] | None, names: tuple[str, ...]) -> None:
+        """Take the phases `names` from what an engine reported (None: it reported nothing)."""
+        for name in names:
+            if reported and name in reported:
+                self.phases[name] = max(0.0, float(reported[name]))
+
+    def handover_ms(self) -> float | None:
+        """The decode's pull, all its phases (None when the decode did not report them)."""
+        known = [self.phases[p] for p in PULL_PHASES if p in self.phases]
+        return sum(known) if known else None
+
+    def header(self) -> str:
+        parts = [f"id={self.request_id}", f"total_ms={self.total_ms:.3f}"]
+        parts += [f"{p}={self.phases[p]:.3f}" for p in PHASES if p in self.phases]
+        return "; ".join(parts)
+
+
+def parse(header: str) -> Timeline:
+    """A `x-kvbridge-timing` header back as a Timeline; raises ValueError on a malformed one."""
+    fields = dict(part.strip().split("=", 1) for part in header.split(";") if part.strip())
+    try:
+        return Timeline(fields.pop("id"), {k: float(v) for k, v in fields.items() if k != "total_ms"},
+                        float(fields["total_ms"]))
+    except KeyError as exc:
+        raise ValueError(f"{HEADER} header {header!r} lacks {exc}") from None

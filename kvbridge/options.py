@@ -1,0 +1,154 @@
+"""Plugin options: each plugin declares them once, as an attrs class; the registry checks them.
+
+A transport's options class subclasses `TransportOptions`; every field is made with `option()`,
+which carries the default and the one-line doc that `kvbridge plugins NAME` prints. Values given
+to `create_backend` are checked against the class before the plugin is built: an unknown name is
+an error that lists the valid ones, a value of the wrong type is an error that names the type.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from kvbridge.errors import ConfigError
+
+_DOC = "kvbridge_doc"
+
+
+def option(default: Any, doc: str) -> Any:
+    """One declared option: its default and what it does (shown by `kvbridge plugins NAME`)."""
+    return attrs.field(default=default, kw_only=True, metadata={_DOC: doc})
+
+
+@attrs.frozen
+class NoOptions:
+    """For a plugin that takes no options."""
+
+
+@attrs.frozen
+class TransportOptions:
+    """Options every transport accepts (the base class reads them)."""
+
+    workers: int = option(4, "threads that run this transport's blocking calls")
+
+
+@attrs.frozen
+class OptionInfo:
+    """One declared option, as `kvbridge plugins NAME` lists it."""
+
+    name: str
+    type: str
+    default: Any
+    doc: str
+
+
+def _hints(schema: type) -> dict[str, Any]:
+    # Resolved from the declaring module, so `from __future__ import annotations` is fine.
+    return typing.get_type_hints(schema)
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def describe(schema: type) -> list[OptionInfo]:
+    """The options a schema declares, in declaration order."""
+    hints = _hints(schema)
+    return [
+        OptionInfo(name=f.name, type=_type_name(hints.get(f.name, Any)), default=f.default,
+                   doc=f.metadata.get(_DOC, ""))
+        for f in attrs.fields(schema)
+    ]
+
+
+def unknown_names(given: Iterable[str], valid: Iterable[str], *, what: str) -> None:
+    """Raise ConfigError for the first name in `given` that is not in `valid`, with a did-you-mean."""
+    valid = list(valid)
+    for name in given:
+        if name in valid:
+            continue
+        close = difflib.get_close_matches(name, valid, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        listed = ", ".join(valid) if valid else "none"
+        raise ConfigError(f"{what} has no option {name!r}{guess}; valid options: {listed}")
+
+
+def parse(schema: type, given: Mapping[str, Any], *, what: str) -> Any:
+    """An instance of `schema` from `given`, each value converted to its declared type.
+
+    `what` names the plugin in errors ("backend 'tcp'"). Values may be strings (from a command
+    line): "5000" becomes 5000 for an int option.
+    """
+    if isinstance(given, schema):
+        return given
+    unknown_names(given, [f.name for f in attrs.fields(schema)], what=what)
+    hints = _hints(schema)
+    # errors name the option and the type given, never the value: it may be a secret
+    values = {name: _coerce(value, hints.get(name, Any), f"option {name} of {what} (given a {type(value).__name__})")
+              for name, value in given.items()}
+    return schema(**values)
+
+
+def as_dict(options: Any) -> dict[str, Any]:
+    return attrs.asdict(options, recurse=False)
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    if tp is Any:
+        return value
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where} must be {_type_name(tp)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{where} must be a bool (true/false)")
+    if tp in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{where} must be {tp.__name__}")
+        try:
+            number = float(value) if tp is float else _int(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be {tp.__name__}") from None
+        return number
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string")
+        return value
+    if tp is bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ConfigError(f"{where} must be bytes")
+        return bytes(value)
+    return value
+
+
+def _int(value: int | float | str) -> int:
+    if isinstance(value, int):
+        return value
+    number = float(value)
+    if not number.is_integer():
+        raise ValueError(value)
+    return int(number)

@@ -1,0 +1,77 @@
+"""Closed by default: where the shared secret comes from, and who may listen without one.
+
+The side channel and the TCP transport authenticate peers with one shared secret. It is read
+from the environment (`KVBRIDGE_SECRET`) or a file (`KVBRIDGE_SECRET_FILE`, or a path the
+caller names), never from a command line, where `ps` and server logs would show it. A listener
+on an address other hosts can reach refuses to start without a secret unless the operator opts
+in to running unprotected, which is logged as a warning.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from pathlib import Path
+
+from kvbridge.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SECRET_ENV = "KVBRIDGE_SECRET"
+SECRET_FILE_ENV = "KVBRIDGE_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+HOW_TO_SET = (
+    f"set {SECRET_ENV} (at least {MIN_SECRET_BYTES} bytes, the same on every prefill and decode engine, e.g. "
+    f"`export {SECRET_ENV}=$(openssl rand -hex 32)`) or put it in a file and set {SECRET_FILE_ENV}=/path/to/it"
+)
+
+
+def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes | None:
+    """The shared secret: `KVBRIDGE_SECRET`, else the file `secret_file` or `KVBRIDGE_SECRET_FILE` names; None if
+    neither is set. A secret shorter than 16 bytes, or a file that cannot be read, is a ConfigError."""
+    value = os.environ.get(SECRET_ENV)
+    source = f"${SECRET_ENV}"
+    path = secret_file or os.environ.get(SECRET_FILE_ENV)
+    if value:
+        secret = value.encode()
+    elif path:
+        source = str(path)
+        try:
+            secret = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the kvbridge secret file {path}: {exc.strerror}; {HOW_TO_SET}") from None
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the kvbridge secret from {source} is {len(secret)} bytes; {HOW_TO_SET}")
+    return secret
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this host can reach (127.0.0.0/8, ::1, `localhost`). A wildcard
+    (`0.0.0.0`, `::`, empty) or any other name or address counts as reachable from elsewhere."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_listen(what: str, host: str, secret: str | bytes | None, *, insecure: bool = False) -> None:
+    """Refuse to listen on `host` unprotected: call before binding.
+
+    Loopback needs no secret. Elsewhere a secret is required unless `insecure`, which logs a warning.
+    """
+    if secret or is_loopback(host):
+        return
+    if insecure:
+        log.warning("%s listens on %s WITHOUT authentication (insecure opt-in): anyone who can reach it can read "
+                    "KV blocks and abort requests; use only on a network you trust, or %s", what, host, HOW_TO_SET)
+        return
+    raise ConfigError(
+        f"{what} refuses to listen on {host!r}, which other hosts can reach, without a shared secret: {HOW_TO_SET}; "
+        "or bind to 127.0.0.1; or, on a network you trust, opt in to running unauthenticated with insecure=True "
+        "(vLLM: \"insecure\": true in kv_connector_extra_config)"
+    )

@@ -1,0 +1,279 @@
+"""Device plugins in the data path, over real Mooncake TCP on 127.0.0.1.
+
+Device memory is a stand-in for torch_npu (kvbridge.testing.standins: host memory behind the
+library's surface, tensors laid out as the NPU lays them out; ids say stand-in): Mooncake TCP cannot
+reach NPU memory, so both adapters must stage through pinned host mirrors, synchronize through the
+device plugin exactly once per step, and label the memory as the device's. The GPU class runs the same
+pull on real CUDA memory where a GPU is present and is skipped, with the reason, elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import kvbridge
+from kvbridge import staging
+from kvbridge.agent import KVAgent
+from kvbridge.errors import ConfigError
+from kvbridge.layout import vllm_layout
+from kvbridge.presets import PRESETS
+from kvbridge.regions import device_of, local_device, regions_of
+from kvbridge.testing.standins import install_standin
+from kvbridge.topology import ParallelConfig
+from kvbridge.types import MemoryKind, MemoryRegion
+
+MODEL = PRESETS["tiny-gqa"]
+BLOCKS = 8
+
+
+@pytest.fixture(params=["npu-stand-in"])
+def npu(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    acc = install_standin(monkeypatch, "npu", "torch_npu")
+    kvbridge.reset_plugins()
+    yield acc
+    kvbridge.reset_plugins()
+
+
+def _kv(device: str, device_id: int, heads: int) -> tuple[list[Any], Any]:
+    import torch
+
+    shape = (2, BLOCKS, MODEL.block_size, heads, MODEL.head_dim)  # vLLM's per-layer (K, V) x blocks, NHD
+    tensors = [torch.zeros(shape, dtype=torch.bfloat16, device=f"{device}:{device_id}") for _ in range(MODEL.layers)]
+    return tensors, vllm_layout(MODEL, heads, tensors, BLOCKS)
+
+
+def _pull_once(device: str, acc: Any, ids: tuple[int, int] = (0, 1), *, addresses: bool = False) -> None:
+    """Prefill on device ids[0], decode on ids[1], both over Mooncake TCP: decode pulls 3 blocks. With
+    `addresses`, the agents get (address, bytes) pairs and the device by name, as vLLM's worker registers."""
+    import torch
+
+    heads = MODEL.kv_heads
+    p_kv, p_layout = _kv(device, ids[0], heads)
+    d_kv, d_layout = _kv(device, ids[1], heads)
+    gen = torch.Generator().manual_seed(5)
+    for t in p_kv:  # what the prefill kernels wrote
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16))
+    def agent(engine: str, layout: Any, kv: list[Any], device_id: int) -> KVAgent:
+        if not addresses:  # the device is picked from the tensors
+            return KVAgent(engine, 0, ParallelConfig(), layout, kv, backend="mooncake", protocol="tcp")
+        if acc is not None:
+            acc.set_device(device_id)  # the engine's current device: addresses carry none
+        pairs = [(t.data_ptr(), t.numel() * t.element_size()) for t in kv]
+        return KVAgent(engine, 0, ParallelConfig(), layout, pairs, backend="mooncake", protocol="tcp", device=device)
+
+    prefill = agent("prefill", p_layout, p_kv, ids[0])
+    decode = agent("decode", d_layout, d_kv, ids[1])
+    try:
+        for a in (prefill, decode):
+            assert a.device is kvbridge.get_device(device)
+            assert isinstance(a.backend, staging.StagedBackend)  # tcp cannot reach device memory
+            assert {r.kind for r in a.backend.registered} == {a.device.memory_kind}
+            # what Mooncake registered and peers address: pinned host mirrors
+            assert {r.kind for r in a.backend.endpoint().regions} == {MemoryKind.DRAM}
+        assert [r.device_id for r in decode.backend.registered] == [ids[1]] * MODEL.layers
+        if acc is not None:
+            acc.calls.clear()
+        prefill.publish([1, 4, 6])
+        if acc is not None:  # one wait for the compute stream of device 0, before the copy to the mirror
+            assert acc.calls == [("event_record", 0), ("event_synchronize", 0)]
+            acc.calls.clear()
+        result = decode.pull("r1", [prefill.info()], [1, 4, 6], [7, 0, 2], tokens=3 * MODEL.block_size).wait(60)
+        assert result.error is None and result.nbytes == MODEL.layers * 2 * 3 * p_layout.regions[0].block_bytes
+        if acc is not None:  # one device synchronize after the mirror -> device copy, none on the prefill device
+            assert acc.calls == [("synchronize", 1)]
+        for p, d in zip(p_kv, d_kv):
+            got, want = d.cpu(), p.cpu()
+            assert torch.equal(got[:, [7, 0, 2]], want[:, [1, 4, 6]])
+            untouched = [b for b in range(BLOCKS) if b not in (7, 0, 2)]
+            assert not got[:, untouched].any()
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("addresses", [False, True], ids=["tensors", "addresses"])
+def test_kvagent_picks_the_device_and_stages_over_mooncake_tcp(npu: Any, addresses: bool) -> None:
+    _pull_once("npu", npu, addresses=addresses)
+
+
+def test_kvagent_refuses_a_device_that_is_not_the_tensors(npu: Any) -> None:
+    kv, layout = _kv("npu", 0, MODEL.kv_heads)
+    with pytest.raises(ConfigError, match="npu memory, but device='cpu'"):
+        KVAgent("e", 0, ParallelConfig(), layout, kv, backend="loopback", device="cpu")
+
+
+def test_regions_and_locations_come_from_the_device_plugin(npu: Any) -> None:
+    import torch
+    from kvbridge_mooncake.backend import registrations
+
+    device = kvbridge.get_device("npu")
+    a = torch.zeros(4 << 20, dtype=torch.uint8, device="npu:1")
+    assert device_of([a]) is device and local_device() is device  # the accelerator this process has
+    (region,) = regions_of(a)
+    assert (region.kind, region.device_id) == (MemoryKind.NPU, 1)
+    host = MemoryRegion(4096, 4096)
+    groups = registrations([region, host], "rdma")
+    assert groups == [("npu:1", [region.addr], [region.length]), ("*", [4096], [4096])]
+    # ascend registers 2 MiB pages: the plugin's own allocations are aligned, anything else is refused
+    aligned = device.allocate(3000, 1)
+    assert aligned.data_ptr() % (2 << 20) == 0 and aligned.numel() == 3000
+    assert registrations(regions_of(aligned), "ascend")[0][0] == "npu:1"
+    with pytest.raises(ConfigError, match="2 MiB boundaries"):
+        registrations(regions_of(aligned[1:]), "ascend")
+
+
+def test_ascend_identity_sets_the_npu_before_naming_the_engine(npu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge_mooncake.backend import ascend_identity
+
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,6")
+    npu.set_device(0)
+    assert ascend_identity("10.0.0.7", {"npu": 1}) == "10.0.0.7:0:npu_6"  # the physical id HCCL knows
+    assert npu.current == 1  # made current before Mooncake's initialize binds to it
+    assert ascend_identity("10.0.0.7", {"ascend_port": 16000}) == "10.0.0.7:16000:npu_6"  # current NPU
+    with pytest.raises(ConfigError, match="bare IP"):
+        ascend_identity("10.0.0.7:1234", {})
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4")
+    with pytest.raises(ConfigError, match="NPU 1 is not in ASCEND_RT_VISIBLE_DEVICES"):
+        ascend_identity("10.0.0.7", {"npu": 1})
+
+
+@pytest.mark.parametrize("protocol", ["ascend", "nvlink"])
+def test_a_protocol_the_wheel_lacks_is_an_error_not_a_tcp_fallback(protocol: str) -> None:
+    from kvbridge_mooncake.backend import built_with
+
+    if {"ascend": "ascend", "nvlink": "intra_nvlink"}[protocol] in built_with():
+        pytest.skip(f"this Mooncake wheel has its {protocol} transport")
+    with pytest.raises(ConfigError, match="would silently fall back to TCP"):
+        kvbridge.create_backend("mooncake", protocol=protocol)
+
+
+def test_each_protocol_reaches_what_the_wheel_was_built_for() -> None:
+    from kvbridge_mooncake import spec
+
+    assert spec.memory_kinds("tcp", frozenset({"cuda"})) == {MemoryKind.DRAM}
+    assert MemoryKind.VRAM in spec.memory_kinds("rdma", frozenset({"cuda"}))  # GPUDirect RDMA
+    assert MemoryKind.VRAM not in spec.memory_kinds("rdma", frozenset())  # no CUDA build: GPU memory is staged
+    assert spec.memory_kinds("nvlink", frozenset()) == {MemoryKind.VRAM}
+    assert spec.memory_kinds("ascend", frozenset()) == {MemoryKind.NPU}
+    be = kvbridge.create_backend("mooncake", protocol="tcp")
+    try:  # the real engine's capabilities are the spec's, for its protocol
+        assert be.capabilities.memory_kinds == {MemoryKind.DRAM}
+        assert be.capabilities.protocols == spec.PROTOCOLS
+    finally:
+        be.close()
+
+
+# -- LMDeploy, with its own classes ------------------------------------------------------------
+
+LAYERS, P_BLOCKS, D_BLOCKS, BLOCK_BYTES = 2, 12, 10, 256
+
+
+def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
+    messages = pytest.importorskip("lmdeploy.pytorch.disagg.messages", reason="needs lmdeploy 0.18")
+    import torch
+    from lmdeploy.pytorch.disagg.conn.protocol import (
+        DistServeInitRequest,
+        DistServeKVTransferEndpointInfo,
+        MigrationProtocol,
+    )
+    from lmdeploy.pytorch.engine.cache_engine.layout import CachePool
+    from lmdeploy.pytorch.engine.cache_engine.migration import (
+        build_cache_pool_assignments,
+        describe_cache_pools,
+    )
+
+    from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend
+    from kvbridge.bench.lmdeploy_rank import engine_config
+
+    settings = AdapterSettings(transport="mooncake", hostname="127.0.0.1", timeout=60, device="npu")
+    pools = {"p": torch.zeros((LAYERS, P_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="npu:0"),
+             "d": torch.zeros((LAYERS, D_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="npu:1")}
+    pools["p"].copy_(torch.randint(0, 256, pools["p"].shape, dtype=torch.uint8, generator=torch.Generator()
+                                   .manual_seed(9)))
+    sides: dict[str, KVBridgeMigrationBackend] = {}
+    try:
+        for me, other, device_id in (("p", "d", 0), ("d", "p", 1)):
+            npu.set_device(device_id)  # each LMDeploy worker runs on its own NPU
+            b = sides[me] = KVBridgeMigrationBackend(settings)
+            b.p2p_initialize(DistServeInitRequest(
+                local_engine_id=me, local_engine_config=engine_config(pools[me].shape[1], 16), remote_engine_id=other,
+                remote_engine_config=engine_config(pools[other].shape[1], 16), protocol=MigrationProtocol.TCP, rank=0))
+            pool = pools[me]
+            b.register_memory_region(messages.DistServeRegisterMRMessage(
+                protocol=MigrationProtocol.TCP, remote_engine_id=other, mr_key=0, addr=pool.data_ptr(),
+                offset=pool.storage_offset(), length=pool.numel() * pool.itemsize))
+            assert b.memory_kinds() == {0: MemoryKind.NPU}  # the pool's real kind, not DRAM
+            assert b.links[other].local_regions[0].device_id == device_id
+        for me, other in (("p", "d"), ("d", "p")):
+            info = sides[other].endpoint_info(me, MigrationProtocol.TCP)
+            assert info["mr_info"]["0"]["kind"] == "npu"
+            assert info["mr_info"]["0"]["addr"] != pools[other].data_ptr()  # peers read the host mirror
+            sides[me].p2p_connect(other, DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP,
+                                                                         endpoint_info=json.dumps(info)))
+        assert sides["d"].links["p"].remote_regions[0].kind == MemoryKind.NPU
+        npu.calls.clear()
+        sides["p"].publish()  # the computed blocks, to the mirror the decode side reads
+        assert npu.calls == [("event_record", 0), ("event_synchronize", 0)]
+        npu.calls.clear()
+        cache = [CachePool(tensor=pools[k].cpu(), entry_axis=1) for k in ("d", "p")]
+        batch = build_cache_pool_assignments(describe_cache_pools(cache[:1], D_BLOCKS),
+                                             describe_cache_pools(cache[1:], P_BLOCKS), [(3, 0), (4, 1), (11, 9)])
+        asyncio.run(sides["d"].p2p_migrate(messages.MigrationAssignment(
+            protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch)))
+        assert npu.calls == [("synchronize", 1)]  # once, on the decode NPU, before p2p_migrate returned
+        got, want = pools["d"].cpu(), pools["p"].cpu()
+        assert torch.equal(got[:, [0, 1, 9]], want[:, [3, 4, 11]])
+        assert not got[:, [b for b in range(D_BLOCKS) if b not in (0, 1, 9)]].any()
+    finally:
+        for b in sides.values():
+            b.close()
+
+
+# -- the same on a real GPU, where there is one ---------------------------------------------------
+
+def _no_gpu() -> str | None:
+    from kvbridge_cuda.plugin import probe
+
+    return probe()
+
+
+NO_GPU = _no_gpu()
+
+
+@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU: {NO_GPU}")
+class TestCudaDataPath:
+    """On a GPU: the same staged pull over Mooncake TCP with real CUDA tensors (synchronization not observable)."""
+
+    def test_kvagent_stages_cuda_memory_over_mooncake_tcp(self) -> None:
+        import torch
+
+        _pull_once("cuda", None, (0, min(1, torch.cuda.device_count() - 1)))
+
+
+def test_each_wait_comes_once_and_before_the_copy_that_depends_on_it(npu: Any, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    device = kvbridge.get_device("npu")
+    be = staging.attach(kvbridge.create_backend("loopback"), device)
+    try:
+        buf = device.allocate(4096, 1)
+        (region,) = be.register_memory(buf)
+        copy = staging.copy_ranges  # the real copy, watched: it lands in the same log as the waits
+
+        def watched(dst: Any, src: Any, *args: Any) -> None:
+            npu.calls.append(("copy", -1))
+            copy(dst, src, *args)
+
+        monkeypatch.setattr(staging, "copy_ranges", watched)
+        npu.calls.clear()
+        be.publish([(region.addr + 512, 1024)])  # device -> mirror only after the compute stream finished
+        assert npu.calls == [("event_record", 1), ("event_synchronize", 1), ("copy", -1)]
+        npu.calls.clear()
+        be.accept()  # mirror -> device, then the device synchronizes before compute reads
+        assert npu.calls == [("copy", -1), ("synchronize", 1)]
+    finally:
+        be.close()

