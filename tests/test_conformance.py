@@ -26,5 +26,5 @@ class TestLoopbackConformance(TransportConformance):
 class TestMooncakeConformance(TransportConformance):
     transport_name = "mooncake"
     protocol = "tcp"
-    # fail fast on the dead-peer test instead of the default three backed-off retries
+    # fail fast on the dead-peer test: one quick retry
     options = {"retries": 1, "retry_backoff": 0.01}

@@ -92,7 +92,7 @@ def test_plugins_name_prints_options_with_defaults_and_docs() -> None:
     [mooncake] = rows
     assert mooncake["kind"] == "backend" and mooncake["distribution"] == "kvbridge-mooncake"
     declared = {o["name"]: (o["default"], o["doc"]) for o in mooncake["options"]}
-    assert declared["retries"][0] == 3 and declared["retry_backoff"][0] == 0.05
+    assert declared["retries"][0] == 1 and declared["retry_backoff"][0] == 0.05
     assert all(doc for _, doc in declared.values())
 
 

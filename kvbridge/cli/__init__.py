@@ -20,6 +20,7 @@ SUBCOMMANDS = [
     "plan",
     "proxy",
     "trace",
+    "chaos",
 ]
 
 EPILOG = """\

@@ -32,6 +32,9 @@ class Settings:
       itself is never a config key: vLLM logs its config and the command line is visible in `ps`.
     - `insecure`: run without a secret on an address other hosts can reach (logged as a warning).
       Without it, a `host` other than loopback with no secret fails at start-up, saying how to set one.
+    - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
+      "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
+      transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.chaos.inject`).
     """
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)
@@ -43,6 +46,7 @@ class Settings:
     pull_timeout_s: float = attrs.field(default=60.0, converter=float)
     secret_file: str | None = None
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
 
     def __attrs_post_init__(self) -> None:

