@@ -155,7 +155,7 @@ class Rank:
                 got = read_logical(self.views, torch.tensor(r["blocks"])).numpy()
                 exp = logical(self.model, r["index"], r["tokens"], self.heads, self.block_size)
                 n, t = r["tokens"], got.shape
-                flat = lambda a: a.transpose(0, 2, 1, 3, 4).reshape(t[0], t[2], -1, t[4])[:, :, :n]  # noqa: E731
+                flat = lambda a, t=t, n=n: a.transpose(0, 2, 1, 3, 4).reshape(t[0], t[2], -1, t[4])[:, :, :n]  # noqa: E731
                 wrong = int(np.count_nonzero(flat(got) != flat(exp)))
                 if wrong or r["id"] not in done:
                     bad[r["id"]] = wrong

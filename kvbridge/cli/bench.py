@@ -17,6 +17,7 @@ MODES = {
     "lmdeploy": "kvbridge.bench.lmdeploy",
     "vllm": "kvbridge.bench.vllm",
     "vllm-connector": "kvbridge.bench.connector",
+    "compare": "kvbridge.bench.compare",
 }
 
 
@@ -71,6 +72,8 @@ def pick_mode(args: argparse.Namespace) -> str:
         return str(args.engine)
     if getattr(args, "prefill", None) or getattr(args, "decode", None):
         return "parallel"
+    if getattr(args, "compare_transports", None):
+        return "compare"
     return "pair"
 
 
