@@ -352,8 +352,11 @@ class Proxy:
                             begun: float, sent: float, headers: dict[str, str]) -> Any:
         """A streamed answer: the headers go out with its first chunk, so the timeline ends there."""
         chunks = resp.aiter_raw()
+        failed: httpx.TransportError | None = None
         try:
             first = await until_disconnect(request, anext(chunks, b""))
+        except httpx.TransportError as exc:  # the decode server died before its first chunk
+            first, failed = None, exc
         except BaseException:
             first = None
             raise
@@ -361,6 +364,12 @@ class Proxy:
             if first is None:
                 await resp.aclose()
                 decode.in_flight -= 1
+        if failed is not None:
+            decode.healthy = False
+            log.warning("decode server %s failed before the first chunk of %s: %s", decode.url, timeline.request_id,
+                        failed)
+            return self._answer(503, f"decode server {decode.url} failed: {type(failed).__name__}: {failed}",
+                                headers)
         if first is None:
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self._answer(499, "client disconnected")
