@@ -1,4 +1,4 @@
-"""Registers the `mooncake` transport (declared in `spec`). Imports nothing from Mooncake until the backend is created."""
+"""Registers the `mooncake` transport (declared in `spec`). Imports nothing from Mooncake until it is created."""
 
 from __future__ import annotations
 
