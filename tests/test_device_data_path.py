@@ -109,6 +109,7 @@ def test_kvagent_refuses_a_device_that_is_not_the_tensors(npu: Any) -> None:
 
 def test_regions_and_locations_come_from_the_device_plugin(npu: Any) -> None:
     import torch
+
     from kvbridge_mooncake.backend import registrations
 
     device = kvbridge.get_device("npu")

@@ -1,11 +1,10 @@
-"""Registers the `mooncake` transport (declared in `spec`). Imports nothing from Mooncake until the backend is created."""
+"""Registers the `mooncake` transport (declared in `spec`); imports nothing from Mooncake until one is created."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import kvbridge
-
 from kvbridge_mooncake.spec import CAPABILITIES, INSTALL_HINT, MooncakeOptions, probe
 
 KVBRIDGE_PLUGIN_API = 1
