@@ -90,7 +90,7 @@ class PullHandle:
     """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks."""
 
     def __init__(self, result: PullResult, handles: list[TransferHandle],
-                 on_done: Callable[[PullResult], None] | None, after: Callable[[], None]) -> None:
+                 on_done: Callable[[PullResult], None] | None, after: Callable[[bool], None]) -> None:
         self.request_id = result.request_id
         self.handles = handles
         self._result = result
@@ -113,8 +113,11 @@ class PullHandle:
 
     def _finish(self) -> None:
         error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
-        if error is None:
-            self._after()
+        try:
+            self._after(error is None)
+        except Exception as exc:  # e.g. the rearrangement of landed blocks: the pull failed, recompute
+            log.exception("request %s: finishing the pull failed", self.request_id)
+            error = error or exc
         self._result = attrs.evolve(self._result, error=error)
         if self._on_done is not None:
             try:
@@ -181,6 +184,8 @@ class KVAgent:
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
         self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage)
         self._peers: dict[tuple[str, int], Peer] = {}
+        # set by an engine adapter whose cache may differ from its peers' (kvbridge.landing.Receiver)
+        self.receiver: Any = None
         self._lock = threading.Lock()
         self._registered: list[Any] = []
         try:
@@ -227,13 +232,14 @@ class KVAgent:
         ])
         self.backend.publish(ranges)
 
-    def connect(self, remote: RankInfo) -> Peer:
+    def connect(self, remote: RankInfo, *, check: bool = True) -> Peer:
         """Check the remote layout against ours and connect to its endpoint (once per rank)."""
         key = (remote.engine_id, remote.rank)
         with self._lock:
             peer = self._peers.get(key)
         if peer is None:
-            check_compatible(self.layout, remote.layout)
+            if check:
+                check_compatible(self.layout, remote.layout)
             peer = self.backend.connect(remote.endpoint)
             with self._lock:
                 self._peers[key] = peer
@@ -291,6 +297,32 @@ class KVAgent:
             )
         by_rank = {r.rank: r for r in remote}
         work = []  # everything is checked and built before the first byte moves
+        landed: list[Any] = []  # pulls landing elsewhere, rearranged on this device afterwards
+        try:
+            self._build(request_id, p, by_rank, remote_blocks, local_blocks, tokens, work, landed)
+        except BaseException:
+            for land in landed:
+                land.finish(False)
+            raise
+        handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
+        pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]
+        nbytes = sum(int(desc[:, 2].sum()) for *_, desc in work)
+        ndesc = sum(len(desc) for *_, desc in work)
+        notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
+        log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
+        result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
+
+        # Each handle completes once its bytes are on the device, synchronized; landed bytes still need
+        # their rearrangement into this rank's cache.
+        def after(ok: bool) -> None:
+            for land in landed:
+                land.finish(ok)
+
+        return PullHandle(result, handles, on_done, after)
+
+    def _build(self, request_id: str, p: Plan, by_rank: Mapping[int, RankInfo],
+               remote_blocks: Mapping[int, Sequence[int]] | Sequence[int], local_blocks: Sequence[int], tokens: int,
+               work: list[Any], landed: list[Any]) -> None:
         for pull in p.pulls_for(self.rank):
             info = by_rank.get(pull.prefill_rank)
             if info is None:
@@ -301,20 +333,18 @@ class KVAgent:
                 blocks = remote_blocks[pull.prefill_rank]
             else:
                 blocks = remote_blocks
-            peer = self.connect(info)
-            work.append((info, peer, pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)))
-        handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
-        pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]
-        nbytes = sum(int(desc[:, 2].sum()) for *_, desc in work)
-        ndesc = sum(len(desc) for *_, desc in work)
-        notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
-        log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
-        result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
-        # Each handle completes once its bytes are on the device, synchronized: nothing is left to wait for.
-        return PullHandle(result, handles, on_done, lambda: None)
+            if self.receiver is not None and not self.receiver.direct(info.layout):
+                land = self.receiver.prepare(request_id, pull, info.layout, blocks, local_blocks, tokens)
+                landed.append(land)
+                work.append((info, self.connect(info, check=False), land.descriptors))
+            else:
+                peer = self.connect(info)
+                work.append((info, peer, pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)))
 
     def close(self) -> None:
         """Disconnect peers and unregister the KV tensors; close the backend if the agent created it."""
+        if self.receiver is not None:
+            self.receiver.close()
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
             registered, self._registered = self._registered, []

@@ -69,6 +69,8 @@ class TransferHandle:
         try:
             self._future.result(timeout=timeout)
         except TimeoutError:
+            if self._future.done():  # the transport's own timeout (a TransferTimeout) says what timed out
+                raise
             raise TransferTimeout(
                 f"transfer of {self.nbytes} bytes in {self.descriptors} descriptors with {self.peer} "
                 f"did not finish within {timeout}s; check that the peer is alive and reachable",

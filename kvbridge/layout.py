@@ -69,12 +69,60 @@ class KVRegion:
 
 
 @attrs.frozen
+class PagedPlane:
+    """One plane of a paged cache: per layer, a `[block, head, token, content]` grid of bytes.
+
+    vLLM keeps K and V together in one plane ("kv": a token's content is its K then its V);
+    vllm-ascend keeps them apart (a "k" and a "v" plane); MLA has one "latent" plane.
+    """
+
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    content: int  # bytes of one (head, token) cell in this plane
+    layer_addrs: tuple[int, ...] = attrs.field(converter=tuple)
+    block_stride: int
+    head_stride: int
+    token_stride: int
+
+
+@attrs.frozen
+class PagedGeometry:
+    """Where every (layer, block, head, token, content byte) of a rank's paged cache lives.
+
+    `name` is the engine's layout name (vLLM's `KVCacheLayout`, e.g. "LBNHC", or "ascend-kv-tuple")
+    and `order` its physical axis order of the logical `[L, B, H, N, C]` (0..4), as vLLM defines it.
+    Decode uses it to read a peer's blocks in the peer's own arrangement and rearrange them on its
+    device (`kvbridge.landing`).
+    """
+
+    name: str
+    order: tuple[int, ...] = attrs.field(converter=tuple)
+    num_blocks: int
+    heads: int
+    block_size: int
+    planes: tuple[PagedPlane, ...] = attrs.field(converter=tuple)
+
+    @property
+    def content(self) -> int:
+        """Bytes of one (head, token) cell over all planes."""
+        return sum(p.content for p in self.planes)
+
+    def same_arrangement(self, other: PagedGeometry) -> bool:
+        """Blocks of both can be copied byte for byte (only addresses and capacity differ)."""
+        return (self.name, self.order, self.heads, self.block_size) == (other.name, other.order, other.heads,
+                                                                        other.block_size) and [
+            (p.kind, p.content, p.head_stride, p.token_stride) for p in self.planes] == [
+            (p.kind, p.content, p.head_stride, p.token_stride) for p in other.planes]
+
+
+@attrs.frozen
 class KVLayout:
-    """A rank's KV cache: model facts, KV heads on this rank, and its regions."""
+    """A rank's KV cache: model facts, KV heads on this rank, and its regions (and, for paged engine
+    caches, their geometry)."""
 
     model: ModelSpec
     heads: int
     regions: tuple[KVRegion, ...] = attrs.field(converter=tuple)
+    paged: PagedGeometry | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -183,6 +231,31 @@ def vllm_layout(
                 raise ConfigError(f"kv must be 'split' or 'joint', got {kv!r}")
             regions.append(KVRegion(layer, kind, base, num_blocks, stride, **geo))
     return KVLayout(model, heads, regions)
+
+
+def paged_layout(model: ModelSpec, geometry: PagedGeometry) -> KVLayout:
+    """Regions of a paged cache for byte-for-byte pulls: a dense block (heads then tokens, HND, or
+    tokens then heads, NHD) is one region per (plane, layer); a block whose heads lie apart (vLLM's
+    LHBNC, BHLNC) is one region per (plane, layer, head)."""
+    g = geometry
+    regions = []
+    for plane in g.planes:
+        c, n, h = plane.content, g.block_size, g.heads
+        page = h * n * c
+        for layer, addr in enumerate(plane.layer_addrs):
+            if (plane.head_stride, plane.token_stride) == (n * c, c) or h == 1 and plane.token_stride == c:
+                regions.append(KVRegion(layer, plane.kind, addr, g.num_blocks, plane.block_stride, page,
+                                        heads=h, head_bytes=n * c))
+            elif (plane.head_stride, plane.token_stride) == (c, h * c):
+                regions.append(KVRegion(layer, plane.kind, addr, g.num_blocks, plane.block_stride, page,
+                                        heads=h, head_bytes=c, chunks=n, chunk_stride=h * c))
+            elif plane.token_stride == c:
+                regions.extend(KVRegion(layer, plane.kind, addr + i * plane.head_stride, g.num_blocks,
+                                        plane.block_stride, n * c) for i in range(h))
+            else:
+                raise ConfigError(f"{g.name} cache: tokens of a head are not contiguous (token stride "
+                                  f"{plane.token_stride}, {c} bytes each); kvbridge cannot address its blocks")
+    return KVLayout(model, g.heads, regions, paged=g)
 
 
 def lmdeploy_layout(model: ModelSpec, heads: int, pool: Any, num_blocks: int, *, order: Order = "NHD") -> KVLayout:

@@ -38,7 +38,9 @@ def native_env(level: int) -> dict[str, str]:
     if level <= logging.DEBUG:
         return {}  # -vv: everything the libraries say
     name = "INFO" if level <= logging.INFO else "WARNING"
-    wanted = {"MC_LOG_LEVEL": name, "NIXL_LOG_LEVEL": name, "UCX_LOG_LEVEL": "info" if name == "INFO" else "warn"}
+    # NIXL spells its level WARN (it rejects WARNING and falls back to its default, saying so)
+    nixl = "WARN" if name == "WARNING" else name
+    wanted = {"MC_LOG_LEVEL": name, "NIXL_LOG_LEVEL": nixl, "UCX_LOG_LEVEL": "info" if name == "INFO" else "warn"}
     return {k: v for k, v in wanted.items() if k not in os.environ}
 
 

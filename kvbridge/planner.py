@@ -64,7 +64,9 @@ def pull_descriptors(
         remote_addr = col(4) + src[None, :, None] * col(5) + k * col(6) + col(7)
         length = np.broadcast_to(col(8), local_addr.shape)
         parts.append(np.stack([local_addr.ravel(), remote_addr.ravel(), length.ravel()], axis=1))
-    return merge_runs(np.concatenate(parts))
+    desc = np.concatenate(parts)
+    # in local address order, so a block of every layer (block-outermost layouts) becomes one run
+    return merge_runs(desc[np.argsort(desc[:, 0], kind="stable")])
 
 
 @functools.lru_cache(maxsize=64)

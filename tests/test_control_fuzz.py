@@ -15,13 +15,12 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 import zmq
+from control_helpers import rank_info
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from control_helpers import rank_info
-
 from kvbridge import wire
-from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
+from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
 from kvbridge.control.messages import REQUESTS, Abort, BeginPull, Done, Frame, GetInfo, QueryLease, Refused

@@ -15,7 +15,7 @@ from kvbridge.nativelog import classify, native_env, relay_stderr
 def test_levels_follow_kvbridge_and_the_operator_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("MC_LOG_LEVEL", "NIXL_LOG_LEVEL", "UCX_LOG_LEVEL"):
         monkeypatch.delenv(name, raising=False)
-    assert native_env(logging.WARNING) == {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARNING",
+    assert native_env(logging.WARNING) == {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN",
                                            "UCX_LOG_LEVEL": "warn"}
     assert native_env(logging.INFO)["MC_LOG_LEVEL"] == "INFO"  # -v
     assert native_env(logging.DEBUG) == {}  # -vv: the libraries' own defaults, everything

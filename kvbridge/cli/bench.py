@@ -16,6 +16,8 @@ MODES = {
     "parallel": "kvbridge.bench.parallel",
     "lmdeploy": "kvbridge.bench.lmdeploy",
     "vllm": "kvbridge.bench.vllm",
+    "vllm-connector": "kvbridge.bench.connector",
+    "compare": "kvbridge.bench.compare",
 }
 
 
@@ -43,10 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="run once per prompt length (e.g. 256,1024,4096,16384) and report each")
     p.add_argument("--plot", default=None, metavar="FILE",
                    help="draw GB/s against request size (raw and kvbridge) into FILE (.svg; .png with matplotlib)")
-    p.add_argument("--engine", choices=["lmdeploy", "vllm"], default=None,
+    p.add_argument("--engine", choices=["lmdeploy", "vllm", "vllm-connector"], default=None,
                    help="drive the migration through an engine's adapter (lmdeploy: kvbridge's LMDeploy backend "
                         "vs LMDeploy's per-(layer, block) strategy; vllm: real vLLM servers, KVBridgeConnector "
-                        "vs vLLM's MooncakeConnector)")
+                        "vs vLLM's MooncakeConnector; vllm-connector: one process per rank driving KVBridgeConnector "
+                        "through vLLM's connector API, any KV cache layouts, block sizes and TP on each side)")
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
     p.set_defaults(run=run)
@@ -65,10 +68,12 @@ def _token_list(text: str) -> list[int]:
 def pick_mode(args: argparse.Namespace) -> str:
     if getattr(args, "engine", None) == "lmdeploy":
         return "lmdeploy"
-    if getattr(args, "engine", None) == "vllm":
-        return "vllm"
+    if getattr(args, "engine", None) in ("vllm", "vllm-connector"):
+        return str(args.engine)
     if getattr(args, "prefill", None) or getattr(args, "decode", None):
         return "parallel"
+    if getattr(args, "compare_transports", None):
+        return "compare"
     return "pair"
 
 

@@ -43,7 +43,9 @@ class Authenticator:
         if isinstance(secret, str):
             secret = secret.encode()
         if secret is not None and len(secret) < 16:
-            raise ConfigError("the side-channel secret must be at least 16 bytes; generate one with `openssl rand -hex 32`")
+            raise ConfigError(
+                "the side-channel secret must be at least 16 bytes; generate one with `openssl rand -hex 32`"
+            )
         self._key = secret
         self.window_s = window_s
         self._max_nonces = max_nonces

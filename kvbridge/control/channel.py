@@ -42,8 +42,8 @@ from kvbridge.control.messages import (
     LeaseState,
     LeaseStatus,
     QueryLease,
-    RegisteredMemory,
     Refused,
+    RegisteredMemory,
 )
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
 from kvbridge.secret import check_listen, is_loopback

@@ -227,7 +227,8 @@ class TcpBackend(MigrationBackend):
     def _serve(self, conn: socket.socket) -> None:
         peer, authenticated = "an unknown peer", False
         try:
-            peer = "%s:%d" % conn.getpeername()[:2]
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
             if not self._authenticate(conn, peer):
                 return
             authenticated = True

@@ -1,11 +1,15 @@
 """vLLM's paged KV cache as a kvbridge `KVLayout`, so `KVAgent` plans and moves it.
 
-vLLM's CPU attention backend keeps one tensor per layer, shaped (num_blocks, kv_heads, block_size,
-content) with blocks outermost and heads contiguous inside a block (layout LBHNC), where a token's
-content is its K followed by its V. A head of a block (all its tokens' K and V) is therefore one
-contiguous run: each layer is one HND region whose head payload is K and V together, described with
-kind "k" and a model `head_dim` of the K+V content. Decode can then read exactly the heads each
-prefill rank owns when their tensor-parallel sizes differ.
+vLLM 0.32 resolves one `KVCacheLayout` per engine (`cache_config.get_resolved_kv_cache_layout()`):
+a stride order of the logical `[L, B, H, N, C]` (layer, block, head, token, content), where a
+token's content is its K followed by its V (MLA: its latent). Every layer gets a 4-D view
+`[B, H, N, C]` of one backing allocation; in block-outermost layouts (BL*, BH*) the views interleave,
+so one block of every layer is one contiguous run. vllm-ascend instead hands a `(K, V)` tuple per
+layer, each `[B, N, H, D]` ("ascend-kv-tuple").
+
+`describe_kv_caches` takes the layout name from vLLM (never from the shapes), checks that every view
+is laid out as that name says, and returns a `PagedGeometry` (what the decode side needs to
+rearrange a peer's blocks on its device) with the regions for byte-for-byte pulls.
 """
 
 from __future__ import annotations
@@ -14,54 +18,111 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout, KVRegion
+from kvbridge.layout import KVLayout, PagedGeometry, PagedPlane, paged_layout
 from kvbridge.presets import ModelSpec
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "uint8": "uint8", "int8": "int8",
            "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+ASCEND_KV_TUPLE = "ascend-kv-tuple"
+# physical order of the logical [L, B, H, N, C] axes, as vllm.v1.kv_cache_layout.KVCacheLayout defines them
+ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+          "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+          ASCEND_KV_TUPLE: (0, 1, 3, 2, 4)}
+LAYOUT_NAMES = tuple(ORDERS)
+
+
+def resolved_layout(vllm_config: Any) -> str:
+    """The KV cache layout name vLLM resolved for this engine (the CPU backend's LBHNC on vLLMs before 0.32)."""
+    get = getattr(vllm_config.cache_config, "get_resolved_kv_cache_layout", None)
+    return "LBHNC" if get is None else get().name
 
 
 def describe_kv_caches(
-    kv_caches: Mapping[str, Any], *, block_size: int, tp_size: int
+    kv_caches: Mapping[str, Any], *, layout: str, block_size: int, tp_size: int, mla: bool = False,
+    backend: str = "vLLM",
 ) -> tuple[KVLayout, list[tuple[int, int]]]:
-    """The layout of vLLM's per-layer KV tensors and the (address, bytes) storages to register.
+    """The layout of vLLM's per-layer KV views and the (address, bytes) storages to register.
 
-    Refuses a layout it cannot address block by block (e.g. K and V in separate leading planes),
-    naming what it found, rather than moving wrong bytes.
+    Raises ConfigError naming the layout and `backend` (the attention backend) when a view is not
+    laid out as `layout` says, or is one kvbridge cannot address, before any request.
     """
+    if layout not in ORDERS:
+        raise ConfigError(f"KV cache layout {layout!r} of {backend} is not one kvbridge can move; "
+                          f"supported: {', '.join(LAYOUT_NAMES)}. Set VLLM_KV_CACHE_LAYOUT to one of them")
     if not kv_caches:
         raise ConfigError("vLLM registered no KV cache tensors with KVBridgeConnector")
-    tensors = list(kv_caches.values())
-    first = tensors[0]
-    storages: dict[int, int] = {}
-    for name, t in kv_caches.items():
-        if t.ndim != 4 or t.shape != first.shape or t.dtype != first.dtype or t.stride() != first.stride():
-            raise ConfigError(
-                f"KV cache tensor {name} has shape {tuple(t.shape)}, stride {t.stride()}, dtype {t.dtype}; "
-                f"KVBridgeConnector needs every layer shaped like the first, (blocks, heads, tokens, content) "
-                f"= {tuple(first.shape)}. Report this layout to kvbridge"
-            )
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-    num_blocks, heads, tokens, content = (int(v) for v in first.shape)
-    stride = first.stride()
-    if stride[1:] != (tokens * content, content, 1):
-        raise ConfigError(
-            f"KV cache blocks are not head-major and contiguous (stride {stride}); KVBridgeConnector supports "
-            "vLLM's LBHNC layout (the CPU backend's). Report this layout to kvbridge"
-        )
-    if tokens != block_size:
-        raise ConfigError(f"KV cache blocks hold {tokens} tokens but the block size is {block_size}")
+    names = list(kv_caches)
+    if layout == ASCEND_KV_TUPLE:
+        entries = [kv_caches[n] for n in names]
+        if not all(isinstance(e, (tuple, list)) and len(e) == 2 for e in entries):
+            raise ConfigError(f"{backend} layout {layout}: every layer must be a (K, V) pair of tensors")
+        # vllm-ascend: (num_blocks, block_size, num_kv_heads, head_size) -> logical [B, H, N, D]
+        planes_t = [[e[i].permute(0, 2, 1, 3) for e in entries] for i in (0, 1)]
+        kinds = ("k", "v")
+    else:
+        if any(isinstance(kv_caches[n], (tuple, list)) for n in names):
+            raise ConfigError(f"{backend} hands (K, V) tuples per layer, but the resolved layout is {layout}; "
+                              f"pass layout={ASCEND_KV_TUPLE!r} for vllm-ascend caches")
+        planes_t = [[kv_caches[n] for n in names]]
+        kinds = ("latent",) if mla else ("kv",)
+    first = planes_t[0][0]
     dtype = str(first.dtype).removeprefix("torch.")
     if dtype not in _DTYPES:
         raise ConfigError(f"KV cache dtype {dtype} is not one kvbridge knows ({sorted(_DTYPES)})")
     elem = first.element_size()
-    model = ModelSpec("vllm", layers=len(tensors), kv_heads=heads * tp_size, head_dim=content,
-                      dtype=_DTYPES[dtype], block_size=block_size)
-    head_bytes = tokens * content * elem
-    regions = [
-        KVRegion(layer, "k", t.data_ptr(), num_blocks, stride[0] * elem, heads * head_bytes,
-                 heads=heads, head_bytes=head_bytes)
-        for layer, t in enumerate(tensors)
-    ]
-    return KVLayout(model, heads, regions), sorted(storages.items())
+    storages: dict[int, int] = {}
+    planes = []
+    for kind, tensors in zip(kinds, planes_t):
+        ref = tensors[0]
+        for name, t in zip(names, tensors):
+            if t.ndim != 4 or t.shape != ref.shape or t.stride() != ref.stride() or t.dtype != first.dtype:
+                raise ConfigError(
+                    f"{backend} layout {layout}: KV cache view {name} has shape {tuple(t.shape)}, stride {t.stride()}, "
+                    f"dtype {t.dtype}, unlike the first layer's {tuple(ref.shape)}, {ref.stride()}; kvbridge "
+                    "needs every layer laid out alike. Report this layout to kvbridge"
+                )
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+        _check_order(ref, layout, backend)
+        num_blocks, heads, tokens, content = (int(v) for v in ref.shape)
+        if tokens != block_size:
+            raise ConfigError(f"{backend} layout {layout}: KV cache blocks hold {tokens} tokens but the block size "
+                              f"is {block_size}")
+        sb, sh, sn, _ = (int(v) * elem for v in ref.stride())
+        planes.append(PagedPlane(kind, content * elem, tuple(t.data_ptr() for t in tensors), sb, sh, sn))
+    num_blocks, heads, _, content = (int(v) for v in first.shape)
+    total = sum(p.content for p in planes) // elem
+    geometry = PagedGeometry(layout, ORDERS[layout], num_blocks, heads, block_size, planes)
+    model = ModelSpec("vllm", layers=len(names), kv_heads=1 if mla else heads * tp_size, head_dim=total,
+                      dtype=_DTYPES[dtype], block_size=block_size, attention="mla" if mla else "gqa")
+    return paged_layout(model, geometry), sorted(storages.items())
+
+
+def _check_order(view: Any, layout: str, backend: str) -> None:
+    """The view's strides must order [B, H, N, C] as `layout` does, content innermost and dense."""
+    order = [d - 1 for d in ORDERS[layout] if d != 0]  # physical order of the per-layer view's axes
+    strides = view.stride()
+    if strides[3] != 1:
+        raise ConfigError(f"{backend} layout {layout}: a token's content is not contiguous (stride {strides}); "
+                          "kvbridge cannot address it")
+    seen = [strides[d] for d in order if view.shape[d] > 1]
+    if seen != sorted(seen, reverse=True):
+        raise ConfigError(
+            f"{backend} says the KV cache layout is {layout}, but its views have strides {strides} for shape "
+            f"{tuple(view.shape)} (block, head, token, content), which is not {layout}; report this to kvbridge"
+        )
+
+
+def byte_views(kv_caches: Mapping[str, Any], *, layout: str) -> list[list[Any]]:
+    """Per plane, per layer, a uint8 view `[B, H, N, content bytes]` of the cache (what
+    `kvbridge.landing` writes pulled blocks into, and the bench fills and checks)."""
+    entries = list(kv_caches.values())
+    if layout == ASCEND_KV_TUPLE:
+        return [[e[i].permute(0, 2, 1, 3).view(torch_uint8()) for e in entries] for i in (0, 1)]
+    return [[t.view(torch_uint8()) for t in entries]]
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8

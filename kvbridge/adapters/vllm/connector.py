@@ -64,7 +64,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
         else:
-            self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings)
+            self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
     # -- scheduler side ------------------------------------------------------------------------
 

@@ -28,13 +28,20 @@ class PullTask:
         """Raises ConfigError naming what the params lack."""
         p.require_remote()
         remote = list(p.block_ids)
-        if len(local_block_ids) > len(remote):
+        tokens = p.remote_num_tokens or len(remote) * block_size
+        if (len(local_block_ids) - 1) * block_size >= tokens:
             raise ConfigError(
-                f"request {request_id}: {len(local_block_ids)} blocks to fill, prefill holds {len(remote)}"
+                f"request {request_id}: {len(local_block_ids)} blocks of {block_size} tokens to fill, prefill holds "
+                f"{tokens} tokens"
             )
-        # Decode's own prefix cache covers the leading blocks; read only the ones it lacks.
-        remote = remote[len(remote) - len(local_block_ids):] if local_block_ids else []
-        narrowed = attrs.evolve(p, remote_block_ids=[remote], remote_num_tokens=len(local_block_ids) * block_size)
+        if not local_block_ids:
+            remote, tokens = [], 0
+        elif len(local_block_ids) * block_size < tokens:
+            # Decode's own prefix cache covers the leading blocks; read only the ones it lacks (same block
+            # size on both sides: a prefix hit with different block sizes is not narrowed, see docs/vllm.md).
+            skipped = len(remote) - len(local_block_ids)
+            remote, tokens = remote[skipped:], tokens - skipped * block_size
+        narrowed = attrs.evolve(p, remote_block_ids=[remote], remote_num_tokens=tokens)
         return cls(request_id=request_id, params=narrowed, local_block_ids=local_block_ids, report=report)
 
 

@@ -15,6 +15,7 @@ from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
+from kvbridge.ranks import group_port
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,7 +37,10 @@ class SchedulerSide:
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
-        self.side_channel_port = settings.side_channel_port + parallel.data_parallel_index * self.tp_size
+        # peers find rank r of DP rank d at side_channel_port + d * tp_size + r (kvbridge.ranks)
+        self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size,
+                                            pp_size=parallel.pipeline_parallel_size)
+        self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
         self._pulls: list[PullTask] = []
         self._offers: list[tuple[str, tuple[int, ...]]] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
@@ -119,6 +123,8 @@ class SchedulerSide:
             remote_host=self.settings.host,
             remote_port=self.side_channel_port,
             tp_size=self.tp_size,
+            dp_size=self.dp_size,
+            dp_rank=self.dp_rank,
             remote_num_tokens=request.num_computed_tokens,
             # arrival to finish in this engine: queueing and computing the prompt
             kvbridge_timing={"prefill_ms": round((time.time() - request.arrival_time) * 1e3, 3)},

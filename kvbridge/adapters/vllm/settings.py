@@ -48,6 +48,14 @@ class Settings:
     def __attrs_post_init__(self) -> None:
         check_listen("KVBridgeConnector (side channel and transport)", self.host, self.secret, insecure=self.insecure)
 
+    def transport_options(self) -> dict[str, Any]:
+        """The secret and the insecure opt-in, for a transport that declares them: `tcp` authenticates its
+        peers with them; Mooncake authenticates nothing and takes neither (see docs/security.md)."""
+        from kvbridge.plugins import registry
+
+        declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}
+        return {k: v for k, v in {"secret": self.secret, "insecure": self.insecure}.items() if k in declared}
+
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
         extra = dict(extra or {})

@@ -18,7 +18,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvbridge.adapters.vllm.cache import describe_kv_caches
+import attrs
+
+from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
@@ -26,31 +28,53 @@ from kvbridge.agent import KVAgent, PullResult
 from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.errors import KVBridgeError
+from kvbridge.landing import Receiver
+from kvbridge.ranks import side_channel_port, stage_port
 from kvbridge.topology import ParallelConfig
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+
+def is_mla(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bool:
+    """MLA (one latent per token) as vLLM's KV cache specs or model config say."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return any(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in kv_cache_config.kv_cache_groups)
+    model = vllm_config.model_config
+    return bool(model is not None and model.use_mla)
 
 
 class WorkerSide:
     """One worker rank of the connector; `from_vllm` reads its place from vLLM's parallel state."""
 
     def __init__(self, engine_id: str, settings: Settings, *, block_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0) -> None:
+                 dp_index: int = 0, dp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, kv_layout: str = "LBHNC", mla: bool = False,
+                 backend_name: str = "vLLM") -> None:
         self.engine_id = engine_id
+        self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
+        self.mla = mla
+        self.backend_name = backend_name
         self.settings = settings
         self.block_size = block_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        port = settings.side_channel_port + dp_index * tp_size + tp_rank
+        self.pp_rank, self.pp_size = pp_rank, pp_size
+        # the rank's identity on the side channel and in plans: its rank among all DP ranks' TP ranks
+        self.parallel = ParallelConfig(tp=tp_size, dp=dp_size)
+        self.rank = dp_index * tp_size + tp_rank
+        port = side_channel_port(settings.side_channel_port, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                                 pp_size=pp_size, dp_index=dp_index)
         self.agent: KVAgent | None = None
         self.control: DecodeControl | None = None
         self.ledger = Ledger(self._released, timeout_s=settings.lease_s)
         # Bound now, ready once the KV cache is registered: an early peer waits instead of failing.
-        self.server = ControlServer(engine_id, self.tp_rank, ledger=self.ledger, host=settings.host, port=port,
+        self.server = ControlServer(engine_id, self.rank, ledger=self.ledger, host=settings.host, port=port,
                                     secret=settings.secret, insecure=settings.insecure)
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
         self._lock = threading.Lock()
@@ -61,19 +85,39 @@ class WorkerSide:
         self.stats = KVBridgeStats()
 
     @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> WorkerSide:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    def from_vllm(cls, vllm_config: VllmConfig, engine_id: str, settings: Settings,
+                  kv_cache_config: KVCacheConfig | None = None) -> WorkerSide:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+            model_parallel_is_initialized,
+        )
 
-        return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size,
-                   tp_rank=get_tensor_model_parallel_rank(), tp_size=get_tensor_model_parallel_world_size(),
-                   dp_index=vllm_config.parallel_config.data_parallel_index)
+        parallel = vllm_config.parallel_config
+        pp_size = parallel.pipeline_parallel_size
+        if model_parallel_is_initialized():
+            tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        else:  # a worker driven without torch.distributed (the connector bench): its rank in the config
+            tp_size = parallel.tensor_parallel_size
+            tp_rank = parallel.rank % tp_size
+        pp_rank = (parallel.rank // parallel.tensor_parallel_size) % pp_size if pp_size > 1 else 0
+        return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size, tp_rank=tp_rank,
+                   tp_size=tp_size, dp_index=parallel.data_parallel_index,
+                   dp_size=parallel.data_parallel_size, pp_rank=pp_rank, pp_size=pp_size,
+                   kv_layout=resolved_layout(vllm_config),
+                   mla=is_mla(vllm_config, kv_cache_config),
+                   backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout, storages = describe_kv_caches(kv_caches, block_size=self.block_size, tp_size=self.tp_size)
+        if any(isinstance(v, (tuple, list)) for v in kv_caches.values()):
+            self.kv_layout = ASCEND_KV_TUPLE  # vllm-ascend hands each layer's K and V as a pair of tensors
+        layout, storages = describe_kv_caches(kv_caches, layout=self.kv_layout, block_size=self.block_size,
+                                              tp_size=self.tp_size, mla=self.mla, backend=self.backend_name)
         s = self.settings
-        self.agent = KVAgent(self.engine_id, self.tp_rank, ParallelConfig(tp=self.tp_size), layout, storages,
+        self.agent = KVAgent(self.engine_id, self.rank, self.parallel, layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server, secret=s.secret, insecure=s.insecure)
+                             metadata_server=s.metadata_server, **s.transport_options())
+        self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
         self.server.register(self.agent.info())
@@ -114,8 +158,12 @@ class WorkerSide:
         elapsed = control = 0.0
         queued = max(0.0, time.time() - task.asked_at)  # from the scheduler's step to this thread
         begun = time.perf_counter()
+        params = task.params
+        if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
+            params = attrs.evolve(params, remote_port=stage_port(int(params.remote_port), remote_tp_size=params.tp_size,
+                                                                 pp_rank=self.pp_rank))
         try:
-            handle = self.control.start(task.request_id, task.params, task.local_block_ids,
+            handle = self.control.start(task.request_id, params, task.local_block_ids,
                                         on_finished=lambda _rid, error: outcome.append(error))
             # `start` returns as soon as the transfers are submitted. The transfer is timed by itself,
             # as vLLM's own connectors do; the control round trips before it and the DONEs after apart.

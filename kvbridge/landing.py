@@ -1,0 +1,208 @@
+"""Pulls between paged caches arranged differently: land the peer's blocks as they are, rearrange on device.
+
+When prefill and decode differ in KV cache layout (vLLM's six `KVCacheLayout`s, vllm-ascend's
+`(K, V)` tuples), block size, or TP with token-major (NHD) blocks, copying bytes in place would take
+a descriptor per token. Instead the decode rank reads the peer's blocks of a request whole (every
+head the peer holds, every layer), in the peer's own physical order, into a registered landing
+buffer on its own device: the descriptors are the peer's contiguous runs (one per layer and block
+for layer-outermost layouts, one per block of all layers for block-outermost ones, merged over
+consecutive block ids). Then one vectorized torch rearrangement (view, permute, head and token
+selection, re-blocking) writes them into the decode cache's own layout, per layer.
+
+Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
+zero-copy path of `kvbridge.planner`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.layout import KVLayout, PagedGeometry
+from kvbridge.memory import Descriptors, merge_runs
+from kvbridge.topology import Pull
+
+log = logging.getLogger(__name__)
+
+MIN_LANDING_BYTES = 1 << 20
+
+
+def direct(local: KVLayout, remote: KVLayout) -> bool:
+    """Whether blocks can be read byte for byte into place (the planner's path)."""
+    a, b = local.paged, remote.paged
+    if a is None or b is None:
+        return True
+    if (a.name, a.order, a.block_size) != (b.name, b.order, b.block_size) or \
+            [(p.kind, p.content) for p in a.planes] != [(p.kind, p.content) for p in b.planes]:
+        return False
+    if a.heads == b.heads:
+        return a.same_arrangement(b)
+    return all(r.order == "HND" for r in (*local.regions, *remote.regions))
+
+
+def _compact_strides(order: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """Byte strides of a dense array of logical `sizes` laid out in physical `order`."""
+    strides, cur = [0] * len(sizes), 1
+    for d in reversed(order):
+        strides[d] = cur
+        cur *= sizes[d]
+    return strides
+
+
+def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descriptors, list[tuple[int, list[int]]], int]:
+    """(landing offset, remote address, length) runs that copy `blocks` of `g` into a compact buffer in
+    `g`'s own physical order, each plane's (offset, strides) in that buffer, and its size in bytes."""
+    n, layers = len(blocks), len(g.planes[0].layer_addrs)
+    order = g.order
+    heads_outer = order.index(2) < max(order.index(0), order.index(1))  # LHBNC, BHLNC: a head is its own run
+    parts, planes, off = [], [], 0
+    for p in g.planes:
+        sizes = (layers, n, g.heads, g.block_size, p.content)
+        st = _compact_strides(order, sizes)
+        hs = np.arange(g.heads, dtype=np.int64)[None, None, :] if heads_outer else np.zeros((1, 1, 1), np.int64)
+        remote = (np.asarray(p.layer_addrs, dtype=np.int64)[:, None, None] + blocks[None, :, None] * p.block_stride
+                  + hs * p.head_stride)
+        local = (off + np.arange(layers, dtype=np.int64)[:, None, None] * st[0]
+                 + np.arange(n, dtype=np.int64)[None, :, None] * st[1] + hs * st[2])
+        length = (1 if heads_outer else g.heads) * g.block_size * p.content
+        parts.append(np.stack([local.ravel(), remote.ravel(), np.full(local.size, length, np.int64)], axis=1))
+        planes.append((off, st))
+        off += layers * n * g.heads * g.block_size * p.content
+    desc = np.concatenate(parts)
+    return merge_runs(desc[np.argsort(desc[:, 0], kind="stable")]), planes, off
+
+
+def write_logical(views: Sequence[Sequence[Any]], contents: Sequence[int], blocks: Any, heads: tuple[int, int],
+                  data: Any) -> None:
+    """Write `data` `[L, n, h, N, C]` (bytes) into blocks `blocks` and heads [h0, h1) of a cache given as
+    per-plane, per-layer uint8 views `[B, H, N, c]`; planes split C in order."""
+    c0 = 0
+    for plane, c in zip(views, contents):
+        for layer, view in enumerate(plane):
+            view[:, heads[0]:heads[1]][blocks] = data[layer, ..., c0:c0 + c]
+        c0 += c
+
+
+def read_logical(views: Sequence[Sequence[Any]], blocks: Any) -> Any:
+    """`[L, n, H, N, C]` bytes of blocks `blocks` of a cache given as per-plane, per-layer uint8 views."""
+    import torch
+
+    return torch.cat([torch.stack([view[blocks] for view in plane]) for plane in views], dim=-1)
+
+
+class Landed:
+    """One pull's landing: its descriptors, then `finish(ok)` rearranges into the cache (or only frees)."""
+
+    def __init__(self, receiver: Receiver, buf: Any, descriptors: Descriptors, action: Any) -> None:
+        self._receiver, self._buf, self.descriptors, self._action = receiver, buf, descriptors, action
+
+    def finish(self, ok: bool) -> None:
+        try:
+            if ok:
+                self._action(self._buf)
+        finally:
+            self._receiver.release(self._buf)
+
+
+class Receiver:
+    """A decode rank's landing buffers (registered once each, reused) and the rearrangement into its cache.
+
+    `views`: per plane, per layer, uint8 views `[B, H, N, c]` of the rank's cache (`cache.py` builds them).
+    """
+
+    def __init__(self, backend: Any, layout: KVLayout, views: Sequence[Sequence[Any]]) -> None:
+        if layout.paged is None:
+            raise ConfigError("a landing receiver needs a paged layout (PagedGeometry)")
+        self.backend = backend
+        self.layout = layout
+        self.geometry = layout.paged
+        self.views = [list(v) for v in views]
+        self.device = self.views[0][0].device
+        self._free: list[Any] = []
+        self._all: list[Any] = []
+        self._lock = threading.Lock()
+
+    def direct(self, remote: KVLayout) -> bool:
+        return direct(self.layout, remote)
+
+    def prepare(self, request_id: str, pull: Pull, remote: KVLayout, remote_blocks: Sequence[int],
+                local_blocks: Sequence[int], tokens: int) -> Landed:
+        """Descriptors that land the peer's blocks of the request, and the rearrangement after them."""
+        g, mine = remote.paged, self.geometry
+        if g is None:
+            raise ConfigError(f"request {request_id}: the prefill rank sent no cache geometry; update kvbridge there")
+        for name, a, b in (("layers", len(mine.planes[0].layer_addrs), len(g.planes[0].layer_addrs)),
+                           ("content bytes", mine.content, g.content),
+                           ("attention", self.layout.model.attention, remote.model.attention),
+                           ("dtype", self.layout.model.dtype, remote.model.dtype)):
+            if a != b:
+                raise LayoutMismatch(name, a, b, f"prefill ({g.name}) and decode ({mine.name}) hold different models")
+        if pull.src_step != 1 or pull.dst_step != 1 or pull.first_block:
+            raise ConfigError(f"request {request_id}: {g.name} -> {mine.name} with context parallelism needs the "
+                              "same layout and block size on both sides")
+        n_src, n_dst = -(-tokens // g.block_size), -(-tokens // mine.block_size)
+        if len(remote_blocks) < n_src or len(local_blocks) < n_dst:
+            raise ConfigError(f"request {request_id}: {tokens} tokens need {n_src} prefill and {n_dst} decode blocks, "
+                              f"got {len(remote_blocks)} and {len(local_blocks)}")
+        src = np.asarray(remote_blocks[:n_src], dtype=np.int64)
+        dst = np.asarray(local_blocks[:n_dst], dtype=np.int64)
+        if src.min() < 0 or src.max() >= g.num_blocks or dst.min() < 0 or dst.max() >= mine.num_blocks:
+            raise ConfigError(f"request {request_id}: block ids out of range")
+        desc, planes, nbytes = landing_descriptors(g, src)
+        buf = self.acquire(nbytes)
+        desc = desc.copy()
+        desc[:, 0] += buf.data_ptr()
+
+        def rearrange(landing: Any) -> None:
+            import torch
+            layers = len(g.planes[0].layer_addrs)
+            x = torch.cat([
+                torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, off)
+                for p, (off, st) in zip(g.planes, planes)
+            ], dim=-1)[:, :, pull.src_heads[0]:pull.src_heads[1]]
+            h = x.shape[2]
+            z = x.permute(0, 2, 1, 3, 4).reshape(layers, h, n_src * g.block_size, -1)[:, :, :tokens]
+            pad = n_dst * mine.block_size - tokens
+            if pad:
+                z = torch.nn.functional.pad(z, (0, 0, 0, pad))
+            y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
+            write_logical(self.views, [p.content for p in mine.planes], torch.from_numpy(dst).to(self.device),
+                          pull.dst_heads, y)
+
+        return Landed(self, buf, desc, rearrange)
+
+    def acquire(self, nbytes: int) -> Any:
+        """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once)."""
+        import torch
+
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._free.remove(buf)
+                return buf
+        size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        self.backend.register_memory(buf)
+        log.debug("landing buffer of %d bytes registered", size)
+        with self._lock:
+            self._all.append(buf)
+        return buf
+
+    def release(self, buf: Any) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            bufs, self._all, self._free = self._all, [], []
+        for buf in bufs:
+            try:
+                self.backend.unregister_memory(buf)
+            except Exception as exc:  # the backend may already be closed with everything it registered
+                log.debug("landing buffer unregister: %s", exc)

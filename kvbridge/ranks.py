@@ -1,0 +1,37 @@
+"""Engine-neutral rank wiring: which port each rank's side channel listens on, and which ports a
+rank of the other engine reads from. Engine adapters (vLLM's connector, LMDeploy's backend) call
+these instead of doing port arithmetic of their own.
+
+Within one engine, rank (dp, pp, tp) listens on `base + (dp * pp_size + pp) * tp_size + tp`, so
+every (PP, TP) rank of every DP rank has its own port (vLLM's NIXL convention for TP, extended).
+A DP rank publishes the base of its own group (`group_port`) in the kv_transfer_params, and a reader
+finds TP rank r of that group at `group_port + r` (`kvbridge.control.discovery.resolve`). With
+pipeline parallelism each stage holds its own layers, so a decode rank of stage s reads the same
+stage of prefill (both engines need the same PP size): `stage_port` moves the group base there.
+"""
+
+from __future__ import annotations
+
+from kvbridge.errors import ConfigError
+
+
+def side_channel_port(base: int, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                      dp_index: int = 0) -> int:
+    """The port rank (dp_index, pp_rank, tp_rank) of an engine listens on."""
+    for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size)):
+        if not 0 <= rank < size:
+            raise ConfigError(f"{name} rank {rank} is outside {name} size {size}")
+    port = base + (dp_index * pp_size + pp_rank) * tp_size + tp_rank
+    if not 0 < port < 65536:
+        raise ConfigError(f"side channel port {port} (base {base}) is out of range; pick a lower side_channel_port")
+    return port
+
+
+def group_port(base: int, *, tp_size: int = 1, pp_size: int = 1, dp_index: int = 0) -> int:
+    """The base port of DP rank `dp_index`'s group (its first stage's TP rank 0), as peers are told."""
+    return side_channel_port(base, tp_size=tp_size, pp_size=pp_size, dp_index=dp_index)
+
+
+def stage_port(remote_group_port: int, *, remote_tp_size: int, pp_rank: int) -> int:
+    """The base port of pipeline stage `pp_rank` in a remote group published at `remote_group_port`."""
+    return remote_group_port + pp_rank * remote_tp_size

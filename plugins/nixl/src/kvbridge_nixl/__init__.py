@@ -1,0 +1,1 @@
+"""kvbridge transport on NVIDIA NIXL."""

@@ -1,0 +1,327 @@
+"""`MigrationBackend` on NIXL's Python API (`nixl_agent`).
+
+How the contract maps onto NIXL:
+- endpoint: the agent's name is the address; its metadata (`get_agent_metadata()`, which carries the
+  registered memory's remote keys) travels in `EndpointInfo.extra`; `connect` is `add_remote_agent`.
+- registration: one `register_memory` per region, so each can be deregistered on its own.
+- transfer: one NIXL request per submission, built from numpy arrays in one C++ call
+  (`initialize_xfer`, READ for pull, WRITE for push); no per-descriptor Python work.
+- progress: NIXL's own progress thread polls its workers with no delay (a core per agent while idle),
+  so by default it is off and one thread of this backend drives progress instead: it polls in-flight
+  requests while there are any and otherwise, every `progress_interval` seconds, lets NIXL progress
+  for peers that read from this agent (connection set-up needs the passive side to answer).
+- every request handle is released on every path: completion, error, timeout and close (abort).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+import numpy as np
+from kvbridge.backend import MigrationBackend, Op, Peer
+from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
+from kvbridge.memory import Descriptors
+from kvbridge.options import as_dict, parse
+from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
+
+from kvbridge_nixl.plugin import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
+
+log = logging.getLogger(__name__)
+
+_MEM_TYPES = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
+_METADATA_KEY = "nixl_agent_metadata"
+
+
+@attrs.define(eq=False)
+class _InFlight:
+    handle: Any
+    future: Future
+    peer: str
+    what: str
+    deadline: float
+
+
+class NixlBackend(MigrationBackend):
+    """NIXL agent with one peer backend (the protocol: `ucx` by default, `libfabric`, ...)."""
+
+    name = "nixl"
+    capabilities = capabilities()
+
+    @classmethod
+    def from_config(cls, config: BackendConfig) -> NixlBackend:
+        """Build from `config.options` (checked against `NixlOptions`; `workers` is the base class's)."""
+        opts = as_dict(parse(NixlOptions, config.options, what="backend 'nixl'"))
+        opts.pop("workers")
+        return cls(config, **opts)
+
+    def __init__(
+        self,
+        config: BackendConfig,
+        *,
+        progress_thread: bool = False,
+        progress_interval: float = 0.005,
+        poll_interval: float = 0.0,
+        num_threads: int = 0,
+        transfer_timeout: float = 120.0,
+        agent_name: str = "",
+    ) -> None:
+        """
+        progress_thread: use NIXL's own progress thread (it busy-polls: about a core per agent while idle).
+        progress_interval: seconds between progress calls while idle, when `progress_thread` is off.
+        poll_interval: seconds between polls of in-flight requests (0: yield the CPU between polls).
+        num_threads: worker threads of the NIXL backend (UCX, LIBFABRIC); 0 keeps NIXL's default.
+        transfer_timeout: seconds after which an unfinished request is aborted and fails.
+        agent_name: this agent's name (unique per process by default).
+        """
+        super().__init__(config)
+        reason = probe()
+        if reason:
+            raise PluginUnavailable("backend", "nixl", reason, INSTALL_HINT)
+        if progress_interval <= 0 or transfer_timeout <= 0 or poll_interval < 0:
+            raise ConfigError("nixl: progress_interval and transfer_timeout must be > 0, poll_interval >= 0")
+        api = nixl_api()
+        self._nixl_backend = self.protocol.upper()
+        self._name = agent_name or f"kvbridge-{config.hostname}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._own_progress = not progress_thread
+        self._progress_interval = float(progress_interval)
+        self._poll_interval = float(poll_interval)
+        self._timeout = float(transfer_timeout)
+        conf = api.nixl_agent_config(enable_prog_thread=bool(progress_thread), backends=[],
+                                     num_threads=int(num_threads))
+        self._agent = api.nixl_agent(self._name, conf)
+        init = {"num_threads": str(int(num_threads))} if num_threads else {}
+        try:
+            self._agent.create_backend(self._nixl_backend, init)
+        except Exception as exc:  # NIXL raises its own binding errors; the plugin's library may be missing
+            raise ConfigError(
+                f"NIXL could not start its {self._nixl_backend} backend ({type(exc).__name__}: {exc}). "
+                f"NIXL plugins on this machine: {self._agent.get_plugin_list()}; a plugin that is listed but "
+                "fails to load lacks its system library (libfabric for LIBFABRIC, DOCA for GPUNETIO). "
+                "Choose another protocol or install the library"
+            ) from exc
+        self._agent_lock = threading.Lock()  # NIXL agents are not thread-safe in their default sync mode
+        self._reg: dict[int, Any] = {}
+        self._remote: dict[str, int] = {}  # remote agent name -> connected peers using it
+        self._inflight: list[_InFlight] = []
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._progress = threading.Thread(target=self._progress_loop, name="kvbridge-nixl-progress", daemon=True)
+        self._progress.start()
+        log.info("nixl agent %s up with backend %s (own progress thread: %s)", self._name, self._nixl_backend,
+                 progress_thread)
+
+    # -- registration and endpoints --------------------------------------------------------
+
+    def _descs(self, regions: Sequence[MemoryRegion]) -> tuple[np.ndarray, str]:
+        kinds = {r.kind for r in regions}
+        if len(kinds) != 1:
+            raise ConfigError("nixl: register host and device memory in separate calls")
+        rows = np.array([(r.addr, r.length, max(r.device_id, 0)) for r in regions], dtype=np.uint64)
+        return rows, _MEM_TYPES[kinds.pop()]
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        with self._agent_lock:
+            for r in regions:
+                rows, mem = self._descs([r])
+                try:
+                    self._reg[r.addr] = self._agent.register_memory(rows, mem, backends=[self._nixl_backend])
+                except Exception as exc:
+                    raise ConfigError(f"NIXL could not register {r.length} bytes of {mem} at {r.addr:#x}: {exc}"
+                                      ) from exc
+
+    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        with self._agent_lock:
+            for r in regions:
+                reg = self._reg.pop(r.addr, None)
+                if reg is None:
+                    continue
+                try:
+                    self._agent.deregister_memory(reg, backends=[self._nixl_backend])
+                except Exception as exc:  # nothing to do but say so; the memory stays pinned until exit
+                    log.warning("nixl: deregistering %d bytes at %#x failed: %s", r.length, r.addr, exc)
+
+    def _address(self) -> str:
+        return self._name
+
+    def endpoint(self) -> EndpointInfo:
+        base = super().endpoint()
+        with self._agent_lock:
+            meta = self._agent.get_agent_metadata()
+        return attrs.evolve(base, extra={_METADATA_KEY: base64.b64encode(meta).decode("ascii")})
+
+    def _connect(self, endpoint: EndpointInfo) -> Any:
+        meta = endpoint.extra.get(_METADATA_KEY)
+        if not meta:
+            raise ConfigError(f"nixl endpoint {endpoint.address!r} carries no agent metadata; "
+                              "it was not produced by this plugin's endpoint_info()")
+        with self._agent_lock:
+            # Metadata is taken fresh on every connect: it carries the regions registered since the last one.
+            try:
+                name = self._agent.add_remote_agent(base64.b64decode(meta))
+                name = name.decode() if isinstance(name, bytes) else name
+            except Exception as exc:
+                raise ConfigError(f"NIXL refused the metadata of agent {endpoint.address!r}: {exc}") from exc
+            self._remote[name] = self._remote.get(name, 0) + 1
+        return name
+
+    def _disconnect(self, peer: Peer) -> None:
+        with self._agent_lock:
+            left = self._remote.get(peer.handle, 0) - 1
+            if left > 0:
+                self._remote[peer.handle] = left
+                return
+            self._remote.pop(peer.handle, None)
+            try:
+                self._agent.remove_remote_agent(peer.handle)
+            except Exception as exc:
+                log.debug("nixl: removing agent %s: %s", peer.handle, exc)
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
+        future: Future = Future()
+        # A KV cache lives on one device per side, so the first descriptor's region names memory type and device.
+        mine = _region_at(self._local.regions, int(desc[0, 0]))
+        theirs = _region_at(peer.regions.regions, int(desc[0, 1]))
+        n = len(desc)
+        local = np.empty((n, 3), dtype=np.uint64)
+        remote = np.empty((n, 3), dtype=np.uint64)
+        local[:, 0], local[:, 1], local[:, 2] = desc[:, 0], desc[:, 2], max(mine.device_id, 0)
+        remote[:, 0], remote[:, 1], remote[:, 2] = desc[:, 1], desc[:, 2], max(theirs.device_id, 0)
+        mem, remote_mem = _MEM_TYPES[mine.kind], _MEM_TYPES[theirs.kind]
+        what = f"NIXL {op} of {n} descriptors ({int(desc[:, 2].sum())} bytes) with agent {peer.handle}"
+        with self._agent_lock:
+            if self._closed:
+                future.set_exception(TransferFailed(f"{what} aborted: the backend is closed", peer=peer.handle,
+                                                    cause="closed"))
+                return future
+            handle = None
+            try:
+                # Let NIXL take in what peers sent (a departed agent's disconnect above all) before posting.
+                self._agent.get_new_notifs()
+                ldesc = self._agent.get_xfer_descs(local, mem)
+                rdesc = self._agent.get_xfer_descs(remote, remote_mem)
+                handle = self._agent.initialize_xfer("READ" if op == "read" else "WRITE", ldesc, rdesc, peer.handle,
+                                                     backends=[self._nixl_backend])
+                state = self._agent.transfer(handle)
+            except Exception as exc:  # e.g. the peer's agent is gone or its memory was deregistered
+                if handle is not None:
+                    self._release(handle, what)
+                future.set_exception(self._failed(what, peer.handle, f"{type(exc).__name__}: {exc}"))
+                return future
+            if state == "PROC":
+                self._inflight.append(_InFlight(handle, future, peer.handle, what, time.monotonic() + self._timeout))
+                self._wake.set()
+                return future
+            self._release(handle, what)
+        if state == "DONE":
+            future.set_result(None)
+        else:
+            future.set_exception(self._failed(what, peer.handle, "NIXL reported ERR on post"))
+        return future
+
+    @staticmethod
+    def _failed(what: str, peer: str, cause: str) -> TransferFailed:
+        return TransferFailed(f"{what} failed: {cause}. Check that the peer is alive and its memory registered",
+                              peer=peer, cause=cause)
+
+    def _release(self, handle: Any, what: str) -> None:
+        """Release a request handle (NIXL cancels it if still running); called with the agent lock held."""
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # NIXL could not cancel it: it keeps the handle and frees it with the agent
+            log.warning("nixl: releasing the request of %s failed: %s", what, exc)
+
+    def _progress_loop(self) -> None:
+        while not self._stop.is_set():
+            finished: list[tuple[_InFlight, BaseException | None]] = []
+            with self._agent_lock:
+                busy = bool(self._inflight)
+                if busy:
+                    finished = self._poll()
+                elif self._own_progress:
+                    try:
+                        self._agent.get_new_notifs()  # progresses NIXL's workers for peers reading from us
+                    except Exception as exc:
+                        log.debug("nixl: idle progress: %s", exc)
+            for item, error in finished:
+                if error is None:
+                    item.future.set_result(None)
+                else:
+                    item.future.set_exception(error)
+            if busy:
+                if self._poll_interval:
+                    time.sleep(self._poll_interval)
+                else:
+                    os.sched_yield()
+            else:
+                self._wake.wait(self._progress_interval if self._own_progress else None)
+                self._wake.clear()
+
+    def _poll(self) -> list[tuple[_InFlight, BaseException | None]]:
+        """Check every in-flight request once; release and return the finished ones (agent lock held)."""
+        now = time.monotonic()
+        finished: list[tuple[_InFlight, BaseException | None]] = []
+        keep = []
+        for item in self._inflight:
+            try:
+                state = self._agent.check_xfer_state(item.handle)
+            except Exception as exc:
+                state, cause = "ERR", f"{type(exc).__name__}: {exc}"
+            else:
+                cause = "NIXL reported ERR"
+            if state == "DONE":
+                finished.append((item, None))
+            elif state == "ERR":
+                finished.append((item, self._failed(item.what, item.peer, cause)))
+            elif now > item.deadline:
+                finished.append((item, TransferTimeout(
+                    f"{item.what} did not finish within {self._timeout}s and was aborted; check that the peer is "
+                    "alive and reachable", peer=item.peer, cause="timeout")))
+            else:
+                keep.append(item)
+                continue
+            self._release(item.handle, item.what)
+        self._inflight = keep
+        return finished
+
+    def close(self) -> None:
+        """Abort what is in flight, then unregister and drop the agent."""
+        with self._lock:
+            closing = not self._closed
+        if closing:
+            self._stop.set()
+            self._wake.set()
+            self._progress.join(timeout=10)
+            with self._agent_lock:
+                aborted, self._inflight = self._inflight, []
+                for item in aborted:
+                    self._release(item.handle, item.what)
+            for item in aborted:
+                item.future.set_exception(TransferFailed(f"{item.what} aborted: the backend was closed",
+                                                         peer=item.peer, cause="closed"))
+        super().close()
+
+    def _shutdown(self) -> None:
+        with self._agent_lock:
+            for name in list(self._remote):
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception as exc:
+                    log.debug("nixl: removing agent %s: %s", name, exc)
+            self._remote.clear()
+            self._agent = None
+
+
+def _region_at(regions: Sequence[MemoryRegion], addr: int) -> MemoryRegion:
+    """The region holding `addr` (bounds were checked before submission, so there is one)."""
+    return next(r for r in regions if r.addr <= addr < r.end)

@@ -1,0 +1,105 @@
+"""Registers the `nixl` transport. Imports nothing from NIXL until the backend is created or probed."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import attrs
+import kvbridge
+from kvbridge.options import TransportOptions, option
+from kvbridge.types import BackendCapabilities, MemoryKind
+
+KVBRIDGE_PLUGIN_API = 1
+
+# NIXL backends that move memory between two agents (kvbridge's protocols, lower case). NIXL's other
+# plugins (POSIX, GDS, GDS_MT, OBJ, ...) move memory to and from storage, which is not a peer transfer.
+PEER_BACKENDS = ("UCX", "LIBFABRIC", "GPUNETIO", "UCCL")
+
+# The meta package `nixl` picks the variant matching the CUDA found (what vLLM imports); without it,
+# the variant wheels are tried directly.
+_API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+INSTALL_HINT = (
+    "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 (--no-deps: the wheel otherwise pulls a CUDA torch; "
+    "nixl-cu13 on CUDA 13)"
+)
+
+
+@attrs.frozen
+class NixlOptions(TransportOptions):
+    """Options of the `nixl` transport (docs/nixl.md says why NIXL's own progress thread is off by default)."""
+
+    progress_thread: bool = option(False, "use NIXL's own progress thread (it busy-polls: about a core per agent)")
+    progress_interval: float = option(0.005, "seconds between progress calls while idle, when progress_thread is off")
+    poll_interval: float = option(0.0, "seconds between polls of in-flight requests (0: yield the CPU between polls)")
+    num_threads: int = option(0, "worker threads of the NIXL backend (UCX, LIBFABRIC); 0: NIXL's default")
+    transfer_timeout: float = option(120.0, "seconds after which an unfinished request is aborted and fails")
+    agent_name: str = option("", "this agent's NIXL name (default: unique per process)")
+
+
+def nixl_api() -> ModuleType:
+    """NIXL's Python API module (`nixl_agent`, `nixl_agent_config`); ImportError when none is installed."""
+    errors = []
+    for name in _API_MODULES:
+        try:
+            api = importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if "NIXL_LOG_LEVEL" not in os.environ:
+            # NIXL's Python logger writes INFO lines to stdout (one per agent and backend), which would mix into
+            # a program's output; keep it to warnings unless the user asked for more.
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
+    raise ImportError("; ".join(errors))
+
+
+def shipped_backends() -> tuple[str, ...]:
+    """The peer backends whose NIXL plugin library is installed, found by file name (no import)."""
+    found: set[str] = set()
+    for pkg in ("nixl_cu12", "nixl_cu13"):
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.origin:
+            continue
+        libs = Path(spec.origin).parent.parent / f"{pkg}.libs" / "nixl"
+        found.update(p.name[len("libplugin_") : -len(".so")] for p in libs.glob("libplugin_*.so"))
+    return tuple(b for b in PEER_BACKENDS if b in found) or ("UCX",)
+
+
+def capabilities() -> BackendCapabilities:
+    return BackendCapabilities(
+        protocols=tuple(b.lower() for b in shipped_backends()),
+        memory_kinds={MemoryKind.DRAM, MemoryKind.VRAM},
+        read=True,
+        write=True,
+        notifications=False,
+        # one NIXL request per submission: NIXL takes the whole list in one C++ call
+        max_batch=None,
+    )
+
+
+def probe() -> str | None:
+    """Why NIXL cannot run here, or None."""
+    try:
+        nixl_api()
+    except ImportError as exc:
+        return f"NIXL's Python API is not importable ({exc})"
+    return None
+
+
+def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
+    from kvbridge_nixl.backend import NixlBackend
+
+    return NixlBackend.from_config(config)
+
+
+@kvbridge.hookimpl
+def kvbridge_register_backends(register: Callable[..., None]) -> None:
+    register("nixl", _factory, capabilities=capabilities(), probe=probe, install_hint=INSTALL_HINT,
+             options=NixlOptions)

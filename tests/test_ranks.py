@@ -1,0 +1,32 @@
+"""Rank wiring: every (DP, PP, TP) rank of an engine gets its own side-channel port; readers find them."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.ranks import group_port, side_channel_port, stage_port
+
+
+def test_every_rank_has_its_own_port() -> None:
+    dp, pp, tp = 2, 3, 4
+    ports = [side_channel_port(5800, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=d)
+             for d, p, t in itertools.product(range(dp), range(pp), range(tp))]
+    assert len(set(ports)) == dp * pp * tp and min(ports) == 5800 and max(ports) == 5800 + dp * pp * tp - 1
+
+
+def test_reader_finds_the_rank_of_its_stage() -> None:
+    tp, pp = 2, 2
+    for d, p, t in itertools.product(range(2), range(pp), range(tp)):
+        published = group_port(7000, tp_size=tp, pp_size=pp, dp_index=d)
+        found = stage_port(published, remote_tp_size=tp, pp_rank=p) + t  # discovery adds the TP rank
+        assert found == side_channel_port(7000, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=d)
+
+
+def test_bad_ranks_are_refused() -> None:
+    with pytest.raises(ConfigError, match="tp rank 2"):
+        side_channel_port(5800, tp_rank=2, tp_size=2)
+    with pytest.raises(ConfigError, match="out of range"):
+        side_channel_port(65530, tp_rank=7, tp_size=8)
