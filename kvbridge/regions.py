@@ -27,8 +27,10 @@ def device_type(tensor: Any) -> str:
 def _tensors(x: Any) -> list[Any]:
     if is_tensor_like(x):
         return [x]
-    if isinstance(x, Iterable) and not isinstance(x, (str, bytes, tuple)) and not hasattr(x, "ctypes"):
-        return [t for item in x for t in _tensors(item)]
+    if isinstance(x, tuple) and all(isinstance(v, int) for v in x):
+        return []  # an (address, bytes) pair
+    if isinstance(x, Iterable) and not isinstance(x, (str, bytes)) and not hasattr(x, "ctypes"):
+        return [t for item in x for t in _tensors(item)]  # lists, dict values, vllm-ascend's (K, V) tuples
     return []
 
 

@@ -387,7 +387,8 @@ def copy_ranges(dst: Any, src: Any, dst_offsets: Sequence[int] | np.ndarray, src
     unit = int(np.gcd.reduce(runs.reshape(-1)))
     d_rows, s_rows = _rows(runs[:, 0], runs[:, 2], unit), _rows(runs[:, 1], runs[:, 2], unit)
     if both_numpy:  # flat byte buffers are contiguous, so these reshapes are views
-        dst[: len(dst) // unit * unit].reshape(-1, unit)[d_rows] = src[: len(src) // unit * unit].reshape(-1, unit)[s_rows]
+        rows_in = src[: len(src) // unit * unit].reshape(-1, unit)
+        dst[: len(dst) // unit * unit].reshape(-1, unit)[d_rows] = rows_in[s_rows]
         return
     import torch
 

@@ -109,11 +109,14 @@ def test_kvagent_refuses_a_device_that_is_not_the_tensors(npu: Any) -> None:
 
 def test_regions_and_locations_come_from_the_device_plugin(npu: Any) -> None:
     import torch
+
     from kvbridge_mooncake.backend import registrations
 
     device = kvbridge.get_device("npu")
     a = torch.zeros(4 << 20, dtype=torch.uint8, device="npu:1")
     assert device_of([a]) is device and local_device() is device  # the accelerator this process has
+    assert device_of({"layer.0": (a, a)}.values()) is device  # vllm-ascend's per-layer (K, V) tuples
+    assert device_of([(a.data_ptr(), 16)]) is kvbridge.get_device("cpu")  # an address says no device
     (region,) = regions_of(a)
     assert (region.kind, region.device_id) == (MemoryKind.NPU, 1)
     host = MemoryRegion(4096, 4096)

@@ -170,7 +170,8 @@ class DeviceConformance:
         perm = rng.permutation(BLOCKS)[:MOVED]
         data = rng.integers(0, 256, BLOCKS * BLOCK, dtype=np.uint8)
         with _pair(name, protocol, device, staged) as (a, b):
-            src, dst = device.allocate(BLOCKS * BLOCK, self.device_ids[0]), device.allocate(BLOCKS * BLOCK, self.device_ids[-1])
+            src = device.allocate(BLOCKS * BLOCK, self.device_ids[0])
+            dst = device.allocate(BLOCKS * BLOCK, self.device_ids[-1])
             device.from_host(src, data)
             a.register_memory(src)
             b.register_memory(dst)

@@ -43,15 +43,14 @@ from lmdeploy.pytorch.disagg.messages import DistServeRegisterMRMessage, Migrati
 
 from kvbridge import staging, wire
 from kvbridge.adapters.lmdeploy.metrics import TransferMetrics
+from kvbridge.adapters.lmdeploy.plan import InstructPlan, describe, instruct_array, plan
+from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
 from kvbridge.plugins import create_backend, get_device
 from kvbridge.regions import local_device
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
-
-from kvbridge.adapters.lmdeploy.plan import InstructPlan, describe, instruct_array, plan
-from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 
 log = logging.getLogger(__name__)
 

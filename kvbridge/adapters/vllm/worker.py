@@ -30,6 +30,7 @@ from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Le
 from kvbridge.errors import KVBridgeError
 from kvbridge.landing import Receiver
 from kvbridge.ranks import side_channel_port, stage_port
+from kvbridge.regions import device_of
 from kvbridge.topology import ParallelConfig
 
 if TYPE_CHECKING:
@@ -114,7 +115,9 @@ class WorkerSide:
         layout, storages = describe_kv_caches(kv_caches, layout=self.kv_layout, block_size=self.block_size,
                                               tp_size=self.tp_size, mla=self.mla, backend=self.backend_name)
         s = self.settings
+        # storages are addresses: the device plugin comes from the KV tensors (cuda, npu, ...; cpu here)
         self.agent = KVAgent(self.engine_id, self.rank, self.parallel, layout, storages,
+                             device=device_of(list(kv_caches.values())).name,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
                              metadata_server=s.metadata_server, **s.transport_options())
         self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))

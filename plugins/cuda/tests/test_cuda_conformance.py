@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvbridge_cuda.plugin import probe
 
 from kvbridge.testing import DeviceConformance, UnavailableDeviceConformance
+from kvbridge_cuda.plugin import probe
 
 NO_GPU = probe()
 

@@ -34,7 +34,6 @@ from kvbridge.memory import Descriptors
 from kvbridge.options import as_dict, parse
 from kvbridge.plugins import device_for_memory
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
-
 from kvbridge_mooncake import spec
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
 from kvbridge.options import TransportOptions, option
 from kvbridge.types import BackendCapabilities, MemoryKind
 
