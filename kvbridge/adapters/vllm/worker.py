@@ -40,6 +40,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _security_options(s: Settings) -> dict[str, object]:
+    """The shared secret for transports that authenticate with it (kvbridge's tcp); others (Mooncake,
+    loopback) do not take it, and refuse unknown options."""
+    from kvbridge.plugins import registry
+
+    entry = registry().backends.get(s.migration_backend.lower())
+    declared = {o.name for o in entry.option_infos()} if entry is not None else set()
+    return {k: v for k, v in (("secret", s.secret), ("insecure", s.insecure)) if k in declared}
+
+
 def is_mla(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bool:
     """MLA (one latent per token) as vLLM's KV cache specs or model config say."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -116,7 +126,7 @@ class WorkerSide:
         s = self.settings
         self.agent = KVAgent(self.engine_id, self.rank, self.parallel, layout, storages,
                              backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server, secret=s.secret, insecure=s.insecure)
+                             metadata_server=s.metadata_server, **_security_options(s))
         self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
         self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
                                      timeout_s=s.pull_timeout_s)
