@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(
             f"kvbridge bench --engine vllm-connector: {r['prefill']} {r['prefill_layout']} "
-            f"(block {r['prefill_block_size']}) -> {r['decode']} {r['decode_layout']} (block {r['decode_block_size']}), {r['model']}, "
+            f"(block {r['prefill_block_size']}) -> {r['decode']} {r['decode_layout']} "
+            f"(block {r['decode_block_size']}), {r['model']}, "
             f"{r['tokens']} tokens x {r['requests']} requests",
             ["MiB", "seconds", "GB/s", "descriptors/request", "bound 2 x layers x blocks", "verified"],
             [(f"{r['bytes'] / 2**20:.2f}", f"{r['seconds']:.3f}", f"{r['gbps']:.3f}", r["descriptors_per_request"],
