@@ -356,3 +356,17 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     assert samples[("kvbridge_transfer_failures_total", "lease")] == 1
     assert samples[("kvbridge_lease_events_total", "offered")] == 2
     assert (samples[("kvbridge_leases_held", None)], samples[("kvbridge_blocks_held", None)]) == (1, 2)
+
+
+def test_required_kv_cache_layout_comes_from_extra_config() -> None:
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvbridge.adapters.vllm.connector import KVBridgeConnector
+
+    def config(extra: dict) -> VllmConfig:
+        return VllmConfig(kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role="kv_both", kv_connector_extra_config={"migration_backend": "tcp", **extra}))
+
+    assert KVBridgeConnector.get_required_kvcache_layout(config({"kv_cache_layout": "LBHNC"})) == "LBHNC"
+    assert KVBridgeConnector.get_required_kvcache_layout(config({})) is None

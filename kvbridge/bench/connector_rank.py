@@ -159,10 +159,10 @@ class Rank:
                 wrong = int(np.count_nonzero(flat(got) != flat(exp)))
                 if wrong or r["id"] not in done:
                     bad[r["id"]] = wrong
+        pulls = data.get("pulls", [])  # [transport, peer, transfer_s, control_s, bytes, descriptors] per pull
         return {"seconds": seconds, "missing": sorted(want - done), "load_errors": errors[:8],
-                "bytes": int(sum(data.get("bytes_transferred", []))),
-                "descriptors": [int(d) for d in data.get("num_descriptors", [])],
-                "transfer_s": float(sum(data.get("transfer_duration", []))), "bad": bad}
+                "bytes": int(sum(p[4] for p in pulls)), "descriptors": [int(p[5]) for p in pulls],
+                "transfer_s": float(sum(p[2] for p in pulls)), "bad": bad}
 
     def sent(self, ids: list[str], timeout: float = 30.0) -> list[str]:
         """Prefill: wait until get_finished reports every request sent (its blocks freed); the missing ids."""

@@ -66,6 +66,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout the operator asked for in kv_connector_extra_config (vLLM uses it when its attention
+        backends support it); None: kvbridge moves every layout vLLM resolves."""
+        config = vllm_config.kv_transfer_config
+        if config is None:
+            return None
+        return Settings.from_extra_config(config.kv_connector_extra_config).kv_cache_layout
+
     # -- scheduler side ------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

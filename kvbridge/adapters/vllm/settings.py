@@ -24,6 +24,9 @@ class Settings:
     - `side_channel_port`: base port of the side channel; TP rank r (and DP rank d) listen on
       `port + d * tp_size + r`. Prefill servers on one host need distinct ports.
     - `lease_s`: how long prefill holds a finished request's blocks for its pullers' DONE.
+    - `kv_cache_layout`: a vLLM KV cache layout to ask for (`get_required_kvcache_layout`), e.g. "LBHNC"
+      on both sides when their TP differs, so decode slices heads in place; default: whatever vLLM
+      resolves (every layout works, see docs/vllm.md).
     - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
       ready and to hold the request) before it counts as failed.
     - `secret_file`: a file holding the shared secret (at least 16 bytes, the same on prefill and
@@ -44,6 +47,7 @@ class Settings:
     metadata_server: str | None = None
     lease_s: float = attrs.field(default=120.0, converter=float)
     pull_timeout_s: float = attrs.field(default=60.0, converter=float)
+    kv_cache_layout: str | None = None
     secret_file: str | None = None
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     fault_injection: dict[str, Any] | None = None

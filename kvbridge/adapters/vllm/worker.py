@@ -55,7 +55,8 @@ class WorkerSide:
     """One worker rank of the connector; `from_vllm` reads its place from vLLM's parallel state."""
 
     def __init__(self, engine_id: str, settings: Settings, *, block_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, dp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, kv_layout: str = "LBHNC", mla: bool = False,
+                 dp_index: int = 0, dp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, kv_layout: str = "LBHNC",
+                 mla: bool = False,
                  backend_name: str = "vLLM") -> None:
         self.engine_id = engine_id
         self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
