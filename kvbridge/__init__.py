@@ -83,6 +83,15 @@ from kvbridge.layout import KVLayout, KVRegion, check_compatible  # noqa: E402
 from kvbridge.topology import ParallelConfig, Plan, Pull, plan  # noqa: E402
 
 __all__ += [
-    "KVAgent", "KVLayout", "KVRegion", "ParallelConfig", "Plan", "Pull", "PullHandle", "PullResult", "RankInfo",
-    "check_compatible", "plan",
+    "KVAgent",
+    "KVLayout",
+    "KVRegion",
+    "ParallelConfig",
+    "Plan",
+    "Pull",
+    "PullHandle",
+    "PullResult",
+    "RankInfo",
+    "check_compatible",
+    "plan",
 ]

@@ -89,8 +89,13 @@ class PullResult:
 class PullHandle:
     """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks."""
 
-    def __init__(self, result: PullResult, handles: list[TransferHandle],
-                 on_done: Callable[[PullResult], None] | None, after: Callable[[bool], None]) -> None:
+    def __init__(
+        self,
+        result: PullResult,
+        handles: list[TransferHandle],
+        on_done: Callable[[PullResult], None] | None,
+        after: Callable[[bool], None],
+    ) -> None:
         self.request_id = result.request_id
         self.handles = handles
         self._result = result
@@ -133,8 +138,11 @@ class PullHandle:
         """Block until every transfer finished and `on_done` ran; raise the first transfer error."""
         wait_all(self.handles, timeout)
         if not self._finished.wait(timeout):
-            raise TransferTimeout(f"request {self.request_id}: completion callback still running after {timeout}s",
-                                  request=self.request_id, cause="timeout")
+            raise TransferTimeout(
+                f"request {self.request_id}: completion callback still running after {timeout}s",
+                request=self.request_id,
+                cause="timeout",
+            )
         return self._result
 
     @property
@@ -177,8 +185,10 @@ class KVAgent:
         found = tensor_device(tensors)
         self.device = get_device(device) if device is not None else found or get_device("cpu")
         if found is not None and found is not self.device:
-            raise ConfigError(f"rank {rank}: the KV tensors are {found.name} memory, but device={device!r} "
-                              f"was given; pass device={found.name!r} or leave it out")
+            raise ConfigError(
+                f"rank {rank}: the KV tensors are {found.name} memory, but device={device!r} "
+                f"was given; pass device={found.name!r} or leave it out"
+            )
         self._own_backend = isinstance(backend, str)
         inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
@@ -226,10 +236,12 @@ class KVAgent:
             raise ConfigError(f"block ids must lie in [0, {self.layout.num_blocks}), got {blocks!r}")
         if len(ids) == 0:
             return
-        ranges = np.concatenate([
-            np.stack([r.addr + ids * r.block_stride, np.full(len(ids), r.block_bytes, dtype=np.int64)], axis=1)
-            for r in self.layout.regions
-        ])
+        ranges = np.concatenate(
+            [
+                np.stack([r.addr + ids * r.block_stride, np.full(len(ids), r.block_bytes, dtype=np.int64)], axis=1)
+                for r in self.layout.regions
+            ]
+        )
         self.backend.publish(ranges)
 
     def connect(self, remote: RankInfo, *, check: bool = True) -> Peer:
@@ -320,9 +332,17 @@ class KVAgent:
 
         return PullHandle(result, handles, on_done, after)
 
-    def _build(self, request_id: str, p: Plan, by_rank: Mapping[int, RankInfo],
-               remote_blocks: Mapping[int, Sequence[int]] | Sequence[int], local_blocks: Sequence[int], tokens: int,
-               work: list[Any], landed: list[Any]) -> None:
+    def _build(
+        self,
+        request_id: str,
+        p: Plan,
+        by_rank: Mapping[int, RankInfo],
+        remote_blocks: Mapping[int, Sequence[int]] | Sequence[int],
+        local_blocks: Sequence[int],
+        tokens: int,
+        work: list[Any],
+        landed: list[Any],
+    ) -> None:
         for pull in p.pulls_for(self.rank):
             info = by_rank.get(pull.prefill_rank)
             if info is None:

@@ -262,8 +262,9 @@ class MigrationBackend(abc.ABC):
         future = parts[0] if len(parts) == 1 else _gather(parts)
         return TransferHandle(future, peer=peer.name, descriptors=len(desc), nbytes=nbytes)
 
-    def raw_transfer(self, peer: Peer, local_addr: int, remote_addr: int, length: int, op: Op = "read"
-                     ) -> TransferHandle:
+    def raw_transfer(
+        self, peer: Peer, local_addr: int, remote_addr: int, length: int, op: Op = "read"
+    ) -> TransferHandle:
         """One descriptor handed straight to the transport: no merging, cutting or batching.
 
         The ceiling `kvbridge bench` compares planned migrations against. Bounds are still checked.
@@ -330,4 +331,3 @@ def wait_all(handles: Sequence[TransferHandle], timeout: float | None = None) ->
     deadline = None if timeout is None else time.monotonic() + timeout
     for h in handles:
         h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-

@@ -15,8 +15,12 @@ def kvbridge_register_backends(register: Callable[..., None]) -> None:
     from kvbridge.transports import loopback, tcp
 
     register("tcp", tcp.TcpBackend, capabilities=tcp.TcpBackend.capabilities, options=tcp.TcpOptions)
-    register("loopback", loopback.LoopbackBackend, capabilities=loopback.LoopbackBackend.capabilities,
-             options=loopback.LoopbackOptions)
+    register(
+        "loopback",
+        loopback.LoopbackBackend,
+        capabilities=loopback.LoopbackBackend.capabilities,
+        options=loopback.LoopbackOptions,
+    )
 
 
 @hookimpl

@@ -37,8 +37,9 @@ def direct(local: KVLayout, remote: KVLayout) -> bool:
     a, b = local.paged, remote.paged
     if a is None or b is None:
         return True
-    if (a.name, a.order, a.block_size) != (b.name, b.order, b.block_size) or \
-            [(p.kind, p.content) for p in a.planes] != [(p.kind, p.content) for p in b.planes]:
+    if (a.name, a.order, a.block_size) != (b.name, b.order, b.block_size) or [
+        (p.kind, p.content) for p in a.planes
+    ] != [(p.kind, p.content) for p in b.planes]:
         return False
     if a.heads == b.heads:
         return a.same_arrangement(b)
@@ -65,10 +66,17 @@ def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descripto
         sizes = (layers, n, g.heads, g.block_size, p.content)
         st = _compact_strides(order, sizes)
         hs = np.arange(g.heads, dtype=np.int64)[None, None, :] if heads_outer else np.zeros((1, 1, 1), np.int64)
-        remote = (np.asarray(p.layer_addrs, dtype=np.int64)[:, None, None] + blocks[None, :, None] * p.block_stride
-                  + hs * p.head_stride)
-        local = (off + np.arange(layers, dtype=np.int64)[:, None, None] * st[0]
-                 + np.arange(n, dtype=np.int64)[None, :, None] * st[1] + hs * st[2])
+        remote = (
+            np.asarray(p.layer_addrs, dtype=np.int64)[:, None, None]
+            + blocks[None, :, None] * p.block_stride
+            + hs * p.head_stride
+        )
+        local = (
+            off
+            + np.arange(layers, dtype=np.int64)[:, None, None] * st[0]
+            + np.arange(n, dtype=np.int64)[None, :, None] * st[1]
+            + hs * st[2]
+        )
         length = (1 if heads_outer else g.heads) * g.block_size * p.content
         parts.append(np.stack([local.ravel(), remote.ravel(), np.full(local.size, length, np.int64)], axis=1))
         planes.append((off, st))
@@ -77,14 +85,15 @@ def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descripto
     return merge_runs(desc[np.argsort(desc[:, 0], kind="stable")]), planes, off
 
 
-def write_logical(views: Sequence[Sequence[Any]], contents: Sequence[int], blocks: Any, heads: tuple[int, int],
-                  data: Any) -> None:
+def write_logical(
+    views: Sequence[Sequence[Any]], contents: Sequence[int], blocks: Any, heads: tuple[int, int], data: Any
+) -> None:
     """Write `data` `[L, n, h, N, C]` (bytes) into blocks `blocks` and heads [h0, h1) of a cache given as
     per-plane, per-layer uint8 views `[B, H, N, c]`; planes split C in order."""
     c0 = 0
     for plane, c in zip(views, contents):
         for layer, view in enumerate(plane):
-            view[:, heads[0]:heads[1]][blocks] = data[layer, ..., c0:c0 + c]
+            view[:, heads[0] : heads[1]][blocks] = data[layer, ..., c0 : c0 + c]
         c0 += c
 
 
@@ -130,25 +139,38 @@ class Receiver:
     def direct(self, remote: KVLayout) -> bool:
         return direct(self.layout, remote)
 
-    def prepare(self, request_id: str, pull: Pull, remote: KVLayout, remote_blocks: Sequence[int],
-                local_blocks: Sequence[int], tokens: int) -> Landed:
+    def prepare(
+        self,
+        request_id: str,
+        pull: Pull,
+        remote: KVLayout,
+        remote_blocks: Sequence[int],
+        local_blocks: Sequence[int],
+        tokens: int,
+    ) -> Landed:
         """Descriptors that land the peer's blocks of the request, and the rearrangement after them."""
         g, mine = remote.paged, self.geometry
         if g is None:
             raise ConfigError(f"request {request_id}: the prefill rank sent no cache geometry; update kvbridge there")
-        for name, a, b in (("layers", len(mine.planes[0].layer_addrs), len(g.planes[0].layer_addrs)),
-                           ("content bytes", mine.content, g.content),
-                           ("attention", self.layout.model.attention, remote.model.attention),
-                           ("dtype", self.layout.model.dtype, remote.model.dtype)):
+        for name, a, b in (
+            ("layers", len(mine.planes[0].layer_addrs), len(g.planes[0].layer_addrs)),
+            ("content bytes", mine.content, g.content),
+            ("attention", self.layout.model.attention, remote.model.attention),
+            ("dtype", self.layout.model.dtype, remote.model.dtype),
+        ):
             if a != b:
                 raise LayoutMismatch(name, a, b, f"prefill ({g.name}) and decode ({mine.name}) hold different models")
         if pull.src_step != 1 or pull.dst_step != 1 or pull.first_block:
-            raise ConfigError(f"request {request_id}: {g.name} -> {mine.name} with context parallelism needs the "
-                              "same layout and block size on both sides")
+            raise ConfigError(
+                f"request {request_id}: {g.name} -> {mine.name} with context parallelism needs the "
+                "same layout and block size on both sides"
+            )
         n_src, n_dst = -(-tokens // g.block_size), -(-tokens // mine.block_size)
         if len(remote_blocks) < n_src or len(local_blocks) < n_dst:
-            raise ConfigError(f"request {request_id}: {tokens} tokens need {n_src} prefill and {n_dst} decode blocks, "
-                              f"got {len(remote_blocks)} and {len(local_blocks)}")
+            raise ConfigError(
+                f"request {request_id}: {tokens} tokens need {n_src} prefill and {n_dst} decode blocks, "
+                f"got {len(remote_blocks)} and {len(local_blocks)}"
+            )
         src = np.asarray(remote_blocks[:n_src], dtype=np.int64)
         dst = np.asarray(local_blocks[:n_dst], dtype=np.int64)
         if src.min() < 0 or src.max() >= g.num_blocks or dst.min() < 0 or dst.max() >= mine.num_blocks:
@@ -160,19 +182,24 @@ class Receiver:
 
         def rearrange(landing: Any) -> None:
             import torch
+
             layers = len(g.planes[0].layer_addrs)
-            x = torch.cat([
-                torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, off)
-                for p, (off, st) in zip(g.planes, planes)
-            ], dim=-1)[:, :, pull.src_heads[0]:pull.src_heads[1]]
+            x = torch.cat(
+                [
+                    torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, off)
+                    for p, (off, st) in zip(g.planes, planes)
+                ],
+                dim=-1,
+            )[:, :, pull.src_heads[0] : pull.src_heads[1]]
             h = x.shape[2]
             z = x.permute(0, 2, 1, 3, 4).reshape(layers, h, n_src * g.block_size, -1)[:, :, :tokens]
             pad = n_dst * mine.block_size - tokens
             if pad:
                 z = torch.nn.functional.pad(z, (0, 0, 0, pad))
             y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
-            write_logical(self.views, [p.content for p in mine.planes], torch.from_numpy(dst).to(self.device),
-                          pull.dst_heads, y)
+            write_logical(
+                self.views, [p.content for p in mine.planes], torch.from_numpy(dst).to(self.device), pull.dst_heads, y
+            )
 
         return Landed(self, buf, desc, rearrange)
 

@@ -108,10 +108,14 @@ class PagedGeometry:
 
     def same_arrangement(self, other: PagedGeometry) -> bool:
         """Blocks of both can be copied byte for byte (only addresses and capacity differ)."""
-        return (self.name, self.order, self.heads, self.block_size) == (other.name, other.order, other.heads,
-                                                                        other.block_size) and [
-            (p.kind, p.content, p.head_stride, p.token_stride) for p in self.planes] == [
-            (p.kind, p.content, p.head_stride, p.token_stride) for p in other.planes]
+        return (self.name, self.order, self.heads, self.block_size) == (
+            other.name,
+            other.order,
+            other.heads,
+            other.block_size,
+        ) and [(p.kind, p.content, p.head_stride, p.token_stride) for p in self.planes] == [
+            (p.kind, p.content, p.head_stride, p.token_stride) for p in other.planes
+        ]
 
 
 @attrs.frozen
@@ -142,7 +146,9 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
             raise LayoutMismatch(f"model.{name}", a, b)
     if len(local.regions) != len(remote.regions):
         raise LayoutMismatch(
-            "regions", len(local.regions), len(remote.regions),
+            "regions",
+            len(local.regions),
+            len(remote.regions),
             "Both sides must register the same layers and cache kinds (K/V, latent, index)",
         )
     for i, (a, b) in enumerate(zip(local.regions, remote.regions)):
@@ -176,8 +182,9 @@ def _kind_geometry(model: ModelSpec, heads: int, kind: str, order: Order) -> dic
     if order == "HND":
         return dict(block_bytes=block_bytes, heads=heads, head_bytes=model.block_size * row)
     if order == "NHD":
-        return dict(block_bytes=block_bytes, heads=heads, head_bytes=row, chunks=model.block_size,
-                    chunk_stride=heads * row)
+        return dict(
+            block_bytes=block_bytes, heads=heads, head_bytes=row, chunks=model.block_size, chunk_stride=heads * row
+        )
     raise ConfigError(f"order must be 'NHD' or 'HND', got {order!r}")
 
 
@@ -210,10 +217,16 @@ def vllm_layout(
             raise ConfigError("kv='per-head' is a GQA layout with heads outermost in a block: use order='HND'")
         slab = model.block_size * model.head_dim * model.dtype_bytes  # one head's K (or V) in a block
         block_bytes = heads * 2 * slab
-        return KVLayout(model, heads, [
-            KVRegion(layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab)
-            for layer, entry in enumerate(layers)
-        ])
+        return KVLayout(
+            model,
+            heads,
+            [
+                KVRegion(
+                    layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab
+                )
+                for layer, entry in enumerate(layers)
+            ],
+        )
     regions = []
     for layer, entry in enumerate(layers):
         for i, kind in enumerate(_kinds(model)):
@@ -244,17 +257,34 @@ def paged_layout(model: ModelSpec, geometry: PagedGeometry) -> KVLayout:
         page = h * n * c
         for layer, addr in enumerate(plane.layer_addrs):
             if (plane.head_stride, plane.token_stride) == (n * c, c) or h == 1 and plane.token_stride == c:
-                regions.append(KVRegion(layer, plane.kind, addr, g.num_blocks, plane.block_stride, page,
-                                        heads=h, head_bytes=n * c))
+                regions.append(
+                    KVRegion(layer, plane.kind, addr, g.num_blocks, plane.block_stride, page, heads=h, head_bytes=n * c)
+                )
             elif (plane.head_stride, plane.token_stride) == (c, h * c):
-                regions.append(KVRegion(layer, plane.kind, addr, g.num_blocks, plane.block_stride, page,
-                                        heads=h, head_bytes=c, chunks=n, chunk_stride=h * c))
+                regions.append(
+                    KVRegion(
+                        layer,
+                        plane.kind,
+                        addr,
+                        g.num_blocks,
+                        plane.block_stride,
+                        page,
+                        heads=h,
+                        head_bytes=c,
+                        chunks=n,
+                        chunk_stride=h * c,
+                    )
+                )
             elif plane.token_stride == c:
-                regions.extend(KVRegion(layer, plane.kind, addr + i * plane.head_stride, g.num_blocks,
-                                        plane.block_stride, n * c) for i in range(h))
+                regions.extend(
+                    KVRegion(layer, plane.kind, addr + i * plane.head_stride, g.num_blocks, plane.block_stride, n * c)
+                    for i in range(h)
+                )
             else:
-                raise ConfigError(f"{g.name} cache: tokens of a head are not contiguous (token stride "
-                                  f"{plane.token_stride}, {c} bytes each); kvbridge cannot address its blocks")
+                raise ConfigError(
+                    f"{g.name} cache: tokens of a head are not contiguous (token stride "
+                    f"{plane.token_stride}, {c} bytes each); kvbridge cannot address its blocks"
+                )
     return KVLayout(model, g.heads, regions, paged=g)
 
 
@@ -290,6 +320,14 @@ def buffer_layout(model: ModelSpec, heads: int, buffers: Sequence[BufferDesc]) -
         for b in buffers:
             if b.num_layers != model.layers:
                 raise ConfigError(f"{b.kind} buffer has {b.num_layers} layers, {model.name} has {model.layers}")
-            regions.append(KVRegion(layer, b.kind, b.addr + layer * b.num_blocks * b.size_per_block,
-                                    b.num_blocks, b.size_per_block, b.size_per_block))
+            regions.append(
+                KVRegion(
+                    layer,
+                    b.kind,
+                    b.addr + layer * b.num_blocks * b.size_per_block,
+                    b.num_blocks,
+                    b.size_per_block,
+                    b.size_per_block,
+                )
+            )
     return KVLayout(model, heads, regions)

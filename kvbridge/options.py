@@ -63,8 +63,9 @@ def describe(schema: type) -> list[OptionInfo]:
     """The options a schema declares, in declaration order."""
     hints = _hints(schema)
     return [
-        OptionInfo(name=f.name, type=_type_name(hints.get(f.name, Any)), default=f.default,
-                   doc=f.metadata.get(_DOC, ""))
+        OptionInfo(
+            name=f.name, type=_type_name(hints.get(f.name, Any)), default=f.default, doc=f.metadata.get(_DOC, "")
+        )
         for f in attrs.fields(schema)
     ]
 
@@ -92,8 +93,10 @@ def parse(schema: type, given: Mapping[str, Any], *, what: str) -> Any:
     unknown_names(given, [f.name for f in attrs.fields(schema)], what=what)
     hints = _hints(schema)
     # errors name the option and the type given, never the value: it may be a secret
-    values = {name: _coerce(value, hints.get(name, Any), f"option {name} of {what} (given a {type(value).__name__})")
-              for name, value in given.items()}
+    values = {
+        name: _coerce(value, hints.get(name, Any), f"option {name} of {what} (given a {type(value).__name__})")
+        for name, value in given.items()
+    }
     return schema(**values)
 
 

@@ -48,13 +48,27 @@ def pull_descriptors(
         if len(opaque):
             i = int(opaque[0])
             raise LayoutMismatch(
-                f"regions[{i}].heads", 0, int(rt[i, 6]),
+                f"regions[{i}].heads",
+                0,
+                int(rt[i, 6]),
                 "This cache is opaque (no head slicing) but the two sides hold different heads; "
                 "use the same TP on both sides or a layout with heads (NHD/HND)",
             )
-        table = np.stack([lt[:, 0], lt[:, 1], lt[:, 2], pull.dst_heads[0] * lt[:, 3],
-                          rt[:, 0], rt[:, 1], rt[:, 2], pull.src_heads[0] * rt[:, 3],
-                          n_heads * lt[:, 3], lt[:, 5]], axis=1)
+        table = np.stack(
+            [
+                lt[:, 0],
+                lt[:, 1],
+                lt[:, 2],
+                pull.dst_heads[0] * lt[:, 3],
+                rt[:, 0],
+                rt[:, 1],
+                rt[:, 2],
+                pull.src_heads[0] * rt[:, 3],
+                n_heads * lt[:, 3],
+                lt[:, 5],
+            ],
+            axis=1,
+        )
     parts = []
     for pieces in np.unique(table[:, 9]):
         t = table[table[:, 9] == pieces]
@@ -83,7 +97,9 @@ def region_table(layout: KVLayout) -> np.ndarray:
     return table
 
 
-def _pick(blocks: Sequence[int] | np.ndarray, positions: np.ndarray, capacity: int, side: str, pull: Pull) -> np.ndarray:
+def _pick(
+    blocks: Sequence[int] | np.ndarray, positions: np.ndarray, capacity: int, side: str, pull: Pull
+) -> np.ndarray:
     ids = np.asarray(blocks, dtype=np.int64)
     if len(positions) and positions[-1] >= len(ids):
         raise ConfigError(

@@ -145,13 +145,20 @@ class PluginRegistry:
             try:
                 plugin = ep.load()
             except Exception as exc:  # reported, not swallowed: `kvbridge plugins` shows the reason
-                self._refuse(ep.name, dist, version, f"import failed: {type(exc).__name__}: {exc}",
-                             f"reinstall it: pip install --force-reinstall {dist}")
+                self._refuse(
+                    ep.name,
+                    dist,
+                    version,
+                    f"import failed: {type(exc).__name__}: {exc}",
+                    f"reinstall it: pip install --force-reinstall {dist}",
+                )
                 continue
             api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
             if api != PLUGIN_API_VERSION:
                 self._refuse(
-                    ep.name, dist, version,
+                    ep.name,
+                    dist,
+                    version,
                     f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
                     f"{PLUGIN_API_VERSION}",
                     f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it",
@@ -165,23 +172,36 @@ class PluginRegistry:
         try:
             self.pm.register(plugin, name=name)
         except Exception as exc:  # a hook with a wrong signature, or a name clash: this plugin only
-            self._refuse(name, dist, version, f"registration failed: {type(exc).__name__}: {exc}",
-                         f"report it to {dist}, or uninstall it: pip uninstall {dist}")
+            self._refuse(
+                name,
+                dist,
+                version,
+                f"registration failed: {type(exc).__name__}: {exc}",
+                f"report it to {dist}, or uninstall it: pip uninstall {dist}",
+            )
             return
         try:
             # Plugins already registered were checked, so anything pending belongs to this one.
             self.pm.check_pending()
         except pluggy.PluginValidationError as exc:  # a misspelt hook name would otherwise do nothing, silently
             self.pm.unregister(name=name)
-            self._refuse(name, dist, version, f"{exc}; kvbridge hooks are {', '.join(_hook_names())}",
-                         f"report it to {dist}, or uninstall it: pip uninstall {dist}")
+            self._refuse(
+                name,
+                dist,
+                version,
+                f"{exc}; kvbridge hooks are {', '.join(_hook_names())}",
+                f"report it to {dist}, or uninstall it: pip uninstall {dist}",
+            )
             return
         self._sources[name] = (dist, version)
 
     def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
         log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
-        self.refused.append(PluginInfo(kind="plugin", name=name, available=False, reason=reason, hint=hint,
-                                       distribution=dist, version=version))
+        self.refused.append(
+            PluginInfo(
+                kind="plugin", name=name, available=False, reason=reason, hint=hint, distribution=dist, version=version
+            )
+        )
 
     def _collect(self) -> None:
         # Each hook implementation gets a `register` bound to its own plugin, so every
@@ -196,8 +216,13 @@ class PluginRegistry:
                 try:
                     impl.function(register=register)
                 except Exception as exc:  # one broken plugin must not hide the others; it is listed
-                    self._refuse(impl.plugin_name, dist, version,
-                                 f"{hook.name} raised {type(exc).__name__}: {exc}", f"report it to {dist}")
+                    self._refuse(
+                        impl.plugin_name,
+                        dist,
+                        version,
+                        f"{hook.name} raised {type(exc).__name__}: {exc}",
+                        f"report it to {dist}",
+                    )
 
     def _registrar(self, table: dict[str, Registration], kind: str, dist: str, version: str) -> Callable[..., None]:
         def register(
@@ -226,10 +251,17 @@ class PluginRegistry:
                 log.warning("%s %r from %s ignored: already registered by %s", kind, name, dist, first.distribution)
                 return
             table[key] = Registration(
-                kind=kind, name=key, factory=factory, probe=probe, install_hint=install_hint,
-                distribution=dist, version=version, capabilities=capabilities,
+                kind=kind,
+                name=key,
+                factory=factory,
+                probe=probe,
+                install_hint=install_hint,
+                distribution=dist,
+                version=version,
+                capabilities=capabilities,
                 memory_kind=MemoryKind(memory_kind) if memory_kind is not None else None,
-                hardware=hardware, options=options,
+                hardware=hardware,
+                options=options,
             )
 
         return register
@@ -243,8 +275,10 @@ class PluginRegistry:
         if entry is None:
             for refused in self.refused:
                 if refused.name.lower() == name.lower():
-                    raise PluginAPIMismatch(f"plugin {refused.name!r} from {refused.distribution} was refused: "
-                                            f"{refused.reason}. Fix: {refused.hint}")
+                    raise PluginAPIMismatch(
+                        f"plugin {refused.name!r} from {refused.distribution} was refused: "
+                        f"{refused.reason}. Fix: {refused.hint}"
+                    )
             raise PluginNotFound(kind, name, table)
         return entry
 

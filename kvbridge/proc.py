@@ -54,8 +54,9 @@ class Child:
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._lock = threading.Lock()
         threading.Thread(target=self._read, name=f"child-{self.pid}", daemon=True).start()
-        threading.Thread(target=relay_stderr, args=(self.name, self.proc.stderr), name=f"child-{self.pid}-stderr",
-                         daemon=True).start()
+        threading.Thread(
+            target=relay_stderr, args=(self.name, self.proc.stderr), name=f"child-{self.pid}-stderr", daemon=True
+        ).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -81,8 +82,9 @@ class Child:
             try:
                 reply = self._replies.get(timeout=timeout)
             except queue.Empty:
-                raise TransferTimeout(f"{self.name} (pid {self.pid}) did not answer {cmd!r} within {timeout}s",
-                                      peer=self.name) from None
+                raise TransferTimeout(
+                    f"{self.name} (pid {self.pid}) did not answer {cmd!r} within {timeout}s", peer=self.name
+                ) from None
         if reply is None:
             raise ChildError("ChildGone", f"{self.name} (pid {self.pid}) exited with {self.proc.wait()} during {cmd!r}")
         if not reply.get("ok"):

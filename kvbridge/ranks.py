@@ -15,8 +15,9 @@ from __future__ import annotations
 from kvbridge.errors import ConfigError
 
 
-def side_channel_port(base: int, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-                      dp_index: int = 0) -> int:
+def side_channel_port(
+    base: int, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, dp_index: int = 0
+) -> int:
     """The port rank (dp_index, pp_rank, tp_rank) of an engine listens on."""
     for name, rank, size in (("tp", tp_rank, tp_size), ("pp", pp_rank, pp_size)):
         if not 0 <= rank < size:

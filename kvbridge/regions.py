@@ -39,8 +39,10 @@ def tensor_device(x: Any) -> Device | None:
     holds no tensor (arrays, addresses)."""
     types = {device_type(t) for t in _tensors(x)}
     if len(types) > 1:
-        raise ConfigError(f"tensors on several device types ({sorted(types)}); register each device's KV cache "
-                          "with its own agent or backend")
+        raise ConfigError(
+            f"tensors on several device types ({sorted(types)}); register each device's KV cache "
+            "with its own agent or backend"
+        )
     return get_device(types.pop()) if types else None
 
 
@@ -75,8 +77,9 @@ def regions_of(x: Any, device: Device | None = None) -> list[MemoryRegion]:
     if is_tensor_like(x):
         owner = get_device(device_type(x))
         if device is not None and owner is not device:
-            raise ConfigError(f"a {owner.name} tensor was given where {device.name} memory was expected; pass "
-                              f"device={owner.name!r}")
+            raise ConfigError(
+                f"a {owner.name} tensor was given where {device.name} memory was expected; pass device={owner.name!r}"
+            )
         return owner.regions(x)
     if isinstance(x, list):
         return [r for item in x for r in regions_of(item, device)]

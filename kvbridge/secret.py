@@ -67,11 +67,16 @@ def check_listen(what: str, host: str, secret: str | bytes | None, *, insecure: 
     if secret or is_loopback(host):
         return
     if insecure:
-        log.warning("%s listens on %s WITHOUT authentication (insecure opt-in): anyone who can reach it can read "
-                    "KV blocks and abort requests; use only on a network you trust, or %s", what, host, HOW_TO_SET)
+        log.warning(
+            "%s listens on %s WITHOUT authentication (insecure opt-in): anyone who can reach it can read "
+            "KV blocks and abort requests; use only on a network you trust, or %s",
+            what,
+            host,
+            HOW_TO_SET,
+        )
         return
     raise ConfigError(
         f"{what} refuses to listen on {host!r}, which other hosts can reach, without a shared secret: {HOW_TO_SET}; "
         "or bind to 127.0.0.1; or, on a network you trust, opt in to running unauthenticated with insecure=True "
-        "(vLLM: \"insecure\": true in kv_connector_extra_config)"
+        '(vLLM: "insecure": true in kv_connector_extra_config)'
     )

@@ -65,8 +65,10 @@ def attach(backend: MigrationBackend, device: Device, *, force: bool = False) ->
     """
     if isinstance(backend, DeviceBackend):  # bound already (by the caller): to this device, or a mistake
         if backend.device is not device:
-            raise ConfigError(f"backend {backend.name!r} is bound to device {backend.device.name!r}, not "
-                              f"{device.name!r}; attach the transport itself")
+            raise ConfigError(
+                f"backend {backend.name!r} is bound to device {backend.device.name!r}, not "
+                f"{device.name!r}; attach the transport itself"
+            )
         if force and not isinstance(backend, StagedBackend):
             raise ConfigError("stage=True needs the transport itself, not one bound to reach the device directly")
         return backend
@@ -74,8 +76,9 @@ def attach(backend: MigrationBackend, device: Device, *, force: bool = False) ->
         if not device.synchronizes:
             return backend
         return DeviceBackend(backend, device)
-    log.info("%s over %s/%s goes through host staging (one extra copy per side)",
-             device.name, backend.name, backend.protocol)
+    log.info(
+        "%s over %s/%s goes through host staging (one extra copy per side)", device.name, backend.name, backend.protocol
+    )
     return StagedBackend(backend, device)
 
 
@@ -98,8 +101,10 @@ class DeviceBackend(MigrationBackend):
         self.name = backend.name  # type: ignore[misc]
         # Merging, cutting and batching are the inner transport's: the wrapper hands it one call.
         self.capabilities = attrs.evolve(  # type: ignore[misc]
-            backend.capabilities, memory_kinds=backend.capabilities.memory_kinds | {device.memory_kind},
-            max_batch=None, max_descriptor_bytes=None,
+            backend.capabilities,
+            memory_kinds=backend.capabilities.memory_kinds | {device.memory_kind},
+            max_batch=None,
+            max_descriptor_bytes=None,
         )
         super().__init__(attrs.evolve(backend.config, protocol=backend.protocol))
 
@@ -110,8 +115,10 @@ class DeviceBackend(MigrationBackend):
             return self.device.regions(x)
         if isinstance(x, MemoryRegion):
             if x.kind != self.device.memory_kind:
-                raise ConfigError(f"a {x.kind.value} region was given to a backend bound to {self.device.name} "
-                                  f"({self.device.memory_kind.value}); build it with device.region(addr, length)")
+                raise ConfigError(
+                    f"a {x.kind.value} region was given to a backend bound to {self.device.name} "
+                    f"({self.device.memory_kind.value}); build it with device.region(addr, length)"
+                )
             return [x]
         if isinstance(x, list):
             return [r for item in x for r in self._regions(item)]
@@ -159,8 +166,10 @@ class DeviceBackend(MigrationBackend):
     def _range_columns(self, ranges: Any) -> tuple[np.ndarray, np.ndarray]:
         if ranges is None:
             regions = self._local.regions
-            return (np.array([r.addr for r in regions], dtype=np.int64),
-                    np.array([r.length for r in regions], dtype=np.int64))
+            return (
+                np.array([r.addr for r in regions], dtype=np.int64),
+                np.array([r.length for r in regions], dtype=np.int64),
+            )
         arr = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         if (arr[:, 1] <= 0).any():
             raise ConfigError("every published or accepted range needs a positive length")
@@ -231,8 +240,10 @@ class StagedBackend(DeviceBackend):
             self._pending[region.addr] = x
             return [region]
         if isinstance(x, tuple):
-            raise ConfigError("staging copies through the buffer object: register the device tensor itself, "
-                              "or device.region(addr, length, device_id) where only the address is known")
+            raise ConfigError(
+                "staging copies through the buffer object: register the device tensor itself, "
+                "or device.region(addr, length, device_id) where only the address is known"
+            )
         return super()._regions(x)
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -283,8 +294,7 @@ class StagedBackend(DeviceBackend):
         if op == "write":
             self._stage_out(slot, offsets, desc[:, 2])
             return _future(self.backend.transfer(peer.handle, staged, op))
-        return _then(self.backend.transfer(peer.handle, staged, op),
-                     lambda: self._stage_in(slot, offsets, desc[:, 2]))
+        return _then(self.backend.transfer(peer.handle, staged, op), lambda: self._stage_in(slot, offsets, desc[:, 2]))
 
     def publish(self, ranges: Any = None) -> None:
         self._stage_out(*self._slots(ranges))
@@ -358,8 +368,13 @@ def _rows(offsets: np.ndarray, lengths: np.ndarray, unit: int) -> np.ndarray:
     return np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
 
 
-def copy_ranges(dst: Any, src: Any, dst_offsets: Sequence[int] | np.ndarray, src_offsets: Sequence[int] | np.ndarray,
-                lengths: Sequence[int] | np.ndarray) -> None:
+def copy_ranges(
+    dst: Any,
+    src: Any,
+    dst_offsets: Sequence[int] | np.ndarray,
+    src_offsets: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+) -> None:
     """``dst[d:d+n] = src[s:s+n]`` for every range, without a Python loop per range.
 
     `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. Ranges that continue
@@ -367,8 +382,16 @@ def copy_ranges(dst: Any, src: Any, dst_offsets: Sequence[int] | np.ndarray, src
     one scatter in rows of the largest size that divides every offset and length (block-sized for a
     block-aligned KV cache).
     """
-    runs = merge_runs(np.stack([np.asarray(dst_offsets, dtype=np.int64), np.asarray(src_offsets, dtype=np.int64),
-                                np.asarray(lengths, dtype=np.int64)], axis=1).reshape(-1, 3))
+    runs = merge_runs(
+        np.stack(
+            [
+                np.asarray(dst_offsets, dtype=np.int64),
+                np.asarray(src_offsets, dtype=np.int64),
+                np.asarray(lengths, dtype=np.int64),
+            ],
+            axis=1,
+        ).reshape(-1, 3)
+    )
     if len(runs) == 0:
         return
     both_numpy = isinstance(dst, np.ndarray) and isinstance(src, np.ndarray)

@@ -46,10 +46,25 @@ def _require(binary: str) -> str:
 def redis_server(tmp: Path) -> Iterator[str]:
     """A real redis-server on a free 127.0.0.1 port, stopped by its PID; yields redis://127.0.0.1:PORT."""
     port = free_port(span=1)
-    proc = subprocess.Popen([_require("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            _require("redis-server"),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def up() -> bool:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
@@ -70,12 +85,29 @@ def etcd_server(tmp: Path) -> Iterator[str]:
     """A real single-member etcd on free 127.0.0.1 ports, stopped by its PID; yields etcd://127.0.0.1:PORT."""
     client, peer = free_port(span=1), free_port(span=1)
     c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-    proc = subprocess.Popen([_require("etcd"), "--name", "kvb", "--data-dir", str(tmp / "etcd"),
-                             "--listen-client-urls", c_url, "--advertise-client-urls", c_url,
-                             "--listen-peer-urls", p_url, "--initial-advertise-peer-urls", p_url,
-                             "--initial-cluster", f"kvb={p_url}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            _require("etcd"),
+            "--name",
+            "kvb",
+            "--data-dir",
+            str(tmp / "etcd"),
+            "--listen-client-urls",
+            c_url,
+            "--advertise-client-urls",
+            c_url,
+            "--listen-peer-urls",
+            p_url,
+            "--initial-advertise-peer-urls",
+            p_url,
+            "--initial-cluster",
+            f"kvb={p_url}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
+
         def up() -> bool:
             try:
                 with urllib.request.urlopen(f"{c_url}/health", timeout=1) as resp:  # noqa: S310

@@ -24,8 +24,8 @@ from kvbridge.control import (
     ControlServer,
     DecodeControl,
     KVTransferParams,
-    Ledger,
     LeaseState,
+    Ledger,
     open_registry,
     resolve,
 )
@@ -40,9 +40,22 @@ def model_with(kv_heads: int) -> ModelSpec:
 
 
 class Rank:
-    def __init__(self, role: str, engine_id: str, rank: int, *, parallel: str, kv_heads: int, blocks: int,
-                 port: int = 0, secret: str | None = None, lease_timeout_s: float = 60.0,
-                 metadata_server: str | None = None, hostname: str = "127.0.0.1", registry: str | None = None):
+    def __init__(
+        self,
+        role: str,
+        engine_id: str,
+        rank: int,
+        *,
+        parallel: str,
+        kv_heads: int,
+        blocks: int,
+        port: int = 0,
+        secret: str | None = None,
+        lease_timeout_s: float = 60.0,
+        metadata_server: str | None = None,
+        hostname: str = "127.0.0.1",
+        registry: str | None = None,
+    ):
         self.role, self.engine_id, self.rank, self.secret = role, engine_id, rank, secret
         self.name = f"{engine_id}/{rank}"
         self.model = model_with(kv_heads)
@@ -52,10 +65,23 @@ class Rank:
         m = self.model
         layer_bytes = 2 * blocks * placement.per_rank * m.block_size * m.head_dim * m.dtype_bytes
         self.buf = np.zeros(m.layers * layer_bytes, dtype=np.uint8)
-        self.layout = vllm_layout(m, placement.per_rank, [self.buf.ctypes.data + i * layer_bytes
-                                                          for i in range(m.layers)], blocks, order="HND")
-        self.agent = KVAgent(engine_id, rank, self.parallel, self.layout, self.buf, backend="mooncake",
-                             hostname=hostname, metadata_server=metadata_server)
+        self.layout = vllm_layout(
+            m,
+            placement.per_rank,
+            [self.buf.ctypes.data + i * layer_bytes for i in range(m.layers)],
+            blocks,
+            order="HND",
+        )
+        self.agent = KVAgent(
+            engine_id,
+            rank,
+            self.parallel,
+            self.layout,
+            self.buf,
+            backend="mooncake",
+            hostname=hostname,
+            metadata_server=metadata_server,
+        )
         self.lock = threading.Lock()
         self.released: list[list] = []
         self.shares: dict[str, Share] = {}  # prefill: the requests whose fingerprints the cache holds
@@ -63,14 +89,26 @@ class Rank:
         self.aborted: list[str] = []
         self.pending: dict[str, dict] = {}  # decode: what a read left for its DONEs
         self.skew = 0.0  # added to the ledger's clock: `advance` makes a lease expire without waiting
-        self.ledger = (Ledger(self._on_release, timeout_s=lease_timeout_s, clock=lambda: time.monotonic() + self.skew)
-                       if role == "prefill" else None)
+        self.ledger = (
+            Ledger(self._on_release, timeout_s=lease_timeout_s, clock=lambda: time.monotonic() + self.skew)
+            if role == "prefill"
+            else None
+        )
         self.registry = open_registry(registry)
-        self.server = ControlServer(engine_id, rank, ledger=self.ledger, port=port, secret=secret,
-                                    on_abort=self._on_abort, registry=self.registry, poll_interval_s=0.02)
+        self.server = ControlServer(
+            engine_id,
+            rank,
+            ledger=self.ledger,
+            port=port,
+            secret=secret,
+            on_abort=self._on_abort,
+            registry=self.registry,
+            poll_interval_s=0.02,
+        )
         self.clients: dict[tuple[str, int], ControlClient] = {}
-        self.control = (DecodeControl(self.agent, self.server, secret=secret, registry=self.registry)
-                        if role == "decode" else None)
+        self.control = (
+            DecodeControl(self.agent, self.server, secret=secret, registry=self.registry) if role == "decode" else None
+        )
 
     def _on_release(self, lease: object, why: LeaseState) -> None:
         with self.lock:
@@ -106,8 +144,9 @@ def register() -> None:
     R.server.register(R.agent.info())
 
 
-def offer(request_id: str, blocks: list[int], tokens: int, expected_pulls: int | None = None,
-          timeout_s: float | None = None) -> int:
+def offer(
+    request_id: str, blocks: list[int], tokens: int, expected_pulls: int | None = None, timeout_s: float | None = None
+) -> int:
     """Prefill finished `request_id`: its fingerprints are in `blocks`; hold them under a lease."""
     active = set(R.ledger.active)
     R.shares = {rid: s for rid, s in R.shares.items() if rid in active}
@@ -136,7 +175,7 @@ def reuse(blocks: list[int]) -> None:
     for region in R.layout.regions:
         for b in blocks:
             start = region.addr - R.buf.ctypes.data + b * region.block_stride
-            R.buf[start:start + region.block_bytes] = 0xAB
+            R.buf[start : start + region.block_bytes] = 0xAB
 
 
 def read(request_id: str, params: dict, local_blocks: list[int]) -> dict:
@@ -152,14 +191,18 @@ def read(request_id: str, params: dict, local_blocks: list[int]) -> dict:
     for rank in sorted({pull.prefill_rank for pull in plan.pulls_for(R.rank)}):
         client = R.client(p, rank)
         infos.append(client.get_info(wait_s=30))
-        status = client.begin_pull(p.remote_request_id, R.name, notify=R.server.address,
-                                   expected_pulls=plan.release_count(rank), wait_s=30)
+        status = client.begin_pull(
+            p.remote_request_id, R.name, notify=R.server.address, expected_pulls=plan.release_count(rank), wait_s=30
+        )
         epochs[rank] = status.epoch
     handle = R.agent.pull(p.remote_request_id, infos, list(p.block_ids), local_blocks, tokens)
     handle.wait(60)
     notify = [rank for _engine, rank in handle.result.notify]
-    R.pending[request_id] = {"epochs": epochs, "notify": notify,
-                             "counts": {r: plan.release_count(r) for r in [*epochs, *notify]}}
+    R.pending[request_id] = {
+        "epochs": epochs,
+        "notify": notify,
+        "counts": {r: plan.release_count(r) for r in [*epochs, *notify]},
+    }
     return {"pulled": sorted(epochs), "notify": notify}
 
 
@@ -169,8 +212,12 @@ def pull(request_id: str, params: dict, local_blocks: list[int]) -> str | None:
         R.held[request_id] = list(local_blocks)
     R.buf[:] = 0
     outcome: list = []
-    handle = R.control.start(request_id, KVTransferParams.from_dict(params), local_blocks,
-                             on_finished=lambda rid, err: outcome.append((rid, err)))
+    handle = R.control.start(
+        request_id,
+        KVTransferParams.from_dict(params),
+        local_blocks,
+        on_finished=lambda rid, err: outcome.append((rid, err)),
+    )
     handle.wait(60)
     assert outcome and outcome[0][0] == request_id, "on_finished ran once, before wait() returned"
     err = outcome[0][1]
@@ -182,8 +229,10 @@ def done(request_id: str, params: dict) -> list[bool]:
     read) and, on the notifier, a release-only DONE to the ranks nobody reads. Returns `released` flags."""
     p = KVTransferParams.from_dict(params)
     job = R.pending[request_id]
-    out = [R.client(p, rank).done(p.remote_request_id, R.name, epoch, expected_pulls=job["counts"][rank]).released
-           for rank, epoch in job["epochs"].items()]
+    out = [
+        R.client(p, rank).done(p.remote_request_id, R.name, epoch, expected_pulls=job["counts"][rank]).released
+        for rank, epoch in job["epochs"].items()
+    ]
     for rank in job["notify"]:
         out.append(R.client(p, rank).done(p.remote_request_id, R.name, 0, expected_pulls=1, check=False).released)
     return out
@@ -217,5 +266,9 @@ def close() -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    serve({f.__name__: f for f in (setup, register, offer, released, state, advance, reuse, read, pull, done, verify,
-                                   abort, close)})
+    serve(
+        {
+            f.__name__: f
+            for f in (setup, register, offer, released, state, advance, reuse, read, pull, done, verify, abort, close)
+        }
+    )

@@ -30,8 +30,9 @@ def _cache(model: ModelSpec, heads: int, num_blocks: int) -> tuple[np.ndarray, K
     return buf, vllm_layout(model, heads, [buf.ctypes.data + i * layer for i in range(model.layers)], num_blocks)
 
 
-def _agents(spec: str, engine: str, num_blocks: int, backend: str, *, stage: bool = False
-            ) -> list[tuple[KVAgent, np.ndarray]]:
+def _agents(
+    spec: str, engine: str, num_blocks: int, backend: str, *, stage: bool = False
+) -> list[tuple[KVAgent, np.ndarray]]:
     config = ParallelConfig.parse(spec)
     heads = HeadPlacement.of(MODEL, config, engine).per_rank
     out = []
@@ -79,8 +80,10 @@ def test_each_decode_rank_pulls_exactly_its_heads(pair) -> None:  # type: ignore
             done.set()
 
     dst_place = HeadPlacement.of(MODEL, decode[0][0].parallel, "decode")
-    handles = [agent.pull("req-1", infos, {0: [7, 6, 5, 0, 1], 1: [7, 6, 5, 0, 1]}, [2, 3, 4, 10, 11], tokens,
-                          on_done=on_done) for agent, _ in decode]
+    handles = [
+        agent.pull("req-1", infos, {0: [7, 6, 5, 0, 1], 1: [7, 6, 5, 0, 1]}, [2, 3, 4, 10, 11], tokens, on_done=on_done)
+        for agent, _ in decode
+    ]
     for h in handles:
         h.wait(30)
     assert done.wait(30)
@@ -116,7 +119,7 @@ def test_unpulled_ranks_are_reported_by_the_notifier_only() -> None:
 
 
 def test_layout_mismatch_is_refused_before_any_byte_moves() -> None:
-    (p, _), = _agents("tp1", "prefill", 4, "loopback")
+    ((p, _),) = _agents("tp1", "prefill", 4, "loopback")
     buf, layout = _cache(attrs.evolve(MODEL, block_size=32), 16, 4)
     d = KVAgent("decode", 0, ParallelConfig(), layout, buf, backend="loopback")
     try:
@@ -129,8 +132,8 @@ def test_layout_mismatch_is_refused_before_any_byte_moves() -> None:
 
 
 def test_transfer_failure_reaches_wait_and_the_callback() -> None:
-    (p, _), = _agents("tp1", "prefill", 4, "loopback")
-    (d, _), = _agents("tp1", "decode", 4, "loopback")
+    ((p, _),) = _agents("tp1", "prefill", 4, "loopback")
+    ((d, _),) = _agents("tp1", "decode", 4, "loopback")
     try:
         d.backend.inject(fail_completion=1)
         seen: list[PullResult] = []
@@ -155,8 +158,8 @@ def test_bad_agent_setup_is_refused_and_leaks_nothing() -> None:
         KVAgent("e", 0, ParallelConfig(), full, small, backend=backend)
     assert backend.registered == ()  # what the failed agent registered on a borrowed backend is gone again
     backend.close()
-    (d, _), = _agents("tp1", "decode", 4, "loopback")
-    (p, _), = _agents("tp1", "prefill", 4, "loopback")
+    ((d, _),) = _agents("tp1", "decode", 4, "loopback")
+    ((p, _),) = _agents("tp1", "prefill", 4, "loopback")
     try:
         with pytest.raises(ConfigError, match="holds 3 blocks of 40 tokens, got 1 block ids"):
             d.pull("r", [p.info()], [0, 1, 2], [0], 40)
@@ -171,7 +174,7 @@ def test_rank_info_from_a_peer_is_validated() -> None:
     from kvbridge import wire
     from kvbridge.errors import ProtocolError
 
-    (p, _), = _agents("tp1", "prefill", 4, "loopback")
+    ((p, _),) = _agents("tp1", "prefill", 4, "loopback")
     try:
         data = wire.to_dict(p.info())
         with pytest.raises(ProtocolError):
@@ -189,7 +192,7 @@ def test_rank_info_from_a_peer_is_validated() -> None:
 
 def test_the_request_dp_group_picks_the_prefill_ranks() -> None:
     prefill = _agents("tp1,dp2", "prefill", 4, "loopback")
-    (d, dbuf), = _agents("tp1", "decode", 4, "loopback")
+    ((d, dbuf),) = _agents("tp1", "decode", 4, "loopback")
     try:
         infos = [a.info() for a, _ in prefill]
         with pytest.raises(TopologyError, match="span DP groups"):
@@ -219,7 +222,7 @@ def test_staged_agents_publish_mirrors_and_land_pulls_in_device_memory(backend: 
             assert info.layout.regions[0].addr != buf.ctypes.data  # peers see the mirror, not the device buffer
             fill(agent.layout, buf, [Share(src_blocks, range(4), src_place.heads(agent.coords.shard), tokens)])
         infos = [a.info() for a, _ in prefill]
-        (agent, buf), = decode
+        ((agent, buf),) = decode
         share = Share(dst_blocks, range(4), HeadPlacement.of(MODEL, agent.parallel, "decode").heads(0), tokens)
 
         agent.pull("early", infos, src_blocks, dst_blocks, tokens).wait(30)

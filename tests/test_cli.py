@@ -18,10 +18,12 @@ KVBRIDGE = [sys.executable, "-m", "kvbridge"]
 QUICK = ["--model", "small", "--tokens", "256", "--requests", "2", "--repeat", "1"]
 
 
-def kvbridge(*args: str, prefix: list[str] | None = None, check: bool = True,
-             python: str = sys.executable) -> subprocess.CompletedProcess:
-    out = subprocess.run([*(prefix or []), python, "-m", "kvbridge", *args], capture_output=True, text=True,
-                         timeout=600)
+def kvbridge(
+    *args: str, prefix: list[str] | None = None, check: bool = True, python: str = sys.executable
+) -> subprocess.CompletedProcess:
+    out = subprocess.run(
+        [*(prefix or []), python, "-m", "kvbridge", *args], capture_output=True, text=True, timeout=600
+    )
     if check and out.returncode != 0:
         raise AssertionError(f"kvbridge {' '.join(args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
     return out
@@ -49,8 +51,9 @@ def test_doctor_reports_each_plugin() -> None:
     assert out.returncode == 0, out.stdout
 
 
-@pytest.mark.parametrize("backend, extra", [("mooncake", []), ("tcp", ["--fragmented"]),
-                                            ("mooncake", ["--fragmented"])])
+@pytest.mark.parametrize(
+    "backend, extra", [("mooncake", []), ("tcp", ["--fragmented"]), ("mooncake", ["--fragmented"])]
+)
 def test_bench_verifies_a_two_process_migration(backend: str, extra: list[str]) -> None:
     result = json.loads(kvbridge("bench", "--migration-backend", backend, *QUICK, *extra, "--json").stdout)
     assert result["verified"] is True
@@ -65,8 +68,11 @@ def test_bench_verifies_a_two_process_migration(backend: str, extra: list[str]) 
 
 def test_bench_passes_transport_options_to_both_sides() -> None:
     piece = 1000  # bytes: every (layer, K/V) run is cut into ceil(run / 1000) descriptors
-    result = json.loads(kvbridge("bench", "--migration-backend", "mooncake", *QUICK,
-                                 "--option", f"max_descriptor_bytes={piece}", "--json").stdout)
+    result = json.loads(
+        kvbridge(
+            "bench", "--migration-backend", "mooncake", *QUICK, "--option", f"max_descriptor_bytes={piece}", "--json"
+        ).stdout
+    )
     assert result["verified"] is True and result["config"]["options"] == {"max_descriptor_bytes": piece}
     run_bytes = result["config"]["bytes_per_request"] // (4 * 2)
     assert result["kvbridge"]["submitted_descriptors_per_request"] == 4 * 2 * math.ceil(run_bytes / piece)
@@ -88,11 +94,19 @@ def _hide_libibverbs() -> list[str]:
     """Run under a private mount namespace where libibverbs.so.1 is an empty file (root only)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("hiding a system library needs root and unshare")
-    lib = subprocess.run(["sh", "-c", "ldconfig -p | grep -m1 'libibverbs.so.1 ' | sed 's/.*=> //'"],
-                         capture_output=True, text=True).stdout.strip()
+    lib = subprocess.run(
+        ["sh", "-c", "ldconfig -p | grep -m1 'libibverbs.so.1 ' | sed 's/.*=> //'"], capture_output=True, text=True
+    ).stdout.strip()
     real = os.path.realpath(lib)
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-            f'mount --bind /dev/null {real} && exec "$0" "$@"']
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount --bind /dev/null {real} && exec "$0" "$@"',
+    ]
 
 
 def test_without_libibverbs_mooncake_is_unavailable_with_reason_and_hint() -> None:
@@ -120,8 +134,9 @@ def test_without_the_mooncake_wheel_mooncake_is_unavailable(tmp_path: Path) -> N
     ignore = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", "tests", "plugins")
     core = shutil.copytree(REPO, tmp_path / "kvbridge-src", ignore=ignore)
     plugin = shutil.copytree(REPO / "plugins" / "mooncake", tmp_path / "mooncake-src", ignore=ignore)
-    subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", str(core), str(plugin)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [py, "-m", "pip", "install", "-q", "--no-deps", str(core), str(plugin)], check=True, capture_output=True
+    )
     rows = {r["name"]: r for r in json.loads(kvbridge("plugins", "--json", python=py).stdout)}
     assert rows["mooncake"]["available"] is False
     assert "mooncake.engine is not importable" in rows["mooncake"]["reason"]
@@ -131,17 +146,34 @@ def test_without_the_mooncake_wheel_mooncake_is_unavailable(tmp_path: Path) -> N
 
 
 def test_sigterm_stops_the_processes_the_bench_started() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "bench", "--migration-backend", "mooncake",
-                             "--model", "llama3-8b", "--tokens", "4096", "--repeat", "100", "--json"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvbridge",
+            "bench",
+            "--migration-backend",
+            "mooncake",
+            "--model",
+            "llama3-8b",
+            "--tokens",
+            "4096",
+            "--repeat",
+            "100",
+            "--json",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         children: list[int] = []
         deadline = time.monotonic() + 120
         while len(children) < 2:  # the prefill and decode ranks
             assert proc.poll() is None and time.monotonic() < deadline, "the bench did not start its ranks"
             time.sleep(0.2)
-            children = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir()
-                        for c in (t / "children").read_text().split()]
+            children = [
+                int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()
+            ]
         proc.terminate()
         assert proc.wait(timeout=60) == 128 + 15
         for pid in children:
@@ -179,8 +211,11 @@ def test_bench_plot_writes_an_svg_of_the_sweep(tmp_path: Path) -> None:
     import xml.etree.ElementTree as ET
 
     svg = tmp_path / "out.svg"
-    results = json.loads(kvbridge("bench", "--plot", str(svg), "--sweep-tokens", "256,4096", "--requests", "2",
-                                  "--repeat", "1", "--json").stdout)
+    results = json.loads(
+        kvbridge(
+            "bench", "--plot", str(svg), "--sweep-tokens", "256,4096", "--requests", "2", "--repeat", "1", "--json"
+        ).stdout
+    )
     assert [r["config"]["tokens"] for r in results] == [256, 4096] and all(r["verified"] for r in results)
     root = ET.parse(svg).getroot()  # well-formed XML, or this raises
     ns = {"s": "http://www.w3.org/2000/svg"}
@@ -190,6 +225,7 @@ def test_bench_plot_writes_an_svg_of_the_sweep(tmp_path: Path) -> None:
     assert all(len(p.get("points").split()) == 2 for p in lines)  # one point per swept length
     labels = {t.text for t in root.iter("{http://www.w3.org/2000/svg}text")}
     assert {"raw mooncake", "kvbridge mooncake", "256", "4096"} <= labels
-    bad = kvbridge("bench", "--plot", str(tmp_path / "out.gif"), "--tokens", "256", "--requests", "1",
-                   "--repeat", "1", check=False)
+    bad = kvbridge(
+        "bench", "--plot", str(tmp_path / "out.gif"), "--tokens", "256", "--requests", "1", "--repeat", "1", check=False
+    )
     assert bad.returncode == 2 and ".svg" in bad.stderr

@@ -10,8 +10,20 @@ from kvbridge.cli import main
 
 
 def test_plan_json_matches_the_context_pr_example(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["plan", "--prefill", "tp8,pcp2,dcp8", "--decode", "tp8,dcp4,dp2", "--model", "tiny-mla",
-               "--tokens", "2500", "--json"])
+    rc = main(
+        [
+            "plan",
+            "--prefill",
+            "tp8,pcp2,dcp8",
+            "--decode",
+            "tp8,dcp4,dp2",
+            "--model",
+            "tiny-mla",
+            "--tokens",
+            "2500",
+            "--json",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["num_blocks"], out["last_block_tokens"]) == (157, 4)
@@ -21,7 +33,11 @@ def test_plan_json_matches_the_context_pr_example(capsys: pytest.CaptureFixture[
     mine = [p for p in out["pulls"] if p["decode_rank"] == 0]
     assert [p["prefill_rank"] for p in mine] == [0, 4, 8, 12]
     assert [(p["first_block"], p["block_step"], p["dst_first"], p["dst_step"]) for p in mine] == [
-        (0, 16, 0, 4), (4, 16, 1, 4), (8, 16, 2, 4), (12, 16, 3, 4)]
+        (0, 16, 0, 4),
+        (4, 16, 1, 4),
+        (8, 16, 2, 4),
+        (12, 16, 3, 4),
+    ]
     assert sum(p["num_blocks"] for p in out["pulls"] if p["decode_rank"] < 8) == 2 * 157
 
 

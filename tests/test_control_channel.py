@@ -11,7 +11,7 @@ import zmq
 from control_helpers import rank_info, wait_for
 
 from kvbridge import wire
-from kvbridge.control import ControlClient, ControlServer, Ledger, LeaseState
+from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
 from kvbridge.control.messages import Frame, GetInfo, Refused, RegisteredMemory
@@ -191,6 +191,7 @@ def test_auth_replayed_and_stale_frames_are_refused(closing: list) -> None:
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect("tcp://{}:{}".format(*p.server.address))
     try:
+
         def ask(frame: Frame) -> object:
             sock.send(wire.encode(frame))
             reply = wire.decode(sock.recv(), Frame)
@@ -200,8 +201,11 @@ def test_auth_replayed_and_stale_frames_are_refused(closing: list) -> None:
         assert ask(fresh).ready
         replayed = ask(fresh)
         assert isinstance(replayed, Refused) and "replayed" in replayed.message
-        stale = auth.seal(Frame(kind="GetInfo", sender="decode/0", nonce=b"n" * 16, ts=time.time() - 3600,
-                                body=wire.encode(GetInfo())))
+        stale = auth.seal(
+            Frame(
+                kind="GetInfo", sender="decode/0", nonce=b"n" * 16, ts=time.time() - 3600, body=wire.encode(GetInfo())
+            )
+        )
         refused = ask(stale)
         assert isinstance(refused, Refused) and "window" in refused.message
     finally:

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 from control_helpers import etcd_server, rank_info, redis_server
 
-from kvbridge.testing.ports import free_port
-
 from kvbridge.control import (
     ControlClient,
     ControlServer,
@@ -25,6 +23,7 @@ from kvbridge.control import (
 )
 from kvbridge.errors import ConfigError, PeerGone, TransferTimeout
 from kvbridge.proc import Child
+from kvbridge.testing.ports import free_port
 
 HERE = Path(__file__).parent
 
@@ -111,29 +110,48 @@ def test_registry_urls() -> None:
 def test_registry_and_mooncake_metadata_share_one_etcd(etcd_url: str) -> None:
     """Two processes: Mooncake's segment metadata and kvbridge's rank records in the same etcd;
     the decode rank finds the prefill rank through the registry and pulls fingerprinted KV."""
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
-           "GLOG_minloglevel": "2"}
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
+        "GLOG_minloglevel": "2",
+    }
     children = []
     try:
         for role in ("prefill", "decode"):
             child = Child("control_rank", env=env, name=role)
             children.append(child)
-            child.call("setup", role=role, engine_id=f"{role}-etcd", rank=0, parallel="tp1", kv_heads=2, blocks=4,
-                       metadata_server=etcd_url, hostname=f"127.0.0.1:{free_port(span=1)}", registry=etcd_url)
+            child.call(
+                "setup",
+                role=role,
+                engine_id=f"{role}-etcd",
+                rank=0,
+                parallel="tp1",
+                kv_heads=2,
+                blocks=4,
+                metadata_server=etcd_url,
+                hostname=f"127.0.0.1:{free_port(span=1)}",
+                registry=etcd_url,
+            )
         prefill, decode = children
         prefill.call("register")
         decode.call("register")
         prefill.call("offer", request_id="r-etcd", blocks=[3, 1], tokens=32)  # count left to the decode side
         # No host or port in the params: the registry says where the prefill rank is.
-        params = KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill-etcd", remote_request_id="r-etcd",
-                                  remote_block_ids=[[3, 1]], tp_size=1, remote_num_tokens=32).to_dict()
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="prefill-etcd",
+            remote_request_id="r-etcd",
+            remote_block_ids=[[3, 1]],
+            tp_size=1,
+            remote_num_tokens=32,
+        ).to_dict()
         assert decode.call("read", request_id="r-etcd", params=params, local_blocks=[0, 2])["pulled"] == [0]
         assert decode.call("verify", local_blocks=[0, 2], tokens=32) > 0
         assert decode.call("done", request_id="r-etcd", params=params) == [True]
         assert prefill.call("released") == [["r-etcd", "released", [3, 1]]]
         etcd = EtcdRegistry(etcd_url)
-        mooncake_keys = etcd._post("kv/range", {"key": etcd._b64("mooncake/"), "range_end": etcd._b64("mooncake0"),
-                                                "count_only": True})
+        mooncake_keys = etcd._post(
+            "kv/range", {"key": etcd._b64("mooncake/"), "range_end": etcd._b64("mooncake0"), "count_only": True}
+        )
         assert int(mooncake_keys.get("count", 0)) > 0, "Mooncake keeps its segment metadata in the same etcd"
         assert [r.engine_id for r in etcd.ranks("prefill-etcd")] == ["prefill-etcd"]
         for c in children:

@@ -31,7 +31,11 @@ FAST = settings(max_examples=400, deadline=None, suppress_health_check=list(Heal
 MANY = settings(FAST, max_examples=1000)
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=40)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=40)
     | st.binary(max_size=40),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
     max_leaves=20,
@@ -106,10 +110,16 @@ def test_fuzz_random_bytes_are_refused(rank: Rank, payload: bytes) -> None:
 
 
 @FAST
-@given(envelope=st.dictionaries(st.sampled_from(["v", "t", "d", "x"]), msgpack_values, max_size=4)
-       | st.fixed_dictionaries({"v": st.just(1), "t": st.just("Frame"),
-                                "d": st.dictionaries(st.sampled_from([a.name for a in Frame.__attrs_attrs__]),
-                                                     msgpack_values)}))
+@given(
+    envelope=st.dictionaries(st.sampled_from(["v", "t", "d", "x"]), msgpack_values, max_size=4)
+    | st.fixed_dictionaries(
+        {
+            "v": st.just(1),
+            "t": st.just("Frame"),
+            "d": st.dictionaries(st.sampled_from([a.name for a in Frame.__attrs_attrs__]), msgpack_values),
+        }
+    )
+)
 def test_fuzz_malformed_envelopes_and_frames_are_refused(rank: Rank, envelope: dict) -> None:
     assert rank.refuse(msgpack.packb(envelope, use_bin_type=True)).kind == "protocol"
     assert rank.untouched()
@@ -117,10 +127,17 @@ def test_fuzz_malformed_envelopes_and_frames_are_refused(rank: Rank, envelope: d
 
 request_msgs = st.one_of(
     st.builds(GetInfo),
-    st.builds(BeginPull, request_id=st.sampled_from(["held", "other"]) | st.text(max_size=20),
-              decode_rank=st.text(max_size=20)),
-    st.builds(Done, request_id=st.sampled_from(["held", "other"]), decode_rank=st.text(max_size=20),
-              epoch=st.integers(0, 2**62)),
+    st.builds(
+        BeginPull,
+        request_id=st.sampled_from(["held", "other"]) | st.text(max_size=20),
+        decode_rank=st.text(max_size=20),
+    ),
+    st.builds(
+        Done,
+        request_id=st.sampled_from(["held", "other"]),
+        decode_rank=st.text(max_size=20),
+        epoch=st.integers(0, 2**62),
+    ),
     st.builds(QueryLease, request_id=st.text(max_size=20), epoch=st.integers(0, 2**62)),
     st.builds(Abort, request_id=st.sampled_from(["held", "other"]), reason=st.text(max_size=20)),
 )
@@ -167,8 +184,10 @@ def test_fuzz_oversized_messages_are_refused(rank: Rank) -> None:
     huge = rank.auth.seal(_frame("GetInfo", "fuzzer", b"\x00" * (MAX + 1)))
     assert "exceeds" in rank.refuse(wire.encode(huge)).message
     # A bytes field given as a huge integer must not allocate it (cattrs would call bytes(n)).
-    bomb = msgpack.packb({"v": 1, "t": "Frame", "d": {"kind": "GetInfo", "sender": "x", "nonce": 10**12,
-                                                      "ts": 0.0, "body": b""}}, use_bin_type=True)
+    bomb = msgpack.packb(
+        {"v": 1, "t": "Frame", "d": {"kind": "GetInfo", "sender": "x", "nonce": 10**12, "ts": 0.0, "body": b""}},
+        use_bin_type=True,
+    )
     assert rank.refuse(bomb).kind == "protocol"
 
 
@@ -185,6 +204,7 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect("tcp://{}:{}".format(*r.server.address))
     try:
+
         @settings(max_examples=300, deadline=None, derandomize=True)
         @given(payload=st.binary(max_size=256) | st.builds(lambda m: r.sealed(m, mac=b""), request_msgs))
         def send(payload: bytes) -> None:
@@ -221,8 +241,9 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
                     storm()
                 gc.collect()
                 skip = [tracemalloc.Filter(False, tracemalloc.__file__)]
-                diff = tracemalloc.take_snapshot().filter_traces(skip).compare_to(before.filter_traces(skip),
-                                                                                  "filename")
+                diff = (
+                    tracemalloc.take_snapshot().filter_traces(skip).compare_to(before.filter_traces(skip), "filename")
+                )
                 grown = sum(d.size_diff for d in diff)
             finally:
                 tracemalloc.stop()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.control import Ledger, LeaseState
+from kvbridge.control import LeaseState, Ledger
 from kvbridge.errors import ConfigError
 
 
@@ -30,8 +30,9 @@ def released() -> list[tuple[str, LeaseState, tuple[int, ...]]]:
 
 @pytest.fixture
 def ledger(clock: Clock, released: list) -> Ledger:
-    return Ledger(lambda lease, why: released.append((lease.request_id, why, lease.blocks)), timeout_s=10.0,
-                  clock=clock)
+    return Ledger(
+        lambda lease, why: released.append((lease.request_id, why, lease.blocks)), timeout_s=10.0, clock=clock
+    )
 
 
 def test_done_releases_exactly_at_the_last_expected_done(ledger: Ledger, released: list) -> None:
@@ -217,8 +218,13 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("offer"), st.sampled_from("abc"), st.sampled_from([None, 0, 1, 2, 3])),
         st.tuples(st.just("begin"), st.sampled_from("abc"), st.sampled_from(["d0", "d1", "d2"]), st.integers(0, 3)),
-        st.tuples(st.just("done"), st.sampled_from("abc"), st.sampled_from(["d0", "d1", "d2"]), st.integers(0, 3),
-                  st.booleans()),
+        st.tuples(
+            st.just("done"),
+            st.sampled_from("abc"),
+            st.sampled_from(["d0", "d1", "d2"]),
+            st.integers(0, 3),
+            st.booleans(),
+        ),
         st.tuples(st.just("abort"), st.sampled_from("abc")),
         st.tuples(st.just("advance"), st.floats(0, 6)),
     ),
@@ -250,8 +256,7 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
             epoch = epochs.get(op[1], 0) if op[4] else 0
             status = ledger.done(op[1], op[2], epoch, expected_pulls=op[3])
             if status.valid and status.released:  # this DONE was counted, then released the lease
-                log.insert(log.index(("release", status.epoch, LeaseState.RELEASED)),
-                           ("valid", status.epoch, op[2]))
+                log.insert(log.index(("release", status.epoch, LeaseState.RELEASED)), ("valid", status.epoch, op[2]))
             elif status.valid:
                 log.append(("valid", status.epoch, op[2]))
             elif status.state is LeaseState.UNKNOWN and epoch == 0:
@@ -266,10 +271,13 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
     for entry in releases:
         _, epoch, reason = entry
         at = log.index(entry)
-        later = {e[2] for e in log[at + 1:] if e[0] == "valid" and e[1] == epoch}
+        later = {e[2] for e in log[at + 1 :] if e[0] == "valid" and e[1] == epoch}
         if reason is not LeaseState.RELEASED:
             assert not later, f"a DONE was answered valid after the lease {reason.value}"
         else:
-            counted = {e[2] for e in log[:at] if (e[0] == "valid" and e[1] == epoch)
-                       or (e[0] == "early" and e[1] == request_of[epoch])}
+            counted = {
+                e[2]
+                for e in log[:at]
+                if (e[0] == "valid" and e[1] == epoch) or (e[0] == "early" and e[1] == request_of[epoch])
+            }
             assert later <= counted, "a DONE not counted before the release was answered valid"

@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 from control_helpers import wait_for
-
-from kvbridge.testing.ports import free_port
 from control_rank import model_with
 
 from kvbridge.control import KVTransferParams
 from kvbridge.proc import Child, ChildError
+from kvbridge.testing.ports import free_port
 from kvbridge.topology import ParallelConfig, Plan, plan
 
 HERE = Path(__file__).parent
-ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
-       "NO_PROXY": "127.0.0.1,localhost", "GLOG_minloglevel": "2"}
+ENV = {
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
+    "NO_PROXY": "127.0.0.1,localhost",
+    "GLOG_minloglevel": "2",
+}
 
 
 class Cluster:
@@ -51,9 +53,17 @@ class Cluster:
     def spawn(self, role: str, rank: int, engine: str = "") -> Child:
         child = Child("control_rank", env=ENV, name=f"{role}{rank}")
         cfg = self.p_cfg if role == "prefill" else self.d_cfg
-        child.call("setup", role=role, engine_id=engine or role, rank=rank, parallel=str(cfg),
-                   kv_heads=self.kv_heads, blocks=self.PREFILL_BLOCKS if role == "prefill" else self.DECODE_BLOCKS,
-                   port=self.base + rank if role == "prefill" else 0, lease_timeout_s=60.0)
+        child.call(
+            "setup",
+            role=role,
+            engine_id=engine or role,
+            rank=rank,
+            parallel=str(cfg),
+            kv_heads=self.kv_heads,
+            blocks=self.PREFILL_BLOCKS if role == "prefill" else self.DECODE_BLOCKS,
+            port=self.base + rank if role == "prefill" else 0,
+            lease_timeout_s=60.0,
+        )
         return child
 
     def plan(self, tokens: int) -> Plan:
@@ -61,9 +71,16 @@ class Cluster:
 
     def params(self, request_id: str, blocks: list[int], tokens: int) -> dict:
         """What the prefill engine returns through the proxy (vLLM's keys)."""
-        return KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill", remote_request_id=request_id,
-                                remote_block_ids=[blocks], remote_host="127.0.0.1", remote_port=self.base,
-                                tp_size=self.p_cfg.tp, remote_num_tokens=tokens).to_dict()
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="prefill",
+            remote_request_id=request_id,
+            remote_block_ids=[blocks],
+            remote_host="127.0.0.1",
+            remote_port=self.base,
+            tp_size=self.p_cfg.tp,
+            remote_num_tokens=tokens,
+        ).to_dict()
 
     def offer(self, request_id: str, blocks: list[int], tokens: int, timeout_s: float | None = None) -> None:
         p = self.plan(tokens)
@@ -71,8 +88,14 @@ class Cluster:
             # Either the prefill side knows the release count (a rank nobody reads waits for the one
             # DONE of the plan's notifier), or it leaves it to the decode side's BeginPull/DONE.
             expected = max(p.release_count(r), 1) if self.prefill_knows_counts else None
-            child.call("offer", request_id=request_id, blocks=blocks, tokens=tokens, expected_pulls=expected,
-                       timeout_s=timeout_s)
+            child.call(
+                "offer",
+                request_id=request_id,
+                blocks=blocks,
+                tokens=tokens,
+                expected_pulls=expected,
+                timeout_s=timeout_s,
+            )
 
     def released(self) -> list[list]:
         return [c.call("released") for c in self.prefill]
@@ -87,8 +110,11 @@ class Cluster:
 
 
 # kv heads, prefill, decode, whether the prefill side offers with the release count
-DIRECTIONS = {"prefill-tp2-decode-tp4": (4, "tp2", "tp4", True), "prefill-tp4-decode-tp2": (4, "tp4", "tp2", False),
-              "prefill-tp4-decode-tp2-replicated-heads": (2, "tp4", "tp2", False)}
+DIRECTIONS = {
+    "prefill-tp2-decode-tp4": (4, "tp2", "tp4", True),
+    "prefill-tp4-decode-tp2": (4, "tp4", "tp2", False),
+    "prefill-tp4-decode-tp2-replicated-heads": (2, "tp4", "tp2", False),
+}
 
 
 @pytest.fixture(scope="module", params=list(DIRECTIONS))

@@ -40,17 +40,30 @@ def test_params_read_vllm_keys_and_write_them_back() -> None:
 
 
 def test_params_keep_unknown_keys_and_accept_flat_block_ids() -> None:
-    p = KVTransferParams.from_dict({"do_remote_decode": True, "remote_block_ids": [1, 2], "_p_side_truncated": True,
-                                    "router_hint": {"x": 1}})
+    p = KVTransferParams.from_dict(
+        {"do_remote_decode": True, "remote_block_ids": [1, 2], "_p_side_truncated": True, "router_hint": {"x": 1}}
+    )
     assert p.remote_block_ids == ((1, 2),)
     assert p.extra == {"_p_side_truncated": True, "router_hint": {"x": 1}}
     assert p.to_dict()["_p_side_truncated"] is True and p.to_dict()["remote_block_ids"] == [[1, 2]]
 
 
 def test_params_kvbridge_fields_round_trip() -> None:
-    p = KVTransferParams(do_remote_prefill=True, remote_engine_id="e", remote_request_id="r", remote_host="h",
-                         remote_port=1, tp_size=4, pcp_size=2, dcp_size=2, dp_size=2, dp_rank=1,
-                         prefix_prompt_ids=[1, 2, 3], cache_keys=["k0", "k1"], remote_num_tokens=3)
+    p = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="e",
+        remote_request_id="r",
+        remote_host="h",
+        remote_port=1,
+        tp_size=4,
+        pcp_size=2,
+        dcp_size=2,
+        dp_size=2,
+        dp_rank=1,
+        prefix_prompt_ids=[1, 2, 3],
+        cache_keys=["k0", "k1"],
+        remote_num_tokens=3,
+    )
     d = p.to_dict()
     assert d["prefix_prompt_ids"] == [1, 2, 3] and d["cache_keys"] == ["k0", "k1"] and d["pcp_size"] == 2
     assert KVTransferParams.from_dict(d) == p

@@ -11,7 +11,7 @@ import pytest
 from control_helpers import wait_for
 
 from kvbridge.agent import KVAgent
-from kvbridge.control import ControlServer, DecodeControl, KVTransferParams, Ledger, LeaseState
+from kvbridge.control import ControlServer, DecodeControl, KVTransferParams, LeaseState, Ledger
 from kvbridge.errors import ConfigError, LoadError, TransferFailed, TransferTimeout
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS
@@ -39,8 +39,9 @@ class Pair:
     def __init__(self) -> None:
         self.clock = Clock()
         self.released: list[tuple[str, LeaseState]] = []
-        self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=60,
-                             clock=self.clock)
+        self.ledger = Ledger(
+            lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=60, clock=self.clock
+        )
         self.prefill, self.p_buf = _agent("prefill", MODEL.kv_heads, 8)
         self.decode, self.d_buf = _agent("decode", MODEL.kv_heads, 8)
         self.p_buf[:] = np.arange(self.p_buf.size, dtype=np.uint64).astype(np.uint8)
@@ -52,13 +53,21 @@ class Pair:
 
     def params(self, rid: str) -> KVTransferParams:
         host, port = self.p_server.address
-        return KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill", remote_request_id=rid,
-                                remote_block_ids=[[1, 2, 3]], remote_host=host, remote_port=port, tp_size=1,
-                                remote_num_tokens=TOKENS)
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id="prefill",
+            remote_request_id=rid,
+            remote_block_ids=[[1, 2, 3]],
+            remote_host=host,
+            remote_port=port,
+            tp_size=1,
+            remote_num_tokens=TOKENS,
+        )
 
     def start(self, rid: str):  # noqa: ANN201
-        return self.control.start(f"local-{rid}", self.params(rid), [4, 5, 6],
-                                  on_finished=lambda r, e: self.outcomes.append((r, e)))
+        return self.control.start(
+            f"local-{rid}", self.params(rid), [4, 5, 6], on_finished=lambda r, e: self.outcomes.append((r, e))
+        )
 
     def close(self) -> None:
         self.control.close()
@@ -92,7 +101,7 @@ def test_lease_expiring_during_the_read_is_a_load_error(pair: Pair) -> None:
     pair.ledger.reap()
     assert pair.released == [("r2", LeaseState.EXPIRED)] and not handle.done(), "expiry must come during the read"
     handle.wait(10)
-    (rid, err), = pair.outcomes
+    ((rid, err),) = pair.outcomes
     assert rid == "local-r2" and isinstance(err, LoadError) and "recompute" in str(err)
 
 
@@ -102,7 +111,7 @@ def test_done_after_a_failed_transfer_still_releases_the_prefill_blocks(pair: Pa
     pair.decode.backend.inject(fail_completion=1)
     with pytest.raises(TransferFailed):
         pair.start("r3").wait(10)
-    (rid, err), = pair.outcomes
+    ((rid, err),) = pair.outcomes
     assert isinstance(err, TransferFailed)
     assert pair.released == [("r3", LeaseState.RELEASED)], "the decode side recomputes; prefill need not wait"
 

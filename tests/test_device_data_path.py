@@ -58,6 +58,7 @@ def _pull_once(device: str, acc: Any, ids: tuple[int, int] = (0, 1), *, addresse
     gen = torch.Generator().manual_seed(5)
     for t in p_kv:  # what the prefill kernels wrote
         t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(torch.bfloat16))
+
     def agent(engine: str, layout: Any, kv: list[Any], device_id: int) -> KVAgent:
         if not addresses:  # the device is picked from the tensors
             return KVAgent(engine, 0, ParallelConfig(), layout, kv, backend="mooncake", protocol="tcp")
@@ -194,40 +195,64 @@ def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
     from kvbridge.bench.lmdeploy_rank import engine_config
 
     settings = AdapterSettings(transport="mooncake", hostname="127.0.0.1", timeout=60, device="npu")
-    pools = {"p": torch.zeros((LAYERS, P_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="npu:0"),
-             "d": torch.zeros((LAYERS, D_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="npu:1")}
-    pools["p"].copy_(torch.randint(0, 256, pools["p"].shape, dtype=torch.uint8, generator=torch.Generator()
-                                   .manual_seed(9)))
+    pools = {
+        "p": torch.zeros((LAYERS, P_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="npu:0"),
+        "d": torch.zeros((LAYERS, D_BLOCKS, BLOCK_BYTES), dtype=torch.uint8, device="npu:1"),
+    }
+    pools["p"].copy_(
+        torch.randint(0, 256, pools["p"].shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    )
     sides: dict[str, KVBridgeMigrationBackend] = {}
     try:
         for me, other, device_id in (("p", "d", 0), ("d", "p", 1)):
             npu.set_device(device_id)  # each LMDeploy worker runs on its own NPU
             b = sides[me] = KVBridgeMigrationBackend(settings)
-            b.p2p_initialize(DistServeInitRequest(
-                local_engine_id=me, local_engine_config=engine_config(pools[me].shape[1], 16), remote_engine_id=other,
-                remote_engine_config=engine_config(pools[other].shape[1], 16), protocol=MigrationProtocol.TCP, rank=0))
+            b.p2p_initialize(
+                DistServeInitRequest(
+                    local_engine_id=me,
+                    local_engine_config=engine_config(pools[me].shape[1], 16),
+                    remote_engine_id=other,
+                    remote_engine_config=engine_config(pools[other].shape[1], 16),
+                    protocol=MigrationProtocol.TCP,
+                    rank=0,
+                )
+            )
             pool = pools[me]
-            b.register_memory_region(messages.DistServeRegisterMRMessage(
-                protocol=MigrationProtocol.TCP, remote_engine_id=other, mr_key=0, addr=pool.data_ptr(),
-                offset=pool.storage_offset(), length=pool.numel() * pool.itemsize))
+            b.register_memory_region(
+                messages.DistServeRegisterMRMessage(
+                    protocol=MigrationProtocol.TCP,
+                    remote_engine_id=other,
+                    mr_key=0,
+                    addr=pool.data_ptr(),
+                    offset=pool.storage_offset(),
+                    length=pool.numel() * pool.itemsize,
+                )
+            )
             assert b.memory_kinds() == {0: MemoryKind.NPU}  # the pool's real kind, not DRAM
             assert b.links[other].local_regions[0].device_id == device_id
         for me, other in (("p", "d"), ("d", "p")):
             info = sides[other].endpoint_info(me, MigrationProtocol.TCP)
             assert info["mr_info"]["0"]["kind"] == "npu"
             assert info["mr_info"]["0"]["addr"] != pools[other].data_ptr()  # peers read the host mirror
-            sides[me].p2p_connect(other, DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP,
-                                                                         endpoint_info=json.dumps(info)))
+            sides[me].p2p_connect(
+                other, DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=json.dumps(info))
+            )
         assert sides["d"].links["p"].remote_regions[0].kind == MemoryKind.NPU
         npu.calls.clear()
         sides["p"].publish()  # the computed blocks, to the mirror the decode side reads
         assert npu.calls == [("event_record", 0), ("event_synchronize", 0)]
         npu.calls.clear()
         cache = [CachePool(tensor=pools[k].cpu(), entry_axis=1) for k in ("d", "p")]
-        batch = build_cache_pool_assignments(describe_cache_pools(cache[:1], D_BLOCKS),
-                                             describe_cache_pools(cache[1:], P_BLOCKS), [(3, 0), (4, 1), (11, 9)])
-        asyncio.run(sides["d"].p2p_migrate(messages.MigrationAssignment(
-            protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch)))
+        batch = build_cache_pool_assignments(
+            describe_cache_pools(cache[:1], D_BLOCKS),
+            describe_cache_pools(cache[1:], P_BLOCKS),
+            [(3, 0), (4, 1), (11, 9)],
+        )
+        asyncio.run(
+            sides["d"].p2p_migrate(
+                messages.MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch)
+            )
+        )
         assert npu.calls == [("synchronize", 1)]  # once, on the decode NPU, before p2p_migrate returned
         got, want = pools["d"].cpu(), pools["p"].cpu()
         assert torch.equal(got[:, [0, 1, 9]], want[:, [3, 4, 11]])
@@ -238,6 +263,7 @@ def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
 
 
 # -- the same on a real GPU, where there is one ---------------------------------------------------
+
 
 def _no_gpu() -> str | None:
     from kvbridge_cuda.plugin import probe
@@ -258,8 +284,7 @@ class TestCudaDataPath:
         _pull_once("cuda", None, (0, min(1, torch.cuda.device_count() - 1)))
 
 
-def test_each_wait_comes_once_and_before_the_copy_that_depends_on_it(npu: Any, monkeypatch: pytest.MonkeyPatch
-                                                                      ) -> None:
+def test_each_wait_comes_once_and_before_the_copy_that_depends_on_it(npu: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     device = kvbridge.get_device("npu")
     be = staging.attach(kvbridge.create_backend("loopback"), device)
     try:

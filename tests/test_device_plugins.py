@@ -28,8 +28,9 @@ PLUGINS = {  # device -> (distribution, vendor module or None, reason here, prot
 
 
 def test_kvbridge_plugins_lists_accelerators_unavailable_with_reasons() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvbridge", "plugins", "--json"], capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "plugins", "--json"], capture_output=True, text=True, timeout=120, check=True
+    )
     rows = {(r["kind"], r["name"]): r for r in json.loads(out.stdout)}
     for name, (dist, _, reason, _) in PLUGINS.items():
         row = rows[("device", name)]
@@ -91,7 +92,11 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
     assert kvbridge.regions.device_of([kv, kv[1]]) is device  # found through the registry by device type
     (region,) = kvbridge.regions.regions_of(kv)
     assert (region.addr, region.length, region.kind, region.device_id) == (
-        kv.data_ptr(), 2 * 16 * 64 * 2, device.memory_kind, 1)
+        kv.data_ptr(),
+        2 * 16 * 64 * 2,
+        device.memory_kind,
+        1,
+    )
     assert region.kind != kvbridge.MemoryKind.DRAM
     with pytest.raises(kvbridge.ConfigError, match="regions_of"):  # below the registry: host memory only
         kvbridge.memory.as_regions(kv)
@@ -129,10 +134,10 @@ def test_cuda_pci_address_from_the_driver_listing(tmp_path: Path) -> None:
     assert _pci_by_uuid("GPU-1234abcd-0000", tmp_path / "absent") is None
 
 
-@pytest.mark.parametrize("module, node", [("kvbridge_cuda", "nvidia0"), ("kvbridge_ascend", "davinci3"),
-                                          ("kvbridge_mlu", "cambricon_dev1")])
-def test_hardware_check_reads_device_nodes_without_the_vendor_runtime(tmp_path: Path, module: str,
-                                                                        node: str) -> None:
+@pytest.mark.parametrize(
+    "module, node", [("kvbridge_cuda", "nvidia0"), ("kvbridge_ascend", "davinci3"), ("kvbridge_mlu", "cambricon_dev1")]
+)
+def test_hardware_check_reads_device_nodes_without_the_vendor_runtime(tmp_path: Path, module: str, node: str) -> None:
     hardware = importlib.import_module(f"{module}.plugin").hardware
     (tmp_path / "nvidiactl").touch()  # control nodes alone are not a device
     (tmp_path / "davinci_manager").touch()

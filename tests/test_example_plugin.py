@@ -95,8 +95,12 @@ def doc_files() -> dict[str, str]:
 @pytest.mark.slow
 def test_the_transport_in_the_docs_installs_conforms_and_benches(tmp_path: Path) -> None:
     files = doc_files()
-    assert set(files) >= {"pyproject.toml", "src/kvbridge_mytransport/plugin.py",
-                          "src/kvbridge_mytransport/backend.py", "tests/test_mytransport_conformance.py"}
+    assert set(files) >= {
+        "pyproject.toml",
+        "src/kvbridge_mytransport/plugin.py",
+        "src/kvbridge_mytransport/backend.py",
+        "tests/test_mytransport_conformance.py",
+    }
     root = tmp_path / "kvbridge-mytransport"
     for path, body in {**files, "src/kvbridge_mytransport/__init__.py": ""}.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
@@ -105,12 +109,18 @@ def test_the_transport_in_the_docs_installs_conforms_and_benches(tmp_path: Path)
     try:
         rows = json.loads(run("-m", "kvbridge", "plugins", "--json").stdout)
         assert {(r["kind"], r["name"], r["available"]) for r in rows} >= {("backend", "mytransport", True)}
-        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "conformance"],
-                             capture_output=True, text=True, timeout=600, cwd=root)
+        out = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "conformance"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=root,
+        )
         assert out.returncode == 0, out.stdout[-4000:]
         assert " passed" in out.stdout and "skipped" not in out.stdout
-        result = json.loads(run("-m", "kvbridge", "bench", "--migration-backend", "mytransport", *QUICK,
-                                "--json").stdout)
+        result = json.loads(
+            run("-m", "kvbridge", "bench", "--migration-backend", "mytransport", *QUICK, "--json").stdout
+        )
         assert result["verified"] is True
     finally:
         run("-m", "pip", "uninstall", "-q", "-y", "kvbridge-mytransport")

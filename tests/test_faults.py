@@ -120,8 +120,9 @@ def test_long_descriptors_are_cut_to_the_transport_piece_size() -> None:
     client.register_memory(dst)
     peer = client.connect(server.endpoint_info())
     try:
-        handle = client.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 4500), (dst.ctypes.data + 5000,
-                                        src.ctypes.data + 5000, 5000)])
+        handle = client.transfer(
+            peer, [(dst.ctypes.data, src.ctypes.data, 4500), (dst.ctypes.data + 5000, src.ctypes.data + 5000, 5000)]
+        )
         handle.wait(10)
         assert handle.descriptors == 5 + 5 and handle.nbytes == 9500
         assert client.submissions == 4  # 10 pieces in batches of 3

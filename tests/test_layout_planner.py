@@ -51,14 +51,15 @@ def _run(p: Plan, style: str, seed: int) -> None:
     dst_place = HeadPlacement.of(m, p.decode, "decode")
     ranks: dict[tuple[str, int], tuple[np.ndarray, KVLayout, Share]] = {}
     for side, config, place in (("prefill", p.prefill, src_place), ("decode", p.decode, dst_place)):
-        for rank in (p.prefill_ranks if side == "prefill" else p.decode_ranks):
+        for rank in p.prefill_ranks if side == "prefill" else p.decode_ranks:
             c = config.coords(rank)
             count = p.blocks_on(side, rank)
             capacity = count + int(rng.integers(0, 4)) + 1  # asymmetric capacity on purpose
             buf, layout = _make(m, place.per_rank, capacity, style)
             ids = _ids(rng, count, capacity)
-            share = Share(ids.tolist(), [c.cp + i * config.cp for i in range(count)], list(place.heads(c.shard)),
-                          p.tokens)
+            share = Share(
+                ids.tolist(), [c.cp + i * config.cp for i in range(count)], list(place.heads(c.shard)), p.tokens
+            )
             ranks[side, rank] = (buf, layout, share)
     for rank in p.prefill_ranks:
         buf, layout, share = ranks["prefill", rank]
@@ -91,18 +92,31 @@ def configs(draw: st.DrawFn) -> ParallelConfig:
 
 
 @settings(max_examples=60, deadline=None)
-@given(configs(), configs(), st.sampled_from(["gqa1", "gqa2", "gqa8", "mla"]), st.integers(1, 200),
-       st.sampled_from(["split-NHD", "split-HND", "joint-NHD", "perhead-HND", "lmdeploy"]), st.integers(0, 2**16),
-       st.data())
-def test_every_layer_token_and_head_lands_once(prefill: ParallelConfig, decode: ParallelConfig, kind: str,
-                                               tokens: int, style: str, seed: int, data: st.DataObject) -> None:
+@given(
+    configs(),
+    configs(),
+    st.sampled_from(["gqa1", "gqa2", "gqa8", "mla"]),
+    st.integers(1, 200),
+    st.sampled_from(["split-NHD", "split-HND", "joint-NHD", "perhead-HND", "lmdeploy"]),
+    st.integers(0, 2**16),
+    st.data(),
+)
+def test_every_layer_token_and_head_lands_once(
+    prefill: ParallelConfig, decode: ParallelConfig, kind: str, tokens: int, style: str, seed: int, data: st.DataObject
+) -> None:
     if kind == "mla":
         model = ModelSpec("m", layers=2, kv_heads=1, head_dim=8, dtype="fp16", block_size=4, attention="mla")
         style = style.replace("perhead", "split")  # a GQA-only layout
     else:
         model = ModelSpec("g", layers=2, kv_heads=int(kind[3:]), head_dim=4, dtype="fp16", block_size=4)
-    p = plan(prefill, decode, model, tokens, prefill_dp=data.draw(st.integers(0, prefill.dp - 1)),
-             decode_dp=data.draw(st.integers(0, decode.dp - 1)))
+    p = plan(
+        prefill,
+        decode,
+        model,
+        tokens,
+        prefill_dp=data.draw(st.integers(0, prefill.dp - 1)),
+        decode_dp=data.draw(st.integers(0, decode.dp - 1)),
+    )
     _run(p, style, seed)
 
 

@@ -14,8 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("check", [["check", "--no-fix"], ["format", "--check"]], ids=["lint", "format"])
 def test_ruff(check: list[str]) -> None:
     # ruff comes with the `test` extra; `python -m ruff` uses the one installed beside this interpreter
-    out = subprocess.run([sys.executable, "-m", "ruff", *check, "--no-cache", "."], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "ruff", *check, "--no-cache", "."], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, (
         f"ruff {' '.join(check)} found problems (fix them, or run `ruff check --fix .` / `ruff format .`):\n"
         f"{out.stdout}{out.stderr}"

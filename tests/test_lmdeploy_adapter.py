@@ -47,8 +47,12 @@ from kvbridge.proc import Child, ChildError  # noqa: E402
 from kvbridge.types import MemoryRegion  # noqa: E402
 
 LAYERS, P_BLOCKS, D_BLOCKS, BLOCK_BYTES = 3, 40, 24, 512
-ENV = {"KVBRIDGE_LMDEPLOY_TRANSPORT": "mooncake", "KVBRIDGE_LMDEPLOY_HOSTNAME": "127.0.0.1",
-       "KVBRIDGE_LMDEPLOY_TIMEOUT": "60", "KVBRIDGE_LMDEPLOY": "1"}
+ENV = {
+    "KVBRIDGE_LMDEPLOY_TRANSPORT": "mooncake",
+    "KVBRIDGE_LMDEPLOY_HOSTNAME": "127.0.0.1",
+    "KVBRIDGE_LMDEPLOY_TIMEOUT": "60",
+    "KVBRIDGE_LMDEPLOY": "1",
+}
 RANK = "kvbridge.bench.lmdeploy_rank"
 # (prefill block, decode block): a contiguous run, a reversed run, and scattered blocks.
 PAIRS = [[p, d] for p, d in zip(range(10, 18), range(2, 10))] + [[30, 12], [29, 13], [28, 14]] + [[0, 20], [39, 16]]
@@ -70,10 +74,19 @@ def pair() -> Iterator[tuple[Child, Child]]:
     prefill = Child(RANK, env=ENV, name="prefill")
     decode = Child(RANK, env=ENV, name="decode")
     try:
-        for child, engine_id, blocks, fill in ((prefill, "prefill-0", P_BLOCKS, True),
-                                               (decode, "decode-0", D_BLOCKS, False)):
-            made = child.call("setup", engine_id=engine_id, layers=LAYERS, blocks=blocks, block_bytes=BLOCK_BYTES,
-                              fill=fill, backend="Mooncake")
+        for child, engine_id, blocks, fill in (
+            (prefill, "prefill-0", P_BLOCKS, True),
+            (decode, "decode-0", D_BLOCKS, False),
+        ):
+            made = child.call(
+                "setup",
+                engine_id=engine_id,
+                layers=LAYERS,
+                blocks=blocks,
+                block_bytes=BLOCK_BYTES,
+                fill=fill,
+                backend="Mooncake",
+            )
             # The worker resolved LMDeploy's "Mooncake" through the registry to kvbridge's class.
             assert made["backend"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
         _handshake(prefill, decode)
@@ -93,8 +106,9 @@ _PROBE = (
 
 
 def _fresh(code: str, **env: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
-                         timeout=120, cwd="/")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=120, cwd="/"
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1]
 
@@ -116,12 +130,14 @@ def test_hook_is_installed_by_a_pth_file_and_imports_nothing_else() -> None:
     assert (site / "kvbridge_lmdeploy.pth").read_text().startswith("import kvbridge_lmdeploy")
     loaded = set(json.loads(_fresh("import json, sys; print(json.dumps(sorted(sys.modules)))")))
     assert "kvbridge_lmdeploy" in loaded
-    heavy = {m for m in loaded if m.split(".")[0] in ("lmdeploy", "torch", "mmengine")
-             or m.startswith("kvbridge.adapters")}
+    heavy = {
+        m for m in loaded if m.split(".")[0] in ("lmdeploy", "torch", "mmengine") or m.startswith("kvbridge.adapters")
+    }
     assert not heavy, f"a bare interpreter imported {sorted(heavy)}"
 
 
 # -- two processes over Mooncake TCP ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
 def test_migrate_verifies_every_byte(pair: tuple[Child, Child], async_op: bool) -> None:
@@ -165,8 +181,9 @@ def test_unregistered_mr_key_names_engine_and_instruct(pair: tuple[Child, Child]
         decode.call("migrate_raw", remote_engine_id="prefill-0", instructs=[[0, 0, 0, 8], [5, 0, 0, 8]])
     assert err.value.kind == "InvalidDescriptor"
     with pytest.raises(ChildError, match=r"instruct #0 .* past the end of the remote region"):
-        decode.call("migrate_raw", remote_engine_id="prefill-0",
-                    instructs=[[0, 0, LAYERS * P_BLOCKS * BLOCK_BYTES - 8, 16]])
+        decode.call(
+            "migrate_raw", remote_engine_id="prefill-0", instructs=[[0, 0, LAYERS * P_BLOCKS * BLOCK_BYTES - 8, 16]]
+        )
 
 
 @pytest.mark.parametrize("op", ["store", "load"])
@@ -191,9 +208,11 @@ def test_drop_disconnects_and_unregisters_then_reconnects(pair: tuple[Child, Chi
 
 # -- in process: planning and failures on the loopback transport ------------------------------
 
+
 def _pools(blocks: int) -> tuple[DistServeCachePoolInfo, ...]:
-    return (DistServeCachePoolInfo(shape=(LAYERS, blocks, BLOCK_BYTES), dtype="torch.uint8", element_size=1,
-                                   entry_axis=1),)
+    return (
+        DistServeCachePoolInfo(shape=(LAYERS, blocks, BLOCK_BYTES), dtype="torch.uint8", element_size=1, entry_axis=1),
+    )
 
 
 def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
@@ -220,12 +239,26 @@ def _loopback_pair() -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend
     sides = {}
     for me, other, arr, mine, theirs in (("p", "d", src, P_BLOCKS, D_BLOCKS), ("d", "p", dst, D_BLOCKS, P_BLOCKS)):
         b = KVBridgeMigrationBackend(settings)
-        b.p2p_initialize(DistServeInitRequest(local_engine_id=me, local_engine_config=_cfg(mine),
-                                              remote_engine_id=other, remote_engine_config=_cfg(theirs),
-                                              protocol=MigrationProtocol.TCP, rank=0))
-        b.register_memory_region(DistServeRegisterMRMessage(
-            protocol=MigrationProtocol.TCP, remote_engine_id=other, mr_key=0, addr=arr.ctypes.data, offset=0,
-            length=arr.nbytes))
+        b.p2p_initialize(
+            DistServeInitRequest(
+                local_engine_id=me,
+                local_engine_config=_cfg(mine),
+                remote_engine_id=other,
+                remote_engine_config=_cfg(theirs),
+                protocol=MigrationProtocol.TCP,
+                rank=0,
+            )
+        )
+        b.register_memory_region(
+            DistServeRegisterMRMessage(
+                protocol=MigrationProtocol.TCP,
+                remote_engine_id=other,
+                mr_key=0,
+                addr=arr.ctypes.data,
+                offset=0,
+                length=arr.nbytes,
+            )
+        )
         sides[me] = b
     for me, other in (("p", "d"), ("d", "p")):
         info = json.dumps(sides[other].endpoint_info(me, MigrationProtocol.TCP))
@@ -241,8 +274,11 @@ def test_transport_failure_names_engine_and_instruct() -> None:
         assignment = MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch)
         assert decode.links["p"].remote_engine_config.num_gpu_blocks == P_BLOCKS
         decode.transports["loopback"].inject(fail_completion=1)
-        with pytest.raises(TransferFailed, match=r"remote engine 'p' failed: a batch of 6 instructs starting at "
-                                                 r"instruct #0 \(mr_key=0, source_offset=1536"):
+        with pytest.raises(
+            TransferFailed,
+            match=r"remote engine 'p' failed: a batch of 6 instructs starting at "
+            r"instruct #0 \(mr_key=0, source_offset=1536",
+        ):
             asyncio.run(decode.p2p_migrate(assignment, async_op=True))
         asyncio.run(decode.p2p_migrate(assignment, async_op=True))  # the fault was one-shot
         got = dst.reshape(LAYERS, D_BLOCKS, BLOCK_BYTES)[:, 3]
@@ -253,8 +289,11 @@ def test_transport_failure_names_engine_and_instruct() -> None:
 
         registry = CollectorRegistry()
         registry.register(decode.metrics.collector())
-        samples = {(s.name, s.labels.get("reason")): s.value
-                   for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+        samples = {
+            (s.name, s.labels.get("reason")): s.value
+            for f in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in f.samples
+        }
         moved = 2 * LAYERS * BLOCK_BYTES  # two block pairs, every layer
         assert samples[("kvbridge_transfer_bytes_total", None)] == moved
         assert samples[("kvbridge_transfers_total", None)] == 1
@@ -271,15 +310,18 @@ def test_connect_refuses_a_foreign_endpoint() -> None:
     try:
         lmdeploy_style = json.dumps({"mr_info": {}, "session_id": "127.0.0.1:1234"})
         with pytest.raises(ProtocolError, match="remote engine 'p' did not send a kvbridge endpoint"):
-            decode.p2p_connect("p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP,
-                                                                    endpoint_info=lmdeploy_style))
+            decode.p2p_connect(
+                "p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=lmdeploy_style)
+            )
         with pytest.raises(ConfigError, match="uses MigrationProtocol.RDMA"):
-            decode.p2p_connect("p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.RDMA,
-                                                                    endpoint_info="{}"))
+            decode.p2p_connect(
+                "p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.RDMA, endpoint_info="{}")
+            )
         bad = [AssignmentInstruct(mr_key=0, source_offset=-8, target_offset=0, length=8)]
         with pytest.raises(InvalidDescriptor, match="instruct #0 .* negative offset"):
-            asyncio.run(decode.p2p_migrate(MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p",
-                                                               batch=bad)))
+            asyncio.run(
+                decode.p2p_migrate(MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=bad))
+            )
     finally:
         prefill.close()
         decode.close()
@@ -287,14 +329,16 @@ def test_connect_refuses_a_foreign_endpoint() -> None:
 
 # -- the bench mode ----------------------------------------------------------------------------
 
+
 def test_engine_option_picks_the_lmdeploy_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bench_cli.MODES["lmdeploy"] == "kvbridge.bench.lmdeploy"
     # Only this mode's options: the parser must accept them beside the shared ones.
     monkeypatch.setattr(bench_cli, "MODES", {"lmdeploy": bench_cli.MODES["lmdeploy"]})
     parser = argparse.ArgumentParser()
     bench_cli.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["bench", "--engine", "lmdeploy", "--model", "tiny-gqa", "--lmdeploy-pattern",
-                              "scattered", "--repeat", "2"])
+    args = parser.parse_args(
+        ["bench", "--engine", "lmdeploy", "--model", "tiny-gqa", "--lmdeploy-pattern", "scattered", "--repeat", "2"]
+    )
     assert bench_cli.pick_mode(args) == "lmdeploy"
     assert (args.lmdeploy_pattern, args.repeat, args.migration_backend) == ("scattered", 2, "mooncake")
     assert bench_cli.pick_mode(parser.parse_args(["bench"])) == "pair"
@@ -311,8 +355,17 @@ def test_bench_block_pairs_fit_both_pools(pattern: str) -> None:
 
 @pytest.mark.slow
 def test_bench_runs_verified_and_reports_both_strategies(capsys: pytest.CaptureFixture[str]) -> None:
-    args = argparse.Namespace(model="tiny-gqa", tokens=64, requests=2, migration_backend="mooncake", protocol=None,
-                              json=True, engine="lmdeploy", lmdeploy_pattern="contiguous", repeat=1)
+    args = argparse.Namespace(
+        model="tiny-gqa",
+        tokens=64,
+        requests=2,
+        migration_backend="mooncake",
+        protocol=None,
+        json=True,
+        engine="lmdeploy",
+        lmdeploy_pattern="contiguous",
+        repeat=1,
+    )
     assert lmdeploy_bench.run(args) == 0
     report = json.loads(capsys.readouterr().out)
     strategies = [r["strategy"] for r in report["rows"]]
@@ -330,17 +383,27 @@ def test_a_stuck_transfer_times_out_naming_the_engine(async_op: bool) -> None:
         batch = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(7, 3)])
         decode.transports["loopback"].inject(delay=1.0)
         with pytest.raises(TransferTimeout, match=r"engine 'p' failed: .*instruct #0 .* not finished within 0.05s"):
-            asyncio.run(decode.p2p_migrate(MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p",
-                                                               batch=batch), async_op=async_op))
+            asyncio.run(
+                decode.p2p_migrate(
+                    MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch),
+                    async_op=async_op,
+                )
+            )
     finally:
         prefill.close()
         decode.close()
 
 
 def test_settings_come_from_the_environment() -> None:
-    s = AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TRANSPORT": "tcp", "KVBRIDGE_LMDEPLOY_HOSTNAME": "10.0.0.7",
-                                  "KVBRIDGE_LMDEPLOY_DEVICES": "mlx5_0, mlx5_1", "KVBRIDGE_LMDEPLOY_TIMEOUT": "0",
-                                  "LMDEPLOY_USE_ASYNC_MIGRATION": "1"})
+    s = AdapterSettings.from_env(
+        {
+            "KVBRIDGE_LMDEPLOY_TRANSPORT": "tcp",
+            "KVBRIDGE_LMDEPLOY_HOSTNAME": "10.0.0.7",
+            "KVBRIDGE_LMDEPLOY_DEVICES": "mlx5_0, mlx5_1",
+            "KVBRIDGE_LMDEPLOY_TIMEOUT": "0",
+            "LMDEPLOY_USE_ASYNC_MIGRATION": "1",
+        }
+    )
     assert (s.transport, s.hostname, s.timeout, s.async_migration) == ("tcp", "10.0.0.7", None, True)
     assert [s.device_for(r) for r in range(3)] == ["mlx5_0", "mlx5_1", "mlx5_0"]
     assert AdapterSettings.from_env({}).transport == "mooncake"
@@ -351,7 +414,14 @@ def test_settings_come_from_the_environment() -> None:
 def test_a_protocol_the_transport_lacks_says_how_to_fix_it() -> None:
     backend = KVBridgeMigrationBackend(AdapterSettings(transport="tcp", hostname="127.0.0.1"))
     with pytest.raises(ConfigError, match="MigrationProtocol.RDMA; set KVBRIDGE_LMDEPLOY_PROTOCOL"):
-        backend.p2p_initialize(DistServeInitRequest(
-            local_engine_id="d", local_engine_config=_cfg(4), remote_engine_id="p", remote_engine_config=_cfg(4),
-            protocol=MigrationProtocol.RDMA, rank=0))
+        backend.p2p_initialize(
+            DistServeInitRequest(
+                local_engine_id="d",
+                local_engine_config=_cfg(4),
+                remote_engine_id="p",
+                remote_engine_config=_cfg(4),
+                protocol=MigrationProtocol.RDMA,
+                rank=0,
+            )
+        )
     backend.close()

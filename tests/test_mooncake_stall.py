@@ -22,10 +22,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
 from test_transfer import MiB, Pair, pattern, sha
 
 from kvbridge.proc import Child, ChildError
+from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
 
 SIZE = 16 * MiB
 # An attempt ends within the deadline of its last progress, or at the latest when Mooncake's call times
@@ -94,8 +94,10 @@ def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline(p
             def run_other(results: dict[str, object] = results) -> None:
                 t = time.monotonic()
                 try:
-                    results["other"] = (other.call("transfer", descriptors=rel, op="read",
-                                                   remote_base=pair.s["base"]), time.monotonic() - t)
+                    results["other"] = (
+                        other.call("transfer", descriptors=rel, op="read", remote_base=pair.s["base"]),
+                        time.monotonic() - t,
+                    )
                 except ChildError as exc:
                     results["other"] = (exc, time.monotonic() - t)
 
@@ -138,8 +140,9 @@ def test_the_side_channel_answers_while_transfers_run_and_stall() -> None:
                 if done.is_set():
                     return
                 try:
-                    pulled.append(decode.call("transfer", descriptors=whole, op="read",
-                                              remote_base=buf.ctypes.data, timeout=60))
+                    pulled.append(
+                        decode.call("transfer", descriptors=whole, op="read", remote_base=buf.ctypes.data, timeout=60)
+                    )
                 except ChildError as exc:  # the pull the stopped decode held may fail: that is allowed
                     pulled.append(exc)
 

@@ -15,8 +15,7 @@ from kvbridge.nativelog import classify, native_env, relay_stderr
 def test_levels_follow_kvbridge_and_the_operator_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("MC_LOG_LEVEL", "NIXL_LOG_LEVEL", "UCX_LOG_LEVEL"):
         monkeypatch.delenv(name, raising=False)
-    assert native_env(logging.WARNING) == {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN",
-                                           "UCX_LOG_LEVEL": "warn"}
+    assert native_env(logging.WARNING) == {"MC_LOG_LEVEL": "WARNING", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "warn"}
     assert native_env(logging.INFO)["MC_LOG_LEVEL"] == "INFO"  # -v
     assert native_env(logging.DEBUG) == {}  # -vv: the libraries' own defaults, everything
     monkeypatch.setenv("MC_LOG_LEVEL", "ERROR")
@@ -25,10 +24,12 @@ def test_levels_follow_kvbridge_and_the_operator_wins(monkeypatch: pytest.Monkey
 
 def test_a_real_mooncake_start_is_routed_and_its_harmless_lines_are_debug(caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup)")
-    code = ("from mooncake.engine import TransferEngine\n"
-            "e = TransferEngine()\n"
-            "assert e.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '') == 0\n"
-            "import sys; print('plain line from python', file=sys.stderr)\n")
+    code = (
+        "from mooncake.engine import TransferEngine\n"
+        "e = TransferEngine()\n"
+        "assert e.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '') == 0\n"
+        "import sys; print('plain line from python', file=sys.stderr)\n"
+    )
     env = {"MC_LOG_LEVEL": "INFO", "PATH": "/usr/bin:/bin"}  # every line the library has, to classify
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env)
     rest = io.StringIO()
@@ -46,5 +47,7 @@ def test_a_real_mooncake_start_is_routed_and_its_harmless_lines_are_debug(caplog
 
 def test_classify_keeps_real_failures_at_their_severity() -> None:
     assert classify("E1123 05:17:40.758323 15467 transport.cpp:12] batch failed: peer closed") == (
-        logging.ERROR, "batch failed: peer closed (transport.cpp:12)")
+        logging.ERROR,
+        "batch failed: peer closed (transport.cpp:12)",
+    )
     assert classify("INFO kvbridge.agent: pulled") is None

@@ -30,8 +30,13 @@ def test_an_unused_option_is_refused_and_the_used_ones_are_declared() -> None:
         kvbridge.create_backend("tcp", connections=4)
     [(_, declared)] = plugin_options("tcp")
     assert {o.name: o.default for o in declared} == {
-        "workers": 4, "port": 0, "connect_timeout": 10.0, "handshake_timeout": 10.0, "secret": None,
-        "secret_file": None, "insecure": False,
+        "workers": 4,
+        "port": 0,
+        "connect_timeout": 10.0,
+        "handshake_timeout": 10.0,
+        "secret": None,
+        "secret_file": None,
+        "insecure": False,
     }
 
 
@@ -87,8 +92,7 @@ def test_plugins_name_prints_options_with_defaults_and_docs() -> None:
     run = [sys.executable, "-m", "kvbridge", "plugins", "mooncake"]
     table = subprocess.run(run, capture_output=True, text=True, check=True, timeout=120).stdout
     assert "max_descriptor_bytes" in table and "1024" in table and "doubling after each" in table
-    rows = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True,
-                                     timeout=120).stdout)
+    rows = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True, timeout=120).stdout)
     [mooncake] = rows
     assert mooncake["kind"] == "backend" and mooncake["distribution"] == "kvbridge-mooncake"
     declared = {o["name"]: (o["default"], o["doc"]) for o in mooncake["options"]}
@@ -102,8 +106,11 @@ def test_the_options_class_in_the_plugin_docs_works_as_documented() -> None:
     scope: dict[str, object] = {}
     exec(compile(block, "docs/plugins.md", "exec"), scope)  # noqa: S102 - our own docs, to keep them true
     my_options = scope["MyOptions"]
-    assert {o.name: o.default for o in options.describe(my_options)} == {"workers": 4, "queue_depth": 64,
-                                                                         "compress": False}
+    assert {o.name: o.default for o in options.describe(my_options)} == {
+        "workers": 4,
+        "queue_depth": 64,
+        "compress": False,
+    }
     with pytest.raises(ConfigError, match="did you mean 'queue_depth'"):
         options.parse(my_options, {"queue_depht": 8}, what="backend 'mytransport'")
     assert options.parse(my_options, {"queue_depth": "8"}, what="t").queue_depth == 8

@@ -11,18 +11,28 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_topology import CONTEXT_PAIRS
 
 from kvbridge.bench.parallel import ParallelBench
 from kvbridge.errors import TopologyError
-
-from test_topology import CONTEXT_PAIRS
 
 # MLA pulls never slice heads, so any layout serves; GQA pairs that slice heads use an HND layout
 # (split-hnd, or vllm-cpu, where each head's K and V sit together), since a head slice is then one
 # piece per block, while NHD costs one descriptor per token (covered in test_layout_planner.py).
 # Every layout builder appears at least once.
-LAYOUTS = ["vllm-split-nhd", "vllm-joint-nhd", "lmdeploy", "vllm-split-hnd", "vllm-split-nhd", "lmdeploy",
-           "vllm-split-nhd", "vllm-cpu", "vllm-joint-nhd", "lmdeploy", "vllm-split-hnd"]
+LAYOUTS = [
+    "vllm-split-nhd",
+    "vllm-joint-nhd",
+    "lmdeploy",
+    "vllm-split-hnd",
+    "vllm-split-nhd",
+    "lmdeploy",
+    "vllm-split-nhd",
+    "vllm-cpu",
+    "vllm-joint-nhd",
+    "lmdeploy",
+    "vllm-split-hnd",
+]
 
 
 @pytest.mark.slow
@@ -43,8 +53,23 @@ def test_context_pairs_verify_over_mooncake_tcp() -> None:
 def test_cli_parallel_mode(capsys: pytest.CaptureFixture[str]) -> None:
     from kvbridge.cli import main
 
-    rc = main(["bench", "--prefill", "tp2", "--decode", "tp4,dcp2", "--model", "tiny-gqa", "--tokens", "100",
-               "--kv-layout", "vllm-split-hnd", "--verify", "--json"])
+    rc = main(
+        [
+            "bench",
+            "--prefill",
+            "tp2",
+            "--decode",
+            "tp4,dcp2",
+            "--model",
+            "tiny-gqa",
+            "--tokens",
+            "100",
+            "--kv-layout",
+            "vllm-split-hnd",
+            "--verify",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["verified"] is True
     assert (out["prefill_ranks"], out["decode_ranks"], out["pulls"]) == (2, 4, 4)

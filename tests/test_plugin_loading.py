@@ -14,7 +14,7 @@ from test_plugins import PLUGIN_MODULE, install_dist
 
 RAISES = "raise RuntimeError('plugin bug: config file missing')\n"
 
-MISSPELT = '''
+MISSPELT = """
 import kvbridge
 from kvbridge.transports.loopback import LoopbackBackend
 
@@ -24,9 +24,9 @@ KVBRIDGE_PLUGIN_API = 1
 @kvbridge.hookimpl
 def kvbridge_register_backend(register):  # the hook is kvbridge_register_backends
     register("typo", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
-'''
+"""
 
-WRONG_ARGUMENT = '''
+WRONG_ARGUMENT = """
 import kvbridge
 
 KVBRIDGE_PLUGIN_API = 1
@@ -35,7 +35,7 @@ KVBRIDGE_PLUGIN_API = 1
 @kvbridge.hookimpl
 def kvbridge_register_devices(reg):  # the hook passes `register`
     pass
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,9 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
 
 def cli(site: list[Path], *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, site))}
-    return subprocess.run([sys.executable, "-m", "kvbridge", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbridge", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_plugins_lists_each_broken_plugin_with_its_distribution_and_error(site: list[Path]) -> None:

@@ -17,7 +17,7 @@ from kvbridge.errors import PluginNotFound, PluginUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
-PLUGIN_MODULE = '''
+PLUGIN_MODULE = """
 import kvbridge
 from kvbridge.devices.cpu import CpuDevice
 from kvbridge.transports.loopback import LoopbackBackend
@@ -48,7 +48,7 @@ def kvbridge_register_devices(register):
              install_hint="install the driver", hardware=lambda: False)
     register("broken-dev", ThrowawayDevice, memory_kind="vram", probe=lambda: "driver too old",
              install_hint="upgrade the driver", hardware=lambda: True)
-'''
+"""
 
 BROKEN_MODULE = "raise ImportError('libfoo.so.1: cannot open shared object file')\n"
 
@@ -58,7 +58,8 @@ def install_dist(tmp: Path, dist: str, module: str, source: str) -> Path:
     project = tmp / f"{dist}-src"
     (project / module).mkdir(parents=True)
     (project / module / "__init__.py").write_text(source)
-    (project / "pyproject.toml").write_text(textwrap.dedent(f'''
+    (project / "pyproject.toml").write_text(
+        textwrap.dedent(f'''
         [build-system]
         requires = ["setuptools"]
         build-backend = "setuptools.build_meta"
@@ -69,12 +70,26 @@ def install_dist(tmp: Path, dist: str, module: str, source: str) -> Path:
         {module} = "{module}"
         [tool.setuptools]
         packages = ["{module}"]
-    '''))
+    ''')
+    )
     target = tmp / f"{dist}-site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-         "--target", str(target), str(project)],
-        check=True, capture_output=True, env={**os.environ, "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": ""},
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(project),
+        ],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": ""},
     )
     assert list(target.glob(f"{dist.replace('-', '_')}-1.2.3.dist-info"))
     return target
@@ -189,8 +204,9 @@ except kvbridge.PluginUnavailable as e:
 
 def test_doctor_tells_absent_hardware_from_a_problem(dists: dict[str, Path]) -> None:
     env = {**os.environ, "PYTHONPATH": str(dists["good"])}
-    out = subprocess.run([sys.executable, "-m", "kvbridge", "doctor", "--json"], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "doctor", "--json"], capture_output=True, text=True, env=env, timeout=120
+    )
     checks = {c["subject"]: c for c in json.loads(out.stdout)}
     assert checks["device gone-dev"]["status"] == "not here" and checks["device gone-dev"]["fix"] == ""
     assert checks["device broken-dev"]["status"] == "PROBLEM"

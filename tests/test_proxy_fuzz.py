@@ -44,8 +44,9 @@ class Proxy:
         self.warnings = Warnings()
 
     def post(self, body: bytes, path: str = "/v1/completions") -> httpx.Response:
-        return self.loop.run_until_complete(self.client.post(path, content=body,
-                                                             headers={"content-type": "application/json"}))
+        return self.loop.run_until_complete(
+            self.client.post(path, content=body, headers={"content-type": "application/json"})
+        )
 
     def refused(self, body: bytes) -> httpx.Response:
         before = self.warnings.count
@@ -84,8 +85,10 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-request_like = st.fixed_dictionaries({"model": st.text(max_size=10), "prompt": st.text(max_size=40)},
-                                     optional={"max_tokens": json_values, "stream": json_values})
+request_like = st.fixed_dictionaries(
+    {"model": st.text(max_size=10), "prompt": st.text(max_size=40)},
+    optional={"max_tokens": json_values, "stream": json_values},
+)
 
 
 @FAST

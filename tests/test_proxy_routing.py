@@ -87,6 +87,7 @@ def upstreams() -> Iterator[tuple[Upstream, Upstream]]:
 def _session(app: FastAPI, requests: list[dict]) -> tuple[list[httpx.Response], dict]:
     """POST each body to the proxy in one event loop (the proxy's upstream client lives in it),
     then read /instances."""
+
     async def go() -> tuple[list[httpx.Response], dict]:
         # No lifespan: the health loop never runs, so only the request path can find a dead server.
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
@@ -109,8 +110,10 @@ def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: 
     handed = [KVTransferParams.from_dict(b["kv_transfer_params"]) for b in decode.bodies]
     assert [(p.remote_engine_id, p.block_ids) for p in handed] == [("e", (1, 2))] * 3
     assert all(b["max_tokens"] == 1 and b["kv_transfer_params"]["do_remote_decode"] for b in prefill.bodies)
-    assert state["decode"] == [{"url": dead, "healthy": False, "in_flight": 0},
-                               {"url": decode.url, "healthy": True, "in_flight": 0}]
+    assert state["decode"] == [
+        {"url": dead, "healthy": False, "in_flight": 0},
+        {"url": decode.url, "healthy": True, "in_flight": 0},
+    ]
 
 
 def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upstream, Upstream]) -> None:
@@ -126,8 +129,11 @@ def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upst
 @pytest.mark.parametrize("slow", [SLOW_PROBES - 1, 10**6])
 def test_a_slow_health_answer_is_busy_not_dead(monkeypatch: pytest.MonkeyPatch, slow: int) -> None:
     monkeypatch.setattr(proxy, "PROBE_TIMEOUT_S", 0.05)
-    with Upstream("prefill") as prefill, Upstream("decode", slow_health=slow, slow_health_s=0.5) as decode, \
-            Serving(create_app([prefill.url], [decode.url], health_interval=0.01)) as front:
+    with (
+        Upstream("prefill") as prefill,
+        Upstream("decode", slow_health=slow, slow_health_s=0.5) as decode,
+        Serving(create_app([prefill.url], [decode.url], health_interval=0.01)) as front,
+    ):
         deadline = time.monotonic() + 30
         while decode.health_calls < SLOW_PROBES + 2:
             assert time.monotonic() < deadline, "the proxy stopped probing"
@@ -171,8 +177,14 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
 
     async def go() -> tuple[list[httpx.Response], str]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
-            answers = [await client.post("/v1/completions", json={"model": "m", "prompt": f"p{i}", "max_tokens": 4},
-                                         headers={"x-request-id": f"r{i}"}) for i in range(3)]
+            answers = [
+                await client.post(
+                    "/v1/completions",
+                    json={"model": "m", "prompt": f"p{i}", "max_tokens": 4},
+                    headers={"x-request-id": f"r{i}"},
+                )
+                for i in range(3)
+            ]
             return answers, (await client.get("/metrics")).text
 
     answers, text = asyncio.run(go())
@@ -185,8 +197,11 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
         assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
     # The engines' timing is not sent on to decode.
     assert [b.get("kv_transfer_params", {}).get("kvbridge_timing") for b in decode.bodies] == [None] * 3
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "total"),))] == 3
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "transfer"),))] == 3
     assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1e-3)

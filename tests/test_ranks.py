@@ -12,8 +12,10 @@ from kvbridge.ranks import group_port, side_channel_port, stage_port
 
 def test_every_rank_has_its_own_port() -> None:
     dp, pp, tp = 2, 3, 4
-    ports = [side_channel_port(5800, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=d)
-             for d, p, t in itertools.product(range(dp), range(pp), range(tp))]
+    ports = [
+        side_channel_port(5800, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=d)
+        for d, p, t in itertools.product(range(dp), range(pp), range(tp))
+    ]
     assert len(set(ports)) == dp * pp * tp and min(ports) == 5800 and max(ports) == 5800 + dp * pp * tp - 1
 
 

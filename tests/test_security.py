@@ -64,7 +64,15 @@ def test_insecure_opt_in_is_a_logged_warning(caplog: pytest.LogCaptureFixture) -
     check_listen("the side channel", "0.0.0.0", SECRET)  # a secret: no complaint
     check_listen("the side channel", "127.0.0.1", None)  # loopback: no secret needed
     assert [is_loopback(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "", "10.0.0.1", "host")] == [
-        True, True, True, False, False, False, False, False]
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+    ]
 
 
 def test_secret_comes_from_the_environment_or_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
@@ -92,8 +100,11 @@ def test_vllm_connector_on_a_routable_address_without_a_secret_fails_at_start_up
     from kvbridge.adapters.vllm.settings import Settings
 
     # What `--kv-transfer-config` gives the connector, read as the connector reads it at start-up.
-    config = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_producer",
-                              kv_connector_extra_config={"migration_backend": "tcp", "host": "0.0.0.0"})
+    config = KVTransferConfig(
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_producer",
+        kv_connector_extra_config={"migration_backend": "tcp", "host": "0.0.0.0"},
+    )
     with pytest.raises(ConfigError, match="KVBridgeConnector.*refuses to listen on '0.0.0.0'.*KVBRIDGE_SECRET"):
         Settings.from_extra_config(config.kv_connector_extra_config)
     monkeypatch.setenv("VLLM_HOST_IP", "0.0.0.0")  # the default host, as vLLM's launchers set it
@@ -106,8 +117,10 @@ def test_vllm_connector_on_a_routable_address_without_a_secret_fails_at_start_up
     # The transport gets the secret when it authenticates peers (tcp); Mooncake declares no such option.
     tcp_settings = Settings.from_extra_config({"migration_backend": "tcp", "secret_file": str(path)})
     assert tcp_settings.transport_options() == {"secret": SECRET.encode(), "insecure": False}
-    assert Settings.from_extra_config({"migration_backend": "Mooncake", "secret_file": str(path)}
-                                      ).transport_options() == {}
+    assert (
+        Settings.from_extra_config({"migration_backend": "Mooncake", "secret_file": str(path)}).transport_options()
+        == {}
+    )
 
 
 # -- a hostile peer: wrong or missing secret ---------------------------------------------------------
@@ -127,8 +140,9 @@ class Prefill:
         self.released: list[tuple[str, LeaseState]] = []
         self.aborted: list[str] = []
         self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=3600)
-        self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=SECRET,
-                                    on_abort=lambda rid, origin, why: self.aborted.append(rid))
+        self.server = ControlServer(
+            "prefill", 0, ledger=self.ledger, secret=SECRET, on_abort=lambda rid, origin, why: self.aborted.append(rid)
+        )
         self.server.register(info)
         self.lease = self.ledger.offer("held", [1, 2, 3], expected_pulls=1)
 
@@ -145,17 +159,20 @@ def prefill() -> Iterator[Prefill]:
 
 
 @pytest.mark.parametrize("secret", [None, WRONG], ids=["missing-secret", "wrong-secret"])
-def test_hostile_peer_learns_nothing_aborts_nothing_and_is_never_called_back(prefill: Prefill,
-                                                                             secret: str | None) -> None:
+def test_hostile_peer_learns_nothing_aborts_nothing_and_is_never_called_back(
+    prefill: Prefill, secret: str | None
+) -> None:
     listener = socket.create_server(("127.0.0.1", 0))  # where the hostile peer asks to be called back
     listener.setblocking(False)
     hostile = ControlClient(*prefill.server.address, secret=secret, sender="decode/0", timeout_s=5)
     try:
-        for attempt in (hostile.get_info, lambda: hostile.abort("held", reason="hostile"),
-                        lambda: hostile.begin_pull("held", "decode/0", notify=listener.getsockname(),
-                                                   expected_pulls=7, blocks=[1]),
-                        lambda: hostile.done("held", "decode/0", prefill.lease.epoch, expected_pulls=1),
-                        lambda: hostile.query_lease("held")):
+        for attempt in (
+            hostile.get_info,
+            lambda: hostile.abort("held", reason="hostile"),
+            lambda: hostile.begin_pull("held", "decode/0", notify=listener.getsockname(), expected_pulls=7, blocks=[1]),
+            lambda: hostile.done("held", "decode/0", prefill.lease.epoch, expected_pulls=1),
+            lambda: hostile.query_lease("held"),
+        ):
             with pytest.raises(ProtocolError):
                 attempt()
         # The raw replies: a refusal, without the token or anything of the RankInfo in them.
@@ -236,8 +253,9 @@ def test_begin_pull_naming_blocks_outside_its_lease_is_refused_and_the_lease_unt
     other = prefill.ledger.offer("other", [7, 8], expected_pulls=1)
     client = ControlClient(*prefill.server.address, secret=SECRET, sender="decode/0", timeout_s=5)
     try:
-        with caplog.at_level(logging.WARNING, logger="kvbridge"), pytest.raises(
-            ProtocolError, match="names 1 blocks that its lease does not hold"
+        with (
+            caplog.at_level(logging.WARNING, logger="kvbridge"),
+            pytest.raises(ProtocolError, match="names 1 blocks that its lease does not hold"),
         ):
             client.begin_pull("held", "decode/0", notify=("127.0.0.1", 9), expected_pulls=5, blocks=[1, 7])
         assert "named blocks [7] outside lease" in caplog.text
@@ -279,7 +297,7 @@ def test_decode_control_names_exactly_the_blocks_it_reads() -> None:
 def test_bounds_check_does_not_overflow_int64() -> None:
     index = RegionIndex([MemoryRegion(0x1000, 0x1000)])
     top = np.iinfo(np.int64).max
-    addrs = np.array([0x1000, 0x1800, 0x1000, top, -top - 1, 0x1fff], dtype=np.int64)
+    addrs = np.array([0x1000, 0x1800, 0x1000, top, -top - 1, 0x1FFF], dtype=np.int64)
     lengths = np.array([0x1000, top, 0, top, 0x10, 1], dtype=np.int64)
     assert index.outside(addrs, lengths).tolist() == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="does not fit"):

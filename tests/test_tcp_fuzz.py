@@ -117,8 +117,10 @@ def test_fuzz_oversized_handshake_is_refused_before_it_is_read(listener: Listene
 
 
 @FAST
-@given(hello=st.dictionaries(st.sampled_from(["mac", "challenge", "token", "op"]), values, max_size=4),
-       cut=st.integers(0, 8))
+@given(
+    hello=st.dictionaries(st.sampled_from(["mac", "challenge", "token", "op"]), values, max_size=4),
+    cut=st.integers(0, 8),
+)
 def test_fuzz_forged_or_truncated_handshakes(listener: Listener, hello: dict, cut: int) -> None:
     data = frame(hello)
     reply = listener.refused(data[: len(data) - cut] if cut else data)
@@ -139,17 +141,21 @@ def test_replayed_handshake_is_refused(listener: Listener) -> None:
 
 
 @FAST
-@given(op=st.sampled_from(["read", "write", "READ", ""]) | values,
-       ranges=st.binary(max_size=100)
-       | st.lists(st.tuples(*[st.integers(-(2**63), 2**63 - 1)] * 3), min_size=1, max_size=6).map(
-           lambda rows: np.array(rows, dtype="<i8").tobytes()),
-       extra=st.dictionaries(st.sampled_from(["token", "x"]), values, max_size=2))
-def test_fuzz_malformed_requests_after_authenticating(listener: Listener, op: object, ranges: bytes,
-                                                      extra: dict) -> None:
+@given(
+    op=st.sampled_from(["read", "write", "READ", ""]) | values,
+    ranges=st.binary(max_size=100)
+    | st.lists(st.tuples(*[st.integers(-(2**63), 2**63 - 1)] * 3), min_size=1, max_size=6).map(
+        lambda rows: np.array(rows, dtype="<i8").tobytes()
+    ),
+    extra=st.dictionaries(st.sampled_from(["token", "x"]), values, max_size=2),
+)
+def test_fuzz_malformed_requests_after_authenticating(
+    listener: Listener, op: object, ranges: bytes, extra: dict
+) -> None:
     """An authenticated peer still gets only registered memory, and a malformed header closes the connection."""
     reply = listener.refused(frame({"op": op, "ranges": ranges, **extra}), authenticate=True)
     if reply:
-        assert msgpack.unpackb(reply[4:4 + struct.unpack("!I", reply[:4])[0]])["ok"] is False
+        assert msgpack.unpackb(reply[4 : 4 + struct.unpack("!I", reply[:4])[0]])["ok"] is False
 
 
 def _fds() -> int:

@@ -66,8 +66,9 @@ def test_ending_a_server_ends_its_group_and_removes_its_shared_memory(tmp_path: 
     """)
     log = tmp_path / "group.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     server = Server(port=0, proc=proc, log_path=log)
     try:
         deadline = time.monotonic() + 30

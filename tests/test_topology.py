@@ -91,8 +91,9 @@ def test_short_prompt_leaves_cp_ranks_without_blocks_unpulled() -> None:
 
 
 def test_prefill_tp_larger_reads_head_subranges_from_several_ranks() -> None:
-    p = plan(ParallelConfig.parse("tp16,dcp2"), ParallelConfig.parse("tp8,dcp2,dp2"), PRESETS["tiny-gqa"], 64,
-             decode_dp=1)
+    p = plan(
+        ParallelConfig.parse("tp16,dcp2"), ParallelConfig.parse("tp8,dcp2,dp2"), PRESETS["tiny-gqa"], 64, decode_dp=1
+    )
     rank = p.decode_ranks.start  # decode dp 1, shard 0, dcp 0: heads 0-3 from prefill shards 0 and 1
     pulls = p.pulls_for(rank)
     assert [(x.prefill_rank, x.src_heads, x.dst_heads) for x in pulls] == [(0, (0, 2), (0, 2)), (2, (0, 2), (2, 4))]
@@ -156,8 +157,9 @@ def models(draw: st.DrawFn) -> ModelSpec:
 
 @settings(max_examples=300, deadline=None)
 @given(configs(), configs(), models(), st.integers(1, 700), st.data())
-def test_plan_properties(prefill: ParallelConfig, decode: ParallelConfig, model: ModelSpec, tokens: int,
-                         data: st.DataObject) -> None:
+def test_plan_properties(
+    prefill: ParallelConfig, decode: ParallelConfig, model: ModelSpec, tokens: int, data: st.DataObject
+) -> None:
     dp_p = data.draw(st.integers(0, prefill.dp - 1))
     dp_d = data.draw(st.integers(0, decode.dp - 1))
     _check_plan(plan(prefill, decode, model, tokens, prefill_dp=dp_p, decode_dp=dp_d))

@@ -88,8 +88,9 @@ def test_contiguous_blocks_merge_into_one_run_cut_to_the_transport_piece_size(pa
     desc = np.stack([np.arange(n) * block, np.arange(n) * block, np.full(n, block)], axis=1)
     # tcp takes the run whole; Mooncake TCP gets it in 1 MiB pieces, one per lane
     assert pair.transfer(desc)["descriptors"] == {"tcp": 1, "mooncake": 4}[pair.backend]
-    assert pair.client.call("digest") == sha(np.concatenate([pattern(pair.size, 7)[: n * block],
-                                                             np.zeros(pair.size - n * block, np.uint8)]))
+    assert pair.client.call("digest") == sha(
+        np.concatenate([pattern(pair.size, 7)[: n * block], np.zeros(pair.size - n * block, np.uint8)])
+    )
 
 
 def test_memory_outside_the_peer_registration_is_refused(pair: Pair) -> None:
@@ -112,8 +113,7 @@ def test_memory_the_peer_unregistered_fails_in_the_transport(pair: Pair) -> None
 def test_a_dead_peer_fails_the_transfer_instead_of_hanging(pair: Pair) -> None:
     pair.server.kill()
     with pytest.raises(ChildError) as err:
-        pair.client.call("transfer", descriptors=[[0, 0, 4096]], op="read", remote_base=pair.s["base"],
-                         timeout=60)
+        pair.client.call("transfer", descriptors=[[0, 0, 4096]], op="read", remote_base=pair.s["base"], timeout=60)
     assert err.value.kind in {"TransferFailed", "PeerGone", "TransferTimeout"}
 
 

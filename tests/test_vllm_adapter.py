@@ -63,8 +63,9 @@ def agent(engine: str, rank: int, tp: int, caches: dict) -> KVAgent:
 
 
 def test_layout_of_vllm_cpu_caches() -> None:
-    layout, storages = describe_kv_caches(vllm_cpu_caches(0, 2, fingerprint=False), layout="LBHNC", block_size=BLOCK,
-                                          tp_size=2)
+    layout, storages = describe_kv_caches(
+        vllm_cpu_caches(0, 2, fingerprint=False), layout="LBHNC", block_size=BLOCK, tp_size=2
+    )
     assert len(storages) == 1  # all layers share one buffer: registered once
     assert layout.heads == HEADS // 2 and layout.model.kv_heads == HEADS and layout.model.layers == LAYERS
     r0, r1 = layout.regions[:2]
@@ -98,8 +99,9 @@ def test_agent_pull_moves_every_head_into_place(prefill_tp: int, decode_tp: int)
             agents.append(dec)
             dec.pull("req", infos, remote_blocks, local_blocks, len(local_blocks) * BLOCK).wait(30)
             got = torch.stack(list(caches.values()))
-            torch.testing.assert_close(got, expected(dict(zip(local_blocks, remote_blocks)), d, decode_tp),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                got, expected(dict(zip(local_blocks, remote_blocks)), d, decode_tp), rtol=0, atol=0
+            )
     finally:
         for a in agents:
             a.close()
@@ -124,8 +126,14 @@ class Workers:
 
     def __init__(self, prefill: dict | None = None, decode: dict | None = None) -> None:
         def side(engine: str, extra: dict | None) -> WorkerSide:
-            settings = Settings.from_extra_config({"migration_backend": "loopback", "side_channel_port": free_port(),
-                                                   "pull_timeout_s": 10, **(extra or {})})
+            settings = Settings.from_extra_config(
+                {
+                    "migration_backend": "loopback",
+                    "side_channel_port": free_port(),
+                    "pull_timeout_s": 10,
+                    **(extra or {}),
+                }
+            )
             return WorkerSide(engine, settings, block_size=BLOCK)
 
         self.prefill, self.decode = side("prefill", prefill), side("decode", decode)
@@ -137,9 +145,19 @@ class Workers:
 
     def params(self, rid: str, blocks: list[int], **override: object) -> dict:
         host, port = self.prefill.server.address
-        return {**KVTransferParams(do_remote_prefill=True, remote_engine_id="prefill", remote_request_id=rid,
-                                   remote_block_ids=[blocks], remote_host=host, remote_port=port, tp_size=1,
-                                   remote_num_tokens=len(blocks) * BLOCK).to_dict(), **override}
+        return {
+            **KVTransferParams(
+                do_remote_prefill=True,
+                remote_engine_id="prefill",
+                remote_request_id=rid,
+                remote_block_ids=[blocks],
+                remote_host=host,
+                remote_port=port,
+                tp_size=1,
+                remote_num_tokens=len(blocks) * BLOCK,
+            ).to_dict(),
+            **override,
+        }
 
     def offer(self, rid: str, blocks: list[int]) -> None:
         self.prefill.start_load_kv(KVBridgeMetadata(offers=[(rid, tuple(blocks))]))
@@ -308,15 +326,24 @@ def test_registered_with_vllm_by_name() -> None:
 
     by_name = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_producer")
     assert KVConnectorFactory.get_connector_class(by_name) is KVBridgeConnector
-    by_path = KVTransferConfig(kv_connector="KVBridgeConnector", kv_role="kv_consumer",
-                               kv_connector_module_path="kvbridge.adapters.vllm.connector")
+    by_path = KVTransferConfig(
+        kv_connector="KVBridgeConnector",
+        kv_role="kv_consumer",
+        kv_connector_module_path="kvbridge.adapters.vllm.connector",
+    )
     assert KVConnectorFactory.get_connector_class(by_path) is KVBridgeConnector
 
 
 def test_pull_task_reads_only_the_blocks_decode_lacks() -> None:
-    params = KVTransferParams(do_remote_prefill=True, remote_engine_id="p", remote_request_id="r",
-                              remote_block_ids=[[10, 11, 12, 13]], remote_host="127.0.0.1", remote_port=5800,
-                              tp_size=2).to_dict()
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="p",
+        remote_request_id="r",
+        remote_block_ids=[[10, 11, 12, 13]],
+        remote_host="127.0.0.1",
+        remote_port=5800,
+        tp_size=2,
+    ).to_dict()
     params = KVTransferParams.from_dict(params)
     task = PullTask.from_params("d", params, [7, 8], 32, report=True)  # decode's cache already holds 2 blocks
     assert (task.params.block_ids, task.local_block_ids, task.params.tp_size) == ((12, 13), (7, 8), 2)
@@ -348,8 +375,11 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     # As vLLM does: worker stats aggregated, sent as `data`, rebuilt and observed in the API server.
     for step in (decode, prefill):
         metrics.observe(KVBridgeStats().aggregate(step).data)
-    samples = {(s.name, s.labels.get("reason") or s.labels.get("event")): s.value
-               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    samples = {
+        (s.name, s.labels.get("reason") or s.labels.get("event")): s.value
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in f.samples
+    }
     assert samples[("kvbridge_transfer_bytes_total", None)] == 4096
     assert samples[("kvbridge_transfer_descriptors_total", None)] == 3
     assert samples[("kvbridge_transfer_seconds_count", None)] == 1
@@ -364,9 +394,14 @@ def test_required_kv_cache_layout_comes_from_extra_config() -> None:
     from kvbridge.adapters.vllm.connector import KVBridgeConnector
 
     def config(extra: dict) -> VllmConfig:
-        return VllmConfig(kv_transfer_config=KVTransferConfig(
-            kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.adapters.vllm.connector",
-            kv_role="kv_both", kv_connector_extra_config={"migration_backend": "tcp", **extra}))
+        return VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KVBridgeConnector",
+                kv_connector_module_path="kvbridge.adapters.vllm.connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"migration_backend": "tcp", **extra},
+            )
+        )
 
     assert KVBridgeConnector.get_required_kvcache_layout(config({"kv_cache_layout": "LBHNC"})) == "LBHNC"
     assert KVBridgeConnector.get_required_kvcache_layout(config({})) is None

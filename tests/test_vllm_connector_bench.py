@@ -26,8 +26,9 @@ def bench():
 
 
 def _check(r: dict) -> None:
-    assert r["verified"] is True, {k: r[k] for k in ("prefill_layout", "decode_layout", "bad", "failed",
-                                                     "not_released")}
+    assert r["verified"] is True, {
+        k: r[k] for k in ("prefill_layout", "decode_layout", "bad", "failed", "not_released")
+    }
     assert r["bytes"] > 0 and r["descriptors_per_request"] > 0
 
 
@@ -38,8 +39,11 @@ def test_all_36_layout_pairs(bench) -> None:
 
 @pytest.mark.parametrize("pbs,dbs", [(16, 64), (64, 16)])
 def test_block_sizes_differ(bench, pbs: int, dbs: int) -> None:
-    _check(bench.run(prefill_layout="LBNHC", decode_layout="BLHNC", prefill_block_size=pbs, decode_block_size=dbs,
-                     tokens=TOKENS))
+    _check(
+        bench.run(
+            prefill_layout="LBNHC", decode_layout="BLHNC", prefill_block_size=pbs, decode_block_size=dbs, tokens=TOKENS
+        )
+    )
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
@@ -53,8 +57,16 @@ def test_tp_differs(bench, layout: str, prefill: str, decode: str) -> None:
 
 @pytest.mark.parametrize("p_layout,d_layout", [("LBNHC", "LBNHC"), ("LBHNC", "BLNHC")])
 def test_mla(bench, p_layout: str, d_layout: str) -> None:
-    _check(bench.run(model="tiny-mla", prefill="tp2", decode="tp1", prefill_layout=p_layout, decode_layout=d_layout,
-                     tokens=TOKENS))
+    _check(
+        bench.run(
+            model="tiny-mla",
+            prefill="tp2",
+            decode="tp1",
+            prefill_layout=p_layout,
+            decode_layout=d_layout,
+            tokens=TOKENS,
+        )
+    )
 
 
 def test_dp2_on_decode_and_ascend_tuples(bench) -> None:
@@ -63,9 +75,27 @@ def test_dp2_on_decode_and_ascend_tuples(bench) -> None:
 
 
 def test_cli_json_reports_descriptors_and_verdict(capsys) -> None:
-    rc = cli_main(["bench", "--engine", "vllm-connector", "--model", "tiny-gqa", "--prefill", "tp2", "--decode", "tp1",
-                   "--prefill-layout", "LBNHC", "--decode-layout", "LBNHC", "--tokens", str(TOKENS), "--verify",
-                   "--json"])
+    rc = cli_main(
+        [
+            "bench",
+            "--engine",
+            "vllm-connector",
+            "--model",
+            "tiny-gqa",
+            "--prefill",
+            "tp2",
+            "--decode",
+            "tp1",
+            "--prefill-layout",
+            "LBNHC",
+            "--decode-layout",
+            "LBNHC",
+            "--tokens",
+            str(TOKENS),
+            "--verify",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["verified"] is True
     assert 0 < out["descriptors_per_request"] <= out["descriptor_bound"] and out["gbps"] > 0

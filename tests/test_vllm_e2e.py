@@ -46,8 +46,11 @@ CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
 def connector(role: str, secret_file: Path, *, backend: str = "mooncake", **extra: str) -> dict:
-    transport = {"migration_backend": "Mooncake", "protocol": "tcp"} if backend == "mooncake" else {
-        "migration_backend": backend}
+    transport = (
+        {"migration_backend": "Mooncake", "protocol": "tcp"}
+        if backend == "mooncake"
+        else {"migration_backend": backend}
+    )
     return {
         "kv_connector": "KVBridgeConnector",
         "kv_role": role,
@@ -78,8 +81,15 @@ class Cluster:
         return [self.proxy, self.prefill, *self.decode, self.colocated]
 
     def complete(self, server: Server, text: str, *, max_tokens: int = MAX_TOKENS, **extra) -> list[int]:
-        body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, **extra}
+        body = {
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        }
         r = self.http.post(f"{server.url}/v1/completions", json=body)
         assert r.status_code == 200, f"{r.text}\n{self.report(server)}"
         choice = r.json()["choices"][0]
@@ -118,10 +128,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
         # after a failed load; the other by module path, failing such requests (vLLM's default policy).
         decode = [
-            start_vllm(model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"),
-                       **common),
-            start_vllm(model, kv_transfer_config=connector(
-                "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"), **common),
+            start_vllm(
+                model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"), **common
+            ),
+            start_vllm(
+                model,
+                kv_transfer_config=connector(
+                    "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"
+                ),
+                **common,
+            ),
         ]
         started += decode
         colocated = start_vllm(model, **common)
@@ -148,11 +164,13 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
     common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
     started: list[Server] = []
     try:
-        prefill = start_vllm(Path(cluster.model), kv_transfer_config=connector("kv_producer", secret, backend="nixl"),
-                             **common)
+        prefill = start_vllm(
+            Path(cluster.model), kv_transfer_config=connector("kv_producer", secret, backend="nixl"), **common
+        )
         started.append(prefill)
-        decode = start_vllm(Path(cluster.model), kv_transfer_config=connector("kv_consumer", secret, backend="nixl"),
-                            **common)
+        decode = start_vllm(
+            Path(cluster.model), kv_transfer_config=connector("kv_consumer", secret, backend="nixl"), **common
+        )
         started.append(decode)
         wait_healthy(started, timeout=540)
         proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
@@ -209,8 +227,14 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     for i, n in enumerate((45, 200, 333)):
         hits = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
         stream = i == 2
-        body = {"model": cluster.model, "prompt": prompt(n, seed=300 + i), "max_tokens": 4, "temperature": 0,
-                "ignore_eos": True, "stream": stream}
+        body = {
+            "model": cluster.model,
+            "prompt": prompt(n, seed=300 + i),
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
         with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
             r.read()
             assert r.status_code == 200, r.text
@@ -227,23 +251,38 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     deadline = time.monotonic() + 60  # the prefill's lease releases reach its /metrics on its next steps
     while True:
         after = [scrape(s) for s in servers]
-        moved = {k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after[1:], before[1:]))
-                 for k in ("kvbridge_transfer_bytes_total", "kvbridge_transfers_total",
-                           "kvbridge_transfer_failures_total", "kvbridge_transfer_seconds_count")}
+        moved = {
+            k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after[1:], before[1:]))
+            for k in (
+                "kvbridge_transfer_bytes_total",
+                "kvbridge_transfers_total",
+                "kvbridge_transfer_failures_total",
+                "kvbridge_transfer_seconds_count",
+            )
+        }
         released = after[0].get("kvbridge_lease_events_total", 0) - before[0].get("kvbridge_lease_events_total", 0)
         if (moved["kvbridge_transfers_total"] >= 3 and released >= 6) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    assert moved == {"kvbridge_transfer_bytes_total": loaded_blocks * block_bytes, "kvbridge_transfers_total": 3,
-                     "kvbridge_transfer_failures_total": 0, "kvbridge_transfer_seconds_count": 3}
+    assert moved == {
+        "kvbridge_transfer_bytes_total": loaded_blocks * block_bytes,
+        "kvbridge_transfers_total": 3,
+        "kvbridge_transfer_failures_total": 0,
+        "kvbridge_transfer_seconds_count": 3,
+    }
     assert released == 6  # three offered, three released by DONE
     assert after[0]["kvbridge_blocks_held"] == 0 and after[0]["kvbridge_leases_held"] == 0
     proxy = scrape(cluster.proxy)
     assert proxy["kvbridge_proxy_phase_seconds_count"] >= 2 * 9 + 4  # each phase of each request above
     assert proxy["kvbridge_proxy_upstream_healthy"] == 3
     # `kvbridge trace` shows the same timelines as a table, or JSON.
-    out = subprocess.run([sys.executable, "-m", "kvbridge", "trace", cluster.proxy.url, "--lengths", "40", "90",
-                          "--json"], capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "trace", cluster.proxy.url, "--lengths", "40", "90", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     rows = json.loads(out.stdout)
     assert [r["prompt_chars"] for r in rows] == [40, 90]
     assert all(r["transfer_ms"] > 0 and r["prefill_ms"] > 0 and r["total_ms"] > 0 for r in rows), rows
@@ -261,8 +300,14 @@ def test_eight_concurrent_requests_match(pd: Cluster) -> None:
 
 def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
     text = prompt(120, seed=7)
-    body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": cluster.model,
+        "prompt": text,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     chunks = []
     with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -273,8 +318,13 @@ def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
     want = cluster.http.post(f"{cluster.colocated.url}/v1/completions", json={**body, "stream": False}).json()
     assert "".join(chunks) == want["choices"][0]["text"]
 
-    chat = {"model": cluster.model, "messages": [{"role": "user", "content": prompt(80, seed=8)}],
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    chat = {
+        "model": cluster.model,
+        "messages": [{"role": "user", "content": prompt(80, seed=8)}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     a = cluster.http.post(f"{cluster.proxy.url}/v1/chat/completions", json=chat).json()
     b = cluster.http.post(f"{cluster.colocated.url}/v1/chat/completions", json=chat).json()
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
@@ -287,9 +337,16 @@ def test_decode_prefix_cache_hit_still_releases_prefill(cluster: Cluster) -> Non
     want = cluster.complete(cluster.colocated, text)
     decode = cluster.decode[0]
     for _ in range(2):
-        first = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
-            "model": cluster.model, "prompt": text, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True}}).json()
+        first = cluster.http.post(
+            f"{cluster.prefill.url}/v1/completions",
+            json={
+                "model": cluster.model,
+                "prompt": text,
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        ).json()
         params = first["kv_transfer_params"]
         assert params["remote_block_ids"], params
         assert cluster.complete(decode, text, kv_transfer_params=params) == want
@@ -301,13 +358,27 @@ def test_failed_pull_follows_the_load_failure_policy(cluster: Cluster) -> None:
     want = cluster.complete(cluster.colocated, text)
     outcomes = []
     for decode in cluster.decode:
-        first = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
-            "model": cluster.model, "prompt": text, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True}}).json()
+        first = cluster.http.post(
+            f"{cluster.prefill.url}/v1/completions",
+            json={
+                "model": cluster.model,
+                "prompt": text,
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        ).json()
         # A stale engine id: the prefill rank's side channel serves another engine, so the pull fails.
         params = {**first["kv_transfer_params"], "remote_engine_id": "not-this-engine"}
-        body = {"model": cluster.model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params}
+        body = {
+            "model": cluster.model,
+            "prompt": text,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "kv_transfer_params": params,
+        }
         outcomes.append(cluster.http.post(f"{decode.url}/v1/completions", json=body))
     recompute, fail = outcomes
     assert recompute.status_code == 200 and recompute.json()["choices"][0]["token_ids"] == want
@@ -317,8 +388,14 @@ def test_failed_pull_follows_the_load_failure_policy(cluster: Cluster) -> None:
 
 
 def test_client_disconnect_aborts_on_both_sides(cluster: Cluster) -> None:
-    body = {"model": cluster.model, "prompt": prompt(300, seed=11), "max_tokens": MAX_MODEL_LEN - 301,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": cluster.model,
+        "prompt": prompt(300, seed=11),
+        "max_tokens": MAX_MODEL_LEN - 301,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
@@ -339,9 +416,16 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
     # Requests the proxy has prefilled for a decode that dies before reading them.
     held = []
     for i in range(3):
-        r = cluster.http.post(f"{cluster.prefill.url}/v1/completions", json={
-            "model": cluster.model, "prompt": prompt(400, seed=20 + i), "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True}}).json()
+        r = cluster.http.post(
+            f"{cluster.prefill.url}/v1/completions",
+            json={
+                "model": cluster.model,
+                "prompt": prompt(400, seed=20 + i),
+                "max_tokens": 1,
+                "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True},
+            },
+        ).json()
         held.append(r["kv_transfer_params"])
     assert cluster.usage(cluster.prefill) > 0.0
     # Streams in flight through the proxy while the decode dies: it is killed as soon as a stream
@@ -353,8 +437,14 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
     def stream(i: int) -> tuple[str, bool]:
         """The decode server that served stream i, and whether the stream ran to its end. A request the
         proxy handed to the victim as it died is a 503 that names the victim."""
-        body = {"model": cluster.model, "prompt": prompt(200, seed=30 + i), "max_tokens": 800, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": cluster.model,
+            "prompt": prompt(200, seed=30 + i),
+            "max_tokens": 800,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         server = ""
         try:
             with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
@@ -400,5 +490,6 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
         pytest.fail(f"the proxy kept a dead decode server in rotation\n{cluster.report(cluster.proxy)}")
     for i in range(3):
         text = prompt(60 + i, seed=40 + i)
-        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text), \
-            cluster.report(cluster.proxy, cluster.prefill, cluster.decode[0])
+        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text), cluster.report(
+            cluster.proxy, cluster.prefill, cluster.decode[0]
+        )

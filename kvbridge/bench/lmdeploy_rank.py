@@ -36,10 +36,19 @@ from lmdeploy.pytorch.engine.cache_engine.migration import (
 from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge.proc import serve
 
+
 def engine_config(num_blocks: int, block_size: int) -> DistServeEngineConfig:
     """A single-rank engine config, as a worker's p2p_initialize receives it."""
-    return DistServeEngineConfig(tp_size=1, ep_size=1, dp_size=1, pp_size=None, dp_rank=0, block_size=block_size,
-                                 num_cpu_blocks=0, num_gpu_blocks=num_blocks)
+    return DistServeEngineConfig(
+        tp_size=1,
+        ep_size=1,
+        dp_size=1,
+        pp_size=None,
+        dp_rank=0,
+        block_size=block_size,
+        num_cpu_blocks=0,
+        num_gpu_blocks=num_blocks,
+    )
 
 
 def fingerprint(layers: np.ndarray, blocks: np.ndarray, words: int) -> np.ndarray:
@@ -58,8 +67,9 @@ class Rank:
 
     # -- LMDeploy's CacheEngine steps --------------------------------------------------------
 
-    def setup(self, engine_id: str, layers: int, blocks: int, block_bytes: int, fill: bool,
-              backend: str = "Mooncake") -> dict[str, Any]:
+    def setup(
+        self, engine_id: str, layers: int, blocks: int, block_bytes: int, fill: bool, backend: str = "Mooncake"
+    ) -> dict[str, Any]:
         if block_bytes % 8:
             raise ConfigError(f"block_bytes must be a multiple of 8, got {block_bytes}")
         self.engine_id = engine_id
@@ -73,20 +83,29 @@ class Rank:
         self.backend = cls()
         return {"backend": f"{cls.__module__}.{cls.__qualname__}"}
 
-    def initialize(self, remote_engine_id: str, remote_blocks: int, block_size: int = 16,
-                   protocol: str = "TCP") -> str:
+    def initialize(self, remote_engine_id: str, remote_blocks: int, block_size: int = 16, protocol: str = "TCP") -> str:
         assert self.pool is not None
         req = DistServeInitRequest(
-            local_engine_id=self.engine_id, local_engine_config=engine_config(self.pool.shape[1], block_size),
-            remote_engine_id=remote_engine_id, remote_engine_config=engine_config(remote_blocks, block_size),
-            protocol=MigrationProtocol[protocol], rank=0,
+            local_engine_id=self.engine_id,
+            local_engine_config=engine_config(self.pool.shape[1], block_size),
+            remote_engine_id=remote_engine_id,
+            remote_engine_config=engine_config(remote_blocks, block_size),
+            protocol=MigrationProtocol[protocol],
+            rank=0,
         )
         self.backend.p2p_initialize(req)
         for mr_key, pool in enumerate(self.cache_pools):
             t = pool.tensor
-            self.backend.register_memory_region(DistServeRegisterMRMessage(
-                protocol=req.protocol, remote_engine_id=remote_engine_id, mr_key=mr_key, addr=t.data_ptr(),
-                offset=t.storage_offset(), length=t.numel() * t.itemsize))
+            self.backend.register_memory_region(
+                DistServeRegisterMRMessage(
+                    protocol=req.protocol,
+                    remote_engine_id=remote_engine_id,
+                    mr_key=mr_key,
+                    addr=t.data_ptr(),
+                    offset=t.storage_offset(),
+                    length=t.numel() * t.itemsize,
+                )
+            )
         info = DistServeKVTransferEndpointInfo(
             protocol=req.protocol,
             endpoint_info=json.dumps(self.backend.endpoint_info(remote_engine_id, req.protocol)),
@@ -104,13 +123,19 @@ class Rank:
 
     def assignment(self, remote_engine_id: str, pairs: list[list[int]], protocol: str = "TCP") -> MigrationAssignment:
         """pairs: [(remote block, local block)], as LMDeploy's migrate passes them."""
-        batch = build_cache_pool_assignments(self.pool_infos, self.remote_pools[remote_engine_id],
-                                             [tuple(p) for p in pairs])
-        return MigrationAssignment(protocol=MigrationProtocol[protocol], remote_engine_id=remote_engine_id,
-                                   batch=batch)
+        batch = build_cache_pool_assignments(
+            self.pool_infos, self.remote_pools[remote_engine_id], [tuple(p) for p in pairs]
+        )
+        return MigrationAssignment(protocol=MigrationProtocol[protocol], remote_engine_id=remote_engine_id, batch=batch)
 
-    def migrate(self, remote_engine_id: str, pairs: list[list[int]], async_op: bool = False,
-                protocol: str = "TCP", ticker: bool = True) -> dict[str, Any]:
+    def migrate(
+        self,
+        remote_engine_id: str,
+        pairs: list[list[int]],
+        async_op: bool = False,
+        protocol: str = "TCP",
+        ticker: bool = True,
+    ) -> dict[str, Any]:
         """Run p2p_migrate on an event loop; report seconds, and how often a ticker task ran during the await.
 
         The ticker proves the loop runs during an async migration; it spins, so the bench turns it off.
@@ -139,8 +164,13 @@ class Rank:
             return elapsed, ticks - start_ticks
 
         seconds, ticks = asyncio.run(main())
-        return {"seconds": seconds, "ticks": ticks, "instructs": len(assignment.batch),
-                "bytes": sum(i.length for i in assignment.batch), "descriptors": self._descriptors(assignment)}
+        return {
+            "seconds": seconds,
+            "ticks": ticks,
+            "instructs": len(assignment.batch),
+            "bytes": sum(i.length for i in assignment.batch),
+            "descriptors": self._descriptors(assignment),
+        }
 
     def _descriptors(self, assignment: MigrationAssignment) -> int | None:
         """How many descriptors kvbridge's planner makes of this assignment (None for another backend)."""
@@ -149,8 +179,12 @@ class Rank:
             return None
         from kvbridge.adapters.lmdeploy.plan import instruct_array, plan
 
-        p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions,
-                 engine=assignment.remote_engine_id)
+        p = plan(
+            instruct_array(assignment.batch),
+            link.local_regions,
+            link.remote_regions,
+            engine=assignment.remote_engine_id,
+        )
         return len(p.descriptors)
 
     def store(self, remote_engine_id: str, pairs: list[list[int]]) -> None:
@@ -164,8 +198,11 @@ class Rank:
         from lmdeploy.pytorch.disagg.messages import AssignmentInstruct
 
         batch = [AssignmentInstruct(mr_key=m, source_offset=s, target_offset=t, length=n) for m, s, t, n in instructs]
-        asyncio.run(self.backend.p2p_migrate(MigrationAssignment(
-            protocol=MigrationProtocol.TCP, remote_engine_id=remote_engine_id, batch=batch)))
+        asyncio.run(
+            self.backend.p2p_migrate(
+                MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id=remote_engine_id, batch=batch)
+            )
+        )
 
     def verify(self, pairs: list[list[int]]) -> dict[str, int]:
         """Check that local block d holds remote block p's fingerprint for every (p, d), and the rest is zero."""
@@ -185,8 +222,10 @@ class Rank:
 
     def drop(self, remote_engine_id: str) -> dict[str, Any]:
         self.backend.p2p_drop_connect(remote_engine_id)
-        return {"links": sorted(self.backend.links),
-                "registered": sum(len(t.registered) for t in self.backend.transports.values())}
+        return {
+            "links": sorted(self.backend.links),
+            "registered": sum(len(t.registered) for t in self.backend.transports.values()),
+        }
 
     def close(self) -> None:
         if self.backend is not None and hasattr(self.backend, "close"):
@@ -218,20 +257,36 @@ class Rank:
         local_base = self.pool.data_ptr()
         start = time.perf_counter()
         for i, task in enumerate(batch):
-            rc = self.raw.transfer_sync_read(session, local_base + task.source_offset,
-                                             remote_base + task.target_offset, task.length)
+            rc = self.raw.transfer_sync_read(
+                session, local_base + task.source_offset, remote_base + task.target_offset, task.length
+            )
             if rc != 0:
                 raise TransferFailed(f"raw transfer_sync_read of instruct {i} failed with {rc}", peer=session)
-        return {"seconds": time.perf_counter() - start, "instructs": len(batch),
-                "bytes": sum(i.length for i in batch)}
+        return {"seconds": time.perf_counter() - start, "instructs": len(batch), "bytes": sum(i.length for i in batch)}
 
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     rank = Rank()
-    handlers = {name: getattr(rank, name) for name in (
-        "setup", "initialize", "connect", "migrate", "migrate_raw", "store", "load", "verify", "reset", "drop",
-        "close", "raw_setup", "raw_connect", "raw_migrate")}
+    handlers = {
+        name: getattr(rank, name)
+        for name in (
+            "setup",
+            "initialize",
+            "connect",
+            "migrate",
+            "migrate_raw",
+            "store",
+            "load",
+            "verify",
+            "reset",
+            "drop",
+            "close",
+            "raw_setup",
+            "raw_connect",
+            "raw_migrate",
+        )
+    }
     try:
         serve(handlers)
     finally:

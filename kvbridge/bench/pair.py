@@ -27,17 +27,29 @@ DEFAULT_REQUESTS = 8
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--fragmented", action="store_true",
-                       help="shuffle block ids on both sides (worst case: one descriptor per block)")
+    group.add_argument(
+        "--fragmented",
+        action="store_true",
+        help="shuffle block ids on both sides (worst case: one descriptor per block)",
+    )
     group.add_argument("--device", default="cpu", help="device plugin that holds both KV caches (default: cpu)")
-    group.add_argument("--stage", action="store_true",
-                       help="copy through host memory even where the transport reaches the device's memory, to "
-                            "measure staging (it is automatic where the transport cannot, e.g. tcp for cuda)")
+    group.add_argument(
+        "--stage",
+        action="store_true",
+        help="copy through host memory even where the transport reaches the device's memory, to "
+        "measure staging (it is automatic where the transport cannot, e.g. tcp for cuda)",
+    )
     group.add_argument("--seed", type=int, default=0, help="seed for --fragmented block ids")
     group.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
-    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", type=_option,
-                       help="transport option passed to create_backend on both sides, repeatable; e.g. "
-                            "--option max_descriptor_bytes=4194304 (`kvbridge plugins NAME` lists them)")
+    group.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        type=_option,
+        help="transport option passed to create_backend on both sides, repeatable; e.g. "
+        "--option max_descriptor_bytes=4194304 (`kvbridge plugins NAME` lists them)",
+    )
 
 
 def _option(text: str) -> tuple[str, int | float | str]:
@@ -52,11 +64,12 @@ def _option(text: str) -> tuple[str, int | float | str]:
     return key, value
 
 
-def plan_blocks(requests: int, per_request: int, capacity: int, fragmented: bool, rng: np.random.Generator
-                ) -> list[list[int]]:
+def plan_blocks(
+    requests: int, per_request: int, capacity: int, fragmented: bool, rng: np.random.Generator
+) -> list[list[int]]:
     """Block ids of each request in a pool of `capacity` blocks: packed from 0, or shuffled."""
     order = rng.permutation(capacity) if fragmented else np.arange(capacity)
-    return [order[r * per_request:(r + 1) * per_request].tolist() for r in range(requests)]
+    return [order[r * per_request : (r + 1) * per_request].tolist() for r in range(requests)]
 
 
 def _check_backend(name: str) -> None:
@@ -65,8 +78,10 @@ def _check_backend(name: str) -> None:
     if reason:
         raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
     if entry.name == "loopback":
-        raise ConfigError("the loopback transport works inside one process only; the bench runs prefill and "
-                          "decode in two processes: pick tcp, mooncake or another cross-process transport")
+        raise ConfigError(
+            "the loopback transport works inside one process only; the bench runs prefill and "
+            "decode in two processes: pick tcp, mooncake or another cross-process transport"
+        )
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,8 +98,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     src_plan = plan_blocks(requests, per_request, prefill_blocks, args.fragmented, rng)
     dst_plan = plan_blocks(requests, per_request, decode_blocks, args.fragmented, rng)
-    common = dict(backend=args.migration_backend, protocol=args.protocol, device=args.device, model=spec.name,
-                  options=dict(args.option), stage=args.stage)
+    common = dict(
+        backend=args.migration_backend,
+        protocol=args.protocol,
+        device=args.device,
+        model=spec.name,
+        options=dict(args.option),
+        stage=args.stage,
+    )
     request_bytes = per_request * spec.bytes_per_token() * spec.block_size
 
     # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child.
@@ -104,13 +125,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         with Progress(console=err_console, transient=True, disable=bool(getattr(args, "json", False))) as progress:
             task = progress.add_task("migrating", total=args.repeat * requests)
             for _ in range(args.repeat):
-                raw_round = sum(decode.call("raw", src_base=src["base"], nbytes=request_bytes, wait_s=args.timeout,
-                                            timeout=args.timeout + 30)["seconds"] for _ in range(requests))
+                raw_round = sum(
+                    decode.call(
+                        "raw",
+                        src_base=src["base"],
+                        nbytes=request_bytes,
+                        wait_s=args.timeout,
+                        timeout=args.timeout + 30,
+                    )["seconds"]
+                    for _ in range(requests)
+                )
                 decode.call("zero", timeout=600)
                 kv_round = 0.0
                 for src_blocks, dst_blocks in zip(src_plan, dst_plan):
-                    r = decode.call("migrate", src=src, src_blocks=src_blocks, dst_blocks=dst_blocks,
-                                    wait_s=args.timeout, timeout=args.timeout + 30)
+                    r = decode.call(
+                        "migrate",
+                        src=src,
+                        src_blocks=src_blocks,
+                        dst_blocks=dst_blocks,
+                        wait_s=args.timeout,
+                        timeout=args.timeout + 30,
+                    )
                     kv_round += r["seconds"]
                     latencies.append(r["seconds"])
                     descriptors, descriptors_in, runs = r["descriptors"], r["descriptors_in"], r["runs"]
@@ -132,14 +167,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     lat_ms = sorted(s * 1e3 for s in latencies)
     return {
         "config": {
-            "migration_backend": args.migration_backend, "protocol": args.protocol, "device": args.device,
-            "stage": args.stage, "model": spec.name, "tokens": tokens, "requests": requests, "fragmented": args.fragmented,
-            "repeat": args.repeat, "bytes_per_request": request_bytes, "options": dict(args.option),
+            "migration_backend": args.migration_backend,
+            "protocol": args.protocol,
+            "device": args.device,
+            "stage": args.stage,
+            "model": spec.name,
+            "tokens": tokens,
+            "requests": requests,
+            "fragmented": args.fragmented,
+            "repeat": args.repeat,
+            "bytes_per_request": request_bytes,
+            "options": dict(args.option),
         },
         "kvbridge": {
             "gbps": kv_gbps,
-            "latency_ms": {"median": statistics.median(lat_ms), "p99": lat_ms[min(len(lat_ms) - 1,
-                                                                                  math.ceil(0.99 * len(lat_ms)) - 1)]},
+            "latency_ms": {
+                "median": statistics.median(lat_ms),
+                "p99": lat_ms[min(len(lat_ms) - 1, math.ceil(0.99 * len(lat_ms)) - 1)],
+            },
             "descriptors_per_request": descriptors_in,
             "merged_runs_per_request": runs,
             "submitted_descriptors_per_request": descriptors,
@@ -166,11 +211,18 @@ def plot(path: str, results: list[dict[str, Any]]) -> None:
 
     c = results[0]["config"]
     name = c["migration_backend"]
-    series = {f"raw {name}": [(r["config"]["tokens"], r["raw"]["gbps"]) for r in results],
-              f"kvbridge {name}": [(r["config"]["tokens"], r["kvbridge"]["gbps"]) for r in results]}
-    write_chart(path, f"kvbridge bench: {c['model']}, {c['requests']} requests, "
-                f"{'fragmented' if c['fragmented'] else 'contiguous'} blocks", "prompt tokens per request",
-                "GB/s", series)
+    series = {
+        f"raw {name}": [(r["config"]["tokens"], r["raw"]["gbps"]) for r in results],
+        f"kvbridge {name}": [(r["config"]["tokens"], r["kvbridge"]["gbps"]) for r in results],
+    }
+    write_chart(
+        path,
+        f"kvbridge bench: {c['model']}, {c['requests']} requests, "
+        f"{'fragmented' if c['fragmented'] else 'contiguous'} blocks",
+        "prompt tokens per request",
+        "GB/s",
+        series,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,13 +250,20 @@ def _print_result(result: dict[str, Any]) -> None:
         ["path", "GB/s", "of raw (per-round range)", "median ms", "p99 ms", "descriptors per request"],
         [
             ("raw transport (1 descriptor)", f"{r['gbps']:.2f}", "100%", "", "", "1"),
-            ("kvbridge migration", f"{k['gbps']:.2f}",
-             f"{result['ratio']:.0%} ({result['ratio_range'][0]:.0%}-{result['ratio_range'][1]:.0%})",
-             f"{k['latency_ms']['median']:.1f}", f"{k['latency_ms']['p99']:.1f}",
-             f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} runs -> "
-             f"{k['submitted_descriptors_per_request']} sent"),
+            (
+                "kvbridge migration",
+                f"{k['gbps']:.2f}",
+                f"{result['ratio']:.0%} ({result['ratio_range'][0]:.0%}-{result['ratio_range'][1]:.0%})",
+                f"{k['latency_ms']['median']:.1f}",
+                f"{k['latency_ms']['p99']:.1f}",
+                f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} runs -> "
+                f"{k['submitted_descriptors_per_request']} sent",
+            ),
         ],
     )
-    status = "verified: every byte on the decode side is correct" if result["verified"] else (
-        "VERIFICATION FAILED: " + "; ".join(result["problems"]))
+    status = (
+        "verified: every byte on the decode side is correct"
+        if result["verified"]
+        else ("VERIFICATION FAILED: " + "; ".join(result["problems"]))
+    )
     print(status)

@@ -25,7 +25,14 @@ log = logging.getLogger(__name__)
 
 class Side:
     def __init__(
-        self, *, backend: str, protocol: str | None, device: str, model: str, blocks: int, options: dict[str, Any],
+        self,
+        *,
+        backend: str,
+        protocol: str | None,
+        device: str,
+        model: str,
+        blocks: int,
+        options: dict[str, Any],
         stage: bool = False,
     ) -> None:
         self.spec = get_preset(model)
@@ -37,8 +44,9 @@ class Side:
         self.tensor_bytes = blocks * self.block_bytes
         self.pool = self.device.allocate(self.tensors * self.tensor_bytes)
         # Staged where the transport cannot reach the device's memory (or when asked to, to measure it).
-        self.backend = staging.attach(kvbridge.create_backend(backend, protocol=protocol, **options), self.device,
-                                      force=stage)
+        self.backend = staging.attach(
+            kvbridge.create_backend(backend, protocol=protocol, **options), self.device, force=stage
+        )
         (region,) = self.backend.register_memory(self.pool)
         self.base = region.addr  # local descriptors use device addresses, staged or not
         self.published = self.backend.endpoint().regions[0].addr  # what the peer addresses: a host mirror if staged
@@ -53,8 +61,14 @@ class Side:
         view = self.host_view(host)
         for r, blocks in enumerate(requests):
             for t in range(self.tensors):
-                view[t, blocks] = block_values(request=r, tensor=t, n_tensors=self.tensors, blocks=len(blocks),
-                                               block_elems=self.block_elems, nbytes=self.spec.dtype_bytes)
+                view[t, blocks] = block_values(
+                    request=r,
+                    tensor=t,
+                    n_tensors=self.tensors,
+                    blocks=len(blocks),
+                    block_elems=self.block_elems,
+                    nbytes=self.spec.dtype_bytes,
+                )
         self.device.from_host(self.pool, host)
         self.backend.publish()  # waits for the device; staged, copies to the mirror the decode side reads
 
@@ -80,8 +94,11 @@ def _get() -> Side:
 def init(**kwargs: Any) -> dict[str, Any]:
     global _side
     _side = Side(**kwargs)
-    return {"endpoint": _side.backend.endpoint_info().hex(), "base": _side.published,
-            "tensor_bytes": _side.tensor_bytes}
+    return {
+        "endpoint": _side.backend.endpoint_info().hex(),
+        "base": _side.published,
+        "tensor_bytes": _side.tensor_bytes,
+    }
 
 
 def fill(requests: list[list[int]]) -> None:
@@ -107,8 +124,13 @@ def migrate(src: dict[str, int], src_blocks: list[int], dst_blocks: list[int], w
     handle = side.backend.transfer(side.peer, desc, op="read")
     handle.wait(wait_s)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "bytes": handle.nbytes, "descriptors_in": len(desc), "runs": len(merge_runs(desc)),
-            "descriptors": handle.descriptors}
+    return {
+        "seconds": seconds,
+        "bytes": handle.nbytes,
+        "descriptors_in": len(desc),
+        "runs": len(merge_runs(desc)),
+        "descriptors": handle.descriptors,
+    }
 
 
 def raw(src_base: int, nbytes: int, wait_s: float) -> dict[str, Any]:
@@ -132,11 +154,19 @@ def verify(requests: list[list[int]]) -> dict[str, Any]:
     for r, blocks in enumerate(requests):
         touched[blocks] = True
         for t in range(side.tensors):
-            expect = block_values(request=r, tensor=t, n_tensors=side.tensors, blocks=len(blocks),
-                                  block_elems=side.block_elems, nbytes=side.spec.dtype_bytes)
+            expect = block_values(
+                request=r,
+                tensor=t,
+                n_tensors=side.tensors,
+                blocks=len(blocks),
+                block_elems=side.block_elems,
+                nbytes=side.spec.dtype_bytes,
+            )
             wrong = np.flatnonzero((view[t, blocks] != expect).any(axis=1))
             if len(wrong):
-                bad.append(f"request {r} tensor {t}: {len(wrong)} blocks differ (first decode block {blocks[wrong[0]]})")
+                bad.append(
+                    f"request {r} tensor {t}: {len(wrong)} blocks differ (first decode block {blocks[wrong[0]]})"
+                )
     stray = np.flatnonzero(view[:, ~touched].any(axis=(0, 2)))
     if len(stray):
         bad.append(f"{len(stray)} blocks outside every request were written")
@@ -152,8 +182,18 @@ def close() -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    serve({"init": init, "fill": fill, "connect": connect, "zero": zero, "migrate": migrate, "raw": raw,
-           "verify": verify, "close": close})
+    serve(
+        {
+            "init": init,
+            "fill": fill,
+            "connect": connect,
+            "zero": zero,
+            "migrate": migrate,
+            "raw": raw,
+            "verify": verify,
+            "close": close,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ CLOSE_TIMEOUT = 60.0
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--prefill", metavar="SPEC", help="prefill parallelism, e.g. tp8,pcp2,dcp8 (selects this mode)")
     group.add_argument("--decode", metavar="SPEC", help="decode parallelism, e.g. tp8,dcp4,dp2")
-    group.add_argument("--verify", action="store_true",
-                       help="check every decode rank holds exactly its share and every release count")
+    group.add_argument(
+        "--verify", action="store_true", help="check every decode rank holds exactly its share and every release count"
+    )
     group.add_argument("--kv-layout", default=LAYOUTS[0], choices=LAYOUTS, help=f"cache layout (default {LAYOUTS[0]})")
 
 
@@ -43,9 +44,20 @@ class ParallelBench:
             self.prefill.close()
             raise
 
-    def run(self, prefill: str, decode: str, model: str, tokens: int = DEFAULT_TOKENS, *, requests: int | None = None,
-            backend: str = "mooncake", protocol: str | None = None, layout: str = LAYOUTS[0],
-            verify: bool = True, timeout: float = 300.0) -> dict[str, Any]:
+    def run(
+        self,
+        prefill: str,
+        decode: str,
+        model: str,
+        tokens: int = DEFAULT_TOKENS,
+        *,
+        requests: int | None = None,
+        backend: str = "mooncake",
+        protocol: str | None = None,
+        layout: str = LAYOUTS[0],
+        verify: bool = True,
+        timeout: float = 300.0,
+    ) -> dict[str, Any]:
         """One case: set both sides up, pull every request, verify; returns the figures and the verdict."""
         p, d = ParallelConfig.parse(prefill), ParallelConfig.parse(decode)
         spec = get_preset(model)
@@ -60,15 +72,26 @@ class ParallelBench:
         expected = self.prefill.call("release_counts", timeout=timeout, decode=decode)
         release_ok = all(
             pulled["received"].get(rid, {}).get(rank, 0) == count and (count or rank in pulled["received"].get(rid, {}))
-            for rid, counts in expected.items() for rank, count in counts.items()
+            for rid, counts in expected.items()
+            for rank, count in counts.items()
         )
         return {
-            "prefill": str(p), "decode": str(d), "model": model, "tokens": tokens, "requests": n,
-            "prefill_ranks": p.world_size, "decode_ranks": d.world_size,
-            "bytes": pulled["bytes"], "descriptors": pulled["descriptors"], "pulls": pulled["pulls"],
-            "seconds": pulled["seconds"], "gbps": pulled["bytes"] / pulled["seconds"] / 1e9 if pulled["seconds"] else 0.0,
+            "prefill": str(p),
+            "decode": str(d),
+            "model": model,
+            "tokens": tokens,
+            "requests": n,
+            "prefill_ranks": p.world_size,
+            "decode_ranks": d.world_size,
+            "bytes": pulled["bytes"],
+            "descriptors": pulled["descriptors"],
+            "pulls": pulled["pulls"],
+            "seconds": pulled["seconds"],
+            "gbps": pulled["bytes"] / pulled["seconds"] / 1e9 if pulled["seconds"] else 0.0,
             "verified": (not pulled["bad"] and release_ok) if verify else None,
-            "bad_ranks": pulled["bad"], "release_ok": release_ok, "expected_release": expected,
+            "bad_ranks": pulled["bad"],
+            "release_ok": release_ok,
+            "expected_release": expected,
             "received": pulled["received"],
             "prefill_process": {k: ps.get(k) for k in ("rss_mib", "threads", "setup_s")},
             "decode_process": {k: pulled.get(k) for k in ("rss_mib", "threads")} | {"setup_s": ds["setup_s"]},
@@ -91,9 +114,17 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("the parallel bench needs both --prefill SPEC and --decode SPEC (e.g. tp8,pcp2,dcp8)")
     model = args.model or "tiny-gqa"
     with ParallelBench() as bench:
-        r = bench.run(args.prefill, args.decode, model, args.tokens or DEFAULT_TOKENS, requests=args.requests,
-                      backend=args.migration_backend, protocol=args.protocol, layout=args.kv_layout,
-                      verify=args.verify)
+        r = bench.run(
+            args.prefill,
+            args.decode,
+            model,
+            args.tokens or DEFAULT_TOKENS,
+            requests=args.requests,
+            backend=args.migration_backend,
+            protocol=args.protocol,
+            layout=args.kv_layout,
+            verify=args.verify,
+        )
     if args.json:
         print_json(r)
     else:
@@ -101,13 +132,24 @@ def run(args: argparse.Namespace) -> int:
             f"kvbridge bench: {r['prefill']} -> {r['decode']}, {model}, "
             f"{r['tokens']} tokens x {r['requests']} requests",
             ["ranks P/D", "pulls", "descriptors", "MiB", "seconds", "GB/s", "verified"],
-            [(f"{r['prefill_ranks']}/{r['decode_ranks']}", r["pulls"], r["descriptors"], f"{r['bytes'] / 2**20:.2f}",
-              f"{r['seconds']:.3f}", f"{r['gbps']:.3f}", {None: "not checked", True: "yes", False: "NO"}[r["verified"]])],
+            [
+                (
+                    f"{r['prefill_ranks']}/{r['decode_ranks']}",
+                    r["pulls"],
+                    r["descriptors"],
+                    f"{r['bytes'] / 2**20:.2f}",
+                    f"{r['seconds']:.3f}",
+                    f"{r['gbps']:.3f}",
+                    {None: "not checked", True: "yes", False: "NO"}[r["verified"]],
+                )
+            ],
         )
         for side in ("prefill", "decode"):
             proc = r[f"{side}_process"]
-            console.print(f"{side} process (all {r[f'{side}_ranks']} ranks): {proc['rss_mib']} MiB resident, "
-                          f"{proc['threads']} threads")
+            console.print(
+                f"{side} process (all {r[f'{side}_ranks']} ranks): {proc['rss_mib']} MiB resident, "
+                f"{proc['threads']} threads"
+            )
         for rank, bad in r["bad_ranks"].items():
             console.print(f"decode rank {rank}: {bad['wrong_words']} wrong words, e.g. {bad['first'][:2]}")
         if not r["release_ok"]:

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 from kvbridge.agent import KVAgent, PullResult, RankInfo
+from kvbridge.backend import MigrationBackend
 from kvbridge.bench.shares import Share, fill, mismatches
 from kvbridge.layout import KVLayout, lmdeploy_layout, vllm_layout
-from kvbridge.backend import MigrationBackend
 from kvbridge.plugins import create_backend, get_device
 from kvbridge.presets import ModelSpec, get_preset
 from kvbridge.proc import serve
@@ -43,8 +43,18 @@ class Side:
         self.buffers: list[np.ndarray] = []
         self.shares: list[dict[str, Share]] = []
 
-    def setup(self, side: str, engine_id: str, spec: str, model: str, requests: list[dict[str, Any]],
-              backend: str, protocol: str | None, layout: str, seed: int = 0) -> dict[str, Any]:
+    def setup(
+        self,
+        side: str,
+        engine_id: str,
+        spec: str,
+        model: str,
+        requests: list[dict[str, Any]],
+        backend: str,
+        protocol: str | None,
+        layout: str,
+        seed: int = 0,
+    ) -> dict[str, Any]:
         """Start one agent per rank, place every request's blocks; prefill fills its shares."""
         self.close()
         self.side, self.config, self.model = side, ParallelConfig.parse(spec), get_preset(model)
@@ -105,8 +115,9 @@ class Side:
             out[rid] = {str(r): self.agents[r].release_count(d, req["tokens"], req["decode_dp"]) for r in ranks}
         return out
 
-    def pull(self, infos: list[str], blocks: dict[str, dict[str, list[int]]], verify: bool,
-             timeout: float = 120.0) -> dict[str, Any]:
+    def pull(
+        self, infos: list[str], blocks: dict[str, dict[str, list[int]]], verify: bool, timeout: float = 120.0
+    ) -> dict[str, Any]:
         """Decode side: every rank pulls its share of every request at once, then (optionally) verifies."""
         remote = [RankInfo.decode(bytes.fromhex(h)) for h in infos]
         prefill = remote[0].parallel
@@ -117,8 +128,17 @@ class Side:
             remote_blocks = {r: blocks[str(r)][rid] for r in prefill.group(req["prefill_dp"])}
             for rank in self.config.group(req["decode_dp"]):
                 share = self.shares[rank][rid]
-                handles.append(self.agents[rank].pull(rid, remote, remote_blocks, share.block_ids, req["tokens"],
-                                                      prefill_dp=req["prefill_dp"], on_done=results.append))
+                handles.append(
+                    self.agents[rank].pull(
+                        rid,
+                        remote,
+                        remote_blocks,
+                        share.block_ids,
+                        req["tokens"],
+                        prefill_dp=req["prefill_dp"],
+                        on_done=results.append,
+                    )
+                )
         for h in handles:
             h.wait(timeout)
         seconds = time.perf_counter() - started

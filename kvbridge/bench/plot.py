@@ -26,8 +26,7 @@ def _nice_max(value: float) -> float:
     return next(m * exp for m in (1, 2, 5, 10) if m * exp >= value)
 
 
-def line_chart_svg(title: str, x_label: str, y_label: str, series: Mapping[str, Sequence[tuple[float, float]]]
-                   ) -> str:
+def line_chart_svg(title: str, x_label: str, y_label: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> str:
     """The SVG text of a chart of `series` ({label: [(x, y), ...]}, x > 0)."""
     points = [p for pts in series.values() for p in pts]
     if not points:
@@ -46,10 +45,12 @@ def line_chart_svg(title: str, x_label: str, y_label: str, series: Mapping[str, 
     def py(y: float) -> float:
         return TOP + plot_h - y / y_max * plot_h
 
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
-           f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
-           f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
-           f'<text x="{LEFT}" y="24" font-size="15" font-weight="bold">{escape(title)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+        f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
+        f'<text x="{LEFT}" y="24" font-size="15" font-weight="bold">{escape(title)}</text>',
+    ]
     for i in range(6):  # y grid and ticks
         y = y_max * i / 5
         out.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>')
@@ -59,18 +60,24 @@ def line_chart_svg(title: str, x_label: str, y_label: str, series: Mapping[str, 
         out.append(f'<text x="{px(x):.1f}" y="{TOP + plot_h + 18}" text-anchor="middle">{x:g}</text>')
     out.append(f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#444"/>')
     out.append(f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 16}" text-anchor="middle">{escape(x_label)}</text>')
-    out.append(f'<text transform="translate(18 {TOP + plot_h / 2:.1f}) rotate(-90)" text-anchor="middle">'
-               f'{escape(y_label)}</text>')
+    out.append(
+        f'<text transform="translate(18 {TOP + plot_h / 2:.1f}) rotate(-90)" text-anchor="middle">'
+        f"{escape(y_label)}</text>"
+    )
     for i, (label, pts) in enumerate(series.items()):
         colour = COLOURS[i % len(COLOURS)]
         coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in sorted(pts))
         out.append(f'<polyline points="{coords}" fill="none" stroke="{colour}" stroke-width="2"/>')
         for x, y in pts:
-            out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5" fill="{colour}"><title>'
-                       f'{escape(label)}: {y:.3g} at {x:g}</title></circle>')
+            out.append(
+                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5" fill="{colour}"><title>'
+                f"{escape(label)}: {y:.3g} at {x:g}</title></circle>"
+            )
         ly = TOP + 10 + i * 20
-        out.append(f'<line x1="{WIDTH - RIGHT + 15}" x2="{WIDTH - RIGHT + 40}" y1="{ly}" y2="{ly}" '
-                   f'stroke="{colour}" stroke-width="2"/>')
+        out.append(
+            f'<line x1="{WIDTH - RIGHT + 15}" x2="{WIDTH - RIGHT + 40}" y1="{ly}" y2="{ly}" '
+            f'stroke="{colour}" stroke-width="2"/>'
+        )
         out.append(f'<text x="{WIDTH - RIGHT + 46}" y="{ly + 4}">{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -82,8 +89,9 @@ def check_path(path: str | Path) -> None:
         raise ConfigError(f"--plot {path}: write .svg (or .png where matplotlib is installed)")
 
 
-def write_chart(path: str | Path, title: str, x_label: str, y_label: str,
-                series: Mapping[str, Sequence[tuple[float, float]]]) -> Path:
+def write_chart(
+    path: str | Path, title: str, x_label: str, y_label: str, series: Mapping[str, Sequence[tuple[float, float]]]
+) -> Path:
     """Write the chart to `path`: SVG, or PNG when matplotlib happens to be installed."""
     check_path(path)
     path = Path(path)

@@ -38,16 +38,24 @@ class Share:
 def pack(layer: np.ndarray, kind: np.ndarray, token: np.ndarray, head: np.ndarray, dim: np.ndarray) -> np.ndarray:
     u = np.uint64
     return (
-        (layer.astype(u) << u(52)) | (kind.astype(u) << u(50)) | (token.astype(u) << u(26))
-        | (head.astype(u) << u(14)) | dim.astype(u)
+        (layer.astype(u) << u(52))
+        | (kind.astype(u) << u(50))
+        | (token.astype(u) << u(26))
+        | (head.astype(u) << u(14))
+        | dim.astype(u)
     )
 
 
 def unpack(word: int) -> dict[str, object]:
     """The coordinates a word encodes (for error messages)."""
     w = int(word)
-    return {"layer": w >> 52, "kind": CODE_KIND.get((w >> 50) & 3, "?"), "token": (w >> 26) & 0xFFFFFF,
-            "head": (w >> 14) & 0xFFF, "dim": w & 0x3FFF}
+    return {
+        "layer": w >> 52,
+        "kind": CODE_KIND.get((w >> 50) & 3, "?"),
+        "token": (w >> 26) & 0xFFFFFF,
+        "head": (w >> 14) & 0xFFF,
+        "dim": w & 0x3FFF,
+    }
 
 
 def _words(layout: KVLayout, base: int, share: Share) -> tuple[np.ndarray, np.ndarray]:
@@ -80,8 +88,14 @@ def _words(layout: KVLayout, base: int, share: Share) -> tuple[np.ndarray, np.nd
     nhd = t[:, 5] > 1
     head_step = t[:, 3][r_ax]  # head_bytes: a head's row (NHD) or its whole token slab (HND)
     tok_step = np.where(nhd, t[:, 2], row)[r_ax]
-    offset = ((t[:, 0] - base)[r_ax] + ids[b_ax] * t[:, 1][r_ax] + h * head_step + half * (m.block_size * row)
-              + tok * tok_step + w * 8)
+    offset = (
+        (t[:, 0] - base)[r_ax]
+        + ids[b_ax] * t[:, 1][r_ax]
+        + h * head_step
+        + half * (m.block_size * row)
+        + tok * tok_step
+        + w * 8
+    )
     kind = kinds[r_ax] if halves == 1 else half + 1
     token6 = token[None, :, None, None, :, None]
     values = pack(layers[r_ax], kind, token6, heads[None, None, :, None, None, None], w * (8 // es))
@@ -114,6 +128,9 @@ def mismatches(layout: KVLayout, buffer: np.ndarray, shares: Sequence[Share], li
     expected = image(layout, buffer, shares)
     got = buffer.reshape(-1).view(np.uint64)
     bad = np.flatnonzero(got != expected)
-    notes = [f"word {int(i)}: expected {unpack(expected[i]) if expected[i] else 'zero'}, "
-             f"got {unpack(got[i]) if got[i] else 'zero'}" for i in bad[:limit]]
+    notes = [
+        f"word {int(i)}: expected {unpack(expected[i]) if expected[i] else 'zero'}, "
+        f"got {unpack(got[i]) if got[i] else 'zero'}"
+        for i in bad[:limit]
+    ]
     return len(bad), notes

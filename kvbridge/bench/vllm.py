@@ -44,29 +44,47 @@ from kvbridge.bench.plot import check_path
 from kvbridge.cli.output import err_console, print_json, print_table
 
 LENGTHS = (64, 256, 512, 1000)
-PATCH = '''\
+PATCH = """\
 # Written by `kvbridge bench --engine vllm` for MooncakeConnector's servers only: on a CPU-only torch,
 # torch.accelerator.current_device_index() raises; vLLM's MooncakeConnector calls it at start-up.
 import torch
 
 if not torch.accelerator.is_available():
     torch.accelerator.current_device_index = lambda: 0
-'''
+"""
 _METRICS = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([0-9.]+)")
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """Options of `--engine vllm` (the shared `--engine` option selects this mode)."""
-    group.add_argument("--lengths", type=int, nargs="+", default=None, metavar="N",
-                       help=f"prompt lengths in tokens for --engine vllm (default {' '.join(map(str, LENGTHS))})")
-    group.add_argument("--model-dir", default=None, metavar="DIR",
-                       help="a model folder for --engine vllm (default: a tiny random Llama built on the spot)")
-    group.add_argument("--compare", choices=["mooncake", "nixl", "none"], default="mooncake",
-                       help="the transport of both sides: mooncake runs KVBridgeConnector and vLLM's "
-                            "MooncakeConnector over Mooncake TCP; nixl runs KVBridgeConnector and vLLM's NixlConnector "
-                            "over NIXL (UCX); none: KVBridgeConnector over Mooncake alone (default mooncake)")
-    group.add_argument("--keep-logs", default=None, metavar="DIR",
-                       help="write the servers' logs under DIR and keep them (default: a temporary folder)")
+    group.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help=f"prompt lengths in tokens for --engine vllm (default {' '.join(map(str, LENGTHS))})",
+    )
+    group.add_argument(
+        "--model-dir",
+        default=None,
+        metavar="DIR",
+        help="a model folder for --engine vllm (default: a tiny random Llama built on the spot)",
+    )
+    group.add_argument(
+        "--compare",
+        choices=["mooncake", "nixl", "none"],
+        default="mooncake",
+        help="the transport of both sides: mooncake runs KVBridgeConnector and vLLM's "
+        "MooncakeConnector over Mooncake TCP; nixl runs KVBridgeConnector and vLLM's NixlConnector "
+        "over NIXL (UCX); none: KVBridgeConnector over Mooncake alone (default mooncake)",
+    )
+    group.add_argument(
+        "--keep-logs",
+        default=None,
+        metavar="DIR",
+        help="write the servers' logs under DIR and keep them (default: a temporary folder)",
+    )
 
 
 @attrs.define
@@ -84,21 +102,32 @@ def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
-    chosen = {"migration_backend": "Mooncake", "protocol": "tcp"} if transport == "mooncake" else {
-        "migration_backend": transport}
+    chosen = (
+        {"migration_backend": "Mooncake", "protocol": "tcp"}
+        if transport == "mooncake"
+        else {"migration_backend": transport}
+    )
 
     def config(role: str) -> dict:
-        return {"kv_connector": "KVBridgeConnector", "kv_role": role,
-                "kv_connector_extra_config": {**chosen, "side_channel_port": free_port()}}
+        return {
+            "kv_connector": "KVBridgeConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {**chosen, "side_channel_port": free_port()},
+        }
 
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
     where = logs / f"kvbridge-{transport}"
     prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
     decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
     name = "KVBridgeConnector" if transport == "mooncake" else f"KVBridgeConnector ({transport})"
-    return Pair(name, prefill, decode,
-                lambda _tid: KVTransferParams(do_remote_decode=True).to_dict(),
-                lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
+    return Pair(
+        name,
+        prefill,
+        decode,
+        lambda _tid: KVTransferParams(do_remote_decode=True).to_dict(),
+        lambda _tid, resp: resp["kv_transfer_params"],
+        decode.log_path,
+    )
 
 
 def _nixl_pair(model: Path, logs: Path) -> Pair:
@@ -106,18 +135,31 @@ def _nixl_pair(model: Path, logs: Path) -> Pair:
     from kvbridge.testing.vllm_server import start_vllm
 
     # kv_both: NixlConnector servers take either role per request, as its docs deploy them.
-    config = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu",
-              "kv_connector_extra_config": {"backends": ["UCX"]}}
+    config = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"backends": ["UCX"]},
+    }
 
     def env() -> dict:
-        return {"VLLM_LOG_STATS_INTERVAL": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        return {
+            "VLLM_LOG_STATS_INTERVAL": "1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        }
 
     prefill = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
     decode = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
     # NIXL pulls: the decode server reads the blocks named in prefill's response, and logs the transfers.
-    return Pair("NixlConnector (vLLM)", prefill, decode, lambda _tid: {"do_remote_decode": True},
-                lambda _tid, resp: resp["kv_transfer_params"], decode.log_path)
+    return Pair(
+        "NixlConnector (vLLM)",
+        prefill,
+        decode,
+        lambda _tid: {"do_remote_decode": True},
+        lambda _tid, resp: resp["kv_transfer_params"],
+        decode.log_path,
+    )
 
 
 def _mooncake_pair(model: Path, logs: Path) -> Pair:
@@ -132,17 +174,28 @@ def _mooncake_pair(model: Path, logs: Path) -> Pair:
     env = {"VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": str(patch), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
 
     def config(role: str, **extra: str) -> dict:
-        return {"kv_connector": "MooncakeConnector", "kv_role": role, **extra,
-                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": role,
+            **extra,
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        }
 
-    prefill = start_vllm(model, kv_transfer_config=config("kv_producer", engine_id=engine), env=env,
-                         log_dir=logs / "mooncake")
+    prefill = start_vllm(
+        model, kv_transfer_config=config("kv_producer", engine_id=engine), env=env, log_dir=logs / "mooncake"
+    )
     decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "mooncake")
     return Pair(
-        "MooncakeConnector (vLLM)", prefill, decode,
+        "MooncakeConnector (vLLM)",
+        prefill,
+        decode,
         lambda tid: {"do_remote_decode": True, "transfer_id": tid},
-        lambda tid, _resp: {"do_remote_prefill": True, "remote_engine_id": engine,
-                            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}", "transfer_id": tid},
+        lambda tid, _resp: {
+            "do_remote_prefill": True,
+            "remote_engine_id": engine,
+            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}",
+            "transfer_id": tid,
+        },
         prefill.log_path,
     )
 
@@ -192,9 +245,13 @@ def _phases(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     n = after.get("kvbridge_transfer_seconds_count", 0.0) - before.get("kvbridge_transfer_seconds_count", 0.0)
     if n <= 0:
         return {}
-    return {name: round((after[key] - before.get(key, 0.0)) / n * 1e3, 2)
-            for name, key in (("control_ms", "kvbridge_control_seconds_sum"),
-                              ("pull_transfer_ms", "kvbridge_transfer_seconds_sum"))}
+    return {
+        name: round((after[key] - before.get(key, 0.0)) / n * 1e3, 2)
+        for name, key in (
+            ("control_ms", "kvbridge_control_seconds_sum"),
+            ("pull_transfer_ms", "kvbridge_transfer_seconds_sum"),
+        )
+    }
 
 
 def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Callable[[], None]) -> list[dict]:
@@ -204,11 +261,21 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
     rows = []
     base = {"model": model, "temperature": 0, "ignore_eos": True}
     # Warm-up: one PD request, so first contact (handshakes, connections) is not measured.
-    warm = http.post(f"{pair.prefill.url}/v1/completions", json={
-        **base, "prompt": _prompt(40, 0), "max_tokens": 1, "kv_transfer_params": pair.prefill_params("warm-up")})
+    warm = http.post(
+        f"{pair.prefill.url}/v1/completions",
+        json={**base, "prompt": _prompt(40, 0), "max_tokens": 1, "kv_transfer_params": pair.prefill_params("warm-up")},
+    )
     warm.raise_for_status()
-    _ttft(http, pair.decode.url, {**base, "prompt": _prompt(40, 0), "max_tokens": 2,
-                                  "kv_transfer_params": pair.decode_params("warm-up", warm.json())})
+    _ttft(
+        http,
+        pair.decode.url,
+        {
+            **base,
+            "prompt": _prompt(40, 0),
+            "max_tokens": 2,
+            "kv_transfer_params": pair.decode_params("warm-up", warm.json()),
+        },
+    )
     _transfer_ms(pair.metrics_log, 0, 1)
     offset = len(pair.metrics_log.read_text(errors="replace"))
     for n in lengths:
@@ -218,17 +285,30 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
             text = _prompt(n, seed=n * 1000 + i)
             tid = uuid.uuid4().hex
             start = time.perf_counter()
-            resp = http.post(f"{pair.prefill.url}/v1/completions", json={
-                **base, "prompt": text, "max_tokens": 1, "kv_transfer_params": pair.prefill_params(tid)})
+            resp = http.post(
+                f"{pair.prefill.url}/v1/completions",
+                json={**base, "prompt": text, "max_tokens": 1, "kv_transfer_params": pair.prefill_params(tid)},
+            )
             resp.raise_for_status()
             prefill_s.append(time.perf_counter() - start)
             timing = (resp.json().get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
             if "prefill_ms" in timing:
                 engine_ms.append(float(timing["prefill_ms"]) / 1e3)
-            decode_s.append(_ttft(http, pair.decode.url, {
-                **base, "prompt": text, "max_tokens": 2, "kv_transfer_params": pair.decode_params(tid, resp.json())}))
-            local_s.append(_ttft(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500),
-                                                          "max_tokens": 2}))
+            decode_s.append(
+                _ttft(
+                    http,
+                    pair.decode.url,
+                    {
+                        **base,
+                        "prompt": text,
+                        "max_tokens": 2,
+                        "kv_transfer_params": pair.decode_params(tid, resp.json()),
+                    },
+                )
+            )
+            local_s.append(
+                _ttft(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500), "max_tokens": 2})
+            )
             advance()
         # The pull series reach /metrics at the decode server's next logging step: wait for all of them.
         deadline = time.monotonic() + 20
@@ -240,12 +320,19 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
             time.sleep(0.5)
         phases = _phases(pulls, now)
         transfer, offset = _transfer_ms(pair.metrics_log, offset, reps)
-        rows.append({
-            "connector": pair.name, "prompt_tokens": n, "requests": reps,
-            "prefill_ms": _ms(prefill_s), "decode_ttft_ms": _ms(decode_s),
-            "transfer_ms": None if transfer is None else round(transfer, 2), "recompute_ttft_ms": _ms(local_s),
-            **({"prefill_engine_ms": _ms(engine_ms)} if engine_ms else {}), **phases,
-        })
+        rows.append(
+            {
+                "connector": pair.name,
+                "prompt_tokens": n,
+                "requests": reps,
+                "prefill_ms": _ms(prefill_s),
+                "decode_ttft_ms": _ms(decode_s),
+                "transfer_ms": None if transfer is None else round(transfer, 2),
+                "recompute_ttft_ms": _ms(local_s),
+                **({"prefill_engine_ms": _ms(engine_ms)} if engine_ms else {}),
+                **phases,
+            }
+        )
     http.close()
     return rows
 
@@ -261,15 +348,19 @@ def run(args: argparse.Namespace) -> int:
     lengths = args.lengths or list(LENGTHS)
     reps = args.requests or 5
     if args.compare == "nixl":
-        launchers: list[Callable[[Path, Path], Pair]] = [functools.partial(_kvbridge_pair, transport="nixl"),
-                                                         _nixl_pair]
+        launchers: list[Callable[[Path, Path], Pair]] = [
+            functools.partial(_kvbridge_pair, transport="nixl"),
+            _nixl_pair,
+        ]
     else:
         launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
     rows: list[dict] = []
     if getattr(args, "plot", None):
         check_path(args.plot)
-    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp, \
-            Progress(console=err_console, transient=True, disable=bool(args.json)) as progress:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp,
+        Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
+    ):
         task = progress.add_task("requests", total=len(launchers) * len(lengths) * reps)
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
@@ -285,13 +376,27 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         plot(args.plot, rows)
     if args.json:
-        print_json({"engine": "vllm", "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)",
-                    "rows": rows})
+        print_json(
+            {"engine": "vllm", "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)", "rows": rows}
+        )
     else:
-        cols = ["connector", "prompt_tokens", "requests", "prefill_ms", "decode_ttft_ms", "transfer_ms",
-                "recompute_ttft_ms", "prefill_engine_ms", "control_ms", "pull_transfer_ms"]
-        print_table("vLLM PD on this machine (medians; transfer = the connector's own mean)", cols,
-                    [[r.get(c, "") for c in cols] for r in rows])
+        cols = [
+            "connector",
+            "prompt_tokens",
+            "requests",
+            "prefill_ms",
+            "decode_ttft_ms",
+            "transfer_ms",
+            "recompute_ttft_ms",
+            "prefill_engine_ms",
+            "control_ms",
+            "pull_transfer_ms",
+        ]
+        print_table(
+            "vLLM PD on this machine (medians; transfer = the connector's own mean)",
+            cols,
+            [[r.get(c, "") for c in cols] for r in rows],
+        )
     return 0
 
 
@@ -301,10 +406,17 @@ def plot(path: str, rows: list[dict]) -> None:
 
     series: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        short = {"KVBridgeConnector": "kvbridge", "KVBridgeConnector (nixl)": "kvbridge (nixl)",
-                 "NixlConnector (vLLM)": "vLLM NIXL"}.get(r["connector"], "vLLM Mooncake")
-        for key, label in (("decode_ttft_ms", f"{short} decode TTFT"), ("prefill_ms", f"{short} prefill"),
-                           ("control_ms", f"{short} control"), ("pull_transfer_ms", f"{short} transfer")):
+        short = {
+            "KVBridgeConnector": "kvbridge",
+            "KVBridgeConnector (nixl)": "kvbridge (nixl)",
+            "NixlConnector (vLLM)": "vLLM NIXL",
+        }.get(r["connector"], "vLLM Mooncake")
+        for key, label in (
+            ("decode_ttft_ms", f"{short} decode TTFT"),
+            ("prefill_ms", f"{short} prefill"),
+            ("control_ms", f"{short} control"),
+            ("pull_transfer_ms", f"{short} transfer"),
+        ):
             if r.get(key) is not None:
                 series.setdefault(label, []).append((r["prompt_tokens"], r[key]))
     for r in rows[: len({r["prompt_tokens"] for r in rows})]:  # once: the first connector's decode server

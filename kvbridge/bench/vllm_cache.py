@@ -26,8 +26,9 @@ def layer_names(layers: int) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
 
 
-def allocate(layout: str, model: ModelSpec, heads: int, num_blocks: int, block_size: int,
-             device: str = "cpu") -> tuple[dict[str, Any], Any]:
+def allocate(
+    layout: str, model: ModelSpec, heads: int, num_blocks: int, block_size: int, device: str = "cpu"
+) -> tuple[dict[str, Any], Any]:
     """Per-layer KV cache views of one rank, as vLLM 0.32 (or vllm-ascend) allocates them, and the
     `KVCacheConfig` vLLM hands its connector."""
     import torch
@@ -52,16 +53,24 @@ def allocate(layout: str, model: ModelSpec, heads: int, num_blocks: int, block_s
     bytes_per_block = model.layers * spec.page_size_bytes
     interleaved = bytes_per_block if kv_layout.is_block_outermost else None
     layer_stride, block_stride, *_ = compute_layout_strides(
-        spec, num_blocks, model.layers, kv_layout, fixed_strides=(None, interleaved, None, None, None))
+        spec, num_blocks, model.layers, kv_layout, fixed_strides=(None, interleaved, None, None, None)
+    )
     config = KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[KVCacheTensor(size=bytes_per_block * num_blocks, layers=names, layer_stride=layer_stride,
-                                        block_stride=block_stride)],
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=bytes_per_block * num_blocks, layers=names, layer_stride=layer_stride, block_stride=block_stride
+            )
+        ],
         kv_cache_groups=[KVCacheGroupSpec(names, spec)],
     )
     if layout == ASCEND_KV_TUPLE:  # vllm-ascend: its own K and V tensors per layer
-        return {n: tuple(torch.zeros(num_blocks, block_size, heads, model.head_dim, dtype=dtype, device=device)
-                         for _ in range(2)) for n in names}, config
+        return {
+            n: tuple(
+                torch.zeros(num_blocks, block_size, heads, model.head_dim, dtype=dtype, device=device) for _ in range(2)
+            )
+            for n in names
+        }, config
     return allocate_kv_cache(config, torch.device(device), kv_layout), config
 
 
@@ -75,8 +84,10 @@ def logical(model: ModelSpec, request: int, tokens: int, heads: range, block_siz
     head = np.asarray(list(heads), dtype=np.uint64)[None, :, None, None]
     token = np.arange(n * block_size, dtype=np.uint64)[None, None, :, None]
     byte = np.arange(content, dtype=np.uint64)[None, None, None, :]
-    coord = (((np.uint64(request) * np.uint64(model.layers) + layer) * np.uint64(total_heads) + head)
-             * np.uint64(1 << 20) + token) * np.uint64(content) + byte
+    coord = (
+        ((np.uint64(request) * np.uint64(model.layers) + layer) * np.uint64(total_heads) + head) * np.uint64(1 << 20)
+        + token
+    ) * np.uint64(content) + byte
     values = fingerprint(coord, 1)
     values[:, :, tokens:] = 0
     return values.reshape(model.layers, len(heads), n, block_size, content).transpose(0, 2, 1, 3, 4).copy()

@@ -41,8 +41,13 @@ class Deployment:
     _secret: str = attrs.field(factory=lambda: secrets.token_hex(16))
 
     def _config(self, role: str) -> dict[str, Any]:
-        extra: dict[str, Any] = {"migration_backend": "mooncake", "protocol": "tcp", "side_channel_port": free_port(),
-                                 "lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s}
+        extra: dict[str, Any] = {
+            "migration_backend": "mooncake",
+            "protocol": "tcp",
+            "side_channel_port": free_port(),
+            "lease_s": self.lease_s,
+            "pull_timeout_s": self.pull_timeout_s,
+        }
         if role == "kv_consumer" and self.fault_injection:
             extra["fault_injection"] = self.fault_injection
         # A failed load is recomputed: a transport fault then costs time, never the request.
@@ -51,9 +56,14 @@ class Deployment:
 
     def _start(self, config: dict[str, Any] | None, port: int | None = None) -> Server:
         self._lives += 1
-        server = start_vllm(self.model, kv_transfer_config=config, max_model_len=self.max_model_len, port=port,
-                            log_dir=self.logs / f"life-{self._lives}",
-                            env={"KVBRIDGE_SECRET": self._secret})  # never in the config: vLLM logs that
+        server = start_vllm(
+            self.model,
+            kv_transfer_config=config,
+            max_model_len=self.max_model_len,
+            port=port,
+            log_dir=self.logs / f"life-{self._lives}",
+            env={"KVBRIDGE_SECRET": self._secret},
+        )  # never in the config: vLLM logs that
         self._configs[server.port] = config or {}
         return server
 
@@ -62,8 +72,9 @@ class Deployment:
         self.decode = [self._start(self._config("kv_consumer")) for _ in range(self.decodes)]
         self.colocated = self._start(None)
         wait_healthy(self.servers(), timeout=timeout)
-        self.proxy = start_proxy([s.url for s in self.prefill], [s.url for s in self.decode], log_dir=self.logs,
-                                 health_interval=1.0)
+        self.proxy = start_proxy(
+            [s.url for s in self.prefill], [s.url for s in self.decode], log_dir=self.logs, health_interval=1.0
+        )
         wait_healthy([self.proxy], timeout=60)
 
     def servers(self) -> list[Server]:
@@ -114,8 +125,9 @@ class Deployment:
         except httpx.HTTPError as exc:
             log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
             return -1.0
-        usage = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                    if line.startswith("vllm:kv_cache_usage_perc"))
+        usage = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")
+        )
         m = _BLOCKS.search(text)
         return round(usage * int(m.group(1)), 1) if m else usage
 

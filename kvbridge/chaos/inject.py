@@ -35,8 +35,13 @@ def install(backend: MigrationBackend, config: Mapping[str, Any]) -> None:
     rng = random.Random(config.get("seed"))
     lock = threading.Lock()
     submit = backend._submit
-    log.warning("FAULT INJECTION on %s: %.0f%% of transfers fail, %.0f%% are held %.1fs (kvbridge chaos)",
-                backend.name, error_rate * 100, slow_rate * 100, slow_s)
+    log.warning(
+        "FAULT INJECTION on %s: %.0f%% of transfers fail, %.0f%% are held %.1fs (kvbridge chaos)",
+        backend.name,
+        error_rate * 100,
+        slow_rate * 100,
+        slow_s,
+    )
 
     def chaotic(peer: Any, desc: Any, op: Any) -> Future:
         with lock:
@@ -44,8 +49,11 @@ def install(backend: MigrationBackend, config: Mapping[str, Any]) -> None:
         if roll < error_rate:
             log.warning("fault injection: failing a %s of %d descriptors with %s", op, len(desc), peer.name)
             failed: Future = Future()
-            failed.set_exception(TransferFailed(f"injected transfer error ({op} with {peer.name}, kvbridge chaos)",
-                                                peer=peer.name, cause="injected"))
+            failed.set_exception(
+                TransferFailed(
+                    f"injected transfer error ({op} with {peer.name}, kvbridge chaos)", peer=peer.name, cause="injected"
+                )
+            )
             return failed
         if roll < error_rate + slow_rate:
             log.warning("fault injection: holding a %s with %s for %.1fs", op, peer.name, slow_s)
@@ -58,8 +66,9 @@ def install(backend: MigrationBackend, config: Mapping[str, Any]) -> None:
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting pull, which reports it
                     out.set_exception(exc)
                     return
-                inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception()
-                                        else out.set_result(f.result()))
+                inner.add_done_callback(
+                    lambda f: out.set_exception(f.exception()) if f.exception() else out.set_result(f.result())
+                )
 
             timer = threading.Timer(slow_s, release)
             timer.daemon = True

@@ -50,8 +50,12 @@ class Report:
 
     def must_be_zero(self) -> dict[str, float]:
         c = self.counts()
-        return {DIFFERENT: c[DIFFERENT], HUNG: c[HUNG], UNCLEAR: c[UNCLEAR],
-                "blocks_held": sum(abs(v) for v in self.blocks_held.values())}
+        return {
+            DIFFERENT: c[DIFFERENT],
+            HUNG: c[HUNG],
+            UNCLEAR: c[UNCLEAR],
+            "blocks_held": sum(abs(v) for v in self.blocks_held.values()),
+        }
 
     @property
     def ok(self) -> bool:
@@ -76,9 +80,14 @@ class Report:
             "retries": self.retries,
             "faults_injected": self.faults_injected,
             "server_restarts": self.restarts,
-            "ttft_ms": {k: None if v is None else round(v * 1e3, 1)
-                        for k, v in {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99),
-                                     "max": max(ttft) if ttft else None}.items()},
+            "ttft_ms": {
+                k: None if v is None else round(v * 1e3, 1)
+                for k, v in {
+                    "p50": _pct(ttft, 0.5),
+                    "p99": _pct(ttft, 0.99),
+                    "max": max(ttft) if ttft else None,
+                }.items()
+            },
             "elapsed_s": round(self.elapsed_s, 1),
             "must_be_zero": self.must_be_zero(),
         }

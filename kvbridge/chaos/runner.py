@@ -60,8 +60,14 @@ class Runner:
             self.injected[fault] = self.injected.get(fault, 0) + 1
 
     def body(self, text: str, stream: bool) -> dict:
-        return {"model": self.model, "prompt": text, "max_tokens": self.plan.max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": stream}
+        return {
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": self.plan.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
 
     def expected(self, texts: list[str]) -> list[str]:
         assert self.dep.colocated is not None
@@ -125,8 +131,15 @@ class Runner:
         except httpx.HTTPError as exc:
             return Outcome(i, FAILED, fault, None, f"connection lost: {exc!r}", ttft, n)
         got = "".join(chunks)
-        return Outcome(i, MATCHED if got == want else DIFFERENT, fault, 200,
-                       "" if got == want else f"got {got!r}, colocated {want!r}", ttft, n)
+        return Outcome(
+            i,
+            MATCHED if got == want else DIFFERENT,
+            fault,
+            200,
+            "" if got == want else f"got {got!r}, colocated {want!r}",
+            ttft,
+            n,
+        )
 
     def run(self) -> Report:
         plan, dep = self.plan, self.dep

@@ -33,23 +33,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog="example: kvbridge bench --migration-backend mooncake --model llama3-8b --tokens 4096",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--migration-backend", default="mooncake", metavar="NAME",
-                   help="transport to use, by name (see `kvbridge plugins`); default: mooncake")
+    p.add_argument(
+        "--migration-backend",
+        default="mooncake",
+        metavar="NAME",
+        help="transport to use, by name (see `kvbridge plugins`); default: mooncake",
+    )
     p.add_argument("--protocol", default=None, help="transport protocol (default: the transport's first, e.g. tcp)")
     p.add_argument("--model", default=None, choices=sorted(PRESETS), help="KV cache shape preset")
     p.add_argument("--tokens", type=int, default=None, help="prompt tokens per request")
     p.add_argument("--requests", type=int, default=None, help="number of requests to migrate")
     p.add_argument("--repeat", type=int, default=3, help="measured rounds; medians are reported (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.add_argument("--sweep-tokens", type=_token_list, default=None, metavar="N,N,...",
-                   help="run once per prompt length (e.g. 256,1024,4096,16384) and report each")
-    p.add_argument("--plot", default=None, metavar="FILE",
-                   help="draw GB/s against request size (raw and kvbridge) into FILE (.svg; .png with matplotlib)")
-    p.add_argument("--engine", choices=["lmdeploy", "vllm", "vllm-connector"], default=None,
-                   help="drive the migration through an engine's adapter (lmdeploy: kvbridge's LMDeploy backend "
-                        "vs LMDeploy's per-(layer, block) strategy; vllm: real vLLM servers, KVBridgeConnector "
-                        "vs vLLM's MooncakeConnector; vllm-connector: one process per rank driving KVBridgeConnector "
-                        "through vLLM's connector API, any KV cache layouts, block sizes and TP on each side)")
+    p.add_argument(
+        "--sweep-tokens",
+        type=_token_list,
+        default=None,
+        metavar="N,N,...",
+        help="run once per prompt length (e.g. 256,1024,4096,16384) and report each",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="draw GB/s against request size (raw and kvbridge) into FILE (.svg; .png with matplotlib)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["lmdeploy", "vllm", "vllm-connector"],
+        default=None,
+        help="drive the migration through an engine's adapter (lmdeploy: kvbridge's LMDeploy backend "
+        "vs LMDeploy's per-(layer, block) strategy; vllm: real vLLM servers, KVBridgeConnector "
+        "vs vLLM's MooncakeConnector; vllm-connector: one process per rank driving KVBridgeConnector "
+        "through vLLM's connector API, any KV cache layouts, block sizes and TP on each side)",
+    )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
     p.set_defaults(run=run)

@@ -13,9 +13,12 @@ from kvbridge.chaos.faults import FAULTS, parse_faults
 
 log = logging.getLogger(__name__)
 
-EPILOG = """\
+EPILOG = (
+    """\
 faults:
-""" + "\n".join(f"  {name:<15} {what}" for name, what in FAULTS.items()) + """
+"""
+    + "\n".join(f"  {name:<15} {what}" for name, what in FAULTS.items())
+    + """
 
 what is checked (exit status 1 when any of these is not 0):
   completed_different      a request that completed with output other than the colocated server's
@@ -31,6 +34,7 @@ examples:
 It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model; on a small
 machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
 """
+)
 
 
 def _faults(text: str) -> list[str]:
@@ -55,23 +59,59 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--requests", type=int, default=30, help="requests to play (default 30)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
-    p.add_argument("--faults", type=_faults, default=[], metavar="F1,F2",
-                   help=f"comma-separated faults to inject, from: {', '.join(FAULTS)} (default: none)")
-    p.add_argument("--transfer-error-rate", type=float, default=0.1, metavar="P",
-                   help="with transfer-error: fraction of decode transfers that fail in the transport (default 0.1)")
-    p.add_argument("--slow-rate", type=float, default=0.05, metavar="P",
-                   help="with slow-peer: fraction of transfers held past the deadline (default 0.05)")
-    p.add_argument("--slow-s", type=float, default=3.0, metavar="S",
-                   help="with slow-peer: seconds a held transfer waits (default 3, past the 2 s deadline)")
+    p.add_argument(
+        "--faults",
+        type=_faults,
+        default=[],
+        metavar="F1,F2",
+        help=f"comma-separated faults to inject, from: {', '.join(FAULTS)} (default: none)",
+    )
+    p.add_argument(
+        "--transfer-error-rate",
+        type=float,
+        default=0.1,
+        metavar="P",
+        help="with transfer-error: fraction of decode transfers that fail in the transport (default 0.1)",
+    )
+    p.add_argument(
+        "--slow-rate",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="with slow-peer: fraction of transfers held past the deadline (default 0.05)",
+    )
+    p.add_argument(
+        "--slow-s",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="with slow-peer: seconds a held transfer waits (default 3, past the 2 s deadline)",
+    )
     p.add_argument("--idle-gaps", type=int, default=3, metavar="N", help="with idle-gap: how many pauses (default 3)")
-    p.add_argument("--gap-range", type=float, nargs=2, default=(5.0, 90.0), metavar=("MIN", "MAX"),
-                   help="with idle-gap: each pause's length is drawn from this range in seconds (default 5 90)")
+    p.add_argument(
+        "--gap-range",
+        type=float,
+        nargs=2,
+        default=(5.0, 90.0),
+        metavar=("MIN", "MAX"),
+        help="with idle-gap: each pause's length is drawn from this range in seconds (default 5 90)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument("--max-model-len", type=int, default=1024, help="the servers' max_model_len (default 1024)")
-    p.add_argument("--lease-s", type=float, default=30.0, metavar="S",
-                   help="prefill lease: how long blocks wait for a decode that never says DONE (default 30)")
-    p.add_argument("--hang-timeout", type=float, default=180.0, metavar="S",
-                   help="a request with no answer within this is counted as hung (default 180)")
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="prefill lease: how long blocks wait for a decode that never says DONE (default 30)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=180.0,
+        metavar="S",
+        help="a request with no answer within this is counted as hung (default 180)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths and fault placement (default 0)")
     p.add_argument("--logs", type=Path, default=None, metavar="DIR", help="keep the servers' logs here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -96,10 +136,23 @@ def run(args: argparse.Namespace) -> int:
         injection.update(slow_peer=args.slow_rate, slow_s=args.slow_s)
     if injection:
         injection["seed"] = args.seed
-    dep = Deployment(build_tiny_llama(root / "model"), logs, max_model_len=args.max_model_len, lease_s=args.lease_s,
-                     fault_injection=injection or None)
-    plan = Plan(args.requests, args.concurrency, args.faults, max_tokens=args.max_tokens, hang_s=args.hang_timeout,
-                idle_gaps=args.idle_gaps, gap_range=tuple(args.gap_range), seed=args.seed)
+    dep = Deployment(
+        build_tiny_llama(root / "model"),
+        logs,
+        max_model_len=args.max_model_len,
+        lease_s=args.lease_s,
+        fault_injection=injection or None,
+    )
+    plan = Plan(
+        args.requests,
+        args.concurrency,
+        args.faults,
+        max_tokens=args.max_tokens,
+        hang_s=args.hang_timeout,
+        idle_gaps=args.idle_gaps,
+        gap_range=tuple(args.gap_range),
+        seed=args.seed,
+    )
     show = err_console.is_terminal and not args.json
     try:
         if show:

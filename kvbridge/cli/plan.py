@@ -24,10 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog="example: kvbridge plan --prefill tp8,pcp2,dcp8 --decode tp8,dcp4,dp2 --model tiny-mla --tokens 2500",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--prefill", required=True, metavar="SPEC",
-                   help="prefill parallelism, e.g. tp8,pcp2,dcp8 (sizes not named are 1)")
-    p.add_argument("--decode", required=True, metavar="SPEC",
-                   help="decode parallelism, e.g. tp8,dcp4,dp2")
+    p.add_argument(
+        "--prefill",
+        required=True,
+        metavar="SPEC",
+        help="prefill parallelism, e.g. tp8,pcp2,dcp8 (sizes not named are 1)",
+    )
+    p.add_argument("--decode", required=True, metavar="SPEC", help="decode parallelism, e.g. tp8,dcp4,dp2")
     p.add_argument("--model", required=True, choices=sorted(PRESETS), help="model preset (KV heads, MLA or not)")
     p.add_argument("--tokens", required=True, type=int, help="prompt tokens of the request")
     p.add_argument("--prefill-dp", type=int, default=0, help="prefill DP group holding the request (default 0)")
@@ -100,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     print_table(
         "prefill release counts",
         ["prefill rank", "pulls to wait for", "note"],
-        [(start + i, n, f"unpulled: freed at once (told by decode rank {p.notifier})" if n == 0 else "")
-         for i, n in enumerate(p.release_counts)],
+        [
+            (start + i, n, f"unpulled: freed at once (told by decode rank {p.notifier})" if n == 0 else "")
+            for i, n in enumerate(p.release_counts)
+        ],
     )
     return 0

@@ -36,8 +36,14 @@ def run(args: argparse.Namespace) -> int:
         print_json([{**wire.to_dict(i), "broken": _broken(i)} for i in infos])
         return 0
     rows = [
-        (i.kind, i.name, "BROKEN" if _broken(i) else "yes" if i.available else "no",
-         i.reason + (f"\nfix: {i.hint}" if i.hint else ""), i.version, i.distribution)
+        (
+            i.kind,
+            i.name,
+            "BROKEN" if _broken(i) else "yes" if i.available else "no",
+            i.reason + (f"\nfix: {i.hint}" if i.hint else ""),
+            i.version,
+            i.distribution,
+        )
         for i in infos
     ]
     print_table("kvbridge plugins", ["kind", "name", "available", "reason", "version", "distribution"], rows)

@@ -14,14 +14,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "Round-robin over healthy instances; /health and /instances report their state.",
         epilog="example: kvbridge proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000",
     )
-    p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
-                   help="prefill server base URLs (repeat or list several)")
-    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
-                   help="decode server base URLs (repeat or list several)")
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="prefill server base URLs (repeat or list several)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="decode server base URLs (repeat or list several)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--health-interval", type=float, default=2.0, metavar="S",
-                   help="seconds between health checks of every instance (default 2)")
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between health checks of every instance (default 2)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="upstream request timeout (default 600)")
     p.set_defaults(run=run)
 

@@ -21,11 +21,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("proxy", metavar="URL", help="the proxy's base URL")
     p.add_argument("--model", default=None, help="model name (default: the first one the prefill server serves)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024], metavar="N",
-                   help="prompt lengths in characters (default 64 256 1024)")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=[64, 256, 1024],
+        metavar="N",
+        help="prompt lengths in characters (default 64 256 1024)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate per request (default 8)")
-    p.add_argument("--stream", action="store_true",
-                   help="stream the answers (the decode's pull phases then stay in its server's metrics only)")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="stream the answers (the decode's pull phases then stay in its server's metrics only)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
 
@@ -39,8 +48,9 @@ def _model(http: Any, proxy: str) -> str:
     return str(models[0]["id"])
 
 
-def trace(proxy: str, lengths: list[int], *, model: str | None = None, max_tokens: int = 8,
-          stream: bool = False) -> list[dict[str, Any]]:
+def trace(
+    proxy: str, lengths: list[int], *, model: str | None = None, max_tokens: int = 8, stream: bool = False
+) -> list[dict[str, Any]]:
     """One request per length through the proxy; each row: id, length, total_ms and the phases."""
     import httpx
 
@@ -53,11 +63,17 @@ def trace(proxy: str, lengths: list[int], *, model: str | None = None, max_token
         try:
             model = model or _model(http, proxy)
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-            raise ConfigError(f"cannot ask {proxy} for its servers' model ({exc}); is `kvbridge proxy` running "
-                              "there? Or pass --model") from None
+            raise ConfigError(
+                f"cannot ask {proxy} for its servers' model ({exc}); is `kvbridge proxy` running there? Or pass --model"
+            ) from None
         for n in lengths:
-            body = {"model": model, "prompt": "".join(rng.choice(string.ascii_lowercase) for _ in range(n)),
-                    "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+            body = {
+                "model": model,
+                "prompt": "".join(rng.choice(string.ascii_lowercase) for _ in range(n)),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": stream,
+            }
             with http.stream("POST", f"{proxy}/v1/completions", json=body) as r:
                 r.read()
                 if r.status_code != 200:
@@ -78,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
         print_json(rows)
         return 0
     cols = [p for p in PHASES if any(p in r for r in rows)]
-    print_table(f"kvbridge trace: {args.proxy} (ms)", ["prompt", *[c.removesuffix("_ms") for c in cols], "total"],
-                [(r["prompt_chars"], *(f"{r[c]:.1f}" if c in r else "" for c in cols), f"{r['total_ms']:.1f}")
-                 for r in rows])
+    print_table(
+        f"kvbridge trace: {args.proxy} (ms)",
+        ["prompt", *[c.removesuffix("_ms") for c in cols], "total"],
+        [(r["prompt_chars"], *(f"{r[c]:.1f}" if c in r else "" for c in cols), f"{r['total_ms']:.1f}") for r in rows],
+    )
     return 0

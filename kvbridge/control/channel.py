@@ -112,8 +112,9 @@ class ControlServer:
         except zmq.ZMQError as exc:
             self._sock.close()
             self._ctx.term()
-            raise ConfigError(f"side channel of {self.name} cannot bind tcp://{host}:{port}: {exc}; "
-                              "pick a free port or host") from None
+            raise ConfigError(
+                f"side channel of {self.name} cannot bind tcp://{host}:{port}: {exc}; pick a free port or host"
+            ) from None
         self.address: Address = (host, port)
         self._stop = threading.Event()
         self._notifier: ThreadPoolExecutor | None = None
@@ -126,8 +127,13 @@ class ControlServer:
         except KVBridgeError:
             self.close()
             raise
-        log.info("side channel of %s serving on tcp://%s:%d%s", self.name, host, port,
-                 " (authenticated)" if self._auth.enabled else "")
+        log.info(
+            "side channel of %s serving on tcp://%s:%d%s",
+            self.name,
+            host,
+            port,
+            " (authenticated)" if self._auth.enabled else "",
+        )
 
     @property
     def ready(self) -> bool:
@@ -228,10 +234,16 @@ class ControlServer:
             raise ProtocolError(f"BeginPull for {msg.request_id!r} names notify port {msg.notify_port}")
         if _same_host(msg.notify_host, peer_host):
             return (msg.notify_host, msg.notify_port)
-        log.warning("%s: BeginPull for %s from %s asks to be told of aborts at %s:%d, not its own host: not "
-                    "remembered (its lease expires instead); bind the decode side channel to the address it "
-                    "connects from", self.name, msg.request_id, peer_host or "an unknown host",
-                    msg.notify_host, msg.notify_port)
+        log.warning(
+            "%s: BeginPull for %s from %s asks to be told of aborts at %s:%d, not its own host: not "
+            "remembered (its lease expires instead); bind the decode side channel to the address it "
+            "connects from",
+            self.name,
+            msg.request_id,
+            peer_host or "an unknown host",
+            msg.notify_host,
+            msg.notify_port,
+        )
         return None
 
     # -- the serving thread ------------------------------------------------------------------
@@ -269,8 +281,12 @@ class ControlServer:
         elif len(parts) == 2:
             envelope = parts[:1]
         else:
-            log.warning("%s dropped a %d-part message from %s: not a REQ or DEALER request", self.name, len(parts),
-                        peer_host or "an unknown host")
+            log.warning(
+                "%s dropped a %d-part message from %s: not a REQ or DEALER request",
+                self.name,
+                len(parts),
+                peer_host or "an unknown host",
+            )
             return
         reply = self.handle(parts[-1], peer_host)
         try:
@@ -364,11 +380,14 @@ class ControlClient:
             except zmq.Again:
                 raise TransferTimeout(
                     f"side channel {self.url} did not answer {kind} within {timeout_s}s; check that the engine "
-                    "rank is running and its side-channel address is right", peer=self.url, cause="timeout",
+                    "rank is running and its side-channel address is right",
+                    peer=self.url,
+                    cause="timeout",
                 ) from None
             except zmq.ZMQError as exc:
-                raise PeerGone(f"side channel {self.url} failed on {kind}: {exc}", peer=self.url,
-                               cause=str(exc)) from None
+                raise PeerGone(
+                    f"side channel {self.url} failed on {kind}: {exc}", peer=self.url, cause=str(exc)
+                ) from None
         reply_frame = wire.decode(data, Frame, max_bytes=self._max)
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)
         cls = REPLIES.get(reply_frame.kind)
@@ -402,7 +421,8 @@ class ControlClient:
                 raise TransferTimeout(
                     f"{why} after waiting {wait_s}s; start pulling once the peer is ready "
                     "(its KV cache is allocated after any profiling run), or raise the ready timeout",
-                    peer=self.url, cause="peer not ready",
+                    peer=self.url,
+                    cause="peer not ready",
                 )
             time.sleep(delay)  # bounded by the deadline above
             delay = min(delay * 2, 0.5)
@@ -419,8 +439,14 @@ class ControlClient:
         return self._expect(self._ready_request(GetInfo(), wait_s), RegisteredMemory, "GetInfo")
 
     def begin_pull(
-        self, request_id: str, decode_rank: str, *, notify: Address | None = None, expected_pulls: int = 0,
-        wait_s: float = 0.0, blocks: Iterable[int] = (),
+        self,
+        request_id: str,
+        decode_rank: str,
+        *,
+        notify: Address | None = None,
+        expected_pulls: int = 0,
+        wait_s: float = 0.0,
+        blocks: Iterable[int] = (),
     ) -> LeaseStatus:
         """Announce a read of `blocks` of `request_id`; raise LoadError unless its lease is active (recompute).
 
@@ -436,7 +462,10 @@ class ControlClient:
         if not status.valid:
             raise LoadError(
                 f"request {request_id!r} has no active lease on {self.url} (it is {status.state.value}); "
-                "its KV cannot be pulled, recompute it", peer=self.url, request=request_id, cause=status.state.value,
+                "its KV cannot be pulled, recompute it",
+                peer=self.url,
+                request=request_id,
+                cause=status.state.value,
             )
         return status
 
@@ -454,7 +483,9 @@ class ControlClient:
             raise LoadError(
                 f"lease epoch {epoch} of request {request_id!r} on {self.url} was {status.state.value} when the "
                 "read finished: the blocks may have been reused during the read; recompute this request",
-                peer=self.url, request=request_id, cause=status.state.value,
+                peer=self.url,
+                request=request_id,
+                cause=status.state.value,
             )
         return status
 

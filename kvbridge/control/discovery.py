@@ -84,7 +84,8 @@ class Registry(abc.ABC):
                 raise TransferTimeout(
                     f"rank {rank} of engine {engine_id!r} is {state} in {self.url} after {timeout_s}s; check that "
                     "the engine started and allocated its KV cache, and that both sides use the same registry",
-                    peer=f"{engine_id}/{rank}", cause="peer not ready",
+                    peer=f"{engine_id}/{rank}",
+                    cause="peer not ready",
                 )
             time.sleep(delay)  # bounded by the deadline above
             delay = min(delay * 2, 0.5)
@@ -124,8 +125,11 @@ class RedisRegistry(Registry):
         try:
             return fn(*args)
         except self._errors as exc:
-            raise PeerGone(f"registry {self.url} failed on {what}: {exc}; check that redis is running there",
-                           peer=self.url, cause=str(exc)) from None
+            raise PeerGone(
+                f"registry {self.url} failed on {what}: {exc}; check that redis is running there",
+                peer=self.url,
+                cause=str(exc),
+            ) from None
 
     def publish(self, record: RankRecord) -> None:
         self._run("publish", self._client.hset, _key(record.engine_id), str(record.rank), wire.encode(record))
@@ -163,22 +167,30 @@ class EtcdRegistry(Registry):
         self._timeout = timeout_s
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(f"{self._base}/{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            f"{self._base}/{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(req, timeout=self._timeout) as resp:  # noqa: S310 (URL built from config)
                 return json.loads(resp.read() or b"{}")
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise PeerGone(f"registry {self.url} failed on {path}: {exc}; check that etcd is running there "
-                           "(v3 API, etcd >= 3.4)", peer=self.url, cause=str(exc)) from None
+            raise PeerGone(
+                f"registry {self.url} failed on {path}: {exc}; check that etcd is running there (v3 API, etcd >= 3.4)",
+                peer=self.url,
+                cause=str(exc),
+            ) from None
 
     @staticmethod
     def _b64(text: str | bytes) -> str:
         return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
 
     def publish(self, record: RankRecord) -> None:
-        self._post("kv/put", {"key": self._b64(_key(record.engine_id, record.rank)),
-                              "value": self._b64(wire.encode(record))})
+        self._post(
+            "kv/put", {"key": self._b64(_key(record.engine_id, record.rank)), "value": self._b64(wire.encode(record))}
+        )
 
     def _range(self, key: str, prefix: bool) -> list[RankRecord]:
         body = {"key": self._b64(key)}

@@ -99,7 +99,11 @@ class Ledger:
     # -- prefill side ---------------------------------------------------------------------
 
     def offer(
-        self, request_id: str, blocks: Sequence[int], expected_pulls: int | None = None, *,
+        self,
+        request_id: str,
+        blocks: Sequence[int],
+        expected_pulls: int | None = None,
+        *,
         timeout_s: float | None = None,
     ) -> Lease:
         """Hold `blocks` for `request_id` until `expected_pulls` distinct decode ranks sent DONE.
@@ -117,8 +121,13 @@ class Ledger:
                     f"request {request_id!r} already holds lease epoch {self._active[request_id].lease.epoch}; "
                     "abort or release it before offering it again"
                 )
-            lease = Lease(request_id, self._next_epoch, tuple(int(b) for b in blocks), expected_pulls,
-                          now + (timeout_s or self.timeout_s))
+            lease = Lease(
+                request_id,
+                self._next_epoch,
+                tuple(int(b) for b in blocks),
+                expected_pulls,
+                now + (timeout_s or self.timeout_s),
+            )
             self._next_epoch += 1
             self._finished.pop(request_id, None)
             entry = _Entry(lease, expected_pulls)
@@ -130,8 +139,13 @@ class Ledger:
                 self._expect(entry, stated, rank)
             aborted = self._early_aborts.pop(request_id, 0.0) > now
             last = entry.expected is not None and len(entry.done) >= entry.expected
-        log.debug("lease %s epoch %d: %d blocks, %s pulls expected", request_id, lease.epoch, len(lease.blocks),
-                  expected_pulls)
+        log.debug(
+            "lease %s epoch %d: %d blocks, %s pulls expected",
+            request_id,
+            lease.epoch,
+            len(lease.blocks),
+            expected_pulls,
+        )
         if aborted:
             self._finish(entry, LeaseState.ABORTED)
         elif last:
@@ -176,8 +190,13 @@ class Ledger:
     # -- decode side (through the side channel) ------------------------------------------------
 
     def begin(
-        self, request_id: str, decode_rank: str, watcher: Hashable | None = None, expected_pulls: int = 0,
-        *, blocks: Sequence[int] = (),
+        self,
+        request_id: str,
+        decode_rank: str,
+        watcher: Hashable | None = None,
+        expected_pulls: int = 0,
+        *,
+        blocks: Sequence[int] = (),
     ) -> LeaseStatus:
         """A decode rank is about to read `blocks`: the lease as it stands; remember who to tell on abort and,
         if the offer left it open, the release count the decode side states.
@@ -191,8 +210,14 @@ class Ledger:
             if entry is not None:
                 foreign = set(blocks).difference(entry.lease.blocks)
                 if foreign:
-                    log.warning("request %s: decode rank %s named blocks %s outside lease epoch %d: refused, lease "
-                                "left as it was", request_id, decode_rank, sorted(foreign)[:8], entry.lease.epoch)
+                    log.warning(
+                        "request %s: decode rank %s named blocks %s outside lease epoch %d: refused, lease "
+                        "left as it was",
+                        request_id,
+                        decode_rank,
+                        sorted(foreign)[:8],
+                        entry.lease.epoch,
+                    )
                     raise ProtocolError(
                         f"BeginPull of request {request_id!r} names {len(foreign)} blocks that its lease does not "
                         f"hold (e.g. {sorted(foreign)[:4]}): refused; pass the remote_block_ids the prefill "
@@ -262,8 +287,14 @@ class Ledger:
         if entry.expected is None:
             entry.expected = expected_pulls
         elif entry.expected != expected_pulls:
-            log.warning("request %s: decode rank %s states %d pulls, the lease expects %d; keeping %d",
-                        entry.lease.request_id, decode_rank, expected_pulls, entry.expected, entry.expected)
+            log.warning(
+                "request %s: decode rank %s states %d pulls, the lease expects %d; keeping %d",
+                entry.lease.request_id,
+                decode_rank,
+                expected_pulls,
+                entry.expected,
+                entry.expected,
+            )
 
     def _status(self, entry: _Entry, *, valid: bool, released: bool = False) -> LeaseStatus:
         lease = entry.lease
@@ -282,9 +313,15 @@ class Ledger:
             self._finished[entry.lease.request_id] = entry
             _evict(self._finished, self._max_tombstones, lambda finished: finished.forget_at, now)
         if state is not LeaseState.RELEASED:
-            log.info("lease %s epoch %d %s with %d of %s DONEs; releasing %d blocks", entry.lease.request_id,
-                     entry.lease.epoch, state.value, len(entry.done), entry.expected,
-                     len(entry.lease.blocks))
+            log.info(
+                "lease %s epoch %d %s with %d of %s DONEs; releasing %d blocks",
+                entry.lease.request_id,
+                entry.lease.epoch,
+                state.value,
+                len(entry.done),
+                entry.expected,
+                len(entry.lease.blocks),
+            )
         try:
             self._on_release(entry.lease, state)
         except Exception:  # the engine's callback failing must not wedge the ledger or the server

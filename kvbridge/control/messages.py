@@ -34,6 +34,7 @@ def _bounded_blocks(_inst: object, attr: attrs.Attribute, value: tuple[int, ...]
 
 def _int_in(low: int, high: int) -> Any:
     """An int in [low, high]: a count or epoch off the wire never reaches arithmetic unbounded."""
+
     def check(_inst: object, attr: attrs.Attribute, value: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
             raise ValueError(f"{attr.name} must be an integer in [{low}, {high}], got {value!r:.40}")

@@ -118,8 +118,11 @@ class KVTransferParams:
 
     def require_remote(self) -> None:
         """Raise ConfigError naming the missing keys a decode side needs to pull."""
-        missing = [k for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-                   if getattr(self, k) is None]
+        missing = [
+            k
+            for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+            if getattr(self, k) is None
+        ]
         if missing:
             raise ConfigError(
                 f"kv_transfer_params lack {', '.join(missing)}: the proxy must copy the prefill response's "

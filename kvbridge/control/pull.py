@@ -73,13 +73,20 @@ class DecodeControl:
             with self._lock:
                 self._infos[addr] = info
         if engine_id is not None and info.engine_id != engine_id:  # a stale address: not the blocks asked for
-            raise LoadError(f"request {rid!r}: side channel {client.url} serves engine {info.engine_id!r}, not "
-                            f"{engine_id!r} named by the transfer params; recompute", peer=client.url, request=rid,
-                            cause="engine mismatch")
+            raise LoadError(
+                f"request {rid!r}: side channel {client.url} serves engine {info.engine_id!r}, not "
+                f"{engine_id!r} named by the transfer params; recompute",
+                peer=client.url,
+                request=rid,
+                cause="engine mismatch",
+            )
         return info
 
     def start(
-        self, request_id: str, params: KVTransferParams, local_blocks: Sequence[int],
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        local_blocks: Sequence[int],
         on_finished: FinishedCallback | None = None,
     ) -> PullHandle:
         """Pull this rank's share of the request `params` describe into `local_blocks`.
@@ -112,9 +119,14 @@ class DecodeControl:
                 client, addr = self._client(params, rank)
                 infos.append(self._info(client, addr, params.remote_engine_id, rid))
                 count = plan.release_count(rank)
-                status = client.begin_pull(rid, self.name, notify=self.server.address, expected_pulls=count,
-                                           wait_s=self.ready_timeout_s, blocks=_blocks_read(plan, self.agent.rank,
-                                                                                           rank, params.block_ids))
+                status = client.begin_pull(
+                    rid,
+                    self.name,
+                    notify=self.server.address,
+                    expected_pulls=count,
+                    wait_s=self.ready_timeout_s,
+                    blocks=_blocks_read(plan, self.agent.rank, rank, params.block_ids),
+                )
                 leases[rank] = (client, status.epoch, count)
             return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
         except BaseException as exc:
@@ -131,8 +143,13 @@ class DecodeControl:
             self._send_dones(rid, leases, release, exc)
             raise
 
-    def _send_dones(self, rid: str, leases: dict[int, tuple[ControlClient, int, int]],
-                    release: list[tuple[ControlClient, int]], error: BaseException | None) -> BaseException | None:
+    def _send_dones(
+        self,
+        rid: str,
+        leases: dict[int, tuple[ControlClient, int, int]],
+        release: list[tuple[ControlClient, int]],
+        error: BaseException | None,
+    ) -> BaseException | None:
         """DONE to every announced lease (fenced unless the pull already failed) and a release-only
         DONE (with its release count) to each of `release`; returns the pull's outcome: None, or the
         error that means recompute."""
@@ -142,8 +159,11 @@ class DecodeControl:
             except LoadError as exc:
                 error = error or exc
             except KVBridgeError as exc:  # unreachable prefill: its lease expires; the data is unconfirmed
-                error = error or LoadError(f"request {rid!r}: could not confirm the lease on {client.url}: {exc}; "
-                                           "recompute", peer=client.url, request=rid)
+                error = error or LoadError(
+                    f"request {rid!r}: could not confirm the lease on {client.url}: {exc}; recompute",
+                    peer=client.url,
+                    request=rid,
+                )
         for client, count in release:
             try:
                 client.done(rid, self.name, 0, expected_pulls=count, check=False)

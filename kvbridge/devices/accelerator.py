@@ -62,8 +62,9 @@ class TorchAcceleratorDevice(Device):
         # constructor from a data pointer is the one call that works for cuda, npu and mlu alike. The
         # storage does not own the memory: the engine that allocated it keeps it alive.
         probe = torch.zeros(0, dtype=torch.uint8, device=f"{self.name}:{max(region.device_id, 0)}")
-        storage = torch._C._construct_storage_from_data_pointer(region.addr, probe.untyped_storage().device,
-                                                                 region.length)
+        storage = torch._C._construct_storage_from_data_pointer(
+            region.addr, probe.untyped_storage().device, region.length
+        )
         return probe.set_(storage)
 
     def allocate(self, nbytes: int, device_id: int = 0) -> Any:

@@ -45,8 +45,9 @@ class DeviceConformance:
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "transport" in metafunc.fixturenames:
-            metafunc.parametrize("transport", self.transports, ids=[t if p is None else f"{t}-{p}" for t, p in
-                                                                     self.transports])
+            metafunc.parametrize(
+                "transport", self.transports, ids=[t if p is None else f"{t}-{p}" for t, p in self.transports]
+            )
         if "device_id" in metafunc.fixturenames:
             metafunc.parametrize("device_id", self.device_ids, ids=[f"dev{i}" for i in self.device_ids])
 
@@ -193,8 +194,9 @@ class DeviceConformance:
         assert np.array_equal(got, expected)
 
     @pytest.mark.parametrize("staged", [False, True], ids=["auto", "staged"])
-    def test_unregistered_range_is_invalid_descriptor(self, device: Device, transport: tuple[str, str | None],
-                                                      staged: bool) -> None:
+    def test_unregistered_range_is_invalid_descriptor(
+        self, device: Device, transport: tuple[str, str | None], staged: bool
+    ) -> None:
         name, protocol = transport
         with _pair(name, protocol, device, staged) as (a, b):
             src, dst = device.allocate(4096, self.device_ids[0]), device.allocate(4096, self.device_ids[0])
@@ -224,8 +226,9 @@ class DeviceConformance:
                 return
             b.register_memory(regions[1])
             a.publish()
-            b.transfer(b.connect(a.endpoint_info()), [(regions[1].addr, a.endpoint().regions[0].addr, 4096)],
-                       "read").wait(60)
+            b.transfer(
+                b.connect(a.endpoint_info()), [(regions[1].addr, a.endpoint().regions[0].addr, 4096)], "read"
+            ).wait(60)
         assert np.array_equal(device.to_host(dst), data)
 
     def test_staging_refuses_raw_addresses(self, device: Device) -> None:

@@ -157,8 +157,9 @@ class StandInAccelerator:
         return zeros
 
 
-def install_standin(monkeypatch: Any, device_type: str, module: str | None = None, *,
-                    device_count: int = 2) -> StandInAccelerator:
+def install_standin(
+    monkeypatch: Any, device_type: str, module: str | None = None, *, device_count: int = 2
+) -> StandInAccelerator:
     """Install a stand-in for one library for the current test only.
 
     `device_type` is the torch device type (``npu``, ``mlu``; never ``cuda``); it becomes ``torch.<type>``.
@@ -166,8 +167,10 @@ def install_standin(monkeypatch: Any, device_type: str, module: str | None = Non
     stand-in as its ``<type>`` attribute goes into ``sys.modules``. ``torch.zeros`` learns the device.
     """
     if device_type == "cuda":  # torch's own CUDA module is never replaced: nothing pretends to be a GPU
-        raise ValueError("there is no CUDA stand-in: the cuda plugin runs for real where a GPU is, and its shared "
-                         "accelerator code is covered by the npu and mlu stand-ins")
+        raise ValueError(
+            "there is no CUDA stand-in: the cuda plugin runs for real where a GPU is, and its shared "
+            "accelerator code is covered by the npu and mlu stand-ins"
+        )
     acc = StandInAccelerator(device_type, device_count)
     monkeypatch.setattr(torch, device_type, acc, raising=False)
     if module is not None:

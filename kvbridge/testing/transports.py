@@ -107,8 +107,9 @@ class TransportConformance:
         with pytest.raises(PluginNotFound, match=self.transport_name):
             kvbridge.create_backend(f"no-such-{self.transport_name}")
 
-    def test_endpoint_info_is_self_describing(self, pair: tuple[MigrationBackend, MigrationBackend],
-                                              buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    def test_endpoint_info_is_self_describing(
+        self, pair: tuple[MigrationBackend, MigrationBackend], buffers: tuple[np.ndarray, np.ndarray]
+    ) -> None:
         a, _ = pair
         regions = a.register_memory(buffers[0])
         assert a.register_memory(buffers[0]) == regions  # registering twice is harmless
@@ -148,8 +149,9 @@ class TransportConformance:
         assert handle.done() and handle.descriptors == n and handle.nbytes == 16 * n
         assert np.array_equal(dst[: 16 * n].reshape(n, 16), src[: 16 * n].reshape(n, 16)[order])
 
-    def test_empty_transfer_completes(self, pair: tuple[MigrationBackend, MigrationBackend],
-                                      buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    def test_empty_transfer_completes(
+        self, pair: tuple[MigrationBackend, MigrationBackend], buffers: tuple[np.ndarray, np.ndarray]
+    ) -> None:
         a, b = pair
         a.register_memory(buffers[0])
         handle = b.transfer(b.connect(a.endpoint_info()), np.empty((0, 3), dtype=np.int64))
@@ -176,8 +178,9 @@ class TransportConformance:
         with pytest.raises(ConfigError, match="same migration backend"):
             b.connect(wire.encode(other))
 
-    def test_closed_backend_refuses_work_and_closes_twice(self, pair: tuple[MigrationBackend, MigrationBackend],
-                                                          buffers: tuple[np.ndarray, np.ndarray]) -> None:
+    def test_closed_backend_refuses_work_and_closes_twice(
+        self, pair: tuple[MigrationBackend, MigrationBackend], buffers: tuple[np.ndarray, np.ndarray]
+    ) -> None:
         a, _ = pair
         a.register_memory(buffers[0])
         a.close()

@@ -161,15 +161,24 @@ def start_vllm(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-{port}.log"
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
-        "--host", "127.0.0.1",
-        "--port", str(port),
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
         "--enforce-eager",
-        "--dtype", "float32",
-        "--block-size", str(block_size),
-        "--max-model-len", str(max_model_len),
-        "--seed", "0",
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        "0",
         *extra_args,
     ]
     if kv_transfer_config is not None:
@@ -184,14 +193,33 @@ def start_vllm(
     return Server(port=port, proc=proc, log_path=log_path)
 
 
-def start_proxy(prefill: Sequence[str], decode: Sequence[str], *, port: int | None = None,
-                log_dir: str | Path | None = None, health_interval: float = 1.0) -> Server:
+def start_proxy(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    port: int | None = None,
+    log_dir: str | Path | None = None,
+    health_interval: float = 1.0,
+) -> Server:
     """Launch `kvbridge proxy` in front of these servers (without waiting for it)."""
     port = port or free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-proxy-"))
     log_path = log_dir / f"proxy-{port}.log"
-    cmd = [sys.executable, "-m", "kvbridge", "-v", "proxy", "--port", str(port),
-           "--health-interval", str(health_interval), "--prefill", *prefill, "--decode", *decode]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvbridge",
+        "-v",
+        "proxy",
+        "--port",
+        str(port),
+        "--health-interval",
+        str(health_interval),
+        "--prefill",
+        *prefill,
+        "--decode",
+        *decode,
+    ]
     env = dict(os.environ)
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
     with open(log_path, "wb") as out:
@@ -240,8 +268,7 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
                 pass
         if pending and time.monotonic() > deadline:
             raise ConfigError(
-                f"vLLM server on port {pending[0].port} not healthy after {timeout}s; "
-                f"{pending[0].failure_report()}"
+                f"vLLM server on port {pending[0].port} not healthy after {timeout}s; {pending[0].failure_report()}"
             )
         if pending:
             time.sleep(0.5)

@@ -83,8 +83,11 @@ class LoopbackBackend(MigrationBackend):
 
     def _connect(self, endpoint: EndpointInfo) -> Any:
         if endpoint.address not in _endpoints:
-            raise PeerGone(f"loopback peer {endpoint.address} is gone; restart it and reconnect",
-                           peer=endpoint.address, cause="peer gone")
+            raise PeerGone(
+                f"loopback peer {endpoint.address} is gone; restart it and reconnect",
+                peer=endpoint.address,
+                cause="peer gone",
+            )
         return endpoint.address
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
@@ -105,8 +108,7 @@ class LoopbackBackend(MigrationBackend):
         if delay:
             time.sleep(delay)
         if fail:
-            raise TransferFailed(f"injected completion failure towards {peer.name}", peer=peer.name,
-                                 cause="injected")
+            raise TransferFailed(f"injected completion failure towards {peer.name}", peer=peer.name, cause="injected")
         remote = _endpoints.get(peer.handle)
         if remote is None:
             raise PeerGone(f"loopback peer {peer.name} died during the transfer", peer=peer.name, cause="peer gone")

@@ -167,10 +167,14 @@ class TcpOptions(TransportOptions):
 
     port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one")
     connect_timeout: float = option(10.0, "seconds to wait for a peer to accept a connection before PeerGone")
-    handshake_timeout: float = option(_HANDSHAKE_TIMEOUT_S, "seconds a connection has to authenticate before it "
-                                      "is dropped")
-    secret: str | bytes | None = option(None, "shared secret (16+ bytes) authenticating every connection; "
-                                        "default: $KVBRIDGE_SECRET or the file secret_file names")
+    handshake_timeout: float = option(
+        _HANDSHAKE_TIMEOUT_S, "seconds a connection has to authenticate before it is dropped"
+    )
+    secret: str | bytes | None = option(
+        None,
+        "shared secret (16+ bytes) authenticating every connection; "
+        "default: $KVBRIDGE_SECRET or the file secret_file names",
+    )
     secret_file: str | None = option(None, "file holding the shared secret (default: $KVBRIDGE_SECRET_FILE)")
     insecure: bool = option(False, "listen on a non-loopback address without a secret (logs a warning)")
 
@@ -243,8 +247,14 @@ class TcpBackend(MigrationBackend):
             log.warning("tcp transport %s: refused %s: %s", self._address(), peer, exc)
         except (ConnectionError, OSError) as exc:
             # A kvbridge peer authenticates at once: a connection that drops before is refused, and said so.
-            log.log(logging.DEBUG if authenticated else logging.WARNING, "tcp transport %s: connection from %s "
-                    "dropped%s: %s", self._address(), peer, "" if authenticated else " before authenticating", exc)
+            log.log(
+                logging.DEBUG if authenticated else logging.WARNING,
+                "tcp transport %s: connection from %s dropped%s: %s",
+                self._address(),
+                peer,
+                "" if authenticated else " before authenticating",
+                exc,
+            )
         finally:
             conn.close()
             with self._lock:
@@ -336,8 +346,10 @@ class TcpBackend(MigrationBackend):
         elif self._peer_key is not None:
             key = self._peer_key
         else:
-            raise ConfigError(f"tcp endpoint {endpoint.address} authenticates with the shared secret and none is "
-                              "configured here: set KVBRIDGE_SECRET (or KVBRIDGE_SECRET_FILE) to the same secret")
+            raise ConfigError(
+                f"tcp endpoint {endpoint.address} authenticates with the shared secret and none is "
+                "configured here: set KVBRIDGE_SECRET (or KVBRIDGE_SECRET_FILE) to the same secret"
+            )
         pool: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         handle = {"host": host, "port": int(port), "key": key, "pool": pool}
         pool.put(self._dial(handle, endpoint.address))  # fail now if the peer is unreachable or refuses us
@@ -361,13 +373,20 @@ class TcpBackend(MigrationBackend):
             _send_frame(sock, {"mac": _mac(h["key"], b"client", challenge), "challenge": mine})
             reply = _recv_frame(sock, _MAX_AUTH_FRAME)
             if not reply.get("ok"):
-                raise TransferFailed(f"tcp peer {name} refused to authenticate this engine: {reply.get('error')}; "
-                                     "use the peer's current endpoint info and the same KVBRIDGE_SECRET",
-                                     peer=name, cause="authentication")
+                raise TransferFailed(
+                    f"tcp peer {name} refused to authenticate this engine: {reply.get('error')}; "
+                    "use the peer's current endpoint info and the same KVBRIDGE_SECRET",
+                    peer=name,
+                    cause="authentication",
+                )
             mac = reply.get("mac")
             if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(h["key"], b"server", challenge, mine)):
-                raise TransferFailed(f"tcp peer {name} did not prove it holds the endpoint's key: not the peer the "
-                                     "endpoint info names (or another secret)", peer=name, cause="authentication")
+                raise TransferFailed(
+                    f"tcp peer {name} did not prove it holds the endpoint's key: not the peer the "
+                    "endpoint info names (or another secret)",
+                    peer=name,
+                    cause="authentication",
+                )
         except (ConnectionError, OSError, ProtocolError) as exc:
             sock.close()
             raise PeerGone(f"tcp peer {name} failed the handshake: {exc}", peer=name, cause=str(exc)) from None
@@ -402,8 +421,9 @@ class TcpBackend(MigrationBackend):
                 _recvmsg_all(sock, local_views)
         except (ConnectionError, OSError) as exc:
             sock.close()
-            raise PeerGone(f"tcp peer {peer.name} dropped the connection during a {op}: {exc}",
-                           peer=peer.name, cause=str(exc)) from None
+            raise PeerGone(
+                f"tcp peer {peer.name} dropped the connection during a {op}: {exc}", peer=peer.name, cause=str(exc)
+            ) from None
         h["pool"].put(sock)
 
     def _disconnect(self, peer: Peer) -> None:

@@ -29,8 +29,9 @@ def connect(endpoint: str) -> None:
     state["peer"] = state["backend"].connect(bytes.fromhex(endpoint))
 
 
-def transfer(descriptors: list[list[int]], op: str, relative: bool = True, remote_base: int = 0,
-             timeout: float = 60) -> dict[str, int]:
+def transfer(
+    descriptors: list[list[int]], op: str, relative: bool = True, remote_base: int = 0, timeout: float = 60
+) -> dict[str, int]:
     """Run descriptors given as offsets (relative=True) into the local buffer and the remote base."""
     desc = np.asarray(descriptors, dtype=np.int64).reshape(-1, 3)
     if relative:
@@ -53,5 +54,13 @@ def close() -> None:
 
 
 if __name__ == "__main__":
-    serve({"init": init, "connect": connect, "transfer": transfer, "digest": digest, "unregister": unregister,
-           "close": close})
+    serve(
+        {
+            "init": init,
+            "connect": connect,
+            "transfer": transfer,
+            "digest": digest,
+            "unregister": unregister,
+            "close": close,
+        }
+    )

@@ -107,8 +107,10 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         try:
             return PROTOCOLS[MigrationProtocol(protocol)]
         except (KeyError, ValueError):
-            raise ConfigError(f"LMDeploy migration protocol {protocol!r} has no kvbridge equivalent; "
-                              f"use one of {[p.name for p in PROTOCOLS]}") from None
+            raise ConfigError(
+                f"LMDeploy migration protocol {protocol!r} has no kvbridge equivalent; "
+                f"use one of {[p.name for p in PROTOCOLS]}"
+            ) from None
 
     def _transport(self, protocol: MigrationProtocol, rank: int | None) -> MigrationBackend:
         name = self._protocol(protocol)
@@ -117,16 +119,25 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                 s = self.settings
                 try:
                     transport = create_backend(
-                        s.transport, protocol=name, hostname=s.hostname, metadata_server=s.metadata_server,
+                        s.transport,
+                        protocol=name,
+                        hostname=s.hostname,
+                        metadata_server=s.metadata_server,
                         device_name=s.device_for(rank),
                     )
                 except ConfigError as exc:
-                    raise ConfigError(f"{exc}. LMDeploy asked for MigrationProtocol.{MigrationProtocol(protocol).name}"
-                                      f"; set {PROTOCOL_ENV} to a protocol the {s.transport!r} transport speaks, "
-                                      f"or {TRANSPORT_ENV} to another transport") from exc
+                    raise ConfigError(
+                        f"{exc}. LMDeploy asked for MigrationProtocol.{MigrationProtocol(protocol).name}"
+                        f"; set {PROTOCOL_ENV} to a protocol the {s.transport!r} transport speaks, "
+                        f"or {TRANSPORT_ENV} to another transport"
+                    ) from exc
                 self._transports[name] = staging.attach(transport, self.device)
-                log.info("kvbridge LMDeploy backend: %s/%s transport up for %s memory", s.transport, name,
-                         self.device.memory_kind.value)
+                log.info(
+                    "kvbridge LMDeploy backend: %s/%s transport up for %s memory",
+                    s.transport,
+                    name,
+                    self.device.memory_kind.value,
+                )
             return self._transports[name]
 
     def _link(self, remote_engine_id: str, what: str) -> Link:
@@ -140,9 +151,11 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
     def _check_protocol(self, link: Link, protocol: MigrationProtocol, what: str) -> None:
         if MigrationProtocol(protocol) != link.protocol:
-            raise ConfigError(f"{what} for remote engine {link.remote_engine_id!r} uses MigrationProtocol."
-                              f"{MigrationProtocol(protocol).name}, but the link was initialized with "
-                              f"MigrationProtocol.{link.protocol.name}; use one protocol per link")
+            raise ConfigError(
+                f"{what} for remote engine {link.remote_engine_id!r} uses MigrationProtocol."
+                f"{MigrationProtocol(protocol).name}, but the link was initialized with "
+                f"MigrationProtocol.{link.protocol.name}; use one protocol per link"
+            )
 
     def p2p_initialize(self, init_request: DistServeInitRequest) -> None:
         """Open (or reuse) the transport for the request's protocol and create the link."""
@@ -171,10 +184,15 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             fresh = not any(r.addr == region.addr for r in link.transport.registered)
             link.transport.register_memory(region)
             if fresh and link.transport.peer_addresses([region.addr])[0] != region.addr:
-                log.warning("mr_key %d (%s memory) is staged through host memory over %s: peers read a mirror "
-                            "that publish() refreshes, and LMDeploy never calls it; serve with a protocol that "
-                            "reaches %s memory directly", req.mr_key, region.kind.value,
-                            self._protocol(link.protocol), self.device.name)
+                log.warning(
+                    "mr_key %d (%s memory) is staged through host memory over %s: peers read a mirror "
+                    "that publish() refreshes, and LMDeploy never calls it; serve with a protocol that "
+                    "reaches %s memory directly",
+                    req.mr_key,
+                    region.kind.value,
+                    self._protocol(link.protocol),
+                    self.device.name,
+                )
             old = link.local_regions.get(req.mr_key)
             if old is not None and old.addr != region.addr:
                 self._release(link, old)
@@ -191,8 +209,12 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             "kvbridge": ENDPOINT_VERSION,
             "transport": wire.to_dict(link.transport.endpoint()),
             "mr_info": {
-                str(k): {"addr": int(link.transport.peer_addresses([r.addr])[0]), "length": r.length,
-                         "offset": link.local_offsets[k], "kind": r.kind.value}
+                str(k): {
+                    "addr": int(link.transport.peer_addresses([r.addr])[0]),
+                    "length": r.length,
+                    "offset": link.local_offsets[k],
+                    "kind": r.kind.value,
+                }
                 for k, r in sorted(link.local_regions.items())
             },
         }
@@ -238,8 +260,10 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         link = self._link(rid, "p2p_migrate")
         self._check_protocol(link, assignment.protocol, "p2p_migrate")
         if link.peer is None:
-            raise ConfigError(f"p2p_migrate: remote engine {rid!r} is initialized but not connected; "
-                              "call p2p_connect with its endpoint_info first")
+            raise ConfigError(
+                f"p2p_migrate: remote engine {rid!r} is initialized but not connected; "
+                "call p2p_connect with its endpoint_info first"
+            )
         p = plan(instruct_array(assignment.batch), link.local_regions, link.remote_regions, engine=rid)
         if len(p.descriptors) == 0:
             return
@@ -253,8 +277,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         except KVBridgeError as exc:
             self.metrics.record_failure(link.transport.name, rid, exc)
             raise
-        self.metrics.record(link.transport.name, rid, time.perf_counter() - begun, int(p.descriptors[:, 2].sum()),
-                            len(p.descriptors))
+        self.metrics.record(
+            link.transport.name, rid, time.perf_counter() - begun, int(p.descriptors[:, 2].sum()), len(p.descriptors)
+        )
 
     def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
         assert link.peer is not None
@@ -277,8 +302,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             try:
                 handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except TransferTimeout:
-                failure = failure or _failed(rid, p, first, count, TransferTimeout(
-                    f"not finished within {timeout}s", peer=rid, cause="timeout"))
+                failure = failure or _failed(
+                    rid, p, first, count, TransferTimeout(f"not finished within {timeout}s", peer=rid, cause="timeout")
+                )
             except TransferError as exc:
                 failure = failure or _failed(rid, p, first, count, exc)
         if failure is not None:
@@ -292,8 +318,13 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             await asyncio.wait_for(asyncio.gather(*waiters), self.settings.timeout)
         except asyncio.TimeoutError:
             late = next((s for s in submitted if not s[0].done()), submitted[-1])
-            raise _failed(rid, p, late[1], late[2], TransferTimeout(
-                f"not finished within {self.settings.timeout}s", peer=rid, cause="timeout")) from None
+            raise _failed(
+                rid,
+                p,
+                late[1],
+                late[2],
+                TransferTimeout(f"not finished within {self.settings.timeout}s", peer=rid, cause="timeout"),
+            ) from None
         self._wait(rid, p, submitted)  # every handle is done: this only collects errors
 
     # -- teardown ----------------------------------------------------------------------------
@@ -339,8 +370,10 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
 
 def _no_store(what: str, transport: str) -> str:
-    return (f"{what}() is not supported: kvbridge's LMDeploy backend migrates KV peer to peer only, and the "
-            f"{transport!r} transport has no KV store; use p2p_migrate")
+    return (
+        f"{what}() is not supported: kvbridge's LMDeploy backend migrates KV peer to peer only, and the "
+        f"{transport!r} transport has no KV store; use p2p_migrate"
+    )
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, handle: TransferHandle) -> asyncio.Future:
@@ -362,8 +395,10 @@ def _on_loop(loop: asyncio.AbstractEventLoop, handle: TransferHandle) -> asyncio
 
 
 def _failed(rid: str, p: InstructPlan, first: int, count: int, exc: BaseException) -> KVBridgeError:
-    text = (f"KV migration from remote engine {rid!r} failed: a batch of {count} instructs starting at "
-            f"{describe(p.instructs, first)} did not complete: {exc}")
+    text = (
+        f"KV migration from remote engine {rid!r} failed: a batch of {count} instructs starting at "
+        f"{describe(p.instructs, first)} did not complete: {exc}"
+    )
     if isinstance(exc, TransferTimeout):
         return TransferTimeout(text, peer=rid, cause="timeout")
     return TransferFailed(text, peer=rid, cause=getattr(exc, "cause", "") or str(exc))
@@ -377,15 +412,20 @@ def _parse_endpoint(rid: str, text: str) -> tuple[EndpointInfo, dict[int, Memory
         raise ProtocolError(f"endpoint_info from remote engine {rid!r} is not JSON: {exc}") from None
     if not isinstance(data, dict) or "kvbridge" not in data:
         got = f"keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
-        raise ProtocolError(f"remote engine {rid!r} did not send a kvbridge endpoint (got {got}); "
-                            "install kvbridge-lmdeploy on both prefill and decode engines")
+        raise ProtocolError(
+            f"remote engine {rid!r} did not send a kvbridge endpoint (got {got}); "
+            "install kvbridge-lmdeploy on both prefill and decode engines"
+        )
     if data["kvbridge"] != ENDPOINT_VERSION:
-        raise ProtocolError(f"remote engine {rid!r} sent endpoint version {data['kvbridge']!r}, this side speaks "
-                            f"{ENDPOINT_VERSION}; install the same kvbridge-lmdeploy release on both sides")
+        raise ProtocolError(
+            f"remote engine {rid!r} sent endpoint version {data['kvbridge']!r}, this side speaks "
+            f"{ENDPOINT_VERSION}; install the same kvbridge-lmdeploy release on both sides"
+        )
     endpoint = wire.from_dict(data.get("transport"), EndpointInfo)
     try:
-        regions = {int(k): MemoryRegion(v["addr"], v["length"], v.get("kind", "dram"))
-                   for k, v in data["mr_info"].items()}
+        regions = {
+            int(k): MemoryRegion(v["addr"], v["length"], v.get("kind", "dram")) for k, v in data["mr_info"].items()
+        }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"malformed mr_info from remote engine {rid!r}: {exc!r}") from None
     return endpoint, regions

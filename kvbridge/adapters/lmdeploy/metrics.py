@@ -26,8 +26,13 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 def failure_reason(error: BaseException) -> str:
     """lease, timeout, peer_gone, transfer, config or internal (the vLLM connector's reasons)."""
-    for kind, reason in ((LoadError, "lease"), (TransferTimeout, "timeout"), (PeerGone, "peer_gone"),
-                         (ConfigError, "config"), (TransferError, "transfer")):
+    for kind, reason in (
+        (LoadError, "lease"),
+        (TransferTimeout, "timeout"),
+        (PeerGone, "peer_gone"),
+        (ConfigError, "config"),
+        (TransferError, "transfer"),
+    ):
         if isinstance(error, kind):
             return reason
     return "internal"
@@ -62,11 +67,20 @@ class TransferMetrics:
         """{"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...]}."""
         with self._lock:
             return {
-                "transfers": [{"transport": t, "peer": p, "bytes": self._bytes[(t, p)],
-                               "descriptors": self._descriptors[(t, p)], "count": n,
-                               "seconds_sum": self._seconds[(t, p)][-1]} for (t, p), n in self._transfers.items()],
-                "failures": [{"transport": t, "peer": p, "reason": r, "count": n}
-                             for (t, p, r), n in self._failures.items()],
+                "transfers": [
+                    {
+                        "transport": t,
+                        "peer": p,
+                        "bytes": self._bytes[(t, p)],
+                        "descriptors": self._descriptors[(t, p)],
+                        "count": n,
+                        "seconds_sum": self._seconds[(t, p)][-1],
+                    }
+                    for (t, p), n in self._transfers.items()
+                ],
+                "failures": [
+                    {"transport": t, "peer": p, "reason": r, "count": n} for (t, p, r), n in self._failures.items()
+                ],
             }
 
     def collector(self) -> Any:
@@ -81,25 +95,31 @@ class TransferMetrics:
                 with metrics._lock:
                     fams = {
                         "bytes": CounterMetricFamily("kvbridge_transfer_bytes", "KV bytes read.", labels=labels),
-                        "descriptors": CounterMetricFamily("kvbridge_transfer_descriptors",
-                                                           "Transfer descriptors submitted.", labels=labels),
-                        "transfers": CounterMetricFamily("kvbridge_transfers", "Migrations that completed.",
-                                                         labels=labels),
+                        "descriptors": CounterMetricFamily(
+                            "kvbridge_transfer_descriptors", "Transfer descriptors submitted.", labels=labels
+                        ),
+                        "transfers": CounterMetricFamily(
+                            "kvbridge_transfers", "Migrations that completed.", labels=labels
+                        ),
                     }
                     for key in metrics._transfers:
                         fams["bytes"].add_metric(list(key), metrics._bytes[key])
                         fams["descriptors"].add_metric(list(key), metrics._descriptors[key])
                         fams["transfers"].add_metric(list(key), metrics._transfers[key])
-                    seconds = HistogramMetricFamily("kvbridge_transfer_seconds", "Time from submitting a "
-                                                    "migration's descriptors until its bytes landed.", labels=labels)
+                    seconds = HistogramMetricFamily(
+                        "kvbridge_transfer_seconds",
+                        "Time from submitting a migration's descriptors until its bytes landed.",
+                        labels=labels,
+                    )
                     for key, hist in metrics._seconds.items():
                         running, buckets = 0.0, []
                         for bound, n in zip([*map(str, SECONDS_BUCKETS), "+Inf"], hist[:-1]):
                             running += n
                             buckets.append((bound, running))
                         seconds.add_metric(list(key), buckets, hist[-1])
-                    failures = CounterMetricFamily("kvbridge_transfer_failures", "Migrations that failed, by reason.",
-                                                   labels=[*labels, "reason"])
+                    failures = CounterMetricFamily(
+                        "kvbridge_transfer_failures", "Migrations that failed, by reason.", labels=[*labels, "reason"]
+                    )
                     for key, n in metrics._failures.items():
                         failures.add_metric(list(key), n)
                 yield from (*fams.values(), seconds, failures)

@@ -100,12 +100,18 @@ def plan(
     refuse((src < 0) | (tgt < 0), "has a negative offset")
     lkeys, laddr, llen = _bases(local)
     li, lok = _lookup(lkeys, mr)
-    refuse(~lok, f"names an mr_key not registered on this side (registered: {lkeys.tolist()}); "
-                 "call register_memory_region for every cache pool first")
+    refuse(
+        ~lok,
+        f"names an mr_key not registered on this side (registered: {lkeys.tolist()}); "
+        "call register_memory_region for every cache pool first",
+    )
     rkeys, raddr, rlen = _bases(remote)
     ri, rok = _lookup(rkeys, mr)
-    refuse(~rok, f"names an mr_key the remote engine did not publish (published: {rkeys.tolist()}); "
-                 "both engines must register the same cache pools")
+    refuse(
+        ~rok,
+        f"names an mr_key the remote engine did not publish (published: {rkeys.tolist()}); "
+        "both engines must register the same cache pools",
+    )
     refuse(src + length > llen[li], "reaches past the end of the local region")
     refuse(tgt + length > rlen[ri], "reaches past the end of the remote region")
 

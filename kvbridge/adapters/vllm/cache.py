@@ -21,13 +21,26 @@ from kvbridge.errors import ConfigError
 from kvbridge.layout import KVLayout, PagedGeometry, PagedPlane, paged_layout
 from kvbridge.presets import ModelSpec
 
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "uint8": "uint8", "int8": "int8",
-           "float8_e4m3fn": "fp8", "float8_e5m2": "fp8"}
+_DTYPES = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "uint8": "uint8",
+    "int8": "int8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+}
 ASCEND_KV_TUPLE = "ascend-kv-tuple"
 # physical order of the logical [L, B, H, N, C] axes, as vllm.v1.kv_cache_layout.KVCacheLayout defines them
-ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-          "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
-          ASCEND_KV_TUPLE: (0, 1, 3, 2, 4)}
+ORDERS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+    ASCEND_KV_TUPLE: (0, 1, 3, 2, 4),
+}
 LAYOUT_NAMES = tuple(ORDERS)
 
 
@@ -38,7 +51,12 @@ def resolved_layout(vllm_config: Any) -> str:
 
 
 def describe_kv_caches(
-    kv_caches: Mapping[str, Any], *, layout: str, block_size: int, tp_size: int, mla: bool = False,
+    kv_caches: Mapping[str, Any],
+    *,
+    layout: str,
+    block_size: int,
+    tp_size: int,
+    mla: bool = False,
     backend: str = "vLLM",
 ) -> tuple[KVLayout, list[tuple[int, int]]]:
     """The layout of vLLM's per-layer KV views and the (address, bytes) storages to register.
@@ -47,8 +65,10 @@ def describe_kv_caches(
     laid out as `layout` says, or is one kvbridge cannot address, before any request.
     """
     if layout not in ORDERS:
-        raise ConfigError(f"KV cache layout {layout!r} of {backend} is not one kvbridge can move; "
-                          f"supported: {', '.join(LAYOUT_NAMES)}. Set VLLM_KV_CACHE_LAYOUT to one of them")
+        raise ConfigError(
+            f"KV cache layout {layout!r} of {backend} is not one kvbridge can move; "
+            f"supported: {', '.join(LAYOUT_NAMES)}. Set VLLM_KV_CACHE_LAYOUT to one of them"
+        )
     if not kv_caches:
         raise ConfigError("vLLM registered no KV cache tensors with KVBridgeConnector")
     names = list(kv_caches)
@@ -61,8 +81,10 @@ def describe_kv_caches(
         kinds = ("k", "v")
     else:
         if any(isinstance(kv_caches[n], (tuple, list)) for n in names):
-            raise ConfigError(f"{backend} hands (K, V) tuples per layer, but the resolved layout is {layout}; "
-                              f"pass layout={ASCEND_KV_TUPLE!r} for vllm-ascend caches")
+            raise ConfigError(
+                f"{backend} hands (K, V) tuples per layer, but the resolved layout is {layout}; "
+                f"pass layout={ASCEND_KV_TUPLE!r} for vllm-ascend caches"
+            )
         planes_t = [[kv_caches[n] for n in names]]
         kinds = ("latent",) if mla else ("kv",)
     first = planes_t[0][0]
@@ -86,15 +108,23 @@ def describe_kv_caches(
         _check_order(ref, layout, backend)
         num_blocks, heads, tokens, content = (int(v) for v in ref.shape)
         if tokens != block_size:
-            raise ConfigError(f"{backend} layout {layout}: KV cache blocks hold {tokens} tokens but the block size "
-                              f"is {block_size}")
+            raise ConfigError(
+                f"{backend} layout {layout}: KV cache blocks hold {tokens} tokens but the block size is {block_size}"
+            )
         sb, sh, sn, _ = (int(v) * elem for v in ref.stride())
         planes.append(PagedPlane(kind, content * elem, tuple(t.data_ptr() for t in tensors), sb, sh, sn))
     num_blocks, heads, _, content = (int(v) for v in first.shape)
     total = sum(p.content for p in planes) // elem
     geometry = PagedGeometry(layout, ORDERS[layout], num_blocks, heads, block_size, planes)
-    model = ModelSpec("vllm", layers=len(names), kv_heads=1 if mla else heads * tp_size, head_dim=total,
-                      dtype=_DTYPES[dtype], block_size=block_size, attention="mla" if mla else "gqa")
+    model = ModelSpec(
+        "vllm",
+        layers=len(names),
+        kv_heads=1 if mla else heads * tp_size,
+        head_dim=total,
+        dtype=_DTYPES[dtype],
+        block_size=block_size,
+        attention="mla" if mla else "gqa",
+    )
     return paged_layout(model, geometry), sorted(storages.items())
 
 
@@ -103,8 +133,10 @@ def _check_order(view: Any, layout: str, backend: str) -> None:
     order = [d - 1 for d in ORDERS[layout] if d != 0]  # physical order of the per-layer view's axes
     strides = view.stride()
     if strides[3] != 1:
-        raise ConfigError(f"{backend} layout {layout}: a token's content is not contiguous (stride {strides}); "
-                          "kvbridge cannot address it")
+        raise ConfigError(
+            f"{backend} layout {layout}: a token's content is not contiguous (stride {strides}); "
+            "kvbridge cannot address it"
+        )
     seen = [strides[d] for d in order if view.shape[d] > 1]
     if seen != sorted(seen, reverse=True):
         raise ConfigError(

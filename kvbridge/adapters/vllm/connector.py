@@ -137,8 +137,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgeStats(data=data or {})
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVBridgePromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVBridgePromMetrics:
         """The `kvbridge_*` series in this server's /metrics (docs/operations.md lists them)."""
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

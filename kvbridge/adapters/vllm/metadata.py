@@ -23,8 +23,9 @@ class PullTask:
     asked_at: float = attrs.field(factory=time.time)  # wall clock: the worker may be another process
 
     @classmethod
-    def from_params(cls, request_id: str, p: KVTransferParams, local_block_ids: list[int], block_size: int,
-                    report: bool) -> PullTask:
+    def from_params(
+        cls, request_id: str, p: KVTransferParams, local_block_ids: list[int], block_size: int, report: bool
+    ) -> PullTask:
         """Raises ConfigError naming what the params lack."""
         p.require_remote()
         remote = list(p.block_ids)

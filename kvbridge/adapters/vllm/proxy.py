@@ -152,19 +152,35 @@ class ProxyMetrics:
     def __init__(self, pools: dict[str, Pool]) -> None:
         self.registry = prom.CollectorRegistry()
         self.phase = prom.Histogram(
-            "kvbridge_proxy_phase_seconds", "Requests' timeline phases, the KV handover (the decode's pull phases "
+            "kvbridge_proxy_phase_seconds",
+            "Requests' timeline phases, the KV handover (the decode's pull phases "
             "together) and the total (docs/operations.md).",
-            ["phase"], buckets=PHASE_BUCKETS, registry=self.registry)
-        self.requests = prom.Counter("kvbridge_proxy_requests_total", "Requests answered, by HTTP status code.",
-                                     ["code"], registry=self.registry)
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = prom.Counter(
+            "kvbridge_proxy_requests_total", "Requests answered, by HTTP status code.", ["code"], registry=self.registry
+        )
         self.failovers = prom.Counter(
-            "kvbridge_proxy_failovers_total", "Upstreams skipped for the next one because they refused or dropped "
-            "the connection.", ["role"], registry=self.registry)
+            "kvbridge_proxy_failovers_total",
+            "Upstreams skipped for the next one because they refused or dropped the connection.",
+            ["role"],
+            registry=self.registry,
+        )
         instances = [i for p in pools.values() for i in p.instances]
-        healthy = prom.Gauge("kvbridge_proxy_upstream_healthy", "1 while the upstream is in rotation.",
-                             ["role", "upstream"], registry=self.registry)
-        in_flight = prom.Gauge("kvbridge_proxy_upstream_in_flight", "Requests sent to the upstream, not yet answered.",
-                               ["role", "upstream"], registry=self.registry)
+        healthy = prom.Gauge(
+            "kvbridge_proxy_upstream_healthy",
+            "1 while the upstream is in rotation.",
+            ["role", "upstream"],
+            registry=self.registry,
+        )
+        in_flight = prom.Gauge(
+            "kvbridge_proxy_upstream_in_flight",
+            "Requests sent to the upstream, not yet answered.",
+            ["role", "upstream"],
+            registry=self.registry,
+        )
         for inst in instances:  # read at scrape time: the instances are the truth
             healthy.labels(inst.role, inst.url).set_function(lambda i=inst: float(i.healthy))
             in_flight.labels(inst.role, inst.url).set_function(lambda i=inst: float(i.in_flight))
@@ -183,12 +199,16 @@ class ProxyMetrics:
 class Proxy:
     """The proxy's state (pools, upstream client, metrics) and its named handlers."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, health_interval: float,
-                 timeout: float) -> None:
+    def __init__(
+        self, prefill: Sequence[str], decode: Sequence[str], *, health_interval: float, timeout: float
+    ) -> None:
         self.pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
         self.health_interval = health_interval
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), trust_env=False,
-                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
         self.metrics = ProxyMetrics(self.pools)
 
     # -- health --------------------------------------------------------------------------------
@@ -232,8 +252,9 @@ class Proxy:
 
     # -- upstream calls ------------------------------------------------------------------------
 
-    async def call_prefill(self, path: str, body: dict[str, Any],
-                           headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    async def call_prefill(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[str, dict[str, Any]]:
         """POST to a prefill server; on a connection failure take it out and try the next one."""
         pool = self.pools["prefill"]
         for _ in range(len(pool.instances)):
@@ -250,8 +271,9 @@ class Proxy:
             return inst.url, resp.json()
         raise NoInstance(f"no prefill server answered for {path}")
 
-    async def send_decode(self, path: str, body: dict[str, Any],
-                          headers: dict[str, str]) -> tuple[Instance, httpx.Response]:
+    async def send_decode(
+        self, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[Instance, httpx.Response]:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
         A decode server that refuses the connection never saw the request, and prefill still holds
         the KV for whichever decode asks, so try the next one."""
@@ -306,8 +328,7 @@ class Proxy:
         if first.get("kv_transfer_params"):
             decode_body["kv_transfer_params"] = attrs.evolve(params, kvbridge_timing=None).to_dict()
         else:
-            log.warning("prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt",
-                        request_id)
+            log.warning("prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt", request_id)
         sent = time.perf_counter()
         timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
         try:
@@ -317,8 +338,11 @@ class Proxy:
         except DecodeFailed as exc:
             return self._answer(503, str(exc), {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": exc.url})
         out_headers = {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": decode.url, "x-request-id": request_id}
-        relay = self._relay_stream if resp.headers.get("content-type", "").startswith("text/event-stream") \
+        relay = (
+            self._relay_stream
+            if resp.headers.get("content-type", "").startswith("text/event-stream")
             else self._relay_whole
+        )
         return await relay(request, resp, decode, timeline, begun, sent, out_headers)
 
     def _finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
@@ -329,8 +353,16 @@ class Proxy:
         self.metrics.observe(timeline)
         log.info("kvbridge-timing %s", timeline.header())
 
-    async def _relay_whole(self, request: Request, resp: httpx.Response, decode: Instance, timeline: Timeline,
-                           begun: float, sent: float, headers: dict[str, str]) -> Response:
+    async def _relay_whole(
+        self,
+        request: Request,
+        resp: httpx.Response,
+        decode: Instance,
+        timeline: Timeline,
+        begun: float,
+        sent: float,
+        headers: dict[str, str],
+    ) -> Response:
         """A non-streamed answer: read it whole, take the decode's reported pull phases from it."""
         try:
             content = await until_disconnect(request, resp.aread())
@@ -345,11 +377,23 @@ class Proxy:
             timeline.add(reported, PULL_PHASES)
         self._finish(timeline, begun, sent, time.perf_counter())
         self.metrics.requests.labels(str(resp.status_code)).inc()
-        return Response(content, status_code=resp.status_code, headers={**headers, HEADER: timeline.header()},
-                        media_type=resp.headers.get("content-type", "application/json"))
+        return Response(
+            content,
+            status_code=resp.status_code,
+            headers={**headers, HEADER: timeline.header()},
+            media_type=resp.headers.get("content-type", "application/json"),
+        )
 
-    async def _relay_stream(self, request: Request, resp: httpx.Response, decode: Instance, timeline: Timeline,
-                            begun: float, sent: float, headers: dict[str, str]) -> Any:
+    async def _relay_stream(
+        self,
+        request: Request,
+        resp: httpx.Response,
+        decode: Instance,
+        timeline: Timeline,
+        begun: float,
+        sent: float,
+        headers: dict[str, str],
+    ) -> Any:
         """A streamed answer: the headers go out with its first chunk, so the timeline ends there."""
         chunks = resp.aiter_raw()
         failed: httpx.TransportError | None = None
@@ -366,10 +410,10 @@ class Proxy:
                 decode.in_flight -= 1
         if failed is not None:
             decode.healthy = False
-            log.warning("decode server %s failed before the first chunk of %s: %s", decode.url, timeline.request_id,
-                        failed)
-            return self._answer(503, f"decode server {decode.url} failed: {type(failed).__name__}: {failed}",
-                                headers)
+            log.warning(
+                "decode server %s failed before the first chunk of %s: %s", decode.url, timeline.request_id, failed
+            )
+            return self._answer(503, f"decode server {decode.url} failed: {type(failed).__name__}: {failed}", headers)
         if first is None:
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self._answer(499, "client disconnected")
@@ -387,24 +431,30 @@ class Proxy:
                 await resp.aclose()
                 decode.in_flight -= 1
 
-        return StreamingResponse(relay(), status_code=resp.status_code,
-                                 media_type=resp.headers.get("content-type", "text/event-stream"),
-                                 headers={**headers, HEADER: timeline.header()})
+        return StreamingResponse(
+            relay(),
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+            headers={**headers, HEADER: timeline.header()},
+        )
 
     async def health(self) -> Any:
         ok = all(any(i.healthy for i in p.instances) for p in self.pools.values())
         return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
 
     async def instances(self) -> Any:
-        return {role: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
-                for role, p in self.pools.items()}
+        return {
+            role: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
+            for role, p in self.pools.items()
+        }
 
     async def prometheus(self) -> Response:
         return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
 
 
-def create_app(prefill: Sequence[str], decode: Sequence[str], *, health_interval: float = 2.0,
-               timeout: float = 600.0) -> FastAPI:
+def create_app(
+    prefill: Sequence[str], decode: Sequence[str], *, health_interval: float = 2.0, timeout: float = 600.0
+) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`."""
     proxy = Proxy(prefill, decode, health_interval=health_interval, timeout=timeout)
     app = FastAPI(lifespan=proxy.lifespan)

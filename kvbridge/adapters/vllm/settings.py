@@ -68,8 +68,10 @@ class Settings:
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
         extra = dict(extra or {})
         if "secret" in extra:
-            raise ConfigError("KVBridgeConnector takes no secret in kv_connector_extra_config (vLLM logs it, and the "
-                              f"command line shows it): {HOW_TO_SET}, or name a file with \"secret_file\"")
+            raise ConfigError(
+                "KVBridgeConnector takes no secret in kv_connector_extra_config (vLLM logs it, and the "
+                f'command line shows it): {HOW_TO_SET}, or name a file with "secret_file"'
+            )
         known = {a.name for a in attrs.fields(cls)} - {"secret"}
         unknown = sorted(set(extra) - known)
         if unknown:

@@ -33,8 +33,12 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 def failure_reason(error: BaseException) -> str:
     """One of FAILURE_REASONS for a failed pull (most specific first: PeerGone is a TransferError)."""
-    for kind, reason in ((LoadError, "lease"), (TransferTimeout, "timeout"), (PeerGone, "peer_gone"),
-                         (ConfigError, "config")):
+    for kind, reason in (
+        (LoadError, "lease"),
+        (TransferTimeout, "timeout"),
+        (PeerGone, "peer_gone"),
+        (ConfigError, "config"),
+    ):
         if isinstance(error, kind):
             return reason
     from kvbridge.errors import TransferError
@@ -61,8 +65,9 @@ class KVBridgeStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: [] for k in _KEYS}
 
-    def record(self, transport: str, peer: str, transfer_s: float, control_s: float, nbytes: int,
-               descriptors: int) -> None:
+    def record(
+        self, transport: str, peer: str, transfer_s: float, control_s: float, nbytes: int, descriptors: int
+    ) -> None:
         with self._lock:
             self.data["pulls"].append([transport, peer, transfer_s, control_s, nbytes, descriptors])
 
@@ -95,14 +100,16 @@ class KVBridgeStats(KVConnectorStats):
         if pulls:
             t = np.asarray([p[2] for p in pulls], dtype=np.float64)
             mb = np.asarray([p[4] for p in pulls], dtype=np.float64) / 2**20
-            out.update({
-                "Avg xfer time (ms)": round(float(t.mean()) * 1e3, 3),
-                "P90 xfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3),
-                "Avg control time (ms)": round(float(np.mean([p[3] for p in pulls])) * 1e3, 3),
-                "Avg MB per transfer": round(float(mb.mean()), 3),
-                "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if t.sum() > 0 else 0.0,
-                "Avg number of descriptors": round(float(np.mean([p[5] for p in pulls])), 1),
-            })
+            out.update(
+                {
+                    "Avg xfer time (ms)": round(float(t.mean()) * 1e3, 3),
+                    "P90 xfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3),
+                    "Avg control time (ms)": round(float(np.mean([p[3] for p in pulls])) * 1e3, 3),
+                    "Avg MB per transfer": round(float(mb.mean()), 3),
+                    "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if t.sum() > 0 else 0.0,
+                    "Avg number of descriptors": round(float(np.mean([p[5] for p in pulls])), 1),
+                }
+            )
         out["Num failed transfers"] = len(self.data["failures"])
         for event in LEASE_EVENTS:
             n = sum(1 for (e,) in self.data["leases"] if e == event)
@@ -114,34 +121,58 @@ class KVBridgeStats(KVConnectorStats):
 class KVBridgePromMetrics(KVConnectorPromMetrics):
     """The `kvbridge_*` series of one vLLM server; vLLM's own labels (model_name, engine) come first."""
 
-    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_ours()  # vLLM builds its stat logger again after a restart in the same process
         peer = [*labelnames, "transport", "peer"]
         self.bytes = self._counter_cls("kvbridge_transfer_bytes_total", "KV bytes this decode server read.", peer)
         self.descriptors = self._counter_cls(
-            "kvbridge_transfer_descriptors_total", "Transfer descriptors (contiguous runs) submitted.", peer)
+            "kvbridge_transfer_descriptors_total", "Transfer descriptors (contiguous runs) submitted.", peer
+        )
         self.transfers = self._counter_cls(
-            "kvbridge_transfers_total", "Requests whose KV was read successfully (one per request and rank).", peer)
+            "kvbridge_transfers_total", "Requests whose KV was read successfully (one per request and rank).", peer
+        )
         self.transfer_s = self._histogram_cls(
-            "kvbridge_transfer_seconds", "Time from submitting a request's descriptors until its bytes landed.",
-            peer, buckets=SECONDS_BUCKETS)
+            "kvbridge_transfer_seconds",
+            "Time from submitting a request's descriptors until its bytes landed.",
+            peer,
+            buckets=SECONDS_BUCKETS,
+        )
         self.control_s = self._histogram_cls(
-            "kvbridge_control_seconds", "Side-channel time before a pull's transfer starts: finding the prefill "
-            "rank, waiting for its offer, BeginPull.", peer, buckets=SECONDS_BUCKETS)
+            "kvbridge_control_seconds",
+            "Side-channel time before a pull's transfer starts: finding the prefill "
+            "rank, waiting for its offer, BeginPull.",
+            peer,
+            buckets=SECONDS_BUCKETS,
+        )
         self.failures = self._counter_cls(
-            "kvbridge_transfer_failures_total", "Pulls that failed (the engine recomputes or fails the request), "
-            f"by reason: {', '.join(FAILURE_REASONS)}.", [*peer, "reason"])
+            "kvbridge_transfer_failures_total",
+            f"Pulls that failed (the engine recomputes or fails the request), by reason: {', '.join(FAILURE_REASONS)}.",
+            [*peer, "reason"],
+        )
         self.lease_events = self._counter_cls(
-            "kvbridge_lease_events_total", "Prefill leases by event: offered, released (every DONE came), "
-            "expired (no DONE in time), aborted.", [*labelnames, "event"])
+            "kvbridge_lease_events_total",
+            "Prefill leases by event: offered, released (every DONE came), expired (no DONE in time), aborted.",
+            [*labelnames, "event"],
+        )
         self.leases_held = self._gauge_cls(
-            "kvbridge_leases_held", "Finished prefill requests whose blocks are held for a remote decode.",
-            labelnames, multiprocess_mode="mostrecent")
+            "kvbridge_leases_held",
+            "Finished prefill requests whose blocks are held for a remote decode.",
+            labelnames,
+            multiprocess_mode="mostrecent",
+        )
         self.blocks_held = self._gauge_cls(
-            "kvbridge_blocks_held", "KV blocks held on prefill for a remote decode.", labelnames,
-            multiprocess_mode="mostrecent")
+            "kvbridge_blocks_held",
+            "KV blocks held on prefill for a remote decode.",
+            labelnames,
+            multiprocess_mode="mostrecent",
+        )
         self._held: dict[int, list[int]] = {}  # engine -> [leases, blocks] held now
         for values in per_engine_labelvalues.values():  # a scrape sees zeros from the start
             self.leases_held.labels(*values).set(0)

@@ -55,7 +55,8 @@ def parse(header: str) -> Timeline:
     """A `x-kvbridge-timing` header back as a Timeline; raises ValueError on a malformed one."""
     fields = dict(part.strip().split("=", 1) for part in header.split(";") if part.strip())
     try:
-        return Timeline(fields.pop("id"), {k: float(v) for k, v in fields.items() if k != "total_ms"},
-                        float(fields["total_ms"]))
+        return Timeline(
+            fields.pop("id"), {k: float(v) for k, v in fields.items() if k != "total_ms"}, float(fields["total_ms"])
+        )
     except KeyError as exc:
         raise ValueError(f"{HEADER} header {header!r} lacks {exc}") from None

@@ -54,10 +54,22 @@ def is_mla(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bo
 class WorkerSide:
     """One worker rank of the connector; `from_vllm` reads its place from vLLM's parallel state."""
 
-    def __init__(self, engine_id: str, settings: Settings, *, block_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 dp_index: int = 0, dp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, kv_layout: str = "LBHNC",
-                 mla: bool = False,
-                 backend_name: str = "vLLM") -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        settings: Settings,
+        *,
+        block_size: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dp_index: int = 0,
+        dp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        kv_layout: str = "LBHNC",
+        mla: bool = False,
+        backend_name: str = "vLLM",
+    ) -> None:
         self.engine_id = engine_id
         self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
         self.mla = mla
@@ -70,14 +82,27 @@ class WorkerSide:
         # the rank's identity on the side channel and in plans: its rank among all DP ranks' TP ranks
         self.parallel = ParallelConfig(tp=tp_size, dp=dp_size)
         self.rank = dp_index * tp_size + tp_rank
-        port = side_channel_port(settings.side_channel_port, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                                 pp_size=pp_size, dp_index=dp_index)
+        port = side_channel_port(
+            settings.side_channel_port,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            dp_index=dp_index,
+        )
         self.agent: KVAgent | None = None
         self.control: DecodeControl | None = None
         self.ledger = Ledger(self._released, timeout_s=settings.lease_s)
         # Bound now, ready once the KV cache is registered: an early peer waits instead of failing.
-        self.server = ControlServer(engine_id, self.rank, ledger=self.ledger, host=settings.host, port=port,
-                                    secret=settings.secret, insecure=settings.insecure)
+        self.server = ControlServer(
+            engine_id,
+            self.rank,
+            ledger=self.ledger,
+            host=settings.host,
+            port=port,
+            secret=settings.secret,
+            insecure=settings.insecure,
+        )
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
         self._lock = threading.Lock()
         self._sent: set[str] = set()
@@ -87,8 +112,9 @@ class WorkerSide:
         self.stats = KVBridgeStats()
 
     @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig, engine_id: str, settings: Settings,
-                  kv_cache_config: KVCacheConfig | None = None) -> WorkerSide:
+    def from_vllm(
+        cls, vllm_config: VllmConfig, engine_id: str, settings: Settings, kv_cache_config: KVCacheConfig | None = None
+    ) -> WorkerSide:
         from vllm.distributed.parallel_state import (
             get_tensor_model_parallel_rank,
             get_tensor_model_parallel_world_size,
@@ -103,35 +129,65 @@ class WorkerSide:
             tp_size = parallel.tensor_parallel_size
             tp_rank = parallel.rank % tp_size
         pp_rank = (parallel.rank // parallel.tensor_parallel_size) % pp_size if pp_size > 1 else 0
-        return cls(engine_id, settings, block_size=vllm_config.cache_config.block_size, tp_rank=tp_rank,
-                   tp_size=tp_size, dp_index=parallel.data_parallel_index,
-                   dp_size=parallel.data_parallel_size, pp_rank=pp_rank, pp_size=pp_size,
-                   kv_layout=resolved_layout(vllm_config),
-                   mla=is_mla(vllm_config, kv_cache_config),
-                   backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"))
+        return cls(
+            engine_id,
+            settings,
+            block_size=vllm_config.cache_config.block_size,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            dp_index=parallel.data_parallel_index,
+            dp_size=parallel.data_parallel_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            kv_layout=resolved_layout(vllm_config),
+            mla=is_mla(vllm_config, kv_cache_config),
+            backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"),
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if any(isinstance(v, (tuple, list)) for v in kv_caches.values()):
             self.kv_layout = ASCEND_KV_TUPLE  # vllm-ascend hands each layer's K and V as a pair of tensors
-        layout, storages = describe_kv_caches(kv_caches, layout=self.kv_layout, block_size=self.block_size,
-                                              tp_size=self.tp_size, mla=self.mla, backend=self.backend_name)
+        layout, storages = describe_kv_caches(
+            kv_caches,
+            layout=self.kv_layout,
+            block_size=self.block_size,
+            tp_size=self.tp_size,
+            mla=self.mla,
+            backend=self.backend_name,
+        )
         s = self.settings
         # storages are addresses: the device plugin comes from the KV tensors (cuda, npu, ...; cpu here)
-        self.agent = KVAgent(self.engine_id, self.rank, self.parallel, layout, storages,
-                             device=device_of(list(kv_caches.values())).name,
-                             backend=s.migration_backend, protocol=s.protocol, hostname=s.host,
-                             metadata_server=s.metadata_server, **s.transport_options())
+        self.agent = KVAgent(
+            self.engine_id,
+            self.rank,
+            self.parallel,
+            layout,
+            storages,
+            device=device_of(list(kv_caches.values())).name,
+            backend=s.migration_backend,
+            protocol=s.protocol,
+            hostname=s.host,
+            metadata_server=s.metadata_server,
+            **s.transport_options(),
+        )
         self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
         if s.fault_injection:
             from kvbridge.chaos.inject import install
 
             install(self.agent.backend, s.fault_injection)
-        self.control = DecodeControl(self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s,
-                                     timeout_s=s.pull_timeout_s)
+        self.control = DecodeControl(
+            self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s, timeout_s=s.pull_timeout_s
+        )
         self.server.register(self.agent.info())
-        log.info("KVBridgeConnector rank %d/%d: %d layers x %d blocks over %s, side channel %s:%d",
-                 self.tp_rank, self.tp_size, layout.model.layers, layout.num_blocks, self.agent.backend.name,
-                 *self.server.address)
+        log.info(
+            "KVBridgeConnector rank %d/%d: %d layers x %d blocks over %s, side channel %s:%d",
+            self.tp_rank,
+            self.tp_size,
+            layout.model.layers,
+            layout.num_blocks,
+            self.agent.backend.name,
+            *self.server.address,
+        )
 
     # -- decode: pull; prefill: hold finished requests (offers) -------------------------------
 
@@ -168,11 +224,14 @@ class WorkerSide:
         begun = time.perf_counter()
         params = task.params
         if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
-            params = attrs.evolve(params, remote_port=stage_port(int(params.remote_port), remote_tp_size=params.tp_size,
-                                                                 pp_rank=self.pp_rank))
+            params = attrs.evolve(
+                params,
+                remote_port=stage_port(int(params.remote_port), remote_tp_size=params.tp_size, pp_rank=self.pp_rank),
+            )
         try:
-            handle = self.control.start(task.request_id, params, task.local_block_ids,
-                                        on_finished=lambda _rid, error: outcome.append(error))
+            handle = self.control.start(
+                task.request_id, params, task.local_block_ids, on_finished=lambda _rid, error: outcome.append(error)
+            )
             # `start` returns as soon as the transfers are submitted. The transfer is timed by itself,
             # as vLLM's own connectors do; the control round trips before it and the DONEs after apart.
             start = time.perf_counter()
@@ -181,8 +240,12 @@ class WorkerSide:
             elapsed = time.perf_counter() - start
             result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
             error = outcome[0]
-            phases = {"queue_ms": queued * 1e3, "control_ms": control * 1e3, "transfer_ms": elapsed * 1e3,
-                      "done_ms": (time.perf_counter() - start - elapsed) * 1e3}
+            phases = {
+                "queue_ms": queued * 1e3,
+                "control_ms": control * 1e3,
+                "transfer_ms": elapsed * 1e3,
+                "done_ms": (time.perf_counter() - start - elapsed) * 1e3,
+            }
             with self._lock:
                 self._timings[task.request_id] = {k: round(v, 3) for k, v in phases.items()}
             log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))

@@ -64,8 +64,24 @@ QUICK = ["--model", "small", "--tokens", "256", "--requests", "2", "--repeat", "
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvbridge", "bench", "--migration-backend", "mooncake",
-                           "--device", "cuda", *QUICK, *args], capture_output=True, text=True, timeout=600, check=False)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbridge",
+            "bench",
+            "--migration-backend",
+            "mooncake",
+            "--device",
+            "cuda",
+            *QUICK,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
 
 
 @pytest.mark.skipif(NO_GPU is not None, reason=f"the bench on a GPU needs one: {NO_GPU}")

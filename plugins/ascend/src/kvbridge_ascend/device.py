@@ -48,8 +48,10 @@ class NpuDevice(TorchAcceleratorDevice):
         if not visible:
             return device_id
         if device_id >= len(visible) or not visible[device_id].isdigit():
-            raise ConfigError(f"NPU {device_id} is not in {VISIBLE_ENV}={os.environ[VISIBLE_ENV]!r}; set it to "
-                              "physical NPU ids, one per visible device")
+            raise ConfigError(
+                f"NPU {device_id} is not in {VISIBLE_ENV}={os.environ[VISIBLE_ENV]!r}; set it to "
+                "physical NPU ids, one per visible device"
+            )
         return int(visible[device_id])
 
     def pci_address(self, device_id: int) -> str | None:

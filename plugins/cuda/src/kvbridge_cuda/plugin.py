@@ -43,5 +43,12 @@ def _factory() -> kvbridge.Device:
 
 @kvbridge.hookimpl
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register("cuda", _factory, memory_kind=MemoryKind.VRAM, probe=probe, install_hint=INSTALL_HINT,
-             hardware=hardware, options=kvbridge.NoOptions)
+    register(
+        "cuda",
+        _factory,
+        memory_kind=MemoryKind.VRAM,
+        probe=probe,
+        install_hint=INSTALL_HINT,
+        hardware=hardware,
+        options=kvbridge.NoOptions,
+    )

@@ -29,6 +29,11 @@ def _factory() -> kvbridge.Device:
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
     # `options` names the attrs class that declares the plugin's options (a device takes none; a
     # transport's class subclasses kvbridge.TransportOptions): `kvbridge plugins example` lists them.
-    register("example", _factory, memory_kind=MemoryKind.DRAM, probe=probe,
-             install_hint="use Linux or macOS (the example device maps anonymous memory)",
-             options=kvbridge.NoOptions)
+    register(
+        "example",
+        _factory,
+        memory_kind=MemoryKind.DRAM,
+        probe=probe,
+        install_hint="use Linux or macOS (the example device maps anonymous memory)",
+        options=kvbridge.NoOptions,
+    )

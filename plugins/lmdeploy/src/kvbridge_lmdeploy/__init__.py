@@ -38,9 +38,13 @@ def activate() -> bool:
 
         register()
     except Exception as exc:  # LMDeploy must still start; the warning says why its own backend stays
-        log.warning("kvbridge could not register its LMDeploy migration backend (%s: %s); LMDeploy keeps its "
-                    "own. Check `pip show kvbridge kvbridge-lmdeploy`, or set %s=0 to silence this",
-                    type(exc).__name__, exc, ENV)
+        log.warning(
+            "kvbridge could not register its LMDeploy migration backend (%s: %s); LMDeploy keeps its "
+            "own. Check `pip show kvbridge kvbridge-lmdeploy`, or set %s=0 to silence this",
+            type(exc).__name__,
+            exc,
+            ENV,
+        )
         return False
     return True
 

@@ -35,5 +35,12 @@ def _factory() -> kvbridge.Device:
 
 @kvbridge.hookimpl
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register("mlu", _factory, memory_kind=MemoryKind.MLU, probe=probe, install_hint=INSTALL_HINT,
-             hardware=hardware, options=kvbridge.NoOptions)
+    register(
+        "mlu",
+        _factory,
+        memory_kind=MemoryKind.MLU,
+        probe=probe,
+        install_hint=INSTALL_HINT,
+        hardware=hardware,
+        options=kvbridge.NoOptions,
+    )

@@ -103,8 +103,9 @@ def ascend_identity(ip: str, opts: Mapping[str, object]) -> str:
     after it: ``ip:port:npu_<physical NPU id>``. Options `npu` (default: the current NPU) and
     `ascend_port` (default 0: the transport picks one)."""
     if ":" in ip:
-        raise ConfigError(f"the ascend protocol needs a bare IP as hostname, got {ip!r} (the port goes in option "
-                          "ascend_port)")
+        raise ConfigError(
+            f"the ascend protocol needs a bare IP as hostname, got {ip!r} (the port goes in option ascend_port)"
+        )
     npu = device_for_memory(MemoryKind.NPU)
     device_id = int(opts.get("npu", npu.current_id()))  # type: ignore[call-overload]
     physical = npu.physical_id(device_id)
@@ -213,8 +214,9 @@ class MooncakeBackend(MigrationBackend):
             if rc != 0:
                 if done:
                     self._engine.batch_unregister_memory(done)
-                raise ConfigError(f"Mooncake could not register {len(addrs)} regions at location {location!r}: "
-                                  f"{explain(rc)}")
+                raise ConfigError(
+                    f"Mooncake could not register {len(addrs)} regions at location {location!r}: {explain(rc)}"
+                )
             done.extend(addrs)
 
     def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
@@ -229,8 +231,10 @@ class MooncakeBackend(MigrationBackend):
         if self.protocol == "nvlink" and self._metadata == P2P:
             host = endpoint.address.rsplit(":", 1)[0]
             if host != self.config.hostname:
-                raise ConfigError(f"nvlink reaches GPUs of this host only ({self.config.hostname}); peer "
-                                  f"{endpoint.address} is on another: use rdma between hosts")
+                raise ConfigError(
+                    f"nvlink reaches GPUs of this host only ({self.config.hostname}); peer "
+                    f"{endpoint.address} is on another: use rdma between hosts"
+                )
         with self._lock:
             self._peer_locks.setdefault(endpoint.address, threading.Lock())
         return endpoint.address
@@ -251,8 +255,14 @@ class MooncakeBackend(MigrationBackend):
                     took = time.monotonic() - t0
                     if attempt < self._retries:
                         # A failure that took the deadline is Mooncake's watchdog dropping a stuck lane.
-                        log.warning("mooncake %s of %d descriptors with %s failed after %.1fs (%s), retrying "
-                                    "on a fresh lane", op, len(local), peer.handle, took, explain(rc))
+                        log.warning(
+                            "mooncake %s of %d descriptors with %s failed after %.1fs (%s), retrying on a fresh lane",
+                            op,
+                            len(local),
+                            peer.handle,
+                            took,
+                            explain(rc),
+                        )
                         time.sleep(self._backoff * (2**attempt))
             stuck = " (no progress within the transfer deadline)" if took >= self._deadline else ""
             raise TransferFailed(

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import kvbridge
-
 from kvbridge_mooncake.spec import CAPABILITIES, INSTALL_HINT, MooncakeOptions, probe
 
 KVBRIDGE_PLUGIN_API = 1
@@ -19,5 +18,6 @@ def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
 
 @kvbridge.hookimpl
 def kvbridge_register_backends(register: Callable[..., None]) -> None:
-    register("mooncake", _factory, capabilities=CAPABILITIES, probe=probe, install_hint=INSTALL_HINT,
-             options=MooncakeOptions)
+    register(
+        "mooncake", _factory, capabilities=CAPABILITIES, probe=probe, install_hint=INSTALL_HINT, options=MooncakeOptions
+    )

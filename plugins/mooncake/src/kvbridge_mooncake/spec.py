@@ -49,8 +49,9 @@ class MooncakeOptions(TransportOptions):
 
     max_batch: int = option(CAPABILITIES.max_batch, "most descriptors per Mooncake batch call")
     max_descriptor_bytes: int | None = option(
-        None, f"split descriptors into pieces of at most this many bytes (None: {TCP_DESCRIPTOR_BYTES} on tcp, "
-        "unsplit on other protocols)"
+        None,
+        f"split descriptors into pieces of at most this many bytes (None: {TCP_DESCRIPTOR_BYTES} on tcp, "
+        "unsplit on other protocols)",
     )
     retries: int = option(1, "times a failed batch is resubmitted (on a fresh lane) before the transfer fails")
     transfer_deadline: float = option(
@@ -75,8 +76,11 @@ def probe() -> str | None:
 
 def wheel_supports(engine: Any) -> frozenset[str]:
     """The optional transports the installed wheel was built with (``cuda``, ``intra_nvlink``, ...)."""
-    return frozenset(name.removeprefix("SUPPORT_").lower() for name in dir(engine)
-                     if name.startswith("SUPPORT_") and getattr(engine, name) is True)
+    return frozenset(
+        name.removeprefix("SUPPORT_").lower()
+        for name in dir(engine)
+        if name.startswith("SUPPORT_") and getattr(engine, name) is True
+    )
 
 
 def memory_kinds(protocol: str, built_with: frozenset[str]) -> frozenset[MemoryKind]:

@@ -27,12 +27,12 @@ from typing import Any
 
 import attrs
 import numpy as np
+
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
 from kvbridge.memory import Descriptors
 from kvbridge.options import as_dict, parse
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
-
 from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ class NixlBackend(MigrationBackend):
         self._progress_interval = float(progress_interval)
         self._poll_interval = float(poll_interval)
         self._timeout = float(transfer_timeout)
-        conf = api.nixl_agent_config(enable_prog_thread=bool(progress_thread), backends=[],
-                                     num_threads=int(num_threads))
+        conf = api.nixl_agent_config(
+            enable_prog_thread=bool(progress_thread), backends=[], num_threads=int(num_threads)
+        )
         self._agent = api.nixl_agent(self._name, conf)
         init = {"num_threads": str(int(num_threads))} if num_threads else {}
         try:
@@ -116,8 +117,12 @@ class NixlBackend(MigrationBackend):
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._progress_loop, name="kvbridge-nixl-progress", daemon=True)
         self._progress.start()
-        log.info("nixl agent %s up with backend %s (own progress thread: %s)", self._name, self._nixl_backend,
-                 progress_thread)
+        log.info(
+            "nixl agent %s up with backend %s (own progress thread: %s)",
+            self._name,
+            self._nixl_backend,
+            progress_thread,
+        )
 
     # -- registration and endpoints --------------------------------------------------------
 
@@ -135,8 +140,9 @@ class NixlBackend(MigrationBackend):
                 try:
                     self._reg[r.addr] = self._agent.register_memory(rows, mem, backends=[self._nixl_backend])
                 except Exception as exc:
-                    raise ConfigError(f"NIXL could not register {r.length} bytes of {mem} at {r.addr:#x}: {exc}"
-                                      ) from exc
+                    raise ConfigError(
+                        f"NIXL could not register {r.length} bytes of {mem} at {r.addr:#x}: {exc}"
+                    ) from exc
 
     def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
         with self._agent_lock:
@@ -161,8 +167,10 @@ class NixlBackend(MigrationBackend):
     def _connect(self, endpoint: EndpointInfo) -> Any:
         meta = endpoint.extra.get(_METADATA_KEY)
         if not meta:
-            raise ConfigError(f"nixl endpoint {endpoint.address!r} carries no agent metadata; "
-                              "it was not produced by this plugin's endpoint_info()")
+            raise ConfigError(
+                f"nixl endpoint {endpoint.address!r} carries no agent metadata; "
+                "it was not produced by this plugin's endpoint_info()"
+            )
         with self._agent_lock:
             # Metadata is taken fresh on every connect: it carries the regions registered since the last one.
             try:
@@ -201,8 +209,9 @@ class NixlBackend(MigrationBackend):
         what = f"NIXL {op} of {n} descriptors ({int(desc[:, 2].sum())} bytes) with agent {peer.handle}"
         with self._agent_lock:
             if self._closed:
-                future.set_exception(TransferFailed(f"{what} aborted: the backend is closed", peer=peer.handle,
-                                                    cause="closed"))
+                future.set_exception(
+                    TransferFailed(f"{what} aborted: the backend is closed", peer=peer.handle, cause="closed")
+                )
                 return future
             handle = None
             try:
@@ -210,8 +219,9 @@ class NixlBackend(MigrationBackend):
                 self._agent.get_new_notifs()
                 ldesc = self._agent.get_xfer_descs(local, mem)
                 rdesc = self._agent.get_xfer_descs(remote, remote_mem)
-                handle = self._agent.initialize_xfer("READ" if op == "read" else "WRITE", ldesc, rdesc, peer.handle,
-                                                     backends=[self._nixl_backend])
+                handle = self._agent.initialize_xfer(
+                    "READ" if op == "read" else "WRITE", ldesc, rdesc, peer.handle, backends=[self._nixl_backend]
+                )
                 state = self._agent.transfer(handle)
             except Exception as exc:  # e.g. the peer's agent is gone or its memory was deregistered
                 if handle is not None:
@@ -231,8 +241,9 @@ class NixlBackend(MigrationBackend):
 
     @staticmethod
     def _failed(what: str, peer: str, cause: str) -> TransferFailed:
-        return TransferFailed(f"{what} failed: {cause}. Check that the peer is alive and its memory registered",
-                              peer=peer, cause=cause)
+        return TransferFailed(
+            f"{what} failed: {cause}. Check that the peer is alive and its memory registered", peer=peer, cause=cause
+        )
 
     def _release(self, handle: Any, what: str) -> None:
         """Release a request handle (NIXL cancels it if still running); called with the agent lock held."""
@@ -284,9 +295,17 @@ class NixlBackend(MigrationBackend):
             elif state == "ERR":
                 finished.append((item, self._failed(item.what, item.peer, cause)))
             elif now > item.deadline:
-                finished.append((item, TransferTimeout(
-                    f"{item.what} did not finish within {self._timeout}s and was aborted; "
-                    "check that the peer is alive and reachable", peer=item.peer, cause="timeout")))
+                finished.append(
+                    (
+                        item,
+                        TransferTimeout(
+                            f"{item.what} did not finish within {self._timeout}s and was aborted; "
+                            "check that the peer is alive and reachable",
+                            peer=item.peer,
+                            cause="timeout",
+                        ),
+                    )
+                )
             else:
                 keep.append(item)
                 continue
@@ -307,8 +326,9 @@ class NixlBackend(MigrationBackend):
                 for item in aborted:
                     self._release(item.handle, item.what)
             for item in aborted:
-                item.future.set_exception(TransferFailed(f"{item.what} aborted: the backend was closed",
-                                                         peer=item.peer, cause="closed"))
+                item.future.set_exception(
+                    TransferFailed(f"{item.what} aborted: the backend was closed", peer=item.peer, cause="closed")
+                )
         super().close()
 
     def _shutdown(self) -> None:

@@ -18,5 +18,4 @@ def _factory(config: kvbridge.BackendConfig) -> kvbridge.MigrationBackend:
 
 @kvbridge.hookimpl
 def kvbridge_register_backends(register: Callable[..., None]) -> None:
-    register("nixl", _factory, capabilities=capabilities(), probe=probe, install_hint=INSTALL_HINT,
-             options=NixlOptions)
+    register("nixl", _factory, capabilities=capabilities(), probe=probe, install_hint=INSTALL_HINT, options=NixlOptions)
