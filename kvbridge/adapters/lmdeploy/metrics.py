@@ -19,23 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvbridge.errors import ConfigError, LoadError, PeerGone, TransferError, TransferTimeout
-
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-def failure_reason(error: BaseException) -> str:
-    """lease, timeout, peer_gone, transfer, config or internal (the vLLM connector's reasons)."""
-    for kind, reason in (
-        (LoadError, "lease"),
-        (TransferTimeout, "timeout"),
-        (PeerGone, "peer_gone"),
-        (ConfigError, "config"),
-        (TransferError, "transfer"),
-    ):
-        if isinstance(error, kind):
-            return reason
-    return "internal"
+from kvbridge.telemetry import SECONDS_BUCKETS, failure_reason
 
 
 class TransferMetrics:

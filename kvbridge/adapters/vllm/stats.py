@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvbridge.errors import ConfigError, LoadError, PeerGone, TransferTimeout
+from kvbridge.telemetry import FAILURE_REASONS, SECONDS_BUCKETS, failure_reason
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,24 +26,7 @@ if TYPE_CHECKING:
 # pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
 # leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta]
 _KEYS = ("pulls", "failures", "leases", "held")
-FAILURE_REASONS = ("lease", "timeout", "peer_gone", "transfer", "config", "internal")
 LEASE_EVENTS = ("offered", "released", "expired", "aborted")
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-def failure_reason(error: BaseException) -> str:
-    """One of FAILURE_REASONS for a failed pull (most specific first: PeerGone is a TransferError)."""
-    for kind, reason in (
-        (LoadError, "lease"),
-        (TransferTimeout, "timeout"),
-        (PeerGone, "peer_gone"),
-        (ConfigError, "config"),
-    ):
-        if isinstance(error, kind):
-            return reason
-    from kvbridge.errors import TransferError
-
-    return "transfer" if isinstance(error, TransferError) else "internal"
 
 
 @dataclass
