@@ -219,6 +219,7 @@ class WorkerSide:
         assert self.control is not None
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
+        handle = None
         elapsed = control = 0.0
         queued = max(0.0, time.time() - task.asked_at)  # from the scheduler's step to this thread
         begun = time.perf_counter()
@@ -256,6 +257,8 @@ class WorkerSide:
             error = exc
         transport = self.agent.backend.name if self.agent is not None else "none"
         peer = f"{task.params.remote_host}:{task.params.remote_port}"  # one per prefill server: bounded
+        if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
+            self.stats.record_retries(transport, peer, sum(h.retries for h in handle.handles))
         if error is None and result is not None:
             self.stats.record(transport, peer, elapsed, control, result.nbytes, result.descriptors)
         elif isinstance(error, KVBridgeError):
