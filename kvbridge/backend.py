@@ -20,6 +20,7 @@ bound (Mooncake: at least 5 s per call, see its plugin).
 from __future__ import annotations
 
 import abc
+import heapq
 import logging
 import threading
 import time
@@ -340,6 +341,52 @@ class MigrationBackend(abc.ABC):
             raise ConfigError(f"backend {self.name!r} is closed; create a new one")
 
 
+@attrs.define(eq=False)
+class _Alarm:
+    fn: Callable[[], None]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Watchdog:
+    """One thread that runs the transfer deadlines' alarms (a thread per transfer would cost more than
+    a small transfer does)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Alarm]] = []
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+
+    def after(self, seconds: float, fn: Callable[[], None]) -> _Alarm:
+        alarm = _Alarm(fn)
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._heap, (time.monotonic() + seconds, self._seq, alarm))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvbridge-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return alarm
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, alarm = heapq.heappop(self._heap)
+            if not alarm.cancelled:
+                try:
+                    alarm.fn()
+                except Exception:  # an alarm's bug must not stop every other deadline
+                    log.exception("transfer deadline handler failed")
+
+
+_WATCHDOG = _Watchdog()
+
+
 class _DeadlineRetry:
     """One part of a transfer under the deadline (see the module doc): resubmitted once when it fails or
     has not finished within the deadline; complete once every attempt that started has returned."""
@@ -356,12 +403,9 @@ class _DeadlineRetry:
         self._timer = self._arm()
         first.add_done_callback(self._settle)
 
-    def _arm(self) -> threading.Timer:
+    def _arm(self) -> _Alarm:
         # a grace past the deadline: a transport's own watchdog (whole seconds) fails a stuck call first
-        timer = threading.Timer(self._deadline + min(1.0, self._deadline / 2), self._on_deadline)
-        timer.daemon = True
-        timer.start()
-        return timer
+        return _WATCHDOG.after(self._deadline + min(1.0, self._deadline / 2), self._on_deadline)
 
     def _on_deadline(self) -> None:
         with self._lock:
