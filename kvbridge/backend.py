@@ -397,7 +397,8 @@ class _DeadlineRetry:
         self.future: Future = Future()
         self._backend, self._peer, self._desc, self._op = backend, peer, desc, op
         self._deadline = deadline
-        self._lock = threading.Lock()
+        # re-entrant: cancelling a pending attempt runs its done-callback (`_settle`) in the cancelling thread
+        self._lock = threading.RLock()
         self._attempts = [first]
         self._retried = self._timed_out = self._stuck = False
         self._timer = self._arm()

@@ -182,3 +182,18 @@ def test_a_failed_part_is_resubmitted_once_under_a_deadline(link) -> None:
     client.inject(fail_completion=2)
     with pytest.raises(TransferFailed, match="injected completion failure.*and so did its retry|and so did its retry"):
         client.transfer(peer, blocks(dst, src, n=1)).wait(10)
+
+
+def test_held_submissions_are_cancelled_at_the_deadline_and_the_transfer_fails(link) -> None:
+    """`kvbridge chaos`'s slow-peer holds submissions before they start: at the deadline the held one is
+    cancelled (it never writes), resubmitted, held again, cancelled again: a clear failure, not a hang.
+    (A cancel runs the attempt's done-callback in the cancelling thread: this once deadlocked the deadline.)"""
+    from kvbridge.chaos.inject import install
+
+    _, client, peer, src, dst = link
+    client.transfer_deadline_s = 0.2
+    install(client, {"slow_peer": 1.0, "slow_s": 30.0})
+    handle = client.transfer(peer, blocks(dst, src, n=1))
+    with pytest.raises(TransferTimeout, match="made no progress within the 0.2s transfer deadline, and so did its"):
+        handle.wait(5)
+    assert client.submissions == 0 and handle.retries == 1 and not dst.any()
