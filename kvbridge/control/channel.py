@@ -364,20 +364,12 @@ class ControlClient:
         self._max = max_message_bytes
         self._lock = threading.Lock()
         self._idle: list[zmq.Socket] = []
-        self._in_flight = 0
         self._closed = False
-
-    @property
-    def in_flight(self) -> int:
-        """Requests sent and not answered yet."""
-        with self._lock:
-            return self._in_flight
 
     def _take(self) -> zmq.Socket:
         with self._lock:
             if self._closed:
                 raise ConfigError(f"control client for {self.url} is closed")
-            self._in_flight += 1
             if self._idle:
                 return self._idle.pop()
         sock = zmq.Context.instance().socket(zmq.REQ)
@@ -388,7 +380,6 @@ class ControlClient:
 
     def _give_back(self, sock: zmq.Socket, reusable: bool) -> None:
         with self._lock:
-            self._in_flight -= 1
             if reusable and not self._closed and len(self._idle) < self.IDLE_SOCKETS:
                 self._idle.append(sock)
                 return
