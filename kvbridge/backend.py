@@ -6,8 +6,9 @@ descriptors, bounds checks on both sides, batch splitting, the transfer deadline
 encoding, thread-safe bookkeeping and a clean close.
 
 The transfer deadline (`transfer_deadline_s`, set by a transport that declares one): a part that
-failed, or has not finished within it (plus one second per GiB it moves: the transport gives no
-progress report, so a large part gets the time a slow but moving link needs), is resubmitted once
+failed, or has not finished within it (plus one second per GiB the transfer moves up to the end of
+that part: the transport gives no progress report and may run the parts one after another, so a
+large transfer gets the time a slow but moving link needs), is resubmitted once
 (reads and writes of the same bytes are idempotent while the peer's lease holds them), and fails
 (`TransferTimeout` when stuck) when the retry fails or has not finished within the deadline either.
 A stuck part that has not started yet is cancelled instead. A part that is
@@ -288,15 +289,21 @@ class MigrationBackend(abc.ABC):
         if self.capabilities.max_descriptor_bytes:
             desc = split_large(desc, self.capabilities.max_descriptor_bytes)
         step = self.capabilities.max_batch or len(desc)
-        parts = [self._submit_part(peer, desc[i : i + step], op) for i in range(0, len(desc), step)]
+        # A transport may run the parts one after another: each part's deadline allows for those before it.
+        ahead = np.concatenate([[0], np.cumsum(desc[:, 2])])
+        parts = [
+            self._submit_part(peer, desc[i : i + step], op, int(ahead[min(i + step, len(desc))]))
+            for i in range(0, len(desc), step)
+        ]
         future = parts[0] if len(parts) == 1 else _gather(parts)
         return TransferHandle(future, peer=peer.name, descriptors=len(desc), nbytes=nbytes)
 
-    def _submit_part(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
+    def _submit_part(self, peer: Peer, desc: Descriptors, op: Op, through: int) -> Future:
+        """Submit one part under the deadline; `through`: bytes of this transfer up to the end of this part."""
         first = self._submit(peer, desc, op)
         if not self.transfer_deadline_s:
             return first
-        deadline = self.transfer_deadline_s + int(desc[:, 2].sum()) / self.DEADLINE_BYTES_PER_S
+        deadline = self.transfer_deadline_s + through / self.DEADLINE_BYTES_PER_S
         return _DeadlineRetry(self, peer, desc, op, first, deadline).future
 
     def raw_transfer(
