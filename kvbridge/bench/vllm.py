@@ -97,7 +97,7 @@ class Pair:
     metrics_log: Path  # the server whose log carries this connector's transfer metrics
 
 
-def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair:
+def _kvbridge_pair(model: Path, logs: Path, max_len: int, transport: str = "mooncake") -> Pair:
     from kvbridge.control.params import KVTransferParams
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
@@ -117,8 +117,8 @@ def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair
 
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
     where = logs / f"kvbridge-{transport}"
-    prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
-    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
+    prefill = start_vllm(model, max_model_len=max_len, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
+    decode = start_vllm(model, max_model_len=max_len, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
     name = "KVBridgeConnector" if transport == "mooncake" else f"KVBridgeConnector ({transport})"
     return Pair(
         name,
@@ -130,7 +130,7 @@ def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair
     )
 
 
-def _nixl_pair(model: Path, logs: Path) -> Pair:
+def _nixl_pair(model: Path, logs: Path, max_len: int) -> Pair:
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -149,8 +149,8 @@ def _nixl_pair(model: Path, logs: Path) -> Pair:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }
 
-    prefill = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
-    decode = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    prefill = start_vllm(model, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    decode = start_vllm(model, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
     # NIXL pulls: the decode server reads the blocks named in prefill's response, and logs the transfers.
     return Pair(
         "NixlConnector (vLLM)",
@@ -162,7 +162,7 @@ def _nixl_pair(model: Path, logs: Path) -> Pair:
     )
 
 
-def _mooncake_pair(model: Path, logs: Path) -> Pair:
+def _mooncake_pair(model: Path, logs: Path, max_len: int) -> Pair:
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -182,9 +182,15 @@ def _mooncake_pair(model: Path, logs: Path) -> Pair:
         }
 
     prefill = start_vllm(
-        model, kv_transfer_config=config("kv_producer", engine_id=engine), env=env, log_dir=logs / "mooncake"
+        model,
+        max_model_len=max_len,
+        kv_transfer_config=config("kv_producer", engine_id=engine),
+        env=env,
+        log_dir=logs / "mooncake",
     )
-    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "mooncake")
+    decode = start_vllm(
+        model, max_model_len=max_len, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "mooncake"
+    )
     return Pair(
         "MooncakeConnector (vLLM)",
         prefill,
@@ -346,9 +352,11 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.testing.vllm_server import wait_healthy
 
     lengths = args.lengths or list(LENGTHS)
+    # room for the longest prompt and its tokens (the tiny model's positions end at 2048)
+    max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)
     reps = args.requests or 5
     if args.compare == "nixl":
-        launchers: list[Callable[[Path, Path], Pair]] = [
+        launchers: list[Callable[[Path, Path, int], Pair]] = [
             functools.partial(_kvbridge_pair, transport="nixl"),
             _nixl_pair,
         ]
@@ -366,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         for launch in launchers:
-            pair = launch(model, logs)
+            pair = launch(model, logs, max_len)
             try:
                 wait_healthy([pair.prefill, pair.decode], timeout=600)
                 rows += _measure(pair, str(model), lengths, reps, lambda: progress.advance(task))

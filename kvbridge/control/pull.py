@@ -88,9 +88,11 @@ class DecodeControl:
         params: KVTransferParams,
         local_blocks: Sequence[int],
         on_finished: FinishedCallback | None = None,
+        timing: dict[str, float] | None = None,
     ) -> PullHandle:
         """Pull this rank's share of the request `params` describe into `local_blocks`.
 
+        `timing`, if given, gets `offer_wait_ms`: how long the BeginPulls waited for prefill's offers.
         Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank never became
         ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
         """
@@ -115,6 +117,7 @@ class DecodeControl:
             self._local_ids[rid] = request_id
         try:
             infos = []
+            waited = 0.0
             for rank in ranks:
                 client, addr = self._client(params, rank)
                 infos.append(self._info(client, addr, params.remote_engine_id, rid))
@@ -128,6 +131,9 @@ class DecodeControl:
                     blocks=_blocks_read(plan, self.agent.rank, rank, params.block_ids),
                 )
                 leases[rank] = (client, status.epoch, count)
+                waited += status.waited_ms
+            if timing is not None:
+                timing["offer_wait_ms"] = waited
             return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
         except BaseException as exc:
             # This rank will not read: release what it announced, the ranks it was to read but had not
