@@ -497,10 +497,12 @@ class Proxy:
         return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
 
     async def instances(self) -> Any:
-        return {
+        state: dict[str, Any] = {
             role: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
             for role, p in self.pools.items()
         }
+        state["warmed"] = sorted(self._warm)  # (prefill, decode) pairs whose first contact is made
+        return state
 
     async def prometheus(self) -> Response:
         return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
