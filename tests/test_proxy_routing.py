@@ -65,7 +65,8 @@ class Upstream(Serving):
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
                 params = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "kvbridge_timing": {"prefill_ms": 0.5}}
             else:  # and the decode's pull phases, in its (non-streamed) answer
-                phases = {"queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2, "transfer_ms": 0.3, "done_ms": 0.4}
+                phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}
+                phases |= {"transfer_ms": 0.3, "done_ms": 0.4}
                 params = {"kvbridge_timing": phases}
             return {"choices": [{"text": role, "index": 0}], "kv_transfer_params": params}
 

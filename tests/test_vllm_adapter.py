@@ -210,7 +210,7 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     # The pull's phases go back to the scheduler for the request's answer; prefill counted its lease.
     meta = workers.decode.take_timings()
     assert meta is not None and set(meta.timings) == {"d1"}
-    assert set(meta.timings["d1"]) == {"queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms"}
+    assert set(meta.timings["d1"]) == {f"{p}_ms" for p in ("dispatch", "queue", "offer_wait", "control", "transfer", "done")}
     assert all(v >= 0 for v in meta.timings["d1"].values())
     held = workers.prefill.take_stats()
     assert held is not None and held.data["leases"] == [["offered"], ["released"]]

@@ -244,11 +244,14 @@ def _breakdown(ttft_ms: float, prefill: dict, decode: dict) -> dict[str, float]:
     """One request's decode TTFT by phase, from what KVBridgeConnector's servers reported in their answers'
     `kvbridge_timing` (empty for another connector). `control` is the side channel and the thread hops
     (queue, BeginPull, DONEs); `decode_step` is what remains of the TTFT: the decode engine's own steps
-    (reporting the load, computing the first token) and its HTTP front end."""
+    (carrying the pull to its workers, reporting the load, computing the first token) and its HTTP
+    front end."""
     if not decode:
         return {}
     pull = {k: float(decode.get(k, 0.0)) for k in ("queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")}
     out = {
+        **{f"part_{k}": v for k, v in pull.items()},  # the decode's own phases, for --json
+        "part_dispatch_ms": float(decode.get("dispatch_ms", 0.0)),
         "offer_wait_ms": pull["offer_wait_ms"],
         "control_ms": pull["queue_ms"] + pull["control_ms"] + pull["done_ms"],
         "pull_transfer_ms": pull["transfer_ms"],
@@ -306,7 +309,7 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
             )
             samples["decode_ttft_ms"].append(ttft * 1e3)
             for k, v in _breakdown(ttft * 1e3, _timing(first), _timing(answer)).items():
-                samples[k].append(v)
+                samples.setdefault(k, []).append(v)
             local, _ = _answer(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500)})
             samples["recompute_ttft_ms"].append(local * 1e3)
             advance()

@@ -214,9 +214,10 @@ class WorkerSide:
                 self._stepped[offer.offer_id] = offer.request_id
             # the same lease as the early offer's, if that came; the decode side states the release count
             self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+        received = time.time()
         for task in meta.pulls:
             if task.local_block_ids:
-                self._pool.submit(self._pull, task)
+                self._pool.submit(self._pull, task, received)
             else:
                 self._release(task)
 
@@ -232,12 +233,13 @@ class WorkerSide:
             with self._lock:
                 self._recved.add(task.request_id)
 
-    def _pull(self, task: PullTask) -> None:
+    def _pull(self, task: PullTask, received: float) -> None:
         assert self.control is not None
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
         elapsed = control = 0.0
-        queued = max(0.0, time.time() - task.asked_at)  # from the scheduler's step to this thread
+        dispatched = max(0.0, received - task.asked_at)  # the engine's step: from its scheduler to this worker
+        queued = max(0.0, time.time() - received)  # from the step to this thread
         begun = time.perf_counter()
         params = task.params
         if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
@@ -265,6 +267,7 @@ class WorkerSide:
             result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
             error = outcome[0]
             phases = {
+                "dispatch_ms": dispatched * 1e3,
                 "queue_ms": queued * 1e3,
                 "offer_wait_ms": offer_wait * 1e3,
                 "control_ms": control * 1e3,
