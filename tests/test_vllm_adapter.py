@@ -255,6 +255,13 @@ def test_worker_early_offer_and_step_offer_are_one_lease(workers: Workers) -> No
         workers.wait_sent("p10")
         workers.poll()
         assert workers.sent == {"p9", "p10"} and workers.prefill.ledger.active == []
+        # A stray early offer of a request the step then offers under its own id never breaks the step.
+        assert scheduler.request(Offer("p11", (8,), "offer-forged")) == Ack()
+        workers.offer("p11", [8])
+        assert workers.prefill.ledger.active == ["p11"] and workers.prefill.ledger.query("p11").valid
+        workers.pull("d11", workers.params("p11", [8]), [9])
+        workers.wait_sent("p11")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
     finally:
         scheduler.close()
 

@@ -56,7 +56,7 @@ class SchedulerSide:
         self._ranks = [
             (settings.host, self.side_channel_port + i) for i in range(self.tp_size * parallel.pipeline_parallel_size)
         ]
-        self._early = True  # False once a rank refused early offers: its memory is published in the step
+        self._early = settings.early_offer  # False once a rank refused them: its memory is published in the step
         self._sender: ThreadPoolExecutor | None = None
         self._clients = ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler")
         self._offer_prefix = uuid.uuid4().hex[:12]  # offer ids unique across this engine's restarts

@@ -33,7 +33,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.agent import KVAgent, PullResult
 from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.landing import Receiver
 from kvbridge.ranks import side_channel_port, stage_port
 from kvbridge.regions import device_of
@@ -213,7 +213,14 @@ class WorkerSide:
                     continue
                 self._stepped[offer.offer_id] = offer.request_id
             # the same lease as the early offer's, if that came; the decode side states the release count
-            self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+            try:
+                self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+            except ConfigError as exc:
+                # An early offer this step does not confirm (another offer id: a stray or forged one) holds
+                # the request: the step's offer is the truth. A decode reading the stray lease fails its DONE.
+                log.warning("request %s: %s; replacing that lease with the engine step's offer", offer.request_id, exc)
+                self.ledger.abort(offer.request_id)
+                self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
         received = time.time()
         for task in meta.pulls:
             if task.local_block_ids:
