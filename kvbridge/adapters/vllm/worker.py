@@ -263,23 +263,23 @@ class WorkerSide:
                 on_finished=lambda _rid, error: outcome.append(error),
                 timing=timing,
             )
-            # `start` returns as soon as the transfers are submitted. The transfer is timed by itself,
-            # as vLLM's own connectors do; the control round trips before it (less the wait for prefill's
-            # offer) and the DONEs after apart.
-            start = time.perf_counter()
-            offer_wait = timing.get("offer_wait_ms", 0.0) / 1e3
-            control = max(0.0, start - begun - offer_wait)
+            # `start` returns as soon as the transfers are submitted (a transport may even finish them and
+            # send the DONEs inside it). The transfer is timed by itself, as vLLM's own connectors do; the
+            # control round trips before it (less the wait for prefill's offer) and the DONEs after apart.
             wait_all(handle.handles, self.settings.pull_timeout_s)
-            elapsed = time.perf_counter() - start
             result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
+            ended = time.perf_counter()
             error = outcome[0]
+            offer_wait = timing["offer_wait_ms"] / 1e3
+            control = max(0.0, timing["announced_at"] - begun - offer_wait)
+            elapsed = timing["transferred_at"] - timing["announced_at"]
             phases = {
                 "dispatch_ms": dispatched * 1e3,
                 "queue_ms": queued * 1e3,
                 "offer_wait_ms": offer_wait * 1e3,
                 "control_ms": control * 1e3,
                 "transfer_ms": elapsed * 1e3,
-                "done_ms": (time.perf_counter() - start - elapsed) * 1e3,
+                "done_ms": (ended - timing["transferred_at"]) * 1e3,  # the DONEs and the way back to this thread
             }
             with self._lock:
                 self._timings[task.request_id] = {k: round(v, 3) for k, v in phases.items()}
