@@ -266,6 +266,50 @@ def test_worker_early_offer_and_step_offer_are_one_lease(workers: Workers) -> No
         scheduler.close()
 
 
+def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(workers: Workers) -> None:
+    # vLLM's scheduler side, as the engine core builds it, tells its worker's ledger at request_finished;
+    # the step's metadata then carries the same offer (one offer id), which changes nothing.
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
+
+    port = workers.prefill.server.address[1]
+    extra = {"migration_backend": "loopback", "side_channel_port": port}
+    config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role="kv_producer",
+            engine_id="prefill",
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
+    scheduler = SchedulerSide(config, "prefill", Settings.from_extra_config(extra))
+    try:
+        request = Request("p12", list(range(2 * BLOCK)), SamplingParams(max_tokens=1), None)
+        request.kv_transfer_params = {"do_remote_decode": True}
+        request.status, request.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 2 * BLOCK
+        delay, params = scheduler.request_finished(request, [3, 4])
+        assert delay and params is not None and params["remote_port"] == port
+        wait_for(lambda: workers.prefill.ledger.active == ["p12"], what="the early offer (no step yet)")
+        meta = scheduler.build_connector_meta(None)
+        [offer] = meta.offers
+        assert workers.prefill.ledger.query("p12").blocks == offer.blocks == (3, 4)
+        workers.prefill.start_load_kv(meta)  # the step's offer: the same lease
+        workers.pull("d12", params, [6, 7])
+        workers.wait_recved("d12")
+        workers.wait_sent("p12")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+        assert workers.prefill.take_stats().data["leases"] == [["offered"], ["released"]]
+        timing = workers.decode.take_timings().timings["d12"]
+        assert timing["offer_wait_ms"] == 0.0, "the offer was there before the decode asked"
+    finally:
+        scheduler.shutdown()
+
+
 def test_worker_lease_expiring_during_the_read_is_a_load_error() -> None:
     w = Workers(prefill={"lease_s": 1.5})
     try:
