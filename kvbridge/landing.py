@@ -235,7 +235,7 @@ class Receiver:
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
+                self._free = [b for b in self._free if b is not buf]  # by identity: == compares tensors
                 return buf
         size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         buf = self.device.allocate(size, self.device_id)

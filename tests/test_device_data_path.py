@@ -363,7 +363,9 @@ def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: s
             assert acc.calls == [("event_record", 0), ("event_synchronize", 0)]
             acc.calls.clear()
         blocks = [11, 3, 4, 5, 9, 8, 2]
-        out = decode.decode([{"id": "r0", "index": 0, "tokens": tokens, "blocks": blocks, "params": params["r0"]}], True)
+        out = decode.decode(
+            [{"id": "r0", "index": 0, "tokens": tokens, "blocks": blocks, "params": params["r0"]}], verify=True
+        )
         assert out["bad"] == {} and out["missing"] == [] and out["load_errors"] == []
         receiver = decode.worker._worker.agent.receiver
         assert not receiver.direct(prefill.worker._worker.agent.info().layout)  # another layout: landed
