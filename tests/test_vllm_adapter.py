@@ -6,6 +6,7 @@ plugin registration."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 
@@ -334,6 +335,20 @@ def test_worker_stale_engine_is_a_load_error_and_releases_prefill_at_once(worker
     assert not torch.stack(list(workers.d_caches.values())).any(), "nothing is read from another engine"
     workers.wait_sent("p4")
     assert workers.prefill.ledger.state("p4") is LeaseState.RELEASED  # by DONE, not by expiry
+
+
+def test_worker_pipeline_parallel_mismatch_is_a_clear_load_error(
+    workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    # each decode stage reads its layers from the same prefill stage: another PP size cannot be read
+    workers.offer("p7", [1, 2])
+    with caplog.at_level(logging.ERROR, logger="kvbridge"):
+        workers.pull("d7", workers.params("p7", [1, 2], pp_size=2), [4, 5])
+        workers.wait_recved("d7")
+    assert workers.decode.get_block_ids_with_load_errors() == {4, 5}
+    assert "runs pipeline parallel size 2, this decode engine 1" in caplog.text
+    assert "same --pipeline-parallel-size" in caplog.text
+    assert not torch.stack(list(workers.d_caches.values())).any()
 
 
 def test_worker_request_decode_will_not_read_is_aborted_on_prefill(workers: Workers) -> None:

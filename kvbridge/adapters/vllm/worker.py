@@ -77,9 +77,11 @@ class WorkerSide:
         kv_layout: str = "LBHNC",
         mla: bool = False,
         backend_name: str = "vLLM",
+        cache_dtype: str = "auto",
     ) -> None:
         self.engine_id = engine_id
         self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
+        self.cache_dtype = cache_dtype  # vLLM's kv_cache_dtype: fp8 caches are uint8 tensors, the name says which
         self.mla = mla
         self.backend_name = backend_name
         self.settings = settings
@@ -153,6 +155,7 @@ class WorkerSide:
             kv_layout=resolved_layout(vllm_config),
             mla=is_mla(vllm_config, kv_cache_config),
             backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"),
+            cache_dtype=str(vllm_config.cache_config.cache_dtype),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -165,6 +168,7 @@ class WorkerSide:
             tp_size=self.tp_size,
             mla=self.mla,
             backend=self.backend_name,
+            cache_dtype=self.cache_dtype,
         )
         s = self.settings
         # storages are addresses: the device plugin comes from the KV tensors (cuda, npu, ...; cpu here)
@@ -181,7 +185,8 @@ class WorkerSide:
             metadata_server=s.metadata_server,
             **s.transport_options(),
         )
-        self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
+        views = byte_views(kv_caches, layout=self.kv_layout)
+        self.agent.receiver = Receiver(self.agent.backend, layout, views, self.agent.device)
         if s.fault_injection:
             from kvbridge.chaos.inject import install
 
@@ -249,13 +254,21 @@ class WorkerSide:
         queued = max(0.0, time.time() - received)  # from the step to this thread
         begun = time.perf_counter()
         params = task.params
-        if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
-            params = attrs.evolve(
-                params,
-                remote_port=stage_port(int(params.remote_port), remote_tp_size=params.tp_size, pp_rank=self.pp_rank),
-            )
         timing: dict[str, float] = {}
         try:
+            if params.pp_size != self.pp_size:
+                raise ConfigError(
+                    f"request {task.request_id}: prefill engine {params.remote_engine_id} runs pipeline parallel "
+                    f"size {params.pp_size}, this decode engine {self.pp_size}; each stage reads its layers from "
+                    "the same stage of prefill, so run both engines with the same --pipeline-parallel-size"
+                )
+            if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
+                params = attrs.evolve(
+                    params,
+                    remote_port=stage_port(
+                        int(params.remote_port), remote_tp_size=params.tp_size, pp_rank=self.pp_rank
+                    ),
+                )
             handle = self.control.start(
                 task.request_id,
                 params,
