@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+CONTROL_TIMEOUT_S = 5.0
 
 MAX_EARLY_RELEASES = 100_000  # leases released before their step's offer, remembered until it comes
 
@@ -191,8 +192,15 @@ class WorkerSide:
             from kvbridge.chaos.inject import install
 
             install(self.agent.backend, s.fault_injection)
+        # One side-channel message waits at most CONTROL_TIMEOUT_S for its answer (a healthy peer answers in
+        # milliseconds; one sent to a prefill that was then killed is never answered); waiting for a peer to be
+        # ready or for its offer is bounded by pull_timeout_s.
         self.control = DecodeControl(
-            self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s, timeout_s=s.pull_timeout_s
+            self.agent,
+            self.server,
+            secret=s.secret,
+            ready_timeout_s=s.pull_timeout_s,
+            timeout_s=min(s.pull_timeout_s, CONTROL_TIMEOUT_S),
         )
         self.server.accept_offers = self.agent.publish_is_free
         self.server.register(self.agent.info())
