@@ -27,7 +27,9 @@ nothing to pull), with a `PullResult`:
 - `notify`: prefill ranks nobody reads, listed only on the plan's notifier rank (the first rank
   of the decode DP group), which tells them to free their blocks;
 - `error`: None, or the exception that failed the pull (the engine recomputes; DONEs still go
-  out so the prefill side does not hold blocks until its lease expires).
+  out so the prefill side does not hold blocks until its lease expires);
+- `retries`: how many times its transfers were resubmitted (the transport's own retries and the
+  transfer deadline's), for the operator's metrics.
 
 The agent keeps no request state after the callback: leases, DONE messages and aborts belong to
 the control plane (`kvbridge.control`).
@@ -84,6 +86,7 @@ class PullResult:
     nbytes: int
     descriptors: int
     error: BaseException | None = None
+    retries: int = 0  # resubmissions its transfers needed (`TransferHandle.retries`), failed or not
 
 
 class PullHandle:
@@ -123,7 +126,8 @@ class PullHandle:
         except Exception as exc:  # e.g. the rearrangement of landed blocks: the pull failed, recompute
             log.exception("request %s: finishing the pull failed", self.request_id)
             error = error or exc
-        self._result = attrs.evolve(self._result, error=error)
+        retries = sum(h.retries for h in self.handles)
+        self._result = attrs.evolve(self._result, error=error, retries=retries)
         if self._on_done is not None:
             try:
                 self._on_done(self._result)

@@ -219,6 +219,23 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     assert [sum(h[i] for h in held.data["held"]) for i in (0, 1)] == [0, 0]
 
 
+def test_worker_counts_the_transfer_retries_of_a_pull(workers: Workers) -> None:
+    """A batch that fails once is resubmitted under the transfer deadline; the pull succeeds and its
+    retry reaches the stats (kvbridge_transfer_retries_total)."""
+    backend = workers.decode.agent.backend
+    backend.transfer_deadline_s = 10.0
+    backend.inject(fail_completion=1)
+    workers.offer("p8", [1, 2])
+    workers.pull("d8", workers.params("p8", [1, 2]), [3, 4])
+    workers.wait_recved("d8")
+    assert workers.decode.get_block_ids_with_load_errors() == set()
+    stats = workers.decode.take_stats()
+    host, port = workers.prefill.server.address
+    assert stats is not None and stats.data["retries"] == [["loopback", f"{host}:{port}", 1]]
+    assert len(stats.data["pulls"]) == 1 and not stats.data["failures"]
+    assert stats.reduce()["Num retries"] == 1
+
+
 def test_worker_pull_waits_for_an_offer_that_trails_the_params(workers: Workers) -> None:
     # vLLM's prefill scheduler answers the proxy a step before its worker offers the request: the
     # decode's BeginPull waits (bounded by pull_timeout_s) for the offer instead of failing.
@@ -469,6 +486,7 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     decode, prefill = KVBridgeStats(), KVBridgeStats()
     decode.record("mooncake", "10.0.0.1:5800", 0.01, 0.002, 4096, 3)
     decode.record_failure("mooncake", "10.0.0.1:5800", LoadError("lease gone"))
+    decode.record_retries("mooncake", "10.0.0.1:5800", 2)
     prefill.record_lease("offered", 1, 4)
     prefill.record_lease("offered", 1, 2)
     prefill.record_lease("released", -1, -4)
@@ -484,6 +502,7 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     assert samples[("kvbridge_transfer_descriptors_total", None)] == 3
     assert samples[("kvbridge_transfer_seconds_count", None)] == 1
     assert samples[("kvbridge_transfer_failures_total", "lease")] == 1
+    assert samples[("kvbridge_transfer_retries_total", None)] == 2
     assert samples[("kvbridge_lease_events_total", "offered")] == 2
     assert (samples[("kvbridge_leases_held", None)], samples[("kvbridge_blocks_held", None)]) == (1, 2)
 

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+CONTROL_TIMEOUT_S = 5.0
 
 MAX_EARLY_RELEASES = 100_000  # leases released before their step's offer, remembered until it comes
 
@@ -191,8 +192,15 @@ class WorkerSide:
             from kvbridge.chaos.inject import install
 
             install(self.agent.backend, s.fault_injection)
+        # One side-channel message waits at most CONTROL_TIMEOUT_S for its answer (a healthy peer answers in
+        # milliseconds; one sent to a prefill that was then killed is never answered); waiting for a peer to be
+        # ready or for its offer is bounded by pull_timeout_s.
         self.control = DecodeControl(
-            self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s, timeout_s=s.pull_timeout_s
+            self.agent,
+            self.server,
+            secret=s.secret,
+            ready_timeout_s=s.pull_timeout_s,
+            timeout_s=min(s.pull_timeout_s, CONTROL_TIMEOUT_S),
         )
         self.server.accept_offers = self.agent.publish_is_free
         self.server.register(self.agent.info())
@@ -249,6 +257,7 @@ class WorkerSide:
         assert self.control is not None
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
+        handle = None
         elapsed = control = 0.0
         dispatched = max(0.0, received - task.asked_at)  # the engine's step: from its scheduler to this worker
         queued = max(0.0, time.time() - received)  # from the step to this thread
@@ -304,6 +313,8 @@ class WorkerSide:
             error = exc
         transport = self.agent.backend.name if self.agent is not None else "none"
         peer = f"{task.params.remote_host}:{task.params.remote_port}"  # one per prefill server: bounded
+        if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
+            self.stats.record_retries(transport, peer, sum(h.retries for h in handle.handles))
         if error is None and result is not None:
             self.stats.record(transport, peer, elapsed, control, result.nbytes, result.descriptors)
         elif isinstance(error, KVBridgeError):
