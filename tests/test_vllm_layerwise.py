@@ -97,7 +97,8 @@ def streams() -> Streams:
 def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Streams) -> None:
     remote, local, tokens = [1, 2, 3, 7], [4, 5, 9, 0], 3 * BLOCK + 16  # the tail block is partial
     streams.read("d1", "t1", local, tokens)  # decode asks first: its blocks exist before prefill starts
-    streams.step(LayerwiseMeta(starts=[StreamStart("p1", "t1", remote[:2], tokens)], computed={"p1": 2 * BLOCK}), [1, 2])
+    start = StreamStart("p1", "t1", remote[:2], tokens)
+    streams.step(LayerwiseMeta(starts=[start], computed={"p1": 2 * BLOCK}), [1, 2])
     # The first chunk's blocks land while the prompt is still being computed.
     wait_for(lambda: streams.decoded(local[:2], remote[:2]), what="the first chunk to be read mid-prefill")
     assert not torch.stack(list(streams.d_caches.values()))[:, local[2:]].any(), "unfinished blocks are not read"
