@@ -151,6 +151,18 @@ def test_layerwise_decode_dropping_the_request_mid_stream_aborts_it_on_prefill(s
     assert "p3" in streams.sent
 
 
+def test_layerwise_prefill_preempting_the_request_cuts_the_stream_without_reporting_it(streams: Streams) -> None:
+    remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+    streams.read("d5", "t5", local, tokens)
+    streams.step(LayerwiseMeta(starts=[StreamStart("p5", "t5", remote, tokens)], computed={"p5": BLOCK}), [1])
+    streams.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(preempted=["p5"])))
+    # The lease ends before vLLM reuses the blocks; vLLM freed them itself, so it is not told "finished".
+    assert streams.prefill.ledger.state("t5") is LeaseState.ABORTED
+    wait_for(lambda: streams.poll() or "d5" in streams.recved, what="decode to give up the stream")
+    assert streams.decode.get_block_ids_with_load_errors() == set(local)
+    assert "p5" not in streams.sent
+
+
 def test_layerwise_decode_killed_mid_stream_frees_prefill_by_its_lease() -> None:
     s = Streams(prefill={"lease_s": 1.0})
     try:

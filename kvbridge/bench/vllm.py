@@ -80,6 +80,13 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "over NIXL (UCX); none: KVBridgeConnector over Mooncake alone (default mooncake)",
     )
     group.add_argument(
+        "--transfer",
+        choices=["pull", "layerwise"],
+        default="pull",
+        help="layerwise: layer-wise streaming against pull mode on one KVBridgeConnector pair, with the share "
+        "of the transfer hidden behind prefill compute (kvbridge.bench.vllm_layerwise; default pull)",
+    )
+    group.add_argument(
         "--keep-logs",
         default=None,
         metavar="DIR",
@@ -345,6 +352,10 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.testing.tiny_model import build_tiny_llama
     from kvbridge.testing.vllm_server import wait_healthy
 
+    if getattr(args, "transfer", "pull") == "layerwise":
+        from kvbridge.bench import vllm_layerwise
+
+        return vllm_layerwise.run(args)
     lengths = args.lengths or list(LENGTHS)
     reps = args.requests or 5
     if args.compare == "nixl":

@@ -40,6 +40,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds between health checks of every instance (default 2)",
     )
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="upstream request timeout (default 600)")
+    p.add_argument(
+        "--transfer",
+        choices=["pull", "layerwise"],
+        default="pull",
+        help="pull: prefill, then decode with its params; layerwise: both at once with one transfer id, decode "
+        'reads each layer while prefill computes (servers with "transfer": "layerwise"; the first request '
+        "to each prefill server goes the pull way, which tells the proxy its side channel) (default pull)",
+    )
     p.set_defaults(run=run)
 
 
@@ -48,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvbridge.adapters.vllm.proxy import create_app
 
-    app = create_app(args.prefill, args.decode, health_interval=args.health_interval, timeout=args.timeout)
+    app = create_app(
+        args.prefill, args.decode, health_interval=args.health_interval, timeout=args.timeout, transfer=args.transfer
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -113,13 +113,16 @@ class LayerwiseMeta:
     starts: list[StreamStart] = field(default_factory=list)
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request id -> blocks added this step
     computed: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens done after this step
-    ends: dict[str, bool] = field(default_factory=dict)  # request id -> aborted (or preempted)
+    ends: dict[str, bool] = field(default_factory=dict)  # request id -> aborted (vLLM finished it)
+    preempted: list[str] = field(default_factory=list)  # blocks freed for a recompute: the stream is cut
     tasks: list[StreamTask] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # decode requests dropped while streaming
     applied: bool = False  # set by the worker that applied it (vLLM binds it once per step)
 
     def __bool__(self) -> bool:
-        return bool(self.starts or self.blocks or self.computed or self.ends or self.tasks or self.cancels)
+        return bool(
+            self.starts or self.blocks or self.computed or self.ends or self.preempted or self.tasks or self.cancels
+        )
 
 
 # -- scheduler side ------------------------------------------------------------------------------
@@ -180,8 +183,10 @@ class LayerwiseScheduler:
             meta.computed[rid] = min(tokens, done + scheduled.get(rid, 0))
         for rid in scheduler_output.preempted_req_ids or ():
             if rid in self._started:  # its blocks are freed now: the lease must end before they are reused
-                meta.ends[rid] = True
+                self._started.discard(rid)  # not streamed again after its recompute: decode recomputes too
+                meta.preempted.append(rid)
                 meta.computed.pop(rid, None)
+                meta.blocks.pop(rid, None)
         return meta
 
     def producer_finished(self, request: Any, normally: bool) -> bool | None:
@@ -217,6 +222,7 @@ class _Stream:
     step: int = 0  # prompt tokens computed once the current step's layers have run
     ended: bool = False
     released: bool = False
+    preempted: bool = False  # vLLM freed the blocks itself: nothing to report
 
 
 class Producer:
@@ -262,6 +268,14 @@ class Producer:
             if tid is not None:
                 with self._lock:
                     self._streams[tid].step = computed
+        for rid in meta.preempted:
+            tid = self._by_request.get(rid)
+            if tid is None:
+                continue
+            with self._lock:
+                self._streams[tid].preempted = True
+            self._abort(tid, "prefill preempted the request")
+            self._maybe_finish(tid)
         for rid, aborted in meta.ends.items():
             tid = self._by_request.get(rid)
             if tid is None:
@@ -278,7 +292,7 @@ class Producer:
         if layer is None or self.agent is None:
             return
         with self._lock:
-            due = [s for s in self._streams.values() if not s.ended and s.step > s.ready[layer]]
+            due = [s for s in self._streams.values() if not s.preempted and s.step > s.ready[layer]]
         for s in due:
             bs = self.block_size
             first, last = s.ready[layer] // bs, -(-s.step // bs)
@@ -307,11 +321,12 @@ class Producer:
     def _maybe_finish(self, transfer_id: str) -> None:
         with self._lock:
             s = self._streams.get(transfer_id)
-            if s is None or not (s.ended and s.released):
+            if s is None or not ((s.ended or s.preempted) and s.released):
                 return
             del self._streams[transfer_id]
             self._by_request.pop(s.request_id, None)
-            self._finished.add(s.request_id)
+            if not s.preempted:
+                self._finished.add(s.request_id)
 
     def take_finished(self) -> set[str]:
         with self._lock:
