@@ -370,7 +370,9 @@ class Proxy:
     def _learn(self, prefill_url: str, params: KVTransferParams) -> None:
         """Keep where a prefill server's side channel is, for layer-wise requests to it (one DP rank only:
         with several, the proxy cannot know which one will hold a request before it answers)."""
-        if self.transfer != "layerwise" or prefill_url in self.identities or params.remote_engine_id is None:
+        if self.transfer != "layerwise" or prefill_url in self.identities:
+            return
+        if None in (params.remote_engine_id, params.remote_host, params.remote_port):
             return
         if params.dp_size > 1:
             log.warning("prefill server %s runs DP %d: its requests stay in pull mode", prefill_url, params.dp_size)
@@ -384,7 +386,12 @@ class Proxy:
             dcp_size=params.dcp_size,
             pp_size=params.pp_size,
         )
-        log.info("prefill server %s: side channel %s:%s, layer-wise from now on", prefill_url, *params.side_channel(0))
+        log.info(
+            "prefill server %s: side channel %s:%s, layer-wise from now on",
+            prefill_url,
+            params.remote_host,
+            params.remote_port,
+        )
 
     async def _complete_layerwise(
         self,
