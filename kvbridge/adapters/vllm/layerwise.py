@@ -375,7 +375,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
     ranks = sorted({p.prefill_rank for p in plan.pulls_for(agent.rank)})
     leases: dict[int, tuple[ControlClient, int, int]] = {}
     handles: list[TransferHandle] = []
-    intervals: list[tuple[float, float]] = []
+    spans: list[list[float]] = []
     nbytes = ndesc = 0
     began = time.time()
     try:
@@ -443,10 +443,11 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                         first = {"src_first": p.src_first + a * p.src_step, "dst_first": p.dst_first + a * p.dst_step}
                         sub = attrs.evolve(p, num_blocks=b - a, **first)
                         desc = pull_descriptors(sub, mine, theirs, local, st.lease.blocks)
-                        start = time.time()
+                        span = [time.time(), 0.0]  # submitted, completed (set by the transport's thread)
                         h = agent.backend.transfer(peer, desc, "read")
-                        h.add_done_callback(lambda _h, start=start: intervals.append((start, time.time())))
+                        h.add_done_callback(lambda _h, span=span: span.__setitem__(1, time.time()))
                         handles.append(h)
+                        spans.append(span)
                         nbytes += int(desc[:, 2].sum())
                         ndesc += len(desc)
                     for layer in group:
@@ -474,6 +475,8 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         if error is not None:
             raise error
         ended = time.time()
+        # a callback may still be running when wait_all returns: its transfer ended by now
+        intervals = [(a, b or ended) for a, b in spans]
         done_at = time.perf_counter()
         _dones(rid, control, leases, notify, None)
         busy = _busy(intervals)
