@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvbridge.backend import TransferHandle, wait_all
+from kvbridge.backend import TransferHandle
 from kvbridge.control.messages import StreamStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, TransferTimeout
@@ -470,7 +470,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
             else:
                 delay = min(delay * 2, POLL_MAX_S)
             time.sleep(delay)  # bounded by the timeout above
-        wait_all(handles, timeout_s)
+        _settle(handles, timeout_s)
         error = next((e for e in (h.exception() for h in handles) if e is not None), None)
         if error is not None:
             raise error
@@ -491,10 +491,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         }
         return StreamResult(nbytes, ndesc, {k: round(v, 3) for k, v in phases.items()})
     except BaseException as exc:
-        try:
-            wait_all(handles, timeout_s)  # never leave a read running into blocks vLLM may reuse
-        except KVBridgeError:
-            pass
+        _settle(handles, timeout_s)  # never leave a read running into blocks vLLM recomputes or reuses
         release = list(notify)
         for rank in ranks:
             if rank not in leases:
@@ -511,6 +508,16 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
             leases = {}
         _dones(rid, control, leases, release, exc)
         raise
+
+
+def _settle(handles: Sequence[TransferHandle], timeout_s: float) -> None:
+    """Wait for every read to end, failed ones included (`wait_all` stops at the first error)."""
+    deadline = time.monotonic() + timeout_s
+    for h in handles:
+        try:
+            h.wait(max(0.0, deadline - time.monotonic()))
+        except KVBridgeError:
+            pass  # its exception() says why; a read still running after the deadline is the transport's to end
 
 
 def _dones(

@@ -229,6 +229,10 @@ class WorkerSide:
         lw.applied = True
         if self.producer is not None:
             self.producer.apply(lw)
+            for start in lw.starts:  # a stream's lease is held from its first step, and grows chunk by chunk
+                self.stats.record_lease("offered", 1, len(start.blocks))
+            for added in lw.blocks.values():
+                self.stats.record_lease("extended", 0, len(added))
         for rid in lw.cancels:
             with self._lock:
                 cancel = self._cancels.get(rid)
