@@ -132,8 +132,9 @@ class LayerwiseScheduler:
     """The scheduler's part: which prefill requests stream (and how far they got), which decode requests
     read layer by layer."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, *, enabled: bool) -> None:
         self.block_size = block_size
+        self.enabled = enabled  # this server runs "transfer": "layerwise" (its workers stream)
         self._producers: dict[str, tuple[str, int]] = {}  # request id -> transfer id, prompt tokens
         self._started: set[str] = set()
         self._meta = LayerwiseMeta()
@@ -144,6 +145,14 @@ class LayerwiseScheduler:
         """A prefill request asking to be streamed (seen when the scheduler first considers it)."""
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_decode") and is_layerwise(params)):
+            return
+        if not self.enabled:
+            log.error(
+                'request %s asks for layer-wise streaming, but this server runs "transfer": "pull"; it is '
+                "offered when finished instead (decode's read of it then times out and recomputes)",
+                request.request_id,
+            )
+            params["transfer_mode"] = "pull"
             return
         transfer_id = params.get("transfer_id")
         if not transfer_id:

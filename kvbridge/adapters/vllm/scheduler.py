@@ -47,7 +47,7 @@ class SchedulerSide:
         self._offers: list[tuple[str, tuple[int, ...]]] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
         self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
-        self.layerwise = LayerwiseScheduler(self.block_size)
+        self.layerwise = LayerwiseScheduler(self.block_size, enabled=settings.transfer == "layerwise")
 
     def _decode_params(self, request: Request) -> KVTransferParams | None:
         """The request's params if it is still to be pulled (decoded on first sight), else None."""

@@ -245,9 +245,10 @@ class WorkerSide:
                     "it is computed here instead",
                     task.request_id,
                 )
-                with self._lock:
-                    self._load_errors.update(task.local_block_ids)
-                    self._recved.add(task.request_id)
+                if task.local_block_ids:
+                    with self._lock:
+                        self._load_errors.update(task.local_block_ids)
+                        self._recved.add(task.request_id)
             elif task.local_block_ids:
                 with self._lock:
                     self._cancels[task.request_id] = threading.Event()
