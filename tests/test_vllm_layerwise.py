@@ -191,3 +191,61 @@ def test_layerwise_refuses_block_outermost_layouts_at_start_up() -> None:
         w.shutdown()
     with pytest.raises(ConfigError, match="transfer"):
         Settings.from_extra_config({"transfer": "push"})
+
+
+def test_scheduler_side_follows_chunked_prefill_preemption_and_finish() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
+
+    def output(new: list, cached: CachedRequestData, tokens: dict, preempted: set | None = None) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=tokens,
+            total_num_scheduled_tokens=sum(tokens.values()),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=set(),
+            free_encoder_mm_hashes=[],
+            preempted_req_ids=preempted,
+        )
+
+    def cached(rid: str, blocks: list[int], computed: int) -> CachedRequestData:
+        c = CachedRequestData.make_empty()
+        c.req_ids, c.new_block_ids, c.num_computed_tokens, c.num_output_tokens = [rid], [(blocks,)], [computed], [0]
+        return c
+
+    def new(rid: str, blocks: list[int], computed: int = 0) -> NewRequestData:
+        return NewRequestData(rid, list(range(100)), [], None, None, (blocks,), computed, None)
+
+    sched = LayerwiseScheduler(BLOCK, enabled=True)
+    streamed = {"do_remote_decode": True, "transfer_mode": "layerwise", "transfer_id": "t"}
+    requests = {
+        rid: SimpleNamespace(request_id=rid, kv_transfer_params=dict(params), prompt_token_ids=list(range(100)))
+        for rid, params in (("a", streamed), ("b", {**streamed, "transfer_id": "u"}), ("c", {"do_remote_decode": True}))
+    }
+    for r in requests.values():
+        sched.note_producer(r)
+    # Step 1: a and c start (a chunk of 64 tokens each), b waits.
+    meta = sched.collect(
+        output([new("a", [1, 2]), new("c", [3, 4])], CachedRequestData.make_empty(), {"a": 64, "c": 64})
+    )
+    assert meta.starts == [StreamStart("a", "t", (1, 2), 100, 0)] and meta.computed == {"a": 64}
+    # Step 2: a's last chunk (blocks 5, 6 added); b starts with 32 tokens of prefix-cache hits.
+    meta = sched.collect(output([new("b", [7, 8, 9, 10], 32)], cached("a", [5, 6], 64), {"a": 36, "b": 68}))
+    assert meta.blocks == {"a": (5, 6)} and meta.computed == {"a": 100, "b": 100}
+    assert meta.starts == [StreamStart("b", "u", (7, 8, 9, 10), 100, 32)]
+    # a finishes normally, b is preempted first and finishes later: its blocks were vLLM's to free.
+    assert sched.producer_finished(requests["a"], normally=True) is True
+    meta = sched.collect(output([], CachedRequestData.make_empty(), {}, preempted={"b"}))
+    assert meta.ends == {"a": False} and meta.preempted == ["b"]
+    assert sched.producer_finished(requests["b"], normally=False) is False
+    assert sched.producer_finished(requests["c"], normally=True) is None  # not streamed: pull mode
+    # A pull-mode server does not stream (it would hold blocks no worker reports).
+    off = LayerwiseScheduler(BLOCK, enabled=False)
+    r = SimpleNamespace(request_id="d", kv_transfer_params=dict(streamed), prompt_token_ids=[1])
+    off.note_producer(r)
+    assert r.kv_transfer_params["transfer_mode"] == "pull" and off.producer_finished(r, normally=True) is None
