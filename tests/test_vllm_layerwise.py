@@ -249,3 +249,56 @@ def test_scheduler_side_follows_chunked_prefill_preemption_and_finish() -> None:
     r = SimpleNamespace(request_id="d", kv_transfer_params=dict(streamed), prompt_token_ids=[1])
     off.note_producer(r)
     assert r.kv_transfer_params["transfer_mode"] == "pull" and off.producer_finished(r, normally=True) is None
+
+
+def test_layerwise_heterogeneous_tp_prefill_tp2_to_decode_tp1() -> None:
+    # Each prefill rank streams its half of the KV heads; the decode rank reads both halves into place.
+    base = free_port(span=2)
+
+    def prefill_rank(r: int) -> WorkerSide:
+        settings = Settings.from_extra_config(
+            {"migration_backend": "loopback", "side_channel_port": base, "pull_timeout_s": 10, "transfer": "layerwise"}
+        )
+        return WorkerSide("prefill", settings, block_size=BLOCK, tp_rank=r, tp_size=2)
+
+    ranks = [prefill_rank(0), prefill_rank(1)]
+    decode = side("decode")
+    truth = [vllm_cpu_caches(r, 2, True) for r in range(2)]
+    caches = [vllm_cpu_caches(r, 2, False) for r in range(2)]
+    d_caches = vllm_cpu_caches(0, 1, False)
+    try:
+        for w, c in zip(ranks, caches):
+            w.register_kv_caches(c)
+        decode.register_kv_caches(d_caches)
+        remote, local, tokens = [1, 2, 3], [6, 7, 8], 3 * BLOCK - 5
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            transfer_mode="layerwise",
+            transfer_id="t",
+            remote_engine_id="prefill",
+            remote_request_id="t",
+            remote_host="127.0.0.1",
+            remote_port=base,
+            tp_size=2,
+        )
+        decode.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(tasks=[StreamTask("d", params, local, tokens)])))
+        steps = [
+            (LayerwiseMeta(starts=[StreamStart("p", "t", remote[:2], tokens)], computed={"p": 2 * BLOCK}), remote[:2]),
+            (LayerwiseMeta(blocks={"p": (remote[2],)}, computed={"p": tokens}), remote[2:]),
+        ]
+        for meta, blocks in steps:
+            for w, c, t in zip(ranks, caches, truth):  # every rank gets the same step metadata
+                wrapped = KVBridgeMetadata(layerwise=LayerwiseMeta(**{**meta.__dict__, "applied": False}))
+                for name in NAMES:
+                    c[name][blocks] = t[name][blocks]
+                    w.save_kv_layer(wrapped, name)
+        done: set[str] = set()
+        wait_for(lambda: done.update(decode.get_finished(set())[1] or ()) or "d" in done, what="the stream")
+        assert decode.get_block_ids_with_load_errors() == set()
+        got = torch.stack([d_caches[n] for n in NAMES])[:, local]
+        assert torch.equal(got, expected(dict(zip(local, remote)), 0, 1)[:, local])
+        assert all(w.ledger.state("t") is LeaseState.RELEASED for w in ranks)
+    finally:
+        decode.shutdown()
+        for w in ranks:
+            w.shutdown()
