@@ -210,7 +210,14 @@ class KVAgent:
         """The layout with the addresses peers use (the host mirrors' where the memory is staged)."""
         bases = self.backend.peer_addresses([r.addr for r in self.layout.regions])
         regions = [attrs.evolve(r, addr=int(a)) for r, a in zip(self.layout.regions, bases.tolist())]
-        return attrs.evolve(self.layout, regions=regions)
+        paged = self.layout.paged
+        if paged is not None:  # a peer that lands whole blocks (kvbridge.landing) reads from these
+            planes = [
+                attrs.evolve(p, layer_addrs=self.backend.peer_addresses(list(p.layer_addrs)).tolist())
+                for p in paged.planes
+            ]
+            paged = attrs.evolve(paged, planes=planes)
+        return attrs.evolve(self.layout, regions=regions, paged=paged)
 
     def _check_registered(self) -> None:
         spans = np.array([r.span for r in self.layout.regions], dtype=np.int64)
@@ -224,6 +231,12 @@ class KVAgent:
 
     def info(self) -> RankInfo:
         return RankInfo(self.engine_id, self.rank, self.parallel, self._published, self.backend.endpoint_info())
+
+    @property
+    def publish_is_free(self) -> bool:
+        """Publishing needs nothing (host memory the transport reads directly): computed blocks are readable
+        as they stand, from any thread, so they may be offered before the engine's next step."""
+        return type(self.backend).publish is MigrationBackend.publish
 
     def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.

@@ -121,9 +121,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         started.append(proxy)
         wait_healthy([proxy], timeout=60)
         c = Cluster(model, prefill, decode, colocated, proxy)
-        # The first request to a prefill server goes the pull way and tells the proxy its side channel.
-        tokens, params = c.complete(proxy, prompt(40, seed=0))
-        assert "hidden_ms" not in (params.get("kvbridge_timing") or {}), "the first request is pulled"
+        # The proxy's warm-up request through the pair (or else the first request, pulled) tells it where
+        # prefill's side channel is.
+        c.complete(proxy, prompt(40, seed=0))
         yield c
         c.http.close()
     finally:

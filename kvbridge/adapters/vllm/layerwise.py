@@ -167,6 +167,8 @@ class LayerwiseScheduler:
     def collect(self, scheduler_output: Any) -> LayerwiseMeta:
         """This step's layer-wise metadata (streams started, blocks added, tokens computed, ends)."""
         meta, self._meta = self._meta, LayerwiseMeta()
+        if scheduler_output is None:  # a caller outside vLLM's step (tests of the pull path): nothing scheduled
+            return meta
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             entry = self._producers.get(new.req_id)

@@ -9,6 +9,7 @@ import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvbridge.adapters.vllm.layerwise import LayerwiseMeta
+from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
 
@@ -49,10 +50,10 @@ class PullTask:
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
-    """One step's work for the workers: pulls to start, finished prefill requests to hold (id, block ids)."""
+    """One step's work for the workers: pulls to start, finished prefill requests to hold."""
 
     pulls: list[PullTask] = field(default_factory=list)
-    offers: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    offers: list[Offer] = field(default_factory=list)
     layerwise: LayerwiseMeta = field(default_factory=LayerwiseMeta)  # "transfer": "layerwise" only
 
 

@@ -38,6 +38,8 @@ class Settings:
     - `transfer`: "pull" (decode reads a request's KV once prefill finished it) or "layerwise" (decode
       reads each layer while prefill computes the next; the proxy sends both servers the request at
       once: `kvbridge proxy --transfer layerwise`). See kvbridge.adapters.vllm.layerwise.
+    - `early_offer`: the scheduler offers a finished request to its workers at once, ahead of the
+      engine step that offers it too (see docs/vllm.md); false: only the step offers.
     - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
       "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
       transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.chaos.inject`).
@@ -54,6 +56,7 @@ class Settings:
     secret_file: str | None = None
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
+    early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
 
