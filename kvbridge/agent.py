@@ -242,11 +242,12 @@ class KVAgent:
         as they stand, from any thread, so they may be offered before the engine's next step."""
         return type(self.backend).publish is MigrationBackend.publish
 
-    def publish(self, blocks: Sequence[int]) -> None:
+    def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.
 
         The backend waits for the device's pending work and, where it stages, copies the blocks (every
-        region) device -> host mirror, one vectorized copy per registered buffer.
+        region, or those of `layers` only: layer-wise streaming) device -> host mirror, one vectorized
+        copy per registered buffer.
         """
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
@@ -257,6 +258,7 @@ class KVAgent:
             [
                 np.stack([r.addr + ids * r.block_stride, np.full(len(ids), r.block_bytes, dtype=np.int64)], axis=1)
                 for r in self.layout.regions
+                if layers is None or r.layer in layers
             ]
         )
         self.backend.publish(ranges)

@@ -66,7 +66,14 @@ class Upstream(Serving):
             self.bodies.append(body)
             await asyncio.sleep(slow_complete_s)
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
-                params = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "kvbridge_timing": {"prefill_ms": 0.5}}
+                params = {
+                    "remote_engine_id": "e",
+                    "remote_request_id": "r",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 5800,
+                    "remote_block_ids": [1, 2],
+                    "kvbridge_timing": {"prefill_ms": 0.5},
+                }
             else:  # and the decode's pull phases, in its (non-streamed) answer
                 phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}
                 phases |= {"transfer_ms": 0.3, "done_ms": 0.4}
@@ -288,3 +295,25 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
     assert samples[("kvbridge_proxy_failovers_total", (("role", "decode"),))] == 1  # the dead one, once
     assert samples[("kvbridge_proxy_upstream_healthy", (("role", "decode"), ("upstream", dead)))] == 0
     assert samples[("kvbridge_proxy_upstream_in_flight", (("role", "decode"), ("upstream", decode.url)))] == 0
+
+
+def test_layerwise_sends_both_servers_one_transfer_id_once_it_knows_the_prefill(
+    upstreams: tuple[Upstream, Upstream],
+) -> None:
+    prefill, decode = upstreams
+    app = create_app([prefill.url], [decode.url], transfer="layerwise")
+    answers, _ = _session(app, [{"model": "m", "prompt": f"p{i}", "max_tokens": 8} for i in range(3)])
+    assert [r.status_code for r in answers] == [200] * 3
+    # The first request is pulled: prefill's answer tells the proxy where its side channel is.
+    first = KVTransferParams.from_dict(decode.bodies[0]["kv_transfer_params"])
+    assert first.transfer_mode == "pull" and first.block_ids == (1, 2)
+    # Then both servers get each request, with one transfer id, and decode the prefill's address.
+    to_prefill = [KVTransferParams.from_dict(b["kv_transfer_params"]) for b in prefill.bodies[1:]]
+    to_decode = [KVTransferParams.from_dict(b["kv_transfer_params"]) for b in decode.bodies[1:]]
+    assert all(p.do_remote_decode and p.transfer_mode == "layerwise" for p in to_prefill)
+    assert sorted(p.transfer_id for p in to_prefill) == sorted(d.transfer_id for d in to_decode)
+    assert len({p.transfer_id for p in to_prefill}) == 2
+    for d in to_decode:
+        assert d.do_remote_prefill and d.transfer_mode == "layerwise" and d.remote_request_id == d.transfer_id
+        assert (d.remote_engine_id, d.remote_host, d.remote_port, d.block_ids) == ("e", "127.0.0.1", 5800, ())
+    assert all(b["max_tokens"] == 1 for b in prefill.bodies) and all(b["max_tokens"] == 8 for b in decode.bodies)

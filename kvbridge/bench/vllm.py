@@ -85,6 +85,13 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "over NIXL (UCX); none: KVBridgeConnector over Mooncake alone (default mooncake)",
     )
     group.add_argument(
+        "--transfer",
+        choices=["pull", "layerwise"],
+        default="pull",
+        help="layerwise: layer-wise streaming against pull mode on one KVBridgeConnector pair, with the share "
+        "of the transfer hidden behind prefill compute (kvbridge.bench.vllm_layerwise; default pull)",
+    )
+    group.add_argument(
         "--keep-logs",
         default=None,
         metavar="DIR",
@@ -344,6 +351,10 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.testing.tiny_model import build_tiny_llama
     from kvbridge.testing.vllm_server import wait_healthy
 
+    if getattr(args, "transfer", "pull") == "layerwise":
+        from kvbridge.bench import vllm_layerwise
+
+        return vllm_layerwise.run(args)
     lengths = args.lengths or list(LENGTHS)
     # room for the longest prompt and its tokens (the tiny model's positions end at 2048)
     max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)

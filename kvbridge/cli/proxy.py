@@ -41,6 +41,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="upstream request timeout (default 600)")
     p.add_argument(
+        "--transfer",
+        choices=["pull", "layerwise"],
+        default="pull",
+        help="pull: prefill, then decode with its params; layerwise: both at once with one transfer id, decode "
+        'reads each layer while prefill computes (servers with "transfer": "layerwise"; the first request '
+        "through each prefill server, the warm-up's or a client's, goes the pull way, which tells the proxy its "
+        "side channel) (default pull)",
+    )
+    p.add_argument(
         "--no-warm-up",
         dest="warm_up",
         action="store_false",
@@ -56,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.adapters.vllm.proxy import create_app
 
     app = create_app(
-        args.prefill, args.decode, health_interval=args.health_interval, timeout=args.timeout, warm_up=args.warm_up
+        args.prefill,
+        args.decode,
+        health_interval=args.health_interval,
+        timeout=args.timeout,
+        warm_up=args.warm_up,
+        transfer=args.transfer,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

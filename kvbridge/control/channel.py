@@ -46,8 +46,10 @@ from kvbridge.control.messages import (
     LeaseStatus,
     Offer,
     QueryLease,
+    QueryStream,
     Refused,
     RegisteredMemory,
+    StreamStatus,
 )
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
 from kvbridge.secret import check_listen, is_loopback
@@ -61,6 +63,7 @@ MAX_PARKED = 4096  # BeginPulls held for their offer at once; beyond it they are
 PARK_SLICE_S = 0.1
 Address = tuple[str, int]
 AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
+StreamQuery = Callable[[str, int], StreamStatus]  # request_id, epoch -> how far prefill computed it
 
 T = TypeVar("T")
 
@@ -122,6 +125,8 @@ class ControlServer:
         self.engine_id = engine_id
         self.rank = rank
         self.ledger = ledger
+        # answers QueryStream on a prefill rank that streams layer by layer (kvbridge.adapters.vllm.layerwise)
+        self.streams: StreamQuery | None = None
         self.name = f"{engine_id}/{rank}"
         self._auth = Authenticator(secret)
         self._secret = secret
@@ -283,6 +288,10 @@ class ControlServer:
             return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch, msg.expected_pulls)
         if isinstance(msg, QueryLease):
             return self.ledger.query(msg.request_id, msg.epoch)
+        if isinstance(msg, QueryStream):
+            if self.streams is None:
+                return Refused("no_streams", f"rank {self.name} does not stream layer by layer (transfer: pull)")
+            return self.streams(msg.request_id, msg.epoch)
         raise ProtocolError(f"no handler for {type(msg).__name__}")
 
     def _begin(self, msg: BeginPull, peer_host: str | None, waited_s: float = 0.0) -> LeaseStatus:
@@ -669,6 +678,10 @@ class ControlClient:
 
     def query_lease(self, request_id: str, epoch: int = 0) -> LeaseStatus:
         return self._expect(self.request(QueryLease(request_id, epoch)), LeaseStatus, "QueryLease")
+
+    def query_stream(self, request_id: str, epoch: int = 0) -> StreamStatus:
+        """How far the prefill rank computed `request_id`, layer by layer (layer-wise streaming)."""
+        return self._expect(self.request(QueryStream(request_id, epoch)), StreamStatus, "QueryStream")
 
     def abort(self, request_id: str, *, origin: str = "", reason: str = "") -> None:
         """Tell the rank that `request_id` was aborted (it frees what it holds)."""

@@ -178,6 +178,19 @@ class Ledger:
             self._finish(entry, LeaseState.RELEASED)
         return lease
 
+    def extend(self, request_id: str, blocks: Sequence[int]) -> bool:
+        """Add `blocks` to an active lease (a request streamed while prefill computes it gets its blocks
+        chunk by chunk); False, and nothing changed, when the request holds no active lease."""
+        with self._lock:
+            entry = self._active.get(request_id)
+            if entry is None:
+                return False
+            known = set(entry.lease.blocks)
+            added = tuple(int(b) for b in blocks if int(b) not in known)
+            if added:
+                entry.lease = attrs.evolve(entry.lease, blocks=entry.lease.blocks + added)
+        return True
+
     def abort(self, request_id: str) -> list[Hashable]:
         """Release the request's blocks now; returns the side channels of the decode ranks that began pulling.
 

@@ -133,6 +133,14 @@ class QueryLease:
 
 
 @attrs.frozen
+class QueryStream:
+    """How far has prefill computed `request_id` (layer-wise streaming)? Answered with a `StreamStatus`."""
+
+    request_id: str = _id()
+    epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
+
+
+@attrs.frozen
 class Abort:
     """`request_id` was aborted by `origin`; the receiver frees what it holds for it."""
 
@@ -171,6 +179,16 @@ class LeaseStatus:
 
 
 @attrs.frozen
+class StreamStatus:
+    """A streamed request on a prefill rank: its lease (as `LeaseStatus`), the blocks allocated so far,
+    the prompt's length and, per layer, how many prompt tokens are computed and readable."""
+
+    lease: LeaseStatus
+    tokens: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
+    ready: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
+
+
+@attrs.frozen
 class Ack:
     """A request was taken into account."""
 
@@ -185,5 +203,5 @@ class Refused:
     message: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 
 
-REQUESTS: dict[str, type] = {c.__name__: c for c in (GetInfo, BeginPull, Offer, Done, QueryLease, Abort)}
-REPLIES: dict[str, type] = {c.__name__: c for c in (RegisteredMemory, LeaseStatus, Ack, Refused)}
+REQUESTS: dict[str, type] = {c.__name__: c for c in (GetInfo, BeginPull, Offer, Done, QueryLease, QueryStream, Abort)}
+REPLIES: dict[str, type] = {c.__name__: c for c in (RegisteredMemory, LeaseStatus, StreamStatus, Ack, Refused)}

@@ -3,7 +3,7 @@
 Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pass
 (`do_remote_prefill`, `do_remote_decode`, `remote_engine_id`, `remote_request_id`,
 `remote_block_ids`, `remote_host`, `remote_port`, `tp_size`, `dcp_size`, `pp_size`,
-`remote_num_tokens`, `remote_blocks_expiry_time`, `transfer_mode`), plus kvbridge's own
+`remote_num_tokens`, `remote_blocks_expiry_time`, `transfer_mode`, `transfer_id`), plus kvbridge's own
 (`pcp_size`, `dp_size`, `dp_rank`, `prefix_prompt_ids`, `cache_keys`, `kvbridge_timing`). Keys it does not know
 are kept in `extra` and written back, so a proxy's additions survive a round trip.
 """
@@ -63,7 +63,8 @@ class KVTransferParams:
     dp_rank: int = 0
     remote_num_tokens: int | None = None  # prompt tokens whose KV the remote side holds
     remote_blocks_expiry_time: float | None = None
-    transfer_mode: str = "pull"
+    transfer_mode: str = "pull"  # or "layerwise": decode reads layer by layer while prefill computes
+    transfer_id: str | None = None  # layerwise: the id the proxy gave both sides (prefill's lease is keyed by it)
     prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_ints)
     cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_opt_strs)
     # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,

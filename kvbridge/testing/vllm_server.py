@@ -229,6 +229,7 @@ def start_proxy(
     port: int | None = None,
     log_dir: str | Path | None = None,
     health_interval: float = 1.0,
+    transfer: str = "pull",
 ) -> Server:
     """Launch `kvbridge proxy` in front of these servers (without waiting for it)."""
     port = port or free_port()
@@ -244,6 +245,8 @@ def start_proxy(
         str(port),
         "--health-interval",
         str(health_interval),
+        "--transfer",
+        transfer,
         "--prefill",
         *prefill,
         "--decode",

@@ -110,13 +110,26 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are whole-request and asynchronous (between steps): nothing to wait for per layer."""
+        """Loads are asynchronous (between steps, also layer-wise ones): nothing to wait for per layer."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        """Pull mode: prefill never pushes."""
+        """Layer-wise mode: this layer's KV of the step is computed; decode may read it. Pull mode: nothing."""
+        if self._worker is not None and self._worker.producer is not None:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVBridgeMetadata)
+            self._worker.save_kv_layer(meta, layer_name)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward may overwrite preempted requests' blocks: end their streams' leases."""
+        if self._worker is not None and isinstance(kv_connector_metadata, KVBridgeMetadata):
+            self._worker.apply_layerwise(kv_connector_metadata)
 
     def wait_for_save(self) -> None:
-        """Pull mode: prefill never pushes."""
+        """Nothing is pushed; layer-wise work of a step without attention layers is taken here."""
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KVBridgeMetadata)
+            self._worker.apply_layerwise(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None

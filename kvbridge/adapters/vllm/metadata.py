@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvbridge.adapters.vllm.layerwise import LayerwiseMeta
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
@@ -53,6 +54,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
     pulls: list[PullTask] = field(default_factory=list)
     offers: list[Offer] = field(default_factory=list)
+    layerwise: LayerwiseMeta = field(default_factory=LayerwiseMeta)  # "transfer": "layerwise" only
 
 
 @dataclass

@@ -92,10 +92,10 @@ class DecodeFailed(Exception):
         self.url = url
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], params: KVTransferParams | None = None) -> dict[str, Any]:
     """The request the prefill server gets: one token, no streaming, asks to hold KV for a decode."""
     out = dict(body)
-    out["kv_transfer_params"] = KVTransferParams(do_remote_decode=True).to_dict()
+    out["kv_transfer_params"] = (params or KVTransferParams(do_remote_decode=True)).to_dict()
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -213,8 +213,14 @@ class Proxy:
         health_interval: float,
         timeout: float,
         warm_up: bool = True,
+        transfer: str = "pull",
     ) -> None:
+        if transfer not in ("pull", "layerwise"):
+            raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
         self.pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
+        self.transfer = transfer
+        # layerwise: where each prefill server's side channel is (from its first pull-mode answer)
+        self.identities: dict[str, KVTransferParams] = {}
         self.health_interval = health_interval
         self.warm_up = warm_up
         self._warm: set[tuple[str, str]] = set()  # (prefill, decode) pairs warmed since both were last up
@@ -273,9 +279,9 @@ class Proxy:
             first.raise_for_status()
             params = first.json().get("kv_transfer_params")
             if params:
-                body["kv_transfer_params"] = attrs.evolve(
-                    KVTransferParams.from_dict(params), kvbridge_timing=None
-                ).to_dict()
+                decoded = KVTransferParams.from_dict(params)
+                self._learn(prefill.url, decoded)  # layer-wise: where its side channel is
+                body["kv_transfer_params"] = attrs.evolve(decoded, kvbridge_timing=None).to_dict()
             begun = time.perf_counter()
             (await self.client.post(f"{decode.url}/v1/completions", json=body, headers=headers)).raise_for_status()
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, ConfigError) as exc:
@@ -307,15 +313,21 @@ class Proxy:
     # -- upstream calls ------------------------------------------------------------------------
 
     async def call_prefill(
-        self, path: str, body: dict[str, Any], headers: dict[str, str]
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        params: KVTransferParams | None = None,
+        instance: Instance | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """POST to a prefill server; on a connection failure take it out and try the next one."""
+        """POST to a prefill server (`instance`, or round robin); on a connection failure take it out and
+        try the next one (not with `instance`: a layer-wise decode already reads from that one)."""
         pool = self.pools["prefill"]
-        for _ in range(len(pool.instances)):
-            inst = pool.pick()
+        for _ in range(1 if instance is not None else len(pool.instances)):
+            inst = instance or pool.pick()
             inst.in_flight += 1
             try:
-                resp = await self.client.post(f"{inst.url}{path}", json=prefill_body(body), headers=headers)
+                resp = await self.client.post(f"{inst.url}{path}", json=prefill_body(body, params), headers=headers)
             except httpx.TransportError as exc:
                 self._take_out(inst, f"failed ({exc})")
                 continue
@@ -372,6 +384,10 @@ class Proxy:
             return self._answer(
                 body.status_code, json.loads(bytes(body.body))["error"], {"x-request-id": request_id}, timeline
             )
+        if self.transfer == "layerwise":
+            streamed = await self._complete_layerwise(path, request, body, headers, timeline, begun)
+            if streamed is not None:
+                return streamed
         try:
             answer = await until_disconnect(request, self.call_prefill(path, body, headers))
             if answer is None:
@@ -386,6 +402,7 @@ class Proxy:
         except ConfigError as exc:
             return self._answer(502, f"prefill server answered unusable kv_transfer_params: {exc}", None, timeline)
         prefill_done = time.perf_counter()
+        self._learn(prefill_url, params)
         timeline.add(params.kvbridge_timing, ("prefill_ms",))
         decode_body = dict(body)
         if first.get("kv_transfer_params"):
@@ -409,6 +426,101 @@ class Proxy:
             else self._relay_whole
         )
         return await relay(request, resp, decode, timeline, begun, sent, out_headers)
+
+    def _learn(self, prefill_url: str, params: KVTransferParams) -> None:
+        """Keep where a prefill server's side channel is, for layer-wise requests to it (one DP rank only:
+        with several, the proxy cannot know which one will hold a request before it answers)."""
+        if self.transfer != "layerwise" or prefill_url in self.identities:
+            return
+        if None in (params.remote_engine_id, params.remote_host, params.remote_port):
+            return
+        if params.dp_size > 1:
+            log.warning("prefill server %s runs DP %d: its requests stay in pull mode", prefill_url, params.dp_size)
+            return
+        self.identities[prefill_url] = KVTransferParams(
+            remote_engine_id=params.remote_engine_id,
+            remote_host=params.remote_host,
+            remote_port=params.remote_port,
+            tp_size=params.tp_size,
+            pcp_size=params.pcp_size,
+            dcp_size=params.dcp_size,
+            pp_size=params.pp_size,
+        )
+        log.info(
+            "prefill server %s: side channel %s:%s, layer-wise from now on",
+            prefill_url,
+            params.remote_host,
+            params.remote_port,
+        )
+
+    async def _complete_layerwise(
+        self,
+        path: str,
+        request: Request,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        timeline: Timeline,
+        begun: float,
+    ) -> Any:
+        """Send the request to a prefill and a decode server at once, with one transfer id: decode reads each
+        layer while prefill computes the next. None: this prefill's side channel is not known yet (the
+        request goes the pull way, which tells the proxy where it is)."""
+        pool = self.pools["prefill"]
+        try:
+            prefill = pool.pick()
+        except NoInstance as exc:
+            return self._answer(503, str(exc), None, timeline)
+        identity = self.identities.get(prefill.url)
+        if identity is None:
+            return None
+        transfer_id = uuid.uuid4().hex  # unique even when clients reuse their x-request-id
+        mode = {"transfer_mode": "layerwise", "transfer_id": transfer_id}
+        to_prefill = KVTransferParams(do_remote_decode=True, **mode)
+        to_decode = attrs.evolve(identity, do_remote_prefill=True, remote_request_id=transfer_id, **mode)
+        computing = asyncio.ensure_future(self.call_prefill(path, body, headers, to_prefill, prefill))
+        computing.add_done_callback(lambda task: self._prefill_ended(task, prefill, timeline))
+        sent = time.perf_counter()
+        try:
+            decode, resp = await until_disconnect(
+                request, self.send_decode(path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers)
+            ) or (None, None)
+        except (NoInstance, DecodeFailed) as exc:
+            computing.cancel()  # nobody reads it: vLLM aborts the prefill request, its lease is aborted
+            extra = (
+                {"x-kvbridge-prefill": prefill.url, "x-kvbridge-decode": exc.url}
+                if isinstance(exc, DecodeFailed)
+                else None
+            )
+            return self._answer(503, str(exc), extra, timeline)
+        if decode is None:
+            computing.cancel()
+            log.info("client left before decode took %s: both requests cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected", None, timeline)
+        out_headers = {
+            "x-kvbridge-prefill": prefill.url,
+            "x-kvbridge-decode": decode.url,
+            "x-request-id": timeline.request_id,
+        }
+        relay = (
+            self._relay_stream
+            if resp.headers.get("content-type", "").startswith("text/event-stream")
+            else self._relay_whole
+        )
+        answer = await relay(request, resp, decode, timeline, begun, sent, out_headers)
+        if getattr(answer, "status_code", 200) == 499:
+            computing.cancel()  # the client left: prefill stops too
+        return answer
+
+    def _prefill_ended(self, task: asyncio.Future, prefill: Instance, timeline: Timeline) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # the decode's stream then fails or times out, and decode recomputes
+            log.warning("layer-wise prefill of %s on %s failed: %s", timeline.request_id, prefill.url, exc)
+            return
+        _url, answer = task.result()
+        with contextlib.suppress(ConfigError):
+            timeline.add(KVTransferParams.from_dict(answer.get("kv_transfer_params")).kvbridge_timing, ("prefill_ms",))
 
     def _finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
         """Close the timeline at the first byte of the decode's answer."""
@@ -528,10 +640,12 @@ def create_app(
     health_interval: float = 2.0,
     timeout: float = 600.0,
     warm_up: bool = True,
+    transfer: str = "pull",
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
-    `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc)."""
-    proxy = Proxy(prefill, decode, health_interval=health_interval, timeout=timeout, warm_up=warm_up)
+    `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
+    `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md)."""
+    proxy = Proxy(prefill, decode, health_interval=health_interval, timeout=timeout, warm_up=warm_up, transfer=transfer)
     app = FastAPI(lifespan=proxy.lifespan)
     for path in ROUTES:
         app.add_api_route(path, _bind(proxy.complete, path), methods=["POST"])

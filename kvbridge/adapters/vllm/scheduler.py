@@ -19,6 +19,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler, StreamTask
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.channel import ClientPool
@@ -64,6 +65,7 @@ class SchedulerSide:
         self._offers: list[Offer] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
         self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
+        self.layerwise = LayerwiseScheduler(self.block_size, enabled=settings.transfer == "layerwise")
 
     def _decode_params(self, request: Request) -> KVTransferParams | None:
         """The request's params if it is still to be pulled (decoded on first sight), else None."""
@@ -83,6 +85,7 @@ class SchedulerSide:
         return decoded
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        self.layerwise.note_producer(request)
         if self._decode_params(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
@@ -100,6 +103,11 @@ class SchedulerSide:
         assert request.kv_transfer_params is not None
         request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request, also after a preemption
         params = self._remote.pop(request.request_id)
+        if params.transfer_mode == "layerwise":  # read while prefill computes: all the prompt's blocks
+            tokens = len(request.prompt_token_ids or ())
+            skip = max(0, -(-tokens // self.block_size) - len(local)) if local else 0
+            self.layerwise.add_task(StreamTask(request.request_id, params, local, tokens, skip))
+            return
         try:
             self._pulls.append(PullTask.from_params(request.request_id, params, local, self.block_size, report))
         except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
@@ -110,8 +118,9 @@ class SchedulerSide:
         if isinstance(meta, KVBridgeWorkerMeta):
             self._timings.update(meta.timings)
 
-    def build_connector_meta(self, _scheduler_output: Any) -> KVBridgeMetadata:
-        meta = KVBridgeMetadata(pulls=self._pulls, offers=self._offers)
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
+        layerwise = self.layerwise.collect(scheduler_output)
+        meta = KVBridgeMetadata(pulls=self._pulls, offers=self._offers, layerwise=layerwise)
         self._pulls, self._offers = [], []
         return meta
 
@@ -148,20 +157,32 @@ class SchedulerSide:
             # Decode dropped the request (abort) before any block was allocated: release prefill's.
             self._add_pull(request, [], report=False)
             return False, None
+        if (
+            request.status == RequestStatus.FINISHED_ABORTED
+            and params.get("transfer_mode") == "layerwise"
+            and not params.get("do_remote_decode")
+        ):
+            self.layerwise.cancel(request.request_id)  # dropped while streaming: stop reading, abort on prefill
+        streamed = self.layerwise.producer_finished(
+            request, request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        )
+        if streamed is False:
+            return False, None
         if not params.get("do_remote_decode"):
             # A decode answers with what its workers measured of the pull, for the proxy's timeline.
             return False, None if timing is None else KVTransferParams(kvbridge_timing=timing).to_dict()
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted prefill: nobody will pull, free now
-        if not block_ids:
-            return False, None
-        self._offer_count += 1
-        offer = Offer(request.request_id, tuple(block_ids), f"{self._offer_prefix}-{self._offer_count}")
-        self._offers.append(offer)
-        if self._early:
-            if self._sender is None:
-                self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")
-            self._sender.submit(self._offer_early, offer)
+        if streamed is None:  # pull mode: offer the finished request's blocks
+            if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+                return False, None  # aborted prefill: nobody will pull, free now
+            if not block_ids:
+                return False, None
+            self._offer_count += 1
+            offer = Offer(request.request_id, tuple(block_ids), f"{self._offer_prefix}-{self._offer_count}")
+            self._offers.append(offer)
+            if self._early:
+                if self._sender is None:
+                    self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")
+                self._sender.submit(self._offer_early, offer)
         return True, KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,

@@ -36,6 +36,9 @@ class Settings:
       itself is never a config key: vLLM logs its config and the command line is visible in `ps`.
     - `insecure`: run without a secret on an address other hosts can reach (logged as a warning).
       Without it, a `host` other than loopback with no secret fails at start-up, saying how to set one.
+    - `transfer`: "pull" (decode reads a request's KV once prefill finished it) or "layerwise" (decode
+      reads each layer while prefill computes the next; the proxy sends both servers the request at
+      once: `kvbridge proxy --transfer layerwise`). See kvbridge.adapters.vllm.layerwise.
     - `early_offer`: the scheduler offers a finished request to its workers at once, ahead of the
       engine step that offers it too (see docs/vllm.md); false: only the step offers.
     - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
@@ -53,6 +56,7 @@ class Settings:
     kv_cache_layout: str | None = None
     secret_file: str | None = None
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line

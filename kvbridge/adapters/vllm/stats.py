@@ -157,7 +157,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         )
         self.lease_events = self._counter_cls(
             "kvbridge_lease_events_total",
-            "Prefill leases by event: offered, released (every DONE came), expired (no DONE in time), aborted.",
+            "Prefill leases by event: offered, released (every DONE came), expired (no DONE in time), aborted; "
+            "extended (blocks added to a layer-wise stream's lease).",
             [*labelnames, "event"],
         )
         self.leases_held = self._gauge_cls(

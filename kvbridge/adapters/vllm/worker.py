@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
+from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, Producer, StreamTask, check_streamable, stream_pull
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
@@ -116,6 +117,15 @@ class WorkerSide:
             insecure=settings.insecure,
         )
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
+        # "transfer": "layerwise": this rank's prefill streams, and decode reads that last as long as prefill
+        # computes (one thread each, so a long prompt does not hold up other requests' pulls)
+        self.producer: Producer | None = None
+        self._streams: ThreadPoolExecutor | None = None
+        self._cancels: dict[str, threading.Event] = {}
+        if settings.transfer == "layerwise":
+            self.producer = Producer(self.ledger, self.server.abort, block_size)
+            self.server.streams = self.producer.query
+            self._streams = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvbridge-stream")
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._stepped: dict[str, str] = {}  # offer id -> request id: offered by the step, not released yet
@@ -162,6 +172,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if any(isinstance(v, (tuple, list)) for v in kv_caches.values()):
             self.kv_layout = ASCEND_KV_TUPLE  # vllm-ascend hands each layer's K and V as a pair of tensors
+        if self.producer is not None:
+            check_streamable(self.kv_layout)
         layout, storages = describe_kv_caches(
             kv_caches,
             layout=self.kv_layout,
@@ -202,6 +214,8 @@ class WorkerSide:
             ready_timeout_s=s.pull_timeout_s,
             timeout_s=min(s.pull_timeout_s, CONTROL_TIMEOUT_S),
         )
+        if self.producer is not None:
+            self.producer.register(self.agent, list(kv_caches))
         self.server.accept_offers = self.agent.publish_is_free
         self.server.register(self.agent.info())
         log.info(
@@ -218,6 +232,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:
         assert self.agent is not None
+        self.apply_layerwise(meta)
         for offer in meta.offers:
             self.agent.publish(offer.blocks)  # computed by now; through staging, copied to the host mirror
             with self._lock:
@@ -240,6 +255,82 @@ class WorkerSide:
                 self._pool.submit(self._pull, task, received)
             else:
                 self._release(task)
+
+    # -- layer-wise streaming ("transfer": "layerwise", kvbridge.adapters.vllm.layerwise) ---------
+
+    def apply_layerwise(self, meta: KVBridgeMetadata) -> None:
+        """Take this step's layer-wise work once, at whichever hook comes first (vLLM starts async loads
+        after the forward, but the forward's layers need the step's streams)."""
+        lw: LayerwiseMeta = meta.layerwise
+        if lw.applied or not lw:
+            return
+        lw.applied = True
+        if self.producer is not None:
+            self.producer.apply(lw)
+            for added in lw.blocks.values():  # a stream's lease (offered at its first step) grows chunk by chunk
+                self.stats.record_lease("extended", 0, len(added))
+        for rid in lw.cancels:
+            with self._lock:
+                cancel = self._cancels.get(rid)
+            if cancel is not None:
+                cancel.set()
+        for task in lw.tasks:
+            if self._streams is None:
+                log.error(
+                    'request %s asks for layer-wise streaming, but this server runs "transfer": "pull"; '
+                    "it is computed here instead",
+                    task.request_id,
+                )
+                if task.local_block_ids:
+                    with self._lock:
+                        self._load_errors.update(task.local_block_ids)
+                        self._recved.add(task.request_id)
+            elif task.local_block_ids:
+                with self._lock:
+                    self._cancels[task.request_id] = threading.Event()
+                self._streams.submit(self._stream, task)
+            else:
+                self._release(PullTask(task.request_id, task.params, (), report=False))
+
+    def save_kv_layer(self, meta: KVBridgeMetadata, layer_name: str) -> None:
+        self.apply_layerwise(meta)
+        if self.producer is not None:
+            self.producer.save_layer(layer_name)
+
+    def _stream(self, task: StreamTask) -> None:
+        assert self.control is not None
+        queued = max(0.0, time.time() - task.asked_at)
+        transport = self.agent.backend.name if self.agent is not None else "none"
+        peer = f"{task.params.remote_host}:{task.params.remote_port}"
+        with self._lock:
+            cancelled = self._cancels[task.request_id]
+        error: BaseException | None = None
+        try:
+            result = stream_pull(self.control, task, self.settings.pull_timeout_s, cancelled)
+            phases = {"queue_ms": round(queued * 1e3, 3), **result.phases}
+            self.stats.record(
+                transport,
+                peer,
+                result.phases["transfer_ms"] / 1e3,
+                result.phases["control_ms"] / 1e3,
+                result.nbytes,
+                result.descriptors,
+            )
+            with self._lock:
+                self._timings[task.request_id] = phases
+            log.debug("request %s streamed: %s", task.request_id, phases)
+        except Exception as exc:  # a bug too must surface as a load error, never as blocks counted as loaded
+            error = exc
+            if isinstance(exc, KVBridgeError):
+                log.error("request %s: layer-wise read from %s failed: %s", task.request_id, peer, exc)
+            else:
+                log.exception("request %s: layer-wise read from %s failed", task.request_id, peer)
+        with self._lock:
+            self._cancels.pop(task.request_id, None)
+            if error is not None:
+                self.stats.record_failure(transport, peer, error)
+                self._load_errors.update(task.local_block_ids)
+            self._recved.add(task.request_id)
 
     def _release(self, task: PullTask) -> None:
         """Decode reads nothing of the request: free it on every prefill rank now (once per engine)."""
@@ -329,6 +420,8 @@ class WorkerSide:
     def _released(self, lease: Lease, reason: LeaseState) -> None:
         """Ledger callback (any thread): the request's blocks may be freed; vLLM hears of it in get_finished."""
         self.stats.record_lease(reason.value, -1, -len(lease.blocks))
+        if self.producer is not None and self.producer.released(lease.request_id):
+            return  # a stream: reported once vLLM finished the request too (get_finished)
         with self._lock:
             if not lease.offer_id or self._stepped.pop(lease.offer_id, None) is not None:
                 self._sent.add(lease.request_id)
@@ -342,6 +435,8 @@ class WorkerSide:
     def get_finished(self, _finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
             sending, self._sent = self._sent, set()
+            if self.producer is not None:
+                sending |= self.producer.take_finished()
             recving, self._recved = self._recved, set()
         return sending or None, recving or None
 
@@ -352,6 +447,10 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for cancel in list(self._cancels.values()):
+            cancel.set()
+        if self._streams is not None:
+            self._streams.shutdown(wait=False, cancel_futures=True)
         if self.control is not None:
             self.control.close()
         self.server.close()

@@ -1,0 +1,549 @@
+"""Layer-wise streaming (`"transfer": "layerwise"`): decode reads each layer's KV while prefill computes
+the next layers, into decode blocks allocated before prefill starts. A pipelined pull, not a push
+(docs/vllm.md says why): the decode side still does every read, so leases, fenced DONEs, aborts and
+load errors are those of pull mode.
+
+The proxy sends the request to both servers at once with one `transfer_id` (`kvbridge proxy
+--transfer layerwise`). Then:
+
+- prefill scheduler: when the request is first scheduled, its blocks so far and prompt length go to
+  the workers (`StreamStart`), and each step the blocks added and the prompt tokens computed once the
+  step's layers have run (chunked prefill computes a prompt over several steps);
+- prefill worker: offers a lease keyed by the transfer id at once (grown as blocks are added), and
+  after each layer's attention (`save_kv_layer`) marks that layer readable up to the step's tokens,
+  after the device plugin made the layer's writes visible (`KVAgent.publish` of that layer's
+  blocks: a device sync, and the copy to host mirrors where the transport stages);
+- decode worker: `BeginPull` (waits for the lease), then polls `QueryStream` and reads, per group of
+  layers that became readable together, the blocks that are complete (every token computed, or the
+  prompt's tail), until every layer holds the whole prompt; then the fenced DONE. A lease that is not
+  valid at any poll or at the DONE is a load error (vLLM's `kv_load_failure_policy` decides).
+- prefill reports the request finished sending only when both its lease ended (DONEs, expiry, abort)
+  and vLLM finished the request, so blocks are never freed under a read in flight. A prefill request
+  that is aborted or preempted aborts its lease first (the decode side is told and recomputes).
+
+Refused at start-up in this mode: block-outermost layouts (BL*, BH*: a block carries every layer, so
+it is only complete after the last one), vllm-ascend (K, V) tuples, and context parallelism; refused
+at first contact (a load error naming the cause): a prefill whose KV arrangement differs from decode's
+(the landing path rearranges whole requests only).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvbridge.backend import TransferHandle
+from kvbridge.control.messages import StreamStatus
+from kvbridge.control.params import KVTransferParams
+from kvbridge.errors import ConfigError, KVBridgeError, LoadError, TransferTimeout
+from kvbridge.layout import KVLayout
+from kvbridge.planner import pull_descriptors
+from kvbridge.topology import ParallelConfig
+
+if TYPE_CHECKING:
+    from kvbridge.agent import KVAgent
+    from kvbridge.control.channel import ControlClient
+    from kvbridge.control.ledger import Ledger
+    from kvbridge.control.pull import DecodeControl
+
+log = logging.getLogger(__name__)
+
+LAYERWISE = "layerwise"
+TRANSFERS = ("pull", LAYERWISE)
+# vLLM layouts whose block holds every layer (kvbridge.adapters.vllm.cache): not streamable per layer.
+BLOCK_OUTERMOST = ("BLHNC", "BLNHC", "BHLNC")
+# Decode polls prefill's progress this often at most while prefill computes (a side-channel round trip
+# each; at 2 ms, a 1 s prefill costs 500 round trips and the last layer is seen at most 2 ms late).
+POLL_MIN_S, POLL_MAX_S = 0.0005, 0.002
+
+
+def check_streamable(layout_name: str, *, pcp: int = 1, dcp: int = 1) -> None:
+    """Raise ConfigError at start-up for what layer-wise mode cannot stream, saying what to do."""
+    if layout_name in BLOCK_OUTERMOST or layout_name == "ascend-kv-tuple":
+        raise ConfigError(
+            f'"transfer": "layerwise" cannot stream KV cache layout {layout_name}: its blocks are not '
+            'per layer (or are vllm-ascend (K, V) tuples); use a layer-outermost layout (e.g. "kv_cache_layout": '
+            '"LBHNC" in kv_connector_extra_config) or "transfer": "pull"'
+        )
+    if pcp > 1 or dcp > 1:
+        raise ConfigError(
+            '"transfer": "layerwise" does not support context parallelism (PCP/DCP) yet; use "transfer": "pull"'
+        )
+
+
+def is_layerwise(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("transfer_mode") == LAYERWISE  # type: ignore[union-attr]
+
+
+@attrs.frozen
+class StreamStart:
+    """Prefill: stream `request_id` under `transfer_id`; `blocks` allocated so far, `computed` tokens already
+    in the cache for every layer (prefix-cache hits), `tokens` the prompt's length."""
+
+    request_id: str
+    transfer_id: str
+    blocks: tuple[int, ...] = attrs.field(converter=tuple)
+    tokens: int
+    computed: int = 0
+
+
+@attrs.frozen
+class StreamTask:
+    """Decode: read `request_id`'s prompt KV layer by layer as prefill computes it (no local blocks: only
+    abort it on prefill). `skip`: leading prompt blocks decode's own prefix cache holds."""
+
+    request_id: str
+    params: KVTransferParams
+    local_block_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    tokens: int
+    skip: int = 0
+    asked_at: float = attrs.field(factory=time.time)
+
+
+@dataclass
+class LayerwiseMeta:
+    """One step's layer-wise work, inside `KVBridgeMetadata.layerwise`."""
+
+    starts: list[StreamStart] = field(default_factory=list)
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request id -> blocks added this step
+    computed: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens done after this step
+    ends: dict[str, bool] = field(default_factory=dict)  # request id -> aborted (vLLM finished it)
+    preempted: list[str] = field(default_factory=list)  # blocks freed for a recompute: the stream is cut
+    tasks: list[StreamTask] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # decode requests dropped while streaming
+    applied: bool = False  # set by the worker that applied it (vLLM binds it once per step)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.starts or self.blocks or self.computed or self.ends or self.preempted or self.tasks or self.cancels
+        )
+
+
+# -- scheduler side ------------------------------------------------------------------------------
+
+
+class LayerwiseScheduler:
+    """The scheduler's part: which prefill requests stream (and how far they got), which decode requests
+    read layer by layer."""
+
+    def __init__(self, block_size: int, *, enabled: bool) -> None:
+        self.block_size = block_size
+        self.enabled = enabled  # this server runs "transfer": "layerwise" (its workers stream)
+        self._producers: dict[str, tuple[str, int]] = {}  # request id -> transfer id, prompt tokens
+        self._started: set[str] = set()
+        self._meta = LayerwiseMeta()
+
+    # prefill
+
+    def note_producer(self, request: Any) -> None:
+        """A prefill request asking to be streamed (seen when the scheduler first considers it)."""
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_decode") and is_layerwise(params)):
+            return
+        if not self.enabled:
+            log.error(
+                'request %s asks for layer-wise streaming, but this server runs "transfer": "pull"; it is '
+                "offered when finished instead (decode's read of it then times out and recomputes)",
+                request.request_id,
+            )
+            params["transfer_mode"] = "pull"
+            return
+        transfer_id = params.get("transfer_id")
+        if not transfer_id:
+            log.error(
+                "request %s asks for layer-wise streaming without a transfer_id; it is not streamed (the "
+                "proxy must give both sides the same transfer_id: kvbridge proxy --transfer layerwise)",
+                request.request_id,
+            )
+            return
+        self._producers.setdefault(request.request_id, (str(transfer_id), len(request.prompt_token_ids or ())))
+
+    def collect(self, scheduler_output: Any) -> LayerwiseMeta:
+        """This step's layer-wise metadata (streams started, blocks added, tokens computed, ends)."""
+        meta, self._meta = self._meta, LayerwiseMeta()
+        if scheduler_output is None:  # a caller outside vLLM's step (tests of the pull path): nothing scheduled
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            entry = self._producers.get(new.req_id)
+            if entry is None or new.req_id in self._started:
+                continue
+            transfer_id, tokens = entry
+            self._started.add(new.req_id)
+            meta.starts.append(StreamStart(new.req_id, transfer_id, new.block_ids[0], tokens, new.num_computed_tokens))
+            meta.computed[new.req_id] = min(tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._started or rid in meta.ends:
+                continue
+            if rid in cached.resumed_req_ids:  # preempted earlier: its stream was aborted then
+                continue
+            tokens = self._producers[rid][1]
+            done = cached.num_computed_tokens[i]
+            if done >= tokens:
+                continue  # decoding its output tokens: the prompt's KV is all readable already
+            added = cached.new_block_ids[i]
+            if added and added[0]:
+                meta.blocks[rid] = tuple(added[0])
+            meta.computed[rid] = min(tokens, done + scheduled.get(rid, 0))
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._started:  # its blocks are freed now: the lease must end before they are reused
+                self._started.discard(rid)  # not streamed again after its recompute: decode recomputes too
+                meta.preempted.append(rid)
+                meta.computed.pop(rid, None)
+                meta.blocks.pop(rid, None)
+        return meta
+
+    def producer_finished(self, request: Any, normally: bool) -> bool | None:
+        """True: hold the blocks until the workers report the stream's lease ended; None: not streamed."""
+        rid = request.request_id
+        entry = self._producers.pop(rid, None)
+        if entry is None:
+            return None
+        if rid not in self._started:
+            return False  # never scheduled: no lease, nothing to hold (decode's wait for it times out)
+        self._started.discard(rid)
+        self._meta.ends.setdefault(rid, not normally)
+        return True
+
+    # decode
+
+    def add_task(self, task: StreamTask) -> None:
+        self._meta.tasks.append(task)
+
+    def cancel(self, request_id: str) -> None:
+        self._meta.cancels.append(request_id)
+
+
+# -- prefill worker ------------------------------------------------------------------------------
+
+
+@attrs.define
+class _Stream:
+    request_id: str
+    blocks: list[int]
+    tokens: int
+    ready: list[int]  # per layer: prompt tokens computed and visible to readers
+    step: int = 0  # prompt tokens computed once the current step's layers have run
+    ended: bool = False
+    released: bool = False
+    preempted: bool = False  # vLLM freed the blocks itself: nothing to report
+
+
+class Producer:
+    """A prefill worker rank's streams: leases offered when a request starts, per-layer readiness."""
+
+    def __init__(self, ledger: Ledger, abort: Callable[[str, str], Any], block_size: int) -> None:
+        self.ledger = ledger
+        self._abort = abort  # ControlServer.abort: frees the lease and tells the decode ranks reading it
+        self.block_size = block_size
+        self.agent: KVAgent | None = None
+        self.layers: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._streams: dict[str, _Stream] = {}  # transfer id -> stream
+        self._by_request: dict[str, str] = {}  # vLLM request id -> transfer id
+        self._finished: set[str] = set()  # request ids whose blocks vLLM may free now
+
+    def register(self, agent: KVAgent, layer_names: Sequence[str]) -> None:
+        self.agent = agent
+        self.layers = {name: i for i, name in enumerate(layer_names)}
+
+    def apply(self, meta: LayerwiseMeta) -> None:
+        assert self.agent is not None
+        for s in meta.starts:
+            with self._lock:
+                if s.transfer_id in self._streams:
+                    log.error("transfer id %s (request %s) is streaming already; ignored", s.transfer_id, s.request_id)
+                    continue
+                self._streams[s.transfer_id] = _Stream(
+                    s.request_id, list(s.blocks), s.tokens, [s.computed] * len(self.layers), s.computed
+                )
+                self._by_request[s.request_id] = s.transfer_id
+            if s.computed:  # prefix-cache hits: in the cache already, every layer
+                self.agent.publish(s.blocks[: -(-s.computed // self.block_size)])
+            self.ledger.offer(s.transfer_id, s.blocks)  # the decode side states its release count
+        for rid, added in meta.blocks.items():
+            tid = self._by_request.get(rid)
+            if tid is not None:
+                with self._lock:
+                    self._streams[tid].blocks.extend(added)
+                self.ledger.extend(tid, added)
+        for rid, computed in meta.computed.items():
+            tid = self._by_request.get(rid)
+            if tid is not None:
+                with self._lock:
+                    self._streams[tid].step = computed
+        for rid in meta.preempted:
+            tid = self._by_request.get(rid)
+            if tid is None:
+                continue
+            with self._lock:
+                self._streams[tid].preempted = True
+            self._abort(tid, "prefill preempted the request")
+            self._maybe_finish(tid)
+        for rid, aborted in meta.ends.items():
+            tid = self._by_request.get(rid)
+            if tid is None:
+                continue
+            with self._lock:
+                self._streams[tid].ended = True
+            if aborted:  # before vLLM may reuse the blocks: a read in flight then fails its fenced DONE
+                self._abort(tid, "prefill aborted or preempted the request")
+            self._maybe_finish(tid)
+
+    def save_layer(self, layer_name: str) -> None:
+        """After layer `layer_name`'s attention wrote this step's KV: make it readable."""
+        layer = self.layers.get(layer_name)
+        if layer is None or self.agent is None:
+            return
+        with self._lock:
+            due = [s for s in self._streams.values() if not s.preempted and s.step > s.ready[layer]]
+        for s in due:
+            bs = self.block_size
+            first, last = s.ready[layer] // bs, -(-s.step // bs)
+            self.agent.publish(s.blocks[first:last], layers=(layer,))  # device sync (+ staging copy)
+            with self._lock:
+                s.ready[layer] = s.step
+
+    def query(self, transfer_id: str, epoch: int) -> StreamStatus:
+        lease = self.ledger.query(transfer_id, epoch)
+        with self._lock:
+            s = self._streams.get(transfer_id)
+            if s is None:
+                return StreamStatus(lease)
+            return StreamStatus(attrs.evolve(lease, blocks=tuple(s.blocks)), s.tokens, tuple(s.ready))
+
+    def released(self, transfer_id: str) -> bool:
+        """Ledger release of `transfer_id`; False when it is not a stream (a pull-mode lease)."""
+        with self._lock:
+            s = self._streams.get(transfer_id)
+            if s is None:
+                return False
+            s.released = True
+        self._maybe_finish(transfer_id)
+        return True
+
+    def _maybe_finish(self, transfer_id: str) -> None:
+        with self._lock:
+            s = self._streams.get(transfer_id)
+            if s is None or not ((s.ended or s.preempted) and s.released):
+                return
+            del self._streams[transfer_id]
+            self._by_request.pop(s.request_id, None)
+            if not s.preempted:
+                self._finished.add(s.request_id)
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            out, self._finished = self._finished, set()
+        return out
+
+
+# -- decode worker -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class StreamResult:
+    nbytes: int
+    descriptors: int
+    phases: dict[str, float]  # ms: control, transfer (busy), hidden (while prefill computed), exposed, done
+
+
+def _busy(intervals: list[tuple[float, float]], until: float | None = None) -> float:
+    """Seconds covered by the union of `intervals` (cut at `until`)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if until is not None:
+            b = min(b, until)
+        if b <= a:
+            continue
+        a = max(a, end)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, cancelled: threading.Event) -> StreamResult:
+    """Read `task` layer by layer as prefill computes it, then DONE (fenced). Raises LoadError (recompute),
+    TransferTimeout, or the transport's error; DONEs (or release-only ones) go out in every case."""
+    agent = control.agent
+    params = task.params
+    rid = str(params.remote_request_id)
+    prefill = ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
+    plan = agent.plan(prefill, task.tokens, prefill_dp=params.dp_rank)
+    bs = agent.layout.model.block_size
+    total = -(-task.tokens // bs)
+    layers = agent.layout.model.layers
+    local = [-1] * task.skip + list(task.local_block_ids)  # by block position; decode's prefix hits are skipped
+    notify = [(control._client(params, r)[0], 1) for r in plan.unpulled] if agent.rank == plan.notifier else []
+    ranks = sorted({p.prefill_rank for p in plan.pulls_for(agent.rank)})
+    leases: dict[int, tuple[ControlClient, int, int]] = {}
+    handles: list[TransferHandle] = []
+    spans: list[list[float]] = []
+    nbytes = ndesc = 0
+    began = time.time()
+    try:
+        peers = {}
+        for rank in ranks:
+            client, addr = control._client(params, rank)
+            info = control._info(client, addr, params.remote_engine_id, rid)
+            if agent.receiver is not None and not agent.receiver.direct(info.layout):
+                raise LoadError(
+                    f"request {rid!r}: prefill rank {rank} arranges its KV cache unlike this decode rank; "
+                    'layer-wise streaming needs the same layout and block size on both sides (or "transfer": "pull")',
+                    peer=client.url,
+                    request=rid,
+                    cause="layout",
+                )
+            peers[rank] = (client, info, agent.connect(info))
+            count = plan.release_count(rank)
+            status = client.begin_pull(
+                rid, control.name, notify=control.server.address, expected_pulls=count, wait_s=control.ready_timeout_s
+            )
+            leases[rank] = (client, status.epoch, count)
+        control_s = time.time() - began
+        sent = {rank: [task.skip] * layers for rank in ranks}  # per rank and layer: block positions requested
+        subs: dict[tuple[int, tuple[int, ...]], tuple[KVLayout, KVLayout]] = {}
+        delay, last_progress, computing_until = POLL_MIN_S, time.monotonic(), time.time()
+        while True:
+            if cancelled.is_set():
+                raise LoadError(f"request {rid!r}: decode dropped it while streaming", request=rid, cause="cancelled")
+            progressed, complete = False, True
+            polled = time.time()
+            for rank in ranks:
+                client, info, peer = peers[rank]
+                st = client.query_stream(rid, leases[rank][1])
+                if not st.lease.valid:
+                    raise LoadError(
+                        f"request {rid!r}: lease on {client.url} is {st.lease.state.value} mid-stream; recompute",
+                        peer=client.url,
+                        request=rid,
+                        cause=st.lease.state.value,
+                    )
+                if st.tokens and st.tokens != task.tokens:
+                    raise LoadError(
+                        f"request {rid!r}: prefill streams a prompt of {st.tokens} tokens, decode holds {task.tokens}; "
+                        "the proxy must send both servers the same prompt",
+                        peer=client.url,
+                        request=rid,
+                        cause="prompt",
+                    )
+                have = len(st.lease.blocks)
+                ready = [min(have, total if r >= task.tokens else r // bs) for r in (st.ready or (0,) * layers)]
+                groups: dict[tuple[int, int], list[int]] = {}
+                for layer in range(layers):
+                    if ready[layer] > sent[rank][layer]:
+                        groups.setdefault((sent[rank][layer], ready[layer]), []).append(layer)
+                    if ready[layer] < total:
+                        complete = False
+                for (a, b), group in groups.items():
+                    key = (rank, tuple(group))
+                    if key not in subs:
+                        subs[key] = (_sub(agent.layout, group), _sub(info.layout, group))
+                    mine, theirs = subs[key]
+                    for p in plan.pulls_for(agent.rank):
+                        if p.prefill_rank != rank:
+                            continue
+                        first = {"src_first": p.src_first + a * p.src_step, "dst_first": p.dst_first + a * p.dst_step}
+                        sub = attrs.evolve(p, num_blocks=b - a, **first)
+                        desc = pull_descriptors(sub, mine, theirs, local, st.lease.blocks)
+                        span = [time.time(), 0.0]  # submitted, completed (set by the transport's thread)
+                        h = agent.backend.transfer(peer, desc, "read")
+                        h.add_done_callback(lambda _h, span=span: span.__setitem__(1, time.time()))
+                        handles.append(h)
+                        spans.append(span)
+                        nbytes += int(desc[:, 2].sum())
+                        ndesc += len(desc)
+                    for layer in group:
+                        sent[rank][layer] = b
+                    progressed = True
+            if not complete:
+                computing_until = polled  # prefill was still computing when this poll left
+            if complete:
+                break
+            now = time.monotonic()
+            if progressed:
+                last_progress, delay = now, POLL_MIN_S
+            elif now - last_progress > timeout_s:
+                raise TransferTimeout(
+                    f"request {rid!r}: prefill computed no new layer for {timeout_s}s; raise pull_timeout_s for "
+                    "prompts that take longer per step",
+                    request=rid,
+                    cause="timeout",
+                )
+            else:
+                delay = min(delay * 2, POLL_MAX_S)
+            time.sleep(delay)  # bounded by the timeout above
+        _settle(handles, timeout_s)
+        error = next((e for e in (h.exception() for h in handles) if e is not None), None)
+        if error is not None:
+            raise error
+        ended = time.time()
+        # a callback may still be running when wait_all returns: its transfer ended by now
+        intervals = [(a, b or ended) for a, b in spans]
+        done_at = time.perf_counter()
+        _dones(rid, control, leases, notify, None)
+        busy = _busy(intervals)
+        hidden = _busy(intervals, until=computing_until)
+        phases = {
+            "control_ms": control_s * 1e3,
+            "transfer_ms": busy * 1e3,
+            "hidden_ms": hidden * 1e3,
+            "exposed_ms": (busy - hidden) * 1e3,
+            "tail_ms": (ended - computing_until) * 1e3,  # from prefill's last layer to all bytes here
+            "done_ms": (time.perf_counter() - done_at) * 1e3,
+        }
+        return StreamResult(nbytes, ndesc, {k: round(v, 3) for k, v in phases.items()})
+    except BaseException as exc:
+        _settle(handles, timeout_s)  # never leave a read running into blocks vLLM recomputes or reuses
+        release = list(notify)
+        for rank in ranks:
+            if rank not in leases:
+                try:
+                    release.append((control._client(params, rank)[0], plan.release_count(rank)))
+                except KVBridgeError as why:
+                    log.warning("request %s: cannot find prefill rank %d to release it: %s", rid, rank, why)
+        if cancelled.is_set():  # decode dropped the request: prefill need not keep it for anyone
+            for client, _epoch, _count in leases.values():
+                try:
+                    client.abort(rid, reason="decode dropped the request")
+                except KVBridgeError as why:
+                    log.warning("request %s: could not abort it on %s: %s", rid, client.url, why)
+            leases = {}
+        _dones(rid, control, leases, release, exc)
+        raise
+
+
+def _settle(handles: Sequence[TransferHandle], timeout_s: float) -> None:
+    """Wait for every read to end, failed ones included (`wait_all` stops at the first error)."""
+    deadline = time.monotonic() + timeout_s
+    for h in handles:
+        try:
+            h.wait(max(0.0, deadline - time.monotonic()))
+        except KVBridgeError:
+            pass  # its exception() says why; a read still running after the deadline is the transport's to end
+
+
+def _dones(
+    rid: str,
+    control: DecodeControl,
+    leases: dict[int, tuple[ControlClient, int, int]],
+    release: list[tuple[ControlClient, int]],
+    error: BaseException | None,
+) -> None:
+    """Fenced DONEs (raise LoadError if a lease did not hold) and release-only ones, as in pull mode."""
+    failed = control._send_dones(rid, leases, release, error)
+    if failed is not None and error is None:
+        raise failed
+
+
+def _sub(layout: KVLayout, layers: Sequence[int]) -> KVLayout:
+    """The layout of `layers` only (their regions), for planning a read of those layers."""
+    return attrs.evolve(layout, regions=[r for r in layout.regions if r.layer in layers])

@@ -1,0 +1,171 @@
+"""`kvbridge bench --engine vllm --transfer layerwise`: layer-wise streaming against pull mode on the same
+prefill + decode pair of real vLLM servers (both run `"transfer": "layerwise"`, which also serves pull
+requests), request by request in turn, so each length's figures are paired.
+
+Per request, as a client of a PD proxy sees it (the bench plays the proxy): `client_ttft_ms` is from
+sending the request to the decode's first token (decode answers with `max_tokens` 1). Pull: prefill,
+then decode with prefill's params. Layer-wise: both at once with one transfer id. From the decode's
+answer (`kvbridge_timing`): `transfer_ms` (time some read was in flight), `hidden_ms` (of it, the part
+before the last poll that still found prefill computing: a lower bound on what overlapped compute),
+`hidden_pct`, `tail_ms` (from that poll to the last byte: what TTFT pays after prefill's last layer);
+from prefill's answer, `prefill_ms` (its engine's time for the request). Prefill computes prompts in
+chunks (`--max-num-batched-tokens`, default 256 here), so KV is readable per layer and per chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from kvbridge.bench.vllm import _prompt
+from kvbridge.cli.output import err_console, print_json, print_table
+
+CHUNK_TOKENS = 256
+
+
+def _config(role: str, port: int) -> dict:
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "migration_backend": "Mooncake",
+            "protocol": "tcp",
+            "transfer": "layerwise",
+            "side_channel_port": port,
+        },
+    }
+
+
+def _post(http: Any, url: str, body: dict) -> tuple[dict, float]:
+    r = http.post(f"{url}/v1/completions", json=body)
+    r.raise_for_status()
+    return r.json(), time.perf_counter()
+
+
+def _timing(answer: dict) -> dict[str, float]:
+    return (answer.get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
+
+
+def _one(http: Any, prefill: Any, decode: Any, base: dict, text: str, identity: dict, layerwise: bool) -> dict:
+    to_prefill: dict[str, Any] = {"do_remote_decode": True}
+    start = time.perf_counter()
+    if not layerwise:
+        first, _ = _post(http, prefill.url, {**base, "prompt": text, "kv_transfer_params": to_prefill})
+        answer, end = _post(
+            http, decode.url, {**base, "prompt": text, "kv_transfer_params": first["kv_transfer_params"]}
+        )
+    else:
+        tid = uuid.uuid4().hex
+        mode = {"transfer_mode": "layerwise", "transfer_id": tid}
+        got: dict[str, Any] = {}
+
+        def prefill_side() -> None:
+            got["first"] = _post(
+                http, prefill.url, {**base, "prompt": text, "kv_transfer_params": {**to_prefill, **mode}}
+            )[0]
+
+        side = threading.Thread(target=prefill_side)
+        side.start()
+        params = {**identity, **mode, "do_remote_prefill": True, "remote_request_id": tid}
+        answer, end = _post(http, decode.url, {**base, "prompt": text, "kv_transfer_params": params})
+        side.join(timeout=600)
+        first = got["first"]
+    row = {"client_ttft_ms": (end - start) * 1e3, **_timing(answer)}
+    if "prefill_ms" in _timing(first):
+        row["prefill_ms"] = _timing(first)["prefill_ms"]
+    return row
+
+
+def _median(values: list[float]) -> float:
+    return round(sorted(values)[len(values) // 2], 2)
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from kvbridge.testing.ports import free_port
+    from kvbridge.testing.tiny_model import build_tiny_llama
+    from kvbridge.testing.vllm_server import start_vllm, wait_healthy
+
+    lengths = args.lengths or [64, 256, 1024, 1900]
+    reps = args.requests or 5
+    rows: list[dict] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="kvbridge-bench-layerwise-") as tmp,
+        Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
+    ):
+        root = Path(tmp)
+        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
+        model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
+        longest = max(lengths) + 2
+        common = {"max_model_len": max(1024, longest), "log_dir": logs, "env": {"VLLM_LOG_STATS_INTERVAL": "1"}}
+        chunked = ["--max-num-batched-tokens", str(CHUNK_TOKENS)]
+        prefill = start_vllm(
+            model, kv_transfer_config=_config("kv_producer", free_port()), extra_args=chunked, **common
+        )
+        decode = start_vllm(model, kv_transfer_config=_config("kv_consumer", free_port()), **common)
+        http = httpx.Client(timeout=600, trust_env=False)
+        try:
+            wait_healthy([prefill, decode], timeout=600)
+            base = {"model": str(model), "temperature": 0, "ignore_eos": True, "max_tokens": 1}
+            # Warm-up, both ways; the pulled one tells where prefill's side channel is.
+            first, _ = _post(
+                http, prefill.url, {**base, "prompt": _prompt(40, 0), "kv_transfer_params": {"do_remote_decode": True}}
+            )
+            p = first["kv_transfer_params"]
+            identity = {k: p[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
+            _post(http, decode.url, {**base, "prompt": _prompt(40, 0), "kv_transfer_params": p})
+            _one(http, prefill, decode, base, _prompt(40, 1), identity, layerwise=True)
+            task = progress.add_task("requests", total=2 * len(lengths) * reps)
+            for n in lengths:
+                samples: dict[str, list[dict]] = {"pull": [], "layerwise": []}
+                for i in range(reps):
+                    for mode in ("pull", "layerwise"):  # in turn: paired, under the same load
+                        text = _prompt(n, seed=n * 1000 + i * 2 + (mode == "layerwise"))
+                        samples[mode].append(_one(http, prefill, decode, base, text, identity, mode == "layerwise"))
+                        progress.advance(task)
+                for mode, got in samples.items():
+                    row: dict[str, Any] = {"transfer": mode, "prompt_tokens": n, "requests": reps}
+                    for key in ("client_ttft_ms", "prefill_ms", "control_ms", "transfer_ms", "hidden_ms", "tail_ms"):
+                        values = [g[key] for g in got if key in g]
+                        if values:
+                            row[key] = _median(values)
+                    if mode == "layerwise":
+                        pct = [100 * g["hidden_ms"] / g["transfer_ms"] for g in got if g.get("transfer_ms")]
+                        row["hidden_pct"] = _median(pct) if pct else None
+                    rows.append(row)
+                pull, lw = rows[-2]["client_ttft_ms"], rows[-1]["client_ttft_ms"]
+                rows[-1]["ttft_vs_pull"] = round(lw / pull, 3) if pull else None
+        finally:
+            http.close()
+            prefill.stop()
+            decode.stop()
+    if args.json:
+        print_json({"engine": "vllm", "transfer": "layerwise vs pull", "chunk_tokens": CHUNK_TOKENS, "rows": rows})
+    else:
+        cols = [
+            "transfer",
+            "prompt_tokens",
+            "requests",
+            "client_ttft_ms",
+            "ttft_vs_pull",
+            "prefill_ms",
+            "control_ms",
+            "transfer_ms",
+            "hidden_ms",
+            "hidden_pct",
+            "tail_ms",
+        ]
+        print_table(
+            f"vLLM PD, layer-wise streaming vs pull (medians; prefill chunks of {CHUNK_TOKENS} tokens)",
+            cols,
+            [[r.get(c, "") for c in cols] for r in rows],
+        )
+    return 0

