@@ -436,7 +436,14 @@ def copy_ranges(
     d_rows, s_rows = _rows(runs[:, 0], runs[:, 2], unit), _rows(runs[:, 1], runs[:, 2], unit)
     if both_numpy:  # flat byte buffers are contiguous, so these reshapes are views
         rows_in = src[: len(src) // unit * unit].reshape(-1, unit)
-        dst[: len(dst) // unit * unit].reshape(-1, unit)[d_rows] = rows_in[s_rows]
+        rows_out = dst[: len(dst) // unit * unit].reshape(-1, unit)
+        # a gather into (or a scatter from) consecutive rows is one copy, not a gather and a scatter
+        if (np.diff(d_rows) == 1).all():
+            np.take(rows_in, s_rows, axis=0, out=rows_out[d_rows[0] : d_rows[0] + len(d_rows)])
+        elif (np.diff(s_rows) == 1).all():
+            rows_out[d_rows] = rows_in[s_rows[0] : s_rows[0] + len(s_rows)]
+        else:
+            rows_out[d_rows] = rows_in[s_rows]
         return
     import torch
 

@@ -72,9 +72,16 @@ def layout(model: ModelSpec, heads: int, num_blocks: int, style: str, base: int)
             heads,
             [
                 KVRegion(
-                    l, kind, base + (l * len(kinds) + i) * bb, num_blocks, stride, bb, heads=heads, head_bytes=head
+                    layer,
+                    kind,
+                    base + (layer * len(kinds) + i) * bb,
+                    num_blocks,
+                    stride,
+                    bb,
+                    heads=heads,
+                    head_bytes=head,
                 )
-                for l in range(model.layers)
+                for layer in range(model.layers)
                 for i, kind in enumerate(kinds)
             ],
         )
