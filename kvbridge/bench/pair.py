@@ -176,10 +176,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if choice.strategy == "gather":
                         r = _gathered(prefill, decode, staged["addr"], src_blocks, dst_blocks, chunks_done, args)
                         chunks_done += r["chunks"]
-                        descriptors_in = descriptor_count(
-                            src_blocks, dst_blocks, spec.layers * spec.kv_tensors, block_bytes, None
-                        )
-                        runs = r["chunks"]
+                        descriptors_in, runs = len(src_blocks) * spec.layers * spec.kv_tensors, r["chunks"]
                     else:
                         r = decode.call(
                             "migrate",
