@@ -146,6 +146,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         if args.strategy != "auto":
             choice = Choice(args.strategy, choice.direct_s, choice.gather_s, "chosen with --strategy")
+        elif choice.strategy == "gather" and not src["can_gather"]:
+            reason = "the bench gathers host memory the transport reaches directly only (a GPU's is a device kernel)"
+            choice = Choice("direct", choice.direct_s, choice.gather_s, reason)
         staged: dict[str, Any] = {}
         if choice.strategy == "gather":
             staged = prefill.call("stage", nbytes=request_bytes)
@@ -157,6 +160,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         verified = True
         problems: list[str] = []
         descriptors = descriptors_in = runs = chunks_done = 0
+        phases: dict[str, list[float]] = {}
         with Progress(console=err_console, transient=True, disable=bool(getattr(args, "json", False))) as progress:
             task = progress.add_task("migrating", total=args.repeat * requests)
             for _ in range(args.repeat):
@@ -190,6 +194,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     descriptors = r["descriptors"]
                     kv_round += r["seconds"]
                     latencies.append(r["seconds"])
+                    for phase in GATHER_PHASES if choice.strategy == "gather" else ():
+                        phases.setdefault(phase, []).append(r[phase])
                     progress.advance(task)
                 check = decode.call("verify", requests=dst_plan, timeout=600)
                 verified &= check["verified"]
@@ -227,6 +233,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "reason": choice.reason,
             "predicted_direct_ms": None if choice.direct_s is None else choice.direct_s * 1e3,
             "predicted_gather_ms": None if choice.gather_s is None else choice.gather_s * 1e3,
+            # gather: median ms per request the prefill spent gathering (overlapped) and the decode spent
+            # polling for ready chunks, waiting on the wire, and scattering
+            "phases_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
         },
         "kvbridge": {
             "gbps": kv_gbps,
@@ -246,6 +255,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "verified": bool(verified),
         "problems": problems[:10],
     }
+
+
+GATHER_PHASES = ("gather", "poll", "wire_wait", "scatter")
 
 
 def _gathered(
@@ -277,7 +289,7 @@ def _gathered(
         side.join()
     if "start" not in out:
         raise ConfigError("the prefill side's gather failed; see its log above")
-    return {**r, "seconds": r["end"] - min(r["start"], out["start"])}
+    return {**r, "gather": out["gather"], "seconds": r["end"] - min(r["start"], out["start"])}
 
 
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -348,6 +360,8 @@ def _print_result(result: dict[str, Any]) -> None:
         f"{name} {st[f'predicted_{name}_ms']:.0f} ms" for name in STRATEGIES if st[f"predicted_{name}_ms"] is not None
     )
     print(f"strategy: {st['used']} ({st['reason']}{'; predicted ' + predicted if predicted else ''})")
+    if st["phases_ms"]:
+        print("gather phases, median ms per request: " + ", ".join(f"{k} {v:.0f}" for k, v in st["phases_ms"].items()))
     status = (
         "verified: every byte on the decode side is correct"
         if result["verified"]

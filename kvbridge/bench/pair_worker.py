@@ -22,7 +22,7 @@ from kvbridge.presets import get_preset
 from kvbridge.proc import serve
 from kvbridge.staging import copy_ranges
 
-GATHER_IN_FLIGHT = 2  # chunks on the wire at once in a gathered pull (32 pieces of 1 MiB: far under admission)
+GATHER_IN_FLIGHT = 4  # chunks on the wire at once in a gathered pull (64 pieces of 1 MiB: far under admission)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,10 @@ class Side:
         self.staging: np.ndarray | None = None  # gather strategy: prefill's staging, decode's landing (+ a flag)
         self.gathered = 0  # prefill: chunks gathered so far (the flag peers poll)
         self.staging_bytes = 0
+
+    def can_gather(self) -> bool:
+        """Whether the bench's gather strategy runs here: host memory the transport reaches directly."""
+        return isinstance(self.pool, np.ndarray) and staging.transport(self.backend) is self.backend
 
     def rows(self, blocks: list[int]) -> np.ndarray:
         """Byte offsets in the pool of a request's (tensor, block) rows, in request order."""
@@ -102,7 +106,7 @@ def stage(nbytes: int) -> dict[str, Any]:
     (kvbridge.control.ledger) and frees with it; here one is reused for every request of the run.
     """
     side = _get()
-    if not isinstance(side.pool, np.ndarray) or staging.transport(side.backend) is not side.backend:
+    if not side.can_gather():
         raise ConfigError(
             "--strategy gather is measured on host memory reached directly (here: the cpu device); on a GPU "
             "the gather is a device kernel into registered device memory, which cannot run here"
@@ -129,7 +133,8 @@ def gather(blocks: list[int], chunk_bytes: int) -> dict[str, float]:
         )
         side.gathered += 1
         flag[0] = side.gathered  # after the chunk's bytes: a reader that sees it reads a whole chunk
-    return {"start": start, "end": time.monotonic()}
+    end = time.monotonic()
+    return {"start": start, "end": end, "gather": end - start}
 
 
 def migrate_gathered(
@@ -150,12 +155,15 @@ def migrate_gathered(
     transport = staging.transport(side.backend)
     ready = submitted = done = sent = 0
     handles: dict[int, Any] = {}
+    spent = {"poll": 0.0, "wire_wait": 0.0, "scatter": 0.0}  # where the decode side's time went
     while done < len(chunks):
         if time.monotonic() > deadline:
             raise TimeoutError(f"gathered pull: chunk {done} of {len(chunks)} not ready within {wait_s}s")
         if submitted == ready and submitted < len(chunks):  # nothing known ready beyond what was sent: ask
+            t = time.monotonic()
             transport.raw_transfer(side.peer, base + flag_at, src_addr + flag_at, 8).wait(wait_s)
             ready = int(flag[0]) - ready_before
+            spent["poll"] += time.monotonic() - t
         while submitted < min(ready, done + GATHER_IN_FLIGHT):
             a, b = chunks[submitted]
             off, n = a * side.block_bytes, (b - a) * side.block_bytes
@@ -163,13 +171,17 @@ def migrate_gathered(
             sent += handles[submitted].descriptors
             submitted += 1
         if done < submitted:
+            t = time.monotonic()
             handles.pop(done).wait(wait_s)
+            t2 = time.monotonic()
             a, b = chunks[done]
             lengths = np.full(b - a, side.block_bytes, dtype=np.int64)
             copy_ranges(side.pool, side.staging, dst[a:b], np.arange(a, b) * side.block_bytes, lengths)
+            spent["wire_wait"] += t2 - t
+            spent["scatter"] += time.monotonic() - t2
             done += 1
     end = time.monotonic()
-    return {"start": start, "end": end, "seconds": end - start, "descriptors": sent, "chunks": len(chunks)}
+    return {"start": start, "end": end, "seconds": end - start, "descriptors": sent, "chunks": len(chunks), **spent}
 
 
 _side: Side | None = None
@@ -190,6 +202,7 @@ def init(**kwargs: Any) -> dict[str, Any]:
         "tensor_bytes": _side.tensor_bytes,
         "cost": {k: getattr(cost, k) for k in ("bytes_per_s", "descriptor_s", "piece_bytes", "peer_admission")},
         "copy_bytes_per_s": _side.device.copy_bytes_per_s,
+        "can_gather": _side.can_gather(),
     }
 
 
