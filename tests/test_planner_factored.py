@@ -5,6 +5,7 @@ old planner returned. The old planner is kept here, verbatim in its arithmetic, 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,3 +161,42 @@ def test_factored_rows_equal_the_row_by_row_planner(
         assert len(new) <= len(old) + len(layouts["decode", pull.decode_rank].regions)
         rows = np.concatenate(list(new.chunks(7)))
         assert np.array_equal(rows, new.expand())
+
+
+def test_a_transport_sends_factored_rows_in_batches_and_checks_their_bounds() -> None:
+    """Through a real (in-process) transport: factored rows are materialized batch by batch, move the
+    same bytes as the reference rows, and a layout reaching past the peer's registration is refused."""
+    import kvbridge
+    from kvbridge.errors import InvalidDescriptor
+
+    model = ModelSpec("g", layers=3, kv_heads=4, head_dim=4, dtype="fp16", block_size=4)
+    p = plan(ParallelConfig(tp=1), ParallelConfig(tp=2), model, 4 * 24)  # decode rank 0: heads 0-1 of 4
+    pull = p.pulls_for(0)[0]
+    heads = {"prefill": 4, "decode": 2}
+    bufs = {s: np.zeros(model.layers * 2 * 32 * heads[s] * 4 * 4 * 2, dtype=np.uint8) for s in heads}
+    bufs["prefill"][:] = np.random.default_rng(0).integers(0, 256, len(bufs["prefill"]), dtype=np.uint8)
+    layouts = {s: layout(model, heads[s], 32, "split-NHD", bufs[s].ctypes.data) for s in heads}
+    rng = np.random.default_rng(1)
+    dst_ids, src_ids = rng.permutation(32)[:24], rng.permutation(32)[:24]
+    desc = pull_descriptors(pull, layouts["decode"], layouts["prefill"], dst_ids, src_ids)
+    expected = np.zeros_like(bufs["decode"])
+    base_l, base_r = bufs["decode"].ctypes.data, bufs["prefill"].ctypes.data
+    for local, remote, n in reference(pull, layouts["decode"], layouts["prefill"], dst_ids, src_ids).tolist():
+        expected[local - base_l : local - base_l + n] = bufs["prefill"][remote - base_r : remote - base_r + n]
+    server = kvbridge.create_backend("loopback")
+    client = kvbridge.create_backend("loopback", max_batch=100)
+    try:
+        server.register_memory(bufs["prefill"])
+        client.register_memory(bufs["decode"])
+        peer = client.connect(server.endpoint_info())
+        handle = client.transfer(peer, desc, "read")
+        handle.wait(30)
+        assert np.array_equal(bufs["decode"], expected)
+        assert handle.descriptors == len(desc) and handle.nbytes == desc.nbytes
+        assert client.submissions == -(-len(desc) // 100)  # one per batch of 100 rows
+        past = layout(model, 4, 64, "split-NHD", base_r)  # twice the blocks the peer registered
+        with pytest.raises(InvalidDescriptor, match="remote memory"):
+            client.transfer(peer, pull_descriptors(pull, layouts["decode"], past, dst_ids, src_ids + 32))
+    finally:
+        client.close()
+        server.close()
