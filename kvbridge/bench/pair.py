@@ -1,8 +1,10 @@
 """`kvbridge bench` pair mode: one prefill process, one decode process, one transport.
 
 Each round measures the raw transport (one descriptor of a request's bytes, per request) and
-then kvbridge's migration of every request (one descriptor per block, merged where blocks are
-contiguous on both sides), and verifies every byte on the decode side.
+then kvbridge's migration of every request, and verifies every byte on the decode side. The
+migration is direct (one descriptor per block, merged where blocks are contiguous on both sides)
+or gathered (prefill packs the blocks into a staging region, decode pulls it in chunks and
+scatters), as the transport's declared cost model picks (`kvbridge.strategy`) or `--strategy` says.
 """
 
 from __future__ import annotations
