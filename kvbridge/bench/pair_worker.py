@@ -155,14 +155,17 @@ def migrate_gathered(
     transport = staging.transport(side.backend)
     ready = submitted = done = sent = 0
     handles: dict[int, Any] = {}
+    poll: Any = None  # the one flag read in flight: it queues behind the chunks on the peer, never stalls them
     spent = {"poll": 0.0, "wire_wait": 0.0, "scatter": 0.0}  # where the decode side's time went
     while done < len(chunks):
         if time.monotonic() > deadline:
             raise TimeoutError(f"gathered pull: chunk {done} of {len(chunks)} not ready within {wait_s}s")
-        if submitted == ready and submitted < len(chunks):  # nothing known ready beyond what was sent: ask
+        if poll is None and ready < len(chunks) and ready - submitted < GATHER_IN_FLIGHT:
+            poll = transport.raw_transfer(side.peer, base + flag_at, src_addr + flag_at, 8)
+        if poll is not None and (poll.done() or done == submitted):  # idle: nothing to do but wait for it
             t = time.monotonic()
-            transport.raw_transfer(side.peer, base + flag_at, src_addr + flag_at, 8).wait(wait_s)
-            ready = int(flag[0]) - ready_before
+            poll.wait(wait_s)
+            poll, ready = None, int(flag[0]) - ready_before
             spent["poll"] += time.monotonic() - t
         while submitted < min(ready, done + GATHER_IN_FLIGHT):
             a, b = chunks[submitted]
@@ -180,6 +183,8 @@ def migrate_gathered(
             spent["wire_wait"] += t2 - t
             spent["scatter"] += time.monotonic() - t2
             done += 1
+    if poll is not None:
+        poll.wait(wait_s)
     end = time.monotonic()
     return {"start": start, "end": end, "seconds": end - start, "descriptors": sent, "chunks": len(chunks), **spent}
 
