@@ -27,7 +27,9 @@ nothing to pull), with a `PullResult`:
 - `notify`: prefill ranks nobody reads, listed only on the plan's notifier rank (the first rank
   of the decode DP group), which tells them to free their blocks;
 - `error`: None, or the exception that failed the pull (the engine recomputes; DONEs still go
-  out so the prefill side does not hold blocks until its lease expires).
+  out so the prefill side does not hold blocks until its lease expires);
+- `retries`: how many times its transfers were resubmitted (the transport's own retries and the
+  transfer deadline's), for the operator's metrics.
 
 The agent keeps no request state after the callback: leases, DONE messages and aborts belong to
 the control plane (`kvbridge.control`).
@@ -97,6 +99,7 @@ class PullResult:
     nbytes: int
     descriptors: int
     error: BaseException | None = None
+    retries: int = 0  # resubmissions its transfers needed (`TransferHandle.retries`), failed or not
 
 
 class PullHandle:
@@ -136,7 +139,8 @@ class PullHandle:
         except Exception as exc:  # e.g. the rearrangement of landed blocks: the pull failed, recompute
             log.exception("request %s: finishing the pull failed", self.request_id)
             error = error or exc
-        self._result = attrs.evolve(self._result, error=error)
+        retries = sum(h.retries for h in self.handles)
+        self._result = attrs.evolve(self._result, error=error, retries=retries)
         if self._on_done is not None:
             try:
                 self._on_done(self._result)
@@ -223,7 +227,14 @@ class KVAgent:
         """The layout with the addresses peers use (the host mirrors' where the memory is staged)."""
         bases = self.backend.peer_addresses([r.addr for r in self.layout.regions])
         regions = [attrs.evolve(r, addr=int(a)) for r, a in zip(self.layout.regions, bases.tolist())]
-        return attrs.evolve(self.layout, regions=regions)
+        paged = self.layout.paged
+        if paged is not None:  # a peer that lands whole blocks (kvbridge.landing) reads from these
+            planes = [
+                attrs.evolve(p, layer_addrs=self.backend.peer_addresses(list(p.layer_addrs)).tolist())
+                for p in paged.planes
+            ]
+            paged = attrs.evolve(paged, planes=planes)
+        return attrs.evolve(self.layout, regions=regions, paged=paged)
 
     def _check_registered(self) -> None:
         spans = np.array([r.span for r in self.layout.regions], dtype=np.int64)

@@ -2,13 +2,26 @@
 
 A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`,
 `_submit`); this base class does everything common around them once: normalizing memory and
-descriptors, bounds checks on both sides, batch splitting, endpoint encoding, thread-safe
-bookkeeping and a clean close.
+descriptors, bounds checks on both sides, batch splitting, the transfer deadline, endpoint
+encoding, thread-safe bookkeeping and a clean close.
+
+The transfer deadline (`transfer_deadline_s`, set by a transport that declares one): a part that
+failed, or has not finished within it (plus one second per GiB the transfer moves up to the end of
+that part: the transport gives no progress report and may run the parts one after another, so a
+large transfer gets the time a slow but moving link needs), is resubmitted once
+(reads and writes of the same bytes are idempotent while the peer's lease holds them), and fails
+(`TransferTimeout` when stuck) when the retry fails or has not finished within the deadline either.
+A stuck part that has not started yet is cancelled instead. A part that is
+running inside the transport cannot be stopped, and may still write into the destination, so the
+handle completes only once every started attempt has returned: the caller (the engine) never gets
+memory back that a transport call may still write into. How long that takes is the transport's own
+bound (Mooncake: at least 5 s per call, see its plugin).
 """
 
 from __future__ import annotations
 
 import abc
+import heapq
 import logging
 import threading
 import time
@@ -20,7 +33,7 @@ import attrs
 import numpy as np
 
 from kvbridge import wire
-from kvbridge.errors import ConfigError, KVBridgeError, TransferTimeout
+from kvbridge.errors import ConfigError, KVBridgeError, TransferFailed, TransferTimeout
 from kvbridge.memory import (
     Descriptors,
     FactoredDescriptors,
@@ -56,7 +69,11 @@ class Peer:
 
 
 class TransferHandle:
-    """A submitted transfer. `wait` raises the transport's error; `done` never blocks."""
+    """A submitted transfer. `wait` raises the transport's error; `done` never blocks.
+
+    Its future resolves to the number of resubmissions it needed (None: none); a failure carries the
+    count as `TransferError.retries`.
+    """
 
     def __init__(self, future: Future, *, peer: str, descriptors: int, nbytes: int) -> None:
         self._future = future
@@ -93,6 +110,16 @@ class TransferHandle:
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
 
+    @property
+    def retries(self) -> int:
+        """Resubmissions this transfer needed (the transport's own and deadline retries); 0 until done."""
+        if not self._future.done():
+            return 0
+        error = self._future.exception()
+        if error is not None:
+            return int(getattr(error, "retries", 0))
+        return int(self._future.result() or 0)
+
 
 class MigrationBackend(abc.ABC):
     """A transport that moves bytes between registered memory of two processes.
@@ -103,6 +130,9 @@ class MigrationBackend(abc.ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]
+    # Seconds a part may take before it is resubmitted once (see the module doc); None: no deadline.
+    transfer_deadline_s: float | None = None
+    DEADLINE_BYTES_PER_S = 1 << 30  # the slowest rate that still counts as progress
 
     def __init__(self, config: BackendConfig) -> None:
         self.config = config
@@ -149,7 +179,8 @@ class MigrationBackend(abc.ABC):
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         """Start moving `desc` (already bounds-checked, at most `max_batch` rows, merged where possible).
 
-        Returns a Future that resolves to None or raises a TransferError naming the peer.
+        Returns a Future that resolves to None (or the number of times the transport resubmitted it) or
+        raises a TransferError naming the peer (its `retries` set where the transport resubmitted).
         """
 
     def _disconnect(self, peer: Peer) -> None:
@@ -289,15 +320,26 @@ class MigrationBackend(abc.ABC):
         cap = self.capabilities
         step = cap.max_batch or len(desc)
         chunks = desc.chunks(step) if isinstance(desc, FactoredDescriptors) else [desc]
-        parts, sent = [], 0
+        parts, sent, through = [], 0, 0
         for chunk in chunks:
             if cap.max_descriptor_bytes:
                 chunk = split_large(chunk, cap.max_descriptor_bytes)
             for i in range(0, len(chunk), step):
-                parts.append(self._submit(peer, chunk[i : i + step], op))
+                part = chunk[i : i + step]
+                through += int(part[:, 2].sum())
+                # A transport may run the parts one after another: each part's deadline allows for those before it.
+                parts.append(self._submit_part(peer, part, op, through))
             sent += len(chunk)
         future = parts[0] if len(parts) == 1 else _gather(parts)
         return TransferHandle(future, peer=peer.name, descriptors=sent, nbytes=nbytes)
+
+    def _submit_part(self, peer: Peer, desc: Descriptors, op: Op, through: int) -> Future:
+        """Submit one part under the deadline; `through`: bytes of this transfer up to the end of this part."""
+        first = self._submit(peer, desc, op)
+        if not self.transfer_deadline_s:
+            return first
+        deadline = self.transfer_deadline_s + through / self.DEADLINE_BYTES_PER_S
+        return _DeadlineRetry(self, peer, desc, op, first, deadline).future
 
     def raw_transfer(
         self, peer: Peer, local_addr: int, remote_addr: int, length: int, op: Op = "read"
@@ -341,8 +383,160 @@ class MigrationBackend(abc.ABC):
             raise ConfigError(f"backend {self.name!r} is closed; create a new one")
 
 
+@attrs.define(eq=False)
+class _Alarm:
+    fn: Callable[[], None]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Watchdog:
+    """One thread that runs the transfer deadlines' alarms (a thread per transfer would cost more than
+    a small transfer does)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Alarm]] = []
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+
+    def after(self, seconds: float, fn: Callable[[], None]) -> _Alarm:
+        alarm = _Alarm(fn)
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._heap, (time.monotonic() + seconds, self._seq, alarm))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvbridge-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return alarm
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, alarm = heapq.heappop(self._heap)
+            if not alarm.cancelled:
+                try:
+                    alarm.fn()
+                except Exception:  # an alarm's bug must not stop every other deadline
+                    log.exception("transfer deadline handler failed")
+
+
+_WATCHDOG = _Watchdog()
+
+
+class _DeadlineRetry:
+    """One part of a transfer under the deadline (see the module doc): resubmitted once when it fails or
+    has not finished within the deadline; complete once every attempt that started has returned."""
+
+    def __init__(
+        self, backend: MigrationBackend, peer: Peer, desc: Descriptors, op: Op, first: Future, deadline: float
+    ) -> None:
+        self.future: Future = Future()
+        self._backend, self._peer, self._desc, self._op = backend, peer, desc, op
+        self._deadline = deadline
+        # re-entrant: cancelling a pending attempt runs its done-callback (`_settle`) in the cancelling thread
+        self._lock = threading.RLock()
+        self._attempts = [first]
+        self._retried = self._timed_out = self._stuck = False
+        self._timer = self._arm()
+        first.add_done_callback(self._settle)
+
+    def _arm(self) -> _Alarm:
+        # a grace past the deadline: a transport's own watchdog (whole seconds) fails a stuck call first
+        return _WATCHDOG.after(self._deadline + min(1.0, self._deadline / 2), self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        with self._lock:
+            if any(_succeeded(a) for a in self._attempts) or all(a.done() for a in self._attempts):
+                return
+            if self._retried:  # the retry made no progress within the deadline either
+                self._timed_out = True
+                self._attempts[-1].cancel()  # not started: it never will
+        if self._timed_out:
+            self._settle(None)
+        else:
+            self._stuck = True
+            self._retry("made no progress within the transfer deadline")
+
+    def _retry(self, why: str) -> None:
+        with self._lock:
+            if self._retried:
+                return
+            self._retried = True
+            if self._attempts[0].cancel():  # not started (held in a queue): it never will
+                self._attempts.clear()
+            self._timer.cancel()
+        log.warning(
+            "%s %s of %d descriptors with %s %s (deadline %.1fs); resubmitting it once",
+            self._backend.name,
+            self._op,
+            len(self._desc),
+            self._peer.name,
+            why,
+            self._deadline,
+        )
+        try:
+            again = self._backend._submit(self._peer, self._desc, self._op)
+        except Exception as exc:  # noqa: BLE001 - becomes the part's outcome
+            again = Future()
+            again.set_exception(exc)
+        with self._lock:
+            self._attempts.append(again)
+            self._timer = self._arm()
+        again.add_done_callback(self._settle)
+
+    def _settle(self, _f: Future | None) -> None:
+        """Retry a first attempt that failed; complete the part once every attempt has returned."""
+        with self._lock:
+            if self.future.done() or not self._attempts or not all(a.done() for a in self._attempts):
+                return
+            ok = [a for a in self._attempts if _succeeded(a)]
+            retry_now = not ok and not self._retried
+            if not retry_now and not ok and len(self._attempts) < 2 and not self._timed_out:
+                return  # the first attempt ended while its retry is being submitted
+        if retry_now:
+            self._retry(f"failed ({self._attempts[0].exception()})")
+            return
+        with self._lock:
+            if self.future.done():
+                return
+            self._timer.cancel()
+            retries = int(self._retried) + sum(_retries_of(a) for a in self._attempts if not a.cancelled())
+            if ok:
+                self.future.set_result(retries)
+                return
+            last = next((a.exception() for a in reversed(self._attempts) if not a.cancelled()), None)
+            stuck = self._stuck or self._timed_out
+            how = f"made no progress within the {self._deadline:.1f}s transfer deadline" if stuck else "failed"
+            error = (TransferTimeout if stuck else TransferFailed)(
+                f"{self._backend.name} {self._op} of {len(self._desc)} descriptors "
+                f"({int(self._desc[:, 2].sum())} bytes) with {self._peer.name} {how}, and so did its retry"
+                + (f" ({last})" if last is not None else "")
+                + "; check that the peer is alive, not stalled, and its memory is registered (the engine "
+                "recomputes or fails the request)",
+                peer=self._peer.name,
+                cause="no progress within the transfer deadline" if stuck else getattr(last, "cause", str(last)),
+                retries=retries,
+            )
+            self.future.set_exception(error)
+
+
+def _succeeded(f: Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is None
+
+
+def _retries_of(f: Future) -> int:
+    error = f.exception()
+    return int(getattr(error, "retries", 0)) if error is not None else int(f.result() or 0)
+
+
 def _gather(parts: list[Future]) -> Future:
-    """A future that resolves when all parts have, with the first error."""
+    """A future that resolves when all parts have, with the first error, or to their retries summed."""
     out: Future = Future()
     remaining = [len(parts)]
     lock = threading.Lock()
@@ -353,10 +547,12 @@ def _gather(parts: list[Future]) -> Future:
             last = remaining[0] == 0
         if last:
             errors = [p.exception() for p in parts if p.exception() is not None]
+            retries = sum(_retries_of(p) for p in parts)
             if errors:
+                errors[0].retries = retries  # type: ignore[attr-defined]
                 out.set_exception(errors[0])
             else:
-                out.set_result(None)
+                out.set_result(retries)
 
     for p in parts:
         p.add_done_callback(_one_done)

@@ -72,10 +72,11 @@ class TopologyError(ConfigError):
 class TransferError(KVBridgeError):
     """A transfer did not complete; names the peer (and request, where known) and the cause."""
 
-    def __init__(self, message: str, *, peer: str = "", request: str = "", cause: str = "") -> None:
+    def __init__(self, message: str, *, peer: str = "", request: str = "", cause: str = "", retries: int = 0) -> None:
         self.peer = peer
         self.request = request
         self.cause = cause
+        self.retries = retries  # resubmissions made before it failed (a metric, see TransferHandle.retries)
         super().__init__(message)
 
 

@@ -11,6 +11,13 @@ selection, re-blocking) writes them into the decode cache's own layout, per laye
 
 Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
 zero-copy path of `kvbridge.planner`.
+
+Device memory: landing buffers are allocated by the cache's device plugin and registered with the
+agent's device-bound backend, so where the transport cannot reach the device (TCP and GPU memory)
+the bytes land in the buffer's pinned host mirror and are copied to the device, followed by the
+plugin's sync (`kvbridge.staging.StagedBackend`); the rearrangement then runs on the device and is
+followed by the plugin's sync too, before the pull reports the blocks loaded. The pool of idle
+buffers is bounded (`max_idle_bytes`): a buffer released beyond it is unregistered and freed.
 """
 
 from __future__ import annotations
@@ -22,14 +29,17 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.device import Device
 from kvbridge.errors import ConfigError, LayoutMismatch
 from kvbridge.layout import KVLayout, PagedGeometry
 from kvbridge.memory import Descriptors, merge_runs
+from kvbridge.plugins import get_device
 from kvbridge.topology import Pull
 
 log = logging.getLogger(__name__)
 
 MIN_LANDING_BYTES = 1 << 20
+MAX_IDLE_BYTES = 256 << 20  # idle landing buffers kept registered for reuse, at most
 
 
 def direct(local: KVLayout, remote: KVLayout) -> bool:
@@ -122,16 +132,28 @@ class Receiver:
     """A decode rank's landing buffers (registered once each, reused) and the rearrangement into its cache.
 
     `views`: per plane, per layer, uint8 views `[B, H, N, c]` of the rank's cache (`cache.py` builds them).
+    `backend`: the agent's backend, bound to `device` (`kvbridge.staging.attach`), staged or not.
+    `device`: the cache's device plugin (`kvbridge.regions.device_of`); host memory when left out.
     """
 
-    def __init__(self, backend: Any, layout: KVLayout, views: Sequence[Sequence[Any]]) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        layout: KVLayout,
+        views: Sequence[Sequence[Any]],
+        device: Device | None = None,
+        *,
+        max_idle_bytes: int = MAX_IDLE_BYTES,
+    ) -> None:
         if layout.paged is None:
             raise ConfigError("a landing receiver needs a paged layout (PagedGeometry)")
         self.backend = backend
         self.layout = layout
         self.geometry = layout.paged
         self.views = [list(v) for v in views]
-        self.device = self.views[0][0].device
+        self.device = device if device is not None else get_device("cpu")
+        self.device_id = max(self.device.device_id(self.views[0][0]), 0)
+        self.max_idle_bytes = max_idle_bytes
         self._free: list[Any] = []
         self._all: list[Any] = []
         self._lock = threading.Lock()
@@ -184,9 +206,10 @@ class Receiver:
             import torch
 
             layers = len(g.planes[0].layer_addrs)
+            base = landing.storage_offset()  # a device plugin may hand out a view (NPU: 2 MiB-aligned)
             x = torch.cat(
                 [
-                    torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, off)
+                    torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, base + off)
                     for p, (off, st) in zip(g.planes, planes)
                 ],
                 dim=-1,
@@ -197,9 +220,10 @@ class Receiver:
             if pad:
                 z = torch.nn.functional.pad(z, (0, 0, 0, pad))
             y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
-            write_logical(
-                self.views, [p.content for p in mine.planes], torch.from_numpy(dst).to(self.device), pull.dst_heads, y
-            )
+            index = self.views[0][0].new_tensor(dst, dtype=torch.int64)  # on the cache's own device
+            write_logical(self.views, [p.content for p in mine.planes], index, pull.dst_heads, y)
+            if self.device.synchronizes:  # the rearrangement ran on the device: done before vLLM reads
+                self.device.after_transfer(self.device_id)
 
         return Landed(self, buf, desc, rearrange)
 
@@ -211,19 +235,35 @@ class Receiver:
             fits = [b for b in self._free if b.numel() >= nbytes]
             if fits:
                 buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
+                self._free = [b for b in self._free if b is not buf]  # by identity: == compares tensors
                 return buf
         size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
-        buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        buf = self.device.allocate(size, self.device_id)
+        if not isinstance(buf, torch.Tensor):  # a host device's numpy buffer: torch views it in place
+            buf = torch.from_numpy(buf)
         self.backend.register_memory(buf)
-        log.debug("landing buffer of %d bytes registered", size)
+        log.debug("landing buffer of %d bytes registered on %s:%d", size, self.device.name, self.device_id)
         with self._lock:
             self._all.append(buf)
         return buf
 
     def release(self, buf: Any) -> None:
+        """Keep `buf` for reuse while the idle buffers stay within `max_idle_bytes`; else free it."""
         with self._lock:
-            self._free.append(buf)
+            idle = sum(b.numel() for b in self._free)
+            keep = idle + buf.numel() <= self.max_idle_bytes
+            if keep:
+                self._free.append(buf)
+            else:
+                self._all = [b for b in self._all if b is not buf]
+        if not keep:
+            self.backend.unregister_memory(buf)
+            log.debug("landing buffer of %d bytes freed (idle buffers at the bound)", buf.numel())
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
 
     def close(self) -> None:
         with self._lock:

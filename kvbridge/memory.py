@@ -91,12 +91,13 @@ class RegionIndex:
 
     def __init__(self, regions: Sequence[MemoryRegion] = ()) -> None:
         self._regions: list[MemoryRegion] = []
-        self._starts = np.empty(0, dtype=np.int64)
-        self._ends = np.empty(0, dtype=np.int64)
+        # (starts, ends) replaced as one object: a transfer checking its ranges on another thread while
+        # a landing buffer registers must never see new starts with old ends
+        self._spans = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
         self.add(regions)
 
     def add(self, regions: Iterable[MemoryRegion]) -> None:
-        self._regions.extend(regions)
+        self._regions = [*self._regions, *regions]  # a new list: a reader's copy stays whole
         self._rebuild()
 
     def remove(self, addrs: Iterable[int]) -> list[MemoryRegion]:
@@ -114,8 +115,10 @@ class RegionIndex:
                 merged[-1][1] = max(merged[-1][1], end)
             else:
                 merged.append([start, end])
-        self._starts = np.array([m[0] for m in merged], dtype=np.int64)
-        self._ends = np.array([m[1] for m in merged], dtype=np.int64)
+        self._spans = (
+            np.array([m[0] for m in merged], dtype=np.int64),
+            np.array([m[1] for m in merged], dtype=np.int64),
+        )
 
     @property
     def regions(self) -> tuple[MemoryRegion, ...]:
@@ -129,15 +132,16 @@ class RegionIndex:
         outside too). Never computes addr + length: a hostile pair near 2**63 would wrap around int64."""
         addrs = np.asarray(addrs, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
-        if len(self._starts) == 0:
+        starts, ends = self._spans
+        if len(starts) == 0:
             return np.arange(len(addrs))
-        slot = np.searchsorted(self._starts, addrs, side="right") - 1
+        slot = np.searchsorted(starts, addrs, side="right") - 1
         ok = (slot >= 0) & (lengths > 0)
         slot = np.clip(slot, 0, None)
         # Where ok, start <= addr < 2**63 and end > start >= 0, so end - addr cannot overflow; elsewhere the
         # subtraction is skipped (room stays 0).
         room = np.zeros(len(addrs), dtype=np.int64)
-        np.subtract(self._ends[slot], addrs, out=room, where=ok)
+        np.subtract(ends[slot], addrs, out=room, where=ok)
         ok &= lengths <= room
         return np.flatnonzero(~ok)
 

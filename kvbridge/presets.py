@@ -6,7 +6,7 @@ import attrs
 
 from kvbridge.errors import ConfigError
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "int8": 1, "uint8": 1}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1}
 
 
 @attrs.frozen

@@ -372,7 +372,7 @@ def _then(handle: Any, step: Any) -> Future:
         except Exception as exc:  # noqa: BLE001 - handed to the waiter, who sees it from wait()
             out.set_exception(exc)
         else:
-            out.set_result(None)
+            out.set_result(h.retries)
 
     handle.add_done_callback(done)
     return out

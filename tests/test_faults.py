@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import attrs
@@ -130,3 +131,69 @@ def test_long_descriptors_are_cut_to_the_transport_piece_size() -> None:
     finally:
         client.close()
         server.close()
+
+
+def test_a_stuck_part_is_resubmitted_once_and_completes_only_when_the_stuck_call_returned(link) -> None:
+    """The transfer deadline: the retry succeeds fast, but the handle waits for the stuck first call (it may
+    still write into the destination), and counts one retry."""
+    _, client, peer, src, dst = link
+    order: list[str] = []
+    move = client._move
+
+    def recorded(*args):  # type: ignore[no-untyped-def]
+        try:
+            return move(*args)
+        finally:
+            order.append(f"call {args[3]}s returned")
+
+    client._move = recorded  # type: ignore[method-assign]
+    client.transfer_deadline_s = 0.2
+    client.inject(delay=1.5)
+    handle = client.transfer(peer, blocks(dst, src, n=1))
+    deadline = time.monotonic() + 10
+    while client.submissions < 2 and time.monotonic() < deadline:  # the resubmission, at 0.2 + 0.1 s
+        client.inject(delay=0.0)
+        time.sleep(0.01)
+    handle.add_done_callback(lambda _h: order.append("handle done"))
+    handle.wait(10)
+    assert client.submissions == 2
+    assert order == ["call 0.0s returned", "call 1.5s returned", "handle done"], order
+    assert handle.retries == 1
+    assert (dst[:1024] == src[:1024]).all()
+
+
+def test_a_part_stuck_twice_fails_with_the_deadline_in_its_error(link) -> None:
+    _, client, peer, src, dst = link
+    client.transfer_deadline_s = 0.1
+    client.inject(delay=0.5, fail_completion=2)  # both calls hang past the deadline, then fail
+    handle = client.transfer(peer, blocks(dst, src, n=1))
+    with pytest.raises(TransferTimeout, match="made no progress within the 0.1s transfer deadline, and so did its"):
+        handle.wait(10)
+    assert client.submissions == 2 and handle.retries == 1
+
+
+def test_a_failed_part_is_resubmitted_once_under_a_deadline(link) -> None:
+    _, client, peer, src, dst = link
+    client.transfer_deadline_s = 5.0
+    client.inject(fail_completion=1)
+    handle = client.transfer(peer, blocks(dst, src, n=1))
+    handle.wait(10)
+    assert handle.retries == 1 and (dst[:1024] == src[:1024]).all()
+    client.inject(fail_completion=2)
+    with pytest.raises(TransferFailed, match="injected completion failure.*and so did its retry|and so did its retry"):
+        client.transfer(peer, blocks(dst, src, n=1)).wait(10)
+
+
+def test_held_submissions_are_cancelled_at_the_deadline_and_the_transfer_fails(link) -> None:
+    """`kvbridge chaos`'s slow-peer holds submissions before they start: at the deadline the held one is
+    cancelled (it never writes), resubmitted, held again, cancelled again: a clear failure, not a hang.
+    (A cancel runs the attempt's done-callback in the cancelling thread: this once deadlocked the deadline.)"""
+    from kvbridge.chaos.inject import install
+
+    _, client, peer, src, dst = link
+    client.transfer_deadline_s = 0.2
+    install(client, {"slow_peer": 1.0, "slow_s": 30.0})
+    handle = client.transfer(peer, blocks(dst, src, n=1))
+    with pytest.raises(TransferTimeout, match="made no progress within the 0.2s transfer deadline, and so did its"):
+        handle.wait(5)
+    assert client.submissions == 0 and handle.retries == 1 and not dst.any()

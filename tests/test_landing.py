@@ -7,9 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvbridge.adapters.vllm.cache import ORDERS, describe_kv_caches  # noqa: E402
-from kvbridge.errors import ConfigError  # noqa: E402
-from kvbridge.landing import direct, landing_descriptors  # noqa: E402
+from kvbridge.adapters.vllm.cache import ORDERS, byte_views, describe_kv_caches  # noqa: E402
+from kvbridge.errors import ConfigError, LayoutMismatch  # noqa: E402
+from kvbridge.landing import Receiver, direct, landing_descriptors  # noqa: E402
+from kvbridge.layout import check_compatible  # noqa: E402
 
 L, B, H, N, C = 2, 6, 4, 16, 8  # C: K+V elements of fp16
 
@@ -47,3 +48,41 @@ def test_only_like_arrangements_go_direct() -> None:
     a, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
     b, _ = describe_kv_caches(views("BLNHC"), layout="BLNHC", block_size=N, tp_size=1)
     assert direct(a, a) and not direct(a, b) and not direct(b, a)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_caches_are_one_byte_elements_named_by_vllms_cache_dtype(cache_dtype: str) -> None:
+    # vLLM allocates fp8 KV caches as uint8 tensors (STR_DTYPE_TO_TORCH_DTYPE): the name says the format
+    kv = {k: v.view(torch.uint8) for k, v in views("LBNHC").items()}  # C x 2 one-byte elements per token
+    layout, _ = describe_kv_caches(kv, layout="LBNHC", block_size=N, tp_size=1, cache_dtype=cache_dtype)
+    assert layout.model.dtype == ("fp8_e4m3" if cache_dtype == "fp8" else cache_dtype)
+    assert layout.model.dtype_bytes == 1 and layout.model.head_dim == 2 * C
+    assert layout.paged is not None and layout.paged.planes[0].content == 2 * C
+    other, _ = describe_kv_caches(
+        kv, layout="LBNHC", block_size=N, tp_size=1, cache_dtype="fp8_e5m2" if "e4m3" in layout.model.dtype else "fp8"
+    )
+    with pytest.raises(LayoutMismatch, match="dtype"):  # e4m3 and e5m2 bytes are not interchangeable
+        check_compatible(layout, other)
+    with pytest.raises(ConfigError, match="not one byte each"):
+        describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1, cache_dtype=cache_dtype)
+
+
+def test_idle_landing_buffers_are_bounded() -> None:
+    import kvbridge
+
+    kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
+    backend = kvbridge.create_backend("loopback")
+    receiver = Receiver(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"), max_idle_bytes=3 << 20)
+    try:
+        a, b = receiver.acquire(2 << 20), receiver.acquire(1)  # 2 MiB and the 1 MiB minimum
+        assert len(backend.registered) == 2
+        receiver.release(a)
+        receiver.release(b)  # 3 MiB idle: at the bound, both kept for reuse
+        assert receiver.idle_bytes == 3 << 20 and receiver.acquire(1 << 20) is b
+        c = receiver.acquire(1 << 20)  # none idle fits: a new one
+        receiver.release(b)
+        receiver.release(c)  # beyond the bound: unregistered and dropped
+        assert receiver.idle_bytes == 3 << 20 and len(backend.registered) == 2
+    finally:
+        receiver.close()
+        backend.close()

@@ -300,6 +300,18 @@ def test_transport_failure_names_engine_and_instruct() -> None:
         assert samples[("kvbridge_transfer_seconds_count", None)] == 1
         assert samples[("kvbridge_transfer_failures_total", "transfer")] == 1
         assert decode.metrics.snapshot()["transfers"][0]["bytes"] == moved
+        # Under a transfer deadline, a failed batch is resubmitted once: the migration succeeds, a retry counted.
+        decode.transports["loopback"].transfer_deadline_s = 10.0
+        decode.transports["loopback"].inject(fail_completion=1)
+        asyncio.run(decode.p2p_migrate(assignment, async_op=True))
+        samples = {
+            s.name: s.value
+            for f in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in f.samples
+            if s.name in ("kvbridge_transfer_retries_total", "kvbridge_transfers_total")
+        }
+        assert samples == {"kvbridge_transfer_retries_total": 1, "kvbridge_transfers_total": 2}
+        assert decode.metrics.snapshot()["retries"] == [{"transport": "loopback", "peer": "p", "count": 1}]
     finally:
         prefill.close()
         decode.close()

@@ -32,3 +32,30 @@ def test_region_index_finds_ranges_outside_and_across_regions() -> None:
     lengths = np.array([150, 20, 2, 1, 5, 2])
     # adjacent registrations count as one span; a range may not leave it
     assert index.outside(addrs, lengths).tolist() == [2, 3, 5]
+
+
+def test_region_index_checks_stay_whole_while_another_thread_registers() -> None:
+    # A decode rank's pull threads register landing buffers while others check their descriptors:
+    # a range inside a registered region must never be reported outside during an add or a remove.
+    import threading
+
+    index = RegionIndex([MemoryRegion(1 << 20, 4096)])
+    stop = threading.Event()
+    false_misses = []
+
+    def check() -> None:
+        while not stop.is_set():
+            bad = index.outside(np.array([1 << 20], dtype=np.int64), np.array([4096], dtype=np.int64))
+            if len(bad):
+                false_misses.append(1)
+
+    reader = threading.Thread(target=check)
+    reader.start()
+    try:
+        for i in range(3000):  # regions below and above the checked one shift every slot
+            index.add([MemoryRegion(4096 * (i % 7 + 1), 64), MemoryRegion((2 << 20) + 4096 * i, 64)])
+            index.remove([4096 * (i % 7 + 1), (2 << 20) + 4096 * i])
+    finally:
+        stop.set()
+        reader.join()
+    assert not false_misses

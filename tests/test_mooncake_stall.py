@@ -3,8 +3,11 @@
 The 30 s stall of the vLLM e2e runs is Mooncake TCP's own watchdog ("ClientSession: no transfer
 progress within 30s", "ServerSession::writeBody failed: Broken pipe" on the serving side). Stopping
 the serving process mid-pull (SIGSTOP) reproduces exactly those two log lines. The plugin sets the
-watchdog to its `transfer_deadline` (default 2 s), retries the failed part once on a fresh lane, then
-fails with the reason; the engine serves the next pull.
+watchdog to its `transfer_deadline` (default 2 s); kvbridge resubmits a part that has not finished
+within the deadline once, at once, on a fresh lane, and fails it when the retry has not finished
+within the deadline either. The transfer completes when the retry's call has returned (the binding
+returns a stuck call after `MC_TRANSFER_TIMEOUT`, at least 5 s; until then it may still write into
+the destination): deadline + 5 s. The engine serves the next pull.
 
 Idle gaps between pulls (Mooncake#4209 reports stale lanes after a few seconds idle) are short here;
 the long ones are a manual run:
@@ -28,9 +31,10 @@ from kvbridge.proc import Child, ChildError
 from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
 
 SIZE = 16 * MiB
-# An attempt ends within the deadline of its last progress, or at the latest when Mooncake's call times
-# out (5 s plus 1 s per GiB); one retry; backoff and the process round trip are well under a second.
-BOUND_S = 2 * (max(np.ceil(DEFAULT_DEADLINE_S), CALL_TIMEOUT_FLOOR_S) + 1) + 2
+# The retry starts at the deadline and its call returns at the latest when Mooncake's call times out
+# (5 s plus 1 s per GiB: these transfers are a few MiB): 7.0 s measured. The slack is for the process
+# round trip and a loaded 2-core machine.
+BOUND_S = DEFAULT_DEADLINE_S + CALL_TIMEOUT_FLOOR_S + 2
 GAPS = [float(g) for g in os.environ.get("KVBRIDGE_IDLE_GAPS", "5,8").split(",")]
 
 
@@ -69,8 +73,8 @@ def test_a_stalled_peer_fails_the_pull_within_the_deadline_and_the_engine_recove
     os.kill(pair.server.pid, signal.SIGSTOP)
     err, took = timed(pair.transfer, desc)
     os.kill(pair.server.pid, signal.SIGCONT)
-    assert isinstance(err, ChildError) and err.kind == "TransferFailed", err
-    assert "failed after 2 attempts" in str(err) and "Check the peer is alive, not stalled" in str(err)
+    assert isinstance(err, ChildError) and err.kind in {"TransferTimeout", "TransferFailed"}, err
+    assert "and so did its retry" in str(err) and "check that the peer is alive, not stalled" in str(err), err
     assert took < BOUND_S, f"a stalled peer held the pull {took:.1f}s (bound {BOUND_S}s)"
     desc = scattered()
     out, took = timed(pair.transfer, desc)

@@ -51,10 +51,12 @@ class Serving:
 
 
 class Upstream(Serving):
-    """Answers like a vLLM server of `role`, records the bodies it was sent, and answers /health
-    slowly (`slow_health_s`) for its first `slow_health` probes."""
+    """Answers like a vLLM server of `role` (after `slow_complete_s`), records the bodies it was sent, and
+    answers /health slowly (`slow_health_s`) for its first `slow_health` probes."""
 
-    def __init__(self, role: str, *, slow_health: int = 0, slow_health_s: float = 0.0) -> None:
+    def __init__(
+        self, role: str, *, slow_health: int = 0, slow_health_s: float = 0.0, slow_complete_s: float = 0.0
+    ) -> None:
         self.role, self.bodies, self.health_calls = role, [], 0
         app = FastAPI()
 
@@ -62,6 +64,7 @@ class Upstream(Serving):
         async def complete(request: Request) -> dict:
             body = await request.json()
             self.bodies.append(body)
+            await asyncio.sleep(slow_complete_s)
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
                 params = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "kvbridge_timing": {"prefill_ms": 0.5}}
             else:  # and the decode's pull phases, in its (non-streamed) answer
@@ -123,11 +126,17 @@ def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: 
 
 
 def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upstream, Upstream]) -> None:
+    from kvbridge.adapters.vllm.timeline import HEADER, parse
+
     prefill, _ = upstreams
     dead = [f"http://127.0.0.1:{free_port(span=1)}" for _ in range(2)]
     (r,), state = _session(create_app([prefill.url], dead), [{"model": "m", "prompt": "p", "max_tokens": 8}])
     assert r.status_code == 503
     assert "no decode server accepted" in r.json()["error"]
+    # The error answer carries the phases known when it was given: prefill and the proxy, no decode.
+    t = parse(r.headers[HEADER])
+    assert set(t.phases) == {"prefill_ms", "proxy_ms"} and t.phases["prefill_ms"] == 0.5
+    assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
     assert not any(d["healthy"] for d in state["decode"])
     assert state["decode"][0]["in_flight"] == 0
 
@@ -191,6 +200,49 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
     assert r.status_code == 503 and url in r.json()["error"]
     assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, url)
     assert state["decode"] == [{"url": url, "healthy": False, "in_flight": 0}]
+    assert "prefill_ms=0.500" in r.headers["x-kvbridge-timing"]
+
+
+def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCaptureFixture) -> None:
+    """No prefill server (503), a bad body (400), a client that leaves during prefill (499, seen in the
+    proxy's log: nobody is there to read its answer): each names its request and the phases known."""
+    from kvbridge.adapters.vllm.timeline import HEADER, parse
+
+    dead = f"http://127.0.0.1:{free_port(span=1)}"
+    app = create_app([dead], [dead])
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            return [
+                await client.post("/v1/completions", json={"model": "m", "prompt": "p"}, headers={"x-request-id": "a"}),
+                await client.post("/v1/completions", content=b"not json", headers={"x-request-id": "b"}),
+            ]
+
+    r503, r400 = asyncio.run(go())
+    assert r503.status_code == 503 and r400.status_code == 400 and "not JSON" in r400.json()["error"]
+    for r, rid in ((r503, "a"), (r400, "b")):
+        t = parse(r.headers[HEADER])
+        assert t.request_id == rid and t.phases == {} and t.total_ms >= 0
+    caplog.set_level("INFO", logger="kvbridge.adapters.vllm.proxy")
+    with (
+        Upstream("prefill", slow_complete_s=2.0) as prefill,
+        Upstream("decode") as decode,
+        Serving(create_app([prefill.url], [decode.url])) as front,
+    ):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                f"{front.url}/v1/completions",
+                json={"model": "m", "prompt": "p"},
+                headers={"x-request-id": "gone"},
+                timeout=0.3,
+                trust_env=False,
+            )
+        deadline = time.monotonic() + 10
+        while "(answered 499)" not in caplog.text:
+            assert time.monotonic() < deadline, "the proxy did not notice the client leave"
+            time.sleep(0.02)
+    line = next(r.getMessage() for r in caplog.records if "(answered 499)" in r.getMessage())
+    assert parse(line.removeprefix("kvbridge-timing ").removesuffix(" (answered 499)")).request_id == "gone"
 
 
 def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple[Upstream, Upstream]) -> None:

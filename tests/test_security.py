@@ -11,10 +11,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import zmq
 from control_helpers import rank_info
 
 from kvbridge import create_backend, wire
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
+from kvbridge.control.auth import Authenticator
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError
 from kvbridge.memory import RegionIndex
 from kvbridge.secret import check_listen, is_loopback, load_secret
@@ -176,11 +178,12 @@ def test_hostile_peer_learns_nothing_aborts_nothing_and_is_never_called_back(
             with pytest.raises(ProtocolError):
                 attempt()
         # The raw replies: a refusal, without the token or anything of the RankInfo in them.
-        raw = ControlClient(*prefill.server.address, secret=secret, sender="decode/0", timeout_s=5)
-        frame = raw._auth.seal(wire.decode(wire.encode(_request_frame()), type(_request_frame())))
-        raw._sock.send(wire.encode(frame))
-        reply = raw._sock.recv()
-        raw.close()
+        frame = Authenticator(secret).seal(wire.decode(wire.encode(_request_frame()), type(_request_frame())))
+        with zmq.Context.instance().socket(zmq.REQ) as raw:
+            raw.setsockopt(zmq.RCVTIMEO, 5000)
+            raw.connect("tcp://{}:{}".format(*prefill.server.address))
+            raw.send(wire.encode(frame))
+            reply = raw.recv()
         assert b"Refused" in reply and prefill.token not in reply and b"tiny-gqa" not in reply
         # Nothing changed: the lease is held, nobody was told of an abort, no call-back address was kept.
         assert prefill.ledger.state("held") is LeaseState.ACTIVE and prefill.released == []

@@ -6,6 +6,7 @@ plugin registration."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 
@@ -218,6 +219,23 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     assert [sum(h[i] for h in held.data["held"]) for i in (0, 1)] == [0, 0]
 
 
+def test_worker_counts_the_transfer_retries_of_a_pull(workers: Workers) -> None:
+    """A batch that fails once is resubmitted under the transfer deadline; the pull succeeds and its
+    retry reaches the stats (kvbridge_transfer_retries_total)."""
+    backend = workers.decode.agent.backend
+    backend.transfer_deadline_s = 10.0
+    backend.inject(fail_completion=1)
+    workers.offer("p8", [1, 2])
+    workers.pull("d8", workers.params("p8", [1, 2]), [3, 4])
+    workers.wait_recved("d8")
+    assert workers.decode.get_block_ids_with_load_errors() == set()
+    stats = workers.decode.take_stats()
+    host, port = workers.prefill.server.address
+    assert stats is not None and stats.data["retries"] == [["loopback", f"{host}:{port}", 1]]
+    assert len(stats.data["pulls"]) == 1 and not stats.data["failures"]
+    assert stats.reduce()["Num retries"] == 1
+
+
 def test_worker_pull_waits_for_an_offer_that_trails_the_params(workers: Workers) -> None:
     # vLLM's prefill scheduler answers the proxy a step before its worker offers the request: the
     # decode's BeginPull waits (bounded by pull_timeout_s) for the offer instead of failing.
@@ -334,6 +352,20 @@ def test_worker_stale_engine_is_a_load_error_and_releases_prefill_at_once(worker
     assert not torch.stack(list(workers.d_caches.values())).any(), "nothing is read from another engine"
     workers.wait_sent("p4")
     assert workers.prefill.ledger.state("p4") is LeaseState.RELEASED  # by DONE, not by expiry
+
+
+def test_worker_pipeline_parallel_mismatch_is_a_clear_load_error(
+    workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
+    # each decode stage reads its layers from the same prefill stage: another PP size cannot be read
+    workers.offer("p7", [1, 2])
+    with caplog.at_level(logging.ERROR, logger="kvbridge"):
+        workers.pull("d7", workers.params("p7", [1, 2], pp_size=2), [4, 5])
+        workers.wait_recved("d7")
+    assert workers.decode.get_block_ids_with_load_errors() == {4, 5}
+    assert "runs pipeline parallel size 2, this decode engine 1" in caplog.text
+    assert "same --pipeline-parallel-size" in caplog.text
+    assert not torch.stack(list(workers.d_caches.values())).any()
 
 
 def test_worker_request_decode_will_not_read_is_aborted_on_prefill(workers: Workers) -> None:
@@ -454,6 +486,7 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     decode, prefill = KVBridgeStats(), KVBridgeStats()
     decode.record("mooncake", "10.0.0.1:5800", 0.01, 0.002, 4096, 3)
     decode.record_failure("mooncake", "10.0.0.1:5800", LoadError("lease gone"))
+    decode.record_retries("mooncake", "10.0.0.1:5800", 2)
     prefill.record_lease("offered", 1, 4)
     prefill.record_lease("offered", 1, 2)
     prefill.record_lease("released", -1, -4)
@@ -469,6 +502,7 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     assert samples[("kvbridge_transfer_descriptors_total", None)] == 3
     assert samples[("kvbridge_transfer_seconds_count", None)] == 1
     assert samples[("kvbridge_transfer_failures_total", "lease")] == 1
+    assert samples[("kvbridge_transfer_retries_total", None)] == 2
     assert samples[("kvbridge_lease_events_total", "offered")] == 2
     assert (samples[("kvbridge_leases_held", None)], samples[("kvbridge_blocks_held", None)]) == (1, 2)
 

@@ -250,10 +250,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "submitted_descriptors_per_request": descriptors,
         },
         "raw": {"gbps": raw_gbps, "descriptors_per_request": 1},
-        # Paired by round: each round's raw and kvbridge times are taken back to back, so the
-        # machine's drift between rounds (large on a shared VM) cancels out of the ratio.
-        "ratio": statistics.median(r / k for r, k in zip(raw_s, kv_s)),
-        "ratio_range": [min(r / k for r, k in zip(raw_s, kv_s)), max(r / k for r, k in zip(raw_s, kv_s))],
+        **paired_ratio(raw_s, kv_s),
         "verified": bool(verified),
         "problems": problems[:10],
     }
@@ -292,6 +289,16 @@ def _gathered(
     if "start" not in out:
         raise ConfigError("the prefill side's gather failed; see its log above")
     return {**r, "gather": out["gather"], "seconds": r["end"] - min(r["start"], out["start"])}
+
+
+def paired_ratio(raw_s: list[float], kv_s: list[float]) -> dict[str, Any]:
+    """kvbridge's speed as a fraction of raw: the median and range over rounds of raw time / kvbridge time.
+
+    Paired by round: each round's raw and kvbridge times are taken back to back, so the machine's
+    drift between rounds (large on a shared VM) cancels out of the ratio.
+    """
+    ratios = [r / k for r, k in zip(raw_s, kv_s)]
+    return {"ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}
 
 
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:

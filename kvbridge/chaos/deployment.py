@@ -39,6 +39,7 @@ class Deployment:
     _lock: threading.Lock = attrs.field(factory=threading.Lock)
     _restarting: set[int] = attrs.field(factory=set)
     _secret: str = attrs.field(factory=lambda: secrets.token_hex(16))
+    _retired: list[dict[str, float]] = attrs.field(factory=list)  # kvbridge counters of killed servers
 
     def _config(self, role: str) -> dict[str, Any]:
         extra: dict[str, Any] = {
@@ -85,13 +86,16 @@ class Deployment:
         return next((s for s in self.servers() if s.url == url), None)
 
     def kill_and_restart(self, server: Server) -> bool:
-        """SIGKILL `server` now and start it again on the same ports in the background. False when a
-        restart of it is already under way (the fault is then not injected)."""
+        """SIGKILL `server` now and start it again on the same ports in the background. False (the fault
+        is then not injected) while another server of its role is down: at most one per role is, so the
+        proxy always has one to fail over to, as a deployment sized for one failure does."""
+        group = self.prefill if server in self.prefill else self.decode
         with self._lock:
-            if server.port in self._restarting or not server.alive():
+            if not server.alive() or any(s.port in self._restarting for s in group):
                 return False
             self._restarting.add(server.port)
         log.warning("chaos: SIGKILL %s (pid %d)", server.url, server.pid)
+        self._retired.append(self.kvbridge_counters(server))  # its counters end with it
         server.kill()
         threading.Thread(target=self._restart, args=(server,), daemon=True, name=f"restart-{server.port}").start()
         return True
@@ -130,6 +134,24 @@ class Deployment:
         )
         m = _BLOCKS.search(text)
         return round(usage * int(m.group(1)), 1) if m else usage
+
+    def kvbridge_counters(self, server: Server) -> dict[str, float]:
+        """The server's kvbridge_* series from its /metrics, summed over labels ({} when unreadable)."""
+        import httpx
+
+        from kvbridge.testing.vllm_server import parse_metrics
+
+        try:
+            text = httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text
+        except httpx.HTTPError as exc:
+            log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
+            return {}
+        return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvbridge_")}
+
+    def counter(self, name: str) -> float:
+        """A kvbridge counter summed over every decode and prefill server, the killed lives included."""
+        lives = [*self._retired, *(self.kvbridge_counters(s) for s in [*self.prefill, *self.decode])]
+        return sum(c.get(name, 0.0) for c in lives)
 
     def log_files(self) -> list[Path]:
         return sorted(self.logs.rglob("vllm-*.log"))

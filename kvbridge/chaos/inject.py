@@ -61,6 +61,8 @@ def install(backend: MigrationBackend, config: Mapping[str, Any]) -> None:
             out: Future = Future()
 
             def release() -> None:  # on a timer thread, so held submissions occupy no transport worker
+                if not out.set_running_or_notify_cancel():
+                    return  # cancelled by the transfer deadline while held: it never writes
                 try:
                     inner = submit(peer, desc, op)
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting pull, which reports it

@@ -40,7 +40,8 @@ class Report:
     # server -> KV blocks in use after the drain (-1: its metrics could not be read)
     blocks_held: dict[str, float] = attrs.field(factory=dict)
     leases_expired: int = 0
-    retries: int = 0  # pulls the decode servers reported failed and recomputed
+    retries: int = 0  # transfer batches resubmitted (kvbridge_transfer_retries_total of every server)
+    pulls_failed: int = 0  # pulls that failed and were recomputed (kvbridge_transfer_failures_total)
     faults_injected: dict[str, int] = attrs.field(factory=dict)
     restarts: int = 0
     elapsed_s: float = 0.0
@@ -78,6 +79,7 @@ class Report:
             "blocks_held_after_drain": self.blocks_held,
             "leases_expired": self.leases_expired,
             "retries": self.retries,
+            "pulls_failed_recomputed": self.pulls_failed,
             "faults_injected": self.faults_injected,
             "server_restarts": self.restarts,
             "ttft_ms": {

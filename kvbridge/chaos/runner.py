@@ -187,6 +187,6 @@ class Runner:
         report.blocks_held = held
         report.restarts = dep.restarts
         for path in dep.log_files():
-            text = path.read_text(errors="replace")
-            report.leases_expired += text.count(" expired with ")
-            report.retries += sum(1 for line in text.splitlines() if "pull from " in line and " failed" in line)
+            report.leases_expired += path.read_text(errors="replace").count(" expired with ")
+        report.retries = int(dep.counter("kvbridge_transfer_retries_total"))
+        report.pulls_failed = int(dep.counter("kvbridge_transfer_failures_total"))

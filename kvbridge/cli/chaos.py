@@ -83,9 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--slow-s",
         type=float,
-        default=3.0,
+        default=4.0,
         metavar="S",
-        help="with slow-peer: seconds a held transfer waits (default 3, past the 2 s deadline)",
+        help="with slow-peer: seconds a held transfer waits (default 4, past the 2 s deadline and its 1 s grace)",
     )
     p.add_argument("--idle-gaps", type=int, default=3, metavar="N", help="with idle-gap: how many pauses (default 3)")
     p.add_argument(

@@ -474,7 +474,15 @@ def _same_host(claimed: str, source: str | None) -> bool:
 
 
 class ControlClient:
-    """Talks to one rank's side channel. Thread-safe (one request at a time)."""
+    """Talks to one rank's side channel. Thread-safe, and concurrent requests do not wait for each other.
+
+    Each request takes a REQ socket of its own from a small idle pool (a new one when none is idle), so
+    a request the peer does not answer (held by a stopped or busy peer, or lost with the connection of
+    a peer that was restarted on the same port) delays only its caller. A socket whose request timed
+    out or failed is closed, never reused: a REQ socket with a lost request would swallow the next.
+    """
+
+    IDLE_SOCKETS = 4  # kept open for reuse; more are opened while more requests are in flight
 
     def __init__(
         self,
@@ -492,39 +500,52 @@ class ControlClient:
         self._auth = Authenticator(secret)
         self._max = max_message_bytes
         self._lock = threading.Lock()
-        self._sock = zmq.Context.instance().socket(zmq.REQ)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        # A timed-out request must not wedge the socket: allow a new send and drop stale replies.
-        self._sock.setsockopt(zmq.REQ_RELAXED, 1)
-        self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)
-        self._sock.connect(self.url)
+        self._idle: list[zmq.Socket] = []
         self._closed = False
+
+    def _take(self) -> zmq.Socket:
+        with self._lock:
+            if self._closed:
+                raise ConfigError(f"control client for {self.url} is closed")
+            if self._idle:
+                return self._idle.pop()
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max + 1024)
+        sock.connect(self.url)
+        return sock
+
+    def _give_back(self, sock: zmq.Socket, reusable: bool) -> None:
+        with self._lock:
+            if reusable and not self._closed and len(self._idle) < self.IDLE_SOCKETS:
+                self._idle.append(sock)
+                return
+        sock.close(linger=0)
 
     def request(self, msg: Any, timeout_s: float | None = None) -> Any:
         """Send one request message and return the reply message (a `Refused` is returned, not raised)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         kind = type(msg).__name__
         frame = self._auth.seal(_frame(kind, self.sender, wire.encode(msg)))
-        with self._lock:
-            if self._closed:
-                raise ConfigError(f"control client for {self.url} is closed")
-            self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
-            self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
-            try:
-                self._sock.send(wire.encode(frame))
-                data = self._sock.recv()
-            except zmq.Again:
-                raise TransferTimeout(
-                    f"side channel {self.url} did not answer {kind} within {timeout_s}s; check that the engine "
-                    "rank is running and its side-channel address is right",
-                    peer=self.url,
-                    cause="timeout",
-                ) from None
-            except zmq.ZMQError as exc:
-                raise PeerGone(
-                    f"side channel {self.url} failed on {kind}: {exc}", peer=self.url, cause=str(exc)
-                ) from None
+        sock = self._take()
+        answered = False
+        try:
+            sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+            sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
+            sock.send(wire.encode(frame))
+            data = sock.recv()
+            answered = True
+        except zmq.Again:
+            raise TransferTimeout(
+                f"side channel {self.url} did not answer {kind} within {timeout_s}s; check that the engine "
+                "rank is running and its side-channel address is right",
+                peer=self.url,
+                cause="timeout",
+            ) from None
+        except zmq.ZMQError as exc:
+            raise PeerGone(f"side channel {self.url} failed on {kind}: {exc}", peer=self.url, cause=str(exc)) from None
+        finally:
+            self._give_back(sock, answered)
         reply_frame = wire.decode(data, Frame, max_bytes=self._max)
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)
         cls = REPLIES.get(reply_frame.kind)
@@ -654,10 +675,12 @@ class ControlClient:
         self._expect(self.request(Abort(request_id, origin or self.sender, reason)), Ack, "Abort")
 
     def close(self) -> None:
+        """Close the idle sockets now; one in use closes when its request ends."""
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._sock.close(linger=0)
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close(linger=0)
 
     def __enter__(self) -> ControlClient:
         return self

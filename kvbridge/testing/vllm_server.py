@@ -7,10 +7,12 @@ against a deadline; a server that exits or misses the deadline raises with its l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +48,7 @@ class Server:
     port: int
     proc: subprocess.Popen
     log_path: Path
+    tmp_dir: Path | None = None  # its TMPDIR (vLLM's vllm_dist_* files), removed when it ends
 
     @property
     def url(self) -> str:
@@ -82,20 +85,36 @@ class Server:
     def _end(self, sig: int, timeout: float) -> None:
         # vLLM leaves POSIX shared memory behind when killed, and some even on SIGTERM (the CPU
         # TP ring buffers); /dev/shm keeps it until reboot. What the group maps now is removed
-        # once the whole group is gone.
-        mapped = _shared_memory_of(_group_members(self.proc.pid))
+        # once the whole group is gone. Semaphores (sem.mp-*) that no process maps any more are
+        # known only to the group's multiprocessing resource trackers: they are spared the signal
+        # and unlink what their processes registered once those are gone, as after a real crash.
+        members = _group_members(self.proc.pid)
+        mapped = _shared_memory_of(members)
+        trackers = {pid for pid in members if _is_resource_tracker(pid)}
         if self.alive():
-            self._signal(sig)
+            for pid in members:
+                if pid not in trackers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 log.warning("server on port %d ignored signal %d for %.0fs; killing it", self.port, sig, timeout)
         # The engine core may outlive its parent for a moment; its group is ours to end.
-        self._signal(signal.SIGKILL)
+        for pid in _group_members(self.proc.pid):
+            if pid not in trackers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 10  # a tracker exits once every process it served is gone
+        while set(_group_members(self.proc.pid)) & trackers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._signal(signal.SIGKILL)
         _wait_group_gone(self.proc.pid, timeout=30)
         for path in mapped:
             path.unlink(missing_ok=True)
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -118,6 +137,13 @@ def _group_members(pgid: int) -> list[int]:
         if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(stat.parent.name))
     return members
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _shared_memory_of(pids: Sequence[int]) -> set[Path]:
@@ -187,10 +213,13 @@ def start_vllm(
     full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the caller's level wins (DEBUG shows each pull's timings)
     full_env.update(BASE_ENV)
     full_env.update(env or {})
+    # Its own TMPDIR: what it leaves there (vLLM's /tmp/vllm_dist_* init files) goes when it ends.
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f"kvbridge-vllm-{port}-tmp-"))
+    full_env["TMPDIR"] = str(tmp_dir)
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
-    return Server(port=port, proc=proc, log_path=log_path)
+    return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir)
 
 
 def start_proxy(

@@ -268,6 +268,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         if len(p.descriptors) == 0:
             return
         begun = time.perf_counter()
+        submitted: list[tuple[TransferHandle, int, int]] = []
         try:
             submitted = self._submit(link, p)
             if async_op or self.settings.async_migration:
@@ -277,6 +278,8 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         except KVBridgeError as exc:
             self.metrics.record_failure(link.transport.name, rid, exc)
             raise
+        finally:
+            self.metrics.record_retries(link.transport.name, rid, sum(h.retries for h, _, _ in submitted))
         self.metrics.record(
             link.transport.name, rid, time.perf_counter() - begun, int(p.descriptors[:, 2].sum()), len(p.descriptors)
         )

@@ -32,6 +32,7 @@ class TransferMetrics:
         self._transfers: dict[tuple[str, str], int] = defaultdict(int)
         self._seconds: dict[tuple[str, str], list[float]] = {}  # bucket counts..., then the sum
         self._failures: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._retries: dict[tuple[str, str], int] = defaultdict(int)
 
     def record(self, transport: str, peer: str, seconds: float, nbytes: int, descriptors: int) -> None:
         key = (transport, peer)
@@ -47,8 +48,15 @@ class TransferMetrics:
         with self._lock:
             self._failures[(transport, peer, failure_reason(error))] += 1
 
+    def record_retries(self, transport: str, peer: str, retries: int) -> None:
+        """Batches a migration resubmitted (after a failed or stuck batch); nothing when 0."""
+        if retries:
+            with self._lock:
+                self._retries[(transport, peer)] += retries
+
     def snapshot(self) -> dict[str, Any]:
-        """{"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...]}."""
+        """{"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...],
+        "retries": [{transport, peer, count}]}."""
         with self._lock:
             return {
                 "transfers": [
@@ -65,6 +73,7 @@ class TransferMetrics:
                 "failures": [
                     {"transport": t, "peer": p, "reason": r, "count": n} for (t, p, r), n in self._failures.items()
                 ],
+                "retries": [{"transport": t, "peer": p, "count": n} for (t, p), n in self._retries.items()],
             }
 
     def collector(self) -> Any:
@@ -106,6 +115,14 @@ class TransferMetrics:
                     )
                     for key, n in metrics._failures.items():
                         failures.add_metric(list(key), n)
-                yield from (*fams.values(), seconds, failures)
+                    retries = CounterMetricFamily(
+                        "kvbridge_transfer_retries",
+                        "Transfer batches resubmitted after they failed or made no progress within the transfer "
+                        "deadline.",
+                        labels=labels,
+                    )
+                    for key, n in metrics._retries.items():
+                        retries.add_metric(list(key), n)
+                yield from (*fams.values(), seconds, failures, retries)
 
         return Collector()

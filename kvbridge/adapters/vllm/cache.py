@@ -27,9 +27,12 @@ _DTYPES = {
     "float16": "fp16",
     "uint8": "uint8",
     "int8": "int8",
-    "float8_e4m3fn": "fp8",
-    "float8_e5m2": "fp8",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
 }
+# vLLM's kv_cache_dtype names of fp8 caches, which it allocates as uint8 tensors (STR_DTYPE_TO_TORCH_DTYPE):
+# the name, not the tensor, says the format, so prefill e4m3 and decode e5m2 are told apart
+FP8_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 ASCEND_KV_TUPLE = "ascend-kv-tuple"
 # physical order of the logical [L, B, H, N, C] axes, as vllm.v1.kv_cache_layout.KVCacheLayout defines them
 ORDERS = {
@@ -58,9 +61,11 @@ def describe_kv_caches(
     tp_size: int,
     mla: bool = False,
     backend: str = "vLLM",
+    cache_dtype: str = "auto",
 ) -> tuple[KVLayout, list[tuple[int, int]]]:
     """The layout of vLLM's per-layer KV views and the (address, bytes) storages to register.
 
+    `cache_dtype` is vLLM's `kv_cache_dtype`: an fp8 one names the format of the (uint8) tensors.
     Raises ConfigError naming the layout and `backend` (the attention backend) when a view is not
     laid out as `layout` says, or is one kvbridge cannot address, before any request.
     """
@@ -92,6 +97,11 @@ def describe_kv_caches(
     if dtype not in _DTYPES:
         raise ConfigError(f"KV cache dtype {dtype} is not one kvbridge knows ({sorted(_DTYPES)})")
     elem = first.element_size()
+    kv_dtype = _DTYPES[dtype]
+    if cache_dtype in FP8_CACHE_DTYPES:
+        if elem != 1:
+            raise ConfigError(f"kv_cache_dtype {cache_dtype} but the KV cache tensors are {dtype}, not one byte each")
+        kv_dtype = FP8_CACHE_DTYPES[cache_dtype]
     storages: dict[int, int] = {}
     planes = []
     for kind, tensors in zip(kinds, planes_t):
@@ -121,7 +131,7 @@ def describe_kv_caches(
         layers=len(names),
         kv_heads=1 if mla else heads * tp_size,
         head_dim=total,
-        dtype=_DTYPES[dtype],
+        dtype=kv_dtype,
         block_size=block_size,
         attention="mla" if mla else "gqa",
     )

@@ -349,33 +349,42 @@ class Proxy:
 
     # -- handlers ------------------------------------------------------------------------------
 
-    def _answer(self, code: int, error: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    def _answer(
+        self, code: int, error: str, headers: dict[str, str] | None = None, timeline: Timeline | None = None
+    ) -> JSONResponse:
+        """An error answer; with the request's timeline, it carries the phases known so far (and logs them)."""
         self.metrics.requests.labels(str(code)).inc()
+        headers = dict(headers or {})
+        if timeline is not None:
+            timeline.total_ms = (time.perf_counter() - timeline.begun) * 1e3
+            headers[HEADER] = timeline.header()
+            log.info("kvbridge-timing %s (answered %d)", timeline.header(), code)
         return JSONResponse({"error": error}, status_code=code, headers=headers)
 
     async def complete(self, path: str, request: Request) -> Any:
         """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer."""
         begun = time.perf_counter()
-        body = await read_body(request)
-        if isinstance(body, JSONResponse):
-            self.metrics.requests.labels(str(body.status_code)).inc()
-            return body
         request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
         headers = {"X-Request-Id": request_id}
-        timeline = Timeline(request_id)
+        timeline = Timeline(request_id, begun=begun)
+        body = await read_body(request)
+        if isinstance(body, JSONResponse):
+            return self._answer(
+                body.status_code, json.loads(bytes(body.body))["error"], {"x-request-id": request_id}, timeline
+            )
         try:
             answer = await until_disconnect(request, self.call_prefill(path, body, headers))
             if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", request_id)
-                return self._answer(499, "client disconnected")
+                return self._answer(499, "client disconnected", None, timeline)
             prefill_url, first = answer
             params = KVTransferParams.from_dict(first.get("kv_transfer_params"))
         except NoInstance as exc:
-            return self._answer(503, str(exc))
+            return self._answer(503, str(exc), None, timeline)
         except httpx.HTTPStatusError as exc:
-            return self._answer(exc.response.status_code, f"prefill failed: {exc.response.text}")
+            return self._answer(exc.response.status_code, f"prefill failed: {exc.response.text}", None, timeline)
         except ConfigError as exc:
-            return self._answer(502, f"prefill server answered unusable kv_transfer_params: {exc}")
+            return self._answer(502, f"prefill server answered unusable kv_transfer_params: {exc}", None, timeline)
         prefill_done = time.perf_counter()
         timeline.add(params.kvbridge_timing, ("prefill_ms",))
         decode_body = dict(body)
@@ -388,9 +397,11 @@ class Proxy:
         try:
             decode, resp = await self.send_decode(path, decode_body, headers)
         except NoInstance as exc:
-            return self._answer(503, str(exc))
+            return self._answer(503, str(exc), {"x-kvbridge-prefill": prefill_url}, timeline)
         except DecodeFailed as exc:
-            return self._answer(503, str(exc), {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": exc.url})
+            return self._answer(
+                503, str(exc), {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": exc.url}, timeline
+            )
         out_headers = {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": decode.url, "x-request-id": request_id}
         relay = (
             self._relay_stream
@@ -425,7 +436,7 @@ class Proxy:
             decode.in_flight -= 1
         if content is None:
             log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
-            return self._answer(499, "client disconnected")
+            return self._answer(499, "client disconnected", headers, timeline)
         with contextlib.suppress(ValueError, ConfigError, AttributeError):  # an error answer has no params
             reported = KVTransferParams.from_dict(resp.json().get("kv_transfer_params")).kvbridge_timing
             timeline.add(reported, PULL_PHASES)
@@ -467,10 +478,12 @@ class Proxy:
             log.warning(
                 "decode server %s failed before the first chunk of %s: %s", decode.url, timeline.request_id, failed
             )
-            return self._answer(503, f"decode server {decode.url} failed: {type(failed).__name__}: {failed}", headers)
+            return self._answer(
+                503, f"decode server {decode.url} failed: {type(failed).__name__}: {failed}", headers, timeline
+            )
         if first is None:
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
-            return self._answer(499, "client disconnected")
+            return self._answer(499, "client disconnected", headers, timeline)
         self._finish(timeline, begun, sent, time.perf_counter())
         self.metrics.requests.labels(str(resp.status_code)).inc()
 

@@ -48,9 +48,8 @@ class SchedulerSide:
         self.tp_size = parallel.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
         # peers find rank r of DP rank d at side_channel_port + d * tp_size + r (kvbridge.ranks)
-        self.side_channel_port = group_port(
-            settings.side_channel_port, tp_size=self.tp_size, pp_size=parallel.pipeline_parallel_size
-        )
+        self.pp_size = parallel.pipeline_parallel_size  # decode refuses another PP size (each stage reads its own)
+        self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
         # this engine's worker ranks (every stage and TP rank of this DP rank), told of offers at once
         self._ranks = [
@@ -171,6 +170,7 @@ class SchedulerSide:
             remote_host=self.settings.host,
             remote_port=self.side_channel_port,
             tp_size=self.tp_size,
+            pp_size=self.pp_size,
             dp_size=self.dp_size,
             dp_rank=self.dp_rank,
             remote_num_tokens=request.num_computed_tokens,

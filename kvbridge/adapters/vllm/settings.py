@@ -28,7 +28,8 @@ class Settings:
       on both sides when their TP differs, so decode slices heads in place; default: whatever vLLM
       resolves (every layout works, see docs/vllm.md).
     - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
-      ready and to hold the request) before it counts as failed.
+      ready and to hold the request) before it counts as failed. One side-channel message waits at
+      most 5 s of it for an answer (one sent to a prefill that is then killed is never answered).
     - `secret_file`: a file holding the shared secret (at least 16 bytes, the same on prefill and
       decode) that authenticates every side-channel message and TCP-transport connection. The
       `KVBRIDGE_SECRET` environment variable takes precedence, then `KVBRIDGE_SECRET_FILE`. The secret

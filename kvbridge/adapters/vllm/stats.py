@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 # pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
-# leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta]
-_KEYS = ("pulls", "failures", "leases", "held")
+# leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta];
+# retries: [transport, peer, resubmissions] (of pulls that succeeded or failed)
+_KEYS = ("pulls", "failures", "leases", "held", "retries")
 LEASE_EVENTS = ("offered", "released", "expired", "aborted")
 
 
@@ -57,6 +58,12 @@ class KVBridgeStats(KVConnectorStats):
     def record_failure(self, transport: str, peer: str, error: BaseException) -> None:
         with self._lock:
             self.data["failures"].append([transport, peer, failure_reason(error)])
+
+    def record_retries(self, transport: str, peer: str, retries: int) -> None:
+        """Resubmissions a pull's transfers needed (after a failed or stuck batch); nothing when 0."""
+        if retries:
+            with self._lock:
+                self.data["retries"].append([transport, peer, int(retries)])
 
     def record_lease(self, event: str, leases: int, blocks: int) -> None:
         """A lease offered (+1 lease, +blocks held) or ended (released / expired / aborted: -1, -blocks)."""
@@ -94,6 +101,9 @@ class KVBridgeStats(KVConnectorStats):
                 }
             )
         out["Num failed transfers"] = len(self.data["failures"])
+        retries = sum(r[2] for r in self.data.get("retries", ()))
+        if retries:
+            out["Num retries"] = retries
         for event in LEASE_EVENTS:
             n = sum(1 for (e,) in self.data["leases"] if e == event)
             if n:
@@ -139,6 +149,12 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             f"Pulls that failed (the engine recomputes or fails the request), by reason: {', '.join(FAILURE_REASONS)}.",
             [*peer, "reason"],
         )
+        self.retries = self._counter_cls(
+            "kvbridge_transfer_retries_total",
+            "Transfer batches resubmitted after they failed or made no progress within the transfer deadline "
+            "(each is retried once; a pull that still fails is in kvbridge_transfer_failures_total).",
+            peer,
+        )
         self.lease_events = self._counter_cls(
             "kvbridge_lease_events_total",
             "Prefill leases by event: offered, released (every DONE came), expired (no DONE in time), aborted.",
@@ -172,6 +188,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             self.control_s.labels(*labels).observe(control_s)
         for transport, peer, reason in transfer_stats_data.get("failures", ()):
             self.failures.labels(*base, transport, peer, reason).inc()
+        for transport, peer, n in transfer_stats_data.get("retries", ()):
+            self.retries.labels(*base, transport, peer).inc(n)
         for (event,) in transfer_stats_data.get("leases", ()):
             self.lease_events.labels(*base, event).inc()
         held = transfer_stats_data.get("held", ())

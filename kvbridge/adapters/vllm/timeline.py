@@ -15,7 +15,9 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
   (a streamed answer's first token; a whole answer otherwise).
 
 `total_ms` is the proxy's own clock, from the request's arrival to the moment the header goes out,
-so the phases add up to no more than it; what the proxy cannot see (the network, the HTTP layers
+so the phases add up to no more than it. An error answer (503 when no server could take a phase,
+499 when the client left, a prefill's error status, 4xx for a bad body) carries the phases known
+when it was given; what the proxy cannot see (the network, the HTTP layers
 of the servers) is the difference. The KV handover is the pull phases together (`handover()`).
 """
 
@@ -35,6 +37,7 @@ class Timeline:
     request_id: str
     phases: dict[str, float] = attrs.field(factory=dict)
     total_ms: float = 0.0
+    begun: float = attrs.field(default=0.0, eq=False, repr=False)  # the proxy's perf_counter at arrival
 
     def add(self, reported: dict[str, float] | None, names: tuple[str, ...]) -> None:
         """Take the phases `names` from what an engine reported (None: it reported nothing)."""

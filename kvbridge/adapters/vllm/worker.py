@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+CONTROL_TIMEOUT_S = 5.0
 
 MAX_EARLY_RELEASES = 100_000  # leases released before their step's offer, remembered until it comes
 
@@ -77,9 +78,11 @@ class WorkerSide:
         kv_layout: str = "LBHNC",
         mla: bool = False,
         backend_name: str = "vLLM",
+        cache_dtype: str = "auto",
     ) -> None:
         self.engine_id = engine_id
         self.kv_layout = kv_layout  # vLLM's resolved KVCacheLayout name (or "ascend-kv-tuple")
+        self.cache_dtype = cache_dtype  # vLLM's kv_cache_dtype: fp8 caches are uint8 tensors, the name says which
         self.mla = mla
         self.backend_name = backend_name
         self.settings = settings
@@ -153,6 +156,7 @@ class WorkerSide:
             kv_layout=resolved_layout(vllm_config),
             mla=is_mla(vllm_config, kv_cache_config),
             backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"),
+            cache_dtype=str(vllm_config.cache_config.cache_dtype),
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -165,6 +169,7 @@ class WorkerSide:
             tp_size=self.tp_size,
             mla=self.mla,
             backend=self.backend_name,
+            cache_dtype=self.cache_dtype,
         )
         s = self.settings
         # storages are addresses: the device plugin comes from the KV tensors (cuda, npu, ...; cpu here)
@@ -181,13 +186,21 @@ class WorkerSide:
             metadata_server=s.metadata_server,
             **s.transport_options(),
         )
-        self.agent.receiver = Receiver(self.agent.backend, layout, byte_views(kv_caches, layout=self.kv_layout))
+        views = byte_views(kv_caches, layout=self.kv_layout)
+        self.agent.receiver = Receiver(self.agent.backend, layout, views, self.agent.device)
         if s.fault_injection:
             from kvbridge.chaos.inject import install
 
             install(self.agent.backend, s.fault_injection)
+        # One side-channel message waits at most CONTROL_TIMEOUT_S for its answer (a healthy peer answers in
+        # milliseconds; one sent to a prefill that was then killed is never answered); waiting for a peer to be
+        # ready or for its offer is bounded by pull_timeout_s.
         self.control = DecodeControl(
-            self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s, timeout_s=s.pull_timeout_s
+            self.agent,
+            self.server,
+            secret=s.secret,
+            ready_timeout_s=s.pull_timeout_s,
+            timeout_s=min(s.pull_timeout_s, CONTROL_TIMEOUT_S),
         )
         self.server.accept_offers = self.agent.publish_is_free
         self.server.register(self.agent.info())
@@ -244,18 +257,27 @@ class WorkerSide:
         assert self.control is not None
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
+        handle = None
         elapsed = control = 0.0
         dispatched = max(0.0, received - task.asked_at)  # the engine's step: from its scheduler to this worker
         queued = max(0.0, time.time() - received)  # from the step to this thread
         begun = time.perf_counter()
         params = task.params
-        if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
-            params = attrs.evolve(
-                params,
-                remote_port=stage_port(int(params.remote_port), remote_tp_size=params.tp_size, pp_rank=self.pp_rank),
-            )
         timing: dict[str, float] = {}
         try:
+            if params.pp_size != self.pp_size:
+                raise ConfigError(
+                    f"request {task.request_id}: prefill engine {params.remote_engine_id} runs pipeline parallel "
+                    f"size {params.pp_size}, this decode engine {self.pp_size}; each stage reads its layers from "
+                    "the same stage of prefill, so run both engines with the same --pipeline-parallel-size"
+                )
+            if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
+                params = attrs.evolve(
+                    params,
+                    remote_port=stage_port(
+                        int(params.remote_port), remote_tp_size=params.tp_size, pp_rank=self.pp_rank
+                    ),
+                )
             handle = self.control.start(
                 task.request_id,
                 params,
@@ -291,6 +313,8 @@ class WorkerSide:
             error = exc
         transport = self.agent.backend.name if self.agent is not None else "none"
         peer = f"{task.params.remote_host}:{task.params.remote_port}"  # one per prefill server: bounded
+        if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
+            self.stats.record_retries(transport, peer, sum(h.retries for h in handle.handles))
         if error is None and result is not None:
             self.stats.record(transport, peer, elapsed, control, result.nbytes, result.descriptors)
         elif isinstance(error, KVBridgeError):

@@ -6,13 +6,17 @@ after it fails while the accepted part drains. So submissions are cut to `max_ba
 (default 1024), serialized per peer, and a failed part is retried a bounded number of times
 after a short backoff, which keeps the engine usable after any failure.
 
-A stuck transfer is bounded by `transfer_deadline` (seconds without progress, default 2). Mooncake
-TCP's own watchdog drops a session only after 30 s without progress ("ClientSession: no transfer
-progress within 30s", and on the serving side "ServerSession::writeBody failed: Broken pipe"): that
-is the 30 s stall seen in the vLLM e2e runs, reproduced by stopping the serving process mid-pull.
-The watchdog's period is read from the environment on every transfer, so the plugin sets it to the
-deadline; the dropped lane reconnects on the next attempt, the failed part is retried once on it,
-and then the transfer fails with the reason.
+A stuck transfer is bounded by `transfer_deadline` (seconds without progress, default 2), on two
+levels. Mooncake TCP's own watchdog drops a session only after 30 s without progress ("ClientSession:
+no transfer progress within 30s", and on the serving side "ServerSession::writeBody failed: Broken
+pipe"); it reads its period from the environment on every transfer, so the plugin sets it to the
+deadline. And kvbridge's base class resubmits a part that has not finished within the deadline once,
+at once, on a fresh lane (it does not wait behind the stuck call: see `_Gate`), then fails it. The stuck
+call itself cannot be stopped and may still write into the destination until it returns, which the
+binding does only after `MC_TRANSFER_TIMEOUT` (at least 5 s, hard-coded in the binding); the transfer
+completes only then, so the engine never reuses memory a late write could land in. A failed pull then
+takes at most about deadline + 5 s + 1 s per GiB; a stale lane that rejects the batch fast is retried
+here after a short backoff (`retries`).
 """
 
 from __future__ import annotations
@@ -148,6 +152,27 @@ def explain(rc: int) -> str:
     return f"return code {rc}: {_ERRORS.get(rc, 'unknown error')}"
 
 
+class _Gate:
+    """One batch in flight per peer, except behind a batch that has been running longer than the deadline:
+    that one is stuck (its resubmission must not wait for it) and no longer uses the admission budget."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self._lock = threading.Lock()
+        self._deadline = deadline_s
+        self._since = 0.0
+        self._held = threading.local()
+
+    def __enter__(self) -> None:
+        wait = max(0.0, self._since + self._deadline - time.monotonic())
+        self._held.value = self._lock.acquire(timeout=wait) if wait > 0 else self._lock.acquire(blocking=False)
+        if self._held.value:
+            self._since = time.monotonic()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._held.value:
+            self._lock.release()
+
+
 class MooncakeBackend(MigrationBackend):
     """Mooncake Transfer Engine; options (`spec.MooncakeOptions`) and what each protocol reaches are
     declared in `kvbridge_mooncake.spec`."""
@@ -204,7 +229,8 @@ class MooncakeBackend(MigrationBackend):
             self._session = f"{config.hostname}:{self._engine.get_rpc_port()}"
         else:
             self._session = config.hostname
-        self._peer_locks: dict[str, threading.Lock] = {}
+        self._gates: dict[str, _Gate] = {}
+        self.transfer_deadline_s = self._deadline
         log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, self._metadata)
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -236,25 +262,26 @@ class MooncakeBackend(MigrationBackend):
                     f"{endpoint.address} is on another: use rdma between hosts"
                 )
         with self._lock:
-            self._peer_locks.setdefault(endpoint.address, threading.Lock())
+            self._gates.setdefault(endpoint.address, _Gate(self._deadline))
         return endpoint.address
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         local, remote, length = desc[:, 0].tolist(), desc[:, 1].tolist(), desc[:, 2].tolist()
         call = self._engine.batch_transfer_sync_read if op == "read" else self._engine.batch_transfer_sync_write
-        lock = self._peer_locks[peer.handle]
+        gate = self._gates[peer.handle]
 
-        def run() -> None:
+        def run() -> int:
             begun = time.monotonic()
-            with lock:  # one batch in flight per peer stays inside the transport's admission limit
+            with gate:  # one batch in flight per peer stays inside the transport's admission limit
                 for attempt in range(self._retries + 1):
                     t0 = time.monotonic()
                     rc = call(peer.handle, local, remote, length)
                     if rc == 0:
-                        return
+                        return attempt
                     took = time.monotonic() - t0
+                    if took >= self._deadline:
+                        break  # stuck, not rejected: the base class has resubmitted it already
                     if attempt < self._retries:
-                        # A failure that took the deadline is Mooncake's watchdog dropping a stuck lane.
                         log.warning(
                             "mooncake %s of %d descriptors with %s failed after %.1fs (%s), retrying on a fresh lane",
                             op,
@@ -267,10 +294,11 @@ class MooncakeBackend(MigrationBackend):
             stuck = " (no progress within the transfer deadline)" if took >= self._deadline else ""
             raise TransferFailed(
                 f"Mooncake {op} of {len(local)} descriptors ({sum(length)} bytes) with peer {peer.handle} "
-                f"failed after {self._retries + 1} attempts in {time.monotonic() - begun:.1f}s{stuck}: "
+                f"failed after {attempt + 1} attempts in {time.monotonic() - begun:.1f}s{stuck}: "
                 f"{explain(rc)}. Check the peer is alive, not stalled, and its memory is registered",
                 peer=peer.handle,
                 cause=explain(rc),
+                retries=attempt,
             )
 
         return self._spawn(run)

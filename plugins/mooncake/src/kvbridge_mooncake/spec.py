@@ -59,7 +59,9 @@ class MooncakeOptions(TransportOptions):
     )
     retries: int = option(1, "times a failed batch is resubmitted (on a fresh lane) before the transfer fails")
     transfer_deadline: float = option(
-        2.0, "tcp: seconds without progress before Mooncake drops a stuck lane (its own watchdog waits 30 s)"
+        2.0,
+        "seconds a batch may make no progress before kvbridge resubmits it once (then fails it); on tcp also "
+        "when Mooncake drops a stuck lane (its own watchdog waits 30 s)",
     )
     retry_backoff: float = option(0.05, "seconds before the first retry, doubling after each")
     npu: int | None = option(None, "ascend: the NPU device id the engine binds to (None: the current NPU)")
