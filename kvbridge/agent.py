@@ -49,13 +49,26 @@ from kvbridge import staging, wire
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
 from kvbridge.errors import ConfigError, TopologyError, TransferTimeout
 from kvbridge.layout import KVLayout, check_compatible
-from kvbridge.memory import RegionIndex
+from kvbridge.memory import RegionIndex, total_bytes
 from kvbridge.planner import pull_descriptors
 from kvbridge.plugins import create_backend, get_device
 from kvbridge.regions import for_device, tensor_device
 from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
 
 log = logging.getLogger(__name__)
+
+
+class _BlockIds:
+    """Block id lists as int64 arrays, each converted once (by identity) however many pulls use it."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def __call__(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
+        hit = self._seen.get(id(blocks))
+        if hit is None:
+            hit = self._seen[id(blocks)] = (blocks, np.asarray(blocks, dtype=np.int64))  # keeps `blocks` alive
+        return hit[1]
 
 
 @attrs.frozen
@@ -337,7 +350,7 @@ class KVAgent:
             raise
         handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
         pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]
-        nbytes = sum(int(desc[:, 2].sum()) for *_, desc in work)
+        nbytes = sum(total_bytes(desc) for *_, desc in work)
         ndesc = sum(len(desc) for *_, desc in work)
         notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
         log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
@@ -362,6 +375,7 @@ class KVAgent:
         work: list[Any],
         landed: list[Any],
     ) -> None:
+        ids = _BlockIds()  # each list of block ids becomes an array once, not once per pull
         for pull in p.pulls_for(self.rank):
             info = by_rank.get(pull.prefill_rank)
             if info is None:
@@ -378,7 +392,8 @@ class KVAgent:
                 work.append((info, self.connect(info, check=False), land.descriptors))
             else:
                 peer = self.connect(info)
-                work.append((info, peer, pull_descriptors(pull, self.layout, info.layout, local_blocks, blocks)))
+                desc = pull_descriptors(pull, self.layout, info.layout, ids(local_blocks), ids(blocks))
+                work.append((info, peer, desc))
 
     def close(self) -> None:
         """Disconnect peers and unregister the KV tensors; close the backend if the agent created it."""

@@ -34,7 +34,16 @@ import numpy as np
 
 from kvbridge import wire
 from kvbridge.errors import ConfigError, KVBridgeError, TransferFailed, TransferTimeout
-from kvbridge.memory import Descriptors, RegionIndex, as_descriptors, as_regions, merge_runs, split_large
+from kvbridge.memory import (
+    Descriptors,
+    FactoredDescriptors,
+    RegionIndex,
+    as_descriptors,
+    as_regions,
+    merge_runs,
+    split_large,
+    total_bytes,
+)
 from kvbridge.options import TransportOptions, parse
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
@@ -271,32 +280,58 @@ class MigrationBackend(abc.ABC):
     def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
         """Move (local_addr, remote_addr, length) descriptors as one transfer.
 
-        `read` copies remote into local, `write` local into remote. Neighbouring descriptors that
-        continue each other on both sides are merged, then cut to the transport's preferred
-        descriptor size and split into batches it accepts; the handle completes when every part has.
+        `descriptors`: triples, an (N, 3) array, or `FactoredDescriptors` (the planner's). `read` copies
+        remote into local, `write` local into remote. Neighbouring rows that continue each other on both
+        sides are merged (the planner's are merged already), every row is bounds-checked on both sides,
+        rows are cut to the transport's preferred size and sent in batches it accepts; the handle
+        completes when every batch has.
         """
         self._check_open()
         if op not in ("read", "write"):
             raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
         if not getattr(self.capabilities, op):
             raise ConfigError(f"backend {self.name!r} does not support {op}")
-        desc = merge_runs(as_descriptors(descriptors))
+        desc = self._checked(peer, descriptors)
         if len(desc) == 0:
             return TransferHandle.completed(peer=peer.name)
+        return self._send(peer, desc, op)
+
+    def _checked(self, peer: Peer, descriptors: Any) -> Descriptors | FactoredDescriptors:
+        """Descriptors normalized, merged and bounds-checked against both sides' registrations."""
+        if isinstance(descriptors, FactoredDescriptors):
+            spans = [descriptors.spans(remote=False), descriptors.spans(remote=True)]
+            # One range per region holds all its rows; where it is not inside one registration (it spans
+            # two tensors, or a hole), check the rows themselves.
+            if len(self._local.outside(*spans[0])) or len(peer.regions.outside(*spans[1])):
+                return self._checked(peer, descriptors.expand())
+            return descriptors
+        desc = merge_runs(as_descriptors(descriptors))
         self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")
         peer.regions.check(desc[:, 1], desc[:, 2], side="remote", peer=peer.name)
-        nbytes = int(desc[:, 2].sum())
-        if self.capabilities.max_descriptor_bytes:
-            desc = split_large(desc, self.capabilities.max_descriptor_bytes)
-        step = self.capabilities.max_batch or len(desc)
-        # A transport may run the parts one after another: each part's deadline allows for those before it.
-        ahead = np.concatenate([[0], np.cumsum(desc[:, 2])])
-        parts = [
-            self._submit_part(peer, desc[i : i + step], op, int(ahead[min(i + step, len(desc))]))
-            for i in range(0, len(desc), step)
-        ]
+        return desc
+
+    def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
+        """Cut checked descriptors to the transport's piece size and batch limit, and submit every batch.
+
+        Factored descriptors are materialized one batch at a time, so the first batch is on the wire
+        while the next is built.
+        """
+        nbytes = total_bytes(desc)
+        cap = self.capabilities
+        step = cap.max_batch or len(desc)
+        chunks = desc.chunks(step) if isinstance(desc, FactoredDescriptors) else [desc]
+        parts, sent, through = [], 0, 0
+        for chunk in chunks:
+            if cap.max_descriptor_bytes:
+                chunk = split_large(chunk, cap.max_descriptor_bytes)
+            for i in range(0, len(chunk), step):
+                part = chunk[i : i + step]
+                through += int(part[:, 2].sum())
+                # A transport may run the parts one after another: each part's deadline allows for those before it.
+                parts.append(self._submit_part(peer, part, op, through))
+            sent += len(chunk)
         future = parts[0] if len(parts) == 1 else _gather(parts)
-        return TransferHandle(future, peer=peer.name, descriptors=len(desc), nbytes=nbytes)
+        return TransferHandle(future, peer=peer.name, descriptors=sent, nbytes=nbytes)
 
     def _submit_part(self, peer: Peer, desc: Descriptors, op: Op, through: int) -> Future:
         """Submit one part under the deadline; `through`: bytes of this transfer up to the end of this part."""

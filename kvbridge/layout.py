@@ -118,7 +118,7 @@ class PagedGeometry:
         ]
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a key of the planner's caches: hashed on every pull
 class KVLayout:
     """A rank's KV cache: model facts, KV heads on this rank, and its regions (and, for paged engine
     caches, their geometry)."""

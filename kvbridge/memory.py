@@ -6,9 +6,10 @@ is vectorized so a batch of a million descriptors costs a few numpy calls, not a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvbridge.errors import ConfigError, InvalidDescriptor
@@ -181,3 +182,92 @@ def split_large(desc: Descriptors, max_bytes: int) -> Descriptors:
     out[:, 1] += offset
     out[:, 2] = np.minimum(max_bytes, desc[row, 2] - offset)
     return out
+
+
+# Columns of a factored descriptor table, one row per region (or per chain of adjacent regions).
+L_BASE, L_BLOCK, L_PIECE, R_BASE, R_BLOCK, R_PIECE, LENGTH, PIECES = range(8)
+
+
+@attrs.frozen(eq=False)
+class DescriptorGroup:
+    """Regions cut into the same number of pieces per block, and the blocks (in runs) they move.
+
+    Row (region r, run j, piece k) reads `LENGTH * run[j]` bytes from
+    `R_BASE + src[j] * R_BLOCK + k * R_PIECE` into `L_BASE + dst[j] * L_BLOCK + k * L_PIECE`.
+    """
+
+    table: np.ndarray  # (regions, 8) int64, the columns above; every row has the same PIECES
+    dst: np.ndarray  # first local block of each run
+    src: np.ndarray  # first remote block of each run
+    run: np.ndarray  # blocks in each run (all 1 unless the regions' pieces tile their blocks)
+
+    @property
+    def rows(self) -> int:
+        return len(self.table) * len(self.dst) * int(self.table[0, PIECES])
+
+    def expand(self, start: int, stop: int) -> Descriptors:
+        """Rows [start, stop), in (region, run, piece) order."""
+        t, pieces = self.table, int(self.table[0, PIECES])
+        rest, k = np.divmod(np.arange(start, stop, dtype=np.int64), pieces)
+        r, j = np.divmod(rest, len(self.dst))
+        local = t[r, L_BASE] + self.dst[j] * t[r, L_BLOCK] + k * t[r, L_PIECE]
+        remote = t[r, R_BASE] + self.src[j] * t[r, R_BLOCK] + k * t[r, R_PIECE]
+        return np.stack([local, remote, t[r, LENGTH] * self.run[j]], axis=1)
+
+    def spans(self, remote: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Per region, (first byte, bytes up to the last) its rows touch on one side: every row lies inside."""
+        base, block, piece = (R_BASE, R_BLOCK, R_PIECE) if remote else (L_BASE, L_BLOCK, L_PIECE)
+        blocks, t = (self.src if remote else self.dst), self.table
+        first = t[:, base] + int(blocks.min()) * t[:, block]
+        last = int((blocks + self.run - 1).max())
+        size = (last - int(blocks.min())) * t[:, block] + (t[:, PIECES] - 1) * t[:, piece] + t[:, LENGTH]
+        return first, size
+
+
+@attrs.frozen(eq=False)
+class FactoredDescriptors:
+    """Descriptors kept factored: groups of (regions x block runs x pieces), as the planner builds them.
+
+    `MigrationBackend.transfer` takes them as it takes an (N, 3) array: it checks bounds per region
+    (`spans`, O(regions)) and materializes rows batch by batch (`chunks`), so a request's rows are never
+    built all at once before the first batch is sent.
+    """
+
+    groups: tuple[DescriptorGroup, ...] = ()
+
+    def __len__(self) -> int:
+        return sum(g.rows for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(g.table[:, LENGTH].sum()) * int(g.table[0, PIECES]) * int(g.run.sum()) for g in self.groups)
+
+    def chunks(self, rows: int) -> Iterator[Descriptors]:
+        """The rows, at most `rows` at a time."""
+        for g in self.groups:
+            for start in range(0, g.rows, rows):
+                yield g.expand(start, min(g.rows, start + rows))
+
+    def expand(self) -> Descriptors:
+        """Every row as one (N, 3) int64 array."""
+        parts = [g.expand(0, g.rows) for g in self.groups]
+        return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.int64)
+
+    def spans(self, remote: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(addresses, lengths) of one range per region that holds all its rows on one side."""
+        parts = [g.spans(remote) for g in self.groups]
+        if not parts:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def total_bytes(desc: Descriptors | FactoredDescriptors) -> int:
+    """Bytes the descriptors move."""
+    return desc.nbytes if isinstance(desc, FactoredDescriptors) else int(np.asarray(desc)[:, 2].sum())
+
+
+def canonical(desc: Descriptors | FactoredDescriptors) -> Descriptors:
+    """Rows in local address order with every run merged: two descriptor sets that move the same bytes
+    to the same places have the same canonical form."""
+    rows = desc.expand() if isinstance(desc, FactoredDescriptors) else as_descriptors(desc)
+    return merge_runs(rows[np.argsort(rows[:, 0], kind="stable")])

@@ -1,7 +1,9 @@
-"""Descriptors for one pull: numpy arrays over (region, block, chunk), merged into runs.
+"""Descriptors for one pull, factored: a table per group of regions, times the request's block runs.
 
-Nothing here loops in Python per layer or per block: the regions of a layout are grouped by
-how many pieces a head slice has (one group in practice), and each group is one broadcast.
+Nothing here loops in Python per layer or per block, and nothing is O(layers x blocks): a layout
+pair's tables (regions grouped by how many pieces a head slice has, adjacent regions chained) are
+built once and cached; a pull adds its block ids, cut into runs consecutive on both sides. The
+rows themselves are materialized by the transport, batch by batch (`FactoredDescriptors.chunks`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import numpy as np
 
 from kvbridge.errors import ConfigError, LayoutMismatch
 from kvbridge.layout import KVLayout, check_compatible
-from kvbridge.memory import Descriptors, merge_runs
+from kvbridge.memory import L_BASE, L_BLOCK, LENGTH, PIECES, R_BASE, R_BLOCK, DescriptorGroup, FactoredDescriptors
 from kvbridge.topology import Pull
 
 
@@ -23,26 +25,56 @@ def pull_descriptors(
     remote: KVLayout,
     local_blocks: Sequence[int] | np.ndarray,
     remote_blocks: Sequence[int] | np.ndarray,
-) -> Descriptors:
-    """(local_addr, remote_addr, length) rows that read `pull` from the remote rank into this one.
+) -> FactoredDescriptors:
+    """The (local_addr, remote_addr, length) rows that read `pull` from the remote rank into this one.
 
     `local_blocks` / `remote_blocks` are the request's block ids on each rank, in the rank's
     block order (position i holds the rank's i-th block of the request). Runs of consecutive
-    blocks that are contiguous on both sides become one descriptor.
+    blocks that are contiguous on both sides become one row; so do the pieces of a block that
+    follow each other in memory on both sides (every layer of a block in block-outermost layouts).
+    The rows come factored (regions x block runs x pieces): this costs O(regions + blocks), and the
+    transport materializes them batch by batch (`FactoredDescriptors.chunks`).
     """
-    _check(local, remote)
+    tables = _tables(local, remote, pull.src_heads, pull.dst_heads)
     dst = _pick(local_blocks, pull.dst_positions(), local.num_blocks, "local", pull)
     src = _pick(remote_blocks, pull.src_positions(), remote.num_blocks, "remote", pull)
-    whole = pull.src_heads == (0, remote.heads) and pull.dst_heads == (0, local.heads)
-    n_heads = pull.src_heads[1] - pull.src_heads[0]
-    if n_heads != pull.dst_heads[1] - pull.dst_heads[0]:
-        raise ConfigError(f"pull {pull} reads {n_heads} heads into a different number of heads")
+    if not len(dst):
+        return FactoredDescriptors()
+    singles = (dst, src, np.ones(len(dst), dtype=np.int64))
+    runs = _runs(dst, src, local.num_blocks) if any(tiles for _, tiles in tables) else singles
+    return FactoredDescriptors(tuple(DescriptorGroup(t, *(runs if tiles else singles)) for t, tiles in tables))
 
-    # one row per region: base, block stride, piece stride, head offset (local, then remote), piece length, pieces
+
+def _runs(dst: np.ndarray, src: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first local block, first remote block, length) of the runs of blocks consecutive on both sides,
+    in local order (a request may hold consecutive ids out of order). No sort when the ids are already in
+    order, or when no block continues another (a fragmented pool)."""
+    if len(dst) > 1 and (np.diff(dst) < 0).any():
+        at = np.full(capacity + 1, -1, dtype=np.int64)
+        at[dst] = np.arange(len(dst))
+        after = at[dst + 1]  # the position holding the next local block, -1 if none
+        if not ((after >= 0) & (src[after] == src + 1)).any():
+            return dst, src, np.ones(len(dst), dtype=np.int64)
+        order = np.argsort(dst)
+        dst, src = dst[order], src[order]
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(dst) != 1) | (np.diff(src) != 1))))
+    return dst[starts], src[starts], np.diff(np.append(starts, len(dst)))
+
+
+@functools.lru_cache(maxsize=256)
+def _tables(
+    local: KVLayout, remote: KVLayout, src_heads: tuple[int, int], dst_heads: tuple[int, int]
+) -> tuple[tuple[np.ndarray, bool], ...]:
+    """Factored tables of one (layout pair, head ranges), one per number of pieces a block is cut into,
+    each with whether its pieces tile their blocks on both sides (then a run of blocks is one row)."""
+    check_compatible(local, remote)
+    n_heads = src_heads[1] - src_heads[0]
+    if n_heads != dst_heads[1] - dst_heads[0]:
+        raise ConfigError(f"a pull reads {n_heads} heads {src_heads} into heads {dst_heads}: the counts differ")
     lt, rt = region_table(local), region_table(remote)
     zero = np.zeros(len(lt), dtype=np.int64)
-    if whole:  # one piece of block_bytes per block
-        table = np.stack([lt[:, 0], lt[:, 1], zero, zero, rt[:, 0], rt[:, 1], zero, zero, lt[:, 4], zero + 1], axis=1)
+    if src_heads == (0, remote.heads) and dst_heads == (0, local.heads):  # whole blocks: one piece each
+        table = np.stack([lt[:, 0], lt[:, 1], zero, rt[:, 0], rt[:, 1], zero, lt[:, 4], zero + 1], axis=1)
     else:
         opaque = np.flatnonzero(lt[:, 6] == 0)
         if len(opaque):
@@ -56,36 +88,47 @@ def pull_descriptors(
             )
         table = np.stack(
             [
-                lt[:, 0],
+                lt[:, 0] + dst_heads[0] * lt[:, 3],
                 lt[:, 1],
                 lt[:, 2],
-                pull.dst_heads[0] * lt[:, 3],
-                rt[:, 0],
+                rt[:, 0] + src_heads[0] * rt[:, 3],
                 rt[:, 1],
                 rt[:, 2],
-                pull.src_heads[0] * rt[:, 3],
                 n_heads * lt[:, 3],
                 lt[:, 5],
             ],
             axis=1,
         )
-    parts = []
-    for pieces in np.unique(table[:, 9]):
-        t = table[table[:, 9] == pieces]
-        col = lambda j, t=t: t[:, j, None, None]  # noqa: E731 - (regions, 1, 1) for broadcasting
-        k = np.arange(pieces, dtype=np.int64)[None, None, :]
-        local_addr = col(0) + dst[None, :, None] * col(1) + k * col(2) + col(3)
-        remote_addr = col(4) + src[None, :, None] * col(5) + k * col(6) + col(7)
-        length = np.broadcast_to(col(8), local_addr.shape)
-        parts.append(np.stack([local_addr.ravel(), remote_addr.ravel(), length.ravel()], axis=1))
-    desc = np.concatenate(parts)
-    # in local address order, so a block of every layer (block-outermost layouts) becomes one run
-    return merge_runs(desc[np.argsort(desc[:, 0], kind="stable")])
+    out = []
+    for pieces in np.unique(table[:, PIECES]).tolist():
+        t = _chain(table[table[:, PIECES] == pieces])
+        tiles = (t[:, PIECES] == 1) & (t[:, LENGTH] == t[:, L_BLOCK]) & (t[:, LENGTH] == t[:, R_BLOCK])
+        out.extend((_frozen(t[m]), flag) for m, flag in ((tiles, True), (~tiles, False)) if m.any())
+    return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
-def _check(local: KVLayout, remote: KVLayout) -> None:
-    check_compatible(local, remote)
+def _chain(t: np.ndarray) -> np.ndarray:
+    """Join regions of one piece per block whose piece starts where the previous one's ends, on both
+    sides, with the same block strides: every layer of a block in block-outermost layouts is one piece."""
+    if len(t) < 2 or t[0, PIECES] != 1:
+        return t
+    t = t[np.argsort(t[:, L_BASE], kind="stable")]
+    follows = (
+        (t[1:, L_BASE] == t[:-1, L_BASE] + t[:-1, LENGTH])
+        & (t[1:, R_BASE] == t[:-1, R_BASE] + t[:-1, LENGTH])
+        & (t[1:, L_BLOCK] == t[:-1, L_BLOCK])
+        & (t[1:, R_BLOCK] == t[:-1, R_BLOCK])
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~follows)))
+    out = t[starts]
+    out[:, LENGTH] = np.add.reduceat(t[:, LENGTH], starts)
+    return out
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
 
 
 @functools.lru_cache(maxsize=64)

@@ -38,6 +38,7 @@ PRESETS: dict[str, ModelSpec] = {
     p.name: p
     for p in (
         ModelSpec("llama3-8b", layers=32, kv_heads=8, head_dim=128, dtype="bf16", block_size=16),
+        ModelSpec("qwen2.5-32b", layers=64, kv_heads=8, head_dim=128, dtype="bf16", block_size=16),
         ModelSpec("small", layers=4, kv_heads=8, head_dim=128, dtype="bf16", block_size=16),
         ModelSpec("tiny-gqa", layers=2, kv_heads=16, head_dim=8, dtype="fp16", block_size=16),
         ModelSpec("tiny-mla", layers=2, kv_heads=1, head_dim=32, dtype="fp16", block_size=16, attention="mla"),

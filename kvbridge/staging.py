@@ -38,10 +38,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.backend import MigrationBackend, Op, Peer
+from kvbridge.backend import MigrationBackend, Op, Peer, TransferHandle
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError
-from kvbridge.memory import Descriptors, RegionIndex, as_regions, is_tensor_like, merge_runs
+from kvbridge.memory import Descriptors, FactoredDescriptors, RegionIndex, as_regions, is_tensor_like, merge_runs
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -148,20 +148,28 @@ class DeviceBackend(MigrationBackend):
     def _shutdown(self) -> None:
         self.backend.close()
 
-    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
-        ids = self._device_ids(desc[:, 0], desc[:, 2])
+    def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
+        # Checked once, by this wrapper's `transfer`; the transport cuts and batches (no second merge or check).
+        ids = self._device_ids(_local_addrs(desc))
         if op == "write":
             self._before(ids)
-            return _future(self.backend.transfer(peer.handle, desc, op))
-        return _then(self.backend.transfer(peer.handle, desc, op), lambda: self._after(ids))
+            return self.backend._send(peer.handle, desc, op)
+        inner = self.backend._send(peer.handle, desc, op)
+        return TransferHandle(
+            _then(inner, lambda: self._after(ids)), peer=peer.name, descriptors=inner.descriptors, nbytes=inner.nbytes
+        )
+
+    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
+        """The contract's hook: one checked batch, through `_send`."""
+        return _future(self._send(peer, desc, op))
 
     # -- device synchronization -----------------------------------------------------------------
 
     def publish(self, ranges: Any = None) -> None:
-        self._before(self._device_ids(*self._range_columns(ranges)))
+        self._before(self._device_ids(self._range_columns(ranges)[0]))
 
     def accept(self, ranges: Any = None) -> None:
-        self._after(self._device_ids(*self._range_columns(ranges)))
+        self._after(self._device_ids(self._range_columns(ranges)[0]))
 
     def _range_columns(self, ranges: Any) -> tuple[np.ndarray, np.ndarray]:
         if ranges is None:
@@ -176,8 +184,8 @@ class DeviceBackend(MigrationBackend):
         self._local.check(arr[:, 0], arr[:, 1], side="local", peer="")
         return arr[:, 0], arr[:, 1]
 
-    def _device_ids(self, addrs: np.ndarray, lengths: np.ndarray) -> list[int]:
-        """The device ids of the registered regions these ranges touch (one wait per device, not per range)."""
+    def _device_ids(self, addrs: np.ndarray) -> list[int]:
+        """The device ids of the registered regions these addresses are in (one wait per device, not per range)."""
         regions = sorted(self._local.regions, key=lambda r: r.addr)
         if not regions or len(addrs) == 0:
             return []
@@ -286,15 +294,25 @@ class StagedBackend(DeviceBackend):
         slot = np.searchsorted(self._starts, a, side="right") - 1
         return self._host_starts[slot] + (a - self._starts[slot])
 
-    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
+    def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
+        if isinstance(desc, FactoredDescriptors):
+            desc = desc.expand()  # every staged byte is copied anyway; the rows are the copies' ranges
         slot = np.searchsorted(self._starts, desc[:, 0], side="right") - 1
         offsets = desc[:, 0] - self._starts[slot]
         staged = desc.copy()
         staged[:, 0] = self._host_starts[slot] + offsets
+        # The transport checks the mirror addresses again: a range that spans two device buffers is not
+        # one range of a mirror.
         if op == "write":
             self._stage_out(slot, offsets, desc[:, 2])
-            return _future(self.backend.transfer(peer.handle, staged, op))
-        return _then(self.backend.transfer(peer.handle, staged, op), lambda: self._stage_in(slot, offsets, desc[:, 2]))
+            return self.backend.transfer(peer.handle, staged, op)
+        inner = self.backend.transfer(peer.handle, staged, op)
+        return TransferHandle(
+            _then(inner, lambda: self._stage_in(slot, offsets, desc[:, 2])),
+            peer=peer.name,
+            descriptors=inner.descriptors,
+            nbytes=inner.nbytes,
+        )
 
     def publish(self, ranges: Any = None) -> None:
         self._stage_out(*self._slots(ranges))
@@ -326,6 +344,13 @@ class StagedBackend(DeviceBackend):
             m, pick = self._mirrors[s], slot == s
             copy_ranges(m.device_bytes, m.host_bytes, offsets[pick], offsets[pick], lengths[pick])
         self._after(sorted({self._mirrors[s].region.device_id for s in touched}))
+
+
+def _local_addrs(desc: Descriptors | FactoredDescriptors) -> np.ndarray:
+    """Local addresses enough to tell which registered buffers descriptors touch (one per region if factored)."""
+    if isinstance(desc, FactoredDescriptors):
+        return desc.spans(remote=False)[0]
+    return desc[:, 0]
 
 
 def _future(handle: Any) -> Future:
@@ -411,7 +436,17 @@ def copy_ranges(
     d_rows, s_rows = _rows(runs[:, 0], runs[:, 2], unit), _rows(runs[:, 1], runs[:, 2], unit)
     if both_numpy:  # flat byte buffers are contiguous, so these reshapes are views
         rows_in = src[: len(src) // unit * unit].reshape(-1, unit)
-        dst[: len(dst) // unit * unit].reshape(-1, unit)[d_rows] = rows_in[s_rows]
+        rows_out = dst[: len(dst) // unit * unit].reshape(-1, unit)
+        # a gather into (or a scatter from) consecutive rows is one copy, not a gather and a scatter
+        if (np.diff(d_rows) == 1).all():  # torch's row gather is about twice numpy's `take` here
+            import torch
+
+            packed = torch.from_numpy(rows_out[d_rows[0] : d_rows[0] + len(d_rows)])
+            torch.index_select(torch.from_numpy(rows_in), 0, torch.from_numpy(s_rows), out=packed)
+        elif (np.diff(s_rows) == 1).all():
+            rows_out[d_rows] = rows_in[s_rows[0] : s_rows[0] + len(s_rows)]
+        else:
+            rows_out[d_rows] = rows_in[s_rows]
         return
     import torch
 

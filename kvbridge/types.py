@@ -42,6 +42,19 @@ class MemoryRegion:
 
 
 @attrs.frozen
+class TransferCost:
+    """What moving bytes costs on a transport, as its plugin measured it: the input of
+    `kvbridge.strategy.choose`, which picks per request between sending the planned descriptors and
+    gathering them into one staging region. Unknown (None) means "do not guess": descriptors go direct.
+    """
+
+    bytes_per_s: float | None = None  # streaming rate of large descriptors, one peer
+    descriptor_s: float | None = None  # fixed cost of one descriptor beyond its bytes
+    piece_bytes: int | None = None  # descriptor size that reaches `bytes_per_s`
+    peer_admission: int | None = None  # descriptors a peer admits at once (submissions stay under it)
+
+
+@attrs.frozen
 class BackendCapabilities:
     """What a transport can do, declared at registration so hosts never guess."""
 
@@ -54,6 +67,7 @@ class BackendCapabilities:
     notifications: bool = False
     max_batch: int | None = None  # descriptors per submission; the backend splits larger batches
     max_descriptor_bytes: int | None = None  # longer descriptors are cut, so a transport's lanes run in parallel
+    cost: TransferCost = TransferCost()  # per-protocol, measured by the plugin; see TransferCost
 
 
 @attrs.frozen

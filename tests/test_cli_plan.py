@@ -55,3 +55,16 @@ def test_plan_refuses_an_impossible_pair(capsys: pytest.CaptureFixture[str]) -> 
     assert rc == 2
     err = capsys.readouterr().err
     assert "16 KV heads of tiny-gqa cannot be spread over 3 head shards" in err
+
+
+def test_plan_reports_the_planning_time_of_a_decode_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--prefill", "tp8", "--decode", "tp4", "--model", "qwen2.5-32b", "--tokens", "1600", "--json"])
+    assert rc == 0
+    t = json.loads(capsys.readouterr().out)["planning"]
+    # decode rank 0 of tp4 holds KV heads 0-1: one head from each of prefill ranks 0 and 1, NHD blocks are
+    # cut per token, so 100 blocks x 64 layers x (K, V) x 16 tokens rows per pull
+    assert (t["pulls"], t["blocks"], t["layers"], t["order"]) == (2, 100, 64, "NHD")
+    assert t["rows"] == 2 * 100 * 64 * 2 * 16
+    assert t["warm_ms"] > 0 and t["cold_ms"] > 0
+    assert main(["plan", "--prefill", "tp8", "--decode", "tp4", "--model", "qwen2.5-32b", "--tokens", "1600"]) == 0
+    assert "planning time of decode rank 0 (2 pulls, 100 fragmented blocks x 64 layers" in capsys.readouterr().out

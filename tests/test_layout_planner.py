@@ -68,7 +68,7 @@ def _run(p: Plan, style: str, seed: int) -> None:
         dbuf, dlayout, dshare = ranks["decode", pull.decode_rank]
         pbuf, playout, pshare = ranks["prefill", pull.prefill_rank]
         desc = pull_descriptors(pull, dlayout, playout, dshare.block_ids, pshare.block_ids)
-        for local, remote, length in desc.tolist():
+        for local, remote, length in desc.expand().tolist():
             ctypes.memmove(local, remote, length)
     for rank in p.decode_ranks:
         buf, layout, share = ranks["decode", rank]
@@ -126,7 +126,7 @@ def test_contiguous_blocks_give_one_descriptor_per_region() -> None:
     _, local = _make(model, 8, 40, "split-NHD")
     _, remote = _make(model, 8, 30, "split-NHD")
     pull = p.pulls_for(0)[0]
-    desc = pull_descriptors(pull, local, remote, np.arange(20, 30), np.arange(5, 15))
+    desc = pull_descriptors(pull, local, remote, np.arange(20, 30), np.arange(5, 15)).expand()
     assert len(desc) == len(local.regions) == model.layers * 2
     block = local.regions[0].block_bytes
     assert (desc[:, 2] == 10 * block).all()
@@ -143,7 +143,7 @@ def test_head_slices_of_hnd_blocks_are_one_descriptor_per_block() -> None:
     _, remote = _make(model, 8, 8, "split-HND")
     pull = p.pulls_for(1)[0]
     assert pull.src_heads == (4, 8) and pull.dst_heads == (0, 4)
-    desc = pull_descriptors(pull, local, remote, np.arange(4), np.arange(4))
+    desc = pull_descriptors(pull, local, remote, np.arange(4), np.arange(4)).expand()
     r = local.regions[0]
     assert len(desc) == 4 * len(local.regions)
     assert (desc[:, 2] == 4 * r.head_bytes).all()

@@ -34,6 +34,23 @@ def test_copy_ranges_matches_slicing(kind: str, ranges: int) -> None:
     assert np.array_equal(dst, expected)
 
 
+@pytest.mark.parametrize("packed", ["dst", "src"])
+def test_copy_ranges_gathers_into_and_scatters_from_consecutive_rows(packed: str) -> None:
+    """The gather strategy's two copies: scattered blocks into a packed staging region, and back out."""
+    rng = np.random.default_rng(7)
+    block, n = 256, 40
+    src = rng.integers(0, 256, 128 * block, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    scattered = rng.permutation(128)[:n].astype(np.int64) * block
+    packed_off = (np.arange(n, dtype=np.int64) + 5) * block
+    d_off, s_off = (packed_off, scattered) if packed == "dst" else (scattered, packed_off)
+    expected = dst.copy()
+    for d, s in zip(d_off, s_off):
+        expected[d : d + block] = src[s : s + block]
+    staging.copy_ranges(dst, src, d_off, s_off, np.full(n, block, dtype=np.int64))
+    assert np.array_equal(dst, expected)
+
+
 def test_copy_ranges_with_odd_offsets_uses_byte_rows() -> None:
     src = np.arange(1000, dtype=np.int64).astype(np.uint8)
     dst = np.zeros(1000, dtype=np.uint8)

@@ -1,8 +1,10 @@
 """`kvbridge bench` pair mode: one prefill process, one decode process, one transport.
 
 Each round measures the raw transport (one descriptor of a request's bytes, per request) and
-then kvbridge's migration of every request (one descriptor per block, merged where blocks are
-contiguous on both sides), and verifies every byte on the decode side.
+then kvbridge's migration of every request, and verifies every byte on the decode side. The
+migration is direct (one descriptor per block, merged where blocks are contiguous on both sides)
+or gathered (prefill packs the blocks into a staging region, decode pulls it in chunks and
+scatters), as the transport's declared cost model picks (`kvbridge.strategy`) or `--strategy` says.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import threading
 from typing import Any
 
 import numpy as np
@@ -20,6 +23,8 @@ from kvbridge.errors import ConfigError, PluginUnavailable
 from kvbridge.plugins import get_device, registry
 from kvbridge.presets import get_preset
 from kvbridge.proc import Child
+from kvbridge.strategy import GATHER_CHUNK_BYTES, STRATEGIES, Choice, choose
+from kvbridge.types import TransferCost
 
 DEFAULT_MODEL = "small"
 DEFAULT_TOKENS = 2048
@@ -31,6 +36,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--fragmented",
         action="store_true",
         help="shuffle block ids on both sides (worst case: one descriptor per block)",
+    )
+    group.add_argument(
+        "--strategy",
+        choices=["auto", *STRATEGIES],
+        default="auto",
+        help="how requests move: direct (the planned descriptors), gather (sending side gathers into a staging "
+        "region, pipelined in chunks with the wire and the receiving side's scatter), or auto: the "
+        "transport's declared cost model picks (kvbridge.strategy); default auto",
     )
     group.add_argument("--device", default="cpu", help="device plugin that holds both KV caches (default: cpu)")
     group.add_argument(
@@ -72,6 +85,16 @@ def plan_blocks(
     return [order[r * per_request : (r + 1) * per_request].tolist() for r in range(requests)]
 
 
+def descriptor_count(src: list[int], dst: list[int], tensors: int, block_bytes: int, piece: int | None) -> int:
+    """Descriptors the direct strategy sends for one request: runs of blocks consecutive on both sides, per
+    tensor, cut into the transport's pieces."""
+    s, d = np.asarray(src), np.asarray(dst)
+    starts = np.flatnonzero(np.concatenate(([True], (np.diff(s) != 1) | (np.diff(d) != 1))))
+    lengths = np.diff(np.append(starts, len(s))) * block_bytes
+    per = -(-lengths // piece) if piece else np.ones_like(lengths)
+    return int(per.sum()) * tensors
+
+
 def _check_backend(name: str) -> None:
     entry = registry().backend_entry(name)
     reason = entry.unavailable_reason()
@@ -107,6 +130,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stage=args.stage,
     )
     request_bytes = per_request * spec.bytes_per_token() * spec.block_size
+    block_bytes = spec.block_size * spec.kv_heads * spec.head_dim * spec.dtype_bytes
 
     # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child.
     prefill = Child("kvbridge.bench.pair_worker", name="prefill")
@@ -115,13 +139,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         src = prefill.call("init", blocks=prefill_blocks, **common)
         decode.call("init", blocks=decode_blocks, **common)
         prefill.call("fill", requests=src_plan, timeout=600)
-        decode.call("connect", endpoint=src["endpoint"])
+        cost = TransferCost(**src["cost"])
+        choice = choose(
+            cost,
+            descriptor_count(src_plan[0], dst_plan[0], spec.layers * spec.kv_tensors, block_bytes, cost.piece_bytes),
+            request_bytes,
+            copy_bytes_per_s=src["copy_bytes_per_s"],
+        )
+        if args.strategy != "auto":
+            choice = Choice(args.strategy, choice.direct_s, choice.gather_s, "chosen with --strategy")
+        elif choice.strategy == "gather" and not src["can_gather"]:
+            reason = "the bench gathers host memory the transport reaches directly only (a GPU's is a device kernel)"
+            choice = Choice("direct", choice.direct_s, choice.gather_s, reason)
+        staged: dict[str, Any] = {}
+        if choice.strategy == "gather":
+            staged = prefill.call("stage", nbytes=request_bytes)
+            decode.call("stage", nbytes=request_bytes)
+        decode.call("connect", endpoint=staged["endpoint"] if choice.strategy == "gather" else src["endpoint"])
         raw_s: list[float] = []
         kv_s: list[float] = []
         latencies: list[float] = []
         verified = True
         problems: list[str] = []
-        descriptors = descriptors_in = runs = 0
+        descriptors = descriptors_in = runs = chunks_done = 0
+        phases: dict[str, list[float]] = {}
         with Progress(console=err_console, transient=True, disable=bool(getattr(args, "json", False))) as progress:
             task = progress.add_task("migrating", total=args.repeat * requests)
             for _ in range(args.repeat):
@@ -138,17 +179,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 decode.call("zero", timeout=600)
                 kv_round = 0.0
                 for src_blocks, dst_blocks in zip(src_plan, dst_plan):
-                    r = decode.call(
-                        "migrate",
-                        src=src,
-                        src_blocks=src_blocks,
-                        dst_blocks=dst_blocks,
-                        wait_s=args.timeout,
-                        timeout=args.timeout + 30,
-                    )
+                    if choice.strategy == "gather":
+                        r = _gathered(prefill, decode, staged["addr"], src_blocks, dst_blocks, chunks_done, args)
+                        chunks_done += r["chunks"]
+                        descriptors_in, runs = len(src_blocks) * spec.layers * spec.kv_tensors, r["chunks"]
+                    else:
+                        r = decode.call(
+                            "migrate",
+                            src=src,
+                            src_blocks=src_blocks,
+                            dst_blocks=dst_blocks,
+                            wait_s=args.timeout,
+                            timeout=args.timeout + 30,
+                        )
+                        descriptors_in, runs = r["descriptors_in"], r["runs"]
+                    descriptors = r["descriptors"]
                     kv_round += r["seconds"]
                     latencies.append(r["seconds"])
-                    descriptors, descriptors_in, runs = r["descriptors"], r["descriptors_in"], r["runs"]
+                    for phase in GATHER_PHASES if choice.strategy == "gather" else ():
+                        phases.setdefault(phase, []).append(r[phase])
                     progress.advance(task)
                 check = decode.call("verify", requests=dst_plan, timeout=600)
                 verified &= check["verified"]
@@ -178,6 +227,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "repeat": args.repeat,
             "bytes_per_request": request_bytes,
             "options": dict(args.option),
+            "strategy": choice.strategy,
+        },
+        "strategy": {
+            "used": choice.strategy,
+            "asked": args.strategy,
+            "reason": choice.reason,
+            "predicted_direct_ms": None if choice.direct_s is None else choice.direct_s * 1e3,
+            "predicted_gather_ms": None if choice.gather_s is None else choice.gather_s * 1e3,
+            # gather: median ms per request the prefill spent gathering (overlapped) and the decode spent
+            # polling for ready chunks, waiting on the wire, and scattering
+            "phases_ms": {k: statistics.median(v) * 1e3 for k, v in phases.items()},
         },
         "kvbridge": {
             "gbps": kv_gbps,
@@ -194,6 +254,41 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "verified": bool(verified),
         "problems": problems[:10],
     }
+
+
+GATHER_PHASES = ("gather", "poll", "wire_wait", "scatter")
+
+
+def _gathered(
+    prefill: Child, decode: Child, staged: int, src_blocks: list[int], dst_blocks: list[int], before: int, args: Any
+) -> dict[str, Any]:
+    """One request by the gather strategy: prefill gathers while decode pulls and scatters, concurrently.
+
+    Timed from whichever side started first to the last scatter (one monotonic clock for both processes),
+    so the gather's first chunk is inside the time as it is inside a real handover's.
+    """
+    out: dict[str, Any] = {}
+    side = threading.Thread(
+        target=lambda: out.update(
+            prefill.call("gather", blocks=src_blocks, chunk_bytes=GATHER_CHUNK_BYTES, timeout=args.timeout + 30)
+        )
+    )
+    side.start()
+    try:
+        r = decode.call(
+            "migrate_gathered",
+            src_addr=staged,
+            dst_blocks=dst_blocks,
+            chunk_bytes=GATHER_CHUNK_BYTES,
+            ready_before=before,
+            wait_s=args.timeout,
+            timeout=args.timeout + 30,
+        )
+    finally:
+        side.join()
+    if "start" not in out:
+        raise ConfigError("the prefill side's gather failed; see its log above")
+    return {**r, "gather": out["gather"], "seconds": r["end"] - min(r["start"], out["start"])}
 
 
 def paired_ratio(raw_s: list[float], kv_s: list[float]) -> dict[str, Any]:
@@ -258,16 +353,24 @@ def _print_result(result: dict[str, Any]) -> None:
         [
             ("raw transport (1 descriptor)", f"{r['gbps']:.2f}", "100%", "", "", "1"),
             (
-                "kvbridge migration",
+                f"kvbridge migration ({result['strategy']['used']})",
                 f"{k['gbps']:.2f}",
                 f"{result['ratio']:.0%} ({result['ratio_range'][0]:.0%}-{result['ratio_range'][1]:.0%})",
                 f"{k['latency_ms']['median']:.1f}",
                 f"{k['latency_ms']['p99']:.1f}",
-                f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} runs -> "
+                f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} "
+                f"{'chunks' if result['strategy']['used'] == 'gather' else 'runs'} -> "
                 f"{k['submitted_descriptors_per_request']} sent",
             ),
         ],
     )
+    st = result["strategy"]
+    predicted = ", ".join(
+        f"{name} {st[f'predicted_{name}_ms']:.0f} ms" for name in STRATEGIES if st[f"predicted_{name}_ms"] is not None
+    )
+    print(f"strategy: {st['used']} ({st['reason']}{'; predicted ' + predicted if predicted else ''})")
+    if st["phases_ms"]:
+        print("gather phases, median ms per request: " + ", ".join(f"{k} {v:.0f}" for k, v in st["phases_ms"].items()))
     status = (
         "verified: every byte on the decode side is correct"
         if result["verified"]

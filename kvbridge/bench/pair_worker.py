@@ -16,9 +16,13 @@ import numpy as np
 import kvbridge
 from kvbridge import staging
 from kvbridge.bench.fingerprint import block_values, element_dtype
+from kvbridge.errors import ConfigError
 from kvbridge.memory import merge_runs
 from kvbridge.presets import get_preset
 from kvbridge.proc import serve
+from kvbridge.staging import copy_ranges
+
+GATHER_IN_FLIGHT = 4  # chunks on the wire at once in a gathered pull (64 pieces of 1 MiB: far under admission)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,18 @@ class Side:
         self.base = region.addr  # local descriptors use device addresses, staged or not
         self.published = self.backend.endpoint().regions[0].addr  # what the peer addresses: a host mirror if staged
         self.peer: kvbridge.Peer | None = None
+        self.staging: np.ndarray | None = None  # gather strategy: prefill's staging, decode's landing (+ a flag)
+        self.gathered = 0  # prefill: chunks gathered so far (the flag peers poll)
+        self.staging_bytes = 0
+
+    def can_gather(self) -> bool:
+        """Whether the bench's gather strategy runs here: host memory the transport reaches directly."""
+        return isinstance(self.pool, np.ndarray) and staging.transport(self.backend) is self.backend
+
+    def rows(self, blocks: list[int]) -> np.ndarray:
+        """Byte offsets in the pool of a request's (tensor, block) rows, in request order."""
+        t = np.arange(self.tensors, dtype=np.int64)[:, None] * self.tensor_bytes
+        return (t + np.asarray(blocks, dtype=np.int64)[None, :] * self.block_bytes).reshape(-1)
 
     def host_view(self, host: np.ndarray) -> np.ndarray:
         """(tensors, blocks, block_elems) element view of a host copy of the pool."""
@@ -83,6 +99,96 @@ class Side:
         return np.stack([local, remote, length], axis=-1).reshape(-1, 3)
 
 
+def stage(nbytes: int) -> dict[str, Any]:
+    """Allocate and register the gather strategy's region: a request's bytes and an 8-byte flag after them.
+
+    On the prefill side this is the staging region a real deployment holds with the request's lease
+    (kvbridge.control.ledger) and frees with it; here one is reused for every request of the run.
+    """
+    side = _get()
+    if not side.can_gather():
+        raise ConfigError(
+            "--strategy gather is measured on host memory reached directly (here: the cpu device); on a GPU "
+            "the gather is a device kernel into registered device memory, which cannot run here"
+        )
+    side.staging = np.zeros(nbytes + 8, dtype=np.uint8)
+    side.staging_bytes = nbytes
+    (region,) = side.backend.register_memory(side.staging)
+    return {"addr": region.addr, "endpoint": side.backend.endpoint_info().hex()}  # peers connect after this
+
+
+def gather(blocks: list[int], chunk_bytes: int) -> dict[str, float]:
+    """Prefill: copy a request's rows into the staging region chunk by chunk, bumping the flag after each."""
+    side = _get()
+    assert side.staging is not None, "call stage first"
+    start = time.monotonic()
+    src = side.rows(blocks)
+    per = max(1, chunk_bytes // side.block_bytes)
+    flag = side.staging[side.staging_bytes :].view(np.int64)
+    lengths = np.full(len(src), side.block_bytes, dtype=np.int64)
+    for i in range(0, len(src), per):
+        j = slice(i, i + per)
+        copy_ranges(
+            side.staging, side.pool, np.arange(i, min(i + per, len(src))) * side.block_bytes, src[j], lengths[j]
+        )
+        side.gathered += 1
+        flag[0] = side.gathered  # after the chunk's bytes: a reader that sees it reads a whole chunk
+    end = time.monotonic()
+    return {"start": start, "end": end, "gather": end - start}
+
+
+def migrate_gathered(
+    src_addr: int, dst_blocks: list[int], chunk_bytes: int, ready_before: int, wait_s: float
+) -> dict[str, Any]:
+    """Decode: read the prefill's staging region chunk by chunk as its flag says they are ready, into the
+    landing region, and scatter each landed chunk into the request's blocks while the next is on the wire."""
+    side = _get()
+    assert side.staging is not None and side.peer is not None, "call stage and connect first"
+    start = time.monotonic()
+    deadline = start + wait_s
+    dst = side.rows(dst_blocks)
+    per = max(1, chunk_bytes // side.block_bytes)
+    chunks = [(i, min(i + per, len(dst))) for i in range(0, len(dst), per)]
+    base = side.staging.ctypes.data
+    flag_at = side.staging_bytes
+    flag = side.staging[flag_at:].view(np.int64)
+    transport = staging.transport(side.backend)
+    ready = submitted = done = sent = 0
+    handles: dict[int, Any] = {}
+    poll: Any = None  # the one flag read in flight: it queues behind the chunks on the peer, never stalls them
+    spent = {"poll": 0.0, "wire_wait": 0.0, "scatter": 0.0}  # where the decode side's time went
+    while done < len(chunks):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gathered pull: chunk {done} of {len(chunks)} not ready within {wait_s}s")
+        if poll is None and ready < len(chunks) and ready - submitted < GATHER_IN_FLIGHT:
+            poll = transport.raw_transfer(side.peer, base + flag_at, src_addr + flag_at, 8)
+        if poll is not None and (poll.done() or done == submitted):  # idle: nothing to do but wait for it
+            t = time.monotonic()
+            poll.wait(wait_s)
+            poll, ready = None, int(flag[0]) - ready_before
+            spent["poll"] += time.monotonic() - t
+        while submitted < min(ready, done + GATHER_IN_FLIGHT):
+            a, b = chunks[submitted]
+            off, n = a * side.block_bytes, (b - a) * side.block_bytes
+            handles[submitted] = side.backend.transfer(side.peer, [(base + off, src_addr + off, n)], "read")
+            sent += handles[submitted].descriptors
+            submitted += 1
+        if done < submitted:
+            t = time.monotonic()
+            handles.pop(done).wait(wait_s)
+            t2 = time.monotonic()
+            a, b = chunks[done]
+            lengths = np.full(b - a, side.block_bytes, dtype=np.int64)
+            copy_ranges(side.pool, side.staging, dst[a:b], np.arange(a, b) * side.block_bytes, lengths)
+            spent["wire_wait"] += t2 - t
+            spent["scatter"] += time.monotonic() - t2
+            done += 1
+    if poll is not None:
+        poll.wait(wait_s)
+    end = time.monotonic()
+    return {"start": start, "end": end, "seconds": end - start, "descriptors": sent, "chunks": len(chunks), **spent}
+
+
 _side: Side | None = None
 
 
@@ -94,10 +200,14 @@ def _get() -> Side:
 def init(**kwargs: Any) -> dict[str, Any]:
     global _side
     _side = Side(**kwargs)
+    cost = _side.backend.capabilities.cost
     return {
         "endpoint": _side.backend.endpoint_info().hex(),
         "base": _side.published,
         "tensor_bytes": _side.tensor_bytes,
+        "cost": {k: getattr(cost, k) for k in ("bytes_per_s", "descriptor_s", "piece_bytes", "peer_admission")},
+        "copy_bytes_per_s": _side.device.copy_bytes_per_s,
+        "can_gather": _side.can_gather(),
     }
 
 
@@ -189,6 +299,9 @@ def main() -> None:
             "connect": connect,
             "zero": zero,
             "migrate": migrate,
+            "stage": stage,
+            "gather": gather,
+            "migrate_gathered": migrate_gathered,
             "raw": raw,
             "verify": verify,
             "close": close,

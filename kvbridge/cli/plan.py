@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from typing import Any
 
-from kvbridge import wire
+import numpy as np
+
+from kvbridge import topology, wire
 from kvbridge.cli.output import console, print_json, print_table
-from kvbridge.presets import PRESETS, get_preset
+from kvbridge.layout import vllm_layout
+from kvbridge.planner import pull_descriptors
+from kvbridge.presets import PRESETS, ModelSpec, get_preset
 from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, Pull, plan
 
 
@@ -35,8 +41,68 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", required=True, type=int, help="prompt tokens of the request")
     p.add_argument("--prefill-dp", type=int, default=0, help="prefill DP group holding the request (default 0)")
     p.add_argument("--decode-dp", type=int, default=0, help="decode DP group receiving the request (default 0)")
+    p.add_argument(
+        "--order",
+        choices=["NHD", "HND"],
+        default="NHD",
+        help="block layout (vLLM-style K/V caches) the planning time is measured with (default NHD)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
+
+
+def planning_time(p: Plan, order: str, *, repeat: int = 20) -> dict[str, Any]:
+    """What planning the request costs a decode rank: the topology plan and its pulls' descriptors.
+
+    Measured on vLLM-style layouts of the model (one K and one V tensor per layer, at made-up addresses:
+    nothing is read) and fragmented block ids passed as Python lists, as an engine passes them. `cold` is
+    the first request with a peer (its layout tables are built); `warm` the median of the next ones.
+    """
+    model: ModelSpec = p.model
+    heads = {
+        side: HeadPlacement.of(model, c, side).per_rank for side, c in (("prefill", p.prefill), ("decode", p.decode))
+    }
+    rank = p.decode_ranks.start
+    pulls = p.pulls_for(rank)
+    rng = np.random.default_rng(0)
+
+    def side(name: str, base: int, count: int) -> tuple[Any, list[int]]:
+        capacity = 2 * count + 1
+        layer_bytes = 2 * capacity * heads[name] * model.block_size * model.head_dim * model.dtype_bytes
+        layout = vllm_layout(
+            model, heads[name], [base + i * layer_bytes for i in range(model.layers)], capacity, order=order
+        )  # type: ignore[arg-type]
+        return layout, rng.permutation(capacity)[:count].tolist()
+
+    local, local_ids = side("decode", 1 << 40, p.blocks_on("decode", rank))
+    remote = {
+        x.prefill_rank: side("prefill", (2 + x.prefill_rank) << 40, p.blocks_on("prefill", x.prefill_rank))
+        for x in pulls
+    }
+
+    def once() -> tuple[float, int]:
+        topology._plan.cache_clear()  # every request plans its topology afresh; only layout tables are reused
+        start = time.perf_counter()
+        q = plan(p.prefill, p.decode, model, p.tokens, prefill_dp=p.prefill_dp, decode_dp=p.decode_dp)
+        ids = np.asarray(local_ids, dtype=np.int64)
+        rows = 0
+        for x in q.pulls_for(rank):
+            layout, blocks = remote[x.prefill_rank]
+            rows += len(pull_descriptors(x, local, layout, ids, np.asarray(blocks, dtype=np.int64)))
+        return time.perf_counter() - start, rows
+
+    cold, rows = once()
+    warm = statistics.median(once()[0] for _ in range(repeat))
+    return {
+        "decode_rank": rank,
+        "pulls": len(pulls),
+        "blocks": p.blocks_on("decode", rank),
+        "layers": model.layers,
+        "order": order,
+        "rows": rows,
+        "cold_ms": cold * 1e3,
+        "warm_ms": warm * 1e3,
+    }
 
 
 def _blocks(first: int, step: int, count: int) -> str:
@@ -68,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
     model = get_preset(args.model)
     prefill, decode = ParallelConfig.parse(args.prefill), ParallelConfig.parse(args.decode)
     p = plan(prefill, decode, model, args.tokens, prefill_dp=args.prefill_dp, decode_dp=args.decode_dp)
+    timing = planning_time(p, args.order)
     if args.json:
-        print_json(as_dict(p))
+        print_json({**as_dict(p), "planning": timing})
         return 0
     dst = HeadPlacement.of(model, p.decode, "decode")
 
@@ -107,5 +174,10 @@ def run(args: argparse.Namespace) -> int:
             (start + i, n, f"unpulled: freed at once (told by decode rank {p.notifier})" if n == 0 else "")
             for i, n in enumerate(p.release_counts)
         ],
+    )
+    console.print(
+        f"planning time of decode rank {timing['decode_rank']} ({timing['pulls']} pulls, {timing['blocks']} "
+        f"fragmented blocks x {timing['layers']} layers, {timing['order']}, {timing['rows']} descriptor rows, kept "
+        f"factored): {timing['warm_ms']:.3f} ms per request ({timing['cold_ms']:.3f} ms for the first with a peer)"
     )
     return 0

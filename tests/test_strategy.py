@@ -1,0 +1,36 @@
+"""`kvbridge.strategy.choose`: the transport's declared cost model picks direct or gather per request."""
+
+from __future__ import annotations
+
+from kvbridge.strategy import choose, predict_direct
+from kvbridge.types import TransferCost
+from kvbridge_mooncake.spec import capabilities
+
+MiB = 1 << 20
+TCP = capabilities("tcp", {}, frozenset()).cost
+
+
+def test_mooncake_tcp_declares_its_measured_cost_and_other_protocols_none() -> None:
+    assert TCP.descriptor_s and TCP.bytes_per_s and TCP.piece_bytes == MiB and TCP.peer_admission == 2048
+    assert capabilities("rdma", {}, frozenset()).cost == TransferCost()
+
+
+def test_fragmented_request_is_gathered_and_contiguous_goes_direct() -> None:
+    request = 512 * MiB  # llama3-8b, 4096 tokens: 64 tensors x 256 blocks of 32 KiB
+    fragmented = choose(TCP, 64 * 256, request, copy_bytes_per_s=8e9)
+    assert fragmented.strategy == "gather" and fragmented.gather_s < fragmented.direct_s
+    assert "16384 descriptors" in fragmented.reason
+    contiguous = choose(TCP, request // MiB, request, copy_bytes_per_s=8e9)  # one run per tensor, cut to 1 MiB
+    assert contiguous.strategy == "direct"
+
+
+def test_slow_copies_keep_a_fragmented_request_direct() -> None:
+    request = 512 * MiB
+    # copies at 100 MB/s: the exposed first gather and last scatter cost more than the descriptors save
+    assert choose(TCP, 64 * 256, request, copy_bytes_per_s=1e8).strategy == "direct"
+
+
+def test_a_transport_without_a_cost_model_goes_direct() -> None:
+    choice = choose(TransferCost(), 10**6, 512 * MiB, copy_bytes_per_s=8e9)
+    assert choice.strategy == "direct" and choice.direct_s is None and "declares no" in choice.reason
+    assert predict_direct(TransferCost(bytes_per_s=1e9), 10, 10) is None
