@@ -232,6 +232,12 @@ class KVAgent:
     def info(self) -> RankInfo:
         return RankInfo(self.engine_id, self.rank, self.parallel, self._published, self.backend.endpoint_info())
 
+    @property
+    def publish_is_free(self) -> bool:
+        """Publishing needs nothing (host memory the transport reads directly): computed blocks are readable
+        as they stand, from any thread, so they may be offered before the engine's next step."""
+        return type(self.backend).publish is MigrationBackend.publish
+
     def publish(self, blocks: Sequence[int]) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.
 

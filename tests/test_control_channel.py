@@ -14,7 +14,7 @@ from kvbridge import wire
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
-from kvbridge.control.messages import Frame, GetInfo, Refused, RegisteredMemory
+from kvbridge.control.messages import Ack, BeginPull, Frame, GetInfo, LeaseStatus, Offer, Refused, RegisteredMemory
 from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -232,3 +232,55 @@ def test_client_times_out_on_a_silent_address(closing: list) -> None:
     closing.append(c)
     with pytest.raises(TransferTimeout, match="did not answer GetInfo"):
         c.get_info()
+
+
+def test_begin_pull_before_the_offer_is_held_and_answered_when_it_lands(closing: list) -> None:
+    # The decode's BeginPull can arrive before the prefill engine's step offers the request: the server
+    # holds it and answers as the offer lands, so the client sends one request and never polls.
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    replies: list = []
+    asker = threading.Thread(target=lambda: replies.append(c.request(BeginPull("r1", "decode/0", wait_ms=30_000))))
+    asker.start()
+    wait_for(lambda: p.server._nparked == 1, what="the BeginPull to be held")
+    assert replies == [], "no answer before the offer"
+    p.ledger.offer("r1", [4, 5], expected_pulls=1)  # the engine step's offer, from another thread
+    asker.join(timeout=30)
+    [status] = replies
+    assert isinstance(status, LeaseStatus) and status.valid and status.blocks == (4, 5)
+    assert status.waited_ms > 0 and p.server._nparked == 0
+    # Through the client API the wait is reported too, and the lease works as before.
+    assert c.done("r1", "decode/0", status.epoch).released
+
+
+def test_begin_pull_held_for_an_offer_that_never_comes_answers_unknown(closing: list) -> None:
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    status = c.request(BeginPull("never", "decode/0", wait_ms=50))
+    assert isinstance(status, LeaseStatus) and status.state is LeaseState.UNKNOWN and not status.valid
+    assert status.waited_ms >= 50 and p.server._nparked == 0
+    with pytest.raises(LoadError, match="no active lease"):
+        c.begin_pull("never", "decode/0", wait_s=0.3)
+
+
+def test_offer_message_needs_an_accepting_rank_this_host_and_the_secret(closing: list) -> None:
+    p = Prefill(secret=SECRET)
+    good = p.client(secret=SECRET)
+    closing += [p, good]
+    offer = Offer("r1", (1, 2), "o-1")
+    refused = good.request(offer)
+    assert isinstance(refused, Refused) and refused.kind == "offers_in_step"  # off unless the engine turns it on
+    p.server.accept_offers = True
+    stranger = p.client()  # no secret
+    closing.append(stranger)
+    refused = stranger.request(offer)
+    assert isinstance(refused, Refused) and refused.kind == "protocol" and "unauthenticated" in refused.message
+    sealed = Authenticator(SECRET).seal(_frame("Offer", "prefill/scheduler", wire.encode(offer)))
+    remote = wire.decode(p.server.handle(wire.encode(sealed), peer_host="10.9.8.7"), Frame)
+    assert remote.kind == "Refused" and "this host" in wire.decode(remote.body, Refused).message
+    assert p.ledger.active == [], "no refused offer holds blocks"
+    assert good.request(offer) == Ack()
+    assert good.request(offer) == Ack()  # the step's offer of the same request: the same lease
+    assert p.ledger.active == ["r1"] and p.ledger.query("r1").blocks == (1, 2)

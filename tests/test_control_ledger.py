@@ -281,3 +281,23 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
                 if (e[0] == "valid" and e[1] == epoch) or (e[0] == "early" and e[1] == request_of[epoch])
             }
             assert later <= counted, "a DONE not counted before the release was answered valid"
+
+
+def test_offer_with_the_same_offer_id_is_one_lease(ledger: Ledger, released: list, clock: Clock) -> None:
+    # The scheduler's early offer and the engine step's offer of one finished request, in either order,
+    # before or after the decode released it: one lease, one release, never a second hold of the blocks.
+    offered: list[int] = []
+    ledger.on_offer(lambda lease: offered.append(lease.epoch))
+    first = ledger.offer("r1", [1, 2], offer_id="o-1")
+    assert ledger.offer("r1", (1, 2), offer_id="o-1") == first and offered == [first.epoch]
+    with pytest.raises(ConfigError, match="names other blocks"):
+        ledger.offer("r1", [1, 3], offer_id="o-1")
+    with pytest.raises(ConfigError, match="already holds lease"):
+        ledger.offer("r1", [1, 2], offer_id="o-2")  # another offer while this one is active
+    assert ledger.done("r1", "d0", first.epoch, expected_pulls=1).released
+    assert ledger.offer("r1", [1, 2], offer_id="o-1") == first  # the step's offer after the release
+    assert ledger.active == [] and released == [("r1", LeaseState.RELEASED, (1, 2))] and offered == [first.epoch]
+    clock.now += 100
+    assert ledger.reap() == 0 and len(released) == 1
+    again = ledger.offer("r1", [1, 2], offer_id="o-3")  # a new request with the same id: a new lease
+    assert again.epoch != first.epoch and offered == [first.epoch, again.epoch]

@@ -65,8 +65,14 @@ class Upstream(Serving):
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
                 params = {"remote_engine_id": "e", "remote_block_ids": [1, 2], "kvbridge_timing": {"prefill_ms": 0.5}}
             else:  # and the decode's pull phases, in its (non-streamed) answer
-                params = {"kvbridge_timing": {"queue_ms": 0.1, "control_ms": 0.2, "transfer_ms": 0.3, "done_ms": 0.4}}
+                phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}
+                phases |= {"transfer_ms": 0.3, "done_ms": 0.4}
+                params = {"kvbridge_timing": phases}
             return {"choices": [{"text": role, "index": 0}], "kv_transfer_params": params}
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return {"object": "list", "data": [{"id": "tiny", "object": "model"}]}
 
         @app.get("/health")
         async def health() -> dict:
@@ -143,6 +149,27 @@ def test_a_slow_health_answer_is_busy_not_dead(monkeypatch: pytest.MonkeyPatch, 
     assert state["decode"][0]["healthy"] is (slow < SLOW_PROBES)
 
 
+def test_each_pair_is_warmed_once_both_servers_are_up() -> None:
+    # First contact (decode fetching prefill's RankInfo, the transport's connection) is paid by one
+    # request the proxy sends through each pair, not by a client's first request.
+    with Upstream("prefill") as prefill, Upstream("decode") as d1, Upstream("decode") as d2:
+        down = f"http://127.0.0.1:{free_port(span=1)}"  # a decode server that is not up: not warmed
+        with Serving(create_app([prefill.url], [d1.url, d2.url, down], health_interval=0.01)) as front:
+            deadline = time.monotonic() + 30
+            while len(d1.bodies) + len(d2.bodies) < 2 or d1.health_calls < 5:
+                assert time.monotonic() < deadline, "the proxy did not warm its pairs"
+                time.sleep(0.01)
+            state = httpx.get(f"{front.url}/instances", trust_env=False).json()
+    assert [i["healthy"] for i in state["decode"]] == [True, True, False]
+    assert len(prefill.bodies) == 2 and all(b["max_tokens"] == 1 and b["model"] == "tiny" for b in prefill.bodies)
+    for d in (d1, d2):  # once each, with what prefill answered (less its timing)
+        [body] = d.bodies
+        assert (
+            body["kv_transfer_params"]["remote_engine_id"] == "e"
+            and "kvbridge_timing" not in body["kv_transfer_params"]
+        )
+
+
 def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstream, Upstream]) -> None:
     prefill, _ = upstreams
     # A decode server that takes the connection and dies before answering.
@@ -204,7 +231,7 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
     }
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "total"),))] == 3
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "transfer"),))] == 3
-    assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1e-3)
+    assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1.05e-3)
     assert samples[("kvbridge_proxy_requests_total", (("code", "200"),))] == 3
     assert samples[("kvbridge_proxy_failovers_total", (("role", "decode"),))] == 1  # the dead one, once
     assert samples[("kvbridge_proxy_upstream_healthy", (("role", "decode"), ("upstream", dead)))] == 0

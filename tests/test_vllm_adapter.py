@@ -21,9 +21,12 @@ from control_helpers import wait_for  # noqa: E402
 from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
+from kvbridge.adapters.vllm.timeline import PULL_PHASES  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.agent import KVAgent  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
+from kvbridge.control.channel import ControlClient  # noqa: E402
+from kvbridge.control.messages import Ack, Offer  # noqa: E402
 from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
@@ -161,7 +164,7 @@ class Workers:
         }
 
     def offer(self, rid: str, blocks: list[int]) -> None:
-        self.prefill.start_load_kv(KVBridgeMetadata(offers=[(rid, tuple(blocks))]))
+        self.prefill.start_load_kv(KVBridgeMetadata(offers=[Offer(rid, tuple(blocks), f"offer-{rid}")]))
 
     def pull(self, rid: str, params: dict, local: list[int]) -> None:
         task = PullTask.from_params(rid, KVTransferParams.from_dict(params), local, BLOCK, report=bool(local))
@@ -209,7 +212,7 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     # The pull's phases go back to the scheduler for the request's answer; prefill counted its lease.
     meta = workers.decode.take_timings()
     assert meta is not None and set(meta.timings) == {"d1"}
-    assert set(meta.timings["d1"]) == {"queue_ms", "control_ms", "transfer_ms", "done_ms"}
+    assert set(meta.timings["d1"]) == set(PULL_PHASES)
     assert all(v >= 0 for v in meta.timings["d1"].values())
     held = workers.prefill.take_stats()
     assert held is not None and held.data["leases"] == [["offered"], ["released"]]
@@ -224,6 +227,88 @@ def test_worker_pull_waits_for_an_offer_that_trails_the_params(workers: Workers)
     workers.wait_recved("d2")
     assert workers.decode.get_block_ids_with_load_errors() == set()
     workers.wait_sent("p2")
+
+
+def test_worker_early_offer_and_step_offer_are_one_lease(workers: Workers) -> None:
+    # The scheduler offers a finished request at once (an Offer message to the worker's side channel);
+    # the decode pulls and releases it before the engine step offers it again. One lease, and vLLM
+    # hears of the release once, after the step (it never hears of a request it did not hand over).
+    scheduler = ControlClient(*workers.prefill.server.address, sender="prefill/scheduler")
+    try:
+        offer = Offer("p9", (1, 2), "offer-p9")
+        assert scheduler.request(offer) == Ack()
+        workers.pull("d9", workers.params("p9", [1, 2]), [4, 5])
+        workers.wait_recved("d9")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+        wait_for(lambda: workers.prefill.ledger.state("p9") is LeaseState.RELEASED, what="the DONE")
+        workers.poll()
+        assert "p9" not in workers.sent
+        workers.prefill.start_load_kv(KVBridgeMetadata(offers=[offer]))  # the step's offer, after the release
+        workers.wait_sent("p9")
+        assert workers.prefill.ledger.active == []
+        assert workers.prefill.take_stats().data["leases"] == [["offered"], ["released"]]  # one lease
+        # An early offer no step confirms (a stray or forged one) holds nothing for long and is never
+        # reported to vLLM; a lost early offer costs nothing, the step's offer is the lease.
+        assert scheduler.request(Offer("stray", (3,), "offer-stray")) == Ack()
+        assert workers.prefill.ledger.abort("stray") == [] and workers.prefill.ledger.active == []
+        workers.offer("p10", [6])
+        workers.pull("d10", workers.params("p10", [6]), [7])
+        workers.wait_sent("p10")
+        workers.poll()
+        assert workers.sent == {"p9", "p10"} and workers.prefill.ledger.active == []
+        # A stray early offer of a request the step then offers under its own id never breaks the step.
+        assert scheduler.request(Offer("p11", (8,), "offer-forged")) == Ack()
+        workers.offer("p11", [8])
+        assert workers.prefill.ledger.active == ["p11"] and workers.prefill.ledger.query("p11").valid
+        workers.pull("d11", workers.params("p11", [8]), [9])
+        workers.wait_sent("p11")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+    finally:
+        scheduler.close()
+
+
+def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(workers: Workers) -> None:
+    # vLLM's scheduler side, as the engine core builds it, tells its worker's ledger at request_finished;
+    # the step's metadata then carries the same offer (one offer id), which changes nothing.
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
+
+    port = workers.prefill.server.address[1]
+    extra = {"migration_backend": "loopback", "side_channel_port": port}
+    config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role="kv_producer",
+            engine_id="prefill",
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
+    scheduler = SchedulerSide(config, "prefill", Settings.from_extra_config(extra))
+    try:
+        request = Request("p12", list(range(2 * BLOCK)), SamplingParams(max_tokens=1), None)
+        request.kv_transfer_params = {"do_remote_decode": True}
+        request.status, request.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 2 * BLOCK
+        delay, params = scheduler.request_finished(request, [3, 4])
+        assert delay and params is not None and params["remote_port"] == port
+        wait_for(lambda: workers.prefill.ledger.active == ["p12"], what="the early offer (no step yet)")
+        meta = scheduler.build_connector_meta(None)
+        [offer] = meta.offers
+        assert workers.prefill.ledger.query("p12").blocks == offer.blocks == (3, 4)
+        workers.prefill.start_load_kv(meta)  # the step's offer: the same lease
+        workers.pull("d12", params, [6, 7])
+        workers.wait_recved("d12")
+        workers.wait_sent("p12")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+        assert workers.prefill.take_stats().data["leases"] == [["offered"], ["released"]]
+        timing = workers.decode.take_timings().timings["d12"]
+        assert timing["offer_wait_ms"] == 0.0, "the offer was there before the decode asked"
+    finally:
+        scheduler.shutdown()
 
 
 def test_worker_lease_expiring_during_the_read_is_a_load_error() -> None:

@@ -146,6 +146,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs)
         started.append(proxy)
         wait_healthy([proxy], timeout=60)
+        # The proxy makes each pair's first contact itself, with one request, before any test counts.
+        deadline = time.monotonic() + 120
+        while len(httpx.get(f"{proxy.url}/instances", trust_env=False).json()["warmed"]) < len(decode):
+            assert time.monotonic() < deadline, "the proxy did not warm its prefill/decode pairs"
+            time.sleep(0.2)
         c = Cluster(model, prefill, decode, colocated, proxy)
         yield c
         c.http.close()

@@ -103,6 +103,8 @@ class Rank:
             self.device.set_current(device_id)
             where = f"{device}:{device_id}"
         extra = {"migration_backend": backend, "side_channel_port": port, "host": "127.0.0.1", "pull_timeout_s": 60.0}
+        # A scheduler per rank process here, where vLLM has one per engine: only the step offers.
+        extra["early_offer"] = False
         if protocol:
             extra["protocol"] = protocol
         vc = VllmConfig(

@@ -4,17 +4,21 @@ Mooncake TCP; the default) or beside vLLM's own NixlConnector (`--compare nixl`:
 
 Each connector gets a fresh prefill + decode pair on 127.0.0.1 (one pair at a time, so they do not
 share the CPU), the same model and the same prompts. Per request: the prefill request
-(`max_tokens` 1, `do_remote_decode`), then the decode request, streamed; decode TTFT is from
-sending the decode request to its first token, so it includes the KV transfer. Transfer time is
-what each connector reports to vLLM's "KV Transfer metrics" log (kvbridge pulls, so its decode
-server logs it; Mooncake pushes, so its prefill server does; NIXL pulls). "recompute" is the decode server's
-TTFT for a prompt of that length computed locally, without PD.
+(`max_tokens` 1, `do_remote_decode`), then the decode request (`max_tokens` 1, not streamed, so its
+answer is its first token and carries the connector's `kv_transfer_params`); decode TTFT is from
+sending the decode request to that answer, so it includes the KV transfer. "transfer mean" is what
+each connector reports to vLLM's "KV Transfer metrics" log (kvbridge pulls, so its decode server
+logs it; Mooncake pushes, so its prefill server does; NIXL pulls). "recompute" is the decode
+server's TTFT for a prompt of that length computed locally, without PD. Every series is shown as its
+median / p99 over the requests of that length (nearest rank: of 8 requests, the p99 is the largest).
 
-For KVBridgeConnector the decode TTFT is also split by phase, from what the servers report:
-`prefill_engine_ms` (the prefill engine's own time, from its answer's `kvbridge_timing`), and
-`control_ms` / `pull_transfer_ms` (means of the decode server's `kvbridge_control_seconds` and
-`kvbridge_transfer_seconds` over the requests of that length). `--plot FILE` draws them against
-prompt length.
+For KVBridgeConnector each request's decode TTFT is also split by phase, from what its servers
+report in their answers' `kvbridge_timing`: prefill compute (the prefill engine's own time, arrival
+to finish), offer wait (decode's BeginPull waiting for prefill to offer the request), control
+(thread hops, the side-channel round trips and the DONEs), transfer (the bytes moving), and decode
+step (the rest: the decode engine's own steps and its HTTP front end). Hidden transfer (moved while
+prefill computes) belongs to layer-wise mode and is empty in pull mode. `--plot FILE` draws the
+medians against prompt length.
 
 vLLM's MooncakeConnector calls `torch.accelerator.current_device_index()`, which raises on a
 CPU-only torch. For its servers only, the bench puts a `sitecustomize` on PYTHONPATH that makes
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import random
 import re
 import tempfile
@@ -97,7 +102,7 @@ class Pair:
     metrics_log: Path  # the server whose log carries this connector's transfer metrics
 
 
-def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair:
+def _kvbridge_pair(model: Path, logs: Path, max_len: int, transport: str = "mooncake") -> Pair:
     from kvbridge.control.params import KVTransferParams
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
@@ -117,8 +122,8 @@ def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair
 
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
     where = logs / f"kvbridge-{transport}"
-    prefill = start_vllm(model, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
-    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
+    prefill = start_vllm(model, max_model_len=max_len, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
+    decode = start_vllm(model, max_model_len=max_len, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
     name = "KVBridgeConnector" if transport == "mooncake" else f"KVBridgeConnector ({transport})"
     return Pair(
         name,
@@ -130,7 +135,7 @@ def _kvbridge_pair(model: Path, logs: Path, transport: str = "mooncake") -> Pair
     )
 
 
-def _nixl_pair(model: Path, logs: Path) -> Pair:
+def _nixl_pair(model: Path, logs: Path, max_len: int) -> Pair:
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -149,8 +154,8 @@ def _nixl_pair(model: Path, logs: Path) -> Pair:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }
 
-    prefill = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
-    decode = start_vllm(model, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    prefill = start_vllm(model, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    decode = start_vllm(model, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
     # NIXL pulls: the decode server reads the blocks named in prefill's response, and logs the transfers.
     return Pair(
         "NixlConnector (vLLM)",
@@ -162,7 +167,7 @@ def _nixl_pair(model: Path, logs: Path) -> Pair:
     )
 
 
-def _mooncake_pair(model: Path, logs: Path) -> Pair:
+def _mooncake_pair(model: Path, logs: Path, max_len: int) -> Pair:
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -182,9 +187,15 @@ def _mooncake_pair(model: Path, logs: Path) -> Pair:
         }
 
     prefill = start_vllm(
-        model, kv_transfer_config=config("kv_producer", engine_id=engine), env=env, log_dir=logs / "mooncake"
+        model,
+        max_model_len=max_len,
+        kv_transfer_config=config("kv_producer", engine_id=engine),
+        env=env,
+        log_dir=logs / "mooncake",
     )
-    decode = start_vllm(model, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "mooncake")
+    decode = start_vllm(
+        model, max_model_len=max_len, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "mooncake"
+    )
     return Pair(
         "MooncakeConnector (vLLM)",
         prefill,
@@ -208,18 +219,13 @@ def _prompt(n: int, seed: int) -> str:
     return "".join(rng.choice(chars) for _ in range(n))
 
 
-def _ttft(http: Any, url: str, body: dict) -> float:
-    """Seconds from sending a streamed completion to its first token."""
+def _answer(http: Any, url: str, body: dict) -> tuple[float, dict]:
+    """Seconds from sending a one-token completion to its answer (its first token), and the answer."""
     start = time.perf_counter()
-    first = None
-    with http.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():  # read to the end, so the request finishes cleanly
-            if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                first = time.perf_counter() - start
-    if first is None:
-        raise RuntimeError(f"{url} streamed no token")
-    return first
+    r = http.post(f"{url}/v1/completions", json={**body, "max_tokens": 1, "stream": False})
+    took = time.perf_counter() - start
+    r.raise_for_status()
+    return took, r.json()
 
 
 def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tuple[float | None, int]:
@@ -234,24 +240,40 @@ def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tu
         time.sleep(0.5)
 
 
-def _pull_sums(pair: Pair) -> dict[str, float]:
-    """The decode server's kvbridge pull series, summed over labels (empty for another connector)."""
-    keys = ("kvbridge_control_seconds_sum", "kvbridge_transfer_seconds_sum", "kvbridge_transfer_seconds_count")
-    m = pair.decode.metrics()
-    return {k: m[k] for k in keys if k in m}
-
-
-def _phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    n = after.get("kvbridge_transfer_seconds_count", 0.0) - before.get("kvbridge_transfer_seconds_count", 0.0)
-    if n <= 0:
+def _breakdown(ttft_ms: float, prefill: dict, decode: dict) -> dict[str, float]:
+    """One request's decode TTFT by phase, from what KVBridgeConnector's servers reported in their answers'
+    `kvbridge_timing` (empty for another connector). `control` is the side channel and the thread hops
+    (queue, BeginPull, DONEs); `decode_step` is what remains of the TTFT: the decode engine's own steps
+    (carrying the pull to its workers, reporting the load, computing the first token) and its HTTP
+    front end."""
+    if not decode:
         return {}
-    return {
-        name: round((after[key] - before.get(key, 0.0)) / n * 1e3, 2)
-        for name, key in (
-            ("control_ms", "kvbridge_control_seconds_sum"),
-            ("pull_transfer_ms", "kvbridge_transfer_seconds_sum"),
-        )
+    pull = {k: float(decode.get(k, 0.0)) for k in ("queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")}
+    out = {
+        **{f"part_{k}": v for k, v in pull.items()},  # the decode's own phases, for --json
+        "part_dispatch_ms": float(decode.get("dispatch_ms", 0.0)),
+        "offer_wait_ms": pull["offer_wait_ms"],
+        "control_ms": pull["queue_ms"] + pull["control_ms"] + pull["done_ms"],
+        "pull_transfer_ms": pull["transfer_ms"],
+        "decode_step_ms": max(0.0, ttft_ms - sum(pull.values())),
     }
+    if "prefill_ms" in prefill:
+        out["prefill_compute_ms"] = float(prefill["prefill_ms"])
+    return out
+
+
+# per-request series: the table shows each one's median / p99 per prompt length
+SERIES = (
+    "prefill_ms",
+    "prefill_compute_ms",
+    "decode_ttft_ms",
+    "offer_wait_ms",
+    "control_ms",
+    "pull_transfer_ms",
+    "hidden_transfer_ms",  # layer-wise mode: transfer overlapped with prefill compute (not reported in pull mode)
+    "decode_step_ms",
+    "recompute_ttft_ms",
+)
 
 
 def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Callable[[], None]) -> list[dict]:
@@ -261,84 +283,61 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
     rows = []
     base = {"model": model, "temperature": 0, "ignore_eos": True}
     # Warm-up: one PD request, so first contact (handshakes, connections) is not measured.
-    warm = http.post(
-        f"{pair.prefill.url}/v1/completions",
-        json={**base, "prompt": _prompt(40, 0), "max_tokens": 1, "kv_transfer_params": pair.prefill_params("warm-up")},
+    _, warm = _answer(
+        http, pair.prefill.url, {**base, "prompt": _prompt(40, 0), "kv_transfer_params": pair.prefill_params("warm-up")}
     )
-    warm.raise_for_status()
-    _ttft(
+    _answer(
         http,
         pair.decode.url,
-        {
-            **base,
-            "prompt": _prompt(40, 0),
-            "max_tokens": 2,
-            "kv_transfer_params": pair.decode_params("warm-up", warm.json()),
-        },
+        {**base, "prompt": _prompt(40, 0), "kv_transfer_params": pair.decode_params("warm-up", warm)},
     )
     _transfer_ms(pair.metrics_log, 0, 1)
     offset = len(pair.metrics_log.read_text(errors="replace"))
     for n in lengths:
-        prefill_s, decode_s, local_s, engine_ms = [], [], [], []
-        pulls = _pull_sums(pair)
+        samples: dict[str, list[float]] = {k: [] for k in SERIES}
         for i in range(reps):
             text = _prompt(n, seed=n * 1000 + i)
             tid = uuid.uuid4().hex
-            start = time.perf_counter()
-            resp = http.post(
-                f"{pair.prefill.url}/v1/completions",
-                json={**base, "prompt": text, "max_tokens": 1, "kv_transfer_params": pair.prefill_params(tid)},
+            took, first = _answer(
+                http, pair.prefill.url, {**base, "prompt": text, "kv_transfer_params": pair.prefill_params(tid)}
             )
-            resp.raise_for_status()
-            prefill_s.append(time.perf_counter() - start)
-            timing = (resp.json().get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
-            if "prefill_ms" in timing:
-                engine_ms.append(float(timing["prefill_ms"]) / 1e3)
-            decode_s.append(
-                _ttft(
-                    http,
-                    pair.decode.url,
-                    {
-                        **base,
-                        "prompt": text,
-                        "max_tokens": 2,
-                        "kv_transfer_params": pair.decode_params(tid, resp.json()),
-                    },
-                )
+            samples["prefill_ms"].append(took * 1e3)
+            ttft, answer = _answer(
+                http,
+                pair.decode.url,
+                {**base, "prompt": text, "kv_transfer_params": pair.decode_params(tid, first)},
             )
-            local_s.append(
-                _ttft(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500), "max_tokens": 2})
-            )
+            samples["decode_ttft_ms"].append(ttft * 1e3)
+            for k, v in _breakdown(ttft * 1e3, _timing(first), _timing(answer)).items():
+                samples.setdefault(k, []).append(v)
+            local, _ = _answer(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500)})
+            samples["recompute_ttft_ms"].append(local * 1e3)
             advance()
-        # The pull series reach /metrics at the decode server's next logging step: wait for all of them.
-        deadline = time.monotonic() + 20
-        count = "kvbridge_transfer_seconds_count"
-        while True:
-            now = _pull_sums(pair)
-            if not pulls or now.get(count, 0) - pulls.get(count, 0) >= reps or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        phases = _phases(pulls, now)
         transfer, offset = _transfer_ms(pair.metrics_log, offset, reps)
-        rows.append(
-            {
-                "connector": pair.name,
-                "prompt_tokens": n,
-                "requests": reps,
-                "prefill_ms": _ms(prefill_s),
-                "decode_ttft_ms": _ms(decode_s),
-                "transfer_ms": None if transfer is None else round(transfer, 2),
-                "recompute_ttft_ms": _ms(local_s),
-                **({"prefill_engine_ms": _ms(engine_ms)} if engine_ms else {}),
-                **phases,
-            }
-        )
+        row: dict[str, Any] = {
+            "connector": pair.name,
+            "prompt_tokens": n,
+            "requests": reps,
+            "transfer_ms": None if transfer is None else round(transfer, 2),
+        }
+        for k, values in samples.items():
+            if values:
+                row[k] = _quantile(values, 0.5)
+                row[k.removesuffix("_ms") + "_p99_ms"] = _quantile(values, 0.99)
+        rows.append(row)
     http.close()
     return rows
 
 
-def _ms(samples: list[float]) -> float:
-    return round(sorted(samples)[len(samples) // 2] * 1e3, 2)  # median
+def _quantile(samples: list[float], q: float) -> float:
+    """The q-quantile by nearest rank (of 8 samples: the median is the 4th, the p99 the largest)."""
+    ordered = sorted(samples)
+    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 2)
+
+
+def _timing(answer: dict) -> dict:
+    """What a KVBridgeConnector server measured of the request, from its answer (empty otherwise)."""
+    return (answer.get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -346,9 +345,11 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.testing.vllm_server import wait_healthy
 
     lengths = args.lengths or list(LENGTHS)
+    # room for the longest prompt and its tokens (the tiny model's positions end at 2048)
+    max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)
     reps = args.requests or 5
     if args.compare == "nixl":
-        launchers: list[Callable[[Path, Path], Pair]] = [
+        launchers: list[Callable[[Path, Path, int], Pair]] = [
             functools.partial(_kvbridge_pair, transport="nixl"),
             _nixl_pair,
         ]
@@ -366,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         for launch in launchers:
-            pair = launch(model, logs)
+            pair = launch(model, logs, max_len)
             try:
                 wait_healthy([pair.prefill, pair.decode], timeout=600)
                 rows += _measure(pair, str(model), lengths, reps, lambda: progress.advance(task))
@@ -380,22 +381,26 @@ def run(args: argparse.Namespace) -> int:
             {"engine": "vllm", "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)", "rows": rows}
         )
     else:
-        cols = [
-            "connector",
-            "prompt_tokens",
-            "requests",
-            "prefill_ms",
-            "decode_ttft_ms",
-            "transfer_ms",
-            "recompute_ttft_ms",
-            "prefill_engine_ms",
-            "control_ms",
-            "pull_transfer_ms",
-        ]
+        heads = {
+            "prefill_ms": "prefill",
+            "prefill_compute_ms": "prefill compute",
+            "decode_ttft_ms": "decode TTFT",
+            "offer_wait_ms": "offer wait",
+            "control_ms": "control",
+            "pull_transfer_ms": "transfer",
+            "hidden_transfer_ms": "hidden transfer",
+            "decode_step_ms": "decode step",
+            "recompute_ttft_ms": "recompute TTFT",
+        }
+
+        def cell(r: dict, k: str) -> str:
+            return f"{r[k]} / {r[k.removesuffix('_ms') + '_p99_ms']}" if k in r else ""
+
         print_table(
-            "vLLM PD on this machine (medians; transfer = the connector's own mean)",
-            cols,
-            [[r.get(c, "") for c in cols] for r in rows],
+            "vLLM PD on this machine, ms: median / p99 per request (phases: KVBridgeConnector's own report; "
+            "transfer mean: what each connector logs)",
+            ["connector", "tokens", *heads.values(), "transfer mean"],
+            [[r["connector"], r["prompt_tokens"], *(cell(r, k) for k in heads), r.get("transfer_ms")] for r in rows],
         )
     return 0
 
@@ -414,6 +419,7 @@ def plot(path: str, rows: list[dict]) -> None:
         for key, label in (
             ("decode_ttft_ms", f"{short} decode TTFT"),
             ("prefill_ms", f"{short} prefill"),
+            ("offer_wait_ms", f"{short} offer wait"),
             ("control_ms", f"{short} control"),
             ("pull_transfer_ms", f"{short} transfer"),
         ):
@@ -421,4 +427,4 @@ def plot(path: str, rows: list[dict]) -> None:
                 series.setdefault(label, []).append((r["prompt_tokens"], r[key]))
     for r in rows[: len({r["prompt_tokens"] for r in rows})]:  # once: the first connector's decode server
         series.setdefault("recompute TTFT", []).append((r["prompt_tokens"], r["recompute_ttft_ms"]))
-    write_chart(path, "vLLM PD: time to first token by phase", "prompt tokens", "ms (median; phases: mean)", series)
+    write_chart(path, "vLLM PD: time to first token by phase", "prompt tokens", "ms (median)", series)

@@ -40,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds between health checks of every instance (default 2)",
     )
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="upstream request timeout (default 600)")
+    p.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="do not send one request through each prefill/decode pair when both come up (first contact is "
+        "then paid by the first client request of the pair)",
+    )
     p.set_defaults(run=run)
 
 
@@ -48,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     from kvbridge.adapters.vllm.proxy import create_app
 
-    app = create_app(args.prefill, args.decode, health_interval=args.health_interval, timeout=args.timeout)
+    app = create_app(
+        args.prefill, args.decode, health_interval=args.health_interval, timeout=args.timeout, warm_up=args.warm_up
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -1,8 +1,10 @@
 """The side channel of one engine rank: a ZeroMQ server (ROUTER) and its clients (REQ).
 
 The server answers GetInfo (registered memory + readiness), BeginPull / Done / QueryLease
-(the prefill ledger) and Abort. Every request and reply is a `Frame` (see `messages`),
-size-bounded by the socket itself (ZMQ_MAXMSGSIZE) and by `wire.decode`, schema-checked and,
+(the prefill ledger), Offer (from the engine's own scheduler) and Abort. A BeginPull for a request
+not offered yet is held (at most the `wait_ms` it names) and answered the moment the offer lands,
+so a decode never polls for an offer that trails the prefill's answer. Every request and reply is
+a `Frame` (see `messages`), size-bounded by the socket itself (ZMQ_MAXMSGSIZE) and by `wire.decode`, schema-checked and,
 with a shared secret, HMAC-authenticated with a replay guard. A bad message gets a `Refused`
 reply; nothing a peer sends can stop the server.
 
@@ -14,6 +16,7 @@ so a peer cannot make this rank connect to a third party.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import threading
@@ -41,6 +44,7 @@ from kvbridge.control.messages import (
     GetInfo,
     LeaseState,
     LeaseStatus,
+    Offer,
     QueryLease,
     Refused,
     RegisteredMemory,
@@ -51,6 +55,10 @@ from kvbridge.secret import check_listen, is_loopback
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a layout of thousands of regions fits; nothing legitimate is larger
+MAX_PARKED = 4096  # BeginPulls held for their offer at once; beyond it they are answered at once (client retries)
+# A client holds its (one-request-at-a-time) socket while the server holds its BeginPull: it asks for at
+# most this long per round, so other requests to the same rank interleave while an offer is late.
+PARK_SLICE_S = 0.1
 Address = tuple[str, int]
 AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
 
@@ -61,12 +69,35 @@ def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"") -> Frame:
     return Frame(kind=kind, sender=sender, nonce=new_nonce(), ts=time.time(), body=body, reply_to=reply_to)
 
 
+@attrs.define
+class _Parked:
+    """A BeginPull held until its request is offered (or its wait runs out), with what its reply needs."""
+
+    envelope: list[bytes]
+    reply_to: bytes
+    msg: BeginPull
+    peer_host: str | None
+    since: float  # monotonic
+    deadline: float
+
+
+@attrs.frozen
+class _Hold:
+    """What the dispatcher answers for a BeginPull to be held until its request is offered."""
+
+    msg: BeginPull
+
+
 class ControlServer:
     """Side channel of one rank. Binds at construction; serves on a daemon thread until `close()`.
 
     Start-up ordering: the server answers at once but reports "not ready" until `register()`
     is called with the rank's KV layout and transport endpoint (after the KV cache exists, for
     example after a profiling run fixed the block count). Peers wait, bounded, for readiness.
+
+    `accept_offers`: take `Offer` messages (from this host only) into the ledger. Off by default; an
+    engine adapter turns it on where offering needs nothing from the engine's step (host memory the
+    transport reads directly: nothing to synchronize or stage).
     """
 
     def __init__(
@@ -100,6 +131,9 @@ class ControlServer:
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._notify_timeout_s = notify_timeout_s
         self._info = RegisteredMemory(engine_id=engine_id, rank=rank, ready=False)
+        self.accept_offers = False
+        self._parked: dict[str, list[_Parked]] = {}  # request id -> BeginPulls held for its offer
+        self._nparked = 0
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -116,6 +150,16 @@ class ControlServer:
                 f"side channel of {self.name} cannot bind tcp://{host}:{port}: {exc}; pick a free port or host"
             ) from None
         self.address: Address = (host, port)
+        # An offer made on another thread (the engine's step) wakes the serving loop through this pair.
+        wake = f"inproc://kvbridge-wake-{id(self)}"
+        self._wake_in = self._ctx.socket(zmq.PULL)
+        self._wake_in.bind(wake)
+        self._wake_out = self._ctx.socket(zmq.PUSH)
+        self._wake_out.setsockopt(zmq.LINGER, 0)
+        self._wake_out.connect(wake)
+        self._wake_lock = threading.Lock()
+        if ledger is not None:
+            ledger.on_offer(self._offered)
         self._stop = threading.Event()
         self._notifier: ThreadPoolExecutor | None = None
         self._clients: ClientPool | None = None
@@ -182,6 +226,14 @@ class ControlServer:
         `peer_host`: the TCP source address of the request (None: unknown). A BeginPull's notify address
         is remembered only when it is that host (or both are loopback).
         """
+        reply_to, reply = self._answer(payload, peer_host, park=False)
+        return self._seal(reply_to, reply)
+
+    def _seal(self, reply_to: bytes, reply: Any) -> bytes:
+        return wire.encode(self._auth.seal(_frame(type(reply).__name__, self.name, wire.encode(reply), reply_to)))
+
+    def _answer(self, payload: bytes, peer_host: str | None, *, park: bool) -> tuple[bytes, Any]:
+        """(the request's nonce, the reply message); with `park`, the reply may be a `_Hold`."""
         reply_to = b""
         try:
             frame = wire.decode(payload, Frame, max_bytes=self.max_message_bytes)
@@ -191,7 +243,7 @@ class ControlServer:
             if cls is None:
                 raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
             body = wire.decode(frame.body, cls, max_bytes=self.max_message_bytes)
-            reply: Any = self._dispatch(body, frame.sender, peer_host)
+            reply: Any = self._dispatch(body, frame.sender, peer_host, park=park)
         except ProtocolError as exc:
             log.warning("%s refused a message from %s: %s", self.name, peer_host or "an unknown host", exc)
             reply = Refused("protocol", str(exc))
@@ -201,9 +253,9 @@ class ControlServer:
         except Exception as exc:  # a bug must cost one reply, not the server
             log.exception("%s: handler failed", self.name)
             reply = Refused("internal", f"{type(exc).__name__}: {exc}")
-        return wire.encode(self._auth.seal(_frame(type(reply).__name__, self.name, wire.encode(reply), reply_to)))
+        return reply_to, reply
 
-    def _dispatch(self, msg: Any, sender: str, peer_host: str | None) -> Any:
+    def _dispatch(self, msg: Any, sender: str, peer_host: str | None, *, park: bool = False) -> Any:
         if isinstance(msg, Abort):
             if self.ledger is not None:
                 self.ledger.abort(msg.request_id)
@@ -217,13 +269,75 @@ class ControlServer:
         if self.ledger is None:
             return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
         if isinstance(msg, BeginPull):
-            watcher = self._watcher(msg, peer_host)
-            return self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls, blocks=msg.blocks)
+            if (
+                park
+                and msg.wait_ms > 0
+                and self._nparked < MAX_PARKED
+                and self.ledger.state(msg.request_id) is LeaseState.UNKNOWN
+            ):
+                return _Hold(msg)
+            return self._begin(msg, peer_host)
+        if isinstance(msg, Offer):
+            return self._offer(msg, sender, peer_host)
         if isinstance(msg, Done):
             return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch, msg.expected_pulls)
         if isinstance(msg, QueryLease):
             return self.ledger.query(msg.request_id, msg.epoch)
         raise ProtocolError(f"no handler for {type(msg).__name__}")
+
+    def _begin(self, msg: BeginPull, peer_host: str | None, waited_s: float = 0.0) -> LeaseStatus:
+        assert self.ledger is not None
+        watcher = self._watcher(msg, peer_host)
+        status = self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls, blocks=msg.blocks)
+        return attrs.evolve(status, waited_ms=round(waited_s * 1e3, 3)) if waited_s else status
+
+    def _offer(self, msg: Offer, sender: str, peer_host: str | None) -> Ack | Refused:
+        """An offer from this engine's own scheduler, ahead of the engine step that makes it too."""
+        assert self.ledger is not None
+        if not self.accept_offers:
+            return Refused("offers_in_step", f"rank {self.name} takes offers in the engine step only")
+        if not _same_host(self.address[0], peer_host):
+            raise ProtocolError(
+                f"Offer of {msg.request_id!r} from {sender!r} at {peer_host or 'an unknown host'}: offers come from "
+                "the engine's own scheduler, on this host"
+            )
+        self.ledger.offer(msg.request_id, msg.blocks, offer_id=msg.offer_id)
+        return Ack()
+
+    def _offered(self, lease: Any) -> None:
+        """Ledger callback (any thread): wake the serving loop if a BeginPull waits for this request."""
+        if lease.request_id not in self._parked:  # a racy read: at worst one needless wake-up
+            return
+        with self._wake_lock:
+            if not self._stop.is_set():
+                with contextlib.suppress(zmq.Again):  # the loop has wake-ups pending already
+                    self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def _answer_parked(self, now: float) -> float | None:
+        """Answer the held BeginPulls whose request was offered or whose wait ran out; returns the
+        seconds to the next deadline (None: nothing held)."""
+        assert self.ledger is not None
+        nearest: float | None = None
+        for rid in list(self._parked):
+            offered = self.ledger.state(rid) is not LeaseState.UNKNOWN
+            waiting = []
+            for p in self._parked[rid]:
+                if offered or now >= p.deadline:
+                    try:
+                        reply: Any = self._begin(p.msg, p.peer_host, waited_s=now - p.since)
+                    except KVBridgeError as exc:
+                        log.warning("%s refused a held BeginPull for %s: %s", self.name, rid, exc)
+                        reply = Refused("protocol" if isinstance(exc, ProtocolError) else "error", str(exc))
+                    self._nparked -= 1
+                    self._send([*p.envelope, self._seal(p.reply_to, reply)])
+                else:
+                    waiting.append(p)
+                    nearest = p.deadline - now if nearest is None else min(nearest, p.deadline - now)
+            if waiting:
+                self._parked[rid] = waiting
+            else:
+                del self._parked[rid]
+        return nearest
 
     def _watcher(self, msg: BeginPull, peer_host: str | None) -> Address | None:
         """The side channel to tell on abort, if the BeginPull named one this rank may connect to: its sender's
@@ -251,11 +365,22 @@ class ControlServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        timeout_ms = self._poll_ms
         try:
             while not self._stop.is_set():
                 try:
-                    if poller.poll(self._poll_ms):
+                    events = dict(poller.poll(timeout_ms))
+                    if self._sock in events:
                         self._serve_one()
+                    if self._wake_in in events:
+                        while self._wake_in.poll(0):
+                            self._wake_in.recv()
+                    timeout_ms = self._poll_ms
+                    if self._parked:
+                        nearest = self._answer_parked(time.monotonic())
+                        if nearest is not None:
+                            timeout_ms = max(1, min(self._poll_ms, int(nearest * 1000) + 1))
                     if self.ledger is not None:
                         self.ledger.reap()
                 except Exception:  # the loop must outlive any bug; leases depend on its reaping
@@ -263,6 +388,7 @@ class ControlServer:
                     self._stop.wait(self._poll_ms / 1000)  # no hot loop if the error repeats
         finally:
             self._sock.close(linger=0)
+            self._wake_in.close(linger=0)
 
     def _serve_one(self) -> None:
         try:
@@ -288,9 +414,18 @@ class ControlServer:
                 peer_host or "an unknown host",
             )
             return
-        reply = self.handle(parts[-1], peer_host)
+        reply_to, reply = self._answer(parts[-1], peer_host, park=True)
+        if isinstance(reply, _Hold):
+            msg, now = reply.msg, time.monotonic()
+            held = _Parked(envelope, reply_to, msg, peer_host, now, now + msg.wait_ms / 1000)
+            self._parked.setdefault(msg.request_id, []).append(held)
+            self._nparked += 1
+            return
+        self._send([*envelope, self._seal(reply_to, reply)])
+
+    def _send(self, parts: list[bytes]) -> None:
         try:
-            self._sock.send_multipart([*envelope, reply], zmq.NOBLOCK)
+            self._sock.send_multipart(parts, zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # the peer went away before its answer
             log.debug("%s could not reply: %s", self.name, exc)
 
@@ -306,6 +441,8 @@ class ControlServer:
                 return
             self._stop.set()
         self._thread.join(timeout=10)
+        with self._wake_lock:
+            self._wake_out.close(linger=0)
         if self._notifier is not None:
             self._notifier.shutdown(wait=True)
         if self._clients is not None:
@@ -404,16 +541,35 @@ class ControlClient:
 
     def _ready_request(self, msg: Any, wait_s: float, *, until_offered: bool = False) -> Any:
         """Send `msg`, retrying for at most `wait_s` seconds while the peer is not ready yet (and, with
-        `until_offered`, while it does not know the request yet: its offer may trail its answer to the proxy)."""
-        deadline = time.monotonic() + wait_s
+        `until_offered`, while it does not know the request yet: its offer may trail its answer to the proxy).
+
+        With `until_offered` (a BeginPull), the server holds the request until the offer lands, at most
+        `PARK_SLICE_S` a round; the reply's `waited_ms` is then the whole wait for the offer, seen from here.
+        """
+        begun = time.monotonic()
+        deadline = begun + wait_s
         delay = 0.01
+        unoffered: float | None = None  # when the peer first said it does not know the request
         while True:
-            reply = self.request(msg)
+            sent = time.monotonic()
+            if until_offered:
+                hold = max(0.0, min(PARK_SLICE_S, deadline - sent))
+                msg = attrs.evolve(msg, wait_ms=int(hold * 1000))
+                reply = self.request(msg, timeout_s=self.timeout_s + hold)
+            else:
+                reply = self.request(msg)
             if isinstance(reply, Refused) and reply.kind == "not_ready":
                 why = f"{reply.message} ({self.url})"
             elif until_offered and isinstance(reply, LeaseStatus) and reply.state is LeaseState.UNKNOWN:
                 why = f"request {reply.request_id!r} was never offered on {self.url}"
+                unoffered = sent if unoffered is None else unoffered
+                if reply.waited_ms and time.monotonic() < deadline:
+                    continue  # the server held it for the offer: ask again at once
             else:
+                if isinstance(reply, LeaseStatus) and unoffered is not None:
+                    # the earlier rounds that found no offer, and this round's hold on the server
+                    waited = (sent - unoffered) * 1e3 + reply.waited_ms
+                    reply = attrs.evolve(reply, waited_ms=round(waited, 3))
                 return reply
             if time.monotonic() + delay > deadline:
                 if isinstance(reply, LeaseStatus):
@@ -450,7 +606,8 @@ class ControlClient:
     ) -> LeaseStatus:
         """Announce a read of `blocks` of `request_id`; raise LoadError unless its lease is active (recompute).
 
-        Waits up to `wait_s` for the peer to be ready and to have offered the request.
+        Waits up to `wait_s` for the peer to be ready and to have offered the request (the server holds
+        the BeginPull until the offer lands); the status's `waited_ms` is how long the offer was waited for.
         `notify`: this rank's side channel, told if the prefill side aborts (the prefill rank remembers it
         only if it is the host this client connects from). `expected_pulls`: the prefill rank's release
         count from the plan (used when its offer left it open). `blocks`: the prefill block ids to be read;

@@ -42,6 +42,7 @@ class Lease:
     blocks: tuple[int, ...]
     expected_pulls: int | None  # None: the decode side states it
     deadline: float  # on the ledger's clock (monotonic seconds)
+    offer_id: str = ""  # names one offer: a second offer with the same id is the same lease
 
 
 @attrs.define
@@ -55,6 +56,7 @@ class _Entry:
 
 
 ReleaseCallback = Callable[[Lease, LeaseState], None]
+OfferCallback = Callable[[Lease], None]
 
 
 class Ledger:
@@ -62,6 +64,7 @@ class Ledger:
 
     `on_release(lease, reason)` runs once per lease, outside the ledger's lock, with reason
     RELEASED, EXPIRED or ABORTED; keep it short (it runs on the caller's or the server's thread).
+    Callbacks added with `on_offer` run once per new lease, outside the lock, before any release.
     """
 
     def __init__(
@@ -95,6 +98,11 @@ class Ledger:
         # Epochs are unique per ledger and start at a random point, so a restarted prefill
         # never confirms a lease its previous life handed out.
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
+        self._offer_callbacks: list[OfferCallback] = []
+
+    def on_offer(self, callback: OfferCallback) -> None:
+        """Call `callback(lease)` for every new lease (a side channel wakes the pulls waiting for it)."""
+        self._offer_callbacks.append(callback)
 
     # -- prefill side ---------------------------------------------------------------------
 
@@ -105,17 +113,29 @@ class Ledger:
         expected_pulls: int | None = None,
         *,
         timeout_s: float | None = None,
+        offer_id: str = "",
     ) -> Lease:
         """Hold `blocks` for `request_id` until `expected_pulls` distinct decode ranks sent DONE.
 
         `expected_pulls=0` (nobody will read this rank) releases at once; None leaves the count
-        to the decode side (stated in its BeginPull or DONE messages).
+        to the decode side (stated in its BeginPull or DONE messages). `offer_id` makes the offer
+        idempotent: offering the same request with the same id and blocks again, while its lease is
+        active or remembered after it ended, returns that lease and changes nothing (the scheduler's
+        early offer and the engine step's offer of one finished request are one lease).
         """
         if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
         self.reap()
         now = self._clock()
         with self._lock:
+            known = self._active.get(request_id) or self._finished.get(request_id)
+            if offer_id and known is not None and known.lease.offer_id == offer_id:
+                if known.lease.blocks != tuple(int(b) for b in blocks):
+                    raise ConfigError(
+                        f"offer {offer_id!r} of request {request_id!r} names other blocks than its lease epoch "
+                        f"{known.lease.epoch}; one offer id names one set of blocks"
+                    )
+                return known.lease
             if request_id in self._active:
                 raise ConfigError(
                     f"request {request_id!r} already holds lease epoch {self._active[request_id].lease.epoch}; "
@@ -127,6 +147,7 @@ class Ledger:
                 tuple(int(b) for b in blocks),
                 expected_pulls,
                 now + (timeout_s or self.timeout_s),
+                offer_id,
             )
             self._next_epoch += 1
             self._finished.pop(request_id, None)
@@ -146,6 +167,11 @@ class Ledger:
             len(lease.blocks),
             expected_pulls,
         )
+        for callback in self._offer_callbacks:
+            try:
+                callback(lease)
+            except Exception:  # a listener failing must not lose the offer
+                log.exception("on_offer callback failed for request %s", request_id)
         if aborted:
             self._finish(entry, LeaseState.ABORTED)
         elif last:

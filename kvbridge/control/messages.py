@@ -18,6 +18,7 @@ MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
 MAX_BLOCKS = 1 << 20
 MAX_PULLS = 1 << 16  # decode ranks reading one prefill rank: far above any parallel config
 MAX_EPOCH = (1 << 63) - 1
+MAX_WAIT_MS = 600_000
 
 
 def _bounded_str(_inst: object, attr: attrs.Attribute, value: str) -> None:
@@ -92,6 +93,22 @@ class BeginPull:
     notify_port: int = attrs.field(default=0, validator=_int_in(0, 65535))
     expected_pulls: int = attrs.field(default=0, validator=_int_in(0, MAX_PULLS))  # 0: not stated
     blocks: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
+    # How long the server may hold the answer while the request is not offered yet (0: answer at once).
+    wait_ms: int = attrs.field(default=0, validator=_int_in(0, MAX_WAIT_MS))
+
+
+@attrs.frozen
+class Offer:
+    """The engine's own scheduler offers `request_id`'s finished `blocks` to this rank's ledger.
+
+    Sent as soon as the scheduler knows the request finished, ahead of the engine step that offers it
+    again (the guarantee); both carry the same `offer_id`, so the second is a no-op. Accepted only from
+    this host (and, with a secret, authenticated) by a rank whose memory needs no publishing in the step.
+    """
+
+    request_id: str = _id()
+    blocks: tuple[int, ...] = attrs.field(converter=tuple, validator=_bounded_blocks)
+    offer_id: str = _id()
 
 
 @attrs.frozen
@@ -150,6 +167,7 @@ class LeaseStatus:
     blocks: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
     remaining_s: float = 0.0
     released: bool = False  # this message caused the release
+    waited_ms: float = 0.0  # how long the server held a BeginPull for the request's offer
 
 
 @attrs.frozen
@@ -167,5 +185,5 @@ class Refused:
     message: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
 
 
-REQUESTS: dict[str, type] = {c.__name__: c for c in (GetInfo, BeginPull, Done, QueryLease, Abort)}
+REQUESTS: dict[str, type] = {c.__name__: c for c in (GetInfo, BeginPull, Offer, Done, QueryLease, Abort)}
 REPLIES: dict[str, type] = {c.__name__: c for c in (RegisteredMemory, LeaseStatus, Ack, Refused)}

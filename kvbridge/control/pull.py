@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -88,9 +89,13 @@ class DecodeControl:
         params: KVTransferParams,
         local_blocks: Sequence[int],
         on_finished: FinishedCallback | None = None,
+        timing: dict[str, float] | None = None,
     ) -> PullHandle:
         """Pull this rank's share of the request `params` describe into `local_blocks`.
 
+        `timing`, if given, gets `offer_wait_ms` (how long the BeginPulls waited for prefill's offers) and
+        `time.perf_counter()` stamps: `announced_at` (BeginPulls answered, the transfers about to be submitted),
+        `transferred_at` (every transfer ended) and `released_at` (the DONEs answered; before `on_finished`).
         Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank never became
         ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
         """
@@ -99,15 +104,22 @@ class DecodeControl:
         tokens = int(params.remote_num_tokens or 0)
         plan = self.agent.plan(prefill, tokens, prefill_dp=params.dp_rank)
         leases: dict[int, tuple[ControlClient, int, int]] = {}  # prefill rank -> client, epoch, release count
+
+        def stamp(name: str) -> None:
+            if timing is not None:
+                timing[name] = time.perf_counter()
+
         # Ranks nobody reads are released by the notifier, one DONE each (release count 1).
         notify = [(self._client(params, r)[0], 1) for r in plan.unpulled] if self.agent.rank == plan.notifier else []
         ranks = sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)})
 
         def finished(result: PullResult) -> None:
+            stamp("transferred_at")
             if result.error is not None:
                 with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
                     self._infos.clear()
             error = self._send_dones(rid, leases, notify, result.error)
+            stamp("released_at")
             if on_finished is not None:
                 on_finished(request_id, error)
 
@@ -115,6 +127,7 @@ class DecodeControl:
             self._local_ids[rid] = request_id
         try:
             infos = []
+            waited = 0.0
             for rank in ranks:
                 client, addr = self._client(params, rank)
                 infos.append(self._info(client, addr, params.remote_engine_id, rid))
@@ -128,6 +141,10 @@ class DecodeControl:
                     blocks=_blocks_read(plan, self.agent.rank, rank, params.block_ids),
                 )
                 leases[rank] = (client, status.epoch, count)
+                waited += status.waited_ms
+            if timing is not None:
+                timing["offer_wait_ms"] = waited
+            stamp("announced_at")
             return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
         except BaseException as exc:
             # This rank will not read: release what it announced, the ranks it was to read but had not

@@ -148,5 +148,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()

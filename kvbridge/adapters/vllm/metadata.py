@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import attrs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
 
@@ -48,10 +49,10 @@ class PullTask:
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
-    """One step's work for the workers: pulls to start, finished prefill requests to hold (id, block ids)."""
+    """One step's work for the workers: pulls to start, finished prefill requests to hold."""
 
     pulls: list[PullTask] = field(default_factory=list)
-    offers: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    offers: list[Offer] = field(default_factory=list)
 
 
 @dataclass

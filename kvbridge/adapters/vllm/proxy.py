@@ -12,6 +12,12 @@ that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a dec
 failed after taking the request included. A client that disconnects closes the upstream request,
 which vLLM turns into an abort.
 
+First contact between a prefill and a decode server (decode fetching the prefill ranks' RankInfo,
+the transport's connection) costs far more than a handover (~180 ms measured on a 2-vCPU VM), so
+the proxy pays it, not a client: once both servers of a pair answer /health, and again after either
+was down, it sends one one-token request through the pair (`warm_up`; logged at info, failures at
+warning).
+
 Each request keeps one id end to end (the client's `x-request-id`, or a new one, sent to both
 servers as `X-Request-Id`, which vLLM uses for its own request id). Its answer carries the
 `x-kvbridge-timing` header (see `timeline`), also logged as one line at info. `/metrics` serves the
@@ -200,10 +206,19 @@ class Proxy:
     """The proxy's state (pools, upstream client, metrics) and its named handlers."""
 
     def __init__(
-        self, prefill: Sequence[str], decode: Sequence[str], *, health_interval: float, timeout: float
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        health_interval: float,
+        timeout: float,
+        warm_up: bool = True,
     ) -> None:
         self.pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
         self.health_interval = health_interval
+        self.warm_up = warm_up
+        self._warm: set[tuple[str, str]] = set()  # (prefill, decode) pairs warmed since both were last up
+        self._warming: dict[tuple[str, str], asyncio.Task] = {}
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=5.0),
             trust_env=False,
@@ -232,7 +247,45 @@ class Proxy:
     async def health_loop(self) -> None:
         while True:
             await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
+            if self.warm_up:
+                self._warm_pairs()
             await asyncio.sleep(self.health_interval)
+
+    def _warm_pairs(self) -> None:
+        """Start warming every pair of healthy servers not warmed since both were last up."""
+        for p in self.pools["prefill"].instances:
+            for d in self.pools["decode"].instances:
+                pair = (p.url, d.url)
+                if not (p.healthy and d.healthy):
+                    self._warm.discard(pair)  # a server that was down may have restarted: first contact again
+                elif pair not in self._warm and pair not in self._warming:
+                    self._warming[pair] = asyncio.create_task(self.warm_pair(p, d))
+
+    async def warm_pair(self, prefill: Instance, decode: Instance) -> bool:
+        """One one-token request through the pair, so its first contact is not paid by a client's request."""
+        pair = (prefill.url, decode.url)
+        headers = {"X-Request-Id": f"kvbridge-warm-up-{uuid.uuid4().hex[:12]}"}
+        try:
+            models = await self.client.get(f"{prefill.url}/v1/models", timeout=PROBE_TIMEOUT_S)
+            models.raise_for_status()
+            body: dict[str, Any] = {"model": models.json()["data"][0]["id"], "prompt": "kvbridge", "max_tokens": 1}
+            first = await self.client.post(f"{prefill.url}/v1/completions", json=prefill_body(body), headers=headers)
+            first.raise_for_status()
+            params = first.json().get("kv_transfer_params")
+            if params:
+                body["kv_transfer_params"] = attrs.evolve(
+                    KVTransferParams.from_dict(params), kvbridge_timing=None
+                ).to_dict()
+            begun = time.perf_counter()
+            (await self.client.post(f"{decode.url}/v1/completions", json=body, headers=headers)).raise_for_status()
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, ConfigError) as exc:
+            log.warning("warming %s -> %s failed (its first request pays first contact): %s", *pair, exc)
+            return False
+        finally:
+            self._warming.pop(pair, None)
+        self._warm.add(pair)
+        log.info("warmed %s -> %s (decode %.1f ms)", *pair, (time.perf_counter() - begun) * 1e3)
+        return True
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
@@ -240,9 +293,10 @@ class Proxy:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for t in [task, *self._warming.values()]:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
             await self.client.aclose()
 
     def _take_out(self, inst: Instance, why: str) -> None:
@@ -443,20 +497,28 @@ class Proxy:
         return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
 
     async def instances(self) -> Any:
-        return {
+        state: dict[str, Any] = {
             role: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
             for role, p in self.pools.items()
         }
+        state["warmed"] = sorted(self._warm)  # (prefill, decode) pairs whose first contact is made
+        return state
 
     async def prometheus(self) -> Response:
         return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
 
 
 def create_app(
-    prefill: Sequence[str], decode: Sequence[str], *, health_interval: float = 2.0, timeout: float = 600.0
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    health_interval: float = 2.0,
+    timeout: float = 600.0,
+    warm_up: bool = True,
 ) -> FastAPI:
-    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`."""
-    proxy = Proxy(prefill, decode, health_interval=health_interval, timeout=timeout)
+    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
+    `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc)."""
+    proxy = Proxy(prefill, decode, health_interval=health_interval, timeout=timeout, warm_up=warm_up)
     app = FastAPI(lifespan=proxy.lifespan)
     for path in ROUTES:
         app.add_api_route(path, _bind(proxy.complete, path), methods=["POST"])

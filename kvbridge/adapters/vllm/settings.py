@@ -35,6 +35,8 @@ class Settings:
       itself is never a config key: vLLM logs its config and the command line is visible in `ps`.
     - `insecure`: run without a secret on an address other hosts can reach (logged as a warning).
       Without it, a `host` other than loopback with no secret fails at start-up, saying how to set one.
+    - `early_offer`: the scheduler offers a finished request to its workers at once, ahead of the
+      engine step that offers it too (see docs/vllm.md); false: only the step offers.
     - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
       "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
       transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.chaos.inject`).
@@ -50,6 +52,7 @@ class Settings:
     kv_cache_layout: str | None = None
     secret_file: str | None = None
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
 

@@ -5,10 +5,12 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
 - `prefill_ms`: the prefill engine, from the request's arrival to its end (queueing and computing the
   prompt), as that engine reports it in its answer's `kv_transfer_params`;
 - `proxy_ms`: the proxy itself, from the prefill's answer to sending the decode request;
-- `queue_ms`, `control_ms`, `transfer_ms`, `done_ms`: the decode engine's pull, as its workers
-  report it in the answer's `kv_transfer_params` (non-streamed answers only: a stream ends before
-  the request does): waiting for a worker step, the side channel (finding the prefill rank, waiting
-  for its offer, BeginPull), the bytes moving, the DONEs;
+- `dispatch_ms`, `queue_ms`, `offer_wait_ms`, `control_ms`, `transfer_ms`, `done_ms`: the decode
+  engine's pull, as its workers report it in the answer's `kv_transfer_params` (non-streamed
+  answers only: a stream ends before the request does): the engine's step carrying the pull from
+  its scheduler to its workers, waiting for a worker thread, waiting for the prefill rank to offer
+  the request (its BeginPull held until the offer landed), the rest of the side channel (finding the
+  prefill rank, BeginPull), the bytes moving, the DONEs;
 - `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
   (a streamed answer's first token; a whole answer otherwise).
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import attrs
 
 HEADER = "x-kvbridge-timing"
-PULL_PHASES = ("queue_ms", "control_ms", "transfer_ms", "done_ms")
+PULL_PHASES = ("dispatch_ms", "queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")
 PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
 
 

@@ -8,6 +8,11 @@ or whose lease did not hold through the read, marks its blocks as load errors, a
 `kv_load_failure_policy` decides (recompute or fail). A request decode will not read (dropped before
 its blocks were allocated, or all in decode's own prefix cache) is aborted on the prefill side.
 Prefill reports a request as finished sending when its lease is released, expires or is aborted.
+
+A prefill rank takes a finished request's offer twice under one offer id: early, from the scheduler's
+`Offer` message (when its memory needs no publishing in the step: `KVAgent.publish_is_free`), and from
+the step's metadata. The lease is one; vLLM hears of its release only once the step's offer came, so
+a request vLLM never handed to this worker is never reported to it.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
+
+MAX_EARLY_RELEASES = 100_000  # leases released before their step's offer, remembered until it comes
 
 
 def is_mla(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> bool:
@@ -95,6 +103,7 @@ class WorkerSide:
         self.agent: KVAgent | None = None
         self.control: DecodeControl | None = None
         self.ledger = Ledger(self._released, timeout_s=settings.lease_s)
+        self.ledger.on_offer(lambda lease: self.stats.record_lease("offered", 1, len(lease.blocks)))
         # Bound now, ready once the KV cache is registered: an early peer waits instead of failing.
         self.server = ControlServer(
             engine_id,
@@ -108,6 +117,8 @@ class WorkerSide:
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
         self._lock = threading.Lock()
         self._sent: set[str] = set()
+        self._stepped: dict[str, str] = {}  # offer id -> request id: offered by the step, not released yet
+        self._released_early: OrderedDict[str, str] = OrderedDict()  # released before the step's offer came
         self._recved: set[str] = set()
         self._load_errors: set[int] = set()
         self._timings: dict[str, dict[str, float]] = {}  # finished pulls' phases (ms), for the scheduler
@@ -183,6 +194,7 @@ class WorkerSide:
         self.control = DecodeControl(
             self.agent, self.server, secret=s.secret, ready_timeout_s=s.pull_timeout_s, timeout_s=s.pull_timeout_s
         )
+        self.server.accept_offers = self.agent.publish_is_free
         self.server.register(self.agent.info())
         log.info(
             "KVBridgeConnector rank %d/%d: %d layers x %d blocks over %s, side channel %s:%d",
@@ -198,13 +210,26 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:
         assert self.agent is not None
-        for request_id, blocks in meta.offers:
-            self.agent.publish(blocks)  # computed by now; through staging, copied to the host mirror
-            self.ledger.offer(request_id, blocks)  # the decode side states how many of its ranks read
-            self.stats.record_lease("offered", 1, len(blocks))
+        for offer in meta.offers:
+            self.agent.publish(offer.blocks)  # computed by now; through staging, copied to the host mirror
+            with self._lock:
+                if self._released_early.pop(offer.offer_id, None) is not None:
+                    self._sent.add(offer.request_id)  # the early offer was pulled and released already
+                    continue
+                self._stepped[offer.offer_id] = offer.request_id
+            # the same lease as the early offer's, if that came; the decode side states the release count
+            try:
+                self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+            except ConfigError as exc:
+                # An early offer this step does not confirm (another offer id: a stray or forged one) holds
+                # the request: the step's offer is the truth. A decode reading the stray lease fails its DONE.
+                log.warning("request %s: %s; replacing that lease with the engine step's offer", offer.request_id, exc)
+                self.ledger.abort(offer.request_id)
+                self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+        received = time.time()
         for task in meta.pulls:
             if task.local_block_ids:
-                self._pool.submit(self._pull, task)
+                self._pool.submit(self._pull, task, received)
             else:
                 self._release(task)
 
@@ -220,14 +245,16 @@ class WorkerSide:
             with self._lock:
                 self._recved.add(task.request_id)
 
-    def _pull(self, task: PullTask) -> None:
+    def _pull(self, task: PullTask, received: float) -> None:
         assert self.control is not None
         outcome: list[BaseException | None] = []
         result: PullResult | None = None
         elapsed = control = 0.0
-        queued = max(0.0, time.time() - task.asked_at)  # from the scheduler's step to this thread
+        dispatched = max(0.0, received - task.asked_at)  # the engine's step: from its scheduler to this worker
+        queued = max(0.0, time.time() - received)  # from the step to this thread
         begun = time.perf_counter()
         params = task.params
+        timing: dict[str, float] = {}
         try:
             if params.pp_size != self.pp_size:
                 if self.tp_rank == 0 and self.pp_rank == 0:  # nobody will read it: free prefill's blocks now
@@ -245,21 +272,29 @@ class WorkerSide:
                     ),
                 )
             handle = self.control.start(
-                task.request_id, params, task.local_block_ids, on_finished=lambda _rid, error: outcome.append(error)
+                task.request_id,
+                params,
+                task.local_block_ids,
+                on_finished=lambda _rid, error: outcome.append(error),
+                timing=timing,
             )
-            # `start` returns as soon as the transfers are submitted. The transfer is timed by itself,
-            # as vLLM's own connectors do; the control round trips before it and the DONEs after apart.
-            start = time.perf_counter()
-            control = start - begun
+            # `start` returns as soon as the transfers are submitted (a transport may even finish them and
+            # send the DONEs inside it). The transfer is timed by itself, as vLLM's own connectors do; the
+            # control round trips before it (less the wait for prefill's offer) and the DONEs after apart.
             wait_all(handle.handles, self.settings.pull_timeout_s)
-            elapsed = time.perf_counter() - start
             result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
+            ended = time.perf_counter()
             error = outcome[0]
+            offer_wait = timing["offer_wait_ms"] / 1e3
+            control = max(0.0, timing["announced_at"] - begun - offer_wait)
+            elapsed = timing["transferred_at"] - timing["announced_at"]
             phases = {
+                "dispatch_ms": dispatched * 1e3,
                 "queue_ms": queued * 1e3,
+                "offer_wait_ms": offer_wait * 1e3,
                 "control_ms": control * 1e3,
                 "transfer_ms": elapsed * 1e3,
-                "done_ms": (time.perf_counter() - start - elapsed) * 1e3,
+                "done_ms": (ended - timing["transferred_at"]) * 1e3,  # the DONEs and the way back to this thread
             }
             with self._lock:
                 self._timings[task.request_id] = {k: round(v, 3) for k, v in phases.items()}
@@ -286,7 +321,12 @@ class WorkerSide:
         """Ledger callback (any thread): the request's blocks may be freed; vLLM hears of it in get_finished."""
         self.stats.record_lease(reason.value, -1, -len(lease.blocks))
         with self._lock:
-            self._sent.add(lease.request_id)
+            if not lease.offer_id or self._stepped.pop(lease.offer_id, None) is not None:
+                self._sent.add(lease.request_id)
+                return
+            self._released_early[lease.offer_id] = lease.request_id
+            while len(self._released_early) > MAX_EARLY_RELEASES:  # offers no step ever confirms
+                self._released_early.popitem(last=False)
 
     # -- both ----------------------------------------------------------------------------------
 
