@@ -366,6 +366,8 @@ def test_worker_pipeline_parallel_mismatch_is_a_clear_load_error(
     assert "runs pipeline parallel size 2, this decode engine 1" in caplog.text
     assert "same --pipeline-parallel-size" in caplog.text
     assert not torch.stack(list(workers.d_caches.values())).any()
+    workers.wait_sent("p7")  # released at once, not when its lease expires
+    assert workers.prefill.ledger.state("p7") is LeaseState.ABORTED
 
 
 def test_worker_request_decode_will_not_read_is_aborted_on_prefill(workers: Workers) -> None:

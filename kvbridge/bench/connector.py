@@ -229,7 +229,8 @@ class ConnectorBench:
                         for src in [(key[0], d.coords(key[1]).tp % p.tp)]
                         if sizes[key]
                     ]
-                    raw_s.append(max(f.result()["seconds"] for f in raws))
+                    if raws:  # none where no pull succeeded (a failed case still reports its verdict)
+                        raw_s.append(max(f.result()["seconds"] for f in raws))
                 pulls = {
                     key: pool.submit(
                         child("decode", key).call,
@@ -265,8 +266,9 @@ class ConnectorBench:
                 for key in ranks[side]:
                     child(side, key).call("close", timeout=timeout)
         ok = not bad and not failed and not not_released
-        kv_gbps = nbytes / statistics.median(kv_s) / 1e9
-        raw_gbps = nbytes / statistics.median(raw_s) / 1e9
+        measured = bool(nbytes and raw_s and len(raw_s) == len(kv_s))
+        kv_med = statistics.median(kv_s)
+        raw_med = statistics.median(raw_s) if measured else 0.0
         return {
             "prefill": f"{p},pp{p_pp}" if p_pp > 1 else str(p),
             "decode": f"{d},pp{d_pp}" if d_pp > 1 else str(d),
@@ -281,10 +283,14 @@ class ConnectorBench:
             "requests": requests,
             "repeat": repeat,
             "bytes": nbytes,  # one round, every decode rank
-            "seconds": statistics.median(kv_s),
-            "gbps": kv_gbps,
-            "raw": {"gbps": raw_gbps, "seconds": statistics.median(raw_s), "descriptors_per_request": 1},
-            **paired_ratio(raw_s, kv_s),
+            "seconds": kv_med,
+            "gbps": nbytes / kv_med / 1e9,
+            "raw": {
+                "gbps": nbytes / raw_med / 1e9 if measured else 0.0,
+                "seconds": raw_med,
+                "descriptors_per_request": 1,
+            },
+            **(paired_ratio(raw_s, kv_s) if measured else {"ratio": 0.0, "ratio_range": [0.0, 0.0]}),
             # per request and decode rank; the bound: 2 x layers (of a stage) x prefill blocks of the request
             "descriptors_per_request": max(descriptors, default=0),
             "descriptor_bound": 2 * stage_layers * n_p,

@@ -357,6 +357,8 @@ class WorkerSide:
         timing: dict[str, float] = {}
         try:
             if params.pp_size != self.pp_size:
+                if self.tp_rank == 0 and self.pp_rank == 0:  # nobody will read it: free prefill's blocks now
+                    self._release(attrs.evolve(task, report=False))
                 raise ConfigError(
                     f"request {task.request_id}: prefill engine {params.remote_engine_id} runs pipeline parallel "
                     f"size {params.pp_size}, this decode engine {self.pp_size}; each stage reads its layers from "
