@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import random
 import re
 import tempfile
 import time
@@ -218,14 +217,6 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int) -> Pair:
     )
 
 
-def _prompt(n: int, seed: int) -> str:
-    from kvbridge.testing.tiny_model import VOCAB
-
-    chars = [c for c in VOCAB if len(c) == 1 and c != "\n"]
-    rng = random.Random(seed)
-    return "".join(rng.choice(chars) for _ in range(n))
-
-
 def _answer(http: Any, url: str, body: dict) -> tuple[float, dict]:
     """Seconds from sending a one-token completion to its answer (its first token), and the answer."""
     start = time.perf_counter()
@@ -286,24 +277,28 @@ SERIES = (
 def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Callable[[], None]) -> list[dict]:
     import httpx
 
+    from kvbridge.testing.tiny_model import random_prompt
+
     http = httpx.Client(timeout=300, trust_env=False)
     rows = []
     base = {"model": model, "temperature": 0, "ignore_eos": True}
     # Warm-up: one PD request, so first contact (handshakes, connections) is not measured.
     _, warm = _answer(
-        http, pair.prefill.url, {**base, "prompt": _prompt(40, 0), "kv_transfer_params": pair.prefill_params("warm-up")}
+        http,
+        pair.prefill.url,
+        {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": pair.prefill_params("warm-up")},
     )
     _answer(
         http,
         pair.decode.url,
-        {**base, "prompt": _prompt(40, 0), "kv_transfer_params": pair.decode_params("warm-up", warm)},
+        {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": pair.decode_params("warm-up", warm)},
     )
     _transfer_ms(pair.metrics_log, 0, 1)
     offset = len(pair.metrics_log.read_text(errors="replace"))
     for n in lengths:
         samples: dict[str, list[float]] = {k: [] for k in SERIES}
         for i in range(reps):
-            text = _prompt(n, seed=n * 1000 + i)
+            text = random_prompt(n, seed=n * 1000 + i)
             tid = uuid.uuid4().hex
             took, first = _answer(
                 http, pair.prefill.url, {**base, "prompt": text, "kv_transfer_params": pair.prefill_params(tid)}
@@ -317,7 +312,7 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
             samples["decode_ttft_ms"].append(ttft * 1e3)
             for k, v in _breakdown(ttft * 1e3, _timing(first), _timing(answer)).items():
                 samples.setdefault(k, []).append(v)
-            local, _ = _answer(http, pair.decode.url, {**base, "prompt": _prompt(n, seed=n * 1000 + i + 500)})
+            local, _ = _answer(http, pair.decode.url, {**base, "prompt": random_prompt(n, seed=n * 1000 + i + 500)})
             samples["recompute_ttft_ms"].append(local * 1e3)
             advance()
         transfer, offset = _transfer_ms(pair.metrics_log, offset, reps)

@@ -24,7 +24,6 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvbridge.bench.vllm import _prompt
 from kvbridge.cli.output import err_console, print_json, print_table
 
 CHUNK_TOKENS = 256
@@ -91,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvbridge.testing.ports import free_port
-    from kvbridge.testing.tiny_model import build_tiny_llama
+    from kvbridge.testing.tiny_model import build_tiny_llama, random_prompt
     from kvbridge.testing.vllm_server import start_vllm, wait_healthy
 
     lengths = args.lengths or [64, 256, 1024, 1900]
@@ -117,18 +116,20 @@ def run(args: argparse.Namespace) -> int:
             base = {"model": str(model), "temperature": 0, "ignore_eos": True, "max_tokens": 1}
             # Warm-up, both ways; the pulled one tells where prefill's side channel is.
             first, _ = _post(
-                http, prefill.url, {**base, "prompt": _prompt(40, 0), "kv_transfer_params": {"do_remote_decode": True}}
+                http,
+                prefill.url,
+                {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": {"do_remote_decode": True}},
             )
             p = first["kv_transfer_params"]
             identity = {k: p[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
-            _post(http, decode.url, {**base, "prompt": _prompt(40, 0), "kv_transfer_params": p})
-            _one(http, prefill, decode, base, _prompt(40, 1), identity, layerwise=True)
+            _post(http, decode.url, {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": p})
+            _one(http, prefill, decode, base, random_prompt(40, 1), identity, layerwise=True)
             task = progress.add_task("requests", total=2 * len(lengths) * reps)
             for n in lengths:
                 samples: dict[str, list[dict]] = {"pull": [], "layerwise": []}
                 for i in range(reps):
                     for mode in ("pull", "layerwise"):  # in turn: paired, under the same load
-                        text = _prompt(n, seed=n * 1000 + i * 2 + (mode == "layerwise"))
+                        text = random_prompt(n, seed=n * 1000 + i * 2 + (mode == "layerwise"))
                         samples[mode].append(_one(http, prefill, decode, base, text, identity, mode == "layerwise"))
                         progress.advance(task)
                 for mode, got in samples.items():

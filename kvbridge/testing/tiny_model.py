@@ -6,6 +6,7 @@ writes one with `save_pretrained` into a folder. Same seed, same weights, same o
 
 from __future__ import annotations
 
+import random
 import string
 from pathlib import Path
 
@@ -30,6 +31,13 @@ class TinyLlamaSpec:
 
 
 VOCAB = ["<unk>", "<s>", "</s>"] + list(string.ascii_letters + string.digits + string.punctuation + " \n")
+
+
+def random_prompt(n: int, seed: int) -> str:
+    """`n` characters (one token each with this tokenizer), reproducible from `seed`."""
+    chars = [c for c in VOCAB if len(c) == 1 and c != "\n"]
+    rng = random.Random(seed)
+    return "".join(rng.choice(chars) for _ in range(n))
 
 
 def build_tokenizer(path: Path) -> None:
