@@ -43,6 +43,7 @@ from kvbridge.control.messages import StreamStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, TransferTimeout
 from kvbridge.layout import KVLayout
+from kvbridge.memory import total_bytes
 from kvbridge.planner import pull_descriptors
 from kvbridge.topology import ParallelConfig
 
@@ -459,7 +460,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                         h.add_done_callback(lambda _h, span=span: span.__setitem__(1, time.time()))
                         handles.append(h)
                         spans.append(span)
-                        nbytes += int(desc[:, 2].sum())
+                        nbytes += total_bytes(desc)
                         ndesc += len(desc)
                     for layer in group:
                         sent[rank][layer] = b
