@@ -73,8 +73,10 @@ def _one(http: Any, prefill: Any, decode: Any, base: dict, text: str, identity: 
         side = threading.Thread(target=prefill_side)
         side.start()
         params = {**identity, **mode, "do_remote_prefill": True, "remote_request_id": tid}
-        answer, end = _post(http, decode.url, {**base, "prompt": text, "kv_transfer_params": params})
-        side.join(timeout=600)
+        try:
+            answer, end = _post(http, decode.url, {**base, "prompt": text, "kv_transfer_params": params})
+        finally:
+            side.join(timeout=600)  # the prefill request ends either way: the next request is not overlapped
         first = got["first"]
     row = {"client_ttft_ms": (end - start) * 1e3, **_timing(answer)}
     if "prefill_ms" in _timing(first):
@@ -127,13 +129,23 @@ def run(args: argparse.Namespace) -> int:
             task = progress.add_task("requests", total=2 * len(lengths) * reps)
             for n in lengths:
                 samples: dict[str, list[dict]] = {"pull": [], "layerwise": []}
+                failed = {"pull": 0, "layerwise": 0}
                 for i in range(reps):
                     for mode in ("pull", "layerwise"):  # in turn: paired, under the same load
                         text = random_prompt(n, seed=n * 1000 + i * 2 + (mode == "layerwise"))
-                        samples[mode].append(_one(http, prefill, decode, base, text, identity, mode == "layerwise"))
+                        try:
+                            samples[mode].append(_one(http, prefill, decode, base, text, identity, mode == "layerwise"))
+                        except httpx.HTTPStatusError as exc:  # a failed load (policy fail): counted, not hidden
+                            failed[mode] += 1
+                            err_console.print(f"{mode} request of {n} tokens failed: {exc.response.text[:200]}")
                         progress.advance(task)
                 for mode, got in samples.items():
-                    row: dict[str, Any] = {"transfer": mode, "prompt_tokens": n, "requests": reps}
+                    row: dict[str, Any] = {
+                        "transfer": mode,
+                        "prompt_tokens": n,
+                        "requests": reps,
+                        "failed": failed[mode],
+                    }
                     for key in ("client_ttft_ms", "prefill_ms", "control_ms", "transfer_ms", "hidden_ms", "tail_ms"):
                         values = [g[key] for g in got if key in g]
                         if values:
@@ -142,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
                         pct = [100 * g["hidden_ms"] / g["transfer_ms"] for g in got if g.get("transfer_ms")]
                         row["hidden_pct"] = _median(pct) if pct else None
                     rows.append(row)
-                pull, lw = rows[-2]["client_ttft_ms"], rows[-1]["client_ttft_ms"]
-                rows[-1]["ttft_vs_pull"] = round(lw / pull, 3) if pull else None
+                pull, lw = rows[-2].get("client_ttft_ms"), rows[-1].get("client_ttft_ms")
+                rows[-1]["ttft_vs_pull"] = round(lw / pull, 3) if pull and lw else None
         finally:
             http.close()
             prefill.stop()
@@ -155,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             "transfer",
             "prompt_tokens",
             "requests",
+            "failed",
             "client_ttft_ms",
             "ttft_vs_pull",
             "prefill_ms",
@@ -169,4 +182,5 @@ def run(args: argparse.Namespace) -> int:
             cols,
             [[r.get(c, "") for c in cols] for r in rows],
         )
-    return 0
+    # a failed request is a failed bench: its figures are printed above, the status says it
+    return 1 if any(r["failed"] for r in rows) else 0
