@@ -159,9 +159,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             s.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Prefill and one decode over NIXL behind their own proxy; the colocated reference is `cluster`'s."""
+    """Prefill and one decode over NIXL behind their own proxy; the colocated reference is `cluster`'s.
+
+    Per test, not per module: NIXL's progress threads busy-poll about a core each while idle, and on
+    2 cores that starves the other cluster's servers in the tests after (vLLM then coalesces a stream's
+    tokens into one event, which the streaming tests would read as no streaming)."""
     logs = tmp_path_factory.mktemp("vllm-e2e-nixl")
     secret = logs / "secret"
     secret.write_text(SECRET)
