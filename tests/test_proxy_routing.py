@@ -317,3 +317,58 @@ def test_layerwise_sends_both_servers_one_transfer_id_once_it_knows_the_prefill(
         assert d.do_remote_prefill and d.transfer_mode == "layerwise" and d.remote_request_id == d.transfer_id
         assert (d.remote_engine_id, d.remote_host, d.remote_port, d.block_ids) == ("e", "127.0.0.1", 5800, ())
     assert all(b["max_tokens"] == 1 for b in prefill.bodies) and all(b["max_tokens"] == 8 for b in decode.bodies)
+
+
+class Unaccepting:
+    """A listener on 127.0.0.1 whose accept queue is full: connects to it time out, as to a server too busy
+    to accept or on a starved box (the proxy's ConnectTimeout in a loaded e2e run)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.fillers = []
+        for _ in range(2):  # backlog 0 holds one; the kernel drops SYNs beyond it
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(self.sock.getsockname())
+            self.fillers.append(c)
+
+    def __enter__(self) -> Unaccepting:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for c in [*self.fillers, self.sock]:
+            c.close()
+
+
+def test_a_decode_slow_to_accept_stays_in_and_the_request_goes_to_the_next(
+    upstreams: tuple[Upstream, Upstream],
+) -> None:
+    prefill, decode = upstreams
+    with Unaccepting() as busy:
+        app = create_app([prefill.url], [busy.url, decode.url], connect_timeout=0.3)
+        answers, state = _session(app, [{"model": "m", "prompt": f"p{i}", "max_tokens": 8} for i in range(3)])
+    assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+    assert all(r.headers["x-kvbridge-decode"] == decode.url for r in answers)
+    assert len(decode.bodies) == 3
+    # Slow to accept is not dead: it stays in the pool for the health probe to judge.
+    assert state["decode"] == [
+        {"url": busy.url, "healthy": True, "in_flight": 0},
+        {"url": decode.url, "healthy": True, "in_flight": 0},
+    ]
+
+
+def test_only_decode_slow_to_accept_is_tried_again_then_a_503_that_says_so(
+    upstreams: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    prefill, _ = upstreams
+    with Unaccepting() as busy, caplog.at_level("WARNING", logger="kvbridge.adapters.vllm.proxy"):
+        (r,), state = _session(
+            create_app([prefill.url], [busy.url], connect_timeout=0.3), [{"model": "m", "prompt": "p"}]
+        )
+    assert r.status_code == 503
+    assert f"{busy.url}, {busy.url} did not accept the connection in time" in r.json()["error"]
+    assert sum("did not accept the connection in time" in m for m in caplog.messages) == 2
+    assert state["decode"] == [{"url": busy.url, "healthy": True, "in_flight": 0}]

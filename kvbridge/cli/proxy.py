@@ -41,6 +41,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="upstream request timeout (default 600)")
     p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds to open a connection to an upstream; one that does not accept in time never saw the "
+        "request, stays in the pool, and the request goes to the next (or the same) server (default 5)",
+    )
+    p.add_argument(
         "--transfer",
         choices=["pull", "layerwise"],
         default="pull",
@@ -71,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         warm_up=args.warm_up,
         transfer=args.transfer,
+        connect_timeout=args.connect_timeout,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 PROBE_TIMEOUT_S = 5.0
+# Seconds to open a connection to an upstream. On loopback a connect takes microseconds unless the server's
+# accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
+CONNECT_TIMEOUT_S = 5.0
 SLOW_PROBES = 3
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a prompt near any max_model_len fits many times over
 
@@ -214,6 +217,7 @@ class Proxy:
         timeout: float,
         warm_up: bool = True,
         transfer: str = "pull",
+        connect_timeout: float = CONNECT_TIMEOUT_S,
     ) -> None:
         if transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
@@ -226,7 +230,7 @@ class Proxy:
         self._warm: set[tuple[str, str]] = set()  # (prefill, decode) pairs warmed since both were last up
         self._warming: dict[tuple[str, str], asyncio.Task] = {}
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=5.0),
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
             trust_env=False,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
@@ -323,11 +327,16 @@ class Proxy:
         """POST to a prefill server (`instance`, or round robin); on a connection failure take it out and
         try the next one (not with `instance`: a layer-wise decode already reads from that one)."""
         pool = self.pools["prefill"]
-        for _ in range(1 if instance is not None else len(pool.instances)):
+        for attempt in range(1 if instance is not None else len(pool.instances) + 1):
+            if attempt and not any(i.healthy for i in pool.instances):
+                break
             inst = instance or pool.pick()
             inst.in_flight += 1
             try:
                 resp = await self.client.post(f"{inst.url}{path}", json=prefill_body(body, params), headers=headers)
+            except httpx.ConnectTimeout:
+                log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
+                continue
             except httpx.TransportError as exc:
                 self._take_out(inst, f"failed ({exc})")
                 continue
@@ -344,7 +353,11 @@ class Proxy:
         A decode server that refuses the connection never saw the request, and prefill still holds
         the KV for whichever decode asks, so try the next one."""
         pool = self.pools["decode"]
-        for _ in range(len(pool.instances)):
+        late: list[str] = []
+        # One more try than instances: a busy server that was slow to accept gets a second chance.
+        for attempt in range(len(pool.instances) + 1):
+            if attempt and not any(i.healthy for i in pool.instances):
+                break
             inst = pool.pick()
             upstream = self.client.build_request("POST", f"{inst.url}{path}", json=body, headers=headers)
             inst.in_flight += 1
@@ -353,11 +366,18 @@ class Proxy:
             except httpx.ConnectError as exc:
                 inst.in_flight -= 1
                 self._take_out(inst, f"refused the connection ({exc})")
+            except httpx.ConnectTimeout:
+                # Not down: its accept queue is full or this box is starved. It never saw the request;
+                # the health probe decides whether it is gone.
+                inst.in_flight -= 1
+                late.append(inst.url)
+                log.warning("decode server %s did not accept the connection in time (busy?): next", inst.url)
             except httpx.TransportError as exc:
                 inst.in_flight -= 1
                 self._take_out(inst, f"failed after taking the request ({exc})")
                 raise DecodeFailed(inst.url, exc) from exc
-        raise NoInstance(f"no decode server accepted {path}")
+        slow = f" ({', '.join(late)} did not accept the connection in time)" if late else ""
+        raise NoInstance(f"no decode server accepted {path}{slow}")
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -641,11 +661,20 @@ def create_app(
     timeout: float = 600.0,
     warm_up: bool = True,
     transfer: str = "pull",
+    connect_timeout: float = CONNECT_TIMEOUT_S,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
     `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
     `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md)."""
-    proxy = Proxy(prefill, decode, health_interval=health_interval, timeout=timeout, warm_up=warm_up, transfer=transfer)
+    proxy = Proxy(
+        prefill,
+        decode,
+        health_interval=health_interval,
+        timeout=timeout,
+        warm_up=warm_up,
+        transfer=transfer,
+        connect_timeout=connect_timeout,
+    )
     app = FastAPI(lifespan=proxy.lifespan)
     for path in ROUTES:
         app.add_api_route(path, _bind(proxy.complete, path), methods=["POST"])
