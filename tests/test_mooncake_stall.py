@@ -1,4 +1,6 @@
-"""Mooncake TCP never stalls a pull longer than the transfer deadline plus one retry (issue 12, item 1).
+"""Mooncake TCP: pulls after idle gaps finish within the transfer deadline plus one retry; a stalled
+peer is detected at the deadline and its failure reported once the stuck call can no longer write
+(issue 12, item 1).
 
 The 30 s stall of the vLLM e2e runs is Mooncake TCP's own watchdog ("ClientSession: no transfer
 progress within 30s", "ServerSession::writeBody failed: Broken pipe" on the serving side). Stopping
@@ -35,6 +37,10 @@ SIZE = 16 * MiB
 # (5 s plus 1 s per GiB: these transfers are a few MiB): 7.0 s measured. The slack is for the process
 # round trip and a loaded 2-core machine.
 BOUND_S = DEFAULT_DEADLINE_S + CALL_TIMEOUT_FLOOR_S + 2
+# Pulls after idle gaps (and beside another decode's) are bounded by the deadline plus one retry within
+# it: a stale lane that rejects the batch (Mooncake#4209) is retried at once, one that hangs is
+# resubmitted at the deadline. Measured: under 1 s each after gaps of 5-90 s.
+IDLE_BOUND_S = 2 * DEFAULT_DEADLINE_S
 GAPS = [float(g) for g in os.environ.get("KVBRIDGE_IDLE_GAPS", "5,8").split(",")]
 
 
@@ -83,7 +89,7 @@ def test_a_stalled_peer_fails_the_pull_within_the_deadline_and_the_engine_recove
     assert pair.client.call("digest") == expected(desc)
 
 
-def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline(pair: Pair) -> None:
+def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline_plus_retry(pair: Pair) -> None:
     # A second decode-like process pulls from the same server at the same time as the first.
     other = Child("backend_peer", env={"PYTHONPATH": os.path.dirname(__file__) + "/peers"}, name="mooncake-client2")
     try:
@@ -112,7 +118,7 @@ def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline(p
             assert not th.is_alive(), f"the concurrent pull after a {gap}s gap did not return within 60s"
             for who, (out, took) in {"mine": mine, "other": results["other"]}.items():
                 assert not isinstance(out, ChildError), f"{who} after a {gap}s gap: {out}"
-                assert took < BOUND_S, f"{who}'s pull after a {gap}s idle gap took {took:.1f}s"
+                assert took < IDLE_BOUND_S, f"{who}'s pull after a {gap}s idle gap took {took:.1f}s"
         assert pair.client.call("digest") == other.call("digest") == expected(desc)
     finally:
         other.close()

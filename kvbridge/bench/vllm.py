@@ -110,21 +110,10 @@ class Pair:
 
 def _kvbridge_pair(model: Path, logs: Path, max_len: int, transport: str = "mooncake") -> Pair:
     from kvbridge.control.params import KVTransferParams
-    from kvbridge.testing.ports import free_port
-    from kvbridge.testing.vllm_server import start_vllm
-
-    chosen = (
-        {"migration_backend": "Mooncake", "protocol": "tcp"}
-        if transport == "mooncake"
-        else {"migration_backend": transport}
-    )
+    from kvbridge.testing.vllm_server import connector_config, start_vllm
 
     def config(role: str) -> dict:
-        return {
-            "kv_connector": "KVBridgeConnector",
-            "kv_role": role,
-            "kv_connector_extra_config": {**chosen, "side_channel_port": free_port()},
-        }
+        return connector_config(role, backend=transport)
 
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
     where = logs / f"kvbridge-{transport}"

@@ -29,19 +29,6 @@ from kvbridge.cli.output import err_console, print_json, print_table
 CHUNK_TOKENS = 256
 
 
-def _config(role: str, port: int) -> dict:
-    return {
-        "kv_connector": "KVBridgeConnector",
-        "kv_role": role,
-        "kv_connector_extra_config": {
-            "migration_backend": "Mooncake",
-            "protocol": "tcp",
-            "transfer": "layerwise",
-            "side_channel_port": port,
-        },
-    }
-
-
 def _post(http: Any, url: str, body: dict) -> tuple[dict, float]:
     r = http.post(f"{url}/v1/completions", json=body)
     r.raise_for_status()
@@ -91,9 +78,8 @@ def _median(values: list[float]) -> float:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvbridge.testing.ports import free_port
     from kvbridge.testing.tiny_model import build_tiny_llama, random_prompt
-    from kvbridge.testing.vllm_server import start_vllm, wait_healthy
+    from kvbridge.testing.vllm_server import connector_config, start_vllm, wait_healthy
 
     lengths = args.lengths or [64, 256, 1024, 1900]
     reps = args.requests or 5
@@ -109,9 +95,12 @@ def run(args: argparse.Namespace) -> int:
         common = {"max_model_len": max(1024, longest), "log_dir": logs, "env": {"VLLM_LOG_STATS_INTERVAL": "1"}}
         chunked = ["--max-num-batched-tokens", str(CHUNK_TOKENS)]
         prefill = start_vllm(
-            model, kv_transfer_config=_config("kv_producer", free_port()), extra_args=chunked, **common
+            model,
+            kv_transfer_config=connector_config("kv_producer", transfer="layerwise"),
+            extra_args=chunked,
+            **common,
         )
-        decode = start_vllm(model, kv_transfer_config=_config("kv_consumer", free_port()), **common)
+        decode = start_vllm(model, kv_transfer_config=connector_config("kv_consumer", transfer="layerwise"), **common)
         http = httpx.Client(timeout=600, trust_env=False)
         try:
             wait_healthy([prefill, decode], timeout=600)

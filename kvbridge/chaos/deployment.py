@@ -12,8 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvbridge.testing.ports import free_port
-from kvbridge.testing.vllm_server import Server, start_proxy, start_vllm, wait_healthy
+from kvbridge.testing.vllm_server import Server, connector_config, start_proxy, start_vllm, wait_healthy
 
 log = logging.getLogger(__name__)
 _BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
@@ -42,18 +41,12 @@ class Deployment:
     _retired: list[dict[str, float]] = attrs.field(factory=list)  # kvbridge counters of killed servers
 
     def _config(self, role: str) -> dict[str, Any]:
-        extra: dict[str, Any] = {
-            "migration_backend": "mooncake",
-            "protocol": "tcp",
-            "side_channel_port": free_port(),
-            "lease_s": self.lease_s,
-            "pull_timeout_s": self.pull_timeout_s,
-        }
+        extra: dict[str, Any] = {"lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s}
         if role == "kv_consumer" and self.fault_injection:
             extra["fault_injection"] = self.fault_injection
         # A failed load is recomputed: a transport fault then costs time, never the request.
-        policy = {"kv_load_failure_policy": "recompute"} if role == "kv_consumer" else {}
-        return {"kv_connector": "KVBridgeConnector", "kv_role": role, **policy, "kv_connector_extra_config": extra}
+        policy = "recompute" if role == "kv_consumer" else None
+        return connector_config(role, load_failure_policy=policy, **extra)
 
     def _start(self, config: dict[str, Any] | None, port: int | None = None) -> Server:
         self._lives += 1

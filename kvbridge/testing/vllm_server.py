@@ -74,6 +74,19 @@ class Server:
         """vLLM's Prometheus metrics, summed over labels: {"vllm:kv_cache_usage_perc": 0.0, ...}."""
         return parse_metrics(_get(f"{self.url}/metrics").text)
 
+    def kv_usage(self) -> float:
+        """The share of its KV cache blocks in use (vLLM's `kv_cache_usage_perc`; nan before it reports)."""
+        return self.metrics().get("vllm:kv_cache_usage_perc", float("nan"))
+
+    def wait_kv_usage(self, at_most: float, timeout: float) -> float:
+        """Poll `kv_usage` until it is `at_most` or `timeout` seconds pass; the last value read."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = self.kv_usage()
+            if now <= at_most or time.monotonic() > deadline:
+                return now
+            time.sleep(0.5)
+
     def kill(self) -> None:
         """SIGKILL the server and its engine processes, as a crash would."""
         self._end(signal.SIGKILL, timeout=30.0)
@@ -167,6 +180,65 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes of group {pgid} still alive {timeout}s after SIGKILL")
         time.sleep(0.05)
+
+
+def connector_config(
+    role: str, *, backend: str = "mooncake", load_failure_policy: str | None = None, **options: Any
+) -> dict[str, Any]:
+    """A `--kv-transfer-config` for KVBridgeConnector as `role` (kv_producer, kv_consumer): `backend`
+    (Mooncake over TCP by default) on a free side-channel port, plus connector `options`
+    (`lease_s`, `transfer`, ...)."""
+    transport = {"protocol": "tcp"} if backend.lower() == "mooncake" else {}
+    extra = {"migration_backend": backend, **transport, "side_channel_port": free_port(), **options}
+    config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    if load_failure_policy is not None:
+        config["kv_load_failure_policy"] = load_failure_policy
+    return config
+
+
+@attrs.define
+class Completions:
+    """Greedy completions of `model` from any server that serves it (vLLM or the proxy), to compare
+    servers token for token. Close `http` when done."""
+
+    model: str
+    max_tokens: int = 8
+    http: Any = attrs.field(factory=lambda: _client(180.0))
+
+    def body(self, text: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        }
+
+    def answer(self, server: Server, text: str, *, report: Sequence[Server] = (), **extra: Any) -> dict[str, Any]:
+        """The completion's JSON; a non-200 answer raises with the logs of `server` and `report`."""
+        r = self.http.post(f"{server.url}/v1/completions", json=self.body(text, **extra))
+        if r.status_code != 200:
+            raise AssertionError(f"{server.url} answered {r.status_code}: {r.text}\n{failure_reports(server, *report)}")
+        return r.json()
+
+    def token_ids(self, server: Server, text: str, **extra: Any) -> list[int]:
+        """The completion's token ids."""
+        ids = self.answer(server, text, **extra)["choices"][0]["token_ids"]
+        assert ids is not None, "the server did not return token ids"
+        return ids
+
+
+def failure_reports(*servers: Server) -> str:
+    """What to read when an assertion about these servers fails: each log's error lines and tail."""
+    return "\n".join(f"--- {s.log_path.name}\n{s.failure_report()}" for s in servers)
+
+
+def _client(timeout: float) -> Any:
+    import httpx
+
+    return httpx.Client(timeout=timeout, trust_env=False)
 
 
 def start_vllm(
