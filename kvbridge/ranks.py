@@ -4,10 +4,11 @@ these instead of doing port arithmetic of their own.
 
 Within one engine, rank (dp, pp, tp) listens on `base + (dp * pp_size + pp) * tp_size + tp`, so
 every (PP, TP) rank of every DP rank has its own port (vLLM's NIXL convention for TP, extended).
-A DP rank publishes the base of its own group (`group_port`) in the kv_transfer_params, and a reader
-finds TP rank r of that group at `group_port + r` (`kvbridge.control.discovery.resolve`). With
-pipeline parallelism each stage holds its own layers, so a decode rank of stage s reads the same
-stage of prefill (both engines need the same PP size): `stage_port` moves the group base there.
+Every DP rank publishes the engine's base (`group_port`, DP 0's) and its DP rank in the
+kv_transfer_params, and a reader finds a rank at `base + dp_rank * tp_size + tp_rank`, the rank's
+global index in its stage (`kvbridge.control.discovery.resolve`). With pipeline parallelism each
+stage holds its own layers, so a decode rank of stage s reads the same stage of prefill (both
+engines need the same PP size): `stage_port` moves the base there.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def group_port(base: int, *, tp_size: int = 1, pp_size: int = 1, dp_index: int =
     return side_channel_port(base, tp_size=tp_size, pp_size=pp_size, dp_index=dp_index)
 
 
-def stage_port(remote_group_port: int, *, remote_tp_size: int, pp_rank: int) -> int:
-    """The base port of pipeline stage `pp_rank` in a remote group published at `remote_group_port`."""
-    return remote_group_port + pp_rank * remote_tp_size
+def stage_port(remote_port: int, *, remote_tp_size: int, pp_rank: int, pp_size: int, dp_rank: int) -> int:
+    """The base to which a reader adds a rank's global index (`dp_rank * remote_tp_size + tp_rank`) to
+    reach that rank of stage `pp_rank` in an engine that published `remote_port` (its base)."""
+    return remote_port + (dp_rank * (pp_size - 1) + pp_rank) * remote_tp_size

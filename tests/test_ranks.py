@@ -19,11 +19,14 @@ def test_every_rank_has_its_own_port() -> None:
     assert len(set(ports)) == dp * pp * tp and min(ports) == 5800 and max(ports) == 5800 + dp * pp * tp - 1
 
 
-def test_reader_finds_the_rank_of_its_stage() -> None:
-    tp, pp = 2, 2
-    for d, p, t in itertools.product(range(2), range(pp), range(tp)):
-        published = group_port(7000, tp_size=tp, pp_size=pp, dp_index=d)
-        found = stage_port(published, remote_tp_size=tp, pp_rank=p) + t  # discovery adds the TP rank
+@pytest.mark.parametrize(("dp", "pp", "tp"), [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (3, 4, 2), (2, 3, 1)])
+def test_reader_finds_the_rank_of_its_stage(dp: int, pp: int, tp: int) -> None:
+    from kvbridge.topology import ParallelConfig
+
+    published = group_port(7000, tp_size=tp, pp_size=pp)  # every DP rank publishes the engine's base
+    for d, p, t in itertools.product(range(dp), range(pp), range(tp)):
+        rank = ParallelConfig(tp=tp, dp=dp).group(d)[t]  # the global index the reader resolves
+        found = stage_port(published, remote_tp_size=tp, pp_rank=p, pp_size=pp, dp_rank=d) + rank
         assert found == side_channel_port(7000, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=d)
 
 

@@ -526,3 +526,37 @@ def test_required_kv_cache_layout_comes_from_extra_config() -> None:
 
     assert KVBridgeConnector.get_required_kvcache_layout(config({"kv_cache_layout": "LBHNC"})) == "LBHNC"
     assert KVBridgeConnector.get_required_kvcache_layout(config({})) is None
+
+
+@pytest.mark.parametrize(("dp_index", "pp", "tp"), [(0, 1, 1), (1, 1, 2), (1, 2, 2), (2, 2, 1)])
+def test_scheduler_publishes_the_engine_base_and_offers_to_its_own_dp_ranks(dp_index: int, pp: int, tp: int) -> None:
+    # Every DP rank's scheduler publishes the engine's base port (readers add a rank's global index) but tells
+    # only its own DP rank's workers of early offers: ports base + (dp * pp + stage) * tp + tp_rank.
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
+    from kvbridge.ranks import side_channel_port
+
+    extra = {"migration_backend": "loopback", "side_channel_port": 21000}
+    config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
+    parallel = config.parallel_config
+    parallel.data_parallel_size, parallel.data_parallel_index = dp_index + 1, dp_index
+    parallel.pipeline_parallel_size, parallel.tensor_parallel_size = pp, tp
+    scheduler = SchedulerSide(config, "prefill", Settings.from_extra_config(extra))
+    try:
+        assert scheduler.side_channel_port == 21000
+        assert [port for _, port in scheduler._ranks] == [
+            side_channel_port(21000, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=dp_index)
+            for p in range(pp)
+            for t in range(tp)
+        ]
+    finally:
+        scheduler.shutdown()

@@ -48,14 +48,13 @@ class SchedulerSide:
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
-        # peers find rank r of DP rank d at side_channel_port + d * tp_size + r (kvbridge.ranks)
         self.pp_size = parallel.pipeline_parallel_size  # decode refuses another PP size (each stage reads its own)
-        self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
+        # published: the engine's base port; peers add a rank's global index to it (kvbridge.ranks)
+        self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         # this engine's worker ranks (every stage and TP rank of this DP rank), told of offers at once
-        self._ranks = [
-            (settings.host, self.side_channel_port + i) for i in range(self.tp_size * parallel.pipeline_parallel_size)
-        ]
+        own = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size, dp_index=self.dp_rank)
+        self._ranks = [(settings.host, own + i) for i in range(self.tp_size * self.pp_size)]
         self._early = settings.early_offer  # False once a rank refused them: its memory is published in the step
         self._sender: ThreadPoolExecutor | None = None
         self._clients = ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler")

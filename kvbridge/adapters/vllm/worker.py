@@ -368,7 +368,11 @@ class WorkerSide:
                 params = attrs.evolve(
                     params,
                     remote_port=stage_port(
-                        int(params.remote_port), remote_tp_size=params.tp_size, pp_rank=self.pp_rank
+                        int(params.remote_port),
+                        remote_tp_size=params.tp_size,
+                        pp_rank=self.pp_rank,
+                        pp_size=self.pp_size,
+                        dp_rank=params.dp_rank,
                     ),
                 )
             handle = self.control.start(
