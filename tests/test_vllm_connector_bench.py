@@ -127,9 +127,11 @@ def test_pipeline_parallel_2_on_both_sides(bench) -> None:
     assert r["prefill"] == "tp2,pp2" and r["descriptors_per_request"] <= r["descriptor_bound"] == 2 * 1 * 7
 
 
-def test_pipeline_parallel_mismatch_fails_the_pull(bench) -> None:
-    r = bench.run(prefill="tp1", decode="tp1,pp2", prefill_layout="LBNHC", decode_layout="LBNHC", tokens=TOKENS)
+@pytest.mark.parametrize(("prefill", "decode"), [("tp1", "tp1,pp2"), ("tp1,pp2", "tp1")])
+def test_pipeline_parallel_mismatch_fails_the_pull_and_frees_every_prefill_stage(bench, prefill, decode) -> None:
+    r = bench.run(prefill=prefill, decode=decode, prefill_layout="LBNHC", decode_layout="LBNHC", tokens=TOKENS)
     assert r["verified"] is False and r["failed"]  # every decode stage refused the request: load errors
+    assert r["not_released"] == [], "a prefill stage kept blocks nobody will read"
 
 
 @pytest.mark.parametrize("dtype", ["fp8_e4m3", "fp8_e5m2"])

@@ -34,6 +34,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.agent import KVAgent, PullResult
 from kvbridge.backend import wait_all
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
+from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.landing import Receiver
 from kvbridge.ranks import side_channel_port, stage_port
@@ -333,16 +334,34 @@ class WorkerSide:
             self._recved.add(task.request_id)
 
     def _release(self, task: PullTask) -> None:
-        """Decode reads nothing of the request: free it on every prefill rank now (once per engine)."""
+        """Decode reads nothing of the request: free it on every prefill rank now (once per engine: each
+        stage's TP rank 0 frees its stage of prefill; with another PP size, stage 0 frees every stage)."""
         assert self.control is not None
+        params = task.params
         if self.tp_rank == 0:
-            try:
-                self.control.abort(task.params, reason="decode reads none of its KV")
-            except KVBridgeError as exc:  # the prefill lease then expires
-                log.error("request %s: cannot release its prefill blocks: %s", task.request_id, exc)
+            stages = [self.pp_rank] if params.pp_size == self.pp_size else range(params.pp_size)
+            for stage in stages:
+                try:
+                    self.control.abort(self._on_stage(params, stage), reason="decode reads none of its KV")
+                except KVBridgeError as exc:  # the prefill lease then expires
+                    log.error("request %s: cannot release its prefill blocks: %s", task.request_id, exc)
         if task.report:
             with self._lock:
                 self._recved.add(task.request_id)
+
+    @staticmethod
+    def _on_stage(params: KVTransferParams, stage: int) -> KVTransferParams:
+        """`params` pointed at pipeline stage `stage` of the prefill engine that sent them."""
+        if params.pp_size == 1:
+            return params
+        port = stage_port(
+            int(params.remote_port),
+            remote_tp_size=params.tp_size,
+            pp_rank=stage,
+            pp_size=params.pp_size,
+            dp_rank=params.dp_rank,
+        )
+        return attrs.evolve(params, remote_port=port)
 
     def _pull(self, task: PullTask, received: float) -> None:
         assert self.control is not None
@@ -364,17 +383,7 @@ class WorkerSide:
                     f"size {params.pp_size}, this decode engine {self.pp_size}; each stage reads its layers from "
                     "the same stage of prefill, so run both engines with the same --pipeline-parallel-size"
                 )
-            if self.pp_size > 1:  # this stage's layers live on the same stage of prefill
-                params = attrs.evolve(
-                    params,
-                    remote_port=stage_port(
-                        int(params.remote_port),
-                        remote_tp_size=params.tp_size,
-                        pp_rank=self.pp_rank,
-                        pp_size=self.pp_size,
-                        dp_rank=params.dp_rank,
-                    ),
-                )
+            params = self._on_stage(params, self.pp_rank)  # this stage's layers live on the same stage of prefill
             handle = self.control.start(
                 task.request_id,
                 params,
