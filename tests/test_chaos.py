@@ -47,8 +47,12 @@ def test_the_report_fails_on_any_must_be_zero_figure() -> None:
     assert (out["completed_equal"], out["failed_clear"], out["dropped_by_client"]) == (1, 1, 1)
     assert out["failures"] == {"503 decode gone": 1}
     assert out["ttft_ms"] == {"p50": 30.0, "p99": 30.0, "max": 30.0}
-    for bad in ([*clean, Outcome(3, DIFFERENT)], [*clean, Outcome(3, HUNG)]):
+    assert out["different"] == []
+    named = "chaos-0-3 (p -> d, no fault): got 'a', colocated 'b'"
+    for bad in ([*clean, Outcome(3, DIFFERENT, reason=named)], [*clean, Outcome(3, HUNG)]):
         assert not Report(outcomes=bad).ok
+    # a different output is named, with what to look for in the logs
+    assert Report(outcomes=[*clean, Outcome(3, DIFFERENT, reason=named)]).as_dict()["different"] == [named]
     assert not Report(outcomes=clean, blocks_held={"a": 2.0}).ok
     assert not Report(outcomes=clean, blocks_held={"a": 0.0, "b": -1.0}).ok  # a server that cannot be read
 

@@ -76,6 +76,8 @@ class Report:
             "hung": c[HUNG],
             "dropped_by_client": c[DROPPED],
             "failures": dict(failures.most_common(10)),
+            # request id, servers, fault, both outputs: what to look for in the logs (--logs)
+            "different": [o.reason for o in self.outcomes if o.kind == DIFFERENT][:10],
             "blocks_held_after_drain": self.blocks_held,
             "leases_expired": self.leases_expired,
             "retries": self.retries,

@@ -101,7 +101,10 @@ class Runner:
             threading.Timer(0.05, lambda: self.dep.kill_and_restart(victim) and self._count(fault)).start()
         chunks: list[str] = []
         try:
-            with self.http.stream("POST", url, json=self.body(text, True)) as r:
+            # One id through proxy and servers, so a request the report names can be found in their logs.
+            headers = {"X-Request-Id": f"chaos-{self.plan.seed}-{i}"}
+            with self.http.stream("POST", url, json=self.body(text, True), headers=headers) as r:
+                served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
                 if r.status_code != 200:
                     reason = r.read().decode(errors="replace").strip()
                     return Outcome(i, FAILED if reason else UNCLEAR, fault, r.status_code, reason, prompt_tokens=n)
@@ -136,7 +139,9 @@ class Runner:
             MATCHED if got == want else DIFFERENT,
             fault,
             200,
-            "" if got == want else f"got {got!r}, colocated {want!r}",
+            ""
+            if got == want
+            else f"{headers['X-Request-Id']} ({served}, {fault or 'no fault'}): got {got!r}, colocated {want!r}",
             ttft,
             n,
         )

@@ -250,15 +250,25 @@ class Proxy:
             ok = inst.healthy and inst.slow_probes < SLOW_PROBES
         except httpx.HTTPError:
             ok = False
+        except Exception as exc:  # noqa: BLE001
+            # The HTTP stack's own bugs are a failed probe, not the end of health checks (seen in a chaos
+            # run: httpcore raised AttributeError on a socket closed while connecting to a killed server).
+            log.warning("%s server %s: health probe failed (%s: %s)", inst.role, inst.url, type(exc).__name__, exc)
+            ok = False
         if ok != inst.healthy:
             log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else "down: taken out")
         inst.healthy = ok
 
     async def health_loop(self) -> None:
+        """Probe every instance each `health_interval` for the proxy's lifetime. A round that fails is logged
+        and the next one runs: a dead loop would keep every server taken out since then out for good."""
         while True:
-            await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
-            if self.warm_up:
-                self._warm_pairs()
+            try:
+                await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
+                if self.warm_up:
+                    self._warm_pairs()
+            except Exception:
+                log.exception("health check round failed; the next one runs in %.1fs", self.health_interval)
             await asyncio.sleep(self.health_interval)
 
     def _warm_pairs(self) -> None:
