@@ -15,10 +15,9 @@ import attrs
 from kvbridge.chaos.deployment import Deployment
 from kvbridge.chaos.faults import schedule
 from kvbridge.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report
-from kvbridge.testing.tiny_model import VOCAB
+from kvbridge.testing.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)
-CHARS = [c for c in VOCAB if len(c) == 1 and c != "\n"]
 
 
 @attrs.frozen
@@ -31,11 +30,6 @@ class Plan:
     idle_gaps: int = 3
     gap_range: tuple[float, float] = (5.0, 90.0)
     seed: int = 0
-
-
-def prompt(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return "".join(rng.choice(CHARS) for _ in range(n))
 
 
 def lengths(plan: Plan, max_model_len: int) -> list[int]:
@@ -149,7 +143,7 @@ class Runner:
     def run(self) -> Report:
         plan, dep = self.plan, self.dep
         t0 = time.monotonic()
-        texts = [prompt(n, plan.seed * 100_003 + i) for i, n in enumerate(lengths(plan, dep.max_model_len))]
+        texts = [random_prompt(n, plan.seed * 100_003 + i) for i, n in enumerate(lengths(plan, dep.max_model_len))]
         wants = self.expected(texts)
         faults = schedule(plan.faults, plan.requests, seed=plan.seed)
         rng = random.Random(plan.seed + 1)
