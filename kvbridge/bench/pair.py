@@ -381,7 +381,7 @@ def _print_result(result: dict[str, Any]) -> None:
                 ratio_cell(result),
                 f"{k['latency_ms']['median']:.1f}",
                 f"{k['latency_ms']['p99']:.1f}",
-                f"{k['descriptors_per_request']} runs -> {k['merged_runs_per_request']} "
+                f"{k['descriptors_per_request']} x {k['unit_bytes'] / 2**10:.0f} KiB -> {k['merged_runs_per_request']} "
                 f"{'chunks' if result['strategy']['used'] == 'gather' else 'runs'} -> "
                 f"{k['submitted_descriptors_per_request']} sent",
             ),
