@@ -52,43 +52,62 @@ def test_doctor_reports_each_plugin() -> None:
 
 
 @pytest.mark.parametrize(
-    "backend, extra", [("mooncake", []), ("tcp", ["--fragmented"]), ("mooncake", ["--fragmented"])]
+    "backend, extra",
+    [
+        ("mooncake", []),
+        ("tcp", ["--fragmented"]),
+        ("mooncake", ["--fragmented"]),
+        ("mooncake", ["--fragmented", "--layout", "ascend-kv-tuple"]),
+        ("mooncake", ["--layout", "LBHNC"]),
+    ],
 )
 def test_bench_verifies_a_two_process_migration(backend: str, extra: list[str]) -> None:
     result = json.loads(kvbridge("bench", "--migration-backend", backend, *QUICK, *extra, "--json").stdout)
     assert result["verified"] is True
     assert result["kvbridge"]["gbps"] > 0 and result["raw"]["gbps"] > 0
     per_request = result["kvbridge"]
-    assert per_request["descriptors_per_request"] == 4 * 2 * 16  # (layer, K/V) x blocks
-    if "--fragmented" in extra and backend == "mooncake":
-        # Mooncake TCP's declared cost (13 us a descriptor) makes 128 scattered 32 KiB blocks cheaper gathered
+    layout = extra[extra.index("--layout") + 1] if "--layout" in extra else "BLHNC"  # the default: the connector's
+    assert result["config"]["layout"] == layout
+    # runs of a block in the layout: every layer (block-outermost), one per layer, or one per (K/V, layer)
+    units = {"BLHNC": 1, "LBHNC": 4, "ascend-kv-tuple": 4 * 2}[layout]
+    assert (per_request["units_per_block"], per_request["descriptors_per_request"]) == (units, units * 16)
+    assert per_request["unit_bytes"] * units * 16 == result["config"]["bytes_per_request"]
+    if "--fragmented" in extra and layout == "ascend-kv-tuple":
+        # Mooncake TCP's declared cost (13 us a descriptor) makes 128 scattered 32 KiB pages cheaper gathered
         assert result["strategy"]["used"] == "gather"
         assert per_request["merged_runs_per_request"] == 1  # one staged chunk
-    elif "--fragmented" in extra:  # the builtin tcp transport declares no cost: direct
+    elif "--fragmented" in extra:  # 16 blocks of 256 KiB: direct on Mooncake; tcp declares no cost: direct
         assert result["strategy"]["used"] == "direct"
-        assert per_request["merged_runs_per_request"] > 4 * 2
-    else:  # contiguous blocks: one run per (layer, K/V) tensor
+        assert per_request["merged_runs_per_request"] > 1
+    else:  # contiguous blocks: one run per outer index of the layout (every layer at once in BLHNC)
         assert result["strategy"]["used"] == "direct"
-        assert per_request["merged_runs_per_request"] == 4 * 2
+        assert per_request["merged_runs_per_request"] == units
 
 
 def test_bench_passes_transport_options_to_both_sides() -> None:
-    piece = 1000  # bytes: every (layer, K/V) run is cut into ceil(run / 1000) descriptors
+    piece = 100_000  # bytes: the request's one contiguous run (BLHNC, contiguous) is cut into ceil(run / piece)
     result = json.loads(
         kvbridge(
             "bench", "--migration-backend", "mooncake", *QUICK, "--option", f"max_descriptor_bytes={piece}", "--json"
         ).stdout
     )
     assert result["verified"] is True and result["config"]["options"] == {"max_descriptor_bytes": piece}
-    run_bytes = result["config"]["bytes_per_request"] // (4 * 2)
-    assert result["kvbridge"]["submitted_descriptors_per_request"] == 4 * 2 * math.ceil(run_bytes / piece)
+    run_bytes = result["config"]["bytes_per_request"]
+    assert result["kvbridge"]["submitted_descriptors_per_request"] == math.ceil(run_bytes / piece)
     bad = kvbridge("bench", "--migration-backend", "mooncake", "--option", "no-equals-sign", check=False)
     assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr
+
+
+def test_bench_refuses_a_layout_vllm_does_not_name() -> None:
+    out = kvbridge("bench", "--migration-backend", "tcp", *QUICK, "--layout", "HND", check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--layout" in out.stderr and "invalid choice: 'HND'" in out.stderr and "BLHNC" in out.stderr
 
 
 def test_bench_table_for_people() -> None:
     out = kvbridge("bench", "--migration-backend", "tcp", *QUICK).stdout
     assert "raw transport" in out and "kvbridge migration" in out and "verified" in out
+    assert "layout BLHNC" in out  # the title names the layout (JSON: test above)
 
 
 def test_bench_refuses_a_transport_that_cannot_cross_processes() -> None:

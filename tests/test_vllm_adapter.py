@@ -509,23 +509,60 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     assert (samples[("kvbridge_leases_held", None)], samples[("kvbridge_blocks_held", None)]) == (1, 2)
 
 
-def test_required_kv_cache_layout_comes_from_extra_config() -> None:
-    from vllm.config import KVTransferConfig, VllmConfig
+def _connector_config(extra: dict, model: Path | None = None, backend: str | None = None):  # -> VllmConfig
+    from vllm.config import AttentionConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    return VllmConfig(
+        **({} if model is None else {"model_config": ModelConfig(model=str(model))}),
+        attention_config=AttentionConfig(backend=backend),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"migration_backend": "tcp", **extra},
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvbridge.testing.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_required_kv_cache_layout_comes_from_extra_config(tiny_llama: Path) -> None:
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
     from kvbridge.adapters.vllm.connector import KVBridgeConnector
 
-    def config(extra: dict) -> VllmConfig:
-        return VllmConfig(
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KVBridgeConnector",
-                kv_connector_module_path="kvbridge.adapters.vllm.connector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"migration_backend": "tcp", **extra},
-            )
-        )
+    asked = _connector_config({"kv_cache_layout": "LBHNC"}, tiny_llama)
+    assert KVBridgeConnector.get_required_kvcache_layout(asked) == "LBHNC"
+    # On this CPU-only machine (CPU attention: LBHNC only) the connector asks for nothing, so vLLM resolves
+    # its own layout without the "does not satisfy every supported set" warning a BLHNC request would cost.
+    default = _connector_config({}, tiny_llama)
+    assert KVBridgeConnector.get_required_kvcache_layout(default) is None
+    assert resolve_kv_cache_layout(default, [["LBHNC"]]).name == "LBHNC"
 
-    assert KVBridgeConnector.get_required_kvcache_layout(config({"kv_cache_layout": "LBHNC"})) == "LBHNC"
-    assert KVBridgeConnector.get_required_kvcache_layout(config({})) is None
+
+def test_default_layout_is_block_outermost_on_cuda_in_pull_mode(tiny_llama: Path) -> None:
+    """What the connector asks vLLM for, decided from real vLLM configs; `on_cuda` is the platform's answer
+    (`current_platform.is_cuda()`), which this machine cannot give as True."""
+    from kvbridge.adapters.vllm.connector import default_kv_cache_layout
+
+    def default(extra: dict, *, model: Path | None = tiny_llama, backend: str | None = None, cuda: bool = True):
+        config = _connector_config(extra, model, backend)
+        settings = Settings.from_extra_config(config.kv_transfer_config.kv_connector_extra_config)
+        return default_kv_cache_layout(settings, config, on_cuda=cuda)
+
+    assert default({}) == "BLHNC"  # one descriptor per block, every layer in it
+    assert default({}, backend="FLASH_ATTN") == "BLHNC"  # FlashAttention takes any layout
+    assert default({}, cuda=False) is None  # CPU (and ROCm) attention: vLLM would only warn and fall back
+    assert default({"transfer": "layerwise"}) is None  # streamed per layer: layer-outermost blocks
+    assert default({}, backend="FLEX_ATTENTION") is None  # declares LBNHC only
+    assert default({}, model=None) is None  # nothing to tell a hybrid model by
+    assert default({"kv_cache_layout": "LBNHC"}) == "LBNHC"  # the operator's choice wins
+    assert default({"kv_cache_layout": "LBHNC"}, cuda=False) == "LBHNC"
 
 
 @pytest.mark.parametrize(("dp_index", "pp", "tp"), [(0, 1, 1), (1, 1, 2), (1, 2, 2), (2, 2, 1)])

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             "fragmented" if r["config"]["fragmented"] else "contiguous",
             f"{r['raw']['gbps']:.2f}",
             f"{r['kvbridge']['gbps']:.2f}",
-            f"{r['ratio']:.0%} ({r['ratio_range'][0]:.0%}-{r['ratio_range'][1]:.0%})",
+            pair.ratio_cell(r),
             f"{r['kvbridge']['latency_ms']['median']:.1f}",
             "yes" if r["verified"] else "NO",
         )

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbridge.adapters.vllm.cache import FP8_CACHE_DTYPES, LAYOUT_NAMES
-from kvbridge.bench.pair import paired_ratio
+from kvbridge.bench.pair import paired_ratio, ratio_cell
 from kvbridge.cli.output import print_json, print_table
 from kvbridge.errors import ConfigError
 from kvbridge.plugins import get_device
@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{r['prefill_layout']} -> {r['decode_layout']}",
                     f"{r['raw']['gbps']:.3f}",
                     f"{r['gbps']:.3f}",
-                    f"{r['ratio']:.0%} ({r['ratio_range'][0]:.0%}-{r['ratio_range'][1]:.0%})",
+                    ratio_cell(r),
                     r["descriptors_per_request"],
                     r["descriptor_bound"],
                     {None: "not checked", True: "yes", False: "NO"}[r["verified"]],

@@ -5,6 +5,8 @@ then kvbridge's migration of every request, and verifies every byte on the decod
 migration is direct (one descriptor per block, merged where blocks are contiguous on both sides)
 or gathered (prefill packs the blocks into a staging region, decode pulls it in chunks and
 scatters), as the transport's declared cost model picks (`kvbridge.strategy`) or `--strategy` says.
+Both pools are laid out as one vLLM KV cache layout (`--layout`, `kvbridge.bench.pool_layout`), which
+decides how many descriptors a block costs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 import numpy as np
 from rich.progress import Progress
 
+from kvbridge.adapters.vllm.cache import LAYOUT_NAMES
+from kvbridge.bench.pool_layout import DEFAULT_LAYOUT, describe
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError, PluginUnavailable
 from kvbridge.plugins import get_device, registry
@@ -35,7 +39,17 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--fragmented",
         action="store_true",
-        help="shuffle block ids on both sides (worst case: one descriptor per block)",
+        help="shuffle block ids on both sides (worst case: no two blocks adjacent, so no run spans two blocks)",
+    )
+    group.add_argument(
+        "--layout",
+        choices=LAYOUT_NAMES,
+        default=DEFAULT_LAYOUT,
+        metavar="LAYOUT",
+        help="vLLM KV cache layout of both pools (vllm.v1.kv_cache_layout.KVCacheLayout): "
+        + "; ".join(describe(n) for n in LAYOUT_NAMES)
+        + f". Default {DEFAULT_LAYOUT}: what KVBridgeConnector asks vLLM for on a CUDA deployment in pull mode "
+        "(docs/vllm.md); vLLM's own default on CUDA is LBNHC",
     )
     group.add_argument(
         "--strategy",
@@ -85,14 +99,14 @@ def plan_blocks(
     return [order[r * per_request : (r + 1) * per_request].tolist() for r in range(requests)]
 
 
-def descriptor_count(src: list[int], dst: list[int], tensors: int, block_bytes: int, piece: int | None) -> int:
-    """Descriptors the direct strategy sends for one request: runs of blocks consecutive on both sides, per
-    tensor, cut into the transport's pieces."""
+def descriptor_count(src: list[int], dst: list[int], units: int, unit_bytes: int, piece: int | None) -> int:
+    """Descriptors the direct strategy sends for one request: runs of blocks consecutive on both sides, for
+    each of a block's `units` runs of `unit_bytes` in the layout, cut into the transport's pieces."""
     s, d = np.asarray(src), np.asarray(dst)
     starts = np.flatnonzero(np.concatenate(([True], (np.diff(s) != 1) | (np.diff(d) != 1))))
-    lengths = np.diff(np.append(starts, len(s))) * block_bytes
+    lengths = np.diff(np.append(starts, len(s))) * unit_bytes
     per = -(-lengths // piece) if piece else np.ones_like(lengths)
-    return int(per.sum()) * tensors
+    return int(per.sum()) * units
 
 
 def _check_backend(name: str) -> None:
@@ -128,9 +142,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         model=spec.name,
         options=dict(args.option),
         stage=args.stage,
+        layout=args.layout,
     )
     request_bytes = per_request * spec.bytes_per_token() * spec.block_size
-    block_bytes = spec.block_size * spec.kv_heads * spec.head_dim * spec.dtype_bytes
 
     # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child.
     prefill = Child("kvbridge.bench.pair_worker", name="prefill")
@@ -142,7 +156,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cost = TransferCost(**src["cost"])
         choice = choose(
             cost,
-            descriptor_count(src_plan[0], dst_plan[0], spec.layers * spec.kv_tensors, block_bytes, cost.piece_bytes),
+            descriptor_count(src_plan[0], dst_plan[0], src["units_per_block"], src["unit_bytes"], cost.piece_bytes),
             request_bytes,
             copy_bytes_per_s=src["copy_bytes_per_s"],
         )
@@ -182,7 +196,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     if choice.strategy == "gather":
                         r = _gathered(prefill, decode, staged["addr"], src_blocks, dst_blocks, chunks_done, args)
                         chunks_done += r["chunks"]
-                        descriptors_in, runs = len(src_blocks) * spec.layers * spec.kv_tensors, r["chunks"]
+                        descriptors_in, runs = len(src_blocks) * src["units_per_block"], r["chunks"]
                     else:
                         r = decode.call(
                             "migrate",
@@ -224,6 +238,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": tokens,
             "requests": requests,
             "fragmented": args.fragmented,
+            "layout": args.layout,
             "repeat": args.repeat,
             "bytes_per_request": request_bytes,
             "options": dict(args.option),
@@ -245,7 +260,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "median": statistics.median(lat_ms),
                 "p99": lat_ms[min(len(lat_ms) - 1, math.ceil(0.99 * len(lat_ms)) - 1)],
             },
-            "descriptors_per_request": descriptors_in,
+            "descriptors_per_request": descriptors_in,  # the layout's runs: units_per_block x blocks
+            "units_per_block": src["units_per_block"],
+            "unit_bytes": src["unit_bytes"],
             "merged_runs_per_request": runs,
             "submitted_descriptors_per_request": descriptors,
         },
@@ -301,6 +318,12 @@ def paired_ratio(raw_s: list[float], kv_s: list[float]) -> dict[str, Any]:
     return {"ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)]}
 
 
+def ratio_cell(result: dict[str, Any]) -> str:
+    """A `paired_ratio` as a table cell: the median and the per-round range, e.g. "92% (81%-113%)"."""
+    low, high = result["ratio_range"]
+    return f"{result['ratio']:.0%} ({low:.0%}-{high:.0%})"
+
+
 def sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One measurement per --sweep-tokens length (or the one --tokens run)."""
     lengths = getattr(args, "sweep_tokens", None) or [args.tokens]
@@ -348,17 +371,17 @@ def _print_result(result: dict[str, Any]) -> None:
     print_table(
         f"kvbridge bench: {c['migration_backend']} {c['model']} {c['tokens']} tokens x {c['requests']} requests "
         f"({'fragmented' if c['fragmented'] else 'contiguous'} blocks, {c['bytes_per_request'] / 2**20:.1f} MiB "
-        "per request)",
+        f"per request, layout {c['layout']}: {k['units_per_block']} x {k['unit_bytes'] / 2**10:.0f} KiB per block)",
         ["path", "GB/s", "of raw (per-round range)", "median ms", "p99 ms", "descriptors per request"],
         [
             ("raw transport (1 descriptor)", f"{r['gbps']:.2f}", "100%", "", "", "1"),
             (
                 f"kvbridge migration ({result['strategy']['used']})",
                 f"{k['gbps']:.2f}",
-                f"{result['ratio']:.0%} ({result['ratio_range'][0]:.0%}-{result['ratio_range'][1]:.0%})",
+                ratio_cell(result),
                 f"{k['latency_ms']['median']:.1f}",
                 f"{k['latency_ms']['p99']:.1f}",
-                f"{k['descriptors_per_request']} blocks -> {k['merged_runs_per_request']} "
+                f"{k['descriptors_per_request']} x {k['unit_bytes'] / 2**10:.0f} KiB -> {k['merged_runs_per_request']} "
                 f"{'chunks' if result['strategy']['used'] == 'gather' else 'runs'} -> "
                 f"{k['submitted_descriptors_per_request']} sent",
             ),

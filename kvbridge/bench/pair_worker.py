@@ -1,13 +1,14 @@
 """One side (prefill or decode) of `kvbridge bench` in pair mode, run as a child process.
 
-The KV cache is one pool per side, carved into a tensor per (layer, K/V) of shape
-(blocks, block_size * kv_heads * head_dim) elements, registered once. Decode holds more blocks
-than prefill (asymmetric capacity) and pulls each request's blocks into its own block ids.
+The KV cache is one pool per side laid out as a vLLM KV cache layout (`kvbridge.bench.pool_layout`),
+registered once. Decode holds more blocks than prefill (asymmetric capacity) and pulls each request's
+blocks into its own block ids; a request moves as its layout's runs (units), one or more per block.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -15,7 +16,8 @@ import numpy as np
 
 import kvbridge
 from kvbridge import staging
-from kvbridge.bench.fingerprint import block_values, element_dtype
+from kvbridge.bench.fingerprint import block_values
+from kvbridge.bench.pool_layout import PoolLayout
 from kvbridge.errors import ConfigError
 from kvbridge.memory import merge_runs
 from kvbridge.presets import get_preset
@@ -37,16 +39,17 @@ class Side:
         model: str,
         blocks: int,
         options: dict[str, Any],
+        layout: str,
         stage: bool = False,
     ) -> None:
         self.spec = get_preset(model)
         self.device = kvbridge.get_device(device)
-        self.tensors = self.spec.layers * self.spec.kv_tensors
-        self.block_elems = self.spec.block_size * self.spec.kv_heads * self.spec.head_dim
-        self.block_bytes = self.block_elems * self.spec.dtype_bytes
+        self.layout = PoolLayout(layout, self.spec, blocks)
+        self.tensors = self.layout.logical_shape[0]  # per layer, or per (K/V, layer) for separate K and V
+        self.block_elems = math.prod(self.layout.logical_shape[2:])  # one block of one tensor, any layout
+        self.unit_bytes = self.layout.unit_bytes  # one contiguous run of a block (the direct descriptor)
         self.blocks = blocks
-        self.tensor_bytes = blocks * self.block_bytes
-        self.pool = self.device.allocate(self.tensors * self.tensor_bytes)
+        self.pool = self.device.allocate(self.layout.nbytes)
         # Staged where the transport cannot reach the device's memory (or when asked to, to measure it).
         self.backend = staging.attach(
             kvbridge.create_backend(backend, protocol=protocol, **options), self.device, force=stage
@@ -64,17 +67,12 @@ class Side:
         return isinstance(self.pool, np.ndarray) and staging.transport(self.backend) is self.backend
 
     def rows(self, blocks: list[int]) -> np.ndarray:
-        """Byte offsets in the pool of a request's (tensor, block) rows, in request order."""
-        t = np.arange(self.tensors, dtype=np.int64)[:, None] * self.tensor_bytes
-        return (t + np.asarray(blocks, dtype=np.int64)[None, :] * self.block_bytes).reshape(-1)
-
-    def host_view(self, host: np.ndarray) -> np.ndarray:
-        """(tensors, blocks, block_elems) element view of a host copy of the pool."""
-        return host.view(element_dtype(self.spec.dtype_bytes)).reshape(self.tensors, self.blocks, self.block_elems)
+        """Byte offsets in the pool of a request's runs (units), in request order."""
+        return self.layout.unit_offsets(blocks)
 
     def fill(self, requests: list[list[int]]) -> None:
-        host = np.zeros(self.tensors * self.tensor_bytes, dtype=np.uint8)
-        view = self.host_view(host)
+        host = np.zeros(self.layout.nbytes, dtype=np.uint8)
+        view = self.layout.element_view(host)
         for r, blocks in enumerate(requests):
             for t in range(self.tensors):
                 view[t, blocks] = block_values(
@@ -84,19 +82,19 @@ class Side:
                     blocks=len(blocks),
                     block_elems=self.block_elems,
                     nbytes=self.spec.dtype_bytes,
-                )
+                ).reshape(len(blocks), *view.shape[2:])
         self.device.from_host(self.pool, host)
         self.backend.publish()  # waits for the device; staged, copies to the mirror the decode side reads
 
-    def descriptors(self, src: dict[str, int], src_blocks: list[int], dst_blocks: list[int]) -> np.ndarray:
-        """Pull descriptors for one request: every (tensor, block) pair, built with numpy broadcasting."""
-        t = np.arange(self.tensors, dtype=np.int64)[:, None]
-        s = np.asarray(src_blocks, dtype=np.int64)[None, :]
-        d = np.asarray(dst_blocks, dtype=np.int64)[None, :]
-        local = self.base + t * self.tensor_bytes + d * self.block_bytes
-        remote = src["base"] + t * src["tensor_bytes"] + s * self.block_bytes
-        length = np.full_like(local, self.block_bytes)
-        return np.stack([local, remote, length], axis=-1).reshape(-1, 3)
+    def descriptors(self, src: dict[str, Any], src_blocks: list[int], dst_blocks: list[int]) -> np.ndarray:
+        """Pull descriptors for one request: every run of every block pair, built with numpy broadcasting.
+
+        The prefill pool has the same layout with its own block count (so its own outer strides)."""
+        remote_layout = PoolLayout(self.layout.name, self.spec, src["blocks"])
+        local = self.base + self.rows(dst_blocks)
+        remote = src["base"] + remote_layout.unit_offsets(src_blocks)
+        length = np.full_like(local, self.unit_bytes)
+        return np.stack([local, remote, length], axis=-1)
 
 
 def stage(nbytes: int) -> dict[str, Any]:
@@ -123,14 +121,12 @@ def gather(blocks: list[int], chunk_bytes: int) -> dict[str, float]:
     assert side.staging is not None, "call stage first"
     start = time.monotonic()
     src = side.rows(blocks)
-    per = max(1, chunk_bytes // side.block_bytes)
+    per = max(1, chunk_bytes // side.unit_bytes)
     flag = side.staging[side.staging_bytes :].view(np.int64)
-    lengths = np.full(len(src), side.block_bytes, dtype=np.int64)
+    lengths = np.full(len(src), side.unit_bytes, dtype=np.int64)
     for i in range(0, len(src), per):
         j = slice(i, i + per)
-        copy_ranges(
-            side.staging, side.pool, np.arange(i, min(i + per, len(src))) * side.block_bytes, src[j], lengths[j]
-        )
+        copy_ranges(side.staging, side.pool, np.arange(i, min(i + per, len(src))) * side.unit_bytes, src[j], lengths[j])
         side.gathered += 1
         flag[0] = side.gathered  # after the chunk's bytes: a reader that sees it reads a whole chunk
     end = time.monotonic()
@@ -147,7 +143,7 @@ def migrate_gathered(
     start = time.monotonic()
     deadline = start + wait_s
     dst = side.rows(dst_blocks)
-    per = max(1, chunk_bytes // side.block_bytes)
+    per = max(1, chunk_bytes // side.unit_bytes)
     chunks = [(i, min(i + per, len(dst))) for i in range(0, len(dst), per)]
     base = side.staging.ctypes.data
     flag_at = side.staging_bytes
@@ -169,7 +165,7 @@ def migrate_gathered(
             spent["poll"] += time.monotonic() - t
         while submitted < min(ready, done + GATHER_IN_FLIGHT):
             a, b = chunks[submitted]
-            off, n = a * side.block_bytes, (b - a) * side.block_bytes
+            off, n = a * side.unit_bytes, (b - a) * side.unit_bytes
             handles[submitted] = side.backend.transfer(side.peer, [(base + off, src_addr + off, n)], "read")
             sent += handles[submitted].descriptors
             submitted += 1
@@ -178,8 +174,8 @@ def migrate_gathered(
             handles.pop(done).wait(wait_s)
             t2 = time.monotonic()
             a, b = chunks[done]
-            lengths = np.full(b - a, side.block_bytes, dtype=np.int64)
-            copy_ranges(side.pool, side.staging, dst[a:b], np.arange(a, b) * side.block_bytes, lengths)
+            lengths = np.full(b - a, side.unit_bytes, dtype=np.int64)
+            copy_ranges(side.pool, side.staging, dst[a:b], np.arange(a, b) * side.unit_bytes, lengths)
             spent["wire_wait"] += t2 - t
             spent["scatter"] += time.monotonic() - t2
             done += 1
@@ -204,7 +200,9 @@ def init(**kwargs: Any) -> dict[str, Any]:
     return {
         "endpoint": _side.backend.endpoint_info().hex(),
         "base": _side.published,
-        "tensor_bytes": _side.tensor_bytes,
+        "blocks": _side.blocks,
+        "unit_bytes": _side.unit_bytes,
+        "units_per_block": _side.layout.units_per_block,
         "cost": {k: getattr(cost, k) for k in ("bytes_per_s", "descriptor_s", "piece_bytes", "peer_admission")},
         "copy_bytes_per_s": _side.device.copy_bytes_per_s,
         "can_gather": _side.can_gather(),
@@ -222,10 +220,10 @@ def connect(endpoint: str) -> None:
 
 def zero() -> None:
     side = _get()
-    side.device.from_host(side.pool, np.zeros(side.tensors * side.tensor_bytes, dtype=np.uint8))
+    side.device.from_host(side.pool, np.zeros(side.layout.nbytes, dtype=np.uint8))
 
 
-def migrate(src: dict[str, int], src_blocks: list[int], dst_blocks: list[int], wait_s: float) -> dict[str, Any]:
+def migrate(src: dict[str, Any], src_blocks: list[int], dst_blocks: list[int], wait_s: float) -> dict[str, Any]:
     """Pull one request; the time covers descriptor building, submission and completion."""
     side = _get()
     assert side.peer is not None
@@ -258,7 +256,8 @@ def raw(src_base: int, nbytes: int, wait_s: float) -> dict[str, Any]:
 def verify(requests: list[list[int]]) -> dict[str, Any]:
     """Every block of every request holds its fingerprint; every other block is still zero."""
     side = _get()  # a pull's handle completes after the device synchronized: nothing to wait for here
-    view = side.host_view(side.device.to_host(side.pool))
+    view = side.layout.element_view(side.device.to_host(side.pool))
+    n = len(view.shape)
     touched = np.zeros(side.blocks, dtype=bool)
     bad: list[str] = []
     for r, blocks in enumerate(requests):
@@ -272,12 +271,12 @@ def verify(requests: list[list[int]]) -> dict[str, Any]:
                 block_elems=side.block_elems,
                 nbytes=side.spec.dtype_bytes,
             )
-            wrong = np.flatnonzero((view[t, blocks] != expect).any(axis=1))
+            wrong = np.flatnonzero((view[t, blocks].reshape(len(blocks), -1) != expect).any(axis=1))
             if len(wrong):
                 bad.append(
                     f"request {r} tensor {t}: {len(wrong)} blocks differ (first decode block {blocks[wrong[0]]})"
                 )
-    stray = np.flatnonzero(view[:, ~touched].any(axis=(0, 2)))
+    stray = np.flatnonzero(view[:, ~touched].any(axis=(0, *range(2, n))))
     if len(stray):
         bad.append(f"{len(stray)} blocks outside every request were written")
     return {"verified": not bad, "problems": bad[:10]}

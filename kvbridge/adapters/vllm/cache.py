@@ -45,6 +45,9 @@ ORDERS = {
     ASCEND_KV_TUPLE: (0, 1, 3, 2, 4),
 }
 LAYOUT_NAMES = tuple(ORDERS)
+# What KVBridgeConnector asks vLLM for on CUDA in pull mode unless told otherwise (connector.default_kv_cache_layout):
+# block-outermost, so one block of every layer is one contiguous run (one descriptor per block).
+CUDA_DEFAULT_LAYOUT = "BLHNC"
 
 
 def resolved_layout(vllm_config: Any) -> str:

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvbridge.adapters.vllm.cache import CUDA_DEFAULT_LAYOUT
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
@@ -48,6 +49,38 @@ def share_vllm_logging() -> None:
     ours.propagate = False
 
 
+def default_kv_cache_layout(settings: Settings, vllm_config: VllmConfig, *, on_cuda: bool) -> str | None:
+    """The layout to ask vLLM for: the operator's, else BLHNC where vLLM would use it, else None (vLLM's).
+
+    BLHNC is block-outermost: one block of every layer is one contiguous run, so a request costs one
+    descriptor per block (2 MiB for llama3-8b at block 16) instead of one per (layer, block); docs/vllm.md,
+    "Which layout the connector asks for", says what it trades.
+
+    BLHNC only where vLLM uses it as asked: pull mode (layer-wise mode streams per layer, which a
+    block-outermost block is not), on CUDA (CPU attention takes LBHNC only and ROCm's backends layer-outermost
+    ones: vLLM would warn and fall back), with a model config to read (as vLLM's MooncakeConnector), not for a
+    hybrid model (where kernels typically split an attention block into smaller kernel blocks, which needs a
+    dense page per block: vLLM refuses to start with a block-outermost layout), and not when the operator
+    chose an attention backend that declares layouts without BLHNC (FlexAttention: LBNHC only). CUDA's own
+    choices take it (FlashAttention, Triton: any layout; FlashInfer: any, or LBHNC/BLHNC on SM100). A
+    --block-size the chosen kernel must split still fails at start-up, with vLLM's message saying to use a
+    layer-compact layout: `kv_cache_layout` then.
+    """
+    if settings.kv_cache_layout is not None:
+        return settings.kv_cache_layout
+    if settings.transfer != "pull" or not on_cuda:
+        return None
+    model = vllm_config.model_config
+    if model is None or model.is_hybrid:
+        return None
+    backend = vllm_config.attention_config.backend
+    if backend is not None:
+        layouts = backend.get_class().supported_kv_cache_layouts()
+        if layouts is not None and CUDA_DEFAULT_LAYOUT not in {layout.name for layout in layouts}:
+            return None
+    return CUDA_DEFAULT_LAYOUT
+
+
 class KVBridgeConnector(KVConnectorBase_V1):
     """Decode reads each request's prompt KV from the prefill server that computed it."""
 
@@ -68,12 +101,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """The layout the operator asked for in kv_connector_extra_config (vLLM uses it when its attention
-        backends support it); None: kvbridge moves every layout vLLM resolves."""
+        """The layout the operator asked for in kv_connector_extra_config, else `default_kv_cache_layout`'s
+        (vLLM uses it when its attention backends support it); None: kvbridge moves what vLLM resolves."""
         config = vllm_config.kv_transfer_config
         if config is None:
             return None
-        return Settings.from_extra_config(config.kv_connector_extra_config).kv_cache_layout
+        from vllm.platforms import current_platform
+
+        settings = Settings.from_extra_config(config.kv_connector_extra_config)
+        return default_kv_cache_layout(settings, vllm_config, on_cuda=current_platform.is_cuda())
 
     # -- scheduler side ------------------------------------------------------------------------
 

@@ -24,9 +24,10 @@ class Settings:
     - `side_channel_port`: base port of the side channel; TP rank r (and DP rank d) listen on
       `port + d * tp_size + r`. Prefill servers on one host need distinct ports.
     - `lease_s`: how long prefill holds a finished request's blocks for its pullers' DONE.
-    - `kv_cache_layout`: a vLLM KV cache layout to ask for (`get_required_kvcache_layout`), e.g. "LBHNC"
-      on both sides when their TP differs, so decode slices heads in place; default: whatever vLLM
-      resolves (every layout works, see docs/vllm.md).
+    - `kv_cache_layout`: a vLLM KV cache layout to ask for (`get_required_kvcache_layout`), e.g. "LBNHC"
+      where a block-outermost layout cannot run; default: BLHNC on CUDA in pull mode (one descriptor per
+      block, every layer in it), else whatever vLLM resolves (`connector.default_kv_cache_layout`; every
+      layout works, see docs/vllm.md).
     - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
       ready and to hold the request) before it counts as failed. One side-channel message waits at
       most 5 s of it for an answer (one sent to a prefill that is then killed is never answered).

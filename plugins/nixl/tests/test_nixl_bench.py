@@ -26,7 +26,10 @@ def test_plugins_lists_nixl_with_its_backends() -> None:
 
 
 def test_compare_transports_verifies_both_side_by_side() -> None:
-    out = json.loads(kvbridge("bench", "--compare-transports", "mooncake,nixl", *QUICK, "--json").stdout)
+    # separate K and V pages per layer: 4 x 2 x 16 of 32 KiB per request, worth gathering on Mooncake TCP (the
+    # default BLHNC's 16 blocks of 256 KiB are not, on any transport)
+    layout = ["--layout", "ascend-kv-tuple"]
+    out = json.loads(kvbridge("bench", "--compare-transports", "mooncake,nixl", *QUICK, *layout, "--json").stdout)
     seen = {(r["config"]["migration_backend"], r["config"]["fragmented"]) for r in out["results"]}
     assert seen == {("mooncake", False), ("mooncake", True), ("nixl", False), ("nixl", True)}
     assert out["verified"] is True
