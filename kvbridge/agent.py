@@ -346,7 +346,7 @@ class KVAgent:
             self._build(request_id, p, by_rank, remote_blocks, local_blocks, tokens, work, landed)
         except BaseException:
             for land in landed:
-                land.finish(False)
+                land.finish(False, moved=False)
             raise
         handles = [self.backend.transfer(peer, desc, "read") for _info, peer, desc in work]
         pulled = [(info.engine_id, info.rank) for info, _peer, _desc in work]

@@ -120,12 +120,19 @@ class Landed:
     def __init__(self, receiver: Receiver, buf: Any, descriptors: Descriptors, action: Any) -> None:
         self._receiver, self._buf, self.descriptors, self._action = receiver, buf, descriptors, action
 
-    def finish(self, ok: bool) -> None:
+    def finish(self, ok: bool, *, moved: bool = True) -> None:
+        """Rearrange into the cache when the transfer succeeded; give the buffer back. A failed transfer
+        (`moved`: it had started) may still write into the buffer later: a transport call that gave up
+        does not always cancel what it queued (Mooncake TCP re-sends slices queued behind a dropped lane
+        once the peer answers), so the buffer is retired, never lent to another pull."""
         try:
             if ok:
                 self._action(self._buf)
         finally:
-            self._receiver.release(self._buf)
+            if ok or not moved:
+                self._receiver.release(self._buf)
+            else:
+                self._receiver.retire(self._buf)
 
 
 class Receiver:
@@ -156,6 +163,7 @@ class Receiver:
         self.max_idle_bytes = max_idle_bytes
         self._free: list[Any] = []
         self._all: list[Any] = []
+        self._retired_bytes = 0
         self._lock = threading.Lock()
 
     def direct(self, remote: KVLayout) -> bool:
@@ -259,6 +267,23 @@ class Receiver:
         if not keep:
             self.backend.unregister_memory(buf)
             log.debug("landing buffer of %d bytes freed (idle buffers at the bound)", buf.numel())
+
+    def retire(self, buf: Any) -> None:
+        """Keep `buf` allocated and registered but never reuse it: a late write may still land in it."""
+        with self._lock:
+            self._retired_bytes += buf.numel()
+            retired = self._retired_bytes
+        log.warning(
+            "landing buffer of %d bytes retired after a failed transfer (a late write may still land in it); "
+            "%d bytes retired on this rank",
+            buf.numel(),
+            retired,
+        )
+
+    @property
+    def retired_bytes(self) -> int:
+        with self._lock:
+            return self._retired_bytes
 
     @property
     def idle_bytes(self) -> int:

@@ -86,3 +86,30 @@ def test_idle_landing_buffers_are_bounded() -> None:
     finally:
         receiver.close()
         backend.close()
+
+
+def test_a_buffer_a_failed_transfer_wrote_into_is_never_lent_again() -> None:
+    # A transport call that gave up may still write later (Mooncake TCP re-sends slices queued behind a
+    # dropped lane once the peer answers): that buffer must not hold the next pull's bytes.
+    import kvbridge
+    from kvbridge.landing import Landed
+
+    kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
+    backend = kvbridge.create_backend("loopback")
+    receiver = Receiver(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"))
+    rearranged: list[object] = []
+    try:
+        failed = receiver.acquire(1 << 20)
+        Landed(receiver, failed, np.zeros((0, 3), np.int64), rearranged.append).finish(False)
+        assert receiver.idle_bytes == 0 and receiver.retired_bytes == failed.numel() and not rearranged
+        assert receiver.acquire(1 << 20) is not failed  # still registered, never lent again
+        assert len(backend.registered) == 2
+        unsent = receiver.acquire(1 << 20)  # a pull refused before any byte moved: its buffer is clean
+        Landed(receiver, unsent, np.zeros((0, 3), np.int64), rearranged.append).finish(False, moved=False)
+        assert receiver.idle_bytes == unsent.numel() and receiver.acquire(1 << 20) is unsent
+        done = receiver.acquire(1 << 20)
+        Landed(receiver, done, np.zeros((0, 3), np.int64), rearranged.append).finish(True)
+        assert rearranged == [done] and receiver.acquire(1 << 20) is done
+    finally:
+        receiver.close()
+        backend.close()
