@@ -29,6 +29,7 @@ from kvbridge.control import (
     open_registry,
     resolve,
 )
+from kvbridge.errors import LoadError
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS, ModelSpec
 from kvbridge.proc import serve
@@ -229,10 +230,14 @@ def done(request_id: str, params: dict) -> list[bool]:
     read) and, on the notifier, a release-only DONE to the ranks nobody reads. Returns `released` flags."""
     p = KVTransferParams.from_dict(params)
     job = R.pending[request_id]
-    out = [
-        R.client(p, rank).done(p.remote_request_id, R.name, epoch, expected_pulls=job["counts"][rank]).released
+    statuses = [  # every DONE goes out (each ends this rank's read of that lease) before any LoadError
+        R.client(p, rank).done(p.remote_request_id, R.name, epoch, expected_pulls=job["counts"][rank], check=False)
         for rank, epoch in job["epochs"].items()
     ]
+    for status in statuses:
+        if not status.valid:
+            raise LoadError(f"lease of {request_id!r} was {status.state.value} at the DONE; recompute")
+    out = [status.released for status in statuses]
     for rank in job["notify"]:
         out.append(R.client(p, rank).done(p.remote_request_id, R.name, 0, expected_pulls=1, check=False).released)
     return out

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.control import LeaseState, Ledger
+from kvbridge.control import Lease, LeaseState, Ledger
 from kvbridge.errors import ConfigError
 
 
@@ -110,13 +110,66 @@ def test_lease_fencing_epoch_of_an_older_offer_is_refused(ledger: Ledger) -> Non
 
 
 def test_abort_releases_and_returns_watchers(ledger: Ledger, released: list) -> None:
-    lease = ledger.offer("r1", [5], expected_pulls=2)
+    ledger.offer("r1", [5], expected_pulls=3)
+    ledger.offer("r2", [6], expected_pulls=2)
     ledger.begin("r1", "d0", watcher=("127.0.0.1", 5000))
     ledger.begin("r1", "d1", watcher=("127.0.0.1", 5001))
+    for rank in ("d0", "d1"):  # their reads ended
+        ledger.done("r1", rank)
     assert sorted(ledger.abort("r1")) == [("127.0.0.1", 5000), ("127.0.0.1", 5001)]
-    assert released == [("r1", LeaseState.ABORTED, (5,))]
+    assert released == [("r1", LeaseState.ABORTED, (5,))], "nobody reads it: released at once"
     assert ledger.abort("r1") == [] and len(released) == 1, "a second abort is a no-op"
-    assert not ledger.done("r1", "d0", lease.epoch).valid
+    assert ledger.abort("r2") == [] and released[-1] == ("r2", LeaseState.ABORTED, (6,))
+
+
+def test_abort_holds_the_blocks_of_a_read_in_flight_until_its_done(ledger: Ledger, released: list) -> None:
+    # A decode rank that began a pull may still be reading when prefill aborts: the abort is published at
+    # once (the DONE is answered invalid), but the blocks stay until that rank's DONE.
+    lease = ledger.offer("r1", [5], expected_pulls=2)
+    begun = ledger.begin("r1", "d0")
+    assert begun.valid and begun.reads_held and begun.remaining_s == 10.0
+    ledger.begin("r1", "d1")
+    ledger.abort("r1")
+    assert ledger.state("r1") is LeaseState.ABORTED and released == []
+    assert not ledger.begin("r1", "d2").valid, "no new read of an aborted lease"
+    assert not ledger.done("r1", "d0", lease.epoch).valid and released == [], "d1 still reads"
+    assert ledger.done("r1", "d9", lease.epoch).valid is False and released == [], "not a reader"
+    assert not ledger.done("r1", "d1", lease.epoch).valid
+    assert released == [("r1", LeaseState.ABORTED, (5,))]
+    assert ledger.done("r1", "d1", lease.epoch).valid is False and len(released) == 1
+
+
+def test_a_read_never_confirmed_holds_an_aborted_lease_until_its_deadline(
+    ledger: Ledger, released: list, clock: Clock
+) -> None:
+    old = ledger.offer("r1", [5], expected_pulls=1)
+    ledger.begin("r1", "d0")
+    ledger.abort("r1")
+    new = ledger.offer("r1", [7], expected_pulls=1)  # the id offered again: another lease, another hold
+    assert ledger.done("r1", "d0", new.epoch).released, "a DONE of the new epoch ends only that read"
+    assert released == [("r1", LeaseState.RELEASED, (7,))]
+    clock.now += 9.9
+    ledger.reap()
+    assert len(released) == 1, "the decode rank that read the aborted lease may still be reading"
+    clock.now += 0.1  # the deadline that rank was told: no read can outlive it
+    ledger.reap()
+    assert released[-1] == ("r1", LeaseState.ABORTED, (5,)) and old.epoch != new.epoch
+
+
+def test_a_count_reached_while_another_rank_reads_holds_until_its_done(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("r1", [5], expected_pulls=1)  # the count is wrong: two ranks read
+    ledger.begin("r1", "d0")
+    ledger.begin("r1", "d1")
+    assert ledger.done("r1", "d0", lease.epoch).valid
+    assert ledger.state("r1") is LeaseState.RELEASED and released == []
+    assert not ledger.done("r1", "d1", lease.epoch).valid, "its read may not be confirmed: it was not counted"
+    assert released == [("r1", LeaseState.RELEASED, (5,))]
+
+
+def test_a_lease_the_engine_may_free_by_itself_promises_no_hold(ledger: Ledger, released: list) -> None:
+    ledger.offer("s1", [5], expected_pulls=1, holds_reads=False)  # e.g. a stream vLLM may preempt
+    begun = ledger.begin("s1", "d0")
+    assert begun.valid and not begun.reads_held
 
 
 def test_done_for_an_unknown_request_is_invalid_and_harmless(ledger: Ledger, released: list) -> None:
@@ -240,20 +293,35 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
     DONEs counted before it are (fencing)."""
     clock = Clock()
     log: list[tuple] = []  # ("release", epoch, reason), ("valid", epoch, rank), ("early", request, rank)
-    ledger = Ledger(lambda lease, why: log.append(("release", lease.epoch, why)), timeout_s=10.0, clock=clock)
+    readers: dict[int, set[str]] = {}  # epoch -> ranks whose BeginPull found it active, no DONE since
+    deadlines: dict[int, float] = {}
+
+    def release(lease: Lease, why: LeaseState) -> None:
+        # the blocks are never handed back while a rank that began a pull may read them, until the deadline
+        if readers.get(lease.epoch) and clock.now < deadlines[lease.epoch]:
+            log.append(("under a read", lease.epoch, sorted(readers[lease.epoch])))
+        log.append(("release", lease.epoch, why))
+
+    ledger = Ledger(release, timeout_s=10.0, clock=clock)
     epochs: dict[str, int] = {}
     request_of: dict[int, str] = {}
     for op in script:
         if op[0] == "offer":
             try:
-                epochs[op[1]] = ledger.offer(op[1], [1], expected_pulls=op[2]).epoch
+                lease = ledger.offer(op[1], [1], expected_pulls=op[2])
+                epochs[op[1]], deadlines[lease.epoch] = lease.epoch, lease.deadline
                 request_of[epochs[op[1]]] = op[1]
             except ConfigError:
                 assert ledger.state(op[1]) is LeaseState.ACTIVE
         elif op[0] == "begin":
-            ledger.begin(op[1], op[2], expected_pulls=op[3])
+            begun = ledger.begin(op[1], op[2], expected_pulls=op[3])
+            if begun.valid:
+                readers.setdefault(begun.epoch, set()).add(op[2])
         elif op[0] == "done":
             epoch = epochs.get(op[1], 0) if op[4] else 0
+            for e, ranks in readers.items():  # the read it names ends before the DONE is sent
+                if e == epoch or (epoch == 0 and request_of.get(e) == op[1]):
+                    ranks.discard(op[2])
             status = ledger.done(op[1], op[2], epoch, expected_pulls=op[3])
             if status.valid and status.released:  # this DONE was counted, then released the lease
                 log.insert(log.index(("release", status.epoch, LeaseState.RELEASED)), ("valid", status.epoch, op[2]))
@@ -266,6 +334,7 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
         else:
             clock.now += op[1]
             ledger.reap()
+    assert not [e for e in log if e[0] == "under a read"], "blocks released while a decode rank read them"
     releases = [e for e in log if e[0] == "release"]
     assert len({e[1] for e in releases}) == len(releases), "a lease was released twice"
     for entry in releases:

@@ -197,19 +197,24 @@ def test_abort_from_prefill_frees_both_sides(cluster: Cluster) -> None:
     rid, blocks, local, tokens = "req-abort-p", [3, 4], [1, 2], 32
     cluster.offer(rid, blocks, tokens)
     params = cluster.params(rid, blocks, tokens)
+    read: set[int] = set()
     for c in cluster.decode:
-        c.call("read", request_id=rid, params=params, local_blocks=local)
+        read.update(c.call("read", request_id=rid, params=params, local_blocks=local)["pulled"])
     assert all(rid in c.call("state")["held"] for c in cluster.decode)
     for c in cluster.prefill:  # the prefill engine aborts the request on every rank
         c.call("abort", request_id=rid)
-    for c in cluster.prefill:
-        wait_for(lambda c=c: [rid, "aborted", blocks] in c.call("released"), what="prefill release")
     for c in cluster.decode:  # every decode rank that began pulling was told, and freed its blocks
         wait_for(lambda c=c: rid in c.call("state")["aborted"], what="abort at decode")
         assert rid not in c.call("state")["held"]
-    with pytest.raises(ChildError) as err:
-        cluster.decode[0].call("done", request_id=rid, params=params)
-    assert err.value.kind == "LoadError"
+    for r, c in enumerate(cluster.prefill):  # the lease is over, but blocks someone reads stay while reads run
+        assert rid not in c.call("state")["active"]
+        assert (rid in [x[0] for x in c.call("released")]) == (r not in read)
+    for c in cluster.decode:  # each rank's DONEs end its reads: answered invalid (recompute)
+        with pytest.raises(ChildError) as err:
+            c.call("done", request_id=rid, params=params)
+        assert err.value.kind == "LoadError"
+    for c in cluster.prefill:
+        wait_for(lambda c=c: [rid, "aborted", blocks] in c.call("released"), what="prefill release")
 
 
 @pytest.mark.slow
@@ -217,11 +222,20 @@ def test_abort_from_decode_frees_both_sides(cluster: Cluster) -> None:
     rid, blocks, local, tokens = "req-abort-d", [0, 7], [3, 5], 17
     cluster.offer(rid, blocks, tokens)
     params = cluster.params(rid, blocks, tokens)
-    cluster.decode[0].call("read", request_id=rid, params=params, local_blocks=local)  # mid-request
+    read = cluster.decode[0].call("read", request_id=rid, params=params, local_blocks=local)["pulled"]  # mid-request
     p = KVTransferParams.from_dict(params)
     every_prefill = [list(p.side_channel(r)) for r in range(cluster.p_tp)]
     for c in cluster.decode:  # the decode engine aborts it on every rank and tells the prefill ranks
         c.call("abort", request_id=rid, peers=every_prefill)
+    for r, c in enumerate(cluster.prefill):
+        if r not in read:  # nobody reads it: freed at once
+            wait_for(lambda c=c: [rid, "aborted", blocks] in c.call("released"), what="prefill release")
+    for r in read:  # decode rank 0's read may still be running: its blocks stay until its DONE
+        c = cluster.prefill[r]
+        wait_for(lambda c=c: rid not in c.call("state")["active"], what="abort at prefill")
+        assert rid not in [x[0] for x in c.call("released")]
+    with pytest.raises(ChildError):  # its read ended: the DONE (invalid, the lease was aborted) frees them
+        cluster.decode[0].call("done", request_id=rid, params=params)
     for c in cluster.prefill:
         wait_for(lambda c=c: [rid, "aborted", blocks] in c.call("released"), what="prefill release")
         assert rid not in c.call("state")["active"]

@@ -1,9 +1,12 @@
 """DecodeControl in one process over the loopback transport (real memmoves, injected faults):
-a lease expiring during the read, a failed transfer, a prefill rank that is not ready."""
+a lease expiring during the read, a failed transfer, a prefill rank that is not ready, a read
+reported before its DONE is answered, an abort on the prefill side during a read."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import attrs
 import numpy as np
@@ -35,12 +38,26 @@ def _agent(engine: str, heads: int, blocks: int) -> tuple[KVAgent, np.ndarray]:
     return KVAgent(engine, 0, ParallelConfig(tp=1), layout, buf, backend="loopback"), buf
 
 
+class SlowDoneLedger(Ledger):
+    """A real ledger whose DONEs wait until `answer` is set (a prefill rank busy or far away)."""
+
+    answer = threading.Event()
+
+    def done(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        assert self.answer.wait(10)
+        return super().done(*args, **kwargs)
+
+
 class Pair:
-    def __init__(self) -> None:
+    def __init__(
+        self, *, ledger: type[Ledger] = Ledger, lease_s: float = 60, clock: Callable[[], float] | None = None
+    ) -> None:
         self.clock = Clock()
         self.released: list[tuple[str, LeaseState]] = []
-        self.ledger = Ledger(
-            lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=60, clock=self.clock
+        self.ledger = ledger(
+            lambda lease, why: self.released.append((lease.request_id, why)),
+            timeout_s=lease_s,
+            clock=clock or self.clock,
         )
         self.prefill, self.p_buf = _agent("prefill", MODEL.kv_heads, 8)
         self.decode, self.d_buf = _agent("decode", MODEL.kv_heads, 8)
@@ -87,22 +104,62 @@ def test_done_decode_control_pulls_and_releases(pair: Pair) -> None:
     pair.ledger.offer("r1", [1, 2, 3], expected_pulls=None)
     pair.start("r1").wait(10)
     assert pair.outcomes == [("local-r1", None)]
-    assert pair.released == [("r1", LeaseState.RELEASED)]  # the count (1) came from the decode side's plan
+    # the DONE follows the report; the count (1) came from the decode side's plan
+    wait_for(lambda: pair.released == [("r1", LeaseState.RELEASED)], what="release")
     assert pair.d_buf.any() and pair.control.local_id("r1") is None
 
 
-def test_lease_expiring_during_the_read_is_a_load_error(pair: Pair) -> None:
+def test_lease_expiring_during_the_read_is_a_load_error() -> None:
+    pair = Pair(lease_s=1.0, clock=time.monotonic)  # both sides on the real clock
+    try:
+        pair.p_server.register(pair.prefill.info())
+        pair.ledger.offer("r2", [1, 2, 3], expected_pulls=1)
+        pair.decode.backend.inject(delay=2.0)  # a slow read...
+        handle = pair.start("r2")
+        assert pair.control.local_id("r2") == "local-r2"
+        # ...outlives the lease: the prefill side expires it (its server reaps) and may reuse the blocks
+        wait_for(lambda: pair.released == [("r2", LeaseState.EXPIRED)], what="expiry")
+        assert not handle.done(), "expiry must come during the read"
+        handle.wait(10)
+        ((rid, err),) = pair.outcomes
+        assert rid == "local-r2" and isinstance(err, LoadError) and "recompute" in str(err)
+    finally:
+        pair.close()
+
+
+def test_a_read_within_the_lease_is_reported_before_its_done_is_answered() -> None:
+    # The prefill rank holds the blocks for this read until its DONE (or the deadline): the read is
+    # reported as soon as its bytes landed, and the DONE, which frees the prefill blocks, follows.
+    SlowDoneLedger.answer.clear()
+    pair = Pair(ledger=SlowDoneLedger)
+    try:
+        pair.p_server.register(pair.prefill.info())
+        pair.ledger.offer("r9", [1, 2, 3], expected_pulls=1)
+        timing: dict[str, float] = {}
+        handle = pair.control.start(
+            "local-r9", pair.params("r9"), [4, 5, 6], lambda r, e: pair.outcomes.append((r, e)), timing
+        )
+        handle.wait(10)
+        assert pair.outcomes == [("local-r9", None)] and pair.d_buf.any()
+        assert pair.ledger.state("r9") is LeaseState.ACTIVE and pair.released == [], "its DONE is not answered yet"
+        assert timing["announced_at"] <= timing["transferred_at"] <= timing["confirmed_at"]
+        SlowDoneLedger.answer.set()
+        wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="the DONE sent after the report")
+    finally:
+        SlowDoneLedger.answer.set()
+        pair.close()
+
+
+def test_prefill_abort_during_a_read_frees_the_blocks_only_after_its_done(pair: Pair) -> None:
     pair.p_server.register(pair.prefill.info())
-    pair.ledger.offer("r2", [1, 2, 3], expected_pulls=1)
-    pair.decode.backend.inject(delay=2.0)  # a slow read...
-    handle = pair.start("r2")
-    assert pair.control.local_id("r2") == "local-r2"
-    pair.clock.now += 61  # ...outlives the lease: the prefill side expires it and may reuse the blocks
-    pair.ledger.reap()
-    assert pair.released == [("r2", LeaseState.EXPIRED)] and not handle.done(), "expiry must come during the read"
+    pair.ledger.offer("r10", [1, 2, 3], expected_pulls=1)
+    pair.decode.backend.inject(delay=0.5)
+    handle = pair.start("r10")
+    pair.p_server.abort("r10", reason="prefill engine dropped it")
+    assert pair.ledger.state("r10") is LeaseState.ABORTED and pair.released == [], "the read still runs"
     handle.wait(10)
-    ((rid, err),) = pair.outcomes
-    assert rid == "local-r2" and isinstance(err, LoadError) and "recompute" in str(err)
+    assert pair.outcomes == [("local-r10", None)], "the blocks were held for the read: its bytes are intact"
+    wait_for(lambda: pair.released == [("r10", LeaseState.ABORTED)], what="release at the DONE")
 
 
 def test_done_after_a_failed_transfer_still_releases_the_prefill_blocks(pair: Pair) -> None:

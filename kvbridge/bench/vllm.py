@@ -15,7 +15,7 @@ median / p99 over the requests of that length (nearest rank: of 8 requests, the 
 For KVBridgeConnector each request's decode TTFT is also split by phase, from what its servers
 report in their answers' `kvbridge_timing`: prefill compute (the prefill engine's own time, arrival
 to finish), offer wait (decode's BeginPull waiting for prefill to offer the request), control
-(thread hops, the side-channel round trips and the DONEs), transfer (the bytes moving), and decode
+(thread hops, the side-channel round trips and confirming the read), transfer (the bytes moving), and decode
 step (the rest: the decode engine's own steps and its HTTP front end). Hidden transfer (moved while
 prefill computes) belongs to layer-wise mode and is empty in pull mode. `--plot FILE` draws the
 medians against prompt length.
@@ -230,7 +230,7 @@ def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tu
 def _breakdown(ttft_ms: float, prefill: dict, decode: dict) -> dict[str, float]:
     """One request's decode TTFT by phase, from what KVBridgeConnector's servers reported in their answers'
     `kvbridge_timing` (empty for another connector). `control` is the side channel and the thread hops
-    (queue, BeginPull, DONEs); `decode_step` is what remains of the TTFT: the decode engine's own steps
+    (queue, BeginPull, confirming the read); `decode_step` is what remains of the TTFT: the decode engine's own steps
     (carrying the pull to its workers, reporting the load, computing the first token) and its HTTP
     front end."""
     if not decode:

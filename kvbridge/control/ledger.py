@@ -7,7 +7,11 @@ the decode side's parallel config, so `expected_pulls` may be None: the first Be
 that states the count (the decode side computes it from the plan) sets it. The state change is published
 *before* the callback runs, and the engine may only reuse the blocks after the callback, so a
 DONE or a lease query that still finds the lease ACTIVE proves no reuse overlapped the read
-that preceded it (fencing). Finished leases are kept as tombstones for a while so a late or
+that preceded it (fencing). Reads are also held: the blocks of a lease are released only once every
+decode rank that began a pull (a BeginPull that found the lease active) said DONE, or at the lease's
+deadline, also when the lease was aborted or its count reached first; so a decode rank whose read
+ended before the deadline it was told knows its bytes are intact without waiting for its DONE's
+answer (`LeaseStatus.reads_held`). Finished leases are kept as tombstones for a while so a late or
 duplicate DONE gets an exact answer. A release-only DONE or an abort that comes before the offer
 (the decode side can be quicker than the prefill engine's own bookkeeping) is kept and applied to it.
 """
@@ -43,6 +47,9 @@ class Lease:
     expected_pulls: int | None  # None: the decode side states it
     deadline: float  # on the ledger's clock (monotonic seconds)
     offer_id: str = ""  # names one offer: a second offer with the same id is the same lease
+    # The engine reuses the blocks only after `on_release`, so a reader's hold is a promise (False: the
+    # engine may free them by itself, e.g. vLLM preempting a request streamed layer by layer).
+    holds_reads: bool = True
 
 
 @attrs.define
@@ -52,6 +59,7 @@ class _Entry:
     state: LeaseState = LeaseState.ACTIVE
     done: set[str] = attrs.field(factory=set)
     watchers: dict[str, Hashable] = attrs.field(factory=dict)  # decode rank -> its side channel
+    readers: set[str] = attrs.field(factory=set)  # decode ranks that began a pull and have not said DONE
     forget_at: float = 0.0
 
 
@@ -63,7 +71,9 @@ class Ledger:
     """Thread-safe lease table of one prefill rank.
 
     `on_release(lease, reason)` runs once per lease, outside the ledger's lock, with reason
-    RELEASED, EXPIRED or ABORTED; keep it short (it runs on the caller's or the server's thread).
+    RELEASED, EXPIRED or ABORTED; keep it short (it runs on the caller's or the server's thread). A
+    lease released or aborted while a decode rank is still reading it is published at once (its DONEs
+    are answered invalid) but `on_release` waits for the readers' DONEs or the lease's deadline.
     Callbacks added with `on_offer` run once per new lease, outside the lock, before any release.
     """
 
@@ -95,6 +105,9 @@ class Ledger:
         # Aborts for requests not offered yet (a decode engine may drop a request before this rank's
         # offer): request id -> forget at. The offer then releases at once.
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
+        # Finished leases whose blocks a decode rank may still be reading: (request id, epoch) -> entry,
+        # released at the readers' last DONE or at the lease's deadline (its row in `_deadlines`).
+        self._held: dict[tuple[str, int], _Entry] = {}
         # Epochs are unique per ledger and start at a random point, so a restarted prefill
         # never confirms a lease its previous life handed out.
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
@@ -114,6 +127,7 @@ class Ledger:
         *,
         timeout_s: float | None = None,
         offer_id: str = "",
+        holds_reads: bool = True,
     ) -> Lease:
         """Hold `blocks` for `request_id` until `expected_pulls` distinct decode ranks sent DONE.
 
@@ -121,7 +135,8 @@ class Ledger:
         to the decode side (stated in its BeginPull or DONE messages). `offer_id` makes the offer
         idempotent: offering the same request with the same id and blocks again, while its lease is
         active or remembered after it ended, returns that lease and changes nothing (the scheduler's
-        early offer and the engine step's offer of one finished request are one lease).
+        early offer and the engine step's offer of one finished request are one lease). `holds_reads=False`:
+        the engine may free the blocks without `on_release` (the lease then promises readers nothing).
         """
         if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
@@ -148,6 +163,7 @@ class Ledger:
                 expected_pulls,
                 now + (timeout_s or self.timeout_s),
                 offer_id,
+                holds_reads,
             )
             self._next_epoch += 1
             self._finished.pop(request_id, None)
@@ -192,9 +208,11 @@ class Ledger:
         return True
 
     def abort(self, request_id: str) -> list[Hashable]:
-        """Release the request's blocks now; returns the side channels of the decode ranks that began pulling.
+        """End the request's lease now; returns the side channels of the decode ranks that began pulling.
 
-        An abort for a request never offered here is kept for `timeout_s` and releases the offer at once.
+        The blocks are released at once, or, while a decode rank that began a pull has not said DONE,
+        at its DONE (or the lease's deadline). An abort for a request never offered here is kept for
+        `timeout_s` and releases the offer at once.
         """
         with self._lock:
             entry = self._active.get(request_id)
@@ -207,13 +225,18 @@ class Ledger:
     def reap(self) -> int:
         """Expire every lease past its deadline; returns how many expired."""
         now = self._clock()
-        due = []
+        due, unheld = [], []
         with self._lock:
             while self._deadlines and self._deadlines[0][0] <= now:
                 _deadline, epoch, request_id = heapq.heappop(self._deadlines)
                 entry = self._active.get(request_id)
                 if entry is not None and entry.lease.epoch == epoch:
                     due.append(entry)
+                held = self._held.pop((request_id, epoch), None)
+                if held is not None:  # its readers never said DONE: the deadline ends the hold
+                    unheld.append(held)
+        for entry in unheld:
+            self._release(entry)
         return sum(self._finish(e, LeaseState.EXPIRED) for e in due)
 
     @property
@@ -264,6 +287,7 @@ class Ledger:
                     )
                 if watcher is not None:
                     entry.watchers[decode_rank] = watcher
+                entry.readers.add(decode_rank)
                 self._expect(entry, expected_pulls, decode_rank)
         return self.query(request_id)
 
@@ -282,9 +306,14 @@ class Ledger:
         A DONE with the wrong epoch is not counted. A duplicate of a counted DONE stays valid
         after the release; any other DONE after a release, expiry or abort is invalid: the read
         it reports may have overlapped a reuse of the blocks. A release-only DONE (epoch 0) for a
-        request not offered yet is kept and counted when the offer comes.
+        request not offered yet is kept and counted when the offer comes. Any DONE ends its rank's
+        read of the lease it names (or of every lease of the request, with epoch 0).
         """
         self.reap()
+        with self._lock:
+            unheld = self._end_read(request_id, decode_rank, epoch)
+        for held in unheld:
+            self._release(held)
         with self._lock:
             entry = self._active.get(request_id)
             if entry is None:
@@ -297,12 +326,14 @@ class Ledger:
                 return self._status(old, valid=counted and epoch in (0, old.lease.epoch))
             if epoch not in (0, entry.lease.epoch):
                 return self._status(entry, valid=False)
+            entry.readers.discard(decode_rank)
             entry.done.add(decode_rank)
             self._expect(entry, expected_pulls, decode_rank)
             last = entry.expected is not None and len(entry.done) >= entry.expected
-        released = last and self._finish(entry, LeaseState.RELEASED)
-        with self._lock:
-            return self._status(entry, valid=True, released=released)
+        finished = last and self._finish(entry, LeaseState.RELEASED)
+        with self._lock:  # released: on_release ran (not held for a rank still reading)
+            held = (request_id, entry.lease.epoch) in self._held
+            return self._status(entry, valid=True, released=finished and not held)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -335,13 +366,29 @@ class Ledger:
                 entry.expected,
             )
 
+    def _end_read(self, request_id: str, decode_rank: str, epoch: int) -> list[_Entry]:
+        """A DONE from `decode_rank`: its read of the held leases it names ended; returns those no longer
+        read by anyone, taken out of `_held` (lock held)."""
+        unheld = []
+        for key in [(request_id, epoch)] if epoch else [k for k in self._held if k[0] == request_id]:
+            held = self._held.get(key)
+            if held is not None:
+                held.readers.discard(decode_rank)
+                if not held.readers:
+                    unheld.append(self._held.pop(key))
+        return unheld
+
     def _status(self, entry: _Entry, *, valid: bool, released: bool = False) -> LeaseStatus:
         lease = entry.lease
         remaining = max(0.0, lease.deadline - self._clock()) if entry.state is LeaseState.ACTIVE else 0.0
-        return LeaseStatus(lease.request_id, entry.state, valid, lease.epoch, lease.blocks, remaining, released)
+        held = valid and lease.holds_reads and entry.state is LeaseState.ACTIVE
+        return LeaseStatus(
+            lease.request_id, entry.state, valid, lease.epoch, lease.blocks, remaining, released, reads_held=held
+        )
 
     def _finish(self, entry: _Entry, state: LeaseState) -> bool:
-        """Move an active lease to `state` (published first), then call `on_release`. False if already finished."""
+        """Move an active lease to `state` (published first), then call `on_release`, or, while decode ranks
+        are still reading it (not at expiry), hold it until their DONEs. False if already finished."""
         now = self._clock()
         with self._lock:
             if self._active.get(entry.lease.request_id) is not entry:
@@ -351,6 +398,26 @@ class Ledger:
             entry.forget_at = now + self._tombstone_s
             self._finished[entry.lease.request_id] = entry
             _evict(self._finished, self._max_tombstones, lambda finished: finished.forget_at, now)
+            hold = state is not LeaseState.EXPIRED and bool(entry.readers)
+            if hold:  # released by their last DONE, or by reap() at the lease's deadline
+                self._held[(entry.lease.request_id, entry.lease.epoch)] = entry
+        if hold:
+            log.info(
+                "lease %s epoch %d %s while %s still read it: its %d blocks are released at their DONE or in %.1fs",
+                entry.lease.request_id,
+                entry.lease.epoch,
+                state.value,
+                sorted(entry.readers),
+                len(entry.lease.blocks),
+                entry.lease.deadline - now,
+            )
+            return True
+        self._release(entry)
+        return True
+
+    def _release(self, entry: _Entry) -> None:
+        """Hand a finished lease's blocks back to the engine (`on_release`, outside the lock)."""
+        state = entry.state
         if state is not LeaseState.RELEASED:
             log.info(
                 "lease %s epoch %d %s with %d of %s DONEs; releasing %d blocks",
@@ -365,7 +432,6 @@ class Ledger:
             self._on_release(entry.lease, state)
         except Exception:  # the engine's callback failing must not wedge the ledger or the server
             log.exception("on_release callback failed for request %s", entry.lease.request_id)
-        return True
 
 
 def _evict(table: OrderedDict[str, _V], keep: int, forget_at: Callable[[_V], float], now: float) -> None:

@@ -176,6 +176,10 @@ class LeaseStatus:
     remaining_s: float = 0.0
     released: bool = False  # this message caused the release
     waited_ms: float = 0.0  # how long the server held a BeginPull for the request's offer
+    # The prefill rank keeps the blocks for every decode rank that began a pull until its DONE, or for
+    # `remaining_s`, whatever else happens to the lease: a read that ended within that time read intact
+    # bytes, whether or not its DONE has been answered yet.
+    reads_held: bool = False
 
 
 @attrs.frozen

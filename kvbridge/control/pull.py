@@ -3,24 +3,35 @@ agent's pull, fenced DONEs and the notifier's release of ranks nobody reads.
 
 `DecodeControl.start` does the short control round trips (find each prefill rank, wait for it to
 be ready, BeginPull stating its release count), starts `KVAgent.pull`, and returns at once; when
-the transfers end, DONEs go out from the transport thread and `on_finished(request_id, error)`
-reports the outcome: None, or the error that means "recompute" (a `LoadError` when a lease did
-not hold through the read, the transport's error when the bytes did not move). DONEs go out
-even after a failed transfer, so the prefill side never waits for the lease to expire.
+the transfers end, `on_finished(request_id, error)` reports the outcome, on the transport's thread:
+None, or the error that means "recompute" (a `LoadError` when a lease did not hold through the read,
+the transport's error when the bytes did not move).
+
+A read is confirmed one of two ways. Each prefill rank holds a lease's blocks for every decode rank
+that began a pull until its DONE or the lease's deadline, whatever else happens to the lease
+(`LeaseStatus.reads_held`): a read that ended well within the deadline its BeginPull was told read
+intact bytes, so it is reported at once and its DONEs (which free the prefill blocks) go out after,
+on a thread of their own, retried a few times (a DONE that never arrives ends in the lease's expiry).
+Otherwise (a read that ended near or past the deadline, a prefill that promises no hold) the DONEs go
+out first and their fenced answers decide. DONEs go out even after a failed transfer, so the prefill
+side never waits for the lease to expire.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
 from kvbridge.control.discovery import Registry, resolve
+from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import KVBridgeError, LoadError
 from kvbridge.topology import ParallelConfig, Plan
@@ -28,6 +39,23 @@ from kvbridge.topology import ParallelConfig, Plan
 log = logging.getLogger(__name__)
 
 FinishedCallback = Callable[[str, BaseException | None], None]
+Leases = dict[int, tuple[ControlClient, int, int]]  # prefill rank -> client, lease epoch, release count
+
+# A read counts as covered by the prefill's hold when it ended this much before the deadline its BeginPull
+# was told, measured from before the BeginPull was sent (so the side channel's own delays only make the
+# check stricter): far more than two hosts' monotonic clocks can drift apart over a lease (NTP keeps
+# their rates within 0.05 %).
+HOLD_SLACK_S = 0.5
+HOLD_SLACK_SHARE = 0.01
+DONE_ATTEMPTS = 3  # a DONE sent after its read was reported: tries (then the prefill's lease expires)
+DONE_RETRY_S = 0.05  # before the second try, doubling
+
+
+def _held_until(asked: float, status: LeaseStatus) -> float:
+    """Until when (this host's monotonic clock) the prefill rank holds its blocks for this read."""
+    if not status.reads_held:
+        return -math.inf
+    return asked + status.remaining_s * (1 - HOLD_SLACK_SHARE) - HOLD_SLACK_S
 
 
 def _blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequence[int]) -> list[int]:
@@ -61,6 +89,8 @@ class DecodeControl:
         self._infos: dict[tuple[str, int], RankInfo] = {}
         self._local_ids: dict[str, str] = {}  # prefill request id -> this engine's request id, while pulling
         self._lock = threading.Lock()
+        self._later: ThreadPoolExecutor | None = None  # DONEs of reads already reported
+        self._closed = False
 
     def _client(self, params: KVTransferParams, rank: int) -> tuple[ControlClient, tuple[str, int]]:
         addr = resolve(params, rank, registry=self.registry, wait_s=self.ready_timeout_s)
@@ -95,7 +125,8 @@ class DecodeControl:
 
         `timing`, if given, gets `offer_wait_ms` (how long the BeginPulls waited for prefill's offers) and
         `time.perf_counter()` stamps: `announced_at` (BeginPulls answered, the transfers about to be submitted),
-        `transferred_at` (every transfer ended) and `released_at` (the DONEs answered; before `on_finished`).
+        `transferred_at` (every transfer ended, the bytes verified) and `confirmed_at` (the read confirmed: by
+        the prefill ranks' holds, or by the DONEs' answers; just before `on_finished`).
         Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank never became
         ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
         """
@@ -103,7 +134,8 @@ class DecodeControl:
         prefill = ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
         tokens = int(params.remote_num_tokens or 0)
         plan = self.agent.plan(prefill, tokens, prefill_dp=params.dp_rank)
-        leases: dict[int, tuple[ControlClient, int, int]] = {}  # prefill rank -> client, epoch, release count
+        leases: Leases = {}
+        held_until = math.inf  # the earliest end of the prefill ranks' holds of this read
 
         def stamp(name: str) -> None:
             if timing is not None:
@@ -115,13 +147,19 @@ class DecodeControl:
 
         def finished(result: PullResult) -> None:
             stamp("transferred_at")
-            if result.error is not None:
+            error = result.error
+            if error is not None:
                 with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
                     self._infos.clear()
-            error = self._send_dones(rid, leases, notify, result.error)
-            stamp("released_at")
+            held = error is None and time.monotonic() < held_until
+            if not held:  # the DONEs' answers decide (a LoadError when a lease did not hold)
+                error = self._send_dones(rid, leases, notify, error)
+            self._forget(rid)
+            stamp("confirmed_at")
             if on_finished is not None:
                 on_finished(request_id, error)
+            if held:  # the bytes are intact whatever the DONEs answer: they only free the prefill blocks now
+                self._send_later(rid, leases, notify)
 
         with self._lock:
             self._local_ids[rid] = request_id
@@ -132,6 +170,7 @@ class DecodeControl:
                 client, addr = self._client(params, rank)
                 infos.append(self._info(client, addr, params.remote_engine_id, rid))
                 count = plan.release_count(rank)
+                asked = time.monotonic()
                 status = client.begin_pull(
                     rid,
                     self.name,
@@ -141,54 +180,112 @@ class DecodeControl:
                     blocks=_blocks_read(plan, self.agent.rank, rank, params.block_ids),
                 )
                 leases[rank] = (client, status.epoch, count)
+                held_until = min(held_until, _held_until(asked, status))
                 waited += status.waited_ms
             if timing is not None:
                 timing["offer_wait_ms"] = waited
             stamp("announced_at")
             return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
         except BaseException as exc:
-            # This rank will not read: release what it announced, the ranks it was to read but had not
-            # announced yet (their offer may still be on its way: a release-only DONE is kept until
-            # it comes) and the unread ranks, right away.
-            release = list(notify)
-            for rank in ranks:
-                if rank not in leases:
-                    try:
-                        release.append((self._client(params, rank)[0], plan.release_count(rank)))
-                    except KVBridgeError as why:
-                        log.warning("request %s: cannot find prefill rank %d to release it: %s", rid, rank, why)
-            self._send_dones(rid, leases, release, exc)
+            self.release_unread(rid, params, plan, leases, notify, exc)
+            self._forget(rid)
             raise
+
+    def release_unread(
+        self,
+        rid: str,
+        params: KVTransferParams,
+        plan: Plan,
+        leases: Leases,
+        notify: list[tuple[ControlClient, int]],
+        error: BaseException,
+    ) -> None:
+        """This rank will not use what it read (`error`): release what it announced (`leases`), the ranks it
+        was to read but had not announced yet (their offer may still be on its way: a release-only DONE is
+        kept until it comes) and the unread ranks (`notify`), right away."""
+        release = list(notify)
+        for rank in sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)}):
+            if rank not in leases:
+                try:
+                    release.append((self._client(params, rank)[0], plan.release_count(rank)))
+                except KVBridgeError as why:
+                    log.warning("request %s: cannot find prefill rank %d to release it: %s", rid, rank, why)
+        self._send_dones(rid, leases, release, error)
 
     def _send_dones(
         self,
         rid: str,
-        leases: dict[int, tuple[ControlClient, int, int]],
+        leases: Leases,
         release: list[tuple[ControlClient, int]],
         error: BaseException | None,
+        *,
+        held: bool = False,
     ) -> BaseException | None:
-        """DONE to every announced lease (fenced unless the pull already failed) and a release-only
-        DONE (with its release count) to each of `release`; returns the pull's outcome: None, or the
-        error that means recompute."""
+        """DONE to every announced lease (fenced unless the pull already failed, or `held`: the read is
+        confirmed by the prefill ranks' holds) and a release-only DONE (with its release count) to each of
+        `release`; returns the pull's outcome: None, or the error that means recompute. `held` DONEs are
+        retried (DONE_ATTEMPTS), and what they find is only logged."""
+        attempts = DONE_ATTEMPTS if held else 1
         for client, epoch, count in leases.values():
             try:
-                client.done(rid, self.name, epoch, expected_pulls=count, check=error is None)
+                status = self._done(client, rid, epoch, count, check=error is None and not held, attempts=attempts)
+                if held and not status.valid:
+                    log.info(
+                        "request %s: lease on %s was %s at the DONE; the read had ended within its hold",
+                        rid,
+                        client.url,
+                        status.state.value,
+                    )
             except LoadError as exc:
                 error = error or exc
-            except KVBridgeError as exc:  # unreachable prefill: its lease expires; the data is unconfirmed
-                error = error or LoadError(
+            except KVBridgeError as exc:  # unreachable prefill: its lease expires
+                if held:
+                    log.warning("request %s: no DONE reached %s (its lease expires): %s", rid, client.url, exc)
+                    continue
+                error = error or LoadError(  # the data is unconfirmed
                     f"request {rid!r}: could not confirm the lease on {client.url}: {exc}; recompute",
                     peer=client.url,
                     request=rid,
                 )
         for client, count in release:
             try:
-                client.done(rid, self.name, 0, expected_pulls=count, check=False)
+                self._done(client, rid, 0, count, check=False, attempts=attempts)
             except KVBridgeError as exc:
                 log.warning("request %s: could not release prefill rank %s: %s", rid, client.url, exc)
+        return error
+
+    def _done(
+        self, client: ControlClient, rid: str, epoch: int, count: int, *, check: bool, attempts: int
+    ) -> LeaseStatus:
+        """One DONE, tried up to `attempts` times while the side channel fails (not when it answers)."""
+        for attempt in range(attempts):
+            try:
+                return client.done(rid, self.name, epoch, expected_pulls=count, check=check)
+            except LoadError:
+                raise
+            except KVBridgeError as exc:
+                if attempt + 1 >= attempts:
+                    raise
+                log.info("request %s: DONE to %s failed (%s); trying again", rid, client.url, exc)
+                time.sleep(DONE_RETRY_S * 2**attempt)  # bounded: DONE_ATTEMPTS tries
+        raise AssertionError("unreachable")
+
+    def _send_later(self, rid: str, leases: Leases, release: list[tuple[ControlClient, int]]) -> None:
+        """The DONEs of a read already reported (its bytes held by the prefill ranks), off the caller's thread."""
+        with self._lock:
+            if self._later is None and not self._closed:
+                self._later = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-done")
+            later = self._later
+        try:
+            if later is None:
+                raise RuntimeError("closed")
+            later.submit(self._send_dones, rid, leases, release, None, held=True)
+        except RuntimeError:  # closing: the prefill ranks' leases expire instead
+            log.warning("request %s: decode control closed before its DONEs were sent; the leases expire", rid)
+
+    def _forget(self, rid: str) -> None:
         with self._lock:
             self._local_ids.pop(rid, None)
-        return error
 
     def local_id(self, remote_request_id: str) -> str | None:
         """This engine's id of a request being pulled (an abort from the prefill side names the prefill's id)."""
@@ -203,4 +300,10 @@ class DecodeControl:
         return self.server.abort(str(params.remote_request_id), reason=reason, peers=peers)
 
     def close(self) -> None:
+        """Send the DONEs still queued (each bounded by the clients' timeout and DONE_ATTEMPTS), then close."""
+        with self._lock:
+            self._closed = True
+            later, self._later = self._later, None
+        if later is not None:
+            later.shutdown(wait=True)
         self.clients.close()

@@ -49,9 +49,8 @@ from kvbridge.topology import ParallelConfig
 
 if TYPE_CHECKING:
     from kvbridge.agent import KVAgent
-    from kvbridge.control.channel import ControlClient
     from kvbridge.control.ledger import Ledger
-    from kvbridge.control.pull import DecodeControl
+    from kvbridge.control.pull import DecodeControl, Leases
 
 log = logging.getLogger(__name__)
 
@@ -268,7 +267,8 @@ class Producer:
                 self._by_request[s.request_id] = s.transfer_id
             if s.computed:  # prefix-cache hits: in the cache already, every layer
                 self.agent.publish(s.blocks[: -(-s.computed // self.block_size)])
-            self.ledger.offer(s.transfer_id, s.blocks)  # the decode side states its release count
+            # the decode side states its release count; vLLM frees a preempted stream's blocks by itself
+            self.ledger.offer(s.transfer_id, s.blocks, holds_reads=False)
         for rid, added in meta.blocks.items():
             tid = self._by_request.get(rid)
             if tid is not None:
@@ -385,7 +385,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
     local = [-1] * task.skip + list(task.local_block_ids)  # by block position; decode's prefix hits are skipped
     notify = [(control._client(params, r)[0], 1) for r in plan.unpulled] if agent.rank == plan.notifier else []
     ranks = sorted({p.prefill_rank for p in plan.pulls_for(agent.rank)})
-    leases: dict[int, tuple[ControlClient, int, int]] = {}
+    leases: Leases = {}
     handles: list[TransferHandle] = []
     spans: list[list[float]] = []
     nbytes = ndesc = 0
@@ -490,7 +490,11 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         # a callback may still be running when wait_all returns: its transfer ended by now
         intervals = [(a, b or ended) for a, b in spans]
         done_at = time.perf_counter()
-        _dones(rid, control, leases, notify, None)
+        # Fenced DONEs, always answered before the report: a stream's lease promises no hold (vLLM frees
+        # a preempted request's blocks by itself), so only the DONE's answer says the read was intact.
+        failed = control._send_dones(rid, leases, notify, None)
+        if failed is not None:
+            raise failed
         busy = _busy(intervals)
         hidden = _busy(intervals, until=computing_until)
         phases = {
@@ -504,21 +508,14 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         return StreamResult(nbytes, ndesc, {k: round(v, 3) for k, v in phases.items()})
     except BaseException as exc:
         _settle(handles, timeout_s)  # never leave a read running into blocks vLLM recomputes or reuses
-        release = list(notify)
-        for rank in ranks:
-            if rank not in leases:
-                try:
-                    release.append((control._client(params, rank)[0], plan.release_count(rank)))
-                except KVBridgeError as why:
-                    log.warning("request %s: cannot find prefill rank %d to release it: %s", rid, rank, why)
         if cancelled.is_set():  # decode dropped the request: prefill need not keep it for anyone
             for client, _epoch, _count in leases.values():
                 try:
                     client.abort(rid, reason="decode dropped the request")
                 except KVBridgeError as why:
                     log.warning("request %s: could not abort it on %s: %s", rid, client.url, why)
-            leases = {}
-        _dones(rid, control, leases, release, exc)
+        # the DONEs end this rank's reads (an aborted lease is held for a reader until its DONE)
+        control.release_unread(rid, params, plan, leases, notify, exc)
         raise
 
 
@@ -530,19 +527,6 @@ def _settle(handles: Sequence[TransferHandle], timeout_s: float) -> None:
             h.wait(max(0.0, deadline - time.monotonic()))
         except KVBridgeError:
             pass  # its exception() says why; a read still running after the deadline is the transport's to end
-
-
-def _dones(
-    rid: str,
-    control: DecodeControl,
-    leases: dict[int, tuple[ControlClient, int, int]],
-    release: list[tuple[ControlClient, int]],
-    error: BaseException | None,
-) -> None:
-    """Fenced DONEs (raise LoadError if a lease did not hold) and release-only ones, as in pull mode."""
-    failed = control._send_dones(rid, leases, release, error)
-    if failed is not None and error is None:
-        raise failed
 
 
 def _sub(layout: KVLayout, layers: Sequence[int]) -> KVLayout:

@@ -10,7 +10,8 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
   answers only: a stream ends before the request does): the engine's step carrying the pull from
   its scheduler to its workers, waiting for a worker thread, waiting for the prefill rank to offer
   the request (its BeginPull held until the offer landed), the rest of the side channel (finding the
-  prefill rank, BeginPull), the bytes moving, the DONEs;
+  prefill rank, BeginPull), the bytes moving, confirming the read (about nothing when the prefill
+  ranks' hold covers it and the DONEs go out after; the fenced DONEs otherwise);
 - `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
   (a streamed answer's first token; a whole answer otherwise).
 

@@ -3,10 +3,12 @@
 Every rank serves a `ControlServer` (its `RankInfo`, readiness, and the `Ledger` of the requests it
 prefilled). Decode pulls run through `DecodeControl` on a small thread pool between engine steps
 (vLLM's async load): find each prefill rank, wait for it to be ready and to hold the request,
-BeginPull, read this rank's share (only the heads it holds), then fenced DONEs. A pull that fails,
-or whose lease did not hold through the read, marks its blocks as load errors, and vLLM's
-`kv_load_failure_policy` decides (recompute or fail). A request decode will not read (dropped before
-its blocks were allocated, or all in decode's own prefix cache) is aborted on the prefill side.
+BeginPull, read this rank's share (only the heads it holds), and report it to vLLM from the
+transport's thread as soon as it is confirmed (by the prefill ranks' hold of its blocks, its DONEs
+then follow; or by fenced DONEs). A pull that fails, or whose lease did not hold through the read,
+marks its blocks as load errors, and vLLM's `kv_load_failure_policy` decides (recompute or fail). A
+request decode will not read (dropped before its blocks were allocated, or all in decode's own prefix
+cache) is aborted on the prefill side.
 Prefill reports a request as finished sending when its lease is released, expires or is aborted.
 
 A prefill rank takes a finished request's offer twice under one offer id: early, from the scheduler's
@@ -31,8 +33,7 @@ from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, Producer, StreamTask
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
-from kvbridge.agent import KVAgent, PullResult
-from kvbridge.backend import wait_all
+from kvbridge.agent import KVAgent
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
@@ -365,15 +366,50 @@ class WorkerSide:
 
     def _pull(self, task: PullTask, received: float) -> None:
         assert self.control is not None
-        outcome: list[BaseException | None] = []
-        result: PullResult | None = None
-        handle = None
-        elapsed = control = 0.0
         dispatched = max(0.0, received - task.asked_at)  # the engine's step: from its scheduler to this worker
         queued = max(0.0, time.time() - received)  # from the step to this thread
         begun = time.perf_counter()
         params = task.params
         timing: dict[str, float] = {}
+        transport = self.agent.backend.name if self.agent is not None else "none"
+        peer = f"{task.params.remote_host}:{task.params.remote_port}"  # one per prefill server: bounded
+        reported = threading.Lock()  # held once the outcome went to vLLM
+
+        def report(_rid: str, error: BaseException | None) -> None:
+            """The pull's outcome to vLLM (its next get_finished), once: from the transport's thread as soon as
+            the read is confirmed, or from this thread when the pull failed before or never ended."""
+            if not reported.acquire(blocking=False):
+                return
+            phases: dict[str, float] = {}
+            if error is None:
+                try:
+                    phases = {
+                        "dispatch_ms": dispatched * 1e3,
+                        "queue_ms": queued * 1e3,
+                        "offer_wait_ms": timing["offer_wait_ms"],
+                        # the control round trips before the transfer, less the wait for prefill's offer
+                        "control_ms": max(0.0, (timing["announced_at"] - begun) * 1e3 - timing["offer_wait_ms"]),
+                        "transfer_ms": (timing["transferred_at"] - timing["announced_at"]) * 1e3,
+                        # confirming the read (the DONEs' answers, unless the prefill's hold covered it)
+                        "done_ms": (time.perf_counter() - timing["transferred_at"]) * 1e3,
+                    }
+                except Exception as exc:  # a bug: the request is recomputed, never left waiting
+                    log.exception("request %s: timing the pull failed", task.request_id)
+                    error = exc
+            with self._lock:
+                if error is None:
+                    self._timings[task.request_id] = {k: round(v, 3) for k, v in phases.items()}
+                else:
+                    self.stats.record_failure(transport, peer, error)
+                    self._load_errors.update(task.local_block_ids)
+                if task.report:
+                    self._recved.add(task.request_id)
+            if error is None:
+                log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+            elif isinstance(error, KVBridgeError):
+                log.error("request %s: pull from %s failed: %s", task.request_id, task.params.remote_engine_id, error)
+
+        handle = None
         try:
             if params.pp_size != self.pp_size:
                 if self.tp_rank == 0 and self.pp_rank == 0:  # nobody will read it: free prefill's blocks now
@@ -384,53 +420,21 @@ class WorkerSide:
                     "the same stage of prefill, so run both engines with the same --pipeline-parallel-size"
                 )
             params = self._on_stage(params, self.pp_rank)  # this stage's layers live on the same stage of prefill
-            handle = self.control.start(
-                task.request_id,
-                params,
-                task.local_block_ids,
-                on_finished=lambda _rid, error: outcome.append(error),
-                timing=timing,
-            )
-            # `start` returns as soon as the transfers are submitted (a transport may even finish them and
-            # send the DONEs inside it). The transfer is timed by itself, as vLLM's own connectors do; the
-            # control round trips before it (less the wait for prefill's offer) and the DONEs after apart.
-            wait_all(handle.handles, self.settings.pull_timeout_s)
-            result = handle.wait(self.settings.pull_timeout_s)  # on_finished has run when it returns
-            ended = time.perf_counter()
-            error = outcome[0]
-            offer_wait = timing["offer_wait_ms"] / 1e3
-            control = max(0.0, timing["announced_at"] - begun - offer_wait)
-            elapsed = timing["transferred_at"] - timing["announced_at"]
-            phases = {
-                "dispatch_ms": dispatched * 1e3,
-                "queue_ms": queued * 1e3,
-                "offer_wait_ms": offer_wait * 1e3,
-                "control_ms": control * 1e3,
-                "transfer_ms": elapsed * 1e3,
-                "done_ms": (ended - timing["transferred_at"]) * 1e3,  # the DONEs and the way back to this thread
-            }
-            with self._lock:
-                self._timings[task.request_id] = {k: round(v, 3) for k, v in phases.items()}
-            log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+            # `start` returns as soon as the transfers are submitted; `report` runs when they end (on the
+            # transport's thread: no hop back to this one). This thread waits only to bound the pull.
+            handle = self.control.start(task.request_id, params, task.local_block_ids, report, timing)
+            result = handle.wait(self.settings.pull_timeout_s)
+            if result.error is None and "confirmed_at" in timing:
+                control = max(0.0, timing["announced_at"] - begun - timing["offer_wait_ms"] / 1e3)
+                elapsed = timing["transferred_at"] - timing["announced_at"]
+                self.stats.record(transport, peer, elapsed, control, result.nbytes, result.descriptors)
         except KVBridgeError as exc:
-            error = exc
+            report(task.request_id, exc)
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
             log.exception("request %s: pull from %s failed", task.request_id, task.params.remote_engine_id)
-            error = exc
-        transport = self.agent.backend.name if self.agent is not None else "none"
-        peer = f"{task.params.remote_host}:{task.params.remote_port}"  # one per prefill server: bounded
+            report(task.request_id, exc)
         if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
             self.stats.record_retries(transport, peer, sum(h.retries for h in handle.handles))
-        if error is None and result is not None:
-            self.stats.record(transport, peer, elapsed, control, result.nbytes, result.descriptors)
-        elif isinstance(error, KVBridgeError):
-            log.error("request %s: pull from %s failed: %s", task.request_id, task.params.remote_engine_id, error)
-        with self._lock:
-            if error is not None:
-                self.stats.record_failure(transport, peer, error)
-                self._load_errors.update(task.local_block_ids)
-            if task.report:
-                self._recved.add(task.request_id)
 
     def _released(self, lease: Lease, reason: LeaseState) -> None:
         """Ledger callback (any thread): the request's blocks may be freed; vLLM hears of it in get_finished."""
