@@ -126,7 +126,8 @@ class DecodeControl:
         `timing`, if given, gets `offer_wait_ms` (how long the BeginPulls waited for prefill's offers) and
         `time.perf_counter()` stamps: `announced_at` (BeginPulls answered, the transfers about to be submitted),
         `transferred_at` (every transfer ended, the bytes verified) and `confirmed_at` (the read confirmed: by
-        the prefill ranks' holds, or by the DONEs' answers; just before `on_finished`).
+        the prefill ranks' holds, or by the DONEs' answers; just before `on_finished`); and `nbytes` and
+        `descriptors`, what the transfers moved.
         Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank never became
         ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
         """
@@ -147,6 +148,8 @@ class DecodeControl:
 
         def finished(result: PullResult) -> None:
             stamp("transferred_at")
+            if timing is not None:  # what moved, for the engine's metrics before it hears of the outcome
+                timing["nbytes"], timing["descriptors"] = result.nbytes, result.descriptors
             error = result.error
             if error is not None:
                 with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time

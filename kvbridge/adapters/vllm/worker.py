@@ -399,6 +399,16 @@ class WorkerSide:
             with self._lock:
                 if error is None:
                     self._timings[task.request_id] = {k: round(v, 3) for k, v in phases.items()}
+                    # recorded before vLLM can hear of the request, so a reader of the stats after
+                    # get_finished sees this pull
+                    self.stats.record(
+                        transport,
+                        peer,
+                        phases["transfer_ms"] / 1e3,
+                        phases["control_ms"] / 1e3,
+                        int(timing["nbytes"]),
+                        int(timing["descriptors"]),
+                    )
                 else:
                     self.stats.record_failure(transport, peer, error)
                     self._load_errors.update(task.local_block_ids)
@@ -423,11 +433,7 @@ class WorkerSide:
             # `start` returns as soon as the transfers are submitted; `report` runs when they end (on the
             # transport's thread: no hop back to this one). This thread waits only to bound the pull.
             handle = self.control.start(task.request_id, params, task.local_block_ids, report, timing)
-            result = handle.wait(self.settings.pull_timeout_s)
-            if result.error is None and "confirmed_at" in timing:
-                control = max(0.0, timing["announced_at"] - begun - timing["offer_wait_ms"] / 1e3)
-                elapsed = timing["transferred_at"] - timing["announced_at"]
-                self.stats.record(transport, peer, elapsed, control, result.nbytes, result.descriptors)
+            handle.wait(self.settings.pull_timeout_s)
         except KVBridgeError as exc:
             report(task.request_id, exc)
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
