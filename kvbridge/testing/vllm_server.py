@@ -182,13 +182,27 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
+# Mooncake's no-progress deadline for test servers sharing a small box: CI runs five vLLM servers and
+# pytest on 2 vCPUs, where a server's transport thread now and then goes unscheduled past the default
+# 2 s and a healthy pull fails ("failed to read READ status frame"). Tests of the deadline itself
+# (test_mooncake_stall, the chaos run) keep the default.
+LOADED_HOST_DEADLINE_S = 10.0
+
+
 def connector_config(
-    role: str, *, backend: str = "mooncake", load_failure_policy: str | None = None, **options: Any
+    role: str,
+    *,
+    backend: str = "mooncake",
+    load_failure_policy: str | None = None,
+    deadline_s: float | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """A `--kv-transfer-config` for KVBridgeConnector as `role` (kv_producer, kv_consumer): `backend`
     (Mooncake over TCP by default) on a free side-channel port, plus connector `options`
-    (`lease_s`, `transfer`, ...)."""
+    (`lease_s`, `transfer`, ...). `deadline_s` sets Mooncake's `transfer_deadline`."""
     transport = {"protocol": "tcp"} if backend.lower() == "mooncake" else {}
+    if deadline_s is not None and backend.lower() == "mooncake":
+        transport["backend_options"] = {"transfer_deadline": deadline_s}
     extra = {"migration_backend": backend, **transport, "side_channel_port": free_port(), **options}
     config: dict[str, Any] = {"kv_connector": "KVBridgeConnector", "kv_role": role, "kv_connector_extra_config": extra}
     if load_failure_policy is not None:

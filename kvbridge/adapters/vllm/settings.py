@@ -12,6 +12,8 @@ from kvbridge.errors import ConfigError
 from kvbridge.secret import HOW_TO_SET, check_listen, load_secret
 
 DEFAULT_SIDE_CHANNEL_PORT = 5800
+# transport settings the connector derives from its own keys; `backend_options` may not override them
+_CONNECTOR_SET = frozenset({"protocol", "hostname", "host", "metadata_server", "secret", "insecure", "device_name"})
 
 
 @attrs.frozen
@@ -42,6 +44,9 @@ class Settings:
       once: `kvbridge proxy --transfer layerwise`). See kvbridge.adapters.vllm.layerwise.
     - `early_offer`: the scheduler offers a finished request to its workers at once, ahead of the
       engine step that offers it too (see docs/vllm.md); false: only the step offers.
+    - `backend_options`: options of the transport itself, as its plugin declares them (`kvbridge plugins
+      NAME` lists them), e.g. `{"transfer_deadline": 5}` for Mooncake on a loaded host; checked when the
+      transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.
     - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
       "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
       transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.chaos.inject`).
@@ -59,19 +64,28 @@ class Settings:
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
 
     def __attrs_post_init__(self) -> None:
+        own = sorted(set(self.backend_options) & _CONNECTOR_SET)
+        if own:
+            raise ConfigError(
+                f"backend_options may not set {own}: the connector sets them (protocol, metadata_server and host "
+                f"are kv_connector_extra_config keys; the secret comes from {HOW_TO_SET} or secret_file)"
+            )
         check_listen("KVBridgeConnector (side channel and transport)", self.host, self.secret, insecure=self.insecure)
 
     def transport_options(self) -> dict[str, Any]:
-        """The secret and the insecure opt-in, for a transport that declares them: `tcp` authenticates its
-        peers with them; Mooncake authenticates nothing and takes neither (see docs/security.md)."""
+        """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them:
+        `tcp` authenticates its peers with them; Mooncake authenticates nothing and takes neither (see
+        docs/security.md)."""
         from kvbridge.plugins import registry
 
         declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}
-        return {k: v for k, v in {"secret": self.secret, "insecure": self.insecure}.items() if k in declared}
+        auth = {k: v for k, v in {"secret": self.secret, "insecure": self.insecure}.items() if k in declared}
+        return {**self.backend_options, **auth}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:
