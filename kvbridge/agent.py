@@ -386,7 +386,7 @@ class KVAgent:
                 blocks = remote_blocks[pull.prefill_rank]
             else:
                 blocks = remote_blocks
-            if self.receiver is not None and not self.receiver.direct(info.layout):
+            if self.receiver is not None and self.receiver.lands(info.layout, pull):
                 land = self.receiver.prepare(request_id, pull, info.layout, blocks, local_blocks, tokens)
                 landed.append(land)
                 work.append((info, self.connect(info, check=False), land.descriptors))

@@ -10,7 +10,9 @@ consecutive block ids). Then one vectorized torch rearrangement (view, permute, 
 selection, re-blocking) writes them into the decode cache's own layout, per layer.
 
 Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
-zero-copy path of `kvbridge.planner`.
+zero-copy path of `kvbridge.planner`, unless the transport may still write after a failed transfer
+(`BackendCapabilities.late_writes`, Mooncake TCP): then every pull lands, and a failed one's buffer is
+retired, so the cache blocks the engine takes back (to recompute, or for another request) stay clean.
 
 Device memory: landing buffers are allocated by the cache's device plugin and registered with the
 agent's device-bound backend, so where the transport cannot reach the device (TCP and GPU memory)
@@ -168,6 +170,16 @@ class Receiver:
 
     def direct(self, remote: KVLayout) -> bool:
         return direct(self.layout, remote)
+
+    def lands(self, remote: KVLayout, pull: Pull) -> bool:
+        """Whether `pull` goes through a landing buffer: the layouts differ, or the transport may write
+        after a failed transfer (`BackendCapabilities.late_writes`), which must never reach a cache block
+        the engine recomputes or hands to another request after the failure. Context-parallel pulls of
+        like layouts go direct (the landing rearrangement does not interleave ranks)."""
+        if not self.direct(remote):
+            return True
+        plain = remote.paged is not None and pull.src_step == 1 and pull.dst_step == 1 and not pull.first_block
+        return plain and self.backend.capabilities.late_writes
 
     def prepare(
         self,

@@ -68,6 +68,10 @@ class BackendCapabilities:
     max_batch: int | None = None  # descriptors per submission; the backend splits larger batches
     max_descriptor_bytes: int | None = None  # longer descriptors are cut, so a transport's lanes run in parallel
     cost: TransferCost = TransferCost()  # per-protocol, measured by the plugin; see TransferCost
+    # A transfer that failed may still write into its destination later (Mooncake TCP re-sends slices
+    # queued behind a dropped lane once the peer answers): pulls into a live cache land in a buffer first
+    # (kvbridge.landing), so a late write never reaches a block the engine gave back.
+    late_writes: bool = False
 
 
 @attrs.frozen

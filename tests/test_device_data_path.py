@@ -381,6 +381,50 @@ def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: s
         prefill.close()
 
 
+def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm_takes_back() -> None:
+    """Mooncake TCP may still write after a failed transfer (`late_writes`): even like layouts land in a
+    buffer, and a failed pull leaves the decode cache untouched and retires its buffer for good."""
+    _import_vllm()
+    import torch
+
+    from kvbridge.bench.connector_rank import Rank
+    from kvbridge.chaos.inject import install
+    from kvbridge.landing import read_logical
+    from kvbridge.testing.ports import free_port
+
+    tokens = 100
+    common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="mooncake", protocol="tcp")
+    prefill, decode = Rank(), Rank()
+    try:
+        prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=16, port=free_port(1), **common)
+        decode.setup(side="decode", engine_id="d", layout="LBHNC", num_blocks=16, port=free_port(1), **common)
+        agent = decode.worker._worker.agent
+        assert agent.backend.capabilities.late_writes
+        params = prefill.prefill(
+            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": list(range(1 + 7 * i, 8 + 7 * i))} for i in (0, 1)]
+        )
+        out = decode.decode(
+            [{"id": "r0", "index": 0, "tokens": tokens, "blocks": [11, 3, 4, 5, 9, 8, 2], "params": params["r0"]}],
+            verify=True,
+        )
+        assert out["bad"] == {} and out["load_errors"] == []
+        (landing,) = agent.receiver._all  # like layouts, and still landed
+        assert agent.receiver.retired_bytes == 0 and agent.receiver.idle_bytes == landing.numel()
+
+        install(agent.backend, {"transfer_error": 1.0, "seed": 1})  # every transfer fails inside the transport
+        blocks = [12, 13, 14, 15, 1, 6, 7]
+        before = read_logical(decode.views, torch.tensor(blocks)).clone()
+        out = decode.decode(
+            [{"id": "r1", "index": 1, "tokens": tokens, "blocks": blocks, "params": params["r1"]}], verify=False
+        )
+        assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
+        assert torch.equal(read_logical(decode.views, torch.tensor(blocks)), before)  # not a byte written
+        assert agent.receiver.retired_bytes == landing.numel() and agent.receiver.idle_bytes == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
 @pytest.mark.parametrize("prefill_layout,decode_layout", [("LBNHC", "BLHNC"), ("ascend-kv-tuple", "LBNHC")])
 def test_connector_lands_and_stages_npu_caches(npu_vllm: Any, prefill_layout: str, decode_layout: str) -> None:
     _connector_pull("npu", npu_vllm, prefill_layout, decode_layout)
