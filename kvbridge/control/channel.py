@@ -511,6 +511,7 @@ class ControlClient:
         self._lock = threading.Lock()
         self._idle: list[zmq.Socket] = []
         self._closed = False
+        self.silent = False  # its last request went unanswered (a killed or stalled peer) until one is answered
 
     def _take(self) -> zmq.Socket:
         with self._lock:
@@ -554,6 +555,7 @@ class ControlClient:
         except zmq.ZMQError as exc:
             raise PeerGone(f"side channel {self.url} failed on {kind}: {exc}", peer=self.url, cause=str(exc)) from None
         finally:
+            self.silent = not answered
             self._give_back(sock, answered)
         reply_frame = wire.decode(data, Frame, max_bytes=self._max)
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)

@@ -205,14 +205,20 @@ class DecodeControl:
     ) -> None:
         """This rank will not use what it read (`error`): release what it announced (`leases`), the ranks it
         was to read but had not announced yet (their offer may still be on its way: a release-only DONE is
-        kept until it comes) and the unread ranks (`notify`), right away."""
+        kept until it comes) and the unread ranks (`notify`), right away. A rank whose side channel just
+        left its BeginPull unanswered (killed or stalled) gets no DONE to wait on again: its lease expires."""
         release = list(notify)
         for rank in sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)}):
             if rank not in leases:
                 try:
-                    release.append((self._client(params, rank)[0], plan.release_count(rank)))
+                    client = self._client(params, rank)[0]
                 except KVBridgeError as why:
                     log.warning("request %s: cannot find prefill rank %d to release it: %s", rid, rank, why)
+                    continue
+                if client.silent:
+                    log.warning("request %s: %s does not answer; its lease expires instead", rid, client.url)
+                    continue
+                release.append((client, plan.release_count(rank)))
         self._send_dones(rid, leases, release, error)
 
     def _send_dones(
