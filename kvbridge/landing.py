@@ -234,12 +234,17 @@ class Receiver:
                 ],
                 dim=-1,
             )[:, :, pull.src_heads[0] : pull.src_heads[1]]
-            h = x.shape[2]
-            z = x.permute(0, 2, 1, 3, 4).reshape(layers, h, n_src * g.block_size, -1)[:, :, :tokens]
-            pad = n_dst * mine.block_size - tokens
-            if pad:
-                z = torch.nn.functional.pad(z, (0, 0, 0, pad))
-            y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
+            if g.block_size == mine.block_size:
+                # whole blocks, as a direct read would: a backend may pack a block's interior (vLLM's CPU
+                # attention tiles K by ISA), so its token slots are not cut or padded here
+                y = x
+            else:  # re-blocking reads token slots literally, as vLLM's GPU backends store them
+                h = x.shape[2]
+                z = x.permute(0, 2, 1, 3, 4).reshape(layers, h, n_src * g.block_size, -1)[:, :, :tokens]
+                pad = n_dst * mine.block_size - tokens
+                if pad:
+                    z = torch.nn.functional.pad(z, (0, 0, 0, pad))
+                y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
             index = self.views[0][0].new_tensor(dst, dtype=torch.int64)  # on the cache's own device
             write_logical(self.views, [p.content for p in mine.planes], index, pull.dst_heads, y)
             if self.device.synchronizes:  # the rearrangement ran on the device: done before vLLM reads

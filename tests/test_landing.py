@@ -113,3 +113,33 @@ def test_a_buffer_a_failed_transfer_wrote_into_is_never_lent_again() -> None:
     finally:
         receiver.close()
         backend.close()
+
+
+@pytest.mark.parametrize("src,dst", [("LBHNC", "LBHNC"), ("BLHNC", "LBHNC"), ("LBNHC", "BHLNC")])
+def test_equal_block_sizes_land_whole_blocks_past_the_prompt(src: str, dst: str) -> None:
+    # vLLM's CPU attention packs a block's interior by ISA (K tiled across token slots), so a landed
+    # block must arrive whole, as a direct read would: cutting at the prompt's last token and padding
+    # changed the KV of real tokens (greedy output diverged from colocated on a 3-token prompt).
+    import ctypes
+
+    import kvbridge
+    from kvbridge.topology import Pull
+
+    prefill, decode = views(src), views(dst)
+    for t in prefill.values():
+        t.copy_(torch.randn(t.shape, dtype=torch.float16))
+    remote, _ = describe_kv_caches(prefill, layout=src, block_size=N, tp_size=1)
+    local, _ = describe_kv_caches(decode, layout=dst, block_size=N, tp_size=1)
+    backend = kvbridge.create_backend("loopback")
+    receiver = Receiver(backend, local, byte_views(decode, layout=dst))
+    pull = Pull(0, 0, (0, H), (0, H), 0, 1, 2, 0, 1, 0, 1)
+    try:
+        landed = receiver.prepare("r", pull, remote, [4, 1], [0, 5], tokens=N + 3)
+        for dst_addr, src_addr, length in landed.descriptors.tolist():  # what the transport reads
+            ctypes.memmove(dst_addr, src_addr, length)
+        landed.finish(True)
+    finally:
+        receiver.close()
+        backend.close()
+    for name in prefill:  # every slot of both blocks, including the 13 past the prompt in the last one
+        assert torch.equal(decode[name][[0, 5]], prefill[name][[4, 1]])
