@@ -14,7 +14,17 @@ from kvbridge import wire
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
-from kvbridge.control.messages import Ack, BeginPull, Frame, GetInfo, LeaseStatus, Offer, Refused, RegisteredMemory
+from kvbridge.control.messages import (
+    Ack,
+    BeginPull,
+    Frame,
+    GetInfo,
+    LeaseStatus,
+    Offer,
+    Refused,
+    RegisteredMemory,
+    StreamStatus,
+)
 from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -285,3 +295,35 @@ def test_offer_message_needs_an_accepting_rank_this_host_and_the_secret(closing:
     assert good.request(offer) == Ack()
     assert good.request(offer) == Ack()  # the step's offer of the same request: the same lease
     assert p.ledger.active == ["r1"] and p.ledger.query("r1").blocks == (1, 2)
+
+
+def test_query_stream_is_held_until_the_stream_changes(closing: list) -> None:
+    # Layer-wise decode long-polls prefill's progress: a QueryStream at the version it has is held until
+    # a layer is saved (the producer wakes the server), so it sees each layer at once without busy polling.
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    version = {"r1": 3}
+    p.ledger.offer("r1", [4, 5], expected_pulls=1)
+
+    def streams(rid: str, epoch: int) -> StreamStatus:
+        return StreamStatus(p.ledger.query(rid, epoch), 64, (version.get(rid, 0) * 16,), version.get(rid, 0))
+
+    p.server.streams = streams
+    assert c.query_stream("r1", seen=0, wait_s=30).version == 3  # another version: answered at once
+    replies: list = []
+    asker = threading.Thread(target=lambda: replies.append(c.query_stream("r1", seen=3, wait_s=30)))
+    asker.start()
+    wait_for(lambda: p.server._nparked == 1, what="the QueryStream to be held")
+    assert replies == [], "no answer while the stream stays at the version the reader has"
+    version["r1"] = 4  # a layer saved
+    p.server.wake("r1")
+    asker.join(timeout=30)
+    [status] = replies
+    assert status.version == 4 and status.ready == (64,) and p.server._nparked == 0
+    # Unchanged, it is answered when its wait runs out; with its lease gone, at once.
+    began = time.monotonic()
+    assert c.query_stream("r1", seen=4, wait_s=0.2).version == 4 and time.monotonic() - began >= 0.2
+    p.ledger.abort("r1")
+    began = time.monotonic()
+    assert not c.query_stream("r1", seen=4, wait_s=30).lease.valid and time.monotonic() - began < 10

@@ -74,11 +74,12 @@ def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"") -> Frame:
 
 @attrs.define
 class _Parked:
-    """A BeginPull held until its request is offered (or its wait runs out), with what its reply needs."""
+    """A BeginPull held until its request is offered, or a QueryStream until its stream changes (or the
+    wait runs out), with what its reply needs."""
 
     envelope: list[bytes]
     reply_to: bytes
-    msg: BeginPull
+    msg: BeginPull | QueryStream
     peer_host: str | None
     since: float  # monotonic
     deadline: float
@@ -86,9 +87,9 @@ class _Parked:
 
 @attrs.frozen
 class _Hold:
-    """What the dispatcher answers for a BeginPull to be held until its request is offered."""
+    """What the dispatcher answers for a request to be held (see `_Parked`)."""
 
-    msg: BeginPull
+    msg: BeginPull | QueryStream
 
 
 class ControlServer:
@@ -291,7 +292,10 @@ class ControlServer:
         if isinstance(msg, QueryStream):
             if self.streams is None:
                 return Refused("no_streams", f"rank {self.name} does not stream layer by layer (transfer: pull)")
-            return self.streams(msg.request_id, msg.epoch)
+            status = self.streams(msg.request_id, msg.epoch)
+            if park and msg.wait_ms > 0 and self._nparked < MAX_PARKED and not self._stream_moved(msg, status):
+                return _Hold(msg)
+            return status
         raise ProtocolError(f"no handler for {type(msg).__name__}")
 
     def _begin(self, msg: BeginPull, peer_host: str | None, waited_s: float = 0.0) -> LeaseStatus:
@@ -313,9 +317,18 @@ class ControlServer:
         self.ledger.offer(msg.request_id, msg.blocks, offer_id=msg.offer_id)
         return Ack()
 
+    @staticmethod
+    def _stream_moved(msg: QueryStream, status: StreamStatus) -> bool:
+        """Whether a QueryStream is answered now: its stream changed since `seen`, or its lease is not valid."""
+        return status.version != msg.seen or not status.lease.valid
+
     def _offered(self, lease: Any) -> None:
         """Ledger callback (any thread): wake the serving loop if a BeginPull waits for this request."""
-        if lease.request_id not in self._parked:  # a racy read: at worst one needless wake-up
+        self.wake(lease.request_id)
+
+    def wake(self, request_id: str) -> None:
+        """Any thread: `request_id` changed (offered, or its stream progressed); answer what waits for it."""
+        if request_id not in self._parked:  # a racy read: at worst one needless wake-up
             return
         with self._wake_lock:
             if not self._stop.is_set():
@@ -331,12 +344,19 @@ class ControlServer:
             offered = self.ledger.state(rid) is not LeaseState.UNKNOWN
             waiting = []
             for p in self._parked[rid]:
-                if offered or now >= p.deadline:
+                reply: Any = None
+                if isinstance(p.msg, QueryStream):
+                    assert self.streams is not None  # it was held because streams answered it
+                    status = self.streams(p.msg.request_id, p.msg.epoch)
+                    if now >= p.deadline or self._stream_moved(p.msg, status):
+                        reply = status
+                elif offered or now >= p.deadline:
                     try:
-                        reply: Any = self._begin(p.msg, p.peer_host, waited_s=now - p.since)
+                        reply = self._begin(p.msg, p.peer_host, waited_s=now - p.since)
                     except KVBridgeError as exc:
                         log.warning("%s refused a held BeginPull for %s: %s", self.name, rid, exc)
                         reply = Refused("protocol" if isinstance(exc, ProtocolError) else "error", str(exc))
+                if reply is not None:
                     self._nparked -= 1
                     self._send([*p.envelope, self._seal(p.reply_to, reply)])
                 else:
@@ -681,9 +701,12 @@ class ControlClient:
     def query_lease(self, request_id: str, epoch: int = 0) -> LeaseStatus:
         return self._expect(self.request(QueryLease(request_id, epoch)), LeaseStatus, "QueryLease")
 
-    def query_stream(self, request_id: str, epoch: int = 0) -> StreamStatus:
-        """How far the prefill rank computed `request_id`, layer by layer (layer-wise streaming)."""
-        return self._expect(self.request(QueryStream(request_id, epoch)), StreamStatus, "QueryStream")
+    def query_stream(self, request_id: str, epoch: int = 0, *, seen: int = 0, wait_s: float = 0.0) -> StreamStatus:
+        """How far the prefill rank computed `request_id`, layer by layer (layer-wise streaming); with
+        `wait_s`, answered once its `version` is no longer `seen` (or its lease is not valid), at most
+        `wait_s` later."""
+        msg = QueryStream(request_id, epoch, seen, int(wait_s * 1000))
+        return self._expect(self.request(msg, timeout_s=self.timeout_s + wait_s), StreamStatus, "QueryStream")
 
     def abort(self, request_id: str, *, origin: str = "", reason: str = "") -> None:
         """Tell the rank that `request_id` was aborted (it frees what it holds)."""

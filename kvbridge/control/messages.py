@@ -134,10 +134,15 @@ class QueryLease:
 
 @attrs.frozen
 class QueryStream:
-    """How far has prefill computed `request_id` (layer-wise streaming)? Answered with a `StreamStatus`."""
+    """How far has prefill computed `request_id` (layer-wise streaming)? Answered with a `StreamStatus`.
+
+    `seen`: the `StreamStatus.version` the reader has; the server may hold the answer up to `wait_ms`
+    while the stream is still at that version and its lease valid (a long poll: no busy polling)."""
 
     request_id: str = _id()
     epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
+    seen: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
+    wait_ms: int = attrs.field(default=0, validator=_int_in(0, MAX_WAIT_MS))
 
 
 @attrs.frozen
@@ -190,6 +195,7 @@ class StreamStatus:
     lease: LeaseStatus
     tokens: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
     ready: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
+    version: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))  # grows with every change above
 
 
 @attrs.frozen

@@ -58,8 +58,11 @@ LAYERWISE = "layerwise"
 TRANSFERS = ("pull", LAYERWISE)
 # vLLM layouts whose block holds every layer (kvbridge.adapters.vllm.cache): not streamable per layer.
 BLOCK_OUTERMOST = ("BLHNC", "BLNHC", "BHLNC")
-# Decode polls prefill's progress this often at most while prefill computes (a side-channel round trip
-# each; at 2 ms, a 1 s prefill costs 500 round trips and the last layer is seen at most 2 ms late).
+# Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until a layer is
+# saved (or blocks are added), at most this long, so decode sees each layer at once without busy
+# polling (which took the prefill's GIL hundreds of times per second while it computed).
+STREAM_WAIT_S = 0.1
+# Against a prefill that answers at once (no long poll), decode polls this often, backing off.
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.002
 
 
@@ -234,6 +237,7 @@ class _Stream:
     ended: bool = False
     released: bool = False
     preempted: bool = False  # vLLM freed the blocks itself: nothing to report
+    version: int = 1  # grows with every change a reader may wait for (StreamStatus.version)
 
 
 class Producer:
@@ -249,6 +253,12 @@ class Producer:
         self._streams: dict[str, _Stream] = {}  # transfer id -> stream
         self._by_request: dict[str, str] = {}  # vLLM request id -> transfer id
         self._finished: set[str] = set()  # request ids whose blocks vLLM may free now
+        # told the transfer id whenever a stream changes (ControlServer.wake answers its held QueryStreams)
+        self.on_progress: Callable[[str], None] | None = None
+
+    def _changed(self, transfer_id: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(transfer_id)
 
     def register(self, agent: KVAgent, layer_names: Sequence[str]) -> None:
         self.agent = agent
@@ -274,7 +284,9 @@ class Producer:
             if tid is not None:
                 with self._lock:
                     self._streams[tid].blocks.extend(added)
+                    self._streams[tid].version += 1
                 self.ledger.extend(tid, added)
+                self._changed(tid)
         for rid, computed in meta.computed.items():
             tid = self._by_request.get(rid)
             if tid is not None:
@@ -304,13 +316,15 @@ class Producer:
         if layer is None or self.agent is None:
             return
         with self._lock:
-            due = [s for s in self._streams.values() if not s.preempted and s.step > s.ready[layer]]
-        for s in due:
+            due = [(tid, s) for tid, s in self._streams.items() if not s.preempted and s.step > s.ready[layer]]
+        for tid, s in due:
             bs = self.block_size
             first, last = s.ready[layer] // bs, -(-s.step // bs)
             self.agent.publish(s.blocks[first:last], layers=(layer,))  # device sync (+ staging copy)
             with self._lock:
                 s.ready[layer] = s.step
+                s.version += 1
+            self._changed(tid)
 
     def query(self, transfer_id: str, epoch: int) -> StreamStatus:
         lease = self.ledger.query(transfer_id, epoch)
@@ -318,7 +332,7 @@ class Producer:
             s = self._streams.get(transfer_id)
             if s is None:
                 return StreamStatus(lease)
-            return StreamStatus(attrs.evolve(lease, blocks=tuple(s.blocks)), s.tokens, tuple(s.ready))
+            return StreamStatus(attrs.evolve(lease, blocks=tuple(s.blocks)), s.tokens, tuple(s.ready), s.version)
 
     def released(self, transfer_id: str) -> bool:
         """Ledger release of `transfer_id`; False when it is not a stream (a pull-mode lease)."""
@@ -413,14 +427,19 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         sent = {rank: [task.skip] * layers for rank in ranks}  # per rank and layer: block positions requested
         subs: dict[tuple[int, tuple[int, ...]], tuple[KVLayout, KVLayout]] = {}
         delay, last_progress, computing_until = POLL_MIN_S, time.monotonic(), time.time()
+        versions = dict.fromkeys(ranks, 0)
+        finished: set[int] = set()  # ranks whose every layer holds the whole prompt
         while True:
             if cancelled.is_set():
                 raise LoadError(f"request {rid!r}: decode dropped it while streaming", request=rid, cause="cancelled")
             progressed, complete = False, True
-            polled = time.time()
+            round_began = time.monotonic()
             for rank in ranks:
                 client, info, peer = peers[rank]
-                st = client.query_stream(rid, leases[rank][1])
+                wait = 0.0 if rank in finished else STREAM_WAIT_S
+                st = client.query_stream(rid, leases[rank][1], seen=versions[rank], wait_s=wait)
+                versions[rank] = st.version
+                answered = time.time()
                 if not st.lease.valid:
                     raise LoadError(
                         f"request {rid!r}: lease on {client.url} is {st.lease.state.value} mid-stream; recompute",
@@ -439,11 +458,18 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                 have = len(st.lease.blocks)
                 ready = [min(have, total if r >= task.tokens else r // bs) for r in (st.ready or (0,) * layers)]
                 groups: dict[tuple[int, int], list[int]] = {}
+                rank_complete = True
                 for layer in range(layers):
                     if ready[layer] > sent[rank][layer]:
                         groups.setdefault((sent[rank][layer], ready[layer]), []).append(layer)
                     if ready[layer] < total:
-                        complete = False
+                        rank_complete = False
+                if rank_complete:
+                    finished.add(rank)
+                else:
+                    complete = False
+                    # prefill was still computing when it composed this answer (at most a return trip ago)
+                    computing_until = answered
                 for (a, b), group in groups.items():
                     key = (rank, tuple(group))
                     if key not in subs:
@@ -465,8 +491,6 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                     for layer in group:
                         sent[rank][layer] = b
                     progressed = True
-            if not complete:
-                computing_until = polled  # prefill was still computing when this poll left
             if complete:
                 break
             now = time.monotonic()
@@ -479,9 +503,9 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                     request=rid,
                     cause="timeout",
                 )
-            else:
+            elif now - round_began < POLL_MIN_S:  # answered at once, unchanged: a prefill that does not hold
                 delay = min(delay * 2, POLL_MAX_S)
-            time.sleep(delay)  # bounded by the timeout above
+                time.sleep(delay)  # bounded by the timeout above
         _settle(handles, timeout_s)
         error = next((e for e in (h.exception() for h in handles) if e is not None), None)
         if error is not None:

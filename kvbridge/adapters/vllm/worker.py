@@ -127,6 +127,7 @@ class WorkerSide:
         if settings.transfer == "layerwise":
             self.producer = Producer(self.ledger, self.server.abort, block_size)
             self.server.streams = self.producer.query
+            self.producer.on_progress = self.server.wake  # answers the QueryStreams held for that stream
             self._streams = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvbridge-stream")
         self._lock = threading.Lock()
         self._sent: set[str] = set()
