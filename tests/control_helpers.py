@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.control import KVTransferParams
 from kvbridge.testing.ports import free_port
 
 
@@ -132,3 +133,18 @@ def rank_info(engine_id: str = "prefill", rank: int = 0, endpoint: bytes = b"end
     model = PRESETS["tiny-gqa"]
     layout = vllm_layout(model, 8, [0x10000 * (i + 1) for i in range(model.layers)], 4)
     return RankInfo(engine_id, rank, ParallelConfig(tp=2), layout, endpoint)
+
+
+def pull_params(request_id: str, blocks: list[int], port: int, *, tokens: int | None = None, tp_size: int = 1) -> dict:
+    """What a prefill engine returns through the proxy for `blocks` of `request_id` (vLLM's keys); `tokens`
+    defaults to full blocks of 16."""
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="prefill",
+        remote_request_id=request_id,
+        remote_block_ids=[blocks],
+        remote_host="127.0.0.1",
+        remote_port=port,
+        tp_size=tp_size,
+        remote_num_tokens=len(blocks) * 16 if tokens is None else tokens,
+    ).to_dict()

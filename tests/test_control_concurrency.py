@@ -24,9 +24,9 @@ from inspect import signature
 from pathlib import Path
 
 import pytest
-from control_helpers import wait_for
+from control_helpers import pull_params, wait_for
 
-from kvbridge.control import ClientPool, ControlClient, KVTransferParams
+from kvbridge.control import ClientPool, ControlClient
 from kvbridge.control.messages import LeaseStatus, QueryLease
 from kvbridge.control.pull import DecodeControl
 from kvbridge.errors import KVBridgeError
@@ -118,16 +118,7 @@ def test_a_lost_or_stalled_request_delays_no_other_request_while_transfers_run(c
                 return
             rid, blocks = f"r{i}", [(i + k) % 64 for k in range(32)]
             prefill.call("offer", request_id=rid, blocks=blocks, tokens=32 * 16)
-            params = KVTransferParams(
-                do_remote_prefill=True,
-                remote_engine_id="prefill",
-                remote_request_id=rid,
-                remote_block_ids=[blocks],
-                remote_host="127.0.0.1",
-                remote_port=port,
-                tp_size=1,
-                remote_num_tokens=32 * 16,
-            ).to_dict()
+            params = pull_params(rid, blocks, port)
             try:
                 out = decode.call("pull", request_id=rid, params=params, local_blocks=list(range(32)))
             except ChildError as exc:
@@ -167,19 +158,6 @@ def test_a_lost_or_stalled_request_delays_no_other_request_while_transfers_run(c
     assert len(errors) >= 1, "the request lost with the prefill's previous life timed out (its caller only)"
 
 
-def _params(rid: str, blocks: list[int], port: int) -> dict:
-    return KVTransferParams(
-        do_remote_prefill=True,
-        remote_engine_id="prefill",
-        remote_request_id=rid,
-        remote_block_ids=[blocks],
-        remote_host="127.0.0.1",
-        remote_port=port,
-        tp_size=1,
-        remote_num_tokens=len(blocks) * 16,
-    ).to_dict()
-
-
 def test_a_stopped_prefill_costs_a_pull_one_control_timeout_not_two(children: list[Child]) -> None:
     # A BeginPull the prefill leaves unanswered (killed, or stopped as here) used to be followed by a
     # release-only DONE to the same silent side channel, waiting out the control timeout a second time.
@@ -188,11 +166,11 @@ def test_a_stopped_prefill_costs_a_pull_one_control_timeout_not_two(children: li
     children += [prefill, decode]
     blocks = list(range(8))
     prefill.call("offer", request_id="r0", blocks=blocks, tokens=8 * 16)
-    assert decode.call("pull", request_id="r0", params=_params("r0", blocks, port), local_blocks=blocks) is None
+    assert decode.call("pull", request_id="r0", params=pull_params("r0", blocks, port), local_blocks=blocks) is None
     os.kill(prefill.pid, signal.SIGSTOP)
     timeout = signature(DecodeControl).parameters["timeout_s"].default
     began = time.monotonic()
     with pytest.raises(ChildError, match="did not answer BeginPull"):
-        decode.call("pull", request_id="r1", params=_params("r1", blocks, port), local_blocks=blocks)
+        decode.call("pull", request_id="r1", params=pull_params("r1", blocks, port), local_blocks=blocks)
     took = time.monotonic() - began
     assert timeout <= took < 1.6 * timeout, f"the failed pull took {took:.1f}s with a {timeout}s control timeout"

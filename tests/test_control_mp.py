@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from control_helpers import wait_for
+from control_helpers import pull_params, wait_for
 from control_rank import model_with
 
 from kvbridge.control import KVTransferParams
@@ -71,16 +71,7 @@ class Cluster:
 
     def params(self, request_id: str, blocks: list[int], tokens: int) -> dict:
         """What the prefill engine returns through the proxy (vLLM's keys)."""
-        return KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id="prefill",
-            remote_request_id=request_id,
-            remote_block_ids=[blocks],
-            remote_host="127.0.0.1",
-            remote_port=self.base,
-            tp_size=self.p_cfg.tp,
-            remote_num_tokens=tokens,
-        ).to_dict()
+        return pull_params(request_id, blocks, self.base, tokens=tokens, tp_size=self.p_cfg.tp)
 
     def offer(self, request_id: str, blocks: list[int], tokens: int, timeout_s: float | None = None) -> None:
         p = self.plan(tokens)
