@@ -12,6 +12,7 @@ is checked, and so is every byte that must not have moved.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -54,6 +55,8 @@ class TransportConformance:
     options: ClassVar[dict[str, Any]] = {}
     #: seconds a transfer may take before the suite calls it hung
     timeout: ClassVar[float] = 60.0
+    #: seconds a backend may take to learn that a peer is gone (a disconnect message, a failed socket)
+    departure_window: ClassVar[float] = 5.0
 
     def make(self) -> MigrationBackend:
         return kvbridge.create_backend(self.transport_name, protocol=self.protocol, **self.options)
@@ -195,7 +198,20 @@ class TransportConformance:
         peer = wired.b_to_a()
         b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 64)], "read").wait(self.timeout)
         self.kill(wired.a)
-        with pytest.raises(TransferError) as err:
-            b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 64)], "read").wait(self.timeout)
-        assert isinstance(err.value, KVBridgeError)
-        assert err.value.peer, "a transfer error names its peer"
+        # Learning of a departure is asynchronous in every transport (NIXL's own progress thread takes in the
+        # disconnect message while this thread posts), so the contract is a bounded window, then errors.
+        deadline = time.monotonic() + self.departure_window
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                b.transfer(peer, [(dst.ctypes.data, src.ctypes.data, 64)], "read").wait(self.timeout)
+            except TransferError as exc:
+                error = exc
+                break
+            assert time.monotonic() < deadline, (
+                f"{attempts} transfers to a closed peer succeeded over {self.departure_window}s; "
+                "a dead peer must become a TransferError"
+            )
+        assert isinstance(error, KVBridgeError)
+        assert error.peer, "a transfer error names its peer"
