@@ -97,16 +97,21 @@ def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descripto
     return merge_runs(desc[np.argsort(desc[:, 0], kind="stable")]), planes, off
 
 
+def write_planes(views: Sequence[Sequence[Any]], blocks: Any, heads: tuple[int, int], planes: Sequence[Any]) -> None:
+    """Write each plane's `[L, n, h, N, c]` bytes into blocks `blocks` and heads [h0, h1) of a cache given
+    as per-plane, per-layer uint8 views `[B, H, N, c]`."""
+    for plane, data in zip(views, planes):
+        for layer, view in enumerate(plane):
+            view[:, heads[0] : heads[1]][blocks] = data[layer]
+
+
 def write_logical(
     views: Sequence[Sequence[Any]], contents: Sequence[int], blocks: Any, heads: tuple[int, int], data: Any
 ) -> None:
     """Write `data` `[L, n, h, N, C]` (bytes) into blocks `blocks` and heads [h0, h1) of a cache given as
     per-plane, per-layer uint8 views `[B, H, N, c]`; planes split C in order."""
-    c0 = 0
-    for plane, c in zip(views, contents):
-        for layer, view in enumerate(plane):
-            view[:, heads[0] : heads[1]][blocks] = data[layer, ..., c0 : c0 + c]
-        c0 += c
+    bounds = np.cumsum([0, *contents]).tolist()
+    write_planes(views, blocks, heads, [data[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 def read_logical(views: Sequence[Sequence[Any]], blocks: Any) -> Any:
@@ -227,26 +232,31 @@ class Receiver:
 
             layers = len(g.planes[0].layer_addrs)
             base = landing.storage_offset()  # a device plugin may hand out a view (NPU: 2 MiB-aligned)
-            x = torch.cat(
-                [
-                    torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, base + off)
-                    for p, (off, st) in zip(g.planes, planes)
-                ],
-                dim=-1,
-            )[:, :, pull.src_heads[0] : pull.src_heads[1]]
-            if g.block_size == mine.block_size:
-                # whole blocks, as a direct read would: a backend may pack a block's interior (vLLM's CPU
-                # attention tiles K by ISA), so its token slots are not cut or padded here
-                y = x
-            else:  # re-blocking reads token slots literally, as vLLM's GPU backends store them
-                h = x.shape[2]
-                z = x.permute(0, 2, 1, 3, 4).reshape(layers, h, n_src * g.block_size, -1)[:, :, :tokens]
-                pad = n_dst * mine.block_size - tokens
-                if pad:
-                    z = torch.nn.functional.pad(z, (0, 0, 0, pad))
-                y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
+            h0, h1 = pull.src_heads
+            parts = [
+                torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, base + off)
+                for p, (off, st) in zip(g.planes, planes)
+            ]
+            parts = [part[:, :, h0:h1] for part in parts]
             index = self.views[0][0].new_tensor(dst, dtype=torch.int64)  # on the cache's own device
-            write_logical(self.views, [p.content for p in mine.planes], index, pull.dst_heads, y)
+            contents = [p.content for p in mine.planes]
+            if g.block_size == mine.block_size and [p.content for p in g.planes] == contents:
+                # whole blocks, as a direct read would: a backend may pack a block's interior (vLLM's CPU
+                # attention tiles K by ISA), so its token slots are not cut or padded here; planes split
+                # alike go plane by plane, without a concatenated copy
+                write_planes(self.views, index, pull.dst_heads, parts)
+            else:
+                x = torch.cat(parts, dim=-1)
+                if g.block_size == mine.block_size:
+                    y = x
+                else:  # re-blocking reads token slots literally, as vLLM's GPU backends store them
+                    h = x.shape[2]
+                    z = x.permute(0, 2, 1, 3, 4).reshape(layers, h, n_src * g.block_size, -1)[:, :, :tokens]
+                    pad = n_dst * mine.block_size - tokens
+                    if pad:
+                        z = torch.nn.functional.pad(z, (0, 0, 0, pad))
+                    y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
+                write_logical(self.views, contents, index, pull.dst_heads, y)
             if self.device.synchronizes:  # the rearrangement ran on the device: done before vLLM reads
                 self.device.after_transfer(self.device_id)
 
