@@ -11,7 +11,7 @@ TCP = capabilities("tcp", {}, frozenset()).cost
 
 
 def test_mooncake_tcp_declares_its_measured_cost_and_other_protocols_none() -> None:
-    assert TCP.descriptor_s and TCP.bytes_per_s and TCP.piece_bytes == MiB and TCP.peer_admission == 2048
+    assert TCP.descriptor_s and TCP.bytes_per_s and TCP.piece_bytes == 4 * MiB and TCP.peer_admission == 2048
     assert capabilities("rdma", {}, frozenset()).cost == TransferCost()
 
 
@@ -20,7 +20,7 @@ def test_fragmented_request_is_gathered_and_contiguous_goes_direct() -> None:
     fragmented = choose(TCP, 64 * 256, request, copy_bytes_per_s=8e9)
     assert fragmented.strategy == "gather" and fragmented.gather_s < fragmented.direct_s
     assert "16384 descriptors" in fragmented.reason
-    contiguous = choose(TCP, request // MiB, request, copy_bytes_per_s=8e9)  # one run per tensor, cut to 1 MiB
+    contiguous = choose(TCP, request // TCP.piece_bytes, request, copy_bytes_per_s=8e9)  # runs cut to pieces
     assert contiguous.strategy == "direct"
 
 

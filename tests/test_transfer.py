@@ -84,9 +84,9 @@ def test_many_fragmented_descriptors_beyond_the_batch_limit(pair: Pair, op: str)
 
 
 def test_contiguous_blocks_merge_into_one_run_cut_to_the_transport_piece_size(pair: Pair) -> None:
-    n, block = 512, 8192  # 4 MiB in 512 contiguous blocks
+    n, block = 2048, 8192  # 16 MiB in 2048 contiguous blocks
     desc = np.stack([np.arange(n) * block, np.arange(n) * block, np.full(n, block)], axis=1)
-    # tcp takes the run whole; Mooncake TCP gets it in 1 MiB pieces, one per lane
+    # tcp takes the run whole; Mooncake TCP gets it in 4 MiB pieces, one per lane
     assert pair.transfer(desc)["descriptors"] == {"tcp": 1, "mooncake": 4}[pair.backend]
     assert pair.client.call("digest") == sha(
         np.concatenate([pattern(pair.size, 7)[: n * block], np.zeros(pair.size - n * block, np.uint8)])

@@ -26,7 +26,10 @@ from kvbridge.types import BackendCapabilities, MemoryKind, TransferCost
 PROTOCOLS = ("tcp", "rdma", "nvlink", "ascend")
 MOONCAKE_PROTOCOL = {"tcp": "tcp", "rdma": "rdma", "nvlink": "nvlink_intra", "ascend": "ascend"}
 ASCEND_ALIGNMENT = 2 << 20  # Mooncake's ascend transport (HCCL) registers memory in 2 MiB pages
-TCP_DESCRIPTOR_BYTES = 1 << 20
+# Pieces of a long descriptor. Measured with `kvbridge bench --model llama3-8b --tokens 4096` (512 MiB a
+# request, contiguous, paired with one 512 MiB descriptor): 1 MiB pieces 77-85 % of raw, 2 MiB 85-86 %,
+# 4 MiB 94-102 %, 8 MiB 96-100 %; at 512 tokens (64 MiB) 1 MiB 37-39 ms, 4 MiB 36 ms (docs/transfer-strategies.md).
+TCP_DESCRIPTOR_BYTES = 4 << 20
 # Measured on loopback (FIELD-NOTES, 2-vCPU VM): 1 MiB descriptors 2.1-2.4 GB/s, 32 KiB ones about 1.2 GB/s
 # (about 13 us each beyond their bytes); about 2048 descriptors admitted per peer (1024 queued + 1024
 # pending). The other protocols were not measured here: no cost declared, descriptors go direct.
@@ -107,8 +110,8 @@ def memory_kinds(protocol: str, built_with: frozenset[str]) -> frozenset[MemoryK
 
 def capabilities(protocol: str, options: Mapping[str, object], built_with: frozenset[str]) -> BackendCapabilities:
     """One engine's capabilities: `CAPABILITIES` narrowed to its protocol, wheel and options."""
-    # Mooncake's TCP transport moves one descriptor per lane: ~1 MiB pieces keep its lanes busy in
-    # parallel (measured: 64 x 1 MiB about twice as fast as 1 x 64 MiB on loopback).
+    # Mooncake's TCP transport moves one descriptor per lane: pieces keep its lanes busy in parallel
+    # (64 x 1 MiB about twice as fast as 1 x 64 MiB on loopback), and each costs a session of its own.
     piece = options.get("max_descriptor_bytes", TCP_DESCRIPTOR_BYTES if protocol == "tcp" else None)
     return attrs.evolve(
         CAPABILITIES,
