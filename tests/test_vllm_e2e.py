@@ -441,9 +441,11 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
         victim.kill()
         killed.set()
         outcomes = [f.result() for f in streams]
-    # The victim's streams broke off; the others ran to their end on the surviving decode.
-    assert all(done is (server != victim.url) for server, done in outcomes), outcomes
-    assert any(server == victim.url for server, _ in outcomes)
+    # The streams on the surviving decode ran to their end. One on the victim broke off, unless the
+    # victim had sent all of it before SIGKILL landed (its answer sits in the sockets while the stream's
+    # thread waits for the kill; on a loaded 2-vCPU box 800 tiny-model tokens can beat the kill).
+    assert all(done for server, done in outcomes if server != victim.url), outcomes
+    assert any(server == victim.url for server, _ in outcomes), outcomes
     # Prefill gets its blocks back: by DONE for what was read, by lease expiry for what never will be.
     left = cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S * 3)
     assert left == 0.0, f"prefill still uses {left:.2%} of its KV cache\n{failure_reports(cluster.prefill)}"
