@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 
 import pytest
 
@@ -219,6 +220,34 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     assert [sum(h[i] for h in held.data["held"]) for i in (0, 1)] == [0, 0]
 
 
+def test_idle_engine_step_waits_for_a_transfer_instead_of_spinning() -> None:
+    # vLLM steps an engine that only waits for transfers without pause; such a step (nothing computed)
+    # blocks in get_finished until a transfer ends, on both sides, and not for the whole idle_wait_ms.
+    w = Workers(prefill={"idle_wait_ms": 60_000}, decode={"idle_wait_ms": 60_000})
+    results: dict[str, tuple] = {}
+
+    def step(key: str, side: WorkerSide, idle: bool) -> threading.Thread:
+        t = threading.Thread(target=lambda: results.__setitem__(key, side.get_finished(set(), idle=idle)), daemon=True)
+        t.start()
+        return t
+
+    try:
+        busy = step("busy", w.decode, False)  # a step that computes never waits
+        busy.join(10)
+        assert not busy.is_alive() and results["busy"] == (None, None)
+        remote, local = [1, 2, 3], [4, 5, 6]
+        w.offer("p1", remote)
+        waiting = [step("decode", w.decode, True), step("prefill", w.prefill, True)]
+        w.pull("d1", w.params("p1", remote), local)
+        for t in waiting:
+            t.join(20)
+            assert not t.is_alive(), "an idle step waited past the end of the transfer"
+        assert results["decode"] == (None, {"d1"}) and results["prefill"] == ({"p1"}, None)
+        assert w.decode.get_block_ids_with_load_errors() == set()
+    finally:
+        w.close()
+
+
 def test_worker_counts_the_transfer_retries_of_a_pull(workers: Workers) -> None:
     """A batch that fails once is resubmitted under the transfer deadline; the pull succeeds and its
     retry reaches the stats (kvbridge_transfer_retries_total)."""
@@ -314,9 +343,13 @@ def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(work
         assert delay and params is not None and params["remote_port"] == port
         wait_for(lambda: workers.prefill.ledger.active == ["p12"], what="the early offer (no step yet)")
         meta = scheduler.build_connector_meta(None)
+        assert not meta.idle
         [offer] = meta.offers
         assert workers.prefill.ledger.query("p12").blocks == offer.blocks == (3, 4)
         workers.prefill.start_load_kv(meta)  # the step's offer: the same lease
+        from vllm.v1.core.sched.output import SchedulerOutput
+
+        assert scheduler.build_connector_meta(SchedulerOutput.make_empty()).idle  # nothing computed this step
         workers.pull("d12", params, [6, 7])
         workers.wait_recved("d12")
         workers.wait_sent("p12")
@@ -421,6 +454,9 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         Settings.from_extra_config({"lease": 3})
     with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
         Settings.from_extra_config({"lease_s": "soon"})
+    with pytest.raises(ConfigError, match="bad kv_connector_extra_config.*idle_wait_ms"):
+        Settings.from_extra_config({"idle_wait_ms": -1})
+    assert Settings.from_extra_config({}).idle_wait_ms == 2.0
     monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
     monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
     assert Settings.from_extra_config({}).secret is None

@@ -354,6 +354,10 @@ class Producer:
             if not s.preempted:
                 self._finished.add(s.request_id)
 
+    def has_finished(self) -> bool:
+        with self._lock:
+            return bool(self._finished)
+
     def take_finished(self) -> set[str]:
         with self._lock:
             out, self._finished = self._finished, set()

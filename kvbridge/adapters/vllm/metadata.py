@@ -55,6 +55,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
     pulls: list[PullTask] = field(default_factory=list)
     offers: list[Offer] = field(default_factory=list)
     layerwise: LayerwiseMeta = field(default_factory=LayerwiseMeta)  # "transfer": "layerwise" only
+    idle: bool = False  # the step computes nothing: the engine is stepped only to hear of transfers
 
 
 @dataclass

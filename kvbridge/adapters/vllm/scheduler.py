@@ -119,7 +119,12 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
         layerwise = self.layerwise.collect(scheduler_output)
-        meta = KVBridgeMetadata(pulls=self._pulls, offers=self._offers, layerwise=layerwise)
+        meta = KVBridgeMetadata(
+            pulls=self._pulls,
+            offers=self._offers,
+            layerwise=layerwise,
+            idle=scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens,
+        )
         self._pulls, self._offers = [], []
         return meta
 

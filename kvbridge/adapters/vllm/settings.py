@@ -44,6 +44,11 @@ class Settings:
       once: `kvbridge proxy --transfer layerwise`). See kvbridge.adapters.vllm.layerwise.
     - `early_offer`: the scheduler offers a finished request to its workers at once, ahead of the
       engine step that offers it too (see docs/vllm.md); false: only the step offers.
+    - `idle_wait_ms`: in an engine step that computes nothing (vLLM steps such an engine without pause
+      while it waits for KV transfers), `get_finished` waits up to this long for a transfer to end, and
+      returns as soon as one does, instead of letting the engine spin: the spinning engine takes a core
+      and the GIL from the transfers it waits for. A request arriving at such an engine waits at most
+      this long more. 0 turns it off.
     - `backend_options`: options of the transport itself, as its plugin declares them (`kvbridge plugins
       NAME` lists them), e.g. `{"transfer_deadline": 5}` for Mooncake on a loaded host; checked when the
       transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.
@@ -64,6 +69,7 @@ class Settings:
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    idle_wait_ms: float = attrs.field(default=2.0, converter=float, validator=attrs.validators.ge(0.0))
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line

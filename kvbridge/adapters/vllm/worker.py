@@ -130,6 +130,8 @@ class WorkerSide:
             self.producer.on_progress = self.server.wake  # answers the QueryStreams held for that stream
             self._streams = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvbridge-stream")
         self._lock = threading.Lock()
+        # notified (under _lock) whenever get_finished has something new to report
+        self._news = threading.Condition(self._lock)
         self._sent: set[str] = set()
         self._stepped: dict[str, str] = {}  # offer id -> request id: offered by the step, not released yet
         self._released_early: OrderedDict[str, str] = OrderedDict()  # released before the step's offer came
@@ -241,6 +243,7 @@ class WorkerSide:
             with self._lock:
                 if self._released_early.pop(offer.offer_id, None) is not None:
                     self._sent.add(offer.request_id)  # the early offer was pulled and released already
+                    self._news.notify_all()
                     continue
                 self._stepped[offer.offer_id] = offer.request_id
             # the same lease as the early offer's, if that came; the decode side states the release count
@@ -288,6 +291,7 @@ class WorkerSide:
                     with self._lock:
                         self._load_errors.update(task.local_block_ids)
                         self._recved.add(task.request_id)
+                        self._news.notify_all()
             elif task.local_block_ids:
                 with self._lock:
                     self._cancels[task.request_id] = threading.Event()
@@ -334,6 +338,7 @@ class WorkerSide:
                 self.stats.record_failure(transport, peer, error)
                 self._load_errors.update(task.local_block_ids)
             self._recved.add(task.request_id)
+            self._news.notify_all()
 
     def _release(self, task: PullTask) -> None:
         """Decode reads nothing of the request: free it on every prefill rank now (once per engine: each
@@ -350,6 +355,7 @@ class WorkerSide:
         if task.report:
             with self._lock:
                 self._recved.add(task.request_id)
+                self._news.notify_all()
 
     @staticmethod
     def _on_stage(params: KVTransferParams, stage: int) -> KVTransferParams:
@@ -415,6 +421,7 @@ class WorkerSide:
                     self._load_errors.update(task.local_block_ids)
                 if task.report:
                     self._recved.add(task.request_id)
+                    self._news.notify_all()
             if error is None:
                 log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
             elif isinstance(error, KVBridgeError):
@@ -447,10 +454,13 @@ class WorkerSide:
         """Ledger callback (any thread): the request's blocks may be freed; vLLM hears of it in get_finished."""
         self.stats.record_lease(reason.value, -1, -len(lease.blocks))
         if self.producer is not None and self.producer.released(lease.request_id):
-            return  # a stream: reported once vLLM finished the request too (get_finished)
+            with self._lock:  # a stream: reported once vLLM finished the request too (get_finished)
+                self._news.notify_all()
+            return
         with self._lock:
             if not lease.offer_id or self._stepped.pop(lease.offer_id, None) is not None:
                 self._sent.add(lease.request_id)
+                self._news.notify_all()
                 return
             self._released_early[lease.offer_id] = lease.request_id
             while len(self._released_early) > MAX_EARLY_RELEASES:  # offers no step ever confirms
@@ -458,8 +468,16 @@ class WorkerSide:
 
     # -- both ----------------------------------------------------------------------------------
 
-    def get_finished(self, _finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(
+        self, _finished_req_ids: set[str], *, idle: bool = False
+    ) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose blocks prefill may free, and requests decode has loaded. In a step that computes
+        nothing (`idle`), wait up to `idle_wait_ms` for one, so that the engine does not spin on the cores and
+        the GIL its transfers need."""
         with self._lock:
+            streams_done = self.producer is not None and self.producer.has_finished()
+            if idle and not (self._sent or self._recved or streams_done):
+                self._news.wait(self.settings.idle_wait_ms / 1e3)
             sending, self._sent = self._sent, set()
             if self.producer is not None:
                 sending |= self.producer.take_finished()
