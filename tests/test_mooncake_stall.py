@@ -73,12 +73,24 @@ def timed(fn, *args):  # type: ignore[no-untyped-def]
         return exc, time.monotonic() - t
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def test_a_stalled_peer_fails_the_pull_within_the_deadline_and_the_engine_recovers(pair: Pair) -> None:
     desc = scattered(64, 65536)
     pair.transfer(desc)  # the lanes are up
     os.kill(pair.server.pid, signal.SIGSTOP)
+    cpu = cpu_seconds(pair.client.pid)
     err, took = timed(pair.transfer, desc)
+    cpu = cpu_seconds(pair.client.pid) - cpu
     os.kill(pair.server.pid, signal.SIGCONT)
+    # The waiting thread polls with sleeps: the binding's own wait spins a core for the whole stall (a
+    # spinning wait starves the stalled peer's transport thread where cores are shared).
+    assert cpu < 0.3 * took, f"the pulling process used {cpu:.1f}s of CPU waiting {took:.1f}s on a stalled peer"
     assert isinstance(err, ChildError) and err.kind in {"TransferTimeout", "TransferFailed"}, err
     assert "and so did its retry" in str(err) and "check that the peer is alive, not stalled" in str(err), err
     assert took < BOUND_S, f"a stalled peer held the pull {took:.1f}s (bound {BOUND_S}s)"

@@ -17,6 +17,15 @@ binding does only after `MC_TRANSFER_TIMEOUT` (at least 5 s, hard-coded in the b
 completes only then, so the engine never reuses memory a late write could land in. A failed pull then
 takes at most about deadline + 5 s + 1 s per GiB; a stale lane that rejects the batch fast is retried
 here after a short backoff (`retries`).
+
+Completion is polled, not spun on. The binding's sync calls (and `get_batch_transfer_status`) wait in
+a loop without a pause, so a thread waiting for a transfer takes a whole core for as long as the
+transfer runs, and a stalled peer keeps it spinning until the watchdog fires (measured: 3.0 s of CPU in
+a 3.0 s wait). On a host whose cores are shared with the engines, that core is taken from the
+peer's own transport thread and from the compute it serves: on a 2-vCPU box, decode's spinning wait
+starved the prefill's Mooncake thread until the read timed out. So each descriptor is submitted as
+a batch of its own (`batch_transfer_async_*`) and its status checked (`transfer_check_status`,
+which is exact for a batch of one) with sleeps that grow from 20 µs to 500 µs.
 """
 
 from __future__ import annotations
@@ -52,6 +61,9 @@ _WATCHDOG_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 # the watchdog dropped are not failed by it, and the call would wait the full 30 s (measured).
 _CALL_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 CALL_TIMEOUT_FLOOR_S = 5
+# Polling a transfer's status: the first checks at once, then sleeps growing to the cap (the cap bounds
+# how late a finished transfer is seen; the sleeps keep the waiting thread off the cores).
+POLL_FIRST_S, POLL_CAP_S = 20e-6, 500e-6
 # Class names only a wheel built with that transport carries. A wheel without it silently serves an
 # unknown protocol with TCP, so the plugin checks first.
 ASCEND_TRANSPORTS = (b"HcclTransport", b"AscendDirectTransport", b"HeterogeneousRdmaTransport")
@@ -148,6 +160,14 @@ def _arm_watchdog(deadline_s: float) -> None:
             log.info("mooncake: %s=%s from the environment kept (transfer deadline %ss)", var, have, deadline_s)
 
 
+def _env_seconds(var: str, default: float) -> float:
+    try:
+        return float(os.environ.get(var, default))
+    except ValueError:
+        log.warning("mooncake: %s=%r is not a number of seconds; using %s", var, os.environ[var], default)
+        return default
+
+
 def explain(rc: int) -> str:
     return f"return code {rc}: {_ERRORS.get(rc, 'unknown error')}"
 
@@ -205,6 +225,7 @@ class MooncakeBackend(MigrationBackend):
             raise ConfigError(f"mooncake transfer_deadline must be positive seconds, got {self._deadline}")
         if self.protocol == "tcp":
             _arm_watchdog(self._deadline)
+        self._call_timeout_s = max(CALL_TIMEOUT_FLOOR_S, _env_seconds(_CALL_TIMEOUT_ENV, 30.0))
         self._metadata = config.metadata_server or P2P
         if self._metadata.startswith("redis://") and not _supports_redis_metadata():
             # Mooncake aborts the whole process when asked for a metadata plugin it was built without.
@@ -267,7 +288,6 @@ class MooncakeBackend(MigrationBackend):
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         local, remote, length = desc[:, 0].tolist(), desc[:, 1].tolist(), desc[:, 2].tolist()
-        call = self._engine.batch_transfer_sync_read if op == "read" else self._engine.batch_transfer_sync_write
         gate = self._gates[peer.handle]
 
         def run() -> int:
@@ -275,7 +295,7 @@ class MooncakeBackend(MigrationBackend):
             with gate:  # one batch in flight per peer stays inside the transport's admission limit
                 for attempt in range(self._retries + 1):
                     t0 = time.monotonic()
-                    rc = call(peer.handle, local, remote, length)
+                    rc = self._transfer(peer.handle, local, remote, length, op)
                     if rc == 0:
                         return attempt
                     took = time.monotonic() - t0
@@ -302,6 +322,43 @@ class MooncakeBackend(MigrationBackend):
             )
 
         return self._spawn(run)
+
+    def _transfer(self, target: str, local: list[int], remote: list[int], length: list[int], op: Op) -> int:
+        """Move the descriptors; 0 or Mooncake's error code. Returns once every submitted descriptor ended,
+        or after the binding's own call timeout (`MC_TRANSFER_TIMEOUT` plus 1 s per GiB), as its sync call
+        does."""
+        submit = self._engine.batch_transfer_async_read if op == "read" else self._engine.batch_transfer_async_write
+        pending, rc = [], 0
+        for a, b, n in zip(local, remote, length, strict=True):
+            batch = submit(target, [a], [b], [n])
+            if not batch:  # 0: the segment could not be opened or the submission was refused
+                rc = -1
+                break
+            pending.append(batch)
+        give_up = time.monotonic() + self._call_timeout_s + sum(length) / 2**30
+        delay = 0.0
+        while pending:
+            left = []
+            for batch in pending:
+                status = self._engine.transfer_check_status(batch)  # frees the batch once it ended
+                if status == 0:
+                    left.append(batch)
+                elif status < 0:  # -1 failed, -2 timed out
+                    rc = rc or -1
+            pending = left
+            if not pending:
+                break
+            if time.monotonic() > give_up:
+                log.warning(
+                    "mooncake: %d descriptors with %s still running after %.0fs",
+                    len(pending),
+                    target,
+                    self._call_timeout_s,
+                )
+                return rc or -1
+            time.sleep(delay)
+            delay = min(max(delay * 2, POLL_FIRST_S), POLL_CAP_S)
+        return rc
 
     def _shutdown(self) -> None:
         # TransferEngine has no explicit shutdown; dropping the last reference stops it.
