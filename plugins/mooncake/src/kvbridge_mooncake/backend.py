@@ -25,7 +25,8 @@ a 3.0 s wait). On a host whose cores are shared with the engines, that core is t
 peer's own transport thread and from the compute it serves: on a 2-vCPU box, decode's spinning wait
 starved the prefill's Mooncake thread until the read timed out. So each descriptor is submitted as
 a batch of its own (`batch_transfer_async_*`) and its status checked (`transfer_check_status`,
-which is exact for a batch of one) with sleeps that grow from 20 µs to 500 µs.
+which is exact for a batch of one): yielding between checks for the first 200 µs, then with
+sleeps that grow from 20 µs to 500 µs.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ _WATCHDOG_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 # the watchdog dropped are not failed by it, and the call would wait the full 30 s (measured).
 _CALL_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 CALL_TIMEOUT_FLOOR_S = 5
-# Polling a transfer's status: the first checks at once, then sleeps growing to the cap (the cap bounds
-# how late a finished transfer is seen; the sleeps keep the waiting thread off the cores).
-POLL_FIRST_S, POLL_CAP_S = 20e-6, 500e-6
+# Polling a transfer's status: for the first POLL_SPIN_S only yielding between checks (a small transfer
+# ends within it: 256 KiB took 0.15 ms polled this way, 0.12 ms with the spinning call, 0.21 ms with
+# sleeps from the start), then sleeps growing to the cap (the cap bounds how late a finished transfer
+# is seen; the sleeps keep the waiting thread off the cores).
+POLL_SPIN_S, POLL_FIRST_S, POLL_CAP_S = 200e-6, 20e-6, 500e-6
 # Class names only a wheel built with that transport carries. A wheel without it silently serves an
 # unknown protocol with TCP, so the plugin checks first.
 ASCEND_TRANSPORTS = (b"HcclTransport", b"AscendDirectTransport", b"HeterogeneousRdmaTransport")
@@ -335,7 +338,8 @@ class MooncakeBackend(MigrationBackend):
                 rc = -1
                 break
             pending.append(batch)
-        give_up = time.monotonic() + self._call_timeout_s + sum(length) / 2**30
+        submitted = time.monotonic()
+        give_up = submitted + self._call_timeout_s + sum(length) / 2**30
         delay = 0.0
         while pending:
             left = []
@@ -356,6 +360,9 @@ class MooncakeBackend(MigrationBackend):
                     self._call_timeout_s,
                 )
                 return rc or -1
+            if time.monotonic() - submitted < POLL_SPIN_S:
+                time.sleep(0)  # releases the GIL and yields the core
+                continue
             time.sleep(delay)
             delay = min(max(delay * 2, POLL_FIRST_S), POLL_CAP_S)
         return rc
