@@ -67,6 +67,9 @@ CALL_TIMEOUT_FLOOR_S = 5
 # sleeps from the start), then sleeps growing to the cap (the cap bounds how late a finished transfer
 # is seen; the sleeps keep the waiting thread off the cores).
 POLL_SPIN_S, POLL_FIRST_S, POLL_CAP_S = 200e-6, 20e-6, 500e-6
+# Descriptors run roughly in the order submitted (over a few lanes per peer): a status round stops at
+# this many still running, so a round over a long batch costs a few checks, not one per descriptor.
+POLL_WINDOW = 8
 # Class names only a wheel built with that transport carries. A wheel without it silently serves an
 # unknown protocol with TCP, so the plugin checks first.
 ASCEND_TRANSPORTS = (b"HcclTransport", b"AscendDirectTransport", b"HeterogeneousRdmaTransport")
@@ -342,8 +345,11 @@ class MooncakeBackend(MigrationBackend):
         give_up = submitted + self._call_timeout_s + sum(length) / 2**30
         delay = 0.0
         while pending:
-            left = []
-            for batch in pending:
+            left: list[int] = []
+            for i, batch in enumerate(pending):
+                if len(left) == POLL_WINDOW:  # the rest were submitted later: checked once these ended
+                    left.extend(pending[i:])
+                    break
                 status = self._engine.transfer_check_status(batch)  # frees the batch once it ended
                 if status == 0:
                     left.append(batch)
