@@ -475,7 +475,10 @@ def test_backend_options_reach_the_transport(monkeypatch: pytest.MonkeyPatch) ->
     from kvbridge.plugins import create_backend
 
     for var in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT"):
-        monkeypatch.delenv(var, raising=False)  # the plugin sets them process-wide: restored after the test
+        # The plugin sets them process-wide, and processes started later inherit them. delenv alone
+        # restores nothing for a variable that was unset; setenv first records its state to restore.
+        monkeypatch.setenv(var, "0")
+        monkeypatch.delenv(var)
     s = Settings.from_extra_config({"protocol": "tcp", "backend_options": {"transfer_deadline": 7}})
     assert s.transport_options() == {"transfer_deadline": 7}
     backend = create_backend(s.migration_backend, protocol=s.protocol, hostname=s.host, **s.transport_options())
