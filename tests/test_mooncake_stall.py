@@ -7,9 +7,9 @@ progress within 30s", "ServerSession::writeBody failed: Broken pipe" on the serv
 the serving process mid-pull (SIGSTOP) reproduces exactly those two log lines. The plugin sets the
 watchdog to its `transfer_deadline` (default 2 s); kvbridge resubmits a part that has not finished
 within the deadline once, at once, on a fresh lane, and fails it when the retry has not finished
-within the deadline either. The transfer completes when the retry's call has returned (the binding
-returns a stuck call after `MC_TRANSFER_TIMEOUT`, at least 5 s; until then it may still write into
-the destination): deadline + 5 s. The engine serves the next pull.
+within the deadline either. The transfer completes when the retry's call has returned (the plugin's
+wait gives a stuck call up after `MC_TRANSFER_TIMEOUT`, at least 5 s, as the binding's sync call
+did; until then it may still write into the destination): deadline + 5 s. The engine serves the next pull.
 
 Idle gaps between pulls (Mooncake#4209 reports stale lanes after a few seconds idle) are short here;
 the long ones are a manual run:

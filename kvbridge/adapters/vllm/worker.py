@@ -242,8 +242,7 @@ class WorkerSide:
             self.agent.publish(offer.blocks)  # computed by now; through staging, copied to the host mirror
             with self._lock:
                 if self._released_early.pop(offer.offer_id, None) is not None:
-                    self._sent.add(offer.request_id)  # the early offer was pulled and released already
-                    self._news.notify_all()
+                    self._finished_sending(offer.request_id)  # the early offer was pulled and released already
                     continue
                 self._stepped[offer.offer_id] = offer.request_id
             # the same lease as the early offer's, if that came; the decode side states the release count
@@ -290,8 +289,7 @@ class WorkerSide:
                 if task.local_block_ids:
                     with self._lock:
                         self._load_errors.update(task.local_block_ids)
-                        self._recved.add(task.request_id)
-                        self._news.notify_all()
+                        self._finished_recving(task.request_id)
             elif task.local_block_ids:
                 with self._lock:
                     self._cancels[task.request_id] = threading.Event()
@@ -337,8 +335,7 @@ class WorkerSide:
             if error is not None:
                 self.stats.record_failure(transport, peer, error)
                 self._load_errors.update(task.local_block_ids)
-            self._recved.add(task.request_id)
-            self._news.notify_all()
+            self._finished_recving(task.request_id)
 
     def _release(self, task: PullTask) -> None:
         """Decode reads nothing of the request: free it on every prefill rank now (once per engine: each
@@ -354,8 +351,7 @@ class WorkerSide:
                     log.error("request %s: cannot release its prefill blocks: %s", task.request_id, exc)
         if task.report:
             with self._lock:
-                self._recved.add(task.request_id)
-                self._news.notify_all()
+                self._finished_recving(task.request_id)
 
     @staticmethod
     def _on_stage(params: KVTransferParams, stage: int) -> KVTransferParams:
@@ -420,8 +416,7 @@ class WorkerSide:
                     self.stats.record_failure(transport, peer, error)
                     self._load_errors.update(task.local_block_ids)
                 if task.report:
-                    self._recved.add(task.request_id)
-                    self._news.notify_all()
+                    self._finished_recving(task.request_id)
             if error is None:
                 log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
             elif isinstance(error, KVBridgeError):
@@ -455,18 +450,27 @@ class WorkerSide:
         self.stats.record_lease(reason.value, -1, -len(lease.blocks))
         if self.producer is not None and self.producer.released(lease.request_id):
             with self._lock:  # a stream: reported once vLLM finished the request too (get_finished)
-                self._news.notify_all()
+                self._news.notify_all()  # a waiting idle step looks at the producer's finished streams
             return
         with self._lock:
             if not lease.offer_id or self._stepped.pop(lease.offer_id, None) is not None:
-                self._sent.add(lease.request_id)
-                self._news.notify_all()
+                self._finished_sending(lease.request_id)
                 return
             self._released_early[lease.offer_id] = lease.request_id
             while len(self._released_early) > MAX_EARLY_RELEASES:  # offers no step ever confirms
                 self._released_early.popitem(last=False)
 
     # -- both ----------------------------------------------------------------------------------
+
+    def _finished_sending(self, request_id: str) -> None:
+        """Hand a request whose blocks may be freed to the next get_finished (caller holds _lock)."""
+        self._sent.add(request_id)
+        self._news.notify_all()  # wakes an idle step waiting in get_finished
+
+    def _finished_recving(self, request_id: str) -> None:
+        """Hand a loaded (or failed) request to the next get_finished (caller holds _lock)."""
+        self._recved.add(request_id)
+        self._news.notify_all()
 
     def get_finished(
         self, _finished_req_ids: set[str], *, idle: bool = False

@@ -12,16 +12,17 @@ no transfer progress within 30s", and on the serving side "ServerSession::writeB
 pipe"); it reads its period from the environment on every transfer, so the plugin sets it to the
 deadline. And kvbridge's base class resubmits a part that has not finished within the deadline once,
 at once, on a fresh lane (it does not wait behind the stuck call: see `_Gate`), then fails it. The stuck
-call itself cannot be stopped and may still write into the destination until it returns, which the
-binding does only after `MC_TRANSFER_TIMEOUT` (at least 5 s, hard-coded in the binding); the transfer
-completes only then, so the engine never reuses memory a late write could land in. A failed pull then
+call itself cannot be stopped and may still write into the destination until it returns, which it
+does only after `MC_TRANSFER_TIMEOUT` (at least 5 s, the floor hard-coded in the binding; the plugin's
+polling wait below keeps the binding's bound); the transfer completes only then, so the engine never
+reuses memory a late write could land in. A failed pull then
 takes at most about deadline + 5 s + 1 s per GiB; a stale lane that rejects the batch fast is retried
 here after a short backoff (`retries`).
 
 Completion is polled, not spun on. The binding's sync calls (and `get_batch_transfer_status`) wait in
 a loop without a pause, so a thread waiting for a transfer takes a whole core for as long as the
-transfer runs, and a stalled peer keeps it spinning until the watchdog fires (measured: 3.0 s of CPU in
-a 3.0 s wait). On a host whose cores are shared with the engines, that core is taken from the
+transfer runs, and a stalled peer keeps it spinning until the watchdog fires (measured: 7.0 s of CPU in
+a 7.0 s stalled pull). On a host whose cores are shared with the engines, that core is taken from the
 peer's own transport thread and from the compute it serves: on a 2-vCPU box, decode's spinning wait
 starved the prefill's Mooncake thread until the read timed out. So each descriptor is submitted as
 a batch of its own (`batch_transfer_async_*`) and its status checked (`transfer_check_status`,
@@ -58,7 +59,8 @@ DEFAULT_DEADLINE_S = 2.0
 # and seconds it waits for a READ's status frame. Both default to 30 s.
 _WATCHDOG_ENV = ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC")
 # The Python binding's sync call gives up after MC_TRANSFER_TIMEOUT seconds plus one second per GiB
-# (read once per engine, at least 5, default 30). It is needed too: slices still queued behind lanes
+# (read once per engine, at least 5, default 30); the plugin's polling wait (`_transfer`) keeps that
+# bound. It is needed too: slices still queued behind lanes
 # the watchdog dropped are not failed by it, and the call would wait the full 30 s (measured).
 _CALL_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 CALL_TIMEOUT_FLOOR_S = 5
@@ -335,6 +337,8 @@ class MooncakeBackend(MigrationBackend):
         does."""
         submit = self._engine.batch_transfer_async_read if op == "read" else self._engine.batch_transfer_async_write
         pending, rc = [], 0
+        # One batch per descriptor: `transfer_check_status` reads a batch's first task only, and the only
+        # whole-batch status call (`get_batch_transfer_status`) spins like the sync calls.
         for a, b, n in zip(local, remote, length, strict=True):
             batch = submit(target, [a], [b], [n])
             if not batch:  # 0: the segment could not be opened or the submission was refused
