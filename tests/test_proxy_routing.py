@@ -64,7 +64,6 @@ class Upstream(Serving):
         async def complete(request: Request) -> dict:
             body = await request.json()
             self.bodies.append(body)
-            await asyncio.sleep(slow_complete_s)
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
                 params = {
                     "remote_engine_id": "e",
@@ -78,6 +77,8 @@ class Upstream(Serving):
                 phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}
                 phases |= {"transfer_ms": 0.3, "done_ms": 0.4}
                 params = {"kvbridge_timing": phases}
+            # It takes at least as long as it says it took: the proxy's clock then bounds the phases.
+            await asyncio.sleep(max(slow_complete_s, sum(params["kvbridge_timing"].values()) / 1e3))
             return {"choices": [{"text": role, "index": 0}], "kv_transfer_params": params}
 
         @app.get("/v1/models")
