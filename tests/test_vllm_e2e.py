@@ -83,7 +83,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         prefill = start_vllm(model, kv_transfer_config=connector("kv_producer", secret), **common)
         started.append(prefill)
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
-        # after a failed load; the other by module path, failing such requests (vLLM's default policy).
+        # after a failed load; the other by module path, failing such requests (vLLM's default policy),
+        # and runs its model in its engine core's process (the "uni" executor, as vLLM runs one GPU).
         decode = [
             start_vllm(
                 model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"), **common
@@ -93,6 +94,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 kv_transfer_config=connector(
                     "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"
                 ),
+                executor="uni",
                 **common,
             ),
         ]
@@ -172,6 +174,38 @@ def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
     assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
     # The connector's own log lines are in the server's log, formatted as vLLM's are.
     assert "KVBridgeConnector rank 0/1" in cluster.prefill.log_path.read_text()
+
+
+def _process_names(pid: int) -> list[str]:
+    """The names (comm) of `pid` and all its descendants."""
+    names, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            names.append(Path(f"/proc/{p}/comm").read_text().strip())
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+    return names
+
+
+def test_pull_into_a_one_process_server_matches_colocated(cluster: Cluster) -> None:
+    """decode[1] runs the uni executor: its KVBridgeConnector worker side lives in the engine-core
+    process itself, not in a worker process as on decode[0]; pulls into it still match colocated."""
+    mp, uni = (_process_names(d.pid) for d in cluster.decode)
+    assert any(n.startswith("VLLM::Worker") for n in mp), mp
+    assert not any(n.startswith("VLLM::Worker") for n in uni) and any(n.startswith("VLLM::EngineCo") for n in uni), uni
+    before = cluster.decode[1].metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+    for i, n in enumerate((40, 300)):
+        text = random_prompt(n, seed=900 + i)
+        first = cluster.answer(cluster.prefill, text, kv_transfer_params={"do_remote_decode": True}, max_tokens=1)
+        params = first["kv_transfer_params"]
+        got = cluster.token_ids(cluster.decode[1], text, kv_transfer_params=params, report=[cluster.prefill])
+        assert got == cluster.token_ids(cluster.colocated, text), f"prompt of {n}"
+    # Both prompts were read from prefill, not computed on decode.
+    after = cluster.decode[1].metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+    assert after - before >= 40 + 300 - 2
 
 
 def scrape(server: Server) -> dict[str, float]:

@@ -91,6 +91,15 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "of the transfer hidden behind prefill compute (kvbridge.bench.vllm_layerwise; default pull)",
     )
     group.add_argument(
+        "--executor",
+        choices=["uni", "mp"],
+        default="uni",
+        help="where each vLLM server runs its model: uni, in its engine-core process (what vLLM runs for "
+        "one GPU); mp, in a worker process beside it (vLLM's choice on CPU, whose two processes spin-wait "
+        "for each other on shared memory and so take cores from the prompt's compute on a small machine) "
+        "(default uni)",
+    )
+    group.add_argument(
         "--keep-logs",
         default=None,
         metavar="DIR",
@@ -108,7 +117,7 @@ class Pair:
     metrics_log: Path  # the server whose log carries this connector's transfer metrics
 
 
-def _kvbridge_pair(model: Path, logs: Path, max_len: int, transport: str = "mooncake") -> Pair:
+def _kvbridge_pair(model: Path, logs: Path, max_len: int, executor: str, transport: str = "mooncake") -> Pair:
     from kvbridge.control.params import KVTransferParams
     from kvbridge.testing.vllm_server import connector_config, start_vllm
 
@@ -117,8 +126,22 @@ def _kvbridge_pair(model: Path, logs: Path, max_len: int, transport: str = "moon
 
     env = {"VLLM_LOG_STATS_INTERVAL": "1"}
     where = logs / f"kvbridge-{transport}"
-    prefill = start_vllm(model, max_model_len=max_len, kv_transfer_config=config("kv_producer"), env=env, log_dir=where)
-    decode = start_vllm(model, max_model_len=max_len, kv_transfer_config=config("kv_consumer"), env=env, log_dir=where)
+    prefill = start_vllm(
+        model,
+        executor=executor,
+        max_model_len=max_len,
+        kv_transfer_config=config("kv_producer"),
+        env=env,
+        log_dir=where,
+    )
+    decode = start_vllm(
+        model,
+        executor=executor,
+        max_model_len=max_len,
+        kv_transfer_config=config("kv_consumer"),
+        env=env,
+        log_dir=where,
+    )
     name = "KVBridgeConnector" if transport == "mooncake" else f"KVBridgeConnector ({transport})"
     return Pair(
         name,
@@ -130,7 +153,7 @@ def _kvbridge_pair(model: Path, logs: Path, max_len: int, transport: str = "moon
     )
 
 
-def _nixl_pair(model: Path, logs: Path, max_len: int) -> Pair:
+def _nixl_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair:
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -149,8 +172,12 @@ def _nixl_pair(model: Path, logs: Path, max_len: int) -> Pair:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
         }
 
-    prefill = start_vllm(model, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
-    decode = start_vllm(model, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl")
+    prefill = start_vllm(
+        model, executor=executor, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl"
+    )
+    decode = start_vllm(
+        model, executor=executor, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl"
+    )
     # NIXL pulls: the decode server reads the blocks named in prefill's response, and logs the transfers.
     return Pair(
         "NixlConnector (vLLM)",
@@ -162,7 +189,7 @@ def _nixl_pair(model: Path, logs: Path, max_len: int) -> Pair:
     )
 
 
-def _mooncake_pair(model: Path, logs: Path, max_len: int) -> Pair:
+def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair:
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -183,13 +210,19 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int) -> Pair:
 
     prefill = start_vllm(
         model,
+        executor=executor,
         max_model_len=max_len,
         kv_transfer_config=config("kv_producer", engine_id=engine),
         env=env,
         log_dir=logs / "mooncake",
     )
     decode = start_vllm(
-        model, max_model_len=max_len, kv_transfer_config=config("kv_consumer"), env=env, log_dir=logs / "mooncake"
+        model,
+        executor=executor,
+        max_model_len=max_len,
+        kv_transfer_config=config("kv_consumer"),
+        env=env,
+        log_dir=logs / "mooncake",
     )
     return Pair(
         "MooncakeConnector (vLLM)",
@@ -344,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)
     reps = args.requests or 5
     if args.compare == "nixl":
-        launchers: list[Callable[[Path, Path, int], Pair]] = [
+        launchers: list[Callable[[Path, Path, int, str], Pair]] = [
             functools.partial(_kvbridge_pair, transport="nixl"),
             _nixl_pair,
         ]
@@ -362,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         for launch in launchers:
-            pair = launch(model, logs, max_len)
+            pair = launch(model, logs, max_len, args.executor)
             try:
                 wait_healthy([pair.prefill, pair.decode], timeout=600)
                 rows += _measure(pair, str(model), lengths, reps, lambda: progress.advance(task))

@@ -92,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         longest = max(lengths) + 2
-        common = {"max_model_len": max(1024, longest), "log_dir": logs, "env": {"VLLM_LOG_STATS_INTERVAL": "1"}}
+        common = {
+            "max_model_len": max(1024, longest),
+            "log_dir": logs,
+            "env": {"VLLM_LOG_STATS_INTERVAL": "1"},
+            "executor": args.executor,
+        }
         chunked = ["--max-num-batched-tokens", str(CHUNK_TOKENS)]
         prefill = start_vllm(
             model,

@@ -39,6 +39,7 @@ BASE_ENV = {
     "OMP_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+EXECUTORS = ("mp", "uni")
 
 
 @attrs.define(eq=False)
@@ -266,8 +267,15 @@ def start_vllm(
     port: int | None = None,
     log_dir: str | Path | None = None,
     python: str = sys.executable,
+    executor: str = "mp",
 ) -> Server:
-    """Launch a server (without waiting for it); call `wait_healthy` next."""
+    """Launch a server (without waiting for it); call `wait_healthy` next.
+
+    `executor` is where the model runs (TP 1): "mp", in a worker process beside the engine core (what
+    vLLM's CPU platform picks), or "uni", in the engine core's own process (what vLLM runs for one GPU).
+    """
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor {executor!r}: pick one of {', '.join(EXECUTORS)}")
     port = port or free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-vllm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -298,6 +306,10 @@ def start_vllm(
     full_env = dict(os.environ)
     full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the caller's level wins (DEBUG shows each pull's timings)
     full_env.update(BASE_ENV)
+    if executor == "uni":
+        # The CPU platform swaps "uni" for "mp" unless V1 multiprocessing is off; the API server and the
+        # engine core stay separate processes either way.
+        full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     full_env.update(env or {})
     # Its own TMPDIR: what it leaves there (vLLM's /tmp/vllm_dist_* init files) goes when it ends.
     tmp_dir = Path(tempfile.mkdtemp(prefix=f"kvbridge-vllm-{port}-tmp-"))
