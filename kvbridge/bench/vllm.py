@@ -79,9 +79,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--compare",
         choices=["mooncake", "nixl", "none"],
         default="mooncake",
-        help="the transport of both sides: mooncake runs KVBridgeConnector and vLLM's "
-        "MooncakeConnector over Mooncake TCP; nixl runs KVBridgeConnector and vLLM's NixlConnector "
-        "over NIXL (UCX); none: KVBridgeConnector over Mooncake alone (default mooncake)",
+        help="what KVBridgeConnector over Mooncake TCP is measured beside, in the same run: mooncake, vLLM's "
+        "MooncakeConnector over Mooncake TCP; nixl, KVBridgeConnector over NIXL and vLLM's NixlConnector, "
+        "both over UCX; none, nothing (default mooncake)",
     )
     group.add_argument(
         "--transfer",
@@ -378,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
     reps = args.requests or 5
     if args.compare == "nixl":
         launchers: list[Callable[[Path, Path, int, str], Pair]] = [
+            _kvbridge_pair,
             functools.partial(_kvbridge_pair, transport="nixl"),
             _nixl_pair,
         ]
