@@ -457,6 +457,9 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     with pytest.raises(ConfigError, match="bad kv_connector_extra_config.*idle_wait_ms"):
         Settings.from_extra_config({"idle_wait_ms": -1})
     assert Settings.from_extra_config({}).idle_wait_ms == 2.0
+    with pytest.raises(ConfigError, match="bad kv_connector_extra_config.*stream_idle_wait_ms"):
+        Settings.from_extra_config({"stream_idle_wait_ms": -5})
+    assert Settings.from_extra_config({"stream_idle_wait_ms": "50"}).stream_idle_wait_ms == 50.0
     monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
     monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
     assert Settings.from_extra_config({}).secret is None

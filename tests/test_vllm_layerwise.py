@@ -5,6 +5,8 @@ only just before that layer's `save_kv_layer`, so a decode that read a layer ear
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -40,8 +42,8 @@ def side(engine: str, **extra: object) -> WorkerSide:
 class Streams:
     """A prefill and a decode rank in layer-wise mode; prefill's KV is written layer by layer by `step`."""
 
-    def __init__(self, prefill: dict | None = None) -> None:
-        self.prefill, self.decode = side("prefill", **(prefill or {})), side("decode")
+    def __init__(self, prefill: dict | None = None, decode: dict | None = None) -> None:
+        self.prefill, self.decode = side("prefill", **(prefill or {})), side("decode", **(decode or {}))
         self.truth = vllm_cpu_caches(0, 1, True)  # what prefill computes
         self.p_caches, self.d_caches = vllm_cpu_caches(0, 1, False), vllm_cpu_caches(0, 1, False)
         self.prefill.register_kv_caches(self.p_caches)
@@ -122,6 +124,27 @@ def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Str
     stats = streams.decode.take_stats()
     block_bytes = streams.decode.agent.layout.regions[0].block_bytes
     assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
+
+
+def test_idle_decode_step_with_only_streams_in_flight_sleeps_until_one_ends() -> None:
+    # A stream lasts as long as prefill computes; decode's idle steps meanwhile wait `stream_idle_wait_ms`
+    # (not the 2 ms of `idle_wait_ms`), and the stream's end cuts the wait short.
+    streams = Streams(decode={"stream_idle_wait_ms": 60_000})
+    got: list[tuple] = []
+    try:
+        remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+        streams.read("d1", "t1", local, tokens)
+        idle = threading.Thread(target=lambda: got.append(streams.decode.get_finished(set(), idle=True)), daemon=True)
+        idle.start()
+        idle.join(0.5)
+        assert idle.is_alive() and not got, "an idle step returned while its only transfer, a stream, was running"
+        streams.step(LayerwiseMeta(starts=[StreamStart("p1", "t1", remote, tokens)], computed={"p1": tokens}), remote)
+        idle.join(20)
+        assert not idle.is_alive(), "the stream's end did not wake the idle step"
+        assert got == [(None, {"d1"})]
+        assert streams.decoded(local, remote)
+    finally:
+        streams.close()
 
 
 def test_layerwise_prefill_abort_mid_stream_is_a_load_error_and_frees_prefill(streams: Streams) -> None:

@@ -49,6 +49,11 @@ class Settings:
       returns as soon as one does, instead of letting the engine spin: the spinning engine takes a core
       and the GIL from the transfers it waits for. A request arriving at such an engine waits at most
       this long more. 0 turns it off.
+    - `stream_idle_wait_ms`: the same wait while this rank's only transfers in flight are layer-wise
+      streams (`"transfer": "layerwise"`). A stream lasts as long as prefill computes the prompt, and
+      decode has nothing to learn until it ends (its end cuts the wait short), so the engine steps
+      rarely instead of taking, at every step, CPU that prefill may share; a request arriving meanwhile
+      waits at most this long more to be scheduled.
     - `backend_options`: options of the transport itself, as its plugin declares them (`kvbridge plugins
       NAME` lists them), e.g. `{"transfer_deadline": 5}` for Mooncake on a loaded host; checked when the
       transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.
@@ -70,6 +75,7 @@ class Settings:
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     idle_wait_ms: float = attrs.field(default=2.0, converter=float, validator=attrs.validators.ge(0.0))
+    stream_idle_wait_ms: float = attrs.field(default=20.0, converter=float, validator=attrs.validators.ge(0.0))
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line

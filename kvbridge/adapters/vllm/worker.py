@@ -123,7 +123,8 @@ class WorkerSide:
         # computes (one thread each, so a long prompt does not hold up other requests' pulls)
         self.producer: Producer | None = None
         self._streams: ThreadPoolExecutor | None = None
-        self._cancels: dict[str, threading.Event] = {}
+        self._cancels: dict[str, threading.Event] = {}  # decode: layer-wise streams in flight
+        self._pulling = 0  # decode: pulls in flight (under _lock)
         if settings.transfer == "layerwise":
             self.producer = Producer(self.ledger, self.server.abort, block_size)
             self.server.streams = self.producer.query
@@ -257,6 +258,8 @@ class WorkerSide:
         received = time.time()
         for task in meta.pulls:
             if task.local_block_ids:
+                with self._lock:
+                    self._pulling += 1
                 self._pool.submit(self._pull, task, received)
             else:
                 self._release(task)
@@ -442,6 +445,9 @@ class WorkerSide:
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
             log.exception("request %s: pull from %s failed", task.request_id, task.params.remote_engine_id)
             report(task.request_id, exc)
+        finally:
+            with self._lock:
+                self._pulling -= 1
         if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
             self.stats.record_retries(transport, peer, sum(h.retries for h in handle.handles))
 
@@ -476,12 +482,16 @@ class WorkerSide:
         self, _finished_req_ids: set[str], *, idle: bool = False
     ) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks prefill may free, and requests decode has loaded. In a step that computes
-        nothing (`idle`), wait up to `idle_wait_ms` for one, so that the engine does not spin on the cores and
-        the GIL its transfers need."""
+        nothing (`idle`), wait up to `idle_wait_ms` for one (`stream_idle_wait_ms` while only layer-wise
+        streams are in flight), so that the engine does not spin on the cores and the GIL its transfers
+        need."""
         with self._lock:
             streams_done = self.producer is not None and self.producer.has_finished()
             if idle and not (self._sent or self._recved or streams_done):
-                self._news.wait(self.settings.idle_wait_ms / 1e3)
+                wait_ms = self.settings.idle_wait_ms
+                if self._cancels and not self._pulling:
+                    wait_ms = max(wait_ms, self.settings.stream_idle_wait_ms)
+                self._news.wait(wait_ms / 1e3)
             sending, self._sent = self._sent, set()
             if self.producer is not None:
                 sending |= self.producer.take_finished()
