@@ -265,7 +265,7 @@ class KVAgent:
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
             raise ConfigError(f"block ids must lie in [0, {self.layout.num_blocks}), got {blocks!r}")
-        if len(ids) == 0:
+        if len(ids) == 0 or self.publish_is_free:
             return
         ranges = np.concatenate(
             [

@@ -237,7 +237,7 @@ class _Stream:
     ended: bool = False
     released: bool = False
     preempted: bool = False  # vLLM freed the blocks itself: nothing to report
-    version: int = 1  # grows with every change a reader may wait for (StreamStatus.version)
+    version: int = 1  # grows when readers are woken (StreamStatus.version)
 
 
 class Producer:
@@ -282,11 +282,11 @@ class Producer:
         for rid, added in meta.blocks.items():
             tid = self._by_request.get(rid)
             if tid is not None:
+                # Readers are not woken for blocks alone: they read blocks once layers of them are saved,
+                # and the answer that says so lists them.
                 with self._lock:
                     self._streams[tid].blocks.extend(added)
-                    self._streams[tid].version += 1
                 self.ledger.extend(tid, added)
-                self._changed(tid)
         for rid, computed in meta.computed.items():
             tid = self._by_request.get(rid)
             if tid is not None:
@@ -321,13 +321,17 @@ class Producer:
             bs = self.block_size
             first, last = s.ready[layer] // bs, -(-s.step // bs)
             self.agent.publish(s.blocks[first:last], layers=(layer,))  # device sync (+ staging copy)
+            # Readers wake per layer only in the step that ends the prompt; an earlier chunk has the next
+            # chunk's compute to hide behind, so once per step is enough: each wake-up costs the compute
+            # thread a GIL handoff to the side channel's, and each answer a read of its own. The version
+            # moves with the wake-ups only, so a query that arrives mid-step is held to the step's end
+            # and reads all its layers at once, not one read per layer.
+            wake = s.step >= s.tokens or layer == len(self.layers) - 1
             with self._lock:
                 s.ready[layer] = s.step
-                s.version += 1
-            # Readers wake per layer only in the step that ends the prompt; an earlier chunk has the next
-            # chunk's compute to hide behind, so once per step is enough, and each wake-up costs the
-            # compute thread a GIL handoff to the side channel's.
-            if s.step >= s.tokens or layer == len(self.layers) - 1:
+                if wake:
+                    s.version += 1
+            if wake:
                 self._changed(tid)
 
     def query(self, transfer_id: str, epoch: int) -> StreamStatus:
