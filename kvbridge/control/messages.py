@@ -195,7 +195,8 @@ class StreamStatus:
     lease: LeaseStatus
     tokens: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
     ready: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
-    version: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))  # grows with every change above
+    # grows whenever the prefill wakes its readers (a step's layers saved); a QueryStream is held while it stays
+    version: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
 
 
 @attrs.frozen
