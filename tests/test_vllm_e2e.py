@@ -310,13 +310,17 @@ def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    chunks = []
+    chunks, done = [], False
     with cluster.http.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
                 chunks.append(json.loads(line[6:])["choices"][0]["text"])
-    assert len(chunks) > 1
+    # Server-sent events through to vLLM's closing [DONE]. How many: vLLM merges the deltas its front end
+    # has not sent yet, so on a loaded box all 16 tokens can come as one event (CI saw it once).
+    assert chunks and done
     want = cluster.http.post(f"{cluster.colocated.url}/v1/completions", json={**body, "stream": False}).json()
     assert "".join(chunks) == want["choices"][0]["text"]
 
