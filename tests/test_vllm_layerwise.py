@@ -20,6 +20,7 @@ from kvbridge.adapters.vllm.metadata import KVBridgeMetadata  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
+from kvbridge.control.messages import STREAM_FIRST_VERSION  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
 
@@ -124,6 +125,26 @@ def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Str
     stats = streams.decode.take_stats()
     block_bytes = streams.decode.agent.layout.regions[0].block_bytes
     assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
+
+
+def test_prefill_wakes_readers_a_few_times_per_prompt_and_per_layer_in_its_last_step(streams: Streams) -> None:
+    # Every wake-up costs the computing prefill a poll's answer and a read: mid-prompt, readers are woken
+    # once a quarter of the prompt became readable since the last time, and before the last step (so the
+    # tail is only that step's chunk); the last step wakes them per layer.
+    blocks, tokens = list(range(8)), 8 * BLOCK
+    producer = streams.prefill.producer
+    assert producer is not None
+    versions = []
+    for step in range(1, 9):
+        meta = LayerwiseMeta(computed={"p1": step * BLOCK})
+        if step == 1:
+            meta.starts.append(StreamStart("p1", "t1", blocks, tokens))
+        streams.step(meta, blocks[step - 1 : step])
+        status = producer.query("t1", 0)
+        assert status.ready == (step * BLOCK,) * LAYERS, "every saved layer is readable, woken or not"
+        versions.append(status.version)
+    first = STREAM_FIRST_VERSION
+    assert versions == [first, first + 1, first + 1, first + 2, first + 2, first + 3, first + 4, first + 4 + LAYERS]
 
 
 def test_idle_decode_step_with_only_streams_in_flight_sleeps_until_one_ends() -> None:

@@ -187,6 +187,11 @@ class LeaseStatus:
     reads_held: bool = False
 
 
+# A stream's version when it starts: a reader that asks with this `seen` is held until the prefill first
+# wakes its readers (the first step's layers saved), instead of being answered at once with nothing ready.
+STREAM_FIRST_VERSION = 1
+
+
 @attrs.frozen
 class StreamStatus:
     """A streamed request on a prefill rank: its lease (as `LeaseStatus`), the blocks allocated so far,

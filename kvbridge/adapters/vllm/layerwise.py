@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvbridge.backend import TransferHandle
-from kvbridge.control.messages import StreamStatus
+from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, TransferTimeout
 from kvbridge.layout import KVLayout
@@ -58,10 +58,17 @@ LAYERWISE = "layerwise"
 TRANSFERS = ("pull", LAYERWISE)
 # vLLM layouts whose block holds every layer (kvbridge.adapters.vllm.cache): not streamable per layer.
 BLOCK_OUTERMOST = ("BLHNC", "BLNHC", "BHLNC")
-# Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until a layer is
-# saved (or blocks are added), at most this long, so decode sees each layer at once without busy
-# polling (which took the prefill's GIL hundreds of times per second while it computed).
-STREAM_WAIT_S = 0.1
+# Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until it wakes
+# its readers (or the lease ends), at most this long, so decode reads as soon as there is something to
+# read without busy polling (which took the prefill's GIL hundreds of times per second while it
+# computed). Longer than the steps between wake-ups; decode notices its own cancellation between polls.
+STREAM_WAIT_S = 0.5
+# Mid-prompt, prefill wakes its readers once a step has made this fraction of the prompt readable since
+# the last wake-up, and at the end of the step before the last; in the step that ends the prompt, per
+# layer. Every wake-up costs a poll's answer on the prefill's compute process and a read of its own, and
+# an earlier chunk has later chunks' compute to hide behind: a few large reads hide as much as one per
+# step, and the tail stays the last step's chunk of the last layer.
+WAKES_PER_PROMPT = 4
 # Against a prefill that answers at once (no long poll), decode polls this often, backing off.
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.002
 
@@ -237,7 +244,17 @@ class _Stream:
     ended: bool = False
     released: bool = False
     preempted: bool = False  # vLLM freed the blocks itself: nothing to report
-    version: int = 1  # grows when readers are woken (StreamStatus.version)
+    version: int = STREAM_FIRST_VERSION  # grows when readers are woken (StreamStatus.version)
+    woken: int = 0  # prompt tokens readable in every layer when readers were last woken mid-prompt
+
+    def wakes_readers(self, layer: int, layers: int) -> bool:
+        """Whether saving `layer` this step wakes the readers (before `ready[layer]` moves to `step`)."""
+        if self.step >= self.tokens:
+            return True  # the step that ends the prompt: per layer, so only its last layer's read trails it
+        if layer != layers - 1:
+            return False
+        size = self.step - self.ready[layer]  # this step's tokens
+        return self.step - self.woken >= self.tokens / WAKES_PER_PROMPT or self.tokens - self.step <= size
 
 
 class Producer:
@@ -271,8 +288,9 @@ class Producer:
                 if s.transfer_id in self._streams:
                     log.error("transfer id %s (request %s) is streaming already; ignored", s.transfer_id, s.request_id)
                     continue
+                ready = [s.computed] * len(self.layers)
                 self._streams[s.transfer_id] = _Stream(
-                    s.request_id, list(s.blocks), s.tokens, [s.computed] * len(self.layers), s.computed
+                    s.request_id, list(s.blocks), s.tokens, ready, step=s.computed, woken=s.computed
                 )
                 self._by_request[s.request_id] = s.transfer_id
             if s.computed:  # prefix-cache hits: in the cache already, every layer
@@ -321,16 +339,15 @@ class Producer:
             bs = self.block_size
             first, last = s.ready[layer] // bs, -(-s.step // bs)
             self.agent.publish(s.blocks[first:last], layers=(layer,))  # device sync (+ staging copy)
-            # Readers wake per layer only in the step that ends the prompt; an earlier chunk has the next
-            # chunk's compute to hide behind, so once per step is enough: each wake-up costs the compute
-            # thread a GIL handoff to the side channel's, and each answer a read of its own. The version
-            # moves with the wake-ups only, so a query that arrives mid-step is held to the step's end
-            # and reads all its layers at once, not one read per layer.
-            wake = s.step >= s.tokens or layer == len(self.layers) - 1
+            # The version moves with the wake-ups only, so a query that arrives mid-step is held to the
+            # next wake-up and reads all the layers saved by then at once, not one read per layer.
+            wake = s.wakes_readers(layer, len(self.layers))
             with self._lock:
                 s.ready[layer] = s.step
                 if wake:
                     s.version += 1
+                    if s.step < s.tokens:
+                        s.woken = s.step
             if wake:
                 self._changed(tid)
 
@@ -439,7 +456,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         sent = {rank: [task.skip] * layers for rank in ranks}  # per rank and layer: block positions requested
         subs: dict[tuple[int, tuple[int, ...]], tuple[KVLayout, KVLayout]] = {}
         delay, last_progress, computing_until = POLL_MIN_S, time.monotonic(), time.time()
-        versions = dict.fromkeys(ranks, 0)
+        versions = dict.fromkeys(ranks, STREAM_FIRST_VERSION)
         finished: set[int] = set()  # ranks whose every layer holds the whole prompt
         while True:
             if cancelled.is_set():
