@@ -297,6 +297,40 @@ def test_offer_message_needs_an_accepting_rank_this_host_and_the_secret(closing:
     assert p.ledger.active == ["r1"] and p.ledger.query("r1").blocks == (1, 2)
 
 
+def test_a_held_query_stream_is_looked_at_again_only_when_woken(closing: list) -> None:
+    # Composing a stream's status costs the prefill's process (its GIL) each time: a held QueryStream is
+    # looked at again when its request is woken (a step saved, the lease aborted) or its wait runs out,
+    # not on every message or tick of the serving loop.
+    p = Prefill()
+    c, other = p.client(), p.client()
+    closing += [p, c, other]
+    p.ledger.offer("r1", [4, 5], expected_pulls=1)
+    calls: list[str] = []
+
+    def streams(rid: str, epoch: int) -> StreamStatus:
+        calls.append(rid)
+        return StreamStatus(p.ledger.query(rid, epoch), 64, (16,), 2)
+
+    p.server.streams = streams
+    replies: list = []
+    asker = threading.Thread(target=lambda: replies.append(c.query_stream("r1", seen=2, wait_s=30)))
+    asker.start()
+    wait_for(lambda: p.server._nparked == 1, what="the QueryStream to be held")
+    held = len(calls)
+    for _ in range(5):  # other requests, and several of the loop's 50 ms ticks
+        assert other.query_lease("r1").valid
+        time.sleep(0.06)
+    assert len(calls) == held and replies == [], "an unwoken held query is not looked at"
+    p.server.wake("r2")  # another request's progress
+    time.sleep(0.06)
+    assert len(calls) == held and replies == []
+    began = time.monotonic()
+    p.server.abort("r1", reason="test")  # the lease ends: the reader hears of it now, not in 30 s
+    asker.join(timeout=30)
+    [status] = replies
+    assert not status.lease.valid and time.monotonic() - began < 5
+
+
 def test_query_stream_is_held_until_the_stream_changes(closing: list) -> None:
     # Layer-wise decode long-polls prefill's progress: a QueryStream at the version it has is held until
     # a layer is saved (the producer wakes the server), so it sees each layer at once without busy polling.

@@ -164,6 +164,7 @@ class ControlServer:
         self._wake_out.setsockopt(zmq.LINGER, 0)
         self._wake_out.connect(wake)
         self._wake_lock = threading.Lock()
+        self._woken: set[str] = set()  # requests woken since the serving loop last looked (under _wake_lock)
         if ledger is not None:
             ledger.on_offer(self._offered)
         self._stop = threading.Event()
@@ -206,6 +207,7 @@ class ControlServer:
         targets = {tuple(p) for p in peers}
         if self.ledger is not None:
             targets.update(tuple(w) for w in self.ledger.abort(request_id))  # type: ignore[arg-type]
+            self.wake(request_id)  # a held QueryStream hears of it now
         msg = Abort(request_id=request_id, origin=self.name, reason=reason)
         with self._lock:
             if self._stop.is_set():
@@ -265,6 +267,7 @@ class ControlServer:
         if isinstance(msg, Abort):
             if self.ledger is not None:
                 self.ledger.abort(msg.request_id)
+                self.wake(msg.request_id)
             if self._on_abort is not None:
                 self._on_abort(msg.request_id, msg.origin or sender, msg.reason)
             return Ack()
@@ -327,17 +330,24 @@ class ControlServer:
         self.wake(lease.request_id)
 
     def wake(self, request_id: str) -> None:
-        """Any thread: `request_id` changed (offered, or its stream progressed); answer what waits for it."""
-        if request_id not in self._parked:  # a racy read: at worst one needless wake-up
-            return
+        """Any thread: `request_id` changed (offered, its stream progressed, its lease ended); answer what
+        waits for it. A held `QueryStream` is looked at again only when its request is woken or its wait
+        runs out, so whoever answers `streams` wakes the request whenever its answer would change."""
         with self._wake_lock:
+            # Noted even when nothing is held yet: a query being parked right now is looked at again
+            # after it is (each round of the loop parks before it takes the woken set, and takes it
+            # whether or not anything is held: the set holds a round's wake-ups at most).
+            self._woken.add(request_id)
+            if request_id not in self._parked:  # a racy read: at worst one needless wake-up
+                return
             if not self._stop.is_set():
                 with contextlib.suppress(zmq.Again):  # the loop has wake-ups pending already
                     self._wake_out.send(b"", zmq.NOBLOCK)
 
-    def _answer_parked(self, now: float) -> float | None:
-        """Answer the held BeginPulls whose request was offered or whose wait ran out; returns the
-        seconds to the next deadline (None: nothing held)."""
+    def _answer_parked(self, now: float, woken: set[str]) -> float | None:
+        """Answer the held BeginPulls whose request was offered, the held QueryStreams whose request was
+        `woken` and whose stream moved, and those whose wait ran out; returns the seconds to the next
+        deadline (None: nothing held)."""
         assert self.ledger is not None
         nearest: float | None = None
         for rid in list(self._parked):
@@ -347,9 +357,10 @@ class ControlServer:
                 reply: Any = None
                 if isinstance(p.msg, QueryStream):
                     assert self.streams is not None  # it was held because streams answered it
-                    status = self.streams(p.msg.request_id, p.msg.epoch)
-                    if now >= p.deadline or self._stream_moved(p.msg, status):
-                        reply = status
+                    if rid in woken or now >= p.deadline:
+                        status = self.streams(p.msg.request_id, p.msg.epoch)
+                        if now >= p.deadline or self._stream_moved(p.msg, status):
+                            reply = status
                 elif offered or now >= p.deadline:
                     try:
                         reply = self._begin(p.msg, p.peer_host, waited_s=now - p.since)
@@ -406,8 +417,10 @@ class ControlServer:
                         while self._wake_in.poll(0):
                             self._wake_in.recv()
                     timeout_ms = self._poll_ms
+                    with self._wake_lock:  # taken after this round parked what it held (wake())
+                        woken, self._woken = self._woken, set()
                     if self._parked:
-                        nearest = self._answer_parked(time.monotonic())
+                        nearest = self._answer_parked(time.monotonic(), woken)
                         if nearest is not None:
                             timeout_ms = max(1, min(self._poll_ms, int(nearest * 1000) + 1))
                     if self.ledger is not None:

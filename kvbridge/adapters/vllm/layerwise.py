@@ -339,12 +339,14 @@ class Producer:
                 self._changed(tid)
 
     def query(self, transfer_id: str, epoch: int) -> StreamStatus:
+        """The stream's status for a reader (`ControlServer.streams`); its lease lists the blocks so far
+        (`Ledger.extend` grows it with the stream)."""
         lease = self.ledger.query(transfer_id, epoch)
         with self._lock:
             s = self._streams.get(transfer_id)
             if s is None:
                 return StreamStatus(lease)
-            return StreamStatus(attrs.evolve(lease, blocks=tuple(s.blocks)), s.tokens, tuple(s.ready), s.version)
+            return StreamStatus(lease, s.tokens, tuple(s.ready), s.version)
 
     def released(self, transfer_id: str) -> bool:
         """Ledger release of `transfer_id`; False when it is not a stream (a pull-mode lease)."""

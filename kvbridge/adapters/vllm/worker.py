@@ -455,6 +455,7 @@ class WorkerSide:
         """Ledger callback (any thread): the request's blocks may be freed; vLLM hears of it in get_finished."""
         self.stats.record_lease(reason.value, -1, -len(lease.blocks))
         if self.producer is not None and self.producer.released(lease.request_id):
+            self.server.wake(lease.request_id)  # a reader's held QueryStream hears that the lease ended
             with self._lock:  # a stream: reported once vLLM finished the request too (get_finished)
                 self._news.notify_all()  # a waiting idle step looks at the producer's finished streams
             return
