@@ -5,6 +5,7 @@ only just before that layer's `save_kv_layer`, so a decode that read a layer ear
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import pytest
@@ -166,6 +167,40 @@ def test_idle_decode_step_with_only_streams_in_flight_sleeps_until_one_ends() ->
         assert streams.decoded(local, remote)
     finally:
         streams.close()
+
+
+def test_idle_step_watching_the_engine_inbox_ends_when_a_request_arrives() -> None:
+    # Where the engine core's input queue is known (vLLM's uni executor), an idle step with transfers in
+    # flight may sleep long, and a request that arrives ends it: it is scheduled as soon as before.
+    streams = Streams(decode={"stream_idle_wait_ms": 60_000})
+    inbox: queue.Queue = queue.Queue()
+    streams.decode._inbox = inbox  # what find_engine_inbox finds inside a real engine core
+    got: list[tuple] = []
+    try:
+        streams.read("d1", "t1", [4, 5], 2 * BLOCK)  # a stream in flight; prefill never computes it here
+        idle = threading.Thread(target=lambda: got.append(streams.decode.get_finished(set(), idle=True)), daemon=True)
+        idle.start()
+        idle.join(0.5)
+        assert idle.is_alive() and not got, "the idle step did not wait while a transfer was in flight"
+        inbox.put_nowait(("ADD", "a new request"))
+        idle.join(20)
+        assert not idle.is_alive(), "a request arriving did not end the idle step"
+        assert got == [(None, None)], "nothing finished: the step only made way for the new request"
+    finally:
+        streams.close()
+
+
+def test_engine_inbox_is_found_only_inside_a_vllm_engine_core() -> None:
+    # Outside vLLM's engine core (these tests, a multiprocess executor's workers) there is no input queue
+    # to watch: idle steps keep their short wait while pulls are in flight.
+    from kvbridge.adapters.vllm.inbox import find_engine_inbox
+
+    assert find_engine_inbox() is None
+    decode = side("decode")
+    try:
+        assert decode._inbox is None
+    finally:
+        decode.shutdown()
 
 
 def test_layerwise_prefill_abort_mid_stream_is_a_load_error_and_frees_prefill(streams: Streams) -> None:

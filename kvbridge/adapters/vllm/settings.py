@@ -49,11 +49,13 @@ class Settings:
       returns as soon as one does, instead of letting the engine spin: the spinning engine takes a core
       and the GIL from the transfers it waits for. A request arriving at such an engine waits at most
       this long more. 0 turns it off.
-    - `stream_idle_wait_ms`: the same wait while this rank's only transfers in flight are layer-wise
-      streams (`"transfer": "layerwise"`). A stream lasts as long as prefill computes the prompt, and
-      decode has nothing to learn until it ends (its end cuts the wait short), so the engine steps
-      rarely instead of taking, at every step, CPU that prefill may share; a request arriving meanwhile
-      waits at most this long more to be scheduled.
+    - `stream_idle_wait_ms`: the longer wait of an idle step while transfers are in flight: while this
+      rank's only transfers are layer-wise streams (`"transfer": "layerwise"`: a stream lasts as long
+      as prefill computes the prompt), and, where the worker runs in the engine core's process (vLLM's
+      uni executor), while pulls are in flight. A transfer's end cuts it short, so the engine steps
+      rarely instead of taking, at every step, CPU and the GIL the transfers need. In the engine core's
+      process a request that arrives ends it too (its input queue is watched every `idle_wait_ms`);
+      elsewhere, a request arriving during a stream waits at most this long more to be scheduled.
     - `backend_options`: options of the transport itself, as its plugin declares them (`kvbridge plugins
       NAME` lists them), e.g. `{"transfer_deadline": 5}` for Mooncake on a loaded host; checked when the
       transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.

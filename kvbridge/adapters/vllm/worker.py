@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
+from kvbridge.adapters.vllm.inbox import find_engine_inbox
 from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, Producer, StreamTask, check_streamable, stream_pull
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
 from kvbridge.adapters.vllm.settings import Settings
@@ -133,6 +134,15 @@ class WorkerSide:
         self._lock = threading.Lock()
         # notified (under _lock) whenever get_finished has something new to report
         self._news = threading.Condition(self._lock)
+        # the engine core's input queue, where this worker runs in its process: an idle step that may sleep
+        # long (transfers in flight) still ends within idle_wait_ms of a request's arrival
+        self._inbox = find_engine_inbox()
+        log.info(
+            "idle engine steps %s",
+            "end when a request arrives (the engine core's input queue is watched)"
+            if self._inbox is not None
+            else f"sleep at most {settings.idle_wait_ms} ms while pulls are in flight (no engine input queue here)",
+        )
         self._sent: set[str] = set()
         self._stepped: dict[str, str] = {}  # offer id -> request id: offered by the step, not released yet
         self._released_early: OrderedDict[str, str] = OrderedDict()  # released before the step's offer came
@@ -489,15 +499,31 @@ class WorkerSide:
         with self._lock:
             streams_done = self.producer is not None and self.producer.has_finished()
             if idle and not (self._sent or self._recved or streams_done):
-                wait_ms = self.settings.idle_wait_ms
-                if self._cancels and not self._pulling:
-                    wait_ms = max(wait_ms, self.settings.stream_idle_wait_ms)
-                self._news.wait(wait_ms / 1e3)
+                self._idle_wait()
             sending, self._sent = self._sent, set()
             if self.producer is not None:
                 sending |= self.producer.take_finished()
             recving, self._recved = self._recved, set()
         return sending or None, recving or None
+
+    def _idle_wait(self) -> None:
+        """Sleep an idle step (caller holds _lock) until something is reported, at most `idle_wait_ms`; with
+        only transfers in flight, at most `stream_idle_wait_ms`: layer-wise streams always (a stream lasts
+        as long as prefill computes), pulls where the engine's input queue is watched, in slices of
+        `idle_wait_ms`, so that a request that arrives is still scheduled as soon as before."""
+        short = self.settings.idle_wait_ms / 1e3
+        tick = short or 1e-3  # how often the input queue is looked at (idle_wait_ms 0 must not spin)
+        streams_only = bool(self._cancels) and not self._pulling
+        transfers = self._inbox is not None and bool(self._cancels or self._pulling)
+        if not (streams_only or transfers) or self.settings.stream_idle_wait_ms <= self.settings.idle_wait_ms:
+            self._news.wait(short)
+            return
+        deadline = time.monotonic() + self.settings.stream_idle_wait_ms / 1e3
+        while (remaining := deadline - time.monotonic()) > 0:
+            if self._inbox is not None and not self._inbox.empty():
+                return  # a request (or any other input) arrived: the engine takes it now
+            if self._news.wait(min(remaining, tick) if self._inbox is not None else remaining):
+                return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
