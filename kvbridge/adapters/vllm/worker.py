@@ -511,19 +511,19 @@ class WorkerSide:
         only transfers in flight, at most `stream_idle_wait_ms`: layer-wise streams always (a stream lasts
         as long as prefill computes), pulls where the engine's input queue is watched, in slices of
         `idle_wait_ms`, so that a request that arrives is still scheduled as soon as before."""
-        short = self.settings.idle_wait_ms / 1e3
-        tick = short or 1e-3  # how often the input queue is looked at (idle_wait_ms 0 must not spin)
+        short, long = self.settings.idle_wait_ms / 1e3, self.settings.stream_idle_wait_ms / 1e3
         streams_only = bool(self._cancels) and not self._pulling
-        transfers = self._inbox is not None and bool(self._cancels or self._pulling)
-        if not (streams_only or transfers) or self.settings.stream_idle_wait_ms <= self.settings.idle_wait_ms:
+        watched = self._inbox is not None and bool(self._cancels or self._pulling)
+        if long <= short or not (streams_only or watched):
             self._news.wait(short)
-            return
-        deadline = time.monotonic() + self.settings.stream_idle_wait_ms / 1e3
-        while (remaining := deadline - time.monotonic()) > 0:
-            if self._inbox is not None and not self._inbox.empty():
-                return  # a request (or any other input) arrived: the engine takes it now
-            if self._news.wait(min(remaining, tick) if self._inbox is not None else remaining):
-                return
+        elif self._inbox is None:  # only streams, and no way to see a request arrive
+            self._news.wait(long)
+        else:
+            tick = short or 1e-3  # how often the input queue is looked at (idle_wait_ms 0 must not spin)
+            deadline = time.monotonic() + long
+            while (remaining := deadline - time.monotonic()) > 0 and self._inbox.empty():
+                if self._news.wait(min(remaining, tick)):
+                    return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
