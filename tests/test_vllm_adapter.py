@@ -459,7 +459,10 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     assert Settings.from_extra_config({}).idle_wait_ms == 2.0
     with pytest.raises(ConfigError, match="bad kv_connector_extra_config.*stream_idle_wait_ms"):
         Settings.from_extra_config({"stream_idle_wait_ms": -5})
-    assert Settings.from_extra_config({"stream_idle_wait_ms": "50"}).stream_idle_wait_ms == 50.0
+    assert Settings.from_extra_config({"stream_idle_wait_ms": "50"}).stream_idle_wait_s(inbox_watched=True) == 0.05
+    # unset: long where an arriving request ends the wait (the engine's input queue is watched), short elsewhere
+    assert Settings.from_extra_config({}).stream_idle_wait_s(inbox_watched=True) == 0.1
+    assert Settings.from_extra_config({}).stream_idle_wait_s(inbox_watched=False) == 0.02
     monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
     monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
     assert Settings.from_extra_config({}).secret is None

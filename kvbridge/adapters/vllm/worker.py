@@ -135,13 +135,16 @@ class WorkerSide:
         # notified (under _lock) whenever get_finished has something new to report
         self._news = threading.Condition(self._lock)
         # the engine core's input queue, where this worker runs in its process: an idle step that may sleep
-        # long (transfers in flight) still ends within idle_wait_ms of a request's arrival
+        # long (transfers in flight) still ends the moment a request arrives
         self._inbox = find_engine_inbox()
+        self._stream_idle_wait_s = settings.stream_idle_wait_s(inbox_watched=self._inbox is not None)
         log.info(
             "idle engine steps %s",
-            "end when a request arrives (the engine core's input queue is watched)"
+            f"sleep up to {self._stream_idle_wait_s * 1e3:g} ms while transfers are in flight and end when a "
+            "request arrives (the engine core's input queue is watched)"
             if self._inbox is not None
-            else f"sleep at most {settings.idle_wait_ms} ms while pulls are in flight (no engine input queue here)",
+            else f"sleep at most {settings.idle_wait_ms:g} ms while pulls are in flight and "
+            f"{self._stream_idle_wait_s * 1e3:g} ms while only streams are (no engine input queue here)",
         )
         self._sent: set[str] = set()
         self._stepped: dict[str, str] = {}  # offer id -> request id: offered by the step, not released yet
@@ -467,7 +470,7 @@ class WorkerSide:
         if self.producer is not None and self.producer.released(lease.request_id):
             self.server.wake(lease.request_id)  # a reader's held QueryStream hears that the lease ended
             with self._lock:  # a stream: reported once vLLM finished the request too (get_finished)
-                self._news.notify_all()  # a waiting idle step looks at the producer's finished streams
+                self._tell()  # a waiting idle step looks at the producer's finished streams
             return
         with self._lock:
             if not lease.offer_id or self._stepped.pop(lease.offer_id, None) is not None:
@@ -479,15 +482,21 @@ class WorkerSide:
 
     # -- both ----------------------------------------------------------------------------------
 
+    def _tell(self) -> None:
+        """Wake an idle step waiting in get_finished: there is something to report (caller holds _lock)."""
+        self._news.notify_all()
+        if self._inbox is not None:
+            self._inbox.nudge()
+
     def _finished_sending(self, request_id: str) -> None:
         """Hand a request whose blocks may be freed to the next get_finished (caller holds _lock)."""
         self._sent.add(request_id)
-        self._news.notify_all()  # wakes an idle step waiting in get_finished
+        self._tell()
 
     def _finished_recving(self, request_id: str) -> None:
         """Hand a loaded (or failed) request to the next get_finished (caller holds _lock)."""
         self._recved.add(request_id)
-        self._news.notify_all()
+        self._tell()
 
     def get_finished(
         self, _finished_req_ids: set[str], *, idle: bool = False
@@ -509,9 +518,9 @@ class WorkerSide:
     def _idle_wait(self) -> None:
         """Sleep an idle step (caller holds _lock) until something is reported, at most `idle_wait_ms`; with
         only transfers in flight, at most `stream_idle_wait_ms`: layer-wise streams always (a stream lasts
-        as long as prefill computes), pulls where the engine's input queue is watched, in slices of
-        `idle_wait_ms`, so that a request that arrives is still scheduled as soon as before."""
-        short, long = self.settings.idle_wait_ms / 1e3, self.settings.stream_idle_wait_ms / 1e3
+        as long as prefill computes), pulls where the engine's input queue is watched, and then a request
+        that arrives ends the sleep at once."""
+        short, long = self.settings.idle_wait_ms / 1e3, self._stream_idle_wait_s
         streams_only = bool(self._cancels) and not self._pulling
         watched = self._inbox is not None and bool(self._cancels or self._pulling)
         if long <= short or not (streams_only or watched):
@@ -519,11 +528,13 @@ class WorkerSide:
         elif self._inbox is None:  # only streams, and no way to see a request arrive
             self._news.wait(long)
         else:
-            tick = short or 1e-3  # how often the input queue is looked at (idle_wait_ms 0 must not spin)
-            deadline = time.monotonic() + long
-            while (remaining := deadline - time.monotonic()) > 0 and self._inbox.empty():
-                if self._news.wait(min(remaining, tick)):
-                    return
+            # Armed under _lock: whatever is reported from now on comes after the caller looked, and nudges.
+            self._inbox.arm()
+            self._lock.release()
+            try:
+                self._inbox.wait(long)
+            finally:
+                self._lock.acquire()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
