@@ -361,3 +361,33 @@ def test_query_stream_is_held_until_the_stream_changes(closing: list) -> None:
     p.ledger.abort("r1")
     began = time.monotonic()
     assert not c.query_stream("r1", seen=4, wait_s=30).lease.valid and time.monotonic() - began < 10
+
+
+def _timeslices(thread: threading.Thread) -> int:
+    """How often the kernel ran `thread` so far (Linux schedstat)."""
+    with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+        return int(f.read().split()[2])
+
+
+def test_side_channel_sleeps_until_something_is_due(closing: list) -> None:
+    # On a prefill rank each wake-up of the serving loop takes the engine's GIL from its compute: the loop
+    # wakes for messages, wake-ups and deadlines only, not on a fixed tick.
+    released: list[str] = []
+    ledger = Ledger(lambda lease, _why: released.append(lease.request_id), timeout_s=0.8)
+    server = ControlServer("prefill", 0, ledger=ledger)  # the default poll interval
+    closing.append(server)
+    server.register(rank_info())
+    thread = server._thread
+    before = _timeslices(thread)
+    time.sleep(0.5)  # idle: nothing held, no lease
+    assert _timeslices(thread) - before <= 3, "an idle side channel kept waking up"
+    # A lease's deadline is still met without any message: the loop sleeps until it (at most poll_interval_s).
+    c = ControlClient(*server.address, sender="decode/0")
+    closing.append(c)
+    ledger.offer("r1", [1], expected_pulls=1)
+    epoch = c.begin_pull("r1", "decode/0").epoch  # a message: the loop now knows the deadline
+    wait_for(lambda: released == ["r1"], timeout=10, what="the lease expiring at its deadline")
+    assert c.query_lease("r1", epoch).state is LeaseState.EXPIRED
+    # close() wakes the sleeping loop rather than waiting for its poll interval
+    server.close()
+    assert not thread.is_alive()

@@ -239,6 +239,13 @@ class Ledger:
             self._release(entry)
         return sum(self._finish(e, LeaseState.EXPIRED) for e in due)
 
+    def next_deadline_s(self) -> float | None:
+        """Seconds until the earliest lease deadline `reap` may act on (None: no lease has one)."""
+        with self._lock:
+            if not self._deadlines:
+                return None
+            return max(0.0, self._deadlines[0][0] - self._clock())
+
     @property
     def active(self) -> list[str]:
         with self._lock:
