@@ -391,3 +391,62 @@ def test_side_channel_sleeps_until_something_is_due(closing: list) -> None:
     # close() wakes the sleeping loop rather than waiting for its poll interval
     server.close()
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_followed_query_stream_answers_every_change_without_a_request_per_step(closing: list, secret) -> None:
+    # Layer-wise decode follows prefill's progress: one QueryStream, held again after each answer, so a
+    # step costs the prefill's side channel one wake-up (the answer) instead of two (a poll, then its answer).
+    p = Prefill(secret=secret)
+    c = p.client(secret=secret)
+    closing += [p, c]
+    version = {"r1": 1}
+    p.ledger.offer("r1", [4, 5, 6, 7], expected_pulls=1)
+    epoch = c.begin_pull("r1", "decode/0").epoch
+
+    def streams(rid: str, epoch: int) -> StreamStatus:
+        v = version[rid]
+        return StreamStatus(p.ledger.query(rid, epoch), 64, (min(64, (v - 1) * 16),) * 2, v)
+
+    p.server.streams = streams
+    with c.follow_stream("r1", epoch, seen=1, wait_s=30) as follower:
+        wait_for(lambda: p.server._nparked == 1, what="the followed QueryStream to be held")
+        for v in (2, 3, 4):
+            version["r1"] = v  # a step's layers saved
+            p.server.wake("r1")
+            status = follower.next()
+            assert (status.version, status.ready, status.followed) == (v, ((v - 1) * 16,) * 2, True)
+            assert p.server._nparked == 1, "the follow is held again after each answer"
+        assert len(follower._nonces) == 1, "one request for every change"
+        version["r1"] = 5  # every layer holds the whole prompt: the last answer ends the follow
+        p.server.wake("r1")
+        status = follower.next()
+        assert (status.ready, status.followed, status.streaming) == ((64, 64), False, False)
+        wait_for(lambda: p.server._nparked == 0, what="the follow to end with the stream")
+
+
+def test_followed_query_stream_asks_again_after_a_quiet_wait_and_ends_with_the_lease(closing: list) -> None:
+    p = Prefill()
+    c = p.client()
+    closing += [p, c]
+    p.ledger.offer("r1", [4, 5], expected_pulls=1)
+    epoch = c.begin_pull("r1", "decode/0").epoch
+    p.server.streams = lambda rid, epoch: StreamStatus(p.ledger.query(rid, epoch), 64, (16, 16), 2)
+    with c.follow_stream("r1", epoch, seen=2, wait_s=0.2) as follower:
+        status = follower.next()  # nothing changed within the wait: answered unmarked, and asked again
+        assert (status.version, status.followed, status.streaming) == (2, False, True)
+        assert len(follower._nonces) == 2
+        wait_for(lambda: p.server._nparked == 1, what="the follow asked again")
+        p.ledger.abort("r1")
+        p.server.wake("r1")
+        status = follower.next()
+        assert not status.lease.valid and not status.followed
+        wait_for(lambda: p.server._nparked == 0, what="the follow to end with the lease")
+    # A follower with a secret takes no unsigned answer (from a rank without one, or forged).
+    other = p.client(secret=SECRET)
+    closing.append(other)
+    with (
+        other.follow_stream("r1", epoch, seen=2, wait_s=0.2) as follower,
+        pytest.raises(ProtocolError, match="unauthenticated 'StreamStatus'"),
+    ):
+        follower.next()
