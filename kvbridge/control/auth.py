@@ -67,8 +67,10 @@ class Authenticator:
         """The frame with its MAC (unchanged without a secret)."""
         return attrs.evolve(frame, mac=self._mac(frame)) if self.enabled else frame
 
-    def check(self, frame: Frame) -> None:
+    def check(self, frame: Frame, *, expect_reply_to: bytes | None = None) -> None:
         """Raise ProtocolError unless the frame is authentic, fresh and not seen before."""
+        if expect_reply_to is not None and frame.reply_to != expect_reply_to:
+            raise ProtocolError("reply does not answer the request that was sent (stale or forged reply)")
         if not self.enabled:
             return
         if not frame.mac:

@@ -21,9 +21,9 @@ import ipaddress
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import zmq
@@ -53,9 +53,6 @@ from kvbridge.control.messages import (
 )
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
 from kvbridge.secret import check_listen, is_loopback
-
-if TYPE_CHECKING:
-    from kvbridge.control.follow import StreamFollower
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +87,9 @@ class _Parked:
 
 @attrs.frozen
 class _Hold:
-    """What the dispatcher answers for a request to be held (see `_Parked`); `reply`, if any, is sent at
-    once and the request is held after it (a followed QueryStream)."""
+    """What the dispatcher answers for a request to be held (see `_Parked`)."""
 
     msg: BeginPull | QueryStream
-    reply: Any = None
 
 
 class ControlServer:
@@ -301,11 +296,8 @@ class ControlServer:
             if self.streams is None:
                 return Refused("no_streams", f"rank {self.name} does not stream layer by layer (transfer: pull)")
             status = self.streams(msg.request_id, msg.epoch)
-            if park and msg.wait_ms > 0 and self._nparked < MAX_PARKED:
-                if not self._stream_moved(msg, status):
-                    return _Hold(msg)
-                if msg.follow and status.streaming:
-                    return _Hold(attrs.evolve(msg, seen=status.version), reply=attrs.evolve(status, followed=True))
+            if park and msg.wait_ms > 0 and self._nparked < MAX_PARKED and not self._stream_moved(msg, status):
+                return _Hold(msg)
             return status
         raise ProtocolError(f"no handler for {type(msg).__name__}")
 
@@ -363,18 +355,11 @@ class ControlServer:
             waiting = []
             for p in self._parked[rid]:
                 reply: Any = None
-                follow = False  # answered and held again (a followed QueryStream whose stream moved)
                 if isinstance(p.msg, QueryStream):
                     assert self.streams is not None  # it was held because streams answered it
                     if rid in woken or now >= p.deadline:
                         status = self.streams(p.msg.request_id, p.msg.epoch)
-                        moved = self._stream_moved(p.msg, status)
-                        if moved and p.msg.follow and status.streaming:
-                            follow = True
-                            status = attrs.evolve(status, followed=True)
-                            p.msg = attrs.evolve(p.msg, seen=status.version)
-                            p.deadline = now + p.msg.wait_ms / 1000
-                        if now >= p.deadline or moved:
+                        if now >= p.deadline or self._stream_moved(p.msg, status):
                             reply = status
                 elif offered or now >= p.deadline:
                     try:
@@ -382,13 +367,12 @@ class ControlServer:
                     except KVBridgeError as exc:
                         log.warning("%s refused a held BeginPull for %s: %s", self.name, rid, exc)
                         reply = Refused("protocol" if isinstance(exc, ProtocolError) else "error", str(exc))
-                if reply is not None and not follow:
+                if reply is not None:
                     self._nparked -= 1
+                    self._send([*p.envelope, self._seal(p.reply_to, reply)])
                 else:
                     waiting.append(p)
                     nearest = p.deadline - now if nearest is None else min(nearest, p.deadline - now)
-                if reply is not None:  # after the count: whoever reads the reply sees the request no longer held
-                    self._send([*p.envelope, self._seal(p.reply_to, reply)])
             if waiting:
                 self._parked[rid] = waiting
             else:
@@ -479,16 +463,9 @@ class ControlServer:
             return
         reply_to, reply = self._answer(parts[-1], peer_host, park=True)
         if isinstance(reply, _Hold):
-            if reply.reply is not None:
-                self._send([*envelope, self._seal(reply_to, reply.reply)])
             msg, now = reply.msg, time.monotonic()
             held = _Parked(envelope, reply_to, msg, peer_host, now, now + msg.wait_ms / 1000)
-            parked = self._parked.setdefault(msg.request_id, [])
-            if isinstance(msg, QueryStream) and msg.follow:  # a reader asking again replaces its follow
-                kept = [p for p in parked if not (isinstance(p.msg, QueryStream) and p.envelope == envelope)]
-                self._nparked -= len(parked) - len(kept)
-                parked[:] = kept
-            parked.append(held)
+            self._parked.setdefault(msg.request_id, []).append(held)
             self._nparked += 1
             return
         self._send([*envelope, self._seal(reply_to, reply)])
@@ -570,7 +547,7 @@ class ControlClient:
         self.timeout_s = timeout_s
         self.sender = sender
         self._auth = Authenticator(secret)
-        self.max_message_bytes = max_message_bytes
+        self._max = max_message_bytes
         self._lock = threading.Lock()
         self._idle: list[zmq.Socket] = []
         self._closed = False
@@ -584,7 +561,7 @@ class ControlClient:
                 return self._idle.pop()
         sock = zmq.Context.instance().socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes + 1024)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max + 1024)
         sock.connect(self.url)
         return sock
 
@@ -599,7 +576,7 @@ class ControlClient:
         """Send one request message and return the reply message (a `Refused` is returned, not raised)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         kind = type(msg).__name__
-        frame = self.seal(msg)
+        frame = self._auth.seal(_frame(kind, self.sender, wire.encode(msg)))
         sock = self._take()
         answered = False
         try:
@@ -620,30 +597,12 @@ class ControlClient:
         finally:
             self.silent = not answered
             self._give_back(sock, answered)
-        return self.open(data, kind, (frame.nonce,))
-
-    def seal(self, msg: Any) -> Frame:
-        """`msg` in an authenticated request frame from this client."""
-        return self._auth.seal(_frame(type(msg).__name__, self.sender, wire.encode(msg)))
-
-    def open(self, data: bytes, kind: str, nonces: Sequence[bytes]) -> Any:
-        """The reply message in `data`, checked: authentic, fresh, and an answer to one of the requests
-        whose frame nonces are `nonces` (`kind` names the request in errors)."""
-        reply_frame = wire.decode(data, Frame, max_bytes=self.max_message_bytes)
-        if reply_frame.reply_to not in nonces:
-            raise ProtocolError("reply does not answer the request that was sent (stale or forged reply)")
-        self._auth.check(reply_frame)
+        reply_frame = wire.decode(data, Frame, max_bytes=self._max)
+        self._auth.check(reply_frame, expect_reply_to=frame.nonce)
         cls = REPLIES.get(reply_frame.kind)
         if cls is None:
             raise ProtocolError(f"side channel {self.url} answered {kind} with unknown kind {reply_frame.kind!r}")
-        return wire.decode(reply_frame.body, cls, max_bytes=self.max_message_bytes)
-
-    def follow_stream(self, request_id: str, epoch: int, *, seen: int, wait_s: float) -> StreamFollower:
-        """A followed QueryStream for `request_id`: every change of the stream, without a request per step
-        (see `kvbridge.control.follow`). Close it when done."""
-        from kvbridge.control.follow import StreamFollower
-
-        return StreamFollower(self, request_id, epoch, seen=seen, wait_s=wait_s)
+        return wire.decode(reply_frame.body, cls, max_bytes=self._max)
 
     def _expect(self, reply: Any, cls: type[T], what: str) -> T:
         if isinstance(reply, Refused):

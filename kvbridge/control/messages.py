@@ -137,18 +137,12 @@ class QueryStream:
     """How far has prefill computed `request_id` (layer-wise streaming)? Answered with a `StreamStatus`.
 
     `seen`: the `StreamStatus.version` the reader has; the server may hold the answer up to `wait_ms`
-    while the stream is still at that version and its lease valid (a long poll: no busy polling).
-
-    `follow` (from a DEALER socket: `kvbridge.control.follow`): after an answer that moved, the server
-    holds the request again at the version it answered, so the reader gets every change without asking
-    again. It ends with an answer whose lease is not valid, one where every layer holds the whole prompt,
-    or one after `wait_ms` without change (the reader asks again)."""
+    while the stream is still at that version and its lease valid (a long poll: no busy polling)."""
 
     request_id: str = _id()
     epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
     seen: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
     wait_ms: int = attrs.field(default=0, validator=_int_in(0, MAX_WAIT_MS))
-    follow: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
 
 @attrs.frozen
@@ -208,13 +202,6 @@ class StreamStatus:
     ready: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
     # grows whenever the prefill wakes its readers (a step's layers saved); a QueryStream is held while it stays
     version: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
-    # the server holds the followed QueryStream this answers again: its next change comes without a request
-    followed: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
-
-    @property
-    def streaming(self) -> bool:
-        """More is to come: the lease is valid and some layer does not hold the whole prompt yet."""
-        return self.lease.valid and not (self.tokens and all(r >= self.tokens for r in self.ready))
 
 
 @attrs.frozen

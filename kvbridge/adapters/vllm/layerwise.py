@@ -13,11 +13,10 @@ The proxy sends the request to both servers at once with one `transfer_id` (`kvb
   after each layer's attention (`save_kv_layer`) marks that layer readable up to the step's tokens,
   after the device plugin made the layer's writes visible (`KVAgent.publish` of that layer's
   blocks: a device sync, and the copy to host mirrors where the transport stages);
-- decode worker: `BeginPull` (waits for the lease), then follows `QueryStream` (kvbridge.control.follow:
-  one held request answered at every step) and reads, per group of layers that became readable
-  together, the blocks that are complete (every token computed, or the prompt's tail), until every
-  layer holds the whole prompt; then the fenced DONE. A lease that is not valid in any answer or at
-  the DONE is a load error (vLLM's `kv_load_failure_policy` decides).
+- decode worker: `BeginPull` (waits for the lease), then polls `QueryStream` and reads, per group of
+  layers that became readable together, the blocks that are complete (every token computed, or the
+  prompt's tail), until every layer holds the whole prompt; then the fenced DONE. A lease that is not
+  valid at any poll or at the DONE is a load error (vLLM's `kv_load_failure_policy` decides).
 - prefill reports the request finished sending only when both its lease ended (DONEs, expiry, abort)
   and vLLM finished the request, so blocks are never freed under a read in flight. A prefill request
   that is aborted or preempted aborts its lease first (the decode side is told and recomputes).
@@ -50,7 +49,6 @@ from kvbridge.topology import ParallelConfig
 
 if TYPE_CHECKING:
     from kvbridge.agent import KVAgent
-    from kvbridge.control.follow import StreamFollower
     from kvbridge.control.ledger import Ledger
     from kvbridge.control.pull import DecodeControl, Leases
 
@@ -60,12 +58,11 @@ LAYERWISE = "layerwise"
 TRANSFERS = ("pull", LAYERWISE)
 # vLLM layouts whose block holds every layer (kvbridge.adapters.vllm.cache): not streamable per layer.
 BLOCK_OUTERMOST = ("BLHNC", "BLNHC", "BHLNC")
-# Decode follows prefill's progress with one held QueryStream per rank: prefill answers it whenever it
-# wakes its readers (or the lease ends) and holds it again, and answers anyway after this long without a
-# change (decode then asks again), so decode reads as soon as there is something to read without busy
-# polling (which took the prefill's GIL hundreds of times per second while it computed) or a poll per
-# step (two side-channel wake-ups in the prefill's process per step instead of one). Longer than a
-# step; decode notices its own cancellation between answers.
+# Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until it wakes
+# its readers (or the lease ends), at most this long, so decode reads as soon as there is something to
+# read without busy polling (which took the prefill's GIL hundreds of times per second while it
+# computed). Longer than a step (a poll that times out costs a round trip for nothing); decode notices
+# its own cancellation between polls.
 STREAM_WAIT_S = 0.5
 # Against a prefill that answers at once (no long poll), decode polls this often, backing off.
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.002
@@ -421,7 +418,6 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
     notify = [(control._client(params, r)[0], 1) for r in plan.unpulled] if agent.rank == plan.notifier else []
     ranks = sorted({p.prefill_rank for p in plan.pulls_for(agent.rank)})
     leases: Leases = {}
-    followers: dict[int, StreamFollower] = {}
     handles: list[TransferHandle] = []
     spans: list[list[float]] = []
     nbytes = ndesc = 0
@@ -449,12 +445,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         sent = {rank: [task.skip] * layers for rank in ranks}  # per rank and layer: block positions requested
         subs: dict[tuple[int, tuple[int, ...]], tuple[KVLayout, KVLayout]] = {}
         delay, last_progress, computing_until = POLL_MIN_S, time.monotonic(), time.time()
-        # Followed: each rank answers at every step without a new request (kvbridge.control.follow), and the
-        # first answer comes once its first step's layers are saved.
-        for rank in ranks:
-            followers[rank] = peers[rank][0].follow_stream(
-                rid, leases[rank][1], seen=STREAM_FIRST_VERSION, wait_s=STREAM_WAIT_S
-            )
+        versions = dict.fromkeys(ranks, STREAM_FIRST_VERSION)
         finished: set[int] = set()  # ranks whose every layer holds the whole prompt
         while True:
             if cancelled.is_set():
@@ -462,10 +453,10 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
             progressed, complete = False, True
             round_began = time.monotonic()
             for rank in ranks:
-                if rank in finished:
-                    continue
                 client, info, peer = peers[rank]
-                st = followers[rank].next()
+                wait = 0.0 if rank in finished else STREAM_WAIT_S
+                st = client.query_stream(rid, leases[rank][1], seen=versions[rank], wait_s=wait)
+                versions[rank] = st.version
                 answered = time.time()
                 if not st.lease.valid:
                     raise LoadError(
@@ -533,7 +524,6 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
             elif now - round_began < POLL_MIN_S:  # answered at once, unchanged: a prefill that does not hold
                 delay = min(delay * 2, POLL_MAX_S)
                 time.sleep(delay)  # bounded by the timeout above
-        _close(followers)
         _settle(handles, timeout_s)
         error = next((e for e in (h.exception() for h in handles) if e is not None), None)
         if error is not None:
@@ -559,7 +549,6 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         }
         return StreamResult(nbytes, ndesc, {k: round(v, 3) for k, v in phases.items()})
     except BaseException as exc:
-        _close(followers)
         _settle(handles, timeout_s)  # never leave a read running into blocks vLLM recomputes or reuses
         if cancelled.is_set():  # decode dropped the request: prefill need not keep it for anyone
             for client, _epoch, _count in leases.values():
@@ -570,12 +559,6 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         # the DONEs end this rank's reads (an aborted lease is held for a reader until its DONE)
         control.release_unread(rid, params, plan, leases, notify, exc)
         raise
-
-
-def _close(followers: dict[int, StreamFollower]) -> None:
-    for follower in followers.values():
-        follower.close()
-    followers.clear()
 
 
 def _settle(handles: Sequence[TransferHandle], timeout_s: float) -> None:
