@@ -346,14 +346,14 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
         }
         for k, values in samples.items():
             if values:
-                row[k] = _quantile(values, 0.5)
-                row[k.removesuffix("_ms") + "_p99_ms"] = _quantile(values, 0.99)
+                row[k] = quantile(values, 0.5)
+                row[k.removesuffix("_ms") + "_p99_ms"] = quantile(values, 0.99)
         rows.append(row)
     http.close()
     return rows
 
 
-def _quantile(samples: list[float], q: float) -> float:
+def quantile(samples: list[float], q: float) -> float:
     """The q-quantile by nearest rank (of 8 samples: the median is the 4th, the p99 the largest)."""
     ordered = sorted(samples)
     return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 2)
