@@ -172,6 +172,19 @@ def test_a_lease_the_engine_may_free_by_itself_promises_no_hold(ledger: Ledger, 
     assert begun.valid and not begun.reads_held
 
 
+def test_a_lease_that_starts_holding_reads_holds_an_abort_for_its_readers(ledger: Ledger, released: list) -> None:
+    lease = ledger.offer("s1", [5], expected_pulls=1, holds_reads=False)  # a stream, still preemptible
+    ledger.begin("s1", "d0")
+    assert not ledger.query("s1").reads_held
+    assert ledger.hold_reads("s1") and ledger.query("s1").reads_held  # its request can no longer be preempted
+    assert ledger.query("s1", lease.epoch).remaining_s == 10.0, "the deadline is the one readers were told"
+    ledger.abort("s1")
+    assert released == [], "d0 began reading: the blocks wait for its DONE"
+    ledger.done("s1", "d0", lease.epoch)
+    assert released == [("s1", LeaseState.ABORTED, (5,))]
+    assert not ledger.hold_reads("s1") and not ledger.hold_reads("never-offered"), "only an active lease"
+
+
 def test_done_for_an_unknown_request_is_invalid_and_harmless(ledger: Ledger, released: list) -> None:
     status = ledger.done("never-offered", "d0", 123)
     assert status.state is LeaseState.UNKNOWN and not status.valid and released == []

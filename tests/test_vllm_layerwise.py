@@ -247,6 +247,45 @@ def test_layerwise_prefill_abort_mid_stream_is_a_load_error_and_frees_prefill(st
     assert streams.decode.get_block_ids_with_load_errors() == set(local), "a cut stream is recomputed"
 
 
+def test_a_stream_that_ends_with_its_prompt_holds_reads_from_its_last_layer_only(streams: Streams) -> None:
+    tokens = 2 * BLOCK
+    for tid, held in (("h1", True), ("h2", False)):
+        start = StreamStart(f"p-{tid}", tid, [1], tokens, held_at_end=held)
+        streams.step(LayerwiseMeta(starts=[start], computed={f"p-{tid}": BLOCK}), [1])
+        assert not streams.prefill.producer.query(tid, 0).lease.reads_held, "mid-prompt: vLLM may preempt it"
+        last = KVBridgeMetadata(layerwise=LayerwiseMeta(blocks={f"p-{tid}": (2,)}, computed={f"p-{tid}": tokens}))
+        streams.prefill.start_load_kv(last)
+        for name in NAMES[:-1]:
+            streams.prefill.save_kv_layer(last, name)
+        assert not streams.prefill.producer.query(tid, 0).lease.reads_held, "a layer still computes"
+        streams.prefill.save_kv_layer(last, NAMES[-1])
+        status = streams.prefill.producer.query(tid, 0)
+        assert status.lease.valid and status.lease.reads_held is held
+        assert status.ready == (tokens,) * LAYERS
+        # vLLM finishes both; nobody read them, so nothing holds their blocks
+        streams.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(ends={f"p-{tid}": False})))
+
+
+def test_held_reads_are_reported_without_a_fenced_done_and_survive_an_abort_after_the_last_layer(
+    streams: Streams,
+) -> None:
+    remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+    streams.read("d6", "t6", local, tokens)
+    start = StreamStart("p6", "t6", remote, tokens, held_at_end=True)
+    streams.step(LayerwiseMeta(starts=[start], computed={"p6": BLOCK}), [1])
+    wait_for(lambda: streams.decoded(local[:1], remote[:1]), what="the first block to be read")
+    streams.step(LayerwiseMeta(computed={"p6": tokens}), [2])
+    # Ended as aborted once its last layer is saved (vLLM cannot get there with one output token and one
+    # batch at a time; a held stream takes it as finished): its KV is whole and promised to decode, so the
+    # lease is not cut, decode loads it whether its last read came before or after, and prefill reports
+    # the blocks only after decode's DONE.
+    streams.prefill.start_load_kv(KVBridgeMetadata(layerwise=LayerwiseMeta(ends={"p6": True})))
+    wait_for(lambda: streams.poll() or {"d6"} <= streams.recved and {"p6"} <= streams.sent, what="both sides")
+    assert streams.decode.get_block_ids_with_load_errors() == set()
+    assert streams.decoded(local, remote)
+    assert streams.prefill.ledger.state("t6") is LeaseState.RELEASED
+
+
 def test_layerwise_decode_dropping_the_request_mid_stream_aborts_it_on_prefill(streams: Streams) -> None:
     remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
     streams.read("d3", "t3", local, tokens)
@@ -357,6 +396,16 @@ def test_scheduler_side_follows_chunked_prefill_preemption_and_finish() -> None:
     assert sched.producer_finished(requests["b"], normally=False) is False
     assert sched.producer_finished(requests["c"], normally=True) is None  # not streamed: pull mode
     # A pull-mode server does not stream (it would hold blocks no worker reports).
+    # Readers of a request of one output token are held from its last layer on, where vLLM runs one batch
+    # at a time (no async scheduling, no pipeline batch queue): it finishes in that step, never preempted.
+    for one_batch, max_tokens, held in ((True, 1, True), (True, 2, False), (False, 1, False)):
+        s = LayerwiseScheduler(BLOCK, enabled=True, one_batch_at_a_time=one_batch)
+        r = SimpleNamespace(
+            request_id="e", kv_transfer_params=dict(streamed), prompt_token_ids=list(range(100)), max_tokens=max_tokens
+        )
+        s.note_producer(r)
+        meta = s.collect(output([new("e", [1, 2])], CachedRequestData.make_empty(), {"e": 64}))
+        assert meta.starts[0].held_at_end is held
     off = LayerwiseScheduler(BLOCK, enabled=False)
     r = SimpleNamespace(request_id="d", kv_transfer_params=dict(streamed), prompt_token_ids=[1])
     off.note_producer(r)

@@ -207,6 +207,17 @@ class Ledger:
                 entry.lease = attrs.evolve(entry.lease, blocks=entry.lease.blocks + added)
         return True
 
+    def hold_reads(self, request_id: str) -> bool:
+        """From now on the engine frees the active lease's blocks only through `on_release` (a streamed
+        request that can no longer be preempted): its readers' reads are held (`LeaseStatus.reads_held`).
+        False, and nothing changed, when the request holds no active lease."""
+        with self._lock:
+            entry = self._active.get(request_id)
+            if entry is None:
+                return False
+            entry.lease = attrs.evolve(entry.lease, holds_reads=True)
+        return True
+
     def abort(self, request_id: str) -> list[Hashable]:
         """End the request's lease now; returns the side channels of the decode ranks that began pulling.
 

@@ -51,8 +51,9 @@ DONE_ATTEMPTS = 3  # a DONE sent after its read was reported: tries (then the pr
 DONE_RETRY_S = 0.05  # before the second try, doubling
 
 
-def _held_until(asked: float, status: LeaseStatus) -> float:
-    """Until when (this host's monotonic clock) the prefill rank holds its blocks for this read."""
+def hold_deadline(asked: float, status: LeaseStatus) -> float:
+    """Until when (this host's monotonic clock, `asked`: before the request `status` answers was sent) the
+    prefill rank holds its blocks for this read; -inf when it promises no hold."""
     if not status.reads_held:
         return -math.inf
     return asked + status.remaining_s * (1 - HOLD_SLACK_SHARE) - HOLD_SLACK_S
@@ -183,7 +184,7 @@ class DecodeControl:
                     blocks=_blocks_read(plan, self.agent.rank, rank, params.block_ids),
                 )
                 leases[rank] = (client, status.epoch, count)
-                held_until = min(held_until, _held_until(asked, status))
+                held_until = min(held_until, hold_deadline(asked, status))
                 waited += status.waited_ms
             if timing is not None:
                 timing["offer_wait_ms"] = waited

@@ -15,8 +15,12 @@ The proxy sends the request to both servers at once with one `transfer_id` (`kvb
   blocks: a device sync, and the copy to host mirrors where the transport stages);
 - decode worker: `BeginPull` (waits for the lease), then polls `QueryStream` and reads, per group of
   layers that became readable together, the blocks that are complete (every token computed, or the
-  prompt's tail), until every layer holds the whole prompt; then the fenced DONE. A lease that is not
-  valid at any poll or at the DONE is a load error (vLLM's `kv_load_failure_policy` decides).
+  prompt's tail), until every layer holds the whole prompt; then the DONE. A lease that is not valid
+  at any poll, or at a fenced DONE, is a load error (vLLM's `kv_load_failure_policy` decides). The DONE
+  is fenced unless the prefill held the reads: a request of one output token on an engine that runs one
+  batch at a time cannot be preempted after its prompt's last layer, so from then on only its lease
+  frees the blocks (`Ledger.hold_reads`), and the answer that says so lets decode report at once and
+  send the DONE after, as pull mode does.
 - prefill reports the request finished sending only when both its lease ended (DONEs, expiry, abort)
   and vLLM finished the request, so blocks are never freed under a read in flight. A prefill request
   that is aborted or preempted aborts its lease first (the decode side is told and recomputes).
@@ -30,6 +34,7 @@ at first contact (a load error naming the cause): a prefill whose KV arrangement
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +46,7 @@ import attrs
 from kvbridge.backend import TransferHandle
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.control.params import KVTransferParams
+from kvbridge.control.pull import hold_deadline
 from kvbridge.errors import ConfigError, KVBridgeError, LoadError, TransferTimeout
 from kvbridge.layout import KVLayout
 from kvbridge.memory import total_bytes
@@ -89,13 +95,16 @@ def is_layerwise(params: dict[str, Any] | None) -> bool:
 @attrs.frozen
 class StreamStart:
     """Prefill: stream `request_id` under `transfer_id`; `blocks` allocated so far, `computed` tokens already
-    in the cache for every layer (prefix-cache hits), `tokens` the prompt's length."""
+    in the cache for every layer (prefix-cache hits), `tokens` the prompt's length. `held_at_end`: vLLM
+    finishes the request in the step that ends its prompt (`max_tokens` 1, one batch at a time), so from
+    that step's last layer on only the lease frees its blocks, and readers' reads are held."""
 
     request_id: str
     transfer_id: str
     blocks: tuple[int, ...] = attrs.field(converter=tuple)
     tokens: int
     computed: int = 0
+    held_at_end: bool = False
 
 
 @attrs.frozen
@@ -137,10 +146,15 @@ class LayerwiseScheduler:
     """The scheduler's part: which prefill requests stream (and how far they got), which decode requests
     read layer by layer."""
 
-    def __init__(self, block_size: int, *, enabled: bool) -> None:
+    def __init__(self, block_size: int, *, enabled: bool, one_batch_at_a_time: bool = False) -> None:
         self.block_size = block_size
         self.enabled = enabled  # this server runs "transfer": "layerwise" (its workers stream)
-        self._producers: dict[str, tuple[str, int]] = {}  # request id -> transfer id, prompt tokens
+        # No async scheduling and no pipeline batch queue (vLLM's `max_concurrent_batches` 1): a step's
+        # outputs are processed before the next step is scheduled, so a request of one output token
+        # finishes in the step that ends its prompt and is never preempted after it.
+        self.one_batch_at_a_time = one_batch_at_a_time
+        # request id -> transfer id, prompt tokens, whether it finishes with its prompt (max_tokens 1)
+        self._producers: dict[str, tuple[str, int, bool]] = {}
         self._started: set[str] = set()
         self._meta = LayerwiseMeta()
 
@@ -167,7 +181,10 @@ class LayerwiseScheduler:
                 request.request_id,
             )
             return
-        self._producers.setdefault(request.request_id, (str(transfer_id), len(request.prompt_token_ids or ())))
+        one_token = getattr(request, "max_tokens", None) == 1
+        self._producers.setdefault(
+            request.request_id, (str(transfer_id), len(request.prompt_token_ids or ()), one_token)
+        )
 
     def collect(self, scheduler_output: Any) -> LayerwiseMeta:
         """This step's layer-wise metadata (streams started, blocks added, tokens computed, ends)."""
@@ -179,9 +196,12 @@ class LayerwiseScheduler:
             entry = self._producers.get(new.req_id)
             if entry is None or new.req_id in self._started:
                 continue
-            transfer_id, tokens = entry
+            transfer_id, tokens, one_token = entry
             self._started.add(new.req_id)
-            meta.starts.append(StreamStart(new.req_id, transfer_id, new.block_ids[0], tokens, new.num_computed_tokens))
+            held = one_token and self.one_batch_at_a_time
+            meta.starts.append(
+                StreamStart(new.req_id, transfer_id, new.block_ids[0], tokens, new.num_computed_tokens, held)
+            )
             meta.computed[new.req_id] = min(tokens, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -239,6 +259,8 @@ class _Stream:
     ended: bool = False
     released: bool = False
     preempted: bool = False  # vLLM freed the blocks itself: nothing to report
+    held_at_end: bool = False  # StreamStart.held_at_end
+    held: bool = False  # every layer saved with held_at_end: only the lease frees the blocks now
     version: int = STREAM_FIRST_VERSION  # grows when readers are woken (StreamStatus.version)
 
 
@@ -274,7 +296,12 @@ class Producer:
                     log.error("transfer id %s (request %s) is streaming already; ignored", s.transfer_id, s.request_id)
                     continue
                 self._streams[s.transfer_id] = _Stream(
-                    s.request_id, list(s.blocks), s.tokens, [s.computed] * len(self.layers), s.computed
+                    s.request_id,
+                    list(s.blocks),
+                    s.tokens,
+                    [s.computed] * len(self.layers),
+                    s.computed,
+                    held_at_end=s.held_at_end,
                 )
                 self._by_request[s.request_id] = s.transfer_id
             if s.computed:  # prefix-cache hits: in the cache already, every layer
@@ -307,8 +334,12 @@ class Producer:
             if tid is None:
                 continue
             with self._lock:
-                self._streams[tid].ended = True
-            if aborted:  # before vLLM may reuse the blocks: a read in flight then fails its fenced DONE
+                s = self._streams[tid]
+                s.ended = True
+            # Before vLLM may reuse the blocks: a read in flight then fails its fenced DONE. Not once the
+            # reads are held: the prompt's KV is whole, vLLM holds the blocks until the lease ends, as for
+            # a finished pull-mode request, and readers were told their reads need no fence.
+            if aborted and not s.held:
                 self._abort(tid, "prefill aborted or preempted the request")
             self._maybe_finish(tid)
 
@@ -332,6 +363,15 @@ class Producer:
             # reads all its layers at once, not one read per layer.
             wake = s.step >= s.tokens or layer == len(self.layers) - 1
             with self._lock:
+                others = all(r >= s.tokens for i, r in enumerate(s.ready) if i != layer)
+            held = False
+            if s.held_at_end and s.step >= s.tokens and others:
+                # The prompt's last layer: vLLM finishes the request in this step, so its blocks are freed
+                # only through the lease from now on. Held before readers hear of it, so the answer that
+                # lets them read the last layer also tells them their reads need no fenced DONE.
+                held = self.ledger.hold_reads(tid)
+            with self._lock:
+                s.held = s.held or held
                 s.ready[layer] = s.step
                 if wake:
                     s.version += 1
@@ -404,8 +444,9 @@ def _busy(intervals: list[tuple[float, float]], until: float | None = None) -> f
 
 
 def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, cancelled: threading.Event) -> StreamResult:
-    """Read `task` layer by layer as prefill computes it, then DONE (fenced). Raises LoadError (recompute),
-    TransferTimeout, or the transport's error; DONEs (or release-only ones) go out in every case."""
+    """Read `task` layer by layer as prefill computes it, then DONE: fenced, or after the report where every
+    prefill rank held the reads. Raises LoadError (recompute), TransferTimeout, or the transport's error;
+    DONEs (or release-only ones) go out in every case."""
     agent = control.agent
     params = task.params
     rid = str(params.remote_request_id)
@@ -447,6 +488,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         delay, last_progress, computing_until = POLL_MIN_S, time.monotonic(), time.time()
         versions = dict.fromkeys(ranks, STREAM_FIRST_VERSION)
         finished: set[int] = set()  # ranks whose every layer holds the whole prompt
+        held_until = math.inf  # the earliest end of the prefill ranks' holds of the reads (-inf: no hold)
         while True:
             if cancelled.is_set():
                 raise LoadError(f"request {rid!r}: decode dropped it while streaming", request=rid, cause="cancelled")
@@ -455,6 +497,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
             for rank in ranks:
                 client, info, peer = peers[rank]
                 wait = 0.0 if rank in finished else STREAM_WAIT_S
+                asked = time.monotonic()
                 st = client.query_stream(rid, leases[rank][1], seen=versions[rank], wait_s=wait)
                 versions[rank] = st.version
                 answered = time.time()
@@ -483,6 +526,11 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                     if ready[layer] < total:
                         rank_complete = False
                 if rank_complete:
+                    if rank not in finished:
+                        # The lease was valid at every answer so far (each one checks it), so nothing reused
+                        # the blocks before this one; from it on, a prefill that holds reads keeps them for
+                        # this rank until its DONE or the deadline.
+                        held_until = min(held_until, hold_deadline(asked, st.lease))
                     finished.add(rank)
                 else:
                     complete = False
@@ -532,11 +580,17 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         # a callback may still be running when wait_all returns: its transfer ended by now
         intervals = [(a, b or ended) for a, b in spans]
         done_at = time.perf_counter()
-        # Fenced DONEs, always answered before the report: a stream's lease promises no hold (vLLM frees
-        # a preempted request's blocks by itself), so only the DONE's answer says the read was intact.
-        failed = control._send_dones(rid, leases, notify, None)
-        if failed is not None:
-            raise failed
+        if time.monotonic() < held_until:
+            # Every read ended within the prefill ranks' holds: the bytes are intact, the DONEs only free
+            # the prefill's blocks, after the report.
+            control._send_later(rid, leases, notify)
+        else:
+            # Fenced DONEs, answered before the report: a stream whose request may still be preempted
+            # promises no hold (vLLM frees a preempted request's blocks by itself), so only the DONE's
+            # answer says the read was intact.
+            failed = control._send_dones(rid, leases, notify, None)
+            if failed is not None:
+                raise failed
         busy = _busy(intervals)
         hidden = _busy(intervals, until=computing_until)
         phases = {

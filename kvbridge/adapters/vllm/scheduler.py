@@ -64,7 +64,12 @@ class SchedulerSide:
         self._offers: list[Offer] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
         self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
-        self.layerwise = LayerwiseScheduler(self.block_size, enabled=settings.transfer == "layerwise")
+        self.layerwise = LayerwiseScheduler(
+            self.block_size,
+            enabled=settings.transfer == "layerwise",
+            # 0 where vLLM does not say: streams then keep their fenced DONEs
+            one_batch_at_a_time=getattr(vllm_config, "max_concurrent_batches", 0) == 1,
+        )
 
     def _decode_params(self, request: Request) -> KVTransferParams | None:
         """The request's params if it is still to be pulled (decoded on first sight), else None."""
