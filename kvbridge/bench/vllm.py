@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import re
 import tempfile
 import time
@@ -44,6 +43,7 @@ from typing import Any
 import attrs
 from rich.progress import Progress
 
+from kvbridge.bench.pair import quantile
 from kvbridge.bench.plot import check_path
 from kvbridge.cli.output import err_console, print_json, print_table
 
@@ -351,12 +351,6 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
         rows.append(row)
     http.close()
     return rows
-
-
-def quantile(samples: list[float], q: float) -> float:
-    """The q-quantile by nearest rank (of 8 samples: the median is the 4th, the p99 the largest)."""
-    ordered = sorted(samples)
-    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 2)
 
 
 def _timing(answer: dict) -> dict:

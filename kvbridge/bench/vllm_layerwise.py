@@ -27,8 +27,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvbridge.bench.pair import paired_ratio
-from kvbridge.bench.vllm import quantile
+from kvbridge.bench.pair import paired_ratio, quantile
 from kvbridge.cli.output import err_console, print_json, print_table
 
 CHUNK_TOKENS = 256
