@@ -344,7 +344,8 @@ def test_query_stream_is_held_until_the_stream_changes(closing: list) -> None:
         return StreamStatus(p.ledger.query(rid, epoch), 64, (version.get(rid, 0) * 16,), version.get(rid, 0))
 
     p.server.streams = streams
-    assert c.query_stream("r1", seen=0, wait_s=30).version == 3  # another version: answered at once
+    at_once = c.query_stream("r1", seen=0, wait_s=30)
+    assert at_once.version == 3 and at_once.held_ms == 0  # another version: answered at once
     replies: list = []
     asker = threading.Thread(target=lambda: replies.append(c.query_stream("r1", seen=3, wait_s=30)))
     asker.start()
@@ -355,6 +356,7 @@ def test_query_stream_is_held_until_the_stream_changes(closing: list) -> None:
     asker.join(timeout=30)
     [status] = replies
     assert status.version == 4 and status.ready == (64,) and p.server._nparked == 0
+    assert status.held_ms > 0, "a held answer says so: prefill was still computing when it was asked"
     # Unchanged, it is answered when its wait runs out; with its lease gone, at once.
     began = time.monotonic()
     assert c.query_stream("r1", seen=4, wait_s=0.2).version == 4 and time.monotonic() - began >= 0.2

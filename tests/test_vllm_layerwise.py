@@ -51,6 +51,9 @@ class Streams:
         self.p_caches, self.d_caches = vllm_cpu_caches(0, 1, False), vllm_cpu_caches(0, 1, False)
         self.prefill.register_kv_caches(self.p_caches)
         self.decode.register_kv_caches(self.d_caches)
+        # These steps take no time: readers are woken at every step's end unless a test says otherwise.
+        assert self.prefill.producer is not None
+        self.prefill.producer.wake_interval_s = 0.0
         self.sent: set[str] = set()
         self.recved: set[str] = set()
 
@@ -129,24 +132,41 @@ def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Str
     assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
 
 
-def test_prefill_wakes_readers_once_per_step_and_per_layer_in_its_last_step(streams: Streams) -> None:
-    # A reader holds its poll until prefill wakes it: at the end of each step (every layer saved), and
-    # in the step that ends the prompt after each layer, so that only the last layer's read trails it.
-    # The first poll (at the stream's first version) waits for the first step.
-    blocks, tokens = list(range(4)), 4 * BLOCK
+@pytest.mark.parametrize(
+    ("step_s", "woken_after"),
+    [
+        (0.0, [5]),  # steps closer than WAKE_INTERVAL_S: only the one before the last
+        (0.06, [3, 5]),  # 60 ms steps: once 100 ms passed since the stream began, and before the last
+        (0.2, [2, 3, 4, 5]),  # steps longer than the interval: each one after the stream's first
+    ],
+)
+def test_prefill_wakes_readers_every_interval_before_its_last_step_and_per_layer_in_it(
+    streams: Streams, step_s: float, woken_after: list[int]
+) -> None:
+    # A reader holds its poll until prefill wakes it: at a step's end when WAKE_INTERVAL_S passed since the
+    # last wake-up or when the next step may end the prompt, and in the step that ends the prompt after
+    # each layer, so that only the last layer's read trails it. The first poll (at the stream's first
+    # version) waits for the first wake-up.
+    from kvbridge.adapters.vllm.layerwise import WAKE_INTERVAL_S
+
+    blocks, tokens = list(range(6)), 6 * BLOCK
     producer = streams.prefill.producer
     assert producer is not None
+    now = [100.0]
+    producer.wake_interval_s, producer._clock = WAKE_INTERVAL_S, lambda: now[0]
     versions = []
-    for step in range(1, 5):
+    for step in range(1, 7):
         meta = LayerwiseMeta(computed={"p1": step * BLOCK})
         if step == 1:
             meta.starts.append(StreamStart("p1", "t1", blocks, tokens))
+        now[0] += step_s
         streams.step(meta, blocks[step - 1 : step])
         status = producer.query("t1", 0)
         assert status.ready == (step * BLOCK,) * LAYERS
         versions.append(status.version)
     first = STREAM_FIRST_VERSION
-    assert versions == [first + 1, first + 2, first + 3, first + 3 + LAYERS]
+    expected = [first + sum(1 for w in woken_after if w <= step) for step in range(1, 6)]
+    assert versions == [*expected, expected[-1] + LAYERS]
 
 
 def test_idle_decode_step_with_only_streams_in_flight_sleeps_until_one_ends() -> None:

@@ -360,7 +360,7 @@ class ControlServer:
                     if rid in woken or now >= p.deadline:
                         status = self.streams(p.msg.request_id, p.msg.epoch)
                         if now >= p.deadline or self._stream_moved(p.msg, status):
-                            reply = status
+                            reply = attrs.evolve(status, held_ms=round(max(1e-3, (now - p.since) * 1e3), 3))
                 elif offered or now >= p.deadline:
                     try:
                         reply = self._begin(p.msg, p.peer_host, waited_s=now - p.since)

@@ -202,6 +202,9 @@ class StreamStatus:
     ready: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
     # grows whenever the prefill wakes its readers (a step's layers saved); a QueryStream is held while it stays
     version: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
+    # the QueryStream was held (the stream had not moved when it arrived), this long: the prefill was still
+    # computing when the query was sent, so a reader knows its reads until then overlapped the compute
+    held_ms: float = 0.0
 
 
 @attrs.frozen

@@ -72,6 +72,12 @@ BLOCK_OUTERMOST = ("BLHNC", "BLNHC", "BHLNC")
 STREAM_WAIT_S = 0.5
 # Against a prefill that answers at once (no long poll), decode polls this often, backing off.
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.002
+# Before the prompt's last two steps, prefill wakes its readers at the end of a step only when this long
+# passed since it last did: each wake-up costs a poll answered and a read planned, submitted and moved,
+# beside a prefill that shares the host's cores, and fewer, larger reads hide behind the compute as well.
+# It always wakes them at the step before the last (that read then hides behind the last step) and after
+# each layer of the last step (only the last layer's read trails the compute).
+WAKE_INTERVAL_S = 0.1
 
 
 def check_streamable(layout_name: str, *, pcp: int = 1, dcp: int = 1) -> None:
@@ -261,14 +267,26 @@ class _Stream:
     preempted: bool = False  # vLLM freed the blocks itself: nothing to report
     held_at_end: bool = False  # StreamStart.held_at_end
     held: bool = False  # every layer saved with held_at_end: only the lease frees the blocks now
+    begun: int = 0  # prompt tokens computed before the current step
+    woken_at: float = attrs.field(factory=time.monotonic)  # readers last woken (or the stream started)
     version: int = STREAM_FIRST_VERSION  # grows when readers are woken (StreamStatus.version)
 
 
 class Producer:
     """A prefill worker rank's streams: leases offered when a request starts, per-layer readiness."""
 
-    def __init__(self, ledger: Ledger, abort: Callable[[str, str], Any], block_size: int) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        abort: Callable[[str, str], Any],
+        block_size: int,
+        *,
+        wake_interval_s: float = WAKE_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ledger = ledger
+        self.wake_interval_s = wake_interval_s
+        self._clock = clock
         self._abort = abort  # ControlServer.abort: frees the lease and tells the decode ranks reading it
         self.block_size = block_size
         self.agent: KVAgent | None = None
@@ -302,6 +320,8 @@ class Producer:
                     [s.computed] * len(self.layers),
                     s.computed,
                     held_at_end=s.held_at_end,
+                    begun=s.computed,
+                    woken_at=self._clock(),
                 )
                 self._by_request[s.request_id] = s.transfer_id
             if s.computed:  # prefix-cache hits: in the cache already, every layer
@@ -320,7 +340,8 @@ class Producer:
             tid = self._by_request.get(rid)
             if tid is not None:
                 with self._lock:
-                    self._streams[tid].step = computed
+                    s = self._streams[tid]
+                    s.begun, s.step = s.step, computed
         for rid in meta.preempted:
             tid = self._by_request.get(rid)
             if tid is None:
@@ -355,13 +376,11 @@ class Producer:
             first, last = s.ready[layer] // bs, -(-s.step // bs)
             self.agent.publish(s.blocks[first:last], layers=(layer,))  # device sync (+ staging copy)
             # Readers wake per layer only in the step that ends the prompt; an earlier chunk has the next
-            # chunk's compute to hide behind, so once per step is enough: each wake-up costs the compute
-            # thread a GIL handoff to the side channel's, and each answer a read of its own. (Waking
-            # them less often, every quarter of the prompt, saved no TTFT and hid less of the transfer:
-            # the last read, never hidden, was then a larger share of fewer reads.) The version moves
-            # with the wake-ups only, so a query that arrives mid-step is held to the step's end and
-            # reads all its layers at once, not one read per layer.
-            wake = s.step >= s.tokens or layer == len(self.layers) - 1
+            # chunk's compute to hide behind, so at a step's end is enough, and only every
+            # WAKE_INTERVAL_S or before the last step (`_wakes_at_step_end`). The version moves with the
+            # wake-ups only, so a query that arrives mid-step is held to the next wake-up and reads all
+            # that became readable at once.
+            wake = s.step >= s.tokens or (layer == len(self.layers) - 1 and self._wakes_at_step_end(s))
             with self._lock:
                 others = all(r >= s.tokens for i, r in enumerate(s.ready) if i != layer)
             held = False
@@ -377,6 +396,15 @@ class Producer:
                     s.version += 1
             if wake:
                 self._changed(tid)
+
+    def _wakes_at_step_end(self, s: _Stream) -> bool:
+        """Whether readers are woken at the end of a step that does not end the prompt: when the next step
+        may end it (no more tokens left than this step computed), or WAKE_INTERVAL_S after the last time."""
+        now = self._clock()
+        if s.tokens - s.step <= s.step - s.begun or now - s.woken_at >= self.wake_interval_s:
+            s.woken_at = now
+            return True
+        return False
 
     def query(self, transfer_id: str, epoch: int) -> StreamStatus:
         """The stream's status for a reader (`ControlServer.streams`); its lease lists the blocks so far
@@ -497,10 +525,9 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
             for rank in ranks:
                 client, info, peer = peers[rank]
                 wait = 0.0 if rank in finished else STREAM_WAIT_S
-                asked = time.monotonic()
+                asked, asked_at = time.monotonic(), time.time()
                 st = client.query_stream(rid, leases[rank][1], seen=versions[rank], wait_s=wait)
                 versions[rank] = st.version
-                answered = time.time()
                 if not st.lease.valid:
                     raise LoadError(
                         f"request {rid!r}: lease on {client.url} is {st.lease.state.value} mid-stream; recompute",
@@ -534,8 +561,14 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                     finished.add(rank)
                 else:
                     complete = False
-                    # prefill was still computing when it composed this answer (at most a return trip ago)
-                    computing_until = answered
+                # When the prompt's compute ended, as a lower bound on this host's clock: after this query
+                # arrived (so after it was sent) if the answer says layers are still to come, and, if the
+                # query was held, not before it had been held for `held_ms` (nothing had moved when it
+                # arrived; a held answer that completes the stream was sent when its last layer was saved).
+                # Reads before that overlapped the compute.
+                held_s = _held_s(st.held_ms, time.time() - asked_at)
+                if not rank_complete or held_s > 0:
+                    computing_until = max(computing_until, asked_at + held_s)
                 for (a, b), group in groups.items():
                     key = (rank, tuple(group))
                     if key not in subs:
@@ -598,7 +631,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
             "transfer_ms": busy * 1e3,
             "hidden_ms": hidden * 1e3,
             "exposed_ms": (busy - hidden) * 1e3,
-            "tail_ms": (ended - computing_until) * 1e3,  # from prefill's last layer to all bytes here
+            "tail_ms": (ended - computing_until) * 1e3,  # from the last proof of compute to all bytes here
             "done_ms": (time.perf_counter() - done_at) * 1e3,
         }
         return StreamResult(nbytes, ndesc, {k: round(v, 3) for k, v in phases.items()})
@@ -613,6 +646,11 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         # the DONEs end this rank's reads (an aborted lease is held for a reader until its DONE)
         control.release_unread(rid, params, plan, leases, notify, exc)
         raise
+
+
+def _held_s(held_ms: float, round_trip_s: float) -> float:
+    """A StreamStatus's `held_ms` in seconds, at most the round trip it was part of (it comes off the wire)."""
+    return min(held_ms / 1e3, round_trip_s) if math.isfinite(held_ms) and held_ms > 0 else 0.0
 
 
 def _settle(handles: Sequence[TransferHandle], timeout_s: float) -> None:
