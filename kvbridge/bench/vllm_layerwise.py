@@ -27,7 +27,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvbridge.bench.pair import paired_ratio, quantile
+from kvbridge.bench.pair import freeze_heap, paired_ratio, quantile
 from kvbridge.cli.output import err_console, print_json, print_table
 
 CHUNK_TOKENS = 256
@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         http = httpx.Client(timeout=600, trust_env=False)
         try:
             wait_healthy([prefill, decode], timeout=600)
+            freeze_heap()
             base = {"model": str(model), "temperature": 0, "ignore_eos": True, "max_tokens": 1}
             # Warm-up, both ways; the pulled one tells where prefill's side channel is.
             first, _ = _post(
