@@ -37,6 +37,7 @@ from kvbridge.testing.vllm_server import (  # noqa: E402
     start_proxy,
     start_vllm,
     wait_healthy,
+    wait_warmed,
 )
 
 pytestmark = pytest.mark.slow
@@ -105,11 +106,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs)
         started.append(proxy)
         wait_healthy([proxy], timeout=60)
-        # The proxy makes each pair's first contact itself, with one request, before any test counts.
-        deadline = time.monotonic() + 120
-        while len(httpx.get(f"{proxy.url}/instances", trust_env=False).json()["warmed"]) < len(decode):
-            assert time.monotonic() < deadline, "the proxy did not warm its prefill/decode pairs"
-            time.sleep(0.2)
+        wait_warmed(proxy, pairs=len(decode))  # each pair's first contact, before any test counts
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c
         c.http.close()
@@ -144,6 +141,7 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
         proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
         started.append(proxy)
         wait_healthy([proxy], timeout=60)
+        wait_warmed(proxy, pairs=1)
         c = Cluster(
             cluster.model, MAX_TOKENS, prefill=prefill, decode=[decode], colocated=cluster.colocated, proxy=proxy
         )

@@ -32,6 +32,7 @@ from kvbridge.testing.vllm_server import (  # noqa: E402
     start_proxy,
     start_vllm,
     wait_healthy,
+    wait_warmed,
 )
 
 pytestmark = pytest.mark.slow
@@ -85,10 +86,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, transfer="layerwise")
         started.append(proxy)
         wait_healthy([proxy], timeout=60)
+        # The proxy's warm-up request through the pair tells it where prefill's side channel is; a test
+        # that counts decode's reads starts after it.
+        wait_warmed(proxy, pairs=1)
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
-        # The proxy's warm-up request through the pair (or else the first request, pulled) tells it where
-        # prefill's side channel is.
-        c.complete(proxy, random_prompt(40, seed=0))
         yield c
         c.http.close()
     finally:

@@ -12,7 +12,14 @@ from typing import Any
 
 import attrs
 
-from kvbridge.testing.vllm_server import Server, connector_config, start_proxy, start_vllm, wait_healthy
+from kvbridge.testing.vllm_server import (
+    Server,
+    connector_config,
+    start_proxy,
+    start_vllm,
+    wait_healthy,
+    wait_warmed,
+)
 
 log = logging.getLogger(__name__)
 _BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
@@ -70,6 +77,7 @@ class Deployment:
             [s.url for s in self.prefill], [s.url for s in self.decode], log_dir=self.logs, health_interval=1.0
         )
         wait_healthy([self.proxy], timeout=60)
+        wait_warmed(self.proxy, pairs=len(self.prefill) * len(self.decode))
 
     def servers(self) -> list[Server]:
         """The vLLM servers (not the proxy) as they are now."""

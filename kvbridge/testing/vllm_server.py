@@ -403,3 +403,22 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
             )
         if pending:
             time.sleep(0.5)
+
+
+def wait_warmed(proxy: Server, pairs: int, timeout: float = 120.0) -> None:
+    """Wait until `proxy` has sent its warm-up request through `pairs` prefill/decode pairs.
+
+    The warm-up is a real handover: a test that counts a decode server's transfers must start
+    counting after it, or the proxy's request lands in the counts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proxy.alive():
+            raise ConfigError(f"the proxy exited with {proxy.proc.returncode}; {proxy.failure_report()}")
+        with contextlib.suppress(Exception):  # a proxy that is still starting answers nothing yet
+            if len(_get(f"{proxy.url}/instances").json()["warmed"]) >= pairs:
+                return
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"the proxy did not warm {pairs} prefill/decode pair(s) in {timeout}s; {proxy.failure_report()}"
+            )
+        time.sleep(0.2)
