@@ -47,6 +47,7 @@ import numpy as np
 
 from kvbridge import staging, wire
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
+from kvbridge.block_ids import block_array
 from kvbridge.errors import ConfigError, TopologyError, TransferTimeout
 from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import RegionIndex, total_bytes
@@ -67,7 +68,7 @@ class _BlockIds:
     def __call__(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         hit = self._seen.get(id(blocks))
         if hit is None:
-            hit = self._seen[id(blocks)] = (blocks, np.asarray(blocks, dtype=np.int64))  # keeps `blocks` alive
+            hit = self._seen[id(blocks)] = (blocks, block_array(blocks))  # keeps `blocks` alive
         return hit[1]
 
 

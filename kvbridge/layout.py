@@ -16,6 +16,7 @@ engines register key/value/index buffers).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -131,7 +132,13 @@ class KVLayout:
     @property
     def num_blocks(self) -> int:
         """Blocks every region can hold (the rank's capacity)."""
-        return min(r.num_blocks for r in self.regions)
+        return _capacity(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _capacity(layout: KVLayout) -> int:
+    # asked twice per pull; a model of 64 layers has 128 regions to scan
+    return min(r.num_blocks for r in layout.regions)
 
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:

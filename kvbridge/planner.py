@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvbridge.block_ids import block_array
 from kvbridge.errors import ConfigError, LayoutMismatch
 from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import L_BASE, L_BLOCK, LENGTH, PIECES, R_BASE, R_BLOCK, DescriptorGroup, FactoredDescriptors
@@ -143,7 +144,7 @@ def region_table(layout: KVLayout) -> np.ndarray:
 def _pick(
     blocks: Sequence[int] | np.ndarray, positions: np.ndarray, capacity: int, side: str, pull: Pull
 ) -> np.ndarray:
-    ids = np.asarray(blocks, dtype=np.int64)
+    ids = block_array(blocks)
     if len(positions) and positions[-1] >= len(ids):
         raise ConfigError(
             f"the {side} rank holds {len(ids)} blocks of this request but pull from prefill rank "

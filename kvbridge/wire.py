@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 import cattrs
 import msgpack
 
+from kvbridge.block_ids import BlockIds
 from kvbridge.errors import ProtocolError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: block ids packed (BlockIds)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 T = TypeVar("T")
@@ -32,6 +33,9 @@ def _strict_bytes(value: Any, _cls: type) -> bytes:
 
 
 converter.register_structure_hook(bytes, _strict_bytes)
+# Block ids travel packed: decoding a 10 000-block lease is a buffer view, not 10 000 Python ints.
+converter.register_unstructure_hook(BlockIds, BlockIds.to_bytes)
+converter.register_structure_hook(BlockIds, lambda value, _cls: BlockIds.from_bytes(_strict_bytes(value, bytes)))
 
 
 def _strict_bool(value: Any, _cls: type) -> bool:

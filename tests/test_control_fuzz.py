@@ -164,7 +164,7 @@ def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, 
 @given(kind=st.sampled_from(sorted(REQUESTS)), body=msgpack_values)
 def test_fuzz_auth_signed_but_schema_invalid_bodies_are_refused(rank: Rank, kind: str, body: object) -> None:
     # Signed with the right secret, so only the schema check stands between the bytes and a handler.
-    payload = msgpack.packb({"v": 1, "t": kind, "d": body}, use_bin_type=True)
+    payload = msgpack.packb({"v": wire.WIRE_VERSION, "t": kind, "d": body}, use_bin_type=True)
     frame = rank.auth.seal(_frame(kind, "fuzzer", payload))
     if kind == "GetInfo" and body == {}:
         assert _refusal(rank.server.handle(wire.encode(frame))) is None  # the one valid body of that kind
@@ -185,7 +185,11 @@ def test_fuzz_oversized_messages_are_refused(rank: Rank) -> None:
     assert "exceeds" in rank.refuse(wire.encode(huge)).message
     # A bytes field given as a huge integer must not allocate it (cattrs would call bytes(n)).
     bomb = msgpack.packb(
-        {"v": 1, "t": "Frame", "d": {"kind": "GetInfo", "sender": "x", "nonce": 10**12, "ts": 0.0, "body": b""}},
+        {
+            "v": wire.WIRE_VERSION,
+            "t": "Frame",
+            "d": {"kind": "GetInfo", "sender": "x", "nonce": 10**12, "ts": 0.0, "body": b""},
+        },
         use_bin_type=True,
     )
     assert rank.refuse(bomb).kind == "protocol"

@@ -315,4 +315,6 @@ def test_endpoint_from_the_wire_with_hostile_sizes_is_refused() -> None:
     region = {"addr": 2**63 - 8, "length": 64, "kind": "dram", "device_id": -1}
     d = {"backend": "tcp", "protocol": "tcp", "address": "127.0.0.1:1", "regions": [region], "extra": {}}
     with pytest.raises(ProtocolError, match="does not fit"):
-        wire.decode(msgpack.packb({"v": 1, "t": "EndpointInfo", "d": d}, use_bin_type=True), EndpointInfo)
+        wire.decode(
+            msgpack.packb({"v": wire.WIRE_VERSION, "t": "EndpointInfo", "d": d}, use_bin_type=True), EndpointInfo
+        )

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pickle
+
 import msgpack
+import numpy as np
 import pytest
 
 from kvbridge import wire
+from kvbridge.block_ids import BlockIds
+from kvbridge.control.messages import LeaseState, LeaseStatus
 from kvbridge.errors import ProtocolError
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
@@ -28,9 +33,12 @@ def test_round_trip() -> None:
         (b"\xc1garbage", "undecodable"),
         (msgpack.packb([1, 2, 3]), "missing version"),
         (msgpack.packb({"v": 99, "t": "EndpointInfo", "d": {}}), "wire version 99"),
-        (msgpack.packb({"v": 1, "t": "MemoryRegion", "d": {}}), "expected a EndpointInfo"),
-        (msgpack.packb({"v": 1, "t": "EndpointInfo", "d": {"backend": "x"}}), "malformed EndpointInfo"),
-        (msgpack.packb({"v": 1, "t": "EndpointInfo", "d": {**wire.to_dict(INFO), "evil": 1}}), "malformed"),
+        (msgpack.packb({"v": wire.WIRE_VERSION, "t": "MemoryRegion", "d": {}}), "expected a EndpointInfo"),
+        (msgpack.packb({"v": wire.WIRE_VERSION, "t": "EndpointInfo", "d": {"backend": "x"}}), "malformed EndpointInfo"),
+        (
+            msgpack.packb({"v": wire.WIRE_VERSION, "t": "EndpointInfo", "d": {**wire.to_dict(INFO), "evil": 1}}),
+            "malformed",
+        ),
     ],
 )
 def test_bad_messages_are_protocol_errors(data: bytes, match: str) -> None:
@@ -61,3 +69,50 @@ def test_booleans_are_strict() -> None:
     assert wire.from_dict({"on": 0}, Flag).on is False
     with pytest.raises(ProtocolError, match="expected true or false"):
         wire.from_dict({"on": "false"}, Flag)
+
+
+# -- block ids ---------------------------------------------------------------------------------------
+
+
+def test_block_ids_travel_packed_and_come_back_equal() -> None:
+    ids = list(range(10_000, 0, -3))
+    status = LeaseStatus("r", LeaseState.ACTIVE, True, 7, ids)
+    data = wire.encode(status)
+    assert ids[0].to_bytes(8, "little") in data  # packed: 8 bytes per id, little-endian
+    back = wire.decode(data, LeaseStatus)
+    assert back == status and back.blocks == tuple(ids) and back.blocks == BlockIds(ids)
+    assert not np.asarray(back.blocks).flags.writeable  # a view, and nobody writes through it
+
+
+@pytest.mark.parametrize(
+    "blocks, match",
+    [
+        ([1, 2, 3], "expected bytes"),  # the unpacked form of wire version 1
+        (b"\x01" * 7, "8 bytes each"),
+        ((-1).to_bytes(8, "little", signed=True), "in \\[0, 2\\*\\*63\\)"),
+    ],
+)
+def test_malformed_packed_block_ids_are_protocol_errors(blocks: object, match: str) -> None:
+    d = {**wire.to_dict(LeaseStatus("r", LeaseState.ACTIVE)), "blocks": blocks}
+    data = msgpack.packb({"v": wire.WIRE_VERSION, "t": "LeaseStatus", "d": d}, use_bin_type=True)
+    with pytest.raises(ProtocolError, match=match):
+        wire.decode(data, LeaseStatus)
+
+
+@pytest.mark.parametrize("bad", [[1.5], ["3"], [-2], [1 << 64], np.array([1.0]), np.zeros((2, 2), dtype=np.int64)])
+def test_block_ids_refuse_what_is_not_a_block_id(bad: object) -> None:
+    with pytest.raises(ValueError, match="block ids"):
+        BlockIds(bad)  # type: ignore[arg-type]
+
+
+def test_block_ids_are_an_immutable_sequence() -> None:
+    source = np.array([5, 9, 2], dtype=np.int64)
+    ids = BlockIds(source)
+    source[0] = 99  # the caller's array stays the caller's
+    assert ids == (5, 9, 2) and ids == [5, 9, 2] and ids != (5, 9) and list(ids) == [5, 9, 2]
+    assert ids[1] == 9 and ids[1:] == (9, 2) and ids + (4,) == (5, 9, 2, 4) and len(ids) == 3
+    assert hash(ids) == hash(BlockIds([5, 9, 2])) and {ids: 1}[BlockIds((5, 9, 2))] == 1
+    with pytest.raises(ValueError):
+        ids.array[0] = 1
+    back = pickle.loads(pickle.dumps(ids))  # vLLM pickles connector metadata for its workers
+    assert back == ids and not back.array.flags.writeable

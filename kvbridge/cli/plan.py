@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge import topology, wire
+from kvbridge.block_ids import BlockIds, block_array
 from kvbridge.cli.output import console, print_json, print_table
 from kvbridge.layout import vllm_layout
 from kvbridge.planner import pull_descriptors
@@ -55,8 +56,9 @@ def planning_time(p: Plan, order: str, *, repeat: int = 20) -> dict[str, Any]:
     """What planning the request costs a decode rank: the topology plan and its pulls' descriptors.
 
     Measured on vLLM-style layouts of the model (one K and one V tensor per layer, at made-up addresses:
-    nothing is read) and fragmented block ids passed as Python lists, as an engine passes them. `cold` is
-    the first request with a peer (its layout tables are built); `warm` the median of the next ones.
+    nothing is read) and fragmented block ids: decode's own as a Python list, as an engine passes them, and
+    each prefill rank's as `BlockIds`, as the side channel and the parsed transfer params deliver them.
+    `cold` is the first request with a peer (its layout tables are built); `warm` the median of the next ones.
     """
     model: ModelSpec = p.model
     heads = {
@@ -75,20 +77,20 @@ def planning_time(p: Plan, order: str, *, repeat: int = 20) -> dict[str, Any]:
         return layout, rng.permutation(capacity)[:count].tolist()
 
     local, local_ids = side("decode", 1 << 40, p.blocks_on("decode", rank))
-    remote = {
-        x.prefill_rank: side("prefill", (2 + x.prefill_rank) << 40, p.blocks_on("prefill", x.prefill_rank))
-        for x in pulls
-    }
+    remote = {}
+    for x in pulls:
+        layout, ids = side("prefill", (2 + x.prefill_rank) << 40, p.blocks_on("prefill", x.prefill_rank))
+        remote[x.prefill_rank] = (layout, BlockIds(ids))
 
     def once() -> tuple[float, int]:
         topology._plan.cache_clear()  # every request plans its topology afresh; only layout tables are reused
         start = time.perf_counter()
         q = plan(p.prefill, p.decode, model, p.tokens, prefill_dp=p.prefill_dp, decode_dp=p.decode_dp)
-        ids = np.asarray(local_ids, dtype=np.int64)
+        ids = block_array(local_ids)
         rows = 0
         for x in q.pulls_for(rank):
             layout, blocks = remote[x.prefill_rank]
-            rows += len(pull_descriptors(x, local, layout, ids, np.asarray(blocks, dtype=np.int64)))
+            rows += len(pull_descriptors(x, local, layout, ids, blocks))
         return time.perf_counter() - start, rows
 
     cold, rows = once()

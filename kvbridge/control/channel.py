@@ -30,6 +30,7 @@ import zmq
 
 from kvbridge import wire
 from kvbridge.agent import RankInfo
+from kvbridge.block_ids import BlockIds
 from kvbridge.control.auth import Authenticator, new_nonce
 from kvbridge.control.discovery import RankRecord, Registry
 from kvbridge.control.ledger import Ledger
@@ -686,7 +687,7 @@ class ControlClient:
         a block outside the lease gets the BeginPull refused (ProtocolError).
         """
         host, port = notify or ("", 0)
-        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls, tuple(int(b) for b in blocks))
+        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls, BlockIds(blocks))
         status = self._expect(self._ready_request(msg, wait_s, until_offered=True), LeaseStatus, "BeginPull")
         if not status.valid:
             raise LoadError(

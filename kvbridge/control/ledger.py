@@ -28,7 +28,9 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import TypeVar
 
 import attrs
+import numpy as np
 
+from kvbridge.block_ids import BlockIds
 from kvbridge.control.messages import LeaseState, LeaseStatus
 from kvbridge.errors import ConfigError, ProtocolError
 
@@ -43,7 +45,7 @@ class Lease:
 
     request_id: str
     epoch: int
-    blocks: tuple[int, ...]
+    blocks: BlockIds = attrs.field(converter=BlockIds)
     expected_pulls: int | None  # None: the decode side states it
     deadline: float  # on the ledger's clock (monotonic seconds)
     offer_id: str = ""  # names one offer: a second offer with the same id is the same lease
@@ -145,7 +147,7 @@ class Ledger:
         with self._lock:
             known = self._active.get(request_id) or self._finished.get(request_id)
             if offer_id and known is not None and known.lease.offer_id == offer_id:
-                if known.lease.blocks != tuple(int(b) for b in blocks):
+                if known.lease.blocks != BlockIds(blocks):
                     raise ConfigError(
                         f"offer {offer_id!r} of request {request_id!r} names other blocks than its lease epoch "
                         f"{known.lease.epoch}; one offer id names one set of blocks"
@@ -159,7 +161,7 @@ class Ledger:
             lease = Lease(
                 request_id,
                 self._next_epoch,
-                tuple(int(b) for b in blocks),
+                BlockIds(blocks),
                 expected_pulls,
                 now + (timeout_s or self.timeout_s),
                 offer_id,
@@ -201,9 +203,9 @@ class Ledger:
             entry = self._active.get(request_id)
             if entry is None:
                 return False
-            known = set(entry.lease.blocks)
-            added = tuple(int(b) for b in blocks if int(b) not in known)
-            if added:
+            new = BlockIds(blocks).array
+            added = new[~np.isin(new, entry.lease.blocks.array)]
+            if len(added):
                 entry.lease = attrs.evolve(entry.lease, blocks=entry.lease.blocks + added)
         return True
 
@@ -288,19 +290,20 @@ class Ledger:
         with self._lock:
             entry = self._active.get(request_id)
             if entry is not None:
-                foreign = set(blocks).difference(entry.lease.blocks)
+                asked = BlockIds(blocks).array
+                foreign = np.unique(asked[~np.isin(asked, entry.lease.blocks.array)]).tolist()
                 if foreign:
                     log.warning(
                         "request %s: decode rank %s named blocks %s outside lease epoch %d: refused, lease "
                         "left as it was",
                         request_id,
                         decode_rank,
-                        sorted(foreign)[:8],
+                        foreign[:8],
                         entry.lease.epoch,
                     )
                     raise ProtocolError(
                         f"BeginPull of request {request_id!r} names {len(foreign)} blocks that its lease does not "
-                        f"hold (e.g. {sorted(foreign)[:4]}): refused; pass the remote_block_ids the prefill "
+                        f"hold (e.g. {foreign[:4]}): refused; pass the remote_block_ids the prefill "
                         "engine returned for this request"
                     )
                 if watcher is not None:

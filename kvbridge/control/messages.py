@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 
 from kvbridge.agent import RankInfo
+from kvbridge.block_ids import BlockIds
 
 MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
 MAX_BLOCKS = 1 << 20
@@ -26,11 +27,16 @@ def _bounded_str(_inst: object, attr: attrs.Attribute, value: str) -> None:
         raise ValueError(f"{attr.name} is {len(value)} characters long; at most {MAX_ID_CHARS} are allowed")
 
 
-def _bounded_blocks(_inst: object, attr: attrs.Attribute, value: tuple[int, ...]) -> None:
+def _bounded_blocks(_inst: object, attr: attrs.Attribute, value: BlockIds | tuple[int, ...]) -> None:
     if len(value) > MAX_BLOCKS:
         raise ValueError(f"{attr.name} lists {len(value)} blocks; at most {MAX_BLOCKS} are allowed")
-    if not all(isinstance(b, int) and 0 <= b <= MAX_EPOCH for b in value):
-        raise ValueError(f"{attr.name} must list block ids in [0, 2**63)")
+    if not isinstance(value, BlockIds) and not all(isinstance(b, int) and 0 <= b <= MAX_EPOCH for b in value):
+        raise ValueError(f"{attr.name} must list block ids in [0, 2**63)")  # BlockIds checked itself
+
+
+def _blocks(**kwargs: Any) -> Any:
+    """A field of block ids: `BlockIds` (packed on the wire), bounded to MAX_BLOCKS."""
+    return attrs.field(converter=BlockIds, validator=_bounded_blocks, **kwargs)
 
 
 def _int_in(low: int, high: int) -> Any:
@@ -92,7 +98,7 @@ class BeginPull:
     notify_host: str = attrs.field(default="", validator=_bounded_str)
     notify_port: int = attrs.field(default=0, validator=_int_in(0, 65535))
     expected_pulls: int = attrs.field(default=0, validator=_int_in(0, MAX_PULLS))  # 0: not stated
-    blocks: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
+    blocks: BlockIds = _blocks(default=BlockIds())
     # How long the server may hold the answer while the request is not offered yet (0: answer at once).
     wait_ms: int = attrs.field(default=0, validator=_int_in(0, MAX_WAIT_MS))
 
@@ -107,7 +113,7 @@ class Offer:
     """
 
     request_id: str = _id()
-    blocks: tuple[int, ...] = attrs.field(converter=tuple, validator=_bounded_blocks)
+    blocks: BlockIds = _blocks()
     offer_id: str = _id()
 
 
@@ -177,7 +183,7 @@ class LeaseStatus:
     state: LeaseState = attrs.field(converter=LeaseState)
     valid: bool = False
     epoch: int = 0
-    blocks: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
+    blocks: BlockIds = _blocks(default=BlockIds())
     remaining_s: float = 0.0
     released: bool = False  # this message caused the release
     waited_ms: float = 0.0  # how long the server held a BeginPull for the request's offer

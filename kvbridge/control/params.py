@@ -14,19 +14,23 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import numpy as np
 
 from kvbridge import wire
+from kvbridge.block_ids import BlockIds
 from kvbridge.errors import ConfigError
 
 
-def _groups(value: Any) -> tuple[tuple[int, ...], ...]:
+def _groups(value: Any) -> tuple[BlockIds, ...]:
     """Block ids as groups (vLLM >= 0.10 sends one list per KV-cache group); a flat list is one group."""
     if value is None:
         return ()
+    if isinstance(value, (BlockIds, np.ndarray)):
+        return (BlockIds(value),)
     value = list(value)
-    if value and not isinstance(value[0], (list, tuple)):
-        return (tuple(int(b) for b in value),)
-    return tuple(tuple(int(b) for b in g) for g in value)
+    if value and not isinstance(value[0], (list, tuple, BlockIds, np.ndarray)):
+        return (BlockIds(value),)
+    return tuple(BlockIds(g) for g in value)
 
 
 def _opt_ints(value: Any) -> tuple[int, ...] | None:
@@ -51,7 +55,7 @@ class KVTransferParams:
     do_remote_decode: bool = False
     remote_engine_id: str | None = None
     remote_request_id: str | None = None
-    remote_block_ids: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_groups)
+    remote_block_ids: tuple[BlockIds, ...] = attrs.field(default=(), converter=_groups)
     remote_host: str | None = None
     remote_port: int | None = None
     # the remote engine's parallel config
@@ -82,19 +86,19 @@ class KVTransferParams:
         names = {a.name for a in attrs.fields(cls)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}
         extra = {k: v for k, v in data.items() if k not in names}
-        if "remote_block_ids" in known:
-            try:
-                known["remote_block_ids"] = [list(g) for g in _groups(known["remote_block_ids"])]
-            except (TypeError, ValueError):
-                raise ConfigError(
-                    f"kv_transfer_params['remote_block_ids'] must be a list of block ids or of lists of them, "
-                    f"got {known['remote_block_ids']!r:.200}"
-                ) from None
+        blocks = known.pop("remote_block_ids", None)
+        try:
+            groups = _groups(blocks)  # JSON lists, converted once (the side channel's form is bytes)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"kv_transfer_params['remote_block_ids'] must be a list of block ids or of lists of them, "
+                f"got {blocks!r:.200}"
+            ) from None
         try:
             params = wire.from_dict(known, cls)
         except Exception as exc:  # ProtocolError from wire, or a converter's ValueError
             raise ConfigError(f"bad kv_transfer_params: {exc}") from None
-        return attrs.evolve(params, extra=extra)
+        return attrs.evolve(params, remote_block_ids=groups, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
         """The dict form, with vLLM's key names; block ids as a list of groups, unset optionals omitted."""
@@ -106,16 +110,16 @@ class KVTransferParams:
             if value is None:
                 continue
             if a.name == "remote_block_ids":
-                value = [list(g) for g in value]
+                value = [g.tolist() for g in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[a.name] = value
         return out
 
     @property
-    def block_ids(self) -> tuple[int, ...]:
+    def block_ids(self) -> BlockIds:
         """The block ids of the first (usually only) KV-cache group."""
-        return self.remote_block_ids[0] if self.remote_block_ids else ()
+        return self.remote_block_ids[0] if self.remote_block_ids else BlockIds()
 
     def require_remote(self) -> None:
         """Raise ConfigError naming the missing keys a decode side needs to pull."""

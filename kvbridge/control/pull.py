@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
+from kvbridge.block_ids import BlockIds, block_array
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
 from kvbridge.control.discovery import Registry, resolve
 from kvbridge.control.messages import LeaseStatus
@@ -59,13 +60,13 @@ def hold_deadline(asked: float, status: LeaseStatus) -> float:
     return asked + status.remaining_s * (1 - HOLD_SLACK_SHARE) - HOLD_SLACK_S
 
 
-def _blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequence[int]) -> list[int]:
+def _blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequence[int]) -> BlockIds:
     """The prefill rank's block ids this decode rank reads (named in BeginPull, checked against the lease).
     Positions past the list are left for the agent to refuse with its own error."""
-    ids = np.asarray(blocks, dtype=np.int64)
+    ids = block_array(blocks)
     pos = [p.src_positions() for p in plan.pulls_for(decode_rank) if p.prefill_rank == prefill_rank]
     picked = np.concatenate(pos) if pos else np.empty(0, dtype=np.int64)
-    return np.unique(ids[picked[picked < len(ids)]]).tolist()
+    return BlockIds(np.unique(ids[picked[picked < len(ids)]]))
 
 
 class DecodeControl:
@@ -189,7 +190,7 @@ class DecodeControl:
             if timing is not None:
                 timing["offer_wait_ms"] = waited
             stamp("announced_at")
-            return self.agent.pull(rid, infos, list(params.block_ids), local_blocks, tokens, on_done=finished)
+            return self.agent.pull(rid, infos, params.block_ids, local_blocks, tokens, on_done=finished)
         except BaseException as exc:
             self.release_unread(rid, params, plan, leases, notify, exc)
             self._forget(rid)

@@ -42,8 +42,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import numpy as np
 
 from kvbridge.backend import TransferHandle
+from kvbridge.block_ids import block_array
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.control.pull import hold_deadline
@@ -483,7 +485,8 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
     bs = agent.layout.model.block_size
     total = -(-task.tokens // bs)
     layers = agent.layout.model.layers
-    local = [-1] * task.skip + list(task.local_block_ids)  # by block position; decode's prefix hits are skipped
+    # by block position (converted once per stream, not per read); decode's prefix hits are skipped (-1)
+    local = np.concatenate([np.full(task.skip, -1, dtype=np.int64), block_array(task.local_block_ids)])
     notify = [(control._client(params, r)[0], 1) for r in plan.unpulled] if agent.rank == plan.notifier else []
     ranks = sorted({p.prefill_rank for p in plan.pulls_for(agent.rank)})
     leases: Leases = {}

@@ -30,7 +30,7 @@ class PullTask:
     ) -> PullTask:
         """Raises ConfigError naming what the params lack."""
         p.require_remote()
-        remote = list(p.block_ids)
+        remote = p.block_ids
         tokens = p.remote_num_tokens or len(remote) * block_size
         if (len(local_block_ids) - 1) * block_size >= tokens:
             raise ConfigError(
