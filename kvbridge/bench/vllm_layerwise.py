@@ -11,7 +11,9 @@ before the last poll that still found prefill computing: a lower bound on what o
 `tail_ms` (from that poll to the last byte), `done_ms` (the fenced DONEs after the last byte);
 from prefill's answer, `prefill_ms` (its engine's time for the request); `ttft_vs_pull`, the median over
 pairs of each pair's layer-wise / pull TTFT (which of a pair goes first alternates), and
-`ttft_vs_pull_range`, the lowest and highest pair. Prefill computes prompts in
+`ttft_vs_pull_range`, the lowest and highest pair; `ttft_vs_pull_ci90`, a 90 % bootstrap interval of
+that median (`verdict` in the table: faster or slower when the interval lies on one side of 1.0, a tie
+when it holds 1.0: on this VM one request's prefill moves by more than the effect). Prefill computes prompts in
 chunks (`--max-num-batched-tokens`, default 256 here), so KV is readable per layer and per chunk.
 """
 
@@ -79,6 +81,10 @@ def _cell(row: dict[str, Any], col: str) -> Any:
     if col == "ttft_vs_pull" and row.get("ttft_vs_pull_range"):
         low, high = row["ttft_vs_pull_range"]
         return f"{row[col]:.3f} ({low:.2f}-{high:.2f})"
+    if col == "verdict" and row.get("ttft_vs_pull_ci90"):
+        low, high = row["ttft_vs_pull_ci90"]
+        word = "faster" if high < 1 else "slower" if low > 1 else "tie"
+        return f"{word} ({low:.2f}-{high:.2f})"
     return row.get(col, "")
 
 
@@ -182,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                 )
                 rows[-1]["ttft_vs_pull"] = round(ratio["ratio"], 3) if ratio else None
                 rows[-1]["ttft_vs_pull_range"] = [round(r, 3) for r in ratio["ratio_range"]] if ratio else None
+                rows[-1]["ttft_vs_pull_ci90"] = [round(r, 3) for r in ratio["ratio_ci90"]] if ratio else None
         finally:
             http.close()
             prefill.stop()
@@ -196,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             "failed",
             "client_ttft_ms",
             "ttft_vs_pull",
+            "verdict",
             "prefill_ms",
             "control_ms",
             "transfer_ms",
@@ -206,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
         ]
         print_table(
             f"vLLM PD, layer-wise streaming vs pull (medians; ttft_vs_pull: median of the pairs (lowest-highest); "
+            "verdict: from its 90 % bootstrap interval; "
             f"prefill chunks of {CHUNK_TOKENS} tokens; --json for every figure)",
             cols,
             [[_cell(r, c) for c in cols] for r in rows],

@@ -1,0 +1,31 @@
+"""The paired statistics every bench reports: the median of per-pair ratios, its range and its interval."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvbridge.bench.pair import median_interval, paired_ratio
+
+
+def test_the_interval_holds_the_median_and_lies_within_the_range() -> None:
+    rng = np.random.default_rng(7)
+    slow = list(rng.normal(500, 50, 8))
+    fast = list(np.asarray(slow) * rng.normal(0.95, 0.1, 8))
+    r = paired_ratio(slow, fast)
+    low, high = r["ratio_ci90"]
+    assert r["ratio_range"][0] <= low <= r["ratio"] <= high <= r["ratio_range"][1]
+    assert paired_ratio(slow, fast)["ratio_ci90"] == [low, high]  # a fixed seed: the same run, the same interval
+
+
+def test_a_clear_difference_excludes_one_and_noise_does_not() -> None:
+    clear = [0.90, 0.91, 0.92, 0.90, 0.93, 0.89, 0.91, 0.92]
+    assert median_interval(clear)[1] < 1.0
+    noisy = [0.85, 1.12, 0.93, 1.05, 0.88, 1.10, 0.97, 1.02]
+    low, high = median_interval(noisy)
+    assert low < 1.0 < high
+
+
+def test_degenerate_samples() -> None:
+    assert median_interval([1.5]) == [1.5, 1.5]
+    assert median_interval([2.0, 2.0, 2.0]) == [2.0, 2.0]
+    assert all(np.isnan(median_interval([])))
