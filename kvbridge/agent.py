@@ -59,7 +59,7 @@ from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
 log = logging.getLogger(__name__)
 
 
-class _BlockIds:
+class _IdArrays:
     """Block id lists as int64 arrays, each converted once (by identity) however many pulls use it."""
 
     def __init__(self) -> None:
@@ -376,7 +376,7 @@ class KVAgent:
         work: list[Any],
         landed: list[Any],
     ) -> None:
-        ids = _BlockIds()  # each list of block ids becomes an array once, not once per pull
+        ids = _IdArrays()  # each list of block ids becomes an array once, not once per pull
         for pull in p.pulls_for(self.rank):
             info = by_rank.get(pull.prefill_rank)
             if info is None:
