@@ -125,7 +125,7 @@ class BlockIds(Sequence[int]):
         return BlockIds, (self._ids,)  # checked again, and read-only again, when unpickled
 
     def __hash__(self) -> int:
-        return hash(self._ids.tobytes())
+        return hash(tuple(self.tolist()))  # equal to a tuple of the same ids, so hashed like one
 
     def __repr__(self) -> str:
         ids = self._ids.tolist()

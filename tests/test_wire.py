@@ -111,7 +111,7 @@ def test_block_ids_are_an_immutable_sequence() -> None:
     source[0] = 99  # the caller's array stays the caller's
     assert ids == (5, 9, 2) and ids == [5, 9, 2] and ids != (5, 9) and list(ids) == [5, 9, 2]
     assert ids[1] == 9 and ids[1:] == (9, 2) and ids + (4,) == (5, 9, 2, 4) and len(ids) == 3
-    assert hash(ids) == hash(BlockIds([5, 9, 2])) and {ids: 1}[BlockIds((5, 9, 2))] == 1
+    assert hash(ids) == hash(BlockIds([5, 9, 2])) == hash((5, 9, 2)) and {(5, 9, 2): 1}[ids] == 1
     with pytest.raises(ValueError):
         ids.array[0] = 1
     back = pickle.loads(pickle.dumps(ids))  # vLLM pickles connector metadata for its workers

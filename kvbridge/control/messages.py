@@ -27,16 +27,21 @@ def _bounded_str(_inst: object, attr: attrs.Attribute, value: str) -> None:
         raise ValueError(f"{attr.name} is {len(value)} characters long; at most {MAX_ID_CHARS} are allowed")
 
 
-def _bounded_blocks(_inst: object, attr: attrs.Attribute, value: BlockIds | tuple[int, ...]) -> None:
-    if len(value) > MAX_BLOCKS:
+def _bounded_blocks(_inst: object, attr: attrs.Attribute, value: BlockIds) -> None:
+    if len(value) > MAX_BLOCKS:  # each id was checked by BlockIds
         raise ValueError(f"{attr.name} lists {len(value)} blocks; at most {MAX_BLOCKS} are allowed")
-    if not isinstance(value, BlockIds) and not all(isinstance(b, int) and 0 <= b <= MAX_EPOCH for b in value):
-        raise ValueError(f"{attr.name} must list block ids in [0, 2**63)")  # BlockIds checked itself
 
 
 def _blocks(**kwargs: Any) -> Any:
     """A field of block ids: `BlockIds` (packed on the wire), bounded to MAX_BLOCKS."""
     return attrs.field(converter=BlockIds, validator=_bounded_blocks, **kwargs)
+
+
+def _bounded_counts(_inst: object, attr: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if len(value) > MAX_BLOCKS:
+        raise ValueError(f"{attr.name} lists {len(value)} values; at most {MAX_BLOCKS} are allowed")
+    if not all(isinstance(v, int) and 0 <= v <= MAX_EPOCH for v in value):
+        raise ValueError(f"{attr.name} must list integers in [0, 2**63)")
 
 
 def _int_in(low: int, high: int) -> Any:
@@ -205,7 +210,7 @@ class StreamStatus:
 
     lease: LeaseStatus
     tokens: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
-    ready: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_blocks)
+    ready: tuple[int, ...] = attrs.field(default=(), converter=tuple, validator=_bounded_counts)
     # grows whenever the prefill wakes its readers (a step's layers saved); a QueryStream is held while it stays
     version: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
     # the QueryStream was held (the stream had not moved when it arrived), this long: the prefill was still
