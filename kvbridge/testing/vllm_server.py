@@ -329,8 +329,13 @@ def start_proxy(
     log_dir: str | Path | None = None,
     health_interval: float = 1.0,
     transfer: str = "pull",
+    timeout: float = 120.0,
 ) -> Server:
-    """Launch `kvbridge proxy` in front of these servers (without waiting for it)."""
+    """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
+
+    The proxy's warm-up is one real handover through each prefill/decode pair (its first contact),
+    so whoever counts a decode server's transfers starts after it. A proxy that does not get there
+    is stopped, and the error carries its log."""
     port = port or free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-proxy-"))
     log_path = log_dir / f"proxy-{port}.log"
@@ -355,7 +360,14 @@ def start_proxy(
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return Server(port=port, proc=proc, log_path=log_path)
+    proxy = Server(port=port, proc=proc, log_path=log_path)
+    try:
+        wait_healthy([proxy], timeout=min(60.0, timeout))
+        _wait_warmed(proxy, pairs=len(prefill) * len(decode), timeout=timeout)
+    except BaseException:
+        proxy.stop()
+        raise
+    return proxy
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -405,11 +417,8 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
             time.sleep(0.5)
 
 
-def wait_warmed(proxy: Server, pairs: int, timeout: float = 120.0) -> None:
-    """Wait until `proxy` has sent its warm-up request through `pairs` prefill/decode pairs.
-
-    The warm-up is a real handover: a test that counts a decode server's transfers must start
-    counting after it, or the proxy's request lands in the counts."""
+def _wait_warmed(proxy: Server, pairs: int, timeout: float) -> None:
+    """Wait until `proxy` has sent its warm-up request through `pairs` prefill/decode pairs."""
     deadline = time.monotonic() + timeout
     while True:
         if not proxy.alive():
