@@ -143,3 +143,22 @@ def test_equal_block_sizes_land_whole_blocks_past_the_prompt(src: str, dst: str)
         backend.close()
     for name in prefill:  # every slot of both blocks, including the 13 past the prompt in the last one
         assert torch.equal(decode[name][[0, 5]], prefill[name][[4, 1]])
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
+def test_host_scatter_writes_exactly_the_blocks_and_heads_named(layout: str) -> None:
+    """write_planes on host memory (numpy's row copy) against torch's own index_put, for a head range of
+    scattered blocks in strided views, where a wrong stride or head offset shows."""
+    from kvbridge.landing import write_planes
+
+    rng = np.random.default_rng(7)
+    ours = byte_views(views(layout), layout=layout)
+    ref = [[v.clone() for v in ours[0]]]
+    blocks = torch.from_numpy(rng.permutation(B)[:3].astype(np.int64))
+    data = torch.from_numpy(rng.integers(0, 256, (L, 3, 2, N, ours[0][0].shape[-1]), dtype=np.uint8))
+    write_planes(ours, blocks, (1, 3), [data])
+    for layer, view in enumerate(ref[0]):
+        view[:, 1:3].index_put_((blocks,), data[layer])
+    for got, want in zip(ours[0], ref[0]):
+        assert torch.equal(got, want)
+        assert got[blocks][:, 1:3].any() and not got[:, :1].any() and not got[:, 3:].any()
