@@ -124,7 +124,7 @@ def _host_index(blocks: Any) -> np.ndarray | None:
 def _in_host_bytes(*tensors: Any) -> bool:
     import torch
 
-    return all(t.device.type == "cpu" and t.dtype == torch.uint8 and not t.requires_grad for t in tensors)
+    return all(t.device.type == "cpu" and t.dtype == torch.uint8 for t in tensors)
 
 
 def write_logical(
