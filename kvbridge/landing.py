@@ -29,6 +29,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from kvbridge.device import Device
@@ -216,8 +217,11 @@ class Receiver:
         remote_blocks: Sequence[int],
         local_blocks: Sequence[int],
         tokens: int,
+        *,
+        layers: Sequence[int] | None = None,
     ) -> Landed:
-        """Descriptors that land the peer's blocks of the request, and the rearrangement after them."""
+        """Descriptors that land the peer's blocks of the request, and the rearrangement after them;
+        `layers`: of those layers only (a layer-wise read, `kvbridge.adapters.vllm.layerwise`)."""
         g, mine = remote.paged, self.geometry
         if g is None:
             raise ConfigError(f"request {request_id}: the prefill rank sent no cache geometry; update kvbridge there")
@@ -244,6 +248,12 @@ class Receiver:
         dst = np.asarray(local_blocks[:n_dst], dtype=np.int64)
         if src.min() < 0 or src.max() >= g.num_blocks or dst.min() < 0 or dst.max() >= mine.num_blocks:
             raise ConfigError(f"request {request_id}: block ids out of range")
+        views = self.views
+        if layers is not None:
+            keep = list(layers)
+            planes_kept = [attrs.evolve(p, layer_addrs=[p.layer_addrs[i] for i in keep]) for p in g.planes]
+            g = attrs.evolve(g, planes=planes_kept)
+            views = [[plane[i] for i in keep] for plane in views]
         desc, planes, nbytes = landing_descriptors(g, src)
         buf = self.acquire(nbytes)
         desc = desc.copy()
@@ -252,33 +262,33 @@ class Receiver:
         def rearrange(landing: Any) -> None:
             import torch
 
-            layers = len(g.planes[0].layer_addrs)
+            n_layers = len(g.planes[0].layer_addrs)
             base = landing.storage_offset()  # a device plugin may hand out a view (NPU: 2 MiB-aligned)
             h0, h1 = pull.src_heads
             parts = [
-                torch.as_strided(landing, (layers, n_src, g.heads, g.block_size, p.content), st, base + off)
+                torch.as_strided(landing, (n_layers, n_src, g.heads, g.block_size, p.content), st, base + off)
                 for p, (off, st) in zip(g.planes, planes)
             ]
             parts = [part[:, :, h0:h1] for part in parts]
-            index = self.views[0][0].new_tensor(dst, dtype=torch.int64)  # on the cache's own device
+            index = views[0][0].new_tensor(dst, dtype=torch.int64)  # on the cache's own device
             contents = [p.content for p in mine.planes]
             if g.block_size == mine.block_size and [p.content for p in g.planes] == contents:
                 # whole blocks, as a direct read would: a backend may pack a block's interior (vLLM's CPU
                 # attention tiles K by ISA), so its token slots are not cut or padded here; planes split
                 # alike go plane by plane, without a concatenated copy
-                write_planes(self.views, index, pull.dst_heads, parts)
+                write_planes(views, index, pull.dst_heads, parts)
             else:
                 x = torch.cat(parts, dim=-1)
                 if g.block_size == mine.block_size:
                     y = x
                 else:  # re-blocking reads token slots literally, as vLLM's GPU backends store them
                     h = x.shape[2]
-                    z = x.permute(0, 2, 1, 3, 4).reshape(layers, h, n_src * g.block_size, -1)[:, :, :tokens]
+                    z = x.permute(0, 2, 1, 3, 4).reshape(n_layers, h, n_src * g.block_size, -1)[:, :, :tokens]
                     pad = n_dst * mine.block_size - tokens
                     if pad:
                         z = torch.nn.functional.pad(z, (0, 0, 0, pad))
-                    y = z.reshape(layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
-                write_logical(self.views, contents, index, pull.dst_heads, y)
+                    y = z.reshape(n_layers, h, n_dst, mine.block_size, -1).permute(0, 2, 1, 3, 4)
+                write_logical(views, contents, index, pull.dst_heads, y)
             if self.device.synchronizes:  # the rearrangement ran on the device: done before vLLM reads
                 self.device.after_transfer(self.device_id)
 

@@ -132,6 +132,54 @@ def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Str
     assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
 
 
+MOONCAKE_TCP = {"migration_backend": "Mooncake", "protocol": "tcp"}
+
+
+def test_layerwise_reads_over_a_transport_that_may_write_late_land_before_the_cache() -> None:
+    # Mooncake TCP may still write after a read it reported failed: like pull mode's, every layer-wise
+    # read lands in a registered buffer and is copied into the cache once it succeeded.
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
+    s = Streams(prefill=MOONCAKE_TCP, decode=MOONCAKE_TCP)
+    try:
+        receiver = s.decode.agent.receiver
+        assert receiver is not None and s.decode.agent.backend.capabilities.late_writes
+        remote, local, tokens = [1, 2, 3, 7], [4, 5, 9, 0], 3 * BLOCK + 16
+        s.read("d1", "t1", local, tokens)
+        start = StreamStart("p1", "t1", remote[:2], tokens)
+        s.step(LayerwiseMeta(starts=[start], computed={"p1": 2 * BLOCK}), [1, 2])
+        wait_for(lambda: s.decoded(local[:2], remote[:2]), what="the first chunk to be read and copied in")
+        assert not torch.stack(list(s.d_caches.values()))[:, local[2:]].any()
+        s.step(LayerwiseMeta(blocks={"p1": tuple(remote[2:])}, computed={"p1": tokens}), [3, 7])
+        wait_for(lambda: s.poll() or "d1" in s.recved, what="decode to finish the stream")
+        assert s.decode.get_block_ids_with_load_errors() == set()
+        assert s.decoded(local, remote)
+        untouched = [b for b in range(s.d_caches[NAMES[0]].shape[0]) if b not in local]
+        assert not torch.stack(list(s.d_caches.values()))[:, untouched].any(), "only the request's blocks written"
+        assert receiver.idle_bytes > 0 and receiver.retired_bytes == 0, "its buffers are back in the pool"
+    finally:
+        s.close()
+
+
+def test_a_failed_layerwise_read_retires_its_landing_buffer_and_leaves_the_cache_clean() -> None:
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
+    failing = {**MOONCAKE_TCP, "fault_injection": {"transfer_error": 1.0, "seed": 0}}  # inside the transport
+    s = Streams(prefill=MOONCAKE_TCP, decode=failing)
+    try:
+        receiver = s.decode.agent.receiver
+        assert receiver is not None
+        remote, local, tokens = [1, 2, 3], [4, 5, 6], 3 * BLOCK
+        s.read("d3", "t3", local, tokens)
+        s.step(LayerwiseMeta(starts=[StreamStart("p3", "t3", remote, tokens)], computed={"p3": tokens}), remote)
+        wait_for(lambda: s.poll() or "d3" in s.recved, what="decode to give up on the stream")
+        assert s.decode.get_block_ids_with_load_errors() == set(local), "a failed stream is recomputed"
+        assert not torch.stack(list(s.d_caches.values())).any(), "no byte of a failed read reached the cache"
+        assert receiver.retired_bytes > 0 and receiver.idle_bytes == 0, "a buffer a failed read used never returns"
+        # the DONE after the failure ends this reader's lease: prefill may free the blocks once vLLM finished
+        wait_for(lambda: s.prefill.ledger.state("t3") is not LeaseState.ACTIVE, what="the lease to end")
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize(
     ("step_s", "woken_after"),
     [

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from kvbridge.agent import KVAgent
     from kvbridge.control.ledger import Ledger
     from kvbridge.control.pull import DecodeControl, Leases
+    from kvbridge.landing import Landed
 
 log = logging.getLogger(__name__)
 
@@ -491,6 +492,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
     ranks = sorted({p.prefill_rank for p in plan.pulls_for(agent.rank)})
     leases: Leases = {}
     handles: list[TransferHandle] = []
+    landings: list[tuple[TransferHandle, Landed]] = []  # reads into landing buffers, not yet in the cache
     spans: list[list[float]] = []
     nbytes = ndesc = 0
     began = time.time()
@@ -507,7 +509,12 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                     request=rid,
                     cause="layout",
                 )
-            peers[rank] = (client, info, agent.connect(info))
+            # A transport that may still write after a failed read (Mooncake TCP) reads into landing
+            # buffers, copied into the cache once each read succeeded, as pull mode does.
+            lands = agent.receiver is not None and all(
+                agent.receiver.lands(info.layout, p) for p in plan.pulls_for(agent.rank) if p.prefill_rank == rank
+            )
+            peers[rank] = (client, info, agent.connect(info), lands)
             count = plan.release_count(rank)
             status = client.begin_pull(
                 rid, control.name, notify=control.server.address, expected_pulls=count, wait_s=control.ready_timeout_s
@@ -525,8 +532,9 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                 raise LoadError(f"request {rid!r}: decode dropped it while streaming", request=rid, cause="cancelled")
             progressed, complete = False, True
             round_began = time.monotonic()
+            _land_finished(landings)
             for rank in ranks:
-                client, info, peer = peers[rank]
+                client, info, peer, lands = peers[rank]
                 wait = 0.0 if rank in finished else STREAM_WAIT_S
                 asked, asked_at = time.monotonic(), time.time()
                 st = client.query_stream(rid, leases[rank][1], seen=versions[rank], wait_s=wait)
@@ -582,9 +590,30 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                             continue
                         first = {"src_first": p.src_first + a * p.src_step, "dst_first": p.dst_first + a * p.dst_step}
                         sub = attrs.evolve(p, num_blocks=b - a, **first)
-                        desc = pull_descriptors(sub, mine, theirs, local, st.lease.blocks)
+                        land = None
+                        if lands:
+                            src, dst = sub.src_first, sub.dst_first  # steps of 1: `Receiver.lands`
+                            land = agent.receiver.prepare(
+                                rid,
+                                sub,
+                                info.layout,
+                                block_array(st.lease.blocks)[src : src + sub.num_blocks],
+                                local[dst : dst + sub.num_blocks],
+                                sub.num_blocks * bs,
+                                layers=group,
+                            )
+                            desc = land.descriptors
+                        else:
+                            desc = pull_descriptors(sub, mine, theirs, local, st.lease.blocks)
                         span = [time.time(), 0.0]  # submitted, completed (set by the transport's thread)
-                        h = agent.backend.transfer(peer, desc, "read")
+                        try:
+                            h = agent.backend.transfer(peer, desc, "read")
+                        except BaseException:
+                            if land is not None:
+                                land.finish(False, moved=False)
+                            raise
+                        if land is not None:
+                            landings.append((h, land))
                         h.add_done_callback(lambda _h, span=span: span.__setitem__(1, time.time()))
                         handles.append(h)
                         spans.append(span)
@@ -612,6 +641,7 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         error = next((e for e in (h.exception() for h in handles) if e is not None), None)
         if error is not None:
             raise error
+        _land_finished(landings)  # every read succeeded: the rest go into the cache now
         ended = time.time()
         # a callback may still be running when wait_all returns: its transfer ended by now
         intervals = [(a, b or ended) for a, b in spans]
@@ -640,6 +670,8 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         return StreamResult(nbytes, ndesc, {k: round(v, 3) for k, v in phases.items()})
     except BaseException as exc:
         _settle(handles, timeout_s)  # never leave a read running into blocks vLLM recomputes or reuses
+        for h, land in landings:  # a read that failed, or still runs, may write late: its buffer retires
+            land.finish(False, moved=not (h.done() and h.exception() is None))
         if cancelled.is_set():  # decode dropped the request: prefill need not keep it for anyone
             for client, _epoch, _count in leases.values():
                 try:
@@ -649,6 +681,16 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
         # the DONEs end this rank's reads (an aborted lease is held for a reader until its DONE)
         control.release_unread(rid, params, plan, leases, notify, exc)
         raise
+
+
+def _land_finished(landings: list[tuple[TransferHandle, Landed]]) -> None:
+    """Copy the landed reads that succeeded into the cache and give their buffers back; the others stay
+    (still running, or failed: the caller's error path retires them)."""
+    for item in list(landings):
+        h, land = item
+        if h.done() and h.exception() is None:
+            landings.remove(item)  # before the copy: a copy that fails still gives its buffer back
+            land.finish(True)
 
 
 def _held_s(held_ms: float, round_trip_s: float) -> float:
