@@ -15,7 +15,9 @@ The proxy sends the request to both servers at once with one `transfer_id` (`kvb
   blocks: a device sync, and the copy to host mirrors where the transport stages);
 - decode worker: `BeginPull` (waits for the lease), then polls `QueryStream` and reads, per group of
   layers that became readable together, the blocks that are complete (every token computed, or the
-  prompt's tail), until every layer holds the whole prompt; then the DONE. A lease that is not valid
+  prompt's tail), until every layer holds the whole prompt; then the DONE. Over a transport that may
+  write after a failed read (`late_writes`: Mooncake TCP) each read lands in a buffer first and is copied
+  into the cache once it succeeded (`kvbridge.landing`), as pull mode's are. A lease that is not valid
   at any poll, or at a fenced DONE, is a load error (vLLM's `kv_load_failure_policy` decides). The DONE
   is fenced unless the prefill held the reads: a request of one output token on an engine that runs one
   batch at a time cannot be preempted after its prompt's last layer, so from then on only its lease
