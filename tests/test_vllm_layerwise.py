@@ -480,18 +480,23 @@ def test_scheduler_side_follows_chunked_prefill_preemption_and_finish() -> None:
     assert r.kv_transfer_params["transfer_mode"] == "pull" and off.producer_finished(r, normally=True) is None
 
 
-def test_layerwise_heterogeneous_tp_prefill_tp2_to_decode_tp1() -> None:
-    # Each prefill rank streams its half of the KV heads; the decode rank reads both halves into place.
+@pytest.mark.parametrize("transport", ["loopback", "mooncake-tcp"])
+def test_layerwise_heterogeneous_tp_prefill_tp2_to_decode_tp1(transport: str) -> None:
+    # Each prefill rank streams its half of the KV heads; the decode rank reads both halves into place
+    # (over Mooncake TCP through landing buffers, each half's heads copied into place).
+    if transport == "mooncake-tcp":
+        pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
+    backend = MOONCAKE_TCP if transport == "mooncake-tcp" else {"migration_backend": "loopback"}
     base = free_port(span=2)
 
     def prefill_rank(r: int) -> WorkerSide:
         settings = Settings.from_extra_config(
-            {"migration_backend": "loopback", "side_channel_port": base, "pull_timeout_s": 10, "transfer": "layerwise"}
+            {"side_channel_port": base, "pull_timeout_s": 10, "transfer": "layerwise", **backend}
         )
         return WorkerSide("prefill", settings, block_size=BLOCK, tp_rank=r, tp_size=2)
 
     ranks = [prefill_rank(0), prefill_rank(1)]
-    decode = side("decode")
+    decode = side("decode", **backend)
     truth = [vllm_cpu_caches(r, 2, True) for r in range(2)]
     caches = [vllm_cpu_caches(r, 2, False) for r in range(2)]
     d_caches = vllm_cpu_caches(0, 1, False)
@@ -527,6 +532,9 @@ def test_layerwise_heterogeneous_tp_prefill_tp2_to_decode_tp1() -> None:
         got = torch.stack([d_caches[n] for n in NAMES])[:, local]
         assert torch.equal(got, expected(dict(zip(local, remote)), 0, 1)[:, local])
         assert all(w.ledger.state("t") is LeaseState.RELEASED for w in ranks)
+        receiver = decode.agent.receiver
+        landed = receiver is not None and receiver.idle_bytes > 0
+        assert landed == (transport == "mooncake-tcp"), "only a transport that may write late lands its reads"
     finally:
         decode.shutdown()
         for w in ranks:
