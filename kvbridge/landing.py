@@ -202,12 +202,11 @@ class Receiver:
     def lands(self, remote: KVLayout, pull: Pull) -> bool:
         """Whether `pull` goes through a landing buffer: the layouts differ, or the transport may write
         after a failed transfer (`BackendCapabilities.late_writes`), which must never reach a cache block
-        the engine recomputes or hands to another request after the failure. Context-parallel pulls of
-        like layouts go direct (the landing rearrangement does not interleave ranks)."""
+        the engine recomputes or hands to another request after the failure (context-parallel pulls too:
+        like layouts land whole blocks at the positions the pull names)."""
         if not self.direct(remote):
             return True
-        plain = remote.paged is not None and pull.src_step == 1 and pull.dst_step == 1 and not pull.first_block
-        return plain and self.backend.capabilities.late_writes
+        return remote.paged is not None and pull.num_blocks > 0 and self.backend.capabilities.late_writes
 
     def prepare(
         self,
@@ -234,18 +233,32 @@ class Receiver:
             if a != b:
                 raise LayoutMismatch(name, a, b, f"prefill ({g.name}) and decode ({mine.name}) hold different models")
         if pull.src_step != 1 or pull.dst_step != 1 or pull.first_block:
-            raise ConfigError(
-                f"request {request_id}: {g.name} -> {mine.name} with context parallelism needs the "
-                "same layout and block size on both sides"
-            )
-        n_src, n_dst = -(-tokens // g.block_size), -(-tokens // mine.block_size)
-        if len(remote_blocks) < n_src or len(local_blocks) < n_dst:
-            raise ConfigError(
-                f"request {request_id}: {tokens} tokens need {n_src} prefill and {n_dst} decode blocks, "
-                f"got {len(remote_blocks)} and {len(local_blocks)}"
-            )
-        src = np.asarray(remote_blocks[:n_src], dtype=np.int64)
-        dst = np.asarray(local_blocks[:n_dst], dtype=np.int64)
+            # Context parallelism: this rank holds every `block_step`-th block of the request. Like
+            # layouts land them whole, each at the position the pull names on either side; re-blocking
+            # or rearranging would have to interleave ranks.
+            if not self.direct(remote):
+                raise ConfigError(
+                    f"request {request_id}: {g.name} -> {mine.name} with context parallelism needs the "
+                    "same layout and block size on both sides"
+                )
+            src_at, dst_at = pull.src_positions(), pull.dst_positions()
+            if len(remote_blocks) <= src_at.max() or len(local_blocks) <= dst_at.max():
+                raise ConfigError(
+                    f"request {request_id}: the pull reads block positions up to {src_at.max()} of prefill "
+                    f"and {dst_at.max()} of decode, got {len(remote_blocks)} and {len(local_blocks)} block ids"
+                )
+            n_src = n_dst = pull.num_blocks
+            src = np.asarray(remote_blocks, dtype=np.int64)[src_at]
+            dst = np.asarray(local_blocks, dtype=np.int64)[dst_at]
+        else:
+            n_src, n_dst = -(-tokens // g.block_size), -(-tokens // mine.block_size)
+            if len(remote_blocks) < n_src or len(local_blocks) < n_dst:
+                raise ConfigError(
+                    f"request {request_id}: {tokens} tokens need {n_src} prefill and {n_dst} decode blocks, "
+                    f"got {len(remote_blocks)} and {len(local_blocks)}"
+                )
+            src = np.asarray(remote_blocks[:n_src], dtype=np.int64)
+            dst = np.asarray(local_blocks[:n_dst], dtype=np.int64)
         if src.min() < 0 or src.max() >= g.num_blocks or dst.min() < 0 or dst.max() >= mine.num_blocks:
             raise ConfigError(f"request {request_id}: block ids out of range")
         views = self.views

@@ -145,6 +145,49 @@ def test_equal_block_sizes_land_whole_blocks_past_the_prompt(src: str, dst: str)
         assert torch.equal(decode[name][[0, 5]], prefill[name][[4, 1]])
 
 
+@pytest.mark.parametrize("cp", [2, 3])
+def test_context_parallel_pulls_land_each_ranks_blocks_at_their_positions(cp: int) -> None:
+    # Prefill with PCP: rank c holds logical blocks c, c + cp, ... in its own block list. Over a transport
+    # that may write late those pulls land too (whole blocks, like layouts), each block at its position.
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
+    import ctypes
+
+    import kvbridge
+    from kvbridge.topology import ParallelConfig, plan
+
+    tokens = 5 * N - 3
+    ranks = [views("LBHNC") for _ in range(cp)]
+    for r in ranks:
+        for t in r.values():
+            t.copy_(torch.randn(t.shape, dtype=torch.float16))
+    decode = views("LBHNC")
+    local, _ = describe_kv_caches(decode, layout="LBHNC", block_size=N, tp_size=1)
+    remote = [describe_kv_caches(r, layout="LBHNC", block_size=N, tp_size=1)[0] for r in ranks]
+    prefill_ids = [[B - 1 - i for i in range(B)] for _ in range(cp)]  # each rank's block list, reversed
+    local_ids = [3, 0, 5, 1, 4]
+    p = plan(ParallelConfig(pcp=cp), ParallelConfig(), local.model, tokens)
+    backend = kvbridge.create_backend("mooncake", protocol="tcp", hostname="127.0.0.1")
+    receiver = Receiver(backend, local, byte_views(decode, layout="LBHNC"))
+    try:
+        assert all(receiver.lands(remote[q.prefill_rank], q) for q in p.pulls)
+        for pull in p.pulls:
+            assert pull.first_block or pull.dst_step != 1, "a context-parallel pull"
+            landed = receiver.prepare(
+                "r", pull, remote[pull.prefill_rank], prefill_ids[pull.prefill_rank], local_ids, tokens
+            )
+            for dst_addr, src_addr, length in landed.descriptors.tolist():
+                ctypes.memmove(dst_addr, src_addr, length)
+            landed.finish(True)
+    finally:
+        receiver.close()
+        backend.close()
+    for logical, block in enumerate(local_ids):
+        owner, position = logical % cp, logical // cp
+        for name in decode:
+            assert torch.equal(decode[name][block], ranks[owner][name][prefill_ids[owner][position]]), (logical, name)
+    assert not any(decode[name][2].any() for name in decode), "a block of no pull stays untouched"
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
 def test_host_scatter_writes_exactly_the_blocks_and_heads_named(layout: str) -> None:
     """write_planes on host memory (numpy's row copy) against torch's own index_put, for a head range of
