@@ -256,12 +256,12 @@ class KVAgent:
         as they stand, from any thread, so they may be offered before the engine's next step."""
         return type(self.backend).publish is MigrationBackend.publish
 
-    def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None) -> None:
+    def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None, *, waited: bool = False) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.
 
-        The backend waits for the device's pending work and, where it stages, copies the blocks (every
-        region, or those of `layers` only: layer-wise streaming) device -> host mirror, one vectorized
-        copy per registered buffer.
+        The backend waits for the device's pending work (unless the caller `waited` for it: `record`) and,
+        where it stages, copies the blocks (every region, or those of `layers` only: layer-wise streaming)
+        device -> host mirror, one vectorized copy per registered buffer.
         """
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
@@ -275,7 +275,25 @@ class KVAgent:
                 if layers is None or r.layer in layers
             ]
         )
-        self.backend.publish(ranges)
+        if waited:
+            self.backend.publish(ranges, waited=True)
+        else:
+            self.backend.publish(ranges)
+
+    def record(self) -> Any:
+        """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting
+        (None where the device cannot, or where publishing needs nothing); `publish(..., waited=True)`
+        after `self.device.wait_recorded(mark)` then skips the wait."""
+        if self.publish_is_free:
+            return None
+        ids = sorted({r.device_id for r in self.backend.registered if r.device_id >= 0}) or [self.device.current_id()]
+        marks = [self.device.record(i) for i in ids]
+        return None if any(m is None for m in marks) else marks
+
+    def wait_recorded(self, marks: Any) -> None:
+        """Block until the work `record` marked finished (on any thread)."""
+        for mark in marks:
+            self.device.wait_recorded(mark)
 
     def connect(self, remote: RankInfo, *, check: bool = True) -> Peer:
         """Check the remote layout against ours and connect to its endpoint (once per rank)."""

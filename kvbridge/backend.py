@@ -229,12 +229,13 @@ class MigrationBackend(abc.ABC):
     def registered(self) -> tuple[MemoryRegion, ...]:
         return self._local.regions
 
-    def publish(self, ranges: Any = None) -> None:
+    def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
         """Make local bytes current for peers that read them: call before offering blocks to a peer.
 
         `ranges`: (local_addr, length) pairs (an N x 2 array), None for everything registered. Host
         memory a transport reads directly is always current, so this does nothing here; a device-bound
         backend (`kvbridge.staging`) waits for the device and, where it stages, copies to host.
+        `waited`: the caller already waited for the device's work on these bytes (`Device.wait_recorded`).
         """
 
     def accept(self, ranges: Any = None) -> None:

@@ -79,6 +79,16 @@ class Device(abc.ABC):
     def after_transfer(self, device_id: int = -1) -> None:
         """Make bytes a transfer wrote visible to compute that reads them next."""
 
+    def record(self, device_id: int) -> Any:
+        """Mark, without waiting, the work this thread has queued on `device_id` so far (an event on its
+        current stream); `wait_recorded` waits for it from any thread. None: this device cannot mark
+        work, and `before_transfer` in the computing thread is the only wait (the default)."""
+        return None
+
+    def wait_recorded(self, mark: Any) -> None:
+        """Block until the work before `mark` (from `record`) finished; called on another thread than the
+        one that recorded it (layer-wise streaming publishes each layer off the engine's forward)."""
+
     @abc.abstractmethod
     def allocate(self, nbytes: int, device_id: int = 0) -> Any:
         """A zeroed, contiguous byte buffer in this device's memory (a tensor or array with a data pointer)."""

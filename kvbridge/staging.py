@@ -165,8 +165,9 @@ class DeviceBackend(MigrationBackend):
 
     # -- device synchronization -----------------------------------------------------------------
 
-    def publish(self, ranges: Any = None) -> None:
-        self._before(self._device_ids(self._range_columns(ranges)[0]))
+    def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
+        if not waited:
+            self._before(self._device_ids(self._range_columns(ranges)[0]))
 
     def accept(self, ranges: Any = None) -> None:
         self._after(self._device_ids(self._range_columns(ranges)[0]))
@@ -314,8 +315,8 @@ class StagedBackend(DeviceBackend):
             nbytes=inner.nbytes,
         )
 
-    def publish(self, ranges: Any = None) -> None:
-        self._stage_out(*self._slots(ranges))
+    def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
+        self._stage_out(*self._slots(ranges), wait=not waited)
 
     def accept(self, ranges: Any = None) -> None:
         self._stage_in(*self._slots(ranges))
@@ -331,9 +332,10 @@ class StagedBackend(DeviceBackend):
 
     # -- copies: one vectorized copy per registered buffer touched, one wait per device ------------
 
-    def _stage_out(self, slot: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+    def _stage_out(self, slot: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, *, wait: bool = True) -> None:
         touched = np.unique(slot).tolist()
-        self._before(sorted({self._mirrors[s].region.device_id for s in touched}))
+        if wait:
+            self._before(sorted({self._mirrors[s].region.device_id for s in touched}))
         for s in touched:
             m, pick = self._mirrors[s], slot == s
             copy_ranges(m.host_bytes, m.device_bytes, offsets[pick], offsets[pick], lengths[pick])

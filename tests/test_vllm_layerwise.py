@@ -539,3 +539,63 @@ def test_layerwise_heterogeneous_tp_prefill_tp2_to_decode_tp1(transport: str) ->
         decode.shutdown()
         for w in ranks:
             w.shutdown()
+
+
+def test_on_a_device_that_queues_work_the_forward_never_waits_and_layers_publish_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A device that queues work (CUDA, NPU, MLU): save_kv_layer records a mark and returns; a thread of
+    # the producer's waits for the device to run the layer, then publishes it. Stood in for by the example
+    # device plugin (host memory, device-bound) whose queued work finishes when this test says.
+    import numpy as np
+
+    from kvbridge.adapters.vllm.layerwise import Producer
+    from kvbridge.agent import KVAgent
+    from kvbridge.control.ledger import Ledger
+    from kvbridge.layout import vllm_layout
+    from kvbridge.plugins import get_device
+    from kvbridge.presets import PRESETS
+    from kvbridge.topology import ParallelConfig
+
+    device = get_device("example")
+    marks: list[threading.Event] = []
+    monkeypatch.setattr(device, "record", lambda device_id: marks.append(threading.Event()) or marks[-1])
+    monkeypatch.setattr(device, "wait_recorded", lambda mark: mark.wait(10))
+    device.synchronizations.clear()
+
+    model = PRESETS["tiny-gqa"]
+    blocks = 8
+    layer_bytes = 2 * blocks * model.kv_heads * model.block_size * model.head_dim * model.dtype_bytes
+    buf = np.zeros(model.layers * layer_bytes, dtype=np.uint8)
+    addrs = [buf.ctypes.data + i * layer_bytes for i in range(model.layers)]
+    layout = vllm_layout(model, model.kv_heads, addrs, blocks, order="HND")
+    agent = KVAgent("prefill", 0, ParallelConfig(), layout, buf, backend="loopback", device="example")
+    ledger = Ledger(lambda *_: None)
+    aborted: list[str] = []
+    producer = Producer(ledger, lambda tid, why: aborted.append(tid), model.block_size)
+    names = [f"layer{i}" for i in range(model.layers)]
+    producer.register(agent, names)
+    try:
+        tokens = 2 * model.block_size
+        producer.apply(LayerwiseMeta(starts=[StreamStart("r", "t", (3, 5), tokens)], computed={"r": tokens}))
+        before = producer.query("t", 0)
+        for name in names[:2]:
+            producer.save_layer(name)  # returns with the device still running the layer
+        assert len(marks) == 2 and device.synchronizations["before_transfer", -1] == 0, "the forward waited"
+        assert producer.query("t", 0).ready == before.ready, "published before the device ran it"
+        marks[0].set()
+        wait_for(lambda: producer.query("t", 0).ready[0] == tokens, what="layer 0 to be published")
+        assert producer.query("t", 0).ready[1] == 0, "layer 1's work is still queued"
+        marks[1].set()
+        wait_for(lambda: producer.query("t", 0).ready[1] == tokens, what="layer 1 to be published")
+        assert producer.query("t", 0).version > before.version, "readers were woken"
+        for name in names[2:]:
+            producer.save_layer(name)
+        for mark in marks[2:]:
+            mark.set()
+        producer.apply(LayerwiseMeta(ends={"r": False}))  # waits for every layer saved so far first
+        assert producer.query("t", 0).ready == (tokens,) * model.layers and aborted == []
+        assert device.synchronizations["before_transfer", -1] == 0, "published without another device wait"
+    finally:
+        producer.close()
+        agent.close()

@@ -42,6 +42,17 @@ class TorchAcceleratorDevice(Device):
             event.record(acc.current_stream(i))
             event.synchronize()
 
+    def record(self, device_id: int) -> Any:
+        # An event on the computing thread's current stream: torch streams are per thread, so it must be
+        # recorded here; another thread may then synchronize on it (event waits release the GIL).
+        acc = self.accel()
+        event = acc.Event()
+        event.record(acc.current_stream(device_id))
+        return event
+
+    def wait_recorded(self, mark: Any) -> None:
+        mark.synchronize()
+
     def after_transfer(self, device_id: int = -1) -> None:
         # Bytes that arrived by DMA (GPUDirect RDMA, a staged host->device copy on any stream) must be
         # complete and flushed before a kernel reads them: a device-wide synchronize does both.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -148,6 +149,28 @@ class DeviceConformance:
             # -1 means every device: each one in use must be reached (or the call passes -1 through)
             seen = self._syncs_during(library, device, functools.partial(hook, -1))
             assert seen is None or set(seen) >= set(self.device_ids) or seen == [-1], f"{hook.__name__}(-1): {seen}"
+
+    def test_a_recorded_mark_is_waited_for_on_another_thread(
+        self, device: Device, library: Any, device_id: int
+    ) -> None:
+        """`record` marks the work queued so far without waiting (layer-wise streaming calls it in the
+        engine's forward); `wait_recorded` waits for it on another thread. None: the device cannot mark."""
+        before = self.observed_syncs(library, device)
+        mark = device.record(device_id)
+        if mark is None:
+            return
+        recorded = self.observed_syncs(library, device)
+        if before is not None and recorded is not None:
+            new = collections.Counter(recorded) - collections.Counter(before)
+            assert not any("synchronize" in kind for kind, _ in new.elements()), f"record() waited: {new}"
+        waiter = threading.Thread(target=device.wait_recorded, args=(mark,))
+        waiter.start()
+        waiter.join(30)
+        assert not waiter.is_alive(), "wait_recorded did not return for work that was done"
+        after = self.observed_syncs(library, device)
+        if recorded is not None and after is not None:
+            new = collections.Counter(after) - collections.Counter(recorded)
+            assert any(d == device_id for _, d in new.elements()), f"wait_recorded reached no device {device_id}: {new}"
 
     # -- reachability and topology ---------------------------------------------------------
 

@@ -12,7 +12,9 @@ The proxy sends the request to both servers at once with one `transfer_id` (`kvb
 - prefill worker: offers a lease keyed by the transfer id at once (grown as blocks are added), and
   after each layer's attention (`save_kv_layer`) marks that layer readable up to the step's tokens,
   after the device plugin made the layer's writes visible (`KVAgent.publish` of that layer's
-  blocks: a device sync, and the copy to host mirrors where the transport stages);
+  blocks: the device's work done, and the copy to host mirrors where the transport stages). On a
+  device that queues work the forward only records a mark (`KVAgent.record`); a publisher thread
+  waits for it and publishes, in the order the layers were saved;
 - decode worker: `BeginPull` (waits for the lease), then polls `QueryStream` and reads, per group of
   layers that became readable together, the blocks that are complete (every token computed, or the
   prompt's tail), until every layer holds the whole prompt; then the DONE. Over a transport that may
@@ -39,6 +41,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -83,6 +86,9 @@ POLL_MIN_S, POLL_MAX_S = 0.0005, 0.002
 # It always wakes them at the step before the last (that read then hides behind the last step) and after
 # each layer of the last step (only the last layer's read trails the compute).
 WAKE_INTERVAL_S = 0.1
+# Before a step ends or preempts a stream, layers still being published (the device had not run them)
+# are waited for, this long at most: by then the device ran the step, so it is only the publisher's copy.
+PUBLISH_DRAIN_S = 10.0
 
 
 def check_streamable(layout_name: str, *, pcp: int = 1, dcp: int = 1) -> None:
@@ -266,6 +272,7 @@ class _Stream:
     blocks: list[int]
     tokens: int
     ready: list[int]  # per layer: prompt tokens computed and visible to readers
+    queued: list[int]  # per layer: prompt tokens handed to publishing (ahead of `ready` while the device runs)
     step: int = 0  # prompt tokens computed once the current step's layers have run
     ended: bool = False
     released: bool = False
@@ -275,6 +282,77 @@ class _Stream:
     begun: int = 0  # prompt tokens computed before the current step
     woken_at: float = attrs.field(factory=time.monotonic)  # readers last woken (or the stream started)
     version: int = STREAM_FIRST_VERSION  # grows when readers are woken (StreamStatus.version)
+
+
+@attrs.frozen(eq=False)
+class _Saved:
+    """One stream's layer saved in a step, to publish: its blocks up to `step` tokens."""
+
+    transfer_id: str
+    stream: _Stream
+    layer: int
+    step: int
+    blocks: tuple[int, ...]
+    wake: bool  # tell the readers once it is published
+
+
+class _Publisher:
+    """Publishes saved layers once the device ran them, in the order they were saved, on one thread."""
+
+    def __init__(
+        self, agent: KVAgent, publish: Callable[..., None], failed: Callable[[_Saved, BaseException], None]
+    ) -> None:
+        self._agent, self._publish, self._failed = agent, publish, failed
+        self._items: deque[tuple[Any, list[_Saved]]] = deque()
+        self._pending = 0
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvbridge-publish", daemon=True)
+        self._thread.start()
+
+    def put(self, mark: Any, work: list[_Saved]) -> None:
+        with self._cv:
+            self._items.append((mark, work))
+            self._pending += 1
+            self._cv.notify_all()
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until everything put so far is published (False: still running after `timeout_s`)."""
+        with self._cv:
+            done = self._cv.wait_for(lambda: self._pending == 0, timeout_s)
+        if not done:
+            log.warning("layers saved %.0f s ago are still not published (is the device stuck?)", timeout_s)
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._items or self._closed)
+                if not self._items:
+                    return
+                mark, work = self._items.popleft()
+            try:
+                try:
+                    self._agent.wait_recorded(mark)
+                except Exception as exc:
+                    for w in work:
+                        self._failed(w, exc)
+                    continue
+                for w in work:
+                    try:
+                        self._publish(w, waited=True)
+                    except Exception as exc:
+                        self._failed(w, exc)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(PUBLISH_DRAIN_S)
 
 
 class Producer:
@@ -302,6 +380,7 @@ class Producer:
         self._finished: set[str] = set()  # request ids whose blocks vLLM may free now
         # told the transfer id whenever a stream changes (ControlServer.wake answers its held QueryStreams)
         self.on_progress: Callable[[str], None] | None = None
+        self._publisher: _Publisher | None = None  # started on the first layer a device must finish first
 
     def _changed(self, transfer_id: str) -> None:
         if self.on_progress is not None:
@@ -313,6 +392,9 @@ class Producer:
 
     def apply(self, meta: LayerwiseMeta) -> None:
         assert self.agent is not None
+        if (meta.ends or meta.preempted) and self._publisher is not None:
+            # what ends a stream acts on what its readers were told: every layer saved so far first
+            self._publisher.drain(PUBLISH_DRAIN_S)
         for s in meta.starts:
             with self._lock:
                 if s.transfer_id in self._streams:
@@ -322,6 +404,7 @@ class Producer:
                     s.request_id,
                     list(s.blocks),
                     s.tokens,
+                    [s.computed] * len(self.layers),
                     [s.computed] * len(self.layers),
                     s.computed,
                     held_at_end=s.held_at_end,
@@ -370,37 +453,70 @@ class Producer:
             self._maybe_finish(tid)
 
     def save_layer(self, layer_name: str) -> None:
-        """After layer `layer_name`'s attention wrote this step's KV: make it readable."""
+        """After layer `layer_name`'s attention queued this step's KV: make it readable. On a device that
+        queues work (CUDA, NPU, MLU) the forward does not wait for it: the layer is published on a thread
+        of its own once the device ran it (`KVAgent.record`), so the engine keeps the device fed."""
         layer = self.layers.get(layer_name)
         if layer is None or self.agent is None:
             return
+        bs = self.block_size
+        work: list[_Saved] = []
         with self._lock:
-            due = [(tid, s) for tid, s in self._streams.items() if not s.preempted and s.step > s.ready[layer]]
-        for tid, s in due:
-            bs = self.block_size
-            first, last = s.ready[layer] // bs, -(-s.step // bs)
-            self.agent.publish(s.blocks[first:last], layers=(layer,))  # device sync (+ staging copy)
-            # Readers wake per layer only in the step that ends the prompt; an earlier chunk has the next
-            # chunk's compute to hide behind, so at a step's end is enough, and only every
-            # WAKE_INTERVAL_S or before the last step (`_wakes_at_step_end`). The version moves with the
-            # wake-ups only, so a query that arrives mid-step is held to the next wake-up and reads all
-            # that became readable at once.
-            wake = s.step >= s.tokens or (layer == len(self.layers) - 1 and self._wakes_at_step_end(s))
-            with self._lock:
-                others = all(r >= s.tokens for i, r in enumerate(s.ready) if i != layer)
-            held = False
-            if s.held_at_end and s.step >= s.tokens and others:
-                # The prompt's last layer: vLLM finishes the request in this step, so its blocks are freed
-                # only through the lease from now on. Held before readers hear of it, so the answer that
-                # lets them read the last layer also tells them their reads need no fenced DONE.
-                held = self.ledger.hold_reads(tid)
-            with self._lock:
-                s.held = s.held or held
-                s.ready[layer] = s.step
-                if wake:
-                    s.version += 1
-            if wake:
-                self._changed(tid)
+            for tid, s in self._streams.items():
+                if s.preempted or s.step <= s.queued[layer]:
+                    continue
+                first, last = s.queued[layer] // bs, -(-s.step // bs)
+                # Readers wake per layer only in the step that ends the prompt; an earlier chunk has the
+                # next chunk's compute to hide behind, so at a step's end is enough, and only every
+                # WAKE_INTERVAL_S or before the last step (`_wakes_at_step_end`). The version moves with
+                # the wake-ups only, so a query that arrives mid-step is held to the next wake-up and reads
+                # all that became readable at once.
+                wake = s.step >= s.tokens or (layer == len(self.layers) - 1 and self._wakes_at_step_end(s))
+                work.append(_Saved(tid, s, layer, s.step, tuple(s.blocks[first:last]), wake))
+                s.queued[layer] = s.step
+        if not work:
+            return
+        mark = self.agent.record()
+        if mark is None:  # host memory (nothing to wait for), or a device that cannot mark its work
+            for w in work:
+                self._publish(w)
+            return
+        if self._publisher is None:
+            self._publisher = _Publisher(self.agent, self._publish, self._failed)
+        self._publisher.put(mark, work)
+
+    def _publish(self, w: _Saved, waited: bool = False) -> None:
+        """Make `w`'s layer readable (the device's wait, or only the staging copy once `waited`) and
+        tell its readers."""
+        assert self.agent is not None
+        s = w.stream
+        self.agent.publish(w.blocks, layers=(w.layer,), waited=waited)
+        with self._lock:
+            if s.preempted:  # its lease was aborted since: nothing to tell
+                return
+            others = all(r >= s.tokens for i, r in enumerate(s.ready) if i != w.layer)
+        held = False
+        if s.held_at_end and w.step >= s.tokens and others:
+            # The prompt's last layer: vLLM finishes the request in this step, so its blocks are freed
+            # only through the lease from now on. Held before readers hear of it, so the answer that
+            # lets them read the last layer also tells them their reads need no fenced DONE.
+            held = self.ledger.hold_reads(w.transfer_id)
+        with self._lock:
+            s.held = s.held or held
+            s.ready[w.layer] = w.step
+            if w.wake:
+                s.version += 1
+        if w.wake:
+            self._changed(w.transfer_id)
+
+    def _failed(self, w: _Saved, error: BaseException) -> None:
+        """A layer could not be published (the device failed): its readers must not read on."""
+        log.error("transfer %s: layer %d could not be published: %s", w.transfer_id, w.layer, error)
+        self._abort(w.transfer_id, f"prefill could not publish layer {w.layer}: {error}")
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
 
     def _wakes_at_step_end(self, s: _Stream) -> bool:
         """Whether readers are woken at the end of a step that does not end the prompt: when the next step

@@ -547,6 +547,8 @@ class WorkerSide:
             cancel.set()
         if self._streams is not None:
             self._streams.shutdown(wait=False, cancel_futures=True)
+        if self.producer is not None:
+            self.producer.close()
         if self.control is not None:
             self.control.close()
         self.server.close()
