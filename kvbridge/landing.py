@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvbridge.block_ids import block_array
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, LayoutMismatch
 from kvbridge.layout import KVLayout, PagedGeometry
@@ -232,24 +233,25 @@ class Receiver:
         ):
             if a != b:
                 raise LayoutMismatch(name, a, b, f"prefill ({g.name}) and decode ({mine.name}) hold different models")
-        if pull.src_step != 1 or pull.dst_step != 1 or pull.first_block:
-            # Context parallelism: this rank holds every `block_step`-th block of the request. Like
-            # layouts land them whole, each at the position the pull names on either side; re-blocking
-            # or rearranging would have to interleave ranks.
-            if not self.direct(remote):
-                raise ConfigError(
-                    f"request {request_id}: {g.name} -> {mine.name} with context parallelism needs the "
-                    "same layout and block size on both sides"
-                )
+        if self.direct(remote):
+            # Like layouts land whole blocks, each at the position the pull names on either side: the
+            # request's first blocks, every `block_step`-th of a context-parallel rank, or the range a
+            # layer-wise read covers.
             src_at, dst_at = pull.src_positions(), pull.dst_positions()
-            if len(remote_blocks) <= src_at.max() or len(local_blocks) <= dst_at.max():
+            if len(src_at) and (len(remote_blocks) <= src_at.max() or len(local_blocks) <= dst_at.max()):
                 raise ConfigError(
                     f"request {request_id}: the pull reads block positions up to {src_at.max()} of prefill "
                     f"and {dst_at.max()} of decode, got {len(remote_blocks)} and {len(local_blocks)} block ids"
                 )
             n_src = n_dst = pull.num_blocks
-            src = np.asarray(remote_blocks, dtype=np.int64)[src_at]
-            dst = np.asarray(local_blocks, dtype=np.int64)[dst_at]
+            src = block_array(remote_blocks)[src_at]
+            dst = block_array(local_blocks)[dst_at]
+        elif pull.src_step != 1 or pull.dst_step != 1 or pull.first_block:
+            # re-blocking or rearranging a context-parallel rank's blocks would have to interleave ranks
+            raise ConfigError(
+                f"request {request_id}: {g.name} -> {mine.name} with context parallelism needs the "
+                "same layout and block size on both sides"
+            )
         else:
             n_src, n_dst = -(-tokens // g.block_size), -(-tokens // mine.block_size)
             if len(remote_blocks) < n_src or len(local_blocks) < n_dst:
@@ -257,8 +259,10 @@ class Receiver:
                     f"request {request_id}: {tokens} tokens need {n_src} prefill and {n_dst} decode blocks, "
                     f"got {len(remote_blocks)} and {len(local_blocks)}"
                 )
-            src = np.asarray(remote_blocks[:n_src], dtype=np.int64)
-            dst = np.asarray(local_blocks[:n_dst], dtype=np.int64)
+            src = block_array(remote_blocks)[:n_src]
+            dst = block_array(local_blocks)[:n_dst]
+        if not len(src):
+            raise ConfigError(f"request {request_id}: the pull names no block to land")
         if src.min() < 0 or src.max() >= g.num_blocks or dst.min() < 0 or dst.max() >= mine.num_blocks:
             raise ConfigError(f"request {request_id}: block ids out of range")
         views = self.views

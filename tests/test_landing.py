@@ -188,6 +188,47 @@ def test_context_parallel_pulls_land_each_ranks_blocks_at_their_positions(cp: in
     assert not any(decode[name][2].any() for name in decode), "a block of no pull stays untouched"
 
 
+def test_a_layerwise_read_lands_the_range_and_layers_its_pull_names_from_the_whole_block_lists() -> None:
+    # A layer-wise read covers blocks [2, 4) of one layer; the caller passes the request's whole block
+    # lists and the pull names the range, as it does for context-parallel pulls.
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
+    import ctypes
+
+    import attrs
+
+    import kvbridge
+    from kvbridge.topology import ParallelConfig, plan
+
+    tokens = 5 * N - 3
+    prefill = views("LBHNC")
+    for t in prefill.values():
+        t.copy_(torch.randn(t.shape, dtype=torch.float16))
+    decode = views("LBHNC")
+    local, _ = describe_kv_caches(decode, layout="LBHNC", block_size=N, tp_size=1)
+    remote, _ = describe_kv_caches(prefill, layout="LBHNC", block_size=N, tp_size=1)
+    prefill_ids, local_ids = [5, 4, 3, 2, 1], [3, 0, 5, 1, 4]
+    (whole,) = plan(ParallelConfig(), ParallelConfig(), local.model, tokens).pulls
+    sub = attrs.evolve(whole, num_blocks=2, src_first=2, dst_first=2)
+    backend = kvbridge.create_backend("mooncake", protocol="tcp", hostname="127.0.0.1")
+    receiver = Receiver(backend, local, byte_views(decode, layout="LBHNC"))
+    try:
+        assert receiver.lands(remote, sub)
+        landed = receiver.prepare("r", sub, remote, prefill_ids, local_ids, tokens, layers=[1])
+        for dst_addr, src_addr, length in landed.descriptors.tolist():
+            ctypes.memmove(dst_addr, src_addr, length)
+        landed.finish(True)
+        too_far = attrs.evolve(sub, src_first=4)
+        with pytest.raises(ConfigError, match="block positions up to 5 of prefill"):
+            receiver.prepare("r", too_far, remote, prefill_ids, local_ids, tokens, layers=[1])
+    finally:
+        receiver.close()
+        backend.close()
+    for position in range(5):
+        got, want = decode["layer1"][local_ids[position]], prefill["layer1"][prefill_ids[position]]
+        assert torch.equal(got, want) == (position in (2, 3)), position
+    assert not decode["layer0"].any(), "a layer the read does not name stays untouched"
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
 def test_host_scatter_writes_exactly_the_blocks_and_heads_named(layout: str) -> None:
     """write_planes on host memory (numpy's row copy) against torch's own index_put, for a head range of

@@ -710,15 +710,8 @@ def stream_pull(control: DecodeControl, task: StreamTask, timeout_s: float, canc
                         sub = attrs.evolve(p, num_blocks=b - a, **first)
                         land = None
                         if lands:
-                            src, dst = sub.src_first, sub.dst_first  # steps of 1: `Receiver.lands`
                             land = agent.receiver.prepare(
-                                rid,
-                                sub,
-                                info.layout,
-                                block_array(st.lease.blocks)[src : src + sub.num_blocks],
-                                local[dst : dst + sub.num_blocks],
-                                sub.num_blocks * bs,
-                                layers=group,
+                                rid, sub, info.layout, st.lease.blocks, local, task.tokens, layers=group
                             )
                             desc = land.descriptors
                         else:
