@@ -220,6 +220,8 @@ class KVAgent:
             self._registered = self.backend.register_memory(for_device(tensors, self.device))
             self._check_registered()
             self._published = self._layout_for_peers()
+            # the devices `record` marks (once here: it runs in the engine's forward, once per layer)
+            self._device_ids = sorted({r.device_id for r in self.backend.registered if r.device_id >= 0})
         except BaseException:
             self.close()
             raise
@@ -277,17 +279,16 @@ class KVAgent:
         )
         if waited:
             self.backend.publish(ranges, waited=True)
-        else:
+        else:  # without the keyword: a third-party transport's `publish` that predates it keeps working
             self.backend.publish(ranges)
 
     def record(self) -> Any:
         """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting
-        (None where the device cannot, or where publishing needs nothing); `publish(..., waited=True)`
-        after `self.device.wait_recorded(mark)` then skips the wait."""
+        (None where the device cannot, or where publishing needs nothing): one mark per device the cache
+        is registered on. `publish(..., waited=True)` after `wait_recorded(marks)` then skips the wait."""
         if self.publish_is_free:
             return None
-        ids = sorted({r.device_id for r in self.backend.registered if r.device_id >= 0}) or [self.device.current_id()]
-        marks = [self.device.record(i) for i in ids]
+        marks = [self.device.record(i) for i in self._device_ids or [self.device.current_id()]]
         return None if any(m is None for m in marks) else marks
 
     def wait_recorded(self, marks: Any) -> None:
