@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,8 +126,11 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
         "--logs",
         str(tmp_path / "logs"),
     ]
+    scratch = set(Path(tempfile.gettempdir()).glob("kvbridge-chaos-*"))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
     assert done.stdout, done.stderr[-3000:]
+    left = set(Path(tempfile.gettempdir()).glob("kvbridge-chaos-*")) - scratch
+    assert not left, f"the run left {sorted(map(str, left))} behind (its logs were to go to --logs)"
     out = json.loads(done.stdout)
     assert done.returncode == 0, out
     assert out["must_be_zero"] == {"different": 0, "hung": 0, "failed_unclear": 0, "blocks_held": 0}

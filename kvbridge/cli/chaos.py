@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -113,7 +114,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="a request with no answer within this is counted as hung (default 180)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths and fault placement (default 0)")
-    p.add_argument("--logs", type=Path, default=None, metavar="DIR", help="keep the servers' logs here")
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the servers' logs here (default: a temporary folder, removed after a run that passes)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
 
@@ -127,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.requests < 1 or args.concurrency < 1:
         raise ConfigError("--requests and --concurrency must be at least 1")
-    root = Path(tempfile.mkdtemp(prefix="kvbridge-chaos-"))
-    logs = args.logs or root / "logs"
+    # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
+    model_dir = tempfile.TemporaryDirectory(prefix="kvbridge-chaos-model-")
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="kvbridge-chaos-logs-"))
     injection = {}
     if "transfer-error" in args.faults:
         injection["transfer_error"] = args.transfer_error_rate
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if injection:
         injection["seed"] = args.seed
     dep = Deployment(
-        build_tiny_llama(root / "model"),
+        build_tiny_llama(Path(model_dir.name) / "model"),
         logs,
         max_model_len=args.max_model_len,
         lease_s=args.lease_s,
@@ -169,12 +177,17 @@ def run(args: argparse.Namespace) -> int:
             report = runner.run()
     finally:
         dep.stop()
+        model_dir.cleanup()
     out = report.as_dict()
-    out["logs"] = str(logs)
+    if args.logs is None and report.ok:
+        shutil.rmtree(logs, ignore_errors=True)
+        out["logs"] = None
+    else:
+        out["logs"] = str(logs)
     if args.json:
         print_json(out)
     else:
-        rows = [(k, v) for k, v in out.items() if not isinstance(v, dict)]
+        rows = [(k, v) for k, v in out.items() if v is not None and not isinstance(v, dict)]
         rows += [(f"{k}: {kk}", vv) for k, v in out.items() if isinstance(v, dict) for kk, vv in v.items()]
         print_table(f"kvbridge chaos: {'OK' if report.ok else 'FAILED'}", ["figure", "value"], rows)
     return 0 if report.ok else 1
