@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvbridge.bench.pair import median_interval, paired_ratio
 
@@ -29,3 +30,16 @@ def test_degenerate_samples() -> None:
     assert median_interval([1.5]) == [1.5, 1.5]
     assert median_interval([2.0, 2.0, 2.0]) == [2.0, 2.0]
     assert all(np.isnan(median_interval([])))
+
+
+def test_the_heap_is_frozen_for_the_timed_block_only_and_unfrozen_when_it_fails() -> None:
+    # Objects left frozen at exit are never freed (triton's bindings then print "nanobind: leaked" lines).
+    import gc
+
+    from kvbridge.bench.pair import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), frozen_heap():
+        assert gc.get_freeze_count() > 0
+        raise RuntimeError("a request failed")
+    assert gc.get_freeze_count() == 0

@@ -12,10 +12,12 @@ decides how many descriptors a block costs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import statistics
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -318,13 +320,20 @@ def _gathered(
     return {**r, "gather": out["gather"], "seconds": r["end"] - min(r["start"], out["start"])}
 
 
-def freeze_heap() -> None:
-    """Collect once, then move every object alive now out of the collector's way (`gc.freeze`). A bench
-    process that built its model holds torch and transformers (about 370,000 objects): a full collection
-    then took 250-290 ms, and one landing inside a timed request added that much to its time (a stray
-    pair 1.5-1.8x slower in every `--transfer layerwise` run, on either side)."""
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Collect once, then keep every object alive now out of the collector's way (`gc.freeze`) until the
+    block ends. A bench process that built its model holds torch and transformers (about 370,000
+    objects): a full collection then took 250-290 ms, and one landing inside a timed request added that
+    much to its time (a stray pair 1.5-1.8x slower in every `--transfer layerwise` run, on either side).
+    Unfrozen after: objects still frozen at exit are never freed, and triton's bindings then print
+    hundreds of "nanobind: leaked" lines."""
     gc.collect()
     gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def quantile(samples: list[float], q: float) -> float:

@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 from rich.progress import Progress
 
-from kvbridge.bench.pair import freeze_heap, quantile
+from kvbridge.bench.pair import frozen_heap, quantile
 from kvbridge.bench.plot import check_path
 from kvbridge.cli.output import err_console, print_json, print_table
 
@@ -393,8 +393,8 @@ def run(args: argparse.Namespace) -> int:
             pair = launch(model, logs, max_len, args.executor)
             try:
                 wait_healthy([pair.prefill, pair.decode], timeout=600)
-                freeze_heap()
-                rows += _measure(pair, str(model), lengths, reps, lambda: progress.advance(task))
+                with frozen_heap():
+                    rows += _measure(pair, str(model), lengths, reps, lambda: progress.advance(task))
             finally:
                 pair.prefill.stop()
                 pair.decode.stop()

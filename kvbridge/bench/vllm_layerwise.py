@@ -29,7 +29,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvbridge.bench.pair import freeze_heap, paired_ratio, quantile
+from kvbridge.bench.pair import frozen_heap, paired_ratio, quantile
 from kvbridge.cli.output import err_console, print_json, print_table
 
 CHUNK_TOKENS = 256
@@ -122,73 +122,74 @@ def run(args: argparse.Namespace) -> int:
         http = httpx.Client(timeout=600, trust_env=False)
         try:
             wait_healthy([prefill, decode], timeout=600)
-            freeze_heap()
-            base = {"model": str(model), "temperature": 0, "ignore_eos": True, "max_tokens": 1}
-            # Warm-up, both ways; the pulled one tells where prefill's side channel is.
-            first, _ = _post(
-                http,
-                prefill.url,
-                {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": {"do_remote_decode": True}},
-            )
-            p = first["kv_transfer_params"]
-            identity = {k: p[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
-            _post(http, decode.url, {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": p})
-            _one(http, prefill, decode, base, random_prompt(40, 1), identity, layerwise=True)
-            task = progress.add_task("requests", total=2 * len(lengths) * reps)
-            for n in lengths:
-                pairs: list[dict[str, dict]] = []
-                failed = {"pull": 0, "layerwise": 0}
-                for i in range(reps):
-                    pair: dict[str, dict] = {}
-                    # in turn, paired under the same load; which goes first alternates, so whatever the
-                    # first of a pair pays does not always fall on the same mode
-                    for mode in ("pull", "layerwise") if i % 2 == 0 else ("layerwise", "pull"):
-                        text = random_prompt(n, seed=n * 1000 + i * 2 + (mode == "layerwise"))
-                        try:
-                            pair[mode] = _one(http, prefill, decode, base, text, identity, mode == "layerwise")
-                        except httpx.HTTPStatusError as exc:  # a failed load (policy fail): counted, not hidden
-                            failed[mode] += 1
-                            err_console.print(f"{mode} request of {n} tokens failed: {exc.response.text[:200]}")
-                        progress.advance(task)
-                    pairs.append(pair)
-                samples = {mode: [p[mode] for p in pairs if mode in p] for mode in ("pull", "layerwise")}
-                for mode, got in samples.items():
-                    row: dict[str, Any] = {
-                        "transfer": mode,
-                        "prompt_tokens": n,
-                        "requests": reps,
-                        "failed": failed[mode],
-                    }
-                    for key in (
-                        "client_ttft_ms",
-                        "prefill_ms",
-                        "control_ms",
-                        "transfer_ms",
-                        "hidden_ms",
-                        "exposed_ms",
-                        "tail_ms",
-                        "done_ms",
-                    ):
-                        values = [g[key] for g in got if key in g]
-                        if values:
-                            row[key] = quantile(values, 0.5)
-                    if mode == "layerwise":
-                        pct = [100 * g["hidden_ms"] / g["transfer_ms"] for g in got if g.get("transfer_ms")]
-                        row["hidden_pct"] = quantile(pct, 0.5) if pct else None
-                    rows.append(row)
-                # the median and range of each pair's ratio, as the transfer bench reports raw against
-                # kvbridge: on this VM one request's prefill moves by more than the effect
-                both = [p for p in pairs if len(p) == 2]
-                ratio = (
-                    paired_ratio(
-                        [p["layerwise"]["client_ttft_ms"] for p in both], [p["pull"]["client_ttft_ms"] for p in both]
-                    )
-                    if both
-                    else None
+            with frozen_heap():
+                base = {"model": str(model), "temperature": 0, "ignore_eos": True, "max_tokens": 1}
+                # Warm-up, both ways; the pulled one tells where prefill's side channel is.
+                first, _ = _post(
+                    http,
+                    prefill.url,
+                    {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": {"do_remote_decode": True}},
                 )
-                rows[-1]["ttft_vs_pull"] = round(ratio["ratio"], 3) if ratio else None
-                rows[-1]["ttft_vs_pull_range"] = [round(r, 3) for r in ratio["ratio_range"]] if ratio else None
-                rows[-1]["ttft_vs_pull_ci90"] = [round(r, 3) for r in ratio["ratio_ci90"]] if ratio else None
+                p = first["kv_transfer_params"]
+                identity = {k: p[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
+                _post(http, decode.url, {**base, "prompt": random_prompt(40, 0), "kv_transfer_params": p})
+                _one(http, prefill, decode, base, random_prompt(40, 1), identity, layerwise=True)
+                task = progress.add_task("requests", total=2 * len(lengths) * reps)
+                for n in lengths:
+                    pairs: list[dict[str, dict]] = []
+                    failed = {"pull": 0, "layerwise": 0}
+                    for i in range(reps):
+                        pair: dict[str, dict] = {}
+                        # in turn, paired under the same load; which goes first alternates, so whatever the
+                        # first of a pair pays does not always fall on the same mode
+                        for mode in ("pull", "layerwise") if i % 2 == 0 else ("layerwise", "pull"):
+                            text = random_prompt(n, seed=n * 1000 + i * 2 + (mode == "layerwise"))
+                            try:
+                                pair[mode] = _one(http, prefill, decode, base, text, identity, mode == "layerwise")
+                            except httpx.HTTPStatusError as exc:  # a failed load (policy fail): counted, not hidden
+                                failed[mode] += 1
+                                err_console.print(f"{mode} request of {n} tokens failed: {exc.response.text[:200]}")
+                            progress.advance(task)
+                        pairs.append(pair)
+                    samples = {mode: [p[mode] for p in pairs if mode in p] for mode in ("pull", "layerwise")}
+                    for mode, got in samples.items():
+                        row: dict[str, Any] = {
+                            "transfer": mode,
+                            "prompt_tokens": n,
+                            "requests": reps,
+                            "failed": failed[mode],
+                        }
+                        for key in (
+                            "client_ttft_ms",
+                            "prefill_ms",
+                            "control_ms",
+                            "transfer_ms",
+                            "hidden_ms",
+                            "exposed_ms",
+                            "tail_ms",
+                            "done_ms",
+                        ):
+                            values = [g[key] for g in got if key in g]
+                            if values:
+                                row[key] = quantile(values, 0.5)
+                        if mode == "layerwise":
+                            pct = [100 * g["hidden_ms"] / g["transfer_ms"] for g in got if g.get("transfer_ms")]
+                            row["hidden_pct"] = quantile(pct, 0.5) if pct else None
+                        rows.append(row)
+                    # the median and range of each pair's ratio, as the transfer bench reports raw against
+                    # kvbridge: on this VM one request's prefill moves by more than the effect
+                    both = [p for p in pairs if len(p) == 2]
+                    ratio = (
+                        paired_ratio(
+                            [p["layerwise"]["client_ttft_ms"] for p in both],
+                            [p["pull"]["client_ttft_ms"] for p in both],
+                        )
+                        if both
+                        else None
+                    )
+                    rows[-1]["ttft_vs_pull"] = round(ratio["ratio"], 3) if ratio else None
+                    rows[-1]["ttft_vs_pull_range"] = [round(r, 3) for r in ratio["ratio_range"]] if ratio else None
+                    rows[-1]["ttft_vs_pull_ci90"] = [round(r, 3) for r in ratio["ratio_ci90"]] if ratio else None
         finally:
             http.close()
             prefill.stop()
