@@ -61,6 +61,7 @@ def build_tiny_llama(path: str | Path, spec: TinyLlamaSpec | None = None) -> Pat
     """Write a tiny Llama model and its tokenizer into `path` (created); return the path."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     spec = spec or TinyLlamaSpec()
     path = Path(path)
@@ -82,6 +83,12 @@ def build_tiny_llama(path: str | Path, spec: TinyLlamaSpec | None = None) -> Pat
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar in a bench's --json run, on every build
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     build_tokenizer(path)
     return path
