@@ -21,9 +21,35 @@ from kvbridge.errors import ConfigError
 _DOC = "kvbridge_doc"
 
 
-def option(default: Any, doc: str) -> Any:
-    """One declared option: its default and what it does (shown by `kvbridge plugins NAME`)."""
-    return attrs.field(default=default, kw_only=True, metadata={_DOC: doc})
+def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:  # noqa: A002
+    """One declared option: its default and what it does (shown by `kvbridge plugins NAME`); a number's
+    bounds, where a value outside them would fail far from the cause (a zero-sized batch, a port past
+    65535). None always passes the bounds (an Optional option's "no limit")."""
+    bounds = {"min": min, "max": max}
+    if min is not None or max is not None:
+        doc += f" ({_bounds_text(min, max)})"
+    return attrs.field(
+        default=default,
+        kw_only=True,
+        validator=_within(min, max) if min is not None or max is not None else None,
+        metadata={_DOC: doc, **{f"kvbridge_{k}": v for k, v in bounds.items() if v is not None}},
+    )
+
+
+def _bounds_text(low: float | None, high: float | None) -> str:
+    if low is not None and high is not None:
+        return f"from {low:g} to {high:g}"
+    return f"at least {low:g}" if low is not None else f"at most {high:g}"
+
+
+def _within(low: float | None, high: float | None) -> Any:
+    def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return  # the type is parse's to check
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ConfigError(f"option {attribute.name} must be {_bounds_text(low, high)}, got {value!r}")
+
+    return check
 
 
 @attrs.frozen
@@ -35,7 +61,7 @@ class NoOptions:
 class TransportOptions:
     """Options every transport accepts (the base class reads them)."""
 
-    workers: int = option(4, "threads that run this transport's blocking calls")
+    workers: int = option(4, "threads that run this transport's blocking calls", min=1)
 
 
 @attrs.frozen
@@ -97,7 +123,10 @@ def parse(schema: type, given: Mapping[str, Any], *, what: str) -> Any:
         name: _coerce(value, hints.get(name, Any), f"option {name} of {what} (given a {type(value).__name__})")
         for name, value in given.items()
     }
-    return schema(**values)
+    try:
+        return schema(**values)
+    except ConfigError as exc:  # a bound: name the plugin too
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 def as_dict(options: Any) -> dict[str, Any]:

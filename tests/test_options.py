@@ -69,6 +69,37 @@ def test_optional_and_bool_options() -> None:
     assert [o.name for o in options.describe(Opts)] == ["workers", "limit", "fast"]
 
 
+@pytest.mark.parametrize(
+    ("name", "given", "expected"),
+    [
+        ("loopback", {"max_batch": -3}, "option max_batch must be at least 1"),  # made every transfer hang
+        ("tcp", {"workers": "0"}, "option workers must be at least 1"),  # failed at the first transfer
+        ("tcp", {"port": 99999}, "option port must be from 0 to 65535"),
+        ("mooncake", {"protocol": "tcp", "retries": -1}, "option retries must be at least 0"),
+    ],
+)
+def test_a_number_outside_its_declared_bounds_is_refused_before_the_plugin_is_built(
+    name: str, given: dict, expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"backend '{name}': {expected}"):
+        kvbridge.create_backend(name, **given)
+
+
+def test_bounds_apply_to_a_plugin_s_own_options_class_and_are_listed_with_its_docs() -> None:
+    @attrs.frozen
+    class Opts(kvbridge.TransportOptions):
+        limit: int | None = kvbridge.option(None, "a limit", min=1)
+        share: float = kvbridge.option(0.5, "a share", min=0, max=1)
+
+    assert options.parse(Opts, {"limit": None, "share": "1"}, what="t") == Opts(limit=None, share=1.0)
+    with pytest.raises(ConfigError, match="t: option share must be from 0 to 1, got 1.5"):
+        options.parse(Opts, {"share": 1.5}, what="t")
+    with pytest.raises(ConfigError, match="option limit must be at least 1"):
+        Opts(limit=0)  # built directly, without parse
+    docs = {o.name: o.doc for o in options.describe(Opts)}
+    assert docs["share"] == "a share (from 0 to 1)" and docs["workers"].endswith("(at least 1)")
+
+
 def test_loopback_max_batch_reaches_its_capabilities() -> None:
     backend = kvbridge.create_backend("loopback", max_batch="4")
     try:

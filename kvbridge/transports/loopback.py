@@ -40,7 +40,7 @@ class Faults:
 class LoopbackOptions(TransportOptions):
     """Options of the `loopback` transport."""
 
-    max_batch: int | None = option(None, "most descriptors per submission (None: no limit), to test batching")
+    max_batch: int | None = option(None, "most descriptors per submission (None: no limit), to test batching", min=1)
 
 
 class LoopbackBackend(MigrationBackend):

@@ -165,10 +165,12 @@ def _ranges(desc: np.ndarray) -> bytes:
 class TcpOptions(TransportOptions):
     """Options of the `tcp` transport."""
 
-    port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one")
-    connect_timeout: float = option(10.0, "seconds to wait for a peer to accept a connection before PeerGone")
+    port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one", min=0, max=65535)
+    connect_timeout: float = option(
+        10.0, "seconds to wait for a peer to accept a connection before PeerGone", min=0.001
+    )
     handshake_timeout: float = option(
-        _HANDSHAKE_TIMEOUT_S, "seconds a connection has to authenticate before it is dropped"
+        _HANDSHAKE_TIMEOUT_S, "seconds a connection has to authenticate before it is dropped", min=0.001
     )
     secret: str | bytes | None = option(
         None,
