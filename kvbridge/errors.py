@@ -23,16 +23,13 @@ class PluginError(KVBridgeError):
 class PluginNotFound(PluginError, LookupError):
     """No plugin of that kind is registered under the name."""
 
-    def __init__(self, kind: str, name: str, installed: Iterable[str]) -> None:
+    def __init__(self, kind: str, name: str, installed: Iterable[str], hint: str = "") -> None:
         self.kind = kind
         self.name = name
         self.installed = sorted(installed)
         listed = ", ".join(self.installed) or "none"
-        super().__init__(
-            f"no {kind} named {name!r}; installed: {listed}. "
-            f"Install the plugin that provides it (pip install kvbridge-{name.lower()}) "
-            f"or pick one of the installed names; `kvbridge plugins` lists them."
-        )
+        hint = hint or "Install the plugin that provides it or pick one of the installed names"
+        super().__init__(f"no {kind} named {name!r}; installed: {listed}. {hint}; `kvbridge plugins` lists them.")
 
 
 class PluginUnavailable(PluginError):

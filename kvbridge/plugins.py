@@ -10,10 +10,12 @@ first built (never at import), choose which entry-point plugins load:
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import Any
 
@@ -23,7 +25,14 @@ import pluggy
 from kvbridge import hookspecs
 from kvbridge.backend import MigrationBackend
 from kvbridge.device import Device
-from kvbridge.errors import ConfigError, PluginAPIMismatch, PluginNotFound, PluginUnavailable
+from kvbridge.errors import (
+    ConfigError,
+    KVBridgeError,
+    PluginAPIMismatch,
+    PluginError,
+    PluginNotFound,
+    PluginUnavailable,
+)
 from kvbridge.options import NoOptions, OptionInfo, TransportOptions, as_dict, describe, parse, unknown_names
 from kvbridge.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
 
@@ -33,6 +42,14 @@ PLUGIN_API_VERSION = 1
 ENTRY_POINT_GROUP = "kvbridge"
 ALLOW_ENV = "KVBRIDGE_PLUGINS"
 BLOCK_ENV = "KVBRIDGE_BLOCK_PLUGINS"
+# the plugins kvbridge ships (plugins/ in its repository), by the name each registers
+OWN_DISTRIBUTIONS = {
+    "mooncake": "kvbridge-mooncake",
+    "nixl": "kvbridge-nixl",
+    "cuda": "kvbridge-cuda",
+    "npu": "kvbridge-ascend",
+    "mlu": "kvbridge-mlu",
+}
 
 
 @attrs.define
@@ -57,7 +74,11 @@ class Registration:
         """Why this cannot run here, or None. Probed once; a probe that raises is a reason too."""
         if not self._probed:
             try:
-                self._reason = self.probe() if self.probe else None
+                reason = self.probe() if self.probe else None
+                if reason is not None and not (isinstance(reason, str) and reason):
+                    # "" would read as available in one place and not in another
+                    reason = f"its availability check returned {reason!r}, not a reason or None"
+                self._reason = reason
             except Exception as exc:  # a probe must not take the registry down; its failure is the reason
                 self._reason = f"availability check failed: {type(exc).__name__}: {exc}"
             self._probed = True
@@ -71,6 +92,20 @@ class Registration:
         except Exception:  # an unanswerable check is "unknown", never a crash of the listing
             log.debug("hardware check of %s %s raised", self.kind, self.name, exc_info=True)
             return None
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around the factory: an error that is not kvbridge's names the plugin and its distribution
+        (a vendor runtime's RuntimeError alone does not say which plugin raised it)."""
+        try:
+            yield
+        except KVBridgeError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"{self.kind} {self.name!r} from {self.distribution} {self.version} failed to start: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def option_infos(self) -> list[OptionInfo]:
         """The options this plugin declares."""
@@ -123,6 +158,7 @@ class PluginRegistry:
         self.backends: dict[str, Registration] = {}
         self.devices: dict[str, Registration] = {}
         self.refused: list[PluginInfo] = []
+        self.skipped: list[str] = []  # entry points ALLOW_ENV/BLOCK_ENV kept from loading
         self._devices_made: dict[str, Device] = {}
         self._lock = threading.Lock()
 
@@ -141,16 +177,25 @@ class PluginRegistry:
             version = ep.dist.version if ep.dist else "?"
             if ep.name.lower() in block or (allow is not None and ep.name.lower() not in allow):
                 log.debug("plugin %s skipped by %s/%s", ep.name, ALLOW_ENV, BLOCK_ENV)
+                self.skipped.append(ep.name)
                 continue
-            try:
-                plugin = ep.load()
-            except Exception as exc:  # reported, not swallowed: `kvbridge plugins` shows the reason
+            if ep.name in self._sources:
+                first, _ = self._sources[ep.name]
                 self._refuse(
                     ep.name,
                     dist,
                     version,
-                    f"import failed: {type(exc).__name__}: {exc}",
-                    f"reinstall it: pip install --force-reinstall {dist}",
+                    f"its entry point name {ep.name!r} is taken by {first}",
+                    f"report it to {dist}: its entry point in the {ENTRY_POINT_GROUP!r} group needs a name of its own",
+                )
+                continue
+            try:
+                plugin = ep.load()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: a plugin must not end the process that lists it
+                self._refuse(
+                    ep.name, dist, version, f"import failed: {type(exc).__name__}: {exc}", _import_hint(exc, dist)
                 )
                 continue
             api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
@@ -167,8 +212,6 @@ class PluginRegistry:
             self._add_plugin(plugin, ep.name, dist, version)
 
     def _add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
-        if self.pm.has_plugin(name):
-            return
         try:
             self.pm.register(plugin, name=name)
         except Exception as exc:  # a hook with a wrong signature, or a name clash: this plugin only
@@ -183,6 +226,14 @@ class PluginRegistry:
         try:
             # Plugins already registered were checked, so anything pending belongs to this one.
             self.pm.check_pending()
+            odd = [
+                impl.function.__name__
+                for caller in self.pm.get_hookcallers(plugin) or []
+                for impl in caller.get_hookimpls()
+                if impl.plugin_name == name and (impl.wrapper or impl.hookwrapper)
+            ]
+            if odd:  # the registry calls each hook itself, so a wrapper would register nothing, silently
+                raise pluggy.PluginValidationError(plugin, f"hook wrappers are not supported: {', '.join(odd)}")
         except pluggy.PluginValidationError as exc:  # a misspelt hook name would otherwise do nothing, silently
             self.pm.unregister(name=name)
             self._refuse(
@@ -195,36 +246,63 @@ class PluginRegistry:
             return
         self._sources[name] = (dist, version)
 
-    def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
-        log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
+    def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str, *, kind: str = "plugin") -> None:
+        log.warning("kvbridge %s %s (%s %s) refused: %s", kind, name, dist, version, reason)
         self.refused.append(
             PluginInfo(
-                kind="plugin", name=name, available=False, reason=reason, hint=hint, distribution=dist, version=version
+                kind=kind, name=name, available=False, reason=reason, hint=hint, distribution=dist, version=version
             )
         )
 
     def _collect(self) -> None:
-        # Each hook implementation gets a `register` bound to its own plugin, so every
-        # registration knows which distribution it came from.
-        for hook, table, kind in (
+        # Plugin by plugin in load order, so the built-ins claim their names first whatever a plugin's
+        # tryfirst/trylast says; each hook gets a `register` bound to its plugin, so every registration
+        # knows its distribution. A plugin's registrations are kept only if all its hooks succeed.
+        hooks = (
             (self.pm.hook.kvbridge_register_backends, self.backends, "backend"),
             (self.pm.hook.kvbridge_register_devices, self.devices, "device"),
-        ):
-            for impl in hook.get_hookimpls():
-                dist, version = self._sources[impl.plugin_name]
-                register = self._registrar(table, kind, dist, version)
-                try:
-                    impl.function(register=register)
-                except Exception as exc:  # one broken plugin must not hide the others; it is listed
-                    self._refuse(
-                        impl.plugin_name,
-                        dist,
-                        version,
-                        f"{hook.name} raised {type(exc).__name__}: {exc}",
-                        f"report it to {dist}",
-                    )
+        )
+        impls = {hook.name: {i.plugin_name: i for i in hook.get_hookimpls()} for hook, _, _ in hooks}
+        for plugin_name, (dist, version) in self._sources.items():
+            staged: list[tuple[dict[str, Registration], Registration]] = []
+            try:
+                for hook, table, kind in hooks:
+                    impl = impls[hook.name].get(plugin_name)
+                    if impl is not None:
+                        impl.function(register=self._registrar(staged, table, kind, dist, version))
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # one broken plugin must not hide the others; it is listed
+                self._refuse(
+                    plugin_name,
+                    dist,
+                    version,
+                    f"{hook.name} raised {type(exc).__name__}: {exc}",
+                    f"report it to {dist}",
+                )
+                continue
+            for table, entry in staged:
+                first = table.get(entry.name)
+                if first is None:
+                    table[entry.name] = entry
+                    continue
+                # listed as a problem of the plugin (`kvbridge plugins`, `doctor`); its other names still work
+                self._refuse(
+                    plugin_name,
+                    dist,
+                    version,
+                    f"its {entry.kind} {entry.name!r} is not used: {first.distribution} registered that name first",
+                    f"uninstall one of them (pip uninstall {dist}), or report the clash to {dist}",
+                )
 
-    def _registrar(self, table: dict[str, Registration], kind: str, dist: str, version: str) -> Callable[..., None]:
+    def _registrar(
+        self,
+        staged: list[tuple[dict[str, Registration], Registration]],
+        table: dict[str, Registration],
+        kind: str,
+        dist: str,
+        version: str,
+    ) -> Callable[..., None]:
         def register(
             name: str,
             factory: Callable[..., Any],
@@ -246,22 +324,26 @@ class PluginRegistry:
             if not attrs.has(options) or (kind == "backend" and not issubclass(options, TransportOptions)):
                 base = "a subclass of kvbridge.TransportOptions" if kind == "backend" else "an attrs class"
                 raise ConfigError(f"{kind} {name!r} declares options={options!r}; it must be {base}")
-            if key in table:
-                first = table[key]
-                log.warning("%s %r from %s ignored: already registered by %s", kind, name, dist, first.distribution)
-                return
-            table[key] = Registration(
-                kind=kind,
-                name=key,
-                factory=factory,
-                probe=probe,
-                install_hint=install_hint,
-                distribution=dist,
-                version=version,
-                capabilities=capabilities,
-                memory_kind=MemoryKind(memory_kind) if memory_kind is not None else None,
-                hardware=hardware,
-                options=options,
+            if not callable(factory):
+                raise ConfigError(f"{kind} {name!r} declares factory={factory!r}; it must be callable")
+            describe(options)  # an annotation that cannot be resolved fails here, naming the plugin, not at use
+            staged.append(
+                (
+                    table,
+                    Registration(
+                        kind=kind,
+                        name=key,
+                        factory=factory,
+                        probe=probe,
+                        install_hint=install_hint,
+                        distribution=dist,
+                        version=version,
+                        capabilities=capabilities,
+                        memory_kind=MemoryKind(memory_kind) if memory_kind is not None else None,
+                        hardware=hardware,
+                        options=options,
+                    ),
+                )
             )
 
         return register
@@ -279,8 +361,21 @@ class PluginRegistry:
                         f"plugin {refused.name!r} from {refused.distribution} was refused: "
                         f"{refused.reason}. Fix: {refused.hint}"
                     )
-            raise PluginNotFound(kind, name, table)
+            raise PluginNotFound(kind, name, table, self._not_found_hint(table, name))
         return entry
+
+    def _not_found_hint(self, table: dict[str, Registration], name: str) -> str:
+        close = difflib.get_close_matches(name.lower(), list(table), n=1)
+        if close:
+            return f"Did you mean {close[0]!r}?"
+        if self.skipped:
+            return (
+                f"{ALLOW_ENV}/{BLOCK_ENV} kept these plugins from loading: {', '.join(self.skipped)}; "
+                "change them, or install the plugin that provides it"
+            )
+        if name.lower() in OWN_DISTRIBUTIONS:  # only kvbridge's own: a guessed package name could be anyone's
+            return f"Install it: pip install {OWN_DISTRIBUTIONS[name.lower()]}"
+        return ""
 
     def backend_entry(self, name: str) -> Registration:
         return self._lookup(self.backends, "backend", name)
@@ -294,7 +389,8 @@ class PluginRegistry:
         reason = entry.unavailable_reason()
         if reason:
             raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
-        return entry.factory(config)
+        with entry.starting():
+            return entry.factory(config)
 
     def device(self, name: str) -> Device:
         entry = self.device_entry(name)
@@ -303,8 +399,17 @@ class PluginRegistry:
                 reason = entry.unavailable_reason()
                 if reason:
                     raise PluginUnavailable("device", entry.name, reason, entry.install_hint)
-                self._devices_made[entry.name] = entry.factory()
+                with entry.starting():
+                    self._devices_made[entry.name] = entry.factory()
             return self._devices_made[entry.name]
+
+
+def _import_hint(exc: BaseException, dist: str) -> str:
+    if isinstance(exc, ModuleNotFoundError) and exc.name and not exc.name.startswith(dist.replace("-", "_")):
+        return f"{dist} needs the module {exc.name!r}: install {dist} with its dependencies (pip install {dist})"
+    if isinstance(exc, ImportError):
+        return f"reinstall it: pip install --force-reinstall {dist}"
+    return f"report it to {dist}, or uninstall it: pip uninstall {dist}"
 
 
 def _hook_names() -> list[str]:

@@ -90,3 +90,95 @@ def test_doctor_reports_a_broken_plugin_as_a_problem(site: list[Path]) -> None:
         assert checks[f"plugin {name}"]["fix"]
     assert checks["backend throwaway"]["status"] == "ok"
     assert out.returncode == 1
+
+
+SHADOW = """
+import kvbridge
+from kvbridge.transports.loopback import LoopbackBackend
+
+KVBRIDGE_PLUGIN_API = 1
+
+
+@kvbridge.hookimpl(trylast=True)  # pluggy calls trylast implementations first
+def kvbridge_register_backends(register):
+    register("TCP", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
+    register("shadow-own", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
+"""
+
+HALF = """
+import kvbridge
+from kvbridge.transports.loopback import LoopbackBackend
+
+KVBRIDGE_PLUGIN_API = 1
+
+
+@kvbridge.hookimpl
+def kvbridge_register_backends(register):
+    register("halfreg", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
+    raise RuntimeError("plugin bug after its first registration")
+"""
+
+EXITS = "import sys\nsys.exit(3)\n"
+
+CRASHES = """
+import kvbridge
+from kvbridge.devices.cpu import CpuDevice
+
+KVBRIDGE_PLUGIN_API = 1
+
+
+def _factory():
+    raise RuntimeError("vendor runtime crashed")
+
+
+@kvbridge.hookimpl
+def kvbridge_register_devices(register):
+    register("crashing-dev", _factory, memory_kind="dram")
+"""
+
+
+@pytest.fixture(scope="module")
+def unruly(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
+    tmp = tmp_path_factory.mktemp("unruly-dists")
+    yield [
+        install_dist(tmp, "kvbridge-shadow", "kvbridge_shadow", SHADOW),
+        install_dist(tmp, "kvbridge-half", "kvbridge_half", HALF),
+        install_dist(tmp, "kvbridge-exits", "kvbridge_exits", EXITS),
+        install_dist(tmp, "kvbridge-crashes", "kvbridge_crashes", CRASHES),
+        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=1)),
+    ]
+
+
+def test_a_plugin_cannot_take_a_builtin_name_end_the_process_or_leave_half_its_registrations(
+    unruly: list[Path],
+) -> None:
+    out = cli(unruly, "plugins", "--json")
+    assert out.returncode == 0, out.stderr  # kvbridge_exits called sys.exit(3) at import
+    rows = json.loads(out.stdout)
+    broken = {r["name"]: r for r in rows if r["broken"]}
+    assert set(broken) == {"kvbridge_shadow", "kvbridge_half", "kvbridge_exits"}
+    assert "SystemExit: 3" in broken["kvbridge_exits"]["reason"]
+    assert "its backend 'tcp' is not used: kvbridge registered that name first" in broken["kvbridge_shadow"]["reason"]
+    assert "plugin bug after its first registration" in broken["kvbridge_half"]["reason"]
+    names = {r["name"]: r for r in rows if not r["broken"]}
+    assert names["tcp"]["distribution"] == "kvbridge", "the built-in keeps its name whatever trylast says"
+    assert names["shadow-own"]["distribution"] == "kvbridge-shadow", "the clash costs the plugin that name only"
+    assert "halfreg" not in names, "a plugin whose hook raised registers nothing"
+    assert names["throwaway"]["available"] is True
+
+
+def test_a_plugin_factory_that_fails_is_named_with_its_distribution(unruly: list[Path]) -> None:
+    code = """
+import kvbridge
+try:
+    kvbridge.get_device("crashing-dev")
+except kvbridge.PluginError as e:
+    print(type(e.__cause__).__name__, "|", e)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, unruly))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.startswith("RuntimeError | "), out.stdout + out.stderr
+    assert (
+        "device 'crashing-dev' from kvbridge-crashes 1.2.3 failed to start: RuntimeError: vendor runtime crashed"
+        in (out.stdout)
+    )

@@ -189,6 +189,29 @@ def test_an_unknown_name_lists_what_is_installed() -> None:
     assert "kvbridge plugins" in text
 
 
+def test_an_unknown_name_suggests_a_close_one_and_a_package_only_for_kvbridge_s_own() -> None:
+    with pytest.raises(PluginNotFound, match="Did you mean 'mooncake'"):
+        kvbridge.create_backend("mooncak")
+    with pytest.raises(PluginNotFound) as err:
+        kvbridge.create_backend("no-such-transport")
+    assert "pip install" not in str(err.value), "a guessed package name could be anyone's"
+
+
+def test_an_unknown_name_says_which_plugins_the_environment_kept_from_loading() -> None:
+    code = """
+import kvbridge
+try:
+    kvbridge.create_backend("mooncake")
+except kvbridge.PluginNotFound as e:
+    print(e)
+"""
+    env = {**os.environ, "KVBRIDGE_BLOCK_PLUGINS": "mooncake"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "KVBRIDGE_PLUGINS/KVBRIDGE_BLOCK_PLUGINS kept these plugins from loading: mooncake" in out.stdout, (
+        out.stdout + out.stderr
+    )
+
+
 def test_unavailable_plugin_raises_with_reason_and_hint_on_create(dists: dict[str, Path]) -> None:
     code = """
 import json, kvbridge
