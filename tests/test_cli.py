@@ -96,6 +96,18 @@ def test_bench_passes_transport_options_to_both_sides() -> None:
     assert result["kvbridge"]["submitted_descriptors_per_request"] == math.ceil(run_bytes / piece)
     bad = kvbridge("bench", "--migration-backend", "mooncake", "--option", "no-equals-sign", check=False)
     assert bad.returncode == 2 and "expected KEY=VALUE" in bad.stderr
+    bad = kvbridge("bench", "--migration-backend", "mooncake", "--option", "protocol=tcp", check=False)
+    assert bad.returncode == 2 and "--protocol" in bad.stderr and "Traceback" not in bad.stderr
+    bad = kvbridge("bench", "--migration-backend", "tcp", *QUICK, "--option", "workers=0", check=False)
+    assert bad.returncode != 0 and "option workers must be at least 1" in bad.stderr
+
+
+def test_bench_options_reach_the_schema_as_given() -> None:
+    # converted by the transport's declared types, not guessed as numbers first: insecure=1 is a bool
+    result = json.loads(
+        kvbridge("bench", "--migration-backend", "tcp", *QUICK, "--option", "insecure=1", "--json").stdout
+    )
+    assert result["verified"] is True and result["config"]["options"] == {"insecure": True}
 
 
 def test_bench_refuses_a_layout_vllm_does_not_name() -> None:
@@ -254,3 +266,10 @@ def test_bench_plot_writes_an_svg_of_the_sweep(tmp_path: Path) -> None:
         "bench", "--plot", str(tmp_path / "out.gif"), "--tokens", "256", "--requests", "1", "--repeat", "1", check=False
     )
     assert bad.returncode == 2 and ".svg" in bad.stderr
+
+
+def test_proxy_refuses_a_port_out_of_range_instead_of_never_listening() -> None:
+    out = kvbridge(
+        "proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "99999", check=False
+    )
+    assert out.returncode == 2 and "a port is from 0 to 65535, got 99999" in out.stderr

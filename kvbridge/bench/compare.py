@@ -40,7 +40,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             "--migration-backend to use them"
         )
     for name in names:
-        pair._check_backend(name)  # fail before the first measurement, not after it
+        pair._check_backend(name, {})  # fail before the first measurement, not after it
     results = []
     for name in names:
         for fragmented in (False, True):

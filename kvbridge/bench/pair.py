@@ -31,7 +31,7 @@ from kvbridge.plugins import get_device, registry
 from kvbridge.presets import get_preset
 from kvbridge.proc import Child
 from kvbridge.strategy import GATHER_CHUNK_BYTES, STRATEGIES, Choice, choose
-from kvbridge.types import TransferCost
+from kvbridge.types import BackendConfig, TransferCost
 
 DEFAULT_MODEL = "small"
 DEFAULT_TOKENS = 2048
@@ -82,15 +82,16 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _option(text: str) -> tuple[str, int | float | str]:
+def _option(text: str) -> tuple[str, str]:
+    """KEY=VALUE as given: the plugin's option schema converts the value to the type it declares (a
+    secret of digits stays a string, `insecure=1` a bool)."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    for kind in (int, float):
-        try:
-            return key, kind(value)
-        except ValueError:
-            pass
+    if key == "protocol":
+        raise argparse.ArgumentTypeError("the protocol is --protocol's, not an option")
+    if key in ("hostname", "metadata_server", "device_name"):
+        raise argparse.ArgumentTypeError(f"the bench sets {key} itself; it is not a transport option")
     return key, value
 
 
@@ -112,8 +113,10 @@ def descriptor_count(src: list[int], dst: list[int], units: int, unit_bytes: int
     return int(per.sum()) * units
 
 
-def _check_backend(name: str) -> None:
+def _check_backend(name: str, given: dict[str, str]) -> dict[str, Any]:
+    """The transport's `given` options converted by its schema (refused before any process starts)."""
     entry = registry().backend_entry(name)
+    parsed = entry.parse_options(BackendConfig(options=given)).options
     reason = entry.unavailable_reason()
     if reason:
         raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
@@ -122,10 +125,11 @@ def _check_backend(name: str) -> None:
             "the loopback transport works inside one process only; the bench runs prefill and "
             "decode in two processes: pick tcp, mooncake or another cross-process transport"
         )
+    return {k: parsed[k] for k in given}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    _check_backend(args.migration_backend)
+    options = _check_backend(args.migration_backend, dict(args.option))
     get_device(args.device)  # an unavailable device (no GPU here) says why before any process starts
     spec = get_preset(args.model or DEFAULT_MODEL)
     tokens = args.tokens or DEFAULT_TOKENS
@@ -143,7 +147,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         protocol=args.protocol,
         device=args.device,
         model=spec.name,
-        options=dict(args.option),
+        options=options,
         stage=args.stage,
         layout=args.layout,
     )
@@ -253,7 +257,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "layout": args.layout,
             "repeat": args.repeat,
             "bytes_per_request": request_bytes,
-            "options": dict(args.option),
+            "options": options,
             "strategy": choice.strategy,
         },
         "strategy": {

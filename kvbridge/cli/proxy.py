@@ -5,6 +5,17 @@ from __future__ import annotations
 import argparse
 
 
+def _port(text: str) -> int:
+    # out of range, uvicorn never listens and never exits
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is from 0 to 65535, got {port}")
+    return port
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "proxy",
@@ -31,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="decode server base URLs (repeat or list several)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument(
         "--health-interval",
         type=float,
