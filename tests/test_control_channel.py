@@ -393,3 +393,84 @@ def test_side_channel_sleeps_until_something_is_due(closing: list) -> None:
     # close() wakes the sleeping loop rather than waiting for its poll interval
     server.close()
     assert not thread.is_alive()
+
+
+def _parked_consistent(server: ControlServer) -> bool:
+    return server._nparked == sum(len(held) for held in server._parked.values())
+
+
+def test_a_failing_streams_answer_refuses_the_held_query_and_leases_still_expire(closing: list) -> None:
+    # The engine's `streams` raising for a held QueryStream cost the serving loop every round (before it
+    # reaped), so no lease on the rank ever expired: it must cost that query a Refused, nothing more.
+    p = Prefill(timeout_s=0.5)
+    c = p.client(timeout_s=2)
+    closing += [p, c]
+    p.ledger.offer("s", [1], expected_pulls=1, timeout_s=60)
+    p.ledger.offer("other", [2], expected_pulls=1)  # expires in 0.5 s
+    broken = threading.Event()
+
+    def streams(rid: str, epoch: int) -> StreamStatus:
+        if broken.is_set():
+            raise RuntimeError("engine bug")
+        return StreamStatus(p.ledger.query(rid, epoch), version=1)
+
+    p.server.streams = streams
+    errors: list[str] = []
+
+    def ask() -> None:
+        try:
+            c.query_stream("s", seen=1, wait_s=5)
+        except (ProtocolError, TransferTimeout) as exc:
+            errors.append(str(exc))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    wait_for(lambda: p.server._nparked == 1, what="the QueryStream to be held")
+    broken.set()
+    p.server.wake("s")  # the engine says the stream moved; its answer then raises
+    asker.join(timeout=15)
+    assert len(errors) == 1 and "internal" in errors[0] and "engine bug" in errors[0], errors
+    assert p.server._nparked == 0 and p.server._parked == {}
+    wait_for(lambda: ("other", LeaseState.EXPIRED) in p.released, timeout=10, what="the other lease to expire")
+
+
+def test_a_failure_part_way_through_held_requests_answers_none_twice(closing: list, monkeypatch) -> None:
+    p = Prefill()
+    clients = [p.client(timeout_s=1), p.client(timeout_s=1)]
+    closing += [p, *clients]
+    p.ledger.offer("s", [1], expected_pulls=1)
+    version = [1]
+    p.server.streams = lambda rid, epoch: StreamStatus(p.ledger.query(rid, epoch), version=version[0])
+    sent: list[int] = []
+    send = p.server._send
+
+    def flaky_send(parts: list[bytes]) -> None:
+        sent.append(len(parts))
+        if len(sent) == 1:
+            raise RuntimeError("send failed")
+        send(parts)
+
+    replies: list = []
+
+    def ask(c: ControlClient) -> None:
+        try:
+            replies.append(c.query_stream("s", seen=1, wait_s=20))
+        except TransferTimeout:
+            replies.append(None)  # the one whose reply failed to go out
+
+    askers = [threading.Thread(target=ask, args=(c,)) for c in clients]
+    for a in askers:
+        a.start()
+    wait_for(lambda: p.server._nparked == 2, what="both QueryStreams to be held")
+    monkeypatch.setattr(p.server, "_send", flaky_send)
+    version[0] = 2  # the stream moved
+    p.server.wake("s")
+    wait_for(lambda: len(sent) >= 1, what="the failed send")
+    for _ in range(5):  # a few rounds of the loop: nothing answered twice, the count kept right
+        time.sleep(0.02)
+        assert _parked_consistent(p.server)
+    p.server.wake("s")
+    for a in askers:
+        a.join(timeout=30)
+    assert sorted(r is None for r in replies) == [False, True] and len(sent) == 2
+    assert p.server._nparked == 0 and p.server._parked == {}

@@ -16,6 +16,7 @@ so a peer cannot make this rank connect to a third party.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ipaddress
 import logging
@@ -349,36 +350,49 @@ class ControlServer:
         """Answer the held BeginPulls whose request was offered, the held QueryStreams whose request was
         `woken` and whose stream moved, and those whose wait ran out; returns the seconds to the next
         deadline (None: nothing held)."""
-        assert self.ledger is not None
         nearest: float | None = None
         for rid in list(self._parked):
-            offered = self.ledger.state(rid) is not LeaseState.UNKNOWN
-            waiting = []
-            for p in self._parked[rid]:
-                reply: Any = None
-                if isinstance(p.msg, QueryStream):
-                    assert self.streams is not None  # it was held because streams answered it
-                    if rid in woken or now >= p.deadline:
-                        status = self.streams(p.msg.request_id, p.msg.epoch)
-                        if now >= p.deadline or self._stream_moved(p.msg, status):
-                            reply = attrs.evolve(status, held_ms=round(max(1e-3, (now - p.since) * 1e3), 3))
-                elif offered or now >= p.deadline:
-                    try:
-                        reply = self._begin(p.msg, p.peer_host, waited_s=now - p.since)
-                    except KVBridgeError as exc:
-                        log.warning("%s refused a held BeginPull for %s: %s", self.name, rid, exc)
-                        reply = Refused("protocol" if isinstance(exc, ProtocolError) else "error", str(exc))
-                if reply is not None:
+            held = collections.deque(self._parked.pop(rid))
+            waiting: list[_Parked] = []
+            try:
+                while held:
+                    p = held[0]
+                    reply = self._held_reply(p, now, rid in woken)
+                    if reply is None:
+                        waiting.append(held.popleft())
+                        nearest = p.deadline - now if nearest is None else min(nearest, p.deadline - now)
+                        continue
+                    held.popleft()  # answered: out of `_parked` before anything else can fail
                     self._nparked -= 1
                     self._send([*p.envelope, self._seal(p.reply_to, reply)])
-                else:
-                    waiting.append(p)
-                    nearest = p.deadline - now if nearest is None else min(nearest, p.deadline - now)
-            if waiting:
-                self._parked[rid] = waiting
-            else:
-                del self._parked[rid]
+            finally:  # whatever failed, the entries not answered stay held, each once
+                waiting.extend(held)
+                if waiting:
+                    self._parked[rid] = waiting
         return nearest
+
+    def _held_reply(self, p: _Parked, now: float, woken: bool) -> Any:
+        """The reply to a held request now, or None to keep holding it. Never raises: a failing answer (the
+        engine's `streams`, say) costs that request a `Refused`, not the serving loop its round."""
+        assert self.ledger is not None
+        try:
+            if isinstance(p.msg, QueryStream):
+                assert self.streams is not None  # it was held because streams answered it
+                if not (woken or now >= p.deadline):
+                    return None
+                status = self.streams(p.msg.request_id, p.msg.epoch)
+                if now >= p.deadline or self._stream_moved(p.msg, status):
+                    return attrs.evolve(status, held_ms=round(max(1e-3, (now - p.since) * 1e3), 3))
+                return None
+            if self.ledger.state(p.msg.request_id) is LeaseState.UNKNOWN and now < p.deadline:
+                return None
+            return self._begin(p.msg, p.peer_host, waited_s=now - p.since)
+        except KVBridgeError as exc:
+            log.warning("%s refused a held %s for %s: %s", self.name, type(p.msg).__name__, p.msg.request_id, exc)
+            return Refused("protocol" if isinstance(exc, ProtocolError) else "error", str(exc))
+        except Exception as exc:  # a bug must cost one reply, not the loop (leases depend on its reaping)
+            log.exception("%s: answering a held %s for %s failed", self.name, type(p.msg).__name__, p.msg.request_id)
+            return Refused("internal", f"{type(exc).__name__}: {exc}")
 
     def _watcher(self, msg: BeginPull, peer_host: str | None) -> Address | None:
         """The side channel to tell on abort, if the BeginPull named one this rank may connect to: its sender's
@@ -414,6 +428,7 @@ class ControlServer:
         timeout_ms = self._poll_ms
         try:
             while not self._stop.is_set():
+                failed = False
                 try:
                     events = dict(poller.poll(timeout_ms))
                     if self._sock in events:
@@ -421,19 +436,31 @@ class ControlServer:
                     if self._wake_in in events:
                         while self._wake_in.poll(0):
                             self._wake_in.recv()
-                    with self._wake_lock:  # taken after this round parked what it held (wake())
-                        woken, self._woken = self._woken, set()
-                    due: list[float] = []
-                    if self._parked and (nearest := self._answer_parked(time.monotonic(), woken)) is not None:
-                        due.append(nearest)
-                    if self.ledger is not None:
+                except Exception:  # the loop must outlive any bug
+                    log.exception("%s: side-channel loop error", self.name)
+                    failed = True
+                due: list[float] = []
+                # Reaping first, on its own: leases must expire whatever else goes wrong in this loop.
+                if self.ledger is not None:
+                    try:
                         self.ledger.reap()
                         if (lease := self.ledger.next_deadline_s()) is not None:
                             due.append(lease)
-                    timeout_ms = max(1, min(self._poll_ms, int(min(due) * 1000) + 1)) if due else self._poll_ms
-                except Exception:  # the loop must outlive any bug; leases depend on its reaping
-                    log.exception("%s: side-channel loop error", self.name)
-                    self._stop.wait(min(self._poll_ms, 50) / 1000)  # no hot loop if the error repeats
+                    except Exception:
+                        log.exception("%s: reaping leases failed", self.name)
+                        failed = True
+                with self._wake_lock:  # taken after this round parked what it held (wake()) and reaped
+                    woken, self._woken = self._woken, set()
+                if self._parked:
+                    try:
+                        if (nearest := self._answer_parked(time.monotonic(), woken)) is not None:
+                            due.append(nearest)
+                    except Exception:
+                        log.exception("%s: answering held requests failed", self.name)
+                        failed = True
+                timeout_ms = max(1, min(self._poll_ms, int(min(due) * 1000) + 1)) if due else self._poll_ms
+                if failed:  # no hot loop if the error repeats
+                    self._stop.wait(min(self._poll_ms, 50) / 1000)
         finally:
             self._sock.close(linger=0)
             self._wake_in.close(linger=0)
