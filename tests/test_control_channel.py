@@ -26,6 +26,7 @@ from kvbridge.control.messages import (
     StreamStatus,
 )
 from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
+from kvbridge.testing.ports import free_port
 
 SECRET = "0123456789abcdef0123456789abcdef"
 
@@ -169,7 +170,27 @@ def test_abort_to_a_vanished_peer_is_logged_not_raised(closing: list) -> None:
     gone.close()
     closing.append(decode)
     assert decode.abort("r1", peers=[addr]) == 1
-    decode.close()  # waits for the notification to give up; must not raise
+    decode.close()  # drops the notification still waiting for its answer; must not raise
+
+
+def test_aborts_queued_for_dead_peers_delay_neither_a_live_peer_nor_close(closing: list) -> None:
+    # Each notification to a dead peer waits notify_timeout_s for its answer. They went through one FIFO of
+    # two threads, so a live peer queued behind ten of them heard of its abort after five timeouts, and
+    # close() waited for all of them.
+    told: list[str] = []
+    live = ControlServer("decode", 0, on_abort=lambda rid, _origin, _why: told.append(rid))
+    prefill = ControlServer("prefill", 0, notify_timeout_s=1.0)
+    closing += [live, prefill]
+    dead = [("127.0.0.1", free_port(span=1)) for _ in range(3)]
+    for i in range(10):
+        prefill.abort(f"old{i}", peers=dead)
+    began = time.monotonic()
+    prefill.abort("live", peers=[live.address])
+    wait_for(lambda: told == ["live"], timeout=10, what="the live peer to hear of its abort")
+    assert time.monotonic() - began < 0.9, "the live peer waited behind the dead ones"
+    began = time.monotonic()
+    prefill.close()
+    assert time.monotonic() - began < 1.5, "close() waited for the notifications to dead peers"
 
 
 def test_auth_peer_without_the_secret_is_refused(closing: list) -> None:

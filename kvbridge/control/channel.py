@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import attrs
@@ -63,6 +62,8 @@ MAX_PARKED = 4096  # BeginPulls held for their offer at once; beyond it they are
 # A client holds its (one-request-at-a-time) socket while the server holds its BeginPull: it asks for at
 # most this long per round, so other requests to the same rank interleave while an offer is late.
 PARK_SLICE_S = 0.1
+MAX_NOTIFIED_PEERS = 256  # peers with abort notifications pending at once (a thread each); beyond, the leases expire
+CLOSE_GRACE_S = 0.5  # close() lets pending abort notifications go out this long, then drops them
 Address = tuple[str, int]
 AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
 StreamQuery = Callable[[str, int], StreamStatus]  # request_id, epoch -> how far prefill computed it
@@ -170,8 +171,7 @@ class ControlServer:
         if ledger is not None:
             ledger.on_offer(self._offered)
         self._stop = threading.Event()
-        self._notifier: ThreadPoolExecutor | None = None
-        self._clients: ClientPool | None = None
+        self._notifier: _Notifier | None = None
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=f"kvbridge-ctl-{self.name}", daemon=True)
         self._thread.start()
@@ -215,18 +215,11 @@ class ControlServer:
             if self._stop.is_set():
                 return 0
             if self._notifier is None:
-                self._notifier = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvbridge-abort-{self.name}")
-                self._clients = ClientPool(secret=self._secret, timeout_s=self._notify_timeout_s, sender=self.name)
+                clients = ClientPool(secret=self._secret, timeout_s=self._notify_timeout_s, sender=self.name)
+                self._notifier = _Notifier(self.name, clients)
             for host, port in targets:
-                self._notifier.submit(self._notify, (str(host), int(port)), msg)
+                self._notifier.send((str(host), int(port)), msg)
         return len(targets)
-
-    def _notify(self, addr: Address, msg: Abort) -> None:
-        assert self._clients is not None
-        try:
-            self._clients.get(*addr).request(msg)
-        except KVBridgeError as exc:
-            log.warning("%s could not tell %s:%d about abort of %s: %s", self.name, *addr, msg.request_id, exc)
 
     # -- request handling (pure: bytes in, bytes out; used directly by the fuzz tests) ---------
 
@@ -521,9 +514,7 @@ class ControlServer:
         with self._wake_lock:
             self._wake_out.close(linger=0)
         if self._notifier is not None:
-            self._notifier.shutdown(wait=True)
-        if self._clients is not None:
-            self._clients.close()
+            self._notifier.close(min(CLOSE_GRACE_S, self._notify_timeout_s))
         if self._registry is not None:
             try:
                 self._registry.remove(self.engine_id, self.rank)
@@ -536,6 +527,91 @@ class ControlServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Notifier:
+    """Sends abort notifications, each peer from a queue and a thread of its own: a peer that is gone costs
+    each of its notifications the notify timeout, and only its own queue waits for that. After a timeout the
+    peer's queued notifications are dropped (they would wait as long; the leases they end expire)."""
+
+    def __init__(self, name: str, clients: ClientPool) -> None:
+        self.name = name
+        self._clients = clients
+        self._lock = threading.Lock()
+        # peer -> notifications not sent yet; a peer is listed while its thread runs (send() starts one if not)
+        self._queues: dict[Address, collections.deque[Abort]] = {}
+        self._threads: set[threading.Thread] = set()
+        self._closed = False
+
+    def send(self, addr: Address, msg: Abort) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            queue = self._queues.get(addr)
+            if queue is not None:
+                queue.append(msg)
+                return
+            if len(self._queues) >= MAX_NOTIFIED_PEERS:
+                log.warning(
+                    "%s: %d peers have abort notifications pending; not telling %s:%d about %s (its lease expires)",
+                    self.name,
+                    len(self._queues),
+                    *addr,
+                    msg.request_id,
+                )
+                return
+            self._queues[addr] = collections.deque([msg])
+            thread = threading.Thread(
+                target=self._drain, args=(addr,), name=f"kvbridge-abort-{self.name}-{addr[0]}:{addr[1]}", daemon=True
+            )
+            self._threads.add(thread)
+        thread.start()
+
+    def _drain(self, addr: Address) -> None:
+        try:
+            while True:
+                with self._lock:
+                    queue = self._queues[addr]
+                    if not queue:
+                        del self._queues[addr]  # under the lock: send() starts a new thread from now on
+                        return
+                    msg = queue.popleft()
+                try:
+                    self._clients.get(*addr).abort(msg.request_id, origin=msg.origin, reason=msg.reason)
+                except TransferTimeout as exc:
+                    with self._lock:
+                        dropped = len(queue)
+                        queue.clear()
+                    log.warning(
+                        "%s could not tell %s:%d about abort of %s%s: %s",
+                        self.name,
+                        *addr,
+                        msg.request_id,
+                        f" (nor of {dropped} more queued for it)" if dropped else "",
+                        exc,
+                    )
+                except KVBridgeError as exc:
+                    log.warning("%s could not tell %s:%d about abort of %s: %s", self.name, *addr, msg.request_id, exc)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def close(self, grace_s: float) -> None:
+        """Take no more; give what is pending `grace_s` to go out, then drop it (a send in flight ends by
+        itself, within the notify timeout)."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+        deadline = time.monotonic() + grace_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            dropped = sum(len(q) for q in self._queues.values())
+            for queue in self._queues.values():
+                queue.clear()
+        if dropped:
+            log.warning("%s closed with %d abort notifications not sent; their leases expire", self.name, dropped)
+        self._clients.close()
 
 
 def _same_host(claimed: str, source: str | None) -> bool:
