@@ -137,6 +137,28 @@ def kvbridge_register_devices(register):
 """
 
 
+CHATTY = """
+import os
+
+import kvbridge
+from kvbridge.transports.loopback import LoopbackBackend
+
+KVBRIDGE_PLUGIN_API = 1
+print("chatty plugin loaded")
+os.write(1, b"native library banner\\n")
+
+
+def _probe():
+    print("probing chatty")
+    return None
+
+
+@kvbridge.hookimpl
+def kvbridge_register_backends(register):
+    register("chatty", LoopbackBackend, capabilities=LoopbackBackend.capabilities, probe=_probe)
+"""
+
+
 @pytest.fixture(scope="module")
 def unruly(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
     tmp = tmp_path_factory.mktemp("unruly-dists")
@@ -145,6 +167,7 @@ def unruly(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
         install_dist(tmp, "kvbridge-half", "kvbridge_half", HALF),
         install_dist(tmp, "kvbridge-exits", "kvbridge_exits", EXITS),
         install_dist(tmp, "kvbridge-crashes", "kvbridge_crashes", CRASHES),
+        install_dist(tmp, "kvbridge-chatty", "kvbridge_chatty", CHATTY),
         install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=1)),
     ]
 
@@ -154,7 +177,9 @@ def test_a_plugin_cannot_take_a_builtin_name_end_the_process_or_leave_half_its_r
 ) -> None:
     out = cli(unruly, "plugins", "--json")
     assert out.returncode == 0, out.stderr  # kvbridge_exits called sys.exit(3) at import
-    rows = json.loads(out.stdout)
+    rows = json.loads(out.stdout)  # kvbridge_chatty printed as it loaded and when probed
+    assert "chatty plugin loaded" in out.stderr and "native library banner" in out.stderr
+    assert "probing chatty" in out.stderr
     broken = {r["name"]: r for r in rows if r["broken"]}
     assert set(broken) == {"kvbridge_shadow", "kvbridge_half", "kvbridge_exits"}
     assert "SystemExit: 3" in broken["kvbridge_exits"]["reason"]
@@ -177,7 +202,7 @@ except kvbridge.PluginError as e:
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, unruly))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.stdout.startswith("RuntimeError | "), out.stdout + out.stderr
+    assert "\nRuntimeError | " in out.stdout, out.stdout + out.stderr  # (kvbridge_chatty prints first)
     assert (
         "device 'crashing-dev' from kvbridge-crashes 1.2.3 failed to start: RuntimeError: vendor runtime crashed"
         in (out.stdout)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -49,6 +51,27 @@ def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
+def _load_plugins_off_stdout(probe: bool) -> None:
+    """Load the plugins (and `probe` their availability) with stdout on stderr, file descriptor
+    included: what a plugin or its native library prints as it loads (a banner) must not land in a
+    table or in `--json` output."""
+    from kvbridge.plugins import registry
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            reg = registry()
+            if probe:  # probed once, so the listing later prints what they found, not what they print
+                for entry in (*reg.backends.values(), *reg.devices.values()):
+                    entry.unavailable_reason()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -56,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     quiet_native_logs(level)  # before any transport library loads, here or in a child
     try:
+        _load_plugins_off_stdout(probe=bool(getattr(args, "json", False)))
         return int(args.run(args) or 0)
     except KVBridgeError as exc:
         # Expected failures get one clear line and the fix, not a traceback.
