@@ -495,3 +495,27 @@ def test_a_failure_part_way_through_held_requests_answers_none_twice(closing: li
         a.join(timeout=30)
     assert sorted(r is None for r in replies) == [False, True] and len(sent) == 2
     assert p.server._nparked == 0 and p.server._parked == {}
+
+
+def test_a_held_query_stream_hears_at_once_that_the_server_ended_its_lease(closing: list) -> None:
+    # Only an abort woke held QueryStreams: one whose lease a DONE released, or whose lease expired, was
+    # answered when its wait ran out (here 30 s), not when the lease ended.
+    p = Prefill(timeout_s=0.5)
+    c, other = p.client(), p.client()
+    closing += [p, c, other]
+    p.server.streams = lambda rid, epoch: StreamStatus(p.ledger.query(rid, epoch))
+    released = p.ledger.offer("released", [1], expected_pulls=1, timeout_s=60)
+    p.ledger.offer("expires", [2], expected_pulls=1)
+    for rid, end in (
+        ("released", lambda: other.done("released", "decode/0", released.epoch)),
+        ("expires", lambda: None),  # the server's reaper ends it at its deadline
+    ):
+        replies: list[StreamStatus] = []
+        asker = threading.Thread(target=lambda rid=rid, out=replies: out.append(c.query_stream(rid, seen=0, wait_s=30)))
+        asker.start()
+        wait_for(lambda: p.server._nparked == 1, what=f"the QueryStream for {rid} to be held")
+        began = time.monotonic()
+        end()
+        asker.join(timeout=40)
+        [status] = replies
+        assert not status.lease.valid and time.monotonic() - began < 5, (rid, status)

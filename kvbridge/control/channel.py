@@ -170,6 +170,7 @@ class ControlServer:
         self._woken: set[str] = set()  # requests woken since the serving loop last looked (under _wake_lock)
         if ledger is not None:
             ledger.on_offer(self._offered)
+            ledger.on_finish(self._finished)
         self._stop = threading.Event()
         self._notifier: _Notifier | None = None
         self._lock = threading.Lock()
@@ -209,7 +210,6 @@ class ControlServer:
         targets = {tuple(p) for p in peers}
         if self.ledger is not None:
             targets.update(tuple(w) for w in self.ledger.abort(request_id))  # type: ignore[arg-type]
-            self.wake(request_id)  # a held QueryStream hears of it now
         msg = Abort(request_id=request_id, origin=self.name, reason=reason)
         with self._lock:
             if self._stop.is_set():
@@ -261,8 +261,7 @@ class ControlServer:
     def _dispatch(self, msg: Any, sender: str, peer_host: str | None, *, park: bool = False) -> Any:
         if isinstance(msg, Abort):
             if self.ledger is not None:
-                self.ledger.abort(msg.request_id)
-                self.wake(msg.request_id)
+                self.ledger.abort(msg.request_id)  # wakes a held QueryStream for it (on_finish)
             if self._on_abort is not None:
                 self._on_abort(msg.request_id, msg.origin or sender, msg.reason)
             return Ack()
@@ -324,10 +323,16 @@ class ControlServer:
         """Ledger callback (any thread): wake the serving loop if a BeginPull waits for this request."""
         self.wake(lease.request_id)
 
+    def _finished(self, lease: Any, _state: LeaseState) -> None:
+        """Ledger callback (any thread, the serving one when it reaps or counts a DONE): a held QueryStream
+        for this request is answered now, not when its wait runs out."""
+        self.wake(lease.request_id)
+
     def wake(self, request_id: str) -> None:
         """Any thread: `request_id` changed (offered, its stream progressed, its lease ended); answer what
         waits for it. A held `QueryStream` is looked at again only when its request is woken or its wait
-        runs out, so whoever answers `streams` wakes the request whenever its answer would change."""
+        runs out, so whoever answers `streams` wakes the request whenever its answer would change (the ledger
+        wakes it when its lease ends, however it ends)."""
         with self._wake_lock:
             # Noted even when nothing is held yet: a query being parked right now is looked at again
             # after it is (each round of the loop parks before it takes the woken set, and takes it

@@ -67,6 +67,7 @@ class _Entry:
 
 ReleaseCallback = Callable[[Lease, LeaseState], None]
 OfferCallback = Callable[[Lease], None]
+FinishCallback = Callable[[Lease, LeaseState], None]
 
 
 class Ledger:
@@ -76,7 +77,9 @@ class Ledger:
     RELEASED, EXPIRED or ABORTED; keep it short (it runs on the caller's or the server's thread). A
     lease released or aborted while a decode rank is still reading it is published at once (its DONEs
     are answered invalid) but `on_release` waits for the readers' DONEs or the lease's deadline.
-    Callbacks added with `on_offer` run once per new lease, outside the lock, before any release.
+    Callbacks added with `on_offer` run once per new lease, outside the lock, before any release; those added
+    with `on_finish` once per lease that ends (released, expired, aborted), outside the lock, as soon as its
+    new state is published (before `on_release`, which may wait for its readers).
     """
 
     def __init__(
@@ -114,10 +117,16 @@ class Ledger:
         # never confirms a lease its previous life handed out.
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
         self._offer_callbacks: list[OfferCallback] = []
+        self._finish_callbacks: list[FinishCallback] = []
 
     def on_offer(self, callback: OfferCallback) -> None:
         """Call `callback(lease)` for every new lease (a side channel wakes the pulls waiting for it)."""
         self._offer_callbacks.append(callback)
+
+    def on_finish(self, callback: FinishCallback) -> None:
+        """Call `callback(lease, state)` when a lease ends, however (a side channel answers the queries held
+        for it at once)."""
+        self._finish_callbacks.append(callback)
 
     # -- prefill side ---------------------------------------------------------------------
 
@@ -422,6 +431,11 @@ class Ledger:
             hold = state is not LeaseState.EXPIRED and bool(entry.readers)
             if hold:  # released by their last DONE, or by reap() at the lease's deadline
                 self._held[(entry.lease.request_id, entry.lease.epoch)] = entry
+        for callback in self._finish_callbacks:
+            try:
+                callback(entry.lease, state)
+            except Exception:  # a listener failing must not keep the blocks from their release
+                log.exception("on_finish callback failed for request %s", entry.lease.request_id)
         if hold:
             log.info(
                 "lease %s epoch %d %s while %s still read it: its %d blocks are released at their DONE or in %.1fs",
