@@ -48,6 +48,17 @@ def _strict_bool(value: Any, _cls: type) -> bool:
 converter.register_structure_hook(bool, _strict_bool)
 
 
+def _strict_str(value: Any, cls: type) -> str:
+    # cattrs' default is str(value): a peer's 4 MiB list became a string of 12 MB before a length check saw it,
+    # and a number or a list passed for a host name was taken as one.
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value if cls is str else cls(value)  # a str enum, as cattrs builds it
+
+
+converter.register_structure_hook(str, _strict_str)
+
+
 def to_dict(obj: Any) -> Any:
     """Plain dict/list/scalar form of an attrs value (what JSON or msgpack carries)."""
     return converter.unstructure(obj)
@@ -74,14 +85,34 @@ def encode(obj: Any) -> bytes:
     return msgpack.packb({"v": WIRE_VERSION, "t": type(obj).__name__, "d": to_dict(obj)}, use_bin_type=True)
 
 
-def decode(data: bytes, cls: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-    """Parse bytes made by `encode` into `cls`, refusing anything else with a ProtocolError."""
+def decode(
+    data: bytes,
+    cls: type[T],
+    *,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    max_items: int | None = None,
+    max_str: int | None = None,
+) -> T:
+    """Parse bytes made by `encode` into `cls`, refusing anything else with a ProtocolError.
+
+    `max_items` bounds every array and map, `max_str` every string (in UTF-8 bytes), for a type known to hold
+    only small ones: the decoder refuses a message past them before building any of it (None: `max_bytes`
+    bounds them)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes for {cls.__name__}, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise ProtocolError(f"{cls.__name__} message of {len(data)} bytes exceeds the {max_bytes}-byte limit")
     try:
-        envelope = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=max_bytes)
+        envelope = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=max_bytes if max_str is None else max_str,
+            max_array_len=max_bytes if max_items is None else max_items,
+            max_map_len=max_bytes if max_items is None else max_items,
+            max_ext_len=0,  # kvbridge sends no msgpack extension types
+        )
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise ProtocolError(f"undecodable {cls.__name__} message: {exc}") from None
     if not isinstance(envelope, dict) or set(envelope) != {"v", "t", "d"}:

@@ -280,3 +280,22 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
         time.sleep(0.01)
     assert threading.active_count() <= threads, "threads leaked"
     assert _fds() <= fds, "sockets leaked"
+
+
+@pytest.mark.parametrize(
+    "field, limit",
+    [
+        ([0] * (MAX // 2), "max_array_len"),
+        ({str(i): 0 for i in range(MAX // 16)}, "max_map_len"),
+        ("k" * 4096, "max_str_len"),
+    ],
+)
+def test_oversized_containers_before_auth_are_refused_by_the_decoder(rank: Rank, field: object, limit: str) -> None:
+    # A 4 MiB list as a frame's `kind` cost the serving thread a second (cattrs ran str() on it before the
+    # length check): the decoder refuses any container or string longer than a frame's fields can be.
+    d = {"kind": field, "sender": "", "nonce": b"", "ts": 0.0, "body": b""}
+    payload = msgpack.packb({"v": wire.WIRE_VERSION, "t": "Frame", "d": d})
+    assert len(payload) <= MAX
+    refusal = rank.refuse(payload)
+    assert refusal.kind == "protocol" and limit in refusal.message, refusal
+    assert rank.untouched()

@@ -71,6 +71,31 @@ def test_booleans_are_strict() -> None:
         wire.from_dict({"on": "false"}, Flag)
 
 
+def test_strings_are_strict_and_str_enums_still_structure() -> None:
+    import attrs
+
+    @attrs.frozen
+    class Named:
+        name: str
+        state: LeaseState = LeaseState.UNKNOWN
+
+    assert wire.from_dict({"name": "a", "state": "active"}, Named) == Named("a", LeaseState.ACTIVE)
+    for bad in ([1, 2], {"a": 1}, 5):  # str() of them used to pass, as a 12 MB string for a 4 MiB list
+        with pytest.raises(ProtocolError, match="expected a string"):
+            wire.from_dict({"name": bad}, Named)
+
+
+def test_decode_bounds_containers_and_strings_for_small_types() -> None:
+    status = LeaseStatus("r" * 100, LeaseState.ACTIVE, True, 7, list(range(1000)))  # 1000 blocks: bytes, not items
+    data = wire.encode(status)
+    assert wire.decode(data, LeaseStatus, max_items=16, max_str=200) == status
+    with pytest.raises(ProtocolError, match="max_str_len"):
+        wire.decode(data, LeaseStatus, max_items=16, max_str=50)
+    listed = msgpack.packb({"v": wire.WIRE_VERSION, "t": "LeaseStatus", "d": {"request_id": [0] * 100}})
+    with pytest.raises(ProtocolError, match="max_array_len"):
+        wire.decode(listed, LeaseStatus, max_items=16)
+
+
 # -- block ids ---------------------------------------------------------------------------------------
 
 

@@ -35,6 +35,8 @@ from kvbridge.control.auth import Authenticator, new_nonce
 from kvbridge.control.discovery import RankRecord, Registry
 from kvbridge.control.ledger import Ledger
 from kvbridge.control.messages import (
+    MAX_FIELDS,
+    MAX_ID_BYTES,
     REPLIES,
     REQUESTS,
     Abort,
@@ -69,6 +71,11 @@ AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
 StreamQuery = Callable[[str, int], StreamStatus]  # request_id, epoch -> how far prefill computed it
 
 T = TypeVar("T")
+
+
+def _decode_small(data: bytes, cls: type[T], max_bytes: int) -> T:
+    """A Frame or a request body: only a few fields, short strings and bytes (see MAX_FIELDS)."""
+    return wire.decode(data, cls, max_bytes=max_bytes, max_items=MAX_FIELDS, max_str=MAX_ID_BYTES)
 
 
 def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"") -> Frame:
@@ -239,13 +246,13 @@ class ControlServer:
         """(the request's nonce, the reply message); with `park`, the reply may be a `_Hold`."""
         reply_to = b""
         try:
-            frame = wire.decode(payload, Frame, max_bytes=self.max_message_bytes)
+            frame = _decode_small(payload, Frame, self.max_message_bytes)
             reply_to = frame.nonce
             self._auth.check(frame)
             cls = REQUESTS.get(frame.kind)
             if cls is None:
                 raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
-            body = wire.decode(frame.body, cls, max_bytes=self.max_message_bytes)
+            body = _decode_small(frame.body, cls, self.max_message_bytes)
             reply: Any = self._dispatch(body, frame.sender, peer_host, park=park)
         except ProtocolError as exc:
             log.warning("%s refused a message from %s: %s", self.name, peer_host or "an unknown host", exc)
@@ -706,7 +713,7 @@ class ControlClient:
         finally:
             self.silent = not answered
             self._give_back(sock, answered)
-        reply_frame = wire.decode(data, Frame, max_bytes=self._max)
+        reply_frame = _decode_small(data, Frame, self._max)
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)
         cls = REPLIES.get(reply_frame.kind)
         if cls is None:

@@ -20,6 +20,12 @@ MAX_BLOCKS = 1 << 20
 MAX_PULLS = 1 << 16  # decode ranks reading one prefill rank: far above any parallel config
 MAX_EPOCH = (1 << 63) - 1
 MAX_WAIT_MS = 600_000
+# msgpack's bounds for a Frame and a request body: a few fields, ids (MAX_ID_CHARS characters of up to 4 UTF-8
+# bytes) and block ids packed as bytes. Garbage from a peer, authenticated or not, is refused by the decoder
+# before any of it is built (a 4 MiB list cost the serving thread a second). Replies are decoded without them:
+# a layout or a stream's per-layer counts are long arrays.
+MAX_FIELDS = 16
+MAX_ID_BYTES = 4 * MAX_ID_CHARS
 
 
 def _bounded_str(_inst: object, attr: attrs.Attribute, value: str) -> None:
