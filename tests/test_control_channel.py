@@ -519,3 +519,33 @@ def test_a_held_query_stream_hears_at_once_that_the_server_ended_its_lease(closi
         asker.join(timeout=40)
         [status] = replies
         assert not status.lease.valid and time.monotonic() - began < 5, (rid, status)
+
+
+def test_the_most_blocks_a_message_may_list_fit_in_a_message() -> None:
+    from kvbridge.control.channel import MAX_MESSAGE_BYTES
+    from kvbridge.control.messages import MAX_BLOCKS, MAX_ID_CHARS
+
+    status = LeaseStatus("r" * MAX_ID_CHARS, LeaseState.ACTIVE, True, 1, range(MAX_BLOCKS))
+    framed = wire.encode(_frame("LeaseStatus", "p" * MAX_ID_CHARS, wire.encode(status), b"n" * 64))
+    assert len(framed) <= MAX_MESSAGE_BYTES
+
+
+def test_messages_over_the_size_limit_are_refused_naming_their_size_not_timed_out(closing: list) -> None:
+    # A request or reply over max_message_bytes was dropped by the receiving socket: the client waited out
+    # its timeout and blamed the peer ("check that the engine rank is running").
+    limit = 64 * 1024
+    released: list = []
+    ledger = Ledger(lambda lease, why: released.append(lease.request_id))
+    server = ControlServer("prefill", 0, ledger=ledger, max_message_bytes=limit, poll_interval_s=0.05)
+    c = ControlClient(*server.address, sender="decode/0", timeout_s=5, max_message_bytes=limit)
+    closing += [server, c]
+    server.register(rank_info())
+    ledger.offer("big", range(20_000), expected_pulls=1)  # 160 KB packed
+    began = time.monotonic()
+    with pytest.raises(ProtocolError, match=r"BeginPull .* bytes encoded, over the 65536-byte limit"):
+        c.begin_pull("big", "decode/0", blocks=range(20_000))
+    with pytest.raises(ProtocolError, match=r"too_large.*LeaseStatus reply .* bytes encoded, over .*65536-byte limit"):
+        c.query_lease("big")
+    assert time.monotonic() - began < 2, "refused at once, not after the client's timeout"
+    ledger.offer("small", [1], expected_pulls=1)
+    assert c.query_lease("small").valid, "the server still serves"

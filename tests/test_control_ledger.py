@@ -383,3 +383,14 @@ def test_offer_with_the_same_offer_id_is_one_lease(ledger: Ledger, released: lis
     assert ledger.reap() == 0 and len(released) == 1
     again = ledger.offer("r1", [1, 2], offer_id="o-3")  # a new request with the same id: a new lease
     assert again.epoch != first.epoch and offered == [first.epoch, again.epoch]
+
+
+def test_a_lease_holds_no_more_blocks_than_one_message_carries(ledger: Ledger) -> None:
+    from kvbridge.control.messages import MAX_BLOCKS
+
+    with pytest.raises(ConfigError, match=f"more than the {MAX_BLOCKS} one side-channel message carries"):
+        ledger.offer("r1", range(MAX_BLOCKS + 1))
+    ledger.offer("r2", range(MAX_BLOCKS - 1))
+    with pytest.raises(ConfigError, match="one side-channel message carries"):
+        ledger.extend("r2", [MAX_BLOCKS, MAX_BLOCKS + 1])
+    assert len(ledger.query("r2").blocks) == MAX_BLOCKS - 1, "the refused extension changed nothing"

@@ -240,7 +240,18 @@ class ControlServer:
         return self._seal(reply_to, reply)
 
     def _seal(self, reply_to: bytes, reply: Any) -> bytes:
-        return wire.encode(self._auth.seal(_frame(type(reply).__name__, self.name, wire.encode(reply), reply_to)))
+        """The reply, framed and signed; a `Refused` naming its size instead of one the client's socket would
+        drop (the client would wait out its timeout and take this rank for dead)."""
+        data = wire.encode(self._auth.seal(_frame(type(reply).__name__, self.name, wire.encode(reply), reply_to)))
+        if len(data) <= self.max_message_bytes:
+            return data
+        why = (
+            f"the {type(reply).__name__} reply of {self.name} is {len(data)} bytes encoded, over the side channel's "
+            f"{self.max_message_bytes}-byte limit (max_message_bytes); ask for less, or raise max_message_bytes "
+            "on both sides"
+        )
+        log.warning("%s", why)
+        return self._seal(reply_to, Refused("too_large", why))
 
     def _answer(self, payload: bytes, peer_host: str | None, *, park: bool) -> tuple[bytes, Any]:
         """(the request's nonce, the reply message); with `park`, the reply may be a `_Hold`."""
@@ -693,12 +704,18 @@ class ControlClient:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         kind = type(msg).__name__
         frame = self._auth.seal(_frame(kind, self.sender, wire.encode(msg)))
+        data = wire.encode(frame)
+        if len(data) > self._max:  # the server's socket would drop it: a timeout that blames the peer
+            raise ProtocolError(
+                f"{kind} to side channel {self.url} is {len(data)} bytes encoded, over the {self._max}-byte limit "
+                "(max_message_bytes); send fewer blocks per request, or raise max_message_bytes on both sides"
+            )
         sock = self._take()
         answered = False
         try:
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
             sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
-            sock.send(wire.encode(frame))
+            sock.send(data)
             data = sock.recv()
             answered = True
         except zmq.Again:

@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from kvbridge.block_ids import BlockIds
-from kvbridge.control.messages import LeaseState, LeaseStatus
+from kvbridge.control.messages import MAX_BLOCKS, LeaseState, LeaseStatus
 from kvbridge.errors import ConfigError, ProtocolError
 
 _V = TypeVar("_V")
@@ -151,6 +151,7 @@ class Ledger:
         """
         if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
+        _check_size(request_id, len(blocks))
         self.reap()
         now = self._clock()
         with self._lock:
@@ -214,6 +215,7 @@ class Ledger:
                 return False
             new = BlockIds(blocks).array
             added = new[~np.isin(new, entry.lease.blocks.array)]
+            _check_size(request_id, len(entry.lease.blocks) + len(added))
             if len(added):
                 entry.lease = attrs.evolve(entry.lease, blocks=entry.lease.blocks + added)
         return True
@@ -467,6 +469,15 @@ class Ledger:
             self._on_release(entry.lease, state)
         except Exception:  # the engine's callback failing must not wedge the ledger or the server
             log.exception("on_release callback failed for request %s", entry.lease.request_id)
+
+
+def _check_size(request_id: str, nblocks: int) -> None:
+    """A lease's blocks must fit in one side-channel message (its LeaseStatus)."""
+    if nblocks > MAX_BLOCKS:
+        raise ConfigError(
+            f"request {request_id!r} would hold {nblocks} blocks, more than the {MAX_BLOCKS} one side-channel "
+            "message carries; use larger KV blocks or shorter prompts"
+        )
 
 
 def _evict(table: OrderedDict[str, _V], keep: int, forget_at: Callable[[_V], float], now: float) -> None:

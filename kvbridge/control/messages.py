@@ -16,7 +16,10 @@ from kvbridge.agent import RankInfo
 from kvbridge.block_ids import BlockIds
 
 MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
-MAX_BLOCKS = 1 << 20
+# A request's blocks in one message: 2 MiB packed (8 bytes each), so a BeginPull, Offer or LeaseStatus of the
+# most blocks fits in the side channel's 4 MiB messages (channel.MAX_MESSAGE_BYTES) with room for its other
+# fields. 262 144 blocks are 4M tokens at vLLM's 16 tokens per block.
+MAX_BLOCKS = 1 << 18
 MAX_PULLS = 1 << 16  # decode ranks reading one prefill rank: far above any parallel config
 MAX_EPOCH = (1 << 63) - 1
 MAX_WAIT_MS = 600_000
