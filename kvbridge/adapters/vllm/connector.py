@@ -56,15 +56,15 @@ def default_kv_cache_layout(settings: Settings, vllm_config: VllmConfig, *, on_c
     descriptor per block (2 MiB for llama3-8b at block 16) instead of one per (layer, block); docs/vllm.md,
     "Which layout the connector asks for", says what it trades.
 
-    BLHNC only where vLLM uses it as asked: pull mode (layer-wise mode streams per layer, which a
-    block-outermost block is not), on CUDA (CPU attention takes LBHNC only and ROCm's backends layer-outermost
-    ones: vLLM would warn and fall back), with a model config to read (as vLLM's MooncakeConnector), not for a
-    hybrid model (where kernels typically split an attention block into smaller kernel blocks, which needs a
-    dense page per block: vLLM refuses to start with a block-outermost layout), and not when the operator
-    chose an attention backend that declares layouts without BLHNC (FlexAttention: LBNHC only). CUDA's own
-    choices take it (FlashAttention, Triton: any layout; FlashInfer: any, or LBHNC/BLHNC on SM100). A
-    --block-size the chosen kernel must split still fails at start-up, with vLLM's message saying to use a
-    layer-compact layout: `kv_cache_layout` then.
+    BLHNC only where vLLM uses it as asked: pull mode (layer-wise mode reads a layer at a time, which in a
+    block-outermost layout is a descriptor per block and layer), on CUDA (CPU attention takes LBHNC only and
+    ROCm's backends layer-outermost ones: vLLM would warn and fall back), with a model config to read (as vLLM's
+    MooncakeConnector), not for a hybrid model (where kernels typically split an attention block into smaller
+    kernel blocks, which needs a dense page per block: vLLM refuses to start with a block-outermost layout), and
+    not when the operator chose an attention backend that declares layouts without BLHNC (FlexAttention: LBNHC
+    only). CUDA's own choices take it (FlashAttention, Triton: any layout; FlashInfer: any, or LBHNC/BLHNC on
+    SM100). A --block-size the chosen kernel must split still fails at start-up, with vLLM's message saying to
+    use a layer-compact layout: `kv_cache_layout` then.
     """
     if settings.kv_cache_layout is not None:
         return settings.kv_cache_layout

@@ -29,8 +29,9 @@ The proxy sends the request to both servers at once with one `transfer_id` (`kvb
   and vLLM finished the request, so blocks are never freed under a read in flight. A prefill request
   that is aborted or preempted aborts its lease first (the decode side is told and recomputes).
 
-Refused at start-up in this mode: block-outermost layouts (BL*, BH*: a block carries every layer, so
-it is only complete after the last one), vllm-ascend (K, V) tuples, and context parallelism; refused
+Every vLLM layout streams: in a block-outermost one (BL*, BH*: a block holds every layer) a layer is
+read as its slice of each block. Refused at start-up in this mode: vllm-ascend (K, V) tuples, and
+context parallelism; refused
 at first contact (a load error naming the cause): a prefill whose KV arrangement differs from decode's
 (the landing path rearranges whole requests only).
 """
@@ -70,8 +71,6 @@ log = logging.getLogger(__name__)
 
 LAYERWISE = "layerwise"
 TRANSFERS = ("pull", LAYERWISE)
-# vLLM layouts whose block holds every layer (kvbridge.adapters.vllm.cache): not streamable per layer.
-BLOCK_OUTERMOST = ("BLHNC", "BLNHC", "BHLNC")
 # Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until it wakes
 # its readers (or the lease ends), at most this long, so decode reads as soon as there is something to
 # read without busy polling (which took the prefill's GIL hundreds of times per second while it
@@ -93,11 +92,9 @@ PUBLISH_DRAIN_S = 10.0
 
 def check_streamable(layout_name: str, *, pcp: int = 1, dcp: int = 1) -> None:
     """Raise ConfigError at start-up for what layer-wise mode cannot stream, saying what to do."""
-    if layout_name in BLOCK_OUTERMOST or layout_name == "ascend-kv-tuple":
+    if layout_name == "ascend-kv-tuple":
         raise ConfigError(
-            f'"transfer": "layerwise" cannot stream KV cache layout {layout_name}: its blocks are not '
-            'per layer (or are vllm-ascend (K, V) tuples); use a layer-outermost layout (e.g. "kv_cache_layout": '
-            '"LBHNC" in kv_connector_extra_config) or "transfer": "pull"'
+            '"transfer": "layerwise" cannot stream vllm-ascend\'s (K, V) tuples yet; use "transfer": "pull"'
         )
     if pcp > 1 or dcp > 1:
         raise ConfigError(
