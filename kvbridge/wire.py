@@ -7,6 +7,7 @@ cattrs into the expected class. Nothing is ever unpickled: a peer can only send 
 from __future__ import annotations
 
 import enum
+import numbers
 from typing import Any, TypeVar
 
 import cattrs
@@ -57,6 +58,16 @@ def _strict_str(value: Any, cls: type) -> str:
 
 
 converter.register_structure_hook(str, _strict_str)
+
+
+def _strict_int(value: Any, cls: type) -> int:
+    # cattrs' default is int(value): true became port 1, "80" and 2.7 became numbers.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"expected an integer, got {value!r:.40}")
+    return int(value) if cls is int else cls(value)  # an int enum, as cattrs builds it
+
+
+converter.register_structure_hook(int, _strict_int)
 
 
 def to_dict(obj: Any) -> Any:

@@ -102,3 +102,53 @@ def test_params_feed_vllm_nixl_metadata_unchanged() -> None:
     assert (req.remote.engine_id, req.remote.request_id) == ("prefill-engine-0", "cmpl-abc-0")
     assert (req.remote.host, req.remote.port, req.remote.num_tokens) == ("10.1.2.3", 5600, 40)
     assert (req.tp_size, req.dcp_size, req.pp_size) == (2, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"remote_port": 70000}, "remote_port"),
+        ({"remote_port": -1}, "remote_port"),
+        ({"remote_port": True}, "remote_port"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"pp_size": -3}, "pp_size"),
+        ({"remote_num_tokens": -5}, "remote_num_tokens"),
+        ({"dp_rank": 2, "dp_size": 2}, "dp_rank"),
+        ({"transfer_mode": "bogus"}, "transfer_mode"),
+        ({"remote_host": ["10.0.0.1"]}, "remote_host"),
+        ({"remote_host": "fe80::1"}, "remote_host"),
+        ({"remote_blocks_expiry_time": "nan"}, "remote_blocks_expiry_time"),
+        ({"remote_blocks_expiry_time": float("inf")}, "remote_blocks_expiry_time"),
+        ({"remote_engine_id": 7}, "remote_engine_id"),
+    ],
+)
+def test_params_out_of_range_values_are_config_errors_naming_the_key(bad: dict, match: str) -> None:
+    # Each was accepted and failed later far from its cause: port 70000 as a timeout after the ready wait,
+    # a malformed host as a raw zmq.ZMQError.
+    with pytest.raises(ConfigError, match=match):
+        KVTransferParams.from_dict(bad)
+
+
+def test_params_the_modes_keys_and_bracketed_ipv6_parse() -> None:
+    p = KVTransferParams.from_dict(
+        {**VLLM_PREFILL_RESPONSE, "remote_host": "[fd00::1]", "transfer_mode": "layerwise", "transfer_id": "t-1"}
+    )
+    assert (p.transfer_mode, p.transfer_id, p.side_channel(2)) == ("layerwise", "t-1", ("[fd00::1]", 5602))
+    with pytest.raises(ConfigError, match="port 65536"):
+        KVTransferParams.from_dict({**VLLM_PREFILL_RESPONSE, "remote_port": 65535}).side_channel(1)
+
+
+def test_a_client_for_a_malformed_address_fails_as_a_config_error_and_keeps_no_socket() -> None:
+    import zmq
+
+    from kvbridge.control import ControlClient
+
+    ctx = zmq.Context.instance()
+    before = len(ctx._sockets) if hasattr(ctx, "_sockets") else None
+    client = ControlClient("a b", 5600, timeout_s=1)  # a host zmq cannot parse
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="cannot connect to side channel tcp://a b:5600"):
+            client.query_lease("r")
+    client.close()
+    if before is not None:
+        assert len(ctx._sockets) == before, "a socket leaked per failed request"

@@ -687,9 +687,16 @@ class ControlClient:
             if self._idle:
                 return self._idle.pop()
         sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._max + 1024)
-        sock.connect(self.url)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max + 1024)
+            sock.connect(self.url)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ConfigError(
+                f"cannot connect to side channel {self.url}: {exc}; check the host and port it was given "
+                "(kv_transfer_params remote_host/remote_port, or the registry); an IPv6 address goes in brackets"
+            ) from None
         return sock
 
     def _give_back(self, sock: zmq.Socket, reusable: bool) -> None:

@@ -10,7 +10,9 @@ are kept in `extra` and written back, so a proxy's additions survive a round tri
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import numbers
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -41,6 +43,48 @@ def _opt_strs(value: Any) -> tuple[str, ...] | None:
     return None if value is None else tuple(str(v) for v in value)
 
 
+TRANSFER_MODES = ("pull", "layerwise")
+
+
+def _check(ok: Callable[[Any], bool], expected: str, *, optional: bool = False) -> Any:
+    """A validator that refuses what `ok` does not accept, naming the key and what it takes: a bad value from
+    a proxy fails here, not later as a timeout or a socket error far from its cause."""
+
+    def check(_inst: object, attr: attrs.Attribute, value: Any) -> None:
+        if optional and value is None:
+            return
+        if not ok(value):
+            raise ConfigError(f"kv_transfer_params[{attr.name!r}] must be {expected}, got {value!r:.80}")
+
+    return check
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _host(value: Any) -> bool:
+    """A name or address the side channel can connect to: no spaces or URL parts, IPv6 in brackets."""
+    if not isinstance(value, str) or not value or any(c.isspace() or c in "/@*" for c in value):
+        return False
+    if ":" in value:
+        return value.startswith("[") and value.endswith("]")
+    return True
+
+
+def _dp_rank(inst: KVTransferParams, attr: attrs.Attribute, value: Any) -> None:
+    _check(lambda v: _int(v) and v >= 0, "an integer >= 0")(inst, attr, value)
+    if _int(inst.dp_size) and value >= inst.dp_size:
+        raise ConfigError(
+            f"kv_transfer_params['dp_rank'] must be below dp_size ({inst.dp_size}), got {value}: the proxy must "
+            "pass the prefill engine's own DP rank and size"
+        )
+
+
+_STR = _check(lambda v: isinstance(v, str), "a string", optional=True)
+_SIZE = _check(lambda v: _int(v) and v >= 1, "an integer >= 1")
+
+
 @attrs.frozen
 class KVTransferParams:
     """What one side tells the other about a request's KV, through the proxy.
@@ -53,22 +97,41 @@ class KVTransferParams:
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
+    remote_engine_id: str | None = attrs.field(default=None, validator=_STR)
+    remote_request_id: str | None = attrs.field(default=None, validator=_STR)
     remote_block_ids: tuple[BlockIds, ...] = attrs.field(default=(), converter=_groups)
-    remote_host: str | None = None
-    remote_port: int | None = None
+    remote_host: str | None = attrs.field(
+        default=None, validator=_check(_host, "a host name or address (IPv6 in brackets)", optional=True)
+    )
+    # rank r serves on remote_port + r: checked again with the rank (side_channel)
+    remote_port: int | None = attrs.field(
+        default=None, validator=_check(lambda v: _int(v) and 1 <= v <= 65535, "a port in [1, 65535]", optional=True)
+    )
     # the remote engine's parallel config
-    tp_size: int = 1
-    pcp_size: int = 1
-    dcp_size: int = 1
-    pp_size: int = 1
-    dp_size: int = 1
-    dp_rank: int = 0
-    remote_num_tokens: int | None = None  # prompt tokens whose KV the remote side holds
-    remote_blocks_expiry_time: float | None = None
-    transfer_mode: str = "pull"  # or "layerwise": decode reads layer by layer while prefill computes
-    transfer_id: str | None = None  # layerwise: the id the proxy gave both sides (prefill's lease is keyed by it)
+    tp_size: int = attrs.field(default=1, validator=_SIZE)
+    pcp_size: int = attrs.field(default=1, validator=_SIZE)
+    dcp_size: int = attrs.field(default=1, validator=_SIZE)
+    pp_size: int = attrs.field(default=1, validator=_SIZE)
+    dp_size: int = attrs.field(default=1, validator=_SIZE)
+    dp_rank: int = attrs.field(default=0, validator=_dp_rank)
+    # prompt tokens whose KV the remote side holds
+    remote_num_tokens: int | None = attrs.field(
+        default=None, validator=_check(lambda v: _int(v) and v >= 0, "an integer >= 0", optional=True)
+    )
+    remote_blocks_expiry_time: float | None = attrs.field(
+        default=None,
+        validator=_check(
+            lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v),
+            "a finite number (seconds)",
+            optional=True,
+        ),
+    )
+    # or "layerwise": decode reads layer by layer while prefill computes
+    transfer_mode: str = attrs.field(
+        default="pull", validator=_check(TRANSFER_MODES.__contains__, f"one of {TRANSFER_MODES}")
+    )
+    # layerwise: the id the proxy gave both sides (prefill's lease is keyed by it)
+    transfer_id: str | None = attrs.field(default=None, validator=_STR)
     prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_ints)
     cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_opt_strs)
     # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,
@@ -96,6 +159,8 @@ class KVTransferParams:
             ) from None
         try:
             params = wire.from_dict(known, cls)
+        except ConfigError:  # a validator's, naming the key
+            raise
         except Exception as exc:  # ProtocolError from wire, or a converter's ValueError
             raise ConfigError(f"bad kv_transfer_params: {exc}") from None
         return attrs.evolve(params, remote_block_ids=groups, extra=extra)
@@ -137,4 +202,10 @@ class KVTransferParams:
     def side_channel(self, rank: int) -> tuple[str, int]:
         """Peer-to-peer address of remote rank `rank`'s side channel (`remote_port + rank`)."""
         self.require_remote()
-        return (str(self.remote_host), int(self.remote_port) + rank)  # type: ignore[arg-type]
+        port = int(self.remote_port) + rank  # type: ignore[arg-type]
+        if port > 65535:
+            raise ConfigError(
+                f"remote rank {rank}'s side channel would be on port {port} (kv_transfer_params['remote_port'] "
+                f"{self.remote_port} + rank): lower the prefill engine's side-channel port"
+            )
+        return (str(self.remote_host), port)
