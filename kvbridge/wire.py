@@ -75,16 +75,30 @@ def to_dict(obj: Any) -> Any:
     return converter.unstructure(obj)
 
 
-def from_dict(data: Any, cls: type[T]) -> T:
-    """Build `cls` from its plain form; raises ProtocolError naming the bad field."""
+def from_dict(data: Any, cls: type[T], *, passthrough: tuple[type[Exception], ...] = ()) -> T:
+    """Build `cls` from its plain form; raises ProtocolError naming the bad field, or the first error of
+    a `passthrough` type a validator raised, as it is (its message already says what the field takes)."""
     try:
         return converter.structure(data, cls)
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
+        own = _first_of(exc, passthrough) if passthrough else None
+        if own is not None:
+            raise own from None
         if isinstance(exc, cattrs.BaseValidationError):
             detail = "; ".join(cattrs.transform_error(exc, format_exception=_describe))
         else:
             detail = str(exc)
         raise ProtocolError(f"malformed {cls.__name__}: {detail}") from None
+
+
+def _first_of(exc: BaseException, kinds: tuple[type[Exception], ...]) -> BaseException | None:
+    if isinstance(exc, kinds):
+        return exc
+    for inner in getattr(exc, "exceptions", ()):  # cattrs groups the errors it found per field
+        found = _first_of(inner, kinds)
+        if found is not None:
+            return found
+    return None
 
 
 def _describe(exc: BaseException, _type: Any) -> str:

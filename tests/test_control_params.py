@@ -79,8 +79,9 @@ def test_params_kvbridge_fields_round_trip() -> None:
     ],
 )
 def test_params_bad_values_are_config_errors(bad: dict, match: str) -> None:
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as err:
         KVTransferParams.from_dict(bad)
+    assert "ConfigError:" not in str(err.value), "a validator's own message, not wrapped in a converter's"
 
 
 def test_params_missing_remote_keys_say_what_the_proxy_must_pass() -> None:
@@ -125,8 +126,9 @@ def test_params_feed_vllm_nixl_metadata_unchanged() -> None:
 def test_params_out_of_range_values_are_config_errors_naming_the_key(bad: dict, match: str) -> None:
     # Each was accepted and failed later far from its cause: port 70000 as a timeout after the ready wait,
     # a malformed host as a raw zmq.ZMQError.
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as err:
         KVTransferParams.from_dict(bad)
+    assert "ConfigError:" not in str(err.value), "a validator's own message, not wrapped in a converter's"
 
 
 def test_params_the_modes_keys_and_bracketed_ipv6_parse() -> None:

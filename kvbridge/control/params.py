@@ -158,8 +158,8 @@ class KVTransferParams:
                 f"got {blocks!r:.200}"
             ) from None
         try:
-            params = wire.from_dict(known, cls)
-        except ConfigError:  # a validator's, naming the key
+            params = wire.from_dict(known, cls, passthrough=(ConfigError,))  # a validator's names the key
+        except ConfigError:
             raise
         except Exception as exc:  # ProtocolError from wire, or a converter's ValueError
             raise ConfigError(f"bad kv_transfer_params: {exc}") from None
