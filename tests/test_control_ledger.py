@@ -166,6 +166,23 @@ def test_a_count_reached_while_another_rank_reads_holds_until_its_done(ledger: L
     assert released == [("r1", LeaseState.RELEASED, (5,))]
 
 
+def test_a_readers_release_only_done_vouches_for_no_read_of_its_own(ledger: Ledger, released: list) -> None:
+    # A release-only DONE (epoch 0) goes to ranks a decode rank does not read; one that reaches a rank it
+    # reads (a frame signed for another rank, replayed) ends its read and may release the blocks under it,
+    # so that rank's own fenced DONE after it must not confirm the read.
+    lease = ledger.offer("r1", [5], expected_pulls=1)
+    ledger.begin("r1", "d0")
+    ledger.done("r1", "d0", 0, expected_pulls=1)
+    assert released == [("r1", LeaseState.RELEASED, (5,))]
+    assert not ledger.done("r1", "d0", lease.epoch).valid, "the read overlapped the release"
+    other = ledger.offer("r2", [6], expected_pulls=2)  # still active after the release-only DONE
+    ledger.begin("r2", "d0")
+    ledger.done("r2", "d0", 0, expected_pulls=2)
+    assert ledger.state("r2") is LeaseState.ACTIVE and not ledger.done("r2", "d0", other.epoch).valid
+    third = ledger.offer("r3", [7], expected_pulls=2)  # a rank that only releases stays valid
+    assert ledger.done("r3", "d1", 0, expected_pulls=2).valid and ledger.done("r3", "d0", third.epoch).valid
+
+
 def test_a_lease_the_engine_may_free_by_itself_promises_no_hold(ledger: Ledger, released: list) -> None:
     ledger.offer("s1", [5], expected_pulls=1, holds_reads=False)  # e.g. a stream vLLM may preempt
     begun = ledger.begin("s1", "d0")

@@ -62,6 +62,10 @@ class _Entry:
     done: set[str] = attrs.field(factory=set)
     watchers: dict[str, Hashable] = attrs.field(factory=dict)  # decode rank -> its side channel
     readers: set[str] = attrs.field(factory=set)  # decode ranks that began a pull and have not said DONE
+    # readers whose release-only DONE (epoch 0) ended their read: it vouched for nothing, so their fenced
+    # DONE after it is not valid (a replayed release-only DONE must not let a read that overlapped the
+    # release pass as whole)
+    unvouched: set[str] = attrs.field(factory=set)
     forget_at: float = 0.0
 
 
@@ -355,9 +359,12 @@ class Ledger:
                         self._stash(request_id, decode_rank, expected_pulls)
                     return LeaseStatus(request_id, LeaseState.UNKNOWN)
                 counted = old.state is LeaseState.RELEASED and decode_rank in old.done
-                return self._status(old, valid=counted and epoch in (0, old.lease.epoch))
-            if epoch not in (0, entry.lease.epoch):
+                vouched = epoch == 0 or decode_rank not in old.unvouched
+                return self._status(old, valid=counted and vouched and epoch in (0, old.lease.epoch))
+            if epoch not in (0, entry.lease.epoch) or (epoch and decode_rank in entry.unvouched):
                 return self._status(entry, valid=False)
+            if epoch == 0 and decode_rank in entry.readers:
+                entry.unvouched.add(decode_rank)
             entry.readers.discard(decode_rank)
             entry.done.add(decode_rank)
             self._expect(entry, expected_pulls, decode_rank)
@@ -405,6 +412,8 @@ class Ledger:
         for key in [(request_id, epoch)] if epoch else [k for k in self._held if k[0] == request_id]:
             held = self._held.get(key)
             if held is not None:
+                if not epoch and decode_rank in held.readers:
+                    held.unvouched.add(decode_rank)
                 held.readers.discard(decode_rank)
                 if not held.readers:
                     unheld.append(self._held.pop(key))
