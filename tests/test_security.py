@@ -9,6 +9,7 @@ import logging
 import socket
 from collections.abc import Iterator
 
+import attrs
 import numpy as np
 import pytest
 import zmq
@@ -318,3 +319,26 @@ def test_endpoint_from_the_wire_with_hostile_sizes_is_refused() -> None:
         wire.decode(
             msgpack.packb({"v": wire.WIRE_VERSION, "t": "EndpointInfo", "d": d}, use_bin_type=True), EndpointInfo
         )
+
+
+def test_a_nonce_is_kept_only_until_its_frame_is_out_of_the_window() -> None:
+    # Kept for twice the window, a rank refused everything past about 3,300 authenticated messages a second.
+    from kvbridge.control.channel import _frame
+    from kvbridge.control.messages import GetInfo
+
+    now = [1000.0]
+    auth = Authenticator(SECRET, window_s=30.0, max_nonces=2, clock=lambda: now[0])
+
+    def frame() -> object:
+        f = _frame("GetInfo", "decode/0", wire.encode(GetInfo()))
+        return auth.seal(attrs.evolve(f, ts=now[0]))
+
+    first = frame()
+    auth.check(first)
+    auth.check(frame())
+    with pytest.raises(ProtocolError, match="too many messages"):
+        auth.check(frame())
+    now[0] += 30.5  # both frames are out of the window now: a replay is refused on its timestamp
+    with pytest.raises(ProtocolError, match="outside the"):
+        auth.check(first)
+    auth.check(frame())  # their nonces were forgotten, so there is room

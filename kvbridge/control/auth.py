@@ -50,8 +50,9 @@ class Authenticator:
         self.window_s = window_s
         self._max_nonces = max_nonces
         self._clock = clock
-        # nonce -> when it may be forgotten. A frame accepted now has ts <= now + window, so it is
-        # out of the window (refused on its timestamp alone) after now + 2 * window.
+        # nonce -> when it may be forgotten: its timestamp + window, after which a replay is refused on
+        # its timestamp alone (kept as long as the oldest entry before it, at most now + 2 * window: the
+        # table is trimmed from its oldest end).
         self._seen: OrderedDict[bytes, float] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -96,4 +97,4 @@ class Authenticator:
             if len(self._seen) >= self._max_nonces:
                 # Forgetting a nonce inside the window would open a replay: refuse instead.
                 raise ProtocolError("too many messages inside the replay window; retry shortly")
-            self._seen[frame.nonce] = now + 2 * self.window_s
+            self._seen[frame.nonce] = frame.ts + self.window_s
