@@ -246,11 +246,11 @@ class PluginRegistry:
             return
         self._sources[name] = (dist, version)
 
-    def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str, *, kind: str = "plugin") -> None:
-        log.warning("kvbridge %s %s (%s %s) refused: %s", kind, name, dist, version, reason)
+    def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
+        log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
         self.refused.append(
             PluginInfo(
-                kind=kind, name=name, available=False, reason=reason, hint=hint, distribution=dist, version=version
+                kind="plugin", name=name, available=False, reason=reason, hint=hint, distribution=dist, version=version
             )
         )
 
