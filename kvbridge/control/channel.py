@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import attrs
 import zmq
 
-from kvbridge import wire
+from kvbridge import netguard, wire
 from kvbridge.agent import RankInfo
 from kvbridge.block_ids import BlockIds
 from kvbridge.control.auth import Authenticator, new_nonce
@@ -155,10 +155,11 @@ class ControlServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)  # + multipart envelope
         try:
-            if port:
-                self._sock.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._sock.bind_to_random_port(f"tcp://{host}")
+            with netguard.binding():  # not a transport's listener: no guard may filter it
+                if port:
+                    self._sock.bind(f"tcp://{host}:{port}")
+                else:
+                    port = self._sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
             self._sock.close()
             self._ctx.term()
@@ -260,6 +261,8 @@ class ControlServer:
             frame = _decode_small(payload, Frame, self.max_message_bytes)
             reply_to = frame.nonce
             self._auth.check(frame)
+            if self._auth.enabled and peer_host:  # it proved the secret: its transport may reach ours
+                netguard.admit(peer_host, f"authenticated on side channel {self.name}")
             cls = REQUESTS.get(frame.kind)
             if cls is None:
                 raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
@@ -671,6 +674,7 @@ class ControlClient:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         self.url = f"tcp://{host}:{port}"
+        self.host = host
         self.timeout_s = timeout_s
         self.sender = sender
         self._auth = Authenticator(secret)
@@ -739,6 +743,8 @@ class ControlClient:
             self._give_back(sock, answered)
         reply_frame = _decode_small(data, Frame, self._max)
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)
+        if self._auth.enabled:  # the peer proved the secret: its transport may reach ours
+            netguard.admit(self.host, f"answered on side channel {self.url}")
         cls = REPLIES.get(reply_frame.kind)
         if cls is None:
             raise ProtocolError(f"side channel {self.url} answered {kind} with unknown kind {reply_frame.kind!r}")
