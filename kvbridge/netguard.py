@@ -399,6 +399,18 @@ def _port(fd: int) -> int:
         sock.detach()
 
 
+def self_test() -> str | None:
+    """Why this kernel cannot guard listeners (None: it can): attach a filter to a listener of our own."""
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as sock:
+            _attach(sock.fileno(), filter_program(_LOOPBACK))
+    except OSError as exc:
+        return f"SO_ATTACH_FILTER failed: {exc.strerror}"
+    if not os.path.isdir("/proc/self/fd"):
+        return "/proc/self/fd is missing (the guard finds a library's listeners there)"
+    return None
+
+
 def states() -> list[GuardState]:
     """Every guarded transport of this process, open ones included."""
     return [g.state() for g in ADMISSION.guards()]

@@ -232,12 +232,19 @@ def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
     assert len(s.descriptors) == len(scattered) and s.nbytes == len(scattered) * BLOCK_BYTES
 
 
-def _loopback_pair() -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:
-    settings = AdapterSettings(transport="loopback", protocol="loopback", hostname="127.0.0.1", timeout=10)
+def _loopback_pair(
+    secrets: tuple[bytes | None, bytes | None] = (None, None), hostnames: tuple[str, str] = ("127.0.0.1", "127.0.0.1")
+) -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:
+    """A prefill and a decode backend over the loopback transport, linked both ways as LMDeploy's proxy
+    links them; `secrets` and `hostnames` are the prefill's and the decode's."""
     src = np.arange(LAYERS * P_BLOCKS * BLOCK_BYTES, dtype=np.uint64).astype(np.uint8)
     dst = np.zeros(LAYERS * D_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
     sides = {}
-    for me, other, arr, mine, theirs in (("p", "d", src, P_BLOCKS, D_BLOCKS), ("d", "p", dst, D_BLOCKS, P_BLOCKS)):
+    for me, other, arr, mine, theirs, secret, host in (
+        ("p", "d", src, P_BLOCKS, D_BLOCKS, secrets[0], hostnames[0]),
+        ("d", "p", dst, D_BLOCKS, P_BLOCKS, secrets[1], hostnames[1]),
+    ):
+        settings = AdapterSettings(transport="loopback", protocol="loopback", hostname=host, timeout=10, secret=secret)
         b = KVBridgeMigrationBackend(settings)
         b.p2p_initialize(
             DistServeInitRequest(
@@ -265,6 +272,37 @@ def _loopback_pair() -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend
         conn = DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=info)
         sides[me].p2p_connect(other, conn)
     return sides["p"], sides["d"], src, dst
+
+
+SECRET = b"lmdeploy-test-secret-0123456789"
+
+
+def test_endpoints_are_signed_and_a_signed_peer_is_admitted_to_guarded_listeners() -> None:
+    from kvbridge import netguard
+
+    prefill, decode, _src, _dst = _loopback_pair((SECRET, SECRET), ("198.51.100.77", "198.51.100.78"))
+    try:
+        info = prefill.endpoint_info("d", MigrationProtocol.TCP)
+        assert info["host"] == "198.51.100.77" and len(info["mac"]) == 64 and SECRET.decode() not in json.dumps(info)
+        admitted = {str(a) for a in netguard.ADMISSION.hosts()}
+        assert {"198.51.100.77", "198.51.100.78"} <= admitted, "each side admits the host its peer signed for"
+        for tampered in (
+            {**info, "host": "198.51.100.66"},
+            {**info, "mac": "0" * 64},
+            {k: v for k, v in info.items() if k != "mac"},
+        ):
+            conn = DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=json.dumps(tampered))
+            with pytest.raises(ProtocolError, match=r"(unsigned|signed with another secret).*same KVBRIDGE_SECRET"):
+                decode.p2p_connect("p", conn)
+        assert "198.51.100.66" not in {str(a) for a in netguard.ADMISSION.hosts()}
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_an_engine_without_the_secret_is_refused_by_one_that_has_it() -> None:
+    with pytest.raises(ProtocolError, match="'p' is unsigned"):
+        _loopback_pair((None, SECRET))
 
 
 def test_transport_failure_names_engine_and_instruct() -> None:
