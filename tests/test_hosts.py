@@ -212,3 +212,16 @@ def test_delay_works_or_says_netem_is_missing(hosts_factory: MakeHosts) -> None:
     else:
         out = hosts["prefill"].run(["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
         assert "netem" in out and "delay 10ms" in out
+
+
+def test_a_thread_can_enter_a_host_and_leave_it(hosts_factory: MakeHosts) -> None:
+    import socket
+
+    hosts = hosts_factory(["prefill", "decode"])
+    _server(hosts, "decode")
+    home = Path("/proc/thread-self/ns/net").stat().st_ino
+    with hosts["prefill"].entered(), socket.create_connection(("192.0.2.2", PORT), timeout=5) as c:
+        assert Path("/proc/thread-self/ns/net").stat().st_ino != home
+        c.sendall(b"ping")
+        assert c.recv(64) == b"ping"
+    assert Path("/proc/thread-self/ns/net").stat().st_ino == home  # back in this machine's own namespace

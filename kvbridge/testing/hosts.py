@@ -19,6 +19,7 @@ namespaces, and every namespace is deleted by name, also when the body raised.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import ipaddress
 import itertools
 import logging
@@ -41,6 +42,7 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]{0,15}$")
 _OURS = re.compile(rf"^{PREFIX}(\d+)x\d+-")
 _SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 _TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables"}
+_CLONE_NEWNET = 0x40000000
 _STOP_S = 5.0  # a process gets this long after SIGTERM before SIGKILL
 _counter = itertools.count()
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)?$", re.IGNORECASE)
@@ -180,6 +182,30 @@ class Host:
     ) -> subprocess.CompletedProcess[Any]:
         """Run `args` inside the host to completion (bounded by `timeout`)."""
         return subprocess.run(self.command(args), check=check, timeout=timeout, **kwargs)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the calling thread inside this host's network namespace until the block ends.
+
+        Threads it starts meanwhile are born there and stay there: a client that must reach the
+        hosts (which the root namespace cannot) runs this way without a process of its own.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            target = os.open(f"/var/run/netns/{self.netns}", os.O_RDONLY)
+            try:
+                if libc.setns(target, _CLONE_NEWNET) != 0:
+                    raise HostsError(f"cannot enter {self.netns}: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(target)
+            try:
+                yield
+            finally:
+                if libc.setns(own, _CLONE_NEWNET) != 0:
+                    raise HostsError(f"cannot leave {self.netns}: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(own)
 
     def stop(self, deadline_s: float = _STOP_S) -> None:
         """Stop every process this host started: TERM its group, KILL after the bound."""
