@@ -44,8 +44,8 @@ class Child:
         name: str = "",
         prefix: Sequence[str] = (),
     ) -> None:
-        """`prefix`: a command the interpreter runs under, e.g. ``ip netns exec NS`` (it must exec in place, so
-        the PID stays the interpreter's)."""
+        """`prefix` goes before the command and must exec it, so that the PID is the child's (e.g.
+        `ip netns exec NS`, which runs it on another host: `kvbridge.testing.hosts.Host.command([])`)."""
         self.name = name or module
         full_env = dict(os.environ)
         full_env.update(env or {})

@@ -41,6 +41,7 @@ class Side:
         options: dict[str, Any],
         layout: str,
         stage: bool = False,
+        hostname: str | None = None,
     ) -> None:
         self.spec = get_preset(model)
         self.device = kvbridge.get_device(device)
@@ -52,7 +53,7 @@ class Side:
         self.pool = self.device.allocate(self.layout.nbytes)
         # Staged where the transport cannot reach the device's memory (or when asked to, to measure it).
         self.backend = staging.attach(
-            kvbridge.create_backend(backend, protocol=protocol, **options), self.device, force=stage
+            kvbridge.create_backend(backend, protocol=protocol, hostname=hostname, **options), self.device, force=stage
         )
         (region,) = self.backend.register_memory(self.pool)
         self.base = region.addr  # local descriptors use device addresses, staged or not
@@ -209,6 +210,18 @@ def init(**kwargs: Any) -> dict[str, Any]:
     }
 
 
+def admit(host: str) -> None:
+    """Let the peer on `host` reach this side's transport listeners (bench --hosts)."""
+    _admit_peer(host)
+
+
+def _admit_peer(host: str) -> None:
+    # The one call site for admitting the other bench host to a guarded transport's listeners
+    # (Mooncake and NIXL, once they admit only authenticated or explicitly admitted hosts: issue 30,
+    # `kvbridge.netguard.admit`). Nothing is guarded yet, so there is nothing to do.
+    log.debug("peer host %s: no listener guard to admit it to yet", host)
+
+
 def fill(requests: list[list[int]]) -> None:
     _get().fill(requests)
 
@@ -294,6 +307,7 @@ def main() -> None:
     serve(
         {
             "init": init,
+            "admit": admit,
             "fill": fill,
             "connect": connect,
             "zero": zero,
