@@ -35,7 +35,7 @@ def test_bench_across_two_hosts_verifies_and_reports_the_link(backend: str) -> N
     result = json.loads(out.stdout)
     assert result["verified"] and not result["problems"]
     hosts = result["hosts"]
-    assert (hosts["prefill"], hosts["decode"]) == ("192.0.2.1", "192.0.2.2")
+    assert (hosts["prefill"], hosts["decode"]) == ("198.51.100.1", "198.51.100.2")
     assert hosts["link"] == {"rate_bits": 10**9, "loss": 0.001, "described": "1 Gbit/s, 0.10% loss each way"}
     # Each path's share of the link is its GB/s over the rate. Above 1.5 the bytes did not cross the
     # shaped link at all (UCX moves them through shared memory unless told to use TCP).

@@ -84,7 +84,7 @@ def _netns() -> list[str]:
 
 def test_hosts_talk_tcp_by_address_and_each_has_loopback(hosts_factory: MakeHosts) -> None:
     hosts = hosts_factory(["prefill", "decode"])
-    assert [h.address for h in hosts] == ["192.0.2.1", "192.0.2.2"]
+    assert [h.address for h in hosts] == ["198.51.100.1", "198.51.100.2"]
     _server(hosts, "decode")
     assert _connect(hosts, "prefill", "decode") == 0
     # 127.0.0.1 inside a host is that host's own loopback: the server is not reachable there from prefill.
@@ -116,9 +116,9 @@ def test_loss_drops_a_random_share_in_one_direction(hosts_factory: MakeHosts) ->
     receiver = _server(hosts, "decode", RECEIVER)
     hosts.loss("prefill", "decode", 0.25)
     hosts.loss("decode", "prefill", 0.9)  # the other direction has its own rule: no effect on this one
-    hosts["prefill"].run([sys.executable, "-c", SENDER, "192.0.2.2", str(PORT), str(n), "x"])
+    hosts["prefill"].run([sys.executable, "-c", SENDER, "198.51.100.2", str(PORT), str(n), "x"])
     hosts.loss("prefill", "decode", 0)
-    hosts["prefill"].run([sys.executable, "-c", SENDER, "192.0.2.2", str(PORT), "1", "end"])
+    hosts["prefill"].run([sys.executable, "-c", SENDER, "198.51.100.2", str(PORT), "1", "end"])
     out, _ = receiver.communicate(timeout=30)
     got = int(out)
     # 25 % of 2000 dropped: the standard deviation is ~1 %, so [10 %, 40 %] is far outside chance.
@@ -196,7 +196,9 @@ def test_bad_input_is_refused_with_what_to_do() -> None:
     with pytest.raises(ValueError, match="lowercase"):
         Hosts(["Decode-1"])
     with pytest.raises(ValueError, match="fewer than 3"):
-        Hosts(["a", "b", "c"], subnet="192.0.2.0/31")
+        Hosts(["a", "b", "c"], subnet="198.51.100.0/31")
+    with pytest.raises(ValueError, match="holds this machine's own address 127.0.0.1"):
+        Hosts(["a"], subnet="127.0.0.0/24")
     assert parse_rate("5gbit") == 5 * 10**9
     assert parse_rate("100mbit") == 10**8
     with pytest.raises(ValueError, match="e.g. 100mbit"):
@@ -220,7 +222,7 @@ def test_a_thread_can_enter_a_host_and_leave_it(hosts_factory: MakeHosts) -> Non
     hosts = hosts_factory(["prefill", "decode"])
     _server(hosts, "decode")
     home = Path("/proc/thread-self/ns/net").stat().st_ino
-    with hosts["prefill"].entered(), socket.create_connection(("192.0.2.2", PORT), timeout=5) as c:
+    with hosts["prefill"].entered(), socket.create_connection(("198.51.100.2", PORT), timeout=5) as c:
         assert Path("/proc/thread-self/ns/net").stat().st_ino != home
         c.sendall(b"ping")
         assert c.recv(64) == b"ping"

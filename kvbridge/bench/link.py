@@ -17,7 +17,7 @@ import attrs
 from kvbridge.errors import ConfigError
 from kvbridge.secret import SECRET_ENV
 
-SUBNET = "192.0.2.0/24"  # a documentation range: never a real network
+SUBNET = "198.51.100.0/24"  # a documentation range: never a real network
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import kvbridge
-from kvbridge import staging
+from kvbridge import netguard, staging
 from kvbridge.bench.fingerprint import block_values
 from kvbridge.bench.pool_layout import PoolLayout
 from kvbridge.errors import ConfigError
@@ -211,15 +211,12 @@ def init(**kwargs: Any) -> dict[str, Any]:
 
 
 def admit(host: str) -> None:
-    """Let the peer on `host` reach this side's transport listeners (bench --hosts)."""
-    _admit_peer(host)
+    """Let the peer on `host` reach this side's guarded transport listeners (bench --hosts).
 
-
-def _admit_peer(host: str) -> None:
-    # The one call site for admitting the other bench host to a guarded transport's listeners
-    # (Mooncake and NIXL, once they admit only authenticated or explicitly admitted hosts: issue 30,
-    # `kvbridge.netguard.admit`). Nothing is guarded yet, so there is nothing to do.
-    log.debug("peer host %s: no listener guard to admit it to yet", host)
+    The workers learn each other's address from the bench, which holds the secret and started both: the
+    pair bench has no side channel on which the peer could prove the secret itself.
+    """
+    netguard.admit(host, "the bench's other host")
 
 
 def fill(requests: list[list[int]]) -> None:

@@ -72,7 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hosts",
         action="store_true",
-        help="run prefill and decode on two hosts: network namespaces at 192.0.2.1 and 192.0.2.2 joined by a "
+        help="run prefill and decode on two hosts: network namespaces at 198.51.100.1 and 198.51.100.2 joined by a "
         "bridge, with a fresh shared secret (needs root, ip, tc and nft; pair mode; docs/hosts.md)",
     )
     p.add_argument(

@@ -12,7 +12,7 @@ hosts started is stopped by its PID (TERM, then KILL), then every process still 
 namespaces, and every namespace is deleted by name, also when the body raised.
 
     with Hosts(["prefill", "decode"]) as hosts:
-        server = hosts["decode"].popen([sys.executable, "-m", "http.server", "--bind", "192.0.2.2"])
+        server = hosts["decode"].popen([sys.executable, "-m", "http.server", "--bind", "198.51.100.2"])
         hosts.partition("prefill", "decode")
 """
 
@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import ipaddress
 import itertools
+import json
 import logging
 import os
 import re
@@ -237,6 +238,15 @@ class _Flap:
     stop: threading.Event
 
 
+def _own_addresses() -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses of this machine's own interfaces (the namespace this process runs in)."""
+    try:
+        out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [ipaddress.ip_address(a["local"]) for link in json.loads(out) for a in link.get("addr_info", ())]
+
+
 class Hosts:
     """N hosts on one bridge, each a network namespace; a context manager that removes all it made.
 
@@ -245,13 +255,19 @@ class Hosts:
     the traffic on each host's `lo` are untouched.
     """
 
-    def __init__(self, names: Sequence[str], subnet: str = "192.0.2.0/24", mtu: int = 1500) -> None:
+    def __init__(self, names: Sequence[str], subnet: str = "198.51.100.0/24", mtu: int = 1500) -> None:
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"host names must be distinct and at least one, got {list(names)}")
         for name in names:
             if not _NAME.match(name):
                 raise ValueError(f"host name {name!r}: use 1-16 lowercase letters, digits or _, a letter first")
         net = ipaddress.ip_network(subnet)
+        clash = [a for a in _own_addresses() if a in net]
+        if clash:
+            raise ValueError(
+                f"subnet {subnet} holds this machine's own address {clash[0]}; pick a documentation range it does "
+                "not use (198.51.100.0/24, 203.0.113.0/24)"
+            )
         addrs = itertools.islice(net.hosts(), len(names))
         self.subnet = net
         self.mtu = mtu
