@@ -111,6 +111,16 @@ def resolve(host: str) -> tuple[IPAddress, ...]:
     return tuple(dict.fromkeys(_unmapped(ipaddress.ip_address(str(i[4][0]).split("%", 1)[0])) for i in infos))
 
 
+def _without_port(hostname: str) -> str:
+    """The host of ``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` (Mooncake takes ``ip:port`` with a metadata
+    server)."""
+    if hostname.startswith("["):
+        return hostname[1:].split("]", 1)[0]
+    if hostname.count(":") == 1:
+        return hostname.split(":", 1)[0]
+    return hostname
+
+
 def _unmapped(addr: IPAddress) -> IPAddress:
     # A dual-stack socket names an IPv4 peer ::ffff:a.b.c.d; its packets carry the IPv4 address.
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
@@ -303,7 +313,7 @@ class Guard:
         self.open = bool(opts.insecure)
         self._allow = parse_allow(opts.allow)
         secret = opts.secret or load_secret(opts.secret_file)
-        if not (self.open or secret or self._allow or is_loopback(hostname)):
+        if not (self.open or secret or self._allow or is_loopback(_without_port(hostname))):
             raise ConfigError(
                 f"{what} would listen on {hostname!r}, which other hosts can reach, and it authenticates no peer: "
                 "kvbridge admits to its ports only hosts that prove the shared secret on the side channel, and "
@@ -311,7 +321,8 @@ class Guard:
                 '127.0.0.1; or, on a network you trust, set insecure=True (vLLM: "insecure": true in '
                 "kv_connector_extra_config)"
             )
-        own = () if hostname.strip("[]") in ("", "0.0.0.0", "::") else resolve(hostname)
+        host = _without_port(hostname)
+        own = () if host in ("", "0.0.0.0", "::") else resolve(host)
         self._own = tuple(ipaddress.ip_network(a) for a in own)
         self._fds: dict[str, int] = {}
         self._ports: tuple[int, ...] = ()

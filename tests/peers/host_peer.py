@@ -146,8 +146,8 @@ def stranger_library(
                 time.sleep(0.01)
         except Exception as exc:  # noqa: BLE001 - NIXL's refusal is the answer
             rc = f"{type(exc).__name__}: {exc}"
-    else:  # kvbridge's tcp transport, as a client holding no secret (or the wrong one)
-        be = kvbridge.create_backend("tcp", hostname=hostname, secret="a-stranger's-own-secret-0123456789")
+    else:  # kvbridge's tcp transport, as a client holding no secret
+        be = kvbridge.create_backend("tcp", hostname=hostname, insecure=True)
         be.register_memory(local)
         try:
             peer = be.connect(bytes.fromhex(endpoint))
