@@ -531,7 +531,7 @@ class Proxy:
         """One P/D request, up to the decode's answer coming (a Handover), or the error answer to give."""
         # Leases are keyed on this id (prefill's vLLM request id): never on a client's, which two may share.
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
-        log.debug("request %s: P/D request %s", timeline.request_id, headers["X-Request-Id"])
+        log.info("request %s: P/D request %s", timeline.request_id, headers["X-Request-Id"])  # the servers log this
         try:
             self.pools["decode"].healthy()  # else prefill would hold KV that no decode reads until its lease ends
         except NoInstance as exc:
