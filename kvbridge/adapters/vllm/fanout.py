@@ -102,11 +102,8 @@ def _usage(usages: list[tuple[bool, dict[str, Any]]]) -> dict[str, Any] | None:
         return None
     prompt = sum(u.get("prompt_tokens") or 0 for counts, u in usages if counts)
     completion = sum(u.get("completion_tokens") or 0 for _, u in usages)
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+    out = dict(usages[0][1])  # the keys vLLM sent (its nulls included), the counts summed
+    out |= {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") for counts, u in usages if counts]
     if any(c is not None for c in cached):
         out["prompt_tokens_details"] = {"cached_tokens": sum(c or 0 for c in cached)}
