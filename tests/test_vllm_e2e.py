@@ -101,8 +101,11 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     started: list[Server] = []
     try:
         common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
+        # The P/D servers take request ids as they are sent, without vLLM's random suffix: two requests that
+        # share an id would share prefill's lease, were the proxy to pass a client's id on.
+        same_ids = {"env": {"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}}
         prefill = start_vllm(
-            model, kv_transfer_config=connector("kv_producer", secret), host=hosts["prefill"], **common
+            model, kv_transfer_config=connector("kv_producer", secret), host=hosts["prefill"], **common, **same_ids
         )
         started.append(prefill)
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
@@ -114,6 +117,7 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"),
                 host=hosts["decode0"],
                 **common,
+                **same_ids,
             ),
             start_vllm(
                 model,
@@ -123,14 +127,17 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 executor="uni",
                 host=hosts["decode1"],
                 **common,
+                **same_ids,
             ),
         ]
         started += decode
         colocated = start_vllm(model, host=hosts["colocated"], **common)
         started.append(colocated)
         wait_healthy(started, timeout=540)
-        # each pair warmed
-        proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs, host=hosts["proxy"])
+        # each pair warmed; answers name the server that made them (tests read x-kvbridge-decode)
+        proxy = start_proxy(
+            [prefill.url], [d.url for d in decode], log_dir=logs, host=hosts["proxy"], expose_internals=True
+        )
         started.append(proxy)
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c
@@ -391,6 +398,125 @@ def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
     a = cluster.http.post(f"{cluster.proxy.url}/v1/chat/completions", json=chat).json()
     b = cluster.http.post(f"{cluster.colocated.url}/v1/chat/completions", json=chat).json()
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def _choices(answer: dict) -> list[tuple]:
+    return [(c["index"], c.get("token_ids"), c.get("text"), c.get("message")) for c in answer["choices"]]
+
+
+def _stream(cluster: Cluster, server: Server, path: str, body: dict) -> tuple[dict[int, str], dict | None]:
+    """A streamed answer's text per choice index and its usage chunk; every event checked, one [DONE]."""
+    texts: dict[int, str] = {}
+    usage, done = None, 0
+    with cluster.http.stream("POST", f"{server.url}{path}", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done += 1
+            elif line.startswith("data: "):
+                assert not done, "an event after [DONE]"
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for c in event["choices"]:
+                    piece = c["text"] if "text" in c else c["delta"].get("content")
+                    texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+                usage = event.get("usage") or usage
+    assert done == 1
+    return texts, usage
+
+
+def test_batched_prompts_and_n_match_colocated(cluster: Cluster) -> None:
+    # vLLM answers a batch with the first prompt's kv_transfer_params only: the proxy splits it into one P/D
+    # request per choice. Prompts of different lengths (shorter and longer than the first), greedy; n=2 with
+    # a seed (vLLM seeds choice i with seed + i); chat with n=2; each streamed and not.
+    prompts = [random_prompt(n, seed=80 + n) for n in (70, 5, 300)]
+    chat = [{"role": "user", "content": random_prompt(60, seed=85)}]
+    cases = [
+        ("/v1/completions", {"prompt": prompts}),
+        ("/v1/completions", {"prompt": prompts[:2], "n": 2, "temperature": 1.0, "seed": 7}),
+        ("/v1/chat/completions", {"messages": chat, "n": 2, "temperature": 1.0, "seed": 9}),
+    ]
+    for path, extra in cases:
+        body = {**cluster.body(""), **extra}
+        if path != "/v1/completions":
+            body.pop("prompt")
+        got = cluster.http.post(f"{cluster.proxy.url}{path}", json=body)
+        want = cluster.http.post(f"{cluster.colocated.url}{path}", json=body).json()
+        assert got.status_code == 200, f"{got.text}\n{failure_reports(*cluster.servers())}"
+        assert _choices(got.json()) == _choices(want), (path, extra)
+        assert got.json()["usage"] == want["usage"]
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        assert _stream(cluster, cluster.proxy, path, streamed) == _stream(cluster, cluster.colocated, path, streamed)
+    # What vLLM refuses, the proxy refuses alike: several choices of greedy sampling.
+    greedy = {**cluster.body(prompts[0]), "n": 2}
+    r = cluster.http.post(f"{cluster.proxy.url}/v1/completions", json=greedy)
+    assert r.status_code == 400 and "n must be 1 when using greedy sampling" in r.json()["error"]
+    assert cluster.http.post(f"{cluster.colocated.url}/v1/completions", json=greedy).status_code == 400
+    left = cluster.prefill.wait_kv_usage(0.0, timeout=60)  # every part's lease ended by its DONE
+    assert left == 0.0, failure_reports(cluster.prefill)
+
+
+def test_concurrent_requests_sharing_an_x_request_id_match_colocated(cluster: Cluster) -> None:
+    # The P/D servers here keep request ids as sent (no random suffix): were a client's id passed on, the
+    # two prefill requests would be one id, one lease.
+    texts = [random_prompt(100 + 150 * i, seed=90 + i) for i in range(4)]
+
+    def send(text: str) -> httpx.Response:
+        body = cluster.body(text)
+        return cluster.http.post(f"{cluster.proxy.url}/v1/completions", json=body, headers={"X-Request-Id": "same"})
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        answers = list(pool.map(send, texts))
+    for text, r in zip(texts, answers, strict=True):
+        assert r.status_code == 200, f"{r.text}\n{failure_reports(*cluster.servers())}"
+        assert r.headers["x-request-id"] == "same"
+        assert r.json()["choices"][0]["token_ids"] == cluster.token_ids(cluster.colocated, text)
+
+
+def test_bad_input_is_refused_by_the_proxy_and_harmless_straight_to_the_servers(cluster: Cluster) -> None:
+    text = random_prompt(90, seed=95)
+    want = cluster.token_ids(cluster.colocated, text)
+    smuggled = {"remote_host": "127.0.0.1", "remote_port": 1, "do_remote_prefill": True}
+    proxy_url = f"{cluster.proxy.url}/v1/completions"
+    refused = [
+        cluster.http.post(proxy_url, json=cluster.body(text, vllm_xargs={"kv_transfer_params": json.dumps(smuggled)})),
+        cluster.http.post(
+            proxy_url, content=json.dumps(cluster.body(text))[:-1] + ', "x": ' + "[" * 3000 + "]" * 3000 + "}"
+        ),
+        cluster.http.post(proxy_url, json=cluster.body(text), headers={"x-request-id": "é".encode("latin-1")}),
+    ]
+    assert [r.status_code for r in refused] == [400] * 3, [r.text for r in refused]
+    # Straight to a P/D server (no proxy): params of a wrong type or with junk in them. vLLM's own front end
+    # reads vllm_xargs.kv_transfer_params before its engine does, and answers one that is no JSON object with
+    # a 500 of its own (vLLM 0.32; the engine never sees the request): the server must keep serving.
+    for server in (cluster.decode[0], cluster.prefill):
+        for value in ("junk", [1, "x"], 7):
+            r = cluster.http.post(
+                f"{server.url}/v1/completions", json=cluster.body(text, vllm_xargs={"kv_transfer_params": value})
+            )
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want or r.status_code >= 400
+    # Objects with junk in them reach the connector, which drops them (logged) as the request arrives: the
+    # request is served as a colocated server would, or refused with an error that names the params.
+    bad = [
+        {"do_remote_prefill": True, "remote_block_ids": {"a": [1]}, **smuggled},
+        {"do_remote_prefill": True, "remote_engine_id": ["x"], "remote_request_id": "r"},
+        {"do_remote_decode": True, "transfer_mode": {"x": 1}, "transfer_id": [2]},
+        {"do_remote_prefill": True, "remote_block_ids": [[10**30]], **smuggled},
+    ]
+    for server in (cluster.decode[0], cluster.prefill):
+        for params in bad:
+            r = cluster.http.post(f"{server.url}/v1/completions", json=cluster.body(text, kv_transfer_params=params))
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["token_ids"] == want, (server.url, params)
+            else:
+                # vLLM itself refuses integers past 64 bits in extra_args, where it keeps the params
+                named = "kv_transfer_params" in r.text or "extra_args" in r.text
+                assert 400 <= r.status_code < 500 and named, (server.url, params, r.text)
+    # Every engine still serves, through the proxy (both decode servers) and straight.
+    for server in [cluster.prefill, *cluster.decode, cluster.colocated]:
+        assert server.alive() and cluster.token_ids(server, text) == want, failure_reports(server)
+    for _ in cluster.decode:
+        assert cluster.token_ids(cluster.proxy, text) == want, failure_reports(*cluster.servers())
 
 
 def test_decode_prefix_cache_hit_still_releases_prefill(cluster: Cluster) -> None:

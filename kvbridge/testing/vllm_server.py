@@ -349,8 +349,10 @@ def start_proxy(
     transfer: str = "pull",
     timeout: float = 120.0,
     host: Host | None = None,
+    expose_internals: bool = False,
 ) -> Server:
     """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
+    `expose_internals`: its answers name the servers by URL (`--expose-internals`).
 
     The proxy's warm-up is one real handover through each prefill/decode pair (its first contact),
     so whoever counts a decode server's transfers starts after it. A proxy that does not get there
@@ -376,6 +378,7 @@ def start_proxy(
         *prefill,
         "--decode",
         *decode,
+        *(["--expose-internals"] if expose_internals else []),
     ]
     env = dict(os.environ)
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
