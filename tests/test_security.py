@@ -425,3 +425,14 @@ def test_the_side_channel_queues_few_messages_per_peer(prefill: Prefill) -> None
     sock = prefill.server._sock
     for option in (zmq.RCVHWM, zmq.SNDHWM):
         assert sock.getsockopt(option) * MAX_MESSAGE_BYTES <= 64 << 20
+
+
+def test_the_secret_from_the_environment_is_stripped_as_the_files_is(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """`export KVBRIDGE_SECRET="$(cat file)\n"` and the file itself must give one secret, or the two sides
+    of a deployment that read it each way never authenticate each other."""
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    monkeypatch.setenv("KVBRIDGE_SECRET_FILE", str(path))
+    from_file = load_secret()
+    monkeypatch.setenv("KVBRIDGE_SECRET", f"  {SECRET}\r\n")
+    assert load_secret() == from_file == SECRET.encode()
