@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvbridge.errors import KVBridgeError, TransferTimeout
@@ -36,13 +36,22 @@ class ChildError(KVBridgeError):
 class Child:
     """A Python child process running `python -m MODULE ARGS...` that serves JSON-line calls."""
 
-    def __init__(self, module: str, *args: str, env: Mapping[str, str] | None = None, name: str = "") -> None:
+    def __init__(
+        self,
+        module: str,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        name: str = "",
+        prefix: Sequence[str] = (),
+    ) -> None:
+        """`prefix` goes before the command and must exec it, so that the PID is the child's (e.g.
+        `ip netns exec NS`, which runs it on another host: `kvbridge.testing.hosts.Host.command([])`)."""
         self.name = name or module
         full_env = dict(os.environ)
         full_env.update(env or {})
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*prefix, sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,  # native libraries' lines become log records, the rest passes through

@@ -3,11 +3,13 @@ distributions (the repo's plugins) are allowed unless a test says otherwise."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 
 import kvbridge
+from kvbridge.testing.hosts import Hosts, hosts_unavailable
 
 
 @pytest.fixture(autouse=True)
@@ -15,3 +17,35 @@ def _fresh_registry() -> Iterator[None]:
     kvbridge.reset_plugins()
     yield
     kvbridge.reset_plugins()
+
+
+def _hosts_factory() -> Iterator[Callable[..., Hosts]]:
+    reason = hosts_unavailable()
+    if reason:
+        pytest.skip(reason)
+    made: list[Hosts] = []
+
+    def make(names: Sequence[str], **kwargs: Any) -> Hosts:
+        hosts = Hosts(names, **kwargs)
+        made.append(hosts)  # before open(): a failed open cleans up itself, close() is then a no-op
+        hosts.open()
+        return hosts
+
+    try:
+        yield make
+    finally:
+        for hosts in reversed(made):
+            hosts.close()
+
+
+@pytest.fixture
+def hosts_factory() -> Iterator[Callable[..., Hosts]]:
+    """`make(["prefill", "decode"], subnet=...)` -> open `Hosts`, closed after the test; skips where
+    namespaces cannot be made (not root, tools missing). As root, a failure to make them fails."""
+    yield from _hosts_factory()
+
+
+@pytest.fixture(scope="module")
+def module_hosts_factory() -> Iterator[Callable[..., Hosts]]:
+    """`hosts_factory` whose hosts live for the whole module (shared servers)."""
+    yield from _hosts_factory()

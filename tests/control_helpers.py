@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import shutil
 import signal
 import socket
@@ -9,13 +10,17 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from kvbridge.control import KVTransferParams
 from kvbridge.testing.ports import free_port
+
+if TYPE_CHECKING:
+    from kvbridge.testing.hosts import Host
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
@@ -43,23 +48,38 @@ def _require(binary: str) -> str:
     return path
 
 
+def _popen(host: Host | None, argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    return subprocess.Popen(host.command(argv) if host else argv, **kwargs)
+
+
+def _inside(host: Host | None) -> AbstractContextManager[None]:
+    """Where the test reaches a server: from the server's own host when it is on one."""
+    return host.entered() if host else nullcontext()
+
+
 @contextmanager
-def redis_server(tmp: Path) -> Iterator[str]:
-    """A real redis-server on a free 127.0.0.1 port, stopped by its PID; yields redis://127.0.0.1:PORT."""
+def redis_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
+    """A real redis-server on a free port of 127.0.0.1, or of `host` (a namespace host: then it takes a password,
+    as redis does off loopback), stopped by its PID; yields redis://[:PASSWORD@]ADDRESS:PORT."""
     port = free_port(span=1)
-    proc = subprocess.Popen(
+    address = host.address if host else "127.0.0.1"
+    password = secrets.token_hex(8) if host else ""
+    auth = ["--requirepass", password] if password else []
+    proc = _popen(
+        host,
         [
             _require("redis-server"),
             "--port",
             str(port),
             "--bind",
-            "127.0.0.1",
+            address,
             "--save",
             "",
             "--appendonly",
             "no",
             "--dir",
             str(tmp),
+            *auth,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -68,25 +88,34 @@ def redis_server(tmp: Path) -> Iterator[str]:
 
         def up() -> bool:
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    return s.recv(16).startswith(b"+PONG")
+                with _inside(host), socket.create_connection((address, port), timeout=1) as s:
+                    s.sendall((f"AUTH {password}\r\n" if password else "").encode() + b"PING\r\n")
+                    got = b""
+                    while b"PONG" not in got and b"-" not in got[:1] and len(got) < 64:
+                        chunk = s.recv(64)
+                        if not chunk:
+                            break
+                        got += chunk
+                    return b"+PONG" in got
             except OSError:
                 assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
                 return False
 
         wait_for(up, what="redis-server")
-        yield f"redis://127.0.0.1:{port}"
+        yield f"redis://:{password}@{address}:{port}" if password else f"redis://{address}:{port}"
     finally:
         _stop(proc)
 
 
 @contextmanager
-def etcd_server(tmp: Path) -> Iterator[str]:
-    """A real single-member etcd on free 127.0.0.1 ports, stopped by its PID; yields etcd://127.0.0.1:PORT."""
+def etcd_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
+    """A real single-member etcd on free ports of 127.0.0.1, or of `host` (a namespace host), stopped by its
+    PID; yields etcd://ADDRESS:PORT."""
     client, peer = free_port(span=1), free_port(span=1)
-    c_url, p_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
-    proc = subprocess.Popen(
+    address = host.address if host else "127.0.0.1"
+    c_url, p_url = f"http://{address}:{client}", f"http://{address}:{peer}"
+    proc = _popen(
+        host,
         [
             _require("etcd"),
             "--name",
@@ -111,14 +140,14 @@ def etcd_server(tmp: Path) -> Iterator[str]:
 
         def up() -> bool:
             try:
-                with urllib.request.urlopen(f"{c_url}/health", timeout=1) as resp:  # noqa: S310
+                with _inside(host), urllib.request.urlopen(f"{c_url}/health", timeout=1) as resp:  # noqa: S310
                     return b'"true"' in resp.read()
             except OSError:
                 assert proc.poll() is None, f"etcd exited with {proc.returncode}"
                 return False
 
         wait_for(up, what="etcd")
-        yield f"etcd://127.0.0.1:{client}"
+        yield f"etcd://{address}:{client}"
     finally:
         _stop(proc)
 

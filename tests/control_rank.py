@@ -56,6 +56,7 @@ class Rank:
         metadata_server: str | None = None,
         hostname: str = "127.0.0.1",
         registry: str | None = None,
+        host: str = "127.0.0.1",
     ):
         self.role, self.engine_id, self.rank, self.secret = role, engine_id, rank, secret
         self.name = f"{engine_id}/{rank}"
@@ -100,6 +101,7 @@ class Rank:
             engine_id,
             rank,
             ledger=self.ledger,
+            host=host,
             port=port,
             secret=secret,
             on_abort=self._on_abort,

@@ -1,9 +1,12 @@
-"""Discovery with real servers: redis and etcd started on free 127.0.0.1 ports and stopped by PID.
-Also: the same etcd serving as Mooncake's metadata server while kvbridge's registry uses it."""
+"""Discovery with real servers: redis and etcd started on free ports and stopped by PID, on 127.0.0.1 and
+on a host of their own (network namespaces) with the ranks on others. Also: the same etcd serving as
+Mooncake's metadata server while kvbridge's registry uses it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,58 +110,75 @@ def test_registry_urls() -> None:
 
 
 @pytest.mark.slow
-def test_registry_and_mooncake_metadata_share_one_etcd(etcd_url: str) -> None:
-    """Two processes: Mooncake's segment metadata and kvbridge's rank records in the same etcd;
-    the decode rank finds the prefill rank through the registry and pulls fingerprinted KV."""
+@pytest.mark.parametrize("store", ["etcd", "redis"])
+def test_discovery_across_hosts_finds_the_prefill_rank_and_pulls(
+    hosts_factory,
+    tmp_path: Path,
+    store: str,  # noqa: ANN001
+) -> None:
+    """Three hosts: the registry on one, a prefill and a decode rank on the others, the side channel
+    authenticated. The decode rank finds the prefill rank through the registry and pulls fingerprinted KV
+    across hosts. With etcd, Mooncake keeps its segment metadata in the same etcd; with redis (which this
+    Mooncake wheel cannot use for its metadata) Mooncake does its own peer-to-peer handshake."""
+    hosts = hosts_factory(["metadata", "prefill", "decode"])
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
         "GLOG_minloglevel": "2",
     }
+    secret = secrets.token_hex(16)
     children = []
-    try:
+    with contextlib.ExitStack() as stack:
+        server = etcd_server if store == "etcd" else redis_server
+        url = stack.enter_context(server(tmp_path, host=hosts["metadata"]))
+        stack.callback(lambda: [c.close() for c in children])
         for role in ("prefill", "decode"):
-            child = Child("control_rank", env=env, name=role)
+            host = hosts[role]
+            child = Child("control_rank", env={**env, "KVBRIDGE_SECRET": secret}, name=role, prefix=host.command([]))
             children.append(child)
             child.call(
                 "setup",
                 role=role,
-                engine_id=f"{role}-etcd",
+                engine_id=f"{role}-{store}",
                 rank=0,
                 parallel="tp1",
                 kv_heads=2,
                 blocks=4,
-                metadata_server=etcd_url,
-                hostname=f"127.0.0.1:{free_port(span=1)}",
-                registry=etcd_url,
+                metadata_server=url if store == "etcd" else None,
+                hostname=f"{host.address}:{free_port(span=1)}" if store == "etcd" else host.address,
+                registry=url,
+                host=host.address,
+                secret=secret,
             )
         prefill, decode = children
         prefill.call("register")
         decode.call("register")
-        prefill.call("offer", request_id="r-etcd", blocks=[3, 1], tokens=32)  # count left to the decode side
+        rid = f"r-{store}"
+        prefill.call("offer", request_id=rid, blocks=[3, 1], tokens=32)  # count left to the decode side
         # No host or port in the params: the registry says where the prefill rank is.
         params = KVTransferParams(
             do_remote_prefill=True,
-            remote_engine_id="prefill-etcd",
-            remote_request_id="r-etcd",
+            remote_engine_id=f"prefill-{store}",
+            remote_request_id=rid,
             remote_block_ids=[[3, 1]],
             tp_size=1,
             remote_num_tokens=32,
         ).to_dict()
-        assert decode.call("read", request_id="r-etcd", params=params, local_blocks=[0, 2])["pulled"] == [0]
+        assert decode.call("read", request_id=rid, params=params, local_blocks=[0, 2])["pulled"] == [0]
         assert decode.call("verify", local_blocks=[0, 2], tokens=32) > 0
-        assert decode.call("done", request_id="r-etcd", params=params) == [True]
-        assert prefill.call("released") == [["r-etcd", "released", [3, 1]]]
-        etcd = EtcdRegistry(etcd_url)
-        mooncake_keys = etcd._post(
-            "kv/range", {"key": etcd._b64("mooncake/"), "range_end": etcd._b64("mooncake0"), "count_only": True}
-        )
-        assert int(mooncake_keys.get("count", 0)) > 0, "Mooncake keeps its segment metadata in the same etcd"
-        assert [r.engine_id for r in etcd.ranks("prefill-etcd")] == ["prefill-etcd"]
+        assert decode.call("done", request_id=rid, params=params) == [True]
+        assert prefill.call("released") == [[rid, "released", [3, 1]]]
+        with hosts["metadata"].entered():
+            registry = open_registry(url)
+            assert [r.engine_id for r in registry.ranks(f"prefill-{store}")] == [f"prefill-{store}"]
+            if store == "etcd":
+                etcd = EtcdRegistry(url)
+                mooncake_keys = etcd._post(
+                    "kv/range",
+                    {"key": etcd._b64("mooncake/"), "range_end": etcd._b64("mooncake0"), "count_only": True},
+                )
+                assert int(mooncake_keys.get("count", 0)) > 0, "Mooncake keeps its segment metadata in the same etcd"
         for c in children:
             c.call("close")
-    finally:
-        for c in children:
-            c.close()
 
 
 @pytest.mark.parametrize("password", ["s3cret-pass", "p%40ss%3Aw0rd", "pw"])

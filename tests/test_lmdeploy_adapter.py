@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import sysconfig
@@ -70,9 +71,21 @@ def _handshake(prefill: Child, decode: Child) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[Child, Child]]:
-    prefill = Child(RANK, env=ENV, name="prefill")
-    decode = Child(RANK, env=ENV, name="decode")
+def pair(module_hosts_factory) -> Iterator[tuple[Child, Child]]:  # noqa: ANN001
+    """A prefill and a decode worker on two hosts (network namespaces), each transport on its host's address,
+    the endpoints signed with a shared secret (an unsigned or foreign one is refused, and Mooncake's listeners
+    admit only the host a signed endpoint names)."""
+    hosts = module_hosts_factory(["prefill", "decode"])
+    secret = {"KVBRIDGE_SECRET": secrets.token_hex(16)}
+    prefill, decode = (
+        Child(
+            RANK,
+            env={**ENV, **secret, "KVBRIDGE_LMDEPLOY_HOSTNAME": hosts[name].address},
+            name=name,
+            prefix=hosts[name].command([]),
+        )
+        for name in ("prefill", "decode")
+    )
     try:
         for child, engine_id, blocks, fill in (
             (prefill, "prefill-0", P_BLOCKS, True),
@@ -136,7 +149,7 @@ def test_hook_is_installed_by_a_pth_file_and_imports_nothing_else() -> None:
     assert not heavy, f"a bare interpreter imported {sorted(heavy)}"
 
 
-# -- two processes over Mooncake TCP ----------------------------------------------------------
+# -- two processes on two hosts over Mooncake TCP ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
@@ -232,12 +245,19 @@ def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
     assert len(s.descriptors) == len(scattered) and s.nbytes == len(scattered) * BLOCK_BYTES
 
 
-def _loopback_pair() -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:
-    settings = AdapterSettings(transport="loopback", protocol="loopback", hostname="127.0.0.1", timeout=10)
+def _loopback_pair(
+    keys: tuple[bytes | None, bytes | None] = (None, None), hostnames: tuple[str, str] = ("127.0.0.1", "127.0.0.1")
+) -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:
+    """A prefill and a decode backend over the loopback transport, linked both ways as LMDeploy's proxy
+    links them; `keys` (shared secrets) and `hostnames` are the prefill's and the decode's."""
     src = np.arange(LAYERS * P_BLOCKS * BLOCK_BYTES, dtype=np.uint64).astype(np.uint8)
     dst = np.zeros(LAYERS * D_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
     sides = {}
-    for me, other, arr, mine, theirs in (("p", "d", src, P_BLOCKS, D_BLOCKS), ("d", "p", dst, D_BLOCKS, P_BLOCKS)):
+    for me, other, arr, mine, theirs, secret, host in (
+        ("p", "d", src, P_BLOCKS, D_BLOCKS, keys[0], hostnames[0]),
+        ("d", "p", dst, D_BLOCKS, P_BLOCKS, keys[1], hostnames[1]),
+    ):
+        settings = AdapterSettings(transport="loopback", protocol="loopback", hostname=host, timeout=10, secret=secret)
         b = KVBridgeMigrationBackend(settings)
         b.p2p_initialize(
             DistServeInitRequest(
@@ -265,6 +285,37 @@ def _loopback_pair() -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend
         conn = DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=info)
         sides[me].p2p_connect(other, conn)
     return sides["p"], sides["d"], src, dst
+
+
+SECRET = b"lmdeploy-test-secret-0123456789"
+
+
+def test_endpoints_are_signed_and_a_signed_peer_is_admitted_to_guarded_listeners() -> None:
+    from kvbridge import netguard
+
+    prefill, decode, _src, _dst = _loopback_pair((SECRET, SECRET), ("198.51.100.77", "198.51.100.78"))
+    try:
+        info = prefill.endpoint_info("d", MigrationProtocol.TCP)
+        assert info["host"] == "198.51.100.77" and len(info["mac"]) == 64 and SECRET.decode() not in json.dumps(info)
+        admitted = {str(a) for a in netguard.ADMISSION.hosts()}
+        assert {"198.51.100.77", "198.51.100.78"} <= admitted, "each side admits the host its peer signed for"
+        for tampered in (
+            {**info, "host": "198.51.100.66"},
+            {**info, "mac": "0" * 64},
+            {k: v for k, v in info.items() if k != "mac"},
+        ):
+            conn = DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=json.dumps(tampered))
+            with pytest.raises(ProtocolError, match=r"(unsigned|signed with another secret).*same KVBRIDGE_SECRET"):
+                decode.p2p_connect("p", conn)
+        assert "198.51.100.66" not in {str(a) for a in netguard.ADMISSION.hosts()}
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_an_engine_without_the_secret_is_refused_by_one_that_has_it() -> None:
+    with pytest.raises(ProtocolError, match="'p' is unsigned"):
+        _loopback_pair((None, SECRET))
 
 
 def test_transport_failure_names_engine_and_instruct() -> None:

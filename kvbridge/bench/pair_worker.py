@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 import kvbridge
-from kvbridge import staging
+from kvbridge import netguard, staging
 from kvbridge.bench.fingerprint import block_values
 from kvbridge.bench.pool_layout import PoolLayout
 from kvbridge.errors import ConfigError
@@ -41,6 +41,7 @@ class Side:
         options: dict[str, Any],
         layout: str,
         stage: bool = False,
+        hostname: str | None = None,
     ) -> None:
         self.spec = get_preset(model)
         self.device = kvbridge.get_device(device)
@@ -52,7 +53,7 @@ class Side:
         self.pool = self.device.allocate(self.layout.nbytes)
         # Staged where the transport cannot reach the device's memory (or when asked to, to measure it).
         self.backend = staging.attach(
-            kvbridge.create_backend(backend, protocol=protocol, **options), self.device, force=stage
+            kvbridge.create_backend(backend, protocol=protocol, hostname=hostname, **options), self.device, force=stage
         )
         (region,) = self.backend.register_memory(self.pool)
         self.base = region.addr  # local descriptors use device addresses, staged or not
@@ -209,6 +210,15 @@ def init(**kwargs: Any) -> dict[str, Any]:
     }
 
 
+def admit(host: str) -> None:
+    """Let the peer on `host` reach this side's guarded transport listeners (bench --hosts).
+
+    The workers learn each other's address from the bench, which holds the secret and started both: the
+    pair bench has no side channel on which the peer could prove the secret itself.
+    """
+    netguard.admit(host, "the bench's other host")
+
+
 def fill(requests: list[list[int]]) -> None:
     _get().fill(requests)
 
@@ -294,6 +304,7 @@ def main() -> None:
     serve(
         {
             "init": init,
+            "admit": admit,
             "fill": fill,
             "connect": connect,
             "zero": zero,

@@ -73,7 +73,11 @@ class Deployment:
         self.colocated = self._start(None)
         wait_healthy(self.servers(), timeout=timeout)
         self.proxy = start_proxy(
-            [s.url for s in self.prefill], [s.url for s in self.decode], log_dir=self.logs, health_interval=1.0
+            [s.url for s in self.prefill],
+            [s.url for s in self.decode],
+            log_dir=self.logs,
+            health_interval=1.0,
+            expose_internals=True,  # the runner reads which decode served a request (x-kvbridge-decode)
         )
 
     def servers(self) -> list[Server]:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from typing import Any
 
+from kvbridge.errors import ConfigError
 from kvbridge.presets import PRESETS
 
 # mode name -> module in kvbridge.bench; each has add_arguments(group) and run(args) -> int
@@ -67,6 +69,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "vs vLLM's MooncakeConnector; vllm-connector: one process per rank driving KVBridgeConnector "
         "through vLLM's connector API, any KV cache layouts, block sizes and TP on each side)",
     )
+    p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="run prefill and decode on two hosts: network namespaces at 198.51.100.1 and 198.51.100.2 joined by a "
+        "bridge, with a fresh shared secret (needs root, ip, tc and nft; pair mode; docs/hosts.md)",
+    )
+    p.add_argument(
+        "--link",
+        type=_link,
+        default=None,
+        metavar="rate=10gbit[,loss=0.1%]",
+        help="with --hosts: shape the prefill<->decode link to a rate (both ways) and drop a share of packets "
+        "each way; the report gives each path's share of the rate",
+    )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
     p.set_defaults(run=run)
@@ -82,6 +98,12 @@ def _token_list(text: str) -> list[int]:
     return values
 
 
+def _link(text: str) -> Any:
+    from kvbridge.bench.link import parse_link
+
+    return parse_link(text)
+
+
 def pick_mode(args: argparse.Namespace) -> str:
     if getattr(args, "engine", None) == "lmdeploy":
         return "lmdeploy"
@@ -95,4 +117,9 @@ def pick_mode(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(importlib.import_module(MODES[pick_mode(args)]).run(args))
+    mode = pick_mode(args)
+    if getattr(args, "link", None) and not getattr(args, "hosts", False):
+        raise ConfigError("--link shapes the link between --hosts; add --hosts")
+    if getattr(args, "hosts", False) and mode != "pair":
+        raise ConfigError(f"--hosts runs the pair bench (no --engine, --prefill/--decode or --compare); not {mode}")
+    return int(importlib.import_module(MODES[mode]).run(args))

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import attrs
 
-from kvbridge import wire
+from kvbridge import netguard, wire
 from kvbridge.cli.output import print_json, print_table
 from kvbridge.plugins import list_backends, list_devices, refused_plugins
+from kvbridge.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
 
 
 @attrs.frozen
@@ -48,10 +49,35 @@ def machine_checks() -> list[Check]:
     net = Path("/sys/class/net")
     nics = sorted(p.name for p in net.iterdir()) if net.is_dir() else []
     checks.append(Check("network interfaces", bool(nics), ", ".join(nics) or "none", "" if nics else "no network"))
+    checks.append(guard_check())
     for var in ("KVBRIDGE_PLUGINS", "KVBRIDGE_BLOCK_PLUGINS"):
         if var in os.environ:
             checks.append(Check(var, True, f"set to {os.environ[var]!r}: limits which plugins load"))
     return checks
+
+
+def guard_check() -> Check:
+    """Whether Mooncake's and NIXL's listeners can be closed to strangers here, and who they would admit."""
+    why = netguard.self_test()
+    if why:
+        return Check(
+            "listener guard",
+            False,
+            f"cannot filter Mooncake's and NIXL's listeners: {why}; they refuse to start unless insecure=True",
+            "run on Linux with /proc mounted",
+        )
+    try:
+        secret = load_secret() is not None
+    except Exception as exc:  # noqa: BLE001 - a bad secret is this check's finding
+        return Check("listener guard", False, f"the shared secret cannot be read: {exc}", f"fix {SECRET_ENV}")
+    admits = "hosts that prove the shared secret" if secret else f"no other host ({SECRET_ENV} is not set)"
+    return Check(
+        "listener guard",
+        True,
+        f"Mooncake's and NIXL's listeners admit loopback, allow= networks and {admits}; with insecure=True "
+        "(the trust option) they are OPEN to any host",
+        "" if secret else f"to serve other hosts: set {SECRET_ENV} or {SECRET_FILE_ENV} on every engine",
+    )
 
 
 def plugin_checks() -> list[Check]:

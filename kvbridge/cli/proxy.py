@@ -75,6 +75,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="do not send one request through each prefill/decode pair when both come up (first contact is "
         "then paid by the first client request of the pair)",
     )
+    p.add_argument(
+        "--expose-internals",
+        action="store_true",
+        help="name the prefill and decode servers by URL to clients: the x-kvbridge-prefill and x-kvbridge-decode "
+        "headers, /instances, error answers and /metrics labels (`kvbridge trace` and `kvbridge chaos` read them); "
+        "without it they are named by role and place, e.g. decode-1",
+    )
     p.set_defaults(run=run)
 
 
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         warm_up=args.warm_up,
         transfer=args.transfer,
         connect_timeout=args.connect_timeout,
+        expose_internals=args.expose_internals,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -42,6 +42,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _model(http: Any, proxy: str) -> str:
     instances = http.get(f"{proxy}/instances").json()
     prefill = instances["prefill"][0]["url"]
+    if not prefill.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{proxy} names its servers by URL only with --expose-internals (it says {prefill!r}): "
+            "run it so, or pass --model"
+        )
     models = http.get(f"{prefill}/v1/models").json()["data"]
     if not models:
         raise ConfigError(f"prefill server {prefill} serves no model; pass --model")

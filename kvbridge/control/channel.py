@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import attrs
 import zmq
 
-from kvbridge import wire
+from kvbridge import netguard, wire
 from kvbridge.agent import RankInfo
 from kvbridge.block_ids import BlockIds
 from kvbridge.control.auth import Authenticator, new_nonce
@@ -163,10 +163,11 @@ class ControlServer:
         self._sock.setsockopt(zmq.RCVHWM, QUEUED_PER_PEER)
         self._sock.setsockopt(zmq.SNDHWM, QUEUED_PER_PEER)
         try:
-            if port:
-                self._sock.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._sock.bind_to_random_port(f"tcp://{host}")
+            with netguard.binding():  # not a transport's listener: no guard may filter it
+                if port:
+                    self._sock.bind(f"tcp://{host}:{port}")
+                else:
+                    port = self._sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
             self._sock.close()
             self._ctx.term()
@@ -275,6 +276,8 @@ class ControlServer:
             frame = _decode_small(payload, Frame, self.max_message_bytes)
             self._auth.check(frame)
             reply_to = frame.nonce
+            if self._auth.enabled and peer_host:  # it proved the secret: its transport may reach ours
+                netguard.admit(peer_host, f"authenticated on side channel {self.name}")
             cls = REQUESTS.get(frame.kind)
             if cls is None:
                 raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
@@ -717,6 +720,7 @@ class ControlClient:
         another rank); "" learns it from the first authenticated reply (a GetInfo is sent first for it).
         `context`: the ZeroMQ context of its sockets (default: the process's shared one)."""
         self.url = f"tcp://{host}:{port}"
+        self.host = host
         self.timeout_s = timeout_s
         self.sender = sender
         self.receiver = receiver
@@ -815,6 +819,8 @@ class ControlClient:
                 "shared secret on both engines"
             )
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)
+        if self._auth.enabled:  # the peer proved the secret: its transport may reach ours
+            netguard.admit(self.host, f"answered on side channel {self.url}")
         if reply_frame.sender:
             self._learned = reply_frame.sender
             self.receiver = self.receiver or reply_frame.sender

@@ -153,7 +153,7 @@ class KVTransferParams:
         blocks = known.pop("remote_block_ids", None)
         try:
             groups = _groups(blocks)  # JSON lists, converted once (the side channel's form is bytes)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(
                 f"kv_transfer_params['remote_block_ids'] must be a list of block ids or of lists of them, "
                 f"got {blocks!r:.200}"

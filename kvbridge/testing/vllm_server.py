@@ -20,12 +20,15 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kvbridge.errors import ConfigError
 from kvbridge.testing.ports import free_port
+
+if TYPE_CHECKING:
+    from kvbridge.testing.hosts import Host
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +53,11 @@ class Server:
     proc: subprocess.Popen
     log_path: Path
     tmp_dir: Path | None = None  # its TMPDIR (vLLM's vllm_dist_* files), removed when it ends
+    address: str = "127.0.0.1"  # where it listens: a `kvbridge.testing.hosts` host's address when on one
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -269,8 +273,12 @@ def start_vllm(
     log_dir: str | Path | None = None,
     python: str = sys.executable,
     executor: str = "mp",
+    host: Host | None = None,
 ) -> Server:
     """Launch a server (without waiting for it); call `wait_healthy` next.
+
+    `host` (a `kvbridge.testing.hosts.Host`) runs it there, listening on the host's address (its
+    side channel and transport too, through VLLM_HOST_IP); by default on 127.0.0.1 here.
 
     `executor` is where the model runs (TP 1): "mp", in a worker process beside the engine core (what
     vLLM's CPU platform picks), or "uni", in the engine core's own process (what vLLM runs for one GPU).
@@ -288,7 +296,7 @@ def start_vllm(
         "--model",
         str(model),
         "--host",
-        "127.0.0.1",
+        host.address if host else "127.0.0.1",
         "--port",
         str(port),
         "--enforce-eager",
@@ -307,6 +315,8 @@ def start_vllm(
     full_env = dict(os.environ)
     full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the caller's level wins (DEBUG shows each pull's timings)
     full_env.update(BASE_ENV)
+    if host is not None:
+        full_env.update(_host_env(host))
     if executor == "uni":
         # The CPU platform swaps "uni" for "mp" unless V1 multiprocessing is off; the API server and the
         # engine core stay separate processes either way.
@@ -316,9 +326,17 @@ def start_vllm(
     tmp_dir = Path(tempfile.mkdtemp(prefix=f"kvbridge-vllm-{port}-tmp-"))
     full_env["TMPDIR"] = str(tmp_dir)
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        argv = host.command(cmd) if host else cmd
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
-    return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir)
+    address = host.address if host else "127.0.0.1"
+    return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir, address=address)
+
+
+def _host_env(host: Host) -> dict[str, str]:
+    """A server on a namespace host binds its address and reaches the other hosts without a proxy."""
+    no_proxy = f"{BASE_ENV['NO_PROXY']},{host.address.rsplit('.', 1)[0]}.0/24"
+    return {"VLLM_HOST_IP": host.address, "NO_PROXY": no_proxy, "no_proxy": no_proxy}
 
 
 def start_proxy(
@@ -330,8 +348,11 @@ def start_proxy(
     health_interval: float = 1.0,
     transfer: str = "pull",
     timeout: float = 120.0,
+    host: Host | None = None,
+    expose_internals: bool = False,
 ) -> Server:
     """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
+    `expose_internals`: its answers name the servers by URL (`--expose-internals`).
 
     The proxy's warm-up is one real handover through each prefill/decode pair (its first contact),
     so whoever counts a decode server's transfers starts after it. A proxy that does not get there
@@ -345,6 +366,8 @@ def start_proxy(
         "kvbridge",
         "-v",
         "proxy",
+        "--host",
+        host.address if host else "127.0.0.1",
         "--port",
         str(port),
         "--health-interval",
@@ -355,12 +378,16 @@ def start_proxy(
         *prefill,
         "--decode",
         *decode,
+        *(["--expose-internals"] if expose_internals else []),
     ]
     env = dict(os.environ)
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
+    if host is not None:
+        env.update({k: v for k, v in _host_env(host).items() if k != "VLLM_HOST_IP"})
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    proxy = Server(port=port, proc=proc, log_path=log_path)
+        argv = host.command(cmd) if host else cmd
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proxy = Server(port=port, proc=proc, log_path=log_path, address=host.address if host else "127.0.0.1")
     try:
         wait_healthy([proxy], timeout=min(60.0, timeout))
         _wait_warmed(proxy, pairs=len(prefill) * len(decode), timeout=timeout)

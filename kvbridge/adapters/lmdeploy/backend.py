@@ -23,6 +23,8 @@ device's memory (`rdma`, `ascend`, `nvlink`), or call `publish()` from the integ
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import threading
@@ -41,20 +43,22 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
 )
 from lmdeploy.pytorch.disagg.messages import DistServeRegisterMRMessage, MigrationAssignment
 
-from kvbridge import staging, wire
+from kvbridge import netguard, staging, wire
 from kvbridge.adapters.lmdeploy.metrics import TransferMetrics
 from kvbridge.adapters.lmdeploy.plan import InstructPlan, describe, instruct_array, plan
 from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
-from kvbridge.plugins import create_backend, get_device
+from kvbridge.plugins import create_backend, get_device, registry
 from kvbridge.regions import local_device
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_VERSION = 1
+ENDPOINT_VERSION = 2  # 2: names its host, signed with the shared secret when there is one
+# What an endpoint's signature covers, so it is never mistaken for another kvbridge MAC made with the secret.
+_SIGNED = b"kvbridge-lmdeploy-endpoint\0"
 PROTOCOLS = {MigrationProtocol.TCP: "tcp", MigrationProtocol.RDMA: "rdma", MigrationProtocol.NVLINK: "nvlink"}
 
 
@@ -118,12 +122,15 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             if name not in self._transports:
                 s = self.settings
                 try:
+                    declared = {o.name for o in registry().backend_entry(s.transport).option_infos()}
+                    auth = {k: v for k, v in {"secret": s.secret, "insecure": s.insecure}.items() if k in declared}
                     transport = create_backend(
                         s.transport,
                         protocol=name,
                         hostname=s.hostname,
                         metadata_server=s.metadata_server,
                         device_name=s.device_for(rank),
+                        **auth,
                     )
                 except ConfigError as exc:
                     raise ConfigError(
@@ -205,8 +212,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         """What the peer's `p2p_connect` needs: the transport endpoint and the cache pools by mr_key."""
         link = self._link(remote_engine_id, "endpoint_info")
         self._check_protocol(link, protocol, "endpoint_info")
-        return {
+        info = {
             "kvbridge": ENDPOINT_VERSION,
+            "host": self.settings.hostname,
             "transport": wire.to_dict(link.transport.endpoint()),
             "mr_info": {
                 str(k): {
@@ -218,6 +226,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                 for k, r in sorted(link.local_regions.items())
             },
         }
+        if self.settings.secret:
+            info["mac"] = _signature(self.settings.secret, info)
+        return info
 
     def publish(self, remote_engine_id: str | None = None) -> None:
         """Make this worker's pools current for peers' reads (one link's, or every link's): waits for the
@@ -238,7 +249,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         """Connect to the remote engine described by its `endpoint_info`."""
         link = self._link(remote_engine_id, "p2p_connect")
         self._check_protocol(link, conn_req.protocol, "p2p_connect")
-        endpoint, regions = _parse_endpoint(remote_engine_id, conn_req.endpoint_info)
+        endpoint, regions, host = _parse_endpoint(remote_engine_id, conn_req.endpoint_info, self.settings.secret)
+        if self.settings.secret:  # it proved the secret: its transport may reach ours
+            netguard.admit(host, f"signed endpoint of LMDeploy engine {remote_engine_id}")
         peer = link.transport.connect(endpoint)
         with self._lock:
             if link.peer is not None:
@@ -407,8 +420,16 @@ def _failed(rid: str, p: InstructPlan, first: int, count: int, exc: BaseExceptio
     return TransferFailed(text, peer=rid, cause=getattr(exc, "cause", "") or str(exc))
 
 
-def _parse_endpoint(rid: str, text: str) -> tuple[EndpointInfo, dict[int, MemoryRegion]]:
-    """The transport endpoint and regions a peer's `endpoint_info` carried."""
+def _signature(secret: bytes, info: Mapping[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in info.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(secret, _SIGNED + body.encode(), hashlib.sha256).hexdigest()
+
+
+def _parse_endpoint(
+    rid: str, text: str, secret: bytes | None = None
+) -> tuple[EndpointInfo, dict[int, MemoryRegion], str]:
+    """The transport endpoint, regions and host a peer's `endpoint_info` carried; with a secret, only when
+    its signature holds."""
     try:
         data = json.loads(text)
     except (TypeError, ValueError) as exc:
@@ -424,6 +445,17 @@ def _parse_endpoint(rid: str, text: str) -> tuple[EndpointInfo, dict[int, Memory
             f"remote engine {rid!r} sent endpoint version {data['kvbridge']!r}, this side speaks "
             f"{ENDPOINT_VERSION}; install the same kvbridge-lmdeploy release on both sides"
         )
+    if secret is not None:
+        mac = data.get("mac")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _signature(secret, data)):
+            how = "unsigned" if mac is None else "signed with another secret"
+            raise ProtocolError(
+                f"endpoint_info from remote engine {rid!r} is {how}; "
+                "set the same KVBRIDGE_SECRET (or KVBRIDGE_SECRET_FILE) on every prefill and decode engine"
+            )
+    host = data.get("host")
+    if not isinstance(host, str) or not host:
+        raise ProtocolError(f"endpoint_info from remote engine {rid!r} names no host")
     endpoint = wire.from_dict(data.get("transport"), EndpointInfo)
     try:
         regions = {
@@ -431,4 +463,4 @@ def _parse_endpoint(rid: str, text: str) -> tuple[EndpointInfo, dict[int, Memory
         }
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"malformed mr_info from remote engine {rid!r}: {exc!r}") from None
-    return endpoint, regions
+    return endpoint, regions, host

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import attrs
 
 from kvbridge.errors import ConfigError
+from kvbridge.secret import load_secret
 
 TRANSPORT_ENV = "KVBRIDGE_LMDEPLOY_TRANSPORT"
 PROTOCOL_ENV = "KVBRIDGE_LMDEPLOY_PROTOCOL"
@@ -21,6 +22,7 @@ METADATA_ENV = "KVBRIDGE_LMDEPLOY_METADATA_SERVER"
 DEVICES_ENV = "KVBRIDGE_LMDEPLOY_DEVICES"
 DEVICE_ENV = "KVBRIDGE_LMDEPLOY_DEVICE"
 TIMEOUT_ENV = "KVBRIDGE_LMDEPLOY_TIMEOUT"
+INSECURE_ENV = "KVBRIDGE_LMDEPLOY_INSECURE"
 # LMDeploy's own switch for asynchronous migration; CacheEngine never passes async_op itself.
 LMDEPLOY_ASYNC_ENV = "LMDEPLOY_USE_ASYNC_MIGRATION"
 
@@ -61,6 +63,11 @@ class AdapterSettings:
       them); None picks the accelerator this process has (`kvbridge.regions.local_device`), else `cpu`.
     - `timeout`: seconds a migration may take before it fails (None: no limit).
     - `async_migration`: migrate asynchronously even when the caller does not pass `async_op`.
+    - `secret`: the shared secret (`KVBRIDGE_SECRET` or the file `KVBRIDGE_SECRET_FILE` names): endpoints
+      are signed with it, and a peer's endpoint is accepted (its host admitted to the transport) only when
+      its signature holds.
+    - `insecure`: trust the network (`KVBRIDGE_LMDEPLOY_INSECURE=1`): no secret needed on a routable
+      hostname, and a transport that authenticates nobody (Mooncake) accepts any host.
     """
 
     transport: str = "mooncake"
@@ -71,6 +78,8 @@ class AdapterSettings:
     device: str | None = None
     timeout: float | None = 300.0
     async_migration: bool = False
+    secret: bytes | None = attrs.field(default=None, repr=False)
+    insecure: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AdapterSettings:
@@ -85,6 +94,8 @@ class AdapterSettings:
             device=env.get(DEVICE_ENV) or None,
             timeout=_timeout(env.get(TIMEOUT_ENV)),
             async_migration=bool(env.get(LMDEPLOY_ASYNC_ENV)),
+            secret=load_secret(),
+            insecure=env.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes"),
         )
 
     def device_for(self, rank: int | None) -> str:

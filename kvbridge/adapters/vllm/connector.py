@@ -113,6 +113,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     # -- scheduler side ------------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -18,10 +18,16 @@ the proxy pays it, not a client: once both servers of a pair answer /health, and
 was down, it sends one one-token request through the pair (`warm_up`; logged at info, failures at
 warning).
 
-Each request keeps one id end to end (the client's `x-request-id`, or a new one, sent to both
-servers as `X-Request-Id`, which vLLM uses for its own request id). Its answer carries the
-`x-kvbridge-timing` header (see `timeline`), also logged as one line at info. `/metrics` serves the
-proxy's Prometheus series (docs/operations.md).
+A batch (a list `prompt`, `n > 1`) is split into one P/D request per choice and the answers merged
+(`fanout`). Each P/D request gets an id the proxy makes, sent to both servers as `X-Request-Id` (vLLM's
+request id, which prefill's lease is keyed on): a client's id, which two clients may share, never keys a
+lease. The client's `x-request-id` (or a new one) names the request in the answer, its `x-kvbridge-timing`
+header (see `timeline`) and the log line that repeats it at info. `/metrics` serves the proxy's Prometheus
+series (docs/operations.md).
+
+The servers' URLs reach clients (the `x-kvbridge-prefill`/`x-kvbridge-decode` headers, `/instances`, error
+answers, `/metrics` labels) only with `expose_internals` (`--expose-internals`); otherwise a server is named
+by its role and place in the list (`decode-1`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -42,6 +49,7 @@ import prometheus_client as prom
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvbridge.adapters.vllm import fanout
 from kvbridge.adapters.vllm.timeline import HEADER, PULL_PHASES, Timeline
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
@@ -55,12 +63,18 @@ PROBE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
 SLOW_PROBES = 3
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a prompt near any max_model_len fits many times over
+# Levels of JSON nesting a request may have: far more than a chat request's tools schemas take, and far below
+# what Python's JSON (and so the proxy's own encoding of the upstream request) can recurse into.
+MAX_JSON_DEPTH = 128
+# A client's x-request-id: printable ASCII, no space or ';' (the timing header's separator), bounded.
+REQUEST_ID = re.compile(r"[\x21-\x3a\x3c-\x7e]{1,128}")
 
 
 @attrs.define(eq=False)
 class Instance:
     url: str
     role: str
+    label: str  # what clients see: the URL with expose_internals, else role and place ("decode-1")
     healthy: bool = True
     slow_probes: int = 0  # health probes in a row that timed out
     in_flight: int = 0  # requests sent to it and not yet answered in full
@@ -69,17 +83,24 @@ class Instance:
 class Pool:
     """Round-robin over the healthy instances of one role."""
 
-    def __init__(self, role: str, urls: Sequence[str]) -> None:
+    def __init__(self, role: str, urls: Sequence[str], *, expose: bool = False) -> None:
         if not urls:
             raise ConfigError(f"the proxy needs at least one {role} server URL (--{role} http://HOST:PORT)")
         self.role = role
-        self.instances = [Instance(u.rstrip("/"), role) for u in urls]
+        self.instances = [
+            Instance(u.rstrip("/"), role, u.rstrip("/") if expose else f"{role}-{n}") for n, u in enumerate(urls)
+        ]
         self._counter = itertools.count()
 
-    def pick(self) -> Instance:
+    def healthy(self) -> list[Instance]:
+        """The healthy instances; NoInstance when there are none."""
         healthy = [i for i in self.instances if i.healthy]
         if not healthy:
-            raise NoInstance(f"no healthy {self.role} server among {[i.url for i in self.instances]}")
+            raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
+        return healthy
+
+    def pick(self) -> Instance:
+        healthy = self.healthy()
         return healthy[next(self._counter) % len(healthy)]
 
 
@@ -90,9 +111,32 @@ class NoInstance(ConfigError):
 class DecodeFailed(Exception):
     """The decode server took the request and then failed before answering (it died, say)."""
 
-    def __init__(self, url: str, cause: httpx.TransportError) -> None:
-        super().__init__(f"decode server {url} failed: {type(cause).__name__}: {cause}")
-        self.url = url
+    def __init__(self, inst: Instance, cause: httpx.TransportError) -> None:
+        detail = f"{type(cause).__name__}: {cause}" if inst.label == inst.url else type(cause).__name__
+        super().__init__(f"decode server {inst.label} failed: {detail}")
+        self.inst = inst
+
+
+@attrs.define(eq=False)
+class Handover:
+    """One P/D request whose decode answer is coming: `resp` (streamed, not read yet), the answer's headers
+    naming the servers (with expose_internals), when the decode request was sent, and in layer-wise mode
+    the prefill request (`computing`), cancelled when nobody reads its KV any more."""
+
+    decode: Instance
+    resp: httpx.Response
+    headers: dict[str, str]
+    sent: float
+    computing: asyncio.Future | None = None
+
+    async def close(self) -> None:
+        """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode)."""
+        if self.computing is not None:
+            self.computing.cancel()
+        try:
+            await self.resp.aclose()
+        finally:
+            self.decode.in_flight -= 1
 
 
 def prefill_body(body: dict[str, Any], params: KVTransferParams | None = None) -> dict[str, Any]:
@@ -109,7 +153,8 @@ def prefill_body(body: dict[str, Any], params: KVTransferParams | None = None) -
 
 async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
     """The request's JSON object, or a 4xx that says what is wrong (logged): bounded in size, never a 500.
-    `kv_transfer_params` are the proxy's to set: a client's own could make decode read from a host it names."""
+    `kv_transfer_params` are the proxy's to set: a client's own (also in `vllm_xargs`, which vLLM merges
+    into the same place) could make decode read from a host it names."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -119,20 +164,46 @@ async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
+        deep = _deeper_than(body, MAX_JSON_DEPTH)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         log.warning("refused a request to %s: body is not JSON (%s)", request.url.path, exc)
         return JSONResponse({"error": f"the request body is not JSON: {exc}"}, status_code=400)
+    except RecursionError:
+        deep = True
+    if deep:
+        log.warning("refused a request to %s: JSON nested deeper than %d levels", request.url.path, MAX_JSON_DEPTH)
+        error = f"the request body's JSON is nested too deeply (over {MAX_JSON_DEPTH} levels)"
+        return JSONResponse({"error": error}, status_code=400)
     if not isinstance(body, dict):
         log.warning("refused a request to %s: body is a JSON %s, not an object", request.url.path, type(body).__name__)
         return JSONResponse({"error": "the request body must be a JSON object"}, status_code=400)
-    if "kv_transfer_params" in body:
-        log.warning("refused a request to %s: the client set kv_transfer_params", request.url.path)
-        return JSONResponse({"error": "kv_transfer_params are set by the proxy, not by clients"}, status_code=400)
+    xargs = body.get("vllm_xargs")
+    if "kv_transfer_params" in body or (isinstance(xargs, dict) and "kv_transfer_params" in xargs):
+        where = "kv_transfer_params" if "kv_transfer_params" in body else "vllm_xargs.kv_transfer_params"
+        log.warning("refused a request to %s: the client set %s", request.url.path, where)
+        return JSONResponse({"error": f"{where}: kv_transfer_params are set by the proxy, not by clients"}, 400)
     return body
 
 
-async def until_disconnect(request: Request, work: Any) -> Any:
-    """Run `work`; if the client disconnects first, cancel it (closing the upstream request) and return None."""
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests more than `limit` levels (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
+
+
+async def until_disconnect(request: Request | None, work: Any) -> Any:
+    """Run `work`; if the client disconnects first, cancel it (closing the upstream request) and return None.
+    No `request`: the caller watches the client (a part of a batch)."""
+    if request is None:
+        return await work
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnected(request))
     try:
@@ -191,8 +262,8 @@ class ProxyMetrics:
             registry=self.registry,
         )
         for inst in instances:  # read at scrape time: the instances are the truth
-            healthy.labels(inst.role, inst.url).set_function(lambda i=inst: float(i.healthy))
-            in_flight.labels(inst.role, inst.url).set_function(lambda i=inst: float(i.in_flight))
+            healthy.labels(inst.role, inst.label).set_function(lambda i=inst: float(i.healthy))
+            in_flight.labels(inst.role, inst.label).set_function(lambda i=inst: float(i.in_flight))
         for role in pools:
             self.failovers.labels(role)
 
@@ -218,12 +289,17 @@ class Proxy:
         warm_up: bool = True,
         transfer: str = "pull",
         connect_timeout: float = CONNECT_TIMEOUT_S,
+        expose_internals: bool = False,
     ) -> None:
         if transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
-        self.pools = {"prefill": Pool("prefill", prefill), "decode": Pool("decode", decode)}
+        self.expose = expose_internals
+        self.pools = {
+            "prefill": Pool("prefill", prefill, expose=expose_internals),
+            "decode": Pool("decode", decode, expose=expose_internals),
+        }
         self.transfer = transfer
-        # layerwise: where each prefill server's side channel is (from its first pull-mode answer)
+        # layerwise: where each prefill server's side channel is (from its last answer; forgotten while it is down)
         self.identities: dict[str, KVTransferParams] = {}
         self.health_interval = health_interval
         self.warm_up = warm_up
@@ -276,6 +352,8 @@ class Proxy:
         for p in self.pools["prefill"].instances:
             for d in self.pools["decode"].instances:
                 pair = (p.url, d.url)
+                if not p.healthy:
+                    self.identities.pop(p.url, None)  # it may come back restarted, with another side channel
                 if not (p.healthy and d.healthy):
                     self._warm.discard(pair)  # a server that was down may have restarted: first contact again
                 elif pair not in self._warm and pair not in self._warming:
@@ -324,6 +402,11 @@ class Proxy:
         inst.healthy = False
         self.metrics.failovers.labels(inst.role).inc()
 
+    def _names(self, *servers: Instance) -> dict[str, str]:
+        """The headers that name the servers of an answer (`x-kvbridge-prefill`, `-decode`): with
+        expose_internals only."""
+        return {f"x-kvbridge-{i.role}": i.url for i in servers} if self.expose else {}
+
     # -- upstream calls ------------------------------------------------------------------------
 
     async def call_prefill(
@@ -333,7 +416,7 @@ class Proxy:
         headers: dict[str, str],
         params: KVTransferParams | None = None,
         instance: Instance | None = None,
-    ) -> tuple[str, dict[str, Any]]:
+    ) -> tuple[Instance, dict[str, Any]]:
         """POST to a prefill server (`instance`, or round robin); on a connection failure take it out and
         try the next one (not with `instance`: a layer-wise decode already reads from that one)."""
         pool = self.pools["prefill"]
@@ -353,7 +436,7 @@ class Proxy:
             finally:
                 inst.in_flight -= 1
             resp.raise_for_status()
-            return inst.url, resp.json()
+            return inst, resp.json()
         raise NoInstance(f"no prefill server answered for {path}")
 
     async def send_decode(
@@ -380,12 +463,15 @@ class Proxy:
                 # Not down: its accept queue is full or this box is starved. It never saw the request;
                 # the health probe decides whether it is gone.
                 inst.in_flight -= 1
-                late.append(inst.url)
+                late.append(inst.label)
                 log.warning("decode server %s did not accept the connection in time (busy?): next", inst.url)
             except httpx.TransportError as exc:
                 inst.in_flight -= 1
                 self._take_out(inst, f"failed after taking the request ({exc})")
-                raise DecodeFailed(inst.url, exc) from exc
+                raise DecodeFailed(inst, exc) from exc
+            except BaseException:  # cancelled (the client left, or another part of its batch failed)
+                inst.in_flight -= 1
+                raise
         slow = f" ({', '.join(late)} did not accept the connection in time)" if late else ""
         raise NoInstance(f"no decode server accepted {path}{slow}")
 
@@ -404,26 +490,62 @@ class Proxy:
         return JSONResponse({"error": error}, status_code=code, headers=headers)
 
     async def complete(self, path: str, request: Request) -> Any:
-        """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer."""
+        """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer
+        (per part of a batch, merged)."""
         begun = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or str(uuid.uuid4())
-        headers = {"X-Request-Id": request_id}
-        timeline = Timeline(request_id, begun=begun)
+        client_id = request.headers.get("x-request-id")
+        bad_id = client_id is not None and not REQUEST_ID.fullmatch(client_id)
+        timeline = Timeline(client_id if client_id and not bad_id else str(uuid.uuid4()), begun=begun)
+        ids = {"x-request-id": timeline.request_id}
+        if bad_id:
+            log.warning("refused a request to %s: x-request-id %r is not 1 to 128 printable ASCII", path, client_id)
+            error = "x-request-id must be 1 to 128 printable ASCII characters, without spaces or ';'"
+            return self._answer(400, error, ids, timeline)
         body = await read_body(request)
         if isinstance(body, JSONResponse):
-            return self._answer(
-                body.status_code, json.loads(bytes(body.body))["error"], {"x-request-id": request_id}, timeline
-            )
+            return self._answer(body.status_code, json.loads(bytes(body.body))["error"], ids, timeline)
+        try:
+            parts = fanout.split(path, body)
+        except fanout.Refused as exc:
+            log.warning("refused a request to %s: %s", path, exc)
+            return self._answer(400, f"{exc.field}: {exc}", ids, timeline)
+        if len(parts) > 1 or parts[0].body is not body:
+            return await self._complete_parts(path, request, parts, timeline, begun)
+        handover = await self._handover(path, request, body, timeline)
+        if isinstance(handover, Response):
+            return handover
+        out_headers = {**handover.headers, **ids}
+        relay = (
+            self._relay_stream
+            if handover.resp.headers.get("content-type", "").startswith("text/event-stream")
+            else self._relay_whole
+        )
+        answer = await relay(request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers)
+        if getattr(answer, "status_code", 200) == 499 and handover.computing is not None:
+            handover.computing.cancel()  # the client left: prefill stops too
+        return answer
+
+    async def _handover(
+        self, path: str, request: Request | None, body: dict[str, Any], timeline: Timeline
+    ) -> Handover | JSONResponse:
+        """One P/D request, up to the decode's answer coming (a Handover), or the error answer to give."""
+        # Leases are keyed on this id (prefill's vLLM request id): never on a client's, which two may share.
+        headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
+        log.info("request %s: P/D request %s", timeline.request_id, headers["X-Request-Id"])  # the servers log this
+        try:
+            self.pools["decode"].healthy()  # else prefill would hold KV that no decode reads until its lease ends
+        except NoInstance as exc:
+            return self._answer(503, str(exc), None, timeline)
         if self.transfer == "layerwise":
-            streamed = await self._complete_layerwise(path, request, body, headers, timeline, begun)
+            streamed = await self._handover_layerwise(path, request, body, headers, timeline)
             if streamed is not None:
                 return streamed
         try:
             answer = await until_disconnect(request, self.call_prefill(path, body, headers))
             if answer is None:
-                log.info("client left during prefill of %s: prefill request cancelled", request_id)
+                log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
                 return self._answer(499, "client disconnected", None, timeline)
-            prefill_url, first = answer
+            prefill, first = answer
             params = KVTransferParams.from_dict(first.get("kv_transfer_params"))
         except NoInstance as exc:
             return self._answer(503, str(exc), None, timeline)
@@ -432,42 +554,196 @@ class Proxy:
         except ConfigError as exc:
             return self._answer(502, f"prefill server answered unusable kv_transfer_params: {exc}", None, timeline)
         prefill_done = time.perf_counter()
-        self._learn(prefill_url, params)
+        self._learn(prefill.url, params)
         timeline.add(params.kvbridge_timing, ("prefill_ms",))
         decode_body = dict(body)
         if first.get("kv_transfer_params"):
             decode_body["kv_transfer_params"] = attrs.evolve(params, kvbridge_timing=None).to_dict()
         else:
-            log.warning("prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt", request_id)
+            log.warning(
+                "prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt", timeline.request_id
+            )
         sent = time.perf_counter()
         timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
         try:
             decode, resp = await self.send_decode(path, decode_body, headers)
         except NoInstance as exc:
-            return self._answer(503, str(exc), {"x-kvbridge-prefill": prefill_url}, timeline)
+            return self._answer(503, str(exc), self._names(prefill), timeline)
         except DecodeFailed as exc:
-            return self._answer(
-                503, str(exc), {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": exc.url}, timeline
+            return self._answer(503, str(exc), self._names(prefill, exc.inst), timeline)
+        return Handover(decode, resp, self._names(prefill, decode), sent)
+
+    async def _complete_parts(
+        self, path: str, request: Request, parts: list[fanout.Part], timeline: Timeline, begun: float
+    ) -> Any:
+        """A batch: its parts' P/D requests at once, their answers merged (`fanout`)."""
+        subs = [Timeline(timeline.request_id, begun=begun) for _ in parts]
+        opened = await until_disconnect(request, self._open_all(path, parts, subs))
+        if opened is None:
+            log.info("client left before decode took every part of %s: all cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected", None, timeline)
+        ids = {"x-request-id": timeline.request_id}
+        failed = next((h for h in opened if not isinstance(h, Handover)), None)
+        if failed is None:
+            failed = next((h for h in opened if h.resp.status_code != 200), None)
+        if failed is not None:  # the first error answers for the batch, as vLLM fails a batch whole
+            await self._close_all([h for h in opened if h is not failed])
+            if not isinstance(failed, Handover):
+                failed.headers["x-request-id"] = timeline.request_id
+                return failed
+            return await self._relay_whole(
+                request, failed.resp, failed.decode, timeline, begun, failed.sent, {**failed.headers, **ids}
             )
-        out_headers = {"x-kvbridge-prefill": prefill_url, "x-kvbridge-decode": decode.url, "x-request-id": request_id}
-        relay = (
-            self._relay_stream
-            if resp.headers.get("content-type", "").startswith("text/event-stream")
-            else self._relay_whole
+        timeline.phases.update(subs[0].phases)  # the first part's phases stand for the batch's
+        headers = {**opened[0].headers, **ids}
+        if all(h.resp.headers.get("content-type", "").startswith("text/event-stream") for h in opened):
+            return await self._merge_stream(request, parts, opened, timeline, begun, headers)
+        return await self._merge_whole(request, parts, opened, timeline, begun, headers)
+
+    async def _open_all(
+        self, path: str, parts: list[fanout.Part], subs: list[Timeline]
+    ) -> list[Handover | JSONResponse]:
+        """Every part's handover at once; cancelled, the ones already open are closed."""
+        tasks = [asyncio.ensure_future(self._handover(path, None, p.body, t)) for p, t in zip(parts, subs)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._close_all([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
+            raise
+
+    @staticmethod
+    async def _close_all(opened: Sequence[Handover | JSONResponse]) -> None:
+        for h in opened:
+            if isinstance(h, Handover):
+                await h.close()
+
+    async def _merge_whole(
+        self,
+        request: Request,
+        parts: list[fanout.Part],
+        opened: list[Handover],
+        timeline: Timeline,
+        begun: float,
+        headers: dict[str, str],
+    ) -> Response:
+        """Non-streamed parts: read each answer whole, answer the batch with them merged."""
+
+        async def read(h: Handover) -> bytes:
+            try:
+                return await h.resp.aread()
+            finally:
+                await h.resp.aclose()
+                h.decode.in_flight -= 1
+
+        contents = await until_disconnect(request, asyncio.gather(*(read(h) for h in opened)))
+        if contents is None:
+            for h in opened:
+                if h.computing is not None:
+                    h.computing.cancel()
+            log.info("client left during decode of %s: decode requests cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected", headers, timeline)
+        try:
+            answers = [json.loads(c) for c in contents]
+            merged = fanout.merge_whole(parts, answers, timeline.request_id)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            return self._answer(502, f"a decode server answered what is not a completion: {exc}", headers, timeline)
+        with contextlib.suppress(ValueError, ConfigError, AttributeError):
+            timeline.add(KVTransferParams.from_dict(answers[0].get("kv_transfer_params")).kvbridge_timing, PULL_PHASES)
+        self._finish(timeline, begun, opened[0].sent, time.perf_counter())
+        self.metrics.requests.labels("200").inc()
+        return JSONResponse(merged, headers={**headers, HEADER: timeline.header()})
+
+    async def _merge_stream(
+        self,
+        request: Request,
+        parts: list[fanout.Part],
+        opened: list[Handover],
+        timeline: Timeline,
+        begun: float,
+        headers: dict[str, str],
+    ) -> Any:
+        """Streamed parts: one stream of every part's chunks as they come, each choice with its index, the
+        parts' usage summed into one chunk, one `[DONE]`."""
+        merge = fanout.StreamMerge(parts, timeline.request_id)
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(k: int, h: Handover) -> None:
+            try:
+                async for line in h.resp.aiter_lines():
+                    data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+                    if data == "[DONE]":
+                        break
+                    if data:
+                        queue.put_nowait((k, json.loads(data)))
+            except (httpx.TransportError, ValueError) as exc:
+                log.warning(
+                    "decode server %s failed streaming part %d of %s: %s", h.decode.url, k, timeline.request_id, exc
+                )
+                queue.put_nowait((k, {"error": {"message": f"decode server {h.decode.label} failed", "code": 503}}))
+            finally:
+                await h.resp.aclose()
+                h.decode.in_flight -= 1
+                queue.put_nowait((k, None))
+
+        tasks = [asyncio.ensure_future(pump(k, h)) for k, h in enumerate(opened)]
+
+        async def stop(finished: bool) -> None:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if not finished:  # the client left: prefill stops too
+                for h in opened:
+                    if h.computing is not None:
+                        h.computing.cancel()
+
+        first = await until_disconnect(request, queue.get())
+        if first is None:
+            await stop(False)
+            log.info("client left before the first token of %s: decode requests cancelled", timeline.request_id)
+            return self._answer(499, "client disconnected", headers, timeline)
+        self._finish(timeline, begun, opened[0].sent, time.perf_counter())
+        self.metrics.requests.labels("200").inc()
+
+        async def events() -> AsyncIterator[bytes]:
+            finished, item, running = False, first, len(tasks)
+            try:
+                while True:
+                    k, event = item
+                    if event is None:
+                        running -= 1
+                    elif (out := merge.chunk(k, event)) is not None:
+                        yield f"data: {json.dumps(out, separators=(',', ':'))}\n\n".encode()
+                    if not running:
+                        break
+                    item = await queue.get()
+                usage = merge.usage_chunk()
+                if usage is not None:
+                    yield f"data: {json.dumps(usage, separators=(',', ':'))}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+                finished = True
+            finally:
+                await stop(finished)
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={**headers, HEADER: timeline.header()}
         )
-        return await relay(request, resp, decode, timeline, begun, sent, out_headers)
 
     def _learn(self, prefill_url: str, params: KVTransferParams) -> None:
         """Keep where a prefill server's side channel is, for layer-wise requests to it (one DP rank only:
-        with several, the proxy cannot know which one will hold a request before it answers)."""
-        if self.transfer != "layerwise" or prefill_url in self.identities:
+        with several, the proxy cannot know which one will hold a request before it answers). Each answer
+        says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
+        if self.transfer != "layerwise":
             return
         if None in (params.remote_engine_id, params.remote_host, params.remote_port):
             return
         if params.dp_size > 1:
-            log.warning("prefill server %s runs DP %d: its requests stay in pull mode", prefill_url, params.dp_size)
+            if self.identities.pop(prefill_url, None) is None:
+                log.warning("prefill server %s runs DP %d: its requests stay in pull mode", prefill_url, params.dp_size)
             return
-        self.identities[prefill_url] = KVTransferParams(
+        identity = KVTransferParams(
             remote_engine_id=params.remote_engine_id,
             remote_host=params.remote_host,
             remote_port=params.remote_port,
@@ -476,22 +752,27 @@ class Proxy:
             dcp_size=params.dcp_size,
             pp_size=params.pp_size,
         )
+        known = self.identities.get(prefill_url)
+        if known == identity:
+            return
+        self.identities[prefill_url] = identity
         log.info(
-            "prefill server %s: side channel %s:%s, layer-wise from now on",
+            "prefill server %s: engine %s, side channel %s:%s, layer-wise from now on%s",
             prefill_url,
+            params.remote_engine_id,
             params.remote_host,
             params.remote_port,
+            "" if known is None else f" (it was engine {known.remote_engine_id}: restarted)",
         )
 
-    async def _complete_layerwise(
+    async def _handover_layerwise(
         self,
         path: str,
-        request: Request,
+        request: Request | None,
         body: dict[str, Any],
         headers: dict[str, str],
         timeline: Timeline,
-        begun: float,
-    ) -> Any:
+    ) -> Handover | JSONResponse | None:
         """Send the request to a prefill and a decode server at once, with one transfer id: decode reads each
         layer while prefill computes the next. None: this prefill's side channel is not known yet (the
         request goes the pull way, which tells the proxy where it is)."""
@@ -511,35 +792,22 @@ class Proxy:
         computing.add_done_callback(lambda task: self._prefill_ended(task, prefill, timeline))
         sent = time.perf_counter()
         try:
-            decode, resp = await until_disconnect(
+            started = await until_disconnect(
                 request, self.send_decode(path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers)
-            ) or (None, None)
+            )
         except (NoInstance, DecodeFailed) as exc:
             computing.cancel()  # nobody reads it: vLLM aborts the prefill request, its lease is aborted
-            extra = (
-                {"x-kvbridge-prefill": prefill.url, "x-kvbridge-decode": exc.url}
-                if isinstance(exc, DecodeFailed)
-                else None
-            )
-            return self._answer(503, str(exc), extra, timeline)
-        if decode is None:
+            names = self._names(prefill, exc.inst) if isinstance(exc, DecodeFailed) else self._names(prefill)
+            return self._answer(503, str(exc), names, timeline)
+        except BaseException:
+            computing.cancel()
+            raise
+        if started is None:
             computing.cancel()
             log.info("client left before decode took %s: both requests cancelled", timeline.request_id)
             return self._answer(499, "client disconnected", None, timeline)
-        out_headers = {
-            "x-kvbridge-prefill": prefill.url,
-            "x-kvbridge-decode": decode.url,
-            "x-request-id": timeline.request_id,
-        }
-        relay = (
-            self._relay_stream
-            if resp.headers.get("content-type", "").startswith("text/event-stream")
-            else self._relay_whole
-        )
-        answer = await relay(request, resp, decode, timeline, begun, sent, out_headers)
-        if getattr(answer, "status_code", 200) == 499:
-            computing.cancel()  # the client left: prefill stops too
-        return answer
+        decode, resp = started
+        return Handover(decode, resp, self._names(prefill, decode), sent, computing)
 
     def _prefill_ended(self, task: asyncio.Future, prefill: Instance, timeline: Timeline) -> None:
         if task.cancelled():
@@ -548,9 +816,11 @@ class Proxy:
         if exc is not None:  # the decode's stream then fails or times out, and decode recomputes
             log.warning("layer-wise prefill of %s on %s failed: %s", timeline.request_id, prefill.url, exc)
             return
-        _url, answer = task.result()
+        _inst, answer = task.result()
         with contextlib.suppress(ConfigError):
-            timeline.add(KVTransferParams.from_dict(answer.get("kv_transfer_params")).kvbridge_timing, ("prefill_ms",))
+            params = KVTransferParams.from_dict(answer.get("kv_transfer_params"))
+            timeline.add(params.kvbridge_timing, ("prefill_ms",))
+            self._learn(prefill.url, params)  # a restarted prefill answers with its new identity
 
     def _finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
         """Close the timeline at the first byte of the decode's answer."""
@@ -620,9 +890,8 @@ class Proxy:
             log.warning(
                 "decode server %s failed before the first chunk of %s: %s", decode.url, timeline.request_id, failed
             )
-            return self._answer(
-                503, f"decode server {decode.url} failed: {type(failed).__name__}: {failed}", headers, timeline
-            )
+            detail = f"{type(failed).__name__}: {failed}" if self.expose else type(failed).__name__
+            return self._answer(503, f"decode server {decode.label} failed: {detail}", headers, timeline)
         if first is None:
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self._answer(499, "client disconnected", headers, timeline)
@@ -653,10 +922,12 @@ class Proxy:
 
     async def instances(self) -> Any:
         state: dict[str, Any] = {
-            role: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
+            role: [{"url": i.label, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
             for role, p in self.pools.items()
         }
-        state["warmed"] = sorted(self._warm)  # (prefill, decode) pairs whose first contact is made
+        labels = {i.url: i.label for p in self.pools.values() for i in p.instances}
+        # (prefill, decode) pairs whose first contact is made
+        state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm)
         return state
 
     async def prometheus(self) -> Response:
@@ -672,10 +943,12 @@ def create_app(
     warm_up: bool = True,
     transfer: str = "pull",
     connect_timeout: float = CONNECT_TIMEOUT_S,
+    expose_internals: bool = False,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
     `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
-    `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md)."""
+    `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md).
+    `expose_internals`: answers name the servers by URL (see the module doc)."""
     proxy = Proxy(
         prefill,
         decode,
@@ -684,6 +957,7 @@ def create_app(
         warm_up=warm_up,
         transfer=transfer,
         connect_timeout=connect_timeout,
+        expose_internals=expose_internals,
     )
     app = FastAPI(lifespan=proxy.lifespan)
     for path in ROUTES:

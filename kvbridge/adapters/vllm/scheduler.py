@@ -1,7 +1,10 @@
 """Scheduler side of KVBridgeConnector: decides what to pull and which finished requests to hold.
 
-A request's `kv_transfer_params` are decoded into `KVTransferParams` once, when the scheduler first
-sees the request; the workers get the decoded value in a `PullTask`. The answer's params carry what
+A request's `kv_transfer_params` are checked as it arrives (`on_new_request`): a client can send any
+value straight to a vLLM server (`vllm_xargs`, a wrong type, junk values), and nothing it sends may raise
+in vLLM's scheduler. Params that do not decode are dropped, logged, and the request is served as a
+colocated server would. They are decoded into `KVTransferParams` once, when the scheduler first sees
+the request; the workers get the decoded value in a `PullTask`. The answer's params carry what
 this engine measured of the request (`kvbridge_timing`) for the proxy's timeline.
 
 A finished prefill request is offered twice under one offer id: at once, by an `Offer` message to
@@ -35,6 +38,32 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+
+def checked_params(request: Request) -> dict[str, Any] | None:
+    """The request's `kv_transfer_params`, or None (set so on the request, logged) when they are no dict or,
+    asking for a transfer, do not decode: such a request is served as a colocated server would."""
+    params = request.kv_transfer_params
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        problem = f"kv_transfer_params must be a JSON object, got {type(params).__name__}"
+    elif not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+        return params
+    else:
+        try:
+            KVTransferParams.from_dict(params)
+            return params
+        except ConfigError as exc:
+            problem = str(exc)
+    log.error(
+        "request %s: %s; served as a colocated server would, the params ignored (the proxy sets them: "
+        "kvbridge proxy, or vLLM's P/D proxies)",
+        request.request_id,
+        problem,
+    )
+    request.kv_transfer_params = None
+    return None
 
 
 class SchedulerSide:
@@ -71,9 +100,13 @@ class SchedulerSide:
             one_batch_at_a_time=getattr(vllm_config, "max_concurrent_batches", 0) == 1,
         )
 
+    def on_new_request(self, request: Request) -> None:
+        """Check the request's params as it arrives (vLLM reads them itself right after)."""
+        checked_params(request)
+
     def _decode_params(self, request: Request) -> KVTransferParams | None:
         """The request's params if it is still to be pulled (decoded on first sight), else None."""
-        params = request.kv_transfer_params
+        params = checked_params(request)
         if not params or not params.get("do_remote_prefill"):
             return None
         decoded = self._remote.get(request.request_id)
@@ -89,6 +122,7 @@ class SchedulerSide:
         return decoded
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        checked_params(request)  # also where a vLLM without on_new_request shows the request first
         self.layerwise.note_producer(request)
         if self._decode_params(request) is not None:
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
@@ -158,7 +192,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        params = request.kv_transfer_params
+        params = checked_params(request)
         timing = self._timings.pop(request.request_id, None)
         if not params:
             return False, None

@@ -124,8 +124,8 @@ class Settings:
 
     def transport_options(self) -> dict[str, Any]:
         """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them:
-        `tcp` authenticates its peers with them; Mooncake authenticates nothing and takes neither (see
-        docs/security.md)."""
+        `tcp` authenticates its peers with them; Mooncake and NIXL, which authenticate nobody, are guarded
+        with them (`kvbridge.netguard`, docs/security.md)."""
         from kvbridge.plugins import registry
 
         declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}

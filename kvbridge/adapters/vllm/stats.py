@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 
 # pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
 # leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta];
-# retries: [transport, peer, resubmissions] (of pulls that succeeded or failed)
-_KEYS = ("pulls", "failures", "leases", "held", "retries")
+# retries: [transport, peer, resubmissions] (of pulls that succeeded or failed);
+# guard: [transport, open (1: trust option, any host admitted), hosts admitted] when it changed (kvbridge.netguard)
+_KEYS = ("pulls", "failures", "leases", "held", "retries", "guard")
 LEASE_EVENTS = ("offered", "released", "expired", "aborted")
 
 
@@ -70,6 +71,11 @@ class KVBridgeStats(KVConnectorStats):
         with self._lock:
             self.data["leases"].append([event])
             self.data["held"].append([leases, blocks])
+
+    def record_guard(self, transport: str, open_: bool, admitted: int) -> None:
+        """Who a guarded transport's listeners admit now (recorded when it changes)."""
+        with self._lock:
+            self.data["guard"].append([transport, int(open_), int(admitted)])
 
     def clone_and_reset(self) -> KVBridgeStats:
         with self._lock:
@@ -173,6 +179,19 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             labelnames,
             multiprocess_mode="mostrecent",
         )
+        self.transport_open = self._gauge_cls(
+            "kvbridge_transport_open",
+            "1 when a transport that authenticates nobody (Mooncake, NIXL) runs with the trust option (insecure): "
+            "its listeners accept any host; 0 when only loopback, allow= and hosts that proved the secret get in.",
+            [*labelnames, "transport"],
+            multiprocess_mode="mostrecent",
+        )
+        self.admitted_hosts = self._gauge_cls(
+            "kvbridge_admitted_hosts",
+            "Hosts admitted to a guarded transport's listeners because they proved the shared secret.",
+            [*labelnames, "transport"],
+            multiprocess_mode="mostrecent",
+        )
         self._held: dict[int, list[int]] = {}  # engine -> [leases, blocks] held now
         for values in per_engine_labelvalues.values():  # a scrape sees zeros from the start
             self.leases_held.labels(*values).set(0)
@@ -193,6 +212,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             self.retries.labels(*base, transport, peer).inc(n)
         for (event,) in transfer_stats_data.get("leases", ()):
             self.lease_events.labels(*base, event).inc()
+        for transport, open_, admitted in transfer_stats_data.get("guard", ()):
+            self.transport_open.labels(*base, transport).set(open_)
+            self.admitted_hosts.labels(*base, transport).set(admitted)
         held = transfer_stats_data.get("held", ())
         if held:  # deltas from every rank: keep the sum here (vLLM's gauges take `set`, not `inc`)
             total = self._held.setdefault(engine_idx, [0, 0])

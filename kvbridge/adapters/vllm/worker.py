@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from kvbridge import netguard
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
 from kvbridge.adapters.vllm.inbox import find_engine_inbox
 from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, Producer, StreamTask, check_streamable, stream_pull
@@ -126,6 +127,7 @@ class WorkerSide:
         self._streams: ThreadPoolExecutor | None = None
         self._cancels: dict[str, threading.Event] = {}  # decode: layer-wise streams in flight
         self._pulling = 0  # decode: pulls in flight (under _lock)
+        self._guards_seen: list[tuple[str, bool, int]] = []
         if settings.transfer == "layerwise":
             self.producer = Producer(self.ledger, self.server.abort, block_size)
             self.server.streams = self.producer.query
@@ -556,6 +558,11 @@ class WorkerSide:
             self.agent.close()
 
     def take_stats(self) -> KVBridgeStats | None:
+        guards = [(g.what, g.open, g.admitted) for g in netguard.states()]
+        if guards != self._guards_seen:  # shown in /metrics from the first stats on, then on every change
+            self._guards_seen = guards
+            for what, open_, admitted in guards:
+                self.stats.record_guard(what.split()[0], open_, admitted)
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def take_timings(self) -> KVBridgeWorkerMeta | None:

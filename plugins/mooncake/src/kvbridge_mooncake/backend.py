@@ -44,8 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.backend import MigrationBackend, Op, Peer
+from kvbridge.control.discovery import redacted
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed
 from kvbridge.memory import Descriptors
+from kvbridge.netguard import Guard
 from kvbridge.options import as_dict, parse
 from kvbridge.plugins import device_for_memory
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
@@ -217,6 +219,8 @@ class MooncakeBackend(MigrationBackend):
 
         parsed = parse(spec.MooncakeOptions, config.options, what="backend 'mooncake'")
         opts = {k: v for k, v in as_dict(parsed).items() if v is not None}  # None: spec's default applies
+        # Mooncake authenticates no peer and listens on every interface: refuse or guard before it starts
+        self.guard = Guard(f"mooncake {self.protocol} transport", config.hostname, parsed)
         wheel = built_with()
         self.capabilities = spec.capabilities(self.protocol, opts, wheel)  # type: ignore[misc]
         needs = {"nvlink": "intra_nvlink", "ascend": "ascend"}.get(self.protocol)
@@ -247,10 +251,12 @@ class MooncakeBackend(MigrationBackend):
             local = ascend_identity(config.hostname, opts)
         self._engine = TransferEngine()
         protocol = spec.MOONCAKE_PROTOCOL[self.protocol]
-        rc = self._engine.initialize(local, self._metadata, protocol, config.device_name)
+        with self.guard.capture():
+            rc = self._engine.initialize(local, self._metadata, protocol, config.device_name)
         if rc != 0:
+            self.guard.close()
             raise ConfigError(
-                f"Mooncake TransferEngine.initialize({local!r}, {self._metadata!r}, {protocol!r}, "
+                f"Mooncake TransferEngine.initialize({local!r}, {redacted(self._metadata)!r}, {protocol!r}, "
                 f"{config.device_name!r}) failed with {explain(rc)}. Check that the protocol is built into the "
                 "installed wheel, the NIC names exist (`kvbridge doctor`), and the metadata server is reachable"
             )
@@ -260,7 +266,7 @@ class MooncakeBackend(MigrationBackend):
             self._session = config.hostname
         self._gates: dict[str, _Gate] = {}
         self.transfer_deadline_s = self._deadline
-        log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, self._metadata)
+        log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, redacted(self._metadata))
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
         done: list[int] = []
@@ -380,3 +386,4 @@ class MooncakeBackend(MigrationBackend):
     def _shutdown(self) -> None:
         # TransferEngine has no explicit shutdown; dropping the last reference stops it.
         self._engine = None
+        self.guard.close()

@@ -20,7 +20,8 @@ from typing import Any
 
 import attrs
 
-from kvbridge.options import TransportOptions, option
+from kvbridge.netguard import GuardOptions
+from kvbridge.options import option
 from kvbridge.types import BackendCapabilities, MemoryKind, TransferCost
 
 PROTOCOLS = ("tcp", "rdma", "nvlink", "ascend")
@@ -51,7 +52,7 @@ INSTALL_HINT = (
 
 
 @attrs.frozen
-class MooncakeOptions(TransportOptions):
+class MooncakeOptions(GuardOptions):
     """Options of the `mooncake` transport; None means "not set": the default the doc names applies."""
 
     max_batch: int = option(CAPABILITIES.max_batch, "most descriptors per Mooncake batch call", min=1, max=1 << 24)

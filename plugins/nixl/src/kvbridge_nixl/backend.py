@@ -31,6 +31,7 @@ import numpy as np
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
 from kvbridge.memory import Descriptors
+from kvbridge.netguard import Guard, GuardOptions
 from kvbridge.options import as_dict, parse
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
@@ -61,7 +62,8 @@ class NixlBackend(MigrationBackend):
         """Build from `config.options` (checked against `NixlOptions`; `workers` is the base class's)."""
         opts = as_dict(parse(NixlOptions, config.options, what="backend 'nixl'"))
         opts.pop("workers")
-        return cls(config, **opts)
+        guard = GuardOptions(**{f.name: opts.pop(f.name) for f in attrs.fields(GuardOptions) if f.name != "workers"})
+        return cls(config, guard=guard, **opts)
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class NixlBackend(MigrationBackend):
         num_threads: int = 0,
         transfer_timeout: float = 120.0,
         agent_name: str = "",
+        guard: GuardOptions | None = None,
     ) -> None:
         """
         progress_thread: use NIXL's own progress thread (it busy-polls: about a core per agent while idle).
@@ -81,6 +84,8 @@ class NixlBackend(MigrationBackend):
         num_threads: worker threads of the NIXL backend (UCX, LIBFABRIC); 0 keeps NIXL's default.
         transfer_timeout: seconds after which an unfinished request is aborted and fails.
         agent_name: this agent's name (unique per process by default).
+        guard: who may reach UCX's listeners, which authenticate nobody (`kvbridge.netguard`; default: loopback
+            and hosts that prove the shared secret).
         """
         super().__init__(config)
         reason = probe()
@@ -98,17 +103,24 @@ class NixlBackend(MigrationBackend):
         conf = api.nixl_agent_config(
             enable_prog_thread=bool(progress_thread), backends=[], num_threads=int(num_threads)
         )
-        self._agent = api.nixl_agent(self._name, conf)
+        # UCX authenticates no peer and listens on every interface: refuse or guard before it starts
+        self.guard = Guard(f"nixl {self.protocol} transport", config.hostname, guard or GuardOptions())
         init = {"num_threads": str(int(num_threads))} if num_threads else {}
-        try:
-            self._agent.create_backend(self._nixl_backend, init)
-        except Exception as exc:  # NIXL raises its own binding errors; the plugin's library may be missing
+        failed: Exception | None = None
+        with self.guard.capture():
+            self._agent = api.nixl_agent(self._name, conf)
+            try:
+                self._agent.create_backend(self._nixl_backend, init)
+            except Exception as exc:  # NIXL raises its own binding errors; the plugin's library may be missing
+                failed = exc
+        if failed is not None:
+            self.guard.close()
             raise ConfigError(
-                f"NIXL could not start its {self._nixl_backend} backend ({type(exc).__name__}: {exc}). "
+                f"NIXL could not start its {self._nixl_backend} backend ({type(failed).__name__}: {failed}). "
                 f"NIXL plugins on this machine: {self._agent.get_plugin_list()}; a plugin that is listed but "
                 "fails to load lacks its system library (libfabric for LIBFABRIC, DOCA for GPUNETIO). "
                 "Choose another protocol or install the library"
-            ) from exc
+            ) from failed
         self._agent_lock = threading.Lock()  # NIXL agents are not thread-safe in their default sync mode
         self._reg: dict[int, Any] = {}
         self._remote: dict[str, int] = {}  # remote agent name -> connected peers using it
@@ -340,6 +352,7 @@ class NixlBackend(MigrationBackend):
                     log.debug("nixl: removing agent %s: %s", name, exc)
             self._remote.clear()
             self._agent = None
+        self.guard.close()
 
 
 def _region_at(regions: Sequence[MemoryRegion], addr: int) -> MemoryRegion:

@@ -14,7 +14,8 @@ from types import ModuleType
 
 import attrs
 
-from kvbridge.options import TransportOptions, option
+from kvbridge.netguard import GuardOptions
+from kvbridge.options import option
 from kvbridge.types import BackendCapabilities, MemoryKind
 
 # NIXL backends that move memory between two agents (kvbridge's protocols, lower case). NIXL's other
@@ -32,7 +33,7 @@ INSTALL_HINT = (
 
 
 @attrs.frozen
-class NixlOptions(TransportOptions):
+class NixlOptions(GuardOptions):
     """Options of the `nixl` transport (docs/nixl.md says why NIXL's own progress thread is off by default)."""
 
     progress_thread: bool = option(False, "use NIXL's own progress thread (it busy-polls: about a core per agent)")

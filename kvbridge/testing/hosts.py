@@ -1,0 +1,501 @@
+"""Hosts on one machine: network namespaces joined by a bridge, with shaped and faulty links.
+
+Test and bench tooling, not library code. Each host is a network namespace with one veth link to a
+"switch" namespace that holds the bridge, so the root namespace is never touched and no packet can
+leave the machine. Every link can be rate-limited (`tc tbf` at both ends, so both directions), and
+the switch filters forwarded packets (nftables, bridge family) to drop a random share of them per
+direction or all of them (a partition). Delay needs the kernel's `netem`, which is not everywhere.
+
+Namespace names carry ``kvb<pid>x<n>-`` so concurrent runs never collide; namespaces whose pid is
+gone (a run that was killed) are removed when the next `Hosts` starts. On exit every process the
+hosts started is stopped by its PID (TERM, then KILL), then every process still inside one of the
+namespaces, and every namespace is deleted by name, also when the body raised.
+
+    with Hosts(["prefill", "decode"]) as hosts:
+        server = hosts["decode"].popen([sys.executable, "-m", "http.server", "--bind", "198.51.100.2"])
+        hosts.partition("prefill", "decode")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ipaddress
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvb"
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,15}$")
+_OURS = re.compile(rf"^{PREFIX}(\d+)x\d+-")
+_SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+_TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables"}
+_CLONE_NEWNET = 0x40000000
+_STOP_S = 5.0  # a process gets this long after SIGTERM before SIGKILL
+_counter = itertools.count()
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)?$", re.IGNORECASE)
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+
+
+class HostsError(RuntimeError):
+    """A namespace, link or filter could not be set up or changed (the reason is in the message)."""
+
+
+def _tool(name: str) -> str | None:
+    return shutil.which(name, path=_SBIN)
+
+
+def hosts_unavailable() -> str | None:
+    """Why `Hosts` cannot run here (not root, a tool missing), or None when it can."""
+    if os.geteuid() != 0:
+        return "network-namespace hosts need root (ip netns, tc, nft)"
+    missing = sorted({f"{tool} ({pkg})" for tool, pkg in _TOOLS.items() if _tool(tool) is None})
+    if missing:
+        return f"missing {', '.join(missing)}: `scripts/setup --test` installs them"
+    return None
+
+
+def parse_rate(rate: str | int) -> int:
+    """Bits per second from an int or a tc rate such as ``"5gbit"`` or ``"100mbit"``."""
+    if isinstance(rate, int) and not isinstance(rate, bool):
+        bits = rate
+    else:
+        m = _RATE.match(str(rate).strip())
+        if m is None:
+            raise ValueError(f"rate {rate!r} is not a rate: write it as tc does, e.g. 100mbit, 5gbit")
+        bits = int(float(m.group(1)) * _RATE_UNITS[(m.group(2) or "bit").lower()])
+    if bits < 8000:
+        raise ValueError(f"rate {rate!r} is below 8 kbit/s; pick a rate tc can shape, e.g. 100mbit")
+    return bits
+
+
+def _sh(args: Sequence[str], timeout: float = 30.0, stdin: str | None = None) -> str:
+    """Run a setup command; raise HostsError with its stderr when it fails."""
+    try:
+        done = subprocess.run(list(args), input=stdin, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise HostsError(f"`{' '.join(args)}` did not finish in {timeout:g} s") from e
+    if done.returncode != 0:
+        raise HostsError(f"`{' '.join(args)}` failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _netns_pids(netns: str) -> list[int]:
+    done = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, timeout=30)
+    return [int(p) for p in done.stdout.split() if p.isdigit()]
+
+
+def _stop_pids(pids: Iterable[int], deadline_s: float = _STOP_S) -> None:
+    """TERM each pid, KILL those still there after the bound (processes that are not our children)."""
+    pids = [p for p in pids if p != os.getpid()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + deadline_s
+    while pids and time.monotonic() < end:
+        pids = [p for p in pids if _alive(p) and not _zombie(p)]
+        if pids:
+            time.sleep(0.05)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _delete_netns(netns: str) -> None:
+    _stop_pids(_netns_pids(netns))
+    done = subprocess.run(["ip", "netns", "del", netns], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0 and netns in _list_netns():
+        raise HostsError(f"could not delete network namespace {netns}: {done.stderr.strip()}")
+
+
+def _list_netns() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_leftovers() -> list[str]:
+    """Delete the namespaces of earlier runs whose process is gone; return their names."""
+    removed = []
+    for netns in _list_netns():
+        m = _OURS.match(netns)
+        if m and not _alive(int(m.group(1))):
+            _delete_netns(netns)
+            removed.append(netns)
+    if removed:
+        log.info("removed %d network namespaces left by dead runs: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+@attrs.define
+class Host:
+    """One host: a network namespace with one address on the hosts' subnet and `lo` up."""
+
+    name: str
+    netns: str
+    address: str
+    index: int
+    _procs: list[subprocess.Popen[Any]] = attrs.field(factory=list, repr=False)
+
+    def command(self, args: Sequence[str]) -> list[str]:
+        """`args` prefixed so that it runs inside this host's namespace."""
+        return ["ip", "netns", "exec", self.netns, *args]
+
+    def popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `args` inside the host (a process group of its own); it is stopped when the hosts close."""
+        kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(self.command(args), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(
+        self, args: Sequence[str], *, check: bool = True, timeout: float = 60.0, **kwargs: Any
+    ) -> subprocess.CompletedProcess[Any]:
+        """Run `args` inside the host to completion (bounded by `timeout`)."""
+        return subprocess.run(self.command(args), check=check, timeout=timeout, **kwargs)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the calling thread inside this host's network namespace until the block ends.
+
+        Threads it starts meanwhile are born there and stay there: a client that must reach the
+        hosts (which the root namespace cannot) runs this way without a process of its own.
+        """
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        try:
+            target = os.open(f"/var/run/netns/{self.netns}", os.O_RDONLY)
+            try:
+                if libc.setns(target, _CLONE_NEWNET) != 0:
+                    raise HostsError(f"cannot enter {self.netns}: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(target)
+            try:
+                yield
+            finally:
+                if libc.setns(own, _CLONE_NEWNET) != 0:
+                    raise HostsError(f"cannot leave {self.netns}: {os.strerror(ctypes.get_errno())}")
+        finally:
+            os.close(own)
+
+    def stop(self, deadline_s: float = _STOP_S) -> None:
+        """Stop every process this host started: TERM its group, KILL after the bound."""
+        running = [p for p in self._procs if p.poll() is None]
+        for proc in running:
+            _signal(proc, signal.SIGTERM)
+        end = time.monotonic() + deadline_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(proc, signal.SIGKILL)
+                proc.wait(timeout=30)
+        self._procs.clear()
+
+
+def _signal(proc: subprocess.Popen[Any], sig: int) -> None:
+    # The group id is the leader's pid, which is ours until we reap it (poll() said it runs).
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            os.kill(proc.pid, sig)
+
+
+@attrs.define
+class _Flap:
+    thread: threading.Thread
+    stop: threading.Event
+
+
+def _own_addresses() -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses of this machine's own interfaces (the namespace this process runs in)."""
+    try:
+        out = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [ipaddress.ip_address(a["local"]) for link in json.loads(out) for a in link.get("addr_info", ())]
+
+
+class Hosts:
+    """N hosts on one bridge, each a network namespace; a context manager that removes all it made.
+
+    Host i (in the order given) gets the (i+1)-th address of `subnet`. Faults between hosts are
+    nftables rules in the switch namespace, applied atomically, so hosts' own firewall rules and
+    the traffic on each host's `lo` are untouched.
+    """
+
+    def __init__(self, names: Sequence[str], subnet: str = "198.51.100.0/24", mtu: int = 1500) -> None:
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"host names must be distinct and at least one, got {list(names)}")
+        for name in names:
+            if not _NAME.match(name):
+                raise ValueError(f"host name {name!r}: use 1-16 lowercase letters, digits or _, a letter first")
+        net = ipaddress.ip_network(subnet)
+        clash = [a for a in _own_addresses() if a in net]
+        if clash:
+            raise ValueError(
+                f"subnet {subnet} holds this machine's own address {clash[0]}; pick a documentation range it does "
+                "not use (198.51.100.0/24, 203.0.113.0/24)"
+            )
+        addrs = itertools.islice(net.hosts(), len(names))
+        self.subnet = net
+        self.mtu = mtu
+        self.prefix = f"{PREFIX}{os.getpid()}x{next(_counter)}-"
+        self.switch = f"{self.prefix}switch"
+        self._hosts = {
+            name: Host(name=name, netns=f"{self.prefix}{name}", address=str(addr), index=i)
+            for i, (name, addr) in enumerate(zip(names, addrs))
+        }
+        if len(self._hosts) < len(names):
+            raise ValueError(f"subnet {subnet} has room for fewer than {len(names)} hosts")
+        self._made: list[str] = []
+        self._lock = threading.Lock()
+        self._drops: dict[tuple[str, str], float] = {}  # (src, dst) -> share dropped; 1.0 is a partition
+        self._partitions: set[tuple[str, str]] = set()
+        self._rates: dict[str, int] = {}
+        self._flaps: list[_Flap] = []
+        self._open = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> Hosts:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Make the switch and the hosts; on any failure remove what was made and raise HostsError."""
+        reason = hosts_unavailable()
+        if reason:
+            raise HostsError(reason)
+        remove_leftovers()
+        self._open = True
+        try:
+            self._add_netns(self.switch)
+            _sh(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
+            _sh(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+            for host in self._hosts.values():
+                self._add_host(host)
+            self._nft()
+        except BaseException:
+            self.close()
+            raise
+
+    def _add_netns(self, netns: str) -> None:
+        _sh(["ip", "netns", "add", netns])
+        self._made.append(netns)
+
+    def _add_host(self, host: Host) -> None:
+        self._add_netns(host.netns)
+        port = f"port{host.index}"
+        mtu = str(self.mtu)
+        _sh(["ip", "-n", self.switch, "link", "add", port, "mtu", mtu, "type", "veth", "peer", "name", "eth0",
+             "netns", host.netns])  # fmt: skip
+        _sh(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
+        _sh(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+        _sh(["ip", "-n", host.netns, "addr", "add", f"{host.address}/{self.subnet.prefixlen}", "dev", "eth0"])
+        _sh(["ip", "-n", host.netns, "link", "set", "eth0", "up"])
+
+    def close(self) -> None:
+        """Stop flaps and every process, delete every namespace; safe to call twice."""
+        if not self._open:
+            return
+        errors = []
+        for flap in self._flaps:
+            flap.stop.set()
+        for flap in self._flaps:
+            flap.thread.join(timeout=30)
+        self._flaps.clear()
+        for host in self._hosts.values():
+            try:
+                host.stop()
+            except Exception as e:  # keep going: the namespaces must go whatever happened
+                errors.append(e)
+        for netns in reversed(self._made):
+            try:
+                _delete_netns(netns)
+            except Exception as e:
+                errors.append(e)
+        self._made.clear()
+        self._open = False
+        if errors:
+            raise HostsError(f"cleanup of {self.prefix}* failed: {errors}")
+
+    # -- access ------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> Host:
+        try:
+            return self._hosts[name]
+        except KeyError:
+            raise KeyError(f"no host {name!r}; hosts: {', '.join(self._hosts)}") from None
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self._hosts.values())
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._hosts)
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace these hosts made (the switch too)."""
+        return list(self._made)
+
+    # -- links ---------------------------------------------------------------------------------
+    def shape(self, host: str, rate: str | int | None) -> None:
+        """Limit `host`'s link to `rate` in both directions (tc tbf at both ends); None removes it."""
+        h = self[host]
+        ends = [(h.netns, "eth0"), (self.switch, f"port{h.index}")]
+        if rate is None:
+            if self._rates.pop(h.name, None) is not None:
+                for netns, dev in ends:
+                    _sh(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"])
+            return
+        bits = parse_rate(rate)
+        # A burst of ~1 ms at the rate (at least 128 KiB, so that one GSO packet passes whole) keeps
+        # the long-run rate accurate at 10 Gbit without letting more than a millisecond through.
+        burst = max(bits // 8 // 1000, 128 * 1024)
+        for netns, dev in ends:
+            _sh(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
+                 "burst", str(burst), "latency", "50ms"])  # fmt: skip
+        self._rates[h.name] = bits
+
+    def rate(self, host: str) -> int | None:
+        """The rate `host`'s link is shaped to, in bits per second, or None."""
+        return self._rates.get(self[host].name)
+
+    def delay(self, host: str, ms: float, jitter_ms: float = 0.0) -> None:
+        """Delay every packet on `host`'s link by `ms` each way (needs netem; HostsError where it is absent)."""
+        h = self[host]
+        if h.name in self._rates:
+            raise HostsError(f"{host}'s link is shaped; delay and shape on one link are not supported together")
+        args = ["delay", f"{ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
+        for netns, dev in [(h.netns, "eth0"), (self.switch, f"port{h.index}")]:
+            done = subprocess.run(
+                ["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "netem", *args],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            if done.returncode != 0:
+                why = done.stderr.strip()
+                if "unknown" in why.lower():
+                    why = f"this kernel has no netem qdisc (sch_netem), so delay and jitter are unavailable: {why}"
+                raise HostsError(f"cannot delay {host}'s link: {why}")
+
+    # -- faults --------------------------------------------------------------------------------
+    def loss(self, src: str, dst: str, share: float) -> None:
+        """Drop `share` (0..1) of the packets from `src` to `dst`, chosen at random; 0 removes it."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"loss share must be within [0, 1], got {share}")
+        key = (self[src].name, self[dst].name)
+        with self._lock:
+            if share == 0:
+                self._drops.pop(key, None)
+            else:
+                self._drops[key] = share
+            self._apply()
+
+    def partition(self, a: str, b: str, direction: str = "both") -> None:
+        """Drop every packet a->b ("forward"), b->a ("back"), or both ways."""
+        pairs = {"forward": [(a, b)], "back": [(b, a)], "both": [(a, b), (b, a)]}
+        if direction not in pairs:
+            raise ValueError(f"direction must be one of both, forward, back; got {direction!r}")
+        with self._lock:
+            self._partitions.update((self[s].name, self[d].name) for s, d in pairs[direction])
+            self._apply()
+
+    def heal(self, a: str, b: str) -> None:
+        """Undo every partition between a and b (both directions); loss stays."""
+        with self._lock:
+            self._partitions -= {(self[a].name, self[b].name), (self[b].name, self[a].name)}
+            self._apply()
+
+    def flap(self, a: str, b: str, *, down_s: float, up_s: float, times: int) -> threading.Thread:
+        """Partition a<->b for `down_s`, heal for `up_s`, `times` times, in a background thread.
+
+        The thread ends healed; `close()` stops it early. Join the returned thread to wait for it.
+        """
+        if times < 1 or down_s < 0 or up_s < 0:
+            raise ValueError(f"flap needs times >= 1 and durations >= 0, got {times=}, {down_s=}, {up_s=}")
+        self[a], self[b]  # noqa: B018 -- fail here, not in the thread, on a wrong name
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                for _ in range(times):
+                    self.partition(a, b)
+                    stopped = stop.wait(down_s)
+                    self.heal(a, b)
+                    if stopped or stop.wait(up_s):
+                        return
+            except HostsError:
+                log.exception("flap %s<->%s failed", a, b)
+
+        thread = threading.Thread(target=run, name=f"flap-{a}-{b}", daemon=True)
+        self._flaps.append(_Flap(thread=thread, stop=stop))
+        thread.start()
+        return thread
+
+    def _apply(self) -> None:
+        if not self._open:
+            raise HostsError("the hosts are closed")
+        self._nft()
+
+    def _nft(self) -> None:
+        _sh(["ip", "netns", "exec", self.switch, "nft", "-f", "-"], stdin=self._ruleset())
+
+    def _ruleset(self) -> str:
+        """The whole fault table, replaced in one transaction (so no packet sees half a change)."""
+        rules = []
+        for src, dst in sorted(self._partitions):
+            rules.append(f"ip saddr {self[src].address} ip daddr {self[dst].address} counter drop")
+        for (src, dst), share in sorted(self._drops.items()):
+            if (src, dst) in self._partitions:
+                continue
+            per_million = round(share * 1_000_000)
+            rules.append(
+                f"ip saddr {self[src].address} ip daddr {self[dst].address} "
+                f"numgen random mod 1000000 < {per_million} counter drop"
+            )
+        body = "".join(f"    {rule}\n" for rule in rules)
+        # `table ...` first creates it if missing; `delete` then `table` again rebuilds it empty.
+        return (
+            "table bridge kvb_faults {}\n"
+            "delete table bridge kvb_faults\n"
+            "table bridge kvb_faults {\n"
+            "  chain faults {\n"
+            "    type filter hook forward priority 0; policy accept;\n"
+            f"{body}"
+            "  }\n"
+            "}\n"
+        )

@@ -1,0 +1,177 @@
+"""One engine's worth of kvbridge on a namespace host, or a stranger beside it; driven through kvbridge.proc.
+
+`serve` puts a patterned buffer behind a transport and a side channel, as a prefill rank does; `pull`
+is a decode that authenticates on that side channel and reads the buffer; the `stranger_*` calls are
+someone on another host holding no secret who knows the endpoint (an observer saw it on the wire) and
+uses the transport's own library directly, or plain sockets.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+import kvbridge
+from kvbridge import wire
+from kvbridge.control import ControlClient, ControlServer
+from kvbridge.layout import vllm_layout
+from kvbridge.presets import PRESETS
+from kvbridge.proc import serve
+from kvbridge.topology import ParallelConfig
+from kvbridge.types import EndpointInfo
+
+state: dict[str, Any] = {}
+
+
+def _digest(buf: np.ndarray) -> str:
+    return hashlib.sha256(buf.tobytes()).hexdigest()
+
+
+def serve_buffer(
+    backend: str, hostname: str, size: int, seed: int, options: dict[str, Any], secret: str | None
+) -> dict[str, Any]:
+    """A patterned buffer registered with `backend`, its endpoint served on an authenticated side channel."""
+    from kvbridge.agent import RankInfo
+
+    buf = np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
+    be = kvbridge.create_backend(backend, hostname=hostname, **options)
+    be.register_memory(buf)
+    model = PRESETS["tiny-gqa"]
+    layout = vllm_layout(model, 8, [buf.ctypes.data] * model.layers, 4)
+    server = ControlServer("prefill", 0, host=hostname, secret=secret, insecure=options.get("insecure", False))
+    server.register(RankInfo("prefill", 0, ParallelConfig(), layout, be.endpoint_info()))
+    state.update(buf=buf, backend=be, server=server)
+    guard = getattr(be, "guard", None)
+    return {
+        "endpoint": be.endpoint_info().hex(),
+        "endpoint_address": be.endpoint().address,
+        "base": buf.ctypes.data,
+        "digest": _digest(buf),
+        "side_channel": list(server.address),
+        "ports": list(guard.state().ports) if guard else [],
+    }
+
+
+def digest() -> str:
+    return _digest(state["buf"])
+
+
+def pull(backend: str, hostname: str, host: str, port: int, secret: str | None, options: dict[str, Any]) -> str:
+    """Authenticate on the side channel at host:port, read the whole buffer its endpoint names; its digest."""
+    client = ControlClient(host, port, secret=secret, timeout_s=10)
+    try:
+        info = client.get_info(wait_s=10)
+    finally:
+        client.close()
+    be = kvbridge.create_backend(backend, hostname=hostname, **options)
+    try:
+        ep = wire.decode(info.endpoint, EndpointInfo)
+        region = ep.regions[0]
+        out = np.zeros(region.length, dtype=np.uint8)
+        be.register_memory(out)
+        peer = be.connect(info.endpoint)
+        be.transfer(peer, [(out.ctypes.data, region.addr, region.length)], "read").wait(30)
+        return _digest(out)
+    finally:
+        be.close()
+
+
+def stranger_side_channel(host: str, port: int) -> str:
+    """Ask the side channel for the layout and endpoint without the secret; what came back."""
+    client = ControlClient(host, port, secret=None, timeout_s=5)
+    try:
+        return repr(client.get_info())
+    except Exception as exc:  # noqa: BLE001 - the refusal is the answer
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+
+
+def stranger_dial(host: str, ports: list[int], connect_timeout: float) -> dict[str, str]:
+    """Plain TCP connects to each port: 'connected' or why not."""
+    out = {}
+    for port in ports:
+        try:
+            with socket.create_connection((host, port), timeout=connect_timeout):
+                out[str(port)] = "connected"
+        except OSError as exc:
+            out[str(port)] = type(exc).__name__
+    return out
+
+
+def stranger_library(
+    backend: str, hostname: str, endpoint: str, op: str, size: int, address: str | None = None
+) -> dict[str, Any]:
+    """Read or write the endpoint's first region with the transport's own library, holding no secret;
+    `address` replaces the endpoint's (a Mooncake engine on 127.0.0.1 reached at its host's address).
+
+    Returns {"rc": the library's result (0: it says the transfer worked), "digest": of what was read}.
+    """
+    ep = wire.decode(bytes.fromhex(endpoint), EndpointInfo)
+    region = ep.regions[0]
+    local = np.full(size, 0x5A, dtype=np.uint8)
+    begun = time.monotonic()
+    if backend == "mooncake":
+        from mooncake.engine import TransferEngine
+
+        engine = TransferEngine()
+        assert engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "") == 0
+        assert engine.register_memory(local.ctypes.data, local.nbytes) == 0
+        call = engine.transfer_sync_read if op == "read" else engine.transfer_sync_write
+        rc = call(address or ep.address, local.ctypes.data, region.addr, size)
+    elif backend == "nixl":
+        from kvbridge_nixl.spec import nixl_api
+
+        api = nixl_api()
+        agent = api.nixl_agent("stranger", api.nixl_agent_config(backends=["UCX"]))
+        agent.register_memory(agent.get_reg_descs([(local.ctypes.data, local.nbytes, 0, "")], "DRAM"))
+        rc = -1
+        try:
+            remote = agent.add_remote_agent(base64.b64decode(ep.extra["nixl_agent_metadata"]))
+            src = agent.get_xfer_descs([(local.ctypes.data, size, 0)], "DRAM")
+            dst = agent.get_xfer_descs([(region.addr, size, 0)], "DRAM")
+            handle = agent.initialize_xfer("READ" if op == "read" else "WRITE", src, dst, remote)
+            agent.transfer(handle)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                status = agent.check_xfer_state(handle)
+                if status in ("DONE", "ERR"):
+                    rc = 0 if status == "DONE" else -1
+                    break
+                time.sleep(0.01)
+        except Exception as exc:  # noqa: BLE001 - NIXL's refusal is the answer
+            rc = f"{type(exc).__name__}: {exc}"
+    else:  # kvbridge's tcp transport, as a client holding no secret
+        be = kvbridge.create_backend("tcp", hostname=hostname, insecure=True)
+        be.register_memory(local)
+        try:
+            peer = be.connect(bytes.fromhex(endpoint))
+            be.transfer(peer, [(local.ctypes.data, region.addr, size)], op).wait(15)
+            rc = 0
+        except Exception as exc:  # noqa: BLE001 - the refusal is the answer
+            rc = f"{type(exc).__name__}: {exc}"
+    return {"rc": rc, "digest": _digest(local), "seconds": round(time.monotonic() - begun, 1)}
+
+
+def close() -> None:
+    state.pop("server").close()
+    state.pop("backend").close()
+
+
+if __name__ == "__main__":
+    serve(
+        {
+            "serve_buffer": serve_buffer,
+            "digest": digest,
+            "pull": pull,
+            "stranger_side_channel": stranger_side_channel,
+            "stranger_dial": stranger_dial,
+            "stranger_library": stranger_library,
+            "close": close,
+        }
+    )

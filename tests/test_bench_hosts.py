@@ -1,0 +1,61 @@
+"""`kvbridge bench --hosts`: the pair bench with prefill and decode on two namespace hosts.
+
+Correctness and the report's shape only: speeds over the shaped link are documented runs
+(docs/hosts.md), never asserted here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge.bench.link import Link, parse_link
+from kvbridge.testing.hosts import hosts_unavailable
+
+QUICK = ["--model", "small", "--tokens", "512", "--requests", "2", "--repeat", "1"]
+needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
+
+
+def kvbridge(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvbridge", *args], capture_output=True, text=True, timeout=300)
+
+
+@needs_hosts
+@pytest.mark.parametrize("backend", ["mooncake", "nixl", "tcp"])
+def test_bench_across_two_hosts_verifies_and_reports_the_link(backend: str) -> None:
+    out = kvbridge(
+        "bench", "--migration-backend", backend, "--hosts", "--link", "rate=1gbit,loss=0.1%", "--verify", *QUICK,
+        "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["verified"] and not result["problems"]
+    hosts = result["hosts"]
+    assert (hosts["prefill"], hosts["decode"]) == ("198.51.100.1", "198.51.100.2")
+    assert hosts["link"] == {"rate_bits": 10**9, "loss": 0.001, "described": "1 Gbit/s, 0.10% loss each way"}
+    # Each path's share of the link is its GB/s over the rate. Above 1.5 the bytes did not cross the
+    # shaped link at all (UCX moves them through shared memory unless told to use TCP).
+    for path in ("kvbridge", "raw"):
+        share = hosts[f"{path}_share_of_link"]
+        assert share == pytest.approx(result[path]["gbps"] * 8 / 1.0)
+        assert 0 < share < 1.5, (path, share)
+
+
+def test_link_specs() -> None:
+    assert parse_link("rate=10gbit,loss=0.1%") == Link(rate_bits=10 * 10**9, loss=0.001)
+    assert parse_link("loss=0.01") == Link(loss=0.01)
+    assert parse_link("rate=100mbit").describe() == "0.1 Gbit/s"
+    for bad, why in [("rate=fast", "is not a rate"), ("loss=100%", "below 100"), ("speed=1gbit", "unknown key")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_link(bad)
+
+
+def test_link_without_hosts_and_hosts_outside_pair_mode_are_refused() -> None:
+    out = kvbridge("bench", "--link", "rate=1gbit", *QUICK)
+    assert out.returncode != 0 and "add --hosts" in out.stdout + out.stderr
+    out = kvbridge("bench", "--hosts", "--engine", "lmdeploy", *QUICK)
+    assert out.returncode != 0 and "--hosts runs the pair bench" in out.stdout + out.stderr

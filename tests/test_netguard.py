@@ -1,0 +1,182 @@
+"""The listener guard: the socket filter admits exactly the admitted sources, in the kernel too.
+
+The BPF program is checked two ways: run by a small interpreter of the classic BPF instructions it uses
+over hypothesis-drawn packets (accepted iff the source is in an admitted network), and attached by the
+kernel to real listening sockets on loopback. Across hosts: tests/test_stranger.py.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge import create_backend, netguard
+from kvbridge.errors import ConfigError
+from kvbridge.netguard import GuardOptions, filter_program
+
+NET = 0x100000  # SKF_NET_OFF: the interpreter's packet starts at the network header
+
+
+def run_bpf(program: list[tuple[int, int, int, int]], packet: bytes) -> int:
+    """The program's verdict on an IP packet (the instructions filter_program emits, nothing else)."""
+    a, pc = 0, 0
+    for _ in range(len(program) + 1):  # no backward jumps: each instruction runs at most once
+        op, jt, jf, k = program[pc]
+        k &= 0xFFFFFFFF  # as the kernel gets it
+        pc += 1
+        if op == 0x06:
+            return k
+        if op in (0x20, 0x30):
+            off = k - (1 << 32) + NET  # every load is relative to the network header (a negative offset)
+            assert 0 <= off < len(packet), f"load outside the IP header at {off}"
+            size = 4 if op == 0x20 else 1
+            a = int.from_bytes(packet[off : off + size], "big")
+        elif op == 0x74:
+            a >>= k
+        elif op == 0x54:
+            a &= k
+        elif op == 0x15:
+            pc += jt if a == k else jf
+        elif op == 0x05:
+            pc += k
+        else:
+            raise AssertionError(f"unexpected BPF instruction {op:#x}")
+    raise AssertionError("the program ran off its end")
+
+
+def packet(src: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
+    if src.version == 4:
+        return bytes([0x45, 0]) + b"\0" * 10 + src.packed + b"\x7f\0\0\x01"
+    return bytes([0x60]) + b"\0" * 7 + src.packed + ipaddress.IPv6Address("::1").packed
+
+
+v4 = st.integers(0, 2**32 - 1).map(ipaddress.IPv4Address)
+v6 = st.integers(0, 2**128 - 1).map(ipaddress.IPv6Address)
+addresses = st.one_of(v4, v6)
+networks = st.one_of(
+    st.tuples(v4, st.integers(0, 32)).map(lambda t: ipaddress.ip_network(f"{t[0]}/{t[1]}", strict=False)),
+    st.tuples(v6, st.integers(0, 128)).map(lambda t: ipaddress.ip_network(f"{t[0]}/{t[1]}", strict=False)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(nets=st.lists(networks, max_size=6), probes=st.lists(addresses, min_size=1, max_size=6))
+def test_the_filter_accepts_exactly_the_admitted_networks(nets: list, probes: list) -> None:
+    program = filter_program(nets)
+    # a probe inside each network, and the drawn ones
+    inside = [n.network_address + (int(n.num_addresses) - 1) // 2 for n in nets]
+    for addr in [*probes, *inside]:
+        want = any(addr in n for n in nets if n.version == addr.version)
+        verdict = run_bpf(program, packet(addr))
+        assert (verdict != 0) == want, (addr, nets)
+
+
+def test_a_filter_admitting_up_to_the_limit_fits_bpf() -> None:
+    nets = [ipaddress.ip_network(i) for i in range(1, netguard.MAX_ADMITTED + 1)]
+    nets += [ipaddress.ip_network("::1"), ipaddress.ip_network("fd00::/8")]
+    assert len(filter_program(nets)) <= 4096
+
+
+def _listener() -> socket.socket:
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(5)
+    return sock
+
+
+def _connects(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except TimeoutError:
+        return False
+
+
+def test_the_kernel_drops_connections_from_sources_not_admitted_and_admits_them_once_listed() -> None:
+    server = _listener()
+    try:
+        port = server.getsockname()[1]
+        fd = server.fileno()
+        netguard._attach(fd, filter_program([ipaddress.ip_network("198.51.100.0/24")]))
+        assert not _connects(port), "a loopback source was not admitted, yet it connected"
+        netguard._attach(fd, filter_program([ipaddress.ip_network("127.0.0.0/8")]))
+        assert _connects(port)
+    finally:
+        server.close()
+
+
+def test_a_guard_finds_the_listeners_a_library_opens_and_not_kvbridges_own() -> None:
+    guard = netguard.Guard("a library", "127.0.0.1", GuardOptions())
+    own = None
+    try:
+        with guard.capture():
+            theirs = _listener()  # what a native library opens during start-up
+        with netguard.binding():
+            own = _listener()
+        assert guard.state().ports == (theirs.getsockname()[1],)
+        netguard._attach(guard._fds[next(iter(guard._fds))], filter_program([ipaddress.ip_network("10.0.0.0/8")]))
+        assert not _connects(theirs.getsockname()[1])
+        guard.refresh()  # loopback is always admitted
+        assert _connects(theirs.getsockname()[1])
+    finally:
+        guard.close()
+        theirs.close()
+        if own is not None:
+            own.close()
+    assert all(g is not guard for g in netguard.ADMISSION.guards()), "a closed guard is forgotten"
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_a_guarded_transport_refuses_a_routable_address_with_nobody_to_admit(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVBRIDGE_SECRET", raising=False)
+    monkeypatch.delenv("KVBRIDGE_SECRET_FILE", raising=False)
+    with pytest.raises(ConfigError, match=r"authenticates no peer.*KVBRIDGE_SECRET.*allow=.*insecure=True"):
+        create_backend(backend, hostname="198.51.100.1")
+
+
+@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
+def test_the_trust_option_is_a_warning_at_every_start_and_open_in_the_state(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvbridge.netguard"):
+        be = create_backend(backend, hostname="127.0.0.1", insecure=True)
+    try:
+        assert "accept ANY host" in caplog.text
+        state = be.guard.state()
+        assert state.open and state.ports
+        assert any(s.open and s.what == state.what for s in netguard.states())
+    finally:
+        be.close()
+
+
+def test_allow_takes_addresses_and_networks_and_names_a_bad_entry() -> None:
+    assert netguard.parse_allow(" 10.0.0.7, 10.1.0.0/16,[fd00::1] ,") == (
+        ipaddress.ip_network("10.0.0.7/32"),
+        ipaddress.ip_network("10.1.0.0/16"),
+        ipaddress.ip_network("fd00::1/128"),
+    )
+    with pytest.raises(ConfigError, match="'10.0.0.300' is not an address or a network"):
+        netguard.parse_allow("10.0.0.300")
+
+
+def test_a_guarded_transport_still_serves_loopback_peers() -> None:
+    server, client = create_backend("mooncake", hostname="127.0.0.1"), create_backend("mooncake", hostname="127.0.0.1")
+    try:
+        kv = np.arange(1 << 16, dtype=np.uint8)
+        out = np.zeros_like(kv)
+        server.register_memory(kv)
+        client.register_memory(out)
+        peer = client.connect(server.endpoint_info())
+        client.transfer(peer, [(out.ctypes.data, kv.ctypes.data, kv.nbytes)]).wait(30)
+        assert np.array_equal(out, kv)
+        assert not server.guard.state().open
+    finally:
+        client.close()
+        server.close()
