@@ -9,6 +9,7 @@ an error that lists the valid ones, a value of the wrong type is an error that n
 from __future__ import annotations
 
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -38,15 +39,20 @@ def option(default: Any, doc: str, *, min: float | None = None, max: float | Non
 
 def _bounds_text(low: float | None, high: float | None) -> str:
     if low is not None and high is not None:
-        return f"from {low:g} to {high:g}"
-    return f"at least {low:g}" if low is not None else f"at most {high:g}"
+        return f"from {_num(low)} to {_num(high)}"
+    return f"at least {_num(low)}" if low is not None else f"at most {_num(high)}"
+
+
+def _num(x: float | None) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _within(low: float | None, high: float | None) -> Any:
     def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             return  # the type is parse's to check
-        if (low is not None and value < low) or (high is not None and value > high):
+        # NaN compares false with every bound: it would pass them all
+        if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
             raise ConfigError(f"option {attribute.name} must be {_bounds_text(low, high)}, got {value!r}")
 
     return check
@@ -61,7 +67,7 @@ class NoOptions:
 class TransportOptions:
     """Options every transport accepts (the base class reads them)."""
 
-    workers: int = option(4, "threads that run this transport's blocking calls", min=1)
+    workers: int = option(4, "threads that run this transport's blocking calls", min=1, max=1024)
 
 
 @attrs.frozen
@@ -163,8 +169,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where} must be {tp.__name__}")
         try:
             number = float(value) if tp is float else _int(value)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: int("inf"), int(1e400)
             raise ConfigError(f"{where} must be {tp.__name__}") from None
+        if not math.isfinite(number):  # NaN never expires and never compares; infinity overflows a timer
+            raise ConfigError(f"{where} must be a finite number, not NaN or infinity")
         return number
     if tp is str:
         if not isinstance(value, str):

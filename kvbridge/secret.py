@@ -34,7 +34,7 @@ def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes | No
     source = f"${SECRET_ENV}"
     path = secret_file or os.environ.get(SECRET_FILE_ENV)
     if value:
-        secret = value.encode()
+        secret = value.encode().strip()  # as the file's: `export KVBRIDGE_SECRET="$(cat file)"` keeps a newline
     elif path:
         source = str(path)
         try:

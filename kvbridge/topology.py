@@ -37,10 +37,12 @@ import numpy as np
 from kvbridge.errors import TopologyError
 from kvbridge.presets import ModelSpec
 
+MAX_PARALLEL_SIZE = 4096  # one parallel size (tp, pcp, dcp, dp, pp): far above any deployment, and plans stay small
+
 
 def _positive(_inst: object, attr: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise TopologyError(f"{attr.name} must be a positive integer, got {value}")
+    if not 1 <= value <= MAX_PARALLEL_SIZE:
+        raise TopologyError(f"{attr.name} must be an integer from 1 to {MAX_PARALLEL_SIZE}, got {value}")
 
 
 @attrs.frozen

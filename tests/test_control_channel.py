@@ -307,9 +307,9 @@ def test_offer_message_needs_an_accepting_rank_this_host_and_the_secret(closing:
     p.server.accept_offers = True
     stranger = p.client()  # no secret
     closing.append(stranger)
-    refused = stranger.request(offer)
-    assert isinstance(refused, Refused) and refused.kind == "protocol" and "unauthenticated" in refused.message
-    sealed = Authenticator(SECRET).seal(_frame("Offer", "prefill/scheduler", wire.encode(offer)))
+    with pytest.raises(ProtocolError, match="without authenticating it.*unauthenticated"):
+        stranger.request(offer)  # an unsigned refusal: a failure, never a reply
+    sealed = Authenticator(SECRET).seal(_frame("Offer", "prefill/scheduler", wire.encode(offer), receiver="prefill/0"))
     remote = wire.decode(p.server.handle(wire.encode(sealed), peer_host="10.9.8.7"), Frame)
     assert remote.kind == "Refused" and "this host" in wire.decode(remote.body, Refused).message
     assert p.ledger.active == [], "no refused offer holds blocks"
@@ -549,3 +549,28 @@ def test_messages_over_the_size_limit_are_refused_naming_their_size_not_timed_ou
     assert time.monotonic() - began < 2, "refused at once, not after the client's timeout"
     ledger.offer("small", [1], expected_pulls=1)
     assert c.query_lease("small").valid, "the server still serves"
+
+
+def test_abort_notifier_goes_on_after_it_could_not_open_a_socket(closing: list) -> None:
+    """A ZMQError opening the notifier's socket (here: its context's socket limit, reached) escaped the peer's
+    drain thread and left its queue without one: every later abort for that peer queued for ever."""
+    from kvbridge.control.channel import ClientPool, _Notifier
+    from kvbridge.control.messages import Abort
+
+    told: list[str] = []
+    decode = ControlServer("decode", 0, on_abort=lambda rid, _origin, _why: told.append(rid))
+    closing.append(decode)
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 1)
+    hog = ctx.socket(zmq.REQ)  # the context's one socket
+    notifier = _Notifier("prefill/0", ClientPool(timeout_s=5, context=ctx))
+    try:
+        notifier.send(decode.address, Abort("r1", "prefill/0", "lost"))
+        wait_for(lambda: not notifier._queues, what="the failed notification's thread to end")
+        hog.close()
+        notifier.send(decode.address, Abort("r2", "prefill/0", "told"))
+        wait_for(lambda: told == ["r2"], what="the next abort to reach the peer")
+    finally:
+        notifier.close(1.0)
+        hog.close()
+        ctx.term()

@@ -179,3 +179,25 @@ def test_discovery_across_hosts_finds_the_prefill_rank_and_pulls(
                 assert int(mooncake_keys.get("count", 0)) > 0, "Mooncake keeps its segment metadata in the same etcd"
         for c in children:
             c.call("close")
+
+
+@pytest.mark.parametrize("password", ["s3cret-pass", "p%40ss%3Aw0rd", "pw"])
+def test_registry_errors_never_name_the_password_in_its_url(password: str) -> None:
+    port = free_port(span=1)
+    for url in (f"redis://:{password}@127.0.0.1:{port}/0", f"redis://user:{password}@127.0.0.1:{port}"):
+        reg = open_registry(url)
+        try:
+            with pytest.raises(PeerGone) as err:
+                reg.lookup("e", 0)
+            assert password not in str(err.value) and password not in err.value.peer
+            assert "***@127.0.0.1" in str(err.value)
+        finally:
+            reg.close()
+    for url in (f"etcd://user:{password}@127.0.0.1:{port}", f"zookeeper://:{password}@127.0.0.1:2181"):
+        with pytest.raises((PeerGone, ConfigError)) as err:
+            reg = open_registry(url)
+            try:
+                reg.lookup("e", 0)  # type: ignore[union-attr]
+            finally:
+                reg.close()  # type: ignore[union-attr]
+        assert password not in str(err.value)

@@ -25,6 +25,7 @@ from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
 from kvbridge.control.messages import REQUESTS, Abort, BeginPull, Done, Frame, GetInfo, QueryLease, Refused
 
+RANK = "prefill/0"  # the receiver every frame here names
 SECRET = "fuzz-secret-0123456789abcdef0123"
 MAX = 64 * 1024
 FAST = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -73,7 +74,7 @@ class Rank:
         self.auth = Authenticator(SECRET)
 
     def sealed(self, msg: object, **changes: object) -> bytes:
-        frame = _frame(type(msg).__name__, "fuzzer", wire.encode(msg))
+        frame = _frame(type(msg).__name__, "fuzzer", wire.encode(msg), receiver=RANK)
         frame = self.auth.seal(frame)
         for k, v in changes.items():
             frame = Frame(**{**wire.to_dict(frame), k: v}) if k != "raw" else frame
@@ -144,9 +145,9 @@ request_msgs = st.one_of(
 
 
 @FAST
-@given(msg=request_msgs, tamper=st.sampled_from(["no-mac", "bad-mac", "body", "kind", "ts", "sender"]))
+@given(msg=request_msgs, tamper=st.sampled_from(["no-mac", "bad-mac", "body", "kind", "ts", "sender", "receiver"]))
 def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, msg: object, tamper: str) -> None:
-    frame = rank.auth.seal(_frame(type(msg).__name__, "fuzzer", wire.encode(msg)))
+    frame = rank.auth.seal(_frame(type(msg).__name__, "fuzzer", wire.encode(msg), receiver=RANK))
     changed = {
         "no-mac": {"mac": b""},
         "bad-mac": {"mac": bytes(32)},
@@ -154,6 +155,7 @@ def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, 
         "kind": {"kind": "Abort" if frame.kind != "Abort" else "Done"},
         "ts": {"ts": frame.ts + 1.0},
         "sender": {"sender": frame.sender + "!"},
+        "receiver": {"receiver": "prefill/1"},
     }[tamper]
     forged = Frame(**{**{a.name: getattr(frame, a.name) for a in Frame.__attrs_attrs__}, **changed})
     assert rank.refuse(wire.encode(forged)).kind == "protocol"
@@ -165,7 +167,7 @@ def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, 
 def test_fuzz_auth_signed_but_schema_invalid_bodies_are_refused(rank: Rank, kind: str, body: object) -> None:
     # Signed with the right secret, so only the schema check stands between the bytes and a handler.
     payload = msgpack.packb({"v": wire.WIRE_VERSION, "t": kind, "d": body}, use_bin_type=True)
-    frame = rank.auth.seal(_frame(kind, "fuzzer", payload))
+    frame = rank.auth.seal(_frame(kind, "fuzzer", payload, receiver=RANK))
     if kind == "GetInfo" and body == {}:
         assert _refusal(rank.server.handle(wire.encode(frame))) is None  # the one valid body of that kind
     else:
@@ -175,13 +177,15 @@ def test_fuzz_auth_signed_but_schema_invalid_bodies_are_refused(rank: Rank, kind
 
 def test_fuzz_replayed_requests_are_refused(rank: Rank) -> None:
     for _ in range(200):
-        payload = wire.encode(rank.auth.seal(_frame("QueryLease", "fuzzer", wire.encode(QueryLease("held")))))
+        payload = wire.encode(
+            rank.auth.seal(_frame("QueryLease", "fuzzer", wire.encode(QueryLease("held")), receiver=RANK))
+        )
         assert _refusal(rank.server.handle(payload)) is None
         assert "replayed" in rank.refuse(payload).message
 
 
 def test_fuzz_oversized_messages_are_refused(rank: Rank) -> None:
-    huge = rank.auth.seal(_frame("GetInfo", "fuzzer", b"\x00" * (MAX + 1)))
+    huge = rank.auth.seal(_frame("GetInfo", "fuzzer", b"\x00" * (MAX + 1), receiver=RANK))
     assert "exceeds" in rank.refuse(wire.encode(huge)).message
     # A bytes field given as a huge integer must not allocate it (cattrs would call bytes(n)).
     bomb = msgpack.packb(

@@ -154,3 +154,10 @@ def test_a_client_for_a_malformed_address_fails_as_a_config_error_and_keeps_no_s
     client.close()
     if before is not None:
         assert len(ctx._sockets) == before, "a socket leaked per failed request"
+
+
+@pytest.mark.parametrize("key", ["tp_size", "pcp_size", "dcp_size", "pp_size", "dp_size"])
+@pytest.mark.parametrize("size", [4097, 10**12, 2**63])
+def test_params_parallel_sizes_have_an_upper_bound(key: str, size: int) -> None:
+    with pytest.raises(ConfigError, match=rf"{key}.*from 1 to 4096"):
+        KVTransferParams.from_dict({key: size})

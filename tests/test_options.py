@@ -10,6 +10,8 @@ from pathlib import Path
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvbridge
 from kvbridge import options
@@ -34,6 +36,8 @@ def test_an_unused_option_is_refused_and_the_used_ones_are_declared() -> None:
         "port": 0,
         "connect_timeout": 10.0,
         "handshake_timeout": 10.0,
+        "max_handshakes": 64,
+        "transfer_deadline": 30.0,
         "secret": None,
         "secret_file": None,
         "insecure": False,
@@ -72,10 +76,10 @@ def test_optional_and_bool_options() -> None:
 @pytest.mark.parametrize(
     ("name", "given", "expected"),
     [
-        ("loopback", {"max_batch": -3}, "option max_batch must be at least 1"),  # made every transfer hang
-        ("tcp", {"workers": "0"}, "option workers must be at least 1"),  # failed at the first transfer
+        ("loopback", {"max_batch": -3}, "option max_batch must be from 1 to 16777216"),  # made every transfer hang
+        ("tcp", {"workers": "0"}, "option workers must be from 1 to 1024"),  # failed at the first transfer
         ("tcp", {"port": 99999}, "option port must be from 0 to 65535"),
-        ("mooncake", {"protocol": "tcp", "retries": -1}, "option retries must be at least 0"),
+        ("mooncake", {"protocol": "tcp", "retries": -1}, "option retries must be from 0 to 100"),
     ],
 )
 def test_a_number_outside_its_declared_bounds_is_refused_before_the_plugin_is_built(
@@ -97,7 +101,7 @@ def test_bounds_apply_to_a_plugin_s_own_options_class_and_are_listed_with_its_do
     with pytest.raises(ConfigError, match="option limit must be at least 1"):
         Opts(limit=0)  # built directly, without parse
     docs = {o.name: o.doc for o in options.describe(Opts)}
-    assert docs["share"] == "a share (from 0 to 1)" and docs["workers"].endswith("(at least 1)")
+    assert docs["share"] == "a share (from 0 to 1)" and docs["workers"].endswith("(from 1 to 1024)")
 
 
 def test_loopback_max_batch_reaches_its_capabilities() -> None:
@@ -145,3 +149,72 @@ def test_the_options_class_in_the_plugin_docs_works_as_documented() -> None:
     with pytest.raises(ConfigError, match="did you mean 'queue_depth'"):
         options.parse(my_options, {"queue_depht": 8}, what="backend 'mytransport'")
     assert options.parse(my_options, {"queue_depth": "8"}, what="t").queue_depth == 8
+
+
+def _numeric_options() -> list[tuple[str, type, str]]:
+    """(plugin, options class, option name) of every int or float option a registered plugin declares."""
+    found = []
+    for table in (registry().backends, registry().devices):
+        for name, entry in sorted(table.items()):
+            hints = options._hints(entry.options)
+            for f in attrs.fields(entry.options):
+                if re.search(r"\b(int|float)\b", str(hints.get(f.name))):
+                    found.append((name, entry.options, f.name))
+    return found
+
+
+NON_FINITE = st.sampled_from([float("nan"), float("inf"), float("-inf"), "nan", "NaN", "inf", "Infinity", "-inf"])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(option=st.sampled_from(_numeric_options()), value=NON_FINITE)
+def test_every_numeric_option_refuses_nan_and_infinity(option: tuple[str, type, str], value: object) -> None:
+    """NaN passes every bound (it compares false), and infinity overflows the timers the options feed."""
+    plugin, schema, name = option
+    with pytest.raises(ConfigError, match=name):
+        options.parse(schema, {name: value}, what=plugin)
+
+
+@pytest.mark.parametrize("option", _numeric_options(), ids=lambda o: f"{o[0]}.{o[2]}" if isinstance(o, tuple) else "")
+def test_every_numeric_option_has_an_upper_bound(option: tuple[str, type, str]) -> None:
+    _plugin, schema, name = option
+    assert attrs.fields_dict(schema)[name].metadata.get("kvbridge_max") is not None, f"{name} has no upper bound"
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    key=st.sampled_from(["lease_s", "pull_timeout_s", "idle_wait_ms", "stream_idle_wait_ms"]),
+    value=NON_FINITE | st.floats(min_value=1e7, allow_nan=False) | st.floats(max_value=-1e-9, allow_nan=False),
+)
+def test_connector_settings_refuse_non_finite_and_out_of_range_numbers(key: str, value: object) -> None:
+    """`lease_s: Infinity` killed the side channel's thread (OverflowError), `lease_s: NaN` never expired and
+    `pull_timeout_s: NaN` waited for ever."""
+    from kvbridge.adapters.vllm.settings import Settings
+
+    with pytest.raises(ConfigError, match=key):
+        Settings.from_extra_config({key: value})
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(
+    lease_s=st.floats(min_value=0.001, max_value=86_400),
+    pull_timeout_s=st.floats(min_value=0.001, max_value=86_400),
+    idle_wait_ms=st.floats(min_value=0, max_value=60_000),
+)
+def test_connector_settings_take_finite_numbers_in_range(
+    lease_s: float, pull_timeout_s: float, idle_wait_ms: float
+) -> None:
+    from kvbridge.adapters.vllm.settings import Settings
+
+    s = Settings.from_extra_config({"lease_s": lease_s, "pull_timeout_s": pull_timeout_s, "idle_wait_ms": idle_wait_ms})
+    assert (s.lease_s, s.pull_timeout_s, s.idle_wait_ms) == (lease_s, pull_timeout_s, idle_wait_ms)
+
+
+@pytest.mark.parametrize("lease_s", [float("inf"), float("nan"), 0.0, 1e9])
+def test_a_ledger_refuses_a_lease_that_never_ends(lease_s: float) -> None:
+    from kvbridge.control import Ledger
+
+    with pytest.raises(ConfigError, match="lease timeout"):
+        Ledger(lambda lease, why: None, timeout_s=lease_s)
+    with pytest.raises(ConfigError, match="lease timeout"):
+        Ledger(lambda lease, why: None).offer("r", [1], 1, timeout_s=lease_s)

@@ -340,3 +340,97 @@ def test_a_nonce_is_kept_only_until_its_frame_is_out_of_the_window() -> None:
     with pytest.raises(ProtocolError, match="outside the"):
         auth.check(first)
     auth.check(frame())  # their nonces were forgotten, so there is room
+
+
+def test_a_peer_whose_clock_runs_ahead_does_not_halve_the_nonce_table() -> None:
+    """Trimmed in arrival order, one frame stamped 29 s ahead kept every nonce behind it for 59 s."""
+    from kvbridge.control.channel import _frame
+    from kvbridge.control.messages import GetInfo
+
+    now = [1000.0]
+    auth = Authenticator(SECRET, window_s=30.0, max_nonces=10, clock=lambda: now[0])
+
+    def frame(ahead: float = 0.0) -> object:
+        return auth.seal(attrs.evolve(_frame("GetInfo", "decode/0", wire.encode(GetInfo())), ts=now[0] + ahead))
+
+    auth.check(frame(ahead=29.0))
+    for _ in range(9):
+        auth.check(frame())
+    now[0] += 31.0  # the nine are out of the window; the one from the future is not
+    for _ in range(9):
+        auth.check(frame())  # refused ("too many messages") while the table is trimmed in arrival order
+    with pytest.raises(ProtocolError, match="too many messages"):
+        auth.check(frame())
+
+
+def _sealed(kind: str, msg: object, receiver: str) -> bytes:
+    from kvbridge.control.channel import _frame
+
+    return wire.encode(Authenticator(SECRET).seal(_frame(kind, "decode/0", wire.encode(msg), receiver=receiver)))
+
+
+def test_a_frame_replayed_to_another_rank_sharing_the_secret_is_refused() -> None:
+    """Frames name their receiver under the MAC: a BeginPull or DONE recorded on its way to rank 0 is refused by
+    rank 1 (same engine, same secret, a lease on the same request), whose ledger stays as it was."""
+    from kvbridge.control.messages import BeginPull, Done, Frame, LeaseStatus, Refused
+
+    ledgers = [Ledger(lambda lease, why: None, timeout_s=3600) for _ in range(2)]
+    servers = [ControlServer("prefill", r, ledger=ledgers[r], secret=SECRET) for r in range(2)]
+    client = ControlClient(*servers[0].address, secret=SECRET, sender="decode/0", timeout_s=5)
+    try:
+        for r, (server, ledger) in enumerate(zip(servers, ledgers)):
+            server.register(rank_info(rank=r))
+            ledger.offer("r1", [1, 2, 3], expected_pulls=1)
+        # A real client learns the rank it talks to (GetInfo's signed reply) and names it.
+        assert client.begin_pull("r1", "decode/0", blocks=[1]).valid
+        assert client.receiver == "prefill/0"
+        for kind, msg in (("BeginPull", BeginPull("r1", "decode/1", blocks=[2])), ("Done", Done("r1", "decode/1", 1))):
+            recorded = _sealed(kind, msg, receiver="prefill/0")
+            replayed = wire.decode(servers[1].handle(recorded, peer_host="127.0.0.1"), Frame)
+            assert replayed.kind == "Refused", f"rank 1 took a {kind} addressed to rank 0"
+            assert wire.decode(replayed.body, Refused).kind == "misaddressed"
+            accepted = wire.decode(servers[0].handle(recorded, peer_host="127.0.0.1"), Frame)
+            assert accepted.kind == "LeaseStatus" and wire.decode(accepted.body, LeaseStatus).request_id == "r1"
+        # Rank 1's lease: no reader, no DONE counted.
+        assert ledgers[1]._active["r1"].readers == set() and ledgers[1].state("r1") is LeaseState.ACTIVE
+    finally:
+        client.close()
+        for server in servers:
+            server.close()
+
+
+def test_a_refusal_to_an_unauthenticated_sender_is_unsigned_and_names_no_rank(prefill: Prefill) -> None:
+    """Signing it would sign a `reply_to` the sender chose (a signing oracle); a client takes it as a failure."""
+    from kvbridge.control.channel import _frame
+    from kvbridge.control.messages import Frame, GetInfo, Refused
+
+    chosen = b"a reply_to the attacker wants signed"
+    unsigned = wire.encode(_frame("GetInfo", "hostile", wire.encode(GetInfo()), reply_to=chosen))
+    forged = wire.encode(
+        Authenticator(WRONG).seal(_frame("GetInfo", "hostile", wire.encode(GetInfo()), reply_to=chosen))
+    )
+    for payload in (unsigned, forged, b"garbage", wire.encode(GetInfo())):
+        reply = wire.decode(prefill.server.handle(payload, peer_host="127.0.0.1"), Frame)
+        assert reply.kind == "Refused" and reply.mac == b"" and reply.reply_to == b"", "a signed refusal"
+        assert b"prefill" not in wire.encode(reply), "the refusal names the rank"
+        assert wire.decode(reply.body, Refused).kind == "protocol"
+
+
+def test_the_side_channel_queues_few_messages_per_peer(prefill: Prefill) -> None:
+    """ZeroMQ's default queue (1000 messages each way per connection) let one peer park ~4 GiB of requests."""
+    from kvbridge.control.channel import MAX_MESSAGE_BYTES
+
+    sock = prefill.server._sock
+    for option in (zmq.RCVHWM, zmq.SNDHWM):
+        assert sock.getsockopt(option) * MAX_MESSAGE_BYTES <= 64 << 20
+
+
+def test_the_secret_from_the_environment_is_stripped_as_the_files_is(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """`export KVBRIDGE_SECRET="$(cat file)\n"` and the file itself must give one secret, or the two sides
+    of a deployment that read it each way never authenticate each other."""
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    monkeypatch.setenv("KVBRIDGE_SECRET_FILE", str(path))
+    from_file = load_secret()
+    monkeypatch.setenv("KVBRIDGE_SECRET", f"  {SECRET}\r\n")
+    assert load_secret() == from_file == SECRET.encode()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import create_backend
@@ -211,3 +211,240 @@ def _settle(threads: int) -> None:
     deadline = time.monotonic() + 10
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+# -- the listener under load: a handshake deadline, a cap on handshakes, an accept loop that goes on ---------
+
+
+def _closed_by_server(s: socket.socket, timeout: float) -> bool:
+    """Whether the server closes `s` (EOF or reset) within `timeout`; bytes it sends first are skipped."""
+    s.settimeout(timeout)
+    try:
+        while s.recv(4096):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_handshake_trickled_a_byte_at_a_time_is_dropped_at_the_deadline() -> None:
+    """The handshake timeout bounds the whole handshake, not each recv: a byte every 0.2 s against a 1 s
+    deadline keeps a per-recv timeout waiting for ever (1024 bytes may follow), and must not keep this one."""
+    server = create_backend("tcp", hostname="127.0.0.1", secret=SECRET, handshake_timeout=1)
+    try:
+        with socket.create_connection(("127.0.0.1", server._port), timeout=10) as s:
+            tcp._recv_frame(s, tcp._MAX_AUTH_FRAME)
+            s.sendall(struct.pack("!I", 1000))  # a hello of 1000 bytes, announced
+            closed = False
+            for _ in range(100):  # 20 s at most: far past the deadline
+                try:
+                    s.sendall(b"\x00")
+                except (ConnectionResetError, BrokenPipeError):
+                    closed = True
+                    break
+                if _closed_by_server(s, 0.2):
+                    closed = True
+                    break
+            assert closed, "a trickling handshake held its connection for 20 s against a 1 s handshake timeout"
+    finally:
+        server.close()
+
+
+def test_connections_past_max_handshakes_are_closed_and_an_authenticated_peer_still_reads() -> None:
+    server = create_backend("tcp", hostname="127.0.0.1", secret=SECRET, handshake_timeout=60, max_handshakes=4)
+    kv = np.arange(1 << 16, dtype=np.uint8)
+    server.register_memory(kv)
+    reader = create_backend("tcp", hostname="127.0.0.1", secret=SECRET)
+    out = np.zeros_like(kv)
+    reader.register_memory(out)
+    idle: list[socket.socket] = []
+    try:
+        peer = reader.connect(server.endpoint_info())  # authenticated before the flood: its connection is pooled
+        for _ in range(4):  # hold every handshake slot: each got its challenge, none answers
+            s = socket.create_connection(("127.0.0.1", server._port), timeout=10)
+            idle.append(s)
+            assert "challenge" in tcp._recv_frame(s, tcp._MAX_AUTH_FRAME)
+        for _ in range(3):
+            s = socket.create_connection(("127.0.0.1", server._port), timeout=10)
+            idle.append(s)
+            assert _closed_by_server(s, 10), "a connection past max_handshakes was not closed"
+        reader.transfer(peer, [(out.ctypes.data, kv.ctypes.data, out.nbytes)]).wait(10)
+        assert np.array_equal(out, kv)
+        for s in idle:
+            s.close()
+        idle.clear()
+        # The slots come back as the server sees those connections close (bounded: each ends at once).
+        for _ in range(200):
+            with socket.create_connection(("127.0.0.1", server._port), timeout=10) as s:
+                s.settimeout(10)
+                if s.recv(4):
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the handshake slots never came back")
+    finally:
+        for s in idle:
+            s.close()
+        reader.close()
+        server.close()
+
+
+_EMFILE_CHILD = """
+import logging, os, resource, sys
+import numpy as np
+from kvbridge import create_backend
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+kv = np.arange(1 << 16, dtype=np.uint8)
+backend = create_backend("tcp", hostname="127.0.0.1", secret=sys.argv[1].encode(), handshake_timeout=60)
+backend.register_memory(kv)
+highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 3, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(backend.endpoint_info().hex(), flush=True)
+sys.stdin.read()
+backend.close()
+"""
+
+
+def test_accept_loop_goes_on_after_running_out_of_file_descriptors() -> None:
+    """A listener in a process at its RLIMIT_NOFILE: accept() fails with EMFILE while connections pile up,
+    and once they close, an authenticated peer is served again."""
+    import queue
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _EMFILE_CHILD, SECRET.decode()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    drain = threading.Thread(target=lambda: [lines.put(line) for line in child.stderr], daemon=True)  # type: ignore[union-attr]
+    drain.start()
+    flood: list[socket.socket] = []
+    reader = create_backend("tcp", hostname="127.0.0.1", secret=SECRET, connect_timeout=10)
+    try:
+        info = bytes.fromhex(child.stdout.readline().strip())  # type: ignore[union-attr]
+        assert info, "the child listener did not start"
+        from kvbridge import wire
+        from kvbridge.types import EndpointInfo
+
+        endpoint = wire.decode(info, EndpointInfo)
+        port = int(endpoint.address.rpartition(":")[2])
+        flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(8)]
+        seen = []
+        while not any("accept failed" in line for line in seen):
+            seen.append(lines.get(timeout=30))  # queue.Empty fails the test: no EMFILE was logged
+        for s in flood:
+            s.close()
+        out = np.zeros(1 << 16, dtype=np.uint8)
+        reader.register_memory(out)
+        peer = reader.connect(endpoint)  # PeerGone if the accept loop ended
+        reader.transfer(peer, [(out.ctypes.data, endpoint.regions[0].addr, out.nbytes)]).wait(10)
+        assert np.array_equal(out, np.arange(1 << 16, dtype=np.uint8))
+    finally:
+        for s in flood:
+            s.close()
+        reader.close()
+        child.stdin.close()  # type: ignore[union-attr]
+        try:
+            child.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        drain.join(timeout=5)
+
+
+# -- transfers across adjacent regions, and a transfer deadline ---------------------------------------------
+
+SPLIT = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+SIZE = 4 << 20
+
+
+@st.composite
+def _crossing(draw: st.DrawFn) -> tuple[int, int, int, int, int]:
+    """Split points on each side, and a range (offset, length) crossing the remote split."""
+    remote_split = draw(st.integers(1, SIZE - 1))
+    local_split = draw(st.integers(1, SIZE - 1))
+    offset = draw(st.integers(max(0, remote_split - (2 << 20) + 1), remote_split - 1))
+    length = draw(st.integers(remote_split - offset + 1, min(SIZE - offset, 2 << 20)))
+    return remote_split, local_split, offset, length, draw(st.sampled_from(["read", "write"]))
+
+
+@SPLIT
+@given(case=_crossing())
+@example(case=(SIZE // 2, SIZE // 2, SIZE // 2 - 1, 2 << 20, "read"))  # short on both sides alike: "succeeded"
+def test_transfers_across_adjacent_regions_move_the_right_bytes(case: tuple[int, int, int, int, str]) -> None:
+    """One buffer registered as two adjacent regions on each side (RegionIndex and merge_runs see one span): a
+    range across the boundary moves exactly its bytes, or fails; it never lands short or hangs."""
+    remote_split, local_split, offset, length, op = case
+    rng = np.random.default_rng(offset)
+    remote = rng.integers(0, 256, SIZE, dtype=np.uint8)
+    local = rng.integers(0, 256, SIZE, dtype=np.uint8)
+    want_remote, want_local = remote.copy(), local.copy()
+    server = create_backend("tcp", hostname="127.0.0.1", secret=SECRET)
+    client = create_backend("tcp", hostname="127.0.0.1", secret=SECRET, transfer_deadline=10)
+    try:
+        for backend, buf, split in ((server, remote, remote_split), (client, local, local_split)):
+            base = buf.ctypes.data
+            backend.register_memory([(base, split), (base + split, SIZE - split)])
+        peer = client.connect(server.endpoint_info())
+        # the local range starts so that it crosses the local split too, where it can
+        start = max(0, min(local_split - 1, SIZE - length))
+        client.transfer(peer, [(local.ctypes.data + start, remote.ctypes.data + offset, length)], op).wait(30)
+        if op == "read":
+            want_local[start : start + length] = remote[offset : offset + length]
+        else:
+            want_remote[offset : offset + length] = local[start : start + length]
+        assert np.array_equal(local, want_local) and np.array_equal(remote, want_remote)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_peer_that_stalls_mid_transfer_fails_it_within_the_deadline() -> None:
+    """A peer that says ok and then sends nothing: the read fails (retried once) instead of waiting for ever."""
+    from kvbridge.errors import TransferError
+    from kvbridge.types import EndpointInfo, MemoryRegion
+
+    key = tcp._secret_key(SECRET)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+    release = threading.Event()
+    held: list[socket.socket] = []
+
+    def stalling_peer() -> None:
+        for _ in range(2):  # the first attempt's connection, then the retry's
+            conn, _ = listener.accept()
+            held.append(conn)
+            challenge = os.urandom(16)
+            tcp._send_frame(conn, {"challenge": challenge})
+            hello = tcp._recv_frame(conn, tcp._MAX_AUTH_FRAME)
+            tcp._send_frame(conn, {"ok": True, "mac": tcp._mac(key, b"server", challenge, hello["challenge"])})
+            if tcp._recv_frame(conn).get("op") == "read":
+                tcp._send_frame(conn, {"ok": True})  # and then no payload
+        release.wait(60)
+
+    fake = threading.Thread(target=stalling_peer, daemon=True)
+    fake.start()
+    client = create_backend("tcp", hostname="127.0.0.1", secret=SECRET, transfer_deadline=0.5)
+    out = np.zeros(4096, dtype=np.uint8)
+    client.register_memory(out)
+    try:
+        region = MemoryRegion(1 << 20, 4096)
+        endpoint = EndpointInfo("tcp", "tcp", f"127.0.0.1:{listener.getsockname()[1]}", (region,), {"auth": "secret"})
+        peer = client.connect(endpoint)
+        handle = client.transfer(peer, [(out.ctypes.data, region.addr, out.nbytes)])
+        with pytest.raises(TransferError):
+            handle.wait(30)
+        assert handle.done(), "the transfer is still stuck in the transport"
+    finally:
+        release.set()
+        fake.join(timeout=10)
+        for conn in held:
+            conn.close()
+        listener.close()
+        client.close()

@@ -8,12 +8,12 @@ Without a secret nothing is signed and everything is accepted: a trusted network
 from __future__ import annotations
 
 import hashlib
+import heapq
 import hmac
 import math
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import attrs
@@ -50,10 +50,11 @@ class Authenticator:
         self.window_s = window_s
         self._max_nonces = max_nonces
         self._clock = clock
-        # nonce -> when it may be forgotten: its timestamp + window, after which a replay is refused on
-        # its timestamp alone (kept as long as the oldest entry before it, at most now + 2 * window: the
-        # table is trimmed from its oldest end).
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        # The nonces inside the window, each kept until its frame's timestamp + window (after that a replay is
+        # refused on its timestamp alone), trimmed in that order, not in arrival order: a peer whose clock runs
+        # ahead must not keep everyone's nonces behind its own for twice the window.
+        self._seen: set[bytes] = set()
+        self._expiry: list[tuple[float, bytes]] = []  # a heap of (when it may be forgotten, nonce)
         self._lock = threading.Lock()
 
     @property
@@ -90,11 +91,12 @@ class Authenticator:
         if not NONCE_BYTES // 2 <= len(frame.nonce) <= 4 * NONCE_BYTES:
             raise ProtocolError(f"nonce of {len(frame.nonce)} bytes from {frame.sender!r}")
         with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now:
-                self._seen.popitem(last=False)
+            while self._expiry and self._expiry[0][0] < now:
+                self._seen.discard(heapq.heappop(self._expiry)[1])
             if frame.nonce in self._seen:
                 raise ProtocolError(f"replayed {frame.kind!r} from {frame.sender!r} (nonce seen before): refused")
             if len(self._seen) >= self._max_nonces:
                 # Forgetting a nonce inside the window would open a replay: refuse instead.
                 raise ProtocolError("too many messages inside the replay window; retry shortly")
-            self._seen[frame.nonce] = frame.ts + self.window_s
+            self._seen.add(frame.nonce)
+            heapq.heappush(self._expiry, (frame.ts + self.window_s, frame.nonce))

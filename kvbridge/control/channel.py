@@ -60,6 +60,10 @@ from kvbridge.secret import check_listen, is_loopback
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a layout of thousands of regions fits; nothing legitimate is larger
+# Messages ZeroMQ queues per connection each way (its default, 1000, let one peer park about 4 GiB of requests
+# before the server read any). A REQ client has one request in flight per connection.
+QUEUED_PER_PEER = 4
+MISADDRESSED = "misaddressed"  # the Refused kind for a request that names another rank
 MAX_PARKED = 4096  # BeginPulls held for their offer at once; beyond it they are answered at once (client retries)
 # A client holds its (one-request-at-a-time) socket while the server holds its BeginPull: it asks for at
 # most this long per round, so other requests to the same rank interleave while an offer is late.
@@ -78,8 +82,10 @@ def _decode_small(data: bytes, cls: type[T], max_bytes: int) -> T:
     return wire.decode(data, cls, max_bytes=max_bytes, max_items=MAX_FIELDS, max_str=MAX_ID_BYTES)
 
 
-def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"") -> Frame:
-    return Frame(kind=kind, sender=sender, nonce=new_nonce(), ts=time.time(), body=body, reply_to=reply_to)
+def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"", receiver: str = "") -> Frame:
+    return Frame(
+        kind=kind, sender=sender, nonce=new_nonce(), ts=time.time(), body=body, reply_to=reply_to, receiver=receiver
+    )
 
 
 @attrs.define
@@ -154,6 +160,8 @@ class ControlServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)  # + multipart envelope
+        self._sock.setsockopt(zmq.RCVHWM, QUEUED_PER_PEER)
+        self._sock.setsockopt(zmq.SNDHWM, QUEUED_PER_PEER)
         try:
             with netguard.binding():  # not a transport's listener: no guard may filter it
                 if port:
@@ -240,9 +248,15 @@ class ControlServer:
         reply_to, reply = self._answer(payload, peer_host, park=False)
         return self._seal(reply_to, reply)
 
-    def _seal(self, reply_to: bytes, reply: Any) -> bytes:
+    def _seal(self, reply_to: bytes | None, reply: Any) -> bytes:
         """The reply, framed and signed; a `Refused` naming its size instead of one the client's socket would
-        drop (the client would wait out its timeout and take this rank for dead)."""
+        drop (the client would wait out its timeout and take this rank for dead).
+
+        `reply_to` None: the request did not authenticate. Its refusal goes unsigned and names neither this
+        rank nor the request (signing it would sign a `reply_to` the sender chose: a signing oracle), and a
+        client takes an unsigned refusal as a failure only."""
+        if reply_to is None:
+            return wire.encode(_frame(type(reply).__name__, "", wire.encode(reply)))
         data = wire.encode(self._auth.seal(_frame(type(reply).__name__, self.name, wire.encode(reply), reply_to)))
         if len(data) <= self.max_message_bytes:
             return data
@@ -254,18 +268,21 @@ class ControlServer:
         log.warning("%s", why)
         return self._seal(reply_to, Refused("too_large", why))
 
-    def _answer(self, payload: bytes, peer_host: str | None, *, park: bool) -> tuple[bytes, Any]:
-        """(the request's nonce, the reply message); with `park`, the reply may be a `_Hold`."""
-        reply_to = b""
+    def _answer(self, payload: bytes, peer_host: str | None, *, park: bool) -> tuple[bytes | None, Any]:
+        """(the request's nonce, or None where it did not authenticate; the reply message); with `park`, the
+        reply may be a `_Hold`."""
+        reply_to: bytes | None = None if self._auth.enabled else b""
         try:
             frame = _decode_small(payload, Frame, self.max_message_bytes)
-            reply_to = frame.nonce
             self._auth.check(frame)
+            reply_to = frame.nonce
             if self._auth.enabled and peer_host:  # it proved the secret: its transport may reach ours
                 netguard.admit(peer_host, f"authenticated on side channel {self.name}")
             cls = REQUESTS.get(frame.kind)
             if cls is None:
                 raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
+            if (misaddressed := self._misaddressed(frame, peer_host)) is not None:
+                return reply_to, misaddressed
             body = _decode_small(frame.body, cls, self.max_message_bytes)
             reply: Any = self._dispatch(body, frame.sender, peer_host, park=park)
         except ProtocolError as exc:
@@ -278,6 +295,18 @@ class ControlServer:
             log.exception("%s: handler failed", self.name)
             reply = Refused("internal", f"{type(exc).__name__}: {exc}")
         return reply_to, reply
+
+    def _misaddressed(self, frame: Frame, peer_host: str | None) -> Refused | None:
+        """A refusal unless the request names this rank (a GetInfo may name none: it is how a client learns
+        the name), so a frame recorded on its way to another rank that shares the secret is refused here."""
+        if frame.receiver == self.name or (not frame.receiver and frame.kind == GetInfo.__name__):
+            return None
+        why = (
+            f"{frame.kind} from {frame.sender!r} is addressed to {frame.receiver or 'no rank'!r}, not {self.name!r} "
+            "(replayed from another rank, or sent by an older kvbridge: run the same version on both sides)"
+        )
+        log.warning("%s refused a message from %s: %s", self.name, peer_host or "an unknown host", why)
+        return Refused(MISADDRESSED, why)
 
     def _dispatch(self, msg: Any, sender: str, peer_host: str | None, *, park: bool = False) -> Any:
         if isinstance(msg, Abort):
@@ -510,6 +539,7 @@ class ControlServer:
             return
         reply_to, reply = self._answer(parts[-1], peer_host, park=True)
         if isinstance(reply, _Hold):
+            assert reply_to is not None  # only an authenticated request is held
             msg, now = reply.msg, time.monotonic()
             held = _Parked(envelope, reply_to, msg, peer_host, now, now + msg.wait_ms / 1000)
             self._parked.setdefault(msg.request_id, []).append(held)
@@ -594,12 +624,14 @@ class _Notifier:
         thread.start()
 
     def _drain(self, addr: Address) -> None:
+        ended = False
         try:
             while True:
                 with self._lock:
                     queue = self._queues[addr]
                     if not queue:
                         del self._queues[addr]  # under the lock: send() starts a new thread from now on
+                        ended = True
                         return
                     msg = queue.popleft()
                 try:
@@ -618,9 +650,18 @@ class _Notifier:
                     )
                 except KVBridgeError as exc:
                     log.warning("%s could not tell %s:%d about abort of %s: %s", self.name, *addr, msg.request_id, exc)
+                except Exception:  # a bug costs this notification, not the peer's queue its thread
+                    log.exception("%s: telling %s:%d about abort of %s failed", self.name, *addr, msg.request_id)
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
+                # Ended any other way (its thread killed by an error not caught above): without its thread the
+                # queue would only grow. Dropped instead, so the next notification starts a thread again.
+                left = None if ended else self._queues.pop(addr, None)
+            if left:
+                log.warning(
+                    "%s dropped %d abort notifications for %s:%d; their leases expire", self.name, len(left), *addr
+                )
 
     def close(self, grace_s: float) -> None:
         """Take no more; give what is pending `grace_s` to go out, then drop it (a send in flight ends by
@@ -672,17 +713,25 @@ class ControlClient:
         timeout_s: float = 5.0,
         sender: str = "",
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        receiver: str = "",
+        context: zmq.Context | None = None,
     ) -> None:
+        """`receiver`: the rank's `engine_id/rank`, named in every request (the server refuses a request named for
+        another rank); "" learns it from the first authenticated reply (a GetInfo is sent first for it).
+        `context`: the ZeroMQ context of its sockets (default: the process's shared one)."""
         self.url = f"tcp://{host}:{port}"
         self.host = host
         self.timeout_s = timeout_s
         self.sender = sender
+        self.receiver = receiver
+        self._ctx = context
         self._auth = Authenticator(secret)
         self._max = max_message_bytes
         self._lock = threading.Lock()
         self._idle: list[zmq.Socket] = []
         self._closed = False
         self.silent = False  # its last request went unanswered (a killed or stalled peer) until one is answered
+        self._learned = ""  # the rank that sent the last authenticated reply
 
     def _take(self) -> zmq.Socket:
         with self._lock:
@@ -690,7 +739,12 @@ class ControlClient:
                 raise ConfigError(f"control client for {self.url} is closed")
             if self._idle:
                 return self._idle.pop()
-        sock = zmq.Context.instance().socket(zmq.REQ)
+        try:
+            sock = (self._ctx or zmq.Context.instance()).socket(zmq.REQ)
+        except zmq.ZMQError as exc:  # out of sockets (the context's limit, or file descriptors), or closed
+            raise PeerGone(
+                f"cannot open a socket to side channel {self.url}: {exc}", peer=self.url, cause=str(exc)
+            ) from None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max + 1024)
@@ -711,10 +765,21 @@ class ControlClient:
         sock.close(linger=0)
 
     def request(self, msg: Any, timeout_s: float | None = None) -> Any:
-        """Send one request message and return the reply message (a `Refused` is returned, not raised)."""
+        """Send one request message and return the reply message (a `Refused` is returned, not raised; an
+        unsigned refusal where replies are signed is raised, as ProtocolError)."""
+        if not self.receiver and not isinstance(msg, GetInfo):
+            self._request(GetInfo(), timeout_s)  # its signed reply names the rank
+        reply = self._request(msg, timeout_s)
+        if isinstance(reply, Refused) and reply.kind == MISADDRESSED and self._learned != self.receiver:
+            self.receiver = self._learned  # another rank now serves this address: ask it, once
+            reply = self._request(msg, timeout_s)
+        return reply
+
+    def _request(self, msg: Any, timeout_s: float | None) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         kind = type(msg).__name__
-        frame = self._auth.seal(_frame(kind, self.sender, wire.encode(msg)))
+        receiver = "" if isinstance(msg, GetInfo) else self.receiver
+        frame = self._auth.seal(_frame(kind, self.sender, wire.encode(msg), receiver=receiver))
         data = wire.encode(frame)
         if len(data) > self._max:  # the server's socket would drop it: a timeout that blames the peer
             raise ProtocolError(
@@ -742,9 +807,23 @@ class ControlClient:
             self.silent = not answered
             self._give_back(sock, answered)
         reply_frame = _decode_small(data, Frame, self._max)
+        unsigned = not reply_frame.mac and (self._auth.enabled or not reply_frame.sender)
+        if unsigned and reply_frame.kind == Refused.__name__:
+            # The server could not authenticate the request (or someone between forged this): a failure, never data.
+            try:
+                why = wire.decode(reply_frame.body, Refused, max_bytes=self._max).message[:200]
+            except ProtocolError:
+                why = "no reason given"
+            raise ProtocolError(
+                f"side channel {self.url} refused {kind} without authenticating it ({why}); configure the same "
+                "shared secret on both engines"
+            )
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)
         if self._auth.enabled:  # the peer proved the secret: its transport may reach ours
             netguard.admit(self.host, f"answered on side channel {self.url}")
+        if reply_frame.sender:
+            self._learned = reply_frame.sender
+            self.receiver = self.receiver or reply_frame.sender
         cls = REPLIES.get(reply_frame.kind)
         if cls is None:
             raise ProtocolError(f"side channel {self.url} answered {kind} with unknown kind {reply_frame.kind!r}")
@@ -900,6 +979,7 @@ class ClientPool:
     secret: str | bytes | None = None
     timeout_s: float = 5.0
     sender: str = ""
+    context: zmq.Context | None = None  # of every client's sockets (default: the process's shared one)
     _clients: dict[Address, ControlClient] = attrs.field(factory=dict, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
 
@@ -907,7 +987,9 @@ class ClientPool:
         with self._lock:
             client = self._clients.get((host, port))
             if client is None:
-                client = ControlClient(host, port, secret=self.secret, timeout_s=self.timeout_s, sender=self.sender)
+                client = ControlClient(
+                    host, port, secret=self.secret, timeout_s=self.timeout_s, sender=self.sender, context=self.context
+                )
                 self._clients[(host, port)] = client
             return client
 

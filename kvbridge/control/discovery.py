@@ -117,7 +117,7 @@ class RedisRegistry(Registry):
             import redis
         except ImportError:
             raise ConfigError("a redis registry needs the redis client: pip install 'kvbridge[discovery]'") from None
-        self.url = url
+        self.url = redacted(url)  # what errors and logs name
         self._errors = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
@@ -161,8 +161,8 @@ class EtcdRegistry(Registry):
         parsed = urllib.parse.urlsplit(url)
         scheme = "https" if parsed.scheme in ("etcds", "https") else "http"
         if not parsed.hostname:
-            raise ConfigError(f"etcd registry URL {url!r} has no host; use etcd://HOST:PORT")
-        self.url = url
+            raise ConfigError(f"etcd registry URL {redacted(url)!r} has no host; use etcd://HOST:PORT")
+        self.url = redacted(url)  # what errors and logs name
         self._base = f"{scheme}://{parsed.hostname}:{parsed.port or 2379}/v3"
         self._timeout = timeout_s
 
@@ -211,6 +211,20 @@ class EtcdRegistry(Registry):
         self._post("kv/deleterange", {"key": self._b64(_key(engine_id, rank))})
 
 
+def redacted(url: str) -> str:
+    """`url` with any password replaced by `***` (redis://:PASSWORD@host, etcd://user:PASSWORD@host): URLs go
+    into errors and logs."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        password = parts.password
+    except ValueError:  # a malformed URL: keep nothing that may be a credential
+        return url.split("://", 1)[0] + "://***" if "@" in url else url
+    if password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
 def open_registry(url: str | None) -> Registry | None:
     """A registry for `redis://…` or `etcd://…`; None for peer-to-peer (None, "", "p2p", "P2PHANDSHAKE")."""
     if not url or url.lower() in ("p2p", "p2phandshake"):
@@ -220,7 +234,7 @@ def open_registry(url: str | None) -> Registry | None:
         return RedisRegistry(url)
     if scheme in ("etcd", "etcds", "http", "https"):
         return EtcdRegistry(url)
-    raise ConfigError(f"unknown registry URL {url!r}; use redis://HOST:PORT, etcd://HOST:PORT or p2p")
+    raise ConfigError(f"unknown registry URL {redacted(url)!r}; use redis://HOST:PORT, etcd://HOST:PORT or p2p")
 
 
 def resolve(params: KVTransferParams, rank: int, *, registry: Registry | None = None, wait_s: float = 0.0) -> Address:

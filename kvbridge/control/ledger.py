@@ -35,6 +35,7 @@ from kvbridge.control.messages import MAX_BLOCKS, LeaseState, LeaseStatus
 from kvbridge.errors import ConfigError, ProtocolError
 
 _V = TypeVar("_V")
+MAX_LEASE_S = 86_400.0  # a day: blocks pinned longer are a leak, not a lease
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,8 @@ class Ledger:
         max_tombstones: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if timeout_s <= 0:
-            raise ConfigError(f"lease timeout must be positive, got {timeout_s}")
+        if not 0 < timeout_s <= MAX_LEASE_S:  # NaN fails too: a lease that never expires; inf overflows a timer
+            raise ConfigError(f"lease timeout must be positive seconds, at most {MAX_LEASE_S:g}, got {timeout_s}")
         self._on_release = on_release
         self.timeout_s = timeout_s
         self._tombstone_s = tombstone_s
@@ -156,6 +157,8 @@ class Ledger:
         if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
         _check_size(request_id, len(blocks))
+        if timeout_s is not None and not 0 < timeout_s <= MAX_LEASE_S:
+            raise ConfigError(f"lease timeout must be positive seconds, at most {MAX_LEASE_S:g}, got {timeout_s}")
         self.reap()
         now = self._clock()
         with self._lock:

@@ -21,6 +21,7 @@ import numpy as np
 from kvbridge import wire
 from kvbridge.block_ids import BlockIds
 from kvbridge.errors import ConfigError
+from kvbridge.topology import MAX_PARALLEL_SIZE
 
 
 def _groups(value: Any) -> tuple[BlockIds, ...]:
@@ -82,7 +83,7 @@ def _dp_rank(inst: KVTransferParams, attr: attrs.Attribute, value: Any) -> None:
 
 
 _STR = _check(lambda v: isinstance(v, str), "a string", optional=True)
-_SIZE = _check(lambda v: _int(v) and v >= 1, "an integer >= 1")
+_SIZE = _check(lambda v: _int(v) and 1 <= v <= MAX_PARALLEL_SIZE, f"an integer from 1 to {MAX_PARALLEL_SIZE}")
 
 
 @attrs.frozen

@@ -40,7 +40,9 @@ class Faults:
 class LoopbackOptions(TransportOptions):
     """Options of the `loopback` transport."""
 
-    max_batch: int | None = option(None, "most descriptors per submission (None: no limit), to test batching", min=1)
+    max_batch: int | None = option(
+        None, "most descriptors per submission (None: no limit), to test batching", min=1, max=1 << 24
+    )
 
 
 class LoopbackBackend(MigrationBackend):

@@ -11,6 +11,13 @@ challenge of its own, which the server answers the same way), keyed by the share
 (`kvbridge.secret`) or, without one, by a per-endpoint token published in the endpoint info (a
 loopback-only listener, or an explicit `insecure` opt-in). Nothing larger than `_MAX_AUTH_FRAME`
 is read from a connection before it has authenticated, and a shared secret never crosses the wire.
+
+Hostile or careless peers: at most `max_handshakes` connections authenticate at once (more are closed at
+once), each within one `handshake_timeout` for the whole handshake; a failed `accept()` (EMFILE) or thread
+start is logged and retried after a bounded backoff. A range that crosses from one registered region into
+the adjacent one is served as a view per region, and a request whose views would fall short is refused,
+never sent short. After the handshake a connection that makes no progress for `transfer_deadline`
+seconds is dropped, and the base class retries the part once (`transfer_deadline_s`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -48,16 +56,22 @@ _MAX_HEADER = 64 * 1024 * 1024  # after authentication: 2.8 million descriptors 
 _CHALLENGE_BYTES = 16
 _MAX_DISCARD = 1 << 30  # a refused write larger than this closes the connection instead of being drained
 _HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not authenticate in time is dropped
+_MAX_HANDSHAKES = 64  # connections (a thread each) that have not authenticated yet; more are closed at once
+_TRANSFER_DEADLINE_S = 30.0  # seconds a request may make no progress before the connection is dropped
+_ACCEPT_BACKOFF_S = (0.01, 1.0)  # after a failed accept (EMFILE, ...) or thread start: first and longest pause
 _IOV_CHUNK = 512  # well under IOV_MAX (1024 on Linux)
 
 
 class _Views:
-    """Memoryviews over registered regions, sliced per descriptor without copying."""
+    """Memoryviews over registered regions, sliced per descriptor without copying.
+
+    A range may span regions registered back to back (`RegionIndex` merges them into one span, and so does
+    `merge_runs` with descriptors): it is served as one view per region it crosses.
+    """
 
     def __init__(self) -> None:
-        self._starts = np.empty(0, dtype=np.int64)
-        self._views: list[memoryview] = []
         self._by_addr: dict[int, memoryview] = {}
+        self._rebuild()
 
     def add(self, regions: Sequence[MemoryRegion]) -> None:
         for r in regions:
@@ -73,15 +87,57 @@ class _Views:
 
     def _rebuild(self) -> None:
         order = sorted(self._by_addr)
-        self._starts = np.array(order, dtype=np.int64)
-        self._views = [self._by_addr[a] for a in order]
+        views = [self._by_addr[a] for a in order]
+        starts = np.array(order, dtype=np.int64)
+        ends = starts + np.array([len(v) for v in views], dtype=np.int64)
+        # reach[i]: of the regions starting at or before region i, the one that ends last. It holds byte p
+        # whenever any region does (p at or after region i's start, i the last such region): regions may
+        # overlap, a later one nested inside an earlier.
+        reach = np.zeros(len(order), dtype=np.int64)
+        for i in range(1, len(order)):
+            best = reach[i - 1]
+            reach[i] = i if ends[i] >= ends[best] else best
+        self._starts, self._ends, self._reach, self._views = starts, ends, reach, views
 
     def slices(self, addrs: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
-        """Views for ranges already checked to lie inside registered regions."""
-        slot = np.searchsorted(self._starts, addrs, side="right") - 1
+        """Views for ranges already checked to lie inside registered spans, in order; a range crossing from
+        one region into the next gets a view per region. Short (never wrong) where a range leaves
+        registered memory: the caller checks the total before sending or receiving."""
+        addrs = np.asarray(addrs, dtype=np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if len(self._views) == 0:
+            return []
+        slot = self._reach[np.clip(np.searchsorted(self._starts, addrs, side="right") - 1, 0, None)]
         offsets = addrs - self._starts[slot]
+        room = np.maximum(self._ends[slot] - addrs, 0)
         views = self._views
-        return [views[s][o : o + n] for s, o, n in zip(slot.tolist(), offsets.tolist(), lengths.tolist())]
+        if bool((lengths <= room).all()):  # the common case: every range inside one region
+            return [views[s][o : o + n] for s, o, n in zip(slot.tolist(), offsets.tolist(), lengths.tolist())]
+        out: list[memoryview] = []
+        for addr, n in zip(addrs.tolist(), lengths.tolist()):
+            out.extend(self._pieces(addr, n))
+        return out
+
+    def _pieces(self, addr: int, n: int) -> list[memoryview]:
+        """One range as views of the regions it crosses; stops short at a byte no region holds."""
+        pieces: list[memoryview] = []
+        while n > 0:
+            i = int(np.searchsorted(self._starts, addr, side="right")) - 1
+            if i < 0:
+                break
+            s = int(self._reach[i])
+            end = int(self._ends[s])
+            if end <= addr:
+                break
+            take = min(n, end - addr)
+            offset = addr - int(self._starts[s])
+            pieces.append(self._views[s][offset : offset + take])
+            addr, n = addr + take, n - take
+        return pieces
+
+
+def _nbytes(views: list[memoryview]) -> int:
+    return sum(len(v) for v in views)
 
 
 def _send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
@@ -89,11 +145,17 @@ def _send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with a `deadline` (monotonic), TimeoutError once it passes, however the bytes trickle in."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("connection closed")
@@ -101,12 +163,17 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket, limit: int = _MAX_HEADER) -> dict[str, Any]:
-    (size,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+def _recv_frame(sock: socket.socket, limit: int = _MAX_HEADER, deadline: float | None = None) -> dict[str, Any]:
+    return _recv_body(sock, _recv_exact(sock, _LEN.size, deadline), limit, deadline)
+
+
+def _recv_body(sock: socket.socket, prefix: bytes, limit: int, deadline: float | None = None) -> dict[str, Any]:
+    """The frame whose length `prefix` was read already."""
+    (size,) = _LEN.unpack(prefix)
     if size > limit:
         raise ProtocolError(f"tcp transport header of {size} bytes exceeds {limit}")
     try:
-        frame = msgpack.unpackb(_recv_exact(sock, size), raw=False)
+        frame = msgpack.unpackb(_recv_exact(sock, size, deadline), raw=False)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ProtocolError(f"tcp transport header is not msgpack: {exc}") from None
     if not isinstance(frame, dict):
@@ -168,10 +235,25 @@ class TcpOptions(TransportOptions):
 
     port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one", min=0, max=65535)
     connect_timeout: float = option(
-        10.0, "seconds to wait for a peer to accept a connection before PeerGone", min=0.001
+        10.0, "seconds to wait for a peer to accept a connection before PeerGone", min=0.001, max=3600
     )
     handshake_timeout: float = option(
-        _HANDSHAKE_TIMEOUT_S, "seconds a connection has to authenticate before it is dropped", min=0.001
+        _HANDSHAKE_TIMEOUT_S,
+        "seconds a connection has to authenticate, all of its handshake together, before it is dropped",
+        min=0.001,
+        max=3600,
+    )
+    max_handshakes: int = option(
+        _MAX_HANDSHAKES,
+        "connections at once that have not authenticated yet (a thread each); more are closed at once",
+        min=1,
+        max=65536,
+    )
+    transfer_deadline: float = option(
+        _TRANSFER_DEADLINE_S,
+        "seconds a transfer may make no progress before its connection is dropped and it is retried once, then fails",
+        min=0.001,
+        max=86400,
     )
     secret: str | bytes | None = option(
         None,
@@ -212,6 +294,10 @@ class TcpBackend(MigrationBackend):
         self._server_threads: list[threading.Thread] = []
         self._conns: list[socket.socket] = []
         self._pools: list[queue.SimpleQueue[socket.socket]] = []
+        self._handshakes = 0  # connections not authenticated yet (under _lock)
+        # No progress within the deadline: the connection is dropped (a socket timeout after the handshake), and
+        # the base class resubmits the part once (see kvbridge.backend).
+        self.transfer_deadline_s = opts.transfer_deadline
         accept = threading.Thread(target=self._accept_loop, name=f"kvbridge-tcp-accept-{self._port}", daemon=True)
         accept.start()
         self._server_threads.append(accept)
@@ -219,33 +305,85 @@ class TcpBackend(MigrationBackend):
     # -- serving ------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        """Accept until closed. Nothing a peer or the host does ends it: a failed accept (EMFILE: out of
+        file descriptors) or thread start is logged and retried after a pause that doubles up to a bound."""
+        pause = 0.0
         while not self._stop.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, addr = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # close() closed the listener
+                pause = min(max(pause * 2, _ACCEPT_BACKOFF_S[0]), _ACCEPT_BACKOFF_S[1])
+                log.warning("tcp transport %s: accept failed (%s); retrying in %.2fs", self._address(), exc, pause)
+                self._stop.wait(pause)
+                continue
+            if self._admit(conn, addr):
+                pause = 0.0
+            else:
+                pause = min(max(pause * 2, _ACCEPT_BACKOFF_S[0]), _ACCEPT_BACKOFF_S[1])
+                self._stop.wait(pause)
+
+    def _admit(self, conn: socket.socket, addr: Any) -> bool:
+        """Serve a new connection on a thread of its own, if fewer than `max_handshakes` are authenticating
+        (else it is closed at once); False: its thread could not start (closed, logged)."""
+        with self._lock:
+            full = self._handshakes >= self._options.max_handshakes
+            if not full:
+                self._handshakes += 1
                 self._conns.append(conn)
-            t = threading.Thread(target=self._serve, args=(conn,), name="kvbridge-tcp-serve", daemon=True)
-            t.start()
+        if full:
+            conn.close()
+            log.warning(
+                "tcp transport %s: closed a connection from %s at once: %d connections are authenticating "
+                "already (max_handshakes)",
+                self._address(),
+                _host_port(addr),
+                self._options.max_handshakes,
+            )
+            return True
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), name="kvbridge-tcp-serve", daemon=True).start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
+            self._forget(conn, handshaking=True)
+            log.warning("tcp transport %s: cannot serve %s: %s; closed it", self._address(), _host_port(addr), exc)
+            return False
+        return True
+
+    def _forget(self, conn: socket.socket, *, handshaking: bool) -> None:
+        conn.close()
+        with self._lock:
+            if conn in self._conns:
+                self._conns.remove(conn)
+            if handshaking:
+                self._handshakes -= 1
 
     def _serve(self, conn: socket.socket) -> None:
         peer, authenticated = "an unknown peer", False
         try:
-            host, port = conn.getpeername()[:2]
-            peer = f"{host}:{port}"
-            if not self._authenticate(conn, peer):
+            try:
+                host, port = conn.getpeername()[:2]
+                peer = f"{host}:{port}"
+                ok = self._authenticate(conn, peer)
+            finally:
+                with self._lock:
+                    self._handshakes -= 1
+            if not ok:
                 return
             authenticated = True
+            deadline = self._options.transfer_deadline
             while not self._stop.is_set():
                 try:
-                    frame = _recv_frame(conn)
+                    conn.settimeout(None)  # an idle pooled connection waits for its next request
+                    prefix = _recv_exact(conn, _LEN.size)
                 except (ConnectionError, OSError):
                     return
-                if not self._handle(conn, frame, peer):
+                # From here the request makes progress or its connection is dropped (a socket timeout: OSError).
+                conn.settimeout(deadline)
+                if not self._handle(conn, _recv_body(conn, prefix, _MAX_HEADER), peer):
                     return
         except ProtocolError as exc:
             log.warning("tcp transport %s: refused %s: %s", self._address(), peer, exc)
@@ -260,27 +398,27 @@ class TcpBackend(MigrationBackend):
                 exc,
             )
         finally:
-            conn.close()
-            with self._lock:
-                if conn in self._conns:
-                    self._conns.remove(conn)
+            self._forget(conn, handshaking=False)
 
     def _authenticate(self, conn: socket.socket, peer: str) -> bool:
-        """Challenge-response before anything else; reads at most `_MAX_AUTH_FRAME` bytes. False: refused."""
+        """Challenge-response before anything else; reads at most `_MAX_AUTH_FRAME` bytes, all of it within
+        one `handshake_timeout` (a peer trickling a byte at a time is dropped at the deadline). False: refused."""
         challenge = secrets.token_bytes(_CHALLENGE_BYTES)
-        conn.settimeout(self._options.handshake_timeout)
-        _send_frame(conn, {"challenge": challenge})
+        deadline = time.monotonic() + self._options.handshake_timeout
         try:
-            hello = _recv_frame(conn, _MAX_AUTH_FRAME)
+            conn.settimeout(self._options.handshake_timeout)
+            _send_frame(conn, {"challenge": challenge})
+            hello = _recv_frame(conn, _MAX_AUTH_FRAME, deadline)
         except TimeoutError:
-            raise ProtocolError("no authentication within the handshake timeout") from None
+            raise ProtocolError(
+                f"no authentication within the {self._options.handshake_timeout:g}s handshake timeout"
+            ) from None
         mac, theirs = hello.get("mac"), hello.get("challenge")
         if not isinstance(mac, bytes) or not isinstance(theirs, bytes) or len(theirs) != _CHALLENGE_BYTES:
             error = "malformed authentication"
         elif not hmac.compare_digest(mac, _mac(self._key, b"client", challenge)):
             error = "bad credentials: connect with this endpoint's current info and the same shared secret"
         else:
-            conn.settimeout(None)
             _send_frame(conn, {"ok": True, "mac": _mac(self._key, b"server", challenge, theirs)})
             return True
         log.warning("tcp transport %s: refused %s: %s", self._address(), peer, error)
@@ -305,13 +443,19 @@ class TcpBackend(MigrationBackend):
                 i = int(bad[0])
                 error = f"range [{int(remote[i]):#x}, +{int(length[i])}) is not registered here"
                 log.warning("tcp transport %s: %s from %s: %s", self._address(), op, peer, error)
-            views = None if error else self._views.slices(remote, length)
+            views = [] if error else self._views.slices(remote, length)
+            if not error and _nbytes(views) != sum(length.tolist()):
+                # RegionIndex found the ranges registered, yet the views fall short: never send or land short
+                error = f"ranges of {sum(length.tolist())} bytes are not all in registered memory here"
+                log.error(
+                    "tcp transport %s: %s from %s: %s (a bug: please report it)", self._address(), op, peer, error
+                )
         if op == "read":
             if error:
                 _send_frame(conn, {"ok": False, "error": error})
                 return True
             _send_frame(conn, {"ok": True})
-            _sendmsg_all(conn, views)  # type: ignore[arg-type]
+            _sendmsg_all(conn, views)
             return True
         if error:
             total = sum(length.tolist())  # Python ints: a hostile sum must not wrap around
@@ -320,7 +464,7 @@ class TcpBackend(MigrationBackend):
             _discard(conn, total)
             _send_frame(conn, {"ok": False, "error": error})
             return True
-        _recvmsg_all(conn, views)  # type: ignore[arg-type]
+        _recvmsg_all(conn, views)
         _send_frame(conn, {"ok": True})
         return True
 
@@ -397,12 +541,19 @@ class TcpBackend(MigrationBackend):
         except BaseException:
             sock.close()
             raise
-        sock.settimeout(None)
+        # A peer that stops sending or reading mid-transfer fails it here instead of holding it forever.
+        sock.settimeout(self._options.transfer_deadline)
         return sock
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         with self._lock:
             local_views = self._views.slices(desc[:, 0], desc[:, 2])
+        if _nbytes(local_views) != int(desc[:, 2].sum()):  # checked against the registration: a bug if so
+            raise InvalidDescriptor(
+                f"local ranges of a tcp {op} with {peer.name} are not all in registered memory here",
+                peer=peer.name,
+                cause="local views fall short",
+            )
         return self._spawn(lambda: self._exchange(peer, desc, op, local_views))
 
     def _exchange(self, peer: Peer, desc: Descriptors, op: Op, local_views: list[memoryview]) -> None:
@@ -446,6 +597,10 @@ class TcpBackend(MigrationBackend):
                     pass
         for t in self._server_threads:
             t.join(timeout=2)
+
+
+def _host_port(addr: Any) -> str:
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else "an unknown peer"
 
 
 def _drain(pool: queue.SimpleQueue[socket.socket]) -> None:

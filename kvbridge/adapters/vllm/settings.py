@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from kvbridge.control.ledger import MAX_LEASE_S
 from kvbridge.errors import ConfigError
 from kvbridge.secret import HOW_TO_SET, check_listen, load_secret
 
@@ -18,6 +20,22 @@ STREAM_IDLE_WAIT_MS = 20.0
 WATCHED_STREAM_IDLE_WAIT_MS = 100.0
 # transport settings the connector derives from its own keys; `backend_options` may not override them
 _CONNECTOR_SET = frozenset({"protocol", "hostname", "host", "metadata_server", "secret", "insecure", "device_name"})
+
+
+def _finite(low: float, high: float, *, above: bool = False) -> Any:
+    """A number in [low, high] (`above`: in (low, high]); NaN and infinity are refused (a lease or a wait that
+    never ends, a timer that overflows)."""
+
+    def check(_inst: object, attr: attrs.Attribute, value: float | None) -> None:
+        if value is None:
+            return
+        if not math.isfinite(value) or value > high or (value <= low if above else value < low):
+            raise ValueError(
+                f"{attr.name} must be a finite number {'above' if above else 'at least'} {low:g} and at most "
+                f"{high:g}, got {value!r}"
+            )
+
+    return check
 
 
 @attrs.frozen
@@ -74,18 +92,16 @@ class Settings:
     host: str = attrs.field(default="127.0.0.1", converter=str)
     side_channel_port: int = attrs.field(default=DEFAULT_SIDE_CHANNEL_PORT, converter=int)
     metadata_server: str | None = None
-    lease_s: float = attrs.field(default=120.0, converter=float)
-    pull_timeout_s: float = attrs.field(default=60.0, converter=float)
+    lease_s: float = attrs.field(default=120.0, converter=float, validator=_finite(0.0, MAX_LEASE_S, above=True))
+    pull_timeout_s: float = attrs.field(default=60.0, converter=float, validator=_finite(0.0, 86_400.0, above=True))
     kv_cache_layout: str | None = None
     secret_file: str | None = None
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    idle_wait_ms: float = attrs.field(default=2.0, converter=float, validator=attrs.validators.ge(0.0))
+    idle_wait_ms: float = attrs.field(default=2.0, converter=float, validator=_finite(0.0, 60_000.0))
     stream_idle_wait_ms: float | None = attrs.field(
-        default=None,
-        converter=attrs.converters.optional(float),
-        validator=attrs.validators.optional(attrs.validators.ge(0.0)),
+        default=None, converter=attrs.converters.optional(float), validator=_finite(0.0, 60_000.0)
     )
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None

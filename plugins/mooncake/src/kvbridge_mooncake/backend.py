@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.backend import MigrationBackend, Op, Peer
+from kvbridge.control.discovery import redacted
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed
 from kvbridge.memory import Descriptors
 from kvbridge.netguard import Guard
@@ -255,7 +256,7 @@ class MooncakeBackend(MigrationBackend):
         if rc != 0:
             self.guard.close()
             raise ConfigError(
-                f"Mooncake TransferEngine.initialize({local!r}, {self._metadata!r}, {protocol!r}, "
+                f"Mooncake TransferEngine.initialize({local!r}, {redacted(self._metadata)!r}, {protocol!r}, "
                 f"{config.device_name!r}) failed with {explain(rc)}. Check that the protocol is built into the "
                 "installed wheel, the NIC names exist (`kvbridge doctor`), and the metadata server is reachable"
             )
@@ -265,7 +266,7 @@ class MooncakeBackend(MigrationBackend):
             self._session = config.hostname
         self._gates: dict[str, _Gate] = {}
         self.transfer_deadline_s = self._deadline
-        log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, self._metadata)
+        log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, redacted(self._metadata))
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
         done: list[int] = []

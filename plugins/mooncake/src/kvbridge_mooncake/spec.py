@@ -55,22 +55,28 @@ INSTALL_HINT = (
 class MooncakeOptions(GuardOptions):
     """Options of the `mooncake` transport; None means "not set": the default the doc names applies."""
 
-    max_batch: int = option(CAPABILITIES.max_batch, "most descriptors per Mooncake batch call", min=1)
+    max_batch: int = option(CAPABILITIES.max_batch, "most descriptors per Mooncake batch call", min=1, max=1 << 24)
     max_descriptor_bytes: int | None = option(
         None,
         f"split descriptors into pieces of at most this many bytes (None: {TCP_DESCRIPTOR_BYTES} on tcp, "
         "unsplit on other protocols)",
         min=1,
+        max=1 << 40,
     )
-    retries: int = option(1, "times a failed batch is resubmitted (on a fresh lane) before the transfer fails", min=0)
+    retries: int = option(
+        1, "times a failed batch is resubmitted (on a fresh lane) before the transfer fails", min=0, max=100
+    )
     transfer_deadline: float = option(
         2.0,
         "seconds a batch may make no progress before kvbridge resubmits it once (then fails it); on tcp also "
         "when Mooncake drops a stuck lane (its own watchdog waits 30 s)",
         min=0.001,
+        max=3600,
     )
-    retry_backoff: float = option(0.05, "seconds before the first retry, doubling after each", min=0)
-    npu: int | None = option(None, "ascend: the NPU device id the engine binds to (None: the current NPU)", min=0)
+    retry_backoff: float = option(0.05, "seconds before the first retry, doubling after each", min=0, max=60)
+    npu: int | None = option(
+        None, "ascend: the NPU device id the engine binds to (None: the current NPU)", min=0, max=1023
+    )
     ascend_port: int = option(
         0, "ascend: the port in the engine's ip:port:npu_N name (0: the transport picks)", min=0, max=65535
     )

@@ -38,13 +38,17 @@ class NixlOptions(GuardOptions):
 
     progress_thread: bool = option(False, "use NIXL's own progress thread (it busy-polls: about a core per agent)")
     progress_interval: float = option(
-        0.005, "seconds between progress calls while idle, when progress_thread is off", min=0
+        0.005, "seconds between progress calls while idle, when progress_thread is off", min=0, max=60
     )
     poll_interval: float = option(
-        0.0, "seconds between polls of in-flight requests (0: yield the CPU between polls)", min=0
+        0.0, "seconds between polls of in-flight requests (0: yield the CPU between polls)", min=0, max=60
     )
-    num_threads: int = option(0, "worker threads of the NIXL backend (UCX, LIBFABRIC); 0: NIXL's default", min=0)
-    transfer_timeout: float = option(120.0, "seconds after which an unfinished request is aborted and fails", min=0.001)
+    num_threads: int = option(
+        0, "worker threads of the NIXL backend (UCX, LIBFABRIC); 0: NIXL's default", min=0, max=1024
+    )
+    transfer_timeout: float = option(
+        120.0, "seconds after which an unfinished request is aborted and fails", min=0.001, max=86400
+    )
     agent_name: str = option("", "this agent's NIXL name (default: unique per process)")
 
 
