@@ -36,7 +36,12 @@ class Prefill:
 
     def __init__(self, *, secret: str | None = None, timeout_s: float = 60.0, ready: bool = True) -> None:
         self.released: list[tuple[str, LeaseState]] = []
-        self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=timeout_s)
+        self.skew = 0.0  # added to the ledger's clock: a lease expires when a test says, not when the box gets to it
+        self.ledger = Ledger(
+            lambda lease, why: self.released.append((lease.request_id, why)),
+            timeout_s=timeout_s,
+            clock=lambda: time.monotonic() + self.skew,
+        )
         self.server = ControlServer("prefill", 0, ledger=self.ledger, secret=secret, poll_interval_s=0.01)
         if ready:
             self.server.register(rank_info(), meta={"role": "prefill"})
@@ -500,16 +505,17 @@ def test_a_failure_part_way_through_held_requests_answers_none_twice(closing: li
 def test_a_held_query_stream_hears_at_once_that_the_server_ended_its_lease(closing: list) -> None:
     # Only an abort woke held QueryStreams: one whose lease a DONE released, or whose lease expired, was
     # answered when its wait ran out (here 30 s), not when the lease ended.
-    p = Prefill(timeout_s=0.5)
+    p = Prefill()
     c, other = p.client(), p.client()
     closing += [p, c, other]
     p.server.streams = lambda rid, epoch: StreamStatus(p.ledger.query(rid, epoch))
-    released = p.ledger.offer("released", [1], expected_pulls=1, timeout_s=60)
+    released = p.ledger.offer("released", [1], expected_pulls=1)
     p.ledger.offer("expires", [2], expected_pulls=1)
-    for rid, end in (
-        ("released", lambda: other.done("released", "decode/0", released.epoch)),
-        ("expires", lambda: None),  # the server's reaper ends it at its deadline
-    ):
+
+    def expire() -> None:  # the server's reaper ends it at its deadline, which the clock now passed
+        p.skew += 120
+
+    for rid, end in (("released", lambda: other.done("released", "decode/0", released.epoch)), ("expires", expire)):
         replies: list[StreamStatus] = []
         asker = threading.Thread(target=lambda rid=rid, out=replies: out.append(c.query_stream(rid, seen=0, wait_s=30)))
         asker.start()
