@@ -174,7 +174,10 @@ class Runner:
             phases = timeline.parse(r.headers.get(timeline.HEADER, "")).phases
             if any(p in phases for p in HANDOVER_PHASES):
                 handover = sum(phases.get(p, 0.0) for p in HANDOVER_PHASES) / 1e3
-        got = r.json()["choices"][0]["text"]
+        try:
+            got = r.json()["choices"][0]["text"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return Outcome(i, FAILED, "", 200, f"unusable answer: {r.text[:200]}", prompt_tokens=n, handover_s=handover)
         served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
         reason = "" if got == want else f"{request_id} ({served}, whole answer): got {got!r}, colocated {want!r}"
         kind = MATCHED if got == want else DIFFERENT
