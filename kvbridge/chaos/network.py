@@ -80,22 +80,28 @@ class NetworkFaults:
     def _one(self, fault: str, rng: random.Random, which: str) -> None:
         d = rng.choice(self.decode)
         a = self.proxy if which == "decode-proxy" else rng.choice(self.prefill)
-        t0 = time.monotonic()
+        # Timed from the fault in place to its heal done: on a loaded machine each nft or tc call can take
+        # seconds, and the time before the fault lands stalls nothing.
         if fault == "partition":
             log.warning("chaos: partition %s <-> %s for %.1fs", a, d, self.fault_s)
             self.hosts.partition(a, d)
+            t0 = time.monotonic()
             self._stop.wait(self.fault_s)
             self.hosts.heal(a, d)
         elif fault == "flap":
             log.warning("chaos: flap %s <-> %s for %.1fs", a, d, self.fault_s)
             down = self.fault_s / 6
+            t0 = time.monotonic()
             self.hosts.flap(a, d, down_s=down, up_s=down, times=3).join()
         elif fault == "bandwidth-drop":
             rate = self.hosts.rate(d)
             log.warning("chaos: %s's link down to %s for %.1fs", d, DROPPED_RATE, self.fault_s)
             self.hosts.shape(d, DROPPED_RATE)
+            t0 = time.monotonic()
             self._stop.wait(self.fault_s)
             self.hosts.shape(d, rate)
+        else:
+            raise ValueError(f"not a network fault that takes turns: {fault!r}")
         self.injected.append(Injected(fault, f"{a}<->{d}", time.monotonic() - t0))
 
     def stop(self) -> None:
