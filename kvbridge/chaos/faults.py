@@ -14,7 +14,13 @@ FAULTS = {
     "transfer-error": "a fraction of the decode servers' transfers fail inside the transport",
     "slow-peer": "a fraction of transfers are held past the transfer deadline before they run",
     "idle-gap": "pauses between requests (5-90 s by default), the gap after which Mooncake TCP lanes went stale",
+    # network faults (--hosts): between the hosts, one at a time, each for --net-fault-s
+    "partition": "cut a prefill<->decode link (mid-pull) or a decode<->proxy link, then heal it",
+    "flap": "a prefill<->decode link goes down and up three times",
+    "loss": "drop 1-5 % of the packets on every prefill<->decode and decode<->proxy link, each way, all run",
+    "bandwidth-drop": "a decode host's link drops to 100 Mbit/s",
 }
+NETWORK = ("partition", "flap", "loss", "bandwidth-drop")
 # Faults a request is picked for; the others act on servers (transfer-error, slow-peer) or between requests.
 PER_REQUEST = ("kill-decode", "kill-prefill", "disconnect", "abort")
 

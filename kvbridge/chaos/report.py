@@ -7,6 +7,8 @@ from typing import Any
 
 import attrs
 
+from kvbridge.chaos.bound import HandoverBound
+
 # Outcomes of one request.
 MATCHED = "matched"  # completed, output equal to the colocated server's greedy output
 DIFFERENT = "different"  # completed with other output: KV was lost or corrupted (must be 0)
@@ -25,6 +27,7 @@ class Outcome:
     reason: str = ""
     ttft_s: float | None = None
     prompt_tokens: int = 0
+    handover_s: float | None = None  # control + transfer + DONE phases (non-streamed answers carry them)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -45,6 +48,13 @@ class Report:
     faults_injected: dict[str, int] = attrs.field(factory=dict)
     restarts: int = 0
     elapsed_s: float = 0.0
+    handover_bound: HandoverBound | None = None  # None: no bound checked
+    network: dict[str, Any] | None = None  # --hosts: the network faults injected
+
+    def handovers_over_bound(self) -> int:
+        if self.handover_bound is None:
+            return 0
+        return sum(1 for o in self.outcomes if o.handover_s is not None and o.handover_s > self.handover_bound.seconds)
 
     def counts(self) -> Counter:
         return Counter(o.kind for o in self.outcomes)
@@ -56,6 +66,7 @@ class Report:
             HUNG: c[HUNG],
             UNCLEAR: c[UNCLEAR],
             "blocks_held": sum(abs(v) for v in self.blocks_held.values()),
+            "handovers_over_bound": self.handovers_over_bound(),
         }
 
     @property
@@ -65,6 +76,7 @@ class Report:
     def as_dict(self) -> dict[str, Any]:
         c = self.counts()
         ttft = [o.ttft_s for o in self.outcomes if o.ttft_s is not None]
+        handover = [o.handover_s for o in self.outcomes if o.handover_s is not None]
         failures = Counter(f"{o.status} {o.reason[:120]}" for o in self.outcomes if o.kind in (FAILED, UNCLEAR))
         return {
             "ok": self.ok,
@@ -92,6 +104,13 @@ class Report:
                     "max": max(ttft) if ttft else None,
                 }.items()
             },
+            "handover_ms": {
+                "measured": len(handover),
+                "p50": None if not handover else round(_pct(handover, 0.5) * 1e3, 1),
+                "max": None if not handover else round(max(handover) * 1e3, 1),
+                **(self.handover_bound.as_dict() if self.handover_bound else {"bound_ms": None}),
+            },
+            "network": self.network,
             "elapsed_s": round(self.elapsed_s, 1),
             "must_be_zero": self.must_be_zero(),
         }

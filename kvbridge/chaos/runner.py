@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -12,12 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
+from kvbridge.adapters.vllm import timeline
 from kvbridge.chaos.deployment import Deployment
 from kvbridge.chaos.faults import schedule
+from kvbridge.chaos.network import NetworkFaults
 from kvbridge.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report
 from kvbridge.testing.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)
+HANDOVER_PHASES = ("control_ms", "transfer_ms", "done_ms")  # what the issue calls the handover
 
 
 @attrs.frozen
@@ -40,10 +44,16 @@ def lengths(plan: Plan, max_model_len: int) -> list[int]:
 
 
 class Runner:
-    def __init__(self, dep: Deployment, plan: Plan, progress: Callable[[int], None] = lambda _n: None) -> None:
+    def __init__(
+        self,
+        dep: Deployment,
+        plan: Plan,
+        progress: Callable[[int], None] = lambda _n: None,
+        network: NetworkFaults | None = None,
+    ) -> None:
         import httpx
 
-        self.dep, self.plan, self.progress = dep, plan, progress
+        self.dep, self.plan, self.progress, self.network = dep, plan, progress, network
         self.http = httpx.Client(timeout=httpx.Timeout(plan.hang_s, connect=10), trust_env=False)
         self.model = str(dep.model)
         self.injected: dict[str, int] = {}
@@ -90,6 +100,10 @@ class Runner:
                 pass
             self._count(fault)
             return Outcome(i, DROPPED, fault, prompt_tokens=n)
+        if not fault and i % 2:
+            # Every other clean request is answered whole: only such an answer carries the decode's pull
+            # phases (a stream's headers leave before the pull is reported), so these measure the handover.
+            return self.whole(i, text, want, url)
         if fault == "kill-prefill":
             victim = random.Random(i).choice(self.dep.prefill)
             threading.Timer(0.05, lambda: self.dep.kill_and_restart(victim) and self._count(fault)).start()
@@ -140,6 +154,35 @@ class Runner:
             n,
         )
 
+    def whole(self, i: int, text: str, want: str, url: str) -> Outcome:
+        """A non-streamed request: its answer, and its handover from the `x-kvbridge-timing` header."""
+        import httpx
+
+        n = len(text)
+        request_id = f"chaos-{self.plan.seed}-{i}"
+        try:
+            r = self.http.post(url, json=self.body(text, False), headers={"X-Request-Id": request_id})
+        except httpx.TimeoutException as exc:
+            return Outcome(i, HUNG, "", None, f"no answer within {self.plan.hang_s}s: {exc!r}", prompt_tokens=n)
+        except httpx.HTTPError as exc:
+            return Outcome(i, FAILED, "", None, f"connection lost: {exc!r}", prompt_tokens=n)
+        if r.status_code != 200:
+            reason = r.text.strip()
+            return Outcome(i, FAILED if reason else UNCLEAR, "", r.status_code, reason, prompt_tokens=n)
+        handover = None
+        with contextlib.suppress(ValueError):
+            phases = timeline.parse(r.headers.get(timeline.HEADER, "")).phases
+            if any(p in phases for p in HANDOVER_PHASES):
+                handover = sum(phases.get(p, 0.0) for p in HANDOVER_PHASES) / 1e3
+        try:
+            got = r.json()["choices"][0]["text"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return Outcome(i, FAILED, "", 200, f"unusable answer: {r.text[:200]}", prompt_tokens=n, handover_s=handover)
+        served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
+        reason = "" if got == want else f"{request_id} ({served}, whole answer): got {got!r}, colocated {want!r}"
+        kind = MATCHED if got == want else DIFFERENT
+        return Outcome(i, kind, "", 200, reason, prompt_tokens=n, handover_s=handover)
+
     def run(self) -> Report:
         plan, dep = self.plan, self.dep
         t0 = time.monotonic()
@@ -151,7 +194,11 @@ class Runner:
         if "idle-gap" in plan.faults and plan.idle_gaps:
             gaps_at = {plan.requests * (k + 1) // (plan.idle_gaps + 1) for k in range(plan.idle_gaps)}
         outcomes: list[Outcome] = []
-        with ThreadPoolExecutor(plan.concurrency) as pool:
+        if self.network is not None:
+            self.network.start()
+        with contextlib.ExitStack() as stack, ThreadPoolExecutor(plan.concurrency) as pool:
+            if self.network is not None:
+                stack.callback(self.network.stop)  # healed before the drain, also when a request raised
             pending = []
             for i, text in enumerate(texts):
                 if i in gaps_at:  # drain, then leave the engines idle: the gap is the fault
@@ -166,7 +213,12 @@ class Runner:
                 if len(pending) > plan.concurrency * 4:  # bounded queue: the gaps then fall where planned
                     outcomes.append(pending.pop(0).result())
             outcomes += [f.result() for f in pending]
-        report = Report(outcomes=sorted(outcomes, key=lambda o: o.index), faults_injected=dict(self.injected))
+        injected = dict(self.injected)
+        if self.network is not None:
+            injected.update(self.network.counts())
+        report = Report(outcomes=sorted(outcomes, key=lambda o: o.index), faults_injected=injected)
+        if self.network is not None:
+            report.network = self.network.as_dict()
         self.drain(report)
         report.elapsed_s = time.monotonic() - t0
         return report

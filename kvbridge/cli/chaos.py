@@ -9,8 +9,9 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-from kvbridge.chaos.faults import FAULTS, parse_faults
+from kvbridge.chaos.faults import FAULTS, NETWORK, parse_faults
 
 log = logging.getLogger(__name__)
 
@@ -26,11 +27,16 @@ what is checked (exit status 1 when any of these is not 0):
   hung                     a request with no answer within --hang-timeout
   failed_unclear           an error answer without a status and a reason
   blocks_held_after_drain  KV blocks any server still holds once the run has drained (read from its metrics)
+  handovers_over_bound     requests whose handover (control + transfer + DONE phases of x-kvbridge-timing,
+                           measured on every other fault-free request, answered whole) took longer than
+                           the bound: 2 side-channel waits + the transfer deadline's attempts + the longest
+                           injected fault (kvbridge.chaos.bound); printed beside the measured maximum
 
 examples:
   kvbridge chaos --requests 30 --concurrency 4 --faults disconnect,abort,transfer-error
   kvbridge chaos --requests 300 --concurrency 8 \\
       --faults kill-decode,kill-prefill,disconnect,abort,transfer-error,idle-gap --json
+  kvbridge chaos --hosts --requests 300 --faults partition,loss,bandwidth-drop,kill-decode,disconnect --json
 
 It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model; on a small
 machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
@@ -121,19 +127,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="keep the servers' logs here (default: a temporary folder, removed after a run that passes)",
     )
+    p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="put every prefill and decode server on a host of its own, the proxy, the colocated server and the "
+        "client on another (network namespaces on 198.51.100.0/24; needs root, ip, tc, nft); network faults need it",
+    )
+    p.add_argument(
+        "--net-fault-s",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="with --hosts: how long each partition, flap and bandwidth drop lasts (default 3)",
+    )
+    p.add_argument(
+        "--net-every-s",
+        type=float,
+        default=8.0,
+        metavar="S",
+        help="with --hosts: seconds between the start of one network fault and the next (default 8)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.chaos.bound import transport_bound
     from kvbridge.chaos.deployment import Deployment
-    from kvbridge.chaos.runner import Plan, Runner
-    from kvbridge.cli.output import err_console, print_json, print_table
+    from kvbridge.chaos.runner import Plan
     from kvbridge.errors import ConfigError
     from kvbridge.testing.tiny_model import build_tiny_llama
 
     if args.requests < 1 or args.concurrency < 1:
         raise ConfigError("--requests and --concurrency must be at least 1")
+    network_faults = [f for f in args.faults if f in NETWORK]
+    if network_faults and not args.hosts:
+        raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
+    if args.net_fault_s <= 0 or args.net_every_s <= args.net_fault_s:
+        raise ConfigError("--net-fault-s must be positive and shorter than --net-every-s")
     # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
     model_dir = tempfile.TemporaryDirectory(prefix="kvbridge-chaos-model-")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvbridge-chaos-logs-"))
@@ -161,23 +192,72 @@ def run(args: argparse.Namespace) -> int:
         gap_range=tuple(args.gap_range),
         seed=args.seed,
     )
+    network = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.hosts:
+                network = _on_hosts(args, dep, stack)
+            report = _play(args, dep, plan, network, logs)
+    finally:
+        model_dir.cleanup()
+    slow_s = args.slow_s if "slow-peer" in args.faults else 0.0
+    longest = max(slow_s, network.longest_s() if network else 0.0)
+    report.handover_bound = transport_bound("mooncake", "tcp", {}, longest)  # the Deployment's transport
+    return _finish(args, report, logs)
+
+
+def _on_hosts(args: argparse.Namespace, dep: Any, stack: contextlib.ExitStack) -> Any:
+    """Put `dep` on namespace hosts for as long as `stack` lasts; this thread becomes the proxy host's client."""
+    from kvbridge.chaos.network import NetworkFaults
+    from kvbridge.errors import ConfigError
+    from kvbridge.testing.hosts import Hosts, hosts_unavailable
+
+    reason = hosts_unavailable()
+    if reason:
+        raise ConfigError(f"--hosts puts the servers in network namespaces: {reason}")
+    names = dep.host_names()
+    dep.hosts = stack.enter_context(Hosts([n for group in names.values() for n in group]))
+    # The client talks to the proxy (and reads every server's metrics) from the proxy's host; the
+    # threads it starts are born there.
+    stack.enter_context(dep.hosts["proxy"].entered())
+    return NetworkFaults(
+        dep.hosts,
+        names["prefill"],
+        names["decode"],
+        "proxy",
+        args.faults,
+        fault_s=args.net_fault_s,
+        every_s=args.net_every_s,
+        seed=args.seed,
+    )
+
+
+def _play(args: argparse.Namespace, dep: Any, plan: Any, network: Any, logs: Path) -> Any:
+    from kvbridge.chaos.runner import Runner
+    from kvbridge.cli.output import err_console
+
     show = err_console.is_terminal and not args.json
     try:
         if show:
-            err_console.print(f"starting 5 vLLM servers and the proxy (logs in {logs}) ...")
+            where = " on 6 hosts" if args.hosts else ""
+            err_console.print(f"starting 5 vLLM servers and the proxy{where} (logs in {logs}) ...")
         dep.start()
         with contextlib.ExitStack() as stack:
-            runner = Runner(dep, plan)
+            runner = Runner(dep, plan, network=network)
             if show:
                 from rich.progress import Progress
 
                 progress = stack.enter_context(Progress(console=err_console, transient=True))
                 task = progress.add_task("requests", total=args.requests)
                 runner.progress = functools.partial(progress.advance, task)
-            report = runner.run()
+            return runner.run()
     finally:
         dep.stop()
-        model_dir.cleanup()
+
+
+def _finish(args: argparse.Namespace, report: Any, logs: Path) -> int:
+    from kvbridge.cli.output import print_json, print_table
+
     out = report.as_dict()
     if args.logs is None and report.ok:
         shutil.rmtree(logs, ignore_errors=True)

@@ -1,0 +1,65 @@
+"""How long one request's KV handover may take under chaos: the bound `kvbridge chaos` holds it to.
+
+The handover is the decode's control, transfer and DONE phases of the `x-kvbridge-timing` header
+(not TTFT, which includes queueing). Each has its own limit in the code: a side-channel message
+waits at most CONTROL_TIMEOUT_S for its answer (the BeginPull, then the DONEs); a transfer that
+makes no progress within the transport's deadline (plus its grace) is resubmitted `retries` times,
+after a doubling backoff, and then fails. A network fault can stall any of them for as long as it
+lasts, once more. So a handover that takes longer than the sum waited on something nothing bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from kvbridge.adapters.vllm.worker import CONTROL_TIMEOUT_S
+from kvbridge.errors import ConfigError
+
+
+@attrs.frozen
+class HandoverBound:
+    control_s: float
+    transfer_deadline_s: float
+    retries: int
+    retry_backoff_s: float
+    fault_s: float
+
+    @property
+    def transfer_s(self) -> float:
+        # each attempt: the deadline and the grace the backend's watchdog adds (kvbridge.backend)
+        attempt = self.transfer_deadline_s + min(1.0, self.transfer_deadline_s / 2)
+        backoff = sum(self.retry_backoff_s * 2**k for k in range(self.retries))
+        return attempt * (self.retries + 1) + backoff
+
+    @property
+    def seconds(self) -> float:
+        return 2 * self.control_s + self.transfer_s + self.fault_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "bound_ms": round(self.seconds * 1e3, 1),
+            "from": {
+                "control_and_done_s": 2 * self.control_s,
+                "transfer_s": round(self.transfer_s, 3),
+                "longest_fault_s": round(self.fault_s, 2),
+            },
+        }
+
+
+def transport_bound(backend: str, protocol: str | None, options: dict[str, Any], fault_s: float) -> HandoverBound:
+    """The bound for KVBridgeConnector over `backend` with these options (its defaults where unset)."""
+    from kvbridge.plugins import registry
+    from kvbridge.types import BackendConfig
+
+    parsed = registry().backend_entry(backend).parse_options(BackendConfig(protocol=protocol, options=options)).options
+    if "transfer_deadline" not in parsed:
+        raise ConfigError(f"transport {backend!r} declares no transfer_deadline: chaos cannot bound its handover")
+    return HandoverBound(
+        control_s=CONTROL_TIMEOUT_S,
+        transfer_deadline_s=float(parsed.get("transfer_deadline", 0.0)),
+        retries=int(parsed.get("retries", 0)),
+        retry_backoff_s=float(parsed.get("retry_backoff", 0.0)),
+        fault_s=fault_s,
+    )
