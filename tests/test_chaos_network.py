@@ -30,8 +30,10 @@ def test_the_bound_adds_the_side_channel_waits_the_transfer_attempts_and_the_fau
     assert bound.seconds == pytest.approx(2 * 5.0 + 2 * 3.0 + 0.05 + 3.0)
     longer = transport_bound("mooncake", "tcp", {"transfer_deadline": 5, "retries": 2}, fault_s=0.0)
     assert longer.transfer_s == pytest.approx(3 * 6.0 + 0.05 + 0.1)
+    # kvbridge's tcp transport declares a deadline too (30 s, no retry of its own)
+    assert transport_bound("tcp", None, {}, fault_s=0.0).transfer_deadline_s == 30.0
     with pytest.raises(ValueError, match="no transfer_deadline"):
-        transport_bound("tcp", None, {}, fault_s=0.0)
+        transport_bound("nixl", None, {}, fault_s=0.0)
 
 
 def test_a_handover_over_the_bound_fails_the_run_and_both_are_reported() -> None:
