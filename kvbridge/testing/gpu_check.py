@@ -168,13 +168,16 @@ def _path(device: str, transport: str, protocol: str | None) -> str:
     import kvbridge
     from kvbridge import staging
 
-    backend = kvbridge.create_backend(transport, protocol=protocol)
+    if device == "cpu":
+        return "host memory"
+    try:
+        backend = kvbridge.create_backend(transport, protocol=protocol)
+    except Exception as exc:  # the bench itself says whether the transport works; this only labels the path
+        return f"path unknown ({type(exc).__name__}: {exc})"
     try:
         direct = staging.reaches(kvbridge.get_device(device), backend)
     finally:
         backend.close()
-    if device == "cpu":
-        return "host memory"
     return "in place (device memory)" if direct else "staged through pinned host memory"
 
 
@@ -325,7 +328,9 @@ def _side_stream(device: str) -> Iterator[None]:
         return
     import torch
 
-    with torch.cuda.stream(torch.cuda.Stream()):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the buffer's zeroing, queued on the default stream, first
+    with torch.cuda.stream(side):
         yield
 
 
