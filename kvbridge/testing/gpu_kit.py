@@ -147,13 +147,14 @@ def pack(transport: str, dry_run: bool = False) -> int:
         )
         files = sorted(PACK_DIR.iterdir())
         unknown = 0
-    tree = size_bytes(tree_files())
+    travelling = tree_files()
+    tree = size_bytes(travelling)
     payload = size_bytes(files)
     total = tree + payload
     print(f"gpu-pack: transport {transport}: {len(wheels)} wheels, {len(debs)} .debs")
     for f in files:
         print(f"  {f.stat().st_size / 2**20:8.2f} MiB  {f.name}")
-    print(f"  {tree / 2**20:8.2f} MiB  working tree ({len(tree_files())} files: tracked + untracked, not ignored)")
+    print(f"  {tree / 2**20:8.2f} MiB  working tree ({len(travelling)} files: tracked + untracked, not ignored)")
     what = f"{PACK_DIR.name}/ and the working tree" if not dry_run else "the working tree and the pack (dry run)"
     print(f"gpu-pack: {total / 2**20:.2f} MiB of {LIMIT_BYTES / 2**20:.0f} MiB travel: {what}")
     if unknown:
