@@ -9,7 +9,7 @@ from kvbridge.testing import DeviceConformance, TransportConformance
 
 class TestCpuConformance(DeviceConformance):
     device_name = "cpu"
-    transports = (("tcp", None), ("loopback", None), ("mooncake", "tcp"))
+    transports = (("tcp", None), ("loopback", None), ("mooncake", "tcp"), ("nixl", None))
 
 
 class TestTcpConformance(TransportConformance):

@@ -6,6 +6,8 @@
   libraries (`kvbridge.testing.standins`). Also a pytest plugin (entry point ``pytest11``:
   ``kvbridge``) that marks every suite test ``conformance``. See docs/plugins.md.
 - Test and bench helpers: a tiny offline model, real vLLM servers on loopback.
+- The GPU kit behind scripts/gpu-pack and scripts/gpu-check (`gpu_kit`, standard library only, and the
+  checks in `gpu_check`): docs/gpu.md.
 
 The suites import pytest, so they load on first use: the helpers work without pytest installed.
 """

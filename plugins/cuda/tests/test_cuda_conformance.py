@@ -26,7 +26,7 @@ class TestCudaConformance(DeviceConformance):
     """The same suite on a real GPU, with nothing stood in: runs wherever CUDA is available."""
 
     device_name = "cuda"
-    transports = (("tcp", None), ("loopback", None), ("mooncake", "tcp"))
+    transports = (("tcp", None), ("loopback", None), ("mooncake", "tcp"), ("nixl", None))
 
 
 @pytest.mark.skipif(NO_GPU is None, reason="a CUDA device is available here")
