@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from kvbridge.adapters.vllm.worker import CONTROL_TIMEOUT_S
+from kvbridge.control.pull import CONTROL_TIMEOUT_S
 from kvbridge.errors import ConfigError
 
 

@@ -46,6 +46,8 @@ Leases = dict[int, tuple[ControlClient, int, int]]  # prefill rank -> client, le
 # was told, measured from before the BeginPull was sent (so the side channel's own delays only make the
 # check stricter): far more than two hosts' monotonic clocks can drift apart over a lease (NTP keeps
 # their rates within 0.05 %).
+# One side-channel message from a decode rank (a BeginPull, a DONE) waits at most this long for its answer.
+CONTROL_TIMEOUT_S = 5.0
 HOLD_SLACK_S = 0.5
 HOLD_SLACK_SHARE = 0.01
 DONE_ATTEMPTS = 3  # a DONE sent after its read was reported: tries (then the prefill's lease expires)

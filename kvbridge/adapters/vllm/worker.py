@@ -38,6 +38,7 @@ from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.agent import KVAgent
 from kvbridge.control import ControlServer, DecodeControl, Lease, LeaseState, Ledger
 from kvbridge.control.params import KVTransferParams
+from kvbridge.control.pull import CONTROL_TIMEOUT_S
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.landing import Receiver
 from kvbridge.ranks import side_channel_port, stage_port
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger(__name__)
-CONTROL_TIMEOUT_S = 5.0
 
 MAX_EARLY_RELEASES = 100_000  # leases released before their step's offer, remembered until it comes
 
