@@ -66,6 +66,7 @@ class Upstream(Serving):
         self, role: str, *, slow_health: int = 0, slow_health_s: float = 0.0, slow_complete_s: float = 0.0
     ) -> None:
         self.role, self.bodies, self.ids, self.health_calls = role, [], [], 0
+        self.side_channel_port = 5800  # where a prefill says its side channel is
         self.engine_id = "e"  # a prefill that restarts comes back with another
         app = FastAPI()
 
@@ -79,7 +80,7 @@ class Upstream(Serving):
                     "remote_engine_id": self.engine_id,
                     "remote_request_id": "r",
                     "remote_host": "127.0.0.1",
-                    "remote_port": 5800,
+                    "remote_port": self.side_channel_port,
                     "remote_block_ids": [1, 2],
                     "kvbridge_timing": {"prefill_ms": 0.5},
                 }
@@ -167,6 +168,33 @@ def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upst
     assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
     assert not any(d["healthy"] for d in state["decode"])
     assert state["decode"][0]["in_flight"] == 0
+
+
+@pytest.mark.parametrize("secret", [None, "proxy-test-secret-0123456789abcdef"])
+def test_no_decode_accepting_releases_the_prefill_lease_at_once(
+    upstreams: tuple[Upstream, Upstream], secret: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lease used to stay pinned for lease_s (600 s by default) when no decode took the request.
+    from control_helpers import wait_for
+
+    from kvbridge.control import ControlServer, LeaseState, Ledger
+
+    if secret:
+        monkeypatch.setenv("KVBRIDGE_SECRET", secret)
+    prefill, _ = upstreams
+    released: list = []
+    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=600)
+    server = ControlServer("e", 0, ledger=ledger, secret=secret, poll_interval_s=0.01)
+    try:
+        ledger.offer("r", [1, 2], expected_pulls=1)
+        prefill.side_channel_port = server.address[1]
+        dead = [f"http://127.0.0.1:{free_port(span=1)}"]
+        (r,), _ = _session(create_app([prefill.url], dead), [{"model": "m", "prompt": "p", "max_tokens": 8}])
+        assert r.status_code == 503
+        wait_for(lambda: bool(released), timeout=10, what="the lease to be released")
+        assert released == [("r", LeaseState.ABORTED)]
+    finally:
+        server.close()
 
 
 @pytest.mark.parametrize("slow", [SLOW_PROBES - 1, 10**6])

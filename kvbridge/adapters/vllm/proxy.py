@@ -51,8 +51,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.adapters.vllm import fanout
 from kvbridge.adapters.vllm.timeline import HEADER, PULL_PHASES, Timeline
+from kvbridge.control.channel import ControlClient
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.secret import load_secret
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +278,9 @@ class ProxyMetrics:
         self.phase.labels("total").observe(timeline.total_ms / 1e3)
 
 
+RELEASE_TIMEOUT_S = 1.0  # a prefill rank that does not answer the release in this long keeps its lease
+
+
 class Proxy:
     """The proxy's state (pools, upstream client, metrics) and its named handlers."""
 
@@ -311,6 +316,8 @@ class Proxy:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self.metrics = ProxyMetrics(self.pools)
+        # Only to release a prefill's lease at once when no decode took the request (else it waits lease_s).
+        self.secret = load_secret()
 
     # -- health --------------------------------------------------------------------------------
 
@@ -568,10 +575,38 @@ class Proxy:
         try:
             decode, resp = await self.send_decode(path, decode_body, headers)
         except NoInstance as exc:
+            await self._release_prefill(params, str(exc))
             return self._answer(503, str(exc), self._names(prefill), timeline)
         except DecodeFailed as exc:
+            await self._release_prefill(params, str(exc))
             return self._answer(503, str(exc), self._names(prefill, exc.inst), timeline)
         return Handover(decode, resp, self._names(prefill, decode), sent)
+
+    async def _release_prefill(self, params: KVTransferParams, why: str) -> None:
+        """Tell each prefill rank holding the request's KV that no decode will read it (an Abort on its side
+        channel), so its blocks are free now, not when the lease ends. Needs the shared secret where the
+        prefill has one (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's environment); without it, or
+        when the rank does not answer, the lease ends by itself."""
+        if params.remote_request_id is None or params.remote_host is None or params.remote_port is None:
+            return
+        request_id = str(params.remote_request_id)
+
+        def abort(rank: int) -> None:
+            try:
+                host, port = params.side_channel(rank)
+                with ControlClient(host, port, secret=self.secret, sender="proxy", timeout_s=RELEASE_TIMEOUT_S) as c:
+                    c.abort(request_id, reason=f"no decode took it: {why}")
+                log.info("released request %s on prefill rank %s:%d", request_id, host, port)
+            except KVBridgeError as exc:
+                log.warning(
+                    "could not release request %s on prefill rank %d (%s); its lease ends by itself%s",
+                    request_id,
+                    rank,
+                    exc,
+                    "" if self.secret else " (the proxy has no KVBRIDGE_SECRET)",
+                )
+
+        await asyncio.gather(*(asyncio.to_thread(abort, r) for r in range(params.tp_size)))
 
     async def _complete_parts(
         self, path: str, request: Request, parts: list[fanout.Part], timeline: Timeline, begun: float
