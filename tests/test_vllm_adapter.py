@@ -491,7 +491,8 @@ def test_backend_options_reach_the_transport(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(var, "0")
         monkeypatch.delenv(var)
     s = Settings.from_extra_config({"protocol": "tcp", "backend_options": {"transfer_deadline": 7}})
-    assert s.transport_options() == {"transfer_deadline": 7}
+    # with the secret and the trust option, which guard Mooncake's listeners (kvbridge.netguard)
+    assert s.transport_options() == {"transfer_deadline": 7, "secret": None, "insecure": False}
     backend = create_backend(s.migration_backend, protocol=s.protocol, hostname=s.host, **s.transport_options())
     try:
         assert backend.transfer_deadline_s == 7.0

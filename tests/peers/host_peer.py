@@ -53,7 +53,8 @@ def serve_buffer(
         "base": buf.ctypes.data,
         "digest": _digest(buf),
         "side_channel": list(server.address),
-        "ports": list(guard.state().ports) if guard else [],
+        # the guarded listeners a library opened; kvbridge's own tcp transport listens on its endpoint's port
+        "ports": list(guard.state().ports) if guard else [int(be.endpoint().address.rsplit(":", 1)[1])],
     }
 
 
