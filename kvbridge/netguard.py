@@ -10,7 +10,7 @@ filter (``SO_ATTACH_FILTER``) to each. The kernel then drops every segment from 
 is not admitted, the connection's SYN included, so a stranger never gets a connection, a handshake or
 a byte. Connections the listener accepts inherit the filter.
 
-Admitted are loopback, this host's own listening address, the networks an operator names (`allow`),
+Admitted are loopback, this host's own addresses, the networks an operator names (`allow`),
 and every host that proved the shared secret to this process: the source address of an authenticated
 side-channel request, the side channel an authenticated reply came from, and the host an
 authenticated endpoint names (`admit`). Admission is per process, because the filters are: every
@@ -35,6 +35,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import attrs
 
@@ -119,6 +120,24 @@ def _without_port(hostname: str) -> str:
     if hostname.count(":") == 1:
         return hostname.split(":", 1)[0]
     return hostname
+
+
+def local_addresses() -> tuple[IPAddress, ...]:
+    """The addresses of this host's interfaces (in this process's network namespace), loopback left out."""
+    found: set[IPAddress] = set()
+    net = Path("/proc/thread-self/net")  # the calling thread's namespace (/proc/net is the main thread's)
+    net = net if net.is_dir() else Path("/proc/net")
+    with contextlib.suppress(OSError):  # IPv4: the local routing table's host routes
+        lines = (net / "fib_trie").read_text().splitlines()
+        for above, line in zip(lines, lines[1:]):
+            if line.strip() == "/32 host LOCAL":
+                with contextlib.suppress(ValueError, IndexError):
+                    found.add(ipaddress.IPv4Address(above.split()[-1]))
+    with contextlib.suppress(OSError):
+        for line in (net / "if_inet6").read_text().splitlines():
+            with contextlib.suppress(ValueError, IndexError):
+                found.add(ipaddress.IPv6Address(int(line.split()[0], 16)))
+    return tuple(a for a in found if not a.is_loopback)
 
 
 def _unmapped(addr: IPAddress) -> IPAddress:
@@ -321,9 +340,10 @@ class Guard:
                 '127.0.0.1; or, on a network you trust, set insecure=True (vLLM: "insecure": true in '
                 "kv_connector_extra_config)"
             )
+        # This host's own addresses: a local peer (UCX, say) may connect from any of them, not only loopback.
         host = _without_port(hostname)
-        own = () if host in ("", "0.0.0.0", "::") else resolve(host)
-        self._own = tuple(ipaddress.ip_network(a) for a in own)
+        own = {*local_addresses(), *(() if host in ("", "0.0.0.0", "::") else resolve(host))}
+        self._own = tuple(ipaddress.ip_network(a) for a in sorted(own, key=lambda a: (a.version, int(a))))
         self._fds: dict[str, int] = {}
         self._ports: tuple[int, ...] = ()
         self._lock = threading.Lock()

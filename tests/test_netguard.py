@@ -131,6 +131,23 @@ def test_a_guard_finds_the_listeners_a_library_opens_and_not_kvbridges_own() -> 
     assert all(g is not guard for g in netguard.ADMISSION.guards()), "a closed guard is forgotten"
 
 
+def test_a_guard_admits_this_hosts_own_addresses(hosts_factory) -> None:  # noqa: ANN001
+    # A local peer may connect from any of the host's addresses (UCX dials every interface's): those
+    # connections were dropped when only loopback and the hostname were admitted.
+    host = hosts_factory(["solo"])["solo"]
+    with host.entered():
+        assert [str(a) for a in netguard.local_addresses() if a.version == 4] == [host.address]
+        guard = netguard.Guard("a library", "127.0.0.1", GuardOptions())
+        try:
+            with guard.capture():
+                theirs = socket.create_server(("0.0.0.0", 0))
+            with socket.create_connection((host.address, theirs.getsockname()[1]), timeout=2):
+                pass
+        finally:
+            guard.close()
+            theirs.close()
+
+
 @pytest.mark.parametrize("backend", ["mooncake", "nixl"])
 def test_a_guarded_transport_refuses_a_routable_address_with_nobody_to_admit(
     backend: str, monkeypatch: pytest.MonkeyPatch
