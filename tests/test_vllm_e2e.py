@@ -486,15 +486,22 @@ def test_bad_input_is_refused_by_the_proxy_and_harmless_straight_to_the_servers(
         cluster.http.post(proxy_url, json=cluster.body(text), headers={"x-request-id": "é".encode("latin-1")}),
     ]
     assert [r.status_code for r in refused] == [400] * 3, [r.text for r in refused]
-    # Straight to a P/D server (no proxy): params of a wrong type or with junk in them. vLLM's own front end
-    # reads vllm_xargs.kv_transfer_params before its engine does, and answers one that is no JSON object with
-    # a 500 of its own (vLLM 0.32; the engine never sees the request): the server must keep serving.
-    for server in (cluster.decode[0], cluster.prefill):
-        for value in ("junk", [1, "x"], 7):
-            r = cluster.http.post(
-                f"{server.url}/v1/completions", json=cluster.body(text, vllm_xargs={"kv_transfer_params": value})
-            )
-            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want or r.status_code >= 400
+
+    # Straight to a P/D server (no proxy): params that are no JSON object. vLLM's own front end reads
+    # vllm_xargs.kv_transfer_params before any connector sees the request and answers a truthy non-object
+    # with a 500 of its own (vLLM 0.32, output_processor.RequestState.from_new_request), with or without a
+    # connector: each P/D server must answer exactly as the colocated one does, and keep serving.
+    def answer(server: Server, value: object) -> tuple[int, object]:
+        r = cluster.http.post(
+            f"{server.url}/v1/completions", json=cluster.body(text, vllm_xargs={"kv_transfer_params": value})
+        )
+        return r.status_code, r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.status_code >= 400
+
+    for value in ("junk", [1, "x"], 7, "", 0):
+        colocated = answer(cluster.colocated, value)
+        assert colocated[0] == 500 if value else colocated == (200, want), (value, colocated)
+        for server in (cluster.decode[0], cluster.prefill):
+            assert answer(server, value) == colocated, (server.url, value)
     # Objects with junk in them reach the connector, which drops them (logged) as the request arrives: the
     # request is served as a colocated server would, or refused with an error that names the params.
     bad = [
