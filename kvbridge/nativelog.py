@@ -7,8 +7,12 @@ the library loads (children inherit them); an operator's own setting always wins
 
 A child process's stderr read by `relay_stderr` (the bench's ranks) becomes log records of
 `kvbridge.native`: glog lines at their own severity, except the few that every healthy TCP start
-prints and that read as failures (FIELD-NOTES: "No RDMA devices found", "Local segment descriptor
-not found"), which go to debug. Other lines (the child's own Python logs) pass through unchanged.
+prints and that read as failures, which go to debug. Other lines (the child's own Python logs) pass
+through unchanged. Seen on 2026-11-26 with mooncake-transfer-engine-non-cuda 0.3.13.post1, starting a
+`TransferEngine` over `tcp` with P2P handshake on a machine without RDMA devices (it then served
+transfers): `W ... topology.cpp:201] No RDMA devices found, check your device installation` and
+`E ... transfer_metadata.cpp:1098] Local segment descriptor not found`, logged before the engine
+registers its own segment.
 """
 
 from __future__ import annotations
