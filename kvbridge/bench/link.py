@@ -9,7 +9,7 @@ import argparse
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -66,17 +66,19 @@ class Placed:
     prefix: dict[str, list[str]]
     address: dict[str, str]
     env: dict[str, str]
+    hosts: Any = None  # the `kvbridge.testing.hosts.Hosts` themselves, for a bench that starts servers there
 
 
 @contextlib.contextmanager
-def placed(link: Link) -> Iterator[Placed]:
-    """Two hosts, prefill and decode, with `link` between them; removed (processes too) on exit."""
+def placed(link: Link, also: Sequence[str] = ()) -> Iterator[Placed]:
+    """Two hosts, prefill and decode, with `link` between them, and the hosts named in `also` on the same
+    bridge, unshaped; removed (processes too) on exit."""
     from kvbridge.testing.hosts import Hosts, hosts_unavailable
 
     reason = hosts_unavailable()
     if reason:
         raise ConfigError(f"--hosts runs prefill and decode in network namespaces: {reason}")
-    with Hosts(["prefill", "decode"], subnet=SUBNET) as hosts:
+    with Hosts(["prefill", "decode", *also], subnet=SUBNET) as hosts:
         if link.rate_bits:
             hosts.shape("prefill", link.rate_bits)  # one shaped link is the path's bottleneck
         if link.loss:
@@ -92,6 +94,7 @@ def placed(link: Link) -> Iterator[Placed]:
             prefix={h.name: h.command([]) for h in hosts},
             address={h.name: h.address for h in hosts},
             env=env,
+            hosts=hosts,
         )
 
 

@@ -78,10 +78,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--compare",
         choices=["mooncake", "nixl", "none"],
-        default="mooncake",
+        default=None,
         help="what KVBridgeConnector over Mooncake TCP is measured beside, in the same run: mooncake, vLLM's "
         "MooncakeConnector over Mooncake TCP; nixl, KVBridgeConnector over NIXL and vLLM's NixlConnector, "
-        "both over UCX; none, nothing (default mooncake)",
+        "both over UCX; none, nothing (default mooncake; with --hosts, the raw transport on the same link)",
     )
     group.add_argument(
         "--transfer",
@@ -362,6 +362,10 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.testing.tiny_model import build_tiny_llama
     from kvbridge.testing.vllm_server import wait_healthy
 
+    if getattr(args, "hosts", False):
+        from kvbridge.bench import vllm_hosts
+
+        return vllm_hosts.run(args)
     if getattr(args, "transfer", "pull") == "layerwise":
         from kvbridge.bench import vllm_layerwise
 
@@ -370,14 +374,15 @@ def run(args: argparse.Namespace) -> int:
     # room for the longest prompt and its tokens (the tiny model's positions end at 2048)
     max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)
     reps = args.requests or 5
-    if args.compare == "nixl":
+    compare = args.compare or "mooncake"
+    if compare == "nixl":
         launchers: list[Callable[[Path, Path, int, str], Pair]] = [
             _kvbridge_pair,
             functools.partial(_kvbridge_pair, transport="nixl"),
             _nixl_pair,
         ]
     else:
-        launchers = [_kvbridge_pair] + ([_mooncake_pair] if args.compare == "mooncake" else [])
+        launchers = [_kvbridge_pair] + ([_mooncake_pair] if compare == "mooncake" else [])
     rows: list[dict] = []
     if getattr(args, "plot", None):
         check_path(args.plot)

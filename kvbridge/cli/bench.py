@@ -73,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--hosts",
         action="store_true",
         help="run prefill and decode on two hosts: network namespaces at 198.51.100.1 and 198.51.100.2 joined by a "
-        "bridge, with a fresh shared secret (needs root, ip, tc and nft; pair mode; docs/hosts.md)",
+        "bridge, with a fresh shared secret (needs root, ip, tc and nft; pair mode, or --engine vllm with the "
+        "proxy and the client on two more hosts; docs/hosts.md)",
     )
     p.add_argument(
         "--link",
@@ -120,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     mode = pick_mode(args)
     if getattr(args, "link", None) and not getattr(args, "hosts", False):
         raise ConfigError("--link shapes the link between --hosts; add --hosts")
-    if getattr(args, "hosts", False) and mode != "pair":
-        raise ConfigError(f"--hosts runs the pair bench (no --engine, --prefill/--decode or --compare); not {mode}")
+    if getattr(args, "hosts", False) and mode not in ("pair", "vllm"):
+        raise ConfigError(
+            f"--hosts runs the pair bench or --engine vllm (no other --engine, --prefill/--decode or "
+            f"--compare-transports); not {mode}"
+        )
     return int(importlib.import_module(MODES[mode]).run(args))
