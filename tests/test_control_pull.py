@@ -209,3 +209,39 @@ def test_stale_engine_id_is_a_load_error_and_still_releases(pair: Pair) -> None:
         pair.control.start("local-r8", attrs.evolve(pair.params("r8"), remote_engine_id="restarted-prefill"), [4, 5, 6])
     pair.ledger.offer("r8", [1, 2, 3], expected_pulls=None)
     assert pair.released[-1] == ("r8", LeaseState.RELEASED)
+
+
+def test_a_request_of_a_restarted_prefill_fails_at_once_and_the_new_engine_serves() -> None:
+    """A prefill restarted on its address is another engine: a BeginPull for the old engine's request is not
+    re-addressed to the new one (which would hold it for the whole offer wait, `ready_timeout_s`, for a request
+    it never had: the 30 s TTFTs of a chaos run that killed prefills), and the new engine's requests pull."""
+    pair = Pair()
+    restarted: list[ControlServer] = []
+    try:
+        pair.control.ready_timeout_s = 60.0  # the wait a re-addressed BeginPull would sit out
+        pair.p_server.register(pair.prefill.info())
+        pair.ledger.offer("r9", [1, 2, 3], expected_pulls=None)
+        pair.start("r9").wait(10)  # the decode side has now talked to engine "prefill" at this address
+        wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="release")
+        host, port = pair.p_server.address
+        pair.p_server.close()
+        agent, buf = _agent("prefill-2", MODEL.kv_heads, 8)
+        buf[:] = 7
+        new_ledger = Ledger(lambda lease, why: None, timeout_s=60)
+        restarted.append(ControlServer("prefill-2", 0, ledger=new_ledger, port=port, poll_interval_s=0.01))
+        restarted[0].register(agent.info())
+        begun = time.monotonic()
+        with pytest.raises(LoadError, match="now serves engine 'prefill-2'"):
+            pair.start("r10")  # the old engine's request: its KV went with it
+        assert time.monotonic() - begun < 30, "refused at once, not after the offer wait"
+        new_ledger.offer("r11", [1, 2, 3], expected_pulls=None)
+        pair.control.start("local-r11", attrs.evolve(pair.params("r11"), remote_engine_id="prefill-2"), [4, 5, 6]).wait(
+            10
+        )
+        block = pair.d_buf.size // MODEL.layers // 2 // 8  # one block of one plane of one layer
+        assert (pair.d_buf[4 * block : 5 * block] == 7).all(), "read from the restarted engine"
+        agent.close()
+    finally:
+        for server in restarted:
+            server.close()
+        pair.close()

@@ -82,6 +82,11 @@ def _decode_small(data: bytes, cls: type[T], max_bytes: int) -> T:
     return wire.decode(data, cls, max_bytes=max_bytes, max_items=MAX_FIELDS, max_str=MAX_ID_BYTES)
 
 
+def _engine(name: str) -> str:
+    """The engine of a side channel's name, `engine_id/rank`."""
+    return name.rpartition("/")[0]
+
+
 def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"", receiver: str = "") -> Frame:
     return Frame(
         kind=kind, sender=sender, nonce=new_nonce(), ts=time.time(), body=body, reply_to=reply_to, receiver=receiver
@@ -771,8 +776,18 @@ class ControlClient:
             self._request(GetInfo(), timeout_s)  # its signed reply names the rank
         reply = self._request(msg, timeout_s)
         if isinstance(reply, Refused) and reply.kind == MISADDRESSED and self._learned != self.receiver:
-            self.receiver = self._learned  # another rank now serves this address: ask it, once
-            reply = self._request(msg, timeout_s)
+            asked, self.receiver = self.receiver, self._learned
+            if _engine(asked) != _engine(self._learned):
+                # A restarted engine: what the request names went with the old one. Asked again, the new
+                # one would hold a BeginPull for the whole offer wait, for a request it never had.
+                raise LoadError(
+                    f"side channel {self.url} now serves engine {_engine(self._learned)!r}, not "
+                    f"{_engine(asked)!r} (restarted): what {type(msg).__name__} names is gone with it; recompute",
+                    peer=self.url,
+                    request=getattr(msg, "request_id", None),
+                    cause="engine restarted",
+                )
+            reply = self._request(msg, timeout_s)  # another rank of the same engine now serves this address
         return reply
 
     def _request(self, msg: Any, timeout_s: float | None) -> Any:

@@ -103,7 +103,8 @@ class DecodeControl:
     def _info(self, client: ControlClient, addr: tuple[str, int], engine_id: str | None, rid: str) -> RankInfo:
         with self._lock:
             info = self._infos.get(addr)
-        if info is None:
+        if info is None or (engine_id is not None and info.engine_id != engine_id):
+            # not asked yet, or asked of an engine that has since restarted on this address: ask now
             info = client.get_info(wait_s=self.ready_timeout_s)
             with self._lock:
                 self._infos[addr] = info
