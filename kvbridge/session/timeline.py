@@ -15,6 +15,11 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
 - `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
   (a streamed answer's first token; a whole answer otherwise).
 
+Beside the phases, the decode's pull states (`kvbridge.session.machine`) as `at_<state>_ms`: when the
+slowest rank entered each state, milliseconds after its pull began (`at_done_ms`, or `at_fenced_ms` /
+`at_failed_ms` for a pull whose request was then recomputed). They are marks, not slices: they overlap
+the pull phases.
+
 `total_ms` is the proxy's own clock, from the request's arrival to the moment the header goes out,
 so the phases add up to no more than it. An error answer (503 when no server could take a phase,
 499 when the client left, a prefill's error status, 4xx for a bad body) carries the phases known
@@ -26,9 +31,12 @@ from __future__ import annotations
 
 import attrs
 
+from kvbridge.session.machine import STATE_MARKS
+
 HEADER = "x-kvbridge-timing"
 PULL_PHASES = ("dispatch_ms", "queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")
 PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
+PULL_REPORT = (*PULL_PHASES, *STATE_MARKS)  # what a decode engine reports of its pull
 
 
 @attrs.define
@@ -48,12 +56,12 @@ class Timeline:
 
     def handover_ms(self) -> float | None:
         """The decode's pull, all its phases (None when the decode did not report them)."""
-        known = [self.phases[p] for p in PULL_PHASES if p in self.phases]
+        known = [self.phases[p] for p in PULL_PHASES if p in self.phases]  # not the state marks: they overlap
         return sum(known) if known else None
 
     def header(self) -> str:
         parts = [f"id={self.request_id}", f"total_ms={self.total_ms:.3f}"]
-        parts += [f"{p}={self.phases[p]:.3f}" for p in PHASES if p in self.phases]
+        parts += [f"{p}={self.phases[p]:.3f}" for p in (*PHASES, *STATE_MARKS) if p in self.phases]
         return "; ".join(parts)
 
 
