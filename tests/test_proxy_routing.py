@@ -87,6 +87,7 @@ class Upstream(Serving):
             else:  # and the decode's pull phases, in its (non-streamed) answer
                 phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}
                 phases |= {"transfer_ms": 0.3, "done_ms": 0.4}
+                phases |= {"at_resolving_ms": 0.0, "at_done_ms": 0.9}  # its pull states: marks, not phases
                 params = {"kvbridge_timing": phases}
             # It takes at least as long as it says it took: the proxy's clock then bounds the phases.
             await asyncio.sleep(max(slow_complete_s, sum(params["kvbridge_timing"].values()) / 1e3))
@@ -326,10 +327,10 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
     for i, r in enumerate(answers):
         assert r.status_code == 200 and r.headers["x-request-id"] == f"r{i}"
         t = parse(r.headers[HEADER])
-        assert t.request_id == f"r{i}" and set(t.phases) == set(PHASES)
+        assert t.request_id == f"r{i}" and set(t.phases) == {*PHASES, "at_resolving_ms", "at_done_ms"}
         # What the engines reported is passed on as they said it; the proxy's own parts are measured.
-        assert (t.phases["prefill_ms"], t.phases["transfer_ms"]) == (0.5, 0.3)
-        assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
+        assert (t.phases["prefill_ms"], t.phases["transfer_ms"], t.phases["at_done_ms"]) == (0.5, 0.3, 0.9)
+        assert all(v >= 0 for v in t.phases.values()) and sum(t.phases[p] for p in PHASES) <= t.total_ms
     # The engines' timing is not sent on to decode.
     assert [b.get("kv_transfer_params", {}).get("kvbridge_timing") for b in decode.bodies] == [None] * 3
     samples = {
@@ -339,6 +340,7 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
     }
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "total"),))] == 3
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "transfer"),))] == 3
+    assert ("kvbridge_proxy_phase_seconds_count", (("phase", "at_done"),)) not in samples, "a mark is no phase"
     assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1.05e-3)
     assert samples[("kvbridge_proxy_requests_total", (("code", "200"),))] == 3
     assert samples[("kvbridge_proxy_failovers_total", (("role", "decode"),))] == 1  # the dead one, once
