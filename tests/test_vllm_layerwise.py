@@ -371,6 +371,8 @@ def test_layerwise_prefill_abort_mid_stream_is_a_load_error_and_frees_prefill(st
     wait_for(lambda: streams.poll() or {"d2"} <= streams.recved and {"p2"} <= streams.sent, what="both sides")
     assert streams.prefill.ledger.state("t2") is LeaseState.ABORTED
     assert streams.decode.get_block_ids_with_load_errors() == set(local), "a cut stream is recomputed"
+    marks = streams.decode.take_timings().timings["d2"]  # its states: fenced while reading
+    assert set(marks) == {"at_resolving_ms", "at_leased_ms", "at_reading_ms", "at_fenced_ms"}
 
 
 def test_a_stream_that_ends_with_its_prompt_holds_reads_from_its_last_layer_only(streams: Streams) -> None:
