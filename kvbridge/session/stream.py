@@ -51,7 +51,7 @@ PUBLISH_DRAIN_S = 10.0
 @attrs.frozen
 class StreamStart:
     """Prefill: stream `request_id` under `transfer_id`; `blocks` allocated so far, `computed` tokens already
-    in the cache for every layer (prefix-cache hits), `tokens` the prompt's length. `held_at_end`: vLLM
+    in the cache for every layer (prefix-cache hits), `tokens` the prompt's length. `held_at_end`: the engine
     finishes the request in the step that ends its prompt (`max_tokens` 1, one batch at a time), so from
     that step's last layer on only the lease frees its blocks, and readers' reads are held."""
 
@@ -70,11 +70,11 @@ class LayerwiseMeta:
     starts: list[StreamStart] = field(default_factory=list)
     blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # request id -> blocks added this step
     computed: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens done after this step
-    ends: dict[str, bool] = field(default_factory=dict)  # request id -> aborted (vLLM finished it)
+    ends: dict[str, bool] = field(default_factory=dict)  # request id -> aborted (the engine finished it)
     preempted: list[str] = field(default_factory=list)  # blocks freed for a recompute: the stream is cut
     tasks: list[StreamTask] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # decode requests dropped while streaming
-    applied: bool = False  # set by the worker that applied it (vLLM binds it once per step)
+    applied: bool = False  # set by the worker that applied it (the engine may hand it over more than once)
 
     def __bool__(self) -> bool:
         return bool(
@@ -92,7 +92,7 @@ class _Stream:
     step: int = 0  # prompt tokens computed once the current step's layers have run
     ended: bool = False
     released: bool = False
-    preempted: bool = False  # vLLM freed the blocks itself: nothing to report
+    preempted: bool = False  # the engine freed the blocks itself: nothing to report
     held_at_end: bool = False  # StreamStart.held_at_end
     held: bool = False  # every layer saved with held_at_end: only the lease frees the blocks now
     begun: int = 0  # prompt tokens computed before the current step
@@ -196,8 +196,8 @@ class Producer:
         self.layers: dict[str, int] = {}
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}  # transfer id -> stream
-        self._by_request: dict[str, str] = {}  # vLLM request id -> transfer id
-        self._finished: set[str] = set()  # request ids whose blocks vLLM may free now
+        self._by_request: dict[str, str] = {}  # the engine's request id -> transfer id
+        self._finished: set[str] = set()  # request ids whose blocks the engine may free now
         self._on_progress = on_progress
         self._publisher: _Publisher | None = None  # started on the first layer a device must finish first
 
@@ -233,7 +233,7 @@ class Producer:
                 self._by_request[s.request_id] = s.transfer_id
             if s.computed:  # prefix-cache hits: in the cache already, every layer
                 self.agent.publish(s.blocks[: -(-s.computed // self.block_size)])
-            # the decode side states its release count; vLLM frees a preempted stream's blocks by itself
+            # the decode side states its release count; the engine frees a preempted stream's blocks by itself
             self.ledger.offer(s.transfer_id, s.blocks, holds_reads=False)
         for rid, added in meta.blocks.items():
             tid = self._by_request.get(rid)
@@ -264,8 +264,8 @@ class Producer:
             with self._lock:
                 s = self._streams[tid]
                 s.ended = True
-            # Before vLLM may reuse the blocks: a read in flight then fails its fenced DONE. Not once the
-            # reads are held: the prompt's KV is whole, vLLM holds the blocks until the lease ends, as for
+            # Before the engine may reuse the blocks: a read in flight then fails its fenced DONE. Not once the
+            # reads are held: the prompt's KV is whole, the engine holds the blocks until the lease ends, as for
             # a finished pull-mode request, and readers were told their reads need no fence.
             if aborted and not s.held:
                 self._abort(tid, "prefill aborted or preempted the request")
@@ -316,7 +316,7 @@ class Producer:
             others = all(r >= s.tokens for i, r in enumerate(s.ready) if i != w.layer)
         held = False
         if s.held_at_end and w.step >= s.tokens and others:
-            # The prompt's last layer: vLLM finishes the request in this step, so its blocks are freed
+            # The prompt's last layer: the engine finishes the request in this step, so its blocks are freed
             # only through the lease from now on. Held before readers hear of it, so the answer that
             # lets them read the last layer also tells them their reads need no fenced DONE.
             held = self.ledger.hold_reads(w.transfer_id)
