@@ -54,7 +54,7 @@ from kvbridge.control.channel import ControlClient
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.secret import load_secret
-from kvbridge.session.timeline import HEADER, PHASES, PULL_REPORT, Timeline
+from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +271,7 @@ class ProxyMetrics:
 
     def observe(self, timeline: Timeline) -> None:
         for name, ms in timeline.phases.items():
-            if name in PHASES:  # not the pull's state marks: points in time, not durations
-                self.phase.labels(name.removesuffix("_ms")).observe(ms / 1e3)
+            self.phase.labels(name.removesuffix("_ms")).observe(ms / 1e3)
         handover = timeline.handover_ms()
         if handover is not None:  # the KV handover: the decode's whole pull
             self.phase.labels("handover").observe(handover / 1e3)
