@@ -49,6 +49,7 @@ from kvbridge import staging, wire
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
 from kvbridge.block_ids import block_array
 from kvbridge.errors import ConfigError, TopologyError, TransferTimeout
+from kvbridge.landing import Receiver
 from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import RegionIndex, total_bytes
 from kvbridge.planner import pull_descriptors
@@ -182,13 +183,18 @@ class KVAgent:
         backend: str | MigrationBackend = "mooncake",
         device: str | None = None,
         stage: bool = False,
+        landing: Sequence[Sequence[Any]] | None = None,
         **backend_options: Any,
     ) -> None:
         """`device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another
         is an error. Memory given as (address, bytes) pairs is the named device's (its current device
         id), host memory when none is named. `backend` by name is created and closed by the agent; a
         backend object (or one `kvbridge.staging.attach` already bound to the device) is left open. Either
-        is staged where the transport cannot reach the device's memory, or always with `stage=True`."""
+        is staged where the transport cannot reach the device's memory, or always with `stage=True`.
+        `landing`: per plane, per layer, byte views of the cache (`kvbridge.landing.Receiver`): reads from a
+        peer whose cache is arranged otherwise, or over a transport that may write late, land in buffers
+        first and are rearranged into the cache; without them every read goes straight into the cache (a peer arranged
+        otherwise is refused)."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -212,8 +218,7 @@ class KVAgent:
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
         self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage)
         self._peers: dict[tuple[str, int], Peer] = {}
-        # set by an engine adapter whose cache may differ from its peers' (kvbridge.landing.Receiver)
-        self.receiver: Any = None
+        self.receiver: Receiver | None = None
         self._lock = threading.Lock()
         self._registered: list[Any] = []
         try:
@@ -222,6 +227,8 @@ class KVAgent:
             self._published = self._layout_for_peers()
             # the devices `record` marks (once here: it runs in the engine's forward, once per layer)
             self._device_ids = sorted({r.device_id for r in self.backend.registered if r.device_id >= 0})
+            if landing is not None:
+                self.receiver = Receiver(self.backend, layout, landing, self.device)
         except BaseException:
             self.close()
             raise

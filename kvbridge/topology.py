@@ -289,6 +289,11 @@ def plan(
     return _plan(prefill, decode, model, tokens, prefill_dp, decode_dp)
 
 
+def forget_plans() -> None:
+    """Drop the plans cached so far (a measurement of planning plans every request afresh)."""
+    _plan.cache_clear()
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(
     prefill: ParallelConfig, decode: ParallelConfig, model: ModelSpec, tokens: int, prefill_dp: int, decode_dp: int

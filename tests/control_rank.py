@@ -22,7 +22,6 @@ from kvbridge.bench.shares import Share, fill, mismatches
 from kvbridge.control import (
     ControlClient,
     ControlServer,
-    DecodeControl,
     KVTransferParams,
     LeaseState,
     Ledger,
@@ -33,6 +32,7 @@ from kvbridge.errors import LoadError
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS, ModelSpec
 from kvbridge.proc import serve
+from kvbridge.session.decode import DecodeControl
 from kvbridge.topology import HeadPlacement, ParallelConfig
 
 

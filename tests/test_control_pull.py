@@ -14,10 +14,12 @@ import pytest
 from control_helpers import wait_for
 
 from kvbridge.agent import KVAgent
-from kvbridge.control import ControlServer, DecodeControl, KVTransferParams, LeaseState, Ledger
+from kvbridge.control import ControlServer, KVTransferParams, LeaseState, Ledger
 from kvbridge.errors import ConfigError, LoadError, TransferFailed, TransferTimeout
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS
+from kvbridge.session.decode import DecodeControl
+from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.topology import ParallelConfig
 
 MODEL = PRESETS["tiny-gqa"]
@@ -81,9 +83,9 @@ class Pair:
             remote_num_tokens=TOKENS,
         )
 
-    def start(self, rid: str):  # noqa: ANN201
+    def start(self, rid: str, machine: PullMachine | None = None):  # noqa: ANN201
         return self.control.start(
-            f"local-{rid}", self.params(rid), [4, 5, 6], on_finished=lambda r, e: self.outcomes.append((r, e))
+            f"local-{rid}", self.params(rid), [4, 5, 6], lambda r, e: self.outcomes.append((r, e)), machine
         )
 
     def close(self) -> None:
@@ -102,8 +104,10 @@ def pair() -> Iterator[Pair]:
 def test_done_decode_control_pulls_and_releases(pair: Pair) -> None:
     pair.p_server.register(pair.prefill.info())
     pair.ledger.offer("r1", [1, 2, 3], expected_pulls=None)
-    pair.start("r1").wait(10)
+    machine = PullMachine("local-r1", "pull")
+    pair.start("r1", machine).wait(10)
     assert pair.outcomes == [("local-r1", None)]
+    assert machine.state is PullState.DONE and list(machine.at) == list(PullState)[:6], "every state, in order"
     # the DONE follows the report; the count (1) came from the decode side's plan
     wait_for(lambda: pair.released == [("r1", LeaseState.RELEASED)], what="release")
     assert pair.d_buf.any() and pair.control.local_id("r1") is None
@@ -115,14 +119,16 @@ def test_lease_expiring_during_the_read_is_a_load_error() -> None:
         pair.p_server.register(pair.prefill.info())
         pair.ledger.offer("r2", [1, 2, 3], expected_pulls=1)
         pair.decode.backend.inject(delay=2.0)  # a slow read...
-        handle = pair.start("r2")
-        assert pair.control.local_id("r2") == "local-r2"
+        machine = PullMachine("local-r2", "pull")
+        handle = pair.start("r2", machine)
+        assert pair.control.local_id("r2") == "local-r2" and machine.state is PullState.READING
         # ...outlives the lease: the prefill side expires it (its server reaps) and may reuse the blocks
         wait_for(lambda: pair.released == [("r2", LeaseState.EXPIRED)], what="expiry")
         assert not handle.done(), "expiry must come during the read"
         handle.wait(10)
         ((rid, err),) = pair.outcomes
         assert rid == "local-r2" and isinstance(err, LoadError) and "recompute" in str(err)
+        assert machine.state is PullState.FENCED and machine.error is err
     finally:
         pair.close()
 
@@ -135,14 +141,15 @@ def test_a_read_within_the_lease_is_reported_before_its_done_is_answered() -> No
     try:
         pair.p_server.register(pair.prefill.info())
         pair.ledger.offer("r9", [1, 2, 3], expected_pulls=1)
-        timing: dict[str, float] = {}
+        machine = PullMachine("local-r9", "pull")
         handle = pair.control.start(
-            "local-r9", pair.params("r9"), [4, 5, 6], lambda r, e: pair.outcomes.append((r, e)), timing
+            "local-r9", pair.params("r9"), [4, 5, 6], lambda r, e: pair.outcomes.append((r, e)), machine
         )
         handle.wait(10)
         assert pair.outcomes == [("local-r9", None)] and pair.d_buf.any()
         assert pair.ledger.state("r9") is LeaseState.ACTIVE and pair.released == [], "its DONE is not answered yet"
-        assert timing["announced_at"] <= timing["transferred_at"] <= timing["confirmed_at"]
+        assert machine.state is PullState.DONE
+        assert machine.at[PullState.READING] <= machine.at[PullState.LANDING] <= machine.at[PullState.DONE]
         SlowDoneLedger.answer.set()
         wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="the DONE sent after the report")
     finally:
@@ -166,10 +173,11 @@ def test_done_after_a_failed_transfer_still_releases_the_prefill_blocks(pair: Pa
     pair.p_server.register(pair.prefill.info())
     pair.ledger.offer("r3", [1, 2, 3], expected_pulls=1)
     pair.decode.backend.inject(fail_completion=1)
+    machine = PullMachine("local-r3", "pull")
     with pytest.raises(TransferFailed):
-        pair.start("r3").wait(10)
+        pair.start("r3", machine).wait(10)
     ((rid, err),) = pair.outcomes
-    assert isinstance(err, TransferFailed)
+    assert isinstance(err, TransferFailed) and machine.state is PullState.FAILED
     assert pair.released == [("r3", LeaseState.RELEASED)], "the decode side recomputes; prefill need not wait"
 
 
@@ -190,8 +198,10 @@ def test_abort_through_decode_control_frees_the_prefill_lease(pair: Pair) -> Non
 def test_done_sent_when_the_pull_fails_before_moving_bytes(pair: Pair) -> None:
     pair.p_server.register(pair.prefill.info())
     pair.ledger.offer("r6", [1, 2, 3], expected_pulls=1)
+    machine = PullMachine("local-r6", "pull")
     with pytest.raises(ConfigError, match="holds 3 blocks"):
-        pair.control.start("local-r6", pair.params("r6"), [4])  # too few local blocks: nothing is read
+        pair.control.start("local-r6", pair.params("r6"), [4], None, machine)  # too few local blocks: nothing read
+    assert machine.state is PullState.FAILED and PullState.LANDING not in machine.at
     assert pair.released == [("r6", LeaseState.RELEASED)], "the announced lease is released at once"
     assert pair.control.local_id("r6") is None
 

@@ -87,6 +87,7 @@ class Upstream(Serving):
             else:  # and the decode's pull phases, in its (non-streamed) answer
                 phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}
                 phases |= {"transfer_ms": 0.3, "done_ms": 0.4}
+                phases |= {"at_resolving_ms": 0.0, "at_done_ms": 0.9}  # its pull states: marks, not phases
                 params = {"kvbridge_timing": phases}
             # It takes at least as long as it says it took: the proxy's clock then bounds the phases.
             await asyncio.sleep(max(slow_complete_s, sum(params["kvbridge_timing"].values()) / 1e3))
@@ -155,7 +156,7 @@ def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: 
 
 
 def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upstream, Upstream]) -> None:
-    from kvbridge.adapters.vllm.timeline import HEADER, parse
+    from kvbridge.session.timeline import HEADER, parse
 
     prefill, _ = upstreams
     dead = [f"http://127.0.0.1:{free_port(span=1)}" for _ in range(2)]
@@ -262,7 +263,7 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
 def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCaptureFixture) -> None:
     """No prefill server (503), a bad body (400), a client that leaves during prefill (499, seen in the
     proxy's log: nobody is there to read its answer): each names its request and the phases known."""
-    from kvbridge.adapters.vllm.timeline import HEADER, parse
+    from kvbridge.session.timeline import HEADER, parse
 
     dead = f"http://127.0.0.1:{free_port(span=1)}"
     app = create_app([dead], [dead])
@@ -304,7 +305,7 @@ def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCapture
 def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple[Upstream, Upstream]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvbridge.adapters.vllm.timeline import HEADER, PHASES, parse
+    from kvbridge.session.timeline import HEADER, PHASES, parse
 
     prefill, decode = upstreams
     dead = f"http://127.0.0.1:{free_port(span=1)}"
@@ -329,6 +330,7 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
         assert t.request_id == f"r{i}" and set(t.phases) == set(PHASES)
         # What the engines reported is passed on as they said it; the proxy's own parts are measured.
         assert (t.phases["prefill_ms"], t.phases["transfer_ms"]) == (0.5, 0.3)
+        assert t.marks == {"at_resolving_ms": 0.0, "at_done_ms": 0.9}, "the pull's states, apart from the phases"
         assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
     # The engines' timing is not sent on to decode.
     assert [b.get("kv_transfer_params", {}).get("kvbridge_timing") for b in decode.bodies] == [None] * 3
@@ -339,6 +341,7 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
     }
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "total"),))] == 3
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "transfer"),))] == 3
+    assert ("kvbridge_proxy_phase_seconds_count", (("phase", "at_done"),)) not in samples, "a mark is no phase"
     assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1.05e-3)
     assert samples[("kvbridge_proxy_requests_total", (("code", "200"),))] == 3
     assert samples[("kvbridge_proxy_failovers_total", (("role", "decode"),))] == 1  # the dead one, once

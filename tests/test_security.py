@@ -282,8 +282,8 @@ def test_abort_call_back_goes_only_to_the_host_the_begin_pull_came_from(prefill:
 
 
 def test_decode_control_names_exactly_the_blocks_it_reads() -> None:
-    from kvbridge.control.pull import _blocks_read
     from kvbridge.presets import PRESETS
+    from kvbridge.session.decode import blocks_read as _blocks_read
     from kvbridge.topology import ParallelConfig, plan
 
     model = PRESETS["tiny-gqa"]

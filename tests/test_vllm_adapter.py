@@ -27,13 +27,13 @@ from vllm.v1.request import Request  # noqa: E402
 from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
-from kvbridge.adapters.vllm.timeline import PULL_PHASES  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.agent import KVAgent  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.channel import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
 from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
+from kvbridge.session.timeline import PULL_PHASES  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 
@@ -218,7 +218,10 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     # The pull's phases go back to the scheduler for the request's answer; prefill counted its lease.
     meta = workers.decode.take_timings()
     assert meta is not None and set(meta.timings) == {"d1"}
-    assert set(meta.timings["d1"]) == set(PULL_PHASES)
+    # and its pull states, in order, through to done
+    states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
+    assert set(meta.timings["d1"]) == {*PULL_PHASES, *states}
+    assert [meta.timings["d1"][s] for s in states] == sorted(meta.timings["d1"][s] for s in states)
     assert all(v >= 0 for v in meta.timings["d1"].values())
     held = workers.prefill.take_stats()
     assert held is not None and held.data["leases"] == [["offered"], ["released"]]
@@ -665,7 +668,7 @@ def test_scheduler_publishes_the_engine_base_and_offers_to_its_own_dp_ranks(dp_i
     scheduler = SchedulerSide(config, "prefill", Settings.from_extra_config(extra))
     try:
         assert scheduler.side_channel_port == 21000
-        assert [port for _, port in scheduler._ranks] == [
+        assert [port for _, port in scheduler.offering.ranks] == [
             side_channel_port(21000, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=dp_index)
             for p in range(pp)
             for t in range(tp)

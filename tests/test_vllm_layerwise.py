@@ -19,13 +19,14 @@ from test_vllm_adapter import BLOCK, HEAD_DIM, LAYERS, expected, vllm_cpu_caches
 
 from kvbridge.adapters.vllm.cache import ORDERS  # noqa: E402
 from kvbridge.adapters.vllm.inbox import EngineInbox  # noqa: E402
-from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, StreamStart, StreamTask  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.messages import STREAM_FIRST_VERSION  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
+from kvbridge.session.stream import LayerwiseMeta, StreamStart  # noqa: E402
+from kvbridge.session.tasks import StreamTask  # noqa: E402
 from kvbridge.testing.ports import free_port  # noqa: E402
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -154,6 +155,9 @@ def test_layerwise_reads_each_layer_while_prefill_computes_the_rest(any_layout: 
     phases = timings.timings["d1"]
     assert {"control_ms", "transfer_ms", "hidden_ms", "exposed_ms", "done_ms"} <= set(phases)
     assert 0 <= phases["hidden_ms"] <= phases["transfer_ms"]
+    # the same pull states as a whole-request pull's, through to done
+    states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
+    assert [phases[s] for s in states] == sorted(phases[s] for s in states)
     stats = streams.decode.take_stats()
     block_bytes = sum(r.block_bytes for r in streams.decode.agent.layout.regions)  # every layer (and head run)
     assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes]
@@ -249,7 +253,7 @@ def test_prefill_wakes_readers_every_interval_before_its_last_step_and_per_layer
     # last wake-up or when the next step may end the prompt, and in the step that ends the prompt after
     # each layer, so that only the last layer's read trails it. The first poll (at the stream's first
     # version) waits for the first wake-up.
-    from kvbridge.adapters.vllm.layerwise import WAKE_INTERVAL_S
+    from kvbridge.session.stream import WAKE_INTERVAL_S
 
     blocks, tokens = list(range(6)), 6 * BLOCK
     producer = streams.prefill.producer
@@ -298,7 +302,7 @@ def test_idle_step_watching_the_engine_inbox_ends_when_a_request_arrives_or_a_tr
     # soon as before), and so does a transfer that ends.
     streams = Streams(decode={"stream_idle_wait_ms": 60_000})
     inbox: queue.Queue = queue.Queue()
-    streams.decode._inbox = EngineInbox(inbox)  # what find_engine_inbox finds inside a real engine core
+    streams.decode.outbox.inbox = EngineInbox(inbox)  # what find_engine_inbox finds inside a real engine core
     got: list[tuple] = []
 
     def idle_step() -> threading.Thread:
@@ -353,7 +357,7 @@ def test_engine_inbox_is_found_only_inside_a_vllm_engine_core() -> None:
     assert find_engine_inbox() is None
     decode = side("decode")
     try:
-        assert decode._inbox is None
+        assert decode.outbox.inbox is None
     finally:
         decode.shutdown()
 
@@ -367,6 +371,8 @@ def test_layerwise_prefill_abort_mid_stream_is_a_load_error_and_frees_prefill(st
     wait_for(lambda: streams.poll() or {"d2"} <= streams.recved and {"p2"} <= streams.sent, what="both sides")
     assert streams.prefill.ledger.state("t2") is LeaseState.ABORTED
     assert streams.decode.get_block_ids_with_load_errors() == set(local), "a cut stream is recomputed"
+    marks = streams.decode.take_timings().timings["d2"]  # its states: fenced while reading
+    assert set(marks) == {"at_resolving_ms", "at_leased_ms", "at_reading_ms", "at_fenced_ms"}
 
 
 def test_a_stream_that_ends_with_its_prompt_holds_reads_from_its_last_layer_only(streams: Streams) -> None:
@@ -601,12 +607,12 @@ def test_on_a_device_that_queues_work_the_forward_never_waits_and_layers_publish
     # device plugin (host memory, device-bound) whose queued work finishes when this test says.
     import numpy as np
 
-    from kvbridge.adapters.vllm.layerwise import Producer
     from kvbridge.agent import KVAgent
     from kvbridge.control.ledger import Ledger
     from kvbridge.layout import vllm_layout
     from kvbridge.plugins import get_device
     from kvbridge.presets import PRESETS
+    from kvbridge.session.stream import Producer
     from kvbridge.topology import ParallelConfig
 
     device = get_device("example")

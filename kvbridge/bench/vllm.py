@@ -362,10 +362,6 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.testing.tiny_model import build_tiny_llama
     from kvbridge.testing.vllm_server import wait_healthy
 
-    if getattr(args, "hosts", False):
-        from kvbridge.bench import vllm_hosts
-
-        return vllm_hosts.run(args)
     if getattr(args, "transfer", "pull") == "layerwise":
         from kvbridge.bench import vllm_layerwise
 

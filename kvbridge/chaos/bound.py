@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from kvbridge.control.pull import CONTROL_TIMEOUT_S
 from kvbridge.errors import ConfigError
+from kvbridge.session.decode import CONTROL_TIMEOUT_S
 
 
 @attrs.frozen

@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
-from kvbridge.adapters.vllm import timeline
 from kvbridge.chaos.deployment import Deployment
 from kvbridge.chaos.faults import schedule
 from kvbridge.chaos.network import NetworkFaults
 from kvbridge.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report
+from kvbridge.session import timeline
 from kvbridge.testing.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)

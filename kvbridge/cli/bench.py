@@ -126,4 +126,6 @@ def run(args: argparse.Namespace) -> int:
             f"--hosts runs the pair bench or --engine vllm (no other --engine, --prefill/--decode or "
             f"--compare-transports); not {mode}"
         )
-    return int(importlib.import_module(MODES[mode]).run(args))
+    # across hosts, the vLLM bench is its own module (its arguments are --engine vllm's)
+    module = "kvbridge.bench.vllm_hosts" if mode == "vllm" and getattr(args, "hosts", False) else MODES[mode]
+    return int(importlib.import_module(module).run(args))

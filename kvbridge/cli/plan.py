@@ -83,7 +83,7 @@ def planning_time(p: Plan, order: str, *, repeat: int = 20) -> dict[str, Any]:
         remote[x.prefill_rank] = (layout, BlockIds(ids))
 
     def once() -> tuple[float, int]:
-        topology._plan.cache_clear()  # every request plans its topology afresh; only layout tables are reused
+        topology.forget_plans()  # every request plans its topology afresh; only layout tables are reused
         start = time.perf_counter()
         q = plan(p.prefill, p.decode, model, p.tokens, prefill_dp=p.prefill_dp, decode_dp=p.decode_dp)
         ids = block_array(local_ids)

@@ -59,7 +59,7 @@ def trace(
     """One request per length through the proxy; each row: id, length, total_ms and the phases."""
     import httpx
 
-    from kvbridge.adapters.vllm.timeline import HEADER, parse
+    from kvbridge.session.timeline import HEADER, parse
 
     proxy = proxy.rstrip("/")
     rows = []
@@ -91,8 +91,8 @@ def trace(
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.adapters.vllm.timeline import PHASES
     from kvbridge.cli.output import print_json, print_table
+    from kvbridge.session.timeline import PHASES
 
     rows = trace(args.proxy, args.lengths, model=args.model, max_tokens=args.max_tokens, stream=args.stream)
     if args.json:

@@ -5,7 +5,7 @@
 - `Ledger`: prefill-side leases: `offer`, DONE counting, expiry, abort, fencing.
 - `open_registry` / `resolve`: peer-to-peer by default, redis or etcd for many nodes.
 - `KVTransferParams`: what the proxy carries, in vLLM's key names.
-- `DecodeControl`: the decode side of a request wired end to end (plan, leases, pull, DONEs).
+(The decode side of a request wired end to end, `DecodeControl`, is in `kvbridge.session.decode`.)
 
 See docs/control-plane.md.
 """
@@ -15,13 +15,11 @@ from kvbridge.control.discovery import EtcdRegistry, RankRecord, RedisRegistry, 
 from kvbridge.control.ledger import Lease, Ledger
 from kvbridge.control.messages import LeaseState, LeaseStatus, RegisteredMemory
 from kvbridge.control.params import KVTransferParams
-from kvbridge.control.pull import DecodeControl
 
 __all__ = [
     "ClientPool",
     "ControlClient",
     "ControlServer",
-    "DecodeControl",
     "EtcdRegistry",
     "KVTransferParams",
     "Lease",

@@ -120,9 +120,10 @@ class ControlServer:
     is called with the rank's KV layout and transport endpoint (after the KV cache exists, for
     example after a profiling run fixed the block count). Peers wait, bounded, for readiness.
 
-    `accept_offers`: take `Offer` messages (from this host only) into the ledger. Off by default; an
-    engine adapter turns it on where offering needs nothing from the engine's step (host memory the
-    transport reads directly: nothing to synchronize or stage).
+    `streams` answers QueryStream on a prefill rank that streams layer by layer (`kvbridge.session.stream`).
+    `register(..., accept_offers=True)`: take `Offer` messages (from this host only) into the ledger. Off by
+    default; an engine adapter turns it on where offering needs nothing from the engine's step (host memory
+    the transport reads directly: nothing to synchronize or stage).
     """
 
     def __init__(
@@ -136,6 +137,7 @@ class ControlServer:
         secret: str | bytes | None = None,
         insecure: bool = False,
         on_abort: AbortCallback | None = None,
+        streams: StreamQuery | None = None,
         registry: Registry | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 1.0,
@@ -147,8 +149,7 @@ class ControlServer:
         self.engine_id = engine_id
         self.rank = rank
         self.ledger = ledger
-        # answers QueryStream on a prefill rank that streams layer by layer (kvbridge.adapters.vllm.layerwise)
-        self.streams: StreamQuery | None = None
+        self.streams = streams
         self.name = f"{engine_id}/{rank}"
         self._auth = Authenticator(secret)
         self._secret = secret
@@ -214,10 +215,12 @@ class ControlServer:
     def ready(self) -> bool:
         return self._info.ready
 
-    def register(self, info: RankInfo, meta: dict[str, str] | None = None) -> None:
-        """Publish this rank's registered memory (`KVAgent.info()`) and mark it ready to be pulled from."""
+    def register(self, info: RankInfo, meta: dict[str, str] | None = None, *, accept_offers: bool = False) -> None:
+        """Publish this rank's registered memory (`KVAgent.info()`) and mark it ready to be pulled from;
+        `accept_offers`: take early `Offer` messages from now on (see the class docstring)."""
         if (info.engine_id, info.rank) != (self.engine_id, self.rank):
             raise ConfigError(f"side channel of {self.name} cannot serve the RankInfo of {info.engine_id}/{info.rank}")
+        self.accept_offers = accept_offers
         self._info = RegisteredMemory(self.engine_id, self.rank, True, info, dict(meta or {}))
         self._publish()
 

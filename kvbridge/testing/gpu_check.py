@@ -263,11 +263,11 @@ def layerwise(args: argparse.Namespace) -> Outcome:
     must hold what the queued work wrote, so a mark that did not cover the work would show."""
 
     import kvbridge
-    from kvbridge.adapters.vllm.layerwise import LayerwiseMeta, Producer, StreamStart
     from kvbridge.agent import KVAgent
     from kvbridge.control.ledger import Ledger
     from kvbridge.layout import vllm_layout
     from kvbridge.presets import PRESETS
+    from kvbridge.session.stream import LayerwiseMeta, Producer, StreamStart
     from kvbridge.topology import ParallelConfig
 
     model = PRESETS["small"]

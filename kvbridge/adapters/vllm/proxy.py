@@ -50,11 +50,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.adapters.vllm import fanout
-from kvbridge.adapters.vllm.timeline import HEADER, PULL_PHASES, Timeline
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.secret import load_secret
+from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -686,7 +686,7 @@ class Proxy:
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
             return self._answer(502, f"a decode server answered what is not a completion: {exc}", headers, timeline)
         with contextlib.suppress(ValueError, ConfigError, AttributeError):
-            timeline.add(KVTransferParams.from_dict(answers[0].get("kv_transfer_params")).kvbridge_timing, PULL_PHASES)
+            timeline.add(KVTransferParams.from_dict(answers[0].get("kv_transfer_params")).kvbridge_timing, PULL_REPORT)
         self._finish(timeline, begun, opened[0].sent, time.perf_counter())
         self.metrics.requests.labels("200").inc()
         return JSONResponse(merged, headers={**headers, HEADER: timeline.header()})
@@ -886,7 +886,7 @@ class Proxy:
             return self._answer(499, "client disconnected", headers, timeline)
         with contextlib.suppress(ValueError, ConfigError, AttributeError):  # an error answer has no params
             reported = KVTransferParams.from_dict(resp.json().get("kv_transfer_params")).kvbridge_timing
-            timeline.add(reported, PULL_PHASES)
+            timeline.add(reported, PULL_REPORT)
         self._finish(timeline, begun, sent, time.perf_counter())
         self.metrics.requests.labels(str(resp.status_code)).inc()
         return Response(

@@ -7,29 +7,27 @@ colocated server would. They are decoded into `KVTransferParams` once, when the 
 the request; the workers get the decoded value in a `PullTask`. The answer's params carry what
 this engine measured of the request (`kvbridge_timing`) for the proxy's timeline.
 
-A finished prefill request is offered twice under one offer id: at once, by an `Offer` message to
-each of this engine's worker ranks' side channels (sent from a thread of its own, so the scheduler
-never waits on a socket), and in the next step's metadata, which is the guarantee (a lost or refused
-early offer costs only the wait for that step). Ranks whose memory needs publishing in the step
-(device memory: synchronize or stage) refuse the early offer, and the scheduler stops sending it.
+A finished prefill request is offered twice under one offer id: at once (`kvbridge.session.offers`),
+and in the next step's metadata, which is the guarantee (a lost or refused early offer costs only the
+wait for that step).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler, StreamTask
-from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta, PullTask
+from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
+from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.channel import ClientPool
-from kvbridge.control.messages import Offer, Refused
+from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError
 from kvbridge.ranks import group_port
+from kvbridge.session.offers import Offers
+from kvbridge.session.tasks import PullTask, StreamTask
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,12 +81,11 @@ class SchedulerSide:
         self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         # this engine's worker ranks (every stage and TP rank of this DP rank), told of offers at once
         own = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size, dp_index=self.dp_rank)
-        self._ranks = [(settings.host, own + i) for i in range(self.tp_size * self.pp_size)]
-        self._early = settings.early_offer  # False once a rank refused them: its memory is published in the step
-        self._sender: ThreadPoolExecutor | None = None
-        self._clients = ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler")
-        self._offer_prefix = uuid.uuid4().hex[:12]  # offer ids unique across this engine's restarts
-        self._offer_count = 0
+        self.offering = Offers(
+            [(settings.host, own + i) for i in range(self.tp_size * self.pp_size)],
+            early=settings.early_offer,
+            clients=ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler"),
+        )
         self._pulls: list[PullTask] = []
         self._offers: list[Offer] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
@@ -167,27 +164,8 @@ class SchedulerSide:
         self._pulls, self._offers = [], []
         return meta
 
-    def _offer_early(self, offer: Offer) -> None:
-        """Tell every local worker rank of a finished request now (the step's offer follows anyway)."""
-        for host, port in self._ranks:
-            try:
-                reply = self._clients.get(host, port).request(offer)
-            except KVBridgeError as exc:
-                log.debug(
-                    "early offer of %s to %s:%d failed (the step offers it): %s", offer.request_id, host, port, exc
-                )
-                continue
-            if isinstance(reply, Refused):
-                if reply.kind == "offers_in_step":
-                    log.info("worker rank %s:%d publishes KV in the engine step: no early offers", host, port)
-                    self._early = False
-                    return
-                log.debug("early offer of %s refused by %s:%d: %s", offer.request_id, host, port, reply.message)
-
     def shutdown(self) -> None:
-        if self._sender is not None:
-            self._sender.shutdown(wait=True, cancel_futures=True)
-        self._clients.close()
+        self.offering.close()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -219,13 +197,7 @@ class SchedulerSide:
                 return False, None  # aborted prefill: nobody will pull, free now
             if not block_ids:
                 return False, None
-            self._offer_count += 1
-            offer = Offer(request.request_id, tuple(block_ids), f"{self._offer_prefix}-{self._offer_count}")
-            self._offers.append(offer)
-            if self._early:
-                if self._sender is None:
-                    self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")
-                self._sender.submit(self._offer_early, offer)
+            self._offers.append(self.offering.make(request.request_id, block_ids))
         return True, KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,

@@ -5,8 +5,7 @@ server process each step, logs `reduce()` as "KV Transfer metrics", and hands th
 `KVBridgePromMetrics` that `build_prom_metrics` made, so the `kvbridge_*` series land in the server's
 own `/metrics` beside vLLM's. `data` holds only lists of plain values: it crosses processes.
 
-Labels are bounded: `transport` (a plugin name), `peer` (a prefill server's side-channel address,
-one per prefill instance), `reason` (a fixed set, see `failure_reason`), `event`; never request ids.
+What is recorded, and its labels, is `kvbridge.session.metrics`'s.
 """
 
 from __future__ import annotations
@@ -15,29 +14,22 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvbridge.telemetry import FAILURE_REASONS, SECONDS_BUCKETS, failure_reason
+from kvbridge.session.metrics import KEYS, TransferRecord
+from kvbridge.telemetry import FAILURE_REASONS, SECONDS_BUCKETS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-# pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
-# leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta];
-# retries: [transport, peer, resubmissions] (of pulls that succeeded or failed);
-# guard: [transport, open (1: trust option, any host admitted), hosts admitted] when it changed (kvbridge.netguard)
-_KEYS = ("pulls", "failures", "leases", "held", "retries", "guard")
-LEASE_EVENTS = ("offered", "released", "expired", "aborted")
-
 
 @dataclass
-class KVBridgeStats(KVConnectorStats):
+class KVBridgeStats(TransferRecord, KVConnectorStats):
     """What one or more workers recorded since the last step (decode: pulls; prefill: leases)."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
-        for k in _KEYS:
+        for k in KEYS:
             self.data.setdefault(k, [])
 
     def __getstate__(self) -> dict[str, Any]:
@@ -48,73 +40,20 @@ class KVBridgeStats(KVConnectorStats):
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        self.data = {k: [] for k in _KEYS}
-
-    def record(
-        self, transport: str, peer: str, transfer_s: float, control_s: float, nbytes: int, descriptors: int
-    ) -> None:
-        with self._lock:
-            self.data["pulls"].append([transport, peer, transfer_s, control_s, nbytes, descriptors])
-
-    def record_failure(self, transport: str, peer: str, error: BaseException) -> None:
-        with self._lock:
-            self.data["failures"].append([transport, peer, failure_reason(error)])
-
-    def record_retries(self, transport: str, peer: str, retries: int) -> None:
-        """Resubmissions a pull's transfers needed (after a failed or stuck batch); nothing when 0."""
-        if retries:
-            with self._lock:
-                self.data["retries"].append([transport, peer, int(retries)])
-
-    def record_lease(self, event: str, leases: int, blocks: int) -> None:
-        """A lease offered (+1 lease, +blocks held) or ended (released / expired / aborted: -1, -blocks)."""
-        with self._lock:
-            self.data["leases"].append([event])
-            self.data["held"].append([leases, blocks])
-
-    def record_guard(self, transport: str, open_: bool, admitted: int) -> None:
-        """Who a guarded transport's listeners admit now (recorded when it changes)."""
-        with self._lock:
-            self.data["guard"].append([transport, int(open_), int(admitted)])
+        self.data = {k: [] for k in KEYS}
 
     def clone_and_reset(self) -> KVBridgeStats:
         with self._lock:
-            snapshot, self.data = self.data, {k: [] for k in _KEYS}
+            snapshot, self.data = self.data, {k: [] for k in KEYS}
         return KVBridgeStats(data=snapshot)
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in _KEYS)
+        return not any(self.data.get(k) for k in KEYS)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for k in _KEYS:
+        for k in KEYS:
             self.data.setdefault(k, []).extend(other.data.get(k, ()))
         return self
-
-    def reduce(self) -> dict[str, int | float]:
-        pulls = self.data["pulls"]
-        out: dict[str, int | float] = {"Num successful transfers": len(pulls)}
-        if pulls:
-            t = np.asarray([p[2] for p in pulls], dtype=np.float64)
-            mb = np.asarray([p[4] for p in pulls], dtype=np.float64) / 2**20
-            out.update(
-                {
-                    "Avg xfer time (ms)": round(float(t.mean()) * 1e3, 3),
-                    "P90 xfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3),
-                    "Avg control time (ms)": round(float(np.mean([p[3] for p in pulls])) * 1e3, 3),
-                    "Avg MB per transfer": round(float(mb.mean()), 3),
-                    "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if t.sum() > 0 else 0.0,
-                    "Avg number of descriptors": round(float(np.mean([p[5] for p in pulls])), 1),
-                }
-            )
-        out["Num failed transfers"] = len(self.data["failures"])
-        retries = sum(r[2] for r in self.data.get("retries", ()))
-        if retries:
-            out["Num retries"] = retries
-        for event in LEASE_EVENTS:
-            n = sum(1 for (e,) in self.data["leases"] if e == event)
-            if n:
-                out[f"Leases {event}"] = n
-        return out
 
 
 class KVBridgePromMetrics(KVConnectorPromMetrics):

@@ -15,6 +15,11 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
 - `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
   (a streamed answer's first token; a whole answer otherwise).
 
+Beside the phases, the decode's pull states (`kvbridge.session.machine`) as `at_<state>_ms`: when the
+slowest rank entered each state, milliseconds after its pull began (`at_done_ms`, or `at_fenced_ms` /
+`at_failed_ms` for a pull whose request was then recomputed). They are marks, not slices: they overlap
+the pull phases.
+
 `total_ms` is the proxy's own clock, from the request's arrival to the moment the header goes out,
 so the phases add up to no more than it. An error answer (503 when no server could take a phase,
 499 when the client left, a prefill's error status, 4xx for a bad body) carries the phases known
@@ -26,25 +31,29 @@ from __future__ import annotations
 
 import attrs
 
+from kvbridge.session.machine import STATE_MARKS
+
 HEADER = "x-kvbridge-timing"
 PULL_PHASES = ("dispatch_ms", "queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")
 PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
+PULL_REPORT = (*PULL_PHASES, *STATE_MARKS)  # what a decode engine reports of its pull
 
 
 @attrs.define
 class Timeline:
-    """A request's phases as they become known; `header()` is what the proxy sends."""
+    """A request's phases (and its pull's state marks) as they become known; `header()` is what the proxy sends."""
 
     request_id: str
     phases: dict[str, float] = attrs.field(factory=dict)
     total_ms: float = 0.0
+    marks: dict[str, float] = attrs.field(factory=dict)  # at_<state>_ms: points in time, not slices
     begun: float = attrs.field(default=0.0, eq=False, repr=False)  # the proxy's perf_counter at arrival
 
     def add(self, reported: dict[str, float] | None, names: tuple[str, ...]) -> None:
-        """Take the phases `names` from what an engine reported (None: it reported nothing)."""
+        """Take the phases (and marks) `names` from what an engine reported (None: it reported nothing)."""
         for name in names:
             if reported and name in reported:
-                self.phases[name] = max(0.0, float(reported[name]))
+                (self.marks if name in STATE_MARKS else self.phases)[name] = max(0.0, float(reported[name]))
 
     def handover_ms(self) -> float | None:
         """The decode's pull, all its phases (None when the decode did not report them)."""
@@ -54,6 +63,7 @@ class Timeline:
     def header(self) -> str:
         parts = [f"id={self.request_id}", f"total_ms={self.total_ms:.3f}"]
         parts += [f"{p}={self.phases[p]:.3f}" for p in PHASES if p in self.phases]
+        parts += [f"{m}={self.marks[m]:.3f}" for m in STATE_MARKS if m in self.marks]
         return "; ".join(parts)
 
 
@@ -61,8 +71,9 @@ def parse(header: str) -> Timeline:
     """A `x-kvbridge-timing` header back as a Timeline; raises ValueError on a malformed one."""
     fields = dict(part.strip().split("=", 1) for part in header.split(";") if part.strip())
     try:
-        return Timeline(
-            fields.pop("id"), {k: float(v) for k, v in fields.items() if k != "total_ms"}, float(fields["total_ms"])
-        )
+        request_id, total = fields.pop("id"), float(fields.pop("total_ms"))
+        values = {k: float(v) for k, v in fields.items()}
+        phases = {k: v for k, v in values.items() if k not in STATE_MARKS}
+        return Timeline(request_id, phases, total, {k: v for k, v in values.items() if k in STATE_MARKS})
     except KeyError as exc:
         raise ValueError(f"{HEADER} header {header!r} lacks {exc}") from None

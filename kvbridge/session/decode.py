@@ -1,0 +1,406 @@
+"""The decode side of one request's migration: plan, readiness, leases, reads, landing, fenced DONEs and
+the notifier's release of ranks nobody reads, for whole-request and layer-wise pulls alike.
+
+Both kinds run through one `PullMachine` (`kvbridge.session.machine`) and share each step: `_begin`
+(resolving -> leased: find each prefill rank, wait for it to be ready, BeginPull stating its release
+count), `_confirm` (confirming -> done / fenced / failed: the DONE rule) and `_abandon` (what a failed
+pull releases). They differ only in reading: `DecodeControl.start` hands the whole request to
+`KVAgent.pull` and returns at once, reporting on the transport's thread; `DecodeControl.stream` reads
+layer groups as prefill computes them (`kvbridge.session.layers`), on the caller's thread.
+
+A read is confirmed one of two ways. Each prefill rank holds a lease's blocks for every decode rank
+that began a pull until its DONE or the lease's deadline, whatever else happens to the lease
+(`LeaseStatus.reads_held`): a read that ended well within the deadline its BeginPull was told read
+intact bytes, so it is reported at once and its DONEs (which free the prefill blocks) go out on a thread
+of their own, retried a few times (a DONE that never arrives ends in the lease's expiry). Otherwise (a
+read that ended near or past the deadline, a prefill that promises no hold) the DONEs go out first and
+their fenced answers decide. DONEs go out even after a failed transfer, so the prefill side never waits
+for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+import numpy as np
+
+from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
+from kvbridge.block_ids import BlockIds, block_array
+from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
+from kvbridge.control.discovery import Registry, resolve
+from kvbridge.control.messages import LeaseStatus
+from kvbridge.control.params import KVTransferParams
+from kvbridge.errors import KVBridgeError, LoadError
+from kvbridge.session.layers import LayerReader
+from kvbridge.session.machine import PullMachine, PullState
+from kvbridge.topology import ParallelConfig, Plan
+
+log = logging.getLogger(__name__)
+
+FinishedCallback = Callable[[str, BaseException | None], None]
+Leases = dict[int, tuple[ControlClient, int, int]]  # prefill rank -> client, lease epoch, release count
+Release = list[tuple[ControlClient, int]]  # release-only DONEs: client, release count
+
+# One side-channel message from a decode rank (a BeginPull, a DONE) waits at most this long for its answer.
+CONTROL_TIMEOUT_S = 5.0
+# A read counts as covered by the prefill's hold when it ended this much before the deadline its BeginPull
+# was told, measured from before the BeginPull was sent (so the side channel's own delays only make the
+# check stricter): far more than two hosts' monotonic clocks can drift apart over a lease (NTP keeps
+# their rates within 0.05 %).
+HOLD_SLACK_S = 0.5
+HOLD_SLACK_SHARE = 0.01
+DONE_ATTEMPTS = 3  # a DONE sent after its read was reported: tries (then the prefill's lease expires)
+DONE_RETRY_S = 0.05  # before the second try, doubling
+
+
+def hold_deadline(asked: float, status: LeaseStatus) -> float:
+    """Until when (this host's monotonic clock, `asked`: before the request `status` answers was sent) the
+    prefill rank holds its blocks for this read; -inf when it promises no hold."""
+    if not status.reads_held:
+        return -math.inf
+    return asked + status.remaining_s * (1 - HOLD_SLACK_SHARE) - HOLD_SLACK_S
+
+
+def blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequence[int]) -> BlockIds:
+    """The prefill rank's block ids this decode rank reads (named in BeginPull, checked against the lease).
+    Positions past the list are left for the agent to refuse with its own error."""
+    ids = block_array(blocks)
+    pos = [p.src_positions() for p in plan.pulls_for(decode_rank) if p.prefill_rank == prefill_rank]
+    picked = np.concatenate(pos) if pos else np.empty(0, dtype=np.int64)
+    return BlockIds(np.unique(ids[picked[picked < len(ids)]]))
+
+
+def prefill_parallel(params: KVTransferParams) -> ParallelConfig:
+    """The prefill engine's parallel layout, as its params state it."""
+    return ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
+
+
+@attrs.define
+class Session:
+    """One pull under way: its machine, plan, the prefill ranks it reads and what they answered."""
+
+    machine: PullMachine
+    rid: str  # the prefill engine's request id
+    params: KVTransferParams
+    plan: Plan
+    ranks: list[int]  # prefill ranks this decode rank reads
+    notify: Release  # ranks nobody reads, released by the notifier
+    leases: Leases = attrs.field(factory=dict)
+    clients: dict[int, ControlClient] = attrs.field(factory=dict)
+    infos: dict[int, RankInfo] = attrs.field(factory=dict)
+    held_until: float = math.inf  # the earliest end of the prefill ranks' holds of the reads (-inf: no hold)
+
+    def hold(self, asked: float, status: LeaseStatus) -> None:
+        """Take a prefill rank's hold of the reads (`status` answers a request sent at `asked`)."""
+        self.held_until = min(self.held_until, hold_deadline(asked, status))
+
+
+class DecodeControl:
+    """One decode rank's control plane: its agent, its side channel (told of aborts), its clients."""
+
+    def __init__(
+        self,
+        agent: KVAgent,
+        server: ControlServer,
+        *,
+        secret: str | bytes | None = None,
+        registry: Registry | None = None,
+        ready_timeout_s: float = 30.0,
+        timeout_s: float = CONTROL_TIMEOUT_S,
+    ) -> None:
+        self.agent = agent
+        self.server = server
+        self.name = f"{agent.engine_id}/{agent.rank}"
+        self.registry = registry
+        self.ready_timeout_s = ready_timeout_s
+        self.clients = ClientPool(secret=secret, timeout_s=timeout_s, sender=self.name)
+        self._infos: dict[str, RankInfo] = {}  # side channel url -> its rank
+        self._local_ids: dict[str, str] = {}  # prefill request id -> this engine's request id, while pulling
+        self._lock = threading.Lock()
+        self._later: ThreadPoolExecutor | None = None  # DONEs of reads already reported
+        self._closed = False
+
+    # -- the steps both kinds of pull share -----------------------------------------------------
+
+    def _client(self, params: KVTransferParams, rank: int) -> ControlClient:
+        return self.clients.get(*resolve(params, rank, registry=self.registry, wait_s=self.ready_timeout_s))
+
+    def _info(self, client: ControlClient, engine_id: str | None, rid: str) -> RankInfo:
+        with self._lock:
+            info = self._infos.get(client.url)
+        if info is None or (engine_id is not None and info.engine_id != engine_id):
+            # not asked yet, or asked of an engine that has since restarted on this address: ask now
+            info = client.get_info(wait_s=self.ready_timeout_s)
+            with self._lock:
+                self._infos[client.url] = info
+        if engine_id is not None and info.engine_id != engine_id:  # a stale address: not the blocks asked for
+            raise LoadError(
+                f"request {rid!r}: side channel {client.url} serves engine {info.engine_id!r}, not "
+                f"{engine_id!r} named by the transfer params; recompute",
+                peer=client.url,
+                request=rid,
+                cause="engine mismatch",
+            )
+        return info
+
+    def _session(self, machine: PullMachine, params: KVTransferParams, tokens: int) -> Session:
+        """Resolving: plan the pull and find the ranks nobody reads (the notifier releases them, one DONE
+        each: release count 1)."""
+        plan = self.agent.plan(prefill_parallel(params), tokens, prefill_dp=params.dp_rank)
+        notify = [(self._client(params, r), 1) for r in plan.unpulled] if self.agent.rank == plan.notifier else []
+        ranks = sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)})
+        return Session(machine, str(params.remote_request_id), params, plan, ranks, notify)
+
+    def _begin(
+        self, s: Session, *, whole: bool, check: Callable[[int, ControlClient, RankInfo], None] | None = None
+    ) -> None:
+        """Resolving -> leased: each rank's side channel and RankInfo (`check`ed), then its BeginPull,
+        which waits for prefill's offer and states this rank's release count. A `whole`-request pull names
+        the blocks it reads and takes the prefill's hold from the BeginPull's answer; a layer-wise one
+        from each rank's answer that completes its stream (`LayerReader`)."""
+        waited = 0.0
+        for rank in s.ranks:
+            client = self._client(s.params, rank)
+            info = self._info(client, s.params.remote_engine_id, s.rid)
+            if check is not None:
+                check(rank, client, info)
+            s.clients[rank], s.infos[rank] = client, info
+            count = s.plan.release_count(rank)
+            asked = time.monotonic()
+            status = client.begin_pull(
+                s.rid,
+                self.name,
+                notify=self.server.address,
+                expected_pulls=count,
+                wait_s=self.ready_timeout_s,
+                blocks=blocks_read(s.plan, self.agent.rank, rank, s.params.block_ids) if whole else (),
+            )
+            s.leases[rank] = (client, status.epoch, count)
+            if whole:
+                s.hold(asked, status)
+            waited += status.waited_ms
+        s.machine.offer_wait_ms = waited
+        s.machine.to(PullState.LEASED)
+
+    def _confirm(self, s: Session, error: BaseException | None) -> BaseException | None:
+        """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull. Within every
+        prefill rank's hold the bytes are intact: the DONEs only free the prefill blocks, after the report,
+        off this thread. Otherwise the fenced DONEs' answers decide (a LoadError when a lease did not
+        hold). Returns the pull's outcome: None, or the error that means recompute."""
+        s.machine.to(PullState.CONFIRMING)
+        if error is not None:
+            with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
+                self._infos.clear()
+        if error is None and time.monotonic() < s.held_until:
+            self._send_later(s.rid, s.leases, s.notify)
+        else:
+            error = self._send_dones(s.rid, s.leases, s.notify, error)
+        self._forget(s.rid)
+        s.machine.end(error)
+        return error
+
+    def _abandon(self, s: Session, error: BaseException) -> None:
+        """This rank will not use what it read (`error`): release what it announced, the ranks it was to
+        read but had not announced yet (their offer may still be on its way: a release-only DONE is kept
+        until it comes) and the unread ranks, right away. A rank whose side channel just left its
+        BeginPull unanswered (killed or stalled) gets no DONE to wait on again: its lease expires."""
+        release = list(s.notify)
+        for rank in s.ranks:
+            if rank in s.leases:
+                continue
+            try:
+                client = s.clients.get(rank) or self._client(s.params, rank)
+            except KVBridgeError as why:
+                log.warning("request %s: cannot find prefill rank %d to release it: %s", s.rid, rank, why)
+                continue
+            if client.silent:
+                log.warning("request %s: %s does not answer; its lease expires instead", s.rid, client.url)
+                continue
+            release.append((client, s.plan.release_count(rank)))
+        self._send_dones(s.rid, s.leases, release, error)
+        self._forget(s.rid)
+        s.machine.end(error)
+
+    # -- whole-request pulls ---------------------------------------------------------------------
+
+    def start(
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        local_blocks: Sequence[int],
+        on_finished: FinishedCallback | None = None,
+        machine: PullMachine | None = None,
+    ) -> PullHandle:
+        """Pull this rank's share of the request `params` describe into `local_blocks`.
+
+        Returns as soon as the transfers are submitted; `on_finished(request_id, error)` reports the
+        outcome once, on the transport's thread. `machine` (made here when not given) records the
+        pull's states. Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank
+        never became ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
+        """
+        machine = machine or PullMachine(request_id, "pull")
+        tokens = int(params.remote_num_tokens or 0)
+        s: Session | None = None
+
+        def finished(result: PullResult) -> None:
+            assert s is not None
+            machine.nbytes, machine.descriptors = result.nbytes, result.descriptors
+            machine.to(PullState.LANDING)  # the agent landed what it read before calling back
+            error = self._confirm(s, result.error)
+            if on_finished is not None:
+                on_finished(request_id, error)
+
+        with self._lock:
+            self._local_ids[str(params.remote_request_id)] = request_id
+        try:
+            s = self._session(machine, params, tokens)
+            self._begin(s, whole=True)
+            machine.to(PullState.READING)
+            infos = [s.infos[r] for r in s.ranks]
+            return self.agent.pull(s.rid, infos, params.block_ids, local_blocks, tokens, on_done=finished)
+        except BaseException as exc:
+            if s is None:
+                self._forget(str(params.remote_request_id))
+                machine.end(exc)
+            elif machine.state in (PullState.RESOLVING, PullState.LEASED, PullState.READING):
+                self._abandon(s, exc)
+            raise
+
+    # -- layer-wise pulls ------------------------------------------------------------------------
+
+    def stream(
+        self,
+        machine: PullMachine,
+        params: KVTransferParams,
+        local_blocks: Sequence[int],
+        tokens: int,
+        *,
+        skip: int,
+        timeout_s: float,
+        cancelled: threading.Event,
+    ) -> dict[str, float]:
+        """Read the request layer by layer as prefill computes it, then confirm it (`_confirm`). Returns
+        the read's phases (ms). Raises LoadError (recompute), TransferTimeout, or the transport's error;
+        DONEs (or release-only ones) go out in every case."""
+        s = self._session(machine, params, tokens)
+        reader = LayerReader(self.agent, s, local_blocks, tokens, skip, timeout_s, cancelled)
+        try:
+            self._begin(s, whole=False, check=reader.check)
+            machine.to(PullState.READING)
+            reader.read()
+            machine.to(PullState.LANDING)
+            reader.land()
+        except BaseException as exc:
+            reader.retire(timeout_s)  # never leave a read running into blocks decode recomputes or reuses
+            if cancelled.is_set():  # decode dropped the request: prefill need not keep it for anyone
+                for client, _epoch, _count in s.leases.values():
+                    try:
+                        client.abort(s.rid, reason="decode dropped the request")
+                    except KVBridgeError as why:
+                        log.warning("request %s: could not abort it on %s: %s", s.rid, client.url, why)
+            self._abandon(s, exc)  # the DONEs end this rank's reads (an aborted lease is held until its DONE)
+            raise
+        done_at = time.perf_counter()
+        error = self._confirm(s, None)
+        if error is not None:
+            raise error
+        return reader.phases(done_ms=(time.perf_counter() - done_at) * 1e3)
+
+    # -- DONEs -----------------------------------------------------------------------------------
+
+    def _send_dones(
+        self, rid: str, leases: Leases, release: Release, error: BaseException | None, *, held: bool = False
+    ) -> BaseException | None:
+        """DONE to every announced lease (fenced unless the pull already failed, or `held`: the read is
+        confirmed by the prefill ranks' holds) and a release-only DONE (with its release count) to each of
+        `release`; returns the pull's outcome: None, or the error that means recompute. `held` DONEs are
+        retried (DONE_ATTEMPTS), and what they find is only logged."""
+        attempts = DONE_ATTEMPTS if held else 1
+        for client, epoch, count in leases.values():
+            try:
+                status = self._done(client, rid, epoch, count, check=error is None and not held, attempts=attempts)
+                if held and not status.valid:
+                    log.info(
+                        "request %s: lease on %s was %s at the DONE; the read had ended within its hold",
+                        rid,
+                        client.url,
+                        status.state.value,
+                    )
+            except LoadError as exc:
+                error = error or exc
+            except KVBridgeError as exc:  # unreachable prefill: its lease expires
+                if held:
+                    log.warning("request %s: no DONE reached %s (its lease expires): %s", rid, client.url, exc)
+                    continue
+                error = error or LoadError(  # the data is unconfirmed
+                    f"request {rid!r}: could not confirm the lease on {client.url}: {exc}; recompute",
+                    peer=client.url,
+                    request=rid,
+                )
+        for client, count in release:
+            try:
+                self._done(client, rid, 0, count, check=False, attempts=attempts)
+            except KVBridgeError as exc:
+                log.warning("request %s: could not release prefill rank %s: %s", rid, client.url, exc)
+        return error
+
+    def _done(
+        self, client: ControlClient, rid: str, epoch: int, count: int, *, check: bool, attempts: int
+    ) -> LeaseStatus:
+        """One DONE, tried up to `attempts` times while the side channel fails (not when it answers)."""
+        for attempt in range(attempts):
+            try:
+                return client.done(rid, self.name, epoch, expected_pulls=count, check=check)
+            except LoadError:
+                raise
+            except KVBridgeError as exc:
+                if attempt + 1 >= attempts:
+                    raise
+                log.info("request %s: DONE to %s failed (%s); trying again", rid, client.url, exc)
+                time.sleep(DONE_RETRY_S * 2**attempt)  # bounded: DONE_ATTEMPTS tries
+        raise AssertionError("unreachable")
+
+    def _send_later(self, rid: str, leases: Leases, release: Release) -> None:
+        """The DONEs of a read already confirmed (its bytes held by the prefill ranks), off the caller's thread."""
+        with self._lock:
+            if self._later is None and not self._closed:
+                self._later = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-done")
+            later = self._later
+        try:
+            if later is None:
+                raise RuntimeError("closed")
+            later.submit(self._send_dones, rid, leases, release, None, held=True)
+        except RuntimeError:  # closing: the prefill ranks' leases expire instead
+            log.warning("request %s: decode control closed before its DONEs were sent; the leases expire", rid)
+
+    # -- the rest --------------------------------------------------------------------------------
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._local_ids.pop(rid, None)
+
+    def local_id(self, remote_request_id: str) -> str | None:
+        """This engine's id of a request being pulled (an abort from the prefill side names the prefill's id)."""
+        with self._lock:
+            return self._local_ids.get(remote_request_id)
+
+    def abort(self, params: KVTransferParams, reason: str = "") -> int:
+        """The decode engine aborted the request: tell every prefill rank of its group."""
+        ranks = prefill_parallel(params).group(params.dp_rank)
+        peers = [resolve(params, r, registry=self.registry, wait_s=self.ready_timeout_s) for r in ranks]
+        return self.server.abort(str(params.remote_request_id), reason=reason, peers=peers)
+
+    def close(self) -> None:
+        """Send the DONEs still queued (each bounded by the clients' timeout and DONE_ATTEMPTS), then close."""
+        with self._lock:
+            self._closed = True
+            later, self._later = self._later, None
+        if later is not None:
+            later.shutdown(wait=True)
+        self.clients.close()

@@ -1,0 +1,243 @@
+"""A decode rank's pulls between engine steps: each on a thread of its own, through `DecodeControl`,
+reported to the engine through the rank's `Outbox`.
+
+Whole-request pulls run on a small pool: `DecodeControl.start` returns once the transfers are submitted
+and the outcome is reported from the transport's thread as soon as the read is confirmed (this thread
+waits only to bound the pull). Layer-wise pulls last as long as prefill computes, one thread each, so a
+long prompt does not hold up other requests' pulls. A pull that fails, or whose lease did not hold
+through the read, marks its blocks as load errors (the engine recomputes or fails them). A request
+decode will not read (dropped before its blocks were allocated, or all in decode's own prefix cache) is
+aborted on the prefill side.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+
+from kvbridge.control.params import KVTransferParams
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.ranks import stage_port
+from kvbridge.session.decode import DecodeControl
+from kvbridge.session.machine import PullMachine, PullState
+from kvbridge.session.outbox import Outbox, Recorder
+from kvbridge.session.tasks import PullTask, StreamTask
+
+log = logging.getLogger(__name__)
+
+
+def on_stage(params: KVTransferParams, stage: int) -> KVTransferParams:
+    """`params` pointed at pipeline stage `stage` of the prefill engine that sent them."""
+    if params.pp_size == 1:
+        return params
+    port = stage_port(
+        int(params.remote_port),
+        remote_tp_size=params.tp_size,
+        pp_rank=stage,
+        pp_size=params.pp_size,
+        dp_rank=params.dp_rank,
+    )
+    return attrs.evolve(params, remote_port=port)
+
+
+class DecodeSide:
+    """One decode rank's pulls and streams; `tp_rank`, `pp_rank`, `pp_size` place it in its engine."""
+
+    def __init__(
+        self,
+        control: DecodeControl,
+        outbox: Outbox,
+        stats: Recorder,
+        *,
+        tp_rank: int,
+        pp_rank: int,
+        pp_size: int,
+        pull_timeout_s: float,
+        layerwise: bool,
+    ) -> None:
+        self.control = control
+        self.outbox = outbox
+        self.stats = stats
+        self.tp_rank, self.pp_rank, self.pp_size = tp_rank, pp_rank, pp_size
+        self.pull_timeout_s = pull_timeout_s
+        self.transport = control.agent.backend.name
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
+        self._streams = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvbridge-stream") if layerwise else None
+        self._lock = threading.Lock()
+        self._cancels: dict[str, threading.Event] = {}  # layer-wise streams in flight
+
+    # -- whole-request pulls ---------------------------------------------------------------------
+
+    def pull(self, task: PullTask, received: float) -> None:
+        """Start `task` (the engine's step handed it over at `received`, wall clock), or release it."""
+        if not task.local_block_ids:
+            self.release(task)
+            return
+        self.outbox.begin(stream=False)
+        self._pool.submit(self._pull, task, received)
+
+    def _pull(self, task: PullTask, received: float) -> None:
+        machine = PullMachine(task.request_id, "pull")
+        dispatched = max(0.0, received - task.asked_at)  # the engine's step: from its scheduler to this worker
+        queued = max(0.0, time.time() - received)  # from the step to this thread
+        params = task.params
+        peer = f"{params.remote_host}:{params.remote_port}"  # one per prefill server: bounded
+        reported = threading.Lock()  # held once the outcome went to the engine
+
+        def report(_rid: str, error: BaseException | None) -> None:
+            """The pull's outcome to the engine, once: from the transport's thread as soon as the read is
+            confirmed, or from this thread when the pull failed before or never ended."""
+            if not reported.acquire(blocking=False):
+                return
+            if handle is None and error is not None:  # failed before the control plane began (or ended) it
+                machine.end(error)
+            timing = machine.marks()
+            if error is None:
+                offer_wait = machine.offer_wait_ms
+                phases = {
+                    "dispatch_ms": dispatched * 1e3,
+                    "queue_ms": queued * 1e3,
+                    "offer_wait_ms": offer_wait,
+                    # the control round trips before the transfer, less the wait for prefill's offer
+                    "control_ms": max(0.0, machine.ms(PullState.RESOLVING, PullState.READING) - offer_wait),
+                    "transfer_ms": machine.ms(PullState.READING, PullState.LANDING),
+                    # confirming the read (the DONEs' answers, unless the prefill's hold covered it)
+                    "done_ms": machine.ms(PullState.LANDING, PullState.DONE),
+                }
+                timing.update({k: round(v, 3) for k, v in phases.items()})
+                # recorded before the engine can hear of the request, so a reader of the stats then sees it
+                self.stats.record(
+                    self.transport,
+                    peer,
+                    phases["transfer_ms"] / 1e3,
+                    phases["control_ms"] / 1e3,
+                    machine.nbytes,
+                    machine.descriptors,
+                )
+                log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+            else:
+                self.stats.record_failure(self.transport, peer, error)
+                if isinstance(error, KVBridgeError):
+                    log.error("request %s: pull from %s failed: %s", task.request_id, params.remote_engine_id, error)
+            failed = task.local_block_ids if error is not None else ()
+            self.outbox.recved(task.request_id, report=task.report, failed=failed, timing=timing)
+
+        handle = None
+        try:
+            if params.pp_size != self.pp_size:
+                if self.tp_rank == 0 and self.pp_rank == 0:  # nobody will read it: free prefill's blocks now
+                    self.release(attrs.evolve(task, report=False))
+                raise ConfigError(
+                    f"request {task.request_id}: prefill engine {params.remote_engine_id} runs pipeline parallel "
+                    f"size {params.pp_size}, this decode engine {self.pp_size}; each stage reads its layers from "
+                    "the same stage of prefill, so run both engines with the same --pipeline-parallel-size"
+                )
+            params = on_stage(params, self.pp_rank)  # this stage's layers live on the same stage of prefill
+            handle = self.control.start(task.request_id, params, task.local_block_ids, report, machine)
+            handle.wait(self.pull_timeout_s)
+        except KVBridgeError as exc:
+            report(task.request_id, exc)
+        except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
+            log.exception("request %s: pull from %s failed", task.request_id, params.remote_engine_id)
+            report(task.request_id, exc)
+        finally:
+            self.outbox.end(stream=False)
+        if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
+            self.stats.record_retries(self.transport, peer, sum(h.retries for h in handle.handles))
+
+    def release(self, task: PullTask) -> None:
+        """Decode reads nothing of the request: free it on every prefill rank now (once per engine: each
+        stage's TP rank 0 frees its stage of prefill; with another PP size, stage 0 frees every stage)."""
+        params = task.params
+        if self.tp_rank == 0:
+            stages = [self.pp_rank] if params.pp_size == self.pp_size else range(params.pp_size)
+            for stage in stages:
+                try:
+                    self.control.abort(on_stage(params, stage), reason="decode reads none of its KV")
+                except KVBridgeError as exc:  # the prefill lease then expires
+                    log.error("request %s: cannot release its prefill blocks: %s", task.request_id, exc)
+        if task.report:
+            self.outbox.recved(task.request_id)
+
+    # -- layer-wise pulls ------------------------------------------------------------------------
+
+    def stream(self, task: StreamTask) -> None:
+        """Start reading `task` layer by layer, or release it (no local blocks)."""
+        if self._streams is None:
+            log.error(
+                'request %s asks for layer-wise streaming, but this server runs "transfer": "pull"; '
+                "it is computed here instead",
+                task.request_id,
+            )
+            if task.local_block_ids:
+                self.outbox.recved(task.request_id, failed=task.local_block_ids)
+        elif task.local_block_ids:
+            with self._lock:
+                self._cancels[task.request_id] = threading.Event()
+            self.outbox.begin(stream=True)
+            self._streams.submit(self._stream, task)
+        else:
+            self.release(PullTask(task.request_id, task.params, (), report=False))
+
+    def cancel(self, request_id: str) -> None:
+        """The engine dropped a request while it streams: stop reading, abort it on prefill."""
+        with self._lock:
+            cancel = self._cancels.get(request_id)
+        if cancel is not None:
+            cancel.set()
+
+    def _stream(self, task: StreamTask) -> None:
+        machine = PullMachine(task.request_id, "layerwise")
+        queued = max(0.0, time.time() - task.asked_at)
+        peer = f"{task.params.remote_host}:{task.params.remote_port}"
+        with self._lock:
+            cancelled = self._cancels[task.request_id]
+        error: BaseException | None = None
+        timing: dict[str, float] = {}
+        try:
+            phases = self.control.stream(
+                machine,
+                task.params,
+                task.local_block_ids,
+                task.tokens,
+                skip=task.skip,
+                timeout_s=self.pull_timeout_s,
+                cancelled=cancelled,
+            )
+            timing = {"queue_ms": round(queued * 1e3, 3), **phases}
+            self.stats.record(
+                self.transport,
+                peer,
+                phases["transfer_ms"] / 1e3,
+                phases["control_ms"] / 1e3,
+                machine.nbytes,
+                machine.descriptors,
+            )
+            log.debug("request %s streamed: %s", task.request_id, timing)
+        except Exception as exc:  # a bug too must surface as a load error, never as blocks counted as loaded
+            error = exc
+            machine.end(exc)
+            if isinstance(exc, KVBridgeError):
+                log.error("request %s: layer-wise read from %s failed: %s", task.request_id, peer, exc)
+            else:
+                log.exception("request %s: layer-wise read from %s failed", task.request_id, peer)
+            self.stats.record_failure(self.transport, peer, exc)
+        with self._lock:
+            self._cancels.pop(task.request_id, None)
+        self.outbox.end(stream=True)
+        failed = task.local_block_ids if error is not None else ()
+        self.outbox.recved(task.request_id, failed=failed, timing={**machine.marks(), **timing})
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            cancels = list(self._cancels.values())
+        for cancel in cancels:
+            cancel.set()
+        if self._streams is not None:
+            self._streams.shutdown(wait=False, cancel_futures=True)
+        self.control.close()

@@ -1,0 +1,106 @@
+"""The states one decode pull goes through, whole-request or layer by layer, and their record.
+
+    resolving -> leased -> reading -> landing -> confirming -> done
+        any state before done           -> fenced (a lease did not hold: recompute)
+                                        -> failed (anything else: recompute)
+
+- resolving: finding each prefill rank's side channel and its `RankInfo`;
+- leased: every BeginPull answered (each prefill rank holds the request's blocks for this rank);
+- reading: transfers submitted (layer-wise: as prefill computes the layers);
+- landing: every read ended; bytes read into landing buffers are copied into the cache
+  (`kvbridge.landing`; whole-request pulls land inside `KVAgent.pull` before this state is entered);
+- confirming: the DONEs: fenced ones decide the outcome, or the prefill ranks' hold already did.
+
+Every transition is logged at debug and stamped; `marks()` gives the stamps in milliseconds since the
+pull began, as `at_<state>_ms`, the keys the engine's request timeline carries
+(`kvbridge.session.timeline`: the `x-kvbridge-timing` header `kvbridge proxy` sends).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+
+from kvbridge.errors import LoadError
+
+log = logging.getLogger(__name__)
+
+
+class PullState(enum.Enum):
+    RESOLVING = "resolving"
+    LEASED = "leased"
+    READING = "reading"
+    LANDING = "landing"
+    CONFIRMING = "confirming"
+    DONE = "done"
+    FENCED = "fenced"
+    FAILED = "failed"
+
+
+TERMINAL = frozenset({PullState.DONE, PullState.FENCED, PullState.FAILED})
+_ORDER = (PullState.RESOLVING, PullState.LEASED, PullState.READING, PullState.LANDING, PullState.CONFIRMING)
+# Forward along the order, to the next state only (a rank-less pull skips nothing: its states are instant).
+_NEXT = {a: b for a, b in zip(_ORDER, (*_ORDER[1:], PullState.DONE))}
+STATE_MARKS = tuple(f"at_{s.value}_ms" for s in PullState)
+
+
+class PullMachine:
+    """One pull's state; `to` moves it forward, `end` ends it; both log at debug and stamp the change."""
+
+    def __init__(self, request_id: str, kind: str) -> None:
+        self.request_id = request_id
+        self.kind = kind  # "pull" or "layerwise", for the log
+        self.state = PullState.RESOLVING
+        self.begun = time.perf_counter()
+        self.at: dict[PullState, float] = {PullState.RESOLVING: self.begun}
+        self.error: BaseException | None = None
+        # what the reads moved and how long the BeginPulls waited for prefill's offers, for the engine's metrics
+        self.nbytes = self.descriptors = 0
+        self.offer_wait_ms = 0.0
+        self._lock = threading.Lock()  # the transport's thread may end a pull the caller's thread began
+        log.debug("request %s (%s): %s", request_id, kind, self.state.value)
+
+    def to(self, state: PullState) -> None:
+        """Move to the next state; raises RuntimeError on a transition the diagram has not (a bug)."""
+        with self._lock:
+            if _NEXT.get(self.state) is not state or state in TERMINAL:
+                raise RuntimeError(f"request {self.request_id}: no transition {self.state.value} -> {state.value}")
+            self._enter(state)
+
+    def end(self, error: BaseException | None) -> PullState:
+        """End the pull: done from confirming when `error` is None, else fenced (a lease that did not
+        hold: `LoadError`) or failed. A second end is ignored (the first outcome stands)."""
+        with self._lock:
+            if self.state in TERMINAL:
+                return self.state
+            if error is None:
+                if self.state is not PullState.CONFIRMING:
+                    raise RuntimeError(f"request {self.request_id}: done from {self.state.value}")
+                state = PullState.DONE
+            else:
+                state = PullState.FENCED if isinstance(error, LoadError) else PullState.FAILED
+            self.error = error
+            self._enter(state)
+            return state
+
+    def _enter(self, state: PullState) -> None:
+        self.at[state] = time.perf_counter()
+        log.debug(
+            "request %s (%s): %s -> %s%s",
+            self.request_id,
+            self.kind,
+            self.state.value,
+            state.value,
+            f" ({self.error})" if state in (PullState.FENCED, PullState.FAILED) else "",
+        )
+        self.state = state
+
+    def ms(self, a: PullState, b: PullState) -> float:
+        """Milliseconds from entering `a` to entering `b` (0 when either was not entered)."""
+        return max(0.0, (self.at[b] - self.at[a]) * 1e3) if a in self.at and b in self.at else 0.0
+
+    def marks(self) -> dict[str, float]:
+        """When each state was entered, milliseconds since the pull began (`at_<state>_ms`)."""
+        return {f"at_{s.value}_ms": round((t - self.begun) * 1e3, 3) for s, t in self.at.items()}

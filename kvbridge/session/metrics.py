@@ -1,0 +1,84 @@
+"""What a rank records of its transfers and leases, for its engine's metrics.
+
+Plain lists of plain values (`data`), so they cross processes as they are; an engine adapter ships
+them its own way (vLLM: `KVBridgeStats` through its connector-stats path) and `reduce()`s them to
+the figures it logs. Labels are bounded: `transport` (a plugin name), `peer` (a prefill server's
+side-channel address, one per prefill instance), `reason` (a fixed set, see `failure_reason`),
+`event`; never request ids.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from kvbridge.telemetry import failure_reason
+
+# pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
+# leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta];
+# retries: [transport, peer, resubmissions] (of pulls that succeeded or failed);
+# guard: [transport, open (1: trust option, any host admitted), hosts admitted] when it changed (kvbridge.netguard)
+KEYS = ("pulls", "failures", "leases", "held", "retries", "guard")
+LEASE_EVENTS = ("offered", "released", "expired", "aborted")
+
+
+class TransferRecord:
+    """The recording half of a rank's statistics; the class that mixes it in holds `data` and `_lock`."""
+
+    data: dict[str, Any]
+    _lock: threading.Lock
+
+    def record(
+        self, transport: str, peer: str, transfer_s: float, control_s: float, nbytes: int, descriptors: int
+    ) -> None:
+        with self._lock:
+            self.data["pulls"].append([transport, peer, transfer_s, control_s, nbytes, descriptors])
+
+    def record_failure(self, transport: str, peer: str, error: BaseException) -> None:
+        with self._lock:
+            self.data["failures"].append([transport, peer, failure_reason(error)])
+
+    def record_retries(self, transport: str, peer: str, retries: int) -> None:
+        """Resubmissions a pull's transfers needed (after a failed or stuck batch); nothing when 0."""
+        if retries:
+            with self._lock:
+                self.data["retries"].append([transport, peer, int(retries)])
+
+    def record_lease(self, event: str, leases: int, blocks: int) -> None:
+        """A lease offered (+1 lease, +blocks held) or ended (released / expired / aborted: -1, -blocks)."""
+        with self._lock:
+            self.data["leases"].append([event])
+            self.data["held"].append([leases, blocks])
+
+    def record_guard(self, transport: str, open_: bool, admitted: int) -> None:
+        """Who a guarded transport's listeners admit now (recorded when it changes)."""
+        with self._lock:
+            self.data["guard"].append([transport, int(open_), int(admitted)])
+
+    def reduce(self) -> dict[str, int | float]:
+        pulls = self.data["pulls"]
+        out: dict[str, int | float] = {"Num successful transfers": len(pulls)}
+        if pulls:
+            t = np.asarray([p[2] for p in pulls], dtype=np.float64)
+            mb = np.asarray([p[4] for p in pulls], dtype=np.float64) / 2**20
+            out.update(
+                {
+                    "Avg xfer time (ms)": round(float(t.mean()) * 1e3, 3),
+                    "P90 xfer time (ms)": round(float(np.percentile(t, 90)) * 1e3, 3),
+                    "Avg control time (ms)": round(float(np.mean([p[3] for p in pulls])) * 1e3, 3),
+                    "Avg MB per transfer": round(float(mb.mean()), 3),
+                    "Throughput (MB/s)": round(float(mb.sum() / t.sum()), 3) if t.sum() > 0 else 0.0,
+                    "Avg number of descriptors": round(float(np.mean([p[5] for p in pulls])), 1),
+                }
+            )
+        out["Num failed transfers"] = len(self.data["failures"])
+        retries = sum(r[2] for r in self.data.get("retries", ()))
+        if retries:
+            out["Num retries"] = retries
+        for event in LEASE_EVENTS:
+            n = sum(1 for (e,) in self.data["leases"] if e == event)
+            if n:
+                out[f"Leases {event}"] = n
+        return out

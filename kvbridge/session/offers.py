@@ -1,0 +1,64 @@
+"""A prefill engine's scheduler offering finished requests to its own ranks at once (early offers).
+
+The engine step's offer is the guarantee; the early one, an `Offer` message to each of the engine's
+rank side channels, sent from a thread of its own (the scheduler never waits on a socket), only saves
+decode the wait for that step. Ranks whose memory needs publishing in the step (device memory:
+synchronize or stage) refuse it, and from then on none is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from kvbridge.control.channel import ClientPool
+from kvbridge.control.messages import Offer, Refused
+from kvbridge.errors import KVBridgeError
+
+log = logging.getLogger(__name__)
+
+
+class Offers:
+    """Offer ids unique across the engine's restarts, and the early offers to `ranks` (host, port)."""
+
+    def __init__(self, ranks: Sequence[tuple[str, int]], *, early: bool, clients: ClientPool) -> None:
+        self.ranks = list(ranks)
+        self.early = early  # False once a rank refused them: its memory is published in the step
+        self._clients = clients
+        self._sender: ThreadPoolExecutor | None = None
+        self._prefix = uuid.uuid4().hex[:12]
+        self._count = 0
+
+    def make(self, request_id: str, blocks: Sequence[int]) -> Offer:
+        """The offer of a finished request, sent early to the ranks where they take it."""
+        self._count += 1
+        offer = Offer(request_id, tuple(blocks), f"{self._prefix}-{self._count}")
+        if self.early:
+            if self._sender is None:
+                self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")
+            self._sender.submit(self._send, offer)
+        return offer
+
+    def _send(self, offer: Offer) -> None:
+        """Tell every local rank of a finished request now (the step offers it anyway)."""
+        for host, port in self.ranks:
+            try:
+                reply = self._clients.get(host, port).request(offer)
+            except KVBridgeError as exc:
+                log.debug(
+                    "early offer of %s to %s:%d failed (the step offers it): %s", offer.request_id, host, port, exc
+                )
+                continue
+            if isinstance(reply, Refused):
+                if reply.kind == "offers_in_step":
+                    log.info("worker rank %s:%d publishes KV in the engine step: no early offers", host, port)
+                    self.early = False
+                    return
+                log.debug("early offer of %s refused by %s:%d: %s", offer.request_id, host, port, reply.message)
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.shutdown(wait=True, cancel_futures=True)
+        self._clients.close()
