@@ -64,7 +64,7 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
             p50, p99 = (r[f"{m}_p{p}_ms"] for p in PERCENTILES)
             assert 0 <= p50 <= p99, (where, m)
         assert 0 <= r["goodput_rps"] <= r["throughput_rps"], where
-        assert r["server_cores"] >= 0, where
+        assert r["server_cores"] > 0, where  # answering requests took the servers' CPU: /proc was read
         assert (r["router_cores"] is None) == (r["system"] == "colocated"), where
     for chart in (plot, plot.with_name("load-ttft.svg")):
         svg = chart.read_text()
