@@ -76,6 +76,13 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--slo-factor", type=float, default=2.0, help="SLO: this times colocated's unloaded p99 TTFT/TPOT (default 2)"
     )
+    group.add_argument(
+        "--nixl-busy-poll",
+        choices=["on", "off"],
+        default="on",
+        help="off: vLLM's NixlConnector servers start their NIXL agents without NIXL's busy-polling progress "
+        "thread (a core per server while idle; default on, as vLLM ships it)",
+    )
     group.add_argument("--idle-s", type=float, default=2.0, help="seconds of idle CPU measured per system (default 2)")
 
 
@@ -216,7 +223,7 @@ def _start(
     launch: Callable[..., Any] = {
         "kvbridge": pd._kvbridge_pair,
         "kvbridge-nixl": functools.partial(pd._kvbridge_pair, transport="nixl"),
-        "nixl": pd._nixl_pair,
+        "nixl": functools.partial(pd._nixl_pair, busy_poll=args.nixl_busy_poll == "on"),
         "mooncake": pd._mooncake_pair,
     }[name]
     pair = launch(model, logs, max_len, args.executor)
@@ -307,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         "mode": "load",
         "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)",
         "router": args.router,
+        "nixl_busy_poll": args.nixl_busy_poll,
         "input_tokens": [args.input_min, args.input_max],
         "output_tokens": args.output_len,
         "slo_ms": slo,
