@@ -37,6 +37,21 @@ def test_loads_name_themselves() -> None:
     assert Load(concurrency=4).args() == ["--request-rate", "inf", "--max-concurrency", "4"]
 
 
+def test_nixl_patch_starts_agents_without_the_progress_thread(tmp_path: Path) -> None:
+    pytest.importorskip("nixl._api", reason="needs NIXL (scripts/setup)")
+    from kvbridge.bench.vllm import NIXL_PATCH
+
+    (tmp_path / "sitecustomize.py").write_text(NIXL_PATCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop("UCX_RCACHE_MAX_UNRELEASED", None)
+    probe = (
+        "import os, nixl._api as a; c = a.nixl_agent_config(num_threads=4, capture_telemetry=True); "
+        "print(c.enable_pthread, c.num_threads, os.environ['UCX_RCACHE_MAX_UNRELEASED'])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "4", "1024"]
+
+
 def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Path) -> None:
     plot = tmp_path / "load.svg"
     cmd = [
