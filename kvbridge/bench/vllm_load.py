@@ -31,13 +31,16 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kvbridge.bench.plot import check_path
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvbridge.testing.vllm_server import Server
 
 SYSTEMS = ("colocated", "kvbridge", "kvbridge-nixl", "nixl", "mooncake")
 ROUTERS = ("kvbridge", "vllm-router")
@@ -109,8 +112,8 @@ class System:
 
     name: str
     url: str
-    servers: list[Any]
-    router: Any = None
+    servers: list[Server]
+    router: Server | None = None
 
     def stop(self) -> None:
         for s in ([self.router] if self.router else []) + self.servers:
