@@ -56,6 +56,25 @@ import torch
 if not torch.accelerator.is_available():
     torch.accelerator.current_device_index = lambda: 0
 """
+NIXL_PATCH = """\
+# Written by `kvbridge bench --engine vllm --load --nixl-busy-poll off` for NixlConnector's servers only:
+# their NIXL agents start without NIXL's progress thread, which busy-polls (a core per agent while idle).
+import os
+
+os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")  # what vLLM sets before it imports NIXL itself
+
+import nixl._api  # noqa: E402
+
+_init = nixl._api.nixl_agent_config.__init__
+
+
+def _without_progress_thread(self, *args, **kwargs):
+    kwargs["enable_prog_thread"] = False
+    _init(self, *args, **kwargs)
+
+
+nixl._api.nixl_agent_config.__init__ = _without_progress_thread
+"""
 _METRICS = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([0-9.]+)")
 
 
@@ -153,7 +172,11 @@ def _kvbridge_pair(model: Path, logs: Path, max_len: int, executor: str, transpo
     )
 
 
-def _nixl_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair:
+def _nixl_pair(model: Path, logs: Path, max_len: int, executor: str, busy_poll: bool = True) -> Pair:
+    """vLLM's NixlConnector on two servers; `busy_poll` False starts their NIXL agents without NIXL's
+    progress thread (vLLM has no option for it: a generated `sitecustomize` on their PYTHONPATH)."""
+    import os
+
     from kvbridge.testing.ports import free_port
     from kvbridge.testing.vllm_server import start_vllm
 
@@ -165,11 +188,19 @@ def _nixl_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair:
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }
 
+    patch: dict[str, str] = {}
+    if not busy_poll:
+        where = logs / "nixl-no-progress-thread"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "sitecustomize.py").write_text(NIXL_PATCH)
+        patch["PYTHONPATH"] = os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH", "")) if p)
+
     def env() -> dict:
         return {
             "VLLM_LOG_STATS_INTERVAL": "1",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            **patch,
         }
 
     prefill = start_vllm(

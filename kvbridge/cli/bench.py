@@ -18,6 +18,7 @@ MODES = {
     "parallel": "kvbridge.bench.parallel",
     "lmdeploy": "kvbridge.bench.lmdeploy",
     "vllm": "kvbridge.bench.vllm",
+    "vllm-load": "kvbridge.bench.vllm_load",
     "vllm-connector": "kvbridge.bench.connector",
     "compare": "kvbridge.bench.compare",
 }
@@ -108,6 +109,10 @@ def _link(text: str) -> Any:
 def pick_mode(args: argparse.Namespace) -> str:
     if getattr(args, "engine", None) == "lmdeploy":
         return "lmdeploy"
+    if getattr(args, "load", False):
+        if getattr(args, "engine", None) != "vllm":
+            raise ConfigError("--load runs vLLM's serve benchmark against vLLM servers; add --engine vllm")
+        return "vllm-load"
     if getattr(args, "engine", None) in ("vllm", "vllm-connector"):
         return str(args.engine)
     if getattr(args, "prefill", None) or getattr(args, "decode", None):

