@@ -33,6 +33,7 @@ from kvbridge.plugins import (
     refused_plugins,
     reset_plugins,
 )
+from kvbridge.specs import DeviceSpec, TransportSpec
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion, PluginInfo
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ __all__ = [
     "BackendConfig",
     "ConfigError",
     "Device",
+    "DeviceSpec",
     "EndpointInfo",
     "InvalidDescriptor",
     "KVBridgeError",
@@ -66,6 +68,7 @@ __all__ = [
     "TransferHandle",
     "TransferTimeout",
     "TransportOptions",
+    "TransportSpec",
     "create_backend",
     "get_device",
     "hookimpl",

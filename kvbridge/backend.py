@@ -44,7 +44,7 @@ from kvbridge.memory import (
     split_large,
     total_bytes,
 )
-from kvbridge.options import TransportOptions, parse
+from kvbridge.options import TransportOptions, checked
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -124,18 +124,22 @@ class TransferHandle:
 class MigrationBackend(abc.ABC):
     """A transport that moves bytes between registered memory of two processes.
 
-    Subclasses are constructed with a `BackendConfig` and must be ready to use once
-    `__init__` returns. Submission is thread-safe.
+    Subclasses are constructed with a `BackendConfig` and their parsed options (an instance of their
+    spec's options class) and must be ready to use once `__init__` returns. Submission is thread-safe.
     """
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]
+    #: What `options` is an instance of where the registry passes none: a backend a plugin API 1 factory
+    #: builds from the config alone takes them from `config.options`, which the registry checked already.
+    options_class: ClassVar[type[TransportOptions]] = TransportOptions
     # Seconds a part may take before it is resubmitted once (see the module doc); None: no deadline.
     transfer_deadline_s: float | None = None
     DEADLINE_BYTES_PER_S = 1 << 30  # the slowest rate that still counts as progress
 
-    def __init__(self, config: BackendConfig) -> None:
+    def __init__(self, config: BackendConfig, options: TransportOptions | None = None) -> None:
         self.config = config
+        self.options = options if options is not None else checked(self.options_class, config.options)
         self.protocol = config.protocol or self.capabilities.protocols[0]
         if self.protocol not in self.capabilities.protocols:
             raise ConfigError(
@@ -151,10 +155,9 @@ class MigrationBackend(abc.ABC):
         """Run a blocking transport call on this backend's worker threads."""
         with self._lock:
             if self._pool is None:
-                # declared in TransportOptions; the registry fills it in, a backend built directly may lack it
-                given = {k: v for k, v in self.config.options.items() if k == "workers"}
-                workers = parse(TransportOptions, given, what=f"backend {self.name!r}").workers
-                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kvbridge-{self.name}")
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.options.workers, thread_name_prefix=f"kvbridge-{self.name}"
+                )
             return self._pool.submit(fn)
 
     # -- what transports implement ---------------------------------------------------------

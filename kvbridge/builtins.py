@@ -1,30 +1,37 @@
-"""kvbridge's own plugins, registered through the same hooks as third-party ones."""
+"""kvbridge's own plugins, returned through the same hooks as third-party ones."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from kvbridge.device import Device
 from kvbridge.hookspecs import hookimpl
 from kvbridge.options import NoOptions
+from kvbridge.specs import DeviceSpec, TransportSpec
+from kvbridge.types import MemoryKind
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 
 @hookimpl
-def kvbridge_register_backends(register: Callable[..., None]) -> None:
+def kvbridge_transports() -> list[TransportSpec]:
     from kvbridge.transports import loopback, tcp
 
-    register("tcp", tcp.TcpBackend, capabilities=tcp.TcpBackend.capabilities, options=tcp.TcpOptions)
-    register(
-        "loopback",
-        loopback.LoopbackBackend,
-        capabilities=loopback.LoopbackBackend.capabilities,
-        options=loopback.LoopbackOptions,
-    )
+    return [
+        TransportSpec("tcp", tcp.TcpBackend, tcp.TcpBackend.capabilities, options=tcp.TcpOptions),
+        TransportSpec(
+            "loopback",
+            loopback.LoopbackBackend,
+            loopback.LoopbackBackend.capabilities,
+            options=loopback.LoopbackOptions,
+        ),
+    ]
+
+
+def _cpu(options: NoOptions) -> Device:
+    from kvbridge.devices.cpu import CpuDevice
+
+    return CpuDevice()
 
 
 @hookimpl
-def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    from kvbridge.devices.cpu import CpuDevice
-
-    register("cpu", CpuDevice, memory_kind=CpuDevice.memory_kind, options=NoOptions)
+def kvbridge_devices() -> list[DeviceSpec]:
+    return [DeviceSpec("cpu", _cpu, MemoryKind.DRAM)]

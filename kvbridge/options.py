@@ -139,6 +139,13 @@ def as_dict(options: Any) -> dict[str, Any]:
     return attrs.asdict(options, recurse=False)
 
 
+def checked(schema: type, values: Mapping[str, Any]) -> Any:
+    """An instance of `schema` from values `parse` already checked, as a dict (what plugin API 1 backends
+    get in `BackendConfig.options`); names `schema` does not declare (a subclass's) are left out."""
+    names = {f.name for f in attrs.fields(schema)}
+    return schema(**{k: v for k, v in values.items() if k in names})
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

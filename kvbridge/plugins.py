@@ -1,8 +1,10 @@
 """Plugin discovery and the registry of transports and devices.
 
 Built-ins are registered first through the same hooks as third-party plugins, then every
-entry point in the ``kvbridge`` group. Two environment variables, read when the registry is
-first built (never at import), choose which entry-point plugins load:
+entry point in the ``kvbridge`` group. Each plugin's hooks return specs (`kvbridge.specs`); the
+registry keeps them by name, parses a user's options against a spec's schema, and calls its factory.
+Two environment variables, read when the registry is first built (never at import), choose which
+entry-point plugins load:
 
 - ``KVBRIDGE_PLUGINS``: comma-separated allow-list of entry point names; empty loads none.
 - ``KVBRIDGE_BLOCK_PLUGINS``: comma-separated names never to load.
@@ -12,10 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -33,12 +36,13 @@ from kvbridge.errors import (
     PluginNotFound,
     PluginUnavailable,
 )
-from kvbridge.options import NoOptions, OptionInfo, TransportOptions, as_dict, describe, parse, unknown_names
+from kvbridge.options import OptionInfo, as_dict, describe, parse, unknown_names
+from kvbridge.specs import DeviceSpec, TransportSpec
 from kvbridge.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
 
 log = logging.getLogger(__name__)
 
-PLUGIN_API_VERSION = 1
+PLUGIN_API_VERSION = 2  # the plugin API new plugins are written for; API 1 plugins still load (hookspecs)
 ENTRY_POINT_GROUP = "kvbridge"
 ALLOW_ENV = "KVBRIDGE_PLUGINS"
 BLOCK_ENV = "KVBRIDGE_BLOCK_PLUGINS"
@@ -54,27 +58,41 @@ OWN_DISTRIBUTIONS = {
 
 @attrs.define
 class Registration:
-    """One transport or device a plugin registered, with its lazy factory."""
+    """One transport or device in the registry: the spec its plugin returned, where it came from, and
+    what its probe found (asked once)."""
 
-    kind: str
-    name: str
-    factory: Callable[..., Any]
-    probe: Callable[[], str | None] | None
-    install_hint: str
+    kind: str  # "backend" or "device"
+    spec: TransportSpec | DeviceSpec
     distribution: str
     version: str
-    capabilities: BackendCapabilities | None = None
-    memory_kind: MemoryKind | None = None
-    hardware: Callable[[], bool] | None = None
-    options: type = NoOptions
     _reason: str | None = attrs.field(default=None, init=False)
     _probed: bool = attrs.field(default=False, init=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name.lower()
+
+    @property
+    def options(self) -> type:
+        return self.spec.options
+
+    @property
+    def install_hint(self) -> str:
+        return self.spec.install_hint
+
+    @property
+    def capabilities(self) -> BackendCapabilities | None:
+        return self.spec.capabilities if isinstance(self.spec, TransportSpec) else None
+
+    @property
+    def memory_kind(self) -> MemoryKind | None:
+        return self.spec.memory_kind if isinstance(self.spec, DeviceSpec) else None
 
     def unavailable_reason(self) -> str | None:
         """Why this cannot run here, or None. Probed once; a probe that raises is a reason too."""
         if not self._probed:
             try:
-                reason = self.probe() if self.probe else None
+                reason = self.spec.probe() if self.spec.probe else None
                 if reason is not None and not (isinstance(reason, str) and reason):
                     # "" would read as available in one place and not in another
                     reason = f"its availability check returned {reason!r}, not a reason or None"
@@ -85,10 +103,10 @@ class Registration:
         return self._reason
 
     def _hardware_here(self) -> bool | None:
-        if self.hardware is None:
+        if self.spec.hardware is None:
             return None
         try:
-            return bool(self.hardware())
+            return bool(self.spec.hardware())
         except Exception:  # an unanswerable check is "unknown", never a crash of the listing
             log.debug("hardware check of %s %s raised", self.kind, self.name, exc_info=True)
             return None
@@ -111,13 +129,14 @@ class Registration:
         """The options this plugin declares."""
         return describe(self.options)
 
-    def parse_options(self, config: BackendConfig) -> BackendConfig:
-        """`config` with its options checked against the declared class and completed with defaults."""
+    def parse_options(self, given: Mapping[str, Any]) -> Any:
+        """`given` as an instance of the spec's options class, every value converted and checked: the one
+        place kvbridge parses a plugin's options (the factory gets the instance)."""
         what = f"{self.kind} {self.name!r}"
         # create_backend's own settings are named too: `protocl=` is a typo of `protocol`, not an option
-        settings = [f.name for f in attrs.fields(BackendConfig) if f.name != "options"]
-        unknown_names(config.options, settings + [f.name for f in attrs.fields(self.options)], what=what)
-        return attrs.evolve(config, options=as_dict(parse(self.options, config.options, what=what)))
+        settings = [f.name for f in attrs.fields(BackendConfig) if f.name != "options" and self.kind == "backend"]
+        unknown_names(given, settings + [f.name for f in attrs.fields(self.options)], what=what)
+        return parse(self.options, given, what=what)
 
     def info(self) -> PluginInfo:
         reason = self.unavailable_reason()
@@ -142,6 +161,15 @@ class Registration:
         )
 
 
+@attrs.define
+class _Loading:
+    """The plugin pluggy is registering (and so calling the hooks of), and what they returned so far."""
+
+    api: int
+    specs: list[TransportSpec | DeviceSpec] = attrs.field(factory=list)
+    answered: set[str] = attrs.field(factory=set)  # hooks that returned something (None is not passed on)
+
+
 def _csv(value: str | None) -> set[str] | None:
     if value is None:
         return None
@@ -161,13 +189,21 @@ class PluginRegistry:
         self.skipped: list[str] = []  # entry points ALLOW_ENV/BLOCK_ENV kept from loading
         self._devices_made: dict[str, Device] = {}
         self._lock = threading.Lock()
+        self._loading: _Loading | None = None
+        # The hooks are historic: pluggy calls each plugin's implementations as it registers the plugin, so
+        # what comes back is known to be that plugin's, and the built-ins claim their names first whatever a
+        # plugin's tryfirst/trylast says.
+        hook = self.pm.hook
+        hook.kvbridge_transports.call_historic(result_callback=self._answer("kvbridge_transports", TransportSpec))
+        hook.kvbridge_devices.call_historic(result_callback=self._answer("kvbridge_devices", DeviceSpec))
+        hook.kvbridge_register_backends.call_historic(kwargs={"register": self._register_backend})
+        hook.kvbridge_register_devices.call_historic(kwargs={"register": self._register_device})
 
         from kvbridge import builtins
 
-        self._add_plugin(builtins, "builtin", "kvbridge", _version("kvbridge"))
+        self.add_plugin(builtins, "builtin", "kvbridge", _version("kvbridge"))
         if entry_points:
             self._load_entry_points()
-        self._collect()
 
     def _load_entry_points(self) -> None:
         allow = _csv(os.environ.get(ALLOW_ENV))
@@ -198,53 +234,120 @@ class PluginRegistry:
                     ep.name, dist, version, f"import failed: {type(exc).__name__}: {exc}", _import_hint(exc, dist)
                 )
                 continue
-            api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
-            if api != PLUGIN_API_VERSION:
-                self._refuse(
-                    ep.name,
-                    dist,
-                    version,
-                    f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
-                    f"{PLUGIN_API_VERSION}",
-                    f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it",
-                )
-                continue
-            self._add_plugin(plugin, ep.name, dist, version)
+            self.add_plugin(plugin, ep.name, dist, version)
 
-    def _add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
+    def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
+        """Register `plugin` (a module or object with kvbridge hooks) with pluggy, which calls its hooks, and
+        keep what they return, all or nothing; a plugin that breaks the contract is listed in `refused`.
+        Entry points come here; so may an application's own plugin, or a test's."""
+        api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
+        if api not in hookspecs.API_HOOKS:
+            self._refuse(
+                name,
+                dist,
+                version,
+                f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
+                f"{' and '.join(map(str, hookspecs.API_HOOKS))}",
+                f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it",
+            )
+            return
+        self._loading = loading = _Loading(api=api)
         try:
             self.pm.register(plugin, name=name)
-        except Exception as exc:  # a hook with a wrong signature, or a name clash: this plugin only
-            self._refuse(
-                name,
-                dist,
-                version,
-                f"registration failed: {type(exc).__name__}: {exc}",
-                f"report it to {dist}, or uninstall it: pip uninstall {dist}",
-            )
-            return
-        try:
             # Plugins already registered were checked, so anything pending belongs to this one.
             self.pm.check_pending()
-            odd = [
-                impl.function.__name__
-                for caller in self.pm.get_hookcallers(plugin) or []
-                for impl in caller.get_hookimpls()
-                if impl.plugin_name == name and (impl.wrapper or impl.hookwrapper)
-            ]
-            if odd:  # the registry calls each hook itself, so a wrapper would register nothing, silently
-                raise pluggy.PluginValidationError(plugin, f"hook wrappers are not supported: {', '.join(odd)}")
-        except pluggy.PluginValidationError as exc:  # a misspelt hook name would otherwise do nothing, silently
-            self.pm.unregister(name=name)
+            problem = self._contract_problem(api, {c.name for c in self.pm.get_hookcallers(plugin) or []}, loading)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # one broken plugin must not hide the others; it is listed
+            problem = self._failure(exc, dist)
+        finally:
+            self._loading = None
+        if problem is not None:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            self._refuse(name, dist, version, *problem)
+            return
+        self._sources[name] = (dist, version)
+        for spec in loading.specs:
+            kind, table = ("backend", self.backends) if isinstance(spec, TransportSpec) else ("device", self.devices)
+            entry = Registration(kind=kind, spec=spec, distribution=dist, version=version)
+            first = table.get(entry.name)
+            if first is None:
+                table[entry.name] = entry
+                continue
+            # listed as a problem of the plugin (`kvbridge plugins`, `doctor`); its other names still work
             self._refuse(
                 name,
                 dist,
                 version,
-                f"{exc}; kvbridge hooks are {', '.join(_hook_names())}",
+                f"its {kind} {entry.name!r} is not used: {first.distribution} registered that name first",
+                f"uninstall one of them (pip uninstall {dist}), or report the clash to {dist}",
+            )
+
+    @staticmethod
+    def _contract_problem(api: int, implemented: set[str], loading: _Loading) -> tuple[str, str] | None:
+        """Why the hooks a plugin implements do not fit the plugin API it declares (reason, what to change)."""
+        other = sorted(implemented - set(hookspecs.API_HOOKS[api]))
+        if other and api == 1:
+            return (
+                f"it declares plugin API 1 but implements {', '.join(other)} of plugin API 2",
+                "set KVBRIDGE_PLUGIN_API = 2 in the module its entry point names (and turn any "
+                "kvbridge_register_* hook into kvbridge_transports/kvbridge_devices, docs/plugins.md)",
+            )
+        if other:
+            return (
+                f"it declares plugin API {api} but implements {', '.join(other)}, the register hooks of plugin API 1",
+                "return the same fields as a list of kvbridge.TransportSpec from kvbridge_transports() and of "
+                "kvbridge.DeviceSpec from kvbridge_devices() (factories also take the parsed options: "
+                "factory(config, options), factory(options); docs/plugins.md), or set KVBRIDGE_PLUGIN_API = 1",
+            )
+        silent = sorted(h for h in implemented if h in hookspecs.API_HOOKS[2] and h not in loading.answered)
+        if silent:
+            return (
+                f"{', '.join(silent)} returned None",
+                "return a list of kvbridge.TransportSpec / kvbridge.DeviceSpec from it (an empty list for none)",
+            )
+        return None
+
+    @staticmethod
+    def _failure(exc: BaseException, dist: str) -> tuple[str, str]:
+        """Reason and hint for a plugin that pluggy refused or whose hook raised."""
+        if isinstance(exc, pluggy.PluginValidationError):  # a misspelt hook, a wrong argument, a wrapper
+            return (
+                f"{exc}; kvbridge hooks are {', '.join(hookspecs.API_HOOKS[2])} "
+                f"(plugin API 1: {', '.join(hookspecs.API_HOOKS[1])})",
                 f"report it to {dist}, or uninstall it: pip uninstall {dist}",
             )
-            return
-        self._sources[name] = (dist, version)
+        return f"a hook raised {type(exc).__name__}: {exc}", f"report it to {dist}"
+
+    def _answer(self, hook: str, cls: type) -> Callable[[Any], None]:
+        def take(specs: Any) -> None:
+            assert self._loading is not None, "pluggy calls historic hooks while a plugin registers"
+            if not isinstance(specs, (list, tuple)) or not all(isinstance(s, cls) for s in specs):
+                raise ConfigError(f"{hook}() must return a list of kvbridge.{cls.__name__}, got {specs!r}")
+            self._loading.answered.add(hook)
+            self._loading.specs.extend(specs)
+
+        return take
+
+    def _register_backend(self, name: str, factory: Callable[..., Any], **declared: Any) -> None:
+        """`register` of plugin API 1's kvbridge_register_backends: the same fields as a TransportSpec."""
+        if declared.get("capabilities") is None:
+            raise ConfigError(f"backend {name!r} must declare its capabilities")
+        spec = TransportSpec(name, factory, **_given(declared, "memory_kind"))
+        self._api1(attrs.evolve(spec, factory=functools.partial(_api1_transport, factory)))
+
+    def _register_device(self, name: str, factory: Callable[..., Any], **declared: Any) -> None:
+        """`register` of plugin API 1's kvbridge_register_devices: the same fields as a DeviceSpec."""
+        if declared.get("memory_kind") is None:
+            raise ConfigError(f"device {name!r} must declare its memory_kind")
+        spec = DeviceSpec(name, factory, **_given(declared, "capabilities"))
+        self._api1(attrs.evolve(spec, factory=functools.partial(_api1_device, factory)))
+
+    def _api1(self, spec: TransportSpec | DeviceSpec) -> None:
+        assert self._loading is not None, "pluggy calls historic hooks while a plugin registers"
+        self._loading.specs.append(spec)
 
     def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
         log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
@@ -253,100 +356,6 @@ class PluginRegistry:
                 kind="plugin", name=name, available=False, reason=reason, hint=hint, distribution=dist, version=version
             )
         )
-
-    def _collect(self) -> None:
-        # Plugin by plugin in load order, so the built-ins claim their names first whatever a plugin's
-        # tryfirst/trylast says; each hook gets a `register` bound to its plugin, so every registration
-        # knows its distribution. A plugin's registrations are kept only if all its hooks succeed.
-        hooks = (
-            (self.pm.hook.kvbridge_register_backends, self.backends, "backend"),
-            (self.pm.hook.kvbridge_register_devices, self.devices, "device"),
-        )
-        impls = {hook.name: {i.plugin_name: i for i in hook.get_hookimpls()} for hook, _, _ in hooks}
-        for plugin_name, (dist, version) in self._sources.items():
-            staged: list[tuple[dict[str, Registration], Registration]] = []
-            try:
-                for hook, table, kind in hooks:
-                    impl = impls[hook.name].get(plugin_name)
-                    if impl is not None:
-                        impl.function(register=self._registrar(staged, table, kind, dist, version))
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # one broken plugin must not hide the others; it is listed
-                self._refuse(
-                    plugin_name,
-                    dist,
-                    version,
-                    f"{hook.name} raised {type(exc).__name__}: {exc}",
-                    f"report it to {dist}",
-                )
-                continue
-            for table, entry in staged:
-                first = table.get(entry.name)
-                if first is None:
-                    table[entry.name] = entry
-                    continue
-                # listed as a problem of the plugin (`kvbridge plugins`, `doctor`); its other names still work
-                self._refuse(
-                    plugin_name,
-                    dist,
-                    version,
-                    f"its {entry.kind} {entry.name!r} is not used: {first.distribution} registered that name first",
-                    f"uninstall one of them (pip uninstall {dist}), or report the clash to {dist}",
-                )
-
-    def _registrar(
-        self,
-        staged: list[tuple[dict[str, Registration], Registration]],
-        table: dict[str, Registration],
-        kind: str,
-        dist: str,
-        version: str,
-    ) -> Callable[..., None]:
-        def register(
-            name: str,
-            factory: Callable[..., Any],
-            *,
-            capabilities: BackendCapabilities | None = None,
-            memory_kind: MemoryKind | str | None = None,
-            probe: Callable[[], str | None] | None = None,
-            install_hint: str = "",
-            hardware: Callable[[], bool] | None = None,
-            options: type | None = None,
-        ) -> None:
-            key = name.lower()
-            if kind == "backend" and capabilities is None:
-                raise ConfigError(f"backend {name!r} must declare its capabilities")
-            if kind == "device" and memory_kind is None:
-                raise ConfigError(f"device {name!r} must declare its memory_kind")
-            if options is None:
-                options = TransportOptions if kind == "backend" else NoOptions
-            if not attrs.has(options) or (kind == "backend" and not issubclass(options, TransportOptions)):
-                base = "a subclass of kvbridge.TransportOptions" if kind == "backend" else "an attrs class"
-                raise ConfigError(f"{kind} {name!r} declares options={options!r}; it must be {base}")
-            if not callable(factory):
-                raise ConfigError(f"{kind} {name!r} declares factory={factory!r}; it must be callable")
-            describe(options)  # an annotation that cannot be resolved fails here, naming the plugin, not at use
-            staged.append(
-                (
-                    table,
-                    Registration(
-                        kind=kind,
-                        name=key,
-                        factory=factory,
-                        probe=probe,
-                        install_hint=install_hint,
-                        distribution=dist,
-                        version=version,
-                        capabilities=capabilities,
-                        memory_kind=MemoryKind(memory_kind) if memory_kind is not None else None,
-                        hardware=hardware,
-                        options=options,
-                    ),
-                )
-            )
-
-        return register
 
     # -- lookups --------------------------------------------------------------------------
 
@@ -385,12 +394,13 @@ class PluginRegistry:
 
     def create_backend(self, name: str, config: BackendConfig) -> MigrationBackend:
         entry = self.backend_entry(name)
-        config = entry.parse_options(config)  # before the probe: a typo is reported even where it can't run
+        options = entry.parse_options(config.options)  # before the probe: a typo is reported even where it can't run
         reason = entry.unavailable_reason()
         if reason:
             raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
         with entry.starting():
-            return entry.factory(config)
+            # config.options: the same values as a dict, what plugin API 1 backends read
+            return entry.spec.factory(attrs.evolve(config, options=as_dict(options)), options)
 
     def device(self, name: str) -> Device:
         entry = self.device_entry(name)
@@ -399,8 +409,9 @@ class PluginRegistry:
                 reason = entry.unavailable_reason()
                 if reason:
                     raise PluginUnavailable("device", entry.name, reason, entry.install_hint)
+                options = entry.parse_options({})  # nothing passes a device options yet: its defaults
                 with entry.starting():
-                    self._devices_made[entry.name] = entry.factory()
+                    self._devices_made[entry.name] = entry.spec.factory(options)
             return self._devices_made[entry.name]
 
 
@@ -412,8 +423,19 @@ def _import_hint(exc: BaseException, dist: str) -> str:
     return f"report it to {dist}, or uninstall it: pip uninstall {dist}"
 
 
-def _hook_names() -> list[str]:
-    return sorted(n for n in dir(hookspecs) if n.startswith("kvbridge_"))
+def _given(declared: dict[str, Any], other_kind: str) -> dict[str, Any]:
+    """An API 1 `register` call's keywords as spec fields: None meant "the default", and both kinds took
+    the same keywords (`memory_kind` of a backend, `capabilities` of a device meant nothing)."""
+    return {k: v for k, v in declared.items() if v is not None and k != other_kind}
+
+
+def _api1_transport(factory: Callable[[BackendConfig], MigrationBackend], config: BackendConfig, options: Any) -> Any:
+    """An API 1 transport factory takes the config alone: its options are in `config.options`, checked."""
+    return factory(config)
+
+
+def _api1_device(factory: Callable[[], Device], options: Any) -> Device:
+    return factory()
 
 
 def _version(dist: str) -> str:

@@ -106,7 +106,7 @@ class DeviceBackend(MigrationBackend):
             max_batch=None,
             max_descriptor_bytes=None,
         )
-        super().__init__(attrs.evolve(backend.config, protocol=backend.protocol))
+        super().__init__(attrs.evolve(backend.config, protocol=backend.protocol), backend.options)
 
     # -- the contract's hooks, on the inner transport ------------------------------------------
 

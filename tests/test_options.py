@@ -80,6 +80,8 @@ def test_optional_and_bool_options() -> None:
         ("tcp", {"workers": "0"}, "option workers must be from 1 to 1024"),  # failed at the first transfer
         ("tcp", {"port": 99999}, "option port must be from 0 to 65535"),
         ("mooncake", {"protocol": "tcp", "retries": -1}, "option retries must be from 0 to 100"),
+        # declared from 0 and refused later by the backend (0 would spin its progress loop): the bound is the schema's
+        ("nixl", {"progress_interval": 0}, "option progress_interval must be from 0.0001 to 86400"),
     ],
 )
 def test_a_number_outside_its_declared_bounds_is_refused_before_the_plugin_is_built(

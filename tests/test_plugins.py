@@ -117,7 +117,7 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]
     tmp = tmp_path_factory.mktemp("dists")
     yield {
         "good": install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=1)),
-        "future": install_dist(tmp, "kvbridge-future", "kvbridge_future", PLUGIN_MODULE.format(api=2)),
+        "future": install_dist(tmp, "kvbridge-future", "kvbridge_future", PLUGIN_MODULE.format(api=3)),
         "broken": install_dist(tmp, "kvbridge-broken", "kvbridge_broken", BROKEN_MODULE),
     }
 
@@ -143,8 +143,8 @@ def test_a_plugin_built_for_another_api_version_is_refused(dists: dict[str, Path
     got = run_kvbridge(LIST, dists["future"])
     assert "throwaway" not in got["backends"]
     reason, hint, dist = got["refused"]["kvbridge_future"]
-    assert "plugin API 2" in reason and dist == "kvbridge-future"
-    assert "plugin API 1" in hint
+    assert "plugin API 3" in reason and "speaks 1 and 2" in reason and dist == "kvbridge-future"
+    assert "plugin API 2" in hint
     code = """
 import json, kvbridge
 try:
@@ -236,3 +236,27 @@ def test_doctor_tells_absent_hardware_from_a_problem(dists: dict[str, Path]) -> 
     assert checks["device broken-dev"]["fix"] == "upgrade the driver"
     assert checks["device throwaway-dev"]["status"] == "ok"
     assert out.returncode == 1  # broken-dev (and needs-lib) are problems; gone-dev alone would not be
+
+
+def test_plugins_of_both_apis_load_side_by_side_through_their_entry_points(tmp_path: Path) -> None:
+    from test_plugin_contract import API1, API2
+
+    site = [
+        install_dist(tmp_path, "kvbridge-old", "kvbridge_old", API1),
+        install_dist(tmp_path, "kvbridge-deep", "kvbridge_deep", API2),
+    ]
+    code = """
+import json, kvbridge
+old, new = kvbridge.create_backend("old", depth="5", workers="3"), kvbridge.create_backend("Deep", depth="8")
+print(json.dumps({
+    "old": [old.depth, old.options.workers, kvbridge.get_device("old-dev").name],
+    "new": [new.depth, type(new.options).__name__, kvbridge.get_device("paged").page],
+    "from": {i.name: i.distribution for i in kvbridge.list_backends()},
+    "refused": [r.name for r in kvbridge.refused_plugins()],
+}))
+"""
+    got = run_kvbridge(code, *site)
+    assert got["refused"] == []
+    assert got["old"] == [5, 3, "cpu"], "a plugin API 1 plugin still loads, its options and workers honoured"
+    assert got["new"] == [8, "DepthOptions", 4096]
+    assert got["from"]["old"] == "kvbridge-old" and got["from"]["deep"] == "kvbridge-deep"

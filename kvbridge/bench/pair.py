@@ -28,11 +28,12 @@ from kvbridge.bench.link import Link, Placed, placed, report
 from kvbridge.bench.pool_layout import DEFAULT_LAYOUT, describe
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError, PluginUnavailable
+from kvbridge.options import as_dict
 from kvbridge.plugins import get_device, registry
 from kvbridge.presets import get_preset
 from kvbridge.proc import Child
 from kvbridge.strategy import GATHER_CHUNK_BYTES, STRATEGIES, Choice, choose
-from kvbridge.types import BackendConfig, TransferCost
+from kvbridge.types import TransferCost
 
 DEFAULT_MODEL = "small"
 DEFAULT_TOKENS = 2048
@@ -117,7 +118,7 @@ def descriptor_count(src: list[int], dst: list[int], units: int, unit_bytes: int
 def _check_backend(name: str, given: dict[str, str]) -> dict[str, Any]:
     """The transport's `given` options converted by its schema (refused before any process starts)."""
     entry = registry().backend_entry(name)
-    parsed = entry.parse_options(BackendConfig(options=given)).options
+    parsed = as_dict(entry.parse_options(given))
     reason = entry.unavailable_reason()
     if reason:
         raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)

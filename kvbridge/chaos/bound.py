@@ -50,10 +50,10 @@ class HandoverBound:
 
 def transport_bound(backend: str, protocol: str | None, options: dict[str, Any], fault_s: float) -> HandoverBound:
     """The bound for KVBridgeConnector over `backend` with these options (its defaults where unset)."""
+    from kvbridge.options import as_dict
     from kvbridge.plugins import registry
-    from kvbridge.types import BackendConfig
 
-    parsed = registry().backend_entry(backend).parse_options(BackendConfig(protocol=protocol, options=options)).options
+    parsed = as_dict(registry().backend_entry(backend).parse_options(options))
     if "transfer_deadline" not in parsed:
         raise ConfigError(f"transport {backend!r} declares no transfer_deadline: chaos cannot bound its handover")
     return HandoverBound(

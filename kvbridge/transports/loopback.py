@@ -20,7 +20,7 @@ import attrs
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import PeerGone, TransferFailed
 from kvbridge.memory import Descriptors
-from kvbridge.options import TransportOptions, option, parse
+from kvbridge.options import TransportOptions, option
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
 _endpoints: weakref.WeakValueDictionary[str, LoopbackBackend] = weakref.WeakValueDictionary()
@@ -53,9 +53,11 @@ class LoopbackBackend(MigrationBackend):
         protocols=("loopback",), memory_kinds={MemoryKind.DRAM}, read=True, write=True, max_batch=None
     )
 
-    def __init__(self, config: BackendConfig) -> None:
-        super().__init__(config)
-        max_batch = parse(LoopbackOptions, config.options, what=f"backend {self.name!r}").max_batch
+    options_class = LoopbackOptions
+
+    def __init__(self, config: BackendConfig, options: LoopbackOptions | None = None) -> None:
+        super().__init__(config, options)
+        max_batch = self.options.max_batch
         if max_batch is not None:
             self.capabilities = attrs.evolve(self.capabilities, max_batch=max_batch)  # type: ignore[misc]
         self.faults = Faults()

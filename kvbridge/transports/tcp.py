@@ -44,7 +44,7 @@ from kvbridge import netguard
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, InvalidDescriptor, PeerGone, ProtocolError, TransferFailed
 from kvbridge.memory import Descriptors
-from kvbridge.options import TransportOptions, option, parse
+from kvbridge.options import TransportOptions, option
 from kvbridge.secret import check_listen, load_secret
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
@@ -272,14 +272,15 @@ class TcpBackend(MigrationBackend):
         protocols=("tcp",), memory_kinds={MemoryKind.DRAM}, read=True, write=True, max_batch=None
     )
 
-    def __init__(self, config: BackendConfig) -> None:
-        opts: TcpOptions = parse(TcpOptions, config.options, what=f"backend {self.name!r}")
+    options_class = TcpOptions
+
+    def __init__(self, config: BackendConfig, options: TcpOptions | None = None) -> None:
+        super().__init__(config, options)
+        opts: TcpOptions = self.options  # type: ignore[assignment]
         secret = opts.secret or load_secret(opts.secret_file)
         if isinstance(secret, str):
             secret = secret.encode()
         check_listen("the tcp transport", config.hostname, secret, insecure=opts.insecure)
-        super().__init__(config)
-        self._options = opts
         self._views = _Views()
         # With a shared secret the key never leaves this host; without one (loopback, or the insecure
         # opt-in) a random per-endpoint token is the key, published to whoever may read the endpoint info.
@@ -330,7 +331,7 @@ class TcpBackend(MigrationBackend):
         """Serve a new connection on a thread of its own, if fewer than `max_handshakes` are authenticating
         (else it is closed at once); False: its thread could not start (closed, logged)."""
         with self._lock:
-            full = self._handshakes >= self._options.max_handshakes
+            full = self._handshakes >= self.options.max_handshakes
             if not full:
                 self._handshakes += 1
                 self._conns.append(conn)
@@ -341,7 +342,7 @@ class TcpBackend(MigrationBackend):
                 "already (max_handshakes)",
                 self._address(),
                 _host_port(addr),
-                self._options.max_handshakes,
+                self.options.max_handshakes,
             )
             return True
         try:
@@ -374,7 +375,7 @@ class TcpBackend(MigrationBackend):
             if not ok:
                 return
             authenticated = True
-            deadline = self._options.transfer_deadline
+            deadline = self.options.transfer_deadline
             while not self._stop.is_set():
                 try:
                     conn.settimeout(None)  # an idle pooled connection waits for its next request
@@ -404,14 +405,14 @@ class TcpBackend(MigrationBackend):
         """Challenge-response before anything else; reads at most `_MAX_AUTH_FRAME` bytes, all of it within
         one `handshake_timeout` (a peer trickling a byte at a time is dropped at the deadline). False: refused."""
         challenge = secrets.token_bytes(_CHALLENGE_BYTES)
-        deadline = time.monotonic() + self._options.handshake_timeout
+        deadline = time.monotonic() + self.options.handshake_timeout
         try:
-            conn.settimeout(self._options.handshake_timeout)
+            conn.settimeout(self.options.handshake_timeout)
             _send_frame(conn, {"challenge": challenge})
             hello = _recv_frame(conn, _MAX_AUTH_FRAME, deadline)
         except TimeoutError:
             raise ProtocolError(
-                f"no authentication within the {self._options.handshake_timeout:g}s handshake timeout"
+                f"no authentication within the {self.options.handshake_timeout:g}s handshake timeout"
             ) from None
         mac, theirs = hello.get("mac"), hello.get("challenge")
         if not isinstance(mac, bytes) or not isinstance(theirs, bytes) or len(theirs) != _CHALLENGE_BYTES:
@@ -507,7 +508,7 @@ class TcpBackend(MigrationBackend):
 
     def _dial(self, h: dict[str, Any], name: str) -> socket.socket:
         """A connection to the peer, authenticated both ways."""
-        timeout = self._options.connect_timeout
+        timeout = self.options.connect_timeout
         try:
             sock = socket.create_connection((h["host"], h["port"]), timeout=timeout)
         except OSError as exc:
@@ -542,7 +543,7 @@ class TcpBackend(MigrationBackend):
             sock.close()
             raise
         # A peer that stops sending or reading mid-transfer fails it here instead of holding it forever.
-        sock.settimeout(self._options.transfer_deadline)
+        sock.settimeout(self.options.transfer_deadline)
         return sock
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:

@@ -1,15 +1,14 @@
-"""Registers the `npu` device. Imports torch_npu only when the registry asks whether an NPU is here."""
+"""Provides the `npu` device. Imports torch_npu only when the registry asks whether an NPU is here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import kvbridge
 from kvbridge.devices.probes import device_nodes, library_probe
 from kvbridge.types import MemoryKind
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 INSTALL_HINT = (
     "on a machine with an Ascend NPU and CANN, in an environment built for torch-npu (it pins its own torch): "
@@ -27,20 +26,14 @@ def probe() -> str | None:
     return library_probe("torch_npu", "npu", "Ascend NPU", "CANN and ASCEND_RT_VISIBLE_DEVICES")
 
 
-def _factory() -> kvbridge.Device:
+def _factory(options: kvbridge.NoOptions) -> kvbridge.Device:
     from kvbridge_ascend.device import NpuDevice
 
     return NpuDevice()
 
 
 @kvbridge.hookimpl
-def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register(
-        "npu",
-        _factory,
-        memory_kind=MemoryKind.NPU,
-        probe=probe,
-        install_hint=INSTALL_HINT,
-        hardware=hardware,
-        options=kvbridge.NoOptions,
-    )
+def kvbridge_devices() -> list[kvbridge.DeviceSpec]:
+    return [
+        kvbridge.DeviceSpec("npu", _factory, MemoryKind.NPU, probe=probe, install_hint=INSTALL_HINT, hardware=hardware)
+    ]

@@ -1,15 +1,14 @@
-"""Registers the `cuda` device. Imports torch only when the registry asks whether CUDA is here."""
+"""Provides the `cuda` device. Imports torch only when the registry asks whether CUDA is here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import kvbridge
 from kvbridge.devices.probes import device_nodes
 from kvbridge.types import MemoryKind
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 INSTALL_HINT = (
     "run on a machine with an NVIDIA GPU and driver, in an environment with a CUDA build of torch "
@@ -35,20 +34,16 @@ def probe() -> str | None:
     return "no CUDA device: torch.cuda.is_available() is False (check the driver and CUDA_VISIBLE_DEVICES)"
 
 
-def _factory() -> kvbridge.Device:
+def _factory(options: kvbridge.NoOptions) -> kvbridge.Device:
     from kvbridge_cuda.device import CudaDevice
 
     return CudaDevice()
 
 
 @kvbridge.hookimpl
-def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register(
-        "cuda",
-        _factory,
-        memory_kind=MemoryKind.VRAM,
-        probe=probe,
-        install_hint=INSTALL_HINT,
-        hardware=hardware,
-        options=kvbridge.NoOptions,
-    )
+def kvbridge_devices() -> list[kvbridge.DeviceSpec]:
+    return [
+        kvbridge.DeviceSpec(
+            "cuda", _factory, MemoryKind.VRAM, probe=probe, install_hint=INSTALL_HINT, hardware=hardware
+        )
+    ]

@@ -4,12 +4,11 @@ class is imported only when someone uses the device."""
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
 
 import kvbridge
 from kvbridge.types import MemoryKind
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 
 def probe() -> str | None:
@@ -19,21 +18,24 @@ def probe() -> str | None:
     return None
 
 
-def _factory() -> kvbridge.Device:
+def _factory(options: kvbridge.NoOptions) -> kvbridge.Device:
     from kvbridge_example_device.device import ExampleDevice
 
     return ExampleDevice()
 
 
 @kvbridge.hookimpl
-def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    # `options` names the attrs class that declares the plugin's options (a device takes none; a
-    # transport's class subclasses kvbridge.TransportOptions): `kvbridge plugins example` lists them.
-    register(
-        "example",
-        _factory,
-        memory_kind=MemoryKind.DRAM,
-        probe=probe,
-        install_hint="use Linux or macOS (the example device maps anonymous memory)",
-        options=kvbridge.NoOptions,
-    )
+def kvbridge_devices() -> list[kvbridge.DeviceSpec]:
+    # `options` names the attrs class that declares the plugin's options (a device takes none: NoOptions, the
+    # default; a transport's class subclasses kvbridge.TransportOptions): `kvbridge plugins example` lists them,
+    # and the factory gets them parsed.
+    return [
+        kvbridge.DeviceSpec(
+            "example",
+            _factory,
+            MemoryKind.DRAM,
+            options=kvbridge.NoOptions,
+            probe=probe,
+            install_hint="use Linux or macOS (the example device maps anonymous memory)",
+        )
+    ]

@@ -1,15 +1,14 @@
-"""Registers the `mlu` device. Imports torch_mlu only when the registry asks whether an MLU is here."""
+"""Provides the `mlu` device. Imports torch_mlu only when the registry asks whether an MLU is here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import kvbridge
 from kvbridge.devices.probes import device_nodes, library_probe
 from kvbridge.types import MemoryKind
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 INSTALL_HINT = (
     "on a machine with a Cambricon MLU and CNToolkit, install Cambricon's torch_mlu wheel built for your torch "
@@ -27,20 +26,14 @@ def probe() -> str | None:
     return library_probe("torch_mlu", "mlu", "MLU", "the driver and MLU_VISIBLE_DEVICES")
 
 
-def _factory() -> kvbridge.Device:
+def _factory(options: kvbridge.NoOptions) -> kvbridge.Device:
     from kvbridge_mlu.device import MluDevice
 
     return MluDevice()
 
 
 @kvbridge.hookimpl
-def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    register(
-        "mlu",
-        _factory,
-        memory_kind=MemoryKind.MLU,
-        probe=probe,
-        install_hint=INSTALL_HINT,
-        hardware=hardware,
-        options=kvbridge.NoOptions,
-    )
+def kvbridge_devices() -> list[kvbridge.DeviceSpec]:
+    return [
+        kvbridge.DeviceSpec("mlu", _factory, MemoryKind.MLU, probe=probe, install_hint=INSTALL_HINT, hardware=hardware)
+    ]

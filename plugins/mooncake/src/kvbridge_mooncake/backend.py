@@ -48,7 +48,7 @@ from kvbridge.control.discovery import redacted
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed
 from kvbridge.memory import Descriptors
 from kvbridge.netguard import Guard
-from kvbridge.options import as_dict, parse
+from kvbridge.options import as_dict
 from kvbridge.plugins import device_for_memory
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge_mooncake import spec
@@ -209,15 +209,16 @@ class MooncakeBackend(MigrationBackend):
 
     name = "mooncake"
     capabilities = spec.CAPABILITIES
+    options_class = spec.MooncakeOptions
 
-    def __init__(self, config: BackendConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: BackendConfig, options: spec.MooncakeOptions | None = None) -> None:
+        super().__init__(config, options)
         reason = spec.probe()
         if reason:
             raise PluginUnavailable("backend", "mooncake", reason, spec.INSTALL_HINT)
         from mooncake.engine import TransferEngine
 
-        parsed = parse(spec.MooncakeOptions, config.options, what="backend 'mooncake'")
+        parsed: spec.MooncakeOptions = self.options  # type: ignore[assignment]
         opts = {k: v for k, v in as_dict(parsed).items() if v is not None}  # None: spec's default applies
         # Mooncake authenticates no peer and listens on every interface: refuse or guard before it starts
         self.guard = Guard(f"mooncake {self.protocol} transport", config.hostname, parsed)

@@ -31,8 +31,7 @@ import numpy as np
 from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
 from kvbridge.memory import Descriptors
-from kvbridge.netguard import Guard, GuardOptions
-from kvbridge.options import as_dict, parse
+from kvbridge.netguard import Guard
 from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
 
@@ -56,56 +55,27 @@ class NixlBackend(MigrationBackend):
 
     name = "nixl"
     capabilities = capabilities()
+    options_class = NixlOptions
 
-    @classmethod
-    def from_config(cls, config: BackendConfig) -> NixlBackend:
-        """Build from `config.options` (checked against `NixlOptions`; `workers` is the base class's)."""
-        opts = as_dict(parse(NixlOptions, config.options, what="backend 'nixl'"))
-        opts.pop("workers")
-        guard = GuardOptions(**{f.name: opts.pop(f.name) for f in attrs.fields(GuardOptions) if f.name != "workers"})
-        return cls(config, guard=guard, **opts)
-
-    def __init__(
-        self,
-        config: BackendConfig,
-        *,
-        progress_thread: bool = False,
-        progress_interval: float = 0.005,
-        poll_interval: float = 0.0,
-        num_threads: int = 0,
-        transfer_timeout: float = 120.0,
-        agent_name: str = "",
-        guard: GuardOptions | None = None,
-    ) -> None:
-        """
-        progress_thread: use NIXL's own progress thread (it busy-polls: about a core per agent while idle).
-        progress_interval: seconds between progress calls while idle, when `progress_thread` is off.
-        poll_interval: seconds between polls of in-flight requests (0: yield the CPU between polls).
-        num_threads: worker threads of the NIXL backend (UCX, LIBFABRIC); 0 keeps NIXL's default.
-        transfer_timeout: seconds after which an unfinished request is aborted and fails.
-        agent_name: this agent's name (unique per process by default).
-        guard: who may reach UCX's listeners, which authenticate nobody (`kvbridge.netguard`; default: loopback
-            and hosts that prove the shared secret).
-        """
-        super().__init__(config)
+    def __init__(self, config: BackendConfig, options: NixlOptions | None = None) -> None:
+        """`options`: `spec.NixlOptions`, parsed and checked by the registry (docs/nixl.md says what each does;
+        its guard options say who may reach UCX's listeners, which authenticate nobody: `kvbridge.netguard`)."""
+        super().__init__(config, options)
+        opts: NixlOptions = self.options  # type: ignore[assignment]
         reason = probe()
         if reason:
             raise PluginUnavailable("backend", "nixl", reason, INSTALL_HINT)
-        if progress_interval <= 0 or transfer_timeout <= 0 or poll_interval < 0:
-            raise ConfigError("nixl: progress_interval and transfer_timeout must be > 0, poll_interval >= 0")
         api = nixl_api()
         self._nixl_backend = self.protocol.upper()
-        self._name = agent_name or f"kvbridge-{config.hostname}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._own_progress = not progress_thread
-        self._progress_interval = float(progress_interval)
-        self._poll_interval = float(poll_interval)
-        self._timeout = float(transfer_timeout)
-        conf = api.nixl_agent_config(
-            enable_prog_thread=bool(progress_thread), backends=[], num_threads=int(num_threads)
-        )
+        self._name = opts.agent_name or f"kvbridge-{config.hostname}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._own_progress = not opts.progress_thread
+        self._progress_interval = opts.progress_interval
+        self._poll_interval = opts.poll_interval
+        self._timeout = opts.transfer_timeout
+        conf = api.nixl_agent_config(enable_prog_thread=opts.progress_thread, backends=[], num_threads=opts.num_threads)
         # UCX authenticates no peer and listens on every interface: refuse or guard before it starts
-        self.guard = Guard(f"nixl {self.protocol} transport", config.hostname, guard or GuardOptions())
-        init = {"num_threads": str(int(num_threads))} if num_threads else {}
+        self.guard = Guard(f"nixl {self.protocol} transport", config.hostname, opts)
+        init = {"num_threads": str(opts.num_threads)} if opts.num_threads else {}
         failed: Exception | None = None
         with self.guard.capture():
             self._agent = api.nixl_agent(self._name, conf)
@@ -133,7 +103,7 @@ class NixlBackend(MigrationBackend):
             "nixl agent %s up with backend %s (own progress thread: %s)",
             self._name,
             self._nixl_backend,
-            progress_thread,
+            opts.progress_thread,
         )
 
     # -- registration and endpoints --------------------------------------------------------

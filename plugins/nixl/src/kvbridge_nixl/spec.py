@@ -38,7 +38,11 @@ class NixlOptions(GuardOptions):
 
     progress_thread: bool = option(False, "use NIXL's own progress thread (it busy-polls: about a core per agent)")
     progress_interval: float = option(
-        0.005, "seconds between progress calls while idle, when progress_thread is off", min=0, max=86400
+        # not 0: the progress loop would spin a core waiting for nothing
+        0.005,
+        "seconds between progress calls while idle, when progress_thread is off",
+        min=0.0001,
+        max=86400,
     )
     poll_interval: float = option(
         0.0, "seconds between polls of in-flight requests (0: yield the CPU between polls)", min=0, max=60

@@ -1,0 +1,105 @@
+"""What a plugin's hooks return: a typed spec for each transport and each device it provides.
+
+A spec is the whole declaration: the name, what the plugin can do (a transport's capabilities, a
+device's memory kind), the attrs class of its options, why it cannot run here (`probe`) and how to
+build it (`factory`). The registry (`kvbridge.plugins`) parses a user's options against `options`
+once, and hands the factory the typed instance. Specs are checked when they are made, so a mistake
+is reported against the plugin that made it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvbridge.errors import ConfigError
+from kvbridge.options import NoOptions, TransportOptions, describe
+from kvbridge.types import BackendCapabilities, MemoryKind
+
+if TYPE_CHECKING:
+    from kvbridge.backend import MigrationBackend
+    from kvbridge.device import Device
+    from kvbridge.types import BackendConfig
+
+
+def _name(spec: Any, _attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"a {type(spec).__name__} needs a non-empty string name, got {value!r}")
+
+
+def _callable(spec: Any, attr: attrs.Attribute, value: Any) -> None:
+    if not callable(value):
+        raise ConfigError(f"{_what(spec)} declares {attr.name}={value!r}; it must be callable")
+
+
+_optional_callable = attrs.validators.optional(_callable)
+
+
+def _options(base: type, text: str) -> Callable[[Any, attrs.Attribute, Any], None]:
+    def check(spec: Any, _attr: attrs.Attribute, value: Any) -> None:
+        if not (isinstance(value, type) and attrs.has(value) and issubclass(value, base)):
+            raise ConfigError(f"{_what(spec)} declares options={value!r}; it must be {text}")
+        describe(value)  # an annotation that cannot be resolved fails here, naming the plugin, not at use
+
+    return check
+
+
+def _what(spec: Any) -> str:
+    return f"{'transport' if isinstance(spec, TransportSpec) else 'device'} {spec.name!r}"
+
+
+def _capabilities(spec: Any, _attr: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, BackendCapabilities):
+        raise ConfigError(f"{_what(spec)} declares capabilities={value!r}; it must be a kvbridge.BackendCapabilities")
+
+
+def _memory_kind(value: Any) -> MemoryKind:
+    try:
+        return MemoryKind(value)
+    except ValueError:
+        kinds = ", ".join(k.value for k in MemoryKind)
+        raise ConfigError(f"memory_kind={value!r} is not one of {kinds}") from None
+
+
+@attrs.frozen
+class TransportSpec:
+    """One transport a plugin provides: returned (in a list) from `kvbridge_transports()`.
+
+    `factory(config, options)` builds it when a user creates it, never at import: `config` is a
+    `BackendConfig`, `options` an instance of `options` (a `kvbridge.TransportOptions` subclass)
+    already parsed and checked. `probe() -> str | None` says why it cannot run here, or None;
+    `hardware() -> bool`, cheaply and without the vendor library, whether what it drives is on this
+    machine at all (an RDMA NIC, say).
+    """
+
+    name: str = attrs.field(validator=_name)
+    factory: Callable[[BackendConfig, Any], MigrationBackend] = attrs.field(validator=_callable)
+    capabilities: BackendCapabilities = attrs.field(validator=_capabilities)
+    options: type = attrs.field(
+        default=TransportOptions, validator=_options(TransportOptions, "a subclass of kvbridge.TransportOptions")
+    )
+    probe: Callable[[], str | None] | None = attrs.field(default=None, validator=_optional_callable)
+    install_hint: str = ""
+    hardware: Callable[[], bool] | None = attrs.field(default=None, validator=_optional_callable)
+
+
+@attrs.frozen
+class DeviceSpec:
+    """One device a plugin provides: returned (in a list) from `kvbridge_devices()`.
+
+    `factory(options) -> Device` builds it on first use (one instance per process), with `options`
+    an instance of `options` (an attrs class; `kvbridge.NoOptions` for a device that takes none).
+    `memory_kind` is what transports must reach; `probe` and `hardware` as for a transport (the cuda
+    plugin's `hardware` looks for /dev/nvidiaN, so `kvbridge doctor` tells "no GPU here" from "a GPU
+    the plugin cannot use").
+    """
+
+    name: str = attrs.field(validator=_name)
+    factory: Callable[[Any], Device] = attrs.field(validator=_callable)
+    memory_kind: MemoryKind = attrs.field(converter=_memory_kind)
+    options: type = attrs.field(default=NoOptions, validator=_options(object, "an attrs class"))
+    probe: Callable[[], str | None] | None = attrs.field(default=None, validator=_optional_callable)
+    install_hint: str = ""
+    hardware: Callable[[], bool] | None = attrs.field(default=None, validator=_optional_callable)

@@ -1,0 +1,267 @@
+"""The plugin contract: hooks return typed specs, options are parsed once, API 1 plugins still load."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+
+import attrs
+import numpy as np
+import pytest
+
+import kvbridge
+from kvbridge import options
+from kvbridge.errors import ConfigError
+from kvbridge.plugins import PluginRegistry
+from kvbridge.transports.loopback import LoopbackBackend
+
+API2 = """
+import attrs
+import kvbridge
+from kvbridge.devices.cpu import CpuDevice
+from kvbridge.transports.loopback import LoopbackBackend, LoopbackOptions
+
+KVBRIDGE_PLUGIN_API = 2
+
+
+@attrs.frozen
+class DepthOptions(LoopbackOptions):  # what the backend it extends reads, and its own
+    depth: int = kvbridge.option(1, "descriptors in flight", min=1, max=64)
+
+
+class DeepBackend(LoopbackBackend):
+    name = "deep"
+
+    def __init__(self, config, options):
+        super().__init__(config, options)
+        self.depth = options.depth  # typed and checked already: no parse here
+
+
+@attrs.frozen
+class PageOptions:
+    page: int = kvbridge.option(4096, "page size", min=1)
+
+
+class PagedDevice(CpuDevice):
+    def __init__(self, options):
+        self.page = options.page
+
+
+@kvbridge.hookimpl
+def kvbridge_transports():
+    return [kvbridge.TransportSpec("Deep", DeepBackend, LoopbackBackend.capabilities, options=DepthOptions)]
+
+
+@kvbridge.hookimpl
+def kvbridge_devices():
+    return [kvbridge.DeviceSpec("paged", PagedDevice, "dram", options=PageOptions)]
+"""
+
+# A plugin as plugin API 1 documented it: `register(...)` calls, a factory of the config alone, and a
+# backend that reads its options with kvbridge.options.parse(..., config.options).
+API1 = """
+import attrs
+import kvbridge
+from kvbridge.devices.cpu import CpuDevice
+from kvbridge.options import parse
+from kvbridge.transports.loopback import LoopbackBackend
+
+KVBRIDGE_PLUGIN_API = 1
+
+
+@attrs.frozen
+class OldOptions(kvbridge.TransportOptions):
+    depth: int = kvbridge.option(1, "descriptors in flight", min=1, max=64)
+
+
+class OldBackend(LoopbackBackend):
+    name = "old"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.depth = parse(OldOptions, config.options, what="backend 'old'").depth
+
+
+@kvbridge.hookimpl
+def kvbridge_register_backends(register):
+    register("Old", OldBackend, capabilities=LoopbackBackend.capabilities, options=OldOptions)
+
+
+@kvbridge.hookimpl
+def kvbridge_register_devices(register):
+    register("old-dev", CpuDevice, memory_kind="dram")
+"""
+
+
+def module(name: str, source: str) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    exec(compile(source, f"<{name}>", "exec"), mod.__dict__)
+    return mod
+
+
+@pytest.fixture
+def reg() -> Iterator[PluginRegistry]:
+    yield PluginRegistry(entry_points=False)
+
+
+def refusal(reg: PluginRegistry, name: str) -> kvbridge.PluginInfo:
+    [info] = [r for r in reg.refused if r.name == name]
+    return info
+
+
+def test_an_api_2_factory_gets_its_options_typed_and_checked(reg: PluginRegistry) -> None:
+    reg.add_plugin(module("deep", API2), "deep", "kvbridge-deep", "2.0")
+    assert not reg.refused
+    backend = reg.create_backend("deep", kvbridge.BackendConfig(options={"depth": "8", "workers": "2"}))
+    try:
+        assert backend.depth == 8 and type(backend.options).__name__ == "DepthOptions"  # type: ignore[attr-defined]
+        assert backend.options.workers == 2
+        assert reg.backend_entry("DEEP").distribution == "kvbridge-deep"
+    finally:
+        backend.close()
+    with pytest.raises(ConfigError, match="backend 'deep': option depth must be from 1 to 64, got 65"):
+        reg.create_backend("deep", kvbridge.BackendConfig(options={"depth": 65}))
+    assert reg.device("paged").page == 4096  # type: ignore[attr-defined]
+    assert reg.device_entry("paged").memory_kind == kvbridge.MemoryKind.DRAM
+
+
+def test_an_api_1_plugin_keeps_working_options_workers_and_all(reg: PluginRegistry) -> None:
+    reg.add_plugin(module("old", API1), "old", "kvbridge-old", "1.0")
+    assert not reg.refused
+    backend = reg.create_backend("old", kvbridge.BackendConfig(options={"depth": "5", "workers": "3"}))
+    try:
+        assert backend.depth == 5  # type: ignore[attr-defined]
+        assert backend.options.workers == 3  # the base class still honours `workers` for an API 1 backend
+        assert backend.config.options["depth"] == 5  # the checked values, as API 1 backends read them
+    finally:
+        backend.close()
+    with pytest.raises(ConfigError, match="no option 'dpth' \\(did you mean 'depth'\\?\\)"):
+        reg.create_backend("old", kvbridge.BackendConfig(options={"dpth": 5}))
+    assert reg.device("old-dev").name == "cpu"
+
+
+def test_each_option_value_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[object] = []
+    nested: list[bool] = []
+    coerce = options._coerce
+
+    def counted(value: object, tp: object, where: str) -> object:
+        if not nested:  # an Optional's converts itself again per alternative: one conversion all the same
+            calls.append(value)
+        nested.append(True)
+        try:
+            return coerce(value, tp, where)
+        finally:
+            nested.pop()
+
+    monkeypatch.setattr(options, "_coerce", counted)
+    for name, given in (("tcp", {"connect_timeout": "2.5"}), ("loopback", {"max_batch": "4"})):
+        calls.clear()
+        backend = kvbridge.create_backend(name, **given)
+        try:
+            buf = np.zeros(64, dtype=np.uint8)
+            buf[32:] = 7
+            backend.register_memory(buf)
+            peer = backend.connect(backend.endpoint_info())
+            addr = buf.ctypes.data
+            backend.transfer(peer, [(addr, addr + 32, 32)], "read").wait(30)  # runs on the worker threads
+            assert (buf == 7).all()
+            assert calls == list(given.values()), f"{name}: each given value converted once"
+        finally:
+            backend.close()
+
+
+def test_an_api_2_plugin_with_api_1_hooks_is_told_what_to_change(reg: PluginRegistry) -> None:
+    reg.add_plugin(
+        module("mixed", API1.replace("KVBRIDGE_PLUGIN_API = 1", "KVBRIDGE_PLUGIN_API = 2")), "mixed", "d", "1"
+    )
+    info = refusal(reg, "mixed")
+    assert "declares plugin API 2 but implements kvbridge_register_backends, kvbridge_register_devices" in info.reason
+    assert "kvbridge.TransportSpec from kvbridge_transports()" in info.hint
+    assert "or set KVBRIDGE_PLUGIN_API = 1" in info.hint
+    assert "old" not in reg.backends and "old-dev" not in reg.devices
+
+
+def test_an_api_1_plugin_with_api_2_hooks_is_told_to_declare_api_2(reg: PluginRegistry) -> None:
+    reg.add_plugin(
+        module("early", API2.replace("KVBRIDGE_PLUGIN_API = 2", "KVBRIDGE_PLUGIN_API = 1")), "early", "d", "1"
+    )
+    info = refusal(reg, "early")
+    assert "declares plugin API 1 but implements kvbridge_devices, kvbridge_transports of plugin API 2" in info.reason
+    assert "set KVBRIDGE_PLUGIN_API = 2" in info.hint
+    assert "deep" not in reg.backends
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("return None", "kvbridge_transports returned None"),
+        ("return {'tcp2': 1}", "kvbridge_transports() must return a list of kvbridge.TransportSpec, got {'tcp2': 1}"),
+        (
+            "return [kvbridge.DeviceSpec('x', CpuDevice, 'dram')]",
+            "kvbridge_transports() must return a list of kvbridge.TransportSpec",
+        ),
+        (
+            "return [kvbridge.TransportSpec('x', LoopbackBackend, LoopbackBackend.capabilities, options=dict)]",
+            "transport 'x' declares options=<class 'dict'>; it must be a subclass of kvbridge.TransportOptions",
+        ),
+        ("return [kvbridge.TransportSpec('x', 'LoopbackBackend', None)]", "transport 'x' declares factory="),
+    ],
+)
+def test_a_hook_that_returns_something_else_than_specs_is_refused_with_the_reason(
+    reg: PluginRegistry, body: str, expected: str
+) -> None:
+    source = f"""
+import kvbridge
+from kvbridge.devices.cpu import CpuDevice
+from kvbridge.transports.loopback import LoopbackBackend
+
+KVBRIDGE_PLUGIN_API = 2
+
+
+@kvbridge.hookimpl
+def kvbridge_devices():
+    return [kvbridge.DeviceSpec("kept-only-if-all-succeed", CpuDevice, "dram")]
+
+
+@kvbridge.hookimpl
+def kvbridge_transports():
+    {body}
+"""
+    reg.add_plugin(module("odd", source), "odd", "kvbridge-odd", "1")
+    assert expected in refusal(reg, "odd").reason
+    assert "kept-only-if-all-succeed" not in reg.devices  # nothing of a refused plugin is kept
+
+
+def test_a_hook_wrapper_is_refused(reg: PluginRegistry) -> None:
+    source = """
+import kvbridge
+
+KVBRIDGE_PLUGIN_API = 2
+
+
+@kvbridge.hookimpl(wrapper=True)
+def kvbridge_transports():
+    return (yield)
+"""
+    reg.add_plugin(module("wraps", source), "wraps", "kvbridge-wraps", "1")
+    assert "historic incompatible with yield/wrapper/hookwrapper" in refusal(reg, "wraps").reason
+
+
+def test_specs_check_what_they_are_given() -> None:
+    caps = LoopbackBackend.capabilities
+    with pytest.raises(ConfigError, match="non-empty string name"):
+        kvbridge.TransportSpec("", LoopbackBackend, caps)
+    with pytest.raises(ConfigError, match="capabilities=.*kvbridge.BackendCapabilities"):
+        kvbridge.TransportSpec("x", LoopbackBackend, {"protocols": ["tcp"]})
+    with pytest.raises(ConfigError, match="memory_kind='hbm' is not one of dram, vram, npu, mlu"):
+        kvbridge.DeviceSpec("x", object, "hbm")
+    with pytest.raises(ConfigError, match="probe=3; it must be callable"):
+        kvbridge.DeviceSpec("x", object, "dram", probe=3)
+
+    @attrs.frozen
+    class Unresolvable:
+        size: NoSuchType = kvbridge.option(1, "a size")  # type: ignore[name-defined]  # noqa: F821
+
+    with pytest.raises(NameError):  # an annotation that cannot be resolved fails at the spec, not at use
+        kvbridge.DeviceSpec("x", object, "dram", options=Unresolvable)
