@@ -123,6 +123,7 @@ LAYERS = (
             "transports",
             "plugins",
             "hookspecs",
+            "specs",
             "builtins",
         ),
     ),

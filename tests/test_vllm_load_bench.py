@@ -94,7 +94,8 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
     cmd = [
         sys.executable, "-m", "kvbridge", "bench", "--engine", "vllm", "--load", "--json",
         "--rates", *map(str, RATES), "--concurrency", "--requests", str(REQUESTS),
-        "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--start-ahead", "--plot", str(plot),
+        "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--start-ahead", "--nixl-busy-poll", "off",
+        "--plot", str(plot),
         "--keep-logs", str(tmp_path / "logs"),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
