@@ -29,7 +29,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvbridge.adapters.vllm import timeline
+from kvbridge.session import timeline
 from kvbridge.bench.link import Link, Placed, placed
 from kvbridge.bench.pair import DEFAULT_MODEL, frozen_heap, paired_ratio, quantile, ratio_cell
 from kvbridge.bench.pool_layout import DEFAULT_LAYOUT
