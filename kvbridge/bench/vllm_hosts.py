@@ -29,7 +29,6 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvbridge.session import timeline
 from kvbridge.bench.link import Link, Placed, placed
 from kvbridge.bench.pair import DEFAULT_MODEL, frozen_heap, paired_ratio, quantile, ratio_cell
 from kvbridge.bench.pool_layout import DEFAULT_LAYOUT
@@ -37,6 +36,7 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError
 from kvbridge.presets import get_preset
 from kvbridge.proc import Child
+from kvbridge.session import timeline
 
 BYTES_COUNTER = "kvbridge_transfer_bytes_total"
 COLUMNS = ["tokens", "requests", "recomputed", "decode TTFT", "KV MiB", "transfer", "transfer GB/s", "raw GB/s",
