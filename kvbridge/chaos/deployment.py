@@ -102,6 +102,7 @@ class Deployment:
             health_interval=1.0,
             expose_internals=True,  # the runner reads which decode served a request (x-kvbridge-decode)
             host=self._host("proxy"),
+            secret=self._secret,  # it aborts the lease of a request no decode took, instead of waiting lease_s
         )
 
     def servers(self) -> list[Server]:

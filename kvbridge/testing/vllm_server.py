@@ -350,9 +350,11 @@ def start_proxy(
     timeout: float = 120.0,
     host: Host | None = None,
     expose_internals: bool = False,
+    secret: str | None = None,
 ) -> Server:
     """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
-    `expose_internals`: its answers name the servers by URL (`--expose-internals`).
+    `expose_internals`: its answers name the servers by URL (`--expose-internals`). `secret`: the servers'
+    shared secret, so the proxy can abort a lease on prefill's side channel when no decode took the request.
 
     The proxy's warm-up is one real handover through each prefill/decode pair (its first contact),
     so whoever counts a decode server's transfers starts after it. A proxy that does not get there
@@ -384,6 +386,8 @@ def start_proxy(
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
     if host is not None:
         env.update({k: v for k, v in _host_env(host).items() if k != "VLLM_HOST_IP"})
+    if secret is not None:
+        env["KVBRIDGE_SECRET"] = secret
     with open(log_path, "wb") as out:
         argv = host.command(cmd) if host else cmd
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
