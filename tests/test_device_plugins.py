@@ -21,7 +21,7 @@ from kvbridge import staging
 from kvbridge.testing.standins import install_standin
 
 PLUGINS = {  # device -> (distribution, vendor module or None, reason here, protocols)
-    "cuda": ("kvbridge-cuda", None, "no CUDA device", ("rdma", "nvlink")),
+    "cuda": ("kvbridge-cuda", None, "no CUDA device", ("rdma", "nvlink", "ucx")),
     "npu": ("kvbridge-ascend", "torch_npu", "torch_npu is not importable", ("ascend",)),
     "mlu": ("kvbridge-mlu", "torch_mlu", "torch_mlu is not importable", ("rdma",)),
 }
