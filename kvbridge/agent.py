@@ -13,7 +13,7 @@ On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)`
 pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once, and
 `agent.publish(blocks)` makes a computed request's blocks readable before it is offered.
 
-The tensors' device picks its device plugin (`kvbridge.regions`), and the transport is
+The tensors' device picks its device plugin (`kvbridge.placement`), and the transport is
 bound to that device (`kvbridge.staging.attach`): directly where the transport reaches the memory
 (Mooncake `rdma` with GPUDirect, `ascend`), through pinned host mirrors where it cannot (GPU memory
 over `tcp`). Either way the agent makes the same calls: `publish` before offering blocks, a pull's
@@ -48,13 +48,13 @@ import numpy as np
 from kvbridge import staging, wire
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
 from kvbridge.block_ids import block_array
+from kvbridge.descriptors import pull_descriptors
 from kvbridge.errors import ConfigError, TopologyError, TransferTimeout
 from kvbridge.landing import Receiver
 from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import RegionIndex, total_bytes
-from kvbridge.planner import pull_descriptors
+from kvbridge.placement import for_device, tensor_device
 from kvbridge.plugins import create_backend, get_device
-from kvbridge.regions import for_device, tensor_device
 from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
 
 log = logging.getLogger(__name__)

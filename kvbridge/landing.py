@@ -10,7 +10,7 @@ consecutive block ids). Then one vectorized torch rearrangement (view, permute, 
 selection, re-blocking) writes them into the decode cache's own layout, per layer.
 
 Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
-zero-copy path of `kvbridge.planner`, unless the transport may still write after a failed transfer
+zero-copy path of `kvbridge.descriptors`, unless the transport may still write after a failed transfer
 (`BackendCapabilities.late_writes`, Mooncake TCP): then every pull lands, and a failed one's buffer is
 retired, so the cache blocks the engine takes back (to recompute, or for another request) stay clean.
 
@@ -171,7 +171,7 @@ class Receiver:
 
     `views`: per plane, per layer, uint8 views `[B, H, N, c]` of the rank's cache (`cache.py` builds them).
     `backend`: the agent's backend, bound to `device` (`kvbridge.staging.attach`), staged or not.
-    `device`: the cache's device plugin (`kvbridge.regions.device_of`); host memory when left out.
+    `device`: the cache's device plugin (`kvbridge.placement.device_of`); host memory when left out.
     """
 
     def __init__(

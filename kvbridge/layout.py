@@ -23,8 +23,8 @@ from typing import Any, Literal
 import attrs
 
 from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.placement import regions_of
 from kvbridge.presets import ModelSpec
-from kvbridge.regions import regions_of
 
 Order = Literal["NHD", "HND"]
 KINDS = ("k", "v", "kv", "latent", "index")

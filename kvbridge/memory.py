@@ -42,7 +42,7 @@ def buffer_region(buf: Any, kind: MemoryKind, device_id: int) -> MemoryRegion:
 def as_regions(x: Any) -> list[MemoryRegion]:
     """Regions of host memory: a CPU tensor, a numpy array, a MemoryRegion, an (addr, length) pair, or a list.
 
-    Device memory is described by its device plugin (`kvbridge.regions.regions_of`), which sits above
+    Device memory is described by its device plugin (`kvbridge.placement.regions_of`), which sits above
     the plugin registry; this module stays below it, so a device tensor here is a clear error.
     """
     if isinstance(x, MemoryRegion):
@@ -50,7 +50,7 @@ def as_regions(x: Any) -> list[MemoryRegion]:
     if is_tensor_like(x):
         if str(getattr(x.device, "type", x.device)) != "cpu":
             raise ConfigError(
-                f"a {x.device} tensor is device memory: describe it with kvbridge.regions.regions_of(tensor), or "
+                f"a {x.device} tensor is device memory: describe it with kvbridge.placement.regions_of(tensor), or "
                 "register it through a KVAgent or kvbridge.staging.attach(backend, device), which know its device"
             )
         return [buffer_region(x, MemoryKind.DRAM, -1)]

@@ -518,7 +518,7 @@ def device_for_memory(kind: MemoryKind | str) -> Device:
     """The device plugin whose memory is of this kind (the first registered; `cpu` for host memory).
 
     Transports use it to ask how to register a region (`Device.location`); tensors find their plugin
-    by device type in `kvbridge.regions`.
+    by device type in `kvbridge.placement`.
     """
     kind = MemoryKind(kind)
     reg = registry()

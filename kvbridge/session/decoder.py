@@ -21,7 +21,7 @@ import attrs
 
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.ranks import stage_port
+from kvbridge.rank_ports import stage_port
 from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Outbox, Recorder

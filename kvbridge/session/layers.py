@@ -22,10 +22,10 @@ from kvbridge.backend import TransferHandle
 from kvbridge.block_ids import block_array
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
+from kvbridge.descriptors import pull_descriptors
 from kvbridge.errors import KVBridgeError, LoadError, TransferTimeout
 from kvbridge.layout import KVLayout
 from kvbridge.memory import total_bytes
-from kvbridge.planner import pull_descriptors
 
 if TYPE_CHECKING:
     from kvbridge.agent import KVAgent, RankInfo

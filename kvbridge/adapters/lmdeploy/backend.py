@@ -50,8 +50,8 @@ from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, Ada
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
+from kvbridge.placement import local_device
 from kvbridge.plugins import create_backend, get_device, registry
-from kvbridge.regions import local_device
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvbridge.telemetry import SECONDS_BUCKETS, failure_reason
+from kvbridge.metric_labels import SECONDS_BUCKETS, failure_reason
 
 
 class TransferMetrics:

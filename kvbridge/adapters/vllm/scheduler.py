@@ -25,7 +25,7 @@ from kvbridge.control.channel import ClientPool
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
-from kvbridge.ranks import group_port
+from kvbridge.rank_ports import group_port
 from kvbridge.session.offers import Offers
 from kvbridge.session.tasks import PullTask, StreamTask
 
@@ -77,7 +77,7 @@ class SchedulerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.pp_size = parallel.pipeline_parallel_size  # decode refuses another PP size (each stage reads its own)
         self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
-        # published: the engine's base port; peers add a rank's global index to it (kvbridge.ranks)
+        # published: the engine's base port; peers add a rank's global index to it (kvbridge.rank_ports)
         self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         # this engine's worker ranks (every stage and TP rank of this DP rank), told of offers at once
         own = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size, dp_index=self.dp_rank)

@@ -20,8 +20,8 @@ from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.agent import KVAgent
-from kvbridge.ranks import side_channel_port
-from kvbridge.regions import device_of
+from kvbridge.placement import device_of
+from kvbridge.rank_ports import side_channel_port
 from kvbridge.session.decode import CONTROL_TIMEOUT_S, DecodeControl
 from kvbridge.session.decoder import DecodeSide
 from kvbridge.session.outbox import Outbox
