@@ -293,8 +293,14 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             raise
         finally:
             self.metrics.record_retries(link.transport.name, rid, sum(h.retries for h, _, _ in submitted))
+        # LMDeploy's engine did the control part (assignment, endpoints) before this call: control_s is 0
         self.metrics.record(
-            link.transport.name, rid, time.perf_counter() - begun, int(p.descriptors[:, 2].sum()), len(p.descriptors)
+            link.transport.name,
+            rid,
+            time.perf_counter() - begun,
+            0.0,
+            int(p.descriptors[:, 2].sum()),
+            len(p.descriptors),
         )
 
     def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
