@@ -997,8 +997,8 @@ def create_app(
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
 
     `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
-    `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md). `expose_internals`: answers name
-    the servers by URL (see the module doc)."""
+    `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md).
+    `expose_internals`: answers name the servers by URL (see the module doc)."""
     proxy = Proxy(
         prefill,
         decode,
