@@ -186,15 +186,16 @@ class KVAgent:
         landing: Sequence[Sequence[Any]] | None = None,
         **backend_options: Any,
     ) -> None:
-        """`device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another
-        is an error. Memory given as (address, bytes) pairs is the named device's (its current device
-        id), host memory when none is named. `backend` by name is created and closed by the agent; a
-        backend object (or one `kvbridge.staging.attach` already bound to the device) is left open. Either
-        is staged where the transport cannot reach the device's memory, or always with `stage=True`.
-        `landing`: per plane, per layer, byte views of the cache (`kvbridge.landing.Receiver`): reads from a
-        peer whose cache is arranged otherwise, or over a transport that may write late, land in buffers
-        first and are rearranged into the cache; without them every read goes straight into the cache (a peer arranged
-        otherwise is refused)."""
+        """Build the agent: `device`, `backend`, `stage` and `landing` choose how the cache is reached and moved.
+
+        `device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another is an error.
+        Memory given as (address, bytes) pairs is the named device's (its current device id), host memory when none is
+        named. `backend` by name is created and closed by the agent; a backend object (or one `kvbridge.staging.attach`
+        already bound to the device) is left open. Either is staged where the transport cannot reach the device's
+        memory, or always with `stage=True`. `landing`: per plane, per layer, byte views of the cache
+        (`kvbridge.landing.Receiver`): reads from a peer whose cache is arranged otherwise, or over a transport that may
+        write late, land in buffers first and are rearranged into the cache; without them every read goes straight into
+        the cache (a peer arranged otherwise is refused)."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -261,8 +262,10 @@ class KVAgent:
 
     @property
     def publish_is_free(self) -> bool:
-        """Publishing needs nothing (host memory the transport reads directly): computed blocks are readable
-        as they stand, from any thread, so they may be offered before the engine's next step."""
+        """Publishing needs nothing (host memory the transport reads directly).
+
+        Computed blocks are readable as they stand, from any thread, so they may be offered before the engine's next
+        step."""
         return type(self.backend).publish is MigrationBackend.publish
 
     def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None, *, waited: bool = False) -> None:
@@ -290,9 +293,10 @@ class KVAgent:
             self.backend.publish(ranges)
 
     def record(self) -> Any:
-        """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting
-        (None where the device cannot, or where publishing needs nothing): one mark per device the cache
-        is registered on. `publish(..., waited=True)` after `wait_recorded(marks)` then skips the wait."""
+        """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting.
+
+        None where the device cannot, or where publishing needs nothing; else one mark per device the cache is
+        registered on. `publish(..., waited=True)` after `wait_recorded(marks)` then skips the wait."""
         if self.publish_is_free:
             return None
         marks = [self.device.record(i) for i in self._device_ids or [self.device.current_id()]]

@@ -70,8 +70,10 @@ def _compact_strides(order: Sequence[int], sizes: Sequence[int]) -> list[int]:
 
 
 def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descriptors, list[tuple[int, list[int]]], int]:
-    """(landing offset, remote address, length) runs that copy `blocks` of `g` into a compact buffer in
-    `g`'s own physical order, each plane's (offset, strides) in that buffer, and its size in bytes."""
+    """How to copy `blocks` of `g` into a compact buffer in `g`'s own physical order.
+
+    Returns (landing offset, remote address, length) runs, each plane's (offset, strides) in that buffer, and its size
+    in bytes."""
     n, layers = len(blocks), len(g.planes[0].layer_addrs)
     order = g.order
     heads_outer = order.index(2) < max(order.index(0), order.index(1))  # LHBNC, BHLNC: a head is its own run
@@ -100,8 +102,9 @@ def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descripto
 
 
 def write_planes(views: Sequence[Sequence[Any]], blocks: Any, heads: tuple[int, int], planes: Sequence[Any]) -> None:
-    """Write each plane's `[L, n, h, N, c]` bytes into blocks `blocks` and heads [h0, h1) of a cache given
-    as per-plane, per-layer uint8 views `[B, H, N, c]`."""
+    """Write each plane's `[L, n, h, N, c]` bytes into blocks `blocks` and heads [h0, h1) of a cache.
+
+    The cache is given as per-plane, per-layer uint8 views `[B, H, N, c]`."""
     host = _host_index(blocks)
     for plane, data in zip(views, planes):
         for layer, view in enumerate(plane):
@@ -132,8 +135,9 @@ def _in_host_bytes(*tensors: Any) -> bool:
 def write_logical(
     views: Sequence[Sequence[Any]], contents: Sequence[int], blocks: Any, heads: tuple[int, int], data: Any
 ) -> None:
-    """Write `data` `[L, n, h, N, C]` (bytes) into blocks `blocks` and heads [h0, h1) of a cache given as
-    per-plane, per-layer uint8 views `[B, H, N, c]`; planes split C in order."""
+    """Write `data` `[L, n, h, N, C]` (bytes) into blocks `blocks` and heads [h0, h1) of a cache.
+
+    The cache is given as per-plane, per-layer uint8 views `[B, H, N, c]`; planes split C in order."""
     bounds = np.cumsum([0, *contents]).tolist()
     write_planes(views, blocks, heads, [data[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
@@ -152,10 +156,11 @@ class Landed:
         self._receiver, self._buf, self.descriptors, self._action = receiver, buf, descriptors, action
 
     def finish(self, ok: bool, *, moved: bool = True) -> None:
-        """Rearrange into the cache when the transfer succeeded; give the buffer back. A failed transfer
-        (`moved`: it had started) may still write into the buffer later: a transport call that gave up
-        does not always cancel what it queued (Mooncake TCP re-sends slices queued behind a dropped lane
-        once the peer answers), so the buffer is retired, never lent to another pull."""
+        """Rearrange into the cache when the transfer succeeded; give the buffer back.
+
+        A failed transfer (`moved`: it had started) may still write into the buffer later: a transport call that gave up
+        does not always cancel what it queued (Mooncake TCP re-sends slices queued behind a dropped lane once the peer
+        answers), so the buffer is retired, never lent to another pull."""
         try:
             if ok:
                 self._action(self._buf)
@@ -201,10 +206,12 @@ class Receiver:
         return direct(self.layout, remote)
 
     def lands(self, remote: KVLayout, pull: Pull) -> bool:
-        """Whether `pull` goes through a landing buffer: the layouts differ, or the transport may write
-        after a failed transfer (`BackendCapabilities.late_writes`), which must never reach a cache block
-        the engine recomputes or hands to another request after the failure (context-parallel pulls too:
-        like layouts land whole blocks at the positions the pull names)."""
+        """Whether `pull` goes through a landing buffer.
+
+        It does when the layouts differ, or the transport may write after a failed transfer
+        (`BackendCapabilities.late_writes`), which must never reach a cache block the engine recomputes or hands to
+        another request after the failure (context-parallel pulls too: like layouts land whole blocks at the positions
+        the pull names)."""
         if not self.direct(remote):
             return True
         return remote.paged is not None and pull.num_blocks > 0 and self.backend.capabilities.late_writes
@@ -220,7 +227,8 @@ class Receiver:
         *,
         layers: Sequence[int] | None = None,
     ) -> Landed:
-        """Descriptors that land the peer's blocks of the request, and the rearrangement after them;
+        """Descriptors that land the peer's blocks of the request, and the rearrangement after them.
+
         `layers`: of those layers only (a layer-wise read, `kvbridge.adapters.vllm.layerwise`)."""
         g, mine = remote.paged, self.geometry
         if g is None:

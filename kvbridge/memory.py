@@ -128,8 +128,10 @@ class RegionIndex:
         return len(self._regions)
 
     def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Indices of the ranges [addr, addr+length) not wholly inside one registered span (a length <= 0 is
-        outside too). Never computes addr + length: a hostile pair near 2**63 would wrap around int64."""
+        """Indices of the ranges [addr, addr+length) not wholly inside one registered span.
+
+        A length <= 0 is outside too. Never computes addr + length: a hostile pair near 2**63 would wrap around int64.
+        """
         addrs = np.asarray(addrs, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         starts, ends = self._spans
@@ -267,7 +269,8 @@ def total_bytes(desc: Descriptors | FactoredDescriptors) -> int:
 
 
 def canonical(desc: Descriptors | FactoredDescriptors) -> Descriptors:
-    """Rows in local address order with every run merged: two descriptor sets that move the same bytes
-    to the same places have the same canonical form."""
+    """Rows in local address order with every run merged.
+
+    Two descriptor sets that move the same bytes to the same places have the same canonical form."""
     rows = desc.expand() if isinstance(desc, FactoredDescriptors) else as_descriptors(desc)
     return merge_runs(rows[np.argsort(rows[:, 0], kind="stable")])

@@ -43,8 +43,9 @@ class MemoryRegion:
 
 @attrs.frozen
 class TransferCost:
-    """What moving bytes costs on a transport, as its plugin measured it: the input of
-    `kvbridge.strategy.choose`, which picks per request between sending the planned descriptors and
+    """What moving bytes costs on a transport, as its plugin measured it.
+
+    The input of `kvbridge.strategy.choose`, which picks per request between sending the planned descriptors and
     gathering them into one staging region. Unknown (None) means "do not guess": descriptors go direct.
     """
 

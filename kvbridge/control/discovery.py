@@ -212,8 +212,9 @@ class EtcdRegistry(Registry):
 
 
 def redacted(url: str) -> str:
-    """`url` with any password replaced by `***` (redis://:PASSWORD@host, etcd://user:PASSWORD@host): URLs go
-    into errors and logs."""
+    """`url` with any password replaced by `***`: URLs go into errors and logs.
+
+    As in redis://:PASSWORD@host, etcd://user:PASSWORD@host."""
     try:
         parts = urllib.parse.urlsplit(url)
         password = parts.password
@@ -238,8 +239,10 @@ def open_registry(url: str | None) -> Registry | None:
 
 
 def resolve(params: KVTransferParams, rank: int, *, registry: Registry | None = None, wait_s: float = 0.0) -> Address:
-    """Where rank `rank` of the remote engine in `params` listens: its registry record (waiting up to
-    `wait_s` for it to be ready) or, peer-to-peer, `remote_host` and `remote_port + rank`."""
+    """Where rank `rank` of the remote engine in `params` listens.
+
+    Its registry record (waiting up to `wait_s` for it to be ready) or, peer-to-peer, `remote_host` and `remote_port +
+    rank`."""
     if registry is not None:
         if params.remote_engine_id is None:
             raise ConfigError("kv_transfer_params lack remote_engine_id, which a registry lookup needs")

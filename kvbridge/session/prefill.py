@@ -1,5 +1,7 @@
-"""A prefill rank's side of a session: its side channel, the `Ledger` of the requests it holds for
-decode, offers, and layer-wise streams; it reports a request finished sending once its lease ended.
+"""A prefill rank's side of a session.
+
+Its side channel, the `Ledger` of the requests it holds for decode, offers, and layer-wise streams; it reports a request
+finished sending once its lease ended.
 
 Every rank serves a `ControlServer` (its `RankInfo`, readiness, and the ledger), bound at construction
 and ready once the KV cache is registered (`register`): an early peer waits instead of failing. A

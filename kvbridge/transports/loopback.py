@@ -67,8 +67,9 @@ class LoopbackBackend(MigrationBackend):
         _endpoints[self._addr] = self
 
     def inject(self, *, fail_submit: int = 0, fail_completion: int = 0, delay: float = 0.0) -> None:
-        """Fail the next `fail_submit` submissions at once, the next `fail_completion` on completion,
-        and delay every completion by `delay` seconds."""
+        """Fail the next `fail_submit` submissions at once, the next `fail_completion` on completion.
+
+        Also delay every completion by `delay` seconds."""
         with self._fault_lock:
             self.faults = Faults(fail_submit, fail_completion, delay)
 

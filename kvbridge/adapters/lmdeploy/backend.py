@@ -231,8 +231,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         return info
 
     def publish(self, remote_engine_id: str | None = None) -> None:
-        """Make this worker's pools current for peers' reads (one link's, or every link's): waits for the
-        device and, where the transport stages, copies the pools to the host mirrors peers read."""
+        """Make this worker's pools current for peers' reads (one link's, or every link's).
+
+        Waits for the device and, where the transport stages, copies the pools to the host mirrors peers read."""
         with self._lock:
             links = [self._link(remote_engine_id, "publish")] if remote_engine_id else list(self._links.values())
             for link in links:
@@ -434,8 +435,9 @@ def _signature(secret: bytes, info: Mapping[str, Any]) -> str:
 def _parse_endpoint(
     rid: str, text: str, secret: bytes | None = None
 ) -> tuple[EndpointInfo, dict[int, MemoryRegion], str]:
-    """The transport endpoint, regions and host a peer's `endpoint_info` carried; with a secret, only when
-    its signature holds."""
+    """The transport endpoint, regions and host a peer's `endpoint_info` carried.
+
+    With a secret, only when its signature holds."""
     try:
         data = json.loads(text)
     except (TypeError, ValueError) as exc:

@@ -1,5 +1,6 @@
-"""The LMDeploy backend's transfer series, the same `kvbridge_transfer_*` names the vLLM connector
-puts in vLLM's /metrics (docs/operations.md).
+"""The LMDeploy backend's transfer series, with the `kvbridge_transfer_*` names of the vLLM connector's.
+
+The vLLM connector puts the same series in vLLM's /metrics (docs/operations.md).
 
 LMDeploy has no connector-stats path to hook into, so the backend records with the session layer's
 recorder (`kvbridge.session.metrics`, as the vLLM connector's workers do) and sums what it recorded
@@ -75,8 +76,10 @@ class TransferMetrics(TransferRecord):
             self._retries[(transport, peer)] += n
 
     def snapshot(self) -> dict[str, Any]:
-        """{"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...],
-        "retries": [{transport, peer, count}]}."""
+        """The counters as a plain dict, without prometheus-client.
+
+        {"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...], "retries":
+        [{transport, peer, count}]}."""
         with self._lock:
             self._fold()
             return {

@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 
 
 def share_vllm_logging() -> None:
-    """Send kvbridge's log records through vLLM's handlers, so they land in the server log beside
-    vLLM's own at vLLM's level (vLLM configures only its `vllm` logger). A `kvbridge` logger the
-    operator has configured (it has handlers) is left alone."""
+    """Send kvbridge's log records through vLLM's handlers, so they land in the server log beside vLLM's own.
+
+    They go out at vLLM's level (vLLM configures only its `vllm` logger). A `kvbridge` logger the operator has
+    configured (it has handlers) is left alone."""
     ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
         return
@@ -101,8 +102,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """The layout the operator asked for in kv_connector_extra_config, else `default_kv_cache_layout`'s
-        (vLLM uses it when its attention backends support it); None: kvbridge moves what vLLM resolves."""
+        """The layout the operator asked for in kv_connector_extra_config, else `default_kv_cache_layout`'s.
+
+        vLLM uses the latter when its attention backends support it. None: kvbridge moves what vLLM resolves."""
         config = vllm_config.kv_transfer_config
         if config is None:
             return None

@@ -121,9 +121,11 @@ class DecodeFailed(Exception):
 
 @attrs.define(eq=False)
 class Handover:
-    """One P/D request whose decode answer is coming: `resp` (streamed, not read yet), the answer's headers
-    naming the servers (with expose_internals), when the decode request was sent, and in layer-wise mode
-    the prefill request (`computing`), cancelled when nobody reads its KV any more."""
+    """One P/D request whose decode answer is coming.
+
+    `resp` (streamed, not read yet), the answer's headers naming the servers (with expose_internals), when the decode
+    request was sent, and in layer-wise mode the prefill request (`computing`), cancelled when nobody reads its KV any
+    more."""
 
     decode: Instance
     resp: httpx.Response
@@ -155,8 +157,9 @@ def prefill_body(body: dict[str, Any], params: KVTransferParams | None = None) -
 
 async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
     """The request's JSON object, or a 4xx that says what is wrong (logged): bounded in size, never a 500.
-    `kv_transfer_params` are the proxy's to set: a client's own (also in `vllm_xargs`, which vLLM merges
-    into the same place) could make decode read from a host it names."""
+
+    `kv_transfer_params` are the proxy's to set: a client's own (also in `vllm_xargs`, which vLLM merges into the same
+    place) could make decode read from a host it names."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -203,6 +206,7 @@ def _deeper_than(value: Any, limit: int) -> bool:
 
 async def until_disconnect(request: Request | None, work: Any) -> Any:
     """Run `work`; if the client disconnects first, cancel it (closing the upstream request) and return None.
+
     No `request`: the caller watches the client (a part of a batch)."""
     if request is None:
         return await work
@@ -343,8 +347,10 @@ class Proxy:
         inst.healthy = ok
 
     async def health_loop(self) -> None:
-        """Probe every instance each `health_interval` for the proxy's lifetime. A round that fails is logged
-        and the next one runs: a dead loop would keep every server taken out since then out for good."""
+        """Probe every instance each `health_interval` for the proxy's lifetime.
+
+        A round that fails is logged and the next one runs: a dead loop would keep every server taken out since then out
+        for good."""
         while True:
             try:
                 await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
@@ -410,8 +416,9 @@ class Proxy:
         self.metrics.failovers.labels(inst.role).inc()
 
     def _names(self, *servers: Instance) -> dict[str, str]:
-        """The headers that name the servers of an answer (`x-kvbridge-prefill`, `-decode`): with
-        expose_internals only."""
+        """The headers naming the servers of an answer (`x-kvbridge-prefill`, `-decode`), with expose_internals.
+
+        Without expose_internals there are none."""
         return {f"x-kvbridge-{i.role}": i.url for i in servers} if self.expose else {}
 
     # -- upstream calls ------------------------------------------------------------------------
@@ -424,8 +431,9 @@ class Proxy:
         params: KVTransferParams | None = None,
         instance: Instance | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
-        """POST to a prefill server (`instance`, or round robin); on a connection failure take it out and
-        try the next one (not with `instance`: a layer-wise decode already reads from that one)."""
+        """POST to a prefill server (`instance`, or round robin); on a connection failure try the next one.
+
+        The failed server is taken out. Not with `instance`: a layer-wise decode already reads from that one."""
         pool = self.pools["prefill"]
         for attempt in range(1 if instance is not None else len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances):
@@ -450,8 +458,9 @@ class Proxy:
         self, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[Instance, httpx.Response]:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
-        A decode server that refuses the connection never saw the request, and prefill still holds
-        the KV for whichever decode asks, so try the next one."""
+
+        A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
+        decode asks, so try the next one."""
         pool = self.pools["decode"]
         late: list[str] = []
         # One more try than instances: a busy server that was slow to accept gets a second chance.
@@ -497,8 +506,9 @@ class Proxy:
         return JSONResponse({"error": error}, status_code=code, headers=headers)
 
     async def complete(self, path: str, request: Request) -> Any:
-        """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer
-        (per part of a batch, merged)."""
+        """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer.
+
+        Per part of a batch, merged."""
         begun = time.perf_counter()
         client_id = request.headers.get("x-request-id")
         bad_id = client_id is not None and not REQUEST_ID.fullmatch(client_id)
@@ -583,10 +593,11 @@ class Proxy:
         return Handover(decode, resp, self._names(prefill, decode), sent)
 
     async def _release_prefill(self, params: KVTransferParams, why: str) -> None:
-        """Tell each prefill rank holding the request's KV that no decode will read it (an Abort on its side
-        channel), so its blocks are free now, not when the lease ends. Needs the shared secret where the
-        prefill has one (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's environment); without it, or
-        when the rank does not answer, the lease ends by itself."""
+        """Tell each prefill rank holding the request's KV that no decode will read it (an Abort on its side channel).
+
+        So its blocks are free now, not when the lease ends. Needs the shared secret where the prefill has one
+        (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's environment); without it, or when the rank does not
+        answer, the lease ends by itself."""
         if params.remote_request_id is None or params.remote_host is None or params.remote_port is None:
             return
         request_id = str(params.remote_request_id)
@@ -700,8 +711,9 @@ class Proxy:
         begun: float,
         headers: dict[str, str],
     ) -> Any:
-        """Streamed parts: one stream of every part's chunks as they come, each choice with its index, the
-        parts' usage summed into one chunk, one `[DONE]`."""
+        """Streamed parts: one stream of every part's chunks as they come.
+
+        Each choice carries its index, the parts' usage is summed into one chunk, and one `[DONE]` ends it."""
         merge = fanout.StreamMerge(parts, timeline.request_id)
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -767,9 +779,10 @@ class Proxy:
         )
 
     def _learn(self, prefill_url: str, params: KVTransferParams) -> None:
-        """Keep where a prefill server's side channel is, for layer-wise requests to it (one DP rank only:
-        with several, the proxy cannot know which one will hold a request before it answers). Each answer
-        says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
+        """Keep where a prefill server's side channel is, for layer-wise requests to it.
+
+        One DP rank only: with several, the proxy cannot know which one will hold a request before it answers. Each
+        answer says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
         if self.transfer != "layerwise":
             return
         if None in (params.remote_engine_id, params.remote_host, params.remote_port):
@@ -808,8 +821,9 @@ class Proxy:
         headers: dict[str, str],
         timeline: Timeline,
     ) -> Handover | JSONResponse | None:
-        """Send the request to a prefill and a decode server at once, with one transfer id: decode reads each
-        layer while prefill computes the next. None: this prefill's side channel is not known yet (the
+        """Send the request to a prefill and a decode server at once, with one transfer id.
+
+        Decode reads each layer while prefill computes the next. None: this prefill's side channel is not known yet (the
         request goes the pull way, which tells the proxy where it is)."""
         pool = self.pools["prefill"]
         try:
@@ -981,6 +995,7 @@ def create_app(
     expose_internals: bool = False,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
+
     `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
     `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md).
     `expose_internals`: answers name the servers by URL (see the module doc)."""

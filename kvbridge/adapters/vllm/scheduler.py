@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 
 def checked_params(request: Request) -> dict[str, Any] | None:
-    """The request's `kv_transfer_params`, or None (set so on the request, logged) when they are no dict or,
-    asking for a transfer, do not decode: such a request is served as a colocated server would."""
+    """The request's `kv_transfer_params`, or None when they are no dict or, asking for a transfer, do not decode.
+
+    None is also set on the request, and logged: such a request is served as a colocated server would."""
     params = request.kv_transfer_params
     if params is None:
         return None
@@ -65,9 +66,11 @@ def checked_params(request: Request) -> dict[str, Any] | None:
 
 
 class SchedulerSide:
-    """Prefill: a request that asked for `do_remote_decode` keeps its blocks after finishing and
-    answers with the params a decode needs. Decode: a request with `do_remote_prefill` loads its
-    prompt's KV asynchronously from the prefill named in its params."""
+    """Prefill keeps a `do_remote_decode` request's blocks; decode loads a `do_remote_prefill` request's KV.
+
+    Prefill: a request that asked for `do_remote_decode` keeps its blocks after finishing and answers with the params a
+    decode needs. Decode: a request with `do_remote_prefill` loads its prompt's KV asynchronously from the prefill named
+    in its params."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
         self.engine_id = engine_id

@@ -23,8 +23,9 @@ _CONNECTOR_SET = frozenset({"protocol", "hostname", "host", "metadata_server", "
 
 
 def _finite(low: float, high: float, *, above: bool = False) -> Any:
-    """A number in [low, high] (`above`: in (low, high]); NaN and infinity are refused (a lease or a wait that
-    never ends, a timer that overflows)."""
+    """A number in [low, high] (`above`: in (low, high]); NaN and infinity are refused.
+
+    They would make a lease or a wait that never ends, or a timer that overflows."""
 
     def check(_inst: object, attr: attrs.Attribute, value: float | None) -> None:
         if value is None:
@@ -123,9 +124,10 @@ class Settings:
         return (WATCHED_STREAM_IDLE_WAIT_MS if inbox_watched else STREAM_IDLE_WAIT_MS) / 1e3
 
     def transport_options(self) -> dict[str, Any]:
-        """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them:
-        `tcp` authenticates its peers with them; Mooncake and NIXL, which authenticate nobody, are guarded
-        with them (`kvbridge.netguard`, docs/security.md)."""
+        """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them.
+
+        `tcp` authenticates its peers with them; Mooncake and NIXL, which authenticate nobody, are guarded with them
+        (`kvbridge.netguard`, docs/security.md)."""
         from kvbridge.plugins import registry
 
         declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}

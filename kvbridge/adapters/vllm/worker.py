@@ -226,8 +226,9 @@ class WorkerSide:
             self.decode.pull(task, received)
 
     def apply_layerwise(self, meta: KVBridgeMetadata) -> None:
-        """Take this step's layer-wise work once, at whichever hook comes first (vLLM starts async loads
-        after the forward, but the forward's layers need the step's streams)."""
+        """Take this step's layer-wise work once, at whichever hook comes first.
+
+        vLLM starts async loads after the forward, but the forward's layers need the step's streams."""
         lw = meta.layerwise
         if lw.applied or not lw:
             return
@@ -246,9 +247,10 @@ class WorkerSide:
     def get_finished(
         self, _finished_req_ids: set[str], *, idle: bool = False
     ) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose blocks prefill may free, and requests decode has loaded. In a step that computes
-        nothing (`idle`), wait for one first (`Outbox.take`), so that the engine does not spin on the
-        cores and the GIL its transfers need."""
+        """Requests whose blocks prefill may free, and requests decode has loaded.
+
+        In a step that computes nothing (`idle`), wait for one first (`Outbox.take`), so that the engine does not spin
+        on the cores and the GIL its transfers need."""
         sending, recving = self.outbox.take(idle, pending=self.prefill.has_finished_streams())
         sending |= self.prefill.take_finished_streams()
         return sending or None, recving or None

@@ -58,8 +58,10 @@ class NixlBackend(MigrationBackend):
     options_class = NixlOptions
 
     def __init__(self, config: BackendConfig, options: NixlOptions | None = None) -> None:
-        """`options`: `spec.NixlOptions`, parsed and checked by the registry (docs/nixl.md says what each does;
-        its guard options say who may reach UCX's listeners, which authenticate nobody: `kvbridge.netguard`)."""
+        """`options`: `spec.NixlOptions`, parsed and checked by the registry.
+
+        docs/nixl.md says what each does; its guard options say who may reach UCX's listeners, which authenticate
+        nobody: `kvbridge.netguard`."""
         super().__init__(config, options)
         opts: NixlOptions = self.options  # type: ignore[assignment]
         reason = probe()
