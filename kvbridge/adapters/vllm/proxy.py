@@ -514,8 +514,11 @@ class Proxy:
         instance: Instance | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
         """POST to a prefill server (`instance`, or round robin); on a connection failure take it out and
-        try the next one (not with `instance`: a layer-wise decode already reads from that one)."""
+        try the next one, and on a server error (5xx) try the next one (not with `instance`: a layer-wise
+        decode already reads from that one). A 5xx is what a vLLM server answers once it began shutting down
+        (SIGTERM), before the proxy's next registry read says it is draining: no KV is held for it."""
         pool = self.pools["prefill"]
+        failed: httpx.Response | None = None
         for attempt in range(1 if instance is not None else len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances):
                 break
@@ -531,8 +534,15 @@ class Proxy:
                 continue
             finally:
                 inst.in_flight -= 1
+            if resp.status_code >= 500 and instance is None:
+                log.warning("prefill server %s answered %d (shutting down?): next", inst.url, resp.status_code)
+                self.metrics.failovers.labels(inst.role).inc()
+                failed = resp
+                continue
             resp.raise_for_status()
             return inst, resp.json()
+        if failed is not None:
+            failed.raise_for_status()
         raise NoInstance(f"no prefill server answered for {path}")
 
     async def send_decode(
