@@ -208,3 +208,17 @@ def test_proxy_follows_joins_drains_leaves_and_ignores_forged_records(
 def test_proxy_without_servers_or_registry_is_refused() -> None:
     with pytest.raises(ConfigError, match="--registry"):
         proxy.create_app([], ["http://127.0.0.1:1"])
+
+
+def test_an_ignored_record_is_warned_of_once(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    ours, forger = open_registry(redis_url, secret=SECRET), open_registry(redis_url, secret=OTHER)
+    try:
+        forger.announce(_record("forged"), ttl_s=60)
+        with caplog.at_level(logging.WARNING, logger="kvbridge.control.discovery"):
+            for _ in range(3):  # the proxy reads every round
+                assert ours.servers() == []
+        assert caplog.text.count("kvbridge/servers/forged") == 1
+    finally:
+        forger.withdraw("forged")
+        ours.close()
+        forger.close()

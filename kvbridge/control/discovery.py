@@ -40,6 +40,7 @@ SERVERS = "kvbridge/servers/"
 ROLES = ("prefill", "decode")
 STATES = ("serving", "draining")
 MAX_RECORD_BYTES = 64 * 1024
+MAX_WARNED = 1024  # ignored records remembered so that each is warned of once
 Address = tuple[str, int]
 
 
@@ -116,6 +117,7 @@ class Registry(abc.ABC):
 
     url: str
     sealer: Sealer = Sealer(None)
+    _warned: set[tuple[str, bytes]]  # (where, MAC) of the ignored records warned of
 
     def _decoded(self, data: bytes, cls: type[Any], where: str) -> Any:
         """The record in `data`, or None (logged) when it does not decode, is not authentic, or has expired."""
@@ -126,7 +128,13 @@ class Registry(abc.ABC):
             return None
         problem = self.sealer.problem(record)
         if problem is not None:
-            log.warning("ignoring the %s at %s in %s: %s", cls.__name__, where, self.url, problem)
+            # read again every round: warned once per record, then at debug
+            seen = self._warned
+            level = logging.DEBUG if (where, record.mac) in seen else logging.WARNING
+            if len(seen) >= MAX_WARNED:
+                seen.clear()
+            seen.add((where, record.mac))
+            log.log(level, "ignoring the %s at %s in %s: %s", cls.__name__, where, self.url, problem)
             return None
         if isinstance(record, ServerRecord) and record.expires < time.time():
             # the store should have dropped it (TTL, lease): one it kept, or a replayed old record, is stale
@@ -209,6 +217,7 @@ class RedisRegistry(Registry):
             raise ConfigError("a redis registry needs the redis client: pip install 'kvbridge[discovery]'") from None
         self.url = redacted(url)  # what errors and logs name
         self.sealer = Sealer(secret)
+        self._warned = set()
         self._errors = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
@@ -271,6 +280,7 @@ class EtcdRegistry(Registry):
         self._base = f"{scheme}://{parsed.hostname}:{parsed.port or 2379}/v3"
         self._timeout = timeout_s
         self.sealer = Sealer(secret)
+        self._warned = set()
         self._leases: dict[str, str] = {}  # server id -> the etcd lease its record is put with
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
