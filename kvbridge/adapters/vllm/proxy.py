@@ -6,7 +6,8 @@ and the other way round: the prefill server gets the request with `max_tokens: 1
 go into the decode request, whose answer (streamed or not) is passed through to the client.
 Instances are picked round-robin among the healthy ones; a health loop takes a dead instance
 out (at once when it refuses connections, after a few timed-out probes when it is only slow) and
-puts it back when it answers again. A decode server that refuses the connection is skipped for
+puts it back when it answers again. A prefill server that answers a server error (5xx: a vLLM server
+shutting down does) is skipped for the next one. A decode server that refuses the connection is skipped for
 the next one, since prefill holds the KV for whichever decode asks. Responses name the servers
 that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a decode server that
 failed after taking the request included. A client that disconnects closes the upstream request,
