@@ -285,6 +285,12 @@ class Ledger:
         with self._lock:
             return list(self._active)
 
+    def held(self) -> tuple[int, int]:
+        """How many leases hold blocks now (active, or ended with a reader still reading), and how many blocks."""
+        with self._lock:
+            entries = [*self._active.values(), *self._held.values()]
+            return len(entries), sum(len(e.lease.blocks) for e in entries)
+
     def state(self, request_id: str) -> LeaseState:
         with self._lock:
             entry = self._active.get(request_id) or self._finished.get(request_id)

@@ -140,6 +140,10 @@ class PrefillSide:
         return self.producer.take_finished() if self.producer is not None else set()
 
     def close(self) -> None:
+        leases, blocks = self.ledger.held()
+        (log.warning if leases else log.info)(
+            "prefill rank %s closing with %d leases held (%d blocks)", self.server.name, leases, blocks
+        )
         if self.producer is not None:
             self.producer.close()
         self.server.close()

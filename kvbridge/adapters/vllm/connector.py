@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge.adapters.vllm.cache import CUDA_DEFAULT_LAYOUT
+from kvbridge.adapters.vllm.membership import Membership
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
@@ -95,8 +96,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         settings = Settings.from_extra_config(config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._membership: Membership | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
+            if settings.registry is not None:
+                self._membership = Membership(vllm_config, config.engine_id, settings, kv_cache_config.num_blocks)
         else:
             self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
@@ -205,6 +209,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._membership is not None:
+            self._membership.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:

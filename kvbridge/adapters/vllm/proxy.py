@@ -6,7 +6,8 @@ and the other way round: the prefill server gets the request with `max_tokens: 1
 go into the decode request, whose answer (streamed or not) is passed through to the client.
 Instances are picked round-robin among the healthy ones; a health loop takes a dead instance
 out (at once when it refuses connections, after a few timed-out probes when it is only slow) and
-puts it back when it answers again. A decode server that refuses the connection is skipped for
+puts it back when it answers again. A prefill server that answers a server error (5xx: a vLLM server
+shutting down does) is skipped for the next one. A decode server that refuses the connection is skipped for
 the next one, since prefill holds the KV for whichever decode asks. Responses name the servers
 that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a decode server that
 failed after taking the request included. A client that disconnects closes the upstream request,
@@ -24,6 +25,11 @@ request id, which prefill's lease is keyed on): a client's id, which two clients
 lease. The client's `x-request-id` (or a new one) names the request in the answer, its `x-kvbridge-timing`
 header (see `timeline`) and the log line that repeats it at info. `/metrics` serves the proxy's Prometheus
 series (docs/operations.md).
+
+With a registry (`registry`, `kvbridge proxy --registry URL`) the pools also follow the servers that announce
+themselves there (`kvbridge.control.membership`, docs/elastic.md): each health round reads the records, adds the
+servers that joined, drops those whose record is gone or expired, and sends no new request to one that is
+draining. The `--prefill`/`--decode` servers stay whatever the registry says.
 
 The servers' URLs reach clients (the `x-kvbridge-prefill`/`x-kvbridge-decode` headers, `/instances`, error
 answers, `/metrics` labels) only with `expose_internals` (`--expose-internals`); otherwise a server is named
@@ -51,6 +57,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.adapters.vllm import fanout
 from kvbridge.control.channel import ControlClient
+from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.membership import StaticMembers, open_members
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.secret import load_secret
@@ -80,23 +88,41 @@ class Instance:
     healthy: bool = True
     slow_probes: int = 0  # health probes in a row that timed out
     in_flight: int = 0  # requests sent to it and not yet answered in full
+    announced: bool = False  # it came from the registry (and leaves when its record does)
+    draining: bool = False  # its record says draining: no new request
 
 
 class Pool:
-    """Round-robin over the healthy instances of one role."""
+    """Round-robin over the healthy instances of one role that are not draining."""
 
-    def __init__(self, role: str, urls: Sequence[str], *, expose: bool = False) -> None:
-        if not urls:
-            raise ConfigError(f"the proxy needs at least one {role} server URL (--{role} http://HOST:PORT)")
+    def __init__(self, role: str, urls: Sequence[str], *, expose: bool = False, registry: bool = False) -> None:
+        if not urls and not registry:
+            raise ConfigError(
+                f"the proxy needs at least one {role} server URL (--{role} http://HOST:PORT) or a --registry"
+            )
         self.role = role
-        self.instances = [
-            Instance(u.rstrip("/"), role, u.rstrip("/") if expose else f"{role}-{n}") for n, u in enumerate(urls)
-        ]
+        self.expose = expose
+        self._names = itertools.count()  # a server's place in the list, never reused: its label
+        self.instances = [self._new(u) for u in urls]
         self._counter = itertools.count()
 
+    def _new(self, url: str, *, announced: bool = False) -> Instance:
+        url = url.rstrip("/")
+        return Instance(url, self.role, url if self.expose else f"{self.role}-{next(self._names)}", announced=announced)
+
+    def join(self, url: str) -> Instance:
+        """A server announced in the registry: in rotation from now on (the health loop probes it)."""
+        inst = self._new(url, announced=True)
+        self.instances.append(inst)
+        return inst
+
+    def leave(self, inst: Instance) -> None:
+        """Out of rotation; its requests in flight finish."""
+        self.instances.remove(inst)
+
     def healthy(self) -> list[Instance]:
-        """The healthy instances; NoInstance when there are none."""
-        healthy = [i for i in self.instances if i.healthy]
+        """The healthy instances that take new requests; NoInstance when there are none."""
+        healthy = [i for i in self.instances if i.healthy and not i.draining]
         if not healthy:
             raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
         return healthy
@@ -254,24 +280,33 @@ class ProxyMetrics:
             ["role"],
             registry=self.registry,
         )
-        instances = [i for p in pools.values() for i in p.instances]
-        healthy = prom.Gauge(
+        self.healthy = prom.Gauge(
             "kvbridge_proxy_upstream_healthy",
             "1 while the upstream is in rotation.",
             ["role", "upstream"],
             registry=self.registry,
         )
-        in_flight = prom.Gauge(
+        self.in_flight = prom.Gauge(
             "kvbridge_proxy_upstream_in_flight",
             "Requests sent to the upstream, not yet answered.",
             ["role", "upstream"],
             registry=self.registry,
         )
-        for inst in instances:  # read at scrape time: the instances are the truth
-            healthy.labels(inst.role, inst.label).set_function(lambda i=inst: float(i.healthy))
-            in_flight.labels(inst.role, inst.label).set_function(lambda i=inst: float(i.in_flight))
+        for inst in (i for p in pools.values() for i in p.instances):
+            self.track(inst)
         for role in pools:
             self.failovers.labels(role)
+
+    def track(self, inst: Instance) -> None:
+        """Series of a new upstream, read at scrape time: the instances are the truth."""
+        self.healthy.labels(inst.role, inst.label).set_function(lambda: float(inst.healthy and not inst.draining))
+        self.in_flight.labels(inst.role, inst.label).set_function(lambda: float(inst.in_flight))
+
+    def forget(self, inst: Instance) -> None:
+        """An upstream that left: its series go."""
+        for gauge in (self.healthy, self.in_flight):
+            with contextlib.suppress(KeyError):
+                gauge.remove(inst.role, inst.label)
 
     def observe(self, timeline: Timeline) -> None:
         for name, ms in timeline.phases.items():
@@ -299,13 +334,15 @@ class Proxy:
         transfer: str = "pull",
         connect_timeout: float = CONNECT_TIMEOUT_S,
         expose_internals: bool = False,
+        registry: str | None = None,
     ) -> None:
         if transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
         self.expose = expose_internals
+        dynamic = registry is not None
         self.pools = {
-            "prefill": Pool("prefill", prefill, expose=expose_internals),
-            "decode": Pool("decode", decode, expose=expose_internals),
+            "prefill": Pool("prefill", prefill, expose=expose_internals, registry=dynamic),
+            "decode": Pool("decode", decode, expose=expose_internals, registry=dynamic),
         }
         self.transfer = transfer
         # layerwise: where each prefill server's side channel is (from its last answer; forgotten while it is down)
@@ -320,8 +357,55 @@ class Proxy:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self.metrics = ProxyMetrics(self.pools)
-        # Only to release a prefill's lease at once when no decode took the request (else it waits lease_s).
+        # To release a prefill's lease at once when no decode took the request (else it waits lease_s), and to
+        # check the registry's records.
         self.secret = load_secret()
+        self.members = None if registry is None else open_members(registry, secret=self.secret)
+        if self.members is not None and not self.secret and not isinstance(self.members, StaticMembers):
+            log.warning(
+                "the proxy has no KVBRIDGE_SECRET: it takes every record in %s unchecked; anyone who can write "
+                "there can add servers (docs/elastic.md)",
+                self.members.url,
+            )
+        self.membership_rounds = 0  # registry reads done: a test waits for one after a change
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def sync(self, records: Sequence[ServerRecord]) -> None:
+        """Make the pools' announced servers the registry's: join the new, drop the gone, mark the draining."""
+        wanted = {(r.role, r.url.rstrip("/")): r for r in records}
+        for role, pool in self.pools.items():
+            for inst in list(pool.instances):
+                record = wanted.pop((role, inst.url), None)
+                if record is None:
+                    if inst.announced:
+                        pool.leave(inst)
+                        self.metrics.forget(inst)
+                        self.identities.pop(inst.url, None)
+                        self._warm = {pair for pair in self._warm if inst.url not in pair}
+                        log.warning("%s server %s left the registry: taken out", role, inst.url)
+                    elif inst.draining:  # a static server whose record went: serving as configured
+                        inst.draining = False
+                    continue
+                if record.draining != inst.draining:
+                    log.warning("%s server %s is %s", role, inst.url, "draining" if record.draining else "serving")
+                    inst.draining = record.draining
+        for (role, url), record in sorted(wanted.items()):
+            inst = self.pools[role].join(url)
+            inst.draining = record.draining
+            self.metrics.track(inst)
+            log.warning("%s server %s joined from the registry (capacity %d)", role, url, record.capacity)
+
+    async def read_members(self) -> None:
+        """One read of the registry into the pools; a registry that cannot be read leaves them as they were."""
+        assert self.members is not None
+        try:
+            records = await asyncio.to_thread(self.members.servers)
+        except KVBridgeError as exc:
+            log.warning("could not read the servers in %s (the pools stay as they are): %s", self.members.url, exc)
+            return
+        self.sync(records)
+        self.membership_rounds += 1
 
     # -- health --------------------------------------------------------------------------------
 
@@ -353,6 +437,8 @@ class Proxy:
         for good."""
         while True:
             try:
+                if self.members is not None:
+                    await self.read_members()
                 await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
                 if self.warm_up:
                     self._warm_pairs()
@@ -369,6 +455,8 @@ class Proxy:
                     self.identities.pop(p.url, None)  # it may come back restarted, with another side channel
                 if not (p.healthy and d.healthy):
                     self._warm.discard(pair)  # a server that was down may have restarted: first contact again
+                elif p.draining or d.draining:
+                    continue
                 elif pair not in self._warm and pair not in self._warming:
                     self._warming[pair] = asyncio.create_task(self.warm_pair(p, d))
 
@@ -409,6 +497,8 @@ class Proxy:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
             await self.client.aclose()
+            if self.members is not None:
+                self.members.close()
 
     def _take_out(self, inst: Instance, why: str) -> None:
         log.warning("%s server %s %s: taken out", inst.role, inst.url, why)
@@ -431,10 +521,15 @@ class Proxy:
         params: KVTransferParams | None = None,
         instance: Instance | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
-        """POST to a prefill server (`instance`, or round robin); on a connection failure try the next one.
+        """POST to a prefill server (`instance`, or round robin), trying the next one when one fails.
 
-        The failed server is taken out. Not with `instance`: a layer-wise decode already reads from that one."""
+        On a connection failure the server is taken out and the next one tried; on a server error (5xx) the
+        next one is tried. Not with `instance`: a layer-wise decode already reads from that one. A 5xx is
+        what a vLLM server answers once it began shutting down (SIGTERM), before the proxy's next registry
+        read says it is draining: no KV is held for it.
+        """
         pool = self.pools["prefill"]
+        failed: httpx.Response | None = None
         for attempt in range(1 if instance is not None else len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances):
                 break
@@ -450,8 +545,15 @@ class Proxy:
                 continue
             finally:
                 inst.in_flight -= 1
+            if resp.status_code >= 500 and instance is None:
+                log.warning("prefill server %s answered %d (shutting down?): next", inst.url, resp.status_code)
+                self.metrics.failovers.labels(inst.role).inc()
+                failed = resp
+                continue
             resp.raise_for_status()
             return inst, resp.json()
+        if failed is not None:
+            failed.raise_for_status()
         raise NoInstance(f"no prefill server answered for {path}")
 
     async def send_decode(
@@ -974,9 +1076,14 @@ class Proxy:
             role: [{"url": i.label, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
             for role, p in self.pools.items()
         }
+        if self.members is not None:  # which servers are draining, and how many registry reads were done
+            for role, p in self.pools.items():
+                for entry, inst in zip(state[role], p.instances):
+                    entry["draining"] = inst.draining
+            state["registry_rounds"] = self.membership_rounds
         labels = {i.url: i.label for p in self.pools.values() for i in p.instances}
         # (prefill, decode) pairs whose first contact is made
-        state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm)
+        state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm if p in labels and d in labels)
         return state
 
     async def prometheus(self) -> Response:
@@ -993,12 +1100,14 @@ def create_app(
     transfer: str = "pull",
     connect_timeout: float = CONNECT_TIMEOUT_S,
     expose_internals: bool = False,
+    registry: str | None = None,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
 
     `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
     `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md).
-    `expose_internals`: answers name the servers by URL (see the module doc)."""
+    `expose_internals`: answers name the servers by URL (see the module doc).
+    `registry`: follow the servers announced there too (see the module doc)."""
     proxy = Proxy(
         prefill,
         decode,
@@ -1008,6 +1117,7 @@ def create_app(
         transfer=transfer,
         connect_timeout=connect_timeout,
         expose_internals=expose_internals,
+        registry=registry,
     )
     app = FastAPI(lifespan=proxy.lifespan)
     for path in ROUTES:
