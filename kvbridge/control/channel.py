@@ -32,7 +32,7 @@ from kvbridge import netguard, wire
 from kvbridge.agent import RankInfo
 from kvbridge.block_ids import BlockIds
 from kvbridge.control.auth import Authenticator, new_nonce
-from kvbridge.control.discovery import RankRecord, Registry
+from kvbridge.control.discovery import DiscoveryRegistry, RankRecord
 from kvbridge.control.ledger import Ledger
 from kvbridge.control.messages import (
     MAX_FIELDS,
@@ -139,7 +139,7 @@ class ControlServer:
         insecure: bool = False,
         on_abort: AbortCallback | None = None,
         streams: StreamQuery | None = None,
-        registry: Registry | None = None,
+        registry: DiscoveryRegistry | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 1.0,
         notify_timeout_s: float = 2.0,

@@ -117,7 +117,7 @@ class Sealer:
         return None
 
 
-class Registry(abc.ABC):
+class DiscoveryRegistry(abc.ABC):
     """A shared directory of rank records and server records, signed with `sealer`'s key."""
 
     url: str
@@ -197,7 +197,7 @@ class Registry(abc.ABC):
             time.sleep(delay)  # bounded by the deadline above
             delay = min(delay * 2, 0.5)
 
-    def __enter__(self) -> Registry:
+    def __enter__(self) -> DiscoveryRegistry:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -212,7 +212,7 @@ def _server_key(server_id: str) -> str:
     return f"{SERVERS}{server_id}"
 
 
-class RedisRegistry(Registry):
+class RedisRegistry(DiscoveryRegistry):
     """Records as fields of one redis hash per engine (`kvbridge/ranks/<engine>/`)."""
 
     def __init__(self, url: str, *, secret: str | bytes | None = None, timeout_s: float = 5.0) -> None:
@@ -269,7 +269,7 @@ class RedisRegistry(Registry):
         self._client.close()
 
 
-class EtcdRegistry(Registry):
+class EtcdRegistry(DiscoveryRegistry):
     """Records as etcd v3 keys `kvbridge/ranks/<engine>/<rank>`, spoken through etcd's JSON gateway.
 
     The gateway (`/v3/kv/*`, on the client port, etcd >= 3.4) needs no client library; this
@@ -375,7 +375,7 @@ def redacted(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-def open_registry(url: str | None, *, secret: str | bytes | None = None) -> Registry | None:
+def open_registry(url: str | None, *, secret: str | bytes | None = None) -> DiscoveryRegistry | None:
     """A registry for `redis://…` or `etcd://…`; None for peer-to-peer (None, "", "p2p", "P2PHANDSHAKE").
 
     `secret`: the deployment's shared secret, which signs and checks its records.
@@ -390,7 +390,9 @@ def open_registry(url: str | None, *, secret: str | bytes | None = None) -> Regi
     raise ConfigError(f"unknown registry URL {redacted(url)!r}; use redis://HOST:PORT, etcd://HOST:PORT or p2p")
 
 
-def resolve(params: KVTransferParams, rank: int, *, registry: Registry | None = None, wait_s: float = 0.0) -> Address:
+def resolve(
+    params: KVTransferParams, rank: int, *, registry: DiscoveryRegistry | None = None, wait_s: float = 0.0
+) -> Address:
     """Where rank `rank` of the remote engine in `params` listens.
 
     Its registry record (waiting up to `wait_s` for it to be ready) or, peer-to-peer, `remote_host` and `remote_port +

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import attrs
 
-from kvbridge.control.discovery import ROLES, STATES, Registry, ServerRecord, open_registry, redacted
+from kvbridge.control.discovery import ROLES, STATES, DiscoveryRegistry, ServerRecord, open_registry, redacted
 from kvbridge.errors import ConfigError, KVBridgeError
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ MAX_TTL_S = 3600.0
 class Announcer:
     """Keeps one server's record in `registry`, renewed every `ttl_s / 3` on a thread of its own."""
 
-    def __init__(self, registry: Registry, record: ServerRecord, *, ttl_s: float) -> None:
+    def __init__(self, registry: DiscoveryRegistry, record: ServerRecord, *, ttl_s: float) -> None:
         if not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails too
             raise ConfigError(f"registry_ttl_s must be {MIN_TTL_S:g} to {MAX_TTL_S:g} seconds, got {ttl_s}")
         self.registry = registry
@@ -118,7 +118,7 @@ class StaticMembers:
         """Nothing to release."""
 
 
-def open_members(url: str, *, secret: str | bytes | None = None) -> Registry | StaticMembers:
+def open_members(url: str, *, secret: str | bytes | None = None) -> DiscoveryRegistry | StaticMembers:
     """What the proxy reads server records from.
 
     `redis://…` or `etcd://…` (records checked with `secret`), or a static JSON file (`file:///path`, or a

@@ -34,7 +34,7 @@ import numpy as np
 from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.block_ids import BlockIds, block_array
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
-from kvbridge.control.discovery import Registry, resolve
+from kvbridge.control.discovery import DiscoveryRegistry, resolve
 from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import KVBridgeError, LoadError
@@ -113,7 +113,7 @@ class DecodeControl:
         server: ControlServer,
         *,
         secret: str | bytes | None = None,
-        registry: Registry | None = None,
+        registry: DiscoveryRegistry | None = None,
         ready_timeout_s: float = 30.0,
         timeout_s: float = CONTROL_TIMEOUT_S,
     ) -> None:
