@@ -46,7 +46,7 @@ class NixlOptions(GuardOptions):
     )
     poll_interval: float = option(
         0.0,
-        "seconds between polls of in-flight requests (0: yield the CPU between polls for 0.2 ms, then back off to 0.5 ms)",
+        "seconds between polls of in-flight requests (0: yield between polls for 0.2 ms, then back off to 0.5 ms)",
         min=0,
         max=60,
     )
