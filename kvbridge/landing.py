@@ -19,7 +19,10 @@ agent's device-bound backend, so where the transport cannot reach the device (TC
 the bytes land in the buffer's pinned host mirror and are copied to the device, followed by the
 plugin's sync (`kvbridge.staging.StagedBackend`); the rearrangement then runs on the device and is
 followed by the plugin's sync too, before the pull reports the blocks loaded. The pool of idle
-buffers is bounded (`max_idle_bytes`): a buffer released beyond it is unregistered and freed.
+buffers is bounded (`max_idle_bytes`): a buffer released beyond it is unregistered and freed. Retired
+buffers are bounded too (`max_retired_bytes`): they can never be freed (a late write may come whenever
+the peer answers again), so once the next buffer would take them past the bound a pull that must land
+is refused with a LoadError (the engine recomputes it) instead of growing memory with every failed pull.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from kvbridge.block_ids import block_array
 from kvbridge.device import Device
-from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.errors import ConfigError, LayoutMismatch, LoadError
 from kvbridge.layout import KVLayout, PagedGeometry
 from kvbridge.memory import Descriptors, merge_runs
 from kvbridge.plugins import get_device
@@ -44,6 +47,9 @@ log = logging.getLogger(__name__)
 
 MIN_LANDING_BYTES = 1 << 20
 MAX_IDLE_BYTES = 256 << 20  # idle landing buffers kept registered for reuse, at most
+# Retired landing buffers (kept allocated for late writes, never reused) a rank holds, at most, before it
+# refuses pulls that would land: plus what pulls in flight hold, each admitted under the bound.
+MAX_RETIRED_BYTES = 1 << 30
 
 
 def direct(local: KVLayout, remote: KVLayout) -> bool:
@@ -187,6 +193,7 @@ class Receiver:
         device: Device | None = None,
         *,
         max_idle_bytes: int = MAX_IDLE_BYTES,
+        max_retired_bytes: int = MAX_RETIRED_BYTES,
     ) -> None:
         if layout.paged is None:
             raise ConfigError("a landing receiver needs a paged layout (PagedGeometry)")
@@ -197,6 +204,7 @@ class Receiver:
         self.device = device if device is not None else get_device("cpu")
         self.device_id = max(self.device.device_id(self.views[0][0]), 0)
         self.max_idle_bytes = max_idle_bytes
+        self.max_retired_bytes = max_retired_bytes
         self._free: list[Any] = []
         self._all: list[Any] = []
         self._retired_bytes = 0
@@ -280,7 +288,7 @@ class Receiver:
             g = attrs.evolve(g, planes=planes_kept)
             views = [[plane[i] for i in keep] for plane in views]
         desc, planes, nbytes = landing_descriptors(g, src)
-        buf = self.acquire(nbytes)
+        buf = self.acquire(nbytes, request_id)
         desc = desc.copy()
         desc[:, 0] += buf.data_ptr()
 
@@ -319,17 +327,30 @@ class Receiver:
 
         return Landed(self, buf, desc, rearrange)
 
-    def acquire(self, nbytes: int) -> Any:
-        """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once)."""
+    def acquire(self, nbytes: int, request_id: str = "") -> Any:
+        """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once).
+        Raises LoadError (recompute) when retiring it after a failed transfer would take the retired
+        buffers past `max_retired_bytes`."""
         import torch
 
+        size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            lent = size if buf is None else buf.numel()
+            if self._retired_bytes + lent > self.max_retired_bytes:
+                raise LoadError(
+                    f"request {request_id}: this decode rank holds {self._retired_bytes} bytes of landing buffers "
+                    f"retired after failed transfers (a late write may still land in them, so they are never "
+                    f"freed), and another {lent} would pass the bound of {self.max_retired_bytes}; the request is "
+                    "recomputed. Find why pulls fail (the peer's health, the transfer deadline); a restart of this "
+                    "engine frees them",
+                    request=request_id,
+                    cause="retired landing buffers at their bound",
+                )
+            if buf is not None:
                 self._free = [b for b in self._free if b is not buf]  # by identity: == compares tensors
                 return buf
-        size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         buf = self.device.allocate(size, self.device_id)
         if not isinstance(buf, torch.Tensor):  # a host device's numpy buffer: torch views it in place
             buf = torch.from_numpy(buf)

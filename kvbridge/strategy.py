@@ -1,6 +1,6 @@
 """How to move one request: its planned descriptors as they are, or gathered through staging.
 
-A transport that pays per descriptor (Mooncake TCP: about 13 µs each beyond the bytes, measured on
+A transport that pays per descriptor (Mooncake TCP: about 18 µs each beyond the bytes, measured on
 loopback) moves a fragmented request (one descriptor per block and layer) at half its speed. The
 alternative is to gather the request's blocks on the sending side into one contiguous staging region
 (on a GPU a device kernel, `index_select` into registered device memory; here a host copy), read it in
