@@ -329,8 +329,10 @@ class Receiver:
 
     def acquire(self, nbytes: int, request_id: str = "") -> Any:
         """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once).
+
         Raises LoadError (recompute) when retiring it after a failed transfer would take the retired
-        buffers past `max_retired_bytes`."""
+        buffers past `max_retired_bytes`.
+        """
         import torch
 
         size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
