@@ -101,3 +101,16 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
         assert out.returncode == 2, (command, out.stdout, out.stderr)
         assert "pip install kvbridge-tools" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "bench" in _run(cli, "--help").stdout
+
+
+# Issue 32's bound on the library. Not met yet: what is left over it is the `kvbridge proxy` server
+# (adapters/vllm/proxy.py and cli/proxy.py, 1,100 lines), which stays in the library until it is split off.
+LIBRARY_LINES = 15_000
+
+
+@pytest.mark.xfail(strict=True, reason="issue 32: the installed package is still over 15,000 lines (the proxy)")
+def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:
+    where = _run(venv, "-c", "import kvbridge; print(kvbridge.__file__)")
+    package = Path(where.stdout.strip()).parent
+    lines = sum(len(p.read_bytes().splitlines()) for p in package.rglob("*.py"))
+    assert lines < LIBRARY_LINES, f"the installed kvbridge package has {lines} lines of Python"

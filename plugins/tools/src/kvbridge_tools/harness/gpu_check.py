@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[5]  # plugins/tools/src/kvbridge_tools/harness
 OTHER_TRANSPORTS = ("mooncake", "nixl")  # carried one per call: the others' parametrizations are left out
 CONFORMANCE = {  # device -> (test file, class running DeviceConformance on it)
     "cuda": ("plugins/cuda/tests/test_cuda_conformance.py", "TestCudaConformance"),

@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[5]  # plugins/tools/src/kvbridge_tools/harness
 PACK_DIR = REPO / ".gpu-pack"  # ignored by git; it travels beside the working tree (docs/gpu.md)
 CACHE_DIR = Path(os.environ.get("KVBRIDGE_GPU_PACK_CACHE", Path.home() / ".cache" / "kvbridge-gpu-pack"))
 LIMIT_BYTES = 64 << 20  # what one call to the GPU machine carries, working tree and pack together
