@@ -238,7 +238,7 @@ def _alive(pid: int) -> bool:
 def test_readme_first_command_prints_no_native_log_lines() -> None:
     # Exactly the README's first command: its table and verdict, none of Mooncake's glog start-up lines
     # (they are routed to kvbridge's logging, the harmless ones at debug); -v brings the library's back.
-    from kvbridge.nativelog import classify
+    from kvbridge_tools.harness.nativelog import classify
 
     out = kvbridge("bench", "--migration-backend", "mooncake")
     assert "verified" in out.stdout.lower(), out.stdout

@@ -186,7 +186,7 @@ def _measure(
             return Child("kvbridge_tools.bench.pair_worker", name=name)
         return Child("kvbridge_tools.bench.pair_worker", name=name, prefix=where.prefix[name], env=where.env)
 
-    # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child.
+    # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child (harness.nativelog).
     prefill = child("prefill")
     decode = child("decode")
     try:

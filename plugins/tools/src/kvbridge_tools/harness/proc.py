@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvbridge.errors import KVBridgeError, TransferTimeout
-from kvbridge.nativelog import relay_stderr
+from kvbridge_tools.harness.nativelog import relay_stderr
 
 log = logging.getLogger(__name__)
 
