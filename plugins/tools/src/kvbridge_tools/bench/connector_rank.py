@@ -61,12 +61,14 @@ class Rank:
         pp_rank: int = 0,
         cache_dtype: str = "auto",
         raw_bytes: int = 0,
+        fault_injection: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Allocate this rank's cache, build the connector (both roles) and register the cache.
 
         `device`: a device plugin's name; an accelerator rank takes device `device_slot` modulo the
         devices present. `rank`: the rank in the (DP, TP) grid of pipeline stage `pp_rank` of `pp`.
-        `raw_bytes`: size of the raw buffer registered beside the cache (0: none).
+        `raw_bytes`: size of the raw buffer registered beside the cache (0: none). `fault_injection`: the
+        connector's key of that name (testing only, `kvbridge.faults`).
         """
         self.close()
         import attrs
@@ -107,6 +109,8 @@ class Rank:
         extra["early_offer"] = False
         if protocol:
             extra["protocol"] = protocol
+        if fault_injection is not None:
+            extra["fault_injection"] = fault_injection
         vc = VllmConfig(
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVBridgeConnector",
