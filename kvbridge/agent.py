@@ -13,7 +13,7 @@ On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)`
 pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once, and
 `agent.publish(blocks)` makes a computed request's blocks readable before it is offered.
 
-The tensors' device picks its device plugin (`kvbridge.regions`), and the transport is
+The tensors' device picks its device plugin (`kvbridge.placement`), and the transport is
 bound to that device (`kvbridge.staging.attach`): directly where the transport reaches the memory
 (Mooncake `rdma` with GPUDirect, `ascend`), through pinned host mirrors where it cannot (GPU memory
 over `tcp`). Either way the agent makes the same calls: `publish` before offering blocks, a pull's
@@ -48,13 +48,13 @@ import numpy as np
 from kvbridge import staging, wire
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
 from kvbridge.block_ids import block_array
+from kvbridge.descriptors import pull_descriptors
 from kvbridge.errors import ConfigError, TopologyError, TransferTimeout
 from kvbridge.landing import Receiver
 from kvbridge.layout import KVLayout, check_compatible
 from kvbridge.memory import RegionIndex, total_bytes
-from kvbridge.planner import pull_descriptors
+from kvbridge.placement import for_device, tensor_device
 from kvbridge.plugins import create_backend, get_device
-from kvbridge.regions import for_device, tensor_device
 from kvbridge.topology import ParallelConfig, Plan, heads_per_rank, plan
 
 log = logging.getLogger(__name__)
@@ -186,15 +186,16 @@ class KVAgent:
         landing: Sequence[Sequence[Any]] | None = None,
         **backend_options: Any,
     ) -> None:
-        """`device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another
-        is an error. Memory given as (address, bytes) pairs is the named device's (its current device
-        id), host memory when none is named. `backend` by name is created and closed by the agent; a
-        backend object (or one `kvbridge.staging.attach` already bound to the device) is left open. Either
-        is staged where the transport cannot reach the device's memory, or always with `stage=True`.
-        `landing`: per plane, per layer, byte views of the cache (`kvbridge.landing.Receiver`): reads from a
-        peer whose cache is arranged otherwise, or over a transport that may write late, land in buffers
-        first and are rearranged into the cache; without them every read goes straight into the cache (a peer arranged
-        otherwise is refused)."""
+        """Build the agent: `device`, `backend`, `stage` and `landing` choose how the cache is reached and moved.
+
+        `device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another is an error.
+        Memory given as (address, bytes) pairs is the named device's (its current device id), host memory when none is
+        named. `backend` by name is created and closed by the agent; a backend object (or one `kvbridge.staging.attach`
+        already bound to the device) is left open. Either is staged where the transport cannot reach the device's
+        memory, or always with `stage=True`. `landing`: per plane, per layer, byte views of the cache
+        (`kvbridge.landing.Receiver`): reads from a peer whose cache is arranged otherwise, or over a transport that may
+        write late, land in buffers first and are rearranged into the cache; without them every read goes straight into
+        the cache (a peer arranged otherwise is refused)."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -261,8 +262,10 @@ class KVAgent:
 
     @property
     def publish_is_free(self) -> bool:
-        """Publishing needs nothing (host memory the transport reads directly): computed blocks are readable
-        as they stand, from any thread, so they may be offered before the engine's next step."""
+        """Publishing needs nothing (host memory the transport reads directly).
+
+        Computed blocks are readable as they stand, from any thread, so they may be offered before the engine's next
+        step."""
         return type(self.backend).publish is MigrationBackend.publish
 
     def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None, *, waited: bool = False) -> None:
@@ -290,9 +293,10 @@ class KVAgent:
             self.backend.publish(ranges)
 
     def record(self) -> Any:
-        """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting
-        (None where the device cannot, or where publishing needs nothing): one mark per device the cache
-        is registered on. `publish(..., waited=True)` after `wait_recorded(marks)` then skips the wait."""
+        """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting.
+
+        None where the device cannot, or where publishing needs nothing; else one mark per device the cache is
+        registered on. `publish(..., waited=True)` after `wait_recorded(marks)` then skips the wait."""
         if self.publish_is_free:
             return None
         marks = [self.device.record(i) for i in self._device_ids or [self.device.current_id()]]

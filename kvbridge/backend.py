@@ -190,8 +190,9 @@ class MigrationBackend(abc.ABC):
         """Release what `_connect` opened (optional)."""
 
     def _regions(self, x: Any) -> list[MemoryRegion]:
-        """What `register_memory` was given, as regions (host memory here; a device-bound wrapper asks its
-        device plugin)."""
+        """What `register_memory` was given, as regions.
+
+        Host memory here; a device-bound wrapper asks its device plugin."""
         return as_regions(x)
 
     def _shutdown(self) -> None:
@@ -397,8 +398,9 @@ class _Alarm:
 
 
 class _Watchdog:
-    """One thread that runs the transfer deadlines' alarms (a thread per transfer would cost more than
-    a small transfer does)."""
+    """One thread that runs the transfer deadlines' alarms.
+
+    A thread per transfer would cost more than a small transfer does."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -434,8 +436,10 @@ _WATCHDOG = _Watchdog()
 
 
 class _DeadlineRetry:
-    """One part of a transfer under the deadline (see the module doc): resubmitted once when it fails or
-    has not finished within the deadline; complete once every attempt that started has returned."""
+    """One part of a transfer under the deadline (see the module doc).
+
+    Resubmitted once when it fails or has not finished within the deadline; complete once every attempt that started has
+    returned."""
 
     def __init__(
         self, backend: MigrationBackend, peer: Peer, desc: Descriptors, op: Op, first: Future, deadline: float

@@ -20,8 +20,10 @@ _WIRE_DTYPE = np.dtype("<i8")
 
 
 def block_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Block ids as an int64 array: no copy for `BlockIds` or an int64 array, one fast pass for a list
-    (an engine's block table), else a converted copy. Not checked: `BlockIds(ids)` checks."""
+    """Block ids as an int64 array, copied only where they must be.
+
+    No copy for `BlockIds` or an int64 array, one fast pass for a list (an engine's block table), else a converted copy.
+    Not checked: `BlockIds(ids)` checks."""
     if isinstance(ids, BlockIds):
         return ids.array
     if isinstance(ids, np.ndarray):
@@ -57,8 +59,9 @@ def _checked(a: np.ndarray) -> np.ndarray:
 
 
 class BlockIds(Sequence[int]):
-    """Immutable block ids: a sequence of ints (compares equal to a tuple or list of the same ids) backed
-    by a read-only int64 array (`array`, or `np.asarray(ids)`, without a copy)."""
+    """Immutable block ids: a sequence of ints backed by a read-only int64 array.
+
+    Compares equal to a tuple or list of the same ids; the array is `array`, or `np.asarray(ids)`, without a copy."""
 
     __slots__ = ("_ids",)
 

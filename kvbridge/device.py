@@ -42,8 +42,9 @@ class Device(abc.ABC):
         return -1 if index is None else int(index)
 
     def region(self, addr: int, length: int, device_id: int = -1) -> MemoryRegion:
-        """A region of this device's memory known only by address (engines that hand out pointers, like
-        LMDeploy's CacheEngine): `device_id` -1 is the device this process is using now."""
+        """A region of this device's memory known only by address (engines that hand out pointers).
+
+        LMDeploy's CacheEngine is one. `device_id` -1 is the device this process is using now."""
         return MemoryRegion(addr, length, self.memory_kind, self.current_id() if device_id < 0 else device_id)
 
     def current_id(self) -> int:
@@ -51,23 +52,26 @@ class Device(abc.ABC):
         return -1
 
     def set_current(self, device_id: int) -> None:
-        """Make `device_id` the device this process computes on. Transports that bind to one device when
-        they start (Mooncake's ascend) need it first. Host memory has none."""
+        """Make `device_id` the device this process computes on.
+
+        Transports that bind to one device when they start (Mooncake's ascend) need it first. Host memory has none."""
 
     def physical_id(self, device_id: int) -> int:
         """The id the hardware and its fabric know a device by, where a visibility variable renumbers them."""
         return device_id
 
     def buffer_at(self, region: MemoryRegion) -> Any:
-        """A flat byte buffer over existing memory of this device, for staging copies when only the
-        address is known. Devices that cannot wrap an address say so."""
+        """A flat byte buffer over existing memory of this device, for staging copies when only the address is known.
+
+        Devices that cannot wrap an address say so."""
         raise ConfigError(
             f"device {self.name!r} cannot copy from a raw address; register the tensor itself, or use a "
             f"transport protocol that reaches {self.memory_kind.value} memory directly ({', '.join(self.protocols())})"
         )
 
     def location(self, device_id: int) -> str:
-        """How a transport names where this memory lives when registering it (Mooncake's `location`):
+        """How a transport names where this memory lives when registering it (Mooncake's `location`).
+
         ``cuda:0``, ``npu:3``; ``*`` lets the transport find out (host memory: its NUMA node)."""
         return "*" if self.memory_kind == MemoryKind.DRAM else f"{self.name}:{max(device_id, 0)}"
 
@@ -80,14 +84,17 @@ class Device(abc.ABC):
         """Make bytes a transfer wrote visible to compute that reads them next."""
 
     def record(self, device_id: int) -> Any:
-        """Mark, without waiting, the work this thread has queued on `device_id` so far (an event on its
-        current stream); `wait_recorded` waits for it from any thread. None: this device cannot mark
-        work, and `before_transfer` in the computing thread is the only wait (the default)."""
+        """Mark, without waiting, the work this thread has queued on `device_id` so far.
+
+        The mark is an event on its current stream; `wait_recorded` waits for it from any thread. None: this device
+        cannot mark work, and `before_transfer` in the computing thread is the only wait (the default)."""
         return None
 
     def wait_recorded(self, mark: Any) -> None:
-        """Block until the work before `mark` (from `record`) finished; called on another thread than the
-        one that recorded it (layer-wise streaming publishes each layer off the engine's forward)."""
+        """Block until the work before `mark` (from `record`) finished.
+
+        Called on another thread than the one that recorded it (layer-wise streaming publishes each layer off the
+        engine's forward)."""
 
     @abc.abstractmethod
     def allocate(self, nbytes: int, device_id: int = 0) -> Any:

@@ -105,9 +105,10 @@ class FaultyBackend(MigrationBackend):
     def inject(
         self, *, fail_submit: int = 0, fail_completion: int = 0, delay: float = 0.0, rates: FaultRates | None = None
     ) -> None:
-        """Fail the next `fail_submit` submissions at once, the next `fail_completion` on completion,
-        and delay every submission by `delay` seconds (replacing what was armed before); `rates`, where
-        given, replace the rates."""
+        """Arm counted faults (replacing what was armed before) and, where given, new `rates`.
+
+        The next `fail_submit` submissions fail at once, the next `fail_completion` on completion, and every
+        submission is delayed by `delay` seconds."""
         with self._faults_lock:
             self._counted = _Counted(fail_submit, fail_completion, delay)
             if rates is not None:

@@ -31,8 +31,10 @@ API_HOOKS = {
 
 @hookspec(historic=True)
 def kvbridge_transports() -> Sequence[TransportSpec]:
-    """The transports this plugin provides: a list of ``kvbridge.TransportSpec(name, factory, capabilities,
-    options=TransportOptions, probe=None, install_hint="", hardware=None)``.
+    """The transports this plugin provides, as a list of ``kvbridge.TransportSpec``.
+
+    ``kvbridge.TransportSpec(name, factory, capabilities, options=TransportOptions, probe=None, install_hint="",
+    hardware=None)``.
 
     ``factory(config: BackendConfig, options) -> MigrationBackend`` is called only when a user creates the
     transport, so a missing native library never breaks ``import kvbridge``; ``options`` is an instance of
@@ -42,8 +44,9 @@ def kvbridge_transports() -> Sequence[TransportSpec]:
 
 @hookspec(historic=True)
 def kvbridge_devices() -> Sequence[DeviceSpec]:
-    """The devices this plugin provides: a list of ``kvbridge.DeviceSpec(name, factory, memory_kind,
-    options=NoOptions, probe=None, install_hint="", hardware=None)``.
+    """The devices this plugin provides, as a list of ``kvbridge.DeviceSpec``.
+
+    ``kvbridge.DeviceSpec(name, factory, memory_kind, options=NoOptions, probe=None, install_hint="", hardware=None)``.
 
     ``factory(options) -> Device`` is called on first use. ``hardware() -> bool`` says, cheaply and without
     the vendor runtime, whether the device is on this machine at all (device nodes, sysfs), so

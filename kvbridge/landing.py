@@ -10,7 +10,7 @@ consecutive block ids). Then one vectorized torch rearrangement (view, permute, 
 selection, re-blocking) writes them into the decode cache's own layout, per layer.
 
 Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
-zero-copy path of `kvbridge.planner`, unless the transport may still write after a failed transfer
+zero-copy path of `kvbridge.descriptors`, unless the transport may still write after a failed transfer
 (`BackendCapabilities.late_writes`, Mooncake TCP): then every pull lands, and a failed one's buffer is
 retired, so the cache blocks the engine takes back (to recompute, or for another request) stay clean.
 
@@ -19,7 +19,10 @@ agent's device-bound backend, so where the transport cannot reach the device (TC
 the bytes land in the buffer's pinned host mirror and are copied to the device, followed by the
 plugin's sync (`kvbridge.staging.StagedBackend`); the rearrangement then runs on the device and is
 followed by the plugin's sync too, before the pull reports the blocks loaded. The pool of idle
-buffers is bounded (`max_idle_bytes`): a buffer released beyond it is unregistered and freed.
+buffers is bounded (`max_idle_bytes`): a buffer released beyond it is unregistered and freed. Retired
+buffers are bounded too (`max_retired_bytes`): they can never be freed (a late write may come whenever
+the peer answers again), so once the next buffer would take them past the bound a pull that must land
+is refused with a LoadError (the engine recomputes it) instead of growing memory with every failed pull.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from kvbridge.block_ids import block_array
 from kvbridge.device import Device
-from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.errors import ConfigError, LayoutMismatch, LoadError
 from kvbridge.layout import KVLayout, PagedGeometry
 from kvbridge.memory import Descriptors, merge_runs
 from kvbridge.plugins import get_device
@@ -44,6 +47,9 @@ log = logging.getLogger(__name__)
 
 MIN_LANDING_BYTES = 1 << 20
 MAX_IDLE_BYTES = 256 << 20  # idle landing buffers kept registered for reuse, at most
+# Retired landing buffers (kept allocated for late writes, never reused) a rank holds, at most, before it
+# refuses pulls that would land: plus what pulls in flight hold, each admitted under the bound.
+MAX_RETIRED_BYTES = 1 << 30
 
 
 def direct(local: KVLayout, remote: KVLayout) -> bool:
@@ -70,8 +76,10 @@ def _compact_strides(order: Sequence[int], sizes: Sequence[int]) -> list[int]:
 
 
 def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descriptors, list[tuple[int, list[int]]], int]:
-    """(landing offset, remote address, length) runs that copy `blocks` of `g` into a compact buffer in
-    `g`'s own physical order, each plane's (offset, strides) in that buffer, and its size in bytes."""
+    """How to copy `blocks` of `g` into a compact buffer in `g`'s own physical order.
+
+    Returns (landing offset, remote address, length) runs, each plane's (offset, strides) in that buffer, and its size
+    in bytes."""
     n, layers = len(blocks), len(g.planes[0].layer_addrs)
     order = g.order
     heads_outer = order.index(2) < max(order.index(0), order.index(1))  # LHBNC, BHLNC: a head is its own run
@@ -100,8 +108,9 @@ def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descripto
 
 
 def write_planes(views: Sequence[Sequence[Any]], blocks: Any, heads: tuple[int, int], planes: Sequence[Any]) -> None:
-    """Write each plane's `[L, n, h, N, c]` bytes into blocks `blocks` and heads [h0, h1) of a cache given
-    as per-plane, per-layer uint8 views `[B, H, N, c]`."""
+    """Write each plane's `[L, n, h, N, c]` bytes into blocks `blocks` and heads [h0, h1) of a cache.
+
+    The cache is given as per-plane, per-layer uint8 views `[B, H, N, c]`."""
     host = _host_index(blocks)
     for plane, data in zip(views, planes):
         for layer, view in enumerate(plane):
@@ -132,8 +141,9 @@ def _in_host_bytes(*tensors: Any) -> bool:
 def write_logical(
     views: Sequence[Sequence[Any]], contents: Sequence[int], blocks: Any, heads: tuple[int, int], data: Any
 ) -> None:
-    """Write `data` `[L, n, h, N, C]` (bytes) into blocks `blocks` and heads [h0, h1) of a cache given as
-    per-plane, per-layer uint8 views `[B, H, N, c]`; planes split C in order."""
+    """Write `data` `[L, n, h, N, C]` (bytes) into blocks `blocks` and heads [h0, h1) of a cache.
+
+    The cache is given as per-plane, per-layer uint8 views `[B, H, N, c]`; planes split C in order."""
     bounds = np.cumsum([0, *contents]).tolist()
     write_planes(views, blocks, heads, [data[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])])
 
@@ -152,10 +162,11 @@ class Landed:
         self._receiver, self._buf, self.descriptors, self._action = receiver, buf, descriptors, action
 
     def finish(self, ok: bool, *, moved: bool = True) -> None:
-        """Rearrange into the cache when the transfer succeeded; give the buffer back. A failed transfer
-        (`moved`: it had started) may still write into the buffer later: a transport call that gave up
-        does not always cancel what it queued (Mooncake TCP re-sends slices queued behind a dropped lane
-        once the peer answers), so the buffer is retired, never lent to another pull."""
+        """Rearrange into the cache when the transfer succeeded; give the buffer back.
+
+        A failed transfer (`moved`: it had started) may still write into the buffer later: a transport call that gave up
+        does not always cancel what it queued (Mooncake TCP re-sends slices queued behind a dropped lane once the peer
+        answers), so the buffer is retired, never lent to another pull."""
         try:
             if ok:
                 self._action(self._buf)
@@ -171,7 +182,7 @@ class Receiver:
 
     `views`: per plane, per layer, uint8 views `[B, H, N, c]` of the rank's cache (`cache.py` builds them).
     `backend`: the agent's backend, bound to `device` (`kvbridge.staging.attach`), staged or not.
-    `device`: the cache's device plugin (`kvbridge.regions.device_of`); host memory when left out.
+    `device`: the cache's device plugin (`kvbridge.placement.device_of`); host memory when left out.
     """
 
     def __init__(
@@ -182,6 +193,7 @@ class Receiver:
         device: Device | None = None,
         *,
         max_idle_bytes: int = MAX_IDLE_BYTES,
+        max_retired_bytes: int = MAX_RETIRED_BYTES,
     ) -> None:
         if layout.paged is None:
             raise ConfigError("a landing receiver needs a paged layout (PagedGeometry)")
@@ -192,6 +204,7 @@ class Receiver:
         self.device = device if device is not None else get_device("cpu")
         self.device_id = max(self.device.device_id(self.views[0][0]), 0)
         self.max_idle_bytes = max_idle_bytes
+        self.max_retired_bytes = max_retired_bytes
         self._free: list[Any] = []
         self._all: list[Any] = []
         self._retired_bytes = 0
@@ -201,10 +214,12 @@ class Receiver:
         return direct(self.layout, remote)
 
     def lands(self, remote: KVLayout, pull: Pull) -> bool:
-        """Whether `pull` goes through a landing buffer: the layouts differ, or the transport may write
-        after a failed transfer (`BackendCapabilities.late_writes`), which must never reach a cache block
-        the engine recomputes or hands to another request after the failure (context-parallel pulls too:
-        like layouts land whole blocks at the positions the pull names)."""
+        """Whether `pull` goes through a landing buffer.
+
+        It does when the layouts differ, or the transport may write after a failed transfer
+        (`BackendCapabilities.late_writes`), which must never reach a cache block the engine recomputes or hands to
+        another request after the failure (context-parallel pulls too: like layouts land whole blocks at the positions
+        the pull names)."""
         if not self.direct(remote):
             return True
         return remote.paged is not None and pull.num_blocks > 0 and self.backend.capabilities.late_writes
@@ -220,7 +235,8 @@ class Receiver:
         *,
         layers: Sequence[int] | None = None,
     ) -> Landed:
-        """Descriptors that land the peer's blocks of the request, and the rearrangement after them;
+        """Descriptors that land the peer's blocks of the request, and the rearrangement after them.
+
         `layers`: of those layers only (a layer-wise read, `kvbridge.adapters.vllm.layerwise`)."""
         g, mine = remote.paged, self.geometry
         if g is None:
@@ -272,7 +288,7 @@ class Receiver:
             g = attrs.evolve(g, planes=planes_kept)
             views = [[plane[i] for i in keep] for plane in views]
         desc, planes, nbytes = landing_descriptors(g, src)
-        buf = self.acquire(nbytes)
+        buf = self.acquire(nbytes, request_id)
         desc = desc.copy()
         desc[:, 0] += buf.data_ptr()
 
@@ -311,17 +327,32 @@ class Receiver:
 
         return Landed(self, buf, desc, rearrange)
 
-    def acquire(self, nbytes: int) -> Any:
-        """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once)."""
+    def acquire(self, nbytes: int, request_id: str = "") -> Any:
+        """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once).
+
+        Raises LoadError (recompute) when retiring it after a failed transfer would take the retired
+        buffers past `max_retired_bytes`.
+        """
         import torch
 
+        size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         with self._lock:
             fits = [b for b in self._free if b.numel() >= nbytes]
-            if fits:
-                buf = min(fits, key=lambda b: b.numel())
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            lent = size if buf is None else buf.numel()
+            if self._retired_bytes + lent > self.max_retired_bytes:
+                raise LoadError(
+                    f"request {request_id}: this decode rank holds {self._retired_bytes} bytes of landing buffers "
+                    f"retired after failed transfers (a late write may still land in them, so they are never "
+                    f"freed), and another {lent} would pass the bound of {self.max_retired_bytes}; the request is "
+                    "recomputed. Find why pulls fail (the peer's health, the transfer deadline); a restart of this "
+                    "engine frees them",
+                    request=request_id,
+                    cause="retired landing buffers at their bound",
+                )
+            if buf is not None:
                 self._free = [b for b in self._free if b is not buf]  # by identity: == compares tensors
                 return buf
-        size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
         buf = self.device.allocate(size, self.device_id)
         if not isinstance(buf, torch.Tensor):  # a host device's numpy buffer: torch views it in place
             buf = torch.from_numpy(buf)

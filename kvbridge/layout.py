@@ -23,8 +23,8 @@ from typing import Any, Literal
 import attrs
 
 from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.placement import regions_of
 from kvbridge.presets import ModelSpec
-from kvbridge.regions import regions_of
 
 Order = Literal["NHD", "HND"]
 KINDS = ("k", "v", "kv", "latent", "index")
@@ -121,8 +121,9 @@ class PagedGeometry:
 
 @attrs.frozen(cache_hash=True)  # a key of the planner's caches: hashed on every pull
 class KVLayout:
-    """A rank's KV cache: model facts, KV heads on this rank, and its regions (and, for paged engine
-    caches, their geometry)."""
+    """A rank's KV cache: model facts, KV heads on this rank, and its regions.
+
+    Paged engine caches also carry their geometry."""
 
     model: ModelSpec
     heads: int
@@ -254,9 +255,10 @@ def vllm_layout(
 
 
 def paged_layout(model: ModelSpec, geometry: PagedGeometry) -> KVLayout:
-    """Regions of a paged cache for byte-for-byte pulls: a dense block (heads then tokens, HND, or
-    tokens then heads, NHD) is one region per (plane, layer); a block whose heads lie apart (vLLM's
-    LHBNC, BHLNC) is one region per (plane, layer, head)."""
+    """Regions of a paged cache for byte-for-byte pulls.
+
+    A dense block (heads then tokens, HND, or tokens then heads, NHD) is one region per (plane, layer); a block whose
+    heads lie apart (vLLM's LHBNC, BHLNC) is one region per (plane, layer, head)."""
     g = geometry
     regions = []
     for plane in g.planes:

@@ -42,7 +42,7 @@ def buffer_region(buf: Any, kind: MemoryKind, device_id: int) -> MemoryRegion:
 def as_regions(x: Any) -> list[MemoryRegion]:
     """Regions of host memory: a CPU tensor, a numpy array, a MemoryRegion, an (addr, length) pair, or a list.
 
-    Device memory is described by its device plugin (`kvbridge.regions.regions_of`), which sits above
+    Device memory is described by its device plugin (`kvbridge.placement.regions_of`), which sits above
     the plugin registry; this module stays below it, so a device tensor here is a clear error.
     """
     if isinstance(x, MemoryRegion):
@@ -50,7 +50,7 @@ def as_regions(x: Any) -> list[MemoryRegion]:
     if is_tensor_like(x):
         if str(getattr(x.device, "type", x.device)) != "cpu":
             raise ConfigError(
-                f"a {x.device} tensor is device memory: describe it with kvbridge.regions.regions_of(tensor), or "
+                f"a {x.device} tensor is device memory: describe it with kvbridge.placement.regions_of(tensor), or "
                 "register it through a KVAgent or kvbridge.staging.attach(backend, device), which know its device"
             )
         return [buffer_region(x, MemoryKind.DRAM, -1)]
@@ -128,8 +128,10 @@ class RegionIndex:
         return len(self._regions)
 
     def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Indices of the ranges [addr, addr+length) not wholly inside one registered span (a length <= 0 is
-        outside too). Never computes addr + length: a hostile pair near 2**63 would wrap around int64."""
+        """Indices of the ranges [addr, addr+length) not wholly inside one registered span.
+
+        A length <= 0 is outside too. Never computes addr + length: a hostile pair near 2**63 would wrap around int64.
+        """
         addrs = np.asarray(addrs, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         starts, ends = self._spans
@@ -267,7 +269,8 @@ def total_bytes(desc: Descriptors | FactoredDescriptors) -> int:
 
 
 def canonical(desc: Descriptors | FactoredDescriptors) -> Descriptors:
-    """Rows in local address order with every run merged: two descriptor sets that move the same bytes
-    to the same places have the same canonical form."""
+    """Rows in local address order with every run merged.
+
+    Two descriptor sets that move the same bytes to the same places have the same canonical form."""
     rows = desc.expand() if isinstance(desc, FactoredDescriptors) else as_descriptors(desc)
     return merge_runs(rows[np.argsort(rows[:, 0], kind="stable")])

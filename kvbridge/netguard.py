@@ -98,8 +98,7 @@ def parse_allow(text: str) -> tuple[IPNetwork, ...]:
 
 
 def resolve(host: str) -> tuple[IPAddress, ...]:
-    """The addresses `host` (an address or a name, IPv6 in brackets or not) stands for; () if it resolves to
-    none."""
+    """The addresses `host` (an address or a name, IPv6 in brackets or not) stands for; () if it resolves to none."""
     host = host.strip().strip("[]")
     try:
         return (_unmapped(ipaddress.ip_address(host.split("%", 1)[0])),)
@@ -113,8 +112,9 @@ def resolve(host: str) -> tuple[IPAddress, ...]:
 
 
 def _without_port(hostname: str) -> str:
-    """The host of ``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` (Mooncake takes ``ip:port`` with a metadata
-    server)."""
+    """The host of ``host``, ``host:port``, ``[v6]`` or ``[v6]:port``.
+
+    Mooncake takes ``ip:port`` with a metadata server."""
     if hostname.startswith("["):
         return hostname[1:].split("]", 1)[0]
     if hostname.count(":") == 1:

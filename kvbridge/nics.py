@@ -81,8 +81,9 @@ def nics_near(address: str, sysfs: Path = SYSFS) -> list[str]:
 
 
 def pci_functions(vendor: str, *, device_class: str = "", sysfs: Path = SYSFS) -> list[str]:
-    """PCI addresses of every function from a vendor (``0xcabc``), optionally of a class prefix
-    (``0x1200``), in bus order."""
+    """PCI addresses of every function from a vendor (``0xcabc``), in bus order.
+
+    Optionally only those of a class prefix (``0x1200``)."""
     root = sysfs / "bus" / "pci" / "devices"
     if not root.is_dir():
         return []

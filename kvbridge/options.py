@@ -23,9 +23,11 @@ _DOC = "kvbridge_doc"
 
 
 def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:  # noqa: A002
-    """One declared option: its default and what it does (shown by `kvbridge plugins NAME`); a number's
-    bounds, where a value outside them would fail far from the cause (a zero-sized batch, a port past
-    65535). None always passes the bounds (an Optional option's "no limit")."""
+    """One declared option: its default, what it does, and a number's bounds.
+
+    What it does is shown by `kvbridge plugins NAME`. A number has bounds where a value outside them would fail far from
+    the cause (a zero-sized batch, a port past 65535). None always passes the bounds (an Optional option's "no limit").
+    """
     bounds = {"min": min, "max": max}
     if min is not None or max is not None:
         doc += f" ({_bounds_text(min, max)})"
@@ -140,8 +142,10 @@ def as_dict(options: Any) -> dict[str, Any]:
 
 
 def checked(schema: type, values: Mapping[str, Any]) -> Any:
-    """An instance of `schema` from values `parse` already checked, as a dict (what plugin API 1 backends
-    get in `BackendConfig.options`); names `schema` does not declare (a subclass's) are left out."""
+    """An instance of `schema` from values `parse` already checked, as a dict.
+
+    That is what plugin API 1 backends get in `BackendConfig.options`; names `schema` does not declare (a subclass's)
+    are left out."""
     names = {f.name for f in attrs.fields(schema)}
     return schema(**{k: v for k, v in values.items() if k in names})
 

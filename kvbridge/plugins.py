@@ -59,8 +59,9 @@ OWN_DISTRIBUTIONS = {
 
 @attrs.define
 class Registration:
-    """One transport or device in the registry: the spec its plugin returned, where it came from, and
-    what its probe found (asked once)."""
+    """One transport or device in the registry.
+
+    The spec its plugin returned, where it came from, and what its probe found (asked once)."""
 
     kind: str  # "backend" or "device"
     spec: TransportSpec | DeviceSpec
@@ -114,8 +115,9 @@ class Registration:
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
-        """Around the factory: an error that is not kvbridge's names the plugin and its distribution
-        (a vendor runtime's RuntimeError alone does not say which plugin raised it)."""
+        """Around the factory: an error that is not kvbridge's names the plugin and its distribution.
+
+        A vendor runtime's RuntimeError alone does not say which plugin raised it."""
         try:
             yield
         except KVBridgeError:
@@ -131,8 +133,9 @@ class Registration:
         return describe(self.options)
 
     def parse_options(self, given: Mapping[str, Any]) -> Any:
-        """`given` as an instance of the spec's options class, every value converted and checked: the one
-        place kvbridge parses a plugin's options (the factory gets the instance)."""
+        """`given` as an instance of the spec's options class, every value converted and checked.
+
+        The one place kvbridge parses a plugin's options (the factory gets the instance)."""
         what = f"{self.kind} {self.name!r}"
         # create_backend's own settings are named too: `protocl=` is a typo of `protocol`, not an option
         settings = [f.name for f in attrs.fields(BackendConfig) if f.name != "options" and self.kind == "backend"]
@@ -238,9 +241,10 @@ class PluginRegistry:
             self.add_plugin(plugin, ep.name, dist, version)
 
     def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
-        """Register `plugin` (a module or object with kvbridge hooks) with pluggy, which calls its hooks, and
-        keep what they return, all or nothing; a plugin that breaks the contract is listed in `refused`.
-        Entry points come here; so may an application's own plugin, or a test's."""
+        """Register `plugin` (a module or object with kvbridge hooks) with pluggy, which calls its hooks.
+
+        Keep what they return, all or nothing; a plugin that breaks the contract is listed in `refused`. Entry points
+        come here; so may an application's own plugin, or a test's."""
         api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
         if api not in hookspecs.API_HOOKS:
             self._refuse(
@@ -425,8 +429,10 @@ def _import_hint(exc: BaseException, dist: str) -> str:
 
 
 def _given(declared: dict[str, Any], other_kind: str) -> dict[str, Any]:
-    """An API 1 `register` call's keywords as spec fields: None meant "the default", and both kinds took
-    the same keywords (`memory_kind` of a backend, `capabilities` of a device meant nothing)."""
+    """An API 1 `register` call's keywords as spec fields.
+
+    None meant "the default", and both kinds took the same keywords (`memory_kind` of a backend, `capabilities` of a
+    device meant nothing)."""
     return {k: v for k, v in declared.items() if v is not None and k != other_kind}
 
 
@@ -526,7 +532,7 @@ def device_for_memory(kind: MemoryKind | str) -> Device:
     """The device plugin whose memory is of this kind (the first registered; `cpu` for host memory).
 
     Transports use it to ask how to register a region (`Device.location`); tensors find their plugin
-    by device type in `kvbridge.regions`.
+    by device type in `kvbridge.placement`.
     """
     kind = MemoryKind(kind)
     reg = registry()

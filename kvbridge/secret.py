@@ -28,8 +28,9 @@ HOW_TO_SET = (
 
 
 def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes | None:
-    """The shared secret: `KVBRIDGE_SECRET`, else the file `secret_file` or `KVBRIDGE_SECRET_FILE` names; None if
-    neither is set. A secret shorter than 16 bytes, or a file that cannot be read, is a ConfigError."""
+    """The shared secret: `KVBRIDGE_SECRET`, else the file `secret_file` or `KVBRIDGE_SECRET_FILE` names.
+
+    None if neither is set. A secret shorter than 16 bytes, or a file that cannot be read, is a ConfigError."""
     value = os.environ.get(SECRET_ENV)
     source = f"${SECRET_ENV}"
     path = secret_file or os.environ.get(SECRET_FILE_ENV)
@@ -49,8 +50,9 @@ def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes | No
 
 
 def is_loopback(host: str) -> bool:
-    """True for addresses only this host can reach (127.0.0.0/8, ::1, `localhost`). A wildcard
-    (`0.0.0.0`, `::`, empty) or any other name or address counts as reachable from elsewhere."""
+    """True for addresses only this host can reach (127.0.0.0/8, ::1, `localhost`).
+
+    A wildcard (`0.0.0.0`, `::`, empty) or any other name or address counts as reachable from elsewhere."""
     if host.lower() in ("localhost", "localhost.localdomain"):
         return True
     try:

@@ -76,8 +76,10 @@ def to_dict(obj: Any) -> Any:
 
 
 def from_dict(data: Any, cls: type[T], *, passthrough: tuple[type[Exception], ...] = ()) -> T:
-    """Build `cls` from its plain form; raises ProtocolError naming the bad field, or the first error of
-    a `passthrough` type a validator raised, as it is (its message already says what the field takes)."""
+    """Build `cls` from its plain form; raises ProtocolError naming the bad field.
+
+    Or raises the first error of a `passthrough` type a validator raised, as it is (its message already says what the
+    field takes)."""
     try:
         return converter.structure(data, cls)
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:

@@ -16,11 +16,11 @@ from control_helpers import etcd_server, rank_info, redis_server
 from kvbridge.control import (
     ControlClient,
     ControlServer,
+    DiscoveryRegistry,
     EtcdRegistry,
     KVTransferParams,
     RankRecord,
     RedisRegistry,
-    Registry,
     open_registry,
     resolve,
 )
@@ -44,7 +44,7 @@ def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(params=["redis", "etcd"])
-def registry(request: pytest.FixtureRequest) -> Iterator[Registry]:
+def registry(request: pytest.FixtureRequest) -> Iterator[DiscoveryRegistry]:
     url = request.getfixturevalue(f"{request.param}_url")
     reg = open_registry(url)
     assert isinstance(reg, RedisRegistry if request.param == "redis" else EtcdRegistry)
@@ -52,7 +52,7 @@ def registry(request: pytest.FixtureRequest) -> Iterator[Registry]:
     reg.close()
 
 
-def test_registry_publish_lookup_ranks_remove(registry: Registry) -> None:
+def test_registry_publish_lookup_ranks_remove(registry: DiscoveryRegistry) -> None:
     engine = f"engine-{os.getpid()}-{id(registry)}"
     registry.publish(RankRecord(engine, 1, "127.0.0.1", 7001, ready=False))
     registry.publish(RankRecord(engine, 0, "127.0.0.1", 7000, ready=True, meta={"tp": "2"}))
@@ -67,7 +67,7 @@ def test_registry_publish_lookup_ranks_remove(registry: Registry) -> None:
     assert registry.lookup("nobody", 0) is None
 
 
-def test_registry_server_announces_readiness_and_withdraws(registry: Registry) -> None:
+def test_registry_server_announces_readiness_and_withdraws(registry: DiscoveryRegistry) -> None:
     engine = f"prefill-{id(registry)}"
     server = ControlServer(engine, 0, registry=registry)
     try:

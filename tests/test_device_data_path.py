@@ -21,8 +21,8 @@ from kvbridge import staging
 from kvbridge.agent import KVAgent
 from kvbridge.errors import ConfigError
 from kvbridge.layout import vllm_layout
+from kvbridge.placement import device_of, local_device, regions_of
 from kvbridge.presets import PRESETS
-from kvbridge.regions import device_of, local_device, regions_of
 from kvbridge.testing.standins import install_standin
 from kvbridge.topology import ParallelConfig
 from kvbridge.types import MemoryKind, MemoryRegion

@@ -16,12 +16,12 @@ import pytest
 
 import kvbridge
 import kvbridge.memory
-import kvbridge.regions
+import kvbridge.placement
 from kvbridge import staging
 from kvbridge.testing.standins import install_standin
 
 PLUGINS = {  # device -> (distribution, vendor module or None, reason here, protocols)
-    "cuda": ("kvbridge-cuda", None, "no CUDA device", ("rdma", "nvlink")),
+    "cuda": ("kvbridge-cuda", None, "no CUDA device", ("rdma", "nvlink", "ucx")),
     "npu": ("kvbridge-ascend", "torch_npu", "torch_npu is not importable", ("ascend",)),
     "mlu": ("kvbridge-mlu", "torch_mlu", "torch_mlu is not importable", ("rdma",)),
 }
@@ -89,8 +89,8 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
 
     name, _, device = standin
     kv = torch.zeros(2, 16, 64, dtype=torch.bfloat16, device=f"{name}:1")
-    assert kvbridge.regions.device_of([kv, kv[1]]) is device  # found through the registry by device type
-    (region,) = kvbridge.regions.regions_of(kv)
+    assert kvbridge.placement.device_of([kv, kv[1]]) is device  # found through the registry by device type
+    (region,) = kvbridge.placement.regions_of(kv)
     assert (region.addr, region.length, region.kind, region.device_id) == (
         kv.data_ptr(),
         2 * 16 * 64 * 2,
@@ -101,7 +101,7 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
     with pytest.raises(kvbridge.ConfigError, match="regions_of"):  # below the registry: host memory only
         kvbridge.memory.as_regions(kv)
     with pytest.raises(kvbridge.ConfigError, match=f"a {name} tensor .* cpu memory"):
-        kvbridge.regions.regions_of(kv, kvbridge.get_device("cpu"))
+        kvbridge.placement.regions_of(kv, kvbridge.get_device("cpu"))
 
 
 def test_protocols_decide_staging(standin) -> None:

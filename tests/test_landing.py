@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -246,3 +248,35 @@ def test_host_scatter_writes_exactly_the_blocks_and_heads_named(layout: str) -> 
     for got, want in zip(ours[0], ref[0]):
         assert torch.equal(got, want)
         assert got[blocks][:, 1:3].any() and not got[:, :1].any() and not got[:, 3:].any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 5 << 20), min_size=1, max_size=40))
+def test_repeated_failed_pulls_keep_the_retired_buffers_under_their_bound(sizes: list[int]) -> None:
+    # Each failed pull retires its buffer (never freed: a late write may still come); past the bound the
+    # next pull that must land is refused (recomputed), so memory does not grow with every failure.
+    import kvbridge
+    from kvbridge.errors import LoadError
+    from kvbridge.landing import Landed
+
+    kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
+    backend = kvbridge.create_backend("loopback")
+    bound = 8 << 20
+    receiver = Receiver(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"))
+    receiver.max_retired_bytes = bound
+    refused = 0
+    try:
+        for nbytes in sizes:
+            try:
+                buf = receiver.acquire(nbytes, "r")
+            except LoadError as exc:
+                assert "retired" in str(exc) and "recomputed" in str(exc)
+                refused += 1
+                continue
+            Landed(receiver, buf, np.zeros((0, 3), np.int64), lambda _b: None).finish(False)
+            assert receiver.retired_bytes <= bound
+        assert sum(r.length for r in backend.registered) <= bound
+        assert refused or receiver.retired_bytes == sum(max(1 << 20, 1 << (n - 1).bit_length()) for n in sizes)
+    finally:
+        receiver.close()
+        backend.close()

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge.descriptors import pull_descriptors
 from kvbridge.errors import LayoutMismatch
 from kvbridge.layout import BufferDesc, KVLayout, buffer_layout, check_compatible, lmdeploy_layout, vllm_layout
-from kvbridge.planner import pull_descriptors
 from kvbridge.presets import PRESETS, ModelSpec
 from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, plan
 from kvbridge_tools.bench.shares import Share, fill, mismatches

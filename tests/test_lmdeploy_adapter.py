@@ -490,3 +490,30 @@ def test_a_protocol_the_transport_lacks_says_how_to_fix_it() -> None:
             )
         )
     backend.close()
+
+
+def test_the_backends_metrics_use_the_session_recorder_stay_bounded_and_sum_what_was_recorded() -> None:
+    from kvbridge.adapters.lmdeploy.metrics import FOLD_EVERY, TransferMetrics
+    from kvbridge.session.metrics import TransferRecord
+
+    metrics = TransferMetrics()
+    assert isinstance(metrics, TransferRecord)  # one recorder for both adapters
+    for i in range(1000):
+        metrics.record("tcp", "p", 0.001 * (i % 7), 0.0, 10, 2)
+    for _ in range(300):
+        metrics.record_failure("tcp", "p", TransferTimeout("stuck"))
+    metrics.record_retries("tcp", "p", 3)
+    assert sum(map(len, metrics.data.values())) < FOLD_EVERY  # a long-lived engine does not grow a list
+    snap = metrics.snapshot()
+    assert snap["transfers"] == [
+        {
+            "transport": "tcp",
+            "peer": "p",
+            "bytes": 10_000,
+            "descriptors": 2000,
+            "count": 1000,
+            "seconds_sum": pytest.approx(sum(0.001 * (i % 7) for i in range(1000))),
+        }
+    ]
+    assert snap["failures"] == [{"transport": "tcp", "peer": "p", "reason": "timeout", "count": 300}]
+    assert snap["retries"] == [{"transport": "tcp", "peer": "p", "count": 3}]

@@ -578,3 +578,24 @@ def test_layerwise_follows_a_restarted_prefill(upstreams: tuple[Upstream, Upstre
 
     engines = asyncio.run(go())
     assert engines[:2] == ["e", "e"] and engines[-1] == "e2", engines
+
+
+def test_prefill_that_answers_a_server_error_is_skipped_for_the_next(upstreams: tuple[Upstream, Upstream]) -> None:
+    """A vLLM server that began shutting down (SIGTERM) answers 500 until the proxy reads that it is draining:
+    the request goes to the next prefill server. Where every prefill fails, the client gets the error."""
+    prefill, decode = upstreams
+    failing = FastAPI()
+    calls: list[str] = []
+
+    @failing.post("/v1/completions")
+    async def fail() -> Response:
+        calls.append("x")
+        return Response("cannot schedule new futures after shutdown", status_code=500)
+
+    with Serving(failing) as shutting_down:
+        bodies = [{"model": "m", "prompt": f"p{n}", "max_tokens": 8} for n in range(2)]
+        answers, _ = _session(create_app([shutting_down.url, prefill.url], [decode.url]), bodies)
+        assert [r.status_code for r in answers] == [200, 200] and len(calls) >= 1
+        assert {r.headers["x-kvbridge-prefill"] for r in answers} == {prefill.url}
+        (alone,), _ = _session(create_app([shutting_down.url], [decode.url]), bodies[:1])
+    assert alone.status_code == 500 and "shutdown" in alone.json()["error"]

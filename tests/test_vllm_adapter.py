@@ -651,7 +651,7 @@ def test_scheduler_publishes_the_engine_base_and_offers_to_its_own_dp_ranks(dp_i
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 
     from kvbridge.adapters.vllm.scheduler import SchedulerSide
-    from kvbridge.ranks import side_channel_port
+    from kvbridge.rank_ports import side_channel_port
 
     extra = {"migration_backend": "loopback", "side_channel_port": 21000}
     config = VllmConfig(

@@ -94,9 +94,9 @@ def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
 
 
 def _load_plugins_off_stdout(probe: bool) -> None:
-    """Load the plugins (and `probe` their availability) with stdout on stderr, file descriptor
-    included: what a plugin or its native library prints as it loads (a banner) must not land in a
-    table or in `--json` output."""
+    """Load the plugins (and `probe` their availability) with stdout on stderr, file descriptor included.
+
+    What a plugin or its native library prints as it loads (a banner) must not land in a table or in `--json` output."""
     from kvbridge.plugins import registry
 
     sys.stdout.flush()

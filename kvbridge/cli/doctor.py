@@ -17,8 +17,10 @@ from kvbridge.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
 
 @attrs.frozen
 class Check:
-    """One line of the report. `absent` marks a plugin whose hardware is not on this machine:
-    nothing to fix here, so it does not fail the exit status."""
+    """One line of the report.
+
+    `absent` marks a plugin whose hardware is not on this machine: nothing to fix here, so it does not fail the exit
+    status."""
 
     subject: str
     ok: bool

@@ -12,8 +12,8 @@ import numpy as np
 from kvbridge import topology, wire
 from kvbridge.block_ids import BlockIds, block_array
 from kvbridge.cli.output import console, print_json, print_table
+from kvbridge.descriptors import pull_descriptors
 from kvbridge.layout import vllm_layout
-from kvbridge.planner import pull_descriptors
 from kvbridge.presets import PRESETS, ModelSpec, get_preset
 from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, Pull, plan
 

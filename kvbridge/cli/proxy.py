@@ -29,17 +29,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--prefill",
         nargs="+",
         action="extend",
-        required=True,
+        default=[],
         metavar="URL",
-        help="prefill server base URLs (repeat or list several)",
+        help="prefill server base URLs (repeat or list several; with --registry, none is needed)",
     )
     p.add_argument(
         "--decode",
         nargs="+",
         action="extend",
-        required=True,
+        default=[],
         metavar="URL",
-        help="decode server base URLs (repeat or list several)",
+        help="decode server base URLs (repeat or list several; with --registry, none is needed)",
+    )
+    p.add_argument(
+        "--registry",
+        metavar="URL",
+        help="also route to the servers announced in this registry, joins and leaves followed while the proxy "
+        "runs, draining ones sent nothing new: redis://HOST:PORT, etcd://HOST:PORT, or a JSON file of "
+        "{role, url[, state]} objects; records are checked with KVBRIDGE_SECRET (docs/elastic.md)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
@@ -99,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         transfer=args.transfer,
         connect_timeout=args.connect_timeout,
         expose_internals=args.expose_internals,
+        registry=args.registry,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

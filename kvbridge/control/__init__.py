@@ -11,7 +11,14 @@ See docs/control-plane.md.
 """
 
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
-from kvbridge.control.discovery import EtcdRegistry, RankRecord, RedisRegistry, Registry, open_registry, resolve
+from kvbridge.control.discovery import (
+    DiscoveryRegistry,
+    EtcdRegistry,
+    RankRecord,
+    RedisRegistry,
+    open_registry,
+    resolve,
+)
 from kvbridge.control.ledger import Lease, Ledger
 from kvbridge.control.messages import LeaseState, LeaseStatus, RegisteredMemory
 from kvbridge.control.params import KVTransferParams
@@ -29,7 +36,7 @@ __all__ = [
     "RankRecord",
     "RedisRegistry",
     "RegisteredMemory",
-    "Registry",
+    "DiscoveryRegistry",
     "open_registry",
     "resolve",
 ]

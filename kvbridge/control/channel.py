@@ -32,7 +32,7 @@ from kvbridge import netguard, wire
 from kvbridge.agent import RankInfo
 from kvbridge.block_ids import BlockIds
 from kvbridge.control.auth import Authenticator, new_nonce
-from kvbridge.control.discovery import RankRecord, Registry
+from kvbridge.control.discovery import DiscoveryRegistry, RankRecord
 from kvbridge.control.ledger import Ledger
 from kvbridge.control.messages import (
     MAX_FIELDS,
@@ -95,8 +95,9 @@ def _frame(kind: str, sender: str, body: bytes, reply_to: bytes = b"", receiver:
 
 @attrs.define
 class _Parked:
-    """A BeginPull held until its request is offered, or a QueryStream until its stream changes (or the
-    wait runs out), with what its reply needs."""
+    """A held request: a BeginPull until its request is offered, a QueryStream until its stream changes.
+
+    A QueryStream is held at most until its wait runs out. Each keeps what its reply needs."""
 
     envelope: list[bytes]
     reply_to: bytes
@@ -138,13 +139,14 @@ class ControlServer:
         insecure: bool = False,
         on_abort: AbortCallback | None = None,
         streams: StreamQuery | None = None,
-        registry: Registry | None = None,
+        registry: DiscoveryRegistry | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 1.0,
         notify_timeout_s: float = 2.0,
     ) -> None:
-        """`secret`: the shared secret (`kvbridge.secret.load_secret()` reads it from the environment or a
-        file); required on a non-loopback `host` unless `insecure=True` (logged as a warning)."""
+        """`secret`: the shared secret (`kvbridge.secret.load_secret()` reads it from the environment or a file).
+
+        Required on a non-loopback `host` unless `insecure=True` (logged as a warning)."""
         check_listen(f"side channel of {engine_id}/{rank}", host, secret, insecure=insecure)
         self.engine_id = engine_id
         self.rank = rank
@@ -216,7 +218,8 @@ class ControlServer:
         return self._info.ready
 
     def register(self, info: RankInfo, meta: dict[str, str] | None = None, *, accept_offers: bool = False) -> None:
-        """Publish this rank's registered memory (`KVAgent.info()`) and mark it ready to be pulled from;
+        """Publish this rank's registered memory (`KVAgent.info()`) and mark it ready to be pulled from.
+
         `accept_offers`: take early `Offer` messages from now on (see the class docstring)."""
         if (info.engine_id, info.rank) != (self.engine_id, self.rank):
             raise ConfigError(f"side channel of {self.name} cannot serve the RankInfo of {info.engine_id}/{info.rank}")
@@ -257,8 +260,10 @@ class ControlServer:
         return self._seal(reply_to, reply)
 
     def _seal(self, reply_to: bytes | None, reply: Any) -> bytes:
-        """The reply, framed and signed; a `Refused` naming its size instead of one the client's socket would
-        drop (the client would wait out its timeout and take this rank for dead).
+        """The reply, framed and signed; a `Refused` naming its size instead of one too large for the client.
+
+        The client's socket would drop a reply that large: the client would wait out its timeout and take this rank for
+        dead.
 
         `reply_to` None: the request did not authenticate. Its refusal goes unsigned and names neither this
         rank nor the request (signing it would sign a `reply_to` the sender chose: a signing oracle), and a
@@ -277,8 +282,9 @@ class ControlServer:
         return self._seal(reply_to, Refused("too_large", why))
 
     def _answer(self, payload: bytes, peer_host: str | None, *, park: bool) -> tuple[bytes | None, Any]:
-        """(the request's nonce, or None where it did not authenticate; the reply message); with `park`, the
-        reply may be a `_Hold`."""
+        """Decode and answer one request: (its nonce, or None where it did not authenticate; the reply message).
+
+        With `park`, the reply may be a `_Hold`."""
         reply_to: bytes | None = None if self._auth.enabled else b""
         try:
             frame = _decode_small(payload, Frame, self.max_message_bytes)
@@ -305,8 +311,9 @@ class ControlServer:
         return reply_to, reply
 
     def _misaddressed(self, frame: Frame, peer_host: str | None) -> Refused | None:
-        """A refusal unless the request names this rank (a GetInfo may name none: it is how a client learns
-        the name), so a frame recorded on its way to another rank that shares the secret is refused here."""
+        """A refusal unless the request names this rank (a GetInfo may name none: it is how a client learns the name).
+
+        So a frame recorded on its way to another rank that shares the secret is refused here."""
         if frame.receiver == self.name or (not frame.receiver and frame.kind == GetInfo.__name__):
             return None
         why = (
@@ -382,15 +389,17 @@ class ControlServer:
         self.wake(lease.request_id)
 
     def _finished(self, lease: Any, _state: LeaseState) -> None:
-        """Ledger callback (any thread, the serving one when it reaps or counts a DONE): a held QueryStream
-        for this request is answered now, not when its wait runs out."""
+        """Ledger callback: a held QueryStream for this request is answered now, not when its wait runs out.
+
+        Called from any thread: the serving one when it reaps or counts a DONE."""
         self.wake(lease.request_id)
 
     def wake(self, request_id: str) -> None:
-        """Any thread: `request_id` changed (offered, its stream progressed, its lease ended); answer what
-        waits for it. A held `QueryStream` is looked at again only when its request is woken or its wait
-        runs out, so whoever answers `streams` wakes the request whenever its answer would change (the ledger
-        wakes it when its lease ends, however it ends)."""
+        """Any thread: `request_id` changed (offered, its stream progressed, its lease ended); answer what waits for it.
+
+        A held `QueryStream` is looked at again only when its request is woken or its wait runs out, so whoever answers
+        `streams` wakes the request whenever its answer would change (the ledger wakes it when its lease ends, however
+        it ends)."""
         with self._wake_lock:
             # Noted even when nothing is held yet: a query being parked right now is looked at again
             # after it is (each round of the loop parks before it takes the woken set, and takes it
@@ -403,9 +412,10 @@ class ControlServer:
                     self._wake_out.send(b"", zmq.NOBLOCK)
 
     def _answer_parked(self, now: float, woken: set[str]) -> float | None:
-        """Answer the held BeginPulls whose request was offered, the held QueryStreams whose request was
-        `woken` and whose stream moved, and those whose wait ran out; returns the seconds to the next
-        deadline (None: nothing held)."""
+        """Answer the held requests that are due; returns the seconds to the next deadline (None: nothing held).
+
+        Due: the held BeginPulls whose request was offered, the held QueryStreams whose request was `woken` and whose
+        stream moved, and those whose wait ran out."""
         nearest: float | None = None
         for rid in list(self._parked):
             held = collections.deque(self._parked.pop(rid))
@@ -428,8 +438,10 @@ class ControlServer:
         return nearest
 
     def _held_reply(self, p: _Parked, now: float, woken: bool) -> Any:
-        """The reply to a held request now, or None to keep holding it. Never raises: a failing answer (the
-        engine's `streams`, say) costs that request a `Refused`, not the serving loop its round."""
+        """The reply to a held request now, or None to keep holding it.
+
+        Never raises: a failing answer (the engine's `streams`, say) costs that request a `Refused`, not the serving
+        loop its round."""
         assert self.ledger is not None
         try:
             if isinstance(p.msg, QueryStream):
@@ -451,8 +463,9 @@ class ControlServer:
             return Refused("internal", f"{type(exc).__name__}: {exc}")
 
     def _watcher(self, msg: BeginPull, peer_host: str | None) -> Address | None:
-        """The side channel to tell on abort, if the BeginPull named one this rank may connect to: its sender's
-        own host (the request's TCP source; on loopback, any loopback address) and a valid port."""
+        """The side channel to tell on abort, if the BeginPull named one this rank may connect to.
+
+        That is its sender's own host (the request's TCP source; on loopback, any loopback address) and a valid port."""
         if not msg.notify_port:
             return None
         if not 0 < msg.notify_port < 65536:
@@ -594,9 +607,10 @@ class ControlServer:
 
 
 class _Notifier:
-    """Sends abort notifications, each peer from a queue and a thread of its own: a peer that is gone costs
-    each of its notifications the notify timeout, and only its own queue waits for that. After a timeout the
-    peer's queued notifications are dropped (they would wait as long; the leases they end expire)."""
+    """Sends abort notifications, each peer from a queue and a thread of its own.
+
+    A peer that is gone costs each of its notifications the notify timeout, and only its own queue waits for that. After
+    a timeout the peer's queued notifications are dropped (they would wait as long; the leases they end expire)."""
 
     def __init__(self, name: str, clients: ClientPool) -> None:
         self.name = name
@@ -672,8 +686,9 @@ class _Notifier:
                 )
 
     def close(self, grace_s: float) -> None:
-        """Take no more; give what is pending `grace_s` to go out, then drop it (a send in flight ends by
-        itself, within the notify timeout)."""
+        """Take no more; give what is pending `grace_s` to go out, then drop it.
+
+        A send in flight ends by itself, within the notify timeout."""
         with self._lock:
             self._closed = True
             threads = list(self._threads)
@@ -724,9 +739,11 @@ class ControlClient:
         receiver: str = "",
         context: zmq.Context | None = None,
     ) -> None:
-        """`receiver`: the rank's `engine_id/rank`, named in every request (the server refuses a request named for
-        another rank); "" learns it from the first authenticated reply (a GetInfo is sent first for it).
-        `context`: the ZeroMQ context of its sockets (default: the process's shared one)."""
+        """A client of one rank's side channel.
+
+        `receiver`: the rank's `engine_id/rank`, named in every request (the server refuses a request named for another
+        rank); "" learns it from the first authenticated reply (a GetInfo is sent first for it). `context`: the ZeroMQ
+        context of its sockets (default: the process's shared one)."""
         self.url = f"tcp://{host}:{port}"
         self.host = host
         self.timeout_s = timeout_s
@@ -773,8 +790,10 @@ class ControlClient:
         sock.close(linger=0)
 
     def request(self, msg: Any, timeout_s: float | None = None) -> Any:
-        """Send one request message and return the reply message (a `Refused` is returned, not raised; an
-        unsigned refusal where replies are signed is raised, as ProtocolError)."""
+        """Send one request message and return the reply message.
+
+        A `Refused` is returned, not raised; an unsigned refusal where replies are signed is raised, as ProtocolError.
+        """
         if not self.receiver and not isinstance(msg, GetInfo):
             self._request(GetInfo(), timeout_s)  # its signed reply names the rank
         reply = self._request(msg, timeout_s)
@@ -855,8 +874,9 @@ class ControlClient:
         return reply
 
     def _ready_request(self, msg: Any, wait_s: float, *, until_offered: bool = False) -> Any:
-        """Send `msg`, retrying for at most `wait_s` seconds while the peer is not ready yet (and, with
-        `until_offered`, while it does not know the request yet: its offer may trail its answer to the proxy).
+        """Send `msg`, retrying for at most `wait_s` seconds while the peer is not ready yet.
+
+        With `until_offered`, also while it does not know the request yet: its offer may trail its answer to the proxy.
 
         With `until_offered` (a BeginPull), the server holds the request until the offer lands, at most
         `PARK_SLICE_S` a round; the reply's `waited_ms` is then the whole wait for the offer, seen from here.
@@ -965,9 +985,10 @@ class ControlClient:
         return self._expect(self.request(QueryLease(request_id, epoch)), LeaseStatus, "QueryLease")
 
     def query_stream(self, request_id: str, epoch: int = 0, *, seen: int = 0, wait_s: float = 0.0) -> StreamStatus:
-        """How far the prefill rank computed `request_id`, layer by layer (layer-wise streaming); with
-        `wait_s`, answered once its `version` is no longer `seen` (or its lease is not valid), at most
-        `wait_s` later."""
+        """How far the prefill rank computed `request_id`, layer by layer (layer-wise streaming).
+
+        With `wait_s`, answered once its `version` is no longer `seen` (or its lease is not valid), at most `wait_s`
+        later."""
         msg = QueryStream(request_id, epoch, seen, int(wait_s * 1000))
         return self._expect(self.request(msg, timeout_s=self.timeout_s + wait_s), StreamStatus, "QueryStream")
 

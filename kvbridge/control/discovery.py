@@ -5,12 +5,20 @@ port, and rank r listens on base + r (vLLM's NIXL convention). For many nodes, e
 publishes a `RankRecord` (address + readiness) in a registry that the other side reads. The
 same redis or etcd can serve as Mooncake's metadata server: kvbridge keys live under
 `kvbridge/`, Mooncake's under `mooncake/`.
+
+The same registry keeps the `ServerRecord`s of elastic membership (docs/elastic.md): HTTP servers
+announce themselves under `kvbridge/servers/` with a time to live (a redis key TTL, an etcd lease)
+and renew it; a record also carries its expiry, checked on read. With the deployment's shared secret
+every record, rank or server, carries an HMAC that readers check: one without it, or with a bad one,
+is ignored and logged, never used.
 """
 
 from __future__ import annotations
 
 import abc
 import base64
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -28,6 +36,11 @@ from kvbridge.errors import ConfigError, PeerGone, ProtocolError, TransferTimeou
 log = logging.getLogger(__name__)
 
 PREFIX = "kvbridge/ranks/"
+SERVERS = "kvbridge/servers/"
+ROLES = ("prefill", "decode")
+STATES = ("serving", "draining")
+MAX_RECORD_BYTES = 64 * 1024
+MAX_WARNED = 1024  # ignored records remembered so that each is warned of once
 Address = tuple[str, int]
 
 
@@ -41,16 +54,110 @@ class RankRecord:
     port: int
     ready: bool = False
     meta: dict[str, str] = attrs.field(factory=dict)
+    mac: bytes = b""  # HMAC-SHA256 over the record without it, with the registry's key (see `Sealer`)
 
     @property
     def address(self) -> Address:
         return (self.host, self.port)
 
 
-class Registry(abc.ABC):
-    """A shared directory of rank records."""
+@attrs.frozen
+class ServerRecord:
+    """One HTTP server of the deployment as it announces itself (docs/elastic.md).
+
+    Who, where, how much, whether it takes new requests, and until when the record holds unless renewed.
+    """
+
+    server_id: str  # unique in the deployment: an engine id
+    role: str = attrs.field(validator=attrs.validators.in_(ROLES))
+    url: str  # its OpenAI API base URL, as the proxy reaches it
+    expires: float  # wall-clock (Unix) seconds: a reader ignores the record after it
+    capacity: int = 0  # KV cache blocks (0: not said)
+    state: str = attrs.field(default="serving", validator=attrs.validators.in_(STATES))
+    mac: bytes = b""
+
+    @property
+    def draining(self) -> bool:
+        return self.state == "draining"
+
+
+class Sealer:
+    """Signs registry records and checks them with a key derived from the deployment's shared secret.
+
+    Without a secret nothing is signed and every record is taken (a trusted network only, as the side
+    channel's rule).
+    """
+
+    def __init__(self, secret: str | bytes | None) -> None:
+        if isinstance(secret, str):
+            secret = secret.encode()
+        # A key of its own: a record's MAC must never pass for a side-channel frame's, or the other way round.
+        self._key = None if not secret else hmac.new(secret, b"kvbridge registry records v1", hashlib.sha256).digest()
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def _mac(self, record: Any) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, wire.encode(attrs.evolve(record, mac=b"")), hashlib.sha256).digest()
+
+    def seal(self, record: Any) -> Any:
+        """The record with its MAC (unchanged without a secret)."""
+        return attrs.evolve(record, mac=self._mac(record)) if self.enabled else record
+
+    def problem(self, record: Any) -> str | None:
+        """Why the record must not be used (no MAC, a bad one), or None."""
+        if not self.enabled:
+            return None
+        if not record.mac:
+            return "it carries no MAC (its writer has no KVBRIDGE_SECRET)"
+        if not hmac.compare_digest(record.mac, self._mac(record)):
+            return "its MAC is bad (forged, or written with another secret)"
+        return None
+
+
+class DiscoveryRegistry(abc.ABC):
+    """A shared directory of rank records and server records, signed with `sealer`'s key."""
 
     url: str
+    sealer: Sealer = Sealer(None)
+    _warned: set[tuple[str, bytes]]  # (where, MAC) of the ignored records warned of
+
+    def _decoded(self, data: bytes, cls: type[Any], where: str) -> Any:
+        """The record in `data`, or None (logged) when it does not decode, is not authentic, or has expired."""
+        try:
+            record = wire.decode(data, cls, max_bytes=MAX_RECORD_BYTES)
+        except ProtocolError as exc:
+            log.warning("ignoring a malformed %s in %s at %s: %s", cls.__name__, self.url, where, exc)
+            return None
+        problem = self.sealer.problem(record)
+        if problem is not None:
+            # read again every round: warned once per record, then at debug
+            seen = self._warned
+            level = logging.DEBUG if (where, record.mac) in seen else logging.WARNING
+            if len(seen) >= MAX_WARNED:
+                seen.clear()
+            seen.add((where, record.mac))
+            log.log(level, "ignoring the %s at %s in %s: %s", cls.__name__, where, self.url, problem)
+            return None
+        if isinstance(record, ServerRecord) and record.expires < time.time():
+            # the store should have dropped it (TTL, lease): one it kept, or a replayed old record, is stale
+            log.debug("ignoring the expired server record %s in %s", where, self.url)
+            return None
+        return record
+
+    @abc.abstractmethod
+    def announce(self, record: ServerRecord, ttl_s: float) -> None:
+        """Create or renew a server record that the store drops `ttl_s` seconds after its last renewal."""
+
+    @abc.abstractmethod
+    def servers(self) -> list[ServerRecord]:
+        """Every authentic, unexpired server record, by id."""
+
+    @abc.abstractmethod
+    def withdraw(self, server_id: str) -> None:
+        """Remove a server record (idempotent)."""
 
     @abc.abstractmethod
     def publish(self, record: RankRecord) -> None:
@@ -90,7 +197,7 @@ class Registry(abc.ABC):
             time.sleep(delay)  # bounded by the deadline above
             delay = min(delay * 2, 0.5)
 
-    def __enter__(self) -> Registry:
+    def __enter__(self) -> DiscoveryRegistry:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -101,23 +208,21 @@ def _key(engine_id: str, rank: int | None = None) -> str:
     return f"{PREFIX}{engine_id}/" + ("" if rank is None else str(rank))
 
 
-def _decode(data: bytes, where: str) -> RankRecord | None:
-    try:
-        return wire.decode(data, RankRecord, max_bytes=64 * 1024)
-    except ProtocolError as exc:
-        log.warning("ignoring a malformed rank record in %s: %s", where, exc)
-        return None
+def _server_key(server_id: str) -> str:
+    return f"{SERVERS}{server_id}"
 
 
-class RedisRegistry(Registry):
+class RedisRegistry(DiscoveryRegistry):
     """Records as fields of one redis hash per engine (`kvbridge/ranks/<engine>/`)."""
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, *, secret: str | bytes | None = None, timeout_s: float = 5.0) -> None:
         try:
             import redis
         except ImportError:
             raise ConfigError("a redis registry needs the redis client: pip install 'kvbridge[discovery]'") from None
         self.url = redacted(url)  # what errors and logs name
+        self.sealer = Sealer(secret)
+        self._warned = set()
         self._errors = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
@@ -132,32 +237,46 @@ class RedisRegistry(Registry):
             ) from None
 
     def publish(self, record: RankRecord) -> None:
-        self._run("publish", self._client.hset, _key(record.engine_id), str(record.rank), wire.encode(record))
+        data = wire.encode(self.sealer.seal(record))
+        self._run("publish", self._client.hset, _key(record.engine_id), str(record.rank), data)
 
     def lookup(self, engine_id: str, rank: int) -> RankRecord | None:
         data = self._run("lookup", self._client.hget, _key(engine_id), str(rank))
-        return None if data is None else _decode(data, self.url)
+        return None if data is None else self._decoded(data, RankRecord, _key(engine_id, rank))
 
     def ranks(self, engine_id: str) -> list[RankRecord]:
         found = self._run("ranks", self._client.hgetall, _key(engine_id))
-        records = [r for r in (_decode(v, self.url) for v in found.values()) if r is not None]
-        return sorted(records, key=lambda r: r.rank)
+        decoded = (self._decoded(v, RankRecord, _key(engine_id, int(k))) for k, v in found.items())
+        return sorted((r for r in decoded if r is not None), key=lambda r: r.rank)
 
     def remove(self, engine_id: str, rank: int) -> None:
         self._run("remove", self._client.hdel, _key(engine_id), str(rank))
+
+    def announce(self, record: ServerRecord, ttl_s: float) -> None:
+        data = wire.encode(self.sealer.seal(record))
+        self._run("announce", self._client.set, _server_key(record.server_id), data, None, max(1, int(ttl_s * 1000)))
+
+    def servers(self) -> list[ServerRecord]:
+        keys = sorted(self._run("servers", self._client.keys, f"{SERVERS}*"))
+        values = self._run("servers", self._client.mget, keys) if keys else []
+        decoded = (self._decoded(v, ServerRecord, k.decode()) for k, v in zip(keys, values) if v is not None)
+        return [r for r in decoded if r is not None]
+
+    def withdraw(self, server_id: str) -> None:
+        self._run("withdraw", self._client.delete, _server_key(server_id))
 
     def close(self) -> None:
         self._client.close()
 
 
-class EtcdRegistry(Registry):
+class EtcdRegistry(DiscoveryRegistry):
     """Records as etcd v3 keys `kvbridge/ranks/<engine>/<rank>`, spoken through etcd's JSON gateway.
 
     The gateway (`/v3/kv/*`, on the client port, etcd >= 3.4) needs no client library; this
     uses the standard library's HTTP client only.
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, *, secret: str | bytes | None = None, timeout_s: float = 5.0) -> None:
         parsed = urllib.parse.urlsplit(url)
         scheme = "https" if parsed.scheme in ("etcds", "https") else "http"
         if not parsed.hostname:
@@ -165,6 +284,9 @@ class EtcdRegistry(Registry):
         self.url = redacted(url)  # what errors and logs name
         self._base = f"{scheme}://{parsed.hostname}:{parsed.port or 2379}/v3"
         self._timeout = timeout_s
+        self.sealer = Sealer(secret)
+        self._warned = set()
+        self._leases: dict[str, str] = {}  # server id -> the etcd lease its record is put with
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(
@@ -188,32 +310,60 @@ class EtcdRegistry(Registry):
         return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
 
     def publish(self, record: RankRecord) -> None:
-        self._post(
-            "kv/put", {"key": self._b64(_key(record.engine_id, record.rank)), "value": self._b64(wire.encode(record))}
-        )
+        value = self._b64(wire.encode(self.sealer.seal(record)))
+        self._post("kv/put", {"key": self._b64(_key(record.engine_id, record.rank)), "value": value})
 
-    def _range(self, key: str, prefix: bool) -> list[RankRecord]:
+    def _range(self, key: str, prefix: bool, cls: type[Any] = RankRecord) -> list[Any]:
         body = {"key": self._b64(key)}
         if prefix:  # every key that starts with `key`: range_end is the prefix with its last byte + 1
             body["range_end"] = self._b64(key[:-1] + chr(ord(key[-1]) + 1))
         kvs = self._post("kv/range", body).get("kvs", [])
-        records = [_decode(base64.b64decode(kv.get("value", "")), self.url) for kv in kvs]
-        return sorted((r for r in records if r is not None), key=lambda r: r.rank)
+        records = [
+            self._decoded(base64.b64decode(kv.get("value", "")), cls, base64.b64decode(kv.get("key", "")).decode())
+            for kv in kvs
+        ]
+        return [r for r in records if r is not None]
 
     def lookup(self, engine_id: str, rank: int) -> RankRecord | None:
         found = self._range(_key(engine_id, rank), prefix=False)
         return found[0] if found else None
 
     def ranks(self, engine_id: str) -> list[RankRecord]:
-        return self._range(_key(engine_id), prefix=True)
+        return sorted(self._range(_key(engine_id), prefix=True), key=lambda r: r.rank)
 
     def remove(self, engine_id: str, rank: int) -> None:
         self._post("kv/deleterange", {"key": self._b64(_key(engine_id, rank))})
 
+    def announce(self, record: ServerRecord, ttl_s: float) -> None:
+        """Put the record with an etcd lease of `ttl_s`, kept alive by each renewal.
+
+        A lease etcd no longer knows (it expired: this server was silent too long) is replaced by a new one.
+        """
+        lease = self._leases.get(record.server_id)
+        if lease is not None:
+            alive = self._post("lease/keepalive", {"ID": lease}).get("result", {})
+            if int(alive.get("TTL", 0)) <= 0:
+                lease = None
+        if lease is None:
+            lease = str(self._post("lease/grant", {"TTL": max(1, round(ttl_s))})["ID"])
+            self._leases[record.server_id] = lease
+        value = self._b64(wire.encode(self.sealer.seal(record)))
+        self._post("kv/put", {"key": self._b64(_server_key(record.server_id)), "value": value, "lease": lease})
+
+    def servers(self) -> list[ServerRecord]:
+        return sorted(self._range(SERVERS, prefix=True, cls=ServerRecord), key=lambda r: r.server_id)
+
+    def withdraw(self, server_id: str) -> None:
+        lease = self._leases.pop(server_id, None)
+        if lease is not None:
+            self._post("lease/revoke", {"ID": lease})
+        self._post("kv/deleterange", {"key": self._b64(_server_key(server_id))})
+
 
 def redacted(url: str) -> str:
-    """`url` with any password replaced by `***` (redis://:PASSWORD@host, etcd://user:PASSWORD@host): URLs go
-    into errors and logs."""
+    """`url` with any password replaced by `***`: URLs go into errors and logs.
+
+    As in redis://:PASSWORD@host, etcd://user:PASSWORD@host."""
     try:
         parts = urllib.parse.urlsplit(url)
         password = parts.password
@@ -225,21 +375,28 @@ def redacted(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
-def open_registry(url: str | None) -> Registry | None:
-    """A registry for `redis://…` or `etcd://…`; None for peer-to-peer (None, "", "p2p", "P2PHANDSHAKE")."""
+def open_registry(url: str | None, *, secret: str | bytes | None = None) -> DiscoveryRegistry | None:
+    """A registry for `redis://…` or `etcd://…`; None for peer-to-peer (None, "", "p2p", "P2PHANDSHAKE").
+
+    `secret`: the deployment's shared secret, which signs and checks its records.
+    """
     if not url or url.lower() in ("p2p", "p2phandshake"):
         return None
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("redis", "rediss", "unix"):
-        return RedisRegistry(url)
+        return RedisRegistry(url, secret=secret)
     if scheme in ("etcd", "etcds", "http", "https"):
-        return EtcdRegistry(url)
+        return EtcdRegistry(url, secret=secret)
     raise ConfigError(f"unknown registry URL {redacted(url)!r}; use redis://HOST:PORT, etcd://HOST:PORT or p2p")
 
 
-def resolve(params: KVTransferParams, rank: int, *, registry: Registry | None = None, wait_s: float = 0.0) -> Address:
-    """Where rank `rank` of the remote engine in `params` listens: its registry record (waiting up to
-    `wait_s` for it to be ready) or, peer-to-peer, `remote_host` and `remote_port + rank`."""
+def resolve(
+    params: KVTransferParams, rank: int, *, registry: DiscoveryRegistry | None = None, wait_s: float = 0.0
+) -> Address:
+    """Where rank `rank` of the remote engine in `params` listens.
+
+    Its registry record (waiting up to `wait_s` for it to be ready) or, peer-to-peer, `remote_host` and `remote_port +
+    rank`."""
     if registry is not None:
         if params.remote_engine_id is None:
             raise ConfigError("kv_transfer_params lack remote_engine_id, which a registry lookup needs")

@@ -129,8 +129,9 @@ class Ledger:
         self._offer_callbacks.append(callback)
 
     def on_finish(self, callback: FinishCallback) -> None:
-        """Call `callback(lease, state)` when a lease ends, however (a side channel answers the queries held
-        for it at once)."""
+        """Call `callback(lease, state)` when a lease ends, however.
+
+        A side channel answers the queries held for it at once."""
         self._finish_callbacks.append(callback)
 
     # -- prefill side ---------------------------------------------------------------------
@@ -214,8 +215,9 @@ class Ledger:
         return lease
 
     def extend(self, request_id: str, blocks: Sequence[int]) -> bool:
-        """Add `blocks` to an active lease (a request streamed while prefill computes it gets its blocks
-        chunk by chunk); False, and nothing changed, when the request holds no active lease."""
+        """Add `blocks` to an active lease; False, and nothing changed, when the request holds no active lease.
+
+        A request streamed while prefill computes it gets its blocks chunk by chunk."""
         with self._lock:
             entry = self._active.get(request_id)
             if entry is None:
@@ -228,8 +230,9 @@ class Ledger:
         return True
 
     def hold_reads(self, request_id: str) -> bool:
-        """From now on the engine frees the active lease's blocks only through `on_release` (a streamed
-        request that can no longer be preempted): its readers' reads are held (`LeaseStatus.reads_held`).
+        """From now on the engine frees the active lease's blocks only through `on_release`.
+
+        For a streamed request that can no longer be preempted: its readers' reads are held (`LeaseStatus.reads_held`).
         False, and nothing changed, when the request holds no active lease."""
         with self._lock:
             entry = self._active.get(request_id)
@@ -282,6 +285,12 @@ class Ledger:
         with self._lock:
             return list(self._active)
 
+    def held(self) -> tuple[int, int]:
+        """How many leases hold blocks now (active, or ended with a reader still reading), and how many blocks."""
+        with self._lock:
+            entries = [*self._active.values(), *self._held.values()]
+            return len(entries), sum(len(e.lease.blocks) for e in entries)
+
     def state(self, request_id: str) -> LeaseState:
         with self._lock:
             entry = self._active.get(request_id) or self._finished.get(request_id)
@@ -298,8 +307,9 @@ class Ledger:
         *,
         blocks: Sequence[int] = (),
     ) -> LeaseStatus:
-        """A decode rank is about to read `blocks`: the lease as it stands; remember who to tell on abort and,
-        if the offer left it open, the release count the decode side states.
+        """A decode rank is about to read `blocks`: the lease as it stands.
+
+        Remember who to tell on abort and, if the offer left it open, the release count the decode side states.
 
         Raises ProtocolError, and leaves the lease as it was, when `blocks` names a block the lease does
         not hold: the decode side would read another request's KV (stale or forged transfer params).
@@ -409,8 +419,9 @@ class Ledger:
             )
 
     def _end_read(self, request_id: str, decode_rank: str, epoch: int) -> list[_Entry]:
-        """A DONE from `decode_rank`: its read of the held leases it names ended; returns those no longer
-        read by anyone, taken out of `_held` (lock held)."""
+        """A DONE from `decode_rank`: its read of the held leases it names ended.
+
+        Returns those no longer read by anyone, taken out of `_held` (lock held)."""
         unheld = []
         for key in [(request_id, epoch)] if epoch else [k for k in self._held if k[0] == request_id]:
             held = self._held.get(key)
@@ -431,8 +442,9 @@ class Ledger:
         )
 
     def _finish(self, entry: _Entry, state: LeaseState) -> bool:
-        """Move an active lease to `state` (published first), then call `on_release`, or, while decode ranks
-        are still reading it (not at expiry), hold it until their DONEs. False if already finished."""
+        """Move an active lease to `state` (published first), then call `on_release`; False if already finished.
+
+        While decode ranks are still reading it (not at expiry), hold it until their DONEs instead."""
         now = self._clock()
         with self._lock:
             if self._active.get(entry.lease.request_id) is not entry:

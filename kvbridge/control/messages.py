@@ -153,7 +153,7 @@ class Done:
 
 @attrs.frozen
 class QueryLease:
-    """Is the lease on `request_id` (with `epoch`, if not 0) still valid?"""
+    """Whether the lease on `request_id` (with `epoch`, if not 0) is still valid."""
 
     request_id: str = _id()
     epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
@@ -186,8 +186,9 @@ class Abort:
 
 @attrs.frozen
 class RegisteredMemory:
-    """A rank's registered memory: the agent's `RankInfo` (parallel config, KV layout, transport
-    endpoint), None until the rank is ready. `meta` carries free-form strings for adapters."""
+    """A rank's registered memory: the agent's `RankInfo` (parallel config, KV layout, transport endpoint).
+
+    None until the rank is ready. `meta` carries free-form strings for adapters."""
 
     engine_id: str = _id()
     rank: int = attrs.field(validator=attrs.validators.instance_of(int))
@@ -221,8 +222,10 @@ STREAM_FIRST_VERSION = 1
 
 @attrs.frozen
 class StreamStatus:
-    """A streamed request on a prefill rank: its lease (as `LeaseStatus`), the blocks allocated so far,
-    the prompt's length and, per layer, how many prompt tokens are computed and readable."""
+    """A streamed request on a prefill rank.
+
+    Its lease (as `LeaseStatus`), the blocks allocated so far, the prompt's length and, per layer, how many prompt
+    tokens are computed and readable."""
 
     lease: LeaseStatus
     tokens: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))

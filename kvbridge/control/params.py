@@ -48,8 +48,9 @@ TRANSFER_MODES = ("pull", "layerwise")
 
 
 def _check(ok: Callable[[Any], bool], expected: str, *, optional: bool = False) -> Any:
-    """A validator that refuses what `ok` does not accept, naming the key and what it takes: a bad value from
-    a proxy fails here, not later as a timeout or a socket error far from its cause."""
+    """A validator that refuses what `ok` does not accept, naming the key and what it takes.
+
+    A bad value from a proxy fails here, not later as a timeout or a socket error far from its cause."""
 
     def check(_inst: object, attr: attrs.Attribute, value: Any) -> None:
         if optional and value is None:

@@ -1,5 +1,6 @@
-"""The decode side of one request's migration: plan, readiness, leases, reads, landing, fenced DONEs and
-the notifier's release of ranks nobody reads, for whole-request and layer-wise pulls alike.
+"""The decode side of one request's migration, for whole-request and layer-wise pulls alike.
+
+Plan, readiness, leases, reads, landing, fenced DONEs and the notifier's release of ranks nobody reads.
 
 Both kinds run through one `PullMachine` (`kvbridge.session.machine`) and share each step: `_begin`
 (resolving -> leased: find each prefill rank, wait for it to be ready, BeginPull stating its release
@@ -33,7 +34,7 @@ import numpy as np
 from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.block_ids import BlockIds, block_array
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
-from kvbridge.control.discovery import Registry, resolve
+from kvbridge.control.discovery import DiscoveryRegistry, resolve
 from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import KVBridgeError, LoadError
@@ -60,8 +61,9 @@ DONE_RETRY_S = 0.05  # before the second try, doubling
 
 
 def hold_deadline(asked: float, status: LeaseStatus) -> float:
-    """Until when (this host's monotonic clock, `asked`: before the request `status` answers was sent) the
-    prefill rank holds its blocks for this read; -inf when it promises no hold."""
+    """Until when the prefill rank holds its blocks for this read; -inf when it promises no hold.
+
+    On this host's monotonic clock; `asked`: before the request `status` answers was sent."""
     if not status.reads_held:
         return -math.inf
     return asked + status.remaining_s * (1 - HOLD_SLACK_SHARE) - HOLD_SLACK_S
@@ -69,6 +71,7 @@ def hold_deadline(asked: float, status: LeaseStatus) -> float:
 
 def blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequence[int]) -> BlockIds:
     """The prefill rank's block ids this decode rank reads (named in BeginPull, checked against the lease).
+
     Positions past the list are left for the agent to refuse with its own error."""
     ids = block_array(blocks)
     pos = [p.src_positions() for p in plan.pulls_for(decode_rank) if p.prefill_rank == prefill_rank]
@@ -110,7 +113,7 @@ class DecodeControl:
         server: ControlServer,
         *,
         secret: str | bytes | None = None,
-        registry: Registry | None = None,
+        registry: DiscoveryRegistry | None = None,
         ready_timeout_s: float = 30.0,
         timeout_s: float = CONTROL_TIMEOUT_S,
     ) -> None:
@@ -150,8 +153,9 @@ class DecodeControl:
         return info
 
     def _session(self, machine: PullMachine, params: KVTransferParams, tokens: int) -> Session:
-        """Resolving: plan the pull and find the ranks nobody reads (the notifier releases them, one DONE
-        each: release count 1)."""
+        """Resolving: plan the pull and find the ranks nobody reads.
+
+        The notifier releases those, one DONE each: release count 1."""
         plan = self.agent.plan(prefill_parallel(params), tokens, prefill_dp=params.dp_rank)
         notify = [(self._client(params, r), 1) for r in plan.unpulled] if self.agent.rank == plan.notifier else []
         ranks = sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)})
@@ -160,10 +164,11 @@ class DecodeControl:
     def _begin(
         self, s: Session, *, whole: bool, check: Callable[[int, ControlClient, RankInfo], None] | None = None
     ) -> None:
-        """Resolving -> leased: each rank's side channel and RankInfo (`check`ed), then its BeginPull,
-        which waits for prefill's offer and states this rank's release count. A `whole`-request pull names
-        the blocks it reads and takes the prefill's hold from the BeginPull's answer; a layer-wise one
-        from each rank's answer that completes its stream (`LayerReader`)."""
+        """Resolving -> leased: each rank's side channel and RankInfo (`check`ed), then its BeginPull.
+
+        The BeginPull waits for prefill's offer and states this rank's release count. A `whole`-request pull names the
+        blocks it reads and takes the prefill's hold from the BeginPull's answer; a layer-wise one from each rank's
+        answer that completes its stream (`LayerReader`)."""
         waited = 0.0
         for rank in s.ranks:
             client = self._client(s.params, rank)
@@ -189,10 +194,11 @@ class DecodeControl:
         s.machine.to(PullState.LEASED)
 
     def _confirm(self, s: Session, error: BaseException | None) -> BaseException | None:
-        """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull. Within every
-        prefill rank's hold the bytes are intact: the DONEs only free the prefill blocks, after the report,
-        off this thread. Otherwise the fenced DONEs' answers decide (a LoadError when a lease did not
-        hold). Returns the pull's outcome: None, or the error that means recompute."""
+        """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull.
+
+        Within every prefill rank's hold the bytes are intact: the DONEs only free the prefill blocks, after the report,
+        off this thread. Otherwise the fenced DONEs' answers decide (a LoadError when a lease did not hold). Returns the
+        pull's outcome: None, or the error that means recompute."""
         s.machine.to(PullState.CONFIRMING)
         if error is not None:
             with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
@@ -206,9 +212,10 @@ class DecodeControl:
         return error
 
     def _abandon(self, s: Session, error: BaseException) -> None:
-        """This rank will not use what it read (`error`): release what it announced, the ranks it was to
-        read but had not announced yet (their offer may still be on its way: a release-only DONE is kept
-        until it comes) and the unread ranks, right away. A rank whose side channel just left its
+        """This rank will not use what it read (`error`): release every rank it holds or was to read, right away.
+
+        That is what it announced, the ranks it was to read but had not announced yet (their offer may still be on its
+        way: a release-only DONE is kept until it comes) and the unread ranks. A rank whose side channel just left its
         BeginPull unanswered (killed or stalled) gets no DONE to wait on again: its lease expires."""
         release = list(s.notify)
         for rank in s.ranks:
@@ -285,9 +292,10 @@ class DecodeControl:
         timeout_s: float,
         cancelled: threading.Event,
     ) -> dict[str, float]:
-        """Read the request layer by layer as prefill computes it, then confirm it (`_confirm`). Returns
-        the read's phases (ms). Raises LoadError (recompute), TransferTimeout, or the transport's error;
-        DONEs (or release-only ones) go out in every case."""
+        """Read the request layer by layer as prefill computes it, then confirm it (`_confirm`).
+
+        Returns the read's phases (ms). Raises LoadError (recompute), TransferTimeout, or the transport's error; DONEs
+        (or release-only ones) go out in every case."""
         s = self._session(machine, params, tokens)
         reader = LayerReader(self.agent, s, local_blocks, tokens, skip, timeout_s, cancelled)
         try:
@@ -317,10 +325,11 @@ class DecodeControl:
     def _send_dones(
         self, rid: str, leases: Leases, release: Release, error: BaseException | None, *, held: bool = False
     ) -> BaseException | None:
-        """DONE to every announced lease (fenced unless the pull already failed, or `held`: the read is
-        confirmed by the prefill ranks' holds) and a release-only DONE (with its release count) to each of
-        `release`; returns the pull's outcome: None, or the error that means recompute. `held` DONEs are
-        retried (DONE_ATTEMPTS), and what they find is only logged."""
+        """DONE to every announced lease and a release-only DONE to each of `release`; returns the pull's outcome.
+
+        The DONEs are fenced unless the pull already failed, or `held`: the read is confirmed by the prefill ranks'
+        holds. Release-only DONEs carry their release count. The outcome is None, or the error that means recompute.
+        `held` DONEs are retried (DONE_ATTEMPTS), and what they find is only logged."""
         attempts = DONE_ATTEMPTS if held else 1
         for client, epoch, count in leases.values():
             try:

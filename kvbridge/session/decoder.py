@@ -1,5 +1,6 @@
-"""A decode rank's pulls between engine steps: each on a thread of its own, through `DecodeControl`,
-reported to the engine through the rank's `Outbox`.
+"""A decode rank's pulls between engine steps, each on a thread of its own.
+
+They go through `DecodeControl` and are reported to the engine through the rank's `Outbox`.
 
 Whole-request pulls run on a small pool: `DecodeControl.start` returns once the transfers are submitted
 and the outcome is reported from the transport's thread as soon as the read is confirmed (this thread
@@ -21,7 +22,7 @@ import attrs
 
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.ranks import stage_port
+from kvbridge.rank_ports import stage_port
 from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Outbox, Recorder
@@ -89,8 +90,10 @@ class DecodeSide:
         reported = threading.Lock()  # held once the outcome went to the engine
 
         def report(_rid: str, error: BaseException | None) -> None:
-            """The pull's outcome to the engine, once: from the transport's thread as soon as the read is
-            confirmed, or from this thread when the pull failed before or never ended."""
+            """The pull's outcome to the engine, once.
+
+            From the transport's thread as soon as the read is confirmed, or from this thread when the pull failed
+            before or never ended."""
             if not reported.acquire(blocking=False):
                 return
             if handle is None and error is not None:  # failed before the control plane began (or ended) it
@@ -150,8 +153,10 @@ class DecodeSide:
             self.stats.record_retries(self.transport, peer, sum(h.retries for h in handle.handles))
 
     def release(self, task: PullTask) -> None:
-        """Decode reads nothing of the request: free it on every prefill rank now (once per engine: each
-        stage's TP rank 0 frees its stage of prefill; with another PP size, stage 0 frees every stage)."""
+        """Decode reads nothing of the request: free it on every prefill rank now.
+
+        Once per engine: each stage's TP rank 0 frees its stage of prefill; with another PP size, stage 0 frees every
+        stage."""
         params = task.params
         if self.tp_rank == 0:
             stages = [self.pp_rank] if params.pp_size == self.pp_size else range(params.pp_size)

@@ -1,5 +1,7 @@
-"""The reading state of a layer-wise pull: poll each prefill rank's stream and read, per group of layers
-that became readable together, the blocks that are complete, until every layer holds the whole prompt.
+"""The reading state of a layer-wise pull: poll each prefill rank's stream and read what is complete.
+
+Read, per group of layers that became readable together, the blocks that are complete, until every layer holds the whole
+prompt.
 
 `DecodeControl.stream` drives it through the pull's states (`kvbridge.session.machine`). Over a transport
 that may write after a failed read (`late_writes`: Mooncake TCP) each read lands in a buffer first and is
@@ -22,10 +24,10 @@ from kvbridge.backend import TransferHandle
 from kvbridge.block_ids import block_array
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
+from kvbridge.descriptors import pull_descriptors
 from kvbridge.errors import KVBridgeError, LoadError, TransferTimeout
 from kvbridge.layout import KVLayout
 from kvbridge.memory import total_bytes
-from kvbridge.planner import pull_descriptors
 
 if TYPE_CHECKING:
     from kvbridge.agent import KVAgent, RankInfo
@@ -187,8 +189,9 @@ class LayerReader:
     def _groups(
         self, client: ControlClient, st: StreamStatus, sent: list[int]
     ) -> tuple[dict[tuple[int, int], list[int]], bool]:
-        """The layers readable beyond what was requested, grouped by (first, end) block position; and
-        whether the rank's every layer holds the whole prompt."""
+        """The layers readable beyond what was requested, grouped by (first, end) block position.
+
+        Also returns whether the rank's every layer holds the whole prompt."""
         rid = self.s.rid
         if not st.lease.valid:
             raise LoadError(
@@ -248,8 +251,9 @@ class LayerReader:
             self.s.machine.descriptors += len(desc)
 
     def _land_finished(self) -> None:
-        """Copy the landed reads that succeeded into the cache and give their buffers back; the others stay
-        (still running, or failed: `retire` retires them)."""
+        """Copy the landed reads that succeeded into the cache and give their buffers back.
+
+        The others stay (still running, or failed: `retire` retires them)."""
         for item in list(self.landings):
             h, land = item
             if h.done() and h.exception() is None:
@@ -262,15 +266,18 @@ class LayerReader:
         self.ended = time.time()
 
     def retire(self, timeout_s: float) -> None:
-        """After a failure: wait for every read to end; a read that failed, or still runs, may write late,
-        so its landing buffer retires."""
+        """After a failure: wait for every read to end.
+
+        A read that failed, or still runs, may write late, so its landing buffer retires."""
         settle(self.handles, timeout_s)
         for h, land in self.landings:
             land.finish(False, moved=not (h.done() and h.exception() is None))
 
     def phases(self, done_ms: float) -> dict[str, float]:
-        """The read's phases (ms): control, transfer (busy), hidden (while prefill computed), exposed,
-        tail (from the last proof of compute to all bytes here), done."""
+        """The read's phases (ms).
+
+        Control, transfer (busy), hidden (while prefill computed), exposed, tail (from the last proof of compute to all
+        bytes here), done."""
         # a callback may still be running when the reads settled: its transfer ended by now
         intervals = [(a, b or self.ended) for a, b in self.spans]
         busy = busy_s(intervals)

@@ -70,8 +70,9 @@ class PullMachine:
             self._enter(state)
 
     def end(self, error: BaseException | None) -> PullState:
-        """End the pull: done from confirming when `error` is None, else fenced (a lease that did not
-        hold: `LoadError`) or failed. A second end is ignored (the first outcome stands)."""
+        """End the pull: done from confirming when `error` is None, else fenced or failed.
+
+        Fenced: a lease that did not hold (`LoadError`). A second end is ignored (the first outcome stands)."""
         with self._lock:
             if self.state in TERMINAL:
                 return self.state

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.telemetry import failure_reason
+from kvbridge.metric_labels import failure_reason
 
 # pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
 # leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta];

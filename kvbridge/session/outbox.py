@@ -1,5 +1,7 @@
-"""What one rank tells its engine between steps: requests whose blocks may be freed (sending), requests
-loaded or failed (receiving), blocks that failed to load, and each pull's timings; and the idle wait.
+"""What one rank tells its engine between steps, and the idle wait.
+
+Requests whose blocks may be freed (sending), requests loaded or failed (receiving), blocks that failed to load, and
+each pull's timings.
 
 An engine that only waits for transfers still steps; the adapter's `take(idle=True)` sleeps such a step
 until there is something to report, at most `idle_wait_s`, and, with only transfers in flight, at most
@@ -85,8 +87,10 @@ class Outbox:
         failed: Iterable[int] = (),
         timing: dict[str, float] | None = None,
     ) -> None:
-        """A pull ended: its `failed` blocks are load errors, its `timing` is kept for the engine, and the
-        request is reported received where the engine waits for it (`report`)."""
+        """A pull ended: record its failed blocks and timing, and report the request received.
+
+        Its `failed` blocks are load errors, its `timing` is kept for the engine, and the request is reported received
+        where the engine waits for it (`report`)."""
         with self._lock:
             self._load_errors.update(failed)
             if timing:
@@ -116,8 +120,9 @@ class Outbox:
                 self._pulls -= 1
 
     def take(self, idle: bool, pending: bool = False) -> tuple[set[str], set[str]]:
-        """The requests sending and receiving finished since the last call. In an `idle` step with nothing
-        to report (nor `pending` elsewhere), wait first (see the docstring)."""
+        """The requests sending and receiving finished since the last call.
+
+        In an `idle` step with nothing to report (nor `pending` elsewhere), wait first (see the docstring)."""
         with self._lock:
             if idle and not (self._sent or self._recved or pending):
                 self._idle_wait()

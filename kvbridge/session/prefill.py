@@ -1,5 +1,7 @@
-"""A prefill rank's side of a session: its side channel, the `Ledger` of the requests it holds for
-decode, offers, and layer-wise streams; it reports a request finished sending once its lease ended.
+"""A prefill rank's side of a session.
+
+Its side channel, the `Ledger` of the requests it holds for decode, offers, and layer-wise streams; it reports a request
+finished sending once its lease ended.
 
 Every rank serves a `ControlServer` (its `RankInfo`, readiness, and the ledger), bound at construction
 and ready once the KV cache is registered (`register`): an early peer waits instead of failing. A
@@ -138,6 +140,10 @@ class PrefillSide:
         return self.producer.take_finished() if self.producer is not None else set()
 
     def close(self) -> None:
+        leases, blocks = self.ledger.held()
+        (log.warning if leases else log.info)(
+            "prefill rank %s closing with %d leases held (%d blocks)", self.server.name, leases, blocks
+        )
         if self.producer is not None:
             self.producer.close()
         self.server.close()

@@ -1,5 +1,7 @@
-"""A prefill rank's layer-wise streams (`"transfer": "layerwise"`): leases offered when a request starts,
-per-layer readiness as the engine's forward saves each layer, and what readers are told.
+"""A prefill rank's layer-wise streams (`"transfer": "layerwise"`).
+
+Leases offered when a request starts, per-layer readiness as the engine's forward saves each layer, and what readers are
+told.
 
 The engine adapter tells the `Producer` each step what started, grew, computed, ended or was preempted
 (a `LayerwiseMeta`), and each saved layer (`save_layer`). The lease is offered at once, keyed by the
@@ -50,10 +52,12 @@ PUBLISH_DRAIN_S = 10.0
 
 @attrs.frozen
 class StreamStart:
-    """Prefill: stream `request_id` under `transfer_id`; `blocks` allocated so far, `computed` tokens already
-    in the cache for every layer (prefix-cache hits), `tokens` the prompt's length. `held_at_end`: the engine
-    finishes the request in the step that ends its prompt (`max_tokens` 1, one batch at a time), so from
-    that step's last layer on only the lease frees its blocks, and readers' reads are held."""
+    """Prefill: stream `request_id` under `transfer_id`.
+
+    `blocks` allocated so far, `computed` tokens already in the cache for every layer (prefix-cache hits), `tokens` the
+    prompt's length. `held_at_end`: the engine finishes the request in the step that ends its prompt (`max_tokens` 1,
+    one batch at a time), so from that step's last layer on only the lease frees its blocks, and readers' reads are
+    held."""
 
     request_id: str
     transfer_id: str
@@ -184,9 +188,11 @@ class Producer:
         wake_interval_s: float = WAKE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`abort(transfer_id, reason)` frees a stream's lease and tells its readers (`ControlServer.abort`);
-        `on_progress(transfer_id)` is told whenever a stream's readers are to be woken
-        (`ControlServer.wake` answers their held QueryStreams)."""
+        """A prefill rank's stream producer; `abort` and `on_progress` tie it to the control server.
+
+        `abort(transfer_id, reason)` frees a stream's lease and tells its readers (`ControlServer.abort`);
+        `on_progress(transfer_id)` is told whenever a stream's readers are to be woken (`ControlServer.wake` answers
+        their held QueryStreams)."""
         self.ledger = ledger
         self.wake_interval_s = wake_interval_s
         self._clock = clock
@@ -272,9 +278,10 @@ class Producer:
             self._maybe_finish(tid)
 
     def save_layer(self, layer_name: str) -> None:
-        """After layer `layer_name`'s attention queued this step's KV: make it readable. On a device that
-        queues work (CUDA, NPU, MLU) the forward does not wait for it: the layer is published on a thread
-        of its own once the device ran it (`KVAgent.record`), so the engine keeps the device fed."""
+        """After layer `layer_name`'s attention queued this step's KV: make it readable.
+
+        On a device that queues work (CUDA, NPU, MLU) the forward does not wait for it: the layer is published on a
+        thread of its own once the device ran it (`KVAgent.record`), so the engine keeps the device fed."""
         layer = self.layers.get(layer_name)
         if layer is None or self.agent is None:
             return
@@ -305,8 +312,9 @@ class Producer:
         self._publisher.put(mark, work)
 
     def _publish(self, w: _Saved, waited: bool = False) -> None:
-        """Make `w`'s layer readable (the device's wait, or only the staging copy once `waited`) and
-        tell its readers."""
+        """Make `w`'s layer readable and tell its readers.
+
+        Readable after the device's wait, or only after the staging copy once `waited`."""
         assert self.agent is not None
         s = w.stream
         self.agent.publish(w.blocks, layers=(w.layer,), waited=waited)
@@ -338,8 +346,10 @@ class Producer:
             self._publisher.close()
 
     def _wakes_at_step_end(self, s: _Stream) -> bool:
-        """Whether readers are woken at the end of a step that does not end the prompt: when the next step
-        may end it (no more tokens left than this step computed), or WAKE_INTERVAL_S after the last time."""
+        """Whether readers are woken at the end of a step that does not end the prompt.
+
+        When the next step may end it (no more tokens left than this step computed), or WAKE_INTERVAL_S after the last
+        time."""
         now = self._clock()
         if s.tokens - s.step <= s.step - s.begun or now - s.woken_at >= self.wake_interval_s:
             s.woken_at = now
@@ -347,8 +357,9 @@ class Producer:
         return False
 
     def query(self, transfer_id: str, epoch: int) -> StreamStatus:
-        """The stream's status for a reader (`ControlServer.streams`); its lease lists the blocks so far
-        (`Ledger.extend` grows it with the stream)."""
+        """The stream's status for a reader (`ControlServer.streams`).
+
+        Its lease lists the blocks so far (`Ledger.extend` grows it with the stream)."""
         lease = self.ledger.query(transfer_id, epoch)
         with self._lock:
             s = self._streams.get(transfer_id)

@@ -1,5 +1,4 @@
-"""What a decode engine asks its ranks to pull: a whole request (`PullTask`) or a layer-wise stream
-(`StreamTask`)."""
+"""What a decode engine asks its ranks to pull: a whole request (`PullTask`) or a layer-wise stream (`StreamTask`)."""
 
 from __future__ import annotations
 
@@ -47,8 +46,9 @@ class PullTask:
 
 @attrs.frozen
 class StreamTask:
-    """Decode: read `request_id`'s prompt KV layer by layer as prefill computes it (no local blocks: only
-    abort it on prefill). `skip`: leading prompt blocks decode's own prefix cache holds."""
+    """Decode: read `request_id`'s prompt KV layer by layer as prefill computes it.
+
+    No local blocks: only abort it on prefill. `skip`: leading prompt blocks decode's own prefix cache holds."""
 
     request_id: str
     params: KVTransferParams

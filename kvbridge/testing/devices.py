@@ -35,8 +35,10 @@ MOVED = 8  # blocks moved per round trip; the rest must stay untouched
 
 
 class DeviceConformance:
-    """What every available device plugin must do. Configure with class attributes; override the
-    `library` fixture to install a stand-in for the device's library first."""
+    """What every available device plugin must do.
+
+    Configure with class attributes; override the `library` fixture to install a stand-in for the device's library
+    first."""
 
     device_name: ClassVar[str]
     #: (transport, protocol) pairs to round-trip through; None takes the transport's default protocol.
@@ -64,8 +66,9 @@ class DeviceConformance:
         kvbridge.reset_plugins()
 
     def observed_syncs(self, library: Any, device: Device) -> list[tuple[str, int]] | None:
-        """Every synchronization seen so far as (what, device_id) pairs (a fresh list each call; order does
-        not matter), or None where they are not observable."""
+        """Every synchronization seen so far as (what, device_id) pairs, or None where they are not observable.
+
+        A fresh list each call; order does not matter."""
         calls = getattr(library, "calls", None)
         return None if calls is None else list(calls)
 
@@ -154,8 +157,9 @@ class DeviceConformance:
     def test_a_recorded_mark_is_waited_for_on_another_thread(
         self, device: Device, library: Any, device_id: int
     ) -> None:
-        """`record` marks the work queued so far without waiting (layer-wise streaming calls it in the
-        engine's forward); `wait_recorded` waits for it on another thread. None: the device cannot mark."""
+        """`record` marks the work queued so far without waiting; `wait_recorded` waits for it on another thread.
+
+        Layer-wise streaming calls `record` in the engine's forward. None: the device cannot mark."""
         before = self.observed_syncs(library, device)
         mark = device.record(device_id)
         if mark is None:
@@ -188,8 +192,9 @@ class DeviceConformance:
     @pytest.mark.parametrize("staged", [False, True], ids=["auto", "staged"])
     @pytest.mark.parametrize("op", ["read", "write"])
     def test_round_trip(self, device: Device, transport: tuple[str, str | None], op: str, staged: bool) -> None:
-        """Blocks in shuffled order from one backend's buffer into another's, pulled or pushed; bytes
-        that were not addressed stay zero. `auto` stages only where the transport cannot reach the memory."""
+        """Blocks in shuffled order from one backend's buffer into another's, pulled or pushed.
+
+        Bytes that were not addressed stay zero. `auto` stages only where the transport cannot reach the memory."""
         name, protocol = transport
         rng = np.random.default_rng(7)
         perm = rng.permutation(BLOCKS)[:MOVED]
@@ -235,8 +240,10 @@ class DeviceConformance:
                 b.transfer(peer, [(local, remote + 4096, 1)], "read")  # remote range not registered
 
     def test_staging_by_address(self, device: Device) -> None:
-        """Where only an address is known (LMDeploy's CacheEngine hands out pointers), staging copies through
-        `Device.buffer_at`; a device that cannot wrap an address says so when registering, not later."""
+        """Where only an address is known, staging copies through `Device.buffer_at`.
+
+        LMDeploy's CacheEngine hands out pointers. A device that cannot wrap an address says so when registering, not
+        later."""
         src, dst = device.allocate(4096, self.device_ids[0]), device.allocate(4096, self.device_ids[0])
         data = np.random.default_rng(3).integers(0, 256, 4096, dtype=np.uint8)
         device.from_host(src, data)
@@ -267,9 +274,10 @@ class DeviceConformance:
 
 
 class StandInDeviceConformance(DeviceConformance):
-    """`DeviceConformance` on a stand-in for the device's library (`kvbridge.testing.standins`): host
-    memory behind the library's module surface, installed only inside these tests, so CI without the
-    hardware runs the whole suite. Test ids carry `stand-in`."""
+    """`DeviceConformance` on a stand-in for the device's library (`kvbridge.testing.standins`).
+
+    Host memory behind the library's module surface, installed only inside these tests, so CI without the hardware runs
+    the whole suite. Test ids carry `stand-in`."""
 
     #: the vendor package stood in (``torch_npu``, ``torch_mlu``); there is no CUDA stand-in.
     standin_module: ClassVar[str]
@@ -283,8 +291,9 @@ class StandInDeviceConformance(DeviceConformance):
 
 
 class UnavailableDeviceConformance:
-    """What a device plugin must do where its hardware or library is missing: register anyway, say
-    why, and fail only when used, with the reason and the fix."""
+    """What a device plugin must do where its hardware or library is missing.
+
+    Register anyway, say why, and fail only when used, with the reason and the fix."""
 
     device_name: ClassVar[str]
     #: text the unavailability reason must contain (for example "torch_npu is not importable").

@@ -39,8 +39,9 @@ def _is_cpu(value: Any) -> bool:
 
 
 class StandInTensor(torch.Tensor):
-    """A host-memory tensor that reports a stand-in device; results of ops on it stay on that device,
-    except ``cpu()``, ``numpy()`` and ``to("cpu")``, which come back as plain host tensors."""
+    """A host-memory tensor that reports a stand-in device; results of ops on it stay on that device.
+
+    Except ``cpu()``, ``numpy()`` and ``to("cpu")``, which come back as plain host tensors."""
 
     _standin_device: StandInDeviceRef
 

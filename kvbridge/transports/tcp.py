@@ -100,8 +100,9 @@ class _Views:
         self._starts, self._ends, self._reach, self._views = starts, ends, reach, views
 
     def slices(self, addrs: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
-        """Views for ranges already checked to lie inside registered spans, in order; a range crossing from
-        one region into the next gets a view per region. Short (never wrong) where a range leaves
+        """Views for ranges already checked to lie inside registered spans, in order.
+
+        A range crossing from one region into the next gets a view per region. Short (never wrong) where a range leaves
         registered memory: the caller checks the total before sending or receiving."""
         addrs = np.asarray(addrs, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -306,8 +307,10 @@ class TcpBackend(MigrationBackend):
     # -- serving ------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        """Accept until closed. Nothing a peer or the host does ends it: a failed accept (EMFILE: out of
-        file descriptors) or thread start is logged and retried after a pause that doubles up to a bound."""
+        """Accept until closed.
+
+        Nothing a peer or the host does ends it: a failed accept (EMFILE: out of file descriptors) or thread start is
+        logged and retried after a pause that doubles up to a bound."""
         pause = 0.0
         while not self._stop.is_set():
             try:
@@ -328,8 +331,9 @@ class TcpBackend(MigrationBackend):
                 self._stop.wait(pause)
 
     def _admit(self, conn: socket.socket, addr: Any) -> bool:
-        """Serve a new connection on a thread of its own, if fewer than `max_handshakes` are authenticating
-        (else it is closed at once); False: its thread could not start (closed, logged)."""
+        """Serve a new connection on a thread of its own, if fewer than `max_handshakes` are authenticating.
+
+        Else it is closed at once. False: its thread could not start (closed, logged)."""
         with self._lock:
             full = self._handshakes >= self.options.max_handshakes
             if not full:
@@ -402,8 +406,10 @@ class TcpBackend(MigrationBackend):
             self._forget(conn, handshaking=False)
 
     def _authenticate(self, conn: socket.socket, peer: str) -> bool:
-        """Challenge-response before anything else; reads at most `_MAX_AUTH_FRAME` bytes, all of it within
-        one `handshake_timeout` (a peer trickling a byte at a time is dropped at the deadline). False: refused."""
+        """Challenge-response before anything else; False: refused.
+
+        Reads at most `_MAX_AUTH_FRAME` bytes, all of it within one `handshake_timeout` (a peer trickling a byte at a
+        time is dropped at the deadline)."""
         challenge = secrets.token_bytes(_CHALLENGE_BYTES)
         deadline = time.monotonic() + self.options.handshake_timeout
         try:

@@ -50,8 +50,8 @@ from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, Ada
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
+from kvbridge.placement import local_device
 from kvbridge.plugins import create_backend, get_device, registry
-from kvbridge.regions import local_device
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -232,8 +232,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         return info
 
     def publish(self, remote_engine_id: str | None = None) -> None:
-        """Make this worker's pools current for peers' reads (one link's, or every link's): waits for the
-        device and, where the transport stages, copies the pools to the host mirrors peers read."""
+        """Make this worker's pools current for peers' reads (one link's, or every link's).
+
+        Waits for the device and, where the transport stages, copies the pools to the host mirrors peers read."""
         with self._lock:
             links = [self._link(remote_engine_id, "publish")] if remote_engine_id else list(self._links.values())
             for link in links:
@@ -294,8 +295,14 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             raise
         finally:
             self.metrics.record_retries(link.transport.name, rid, sum(h.retries for h, _, _ in submitted))
+        # LMDeploy's engine did the control part (assignment, endpoints) before this call: control_s is 0
         self.metrics.record(
-            link.transport.name, rid, time.perf_counter() - begun, int(p.descriptors[:, 2].sum()), len(p.descriptors)
+            link.transport.name,
+            rid,
+            time.perf_counter() - begun,
+            0.0,
+            int(p.descriptors[:, 2].sum()),
+            len(p.descriptors),
         )
 
     def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
@@ -429,8 +436,9 @@ def _signature(secret: bytes, info: Mapping[str, Any]) -> str:
 def _parse_endpoint(
     rid: str, text: str, secret: bytes | None = None
 ) -> tuple[EndpointInfo, dict[int, MemoryRegion], str]:
-    """The transport endpoint, regions and host a peer's `endpoint_info` carried; with a secret, only when
-    its signature holds."""
+    """The transport endpoint, regions and host a peer's `endpoint_info` carried.
+
+    With a secret, only when its signature holds."""
     try:
         data = json.loads(text)
     except (TypeError, ValueError) as exc:

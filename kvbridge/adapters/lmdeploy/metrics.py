@@ -1,9 +1,11 @@
-"""The LMDeploy backend's transfer series, the same `kvbridge_transfer_*` names the vLLM connector
-puts in vLLM's /metrics (docs/operations.md).
+"""The LMDeploy backend's transfer series, with the `kvbridge_transfer_*` names of the vLLM connector's.
 
-LMDeploy has no connector-stats path to hook into, so the backend keeps cumulative counters in a
-`TransferMetrics` (`KVBridgeMigrationBackend.metrics`), and an operator exposes them where the
-engine's Prometheus registry is:
+The vLLM connector puts the same series in vLLM's /metrics (docs/operations.md).
+
+LMDeploy has no connector-stats path to hook into, so the backend records with the session layer's
+recorder (`kvbridge.session.metrics`, as the vLLM connector's workers do) and sums what it recorded
+into cumulative counters: a `TransferMetrics` (`KVBridgeMigrationBackend.metrics`), which an
+operator exposes where the engine's Prometheus registry is:
 
     from prometheus_client import REGISTRY
     REGISTRY.register(backend.metrics.collector())
@@ -19,14 +21,22 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvbridge.telemetry import SECONDS_BUCKETS, failure_reason
+from kvbridge.metric_labels import SECONDS_BUCKETS
+from kvbridge.session.metrics import KEYS, TransferRecord
+
+FOLD_EVERY = 256  # recorded entries kept as a list before they are summed: a long-lived backend stays bounded
 
 
-class TransferMetrics:
-    """Cumulative transfer counters per (transport, peer); thread-safe."""
+class TransferMetrics(TransferRecord):
+    """The session layer's transfer recorder, summed per (transport, peer) for a long-lived engine; thread-safe.
+
+    vLLM ships what its workers record to its own counters each step; LMDeploy has nothing of the kind,
+    so the recorded entries are folded into cumulative counters here (when read, or every FOLD_EVERY).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.data: dict[str, list[Any]] = {k: [] for k in KEYS}
         self._bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._descriptors: dict[tuple[str, str], int] = defaultdict(int)
         self._transfers: dict[tuple[str, str], int] = defaultdict(int)
@@ -34,30 +44,44 @@ class TransferMetrics:
         self._failures: dict[tuple[str, str, str], int] = defaultdict(int)
         self._retries: dict[tuple[str, str], int] = defaultdict(int)
 
-    def record(self, transport: str, peer: str, seconds: float, nbytes: int, descriptors: int) -> None:
-        key = (transport, peer)
+    def record(
+        self, transport: str, peer: str, transfer_s: float, control_s: float, nbytes: int, descriptors: int
+    ) -> None:
+        super().record(transport, peer, transfer_s, control_s, nbytes, descriptors)
+        self._fold_when_long()
+
+    def record_failure(self, transport: str, peer: str, error: BaseException) -> None:
+        super().record_failure(transport, peer, error)
+        self._fold_when_long()
+
+    def _fold_when_long(self) -> None:
         with self._lock:
+            if sum(map(len, self.data.values())) >= FOLD_EVERY:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Sum the recorded entries into the counters; the caller holds the lock."""
+        data, self.data = self.data, {k: [] for k in KEYS}
+        for transport, peer, transfer_s, _control_s, nbytes, descriptors in data["pulls"]:
+            key = (transport, peer)
             self._bytes[key] += nbytes
             self._descriptors[key] += descriptors
             self._transfers[key] += 1
             hist = self._seconds.setdefault(key, [0.0] * (len(SECONDS_BUCKETS) + 2))
-            hist[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1  # the last bucket is +Inf
-            hist[-1] += seconds
-
-    def record_failure(self, transport: str, peer: str, error: BaseException) -> None:
-        with self._lock:
-            self._failures[(transport, peer, failure_reason(error))] += 1
-
-    def record_retries(self, transport: str, peer: str, retries: int) -> None:
-        """Batches a migration resubmitted (after a failed or stuck batch); nothing when 0."""
-        if retries:
-            with self._lock:
-                self._retries[(transport, peer)] += retries
+            hist[bisect.bisect_left(SECONDS_BUCKETS, transfer_s)] += 1  # the last bucket is +Inf
+            hist[-1] += transfer_s
+        for transport, peer, reason in data["failures"]:
+            self._failures[(transport, peer, reason)] += 1
+        for transport, peer, n in data["retries"]:
+            self._retries[(transport, peer)] += n
 
     def snapshot(self) -> dict[str, Any]:
-        """{"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...],
-        "retries": [{transport, peer, count}]}."""
+        """The counters as a plain dict, without prometheus-client.
+
+        {"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...], "retries":
+        [{transport, peer, count}]}."""
         with self._lock:
+            self._fold()
             return {
                 "transfers": [
                     {
@@ -86,6 +110,7 @@ class TransferMetrics:
             def collect(self) -> Iterator[Any]:
                 labels = ["transport", "peer"]
                 with metrics._lock:
+                    metrics._fold()
                     fams = {
                         "bytes": CounterMetricFamily("kvbridge_transfer_bytes", "KV bytes read.", labels=labels),
                         "descriptors": CounterMetricFamily(

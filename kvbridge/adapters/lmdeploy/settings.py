@@ -61,7 +61,7 @@ class AdapterSettings:
     - `metadata_server`: None for the transport's peer-to-peer handshake.
     - `devices`: NICs; worker rank r uses `devices[r % len(devices)]`.
     - `device`: the device plugin holding the cache pools (`cuda`, `npu`, ...; `kvbridge plugins` lists
-      them); None picks the accelerator this process has (`kvbridge.regions.local_device`), else `cpu`.
+      them); None picks the accelerator this process has (`kvbridge.placement.local_device`), else `cpu`.
     - `timeout`: seconds a migration may take before it fails (None: no limit).
     - `async_migration`: migrate asynchronously even when the caller does not pass `async_op`.
     - `secret`: the shared secret (`KVBRIDGE_SECRET` or the file `KVBRIDGE_SECRET_FILE` names): endpoints

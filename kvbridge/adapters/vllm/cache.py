@@ -159,8 +159,9 @@ def _check_order(view: Any, layout: str, backend: str) -> None:
 
 
 def byte_views(kv_caches: Mapping[str, Any], *, layout: str) -> list[list[Any]]:
-    """Per plane, per layer, a uint8 view `[B, H, N, content bytes]` of the cache (what
-    `kvbridge.landing` writes pulled blocks into, and the bench fills and checks)."""
+    """Per plane, per layer, a uint8 view `[B, H, N, content bytes]` of the cache.
+
+    What `kvbridge.landing` writes pulled blocks into, and the bench fills and checks."""
     entries = list(kv_caches.values())
     if layout == ASCEND_KV_TUPLE:
         return [[e[i].permute(0, 2, 1, 3).view(torch_uint8()) for e in entries] for i in (0, 1)]

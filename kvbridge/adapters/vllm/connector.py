@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge.adapters.vllm.cache import CUDA_DEFAULT_LAYOUT
+from kvbridge.adapters.vllm.membership import Membership
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
 
 
 def share_vllm_logging() -> None:
-    """Send kvbridge's log records through vLLM's handlers, so they land in the server log beside
-    vLLM's own at vLLM's level (vLLM configures only its `vllm` logger). A `kvbridge` logger the
-    operator has configured (it has handlers) is left alone."""
+    """Send kvbridge's log records through vLLM's handlers, so they land in the server log beside vLLM's own.
+
+    They go out at vLLM's level (vLLM configures only its `vllm` logger). A `kvbridge` logger the operator has
+    configured (it has handlers) is left alone."""
     ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
         return
@@ -94,15 +96,19 @@ class KVBridgeConnector(KVConnectorBase_V1):
         settings = Settings.from_extra_config(config.kv_connector_extra_config)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._membership: Membership | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
+            if settings.registry is not None:
+                self._membership = Membership(vllm_config, config.engine_id, settings, kv_cache_config.num_blocks)
         else:
             self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """The layout the operator asked for in kv_connector_extra_config, else `default_kv_cache_layout`'s
-        (vLLM uses it when its attention backends support it); None: kvbridge moves what vLLM resolves."""
+        """The layout the operator asked for in kv_connector_extra_config, else `default_kv_cache_layout`'s.
+
+        vLLM uses the latter when its attention backends support it. None: kvbridge moves what vLLM resolves."""
         config = vllm_config.kv_transfer_config
         if config is None:
             return None
@@ -203,6 +209,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._membership is not None:
+            self._membership.close()
         if self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:

@@ -32,8 +32,10 @@ class Refused(ValueError):
 
 @attrs.frozen
 class Part:
-    """One P/D request of a client request: `body` (one prompt, one choice), its choice `index` in the
-    merged answer, and whether it counts its prompt's tokens in the merged usage (the prompt's first choice)."""
+    """One P/D request of a client request.
+
+    `body` (one prompt, one choice), its choice `index` in the merged answer, and whether it counts its prompt's tokens
+    in the merged usage (the prompt's first choice)."""
 
     body: dict[str, Any]
     index: int
@@ -45,8 +47,9 @@ def _int(value: Any) -> bool:
 
 
 def _prompts(path: str, body: dict[str, Any]) -> list[Any] | None:
-    """The prompts of a batched completion request, or None for one prompt (a string, token ids, or
-    anything vLLM is left to judge)."""
+    """The prompts of a batched completion request, or None for one prompt.
+
+    One prompt: a string, token ids, or anything vLLM is left to judge."""
     prompt = body.get("prompt")
     if path != "/v1/completions" or not isinstance(prompt, list) or len(prompt) < 2:
         return None
@@ -111,8 +114,9 @@ def _usage(usages: list[tuple[bool, dict[str, Any]]]) -> dict[str, Any] | None:
 
 
 def response_id(template: Any, request_id: str) -> Any:
-    """The merged answer's id: vLLM's prefix (`cmpl-`, `chatcmpl-`) and the client's request id, as a
-    colocated server names it."""
+    """The merged answer's id, as a colocated server names it.
+
+    vLLM's prefix (`cmpl-`, `chatcmpl-`) and the client's request id."""
     if not isinstance(template, str) or "-" not in template:
         return template
     return f"{template.split('-', 1)[0]}-{request_id}"
@@ -134,8 +138,10 @@ def merge_whole(parts: list[Part], answers: list[dict[str, Any]], request_id: st
 
 
 class StreamMerge:
-    """Merges the parts' streamed chunks into one stream: each chunk's choices get their part's index, the
-    parts' usage chunks are held back and summed into one, sent before the one `[DONE]`."""
+    """Merges the parts' streamed chunks into one stream.
+
+    Each chunk's choices get their part's index; the parts' usage chunks are held back and summed into one, sent before
+    the one `[DONE]`."""
 
     def __init__(self, parts: list[Part], request_id: str) -> None:
         self.parts = parts

@@ -1,8 +1,9 @@
-"""Layer-wise streaming (`"transfer": "layerwise"`), vLLM's scheduler half: decode reads each layer's KV
-while prefill computes the next layers, into decode blocks allocated before prefill starts. A pipelined
-pull, not a push (docs/vllm.md says why): the decode side still does every read, so leases, fenced
-DONEs, aborts and load errors are those of pull mode. The workers' halves are engine-neutral:
-`kvbridge.session.stream` (prefill) and `kvbridge.session.layers` (decode).
+"""Layer-wise streaming (`"transfer": "layerwise"`), vLLM's scheduler half.
+
+Decode reads each layer's KV while prefill computes the next layers, into decode blocks allocated before prefill starts.
+A pipelined pull, not a push (docs/vllm.md says why): the decode side still does every read, so leases, fenced DONEs,
+aborts and load errors are those of pull mode. The workers' halves are engine-neutral: `kvbridge.session.stream`
+(prefill) and `kvbridge.session.layers` (decode).
 
 The proxy sends the request to both servers at once with one `transfer_id` (`kvbridge proxy
 --transfer layerwise`). Then:
@@ -57,8 +58,9 @@ def is_layerwise(params: dict[str, Any] | None) -> bool:
 
 
 class LayerwiseScheduler:
-    """The scheduler's part: which prefill requests stream (and how far they got), which decode requests
-    read layer by layer."""
+    """The scheduler's part: which prefill requests stream (and how far they got), which decode ones read.
+
+    Decode requests read layer by layer."""
 
     def __init__(self, block_size: int, *, enabled: bool, one_batch_at_a_time: bool = False) -> None:
         self.block_size = block_size

@@ -6,7 +6,8 @@ and the other way round: the prefill server gets the request with `max_tokens: 1
 go into the decode request, whose answer (streamed or not) is passed through to the client.
 Instances are picked round-robin among the healthy ones; a health loop takes a dead instance
 out (at once when it refuses connections, after a few timed-out probes when it is only slow) and
-puts it back when it answers again. A decode server that refuses the connection is skipped for
+puts it back when it answers again. A prefill server that answers a server error (5xx: a vLLM server
+shutting down does) is skipped for the next one. A decode server that refuses the connection is skipped for
 the next one, since prefill holds the KV for whichever decode asks. Responses name the servers
 that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a decode server that
 failed after taking the request included. A client that disconnects closes the upstream request,
@@ -24,6 +25,11 @@ request id, which prefill's lease is keyed on): a client's id, which two clients
 lease. The client's `x-request-id` (or a new one) names the request in the answer, its `x-kvbridge-timing`
 header (see `timeline`) and the log line that repeats it at info. `/metrics` serves the proxy's Prometheus
 series (docs/operations.md).
+
+With a registry (`registry`, `kvbridge proxy --registry URL`) the pools also follow the servers that announce
+themselves there (`kvbridge.control.membership`, docs/elastic.md): each health round reads the records, adds the
+servers that joined, drops those whose record is gone or expired, and sends no new request to one that is
+draining. The `--prefill`/`--decode` servers stay whatever the registry says.
 
 The servers' URLs reach clients (the `x-kvbridge-prefill`/`x-kvbridge-decode` headers, `/instances`, error
 answers, `/metrics` labels) only with `expose_internals` (`--expose-internals`); otherwise a server is named
@@ -51,6 +57,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.adapters.vllm import fanout
 from kvbridge.control.channel import ControlClient
+from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.membership import StaticMembers, open_members
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.secret import load_secret
@@ -80,23 +88,41 @@ class Instance:
     healthy: bool = True
     slow_probes: int = 0  # health probes in a row that timed out
     in_flight: int = 0  # requests sent to it and not yet answered in full
+    announced: bool = False  # it came from the registry (and leaves when its record does)
+    draining: bool = False  # its record says draining: no new request
 
 
 class Pool:
-    """Round-robin over the healthy instances of one role."""
+    """Round-robin over the healthy instances of one role that are not draining."""
 
-    def __init__(self, role: str, urls: Sequence[str], *, expose: bool = False) -> None:
-        if not urls:
-            raise ConfigError(f"the proxy needs at least one {role} server URL (--{role} http://HOST:PORT)")
+    def __init__(self, role: str, urls: Sequence[str], *, expose: bool = False, registry: bool = False) -> None:
+        if not urls and not registry:
+            raise ConfigError(
+                f"the proxy needs at least one {role} server URL (--{role} http://HOST:PORT) or a --registry"
+            )
         self.role = role
-        self.instances = [
-            Instance(u.rstrip("/"), role, u.rstrip("/") if expose else f"{role}-{n}") for n, u in enumerate(urls)
-        ]
+        self.expose = expose
+        self._names = itertools.count()  # a server's place in the list, never reused: its label
+        self.instances = [self._new(u) for u in urls]
         self._counter = itertools.count()
 
+    def _new(self, url: str, *, announced: bool = False) -> Instance:
+        url = url.rstrip("/")
+        return Instance(url, self.role, url if self.expose else f"{self.role}-{next(self._names)}", announced=announced)
+
+    def join(self, url: str) -> Instance:
+        """A server announced in the registry: in rotation from now on (the health loop probes it)."""
+        inst = self._new(url, announced=True)
+        self.instances.append(inst)
+        return inst
+
+    def leave(self, inst: Instance) -> None:
+        """Out of rotation; its requests in flight finish."""
+        self.instances.remove(inst)
+
     def healthy(self) -> list[Instance]:
-        """The healthy instances; NoInstance when there are none."""
-        healthy = [i for i in self.instances if i.healthy]
+        """The healthy instances that take new requests; NoInstance when there are none."""
+        healthy = [i for i in self.instances if i.healthy and not i.draining]
         if not healthy:
             raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
         return healthy
@@ -121,9 +147,11 @@ class DecodeFailed(Exception):
 
 @attrs.define(eq=False)
 class Handover:
-    """One P/D request whose decode answer is coming: `resp` (streamed, not read yet), the answer's headers
-    naming the servers (with expose_internals), when the decode request was sent, and in layer-wise mode
-    the prefill request (`computing`), cancelled when nobody reads its KV any more."""
+    """One P/D request whose decode answer is coming.
+
+    `resp` (streamed, not read yet), the answer's headers naming the servers (with expose_internals), when the decode
+    request was sent, and in layer-wise mode the prefill request (`computing`), cancelled when nobody reads its KV any
+    more."""
 
     decode: Instance
     resp: httpx.Response
@@ -155,8 +183,9 @@ def prefill_body(body: dict[str, Any], params: KVTransferParams | None = None) -
 
 async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
     """The request's JSON object, or a 4xx that says what is wrong (logged): bounded in size, never a 500.
-    `kv_transfer_params` are the proxy's to set: a client's own (also in `vllm_xargs`, which vLLM merges
-    into the same place) could make decode read from a host it names."""
+
+    `kv_transfer_params` are the proxy's to set: a client's own (also in `vllm_xargs`, which vLLM merges into the same
+    place) could make decode read from a host it names."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -203,6 +232,7 @@ def _deeper_than(value: Any, limit: int) -> bool:
 
 async def until_disconnect(request: Request | None, work: Any) -> Any:
     """Run `work`; if the client disconnects first, cancel it (closing the upstream request) and return None.
+
     No `request`: the caller watches the client (a part of a batch)."""
     if request is None:
         return await work
@@ -250,24 +280,33 @@ class ProxyMetrics:
             ["role"],
             registry=self.registry,
         )
-        instances = [i for p in pools.values() for i in p.instances]
-        healthy = prom.Gauge(
+        self.healthy = prom.Gauge(
             "kvbridge_proxy_upstream_healthy",
             "1 while the upstream is in rotation.",
             ["role", "upstream"],
             registry=self.registry,
         )
-        in_flight = prom.Gauge(
+        self.in_flight = prom.Gauge(
             "kvbridge_proxy_upstream_in_flight",
             "Requests sent to the upstream, not yet answered.",
             ["role", "upstream"],
             registry=self.registry,
         )
-        for inst in instances:  # read at scrape time: the instances are the truth
-            healthy.labels(inst.role, inst.label).set_function(lambda i=inst: float(i.healthy))
-            in_flight.labels(inst.role, inst.label).set_function(lambda i=inst: float(i.in_flight))
+        for inst in (i for p in pools.values() for i in p.instances):
+            self.track(inst)
         for role in pools:
             self.failovers.labels(role)
+
+    def track(self, inst: Instance) -> None:
+        """Series of a new upstream, read at scrape time: the instances are the truth."""
+        self.healthy.labels(inst.role, inst.label).set_function(lambda: float(inst.healthy and not inst.draining))
+        self.in_flight.labels(inst.role, inst.label).set_function(lambda: float(inst.in_flight))
+
+    def forget(self, inst: Instance) -> None:
+        """An upstream that left: its series go."""
+        for gauge in (self.healthy, self.in_flight):
+            with contextlib.suppress(KeyError):
+                gauge.remove(inst.role, inst.label)
 
     def observe(self, timeline: Timeline) -> None:
         for name, ms in timeline.phases.items():
@@ -295,13 +334,15 @@ class Proxy:
         transfer: str = "pull",
         connect_timeout: float = CONNECT_TIMEOUT_S,
         expose_internals: bool = False,
+        registry: str | None = None,
     ) -> None:
         if transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
         self.expose = expose_internals
+        dynamic = registry is not None
         self.pools = {
-            "prefill": Pool("prefill", prefill, expose=expose_internals),
-            "decode": Pool("decode", decode, expose=expose_internals),
+            "prefill": Pool("prefill", prefill, expose=expose_internals, registry=dynamic),
+            "decode": Pool("decode", decode, expose=expose_internals, registry=dynamic),
         }
         self.transfer = transfer
         # layerwise: where each prefill server's side channel is (from its last answer; forgotten while it is down)
@@ -316,8 +357,55 @@ class Proxy:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self.metrics = ProxyMetrics(self.pools)
-        # Only to release a prefill's lease at once when no decode took the request (else it waits lease_s).
+        # To release a prefill's lease at once when no decode took the request (else it waits lease_s), and to
+        # check the registry's records.
         self.secret = load_secret()
+        self.members = None if registry is None else open_members(registry, secret=self.secret)
+        if self.members is not None and not self.secret and not isinstance(self.members, StaticMembers):
+            log.warning(
+                "the proxy has no KVBRIDGE_SECRET: it takes every record in %s unchecked; anyone who can write "
+                "there can add servers (docs/elastic.md)",
+                self.members.url,
+            )
+        self.membership_rounds = 0  # registry reads done: a test waits for one after a change
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def sync(self, records: Sequence[ServerRecord]) -> None:
+        """Make the pools' announced servers the registry's: join the new, drop the gone, mark the draining."""
+        wanted = {(r.role, r.url.rstrip("/")): r for r in records}
+        for role, pool in self.pools.items():
+            for inst in list(pool.instances):
+                record = wanted.pop((role, inst.url), None)
+                if record is None:
+                    if inst.announced:
+                        pool.leave(inst)
+                        self.metrics.forget(inst)
+                        self.identities.pop(inst.url, None)
+                        self._warm = {pair for pair in self._warm if inst.url not in pair}
+                        log.warning("%s server %s left the registry: taken out", role, inst.url)
+                    elif inst.draining:  # a static server whose record went: serving as configured
+                        inst.draining = False
+                    continue
+                if record.draining != inst.draining:
+                    log.warning("%s server %s is %s", role, inst.url, "draining" if record.draining else "serving")
+                    inst.draining = record.draining
+        for (role, url), record in sorted(wanted.items()):
+            inst = self.pools[role].join(url)
+            inst.draining = record.draining
+            self.metrics.track(inst)
+            log.warning("%s server %s joined from the registry (capacity %d)", role, url, record.capacity)
+
+    async def read_members(self) -> None:
+        """One read of the registry into the pools; a registry that cannot be read leaves them as they were."""
+        assert self.members is not None
+        try:
+            records = await asyncio.to_thread(self.members.servers)
+        except KVBridgeError as exc:
+            log.warning("could not read the servers in %s (the pools stay as they are): %s", self.members.url, exc)
+            return
+        self.sync(records)
+        self.membership_rounds += 1
 
     # -- health --------------------------------------------------------------------------------
 
@@ -343,10 +431,14 @@ class Proxy:
         inst.healthy = ok
 
     async def health_loop(self) -> None:
-        """Probe every instance each `health_interval` for the proxy's lifetime. A round that fails is logged
-        and the next one runs: a dead loop would keep every server taken out since then out for good."""
+        """Probe every instance each `health_interval` for the proxy's lifetime.
+
+        A round that fails is logged and the next one runs: a dead loop would keep every server taken out since then out
+        for good."""
         while True:
             try:
+                if self.members is not None:
+                    await self.read_members()
                 await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
                 if self.warm_up:
                     self._warm_pairs()
@@ -363,6 +455,8 @@ class Proxy:
                     self.identities.pop(p.url, None)  # it may come back restarted, with another side channel
                 if not (p.healthy and d.healthy):
                     self._warm.discard(pair)  # a server that was down may have restarted: first contact again
+                elif p.draining or d.draining:
+                    continue
                 elif pair not in self._warm and pair not in self._warming:
                     self._warming[pair] = asyncio.create_task(self.warm_pair(p, d))
 
@@ -403,6 +497,8 @@ class Proxy:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
             await self.client.aclose()
+            if self.members is not None:
+                self.members.close()
 
     def _take_out(self, inst: Instance, why: str) -> None:
         log.warning("%s server %s %s: taken out", inst.role, inst.url, why)
@@ -410,8 +506,9 @@ class Proxy:
         self.metrics.failovers.labels(inst.role).inc()
 
     def _names(self, *servers: Instance) -> dict[str, str]:
-        """The headers that name the servers of an answer (`x-kvbridge-prefill`, `-decode`): with
-        expose_internals only."""
+        """The headers naming the servers of an answer (`x-kvbridge-prefill`, `-decode`), with expose_internals.
+
+        Without expose_internals there are none."""
         return {f"x-kvbridge-{i.role}": i.url for i in servers} if self.expose else {}
 
     # -- upstream calls ------------------------------------------------------------------------
@@ -424,9 +521,15 @@ class Proxy:
         params: KVTransferParams | None = None,
         instance: Instance | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
-        """POST to a prefill server (`instance`, or round robin); on a connection failure take it out and
-        try the next one (not with `instance`: a layer-wise decode already reads from that one)."""
+        """POST to a prefill server (`instance`, or round robin), trying the next one when one fails.
+
+        On a connection failure the server is taken out and the next one tried; on a server error (5xx) the
+        next one is tried. Not with `instance`: a layer-wise decode already reads from that one. A 5xx is
+        what a vLLM server answers once it began shutting down (SIGTERM), before the proxy's next registry
+        read says it is draining: no KV is held for it.
+        """
         pool = self.pools["prefill"]
+        failed: httpx.Response | None = None
         for attempt in range(1 if instance is not None else len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances):
                 break
@@ -442,16 +545,24 @@ class Proxy:
                 continue
             finally:
                 inst.in_flight -= 1
+            if resp.status_code >= 500 and instance is None:
+                log.warning("prefill server %s answered %d (shutting down?): next", inst.url, resp.status_code)
+                self.metrics.failovers.labels(inst.role).inc()
+                failed = resp
+                continue
             resp.raise_for_status()
             return inst, resp.json()
+        if failed is not None:
+            failed.raise_for_status()
         raise NoInstance(f"no prefill server answered for {path}")
 
     async def send_decode(
         self, path: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[Instance, httpx.Response]:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
-        A decode server that refuses the connection never saw the request, and prefill still holds
-        the KV for whichever decode asks, so try the next one."""
+
+        A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
+        decode asks, so try the next one."""
         pool = self.pools["decode"]
         late: list[str] = []
         # One more try than instances: a busy server that was slow to accept gets a second chance.
@@ -497,8 +608,9 @@ class Proxy:
         return JSONResponse({"error": error}, status_code=code, headers=headers)
 
     async def complete(self, path: str, request: Request) -> Any:
-        """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer
-        (per part of a batch, merged)."""
+        """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer.
+
+        Per part of a batch, merged."""
         begun = time.perf_counter()
         client_id = request.headers.get("x-request-id")
         bad_id = client_id is not None and not REQUEST_ID.fullmatch(client_id)
@@ -583,10 +695,11 @@ class Proxy:
         return Handover(decode, resp, self._names(prefill, decode), sent)
 
     async def _release_prefill(self, params: KVTransferParams, why: str) -> None:
-        """Tell each prefill rank holding the request's KV that no decode will read it (an Abort on its side
-        channel), so its blocks are free now, not when the lease ends. Needs the shared secret where the
-        prefill has one (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's environment); without it, or
-        when the rank does not answer, the lease ends by itself."""
+        """Tell each prefill rank holding the request's KV that no decode will read it (an Abort on its side channel).
+
+        So its blocks are free now, not when the lease ends. Needs the shared secret where the prefill has one
+        (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's environment); without it, or when the rank does not
+        answer, the lease ends by itself."""
         if params.remote_request_id is None or params.remote_host is None or params.remote_port is None:
             return
         request_id = str(params.remote_request_id)
@@ -700,8 +813,9 @@ class Proxy:
         begun: float,
         headers: dict[str, str],
     ) -> Any:
-        """Streamed parts: one stream of every part's chunks as they come, each choice with its index, the
-        parts' usage summed into one chunk, one `[DONE]`."""
+        """Streamed parts: one stream of every part's chunks as they come.
+
+        Each choice carries its index, the parts' usage is summed into one chunk, and one `[DONE]` ends it."""
         merge = fanout.StreamMerge(parts, timeline.request_id)
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -767,9 +881,10 @@ class Proxy:
         )
 
     def _learn(self, prefill_url: str, params: KVTransferParams) -> None:
-        """Keep where a prefill server's side channel is, for layer-wise requests to it (one DP rank only:
-        with several, the proxy cannot know which one will hold a request before it answers). Each answer
-        says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
+        """Keep where a prefill server's side channel is, for layer-wise requests to it.
+
+        One DP rank only: with several, the proxy cannot know which one will hold a request before it answers. Each
+        answer says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
         if self.transfer != "layerwise":
             return
         if None in (params.remote_engine_id, params.remote_host, params.remote_port):
@@ -808,8 +923,9 @@ class Proxy:
         headers: dict[str, str],
         timeline: Timeline,
     ) -> Handover | JSONResponse | None:
-        """Send the request to a prefill and a decode server at once, with one transfer id: decode reads each
-        layer while prefill computes the next. None: this prefill's side channel is not known yet (the
+        """Send the request to a prefill and a decode server at once, with one transfer id.
+
+        Decode reads each layer while prefill computes the next. None: this prefill's side channel is not known yet (the
         request goes the pull way, which tells the proxy where it is)."""
         pool = self.pools["prefill"]
         try:
@@ -960,9 +1076,14 @@ class Proxy:
             role: [{"url": i.label, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
             for role, p in self.pools.items()
         }
+        if self.members is not None:  # which servers are draining, and how many registry reads were done
+            for role, p in self.pools.items():
+                for entry, inst in zip(state[role], p.instances):
+                    entry["draining"] = inst.draining
+            state["registry_rounds"] = self.membership_rounds
         labels = {i.url: i.label for p in self.pools.values() for i in p.instances}
         # (prefill, decode) pairs whose first contact is made
-        state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm)
+        state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm if p in labels and d in labels)
         return state
 
     async def prometheus(self) -> Response:
@@ -979,11 +1100,14 @@ def create_app(
     transfer: str = "pull",
     connect_timeout: float = CONNECT_TIMEOUT_S,
     expose_internals: bool = False,
+    registry: str | None = None,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
+
     `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
     `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md).
-    `expose_internals`: answers name the servers by URL (see the module doc)."""
+    `expose_internals`: answers name the servers by URL (see the module doc).
+    `registry`: follow the servers announced there too (see the module doc)."""
     proxy = Proxy(
         prefill,
         decode,
@@ -993,6 +1117,7 @@ def create_app(
         transfer=transfer,
         connect_timeout=connect_timeout,
         expose_internals=expose_internals,
+        registry=registry,
     )
     app = FastAPI(lifespan=proxy.lifespan)
     for path in ROUTES:

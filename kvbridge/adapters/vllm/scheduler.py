@@ -25,7 +25,7 @@ from kvbridge.control.channel import ClientPool
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
-from kvbridge.ranks import group_port
+from kvbridge.rank_ports import group_port
 from kvbridge.session.offers import Offers
 from kvbridge.session.tasks import PullTask, StreamTask
 
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 
 def checked_params(request: Request) -> dict[str, Any] | None:
-    """The request's `kv_transfer_params`, or None (set so on the request, logged) when they are no dict or,
-    asking for a transfer, do not decode: such a request is served as a colocated server would."""
+    """The request's `kv_transfer_params`, or None when they are no dict or, asking for a transfer, do not decode.
+
+    None is also set on the request, and logged: such a request is served as a colocated server would."""
     params = request.kv_transfer_params
     if params is None:
         return None
@@ -65,9 +66,11 @@ def checked_params(request: Request) -> dict[str, Any] | None:
 
 
 class SchedulerSide:
-    """Prefill: a request that asked for `do_remote_decode` keeps its blocks after finishing and
-    answers with the params a decode needs. Decode: a request with `do_remote_prefill` loads its
-    prompt's KV asynchronously from the prefill named in its params."""
+    """Prefill keeps a `do_remote_decode` request's blocks; decode loads a `do_remote_prefill` request's KV.
+
+    Prefill: a request that asked for `do_remote_decode` keeps its blocks after finishing and answers with the params a
+    decode needs. Decode: a request with `do_remote_prefill` loads its prompt's KV asynchronously from the prefill named
+    in its params."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
         self.engine_id = engine_id
@@ -77,7 +80,7 @@ class SchedulerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.pp_size = parallel.pipeline_parallel_size  # decode refuses another PP size (each stage reads its own)
         self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
-        # published: the engine's base port; peers add a rank's global index to it (kvbridge.ranks)
+        # published: the engine's base port; peers add a rank's global index to it (kvbridge.rank_ports)
         self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         # this engine's worker ranks (every stage and TP rank of this DP rank), told of offers at once
         own = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size, dp_index=self.dp_rank)

@@ -25,8 +25,9 @@ _CONNECTOR_SET = frozenset(
 
 
 def _finite(low: float, high: float, *, above: bool = False) -> Any:
-    """A number in [low, high] (`above`: in (low, high]); NaN and infinity are refused (a lease or a wait that
-    never ends, a timer that overflows)."""
+    """A number in [low, high] (`above`: in (low, high]); NaN and infinity are refused.
+
+    They would make a lease or a wait that never ends, or a timer that overflows."""
 
     def check(_inst: object, attr: attrs.Attribute, value: float | None) -> None:
         if value is None:
@@ -81,6 +82,12 @@ class Settings:
       process a request that arrives ends it too (the step waits on its input queue), and it defaults
       to 100 ms; elsewhere a request arriving during a stream waits at most this long more to be
       scheduled, and it defaults to 20 ms.
+    - `registry`: a redis://HOST:PORT or etcd://HOST:PORT where this server announces itself to
+      `kvbridge proxy --registry` (role, `advertise_url`, KV blocks, serving or draining), signed with the
+      shared secret, renewed every `registry_ttl_s / 3` seconds; SIGTERM marks it draining for
+      `drain_grace_s` seconds before vLLM shuts down (docs/elastic.md). Unset: no announcement.
+    - `advertise_url`: the http://HOST:PORT of this server's OpenAI API, as the proxy reaches it.
+    - `server_role`: "prefill" or "decode"; default from kv_role (kv_producer, kv_consumer).
     - `backend_options`: options of the transport itself, as its plugin declares them (`kvbridge plugins
       NAME` lists them), e.g. `{"transfer_deadline": 5}` for Mooncake on a loaded host; checked when the
       transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.
@@ -106,6 +113,13 @@ class Settings:
     stream_idle_wait_ms: float | None = attrs.field(
         default=None, converter=attrs.converters.optional(float), validator=_finite(0.0, 60_000.0)
     )
+    registry: str | None = None
+    advertise_url: str | None = None
+    server_role: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(("prefill", "decode")))
+    )
+    registry_ttl_s: float = attrs.field(default=10.0, converter=float, validator=_finite(1.0, 3600.0))
+    drain_grace_s: float = attrs.field(default=3.0, converter=float, validator=_finite(0.0, 600.0))
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
@@ -126,9 +140,10 @@ class Settings:
         return (WATCHED_STREAM_IDLE_WAIT_MS if inbox_watched else STREAM_IDLE_WAIT_MS) / 1e3
 
     def transport_options(self) -> dict[str, Any]:
-        """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them
-        (`tcp` authenticates its peers with them; Mooncake and NIXL, which authenticate nobody, are guarded
-        with them: `kvbridge.netguard`, docs/security.md), and `fault_injection` where it is set."""
+        """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them.
+
+        `tcp` authenticates its peers with them; Mooncake and NIXL, which authenticate nobody, are guarded with them
+        (`kvbridge.netguard`, docs/security.md). `fault_injection` where it is set."""
         from kvbridge.plugins import registry
 
         declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvbridge.metric_labels import FAILURE_REASONS, SECONDS_BUCKETS
 from kvbridge.session.metrics import KEYS, TransferRecord
-from kvbridge.telemetry import FAILURE_REASONS, SECONDS_BUCKETS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

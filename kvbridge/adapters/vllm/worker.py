@@ -20,8 +20,8 @@ from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
 from kvbridge.agent import KVAgent
-from kvbridge.ranks import side_channel_port
-from kvbridge.regions import device_of
+from kvbridge.placement import device_of
+from kvbridge.rank_ports import side_channel_port
 from kvbridge.session.decode import CONTROL_TIMEOUT_S, DecodeControl
 from kvbridge.session.decoder import DecodeSide
 from kvbridge.session.outbox import Outbox
@@ -222,8 +222,9 @@ class WorkerSide:
             self.decode.pull(task, received)
 
     def apply_layerwise(self, meta: KVBridgeMetadata) -> None:
-        """Take this step's layer-wise work once, at whichever hook comes first (vLLM starts async loads
-        after the forward, but the forward's layers need the step's streams)."""
+        """Take this step's layer-wise work once, at whichever hook comes first.
+
+        vLLM starts async loads after the forward, but the forward's layers need the step's streams."""
         lw = meta.layerwise
         if lw.applied or not lw:
             return
@@ -242,9 +243,10 @@ class WorkerSide:
     def get_finished(
         self, _finished_req_ids: set[str], *, idle: bool = False
     ) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose blocks prefill may free, and requests decode has loaded. In a step that computes
-        nothing (`idle`), wait for one first (`Outbox.take`), so that the engine does not spin on the
-        cores and the GIL its transfers need."""
+        """Requests whose blocks prefill may free, and requests decode has loaded.
+
+        In a step that computes nothing (`idle`), wait for one first (`Outbox.take`), so that the engine does not spin
+        on the cores and the GIL its transfers need."""
         sending, recving = self.outbox.take(idle, pending=self.prefill.has_finished_streams())
         sending |= self.prefill.take_finished_streams()
         return sending or None, recving or None

@@ -45,9 +45,9 @@ def test_what_the_plugin_decides_without_cuda(tmp_path: Path) -> None:
     assert (cuda.name, cuda.memory_kind, cuda.synchronizes) == ("cuda", MemoryKind.VRAM, True)
     assert cuda.location(3) == "cuda:3"
     cuda.sys_modules = tmp_path  # type: ignore[misc]
-    assert cuda.protocols() == ("nvlink",)  # no peer-memory module: a NIC cannot reach GPU memory, rdma stages
+    assert cuda.protocols() == ("nvlink", "ucx")  # no peer-memory module: a NIC cannot reach GPU memory, rdma stages
     (tmp_path / "nvidia_peermem").mkdir()
-    assert cuda.protocols() == ("rdma", "nvlink")
+    assert cuda.protocols() == ("rdma", "nvlink", "ucx")
 
     class Mooncake:  # what a Mooncake engine of each protocol declares, for a CUDA and a plain wheel
         def __init__(self, protocol: str, built: frozenset[str]) -> None:

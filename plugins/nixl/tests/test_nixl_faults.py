@@ -4,13 +4,19 @@ to make progress) and the reading side's peer never makes any, as a stopped proc
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kvbridge
 from kvbridge.errors import TransferFailed, TransferTimeout
+from kvbridge_tools.harness.proc import Child
 
 SIZE = 8 << 20
 
@@ -53,3 +59,42 @@ def test_close_aborts_what_is_in_flight(stalled: tuple) -> None:
     with pytest.raises(TransferFailed, match="aborted: the backend was closed"):
         handle.wait(5)
     assert reader._inflight == []
+
+
+def _thread_cpu_s(native_id: int) -> float:
+    """User + system CPU seconds one thread of this process has used."""
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_read_a_stopped_peer_never_serves_waits_without_a_busy_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A decode reading from a stopped prefill (SIGSTOP, UCX over TCP): the progress thread polls the request
+    # until it ends, and must not spin a core all that time (it yielded between polls without pause: 1.0 core).
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    kvbridge.reset_plugins()
+    peers = str(Path(__file__).parents[3] / "tests" / "peers")
+    peer_proc = Child("backend_peer", env={"PYTHONPATH": os.pathsep.join([peers, *sys.path])}, name="nixl-stopped")
+    reader = None
+    try:
+        served = peer_proc.call("init", backend="nixl", size=SIZE, seed=7)
+        reader = kvbridge.create_backend("nixl", transfer_timeout=600)
+        dst = np.zeros(SIZE, np.uint8)
+        reader.register_memory(dst)
+        peer = reader.connect(bytes.fromhex(served["endpoint"]))
+        reader.transfer(peer, [(dst.ctypes.data, served["base"], SIZE)]).wait(30)  # connected, and it reads
+        os.kill(peer_proc.pid, signal.SIGSTOP)
+        handle = reader.transfer(peer, [(dst.ctypes.data, served["base"], SIZE)])
+        thread = reader._progress.native_id
+        cpu, began = _thread_cpu_s(thread), time.monotonic()
+        with pytest.raises(TransferTimeout):
+            handle.wait(3.0)  # the caller's own timeout: the request stays in flight, unserved
+        cpu, waited = _thread_cpu_s(thread) - cpu, time.monotonic() - began
+        assert not handle.done() and len(reader._inflight) == 1
+        assert cpu < 0.25 * waited, f"the progress thread used {cpu:.2f} s of CPU in {waited:.1f} s of waiting"
+    finally:
+        os.kill(peer_proc.pid, signal.SIGCONT)
+        if reader is not None:
+            reader.close()
+        peer_proc.close()
+        kvbridge.reset_plugins()

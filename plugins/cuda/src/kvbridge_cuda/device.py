@@ -23,8 +23,9 @@ class CudaDevice(TorchAcceleratorDevice):
 
     Mooncake reaches it with `rdma` where GPUDirect RDMA works (the NIC reads and writes GPU memory,
     which needs the nvidia-peermem module loaded; without it `rdma` is staged) and `nvlink` (GPU to
-    GPU inside one node). Any other protocol, `tcp` included, goes through pinned host staging
-    (`kvbridge.staging`).
+    GPU inside one node). NIXL reaches it with `ucx` where its UCX was built with CUDA (the NIXL plugin
+    declares GPU memory only then), and UCX picks cuda_copy, cuda_ipc or the NIC itself. Any other
+    protocol, `tcp` included, goes through pinned host staging (`kvbridge.staging`).
     """
 
     name = "cuda"
@@ -37,7 +38,7 @@ class CudaDevice(TorchAcceleratorDevice):
         return torch.cuda
 
     def protocols(self) -> tuple[str, ...]:
-        return ("rdma", "nvlink") if gpudirect_rdma(self.sys_modules) else ("nvlink",)
+        return ("rdma", "nvlink", "ucx") if gpudirect_rdma(self.sys_modules) else ("nvlink", "ucx")
 
     def pci_address(self, device_id: int) -> str | None:
         # CUDA's numbering (CUDA_VISIBLE_DEVICES, FASTEST_FIRST order) maps to a PCI function only through

@@ -1,5 +1,6 @@
-"""The module the entry point names: the plugin API version and one hook. Cheap to import: the device
-class is imported only when someone uses the device."""
+"""The module the entry point names: the plugin API version and one hook.
+
+Cheap to import: the device class is imported only when someone uses the device."""
 
 from __future__ import annotations
 

@@ -125,8 +125,9 @@ def built_with() -> frozenset[str]:
 
 
 def ascend_identity(ip: str, opts: Mapping[str, object]) -> str:
-    """Make the NPU current (Mooncake's ascend transport binds to it in `initialize`) and name the engine
-    after it: ``ip:port:npu_<physical NPU id>``. Options `npu` (default: the current NPU) and
+    """Make the NPU current and name the engine after it: ``ip:port:npu_<physical NPU id>``.
+
+    Mooncake's ascend transport binds to the NPU in `initialize`. Options `npu` (default: the current NPU) and
     `ascend_port` (default 0: the transport picks one)."""
     if ":" in ip:
         raise ConfigError(
@@ -140,8 +141,9 @@ def ascend_identity(ip: str, opts: Mapping[str, object]) -> str:
 
 
 def registrations(regions: Sequence[MemoryRegion], protocol: str) -> list[tuple[str, list[int], list[int]]]:
-    """Regions grouped by the location their device plugin names (``cuda:0``, ``npu:3``, ``*`` for host
-    memory), one `batch_register_memory` call each; ascend registrations must start on 2 MiB."""
+    """Regions grouped by the location their device plugin names, one `batch_register_memory` call each.
+
+    Locations: ``cuda:0``, ``npu:3``, ``*`` for host memory. Ascend registrations must start on 2 MiB."""
     groups: dict[str, tuple[list[int], list[int]]] = {}
     for r in regions:
         location = "*" if r.kind == MemoryKind.DRAM else device_for_memory(r.kind).location(r.device_id)
@@ -183,8 +185,9 @@ def explain(rc: int) -> str:
 
 
 class _Gate:
-    """One batch in flight per peer, except behind a batch that has been running longer than the deadline:
-    that one is stuck (its resubmission must not wait for it) and no longer uses the admission budget."""
+    """One batch in flight per peer, except behind a batch that has been running longer than the deadline.
+
+    That one is stuck (its resubmission must not wait for it) and no longer uses the admission budget."""
 
     def __init__(self, deadline_s: float) -> None:
         self._lock = threading.Lock()
@@ -204,8 +207,9 @@ class _Gate:
 
 
 class MooncakeBackend(MigrationBackend):
-    """Mooncake Transfer Engine; options (`spec.MooncakeOptions`) and what each protocol reaches are
-    declared in `kvbridge_mooncake.spec`."""
+    """Mooncake Transfer Engine.
+
+    Options (`spec.MooncakeOptions`) and what each protocol reaches are declared in `kvbridge_mooncake.spec`."""
 
     name = "mooncake"
     capabilities = spec.CAPABILITIES
@@ -339,9 +343,10 @@ class MooncakeBackend(MigrationBackend):
         return self._spawn(run)
 
     def _transfer(self, target: str, local: list[int], remote: list[int], length: list[int], op: Op) -> int:
-        """Move the descriptors; 0 or Mooncake's error code. Returns once every submitted descriptor ended,
-        or after the binding's own call timeout (`MC_TRANSFER_TIMEOUT` plus 1 s per GiB), as its sync call
-        does."""
+        """Move the descriptors; 0 or Mooncake's error code.
+
+        Returns once every submitted descriptor ended, or after the binding's own call timeout (`MC_TRANSFER_TIMEOUT`
+        plus 1 s per GiB), as its sync call does."""
         submit = self._engine.batch_transfer_async_read if op == "read" else self._engine.batch_transfer_async_write
         pending, rc = [], 0
         # One batch per descriptor: `transfer_check_status` reads a batch's first task only, and the only

@@ -32,11 +32,14 @@ ASCEND_ALIGNMENT = 2 << 20  # Mooncake's ascend transport (HCCL) registers memor
 # 4 MiB 94-102 %, 8 MiB 96-100 %; at 512 tokens (64 MiB) 1 MiB 37-39 ms, 4 MiB 36 ms (docs/transfer-strategies.md).
 TCP_DESCRIPTOR_BYTES = 4 << 20
 # Measured 2026-11-23 with mooncake-transfer-engine-non-cuda 0.3.13.post1 over TCP on 127.0.0.1, two
-# processes on the project's 2-vCPU VM: 1 MiB descriptors 2.1-2.4 GB/s, 32 KiB ones about 1.2 GB/s
-# (about 13 us each beyond their bytes); about 2048 descriptors admitted per peer (1024 queued + 1024
-# pending: a batch of 4096 was partly refused, "TCP lane queue-full", see docs/design.md). The other
-# protocols were not measured here: no cost declared, descriptors go direct.
-TCP_COST = TransferCost(bytes_per_s=2.2e9, descriptor_s=13e-6, piece_bytes=TCP_DESCRIPTOR_BYTES, peer_admission=2048)
+# processes on the project's 2-vCPU VM: 1 MiB descriptors 2.1-2.4 GB/s; about 2048 descriptors admitted
+# per peer (1024 queued + 1024 pending: a batch of 4096 was partly refused, "TCP lane queue-full", see
+# docs/design.md). The descriptor cost as the plugin submits them now (a batch of one each, polled):
+# 16.4, 17.9 and 18.7 us per descriptor beyond its bytes, 2026-11-26 (`scripts/mooncake-descriptor-cost`:
+# 16 MiB as 4 to 4096 descriptors; 13 us was declared before, from 32 KiB descriptors against 1 MiB
+# ones under the old synchronous calls). The other protocols were not measured here: no cost declared,
+# descriptors go direct.
+TCP_COST = TransferCost(bytes_per_s=2.2e9, descriptor_s=18e-6, piece_bytes=TCP_DESCRIPTOR_BYTES, peer_admission=2048)
 
 CAPABILITIES = BackendCapabilities(
     protocols=PROTOCOLS,

@@ -8,8 +8,10 @@ How the contract maps onto NIXL:
   (`initialize_xfer`, READ for pull, WRITE for push); no per-descriptor Python work.
 - progress: NIXL's own progress thread polls its workers with no delay (a core per agent while idle),
   so by default it is off and one thread of this backend drives progress instead: it polls in-flight
-  requests while there are any and otherwise, every `progress_interval` seconds, lets NIXL progress
-  for peers that read from this agent (connection set-up needs the passive side to answer).
+  requests while there are any (yielding between polls for the first POLL_SPIN_S, then with sleeps that
+  grow to POLL_CAP_S, so a request a stopped peer never serves does not keep a core busy) and
+  otherwise, every `progress_interval` seconds, lets NIXL progress for peers that read from this agent
+  (connection set-up needs the passive side to answer).
 - every request handle is released on every path: completion, error, timeout and close (abort).
 """
 
@@ -40,6 +42,12 @@ log = logging.getLogger(__name__)
 _MEM_TYPES = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
 _METADATA_KEY = "nixl_agent_metadata"
 
+# Polling in-flight requests: for the first POLL_SPIN_S only yielding between polls (a small read ends
+# within it), then sleeps growing from POLL_FIRST_S to POLL_CAP_S (the cap bounds how late a finished
+# request is seen). Yielding without end spun a core for as long as a stopped peer left a read unserved
+# (1.0 core measured over UCX TCP), which on a small host is taken from the engines.
+POLL_SPIN_S, POLL_FIRST_S, POLL_CAP_S = 200e-6, 20e-6, 500e-6
+
 
 @attrs.define(eq=False)
 class _InFlight:
@@ -58,8 +66,10 @@ class NixlBackend(MigrationBackend):
     options_class = NixlOptions
 
     def __init__(self, config: BackendConfig, options: NixlOptions | None = None) -> None:
-        """`options`: `spec.NixlOptions`, parsed and checked by the registry (docs/nixl.md says what each does;
-        its guard options say who may reach UCX's listeners, which authenticate nobody: `kvbridge.netguard`)."""
+        """`options`: `spec.NixlOptions`, parsed and checked by the registry.
+
+        docs/nixl.md says what each does; its guard options say who may reach UCX's listeners, which authenticate
+        nobody: `kvbridge.netguard`."""
         super().__init__(config, options)
         opts: NixlOptions = self.options  # type: ignore[assignment]
         reason = probe()
@@ -235,7 +245,9 @@ class NixlBackend(MigrationBackend):
             log.warning("nixl: releasing the request of %s failed: %s", what, exc)
 
     def _progress_loop(self) -> None:
+        delay, busy_since = 0.0, 0.0
         while not self._stop.is_set():
+            self._wake.clear()  # before polling: whatever is submitted after this poll sets it again
             finished: list[tuple[_InFlight, BaseException | None]] = []
             with self._agent_lock:
                 busy = bool(self._inflight)
@@ -251,14 +263,20 @@ class NixlBackend(MigrationBackend):
                     item.future.set_result(None)
                 else:
                     item.future.set_exception(error)
-            if busy:
-                if self._poll_interval:
-                    time.sleep(self._poll_interval)
-                else:
-                    os.sched_yield()
-            else:
+            if not busy:
+                delay, busy_since = 0.0, 0.0
                 self._wake.wait(self._progress_interval if self._own_progress else None)
-                self._wake.clear()
+                continue
+            now = time.monotonic()
+            busy_since = busy_since or now
+            if self._poll_interval:
+                self._wake.wait(self._poll_interval)
+            elif now - busy_since < POLL_SPIN_S:
+                os.sched_yield()
+            elif self._wake.wait(delay):  # a new request: poll it promptly, backing off again from there
+                delay, busy_since = 0.0, 0.0
+            else:
+                delay = min(max(delay * 2, POLL_FIRST_S), POLL_CAP_S)
 
     def _poll(self) -> list[tuple[_InFlight, BaseException | None]]:
         """Check every in-flight request once; release and return the finished ones (agent lock held)."""

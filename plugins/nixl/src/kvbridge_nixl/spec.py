@@ -45,7 +45,10 @@ class NixlOptions(GuardOptions):
         max=86400,
     )
     poll_interval: float = option(
-        0.0, "seconds between polls of in-flight requests (0: yield the CPU between polls)", min=0, max=60
+        0.0,
+        "seconds between polls of in-flight requests (0: yield between polls for 0.2 ms, then back off to 0.5 ms)",
+        min=0,
+        max=60,
     )
     num_threads: int = option(
         0, "worker threads of the NIXL backend (UCX, LIBFABRIC); 0: NIXL's default", min=0, max=1024
@@ -73,22 +76,37 @@ def nixl_api() -> ModuleType:
     raise ImportError("; ".join(errors))
 
 
-def shipped_backends() -> tuple[str, ...]:
-    """The peer backends whose NIXL plugin library is installed, found by file name (no import)."""
-    found: set[str] = set()
+def _wheel_libs(folder: str) -> list[Path]:
+    """The library folders of the installed NIXL wheels (`nixl_cu12.libs/<folder>`, ...), found without import."""
+    found = []
     for pkg in ("nixl_cu12", "nixl_cu13"):
         spec = importlib.util.find_spec(pkg)
-        if spec is None or not spec.origin:
-            continue
-        libs = Path(spec.origin).parent.parent / f"{pkg}.libs" / "nixl"
-        found.update(p.name[len("libplugin_") : -len(".so")] for p in libs.glob("libplugin_*.so"))
+        if spec is not None and spec.origin:
+            found.append(Path(spec.origin).parent.parent / f"{pkg}.libs" / folder)
+    return found
+
+
+def shipped_backends() -> tuple[str, ...]:
+    """The peer backends whose NIXL plugin library is installed, found by file name (no import)."""
+    found = {
+        p.name[len("libplugin_") : -len(".so")] for libs in _wheel_libs("nixl") for p in libs.glob("libplugin_*.so")
+    }
     return tuple(b for b in PEER_BACKENDS if b in found) or ("UCX",)
+
+
+def ucx_reaches_cuda() -> bool:
+    """Whether the UCX shipped with NIXL was built with CUDA (its `uct_cuda` module is installed).
+
+    Only then does UCX read and write GPU memory itself (cuda_copy, cuda_ipc between processes, and
+    GPUDirect RDMA through a NIC); without it kvbridge stages GPU memory through pinned host memory.
+    """
+    return any(any(libs.glob("libuct_cuda.so*")) for libs in _wheel_libs("ucx"))
 
 
 def capabilities() -> BackendCapabilities:
     return BackendCapabilities(
         protocols=tuple(b.lower() for b in shipped_backends()),
-        memory_kinds={MemoryKind.DRAM, MemoryKind.VRAM},
+        memory_kinds={MemoryKind.DRAM, MemoryKind.VRAM} if ucx_reaches_cuda() else {MemoryKind.DRAM},
         read=True,
         write=True,
         notifications=False,

@@ -44,8 +44,9 @@ class Child:
         name: str = "",
         prefix: Sequence[str] = (),
     ) -> None:
-        """`prefix` goes before the command and must exec it, so that the PID is the child's (e.g.
-        `ip netns exec NS`, which runs it on another host: `kvbridge_tools.harness.hosts.Host.command([])`)."""
+        """`prefix` goes before the command and must exec it, so that the PID is the child's.
+
+        E.g. `ip netns exec NS`, which runs it on another host: `kvbridge_tools.harness.hosts.Host.command([])`."""
         self.name = name or module
         full_env = dict(os.environ)
         full_env.update(env or {})

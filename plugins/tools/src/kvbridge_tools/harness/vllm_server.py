@@ -351,8 +351,10 @@ def start_proxy(
     host: Host | None = None,
     expose_internals: bool = False,
     secret: str | None = None,
+    registry: str | None = None,
 ) -> Server:
-    """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
+    """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair (with a
+    `registry`, whose servers it also routes to: once it answers, the caller waits for what it needs).
     `expose_internals`: its answers name the servers by URL (`--expose-internals`). `secret`: the servers'
     shared secret, so the proxy can abort a lease on prefill's side channel when no decode took the request.
 
@@ -376,10 +378,9 @@ def start_proxy(
         str(health_interval),
         "--transfer",
         transfer,
-        "--prefill",
-        *prefill,
-        "--decode",
-        *decode,
+        *(["--prefill", *prefill] if prefill else []),
+        *(["--decode", *decode] if decode else []),
+        *(["--registry", registry] if registry else []),
         *(["--expose-internals"] if expose_internals else []),
     ]
     env = dict(os.environ)
@@ -393,7 +394,8 @@ def start_proxy(
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     proxy = Server(port=port, proc=proc, log_path=log_path, address=host.address if host else "127.0.0.1")
     try:
-        wait_healthy([proxy], timeout=min(60.0, timeout))
+        if registry is None:  # with one, it may have no server yet: /instances answering is enough
+            wait_healthy([proxy], timeout=min(60.0, timeout))
         _wait_warmed(proxy, pairs=len(prefill) * len(decode), timeout=timeout)
     except BaseException:
         proxy.stop()

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge.ranks import group_port, side_channel_port, stage_port
+from kvbridge.rank_ports import group_port, side_channel_port, stage_port
 
 
 def test_every_rank_has_its_own_port() -> None:

@@ -1,5 +1,6 @@
-"""Engine-neutral rank wiring: which port each rank's side channel listens on, and which ports a
-rank of the other engine reads from. Engine adapters (vLLM's connector, LMDeploy's backend) call
+"""Engine-neutral rank wiring: which port each rank's side channel listens on, and which ones peers read.
+
+A rank of the other engine reads from the ports given here. Engine adapters (vLLM's connector, LMDeploy's backend) call
 these instead of doing port arithmetic of their own.
 
 Within one engine, rank (dp, pp, tp) listens on `base + (dp * pp_size + pp) * tp_size + tp`, so
@@ -35,6 +36,7 @@ def group_port(base: int, *, tp_size: int = 1, pp_size: int = 1, dp_index: int =
 
 
 def stage_port(remote_port: int, *, remote_tp_size: int, pp_rank: int, pp_size: int, dp_rank: int) -> int:
-    """The base to which a reader adds a rank's global index (`dp_rank * remote_tp_size + tp_rank`) to
-    reach that rank of stage `pp_rank` in an engine that published `remote_port` (its base)."""
+    """The base to which a reader adds a rank's global index to reach that rank of stage `pp_rank`.
+
+    The global index is `dp_rank * remote_tp_size + tp_rank`; the engine published `remote_port` (its base)."""
     return remote_port + (dp_rank * (pp_size - 1) + pp_rank) * remote_tp_size

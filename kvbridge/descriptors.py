@@ -47,9 +47,10 @@ def pull_descriptors(
 
 
 def _runs(dst: np.ndarray, src: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first local block, first remote block, length) of the runs of blocks consecutive on both sides,
-    in local order (a request may hold consecutive ids out of order). No sort when the ids are already in
-    order, or when no block continues another (a fragmented pool)."""
+    """(first local block, first remote block, length) of the runs of blocks consecutive on both sides.
+
+    In local order (a request may hold consecutive ids out of order). No sort when the ids are already in order, or when
+    no block continues another (a fragmented pool)."""
     if len(dst) > 1 and (np.diff(dst) < 0).any():
         at = np.full(capacity + 1, -1, dtype=np.int64)
         at[dst] = np.arange(len(dst))
@@ -66,8 +67,9 @@ def _runs(dst: np.ndarray, src: np.ndarray, capacity: int) -> tuple[np.ndarray, 
 def _tables(
     local: KVLayout, remote: KVLayout, src_heads: tuple[int, int], dst_heads: tuple[int, int]
 ) -> tuple[tuple[np.ndarray, bool], ...]:
-    """Factored tables of one (layout pair, head ranges), one per number of pieces a block is cut into,
-    each with whether its pieces tile their blocks on both sides (then a run of blocks is one row)."""
+    """Factored tables of one (layout pair, head ranges), one per number of pieces a block is cut into.
+
+    Each says whether its pieces tile their blocks on both sides (then a run of blocks is one row)."""
     check_compatible(local, remote)
     n_heads = src_heads[1] - src_heads[0]
     if n_heads != dst_heads[1] - dst_heads[0]:
@@ -109,8 +111,9 @@ def _tables(
 
 
 def _chain(t: np.ndarray) -> np.ndarray:
-    """Join regions of one piece per block whose piece starts where the previous one's ends, on both
-    sides, with the same block strides: every layer of a block in block-outermost layouts is one piece."""
+    """Join regions of one piece per block whose piece starts where the previous one's ends, on both sides.
+
+    They must have the same block strides: every layer of a block in block-outermost layouts is one piece."""
     if len(t) < 2 or t[0, PIECES] != 1:
         return t
     t = t[np.argsort(t[:, L_BASE], kind="stable")]

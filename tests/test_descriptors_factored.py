@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge.descriptors import pull_descriptors, region_table
 from kvbridge.layout import KVLayout, KVRegion, lmdeploy_layout, vllm_layout
 from kvbridge.memory import Descriptors, canonical, merge_runs
-from kvbridge.planner import pull_descriptors, region_table
 from kvbridge.presets import ModelSpec
 from kvbridge.topology import HeadPlacement, ParallelConfig, Pull, plan
 

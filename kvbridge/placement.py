@@ -35,8 +35,9 @@ def _tensors(x: Any) -> list[Any]:
 
 
 def tensor_device(x: Any) -> Device | None:
-    """The device plugin owning a tensor or a list of tensors (all on one device type); None where `x`
-    holds no tensor (arrays, addresses)."""
+    """The device plugin owning a tensor or a list of tensors (all on one device type).
+
+    None where `x` holds no tensor (arrays, addresses)."""
     types = {device_type(t) for t in _tensors(x)}
     if len(types) > 1:
         raise ConfigError(
@@ -52,9 +53,11 @@ def device_of(x: Any) -> Device:
 
 
 def for_device(x: Any, device: Device) -> list[Any]:
-    """What to register for `device`: tensors and arrays as they are (staging copies through them),
-    (address, bytes) pairs and unlabelled regions as the device's memory (engines that hand out
-    addresses, like vLLM's storages, know which device they computed on; the address does not say)."""
+    """What to register for `device`.
+
+    Tensors and arrays as they are (staging copies through them); (address, bytes) pairs and unlabelled regions as the
+    device's memory (engines that hand out addresses, like vLLM's storages, know which device they computed on; the
+    address does not say)."""
     items = x if isinstance(x, list) else [x]
     out: list[Any] = []
     for item in items:
@@ -87,8 +90,9 @@ def regions_of(x: Any, device: Device | None = None) -> list[MemoryRegion]:
 
 
 def local_device() -> Device:
-    """The accelerator this process computes on, for engines that hand out addresses, not tensors: the first
-    registered device plugin of device memory that is available here; `cpu` where none is."""
+    """The accelerator this process computes on, for engines that hand out addresses, not tensors.
+
+    The first registered device plugin of device memory that is available here; `cpu` where none is."""
     reg = registry()
     for entry in reg.devices.values():
         if entry.memory_kind != MemoryKind.DRAM and entry.unavailable_reason() is None:

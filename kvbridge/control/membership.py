@@ -1,0 +1,135 @@
+"""Elastic membership: a server keeps its `ServerRecord` alive in the registry; the proxy reads them.
+
+`Announcer` runs on the server: it renews the record every third of its time to live, so a server that
+stops (killed, hung, cut off) drops out of the registry within one TTL; `drain()` republishes it as
+draining at once, and `close()` withdraws it. `open_members` gives the proxy what to read: a redis or
+etcd registry, or a static JSON file for small deployments (docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import attrs
+
+from kvbridge.control.discovery import ROLES, STATES, DiscoveryRegistry, ServerRecord, open_registry, redacted
+from kvbridge.errors import ConfigError, KVBridgeError
+
+log = logging.getLogger(__name__)
+
+MIN_TTL_S = 1.0
+MAX_TTL_S = 3600.0
+
+
+class Announcer:
+    """Keeps one server's record in `registry`, renewed every `ttl_s / 3` on a thread of its own."""
+
+    def __init__(self, registry: DiscoveryRegistry, record: ServerRecord, *, ttl_s: float) -> None:
+        if not MIN_TTL_S <= ttl_s <= MAX_TTL_S:  # NaN fails too
+            raise ConfigError(f"registry_ttl_s must be {MIN_TTL_S:g} to {MAX_TTL_S:g} seconds, got {ttl_s}")
+        self.registry = registry
+        self.ttl_s = ttl_s
+        self._record = record
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renew()  # a server the registry cannot hear of does not start: say so now
+        self._thread = threading.Thread(target=self._loop, name=f"kvbridge-announce-{record.server_id}", daemon=True)
+        self._thread.start()
+        log.info("announced %s server %s at %s in %s", record.role, record.server_id, record.url, registry.url)
+
+    @property
+    def record(self) -> ServerRecord:
+        return self._record
+
+    def _renew(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._record = attrs.evolve(self._record, expires=time.time() + self.ttl_s)
+            self.registry.announce(self._record, self.ttl_s)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self._renew()
+            except KVBridgeError as exc:  # the next round tries again; after a TTL the record is gone
+                log.warning("could not renew %s in the registry: %s", self._record.server_id, exc)
+
+    def drain(self) -> None:
+        """Republish the record as draining: the proxy sends this server no new request."""
+        with self._lock:
+            self._record = attrs.evolve(self._record, state="draining")
+        self._renew()
+        log.info("server %s is draining: the proxy sends it no new request", self._record.server_id)
+
+    def close(self) -> None:
+        """Stop renewing and withdraw the record (idempotent)."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+        self._thread.join(timeout=10)
+        try:
+            self.registry.withdraw(self._record.server_id)
+        except KVBridgeError as exc:
+            log.warning(
+                "could not withdraw %s from the registry (it expires by itself): %s", self._record.server_id, exc
+            )
+        self.registry.close()
+
+
+class StaticMembers:
+    """Server records from a JSON file the operator edits, read again on every call.
+
+    `[{"role": "decode", "url": "http://...", "state": "draining"?}, ...]`. Local and the operator's own:
+    no MAC, no expiry.
+    """
+
+    url: str
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.url = str(self.path)
+
+    def servers(self) -> list[ServerRecord]:
+        try:
+            entries = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the server list {self.path}: {exc}; it is a JSON list of servers") from None
+        if not isinstance(entries, list):
+            raise ConfigError(f"{self.path} must hold a JSON list of {{'role': ..., 'url': ...}} objects")
+        records = []
+        for n, entry in enumerate(entries):
+            try:
+                role, url, state = entry["role"], entry["url"], entry.get("state", "serving")
+                if role not in ROLES or state not in STATES or not isinstance(url, str):
+                    raise ValueError(f"role must be one of {ROLES}, state one of {STATES}, url a string")
+            except (TypeError, KeyError, ValueError, AttributeError) as exc:
+                raise ConfigError(f"{self.path}, entry {n}: {exc!r}; each entry needs a role and a url") from None
+            records.append(ServerRecord(url, role, url, expires=float("inf"), state=state))
+        return records
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def open_members(url: str, *, secret: str | bytes | None = None) -> DiscoveryRegistry | StaticMembers:
+    """What the proxy reads server records from.
+
+    `redis://…` or `etcd://…` (records checked with `secret`), or a static JSON file (`file:///path`, or a
+    path with a `/` or ending in `.json`).
+    """
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme == "file":
+        return StaticMembers(parsed.path)
+    if not parsed.scheme and ("/" in url or url.endswith(".json")):
+        return StaticMembers(url)
+    registry = open_registry(url, secret=secret)
+    if registry is None:
+        raise ConfigError(f"{redacted(url)!r} is no registry; use redis://HOST:PORT, etcd://HOST:PORT or a file")
+    return registry

@@ -1,0 +1,224 @@
+"""Elastic membership with real redis and etcd (started on free ports, stopped by PID) and a real proxy on
+127.0.0.1 in front of small real HTTP upstreams: records expire, are signed, and the proxy follows joins,
+leaves and drains while it runs (docs/elastic.md). With real vLLM servers: tests/test_vllm_elastic.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from control_helpers import etcd_server, redis_server, wait_for
+from test_proxy_routing import Serving, Upstream
+
+from kvbridge.adapters.vllm import proxy
+from kvbridge.control import RankRecord, open_registry
+from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.membership import Announcer, StaticMembers, open_members
+from kvbridge.errors import ConfigError
+
+SECRET = secrets.token_hex(16)
+OTHER = secrets.token_hex(16)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
+        yield url
+
+
+@pytest.fixture(params=["redis", "etcd"])
+def store(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A store's URL, emptied of server records after the test."""
+    url = request.getfixturevalue(f"{request.param}_url")
+    yield url
+    reg = open_registry(url)
+    for server_id in IDS:
+        reg.withdraw(server_id)
+    reg.close()
+
+
+IDS = ("good", "forged", "unsigned", "stale", "once", "srv", "d1", "d2")  # every server id these tests write
+
+
+def _record(server_id: str, role: str = "decode", url: str = "http://127.0.0.1:1", **kw: object) -> ServerRecord:
+    return ServerRecord(server_id, role, url, expires=time.time() + 600, **kw)  # type: ignore[arg-type]
+
+
+def test_records_are_signed_and_a_forged_or_unsigned_one_is_ignored_and_logged(
+    store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ours, forger, plain = (open_registry(store, secret=s) for s in (SECRET, OTHER, None))
+    try:
+        ours.announce(_record("good"), ttl_s=60)
+        forger.announce(_record("forged"), ttl_s=60)
+        plain.announce(_record("unsigned"), ttl_s=60)
+        with caplog.at_level(logging.WARNING, logger="kvbridge.control.discovery"):
+            assert [r.server_id for r in ours.servers()] == ["good"]
+        assert "kvbridge/servers/forged" in caplog.text and "MAC is bad" in caplog.text
+        assert "kvbridge/servers/unsigned" in caplog.text and "carries no MAC" in caplog.text
+        # a record edited in the store (draining -> serving, another URL) no longer matches its MAC
+        assert ours.servers()[0].mac and ours.servers()[0].state == "serving"
+        # rank records too
+        forger.publish(RankRecord("eng", 0, "127.0.0.1", 9, ready=True))
+        ours.publish(RankRecord("eng", 1, "127.0.0.1", 10, ready=True))
+        assert ours.lookup("eng", 0) is None and [r.rank for r in ours.ranks("eng")] == [1]
+        assert plain.lookup("eng", 0) is not None  # no secret: a trusted network, everything taken
+        ours.remove("eng", 0)
+        ours.remove("eng", 1)
+    finally:
+        for reg in (ours, forger, plain):
+            reg.close()
+
+
+def test_a_record_no_longer_renewed_expires_in_the_store_and_a_stale_one_is_ignored_on_read(store: str) -> None:
+    reg = open_registry(store, secret=SECRET)
+    try:
+        reg.announce(_record("once"), ttl_s=1)  # announced once, then the server died
+        reg.announce(ServerRecord("stale", "decode", "http://127.0.0.1:2", expires=time.time() - 1), ttl_s=600)
+        assert [r.server_id for r in reg.servers()] == ["once"]  # the stale one is kept by the store, not used
+        wait_for(lambda: not reg.servers(), timeout=30, what="the unrenewed record to expire")
+    finally:
+        reg.close()
+
+
+def test_announcer_renews_drains_and_withdraws(store: str) -> None:
+    reg = open_registry(store, secret=SECRET)
+    announcer = Announcer(open_registry(store, secret=SECRET), _record("srv", role="prefill"), ttl_s=1.5)
+    try:
+        first = reg.servers()
+        assert [(r.server_id, r.role, r.state) for r in first] == [("srv", "prefill", "serving")]
+        # renewed: a later expiry, so it outlives its first TTL
+        wait_for(lambda: reg.servers() and reg.servers()[0].expires > first[0].expires, what="a renewal")
+        wait_for(lambda: time.time() > first[0].expires + 0.5, what="the first TTL to pass")
+        assert [r.server_id for r in reg.servers()] == ["srv"]
+        announcer.drain()
+        assert reg.servers()[0].draining
+    finally:
+        announcer.close()
+        announcer.close()  # idempotent
+    assert reg.servers() == []
+    reg.close()
+
+
+def test_static_file_and_bad_urls(tmp_path: Path) -> None:
+    path = tmp_path / "servers.json"
+    path.write_text(
+        json.dumps(
+            [{"role": "decode", "url": "http://a:1/"}, {"role": "prefill", "url": "http://b:2", "state": "draining"}]
+        )
+    )
+    members = open_members(f"file://{path}")
+    assert isinstance(members, StaticMembers)
+    assert [(r.role, r.url, r.draining) for r in members.servers()] == [
+        ("decode", "http://a:1/", False),
+        ("prefill", "http://b:2", True),
+    ]
+    path.write_text(json.dumps([{"role": "colocated", "url": "http://a:1"}]))
+    with pytest.raises(ConfigError, match="entry 0"):
+        members.servers()
+    with pytest.raises(ConfigError, match="no registry"):
+        open_members("p2p")
+    with pytest.raises(ConfigError, match="registry_ttl_s"):
+        Announcer(open_members(str(path)), _record("x"), ttl_s=0.1)  # type: ignore[arg-type]
+
+
+class RunningProxy(Serving):
+    """`kvbridge proxy` with a registry, its health loop running (uvicorn runs its lifespan)."""
+
+    def __init__(self, prefill: list[str], decode: list[str], registry: str) -> None:
+        self.app = proxy.create_app(
+            prefill, decode, health_interval=0.05, registry=registry, expose_internals=True, warm_up=False
+        )
+        super().__init__(self.app)
+
+    def instances(self) -> dict:
+        return httpx.get(f"{self.url}/instances", timeout=10).json()
+
+    def next_rounds(self, n: int = 2) -> None:
+        """Wait until the proxy has read the registry `n` more times: what was written before is seen."""
+        start = self.instances()["registry_rounds"]
+        wait_for(lambda: self.instances()["registry_rounds"] >= start + n, what="registry reads")
+
+    def urls(self, role: str) -> list[tuple[str, bool]]:
+        return [(i["url"], i["draining"]) for i in self.instances()[role]]
+
+    def complete(self) -> httpx.Response:
+        return httpx.post(f"{self.url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30)
+
+
+def test_proxy_follows_joins_drains_leaves_and_ignores_forged_records(
+    store: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
+    with (
+        Upstream("prefill") as prefill,
+        Upstream("decode") as d1,
+        Upstream("decode") as d2,
+        Upstream("decode") as forged_target,
+        RunningProxy([prefill.url], [], store) as px,
+        caplog.at_level(logging.WARNING),
+    ):
+        px.next_rounds()
+        assert px.urls("decode") == [] and px.complete().status_code == 503  # nothing to decode yet
+        a1 = Announcer(open_registry(store, secret=SECRET), _record("d1", url=d1.url, capacity=64), ttl_s=30)
+        a2 = Announcer(open_registry(store, secret=SECRET), _record("d2", url=d2.url), ttl_s=30)
+        forger = open_registry(store, secret=OTHER)
+        forger.announce(_record("forged", url=forged_target.url), ttl_s=60)
+        try:
+            px.next_rounds()
+            assert sorted(px.urls("decode")) == sorted([(d1.url, False), (d2.url, False)])  # joined, not forged
+            assert "MAC is bad" in caplog.text
+            served = {px.complete().headers["x-kvbridge-decode"] for _ in range(4)}
+            assert served == {d1.url, d2.url} and not forged_target.bodies
+            a1.drain()
+            px.next_rounds()
+            assert (d1.url, True) in px.urls("decode")
+            before = len(d1.bodies)
+            assert {px.complete().headers["x-kvbridge-decode"] for _ in range(4)} == {d2.url}
+            assert len(d1.bodies) == before  # a draining server gets nothing new
+            a1.close()  # left
+            px.next_rounds()
+            assert px.urls("decode") == [(d2.url, False)]
+            # a server that stops renewing (a crash): its record expires, and it drops out
+            a2._stop.set()  # the renewal thread ends; nothing withdraws the record
+            reg = open_registry(store, secret=SECRET)
+            reg.announce(a2.record, ttl_s=1)
+            reg.close()
+            wait_for(lambda: px.urls("decode") == [], timeout=30, what="the silent server to drop out")
+            assert px.complete().status_code == 503
+            assert px.urls("prefill") == [(prefill.url, False)]  # the static one stays
+        finally:
+            a1.close()
+            a2.close()
+            forger.close()
+
+
+def test_proxy_without_servers_or_registry_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--registry"):
+        proxy.create_app([], ["http://127.0.0.1:1"])
+
+
+def test_an_ignored_record_is_warned_of_once(redis_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    ours, forger = open_registry(redis_url, secret=SECRET), open_registry(redis_url, secret=OTHER)
+    try:
+        forger.announce(_record("forged"), ttl_s=60)
+        with caplog.at_level(logging.WARNING, logger="kvbridge.control.discovery"):
+            for _ in range(3):  # the proxy reads every round
+                assert ours.servers() == []
+        assert caplog.text.count("kvbridge/servers/forged") == 1
+    finally:
+        forger.withdraw("forged")
+        ours.close()
+        forger.close()
