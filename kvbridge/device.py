@@ -23,10 +23,10 @@ class Device(abc.ABC):
     #: False where `before_transfer`/`after_transfer` have nothing to wait for (host memory), so a
     #: transport that reaches the memory is used as is, without a device-bound wrapper.
     synchronizes: ClassVar[bool] = True
-    #: Bytes per second this device gathers or scatters blocks within its own memory (`kvbridge.strategy`
-    #: weighs it against a transport's per-descriptor cost). The default is host memory as measured here
-    #: (7-19 GB/s for a 256 MiB memcpy, 14 GB/s for a gather of 32 KiB blocks); an accelerator's
-    #: plugin states its own (device-memory kernels run at hundreds of GB/s).
+    #: Bytes per second this device gathers or scatters blocks within its own memory (`kvbridge bench
+    #: --strategy auto`, in kvbridge-tools, weighs it against a transport's per-descriptor cost). The
+    #: default is host memory as measured here (7-19 GB/s for a 256 MiB memcpy, 14 GB/s for a gather of
+    #: 32 KiB blocks); an accelerator's plugin states its own (device-memory kernels run at hundreds of GB/s).
     copy_bytes_per_s: ClassVar[float] = 8e9
 
     def regions(self, tensor: Any) -> list[MemoryRegion]:

@@ -36,6 +36,7 @@ from kvbridge.errors import (
     PluginNotFound,
     PluginUnavailable,
 )
+from kvbridge.faults import FaultRates, FaultyBackend
 from kvbridge.options import OptionInfo, as_dict, describe, parse, unknown_names
 from kvbridge.specs import DeviceSpec, TransportSpec
 from kvbridge.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
@@ -502,9 +503,15 @@ def create_backend(
     hostname: str | None = None,
     metadata_server: str | None = None,
     device_name: str = "",
+    fault_injection: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> MigrationBackend:
-    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...)."""
+    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...).
+
+    `fault_injection` (testing only): the transport wrapped in `kvbridge.faults.FaultyBackend`, with these
+    rates (`{}`: none, for a test to `inject` later).
+    """
+    rates = None if fault_injection is None else FaultRates.parse(fault_injection)  # checked before it starts
     config = BackendConfig(
         protocol=protocol,
         hostname=hostname or "127.0.0.1",
@@ -512,7 +519,8 @@ def create_backend(
         device_name=device_name,
         options=dict(options),
     )
-    return registry().create_backend(name, config)
+    backend = registry().create_backend(name, config)
+    return backend if rates is None else FaultyBackend(backend, rates)
 
 
 def get_device(name: str) -> Device:

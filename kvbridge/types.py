@@ -45,8 +45,9 @@ class MemoryRegion:
 class TransferCost:
     """What moving bytes costs on a transport, as its plugin measured it.
 
-    The input of `kvbridge.strategy.choose`, which picks per request between sending the planned descriptors and
-    gathering them into one staging region. Unknown (None) means "do not guess": descriptors go direct.
+    The input of `kvbridge bench --strategy auto` (kvbridge-tools), which picks per request between sending the
+    planned descriptors and gathering them into one staging region. Unknown (None) means "do not guess":
+    descriptors go direct.
     """
 
     bytes_per_s: float | None = None  # streaming rate of large descriptors, one peer

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import kvbridge
-from kvbridge.testing.hosts import Hosts, hosts_unavailable
+from kvbridge_tools.harness.hosts import Hosts, hosts_unavailable
 
 
 @pytest.fixture(autouse=True)

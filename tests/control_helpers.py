@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from kvbridge.control import KVTransferParams
-from kvbridge.testing.ports import free_port
+from kvbridge_tools.harness.ports import free_port
 
 if TYPE_CHECKING:
-    from kvbridge.testing.hosts import Host
+    from kvbridge_tools.harness.hosts import Host
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

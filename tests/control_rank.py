@@ -1,5 +1,5 @@
 """One engine rank for the multi-process control-plane tests (`python -m control_rank`, run by
-`kvbridge.proc.Child`): a `KVAgent` on Mooncake TCP over a fingerprinted HND cache, and a side
+`kvbridge_tools.harness.proc.Child`): a `KVAgent` on Mooncake TCP over a fingerprinted HND cache, and a side
 channel — with a lease ledger on a prefill rank, an abort handler on a decode rank.
 
 Decode ranks plan with `kvbridge.topology` (through the agent), announce each read with
@@ -18,7 +18,6 @@ import attrs
 import numpy as np
 
 from kvbridge.agent import KVAgent
-from kvbridge.bench.shares import Share, fill, mismatches
 from kvbridge.control import (
     ControlClient,
     ControlServer,
@@ -31,9 +30,10 @@ from kvbridge.control import (
 from kvbridge.errors import LoadError
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS, ModelSpec
-from kvbridge.proc import serve
 from kvbridge.session.decode import DecodeControl
 from kvbridge.topology import HeadPlacement, ParallelConfig
+from kvbridge_tools.bench.shares import Share, fill, mismatches
+from kvbridge_tools.harness.proc import serve
 
 
 def model_with(kv_heads: int) -> ModelSpec:

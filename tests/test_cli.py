@@ -161,7 +161,7 @@ def test_without_libibverbs_mooncake_is_unavailable_with_reason_and_hint() -> No
 
 @pytest.mark.slow
 def test_without_the_mooncake_wheel_mooncake_is_unavailable(tmp_path: Path) -> None:
-    """A fresh virtualenv with kvbridge and kvbridge-mooncake but no Mooncake wheel."""
+    """A fresh virtualenv with kvbridge, kvbridge-tools and kvbridge-mooncake but no Mooncake wheel."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
@@ -171,8 +171,11 @@ def test_without_the_mooncake_wheel_mooncake_is_unavailable(tmp_path: Path) -> N
     ignore = shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", "tests", "plugins")
     core = shutil.copytree(REPO, tmp_path / "kvbridge-src", ignore=ignore)
     plugin = shutil.copytree(REPO / "plugins" / "mooncake", tmp_path / "mooncake-src", ignore=ignore)
+    tools = shutil.copytree(REPO / "plugins" / "tools", tmp_path / "tools-src", ignore=ignore)
     subprocess.run(
-        [py, "-m", "pip", "install", "-q", "--no-deps", str(core), str(plugin)], check=True, capture_output=True
+        [py, "-m", "pip", "install", "-q", "--no-deps", str(core), str(plugin), str(tools)],
+        check=True,
+        capture_output=True,
     )
     rows = {r["name"]: r for r in json.loads(kvbridge("plugins", "--json", python=py).stdout)}
     assert rows["mooncake"]["available"] is False
@@ -235,7 +238,7 @@ def _alive(pid: int) -> bool:
 def test_readme_first_command_prints_no_native_log_lines() -> None:
     # Exactly the README's first command: its table and verdict, none of Mooncake's glog start-up lines
     # (they are routed to kvbridge's logging, the harmless ones at debug); -v brings the library's back.
-    from kvbridge.nativelog import classify
+    from kvbridge_tools.harness.nativelog import classify
 
     out = kvbridge("bench", "--migration-backend", "mooncake")
     assert "verified" in out.stdout.lower(), out.stdout
@@ -273,3 +276,21 @@ def test_proxy_refuses_a_port_out_of_range_instead_of_never_listening() -> None:
         "proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "99999", check=False
     )
     assert out.returncode == 2 and "a port is from 0 to 65535, got 99999" in out.stderr
+
+
+def test_a_command_plugin_that_does_not_load_leaves_the_rest_of_the_cli_working(tmp_path: Path) -> None:
+    """A `kvbridge.commands` entry point whose module is broken: `kvbridge plugins` still runs, and the
+    broken subcommand exits 2 naming the error and the fix, without a traceback."""
+    info = tmp_path / "kvbridge_broken_command-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvbridge-broken-command\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[kvbridge.commands]\nfrobnicate = kvbridge_broken_command_xyz\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    run = [sys.executable, "-m", "kvbridge"]
+    listed = subprocess.run([*run, "plugins", "--json"], env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    out = subprocess.run([*run, "frobnicate", "--now"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "kvbridge_broken_command_xyz" in out.stderr and "ModuleNotFoundError" in out.stderr
+    assert "pip install --force-reinstall kvbridge-broken-command" in out.stderr and "Traceback" not in out.stderr
+    assert "frobnicate" in subprocess.run([*run, "--help"], env=env, capture_output=True, text=True).stdout

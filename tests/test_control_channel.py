@@ -26,7 +26,7 @@ from kvbridge.control.messages import (
     StreamStatus,
 )
 from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
-from kvbridge.testing.ports import free_port
+from kvbridge_tools.harness.ports import free_port
 
 SECRET = "0123456789abcdef0123456789abcdef"
 

@@ -32,9 +32,9 @@ from control_helpers import pull_params, wait_for
 from kvbridge.control import ClientPool, ControlClient
 from kvbridge.control.messages import LeaseStatus, QueryLease
 from kvbridge.errors import KVBridgeError
-from kvbridge.proc import Child, ChildError
 from kvbridge.session.decode import DecodeControl
-from kvbridge.testing.ports import free_port
+from kvbridge_tools.harness.ports import free_port
+from kvbridge_tools.harness.proc import Child, ChildError
 
 HERE = Path(__file__).parent
 ENV = {

@@ -25,8 +25,8 @@ from kvbridge.control import (
     resolve,
 )
 from kvbridge.errors import ConfigError, PeerGone, TransferTimeout
-from kvbridge.proc import Child
-from kvbridge.testing.ports import free_port
+from kvbridge_tools.harness.ports import free_port
+from kvbridge_tools.harness.proc import Child
 
 HERE = Path(__file__).parent
 

@@ -13,9 +13,9 @@ from control_helpers import pull_params, wait_for
 from control_rank import model_with
 
 from kvbridge.control import KVTransferParams
-from kvbridge.proc import Child, ChildError
-from kvbridge.testing.ports import free_port
 from kvbridge.topology import ParallelConfig, Plan, plan
+from kvbridge_tools.harness.ports import free_port
+from kvbridge_tools.harness.proc import Child, ChildError
 
 HERE = Path(__file__).parent
 ENV = {

@@ -37,7 +37,7 @@ def _agent(engine: str, heads: int, blocks: int) -> tuple[KVAgent, np.ndarray]:
     layer = 2 * blocks * heads * MODEL.block_size * MODEL.head_dim * MODEL.dtype_bytes
     buf = np.zeros(MODEL.layers * layer, dtype=np.uint8)
     layout = vllm_layout(MODEL, heads, [buf.ctypes.data + i * layer for i in range(MODEL.layers)], blocks)
-    return KVAgent(engine, 0, ParallelConfig(tp=1), layout, buf, backend="loopback"), buf
+    return KVAgent(engine, 0, ParallelConfig(tp=1), layout, buf, backend="loopback", fault_injection={}), buf
 
 
 class SlowDoneLedger(Ledger):

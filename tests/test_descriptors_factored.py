@@ -184,7 +184,7 @@ def test_a_transport_sends_factored_rows_in_batches_and_checks_their_bounds() ->
     for local, remote, n in reference(pull, layouts["decode"], layouts["prefill"], dst_ids, src_ids).tolist():
         expected[local - base_l : local - base_l + n] = bufs["prefill"][remote - base_r : remote - base_r + n]
     server = kvbridge.create_backend("loopback")
-    client = kvbridge.create_backend("loopback", max_batch=100)
+    client = kvbridge.create_backend("loopback", max_batch=100, fault_injection={})  # counts the submissions
     try:
         server.register_memory(bufs["prefill"])
         client.register_memory(bufs["decode"])

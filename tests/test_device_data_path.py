@@ -192,7 +192,7 @@ def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
     )
 
     from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend
-    from kvbridge.bench.lmdeploy_rank import engine_config
+    from kvbridge_tools.bench.lmdeploy_rank import engine_config
 
     settings = AdapterSettings(transport="mooncake", hostname="127.0.0.1", timeout=60, device="npu")
     pools = {
@@ -335,11 +335,11 @@ def npu_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: str) -> None:
     """The vLLM connector path of `kvbridge bench --engine vllm-connector --device DEVICE`: two ranks
-    (`kvbridge.bench.connector_rank.Rank`, a real KVBridgeConnector each) with caches allocated by
+    (`kvbridge_tools.bench.connector_rank.Rank`, a real KVBridgeConnector each) with caches allocated by
     vLLM's allocate_kv_cache on devices 0 and 1, one request pulled over Mooncake TCP and verified."""
     _import_vllm()
-    from kvbridge.bench.connector_rank import Rank
-    from kvbridge.testing.ports import free_port
+    from kvbridge_tools.bench.connector_rank import Rank
+    from kvbridge_tools.harness.ports import free_port
 
     tokens, n = 100, 7  # 7 blocks of 16
     common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="mooncake", protocol="tcp")
@@ -387,17 +387,19 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
     _import_vllm()
     import torch
 
-    from kvbridge.bench.connector_rank import Rank
-    from kvbridge.chaos.inject import install
+    from kvbridge.faults import FaultRates
     from kvbridge.landing import read_logical
-    from kvbridge.testing.ports import free_port
+    from kvbridge_tools.bench.connector_rank import Rank
+    from kvbridge_tools.harness.ports import free_port
 
     tokens = 100
     common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="mooncake", protocol="tcp")
     prefill, decode = Rank(), Rank()
     try:
         prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=16, port=free_port(1), **common)
-        decode.setup(side="decode", engine_id="d", layout="LBHNC", num_blocks=16, port=free_port(1), **common)
+        decode.setup(
+            side="decode", engine_id="d", layout="LBHNC", num_blocks=16, port=free_port(1), fault_injection={}, **common
+        )
         agent = decode.worker._worker.agent
         assert agent.backend.capabilities.late_writes
         params = prefill.prefill(
@@ -411,7 +413,7 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         (landing,) = agent.receiver._all  # like layouts, and still landed
         assert agent.receiver.retired_bytes == 0 and agent.receiver.idle_bytes == landing.numel()
 
-        install(agent.backend, {"transfer_error": 1.0, "seed": 1})  # every transfer fails inside the transport
+        agent.backend.inject(rates=FaultRates(transfer_error=1.0, seed=1))  # every transfer fails inside the transport
         blocks = [12, 13, 14, 15, 1, 6, 7]
         before = read_logical(decode.views, torch.tensor(blocks)).clone()
         out = decode.decode(

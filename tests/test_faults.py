@@ -1,4 +1,5 @@
-"""Failure paths through the loopback transport's fault injection surface as documented exceptions."""
+"""Failure paths surface as documented exceptions: faults from the one injector (`kvbridge.faults`) around
+the loopback transport, counted ones a test arms and the rates `kvbridge chaos` sets."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import pytest
 
 import kvbridge
 from kvbridge.errors import ConfigError, PeerGone, TransferFailed, TransferTimeout
+from kvbridge.faults import FaultRates, FaultyBackend
 from kvbridge.transports.loopback import LoopbackBackend
 
 
 @pytest.fixture
-def link() -> Iterator[tuple[LoopbackBackend, LoopbackBackend, kvbridge.Peer, np.ndarray, np.ndarray]]:
+def link() -> Iterator[tuple[LoopbackBackend, FaultyBackend, kvbridge.Peer, np.ndarray, np.ndarray]]:
     server = kvbridge.create_backend("loopback")
-    client = kvbridge.create_backend("loopback", max_batch=4)
+    client = kvbridge.create_backend("loopback", max_batch=4, fault_injection={})
     src = np.arange(1 << 16, dtype=np.uint8)
     dst = np.zeros_like(src)
     server.register_memory(src)
@@ -113,7 +115,7 @@ def test_close_is_idempotent_and_a_closed_backend_says_so(link) -> None:
 
 def test_long_descriptors_are_cut_to_the_transport_piece_size() -> None:
     server = kvbridge.create_backend("loopback")
-    client = kvbridge.create_backend("loopback")
+    client = kvbridge.create_backend("loopback", fault_injection={})  # counts the submissions
     client.capabilities = attrs.evolve(client.capabilities, max_descriptor_bytes=1000, max_batch=3)
     src = np.random.default_rng(0).integers(0, 256, 10_000, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -138,26 +140,26 @@ def test_a_stuck_part_is_resubmitted_once_and_completes_only_when_the_stuck_call
     still write into the destination), and counts one retry."""
     _, client, peer, src, dst = link
     order: list[str] = []
-    move = client._move
+    delayed = client._delayed
 
     def recorded(*args):  # type: ignore[no-untyped-def]
         try:
-            return move(*args)
+            return delayed(*args)
         finally:
             order.append(f"call {args[3]}s returned")
 
-    client._move = recorded  # type: ignore[method-assign]
+    client._delayed = recorded  # type: ignore[method-assign]
     client.transfer_deadline_s = 0.2
     client.inject(delay=1.5)
     handle = client.transfer(peer, blocks(dst, src, n=1))
     deadline = time.monotonic() + 10
     while client.submissions < 2 and time.monotonic() < deadline:  # the resubmission, at 0.2 + 0.1 s
-        client.inject(delay=0.0)
+        client.inject(delay=0.01)
         time.sleep(0.01)
     handle.add_done_callback(lambda _h: order.append("handle done"))
     handle.wait(10)
     assert client.submissions == 2
-    assert order == ["call 0.0s returned", "call 1.5s returned", "handle done"], order
+    assert order == ["call 0.01s returned", "call 1.5s returned", "handle done"], order
     assert handle.retries == 1
     assert (dst[:1024] == src[:1024]).all()
 
@@ -188,12 +190,49 @@ def test_held_submissions_are_cancelled_at_the_deadline_and_the_transfer_fails(l
     """`kvbridge chaos`'s slow-peer holds submissions before they start: at the deadline the held one is
     cancelled (it never writes), resubmitted, held again, cancelled again: a clear failure, not a hang.
     (A cancel runs the attempt's done-callback in the cancelling thread: this once deadlocked the deadline.)"""
-    from kvbridge.chaos.inject import install
-
     _, client, peer, src, dst = link
     client.transfer_deadline_s = 0.2
-    install(client, {"slow_peer": 1.0, "slow_s": 30.0})
+    client.inject(rates=FaultRates(slow_peer=1.0, slow_s=30.0))
     handle = client.transfer(peer, blocks(dst, src, n=1))
     with pytest.raises(TransferTimeout, match="made no progress within the 0.2s transfer deadline, and so did its"):
         handle.wait(5)
-    assert client.submissions == 0 and handle.retries == 1 and not dst.any()
+    assert client.submissions == 2 and handle.retries == 1 and not dst.any()  # held twice, cancelled twice
+
+
+def test_injected_transfer_errors_fail_inside_the_transport(link) -> None:  # type: ignore[no-untyped-def]
+    _, client, peer, src, dst = link
+    client.inject(rates=FaultRates(transfer_error=1.0, seed=0))
+    with pytest.raises(TransferFailed, match="injected transfer error"):
+        client.transfer(peer, blocks(dst, src)).wait(5)
+    assert not dst.any()
+
+
+def test_a_held_transfer_runs_late_and_moves_the_right_bytes() -> None:
+    server = kvbridge.create_backend("loopback")
+    client = kvbridge.create_backend("loopback", fault_injection={"slow_peer": 1.0, "slow_s": 0.3})
+    src = np.arange(1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    try:
+        server.register_memory(src)
+        client.register_memory(dst)
+        peer = client.connect(server.endpoint_info())
+        t = time.monotonic()
+        handle = client.transfer(peer, [(dst.ctypes.data, src.ctypes.data, src.nbytes)])
+        assert not handle.done()
+        handle.wait(10)
+        assert time.monotonic() - t >= 0.3
+        assert np.array_equal(src, dst)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_fault_injection_config_is_checked_before_the_transport_starts() -> None:
+    with pytest.raises(ConfigError, match="unknown fault_injection keys"):
+        kvbridge.create_backend("loopback", fault_injection={"transfer_errors": 0.1})
+    with pytest.raises(ConfigError, match="rates must be in"):
+        kvbridge.create_backend("loopback", fault_injection={"transfer_error": 0.8, "slow_peer": 0.5})
+    with pytest.raises(ConfigError, match="takes numbers"):
+        FaultRates.parse({"slow_s": "soon"})
+    assert isinstance(kvbridge.create_backend("loopback", fault_injection={}), FaultyBackend)
+    assert not isinstance(kvbridge.create_backend("loopback"), FaultyBackend)  # off unless asked

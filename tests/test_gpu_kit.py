@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing import gpu_kit
+from kvbridge_tools.harness import gpu_kit
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The network-namespace hosts harness (kvbridge.testing.hosts): links, faults, and cleanup."""
+"""The network-namespace hosts harness (kvbridge_tools.harness.hosts): links, faults, and cleanup."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.hosts import Hosts, HostsError, hosts_unavailable, parse_rate, remove_leftovers
+from kvbridge_tools.harness.hosts import Hosts, HostsError, hosts_unavailable, parse_rate, remove_leftovers
 
 MakeHosts = Callable[..., Hosts]
 needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))

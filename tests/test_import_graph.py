@@ -1,4 +1,4 @@
-"""No import circle among kvbridge's modules and its plugins' modules.
+"""No import circle among kvbridge's modules and its plugins' modules; the library never imports its tools.
 
 Read statically with `ast` (nothing is imported, so optional dependencies need not be installed),
 from the installed packages: kvbridge and every top-level `kvbridge_*` package on the path (the
@@ -142,6 +142,7 @@ def _circle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 def test_the_graph_covers_kvbridge_and_its_plugins() -> None:
     graph = import_graph()
     assert {"kvbridge.plugins", "kvbridge.backend", "kvbridge_mooncake.plugin", "kvbridge_cuda.plugin"} <= set(graph)
+    assert "kvbridge_tools.bench.pair" in graph  # the tools are read too (their circles count)
     assert "kvbridge.hookspecs" in graph["kvbridge.builtins"]  # edges are read
     assert "kvbridge.transports.tcp" in graph["kvbridge.builtins"]  # a function-level import counts
 
@@ -157,3 +158,42 @@ def test_no_import_circle() -> None:
     assert not found, "import circles (break each by moving the shared piece down a layer):\n" + "\n".join(
         " -> ".join(c) for c in found
     )
+
+
+def tools_references(path: Path) -> list[str]:
+    """Where a module names `kvbridge_tools` as code: an import (lazy ones too) or a string that names one of
+    its modules (`importlib.import_module("kvbridge_tools...")`, a child process's `-m`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value]
+        else:
+            continue
+        found += [f"{path.name}:{node.lineno}: {n}" for n in names if n.split(".")[0] == "kvbridge_tools"]
+    return found
+
+
+def test_tools_references_are_found(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "import kvbridge.backend\n"
+        "def f():\n"
+        "    from kvbridge_tools.bench import pair\n"
+        "    return importlib.import_module('kvbridge_tools.cli.bench')\n"
+        '"""kvbridge_tools in a sentence is prose"""\n'
+    )
+    assert tools_references(planted) == [
+        "planted.py:3: kvbridge_tools.bench",
+        "planted.py:4: kvbridge_tools.cli.bench",
+    ]
+
+
+def test_the_library_never_imports_its_tools() -> None:
+    """`pip install kvbridge` works without kvbridge-tools: the CLI finds the tools' subcommands by entry point."""
+    root = Path(kvbridge.__file__).parent
+    found = [ref for path in sorted(root.rglob("*.py")) for ref in tools_references(path)]
+    assert not found, "kvbridge imports kvbridge_tools (move the shared piece into kvbridge):\n" + "\n".join(found)

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.bench.shares import Share, fill, mismatches
 from kvbridge.descriptors import pull_descriptors
 from kvbridge.errors import LayoutMismatch
 from kvbridge.layout import BufferDesc, KVLayout, buffer_layout, check_compatible, lmdeploy_layout, vllm_layout
 from kvbridge.presets import PRESETS, ModelSpec
 from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, plan
+from kvbridge_tools.bench.shares import Share, fill, mismatches
 
 
 def _make(model: ModelSpec, heads: int, num_blocks: int, style: str) -> tuple[np.ndarray, KVLayout]:

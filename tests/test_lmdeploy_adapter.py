@@ -40,12 +40,12 @@ from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assi
 
 from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend  # noqa: E402
 from kvbridge.adapters.lmdeploy.plan import instruct_array, plan  # noqa: E402
-from kvbridge.bench import lmdeploy as lmdeploy_bench  # noqa: E402
-from kvbridge.bench.lmdeploy_rank import engine_config  # noqa: E402
-from kvbridge.cli import bench as bench_cli  # noqa: E402
 from kvbridge.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed, TransferTimeout  # noqa: E402
-from kvbridge.proc import Child, ChildError  # noqa: E402
 from kvbridge.types import MemoryRegion  # noqa: E402
+from kvbridge_tools.bench import lmdeploy as lmdeploy_bench  # noqa: E402
+from kvbridge_tools.bench.lmdeploy_rank import engine_config  # noqa: E402
+from kvbridge_tools.cli import bench as bench_cli  # noqa: E402
+from kvbridge_tools.harness.proc import Child, ChildError  # noqa: E402
 
 LAYERS, P_BLOCKS, D_BLOCKS, BLOCK_BYTES = 3, 40, 24, 512
 ENV = {
@@ -54,7 +54,7 @@ ENV = {
     "KVBRIDGE_LMDEPLOY_TIMEOUT": "60",
     "KVBRIDGE_LMDEPLOY": "1",
 }
-RANK = "kvbridge.bench.lmdeploy_rank"
+RANK = "kvbridge_tools.bench.lmdeploy_rank"
 # (prefill block, decode block): a contiguous run, a reversed run, and scattered blocks.
 PAIRS = [[p, d] for p, d in zip(range(10, 18), range(2, 10))] + [[30, 12], [29, 13], [28, 14]] + [[0, 20], [39, 16]]
 
@@ -257,7 +257,9 @@ def _loopback_pair(
         ("p", "d", src, P_BLOCKS, D_BLOCKS, keys[0], hostnames[0]),
         ("d", "p", dst, D_BLOCKS, P_BLOCKS, keys[1], hostnames[1]),
     ):
-        settings = AdapterSettings(transport="loopback", protocol="loopback", hostname=host, timeout=10, secret=secret)
+        settings = AdapterSettings(
+            transport="loopback", protocol="loopback", hostname=host, timeout=10, secret=secret, fault_injection={}
+        )
         b = KVBridgeMigrationBackend(settings)
         b.p2p_initialize(
             DistServeInitRequest(
@@ -394,7 +396,7 @@ def test_connect_refuses_a_foreign_endpoint() -> None:
 
 
 def test_engine_option_picks_the_lmdeploy_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert bench_cli.MODES["lmdeploy"] == "kvbridge.bench.lmdeploy"
+    assert bench_cli.MODES["lmdeploy"] == "kvbridge_tools.bench.lmdeploy"
     # Only this mode's options: the parser must accept them beside the shared ones.
     monkeypatch.setattr(bench_cli, "MODES", {"lmdeploy": bench_cli.MODES["lmdeploy"]})
     parser = argparse.ArgumentParser()

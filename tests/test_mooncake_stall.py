@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 from test_transfer import MiB, Pair, pattern, sha
 
-from kvbridge.proc import Child, ChildError
 from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
+from kvbridge_tools.harness.proc import Child, ChildError
 
 SIZE = 16 * MiB
 # The retry starts at the deadline and its call returns at the latest when Mooncake's call times out
@@ -103,7 +103,7 @@ def test_a_stalled_peer_fails_the_pull_within_the_deadline_and_the_engine_recove
 
 def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline_plus_retry(pair: Pair) -> None:
     # A second decode-like process pulls from the same server at the same time as the first.
-    other = Child("backend_peer", env={"PYTHONPATH": os.path.dirname(__file__) + "/peers"}, name="mooncake-client2")
+    other = Child("backend_peer", env={"PYTHONPATH": _child_path()}, name="mooncake-client2")
     try:
         other.call("init", backend="mooncake", size=SIZE, seed=-1)
         other.call("connect", endpoint=pair.s["endpoint"])
@@ -148,7 +148,7 @@ def test_the_side_channel_answers_while_transfers_run_and_stall() -> None:
     backend.register_memory(buf)
     ledger = Ledger(lambda *_: None)
     server = ControlServer("prefill", 0, ledger=ledger, poll_interval_s=0.01)
-    decode = Child("backend_peer", env={"PYTHONPATH": os.path.dirname(__file__) + "/peers"}, name="decode")
+    decode = Child("backend_peer", env={"PYTHONPATH": _child_path()}, name="decode")
     client = ControlClient(*server.address, sender="probe")  # type: ignore[arg-type]
     try:
         decode.call("init", backend="mooncake", size=64 * MiB, seed=-1)
@@ -194,3 +194,8 @@ def test_the_side_channel_answers_while_transfers_run_and_stall() -> None:
         decode.close()
         server.close()
         backend.close()
+
+
+def _child_path() -> str:
+    """The peers' folder before this process's own path: the children import the same kvbridge_tools."""
+    return os.pathsep.join(filter(None, [os.path.dirname(__file__) + "/peers", os.environ.get("PYTHONPATH", "")]))

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from kvbridge.nativelog import classify, native_env, relay_stderr
+from kvbridge.nativelog import native_env
+from kvbridge_tools.harness.nativelog import classify, relay_stderr
 
 
 def test_levels_follow_kvbridge_and_the_operator_wins(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """The context PR's eleven prefill -> decode pairs, every rank with its own Mooncake TCP endpoint.
 
-One prefill and one decode process (kvbridge.proc.Child) serve all cases; each case sets up every
+One prefill and one decode process (kvbridge_tools.harness.proc.Child) serve all cases; each case sets up every
 rank anew (new buffers, new registrations), every decode rank pulls its share of one request per
 DP group and checks its whole buffer against its expected image, and every prefill rank's release
 count is checked against the pulls and unpulled notices it received.
@@ -13,8 +13,8 @@ import json
 import pytest
 from test_topology import CONTEXT_PAIRS
 
-from kvbridge.bench.parallel import ParallelBench
 from kvbridge.errors import TopologyError
+from kvbridge_tools.bench.parallel import ParallelBench
 
 # MLA pulls never slice heads, so any layout serves; GQA pairs that slice heads use an HND layout
 # (split-hnd, or vllm-cpu, where each head's K and V sit together), since a head slice is then one

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from kvbridge.adapters.vllm.cache import LAYOUT_NAMES
-from kvbridge.bench.pair import descriptor_count
-from kvbridge.bench.pool_layout import PoolLayout, describe
 from kvbridge.errors import ConfigError
 from kvbridge.presets import get_preset
+from kvbridge_tools.bench.pair import descriptor_count
+from kvbridge_tools.bench.pool_layout import PoolLayout, describe
 
 
 @pytest.mark.parametrize("name", LAYOUT_NAMES)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.adapters.vllm import proxy
-from kvbridge.testing.ports import free_port
+from kvbridge_tools.harness.ports import free_port
 
 FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 LIMIT = 4096  # the body limit under test (the real one is 32 MiB)

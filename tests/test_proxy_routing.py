@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request, Response
 from kvbridge.adapters.vllm import proxy
 from kvbridge.adapters.vllm.proxy import SLOW_PROBES
 from kvbridge.control.params import KVTransferParams
-from kvbridge.testing.ports import free_port
+from kvbridge_tools.harness.ports import free_port
 
 # These tests read which server answered: answers name servers by URL only with expose_internals.
 create_app = functools.partial(proxy.create_app, expose_internals=True)

@@ -21,8 +21,8 @@ from kvbridge.control.auth import Authenticator
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError
 from kvbridge.memory import RegionIndex
 from kvbridge.secret import check_listen, is_loopback, load_secret
-from kvbridge.testing.ports import free_port
 from kvbridge.types import EndpointInfo, MemoryRegion
+from kvbridge_tools.harness.ports import free_port
 
 SECRET = "security-test-secret-0123456789ab"
 WRONG = "another-secret-that-is-long-enough"

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from kvbridge.proc import Child
-from kvbridge.testing.hosts import Hosts
+from kvbridge_tools.harness.hosts import Hosts
+from kvbridge_tools.harness.proc import Child
 
 PEERS = str(Path(__file__).parent / "peers")
 SIZE = 1 << 20

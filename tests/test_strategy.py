@@ -1,10 +1,10 @@
-"""`kvbridge.strategy.choose`: the transport's declared cost model picks direct or gather per request."""
+"""`kvbridge_tools.strategy.choose`: the transport's declared cost model picks direct or gather per request."""
 
 from __future__ import annotations
 
-from kvbridge.strategy import choose, predict_direct
 from kvbridge.types import TransferCost
 from kvbridge_mooncake.spec import capabilities
+from kvbridge_tools.strategy import choose, predict_direct
 
 MiB = 1 << 20
 TCP = capabilities("tcp", {}, frozenset()).cost

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.testing.ports import ephemeral_start, free_port
-from kvbridge.testing.vllm_server import Server, _group_members
+from kvbridge_tools.harness.ports import ephemeral_start, free_port
+from kvbridge_tools.harness.vllm_server import Server, _group_members
 
 
 def test_free_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
@@ -35,7 +35,7 @@ def test_free_port_skips_a_port_that_is_in_use(monkeypatch: pytest.MonkeyPatch) 
         busy.listen()
         held = busy.getsockname()[1]
         draws = iter([held, held + 100])
-        from kvbridge.testing import ports
+        from kvbridge_tools.harness import ports
 
         # Only this test's draws count: a port an earlier test was handed (held + 100 among them, about one
         # time in ten over the whole suite) would be skipped for that reason instead.
@@ -112,7 +112,7 @@ def test_failure_report_shows_the_root_cause_far_above_the_tail(tmp_path: Path) 
 @pytest.mark.parametrize("backend", ["mooncake", "nixl", "tcp"])
 def test_connector_config_is_what_the_connector_accepts(backend: str) -> None:
     from kvbridge.adapters.vllm.settings import Settings
-    from kvbridge.testing.vllm_server import connector_config
+    from kvbridge_tools.harness.vllm_server import connector_config
 
     config = connector_config("kv_consumer", backend=backend, load_failure_policy="recompute", lease_s=7)
     assert (config["kv_connector"], config["kv_role"], config["kv_load_failure_policy"]) == (

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvbridge.proc import Child, ChildError
+from kvbridge_tools.harness.proc import Child, ChildError
 
 PEERS = str(Path(__file__).parent / "peers")
+# the children import what this process imports (kvbridge_tools included), and the peers
+CHILD_PATH = os.pathsep.join(filter(None, [PEERS, os.environ.get("PYTHONPATH", "")]))
 MiB = 1 << 20
 BACKENDS = ["mooncake", "tcp"]
 
@@ -28,7 +31,7 @@ class Pair:
     """`server` holds a seeded pattern, `client` a zeroed buffer connected to it."""
 
     def __init__(self, backend: str, size: int, client_size: int | None = None) -> None:
-        env = {"PYTHONPATH": PEERS}
+        env = {"PYTHONPATH": CHILD_PATH}
         self.size = size
         self.backend = backend
         self.server = Child("backend_peer", env=env, name=f"{backend}-server")

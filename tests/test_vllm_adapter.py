@@ -34,8 +34,8 @@ from kvbridge.control.channel import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
 from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
 from kvbridge.session.timeline import PULL_PHASES  # noqa: E402
-from kvbridge.testing.ports import free_port  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
+from kvbridge_tools.harness.ports import free_port  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 4, 32, 64, 12
 
@@ -141,6 +141,7 @@ class Workers:
                     "migration_backend": "loopback",
                     "side_channel_port": free_port(),
                     "pull_timeout_s": 10,
+                    "fault_injection": {},  # nothing armed: a test injects faults into the transport
                     **(extra or {}),
                 }
             )
@@ -604,7 +605,7 @@ def _connector_config(extra: dict, model: Path | None = None, backend: str | Non
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvbridge.testing.tiny_model import build_tiny_llama
+    from kvbridge_tools.harness.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 

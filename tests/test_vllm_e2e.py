@@ -4,7 +4,7 @@ connector. The core greedy-equality cases run over NIXL (UCX) and over kvbridge'
 transport as well, on smaller deployments (one prefill, one decode) that share the colocated server.
 
 Every server, the proxy and the test's client are on hosts of their own (network namespaces,
-`kvbridge.testing.hosts`); every kvbridge listener is on its host's routable address, and the secret
+`kvbridge_tools.harness.hosts`); every kvbridge listener is on its host's routable address, and the secret
 is required: side-channel frames are authenticated, Mooncake's and NIXL's listeners admit only hosts
 that proved it (`kvbridge.netguard`), the `tcp` transport authenticates every connection.
 
@@ -33,9 +33,9 @@ httpx = pytest.importorskip("httpx")
 
 from kvbridge.session.timeline import HEADER as TIMING_HEADER  # noqa: E402
 from kvbridge.session.timeline import parse as parse_timeline  # noqa: E402
-from kvbridge.testing.hosts import Hosts  # noqa: E402
-from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
-from kvbridge.testing.vllm_server import (  # noqa: E402
+from kvbridge_tools.harness.hosts import Hosts  # noqa: E402
+from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
+from kvbridge_tools.harness.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
     Completions,
     Server,

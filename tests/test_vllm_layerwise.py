@@ -27,7 +27,7 @@ from kvbridge.control.messages import STREAM_FIRST_VERSION  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.session.stream import LayerwiseMeta, StreamStart  # noqa: E402
 from kvbridge.session.tasks import StreamTask  # noqa: E402
-from kvbridge.testing.ports import free_port  # noqa: E402
+from kvbridge_tools.harness.ports import free_port  # noqa: E402
 
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 

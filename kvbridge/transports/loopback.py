@@ -1,15 +1,14 @@
-"""In-process transport with fault injection, for testing the paths that real transports rarely take.
+"""In-process transport, for testing the paths that real transports rarely take.
 
 Peers are other `LoopbackBackend` instances of the same process, found by address. Bytes move
-with `ctypes.memmove`. Faults are armed with `inject()` and `die()`.
+with `ctypes.memmove`. `die()` makes one vanish as a crashed process would; transfer faults come from
+the one injector, `kvbridge.faults` (`create_backend("loopback", fault_injection={})`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import threading
-import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -18,22 +17,13 @@ from typing import Any
 import attrs
 
 from kvbridge.backend import MigrationBackend, Op, Peer
-from kvbridge.errors import PeerGone, TransferFailed
+from kvbridge.errors import PeerGone
 from kvbridge.memory import Descriptors
 from kvbridge.options import TransportOptions, option
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
 _endpoints: weakref.WeakValueDictionary[str, LoopbackBackend] = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
-
-
-@attrs.define
-class Faults:
-    """Armed faults: counts are consumed one per submission."""
-
-    fail_submit: int = 0
-    fail_completion: int = 0
-    delay: float = 0.0
 
 
 @attrs.frozen
@@ -60,18 +50,8 @@ class LoopbackBackend(MigrationBackend):
         max_batch = self.options.max_batch
         if max_batch is not None:
             self.capabilities = attrs.evolve(self.capabilities, max_batch=max_batch)  # type: ignore[misc]
-        self.faults = Faults()
-        self.submissions = 0
-        self._fault_lock = threading.Lock()
         self._addr = f"loopback-{next(_ids)}"
         _endpoints[self._addr] = self
-
-    def inject(self, *, fail_submit: int = 0, fail_completion: int = 0, delay: float = 0.0) -> None:
-        """Fail the next `fail_submit` submissions at once, the next `fail_completion` on completion.
-
-        Also delay every completion by `delay` seconds."""
-        with self._fault_lock:
-            self.faults = Faults(fail_submit, fail_completion, delay)
 
     def die(self) -> None:
         """Vanish as a crashed process would: peers' transfers fail with PeerGone."""
@@ -96,24 +76,9 @@ class LoopbackBackend(MigrationBackend):
         return endpoint.address
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
-        with self._fault_lock:
-            self.submissions += 1
-            fail_submit = self.faults.fail_submit > 0
-            fail_completion = not fail_submit and self.faults.fail_completion > 0
-            if fail_submit:
-                self.faults.fail_submit -= 1
-            if fail_completion:
-                self.faults.fail_completion -= 1
-            delay = self.faults.delay
-        if fail_submit:
-            raise TransferFailed(f"injected submit failure towards {peer.name}", peer=peer.name, cause="injected")
-        return self._spawn(lambda: self._move(peer, desc, op, delay, fail_completion))
+        return self._spawn(lambda: self._move(peer, desc, op))
 
-    def _move(self, peer: Peer, desc: Descriptors, op: Op, delay: float, fail: bool) -> None:
-        if delay:
-            time.sleep(delay)
-        if fail:
-            raise TransferFailed(f"injected completion failure towards {peer.name}", peer=peer.name, cause="injected")
+    def _move(self, peer: Peer, desc: Descriptors, op: Op) -> None:
         remote = _endpoints.get(peer.handle)
         if remote is None:
             raise PeerGone(f"loopback peer {peer.name} died during the transfer", peer=peer.name, cause="peer gone")

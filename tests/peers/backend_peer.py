@@ -1,4 +1,4 @@
-"""A process holding one buffer behind a kvbridge transport; driven by tests through kvbridge.proc."""
+"""A process holding one buffer behind a kvbridge transport; driven by tests through kvbridge_tools.harness.proc."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import kvbridge
-from kvbridge.proc import serve
+from kvbridge_tools.harness.proc import serve
 
 state: dict[str, Any] = {}
 

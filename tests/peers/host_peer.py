@@ -1,9 +1,10 @@
-"""One engine's worth of kvbridge on a namespace host, or a stranger beside it; driven through kvbridge.proc.
+"""One engine's worth of kvbridge on a namespace host, or a stranger beside it.
 
-`serve` puts a patterned buffer behind a transport and a side channel, as a prefill rank does; `pull`
-is a decode that authenticates on that side channel and reads the buffer; the `stranger_*` calls are
-someone on another host holding no secret who knows the endpoint (an observer saw it on the wire) and
-uses the transport's own library directly, or plain sockets.
+Driven through `kvbridge_tools.harness.proc`. `serve` puts a patterned buffer behind a transport and a
+side channel, as a prefill rank does; `pull` is a decode that authenticates on that side channel and
+reads the buffer; the `stranger_*` calls are someone on another host holding no secret who knows the
+endpoint (an observer saw it on the wire) and uses the transport's own library directly, or plain
+sockets.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from kvbridge import wire
 from kvbridge.control import ControlClient, ControlServer
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS
-from kvbridge.proc import serve
 from kvbridge.topology import ParallelConfig
 from kvbridge.types import EndpointInfo
+from kvbridge_tools.harness.proc import serve
 
 state: dict[str, Any] = {}
 

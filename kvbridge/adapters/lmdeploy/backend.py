@@ -130,6 +130,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                         hostname=s.hostname,
                         metadata_server=s.metadata_server,
                         device_name=s.device_for(rank),
+                        fault_injection=s.fault_injection,
                         **auth,
                     )
                 except ConfigError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -68,6 +69,8 @@ class AdapterSettings:
       its signature holds.
     - `insecure`: trust the network (`KVBRIDGE_LMDEPLOY_INSECURE=1`): no secret needed on a routable
       hostname, and a transport that authenticates nobody (Mooncake) accepts any host.
+    - `fault_injection`: TESTING ONLY, never from the environment: the transports wrapped in
+      `kvbridge.faults.FaultyBackend` with these rates (`{}`: none, for a test to `inject`).
     """
 
     transport: str = "mooncake"
@@ -80,6 +83,7 @@ class AdapterSettings:
     async_migration: bool = False
     secret: bytes | None = attrs.field(default=None, repr=False)
     insecure: bool = False
+    fault_injection: Mapping[str, Any] | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> AdapterSettings:

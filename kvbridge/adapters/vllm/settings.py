@@ -19,7 +19,9 @@ DEFAULT_SIDE_CHANNEL_PORT = 5800
 STREAM_IDLE_WAIT_MS = 20.0
 WATCHED_STREAM_IDLE_WAIT_MS = 100.0
 # transport settings the connector derives from its own keys; `backend_options` may not override them
-_CONNECTOR_SET = frozenset({"protocol", "hostname", "host", "metadata_server", "secret", "insecure", "device_name"})
+_CONNECTOR_SET = frozenset(
+    {"protocol", "hostname", "host", "metadata_server", "secret", "insecure", "device_name", "fault_injection"}
+)
 
 
 def _finite(low: float, high: float, *, above: bool = False) -> Any:
@@ -91,7 +93,8 @@ class Settings:
       transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.
     - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
       "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
-      transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.chaos.inject`).
+      transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.faults`); `{}` wraps the
+      transport with nothing armed, for a test to `inject` faults.
     """
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)
@@ -140,12 +143,13 @@ class Settings:
         """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them.
 
         `tcp` authenticates its peers with them; Mooncake and NIXL, which authenticate nobody, are guarded with them
-        (`kvbridge.netguard`, docs/security.md)."""
+        (`kvbridge.netguard`, docs/security.md). `fault_injection` where it is set."""
         from kvbridge.plugins import registry
 
         declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}
         auth = {k: v for k, v in {"secret": self.secret, "insecure": self.insecure}.items() if k in declared}
-        return {**self.backend_options, **auth}
+        faults = {} if self.fault_injection is None else {"fault_injection": self.fault_injection}
+        return {**self.backend_options, **auth, **faults}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> Settings:

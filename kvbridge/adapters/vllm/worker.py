@@ -177,10 +177,6 @@ class WorkerSide:
             landing=byte_views(kv_caches, layout=self.kv_layout),
             **s.transport_options(),
         )
-        if s.fault_injection:
-            from kvbridge.chaos.inject import install
-
-            install(self.agent.backend, s.fault_injection)
         # One side-channel message waits at most CONTROL_TIMEOUT_S for its answer (a healthy peer answers in
         # milliseconds; one sent to a prefill that was then killed is never answered); waiting for a peer to be
         # ready or for its offer is bounded by pull_timeout_s.

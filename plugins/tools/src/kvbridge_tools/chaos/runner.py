@@ -1,0 +1,243 @@
+"""Play requests through the proxy with faults, compare each answer with the colocated server's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+
+from kvbridge.session import timeline
+from kvbridge_tools.chaos.deployment import Deployment
+from kvbridge_tools.chaos.faults import schedule
+from kvbridge_tools.chaos.network import NetworkFaults
+from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report
+from kvbridge_tools.harness.tiny_model import random_prompt
+
+log = logging.getLogger(__name__)
+HANDOVER_PHASES = ("control_ms", "transfer_ms", "done_ms")  # what the issue calls the handover
+
+
+@attrs.frozen
+class Plan:
+    requests: int
+    concurrency: int
+    faults: list[str]
+    max_tokens: int = 16
+    hang_s: float = 180.0
+    idle_gaps: int = 3
+    gap_range: tuple[float, float] = (5.0, 90.0)
+    seed: int = 0
+
+
+def lengths(plan: Plan, max_model_len: int) -> list[int]:
+    """From a few tokens to near max_model_len, spread log-uniformly (short prompts are the common case)."""
+    rng = random.Random(plan.seed)
+    top = max_model_len - plan.max_tokens - 2
+    return [max(1, min(top, int(2 ** rng.uniform(1, (top).bit_length())))) for _ in range(plan.requests)]
+
+
+class Runner:
+    def __init__(
+        self,
+        dep: Deployment,
+        plan: Plan,
+        progress: Callable[[int], None] = lambda _n: None,
+        network: NetworkFaults | None = None,
+    ) -> None:
+        import httpx
+
+        self.dep, self.plan, self.progress, self.network = dep, plan, progress, network
+        self.http = httpx.Client(timeout=httpx.Timeout(plan.hang_s, connect=10), trust_env=False)
+        self.model = str(dep.model)
+        self.injected: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _count(self, fault: str) -> None:
+        with self._lock:
+            self.injected[fault] = self.injected.get(fault, 0) + 1
+
+    def body(self, text: str, stream: bool) -> dict:
+        return {
+            "model": self.model,
+            "prompt": text,
+            "max_tokens": self.plan.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+
+    def expected(self, texts: list[str]) -> list[str]:
+        assert self.dep.colocated is not None
+        url = f"{self.dep.colocated.url}/v1/completions"
+
+        def one(text: str) -> str:
+            r = self.http.post(url, json=self.body(text, False))
+            r.raise_for_status()
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(self.plan.concurrency) as pool:
+            return list(pool.map(one, texts))
+
+    def one(self, i: int, text: str, want: str, fault: str) -> Outcome:
+        import httpx
+
+        assert self.dep.proxy is not None
+        url = f"{self.dep.proxy.url}/v1/completions"
+        t0 = time.monotonic()
+        ttft = None
+        n = len(text)
+        if fault == "abort":
+            try:  # gives up well before the first token could come
+                self.http.post(url, json=self.body(text, True), timeout=httpx.Timeout(0.05, connect=10))
+            except httpx.TimeoutException:
+                pass
+            self._count(fault)
+            return Outcome(i, DROPPED, fault, prompt_tokens=n)
+        if not fault and i % 2:
+            # Every other clean request is answered whole: only such an answer carries the decode's pull
+            # phases (a stream's headers leave before the pull is reported), so these measure the handover.
+            return self.whole(i, text, want, url)
+        if fault == "kill-prefill":
+            victim = random.Random(i).choice(self.dep.prefill)
+            threading.Timer(0.05, lambda: self.dep.kill_and_restart(victim) and self._count(fault)).start()
+        chunks: list[str] = []
+        try:
+            # One id through proxy and servers, so a request the report names can be found in their logs.
+            headers = {"X-Request-Id": f"chaos-{self.plan.seed}-{i}"}
+            with self.http.stream("POST", url, json=self.body(text, True), headers=headers) as r:
+                served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
+                if r.status_code != 200:
+                    reason = r.read().decode(errors="replace").strip()
+                    return Outcome(i, FAILED if reason else UNCLEAR, fault, r.status_code, reason, prompt_tokens=n)
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        break
+                    if not line.startswith("data: "):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        reason = json.dumps(event["error"])[:300]
+                        return Outcome(i, FAILED, fault, 200, reason, ttft, n)
+                    if ttft is None:
+                        ttft = time.monotonic() - t0
+                        if fault == "disconnect":
+                            self._count(fault)
+                            return Outcome(i, DROPPED, fault, ttft_s=ttft, prompt_tokens=n)
+                        if fault == "kill-decode":
+                            victim = self.dep.by_url(r.headers.get("x-kvbridge-decode", ""))
+                            if victim is not None and self.dep.kill_and_restart(victim):
+                                self._count(fault)
+                    chunks.append(event["choices"][0]["text"])
+                else:
+                    return Outcome(i, FAILED, fault, 200, "stream ended without [DONE]", ttft, n)
+        except httpx.TimeoutException as exc:
+            return Outcome(i, HUNG, fault, None, f"no answer within {self.plan.hang_s}s: {exc!r}", ttft, n)
+        except httpx.HTTPError as exc:
+            return Outcome(i, FAILED, fault, None, f"connection lost: {exc!r}", ttft, n)
+        got = "".join(chunks)
+        return Outcome(
+            i,
+            MATCHED if got == want else DIFFERENT,
+            fault,
+            200,
+            ""
+            if got == want
+            else f"{headers['X-Request-Id']} ({served}, {fault or 'no fault'}): got {got!r}, colocated {want!r}",
+            ttft,
+            n,
+        )
+
+    def whole(self, i: int, text: str, want: str, url: str) -> Outcome:
+        """A non-streamed request: its answer, and its handover from the `x-kvbridge-timing` header."""
+        import httpx
+
+        n = len(text)
+        request_id = f"chaos-{self.plan.seed}-{i}"
+        try:
+            r = self.http.post(url, json=self.body(text, False), headers={"X-Request-Id": request_id})
+        except httpx.TimeoutException as exc:
+            return Outcome(i, HUNG, "", None, f"no answer within {self.plan.hang_s}s: {exc!r}", prompt_tokens=n)
+        except httpx.HTTPError as exc:
+            return Outcome(i, FAILED, "", None, f"connection lost: {exc!r}", prompt_tokens=n)
+        if r.status_code != 200:
+            reason = r.text.strip()
+            return Outcome(i, FAILED if reason else UNCLEAR, "", r.status_code, reason, prompt_tokens=n)
+        handover = None
+        with contextlib.suppress(ValueError):
+            phases = timeline.parse(r.headers.get(timeline.HEADER, "")).phases
+            if any(p in phases for p in HANDOVER_PHASES):
+                handover = sum(phases.get(p, 0.0) for p in HANDOVER_PHASES) / 1e3
+        try:
+            got = r.json()["choices"][0]["text"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            return Outcome(i, FAILED, "", 200, f"unusable answer: {r.text[:200]}", prompt_tokens=n, handover_s=handover)
+        served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
+        reason = "" if got == want else f"{request_id} ({served}, whole answer): got {got!r}, colocated {want!r}"
+        kind = MATCHED if got == want else DIFFERENT
+        return Outcome(i, kind, "", 200, reason, prompt_tokens=n, handover_s=handover)
+
+    def run(self) -> Report:
+        plan, dep = self.plan, self.dep
+        t0 = time.monotonic()
+        texts = [random_prompt(n, plan.seed * 100_003 + i) for i, n in enumerate(lengths(plan, dep.max_model_len))]
+        wants = self.expected(texts)
+        faults = schedule(plan.faults, plan.requests, seed=plan.seed)
+        rng = random.Random(plan.seed + 1)
+        gaps_at = set()
+        if "idle-gap" in plan.faults and plan.idle_gaps:
+            gaps_at = {plan.requests * (k + 1) // (plan.idle_gaps + 1) for k in range(plan.idle_gaps)}
+        outcomes: list[Outcome] = []
+        if self.network is not None:
+            self.network.start()
+        with contextlib.ExitStack() as stack, ThreadPoolExecutor(plan.concurrency) as pool:
+            if self.network is not None:
+                stack.callback(self.network.stop)  # healed before the drain, also when a request raised
+            pending = []
+            for i, text in enumerate(texts):
+                if i in gaps_at:  # drain, then leave the engines idle: the gap is the fault
+                    outcomes += [f.result() for f in pending]
+                    pending = []
+                    gap = rng.uniform(*plan.gap_range)
+                    log.info("chaos: idle gap of %.1fs before request %d", gap, i)
+                    time.sleep(gap)
+                    self._count("idle-gap")
+                pending.append(pool.submit(self.one, i, text, wants[i], faults.get(i, "")))
+                pending[-1].add_done_callback(lambda _f: self.progress(1))
+                if len(pending) > plan.concurrency * 4:  # bounded queue: the gaps then fall where planned
+                    outcomes.append(pending.pop(0).result())
+            outcomes += [f.result() for f in pending]
+        injected = dict(self.injected)
+        if self.network is not None:
+            injected.update(self.network.counts())
+        report = Report(outcomes=sorted(outcomes, key=lambda o: o.index), faults_injected=injected)
+        if self.network is not None:
+            report.network = self.network.as_dict()
+        self.drain(report)
+        report.elapsed_s = time.monotonic() - t0
+        return report
+
+    def drain(self, report: Report) -> None:
+        """Wait (bounded) for restarts and leases to settle, then read what every server still holds."""
+        dep = self.dep
+        deadline = time.monotonic() + dep.lease_s + 120
+        while dep.restarting() and time.monotonic() < deadline:
+            time.sleep(1)  # a restarted server reports only once it is up
+        held: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            held = {s.url: dep.blocks_in_use(s) for s in dep.servers()}
+            if not any(held.values()):
+                break
+            time.sleep(1)
+        report.blocks_held = held
+        report.restarts = dep.restarts
+        for path in dep.log_files():
+            report.leases_expired += path.read_text(errors="replace").count(" expired with ")
+        report.retries = int(dep.counter("kvbridge_transfer_retries_total"))
+        report.pulls_failed = int(dep.counter("kvbridge_transfer_failures_total"))

@@ -1,0 +1,1 @@
+"""The `kvbridge` subcommands kvbridge-tools adds (entry-point group ``kvbridge.commands``)."""

