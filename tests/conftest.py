@@ -49,3 +49,20 @@ def hosts_factory() -> Iterator[Callable[..., Hosts]]:
 def module_hosts_factory() -> Iterator[Callable[..., Hosts]]:
     """`hosts_factory` whose hosts live for the whole module (shared servers)."""
     yield from _hosts_factory()
+
+
+# A real redis and a real etcd for the tests of one module that use them (registry records, membership).
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from control_helpers import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from control_helpers import etcd_server
+
+    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
+        yield url

@@ -31,18 +31,6 @@ from kvbridge_tools.harness.proc import Child
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
-        yield url
-
-
 @pytest.fixture(params=["redis", "etcd"])
 def registry(request: pytest.FixtureRequest) -> Iterator[DiscoveryRegistry]:
     url = request.getfixturevalue(f"{request.param}_url")

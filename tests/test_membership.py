@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from control_helpers import etcd_server, redis_server, wait_for
+from control_helpers import wait_for
 from test_proxy_routing import Serving, Upstream
 
 from kvbridge.adapters.vllm import proxy
@@ -24,18 +24,6 @@ from kvbridge.errors import ConfigError
 
 SECRET = secrets.token_hex(16)
 OTHER = secrets.token_hex(16)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
-        yield url
 
 
 @pytest.fixture(params=["redis", "etcd"])
