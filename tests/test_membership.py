@@ -16,11 +16,11 @@ import pytest
 from control_helpers import wait_for
 from test_proxy_routing import Serving, Upstream
 
-from kvbridge.adapters.vllm import proxy
 from kvbridge.control import RankRecord, open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.membership import Announcer, StaticMembers, open_members
 from kvbridge.errors import ConfigError
+from kvbridge_proxy import app as proxy
 
 SECRET = secrets.token_hex(16)
 OTHER = secrets.token_hex(16)

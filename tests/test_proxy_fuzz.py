@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.adapters.vllm import proxy
+from kvbridge_proxy import app as proxy
 from kvbridge_tools.harness.ports import free_port
 
 FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -59,7 +59,7 @@ class Proxy:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Proxy]:
     p = Proxy()
-    logger = logging.getLogger("kvbridge.adapters.vllm.proxy")
+    logger = logging.getLogger("kvbridge_proxy.app")
     logger.addHandler(p.warnings)
     mp = pytest.MonkeyPatch()
     mp.setattr(proxy, "MAX_BODY_BYTES", LIMIT)
@@ -169,7 +169,7 @@ def test_fuzz_oversized_bodies(served: Proxy, extra: int) -> None:
 
 def test_replayed_and_concurrent_bad_requests_leave_the_proxy_serving_without_growth(served: Proxy) -> None:
     bad = [b"{", b"[]", b'{"kv_transfer_params": {"remote_host": "10.0.0.9"}}', b"\xff" * 64, b"x" * (LIMIT + 1)]
-    logger = logging.getLogger("kvbridge.adapters.vllm.proxy")
+    logger = logging.getLogger("kvbridge_proxy.app")
     # pytest would keep every record: only count them here.
     handlers, propagate, logger.handlers, logger.propagate = logger.handlers, logger.propagate, [served.warnings], False
 

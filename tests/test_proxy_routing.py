@@ -21,9 +21,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
-from kvbridge.adapters.vllm import proxy
-from kvbridge.adapters.vllm.proxy import SLOW_PROBES
 from kvbridge.control.params import KVTransferParams
+from kvbridge_proxy import app as proxy
+from kvbridge_proxy.app import SLOW_PROBES
 from kvbridge_tools.harness.ports import free_port
 
 # These tests read which server answered: answers name servers by URL only with expose_internals.
@@ -280,7 +280,7 @@ def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCapture
     for r, rid in ((r503, "a"), (r400, "b")):
         t = parse(r.headers[HEADER])
         assert t.request_id == rid and t.phases == {} and t.total_ms >= 0
-    caplog.set_level("INFO", logger="kvbridge.adapters.vllm.proxy")
+    caplog.set_level("INFO", logger="kvbridge_proxy.app")
     with (
         Upstream("prefill", slow_complete_s=2.0) as prefill,
         Upstream("decode") as decode,
@@ -416,7 +416,7 @@ def test_only_decode_slow_to_accept_is_tried_again_then_a_503_that_says_so(
     upstreams: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture
 ) -> None:
     prefill, _ = upstreams
-    with Unaccepting() as busy, caplog.at_level("WARNING", logger="kvbridge.adapters.vllm.proxy"):
+    with Unaccepting() as busy, caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
         (r,), state = _session(
             create_app([prefill.url], [busy.url], connect_timeout=0.3), [{"model": "m", "prompt": "p"}]
         )
@@ -435,7 +435,7 @@ def test_health_checks_go_on_when_the_http_stack_raises_what_it_should_not(
     prefill, decode = upstreams
     broken = "http://127.0.0.1:12 34"
     with (
-        caplog.at_level("WARNING", logger="kvbridge.adapters.vllm.proxy"),
+        caplog.at_level("WARNING", logger="kvbridge_proxy.app"),
         Serving(create_app([prefill.url], [broken, decode.url], health_interval=0.01, warm_up=False)) as front,
     ):
         seen = decode.health_calls

@@ -1,8 +1,8 @@
 """`kvbridge` command line: one module per subcommand, each with `add_parser` and `run`.
 
 The library's own subcommands live here; other distributions add theirs through the entry-point group
-``kvbridge.commands`` (name = module). kvbridge-tools adds `bench`, `chaos` and `trace`: without it they
-exit 2 and say what to install.
+``kvbridge.commands`` (name = module). kvbridge-proxy adds `proxy`; kvbridge-tools adds `bench`, `chaos` and
+`trace`: without them they exit 2 and say what to install.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from kvbridge.nativelog import quiet_native_logs
 log = logging.getLogger(__name__)
 
 # Each module defines add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = ["plugins", "doctor", "plan", "proxy"]
+SUBCOMMANDS = ["plugins", "doctor", "plan"]
 COMMANDS_GROUP = "kvbridge.commands"
-# What kvbridge-tools adds: named here so that, without it, they say what to install.
-TOOLS = {
-    "bench": "verified prefill->decode migration benchmark",
-    "chaos": "faults against a real prefill/decode deployment",
-    "trace": "send requests through kvbridge proxy and show where each spent its time",
+# What other distributions of this repository add, and which: named here so that, without it, they say what
+# to install.
+ELSEWHERE = {
+    "proxy": ("serve an OpenAI-compatible proxy in front of prefill and decode servers", "kvbridge-proxy"),
+    "bench": ("verified prefill->decode migration benchmark", "kvbridge-tools"),
+    "chaos": ("faults against a real prefill/decode deployment", "kvbridge-tools"),
+    "trace": ("send requests through kvbridge proxy and show where each spent its time", "kvbridge-tools"),
 }
-TOOLS_HINT = "pip install kvbridge-tools (scripts/setup installs it)"
 
 EPILOG = """\
 Start with `kvbridge plugins` to see which transports and devices are installed, then
@@ -68,11 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_parser(sub)
         added.add(ep.name)
     for name in sorted(broken):
-        _unavailable(sub, name, TOOLS.get(name, "a plugin's subcommand"), broken[name])
-    for name, summary in TOOLS.items():
+        _unavailable(sub, name, ELSEWHERE.get(name, ("a plugin's subcommand",))[0], broken[name])
+    for name, (summary, dist) in ELSEWHERE.items():
         if name not in added and name not in broken:
-            why = f"`kvbridge {name}` comes with kvbridge-tools, which is not installed: {TOOLS_HINT}"
-            _unavailable(sub, name, f"{summary} (needs kvbridge-tools)", why)
+            why = (
+                f"`kvbridge {name}` comes with {dist}, which is not installed: pip install {dist} (scripts/setup does)"
+            )
+            _unavailable(sub, name, f"{summary} (needs {dist})", why)
     return parser
 
 

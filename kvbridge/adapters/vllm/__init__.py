@@ -1,4 +1,4 @@
-"""kvbridge for vLLM: `KVBridgeConnector` (a `KVConnectorBase_V1`), its plugin registration, and `kvbridge proxy`.
+"""kvbridge for vLLM: `KVBridgeConnector` (a `KVConnectorBase_V1`) and its plugin registration.
 
 vLLM loads `register` through the `vllm.general_plugins` entry point in every process it starts, so
 `--kv-transfer-config '{"kv_connector": "KVBridgeConnector", ...}'` needs no module path. Nothing

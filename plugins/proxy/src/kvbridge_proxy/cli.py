@@ -95,7 +95,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvbridge.adapters.vllm.proxy import create_app
+    from kvbridge_proxy.app import create_app
 
     app = create_app(
         args.prefill,

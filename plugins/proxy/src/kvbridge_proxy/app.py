@@ -55,7 +55,6 @@ import prometheus_client as prom
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvbridge.adapters.vllm import fanout
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.membership import StaticMembers, open_members
@@ -63,6 +62,7 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.secret import load_secret
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
+from kvbridge_proxy import fanout
 
 log = logging.getLogger(__name__)
 
