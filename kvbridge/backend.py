@@ -388,6 +388,43 @@ class MigrationBackend(abc.ABC):
             raise ConfigError(f"backend {self.name!r} is closed; create a new one")
 
 
+class WrappingBackend(MigrationBackend):
+    """A transport that adds to another (`backend`, which it owns): every hook of the contract goes to it.
+
+    Subclasses override what they add (a device's synchronization in `kvbridge.staging`, faults in
+    `kvbridge.faults`); what peers see (the endpoint, the registered memory) stays the wrapped transport's.
+    """
+
+    def __init__(
+        self, backend: MigrationBackend, capabilities: BackendCapabilities, options: TransportOptions | None = None
+    ) -> None:
+        self.backend = backend
+        self.name = backend.name  # type: ignore[misc]
+        self.capabilities = capabilities  # type: ignore[misc]
+        super().__init__(attrs.evolve(backend.config, protocol=backend.protocol), options)
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        self.backend.register_memory(list(regions))
+
+    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self.backend.unregister_memory(list(regions))
+
+    def _address(self) -> str:
+        return self.backend.endpoint().address
+
+    def endpoint(self) -> EndpointInfo:
+        return self.backend.endpoint()  # the transport's own (a token it publishes included)
+
+    def _connect(self, endpoint: EndpointInfo) -> Any:
+        return self.backend.connect(endpoint)
+
+    def _disconnect(self, peer: Peer) -> None:
+        self.backend.disconnect(peer.handle)
+
+    def _shutdown(self) -> None:
+        self.backend.close()
+
+
 @attrs.define(eq=False)
 class _Alarm:
     fn: Callable[[], None]

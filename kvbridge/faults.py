@@ -21,16 +21,15 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
 import attrs
 
-from kvbridge.backend import MigrationBackend, Op, Peer
+from kvbridge.backend import MigrationBackend, Op, Peer, WrappingBackend
 from kvbridge.errors import ConfigError, TransferFailed
 from kvbridge.memory import Descriptors
-from kvbridge.types import EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
 
@@ -78,16 +77,13 @@ class _Counted:
     delay: float = 0.0
 
 
-class FaultyBackend(MigrationBackend):
+class FaultyBackend(WrappingBackend):
     """A transport with faults injected into its submissions (see the module doc)."""
 
     def __init__(self, backend: MigrationBackend, rates: FaultRates | None = None) -> None:
-        self.backend = backend
-        self.name = backend.name  # type: ignore[misc]
         # The wrapper merges, cuts and batches as the transport asks, then submits each batch to it as is.
-        self.capabilities = backend.capabilities  # type: ignore[misc]
+        super().__init__(backend, backend.capabilities)
         self.transfer_deadline_s = backend.transfer_deadline_s
-        super().__init__(attrs.evolve(backend.config, protocol=backend.protocol))
         self.rates = rates or FaultRates()
         self.submissions = 0
         self._counted = _Counted()
@@ -114,28 +110,7 @@ class FaultyBackend(MigrationBackend):
             if rates is not None:
                 self.rates, self._rng = rates, random.Random(rates.seed)
 
-    # -- the contract's hooks, on the wrapped transport ----------------------------------------
-
-    def _register(self, regions: Sequence[MemoryRegion]) -> None:
-        self.backend.register_memory(list(regions))
-
-    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
-        self.backend.unregister_memory(list(regions))
-
-    def _address(self) -> str:
-        return self.backend.endpoint().address
-
-    def endpoint(self) -> EndpointInfo:
-        return self.backend.endpoint()  # the transport's own (a token it publishes included)
-
-    def _connect(self, endpoint: EndpointInfo) -> Any:
-        return self.backend.connect(endpoint)
-
-    def _disconnect(self, peer: Peer) -> None:
-        self.backend.disconnect(peer.handle)
-
-    def _shutdown(self) -> None:
-        self.backend.close()
+    # -- the faults, before the wrapped transport's submission ----------------------------------
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         with self._faults_lock:

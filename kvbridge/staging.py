@@ -38,11 +38,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.backend import MigrationBackend, Op, Peer, TransferHandle
+from kvbridge.backend import MigrationBackend, Op, Peer, TransferHandle, WrappingBackend
 from kvbridge.device import Device
 from kvbridge.errors import ConfigError
 from kvbridge.memory import Descriptors, FactoredDescriptors, RegionIndex, as_regions, is_tensor_like, merge_runs
-from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
+from kvbridge.types import MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def transport(backend: MigrationBackend) -> MigrationBackend:
     return backend.backend if isinstance(backend, DeviceBackend) else backend
 
 
-class DeviceBackend(MigrationBackend):
+class DeviceBackend(WrappingBackend):
     """A transport that reaches a device's memory directly, with the device's synchronization around it.
 
     It honours `MigrationBackend` by delegating the transport's work to the backend it wraps (which
@@ -96,19 +96,17 @@ class DeviceBackend(MigrationBackend):
     """
 
     def __init__(self, backend: MigrationBackend, device: Device) -> None:
-        self.backend = backend
         self.device = device
-        self.name = backend.name  # type: ignore[misc]
         # Merging, cutting and batching are the inner transport's: the wrapper hands it one call.
-        self.capabilities = attrs.evolve(  # type: ignore[misc]
+        capabilities = attrs.evolve(
             backend.capabilities,
             memory_kinds=backend.capabilities.memory_kinds | {device.memory_kind},
             max_batch=None,
             max_descriptor_bytes=None,
         )
-        super().__init__(attrs.evolve(backend.config, protocol=backend.protocol), backend.options)
+        super().__init__(backend, capabilities, backend.options)
 
-    # -- the contract's hooks, on the inner transport ------------------------------------------
+    # -- what the device adds to the inner transport's hooks -------------------------------------
 
     def _regions(self, x: Any) -> list[MemoryRegion]:
         if is_tensor_like(x) or isinstance(x, np.ndarray):
@@ -126,27 +124,6 @@ class DeviceBackend(MigrationBackend):
             f"register {self.device.name} memory as the tensor itself or as device.region(addr, length, device_id) "
             f"(got {type(x).__name__}): an address alone does not say which device it is on"
         )
-
-    def _register(self, regions: Sequence[MemoryRegion]) -> None:
-        self.backend.register_memory(list(regions))
-
-    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
-        self.backend.unregister_memory(list(regions))
-
-    def _address(self) -> str:
-        return self.backend.endpoint().address
-
-    def endpoint(self) -> EndpointInfo:
-        return self.backend.endpoint()  # what the transport registered is what peers address
-
-    def _connect(self, endpoint: EndpointInfo) -> Any:
-        return self.backend.connect(endpoint)
-
-    def _disconnect(self, peer: Peer) -> None:
-        self.backend.disconnect(peer.handle)
-
-    def _shutdown(self) -> None:
-        self.backend.close()
 
     def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
         # Checked once, by this wrapper's `transfer`; the transport cuts and batches (no second merge or check).
