@@ -1,8 +1,8 @@
 """`kvbridge` command line: one module per subcommand, each with `add_parser` and `run`.
 
 The library's own subcommands live here; other distributions add theirs through the entry-point group
-``kvbridge.commands`` (name = module). kvbridge-proxy adds `proxy`; kvbridge-tools adds `bench`, `chaos` and
-`trace`: without them they exit 2 and say what to install.
+``kvbridge.commands`` (name = module). kvbridge-proxy adds `proxy`; kvbridge-tools adds `bench`, `chaos`,
+`trace` and `plan`: without them they exit 2 and say what to install.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvbridge.nativelog import quiet_native_logs
 log = logging.getLogger(__name__)
 
 # Each module defines add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = ["plugins", "doctor", "plan"]
+SUBCOMMANDS = ["plugins", "doctor"]
 COMMANDS_GROUP = "kvbridge.commands"
 # What other distributions of this repository add, and which: named here so that, without it, they say what
 # to install.
@@ -32,6 +32,7 @@ ELSEWHERE = {
     "bench": ("verified prefill->decode migration benchmark", "kvbridge-tools"),
     "chaos": ("faults against a real prefill/decode deployment", "kvbridge-tools"),
     "trace": ("send requests through kvbridge proxy and show where each spent its time", "kvbridge-tools"),
+    "plan": ("which decode rank pulls which heads and blocks from which prefill rank", "kvbridge-tools"),
 }
 
 EPILOG = """\
