@@ -183,8 +183,8 @@ def _measure(
 
     def child(name: str) -> Child:
         if where is None:
-            return Child("kvbridge_tools.bench.pair_worker", name=name)
-        return Child("kvbridge_tools.bench.pair_worker", name=name, prefix=where.prefix[name], env=where.env)
+            return Child("kvbridge_tools.bench.pair_rank", name=name)
+        return Child("kvbridge_tools.bench.pair_rank", name=name, prefix=where.prefix[name], env=where.env)
 
     # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child (harness.nativelog).
     prefill = child("prefill")

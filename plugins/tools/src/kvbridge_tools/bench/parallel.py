@@ -17,7 +17,7 @@ from kvbridge.cli.output import console, print_json, print_table
 from kvbridge.errors import ConfigError
 from kvbridge.presets import get_preset
 from kvbridge.topology import ParallelConfig, plan
-from kvbridge_tools.bench.parallel_side import LAYOUTS
+from kvbridge_tools.bench.parallel_rank import LAYOUTS
 from kvbridge_tools.harness.proc import Child
 
 DEFAULT_TOKENS = 2500
@@ -37,9 +37,9 @@ class ParallelBench:
     """A prefill and a decode child process, reused across cases."""
 
     def __init__(self) -> None:
-        self.prefill = Child("kvbridge_tools.bench.parallel_side", name="bench-prefill")
+        self.prefill = Child("kvbridge_tools.bench.parallel_rank", name="bench-prefill")
         try:
-            self.decode = Child("kvbridge_tools.bench.parallel_side", name="bench-decode")
+            self.decode = Child("kvbridge_tools.bench.parallel_rank", name="bench-decode")
         except BaseException:
             self.prefill.close()
             raise

@@ -10,7 +10,7 @@ Each request goes through the proxy, whole and one token long, so its `x-kvbridg
 carries the decode's pull phases: decode TTFT is the proxy's decode request to its answer (the pull
 phases and `decode_first_token_ms`), the transfer is the `transfer_ms` phase. The KV bytes it moved
 are the decode server's `kvbridge_transfer_bytes_total` before and after. Right after each request,
-the pair bench's raw transport (`kvbridge_tools.bench.pair_worker`, one descriptor) reads the same number
+the pair bench's raw transport (`kvbridge_tools.bench.pair_rank`, one descriptor) reads the same number
 of bytes between the same two hosts, so each request pairs with a raw read on the same link at the
 same moment; the ratio is the pair bench's paired ratio (raw seconds / transfer seconds).
 """
@@ -156,9 +156,7 @@ class _RawPair:
         self.capacity = blocks * spec.bytes_per_token() * spec.block_size
         self.timeout = float(getattr(args, "timeout", 120.0))
         self.sides = {
-            name: Child(
-                "kvbridge_tools.bench.pair_worker", name=f"raw-{name}", prefix=where.prefix[name], env=where.env
-            )
+            name: Child("kvbridge_tools.bench.pair_rank", name=f"raw-{name}", prefix=where.prefix[name], env=where.env)
             for name in ("prefill", "decode")
         }
         common = dict(

@@ -25,7 +25,9 @@ HANDOVER_PHASES = ("control_ms", "transfer_ms", "done_ms")  # what the issue cal
 
 
 @attrs.frozen
-class Plan:
+class Workload:
+    """What `kvbridge chaos` sends: how many requests, how many at once, which faults, and its seed."""
+
     requests: int
     concurrency: int
     faults: list[str]
@@ -36,25 +38,25 @@ class Plan:
     seed: int = 0
 
 
-def lengths(plan: Plan, max_model_len: int) -> list[int]:
+def lengths(workload: Workload, max_model_len: int) -> list[int]:
     """From a few tokens to near max_model_len, spread log-uniformly (short prompts are the common case)."""
-    rng = random.Random(plan.seed)
-    top = max_model_len - plan.max_tokens - 2
-    return [max(1, min(top, int(2 ** rng.uniform(1, (top).bit_length())))) for _ in range(plan.requests)]
+    rng = random.Random(workload.seed)
+    top = max_model_len - workload.max_tokens - 2
+    return [max(1, min(top, int(2 ** rng.uniform(1, (top).bit_length())))) for _ in range(workload.requests)]
 
 
 class Runner:
     def __init__(
         self,
         dep: Deployment,
-        plan: Plan,
+        workload: Workload,
         progress: Callable[[int], None] = lambda _n: None,
         network: NetworkFaults | None = None,
     ) -> None:
         import httpx
 
-        self.dep, self.plan, self.progress, self.network = dep, plan, progress, network
-        self.http = httpx.Client(timeout=httpx.Timeout(plan.hang_s, connect=10), trust_env=False)
+        self.dep, self.workload, self.progress, self.network = dep, workload, progress, network
+        self.http = httpx.Client(timeout=httpx.Timeout(workload.hang_s, connect=10), trust_env=False)
         self.model = str(dep.model)
         self.injected: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -67,7 +69,7 @@ class Runner:
         return {
             "model": self.model,
             "prompt": text,
-            "max_tokens": self.plan.max_tokens,
+            "max_tokens": self.workload.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": stream,
@@ -82,7 +84,7 @@ class Runner:
             r.raise_for_status()
             return r.json()["choices"][0]["text"]
 
-        with ThreadPoolExecutor(self.plan.concurrency) as pool:
+        with ThreadPoolExecutor(self.workload.concurrency) as pool:
             return list(pool.map(one, texts))
 
     def one(self, i: int, text: str, want: str, fault: str) -> Outcome:
@@ -110,7 +112,7 @@ class Runner:
         chunks: list[str] = []
         try:
             # One id through proxy and servers, so a request the report names can be found in their logs.
-            headers = {"X-Request-Id": f"chaos-{self.plan.seed}-{i}"}
+            headers = {"X-Request-Id": f"chaos-{self.workload.seed}-{i}"}
             with self.http.stream("POST", url, json=self.body(text, True), headers=headers) as r:
                 served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
                 if r.status_code != 200:
@@ -138,7 +140,7 @@ class Runner:
                 else:
                     return Outcome(i, FAILED, fault, 200, "stream ended without [DONE]", ttft, n)
         except httpx.TimeoutException as exc:
-            return Outcome(i, HUNG, fault, None, f"no answer within {self.plan.hang_s}s: {exc!r}", ttft, n)
+            return Outcome(i, HUNG, fault, None, f"no answer within {self.workload.hang_s}s: {exc!r}", ttft, n)
         except httpx.HTTPError as exc:
             return Outcome(i, FAILED, fault, None, f"connection lost: {exc!r}", ttft, n)
         got = "".join(chunks)
@@ -159,11 +161,11 @@ class Runner:
         import httpx
 
         n = len(text)
-        request_id = f"chaos-{self.plan.seed}-{i}"
+        request_id = f"chaos-{self.workload.seed}-{i}"
         try:
             r = self.http.post(url, json=self.body(text, False), headers={"X-Request-Id": request_id})
         except httpx.TimeoutException as exc:
-            return Outcome(i, HUNG, "", None, f"no answer within {self.plan.hang_s}s: {exc!r}", prompt_tokens=n)
+            return Outcome(i, HUNG, "", None, f"no answer within {self.workload.hang_s}s: {exc!r}", prompt_tokens=n)
         except httpx.HTTPError as exc:
             return Outcome(i, FAILED, "", None, f"connection lost: {exc!r}", prompt_tokens=n)
         if r.status_code != 200:
@@ -184,19 +186,20 @@ class Runner:
         return Outcome(i, kind, "", 200, reason, prompt_tokens=n, handover_s=handover)
 
     def run(self) -> Report:
-        plan, dep = self.plan, self.dep
+        workload, dep = self.workload, self.dep
         t0 = time.monotonic()
-        texts = [random_prompt(n, plan.seed * 100_003 + i) for i, n in enumerate(lengths(plan, dep.max_model_len))]
+        sizes = lengths(workload, dep.max_model_len)
+        texts = [random_prompt(n, workload.seed * 100_003 + i) for i, n in enumerate(sizes)]
         wants = self.expected(texts)
-        faults = schedule(plan.faults, plan.requests, seed=plan.seed)
-        rng = random.Random(plan.seed + 1)
+        faults = schedule(workload.faults, workload.requests, seed=workload.seed)
+        rng = random.Random(workload.seed + 1)
         gaps_at = set()
-        if "idle-gap" in plan.faults and plan.idle_gaps:
-            gaps_at = {plan.requests * (k + 1) // (plan.idle_gaps + 1) for k in range(plan.idle_gaps)}
+        if "idle-gap" in workload.faults and workload.idle_gaps:
+            gaps_at = {workload.requests * (k + 1) // (workload.idle_gaps + 1) for k in range(workload.idle_gaps)}
         outcomes: list[Outcome] = []
         if self.network is not None:
             self.network.start()
-        with contextlib.ExitStack() as stack, ThreadPoolExecutor(plan.concurrency) as pool:
+        with contextlib.ExitStack() as stack, ThreadPoolExecutor(workload.concurrency) as pool:
             if self.network is not None:
                 stack.callback(self.network.stop)  # healed before the drain, also when a request raised
             pending = []
@@ -204,13 +207,13 @@ class Runner:
                 if i in gaps_at:  # drain, then leave the engines idle: the gap is the fault
                     outcomes += [f.result() for f in pending]
                     pending = []
-                    gap = rng.uniform(*plan.gap_range)
+                    gap = rng.uniform(*workload.gap_range)
                     log.info("chaos: idle gap of %.1fs before request %d", gap, i)
                     time.sleep(gap)
                     self._count("idle-gap")
                 pending.append(pool.submit(self.one, i, text, wants[i], faults.get(i, "")))
                 pending[-1].add_done_callback(lambda _f: self.progress(1))
-                if len(pending) > plan.concurrency * 4:  # bounded queue: the gaps then fall where planned
+                if len(pending) > workload.concurrency * 4:  # bounded queue: the gaps then fall where planned
                     outcomes.append(pending.pop(0).result())
             outcomes += [f.result() for f in pending]
         injected = dict(self.injected)

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.errors import ConfigError
     from kvbridge_tools.chaos.bound import transport_bound
     from kvbridge_tools.chaos.deployment import Deployment
-    from kvbridge_tools.chaos.runner import Plan
+    from kvbridge_tools.chaos.runner import Workload
     from kvbridge_tools.harness.tiny_model import build_tiny_llama
 
     if args.requests < 1 or args.concurrency < 1:
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         lease_s=args.lease_s,
         fault_injection=injection or None,
     )
-    plan = Plan(
+    workload = Workload(
         args.requests,
         args.concurrency,
         args.faults,
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             if args.hosts:
                 network = _on_hosts(args, dep, stack)
-            report = _play(args, dep, plan, network, logs)
+            report = _play(args, dep, workload, network, logs)
     finally:
         model_dir.cleanup()
     slow_s = args.slow_s if "slow-peer" in args.faults else 0.0
@@ -232,7 +232,7 @@ def _on_hosts(args: argparse.Namespace, dep: Any, stack: contextlib.ExitStack) -
     )
 
 
-def _play(args: argparse.Namespace, dep: Any, plan: Any, network: Any, logs: Path) -> Any:
+def _play(args: argparse.Namespace, dep: Any, workload: Any, network: Any, logs: Path) -> Any:
     from kvbridge.cli.output import err_console
     from kvbridge_tools.chaos.runner import Runner
 
@@ -243,7 +243,7 @@ def _play(args: argparse.Namespace, dep: Any, plan: Any, network: Any, logs: Pat
             err_console.print(f"starting 5 vLLM servers and the proxy{where} (logs in {logs}) ...")
         dep.start()
         with contextlib.ExitStack() as stack:
-            runner = Runner(dep, plan, network=network)
+            runner = Runner(dep, workload, network=network)
             if show:
                 from rich.progress import Progress
 
