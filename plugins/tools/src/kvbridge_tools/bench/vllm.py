@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from rich.progress import Progress
@@ -46,6 +46,9 @@ from rich.progress import Progress
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.pair import frozen_heap, quantile
 from kvbridge_tools.bench.plot import check_path
+
+if TYPE_CHECKING:
+    from kvbridge_tools.bench.link import Placed
 
 LENGTHS = (64, 256, 512, 1000)
 PATCH = """\
@@ -136,14 +139,25 @@ class Pair:
     metrics_log: Path  # the server whose log carries this connector's transfer metrics
 
 
-def _kvbridge_pair(model: Path, logs: Path, max_len: int, executor: str, transport: str = "mooncake") -> Pair:
+def _hosts(placed: Placed | None) -> tuple[Any, Any, dict[str, str]]:
+    """The prefill and decode hosts of a placement (None, None on loopback), and the environment it asks for."""
+    if placed is None:
+        return None, None, {}
+    return placed.hosts["prefill"], placed.hosts["decode"], dict(placed.env)
+
+
+def _kvbridge_pair(
+    model: Path, logs: Path, max_len: int, executor: str, transport: str = "mooncake", placed: Placed | None = None
+) -> Pair:
+    """KVBridgeConnector on two servers, on 127.0.0.1 or on the prefill and decode hosts of `placed`."""
     from kvbridge.control.params import KVTransferParams
     from kvbridge_tools.harness.vllm_server import connector_config, start_vllm
 
     def config(role: str) -> dict:
         return connector_config(role, backend=transport)
 
-    env = {"VLLM_LOG_STATS_INTERVAL": "1"}
+    p_host, d_host, env = _hosts(placed)
+    env["VLLM_LOG_STATS_INTERVAL"] = "1"
     where = logs / f"kvbridge-{transport}"
     prefill = start_vllm(
         model,
@@ -152,6 +166,7 @@ def _kvbridge_pair(model: Path, logs: Path, max_len: int, executor: str, transpo
         kv_transfer_config=config("kv_producer"),
         env=env,
         log_dir=where,
+        host=p_host,
     )
     decode = start_vllm(
         model,
@@ -160,6 +175,7 @@ def _kvbridge_pair(model: Path, logs: Path, max_len: int, executor: str, transpo
         kv_transfer_config=config("kv_consumer"),
         env=env,
         log_dir=where,
+        host=d_host,
     )
     name = "KVBridgeConnector" if transport == "mooncake" else f"KVBridgeConnector ({transport})"
     return Pair(
@@ -172,9 +188,12 @@ def _kvbridge_pair(model: Path, logs: Path, max_len: int, executor: str, transpo
     )
 
 
-def _nixl_pair(model: Path, logs: Path, max_len: int, executor: str, busy_poll: bool = True) -> Pair:
-    """vLLM's NixlConnector on two servers; `busy_poll` False starts their NIXL agents without NIXL's
-    progress thread (vLLM has no option for it: a generated `sitecustomize` on their PYTHONPATH)."""
+def _nixl_pair(
+    model: Path, logs: Path, max_len: int, executor: str, busy_poll: bool = True, placed: Placed | None = None
+) -> Pair:
+    """vLLM's NixlConnector on two servers (on the hosts of `placed`, if given); `busy_poll` False starts their NIXL
+    agents without NIXL's progress thread (vLLM has no option for it: a generated `sitecustomize` on their
+    PYTHONPATH)."""
     import os
 
     from kvbridge_tools.harness.ports import free_port
@@ -195,20 +214,28 @@ def _nixl_pair(model: Path, logs: Path, max_len: int, executor: str, busy_poll: 
         (where / "sitecustomize.py").write_text(NIXL_PATCH)
         patch["PYTHONPATH"] = os.pathsep.join(p for p in (str(where), os.environ.get("PYTHONPATH", "")) if p)
 
-    def env() -> dict:
-        return {
+    p_host, d_host, placed_env = _hosts(placed)
+
+    def start(host: Any) -> Any:
+        env = {
+            **placed_env,
             "VLLM_LOG_STATS_INTERVAL": "1",
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": host.address if host else "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
             **patch,
         }
+        return start_vllm(
+            model,
+            executor=executor,
+            max_model_len=max_len,
+            kv_transfer_config=config,
+            env=env,
+            log_dir=logs / "nixl",
+            host=host,
+        )
 
-    prefill = start_vllm(
-        model, executor=executor, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl"
-    )
-    decode = start_vllm(
-        model, executor=executor, max_model_len=max_len, kv_transfer_config=config, env=env(), log_dir=logs / "nixl"
-    )
+    prefill = start(p_host)
+    decode = start(d_host)
     # NIXL pulls: the decode server reads the blocks named in prefill's response, and logs the transfers.
     return Pair(
         "NixlConnector (vLLM)",
@@ -220,7 +247,8 @@ def _nixl_pair(model: Path, logs: Path, max_len: int, executor: str, busy_poll: 
     )
 
 
-def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair:
+def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str, placed: Placed | None = None) -> Pair:
+    """vLLM's MooncakeConnector on two servers (on the hosts of `placed`, if given), over Mooncake TCP."""
     from kvbridge_tools.harness.ports import free_port
     from kvbridge_tools.harness.vllm_server import start_vllm
 
@@ -229,7 +257,11 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair
     (patch / "sitecustomize.py").write_text(PATCH)
     bootstrap = free_port()
     engine = f"bench-prefill-{uuid.uuid4().hex[:8]}"
-    env = {"VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": str(patch), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
+    p_host, d_host, env = _hosts(placed)
+    env.update(
+        {"VLLM_LOG_STATS_INTERVAL": "1", "PYTHONPATH": str(patch), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap)}
+    )
+    bootstrap_host = p_host.address if p_host else "127.0.0.1"
 
     def config(role: str, **extra: str) -> dict:
         return {
@@ -246,6 +278,7 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair
         kv_transfer_config=config("kv_producer", engine_id=engine),
         env=env,
         log_dir=logs / "mooncake",
+        host=p_host,
     )
     decode = start_vllm(
         model,
@@ -254,6 +287,7 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair
         kv_transfer_config=config("kv_consumer"),
         env=env,
         log_dir=logs / "mooncake",
+        host=d_host,
     )
     return Pair(
         "MooncakeConnector (vLLM)",
@@ -263,7 +297,7 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str) -> Pair
         lambda tid, _resp: {
             "do_remote_prefill": True,
             "remote_engine_id": engine,
-            "remote_bootstrap_addr": f"http://127.0.0.1:{bootstrap}",
+            "remote_bootstrap_addr": f"http://{bootstrap_host}:{bootstrap}",
             "transfer_id": tid,
         },
         prefill.log_path,

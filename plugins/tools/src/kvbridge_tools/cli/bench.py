@@ -126,10 +126,10 @@ def run(args: argparse.Namespace) -> int:
     mode = pick_mode(args)
     if getattr(args, "link", None) and not getattr(args, "hosts", False):
         raise ConfigError("--link shapes the link between --hosts; add --hosts")
-    if getattr(args, "hosts", False) and mode not in ("pair", "vllm"):
+    if getattr(args, "hosts", False) and mode not in ("pair", "vllm", "vllm-load"):
         raise ConfigError(
-            f"--hosts runs the pair bench or --engine vllm (no other --engine, --prefill/--decode or "
-            f"--compare-transports); not {mode}"
+            f"--hosts runs the pair bench, --engine vllm or --engine vllm --load (no other --engine, "
+            f"--prefill/--decode or --compare-transports); not {mode}"
         )
     # across hosts, the vLLM bench is its own module (its arguments are --engine vllm's)
     module = "kvbridge_tools.bench.vllm_hosts" if mode == "vllm" and getattr(args, "hosts", False) else MODES[mode]

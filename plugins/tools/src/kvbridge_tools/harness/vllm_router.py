@@ -18,10 +18,14 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvbridge.errors import ConfigError
 from kvbridge_tools.harness.ports import free_port
-from kvbridge_tools.harness.vllm_server import BASE_ENV, Server, wait_healthy
+from kvbridge_tools.harness.vllm_server import BASE_ENV, Server, host_env, wait_healthy
+
+if TYPE_CHECKING:
+    from kvbridge_tools.harness.hosts import Host
 
 log = logging.getLogger(__name__)
 CONNECTORS = ("nixl", "mooncake")
@@ -44,11 +48,13 @@ def start_vllm_router(
     bootstrap_ports: Sequence[int] | None = None,
     log_dir: str | Path | None = None,
     timeout: float = 120.0,
+    host: Host | None = None,
 ) -> Server:
     """Launch vllm-router in P/D mode in front of these servers (round robin); return once it answers /health.
 
     Retries are off, so a request that fails is counted as failed, not sent again. `bootstrap_ports`
-    (one per prefill URL) are the MooncakeConnector bootstrap servers `kv_connector="mooncake"` needs."""
+    (one per prefill URL) are the MooncakeConnector bootstrap servers `kv_connector="mooncake"` needs. `host`
+    (a `kvbridge_tools.harness.hosts.Host`) runs it there, listening on the host's address."""
     if kv_connector not in CONNECTORS:
         raise ConfigError(f"kv_connector {kv_connector!r}: pick one of {', '.join(CONNECTORS)}")
     if bootstrap_ports is not None and len(bootstrap_ports) != len(prefill):
@@ -57,7 +63,8 @@ def start_vllm_router(
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-vllm-router-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"vllm-router-{port}.log"
-    cmd = [router_command(), "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+    address = host.address if host else "127.0.0.1"
+    cmd = [router_command(), "--host", address, "--port", str(port), "--vllm-pd-disaggregation"]
     cmd += ["--policy", "round_robin", "--kv-connector", kv_connector, "--disable-retries"]
     for i, url in enumerate(prefill):
         cmd += ["--prefill", url, *([str(bootstrap_ports[i])] if bootstrap_ports is not None else [])]
@@ -65,10 +72,13 @@ def start_vllm_router(
         cmd += ["--decode", url]
     env = dict(os.environ)
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
+    if host is not None:
+        env.update({k: v for k, v in host_env(host).items() if k != "VLLM_HOST_IP"})
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    log.info("started vllm-router on port %d (pid %d), log %s", port, proc.pid, log_path)
-    router = Server(port=port, proc=proc, log_path=log_path)
+        argv = host.command(cmd) if host else cmd
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.info("started vllm-router on %s:%d (pid %d), log %s", address, port, proc.pid, log_path)
+    router = Server(port=port, proc=proc, log_path=log_path, address=address)
     try:
         wait_healthy([router], timeout=timeout)
     except BaseException:

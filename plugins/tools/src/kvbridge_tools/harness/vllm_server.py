@@ -316,7 +316,7 @@ def start_vllm(
     full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # the caller's level wins (DEBUG shows each pull's timings)
     full_env.update(BASE_ENV)
     if host is not None:
-        full_env.update(_host_env(host))
+        full_env.update(host_env(host))
     if executor == "uni":
         # The CPU platform swaps "uni" for "mp" unless V1 multiprocessing is off; the API server and the
         # engine core stay separate processes either way.
@@ -333,7 +333,7 @@ def start_vllm(
     return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir, address=address)
 
 
-def _host_env(host: Host) -> dict[str, str]:
+def host_env(host: Host) -> dict[str, str]:
     """A server on a namespace host binds its address and reaches the other hosts without a proxy."""
     no_proxy = f"{BASE_ENV['NO_PROXY']},{host.address.rsplit('.', 1)[0]}.0/24"
     return {"VLLM_HOST_IP": host.address, "NO_PROXY": no_proxy, "no_proxy": no_proxy}
@@ -386,7 +386,7 @@ def start_proxy(
     env = dict(os.environ)
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
     if host is not None:
-        env.update({k: v for k, v in _host_env(host).items() if k != "VLLM_HOST_IP"})
+        env.update({k: v for k, v in host_env(host).items() if k != "VLLM_HOST_IP"})
     if secret is not None:
         env["KVBRIDGE_SECRET"] = secret
     with open(log_path, "wb") as out:
