@@ -1,5 +1,7 @@
-"""Shared fixtures. Tests never load the user's own plugins by accident: only kvbridge's own
-distributions (the repo's plugins) are allowed unless a test says otherwise."""
+"""Shared fixtures; tests never load the user's own plugins by accident.
+
+Only kvbridge's own distributions (the repo's plugins) are allowed unless a test says otherwise.
+"""
 
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ def _hosts_factory() -> Iterator[Callable[..., Hosts]]:
 
 @pytest.fixture
 def hosts_factory() -> Iterator[Callable[..., Hosts]]:
-    """`make(["prefill", "decode"], subnet=...)` -> open `Hosts`, closed after the test; skips where
-    namespaces cannot be made (not root, tools missing). As root, a failure to make them fails."""
+    """`make(["prefill", "decode"], subnet=...)` -> open `Hosts`, closed after the test.
+
+    Skips where namespaces cannot be made (not root, tools missing). As root, a failure to make them fails.
+    """
     yield from _hosts_factory()
 
 

@@ -59,8 +59,10 @@ def _inside(host: Host | None) -> AbstractContextManager[None]:
 
 @contextmanager
 def redis_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
-    """A real redis-server on a free port of 127.0.0.1, or of `host` (a namespace host: then it takes a password,
-    as redis does off loopback), stopped by its PID; yields redis://[:PASSWORD@]ADDRESS:PORT."""
+    """A real redis-server on a free port of 127.0.0.1, or of `host` (a namespace host), stopped by its PID.
+
+    On a namespace host it takes a password, as redis does off loopback. Yields redis://[:PASSWORD@]ADDRESS:PORT.
+    """
     port = free_port(span=1)
     address = host.address if host else "127.0.0.1"
     password = secrets.token_hex(8) if host else ""
@@ -109,8 +111,10 @@ def redis_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
 
 @contextmanager
 def etcd_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
-    """A real single-member etcd on free ports of 127.0.0.1, or of `host` (a namespace host), stopped by its
-    PID; yields etcd://ADDRESS:PORT."""
+    """A real single-member etcd on free ports of 127.0.0.1, or of `host` (a namespace host), stopped by its PID.
+
+    Yields etcd://ADDRESS:PORT.
+    """
     client, peer = free_port(span=1), free_port(span=1)
     address = host.address if host else "127.0.0.1"
     c_url, p_url = f"http://{address}:{client}", f"http://{address}:{peer}"
@@ -165,8 +169,10 @@ def rank_info(engine_id: str = "prefill", rank: int = 0, endpoint: bytes = b"end
 
 
 def pull_params(request_id: str, blocks: list[int], port: int, *, tokens: int | None = None, tp_size: int = 1) -> dict:
-    """What a prefill engine returns through the proxy for `blocks` of `request_id` (vLLM's keys); `tokens`
-    defaults to full blocks of 16."""
+    """What a prefill engine returns through the proxy for `blocks` of `request_id` (vLLM's keys).
+
+    `tokens` defaults to full blocks of 16.
+    """
     return KVTransferParams(
         do_remote_prefill=True,
         remote_engine_id="prefill",

@@ -1,5 +1,6 @@
-"""One engine rank for the multi-process control-plane tests (`python -m control_rank`, run by
-`kvbridge_tools.harness.proc.Child`): a `KVAgent` on Mooncake TCP over a fingerprinted HND cache, and a side
+"""One engine rank for the multi-process control-plane tests (`python -m control_rank`).
+
+Run by `kvbridge_tools.harness.proc.Child`: a `KVAgent` on Mooncake TCP over a fingerprinted HND cache, and a side
 channel — with a lease ledger on a prefill rank, an abort handler on a decode rank.
 
 Decode ranks plan with `kvbridge.topology` (through the agent), announce each read with
@@ -228,8 +229,11 @@ def pull(request_id: str, params: dict, local_blocks: list[int]) -> str | None:
 
 
 def done(request_id: str, params: dict) -> list[bool]:
-    """DONE to every prefill rank read (fenced: raises LoadError if its lease did not hold through the
-    read) and, on the notifier, a release-only DONE to the ranks nobody reads. Returns `released` flags."""
+    """DONE to every prefill rank read, and a release-only DONE to the ranks nobody reads; returns `released` flags.
+
+    The DONEs to the ranks read are fenced: this raises LoadError if a lease did not hold through the read. The
+    release-only DONEs go through the notifier.
+    """
     p = KVTransferParams.from_dict(params)
     job = R.pending[request_id]
     statuses = [  # every DONE goes out (each ends this rank's read of that lease) before any LoadError

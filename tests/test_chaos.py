@@ -1,5 +1,7 @@
-"""`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, and one short real run on vLLM
-(slow). The transport faults it turns on are `kvbridge.faults`'s, tested in test_faults.py."""
+"""`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, and one short real run on vLLM (slow).
+
+The transport faults it turns on are `kvbridge.faults`'s, tested in test_faults.py.
+"""
 
 from __future__ import annotations
 

@@ -279,8 +279,10 @@ def test_proxy_refuses_a_port_out_of_range_instead_of_never_listening() -> None:
 
 
 def test_a_command_plugin_that_does_not_load_leaves_the_rest_of_the_cli_working(tmp_path: Path) -> None:
-    """A `kvbridge.commands` entry point whose module is broken: `kvbridge plugins` still runs, and the
-    broken subcommand exits 2 naming the error and the fix, without a traceback."""
+    """A `kvbridge.commands` entry point whose module is broken: `kvbridge plugins` still runs.
+
+    The broken subcommand exits 2 naming the error and the fix, without a traceback.
+    """
     info = tmp_path / "kvbridge_broken_command-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvbridge-broken-command\nVersion: 1.0\n")

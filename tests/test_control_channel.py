@@ -558,8 +558,11 @@ def test_messages_over_the_size_limit_are_refused_naming_their_size_not_timed_ou
 
 
 def test_abort_notifier_goes_on_after_it_could_not_open_a_socket(closing: list) -> None:
-    """A ZMQError opening the notifier's socket (here: its context's socket limit, reached) escaped the peer's
-    drain thread and left its queue without one: every later abort for that peer queued for ever."""
+    """The abort notifier goes on after a ZMQError opening its socket (here: its context's socket limit, reached).
+
+    The error escaped the peer's drain thread and left its queue without one: every later abort for that peer
+    queued for ever.
+    """
     from kvbridge.control.channel import ClientPool, _Notifier
     from kvbridge.control.messages import Abort
 

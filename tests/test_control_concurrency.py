@@ -75,8 +75,10 @@ def unread_bytes(port: int) -> int:
 
 
 def stuck_request(client: ControlClient, errors: list[BaseException], port: int) -> threading.Thread:
-    """Send one request on `client` to a stopped peer from a thread; it sits unread in the peer's socket
-    when this returns."""
+    """Send one request on `client` to a stopped peer from a thread.
+
+    It sits unread in the peer's socket when this returns.
+    """
     before = unread_bytes(port)
 
     def run() -> None:

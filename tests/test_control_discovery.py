@@ -1,6 +1,8 @@
-"""Discovery with real servers: redis and etcd started on free ports and stopped by PID, on 127.0.0.1 and
-on a host of their own (network namespaces) with the ranks on others. Also: the same etcd serving as
-Mooncake's metadata server while kvbridge's registry uses it."""
+"""Discovery with real servers: redis and etcd, on 127.0.0.1 and on a host of their own.
+
+The servers start on free ports and are stopped by PID; on a host of their own (network namespaces) the ranks are
+on others. Also: the same etcd serving as Mooncake's metadata server while kvbridge's registry uses it.
+"""
 
 from __future__ import annotations
 
@@ -104,10 +106,12 @@ def test_discovery_across_hosts_finds_the_prefill_rank_and_pulls(
     tmp_path: Path,
     store: str,  # noqa: ANN001
 ) -> None:
-    """Three hosts: the registry on one, a prefill and a decode rank on the others, the side channel
-    authenticated. The decode rank finds the prefill rank through the registry and pulls fingerprinted KV
-    across hosts. With etcd, Mooncake keeps its segment metadata in the same etcd; with redis (which this
-    Mooncake wheel cannot use for its metadata) Mooncake does its own peer-to-peer handshake."""
+    """Three hosts: the registry on one, a prefill and a decode rank on the others, the side channel authenticated.
+
+    The decode rank finds the prefill rank through the registry and pulls fingerprinted KV across hosts. With etcd,
+    Mooncake keeps its segment metadata in the same etcd; with redis (which this Mooncake wheel cannot use for its
+    metadata) Mooncake does its own peer-to-peer handshake.
+    """
     hosts = hosts_factory(["metadata", "prefill", "decode"])
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),

@@ -1,6 +1,8 @@
-"""Fuzzing the side channel (hypothesis): malformed, oversized, replayed and unauthenticated
-messages are refused with a logged reason; the server keeps serving; no lease changes, no leaked
-threads, sockets or memory."""
+"""Fuzzing the side channel (hypothesis): hostile messages are refused and nothing changes or leaks.
+
+Malformed, oversized, replayed and unauthenticated messages are refused with a logged reason; the server keeps
+serving; no lease changes, no leaked threads, sockets or memory.
+"""
 
 from __future__ import annotations
 

@@ -318,9 +318,11 @@ ops = st.lists(
 @settings(max_examples=1000, deadline=None, derandomize=True)
 @given(ops)
 def test_lease_fuzz_ledger_invariants(script: list) -> None:
-    """Random offer/begin/done/abort/time sequences: a lease is released once; after an expiry or
-    abort no DONE of that epoch is answered valid, and after a release only the duplicates of
-    DONEs counted before it are (fencing)."""
+    """Random offer/begin/done/abort/time sequences keep the ledger's leases and fencing.
+
+    A lease is released once; after an expiry or abort no DONE of that epoch is answered valid, and after a release
+    only the duplicates of DONEs counted before it are (fencing).
+    """
     clock = Clock()
     log: list[tuple] = []  # ("release", epoch, reason), ("valid", epoch, rank), ("early", request, rank)
     readers: dict[int, set[str]] = {}  # epoch -> ranks whose BeginPull found it active, no DONE since

@@ -1,6 +1,8 @@
-"""Acceptance: prefill and decode ranks in separate processes, Mooncake TCP on 127.0.0.1, side
-channels between them. Prefill TP2 pulled by decode TP4 and the reverse: release exactly at the
-last DONE, duplicate DONE, decode killed mid-pull, a pull overlapping an expiry, abort both ways."""
+"""Acceptance: prefill and decode ranks in separate processes, Mooncake TCP on 127.0.0.1, side channels between them.
+
+Prefill TP2 pulled by decode TP4 and the reverse: release exactly at the last DONE, duplicate DONE, decode killed
+mid-pull, a pull overlapping an expiry, abort both ways.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +28,10 @@ ENV = {
 
 
 class Cluster:
-    """A prefill engine and a decode engine, each rank its own process. The expected pulls come
-    from the planner (`kvbridge.topology.plan`), as the decode side computes them."""
+    """A prefill engine and a decode engine, each rank its own process.
+
+    The expected pulls come from the planner (`kvbridge.topology.plan`), as the decode side computes them.
+    """
 
     PREFILL_BLOCKS, DECODE_BLOCKS = 8, 6
 

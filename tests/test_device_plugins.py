@@ -1,6 +1,8 @@
-"""The cuda, npu and mlu device plugins beyond the conformance suite: what `kvbridge plugins` says
-here (no accelerator), that installing them keeps the environment's torch, and their library calls
-on stand-ins (kvbridge.testing.standins: host memory behind the library surface; ids say stand-in)."""
+"""The cuda, npu and mlu device plugins beyond the conformance suite.
+
+What `kvbridge plugins` says here (no accelerator), that installing them keeps the environment's torch, and their
+library calls on stand-ins (kvbridge.testing.standins: host memory behind the library surface; ids say stand-in).
+"""
 
 from __future__ import annotations
 

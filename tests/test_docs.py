@@ -1,5 +1,8 @@
-"""The docs a newcomer reads hold together: relative links and anchors resolve, the README stays short,
-and nothing cites a notes file that is not in the repository."""
+"""The docs a newcomer reads hold together.
+
+Relative links and anchors resolve, the README stays short, and nothing cites a notes file that is not in the
+repository.
+"""
 
 from __future__ import annotations
 

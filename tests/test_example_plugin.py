@@ -1,7 +1,9 @@
-"""A third party's path, end to end: `pip install -e plugins/example-device`, see it in `kvbridge plugins`,
-run its own conformance tests through the `kvbridge.testing` pytest plugin, then a verified
-`kvbridge bench` on its device; the same for the transport that docs/plugins.md builds from its own
-code blocks. Also: the bench through host staging."""
+"""A third party's path, end to end, for a device plugin and for the transport that docs/plugins.md builds.
+
+`pip install -e plugins/example-device`, see it in `kvbridge plugins`, run its own conformance tests through the
+`kvbridge.testing` pytest plugin, then a verified `kvbridge bench` on its device; the same for the transport that
+docs/plugins.md builds from its own code blocks. Also: the bench through host staging.
+"""
 
 from __future__ import annotations
 
@@ -42,8 +44,10 @@ def installed() -> bool:
 
 @pytest.fixture
 def fresh_install():
-    """Uninstall the example plugin (scripts/setup installs every plugins/*), and leave the
-    environment as it was found."""
+    """Uninstall the example plugin, and leave the environment as it was found.
+
+    scripts/setup installs every plugins/*.
+    """
     was = installed()
     run("-m", "pip", "uninstall", "-q", "-y", DIST)
     try:

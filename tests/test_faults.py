@@ -1,5 +1,8 @@
-"""Failure paths surface as documented exceptions: faults from the one injector (`kvbridge.faults`) around
-the loopback transport, counted ones a test arms and the rates `kvbridge chaos` sets."""
+"""Failure paths surface as documented exceptions.
+
+The faults come from the one injector (`kvbridge.faults`) around the loopback transport: counted ones a test arms
+and the rates `kvbridge chaos` sets.
+"""
 
 from __future__ import annotations
 
@@ -136,8 +139,10 @@ def test_long_descriptors_are_cut_to_the_transport_piece_size() -> None:
 
 
 def test_a_stuck_part_is_resubmitted_once_and_completes_only_when_the_stuck_call_returned(link) -> None:
-    """The transfer deadline: the retry succeeds fast, but the handle waits for the stuck first call (it may
-    still write into the destination), and counts one retry."""
+    """The transfer deadline: the retry succeeds fast, but the handle waits for the stuck first call.
+
+    The stuck call may still write into the destination. The handle counts one retry.
+    """
     _, client, peer, src, dst = link
     order: list[str] = []
     delayed = client._delayed
@@ -187,9 +192,12 @@ def test_a_failed_part_is_resubmitted_once_under_a_deadline(link) -> None:
 
 
 def test_held_submissions_are_cancelled_at_the_deadline_and_the_transfer_fails(link) -> None:
-    """`kvbridge chaos`'s slow-peer holds submissions before they start: at the deadline the held one is
-    cancelled (it never writes), resubmitted, held again, cancelled again: a clear failure, not a hang.
-    (A cancel runs the attempt's done-callback in the cancelling thread: this once deadlocked the deadline.)"""
+    """`kvbridge chaos`'s slow-peer at the deadline: a clear failure, not a hang.
+
+    It holds submissions before they start: at the deadline the held one is cancelled (it never writes),
+    resubmitted, held again, cancelled again. (A cancel runs the attempt's done-callback in the cancelling thread:
+    this once deadlocked the deadline.)
+    """
     _, client, peer, src, dst = link
     client.transfer_deadline_s = 0.2
     client.inject(rates=FaultRates(slow_peer=1.0, slow_s=30.0))

@@ -161,8 +161,10 @@ def test_no_import_circle() -> None:
 
 
 def tools_references(path: Path) -> list[str]:
-    """Where a module names `kvbridge_tools` as code: an import (lazy ones too) or a string that names one of
-    its modules (`importlib.import_module("kvbridge_tools...")`, a child process's `-m`)."""
+    """Where a module names `kvbridge_tools` as code: an import (lazy ones too) or a string naming one of its modules.
+
+    Such a string is `importlib.import_module("kvbridge_tools...")`'s, or a child process's `-m`.
+    """
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):

@@ -233,8 +233,10 @@ def test_a_layerwise_read_lands_the_range_and_layers_its_pull_names_from_the_who
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LHBNC"])
 def test_host_scatter_writes_exactly_the_blocks_and_heads_named(layout: str) -> None:
-    """write_planes on host memory (numpy's row copy) against torch's own index_put, for a head range of
-    scattered blocks in strided views, where a wrong stride or head offset shows."""
+    """write_planes on host memory (numpy's row copy) against torch's own index_put.
+
+    For a head range of scattered blocks in strided views, where a wrong stride or head offset shows.
+    """
     from kvbridge.landing import write_planes
 
     rng = np.random.default_rng(7)

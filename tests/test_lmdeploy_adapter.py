@@ -72,9 +72,11 @@ def _handshake(prefill: Child, decode: Child) -> None:
 
 @pytest.fixture(scope="module")
 def pair(module_hosts_factory) -> Iterator[tuple[Child, Child]]:  # noqa: ANN001
-    """A prefill and a decode worker on two hosts (network namespaces), each transport on its host's address,
-    the endpoints signed with a shared secret (an unsigned or foreign one is refused, and Mooncake's listeners
-    admit only the host a signed endpoint names)."""
+    """A prefill and a decode worker on two hosts (network namespaces), each transport on its host's address.
+
+    The endpoints are signed with a shared secret (an unsigned or foreign one is refused, and Mooncake's listeners
+    admit only the host a signed endpoint names).
+    """
     hosts = module_hosts_factory(["prefill", "decode"])
     secret = {"KVBRIDGE_SECRET": secrets.token_hex(16)}
     prefill, decode = (
@@ -248,8 +250,10 @@ def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
 def _loopback_pair(
     keys: tuple[bytes | None, bytes | None] = (None, None), hostnames: tuple[str, str] = ("127.0.0.1", "127.0.0.1")
 ) -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:
-    """A prefill and a decode backend over the loopback transport, linked both ways as LMDeploy's proxy
-    links them; `keys` (shared secrets) and `hostnames` are the prefill's and the decode's."""
+    """A prefill and a decode backend over the loopback transport, linked both ways as LMDeploy's proxy links them.
+
+    `keys` (shared secrets) and `hostnames` are the prefill's and the decode's.
+    """
     src = np.arange(LAYERS * P_BLOCKS * BLOCK_BYTES, dtype=np.uint64).astype(np.uint8)
     dst = np.zeros(LAYERS * D_BLOCKS * BLOCK_BYTES, dtype=np.uint8)
     sides = {}

@@ -1,6 +1,7 @@
-"""Mooncake TCP: pulls after idle gaps finish within the transfer deadline plus one retry; a stalled
-peer is detected at the deadline and its failure reported once the stuck call can no longer write
-(issue 12, item 1).
+"""Mooncake TCP: idle gaps and stalled peers against the transfer deadline (issue 12, item 1).
+
+Pulls after idle gaps finish within the transfer deadline plus one retry; a stalled peer is detected at the
+deadline and its failure reported once the stuck call can no longer write.
 
 The 30 s stall of the vLLM e2e runs is Mooncake TCP's own watchdog ("ClientSession: no transfer
 progress within 30s", "ServerSession::writeBody failed: Broken pipe" on the serving side). Stopping
@@ -137,8 +138,11 @@ def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline_p
 
 
 def test_the_side_channel_answers_while_transfers_run_and_stall() -> None:
-    """The prefill's side channel and its Mooncake engine share a process: reads served to a decode,
-    then a decode that stops reading mid-transfer (the stall's window), must not delay its answers."""
+    """The prefill's side channel answers without delay while its Mooncake engine, in the same process, serves.
+
+    Neither reads served to a decode nor a decode that stops reading mid-transfer (the stall's window) may delay
+    its answers.
+    """
     import kvbridge
     from kvbridge.control import ControlClient, ControlServer, Ledger
     from kvbridge.control.messages import QueryLease

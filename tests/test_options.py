@@ -189,8 +189,11 @@ def test_every_numeric_option_has_an_upper_bound(option: tuple[str, type, str]) 
     value=NON_FINITE | st.floats(min_value=1e7, allow_nan=False) | st.floats(max_value=-1e-9, allow_nan=False),
 )
 def test_connector_settings_refuse_non_finite_and_out_of_range_numbers(key: str, value: object) -> None:
-    """`lease_s: Infinity` killed the side channel's thread (OverflowError), `lease_s: NaN` never expired and
-    `pull_timeout_s: NaN` waited for ever."""
+    """Connector settings refuse non-finite and out-of-range numbers, which broke the side channel.
+
+    `lease_s: Infinity` killed the side channel's thread (OverflowError), `lease_s: NaN` never expired and
+    `pull_timeout_s: NaN` waited for ever.
+    """
     from kvbridge.adapters.vllm.settings import Settings
 
     with pytest.raises(ConfigError, match=key):

@@ -1,9 +1,11 @@
-"""Fuzzing `kvbridge proxy` (hypothesis): malformed, truncated, non-object, oversized and replayed request
-bodies, and bodies that try to set `kv_transfer_params` themselves (which would make a decode server read
-from a host the client names), are refused with a 4xx and a logged reason before any upstream server is
-called; the proxy keeps serving and holds no more memory afterwards. Driven in process through the ASGI
-interface (the app uvicorn serves); the upstream URLs are closed local ports, so a request that got
-through would show as a 503, never as a 4xx."""
+"""Fuzzing `kvbridge proxy` (hypothesis): hostile request bodies are refused with a 4xx before any upstream call.
+
+Malformed, truncated, non-object, oversized and replayed request bodies, and bodies that try to set
+`kv_transfer_params` themselves (which would make a decode server read from a host the client names), are refused
+with a 4xx and a logged reason before any upstream server is called; the proxy keeps serving and holds no more
+memory afterwards. Driven in process through the ASGI interface (the app uvicorn serves); the upstream URLs are
+closed local ports, so a request that got through would show as a 503, never as a 4xx.
+"""
 
 from __future__ import annotations
 

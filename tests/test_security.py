@@ -1,7 +1,9 @@
-"""Closed by default and hostile peers: no unprotected listener on a routable address, nothing served to a
-peer without the shared secret (no KV, no abort, no token, no connection back), pulls confined to their
-lease, sizes checked without overflow. Only 127.0.0.1 carries traffic: "routable" addresses (0.0.0.0)
-are only ever refused, before anything binds."""
+"""Closed by default, and safe against hostile peers.
+
+No unprotected listener on a routable address, nothing served to a peer without the shared secret (no KV, no
+abort, no token, no connection back), pulls confined to their lease, sizes checked without overflow. Only
+127.0.0.1 carries traffic: "routable" addresses (0.0.0.0) are only ever refused, before anything binds.
+"""
 
 from __future__ import annotations
 
@@ -128,9 +130,11 @@ def test_vllm_connector_on_a_routable_address_without_a_secret_fails_at_start_up
 
 
 class Prefill:
-    """A prefill rank as an engine runs it: KV in a TCP transport, its RankInfo on an authenticated side channel,
-    one lease. The transport here is loopback-only without a secret, so its endpoint carries a token: the
-    token must not leak through the side channel."""
+    """A prefill rank as an engine runs it: KV in a TCP transport, its RankInfo on an authenticated side channel.
+
+    It holds one lease. The transport here is loopback-only without a secret, so its endpoint carries a token: the
+    token must not leak through the side channel.
+    """
 
     def __init__(self) -> None:
         self.kv = np.arange(4096, dtype=np.uint8)
@@ -370,8 +374,11 @@ def _sealed(kind: str, msg: object, receiver: str) -> bytes:
 
 
 def test_a_frame_replayed_to_another_rank_sharing_the_secret_is_refused() -> None:
-    """Frames name their receiver under the MAC: a BeginPull or DONE recorded on its way to rank 0 is refused by
-    rank 1 (same engine, same secret, a lease on the same request), whose ledger stays as it was."""
+    """Frames name their receiver under the MAC, so one recorded on its way to a rank is refused by another.
+
+    A BeginPull or DONE recorded on its way to rank 0 is refused by rank 1 (same engine, same secret, a lease on
+    the same request), whose ledger stays as it was.
+    """
     from kvbridge.control.messages import BeginPull, Done, Frame, LeaseStatus, Refused
 
     ledgers = [Ledger(lambda lease, why: None, timeout_s=3600) for _ in range(2)]
@@ -426,8 +433,10 @@ def test_the_side_channel_queues_few_messages_per_peer(prefill: Prefill) -> None
 
 
 def test_the_secret_from_the_environment_is_stripped_as_the_files_is(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
-    """`export KVBRIDGE_SECRET="$(cat file)\n"` and the file itself must give one secret, or the two sides
-    of a deployment that read it each way never authenticate each other."""
+    """`export KVBRIDGE_SECRET="$(cat file)\n"` and the file itself must give one secret.
+
+    Otherwise the two sides of a deployment that read it each way never authenticate each other.
+    """
     path = tmp_path / "secret"
     path.write_text(SECRET + "\n")
     monkeypatch.setenv("KVBRIDGE_SECRET_FILE", str(path))

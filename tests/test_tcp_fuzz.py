@@ -1,7 +1,9 @@
-"""Fuzzing the TCP transport's listener (hypothesis), over real loopback sockets: random, truncated,
-oversized, forged and replayed handshakes, and malformed requests on an authenticated connection.
-Each is refused with a logged warning, the listener keeps serving a legitimate reader, and nothing
-(threads, sockets, memory held by kvbridge) grows."""
+"""Fuzzing the TCP transport's listener (hypothesis), over real loopback sockets.
+
+Random, truncated, oversized, forged and replayed handshakes, and malformed requests on an authenticated
+connection: each is refused with a logged warning, the listener keeps serving a legitimate reader, and nothing
+(threads, sockets, memory held by kvbridge) grows.
+"""
 
 from __future__ import annotations
 
@@ -163,8 +165,10 @@ def _fds() -> int:
 
 
 def test_listener_keeps_serving_and_nothing_grows(listener: Listener) -> None:
-    """Run after the fuzzing above (same module listener): a reader with the secret still reads, and another
-    round of hostile connections leaves no thread, socket or allocation behind."""
+    """Run after the fuzzing above (same module listener): a reader with the secret still reads.
+
+    Another round of hostile connections leaves no thread, socket or allocation behind.
+    """
     reader = create_backend("tcp", hostname="127.0.0.1", secret=SECRET)
     out = np.zeros_like(listener.kv)
     reader.register_memory(out)
@@ -230,8 +234,11 @@ def _closed_by_server(s: socket.socket, timeout: float) -> bool:
 
 
 def test_a_handshake_trickled_a_byte_at_a_time_is_dropped_at_the_deadline() -> None:
-    """The handshake timeout bounds the whole handshake, not each recv: a byte every 0.2 s against a 1 s
-    deadline keeps a per-recv timeout waiting for ever (1024 bytes may follow), and must not keep this one."""
+    """The handshake timeout bounds the whole handshake, not each recv.
+
+    A byte every 0.2 s against a 1 s deadline keeps a per-recv timeout waiting for ever (1024 bytes may follow),
+    and must not keep this one.
+    """
     server = create_backend("tcp", hostname="127.0.0.1", secret=SECRET, handshake_timeout=1)
     try:
         with socket.create_connection(("127.0.0.1", server._port), timeout=10) as s:
@@ -308,8 +315,10 @@ backend.close()
 
 
 def test_accept_loop_goes_on_after_running_out_of_file_descriptors() -> None:
-    """A listener in a process at its RLIMIT_NOFILE: accept() fails with EMFILE while connections pile up,
-    and once they close, an authenticated peer is served again."""
+    """A listener in a process at its RLIMIT_NOFILE serves an authenticated peer again once connections close.
+
+    Meanwhile accept() fails with EMFILE while connections pile up.
+    """
     import queue
     import subprocess
     import sys
@@ -378,8 +387,11 @@ def _crossing(draw: st.DrawFn) -> tuple[int, int, int, int, int]:
 @given(case=_crossing())
 @example(case=(SIZE // 2, SIZE // 2, SIZE // 2 - 1, 2 << 20, "read"))  # short on both sides alike: "succeeded"
 def test_transfers_across_adjacent_regions_move_the_right_bytes(case: tuple[int, int, int, int, str]) -> None:
-    """One buffer registered as two adjacent regions on each side (RegionIndex and merge_runs see one span): a
-    range across the boundary moves exactly its bytes, or fails; it never lands short or hangs."""
+    """A range across the boundary of two adjacent regions of one buffer moves exactly its bytes, or fails.
+
+    The buffer is registered as two adjacent regions on each side (RegionIndex and merge_runs see one span); the
+    range never lands short or hangs.
+    """
     remote_split, local_split, offset, length, op = case
     rng = np.random.default_rng(offset)
     remote = rng.integers(0, 256, SIZE, dtype=np.uint8)

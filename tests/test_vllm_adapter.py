@@ -1,7 +1,9 @@
-"""KVBridgeConnector's parts without a vLLM server: vLLM's CPU cache described for KVAgent and pulled
-over a real transport with fingerprinted KV across TP configs; the worker side (prefill and decode
-`WorkerSide`s on kvbridge.control: leases, fencing, release, abort, shared secret), settings, and
-plugin registration."""
+"""KVBridgeConnector's parts without a vLLM server.
+
+vLLM's CPU cache described for KVAgent and pulled over a real transport with fingerprinted KV across TP configs;
+the worker side (prefill and decode `WorkerSide`s on kvbridge.control: leases, fencing, release, abort, shared
+secret), settings, and plugin registration.
+"""
 
 from __future__ import annotations
 
@@ -131,8 +133,10 @@ def test_pull_refuses_mismatched_layouts() -> None:
 
 
 class Workers:
-    """A prefill and a decode `WorkerSide` (TP 1 each) in this process over the loopback transport,
-    as vLLM drives them: offers and pulls in step metadata, then `get_finished` and load errors."""
+    """A prefill and a decode `WorkerSide` (TP 1 each) in this process over the loopback transport.
+
+    They are driven as vLLM drives them: offers and pulls in step metadata, then `get_finished` and load errors.
+    """
 
     def __init__(self, prefill: dict | None = None, decode: dict | None = None) -> None:
         def side(engine: str, extra: dict | None) -> WorkerSide:
@@ -258,8 +262,10 @@ def test_idle_engine_step_waits_for_a_transfer_instead_of_spinning() -> None:
 
 
 def test_worker_counts_the_transfer_retries_of_a_pull(workers: Workers) -> None:
-    """A batch that fails once is resubmitted under the transfer deadline; the pull succeeds and its
-    retry reaches the stats (kvbridge_transfer_retries_total)."""
+    """A batch that fails once is resubmitted under the transfer deadline, and the pull succeeds.
+
+    Its retry reaches the stats (kvbridge_transfer_retries_total).
+    """
     backend = workers.decode.agent.backend
     backend.transfer_deadline_s = 10.0
     backend.inject(fail_completion=1)
@@ -625,8 +631,10 @@ def test_required_kv_cache_layout_comes_from_extra_config(tiny_llama: Path) -> N
 
 
 def test_default_layout_is_block_outermost_on_cuda_in_pull_mode(tiny_llama: Path) -> None:
-    """What the connector asks vLLM for, decided from real vLLM configs; `on_cuda` is the platform's answer
-    (`current_platform.is_cuda()`), which this machine cannot give as True."""
+    """What the connector asks vLLM for, decided from real vLLM configs.
+
+    `on_cuda` is the platform's answer (`current_platform.is_cuda()`), which this machine cannot give as True.
+    """
     from kvbridge.adapters.vllm.connector import default_kv_cache_layout
 
     def default(extra: dict, *, model: Path | None = tiny_llama, backend: str | None = None, cuda: bool = True):

@@ -1,6 +1,8 @@
-"""`kvbridge bench --engine vllm-connector --verify`: a real KVBridgeConnector per rank, driven through vLLM's
-connector API, moves fingerprinted KV between caches allocated as vLLM 0.32 allocates every KVCacheLayout
-(and vllm-ascend's (K, V) tuples), over Mooncake TCP. One set of rank processes serves every case."""
+"""`kvbridge bench --engine vllm-connector --verify`: a real KVBridgeConnector per rank, over Mooncake TCP.
+
+Each connector, driven through vLLM's connector API, moves fingerprinted KV between caches allocated as vLLM 0.32
+allocates every KVCacheLayout (and vllm-ascend's (K, V) tuples). One set of rank processes serves every case.
+"""
 
 from __future__ import annotations
 
@@ -75,9 +77,11 @@ def test_mla(bench, p_layout: str, d_layout: str) -> None:
 
 
 def _mla_backend_layouts() -> dict[str, set[str]]:
-    """Every attention backend class in vLLM's MLA package and the KVCacheLayouts it may make vLLM resolve:
-    what its `supported_kv_cache_layouts()` names, read from the source (most of them import only on
-    their GPU), or, where it names none (None: any layout), vLLM's default preference, all six."""
+    """Every attention backend class in vLLM's MLA package and the KVCacheLayouts it may make vLLM resolve.
+
+    The layouts are what its `supported_kv_cache_layouts()` names, read from the source (most of them import only
+    on their GPU), or, where it names none (None: any layout), vLLM's default preference, all six.
+    """
     import vllm.v1.attention.backends.mla as mla
     from vllm.v1.attention.backends.utils import _DEFAULT_LAYOUT_PREFERENCE
 

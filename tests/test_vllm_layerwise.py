@@ -1,7 +1,9 @@
-"""Layer-wise streaming (`"transfer": "layerwise"`) between a prefill and a decode `WorkerSide` in this
-process over the loopback transport, driven as vLLM drives them: step metadata, `save_kv_layer` after
-each layer, `get_finished`. Prefill's cache starts empty and each layer's blocks get their fingerprint
-only just before that layer's `save_kv_layer`, so a decode that read a layer early would hold zeros."""
+"""Layer-wise streaming (`"transfer": "layerwise"`) between a prefill and a decode `WorkerSide` in this process.
+
+Over the loopback transport, driven as vLLM drives them: step metadata, `save_kv_layer` after each layer,
+`get_finished`. Prefill's cache starts empty and each layer's blocks get their fingerprint only just before that
+layer's `save_kv_layer`, so a decode that read a layer early would hold zeros.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
 
 def layout_caches(layout: str, fingerprint: bool) -> dict[str, torch.Tensor]:
-    """`vllm_cpu_caches` in vLLM's `layout`: per-layer `[B, H, N, C]` views of one buffer whose physical
-    order is the layout's (block-outermost ones interleave the layers of a block)."""
+    """`vllm_cpu_caches` in vLLM's `layout`: per-layer `[B, H, N, C]` views of one buffer.
+
+    The buffer's physical order is the layout's (block-outermost ones interleave the layers of a block).
+    """
     logical = torch.stack(list(vllm_cpu_caches(0, 1, fingerprint).values()))  # [L, B, H, N, C]
     order = ORDERS[layout]
     buf = torch.zeros(logical.numel(), dtype=logical.dtype)

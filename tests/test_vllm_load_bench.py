@@ -1,8 +1,10 @@
-"""`kvbridge bench --engine vllm --load`, short form: every system, two request rates, a dozen requests each,
-through vLLM's own serve benchmark, across network-namespace hosts (prefill, decode, the router and the client
+"""`kvbridge bench --engine vllm --load`, short form: every system, two request rates, a dozen requests each.
+
+Through vLLM's own serve benchmark, across network-namespace hosts (prefill, decode, the router and the client
 each on its own), each system's servers starting while the one before is measured. It checks that every
 request came back whole and that the report (JSON and plots) is well formed; it asserts no timing. Heavy: run
-it alone, under /work/heavy.lock."""
+it alone, under /work/heavy.lock.
+"""
 
 from __future__ import annotations
 

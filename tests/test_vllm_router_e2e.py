@@ -1,10 +1,12 @@
-"""KVBridgeConnector behind `vllm-router` (vLLM's Rust load balancer, PyPI `vllm-router`) in its prefill/decode
-mode: greedy outputs equal a colocated server's, the decode servers load the prompts from prefill rather than
-compute them, and prefill releases every handed-over request.
+"""KVBridgeConnector behind `vllm-router` (vLLM's Rust load balancer, PyPI `vllm-router`) in its prefill/decode mode.
+
+Greedy outputs equal a colocated server's, the decode servers load the prompts from prefill rather than compute
+them, and prefill releases every handed-over request.
 
 vllm-router's P/D flow is NixlConnector's: prefill gets `kv_transfer_params` with `do_remote_decode: true` and
 the other NIXL keys null, decode gets prefill's answer's `kv_transfer_params` as they came. KVBridgeConnector
-takes both unchanged. Heavy: run it alone, under /work/heavy.lock."""
+takes both unchanged. Heavy: run it alone, under /work/heavy.lock.
+"""
 
 from __future__ import annotations
 

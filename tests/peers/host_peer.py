@@ -109,7 +109,8 @@ def stranger_dial(host: str, ports: list[int], connect_timeout: float) -> dict[s
 def stranger_library(
     backend: str, hostname: str, endpoint: str, op: str, size: int, address: str | None = None
 ) -> dict[str, Any]:
-    """Read or write the endpoint's first region with the transport's own library, holding no secret;
+    """Read or write the endpoint's first region with the transport's own library, holding no secret.
+
     `address` replaces the endpoint's (a Mooncake engine on 127.0.0.1 reached at its host's address).
 
     Returns {"rc": the library's result (0: it says the transfer worked), "digest": of what was read}.

@@ -1,5 +1,8 @@
-"""NIXL as a user meets it: listed by `kvbridge plugins`, and moving a verified migration between two processes
-beside Mooncake in one `kvbridge bench --compare-transports` run."""
+"""NIXL as a user meets it: listed by `kvbridge plugins`, and benched beside Mooncake.
+
+One `kvbridge bench --compare-transports` run moves a verified migration between two processes over NIXL, beside
+Mooncake.
+"""
 
 from __future__ import annotations
 

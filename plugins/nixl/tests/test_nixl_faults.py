@@ -1,6 +1,8 @@
-"""NIXL's own fault paths, beyond the conformance suite: a peer that never answers, and closing with requests
-in flight. The hung peer is real: UCX is limited to its TCP transport (where a read needs the remote worker
-to make progress) and the reading side's peer never makes any, as a stopped process would not."""
+"""NIXL's own fault paths beyond the conformance suite: a peer that never answers, and closing with requests in flight.
+
+The hung peer is real: UCX is limited to its TCP transport (where a read needs the remote worker to make progress)
+and the reading side's peer never makes any, as a stopped process would not.
+"""
 
 from __future__ import annotations
 

@@ -158,8 +158,9 @@ class Rank:
         return self.worker._worker.agent.backend
 
     def raw(self, sources: list[dict[str, Any]], timeout: float = 60.0) -> dict[str, Any]:
-        """Decode: the raw transport on the same bytes as the pulls, one descriptor per request, all
-        submitted at once as the connector submits a step's requests, into this rank's raw buffer.
+        """Decode: the raw transport on the same bytes as the pulls, into this rank's raw buffer.
+
+        One descriptor per request, all submitted at once as the connector submits a step's requests.
 
         `sources`: per request, the prefill rank's `endpoint` and `raw_addr` and the `bytes` to read.
         """

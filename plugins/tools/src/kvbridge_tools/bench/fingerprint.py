@@ -1,5 +1,7 @@
-"""Fingerprinted KV values: every element is a hash of its coordinates, so a byte that lands in
-the wrong place (wrong request, layer, K/V, token, head or dim) is caught on verification."""
+"""Fingerprinted KV values: every element is a hash of its coordinates.
+
+A byte that lands in the wrong place (wrong request, layer, K/V, token, head or dim) is thus caught on verification.
+"""
 
 from __future__ import annotations
 

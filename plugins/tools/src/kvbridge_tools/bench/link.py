@@ -22,8 +22,10 @@ SUBNET = "198.51.100.0/24"  # a documentation range: never a real network
 
 @attrs.frozen
 class Link:
-    """What `--link` asks of the prefill<->decode link: a rate in bits/s (None: the veth's own) and a
-    share of packets dropped each way."""
+    """What `--link` asks of the prefill<->decode link: a rate in bits/s and a share of packets dropped each way.
+
+    A rate of None keeps the veth's own.
+    """
 
     rate_bits: int | None = None
     loss: float = 0.0
@@ -71,8 +73,10 @@ class Placed:
 
 @contextlib.contextmanager
 def placed(link: Link, also: Sequence[str] = ()) -> Iterator[Placed]:
-    """Two hosts, prefill and decode, with `link` between them, and the hosts named in `also` on the same
-    bridge, unshaped; removed (processes too) on exit."""
+    """Two hosts, prefill and decode, with `link` between them; removed (processes too) on exit.
+
+    The hosts named in `also` are on the same bridge, unshaped.
+    """
     from kvbridge_tools.harness.hosts import Hosts, hosts_unavailable
 
     reason = hosts_unavailable()

@@ -85,8 +85,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def _option(text: str) -> tuple[str, str]:
-    """KEY=VALUE as given: the plugin's option schema converts the value to the type it declares (a
-    secret of digits stays a string, `insecure=1` a bool)."""
+    """Split an option's KEY=VALUE, keeping the value as given (a string).
+
+    The plugin's option schema converts the value to the type it declares (a secret of digits stays a string,
+    `insecure=1` a bool).
+    """
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -106,8 +109,11 @@ def plan_blocks(
 
 
 def descriptor_count(src: list[int], dst: list[int], units: int, unit_bytes: int, piece: int | None) -> int:
-    """Descriptors the direct strategy sends for one request: runs of blocks consecutive on both sides, for
-    each of a block's `units` runs of `unit_bytes` in the layout, cut into the transport's pieces."""
+    """Descriptors the direct strategy sends for one request.
+
+    They are runs of blocks consecutive on both sides, for each of a block's `units` runs of `unit_bytes` in the
+    layout, cut into the transport's pieces.
+    """
     s, d = np.asarray(src), np.asarray(dst)
     starts = np.flatnonzero(np.concatenate(([True], (np.diff(s) != 1) | (np.diff(d) != 1))))
     lengths = np.diff(np.append(starts, len(s))) * unit_bytes
@@ -363,12 +369,13 @@ def _gathered(
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Collect once, then keep every object alive now out of the collector's way (`gc.freeze`) until the
-    block ends. A bench process that built its model holds torch and transformers (about 370,000
-    objects): a full collection then took 250-290 ms, and one landing inside a timed request added that
-    much to its time (a stray pair 1.5-1.8x slower in every `--transfer layerwise` run, on either side).
-    Unfrozen after: objects still frozen at exit are never freed, and triton's bindings then print
-    hundreds of "nanobind: leaked" lines."""
+    """Collect once, then keep every live object out of the collector's way (`gc.freeze`) until the block ends.
+
+    A bench process that built its model holds torch and transformers (about 370,000 objects): a full collection
+    then took 250-290 ms, and one landing inside a timed request added that much to its time (a stray pair 1.5-1.8x
+    slower in every `--transfer layerwise` run, on either side). Unfrozen after: objects still frozen at exit are
+    never freed, and triton's bindings then print hundreds of "nanobind: leaked" lines.
+    """
     gc.collect()
     gc.freeze()
     try:
@@ -398,9 +405,11 @@ def paired_ratio(raw_s: list[float], kv_s: list[float]) -> dict[str, Any]:
 
 
 def median_interval(samples: list[float], confidence: float = 0.9, rounds: int = 4000) -> list[float]:
-    """A bootstrap interval of the median of `samples` (percentile method, fixed seed: the same samples give
-    the same interval). With few samples on a noisy host it says when a median cannot tell two sides apart:
-    an interval that holds 1.0 is a tie at this noise, whichever side of 1.0 the median fell."""
+    """A bootstrap interval of the median of `samples` (percentile method, fixed seed: same samples, same interval).
+
+    With few samples on a noisy host it says when a median cannot tell two sides apart: an interval that holds 1.0 is
+    a tie at this noise, whichever side of 1.0 the median fell.
+    """
     x = np.asarray(samples, dtype=np.float64)
     if len(x) < 2:
         return [float(x[0]), float(x[0])] if len(x) else [math.nan, math.nan]

@@ -137,8 +137,10 @@ def gather(blocks: list[int], chunk_bytes: int) -> dict[str, float]:
 def migrate_gathered(
     src_addr: int, dst_blocks: list[int], chunk_bytes: int, ready_before: int, wait_s: float
 ) -> dict[str, Any]:
-    """Decode: read the prefill's staging region chunk by chunk as its flag says they are ready, into the
-    landing region, and scatter each landed chunk into the request's blocks while the next is on the wire."""
+    """Decode: read prefill's staging region into the landing region, chunk by chunk as its flag says they are ready.
+
+    Each landed chunk is scattered into the request's blocks while the next is on the wire.
+    """
     side = _get()
     assert side.staging is not None and side.peer is not None, "call stage and connect first"
     start = time.monotonic()

@@ -1,7 +1,7 @@
-"""Recoverable fingerprints for multi-rank runs: every 8-byte word says which (layer, K/V, token,
-head, dim) it holds, so a decode rank can prove it holds exactly its share of heads and tokens.
-(`kvbridge_tools.bench.fingerprint` hashes coordinates for the one-pair bench; here they must be
-readable back, across different parallel configs.)
+"""Recoverable fingerprints for multi-rank runs: every 8-byte word says which (layer, K/V, token, head, dim) it holds.
+
+A decode rank can thus prove it holds exactly its share of heads and tokens. (`kvbridge_tools.bench.fingerprint`
+hashes coordinates for the one-pair bench; here they must be readable back, across different parallel configs.)
 
 A word packs layer (12 bits), kind (2 bits: K=1, V=2, latent=3, so a valid word is never 0),
 global token (24 bits), global head (12 bits) and the dim of its first element (14 bits). A

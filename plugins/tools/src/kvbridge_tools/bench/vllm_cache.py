@@ -37,12 +37,14 @@ def allocate(
     layers: range | None = None,
     cache_dtype: str = "auto",
 ) -> tuple[dict[str, Any], Any]:
-    """Per-layer KV cache views of one rank, as vLLM 0.32 (or vllm-ascend) allocates them, and the
-    `KVCacheConfig` vLLM hands its connector.
+    """Per-layer KV cache views of one rank as vLLM 0.32 (or vllm-ascend) allocates them, and the `KVCacheConfig`.
+
+    That `KVCacheConfig` is the one vLLM hands its connector.
 
     `device` is a torch device string (``cuda:0``; a string, so a stand-in's ``torch.zeros`` serves it);
     `layers`: this pipeline stage's layers (default all); `cache_dtype`: vLLM's kv_cache_dtype (fp8
-    ones allocate uint8, as vLLM does)."""
+    ones allocate uint8, as vLLM does).
+    """
     import torch
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
     from vllm.v1.kv_cache_interface import (
@@ -94,8 +96,10 @@ def allocate(
 def logical(
     model: ModelSpec, request: int, tokens: int, heads: range, block_size: int, layers: range | None = None
 ) -> np.ndarray:
-    """A request's fingerprinted KV `[L, n, len(heads), block_size, C]` (uint8) for the given global heads
-    and layers (default all); tokens past the request's end are zero."""
+    """A request's fingerprinted KV `[L, n, len(heads), block_size, C]` (uint8) for the given global heads.
+
+    It covers the given `layers` (default all); tokens past the request's end are zero.
+    """
     content = model.kv_tensors * model.head_dim * model.dtype_bytes
     n = -(-tokens // block_size)
     total_heads = 1 if model.attention == "mla" else model.kv_heads

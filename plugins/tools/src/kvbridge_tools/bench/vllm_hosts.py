@@ -137,8 +137,10 @@ def _run_placed(
 
 
 def kv_bytes_per_token(model: Path) -> int:
-    """The KV bytes one token takes in the servers' cache (K and V of every layer, fp32 as the bench serves
-    them), from the model's config.json."""
+    """The KV bytes one token takes in the servers' cache, from the model's config.json.
+
+    That is K and V of every layer, fp32 as the bench serves them.
+    """
     import json
 
     cfg = json.loads((model / "config.json").read_text())

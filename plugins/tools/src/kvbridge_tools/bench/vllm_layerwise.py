@@ -1,6 +1,7 @@
-"""`kvbridge bench --engine vllm --transfer layerwise`: layer-wise streaming against pull mode on the same
-prefill + decode pair of real vLLM servers (both run `"transfer": "layerwise"`, which also serves pull
-requests), request by request in turn, so each length's figures are paired.
+"""`kvbridge bench --engine vllm --transfer layerwise`: layer-wise streaming against pull mode on real vLLM servers.
+
+Both modes run on the same prefill + decode pair (both servers run `"transfer": "layerwise"`, which also serves
+pull requests), request by request in turn, so each length's figures are paired.
 
 Per request, as a client of a PD proxy sees it (the bench plays the proxy): `client_ttft_ms` is from
 sending the request to the decode's first token (decode answers with `max_tokens` 1). Pull: prefill,

@@ -222,8 +222,11 @@ def row_of(system: str, load: Load, result: dict[str, Any], prompts: int, cpu: d
 def _start(
     name: str, *, model_dir: Path, logs: Path, max_len: int, args: argparse.Namespace, placed: Placed | None = None
 ) -> System:
-    """One system's servers and routing, healthy: on 127.0.0.1, or with `placed` prefill, decode and the router
-    each on their host (the colocated server on the decode host)."""
+    """One system's servers and routing, healthy.
+
+    They run on 127.0.0.1, or with `placed` prefill, decode and the router each on their host (the colocated server
+    on the decode host).
+    """
     from kvbridge_tools.bench import vllm as pd
     from kvbridge_tools.harness.vllm_router import start_vllm_router
     from kvbridge_tools.harness.vllm_server import start_proxy, start_vllm, wait_healthy

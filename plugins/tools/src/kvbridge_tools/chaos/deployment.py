@@ -1,9 +1,12 @@
-"""A real PD deployment on this machine: P prefill and D decode vLLM servers with KVBridgeConnector
-over Mooncake TCP, one colocated server (the reference output), and `kvbridge proxy` in front.
+"""A real PD deployment on this machine: prefill and decode vLLM servers, a colocated one, and `kvbridge proxy`.
+
+P prefill and D decode servers run KVBridgeConnector over Mooncake TCP; one colocated server gives the reference
+output; `kvbridge proxy` is in front.
 
 With `hosts` (`kvbridge_tools.harness.hosts.Hosts` named by `host_names`), each prefill and decode server
 runs on a host of its own and the proxy and the colocated server on the "proxy" host, every
-listener on its host's address; whoever talks to them runs on the proxy host (`Host.entered`)."""
+listener on its host's address; whoever talks to them runs on the proxy host (`Host.entered`).
+"""
 
 from __future__ import annotations
 
@@ -113,9 +116,11 @@ class Deployment:
         return next((s for s in self.servers() if s.url == url), None)
 
     def kill_and_restart(self, server: Server) -> bool:
-        """SIGKILL `server` now and start it again on the same ports in the background. False (the fault
-        is then not injected) while another server of its role is down: at most one per role is, so the
-        proxy always has one to fail over to, as a deployment sized for one failure does."""
+        """SIGKILL `server` now and start it again on the same ports in the background.
+
+        Returns False (the fault is then not injected) while another server of its role is down: at most one per
+        role is, so the proxy always has one to fail over to, as a deployment sized for one failure does.
+        """
         group = self.prefill if server in self.prefill else self.decode
         with self._lock:
             if not server.alive() or any(s.port in self._restarting for s in group):
@@ -147,8 +152,10 @@ class Deployment:
             return bool(self._restarting)
 
     def blocks_in_use(self, server: Server) -> float:
-        """KV blocks the server holds now, read from its own metrics (usage x its block count); -1 when
-        the server cannot be read (then nothing proves it holds none)."""
+        """KV blocks the server holds now, read from its own metrics (usage x its block count).
+
+        It is -1 when the server cannot be read (then nothing proves it holds none).
+        """
         import httpx
 
         try:

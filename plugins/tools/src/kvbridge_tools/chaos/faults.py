@@ -36,8 +36,11 @@ def parse_faults(text: str) -> list[str]:
 def schedule(
     faults: list[str], requests: int, *, seed: int, kills_per_100: int = 2, client_faults_per_100: int = 8
 ) -> dict[int, str]:
-    """Request index -> the per-request fault it carries. Kills are rare (each restarts a server), at
-    least one each when asked; client-side faults are more frequent. The first few requests run clean."""
+    """Request index -> the per-request fault it carries.
+
+    Kills are rare (each restarts a server), at least one each when asked; client-side faults are more frequent.
+    The first few requests run clean.
+    """
     rng = random.Random(seed)
     out: dict[int, str] = {}
     pool = list(range(min(3, requests), requests))

@@ -1,5 +1,7 @@
-"""The checks of `scripts/gpu-check` (docs/gpu.md), one per child process: `python -m kvbridge_tools.harness.gpu_check
-STEP --device cuda --transport tcp --result FILE`. Each writes {status, detail, data} as JSON to FILE.
+"""The checks of `scripts/gpu-check` (docs/gpu.md), one per child process.
+
+A check runs as `python -m kvbridge_tools.harness.gpu_check STEP --device cuda --transport tcp --result FILE`.
+Each writes {status, detail, data} as JSON to FILE.
 
 They drive kvbridge's own code, nothing copied: the device conformance suite (`kvbridge.testing.devices`,
 through pytest), the pair bench (`kvbridge bench`), the landing rearrangement (`KVAgent.pull` with a
@@ -73,8 +75,10 @@ def environment(args: argparse.Namespace) -> Outcome:
 
 
 def conformance(args: argparse.Namespace) -> Outcome:
-    """The device conformance suite through pytest, over tcp, loopback and the carried transport; any
-    skip fails the step (on a GPU machine a skipped GPU test means the GPU was not used)."""
+    """The device conformance suite through pytest, over tcp, loopback and the carried transport.
+
+    Any skip fails the step (on a GPU machine a skipped GPU test means the GPU was not used).
+    """
     path, cls = CONFORMANCE[args.device]
     expr = " and ".join([cls, *(f"not {t}" for t in OTHER_TRANSPORTS if t != args.transport)])
     xml = Path(args.out) / "conformance.xml"
@@ -102,8 +106,10 @@ def conformance(args: argparse.Namespace) -> Outcome:
 
 
 def pair_bench(args: argparse.Namespace) -> Outcome:
-    """`kvbridge bench` between two processes, both KV caches on the device (one GPU: both on cuda:0),
-    verified byte for byte, beside the raw transport measured in the same run."""
+    """`kvbridge bench` between two processes, both KV caches on the device (one GPU: both on cuda:0).
+
+    The KV is verified byte for byte, beside the raw transport measured in the same run.
+    """
     runs = []
     for protocol in _bench_protocols(args.transport):
         cmd = [
@@ -182,10 +188,12 @@ def _path(device: str, transport: str, protocol: str | None) -> str:
 
 
 def landing(args: argparse.Namespace) -> Outcome:
-    """Every pair of vLLM KV cache layouts (6 x 6): decode pulls a request from prefill through
-    `KVAgent.pull`, which lands the peer's blocks and rearranges them on the device; each block must
-    then equal prefill's, and blocks outside the request stay zero. Over the in-process loopback
-    transport, staged where it cannot reach the device (no engine, no network)."""
+    """Every pair of vLLM KV cache layouts (6 x 6): decode pulls a request from prefill through `KVAgent.pull`.
+
+    `KVAgent.pull` lands the peer's blocks and rearranges them on the device; each block must then equal prefill's,
+    and blocks outside the request stay zero. Over the in-process loopback transport, staged where it cannot reach
+    the device (no engine, no network).
+    """
     import torch
 
     from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, ORDERS, byte_views, describe_kv_caches
@@ -257,10 +265,13 @@ def _caches(layout: str, device: str) -> dict[str, Any]:
 
 
 def layerwise(args: argparse.Namespace) -> Outcome:
-    """Layer-wise streaming's prefill side: each layer's KV is written by queued device work on a stream of
-    its own, `save_layer` records a mark (a CUDA event) and returns, and a publisher thread waits for it
-    and publishes the layer (device -> pinned host mirror). A peer then reads every published block: each
-    must hold what the queued work wrote, so a mark that did not cover the work would show."""
+    """Layer-wise streaming's prefill side: every published layer holds what the queued device work wrote.
+
+    Each layer's KV is written by queued device work on a stream of its own, `save_layer` records a mark (a CUDA
+    event) and returns, and a publisher thread waits for it and publishes the layer (device -> pinned host mirror).
+    A peer then reads every published block: each must hold what the queued work wrote, so a mark that did not
+    cover the work would show.
+    """
 
     import kvbridge
     from kvbridge.agent import KVAgent
@@ -321,8 +332,10 @@ def layerwise(args: argparse.Namespace) -> Outcome:
 
 @contextlib.contextmanager
 def _side_stream(device: str) -> Iterator[None]:
-    """Queue the "forward" on a CUDA stream of its own, as an engine may: a mark recorded on another
-    stream than the writes' would not cover them."""
+    """Queue the "forward" on a CUDA stream of its own, as an engine may.
+
+    A mark recorded on another stream than the writes' would not cover them.
+    """
     if device != "cuda":
         yield
         return

@@ -176,8 +176,10 @@ def pack(transport: str, dry_run: bool = False) -> int:
 
 
 def _unpack_wheels(wheels: list[Path], site: Path) -> None:
-    """What `pip install --no-index --no-deps --target` does, where the image has no pip: a wheel is a zip
-    whose `*.data/purelib` and `platlib` belong beside its packages."""
+    """What `pip install --no-index --no-deps --target` does, where the image has no pip.
+
+    A wheel is a zip whose `*.data/purelib` and `platlib` belong beside its packages.
+    """
     for whl in wheels:
         with zipfile.ZipFile(whl) as z:
             for member in z.infolist():
@@ -234,8 +236,10 @@ def _pyproject_dists(repo: Path = REPO) -> list[dict[str, Any]]:
 
 
 def write_dist_info(dists: list[dict[str, Any]], folder: Path) -> list[str]:
-    """Metadata only (`NAME-VERSION.dist-info` with METADATA and entry_points.txt) for distributions whose
-    code is on PYTHONPATH but which are not installed: kvbridge finds its plugins by entry point."""
+    """Metadata only (`NAME-VERSION.dist-info` with METADATA and entry_points.txt) for distributions on PYTHONPATH.
+
+    Their code is on PYTHONPATH but they are not installed, and kvbridge finds its plugins by entry point.
+    """
     written = []
     for d in dists:
         info = folder / f"{d['name'].replace('-', '_')}-{d['version']}.dist-info"
@@ -276,9 +280,11 @@ def child_env(site: Path | None, debs: Path | None) -> dict[str, str]:
 
 
 def install(transport: str, dry_run: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """Install what the pack carried into SITE (and its .debs under DEBS_ROOT): the `install` step's
-    result and the children's environment. A dry run installs nothing and checks that what the pack
-    would provide imports here."""
+    """Install what the pack carried into SITE (and its .debs under DEBS_ROOT).
+
+    Returns the `install` step's result and the children's environment. A dry run installs nothing and checks that
+    what the pack would provide imports here.
+    """
     start = time.monotonic()
     env = child_env(None, None)
     data: dict[str, Any] = {}

@@ -202,9 +202,11 @@ def connector_config(
     deadline_s: float | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """A `--kv-transfer-config` for KVBridgeConnector as `role` (kv_producer, kv_consumer): `backend`
-    (Mooncake over TCP by default) on a free side-channel port, plus connector `options`
-    (`lease_s`, `transfer`, ...). `deadline_s` sets Mooncake's `transfer_deadline`."""
+    """A `--kv-transfer-config` for KVBridgeConnector as `role` (kv_producer, kv_consumer).
+
+    It names `backend` (Mooncake over TCP by default) on a free side-channel port, plus connector `options`
+    (`lease_s`, `transfer`, ...). `deadline_s` sets Mooncake's `transfer_deadline`.
+    """
     transport = {"protocol": "tcp"} if backend.lower() == "mooncake" else {}
     if deadline_s is not None and backend.lower() == "mooncake":
         transport["backend_options"] = {"transfer_deadline": deadline_s}
@@ -217,8 +219,10 @@ def connector_config(
 
 @attrs.define
 class Completions:
-    """Greedy completions of `model` from any server that serves it (vLLM or the proxy), to compare
-    servers token for token. Close `http` when done."""
+    """Greedy completions of `model` from any server that serves it (vLLM or the proxy).
+
+    They compare servers token for token. Close `http` when done.
+    """
 
     model: str
     max_tokens: int = 8
@@ -353,14 +357,16 @@ def start_proxy(
     secret: str | None = None,
     registry: str | None = None,
 ) -> Server:
-    """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair (with a
-    `registry`, whose servers it also routes to: once it answers, the caller waits for what it needs).
-    `expose_internals`: its answers name the servers by URL (`--expose-internals`). `secret`: the servers'
-    shared secret, so the proxy can abort a lease on prefill's side channel when no decode took the request.
+    """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
+
+    With a `registry`, whose servers it also routes to, it returns once the proxy answers: the caller waits for
+    what it needs. `expose_internals`: its answers name the servers by URL (`--expose-internals`). `secret`: the
+    servers' shared secret, so the proxy can abort a lease on prefill's side channel when no decode took the request.
 
     The proxy's warm-up is one real handover through each prefill/decode pair (its first contact),
     so whoever counts a decode server's transfers starts after it. A proxy that does not get there
-    is stopped, and the error carries its log."""
+    is stopped, and the error carries its log.
+    """
     port = port or free_port()
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="kvbridge-proxy-"))
     log_path = log_dir / f"proxy-{port}.log"
