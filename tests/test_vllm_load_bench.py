@@ -1,9 +1,9 @@
-"""`kvbridge bench --engine vllm --load`, short form: every system, two request rates, a dozen requests each.
+"""`kvbridge bench --engine vllm --load` in short form: every system serves every request, across hosts.
 
-Through vLLM's own serve benchmark, across network-namespace hosts (prefill, decode, the router and the client
-each on its own), each system's servers starting while the one before is measured. It checks that every
-request came back whole and that the report (JSON and plots) is well formed; it asserts no timing. Heavy: run
-it alone, under /work/heavy.lock.
+Every system gets two request rates, a dozen requests each, through vLLM's own serve benchmark, across
+network-namespace hosts (prefill, decode, the router and the client each on its own), each system's servers
+starting while the one before is measured. It checks that every request came back whole and that the report
+(JSON and plots) is well formed; it asserts no timing. Heavy: run it alone, under /work/heavy.lock.
 """
 
 from __future__ import annotations
