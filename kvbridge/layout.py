@@ -1,17 +1,10 @@
 """KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them.
 
-A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions,
-one per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a
-block (vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache.
-Block b of a region starts at `addr + b * block_stride` and is `block_bytes` long. Where heads
-can be sliced out of a block, a region also says how: a head's bytes are `chunks` pieces of
-`head_bytes`, `chunk_stride` apart, and head h starts at `h * head_bytes` in each piece
-(HND: one piece per block; NHD: one piece per token). A region with `heads == 0` is opaque.
-
-Builders cover the layouts engines really use: `vllm_layout` (one tensor per layer, K/V split
-or joint, or a (K, V) pair of tensors; NHD or HND), `lmdeploy_layout` (one packed pool of shape
-(layers, blocks, bytes) per rank), and `buffer_layout` (one descriptor per buffer kind, as MLU
-engines register key/value/index buffers).
+A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions, one
+per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a block
+(vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache. How a region addresses its
+blocks and heads, and the builders for the layouts engines use: docs/planning.md ("Layouts and
+descriptors").
 """
 
 from __future__ import annotations
@@ -109,14 +102,12 @@ class PagedGeometry:
 
     def same_arrangement(self, other: PagedGeometry) -> bool:
         """Blocks of both can be copied byte for byte (only addresses and capacity differ)."""
-        return (self.name, self.order, self.heads, self.block_size) == (
-            other.name,
-            other.order,
-            other.heads,
-            other.block_size,
-        ) and [(p.kind, p.content, p.head_stride, p.token_stride) for p in self.planes] == [
-            (p.kind, p.content, p.head_stride, p.token_stride) for p in other.planes
-        ]
+        return _arrangement(self) == _arrangement(other)
+
+
+def _arrangement(g: PagedGeometry) -> tuple[Any, ...]:
+    planes = tuple((p.kind, p.content, p.head_stride, p.token_stride) for p in g.planes)
+    return g.name, g.order, g.heads, g.block_size, planes
 
 
 @attrs.frozen(cache_hash=True)  # a key of the planner's caches: hashed on every pull
@@ -265,25 +256,11 @@ def paged_layout(model: ModelSpec, geometry: PagedGeometry) -> KVLayout:
         c, n, h = plane.content, g.block_size, g.heads
         page = h * n * c
         for layer, addr in enumerate(plane.layer_addrs):
+            region = functools.partial(KVRegion, layer, plane.kind, addr, g.num_blocks, plane.block_stride)
             if (plane.head_stride, plane.token_stride) == (n * c, c) or h == 1 and plane.token_stride == c:
-                regions.append(
-                    KVRegion(layer, plane.kind, addr, g.num_blocks, plane.block_stride, page, heads=h, head_bytes=n * c)
-                )
+                regions.append(region(page, heads=h, head_bytes=n * c))
             elif (plane.head_stride, plane.token_stride) == (c, h * c):
-                regions.append(
-                    KVRegion(
-                        layer,
-                        plane.kind,
-                        addr,
-                        g.num_blocks,
-                        plane.block_stride,
-                        page,
-                        heads=h,
-                        head_bytes=c,
-                        chunks=n,
-                        chunk_stride=h * c,
-                    )
-                )
+                regions.append(region(page, heads=h, head_bytes=c, chunks=n, chunk_stride=h * c))
             elif plane.token_stride == c:
                 regions.extend(
                     KVRegion(layer, plane.kind, addr + i * plane.head_stride, g.num_blocks, plane.block_stride, n * c)
@@ -324,19 +301,12 @@ class BufferDesc:
 
 def buffer_layout(model: ModelSpec, heads: int, buffers: Sequence[BufferDesc]) -> KVLayout:
     """Opaque blocks from buffer descriptors (key, value, index...): whole blocks only, no head slicing."""
+    for b in buffers:
+        if b.num_layers != model.layers:
+            raise ConfigError(f"{b.kind} buffer has {b.num_layers} layers, {model.name} has {model.layers}")
     regions = []
     for layer in range(model.layers):
         for b in buffers:
-            if b.num_layers != model.layers:
-                raise ConfigError(f"{b.kind} buffer has {b.num_layers} layers, {model.name} has {model.layers}")
-            regions.append(
-                KVRegion(
-                    layer,
-                    b.kind,
-                    b.addr + layer * b.num_blocks * b.size_per_block,
-                    b.num_blocks,
-                    b.size_per_block,
-                    b.size_per_block,
-                )
-            )
+            size = b.size_per_block  # blocks back to back: the stride is the block
+            regions.append(KVRegion(layer, b.kind, b.addr + layer * b.num_blocks * size, b.num_blocks, size, size))
     return KVLayout(model, heads, regions)
