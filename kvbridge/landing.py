@@ -15,14 +15,11 @@ zero-copy path of `kvbridge.descriptors`, unless the transport may still write a
 retired, so the cache blocks the engine takes back (to recompute, or for another request) stay clean.
 
 Device memory: landing buffers are allocated by the cache's device plugin and registered with the
-agent's device-bound backend, so where the transport cannot reach the device (TCP and GPU memory)
-the bytes land in the buffer's pinned host mirror and are copied to the device, followed by the
-plugin's sync (`kvbridge.staging.StagedBackend`); the rearrangement then runs on the device and is
-followed by the plugin's sync too, before the pull reports the blocks loaded. The pool of idle
-buffers is bounded (`max_idle_bytes`): a buffer released beyond it is unregistered and freed. Retired
-buffers are bounded too (`max_retired_bytes`): they can never be freed (a late write may come whenever
-the peer answers again), so once the next buffer would take them past the bound a pull that must land
-is refused with a LoadError (the engine recomputes it) instead of growing memory with every failed pull.
+agent's device-bound backend (through host mirrors where the transport cannot reach the device,
+`kvbridge.staging`); the rearrangement runs on the device and the plugin syncs before the pull reports
+the blocks loaded. Idle buffers are bounded (`max_idle_bytes`: one released beyond it is freed), and so
+are retired ones (`max_retired_bytes`, docs/design.md): past it a pull that must land is refused with a
+LoadError (the engine recomputes) instead of growing memory with every failed pull.
 """
 
 from __future__ import annotations
