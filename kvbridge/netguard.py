@@ -1,26 +1,10 @@
 """Close the listeners of transports that authenticate nobody to hosts that have not proved the secret.
 
-Mooncake's Transfer Engine and UCX (under NIXL) take no credentials: whoever connects to their ports
-can read and write registered memory. And they listen on every interface whatever address they are
-given (Mooncake binds its RPC port to 0.0.0.0 and its data port to ``[::]``; UCX listens on every
-interface's address), so a loopback hostname protects nothing. kvbridge cannot change the libraries,
-but it owns the process: right after a transport starts, `Guard.capture` finds the listening sockets the
-library opened (the process's TCP listeners before and after) and attaches a classic BPF socket
-filter (``SO_ATTACH_FILTER``) to each. The kernel then drops every segment from a source address that
-is not admitted, the connection's SYN included, so a stranger never gets a connection, a handshake or
-a byte. Connections the listener accepts inherit the filter.
-
-Admitted are loopback, this host's own addresses, the networks an operator names (`allow`),
-and every host that proved the shared secret to this process: the source address of an authenticated
-side-channel request, the side channel an authenticated reply came from, and the host an
-authenticated endpoint names (`admit`). Admission is per process, because the filters are: every
-rank in it holds the same secret.
-
-What it does not do: it admits hosts, not processes (anyone on an admitted host can connect, as with
-any firewall rule), and it does not stop an attacker on the path who can forge source addresses.
-Across networks you do not control, use kvbridge's `tcp` transport, which authenticates every
-connection, or a VPN. `insecure=True` is the explicit trust option: no filter, a warning at every
-start, and `open` in `kvbridge doctor` and `/metrics`.
+Right after a transport (Mooncake, UCX under NIXL) starts, `Guard.capture` finds the listening sockets
+the library opened (the process's TCP listeners before and after) and attaches a classic BPF socket
+filter (``SO_ATTACH_FILTER``) to each, so the kernel drops every segment from a source address that
+is not admitted. Admission is per process, because the filters are. Why, whom it admits, the trust
+option and what an address filter cannot do: docs/security.md ("Transports that authenticate nobody").
 """
 
 from __future__ import annotations
