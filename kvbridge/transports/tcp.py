@@ -3,21 +3,10 @@
 Every backend serves its registered memory on a listening socket. A transfer is one request
 per connection round trip: a length-prefixed msgpack header with the remote ranges, then the
 payload sent straight from registered memory with scatter/gather `sendmsg` and received in
-place with `recvmsg_into`, so there is no Python-level copy and no syscall per block.
-
-Only ranges inside registered memory are served, and only on authenticated connections. The
-server opens each connection with a fresh challenge; the client answers with an HMAC of it (and a
-challenge of its own, which the server answers the same way), keyed by the shared secret
-(`kvbridge.secret`) or, without one, by a per-endpoint token published in the endpoint info (a
-loopback-only listener, or an explicit `insecure` opt-in). Nothing larger than `_MAX_AUTH_FRAME`
-is read from a connection before it has authenticated, and a shared secret never crosses the wire.
-
-Hostile or careless peers: at most `max_handshakes` connections authenticate at once (more are closed at
-once), each within one `handshake_timeout` for the whole handshake; a failed `accept()` (EMFILE) or thread
-start is logged and retried after a bounded backoff. A range that crosses from one registered region into
-the adjacent one is served as a view per region, and a request whose views would fall short is refused,
-never sent short. After the handshake a connection that makes no progress for `transfer_deadline`
-seconds is dropped, and the base class retries the part once (`transfer_deadline_s`).
+place with `recvmsg_into`, so there is no Python-level copy and no syscall per block. Only ranges
+inside registered memory are served, and only on connections authenticated by a challenge-response
+(nothing larger than `_MAX_AUTH_FRAME` is read before). The handshake, its bounds against hostile
+peers, the key and the transfer deadline: docs/security.md ("TCP transport").
 """
 
 from __future__ import annotations
