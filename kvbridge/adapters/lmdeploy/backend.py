@@ -7,17 +7,9 @@ remote `target_offset` into the local `source_offset`). It reads
 `links[remote_engine_id].remote_engine_config.num_gpu_blocks` between connect steps.
 
 One transport per protocol serves every link of the process; memory is registered once and
-unregistered when the last link that registered it is dropped.
-
-The pools live on this worker's device (`AdapterSettings.device`, else the accelerator the process
-has): each pool is registered as that device's memory, with its kind and device id, and the
-transport is bound to the device (`kvbridge.staging.attach`), directly where it reaches the memory,
-through pinned host mirrors where it cannot (GPU memory over TCP). Staged, the reading side is
-complete by itself (bytes land in the mirror, go to the device, the device synchronizes, then
-`p2p_migrate` returns); the serving side must refresh its mirrors with `publish()` once the blocks it
-offers are computed. LMDeploy 0.18's CacheEngine never tells its migration backend that, so an
-engine that serves staged memory says so when it registers: serve with a protocol that reaches the
-device's memory (`rdma`, `ascend`, `nvlink`), or call `publish()` from the integration.
+unregistered when the last link that registered it is dropped. The pools are this worker's device's
+memory, reached directly or through host mirrors (`kvbridge.staging.attach`); why a staged serving
+side must `publish()`: docs/lmdeploy.md.
 """
 
 from __future__ import annotations
