@@ -180,16 +180,19 @@ def _secret_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"kvbridge-tcp-transport-key", hashlib.sha256).digest()
 
 
+def _advance(chunk: list[memoryview], n: int) -> list[memoryview]:
+    """`chunk` without its first `n` bytes."""
+    while chunk and n >= len(chunk[0]):
+        n -= len(chunk[0])
+        chunk = chunk[1:]
+    return [chunk[0][n:], *chunk[1:]] if chunk and n else chunk
+
+
 def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     for i in range(0, len(views), _IOV_CHUNK):
         chunk = views[i : i + _IOV_CHUNK]
         while chunk:
-            sent = sock.sendmsg(chunk)
-            while chunk and sent >= len(chunk[0]):
-                sent -= len(chunk[0])
-                chunk = chunk[1:]
-            if chunk and sent:
-                chunk = [chunk[0][sent:], *chunk[1:]]
+            chunk = _advance(chunk, sock.sendmsg(chunk))
 
 
 def _recvmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -199,11 +202,7 @@ def _recvmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
             got = sock.recvmsg_into(chunk)[0]
             if got == 0:
                 raise ConnectionError("connection closed mid-payload")
-            while chunk and got >= len(chunk[0]):
-                got -= len(chunk[0])
-                chunk = chunk[1:]
-            if chunk and got:
-                chunk = [chunk[0][got:], *chunk[1:]]
+            chunk = _advance(chunk, got)
 
 
 def _discard(sock: socket.socket, n: int) -> None:
