@@ -318,9 +318,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             try:
                 handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except TransferTimeout:
-                failure = failure or _failed(
-                    rid, p, first, count, TransferTimeout(f"not finished within {timeout}s", peer=rid, cause="timeout")
-                )
+                failure = failure or _late(rid, p, first, count, timeout)
             except TransferError as exc:
                 failure = failure or _failed(rid, p, first, count, exc)
         if failure is not None:
@@ -333,14 +331,8 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         try:
             await asyncio.wait_for(asyncio.gather(*waiters), self.settings.timeout)
         except asyncio.TimeoutError:
-            late = next((s for s in submitted if not s[0].done()), submitted[-1])
-            raise _failed(
-                rid,
-                p,
-                late[1],
-                late[2],
-                TransferTimeout(f"not finished within {self.settings.timeout}s", peer=rid, cause="timeout"),
-            ) from None
+            _, first, count = next((s for s in submitted if not s[0].done()), submitted[-1])
+            raise _late(rid, p, first, count, self.settings.timeout) from None
         self._wait(rid, p, submitted)  # every handle is done: this only collects errors
 
     # -- teardown ----------------------------------------------------------------------------
@@ -418,6 +410,11 @@ def _failed(rid: str, p: InstructPlan, first: int, count: int, exc: BaseExceptio
     if isinstance(exc, TransferTimeout):
         return TransferTimeout(text, peer=rid, cause="timeout")
     return TransferFailed(text, peer=rid, cause=getattr(exc, "cause", "") or str(exc))
+
+
+def _late(rid: str, p: InstructPlan, first: int, count: int, timeout: float | None) -> KVBridgeError:
+    """The failure of a batch that did not finish within the migration timeout."""
+    return _failed(rid, p, first, count, TransferTimeout(f"not finished within {timeout}s", peer=rid, cause="timeout"))
 
 
 def _signature(secret: bytes, info: Mapping[str, Any]) -> str:
