@@ -36,12 +36,9 @@ def _groups(value: Any) -> tuple[BlockIds, ...]:
     return tuple(BlockIds(g) for g in value)
 
 
-def _opt_ints(value: Any) -> tuple[int, ...] | None:
-    return None if value is None else tuple(int(v) for v in value)
-
-
-def _opt_strs(value: Any) -> tuple[str, ...] | None:
-    return None if value is None else tuple(str(v) for v in value)
+def _optional_tuple(kind: type) -> Callable[[Any], tuple[Any, ...] | None]:
+    """A converter: None stays None, anything else becomes a tuple of `kind`."""
+    return lambda value: None if value is None else tuple(kind(v) for v in value)
 
 
 TRANSFER_MODES = ("pull", "layerwise")
@@ -134,8 +131,8 @@ class KVTransferParams:
     )
     # layerwise: the id the proxy gave both sides (prefill's lease is keyed by it)
     transfer_id: str | None = attrs.field(default=None, validator=_STR)
-    prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_ints)
-    cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_opt_strs)
+    prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple(int))
+    cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_tuple(str))
     # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,
     # transfer_ms, done_ms from decode): `kvbridge proxy` assembles its timeline from it
     kvbridge_timing: dict[str, float] | None = None
