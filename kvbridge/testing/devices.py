@@ -1,9 +1,4 @@
-"""Conformance suite for device plugins: subclass `DeviceConformance` in a ``Test...`` class.
-
-    from kvbridge.testing import DeviceConformance
-
-    class TestMyDeviceConformance(DeviceConformance):
-        device_name = "mydev"
+"""Conformance suite for device plugins: subclass `DeviceConformance` in a ``Test...`` class (docs/plugins.md).
 
 Every test goes through kvbridge's registry, exactly as a user's process would: the plugin must
 be installed (``pip install -e .``) for its entry point to be found.
