@@ -11,15 +11,10 @@ selection, re-blocking) writes them into the decode cache's own layout, per laye
 
 Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
 zero-copy path of `kvbridge.descriptors`, unless the transport may still write after a failed transfer
-(`BackendCapabilities.late_writes`, Mooncake TCP): then every pull lands, and a failed one's buffer is
-retired, so the cache blocks the engine takes back (to recompute, or for another request) stay clean.
-
-Device memory: landing buffers are allocated by the cache's device plugin and registered with the
-agent's device-bound backend (through host mirrors where the transport cannot reach the device,
-`kvbridge.staging`); the rearrangement runs on the device and the plugin syncs before the pull reports
-the blocks loaded. Idle buffers are bounded (`max_idle_bytes`: one released beyond it is freed), and so
-are retired ones (`max_retired_bytes`, docs/design.md): past it a pull that must land is refused with a
-LoadError (the engine recomputes) instead of growing memory with every failed pull.
+(`BackendCapabilities.late_writes`): then every pull lands, and a failed one's buffer is retired. Buffers
+come from the cache's device plugin, registered with the agent's device-bound backend, and the
+rearrangement runs on the device. Why pulls land, and how idle (`max_idle_bytes`) and retired
+(`max_retired_bytes`) buffers are bounded: docs/design.md ("Late writes").
 """
 
 from __future__ import annotations
@@ -211,12 +206,7 @@ class Receiver:
         return direct(self.layout, remote)
 
     def lands(self, remote: KVLayout, pull: Pull) -> bool:
-        """Whether `pull` goes through a landing buffer.
-
-        It does when the layouts differ, or the transport may write after a failed transfer
-        (`BackendCapabilities.late_writes`), which must never reach a cache block the engine recomputes or hands to
-        another request after the failure (context-parallel pulls too: like layouts land whole blocks at the positions
-        the pull names)."""
+        """Whether `pull` goes through a landing buffer: the layouts differ, or the transport may write late."""
         if not self.direct(remote):
             return True
         return remote.paged is not None and pull.num_blocks > 0 and self.backend.capabilities.late_writes
