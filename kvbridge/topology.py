@@ -158,12 +158,10 @@ class HeadPlacement:
 
 @attrs.frozen
 class Pull:
-    """One decode rank reading one prefill rank's share of a request.
+    """One decode rank reading one prefill rank's share of a request (its fields: docs/planning.md, "The plan").
 
-    Heads are [start, stop) ranges of each rank's local heads. Blocks are the logical blocks
-    `first_block + k * block_step` for k < num_blocks; they sit at positions
-    `src_first + k * src_step` of the prefill rank's block list and `dst_first + k * dst_step`
-    of the decode rank's.
+    Heads are [start, stop) ranges of each rank's local heads; block k < num_blocks is logical block
+    `first_block + k * block_step`, at `src_first + k * src_step` / `dst_first + k * dst_step` of each rank's list.
     """
 
     decode_rank: int
