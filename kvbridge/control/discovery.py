@@ -1,16 +1,9 @@
 """Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd.
 
-Peer-to-peer needs no service: the transfer params carry the remote engine's host and base
-port, and rank r listens on base + r (vLLM's NIXL convention). For many nodes, every rank
-publishes a `RankRecord` (address + readiness) in a registry that the other side reads. The
-same redis or etcd can serve as Mooncake's metadata server: kvbridge keys live under
-`kvbridge/`, Mooncake's under `mooncake/`.
-
-The same registry keeps the `ServerRecord`s of elastic membership (docs/elastic.md): HTTP servers
-announce themselves under `kvbridge/servers/` with a time to live (a redis key TTL, an etcd lease)
-and renew it; a record also carries its expiry, checked on read. With the deployment's shared secret
-every record, rank or server, carries an HMAC that readers check: one without it, or with a bad one,
-is ignored and logged, never used.
+Every rank publishes a `RankRecord` (address + readiness), and HTTP servers announce `ServerRecord`s
+with a time to live (elastic membership); with the shared secret every record carries an HMAC that
+readers check, ignoring (logged) one without it or with a bad one. Key layout, peer-to-peer ports and
+sharing the store with Mooncake: docs/control-plane.md ("Discovery") and docs/elastic.md.
 """
 
 from __future__ import annotations
