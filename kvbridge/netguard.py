@@ -316,7 +316,8 @@ class Guard:
         self.open = bool(opts.insecure)
         self._allow = parse_allow(opts.allow)
         secret = opts.secret or load_secret(opts.secret_file)
-        if not (self.open or secret or self._allow or is_loopback(_without_port(hostname))):
+        host = _without_port(hostname)
+        if not (self.open or secret or self._allow or is_loopback(host)):
             raise ConfigError(
                 f"{what} would listen on {hostname!r}, which other hosts can reach, and it authenticates no peer: "
                 "kvbridge admits to its ports only hosts that prove the shared secret on the side channel, and "
@@ -325,7 +326,6 @@ class Guard:
                 "kv_connector_extra_config)"
             )
         # This host's own addresses: a local peer (UCX, say) may connect from any of them, not only loopback.
-        host = _without_port(hostname)
         own = {*local_addresses(), *(() if host in ("", "0.0.0.0", "::") else resolve(host))}
         self._own = tuple(ipaddress.ip_network(a) for a in sorted(own, key=lambda a: (a.version, int(a))))
         self._fds: dict[str, int] = {}
