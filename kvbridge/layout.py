@@ -136,9 +136,7 @@ def _capacity(layout: KVLayout) -> int:
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise LayoutMismatch naming the first field that keeps the two ranks from exchanging blocks.
 
-    Block counts may differ (asymmetric capacity); so may the heads per rank (heterogeneous TP),
-    as long as a head has the same bytes on both sides.
-    """
+    Block counts and heads per rank may differ, as long as a head has the same bytes on both sides."""
     for name in ("attention", "layers", "head_dim", "dtype", "block_size"):
         a, b = getattr(local.model, name), getattr(remote.model, name)
         if a != b:
@@ -202,12 +200,9 @@ def vllm_layout(
 ) -> KVLayout:
     """A vLLM-style cache: one entry per layer, each a tensor (or address), or a (K, V) pair.
 
-    One tensor per layer holds, for GQA, either `(2, num_blocks, ...)` (`kv="split"`: all K blocks,
-    then all V blocks), `(num_blocks, 2, ...)` (`kv="joint"`: K and V of a block side by side), or
-    `(num_blocks, heads, 2 * block_size, head_dim)` (`kv="per-head"`: each head's K tokens then its
-    V tokens, vLLM's CPU backend `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; HND only);
-    for MLA `(num_blocks, block_size, head_dim)`. `order` is the block's inner order: NHD
-    `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`.
+    `kv`: all K blocks then all V blocks (`split`), K and V of a block side by side (`joint`), or each head's K
+    tokens then its V tokens (`per-head`, vLLM's CPU backend; HND only). `order` is the block's inner order: NHD
+    `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`. Shapes: docs/planning.md.
     """
     if len(layers) != model.layers:
         raise ConfigError(f"{model.name} has {model.layers} layers, got {len(layers)} cache entries")
