@@ -140,22 +140,21 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                 )
             return self._transports[name]
 
-    def _link(self, remote_engine_id: str, what: str) -> Link:
+    def _link(self, remote_engine_id: str, what: str, protocol: MigrationProtocol | None = None) -> Link:
+        """The link to a remote engine; with `protocol`, checked to be the one the link was initialized with."""
         link = self._links.get(remote_engine_id)
         if link is None:
             raise ConfigError(
                 f"{what}: no link to remote engine {remote_engine_id!r} (linked: {sorted(self._links) or 'none'}); "
                 "call p2p_initialize for it first"
             )
-        return link
-
-    def _check_protocol(self, link: Link, protocol: MigrationProtocol, what: str) -> None:
-        if MigrationProtocol(protocol) != link.protocol:
+        if protocol is not None and MigrationProtocol(protocol) != link.protocol:
             raise ConfigError(
                 f"{what} for remote engine {link.remote_engine_id!r} uses MigrationProtocol."
                 f"{MigrationProtocol(protocol).name}, but the link was initialized with "
                 f"MigrationProtocol.{link.protocol.name}; use one protocol per link"
             )
+        return link
 
     def p2p_initialize(self, init_request: DistServeInitRequest) -> None:
         """Open (or reuse) the transport for the request's protocol and create the link."""
@@ -177,8 +176,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     def register_memory_region(self, register_mr_request: DistServeRegisterMRMessage) -> None:
         """Register one cache pool with the transport (once per address, whatever the links)."""
         req = register_mr_request
-        link = self._link(req.remote_engine_id, f"register_memory_region(mr_key={req.mr_key})")
-        self._check_protocol(link, req.protocol, f"register_memory_region(mr_key={req.mr_key})")
+        link = self._link(req.remote_engine_id, f"register_memory_region(mr_key={req.mr_key})", req.protocol)
         region = self.device.region(req.addr, req.length)  # the pool's real kind and device id
         with self._lock:
             fresh = not any(r.addr == region.addr for r in link.transport.registered)
@@ -203,8 +201,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
     def endpoint_info(self, remote_engine_id: str, protocol: MigrationProtocol) -> dict[str, Any]:
         """What the peer's `p2p_connect` needs: the transport endpoint and the cache pools by mr_key."""
-        link = self._link(remote_engine_id, "endpoint_info")
-        self._check_protocol(link, protocol, "endpoint_info")
+        link = self._link(remote_engine_id, "endpoint_info", protocol)
         info = {
             "kvbridge": ENDPOINT_VERSION,
             "host": self.settings.hostname,
@@ -241,8 +238,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
     def p2p_connect(self, remote_engine_id: str, conn_req: DistServeKVTransferEndpointInfo) -> None:
         """Connect to the remote engine described by its `endpoint_info`."""
-        link = self._link(remote_engine_id, "p2p_connect")
-        self._check_protocol(link, conn_req.protocol, "p2p_connect")
+        link = self._link(remote_engine_id, "p2p_connect", conn_req.protocol)
         endpoint, regions, host = _parse_endpoint(remote_engine_id, conn_req.endpoint_info, self.settings.secret)
         if self.settings.secret:  # it proved the secret: its transport may reach ours
             netguard.admit(host, f"signed endpoint of LMDeploy engine {remote_engine_id}")
@@ -264,8 +260,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         transport works; otherwise the call blocks the loop like LMDeploy's own backends.
         """
         rid = assignment.remote_engine_id
-        link = self._link(rid, "p2p_migrate")
-        self._check_protocol(link, assignment.protocol, "p2p_migrate")
+        link = self._link(rid, "p2p_migrate", assignment.protocol)
         if link.peer is None:
             raise ConfigError(
                 f"p2p_migrate: remote engine {rid!r} is initialized but not connected; "
@@ -288,14 +283,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         finally:
             self.metrics.record_retries(link.transport.name, rid, sum(h.retries for h, _, _ in submitted))
         # LMDeploy's engine did the control part (assignment, endpoints) before this call: control_s is 0
-        self.metrics.record(
-            link.transport.name,
-            rid,
-            time.perf_counter() - begun,
-            0.0,
-            int(p.descriptors[:, 2].sum()),
-            len(p.descriptors),
-        )
+        self.metrics.record(link.transport.name, rid, time.perf_counter() - begun, 0.0, p.nbytes, len(p.descriptors))
 
     def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
         assert link.peer is not None
