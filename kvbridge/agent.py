@@ -1,13 +1,9 @@
 """`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its share of requests.
 
-The tensors' device picks its device plugin (`kvbridge.placement`), and the transport is
-bound to that device (`kvbridge.staging.attach`): directly where the transport reaches the memory
-(Mooncake `rdma` with GPUDirect, `ascend`), through pinned host mirrors where it cannot (GPU memory
-over `tcp`). Either way the agent makes the same calls: `publish` before offering blocks, a pull's
-handle completes after the bytes are visible on the device, and peers see `peer_addresses`.
-
-A pull's `on_done` gets its `PullResult` exactly once (the completion seam, docs/planning.md); the
-agent keeps no request state after it: leases, DONE messages and aborts belong to `kvbridge.control`.
+The transport is bound to the tensors' device (`kvbridge.staging.attach`, docs/plugins.md section 4), so
+the agent makes the same calls whether it stages or not. A pull's `on_done` gets its `PullResult` exactly
+once (the completion seam, docs/planning.md); the agent keeps no request state after it: leases, DONE
+messages and aborts belong to `kvbridge.control`.
 """
 
 from __future__ import annotations
@@ -246,9 +242,8 @@ class KVAgent:
     def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None, *, waited: bool = False) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.
 
-        The backend waits for the device's pending work (unless the caller `waited` for it: `record`) and,
-        where it stages, copies the blocks (every region, or those of `layers` only: layer-wise streaming)
-        device -> host mirror, one vectorized copy per registered buffer.
+        Every region of the blocks, or those of `layers` only (layer-wise streaming); `waited`: the caller waited for
+        the device's pending work already (`record`, `wait_recorded`). See `MigrationBackend.publish`.
         """
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
