@@ -354,10 +354,8 @@ def copy_ranges(
 ) -> None:
     """``dst[d:d+n] = src[s:s+n]`` for every range, without a Python loop per range.
 
-    `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. Ranges that continue
-    each other on both sides are merged first; a few runs are copied straight, many as one gather and
-    one scatter in rows of the largest size that divides every offset and length (block-sized for a
-    block-aligned KV cache).
+    `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. Merged runs are copied
+    straight when few, else as one gather and one scatter in rows of the largest size dividing them all.
     """
     runs = merge_runs(
         np.stack(
