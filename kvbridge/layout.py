@@ -211,16 +211,13 @@ def vllm_layout(
             raise ConfigError("kv='per-head' is a GQA layout with heads outermost in a block: use order='HND'")
         slab = model.block_size * model.head_dim * model.dtype_bytes  # one head's K (or V) in a block
         block_bytes = heads * 2 * slab
-        return KVLayout(
-            model,
-            heads,
-            [
-                KVRegion(
-                    layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab
-                )
-                for layer, entry in enumerate(layers)
-            ],
-        )
+        joint = [
+            KVRegion(
+                layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab
+            )
+            for layer, entry in enumerate(layers)
+        ]
+        return KVLayout(model, heads, joint)
     regions = []
     for layer, entry in enumerate(layers):
         for i, kind in enumerate(_kinds(model)):
