@@ -1,11 +1,7 @@
 """`KVTransferParams`: the request-level metadata a PD proxy carries between prefill and decode.
 
-Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pass
-(`do_remote_prefill`, `do_remote_decode`, `remote_engine_id`, `remote_request_id`,
-`remote_block_ids`, `remote_host`, `remote_port`, `tp_size`, `dcp_size`, `pp_size`,
-`remote_num_tokens`, `remote_blocks_expiry_time`, `transfer_mode`, `transfer_id`), plus kvbridge's own
-(`pcp_size`, `dp_size`, `dp_rank`, `prefix_prompt_ids`, `cache_keys`, `kvbridge_timing`). Keys it does not know
-are kept in `extra` and written back, so a proxy's additions survive a round trip.
+Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pass, plus kvbridge's own;
+keys it does not know are kept in `extra` and written back (docs/control-plane.md, "KVTransferParams").
 """
 
 from __future__ import annotations
