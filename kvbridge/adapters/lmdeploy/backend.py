@@ -255,10 +255,8 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     async def p2p_migrate(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
         """Read every instruct's remote bytes into local memory; returns when all have landed.
 
-        Contiguous instructs are merged and submitted in batches at once. With `async_op` (or
-        LMDeploy's `LMDEPLOY_USE_ASYNC_MIGRATION`) the event loop keeps running while the
-        transport works; otherwise the call blocks the loop like LMDeploy's own backends.
-        """
+        With `async_op` (or `LMDEPLOY_USE_ASYNC_MIGRATION`) the event loop runs while the transport works; otherwise
+        the call blocks the loop like LMDeploy's own backends."""
         rid = assignment.remote_engine_id
         link = self._link(rid, "p2p_migrate", assignment.protocol)
         if link.peer is None:
