@@ -1,19 +1,9 @@
 """Pulls between paged caches arranged differently: land the peer's blocks as they are, rearrange on device.
 
-When prefill and decode differ in KV cache layout (vLLM's six `KVCacheLayout`s, vllm-ascend's
-`(K, V)` tuples), block size, or TP with token-major (NHD) blocks, copying bytes in place would take
-a descriptor per token. Instead the decode rank reads the peer's blocks of a request whole (every
-head the peer holds, every layer), in the peer's own physical order, into a registered landing
-buffer on its own device: the descriptors are the peer's contiguous runs (one per layer and block
-for layer-outermost layouts, one per block of all layers for block-outermost ones, merged over
-consecutive block ids). Then one vectorized torch rearrangement (view, permute, head and token
-selection, re-blocking) writes them into the decode cache's own layout, per layer.
-
-Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
-zero-copy path of `kvbridge.descriptors`, unless the transport may still write after a failed transfer
-(`BackendCapabilities.late_writes`): then every pull lands, and a failed one's buffer is retired. Buffers
-come from the cache's device plugin, registered with the agent's device-bound backend, and the
-rearrangement runs on the device. Why pulls land, and how idle (`max_idle_bytes`) and retired
+The decode rank reads the peer's blocks of a request whole, in the peer's own physical order, into a
+registered landing buffer on its own device (descriptors: the peer's contiguous runs), then one vectorized
+torch rearrangement per layer writes them into its cache. When pulls land (other layouts, or a transport
+with `late_writes`) and what it costs: docs/vllm.md; how idle (`max_idle_bytes`) and retired
 (`max_retired_bytes`) buffers are bounded: docs/design.md ("Late writes").
 """
 
