@@ -1,12 +1,9 @@
 """Pure-Python TCP transport: the reference implementation and the fallback where no Mooncake wheel exists.
 
-Every backend serves its registered memory on a listening socket. A transfer is one request
-per connection round trip: a length-prefixed msgpack header with the remote ranges, then the
-payload sent straight from registered memory with scatter/gather `sendmsg` and received in
-place with `recvmsg_into`, so there is no Python-level copy and no syscall per block. Only ranges
-inside registered memory are served, and only on connections authenticated by a challenge-response
-(nothing larger than `_MAX_AUTH_FRAME` is read before). The handshake, its bounds against hostile
-peers, the key and the transfer deadline: docs/security.md ("TCP transport").
+Every backend serves its registered memory on a listening socket, to authenticated connections only; the
+payload moves straight from and into registered memory (scatter/gather `sendmsg`, `recvmsg_into`).
+Wire format: docs/design.md ("tcp"); the handshake, its bounds against hostile peers and the transfer
+deadline: docs/security.md ("TCP transport").
 """
 
 from __future__ import annotations
