@@ -1,11 +1,8 @@
 """The transport contract: `MigrationBackend`, its peers and its transfer handles.
 
-A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`,
-`_submit`); this base class does everything common around them once: normalizing memory and
-descriptors, bounds checks on both sides, batch splitting, the transfer deadline, endpoint
-encoding, thread-safe bookkeeping and a clean close. The contract, and how the transfer deadline
-(`transfer_deadline_s`) resubmits a part once and never hands back memory a transport call may
-still write into: docs/design.md.
+A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`, `_submit`);
+this base class does everything common around them once, the transfer deadline (`transfer_deadline_s`)
+included: docs/design.md describes both.
 """
 
 from __future__ import annotations
