@@ -1,10 +1,8 @@
 """Close the listeners of transports that authenticate nobody to hosts that have not proved the secret.
 
-Right after a transport (Mooncake, UCX under NIXL) starts, `Guard.capture` finds the listening sockets
-the library opened (the process's TCP listeners before and after) and attaches a classic BPF socket
-filter (``SO_ATTACH_FILTER``) to each, so the kernel drops every segment from a source address that
-is not admitted. Admission is per process, because the filters are. Why, whom it admits, the trust
-option and what an address filter cannot do: docs/security.md ("Transports that authenticate nobody").
+`Guard.capture` attaches a classic BPF socket filter (``SO_ATTACH_FILTER``) to the listeners a transport's
+library (Mooncake, UCX under NIXL) opens as it starts; admission is per process, because the filters are.
+Why, whom it admits and what an address filter cannot do: docs/security.md ("Transports that authenticate nobody").
 """
 
 from __future__ import annotations
