@@ -1,38 +1,9 @@
 """`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its share of requests.
 
-Lifecycle::
-
-    agent = KVAgent("decode-0", rank, ParallelConfig.parse("tp8,dp2"), layout, kv_tensors, backend="mooncake")
-    info = agent.info()                       # RankInfo; RankInfo.encode() -> bytes for the side channel
-    handle = agent.pull(request_id, prefill_infos, prefill_blocks, local_blocks, tokens,
-                        prefill_dp=0, on_done=cb)
-    handle.wait(timeout)                      # or let `cb` report it
-    agent.close()
-
-On the prefill side, `agent.release_count(decode_config, tokens, decode_dp=...)` says how many
-pulls (DONE messages) to wait for before freeing a request's blocks; zero means free at once, and
-`agent.publish(blocks)` makes a computed request's blocks readable before it is offered.
-
-The tensors' device picks its device plugin (`kvbridge.placement`), and the transport is
-bound to that device (`kvbridge.staging.attach`): directly where the transport reaches the memory
-(Mooncake `rdma` with GPUDirect, `ascend`), through pinned host mirrors where it cannot (GPU memory
-over `tcp`). Either way the agent makes the same calls: `publish` before offering blocks, a pull's
-handle completes after the bytes are visible on the device, and peers see `peer_addresses`.
-
-The completion seam (what the control plane wires to DONE messages and leases): `on_done` is
-called exactly once per `pull`, from a transport thread (or before `pull` returns when the rank has
-nothing to pull), with a `PullResult`:
-
-- `pulled`: the (engine_id, rank) of every prefill rank this rank read; each gets one DONE;
-- `notify`: prefill ranks nobody reads, listed only on the plan's notifier rank (the first rank
-  of the decode DP group), which tells them to free their blocks;
-- `error`: None, or the exception that failed the pull (the engine recomputes; DONEs still go
-  out so the prefill side does not hold blocks until its lease expires);
-- `retries`: how many times its transfers were resubmitted (the transport's own retries and the
-  transfer deadline's), for the operator's metrics.
-
-The agent keeps no request state after the callback: leases, DONE messages and aborts belong to
-the control plane (`kvbridge.control`).
+The transport is bound to the tensors' device (`kvbridge.staging.attach`, docs/plugins.md section 4), so
+the agent makes the same calls whether it stages or not. A pull's `on_done` gets its `PullResult` exactly
+once (the completion seam, docs/planning.md); the agent keeps no request state after it: leases, DONE
+messages and aborts belong to `kvbridge.control`.
 """
 
 from __future__ import annotations
@@ -271,9 +242,8 @@ class KVAgent:
     def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None, *, waited: bool = False) -> None:
         """On a prefill rank: make these computed blocks readable by peers, before offering them.
 
-        The backend waits for the device's pending work (unless the caller `waited` for it: `record`) and,
-        where it stages, copies the blocks (every region, or those of `layers` only: layer-wise streaming)
-        device -> host mirror, one vectorized copy per registered buffer.
+        Every region of the blocks, or those of `layers` only (layer-wise streaming); `waited`: the caller waited for
+        the device's pending work already (`record`, `wait_recorded`). See `MigrationBackend.publish`.
         """
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):

@@ -1,21 +1,8 @@
 """The transport contract: `MigrationBackend`, its peers and its transfer handles.
 
-A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`,
-`_submit`); this base class does everything common around them once: normalizing memory and
-descriptors, bounds checks on both sides, batch splitting, the transfer deadline, endpoint
-encoding, thread-safe bookkeeping and a clean close.
-
-The transfer deadline (`transfer_deadline_s`, set by a transport that declares one): a part that
-failed, or has not finished within it (plus one second per GiB the transfer moves up to the end of
-that part: the transport gives no progress report and may run the parts one after another, so a
-large transfer gets the time a slow but moving link needs), is resubmitted once
-(reads and writes of the same bytes are idempotent while the peer's lease holds them), and fails
-(`TransferTimeout` when stuck) when the retry fails or has not finished within the deadline either.
-A stuck part that has not started yet is cancelled instead. A part that is
-running inside the transport cannot be stopped, and may still write into the destination, so the
-handle completes only once every started attempt has returned: the caller (the engine) never gets
-memory back that a transport call may still write into. How long that takes is the transport's own
-bound (Mooncake: at least 5 s per call, see its plugin).
+A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`, `_submit`);
+this base class does everything common around them once, the transfer deadline (`transfer_deadline_s`)
+included: docs/design.md describes both.
 """
 
 from __future__ import annotations
@@ -113,12 +100,7 @@ class TransferHandle:
     @property
     def retries(self) -> int:
         """Resubmissions this transfer needed (the transport's own and deadline retries); 0 until done."""
-        if not self._future.done():
-            return 0
-        error = self._future.exception()
-        if error is not None:
-            return int(getattr(error, "retries", 0))
-        return int(self._future.result() or 0)
+        return _retries_of(self._future) if self._future.done() else 0
 
 
 class MigrationBackend(abc.ABC):
@@ -236,18 +218,14 @@ class MigrationBackend(abc.ABC):
     def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
         """Make local bytes current for peers that read them: call before offering blocks to a peer.
 
-        `ranges`: (local_addr, length) pairs (an N x 2 array), None for everything registered. Host
-        memory a transport reads directly is always current, so this does nothing here; a device-bound
-        backend (`kvbridge.staging`) waits for the device and, where it stages, copies to host.
-        `waited`: the caller already waited for the device's work on these bytes (`Device.wait_recorded`).
+        `ranges`: (local_addr, length) pairs (an N x 2 array), None for everything registered; `waited`: the caller
+        already waited for the device's work on them (`Device.wait_recorded`). Nothing to do for host memory.
         """
 
     def accept(self, ranges: Any = None) -> None:
         """Make bytes a peer wrote into local memory visible to compute (same `ranges` as `publish`).
 
-        Nothing to do for host memory; a device-bound backend synchronizes (and copies where it stages).
-        Local reads (`transfer(..., "read")`) need no call: their handle completes after this.
-        """
+        Nothing to do for host memory; local reads need no call: their handle completes after this."""
 
     def peer_addresses(self, addrs: Any) -> np.ndarray:
         """Where peers address these local addresses (the same, unless memory is staged through host mirrors)."""
@@ -286,10 +264,8 @@ class MigrationBackend(abc.ABC):
         """Move (local_addr, remote_addr, length) descriptors as one transfer.
 
         `descriptors`: triples, an (N, 3) array, or `FactoredDescriptors` (the planner's). `read` copies
-        remote into local, `write` local into remote. Neighbouring rows that continue each other on both
-        sides are merged (the planner's are merged already), every row is bounds-checked on both sides,
-        rows are cut to the transport's preferred size and sent in batches it accepts; the handle
-        completes when every batch has.
+        remote into local, `write` local into remote; the handle completes when every batch has. What the
+        base class does to them on the way (merge, bounds checks, cutting, batching): docs/design.md.
         """
         self._check_open()
         if op not in ("read", "write"):
@@ -310,7 +286,10 @@ class MigrationBackend(abc.ABC):
             if len(self._local.outside(*spans[0])) or len(peer.regions.outside(*spans[1])):
                 return self._checked(peer, descriptors.expand())
             return descriptors
-        desc = merge_runs(as_descriptors(descriptors))
+        return self._in_bounds(peer, merge_runs(as_descriptors(descriptors)))
+
+    def _in_bounds(self, peer: Peer, desc: Descriptors) -> Descriptors:
+        """`desc`, once every row is inside the local registration and the peer's published regions."""
         self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")
         peer.regions.check(desc[:, 1], desc[:, 2], side="remote", peer=peer.name)
         return desc
@@ -354,9 +333,7 @@ class MigrationBackend(abc.ABC):
         The ceiling `kvbridge bench` compares planned migrations against. Bounds are still checked.
         """
         self._check_open()
-        desc = as_descriptors([(local_addr, remote_addr, length)])
-        self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")
-        peer.regions.check(desc[:, 1], desc[:, 2], side="remote", peer=peer.name)
+        desc = self._in_bounds(peer, as_descriptors([(local_addr, remote_addr, length)]))
         return TransferHandle(self._submit(peer, desc, op), peer=peer.name, descriptors=1, nbytes=int(length))
 
     def close(self) -> None:

@@ -16,13 +16,8 @@ def kvbridge_transports() -> list[TransportSpec]:
     from kvbridge.transports import loopback, tcp
 
     return [
-        TransportSpec("tcp", tcp.TcpBackend, tcp.TcpBackend.capabilities, options=tcp.TcpOptions),
-        TransportSpec(
-            "loopback",
-            loopback.LoopbackBackend,
-            loopback.LoopbackBackend.capabilities,
-            options=loopback.LoopbackOptions,
-        ),
+        TransportSpec(cls.name, cls, cls.capabilities, options=cls.options_class)
+        for cls in (tcp.TcpBackend, loopback.LoopbackBackend)
     ]
 
 

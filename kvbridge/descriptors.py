@@ -30,11 +30,8 @@ def pull_descriptors(
     """The (local_addr, remote_addr, length) rows that read `pull` from the remote rank into this one.
 
     `local_blocks` / `remote_blocks` are the request's block ids on each rank, in the rank's
-    block order (position i holds the rank's i-th block of the request). Runs of consecutive
-    blocks that are contiguous on both sides become one row; so do the pieces of a block that
-    follow each other in memory on both sides (every layer of a block in block-outermost layouts).
-    The rows come factored (regions x block runs x pieces): this costs O(regions + blocks), and the
-    transport materializes them batch by batch (`FactoredDescriptors.chunks`).
+    block order (position i holds the rank's i-th block of the request). How rows are merged and
+    kept factored: the module doc and docs/planning.md.
     """
     tables = _tables(local, remote, pull.src_heads, pull.dst_heads)
     dst = _pick(local_blocks, pull.dst_positions(), local.num_blocks, "local", pull)
@@ -139,9 +136,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 def region_table(layout: KVLayout) -> np.ndarray:
     """(regions, 7) int64: addr, block_stride, chunk_stride, head_bytes, block_bytes, chunks, heads."""
     cols = ("addr", "block_stride", "chunk_stride", "head_bytes", "block_bytes", "chunks", "heads")
-    table = np.array([[getattr(r, c) for c in cols] for r in layout.regions], dtype=np.int64)
-    table.flags.writeable = False
-    return table
+    return _frozen(np.array([[getattr(r, c) for c in cols] for r in layout.regions], dtype=np.int64))
 
 
 def _pick(

@@ -23,10 +23,8 @@ class Device(abc.ABC):
     #: False where `before_transfer`/`after_transfer` have nothing to wait for (host memory), so a
     #: transport that reaches the memory is used as is, without a device-bound wrapper.
     synchronizes: ClassVar[bool] = True
-    #: Bytes per second this device gathers or scatters blocks within its own memory (`kvbridge bench
-    #: --strategy auto`, in kvbridge-tools, weighs it against a transport's per-descriptor cost). The
-    #: default is host memory as measured here (7-19 GB/s for a 256 MiB memcpy, 14 GB/s for a gather of
-    #: 32 KiB blocks); an accelerator's plugin states its own (device-memory kernels run at hundreds of GB/s).
+    #: Bytes per second this device gathers or scatters blocks within its own memory (kvbridge-tools' strategy).
+    #: The default is host memory as measured here (7-19 GB/s for a 256 MiB memcpy, 14 GB/s for a block gather).
     copy_bytes_per_s: ClassVar[float] = 8e9
 
     def regions(self, tensor: Any) -> list[MemoryRegion]:
@@ -42,9 +40,7 @@ class Device(abc.ABC):
         return -1 if index is None else int(index)
 
     def region(self, addr: int, length: int, device_id: int = -1) -> MemoryRegion:
-        """A region of this device's memory known only by address (engines that hand out pointers).
-
-        LMDeploy's CacheEngine is one. `device_id` -1 is the device this process is using now."""
+        """A region of this device's memory known only by address (LMDeploy); `device_id` -1: `current_id()`."""
         return MemoryRegion(addr, length, self.memory_kind, self.current_id() if device_id < 0 else device_id)
 
     def current_id(self) -> int:
@@ -52,27 +48,21 @@ class Device(abc.ABC):
         return -1
 
     def set_current(self, device_id: int) -> None:
-        """Make `device_id` the device this process computes on.
-
-        Transports that bind to one device when they start (Mooncake's ascend) need it first. Host memory has none."""
+        """Make `device_id` the device this process computes on (Mooncake's ascend binds to one at start)."""
 
     def physical_id(self, device_id: int) -> int:
         """The id the hardware and its fabric know a device by, where a visibility variable renumbers them."""
         return device_id
 
     def buffer_at(self, region: MemoryRegion) -> Any:
-        """A flat byte buffer over existing memory of this device, for staging copies when only the address is known.
-
-        Devices that cannot wrap an address say so."""
+        """A flat byte buffer over existing memory of this device, for staging copies when only the address is known."""
         raise ConfigError(
             f"device {self.name!r} cannot copy from a raw address; register the tensor itself, or use a "
             f"transport protocol that reaches {self.memory_kind.value} memory directly ({', '.join(self.protocols())})"
         )
 
     def location(self, device_id: int) -> str:
-        """How a transport names where this memory lives when registering it (Mooncake's `location`).
-
-        ``cuda:0``, ``npu:3``; ``*`` lets the transport find out (host memory: its NUMA node)."""
+        """How a transport names where this memory lives (Mooncake's `location`): ``cuda:0``; ``*`` for host memory."""
         return "*" if self.memory_kind == MemoryKind.DRAM else f"{self.name}:{max(device_id, 0)}"
 
     @abc.abstractmethod
@@ -84,17 +74,13 @@ class Device(abc.ABC):
         """Make bytes a transfer wrote visible to compute that reads them next."""
 
     def record(self, device_id: int) -> Any:
-        """Mark, without waiting, the work this thread has queued on `device_id` so far.
+        """Mark, without waiting, the work this thread has queued on `device_id` so far (an event on its stream).
 
-        The mark is an event on its current stream; `wait_recorded` waits for it from any thread. None: this device
-        cannot mark work, and `before_transfer` in the computing thread is the only wait (the default)."""
+        None: this device cannot mark work, and `before_transfer` in the computing thread is the only wait."""
         return None
 
     def wait_recorded(self, mark: Any) -> None:
-        """Block until the work before `mark` (from `record`) finished.
-
-        Called on another thread than the one that recorded it (layer-wise streaming publishes each layer off the
-        engine's forward)."""
+        """Block until the work before `mark` (from `record`) finished; called on another thread than `record`."""
 
     @abc.abstractmethod
     def allocate(self, nbytes: int, device_id: int = 0) -> Any:
@@ -109,10 +95,7 @@ class Device(abc.ABC):
         """Copy host bytes into a buffer from `allocate` (same size)."""
 
     def host_buffer(self, nbytes: int) -> Any:
-        """Zeroed host memory this device copies to and from fastest (pinned on accelerators).
-
-        `kvbridge.staging` mirrors device buffers into it when a transport cannot reach device memory.
-        """
+        """Zeroed host memory this device copies to and from fastest (pinned on accelerators): staging mirrors."""
         return np.zeros(nbytes, dtype=np.uint8)
 
     def protocols(self) -> tuple[str, ...]:
@@ -120,11 +103,7 @@ class Device(abc.ABC):
         return ("tcp",)
 
     def nics(self, device_id: int = -1) -> list[str]:
-        """Network interfaces nearest to a device, best first (empty when unknown).
-
-        `KVBRIDGE_NIC_<DEVICE>_<ID>` (for example `KVBRIDGE_NIC_CUDA_0=mlx5_0,mlx5_1`) overrides it;
-        see `kvbridge.nics`.
-        """
+        """Network interfaces nearest to a device, best first (empty when unknown); `kvbridge.nics` overrides."""
         from kvbridge.nics import nic_override
 
         return nic_override(self.name, device_id) or []

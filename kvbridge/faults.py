@@ -1,18 +1,9 @@
 """Transport fault injection: one wrapping transport that fails, delays or holds transfers. Testing only.
 
-`FaultyBackend(transport, rates)` honours `MigrationBackend` by handing every checked batch to the
-transport it wraps (which it owns), after the faults:
-
-- counted faults, armed by a test with `inject(fail_submit=, fail_completion=, delay=)`: the next
-  submissions fail at once (`TransferFailed` from `transfer`) or when they complete, and every one is
-  delayed, in a worker thread as a slow transport would be;
-- rates (`FaultRates`), which `kvbridge chaos` sets in a decode server's connector config
-  (`kv_connector_extra_config: {"fault_injection": {"transfer_error": 0.1, "slow_peer": 0.05,
-  "slow_s": 3.0, "seed": 1}}`): that fraction of submissions fails inside the transport (as a broken
-  lane does) or is held `slow_s` seconds before it runs.
-
-`create_backend(name, fault_injection={...})` builds one around the named transport; `{}` arms nothing
-(a test arms it later). The wrapper's deadline retries go through the faults too. Never set it in production.
+`FaultyBackend(transport, rates)` hands every checked batch to the transport it wraps (which it owns),
+after the faults: counted ones a test arms with `inject`, and `FaultRates` (the connector's
+`fault_injection`, which `kvbridge chaos` sets: docs/chaos.md, docs/vllm.md). The wrapper's deadline
+retries go through the faults too. Never set it in production.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Pulls between paged caches arranged differently: land the peer's blocks as they are, rearrange on device.
 
-When prefill and decode differ in KV cache layout (vLLM's six `KVCacheLayout`s, vllm-ascend's
-`(K, V)` tuples), block size, or TP with token-major (NHD) blocks, copying bytes in place would take
-a descriptor per token. Instead the decode rank reads the peer's blocks of a request whole (every
-head the peer holds, every layer), in the peer's own physical order, into a registered landing
-buffer on its own device: the descriptors are the peer's contiguous runs (one per layer and block
-for layer-outermost layouts, one per block of all layers for block-outermost ones, merged over
-consecutive block ids). Then one vectorized torch rearrangement (view, permute, head and token
-selection, re-blocking) writes them into the decode cache's own layout, per layer.
-
-Same layout, block size and heads (or head-major blocks, sliced by head in place) keep the direct,
-zero-copy path of `kvbridge.descriptors`, unless the transport may still write after a failed transfer
-(`BackendCapabilities.late_writes`, Mooncake TCP): then every pull lands, and a failed one's buffer is
-retired, so the cache blocks the engine takes back (to recompute, or for another request) stay clean.
-
-Device memory: landing buffers are allocated by the cache's device plugin and registered with the
-agent's device-bound backend, so where the transport cannot reach the device (TCP and GPU memory)
-the bytes land in the buffer's pinned host mirror and are copied to the device, followed by the
-plugin's sync (`kvbridge.staging.StagedBackend`); the rearrangement then runs on the device and is
-followed by the plugin's sync too, before the pull reports the blocks loaded. The pool of idle
-buffers is bounded (`max_idle_bytes`): a buffer released beyond it is unregistered and freed. Retired
-buffers are bounded too (`max_retired_bytes`): they can never be freed (a late write may come whenever
-the peer answers again), so once the next buffer would take them past the bound a pull that must land
-is refused with a LoadError (the engine recomputes it) instead of growing memory with every failed pull.
+The decode rank reads the peer's blocks of a request whole, in the peer's own physical order, into a
+registered landing buffer on its own device (descriptors: the peer's contiguous runs), then one vectorized
+torch rearrangement per layer writes them into its cache. When pulls land (other layouts, or a transport
+with `late_writes`) and what it costs: docs/vllm.md; how idle (`max_idle_bytes`) and retired
+(`max_retired_bytes`) buffers are bounded: docs/design.md ("Late writes").
 """
 
 from __future__ import annotations
@@ -214,12 +196,7 @@ class Receiver:
         return direct(self.layout, remote)
 
     def lands(self, remote: KVLayout, pull: Pull) -> bool:
-        """Whether `pull` goes through a landing buffer.
-
-        It does when the layouts differ, or the transport may write after a failed transfer
-        (`BackendCapabilities.late_writes`), which must never reach a cache block the engine recomputes or hands to
-        another request after the failure (context-parallel pulls too: like layouts land whole blocks at the positions
-        the pull names)."""
+        """Whether `pull` goes through a landing buffer: the layouts differ, or the transport may write late."""
         if not self.direct(remote):
             return True
         return remote.paged is not None and pull.num_blocks > 0 and self.backend.capabilities.late_writes

@@ -1,17 +1,10 @@
 """KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them.
 
-A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions,
-one per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a
-block (vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache.
-Block b of a region starts at `addr + b * block_stride` and is `block_bytes` long. Where heads
-can be sliced out of a block, a region also says how: a head's bytes are `chunks` pieces of
-`head_bytes`, `chunk_stride` apart, and head h starts at `h * head_bytes` in each piece
-(HND: one piece per block; NHD: one piece per token). A region with `heads == 0` is opaque.
-
-Builders cover the layouts engines really use: `vllm_layout` (one tensor per layer, K/V split
-or joint, or a (K, V) pair of tensors; NHD or HND), `lmdeploy_layout` (one packed pool of shape
-(layers, blocks, bytes) per rank), and `buffer_layout` (one descriptor per buffer kind, as MLU
-engines register key/value/index buffers).
+A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions, one
+per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a block
+(vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache. How a region addresses its
+blocks and heads, and the builders for the layouts engines use: docs/planning.md ("Layouts and
+descriptors").
 """
 
 from __future__ import annotations
@@ -109,14 +102,12 @@ class PagedGeometry:
 
     def same_arrangement(self, other: PagedGeometry) -> bool:
         """Blocks of both can be copied byte for byte (only addresses and capacity differ)."""
-        return (self.name, self.order, self.heads, self.block_size) == (
-            other.name,
-            other.order,
-            other.heads,
-            other.block_size,
-        ) and [(p.kind, p.content, p.head_stride, p.token_stride) for p in self.planes] == [
-            (p.kind, p.content, p.head_stride, p.token_stride) for p in other.planes
-        ]
+        return _arrangement(self) == _arrangement(other)
+
+
+def _arrangement(g: PagedGeometry) -> tuple[Any, ...]:
+    planes = tuple((p.kind, p.content, p.head_stride, p.token_stride) for p in g.planes)
+    return g.name, g.order, g.heads, g.block_size, planes
 
 
 @attrs.frozen(cache_hash=True)  # a key of the planner's caches: hashed on every pull
@@ -145,9 +136,7 @@ def _capacity(layout: KVLayout) -> int:
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise LayoutMismatch naming the first field that keeps the two ranks from exchanging blocks.
 
-    Block counts may differ (asymmetric capacity); so may the heads per rank (heterogeneous TP),
-    as long as a head has the same bytes on both sides.
-    """
+    Block counts and heads per rank may differ, as long as a head has the same bytes on both sides."""
     for name in ("attention", "layers", "head_dim", "dtype", "block_size"):
         a, b = getattr(local.model, name), getattr(remote.model, name)
         if a != b:
@@ -211,12 +200,9 @@ def vllm_layout(
 ) -> KVLayout:
     """A vLLM-style cache: one entry per layer, each a tensor (or address), or a (K, V) pair.
 
-    One tensor per layer holds, for GQA, either `(2, num_blocks, ...)` (`kv="split"`: all K blocks,
-    then all V blocks), `(num_blocks, 2, ...)` (`kv="joint"`: K and V of a block side by side), or
-    `(num_blocks, heads, 2 * block_size, head_dim)` (`kv="per-head"`: each head's K tokens then its
-    V tokens, vLLM's CPU backend `[num_blocks, num_kv_heads, block_size, 2 * head_size]`; HND only);
-    for MLA `(num_blocks, block_size, head_dim)`. `order` is the block's inner order: NHD
-    `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`.
+    `kv`: all K blocks then all V blocks (`split`), K and V of a block side by side (`joint`), or each head's K
+    tokens then its V tokens (`per-head`, vLLM's CPU backend; HND only). `order` is the block's inner order: NHD
+    `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`. Shapes: docs/planning.md.
     """
     if len(layers) != model.layers:
         raise ConfigError(f"{model.name} has {model.layers} layers, got {len(layers)} cache entries")
@@ -225,16 +211,13 @@ def vllm_layout(
             raise ConfigError("kv='per-head' is a GQA layout with heads outermost in a block: use order='HND'")
         slab = model.block_size * model.head_dim * model.dtype_bytes  # one head's K (or V) in a block
         block_bytes = heads * 2 * slab
-        return KVLayout(
-            model,
-            heads,
-            [
-                KVRegion(
-                    layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab
-                )
-                for layer, entry in enumerate(layers)
-            ],
-        )
+        joint = [
+            KVRegion(
+                layer, "kv", address(entry), num_blocks, block_bytes, block_bytes, heads=heads, head_bytes=2 * slab
+            )
+            for layer, entry in enumerate(layers)
+        ]
+        return KVLayout(model, heads, joint)
     regions = []
     for layer, entry in enumerate(layers):
         for i, kind in enumerate(_kinds(model)):
@@ -265,25 +248,11 @@ def paged_layout(model: ModelSpec, geometry: PagedGeometry) -> KVLayout:
         c, n, h = plane.content, g.block_size, g.heads
         page = h * n * c
         for layer, addr in enumerate(plane.layer_addrs):
+            region = functools.partial(KVRegion, layer, plane.kind, addr, g.num_blocks, plane.block_stride)
             if (plane.head_stride, plane.token_stride) == (n * c, c) or h == 1 and plane.token_stride == c:
-                regions.append(
-                    KVRegion(layer, plane.kind, addr, g.num_blocks, plane.block_stride, page, heads=h, head_bytes=n * c)
-                )
+                regions.append(region(page, heads=h, head_bytes=n * c))
             elif (plane.head_stride, plane.token_stride) == (c, h * c):
-                regions.append(
-                    KVRegion(
-                        layer,
-                        plane.kind,
-                        addr,
-                        g.num_blocks,
-                        plane.block_stride,
-                        page,
-                        heads=h,
-                        head_bytes=c,
-                        chunks=n,
-                        chunk_stride=h * c,
-                    )
-                )
+                regions.append(region(page, heads=h, head_bytes=c, chunks=n, chunk_stride=h * c))
             elif plane.token_stride == c:
                 regions.extend(
                     KVRegion(layer, plane.kind, addr + i * plane.head_stride, g.num_blocks, plane.block_stride, n * c)
@@ -324,19 +293,12 @@ class BufferDesc:
 
 def buffer_layout(model: ModelSpec, heads: int, buffers: Sequence[BufferDesc]) -> KVLayout:
     """Opaque blocks from buffer descriptors (key, value, index...): whole blocks only, no head slicing."""
+    for b in buffers:
+        if b.num_layers != model.layers:
+            raise ConfigError(f"{b.kind} buffer has {b.num_layers} layers, {model.name} has {model.layers}")
     regions = []
     for layer in range(model.layers):
         for b in buffers:
-            if b.num_layers != model.layers:
-                raise ConfigError(f"{b.kind} buffer has {b.num_layers} layers, {model.name} has {model.layers}")
-            regions.append(
-                KVRegion(
-                    layer,
-                    b.kind,
-                    b.addr + layer * b.num_blocks * b.size_per_block,
-                    b.num_blocks,
-                    b.size_per_block,
-                    b.size_per_block,
-                )
-            )
+            size = b.size_per_block  # blocks back to back: the stride is the block
+            regions.append(KVRegion(layer, b.kind, b.addr + layer * b.num_blocks * size, b.num_blocks, size, size))
     return KVLayout(model, heads, regions)

@@ -42,9 +42,7 @@ def buffer_region(buf: Any, kind: MemoryKind, device_id: int) -> MemoryRegion:
 def as_regions(x: Any) -> list[MemoryRegion]:
     """Regions of host memory: a CPU tensor, a numpy array, a MemoryRegion, an (addr, length) pair, or a list.
 
-    Device memory is described by its device plugin (`kvbridge.placement.regions_of`), which sits above
-    the plugin registry; this module stays below it, so a device tensor here is a clear error.
-    """
+    A device tensor is a clear error: its device plugin describes it (`kvbridge.placement.regions_of`)."""
     if isinstance(x, MemoryRegion):
         return [x]
     if is_tensor_like(x):
@@ -230,10 +228,8 @@ class DescriptorGroup:
 class FactoredDescriptors:
     """Descriptors kept factored: groups of (regions x block runs x pieces), as the planner builds them.
 
-    `MigrationBackend.transfer` takes them as it takes an (N, 3) array: it checks bounds per region
-    (`spans`, O(regions)) and materializes rows batch by batch (`chunks`), so a request's rows are never
-    built all at once before the first batch is sent.
-    """
+    `MigrationBackend.transfer` checks their bounds per region (`spans`) and materializes rows batch by batch
+    (`chunks`)."""
 
     groups: tuple[DescriptorGroup, ...] = ()
 

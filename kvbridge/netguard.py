@@ -1,26 +1,8 @@
 """Close the listeners of transports that authenticate nobody to hosts that have not proved the secret.
 
-Mooncake's Transfer Engine and UCX (under NIXL) take no credentials: whoever connects to their ports
-can read and write registered memory. And they listen on every interface whatever address they are
-given (Mooncake binds its RPC port to 0.0.0.0 and its data port to ``[::]``; UCX listens on every
-interface's address), so a loopback hostname protects nothing. kvbridge cannot change the libraries,
-but it owns the process: right after a transport starts, `Guard.capture` finds the listening sockets the
-library opened (the process's TCP listeners before and after) and attaches a classic BPF socket
-filter (``SO_ATTACH_FILTER``) to each. The kernel then drops every segment from a source address that
-is not admitted, the connection's SYN included, so a stranger never gets a connection, a handshake or
-a byte. Connections the listener accepts inherit the filter.
-
-Admitted are loopback, this host's own addresses, the networks an operator names (`allow`),
-and every host that proved the shared secret to this process: the source address of an authenticated
-side-channel request, the side channel an authenticated reply came from, and the host an
-authenticated endpoint names (`admit`). Admission is per process, because the filters are: every
-rank in it holds the same secret.
-
-What it does not do: it admits hosts, not processes (anyone on an admitted host can connect, as with
-any firewall rule), and it does not stop an attacker on the path who can forge source addresses.
-Across networks you do not control, use kvbridge's `tcp` transport, which authenticates every
-connection, or a VPN. `insecure=True` is the explicit trust option: no filter, a warning at every
-start, and `open` in `kvbridge doctor` and `/metrics`.
+`Guard.capture` attaches a classic BPF socket filter (``SO_ATTACH_FILTER``) to the listeners a transport's
+library (Mooncake, UCX under NIXL) opens as it starts; admission is per process, because the filters are.
+Why, whom it admits and what an address filter cannot do: docs/security.md ("Transports that authenticate nobody").
 """
 
 from __future__ import annotations
@@ -332,7 +314,8 @@ class Guard:
         self.open = bool(opts.insecure)
         self._allow = parse_allow(opts.allow)
         secret = opts.secret or load_secret(opts.secret_file)
-        if not (self.open or secret or self._allow or is_loopback(_without_port(hostname))):
+        host = _without_port(hostname)
+        if not (self.open or secret or self._allow or is_loopback(host)):
             raise ConfigError(
                 f"{what} would listen on {hostname!r}, which other hosts can reach, and it authenticates no peer: "
                 "kvbridge admits to its ports only hosts that prove the shared secret on the side channel, and "
@@ -341,7 +324,6 @@ class Guard:
                 "kv_connector_extra_config)"
             )
         # This host's own addresses: a local peer (UCX, say) may connect from any of them, not only loopback.
-        host = _without_port(hostname)
         own = {*local_addresses(), *(() if host in ("", "0.0.0.0", "::") else resolve(host))}
         self._own = tuple(ipaddress.ip_network(a) for a in sorted(own, key=lambda a: (a.version, int(a))))
         self._fds: dict[str, int] = {}

@@ -1,14 +1,8 @@
 """NIC affinity: which network interfaces sit nearest to a device.
 
-A transfer is fastest through the NIC on the same PCIe switch as the device (GPUDirect RDMA
-crosses no CPU socket then). Two sources, first match wins:
-
-1. ``KVBRIDGE_NIC_<DEVICE>_<ID>``: a comma-separated list chosen by the operator, for example
-   ``KVBRIDGE_NIC_CUDA_0=mlx5_0,mlx5_1`` or ``KVBRIDGE_NIC_NPU_3=eth3``. Read on every call, so a
-   test or a launcher can set it late.
-2. PCI topology from sysfs: RDMA devices (``/sys/class/infiniband``) ranked by how many bridges
-   their PCI path shares with the device's; where there is no RDMA device, network interfaces
-   (``/sys/class/net``) backed by a PCI function, ranked the same way.
+A transfer is fastest through the NIC on the same PCIe switch as the device (GPUDirect RDMA crosses no
+CPU socket then). The operator's ``KVBRIDGE_NIC_<DEVICE>_<ID>`` wins, read on every call so a launcher can
+set it late; else the PCI topology from sysfs decides (docs/plugins.md, "NIC affinity").
 """
 
 from __future__ import annotations

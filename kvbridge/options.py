@@ -1,9 +1,8 @@
 """Plugin options: each plugin declares them once, as an attrs class; the registry checks them.
 
-A transport's options class subclasses `TransportOptions`; every field is made with `option()`,
-which carries the default and the one-line doc that `kvbridge plugins NAME` prints. Values given
-to `create_backend` are checked against the class before the plugin is built: an unknown name is
-an error that lists the valid ones, a value of the wrong type is an error that names the type.
+Every field is made with `option()`, which carries the default, the one-line doc `kvbridge plugins NAME`
+prints and a number's bounds (docs/plugins.md, "Options"). An unknown name is an error that lists the
+valid ones, a value of the wrong type an error that names the type.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Where a registered buffer lives: the one place a tensor's device picks its device plugin.
 
-Both engine adapters come through here (`KVAgent` for vLLM with tensors, the LMDeploy backend with
-addresses), and so does `kvbridge.layout` when it reads a tensor's first byte. A tensor's
-``device.type`` (``cuda``, ``npu``, ``mlu``, ...) names its plugin, which describes the memory
-(kind, device id) and says how a transport reaches it; `kvbridge.staging.attach` then binds a
-transport to that device. `kvbridge.memory` stays below the plugin registry: it knows host memory only.
+A tensor's ``device.type`` (``cuda``, ``npu``, ...) names its plugin, which describes the memory and says
+how a transport reaches it; both engine adapters and `kvbridge.layout` come through here (docs/plugins.md,
+section 4). `kvbridge.memory` stays below the plugin registry: it knows host memory only.
 """
 
 from __future__ import annotations

@@ -3,18 +3,14 @@
 Built-ins are registered first through the same hooks as third-party plugins, then every
 entry point in the ``kvbridge`` group. Each plugin's hooks return specs (`kvbridge.specs`); the
 registry keeps them by name, parses a user's options against a spec's schema, and calls its factory.
-Two environment variables, read when the registry is first built (never at import), choose which
-entry-point plugins load:
-
-- ``KVBRIDGE_PLUGINS``: comma-separated allow-list of entry point names; empty loads none.
-- ``KVBRIDGE_BLOCK_PLUGINS``: comma-separated names never to load.
+``KVBRIDGE_PLUGINS`` (allow-list; empty loads none) and ``KVBRIDGE_BLOCK_PLUGINS``, read when the registry
+is first built (never at import), choose which entry-point plugins load (docs/backends.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import functools
 import logging
 import os
 import threading
@@ -341,14 +337,15 @@ class PluginRegistry:
         if declared.get("capabilities") is None:
             raise ConfigError(f"backend {name!r} must declare its capabilities")
         spec = TransportSpec(name, factory, **_given(declared, "memory_kind"))
-        self._api1(attrs.evolve(spec, factory=functools.partial(_api1_transport, factory)))
+        # an API 1 factory takes the config alone: its options are in `config.options`, checked
+        self._api1(attrs.evolve(spec, factory=lambda config, _options: factory(config)))
 
     def _register_device(self, name: str, factory: Callable[..., Any], **declared: Any) -> None:
         """`register` of plugin API 1's kvbridge_register_devices: the same fields as a DeviceSpec."""
         if declared.get("memory_kind") is None:
             raise ConfigError(f"device {name!r} must declare its memory_kind")
         spec = DeviceSpec(name, factory, **_given(declared, "capabilities"))
-        self._api1(attrs.evolve(spec, factory=functools.partial(_api1_device, factory)))
+        self._api1(attrs.evolve(spec, factory=lambda _options: factory()))
 
     def _api1(self, spec: TransportSpec | DeviceSpec) -> None:
         assert self._loading is not None, "pluggy calls historic hooks while a plugin registers"
@@ -434,15 +431,6 @@ def _given(declared: dict[str, Any], other_kind: str) -> dict[str, Any]:
     None meant "the default", and both kinds took the same keywords (`memory_kind` of a backend, `capabilities` of a
     device meant nothing)."""
     return {k: v for k, v in declared.items() if v is not None and k != other_kind}
-
-
-def _api1_transport(factory: Callable[[BackendConfig], MigrationBackend], config: BackendConfig, options: Any) -> Any:
-    """An API 1 transport factory takes the config alone: its options are in `config.options`, checked."""
-    return factory(config)
-
-
-def _api1_device(factory: Callable[[], Device], options: Any) -> Device:
-    return factory()
 
 
 def _version(dist: str) -> str:

@@ -1,15 +1,7 @@
 """Engine-neutral rank wiring: which port each rank's side channel listens on, and which ones peers read.
 
-A rank of the other engine reads from the ports given here. Engine adapters (vLLM's connector, LMDeploy's backend) call
-these instead of doing port arithmetic of their own.
-
-Within one engine, rank (dp, pp, tp) listens on `base + (dp * pp_size + pp) * tp_size + tp`, so
-every (PP, TP) rank of every DP rank has its own port (vLLM's NIXL convention for TP, extended).
-Every DP rank publishes the engine's base (`group_port`, DP 0's) and its DP rank in the
-kv_transfer_params, and a reader finds a rank at `base + dp_rank * tp_size + tp_rank`, the rank's
-global index in its stage (`kvbridge.control.discovery.resolve`). With pipeline parallelism each
-stage holds its own layers, so a decode rank of stage s reads the same stage of prefill (both
-engines need the same PP size): `stage_port` moves the base there.
+Engine adapters (vLLM's connector, LMDeploy's backend) call these instead of doing port arithmetic of their
+own; the numbering across TP, PP and DP: docs/control-plane.md ("Discovery").
 """
 
 from __future__ import annotations

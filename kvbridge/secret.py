@@ -1,10 +1,8 @@
 """Closed by default: where the shared secret comes from, and who may listen without one.
 
-The side channel and the TCP transport authenticate peers with one shared secret. It is read
-from the environment (`KVBRIDGE_SECRET`) or a file (`KVBRIDGE_SECRET_FILE`, or a path the
-caller names), never from a command line, where `ps` and server logs would show it. A listener
-on an address other hosts can reach refuses to start without a secret unless the operator opts
-in to running unprotected, which is logged as a warning.
+A listener on an address other hosts can reach refuses to start without a secret unless the operator opts
+in to running unprotected, which is logged as a warning. Where the secret comes from, and why never from a
+command line: docs/security.md ("Where the secret comes from").
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """What a plugin's hooks return: a typed spec for each transport and each device it provides.
 
-A spec is the whole declaration: the name, what the plugin can do (a transport's capabilities, a
-device's memory kind), the attrs class of its options, why it cannot run here (`probe`) and how to
-build it (`factory`). The registry (`kvbridge.plugins`) parses a user's options against `options`
-once, and hands the factory the typed instance. Specs are checked when they are made, so a mistake
-is reported against the plugin that made it.
+Specs are checked when they are made, so a mistake is reported against the plugin that made it. The
+fields, and what the registry does with them: docs/plugins.md.
 """
 
 from __future__ import annotations
@@ -67,11 +64,8 @@ def _memory_kind(value: Any) -> MemoryKind:
 class TransportSpec:
     """One transport a plugin provides: returned (in a list) from `kvbridge_transports()`.
 
-    `factory(config, options)` builds it when a user creates it, never at import: `config` is a
-    `BackendConfig`, `options` an instance of `options` (a `kvbridge.TransportOptions` subclass)
-    already parsed and checked. `probe() -> str | None` says why it cannot run here, or None;
-    `hardware() -> bool`, cheaply and without the vendor library, whether what it drives is on this
-    machine at all (an RDMA NIC, say).
+    `factory(config, options)` builds it when a user creates it, never at import; `probe() -> str | None`
+    says why it cannot run here, `hardware() -> bool` whether what it drives is on this machine at all.
     """
 
     name: str = attrs.field(validator=_name)
@@ -89,11 +83,8 @@ class TransportSpec:
 class DeviceSpec:
     """One device a plugin provides: returned (in a list) from `kvbridge_devices()`.
 
-    `factory(options) -> Device` builds it on first use (one instance per process), with `options`
-    an instance of `options` (an attrs class; `kvbridge.NoOptions` for a device that takes none).
-    `memory_kind` is what transports must reach; `probe` and `hardware` as for a transport (the cuda
-    plugin's `hardware` looks for /dev/nvidiaN, so `kvbridge doctor` tells "no GPU here" from "a GPU
-    the plugin cannot use").
+    `factory(options) -> Device` builds it on first use (one instance per process); `memory_kind` is what
+    transports must reach; `probe` and `hardware` as for a transport.
     """
 
     name: str = attrs.field(validator=_name)

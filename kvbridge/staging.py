@@ -2,30 +2,10 @@
 
 `attach(backend, device)` binds a transport to one device's memory and returns something that
 honours `MigrationBackend` in full, so callers (`KVAgent`, the LMDeploy backend) never ask which:
-
-- host memory with nothing to wait for (`Device.synchronizes` False): the backend itself;
-- device memory the transport reaches (the device lists the transport's protocol in
-  `Device.protocols()` and the transport lists the memory kind: Mooncake `rdma` with GPUDirect,
-  `ascend` on NPUs, `nvlink`): a `DeviceBackend`, which registers the device's regions (with the
-  location the device plugin names) and waits for the device around transfers;
-- otherwise a `StagedBackend`: each registered device buffer gets a host mirror from
-  `Device.host_buffer` (pinned on accelerators), the mirror is what the transport registers and what
-  peers address (`peer_addresses`), and bytes are copied between the two around each transfer.
-
-Each synchronization happens once, in the wrapper, and always before the copy that depends on it:
-
-- `publish` (before a peer reads): `Device.before_transfer`, then device -> mirror where staged, so no
-  host copy reads device memory before the kernels that write it have finished;
-- a local ``write`` (push): the same, then the transport sends;
-- a local ``read`` (pull): the transport lands bytes (in the mirror where staged, then mirror ->
-  device), then `Device.after_transfer`, all before the handle completes;
-- `accept` (after a peer wrote): mirror -> device where staged, then `Device.after_transfer`.
-
-Cost of staging: every staged byte crosses the device-host link once more on each staging side (one
-extra copy at PCIe speed, typically 20-50 GB/s against 12-50 GB/s for the network), the copies are
-not overlapped with the network transfer, and each registered buffer takes its size again in host
-memory. Peers address the mirror: take remote addresses from the peer's endpoint regions (same order
-and lengths as the device buffers), never from a device pointer.
+the backend itself (host memory, nothing to wait for), a `DeviceBackend` (the transport reaches the
+device's memory; it waits for the device around transfers) or a `StagedBackend` (bytes are copied
+through host mirrors from `Device.host_buffer`, which peers address). Which synchronization happens
+when, and what staging costs: docs/plugins.md, section 4.
 """
 
 from __future__ import annotations
@@ -90,9 +70,8 @@ def transport(backend: MigrationBackend) -> MigrationBackend:
 class DeviceBackend(WrappingBackend):
     """A transport that reaches a device's memory directly, with the device's synchronization around it.
 
-    It honours `MigrationBackend` by delegating the transport's work to the backend it wraps (which
-    it owns) and adding what the device needs: regions described by the device plugin, waits before
-    a peer or this side reads device memory, and a wait after bytes land.
+    It adds regions described by the device plugin, waits before a peer or this side reads device memory,
+    and a wait after bytes land.
     """
 
     def __init__(self, backend: MigrationBackend, device: Device) -> None:
@@ -131,10 +110,7 @@ class DeviceBackend(WrappingBackend):
         if op == "write":
             self._before(ids)
             return self.backend._send(peer.handle, desc, op)
-        inner = self.backend._send(peer.handle, desc, op)
-        return TransferHandle(
-            _then(inner, lambda: self._after(ids)), peer=peer.name, descriptors=inner.descriptors, nbytes=inner.nbytes
-        )
+        return _then_handle(self.backend._send(peer.handle, desc, op), peer, lambda: self._after(ids))
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         """The contract's hook: one checked batch, through `_send`."""
@@ -151,11 +127,8 @@ class DeviceBackend(WrappingBackend):
 
     def _range_columns(self, ranges: Any) -> tuple[np.ndarray, np.ndarray]:
         if ranges is None:
-            regions = self._local.regions
-            return (
-                np.array([r.addr for r in regions], dtype=np.int64),
-                np.array([r.length for r in regions], dtype=np.int64),
-            )
+            arr = np.array([(r.addr, r.length) for r in self._local.regions], dtype=np.int64).reshape(-1, 2)
+            return arr[:, 0], arr[:, 1]
         arr = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         if (arr[:, 1] <= 0).any():
             raise ConfigError("every published or accepted range needs a positive length")
@@ -285,12 +258,7 @@ class StagedBackend(DeviceBackend):
             self._stage_out(slot, offsets, desc[:, 2])
             return self.backend.transfer(peer.handle, staged, op)
         inner = self.backend.transfer(peer.handle, staged, op)
-        return TransferHandle(
-            _then(inner, lambda: self._stage_in(slot, offsets, desc[:, 2])),
-            peer=peer.name,
-            descriptors=inner.descriptors,
-            nbytes=inner.nbytes,
-        )
+        return _then_handle(inner, peer, lambda: self._stage_in(slot, offsets, desc[:, 2]))
 
     def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
         self._stage_out(*self._slots(ranges), wait=not waited)
@@ -337,6 +305,11 @@ def _future(handle: Any) -> Future:
     return _then(handle, lambda: None)
 
 
+def _then_handle(inner: TransferHandle, peer: Peer, step: Any) -> TransferHandle:
+    """`inner`'s transfer, complete once `step()` ran after it, as the handle of `peer` (the wrapper's)."""
+    return TransferHandle(_then(inner, step), peer=peer.name, descriptors=inner.descriptors, nbytes=inner.nbytes)
+
+
 def _then(handle: Any, step: Any) -> Future:
     """A Future that completes after `handle` and then `step()` succeeded, or with the first error."""
     out: Future = Future()
@@ -381,10 +354,8 @@ def copy_ranges(
 ) -> None:
     """``dst[d:d+n] = src[s:s+n]`` for every range, without a Python loop per range.
 
-    `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. Ranges that continue
-    each other on both sides are merged first; a few runs are copied straight, many as one gather and
-    one scatter in rows of the largest size that divides every offset and length (block-sized for a
-    block-aligned KV cache).
+    `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. Merged runs are copied
+    straight when few, else as one gather and one scatter in rows of the largest size dividing them all.
     """
     runs = merge_runs(
         np.stack(

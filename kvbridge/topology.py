@@ -1,28 +1,10 @@
 """Who pulls what: parallel configurations of both sides and the pull plan between them.
 
-Rank numbering (one engine side)::
-
-    rank     = dp_rank * (pcp * tp) + pcp_rank * tp + tp_rank
-    dcp_rank = tp_rank % dcp              # DCP reuses the TP ranks
-    shard    = tp_rank // dcp             # which KV heads the rank holds (tp // dcp head shards)
-    cp_rank  = pcp_rank * dcp + dcp_rank  # which token blocks it holds (pcp * dcp cp ranks)
-
-KV heads are spread over the `tp // dcp` head shards: `kv_heads // shards` heads each when there
-are at least as many heads as shards, otherwise each head is replicated on `shards // kv_heads`
-consecutive shards (one head each). An MLA latent cache counts as one head, so it is replicated
-on every shard. The ranks of one DCP group hold the same heads and different tokens.
-
-A request of T tokens fills `n = ceil(T / block_size)` logical blocks; logical block g lives on
-cp rank `g % cp` at position `g // cp` of that rank's block list for the request, on both sides
-(the last block may be partial). A request lives in one DP group of each side.
-
-`plan()` turns this into, for every decode rank of the request's decode DP group, one `Pull` per
-prefill rank it reads (a head range and an arithmetic run of blocks), and for every prefill rank
-of the request's prefill DP group its release count (pulls it will receive). Where a head is
-replicated on several prefill shards, decode rank (cp rank c, shard s) reads replica
-`(c * decode_shards + s) % replicas`, so MLA's latent cache is read once per decode rank, the
-reads are spread over the replicas, and the replicas nobody reads have release count zero.
-docs/planning.md walks through examples.
+`plan()` gives, for every decode rank of the request's decode DP group, one `Pull` per prefill rank
+it reads (a head range and an arithmetic run of blocks), and for every prefill rank of the request's
+prefill DP group its release count (pulls it will receive). Rank numbering, head placement, where a
+request's blocks live and which replica a decode rank reads: docs/planning.md, which walks through
+examples.
 """
 
 from __future__ import annotations
@@ -176,12 +158,10 @@ class HeadPlacement:
 
 @attrs.frozen
 class Pull:
-    """One decode rank reading one prefill rank's share of a request.
+    """One decode rank reading one prefill rank's share of a request (its fields: docs/planning.md, "The plan").
 
-    Heads are [start, stop) ranges of each rank's local heads. Blocks are the logical blocks
-    `first_block + k * block_step` for k < num_blocks; they sit at positions
-    `src_first + k * src_step` of the prefill rank's block list and `dst_first + k * dst_step`
-    of the decode rank's.
+    Heads are [start, stop) ranges of each rank's local heads; block k < num_blocks is logical block
+    `first_block + k * block_step`, at `src_first + k * src_step` / `dst_first + k * dst_step` of each rank's list.
     """
 
     decode_rank: int

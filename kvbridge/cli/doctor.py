@@ -35,16 +35,9 @@ class Check:
 
 def machine_checks() -> list[Check]:
     """Native libraries, RDMA devices and network interfaces that transports depend on."""
-    checks = []
     verbs = ctypes.util.find_library("ibverbs")
-    checks.append(
-        Check(
-            "libibverbs",
-            verbs is not None,
-            verbs or "not found",
-            "" if verbs else "apt-get install libibverbs1 (Mooncake needs it, even for TCP)",
-        )
-    )
+    fix = "" if verbs else "apt-get install libibverbs1 (Mooncake needs it, even for TCP)"
+    checks = [Check("libibverbs", verbs is not None, verbs or "not found", fix)]
     ib = Path("/sys/class/infiniband")
     rdma = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
     checks.append(Check("RDMA devices", True, ", ".join(rdma) or "none (tcp only; rdma needs an RDMA NIC)"))

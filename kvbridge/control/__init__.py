@@ -1,12 +1,6 @@
 """The control plane: side channel per rank, prefill leases, discovery, transfer params.
 
-- `ControlServer` / `ControlClient`: one side channel per engine rank (ZeroMQ, attrs messages
-  in `kvbridge.wire` frames, optional HMAC shared secret).
-- `Ledger`: prefill-side leases: `offer`, DONE counting, expiry, abort, fencing.
-- `open_registry` / `resolve`: peer-to-peer by default, redis or etcd for many nodes.
-- `KVTransferParams`: what the proxy carries, in vLLM's key names.
-(The decode side of a request wired end to end, `DecodeControl`, is in `kvbridge.session.decode`.)
-
+The decode side of a request wired end to end, `DecodeControl`, is in `kvbridge.session.decode`.
 See docs/control-plane.md.
 """
 

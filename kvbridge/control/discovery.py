@@ -1,16 +1,9 @@
 """Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd.
 
-Peer-to-peer needs no service: the transfer params carry the remote engine's host and base
-port, and rank r listens on base + r (vLLM's NIXL convention). For many nodes, every rank
-publishes a `RankRecord` (address + readiness) in a registry that the other side reads. The
-same redis or etcd can serve as Mooncake's metadata server: kvbridge keys live under
-`kvbridge/`, Mooncake's under `mooncake/`.
-
-The same registry keeps the `ServerRecord`s of elastic membership (docs/elastic.md): HTTP servers
-announce themselves under `kvbridge/servers/` with a time to live (a redis key TTL, an etcd lease)
-and renew it; a record also carries its expiry, checked on read. With the deployment's shared secret
-every record, rank or server, carries an HMAC that readers check: one without it, or with a bad one,
-is ignored and logged, never used.
+Every rank publishes a `RankRecord` (address + readiness), and HTTP servers announce `ServerRecord`s
+with a time to live (elastic membership); with the shared secret every record carries an HMAC that
+readers check, ignoring (logged) one without it or with a bad one. Key layout, peer-to-peer ports and
+sharing the store with Mooncake: docs/control-plane.md ("Discovery") and docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -120,9 +113,10 @@ class Sealer:
 class DiscoveryRegistry(abc.ABC):
     """A shared directory of rank records and server records, signed with `sealer`'s key."""
 
-    url: str
-    sealer: Sealer = Sealer(None)
-    _warned: set[tuple[str, bytes]]  # (where, MAC) of the ignored records warned of
+    def __init__(self, url: str, secret: str | bytes | None) -> None:
+        self.url = redacted(url)  # what errors and logs name
+        self.sealer = Sealer(secret)
+        self._warned: set[tuple[str, bytes]] = set()  # (where, MAC) of the ignored records warned of
 
     def _decoded(self, data: bytes, cls: type[Any], where: str) -> Any:
         """The record in `data`, or None (logged) when it does not decode, is not authentic, or has expired."""
@@ -220,9 +214,7 @@ class RedisRegistry(DiscoveryRegistry):
             import redis
         except ImportError:
             raise ConfigError("a redis registry needs the redis client: pip install 'kvbridge[discovery]'") from None
-        self.url = redacted(url)  # what errors and logs name
-        self.sealer = Sealer(secret)
-        self._warned = set()
+        super().__init__(url, secret)
         self._errors = (redis.RedisError, OSError)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
 
@@ -281,11 +273,9 @@ class EtcdRegistry(DiscoveryRegistry):
         scheme = "https" if parsed.scheme in ("etcds", "https") else "http"
         if not parsed.hostname:
             raise ConfigError(f"etcd registry URL {redacted(url)!r} has no host; use etcd://HOST:PORT")
-        self.url = redacted(url)  # what errors and logs name
+        super().__init__(url, secret)
         self._base = f"{scheme}://{parsed.hostname}:{parsed.port or 2379}/v3"
         self._timeout = timeout_s
-        self.sealer = Sealer(secret)
-        self._warned = set()
         self._leases: dict[str, str] = {}  # server id -> the etcd lease its record is put with
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,7 @@
 """`KVTransferParams`: the request-level metadata a PD proxy carries between prefill and decode.
 
-Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pass
-(`do_remote_prefill`, `do_remote_decode`, `remote_engine_id`, `remote_request_id`,
-`remote_block_ids`, `remote_host`, `remote_port`, `tp_size`, `dcp_size`, `pp_size`,
-`remote_num_tokens`, `remote_blocks_expiry_time`, `transfer_mode`, `transfer_id`), plus kvbridge's own
-(`pcp_size`, `dp_size`, `dp_rank`, `prefix_prompt_ids`, `cache_keys`, `kvbridge_timing`). Keys it does not know
-are kept in `extra` and written back, so a proxy's additions survive a round trip.
+Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pass, plus kvbridge's own;
+keys it does not know are kept in `extra` and written back (docs/control-plane.md, "KVTransferParams").
 """
 
 from __future__ import annotations
@@ -36,12 +32,9 @@ def _groups(value: Any) -> tuple[BlockIds, ...]:
     return tuple(BlockIds(g) for g in value)
 
 
-def _opt_ints(value: Any) -> tuple[int, ...] | None:
-    return None if value is None else tuple(int(v) for v in value)
-
-
-def _opt_strs(value: Any) -> tuple[str, ...] | None:
-    return None if value is None else tuple(str(v) for v in value)
+def _optional_tuple(kind: type) -> Callable[[Any], tuple[Any, ...] | None]:
+    """A converter: None stays None, anything else becomes a tuple of `kind`."""
+    return lambda value: None if value is None else tuple(kind(v) for v in value)
 
 
 TRANSFER_MODES = ("pull", "layerwise")
@@ -134,8 +127,8 @@ class KVTransferParams:
     )
     # layerwise: the id the proxy gave both sides (prefill's lease is keyed by it)
     transfer_id: str | None = attrs.field(default=None, validator=_STR)
-    prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_opt_ints)
-    cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_opt_strs)
+    prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple(int))
+    cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_tuple(str))
     # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,
     # transfer_ms, done_ms from decode): `kvbridge proxy` assembles its timeline from it
     kvbridge_timing: dict[str, float] | None = None

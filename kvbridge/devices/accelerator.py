@@ -1,10 +1,8 @@
-"""What every torch accelerator device (`cuda`, `npu`, `mlu`) does the same way.
+"""What every torch accelerator device (`cuda`, `npu`, `mlu`) does the same way (docs/plugins.md).
 
-torch.cuda, torch_npu's ``torch.npu`` and torch_mlu's ``torch.mlu`` share one surface
-(``is_available``, ``device_count``, ``current_stream``, ``Event``, ``synchronize``), and tensors on
-them share ``data_ptr``/``copy_``. A plugin subclasses `TorchAcceleratorDevice`, names its device
-and memory kind, returns its library's module from `accel()`, and declares its protocols and NIC
-affinity. Nothing here imports torch or the vendor library until a method runs.
+A plugin subclasses `TorchAcceleratorDevice`, names its device and memory kind, returns its library's
+module from `accel()`, and declares its protocols and NIC affinity. Nothing here imports torch or the
+vendor library until a method runs.
 """
 
 from __future__ import annotations
@@ -36,11 +34,8 @@ class TorchAcceleratorDevice(Device):
     def before_transfer(self, device_id: int = -1) -> None:
         # A NIC or a copy engine reads device memory outside stream order: wait for the work queued
         # on the compute stream (an event recorded after it) to finish. device_id -1: every device.
-        acc = self.accel()
         for i in self._ids(device_id):
-            event = acc.Event()
-            event.record(acc.current_stream(i))
-            event.synchronize()
+            self.record(i).synchronize()
 
     def record(self, device_id: int) -> Any:
         # An event on the computing thread's current stream: torch streams are per thread, so it must be
@@ -104,6 +99,4 @@ class TorchAcceleratorDevice(Device):
         self.after_transfer(self.device_id(buffer))
 
     def nics(self, device_id: int = -1) -> list[str]:
-        if device_id < 0:
-            return device_nics(self.name, device_id, None)
-        return device_nics(self.name, device_id, self.pci_address(device_id))
+        return device_nics(self.name, device_id, self.pci_address(device_id) if device_id >= 0 else None)

@@ -1,12 +1,8 @@
-"""The conformance kit that ships with kvbridge, for plugin authors.
+"""The conformance kit that ships with kvbridge, for plugin authors (docs/plugins.md).
 
-Suites: `DeviceConformance`, `StandInDeviceConformance`, `UnavailableDeviceConformance` and
-`TransportConformance` (subclass them in a ``Test...`` class), and stand-ins for accelerator libraries
-(`kvbridge.testing.standins`). Its pytest plugin (entry point ``pytest11``: ``kvbridge``) marks every
-suite test ``conformance`` and does nothing else. See docs/plugins.md. The harness kvbridge's own
-benches and tests use (hosts, vLLM servers, a tiny model, the GPU kit) is in kvbridge-tools.
-
-The suites import pytest, so they load on first use: `import kvbridge.testing` works without pytest.
+The suites in `__all__` (subclass them in a ``Test...`` class) and stand-ins for accelerator libraries
+(`kvbridge.testing.standins`); its pytest plugin is `kvbridge.testing.plugin`. The harness kvbridge's own
+benches and tests use is in kvbridge-tools. The suites import pytest, so they load on first use.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""Conformance suite for device plugins: subclass `DeviceConformance` in a ``Test...`` class.
-
-    from kvbridge.testing import DeviceConformance
-
-    class TestMyDeviceConformance(DeviceConformance):
-        device_name = "mydev"
+"""Conformance suite for device plugins: subclass `DeviceConformance` in a ``Test...`` class (docs/plugins.md).
 
 Every test goes through kvbridge's registry, exactly as a user's process would: the plugin must
 be installed (``pip install -e .``) for its entry point to be found.
@@ -12,6 +7,7 @@ be installed (``pip install -e .``) for its entry point to be found.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import threading
@@ -325,25 +321,16 @@ class UnavailableDeviceConformance:
         assert err.value.hint and err.value.hint in str(err.value)
 
 
-class _pair:
+@contextlib.contextmanager
+def _pair(name: str, protocol: str | None, device: Device, force: bool) -> Iterator[tuple[Any, Any]]:
     """Two backends of one transport, staged as the device needs (or forced), closed on exit."""
-
-    def __init__(self, name: str, protocol: str | None, device: Device, force: bool) -> None:
-        self.args = (name, protocol, device, force)
-        self.made: list[Any] = []
-
-    def __enter__(self) -> tuple[Any, Any]:
-        name, protocol, device, force = self.args
-        try:
-            for _ in range(2):
-                self.made.append(staging.attach(kvbridge.create_backend(name, protocol=protocol), device, force=force))
-        except BaseException:
-            self.__exit__()
-            raise
-        return self.made[0], self.made[1]
-
-    def __exit__(self, *exc: object) -> None:
-        for be in self.made:
+    made: list[Any] = []
+    try:
+        for _ in range(2):
+            made.append(staging.attach(kvbridge.create_backend(name, protocol=protocol), device, force=force))
+        yield made[0], made[1]
+    finally:
+        for be in made:
             be.close()
         # Peers, handles and tracebacks form reference cycles; collect them now, so their sockets and
         # native resources are released inside the test that made them, not during a later one.

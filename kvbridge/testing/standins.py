@@ -1,15 +1,8 @@
 """Stand-ins for torch accelerator libraries, for conformance runs where the hardware is absent.
 
-A stand-in is NOT the library: it is the small surface kvbridge's accelerator devices call
-(``is_available``, ``device_count``, ``current_stream``, ``Event``, ``synchronize``,
-``get_device_properties``, and ``torch.zeros`` on the device type), backed by host memory. It
-proves that a plugin calls the library the way the library documents, turns tensors into
-the right regions, synchronizes the device it should, and round-trips bytes through every
-transport (staged through host memory). It proves nothing about the device's DMA or drivers:
-that needs the real hardware.
-
-`install_standin` puts one into ``sys.modules`` / ``torch`` through pytest's ``monkeypatch``,
-so it exists only inside the test that asked for it.
+A stand-in is NOT the library: it is the small surface kvbridge's accelerator devices call, backed by
+host memory, installed for one test only (`install_standin`). What it proves, and what it does not:
+docs/plugins.md ("Stand-ins").
 """
 
 from __future__ import annotations

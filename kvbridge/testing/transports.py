@@ -1,9 +1,4 @@
-"""Conformance suite for transport plugins: subclass `TransportConformance` in a ``Test...`` class.
-
-    from kvbridge.testing import TransportConformance
-
-    class TestMyTransportConformance(TransportConformance):
-        transport_name = "mytransport"
+"""Conformance suite for transport plugins: subclass `TransportConformance` in a ``Test...`` class (docs/plugins.md).
 
 Both backends live in the test's process and move host memory (numpy buffers); every byte moved
 is checked, and so is every byte that must not have moved.

@@ -1,23 +1,9 @@
 """Pure-Python TCP transport: the reference implementation and the fallback where no Mooncake wheel exists.
 
-Every backend serves its registered memory on a listening socket. A transfer is one request
-per connection round trip: a length-prefixed msgpack header with the remote ranges, then the
-payload sent straight from registered memory with scatter/gather `sendmsg` and received in
-place with `recvmsg_into`, so there is no Python-level copy and no syscall per block.
-
-Only ranges inside registered memory are served, and only on authenticated connections. The
-server opens each connection with a fresh challenge; the client answers with an HMAC of it (and a
-challenge of its own, which the server answers the same way), keyed by the shared secret
-(`kvbridge.secret`) or, without one, by a per-endpoint token published in the endpoint info (a
-loopback-only listener, or an explicit `insecure` opt-in). Nothing larger than `_MAX_AUTH_FRAME`
-is read from a connection before it has authenticated, and a shared secret never crosses the wire.
-
-Hostile or careless peers: at most `max_handshakes` connections authenticate at once (more are closed at
-once), each within one `handshake_timeout` for the whole handshake; a failed `accept()` (EMFILE) or thread
-start is logged and retried after a bounded backoff. A range that crosses from one registered region into
-the adjacent one is served as a view per region, and a request whose views would fall short is refused,
-never sent short. After the handshake a connection that makes no progress for `transfer_deadline`
-seconds is dropped, and the base class retries the part once (`transfer_deadline_s`).
+Every backend serves its registered memory on a listening socket, to authenticated connections only; the
+payload moves straight from and into registered memory (scatter/gather `sendmsg`, `recvmsg_into`).
+Wire format: docs/design.md ("tcp"); the handshake, its bounds against hostile peers and the transfer
+deadline: docs/security.md ("TCP transport").
 """
 
 from __future__ import annotations
@@ -191,16 +177,19 @@ def _secret_key(secret: bytes) -> bytes:
     return hmac.new(secret, b"kvbridge-tcp-transport-key", hashlib.sha256).digest()
 
 
+def _advance(chunk: list[memoryview], n: int) -> list[memoryview]:
+    """`chunk` without its first `n` bytes."""
+    while chunk and n >= len(chunk[0]):
+        n -= len(chunk[0])
+        chunk = chunk[1:]
+    return [chunk[0][n:], *chunk[1:]] if chunk and n else chunk
+
+
 def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
     for i in range(0, len(views), _IOV_CHUNK):
         chunk = views[i : i + _IOV_CHUNK]
         while chunk:
-            sent = sock.sendmsg(chunk)
-            while chunk and sent >= len(chunk[0]):
-                sent -= len(chunk[0])
-                chunk = chunk[1:]
-            if chunk and sent:
-                chunk = [chunk[0][sent:], *chunk[1:]]
+            chunk = _advance(chunk, sock.sendmsg(chunk))
 
 
 def _recvmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
@@ -210,11 +199,7 @@ def _recvmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
             got = sock.recvmsg_into(chunk)[0]
             if got == 0:
                 raise ConnectionError("connection closed mid-payload")
-            while chunk and got >= len(chunk[0]):
-                got -= len(chunk[0])
-                chunk = chunk[1:]
-            if chunk and got:
-                chunk = [chunk[0][got:], *chunk[1:]]
+            chunk = _advance(chunk, got)
 
 
 def _discard(sock: socket.socket, n: int) -> None:

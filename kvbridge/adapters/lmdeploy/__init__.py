@@ -1,9 +1,8 @@
 """LMDeploy adapter: `--migration-backend Mooncake` served by kvbridge.
 
-`KVBridgeMigrationBackend` fulfils LMDeploy's `MigrationBackendImpl`; `register()` puts it in
-LMDeploy's `MIGRATION_BACKENDS` under `Mooncake` (replacing LMDeploy's own) and `KVBridge`.
-The `kvbridge-lmdeploy` distribution calls `register()` in every process that imports
-`lmdeploy.pytorch.disagg.backend`. Importing this package imports LMDeploy.
+`register()` puts `KVBridgeMigrationBackend` in LMDeploy's `MIGRATION_BACKENDS` under `Mooncake` (replacing
+LMDeploy's own) and `KVBridge`; how kvbridge-lmdeploy calls it in every process: docs/lmdeploy.md.
+Importing this package imports LMDeploy.
 """
 
 from __future__ import annotations

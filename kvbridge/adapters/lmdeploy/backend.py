@@ -7,17 +7,9 @@ remote `target_offset` into the local `source_offset`). It reads
 `links[remote_engine_id].remote_engine_config.num_gpu_blocks` between connect steps.
 
 One transport per protocol serves every link of the process; memory is registered once and
-unregistered when the last link that registered it is dropped.
-
-The pools live on this worker's device (`AdapterSettings.device`, else the accelerator the process
-has): each pool is registered as that device's memory, with its kind and device id, and the
-transport is bound to the device (`kvbridge.staging.attach`), directly where it reaches the memory,
-through pinned host mirrors where it cannot (GPU memory over TCP). Staged, the reading side is
-complete by itself (bytes land in the mirror, go to the device, the device synchronizes, then
-`p2p_migrate` returns); the serving side must refresh its mirrors with `publish()` once the blocks it
-offers are computed. LMDeploy 0.18's CacheEngine never tells its migration backend that, so an
-engine that serves staged memory says so when it registers: serve with a protocol that reaches the
-device's memory (`rdma`, `ascend`, `nvlink`), or call `publish()` from the integration.
+unregistered when the last link that registered it is dropped. The pools are this worker's device's
+memory, reached directly or through host mirrors (`kvbridge.staging.attach`); why a staged serving
+side must `publish()`: docs/lmdeploy.md.
 """
 
 from __future__ import annotations
@@ -148,22 +140,21 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                 )
             return self._transports[name]
 
-    def _link(self, remote_engine_id: str, what: str) -> Link:
+    def _link(self, remote_engine_id: str, what: str, protocol: MigrationProtocol | None = None) -> Link:
+        """The link to a remote engine; with `protocol`, checked to be the one the link was initialized with."""
         link = self._links.get(remote_engine_id)
         if link is None:
             raise ConfigError(
                 f"{what}: no link to remote engine {remote_engine_id!r} (linked: {sorted(self._links) or 'none'}); "
                 "call p2p_initialize for it first"
             )
-        return link
-
-    def _check_protocol(self, link: Link, protocol: MigrationProtocol, what: str) -> None:
-        if MigrationProtocol(protocol) != link.protocol:
+        if protocol is not None and MigrationProtocol(protocol) != link.protocol:
             raise ConfigError(
                 f"{what} for remote engine {link.remote_engine_id!r} uses MigrationProtocol."
                 f"{MigrationProtocol(protocol).name}, but the link was initialized with "
                 f"MigrationProtocol.{link.protocol.name}; use one protocol per link"
             )
+        return link
 
     def p2p_initialize(self, init_request: DistServeInitRequest) -> None:
         """Open (or reuse) the transport for the request's protocol and create the link."""
@@ -185,8 +176,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     def register_memory_region(self, register_mr_request: DistServeRegisterMRMessage) -> None:
         """Register one cache pool with the transport (once per address, whatever the links)."""
         req = register_mr_request
-        link = self._link(req.remote_engine_id, f"register_memory_region(mr_key={req.mr_key})")
-        self._check_protocol(link, req.protocol, f"register_memory_region(mr_key={req.mr_key})")
+        link = self._link(req.remote_engine_id, f"register_memory_region(mr_key={req.mr_key})", req.protocol)
         region = self.device.region(req.addr, req.length)  # the pool's real kind and device id
         with self._lock:
             fresh = not any(r.addr == region.addr for r in link.transport.registered)
@@ -211,8 +201,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
     def endpoint_info(self, remote_engine_id: str, protocol: MigrationProtocol) -> dict[str, Any]:
         """What the peer's `p2p_connect` needs: the transport endpoint and the cache pools by mr_key."""
-        link = self._link(remote_engine_id, "endpoint_info")
-        self._check_protocol(link, protocol, "endpoint_info")
+        link = self._link(remote_engine_id, "endpoint_info", protocol)
         info = {
             "kvbridge": ENDPOINT_VERSION,
             "host": self.settings.hostname,
@@ -249,8 +238,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
 
     def p2p_connect(self, remote_engine_id: str, conn_req: DistServeKVTransferEndpointInfo) -> None:
         """Connect to the remote engine described by its `endpoint_info`."""
-        link = self._link(remote_engine_id, "p2p_connect")
-        self._check_protocol(link, conn_req.protocol, "p2p_connect")
+        link = self._link(remote_engine_id, "p2p_connect", conn_req.protocol)
         endpoint, regions, host = _parse_endpoint(remote_engine_id, conn_req.endpoint_info, self.settings.secret)
         if self.settings.secret:  # it proved the secret: its transport may reach ours
             netguard.admit(host, f"signed endpoint of LMDeploy engine {remote_engine_id}")
@@ -267,13 +255,10 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     async def p2p_migrate(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
         """Read every instruct's remote bytes into local memory; returns when all have landed.
 
-        Contiguous instructs are merged and submitted in batches at once. With `async_op` (or
-        LMDeploy's `LMDEPLOY_USE_ASYNC_MIGRATION`) the event loop keeps running while the
-        transport works; otherwise the call blocks the loop like LMDeploy's own backends.
-        """
+        With `async_op` (or `LMDEPLOY_USE_ASYNC_MIGRATION`) the event loop runs while the transport works; otherwise
+        the call blocks the loop like LMDeploy's own backends."""
         rid = assignment.remote_engine_id
-        link = self._link(rid, "p2p_migrate")
-        self._check_protocol(link, assignment.protocol, "p2p_migrate")
+        link = self._link(rid, "p2p_migrate", assignment.protocol)
         if link.peer is None:
             raise ConfigError(
                 f"p2p_migrate: remote engine {rid!r} is initialized but not connected; "
@@ -296,14 +281,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         finally:
             self.metrics.record_retries(link.transport.name, rid, sum(h.retries for h, _, _ in submitted))
         # LMDeploy's engine did the control part (assignment, endpoints) before this call: control_s is 0
-        self.metrics.record(
-            link.transport.name,
-            rid,
-            time.perf_counter() - begun,
-            0.0,
-            int(p.descriptors[:, 2].sum()),
-            len(p.descriptors),
-        )
+        self.metrics.record(link.transport.name, rid, time.perf_counter() - begun, 0.0, p.nbytes, len(p.descriptors))
 
     def _submit(self, link: Link, p: InstructPlan) -> list[tuple[TransferHandle, int, int]]:
         assert link.peer is not None
@@ -326,9 +304,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
             try:
                 handle.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except TransferTimeout:
-                failure = failure or _failed(
-                    rid, p, first, count, TransferTimeout(f"not finished within {timeout}s", peer=rid, cause="timeout")
-                )
+                failure = failure or _late(rid, p, first, count, timeout)
             except TransferError as exc:
                 failure = failure or _failed(rid, p, first, count, exc)
         if failure is not None:
@@ -341,14 +317,8 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         try:
             await asyncio.wait_for(asyncio.gather(*waiters), self.settings.timeout)
         except asyncio.TimeoutError:
-            late = next((s for s in submitted if not s[0].done()), submitted[-1])
-            raise _failed(
-                rid,
-                p,
-                late[1],
-                late[2],
-                TransferTimeout(f"not finished within {self.settings.timeout}s", peer=rid, cause="timeout"),
-            ) from None
+            _, first, count = next((s for s in submitted if not s[0].done()), submitted[-1])
+            raise _late(rid, p, first, count, self.settings.timeout) from None
         self._wait(rid, p, submitted)  # every handle is done: this only collects errors
 
     # -- teardown ----------------------------------------------------------------------------
@@ -426,6 +396,11 @@ def _failed(rid: str, p: InstructPlan, first: int, count: int, exc: BaseExceptio
     if isinstance(exc, TransferTimeout):
         return TransferTimeout(text, peer=rid, cause="timeout")
     return TransferFailed(text, peer=rid, cause=getattr(exc, "cause", "") or str(exc))
+
+
+def _late(rid: str, p: InstructPlan, first: int, count: int, timeout: float | None) -> KVBridgeError:
+    """The failure of a batch that did not finish within the migration timeout."""
+    return _failed(rid, p, first, count, TransferTimeout(f"not finished within {timeout}s", peer=rid, cause="timeout"))
 
 
 def _signature(secret: bytes, info: Mapping[str, Any]) -> str:

@@ -1,16 +1,8 @@
 """The LMDeploy backend's transfer series, with the `kvbridge_transfer_*` names of the vLLM connector's.
 
-The vLLM connector puts the same series in vLLM's /metrics (docs/operations.md).
-
 LMDeploy has no connector-stats path to hook into, so the backend records with the session layer's
-recorder (`kvbridge.session.metrics`, as the vLLM connector's workers do) and sums what it recorded
-into cumulative counters: a `TransferMetrics` (`KVBridgeMigrationBackend.metrics`), which an
-operator exposes where the engine's Prometheus registry is:
-
-    from prometheus_client import REGISTRY
-    REGISTRY.register(backend.metrics.collector())
-
-`snapshot()` gives the same numbers as a plain dict, without prometheus-client.
+recorder (`kvbridge.session.metrics`) and sums what it recorded into cumulative counters, which an
+operator registers in the engine's Prometheus registry or reads as a dict (docs/operations.md).
 """
 
 from __future__ import annotations

@@ -55,22 +55,10 @@ def _timeout(value: str | None) -> float | None:
 class AdapterSettings:
     """Transport and limits for the LMDeploy migration backend.
 
-    - `transport`: kvbridge transport name (`kvbridge plugins` lists them); Mooncake by default.
-    - `protocol`: transport protocol to use instead of mapping LMDeploy's `MigrationProtocol`.
-    - `hostname`: the address peers reach this worker at.
-    - `metadata_server`: None for the transport's peer-to-peer handshake.
-    - `devices`: NICs; worker rank r uses `devices[r % len(devices)]`.
-    - `device`: the device plugin holding the cache pools (`cuda`, `npu`, ...; `kvbridge plugins` lists
-      them); None picks the accelerator this process has (`kvbridge.placement.local_device`), else `cpu`.
-    - `timeout`: seconds a migration may take before it fails (None: no limit).
-    - `async_migration`: migrate asynchronously even when the caller does not pass `async_op`.
-    - `secret`: the shared secret (`KVBRIDGE_SECRET` or the file `KVBRIDGE_SECRET_FILE` names): endpoints
-      are signed with it, and a peer's endpoint is accepted (its host admitted to the transport) only when
-      its signature holds.
-    - `insecure`: trust the network (`KVBRIDGE_LMDEPLOY_INSECURE=1`): no secret needed on a routable
-      hostname, and a transport that authenticates nobody (Mooncake) accepts any host.
-    - `fault_injection`: TESTING ONLY, never from the environment: the transports wrapped in
-      `kvbridge.faults.FaultyBackend` with these rates (`{}`: none, for a test to `inject`).
+    One field per environment variable of docs/lmdeploy.md's table (`devices`: worker rank r uses
+    `devices[r % len(devices)]`; `device` None: the accelerator this process has, else `cpu`; `timeout` None: no
+    limit). `fault_injection`: TESTING ONLY, never from the environment: the transports wrapped in
+    `kvbridge.faults.FaultyBackend` with these rates (`{}`: none, for a test to `inject`).
     """
 
     transport: str = "mooncake"
