@@ -63,6 +63,10 @@ class Membership:
             )
         self._hook_sigterm()
 
+    def draining(self) -> bool:
+        """Whether SIGTERM marked this server draining."""
+        return self._draining.is_set()
+
     def _hook_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             log.warning("the connector starts off the main thread: SIGTERM does not mark this server draining")
