@@ -54,11 +54,13 @@ class Membership:
         self._draining = threading.Event()
         self._closed = threading.Event()
         needed = settings.drain_grace_s + settings.lease_s
-        if role == "prefill" and getattr(vllm_config, "shutdown_timeout", 0) < needed:
+        # a prefill holds its finished requests' leases, a decode those of the streams migrated off it
+        if getattr(vllm_config, "shutdown_timeout", 0) < needed:
             log.warning(
-                "vLLM's --shutdown-timeout is %s s: a SIGTERM ends this prefill server before the leases it holds "
+                "vLLM's --shutdown-timeout is %s s: a SIGTERM ends this %s server before the leases it holds "
                 "end; set --shutdown-timeout %d (drain_grace_s + lease_s) to drain it gracefully",
                 getattr(vllm_config, "shutdown_timeout", 0),
+                role,
                 int(needed) + 1,
             )
         self._hook_sigterm()
