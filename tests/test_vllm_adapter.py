@@ -754,3 +754,110 @@ def _params_scheduler(transfer: str) -> object:
         cache_config=CacheConfig(block_size=BLOCK),
     )
     return SchedulerSide(config, "engine", Settings.from_extra_config(extra))
+
+
+def _scheduler(role: str, engine: str, port: int) -> object:
+    """A scheduler half as the engine core builds it, telling the workers on `port` of early offers."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
+
+    extra = {"migration_backend": "loopback", "side_channel_port": port}
+    config = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role=role,
+            engine_id=engine,
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
+    return SchedulerSide(config, engine, Settings.from_extra_config(extra))
+
+
+def test_live_migration_a_draining_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
+    """Issue 34: A (draining) holds a cut request's blocks under its migration id; B pulls them without block ids.
+
+    A's worker reports A's own request id finished sending once B's DONE came; B claims all but the last token."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
+
+    source = _scheduler("kv_consumer", "prefill", workers.prefill.server.address[1])  # A: a decode server
+    target = _scheduler("kv_consumer", "decode", 21001)  # B: only builds the pull here
+    try:
+        tokens = list(range(2 * BLOCK + 3))  # P + G
+        cut = Request("a-1", tokens[:-1], SamplingParams(max_tokens=8), None)
+        cut.kv_transfer_params = {"do_remote_prefill": False, "kvbridge_migration_id": "M1"}
+        cut.status, cut.num_computed_tokens = RequestStatus.FINISHED_ABORTED, len(tokens)  # one step past the cut
+        # a client's abort (not draining), or an abort with no migration id: freed at once, as before
+        assert source.request_finished(cut, [3, 4, 5]) == (False, None)
+        source.draining = lambda: True
+        gone = Request("a-2", tokens, SamplingParams(max_tokens=8), None)
+        gone.kv_transfer_params, gone.status = {}, RequestStatus.FINISHED_ABORTED
+        assert source.request_finished(gone, [1]) == (False, None)
+        cut.kv_transfer_params["kvbridge_migration_id"] = 7  # junk from a client: not a lease id
+        assert source.request_finished(cut, [3, 4, 5]) == (False, None)
+        assert source.build_connector_meta(None).offers == []
+        cut.kv_transfer_params["kvbridge_migration_id"] = "M1"
+        assert source.request_finished(cut, [3, 4, 5]) == (True, None)
+        [offer] = source.build_connector_meta(None).offers
+        assert (offer.request_id, offer.engine_request_id, offer.blocks) == ("M1", "a-1", (3, 4, 5))
+        workers.prefill.start_load_kv(KVBridgeMetadata(offers=[offer]))
+
+        host, port = workers.prefill.server.address
+        resumed = Request("b-1", tokens, SamplingParams(max_tokens=5), None)
+        resumed.kv_transfer_params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill",
+            "remote_host": host,
+            "remote_port": port,
+            "kvbridge_migration_id": "M1",
+            "remote_num_tokens": len(tokens) - 1,
+        }
+        count, load_async = target.get_num_new_matched_tokens(resumed, 0)
+        assert (count, load_async) == (len(tokens) - 1, True), "all but the last token, which vLLM computes"
+        target.update_state_after_alloc(resumed, KVCacheBlocks(([KVCacheBlock(i) for i in (6, 7, 8)],)), count)
+        meta = target.build_connector_meta(None)
+        [task] = meta.pulls
+        assert task.params.remote_request_id == "M1" and task.params.lease_blocks and task.skip == 0
+        workers.decode.start_load_kv(meta)
+        workers.wait_recved("b-1")
+        workers.wait_sent("a-1")  # vLLM frees A's blocks by its own id
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+        assert workers.prefill.ledger.held() == (0, 0)
+    finally:
+        source.shutdown()
+        target.shutdown()
+
+
+def test_migration_params_lacking_what_the_pull_needs_are_computed_here() -> None:
+    """A migration with no remote_num_tokens, or streamed per layer, is refused: the prompt is computed here."""
+    from kvbridge.adapters.vllm.scheduler import migrated
+
+    base = KVTransferParams(do_remote_prefill=True, kvbridge_migration_id="M", remote_num_tokens=9)
+    assert migrated(base).remote_request_id == "M"
+    assert migrated(attrs.evolve(base, remote_request_id="x")).remote_request_id == "x"
+    with pytest.raises(ConfigError, match="remote_num_tokens"):
+        migrated(attrs.evolve(base, remote_num_tokens=None))
+    with pytest.raises(ConfigError, match="transfer_mode 'pull'"):
+        migrated(attrs.evolve(base, transfer_mode="layerwise"))
+
+
+def test_a_migration_pull_task_skips_what_decode_holds_without_naming_blocks() -> None:
+    """A prefix hit on the resuming decode: `skip` counts the lease's leading blocks, no block ids are made up."""
+    params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="a",
+        remote_request_id="M",
+        remote_host="127.0.0.1",
+        remote_port=9,
+        kvbridge_migration_id="M",
+        remote_num_tokens=3 * BLOCK + 2,
+    )
+    task = PullTask.from_params("b", params, [7, 8], BLOCK, report=True)
+    assert (task.skip, task.params.remote_num_tokens, task.params.remote_block_ids) == (2, BLOCK + 2, ())
+    assert task.params.lease_blocks
+    whole = PullTask.from_params("b", params, [5, 6, 7, 8], BLOCK, report=True)
+    assert (whole.skip, whole.params.remote_num_tokens) == (0, 3 * BLOCK + 2)

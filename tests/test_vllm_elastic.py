@@ -8,6 +8,7 @@ under /work/heavy.lock.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -172,6 +173,124 @@ def test_servers_join_through_the_registry_and_a_drained_prefill_exits_holding_n
             # its record is withdrawn: the proxy lets it go
             _rounds(proxy)
             assert [i["url"] for i in _instances(proxy)["prefill"]] == [p0.url]
+        finally:
+            for s in started:
+                s.stop()
+
+
+def _stream_until(
+    http: httpx.Client, url: str, body: dict, enough: int, reached: threading.Event, cut: threading.Event
+) -> tuple[list, list]:
+    """Stream `body` from `url`; past `enough` generated tokens, set `reached` and stop once `cut` is set.
+
+    Returns the prompt's and the generated token ids received, the stream then closed (vLLM aborts it)."""
+    prompt: list[int] = []
+    generated: list[int] = []
+    with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            prompt = prompt or choice.get("prompt_token_ids") or []
+            generated += choice.get("token_ids") or []
+            if len(generated) >= enough:
+                reached.set()
+                cut.wait(60)  # the server keeps computing meanwhile; the cut is what this client received
+                return prompt, generated
+    raise AssertionError(f"the stream ended after {len(generated)} tokens, before the cut")
+
+
+def test_a_draining_decode_hands_a_cut_stream_to_another_decode_that_pulls_its_kv(tmp_path: Path) -> None:
+    """Issue 34, the connector half: A, draining, offers a cut stream's blocks under its migration id; B resumes it.
+
+    B gets prompt + the tokens the client received, the migration id and A's side channel, no block ids; it pulls the
+    lease, its output continues A's exactly (a colocated run's), and A exits once B's DONE freed the blocks."""
+    model = build_tiny_llama(tmp_path / "model")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    common = {"max_model_len": 1024, "log_dir": logs, "env": {"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}}
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    secret_file.chmod(0o600)
+    options = {"lease_s": LEASE_S, "pull_timeout_s": 50, "secret_file": str(secret_file)}
+    max_tokens = 400
+    started: list[Server] = []
+    with redis_server(tmp_path) as registry:
+        try:
+            a_port = free_port()
+            a_config = connector_config(
+                "kv_consumer",
+                advertise_url=f"http://127.0.0.1:{a_port}",
+                registry=registry,
+                drain_grace_s=GRACE_S,
+                registry_ttl_s=6,
+                **options,
+            )
+            a_config["engine_id"] = "decode-a"
+            a = start_vllm(
+                model,
+                kv_transfer_config=a_config,
+                port=a_port,
+                executor="uni",
+                extra_args=["--shutdown-timeout", str(GRACE_S + LEASE_S + 10)],
+                **common,
+            )
+            started.append(a)
+            b = start_vllm(model, kv_transfer_config=connector_config("kv_consumer", **options), **common)
+            started.append(b)
+            wait_healthy([a, b], timeout=540)
+            client = Completions(str(model), max_tokens=max_tokens)
+            text = "a stream moved while it runs " * 6
+            reference = client.token_ids(a, text)  # colocated: no transfer params
+            assert len(reference) == max_tokens
+
+            reached, cut = threading.Event(), threading.Event()
+            body = {**client.body(text), "stream": True, "kv_transfer_params": {"kvbridge_migration_id": "M1"}}
+            got: list[tuple[list, list]] = []
+            reader = threading.Thread(
+                target=lambda: got.append(_stream_until(client.http, a.url, body, 8, reached, cut))
+            )
+            reader.start()
+            try:
+                wait_for(lambda: reached.is_set() or not reader.is_alive(), what="the stream's first tokens")
+                os.kill(a.pid, signal.SIGTERM)
+                records = open_registry(registry, secret=SECRET)
+                wait_for(
+                    lambda: any(r.server_id == "decode-a" and r.draining for r in records.servers()),
+                    timeout=30,
+                    what="A's record draining",
+                )
+                records.close()
+            finally:
+                cut.set()
+                reader.join(timeout=120)
+            [(prompt, generated)] = got
+            assert generated == reference[: len(generated)] and len(generated) <= max_tokens - 32
+            resumed = {
+                **client.body(text),
+                "prompt": prompt + generated,
+                "max_tokens": max_tokens - len(generated),
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "remote_engine_id": "decode-a",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": a_config["kv_connector_extra_config"]["side_channel_port"],
+                    "kvbridge_migration_id": "M1",
+                    "remote_num_tokens": len(prompt) + len(generated) - 1,
+                },
+            }
+            r = client.http.post(f"{b.url}/v1/completions", json=resumed)
+            assert r.status_code == 200, f"{r.text}\n{failure_reports(b, a)}"
+            answer = r.json()
+            assert generated + answer["choices"][0]["token_ids"] == reference, failure_reports(b, a)
+            timing = (answer.get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
+            assert "transfer_ms" in timing, f"B pulled nothing: {answer.get('kv_transfer_params')}"
+            a.proc.wait(timeout=GRACE_S + LEASE_S + 60)
+            log = a.log_path.read_text()
+            assert "cut for migration while draining" in log and "offered under lease M1" in log, failure_reports(a)
+            assert "closing with 0 leases held (0 blocks)" in log, failure_reports(a)
+            client.http.close()
         finally:
             for s in started:
                 s.stop()

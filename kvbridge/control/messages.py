@@ -133,9 +133,11 @@ class Offer:
     this host (and, with a secret, authenticated) by a rank whose memory needs no publishing in the step.
     """
 
-    request_id: str = _id()
+    request_id: str = _id()  # the lease's id (a migrated decode request's: the proxy's migration id)
     blocks: BlockIds = _blocks()
     offer_id: str = _id()
+    # the engine's id of the request, reported finished sending when the lease ends; "" when it is request_id
+    engine_request_id: str = attrs.field(default="", validator=[attrs.validators.instance_of(str), _bounded_str])
 
 
 @attrs.frozen

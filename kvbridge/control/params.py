@@ -127,6 +127,9 @@ class KVTransferParams:
     )
     # layerwise: the id the proxy gave both sides (prefill's lease is keyed by it)
     transfer_id: str | None = attrs.field(default=None, validator=_STR)
+    # live decode migration (docs/elastic.md): a draining decode offers the request's blocks under this lease id
+    # when its stream is cut; the decode resuming it pulls that lease, its block ids taken from the lease
+    kvbridge_migration_id: str | None = attrs.field(default=None, validator=_STR)
     prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple(int))
     cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_tuple(str))
     # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,
@@ -180,6 +183,11 @@ class KVTransferParams:
     def block_ids(self) -> BlockIds:
         """The block ids of the first (usually only) KV-cache group."""
         return self.remote_block_ids[0] if self.remote_block_ids else BlockIds()
+
+    @property
+    def lease_blocks(self) -> bool:
+        """Decode takes the block ids from the lease's answer (a migration names none)."""
+        return self.kvbridge_migration_id is not None and not self.remote_block_ids
 
     def require_remote(self) -> None:
         """Raise ConfigError naming the missing keys a decode side needs to pull."""

@@ -79,6 +79,22 @@ def blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequenc
     return BlockIds(np.unique(ids[picked[picked < len(ids)]]))
 
 
+def lease_share(rid: str, url: str, status: LeaseStatus, skip: int, count: int) -> BlockIds:
+    """The `count` blocks after the first `skip` of the lease `status` describes; LoadError when it holds fewer.
+
+    A migrated request's source names its blocks only in its lease (docs/elastic.md)."""
+    blocks = status.blocks.array
+    if not status.valid or len(blocks) < skip + count:
+        raise LoadError(
+            f"request {rid!r}: the lease on {url} is {status.state.value} with {len(blocks)} blocks; this decode "
+            f"reads blocks {skip}..{skip + count - 1} of it; recompute",
+            peer=url,
+            request=rid,
+            cause="lease short",
+        )
+    return BlockIds(blocks[skip : skip + count])
+
+
 def prefill_parallel(params: KVTransferParams) -> ParallelConfig:
     """The prefill engine's parallel layout, as its params state it."""
     return ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
@@ -162,13 +178,20 @@ class DecodeControl:
         return Session(machine, str(params.remote_request_id), params, plan, ranks, notify)
 
     def _begin(
-        self, s: Session, *, whole: bool, check: Callable[[int, ControlClient, RankInfo], None] | None = None
+        self,
+        s: Session,
+        *,
+        whole: bool,
+        check: Callable[[int, ControlClient, RankInfo], None] | None = None,
+        take: tuple[int, int] = (0, 0),
     ) -> None:
         """Resolving -> leased: each rank's side channel and RankInfo (`check`ed), then its BeginPull.
 
         The BeginPull waits for prefill's offer and states this rank's release count. A `whole`-request pull names the
         blocks it reads and takes the prefill's hold from the BeginPull's answer; a layer-wise one from each rank's
-        answer that completes its stream (`LayerReader`)."""
+        answer that completes its stream (`LayerReader`). A migrated request's params name no blocks
+        (`lease_blocks`): the first BeginPull names none, and its answer's blocks `take` = (skip, count) are read
+        (every rank of an engine holds a request in the same block ids)."""
         waited = 0.0
         for rank in s.ranks:
             client = self._client(s.params, rank)
@@ -187,6 +210,8 @@ class DecodeControl:
                 blocks=blocks_read(s.plan, self.agent.rank, rank, s.params.block_ids) if whole else (),
             )
             s.leases[rank] = (client, status.epoch, count)
+            if whole and s.params.lease_blocks:
+                s.params = attrs.evolve(s.params, remote_block_ids=[lease_share(s.rid, client.url, status, *take)])
             if whole:
                 s.hold(asked, status)
             waited += status.waited_ms
@@ -243,8 +268,12 @@ class DecodeControl:
         local_blocks: Sequence[int],
         on_finished: FinishedCallback | None = None,
         machine: PullMachine | None = None,
+        *,
+        skip: int = 0,
     ) -> PullHandle:
         """Pull this rank's share of the request `params` describe into `local_blocks`.
+
+        Params naming no blocks (`lease_blocks`, a migrated request) read the lease's blocks after its first `skip`.
 
         Returns as soon as the transfers are submitted; `on_finished(request_id, error)` reports the
         outcome once, on the transport's thread. `machine` (made here when not given) records the
@@ -267,10 +296,10 @@ class DecodeControl:
             self._local_ids[str(params.remote_request_id)] = request_id
         try:
             s = self._session(machine, params, tokens)
-            self._begin(s, whole=True)
+            self._begin(s, whole=True, take=(skip, len(local_blocks)))
             machine.to(PullState.READING)
             infos = [s.infos[r] for r in s.ranks]
-            return self.agent.pull(s.rid, infos, params.block_ids, local_blocks, tokens, on_done=finished)
+            return self.agent.pull(s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished)
         except BaseException as exc:
             if s is None:
                 self._forget(str(params.remote_request_id))

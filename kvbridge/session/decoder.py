@@ -140,7 +140,7 @@ class DecodeSide:
                     "the same stage of prefill, so run both engines with the same --pipeline-parallel-size"
                 )
             params = on_stage(params, self.pp_rank)  # this stage's layers live on the same stage of prefill
-            handle = self.control.start(task.request_id, params, task.local_block_ids, report, machine)
+            handle = self.control.start(task.request_id, params, task.local_block_ids, report, machine, skip=task.skip)
             handle.wait(self.pull_timeout_s)
         except KVBridgeError as exc:
             report(task.request_id, exc)

@@ -31,10 +31,12 @@ class Offers:
         self._prefix = uuid.uuid4().hex[:12]
         self._count = 0
 
-    def make(self, request_id: str, blocks: Sequence[int]) -> Offer:
-        """The offer of a finished request, sent early to the ranks where they take it."""
+    def make(self, request_id: str, blocks: Sequence[int], engine_request_id: str = "") -> Offer:
+        """The offer of a finished request under lease id `request_id`, sent early to the ranks where they take it.
+
+        `engine_request_id`: the engine's id of the request when the lease has another (a migrated decode request)."""
         self._count += 1
-        offer = Offer(request_id, tuple(blocks), f"{self._prefix}-{self._count}")
+        offer = Offer(request_id, tuple(blocks), f"{self._prefix}-{self._count}", engine_request_id)
         if self.early:
             if self._sender is None:
                 self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")

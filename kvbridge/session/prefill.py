@@ -68,7 +68,7 @@ class PrefillSide:
         )
         self.agent: KVAgent | None = None
         self._lock = threading.Lock()
-        self._stepped: dict[str, str] = {}  # offer id -> request id: offered by the step, not released yet
+        self._stepped: dict[str, str] = {}  # offer id -> engine request id: offered by the step, not released yet
         self._released_early: OrderedDict[str, str] = OrderedDict()  # released before the step's offer came
 
     def _abort(self, transfer_id: str, reason: str) -> None:
@@ -91,11 +91,12 @@ class PrefillSide:
         assert self.agent is not None
         for offer in offers:
             self.agent.publish(offer.blocks)  # computed by now; through staging, copied to the host mirror
+            engine_id = offer.engine_request_id or offer.request_id  # the id the engine frees the blocks by
             with self._lock:
                 if self._released_early.pop(offer.offer_id, None) is not None:
-                    self.outbox.sent(offer.request_id)  # the early offer was pulled and released already
+                    self.outbox.sent(engine_id)  # the early offer was pulled and released already
                     continue
-                self._stepped[offer.offer_id] = offer.request_id
+                self._stepped[offer.offer_id] = engine_id
             # the same lease as the early offer's, if that came; the decode side states the release count
             try:
                 self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
@@ -126,8 +127,12 @@ class PrefillSide:
             self.outbox.nudge()  # a stream: reported once the engine finished the request too (take_finished)
             return
         with self._lock:
-            if not lease.offer_id or self._stepped.pop(lease.offer_id, None) is not None:
+            if not lease.offer_id:
                 self.outbox.sent(lease.request_id)
+                return
+            engine_id = self._stepped.pop(lease.offer_id, None)
+            if engine_id is not None:
+                self.outbox.sent(engine_id)
                 return
             self._released_early[lease.offer_id] = lease.request_id
             while len(self._released_early) > MAX_EARLY_RELEASES:  # offers no step ever confirms

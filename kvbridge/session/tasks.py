@@ -18,6 +18,8 @@ class PullTask:
     params: KVTransferParams  # the prefill's params, narrowed to the blocks (and tokens) decode lacks
     local_block_ids: tuple[int, ...] = attrs.field(converter=tuple)
     report: bool  # the engine waits for this request among the finished ones
+    # params naming no blocks (`lease_blocks`): leading blocks of the lease decode's own prefix cache holds
+    skip: int = 0
     asked_at: float = attrs.field(factory=time.time)  # wall clock: the worker may be another process
 
     @classmethod
@@ -33,15 +35,19 @@ class PullTask:
                 f"request {request_id}: {len(local_block_ids)} blocks of {block_size} tokens to fill, prefill holds "
                 f"{tokens} tokens"
             )
+        skipped = 0
         if not local_block_ids:
             remote, tokens = [], 0
         elif len(local_block_ids) * block_size < tokens:
             # Decode's own prefix cache covers the leading blocks; read only the ones it lacks (same block
             # size on both sides: a prefix hit with different block sizes is not narrowed, see docs/vllm.md).
-            skipped = len(remote) - len(local_block_ids)
+            held = -(-tokens // block_size) if p.lease_blocks else len(remote)
+            skipped = held - len(local_block_ids)
             remote, tokens = remote[skipped:], tokens - skipped * block_size
-        narrowed = attrs.evolve(p, remote_block_ids=[remote], remote_num_tokens=tokens)
-        return cls(request_id=request_id, params=narrowed, local_block_ids=local_block_ids, report=report)
+        # blocks named by the lease's answer stay unnamed here (the decode session picks them, `skip` on)
+        groups = () if p.lease_blocks else [remote]
+        narrowed = attrs.evolve(p, remote_block_ids=groups, remote_num_tokens=tokens)
+        return cls(request_id=request_id, params=narrowed, local_block_ids=local_block_ids, report=report, skip=skipped)
 
 
 @attrs.frozen

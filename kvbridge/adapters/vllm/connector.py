@@ -101,6 +101,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
             if settings.registry is not None:
                 self._membership = Membership(vllm_config, config.engine_id, settings, kv_cache_config.num_blocks)
+                self._scheduler.draining = self._membership.draining  # a draining decode offers what is cut
         else:
             self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 

@@ -54,14 +54,20 @@ class Membership:
         self._draining = threading.Event()
         self._closed = threading.Event()
         needed = settings.drain_grace_s + settings.lease_s
-        if role == "prefill" and getattr(vllm_config, "shutdown_timeout", 0) < needed:
+        # a prefill holds its finished requests' leases, a decode those of the streams migrated off it
+        if getattr(vllm_config, "shutdown_timeout", 0) < needed:
             log.warning(
-                "vLLM's --shutdown-timeout is %s s: a SIGTERM ends this prefill server before the leases it holds "
+                "vLLM's --shutdown-timeout is %s s: a SIGTERM ends this %s server before the leases it holds "
                 "end; set --shutdown-timeout %d (drain_grace_s + lease_s) to drain it gracefully",
                 getattr(vllm_config, "shutdown_timeout", 0),
+                role,
                 int(needed) + 1,
             )
         self._hook_sigterm()
+
+    def draining(self) -> bool:
+        """Whether SIGTERM marked this server draining."""
+        return self._draining.is_set()
 
     def _hook_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():

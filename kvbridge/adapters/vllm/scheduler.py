@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
@@ -65,6 +68,24 @@ def checked_params(request: Request) -> dict[str, Any] | None:
     return None
 
 
+def migrated(params: KVTransferParams) -> KVTransferParams:
+    """`params` of a migrated decode request made whole: its lease is its migration id; only whole-request pulls.
+
+    Raises ConfigError when a migration lacks what the pull needs."""
+    if params.kvbridge_migration_id is None:
+        return params
+    if params.transfer_mode != "pull":
+        raise ConfigError("kv_transfer_params with kvbridge_migration_id need transfer_mode 'pull'")
+    if params.remote_num_tokens is None:
+        raise ConfigError(
+            "kv_transfer_params with kvbridge_migration_id lack remote_num_tokens: the proxy sets it to the "
+            "resumed prompt's length less one"
+        )
+    if params.remote_request_id is None:
+        params = attrs.evolve(params, remote_request_id=params.kvbridge_migration_id)
+    return params
+
+
 class SchedulerSide:
     """Prefill keeps a `do_remote_decode` request's blocks; decode loads a `do_remote_prefill` request's KV.
 
@@ -89,6 +110,8 @@ class SchedulerSide:
             early=settings.early_offer,
             clients=ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler"),
         )
+        # whether the server is draining (its Membership says, where it has one): a cut decode request is offered
+        self.draining: Callable[[], bool] = lambda: False
         self._pulls: list[PullTask] = []
         self._offers: list[Offer] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
@@ -112,7 +135,7 @@ class SchedulerSide:
         decoded = self._remote.get(request.request_id)
         if decoded is None:
             try:
-                decoded = KVTransferParams.from_dict(params)
+                decoded = migrated(KVTransferParams.from_dict(params))
                 decoded.require_remote()
             except ConfigError as exc:
                 log.error("request %s: %s; its prompt is computed here instead", request.request_id, exc)
@@ -124,8 +147,13 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         checked_params(request)  # also where a vLLM without on_new_request shows the request first
         self.layerwise.note_producer(request)
-        if self._decode_params(request) is not None:
-            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        decoded = self._decode_params(request)
+        if decoded is not None:
+            # a migrated request's source holds the KV of all but its last token (vLLM computes that one anyway)
+            held = len(request.prompt_token_ids or ())
+            if decoded.kvbridge_migration_id is not None:
+                held = min(held, int(decoded.remote_num_tokens or 0))
+            count = held - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
@@ -150,6 +178,26 @@ class SchedulerSide:
             self._pulls.append(PullTask.from_params(request.request_id, params, local, self.block_size, report))
         except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
+
+    def _migrating(self, request: Request, params: dict[str, Any], block_ids: list[int]) -> bool:
+        """A decode request the proxy cut on this draining server to move it: hold its blocks under its migration id.
+
+        Anything else aborted (a client gone; any abort while not draining) frees its blocks at once, as before."""
+        from vllm.v1.request import RequestStatus
+
+        migration = params.get("kvbridge_migration_id")
+        if request.status != RequestStatus.FINISHED_ABORTED or params.get("do_remote_decode") or not migration:
+            return False
+        if not isinstance(migration, str) or not block_ids or not self.draining():
+            return False
+        log.info(
+            "request %s: cut for migration while draining; %d blocks (%d tokens) offered under lease %s",
+            request.request_id,
+            len(block_ids),
+            request.num_computed_tokens,
+            migration,
+        )
+        return True
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -181,6 +229,9 @@ class SchedulerSide:
             # Decode dropped the request (abort) before any block was allocated: release prefill's.
             self._add_pull(request, [], report=False)
             return False, None
+        if self._migrating(request, params, block_ids):
+            self._offers.append(self.offering.make(params["kvbridge_migration_id"], block_ids, request.request_id))
+            return True, None
         if (
             request.status == RequestStatus.FINISHED_ABORTED
             and params.get("transfer_mode") == "layerwise"
