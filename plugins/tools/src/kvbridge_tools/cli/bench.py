@@ -19,6 +19,7 @@ MODES = {
     "lmdeploy": "kvbridge_tools.bench.lmdeploy",
     "vllm": "kvbridge_tools.bench.vllm",
     "vllm-load": "kvbridge_tools.bench.vllm_load",
+    "vllm-idle": "kvbridge_tools.bench.vllm_idle",
     "vllm-connector": "kvbridge_tools.bench.connector",
     "compare": "kvbridge_tools.bench.compare",
 }
@@ -113,6 +114,10 @@ def pick_mode(args: argparse.Namespace) -> str:
         if getattr(args, "engine", None) != "vllm":
             raise ConfigError("--load runs vLLM's serve benchmark against vLLM servers; add --engine vllm")
         return "vllm-load"
+    if getattr(args, "idle", False):
+        if getattr(args, "engine", None) != "vllm":
+            raise ConfigError("--idle measures vLLM servers after idle spells; add --engine vllm")
+        return "vllm-idle"
     if getattr(args, "engine", None) in ("vllm", "vllm-connector"):
         return str(args.engine)
     if getattr(args, "prefill", None) or getattr(args, "decode", None):
