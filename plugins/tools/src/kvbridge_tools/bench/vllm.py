@@ -1,6 +1,7 @@
-"""`kvbridge bench --engine vllm`: decode time-to-first-token and KV transfer time per request against
-prompt length, on real vLLM servers, KVBridgeConnector beside vLLM's own MooncakeConnector (over
-Mooncake TCP; the default) or beside vLLM's own NixlConnector (`--compare nixl`: both over NIXL UCX).
+"""`kvbridge bench --engine vllm`: decode time-to-first-token and KV transfer time against prompt length.
+
+On real vLLM servers, KVBridgeConnector beside vLLM's own MooncakeConnector (over Mooncake TCP; the
+default) or beside vLLM's own NixlConnector (`--compare nixl`: both over NIXL UCX).
 
 Each connector gets a fresh prefill + decode pair on 127.0.0.1 (one pair at a time, so they do not
 share the CPU), the same model and the same prompts. Per request: the prefill request
@@ -191,9 +192,11 @@ def _kvbridge_pair(
 def _nixl_pair(
     model: Path, logs: Path, max_len: int, executor: str, busy_poll: bool = True, placed: Placed | None = None
 ) -> Pair:
-    """vLLM's NixlConnector on two servers (on the hosts of `placed`, if given); `busy_poll` False starts their NIXL
-    agents without NIXL's progress thread (vLLM has no option for it: a generated `sitecustomize` on their
-    PYTHONPATH)."""
+    """VLLM's NixlConnector on two servers, on 127.0.0.1 or on the hosts of `placed`.
+
+    `busy_poll` False starts their NIXL agents without NIXL's progress thread (vLLM has no option for it: a
+    generated `sitecustomize` on their PYTHONPATH).
+    """
     import os
 
     from kvbridge_tools.harness.ports import free_port
@@ -326,8 +329,10 @@ def _transfer_ms(log: Path, offset: int, want: int, timeout: float = 20.0) -> tu
 
 
 def _breakdown(ttft_ms: float, prefill: dict, decode: dict) -> dict[str, float]:
-    """One request's decode TTFT by phase, from what KVBridgeConnector's servers reported in their answers'
-    `kvbridge_timing` (empty for another connector). `control` is the side channel and the thread hops
+    """One request's decode TTFT by phase (empty for another connector than KVBridgeConnector).
+
+    From what KVBridgeConnector's servers reported in their answers' `kvbridge_timing`. `control` is the side
+    channel and the thread hops
     (queue, BeginPull, confirming the read); `decode_step` is what remains of the TTFT: the decode engine's own steps
     (carrying the pull to its workers, reporting the load, computing the first token) and its HTTP
     front end."""
