@@ -183,3 +183,9 @@ def test_the_session_layer_imports_no_engine() -> None:
                 names = [node.module]
             found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in engines or n.startswith(engines[-1])]
     assert not found, found
+
+
+def test_the_vllm_adapter_stays_a_thin_facade() -> None:
+    # issue 32: what is engine-neutral lives in session/ and control/; vLLM's adapter maps hooks (the proxy is apart)
+    lines = sum(len(p.read_bytes().splitlines()) for p in (ROOT / "adapters" / "vllm").rglob("*.py"))
+    assert lines <= 1500, f"kvbridge/adapters/vllm has {lines} lines: move what is not vLLM's into the session layer"

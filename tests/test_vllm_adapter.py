@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -756,7 +757,7 @@ def _params_scheduler(transfer: str) -> object:
     return SchedulerSide(config, "engine", Settings.from_extra_config(extra))
 
 
-def _scheduler(role: str, engine: str, port: int) -> object:
+def _scheduler(role: str, engine: str, port: int, draining: Callable[[], bool] = lambda: False) -> object:
     """A scheduler half as the engine core builds it, telling the workers on `port` of early offers."""
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 
@@ -773,7 +774,7 @@ def _scheduler(role: str, engine: str, port: int) -> object:
         ),
         cache_config=CacheConfig(block_size=BLOCK),
     )
-    return SchedulerSide(config, engine, Settings.from_extra_config(extra))
+    return SchedulerSide(config, engine, Settings.from_extra_config(extra), draining=draining)
 
 
 def test_live_migration_a_draining_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
@@ -784,7 +785,8 @@ def test_live_migration_a_draining_decode_offers_a_cut_request_and_another_pulls
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import RequestStatus
 
-    source = _scheduler("kv_consumer", "prefill", workers.prefill.server.address[1])  # A: a decode server
+    draining = threading.Event()
+    source = _scheduler("kv_consumer", "prefill", workers.prefill.server.address[1], draining.is_set)  # A: a decode
     target = _scheduler("kv_consumer", "decode", 21001)  # B: only builds the pull here
     try:
         tokens = list(range(2 * BLOCK + 3))  # P + G
@@ -793,7 +795,7 @@ def test_live_migration_a_draining_decode_offers_a_cut_request_and_another_pulls
         cut.status, cut.num_computed_tokens = RequestStatus.FINISHED_ABORTED, len(tokens)  # one step past the cut
         # a client's abort (not draining), or an abort with no migration id: freed at once, as before
         assert source.request_finished(cut, [3, 4, 5]) == (False, None)
-        source.draining = lambda: True
+        draining.set()
         gone = Request("a-2", tokens, SamplingParams(max_tokens=8), None)
         gone.kv_transfer_params, gone.status = {}, RequestStatus.FINISHED_ABORTED
         assert source.request_finished(gone, [1]) == (False, None)
@@ -834,15 +836,13 @@ def test_live_migration_a_draining_decode_offers_a_cut_request_and_another_pulls
 
 def test_migration_params_lacking_what_the_pull_needs_are_computed_here() -> None:
     """A migration with no remote_num_tokens, or streamed per layer, is refused: the prompt is computed here."""
-    from kvbridge.adapters.vllm.scheduler import migrated
-
     base = KVTransferParams(do_remote_prefill=True, kvbridge_migration_id="M", remote_num_tokens=9)
-    assert migrated(base).remote_request_id == "M"
-    assert migrated(attrs.evolve(base, remote_request_id="x")).remote_request_id == "x"
+    assert base.migration_resolved().remote_request_id == "M"
+    assert attrs.evolve(base, remote_request_id="x").migration_resolved().remote_request_id == "x"
     with pytest.raises(ConfigError, match="remote_num_tokens"):
-        migrated(attrs.evolve(base, remote_num_tokens=None))
+        attrs.evolve(base, remote_num_tokens=None).migration_resolved()
     with pytest.raises(ConfigError, match="transfer_mode 'pull'"):
-        migrated(attrs.evolve(base, transfer_mode="layerwise"))
+        attrs.evolve(base, transfer_mode="layerwise").migration_resolved()
 
 
 def test_a_migration_pull_task_skips_what_decode_holds_without_naming_blocks() -> None:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -81,6 +84,49 @@ class Announcer:
                 "could not withdraw %s from the registry (it expires by itself): %s", self._record.server_id, exc
             )
         self.registry.close()
+
+
+class SigtermDrain:
+    """On SIGTERM, marks the server draining, gives the proxy `grace_s` to see it, then passes the signal on.
+
+    The handler it passes the signal to is the one installed before (the engine's, which shuts the engine down
+    gracefully); a second SIGTERM passes it on at once. Built on the main thread, after the engine installed its
+    handler; elsewhere it warns and SIGTERM does not drain.
+    """
+
+    def __init__(self, announcer: Announcer, *, grace_s: float, then: str = "the engine shuts down") -> None:
+        self.announcer, self.grace_s, self.then = announcer, grace_s, then
+        self.draining = threading.Event()
+        self._closed = threading.Event()
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("the connector starts off the main thread: SIGTERM does not mark this server draining")
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if not callable(previous):  # no engine handler: nothing to hand the signal to after the grace
+            log.warning("SIGTERM has no handler to pass on: it does not mark this server draining")
+            return
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if self.draining.is_set():  # a second SIGTERM: no more grace
+                previous(signum, frame)
+                return
+            self.draining.set()
+            threading.Thread(target=self._drain, args=(previous, signum), name="kvbridge-drain", daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _drain(self, previous: Callable[[int, Any], Any], signum: int) -> None:
+        try:
+            self.announcer.drain()
+        except KVBridgeError as exc:
+            log.warning("could not mark this server draining in the registry: %s", exc)
+        self._closed.wait(self.grace_s)
+        log.info("draining: %s once no finished request holds blocks", self.then)
+        previous(signum, None)  # vLLM's handler only records the request and wakes its loop: safe on a thread
+
+    def close(self) -> None:
+        """End the grace now (the server is shutting down anyway)."""
+        self._closed.set()
 
 
 class StaticMembers:

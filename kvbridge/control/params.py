@@ -189,6 +189,24 @@ class KVTransferParams:
         """Decode takes the block ids from the lease's answer (a migration names none)."""
         return self.kvbridge_migration_id is not None and not self.remote_block_ids
 
+    def migration_resolved(self) -> KVTransferParams:
+        """These params with a migration's lease named (its migration id); unchanged for any other request.
+
+        Raises ConfigError when a migration lacks what its pull needs (a whole-request pull, `remote_num_tokens`).
+        """
+        if self.kvbridge_migration_id is None:
+            return self
+        if self.transfer_mode != "pull":
+            raise ConfigError("kv_transfer_params with kvbridge_migration_id need transfer_mode 'pull'")
+        if self.remote_num_tokens is None:
+            raise ConfigError(
+                "kv_transfer_params with kvbridge_migration_id lack remote_num_tokens: the proxy sets it to the "
+                "resumed prompt's length less one"
+            )
+        if self.remote_request_id is not None:
+            return self
+        return attrs.evolve(self, remote_request_id=self.kvbridge_migration_id)
+
     def require_remote(self) -> None:
         """Raise ConfigError naming the missing keys a decode side needs to pull."""
         missing = [

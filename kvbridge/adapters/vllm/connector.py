@@ -38,12 +38,9 @@ if TYPE_CHECKING:
 
 
 def share_vllm_logging() -> None:
-    """Send kvbridge's log records through vLLM's handlers, so they land in the server log beside vLLM's own.
-
-    They go out at vLLM's level (vLLM configures only its `vllm` logger). A `kvbridge` logger the operator has
-    configured (it has handlers) is left alone."""
+    """Send kvbridge's log records through vLLM's handlers, at vLLM's level, into the server log beside vLLM's own."""
     ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    if ours.handlers or not theirs.handlers:  # the operator configured ours; vLLM configures only its own logger
         return
     for handler in theirs.handlers:
         ours.addHandler(handler)
@@ -54,19 +51,9 @@ def share_vllm_logging() -> None:
 def default_kv_cache_layout(settings: Settings, vllm_config: VllmConfig, *, on_cuda: bool) -> str | None:
     """The layout to ask vLLM for: the operator's, else BLHNC where vLLM would use it, else None (vLLM's).
 
-    BLHNC is block-outermost: one block of every layer is one contiguous run, so a request costs one
-    descriptor per block (2 MiB for llama3-8b at block 16) instead of one per (layer, block); docs/vllm.md,
-    "Which layout the connector asks for", says what it trades.
-
-    BLHNC only where vLLM uses it as asked: pull mode (layer-wise mode reads a layer at a time, which in a
-    block-outermost layout is a descriptor per block and layer), on CUDA (CPU attention takes LBHNC only and
-    ROCm's backends layer-outermost ones: vLLM would warn and fall back), with a model config to read (as vLLM's
-    MooncakeConnector), not for a hybrid model (where kernels typically split an attention block into smaller
-    kernel blocks, which needs a dense page per block: vLLM refuses to start with a block-outermost layout), and
-    not when the operator chose an attention backend that declares layouts without BLHNC (FlexAttention: LBNHC
-    only). CUDA's own choices take it (FlashAttention, Triton: any layout; FlashInfer: any, or LBHNC/BLHNC on
-    SM100). A --block-size the chosen kernel must split still fails at start-up, with vLLM's message saying to
-    use a layer-compact layout: `kv_cache_layout` then.
+    BLHNC (block-outermost: one descriptor per block) only in pull mode, on CUDA, with a model config, for a model
+    that is not hybrid, and unless the operator's attention backend declares layouts without it; docs/vllm.md,
+    "Which layout the connector asks for", says why each and what it trades.
     """
     if settings.kv_cache_layout is not None:
         return settings.kv_cache_layout
@@ -98,10 +85,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._membership: Membership | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
             if settings.registry is not None:
                 self._membership = Membership(vllm_config, config.engine_id, settings, kv_cache_config.num_blocks)
-                self._scheduler.draining = self._membership.draining  # a draining decode offers what is cut
+            # a draining decode offers what the proxy cuts (live migration); a server in no registry never drains
+            draining = self._membership.draining if self._membership else lambda: False
+            self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings, draining=draining)
         else:
             self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 

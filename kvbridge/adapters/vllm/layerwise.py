@@ -5,21 +5,11 @@ A pipelined pull, not a push (docs/vllm.md says why): the decode side still does
 aborts and load errors are those of pull mode. The workers' halves are engine-neutral: `kvbridge.session.stream`
 (prefill) and `kvbridge.session.layers` (decode).
 
-The proxy sends the request to both servers at once with one `transfer_id` (`kvbridge proxy
---transfer layerwise`). Then:
-
-- prefill scheduler: when the request is first scheduled, its blocks so far and prompt length go to
-  the workers (`StreamStart`), and each step the blocks added and the prompt tokens computed once the
-  step's layers have run (chunked prefill computes a prompt over several steps);
-- prefill worker: offers a lease keyed by the transfer id at once (grown as blocks are added), and
-  after each layer's attention (`save_kv_layer`) marks that layer readable up to the step's tokens;
-- decode worker: `BeginPull` (waits for the lease), then polls `QueryStream` and reads, per group of
-  layers that became readable together, the blocks that are complete, until every layer holds the
-  whole prompt; then the DONE, fenced unless the prefill held the reads (a request of one output token
-  on an engine that runs one batch at a time cannot be preempted after its prompt's last layer);
-- prefill reports the request finished sending only when both its lease ended (DONEs, expiry, abort)
-  and vLLM finished the request, so blocks are never freed under a read in flight. A prefill request
-  that is aborted or preempted aborts its lease first (the decode side is told and recomputes).
+The proxy sends the request to both servers at once with one `transfer_id` (`kvbridge proxy --transfer
+layerwise`); docs/vllm.md, "Layer-wise streaming", walks through what each side then does, step by step. Here:
+the prefill scheduler tells its workers of a request's blocks and computed prompt tokens step by step
+(`StreamStart`, chunked prefill included), and reports the request finished sending only once its lease ended
+and vLLM finished it, so blocks are never freed under a read in flight.
 
 Every vLLM layout streams: in a block-outermost one (BL*, BH*: a block holds every layer) a layer is
 read as its slice of each block. Refused at start-up in this mode: vllm-ascend (K, V) tuples, and

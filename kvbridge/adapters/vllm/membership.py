@@ -11,15 +11,12 @@ blocks: every lease DONE or expired. The record is withdrawn when the connector 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.discovery import ServerRecord, open_registry
-from kvbridge.control.membership import Announcer
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.control.membership import Announcer, SigtermDrain
+from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,14 +42,11 @@ class Membership:
                 'a server in a registry needs "advertise_url" in kv_connector_extra_config: the http://HOST:PORT '
                 "the proxy reaches its OpenAI API at"
             )
-        self.grace_s = settings.drain_grace_s
         registry = open_registry(settings.registry, secret=settings.secret)
         if registry is None:
             raise ConfigError(f'"registry": {settings.registry!r} is no registry; use redis://HOST:PORT or etcd://')
         record = ServerRecord(engine_id, role, settings.advertise_url, expires=0.0, capacity=capacity)
         self.announcer = Announcer(registry, record, ttl_s=settings.registry_ttl_s)
-        self._draining = threading.Event()
-        self._closed = threading.Event()
         needed = settings.drain_grace_s + settings.lease_s
         # a prefill holds its finished requests' leases, a decode those of the streams migrated off it
         if getattr(vllm_config, "shutdown_timeout", 0) < needed:
@@ -63,40 +57,13 @@ class Membership:
                 role,
                 int(needed) + 1,
             )
-        self._hook_sigterm()
+        # vLLM's engine core installed its SIGTERM handler: the drain runs first, then hands the signal to it
+        self.drain = SigtermDrain(self.announcer, grace_s=settings.drain_grace_s, then="vLLM shuts down")
 
     def draining(self) -> bool:
         """Whether SIGTERM marked this server draining."""
-        return self._draining.is_set()
-
-    def _hook_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("the connector starts off the main thread: SIGTERM does not mark this server draining")
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-        if not callable(previous):  # not vLLM's engine core: nothing to hand the signal to after the grace
-            log.warning("SIGTERM has no handler to pass on: it does not mark this server draining")
-            return
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            if self._draining.is_set():  # a second SIGTERM: no more grace
-                previous(signum, frame)
-                return
-            self._draining.set()
-            threading.Thread(target=self._drain, args=(previous, signum), name="kvbridge-drain", daemon=True).start()
-
-        signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _drain(self, previous: Callable[[int, Any], Any], signum: int) -> None:
-        """Mark the record draining, give the proxy `grace_s` to see it, then let vLLM shut down (it drains)."""
-        try:
-            self.announcer.drain()
-        except KVBridgeError as exc:
-            log.warning("could not mark this server draining in the registry: %s", exc)
-        self._closed.wait(self.grace_s)
-        log.info("draining: vLLM shuts down once no finished request holds blocks")
-        previous(signum, None)  # vLLM's handler only records the request and wakes its loop: safe on a thread
+        return self.drain.draining.is_set()
 
     def close(self) -> None:
-        self._closed.set()
+        self.drain.close()
         self.announcer.close()

@@ -5,11 +5,8 @@ value straight to a vLLM server (`vllm_xargs`, a wrong type, junk values), and n
 in vLLM's scheduler. Params that do not decode are dropped, logged, and the request is served as a
 colocated server would. They are decoded into `KVTransferParams` once, when the scheduler first sees
 the request; the workers get the decoded value in a `PullTask`. The answer's params carry what
-this engine measured of the request (`kvbridge_timing`) for the proxy's timeline.
-
-A finished prefill request is offered twice under one offer id: at once (`kvbridge.session.offers`),
-and in the next step's metadata, which is the guarantee (a lost or refused early offer costs only the
-wait for that step).
+this engine measured of the request (`kvbridge_timing`) for the proxy's timeline. A finished prefill
+request is offered twice under one offer id (docs/vllm.md, "What happens to a request", step 2).
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import attrs
 
 from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
@@ -68,24 +63,6 @@ def checked_params(request: Request) -> dict[str, Any] | None:
     return None
 
 
-def migrated(params: KVTransferParams) -> KVTransferParams:
-    """`params` of a migrated decode request made whole: its lease is its migration id; only whole-request pulls.
-
-    Raises ConfigError when a migration lacks what the pull needs."""
-    if params.kvbridge_migration_id is None:
-        return params
-    if params.transfer_mode != "pull":
-        raise ConfigError("kv_transfer_params with kvbridge_migration_id need transfer_mode 'pull'")
-    if params.remote_num_tokens is None:
-        raise ConfigError(
-            "kv_transfer_params with kvbridge_migration_id lack remote_num_tokens: the proxy sets it to the "
-            "resumed prompt's length less one"
-        )
-    if params.remote_request_id is None:
-        params = attrs.evolve(params, remote_request_id=params.kvbridge_migration_id)
-    return params
-
-
 class SchedulerSide:
     """Prefill keeps a `do_remote_decode` request's blocks; decode loads a `do_remote_prefill` request's KV.
 
@@ -93,7 +70,14 @@ class SchedulerSide:
     decode needs. Decode: a request with `do_remote_prefill` loads its prompt's KV asynchronously from the prefill named
     in its params."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        settings: Settings,
+        *,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.engine_id = engine_id
         self.settings = settings
         parallel = vllm_config.parallel_config
@@ -110,8 +94,7 @@ class SchedulerSide:
             early=settings.early_offer,
             clients=ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler"),
         )
-        # whether the server is draining (its Membership says, where it has one): a cut decode request is offered
-        self.draining: Callable[[], bool] = lambda: False
+        self.draining = draining  # whether the server is draining: a decode request cut then is offered to move it
         self._pulls: list[PullTask] = []
         self._offers: list[Offer] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
@@ -135,7 +118,7 @@ class SchedulerSide:
         decoded = self._remote.get(request.request_id)
         if decoded is None:
             try:
-                decoded = migrated(KVTransferParams.from_dict(params))
+                decoded = KVTransferParams.from_dict(params).migration_resolved()
                 decoded.require_remote()
             except ConfigError as exc:
                 log.error("request %s: %s; its prompt is computed here instead", request.request_id, exc)

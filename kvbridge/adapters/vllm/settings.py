@@ -43,58 +43,11 @@ def _finite(low: float, high: float, *, above: bool = False) -> Any:
 
 @attrs.frozen
 class Settings:
-    """What the connector is told by the operator.
+    """What the connector is told by the operator: every key, its default and meaning are in docs/vllm.md.
 
-    - `migration_backend`: any installed kvbridge transport, by name (`kvbridge plugins` lists them).
-    - `protocol`: that transport's protocol (e.g. `tcp`); default its first.
-    - `host`: address this engine's side channel and transport bind to.
-    - `side_channel_port`: base port of the side channel; TP rank r (and DP rank d) listen on
-      `port + d * tp_size + r`. Prefill servers on one host need distinct ports.
-    - `lease_s`: how long prefill holds a finished request's blocks for its pullers' DONE.
-    - `kv_cache_layout`: a vLLM KV cache layout to ask for (`get_required_kvcache_layout`), e.g. "LBNHC"
-      where a block-outermost layout cannot run; default: BLHNC on CUDA in pull mode (one descriptor per
-      block, every layer in it), else whatever vLLM resolves (`connector.default_kv_cache_layout`; every
-      layout works, see docs/vllm.md).
-    - `pull_timeout_s`: how long decode waits for one request's pull (and for a prefill rank to be
-      ready and to hold the request) before it counts as failed. One side-channel message waits at
-      most 5 s of it for an answer (one sent to a prefill that is then killed is never answered).
-    - `secret_file`: a file holding the shared secret (at least 16 bytes, the same on prefill and
-      decode) that authenticates every side-channel message and TCP-transport connection. The
-      `KVBRIDGE_SECRET` environment variable takes precedence, then `KVBRIDGE_SECRET_FILE`. The secret
-      itself is never a config key: vLLM logs its config and the command line is visible in `ps`.
-    - `insecure`: run without a secret on an address other hosts can reach (logged as a warning).
-      Without it, a `host` other than loopback with no secret fails at start-up, saying how to set one.
-    - `transfer`: "pull" (decode reads a request's KV once prefill finished it) or "layerwise" (decode
-      reads each layer while prefill computes the next; the proxy sends both servers the request at
-      once: `kvbridge proxy --transfer layerwise`). See kvbridge.adapters.vllm.layerwise.
-    - `early_offer`: the scheduler offers a finished request to its workers at once, ahead of the
-      engine step that offers it too (see docs/vllm.md); false: only the step offers.
-    - `idle_wait_ms`: in an engine step that computes nothing (vLLM steps such an engine without pause
-      while it waits for KV transfers), `get_finished` waits up to this long for a transfer to end, and
-      returns as soon as one does, instead of letting the engine spin: the spinning engine takes a core
-      and the GIL from the transfers it waits for. A request arriving at such an engine waits at most
-      this long more. 0 turns it off.
-    - `stream_idle_wait_ms`: the longer wait of an idle step while transfers are in flight: while this
-      rank's only transfers are layer-wise streams (`"transfer": "layerwise"`: a stream lasts as long
-      as prefill computes the prompt), and, where the worker runs in the engine core's process (vLLM's
-      uni executor), while pulls are in flight. A transfer's end cuts it short, so the engine steps
-      rarely instead of taking, at every step, CPU and the GIL the transfers need. In the engine core's
-      process a request that arrives ends it too (the step waits on its input queue), and it defaults
-      to 100 ms; elsewhere a request arriving during a stream waits at most this long more to be
-      scheduled, and it defaults to 20 ms.
-    - `registry`: a redis://HOST:PORT or etcd://HOST:PORT where this server announces itself to
-      `kvbridge proxy --registry` (role, `advertise_url`, KV blocks, serving or draining), signed with the
-      shared secret, renewed every `registry_ttl_s / 3` seconds; SIGTERM marks it draining for
-      `drain_grace_s` seconds before vLLM shuts down (docs/elastic.md). Unset: no announcement.
-    - `advertise_url`: the http://HOST:PORT of this server's OpenAI API, as the proxy reaches it.
-    - `server_role`: "prefill" or "decode"; default from kv_role (kv_producer, kv_consumer).
-    - `backend_options`: options of the transport itself, as its plugin declares them (`kvbridge plugins
-      NAME` lists them), e.g. `{"transfer_deadline": 5}` for Mooncake on a loaded host; checked when the
-      transport starts. Keys the connector sets itself (protocol, host, secret, ...) are refused here.
-    - `fault_injection`: TESTING ONLY, off by default: `{"transfer_error": P, "slow_peer": P,
-      "slow_s": S, "seed": N}` makes that fraction of this engine's transfers fail inside the
-      transport or be held S seconds (`kvbridge chaos` uses it; see `kvbridge.faults`); `{}` wraps the
-      transport with nothing armed, for a test to `inject` faults.
+    The secret itself is never a key (vLLM logs its config and the command line shows in `ps`): it comes from
+    `KVBRIDGE_SECRET`, `KVBRIDGE_SECRET_FILE` or `secret_file`. `backend_options` are the transport's own options,
+    checked when it starts; keys the connector sets itself are refused there. `fault_injection` is for tests only.
     """
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)

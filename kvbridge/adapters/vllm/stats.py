@@ -10,13 +10,14 @@ What is recorded, and its labels, is `kvbridge.session.metrics`'s.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvbridge.metric_labels import FAILURE_REASONS, SECONDS_BUCKETS
+from kvbridge.metric_labels import SECONDS_BUCKETS, SERIES
 from kvbridge.session.metrics import KEYS, TransferRecord
 
 if TYPE_CHECKING:
@@ -68,99 +69,42 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_ours()  # vLLM builds its stat logger again after a restart in the same process
-        peer = [*labelnames, "transport", "peer"]
-        self.bytes = self._counter_cls("kvbridge_transfer_bytes_total", "KV bytes this decode server read.", peer)
-        self.descriptors = self._counter_cls(
-            "kvbridge_transfer_descriptors_total", "Transfer descriptors (contiguous runs) submitted.", peer
-        )
-        self.transfers = self._counter_cls(
-            "kvbridge_transfers_total", "Requests whose KV was read successfully (one per request and rank).", peer
-        )
-        self.transfer_s = self._histogram_cls(
-            "kvbridge_transfer_seconds",
-            "Time from submitting a request's descriptors until its bytes landed.",
-            peer,
-            buckets=SECONDS_BUCKETS,
-        )
-        self.control_s = self._histogram_cls(
-            "kvbridge_control_seconds",
-            "Side-channel time before a pull's transfer starts: finding the prefill "
-            "rank, waiting for its offer, BeginPull.",
-            peer,
-            buckets=SECONDS_BUCKETS,
-        )
-        self.failures = self._counter_cls(
-            "kvbridge_transfer_failures_total",
-            f"Pulls that failed (the engine recomputes or fails the request), by reason: {', '.join(FAILURE_REASONS)}.",
-            [*peer, "reason"],
-        )
-        self.retries = self._counter_cls(
-            "kvbridge_transfer_retries_total",
-            "Transfer batches resubmitted after they failed or made no progress within the transfer deadline "
-            "(each is retried once; a pull that still fails is in kvbridge_transfer_failures_total).",
-            peer,
-        )
-        self.lease_events = self._counter_cls(
-            "kvbridge_lease_events_total",
-            "Prefill leases by event: offered, released (every DONE came), expired (no DONE in time), aborted; "
-            "extended (blocks added to a layer-wise stream's lease).",
-            [*labelnames, "event"],
-        )
-        self.leases_held = self._gauge_cls(
-            "kvbridge_leases_held",
-            "Finished prefill requests whose blocks are held for a remote decode.",
-            labelnames,
-            multiprocess_mode="mostrecent",
-        )
-        self.blocks_held = self._gauge_cls(
-            "kvbridge_blocks_held",
-            "KV blocks held on prefill for a remote decode.",
-            labelnames,
-            multiprocess_mode="mostrecent",
-        )
-        self.transport_open = self._gauge_cls(
-            "kvbridge_transport_open",
-            "1 when a transport that authenticates nobody (Mooncake, NIXL) runs with the trust option (insecure): "
-            "its listeners accept any host; 0 when only loopback, allow= and hosts that proved the secret get in.",
-            [*labelnames, "transport"],
-            multiprocess_mode="mostrecent",
-        )
-        self.admitted_hosts = self._gauge_cls(
-            "kvbridge_admitted_hosts",
-            "Hosts admitted to a guarded transport's listeners because they proved the shared secret.",
-            [*labelnames, "transport"],
-            multiprocess_mode="mostrecent",
-        )
+        make = {
+            "counter": self._counter_cls,
+            "histogram": functools.partial(self._histogram_cls, buckets=SECONDS_BUCKETS),
+            "gauge": functools.partial(self._gauge_cls, multiprocess_mode="mostrecent"),
+        }
+        self.series = {key: make[s.kind](s.name, s.help, [*labelnames, *s.labels]) for key, s in SERIES.items()}
         self._held: dict[int, list[int]] = {}  # engine -> [leases, blocks] held now
         for values in per_engine_labelvalues.values():  # a scrape sees zeros from the start
-            self.leases_held.labels(*values).set(0)
-            self.blocks_held.labels(*values).set(0)
+            self.series["leases_held"].labels(*values).set(0)
+            self.series["blocks_held"].labels(*values).set(0)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        base = self.per_engine_labelvalues[engine_idx]
+        base, series = self.per_engine_labelvalues[engine_idx], self.series
         for transport, peer, transfer_s, control_s, nbytes, descriptors in transfer_stats_data.get("pulls", ()):
             labels = [*base, transport, peer]
-            self.bytes.labels(*labels).inc(nbytes)
-            self.descriptors.labels(*labels).inc(descriptors)
-            self.transfers.labels(*labels).inc()
-            self.transfer_s.labels(*labels).observe(transfer_s)
-            self.control_s.labels(*labels).observe(control_s)
+            series["bytes"].labels(*labels).inc(nbytes)
+            series["descriptors"].labels(*labels).inc(descriptors)
+            series["transfers"].labels(*labels).inc()
+            series["transfer_s"].labels(*labels).observe(transfer_s)
+            series["control_s"].labels(*labels).observe(control_s)
         for transport, peer, reason in transfer_stats_data.get("failures", ()):
-            self.failures.labels(*base, transport, peer, reason).inc()
+            series["failures"].labels(*base, transport, peer, reason).inc()
         for transport, peer, n in transfer_stats_data.get("retries", ()):
-            self.retries.labels(*base, transport, peer).inc(n)
+            series["retries"].labels(*base, transport, peer).inc(n)
         for (event,) in transfer_stats_data.get("leases", ()):
-            self.lease_events.labels(*base, event).inc()
+            series["lease_events"].labels(*base, event).inc()
         for transport, open_, admitted in transfer_stats_data.get("guard", ()):
-            self.transport_open.labels(*base, transport).set(open_)
-            self.admitted_hosts.labels(*base, transport).set(admitted)
+            series["transport_open"].labels(*base, transport).set(open_)
+            series["admitted_hosts"].labels(*base, transport).set(admitted)
         held = transfer_stats_data.get("held", ())
         if held:  # deltas from every rank: keep the sum here (vLLM's gauges take `set`, not `inc`)
             total = self._held.setdefault(engine_idx, [0, 0])
             total[0] += sum(h[0] for h in held)
             total[1] += sum(h[1] for h in held)
-            self.leases_held.labels(*base).set(total[0])
-            self.blocks_held.labels(*base).set(total[1])
+            series["leases_held"].labels(*base).set(total[0])
+            series["blocks_held"].labels(*base).set(total[1])
 
 
 def _unregister_ours() -> None:
