@@ -89,7 +89,9 @@ def test_link_without_hosts_and_hosts_outside_pair_mode_are_refused() -> None:
     out = kvbridge("bench", "--link", "rate=1gbit", *QUICK)
     assert out.returncode != 0 and "add --hosts" in out.stdout + out.stderr
     out = kvbridge("bench", "--hosts", "--engine", "lmdeploy", *QUICK)
-    assert out.returncode != 0 and "--hosts runs the pair bench or --engine vllm" in out.stdout + out.stderr
+    assert out.returncode != 0 and "--hosts runs the pair bench, --engine vllm or" in out.stdout + out.stderr
+    out = kvbridge("bench", "--hosts", "--engine", "vllm", "--idle", *QUICK)
+    assert out.returncode != 0 and "not vllm-idle" in out.stdout + out.stderr
     for extra, why in [(["--compare", "nixl"], "drop --compare"), (["--transfer", "layerwise"], "measures pull mode")]:
         out = kvbridge("bench", "--hosts", "--engine", "vllm", *extra)
         assert out.returncode != 0 and why in out.stdout + out.stderr
