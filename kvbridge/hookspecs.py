@@ -31,18 +31,26 @@ API_HOOKS = {
 
 @hookspec(historic=True)
 def kvbridge_transports() -> Sequence[TransportSpec]:
-    """The transports this plugin provides, as a list of ``kvbridge.TransportSpec`` (docs/plugins.md).
+    """The transports this plugin provides, as a list of ``kvbridge.TransportSpec``.
+
+    ``kvbridge.TransportSpec(name, factory, capabilities, options=TransportOptions, probe=None, install_hint="",
+    hardware=None)``.
 
     ``factory(config: BackendConfig, options) -> MigrationBackend`` is called only when a user creates the
-    transport, so a missing native library never breaks ``import kvbridge``; ``options`` is the parsed options.
+    transport, so a missing native library never breaks ``import kvbridge``; ``options`` is an instance of
+    the spec's ``options`` class, parsed from what the user passed and checked against its declarations.
     """
 
 
 @hookspec(historic=True)
 def kvbridge_devices() -> Sequence[DeviceSpec]:
-    """The devices this plugin provides, as a list of ``kvbridge.DeviceSpec`` (docs/plugins.md).
+    """The devices this plugin provides, as a list of ``kvbridge.DeviceSpec``.
 
-    ``factory(options) -> Device`` is called on first use.
+    ``kvbridge.DeviceSpec(name, factory, memory_kind, options=NoOptions, probe=None, install_hint="", hardware=None)``.
+
+    ``factory(options) -> Device`` is called on first use. ``hardware() -> bool`` says, cheaply and without
+    the vendor runtime, whether the device is on this machine at all (device nodes, sysfs), so
+    `kvbridge doctor` can tell "no GPU here" from "a GPU the plugin cannot use".
     """
 
 
@@ -50,7 +58,9 @@ def kvbridge_devices() -> Sequence[DeviceSpec]:
 def kvbridge_register_backends(register: Callable[..., None]) -> None:
     """Plugin API 1: register transports; implement ``kvbridge_transports`` in a new plugin.
 
-    Calls ``register(name, factory, **fields of a TransportSpec)`` once per transport, with ``factory(config)``.
+    Calls ``register(name, factory, *, capabilities, probe=None, install_hint="", hardware=None,
+    options=TransportOptions)`` once per transport, with ``factory(config: BackendConfig)``: the fields of
+    a `TransportSpec`, whose factory also takes the parsed options.
     """
 
 
@@ -58,5 +68,7 @@ def kvbridge_register_backends(register: Callable[..., None]) -> None:
 def kvbridge_register_devices(register: Callable[..., None]) -> None:
     """Plugin API 1: register devices; implement ``kvbridge_devices`` in a new plugin.
 
-    Calls ``register(name, factory, **fields of a DeviceSpec)`` once per device, with ``factory()``.
+    Calls ``register(name, factory, *, memory_kind, probe=None, install_hint="", hardware=None,
+    options=NoOptions)`` once per device, with ``factory()``: the fields of a `DeviceSpec`, whose factory
+    also takes the parsed options.
     """
