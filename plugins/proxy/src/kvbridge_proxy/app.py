@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -92,9 +93,15 @@ class Instance:
     in_flight: int = 0  # requests sent to it and not yet answered in full
     announced: bool = False  # it came from the registry (and leaves when its record does)
     draining: bool = False  # its record says draining: no new request
+    cordoned: bool = False  # an operator said so (POST /admin/cordon): no new request
     # where its side channel is (from its registry record): a stream migrated off it is pulled from there
     identity: KVTransferParams | None = None
     streams: set[MovingStream] = attrs.Factory(set)  # the movable streams it serves now (--migrate)
+
+    @property
+    def serving(self) -> bool:
+        """Whether it takes new requests."""
+        return self.healthy and not self.draining and not self.cordoned
 
 
 class Pool:
@@ -127,7 +134,7 @@ class Pool:
 
     def healthy(self) -> list[Instance]:
         """The healthy instances that take new requests; NoInstance when there are none."""
-        healthy = [i for i in self.instances if i.healthy and not i.draining]
+        healthy = [i for i in self.instances if i.serving]
         if not healthy:
             raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
         return healthy
@@ -423,7 +430,7 @@ class ProxyMetrics:
 
     def track(self, inst: Instance) -> None:
         """Series of a new upstream, read at scrape time: the instances are the truth."""
-        self.healthy.labels(inst.role, inst.label).set_function(lambda: float(inst.healthy and not inst.draining))
+        self.healthy.labels(inst.role, inst.label).set_function(lambda: float(inst.serving))
         self.in_flight.labels(inst.role, inst.label).set_function(lambda: float(inst.in_flight))
 
     def forget(self, inst: Instance) -> None:
@@ -590,7 +597,7 @@ class Proxy:
                 log.info("could not read %s/metrics for rebalancing: %s", inst.url, exc)
                 return inst, None
 
-        serving = [i for i in self.pools["decode"].instances if i.healthy and not i.draining]
+        serving = [i for i in self.pools["decode"].instances if i.serving]
         read = await asyncio.gather(*(usage(i) for i in serving))
         streams, target = policy.plan({inst: value for inst, value in read if value is not None})
         for stream in streams:
@@ -605,7 +612,7 @@ class Proxy:
                     self.identities.pop(p.url, None)  # it may come back restarted, with another side channel
                 if not (p.healthy and d.healthy):
                     self._warm.discard(pair)  # a server that was down may have restarted: first contact again
-                elif p.draining or d.draining:
+                elif p.draining or d.draining or p.cordoned or d.cordoned:
                     continue
                 elif pair not in self._warm and pair not in self._warming:
                     self._warming[pair] = asyncio.create_task(self.warm_pair(p, d))
@@ -1313,7 +1320,7 @@ class Proxy:
             return None
         try:
             prefer = moving.prefer
-            usable = prefer is not None and prefer is not source and prefer.healthy and not prefer.draining
+            usable = prefer is not None and prefer is not source and prefer.serving
             target = prefer if usable else self.pools["decode"].pick(exclude=source)
         except NoInstance as exc:
             if pull:
@@ -1406,11 +1413,47 @@ class Proxy:
             for role, p in self.pools.items():
                 for entry, inst in zip(state[role], p.instances):
                     entry["draining"] = inst.draining
+        for role, p in self.pools.items():
+            for entry, inst in zip(state[role], p.instances):
+                entry["cordoned"] = inst.cordoned
             state["registry_rounds"] = self.membership_rounds
         labels = {i.url: i.label for p in self.pools.values() for i in p.instances}
         # (prefill, decode) pairs whose first contact is made
         state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm if p in labels and d in labels)
         return state
+
+    async def admin(self, action: str, request: Request) -> Any:
+        """`POST /admin/{cordon,uncordon,drain}` `{"server": URL or label}`, with the shared secret as bearer token.
+
+        cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --migrate move its
+        streams to other decodes now. The server itself keeps running: stop it afterwards (docs/elastic.md)."""
+        if not self.secret:
+            return JSONResponse({"error": "the admin calls need the proxy's KVBRIDGE_SECRET (none is set)"}, 403)
+        token = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+        if not hmac.compare_digest(token, self.secret):
+            log.warning("refused an admin %s: bad or missing bearer token", action)
+            return JSONResponse({"error": "Authorization: Bearer <the deployment's shared secret> is required"}, 401)
+        body = await read_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        name = body.get("server")
+        found = [i for p in self.pools.values() for i in p.instances if name in (i.url, i.label)]
+        if not isinstance(name, str) or not found:
+            known = [i.label for p in self.pools.values() for i in p.instances]
+            return JSONResponse({"error": f"no server {name!r}; the proxy knows {known}"}, 404)
+        for inst in found:
+            inst.cordoned = action != "uncordon"
+            moved = list(inst.streams) if action == "drain" and self.migrate else []
+            for stream in moved:
+                stream.request_cut("an operator drained its decode")
+            log.warning(
+                "%s server %s %sed by an operator (%d streams to move)", inst.role, inst.url, action, len(moved)
+            )
+        return {
+            "server": name,
+            "action": action,
+            "streams_moving": sum(len(i.streams) for i in found if action == "drain"),
+        }
 
     async def prometheus(self) -> Response:
         return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
@@ -1457,6 +1500,8 @@ def create_app(
     app.add_api_route("/health", proxy.health, methods=["GET"])
     app.add_api_route("/instances", proxy.instances, methods=["GET"])
     app.add_api_route("/metrics", proxy.prometheus, methods=["GET"])
+    for action in ("cordon", "uncordon", "drain"):
+        app.add_api_route(f"/admin/{action}", _bind(proxy.admin, action), methods=["POST"])
     return app
 
 
