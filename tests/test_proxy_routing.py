@@ -612,3 +612,27 @@ def test_prefill_that_answers_a_server_error_is_skipped_for_the_next(upstreams: 
         assert {r.headers["x-kvbridge-prefill"] for r in answers} == {prefill.url}
         (alone,), _ = _session(create_app([shutting_down.url], [decode.url]), bodies[:1])
     assert alone.status_code == 500 and "shutdown" in alone.json()["error"]
+
+
+def test_decode_that_answers_a_server_error_is_skipped_for_the_next(upstreams: tuple[Upstream, Upstream]) -> None:
+    """A decode server answering 500 before anything else is skipped for the next one, which reads the same KV.
+
+    A vLLM server that began shutting down (SIGTERM) answers 500 until the proxy reads that it is draining: before
+    this, each request routed there in that window failed. Where every decode answers so, the client gets it."""
+    prefill, decode = upstreams
+    failing = FastAPI()
+    calls: list[str] = []
+
+    @failing.post("/v1/completions")
+    async def fail() -> Response:
+        calls.append("x")
+        return Response("cannot schedule new futures after shutdown", status_code=500)
+
+    with Serving(failing) as shutting_down:
+        bodies = [{"model": "m", "prompt": f"p{n}", "max_tokens": 8, "stream": n == 1} for n in range(4)]
+        answers, state = _session(create_app([prefill.url], [shutting_down.url, decode.url]), bodies)
+        assert [r.status_code for r in answers] == [200] * 4 and len(calls) >= 1
+        assert {r.headers["x-kvbridge-decode"] for r in answers} == {decode.url}
+        assert all(d["in_flight"] == 0 for d in state["decode"])
+        (alone,), _ = _session(create_app([prefill.url], [shutting_down.url]), bodies[:1])
+    assert alone.status_code == 500 and "shutdown" in alone.text

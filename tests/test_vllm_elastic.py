@@ -213,7 +213,7 @@ MOVED = re.compile(
     r"first event ([\d.]+) ms after the cut"
 )
 STREAMS = 8
-MIGRATION_HOSTS = ["client", "proxy", "registry", "prefill", "decode-a", "decode-b"]
+MIGRATION_HOSTS = ["client", "proxy", "registry", "prefill", "decode_a", "decode_b"]
 
 
 def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv(
@@ -239,7 +239,7 @@ def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv
     with hosts["client"].entered(), redis_server(tmp_path, host=hosts["registry"]) as registry:
         try:
             servers = {}
-            for name, role in (("prefill", "kv_producer"), ("decode-a", "kv_consumer"), ("decode-b", "kv_consumer")):
+            for name, role in (("prefill", "kv_producer"), ("decode_a", "kv_consumer"), ("decode_b", "kv_consumer")):
                 port, host = free_port(), hosts[name]
                 config = connector_config(
                     role,
@@ -250,12 +250,12 @@ def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv
                     **options,
                 )
                 # A drains on SIGTERM for up to --shutdown-timeout: the grace and the leases of what moved off it
-                drain = ["--shutdown-timeout", str(GRACE_S + LEASE_S + 10)] if name == "decode-a" else []
+                drain = ["--shutdown-timeout", str(GRACE_S + LEASE_S + 10)] if name == "decode_a" else []
                 servers[name] = start_vllm(
                     model, kv_transfer_config=config, port=port, host=host, extra_args=drain, **common
                 )
                 started.append(servers[name])
-            prefill, a, b = servers["prefill"], servers["decode-a"], servers["decode-b"]
+            prefill, a, b = servers["prefill"], servers["decode_a"], servers["decode_b"]
             wait_healthy([prefill, a, b], timeout=540)
             proxy = start_proxy(
                 [],

@@ -47,7 +47,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -139,10 +139,10 @@ class Pool:
             raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
         return healthy
 
-    def pick(self, *, exclude: Instance | None = None) -> Instance:
-        healthy = [i for i in self.healthy() if i is not exclude]
+    def pick(self, *, exclude: Collection[Instance] = ()) -> Instance:
+        healthy = [i for i in self.healthy() if i not in exclude]
         if not healthy:
-            raise NoInstance(f"no other healthy {self.role} server than {exclude.label if exclude else None}")
+            raise NoInstance(f"no other healthy {self.role} server than {[i.label for i in exclude]}")
         return healthy[next(self._counter) % len(healthy)]
 
 
@@ -719,19 +719,35 @@ class Proxy:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
 
         A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
-        decode asks, so try the next one. A `moving` stream is marked for the decode picked (`MovingStream.mark`)."""
+        decode asks, so try the next one. So does one that answers a server error (5xx) at once: what a vLLM server
+        answers once it began shutting down, before the proxy's next registry read says it is draining; the last such
+        answer is returned when no other decode is left. A `moving` stream is marked for the decode picked
+        (`MovingStream.mark`)."""
         pool = self.pools["decode"]
         late: list[str] = []
+        refused: list[Instance] = []  # answered 5xx: not tried again for this request
         # One more try than instances: a busy server that was slow to accept gets a second chance.
         for attempt in range(len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances):
                 break
-            inst = pool.pick()
+            try:
+                inst = pool.pick(exclude=refused)
+            except NoInstance:
+                if refused:
+                    break
+                raise
             payload = body if moving is None else moving.mark(body, inst.identity)
             upstream = self.client.build_request("POST", f"{inst.url}{path}", json=payload, headers=headers)
             inst.in_flight += 1
             try:
-                return inst, await self.client.send(upstream, stream=True)
+                resp = await self.client.send(upstream, stream=True)
+                if resp.status_code < 500 or not any(i.serving and i not in (*refused, inst) for i in pool.instances):
+                    return inst, resp
+                await resp.aclose()
+                inst.in_flight -= 1
+                refused.append(inst)
+                self.metrics.failovers.labels(inst.role).inc()
+                log.warning("decode server %s answered %d (shutting down?): next", inst.url, resp.status_code)
             except httpx.ConnectError as exc:
                 inst.in_flight -= 1
                 self._take_out(inst, f"refused the connection ({exc})")
@@ -801,9 +817,10 @@ class Proxy:
         out_headers = {**handover.headers, **ids}
         streamed = handover.resp.headers.get("content-type", "").startswith("text/event-stream")
         if moving is not None and streamed and handover.resp.status_code == 200:
-            return await self._relay_moving(request, handover, moving, timeline, begun, out_headers)
-        relay = self._relay_stream if streamed else self._relay_whole
-        answer = await relay(request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers)
+            answer = await self._relay_moving(request, handover, moving, timeline, begun, out_headers)
+        else:
+            relay = self._relay_stream if streamed else self._relay_whole
+            answer = await relay(request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers)
         if getattr(answer, "status_code", 200) == 499 and handover.computing is not None:
             handover.computing.cancel()  # the client left: prefill stops too
         return answer
@@ -1321,7 +1338,7 @@ class Proxy:
         try:
             prefer = moving.prefer
             usable = prefer is not None and prefer is not source and prefer.serving
-            target = prefer if usable else self.pools["decode"].pick(exclude=source)
+            target = prefer if usable else self.pools["decode"].pick(exclude=(source,))
         except NoInstance as exc:
             if pull:
                 log.warning("stream %s stays on %s: %s", moving.migration_id, source.url, exc)
@@ -1335,7 +1352,7 @@ class Proxy:
         for n, identity in enumerate([pulled, None] if pulled is not None else [None]):
             if n:  # the pull failed: the next decode computes it all
                 try:
-                    target = self.pools["decode"].pick(exclude=source)
+                    target = self.pools["decode"].pick(exclude=(source,))
                 except NoInstance:
                     break
             moved = await self._resume(moving, target, identity)
