@@ -1309,15 +1309,19 @@ class Proxy:
                         up = moved
                     item = await up.next()
             finally:
-                # A task of its own: when the client left, Starlette's cancel scope cancels every await here.
-                leave = up.close() if finished else self._leave(up, moving, "its client left")
-                task = asyncio.ensure_future(leave)
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(up.close() if finished else self._leave(up, moving, "its client left"))
 
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={**headers, HEADER: timeline.header()}
         )
+
+    def _spawn(self, cleanup: Any) -> None:
+        """Run a clean-up on a task of its own.
+
+        When a client left, Starlette's cancel scope cancels every await of the request's own task."""
+        task = asyncio.ensure_future(cleanup)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _leave(self, up: Upstream, moving: MovingStream, why: str) -> None:
         """Close the stream's upstream and release the blocks its decode offers for a move that will not come."""
@@ -1392,24 +1396,28 @@ class Proxy:
                 self.client.build_request("POST", f"{target.url}/v1/completions", json=body, headers=headers),
                 stream=True,
             )
+            if resp.status_code != 200:
+                text = (await resp.aread())[:300]
+                await resp.aclose()
         except httpx.TransportError as exc:
             target.in_flight -= 1
             self._take_out(target, f"failed taking a moved stream ({exc})")
             return None
-        marked = "kv_transfer_params" in body
-        moved = Upstream.open(target, resp, moving, marked=marked)
+        except BaseException:
+            target.in_flight -= 1
+            raise
         if resp.status_code != 200:
-            text = (await resp.aread())[:300]
-            await moved.close()
+            target.in_flight -= 1
             log.warning(
-                "decode server %s refused moved stream %s: %d %s",
-                target.url,
-                moving.migration_id,
-                resp.status_code,
-                text,
+                "decode %s refused moved stream %s: %d %s", target.url, moving.migration_id, resp.status_code, text
             )
             return None
-        first = await moved.queue.get()  # not next(): the cut that brought it here is still set
+        moved = Upstream.open(target, resp, moving, marked="kv_transfer_params" in body)
+        try:
+            first = await moved.queue.get()  # not next(): the cut that brought it here is still set
+        except BaseException:  # the client left while the next decode was starting
+            self._spawn(self._leave(moved, moving, "its client left"))
+            raise
         if first[0] != "event" or "error" in first[1]:
             await moved.close()
             log.warning("decode server %s failed moved stream %s: %s", target.url, moving.migration_id, first[1])
