@@ -6,10 +6,12 @@ small real HTTP upstreams (docs/elastic.md). With real vLLM servers: tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -327,29 +329,37 @@ if __name__ == "__main__":
 """
 
 
-def test_an_order_drains_the_engine_through_its_server_as_an_operator_s_sigterm_would(
-    store: str, tmp_path: Path
-) -> None:
-    """An ordered engine marks itself draining, then SIGTERMs its server, which stops it as on an operator's SIGTERM.
+@pytest.mark.parametrize("how", ["kvbridge drain", "SIGTERM"])
+def test_an_engine_drains_on_an_order_as_on_its_server_s_sigterm(store: str, tmp_path: Path, how: str) -> None:
+    """Ordered, or its server sent SIGTERM, an engine marks itself draining and, after the grace, stops.
 
-    The engine is a multiprocessing child of its server, as vLLM's engine core is of its API server."""
+    The engine is a multiprocessing child of its server, as vLLM's engine core is of its API server: an order ends with
+    the engine sending its server SIGTERM, which the server passes back, as an operator's SIGTERM is passed."""
     script = tmp_path / "tree.py"
     script.write_text(ENGINE_TREE)
     reg = open_registry(store, secret=SECRET)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), store, SECRET], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    argv = [sys.executable, str(script), store, SECRET]
+    # a session of its own: a failed run's engine, orphaned, is killed with its group below
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         wait_for(lambda: [r.server_id for r in reg.servers()] == ["srv"], what="the engine's record")
-        out = _kvbridge("drain", "srv", "--registry", store, secret=SECRET)
-        assert out.returncode == 0 and "draining" in out.stdout, out.stderr
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)  # to the server, as systemd or Kubernetes would
+        else:
+            out = _kvbridge("drain", "srv", "--registry", store, secret=SECRET)
+            assert out.returncode == 0 and "draining" in out.stdout, out.stderr
         output, _ = proc.communicate(timeout=60)
         assert reg.servers() == []  # withdrawn as the engine stopped
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() != 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         reg.close()
     assert proc.returncode == 0, output
-    assert "ordered to drain" in output and "server got SIGTERM: True" in output, output
-    assert "engine stopped: True" in output and "engine exit code: 0" in output, output
+    assert ("ordered to drain" in output) == (how == "kvbridge drain"), output
+    steps = ["is draining", "draining: the engine shuts down", "engine stopped: True", "engine exit code: 0"]
+    if how == "kvbridge drain":  # the engine's SIGTERM reached the server only after the grace
+        steps.insert(2, "server got SIGTERM: True")
+    assert "server got SIGTERM: True" in output and all(step in output for step in steps), output
+    assert [output.index(step) for step in steps] == sorted(output.index(step) for step in steps), output
