@@ -207,9 +207,7 @@ class DiscoveryRegistry(abc.ABC):
         return order
 
     def take_order(self, server_id: str) -> DrainOrder | None:
-        """The authentic, unexpired order for `server_id` to drain, removed from the store; None if there is none.
-
-        A forged, unsigned or stale order is ignored (warned of once) and left to expire."""
+        """The authentic, unexpired order for `server_id`, removed from the store; None (a bad one: logged) if none."""
         data = self._get(f"{ORDERS}{server_id}")
         order = None if data is None else self._decoded(data, DrainOrder, f"{ORDERS}{server_id}")
         if order is None or order.server_id != server_id:

@@ -96,11 +96,9 @@ class Announcer:
 class SigtermDrain:
     """On SIGTERM or a drain order, marks the server draining, gives the proxy `grace_s` to see it, then stops it.
 
-    After SIGTERM's grace it passes the signal to the handler installed before (the engine's, which shuts the engine
-    down gracefully); a second SIGTERM passes it on at once. After an order's, it sends SIGTERM to the process that
-    started this one (an engine's server, as an operator would; this process if it is none's child), which comes back
-    here as that second SIGTERM. Built on the main thread, after the engine installed its handler; elsewhere it warns
-    and neither drains.
+    SIGTERM is then passed to the handler installed before (the engine's graceful shutdown), a second one at once. An
+    order ends with SIGTERM to the process that started this one (the engine's server, as an operator would; else this
+    one), which comes back as that second SIGTERM. Built on the main thread after the engine's handler, else inert.
     """
 
     def __init__(self, announcer: Announcer, *, grace_s: float, then: str = "the engine shuts down") -> None:
