@@ -393,6 +393,22 @@ class Deployment:
             return {}
         return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvbridge_")}
 
+    def proxy_counts(self, name: str, label: str) -> dict[str, float] | None:
+        """A counter of the proxy's /metrics by the value of one label; None when it exports no such counter."""
+        import httpx
+
+        assert self.proxy is not None
+        try:
+            text = httpx.get(f"{self.proxy.url}/metrics", timeout=10, trust_env=False).text
+        except httpx.HTTPError as exc:
+            log.error("chaos: cannot read the proxy's /metrics: %s", exc)
+            return None
+        found = re.compile(rf'^{re.escape(name)}\{{.*?\b{re.escape(label)}="([^"]*)".*\}} (\S+)$', re.M).findall(text)
+        counts: dict[str, float] = {}
+        for value, number in found:
+            counts[value] = counts.get(value, 0.0) + float(number)
+        return counts or None
+
     def counter(self, name: str) -> float:
         """A kvbridge counter summed over every decode and prefill server, the killed lives included."""
         lives = [*self._retired, *(self.kvbridge_counters(s) for s in [*self.prefill, *self.decode])]

@@ -48,8 +48,8 @@ prefill and decode server announces itself there (signed with the run's secret) 
 Before a scale-in, and after a scale-out when no scale-in follows, no new request is sent until the servers
 being started are routed to (requests in flight go on).
 
-It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model; on a small
-machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
+It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model, and more with
+scale-out and the drains; on a small machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
 """
 )
 
