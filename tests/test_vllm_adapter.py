@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable
 
 import pytest
 
@@ -757,7 +756,7 @@ def _params_scheduler(transfer: str) -> object:
     return SchedulerSide(config, "engine", Settings.from_extra_config(extra))
 
 
-def _scheduler(role: str, engine: str, port: int, draining: Callable[[], bool] = lambda: False) -> object:
+def _scheduler(role: str, engine: str, port: int) -> object:
     """A scheduler half as the engine core builds it, telling the workers on `port` of early offers."""
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 
@@ -774,34 +773,41 @@ def _scheduler(role: str, engine: str, port: int, draining: Callable[[], bool] =
         ),
         cache_config=CacheConfig(block_size=BLOCK),
     )
-    return SchedulerSide(config, engine, Settings.from_extra_config(extra), draining=draining)
+    return SchedulerSide(config, engine, Settings.from_extra_config(extra))
 
 
-def test_live_migration_a_draining_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
-    """Issue 34: A (draining) holds a cut request's blocks under its migration id; B pulls them without block ids.
+def test_live_migration_a_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
+    """Issue 34: A holds a marked, cut request's blocks under its migration id; B pulls them without block ids.
 
-    A's worker reports A's own request id finished sending once B's DONE came; B claims all but the last token."""
+    A's worker reports A's own request id finished sending once B's DONE came; B claims all but the last token. A
+    marked request whose client left is released by the proxy's Abort for its lease, at once."""
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import RequestStatus
 
-    draining = threading.Event()
-    source = _scheduler("kv_consumer", "prefill", workers.prefill.server.address[1], draining.is_set)  # A: a decode
+    source = _scheduler("kv_consumer", "prefill", workers.prefill.server.address[1])  # A: a decode
     target = _scheduler("kv_consumer", "decode", 21001)  # B: only builds the pull here
     try:
         tokens = list(range(2 * BLOCK + 3))  # P + G
-        cut = Request("a-1", tokens[:-1], SamplingParams(max_tokens=8), None)
-        cut.kv_transfer_params = {"do_remote_prefill": False, "kvbridge_migration_id": "M1"}
-        cut.status, cut.num_computed_tokens = RequestStatus.FINISHED_ABORTED, len(tokens)  # one step past the cut
-        # a client's abort (not draining), or an abort with no migration id: freed at once, as before
-        assert source.request_finished(cut, [3, 4, 5]) == (False, None)
-        draining.set()
         gone = Request("a-2", tokens, SamplingParams(max_tokens=8), None)
         gone.kv_transfer_params, gone.status = {}, RequestStatus.FINISHED_ABORTED
-        assert source.request_finished(gone, [1]) == (False, None)
-        cut.kv_transfer_params["kvbridge_migration_id"] = 7  # junk from a client: not a lease id
+        assert source.request_finished(gone, [1]) == (False, None), "unmarked: freed at once, as before"
+        cut = Request("a-1", tokens[:-1], SamplingParams(max_tokens=8), None)
+        cut.kv_transfer_params = {"do_remote_prefill": False, "kvbridge_migration_id": 7}  # junk: not a lease id
+        cut.status, cut.num_computed_tokens = RequestStatus.FINISHED_ABORTED, len(tokens)  # one step past the cut
         assert source.request_finished(cut, [3, 4, 5]) == (False, None)
         assert source.build_connector_meta(None).offers == []
+
+        # a marked request whose client left: offered, then released by the proxy's Abort before anyone pulls
+        left = Request("a-3", tokens, SamplingParams(max_tokens=8), None)
+        left.kv_transfer_params, left.status = {"kvbridge_migration_id": "M0"}, RequestStatus.FINISHED_ABORTED
+        assert source.request_finished(left, [9]) == (True, None)
+        with ControlClient(*workers.prefill.server.address, sender="proxy") as proxy:
+            proxy.abort("M0", reason="its client left")  # may come before the offer: kept and applied to it
+        workers.prefill.start_load_kv(KVBridgeMetadata(offers=source.build_connector_meta(None).offers))
+        workers.wait_sent("a-3")
+        assert workers.prefill.ledger.held() == (0, 0)
+
         cut.kv_transfer_params["kvbridge_migration_id"] = "M1"
         assert source.request_finished(cut, [3, 4, 5]) == (True, None)
         [offer] = source.build_connector_meta(None).offers

@@ -85,11 +85,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._membership: Membership | None = None
         if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings)
             if settings.registry is not None:
-                self._membership = Membership(vllm_config, config.engine_id, settings, kv_cache_config.num_blocks)
-            # a draining decode offers what the proxy cuts (live migration); a server in no registry never drains
-            draining = self._membership.draining if self._membership else lambda: False
-            self._scheduler = SchedulerSide(vllm_config, config.engine_id, settings, draining=draining)
+                self._membership = Membership(vllm_config, self._scheduler, kv_cache_config.num_blocks)
         else:
             self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 

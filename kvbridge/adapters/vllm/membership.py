@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.discovery import ServerRecord, open_registry
 from kvbridge.control.membership import Announcer, SigtermDrain
 from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,8 @@ ROLE_OF = {"kv_producer": "prefill", "kv_consumer": "decode"}
 class Membership:
     """The announcer of one engine, and the SIGTERM hook that drains it."""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings, capacity: int) -> None:
+    def __init__(self, vllm_config: VllmConfig, scheduler: SchedulerSide, capacity: int) -> None:
+        settings = scheduler.settings
         assert settings.registry is not None
         config = vllm_config.kv_transfer_config
         role = settings.server_role or ROLE_OF.get(str(getattr(config, "kv_role", "")))
@@ -45,7 +47,19 @@ class Membership:
         registry = open_registry(settings.registry, secret=settings.secret)
         if registry is None:
             raise ConfigError(f'"registry": {settings.registry!r} is no registry; use redis://HOST:PORT or etcd://')
-        record = ServerRecord(engine_id, role, settings.advertise_url, expires=0.0, capacity=capacity)
+        # the side channel is in the record so that a decode can pull what the proxy migrates off this server
+        record = ServerRecord(
+            scheduler.engine_id,
+            role,
+            settings.advertise_url,
+            expires=0.0,
+            capacity=capacity,
+            side_host=settings.host,
+            side_port=scheduler.side_channel_port,
+            tp_size=scheduler.tp_size,
+            pp_size=scheduler.pp_size,
+            dp_size=scheduler.dp_size,
+        )
         self.announcer = Announcer(registry, record, ttl_s=settings.registry_ttl_s)
         needed = settings.drain_grace_s + settings.lease_s
         # a prefill holds its finished requests' leases, a decode those of the streams migrated off it
@@ -59,10 +73,6 @@ class Membership:
             )
         # vLLM's engine core installed its SIGTERM handler: the drain runs first, then hands the signal to it
         self.drain = SigtermDrain(self.announcer, grace_s=settings.drain_grace_s, then="vLLM shuts down")
-
-    def draining(self) -> bool:
-        """Whether SIGTERM marked this server draining."""
-        return self.drain.draining.is_set()
 
     def close(self) -> None:
         self.drain.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
@@ -70,14 +69,7 @@ class SchedulerSide:
     decode needs. Decode: a request with `do_remote_prefill` loads its prompt's KV asynchronously from the prefill named
     in its params."""
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        engine_id: str,
-        settings: Settings,
-        *,
-        draining: Callable[[], bool] = lambda: False,
-    ) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
         self.engine_id = engine_id
         self.settings = settings
         parallel = vllm_config.parallel_config
@@ -94,7 +86,6 @@ class SchedulerSide:
             early=settings.early_offer,
             clients=ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler"),
         )
-        self.draining = draining  # whether the server is draining: a decode request cut then is offered to move it
         self._pulls: list[PullTask] = []
         self._offers: list[Offer] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
@@ -163,18 +154,20 @@ class SchedulerSide:
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
 
     def _migrating(self, request: Request, params: dict[str, Any], block_ids: list[int]) -> bool:
-        """A decode request the proxy cut on this draining server to move it: hold its blocks under its migration id.
+        """A decode request the proxy marked for migration and then cut: hold its blocks under its migration id.
 
-        Anything else aborted (a client gone; any abort while not draining) frees its blocks at once, as before."""
+        The proxy cuts a marked stream to move it (its decode drains, or it rebalances), and sends an Abort for the
+        lease when its client left instead, so the blocks are free at once; without that Abort (the proxy died)
+        the lease ends after `lease_s`. Any other aborted request frees its blocks at once, as before."""
         from vllm.v1.request import RequestStatus
 
         migration = params.get("kvbridge_migration_id")
         if request.status != RequestStatus.FINISHED_ABORTED or params.get("do_remote_decode") or not migration:
             return False
-        if not isinstance(migration, str) or not block_ids or not self.draining():
+        if not isinstance(migration, str) or not block_ids:
             return False
         log.info(
-            "request %s: cut for migration while draining; %d blocks (%d tokens) offered under lease %s",
+            "request %s: cut for migration; %d blocks (%d tokens) offered under lease %s",
             request.request_id,
             len(block_ids),
             request.num_computed_tokens,

@@ -63,6 +63,8 @@ from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.secret import load_secret
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
+from kvbridge_proxy.migration import MovingStream, refusal
+from kvbridge_proxy.rebalance import Policy, kv_usage
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,9 @@ class Instance:
     in_flight: int = 0  # requests sent to it and not yet answered in full
     announced: bool = False  # it came from the registry (and leaves when its record does)
     draining: bool = False  # its record says draining: no new request
+    # where its side channel is (from its registry record): a stream migrated off it is pulled from there
+    identity: KVTransferParams | None = None
+    streams: set[MovingStream] = attrs.Factory(set)  # the movable streams it serves now (--migrate)
 
 
 class Pool:
@@ -127,8 +132,10 @@ class Pool:
             raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
         return healthy
 
-    def pick(self) -> Instance:
-        healthy = self.healthy()
+    def pick(self, *, exclude: Instance | None = None) -> Instance:
+        healthy = [i for i in self.healthy() if i is not exclude]
+        if not healthy:
+            raise NoInstance(f"no other healthy {self.role} server than {exclude.label if exclude else None}")
         return healthy[next(self._counter) % len(healthy)]
 
 
@@ -163,6 +170,108 @@ class Handover:
         """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode)."""
         if self.computing is not None:
             self.computing.cancel()
+        try:
+            await self.resp.aclose()
+        finally:
+            self.decode.in_flight -= 1
+
+
+def _identity(record: ServerRecord) -> KVTransferParams | None:
+    """Where a server's KV can be pulled from, from its registry record (None: the record does not say)."""
+    if not record.side_host or not record.side_port or record.dp_size != 1:
+        return None  # with DP the proxy cannot know which engine holds a request
+    return KVTransferParams(
+        remote_engine_id=record.server_id,
+        remote_host=record.side_host,
+        remote_port=record.side_port,
+        tp_size=record.tp_size,
+        pp_size=record.pp_size,
+    )
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+@attrs.define(eq=False)
+class Upstream:
+    """A decode's streamed answer read event by event on a task of its own, for a stream that may move.
+
+    `next()` gives ("event", dict), ("done", None), ("failed", why) or, when the stream was asked to move,
+    ("cut", why). `marked`: the request carried the stream's migration id (the decode offers its blocks when cut)."""
+
+    decode: Instance
+    resp: httpx.Response
+    moving: MovingStream
+    marked: bool
+    queue: asyncio.Queue = attrs.Factory(asyncio.Queue)
+    pump: asyncio.Task | None = None
+    _closed: bool = False
+
+    @classmethod
+    def open(cls, decode: Instance, resp: httpx.Response, moving: MovingStream, *, marked: bool) -> Upstream:
+        """Start reading; the caller already counted the request in `decode.in_flight`."""
+        up = cls(decode, resp, moving, marked)
+        up.pump = asyncio.ensure_future(up._read())
+        decode.streams.add(moving)
+        return up
+
+    async def _read(self) -> None:
+        try:
+            async for line in self.resp.aiter_lines():
+                data = line[len("data:") :].strip() if line.startswith("data:") else ""
+                if data == "[DONE]":
+                    self.queue.put_nowait(("done", None))
+                    return
+                if data:
+                    event = json.loads(data)
+                    if not isinstance(event, dict):
+                        raise ValueError("an event that is not a JSON object")
+                    self.queue.put_nowait(("event", event))
+            self.queue.put_nowait(("failed", "the stream ended without [DONE]"))
+        except (httpx.TransportError, ValueError) as exc:
+            self.queue.put_nowait(("failed", f"{type(exc).__name__}: {exc}"))
+
+    def push_back(self, item: tuple[str, Any]) -> None:
+        """Put an item read ahead first again (the queue holds nothing else yet: the caller read the only one)."""
+        rest = [self.queue.get_nowait() for _ in range(self.queue.qsize())]
+        for x in [item, *rest]:
+            self.queue.put_nowait(x)
+
+    async def next(self) -> tuple[str, Any]:
+        """The next event, or a cut once asked for (between two events, never before the prompt's ids are known)."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        moving = self.moving
+        if not (moving.movable and moving.prompt is not None):
+            return await self.queue.get()
+        if moving.cut_requested:
+            return ("cut", moving.cut_reason)
+        get = asyncio.ensure_future(self.queue.get())
+        cut = asyncio.ensure_future(moving.wait_cut())
+        try:
+            await asyncio.wait({get, cut}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cut.cancel()
+            if not get.done() and not cut.done():  # cancelled itself (the client left)
+                get.cancel()
+        if get.done():
+            return get.result()
+        get.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await get
+        return ("cut", moving.cut_reason)
+
+    async def close(self) -> None:
+        """Drop the decode's answer (vLLM aborts the request); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.decode.streams.discard(self.moving)
+        if self.pump is not None:
+            self.pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.pump
         try:
             await self.resp.aclose()
         finally:
@@ -292,6 +401,21 @@ class ProxyMetrics:
             ["role", "upstream"],
             registry=self.registry,
         )
+        self.migrations = prom.Counter(
+            "kvbridge_proxy_migrations_total",
+            "Streams moved to another decode (--migrate), by outcome: pulled (the next decode read the KV), "
+            "recomputed (it computed the prompt and the tokens so far), failed (the stream ended with an error).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.handover_gap = prom.Histogram(
+            "kvbridge_proxy_migration_gap_seconds",
+            "From the cut of a moved stream to the next decode's first event.",
+            buckets=PHASE_BUCKETS,
+            registry=self.registry,
+        )
+        for outcome in ("pulled", "recomputed", "failed"):
+            self.migrations.labels(outcome)
         for inst in (i for p in pools.values() for i in p.instances):
             self.track(inst)
         for role in pools:
@@ -335,6 +459,8 @@ class Proxy:
         connect_timeout: float = CONNECT_TIMEOUT_S,
         expose_internals: bool = False,
         registry: str | None = None,
+        migrate: bool = False,
+        rebalance: Policy | None = None,
     ) -> None:
         if transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
@@ -345,6 +471,8 @@ class Proxy:
             "decode": Pool("decode", decode, expose=expose_internals, registry=dynamic),
         }
         self.transfer = transfer
+        self.migrate = migrate or rebalance is not None  # move a draining decode's streams elsewhere (migration.py)
+        self.rebalance = rebalance
         # layerwise: where each prefill server's side channel is (from its last answer; forgotten while it is down)
         self.identities: dict[str, KVTransferParams] = {}
         self.health_interval = health_interval
@@ -367,6 +495,7 @@ class Proxy:
                 "there can add servers (docs/elastic.md)",
                 self.members.url,
             )
+        self._background: set[asyncio.Task] = set()  # clean-ups that must outlive a cancelled request
         self.membership_rounds = 0  # registry reads done: a test waits for one after a change
 
     # -- membership ----------------------------------------------------------------------------
@@ -390,9 +519,11 @@ class Proxy:
                 if record.draining != inst.draining:
                     log.warning("%s server %s is %s", role, inst.url, "draining" if record.draining else "serving")
                     inst.draining = record.draining
+                inst.identity = _identity(record)
         for (role, url), record in sorted(wanted.items()):
             inst = self.pools[role].join(url)
             inst.draining = record.draining
+            inst.identity = _identity(record)
             self.metrics.track(inst)
             log.warning("%s server %s joined from the registry (capacity %d)", role, url, record.capacity)
 
@@ -440,11 +571,30 @@ class Proxy:
                 if self.members is not None:
                     await self.read_members()
                 await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
+                if self.rebalance is not None:
+                    await self.rebalance_round(self.rebalance)
                 if self.warm_up:
                     self._warm_pairs()
             except Exception:
                 log.exception("health check round failed; the next one runs in %.1fs", self.health_interval)
             await asyncio.sleep(self.health_interval)
+
+    async def rebalance_round(self, policy: Policy) -> None:
+        """Read every serving decode's KV cache usage and move the streams the policy picks (rebalance.py)."""
+
+        async def usage(inst: Instance) -> tuple[Instance, float | None]:
+            try:
+                resp = await self.client.get(f"{inst.url}/metrics", timeout=PROBE_TIMEOUT_S)
+                return inst, kv_usage(resp.text) if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as exc:
+                log.info("could not read %s/metrics for rebalancing: %s", inst.url, exc)
+                return inst, None
+
+        serving = [i for i in self.pools["decode"].instances if i.healthy and not i.draining]
+        read = await asyncio.gather(*(usage(i) for i in serving))
+        streams, target = policy.plan({inst: value for inst, value in read if value is not None})
+        for stream in streams:
+            stream.request_cut("rebalancing", prefer=target)
 
     def _warm_pairs(self) -> None:
         """Start warming every pair of healthy servers not warmed since both were last up."""
@@ -557,12 +707,12 @@ class Proxy:
         raise NoInstance(f"no prefill server answered for {path}")
 
     async def send_decode(
-        self, path: str, body: dict[str, Any], headers: dict[str, str]
+        self, path: str, body: dict[str, Any], headers: dict[str, str], moving: MovingStream | None = None
     ) -> tuple[Instance, httpx.Response]:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
 
         A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
-        decode asks, so try the next one."""
+        decode asks, so try the next one. A `moving` stream is marked for the decode picked (`MovingStream.mark`)."""
         pool = self.pools["decode"]
         late: list[str] = []
         # One more try than instances: a busy server that was slow to accept gets a second chance.
@@ -570,7 +720,8 @@ class Proxy:
             if attempt and not any(i.healthy for i in pool.instances):
                 break
             inst = pool.pick()
-            upstream = self.client.build_request("POST", f"{inst.url}{path}", json=body, headers=headers)
+            payload = body if moving is None else moving.mark(body, inst.identity)
+            upstream = self.client.build_request("POST", f"{inst.url}{path}", json=payload, headers=headers)
             inst.in_flight += 1
             try:
                 return inst, await self.client.send(upstream, stream=True)
@@ -630,22 +781,33 @@ class Proxy:
             return self._answer(400, f"{exc.field}: {exc}", ids, timeline)
         if len(parts) > 1 or parts[0].body is not body:
             return await self._complete_parts(path, request, parts, timeline, begun)
-        handover = await self._handover(path, request, body, timeline)
+        moving = None
+        if self.migrate:
+            why = refusal(path, body)
+            if why is None:
+                moving = MovingStream(path, body)
+            else:
+                log.info("request %s stays on its decode if that one drains: %s", timeline.request_id, why)
+        handover = await self._handover(path, request, body, timeline, moving)
         if isinstance(handover, Response):
             return handover
         out_headers = {**handover.headers, **ids}
-        relay = (
-            self._relay_stream
-            if handover.resp.headers.get("content-type", "").startswith("text/event-stream")
-            else self._relay_whole
-        )
+        streamed = handover.resp.headers.get("content-type", "").startswith("text/event-stream")
+        if moving is not None and streamed and handover.resp.status_code == 200:
+            return await self._relay_moving(request, handover, moving, timeline, begun, out_headers)
+        relay = self._relay_stream if streamed else self._relay_whole
         answer = await relay(request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers)
         if getattr(answer, "status_code", 200) == 499 and handover.computing is not None:
             handover.computing.cancel()  # the client left: prefill stops too
         return answer
 
     async def _handover(
-        self, path: str, request: Request | None, body: dict[str, Any], timeline: Timeline
+        self,
+        path: str,
+        request: Request | None,
+        body: dict[str, Any],
+        timeline: Timeline,
+        moving: MovingStream | None = None,
     ) -> Handover | JSONResponse:
         """One P/D request, up to the decode's answer coming (a Handover), or the error answer to give."""
         # Leases are keyed on this id (prefill's vLLM request id): never on a client's, which two may share.
@@ -656,7 +818,7 @@ class Proxy:
         except NoInstance as exc:
             return self._answer(503, str(exc), None, timeline)
         if self.transfer == "layerwise":
-            streamed = await self._handover_layerwise(path, request, body, headers, timeline)
+            streamed = await self._handover_layerwise(path, request, body, headers, timeline, moving)
             if streamed is not None:
                 return streamed
         try:
@@ -685,21 +847,21 @@ class Proxy:
         sent = time.perf_counter()
         timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
         try:
-            decode, resp = await self.send_decode(path, decode_body, headers)
+            decode, resp = await self.send_decode(path, decode_body, headers, moving)
         except NoInstance as exc:
-            await self._release_prefill(params, str(exc))
+            await self._release_lease(params, f"no decode took it: {exc}")
             return self._answer(503, str(exc), self._names(prefill), timeline)
         except DecodeFailed as exc:
-            await self._release_prefill(params, str(exc))
+            await self._release_lease(params, f"no decode took it: {exc}")
             return self._answer(503, str(exc), self._names(prefill, exc.inst), timeline)
         return Handover(decode, resp, self._names(prefill, decode), sent)
 
-    async def _release_prefill(self, params: KVTransferParams, why: str) -> None:
-        """Tell each prefill rank holding the request's KV that no decode will read it (an Abort on its side channel).
+    async def _release_lease(self, params: KVTransferParams, why: str) -> None:
+        """Tell each rank holding a lease on the request's KV that no decode will read it (an Abort, side channel).
 
-        So its blocks are free now, not when the lease ends. Needs the shared secret where the prefill has one
-        (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's environment); without it, or when the rank does not
-        answer, the lease ends by itself."""
+        A prefill's lease, or a migrated stream's on the decode it left. So its blocks are free now, not when the lease
+        ends. Needs the shared secret where the server has one (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's
+        environment); without it, or when the rank does not answer, the lease ends by itself."""
         if params.remote_request_id is None or params.remote_host is None or params.remote_port is None:
             return
         request_id = str(params.remote_request_id)
@@ -708,11 +870,11 @@ class Proxy:
             try:
                 host, port = params.side_channel(rank)
                 with ControlClient(host, port, secret=self.secret, sender="proxy", timeout_s=RELEASE_TIMEOUT_S) as c:
-                    c.abort(request_id, reason=f"no decode took it: {why}")
-                log.info("released request %s on prefill rank %s:%d", request_id, host, port)
+                    c.abort(request_id, reason=why)
+                log.info("released request %s on rank %s:%d", request_id, host, port)
             except KVBridgeError as exc:
                 log.warning(
-                    "could not release request %s on prefill rank %d (%s); its lease ends by itself%s",
+                    "could not release request %s on rank %d (%s); its lease ends by itself%s",
                     request_id,
                     rank,
                     exc,
@@ -922,6 +1084,7 @@ class Proxy:
         body: dict[str, Any],
         headers: dict[str, str],
         timeline: Timeline,
+        moving: MovingStream | None = None,
     ) -> Handover | JSONResponse | None:
         """Send the request to a prefill and a decode server at once, with one transfer id.
 
@@ -944,7 +1107,7 @@ class Proxy:
         sent = time.perf_counter()
         try:
             started = await until_disconnect(
-                request, self.send_decode(path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers)
+                request, self.send_decode(path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers, moving)
             )
         except (NoInstance, DecodeFailed) as exc:
             computing.cancel()  # nobody reads it: vLLM aborts the prefill request, its lease is aborted
@@ -1067,6 +1230,169 @@ class Proxy:
             headers={**headers, HEADER: timeline.header()},
         )
 
+    # -- live decode migration (--migrate, migration.py) ------------------------------------------
+
+    async def _relay_moving(
+        self,
+        request: Request,
+        handover: Handover,
+        moving: MovingStream,
+        timeline: Timeline,
+        begun: float,
+        headers: dict[str, str],
+    ) -> Any:
+        """A streamed answer the proxy reads event by event, to move it to another decode when its own drains.
+
+        The move happens between two events: what the client got is what the next decode continues from."""
+        up = Upstream.open(handover.decode, handover.resp, moving, marked=handover.decode.identity is not None)
+        first = await until_disconnect(request, up.next())
+        if first is None or first[0] == "failed":
+            await self._leave(up, moving, "its client left before the first token")
+            if first is None:
+                log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
+                return self._answer(499, "client disconnected", headers, timeline)
+            handover.decode.healthy = False
+            log.warning(
+                "decode server %s failed before the first event of %s", handover.decode.url, timeline.request_id
+            )
+            return self._answer(503, f"decode server {handover.decode.label} failed: {first[1]}", headers, timeline)
+        self._finish(timeline, begun, handover.sent, time.perf_counter())
+        self.metrics.requests.labels("200").inc()
+
+        async def events() -> AsyncIterator[bytes]:
+            nonlocal up
+            item: tuple[str, Any] = first
+            finished = False
+            try:
+                while True:
+                    kind, payload = item
+                    if kind == "event":
+                        yield _sse(moving.take(payload))
+                        if up.decode.draining:
+                            moving.request_cut("its decode drains")
+                    elif kind == "done":
+                        yield b"data: [DONE]\n\n"
+                        finished = True
+                        return
+                    else:  # the decode died or the cut: continue on another decode
+                        moved = await self._move(moving, up, payload, pull=kind == "cut")
+                        if moved is None:
+                            error = {"message": f"decode server {up.decode.label} failed: {payload}", "code": 503}
+                            yield _sse({"error": error})
+                            yield b"data: [DONE]\n\n"
+                            finished = True
+                            return
+                        up = moved
+                    item = await up.next()
+            finally:
+                # A task of its own: when the client left, Starlette's cancel scope cancels every await here.
+                leave = up.close() if finished else self._leave(up, moving, "its client left")
+                task = asyncio.ensure_future(leave)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={**headers, HEADER: timeline.header()}
+        )
+
+    async def _leave(self, up: Upstream, moving: MovingStream, why: str) -> None:
+        """Close the stream's upstream and release the blocks its decode offers for a move that will not come."""
+        await up.close()
+        if up.marked and up.decode.identity is not None:
+            params = attrs.evolve(up.decode.identity, remote_request_id=moving.migration_id)
+            await self._release_lease(params, why)
+
+    async def _move(self, moving: MovingStream, up: Upstream, why: str, *, pull: bool) -> Upstream | None:
+        """Continue `moving` on another decode: its KV pulled from the one it leaves (`pull`), else computed there.
+
+        None when it cannot continue (nobody can take it, or the decode died before the proxy knew the prompt's ids).
+        A cut that finds no other decode leaves the stream where it is (`up`, still open)."""
+        source = up.decode
+        if moving.prompt is None:
+            await up.close()
+            return None
+        try:
+            prefer = moving.prefer
+            usable = prefer is not None and prefer is not source and prefer.healthy and not prefer.draining
+            target = prefer if usable else self.pools["decode"].pick(exclude=source)
+        except NoInstance as exc:
+            if pull:
+                log.warning("stream %s stays on %s: %s", moving.migration_id, source.url, exc)
+                moving.stay()
+                return up
+            await up.close()
+            return None
+        cut = time.perf_counter()
+        await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its migration id
+        pulled = source.identity if pull and up.marked else None
+        for n, identity in enumerate([pulled, None] if pulled is not None else [None]):
+            if n:  # the pull failed: the next decode computes it all
+                try:
+                    target = self.pools["decode"].pick(exclude=source)
+                except NoInstance:
+                    break
+            moved = await self._resume(moving, target, identity)
+            if moved is None:
+                continue
+            if pulled is not None and identity is None:  # nobody read the offered blocks: free them now
+                await self._release_lease(attrs.evolve(pulled, remote_request_id=moving.migration_id), "recomputed")
+            gap = time.perf_counter() - cut
+            outcome = "pulled" if identity is not None else "recomputed"
+            self.metrics.migrations.labels(outcome).inc()
+            self.metrics.handover_gap.observe(gap)
+            log.warning(
+                "stream %s moved from %s to %s after %d tokens (%s, %s): first event %.1f ms after the cut",
+                moving.migration_id,
+                source.url,
+                target.url,
+                len(moving.generated),
+                why,
+                outcome,
+                gap * 1e3,
+            )
+            moving.moved()
+            return moved
+        if pulled is not None:
+            await self._release_lease(attrs.evolve(pulled, remote_request_id=moving.migration_id), "the move failed")
+        self.metrics.migrations.labels("failed").inc()
+        log.warning("stream %s could not move off %s (%s): it ends with an error", moving.migration_id, source.url, why)
+        return None
+
+    async def _resume(self, moving: MovingStream, target: Instance, source: KVTransferParams | None) -> Upstream | None:
+        """Send the continuation to `target`; its upstream once its first event came, or None (logged)."""
+        body = moving.resume_body(source, mark=target.identity is not None)
+        headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
+        target.in_flight += 1
+        try:
+            resp = await self.client.send(
+                self.client.build_request("POST", f"{target.url}/v1/completions", json=body, headers=headers),
+                stream=True,
+            )
+        except httpx.TransportError as exc:
+            target.in_flight -= 1
+            self._take_out(target, f"failed taking a moved stream ({exc})")
+            return None
+        marked = "kv_transfer_params" in body
+        moved = Upstream.open(target, resp, moving, marked=marked)
+        if resp.status_code != 200:
+            text = (await resp.aread())[:300]
+            await moved.close()
+            log.warning(
+                "decode server %s refused moved stream %s: %d %s",
+                target.url,
+                moving.migration_id,
+                resp.status_code,
+                text,
+            )
+            return None
+        first = await moved.queue.get()  # not next(): the cut that brought it here is still set
+        if first[0] != "event" or "error" in first[1]:
+            await moved.close()
+            log.warning("decode server %s failed moved stream %s: %s", target.url, moving.migration_id, first[1])
+            return None
+        moved.push_back(first)
+        return moved
+
     async def health(self) -> Any:
         ok = all(any(i.healthy for i in p.instances) for p in self.pools.values())
         return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
@@ -1101,13 +1427,17 @@ def create_app(
     connect_timeout: float = CONNECT_TIMEOUT_S,
     expose_internals: bool = False,
     registry: str | None = None,
+    migrate: bool = False,
+    rebalance: Policy | None = None,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
 
     `warm_up`: send one request through each prefill/decode pair once both are up (see the module doc).
     `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md).
     `expose_internals`: answers name the servers by URL (see the module doc).
-    `registry`: follow the servers announced there too (see the module doc)."""
+    `registry`: follow the servers announced there too (see the module doc).
+    `migrate`: move a draining decode's streams to another decode (migration.py, docs/elastic.md).
+    `rebalance`: also move streams off a decode under KV pressure by this policy (rebalance.py; implies `migrate`)."""
     proxy = Proxy(
         prefill,
         decode,
@@ -1118,6 +1448,8 @@ def create_app(
         connect_timeout=connect_timeout,
         expose_internals=expose_internals,
         registry=registry,
+        migrate=migrate,
+        rebalance=rebalance,
     )
     app = FastAPI(lifespan=proxy.lifespan)
     for path in ROUTES:

@@ -89,6 +89,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "headers, /instances, error answers and /metrics labels (`kvbridge trace` and `kvbridge chaos` read them); "
         "without it they are named by role and place, e.g. decode-1",
     )
+    p.add_argument(
+        "--migrate",
+        action="store_true",
+        help="move each streamed request off a decode that drains to another decode, which pulls its KV (prompt and "
+        "tokens so far) from the draining one and continues the stream; requests whose parameters cannot be carried "
+        "(seed, stop strings, frequency/presence penalties, n > 1, tools; docs/elastic.md) finish where they are. A "
+        "stream whose decode dies is continued by another decode that computes it (default off)",
+    )
+    p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="with --migrate's machinery, move streams off a decode whose KV cache is at least --rebalance-above full "
+        "to one at most --rebalance-below full, read from each decode's /metrics every health round (default off)",
+    )
+    p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
+    p.add_argument("--rebalance-below", type=float, default=0.4, metavar="F", help="default 0.4")
     p.set_defaults(run=run)
 
 
@@ -96,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvbridge_proxy.app import create_app
+    from kvbridge_proxy.rebalance import Policy
+
+    rebalance = Policy(args.rebalance_above, args.rebalance_below) if args.rebalance else None
 
     app = create_app(
         args.prefill,
@@ -107,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         connect_timeout=args.connect_timeout,
         expose_internals=args.expose_internals,
         registry=args.registry,
+        migrate=args.migrate,
+        rebalance=rebalance,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

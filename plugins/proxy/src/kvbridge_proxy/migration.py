@@ -1,0 +1,218 @@
+"""Live decode migration: what the proxy keeps of a stream to move it, and the requests that move it.
+
+With `kvbridge proxy --migrate` (docs/elastic.md) a streamed request whose parameters survive a move (`refusal`) is
+sent to its decode with `return_token_ids`, and, when that decode's registry record says where its side channel is,
+with a migration id M in its `kv_transfer_params`. A `MovingStream` keeps the prompt's token ids and every generated
+id forwarded to the client. To move the stream the proxy stops forwarding at an event, closes the upstream (vLLM
+aborts the request; the decode's connector offers its blocks under M) and sends another decode `resume_body()`: the
+prompt and the forwarded tokens as a token-id completion whose params name M and the first decode's side channel, so
+it pulls that KV and computes only the last token. `splice()` turns its events into the client's stream: the first
+answer's id, chat deltas for a chat request, usage counted as if one server had answered it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import attrs
+
+from kvbridge.control.params import KVTransferParams
+
+CHAT = "/v1/chat/completions"
+# What a resumed `/v1/completions` request keeps of the client's: per-step sampling state that the prompt + generated
+# tokens fully determine. Everything else (chat messages and templates, echo, prompt_logprobs, n) is the first
+# decode's business or refused.
+CARRIED = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "length_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "stream_options",
+    "user",
+    "priority",
+    "cache_salt",
+    "return_tokens_as_token_ids",
+)
+# Keys a delta may carry for the generated ids to spell the whole answer (a reasoning or tool parser's do not).
+PLAIN_DELTA = {"role", "content"}
+
+
+def refusal(path: str, body: dict[str, Any]) -> str | None:
+    """Why this request cannot move to another decode mid-stream (docs/elastic.md, parameters), or None."""
+    if body.get("stream") is not True:
+        return "not streamed"
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
+        return "several sequences"
+    if body.get("seed") is not None:
+        return "seeded: the next decode's generator would restart at the seed"
+    if body.get("frequency_penalty") or body.get("presence_penalty"):
+        return "frequency/presence penalties count output tokens only"
+    if body.get("stop"):
+        return "stop strings may span the cut"
+    structured = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    response_format = body.get("response_format")
+    if any(body.get(k) for k in structured) or (response_format and response_format != {"type": "text"}):
+        return "structured output keeps a grammar's state"
+    if path == CHAT:
+        if body.get("tools") or body.get("functions"):
+            return "tool calls are parsed over the whole output"
+        if body.get("logprobs") or body.get("top_logprobs"):
+            return "chat logprobs"
+    elif body.get("suffix") is not None:
+        return "suffix"
+    return None
+
+
+def _choice(event: dict[str, Any]) -> dict[str, Any] | None:
+    choices = event.get("choices")
+    return choices[0] if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict) else None
+
+
+@attrs.define(eq=False)
+class MovingStream:
+    """One client stream the proxy may move: its request, the token ids forwarded so far, its cuts."""
+
+    path: str
+    body: dict[str, Any]  # the client's request
+    migration_id: str = attrs.field(factory=lambda: f"kvbridge-mig-{uuid.uuid4().hex}")
+    prompt: list[int] | None = None
+    generated: list[int] = attrs.Factory(list)
+    movable: bool = True  # False once an event did not say its tokens, or the decode answered an error
+    moves: int = 0
+    head: dict[str, Any] = attrs.Factory(dict)  # id, object, created, model of the first answer: every event gets them
+    _resumed_at: int = 0  # len(generated) when the current upstream took over: its usage counts from there
+    _cut: asyncio.Event = attrs.Factory(asyncio.Event)
+    cut_reason: str = ""
+    _stays: bool = False  # a cut found no other decode: it finishes where it is
+    prefer: Any = None  # the decode to move to (the rebalancer's pick), if it still takes requests
+
+    @property
+    def wants_ids(self) -> bool:
+        return bool(self.body.get("return_token_ids"))
+
+    def mark(self, body: dict[str, Any], identity: KVTransferParams | None) -> dict[str, Any]:
+        """The decode request with token ids asked for, and the migration id where the decode can be pulled from."""
+        out = {**body, "return_token_ids": True}
+        if identity is not None:
+            out["kv_transfer_params"] = {
+                **(body.get("kv_transfer_params") or {}),
+                "kvbridge_migration_id": self.migration_id,
+            }
+        return out
+
+    def request_cut(self, reason: str, prefer: Any = None) -> None:
+        """Ask the relay to move this stream at its next event (it does so once the prompt's ids are known)."""
+        if self.movable and not self._stays and not self._cut.is_set():
+            self.cut_reason, self.prefer = reason, prefer
+            self._cut.set()
+
+    @property
+    def cut_requested(self) -> bool:
+        return self._cut.is_set()
+
+    async def wait_cut(self) -> None:
+        await self._cut.wait()
+
+    def stay(self) -> None:
+        """No other decode could take it: it finishes where it is, asked to move again or not."""
+        self._stays = True
+        self._cut.clear()
+
+    def moved(self) -> None:
+        """The stream now comes from another decode: a later cut is a new one."""
+        self.moves += 1
+        self._resumed_at = len(self.generated)
+        self._cut.clear()
+        self.cut_reason, self.prefer = "", None
+
+    def take(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Record one event of the stream's upstream; return it as the client gets it."""
+        if "error" in event:
+            self.movable = False
+            return event
+        if not self.head:
+            self.head = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
+        prompt = event.pop("prompt_token_ids", None)  # chat: on the first event
+        choice = _choice(event)
+        if choice is None:  # a usage event
+            self._usage(event)
+            return self._renamed(event)
+        prompt = choice.pop("prompt_token_ids", None) or prompt
+        if self.prompt is None and prompt is not None:
+            self.prompt = list(prompt)
+        ids = choice.get("token_ids") if self.wants_ids else choice.pop("token_ids", None)
+        delta = choice.get("delta")
+        plain = not isinstance(delta, dict) or {k for k, v in delta.items() if v is not None} <= PLAIN_DELTA
+        if ids is None and (choice.get("text") or (isinstance(delta, dict) and delta.get("content")) or not plain):
+            self.movable = False  # tokens the proxy cannot count: it finishes where it is
+        elif not plain:
+            self.movable = False
+        if ids:
+            self.generated.extend(ids)
+        self._usage(event)
+        if self.moves:
+            event = self._as_client_path(event)
+        return self._renamed(event)
+
+    def _usage(self, event: dict[str, Any]) -> None:
+        usage = event.get("usage")
+        if self.moves and isinstance(usage, dict) and self.prompt is not None:
+            completion = self._resumed_at + int(usage.get("completion_tokens") or 0)
+            usage.update(prompt_tokens=len(self.prompt), completion_tokens=completion)
+            usage["total_tokens"] = len(self.prompt) + completion
+
+    def _renamed(self, event: dict[str, Any]) -> dict[str, Any]:
+        return {**event, **self.head} if self.moves else event
+
+    def _as_client_path(self, event: dict[str, Any]) -> dict[str, Any]:
+        """A resumed decode answers `/v1/completions`; a chat client gets `chat.completion.chunk` deltas."""
+        if self.path != CHAT:
+            return event
+        choice = _choice(event) or {}
+        text = choice.pop("text", "")
+        choice.pop("logprobs", None)
+        out = dict(event)
+        out["choices"] = [{**choice, "delta": {"content": text} if text else {}, "logprobs": None}]
+        return out
+
+    def resume_body(self, source: KVTransferParams | None, *, mark: bool) -> dict[str, Any]:
+        """The request that continues this stream on another decode.
+
+        `source`: the decode it left, to pull the KV from (None: the next decode computes it). `mark`: the next
+        decode can be moved from too."""
+        assert self.prompt is not None
+        body = {k: self.body[k] for k in CARRIED if k in self.body}
+        if self.path != CHAT and self.body.get("logprobs") is not None:
+            body["logprobs"] = self.body["logprobs"]
+        body.update(prompt=self.prompt + self.generated, stream=True, return_token_ids=True)
+        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        if isinstance(limit, int):
+            body["max_tokens"] = max(1, limit - len(self.generated))
+        if isinstance(self.body.get("min_tokens"), int):
+            body["min_tokens"] = max(0, self.body["min_tokens"] - len(self.generated))
+        params: dict[str, Any] = {"kvbridge_migration_id": self.migration_id} if mark or source is not None else {}
+        if source is not None:
+            pull = attrs.evolve(
+                source,
+                do_remote_prefill=True,
+                kvbridge_migration_id=self.migration_id,
+                remote_num_tokens=len(body["prompt"]) - 1,  # vLLM computes the last token again anyway
+                transfer_mode="pull",
+            )
+            params = pull.to_dict()
+        if params:
+            body["kv_transfer_params"] = params
+        return body

@@ -1,0 +1,388 @@
+"""`kvbridge proxy --migrate`: a draining decode's streams continue on another decode, against small real upstreams.
+
+The decode upstreams stream one token per event from a function of the whole context (prompt and tokens so far), as
+a greedy model does, so a stream continued elsewhere from prompt + forwarded tokens must give the same tokens: any
+token lost or repeated at the cut shows. Servers announce themselves in a real redis with signed records, and the
+draining decode's side channel is a real kvbridge ControlServer with a ledger, which sees the proxy's Aborts. The
+end-to-end test on real vLLM servers is tests/test_vllm_elastic.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+from control_helpers import redis_server, wait_for
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from test_proxy_routing import Serving
+
+from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
+from kvbridge.control.discovery import ServerRecord
+from kvbridge.errors import ConfigError
+from kvbridge_proxy.app import Instance, create_app
+from kvbridge_proxy.migration import MovingStream, refusal
+from kvbridge_proxy.rebalance import Policy, kv_usage
+
+SECRET = "proxy-migration-test-secret-0123456789"
+MAX_TOKENS = 40
+
+
+def next_token(context: list[int]) -> int:
+    """What the upstream 'model' says next: a function of the whole context, like greedy decoding."""
+    return (sum(context) * 7 + len(context) * 13) % 50_000
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    context = list(prompt)
+    for _ in range(n):
+        context.append(next_token(context))
+    return context[len(prompt) :]
+
+
+def prompt_ids(path: str, body: dict[str, Any]) -> list[int]:
+    if path.endswith("chat/completions"):
+        return [ord(c) for m in body["messages"] for c in m["content"]]
+    prompt = body["prompt"]
+    return list(prompt) if isinstance(prompt, list) else [ord(c) for c in prompt]
+
+
+class TokenDecode(Serving):
+    """A decode server streaming `next_token`s, one event every `delay_s`; records what it was sent.
+
+    Asked with `do_remote_decode`, it answers as a prefill server does.
+
+    `fail_pulls`: a request that asks to pull KV gets an error event (as vLLM answers a failed load). `die_after`:
+    the connection drops after that many token events (a killed server)."""
+
+    def __init__(self, *, delay_s: float = 0.02, fail_pulls: bool = False, die_after: int | None = None) -> None:
+        self.bodies: list[dict] = []
+        app = FastAPI()
+
+        async def stream(path: str, request: Request) -> Any:
+            body = await request.json()
+            self.bodies.append(body)
+            chat = path.endswith("chat/completions")
+            prompt = prompt_ids(path, body)
+            params = body.get("kv_transfer_params") or {}
+            if params.get("do_remote_decode"):  # a prefill's answer: where the KV is
+                where = {"remote_engine_id": "p", "remote_request_id": "r", "remote_host": "127.0.0.1"}
+                where |= {"remote_port": 9, "remote_block_ids": [1], "remote_num_tokens": len(prompt)}
+                return {"id": "p", "choices": [{"index": 0, "text": "<0>"}], "kv_transfer_params": where}
+            ids = bool(body.get("return_token_ids"))
+            cid = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.bodies)}"
+            head = {"id": cid, "created": len(self.bodies), "model": body["model"]}
+            head["object"] = "chat.completion.chunk" if chat else "text_completion"
+
+            async def events() -> Any:
+                if fail_pulls and params.get("do_remote_prefill"):
+                    yield f"data: {json.dumps({'error': {'message': 'KV load failed', 'code': 500}})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                if chat:
+                    role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+                    if ids:
+                        role["prompt_token_ids"] = prompt
+                    yield f"data: {json.dumps(role)}\n\n"
+                context = list(prompt)
+                limit = body.get("max_tokens") or body.get("max_completion_tokens") or MAX_TOKENS
+                for n in range(limit):
+                    if die_after is not None and n == die_after:
+                        raise RuntimeError("killed")  # the server drops the connection mid-stream
+                    await asyncio.sleep(delay_s)
+                    token = next_token(context)
+                    context.append(token)
+                    done = "length" if n == limit - 1 else None
+                    choice: dict[str, Any] = {"index": 0, "finish_reason": done}
+                    if chat:
+                        choice["delta"] = {"content": f"<{token}>"}
+                    else:
+                        choice["text"] = f"<{token}>"
+                        if ids and n == 0:
+                            choice["prompt_token_ids"] = prompt
+                    if ids:
+                        choice["token_ids"] = [token]
+                    yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    usage = {"prompt_tokens": len(prompt), "completion_tokens": limit}
+                    usage["total_tokens"] = len(prompt) + limit
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            return await stream("/v1/completions", request)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Any:
+            return await stream("/v1/chat/completions", request)
+
+        @app.get("/health")
+        async def health() -> dict:
+            return {}
+
+        super().__init__(app)
+
+
+@attrs.define
+class Cluster:
+    """A proxy with --migrate over a prefill, decodes A and B announced in redis, A's side channel live."""
+
+    proxy: Serving
+    a: TokenDecode
+    b: TokenDecode
+    records: Any
+    a_record: ServerRecord
+    b_record: ServerRecord
+    aborted: list  # (lease id, state) of every lease A's ledger ended
+    ledger: Ledger
+
+    def serve_b(self) -> None:
+        self.records.announce(attrs.evolve(self.b_record, state="serving", expires=time.time() + 60), 60)
+
+    def drain_a(self) -> None:
+        """B takes requests from now on, A drains."""
+        self.serve_b()
+        self.records.announce(attrs.evolve(self.a_record, state="draining", expires=time.time() + 60), 60)
+
+    def migration_ids(self) -> list[str]:
+        return [
+            b["kv_transfer_params"]["kvbridge_migration_id"] for b in self.a.bodies if "prompt" in b or "messages" in b
+        ]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
+    options = getattr(request, "param", {})
+    ended: list = []
+    ledger = Ledger(lambda lease, why: ended.append((lease.request_id, why)), timeout_s=600)
+    side = ControlServer("decode-a", 0, ledger=ledger, secret=SECRET, poll_interval_s=0.01)
+    with (
+        redis_server(tmp_path) as url,
+        TokenDecode() as prefill,
+        TokenDecode(**options.get("a", {})) as a,
+        TokenDecode(**options.get("b", {})) as b,
+    ):
+        records = open_registry(url, secret=SECRET)
+        a_record = ServerRecord(
+            "decode-a", "decode", a.url, expires=time.time() + 60, side_host="127.0.0.1", side_port=side.address[1]
+        )
+        records.announce(a_record, 60)
+        b_record = ServerRecord("decode-b", "decode", b.url, expires=time.time() + 60, side_host="127.0.0.1")
+        b_record = attrs.evolve(b_record, side_port=side.address[1] + 1, state="draining")  # every stream starts on A
+        records.announce(b_record, 60)
+        app = create_app([prefill.url], [], registry=url, migrate=True, health_interval=0.05, warm_up=False)
+        try:
+            with Serving(app) as proxy:
+                client = httpx.Client(base_url=proxy.url, trust_env=False, timeout=30)
+                wait_for(lambda: len(client.get("/instances").json()["decode"]) == 2, what="both decodes joined")
+                client.close()
+                yield Cluster(proxy, a, b, records, a_record, b_record, ended, ledger)
+        finally:
+            records.close()
+            side.close()
+
+
+def _stream(url: str, path: str, body: dict, events: list, started: Any = None) -> None:
+    """POST a streamed request; collect its events; call `started()` after the third."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60, trust_env=False) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+                if started is not None and len(events) == 3:
+                    started()
+            elif line == "data: [DONE]":
+                events.append("[DONE]")
+
+
+def _tokens(events: list) -> list[int]:
+    """The tokens a client saw, read from the text it got (`<id>` per token)."""
+    text = ""
+    for e in events:
+        if e == "[DONE]" or not e.get("choices"):
+            continue
+        c = e["choices"][0]
+        text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return [int(t) for t in text.replace("<", " ").replace(">", " ").split()]
+
+
+BODIES = [
+    ("/v1/completions", {"model": "m", "prompt": "moved while it runs", "max_tokens": MAX_TOKENS, "stream": True}),
+    (
+        "/v1/completions",
+        {
+            "model": "m",
+            "prompt": "asks for its ids",
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "a chat moved"}],
+            "max_completion_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ),
+]
+
+
+def test_a_draining_decodes_streams_go_on_elsewhere_with_no_token_lost_or_repeated(cluster: Cluster) -> None:
+    import threading
+
+    results: list[list] = [[] for _ in BODIES]
+    started = threading.Barrier(len(BODIES) + 1, timeout=30)
+    threads = [
+        threading.Thread(target=_stream, args=(cluster.proxy.url, path, body, out, started.wait))
+        for (path, body), out in zip(BODIES, results)
+    ]
+    for t in threads:
+        t.start()
+    started.wait()  # every stream has its first events (round robin put some on A, some on B)
+    cluster.drain_a()
+    for t in threads:
+        t.join(timeout=60)
+    moved_to_b = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]  # a resumed stream: token ids
+    for (path, body), events in zip(BODIES, results):
+        assert events[-1] == "[DONE]"
+        prompt = prompt_ids(path, body)
+        assert _tokens(events) == reference(prompt, MAX_TOKENS), "a token lost or repeated at the move"
+        data = [e for e in events if e != "[DONE]"]
+        assert len({e["id"] for e in data}) == 1, "one stream, one id"
+        if path.endswith("chat/completions"):
+            assert {e["object"] for e in data} == {"chat.completion.chunk"}
+            assert all("text" not in c for e in data for c in e["choices"])
+        ids = [i for e in data for c in e["choices"] for i in c.get("token_ids") or ()]
+        assert ids == (reference(prompt, MAX_TOKENS) if body.get("return_token_ids") else [])
+        assert not any("prompt_token_ids" in e or any("prompt_token_ids" in c for c in e["choices"]) for e in data[1:])
+        usage = [e["usage"] for e in data if e.get("usage")]
+        if (body.get("stream_options") or {}).get("include_usage"):
+            assert usage == [
+                {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": MAX_TOKENS,
+                    "total_tokens": len(prompt) + MAX_TOKENS,
+                }
+            ]
+    # Streams that were on A went on on B, pulling from A's side channel what the client had been sent.
+    on_a = [b for b in cluster.a.bodies if "kvbridge_migration_id" in (b.get("kv_transfer_params") or {})]
+    assert on_a and len(moved_to_b) == len(on_a)
+    for resumed in moved_to_b:
+        params = resumed["kv_transfer_params"]
+        assert (params["remote_engine_id"], params["remote_port"]) == ("decode-a", cluster.a_record.side_port)
+        assert params["remote_num_tokens"] == len(resumed["prompt"]) - 1 and not params.get("remote_block_ids")
+        assert params["kvbridge_migration_id"] in {b["kv_transfer_params"]["kvbridge_migration_id"] for b in on_a}
+        assert resumed["max_tokens"] < MAX_TOKENS and resumed["return_token_ids"] is True
+    metrics = httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text
+    assert f'kvbridge_proxy_migrations_total{{outcome="pulled"}} {float(len(on_a))}' in metrics
+    assert not cluster.aborted, "a lease that was pulled is not aborted"
+
+
+def _one(cluster: Cluster, *, leave_after: int | None = None, drain: bool = True) -> list:
+    """One streamed completion through the proxy; after its third event A drains, or only B joins A."""
+    events: list = []
+    body = {"model": "m", "prompt": "one stream", "max_tokens": MAX_TOKENS, "stream": True}
+    with httpx.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body, timeout=60, trust_env=False) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: ") :]))
+                if len(events) == 3:
+                    [migration] = cluster.migration_ids()
+                    cluster.ledger.offer(migration, [1, 2], expected_pulls=1)  # what A's connector offers at the cut
+                    cluster.drain_a() if drain else cluster.serve_b()
+                if leave_after is not None and len(events) == leave_after:
+                    break
+    return events
+
+
+def _metric(cluster: Cluster, outcome: str) -> float:
+    for line in httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text.splitlines():
+        if line.startswith(f'kvbridge_proxy_migrations_total{{outcome="{outcome}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no migrations_total series for {outcome}")
+
+
+@pytest.mark.parametrize("cluster", [{"b": {"fail_pulls": True}}], indirect=True)
+def test_a_pull_that_fails_is_computed_instead_and_the_offered_lease_released(cluster: Cluster) -> None:
+    events = _one(cluster)
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    pulled, computed = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]
+    assert pulled["kv_transfer_params"]["do_remote_prefill"] is True
+    assert "do_remote_prefill" not in computed.get("kv_transfer_params", {}), "the retry computes the prompt"
+    [migration] = cluster.migration_ids()
+    wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+    assert (_metric(cluster, "recomputed"), _metric(cluster, "pulled")) == (1.0, 0.0)
+
+
+def test_a_client_that_leaves_releases_the_blocks_its_decode_offers(cluster: Cluster) -> None:
+    events = _one(cluster, leave_after=5, drain=False)
+    assert len(events) == 5
+    [migration] = cluster.migration_ids()
+    wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+    assert not [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)], "nothing moved"
+
+
+@pytest.mark.parametrize("cluster", [{"a": {"die_after": 8}}], indirect=True)
+def test_a_stream_whose_decode_dies_is_computed_on_another(cluster: Cluster) -> None:
+    events = _one(cluster, drain=False)
+    assert events[-1] == "[DONE]"
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    assert _metric(cluster, "recomputed") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "why"),
+    [
+        ("/v1/completions", {"stream": False}, "not streamed"),
+        ("/v1/completions", {"seed": 3}, "seeded"),
+        ("/v1/completions", {"stop": ["x"]}, "stop strings"),
+        ("/v1/completions", {"n": 2}, "several sequences"),
+        ("/v1/completions", {"presence_penalty": 0.5}, "penalties"),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}, "structured output"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tool calls"),
+        ("/v1/chat/completions", {"logprobs": True}, "chat logprobs"),
+    ],
+)
+def test_requests_whose_parameters_cannot_be_carried_are_not_moved(path: str, extra: dict, why: str) -> None:
+    body = {"model": "m", "stream": True, "max_tokens": 4}
+    assert refusal(path, body) is None
+    assert refusal(path, body | {"repetition_penalty": 1.2, "response_format": {"type": "text"}}) is None
+    assert why in (refusal(path, body | extra) or "")
+
+
+VLLM_METRICS = """# HELP vllm:kv_cache_usage_perc KV-Cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} %s
+"""
+
+
+def test_the_rebalancing_policy_moves_a_quarter_of_a_full_decodes_longest_streams_to_an_idle_one() -> None:
+    assert kv_usage(VLLM_METRICS % "0.85") == 0.85 and kv_usage("# nothing\n") is None
+    hot, cold, mid = (Instance(f"http://d{i}", "decode", f"decode-{i}") for i in range(3))
+    for n in range(8):
+        stream = MovingStream("/v1/completions", {}, prompt=[1] * 10, generated=[2] * n)
+        hot.streams.add(stream)
+    policy = Policy(above=0.8, below=0.4)
+    moved, target = policy.plan({hot: 0.9, cold: 0.1, mid: 0.5})
+    assert target is cold and [len(s.generated) for s in moved] == [7, 6]
+    assert policy.plan({hot: 0.7, cold: 0.1}) == ([], None)  # nobody over the bar
+    assert policy.plan({hot: 0.9, mid: 0.5}) == ([], None)  # nobody idle enough
+    with pytest.raises(ConfigError, match="rebalance-below"):
+        Policy(above=0.4, below=0.6)
