@@ -44,7 +44,8 @@ examples:
 
 With an elastic fault (scale-out, scale-in, drain-decode, drain-prefill) the run starts a redis-server: every
 prefill and decode server announces itself there (signed with the run's secret) and runs with
---shutdown-timeout above drain_grace_s + lease_s, and the proxy routes to what is announced (--registry).
+--shutdown-timeout above drain_grace_s + lease_s, and the proxy routes to what is announced (--registry); with
+drain-decode or scale-in it runs with --migrate, moving a draining decode's streams to another decode.
 Before a scale-in, and after a scale-out when no scale-in follows, no new request is sent until the servers
 being started are routed to (requests in flight go on).
 
@@ -212,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
                 from kvbridge_tools.harness.redis import redis_server
 
                 dep.registry = stack.enter_context(redis_server(logs))  # it saves nothing there
+                if {"drain-decode", "scale-in"} & set(elastic):  # a drained decode's streams move (docs/elastic.md)
+                    dep.proxy_args.append("--migrate")
             if args.hosts:
                 network = _on_hosts(args, dep, stack)
             report = _play(args, dep, workload, network, logs)
