@@ -60,6 +60,7 @@ class Drained:
     seconds: float | None = None
     leases: int = -1  # what its ranks logged as they closed (-1: no closing line)
     blocks: int = -1
+    engine_killed: bool = False  # vLLM's API server force-killed its engine core at --shutdown-timeout
 
     @property
     def clean(self) -> bool:
@@ -75,6 +76,7 @@ class Drained:
             "seconds": None if self.seconds is None else round(self.seconds, 1),
             "leases_at_close": self.leases,
             "blocks_at_close": self.blocks,
+            "engine_killed": self.engine_killed,
         }
 
 
@@ -349,7 +351,9 @@ class Deployment:
         except subprocess.TimeoutExpired:  # it did not exit by itself
             log.error("chaos: drained %s did not exit within %.0fs; killing it", server.url, drained.bound_s)
         server.stop()  # what its group left (the engine core, shared memory, its TMPDIR)
-        lines = _CLOSING.findall(server.log_path.read_text(errors="replace"))
+        text = server.log_path.read_text(errors="replace")
+        drained.engine_killed = "force killing remaining process EngineCore" in text
+        lines = _CLOSING.findall(text)
         if lines:
             drained.leases = sum(int(n) for n, _ in lines)
             drained.blocks = sum(int(b) for _, b in lines)

@@ -17,7 +17,8 @@ FAULTS = {
     # elastic faults: every server announces itself in a redis registry the proxy follows (docs/elastic.md)
     "scale-out": "a new server (decode, then prefill, alternating) starts mid-run, joins through the registry, "
     "takes traffic",
-    "scale-in": "a server (a scaled-out one first) is drained for good: SIGTERM, it finishes what it runs, exits",
+    "scale-in": "a server (a scaled-out one, once it took traffic) is drained for good: SIGTERM, it finishes what "
+    "it runs, exits",
     "drain-decode": "SIGTERM the decode serving a stream at its first token (rolling upgrade); a new decode joins",
     "drain-prefill": "SIGTERM a prefill server 50 ms after a request is sent; a new prefill joins",
     # network faults (--hosts): between the hosts, one at a time, each for --net-fault-s

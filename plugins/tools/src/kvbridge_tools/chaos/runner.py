@@ -61,6 +61,7 @@ class Runner:
         self.model = str(dep.model)
         self.injected: dict[str, int] = {}
         self._scale_outs = 0
+        self._scaling: list[threading.Thread] = []  # scale-ins under way
         self.served: set[str] = set()  # the servers the proxy's answers named (x-kvbridge-prefill, -decode)
         self._lock = threading.Lock()
 
@@ -87,14 +88,25 @@ class Runner:
             self._scale_outs += 1
             dep.scale_out(role)
         elif event == "scale-in":
-            extras = [j.server for j in dep.joined if j.fault == "scale-out"]
-            candidates = [s for s in extras if s in dep.prefill or s in dep.decode]
-            # else one of the role that has more servers; drain() refuses it unless another of its role serves
-            candidates += sorted(
-                [*dep.prefill, *dep.decode], key=lambda s: -len(dep.prefill if s in dep.prefill else dep.decode)
-            )
-            if any(dep.drain(s, "scale-in", replace=False) for s in candidates):
-                self._count("scale-in")
+            thread = threading.Thread(target=self._scale_in, daemon=True, name=f"scale-in-{len(self._scaling)}")
+            self._scaling.append(thread)
+            thread.start()
+
+    def _scale_in(self) -> None:
+        """Drain a scaled-out server once it took traffic (bounded), else one of the role with the most servers."""
+        dep = self.dep
+        extras = [j.server for j in dep.joined if j.fault == "scale-out"]
+        extras = [s for s in extras if s in dep.prefill or s in dep.decode]
+        deadline = time.monotonic() + 120
+        while extras and not any(s.url in self.served for s in extras) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the requests sent meanwhile reach it
+        candidates = sorted(extras, key=lambda s: s.url not in self.served)
+        # drain() refuses one unless another server of its role serves
+        candidates += sorted(
+            [*dep.prefill, *dep.decode], key=lambda s: -len(dep.prefill if s in dep.prefill else dep.decode)
+        )
+        if any(dep.drain(s, "scale-in", replace=False) for s in candidates):
+            self._count("scale-in")
 
     def body(self, text: str, stream: bool) -> dict:
         return {
@@ -257,6 +269,8 @@ class Runner:
                 if len(pending) > workload.concurrency * 4:  # bounded queue: the gaps then fall where planned
                     outcomes.append(pending.pop(0).result())
             outcomes += [f.result() for f in pending]
+        for thread in self._scaling:
+            thread.join(timeout=180)  # each waits at most 120 s before its drain
         injected = dict(self.injected)
         if self.network is not None:
             injected.update(self.network.counts())

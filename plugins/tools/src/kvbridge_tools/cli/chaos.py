@@ -50,7 +50,8 @@ Before a scale-in, and after a scale-out when no scale-in follows, no new reques
 being started are routed to (requests in flight go on).
 
 It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model, and more with
-scale-out and the drains; on a small machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
+scale-out and the drains; on a small machine serialize it with other heavy jobs
+(flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
 """
 )
 
