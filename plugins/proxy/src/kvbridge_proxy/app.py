@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import Any
 
 import attrs
@@ -92,9 +93,15 @@ class Instance:
     in_flight: int = 0  # requests sent to it and not yet answered in full
     announced: bool = False  # it came from the registry (and leaves when its record does)
     draining: bool = False  # its record says draining: no new request
+    cordoned: bool = False  # an operator said so (POST /admin/cordon): no new request
     # where its side channel is (from its registry record): a stream migrated off it is pulled from there
     identity: KVTransferParams | None = None
     streams: set[MovingStream] = attrs.Factory(set)  # the movable streams it serves now (--migrate)
+
+    @property
+    def serving(self) -> bool:
+        """Whether it takes new requests."""
+        return self.healthy and not self.draining and not self.cordoned
 
 
 class Pool:
@@ -127,15 +134,15 @@ class Pool:
 
     def healthy(self) -> list[Instance]:
         """The healthy instances that take new requests; NoInstance when there are none."""
-        healthy = [i for i in self.instances if i.healthy and not i.draining]
+        healthy = [i for i in self.instances if i.serving]
         if not healthy:
             raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
         return healthy
 
-    def pick(self, *, exclude: Instance | None = None) -> Instance:
-        healthy = [i for i in self.healthy() if i is not exclude]
+    def pick(self, *, exclude: Collection[Instance] = ()) -> Instance:
+        healthy = [i for i in self.healthy() if i not in exclude]
         if not healthy:
-            raise NoInstance(f"no other healthy {self.role} server than {exclude.label if exclude else None}")
+            raise NoInstance(f"no other healthy {self.role} server than {[i.label for i in exclude]}")
         return healthy[next(self._counter) % len(healthy)]
 
 
@@ -423,7 +430,7 @@ class ProxyMetrics:
 
     def track(self, inst: Instance) -> None:
         """Series of a new upstream, read at scrape time: the instances are the truth."""
-        self.healthy.labels(inst.role, inst.label).set_function(lambda: float(inst.healthy and not inst.draining))
+        self.healthy.labels(inst.role, inst.label).set_function(lambda: float(inst.serving))
         self.in_flight.labels(inst.role, inst.label).set_function(lambda: float(inst.in_flight))
 
     def forget(self, inst: Instance) -> None:
@@ -590,7 +597,7 @@ class Proxy:
                 log.info("could not read %s/metrics for rebalancing: %s", inst.url, exc)
                 return inst, None
 
-        serving = [i for i in self.pools["decode"].instances if i.healthy and not i.draining]
+        serving = [i for i in self.pools["decode"].instances if i.serving]
         read = await asyncio.gather(*(usage(i) for i in serving))
         streams, target = policy.plan({inst: value for inst, value in read if value is not None})
         for stream in streams:
@@ -605,7 +612,7 @@ class Proxy:
                     self.identities.pop(p.url, None)  # it may come back restarted, with another side channel
                 if not (p.healthy and d.healthy):
                     self._warm.discard(pair)  # a server that was down may have restarted: first contact again
-                elif p.draining or d.draining:
+                elif p.draining or d.draining or p.cordoned or d.cordoned:
                     continue
                 elif pair not in self._warm and pair not in self._warming:
                     self._warming[pair] = asyncio.create_task(self.warm_pair(p, d))
@@ -712,19 +719,35 @@ class Proxy:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
 
         A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
-        decode asks, so try the next one. A `moving` stream is marked for the decode picked (`MovingStream.mark`)."""
+        decode asks, so try the next one. So does one that answers a server error (5xx) at once: what a vLLM server
+        answers once it began shutting down, before the proxy's next registry read says it is draining; the last such
+        answer is returned when no other decode is left. A `moving` stream is marked for the decode picked
+        (`MovingStream.mark`)."""
         pool = self.pools["decode"]
         late: list[str] = []
+        refused: list[Instance] = []  # answered 5xx: not tried again for this request
         # One more try than instances: a busy server that was slow to accept gets a second chance.
         for attempt in range(len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances):
                 break
-            inst = pool.pick()
+            try:
+                inst = pool.pick(exclude=refused)
+            except NoInstance:
+                if refused:
+                    break
+                raise
             payload = body if moving is None else moving.mark(body, inst.identity)
             upstream = self.client.build_request("POST", f"{inst.url}{path}", json=payload, headers=headers)
             inst.in_flight += 1
             try:
-                return inst, await self.client.send(upstream, stream=True)
+                resp = await self.client.send(upstream, stream=True)
+                if resp.status_code < 500 or not any(i.serving and i not in (*refused, inst) for i in pool.instances):
+                    return inst, resp
+                await resp.aclose()
+                inst.in_flight -= 1
+                refused.append(inst)
+                self.metrics.failovers.labels(inst.role).inc()
+                log.warning("decode server %s answered %d (shutting down?): next", inst.url, resp.status_code)
             except httpx.ConnectError as exc:
                 inst.in_flight -= 1
                 self._take_out(inst, f"refused the connection ({exc})")
@@ -794,9 +817,10 @@ class Proxy:
         out_headers = {**handover.headers, **ids}
         streamed = handover.resp.headers.get("content-type", "").startswith("text/event-stream")
         if moving is not None and streamed and handover.resp.status_code == 200:
-            return await self._relay_moving(request, handover, moving, timeline, begun, out_headers)
-        relay = self._relay_stream if streamed else self._relay_whole
-        answer = await relay(request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers)
+            answer = await self._relay_moving(request, handover, moving, timeline, begun, out_headers)
+        else:
+            relay = self._relay_stream if streamed else self._relay_whole
+            answer = await relay(request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers)
         if getattr(answer, "status_code", 200) == 499 and handover.computing is not None:
             handover.computing.cancel()  # the client left: prefill stops too
         return answer
@@ -1285,15 +1309,19 @@ class Proxy:
                         up = moved
                     item = await up.next()
             finally:
-                # A task of its own: when the client left, Starlette's cancel scope cancels every await here.
-                leave = up.close() if finished else self._leave(up, moving, "its client left")
-                task = asyncio.ensure_future(leave)
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._spawn(up.close() if finished else self._leave(up, moving, "its client left"))
 
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={**headers, HEADER: timeline.header()}
         )
+
+    def _spawn(self, cleanup: Any) -> None:
+        """Run a clean-up on a task of its own.
+
+        When a client left, Starlette's cancel scope cancels every await of the request's own task."""
+        task = asyncio.ensure_future(cleanup)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _leave(self, up: Upstream, moving: MovingStream, why: str) -> None:
         """Close the stream's upstream and release the blocks its decode offers for a move that will not come."""
@@ -1313,8 +1341,8 @@ class Proxy:
             return None
         try:
             prefer = moving.prefer
-            usable = prefer is not None and prefer is not source and prefer.healthy and not prefer.draining
-            target = prefer if usable else self.pools["decode"].pick(exclude=source)
+            usable = prefer is not None and prefer is not source and prefer.serving
+            target = prefer if usable else self.pools["decode"].pick(exclude=(source,))
         except NoInstance as exc:
             if pull:
                 log.warning("stream %s stays on %s: %s", moving.migration_id, source.url, exc)
@@ -1328,7 +1356,7 @@ class Proxy:
         for n, identity in enumerate([pulled, None] if pulled is not None else [None]):
             if n:  # the pull failed: the next decode computes it all
                 try:
-                    target = self.pools["decode"].pick(exclude=source)
+                    target = self.pools["decode"].pick(exclude=(source,))
                 except NoInstance:
                     break
             moved = await self._resume(moving, target, identity)
@@ -1368,24 +1396,28 @@ class Proxy:
                 self.client.build_request("POST", f"{target.url}/v1/completions", json=body, headers=headers),
                 stream=True,
             )
+            if resp.status_code != 200:
+                text = (await resp.aread())[:300]
+                await resp.aclose()
         except httpx.TransportError as exc:
             target.in_flight -= 1
             self._take_out(target, f"failed taking a moved stream ({exc})")
             return None
-        marked = "kv_transfer_params" in body
-        moved = Upstream.open(target, resp, moving, marked=marked)
+        except BaseException:
+            target.in_flight -= 1
+            raise
         if resp.status_code != 200:
-            text = (await resp.aread())[:300]
-            await moved.close()
+            target.in_flight -= 1
             log.warning(
-                "decode server %s refused moved stream %s: %d %s",
-                target.url,
-                moving.migration_id,
-                resp.status_code,
-                text,
+                "decode %s refused moved stream %s: %d %s", target.url, moving.migration_id, resp.status_code, text
             )
             return None
-        first = await moved.queue.get()  # not next(): the cut that brought it here is still set
+        moved = Upstream.open(target, resp, moving, marked="kv_transfer_params" in body)
+        try:
+            first = await moved.queue.get()  # not next(): the cut that brought it here is still set
+        except BaseException:  # the client left while the next decode was starting
+            self._spawn(self._leave(moved, moving, "its client left"))
+            raise
         if first[0] != "event" or "error" in first[1]:
             await moved.close()
             log.warning("decode server %s failed moved stream %s: %s", target.url, moving.migration_id, first[1])
@@ -1406,11 +1438,47 @@ class Proxy:
             for role, p in self.pools.items():
                 for entry, inst in zip(state[role], p.instances):
                     entry["draining"] = inst.draining
+        for role, p in self.pools.items():
+            for entry, inst in zip(state[role], p.instances):
+                entry["cordoned"] = inst.cordoned
             state["registry_rounds"] = self.membership_rounds
         labels = {i.url: i.label for p in self.pools.values() for i in p.instances}
         # (prefill, decode) pairs whose first contact is made
         state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm if p in labels and d in labels)
         return state
+
+    async def admin(self, action: str, request: Request) -> Any:
+        """`POST /admin/{cordon,uncordon,drain}` `{"server": URL or label}`, with the shared secret as bearer token.
+
+        cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --migrate move its
+        streams to other decodes now. The server itself keeps running: stop it afterwards (docs/elastic.md)."""
+        if not self.secret:
+            return JSONResponse({"error": "the admin calls need the proxy's KVBRIDGE_SECRET (none is set)"}, 403)
+        token = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+        if not hmac.compare_digest(token, self.secret):
+            log.warning("refused an admin %s: bad or missing bearer token", action)
+            return JSONResponse({"error": "Authorization: Bearer <the deployment's shared secret> is required"}, 401)
+        body = await read_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        name = body.get("server")
+        found = [i for p in self.pools.values() for i in p.instances if name in (i.url, i.label)]
+        if not isinstance(name, str) or not found:
+            known = [i.label for p in self.pools.values() for i in p.instances]
+            return JSONResponse({"error": f"no server {name!r}; the proxy knows {known}"}, 404)
+        for inst in found:
+            inst.cordoned = action != "uncordon"
+            moved = list(inst.streams) if action == "drain" and self.migrate else []
+            for stream in moved:
+                stream.request_cut("an operator drained its decode")
+            log.warning(
+                "%s server %s %sed by an operator (%d streams to move)", inst.role, inst.url, action, len(moved)
+            )
+        return {
+            "server": name,
+            "action": action,
+            "streams_moving": sum(len(i.streams) for i in found if action == "drain"),
+        }
 
     async def prometheus(self) -> Response:
         return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)
@@ -1457,6 +1525,8 @@ def create_app(
     app.add_api_route("/health", proxy.health, methods=["GET"])
     app.add_api_route("/instances", proxy.instances, methods=["GET"])
     app.add_api_route("/metrics", proxy.prometheus, methods=["GET"])
+    for action in ("cordon", "uncordon", "drain"):
+        app.add_api_route(f"/admin/{action}", _bind(proxy.admin, action), methods=["POST"])
     return app
 
 

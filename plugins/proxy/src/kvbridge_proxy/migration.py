@@ -145,12 +145,15 @@ class MovingStream:
             return event
         if not self.head:
             self.head = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
-        prompt = event.pop("prompt_token_ids", None)  # chat: on the first event
+        # the prompt's ids come with the first event (chat: at its top level); the client keeps them if it asked,
+        # but never a later decode's, which are the prompt and the tokens it was sent
+        keep = self.wants_ids and not self.moves
+        prompt = event.get("prompt_token_ids") if keep else event.pop("prompt_token_ids", None)
         choice = _choice(event)
         if choice is None:  # a usage event
             self._usage(event)
             return self._renamed(event)
-        prompt = choice.pop("prompt_token_ids", None) or prompt
+        prompt = (choice.get("prompt_token_ids") if keep else choice.pop("prompt_token_ids", None)) or prompt
         if self.prompt is None and prompt is not None:
             self.prompt = list(prompt)
         ids = choice.get("token_ids") if self.wants_ids else choice.pop("token_ids", None)

@@ -103,7 +103,7 @@ class Deployment:
     registry: str | None = None  # redis://...: every server announces itself, the proxy follows it
     drain_grace_s: float = 3.0
     registry_ttl_s: float = 6.0
-    proxy_args: list[str] = attrs.field(factory=list)
+    migrate: bool = False  # the proxy moves a draining decode's streams to another decode (--migrate)
     prefill: list[Server] = attrs.field(factory=list)
     decode: list[Server] = attrs.field(factory=list)
     colocated: Server | None = None
@@ -191,7 +191,7 @@ class Deployment:
             # it aborts the lease of a request no decode took, instead of waiting lease_s; it checks records' MACs
             secret=self._secret,
             registry=self.registry,
-            extra_args=self.proxy_args,
+            migrate=self.migrate,
         )
         if announced:
             self.wait_routed([*self.prefill, *self.decode], timeout=timeout)

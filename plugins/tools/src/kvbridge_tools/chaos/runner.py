@@ -296,7 +296,7 @@ class Runner:
         report.blocks_held = held
         for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
-        if "--migrate" in dep.proxy_args:  # streams the proxy moved off a draining decode, by outcome
+        if dep.migrate:  # streams the proxy moved off a draining decode, by outcome
             report.migrations = dep.proxy_counts("kvbridge_proxy_migrations_total", "outcome")
         report.drained = [d.as_dict() for d in dep.drained]
         report.drains_unclean = sum(1 for d in dep.drained if not d.clean)

@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
 
                 dep.registry = stack.enter_context(redis_server(logs))  # it saves nothing there
                 if {"drain-decode", "scale-in"} & set(elastic):  # a drained decode's streams move (docs/elastic.md)
-                    dep.proxy_args.append("--migrate")
+                    dep.migrate = True
             if args.hosts:
                 network = _on_hosts(args, dep, stack)
             report = _play(args, dep, workload, network, logs)

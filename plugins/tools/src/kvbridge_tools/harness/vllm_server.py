@@ -356,14 +356,14 @@ def start_proxy(
     expose_internals: bool = False,
     secret: str | None = None,
     registry: str | None = None,
-    extra_args: Sequence[str] = (),
+    migrate: bool = False,
 ) -> Server:
     """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
 
     With a `registry`, whose servers it also routes to, it returns once the proxy answers: the caller waits for
     what it needs. `expose_internals`: its answers name the servers by URL (`--expose-internals`). `secret`: the
     servers' shared secret, so the proxy can abort a lease on prefill's side channel when no decode took the request.
-    `extra_args` go last on its command line.
+    `migrate`: it moves a draining decode's streams to another decode (`--migrate`).
 
     The proxy's warm-up is one real handover through each prefill/decode pair (its first contact),
     so whoever counts a decode server's transfers starts after it. A proxy that does not get there
@@ -390,7 +390,7 @@ def start_proxy(
         *(["--decode", *decode] if decode else []),
         *(["--registry", registry] if registry else []),
         *(["--expose-internals"] if expose_internals else []),
-        *extra_args,
+        *(["--migrate"] if migrate else []),
     ]
     env = dict(os.environ)
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
