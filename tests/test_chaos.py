@@ -148,12 +148,9 @@ def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_
     out = json.loads(done.stdout)
     assert done.returncode == 0, out
     assert not any(out["must_be_zero"].values()), out
-    # Known gap, not chaos's (reported to the proxy's owner): vLLM's API server stops tokenizing at SIGTERM: a request
-    # the proxy routes to the drained decode before its next registry read shows the record draining (up to a health
-    # interval) is answered 500 "cannot schedule new futures after shutdown"; the proxy fails over a prefill's 5xx, not
-    # yet a decode's. Any other failure fails the test.
-    gap = sum(n for why, n in out["failures"].items() if why.startswith("500") and "new futures after shutdown" in why)
-    assert out["requests"] == 16 and out["completed_equal"] + gap == 16 and gap <= 1, out
+    # no fault here may cost a request: a request sent to the drained decode before the proxy read it draining is
+    # answered 500 by vLLM (it stops tokenizing at SIGTERM), and the proxy sends it to the next decode
+    assert out["requests"] == 16 and out["completed_equal"] == 16, out
     assert out["faults_injected"].get("scale-out") == 1 and out["faults_injected"].get("drain-decode") == 1, out
     joined = {j["fault"]: j for j in out["elastic"]["joined"]}
     assert joined["scale-out"]["role"] == "decode" and joined["scale-out"]["took_traffic"], out
