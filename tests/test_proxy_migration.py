@@ -27,7 +27,7 @@ from test_proxy_routing import Serving
 from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.errors import ConfigError
-from kvbridge_proxy.app import Instance, create_app
+from kvbridge_proxy.app import Instance, Upstream, create_app
 from kvbridge_proxy.migration import MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 
@@ -419,3 +419,25 @@ def test_the_rebalancing_policy_moves_a_quarter_of_a_full_decodes_longest_stream
     assert policy.plan({hot: 0.9, mid: 0.5}) == ([], None)  # nobody idle enough
     with pytest.raises(ConfigError, match="rebalance-below"):
         Policy(above=0.4, below=0.6)
+
+
+def test_a_cut_goes_before_events_the_client_has_not_got_unless_the_decode_already_finished() -> None:
+    """Events a decode sent faster than the proxy forwards them wait in the proxy; a cut must not wait behind them.
+
+    Seen on real vLLM under load: three of eight streams on a draining decode were never moved, the queue never
+    emptying. A decode that already sent its last token offers nothing to pull: that stream ends as it is."""
+
+    async def go() -> list:
+        stream = MovingStream("/v1/completions", {"stream": True}, prompt=[1, 2, 3])
+        up = Upstream(Instance("http://a", "decode", "decode-0"), resp=None, moving=stream, marked=True)  # type: ignore[arg-type]
+        for n in range(5):
+            up.queue.put_nowait(("event", {"choices": [{"text": f"<{n}>", "token_ids": [n]}]}))
+        got = [await up.next()]
+        stream.request_cut("its decode drains")
+        got.append(await up.next())
+        up.ending = True  # the pump read its finish reason
+        got.append(await up.next())
+        return got
+
+    first, cut, after = asyncio.run(go())
+    assert first[0] == "event" and cut == ("cut", "its decode drains") and after[0] == "event"

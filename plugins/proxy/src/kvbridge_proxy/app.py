@@ -213,6 +213,7 @@ class Upstream:
     marked: bool
     queue: asyncio.Queue = attrs.Factory(asyncio.Queue)
     pump: asyncio.Task | None = None
+    ending: bool = False  # it sent its last token (a finish reason, or [DONE]): nothing left to move
     _closed: bool = False
 
     @classmethod
@@ -228,12 +229,18 @@ class Upstream:
             async for line in self.resp.aiter_lines():
                 data = line[len("data:") :].strip() if line.startswith("data:") else ""
                 if data == "[DONE]":
+                    self.ending = True
                     self.queue.put_nowait(("done", None))
                     return
                 if data:
                     event = json.loads(data)
                     if not isinstance(event, dict):
                         raise ValueError("an event that is not a JSON object")
+                    choices = event.get("choices")
+                    if isinstance(choices, list) and any(
+                        isinstance(c, dict) and c.get("finish_reason") for c in choices
+                    ):
+                        self.ending = True
                     self.queue.put_nowait(("event", event))
             self.queue.put_nowait(("failed", "the stream ended without [DONE]"))
         except (httpx.TransportError, ValueError) as exc:
@@ -247,13 +254,15 @@ class Upstream:
 
     async def next(self) -> tuple[str, Any]:
         """The next event, or a cut once asked for (between two events, never before the prompt's ids are known)."""
-        if not self.queue.empty():
-            return self.queue.get_nowait()
         moving = self.moving
         if not (moving.movable and moving.prompt is not None):
             return await self.queue.get()
-        if moving.cut_requested:
+        # A cut goes before what is queued (a decode faster than its client is cut all the same), unless the decode
+        # already finished the request: then nothing is offered to pull, and the stream ends as it is.
+        if moving.cut_requested and not self.ending:
             return ("cut", moving.cut_reason)
+        if not self.queue.empty():
+            return self.queue.get_nowait()
         get = asyncio.ensure_future(self.queue.get())
         cut = asyncio.ensure_future(moving.wait_cut())
         try:
