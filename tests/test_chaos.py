@@ -155,6 +155,8 @@ def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_
     joined = {j["fault"]: j for j in out["elastic"]["joined"]}
     assert joined["scale-out"]["role"] == "decode" and joined["scale-out"]["took_traffic"], out
     assert joined["drain-decode"]["role"] == "decode", out  # the replacement
+    # the drained decode's long stream was moved to another decode, which pulled its KV (kvbridge proxy --migrate)
+    assert out["elastic"]["migrations"]["pulled"] >= 1 and not out["elastic"]["migrations"]["failed"], out
     [drained] = out["elastic"]["drained"]
     assert (drained["role"], drained["exit"], drained["leases_at_close"], drained["blocks_at_close"]) == (
         "decode",

@@ -817,7 +817,7 @@ class Proxy:
         if self.migrate:
             why = refusal(path, body)
             if why is None:
-                moving = MovingStream(path, body)
+                moving = MovingStream(path, body, timeline.request_id)
             else:
                 log.info("request %s stays on its decode if that one drains: %s", timeline.request_id, why)
         handover = await self._handover(path, request, body, timeline, moving)
@@ -1378,8 +1378,10 @@ class Proxy:
             self.metrics.migrations.labels(outcome).inc()
             self.metrics.handover_gap.observe(gap)
             log.warning(
-                "stream %s moved from %s to %s after %d tokens (%s, %s): first event %.1f ms after the cut",
+                "stream %s (request %s) moved from %s to %s after %d tokens (%s, %s): "
+                "first event %.1f ms after the cut",
                 moving.migration_id,
+                moving.request_id,
                 source.url,
                 target.url,
                 len(moving.generated),

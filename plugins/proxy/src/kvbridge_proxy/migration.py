@@ -87,6 +87,7 @@ class MovingStream:
 
     path: str
     body: dict[str, Any]  # the client's request
+    request_id: str = ""  # the client's x-request-id (or the proxy's): names the stream in the log
     migration_id: str = attrs.field(factory=lambda: f"kvbridge-mig-{uuid.uuid4().hex}")
     prompt: list[int] | None = None
     generated: list[int] = attrs.Factory(list)

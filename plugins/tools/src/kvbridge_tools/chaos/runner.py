@@ -46,6 +46,12 @@ def lengths(workload: Workload, max_model_len: int) -> list[int]:
     return [max(1, min(top, int(2 ** rng.uniform(1, (top).bit_length())))) for _ in range(workload.requests)]
 
 
+# A drain-decode victim streams this many tokens from a short prompt: long enough to be running when the proxy reads
+# its decode draining, so that the proxy moves it (--migrate) rather than the drain's grace letting it finish.
+MOVED_TOKENS = 400
+MOVED_PROMPT = 64
+
+
 class Runner:
     def __init__(
         self,
@@ -108,27 +114,30 @@ class Runner:
         if any(dep.drain(s, "scale-in", replace=False) for s in candidates):
             self._count("scale-in")
 
-    def body(self, text: str, stream: bool) -> dict:
+    def _moved_tokens(self) -> int:
+        return max(self.workload.max_tokens, min(MOVED_TOKENS, self.dep.max_model_len - MOVED_PROMPT - 2))
+
+    def body(self, text: str, stream: bool, fault: str = "") -> dict:
         return {
             "model": self.model,
             "prompt": text,
-            "max_tokens": self.workload.max_tokens,
+            "max_tokens": self._moved_tokens() if fault == "drain-decode" else self.workload.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": stream,
         }
 
-    def expected(self, texts: list[str]) -> list[str]:
+    def expected(self, texts: list[str], faults: dict[int, str]) -> list[str]:
         assert self.dep.colocated is not None
         url = f"{self.dep.colocated.url}/v1/completions"
 
-        def one(text: str) -> str:
-            r = self.http.post(url, json=self.body(text, False))
+        def one(i: int) -> str:
+            r = self.http.post(url, json=self.body(texts[i], False, faults.get(i, "")))
             r.raise_for_status()
             return r.json()["choices"][0]["text"]
 
         with ThreadPoolExecutor(self.workload.concurrency) as pool:
-            return list(pool.map(one, texts))
+            return list(pool.map(one, range(len(texts))))
 
     def one(self, i: int, text: str, want: str, fault: str) -> Outcome:
         import httpx
@@ -159,7 +168,7 @@ class Runner:
         try:
             # One id through proxy and servers, so a request the report names can be found in their logs.
             headers = {"X-Request-Id": f"chaos-{self.workload.seed}-{i}"}
-            with self.http.stream("POST", url, json=self.body(text, True), headers=headers) as r:
+            with self.http.stream("POST", url, json=self.body(text, True, fault), headers=headers) as r:
                 served = self._served(r.headers)
                 if r.status_code != 200:
                     reason = r.read().decode(errors="replace").strip()
@@ -238,10 +247,11 @@ class Runner:
     def run(self) -> Report:
         workload, dep = self.workload, self.dep
         t0 = time.monotonic()
-        sizes = lengths(workload, dep.max_model_len)
-        texts = [random_prompt(n, workload.seed * 100_003 + i) for i, n in enumerate(sizes)]
-        wants = self.expected(texts)
         faults = schedule(workload.faults, workload.requests, seed=workload.seed)
+        sizes = lengths(workload, dep.max_model_len)
+        sizes = [min(n, MOVED_PROMPT) if faults.get(i) == "drain-decode" else n for i, n in enumerate(sizes)]
+        texts = [random_prompt(n, workload.seed * 100_003 + i) for i, n in enumerate(sizes)]
+        wants = self.expected(texts, faults)
         scales = scaling(workload.faults, workload.requests)
         rng = random.Random(workload.seed + 1)
         gaps_at = set()
