@@ -35,6 +35,7 @@ from kvbridge.control.discovery import ServerRecord  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
 from kvbridge_tools.harness.tiny_model import build_tiny_llama  # noqa: E402
 from kvbridge_tools.harness.vllm_server import (  # noqa: E402
+    LOADED_HOST_DEADLINE_S,
     Completions,
     Server,
     connector_config,
@@ -254,6 +255,7 @@ def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv
                 port, host = free_port(), hosts[name]
                 config = connector_config(
                     role,
+                    deadline_s=LOADED_HOST_DEADLINE_S,  # as the other e2e tests: a busy 2-core box
                     registry=registry,
                     advertise_url=f"http://{host.address}:{port}",
                     drain_grace_s=GRACE_S,

@@ -1402,6 +1402,7 @@ class Proxy:
         body = moving.resume_body(source, mark=target.identity is not None)
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
         target.in_flight += 1
+        sent = time.perf_counter()
         try:
             resp = await self.client.send(
                 self.client.build_request("POST", f"{target.url}/v1/completions", json=body, headers=headers),
@@ -1423,12 +1424,21 @@ class Proxy:
                 "decode %s refused moved stream %s: %d %s", target.url, moving.migration_id, resp.status_code, text
             )
             return None
+        answered = time.perf_counter()
         moved = Upstream.open(target, resp, moving, marked="kv_transfer_params" in body)
         try:
             first = await moved.queue.get()  # not next(): the cut that brought it here is still set
         except BaseException:  # the client left while the next decode was starting
             self._spawn(self._leave(moved, moving, "its client left"))
             raise
+        log.info(
+            "stream %s: %s answered %s in %.1f ms, its first event came %.1f ms later",
+            moving.migration_id,
+            target.url,
+            headers["X-Request-Id"],
+            (answered - sent) * 1e3,
+            (time.perf_counter() - answered) * 1e3,
+        )
         if first[0] != "event" or "error" in first[1]:
             await moved.close()
             log.warning("decode server %s failed moved stream %s: %s", target.url, moving.migration_id, first[1])
