@@ -335,6 +335,10 @@ class Deployment:
             group.remove(server)
             drained = Drained(server, ROLES[role], fault, bound_s=self.shutdown_timeout_s + 60)
             self.drained.append(drained)
+        if fault == "drain-decode" and self.migrate:
+            # A rolling upgrade: the operator drains the decode at the proxy, which moves its streams now, then
+            # stops it. (A SIGTERM alone moves them too, once the proxy reads the record: tests/test_vllm_elastic.py.)
+            self._drain_at_proxy(server)
         log.warning("chaos: %s: SIGTERM %s (pid %d)", fault, server.url, server.pid)
         self._retired.append(self.kvbridge_counters(server))
         os.kill(server.pid, signal.SIGTERM)  # the API server only: vLLM passes it to its engine (docs/elastic.md)
@@ -396,6 +400,19 @@ class Deployment:
             log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
             return {}
         return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvbridge_")}
+
+    def _drain_at_proxy(self, server: Server) -> None:
+        import httpx
+
+        assert self.proxy is not None
+        auth = {"Authorization": f"Bearer {self._secret}"}
+        try:
+            r = httpx.post(
+                f"{self.proxy.url}/admin/drain", json={"server": server.url}, headers=auth, timeout=10, trust_env=False
+            )
+            log.warning("chaos: drained %s at the proxy: %d %s", server.url, r.status_code, r.text[:200])
+        except httpx.HTTPError as exc:
+            log.error("chaos: cannot drain %s at the proxy: %s", server.url, exc)
 
     def proxy_counts(self, name: str, label: str) -> dict[str, float] | None:
         """A counter of the proxy's /metrics by the value of one label; None when it exports no such counter."""

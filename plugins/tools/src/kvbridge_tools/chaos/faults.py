@@ -19,7 +19,8 @@ FAULTS = {
     "takes traffic",
     "scale-in": "a server (a scaled-out one, once it took traffic) is drained for good: SIGTERM, it finishes what "
     "it runs, exits",
-    "drain-decode": "SIGTERM the decode serving a stream at its first token (rolling upgrade); a new decode joins",
+    "drain-decode": "drain the decode serving a long stream at its first token at the proxy, then SIGTERM it "
+    "(rolling upgrade); a new decode joins",
     "drain-prefill": "SIGTERM a prefill server 50 ms after a request is sent; a new prefill joins",
     # network faults (--hosts): between the hosts, one at a time, each for --net-fault-s
     "partition": "cut a prefill<->decode link (mid-pull) or a decode<->proxy link, then heal it",
