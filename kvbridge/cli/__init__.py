@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_native_logs(level)  # before any transport library loads, here or in a child
     try:
         _load_plugins_off_stdout(probe=bool(getattr(args, "json", False)))

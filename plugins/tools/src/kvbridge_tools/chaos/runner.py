@@ -46,9 +46,8 @@ def lengths(workload: Workload, max_model_len: int) -> list[int]:
     return [max(1, min(top, int(2 ** rng.uniform(1, (top).bit_length())))) for _ in range(workload.requests)]
 
 
-# A drain-decode victim streams this many tokens from a short prompt: long enough to be running when the proxy reads
-# its decode draining, so that the proxy moves it (--migrate) rather than the drain's grace letting it finish.
-MOVED_TOKENS = 400
+# A drain-decode victim streams as many tokens as the model length leaves after a short prompt: long enough to be
+# running when its decode is drained, so that the proxy moves it (--migrate) rather than it finishing first.
 MOVED_PROMPT = 64
 
 
@@ -115,7 +114,7 @@ class Runner:
             self._count("scale-in")
 
     def _moved_tokens(self) -> int:
-        return max(self.workload.max_tokens, min(MOVED_TOKENS, self.dep.max_model_len - MOVED_PROMPT - 2))
+        return max(self.workload.max_tokens, self.dep.max_model_len - MOVED_PROMPT - 2)
 
     def body(self, text: str, stream: bool, fault: str = "") -> dict:
         return {
