@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import time
 import urllib.request
@@ -16,6 +15,7 @@ import pytest
 
 from kvbridge.control import KVTransferParams
 from kvbridge_tools.harness.ports import free_port
+from kvbridge_tools.harness.redis import stop
 
 if TYPE_CHECKING:
     from kvbridge_tools.harness.hosts import Host
@@ -27,16 +27,6 @@ def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condi
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _require(binary: str) -> str:
@@ -112,7 +102,7 @@ def etcd_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
         wait_for(up, what="etcd")
         yield f"etcd://{address}:{client}"
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def rank_info(engine_id: str = "prefill", rank: int = 0, endpoint: bytes = b"endpoint-bytes"):  # noqa: ANN201

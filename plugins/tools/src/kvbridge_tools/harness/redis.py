@@ -61,10 +61,15 @@ def redis_server(tmp: Path, host: Host | None = None, timeout: float = 30.0) -> 
             time.sleep(0.05)
         yield f"redis://:{password}@{address}:{port}" if password else f"redis://{address}:{port}"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM `proc`, SIGKILL it after 10 s; wait for it (idempotent)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
