@@ -43,6 +43,7 @@ from kvbridge.control.discovery import ServerRecord
 from kvbridge.errors import ConfigError
 from kvbridge_tools.bench.plot import check_path, write_chart
 from kvbridge_tools.bench.scale_rank import BLOCKS
+from kvbridge_tools.harness.etcd import etcd_server
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child
 from kvbridge_tools.harness.redis import redis_server
@@ -81,7 +82,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="server records in the registry while a join is timed (default 1000; 0 skips the proxy)",
     )
     group.add_argument(
-        "--registry-kind", choices=["redis"], default="redis", help="the registry the ranks and the proxy use"
+        "--registry-kind",
+        choices=["redis", "etcd"],
+        default="redis",
+        help="the registry the ranks and the proxy use, started for the run (default redis)",
     )
 
 
@@ -389,7 +393,8 @@ def run(args: argparse.Namespace) -> int:
     secret = secrets.token_hex(16)
     rows: list[dict[str, Any]] = []
     membership: dict[str, Any] | None = None
-    with tempfile.TemporaryDirectory(prefix="kvbridge-scale-") as tmp, redis_server(Path(tmp)) as registry:
+    start = etcd_server if args.registry_kind == "etcd" else redis_server
+    with tempfile.TemporaryDirectory(prefix="kvbridge-scale-") as tmp, start(Path(tmp)) as registry:
         setup = {"backend": backend, "secret": secret, "registry": registry, "host": "127.0.0.1"}
         with Progress(console=err_console, transient=True, disable=bool(args.json)) as progress:
             task = progress.add_task("deployments", total=len(args.sizes) + (1 if args.records else 0))
@@ -401,7 +406,13 @@ def run(args: argparse.Namespace) -> int:
                 progress.update(task, description=f"a proxy and {args.records} records")
                 membership = measure_membership(registry, secret, args.records, interval=0.5)
                 progress.advance(task)
-    report = {"transport": backend, "spread": args.spread, "sizes": rows, "membership": membership}
+    report = {
+        "transport": backend,
+        "registry": args.registry_kind,
+        "spread": args.spread,
+        "sizes": rows,
+        "membership": membership,
+    }
     if args.json:
         print_json(report)
     else:
