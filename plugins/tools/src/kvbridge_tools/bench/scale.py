@@ -18,6 +18,7 @@ What grows faster than the peers is the finding; docs/measurements/scale.md has 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import http.server
 import json
@@ -205,11 +206,16 @@ def _round(
     return results
 
 
-def _per_peer(before: list[dict[str, Any]], after: list[dict[str, Any]], peers: int) -> dict[str, float]:
+def _per_peer(before: list[dict[str, Any]], after: list[dict[str, Any]], peers: int) -> dict[str, Any]:
     grow = {k: sum(a[k] for a in after) - sum(b[k] for b in before) for k in ("rss_kib", "fds", "threads")}
-    return {f"{k}_per_peer": round(v / max(1, peers), 3) for k, v in grow.items()} | {
-        f"{k}_total": sum(a[k] for a in after) for k in ("rss_kib", "fds", "threads")
-    }
+    kinds: collections.Counter[str] = collections.Counter()
+    for a in after:
+        kinds.update(a["python_threads"])
+    return (
+        {f"{k}_per_peer": round(v / max(1, peers), 3) for k, v in grow.items()}
+        | {f"{k}_total": sum(a[k] for a in after) for k in ("rss_kib", "fds", "threads")}
+        | {"python_threads": dict(kinds.most_common())}
+    )
 
 
 def measure_size(p: int, d: int, args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:

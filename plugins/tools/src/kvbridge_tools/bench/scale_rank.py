@@ -8,7 +8,9 @@ rank of its process but the process-wide ZeroMQ context its clients use, as rank
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -125,10 +127,12 @@ def stats() -> dict[str, Any]:
     """This process's resident memory (KiB), open file descriptors and threads (native ones included)."""
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    kinds = collections.Counter(re.sub(r"[-_]?[\d.:/]+.*$", "", t.name) for t in threading.enumerate())
     return {
         "rss_kib": rss,
         "fds": len(os.listdir("/proc/self/fd")),
         "threads": len(os.listdir("/proc/self/task")),
+        "python_threads": dict(kinds),  # by name, numbers dropped: what the threads are
         "released": len(RELEASED),
     }
 
