@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvbridge.control import KVTransferParams
-from kvbridge_tools.harness.ports import free_port
-from kvbridge_tools.harness.redis import stop
 
 if TYPE_CHECKING:
     from kvbridge_tools.harness.hosts import Host
@@ -34,15 +30,6 @@ def _require(binary: str) -> str:
     if path is None:
         pytest.fail(f"{binary} is not installed; run scripts/setup --test")
     return path
-
-
-def _popen(host: Host | None, argv: list[str], **kwargs: Any) -> subprocess.Popen:
-    return subprocess.Popen(host.command(argv) if host else argv, **kwargs)
-
-
-def _inside(host: Host | None) -> AbstractContextManager[None]:
-    """Where the test reaches a server: from the server's own host when it is on one."""
-    return host.entered() if host else nullcontext()
 
 
 @contextmanager
@@ -64,45 +51,11 @@ def etcd_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
 
     Yields etcd://ADDRESS:PORT.
     """
-    client, peer = free_port(span=1), free_port(span=1)
-    address = host.address if host else "127.0.0.1"
-    c_url, p_url = f"http://{address}:{client}", f"http://{address}:{peer}"
-    proc = _popen(
-        host,
-        [
-            _require("etcd"),
-            "--name",
-            "kvb",
-            "--data-dir",
-            str(tmp / "etcd"),
-            "--listen-client-urls",
-            c_url,
-            "--advertise-client-urls",
-            c_url,
-            "--listen-peer-urls",
-            p_url,
-            "--initial-advertise-peer-urls",
-            p_url,
-            "--initial-cluster",
-            f"kvb={p_url}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    from kvbridge_tools.harness.etcd import etcd_server as start
 
-        def up() -> bool:
-            try:
-                with _inside(host), urllib.request.urlopen(f"{c_url}/health", timeout=1) as resp:  # noqa: S310
-                    return b'"true"' in resp.read()
-            except OSError:
-                assert proc.poll() is None, f"etcd exited with {proc.returncode}"
-                return False
-
-        wait_for(up, what="etcd")
-        yield f"etcd://{address}:{client}"
-    finally:
-        stop(proc)
+    _require("etcd")
+    with start(tmp, host) as url:
+        yield url
 
 
 def rank_info(engine_id: str = "prefill", rank: int = 0, endpoint: bytes = b"endpoint-bytes"):  # noqa: ANN201

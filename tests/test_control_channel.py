@@ -291,6 +291,45 @@ def test_begin_pull_before_the_offer_is_held_and_answered_when_it_lands(closing:
     assert c.done("r1", "decode/0", status.epoch).released
 
 
+def test_held_begin_pulls_are_looked_at_when_their_offer_lands_not_on_every_message(
+    closing: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Many decodes waiting on one prefill's offers at once: each message the server answered looked at every held
+    # BeginPull (a lease lookup each), a cost of messages x held, which grows with the square of the decodes waiting.
+    p = Prefill()
+    closing.append(p)
+    looks: list[str] = []
+    state = p.ledger.state
+    monkeypatch.setattr(p.ledger, "state", lambda rid: looks.append(rid) or state(rid))
+    clients = [p.client(timeout_s=60) for _ in range(8)]  # held until the test offers: no deadline to race
+    closing += clients
+    replies: list = []
+    askers = [
+        threading.Thread(
+            target=lambda c=c, i=i: replies.append(c.request(BeginPull(f"r{i}", "decode/0", wait_ms=30_000)))
+        )
+        for i, c in enumerate(clients)
+    ]
+    for t in askers:
+        t.start()
+    wait_for(lambda: p.server._nparked == 8, what="the BeginPulls to be held")
+    looks.clear()
+    other = p.client()
+    closing.append(other)
+    for _ in range(20):  # messages about nothing held
+        other.get_info()
+    assert looks == [], "no held BeginPull is looked at for a message that is not its offer"
+    p.ledger.offer("r3", [1], expected_pulls=1)
+    wait_for(lambda: len(replies) == 1, what="the offered request's BeginPull to be answered")
+    assert set(looks) == {"r3"} and p.server._nparked == 7
+    for i in range(8):
+        if i != 3:
+            p.ledger.offer(f"r{i}", [1], expected_pulls=1)
+    for t in askers:
+        t.join(timeout=30)
+    assert len(replies) == 8 and all(r.valid for r in replies) and p.server._nparked == 0
+
+
 def test_begin_pull_held_for_an_offer_that_never_comes_answers_unknown(closing: list) -> None:
     p = Prefill()
     c = p.client()

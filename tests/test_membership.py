@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -200,6 +201,28 @@ def test_proxy_follows_joins_drains_leaves_and_ignores_forged_records(
             a1.close()
             a2.close()
             forger.close()
+
+
+def test_a_join_is_seen_while_a_health_round_is_still_probing(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that joins is routed to while a health round still waits on a slow server's /health.
+
+    The registry is read apart from the health rounds, which grow with the deployment (a round probes every server)."""
+    monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
+    monkeypatch.setattr(proxy, "PROBE_TIMEOUT_S", 60.0)  # the slow probe outlasts the test
+    with (
+        socket.create_server(("127.0.0.1", 0)) as silent,  # takes connections, never answers
+        Upstream("decode") as joining,
+        RunningProxy([f"http://127.0.0.1:{silent.getsockname()[1]}"], [], redis_url) as px,
+    ):
+        silent.settimeout(30)
+        probe, _ = silent.accept()  # the first health round is probing it, and waits for an answer
+        announcer = Announcer(open_registry(redis_url, secret=SECRET), _record("d1", url=joining.url), ttl_s=30)
+        try:
+            wait_for(lambda: px.urls("decode") == [(joining.url, False)], timeout=30, what="the join")
+            assert px.instances()["health_rounds"] == 0  # the first round is still waiting on the slow probe
+        finally:
+            announcer.close()
+            probe.close()
 
 
 def test_proxy_without_servers_or_registry_is_refused() -> None:

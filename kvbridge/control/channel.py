@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import heapq
 import ipaddress
 import logging
 import threading
@@ -164,6 +165,8 @@ class ControlServer:
         self.accept_offers = False
         self._parked: dict[str, list[_Parked]] = {}  # request id -> BeginPulls held for its offer
         self._nparked = 0
+        # (deadline, request id) of every held request, a heap; stale entries (answered) are skipped when popped
+        self._due: list[tuple[float, str]] = []
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -415,9 +418,14 @@ class ControlServer:
         """Answer the held requests that are due; returns the seconds to the next deadline (None: nothing held).
 
         Due: the held BeginPulls whose request was offered, the held QueryStreams whose request was `woken` and whose
-        stream moved, and those whose wait ran out."""
+        stream moved, and those whose wait ran out. Only requests `woken` (every offer wakes its request) or past a
+        deadline are looked at: looking at every held request each round cost a round per message times the requests
+        held, which grows with the square of the decodes waiting at once."""
         nearest: float | None = None
-        for rid in list(self._parked):
+        due = {rid for rid in woken if rid in self._parked}
+        while self._due and self._due[0][0] <= now:
+            due.add(heapq.heappop(self._due)[1])
+        for rid in due & self._parked.keys():
             held = collections.deque(self._parked.pop(rid))
             waiting: list[_Parked] = []
             try:
@@ -435,6 +443,10 @@ class ControlServer:
                 waiting.extend(held)
                 if waiting:
                     self._parked[rid] = waiting
+        while self._due and self._due[0][1] not in self._parked:  # answered already
+            heapq.heappop(self._due)
+        if self._due:
+            nearest = self._due[0][0] - now if nearest is None else min(nearest, self._due[0][0] - now)
         return nearest
 
     def _held_reply(self, p: _Parked, now: float, woken: bool) -> Any:
@@ -565,6 +577,7 @@ class ControlServer:
             held = _Parked(envelope, reply_to, msg, peer_host, now, now + msg.wait_ms / 1000)
             self._parked.setdefault(msg.request_id, []).append(held)
             self._nparked += 1
+            heapq.heappush(self._due, (held.deadline, msg.request_id))
             return
         self._send([*envelope, self._seal(reply_to, reply)])
 

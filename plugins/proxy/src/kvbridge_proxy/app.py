@@ -75,6 +75,10 @@ PROBE_TIMEOUT_S = 5.0
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
 CONNECT_TIMEOUT_S = 5.0
 SLOW_PROBES = 3
+# A health round probes at most this many servers at once: a thousand probes started together held the event loop
+# (requests and registry reads waited behind them).
+PROBES_IN_FLIGHT = 64
+REGISTRY_INTERVAL_S = 0.5  # the registry is read this often (or each health interval, if shorter): a join is seen
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a prompt near any max_model_len fits many times over
 # Levels of JSON nesting a request may have: far more than a chat request's tools schemas take, and far below
 # what Python's JSON (and so the proxy's own encoding of the upstream request) can recurse into.
@@ -513,6 +517,7 @@ class Proxy:
             )
         self._background: set[asyncio.Task] = set()  # clean-ups that must outlive a cancelled request
         self.membership_rounds = 0  # registry reads done: a test waits for one after a change
+        self.health_rounds = 0  # rounds that probed every server (`kvbridge bench --scale` times them)
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -577,6 +582,10 @@ class Proxy:
             log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else "down: taken out")
         inst.healthy = ok
 
+    async def _probe_in(self, slots: asyncio.Semaphore, inst: Instance) -> None:
+        async with slots:
+            await self.probe(inst)
+
     async def health_loop(self) -> None:
         """Probe every instance each `health_interval` for the proxy's lifetime.
 
@@ -584,9 +593,9 @@ class Proxy:
         for good."""
         while True:
             try:
-                if self.members is not None:
-                    await self.read_members()
-                await asyncio.gather(*(self.probe(i) for p in self.pools.values() for i in p.instances))
+                slots = asyncio.Semaphore(PROBES_IN_FLIGHT)
+                await asyncio.gather(*(self._probe_in(slots, i) for p in self.pools.values() for i in p.instances))
+                self.health_rounds += 1
                 if self.rebalance is not None:
                     await self.rebalance_round(self.rebalance)
                 if self.warm_up:
@@ -594,6 +603,19 @@ class Proxy:
             except Exception:
                 log.exception("health check round failed; the next one runs in %.1fs", self.health_interval)
             await asyncio.sleep(self.health_interval)
+
+    async def membership_loop(self) -> None:
+        """Read the registry every `REGISTRY_INTERVAL_S` (or `health_interval`, if shorter), apart from health rounds.
+
+        A health round probes every server and grows with the deployment (seconds at a thousand servers on 2 busy
+        cores): a join read in the same loop waited for it (docs/measurements/scale.md)."""
+        interval = min(self.health_interval, REGISTRY_INTERVAL_S)
+        while True:
+            try:
+                await self.read_members()
+            except Exception:  # as in the health loop: a dead loop would follow the registry no more
+                log.exception("registry round failed; the next one runs in %.1fs", interval)
+            await asyncio.sleep(interval)
 
     async def rebalance_round(self, policy: Policy) -> None:
         """Read every serving decode's KV cache usage and move the streams the policy picks (rebalance.py)."""
@@ -654,11 +676,13 @@ class Proxy:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(self.health_loop())
+        tasks = [asyncio.create_task(self.health_loop())]
+        if self.members is not None:
+            tasks.append(asyncio.create_task(self.membership_loop()))
         try:
             yield
         finally:
-            for t in [task, *self._warming.values()]:
+            for t in [*tasks, *self._warming.values()]:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
@@ -1463,6 +1487,7 @@ class Proxy:
             for entry, inst in zip(state[role], p.instances):
                 entry["cordoned"] = inst.cordoned
             state["registry_rounds"] = self.membership_rounds
+        state["health_rounds"] = self.health_rounds
         labels = {i.url: i.label for p in self.pools.values() for i in p.instances}
         # (prefill, decode) pairs whose first contact is made
         state["warmed"] = sorted((labels[p], labels[d]) for p, d in self._warm if p in labels and d in labels)

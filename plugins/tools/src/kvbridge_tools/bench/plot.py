@@ -26,8 +26,17 @@ def _nice_max(value: float) -> float:
     return next(m * exp for m in (1, 2, 5, 10) if m * exp >= value)
 
 
-def line_chart_svg(title: str, x_label: str, y_label: str, series: Mapping[str, Sequence[tuple[float, float]]]) -> str:
-    """The SVG text of a chart of `series` ({label: [(x, y), ...]}, x > 0)."""
+def line_chart_svg(
+    title: str,
+    x_label: str,
+    y_label: str,
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    *,
+    log_y: bool = False,
+) -> str:
+    """The SVG text of a chart of `series` ({label: [(x, y), ...]}, x > 0); `log_y`: y on a log-10 axis (y > 0)."""
+    if log_y:
+        series = {label: [(x, y) for x, y in pts if y > 0] for label, pts in series.items()}
     points = [p for pts in series.values() for p in pts]
     if not points:
         raise ConfigError("nothing to plot: no measured points")
@@ -37,12 +46,16 @@ def line_chart_svg(title: str, x_label: str, y_label: str, series: Mapping[str, 
     lo, hi = math.log2(xs[0]), math.log2(xs[-1])
     span = hi - lo or 1.0
     y_max = _nice_max(max(y for _, y in points))
+    y_lo = math.floor(math.log10(min(y for _, y in points))) if log_y else 0
+    y_hi = max(y_lo + 1, math.ceil(math.log10(y_max))) if log_y else 0
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 
     def px(x: float) -> float:
         return LEFT + (math.log2(x) - lo) / span * plot_w if hi > lo else LEFT + plot_w / 2
 
     def py(y: float) -> float:
+        if log_y:
+            return TOP + plot_h - (math.log10(y) - y_lo) / (y_hi - y_lo) * plot_h
         return TOP + plot_h - y / y_max * plot_h
 
     out = [
@@ -51,8 +64,8 @@ def line_chart_svg(title: str, x_label: str, y_label: str, series: Mapping[str, 
         f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>',
         f'<text x="{LEFT}" y="24" font-size="15" font-weight="bold">{escape(title)}</text>',
     ]
-    for i in range(6):  # y grid and ticks
-        y = y_max * i / 5
+    ticks = [10.0**e for e in range(y_lo, y_hi + 1)] if log_y else [y_max * i / 5 for i in range(6)]
+    for y in ticks:  # y grid and ticks
         out.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>')
         out.append(f'<text x="{LEFT - 8}" y="{py(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
     for x in xs:  # x ticks at the measured sizes
@@ -90,13 +103,19 @@ def check_path(path: str | Path) -> None:
 
 
 def write_chart(
-    path: str | Path, title: str, x_label: str, y_label: str, series: Mapping[str, Sequence[tuple[float, float]]]
+    path: str | Path,
+    title: str,
+    x_label: str,
+    y_label: str,
+    series: Mapping[str, Sequence[tuple[float, float]]],
+    *,
+    log_y: bool = False,
 ) -> Path:
     """Write the chart to `path`: SVG, or PNG when matplotlib happens to be installed."""
     check_path(path)
     path = Path(path)
     if path.suffix.lower() == ".svg":
-        path.write_text(line_chart_svg(title, x_label, y_label, series))
+        path.write_text(line_chart_svg(title, x_label, y_label, series, log_y=log_y))
         return path
     try:
         import matplotlib
@@ -109,7 +128,9 @@ def write_chart(
     for label, pts in series.items():
         ax.plot(*zip(*sorted(pts)), marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set(title=title, xlabel=x_label, ylabel=y_label, ylim=(0, None))
+    if log_y:
+        ax.set_yscale("log")
+    ax.set(title=title, xlabel=x_label, ylabel=y_label, ylim=(None if log_y else 0, None))
     ax.legend()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -22,6 +22,7 @@ MODES = {
     "vllm-idle": "kvbridge_tools.bench.vllm_idle",
     "vllm-connector": "kvbridge_tools.bench.connector",
     "compare": "kvbridge_tools.bench.compare",
+    "scale": "kvbridge_tools.bench.scale",
 }
 
 
@@ -108,6 +109,8 @@ def _link(text: str) -> Any:
 
 
 def pick_mode(args: argparse.Namespace) -> str:
+    if getattr(args, "scale", False):
+        return "scale"
     if getattr(args, "engine", None) == "lmdeploy":
         return "lmdeploy"
     if getattr(args, "load", False):
