@@ -6,6 +6,7 @@ small real upstreams of test_proxy_routing; clients are real sockets.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import socket
 import threading
@@ -71,6 +72,11 @@ def test_slow_clients_are_cut_off_and_health_and_a_normal_request_still_answer(
                 heads.append(socket.create_connection(("127.0.0.1", front.port), timeout=60))
                 heads[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nhost: pro")
             socks += heads
+            trickles = []  # and a few that send /health a body it never reads, byte by byte
+            for _ in range(4):
+                trickles.append(socket.create_connection(("127.0.0.1", front.port), timeout=60))
+                trickles[-1].sendall(b"GET /health HTTP/1.1\r\nhost: proxy\r\ncontent-length: 1000\r\n\r\n{")
+            socks += trickles
 
             health = httpx.get(f"{front.url}/health", timeout=1.0, trust_env=False)
             assert health.status_code == 200, health.text
@@ -89,6 +95,7 @@ def test_slow_clients_are_cut_off_and_health_and_a_normal_request_still_answer(
             bodies = {status: body for status, body in answers}
             assert b"--body-timeout" in bodies[408] and b"--max-connections-per-client" in bodies[503], bodies
             assert all(_answer(s)[0] in (None, 503) for s in heads)  # closed at the head deadline
+            assert [_answer(s)[0] for s in trickles] == [200] * 4  # answered, then closed: nobody reads the rest
     finally:
         for s in socks:
             s.close()
@@ -143,3 +150,25 @@ def test_a_release_reaches_every_pipeline_stage(upstreams: tuple[Upstream, Upstr
     finally:
         for s in servers:
             s.close()
+
+
+def test_the_limits_options_refuse_what_bounds_nothing() -> None:
+    from kvbridge_proxy import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["proxy", "--body-timeout", "2.5", "--max-parts", "8", "--max-connections-per-client", "9"]
+    )
+    assert (args.body_timeout, args.max_parts, args.max_connections_per_client) == (2.5, 8, 9)
+    assert args.header_timeout == Limits().header_timeout_s and args.max_upstream_bytes == Limits().max_upstream_bytes
+    for bad in (
+        ["--body-timeout", "nan"],
+        ["--header-timeout", "0"],
+        ["--keep-alive", "inf"],
+        ["--max-connections", "-1"],
+        ["--max-upstream-bytes", "1e9"],
+        ["--max-parts", str(2**40)],
+    ):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["proxy", *bad])

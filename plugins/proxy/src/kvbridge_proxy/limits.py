@@ -186,8 +186,9 @@ def guarded_protocol(limits: Limits) -> type[H11Protocol]:
 
     A connection waits for a head from when it opens, and again after each answer (keep-alive). One that waits longer
     than `header_timeout_s` is closed. When an address has more than `max_connections_per_client` waiting, or the
-    proxy more than `max_connections`, the one that has waited longest is answered 503 and closed: a client that
-    holds connections open without a head loses them to the next connection, whoever opens it."""
+    proxy more than `max_connections`, the one that has waited longest is closed (answered 503 when it never sent a
+    request; an idle keep-alive one is only closed, as its client expects): a client that holds connections open
+    without a head loses them to the next connection, whoever opens it."""
     # the connections waiting for a head, oldest first: in all, and per client address
     waiting: dict[Guarded, None] = {}
     by_client: dict[str, dict[Guarded, None]] = collections.defaultdict(dict)
@@ -195,6 +196,7 @@ def guarded_protocol(limits: Limits) -> type[H11Protocol]:
     class Guarded(H11Protocol):
         timer: asyncio.TimerHandle | None = None
         host = "unknown"
+        served = False  # it was answered once: waiting now is keep-alive
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -227,9 +229,10 @@ def guarded_protocol(limits: Limits) -> type[H11Protocol]:
                     del by_client[self.host]
 
         def refuse(self, full: str) -> None:
-            log.warning("closed a connection from %s that sent no request yet: %s", self.host, full)
+            log.warning("closed a connection from %s waiting to send a request: %s", self.host, full)
             self.head_came()
-            self.transport.write(_refusal(f"the proxy is full: {full}; try again"))
+            if not self.served:
+                self.transport.write(_refusal(f"the proxy is full: {full}; try again"))
             self.transport.close()
 
         def late_head(self) -> None:
@@ -245,6 +248,8 @@ def guarded_protocol(limits: Limits) -> type[H11Protocol]:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self.served = True
+            # One answered before its body was read (a 413, /health) is closed already: h11 makes it MUST_CLOSE.
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self.wait_head()  # keep-alive: the next head has the same deadline
 
