@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from control_helpers import wait_for
+from fastapi import FastAPI, Request, Response
 from test_proxy_routing import Serving, Upstream
 
 from kvbridge.control import ControlServer, LeaseState, Ledger
@@ -122,6 +123,33 @@ def test_one_request_sends_no_more_than_the_upstream_byte_cap(upstreams: tuple[U
     assert len(prefill.sizes) == len(decode.sizes) == 32
     assert sum(prefill.sizes) + sum(decode.sizes) <= cap
     assert all("stop" not in b for b in prefill.bodies) and all(b["stop"] == stop for b in decode.bodies)
+
+
+def test_retries_count_against_the_upstream_byte_cap(upstreams: tuple[Upstream, Upstream]) -> None:
+    # A prefill answering 500 is skipped for the next one, which is sent the body again: that counts too.
+    prefill, decode = upstreams
+    failing = FastAPI()
+    sizes: list[int] = []
+
+    @failing.post("/v1/completions")
+    async def fail(request: Request) -> Response:
+        sizes.append(len(await request.body()))
+        return Response("shutting down", status_code=500)
+
+    @failing.get("/health")
+    async def health() -> dict:
+        return {}  # in rotation: only its completions fail
+
+    body = {"model": "m", "prompt": "p" * 4000, "max_tokens": 2}
+    cap = 10_000  # the first tries (4 kB to a prefill, 4 kB to a decode) fit; a second prefill try leaves too little
+    with (
+        Serving(failing) as shutting_down,
+        Front([shutting_down.url, prefill.url], [decode.url], Limits(max_upstream_bytes=cap)) as front,
+    ):
+        r = httpx.post(f"{front.url}/v1/completions", json=body, timeout=30, trust_env=False)
+    assert r.status_code == 503 and "--max-upstream-bytes" in r.json()["error"], r.text
+    assert len(sizes) == 1 and len(prefill.sizes) == 1 and decode.sizes == []
+    assert sum(sizes) + sum(prefill.sizes) <= cap
 
 
 def test_a_release_reaches_every_pipeline_stage(upstreams: tuple[Upstream, Upstream]) -> None:
