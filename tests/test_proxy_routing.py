@@ -70,13 +70,17 @@ class Upstream(Serving):
         self, role: str, *, slow_health: int = 0, slow_health_s: float = 0.0, slow_complete_s: float = 0.0
     ) -> None:
         self.role, self.bodies, self.ids, self.health_calls = role, [], [], 0
+        self.sizes: list[int] = []  # the bytes of each body it was sent
         self.side_channel_port = 5800  # where a prefill says its side channel is
+        self.parallel: dict[str, int] = {}  # a prefill's tp_size, pp_size as its params say
         self.engine_id = "e"  # a prefill that restarts comes back with another
         app = FastAPI()
 
         @app.post("/v1/completions")
         async def complete(request: Request) -> Any:
-            body = await request.json()
+            raw = await request.body()
+            body = json.loads(raw)
+            self.sizes.append(len(raw))
             self.bodies.append(body)
             self.ids.append(request.headers.get("x-request-id"))
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
@@ -87,6 +91,7 @@ class Upstream(Serving):
                     "remote_port": self.side_channel_port,
                     "remote_block_ids": [1, 2],
                     "kvbridge_timing": {"prefill_ms": 0.5},
+                    **self.parallel,
                 }
             else:  # and the decode's pull phases, in its (non-streamed) answer
                 phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}

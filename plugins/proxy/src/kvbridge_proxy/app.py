@@ -61,9 +61,11 @@ from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.membership import StaticMembers, open_members
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.rank_ports import side_channel_port
 from kvbridge.secret import load_secret
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
+from kvbridge_proxy.limits import BUDGET, Admission, Budget, Limits, encoded
 from kvbridge_proxy.migration import MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 
@@ -152,6 +154,18 @@ class Pool:
 
 class NoInstance(ConfigError):
     """Every instance of a role is down."""
+
+
+class OverBudget(NoInstance):
+    """Sending the next upstream request would pass the client request's `max_upstream_bytes` (retries did)."""
+
+
+def _charge(content: bytes) -> None:
+    """Count an upstream body against the client request's budget (`limits.BUDGET`); OverBudget past it."""
+    budget = BUDGET.get()
+    over = None if budget is None else budget.charge(len(content))
+    if over is not None:
+        raise OverBudget(over)
 
 
 class DecodeFailed(Exception):
@@ -298,15 +312,31 @@ class Upstream:
             self.decode.in_flight -= 1
 
 
+# Keys that shape only what is sampled after the prompt, or how the answer is written: prefill's one token is thrown
+# away, so it is sent none of them (less to send; and `min_tokens` above 1 would be refused with `max_tokens` 1).
+# Nothing that shapes the prompt (messages, tools, chat template, special tokens, truncation) is left out.
+NOT_FOR_PREFILL = (
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "bad_words",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "min_tokens",
+)
+
+
 def prefill_body(body: dict[str, Any], params: KVTransferParams | None = None) -> dict[str, Any]:
     """The request the prefill server gets: one token, no streaming, asks to hold KV for a decode."""
-    out = dict(body)
+    out = {k: v for k, v in body.items() if k not in NOT_FOR_PREFILL}
     out["kv_transfer_params"] = (params or KVTransferParams(do_remote_decode=True)).to_dict()
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
-    out.pop("stream_options", None)
     return out
 
 
@@ -481,10 +511,12 @@ class Proxy:
         registry: str | None = None,
         migrate: bool = False,
         rebalance: Policy | None = None,
+        limits: Limits | None = None,
     ) -> None:
         if transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
         self.expose = expose_internals
+        self.limits = limits or Limits()
         dynamic = registry is not None
         self.pools = {
             "prefill": Pool("prefill", prefill, expose=expose_internals, registry=dynamic),
@@ -724,9 +756,13 @@ class Proxy:
             if attempt and not any(i.healthy for i in pool.instances):
                 break
             inst = instance or pool.pick()
+            content = encoded(prefill_body(body, params))
+            _charge(content)
             inst.in_flight += 1
             try:
-                resp = await self.client.post(f"{inst.url}{path}", json=prefill_body(body, params), headers=headers)
+                resp = await self.client.post(
+                    f"{inst.url}{path}", content=content, headers={**headers, "content-type": "application/json"}
+                )
             except httpx.ConnectTimeout:
                 log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
                 continue
@@ -770,7 +806,11 @@ class Proxy:
                     break
                 raise
             payload = body if moving is None else moving.mark(body, inst.identity)
-            upstream = self.client.build_request("POST", f"{inst.url}{path}", json=payload, headers=headers)
+            content = encoded(payload)
+            _charge(content)
+            upstream = self.client.build_request(
+                "POST", f"{inst.url}{path}", content=content, headers={**headers, "content-type": "application/json"}
+            )
             inst.in_flight += 1
             try:
                 resp = await self.client.send(upstream, stream=True)
@@ -831,10 +871,15 @@ class Proxy:
         if isinstance(body, JSONResponse):
             return self._answer(body.status_code, json.loads(bytes(body.body))["error"], ids, timeline)
         try:
-            parts = fanout.split(path, body)
+            parts = fanout.split(path, body, self.limits.max_parts)
         except fanout.Refused as exc:
             log.warning("refused a request to %s: %s", path, exc)
             return self._answer(400, f"{exc.field}: {exc}", ids, timeline)
+        over = self._over_budget(parts)
+        if over is not None:
+            log.warning("refused a request to %s: %s", path, over[1])
+            return self._answer(*over, ids, timeline)
+        BUDGET.set(Budget(self.limits.max_upstream_bytes))  # every part's upstream body, retries included, counts
         if len(parts) > 1 or parts[0].body is not body:
             return await self._complete_parts(path, request, parts, timeline, begun)
         moving = None
@@ -857,6 +902,22 @@ class Proxy:
         if getattr(answer, "status_code", 200) == 499 and handover.computing is not None:
             handover.computing.cancel()  # the client left: prefill stops too
         return answer
+
+    def _over_budget(self, parts: list[fanout.Part]) -> tuple[int, str] | None:
+        """The 413 (or 400) for a request whose parts' first tries alone would pass `max_upstream_bytes`.
+
+        Refused before anything is sent: each part's prefill body, and its decode body less the params prefill adds."""
+        try:
+            size = sum(len(encoded(prefill_body(p.body))) + len(encoded(p.body)) for p in parts)
+        except ValueError as exc:  # NaN or Infinity, which the JSON the servers read has no spelling for
+            return 400, f"the request body cannot be sent on as JSON: {exc}"
+        cap = self.limits.max_upstream_bytes
+        if size <= cap:
+            return None
+        return 413, (
+            f"the request's {len(parts)} P/D requests would send {size} bytes upstream, over the proxy's {cap} "
+            "(--max-upstream-bytes)"
+        )
 
     async def _handover(
         self,
@@ -922,23 +983,35 @@ class Proxy:
         if params.remote_request_id is None or params.remote_host is None or params.remote_port is None:
             return
         request_id = str(params.remote_request_id)
+        host = str(params.remote_host)
 
-        def abort(rank: int) -> None:
+        def abort(stage: int, rank: int) -> None:
+            # Every stage's ranks hold blocks of the request: with pp_size > 1 the later stages' too (their ports follow
+            # the engine's numbering, kvbridge.rank_ports; remote_port is the engine's base, dp_rank its DP rank).
             try:
-                host, port = params.side_channel(rank)
+                port = side_channel_port(
+                    int(params.remote_port),  # type: ignore[arg-type]
+                    tp_rank=rank,
+                    tp_size=params.tp_size,
+                    pp_rank=stage,
+                    pp_size=params.pp_size,
+                    dp_index=params.dp_rank,
+                )
                 with ControlClient(host, port, secret=self.secret, sender="proxy", timeout_s=RELEASE_TIMEOUT_S) as c:
                     c.abort(request_id, reason=why)
-                log.info("released request %s on rank %s:%d", request_id, host, port)
+                log.info("released request %s on stage %d rank %d (%s:%d)", request_id, stage, rank, host, port)
             except KVBridgeError as exc:
                 log.warning(
-                    "could not release request %s on rank %d (%s); its lease ends by itself%s",
+                    "could not release request %s on stage %d rank %d (%s); its lease ends by itself%s",
                     request_id,
+                    stage,
                     rank,
                     exc,
                     "" if self.secret else " (the proxy has no KVBRIDGE_SECRET)",
                 )
 
-        await asyncio.gather(*(asyncio.to_thread(abort, r) for r in range(params.tp_size)))
+        ranks = [(s, r) for s in range(params.pp_size) for r in range(params.tp_size)]
+        await asyncio.gather(*(asyncio.to_thread(abort, s, r) for s, r in ranks))
 
     async def _complete_parts(
         self, path: str, request: Request, parts: list[fanout.Part], timeline: Timeline, begun: float
@@ -1543,6 +1616,7 @@ def create_app(
     registry: str | None = None,
     migrate: bool = False,
     rebalance: Policy | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
 
@@ -1551,7 +1625,9 @@ def create_app(
     `expose_internals`: answers name the servers by URL (see the module doc).
     `registry`: follow the servers announced there too (see the module doc).
     `migrate`: move a draining decode's streams to another decode (migration.py, docs/elastic.md).
-    `rebalance`: also move streams off a decode under KV pressure by this policy (rebalance.py; implies `migrate`)."""
+    `rebalance`: also move streams off a decode under KV pressure by this policy (rebalance.py; implies `migrate`).
+    `limits`: the bounds on one request and on the clients (limits.py); serve the app with `limits.server` for the
+    deadlines on request heads."""
     proxy = Proxy(
         prefill,
         decode,
@@ -1564,8 +1640,10 @@ def create_app(
         registry=registry,
         migrate=migrate,
         rebalance=rebalance,
+        limits=limits,
     )
     app = FastAPI(lifespan=proxy.lifespan)
+    app.add_middleware(Admission, limits=proxy.limits)
     for path in ROUTES:
         app.add_api_route(path, _bind(proxy.complete, path), methods=["POST"])
     app.add_api_route("/health", proxy.health, methods=["GET"])

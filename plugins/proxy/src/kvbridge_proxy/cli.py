@@ -3,6 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
+
+# Bounds on the limits' settings: far above any use, and finite (a NaN or infinite deadline is none).
+MAX_COUNT = 1 << 20
+MAX_SECONDS = 86400.0
+MAX_BYTES = 1 << 40
+
+
+def _count(top: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not 1 <= value <= top:
+            raise argparse.ArgumentTypeError(f"expected 1 to {top}, got {value}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"expected seconds above 0 and at most {MAX_SECONDS:g}, got {text}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -105,16 +135,85 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
     p.add_argument("--rebalance-below", type=float, default=0.4, metavar="F", help="default 0.4")
+    _add_limits(p)
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def _add_limits(p: argparse.ArgumentParser) -> None:
+    """What one client can make the proxy do (kvbridge_proxy.limits; docs/vllm.md, "The proxy's limits")."""
+    from kvbridge_proxy import limits
 
+    g = p.add_argument_group("limits", "what one client can make the proxy do; past them it answers 4xx or 503")
+    g.add_argument(
+        "--max-parts",
+        type=_count(MAX_COUNT),
+        default=limits.MAX_PARTS,
+        metavar="N",
+        help=f"P/D requests one batched or n > 1 request may become; more is a 400 (default {limits.MAX_PARTS})",
+    )
+    g.add_argument(
+        "--max-upstream-bytes",
+        type=_count(MAX_BYTES),
+        default=limits.MAX_UPSTREAM_BYTES,
+        metavar="B",
+        help="bytes one client request may send to the servers, every prefill and decode body of every part and "
+        f"retry together; more is a 413 (default {limits.MAX_UPSTREAM_BYTES}, four times the 32 MiB body limit)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=limits.HEADER_TIMEOUT_S,
+        metavar="S",
+        help="seconds a connection has to send its request head, from when it opens or got its last answer; then "
+        f"it is closed (default {limits.HEADER_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=limits.BODY_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds a request has to send its body after its head; then a 408 (default {limits.BODY_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--keep-alive",
+        type=_seconds,
+        default=limits.KEEP_ALIVE_S,
+        metavar="S",
+        help=f"seconds an idle connection stays open between requests (default {limits.KEEP_ALIVE_S:g})",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=_count(MAX_COUNT),
+        default=limits.MAX_CONNECTIONS,
+        metavar="N",
+        help="requests in progress at once (a stream counts until it ends), and as many connections waiting to send "
+        f"a request; past either a 503. /health is always answered (default {limits.MAX_CONNECTIONS})",
+    )
+    g.add_argument(
+        "--max-connections-per-client",
+        type=_count(MAX_COUNT),
+        default=limits.MAX_CONNECTIONS_PER_CLIENT,
+        metavar="N",
+        help="the same, per client address (clients behind one NAT or load balancer share one: raise it there) "
+        f"(default {limits.MAX_CONNECTIONS_PER_CLIENT})",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
     from kvbridge_proxy.app import create_app
+    from kvbridge_proxy.limits import Limits, server
     from kvbridge_proxy.rebalance import Policy
 
     rebalance = Policy(args.rebalance_above, args.rebalance_below) if args.rebalance else None
+    limits = Limits(
+        max_parts=args.max_parts,
+        max_upstream_bytes=args.max_upstream_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_s=args.keep_alive,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+    )
 
     app = create_app(
         args.prefill,
@@ -128,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         registry=args.registry,
         migrate=args.migrate,
         rebalance=rebalance,
+        limits=limits,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server(app, args.host, args.port, limits).run()
     return 0

@@ -58,8 +58,8 @@ def _prompts(path: str, body: dict[str, Any]) -> list[Any] | None:
     return None
 
 
-def split(path: str, body: dict[str, Any]) -> list[Part]:
-    """The P/D requests `body` makes: itself alone when it is one prompt and one choice."""
+def split(path: str, body: dict[str, Any], max_parts: int = MAX_PARTS) -> list[Part]:
+    """The P/D requests `body` makes: itself alone when it is one prompt and one choice; at most `max_parts`."""
     if body.get("use_beam_search"):
         raise Refused("use_beam_search", "use_beam_search is not supported through the P/D proxy")
     n = body.get("n")
@@ -79,9 +79,9 @@ def split(path: str, body: dict[str, Any]) -> list[Part]:
         )
     prompts = _prompts(path, body)
     count = len(prompts or (None,)) * n
-    if count > MAX_PARTS:
+    if count > max_parts:
         field = "n" if prompts is None else "prompt"
-        raise Refused(field, f"{count} choices (prompts times n) is over the proxy's {MAX_PARTS}")
+        raise Refused(field, f"{count} choices (prompts times n) is over the proxy's {max_parts} (--max-parts)")
     if count == 1 and best_of is None:
         return [Part(body, 0, True)]
     seed = body.get("seed")
