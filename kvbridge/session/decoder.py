@@ -112,7 +112,7 @@ class DecodeSide:
                     # confirming the read (the DONEs' answers, unless the prefill's hold covered it)
                     "done_ms": machine.ms(PullState.LANDING, PullState.DONE),
                 }
-                timing.update({k: round(v, 3) for k, v in phases.items()})
+                timing.update({k: round(v, 3) for k, v in {**phases, **machine.parts}.items()})
                 # recorded before the engine can hear of the request, so a reader of the stats then sees it
                 self.stats.record(
                     self.transport,
@@ -231,7 +231,7 @@ class DecodeSide:
                 timeout_s=self.pull_timeout_s,
                 cancelled=cancelled,
             )
-            timing = {"queue_ms": round(queued * 1e3, 3), **phases}
+            timing = {"queue_ms": round(queued * 1e3, 3), **phases, **machine.parts}
             self.stats.record(
                 self.transport,
                 peer,

@@ -15,6 +15,9 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
 - `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
   (a streamed answer's first token; a whole answer otherwise).
 
+After the phases, `control_ms` in its two parts (not summed again): `contact_ms` (finding each prefill rank's side
+channel and its RankInfo: first contact) and `begin_ms` (the BeginPulls, less the wait for the offer).
+
 Beside the phases, the decode's pull states (`kvbridge.session.machine`) as `at_<state>_ms`: when the
 slowest rank entered each state, milliseconds after its pull began (`at_done_ms`, or `at_fenced_ms` /
 `at_failed_ms` for a pull whose request was then recomputed). They are marks, not slices: they overlap
@@ -36,7 +39,8 @@ from kvbridge.session.machine import STATE_MARKS
 HEADER = "x-kvbridge-timing"
 PULL_PHASES = ("dispatch_ms", "queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")
 PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
-PULL_REPORT = (*PULL_PHASES, *STATE_MARKS)  # what a decode engine reports of its pull
+CONTROL_PARTS = ("contact_ms", "begin_ms")  # control_ms in parts (in `phases`, but not in the sums)
+PULL_REPORT = (*PULL_PHASES, *CONTROL_PARTS, *STATE_MARKS)  # what a decode engine reports of its pull
 
 
 @attrs.define
@@ -62,7 +66,7 @@ class Timeline:
 
     def header(self) -> str:
         parts = [f"id={self.request_id}", f"total_ms={self.total_ms:.3f}"]
-        parts += [f"{p}={self.phases[p]:.3f}" for p in PHASES if p in self.phases]
+        parts += [f"{p}={self.phases[p]:.3f}" for p in (*PHASES, *CONTROL_PARTS) if p in self.phases]
         parts += [f"{m}={self.marks[m]:.3f}" for m in STATE_MARKS if m in self.marks]
         return "; ".join(parts)
 
