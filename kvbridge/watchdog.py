@@ -4,7 +4,9 @@
 loop or pull holds a `Beat` from `watch(name)`: `busy()` when it leaves its wait or makes progress (one monotonic
 timestamp write), `idle()` when it is back in its wait. One daemon thread per process looks twice per `stall_s`; a beat
 busy for `stall_s` without progress gets the stacks of every thread logged (and written to a file in `stall_dir`) once
-per stall. Options come from the environment (`KVBRIDGE_SLOW_MS`, `KVBRIDGE_STALL_S`, `KVBRIDGE_STALL_DIR`).
+per stall. A pull's beat is also its thread's: each side-channel answer that thread gets is progress (`progress()`: a
+peer answering "not ready" or "not offered yet" is alive, and its own watchdog watches it). The options come from the
+environment: `KVBRIDGE_SLOW_MS`, `KVBRIDGE_STALL_S`, `KVBRIDGE_STALL_DIR` (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class WatchOptions:
 
 def options() -> WatchOptions:
     """The options the environment sets now."""
-    return parse(WatchOptions, {k: os.environ[v] for k, v in ENV.items() if os.environ.get(v)}, what="the environment")
+    given = {k: os.environ[v] for k, v in ENV.items() if os.environ.get(v)}
+    return parse(WatchOptions, given, what=f"the environment ({', '.join(ENV.values())})")
 
 
 SLOW_MS = options().slow_ms  # read once: checked on every request
@@ -68,13 +71,13 @@ class Beat:
 
 
 class Watchdog:
-    """The process's one watcher thread (started with the first beat, again after a fork)."""
+    """The process's one watcher thread, started with the first beat (again in a forked child)."""
 
     def __init__(self, stall_s: float) -> None:
         self.stall_s = stall_s
         self.stalls = 0  # dumps so far
         self.checked = 0.0  # monotonic time of the last look
-        self._beats: weakref.WeakSet[Beat] = weakref.WeakSet()
+        self._beats: weakref.WeakSet[Beat] = weakref.WeakSet()  # a pull dropped without its end is gone too
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -133,8 +136,21 @@ class Watchdog:
 
 
 WATCHDOG = Watchdog(options().stall_s)
+_local = threading.local()
 
 
-def watch(name: str) -> Beat:
-    """A beat of this process's watchdog, busy from now (`WATCHDOG.forget` it when done, or drop it)."""
-    return WATCHDOG.watch(name)
+def watch(name: str, *, this_thread: bool = False) -> Beat:
+    """A beat of this process's watchdog, busy from now (`WATCHDOG.forget` it when done, or drop it).
+
+    `this_thread`: the calling thread's beat from now on, for `progress()`."""
+    beat = WATCHDOG.watch(name)
+    if this_thread:
+        _local.beat = beat
+    return beat
+
+
+def progress() -> None:
+    """The calling thread's beat (if any) moved on."""
+    beat = getattr(_local, "beat", None)
+    if beat is not None:
+        beat.busy()

@@ -872,6 +872,7 @@ class ControlClient:
             sock.send(data)
             data = sock.recv()
             answered = True
+            watchdog.progress()  # the calling thread's pull, if any: its peer answered
         except zmq.Again:
             raise TransferTimeout(
                 f"side channel {self.url} did not answer {kind} within {timeout_s}s; check that the engine "

@@ -140,7 +140,6 @@ class LayerReader:
                     rid, epoch, seen=versions[rank], wait_s=0.0 if rank in finished else STREAM_WAIT_S
                 )
                 versions[rank] = st.version
-                s.machine.beat.busy()  # an answer is progress for the stall watchdog (a held one comes every 0.5 s)
                 groups, rank_complete = self._groups(client, st, sent[rank])
                 if rank_complete:
                     if rank not in finished:

@@ -62,7 +62,8 @@ class PullMachine:
         self.nbytes = self.descriptors = 0
         self.offer_wait_ms = 0.0
         self.parts: dict[str, float] = {}  # ms of the side channel's steps: contact_ms, begin_ms
-        self.beat = watchdog.watch(f"pull of {request_id} ({kind})")  # busy() on progress; forgotten at its end
+        # busy() on progress (and each side-channel answer on this thread); forgotten at its end
+        self.beat = watchdog.watch(f"pull of {request_id} ({kind})", this_thread=True)
         self._lock = threading.Lock()  # the transport's thread may end a pull the caller's thread began
         log.debug("request %s (%s): %s", request_id, kind, self.state.value)
 
