@@ -35,7 +35,7 @@ from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.channel import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
 from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
-from kvbridge.session.timeline import PULL_PHASES  # noqa: E402
+from kvbridge.session.timeline import CONTROL_PARTS, PULL_PHASES  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
 
@@ -225,7 +225,7 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     assert meta is not None and set(meta.timings) == {"d1"}
     # and its pull states, in order, through to done
     states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
-    assert set(meta.timings["d1"]) == {*PULL_PHASES, *states}
+    assert set(meta.timings["d1"]) == {*PULL_PHASES, *CONTROL_PARTS, *states}
     assert [meta.timings["d1"][s] for s in states] == sorted(meta.timings["d1"][s] for s in states)
     assert all(v >= 0 for v in meta.timings["d1"].values())
     held = workers.prefill.take_stats()
