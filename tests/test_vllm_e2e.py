@@ -318,6 +318,7 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
         assert phases["prefill_ms"] > 0 and phases["decode_first_token_ms"] > 0
         if not stream:  # a whole answer carries the decode's pull phases as its workers measured them
             assert phases["transfer_ms"] > 0 and phases["control_ms"] > 0, timeline
+            assert set(timeline.parts) == {"contact_ms", "begin_ms"}, timeline  # control's parts, not in the sum
             # and its pull's states, in order, through to done
             states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
             assert list(timeline.marks) == states and sorted(timeline.marks.values()) == list(timeline.marks.values())
