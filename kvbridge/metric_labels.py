@@ -63,6 +63,21 @@ SERIES = {
         "BeginPull.",
         PEER,
     ),
+    "phase_s": Series(
+        "kvbridge_handover_phase_seconds",
+        "histogram",
+        "Each phase of a KV handover: offer (prefill: publishing and leasing a finished request), offer_wait, "
+        "contact (first contact: side-channel address, GetInfo), begin_pull, read, fence (confirming the read), done "
+        "(the DONEs sent after a read held by prefill was reported).",
+        ("phase", *PEER),
+    ),
+    "request_s": Series(
+        "kvbridge_side_channel_seconds",
+        "histogram",
+        "Side-channel requests this rank answered, by kind and part: queued (behind the serving loop's other work, "
+        "at most), wait (read to handler start: decoding, authenticating), handler.",
+        ("kind", "part"),
+    ),
     "failures": Series(
         "kvbridge_transfer_failures_total",
         "counter",

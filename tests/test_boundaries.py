@@ -26,6 +26,8 @@ ALLOWED = {
     "argparse._SubParsersAction": "type hint: argparse has no public name for what add_subparsers returns",
     "_replace": "namedtuple's documented method (urllib.parse results); the underscore only avoids field names",
     "sys._getframe": "the vLLM engine core being built up the call stack (adapters/vllm/inbox.py)",
+    "sys._current_frames": "every thread's stack for the stall watchdog (watchdog.py); faulthandler writes only to a "
+    "file descriptor and names no threads",
     "_qsize": "queue.Queue's documented hook for subclasses, called under its mutex (adapters/vllm/inbox.py)",
     "KVConnectorFactory._registry": "vLLM raises on a second registration and offers no public lookup",
     "torch._C._construct_storage_from_data_pointer": "torch's only tensor-over-a-device-pointer for every "
@@ -117,6 +119,7 @@ LAYERS = (
             "netguard",
             "nativelog",
             "nics",
+            "watchdog",
         ),
     ),
     (

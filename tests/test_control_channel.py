@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -26,6 +27,7 @@ from kvbridge.control.messages import (
     StreamStatus,
 )
 from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
+from kvbridge.watchdog import WATCHDOG
 from kvbridge_tools.harness.ports import free_port
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -630,3 +632,46 @@ def test_abort_notifier_goes_on_after_it_could_not_open_a_socket(closing: list) 
         notifier.close(1.0)
         hog.close()
         ctx.term()
+
+
+def _stall_dumps(where: Path, naming: str) -> list[str]:
+    texts = [p.read_text() for p in where.glob("stall-*.txt")]
+    return [t for t in texts if naming in t.splitlines()[0]]
+
+
+def test_a_handler_that_blocks_gets_every_stack_dumped_once_and_its_time_logged(
+    closing: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVBRIDGE_STALL_DIR", str(tmp_path))
+    release = threading.Event()
+    timed: list[tuple[str, float, float, float]] = []
+
+    def stuck_in_the_abort_handler(_rid: str, _origin: str, _why: str) -> None:
+        release.wait(30)
+
+    server = ControlServer("stuck", 0, on_abort=stuck_in_the_abort_handler, timed=lambda *t: timed.append(t))
+    first, behind = ControlClient(*server.address, timeout_s=30), ControlClient(*server.address, timeout_s=30)
+    closing += [server, first, behind]
+    first.request(GetInfo())  # each learns the rank's name now, so the one request below is all it sends
+    behind.request(GetInfo())
+    aborting = threading.Thread(target=first.abort, args=("r1",))
+    aborting.start()
+    wait_for(lambda: _stall_dumps(tmp_path, "stuck/0"), what="the serving loop's stall to be dumped")
+    asking = threading.Thread(target=behind.request, args=(GetInfo(),))  # queued behind the blocked handler
+    asking.start()
+    looked = WATCHDOG.checked  # the stall goes on through two more of the watchdog's looks: still one dump
+    wait_for(lambda: WATCHDOG.checked > looked + WATCHDOG.stall_s, what="the watchdog to look twice more")
+    release.set()
+    aborting.join(30)
+    asking.join(30)
+    (dump,) = _stall_dumps(tmp_path, "stuck/0")
+    assert "side channel stuck/0 (serving loop)" in dump and "Thread kvbridge-ctl-stuck/0" in dump
+    assert "in stuck_in_the_abort_handler" in dump and "release.wait(30)" in dump, "the blocking frame is named"
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvbridge.watchdog"]
+    assert sum("kvbridge stall" in m and "stuck/0" in m for m in logged) == 1, logged
+    ((_, _, wait, handler),) = [t for t in timed if t[0] == "Abort"]
+    assert handler >= WATCHDOG.stall_s > wait, "blocked for the whole stall, in the handler"
+    (queued, *_) = timed[-1][1:]
+    assert timed[-1][0] == "GetInfo" and queued >= handler, "the GetInfo waited behind the blocked handler"
+    (slow,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow Abort")]
+    assert "side channel stuck/0" in slow and "(queued " in slow and ", handler " in slow

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import attrs
 import numpy as np
@@ -314,3 +315,25 @@ def test_a_migration_lease_never_offered_is_a_load_error(pair: Pair) -> None:
     with pytest.raises(LoadError, match="no active lease"):
         pair.control.start("local-M4", _migration(pair, "M4"), [4, 5, 6])
     assert not pair.d_buf.any() and pair.control.local_id("M4") is None
+
+
+def test_a_read_that_makes_no_progress_gets_every_stack_dumped_once(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVBRIDGE_STALL_DIR", str(tmp_path))
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r9", [1, 2, 3], expected_pulls=None)
+    # A read held longer than a stall (1 s) and a few of the watchdog's looks (each 0.5 s): one dump, not one a look.
+    pair.decode.backend.inject(delay=4.0)
+    machine = PullMachine("local-r9", "pull")
+    handle = pair.start("r9", machine)
+
+    def dumps() -> list[str]:
+        texts = [p.read_text() for p in tmp_path.glob("stall-*.txt")]
+        return [t for t in texts if "pull of local-r9" in t.splitlines()[0]]
+
+    wait_for(dumps, what="the stalled read to be dumped")
+    handle.wait(30)
+    assert pair.outcomes == [("local-r9", None)] and machine.state is PullState.DONE
+    (dump,) = dumps()
+    assert "in _delayed" in dump and "time.sleep(delay)" in dump, "the frame the read waits in is named"

@@ -26,6 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
+from kvbridge import watchdog  # noqa: E402
 from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
@@ -35,7 +36,7 @@ from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.channel import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
 from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
-from kvbridge.session.timeline import PULL_PHASES  # noqa: E402
+from kvbridge.session.timeline import CONTROL_PARTS, PULL_PHASES  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
 
@@ -205,7 +206,10 @@ def workers() -> Iterator[Workers]:
     w.close()
 
 
-def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -> None:
+def test_worker_pull_releases_prefill_and_reports_both_sides(
+    workers: Workers, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(watchdog, "SLOW_MS", 0.0)  # every request and handover counts as slow: each logs its line
     remote, local = [1, 2, 3, 7], [4, 5, 9, 0]
     workers.offer("p1", remote)
     workers.pull("d1", workers.params("p1", remote), local)
@@ -225,12 +229,19 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(workers: Workers) -
     assert meta is not None and set(meta.timings) == {"d1"}
     # and its pull states, in order, through to done
     states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
-    assert set(meta.timings["d1"]) == {*PULL_PHASES, *states}
+    assert set(meta.timings["d1"]) == {*PULL_PHASES, *CONTROL_PARTS, *states}
     assert [meta.timings["d1"][s] for s in states] == sorted(meta.timings["d1"][s] for s in states)
     assert all(v >= 0 for v in meta.timings["d1"].values())
     held = workers.prefill.take_stats()
     assert held is not None and held.data["leases"] == [["offered"], ["released"]]
     assert [sum(h[i] for h in held.data["held"]) for i in (0, 1)] == [0, 0]
+    # Where the time went: the pull's phases on decode, the offer and the requests answered on prefill, each a line.
+    assert [p[0] for p in stats.data["phases"]][:5] == ["offer_wait", "contact", "begin_pull", "read", "fence"]
+    assert [p[0] for p in held.data["phases"]] == ["offer"]
+    assert {"GetInfo", "BeginPull"} <= {r[0] for r in held.data["requests"]}
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow ")]
+    assert any(m.startswith("slow handover of request d1 on decode/0 from 127.0.0.1:") for m in lines), lines
+    assert any(m.startswith("slow BeginPull on side channel prefill/0 from decode/0") for m in lines), lines
 
 
 def test_idle_engine_step_waits_for_a_transfer_instead_of_spinning() -> None:

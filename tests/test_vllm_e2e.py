@@ -318,6 +318,7 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
         assert phases["prefill_ms"] > 0 and phases["decode_first_token_ms"] > 0
         if not stream:  # a whole answer carries the decode's pull phases as its workers measured them
             assert phases["transfer_ms"] > 0 and phases["control_ms"] > 0, timeline
+            assert set(timeline.parts) == {"contact_ms", "begin_ms"}, timeline  # control's parts, not in the sum
             # and its pull's states, in order, through to done
             states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
             assert list(timeline.marks) == states and sorted(timeline.marks.values()) == list(timeline.marks.values())
@@ -348,6 +349,12 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
         "kvbridge_transfer_seconds_count": 3,
     }
     assert released == 6  # three offered, three released by DONE
+    # Where the time went: each pull's phases on decode (offer_wait, contact, begin_pull, read, fence; the DONEs
+    # after a report come later), each offer and each side-channel request's queued, wait and handler on prefill.
+    grew = [{k: a.get(k, 0.0) - b.get(k, 0.0) for k in a if k.endswith("seconds_count")} for a, b in zip(after, before)]
+    assert sum(g.get("kvbridge_handover_phase_seconds_count", 0.0) for g in grew[1:]) >= 3 * 5, grew
+    assert grew[0].get("kvbridge_handover_phase_seconds_count", 0.0) >= 3, "the prefill's offers"
+    assert grew[0].get("kvbridge_side_channel_seconds_count", 0.0) >= 3 * 3, "three BeginPulls at least, in 3 parts"
     assert after[0]["kvbridge_blocks_held"] == 0 and after[0]["kvbridge_leases_held"] == 0
     proxy = scrape(cluster.proxy)
     assert proxy["kvbridge_proxy_phase_seconds_count"] >= 2 * 9 + 4  # each phase of each request above

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import attrs
 import zmq
 
-from kvbridge import netguard, wire
+from kvbridge import netguard, watchdog, wire
 from kvbridge.agent import RankInfo
 from kvbridge.block_ids import BlockIds
 from kvbridge.control.auth import Authenticator, new_nonce
@@ -74,6 +74,7 @@ CLOSE_GRACE_S = 0.5  # close() lets pending abort notifications go out this long
 Address = tuple[str, int]
 AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
 StreamQuery = Callable[[str, int], StreamStatus]  # request_id, epoch -> how far prefill computed it
+Timed = Callable[[str, float, float, float], None]  # kind, queued_s, wait_s, handler_s of each request answered
 
 T = TypeVar("T")
 
@@ -106,6 +107,18 @@ class _Parked:
     peer_host: str | None
     since: float  # monotonic
     deadline: float
+
+
+@attrs.define
+class _Timing:
+    """One request's times in the serving loop (monotonic): queued from `since`, read, handler started and ended."""
+
+    since: float
+    read: float
+    kind: str = ""
+    sender: str = ""
+    start: float = 0.0
+    end: float = 0.0
 
 
 @attrs.frozen
@@ -144,10 +157,12 @@ class ControlServer:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 1.0,
         notify_timeout_s: float = 2.0,
+        timed: Timed | None = None,
     ) -> None:
         """`secret`: the shared secret (`kvbridge.secret.load_secret()` reads it from the environment or a file).
 
-        Required on a non-loopback `host` unless `insecure=True` (logged as a warning)."""
+        Required on a non-loopback `host` unless `insecure=True` (logged as a warning). `timed` is told each answered
+        request's times (for the engine's metrics)."""
         check_listen(f"side channel of {engine_id}/{rank}", host, secret, insecure=insecure)
         self.engine_id = engine_id
         self.rank = rank
@@ -161,6 +176,7 @@ class ControlServer:
         self.max_message_bytes = max_message_bytes
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._notify_timeout_s = notify_timeout_s
+        self._timed = timed
         self._info = RegisteredMemory(engine_id=engine_id, rank=rank, ready=False)
         self.accept_offers = False
         self._parked: dict[str, list[_Parked]] = {}  # request id -> BeginPulls held for its offer
@@ -284,10 +300,12 @@ class ControlServer:
         log.warning("%s", why)
         return self._seal(reply_to, Refused("too_large", why))
 
-    def _answer(self, payload: bytes, peer_host: str | None, *, park: bool) -> tuple[bytes | None, Any]:
+    def _answer(
+        self, payload: bytes, peer_host: str | None, *, park: bool, timing: _Timing | None = None
+    ) -> tuple[bytes | None, Any]:
         """Decode and answer one request: (its nonce, or None where it did not authenticate; the reply message).
 
-        With `park`, the reply may be a `_Hold`."""
+        With `park`, the reply may be a `_Hold`. `timing` gets the handler's start and end."""
         reply_to: bytes | None = None if self._auth.enabled else b""
         try:
             frame = _decode_small(payload, Frame, self.max_message_bytes)
@@ -301,6 +319,8 @@ class ControlServer:
             if (misaddressed := self._misaddressed(frame, peer_host)) is not None:
                 return reply_to, misaddressed
             body = _decode_small(frame.body, cls, self.max_message_bytes)
+            if timing is not None:
+                timing.kind, timing.sender, timing.start = frame.kind, frame.sender, time.monotonic()
             reply: Any = self._dispatch(body, frame.sender, peer_host, park=park)
         except ProtocolError as exc:
             log.warning("%s refused a message from %s: %s", self.name, peer_host or "an unknown host", exc)
@@ -311,6 +331,8 @@ class ControlServer:
         except Exception as exc:  # a bug must cost one reply, not the server
             log.exception("%s: handler failed", self.name)
             reply = Refused("internal", f"{type(exc).__name__}: {exc}")
+        if timing is not None and timing.start:
+            timing.end = time.monotonic()
         return reply_to, reply
 
     def _misaddressed(self, frame: Frame, peer_host: str | None) -> Refused | None:
@@ -507,13 +529,19 @@ class ControlServer:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
         timeout_ms = self._poll_ms
+        beat = watchdog.watch(f"side channel {self.name} (serving loop)")
+        began = time.monotonic()
         try:
             while not self._stop.is_set():
-                failed = False
+                failed, since = False, began
                 try:
+                    # A frame waiting already came in during the round just ended: queued at most since it began.
+                    waiting = bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN)
+                    beat.idle()
                     events = dict(poller.poll(timeout_ms))
+                    began = beat.busy()
                     if self._sock in events:
-                        self._serve_one()
+                        self._serve_one(since if waiting else began)
                     if self._wake_in in events:
                         while self._wake_in.poll(0):
                             self._wake_in.recv()
@@ -543,14 +571,17 @@ class ControlServer:
                 if failed:  # no hot loop if the error repeats
                     self._stop.wait(min(self._poll_ms, 50) / 1000)
         finally:
+            watchdog.WATCHDOG.forget(beat)
             self._sock.close(linger=0)
             self._wake_in.close(linger=0)
 
-    def _serve_one(self) -> None:
+    def _serve_one(self, since: float) -> None:
+        """Read and answer (or hold) one frame, waiting in the socket since `since` at most."""
         try:
             frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        timing = _Timing(since, time.monotonic())
         parts = [f.bytes for f in frames]
         try:
             peer_host: str | None = frames[-1].get("Peer-Address")
@@ -570,7 +601,7 @@ class ControlServer:
                 peer_host or "an unknown host",
             )
             return
-        reply_to, reply = self._answer(parts[-1], peer_host, park=True)
+        reply_to, reply = self._answer(parts[-1], peer_host, park=True, timing=timing)
         if isinstance(reply, _Hold):
             assert reply_to is not None  # only an authenticated request is held
             msg, now = reply.msg, time.monotonic()
@@ -578,8 +609,18 @@ class ControlServer:
             self._parked.setdefault(msg.request_id, []).append(held)
             self._nparked += 1
             heapq.heappush(self._due, (held.deadline, msg.request_id))
-            return
-        self._send([*envelope, self._seal(reply_to, reply)])
+        else:
+            self._send([*envelope, self._seal(reply_to, reply)])
+        if timing.end:  # its handler ran (the request authenticated and was well formed)
+            self._took(timing, peer_host)
+
+    def _took(self, t: _Timing, peer_host: str | None) -> None:
+        """A handled request's times: to the engine's metrics, and one line when slow."""
+        queued, wait, handler = t.read - t.since, t.start - t.read, t.end - t.start
+        if self._timed is not None:
+            self._timed(t.kind, queued, wait, handler)
+        where = f"{t.kind} on side channel {self.name} from {t.sender or '?'} at {peer_host or '?'}"
+        watchdog.slow(log, where, {"queued": queued * 1e3, "wait": wait * 1e3, "handler": handler * 1e3})
 
     def _send(self, parts: list[bytes]) -> None:
         try:
@@ -844,6 +885,7 @@ class ControlClient:
             sock.send(data)
             data = sock.recv()
             answered = True
+            watchdog.progress()  # the calling thread's pull, if any: its peer answered
         except zmq.Again:
             raise TransferTimeout(
                 f"side channel {self.url} did not answer {kind} within {timeout_s}s; check that the engine "

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import attrs
 import numpy as np
 
+from kvbridge import watchdog
 from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.block_ids import BlockIds, block_array
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
@@ -40,6 +41,7 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import KVBridgeError, LoadError
 from kvbridge.session.layers import LayerReader
 from kvbridge.session.machine import PullMachine, PullState
+from kvbridge.session.outbox import Recorder
 from kvbridge.topology import ParallelConfig, Plan
 
 log = logging.getLogger(__name__)
@@ -132,8 +134,11 @@ class DecodeControl:
         registry: DiscoveryRegistry | None = None,
         ready_timeout_s: float = 30.0,
         timeout_s: float = CONTROL_TIMEOUT_S,
+        stats: Recorder | None = None,
     ) -> None:
+        """`stats` records the time of the DONEs sent after a pull was reported (the rest: `DecodeSide`)."""
         self.agent = agent
+        self.stats = stats
         self.server = server
         self.name = f"{agent.engine_id}/{agent.rank}"
         self.registry = registry
@@ -192,15 +197,17 @@ class DecodeControl:
         answer that completes its stream (`LayerReader`). A migrated request's params name no blocks
         (`lease_blocks`): the first BeginPull names none, and its answer's blocks `take` = (skip, count) are read
         (every rank of an engine holds a request in the same block ids)."""
-        waited = 0.0
+        waited = contact = begin = 0.0
         for rank in s.ranks:
+            found = time.monotonic()
             client = self._client(s.params, rank)
             info = self._info(client, s.params.remote_engine_id, s.rid)
             if check is not None:
                 check(rank, client, info)
             s.clients[rank], s.infos[rank] = client, info
             count = s.plan.release_count(rank)
-            asked = time.monotonic()
+            asked = s.machine.beat.busy()
+            contact += asked - found
             status = client.begin_pull(
                 s.rid,
                 self.name,
@@ -215,6 +222,9 @@ class DecodeControl:
             if whole:
                 s.hold(asked, status)
             waited += status.waited_ms
+            begin += s.machine.beat.busy() - asked
+        # first contact (the side channel's address, GetInfo); BeginPull less its wait for prefill's offer
+        s.machine.parts.update(contact_ms=round(contact * 1e3, 3), begin_ms=round(max(0.0, begin * 1e3 - waited), 3))
         s.machine.offer_wait_ms = waited
         s.machine.to(PullState.LEASED)
 
@@ -229,7 +239,7 @@ class DecodeControl:
             with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
                 self._infos.clear()
         if error is None and time.monotonic() < s.held_until:
-            self._send_later(s.rid, s.leases, s.notify)
+            self._send_later(s)
         else:
             error = self._send_dones(s.rid, s.leases, s.notify, error)
         self._forget(s.rid)
@@ -299,7 +309,10 @@ class DecodeControl:
             self._begin(s, whole=True, take=(skip, len(local_blocks)))
             machine.to(PullState.READING)
             infos = [s.infos[r] for r in s.ranks]
-            return self.agent.pull(s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished)
+            handle = self.agent.pull(s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished)
+            for h in handle.handles:  # each transfer that ends is progress (the stall watchdog)
+                h.add_done_callback(lambda _h: machine.beat.busy())
+            return handle
         except BaseException as exc:
             if s is None:
                 self._forget(str(params.remote_request_id))
@@ -404,7 +417,17 @@ class DecodeControl:
                 time.sleep(DONE_RETRY_S * 2**attempt)  # bounded: DONE_ATTEMPTS tries
         raise AssertionError("unreachable")
 
-    def _send_later(self, rid: str, leases: Leases, release: Release) -> None:
+    def _dones_held(self, s: Session) -> None:
+        """The DONEs of a read already reported: timed (`done` phase), one line when slow."""
+        begun = time.monotonic()
+        self._send_dones(s.rid, s.leases, s.notify, None, held=True)
+        took = time.monotonic() - begun
+        peer = f"{s.params.remote_host}:{s.params.remote_port}"
+        if self.stats is not None:
+            self.stats.record_phase("done", self.agent.backend.name, peer, took)
+        watchdog.slow(log, f"DONEs of request {s.rid} from {self.name} to {peer}", {"done": took * 1e3})
+
+    def _send_later(self, s: Session) -> None:
         """The DONEs of a read already confirmed (its bytes held by the prefill ranks), off the caller's thread."""
         with self._lock:
             if self._later is None and not self._closed:
@@ -413,9 +436,9 @@ class DecodeControl:
         try:
             if later is None:
                 raise RuntimeError("closed")
-            later.submit(self._send_dones, rid, leases, release, None, held=True)
+            later.submit(self._dones_held, s)
         except RuntimeError:  # closing: the prefill ranks' leases expire instead
-            log.warning("request %s: decode control closed before its DONEs were sent; the leases expire", rid)
+            log.warning("request %s: decode control closed before its DONEs were sent; the leases expire", s.rid)
 
     # -- the rest --------------------------------------------------------------------------------
 

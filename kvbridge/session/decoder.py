@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
+from kvbridge import watchdog
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.rank_ports import stage_port
@@ -62,7 +63,7 @@ class DecodeSide:
     ) -> None:
         self.control = control
         self.outbox = outbox
-        self.stats = stats
+        self.stats = control.stats = stats  # the control times the DONEs sent after a report
         self.tp_rank, self.pp_rank, self.pp_size = tp_rank, pp_rank, pp_size
         self.pull_timeout_s = pull_timeout_s
         self.transport = control.agent.backend.name
@@ -111,7 +112,7 @@ class DecodeSide:
                     # confirming the read (the DONEs' answers, unless the prefill's hold covered it)
                     "done_ms": machine.ms(PullState.LANDING, PullState.DONE),
                 }
-                timing.update({k: round(v, 3) for k, v in phases.items()})
+                timing.update({k: round(v, 3) for k, v in {**phases, **machine.parts}.items()})
                 # recorded before the engine can hear of the request, so a reader of the stats then sees it
                 self.stats.record(
                     self.transport,
@@ -121,7 +122,7 @@ class DecodeSide:
                     machine.nbytes,
                     machine.descriptors,
                 )
-                log.debug("request %s: %s", task.request_id, ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+                self._timed(task.request_id, peer, machine, timing)
             else:
                 self.stats.record_failure(self.transport, peer, error)
                 if isinstance(error, KVBridgeError):
@@ -151,6 +152,23 @@ class DecodeSide:
             self.outbox.end(stream=False)
         if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
             self.stats.record_retries(self.transport, peer, sum(h.retries for h in handle.handles))
+
+    def _timed(self, request_id: str, peer: str, machine: PullMachine, timing: dict[str, float]) -> None:
+        """A pull's handover phases to the metrics, and one line when they add up to slow."""
+        parts = {
+            "offer_wait": machine.offer_wait_ms,
+            "contact": machine.parts.get("contact_ms", 0.0),
+            "begin_pull": machine.parts.get("begin_ms", 0.0),
+            "read": timing.get("transfer_ms", 0.0),
+            "fence": timing.get("done_ms", 0.0),
+        }
+        for phase, ms in parts.items():
+            self.stats.record_phase(phase, self.transport, peer, ms / 1e3)
+        # a layer-wise read while prefill computed is not time lost: its exposed part only
+        line = {"dispatch": timing.get("dispatch_ms", 0.0), "queue": timing.get("queue_ms", 0.0), **parts}
+        line["read"] = timing.get("exposed_ms", line["read"])
+        log.debug("request %s: %s", request_id, timing)
+        watchdog.slow(log, f"handover of request {request_id} on {self.control.name} from {peer}", line)
 
     def release(self, task: PullTask) -> None:
         """Decode reads nothing of the request: free it on every prefill rank now.
@@ -213,7 +231,7 @@ class DecodeSide:
                 timeout_s=self.pull_timeout_s,
                 cancelled=cancelled,
             )
-            timing = {"queue_ms": round(queued * 1e3, 3), **phases}
+            timing = {"queue_ms": round(queued * 1e3, 3), **phases, **machine.parts}
             self.stats.record(
                 self.transport,
                 peer,
@@ -222,7 +240,7 @@ class DecodeSide:
                 machine.nbytes,
                 machine.descriptors,
             )
-            log.debug("request %s streamed: %s", task.request_id, timing)
+            self._timed(task.request_id, peer, machine, timing)
         except Exception as exc:  # a bug too must surface as a load error, never as blocks counted as loaded
             error = exc
             machine.end(exc)

@@ -11,9 +11,10 @@
   (`kvbridge.landing`; whole-request pulls land inside `KVAgent.pull` before this state is entered);
 - confirming: the DONEs: fenced ones decide the outcome, or the prefill ranks' hold already did.
 
-Every transition is logged at debug and stamped; `marks()` gives the stamps in milliseconds since the
-pull began, as `at_<state>_ms`, the keys the engine's request timeline carries
-(`kvbridge.session.timeline`: the `x-kvbridge-timing` header `kvbridge proxy` sends).
+Every transition is logged at debug and stamped, and counts as progress for the stall watchdog
+(`kvbridge.watchdog`); `marks()` gives the stamps in milliseconds since the pull began, as `at_<state>_ms`,
+the keys the engine's request timeline carries (`kvbridge.session.timeline`: the `x-kvbridge-timing` header
+`kvbridge proxy` sends).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import threading
 import time
 
+from kvbridge import watchdog
 from kvbridge.errors import LoadError
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,9 @@ class PullMachine:
         # what the reads moved and how long the BeginPulls waited for prefill's offers, for the engine's metrics
         self.nbytes = self.descriptors = 0
         self.offer_wait_ms = 0.0
+        self.parts: dict[str, float] = {}  # ms of the side channel's steps: contact_ms, begin_ms
+        # busy() on progress (and each side-channel answer on this thread); forgotten at its end
+        self.beat = watchdog.watch(f"pull of {request_id} ({kind})", this_thread=True)
         self._lock = threading.Lock()  # the transport's thread may end a pull the caller's thread began
         log.debug("request %s (%s): %s", request_id, kind, self.state.value)
 
@@ -88,6 +93,9 @@ class PullMachine:
 
     def _enter(self, state: PullState) -> None:
         self.at[state] = time.perf_counter()
+        self.beat.busy()
+        if state in TERMINAL:
+            watchdog.WATCHDOG.forget(self.beat)
         log.debug(
             "request %s (%s): %s -> %s%s",
             self.request_id,

@@ -10,6 +10,7 @@ side-channel address, one per prefill instance), `reason` (a fixed set, see `fai
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,21 @@ from kvbridge.metric_labels import failure_reason
 # pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
 # leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta];
 # retries: [transport, peer, resubmissions] (of pulls that succeeded or failed);
-# guard: [transport, open (1: trust option, any host admitted), hosts admitted] when it changed (kvbridge.netguard)
-KEYS = ("pulls", "failures", "leases", "held", "retries", "guard")
+# guard: [transport, open (1: trust option, any host admitted), hosts admitted] when it changed (kvbridge.netguard);
+# phases: [phase, transport, peer, seconds] of a handover (HANDOVER_PHASES); requests: [kind, queued_s, wait_s,
+# handler_s] of a side-channel request this rank answered
+KEYS = ("pulls", "failures", "leases", "held", "retries", "guard", "phases", "requests")
+HANDOVER_PHASES = ("offer", "offer_wait", "contact", "begin_pull", "read", "fence", "done")
 LEASE_EVENTS = ("offered", "released", "expired", "aborted")
+
+
+def timed(data: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...], float]]:
+    """The phase and side-channel times in `data`: (SERIES key, labels after the engine's own, seconds)."""
+    for phase, transport, peer, seconds in data.get("phases", ()):
+        yield "phase_s", (phase, transport, peer), seconds
+    for kind, *parts in data.get("requests", ()):
+        for part, seconds in zip(("queued", "wait", "handler"), parts):
+            yield "request_s", (kind, part), seconds
 
 
 class TransferRecord:
@@ -51,6 +64,16 @@ class TransferRecord:
         with self._lock:
             self.data["leases"].append([event])
             self.data["held"].append([leases, blocks])
+
+    def record_phase(self, phase: str, transport: str, peer: str, seconds: float) -> None:
+        """One handover phase (one of HANDOVER_PHASES) of one request on this rank."""
+        with self._lock:
+            self.data["phases"].append([phase, transport, peer, seconds])
+
+    def record_request(self, kind: str, queued_s: float, wait_s: float, handler_s: float) -> None:
+        """A side-channel request this rank answered (`ControlServer`'s `timed`)."""
+        with self._lock:
+            self.data["requests"].append([kind, queued_s, wait_s, handler_s])
 
     def record_guard(self, transport: str, open_: bool, admitted: int) -> None:
         """Who a guarded transport's listeners admit now (recorded when it changes)."""

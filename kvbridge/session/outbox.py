@@ -42,6 +42,10 @@ class Recorder(Protocol):
 
     def record_lease(self, event: str, leases: int, blocks: int) -> None: ...
 
+    def record_phase(self, phase: str, transport: str, peer: str, seconds: float) -> None: ...
+
+    def record_request(self, kind: str, queued_s: float, wait_s: float, handler_s: float) -> None: ...
+
 
 class Outbox:
     """One rank's reports to its engine; every method may be called from any thread."""

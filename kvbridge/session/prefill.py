@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvbridge import watchdog
 from kvbridge.agent import KVAgent
 from kvbridge.control.channel import ControlServer
 from kvbridge.control.ledger import Lease, LeaseState, Ledger
@@ -65,6 +67,7 @@ class PrefillSide:
             secret=secret,
             insecure=insecure,
             streams=self.producer.query if self.producer is not None else None,
+            timed=stats.record_request,
         )
         self.agent: KVAgent | None = None
         self._lock = threading.Lock()
@@ -90,22 +93,31 @@ class PrefillSide:
         """The engine step's finished requests: publish their blocks and hold them for decode."""
         assert self.agent is not None
         for offer in offers:
-            self.agent.publish(offer.blocks)  # computed by now; through staging, copied to the host mirror
-            engine_id = offer.engine_request_id or offer.request_id  # the id the engine frees the blocks by
-            with self._lock:
-                if self._released_early.pop(offer.offer_id, None) is not None:
-                    self.outbox.sent(engine_id)  # the early offer was pulled and released already
-                    continue
-                self._stepped[offer.offer_id] = engine_id
-            # the same lease as the early offer's, if that came; the decode side states the release count
-            try:
-                self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
-            except ConfigError as exc:
-                # An early offer this step does not confirm (another offer id: a stray or forged one) holds
-                # the request: the step's offer is the truth. A decode reading the stray lease fails its DONE.
-                log.warning("request %s: %s; replacing that lease with the engine step's offer", offer.request_id, exc)
-                self.ledger.abort(offer.request_id)
-                self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+            begun = time.monotonic()
+            self._offer(offer)
+            took = time.monotonic() - begun
+            self.stats.record_phase("offer", self.agent.backend.name, "", took)
+            watchdog.slow(log, f"offer of request {offer.request_id} on {self.server.name}", {"offer": took * 1e3})
+
+    def _offer(self, offer: Offer) -> None:
+        """Publish one offer's blocks and lease them."""
+        assert self.agent is not None
+        self.agent.publish(offer.blocks)  # computed by now; through staging, copied to the host mirror
+        engine_id = offer.engine_request_id or offer.request_id  # the id the engine frees the blocks by
+        with self._lock:
+            if self._released_early.pop(offer.offer_id, None) is not None:
+                self.outbox.sent(engine_id)  # the early offer was pulled and released already
+                return  # nothing to lease
+            self._stepped[offer.offer_id] = engine_id
+        # the same lease as the early offer's, if that came; the decode side states the release count
+        try:
+            self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+        except ConfigError as exc:
+            # An early offer this step does not confirm (another offer id: a stray or forged one) holds
+            # the request: the step's offer is the truth. A decode reading the stray lease fails its DONE.
+            log.warning("request %s: %s; replacing that lease with the engine step's offer", offer.request_id, exc)
+            self.ledger.abort(offer.request_id)
+            self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
 
     def apply(self, meta: LayerwiseMeta) -> None:
         """The step's stream starts, growth, progress and ends."""

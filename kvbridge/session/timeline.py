@@ -15,6 +15,9 @@ The phases are disjoint slices of the request's life, in milliseconds, in order:
 - `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
   (a streamed answer's first token; a whole answer otherwise).
 
+After the phases, `control_ms` in its two parts (not summed again): `contact_ms` (finding each prefill rank's side
+channel and its RankInfo: first contact) and `begin_ms` (the BeginPulls, less the wait for the offer).
+
 Beside the phases, the decode's pull states (`kvbridge.session.machine`) as `at_<state>_ms`: when the
 slowest rank entered each state, milliseconds after its pull began (`at_done_ms`, or `at_fenced_ms` /
 `at_failed_ms` for a pull whose request was then recomputed). They are marks, not slices: they overlap
@@ -36,7 +39,8 @@ from kvbridge.session.machine import STATE_MARKS
 HEADER = "x-kvbridge-timing"
 PULL_PHASES = ("dispatch_ms", "queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")
 PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
-PULL_REPORT = (*PULL_PHASES, *STATE_MARKS)  # what a decode engine reports of its pull
+CONTROL_PARTS = ("contact_ms", "begin_ms")  # control_ms in parts (`Timeline.parts`, not in the sums)
+PULL_REPORT = (*PULL_PHASES, *CONTROL_PARTS, *STATE_MARKS)  # what a decode engine reports of its pull
 
 
 @attrs.define
@@ -48,12 +52,14 @@ class Timeline:
     total_ms: float = 0.0
     marks: dict[str, float] = attrs.field(factory=dict)  # at_<state>_ms: points in time, not slices
     begun: float = attrs.field(default=0.0, eq=False, repr=False)  # the proxy's perf_counter at arrival
+    parts: dict[str, float] = attrs.field(factory=dict)  # CONTROL_PARTS: slices of control_ms
 
     def add(self, reported: dict[str, float] | None, names: tuple[str, ...]) -> None:
-        """Take the phases (and marks) `names` from what an engine reported (None: it reported nothing)."""
+        """Take the phases (and marks, parts) `names` from what an engine reported (None: it reported nothing)."""
         for name in names:
             if reported and name in reported:
-                (self.marks if name in STATE_MARKS else self.phases)[name] = max(0.0, float(reported[name]))
+                where = self.marks if name in STATE_MARKS else self.parts if name in CONTROL_PARTS else self.phases
+                where[name] = max(0.0, float(reported[name]))
 
     def handover_ms(self) -> float | None:
         """The decode's pull, all its phases (None when the decode did not report them)."""
@@ -63,6 +69,7 @@ class Timeline:
     def header(self) -> str:
         parts = [f"id={self.request_id}", f"total_ms={self.total_ms:.3f}"]
         parts += [f"{p}={self.phases[p]:.3f}" for p in PHASES if p in self.phases]
+        parts += [f"{p}={self.parts[p]:.3f}" for p in CONTROL_PARTS if p in self.parts]
         parts += [f"{m}={self.marks[m]:.3f}" for m in STATE_MARKS if m in self.marks]
         return "; ".join(parts)
 
@@ -73,7 +80,8 @@ def parse(header: str) -> Timeline:
     try:
         request_id, total = fields.pop("id"), float(fields.pop("total_ms"))
         values = {k: float(v) for k, v in fields.items()}
-        phases = {k: v for k, v in values.items() if k not in STATE_MARKS}
-        return Timeline(request_id, phases, total, {k: v for k, v in values.items() if k in STATE_MARKS})
+        phases = {k: v for k, v in values.items() if k not in STATE_MARKS and k not in CONTROL_PARTS}
+        marks = {k: v for k, v in values.items() if k in STATE_MARKS}
+        return Timeline(request_id, phases, total, marks, parts={k: v for k, v in values.items() if k in CONTROL_PARTS})
     except KeyError as exc:
         raise ValueError(f"{HEADER} header {header!r} lacks {exc}") from None

@@ -1,11 +1,9 @@
 """Transfer statistics through vLLM's own connector-stats path.
 
-Workers record into a `KVBridgeStats` (`get_kv_connector_stats`); vLLM ships its `data` to the API
-server process each step, logs `reduce()` as "KV Transfer metrics", and hands the same `data` to the
-`KVBridgePromMetrics` that `build_prom_metrics` made, so the `kvbridge_*` series land in the server's
-own `/metrics` beside vLLM's. `data` holds only lists of plain values: it crosses processes.
-
-What is recorded, and its labels, is `kvbridge.session.metrics`'s.
+Workers record into a `KVBridgeStats` (`get_kv_connector_stats`); vLLM ships its `data` to the API server process each
+step, logs `reduce()` as "KV Transfer metrics", and hands the same `data` to the `KVBridgePromMetrics` that
+`build_prom_metrics` made, so the `kvbridge_*` series land in the server's own `/metrics` beside vLLM's. `data` holds
+only lists of plain values: it crosses processes. What is recorded, and its labels, is `kvbridge.session.metrics`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvbridge.metric_labels import SECONDS_BUCKETS, SERIES
-from kvbridge.session.metrics import KEYS, TransferRecord
+from kvbridge.session.metrics import KEYS, TransferRecord, timed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,6 +87,8 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             series["transfers"].labels(*labels).inc()
             series["transfer_s"].labels(*labels).observe(transfer_s)
             series["control_s"].labels(*labels).observe(control_s)
+        for key, labels, seconds in timed(transfer_stats_data):
+            series[key].labels(*base, *labels).observe(seconds)
         for transport, peer, reason in transfer_stats_data.get("failures", ()):
             series["failures"].labels(*base, transport, peer, reason).inc()
         for transport, peer, n in transfer_stats_data.get("retries", ()):

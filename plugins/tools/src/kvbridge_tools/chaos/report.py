@@ -47,6 +47,7 @@ class Report:
     pulls_failed: int = 0  # pulls that failed and were recomputed (kvbridge_transfer_failures_total)
     faults_injected: dict[str, int] = attrs.field(factory=dict)
     restarts: int = 0
+    stalls: list[str] = attrs.field(factory=list)  # the stall watchdog's dumps (every thread's stack) under the logs
     elapsed_s: float = 0.0
     handover_bound: HandoverBound | None = None  # None: no bound checked
     network: dict[str, Any] | None = None  # --hosts: the network faults injected
@@ -102,6 +103,7 @@ class Report:
             "pulls_failed_recomputed": self.pulls_failed,
             "faults_injected": self.faults_injected,
             "server_restarts": self.restarts,
+            "stall_dumps": self.stalls,
             "ttft_ms": {
                 k: None if v is None else round(v * 1e3, 1)
                 for k, v in {

@@ -317,6 +317,7 @@ class Runner:
             if j.fault == "scale-out":
                 report.faults_injected["scale-out"] = report.faults_injected.get("scale-out", 0) + 1
         report.restarts = dep.restarts
+        report.stalls = [str(p) for p in sorted(dep.logs.rglob("stall-*.txt"))]  # beside each server's log
         for path in dep.log_files():
             report.leases_expired += path.read_text(errors="replace").count(" expired with ")
         report.retries = int(dep.counter("kvbridge_transfer_retries_total"))

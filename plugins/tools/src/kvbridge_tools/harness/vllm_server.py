@@ -73,7 +73,9 @@ class Server:
         except OSError:
             return f"(no log at {self.log_path})"
         errors = [line for line in text if _ERROR_LINE.search(line)][:lines]
-        return "\n".join(["error lines:", *errors, f"last {lines} lines:", *text[-lines:]])
+        stalls = [str(p) for p in sorted(self.log_path.parent.glob(f"stalls-{self.port}/stall-*.txt"))]
+        tail = ["stall dumps (every thread's stack, kvbridge.watchdog):", *stalls] if stalls else []
+        return "\n".join(["error lines:", *errors, f"last {lines} lines:", *text[-lines:], *tail])
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus metrics, summed over labels: {"vllm:kv_cache_usage_perc": 0.0, ...}."""
@@ -325,6 +327,8 @@ def start_vllm(
         # The CPU platform swaps "uni" for "mp" unless V1 multiprocessing is off; the API server and the
         # engine core stay separate processes either way.
         full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # the stall watchdog's dumps (every thread's stack, once per stall) beside the log
+    full_env.setdefault("KVBRIDGE_STALL_DIR", str(log_dir / f"stalls-{port}"))
     full_env.update(env or {})
     # Its own TMPDIR: what it leaves there (vLLM's /tmp/vllm_dist_* init files) goes when it ends.
     tmp_dir = Path(tempfile.mkdtemp(prefix=f"kvbridge-vllm-{port}-tmp-"))
