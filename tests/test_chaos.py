@@ -78,8 +78,9 @@ def test_the_report_fails_on_any_must_be_zero_figure() -> None:
 
 
 def test_the_report_names_the_moves_of_a_request_and_the_recomputed_ones() -> None:
-    """Issue 43: a stream the proxy moved (and whose next decode computed what it should have pulled) was reported
-    as "no fault"."""
+    """Issue 43: a moved stream was reported as "no fault".
+
+    Its next decode computed what it should have pulled, and its output differed."""
     log = (
         "12:00:01 WARNING kvbridge_proxy.app: stream kvbridge-mig-1 (request chaos-0-12) moved from http://d0:1 to "
         "http://d1:2 after 16 tokens (its decode drains, recomputed): first event 11300.0 ms after the cut\n"

@@ -1307,11 +1307,7 @@ class Proxy:
                         yield _sse(moving.take(payload))
                         if up.decode.draining:
                             moving.request_cut("its decode drains")
-                    elif kind == "done":
-                        yield b"data: [DONE]\n\n"
-                        finished = True
-                        return
-                    elif moving.spent:  # its decode died after the last token the client asked for: it is whole
+                    elif kind == "done" or moving.spent:  # (spent: its decode died after the last token: it is whole)
                         yield b"data: [DONE]\n\n"
                         finished = True
                         return
@@ -1462,8 +1458,9 @@ class Proxy:
         return outcome
 
     async def _resume(self, moving: MovingStream, target: Instance) -> Upstream | None:
-        """Send the continuation to `target` (it computes what its cache lacks); its upstream once its first event came,
-        or None (logged)."""
+        """Send the continuation to `target`; its upstream once its first event came, or None (logged).
+
+        The target computes what its cache lacks: nothing but the last token after a pull (`_pull`)."""
         body = moving.resume_body(None, mark=target.identity is not None)
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
         target.in_flight += 1

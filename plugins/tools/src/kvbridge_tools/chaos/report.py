@@ -83,7 +83,8 @@ class Report:
             if not said or o.kind not in (DIFFERENT, FAILED, UNCLEAR):
                 continue
             how = "; ".join(said)
-            reason = o.reason.replace(", no fault)", f", {how})") if ", no fault)" in o.reason else f"{o.reason} [{how}]"
+            plain = ", no fault)" in o.reason
+            reason = o.reason.replace(", no fault)", f", {how})") if plain else f"{o.reason} [{how}]"
             self.outcomes[n] = attrs.evolve(o, reason=reason)
 
     def handovers_over_bound(self) -> int:
