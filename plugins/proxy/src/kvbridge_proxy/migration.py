@@ -76,6 +76,16 @@ def refusal(path: str, body: dict[str, Any]) -> str | None:
     return None
 
 
+def pull_outcome(timing: dict[str, Any]) -> str:
+    """What a decode's report of its pull (`kvbridge_timing`: its pull states, over all its ranks) says it did.
+
+    "pulled" when the pull ended done on every rank; "recomputed" when it ended fenced or failed on any (vLLM computed
+    what did not load), or when no pull was reported (nothing proves a read)."""
+    if "at_failed_ms" in timing or "at_fenced_ms" in timing or "at_done_ms" not in timing:
+        return "recomputed"
+    return "pulled"
+
+
 def _choice(event: dict[str, Any]) -> dict[str, Any] | None:
     choices = event.get("choices")
     return choices[0] if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict) else None
@@ -99,6 +109,17 @@ class MovingStream:
     cut_reason: str = ""
     _stays: bool = False  # a cut found no other decode: it finishes where it is
     prefer: Any = None  # the decode to move to (the rebalancer's pick), if it still takes requests
+
+    @property
+    def limit(self) -> int | None:
+        """The client's `max_tokens` (or `max_completion_tokens`), if it set one."""
+        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
+        return limit if isinstance(limit, int) else None
+
+    @property
+    def spent(self) -> bool:
+        """Every token the client asked for was forwarded: nothing is left to move."""
+        return self.limit is not None and len(self.generated) >= self.limit
 
     @property
     def wants_ids(self) -> bool:
@@ -202,9 +223,8 @@ class MovingStream:
         if self.path != CHAT and self.body.get("logprobs") is not None:
             body["logprobs"] = self.body["logprobs"]
         body.update(prompt=self.prompt + self.generated, stream=True, return_token_ids=True)
-        limit = self.body.get("max_completion_tokens", self.body.get("max_tokens"))
-        if isinstance(limit, int):
-            body["max_tokens"] = max(1, limit - len(self.generated))
+        if self.limit is not None:  # a spent stream is never moved (`spent`): at least one token is left
+            body["max_tokens"] = max(1, self.limit - len(self.generated))
         if isinstance(self.body.get("min_tokens"), int):
             body["min_tokens"] = max(0, self.body["min_tokens"] - len(self.generated))
         params: dict[str, Any] = {"kvbridge_migration_id": self.migration_id} if mark or source is not None else {}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -16,6 +18,20 @@ FAILED = "failed"  # an error answer with a status and a reason
 UNCLEAR = "failed_unclear"  # an error with no reason a client could act on (must be 0)
 HUNG = "hung"  # no answer within the bound (must be 0)
 DROPPED = "dropped"  # the client itself gave up (disconnect/abort faults): nothing to check
+
+
+# The proxy's line for each stream it moved (--migrate): kvbridge_proxy.app, `_move`.
+MOVE_LINE = re.compile(
+    r"stream \S+ \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (pulled|recomputed)\)"
+)
+
+
+def moves(proxy_log: str) -> dict[str, list[str]]:
+    """Each request the proxy moved, from its log: `"moved A -> B after k tokens (why, pulled|recomputed)"` per move."""
+    out: dict[str, list[str]] = {}
+    for rid, a, b, k, why, outcome in MOVE_LINE.findall(proxy_log):
+        out.setdefault(rid, []).append(f"moved {a} -> {b} after {k} tokens ({why}, {outcome})")
+    return out
 
 
 @attrs.frozen
@@ -56,6 +72,21 @@ class Report:
     drains_unclean: int = 0  # drained servers that did not exit 0 by themselves within the bound, holding nothing
     joined: list[dict[str, Any]] = attrs.field(factory=list)
     migrations: dict[str, float] | None = None  # the proxy's kvbridge_proxy_migrations_total by outcome
+    moves: dict[str, list[str]] = attrs.field(factory=dict)  # request id -> the proxy's moves of it (`moves()`)
+
+    def name_moves(self, request_id: Callable[[int], str]) -> None:
+        """Say in each failed or different outcome's reason that the proxy moved that request, and how.
+
+        `request_id(index)`: the id the request was sent with. A moved stream's reason then names its moves (each
+        pulled or recomputed) where it said "no fault"."""
+        for n, o in enumerate(self.outcomes):
+            said = self.moves.get(request_id(o.index))
+            if not said or o.kind not in (DIFFERENT, FAILED, UNCLEAR):
+                continue
+            how = "; ".join(said)
+            plain = ", no fault)" in o.reason
+            reason = o.reason.replace(", no fault)", f", {how})") if plain else f"{o.reason} [{how}]"
+            self.outcomes[n] = attrs.evolve(o, reason=reason)
 
     def handovers_over_bound(self) -> int:
         if self.handover_bound is None:
@@ -121,7 +152,15 @@ class Report:
             "network": self.network,
             "elastic": None
             if not (self.drained or self.joined)
-            else {"joined": self.joined, "drained": self.drained, "migrations": self.migrations},
+            else {
+                "joined": self.joined,
+                "drained": self.drained,
+                "migrations": self.migrations,
+                # the streams whose next decode computed what it should have pulled: exact, but a pull failed
+                "recomputed": sorted(f"{rid}: {m}" for rid, ms in self.moves.items() for m in ms if "recomputed)" in m)[
+                    :20
+                ],
+            },
             "elapsed_s": round(self.elapsed_s, 1),
             "must_be_zero": self.must_be_zero(),
         }

@@ -18,7 +18,7 @@ from kvbridge.session import timeline
 from kvbridge_tools.chaos.deployment import Deployment
 from kvbridge_tools.chaos.faults import scaling, schedule
 from kvbridge_tools.chaos.network import NetworkFaults
-from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report
+from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report, moves
 from kvbridge_tools.harness.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)
@@ -305,8 +305,11 @@ class Runner:
         report.blocks_held = held
         for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
-        if dep.migrate:  # streams the proxy moved off a draining decode, by outcome
+        if dep.migrate:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
             report.migrations = dep.proxy_counts("kvbridge_proxy_migrations_total", "outcome")
+            if dep.proxy is not None and dep.proxy.log_path.exists():
+                report.moves = moves(dep.proxy.log_path.read_text(errors="replace"))
+                report.name_moves(lambda i: f"chaos-{self.workload.seed}-{i}")
         report.drained = [d.as_dict() for d in dep.drained]
         report.drains_unclean = sum(1 for d in dep.drained if not d.clean)
         report.joined = [
