@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from kvbridge.errors import ConfigError
+from kvbridge.secret import HOW_TO_SET, admin_token, load_secret
 
 
 def _port(text: str) -> int:
@@ -105,10 +109,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
     p.add_argument("--rebalance-below", type=float, default=0.4, metavar="F", help="default 0.4")
+    p.add_argument(
+        "--admin-token",
+        action="store_true",
+        help="print the bearer token of the proxy's /admin calls, derived from KVBRIDGE_SECRET (or "
+        "KVBRIDGE_SECRET_FILE; the secret itself is never a token), and exit (docs/security.md)",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.admin_token:
+        token = admin_token(load_secret())
+        if token is None:
+            raise ConfigError(f"no shared secret to derive the admin token from: {HOW_TO_SET}")
+        sys.stdout.write(token + "\n")
+        return 0
     import uvicorn
 
     from kvbridge_proxy.app import create_app
