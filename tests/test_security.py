@@ -476,6 +476,32 @@ def test_each_use_of_the_secret_signs_with_a_key_of_its_own_and_never_with_the_s
         server.close()
 
 
+def test_the_documented_openssl_derivation_gives_the_admin_token() -> None:
+    """docs/security.md gives operators an OpenSSL command for hosts without kvbridge: it must print the token."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from kvbridge.secret import admin_token
+
+    doc = (Path(__file__).parents[1] / "docs" / "security.md").read_text()
+    [command] = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "openssl kdf" in b]
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl here")
+    out = subprocess.run(
+        ["bash", "-c", command],
+        env={**os.environ, "KVBRIDGE_SECRET": SECRET},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode and "kdf" in out.stderr.lower():
+        pytest.skip(f"this openssl has no `kdf` (OpenSSL 3 has): {out.stderr.strip()[:200]}")
+    assert out.returncode == 0 and out.stdout.strip() == admin_token(SECRET), out.stderr
+
+
 def test_the_proxys_admin_calls_take_the_derived_token_never_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
     """`kvbridge proxy --admin-token` prints the token; the secret itself as a bearer token is refused."""
     import os
