@@ -2,11 +2,14 @@
 
 A listener on an address other hosts can reach refuses to start without a secret unless the operator opts
 in to running unprotected, which is logged as a warning. Where the secret comes from, and why never from a
-command line: docs/security.md ("Where the secret comes from").
+command line: docs/security.md ("Where the secret comes from"). Each use of the secret signs with a key of its own
+(`derive`), so a MAC made for one use never passes for another's, and the proxy's admin token is not the secret.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -23,6 +26,22 @@ HOW_TO_SET = (
     f"set {SECRET_ENV} (at least {MIN_SECRET_BYTES} bytes, the same on every prefill and decode engine, e.g. "
     f"`export {SECRET_ENV}=$(openssl rand -hex 32)`) or put it in a file and set {SECRET_FILE_ENV}=/path/to/it"
 )
+# The uses of the shared secret, each with its own key: HKDF's `info` is `kvbridge/<use>`.
+SIDE_CHANNEL, TCP, RECORDS = "side-channel", "tcp-transport", "registry-records"
+DRAIN_ORDERS, LMDEPLOY, ADMIN = "drain-orders", "lmdeploy-endpoints", "admin-token"
+
+
+def derive(secret: str | bytes | None, use: str) -> bytes | None:
+    """The 32-byte key for one use of the shared secret: HKDF-SHA256 (RFC 5869), salt `kvbridge`; None without one."""
+    if not secret:
+        return None
+    prk = hmac.new(b"kvbridge", secret.encode() if isinstance(secret, str) else secret, hashlib.sha256).digest()
+    return hmac.new(prk, f"kvbridge/{use}".encode() + b"\x01", hashlib.sha256).digest()
+
+
+def admin_token(secret: str | bytes | None) -> str | None:
+    """The bearer token of the proxy's `/admin` calls (`kvbridge proxy --admin-token` prints it); None without one."""
+    return None if (key := derive(secret, ADMIN)) is None else key.hex()
 
 
 def load_secret(secret_file: str | os.PathLike[str] | None = None) -> bytes | None:

@@ -256,6 +256,24 @@ def test_auth_short_secret_is_a_config_error() -> None:
         ControlServer("x", 0, secret="short")
 
 
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_a_side_channel_on_ipv6_loopback_serves_an_authenticated_peer(closing: list, host: str) -> None:
+    """ZeroMQ speaks IPv4 unless a socket is told otherwise: without IPV6, binding [::1] fails (no such device)."""
+    ledger = Ledger(lambda lease, why: None, timeout_s=60)
+    server = ControlServer("prefill", 0, ledger=ledger, host=host, secret=SECRET)
+    closing.append(server)
+    server.register(rank_info())
+    ledger.offer("r6", [1, 2], expected_pulls=1)
+    assert server.address[0] == host and server._sock.getsockopt(zmq.IPV6) == 1
+    client = ControlClient(host, server.address[1], secret=SECRET, sender="decode/0", timeout_s=10)
+    closing.append(client)
+    assert client.get_info() == rank_info() and client.url == f"tcp://[::1]:{server.address[1]}"
+    assert client.begin_pull("r6", "decode/0", blocks=[1]).valid
+    v4 = ControlServer("prefill", 1, host="127.0.0.1")  # an IPv4 address or a name keeps ZeroMQ's default
+    closing.append(v4)
+    assert v4._sock.getsockopt(zmq.IPV6) == 0
+
+
 def test_bind_conflict_is_a_clear_error(closing: list) -> None:
     first = ControlServer("a", 0)
     closing.append(first)

@@ -7,14 +7,18 @@ on others. Also: the same etcd serving as Mooncake's metadata server while kvbri
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
-from control_helpers import etcd_server, rank_info, redis_server
+from control_helpers import etcd_server, rank_info, redis_server, wait_for
 
+from kvbridge import wire
 from kvbridge.control import (
     ControlClient,
     ControlServer,
@@ -47,7 +51,9 @@ def test_registry_publish_lookup_ranks_remove(registry: DiscoveryRegistry) -> No
     registry.publish(RankRecord(engine, 1, "127.0.0.1", 7001, ready=False))
     registry.publish(RankRecord(engine, 0, "127.0.0.1", 7000, ready=True, meta={"tp": "2"}))
     registry.publish(RankRecord(engine + "-other", 0, "127.0.0.1", 9000))
-    assert registry.lookup(engine, 0) == RankRecord(engine, 0, "127.0.0.1", 7000, True, {"tp": "2"})
+    found = registry.lookup(engine, 0)
+    assert found is not None and time.time() < found.expires <= time.time() + registry.rank_ttl_s
+    assert attrs.evolve(found, expires=0.0) == RankRecord(engine, 0, "127.0.0.1", 7000, True, {"tp": "2"})
     assert [r.rank for r in registry.ranks(engine)] == [0, 1]
     registry.publish(RankRecord(engine, 1, "127.0.0.1", 7001, ready=True))  # replaces
     assert registry.lookup(engine, 1).ready
@@ -55,6 +61,40 @@ def test_registry_publish_lookup_ranks_remove(registry: DiscoveryRegistry) -> No
     registry.remove(engine, 1)  # idempotent
     assert registry.lookup(engine, 1) is None and [r.rank for r in registry.ranks(engine)] == [0]
     assert registry.lookup("nobody", 0) is None
+
+
+def test_rank_records_expire_unless_renewed_and_one_under_another_key_is_ignored(
+    registry: DiscoveryRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank's record lives `rank_ttl_s` past its last renewal (store, MAC); a copy at another rank's key is not it."""
+    engine, secret = f"ttl-{id(registry)}", secrets.token_hex(16)
+    ours = open_registry(registry.url, secret=secret)
+    ours.rank_ttl_s = 1.5
+    reader = open_registry(registry.url, secret=secret)
+    try:
+        ours.publish(RankRecord(engine, 0, "127.0.0.1", 7000, ready=True))
+        first = reader.lookup(engine, 0)
+        assert first is not None and first.expires <= time.time() + 1.5
+        wait_for(lambda: time.time() > first.expires + 1, what="the first record's time to live to pass")
+        renewed = reader.lookup(engine, 0)
+        assert renewed is not None and renewed.expires > first.expires  # the publisher renews it
+        # a signed record copied to rank 1's key, and an old signed one written back at its own key
+        copy = ours._get(f"kvbridge/ranks/{engine}/0")
+        assert copy is not None
+        ours._put(f"kvbridge/ranks/{engine}/1", copy, 60)
+        stale = ours.sealer.seal(RankRecord(engine, 2, "127.0.0.1", 7002, ready=True, expires=time.time() - 1))
+        ours._put(f"kvbridge/ranks/{engine}/2", wire.encode(stale), 60)
+        with caplog.at_level(logging.WARNING, logger="kvbridge.control.discovery"):
+            assert reader.lookup(engine, 1) is None and reader.lookup(engine, 2) is None
+            assert [r.rank for r in reader.ranks(engine)] == [0]
+        assert f"record of kvbridge/ranks/{engine}/0 (copied to another key)" in caplog.text
+        ours.close()  # the rank dies without withdrawing: its record goes with its time to live
+        wait_for(lambda: reader.lookup(engine, 0) is None, timeout=30, what="the dead rank's record to expire")
+    finally:
+        for rank in (0, 1, 2):
+            reader.remove(engine, rank)
+        ours.close()
+        reader.close()
 
 
 def test_registry_server_announces_readiness_and_withdraws(registry: DiscoveryRegistry) -> None:

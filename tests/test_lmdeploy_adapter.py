@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import json
 import os
 import secrets
 import subprocess
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,6 +135,22 @@ def test_fresh_interpreter_gets_kvbridge_for_mooncake() -> None:
     names = json.loads(_fresh(_PROBE, KVBRIDGE_LMDEPLOY="1"))
     assert names["Mooncake"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
     assert names["KVBridge"] == names["Mooncake"]
+
+
+@pytest.mark.parametrize("first", ["kvbridge.adapters.lmdeploy", "lmdeploy.pytorch.disagg.backend"])
+def test_either_import_order_gets_kvbridge_for_mooncake(first: str) -> None:
+    """Importing kvbridge's adapter first runs LMDeploy's registry inside that import, before kvbridge's class is."""
+    out = subprocess.run(
+        [sys.executable, "-c", f"import {first}\n{_PROBE}"],
+        env={**os.environ, "KVBRIDGE_LMDEPLOY": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
+    assert out.returncode == 0 and "could not register" not in out.stderr, out.stderr
+    names = json.loads(out.stdout.strip().splitlines()[-1])
+    assert names["Mooncake"] == names["KVBridge"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
 
 
 def test_env_switch_keeps_lmdeploys_own_backend() -> None:
@@ -314,6 +333,55 @@ def test_endpoints_are_signed_and_a_signed_peer_is_admitted_to_guarded_listeners
             with pytest.raises(ProtocolError, match=r"(unsigned|signed with another secret).*same KVBRIDGE_SECRET"):
                 decode.p2p_connect("p", conn)
         assert "198.51.100.66" not in {str(a) for a in netguard.ADMISSION.hosts()}
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _resigned(info: dict, **changes: object) -> DistServeKVTransferEndpointInfo:
+    """`info` with `changes`, signed again as an engine holding SECRET signs (sorted compact JSON, HMAC-SHA256)."""
+    from kvbridge.secret import LMDEPLOY, derive
+
+    body = {k: v for k, v in {**info, **changes}.items() if k != "mac"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    body["mac"] = hmac.new(derive(SECRET, LMDEPLOY), text.encode(), hashlib.sha256).hexdigest()  # type: ignore[arg-type]
+    return DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=json.dumps(body))
+
+
+def test_a_signed_endpoint_is_taken_once_by_the_engine_it_is_for_from_the_engine_that_made_it_before_it_expires() -> (
+    None
+):
+    """Once, as its engine's, by the engine it names, within ENDPOINT_TTL_S; the same text as three engines: refused."""
+    prefill, decode, _src, _dst = _loopback_pair((SECRET, SECRET))
+    try:
+        for other in ("x", "y"):  # two more links on decode, to engines that did not make the endpoint
+            decode.p2p_initialize(
+                DistServeInitRequest(
+                    local_engine_id="d",
+                    local_engine_config=_cfg(D_BLOCKS),
+                    remote_engine_id=other,
+                    remote_engine_config=_cfg(P_BLOCKS),
+                    protocol=MigrationProtocol.TCP,
+                    rank=0,
+                )
+            )
+        info = prefill.endpoint_info("d", MigrationProtocol.TCP)
+        assert (info["engine"], info["for"]) == ("p", "d") and time.time() < info["expires"]
+        conn = DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=json.dumps(info))
+        for other in ("x", "y"):
+            with pytest.raises(ProtocolError, match=rf"remote engine '{other}' was made by 'p' for 'd'.*misrouted"):
+                decode.p2p_connect(other, conn)
+        decode.p2p_connect("p", conn)  # its own engine, the one it is for: taken
+        with pytest.raises(ProtocolError, match="taken before: True.*replayed"):
+            decode.p2p_connect("p", conn)
+        for changes in (
+            {"nonce": "n" * 32, "expires": time.time() - 1},  # expired
+            {"nonce": "m" * 32, "expires": time.time() + 3600},  # signed far ahead: refused too
+            {"nonce": "o" * 32, "for": "x"},  # made for another engine
+        ):
+            with pytest.raises(ProtocolError, match="refused as misrouted, stale or replayed"):
+                decode.p2p_connect("p", _resigned(info, **changes))
+        decode.p2p_connect("p", _resigned(info, nonce="p" * 32))  # a fresh nonce, in time: taken
     finally:
         prefill.close()
         decode.close()

@@ -27,9 +27,10 @@ from test_proxy_routing import Serving, Upstream
 from kvbridge import wire
 from kvbridge.control import RankRecord, open_registry
 from kvbridge.control.discovery import ORDERS, DrainOrder, ServerRecord
-from kvbridge.control.membership import Announcer, StaticMembers, open_members
+from kvbridge.control.membership import Announcer
 from kvbridge.errors import ConfigError
 from kvbridge_proxy import app as proxy
+from kvbridge_proxy.members import StaticMembers, open_members
 
 SECRET = secrets.token_hex(16)
 OTHER = secrets.token_hex(16)
@@ -286,6 +287,37 @@ def test_a_drain_order_reaches_its_server_only_and_a_forged_unsigned_or_stale_on
     finally:
         for reg in (*announcers, ours, forger, plain):
             reg.close()
+
+
+def test_a_drain_order_is_taken_once_and_written_back_drains_neither_its_server_nor_a_restarted_one(
+    store: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An order names its server's run (`incarnation`, random per `Announcer`): a copy of a taken one is ignored."""
+    ordered: list[str] = []
+    ours = open_registry(store, secret=SECRET)
+    first = Announcer(open_registry(store, secret=SECRET), _record("srv"), ttl_s=1.5)
+    first.on_order = lambda: ordered.append("first")
+    restarted: Announcer | None = None
+    try:
+        order = ours.order_drain("srv", 60, first.record.incarnation)
+        wait_for(lambda: ordered == ["first"], what="the order to be taken")
+        assert ours._get(f"{ORDERS}srv") is None
+        with caplog.at_level(logging.WARNING, logger="kvbridge.control.discovery"):
+            ours._put(f"{ORDERS}srv", wire.encode(order), 60)  # the taken order, written back
+            _rounds(first)
+            assert ordered == ["first"], "the same run took an order twice"
+            first.close()
+            restarted = Announcer(open_registry(store, secret=SECRET), _record("srv"), ttl_s=1.5)
+            restarted.on_order = lambda: ordered.append("restarted")
+            assert restarted.record.incarnation != order.incarnation
+            _rounds(restarted)
+        assert ordered == ["first"] and "it is for another run" in caplog.text
+        ours.order_drain("srv", 60, restarted.record.incarnation)  # an order for this run is taken
+        wait_for(lambda: ordered == ["first", "restarted"], what="the restarted server's own order")
+    finally:
+        for a in (first, restarted, ours):
+            if a is not None:
+                a.close()
 
 
 def _kvbridge(*args: str, secret: str | None) -> subprocess.CompletedProcess:

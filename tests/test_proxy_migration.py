@@ -28,6 +28,7 @@ from test_proxy_routing import Serving
 from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.errors import ConfigError
+from kvbridge.secret import admin_token
 from kvbridge_proxy.app import Instance, Upstream, create_app
 from kvbridge_proxy.migration import MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
@@ -356,7 +357,7 @@ def _decode(admin: httpx.Client, url: str) -> dict:
 def test_an_operator_cordons_and_drains_a_decode_at_the_proxy(cluster: Cluster) -> None:
     admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
     assert admin.post("/admin/drain", json={"server": cluster.a.url}).status_code == 401
-    auth = {"Authorization": f"Bearer {SECRET}"}
+    auth = {"Authorization": f"Bearer {admin_token(SECRET)}"}
     assert admin.post("/admin/drain", json={"server": "http://nowhere"}, headers=auth).status_code == 404
     events: list = []
     body = {"model": "m", "prompt": "drained by hand", "max_tokens": MAX_TOKENS, "stream": True}

@@ -443,3 +443,92 @@ def test_the_secret_from_the_environment_is_stripped_as_the_files_is(monkeypatch
     from_file = load_secret()
     monkeypatch.setenv("KVBRIDGE_SECRET", f"  {SECRET}\r\n")
     assert load_secret() == from_file == SECRET.encode()
+
+
+# -- one key per use of the secret (HKDF) ---------------------------------------------------------------------
+
+
+def test_each_use_of_the_secret_signs_with_a_key_of_its_own_and_never_with_the_secret() -> None:
+    """HKDF-SHA256 (RFC 5869) per use: a frame MAC'd with the raw secret, as before, is refused by the side channel."""
+    import hashlib
+    import hmac
+
+    from kvbridge.control.channel import _frame
+    from kvbridge.control.messages import Frame, GetInfo, Refused
+    from kvbridge.secret import ADMIN, DRAIN_ORDERS, LMDEPLOY, RECORDS, SIDE_CHANNEL, TCP, admin_token, derive
+
+    uses = (SIDE_CHANNEL, TCP, RECORDS, DRAIN_ORDERS, LMDEPLOY, ADMIN)
+    keys = [derive(SECRET, use) for use in uses]
+    assert len(set(keys)) == len(uses) and SECRET.encode() not in keys and derive(None, ADMIN) is None
+    assert admin_token(SECRET) == derive(SECRET.encode(), ADMIN).hex() != SECRET  # type: ignore[union-attr]
+    hkdf = pytest.importorskip("cryptography.hazmat.primitives.kdf.hkdf")
+    from cryptography.hazmat.primitives.hashes import SHA256
+
+    for use, key in zip(uses, keys):
+        assert hkdf.HKDF(SHA256(), 32, salt=b"kvbridge", info=f"kvbridge/{use}".encode()).derive(SECRET.encode()) == key
+    server = ControlServer("prefill", 0, secret=SECRET)
+    try:
+        frame = _frame("GetInfo", "decode/0", wire.encode(GetInfo()))
+        raw = hmac.new(SECRET.encode(), wire.encode(frame), hashlib.sha256).digest()
+        reply = wire.decode(server.handle(wire.encode(attrs.evolve(frame, mac=raw)), peer_host="127.0.0.1"), Frame)
+        assert reply.kind == "Refused" and "bad MAC" in wire.decode(reply.body, Refused).message
+    finally:
+        server.close()
+
+
+def test_the_documented_openssl_derivation_gives_the_admin_token() -> None:
+    """docs/security.md gives operators an OpenSSL command for hosts without kvbridge: it must print the token."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from kvbridge.secret import admin_token
+
+    doc = (Path(__file__).parents[1] / "docs" / "security.md").read_text()
+    [command] = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "openssl kdf" in b]
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl here")
+    out = subprocess.run(
+        ["bash", "-c", command],
+        env={**os.environ, "KVBRIDGE_SECRET": SECRET},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode and "kdf" in out.stderr.lower():
+        pytest.skip(f"this openssl has no `kdf` (OpenSSL 3 has): {out.stderr.strip()[:200]}")
+    assert out.returncode == 0 and out.stdout.strip() == admin_token(SECRET), out.stderr
+
+
+def test_the_proxys_admin_calls_take_the_derived_token_never_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvbridge proxy --admin-token` prints the token; the secret itself as a bearer token is refused."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+    from test_proxy_routing import Serving
+
+    from kvbridge.secret import admin_token
+    from kvbridge_proxy.app import create_app
+
+    monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
+    printed = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "proxy", "--admin-token"],
+        env={**os.environ, "KVBRIDGE_SECRET": SECRET},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert printed.returncode == 0 and printed.stdout.strip() == admin_token(SECRET), printed.stderr
+    decode = "http://127.0.0.1:9"
+    with Serving(create_app(["http://127.0.0.1:7"], [decode], warm_up=False, expose_internals=True)) as px:
+        cordon = f"{px.url}/admin/cordon"
+        for token in (SECRET, SECRET.encode().hex(), admin_token(WRONG)):
+            refused = httpx.post(cordon, json={"server": decode}, headers={"Authorization": f"Bearer {token}"})
+            assert refused.status_code == 401 and "kvbridge proxy --admin-token" in refused.text
+        ok = httpx.post(cordon, json={"server": decode}, headers={"Authorization": f"Bearer {printed.stdout.strip()}"})
+        assert ok.status_code == 200, ok.text
+        assert httpx.get(f"{px.url}/instances").json()["decode"][0]["cordoned"]

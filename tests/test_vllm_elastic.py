@@ -33,6 +33,7 @@ from control_helpers import redis_server, wait_for  # noqa: E402
 
 from kvbridge.control import open_registry  # noqa: E402
 from kvbridge.control.discovery import ServerRecord  # noqa: E402
+from kvbridge.secret import admin_token  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
 from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from kvbridge_tools.harness.vllm_server import (  # noqa: E402
@@ -298,7 +299,7 @@ def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv
             with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
                 reference = list(pool.map(lambda text: client.token_ids(prefill, text), texts))
             assert all(len(r) == max_tokens for r in reference)
-            admin = {"Authorization": f"Bearer {SECRET}"}
+            admin = {"Authorization": f"Bearer {admin_token(SECRET)}"}
             r = client.http.post(f"{proxy.url}/admin/cordon", json={"server": b.url}, headers=admin)
             assert r.status_code == 200, r.text  # every stream starts on A
             hits_before = b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)

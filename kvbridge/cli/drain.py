@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{args.server}'s record is signed: it ignores an unsigned order; {HOW_TO_SET}")
             log.warning("no KVBRIDGE_SECRET: the order is unsigned, which only a server without a secret takes")
         for r in targets:
-            registry.order_drain(r.server_id, args.ttl)
+            registry.order_drain(r.server_id, args.ttl, r.incarnation)  # this run of it: not a restarted one
         deadline = time.monotonic() + args.ttl
         state = {r.server_id: r.state for r in targets}
         while not args.no_wait and time.monotonic() < deadline:

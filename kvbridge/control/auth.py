@@ -1,7 +1,8 @@
 """Optional shared-secret authentication of side-channel frames: HMAC-SHA256 plus a replay guard.
 
-With a secret, every frame carries a MAC over its canonical wire encoding; a frame is accepted
-once, within `window_s` of its timestamp (the nonces seen inside the window are remembered).
+With a secret, every frame carries a MAC over its canonical wire encoding, under the side channel's own key
+(`kvbridge.secret.derive`); a frame is accepted once, within `window_s` of its timestamp (the nonces seen
+inside the window are remembered).
 Without a secret nothing is signed and everything is accepted: a trusted network only.
 """
 
@@ -21,6 +22,7 @@ import attrs
 from kvbridge import wire
 from kvbridge.control.messages import Frame
 from kvbridge.errors import ConfigError, ProtocolError
+from kvbridge.secret import SIDE_CHANNEL, derive
 
 NONCE_BYTES = 16
 
@@ -46,7 +48,7 @@ class Authenticator:
             raise ConfigError(
                 "the side-channel secret must be at least 16 bytes; generate one with `openssl rand -hex 32`"
             )
-        self._key = secret
+        self._key = derive(secret, SIDE_CHANNEL)  # the side channel's own key (docs/security.md)
         self.window_s = window_s
         self._max_nonces = max_nonces
         self._clock = clock

@@ -189,12 +189,13 @@ class ControlServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + 1024)  # + multipart envelope
         self._sock.setsockopt(zmq.RCVHWM, QUEUED_PER_PEER)
         self._sock.setsockopt(zmq.SNDHWM, QUEUED_PER_PEER)
+        self._sock.setsockopt(zmq.IPV6, _ipv6(host))
         try:
             with netguard.binding():  # not a transport's listener: no guard may filter it
                 if port:
-                    self._sock.bind(f"tcp://{host}:{port}")
+                    self._sock.bind(f"tcp://{_bracketed(host)}:{port}")
                 else:
-                    port = self._sock.bind_to_random_port(f"tcp://{host}")
+                    port = self._sock.bind_to_random_port(f"tcp://{_bracketed(host)}")
         except zmq.ZMQError as exc:
             self._sock.close()
             self._ctx.term()
@@ -758,6 +759,15 @@ class _Notifier:
         self._clients.close()
 
 
+def _ipv6(host: str) -> bool:
+    """ZeroMQ's IPv6 on for an IPv6 address or `*` (both families); a name stays IPv4 (`localhost` must not be ::1)."""
+    return ":" in host or host == "*"
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host  # as a ZeroMQ endpoint names it
+
+
 def _same_host(claimed: str, source: str | None) -> bool:
     """Is `claimed` (a notify host) the `source` host a request came from? Both loopback counts as the same."""
     if source is None:
@@ -798,7 +808,7 @@ class ControlClient:
         `receiver`: the rank's `engine_id/rank`, named in every request (the server refuses a request named for another
         rank); "" learns it from the first authenticated reply (a GetInfo is sent first for it). `context`: the ZeroMQ
         context of its sockets (default: the process's shared one)."""
-        self.url = f"tcp://{host}:{port}"
+        self.url = f"tcp://{_bracketed(host)}:{port}"
         self.host = host
         self.timeout_s = timeout_s
         self.sender = sender
@@ -827,6 +837,7 @@ class ControlClient:
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max + 1024)
+            sock.setsockopt(zmq.IPV6, _ipv6(self.host))
             sock.connect(self.url)
         except zmq.ZMQError as exc:
             sock.close(linger=0)

@@ -1,9 +1,10 @@
 """Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd.
 
-Every rank publishes a `RankRecord` (address + readiness), HTTP servers announce `ServerRecord`s with a
-time to live (elastic membership), operators write `DrainOrder`s; with the shared secret every record carries
-an HMAC that readers check, ignoring (logged) one without it or with a bad one. Key layout, peer-to-peer ports
-and sharing the store with Mooncake: docs/control-plane.md ("Discovery") and docs/elastic.md.
+Every rank publishes a `RankRecord` (address + readiness), HTTP servers announce `ServerRecord`s (elastic
+membership), operators write `DrainOrder`s. Each has a time to live, in the store and under its MAC; with the shared
+secret each carries an HMAC that readers check, ignoring (logged) one without it, with a bad one, expired, or under
+a key that is not its own (copied there). Key layout, peer-to-peer ports and sharing the store with Mooncake:
+docs/control-plane.md ("Discovery") and docs/elastic.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -24,7 +26,8 @@ import attrs
 
 from kvbridge import wire
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError, PeerGone, ProtocolError, TransferTimeout
+from kvbridge.errors import ConfigError, KVBridgeError, PeerGone, ProtocolError, TransferTimeout
+from kvbridge.secret import DRAIN_ORDERS, RECORDS, derive
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,7 @@ ROLES = ("prefill", "decode")
 STATES = ("serving", "draining")
 MAX_RECORD_BYTES = 64 * 1024
 MAX_WARNED = 1024  # ignored records remembered so that each is warned of once
+RANK_TTL_S = 30.0  # a rank record the store drops unless renewed (every third of it) by its publisher
 Address = tuple[str, int]
 
 
@@ -48,6 +52,7 @@ class RankRecord:
     port: int
     ready: bool = False
     meta: dict[str, str] = attrs.field(factory=dict)
+    expires: float = 0.0  # wall-clock (Unix) seconds, stamped by `publish`: a reader ignores the record after it
     mac: bytes = b""  # HMAC-SHA256 over the record without it, with the registry's key (see `Sealer`)
 
     @property
@@ -75,6 +80,7 @@ class ServerRecord:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    incarnation: str = ""  # random per run (`Announcer`): a drain order names it, so a restarted server ignores it
     mac: bytes = b""
 
     @property
@@ -88,29 +94,28 @@ class DrainOrder:
 
     server_id: str
     expires: float  # wall-clock (Unix) seconds, under the MAC: an old order written back is stale
+    incarnation: str = ""  # the run of the server it is for (its record's): a later run does not take it
     mac: bytes = b""
 
 
 class Sealer:
-    """Signs registry records and checks them with a key derived from the deployment's shared secret.
+    """Signs registry records and checks them with keys derived from the shared secret (records', drain orders').
 
     Without a secret nothing is signed and every record is taken (a trusted network only, as the side
     channel's rule).
     """
 
     def __init__(self, secret: str | bytes | None) -> None:
-        if isinstance(secret, str):
-            secret = secret.encode()
-        # A key of its own: a record's MAC must never pass for a side-channel frame's, or the other way round.
-        self._key = None if not secret else hmac.new(secret, b"kvbridge registry records v1", hashlib.sha256).digest()
+        self._key, self._orders = derive(secret, RECORDS), derive(secret, DRAIN_ORDERS)
 
     @property
     def enabled(self) -> bool:
         return self._key is not None
 
     def _mac(self, record: Any) -> bytes:
-        assert self._key is not None
-        return hmac.new(self._key, wire.encode(attrs.evolve(record, mac=b"")), hashlib.sha256).digest()
+        key = self._orders if isinstance(record, DrainOrder) else self._key
+        assert key is not None
+        return hmac.new(key, wire.encode(attrs.evolve(record, mac=b"")), hashlib.sha256).digest()
 
     def seal(self, record: Any) -> Any:
         """The record with its MAC (unchanged without a secret)."""
@@ -128,95 +133,140 @@ class Sealer:
 
 
 class DiscoveryRegistry(abc.ABC):
-    """A shared directory of rank records and server records, signed with `sealer`'s key."""
+    """A shared directory of rank records and server records, signed with `sealer`'s keys.
 
-    def __init__(self, url: str, secret: str | bytes | None) -> None:
+    The rank records this registry publishes are renewed every `rank_ttl_s / 3` on a thread of its own, until
+    `remove` or `close`: a rank that dies leaves no record behind for longer than `rank_ttl_s`."""
+
+    def __init__(self, url: str, secret: str | bytes | None, rank_ttl_s: float = RANK_TTL_S) -> None:
         self.url = redacted(url)  # what errors and logs name
         self.sealer = Sealer(secret)
+        self.rank_ttl_s = rank_ttl_s
         self._warned: set[tuple[str, bytes]] = set()  # (where, MAC) of the ignored records warned of
+        self._mine: dict[str, RankRecord] = {}  # key -> a rank record this registry published and renews
+        self._lock = threading.RLock()  # held while writing them: a removed record is never renewed back
+        self._closed = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     def _decoded(self, data: bytes, cls: type[Any], where: str) -> Any:
-        """The record in `data`, or None (logged) when it does not decode, is not authentic, or has expired."""
+        """The record in `data`, or None (logged) if it does not decode, is not authentic, not its key's, or expired."""
         try:
             record = wire.decode(data, cls, max_bytes=MAX_RECORD_BYTES)
         except ProtocolError as exc:
             log.warning("ignoring a malformed %s in %s at %s: %s", cls.__name__, self.url, where, exc)
             return None
         problem = self.sealer.problem(record)
+        if problem is None and _record_key(record) != where:
+            problem = f"it is the record of {_record_key(record)} (copied to another key)"
         if problem is None and isinstance(record, DrainOrder) and record.expires < time.time():
             problem = "it has expired (an old order written back, or the writer's clock is behind)"
         if problem is not None:
-            # read again every round: warned once per record, then at debug
-            seen = self._warned
-            level = logging.DEBUG if (where, record.mac) in seen else logging.WARNING
-            if len(seen) >= MAX_WARNED:
-                seen.clear()
-            seen.add((where, record.mac))
-            log.log(level, "ignoring the %s at %s in %s: %s", cls.__name__, where, self.url, problem)
-            return None
-        if isinstance(record, ServerRecord) and record.expires < time.time():
+            return self._ignore(record, where, problem)
+        if not isinstance(record, DrainOrder) and record.expires < time.time():
             # the store should have dropped it (TTL, lease): one it kept, or a replayed old record, is stale
-            log.debug("ignoring the expired server record %s in %s", where, self.url)
+            log.debug("ignoring the expired %s %s in %s", cls.__name__, where, self.url)
             return None
         return record
 
-    @abc.abstractmethod
+    def _ignore(self, record: Any, where: str, problem: str) -> None:
+        """Log why `record` is not used: once per record, then at debug (the store is read again every round)."""
+        seen = self._warned
+        level = logging.DEBUG if (where, record.mac) in seen else logging.WARNING
+        if len(seen) >= MAX_WARNED:
+            seen.clear()
+        seen.add((where, record.mac))
+        log.log(level, "ignoring the %s at %s in %s: %s", type(record).__name__, where, self.url, problem)
+
+    def _records(self, prefix: str, cls: type[Any]) -> list[Any]:
+        return [r for k, v in self._scan(prefix) if (r := self._decoded(v, cls, k)) is not None]
+
     def announce(self, record: ServerRecord, ttl_s: float) -> None:
         """Create or renew a server record that the store drops `ttl_s` seconds after its last renewal."""
+        self._put(_server_key(record.server_id), wire.encode(self.sealer.seal(record)), ttl_s)
 
-    @abc.abstractmethod
     def servers(self) -> list[ServerRecord]:
         """Every authentic, unexpired server record, by id."""
+        return sorted(self._records(SERVERS, ServerRecord), key=lambda r: r.server_id)
 
     def withdraw(self, server_id: str) -> None:
         """Remove a server record (idempotent)."""
         self._delete(_server_key(server_id))
 
-    @abc.abstractmethod
     def publish(self, record: RankRecord) -> None:
-        """Create or replace the record of (record.engine_id, record.rank)."""
+        """Create or replace the record of (record.engine_id, record.rank), renewed until `remove` or `close`."""
+        key = _key(record.engine_id, record.rank)
+        with self._lock:
+            self._write(key, record)
+            self._mine[key] = record
+            if self._renewer is None and not self._closed.is_set():
+                self._renewer = threading.Thread(target=self._renew, name="kvbridge-rank-records", daemon=True)
+                self._renewer.start()
 
-    @abc.abstractmethod
+    def _write(self, key: str, record: RankRecord) -> None:
+        stamped = attrs.evolve(record, expires=time.time() + self.rank_ttl_s)
+        self._put(key, wire.encode(self.sealer.seal(stamped)), self.rank_ttl_s)
+
+    def _renew(self) -> None:
+        while not self._closed.wait(self.rank_ttl_s / 3):
+            with self._lock:
+                for key, record in self._mine.items():
+                    try:
+                        self._write(key, record)
+                    except KVBridgeError as exc:  # the next round tries again; after a TTL the record is gone
+                        log.warning("could not renew %s in %s: %s", key, self.url, exc)
+
     def lookup(self, engine_id: str, rank: int) -> RankRecord | None:
-        """The record, or None when that rank never published (or withdrew)."""
+        """The record, or None when that rank never published (or withdrew, or stopped renewing it)."""
+        data = self._get(_key(engine_id, rank))
+        return None if data is None else self._decoded(data, RankRecord, _key(engine_id, rank))
 
-    @abc.abstractmethod
     def ranks(self, engine_id: str) -> list[RankRecord]:
         """Every published rank of an engine, by rank."""
+        found = self._records(_key(engine_id), RankRecord)
+        return sorted((r for r in found if r.engine_id == engine_id), key=lambda r: r.rank)
 
-    @abc.abstractmethod
     def remove(self, engine_id: str, rank: int) -> None:
         """Withdraw a record (idempotent)."""
+        with self._lock:
+            self._mine.pop(_key(engine_id, rank), None)
+            self._delete(_key(engine_id, rank))
 
     @abc.abstractmethod
     def _put(self, key: str, data: bytes, ttl_s: float) -> None:
-        """Write `data` at `key`, dropped by the store after `ttl_s` seconds."""
+        """Write `data` at `key`, dropped by the store `ttl_s` seconds after its last write."""
 
     @abc.abstractmethod
     def _get(self, key: str) -> bytes | None:
         """The value at `key`, or None."""
 
     @abc.abstractmethod
+    def _scan(self, prefix: str) -> list[tuple[str, bytes]]:
+        """Every (key, value) whose key starts with `prefix`."""
+
+    @abc.abstractmethod
     def _delete(self, key: str) -> None:
         """Remove `key` (idempotent)."""
 
-    def order_drain(self, server_id: str, ttl_s: float) -> DrainOrder:
-        """Order `server_id` to drain: a signed order that holds for `ttl_s` seconds or until the server takes it."""
-        order = self.sealer.seal(DrainOrder(server_id, expires=time.time() + ttl_s))
+    def order_drain(self, server_id: str, ttl_s: float, incarnation: str = "") -> DrainOrder:
+        """Order this run of `server_id` (its record's `incarnation`) to drain: signed, for `ttl_s` s or until taken."""
+        order = self.sealer.seal(DrainOrder(server_id, time.time() + ttl_s, incarnation))
         self._put(f"{ORDERS}{server_id}", wire.encode(order), ttl_s)
         return order
 
-    def take_order(self, server_id: str) -> DrainOrder | None:
-        """The authentic, unexpired order for `server_id`, removed from the store; None (a bad one: logged) if none."""
+    def take_order(self, server_id: str, incarnation: str = "") -> DrainOrder | None:
+        """The authentic, unexpired order for this run of `server_id`, removed from the store; None (logged) if none."""
         data = self._get(f"{ORDERS}{server_id}")
         order = None if data is None else self._decoded(data, DrainOrder, f"{ORDERS}{server_id}")
-        if order is None or order.server_id != server_id:
-            return None
-        self._delete(f"{ORDERS}{server_id}")  # taken: a server restarted under the same id is not drained by it
+        if order is None or order.incarnation != incarnation:  # written back after its server restarted
+            return None if order is None else self._ignore(order, f"{ORDERS}{server_id}", "it is for another run")
+        self._delete(f"{ORDERS}{server_id}")  # taken
         return order
 
     def close(self) -> None:
-        """Release the connection."""
+        """Stop renewing the rank records (the store drops them within `rank_ttl_s`) and release the connection."""
+        self._closed.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=10)
 
     def wait_ready(self, engine_id: str, rank: int, timeout_s: float) -> RankRecord:
         """Poll until the rank published itself ready; TransferTimeout after `timeout_s`."""
@@ -252,8 +302,15 @@ def _server_key(server_id: str) -> str:
     return f"{SERVERS}{server_id}"
 
 
+def _record_key(record: RankRecord | ServerRecord | DrainOrder) -> str:
+    """Where `record` belongs in the store."""
+    if isinstance(record, RankRecord):
+        return _key(record.engine_id, record.rank)
+    return (SERVERS if isinstance(record, ServerRecord) else ORDERS) + record.server_id
+
+
 class RedisRegistry(DiscoveryRegistry):
-    """Records as fields of one redis hash per engine (`kvbridge/ranks/<engine>/`)."""
+    """Records as redis keys (`kvbridge/ranks/<engine>/<rank>`, ...), each with its time to live."""
 
     def __init__(self, url: str, *, secret: str | bytes | None = None, timeout_s: float = 5.0) -> None:
         try:
@@ -274,31 +331,10 @@ class RedisRegistry(DiscoveryRegistry):
                 cause=str(exc),
             ) from None
 
-    def publish(self, record: RankRecord) -> None:
-        data = wire.encode(self.sealer.seal(record))
-        self._run("publish", self._client.hset, _key(record.engine_id), str(record.rank), data)
-
-    def lookup(self, engine_id: str, rank: int) -> RankRecord | None:
-        data = self._run("lookup", self._client.hget, _key(engine_id), str(rank))
-        return None if data is None else self._decoded(data, RankRecord, _key(engine_id, rank))
-
-    def ranks(self, engine_id: str) -> list[RankRecord]:
-        found = self._run("ranks", self._client.hgetall, _key(engine_id))
-        decoded = (self._decoded(v, RankRecord, _key(engine_id, int(k))) for k, v in found.items())
-        return sorted((r for r in decoded if r is not None), key=lambda r: r.rank)
-
-    def remove(self, engine_id: str, rank: int) -> None:
-        self._run("remove", self._client.hdel, _key(engine_id), str(rank))
-
-    def announce(self, record: ServerRecord, ttl_s: float) -> None:
-        data = wire.encode(self.sealer.seal(record))
-        self._run("announce", self._client.set, _server_key(record.server_id), data, None, max(1, int(ttl_s * 1000)))
-
-    def servers(self) -> list[ServerRecord]:
-        keys = sorted(self._run("servers", self._client.keys, f"{SERVERS}*"))
-        values = self._run("servers", self._client.mget, keys) if keys else []
-        decoded = (self._decoded(v, ServerRecord, k.decode()) for k, v in zip(keys, values) if v is not None)
-        return [r for r in decoded if r is not None]
+    def _scan(self, prefix: str) -> list[tuple[str, bytes]]:
+        keys = sorted(self._run("scan", self._client.keys, f"{prefix}*"))
+        values = self._run("scan", self._client.mget, keys) if keys else []
+        return [(k.decode(), v) for k, v in zip(keys, values) if v is not None]
 
     def _put(self, key: str, data: bytes, ttl_s: float) -> None:
         self._run("put", self._client.set, key, data, None, max(1, int(ttl_s * 1000)))
@@ -310,6 +346,7 @@ class RedisRegistry(DiscoveryRegistry):
         self._run("delete", self._client.delete, key)
 
     def close(self) -> None:
+        super().close()
         self._client.close()
 
 
@@ -328,7 +365,6 @@ class EtcdRegistry(DiscoveryRegistry):
         super().__init__(url, secret)
         self._base = f"{scheme}://{parsed.hostname}:{parsed.port or 2379}/v3"
         self._timeout = timeout_s
-        self._leases: dict[str, str] = {}  # server id -> the etcd lease its record is put with
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(
@@ -351,48 +387,14 @@ class EtcdRegistry(DiscoveryRegistry):
     def _b64(text: str | bytes) -> str:
         return base64.b64encode(text.encode() if isinstance(text, str) else text).decode()
 
-    def publish(self, record: RankRecord) -> None:
-        value = self._b64(wire.encode(self.sealer.seal(record)))
-        self._post("kv/put", {"key": self._b64(_key(record.engine_id, record.rank)), "value": value})
-
-    def _range(self, key: str, prefix: bool, cls: type[Any] = RankRecord) -> list[Any]:
-        body = {"key": self._b64(key)}
-        if prefix:  # every key that starts with `key`: range_end is the prefix with its last byte + 1
-            body["range_end"] = self._b64(key[:-1] + chr(ord(key[-1]) + 1))
+    def _scan(self, prefix: str) -> list[tuple[str, bytes]]:
+        # every key that starts with `prefix`: range_end is the prefix with its last byte + 1
+        body = {"key": self._b64(prefix), "range_end": self._b64(prefix[:-1] + chr(ord(prefix[-1]) + 1))}
         kvs = self._post("kv/range", body).get("kvs", [])
-        records = [
-            self._decoded(base64.b64decode(kv.get("value", "")), cls, base64.b64decode(kv.get("key", "")).decode())
-            for kv in kvs
-        ]
-        return [r for r in records if r is not None]
-
-    def lookup(self, engine_id: str, rank: int) -> RankRecord | None:
-        found = self._range(_key(engine_id, rank), prefix=False)
-        return found[0] if found else None
-
-    def ranks(self, engine_id: str) -> list[RankRecord]:
-        return sorted(self._range(_key(engine_id), prefix=True), key=lambda r: r.rank)
-
-    def remove(self, engine_id: str, rank: int) -> None:
-        self._post("kv/deleterange", {"key": self._b64(_key(engine_id, rank))})
-
-    def announce(self, record: ServerRecord, ttl_s: float) -> None:
-        """Put the record with an etcd lease of `ttl_s`, kept alive by each renewal.
-
-        A lease etcd no longer knows (it expired: this server was silent too long) is replaced by a new one.
-        """
-        lease = self._leases.get(record.server_id)
-        if lease is not None:
-            alive = self._post("lease/keepalive", {"ID": lease}).get("result", {})
-            if int(alive.get("TTL", 0)) <= 0:
-                lease = None
-        if lease is None:
-            lease = str(self._post("lease/grant", {"TTL": max(1, round(ttl_s))})["ID"])
-            self._leases[record.server_id] = lease
-        value = self._b64(wire.encode(self.sealer.seal(record)))
-        self._post("kv/put", {"key": self._b64(_server_key(record.server_id)), "value": value, "lease": lease})
+        return [(base64.b64decode(kv.get("key", "")).decode(), base64.b64decode(kv.get("value", ""))) for kv in kvs]
 
     def _put(self, key: str, data: bytes, ttl_s: float) -> None:
+        # a lease of its own each write: the key goes with the last one (an earlier one expiring leaves it)
         lease = self._post("lease/grant", {"TTL": max(1, round(ttl_s))})["ID"]
         self._post("kv/put", {"key": self._b64(key), "value": self._b64(data), "lease": lease})
 
@@ -402,15 +404,6 @@ class EtcdRegistry(DiscoveryRegistry):
 
     def _delete(self, key: str) -> None:
         self._post("kv/deleterange", {"key": self._b64(key)})
-
-    def servers(self) -> list[ServerRecord]:
-        return sorted(self._range(SERVERS, prefix=True, cls=ServerRecord), key=lambda r: r.server_id)
-
-    def withdraw(self, server_id: str) -> None:
-        lease = self._leases.pop(server_id, None)
-        if lease is not None:
-            self._post("lease/revoke", {"ID": lease})
-        super().withdraw(server_id)
 
 
 def redacted(url: str) -> str:

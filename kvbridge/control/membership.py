@@ -2,28 +2,26 @@
 
 `Announcer` runs on the server: it renews the record every third of its time to live, so a server that
 stops (killed, hung, cut off) drops out of the registry within one TTL, and looks for an operator's drain
-order each round; `drain()` republishes it as draining at once, and `close()` withdraws it. `SigtermDrain`
-drains on SIGTERM or on such an order. `open_members` gives the proxy what to read: a redis or
-etcd registry, or a static JSON file for small deployments (docs/elastic.md).
+order for this run (its record's random `incarnation`) each round until it takes one; `drain()`
+republishes it as draining at once, and `close()` withdraws it. `SigtermDrain` drains on SIGTERM or on
+such an order. The proxy reads the records (kvbridge-proxy's `members.py`; docs/elastic.md).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import os
+import secrets
 import signal
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import attrs
 
-from kvbridge.control.discovery import ROLES, STATES, DiscoveryRegistry, ServerRecord, open_registry, redacted
+from kvbridge.control.discovery import DiscoveryRegistry, ServerRecord
 from kvbridge.errors import ConfigError, KVBridgeError
 
 log = logging.getLogger(__name__)
@@ -40,7 +38,7 @@ class Announcer:
             raise ConfigError(f"registry_ttl_s must be {MIN_TTL_S:g} to {MAX_TTL_S:g} seconds, got {ttl_s}")
         self.registry = registry
         self.ttl_s = ttl_s
-        self._record = record
+        self._record = attrs.evolve(record, incarnation=record.incarnation or secrets.token_hex(8))
         self.on_order: Callable[[], None] | None = None  # what a drain order for this server sets off
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -64,9 +62,11 @@ class Announcer:
         while not self._stop.wait(self.ttl_s / 3):
             try:
                 self._renew()
-                if self.on_order is not None and self.registry.take_order(self._record.server_id) is not None:
-                    log.warning("server %s: ordered to drain (kvbridge drain)", self._record.server_id)
-                    self.on_order()
+                rec = self._record
+                if self.on_order is not None and self.registry.take_order(rec.server_id, rec.incarnation):
+                    log.warning("server %s: ordered to drain (kvbridge drain)", rec.server_id)
+                    on_order, self.on_order = self.on_order, None  # taken once: an order written back is not
+                    on_order()
             except KVBridgeError as exc:  # the next round tries again; after a TTL the record is gone
                 log.warning("could not renew %s in the registry: %s", self._record.server_id, exc)
 
@@ -143,55 +143,3 @@ class SigtermDrain:
     def close(self) -> None:
         """End the grace now (the server is shutting down anyway)."""
         self._closed.set()
-
-
-class StaticMembers:
-    """Server records from a JSON file the operator edits, read again on every call.
-
-    `[{"role": "decode", "url": "http://...", "state": "draining"?}, ...]`. Local and the operator's own:
-    no MAC, no expiry.
-    """
-
-    url: str
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.url = str(self.path)
-
-    def servers(self) -> list[ServerRecord]:
-        try:
-            entries = json.loads(self.path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the server list {self.path}: {exc}; it is a JSON list of servers") from None
-        if not isinstance(entries, list):
-            raise ConfigError(f"{self.path} must hold a JSON list of {{'role': ..., 'url': ...}} objects")
-        records = []
-        for n, entry in enumerate(entries):
-            try:
-                role, url, state = entry["role"], entry["url"], entry.get("state", "serving")
-                if role not in ROLES or state not in STATES or not isinstance(url, str):
-                    raise ValueError(f"role must be one of {ROLES}, state one of {STATES}, url a string")
-            except (TypeError, KeyError, ValueError, AttributeError) as exc:
-                raise ConfigError(f"{self.path}, entry {n}: {exc!r}; each entry needs a role and a url") from None
-            records.append(ServerRecord(url, role, url, expires=float("inf"), state=state))
-        return records
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-def open_members(url: str, *, secret: str | bytes | None = None) -> DiscoveryRegistry | StaticMembers:
-    """What the proxy reads server records from.
-
-    `redis://…` or `etcd://…` (records checked with `secret`), or a static JSON file (`file:///path`, or a
-    path with a `/` or ending in `.json`).
-    """
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme == "file":
-        return StaticMembers(parsed.path)
-    if not parsed.scheme and ("/" in url or url.endswith(".json")):
-        return StaticMembers(url)
-    registry = open_registry(url, secret=secret)
-    if registry is None:
-        raise ConfigError(f"{redacted(url)!r} is no registry; use redis://HOST:PORT, etcd://HOST:PORT or a file")
-    return registry

@@ -31,7 +31,7 @@ from kvbridge.backend import MigrationBackend, Op, Peer
 from kvbridge.errors import ConfigError, InvalidDescriptor, PeerGone, ProtocolError, TransferFailed
 from kvbridge.memory import Descriptors
 from kvbridge.options import TransportOptions, option
-from kvbridge.secret import check_listen, load_secret
+from kvbridge.secret import TCP, check_listen, derive, load_secret
 from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ def _mac(key: bytes, role: bytes, *challenges: bytes) -> bytes:
 
 def _secret_key(secret: bytes) -> bytes:
     """The transport's own key from the shared secret, so a MAC here is never valid on the side channel."""
-    return hmac.new(secret, b"kvbridge-tcp-transport-key", hashlib.sha256).digest()
+    return derive(secret, TCP) or b""  # never empty: called with a secret only
 
 
 def _advance(chunk: list[memoryview], n: int) -> list[memoryview]:

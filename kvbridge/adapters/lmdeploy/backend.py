@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -44,13 +45,13 @@ from kvbridge.device import Device
 from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
 from kvbridge.placement import local_device
 from kvbridge.plugins import create_backend, get_device, registry
+from kvbridge.secret import LMDEPLOY, derive
 from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 log = logging.getLogger(__name__)
 
-ENDPOINT_VERSION = 2  # 2: names its host, signed with the shared secret when there is one
-# What an endpoint's signature covers, so it is never mistaken for another kvbridge MAC made with the secret.
-_SIGNED = b"kvbridge-lmdeploy-endpoint\0"
+ENDPOINT_VERSION = 3  # 3: names its engine and the one it is for, expires, carries a nonce; signed with a secret
+ENDPOINT_TTL_S = 60.0  # a signed endpoint is taken once, within this long of its signing (clocks in sync: NTP)
 PROTOCOLS = {MigrationProtocol.TCP: "tcp", MigrationProtocol.RDMA: "rdma", MigrationProtocol.NVLINK: "nvlink"}
 
 
@@ -84,6 +85,8 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         self._transports: dict[str, MigrationBackend] = {}
         self._region_users: dict[tuple[str, int], set[str]] = {}  # (protocol, addr) -> engines
         self._lock = threading.RLock()
+        self._key = derive(self.settings.secret, LMDEPLOY)  # endpoints' own key: docs/security.md
+        self._taken: dict[str, float] = {}  # nonce -> expiry of each signed endpoint taken: a replay is refused
         self.metrics = TransferMetrics()  # kvbridge_transfer_* series: see kvbridge.adapters.lmdeploy.metrics
 
     @property
@@ -204,6 +207,10 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
         link = self._link(remote_engine_id, "endpoint_info", protocol)
         info = {
             "kvbridge": ENDPOINT_VERSION,
+            "engine": link.local_engine_id,
+            "for": remote_engine_id,
+            "expires": time.time() + ENDPOINT_TTL_S,
+            "nonce": os.urandom(16).hex(),
             "host": self.settings.hostname,
             "transport": wire.to_dict(link.transport.endpoint()),
             "mr_info": {
@@ -216,8 +223,8 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
                 for k, r in sorted(link.local_regions.items())
             },
         }
-        if self.settings.secret:
-            info["mac"] = _signature(self.settings.secret, info)
+        if self._key:
+            info["mac"] = _signature(self._key, info)
         return info
 
     def publish(self, remote_engine_id: str | None = None) -> None:
@@ -239,8 +246,9 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     def p2p_connect(self, remote_engine_id: str, conn_req: DistServeKVTransferEndpointInfo) -> None:
         """Connect to the remote engine described by its `endpoint_info`."""
         link = self._link(remote_engine_id, "p2p_connect", conn_req.protocol)
-        endpoint, regions, host = _parse_endpoint(remote_engine_id, conn_req.endpoint_info, self.settings.secret)
-        if self.settings.secret:  # it proved the secret: its transport may reach ours
+        with self._lock:
+            endpoint, regions, host = _parse_endpoint(link, conn_req.endpoint_info, self._key, self._taken)
+        if self._key:  # it proved the secret: its transport may reach ours
             netguard.admit(host, f"signed endpoint of LMDeploy engine {remote_engine_id}")
         peer = link.transport.connect(endpoint)
         with self._lock:
@@ -403,17 +411,18 @@ def _late(rid: str, p: InstructPlan, first: int, count: int, timeout: float | No
     return _failed(rid, p, first, count, TransferTimeout(f"not finished within {timeout}s", peer=rid, cause="timeout"))
 
 
-def _signature(secret: bytes, info: Mapping[str, Any]) -> str:
+def _signature(key: bytes, info: Mapping[str, Any]) -> str:
     body = json.dumps({k: v for k, v in info.items() if k != "mac"}, sort_keys=True, separators=(",", ":"))
-    return hmac.new(secret, _SIGNED + body.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
 def _parse_endpoint(
-    rid: str, text: str, secret: bytes | None = None
+    link: Link, text: str, key: bytes | None, taken: dict[str, float]
 ) -> tuple[EndpointInfo, dict[int, MemoryRegion], str]:
-    """The transport endpoint, regions and host a peer's `endpoint_info` carried.
+    """The transport endpoint, regions and host `link`'s remote engine sent in its `endpoint_info`.
 
-    With a secret, only when its signature holds."""
+    Only one from that engine for this one; with a secret, only once, unexpired, and when its signature holds."""
+    rid = link.remote_engine_id
     try:
         data = json.loads(text)
     except (TypeError, ValueError) as exc:
@@ -429,14 +438,26 @@ def _parse_endpoint(
             f"remote engine {rid!r} sent endpoint version {data['kvbridge']!r}, this side speaks "
             f"{ENDPOINT_VERSION}; install the same kvbridge-lmdeploy release on both sides"
         )
-    if secret is not None:
+    if key is not None:
         mac = data.get("mac")
-        if not isinstance(mac, str) or not hmac.compare_digest(mac, _signature(secret, data)):
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _signature(key, data)):
             how = "unsigned" if mac is None else "signed with another secret"
             raise ProtocolError(
                 f"endpoint_info from remote engine {rid!r} is {how}; "
                 "set the same KVBRIDGE_SECRET (or KVBRIDGE_SECRET_FILE) on every prefill and decode engine"
             )
+    now, expires, nonce = time.time(), data.get("expires"), str(data.get("nonce"))
+    for n in [n for n, t in taken.items() if t < now]:  # expired: refused on its expiry alone from now on
+        del taken[n]
+    fresh = isinstance(expires, float) and now <= expires <= now + 2 * ENDPOINT_TTL_S and nonce not in taken
+    if (data.get("engine"), data.get("for")) != (rid, link.local_engine_id) or key is not None and not fresh:
+        raise ProtocolError(
+            f"endpoint_info given for remote engine {rid!r} was made by {data.get('engine')!r} for {data.get('for')!r} "
+            f"(this is {link.local_engine_id!r}), expires at {expires!r} (now {now:.3f}), taken before: "
+            f"{nonce in taken}; refused as misrouted, stale or replayed (keep clocks in sync with NTP)"
+        )
+    if key is not None and isinstance(expires, float):
+        taken[nonce] = expires
     host = data.get("host")
     if not isinstance(host, str) or not host:
         raise ProtocolError(f"endpoint_info from remote engine {rid!r} names no host")

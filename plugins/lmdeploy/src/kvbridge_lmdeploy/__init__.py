@@ -5,6 +5,8 @@ finder on `sys.meta_path` (standard library only, nothing imported): when a proc
 `lmdeploy.pytorch.disagg.backend` — where LMDeploy registers its backends, in its API server
 and in every executor worker it spawns — the finder lets that module run and then calls
 `kvbridge.adapters.lmdeploy.register()`. Processes that never import LMDeploy pay nothing else.
+Where kvbridge's adapter is imported first, LMDeploy's module runs inside that import, before the
+adapter's class exists: the registration then waits until the adapter's import has finished.
 
 Turn it off with `KVBRIDGE_LMDEPLOY=0` (read when LMDeploy's module is imported), or uninstall
 the distribution (`pip uninstall kvbridge-lmdeploy`).
@@ -17,6 +19,9 @@ import os
 import sys
 
 TARGET = "lmdeploy.pytorch.disagg.backend"
+ADAPTER = "kvbridge.adapters.lmdeploy"
+_loading: set[str] = set()  # of TARGET and ADAPTER, those whose module is running now
+_deferred: set[str] = set()  # {TARGET} when it loaded inside the adapter's import: register after that
 ENV = "KVBRIDGE_LMDEPLOY"
 _OFF = {"0", "off", "false", "no"}
 
@@ -51,10 +56,10 @@ def activate() -> bool:
 
 # Duck-typed loader and finder: importlib.abc would cost every interpreter start ~15 ms.
 class _Loader:
-    """Runs the real loader, then registers kvbridge's backend."""
+    """Runs the real loader, then registers kvbridge's backend (once both LMDeploy's and kvbridge's modules ran)."""
 
-    def __init__(self, loader: object) -> None:
-        self._loader = loader
+    def __init__(self, loader: object, name: str) -> None:
+        self._loader, self._name = loader, name
 
     def __getattr__(self, name: str) -> object:  # get_resource_reader, is_package, ... of the real loader
         return getattr(self._loader, name)
@@ -63,22 +68,30 @@ class _Loader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: object) -> None:
-        self._loader.exec_module(module)
-        activate()
+        _loading.add(self._name)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _loading.discard(self._name)
+        if self._name == TARGET and ADAPTER in _loading:  # kvbridge's class is not defined yet
+            _deferred.add(TARGET)
+        elif self._name == TARGET or _deferred:
+            _deferred.clear()
+            activate()
 
 
 class _Finder:
-    """Finds nothing itself: wraps the loader of TARGET as the other finders find it."""
+    """Finds nothing itself: wraps the loaders of TARGET and ADAPTER as the other finders find them."""
 
     def find_spec(self, fullname: str, path: object, target: object = None) -> object:
-        if fullname != TARGET:
+        if fullname not in (TARGET, ADAPTER):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader)
+                spec.loader = _Loader(spec.loader, fullname)
                 return spec
         return None
 

@@ -58,14 +58,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.discovery import ServerRecord
-from kvbridge.control.membership import StaticMembers, open_members
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.rank_ports import side_channel_port
-from kvbridge.secret import load_secret
+from kvbridge.secret import admin_token, load_secret
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
 from kvbridge_proxy.limits import BUDGET, Admission, Budget, Limits, encoded
+from kvbridge_proxy.members import StaticMembers, open_members
 from kvbridge_proxy.migration import MovingStream, pull_outcome, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 
@@ -1629,16 +1629,20 @@ class Proxy:
         return state
 
     async def admin(self, action: str, request: Request) -> Any:
-        """`POST /admin/{cordon,uncordon,drain}` `{"server": URL or label}`, with the shared secret as bearer token.
+        """`POST /admin/{cordon,uncordon,drain}` `{"server": URL or label}`, with the admin token as bearer token.
+
+        The token is derived from the shared secret (`kvbridge proxy --admin-token`), never the secret itself.
 
         cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --migrate move its
         streams to other decodes now. The server itself keeps running: stop it afterwards (docs/elastic.md)."""
         if not self.secret:
             return JSONResponse({"error": "the admin calls need the proxy's KVBRIDGE_SECRET (none is set)"}, 403)
         token = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
-        if not hmac.compare_digest(token, self.secret):
+        if not hmac.compare_digest(token, str(admin_token(self.secret)).encode()):
             log.warning("refused an admin %s: bad or missing bearer token", action)
-            return JSONResponse({"error": "Authorization: Bearer <the deployment's shared secret> is required"}, 401)
+            return JSONResponse(
+                {"error": "Authorization: Bearer <the admin token: `kvbridge proxy --admin-token`> is required"}, 401
+            )
         body = await read_body(request)
         if isinstance(body, JSONResponse):
             return body

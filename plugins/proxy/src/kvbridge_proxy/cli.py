@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
+
+from kvbridge.errors import ConfigError
+from kvbridge.secret import HOW_TO_SET, admin_token, load_secret
 
 # Bounds on the limits' settings: far above any use, and finite (a NaN or infinite deadline is none).
 MAX_COUNT = 1 << 20
@@ -135,6 +139,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
     p.add_argument("--rebalance-below", type=float, default=0.4, metavar="F", help="default 0.4")
+    p.add_argument(
+        "--admin-token",
+        action="store_true",
+        help="print the bearer token of the proxy's /admin calls, derived from KVBRIDGE_SECRET (or "
+        "KVBRIDGE_SECRET_FILE; the secret itself is never a token), and exit (docs/security.md)",
+    )
     _add_limits(p)
     p.set_defaults(run=run)
 
@@ -200,6 +210,12 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.admin_token:
+        token = admin_token(load_secret())
+        if token is None:
+            raise ConfigError(f"no shared secret to derive the admin token from: {HOW_TO_SET}")
+        sys.stdout.write(token + "\n")
+        return 0
     from kvbridge_proxy.app import create_app
     from kvbridge_proxy.limits import Limits, server
     from kvbridge_proxy.rebalance import Policy

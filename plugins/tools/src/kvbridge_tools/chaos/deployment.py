@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvbridge.errors import ConfigError
+from kvbridge.secret import admin_token
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.vllm_server import (
     Server,
@@ -405,7 +406,7 @@ class Deployment:
         import httpx
 
         assert self.proxy is not None
-        auth = {"Authorization": f"Bearer {self._secret}"}
+        auth = {"Authorization": f"Bearer {admin_token(self._secret)}"}
         try:
             r = httpx.post(
                 f"{self.proxy.url}/admin/drain", json={"server": server.url}, headers=auth, timeout=10, trust_env=False
