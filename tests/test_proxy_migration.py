@@ -419,7 +419,7 @@ def test_a_stream_that_sent_its_last_token_is_not_moved(cluster: Cluster) -> Non
     too many), pulling what A never offers (the request finished on A)."""
     HOLD.clear()
     admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
-    auth = {"Authorization": f"Bearer {SECRET}"}
+    auth = {"Authorization": f"Bearer {admin_token(SECRET)}"}
     events: list = []
     body = {"model": "m", "prompt": "drained at its end", "max_tokens": 6, "stream": True}
     with httpx.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body, timeout=60, trust_env=False) as r:

@@ -445,7 +445,7 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
             client = Completions(str(model), max_tokens=max_tokens)
             texts = [f"stream {n} whose pull fails " * 3 for n in range(3)]
             reference = [client.token_ids(prefill, t) for t in texts]  # colocated: the prefill server alone
-            admin = {"Authorization": f"Bearer {SECRET}"}
+            admin = {"Authorization": f"Bearer {admin_token(SECRET)}"}
 
             def call(action: str, server: Server) -> None:
                 r = client.http.post(f"{proxy.url}/admin/{action}", json={"server": server.url}, headers=admin)
