@@ -11,7 +11,8 @@ when, and what staging costs: docs/plugins.md, section 4.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,11 +38,17 @@ def reaches(device: Device, backend: MigrationBackend) -> bool:
     return device.memory_kind == MemoryKind.DRAM or backend.protocol in device.protocols()
 
 
-def attach(backend: MigrationBackend, device: Device, *, force: bool = False) -> MigrationBackend:
+Maker = Callable[[], MigrationBackend]
+
+
+def attach(
+    backend: MigrationBackend, device: Device, *, force: bool = False, probe: Maker | None = None
+) -> MigrationBackend:
     """`backend` bound to `device`'s memory: itself, a `DeviceBackend` or a `StagedBackend` (see above).
 
-    `force` stages even when the transport could reach the memory (to measure or test staging). The
-    returned backend owns `backend`: closing it closes both.
+    `force` stages even when the transport could reach the memory (to measure or test staging). With `probe` (makes
+    another backend of the same transport), device memory the transport reaches is staged if `probe_paths` finds
+    staging faster. The returned backend owns `backend`: closing it closes both.
     """
     if isinstance(backend, DeviceBackend):  # bound already (by the caller): to this device, or a mistake
         if backend.device is not device:
@@ -52,6 +59,8 @@ def attach(backend: MigrationBackend, device: Device, *, force: bool = False) ->
         if force and not isinstance(backend, StagedBackend):
             raise ConfigError("stage=True needs the transport itself, not one bound to reach the device directly")
         return backend
+    if probe is not None and not force and device.synchronizes and reaches(device, backend):
+        force = probe_paths(probe, device, key=f"{device.name}/{backend.name}/{backend.protocol}").staged
     if not force and reaches(device, backend):
         if not device.synchronizes:
             return backend
@@ -60,6 +69,65 @@ def attach(backend: MigrationBackend, device: Device, *, force: bool = False) ->
         "%s over %s/%s goes through host staging (one extra copy per side)", device.name, backend.name, backend.protocol
     )
     return StagedBackend(backend, device)
+
+
+@attrs.frozen
+class PathChoice:
+    """What `probe_paths` measured: the best seconds of a verified read of `nbytes`, in place and staged."""
+
+    staged: bool
+    in_place_s: float
+    staged_s: float
+    nbytes: int
+
+    def __str__(self) -> str:
+        times = f"in place {self.in_place_s * 1e3:.2f} ms, staged {self.staged_s * 1e3:.2f} ms"
+        return f"{'staged' if self.staged else 'in place'} ({times} for {self.nbytes} bytes)"
+
+
+_choices: dict[str, PathChoice] = {}  # per key (device/transport/protocol): each deployment probes once
+
+
+def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 << 18, rounds: int = 3) -> PathChoice:
+    """Move `nbytes` of device memory between two backends from `make`, in place and staged; the faster, cached.
+
+    Each path: the serving side's `publish` (staged: its copy to the host mirror) and the read, a warm-up then the best
+    of `rounds`, each verified byte for byte; a path that fails or moves other bytes is logged and counts as infinitely
+    slow (both: in place)."""
+    if key in _choices:
+        return _choices[key]
+    best = [_time_path(make, device, staged, key, nbytes, rounds) for staged in (False, True)]
+    choice = PathChoice(best[1] * 1.25 < best[0], best[0], best[1], nbytes)  # in place, unless clearly slower
+    log.info("path probe %s: %s", key, choice)
+    if key:
+        _choices[key] = choice
+    return choice
+
+
+def _time_path(make: Maker, device: Device, staged: bool, key: str, nbytes: int, rounds: int) -> float:
+    pattern, best = np.random.default_rng().integers(0, 256, nbytes, dtype=np.uint8), float("inf")
+    pair: list[MigrationBackend] = []
+    try:
+        pair += [attach(make(), device, force=staged) for _ in range(2)]
+        src, dst = device.allocate(nbytes), device.allocate(nbytes)
+        device.from_host(src, pattern)
+        (local,) = pair[1].register_memory(dst)
+        pair[0].register_memory(src)
+        peer, remote = pair[1].connect(pair[0].endpoint_info()), pair[0].endpoint().regions[0].addr
+        for i in range(rounds + 1):  # the first warms up (connections, caches)
+            begun = time.perf_counter()
+            pair[0].publish()
+            pair[1].transfer(peer, [(local.addr, remote, nbytes)], "read").wait(5.0)
+            best = min(best, time.perf_counter() - begun) if i else best
+            if not np.array_equal(device.to_host(dst), pattern):
+                raise ConfigError("the read returned other bytes")
+    except Exception as exc:  # noqa: BLE001 - a path that fails is the slower one
+        log.warning("path probe %s: the %s path failed: %s", key, "staged" if staged else "in-place", exc)
+        best = float("inf")
+    finally:
+        for be in pair:
+            be.close()
+    return best
 
 
 def transport(backend: MigrationBackend) -> MigrationBackend:
