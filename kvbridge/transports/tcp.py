@@ -8,6 +8,7 @@ deadline: docs/security.md ("TCP transport").
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import hmac
@@ -222,33 +223,17 @@ class TcpOptions(TransportOptions):
     """Options of the `tcp` transport."""
 
     port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one", min=0, max=65535)
-    connect_timeout: float = option(
-        10.0, "seconds to wait for a peer to accept a connection before PeerGone", min=0.001, max=3600
-    )
+    connect_timeout: float = option(10.0, "seconds to wait for a peer to accept a connection", min=0.001, max=3600)
     handshake_timeout: float = option(
-        _HANDSHAKE_TIMEOUT_S,
-        "seconds a connection has to authenticate, all of its handshake together, before it is dropped",
-        min=0.001,
-        max=3600,
+        _HANDSHAKE_TIMEOUT_S, "seconds a connection has to finish its whole handshake", min=0.001, max=3600
     )
     max_handshakes: int = option(
-        _MAX_HANDSHAKES,
-        "connections at once that have not authenticated yet (a thread each); a new one past it evicts the "
-        "oldest of the source address holding the most",
-        min=1,
-        max=65536,
+        _MAX_HANDSHAKES, "unauthenticated connections at once; more evict the oldest", min=1, max=65536
     )
     transfer_deadline: float = option(
-        _TRANSFER_DEADLINE_S,
-        "seconds a transfer may make no progress before its connection is dropped and it is retried once, then fails",
-        min=0.001,
-        max=86400,
+        _TRANSFER_DEADLINE_S, "seconds a transfer may make no progress (then retried once)", min=0.001, max=86400
     )
-    secret: str | bytes | None = option(
-        None,
-        "shared secret (16+ bytes) authenticating every connection; "
-        "default: $KVBRIDGE_SECRET or the file secret_file names",
-    )
+    secret: str | bytes | None = option(None, "shared secret (16+ bytes; default: $KVBRIDGE_SECRET or secret_file)")
     secret_file: str | None = option(None, "file holding the shared secret (default: $KVBRIDGE_SECRET_FILE)")
     insecure: bool = option(False, "listen on a non-loopback address without a secret (logs a warning)")
 
@@ -284,10 +269,8 @@ class TcpBackend(MigrationBackend):
         self._server_threads: list[threading.Thread] = []
         self._conns: list[socket.socket] = []
         self._pools: list[queue.SimpleQueue[socket.socket]] = []
-        # Connections not authenticated yet, oldest first, with their source host (under _lock).
-        self._pending: OrderedDict[socket.socket, str] = OrderedDict()
-        self._evicted = 0  # evicted since the last warning about it
-        self._evict_logged = 0.0  # monotonic time of that warning
+        self._pending: OrderedDict[socket.socket, str] = OrderedDict()  # unauthenticated: source host, oldest first
+        self._evicted, self._evict_logged = 0, 0.0  # evictions since the last warning about them, and its time
         # No progress within the deadline: the connection is dropped (a socket timeout after the handshake), and
         # the base class resubmits the part once (see kvbridge.backend).
         self.transfer_deadline_s = opts.transfer_deadline
@@ -332,11 +315,8 @@ class TcpBackend(MigrationBackend):
             victim = self._victim() if len(self._pending) >= self.options.max_handshakes else None
             self._pending[conn] = host
             self._conns.append(conn)
-        if victim is not None:
-            try:  # wakes its thread (blocked in recv), which closes it: a close alone would not
-                victim.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with contextlib.suppress(OSError, AttributeError):  # shutdown wakes its thread in recv; close would not
+            victim.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="kvbridge-tcp-serve", daemon=True).start()
@@ -351,17 +331,10 @@ class TcpBackend(MigrationBackend):
         busiest = Counter(self._pending.values()).most_common(1)[0][0]
         victim = next(c for c, h in self._pending.items() if h == busiest)
         del self._pending[victim]
-        self._evicted += 1
-        now = time.monotonic()
+        self._evicted, now = self._evicted + 1, time.monotonic()
         if now - self._evict_logged >= _EVICT_LOG_S:
-            log.warning(
-                "tcp transport %s: %d connections were authenticating already (max_handshakes): closed the oldest "
-                "from %s (%d evicted so far this way since the last such warning)",
-                self._address(),
-                self.options.max_handshakes,
-                busiest,
-                self._evicted,
-            )
+            msg = "tcp transport %s: max_handshakes (%d) reached: closed the oldest from %s (%d such since the last)"
+            log.warning(msg, self._address(), self.options.max_handshakes, busiest, self._evicted)
             self._evicted, self._evict_logged = 0, now
         return victim
 
@@ -397,12 +370,13 @@ class TcpBackend(MigrationBackend):
             # A kvbridge peer authenticates at once: a connection that drops before is refused, and said so.
             with self._lock:
                 evicted = conn not in self._pending and not authenticated  # _admit said so already
+            level, when = (logging.DEBUG, "") if authenticated else (logging.WARNING, " before authenticating")
             log.log(
-                logging.DEBUG if authenticated or evicted else logging.WARNING,
-                "tcp transport %s: connection from %s dropped%s: %s",
+                logging.DEBUG if evicted else level,
+                "tcp transport %s: %s dropped%s: %s",
                 self._address(),
                 peer,
-                "" if authenticated else " before authenticating",
+                when,
                 exc,
             )
         finally:
@@ -461,9 +435,7 @@ class TcpBackend(MigrationBackend):
             if not error and _nbytes(views) != sum(length.tolist()):
                 # RegionIndex found the ranges registered, yet the views fall short: never send or land short
                 error = f"ranges of {sum(length.tolist())} bytes are not all in registered memory here"
-                log.error(
-                    "tcp transport %s: %s from %s: %s (a bug: please report it)", self._address(), op, peer, error
-                )
+                log.error("tcp transport %s: %s from %s: %s (a bug: report it)", self._address(), op, peer, error)
         if op == "read":
             if error:
                 _send_frame(conn, {"ok": False, "error": error})
@@ -534,21 +506,13 @@ class TcpBackend(MigrationBackend):
             mine = secrets.token_bytes(_CHALLENGE_BYTES)
             _send_frame(sock, {"mac": _mac(h["key"], b"client", challenge), "challenge": mine})
             reply = _recv_frame(sock, _MAX_AUTH_FRAME)
-            if not reply.get("ok"):
-                raise TransferFailed(
-                    f"tcp peer {name} refused to authenticate this engine: {reply.get('error')}; "
-                    "use the peer's current endpoint info and the same KVBRIDGE_SECRET",
-                    peer=name,
-                    cause="authentication",
-                )
-            mac = reply.get("mac")
-            if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(h["key"], b"server", challenge, mine)):
-                raise TransferFailed(
-                    f"tcp peer {name} did not prove it holds the endpoint's key: not the peer the "
-                    "endpoint info names (or another secret)",
-                    peer=name,
-                    cause="authentication",
-                )
+            mac, why = reply.get("mac"), f"refused to authenticate this engine: {reply.get('error')}"
+            if reply.get("ok"):
+                good = isinstance(mac, bytes) and hmac.compare_digest(mac, _mac(h["key"], b"server", challenge, mine))
+                why = "" if good else "did not prove it holds the endpoint's key (another peer, or another secret)"
+            if why:
+                hint = "use the peer's current endpoint info and the same KVBRIDGE_SECRET"
+                raise TransferFailed(f"tcp peer {name} {why}; {hint}", peer=name, cause="authentication")
         except (ConnectionError, OSError, ProtocolError) as exc:
             sock.close()
             raise PeerGone(f"tcp peer {name} failed the handshake: {exc}", peer=name, cause=str(exc)) from None
