@@ -105,16 +105,17 @@ def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 <
 
 
 def _time_path(make: Maker, device: Device, staged: bool, key: str, nbytes: int, rounds: int) -> float:
-    pattern, best = np.random.default_rng().integers(0, 256, nbytes, dtype=np.uint8), float("inf")
+    rng, best = np.random.default_rng(), float("inf")
     pair: list[MigrationBackend] = []
     try:
         pair += [attach(make(), device, force=staged) for _ in range(2)]
         src, dst = device.allocate(nbytes), device.allocate(nbytes)
-        device.from_host(src, pattern)
         (local,) = pair[1].register_memory(dst)
         pair[0].register_memory(src)
         peer, remote = pair[1].connect(pair[0].endpoint_info()), pair[0].endpoint().regions[0].addr
         for i in range(rounds + 1):  # the first warms up (connections, caches)
+            pattern = rng.integers(0, 256, nbytes, dtype=np.uint8)  # new bytes each time: a stale copy is caught
+            device.from_host(src, pattern)
             begun = time.perf_counter()
             pair[0].publish()
             pair[1].transfer(peer, [(local.addr, remote, nbytes)], "read").wait(5.0)
