@@ -315,8 +315,9 @@ class TcpBackend(MigrationBackend):
             victim = self._victim() if len(self._pending) >= self.options.max_handshakes else None
             self._pending[conn] = host
             self._conns.append(conn)
-        with contextlib.suppress(OSError, AttributeError):  # shutdown wakes its thread in recv; close would not
-            victim.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        if victim is not None:
+            with contextlib.suppress(OSError):  # shutdown wakes its thread in recv; close would not
+                victim.shutdown(socket.SHUT_RDWR)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="kvbridge-tcp-serve", daemon=True).start()
