@@ -188,9 +188,10 @@ class KVAgent:
             )
         self._own_backend = isinstance(backend, str)
         inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
-        # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
-        name, options = backend, {k: v for k, v in backend_options.items() if k != "port"}  # the port is the agent's
+        # The probe's backends talk within this process: on loopback (no guard to pass), and never on the agent's port.
+        name, options = backend, {**{k: v for k, v in backend_options.items() if k != "port"}, "hostname": "127.0.0.1"}
         make = (lambda: create_backend(name, **options)) if probe and isinstance(name, str) else None
+        # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
         self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage, probe=make)
         self._peers: dict[tuple[str, int], Peer] = {}
         self.receiver: Receiver | None = None
