@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -88,15 +88,32 @@ class PathChoice:
 _choices: dict[str, PathChoice] = {}  # per key (device/transport/protocol): each deployment probes once
 
 
-def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 << 18, rounds: int = 3) -> PathChoice:
+def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 << 18, rounds: int = 5) -> PathChoice:
     """Move `nbytes` of device memory between two backends from `make`, in place and staged; the faster, cached.
 
-    Each path: the serving side's `publish` (staged: its copy to the host mirror) and the read, a warm-up then the best
-    of `rounds`, each verified byte for byte; a path that fails or moves other bytes is logged and counts as infinitely
-    slow (both: in place)."""
+    A round is the serving side's `publish` (staged: its copy to the host mirror) and the read, verified byte for byte;
+    the paths take turns (what disturbs one round disturbs both), a warm-up then the best of `rounds` each. A path that
+    fails or moves other bytes is logged and counts as infinitely slow (both: in place)."""
     if key in _choices:
         return _choices[key]
-    best = [_time_path(make, device, staged, key, nbytes, rounds) for staged in (False, True)]
+    best = [float("inf")] * 2
+    pairs: tuple[list[MigrationBackend], list[MigrationBackend]] = ([], [])
+    paths: list[Iterator[float] | None] = [_rounds(make, device, bool(s), pairs[s], nbytes) for s in (0, 1)]
+    try:
+        for i in range(rounds + 1):  # round 0 sets up and warms up (connections, caches)
+            for staged, path in enumerate(paths):
+                if path is None:
+                    continue
+                try:
+                    took = next(path)
+                except Exception as exc:  # noqa: BLE001 - a path that fails is the slower one
+                    log.warning("path probe %s: the %s path failed: %s", key, "staged" if staged else "in-place", exc)
+                    paths[staged], best[staged] = None, float("inf")
+                    continue
+                best[staged] = min(best[staged], took) if i else best[staged]
+    finally:
+        for be in pairs[0] + pairs[1]:
+            be.close()
     choice = PathChoice(best[1] * 1.25 < best[0], best[0], best[1], nbytes)  # in place, unless clearly slower
     log.info("path probe %s: %s", key, choice)
     if key:
@@ -104,31 +121,23 @@ def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 <
     return choice
 
 
-def _time_path(make: Maker, device: Device, staged: bool, key: str, nbytes: int, rounds: int) -> float:
-    rng, best = np.random.default_rng(), float("inf")
-    pair: list[MigrationBackend] = []
-    try:
-        pair += [attach(make(), device, force=staged) for _ in range(2)]
-        src, dst = device.allocate(nbytes), device.allocate(nbytes)
-        (local,) = pair[1].register_memory(dst)
-        pair[0].register_memory(src)
-        peer, remote = pair[1].connect(pair[0].endpoint_info()), pair[0].endpoint().regions[0].addr
-        for i in range(rounds + 1):  # the first warms up (connections, caches)
-            pattern = rng.integers(0, 256, nbytes, dtype=np.uint8)  # new bytes each time: a stale copy is caught
-            device.from_host(src, pattern)
-            begun = time.perf_counter()
-            pair[0].publish()
-            pair[1].transfer(peer, [(local.addr, remote, nbytes)], "read").wait(5.0)
-            best = min(best, time.perf_counter() - begun) if i else best
-            if not np.array_equal(device.to_host(dst), pattern):
-                raise ConfigError("the read returned other bytes")
-    except Exception as exc:  # noqa: BLE001 - a path that fails is the slower one
-        log.warning("path probe %s: the %s path failed: %s", key, "staged" if staged else "in-place", exc)
-        best = float("inf")
-    finally:
-        for be in pair:
-            be.close()
-    return best
+def _rounds(make: Maker, device: Device, staged: bool, pair: list[MigrationBackend], nbytes: int) -> Iterator[float]:
+    """Seconds of each verified round of one path; its two backends go into `pair` (the caller closes them)."""
+    pair += [attach(make(), device, force=staged) for _ in range(2)]
+    src, dst, rng = device.allocate(nbytes), device.allocate(nbytes), np.random.default_rng()
+    (local,) = pair[1].register_memory(dst)
+    pair[0].register_memory(src)
+    peer, remote = pair[1].connect(pair[0].endpoint_info()), pair[0].endpoint().regions[0].addr
+    while True:
+        pattern = rng.integers(0, 256, nbytes, dtype=np.uint8)  # new bytes each time: a stale copy is caught
+        device.from_host(src, pattern)
+        begun = time.perf_counter()
+        pair[0].publish()
+        pair[1].transfer(peer, [(local.addr, remote, nbytes)], "read").wait(5.0)
+        took = time.perf_counter() - begun
+        if not np.array_equal(device.to_host(dst), pattern):
+            raise ConfigError("the read returned other bytes")
+        yield took
 
 
 def transport(backend: MigrationBackend) -> MigrationBackend:

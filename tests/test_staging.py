@@ -234,3 +234,34 @@ def test_the_path_probe_counts_a_path_that_returns_wrong_bytes_as_slowest(npu: A
 
     choice = staging.probe_paths(lambda: Corrupting(BackendConfig(protocol="ascend")), npu, nbytes=4096)
     assert choice.staged and choice.in_place_s == float("inf"), choice
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_an_agent_given_its_transport_by_name_probes_once_per_process(
+    probe: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The example device: host memory behind a device that synchronizes, which loopback reaches in place.
+
+    Which path wins here is the machine's business (the throttled tests above pin it): the agents follow the one logged
+    choice, made once for both."""
+    from kvbridge.agent import KVAgent
+    from kvbridge.layout import vllm_layout
+    from kvbridge.presets import PRESETS
+    from kvbridge.topology import ParallelConfig
+
+    monkeypatch.setattr(staging, "_choices", {})
+    caplog.set_level(logging.INFO, "kvbridge.staging")
+    model, blocks = PRESETS["tiny-gqa"], 4
+    layer_bytes = 2 * blocks * model.kv_heads * model.block_size * model.head_dim * model.dtype_bytes
+    kinds = []
+    for _ in range(2):
+        buf = np.zeros(model.layers * layer_bytes, dtype=np.uint8)
+        addrs = [buf.ctypes.data + i * layer_bytes for i in range(model.layers)]
+        layout = vllm_layout(model, model.kv_heads, addrs, blocks)
+        agent = KVAgent("e", 0, ParallelConfig(), layout, buf, backend="loopback", device="example", probe=probe)
+        kinds.append(type(agent.backend))
+        agent.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("path probe example/loopback/")]
+    assert len(lines) == (1 if probe else 0), lines
+    staged = probe and lines[0].startswith("path probe example/loopback/loopback: staged (")
+    assert kinds == [staging.StagedBackend if staged else staging.DeviceBackend] * 2, (kinds, lines)
