@@ -154,6 +154,7 @@ class KVAgent:
         backend: str | MigrationBackend = "mooncake",
         device: str | None = None,
         stage: bool = False,
+        probe: bool = True,
         landing: Sequence[Sequence[Any]] | None = None,
         **backend_options: Any,
     ) -> None:
@@ -163,10 +164,10 @@ class KVAgent:
         Memory given as (address, bytes) pairs is the named device's (its current device id), host memory when none is
         named. `backend` by name is created and closed by the agent; a backend object (or one `kvbridge.staging.attach`
         already bound to the device) is left open. Either is staged where the transport cannot reach the device's
-        memory, or always with `stage=True`. `landing`: per plane, per layer, byte views of the cache
-        (`kvbridge.landing.Receiver`): reads from a peer whose cache is arranged otherwise, or over a transport that may
-        write late, land in buffers first and are rearranged into the cache; without them every read goes straight into
-        the cache (a peer arranged otherwise is refused)."""
+        memory, always with `stage=True`, or where `probe` (a backend by name) finds it faster (`staging.probe_paths`).
+        `landing`: per plane, per layer, byte views of the cache (`kvbridge.landing.Receiver`): reads from a peer whose
+        cache is arranged otherwise, or over a transport that may write late, land in buffers first and are rearranged
+        into the cache; without them every read goes straight into the cache (a peer arranged otherwise is refused)."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -187,8 +188,11 @@ class KVAgent:
             )
         self._own_backend = isinstance(backend, str)
         inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
+        # The probe's backends talk within this process: on loopback (no guard to pass), and never on the agent's port.
+        name, options = backend, {**{k: v for k, v in backend_options.items() if k != "port"}, "hostname": "127.0.0.1"}
+        make = (lambda: create_backend(name, **options)) if probe and isinstance(name, str) else None
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
-        self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage)
+        self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage, probe=make)
         self._peers: dict[tuple[str, int], Peer] = {}
         self.receiver: Receiver | None = None
         self._lock = threading.Lock()

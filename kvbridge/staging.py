@@ -11,7 +11,8 @@ when, and what staging costs: docs/plugins.md, section 4.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -37,11 +38,17 @@ def reaches(device: Device, backend: MigrationBackend) -> bool:
     return device.memory_kind == MemoryKind.DRAM or backend.protocol in device.protocols()
 
 
-def attach(backend: MigrationBackend, device: Device, *, force: bool = False) -> MigrationBackend:
+Maker = Callable[[], MigrationBackend]
+
+
+def attach(
+    backend: MigrationBackend, device: Device, *, force: bool = False, probe: Maker | None = None
+) -> MigrationBackend:
     """`backend` bound to `device`'s memory: itself, a `DeviceBackend` or a `StagedBackend` (see above).
 
-    `force` stages even when the transport could reach the memory (to measure or test staging). The
-    returned backend owns `backend`: closing it closes both.
+    `force` stages even when the transport could reach the memory (to measure or test staging). With `probe` (makes
+    another backend of the same transport), device memory the transport reaches is staged if `probe_paths` finds
+    staging faster. The returned backend owns `backend`: closing it closes both.
     """
     if isinstance(backend, DeviceBackend):  # bound already (by the caller): to this device, or a mistake
         if backend.device is not device:
@@ -52,6 +59,8 @@ def attach(backend: MigrationBackend, device: Device, *, force: bool = False) ->
         if force and not isinstance(backend, StagedBackend):
             raise ConfigError("stage=True needs the transport itself, not one bound to reach the device directly")
         return backend
+    if probe is not None and not force and device.synchronizes and reaches(device, backend):
+        force = probe_paths(probe, device, key=f"{device.name}/{backend.name}/{backend.protocol}").staged
     if not force and reaches(device, backend):
         if not device.synchronizes:
             return backend
@@ -60,6 +69,75 @@ def attach(backend: MigrationBackend, device: Device, *, force: bool = False) ->
         "%s over %s/%s goes through host staging (one extra copy per side)", device.name, backend.name, backend.protocol
     )
     return StagedBackend(backend, device)
+
+
+@attrs.frozen
+class PathChoice:
+    """What `probe_paths` measured: the best seconds of a verified read of `nbytes`, in place and staged."""
+
+    staged: bool
+    in_place_s: float
+    staged_s: float
+    nbytes: int
+
+    def __str__(self) -> str:
+        times = f"in place {self.in_place_s * 1e3:.2f} ms, staged {self.staged_s * 1e3:.2f} ms"
+        return f"{'staged' if self.staged else 'in place'} ({times} for {self.nbytes} bytes)"
+
+
+_choices: dict[str, PathChoice] = {}  # per key (device/transport/protocol): each deployment probes once
+
+
+def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 << 18, rounds: int = 5) -> PathChoice:
+    """Move `nbytes` of device memory between two backends from `make`, in place and staged; the faster, cached.
+
+    A round is the serving side's `publish` (staged: its copy to the host mirror) and the read, verified byte for byte;
+    the paths take turns (what disturbs one round disturbs both), a warm-up then the best of `rounds` each. A path that
+    fails or moves other bytes is logged and counts as infinitely slow (both: in place)."""
+    if key in _choices:
+        return _choices[key]
+    best = [float("inf")] * 2
+    pairs: tuple[list[MigrationBackend], list[MigrationBackend]] = ([], [])
+    paths: list[Iterator[float] | None] = [_rounds(make, device, bool(s), pairs[s], nbytes) for s in (0, 1)]
+    try:
+        for i in range(rounds + 1):  # round 0 sets up and warms up (connections, caches)
+            for staged, path in enumerate(paths):
+                if path is None:
+                    continue
+                try:
+                    took = next(path)
+                except Exception as exc:  # noqa: BLE001 - a path that fails is the slower one
+                    log.warning("path probe %s: the %s path failed: %s", key, "staged" if staged else "in-place", exc)
+                    paths[staged], best[staged] = None, float("inf")
+                    continue
+                best[staged] = min(best[staged], took) if i else best[staged]
+    finally:
+        for be in pairs[0] + pairs[1]:
+            be.close()
+    choice = PathChoice(best[1] * 1.25 < best[0], best[0], best[1], nbytes)  # in place, unless clearly slower
+    log.info("path probe %s: %s", key, choice)
+    if key:
+        _choices[key] = choice
+    return choice
+
+
+def _rounds(make: Maker, device: Device, staged: bool, pair: list[MigrationBackend], nbytes: int) -> Iterator[float]:
+    """Seconds of each verified round of one path; its two backends go into `pair` (the caller closes them)."""
+    pair += [attach(make(), device, force=staged) for _ in range(2)]
+    src, dst, rng = device.allocate(nbytes), device.allocate(nbytes), np.random.default_rng()
+    (local,) = pair[1].register_memory(dst)
+    pair[0].register_memory(src)
+    peer, remote = pair[1].connect(pair[0].endpoint_info()), pair[0].endpoint().regions[0].addr
+    while True:
+        pattern = rng.integers(0, 256, nbytes, dtype=np.uint8)  # new bytes each time: a stale copy is caught
+        device.from_host(src, pattern)
+        begun = time.perf_counter()
+        pair[0].publish()
+        pair[1].transfer(peer, [(local.addr, remote, nbytes)], "read").wait(5.0)
+        took = time.perf_counter() - begun
+        if not np.array_equal(device.to_host(dst), pattern):
+            raise ConfigError("the read returned other bytes")
+        yield took
 
 
 def transport(backend: MigrationBackend) -> MigrationBackend:

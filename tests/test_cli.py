@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,21 @@ def test_doctor_reports_each_plugin() -> None:
     assert checks["device cuda"]["status"] == "not here" and "no CUDA device" in checks["device cuda"]["detail"]
     assert checks["device npu"]["status"] == checks["device mlu"]["status"] == "not here"
     assert out.returncode == 0, out.stdout
+
+
+def test_doctor_probe_says_which_path_each_device_and_transport_takes() -> None:
+    """Issue 42 (5): in place or staged through host memory, measured.
+
+    The example device is host memory behind a device plugin that synchronizes: every transport reaching host memory
+    reaches it in place, and staging is a real second path."""
+    out = kvbridge("doctor", "--probe", "--json", check=False)
+    paths = {c["subject"]: c for c in json.loads(out.stdout) if c["subject"].startswith("path ")}
+    assert "path example/tcp/tcp" in paths and "path example/loopback/loopback" in paths, paths
+    for check in paths.values():
+        assert check["ok"] and re.fullmatch(
+            r"(in place|staged) \(in place [\d.]+ ms, staged [\d.]+ ms for \d+ bytes\)", check["detail"]
+        ), check
+    assert "path probe" not in {c["subject"] for c in json.loads(kvbridge("doctor", "--json", check=False).stdout)}
 
 
 @pytest.mark.parametrize(

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
 import kvbridge
 from kvbridge import nics, staging
+from kvbridge.backend import MigrationBackend, Op, Peer
+from kvbridge.memory import Descriptors
+from kvbridge.testing.standins import install_standin
+from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.types import BackendConfig, MemoryKind
 
 
 @pytest.mark.parametrize("ranges", [4, 64], ids=["few-runs", "gather-scatter"])
@@ -146,3 +157,111 @@ def test_environment_overrides_topology(sysfs: Path, monkeypatch: pytest.MonkeyP
     assert nics.device_nics("cuda", 1, "0000:03:00.0", sysfs) == ["mlx5_1", "mlx5_0"]
     monkeypatch.setenv("KVBRIDGE_NIC_CUDA_0", "")  # set but empty: the operator says none
     assert nics.device_nics("cuda", 0, "0000:03:00.0", sysfs) == []
+
+
+class _Throttled(LoopbackBackend):
+    """The in-process loopback transport, reaching a stand-in NPU's memory in place ("ascend"), with one path slowed.
+
+    `slow` names the memory kind whose transfers wait `DELAY_S` first: NPU throttles the in-place path (as UCX moving
+    VRAM over TCP through cuda_copy did on the H200), DRAM the staged one (host mirrors behind a slow host path)."""
+
+    capabilities = attrs.evolve(
+        LoopbackBackend.capabilities, protocols=("ascend",), memory_kinds={MemoryKind.DRAM, MemoryKind.NPU}
+    )
+    DELAY_S = 0.05
+    slow = MemoryKind.NPU
+
+    def _move(self, peer: Peer, desc: Descriptors, op: Op) -> None:
+        if any(r.kind == self.slow for r in self._local.regions):
+            threading.Event().wait(self.DELAY_S)  # the throttle itself: bytes move as fast as ever after it
+        super()._move(peer, desc, op)
+
+
+@pytest.fixture
+def npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    install_standin(monkeypatch, "npu", "torch_npu")
+    kvbridge.reset_plugins()
+    yield kvbridge.get_device("npu")
+    kvbridge.reset_plugins()
+
+
+@pytest.mark.parametrize("slow", [MemoryKind.NPU, MemoryKind.DRAM], ids=["in-place-throttled", "staging-throttled"])
+def test_the_path_probe_picks_the_faster_path_and_attach_follows_it(
+    npu: Any, slow: MemoryKind, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 42 (5): on the H200 NIXL's in-place VRAM path was 8x slower than staging through host memory."""
+    monkeypatch.setattr(_Throttled, "slow", slow)
+    monkeypatch.setattr(staging, "_choices", {})
+    made: list[int] = []
+
+    def make() -> MigrationBackend:
+        made.append(1)
+        return _Throttled(BackendConfig(protocol="ascend"))
+
+    caplog.set_level(logging.INFO, "kvbridge.staging")
+    backend = staging.attach(make(), npu, probe=make)
+    try:
+        staged = slow == MemoryKind.NPU
+        assert isinstance(backend, staging.StagedBackend) is staged
+        choice = staging.probe_paths(make, npu, key="npu/loopback/ascend")  # cached: nothing more is made
+        assert choice.staged is staged and len(made) == 5, (choice, len(made))
+        assert f"path probe npu/loopback/ascend: {'staged' if staged else 'in place'} (" in caplog.text
+        # and the bound backend moves the right bytes
+        src, dst = npu.allocate(4096, 0), npu.allocate(4096, 1)
+        npu.from_host(src, np.arange(4096, dtype=np.uint8))
+        other = staging.attach(_Throttled(BackendConfig(protocol="ascend")), npu, force=staged)
+        try:
+            other.register_memory(src)
+            (local,) = backend.register_memory(dst)
+            other.publish()
+            peer = backend.connect(other.endpoint_info())
+            backend.transfer(peer, [(local.addr, other.endpoint().regions[0].addr, 4096)], "read").wait(5)
+            assert np.array_equal(npu.to_host(dst), np.arange(4096, dtype=np.uint8))
+        finally:
+            other.close()
+    finally:
+        backend.close()
+
+
+def test_the_path_probe_counts_a_path_that_returns_wrong_bytes_as_slowest(npu: Any) -> None:
+    class Corrupting(_Throttled):
+        slow = MemoryKind.DRAM  # staging is slower, yet the in-place path is wrong
+
+        def _move(self, peer: Peer, desc: Descriptors, op: Op) -> None:
+            super()._move(peer, desc, op)
+            if not any(r.kind == MemoryKind.DRAM for r in self._local.regions):
+                ctypes.memset(int(desc[0, 0]), 0, 1)
+
+    choice = staging.probe_paths(lambda: Corrupting(BackendConfig(protocol="ascend")), npu, nbytes=4096)
+    assert choice.staged and choice.in_place_s == float("inf"), choice
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_an_agent_given_its_transport_by_name_probes_once_per_process(
+    probe: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The example device: host memory behind a device that synchronizes, which loopback reaches in place.
+
+    Which path wins here is the machine's business (the throttled tests above pin it): the agents follow the one logged
+    choice, made once for both."""
+    from kvbridge.agent import KVAgent
+    from kvbridge.layout import vllm_layout
+    from kvbridge.presets import PRESETS
+    from kvbridge.topology import ParallelConfig
+
+    monkeypatch.setattr(staging, "_choices", {})
+    caplog.set_level(logging.INFO, "kvbridge.staging")
+    model, blocks = PRESETS["tiny-gqa"], 4
+    layer_bytes = 2 * blocks * model.kv_heads * model.block_size * model.head_dim * model.dtype_bytes
+    kinds = []
+    for _ in range(2):
+        buf = np.zeros(model.layers * layer_bytes, dtype=np.uint8)
+        addrs = [buf.ctypes.data + i * layer_bytes for i in range(model.layers)]
+        layout = vllm_layout(model, model.kv_heads, addrs, blocks)
+        agent = KVAgent("e", 0, ParallelConfig(), layout, buf, backend="loopback", device="example", probe=probe)
+        kinds.append(type(agent.backend))
+        agent.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("path probe example/loopback/")]
+    assert len(lines) == (1 if probe else 0), lines
+    staged = probe and lines[0].startswith("path probe example/loopback/loopback: staged (")
+    assert kinds == [staging.StagedBackend if staged else staging.DeviceBackend] * 2, (kinds, lines)

@@ -181,3 +181,31 @@ def test_the_trust_option_opens_the_listeners_to_anyone_as_documented(
         assert read["rc"] == 0 and read["digest"] == served["digest"], read
     finally:
         prefill.close()
+
+
+def test_idle_strangers_on_another_host_do_not_lock_a_peer_holding_the_secret_out_of_the_tcp_transport(
+    hosts: Hosts, stranger: Child, secret: str
+) -> None:
+    """Issue 44 (10): 300 idle connections from a stranger filled the tcp transport's handshake slots.
+
+    A fresh decode still reads the buffer byte for byte, and a decode's handshake in flight when 300 more come
+    survives them (the stranger's own connections are evicted first).
+    """
+    prefill, served = _serve(hosts, "tcp", secret)
+    try:
+        address, port = hosts["prefill"].address, served["ports"][0]
+        with _child(hosts, "decode", secret) as decode:
+            assert stranger.call("stranger_idle", host=address, port=port, count=300) == 300
+            host, side = served["side_channel"]
+            pulled = decode.call(
+                "pull", backend="tcp", hostname=hosts["decode"].address, host=host, port=side, secret=secret, options={}
+            )
+            assert pulled == served["digest"], "idle strangers locked a decode holding the secret out"
+            decode.call("tcp_handshake_begin", host=address, port=port)
+            assert stranger.call("stranger_idle", host=address, port=port, count=300) == 600
+            assert decode.call("tcp_handshake_finish", secret=secret), (
+                "the stranger's flood evicted a decode's handshake"
+            )
+    finally:
+        stranger.call("stranger_release")
+        prefill.close()

@@ -259,7 +259,20 @@ def test_a_handshake_trickled_a_byte_at_a_time_is_dropped_at_the_deadline() -> N
         server.close()
 
 
-def test_connections_past_max_handshakes_are_closed_and_an_authenticated_peer_still_reads() -> None:
+def _idle(n: int, port: int) -> list[socket.socket]:
+    """`n` connections that never authenticate (a stranger's, left idle)."""
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+    except BaseException:
+        for s in idle:
+            s.close()
+        raise
+    return idle
+
+
+def test_connections_past_max_handshakes_evict_the_oldest_and_an_authenticated_peer_still_reads() -> None:
     server = create_backend("tcp", hostname="127.0.0.1", secret=SECRET, handshake_timeout=60, max_handshakes=4)
     kv = np.arange(1 << 16, dtype=np.uint8)
     server.register_memory(kv)
@@ -269,28 +282,34 @@ def test_connections_past_max_handshakes_are_closed_and_an_authenticated_peer_st
     idle: list[socket.socket] = []
     try:
         peer = reader.connect(server.endpoint_info())  # authenticated before the flood: its connection is pooled
-        for _ in range(4):  # hold every handshake slot: each got its challenge, none answers
-            s = socket.create_connection(("127.0.0.1", server._port), timeout=10)
-            idle.append(s)
+        idle = _idle(4, server._port)  # every handshake slot: each gets its challenge, none answers
+        for s in idle:
             assert "challenge" in tcp._recv_frame(s, tcp._MAX_AUTH_FRAME)
-        for _ in range(3):
-            s = socket.create_connection(("127.0.0.1", server._port), timeout=10)
-            idle.append(s)
-            assert _closed_by_server(s, 10), "a connection past max_handshakes was not closed"
+        idle += _idle(3, server._port)
+        for s in idle[:3]:  # the three oldest made room for the three newest
+            assert _closed_by_server(s, 10), "a connection past max_handshakes did not evict the oldest"
         reader.transfer(peer, [(out.ctypes.data, kv.ctypes.data, out.nbytes)]).wait(10)
         assert np.array_equal(out, kv)
+    finally:
         for s in idle:
             s.close()
-        idle.clear()
-        # The slots come back as the server sees those connections close (bounded: each ends at once).
-        for _ in range(200):
-            with socket.create_connection(("127.0.0.1", server._port), timeout=10) as s:
-                s.settimeout(10)
-                if s.recv(4):
-                    break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("the handshake slots never came back")
+        reader.close()
+        server.close()
+
+
+def test_300_idle_strangers_on_this_host_do_not_lock_out_a_fresh_peer_holding_the_secret() -> None:
+    """Issue 44 (10): idle unauthenticated connections filled the handshake slots and a new peer was closed at once."""
+    server = create_backend("tcp", hostname="127.0.0.1", secret=SECRET)  # default max_handshakes and deadline
+    kv = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    server.register_memory(kv)
+    reader = create_backend("tcp", hostname="127.0.0.1", secret=SECRET)
+    out = np.zeros_like(kv)
+    reader.register_memory(out)
+    idle = _idle(300, server._port)
+    try:
+        peer = reader.connect(server.endpoint_info())
+        reader.transfer(peer, [(out.ctypes.data, kv.ctypes.data, out.nbytes)]).wait(30)
+        assert np.array_equal(out, kv)
     finally:
         for s in idle:
             s.close()

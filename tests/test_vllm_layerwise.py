@@ -623,7 +623,6 @@ def test_on_a_device_that_queues_work_the_forward_never_waits_and_layers_publish
     marks: list[threading.Event] = []
     monkeypatch.setattr(device, "record", lambda device_id: marks.append(threading.Event()) or marks[-1])
     monkeypatch.setattr(device, "wait_recorded", lambda mark: mark.wait(10))
-    device.synchronizations.clear()
 
     model = PRESETS["tiny-gqa"]
     blocks = 8
@@ -632,6 +631,7 @@ def test_on_a_device_that_queues_work_the_forward_never_waits_and_layers_publish
     addrs = [buf.ctypes.data + i * layer_bytes for i in range(model.layers)]
     layout = vllm_layout(model, model.kv_heads, addrs, blocks, order="HND")
     agent = KVAgent("prefill", 0, ParallelConfig(), layout, buf, backend="loopback", device="example")
+    device.synchronizations.clear()  # from here: the agent's path probe (kvbridge.staging) waited on it too
     ledger = Ledger(lambda *_: None)
     aborted: list[str] = []
     producer = Producer(ledger, lambda tid, why: aborted.append(tid), model.block_size)

@@ -94,11 +94,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "cannot run although its hardware is here (or is not tied to hardware), or a missing library.",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--probe", action="store_true", help="time a small read of device memory in place and staged, per transport"
+    )
     p.set_defaults(run=run)
 
 
+def probe_checks() -> list[Check]:
+    """Which path (in place or staged through host memory) is faster for each device and each transport reaching it."""
+    from kvbridge import create_backend, get_device, staging
+
+    out = []
+    for d in (d for d in list_devices() if d.available and get_device(d.name).synchronizes):
+        for name in (b.name for b in list_backends() if b.available):
+            device, made = get_device(d.name), create_backend(name)
+            made.close()  # it was made for its default protocol and capabilities, which `reaches` reads
+            if staging.reaches(device, made):
+                key = f"{d.name}/{name}/{made.protocol}"
+                choice = staging.probe_paths(lambda n=name: create_backend(n), device, key=key)
+                out.append(Check(f"path {key}", min(choice.in_place_s, choice.staged_s) < float("inf"), str(choice)))
+    return out or [Check("path probe", True, "no device memory a transport reaches in place here: nothing to pick")]
+
+
 def run(args: argparse.Namespace) -> int:
-    checks = machine_checks() + plugin_checks()
+    checks = machine_checks() + plugin_checks() + (probe_checks() if args.probe else [])
     if args.json:
         print_json([{**wire.to_dict(c), "status": c.status} for c in checks])
     else:

@@ -8,6 +8,7 @@ deadline: docs/security.md ("TCP transport").
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import hmac
@@ -18,6 +19,7 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -42,7 +44,8 @@ _MAX_HEADER = 64 * 1024 * 1024  # after authentication: 2.8 million descriptors 
 _CHALLENGE_BYTES = 16
 _MAX_DISCARD = 1 << 30  # a refused write larger than this closes the connection instead of being drained
 _HANDSHAKE_TIMEOUT_S = 10.0  # a connection that does not authenticate in time is dropped
-_MAX_HANDSHAKES = 64  # connections (a thread each) that have not authenticated yet; more are closed at once
+_MAX_HANDSHAKES = 64  # connections (a thread each) that have not authenticated yet; a new one evicts the oldest
+_EVICT_LOG_S = 10.0  # at most one warning this often about evicted handshakes (a flood must not flood the log)
 _TRANSFER_DEADLINE_S = 30.0  # seconds a request may make no progress before the connection is dropped
 _ACCEPT_BACKOFF_S = (0.01, 1.0)  # after a failed accept (EMFILE, ...) or thread start: first and longest pause
 _IOV_CHUNK = 512  # well under IOV_MAX (1024 on Linux)
@@ -220,32 +223,17 @@ class TcpOptions(TransportOptions):
     """Options of the `tcp` transport."""
 
     port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one", min=0, max=65535)
-    connect_timeout: float = option(
-        10.0, "seconds to wait for a peer to accept a connection before PeerGone", min=0.001, max=3600
-    )
+    connect_timeout: float = option(10.0, "seconds to wait for a peer to accept a connection", min=0.001, max=3600)
     handshake_timeout: float = option(
-        _HANDSHAKE_TIMEOUT_S,
-        "seconds a connection has to authenticate, all of its handshake together, before it is dropped",
-        min=0.001,
-        max=3600,
+        _HANDSHAKE_TIMEOUT_S, "seconds a connection has to finish its whole handshake", min=0.001, max=3600
     )
     max_handshakes: int = option(
-        _MAX_HANDSHAKES,
-        "connections at once that have not authenticated yet (a thread each); more are closed at once",
-        min=1,
-        max=65536,
+        _MAX_HANDSHAKES, "unauthenticated connections at once; more evict the oldest", min=1, max=65536
     )
     transfer_deadline: float = option(
-        _TRANSFER_DEADLINE_S,
-        "seconds a transfer may make no progress before its connection is dropped and it is retried once, then fails",
-        min=0.001,
-        max=86400,
+        _TRANSFER_DEADLINE_S, "seconds a transfer may make no progress (then retried once)", min=0.001, max=86400
     )
-    secret: str | bytes | None = option(
-        None,
-        "shared secret (16+ bytes) authenticating every connection; "
-        "default: $KVBRIDGE_SECRET or the file secret_file names",
-    )
+    secret: str | bytes | None = option(None, "shared secret (16+ bytes; default: $KVBRIDGE_SECRET or secret_file)")
     secret_file: str | None = option(None, "file holding the shared secret (default: $KVBRIDGE_SECRET_FILE)")
     insecure: bool = option(False, "listen on a non-loopback address without a secret (logs a warning)")
 
@@ -281,7 +269,8 @@ class TcpBackend(MigrationBackend):
         self._server_threads: list[threading.Thread] = []
         self._conns: list[socket.socket] = []
         self._pools: list[queue.SimpleQueue[socket.socket]] = []
-        self._handshakes = 0  # connections not authenticated yet (under _lock)
+        self._pending: OrderedDict[socket.socket, str] = OrderedDict()  # unauthenticated: source host, oldest first
+        self._evicted, self._evict_logged = 0, 0.0  # evictions since the last warning about them, and its time
         # No progress within the deadline: the connection is dropped (a socket timeout after the handshake), and
         # the base class resubmits the part once (see kvbridge.backend).
         self.transfer_deadline_s = opts.transfer_deadline
@@ -316,52 +305,53 @@ class TcpBackend(MigrationBackend):
                 self._stop.wait(pause)
 
     def _admit(self, conn: socket.socket, addr: Any) -> bool:
-        """Serve a new connection on a thread of its own, if fewer than `max_handshakes` are authenticating.
+        """Serve a new connection on a thread of its own.
 
-        Else it is closed at once. False: its thread could not start (closed, logged)."""
+        With `max_handshakes` connections authenticating already, the oldest one of the source address that holds
+        the most is closed first: idle strangers never lock a fresh peer out, and one source's flood evicts its own
+        connections before another host's handshake in flight. False: its thread could not start (closed, logged)."""
+        host = addr[0] if isinstance(addr, tuple) and addr else ""
         with self._lock:
-            full = self._handshakes >= self.options.max_handshakes
-            if not full:
-                self._handshakes += 1
-                self._conns.append(conn)
-        if full:
-            conn.close()
-            log.warning(
-                "tcp transport %s: closed a connection from %s at once: %d connections are authenticating "
-                "already (max_handshakes)",
-                self._address(),
-                _host_port(addr),
-                self.options.max_handshakes,
-            )
-            return True
+            victim = self._victim() if len(self._pending) >= self.options.max_handshakes else None
+            self._pending[conn] = host
+            self._conns.append(conn)
+        if victim is not None:
+            with contextlib.suppress(OSError):  # shutdown wakes its thread in recv; close would not
+                victim.shutdown(socket.SHUT_RDWR)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn,), name="kvbridge-tcp-serve", daemon=True).start()
         except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
-            self._forget(conn, handshaking=True)
+            self._forget(conn)
             log.warning("tcp transport %s: cannot serve %s: %s; closed it", self._address(), _host_port(addr), exc)
             return False
         return True
 
-    def _forget(self, conn: socket.socket, *, handshaking: bool) -> None:
+    def _victim(self) -> socket.socket:
+        """Under _lock: take the pending handshake to evict (the oldest of the busiest source) out of `_pending`."""
+        busiest = Counter(self._pending.values()).most_common(1)[0][0]
+        victim = next(c for c, h in self._pending.items() if h == busiest)
+        del self._pending[victim]
+        self._evicted, now = self._evicted + 1, time.monotonic()
+        if now - self._evict_logged >= _EVICT_LOG_S:
+            msg = "tcp transport %s: max_handshakes (%d) reached: closed the oldest from %s (%d such since the last)"
+            log.warning(msg, self._address(), self.options.max_handshakes, busiest, self._evicted)
+            self._evicted, self._evict_logged = 0, now
+        return victim
+
+    def _forget(self, conn: socket.socket) -> None:
         conn.close()
         with self._lock:
             if conn in self._conns:
                 self._conns.remove(conn)
-            if handshaking:
-                self._handshakes -= 1
+            self._pending.pop(conn, None)
 
     def _serve(self, conn: socket.socket) -> None:
         peer, authenticated = "an unknown peer", False
         try:
-            try:
-                host, port = conn.getpeername()[:2]
-                peer = f"{host}:{port}"
-                ok = self._authenticate(conn, peer)
-            finally:
-                with self._lock:
-                    self._handshakes -= 1
-            if not ok:
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
+            if not self._authenticate(conn, peer):
                 return
             authenticated = True
             deadline = self.options.transfer_deadline
@@ -379,16 +369,19 @@ class TcpBackend(MigrationBackend):
             log.warning("tcp transport %s: refused %s: %s", self._address(), peer, exc)
         except (ConnectionError, OSError) as exc:
             # A kvbridge peer authenticates at once: a connection that drops before is refused, and said so.
+            with self._lock:
+                evicted = conn not in self._pending and not authenticated  # _admit said so already
+            level, when = (logging.DEBUG, "") if authenticated else (logging.WARNING, " before authenticating")
             log.log(
-                logging.DEBUG if authenticated else logging.WARNING,
-                "tcp transport %s: connection from %s dropped%s: %s",
+                logging.DEBUG if evicted else level,
+                "tcp transport %s: %s dropped%s: %s",
                 self._address(),
                 peer,
-                "" if authenticated else " before authenticating",
+                when,
                 exc,
             )
         finally:
-            self._forget(conn, handshaking=False)
+            self._forget(conn)
 
     def _authenticate(self, conn: socket.socket, peer: str) -> bool:
         """Challenge-response before anything else; False: refused.
@@ -411,6 +404,10 @@ class TcpBackend(MigrationBackend):
         elif not hmac.compare_digest(mac, _mac(self._key, b"client", challenge)):
             error = "bad credentials: connect with this endpoint's current info and the same shared secret"
         else:
+            with self._lock:  # authenticated: no longer pending, so no eviction; or evicted already: refused
+                evicted = self._pending.pop(conn, None) is None
+            if evicted:
+                raise ConnectionError("evicted by newer connections (max_handshakes) before it authenticated")
             _send_frame(conn, {"ok": True, "mac": _mac(self._key, b"server", challenge, theirs)})
             return True
         log.warning("tcp transport %s: refused %s: %s", self._address(), peer, error)
@@ -439,9 +436,7 @@ class TcpBackend(MigrationBackend):
             if not error and _nbytes(views) != sum(length.tolist()):
                 # RegionIndex found the ranges registered, yet the views fall short: never send or land short
                 error = f"ranges of {sum(length.tolist())} bytes are not all in registered memory here"
-                log.error(
-                    "tcp transport %s: %s from %s: %s (a bug: please report it)", self._address(), op, peer, error
-                )
+                log.error("tcp transport %s: %s from %s: %s (a bug: report it)", self._address(), op, peer, error)
         if op == "read":
             if error:
                 _send_frame(conn, {"ok": False, "error": error})
@@ -512,21 +507,13 @@ class TcpBackend(MigrationBackend):
             mine = secrets.token_bytes(_CHALLENGE_BYTES)
             _send_frame(sock, {"mac": _mac(h["key"], b"client", challenge), "challenge": mine})
             reply = _recv_frame(sock, _MAX_AUTH_FRAME)
-            if not reply.get("ok"):
-                raise TransferFailed(
-                    f"tcp peer {name} refused to authenticate this engine: {reply.get('error')}; "
-                    "use the peer's current endpoint info and the same KVBRIDGE_SECRET",
-                    peer=name,
-                    cause="authentication",
-                )
-            mac = reply.get("mac")
-            if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(h["key"], b"server", challenge, mine)):
-                raise TransferFailed(
-                    f"tcp peer {name} did not prove it holds the endpoint's key: not the peer the "
-                    "endpoint info names (or another secret)",
-                    peer=name,
-                    cause="authentication",
-                )
+            mac, why = reply.get("mac"), f"refused to authenticate this engine: {reply.get('error')}"
+            if reply.get("ok"):
+                good = isinstance(mac, bytes) and hmac.compare_digest(mac, _mac(h["key"], b"server", challenge, mine))
+                why = "" if good else "did not prove it holds the endpoint's key (another peer, or another secret)"
+            if why:
+                hint = "use the peer's current endpoint info and the same KVBRIDGE_SECRET"
+                raise TransferFailed(f"tcp peer {name} {why}; {hint}", peer=name, cause="authentication")
         except (ConnectionError, OSError, ProtocolError) as exc:
             sock.close()
             raise PeerGone(f"tcp peer {name} failed the handshake: {exc}", peer=name, cause=str(exc)) from None

@@ -106,6 +106,43 @@ def stranger_dial(host: str, ports: list[int], connect_timeout: float) -> dict[s
     return out
 
 
+def stranger_idle(host: str, port: int, count: int) -> int:
+    """Open `count` connections to host:port and leave them idle (never authenticating); how many opened."""
+    held = state.setdefault("idle", [])
+    for _ in range(count):
+        held.append(socket.create_connection((host, port), timeout=10))
+    return len(held)
+
+
+def stranger_release() -> None:
+    for s in state.pop("idle", []):
+        s.close()
+
+
+def tcp_handshake_begin(host: str, port: int) -> None:
+    """Connect to kvbridge's tcp transport and read its challenge: a handshake in flight."""
+    from kvbridge.transports import tcp
+
+    s = socket.create_connection((host, port), timeout=10)
+    state["handshake"] = (s, tcp._recv_frame(s, tcp._MAX_AUTH_FRAME)["challenge"])
+
+
+def tcp_handshake_finish(secret: str) -> bool:
+    """Answer the challenge with the secret; whether the server accepted and proved the key back."""
+    import hmac
+
+    from kvbridge.transports import tcp
+
+    s, challenge = state.pop("handshake")
+    key, mine = tcp._secret_key(secret.encode()), b"m" * 16
+    try:
+        tcp._send_frame(s, {"mac": tcp._mac(key, b"client", challenge), "challenge": mine})
+        reply = tcp._recv_frame(s, tcp._MAX_AUTH_FRAME)
+    finally:
+        s.close()
+    return bool(reply.get("ok")) and hmac.compare_digest(reply["mac"], tcp._mac(key, b"server", challenge, mine))
+
+
 def stranger_library(
     backend: str, hostname: str, endpoint: str, op: str, size: int, address: str | None = None
 ) -> dict[str, Any]:
@@ -175,6 +212,10 @@ if __name__ == "__main__":
             "stranger_side_channel": stranger_side_channel,
             "stranger_dial": stranger_dial,
             "stranger_library": stranger_library,
+            "stranger_idle": stranger_idle,
+            "stranger_release": stranger_release,
+            "tcp_handshake_begin": tcp_handshake_begin,
+            "tcp_handshake_finish": tcp_handshake_finish,
             "close": close,
         }
     )
