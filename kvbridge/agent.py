@@ -9,6 +9,7 @@ messages and aborts belong to `kvbridge.control`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -154,7 +155,7 @@ class KVAgent:
         backend: str | MigrationBackend = "mooncake",
         device: str | None = None,
         stage: bool = False,
-        probe: bool = True,
+        probe: bool | None = None,
         landing: Sequence[Sequence[Any]] | None = None,
         **backend_options: Any,
     ) -> None:
@@ -164,7 +165,8 @@ class KVAgent:
         Memory given as (address, bytes) pairs is the named device's (its current device id), host memory when none is
         named. `backend` by name is created and closed by the agent; a backend object (or one `kvbridge.staging.attach`
         already bound to the device) is left open. Either is staged where the transport cannot reach the device's
-        memory, always with `stage=True`, or where `probe` (a backend by name) finds it faster (`staging.probe_paths`).
+        memory, always with `stage=True`, or where `probe` (a backend by name; default: `KVBRIDGE_PATH_PROBE=1` in the
+        environment) finds it faster (`staging.probe_paths`).
         `landing`: per plane, per layer, byte views of the cache (`kvbridge.landing.Receiver`): reads from a peer whose
         cache is arranged otherwise, or over a transport that may write late, land in buffers first and are rearranged
         into the cache; without them every read goes straight into the cache (a peer arranged otherwise is refused)."""
@@ -190,6 +192,9 @@ class KVAgent:
         inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
         # The probe's backends talk within this process: on loopback (no guard to pass), and never on the agent's port.
         name, options = backend, {**{k: v for k, v in backend_options.items() if k != "port"}, "hostname": "127.0.0.1"}
+        # Off unless asked: the probe times two endpoints of this process, not the path between hosts that was slow on
+        # the one GPU it is meant for, and starts two more transport engines (unmeasured on a GPU host).
+        probe = os.environ.get("KVBRIDGE_PATH_PROBE") == "1" if probe is None else probe
         make = (lambda: create_backend(name, **options)) if probe and isinstance(name, str) else None
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
         self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage, probe=make)

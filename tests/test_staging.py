@@ -236,20 +236,25 @@ def test_the_path_probe_counts_a_path_that_returns_wrong_bytes_as_slowest(npu: A
     assert choice.staged and choice.in_place_s == float("inf"), choice
 
 
-@pytest.mark.parametrize("probe", [True, False])
-def test_an_agent_given_its_transport_by_name_probes_once_per_process(
-    probe: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("asked", "env"), [(True, None), (False, "1"), (None, "1"), (None, None)])
+def test_an_agent_given_its_transport_by_name_probes_once_per_process_when_asked(
+    asked: bool | None, env: str | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The example device: host memory behind a device that synchronizes, which loopback reaches in place.
 
-    Which path wins here is the machine's business (the throttled tests above pin it): the agents follow the one logged
-    choice, made once for both."""
+    Asked by the argument, else by KVBRIDGE_PATH_PROBE=1 (off by default). Which path wins here is the machine's
+    business (the throttled tests above pin it): the agents follow the one logged choice, made once for both."""
     from kvbridge.agent import KVAgent
     from kvbridge.layout import vllm_layout
     from kvbridge.presets import PRESETS
     from kvbridge.topology import ParallelConfig
 
     monkeypatch.setattr(staging, "_choices", {})
+    if env is None:
+        monkeypatch.delenv("KVBRIDGE_PATH_PROBE", raising=False)
+    else:
+        monkeypatch.setenv("KVBRIDGE_PATH_PROBE", env)
+    probe = asked if asked is not None else env == "1"
     caplog.set_level(logging.INFO, "kvbridge.staging")
     model, blocks = PRESETS["tiny-gqa"], 4
     layer_bytes = 2 * blocks * model.kv_heads * model.block_size * model.head_dim * model.dtype_bytes
@@ -258,7 +263,7 @@ def test_an_agent_given_its_transport_by_name_probes_once_per_process(
         buf = np.zeros(model.layers * layer_bytes, dtype=np.uint8)
         addrs = [buf.ctypes.data + i * layer_bytes for i in range(model.layers)]
         layout = vllm_layout(model, model.kv_heads, addrs, blocks)
-        agent = KVAgent("e", 0, ParallelConfig(), layout, buf, backend="loopback", device="example", probe=probe)
+        agent = KVAgent("e", 0, ParallelConfig(), layout, buf, backend="loopback", device="example", probe=asked)
         kinds.append(type(agent.backend))
         agent.close()
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("path probe example/loopback/")]
