@@ -76,6 +76,7 @@ def test_kvbridge_threads_are_named_in_the_os_and_their_cpu_is_read(tmp_path: Pa
         assert not {n for n in names if n.startswith("other")}
         cpu = thread_cpu([proc.pid])
         assert set(cpu) == {"kvbridge-ctl-pr", "kvbridge-pull"}  # a pool's workers under one name
+        assert min(cpu.values()) > 0
     finally:
         proc.kill()
         proc.wait()

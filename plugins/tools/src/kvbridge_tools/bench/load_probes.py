@@ -2,8 +2,9 @@
 
 - `--noise cpu=N`: N busy Python processes (a spin loop) on the prefill's and decode's hosts, running only
   while a round is measured (stopped with SIGSTOP between rounds), killed by PID at the end.
-- CPU of kvbridge's own threads: /proc/<pid>/task/<tid>/stat of every process in a server's process group,
-  for the threads whose OS name starts with `kvbridge`. Python 3.11 keeps a `threading.Thread`'s name to
+- CPU of kvbridge's own threads: /proc/<pid>/task/<tid>/schedstat (on-CPU nanoseconds; stat's utime + stime
+  in 10 ms ticks where the kernel keeps no schedstat) of every process in a server's process group, for the
+  threads whose OS name starts with `kvbridge`. Python 3.11 keeps a `threading.Thread`'s name to
   itself, so KVBridgeConnector's servers get `THREAD_NAMES_PATCH` as their `sitecustomize`: it gives each
   `kvbridge*` Python thread the same name in the OS (truncated to 15 bytes) when it starts.
 - kvbridge's histograms: every `kvbridge_*` histogram series in a server's /metrics, summed over label sets;
@@ -150,7 +151,16 @@ def process_cpu(pid: int) -> float:
     return 0.0
 
 
-_POOL_SUFFIX = re.compile(r"_\d+$")
+# a pool's worker number (`kvbridge-pull_0`), or a port, or what the 15-byte cut left of either
+_SUFFIX = re.compile(r"[_-]\d*$")
+
+
+def _thread_seconds(task: Path) -> float:
+    """On-CPU seconds of one thread: schedstat's nanoseconds where the kernel keeps them, else stat's ticks."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return _stat_times(task / "stat")[1] / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, float]:
@@ -159,21 +169,21 @@ def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, fl
     A pool's workers (`kvbridge-pull_0`, `_1`, ...) count under one name. A thread that ended between two
     readings takes its time with it: a difference of two readings is a lower bound.
     """
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
-            for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            for task in Path(f"/proc/{pid}/task").iterdir():
                 with contextlib.suppress(OSError, IndexError, ValueError):
-                    name, ticks = _stat_times(stat)
+                    name = (task / "comm").read_text().strip()
                     if name.startswith(prefix):
-                        key = _POOL_SUFFIX.sub("", name)
-                        out[key] = out.get(key, 0.0) + ticks / tick
+                        key = _SUFFIX.sub("", name)
+                        out[key] = out.get(key, 0.0) + _thread_seconds(task)
     return out
 
 
 def minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+    """after - before, name by name (what grew only)."""
+    return {k: round(v - before.get(k, 0.0), 4) for k, v in after.items() if v - before.get(k, 0.0) > 0}
 
 
 _SAMPLE = re.compile(r"^(kvbridge_\w+?)_(bucket|sum|count)(\{[^}]*\})?\s+(\S+)$")
