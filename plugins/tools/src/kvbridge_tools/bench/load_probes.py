@@ -151,8 +151,8 @@ def process_cpu(pid: int) -> float:
     return 0.0
 
 
-# a pool's worker number (`kvbridge-pull_0`), or a port, or what the 15-byte cut left of either
-_SUFFIX = re.compile(r"[_-]\d*$")
+# a pool's worker number (`kvbridge-pull_0`), or what the 15-byte cut left of it
+_SUFFIX = re.compile(r"_\d*$")
 
 
 def _thread_seconds(task: Path) -> float:
@@ -166,7 +166,8 @@ def _thread_seconds(task: Path) -> float:
 def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, float]:
     """CPU seconds of the live threads of `pids` whose OS name starts with `prefix`, summed by name.
 
-    A pool's workers (`kvbridge-pull_0`, `_1`, ...) count under one name. A thread that ended between two
+    Names count by kind, their first two dash-separated words: a pool's workers (`kvbridge-pull_0`, `_1`, ...)
+    under `kvbridge-pull`, every side channel's `kvbridge-ctl-*` under `kvbridge-ctl`. A thread that ended between two
     readings takes its time with it: a difference of two readings is a lower bound.
     """
     out: dict[str, float] = {}
@@ -176,7 +177,8 @@ def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, fl
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     name = (task / "comm").read_text().strip()
                     if name.startswith(prefix):
-                        key = _SUFFIX.sub("", name)
+                        # by kind: `kvbridge-ctl-<peer>`, `kvbridge-tcp-accept-<port>` are one each
+                        key = _SUFFIX.sub("", "-".join(name.split("-")[:2]))
                         out[key] = out.get(key, 0.0) + _thread_seconds(task)
     return out
 
