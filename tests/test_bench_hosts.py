@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from kvbridge_tools.bench.link import Link, parse_link
+from kvbridge_tools.bench.load_probes import Noise, parse_noise
 from kvbridge_tools.harness.hosts import hosts_unavailable
 
 QUICK = ["--model", "small", "--tokens", "512", "--requests", "2", "--repeat", "1"]
@@ -95,3 +96,20 @@ def test_link_without_hosts_and_hosts_outside_pair_mode_are_refused() -> None:
     for extra, why in [(["--compare", "nixl"], "drop --compare"), (["--transfer", "layerwise"], "measures pull mode")]:
         out = kvbridge("bench", "--hosts", "--engine", "vllm", *extra)
         assert out.returncode != 0 and why in out.stdout + out.stderr
+
+
+def test_noise_specs_and_their_refusals() -> None:
+    assert parse_noise("cpu=1") == Noise(cpu=1) and parse_noise("cpu=3") == Noise(cpu=3)
+    for bad, why in [
+        ("cpu=0", "cpu='0' is not a whole number of processes >= 1"),
+        ("cpu=1.5", "not a whole number"),
+        ("cpu", "expected KEY=VALUE"),
+        ("mem=1", "unknown key 'mem'"),
+        ("", "nothing asked for"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_noise(bad)
+    out = kvbridge("bench", "--engine", "vllm", "--load", "--hosts", "--noise", "cpu=0")
+    assert out.returncode == 2 and "write cpu=N (N >= 1 busy processes)" in out.stderr
+    out = kvbridge("bench", "--noise", "cpu=1", *QUICK)  # the pair bench has no servers to load
+    assert out.returncode != 0 and "add --engine vllm --load" in out.stdout + out.stderr

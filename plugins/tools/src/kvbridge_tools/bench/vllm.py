@@ -148,10 +148,23 @@ def _hosts(placed: Placed | None) -> tuple[Any, Any, dict[str, str]]:
 
 
 def _kvbridge_pair(
-    model: Path, logs: Path, max_len: int, executor: str, transport: str = "mooncake", placed: Placed | None = None
+    model: Path,
+    logs: Path,
+    max_len: int,
+    executor: str,
+    transport: str = "mooncake",
+    placed: Placed | None = None,
+    name_threads: bool = False,
 ) -> Pair:
-    """KVBridgeConnector on two servers, on 127.0.0.1 or on the prefill and decode hosts of `placed`."""
+    """KVBridgeConnector on two servers, on 127.0.0.1 or on the prefill and decode hosts of `placed`.
+
+    `name_threads`: kvbridge's threads carry their names in the OS too (`load_probes.THREAD_NAMES_PATCH` as the
+    servers' `sitecustomize`), so their CPU time can be read from /proc.
+    """
+    import os
+
     from kvbridge.control.params import KVTransferParams
+    from kvbridge_tools.bench.load_probes import THREAD_NAMES_PATCH
     from kvbridge_tools.harness.vllm_server import connector_config, start_vllm
 
     def config(role: str) -> dict:
@@ -160,6 +173,11 @@ def _kvbridge_pair(
     p_host, d_host, env = _hosts(placed)
     env["VLLM_LOG_STATS_INTERVAL"] = "1"
     where = logs / f"kvbridge-{transport}"
+    if name_threads:
+        patch = where / "thread-names"
+        patch.mkdir(parents=True, exist_ok=True)
+        (patch / "sitecustomize.py").write_text(THREAD_NAMES_PATCH)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(patch), os.environ.get("PYTHONPATH", "")) if p)
     prefill = start_vllm(
         model,
         executor=executor,

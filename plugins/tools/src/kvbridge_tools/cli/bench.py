@@ -132,6 +132,8 @@ def pick_mode(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     mode = pick_mode(args)
+    if getattr(args, "noise", None) and mode != "vllm-load":
+        raise ConfigError("--noise runs busy processes beside vLLM servers under load; add --engine vllm --load")
     if getattr(args, "link", None) and not getattr(args, "hosts", False):
         raise ConfigError("--link shapes the link between --hosts; add --hosts")
     if getattr(args, "hosts", False) and mode not in ("pair", "vllm", "vllm-load"):

@@ -1,0 +1,285 @@
+"""What `kvbridge bench --engine vllm --load` reads beside the serve bench: noise, thread CPU, kvbridge's histograms.
+
+- `--noise cpu=N`: N busy Python processes (a spin loop) on the prefill's and decode's hosts, running only
+  while a round is measured (stopped with SIGSTOP between rounds), killed by PID at the end.
+- CPU of kvbridge's own threads: /proc/<pid>/task/<tid>/schedstat (on-CPU nanoseconds; stat's utime + stime
+  in 10 ms ticks where the kernel keeps no schedstat) of every process in a server's process group, for the
+  threads whose OS name starts with `kvbridge`. Python 3.11 keeps a `threading.Thread`'s name to
+  itself, so KVBridgeConnector's servers get `THREAD_NAMES_PATCH` as their `sitecustomize`: it gives each
+  `kvbridge*` Python thread the same name in the OS (truncated to 15 bytes) when it starts.
+- kvbridge's histograms: every `kvbridge_*` histogram series in a server's /metrics, summed over label sets;
+  a round's share is the difference of two scrapes, read as count, exact mean (from `_sum`), p50/p99
+  (interpolated in the bucket, as Prometheus' histogram_quantile) and max (the upper bound of the highest
+  bucket that received an observation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+NOISE_MARK = "kvbridge-bench-noise"
+# a spin loop that takes one core while it runs; the mark names it in `ps` and lets a test find it by PID
+HOG = f"# {NOISE_MARK}\nwhile True:\n    pass\n"
+THREAD_PREFIX = "kvbridge"
+THREAD_NAMES_PATCH = """\
+# Written by `kvbridge bench --engine vllm --load` for KVBridgeConnector's servers only: Python 3.11 does not
+# name a thread in the OS, so kvbridge's threads (threading names `kvbridge-*`) get theirs here, as they start,
+# for the bench to read their CPU time in /proc/<pid>/task/<tid>. One prctl per thread start, nothing else.
+import ctypes
+import threading
+
+_libc = ctypes.CDLL(None)
+_inner = threading.Thread._bootstrap_inner
+
+
+def _named(self):
+    if self.name.startswith("kvbridge"):
+        _libc.prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    _inner(self)
+
+
+threading.Thread._bootstrap_inner = _named
+"""
+# One tiny-model vLLM server here (API server, engine core with the model and its 1 GiB KV cache): about 2.3 GiB
+# resident, measured on the project's VM; a little more for what else starts beside it.
+SERVER_GIB = 2.5
+MEMORY_MARGIN_GIB = 2.0
+
+
+@attrs.frozen
+class Noise:
+    """What `--noise` asks for: `cpu` busy processes."""
+
+    cpu: int = 0
+
+
+def parse_noise(text: str) -> Noise:
+    """`cpu=N` (N >= 1 busy processes)."""
+    fields: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise ValueError("expected KEY=VALUE")
+            if key != "cpu":
+                raise ValueError(f"unknown key {key!r}")
+            if not value.strip().isdigit() or int(value) < 1:
+                raise ValueError(f"cpu={value!r} is not a whole number of processes >= 1")
+            fields["cpu"] = int(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"--noise {text!r}: {e}; write cpu=N (N >= 1 busy processes)") from None
+    if not fields:
+        raise argparse.ArgumentTypeError(f"--noise {text!r}: nothing asked for; write cpu=N (N >= 1 busy processes)")
+    return Noise(**fields)
+
+
+class NoiseProcs:
+    """The busy processes of `--noise`, placed in turn on `hosts` (None: here). Stopped until `resume`."""
+
+    def __init__(self, noise: Noise, hosts: Sequence[Any]) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.where: list[str] = []
+        try:
+            for i in range(noise.cpu):
+                host = hosts[i % len(hosts)]
+                argv = [sys.executable, "-c", HOG]
+                # `ip netns exec` execs in place: the PID is the spinning Python's
+                self.procs.append(
+                    subprocess.Popen(
+                        host.command(argv) if host is not None else argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                )
+                self.where.append(host.name if host is not None else "local")
+            self.pause()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def _signal(self, sig: int) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def cpu_seconds(self) -> float:
+        return sum(process_cpu(pid) for pid in self.pids)
+
+    def close(self) -> None:
+        """SIGKILL every one by PID (a stopped process dies of it too) and reap it."""
+        self._signal(signal.SIGKILL)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=30)
+
+
+def _stat_times(path: Path) -> tuple[str, int]:
+    """(comm, utime + stime in ticks) of a /proc stat file."""
+    text = path.read_text()
+    head, _, rest = text.rpartition(")")
+    fields = rest.split()
+    return head.split("(", 1)[1], int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of one process (0 when it is gone)."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return _stat_times(Path(f"/proc/{pid}/stat"))[1] / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
+# a pool's worker number (`kvbridge-pull_0`), or what the 15-byte cut left of it
+_SUFFIX = re.compile(r"_\d*$")
+
+
+def _thread_seconds(task: Path) -> float:
+    """On-CPU seconds of one thread: schedstat's nanoseconds where the kernel keeps them, else stat's ticks."""
+    try:
+        return int((task / "schedstat").read_text().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return _stat_times(task / "stat")[1] / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, float]:
+    """CPU seconds of the live threads of `pids` whose OS name starts with `prefix`, summed by name.
+
+    Names count by kind, their first two dash-separated words: a pool's workers (`kvbridge-pull_0`, `_1`, ...)
+    under `kvbridge-pull`, every side channel's `kvbridge-ctl-*` under `kvbridge-ctl`. A thread that ended between two
+    readings takes its time with it: a difference of two readings is a lower bound.
+    """
+    out: dict[str, float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    name = (task / "comm").read_text().strip()
+                    if name.startswith(prefix):
+                        # by kind: `kvbridge-ctl-<peer>`, `kvbridge-tcp-accept-<port>` are one each
+                        key = _SUFFIX.sub("", "-".join(name.split("-")[:2]))
+                        out[key] = out.get(key, 0.0) + _thread_seconds(task)
+    return out
+
+
+def minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """after - before, name by name (what grew only)."""
+    return {k: round(v - before.get(k, 0.0), 4) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+_SAMPLE = re.compile(r"^(kvbridge_\w+?)_(bucket|sum|count)(\{[^}]*\})?\s+(\S+)$")
+_LE = re.compile(r'le="([^"]+)"')
+
+
+@attrs.define
+class Histogram:
+    """One histogram series summed over its label sets: cumulative bucket counts by upper bound, sum, count."""
+
+    buckets: dict[float, float] = attrs.field(factory=dict)
+    sum: float = 0.0
+    count: float = 0.0
+
+    def minus(self, before: Histogram | None) -> Histogram:
+        if before is None:
+            return Histogram(dict(self.buckets), self.sum, self.count)
+        return Histogram(
+            {le: n - before.buckets.get(le, 0.0) for le, n in self.buckets.items()},
+            self.sum - before.sum,
+            self.count - before.count,
+        )
+
+    def quantile(self, q: float) -> float | None:
+        """Seconds at quantile q, interpolated in its bucket (None when empty or past the last finite bound)."""
+        if self.count <= 0:
+            return None
+        rank, lower, below = q * self.count, 0.0, 0.0
+        for le in sorted(self.buckets):
+            n = self.buckets[le]
+            if n >= rank:
+                if le == float("inf"):
+                    return None
+                return lower + (le - lower) * ((rank - below) / (n - below) if n > below else 1.0)
+            lower, below = le, n
+        return None
+
+    def max_bound(self) -> float | None:
+        """The upper bound of the bucket holding the largest observation (inf past the last finite bound)."""
+        if self.count <= 0:
+            return None
+        for le in sorted(self.buckets):
+            if self.buckets[le] >= self.count:
+                return le
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        """Count and milliseconds: exact mean; p50, p99 interpolated; max as its bucket's bound (None: > 30 s)."""
+
+        def ms(v: float | None) -> float | None:
+            return None if v is None or v == float("inf") else round(v * 1e3, 2)
+
+        return {
+            "count": int(round(self.count)),
+            "mean_ms": round(self.sum / self.count * 1e3, 2) if self.count > 0 else None,
+            "p50_ms": ms(self.quantile(0.5)),
+            "p99_ms": ms(self.quantile(0.99)),
+            "max_ms": ms(self.max_bound()),
+        }
+
+
+def histograms(text: str) -> dict[str, Histogram]:
+    """The `kvbridge_*` histogram series of a Prometheus text page, each summed over its label sets."""
+    out: dict[str, Histogram] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m:
+            continue
+        name, part, labels, value = m.groups()
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        h = out.setdefault(name, Histogram())
+        if part == "bucket":
+            le = _LE.search(labels or "")
+            if le:
+                bound = float(le.group(1))  # "+Inf" reads as inf
+                h.buckets[bound] = h.buckets.get(bound, 0.0) + v
+        elif part == "sum":
+            h.sum += v
+        else:
+            h.count += v
+    return {name: h for name, h in out.items() if h.buckets}
+
+
+def memory_available_gib() -> float:
+    """MemAvailable of /proc/meminfo, GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def fits_resident(servers: int) -> bool:
+    """Whether `servers` tiny-model vLLM servers can all be up at once in the memory free now."""
+    return memory_available_gib() >= servers * SERVER_GIB + MEMORY_MARGIN_GIB

@@ -1,0 +1,105 @@
+"""What the load bench reads beside vLLM's serve bench (`kvbridge_tools.bench.load_probes`), on real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvbridge_tools.bench.load_probes import (
+    NOISE_MARK,
+    THREAD_NAMES_PATCH,
+    Noise,
+    NoiseProcs,
+    histograms,
+    thread_cpu,
+)
+
+PAGE = """\
+# TYPE kvbridge_control_seconds histogram
+kvbridge_control_seconds_bucket{engine="0",le="0.005",peer="a",transport="mooncake"} 1.0
+kvbridge_control_seconds_bucket{engine="0",le="0.01",peer="a",transport="mooncake"} 3.0
+kvbridge_control_seconds_bucket{engine="0",le="+Inf",peer="a",transport="mooncake"} 3.0
+kvbridge_control_seconds_count{engine="0",peer="a",transport="mooncake"} 3.0
+kvbridge_control_seconds_sum{engine="0",peer="a",transport="mooncake"} 0.021
+kvbridge_control_seconds_bucket{engine="0",le="0.005",peer="b",transport="mooncake"} 1.0
+kvbridge_control_seconds_bucket{engine="0",le="0.01",peer="b",transport="mooncake"} 1.0
+kvbridge_control_seconds_bucket{engine="0",le="+Inf",peer="b",transport="mooncake"} 1.0
+kvbridge_control_seconds_count{engine="0",peer="b",transport="mooncake"} 1.0
+kvbridge_control_seconds_sum{engine="0",peer="b",transport="mooncake"} 0.003
+kvbridge_transfer_bytes_total{engine="0",peer="a",transport="mooncake"} 4096.0
+vllm:e2e_request_latency_seconds_bucket{le="0.3"} 7.0
+"""
+
+
+def test_histograms_sum_label_sets_and_a_round_is_a_difference() -> None:
+    (name,) = histograms(PAGE)  # counters and vLLM's own series are not kvbridge histograms
+    assert name == "kvbridge_control_seconds"
+    now = histograms(PAGE)[name]
+    assert now.buckets == {0.005: 2.0, 0.01: 4.0, float("inf"): 4.0} and now.count == 4.0
+    assert now.summary() == {"count": 4, "mean_ms": 6.0, "p50_ms": 5.0, "p99_ms": 9.9, "max_ms": 10.0}
+    before = histograms(
+        PAGE.replace('0.01",peer="a",transport="mooncake"} 3.0', '0.01",peer="a",transport="mooncake"} 1.0')
+    )
+    assert now.minus(before[name]).buckets[0.01] == 2.0
+    empty = now.minus(now).summary()
+    assert empty == {"count": 0, "mean_ms": None, "p50_ms": None, "p99_ms": None, "max_ms": None}
+
+
+def test_kvbridge_threads_are_named_in_the_os_and_their_cpu_is_read(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(THREAD_NAMES_PATCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    probe = (
+        "import sys, threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "def work():\n"
+        "    t = time.thread_time()\n"
+        "    while time.thread_time() - t < 0.05: pass\n"  # 50 ms of this thread's own CPU
+        "    sys.stdin.readline()\n"
+        "pool = ThreadPoolExecutor(1, thread_name_prefix='kvbridge-pull')\n"
+        "for name in ('kvbridge-ctl-prefill', 'other'):\n"
+        "    threading.Thread(target=work, name=name, daemon=True).start()\n"
+        "pool.submit(work)\n"
+        "time.sleep(0)\n"
+        "print('started', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", probe], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
+        names: set[str] = set()
+        # each worker blocks on stdin once it has spun: wait for the three to be named and parked
+        while len(names) < 2 or len(thread_cpu([proc.pid])) < 2:
+            names = {(p / "comm").read_text().strip() for p in Path(f"/proc/{proc.pid}/task").iterdir()}
+        assert {"kvbridge-ctl-pr", "kvbridge-pull_0"} <= names  # 15 bytes, as the kernel keeps them
+        assert not {n for n in names if n.startswith("other")}
+        cpu = thread_cpu([proc.pid])
+        assert set(cpu) == {"kvbridge-ctl", "kvbridge-pull"}  # by kind: a pool's workers under one name
+        assert min(cpu.values()) > 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_noise_runs_only_when_resumed_and_is_killed_by_pid() -> None:
+    noise = NoiseProcs(Noise(cpu=2), [None])
+    try:
+        pids = noise.pids
+        assert len(pids) == 2 and noise.where == ["local", "local"]
+        before = noise.cpu_seconds()
+        noise.resume()
+        while noise.cpu_seconds() == before:  # it spins once resumed
+            pass
+        noise.pause()
+        for pid in pids:  # (its command line reads empty until its exec is through)
+            while not Path(f"/proc/{pid}/cmdline").read_bytes():
+                noise.resume()
+            assert NOISE_MARK.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        noise.pause()
+    finally:
+        noise.close()
+    for p in noise.procs:
+        assert p.returncode == -9  # SIGKILL, and reaped
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or NOISE_MARK.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
