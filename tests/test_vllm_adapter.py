@@ -878,3 +878,24 @@ def test_a_migration_pull_task_skips_what_decode_holds_without_naming_blocks() -
     assert task.params.lease_blocks
     whole = PullTask.from_params("b", params, [5, 6, 7, 8], BLOCK, report=True)
     assert (whole.skip, whole.params.remote_num_tokens) == (0, 3 * BLOCK + 2)
+
+
+def test_a_connector_shut_down_freezes_the_heap_at_exit_instead_of_collecting_it() -> None:
+    """Issue 42: an engine core or worker whose connector shut down skips the interpreter's final collections."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import atexit, gc, os\n"
+        # registered first, so it runs last: after the connector's hook, right before the final collections
+        "atexit.register(lambda: os.write(1, b'frozen %d' % gc.get_freeze_count()))\n"
+        "from kvbridge.adapters.vllm.connector import freeze_heap_at_exit\n"
+        "before = atexit._ncallbacks()\n"
+        "freeze_heap_at_exit()\n"
+        "freeze_heap_at_exit()\n"  # a second shutdown in the process registers nothing more
+        "assert atexit._ncallbacks() == before + 1, (before, atexit._ncallbacks())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    frozen = int(done.stdout.rsplit("frozen ", 1)[1])
+    assert frozen > 0, done.stdout

@@ -8,7 +8,10 @@ Select it with `--kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -46,6 +49,21 @@ def share_vllm_logging() -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.getEffectiveLevel())
     ours.propagate = False
+
+
+_exit_freeze = threading.Lock()  # held for good once the hook is registered: one per process
+
+
+def freeze_heap_at_exit() -> None:
+    """At this process's exit, freeze what is left instead of collecting it; registered once per process.
+
+    A process that is exiting gains nothing from the interpreter's final full collections, and over vLLM's heap they
+    took 1-3 s each on a loaded box (docs/measurements/drain.md): a drained worker outlived vLLM's 5 s grace and the
+    engine core its --shutdown-timeout. vLLM freezes the same way on ROCm. atexit runs after vLLM's own shutdown (its
+    `gc.unfreeze()` and collection in the engine core), right before those collections.
+    """
+    if _exit_freeze.acquire(blocking=False):
+        atexit.register(gc.freeze)
 
 
 def default_kv_cache_layout(settings: Settings, vllm_config: VllmConfig, *, on_cuda: bool) -> str | None:
@@ -196,6 +214,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        freeze_heap_at_exit()  # vLLM calls this as its engine core or worker shuts down: that process is ending
         if self._membership is not None:
             self._membership.close()
         if self._scheduler is not None:

@@ -56,9 +56,9 @@ class Drained:
     role: str
     fault: str
     bound_s: float
-    started: float = attrs.field(factory=time.monotonic)
+    started: float = attrs.field(factory=time.monotonic)  # reset at its SIGTERM
     exit: int | None = None  # None: still running, or killed at the bound
-    seconds: float | None = None
+    seconds: float | None = None  # from its SIGTERM to its API server's exit
     leases: int = -1  # what its ranks logged as they closed (-1: no closing line)
     blocks: int = -1
     engine_killed: bool = False  # vLLM's API server force-killed its engine core at --shutdown-timeout
@@ -342,6 +342,7 @@ class Deployment:
             self._drain_at_proxy(server)
         log.warning("chaos: %s: SIGTERM %s (pid %d)", fault, server.url, server.pid)
         self._retired.append(self.kvbridge_counters(server))
+        drained.started = time.monotonic()  # its exit is timed from the SIGTERM
         os.kill(server.pid, signal.SIGTERM)  # the API server only: vLLM passes it to its engine (docs/elastic.md)
         self._background(f"drain-{server.port}", self._await_exit, drained)
         if replace:
