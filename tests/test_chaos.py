@@ -12,11 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import attrs
 import pytest
 
 from kvbridge.errors import ConfigError
-from kvbridge_tools.chaos.deployment import Deployment
 from kvbridge_tools.chaos.faults import PER_REQUEST, parse_faults, scaling, schedule
 from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
 
