@@ -216,15 +216,21 @@ def _one_of(values: list[int]) -> list[Insn]:
     if len(values) <= _LEAF:
         n = len(values)
         return [*((_JEQ_K, n - i, 0, v) for i, v in enumerate(values)), (_RET_K, 0, 0, _DROP), (_RET_K, 0, 0, _ACCEPT)]
-    mid = len(values) // 2
+    mid = _split(len(values))
     left = _one_of(values[:mid])
     return [(_JGE_K, 0, 1, values[mid]), (_JA, 0, 0, len(left)), *left, *_one_of(values[mid:])]
+
+
+def _split(n: int) -> int:
+    """Where a tree node splits `n` sorted values: whole leaves on the left, so leaves hold _LEAF values but one."""
+    leaves = -(-n // _LEAF)
+    return (leaves + 1) // 2 * _LEAF
 
 
 def _branch(items: list[tuple[int, list[Insn]]]) -> list[Insn]:
     """Run the block of the value register A equals (`items` sorted by value), or drop; blocks end in returns."""
     if len(items) > _LEAF:
-        mid = len(items) // 2
+        mid = _split(len(items))
         left = _branch(items[:mid])
         return [(_JGE_K, 0, 1, items[mid][0]), (_JA, 0, 0, len(left)), *left, *_branch(items[mid:])]
     header = 2 * len(items) + 1

@@ -7,9 +7,11 @@ kernel to real listening sockets on loopback. Across hosts: tests/test_stranger.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
 import socket
+import struct
 
 import numpy as np
 import pytest
@@ -231,3 +233,57 @@ def test_a_guarded_transport_still_serves_loopback_peers() -> None:
     finally:
         client.close()
         server.close()
+
+
+def _attached(sock: socket.socket) -> list[tuple[int, int, int, int]]:
+    """The classic BPF program attached to `sock` (SO_GET_FILTER answers its length in instructions)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(8 * netguard.BPF_MAXINSNS)
+    size = ctypes.c_uint32(netguard.BPF_MAXINSNS)
+    assert libc.getsockopt(sock.fileno(), socket.SOL_SOCKET, 26, buf, ctypes.byref(size)) == 0, ctypes.get_errno()
+    return [struct.unpack_from("HBBI", buf.raw, 8 * i) for i in range(size.value)]
+
+
+def _refused_and_whole(guard: netguard.Guard, theirs: socket.socket, first: int, more: int, match: str) -> None:
+    """Hold `first` hosts, then `more`: the second is refused (GuardFull matching `match`), the filter unchanged."""
+    many = [str(a) for a in netguard.example_hosts(4, first + more)]
+    try:
+        netguard.ADMISSION.hold("test: first", many[:first], "a test")
+        before = _attached(theirs)
+        assert before == [(op, jt, jf, k & 0xFFFFFFFF) for op, jt, jf, k in filter_program(guard.networks())]
+        with pytest.raises(netguard.GuardFull, match=match):
+            netguard.ADMISSION.hold("test: more", many[first:], "a test")
+        assert _attached(theirs) == before, "a refused admission changed the filter"
+        assert many[-1] not in map(str, netguard.ADMISSION.hosts())
+        assert _connects(theirs.getsockname()[1])
+    finally:
+        netguard.ADMISSION.release("test: first")
+        guard.close()
+        theirs.close()
+
+
+def test_a_filter_over_bpfs_instruction_limit_is_refused_by_name_and_the_filter_stays_whole() -> None:
+    guard = netguard.Guard("a library", "127.0.0.1", GuardOptions(admit_grace=0.0))
+    with guard.capture():
+        theirs = _listener()
+    _refused_and_whole(
+        guard, theirs, 1000, 2000, r"3000 hosts takes a filter of \d+ instructions, over the kernel's 4096"
+    )
+
+
+def test_a_host_the_kernel_cannot_take_is_refused_by_name_and_the_filter_stays_whole(hosts_factory) -> None:  # noqa: ANN001
+    host = hosts_factory(["solo"])["solo"]
+    host.run(["sysctl", "-q", "-w", "net.core.optmem_max=20480"])  # the default before Linux 6.9 (per namespace)
+    with host.entered():
+        guard = netguard.Guard("a library", "127.0.0.1", GuardOptions(admit_grace=0.0))
+        with guard.capture():
+            theirs = _listener()
+        match = r"refused the filter .*net\.core\.optmem_max \(20480 bytes\).*raise net\.core\.optmem_max"
+        _refused_and_whole(guard, theirs, 100, 1000, match)
+
+
+def test_doctor_shows_the_room_left_in_the_filter() -> None:
+    from kvbridge.cli.doctor import guard_check
+
+    check = guard_check()
+    assert check.ok and "room for" in check.detail and "optmem_max" in check.detail, check

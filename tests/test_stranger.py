@@ -221,7 +221,7 @@ def test_an_admission_ends_when_the_last_lease_ended_and_the_grace_passed(hosts:
             dial = {"host": hosts["prefill"].address, "ports": served["ports"], "connect_timeout": 2.0}
             assert set(decode.call("stranger_dial", **dial).values()) == {"connected"}, "admitted while it reads"
             decode.call("finish", request_id="r")  # the lease is released: its last DONE
-            assert prefill.call("wait_unadmitted", host=decode_host, timeout=60.0), prefill.call("admitted")
+            assert prefill.call("wait_unadmitted", host=decode_host, within=60.0), prefill.call("admitted")
             assert "connected" not in decode.call("stranger_dial", **dial).values(), "admitted after its lease"
     finally:
         prefill.close()

@@ -132,9 +132,9 @@ def admitted() -> list[str]:
     return [str(a) for a in netguard.ADMISSION.hosts()]
 
 
-def wait_unadmitted(host: str, timeout: float) -> bool:
+def wait_unadmitted(host: str, within: float) -> bool:
     """Wait until `host` is no longer admitted here (its last lease ended, then the grace); whether it is not."""
-    return netguard.ADMISSION.wait_until(lambda hosts: host not in map(str, hosts), timeout)
+    return netguard.ADMISSION.wait_until(lambda hosts: host not in map(str, hosts), within)
 
 
 def stranger_replay(frames: list[str], targets: list[list[Any]]) -> list[str]:
