@@ -250,6 +250,12 @@ def _words_one_of(keys: list[tuple[int, ...]], level: int) -> list[Insn]:
     load = (_LD_MEM, 0, 0, level)
     if level == 3:
         return [load, *_one_of([k[0] for k in keys])]
+    if len(keys) == 1:  # one host left under this prefix: its remaining words, one after another
+        rest = keys[0]
+        out: list[Insn] = []
+        for i, word in enumerate(rest):
+            out += [(_LD_MEM, 0, 0, level + i), (_JEQ_K, 0, 2 * (len(rest) - i) - 1, word)]
+        return [*out, (_RET_K, 0, 0, _ACCEPT), (_RET_K, 0, 0, _DROP)]
     groups: dict[int, list[tuple[int, ...]]] = {}
     for key in keys:
         groups.setdefault(key[0], []).append(key[1:])
