@@ -71,9 +71,9 @@ def _record(server: ControlServer) -> None:
     frames: list[bytes] = []
     answer, seal = server._answer, server._seal
 
-    def recording_answer(payload: bytes, peer_host: str | None, *, park: bool) -> Any:
+    def recording_answer(payload: bytes, peer_host: str | None, **kwargs: Any) -> Any:
         frames.append(payload)
-        return answer(payload, peer_host, park=park)
+        return answer(payload, peer_host, **kwargs)
 
     def recording_seal(reply_to: bytes | None, reply: Any) -> bytes:
         data = seal(reply_to, reply)
