@@ -7,9 +7,16 @@ kernel to real listening sockets on loopback. Across hosts: tests/test_stranger.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import logging
+import os
+import shutil
 import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,13 +32,21 @@ NET = 0x100000  # SKF_NET_OFF: the interpreter's packet starts at the network he
 
 def run_bpf(program: list[tuple[int, int, int, int]], packet: bytes) -> int:
     """The program's verdict on an IP packet (the instructions filter_program emits, nothing else)."""
-    a, pc = 0, 0
-    for _ in range(len(program) + 1):  # no backward jumps: each instruction runs at most once
+    a, pc, mem, ran = 0, 0, [None] * 16, 0
+    for ran in range(len(program) + 1):  # noqa: B007 - no backward jumps: each instruction runs at most once
         op, jt, jf, k = program[pc]
         k &= 0xFFFFFFFF  # as the kernel gets it
         pc += 1
         if op == 0x06:
+            run_bpf.ran = ran + 1  # type: ignore[attr-defined]
             return k
+        if op == 0x02:
+            mem[k] = a
+            continue
+        if op == 0x60:
+            assert mem[k] is not None, "a scratch word loaded before it was stored"
+            a = mem[k]
+            continue
         if op in (0x20, 0x30):
             off = k - (1 << 32) + NET  # every load is relative to the network header (a negative offset)
             assert 0 <= off < len(packet), f"load outside the IP header at {off}"
@@ -43,6 +58,8 @@ def run_bpf(program: list[tuple[int, int, int, int]], packet: bytes) -> int:
             a &= k
         elif op == 0x15:
             pc += jt if a == k else jf
+        elif op == 0x35:
+            pc += jt if a >= k else jf
         elif op == 0x05:
             pc += k
         else:
@@ -65,22 +82,46 @@ networks = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
-@given(nets=st.lists(networks, max_size=6), probes=st.lists(addresses, min_size=1, max_size=6))
-def test_the_filter_accepts_exactly_the_admitted_networks(nets: list, probes: list) -> None:
+# Hosts close together (shared prefixes: the tree's IPv6 levels branch) and networks of any prefix.
+near6 = st.integers(0, 2**20).map(lambda i: ipaddress.IPv6Address((0xFD00 << 112) + (i << (i % 100))))
+hosts = st.one_of(v4, v6, near6, st.integers(0, 300).map(lambda i: ipaddress.IPv4Address(0x0A000000 + i)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    nets=st.lists(networks, max_size=6),
+    admitted=st.lists(hosts, max_size=60),
+    probes=st.lists(st.one_of(addresses, hosts), min_size=1, max_size=6),
+)
+def test_the_filter_accepts_exactly_the_admitted_networks(nets: list, admitted: list, probes: list) -> None:
+    nets = nets + [ipaddress.ip_network(a) for a in admitted]
     program = filter_program(nets)
-    # a probe inside each network, and the drawn ones
+    # a probe inside each network, its neighbours, and the drawn ones
     inside = [n.network_address + (int(n.num_addresses) - 1) // 2 for n in nets]
-    for addr in [*probes, *inside]:
+    around = [a + d for a in admitted for d in (-1, 1) if 0 <= int(a) + d < 2 ** (a.max_prefixlen)]
+    for addr in [*probes, *inside, *around]:
         want = any(addr in n for n in nets if n.version == addr.version)
         verdict = run_bpf(program, packet(addr))
         assert (verdict != 0) == want, (addr, nets)
 
 
-def test_a_filter_admitting_up_to_the_limit_fits_bpf() -> None:
-    nets = [ipaddress.ip_network(i) for i in range(1, netguard.MAX_ADMITTED + 1)]
-    nets += [ipaddress.ip_network("::1"), ipaddress.ip_network("fd00::/8")]
-    assert len(filter_program(nets)) <= 4096
+@pytest.mark.parametrize("version", [4, 6])
+def test_a_packet_runs_a_number_of_instructions_that_grows_with_the_log_of_the_hosts(version: int) -> None:
+    ran = []
+    for count in (10, 100, 1000):
+        program = filter_program([ipaddress.ip_network(a) for a in netguard.example_hosts(version, count)])
+        probe = netguard.example_hosts(version, count)[-1]  # the last of the sorted ones is as deep as any
+        assert run_bpf(program, packet(probe)) != 0
+        ran.append(max(run_bpf.ran, 1))  # type: ignore[attr-defined]
+    # a linear filter ran ~3 (IPv4) and ~9 (IPv6) instructions per host before its match
+    assert ran[2] < 60 and ran[2] - ran[1] < 3 * (ran[1] - ran[0] + 8), ran
+
+
+def test_this_kernel_takes_1000_ipv4_and_300_ipv6_hosts_in_one_filter() -> None:
+    nets = [*netguard._LOOPBACK, *(ipaddress.ip_network(a) for a in netguard.example_hosts(4, 1000))]
+    nets += [ipaddress.ip_network(a) for a in netguard.example_hosts(6, 300)]
+    assert len(filter_program(nets)) <= netguard.BPF_MAXINSNS
+    assert netguard.filter_fits(nets), "the kernel refused 1,000 IPv4 and 300 IPv6 hosts (docs/security.md)"
 
 
 def _listener() -> socket.socket:
@@ -197,3 +238,72 @@ def test_a_guarded_transport_still_serves_loopback_peers() -> None:
     finally:
         client.close()
         server.close()
+
+
+def _attached(sock: socket.socket) -> list[tuple[int, int, int, int]]:
+    """The classic BPF program attached to `sock` (SO_GET_FILTER answers its length in instructions)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(8 * netguard.BPF_MAXINSNS)
+    size = ctypes.c_uint32(netguard.BPF_MAXINSNS)
+    assert libc.getsockopt(sock.fileno(), socket.SOL_SOCKET, 26, buf, ctypes.byref(size)) == 0, ctypes.get_errno()
+    return [struct.unpack_from("HBBI", buf.raw, 8 * i) for i in range(size.value)]
+
+
+def _refused_and_whole(guard: netguard.Guard, theirs: socket.socket, first: int, more: int, match: str) -> None:
+    """Hold `first` hosts, then `more`: the second is refused (GuardFull matching `match`), the filter unchanged."""
+    many = [str(a) for a in netguard.example_hosts(4, first + more)]
+    try:
+        netguard.ADMISSION.hold("test: first", many[:first], "a test")
+        before = _attached(theirs)
+        assert before == [(op, jt, jf, k & 0xFFFFFFFF) for op, jt, jf, k in filter_program(guard.networks())]
+        with pytest.raises(netguard.GuardFull, match=match):
+            netguard.ADMISSION.hold("test: more", many[first:], "a test")
+        assert _attached(theirs) == before, "a refused admission changed the filter"
+        assert many[-1] not in map(str, netguard.ADMISSION.hosts())
+        assert _connects(theirs.getsockname()[1])
+    finally:
+        netguard.ADMISSION.release("test: first")
+        guard.close()
+        theirs.close()
+
+
+def test_a_filter_over_bpfs_instruction_limit_is_refused_by_name_and_the_filter_stays_whole() -> None:
+    guard = netguard.Guard("a library", "127.0.0.1", GuardOptions(admit_grace=0.0))
+    with guard.capture():
+        theirs = _listener()
+    _refused_and_whole(
+        guard, theirs, 1000, 2000, r"3000 hosts takes a filter of \d+ instructions, over the kernel's 4096"
+    )
+
+
+def refused_at_optmem_max() -> None:
+    """Run by the next test inside a network namespace of its own whose net.core.optmem_max is 20480."""
+    guard = netguard.Guard("a library", "127.0.0.1", GuardOptions(admit_grace=0.0))
+    with guard.capture():
+        theirs = _listener()
+    match = r"refused the filter .*net\.core\.optmem_max \(20480 bytes\).*raise net\.core\.optmem_max"
+    _refused_and_whole(guard, theirs, 100, 1900, match)
+
+
+def test_a_host_the_kernel_cannot_take_is_refused_by_name_and_the_filter_stays_whole() -> None:
+    # optmem_max is per network namespace (Linux 6.9 on); 20480 was its default before
+    script = 'ip link set lo up && echo 20480 > /proc/sys/net/core/optmem_max && exec "$0" -c "$1"'
+    code = "import test_netguard as t; t.refused_at_optmem_max()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    if not shutil.which("unshare"):
+        pytest.skip("unshare is not installed")
+    done = subprocess.run(
+        ["unshare", "-n", "sh", "-c", script, sys.executable, code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_doctor_shows_the_room_left_in_the_filter() -> None:
+    from kvbridge.cli.doctor import guard_check
+
+    check = guard_check()
+    assert check.ok and "room for" in check.detail and "optmem_max" in check.detail, check

@@ -1,7 +1,7 @@
 """A stranger on another host, holding no secret, against every transport that runs here.
 
-Three namespace hosts: a prefill serving a patterned buffer behind a transport and an authenticated side
-channel, a decode holding the secret, and a stranger who knows the transport endpoint (an observer saw it
+Four namespace hosts: a prefill serving a patterned buffer behind a transport and an authenticated side
+channel, a relay, a decode holding the secret, and a stranger who knows the transport endpoint (an observer saw it
 go by) and uses the transport's own library, or plain sockets. With the default configuration the
 decode reads the buffer and the stranger can neither read it, write it, connect to the transport's
 ports (Mooncake and NIXL: `kvbridge.netguard`), pass the tcp transport's handshake, nor get the layout
@@ -9,6 +9,11 @@ from the side channel. Also with the transport on hostname 127.0.0.1, where Moon
 listen on every interface. With the trust option (`insecure=True`), what docs/security.md says: anyone
 who reaches the ports reads registered memory (over `tcp`, with the token the endpoint carries, which
 an insecure side channel serves to anyone).
+
+Admission follows proof of the peer, not of a packet: a stranger replaying every frame it recorded to every
+rank, or a relay that a request named as the side channel, is never admitted (a Mooncake and a NIXL read of
+registered memory from its host lands 0 bytes), and a decode admitted for its lease is dropped again once
+the lease ended and the grace passed.
 """
 
 from __future__ import annotations
@@ -32,11 +37,10 @@ GUARDED = ["mooncake", "nixl"]  # they authenticate nobody themselves
 
 @pytest.fixture(scope="module")
 def hosts(module_hosts_factory: Callable[..., Hosts]) -> Hosts:
-    hosts = module_hosts_factory(
-        ["prefill", "decode", "stranger"],
-    )
+    hosts = module_hosts_factory(["prefill", "decode", "stranger", "relay"])
     # A dropped SYN is retried for about two minutes by default; one retry bounds every blocked connect.
-    hosts["stranger"].run(["sysctl", "-q", "-w", "net.ipv4.tcp_syn_retries=1"])
+    for name in ("stranger", "relay", "decode"):
+        hosts[name].run(["sysctl", "-q", "-w", "net.ipv4.tcp_syn_retries=1"])
     return hosts
 
 
@@ -123,19 +127,102 @@ def test_a_stranger_on_another_host_reads_nothing_writes_nothing_and_learns_no_l
     try:
         with _child(hosts, "decode", secret) as decode:
             host, port = served["side_channel"]
-            pulled = decode.call(
-                "pull",
-                backend=backend,
-                hostname=hosts["decode"].address,
-                host=host,
-                port=port,
-                secret=secret,
-                options={},
-            )
-            assert pulled == served["digest"], "the decode, holding the secret, must read the buffer across hosts"
+            prefill.call("offer", request_id="r")
+            pulled = _pull(hosts, decode, backend, host, port, secret, "r")
+            assert pulled["digest"] == served["digest"], "the decode, holding the secret, must read the buffer"
         answer = stranger.call("stranger_side_channel", host=host, port=port)
         assert "refused" in answer.lower() and "layout" not in answer.lower() and "KVLayout" not in answer, answer
         _assert_stranger_got_nothing(stranger, hosts, backend, served, prefill)
+    finally:
+        prefill.close()
+
+
+def _pull(
+    hosts: Hosts, decode: Child, backend: str, host: str, port: int, secret: str, rid: str, **options: Any
+) -> dict:
+    return decode.call(
+        "pull",
+        backend=backend,
+        hostname=hosts["decode"].address,
+        host=host,
+        port=port,
+        secret=secret,
+        options=options,
+        request_id=rid,
+    )
+
+
+def _read_nothing(who: Child, hosts: Hosts, backend: str, endpoint: str) -> None:
+    """`who` reads the registered memory `endpoint` names with the transport's own library: 0 bytes land."""
+    name = who.name
+    read = who.call(
+        "stranger_library",
+        backend=backend,
+        hostname=hosts[name].address,
+        endpoint=endpoint,
+        op="read",
+        size=SIZE,
+        timeout=180,
+    )
+    assert read["untouched"] and read["rc"] != 0, f"{name} read registered memory: {read}"
+
+
+@pytest.mark.parametrize("backend", GUARDED)
+def test_a_stranger_replaying_every_recorded_frame_to_every_rank_is_never_admitted(
+    hosts: Hosts, stranger: Child, secret: str, backend: str
+) -> None:
+    prefill, served = _serve(hosts, backend, secret)
+    try:
+        with _child(hosts, "decode", secret) as decode:
+            prefill.call("offer", request_id="r")
+            pulled = _pull(hosts, decode, backend, *served["side_channel"], secret, "r")
+            assert pulled["digest"] == served["digest"]
+            decode.call("finish", request_id="r")
+            # requests and replies: a GetInfo (to no rank), a BeginPull and a DONE for the prefill, its replies
+            frames = prefill.call("recorded")
+            answers = stranger.call(
+                "stranger_replay", frames=frames, targets=[served["side_channel"], pulled["side_channel"]]
+            )
+            assert "unanswered" not in answers, answers
+            for side in (prefill, decode):
+                assert hosts["stranger"].address not in side.call("admitted"), side.name
+            for endpoint in (served["endpoint"], pulled["endpoint"]):
+                _read_nothing(stranger, hosts, backend, endpoint)
+    finally:
+        prefill.close()
+
+
+@pytest.mark.parametrize("backend", GUARDED)
+def test_a_relay_named_as_the_side_channel_is_never_admitted(hosts: Hosts, secret: str, backend: str) -> None:
+    prefill, served = _serve(hosts, backend, secret)
+    try:
+        with _child(hosts, "decode", secret) as decode, _child(hosts, "relay", None) as relay:
+            port = relay.call(
+                "relay", listen=hosts["relay"].address, host=served["side_channel"][0], port=served["side_channel"][1]
+            )
+            prefill.call("offer", request_id="r")
+            pulled = _pull(hosts, decode, backend, hosts["relay"].address, port, secret, "r")
+            assert pulled["digest"] == served["digest"], "a pull through a relay reads the transport directly"
+            for side in (prefill, decode):
+                assert hosts["relay"].address not in side.call("admitted"), side.name
+            for endpoint in (served["endpoint"], pulled["endpoint"]):
+                _read_nothing(relay, hosts, backend, endpoint)
+    finally:
+        prefill.close()
+
+
+def test_an_admission_ends_when_the_last_lease_ended_and_the_grace_passed(hosts: Hosts, secret: str) -> None:
+    prefill, served = _serve(hosts, "mooncake", secret, admit_grace=1.0)
+    decode_host = hosts["decode"].address
+    try:
+        with _child(hosts, "decode", secret) as decode:
+            prefill.call("offer", request_id="r")
+            _pull(hosts, decode, "mooncake", *served["side_channel"], secret, "r")
+            dial = {"host": hosts["prefill"].address, "ports": served["ports"], "connect_timeout": 2.0}
+            assert set(decode.call("stranger_dial", **dial).values()) == {"connected"}, "admitted while it reads"
+            decode.call("finish", request_id="r")  # the lease is released: its last DONE
+            assert prefill.call("wait_unadmitted", host=decode_host, within=60.0), prefill.call("admitted")
+            assert "connected" not in decode.call("stranger_dial", **dial).values(), "admitted after its lease"
     finally:
         prefill.close()
 

@@ -66,11 +66,17 @@ def guard_check() -> Check:
     except Exception as exc:  # noqa: BLE001 - a bad secret is this check's finding
         return Check("listener guard", False, f"the shared secret cannot be read: {exc}", f"fix {SECRET_ENV}")
     admits = "hosts that prove the shared secret" if secret else f"no other host ({SECRET_ENV} is not set)"
+    admitted = netguard.ADMISSION.hosts()
+    v4, v6 = (netguard.capacity(v, admitted) for v in (4, 6))
+    room = (
+        f"{len(admitted)} hosts admitted here; room for {v4} more IPv4 or {v6} more IPv6 hosts in one filter "
+        f"(net.core.optmem_max = {netguard.optmem_max()} bytes)"
+    )
     return Check(
         "listener guard",
         True,
-        f"Mooncake's and NIXL's listeners admit loopback, allow= networks and {admits}; with insecure=True "
-        "(the trust option) they are OPEN to any host",
+        f"Mooncake's and NIXL's listeners admit loopback, allow= networks and {admits}, each while a lease or peer "
+        f"relation needs it; {room}; with insecure=True (the trust option) they are OPEN to any host",
         "" if secret else f"to serve other hosts: set {SECRET_ENV} or {SECRET_FILE_ENV} on every engine",
     )
 

@@ -36,6 +36,8 @@ from kvbridge.control.auth import Authenticator, new_nonce
 from kvbridge.control.discovery import DiscoveryRegistry, RankRecord
 from kvbridge.control.ledger import Ledger
 from kvbridge.control.messages import (
+    MAX_CARD_HOSTS,
+    MAX_CARD_S,
     MAX_FIELDS,
     MAX_ID_BYTES,
     REPLIES,
@@ -49,6 +51,7 @@ from kvbridge.control.messages import (
     LeaseState,
     LeaseStatus,
     Offer,
+    PeerCard,
     QueryLease,
     QueryStream,
     Refused,
@@ -71,6 +74,10 @@ MAX_PARKED = 4096  # BeginPulls held for their offer at once; beyond it they are
 PARK_SLICE_S = 0.1
 MAX_NOTIFIED_PEERS = 256  # peers with abort notifications pending at once (a thread each); beyond, the leases expire
 CLOSE_GRACE_S = 0.5  # close() lets pending abort notifications go out this long, then drops them
+CARD_S = 120.0  # how long a PeerCard this rank signs is valid
+# A decode keeps a prefill rank's transport addresses admitted this long after its last authenticated answer
+# (then the grace): the peer relation its pulls need.
+RELATION_S = 120.0
 Address = tuple[str, int]
 AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
 StreamQuery = Callable[[str, int], StreamStatus]  # request_id, epoch -> how far prefill computed it
@@ -180,6 +187,8 @@ class ControlServer:
         self._info = RegisteredMemory(engine_id=engine_id, rank=rank, ready=False)
         self.accept_offers = False
         self._parked: dict[str, list[_Parked]] = {}  # request id -> BeginPulls held for its offer
+        self._held_lock = threading.Lock()
+        self._held_keys: dict[str, set[str]] = {}  # request id -> admission holds of its readers (netguard)
         self._nparked = 0
         # (deadline, request id) of every held request, a heap; stale entries (answered) are skipped when popped
         self._due: list[tuple[float, str]] = []
@@ -312,11 +321,13 @@ class ControlServer:
             frame = _decode_small(payload, Frame, self.max_message_bytes)
             self._auth.check(frame)
             reply_to = frame.nonce
-            if self._auth.enabled and peer_host:  # it proved the secret: its transport may reach ours
-                netguard.admit(peer_host, f"authenticated on side channel {self.name}")
+            # Nothing is admitted here: a frame proves the secret, not who sent it (a replay or a relay). A BeginPull
+            # admits what its signed card names, once kind, receiver and direction are checked (`_hold_reader`).
             cls = REQUESTS.get(frame.kind)
             if cls is None:
                 raise ProtocolError(f"unknown request kind {frame.kind!r}; this side channel serves {sorted(REQUESTS)}")
+            if frame.reply_to:
+                raise ProtocolError(f"{frame.kind} from {frame.sender!r} answers a request: a reply sent back as one")
             if (misaddressed := self._misaddressed(frame, peer_host)) is not None:
                 return reply_to, misaddressed
             body = _decode_small(frame.body, cls, self.max_message_bytes)
@@ -359,10 +370,11 @@ class ControlServer:
         if not self._info.ready:
             return Refused("not_ready", f"rank {self.name} has not registered its KV cache yet")
         if isinstance(msg, GetInfo):
-            return self._info
+            return attrs.evolve(self._info, card=own_card(self.name)) if self._auth.enabled else self._info
         if self.ledger is None:
             return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
         if isinstance(msg, BeginPull):
+            self._check_card(msg.card, sender)
             if (
                 park
                 and msg.wait_ms > 0
@@ -389,8 +401,43 @@ class ControlServer:
     def _begin(self, msg: BeginPull, peer_host: str | None, waited_s: float = 0.0) -> LeaseStatus:
         assert self.ledger is not None
         watcher = self._watcher(msg, peer_host)
+        key = self._hold_reader(msg)
         status = self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls, blocks=msg.blocks)
+        if key is not None and not status.valid:
+            self._release_readers(msg.request_id)
         return attrs.evolve(status, waited_ms=round(waited_s * 1e3, 3)) if waited_s else status
+
+    def _check_card(self, card: PeerCard | None, sender: str) -> None:
+        """A BeginPull's card must be its sender's own, and fresh (it was signed with the frame)."""
+        if card is None or not self._auth.enabled:
+            return
+        if card.name != sender:
+            raise ProtocolError(f"BeginPull from {sender!r} carries the card of {card.name!r}: not its own")
+        if not time.time() < card.expires <= time.time() + MAX_CARD_S:
+            raise ProtocolError(f"BeginPull from {sender!r} carries a card expiring at {card.expires:.0f}: not fresh")
+
+    def _hold_reader(self, msg: BeginPull) -> str | None:
+        """Admit the reader's transport addresses (its card's) while its lease on this request lasts, plus the grace.
+
+        Only for an active lease: a BeginPull for a request not offered, or finished, admits nobody. Raises GuardFull
+        (the reader is refused) when this process's guards cannot take another host."""
+        assert self.ledger is not None
+        card = msg.card
+        if card is None or not card.hosts or not self._auth.enabled:
+            return None
+        if self.ledger.state(msg.request_id) is not LeaseState.ACTIVE:
+            return None
+        key = f"lease {self.name} {msg.request_id} {card.name}"
+        netguard.ADMISSION.hold(key, card.hosts, f"{card.name} reads {msg.request_id} from {self.name}")
+        with self._held_lock:
+            self._held_keys.setdefault(msg.request_id, set()).add(key)
+        return key
+
+    def _release_readers(self, request_id: str) -> None:
+        with self._held_lock:
+            keys = self._held_keys.pop(request_id, ())
+        for key in keys:
+            netguard.ADMISSION.release(key)
 
     def _offer(self, msg: Offer, sender: str, peer_host: str | None) -> Ack | Refused:
         """An offer from this engine's own scheduler, ahead of the engine step that makes it too."""
@@ -417,7 +464,9 @@ class ControlServer:
     def _finished(self, lease: Any, _state: LeaseState) -> None:
         """Ledger callback: a held QueryStream for this request is answered now, not when its wait runs out.
 
-        Called from any thread: the serving one when it reaps or counts a DONE."""
+        Its readers' admissions end (after the grace). Called from any thread: the serving one when it reaps or counts
+        a DONE."""
+        self._release_readers(lease.request_id)
         self.wake(lease.request_id)
 
     def wake(self, request_id: str) -> None:
@@ -768,6 +817,11 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host  # as a ZeroMQ endpoint names it
 
 
+def own_card(name: str) -> PeerCard:
+    """This process's card as rank `name`: its guarded transports' addresses, valid for `CARD_S`."""
+    return PeerCard(name, netguard.transport_hosts()[:MAX_CARD_HOSTS], time.time() + CARD_S)
+
+
 def _same_host(claimed: str, source: str | None) -> bool:
     """Is `claimed` (a notify host) the `source` host a request came from? Both loopback counts as the same."""
     if source is None:
@@ -821,6 +875,7 @@ class ControlClient:
         self._closed = False
         self.silent = False  # its last request went unanswered (a killed or stalled peer) until one is answered
         self._learned = ""  # the rank that sent the last authenticated reply
+        self._peer: tuple[str, tuple[str, ...]] | None = None  # the rank's name and card hosts (its GetInfo reply)
 
     def _take(self) -> zmq.Socket:
         with self._lock:
@@ -922,15 +977,32 @@ class ControlClient:
                 "shared secret on both engines"
             )
         self._auth.check(reply_frame, expect_reply_to=frame.nonce)
-        if self._auth.enabled:  # the peer proved the secret: its transport may reach ours
-            netguard.admit(self.host, f"answered on side channel {self.url}")
         if reply_frame.sender:
             self._learned = reply_frame.sender
             self.receiver = self.receiver or reply_frame.sender
         cls = REPLIES.get(reply_frame.kind)
         if cls is None:
             raise ProtocolError(f"side channel {self.url} answered {kind} with unknown kind {reply_frame.kind!r}")
-        return wire.decode(reply_frame.body, cls, max_bytes=self._max)
+        reply = wire.decode(reply_frame.body, cls, max_bytes=self._max)
+        if self._auth.enabled:
+            self._relate(reply_frame.sender, reply)
+        return reply
+
+    def _relate(self, sender: str, reply: Any) -> None:
+        """Admit the rank's transport addresses named by its signed card, `RELATION_S` after its last answer.
+
+        Never the host dialled (a relay's, or what a name resolves to). Then the grace.
+        A card counts in a fresh reply to this client's own request (checked above) from the rank it describes."""
+        card = reply.card if isinstance(reply, RegisteredMemory) else None
+        if card is not None:
+            if card.name != sender or f"{reply.engine_id}/{reply.rank}" != sender:
+                raise ProtocolError(f"side channel {self.url}: {sender!r} answered with the card of {card.name!r}")
+            if not time.time() < card.expires <= time.time() + MAX_CARD_S:
+                raise ProtocolError(f"side channel {self.url}: the card of {sender!r} is not fresh")
+            self._peer = (sender, card.hosts)
+        if self._peer is not None and self._peer[0] == sender and self._peer[1]:
+            key = f"peer {self.sender} {self.url} {sender}"
+            netguard.ADMISSION.hold(key, self._peer[1], f"{sender} answered on side channel {self.url}", ttl=RELATION_S)
 
     def _expect(self, reply: Any, cls: type[T], what: str) -> T:
         if isinstance(reply, Refused):
@@ -1015,7 +1087,8 @@ class ControlClient:
         a block outside the lease gets the BeginPull refused (ProtocolError).
         """
         host, port = notify or ("", 0)
-        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls, BlockIds(blocks))
+        card = own_card(self.sender) if self._auth.enabled and self.sender else None
+        msg = BeginPull(request_id, decode_rank, host, port, expected_pulls, BlockIds(blocks), card=card)
         status = self._expect(self._ready_request(msg, wait_s, until_offered=True), LeaseStatus, "BeginPull")
         if not status.valid:
             raise LoadError(

@@ -97,6 +97,28 @@ class LeaseState(str, enum.Enum):
     UNKNOWN = "unknown"  # never offered here, or forgotten long ago
 
 
+MAX_CARD_HOSTS = 16
+MAX_CARD_S = 600.0  # a card valid longer is refused: a recorded one must not admit its hosts for long
+
+
+def _card_hosts(_inst: object, attr: attrs.Attribute, value: tuple[str, ...]) -> None:
+    if len(value) > MAX_CARD_HOSTS or not all(isinstance(h, str) and len(h) <= 64 for h in value):
+        raise ValueError(f"{attr.name} must list at most {MAX_CARD_HOSTS} addresses")
+
+
+@attrs.frozen
+class PeerCard:
+    """A rank's word about itself, inside a signed frame it sent: the addresses its transport reaches peers from.
+
+    A peer admits `hosts` to its guarded listeners (`kvbridge.netguard`) only from a card whose `name` (the
+    rank's `engine_id/rank`) is the frame's sender and which has not `expires`d (wall-clock seconds): never the
+    TCP source of a message, which a replay or a relay chooses."""
+
+    name: str = _id()
+    hosts: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_card_hosts)
+    expires: float = attrs.field(default=0.0, validator=attrs.validators.instance_of(float))
+
+
 # -- requests ---------------------------------------------------------------------------------
 
 
@@ -122,6 +144,8 @@ class BeginPull:
     blocks: BlockIds = _blocks(default=BlockIds())
     # How long the server may hold the answer while the request is not offered yet (0: answer at once).
     wait_ms: int = attrs.field(default=0, validator=_int_in(0, MAX_WAIT_MS))
+    # The decode rank's transport addresses, admitted by the prefill rank while the lease lasts.
+    card: PeerCard | None = None
 
 
 @attrs.frozen
@@ -197,6 +221,7 @@ class RegisteredMemory:
     ready: bool = attrs.field(validator=attrs.validators.instance_of(bool))
     info: RankInfo | None = None
     meta: dict[str, str] = attrs.field(factory=dict)
+    card: PeerCard | None = None  # the rank's transport addresses, admitted by the asker
 
 
 @attrs.frozen

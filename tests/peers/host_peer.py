@@ -1,10 +1,12 @@
-"""One engine's worth of kvbridge on a namespace host, or a stranger beside it.
+"""One engine's worth of kvbridge on a namespace host, or a stranger or a relay beside it.
 
 Driven through `kvbridge_tools.harness.proc`. `serve` puts a patterned buffer behind a transport and a
-side channel, as a prefill rank does; `pull` is a decode that authenticates on that side channel and
-reads the buffer; the `stranger_*` calls are someone on another host holding no secret who knows the
-endpoint (an observer saw it on the wire) and uses the transport's own library directly, or plain
-sockets.
+side channel with a lease ledger, as a prefill rank does (`offer` offers a request); `pull` is a decode
+rank (its own transport and side channel) that authenticates on that side channel, begins a pull of an
+offered request and reads the buffer (`finish` says DONE); the `stranger_*` calls are someone on another
+host holding no secret who knows the endpoint (an observer saw it on the wire) and uses the transport's
+own library directly, plain sockets, or replays the side-channel frames it recorded (`recorded`: what
+the prefill's side channel received and sent); `relay` forwards TCP to a side channel.
 """
 
 from __future__ import annotations
@@ -12,14 +14,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import socket
+import threading
 import time
 from typing import Any
 
 import numpy as np
 
 import kvbridge
-from kvbridge import wire
-from kvbridge.control import ControlClient, ControlServer
+from kvbridge import netguard, wire
+from kvbridge.control import ControlClient, ControlServer, Ledger
 from kvbridge.layout import vllm_layout
 from kvbridge.presets import PRESETS
 from kvbridge.topology import ParallelConfig
@@ -44,9 +47,13 @@ def serve_buffer(
     be.register_memory(buf)
     model = PRESETS["tiny-gqa"]
     layout = vllm_layout(model, 8, [buf.ctypes.data] * model.layers, 4)
-    server = ControlServer("prefill", 0, host=hostname, secret=secret, insecure=options.get("insecure", False))
+    ledger = Ledger(lambda _lease, _why: None)
+    server = ControlServer(
+        "prefill", 0, ledger=ledger, host=hostname, secret=secret, insecure=options.get("insecure", False)
+    )
     server.register(RankInfo("prefill", 0, ParallelConfig(), layout, be.endpoint_info()))
-    state.update(buf=buf, backend=be, server=server)
+    _record(server)
+    state.update(buf=buf, backend=be, server=server, ledger=ledger)
     guard = getattr(be, "guard", None)
     return {
         "endpoint": be.endpoint_info().hex(),
@@ -59,28 +66,125 @@ def serve_buffer(
     }
 
 
+def _record(server: ControlServer) -> None:
+    """Keep every frame the side channel receives and every reply it sends, as an observer on the wire would."""
+    frames: list[bytes] = []
+    answer, seal = server._answer, server._seal
+
+    def recording_answer(payload: bytes, peer_host: str | None, **kwargs: Any) -> Any:
+        frames.append(payload)
+        return answer(payload, peer_host, **kwargs)
+
+    def recording_seal(reply_to: bytes | None, reply: Any) -> bytes:
+        data = seal(reply_to, reply)
+        frames.append(data)
+        return data
+
+    server._answer, server._seal = recording_answer, recording_seal  # type: ignore[method-assign]
+    state["recorded"] = frames
+
+
+def recorded() -> list[str]:
+    return [f.hex() for f in state["recorded"]]
+
+
+def offer(request_id: str) -> None:
+    state["ledger"].offer(request_id, [0, 1, 2, 3], expected_pulls=1)
+
+
 def digest() -> str:
     return _digest(state["buf"])
 
 
-def pull(backend: str, hostname: str, host: str, port: int, secret: str | None, options: dict[str, Any]) -> str:
-    """Authenticate on the side channel at host:port, read the whole buffer its endpoint names; its digest."""
-    client = ControlClient(host, port, secret=secret, timeout_s=10)
-    try:
-        info = client.get_info(wait_s=10)
-    finally:
-        client.close()
+def pull(
+    backend: str,
+    hostname: str,
+    host: str,
+    port: int,
+    secret: str | None,
+    options: dict[str, Any],
+    request_id: str = "",
+) -> dict[str, Any]:
+    """A decode rank: authenticate on the side channel at host:port, begin a pull of `request_id`, read the buffer.
+
+    It reads the whole buffer the endpoint names. Its transport and its side channel stay up (`finish` says DONE)."""
     be = kvbridge.create_backend(backend, hostname=hostname, **options)
-    try:
-        ep = wire.decode(info.endpoint, EndpointInfo)
-        region = ep.regions[0]
-        out = np.zeros(region.length, dtype=np.uint8)
-        be.register_memory(out)
-        peer = be.connect(info.endpoint)
-        be.transfer(peer, [(out.ctypes.data, region.addr, region.length)], "read").wait(30)
-        return _digest(out)
-    finally:
-        be.close()
+    client = ControlClient(host, port, secret=secret, timeout_s=10, sender="decode/0")
+    info = client.get_info(wait_s=10)
+    if request_id:
+        client.begin_pull(request_id, "decode/0", blocks=[0, 1, 2, 3], expected_pulls=1, wait_s=10)
+    ep = wire.decode(info.endpoint, EndpointInfo)
+    region = ep.regions[0]
+    out = np.zeros(region.length, dtype=np.uint8)
+    be.register_memory(out)
+    peer = be.connect(info.endpoint)
+    be.transfer(peer, [(out.ctypes.data, region.addr, region.length)], "read").wait(30)
+    server = ControlServer("decode", 0, host=hostname, secret=secret, insecure=options.get("insecure", False))
+    state.update(buf=out, backend=be, server=server, client=client)
+    return {"digest": _digest(out), "endpoint": be.endpoint_info().hex(), "side_channel": list(server.address)}
+
+
+def finish(request_id: str) -> None:
+    state["client"].done(request_id, "decode/0", expected_pulls=1, check=False)
+
+
+def admitted() -> list[str]:
+    return [str(a) for a in netguard.ADMISSION.hosts()]
+
+
+def wait_unadmitted(host: str, within: float) -> bool:
+    """Wait until `host` is no longer admitted here (its last lease ended, then the grace); whether it is not."""
+    return netguard.ADMISSION.wait_until(lambda hosts: host not in map(str, hosts), within)
+
+
+def stranger_replay(frames: list[str], targets: list[list[Any]]) -> list[str]:
+    """Send every recorded frame, as it was, to every side channel in `targets`; the kinds of what came back."""
+    import zmq
+
+    from kvbridge.control.messages import Frame
+
+    answers = []
+    ctx = zmq.Context.instance()
+    for host, port in targets:
+        for frame in frames:
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 5000)
+            sock.connect(f"tcp://{host}:{port}")
+            try:
+                sock.send(bytes.fromhex(frame))
+                answers.append(wire.decode(sock.recv(), Frame).kind)
+            except zmq.Again:
+                answers.append("unanswered")
+            finally:
+                sock.close()
+    return answers
+
+
+def relay(listen: str, host: str, port: int) -> int:
+    """Forward TCP connections made to `listen`:<port> to host:port (a relay); the port."""
+    server = socket.create_server((listen, 0))
+
+    def pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:  # the other direction closed both
+            pass
+        finally:
+            a.close()
+            b.close()
+
+    def accept() -> None:
+        while True:
+            conn, _ = server.accept()
+            upstream = socket.create_connection((host, port))
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    state["relay"] = server
+    return int(server.getsockname()[1])
 
 
 def stranger_side_channel(host: str, port: int) -> str:
@@ -195,12 +299,15 @@ def stranger_library(
             rc = 0
         except Exception as exc:  # noqa: BLE001 - the refusal is the answer
             rc = f"{type(exc).__name__}: {exc}"
-    return {"rc": rc, "digest": _digest(local), "seconds": round(time.monotonic() - begun, 1)}
+    untouched = bool((local == 0x5A).all())  # nothing landed: 0 bytes read
+    return {"rc": rc, "digest": _digest(local), "untouched": untouched, "seconds": round(time.monotonic() - begun, 1)}
 
 
 def close() -> None:
     state.pop("server").close()
     state.pop("backend").close()
+    if "client" in state:
+        state.pop("client").close()
 
 
 if __name__ == "__main__":
@@ -209,6 +316,13 @@ if __name__ == "__main__":
             "serve_buffer": serve_buffer,
             "digest": digest,
             "pull": pull,
+            "finish": finish,
+            "offer": offer,
+            "recorded": recorded,
+            "admitted": admitted,
+            "wait_unadmitted": wait_unadmitted,
+            "stranger_replay": stranger_replay,
+            "relay": relay,
             "stranger_side_channel": stranger_side_channel,
             "stranger_dial": stranger_dial,
             "stranger_library": stranger_library,
