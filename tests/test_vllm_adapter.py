@@ -889,7 +889,7 @@ def test_a_connector_shut_down_freezes_the_heap_at_exit_instead_of_collecting_it
         "import atexit, gc, os\n"
         # registered first, so it runs last: after the connector's hook, right before the final collections
         "atexit.register(lambda: os.write(1, b'frozen %d' % gc.get_freeze_count()))\n"
-        "from kvbridge.adapters.vllm.connector import freeze_heap_at_exit\n"
+        "from kvbridge.control.membership import freeze_heap_at_exit\n"
         "before = atexit._ncallbacks()\n"
         "freeze_heap_at_exit()\n"
         "freeze_heap_at_exit()\n"  # a second shutdown in the process registers nothing more

@@ -9,6 +9,9 @@ such an order. The proxy reads the records (kvbridge-proxy's `members.py`; docs/
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gc
 import logging
 import multiprocessing
 import os
@@ -91,6 +94,17 @@ class Announcer:
                 "could not withdraw %s from the registry (it expires by itself): %s", self._record.server_id, exc
             )
         self.registry.close()
+
+
+@functools.cache  # registered once per process
+def freeze_heap_at_exit() -> None:
+    """At this process's exit, freeze what is left instead of collecting it (an engine calls it as it shuts down).
+
+    An exiting process gains nothing from the interpreter's final full collections, and over an engine's heap (torch,
+    the model) they took 1-3 s each on a loaded box (docs/measurements/drain.md): a drained vLLM worker outlived vLLM's
+    5 s grace and its engine core the shutdown timeout. atexit runs after the engine's own shutdown, right before them.
+    """
+    atexit.register(gc.freeze)
 
 
 class SigtermDrain:

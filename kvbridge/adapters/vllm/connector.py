@@ -1,17 +1,12 @@
 """`KVBridgeConnector`: vLLM's `KVConnectorBase_V1` on kvbridge transports, pull mode.
 
-Select it with `--kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_role": "kv_producer"
-| "kv_consumer" | "kv_both", "kv_connector_extra_config": {"migration_backend": "Mooncake",
-"protocol": "tcp"}}'`. The role only says what a server is meant for; each request's
-`kv_transfer_params` (set by the proxy) decides what happens to it.
+Select it with `--kv-transfer-config '{"kv_connector": "KVBridgeConnector", "kv_role": "kv_both", ...}'`
+(docs/vllm.md). The role only says what a server is meant for; each request's `kv_transfer_params` decides.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,6 +22,7 @@ from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
+from kvbridge.control.membership import freeze_heap_at_exit
 from kvbridge.nativelog import quiet_native_logs
 
 if TYPE_CHECKING:
@@ -49,21 +45,6 @@ def share_vllm_logging() -> None:
         ours.addHandler(handler)
     ours.setLevel(theirs.getEffectiveLevel())
     ours.propagate = False
-
-
-_exit_freeze = threading.Lock()  # held for good once the hook is registered: one per process
-
-
-def freeze_heap_at_exit() -> None:
-    """At this process's exit, freeze what is left instead of collecting it; registered once per process.
-
-    A process that is exiting gains nothing from the interpreter's final full collections, and over vLLM's heap they
-    took 1-3 s each on a loaded box (docs/measurements/drain.md): a drained worker outlived vLLM's 5 s grace and the
-    engine core its --shutdown-timeout. vLLM freezes the same way on ROCm. atexit runs after vLLM's own shutdown (its
-    `gc.unfreeze()` and collection in the engine core), right before those collections.
-    """
-    if _exit_freeze.acquire(blocking=False):
-        atexit.register(gc.freeze)
 
 
 def default_kv_cache_layout(settings: Settings, vllm_config: VllmConfig, *, on_cuda: bool) -> str | None:
