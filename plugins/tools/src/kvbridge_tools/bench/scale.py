@@ -4,8 +4,9 @@ P prefill and D decode ranks (`scale_rank`, many to a process) with real side ch
 redis or etcd registry holding a record per rank and per server, and a real transport moving one small block per
 pull. Every decode rank pulls from a spread of prefill ranks, as a proxy's round-robin would send it requests:
 
-- first contact: each decode rank's first pull from each prefill rank of its spread, one at a time per process
-  (the control time includes GetInfo, the transport's connection and the BeginPull);
+- first contact: each decode rank's first pull from each prefill rank of its spread, one pull at a time in the
+  whole deployment (the control time includes GetInfo, the transport's connection and the BeginPull; on 2 cores,
+  pulls at once would measure the queue for the cores);
 - all at once: every decode rank pulls from its whole spread at the same moment (control p99 under a herd);
 - cost per connected peer: resident memory, file descriptors and threads of each side's processes before and
   after, divided by the peers each side's ranks talk to;
@@ -198,6 +199,10 @@ def _round(
         with lock:
             results.extend(got)
 
+    if concurrency is not None:  # one pull at a time in the whole deployment: what a pull costs, not a queue for cores
+        for dc in jobs:
+            run(dc)
+        return results
     threads = [threading.Thread(target=run, args=(dc,), name=f"scale-round-{dc}") for dc in jobs]
     for t in threads:
         t.start()
@@ -230,8 +235,10 @@ def measure_size(p: int, d: int, args: argparse.Namespace, setup: dict[str, Any]
             warmed = _round(prefill, decode, warm, "warm-up", concurrency=1)
             first_all = _round(prefill, decode, spread, "first", concurrency=1)
             first = [r for r in first_all if r["pair"] not in warm]
-            herd = _round(prefill, decode, spread, "herd", concurrency=None)
+            # every pair connected: the cost per peer, before the herd's own threads and buffers come and go
             after_p, after_d = prefill.stats(), decode.stats()
+            herd = _round(prefill, decode, spread, "herd", concurrency=None)
+            released = sum(s["released"] for s in prefill.stats())
         finally:
             decode.close()
     finally:
@@ -251,7 +258,7 @@ def measure_size(p: int, d: int, args: argparse.Namespace, setup: dict[str, Any]
         "herd_control_p50_ms": round(_pct([r["control_ms"] for r in herd], 0.5), 2),
         "herd_control_p99_ms": round(_pct([r["control_ms"] for r in herd], 0.99), 2),
         "herd_pull_p99_ms": round(_pct([r["total_ms"] for r in herd], 0.99), 2),
-        "released": sum(s["released"] for s in after_p),
+        "released": released,
     }
     # a prefill rank's peers are the decode ranks that pulled from it, and the other way round: both count the pairs
     out["prefill"] = _per_peer(before_p, after_p, len(pairs))
