@@ -1,10 +1,6 @@
 """`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its share of requests.
 
-The transport is bound to the tensors' device (`kvbridge.staging.attach`, docs/plugins.md section 4), so
-the agent makes the same calls whether it stages or not. A pull's `on_done` gets its `PullResult` exactly
-once (the completion seam, docs/planning.md); the agent keeps no request state after it: leases, DONE
-messages and aborts belong to `kvbridge.control`.
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

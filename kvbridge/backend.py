@@ -1,9 +1,4 @@
-"""The transport contract: `MigrationBackend`, its peers and its transfer handles.
-
-A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`, `_submit`);
-this base class does everything common around them once, the transfer deadline (`transfer_deadline_s`)
-included: docs/design.md describes both.
-"""
+"""The transport contract: `MigrationBackend`, its peers and its transfer handles. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""`BlockIds`: one request's KV block ids, held as one read-only int64 array.
-
-Block ids cross the side channel in every BeginPull, Offer and lease answer, and the planner works
-on them as arrays. As tuples of Python ints, a 10 000-block request cost about 4 ms to decode and
-validate per message on a 2-vCPU VM, and as much again to turn back into an array per pull.
-`BlockIds` travels packed (8 bytes per id, little-endian), so decoding it is one buffer view,
-validation one vectorized comparison, and `np.asarray(ids)` takes no copy.
-"""
+"""`BlockIds`: one request's KV block ids, held as one read-only int64 array. See docs/internals.md."""
 
 from __future__ import annotations
 

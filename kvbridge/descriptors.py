@@ -1,10 +1,6 @@
 """Descriptors for one pull, factored: a table per group of regions, times the request's block runs.
 
-Nothing here loops in Python per layer or per block, and nothing is O(layers x blocks): a layout
-pair's tables (regions grouped by how many pieces a head slice has, adjacent regions chained) are
-built once and cached; a pull adds its block ids, cut into runs consecutive on both sides. The
-rows themselves are materialized by the transport, batch by batch (`FactoredDescriptors.chunks`).
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

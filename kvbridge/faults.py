@@ -1,10 +1,6 @@
 """Transport fault injection: one wrapping transport that fails, delays or holds transfers. Testing only.
 
-`FaultyBackend(transport, rates)` hands every checked batch to the transport it wraps (which it owns),
-after the faults: counted ones a test arms with `inject`, and `FaultRates` (the connector's
-`fault_injection`, which `kvbridge chaos` sets: docs/chaos.md, docs/vllm.md). The wrapper's deadline
-retries go through the faults too. Never set it in production.
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

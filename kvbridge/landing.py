@@ -1,11 +1,6 @@
 """Pulls between paged caches arranged differently: land the peer's blocks as they are, rearrange on device.
 
-The decode rank reads the peer's blocks of a request whole, in the peer's own physical order, into a
-registered landing buffer on its own device (descriptors: the peer's contiguous runs), then one vectorized
-torch rearrangement per layer writes them into its cache. When pulls land (other layouts, or a transport
-with `late_writes`) and what it costs: docs/vllm.md; how idle (`max_idle_bytes`) and retired
-(`max_retired_bytes`) buffers are bounded: docs/design.md ("Late writes").
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

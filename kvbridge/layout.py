@@ -1,11 +1,4 @@
-"""KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them.
-
-A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions, one
-per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a block
-(vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache. How a region addresses its
-blocks and heads, and the builders for the layouts engines use: docs/planning.md ("Layouts and
-descriptors").
-"""
+"""KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Memory regions and transfer descriptors: normalizing what callers pass, checking bounds.
-
-Descriptors are an (N, 3) int64 array of (local_addr, remote_addr, length); every check here
-is vectorized so a batch of a million descriptors costs a few numpy calls, not a Python loop.
-"""
+"""Memory regions and transfer descriptors: normalizing what callers pass, checking bounds. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""NIC affinity: which network interfaces sit nearest to a device.
-
-A transfer is fastest through the NIC on the same PCIe switch as the device (GPUDirect RDMA crosses no
-CPU socket then). The operator's ``KVBRIDGE_NIC_<DEVICE>_<ID>`` wins, read on every call so a launcher can
-set it late; else the PCI topology from sysfs decides (docs/plugins.md, "NIC affinity").
-"""
+"""NIC affinity: which network interfaces sit nearest to a device. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """Plugin options: each plugin declares them once, as an attrs class; the registry checks them.
 
-Every field is made with `option()`, which carries the default, the one-line doc `kvbridge plugins NAME`
-prints and a number's bounds (docs/plugins.md, "Options"). An unknown name is an error that lists the
-valid ones, a value of the wrong type an error that names the type.
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

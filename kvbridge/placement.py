@@ -1,9 +1,4 @@
-"""Where a registered buffer lives: the one place a tensor's device picks its device plugin.
-
-A tensor's ``device.type`` (``cuda``, ``npu``, ...) names its plugin, which describes the memory and says
-how a transport reaches it; both engine adapters and `kvbridge.layout` come through here (docs/plugins.md,
-section 4). `kvbridge.memory` stays below the plugin registry: it knows host memory only.
-"""
+"""Where a registered buffer lives: the one place a tensor's device picks its device plugin. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Plugin discovery and the registry of transports and devices.
-
-Built-ins are registered first through the same hooks as third-party plugins, then every
-entry point in the ``kvbridge`` group. Each plugin's hooks return specs (`kvbridge.specs`); the
-registry keeps them by name, parses a user's options against a spec's schema, and calls its factory.
-``KVBRIDGE_PLUGINS`` (allow-list; empty loads none) and ``KVBRIDGE_BLOCK_PLUGINS``, read when the registry
-is first built (never at import), choose which entry-point plugins load (docs/backends.md).
-"""
+"""Plugin discovery and the registry of transports and devices. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""What a plugin's hooks return: a typed spec for each transport and each device it provides.
-
-Specs are checked when they are made, so a mistake is reported against the plugin that made it. The
-fields, and what the registry does with them: docs/plugins.md.
-"""
+"""What a plugin's hooks return: a typed spec for each transport and each device it provides. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Device-bound transports: every device works with every transport, through one contract.
-
-`attach(backend, device)` binds a transport to one device's memory and returns something that
-honours `MigrationBackend` in full, so callers (`KVAgent`, the LMDeploy backend) never ask which:
-the backend itself (host memory, nothing to wait for), a `DeviceBackend` (the transport reaches the
-device's memory; it waits for the device around transfers) or a `StagedBackend` (bytes are copied
-through host mirrors from `Device.host_buffer`, which peers address). Which synchronization happens
-when, and what staging costs: docs/plugins.md, section 4.
-"""
+"""Device-bound transports: every device works with every transport, through one contract. See docs/internals.md."""
 
 from __future__ import annotations
 

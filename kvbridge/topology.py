@@ -1,11 +1,4 @@
-"""Who pulls what: parallel configurations of both sides and the pull plan between them.
-
-`plan()` gives, for every decode rank of the request's decode DP group, one `Pull` per prefill rank
-it reads (a head range and an arithmetic run of blocks), and for every prefill rank of the request's
-prefill DP group its release count (pulls it will receive). Rank numbering, head placement, where a
-request's blocks live and which replica a decode rank reads: docs/planning.md, which walks through
-examples.
-"""
+"""Who pulls what: parallel configurations of both sides and the pull plan between them. See docs/internals.md."""
 
 from __future__ import annotations
 

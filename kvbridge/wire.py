@@ -1,8 +1,4 @@
-"""The one place where kvbridge values become bytes and back.
-
-msgpack maps of `{"v": WIRE_VERSION, "t": type name, "d": attrs fields}`, structured with
-cattrs into the expected class. Nothing is ever unpickled: a peer can only send data.
-"""
+"""The one place where kvbridge values become bytes and back. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd.
-
-Every rank publishes a `RankRecord` (address + readiness), HTTP servers announce `ServerRecord`s (elastic
-membership), operators write `DrainOrder`s. Each has a time to live, in the store and under its MAC; with the shared
-secret each carries an HMAC that readers check, ignoring (logged) one without it, with a bad one, expired, or under
-a key that is not its own (copied there). Key layout, peer-to-peer ports and sharing the store with Mooncake:
-docs/control-plane.md ("Discovery") and docs/elastic.md.
-"""
+"""Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd. See docs/internals.md."""
 
 from __future__ import annotations
 

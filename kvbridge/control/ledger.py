@@ -1,20 +1,4 @@
-"""Prefill-side block lifetime: leases, DONE counting, expiry and abort.
-
-`offer(request, blocks, expected_pulls)` creates a lease. Decode ranks report DONE; the blocks
-are released (the `on_release` callback) when `expected_pulls` distinct decode ranks have, when
-the lease expires, or when the request is aborted — exactly once. A prefill rank rarely knows
-the decode side's parallel config, so `expected_pulls` may be None: the first BeginPull or DONE
-that states the count (the decode side computes it from the plan) sets it. The state change is published
-*before* the callback runs, and the engine may only reuse the blocks after the callback, so a
-DONE or a lease query that still finds the lease ACTIVE proves no reuse overlapped the read
-that preceded it (fencing). Reads are also held: the blocks of a lease are released only once every
-decode rank that began a pull (a BeginPull that found the lease active) said DONE, or at the lease's
-deadline, also when the lease was aborted or its count reached first; so a decode rank whose read
-ended before the deadline it was told knows its bytes are intact without waiting for its DONE's
-answer (`LeaseStatus.reads_held`). Finished leases are kept as tombstones for a while so a late or
-duplicate DONE gets an exact answer. A release-only DONE or an abort that comes before the offer
-(the decode side can be quicker than the prefill engine's own bookkeeping) is kept and applied to it.
-"""
+"""Prefill-side block lifetime: leases, DONE counting, expiry and abort. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Elastic membership: a server keeps its `ServerRecord` alive in the registry; the proxy reads them.
 
-`Announcer` runs on the server: it renews the record every third of its time to live, so a server that
-stops (killed, hung, cut off) drops out of the registry within one TTL, and looks for an operator's drain
-order for this run (its record's random `incarnation`) each round until it takes one; `drain()`
-republishes it as draining at once, and `close()` withdraws it. `SigtermDrain` drains on SIGTERM or on
-such an order. The proxy reads the records (kvbridge-proxy's `members.py`; docs/elastic.md).
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

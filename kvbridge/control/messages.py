@@ -1,9 +1,4 @@
-"""Side-channel messages: versioned attrs classes, carried inside an authenticated `Frame`.
-
-A frame names the message type in `kind` and holds the message's `kvbridge.wire` encoding in
-`body`, so the server checks size, version, authentication and schema before any handler
-runs. Every message type is listed in `REQUESTS` or `REPLIES`; anything else is refused.
-"""
+"""Side-channel messages: versioned attrs classes, carried inside an authenticated `Frame`. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """`KVTransferParams`: the request-level metadata a PD proxy carries between prefill and decode.
 
-Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pass, plus kvbridge's own;
-keys it does not know are kept in `extra` and written back (docs/control-plane.md, "KVTransferParams").
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

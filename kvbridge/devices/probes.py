@@ -1,8 +1,6 @@
 """The availability checks every torch accelerator plugin (`cuda`, `npu`, `mlu`) makes the same way.
 
-`hardware` answers "is the device on this machine at all" from device nodes, without the vendor
-runtime; `library_probe` answers "can this process use it" by importing the vendor package.
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,4 @@
-"""The decode side of one request's migration, for whole-request and layer-wise pulls alike.
-
-Plan, readiness, leases, reads, landing, fenced DONEs and the notifier's release of ranks nobody reads.
-
-Both kinds run through one `PullMachine` (`kvbridge.session.machine`) and share each step: `_begin`
-(resolving -> leased: find each prefill rank, wait for it to be ready, BeginPull stating its release
-count), `_confirm` (confirming -> done / fenced / failed: the DONE rule) and `_abandon` (what a failed
-pull releases). They differ only in reading: `DecodeControl.start` hands the whole request to
-`KVAgent.pull` and returns at once, reporting on the transport's thread; `DecodeControl.stream` reads
-layer groups as prefill computes them (`kvbridge.session.layers`), on the caller's thread.
-
-A read is confirmed one of two ways. Each prefill rank holds a lease's blocks for every decode rank
-that began a pull until its DONE or the lease's deadline, whatever else happens to the lease
-(`LeaseStatus.reads_held`): a read that ended well within the deadline its BeginPull was told read
-intact bytes, so it is reported at once and its DONEs (which free the prefill blocks) go out on a thread
-of their own, retried a few times (a DONE that never arrives ends in the lease's expiry). Otherwise (a
-read that ended near or past the deadline, a prefill that promises no hold) the DONEs go out first and
-their fenced answers decide. DONEs go out even after a failed transfer, so the prefill side never waits
-for the lease to expire.
-"""
+"""The decode side of one request's migration, for whole-request and layer-wise pulls alike. See docs/internals.md."""
 
 from __future__ import annotations
 

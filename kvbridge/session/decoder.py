@@ -1,15 +1,4 @@
-"""A decode rank's pulls between engine steps, each on a thread of its own.
-
-They go through `DecodeControl` and are reported to the engine through the rank's `Outbox`.
-
-Whole-request pulls run on a small pool: `DecodeControl.start` returns once the transfers are submitted
-and the outcome is reported from the transport's thread as soon as the read is confirmed (this thread
-waits only to bound the pull). Layer-wise pulls last as long as prefill computes, one thread each, so a
-long prompt does not hold up other requests' pulls. A pull that fails, or whose lease did not hold
-through the read, marks its blocks as load errors (the engine recomputes or fails them). A request
-decode will not read (dropped before its blocks were allocated, or all in decode's own prefix cache) is
-aborted on the prefill side.
-"""
+"""A decode rank's pulls between engine steps, each on a thread of its own. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The reading state of a layer-wise pull: poll each prefill rank's stream and read what is complete.
 
-Read, per group of layers that became readable together, the blocks that are complete, until every layer holds the whole
-prompt.
-
-`DecodeControl.stream` drives it through the pull's states (`kvbridge.session.machine`). Over a transport
-that may write after a failed read (`late_writes`: Mooncake TCP) each read lands in a buffer first and is
-copied into the cache once it succeeded (`kvbridge.landing`), as a whole-request pull's are. A lease that
-is not valid at any poll is a LoadError (recompute).
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""What one rank tells its engine between steps, and the idle wait.
-
-Requests whose blocks may be freed (sending), requests loaded or failed (receiving), blocks that failed to load, and
-each pull's timings.
-
-An engine that only waits for transfers still steps; the adapter's `take(idle=True)` sleeps such a step
-until there is something to report, at most `idle_wait_s`, and, with only transfers in flight, at most
-`stream_idle_wait_s`: layer-wise streams always (a stream lasts as long as prefill computes), pulls where
-the engine's input queue is watched (an `Inbox`), and then a request that arrives ends the sleep at once.
-"""
+"""What one rank tells its engine between steps, and the idle wait. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,22 +1,4 @@
-"""A prefill rank's layer-wise streams (`"transfer": "layerwise"`).
-
-Leases offered when a request starts, per-layer readiness as the engine's forward saves each layer, and what readers are
-told.
-
-The engine adapter tells the `Producer` each step what started, grew, computed, ended or was preempted
-(a `LayerwiseMeta`), and each saved layer (`save_layer`). The lease is offered at once, keyed by the
-transfer id both servers got from the proxy, and grown block by block (`Ledger.extend`); after each
-layer's attention, that layer becomes readable up to the step's tokens once the device plugin made its
-writes visible (`KVAgent.publish`). On a device that queues work the forward only records a mark
-(`KVAgent.record`); a publisher thread waits for it and publishes, in the order the layers were saved.
-Readers (`kvbridge.session.layers`) long-poll `query` through the side channel's QueryStream.
-
-A request of one output token on an engine that runs one batch at a time cannot be preempted after
-its prompt's last layer (`StreamStart.held_at_end`), so from then on only its lease frees the blocks
-(`Ledger.hold_reads`): the answer that says so lets its readers skip the fenced DONE.
-The engine hears a stream finished (`take_finished`) only when both its lease ended and the engine
-finished the request, so blocks are never freed under a read in flight.
-"""
+"""A prefill rank's layer-wise streams (`"transfer": "layerwise"`). See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 """Pure-Python TCP transport: the reference implementation and the fallback where no Mooncake wheel exists.
 
-Every backend serves its registered memory on a listening socket, to authenticated connections only; the
-payload moves straight from and into registered memory (scatter/gather `sendmsg`, `recvmsg_into`).
-Wire format: docs/design.md ("tcp"); the handshake, its bounds against hostile peers and the transfer
-deadline: docs/security.md ("TCP transport").
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""`KVBridgeMigrationBackend`: LMDeploy's `MigrationBackendImpl` on any kvbridge transport.
-
-LMDeploy's CacheEngine, in each worker, builds one backend and drives it per remote engine:
-`p2p_initialize` -> `register_memory_region` (per cache pool) -> `endpoint_info` (sent to the
-peer as JSON) -> `p2p_connect` (with the peer's endpoint) -> `await p2p_migrate` (reads the
-remote `target_offset` into the local `source_offset`). It reads
-`links[remote_engine_id].remote_engine_config.num_gpu_blocks` between connect steps.
-
-One transport per protocol serves every link of the process; memory is registered once and
-unregistered when the last link that registered it is dropped. The pools are this worker's device's
-memory, reached directly or through host mirrors (`kvbridge.staging.attach`); why a staged serving
-side must `publish()`: docs/lmdeploy.md.
-"""
+"""`KVBridgeMigrationBackend`: LMDeploy's `MigrationBackendImpl` on any kvbridge transport. See docs/internals.md."""
 
 from __future__ import annotations
 

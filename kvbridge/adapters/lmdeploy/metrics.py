@@ -1,9 +1,6 @@
 """The LMDeploy backend's transfer series, with the `kvbridge_transfer_*` names of the vLLM connector's.
 
-LMDeploy has no connector-stats path to hook into, so the backend records with the session layer's
-recorder (`kvbridge.session.metrics`) and sums what it recorded into cumulative counters, which an
-operator registers in the engine's Prometheus registry or reads as a dict (docs/operations.md).
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""How the LMDeploy adapter is configured.
-
-LMDeploy builds its migration backend with no arguments (`MIGRATION_BACKENDS.module_dict[name]()`)
-in every worker, so the settings come from the environment, read when the backend is built.
-"""
+"""How the LMDeploy adapter is configured. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""vLLM's paged KV cache as a kvbridge `KVLayout`, so `KVAgent` plans and moves it.
-
-vLLM 0.32 resolves one `KVCacheLayout` per engine (`cache_config.get_resolved_kv_cache_layout()`):
-a stride order of the logical `[L, B, H, N, C]` (layer, block, head, token, content), where a
-token's content is its K followed by its V (MLA: its latent). Every layer gets a 4-D view
-`[B, H, N, C]` of one backing allocation; in block-outermost layouts (BL*, BH*) the views interleave,
-so one block of every layer is one contiguous run. vllm-ascend instead hands a `(K, V)` tuple per
-layer, each `[B, N, H, D]` ("ascend-kv-tuple").
-
-`describe_kv_caches` takes the layout name from vLLM (never from the shapes), checks that every view
-is laid out as that name says, and returns a `PagedGeometry` (what the decode side needs to
-rearrange a peer's blocks on its device) with the regions for byte-for-byte pulls.
-"""
+"""vLLM's paged KV cache as a kvbridge `KVLayout`, so `KVAgent` plans and moves it. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """Scheduler side of KVBridgeConnector: decides what to pull and which finished requests to hold.
 
-A request's `kv_transfer_params` are checked as it arrives (`on_new_request`): a client can send any
-value straight to a vLLM server (`vllm_xargs`, a wrong type, junk values), and nothing it sends may raise
-in vLLM's scheduler. Params that do not decode are dropped, logged, and the request is served as a
-colocated server would. They are decoded into `KVTransferParams` once, when the scheduler first sees
-the request; the workers get the decoded value in a `PullTask`. The answer's params carry what
-this engine measured of the request (`kvbridge_timing`) for the proxy's timeline. A finished prefill
-request is offered twice under one offer id (docs/vllm.md, "What happens to a request", step 2).
-"""
+See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Worker side of KVBridgeConnector: vLLM's hooks on one rank's engine-neutral session sides.
-
-A rank is a `PrefillSide` (its side channel, ledger, offers and layer-wise streams) and, once its KV
-cache is registered, a `DecodeSide` (its pulls), both reporting to one `Outbox` (kvbridge.session).
-This module reads the rank's place from vLLM, describes vLLM's KV tensors (`cache.py`), and maps each
-step's metadata onto those sides.
-"""
+"""Worker side of KVBridgeConnector: vLLM's hooks on one rank's engine-neutral session sides. See docs/internals.md."""
 
 from __future__ import annotations
 
