@@ -51,11 +51,7 @@ class Peer:
 
 
 class TransferHandle:
-    """A submitted transfer. `wait` raises the transport's error; `done` never blocks.
-
-    Its future resolves to the number of resubmissions it needed (None: none); a failure carries the
-    count as `TransferError.retries`.
-    """
+    """A submitted transfer. `wait` raises the transport's error; `done` never blocks. See docs/internals.md."""
 
     def __init__(self, future: Future, *, peer: str, descriptors: int, nbytes: int) -> None:
         self._future = future
@@ -99,11 +95,7 @@ class TransferHandle:
 
 
 class MigrationBackend(abc.ABC):
-    """A transport that moves bytes between registered memory of two processes.
-
-    Subclasses are constructed with a `BackendConfig` and their parsed options (an instance of their
-    spec's options class) and must be ready to use once `__init__` returns. Submission is thread-safe.
-    """
+    """A transport that moves bytes between registered memory of two processes. See docs/internals.md."""
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]
@@ -159,9 +151,7 @@ class MigrationBackend(abc.ABC):
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
         """Start moving `desc` (already bounds-checked, at most `max_batch` rows, merged where possible).
 
-        Returns a Future that resolves to None (or the number of times the transport resubmitted it) or
-        raises a TransferError naming the peer (its `retries` set where the transport resubmitted).
-        """
+        See docs/internals.md."""
 
     def _disconnect(self, peer: Peer) -> None:
         """Release what `_connect` opened (optional)."""
@@ -213,9 +203,7 @@ class MigrationBackend(abc.ABC):
     def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
         """Make local bytes current for peers that read them: call before offering blocks to a peer.
 
-        `ranges`: (local_addr, length) pairs (an N x 2 array), None for everything registered; `waited`: the caller
-        already waited for the device's work on them (`Device.wait_recorded`). Nothing to do for host memory.
-        """
+        See docs/internals.md."""
 
     def accept(self, ranges: Any = None) -> None:
         """Make bytes a peer wrote into local memory visible to compute (same `ranges` as `publish`).
@@ -256,12 +244,7 @@ class MigrationBackend(abc.ABC):
         self._disconnect(peer)
 
     def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
-        """Move (local_addr, remote_addr, length) descriptors as one transfer.
-
-        `descriptors`: triples, an (N, 3) array, or `FactoredDescriptors` (the planner's). `read` copies
-        remote into local, `write` local into remote; the handle completes when every batch has. What the
-        base class does to them on the way (merge, bounds checks, cutting, batching): docs/design.md.
-        """
+        """Move (local_addr, remote_addr, length) descriptors as one transfer. See docs/internals.md."""
         self._check_open()
         if op not in ("read", "write"):
             raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
@@ -292,9 +275,7 @@ class MigrationBackend(abc.ABC):
     def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
         """Cut checked descriptors to the transport's piece size and batch limit, and submit every batch.
 
-        Factored descriptors are materialized one batch at a time, so the first batch is on the wire
-        while the next is built.
-        """
+        See docs/internals.md."""
         nbytes = total_bytes(desc)
         cap = self.capabilities
         step = cap.max_batch or len(desc)
@@ -323,10 +304,7 @@ class MigrationBackend(abc.ABC):
     def raw_transfer(
         self, peer: Peer, local_addr: int, remote_addr: int, length: int, op: Op = "read"
     ) -> TransferHandle:
-        """One descriptor handed straight to the transport: no merging, cutting or batching.
-
-        The ceiling `kvbridge bench` compares planned migrations against. Bounds are still checked.
-        """
+        """One descriptor handed straight to the transport: no merging, cutting or batching. See docs/internals.md."""
         self._check_open()
         desc = self._in_bounds(peer, as_descriptors([(local_addr, remote_addr, length)]))
         return TransferHandle(self._submit(peer, desc, op), peer=peer.name, descriptors=1, nbytes=int(length))
@@ -363,9 +341,7 @@ class MigrationBackend(abc.ABC):
 class WrappingBackend(MigrationBackend):
     """A transport that adds to another (`backend`, which it owns): every hook of the contract goes to it.
 
-    Subclasses override what they add (a device's synchronization in `kvbridge.staging`, faults in
-    `kvbridge.faults`); what peers see (the endpoint, the registered memory) stays the wrapped transport's.
-    """
+    See docs/internals.md."""
 
     def __init__(
         self, backend: MigrationBackend, capabilities: BackendCapabilities, options: TransportOptions | None = None
@@ -445,10 +421,7 @@ _WATCHDOG = _Watchdog()
 
 
 class _DeadlineRetry:
-    """One part of a transfer under the deadline (see the module doc).
-
-    Resubmitted once when it fails or has not finished within the deadline; complete once every attempt that started has
-    returned."""
+    """One part of a transfer under the deadline (see the module doc). See docs/internals.md."""
 
     def __init__(
         self, backend: MigrationBackend, peer: Peer, desc: Descriptors, op: Op, first: Future, deadline: float

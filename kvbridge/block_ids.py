@@ -13,10 +13,7 @@ _WIRE_DTYPE = np.dtype("<i8")
 
 
 def block_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Block ids as an int64 array, copied only where they must be.
-
-    No copy for `BlockIds` or an int64 array, one fast pass for a list (an engine's block table), else a converted copy.
-    Not checked: `BlockIds(ids)` checks."""
+    """Block ids as an int64 array, copied only where they must be. See docs/internals.md."""
     if isinstance(ids, BlockIds):
         return ids.array
     if isinstance(ids, np.ndarray):

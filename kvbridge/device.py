@@ -13,10 +13,7 @@ from kvbridge.types import MemoryKind, MemoryRegion
 
 
 class Device(abc.ABC):
-    """Hooks a transport needs around device memory.
-
-    `name` matches `torch.device.type` (`cpu`, `cuda`, `npu`, `mlu`) so tensors find their device.
-    """
+    """Hooks a transport needs around device memory. See docs/internals.md."""
 
     name: ClassVar[str]
     memory_kind: ClassVar[MemoryKind]
@@ -30,8 +27,7 @@ class Device(abc.ABC):
     def regions(self, tensor: Any) -> list[MemoryRegion]:
         """The memory a tensor occupies: one region from its first to its last byte, of this device's kind.
 
-        A non-contiguous view is refused: a transport moves bytes, not strides.
-        """
+        See docs/internals.md."""
         device_id = -1 if isinstance(tensor, np.ndarray) else self.device_id(tensor)
         return [buffer_region(tensor, self.memory_kind, device_id)]
 

@@ -88,10 +88,7 @@ class FaultyBackend(WrappingBackend):
     def inject(
         self, *, fail_submit: int = 0, fail_completion: int = 0, delay: float = 0.0, rates: FaultRates | None = None
     ) -> None:
-        """Arm counted faults (replacing what was armed before) and, where given, new `rates`.
-
-        The next `fail_submit` submissions fail at once, the next `fail_completion` on completion, and every
-        submission is delayed by `delay` seconds."""
+        """Arm counted faults (replacing what was armed before) and, where given, new `rates`. See docs/internals.md."""
         with self._faults_lock:
             self._counted = _Counted(fail_submit, fail_completion, delay)
             if rates is not None:

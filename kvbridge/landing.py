@@ -53,10 +53,7 @@ def _compact_strides(order: Sequence[int], sizes: Sequence[int]) -> list[int]:
 
 
 def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descriptors, list[tuple[int, list[int]]], int]:
-    """How to copy `blocks` of `g` into a compact buffer in `g`'s own physical order.
-
-    Returns (landing offset, remote address, length) runs, each plane's (offset, strides) in that buffer, and its size
-    in bytes."""
+    """How to copy `blocks` of `g` into a compact buffer in `g`'s own physical order. See docs/internals.md."""
     n, layers = len(blocks), len(g.planes[0].layer_addrs)
     order = g.order
     heads_outer = order.index(2) < max(order.index(0), order.index(1))  # LHBNC, BHLNC: a head is its own run
@@ -139,11 +136,7 @@ class Landed:
         self._receiver, self._buf, self.descriptors, self._action = receiver, buf, descriptors, action
 
     def finish(self, ok: bool, *, moved: bool = True) -> None:
-        """Rearrange into the cache when the transfer succeeded; give the buffer back.
-
-        A failed transfer (`moved`: it had started) may still write into the buffer later: a transport call that gave up
-        does not always cancel what it queued (Mooncake TCP re-sends slices queued behind a dropped lane once the peer
-        answers), so the buffer is retired, never lent to another pull."""
+        """Rearrange into the cache when the transfer succeeded; give the buffer back. See docs/internals.md."""
         try:
             if ok:
                 self._action(self._buf)
@@ -157,10 +150,7 @@ class Landed:
 class Receiver:
     """A decode rank's landing buffers (registered once each, reused) and the rearrangement into its cache.
 
-    `views`: per plane, per layer, uint8 views `[B, H, N, c]` of the rank's cache (`cache.py` builds them).
-    `backend`: the agent's backend, bound to `device` (`kvbridge.staging.attach`), staged or not.
-    `device`: the cache's device plugin (`kvbridge.placement.device_of`); host memory when left out.
-    """
+    See docs/internals.md."""
 
     def __init__(
         self,
@@ -302,9 +292,7 @@ class Receiver:
     def acquire(self, nbytes: int, request_id: str = "") -> Any:
         """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once).
 
-        Raises LoadError (recompute) when retiring it after a failed transfer would take the retired
-        buffers past `max_retired_bytes`.
-        """
+        See docs/internals.md."""
         import torch
 
         size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())

@@ -21,8 +21,7 @@ def is_tensor_like(x: Any) -> bool:
 def buffer_region(buf: Any, kind: MemoryKind, device_id: int) -> MemoryRegion:
     """The one region a contiguous tensor or numpy array occupies, from its first to its last byte.
 
-    A non-contiguous view is refused: a transport moves bytes, not strides.
-    """
+    See docs/internals.md."""
     if isinstance(buf, np.ndarray):
         contiguous, nbytes, addr = buf.flags.c_contiguous, buf.nbytes, buf.ctypes.data
     else:
@@ -122,10 +121,7 @@ class RegionIndex:
         return len(self._regions)
 
     def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Indices of the ranges [addr, addr+length) not wholly inside one registered span.
-
-        A length <= 0 is outside too. Never computes addr + length: a hostile pair near 2**63 would wrap around int64.
-        """
+        """Indices of the ranges [addr, addr+length) not wholly inside one registered span. See docs/internals.md."""
         addrs = np.asarray(addrs, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         starts, ends = self._spans
@@ -188,9 +184,7 @@ L_BASE, L_BLOCK, L_PIECE, R_BASE, R_BLOCK, R_PIECE, LENGTH, PIECES = range(8)
 class DescriptorGroup:
     """Regions cut into the same number of pieces per block, and the blocks (in runs) they move.
 
-    Row (region r, run j, piece k) reads `LENGTH * run[j]` bytes from
-    `R_BASE + src[j] * R_BLOCK + k * R_PIECE` into `L_BASE + dst[j] * L_BLOCK + k * L_PIECE`.
-    """
+    See docs/internals.md."""
 
     table: np.ndarray  # (regions, 8) int64, the columns above; every row has the same PIECES
     dst: np.ndarray  # first local block of each run
@@ -224,8 +218,7 @@ class DescriptorGroup:
 class FactoredDescriptors:
     """Descriptors kept factored: groups of (regions x block runs x pieces), as the planner builds them.
 
-    `MigrationBackend.transfer` checks their bounds per region (`spans`) and materializes rows batch by batch
-    (`chunks`)."""
+    See docs/internals.md."""
 
     groups: tuple[DescriptorGroup, ...] = ()
 

@@ -46,11 +46,7 @@ def device_of(x: Any) -> Device:
 
 
 def for_device(x: Any, device: Device) -> list[Any]:
-    """What to register for `device`.
-
-    Tensors and arrays as they are (staging copies through them); (address, bytes) pairs and unlabelled regions as the
-    device's memory (engines that hand out addresses, like vLLM's storages, know which device they computed on; the
-    address does not say)."""
+    """What to register for `device`. See docs/internals.md."""
     items = x if isinstance(x, list) else [x]
     out: list[Any] = []
     for item in items:
@@ -65,9 +61,7 @@ def for_device(x: Any, device: Device) -> list[Any]:
 def regions_of(x: Any, device: Device | None = None) -> list[MemoryRegion]:
     """Regions of tensors (described by their device plugin), arrays, (addr, length) pairs or regions.
 
-    `device`, when given, must be the tensors' device: a mismatch is a clear error, not a mislabelled
-    region that a transport would register with the wrong location.
-    """
+    See docs/internals.md."""
     if isinstance(x, MemoryRegion):
         return [x]
     if is_tensor_like(x):

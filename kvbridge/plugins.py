@@ -232,8 +232,7 @@ class PluginRegistry:
     def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
         """Register `plugin` (a module or object with kvbridge hooks) with pluggy, which calls its hooks.
 
-        Keep what they return, all or nothing; a plugin that breaks the contract is listed in `refused`. Entry points
-        come here; so may an application's own plugin, or a test's."""
+        See docs/internals.md."""
         api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
         if api not in hookspecs.API_HOOKS:
             self._refuse(
@@ -419,10 +418,7 @@ def _import_hint(exc: BaseException, dist: str) -> str:
 
 
 def _given(declared: dict[str, Any], other_kind: str) -> dict[str, Any]:
-    """An API 1 `register` call's keywords as spec fields.
-
-    None meant "the default", and both kinds took the same keywords (`memory_kind` of a backend, `capabilities` of a
-    device meant nothing)."""
+    """An API 1 `register` call's keywords as spec fields. See docs/internals.md."""
     return {k: v for k, v in declared.items() if v is not None and k != other_kind}
 
 
@@ -487,11 +483,7 @@ def create_backend(
     fault_injection: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> MigrationBackend:
-    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...).
-
-    `fault_injection` (testing only): the transport wrapped in `kvbridge.faults.FaultyBackend`, with these
-    rates (`{}`: none, for a test to `inject` later).
-    """
+    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...). See docs/internals.md."""
     rates = None if fault_injection is None else FaultRates.parse(fault_injection)  # checked before it starts
     config = BackendConfig(
         protocol=protocol,
@@ -512,9 +504,7 @@ def get_device(name: str) -> Device:
 def device_for_memory(kind: MemoryKind | str) -> Device:
     """The device plugin whose memory is of this kind (the first registered; `cpu` for host memory).
 
-    Transports use it to ask how to register a region (`Device.location`); tensors find their plugin
-    by device type in `kvbridge.placement`.
-    """
+    See docs/internals.md."""
     kind = MemoryKind(kind)
     reg = registry()
     name = next((e.name for e in reg.devices.values() if e.memory_kind == kind), None)

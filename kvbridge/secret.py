@@ -73,10 +73,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_listen(what: str, host: str, secret: str | bytes | None, *, insecure: bool = False) -> None:
-    """Refuse to listen on `host` unprotected: call before binding.
-
-    Loopback needs no secret. Elsewhere a secret is required unless `insecure`, which logs a warning.
-    """
+    """Refuse to listen on `host` unprotected: call before binding. See docs/internals.md."""
     if secret or is_loopback(host):
         return
     if insecure:

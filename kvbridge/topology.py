@@ -153,9 +153,7 @@ class HeadPlacement:
 class Pull:
     """One decode rank reading one prefill rank's share of a request (its fields: docs/planning.md, "The plan").
 
-    Heads are [start, stop) ranges of each rank's local heads; block k < num_blocks is logical block
-    `first_block + k * block_step`, at `src_first + k * src_step` / `dst_first + k * dst_step` of each rank's list.
-    """
+    See docs/internals.md."""
 
     decode_rank: int
     prefill_rank: int
@@ -251,10 +249,7 @@ def plan(
     prefill_dp: int = 0,
     decode_dp: int = 0,
 ) -> Plan:
-    """Plan one request of `tokens` tokens living in `prefill_dp` and `decode_dp`.
-
-    Raises TopologyError, before anything moves, when the pair cannot be planned.
-    """
+    """Plan one request of `tokens` tokens living in `prefill_dp` and `decode_dp`. See docs/internals.md."""
     if tokens < 1:
         raise TopologyError(f"a request needs at least one token, got {tokens}")
     prefill.group(prefill_dp)

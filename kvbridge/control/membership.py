@@ -91,10 +91,7 @@ class Announcer:
 class SigtermDrain:
     """On SIGTERM or a drain order, marks the server draining, gives the proxy `grace_s` to see it, then stops it.
 
-    SIGTERM is then passed to the handler installed before (the engine's graceful shutdown), a second one at once. An
-    order ends with SIGTERM to the process that started this one (the engine's server, as an operator would; else this
-    one), which comes back as that second SIGTERM. Built on the main thread after the engine's handler, else inert.
-    """
+    See docs/internals.md."""
 
     def __init__(self, announcer: Announcer, *, grace_s: float, then: str = "the engine shuts down") -> None:
         self.announcer, self.grace_s, self.then = announcer, grace_s, then

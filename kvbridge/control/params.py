@@ -80,13 +80,7 @@ _SIZE = _check(lambda v: _int(v) and 1 <= v <= MAX_PARALLEL_SIZE, f"an integer f
 
 @attrs.frozen
 class KVTransferParams:
-    """What one side tells the other about a request's KV, through the proxy.
-
-    On the prefill request the proxy sets `do_remote_decode=True`; the prefill engine answers
-    with `do_remote_prefill=True` and where its KV is (`remote_*`), which the proxy hands to
-    the decode request. Rank r of the remote engine serves its side channel on
-    `remote_port + r` unless a registry is used (see `kvbridge.control.discovery`).
-    """
+    """What one side tells the other about a request's KV, through the proxy. See docs/internals.md."""
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
@@ -190,8 +184,7 @@ class KVTransferParams:
     def migration_resolved(self) -> KVTransferParams:
         """These params with a migration's lease named (its migration id); unchanged for any other request.
 
-        Raises ConfigError when a migration lacks what its pull needs (a whole-request pull, `remote_num_tokens`).
-        """
+        See docs/internals.md."""
         if self.kvbridge_migration_id is None:
             return self
         if self.transfer_mode != "pull":

@@ -14,12 +14,7 @@ def device_nodes(pattern: str, dev: Path = Path("/dev")) -> bool:
 
 
 def library_probe(module: str, accel: str, device: str, check: str) -> str | None:
-    """Why `module` cannot drive a device here, or None.
-
-    `accel` is the module's accelerator attribute (``npu`` for ``torch_npu.npu``), `device` names the
-    device in the reason ("Ascend NPU"), `check` says what to look at when the library is there but
-    sees no device ("CANN and ASCEND_RT_VISIBLE_DEVICES").
-    """
+    """Why `module` cannot drive a device here, or None. See docs/internals.md."""
     try:
         lib = importlib.import_module(module)
     except Exception as exc:  # any import failure (missing, or built for another torch) is the reason

@@ -173,11 +173,7 @@ class DecodeControl:
     ) -> None:
         """Resolving -> leased: each rank's side channel and RankInfo (`check`ed), then its BeginPull.
 
-        The BeginPull waits for prefill's offer and states this rank's release count. A `whole`-request pull names the
-        blocks it reads and takes the prefill's hold from the BeginPull's answer; a layer-wise one from each rank's
-        answer that completes its stream (`LayerReader`). A migrated request's params name no blocks
-        (`lease_blocks`): the first BeginPull names none, and its answer's blocks `take` = (skip, count) are read
-        (every rank of an engine holds a request in the same block ids)."""
+        See docs/internals.md."""
         waited = contact = begin = 0.0
         for rank in s.ranks:
             found = time.monotonic()
@@ -210,11 +206,7 @@ class DecodeControl:
         s.machine.to(PullState.LEASED)
 
     def _confirm(self, s: Session, error: BaseException | None) -> BaseException | None:
-        """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull.
-
-        Within every prefill rank's hold the bytes are intact: the DONEs only free the prefill blocks, after the report,
-        off this thread. Otherwise the fenced DONEs' answers decide (a LoadError when a lease did not hold). Returns the
-        pull's outcome: None, or the error that means recompute."""
+        """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull. See docs/internals.md."""
         s.machine.to(PullState.CONFIRMING)
         if error is not None:
             with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
@@ -230,9 +222,7 @@ class DecodeControl:
     def _abandon(self, s: Session, error: BaseException) -> None:
         """This rank will not use what it read (`error`): release every rank it holds or was to read, right away.
 
-        That is what it announced, the ranks it was to read but had not announced yet (their offer may still be on its
-        way: a release-only DONE is kept until it comes) and the unread ranks. A rank whose side channel just left its
-        BeginPull unanswered (killed or stalled) gets no DONE to wait on again: its lease expires."""
+        See docs/internals.md."""
         release = list(s.notify)
         for rank in s.ranks:
             if rank in s.leases:
@@ -262,15 +252,7 @@ class DecodeControl:
         *,
         skip: int = 0,
     ) -> PullHandle:
-        """Pull this rank's share of the request `params` describe into `local_blocks`.
-
-        Params naming no blocks (`lease_blocks`, a migrated request) read the lease's blocks after its first `skip`.
-
-        Returns as soon as the transfers are submitted; `on_finished(request_id, error)` reports the
-        outcome once, on the transport's thread. `machine` (made here when not given) records the
-        pull's states. Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank
-        never became ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
-        """
+        """Pull this rank's share of the request `params` describe into `local_blocks`. See docs/internals.md."""
         machine = machine or PullMachine(request_id, "pull")
         tokens = int(params.remote_num_tokens or 0)
         s: Session | None = None
@@ -317,8 +299,7 @@ class DecodeControl:
     ) -> dict[str, float]:
         """Read the request layer by layer as prefill computes it, then confirm it (`_confirm`).
 
-        Returns the read's phases (ms). Raises LoadError (recompute), TransferTimeout, or the transport's error; DONEs
-        (or release-only ones) go out in every case."""
+        See docs/internals.md."""
         s = self._session(machine, params, tokens)
         reader = LayerReader(self.agent, s, local_blocks, tokens, skip, timeout_s, cancelled)
         try:
@@ -350,9 +331,7 @@ class DecodeControl:
     ) -> BaseException | None:
         """DONE to every announced lease and a release-only DONE to each of `release`; returns the pull's outcome.
 
-        The DONEs are fenced unless the pull already failed, or `held`: the read is confirmed by the prefill ranks'
-        holds. Release-only DONEs carry their release count. The outcome is None, or the error that means recompute.
-        `held` DONEs are retried (DONE_ATTEMPTS), and what they find is only logged."""
+        See docs/internals.md."""
         attempts = DONE_ATTEMPTS if held else 1
         for client, epoch, count in leases.values():
             try:

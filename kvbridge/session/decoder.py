@@ -80,10 +80,7 @@ class DecodeSide:
         reported = threading.Lock()  # held once the outcome went to the engine
 
         def report(_rid: str, error: BaseException | None) -> None:
-            """The pull's outcome to the engine, once.
-
-            From the transport's thread as soon as the read is confirmed, or from this thread when the pull failed
-            before or never ended."""
+            """The pull's outcome to the engine, once. See docs/internals.md."""
             if not reported.acquire(blocking=False):
                 return
             if handle is None and error is not None:  # failed before the control plane began (or ended) it
@@ -160,10 +157,7 @@ class DecodeSide:
         watchdog.slow(log, f"handover of request {request_id} on {self.control.name} from {peer}", line)
 
     def release(self, task: PullTask) -> None:
-        """Decode reads nothing of the request: free it on every prefill rank now.
-
-        Once per engine: each stage's TP rank 0 frees its stage of prefill; with another PP size, stage 0 frees every
-        stage."""
+        """Decode reads nothing of the request: free it on every prefill rank now. See docs/internals.md."""
         params = task.params
         if self.tp_rank == 0:
             stages = [self.pp_rank] if params.pp_size == self.pp_size else range(params.pp_size)

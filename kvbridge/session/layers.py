@@ -267,10 +267,7 @@ class LayerReader:
             land.finish(False, moved=not (h.done() and h.exception() is None))
 
     def phases(self, done_ms: float) -> dict[str, float]:
-        """The read's phases (ms).
-
-        Control, transfer (busy), hidden (while prefill computed), exposed, tail (from the last proof of compute to all
-        bytes here), done."""
+        """The read's phases (ms). See docs/internals.md."""
         # a callback may still be running when the reads settled: its transfer ended by now
         intervals = [(a, b or self.ended) for a, b in self.spans]
         busy = busy_s(intervals)

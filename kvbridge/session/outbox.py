@@ -82,10 +82,7 @@ class Outbox:
         failed: Iterable[int] = (),
         timing: dict[str, float] | None = None,
     ) -> None:
-        """A pull ended: record its failed blocks and timing, and report the request received.
-
-        Its `failed` blocks are load errors, its `timing` is kept for the engine, and the request is reported received
-        where the engine waits for it (`report`)."""
+        """A pull ended: record its failed blocks and timing, and report the request received. See docs/internals.md."""
         with self._lock:
             self._load_errors.update(failed)
             if timing:

@@ -34,12 +34,7 @@ PUBLISH_DRAIN_S = 10.0
 
 @attrs.frozen
 class StreamStart:
-    """Prefill: stream `request_id` under `transfer_id`.
-
-    `blocks` allocated so far, `computed` tokens already in the cache for every layer (prefix-cache hits), `tokens` the
-    prompt's length. `held_at_end`: the engine finishes the request in the step that ends its prompt (`max_tokens` 1,
-    one batch at a time), so from that step's last layer on only the lease frees its blocks, and readers' reads are
-    held."""
+    """Prefill: stream `request_id` under `transfer_id`. See docs/internals.md."""
 
     request_id: str
     transfer_id: str
@@ -172,9 +167,7 @@ class Producer:
     ) -> None:
         """A prefill rank's stream producer; `abort` and `on_progress` tie it to the control server.
 
-        `abort(transfer_id, reason)` frees a stream's lease and tells its readers (`ControlServer.abort`);
-        `on_progress(transfer_id)` is told whenever a stream's readers are to be woken (`ControlServer.wake` answers
-        their held QueryStreams)."""
+        See docs/internals.md."""
         self.ledger = ledger
         self.wake_interval_s = wake_interval_s
         self._clock = clock
@@ -260,10 +253,7 @@ class Producer:
             self._maybe_finish(tid)
 
     def save_layer(self, layer_name: str) -> None:
-        """After layer `layer_name`'s attention queued this step's KV: make it readable.
-
-        On a device that queues work (CUDA, NPU, MLU) the forward does not wait for it: the layer is published on a
-        thread of its own once the device ran it (`KVAgent.record`), so the engine keeps the device fed."""
+        """After layer `layer_name`'s attention queued this step's KV: make it readable. See docs/internals.md."""
         layer = self.layers.get(layer_name)
         if layer is None or self.agent is None:
             return
@@ -328,10 +318,7 @@ class Producer:
             self._publisher.close()
 
     def _wakes_at_step_end(self, s: _Stream) -> bool:
-        """Whether readers are woken at the end of a step that does not end the prompt.
-
-        When the next step may end it (no more tokens left than this step computed), or WAKE_INTERVAL_S after the last
-        time."""
+        """Whether readers are woken at the end of a step that does not end the prompt. See docs/internals.md."""
         now = self._clock()
         if s.tokens - s.step <= s.step - s.begun or now - s.woken_at >= self.wake_interval_s:
             s.woken_at = now

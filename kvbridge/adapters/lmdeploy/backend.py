@@ -60,11 +60,7 @@ class Link:
 
 
 class KVBridgeMigrationBackend(MigrationBackendImpl):
-    """LMDeploy migration backend that moves KV blocks over a kvbridge transport.
-
-    Registered in LMDeploy's `MIGRATION_BACKENDS` as `Mooncake` and `KVBridge` by the
-    `kvbridge-lmdeploy` distribution. Configured from the environment (`AdapterSettings`).
-    """
+    """LMDeploy migration backend that moves KV blocks over a kvbridge transport. See docs/internals.md."""
 
     def __init__(self, settings: AdapterSettings | None = None) -> None:
         self.settings = settings or AdapterSettings.from_env()
@@ -249,10 +245,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     # -- migration ---------------------------------------------------------------------------
 
     async def p2p_migrate(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
-        """Read every instruct's remote bytes into local memory; returns when all have landed.
-
-        With `async_op` (or `LMDEPLOY_USE_ASYNC_MIGRATION`) the event loop runs while the transport works; otherwise
-        the call blocks the loop like LMDeploy's own backends."""
+        """Read every instruct's remote bytes into local memory; returns when all have landed. See docs/internals.md."""
         rid = assignment.remote_engine_id
         link = self._link(rid, "p2p_migrate", assignment.protocol)
         if link.peer is None:
@@ -320,10 +313,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     # -- teardown ----------------------------------------------------------------------------
 
     def p2p_drop_connect(self, remote_engine_id: Any) -> None:
-        """Disconnect a remote engine and unregister memory no other link still uses.
-
-        Takes the engine id or LMDeploy's `DistServeDropConnectionRequest`.
-        """
+        """Disconnect a remote engine and unregister memory no other link still uses. See docs/internals.md."""
         rid = getattr(remote_engine_id, "remote_engine_id", remote_engine_id)
         with self._lock:
             link = self._links.pop(rid, None)

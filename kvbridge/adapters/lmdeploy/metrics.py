@@ -19,9 +19,7 @@ FOLD_EVERY = 256  # recorded entries kept as a list before they are summed: a lo
 class TransferMetrics(TransferRecord):
     """The session layer's transfer recorder, summed per (transport, peer) for a long-lived engine; thread-safe.
 
-    vLLM ships what its workers record to its own counters each step; LMDeploy has nothing of the kind,
-    so the recorded entries are folded into cumulative counters here (when read, or every FOLD_EVERY).
-    """
+    See docs/internals.md."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -65,10 +63,7 @@ class TransferMetrics(TransferRecord):
             self._retries[(transport, peer)] += n
 
     def snapshot(self) -> dict[str, Any]:
-        """The counters as a plain dict, without prometheus-client.
-
-        {"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...], "retries":
-        [{transport, peer, count}]}."""
+        """The counters as a plain dict, without prometheus-client. See docs/internals.md."""
         with self._lock:
             self._fold()
             return {

@@ -72,10 +72,7 @@ def plan(
     *,
     engine: str,
 ) -> InstructPlan:
-    """Check every instruct against the regions on both sides and build merged descriptors.
-
-    Raises InvalidDescriptor naming the remote engine and the first offending instruct.
-    """
+    """Check every instruct against the regions on both sides and build merged descriptors. See docs/internals.md."""
     mr, src, tgt, length = instructs.T
 
     def refuse(bad: np.ndarray, why: str) -> None:

@@ -54,12 +54,7 @@ def describe_kv_caches(
     backend: str = "vLLM",
     cache_dtype: str = "auto",
 ) -> tuple[KVLayout, list[tuple[int, int]]]:
-    """The layout of vLLM's per-layer KV views and the (address, bytes) storages to register.
-
-    `cache_dtype` is vLLM's `kv_cache_dtype`: an fp8 one names the format of the (uint8) tensors.
-    Raises ConfigError naming the layout and `backend` (the attention backend) when a view is not
-    laid out as `layout` says, or is one kvbridge cannot address, before any request.
-    """
+    """The layout of vLLM's per-layer KV views and the (address, bytes) storages to register. See docs/internals.md."""
     if layout not in ORDERS:
         raise ConfigError(
             f"KV cache layout {layout!r} of {backend} is not one kvbridge can move; "

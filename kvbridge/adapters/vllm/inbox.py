@@ -12,12 +12,7 @@ ENGINE_CLASS = "EngineCoreProc"
 
 
 class EngineInbox:
-    """An engine core's input queue, waited on together with the worker's own news.
-
-    Uses what `queue.Queue` offers subclasses: its `mutex`, the `not_empty` condition every `put`
-    notifies, and `_qsize` (called under the mutex). Lock order: a caller may hold its own lock around
-    `arm` and `nudge`, never around `wait`.
-    """
+    """An engine core's input queue, waited on together with the worker's own news. See docs/internals.md."""
 
     def __init__(self, inbox: queue.Queue) -> None:
         self._queue = inbox

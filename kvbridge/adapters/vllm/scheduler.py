@@ -58,9 +58,7 @@ def checked_params(request: Request) -> dict[str, Any] | None:
 class SchedulerSide:
     """Prefill keeps a `do_remote_decode` request's blocks; decode loads a `do_remote_prefill` request's KV.
 
-    Prefill: a request that asked for `do_remote_decode` keeps its blocks after finishing and answers with the params a
-    decode needs. Decode: a request with `do_remote_prefill` loads its prompt's KV asynchronously from the prefill named
-    in its params."""
+    See docs/internals.md."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
         self.engine_id = engine_id
@@ -149,9 +147,7 @@ class SchedulerSide:
     def _migrating(self, request: Request, params: dict[str, Any], block_ids: list[int]) -> bool:
         """A decode request the proxy marked for migration and then cut: hold its blocks under its migration id.
 
-        The proxy cuts a marked stream to move it (its decode drains, or it rebalances), and sends an Abort for the
-        lease when its client left instead, so the blocks are free at once; without that Abort (the proxy died)
-        the lease ends after `lease_s`. Any other aborted request frees its blocks at once, as before."""
+        See docs/internals.md."""
         from vllm.v1.request import RequestStatus
 
         migration = params.get("kvbridge_migration_id")
