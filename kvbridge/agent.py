@@ -1,6 +1,4 @@
-"""`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its share of requests.
-
-See docs/internals.md."""
+"""`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its requests. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -61,7 +59,7 @@ class RankInfo:
 
 @attrs.frozen
 class PullResult:
-    """How one pull ended; see the module docstring for what the control plane does with it."""
+    """How one pull ended; docs/internals.md says what the control plane does with it."""
 
     request_id: str
     pulled: tuple[tuple[str, int], ...]
@@ -155,9 +153,7 @@ class KVAgent:
         landing: Sequence[Sequence[Any]] | None = None,
         **backend_options: Any,
     ) -> None:
-        """Build the agent: `device`, `backend`, `stage` and `landing` choose how the cache is reached and moved.
-
-        See docs/internals.md."""
+        """Build the agent: `device`, `backend`, `stage`, `landing` say how the cache moves. See docs/internals.md."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -234,9 +230,7 @@ class KVAgent:
         return type(self.backend).publish is MigrationBackend.publish
 
     def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None, *, waited: bool = False) -> None:
-        """On a prefill rank: make these computed blocks readable by peers, before offering them.
-
-        See docs/internals.md."""
+        """On a prefill rank: make these computed blocks readable by peers, before offering. See docs/internals.md."""
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
             raise ConfigError(f"block ids must lie in [0, {self.layout.num_blocks}), got {blocks!r}")
@@ -255,9 +249,7 @@ class KVAgent:
             self.backend.publish(ranges)
 
     def record(self) -> Any:
-        """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting.
-
-        See docs/internals.md."""
+        """On a prefill rank: mark the device work queued on this rank's cache; no wait. See docs/internals.md."""
         if self.publish_is_free:
             return None
         marks = [self.device.record(i) for i in self._device_ids or [self.device.current_id()]]

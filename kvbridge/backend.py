@@ -149,9 +149,7 @@ class MigrationBackend(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
-        """Start moving `desc` (already bounds-checked, at most `max_batch` rows, merged where possible).
-
-        See docs/internals.md."""
+        """Start moving `desc` (bounds-checked, at most `max_batch` rows, merged if possible). See docs/internals.md."""
 
     def _disconnect(self, peer: Peer) -> None:
         """Release what `_connect` opened (optional)."""
@@ -201,9 +199,7 @@ class MigrationBackend(abc.ABC):
         return self._local.regions
 
     def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
-        """Make local bytes current for peers that read them: call before offering blocks to a peer.
-
-        See docs/internals.md."""
+        """Make local bytes current for peers that read them: call before offering blocks. See docs/internals.md."""
 
     def accept(self, ranges: Any = None) -> None:
         """Make bytes a peer wrote into local memory visible to compute (same `ranges` as `publish`).
@@ -273,9 +269,7 @@ class MigrationBackend(abc.ABC):
         return desc
 
     def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
-        """Cut checked descriptors to the transport's piece size and batch limit, and submit every batch.
-
-        See docs/internals.md."""
+        """Cut checked descriptors to the transport's piece size and batch limit; submit each. See docs/internals.md."""
         nbytes = total_bytes(desc)
         cap = self.capabilities
         step = cap.max_batch or len(desc)
@@ -339,9 +333,7 @@ class MigrationBackend(abc.ABC):
 
 
 class WrappingBackend(MigrationBackend):
-    """A transport that adds to another (`backend`, which it owns): every hook of the contract goes to it.
-
-    See docs/internals.md."""
+    """A transport that adds to another (`backend`, owned): every contract hook goes to it. See docs/internals.md."""
 
     def __init__(
         self, backend: MigrationBackend, capabilities: BackendCapabilities, options: TransportOptions | None = None

@@ -1,6 +1,4 @@
-"""Descriptors for one pull, factored: a table per group of regions, times the request's block runs.
-
-See docs/internals.md."""
+"""Descriptors for one pull, factored: a table per group of regions, times the block runs. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -23,9 +21,7 @@ def pull_descriptors(
     local_blocks: Sequence[int] | np.ndarray,
     remote_blocks: Sequence[int] | np.ndarray,
 ) -> FactoredDescriptors:
-    """The (local_addr, remote_addr, length) rows that read `pull` from the remote rank into this one.
-
-    See docs/internals.md."""
+    """The (local_addr, remote_addr, length) rows that read `pull` from the remote rank. See docs/internals.md."""
     tables = _tables(local, remote, pull.src_heads, pull.dst_heads)
     dst = _pick(local_blocks, pull.dst_positions(), local.num_blocks, "local", pull)
     src = _pick(remote_blocks, pull.src_positions(), remote.num_blocks, "remote", pull)
@@ -37,9 +33,7 @@ def pull_descriptors(
 
 
 def _runs(dst: np.ndarray, src: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first local block, first remote block, length) of the runs of blocks consecutive on both sides.
-
-    See docs/internals.md."""
+    """(first local block, first remote block, length) of runs consecutive on both sides. See docs/internals.md."""
     if len(dst) > 1 and (np.diff(dst) < 0).any():
         at = np.full(capacity + 1, -1, dtype=np.int64)
         at[dst] = np.arange(len(dst))

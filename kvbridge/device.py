@@ -25,9 +25,7 @@ class Device(abc.ABC):
     copy_bytes_per_s: ClassVar[float] = 8e9
 
     def regions(self, tensor: Any) -> list[MemoryRegion]:
-        """The memory a tensor occupies: one region from its first to its last byte, of this device's kind.
-
-        See docs/internals.md."""
+        """The memory a tensor occupies: one region, first to last byte, of this device. See docs/internals.md."""
         device_id = -1 if isinstance(tensor, np.ndarray) else self.device_id(tensor)
         return [buffer_region(tensor, self.memory_kind, device_id)]
 

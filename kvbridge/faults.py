@@ -1,6 +1,4 @@
-"""Transport fault injection: one wrapping transport that fails, delays or holds transfers. Testing only.
-
-See docs/internals.md."""
+"""Transport fault injection: a wrapping transport that fails, delays or holds transfers. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Pulls between paged caches arranged differently: land the peer's blocks as they are, rearrange on device.
-
-See docs/internals.md."""
+"""Pulls between caches arranged differently: land the peer's blocks as-is, rearrange them. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -148,9 +146,7 @@ class Landed:
 
 
 class Receiver:
-    """A decode rank's landing buffers (registered once each, reused) and the rearrangement into its cache.
-
-    See docs/internals.md."""
+    """A decode rank's landing buffers (registered once, reused) and the rearrangement after. See docs/internals.md."""
 
     def __init__(
         self,
@@ -290,9 +286,7 @@ class Receiver:
         return Landed(self, buf, desc, rearrange)
 
     def acquire(self, nbytes: int, request_id: str = "") -> Any:
-        """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once).
-
-        See docs/internals.md."""
+        """A registered landing buffer of at least `nbytes` (a free one, or a new one). See docs/internals.md."""
         import torch
 
         size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())

@@ -19,9 +19,7 @@ def is_tensor_like(x: Any) -> bool:
 
 
 def buffer_region(buf: Any, kind: MemoryKind, device_id: int) -> MemoryRegion:
-    """The one region a contiguous tensor or numpy array occupies, from its first to its last byte.
-
-    See docs/internals.md."""
+    """The one region a contiguous tensor or numpy array occupies, first to last byte. See docs/internals.md."""
     if isinstance(buf, np.ndarray):
         contiguous, nbytes, addr = buf.flags.c_contiguous, buf.nbytes, buf.ctypes.data
     else:
@@ -182,9 +180,7 @@ L_BASE, L_BLOCK, L_PIECE, R_BASE, R_BLOCK, R_PIECE, LENGTH, PIECES = range(8)
 
 @attrs.frozen(eq=False)
 class DescriptorGroup:
-    """Regions cut into the same number of pieces per block, and the blocks (in runs) they move.
-
-    See docs/internals.md."""
+    """Regions cut into the same number of pieces per block, and the block runs they move. See docs/internals.md."""
 
     table: np.ndarray  # (regions, 8) int64, the columns above; every row has the same PIECES
     dst: np.ndarray  # first local block of each run
@@ -216,9 +212,7 @@ class DescriptorGroup:
 
 @attrs.frozen(eq=False)
 class FactoredDescriptors:
-    """Descriptors kept factored: groups of (regions x block runs x pieces), as the planner builds them.
-
-    See docs/internals.md."""
+    """Descriptors kept factored: groups of (regions x block runs x pieces), as planned. See docs/internals.md."""
 
     groups: tuple[DescriptorGroup, ...] = ()
 

@@ -1,6 +1,4 @@
-"""Plugin options: each plugin declares them once, as an attrs class; the registry checks them.
-
-See docs/internals.md."""
+"""Plugin options: each plugin declares them once, as attrs classes; the registry checks them. See docs/internals.md."""
 
 from __future__ import annotations
 

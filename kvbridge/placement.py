@@ -59,9 +59,7 @@ def for_device(x: Any, device: Device) -> list[Any]:
 
 
 def regions_of(x: Any, device: Device | None = None) -> list[MemoryRegion]:
-    """Regions of tensors (described by their device plugin), arrays, (addr, length) pairs or regions.
-
-    See docs/internals.md."""
+    """Regions of tensors (via their device plugin), arrays, (addr, length) pairs or regions. See docs/internals.md."""
     if isinstance(x, MemoryRegion):
         return [x]
     if is_tensor_like(x):

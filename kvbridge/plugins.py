@@ -230,9 +230,7 @@ class PluginRegistry:
             self.add_plugin(plugin, ep.name, dist, version)
 
     def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
-        """Register `plugin` (a module or object with kvbridge hooks) with pluggy, which calls its hooks.
-
-        See docs/internals.md."""
+        """Register `plugin` (a module or object with kvbridge hooks) with pluggy. See docs/internals.md."""
         api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
         if api not in hookspecs.API_HOOKS:
             self._refuse(
@@ -502,9 +500,7 @@ def get_device(name: str) -> Device:
 
 
 def device_for_memory(kind: MemoryKind | str) -> Device:
-    """The device plugin whose memory is of this kind (the first registered; `cpu` for host memory).
-
-    See docs/internals.md."""
+    """The device plugin whose memory is of this kind (first registered; `cpu` for host). See docs/internals.md."""
     kind = MemoryKind(kind)
     reg = registry()
     name = next((e.name for e in reg.devices.values() if e.memory_kind == kind), None)

@@ -1,6 +1,4 @@
-"""Engine-neutral rank wiring: which port each rank's side channel listens on, and which ones peers read.
-
-See docs/internals.md."""
+"""Rank wiring: which port each rank's side channel listens on, and which ones peers read. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -36,9 +36,7 @@ Maker = Callable[[], MigrationBackend]
 def attach(
     backend: MigrationBackend, device: Device, *, force: bool = False, probe: Maker | None = None
 ) -> MigrationBackend:
-    """`backend` bound to `device`'s memory: itself, a `DeviceBackend` or a `StagedBackend` (see above).
-
-    See docs/internals.md."""
+    """`backend` bound to `device`'s memory: itself, a `DeviceBackend` or a `StagedBackend`. See docs/internals.md."""
     if isinstance(backend, DeviceBackend):  # bound already (by the caller): to this device, or a mistake
         if backend.device is not device:
             raise ConfigError(
@@ -78,9 +76,7 @@ _choices: dict[str, PathChoice] = {}  # per key (device/transport/protocol): eac
 
 
 def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 << 18, rounds: int = 5) -> PathChoice:
-    """Move `nbytes` of device memory between two backends from `make`, in place and staged; the faster, cached.
-
-    See docs/internals.md."""
+    """Time `nbytes` of device memory moved in place and staged by `make` backends; cached. See docs/internals.md."""
     if key in _choices:
         return _choices[key]
     best = [float("inf")] * 2
@@ -133,9 +129,7 @@ def transport(backend: MigrationBackend) -> MigrationBackend:
 
 
 class DeviceBackend(WrappingBackend):
-    """A transport that reaches a device's memory directly, with the device's synchronization around it.
-
-    See docs/internals.md."""
+    """A transport reaching a device's memory directly, with the device's synchronization. See docs/internals.md."""
 
     def __init__(self, backend: MigrationBackend, device: Device) -> None:
         self.device = device
@@ -231,9 +225,7 @@ class _Mirror:
 
 
 class StagedBackend(DeviceBackend):
-    """A transport used through host mirrors of device buffers; the `MigrationBackend` contract unchanged.
-
-    See docs/internals.md."""
+    """A transport used through host mirrors of device buffers; the contract unchanged. See docs/internals.md."""
 
     def __init__(self, backend: MigrationBackend, device: Device) -> None:
         self._mirrors: list[_Mirror] = []

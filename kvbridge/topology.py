@@ -151,9 +151,7 @@ class HeadPlacement:
 
 @attrs.frozen
 class Pull:
-    """One decode rank reading one prefill rank's share of a request (its fields: docs/planning.md, "The plan").
-
-    See docs/internals.md."""
+    """One decode rank reading one prefill rank's share of a request (docs/planning.md). See docs/internals.md."""
 
     decode_rank: int
     prefill_rank: int

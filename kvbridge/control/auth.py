@@ -1,6 +1,4 @@
-"""Optional shared-secret authentication of side-channel frames: HMAC-SHA256 plus a replay guard.
-
-See docs/internals.md."""
+"""Optional shared-secret authentication of side-channel frames: HMAC-SHA256, replay guard. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -89,9 +89,7 @@ class DrainOrder:
 
 
 class Sealer:
-    """Signs registry records and checks them with keys derived from the shared secret (records', drain orders').
-
-    See docs/internals.md."""
+    """Signs and checks registry records (and drain orders) with keys from the shared secret. See docs/internals.md."""
 
     def __init__(self, secret: str | bytes | None) -> None:
         self._key, self._orders = derive(secret, RECORDS), derive(secret, DRAIN_ORDERS)
@@ -336,9 +334,7 @@ class RedisRegistry(DiscoveryRegistry):
 
 
 class EtcdRegistry(DiscoveryRegistry):
-    """Records as etcd v3 keys `kvbridge/ranks/<engine>/<rank>`, spoken through etcd's JSON gateway.
-
-    See docs/internals.md."""
+    """Records as etcd v3 keys `kvbridge/ranks/<engine>/<rank>`, via etcd's JSON gateway. See docs/internals.md."""
 
     def __init__(self, url: str, *, secret: str | bytes | None = None, timeout_s: float = 5.0) -> None:
         parsed = urllib.parse.urlsplit(url)
@@ -405,9 +401,7 @@ def redacted(url: str) -> str:
 
 
 def open_registry(url: str | None, *, secret: str | bytes | None = None) -> DiscoveryRegistry | None:
-    """A registry for `redis://…` or `etcd://…`; None for peer-to-peer (None, "", "p2p", "P2PHANDSHAKE").
-
-    See docs/internals.md."""
+    """Registry of `redis://…` or `etcd://…`; None for p2p (None, "", "p2p", "P2PHANDSHAKE"). See docs/internals.md."""
     if not url or url.lower() in ("p2p", "p2phandshake"):
         return None
     scheme = urllib.parse.urlsplit(url).scheme.lower()

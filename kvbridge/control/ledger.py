@@ -121,9 +121,7 @@ class Ledger:
         offer_id: str = "",
         holds_reads: bool = True,
     ) -> Lease:
-        """Hold `blocks` for `request_id` until `expected_pulls` distinct decode ranks sent DONE.
-
-        See docs/internals.md."""
+        """Hold `blocks` for `request_id` until `expected_pulls` decode ranks sent DONE. See docs/internals.md."""
         if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
         _check_size(request_id, len(blocks))
@@ -208,9 +206,7 @@ class Ledger:
         return True
 
     def abort(self, request_id: str) -> list[Hashable]:
-        """End the request's lease now; returns the side channels of the decode ranks that began pulling.
-
-        See docs/internals.md."""
+        """End the request's lease now; returns the side channels of decode ranks that began. See docs/internals.md."""
         with self._lock:
             entry = self._active.get(request_id)
             if entry is None and request_id not in self._finished:
@@ -307,9 +303,7 @@ class Ledger:
             return self._status(entry, valid=entry.state is LeaseState.ACTIVE and epoch in (0, entry.lease.epoch))
 
     def done(self, request_id: str, decode_rank: str, epoch: int = 0, expected_pulls: int = 0) -> LeaseStatus:
-        """Count a DONE (idempotent per decode rank). `valid`: the blocks were not released before it.
-
-        See docs/internals.md."""
+        """Count a DONE (idempotent per decode rank). `valid`: blocks not released before it. See docs/internals.md."""
         self.reap()
         with self._lock:
             unheld = self._end_read(request_id, decode_rank, epoch)

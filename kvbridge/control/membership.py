@@ -1,6 +1,4 @@
-"""Elastic membership: a server keeps its `ServerRecord` alive in the registry; the proxy reads them.
-
-See docs/internals.md."""
+"""Elastic membership: a server keeps its `ServerRecord` alive in the registry; proxies read. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -89,9 +87,7 @@ class Announcer:
 
 
 class SigtermDrain:
-    """On SIGTERM or a drain order, marks the server draining, gives the proxy `grace_s` to see it, then stops it.
-
-    See docs/internals.md."""
+    """On SIGTERM or a drain order: mark draining, give proxies `grace_s`, then stop. See docs/internals.md."""
 
     def __init__(self, announcer: Announcer, *, grace_s: float, then: str = "the engine shuts down") -> None:
         self.announcer, self.grace_s, self.then = announcer, grace_s, then

@@ -102,9 +102,7 @@ class GetInfo:
 
 @attrs.frozen
 class BeginPull:
-    """Decode rank `decode_rank` is about to read `blocks` of `request_id`; `notify_*` is its side channel.
-
-    See docs/internals.md."""
+    """Decode rank `decode_rank` will read `blocks` of `request_id`; `notify_*`: its channel. See docs/internals.md."""
 
     request_id: str = _id()
     decode_rank: str = _id()
@@ -118,9 +116,7 @@ class BeginPull:
 
 @attrs.frozen
 class Offer:
-    """The engine's own scheduler offers `request_id`'s finished `blocks` to this rank's ledger.
-
-    See docs/internals.md."""
+    """The engine's scheduler offers `request_id`'s finished `blocks` to this rank's ledger. See docs/internals.md."""
 
     request_id: str = _id()  # the lease's id (a migrated decode request's: the proxy's migration id)
     blocks: BlockIds = _blocks()
@@ -131,9 +127,7 @@ class Offer:
 
 @attrs.frozen
 class Done:
-    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: read nothing).
-
-    See docs/internals.md."""
+    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: none). See docs/internals.md."""
 
     request_id: str = _id()
     decode_rank: str = _id()
@@ -151,9 +145,7 @@ class QueryLease:
 
 @attrs.frozen
 class QueryStream:
-    """How far has prefill computed `request_id` (layer-wise streaming)? Answered with a `StreamStatus`.
-
-    See docs/internals.md."""
+    """How far has prefill computed `request_id` (layer-wise)? Answered with a `StreamStatus`. See docs/internals.md."""
 
     request_id: str = _id()
     epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))

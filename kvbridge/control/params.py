@@ -1,6 +1,4 @@
-"""`KVTransferParams`: the request-level metadata a PD proxy carries between prefill and decode.
-
-See docs/internals.md."""
+"""`KVTransferParams`: the request metadata a PD proxy carries between prefill and decode. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -182,9 +180,7 @@ class KVTransferParams:
         return self.kvbridge_migration_id is not None and not self.remote_block_ids
 
     def migration_resolved(self) -> KVTransferParams:
-        """These params with a migration's lease named (its migration id); unchanged for any other request.
-
-        See docs/internals.md."""
+        """These params with a migration's lease named (its migration id); others unchanged. See docs/internals.md."""
         if self.kvbridge_migration_id is None:
             return self
         if self.transfer_mode != "pull":

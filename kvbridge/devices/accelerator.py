@@ -1,6 +1,4 @@
-"""What every torch accelerator device (`cuda`, `npu`, `mlu`) does the same way (docs/plugins.md).
-
-See docs/internals.md."""
+"""What every torch accelerator device (`cuda`, `npu`, `mlu`) does the same way. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The availability checks every torch accelerator plugin (`cuda`, `npu`, `mlu`) makes the same way.
-
-See docs/internals.md."""
+"""The availability checks every torch accelerator plugin (`cuda`, `npu`, `mlu`) shares. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -171,9 +171,7 @@ class DecodeControl:
         check: Callable[[int, ControlClient, RankInfo], None] | None = None,
         take: tuple[int, int] = (0, 0),
     ) -> None:
-        """Resolving -> leased: each rank's side channel and RankInfo (`check`ed), then its BeginPull.
-
-        See docs/internals.md."""
+        """Resolving -> leased: each rank's side channel and RankInfo (checked), BeginPull. See docs/internals.md."""
         waited = contact = begin = 0.0
         for rank in s.ranks:
             found = time.monotonic()
@@ -220,9 +218,7 @@ class DecodeControl:
         return error
 
     def _abandon(self, s: Session, error: BaseException) -> None:
-        """This rank will not use what it read (`error`): release every rank it holds or was to read, right away.
-
-        See docs/internals.md."""
+        """This rank won't use what it read: release every rank it holds or was to read. See docs/internals.md."""
         release = list(s.notify)
         for rank in s.ranks:
             if rank in s.leases:
@@ -297,9 +293,7 @@ class DecodeControl:
         timeout_s: float,
         cancelled: threading.Event,
     ) -> dict[str, float]:
-        """Read the request layer by layer as prefill computes it, then confirm it (`_confirm`).
-
-        See docs/internals.md."""
+        """Read the request layer by layer as prefill computes it, then `_confirm` it. See docs/internals.md."""
         s = self._session(machine, params, tokens)
         reader = LayerReader(self.agent, s, local_blocks, tokens, skip, timeout_s, cancelled)
         try:
@@ -329,9 +323,7 @@ class DecodeControl:
     def _send_dones(
         self, rid: str, leases: Leases, release: Release, error: BaseException | None, *, held: bool = False
     ) -> BaseException | None:
-        """DONE to every announced lease and a release-only DONE to each of `release`; returns the pull's outcome.
-
-        See docs/internals.md."""
+        """DONE every announced lease, release-only DONE each of `release`; the outcome. See docs/internals.md."""
         attempts = DONE_ATTEMPTS if held else 1
         for client, epoch, count in leases.values():
             try:

@@ -1,6 +1,4 @@
-"""The reading state of a layer-wise pull: poll each prefill rank's stream and read what is complete.
-
-See docs/internals.md."""
+"""The reading state of a layer-wise pull: poll each prefill rank's stream, read what is done. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""A prefill engine's scheduler offering finished requests to its own ranks at once (early offers).
-
-See docs/internals.md."""
+"""A prefill scheduler offering finished requests to its own ranks at once (early offers). See docs/internals.md."""
 
 from __future__ import annotations
 

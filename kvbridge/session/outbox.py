@@ -97,7 +97,7 @@ class Outbox:
             self._tell()
 
     def begin(self, stream: bool) -> None:
-        """A pull (or a layer-wise stream) is in flight: an idle step may sleep longer (see the docstring)."""
+        """A pull (or a layer-wise stream) is in flight: an idle step may sleep longer (docs/internals.md)."""
         with self._lock:
             if stream:
                 self._streams += 1
@@ -114,7 +114,7 @@ class Outbox:
     def take(self, idle: bool, pending: bool = False) -> tuple[set[str], set[str]]:
         """The requests sending and receiving finished since the last call.
 
-        In an `idle` step with nothing to report (nor `pending` elsewhere), wait first (see the docstring)."""
+        In an `idle` step with nothing to report (nor `pending` elsewhere), wait first (docs/internals.md)."""
         with self._lock:
             if idle and not (self._sent or self._recved or pending):
                 self._idle_wait()

@@ -165,9 +165,7 @@ class Producer:
         wake_interval_s: float = WAKE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """A prefill rank's stream producer; `abort` and `on_progress` tie it to the control server.
-
-        See docs/internals.md."""
+        """A prefill rank's stream producer; `abort`, `on_progress` tie it to the server. See docs/internals.md."""
         self.ledger = ledger
         self.wake_interval_s = wake_interval_s
         self._clock = clock

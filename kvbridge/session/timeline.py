@@ -1,6 +1,4 @@
-"""One request's timeline through `kvbridge proxy`: the `x-kvbridge-timing` header and its parts.
-
-See docs/internals.md."""
+"""One request's timeline through `kvbridge proxy`: the `x-kvbridge-timing` header. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Pure-Python TCP transport: the reference implementation and the fallback where no Mooncake wheel exists.
-
-See docs/internals.md."""
+"""Pure-Python TCP transport: the reference, and the fallback where no Mooncake wheel exists. See docs/internals.md."""
 
 from __future__ import annotations
 

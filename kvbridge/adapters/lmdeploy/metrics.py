@@ -1,6 +1,4 @@
-"""The LMDeploy backend's transfer series, with the `kvbridge_transfer_*` names of the vLLM connector's.
-
-See docs/internals.md."""
+"""The LMDeploy backend's transfer series, named `kvbridge_transfer_*` as vLLM's connector's. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -17,9 +15,7 @@ FOLD_EVERY = 256  # recorded entries kept as a list before they are summed: a lo
 
 
 class TransferMetrics(TransferRecord):
-    """The session layer's transfer recorder, summed per (transport, peer) for a long-lived engine; thread-safe.
-
-    See docs/internals.md."""
+    """The session's transfer recorder, summed per (transport, peer) for a long-lived engine. See docs/internals.md."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

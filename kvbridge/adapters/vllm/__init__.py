@@ -1,6 +1,4 @@
-"""kvbridge for vLLM: `KVBridgeConnector` (a `KVConnectorBase_V1`) and its plugin registration.
-
-See docs/internals.md."""
+"""kvbridge for vLLM: `KVBridgeConnector` (a `KVConnectorBase_V1`) and its registration. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The engine core's input queue, so that an idle step can sleep until a transfer ends or a request arrives.
-
-See docs/internals.md."""
+"""The engine core's input queue: idle steps sleep until a transfer ends or a request is in. See docs/internals.md."""
 
 from __future__ import annotations
 

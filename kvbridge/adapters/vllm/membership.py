@@ -1,6 +1,4 @@
-"""A vLLM server's place in the registry (docs/elastic.md): announced while it runs, drained by SIGTERM or order.
-
-See docs/internals.md."""
+"""A vLLM server's place in the registry: announced while it runs, drained on SIGTERM/order. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -23,9 +23,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
-    """Per-request pull phases (milliseconds) the workers measured this step, for the request's answer.
-
-    See docs/internals.md."""
+    """Per-request pull phases (ms) the workers measured this step, for the request's answer. See docs/internals.md."""
 
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
 

@@ -1,6 +1,4 @@
-"""Scheduler side of KVBridgeConnector: decides what to pull and which finished requests to hold.
-
-See docs/internals.md."""
+"""Scheduler side of KVBridgeConnector: what to pull and which finished requests to hold. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -56,9 +54,7 @@ def checked_params(request: Request) -> dict[str, Any] | None:
 
 
 class SchedulerSide:
-    """Prefill keeps a `do_remote_decode` request's blocks; decode loads a `do_remote_prefill` request's KV.
-
-    See docs/internals.md."""
+    """Prefill keeps `do_remote_decode` requests' blocks; decode loads `do_remote_prefill`'s. See docs/internals.md."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
         self.engine_id = engine_id
@@ -145,9 +141,7 @@ class SchedulerSide:
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
 
     def _migrating(self, request: Request, params: dict[str, Any], block_ids: list[int]) -> bool:
-        """A decode request the proxy marked for migration and then cut: hold its blocks under its migration id.
-
-        See docs/internals.md."""
+        """A decode request marked for migration, then cut: hold its blocks under that id. See docs/internals.md."""
         from vllm.v1.request import RequestStatus
 
         migration = params.get("kvbridge_migration_id")
