@@ -155,9 +155,7 @@ class MigrationBackend(abc.ABC):
         """Release what `_connect` opened (optional)."""
 
     def _regions(self, x: Any) -> list[MemoryRegion]:
-        """What `register_memory` was given, as regions.
-
-        Host memory here; a device-bound wrapper asks its device plugin."""
+        """What `register_memory` was given, as regions (host memory; a device-bound wrapper asks its device)."""
         return as_regions(x)
 
     def _shutdown(self) -> None:
@@ -375,9 +373,7 @@ class _Alarm:
 
 
 class _Watchdog:
-    """One thread that runs the transfer deadlines' alarms.
-
-    A thread per transfer would cost more than a small transfer does."""
+    """One thread runs the transfer deadlines' alarms: a thread per transfer would cost more than a small transfer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

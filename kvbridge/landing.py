@@ -93,10 +93,8 @@ def write_planes(views: Sequence[Sequence[Any]], blocks: Any, heads: tuple[int, 
                 dst[blocks] = rows
 
 
-# Scattering whole blocks in host memory goes through numpy: torch's CPU `index_put_` copies a uint8
-# tensor element by element (about 1 GB/s here: 7 ms for a 1900-token pull of the tiny model's two
-# layers, in the decode's critical path), numpy's fancy assignment copies each block's bytes at once
-# (about 20 GB/s). A device tensor keeps torch's kernel.
+# Host block scatters go through numpy: torch's CPU `index_put_` copies uint8 element by element, about 20x
+# slower (docs/measurements/README.md). A device tensor keeps torch's kernel.
 def _host_index(blocks: Any) -> np.ndarray | None:
     if isinstance(blocks, np.ndarray):
         return blocks

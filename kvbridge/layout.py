@@ -95,9 +95,7 @@ def _arrangement(g: PagedGeometry) -> tuple[Any, ...]:
 
 @attrs.frozen(cache_hash=True)  # a key of the planner's caches: hashed on every pull
 class KVLayout:
-    """A rank's KV cache: model facts, KV heads on this rank, and its regions.
-
-    Paged engine caches also carry their geometry."""
+    """A rank's KV cache: model facts, KV heads on this rank, its regions (and a paged cache's geometry)."""
 
     model: ModelSpec
     heads: int

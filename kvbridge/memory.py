@@ -248,8 +248,6 @@ def total_bytes(desc: Descriptors | FactoredDescriptors) -> int:
 
 
 def canonical(desc: Descriptors | FactoredDescriptors) -> Descriptors:
-    """Rows in local address order with every run merged.
-
-    Two descriptor sets that move the same bytes to the same places have the same canonical form."""
+    """Rows in local address order, runs merged: descriptors moving the same bytes to the same places match."""
     rows = desc.expand() if isinstance(desc, FactoredDescriptors) else as_descriptors(desc)
     return merge_runs(rows[np.argsort(rows[:, 0], kind="stable")])

@@ -70,9 +70,7 @@ def nics_near(address: str, sysfs: Path = SYSFS) -> list[str]:
 
 
 def pci_functions(vendor: str, *, device_class: str = "", sysfs: Path = SYSFS) -> list[str]:
-    """PCI addresses of every function from a vendor (``0xcabc``), in bus order.
-
-    Optionally only those of a class prefix (``0x1200``)."""
+    """PCI addresses of a vendor's (``0xcabc``) functions in bus order, optionally of a class prefix (``0x1200``)."""
     root = sysfs / "bus" / "pci" / "devices"
     if not root.is_dir():
         return []

@@ -28,9 +28,7 @@ def _tensors(x: Any) -> list[Any]:
 
 
 def tensor_device(x: Any) -> Device | None:
-    """The device plugin owning a tensor or a list of tensors (all on one device type).
-
-    None where `x` holds no tensor (arrays, addresses)."""
+    """The device plugin owning a tensor or tensors (one device type); None for arrays and addresses."""
     types = {device_type(t) for t in _tensors(x)}
     if len(types) > 1:
         raise ConfigError(

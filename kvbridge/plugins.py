@@ -48,9 +48,7 @@ OWN_DISTRIBUTIONS = {
 
 @attrs.define
 class Registration:
-    """One transport or device in the registry.
-
-    The spec its plugin returned, where it came from, and what its probe found (asked once)."""
+    """A transport or device in the registry: its plugin's spec, where it came from, its probe's answer (asked once)."""
 
     kind: str  # "backend" or "device"
     spec: TransportSpec | DeviceSpec

@@ -104,9 +104,7 @@ class Ledger:
         self._offer_callbacks.append(callback)
 
     def on_finish(self, callback: FinishCallback) -> None:
-        """Call `callback(lease, state)` when a lease ends, however.
-
-        A side channel answers the queries held for it at once."""
+        """Call `callback(lease, state)` when a lease ends, however (a side channel answers held queries at once)."""
         self._finish_callbacks.append(callback)
 
     # -- prefill side ---------------------------------------------------------------------

@@ -155,9 +155,7 @@ class DecodeControl:
         return info
 
     def _session(self, machine: PullMachine, params: KVTransferParams, tokens: int) -> Session:
-        """Resolving: plan the pull and find the ranks nobody reads.
-
-        The notifier releases those, one DONE each: release count 1."""
+        """Resolving: plan the pull and find the ranks nobody reads (the notifier releases those: one DONE each)."""
         plan = self.agent.plan(prefill_parallel(params), tokens, prefill_dp=params.dp_rank)
         notify = [(self._client(params, r), 1) for r in plan.unpulled] if self.agent.rank == plan.notifier else []
         ranks = sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)})

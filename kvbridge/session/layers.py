@@ -257,9 +257,7 @@ class LayerReader:
         self.ended = time.time()
 
     def retire(self, timeout_s: float) -> None:
-        """After a failure: wait for every read to end.
-
-        A read that failed, or still runs, may write late, so its landing buffer retires."""
+        """After a failure: wait for every read to end; a failed or running one may write late: its buffer retires."""
         settle(self.handles, timeout_s)
         for h, land in self.landings:
             land.finish(False, moved=not (h.done() and h.exception() is None))

@@ -282,9 +282,7 @@ class Producer:
         self._publisher.put(mark, work)
 
     def _publish(self, w: _Saved, waited: bool = False) -> None:
-        """Make `w`'s layer readable and tell its readers.
-
-        Readable after the device's wait, or only after the staging copy once `waited`."""
+        """Make `w`'s layer readable (after the device's wait, or the staging copy once `waited`); tell its readers."""
         assert self.agent is not None
         s = w.stream
         self.agent.publish(w.blocks, layers=(w.layer,), waited=waited)

@@ -31,9 +31,7 @@ def is_layerwise(params: dict[str, Any] | None) -> bool:
 
 
 class LayerwiseScheduler:
-    """The scheduler's part: which prefill requests stream (and how far they got), which decode ones read.
-
-    Decode requests read layer by layer."""
+    """The scheduler's part: which prefill requests stream (and how far they got), which decode ones read."""
 
     def __init__(self, block_size: int, *, enabled: bool, one_batch_at_a_time: bool = False) -> None:
         self.block_size = block_size
