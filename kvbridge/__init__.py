@@ -1,7 +1,4 @@
-"""kvbridge: move LLM KV caches between prefill and decode engines, over pluggable transports.
-
-Start with `list_backends()`, then `create_backend(name)`.
-"""
+"""kvbridge: move LLM KV caches between prefill and decode engines, over pluggable transports. See docs/internals.md."""
 
 from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
 from kvbridge.device import Device

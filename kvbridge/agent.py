@@ -1,10 +1,4 @@
-"""`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its share of requests.
-
-The transport is bound to the tensors' device (`kvbridge.staging.attach`, docs/plugins.md section 4), so
-the agent makes the same calls whether it stages or not. A pull's `on_done` gets its `PullResult` exactly
-once (the completion seam, docs/planning.md); the agent keeps no request state after it: leases, DONE
-messages and aborts belong to `kvbridge.control`.
-"""
+"""`KVAgent`: one per engine rank; registers its KV cache, publishes it, pulls its requests. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -65,7 +59,7 @@ class RankInfo:
 
 @attrs.frozen
 class PullResult:
-    """How one pull ended; see the module docstring for what the control plane does with it."""
+    """How one pull ended; docs/internals.md says what the control plane does with it."""
 
     request_id: str
     pulled: tuple[tuple[str, int], ...]
@@ -159,17 +153,7 @@ class KVAgent:
         landing: Sequence[Sequence[Any]] | None = None,
         **backend_options: Any,
     ) -> None:
-        """Build the agent: `device`, `backend`, `stage` and `landing` choose how the cache is reached and moved.
-
-        `device` defaults to the tensors' own (a ``cuda`` tensor picks the `cuda` plugin); naming another is an error.
-        Memory given as (address, bytes) pairs is the named device's (its current device id), host memory when none is
-        named. `backend` by name is created and closed by the agent; a backend object (or one `kvbridge.staging.attach`
-        already bound to the device) is left open. Either is staged where the transport cannot reach the device's
-        memory, always with `stage=True`, or where `probe` (a backend by name; default: `KVBRIDGE_PATH_PROBE=1` in the
-        environment) finds it faster (`staging.probe_paths`).
-        `landing`: per plane, per layer, byte views of the cache (`kvbridge.landing.Receiver`): reads from a peer whose
-        cache is arranged otherwise, or over a transport that may write late, land in buffers first and are rearranged
-        into the cache; without them every read goes straight into the cache (a peer arranged otherwise is refused)."""
+        """Build the agent: `device`, `backend`, `stage`, `landing` say how the cache moves. See docs/internals.md."""
         self.engine_id = engine_id
         self.rank = rank
         self.parallel = parallel
@@ -242,18 +226,11 @@ class KVAgent:
 
     @property
     def publish_is_free(self) -> bool:
-        """Publishing needs nothing (host memory the transport reads directly).
-
-        Computed blocks are readable as they stand, from any thread, so they may be offered before the engine's next
-        step."""
+        """Publishing needs nothing (host memory the transport reads directly). See docs/internals.md."""
         return type(self.backend).publish is MigrationBackend.publish
 
     def publish(self, blocks: Sequence[int], layers: Sequence[int] | None = None, *, waited: bool = False) -> None:
-        """On a prefill rank: make these computed blocks readable by peers, before offering them.
-
-        Every region of the blocks, or those of `layers` only (layer-wise streaming); `waited`: the caller waited for
-        the device's pending work already (`record`, `wait_recorded`). See `MigrationBackend.publish`.
-        """
+        """On a prefill rank: make these computed blocks readable by peers, before offering. See docs/internals.md."""
         ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.layout.num_blocks):
             raise ConfigError(f"block ids must lie in [0, {self.layout.num_blocks}), got {blocks!r}")
@@ -272,10 +249,7 @@ class KVAgent:
             self.backend.publish(ranges)
 
     def record(self) -> Any:
-        """On a prefill rank: mark the device work queued so far on this rank's KV cache, without waiting.
-
-        None where the device cannot, or where publishing needs nothing; else one mark per device the cache is
-        registered on. `publish(..., waited=True)` after `wait_recorded(marks)` then skips the wait."""
+        """On a prefill rank: mark the device work queued on this rank's cache; no wait. See docs/internals.md."""
         if self.publish_is_free:
             return None
         marks = [self.device.record(i) for i in self._device_ids or [self.device.current_id()]]
@@ -319,16 +293,7 @@ class KVAgent:
         prefill_dp: int | None = None,
         on_done: Callable[[PullResult], None] | None = None,
     ) -> PullHandle:
-        """Read this rank's share of a request from the prefill ranks that hold it.
-
-        `remote`: RankInfos of the prefill engine; `prefill_dp` names the DP group holding the request
-        (it may be left out when `remote` holds the ranks of one group only). `remote_blocks`: each
-        prefill rank's block ids of the request, keyed by rank, or one list shared by all ranks (each
-        uses its first n). `local_blocks`: this rank's block ids for its share, in order. Every check
-        (topology, layouts, block ids) runs before the first transfer is submitted. A rank with
-        nothing to pull gets a handle that is already done (and `on_done` has run before `pull`
-        returns).
-        """
+        """Read this rank's share of a request from the prefill ranks that hold it. See docs/internals.md."""
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")
         prefill = remote[0].parallel

@@ -1,9 +1,4 @@
-"""The transport contract: `MigrationBackend`, its peers and its transfer handles.
-
-A transport implements five small hooks (`_register`, `_unregister`, `_address`, `_connect`, `_submit`);
-this base class does everything common around them once, the transfer deadline (`transfer_deadline_s`)
-included: docs/design.md describes both.
-"""
+"""The transport contract: `MigrationBackend`, its peers and its transfer handles. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -56,11 +51,7 @@ class Peer:
 
 
 class TransferHandle:
-    """A submitted transfer. `wait` raises the transport's error; `done` never blocks.
-
-    Its future resolves to the number of resubmissions it needed (None: none); a failure carries the
-    count as `TransferError.retries`.
-    """
+    """A submitted transfer. `wait` raises the transport's error; `done` never blocks. See docs/internals.md."""
 
     def __init__(self, future: Future, *, peer: str, descriptors: int, nbytes: int) -> None:
         self._future = future
@@ -104,11 +95,7 @@ class TransferHandle:
 
 
 class MigrationBackend(abc.ABC):
-    """A transport that moves bytes between registered memory of two processes.
-
-    Subclasses are constructed with a `BackendConfig` and their parsed options (an instance of their
-    spec's options class) and must be ready to use once `__init__` returns. Submission is thread-safe.
-    """
+    """A transport that moves bytes between registered memory of two processes. See docs/internals.md."""
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]
@@ -162,19 +149,13 @@ class MigrationBackend(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
-        """Start moving `desc` (already bounds-checked, at most `max_batch` rows, merged where possible).
-
-        Returns a Future that resolves to None (or the number of times the transport resubmitted it) or
-        raises a TransferError naming the peer (its `retries` set where the transport resubmitted).
-        """
+        """Start moving `desc` (bounds-checked, at most `max_batch` rows, merged if possible). See docs/internals.md."""
 
     def _disconnect(self, peer: Peer) -> None:
         """Release what `_connect` opened (optional)."""
 
     def _regions(self, x: Any) -> list[MemoryRegion]:
-        """What `register_memory` was given, as regions.
-
-        Host memory here; a device-bound wrapper asks its device plugin."""
+        """What `register_memory` was given, as regions (host memory; a device-bound wrapper asks its device)."""
         return as_regions(x)
 
     def _shutdown(self) -> None:
@@ -216,11 +197,7 @@ class MigrationBackend(abc.ABC):
         return self._local.regions
 
     def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
-        """Make local bytes current for peers that read them: call before offering blocks to a peer.
-
-        `ranges`: (local_addr, length) pairs (an N x 2 array), None for everything registered; `waited`: the caller
-        already waited for the device's work on them (`Device.wait_recorded`). Nothing to do for host memory.
-        """
+        """Make local bytes current for peers that read them: call before offering blocks. See docs/internals.md."""
 
     def accept(self, ranges: Any = None) -> None:
         """Make bytes a peer wrote into local memory visible to compute (same `ranges` as `publish`).
@@ -261,12 +238,7 @@ class MigrationBackend(abc.ABC):
         self._disconnect(peer)
 
     def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
-        """Move (local_addr, remote_addr, length) descriptors as one transfer.
-
-        `descriptors`: triples, an (N, 3) array, or `FactoredDescriptors` (the planner's). `read` copies
-        remote into local, `write` local into remote; the handle completes when every batch has. What the
-        base class does to them on the way (merge, bounds checks, cutting, batching): docs/design.md.
-        """
+        """Move (local_addr, remote_addr, length) descriptors as one transfer. See docs/internals.md."""
         self._check_open()
         if op not in ("read", "write"):
             raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
@@ -295,11 +267,7 @@ class MigrationBackend(abc.ABC):
         return desc
 
     def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
-        """Cut checked descriptors to the transport's piece size and batch limit, and submit every batch.
-
-        Factored descriptors are materialized one batch at a time, so the first batch is on the wire
-        while the next is built.
-        """
+        """Cut checked descriptors to the transport's piece size and batch limit; submit each. See docs/internals.md."""
         nbytes = total_bytes(desc)
         cap = self.capabilities
         step = cap.max_batch or len(desc)
@@ -328,10 +296,7 @@ class MigrationBackend(abc.ABC):
     def raw_transfer(
         self, peer: Peer, local_addr: int, remote_addr: int, length: int, op: Op = "read"
     ) -> TransferHandle:
-        """One descriptor handed straight to the transport: no merging, cutting or batching.
-
-        The ceiling `kvbridge bench` compares planned migrations against. Bounds are still checked.
-        """
+        """One descriptor handed straight to the transport: no merging, cutting or batching. See docs/internals.md."""
         self._check_open()
         desc = self._in_bounds(peer, as_descriptors([(local_addr, remote_addr, length)]))
         return TransferHandle(self._submit(peer, desc, op), peer=peer.name, descriptors=1, nbytes=int(length))
@@ -366,11 +331,7 @@ class MigrationBackend(abc.ABC):
 
 
 class WrappingBackend(MigrationBackend):
-    """A transport that adds to another (`backend`, which it owns): every hook of the contract goes to it.
-
-    Subclasses override what they add (a device's synchronization in `kvbridge.staging`, faults in
-    `kvbridge.faults`); what peers see (the endpoint, the registered memory) stays the wrapped transport's.
-    """
+    """A transport that adds to another (`backend`, owned): every contract hook goes to it. See docs/internals.md."""
 
     def __init__(
         self, backend: MigrationBackend, capabilities: BackendCapabilities, options: TransportOptions | None = None
@@ -412,9 +373,7 @@ class _Alarm:
 
 
 class _Watchdog:
-    """One thread that runs the transfer deadlines' alarms.
-
-    A thread per transfer would cost more than a small transfer does."""
+    """One thread runs the transfer deadlines' alarms: a thread per transfer would cost more than a small transfer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -450,10 +409,7 @@ _WATCHDOG = _Watchdog()
 
 
 class _DeadlineRetry:
-    """One part of a transfer under the deadline (see the module doc).
-
-    Resubmitted once when it fails or has not finished within the deadline; complete once every attempt that started has
-    returned."""
+    """One part of a transfer under the deadline (see the module doc). See docs/internals.md."""
 
     def __init__(
         self, backend: MigrationBackend, peer: Peer, desc: Descriptors, op: Op, first: Future, deadline: float

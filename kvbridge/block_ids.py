@@ -1,11 +1,4 @@
-"""`BlockIds`: one request's KV block ids, held as one read-only int64 array.
-
-Block ids cross the side channel in every BeginPull, Offer and lease answer, and the planner works
-on them as arrays. As tuples of Python ints, a 10 000-block request cost about 4 ms to decode and
-validate per message on a 2-vCPU VM, and as much again to turn back into an array per pull.
-`BlockIds` travels packed (8 bytes per id, little-endian), so decoding it is one buffer view,
-validation one vectorized comparison, and `np.asarray(ids)` takes no copy.
-"""
+"""`BlockIds`: one request's KV block ids, held as one read-only int64 array. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -20,10 +13,7 @@ _WIRE_DTYPE = np.dtype("<i8")
 
 
 def block_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Block ids as an int64 array, copied only where they must be.
-
-    No copy for `BlockIds` or an int64 array, one fast pass for a list (an engine's block table), else a converted copy.
-    Not checked: `BlockIds(ids)` checks."""
+    """Block ids as an int64 array, copied only where they must be. See docs/internals.md."""
     if isinstance(ids, BlockIds):
         return ids.array
     if isinstance(ids, np.ndarray):

@@ -1,10 +1,4 @@
-"""Descriptors for one pull, factored: a table per group of regions, times the request's block runs.
-
-Nothing here loops in Python per layer or per block, and nothing is O(layers x blocks): a layout
-pair's tables (regions grouped by how many pieces a head slice has, adjacent regions chained) are
-built once and cached; a pull adds its block ids, cut into runs consecutive on both sides. The
-rows themselves are materialized by the transport, batch by batch (`FactoredDescriptors.chunks`).
-"""
+"""Descriptors for one pull, factored: a table per group of regions, times the block runs. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -27,12 +21,7 @@ def pull_descriptors(
     local_blocks: Sequence[int] | np.ndarray,
     remote_blocks: Sequence[int] | np.ndarray,
 ) -> FactoredDescriptors:
-    """The (local_addr, remote_addr, length) rows that read `pull` from the remote rank into this one.
-
-    `local_blocks` / `remote_blocks` are the request's block ids on each rank, in the rank's
-    block order (position i holds the rank's i-th block of the request). How rows are merged and
-    kept factored: the module doc and docs/planning.md.
-    """
+    """The (local_addr, remote_addr, length) rows that read `pull` from the remote rank. See docs/internals.md."""
     tables = _tables(local, remote, pull.src_heads, pull.dst_heads)
     dst = _pick(local_blocks, pull.dst_positions(), local.num_blocks, "local", pull)
     src = _pick(remote_blocks, pull.src_positions(), remote.num_blocks, "remote", pull)
@@ -44,10 +33,7 @@ def pull_descriptors(
 
 
 def _runs(dst: np.ndarray, src: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(first local block, first remote block, length) of the runs of blocks consecutive on both sides.
-
-    In local order (a request may hold consecutive ids out of order). No sort when the ids are already in order, or when
-    no block continues another (a fragmented pool)."""
+    """(first local block, first remote block, length) of runs consecutive on both sides. See docs/internals.md."""
     if len(dst) > 1 and (np.diff(dst) < 0).any():
         at = np.full(capacity + 1, -1, dtype=np.int64)
         at[dst] = np.arange(len(dst))

@@ -13,25 +13,19 @@ from kvbridge.types import MemoryKind, MemoryRegion
 
 
 class Device(abc.ABC):
-    """Hooks a transport needs around device memory.
-
-    `name` matches `torch.device.type` (`cpu`, `cuda`, `npu`, `mlu`) so tensors find their device.
-    """
+    """Hooks a transport needs around device memory. See docs/internals.md."""
 
     name: ClassVar[str]
     memory_kind: ClassVar[MemoryKind]
     #: False where `before_transfer`/`after_transfer` have nothing to wait for (host memory), so a
     #: transport that reaches the memory is used as is, without a device-bound wrapper.
     synchronizes: ClassVar[bool] = True
-    #: Bytes per second this device gathers or scatters blocks within its own memory (kvbridge-tools' strategy).
-    #: The default is host memory as measured here (7-19 GB/s for a 256 MiB memcpy, 14 GB/s for a block gather).
+    #: Bytes per second this device gathers or scatters blocks in its own memory (kvbridge-tools' strategy);
+    #: the default is host memory's (docs/measurements/README.md).
     copy_bytes_per_s: ClassVar[float] = 8e9
 
     def regions(self, tensor: Any) -> list[MemoryRegion]:
-        """The memory a tensor occupies: one region from its first to its last byte, of this device's kind.
-
-        A non-contiguous view is refused: a transport moves bytes, not strides.
-        """
+        """The memory a tensor occupies: one region, first to last byte, of this device. See docs/internals.md."""
         device_id = -1 if isinstance(tensor, np.ndarray) else self.device_id(tensor)
         return [buffer_region(tensor, self.memory_kind, device_id)]
 

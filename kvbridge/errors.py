@@ -1,7 +1,4 @@
-"""The exception hierarchy: one root, one subclass per thing that can go wrong.
-
-Every message says what happened, to which peer or request, and what to do next.
-"""
+"""The exception hierarchy: one root, one subclass per thing that can go wrong. See docs/internals.md."""
 
 from __future__ import annotations
 

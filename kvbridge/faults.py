@@ -1,10 +1,4 @@
-"""Transport fault injection: one wrapping transport that fails, delays or holds transfers. Testing only.
-
-`FaultyBackend(transport, rates)` hands every checked batch to the transport it wraps (which it owns),
-after the faults: counted ones a test arms with `inject`, and `FaultRates` (the connector's
-`fault_injection`, which `kvbridge chaos` sets: docs/chaos.md, docs/vllm.md). The wrapper's deadline
-retries go through the faults too. Never set it in production.
-"""
+"""Transport fault injection: a wrapping transport that fails, delays or holds transfers. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -92,10 +86,7 @@ class FaultyBackend(WrappingBackend):
     def inject(
         self, *, fail_submit: int = 0, fail_completion: int = 0, delay: float = 0.0, rates: FaultRates | None = None
     ) -> None:
-        """Arm counted faults (replacing what was armed before) and, where given, new `rates`.
-
-        The next `fail_submit` submissions fail at once, the next `fail_completion` on completion, and every
-        submission is delayed by `delay` seconds."""
+        """Arm counted faults (replacing what was armed before) and, where given, new `rates`. See docs/internals.md."""
         with self._faults_lock:
             self._counted = _Counted(fail_submit, fail_completion, delay)
             if rates is not None:

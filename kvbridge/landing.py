@@ -1,11 +1,4 @@
-"""Pulls between paged caches arranged differently: land the peer's blocks as they are, rearrange on device.
-
-The decode rank reads the peer's blocks of a request whole, in the peer's own physical order, into a
-registered landing buffer on its own device (descriptors: the peer's contiguous runs), then one vectorized
-torch rearrangement per layer writes them into its cache. When pulls land (other layouts, or a transport
-with `late_writes`) and what it costs: docs/vllm.md; how idle (`max_idle_bytes`) and retired
-(`max_retired_bytes`) buffers are bounded: docs/design.md ("Late writes").
-"""
+"""Pulls between caches arranged differently: land the peer's blocks as-is, rearrange them. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -58,10 +51,7 @@ def _compact_strides(order: Sequence[int], sizes: Sequence[int]) -> list[int]:
 
 
 def landing_descriptors(g: PagedGeometry, blocks: np.ndarray) -> tuple[Descriptors, list[tuple[int, list[int]]], int]:
-    """How to copy `blocks` of `g` into a compact buffer in `g`'s own physical order.
-
-    Returns (landing offset, remote address, length) runs, each plane's (offset, strides) in that buffer, and its size
-    in bytes."""
+    """How to copy `blocks` of `g` into a compact buffer in `g`'s own physical order. See docs/internals.md."""
     n, layers = len(blocks), len(g.planes[0].layer_addrs)
     order = g.order
     heads_outer = order.index(2) < max(order.index(0), order.index(1))  # LHBNC, BHLNC: a head is its own run
@@ -103,10 +93,8 @@ def write_planes(views: Sequence[Sequence[Any]], blocks: Any, heads: tuple[int, 
                 dst[blocks] = rows
 
 
-# Scattering whole blocks in host memory goes through numpy: torch's CPU `index_put_` copies a uint8
-# tensor element by element (about 1 GB/s here: 7 ms for a 1900-token pull of the tiny model's two
-# layers, in the decode's critical path), numpy's fancy assignment copies each block's bytes at once
-# (about 20 GB/s). A device tensor keeps torch's kernel.
+# Host block scatters go through numpy: torch's CPU `index_put_` copies uint8 element by element, about 20x
+# slower (docs/measurements/README.md). A device tensor keeps torch's kernel.
 def _host_index(blocks: Any) -> np.ndarray | None:
     if isinstance(blocks, np.ndarray):
         return blocks
@@ -144,11 +132,7 @@ class Landed:
         self._receiver, self._buf, self.descriptors, self._action = receiver, buf, descriptors, action
 
     def finish(self, ok: bool, *, moved: bool = True) -> None:
-        """Rearrange into the cache when the transfer succeeded; give the buffer back.
-
-        A failed transfer (`moved`: it had started) may still write into the buffer later: a transport call that gave up
-        does not always cancel what it queued (Mooncake TCP re-sends slices queued behind a dropped lane once the peer
-        answers), so the buffer is retired, never lent to another pull."""
+        """Rearrange into the cache when the transfer succeeded; give the buffer back. See docs/internals.md."""
         try:
             if ok:
                 self._action(self._buf)
@@ -160,12 +144,7 @@ class Landed:
 
 
 class Receiver:
-    """A decode rank's landing buffers (registered once each, reused) and the rearrangement into its cache.
-
-    `views`: per plane, per layer, uint8 views `[B, H, N, c]` of the rank's cache (`cache.py` builds them).
-    `backend`: the agent's backend, bound to `device` (`kvbridge.staging.attach`), staged or not.
-    `device`: the cache's device plugin (`kvbridge.placement.device_of`); host memory when left out.
-    """
+    """A decode rank's landing buffers (registered once, reused) and the rearrangement after. See docs/internals.md."""
 
     def __init__(
         self,
@@ -305,11 +284,7 @@ class Receiver:
         return Landed(self, buf, desc, rearrange)
 
     def acquire(self, nbytes: int, request_id: str = "") -> Any:
-        """A registered landing buffer of at least `nbytes` (a free one, or a new one, registered once).
-
-        Raises LoadError (recompute) when retiring it after a failed transfer would take the retired
-        buffers past `max_retired_bytes`.
-        """
+        """A registered landing buffer of at least `nbytes` (a free one, or a new one). See docs/internals.md."""
         import torch
 
         size = max(MIN_LANDING_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())

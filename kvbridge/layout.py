@@ -1,11 +1,4 @@
-"""KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them.
-
-A layout is the model facts (`ModelSpec`), the KV heads this rank holds, and a list of regions, one
-per (layer, kind): "k" / "v" for MHA/GQA, "kv" where each head's K and V sit together in a block
-(vLLM's CPU backend), "latent" for MLA, "index" for an indexer cache. How a region addresses its
-blocks and heads, and the builders for the layouts engines use: docs/planning.md ("Layouts and
-descriptors").
-"""
+"""KV cache layouts: where a rank's blocks live, and whether two ranks can exchange them. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -64,11 +57,7 @@ class KVRegion:
 
 @attrs.frozen
 class PagedPlane:
-    """One plane of a paged cache: per layer, a `[block, head, token, content]` grid of bytes.
-
-    vLLM keeps K and V together in one plane ("kv": a token's content is its K then its V);
-    vllm-ascend keeps them apart (a "k" and a "v" plane); MLA has one "latent" plane.
-    """
+    """One plane of a paged cache: per layer, a `[block, head, token, content]` grid of bytes. See docs/internals.md."""
 
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
     content: int  # bytes of one (head, token) cell in this plane
@@ -80,13 +69,7 @@ class PagedPlane:
 
 @attrs.frozen
 class PagedGeometry:
-    """Where every (layer, block, head, token, content byte) of a rank's paged cache lives.
-
-    `name` is the engine's layout name (vLLM's `KVCacheLayout`, e.g. "LBNHC", or "ascend-kv-tuple")
-    and `order` its physical axis order of the logical `[L, B, H, N, C]` (0..4), as vLLM defines it.
-    Decode uses it to read a peer's blocks in the peer's own arrangement and rearrange them on its
-    device (`kvbridge.landing`).
-    """
+    """Where every (layer, block, head, token, content byte) of a rank's paged cache lives. See docs/internals.md."""
 
     name: str
     order: tuple[int, ...] = attrs.field(converter=tuple)
@@ -112,9 +95,7 @@ def _arrangement(g: PagedGeometry) -> tuple[Any, ...]:
 
 @attrs.frozen(cache_hash=True)  # a key of the planner's caches: hashed on every pull
 class KVLayout:
-    """A rank's KV cache: model facts, KV heads on this rank, and its regions.
-
-    Paged engine caches also carry their geometry."""
+    """A rank's KV cache: model facts, KV heads on this rank, its regions (and a paged cache's geometry)."""
 
     model: ModelSpec
     heads: int
@@ -198,12 +179,7 @@ def vllm_layout(
     kv: Literal["split", "joint", "per-head"] = "split",
     order: Order = "NHD",
 ) -> KVLayout:
-    """A vLLM-style cache: one entry per layer, each a tensor (or address), or a (K, V) pair.
-
-    `kv`: all K blocks then all V blocks (`split`), K and V of a block side by side (`joint`), or each head's K
-    tokens then its V tokens (`per-head`, vLLM's CPU backend; HND only). `order` is the block's inner order: NHD
-    `(block_size, heads, head_dim)` or HND `(heads, block_size, head_dim)`. Shapes: docs/planning.md.
-    """
+    """A vLLM-style cache: one entry per layer, each a tensor (or address), or a (K, V) pair. See docs/internals.md."""
     if len(layers) != model.layers:
         raise ConfigError(f"{model.name} has {model.layers} layers, got {len(layers)} cache entries")
     if kv == "per-head":
@@ -238,10 +214,7 @@ def vllm_layout(
 
 
 def paged_layout(model: ModelSpec, geometry: PagedGeometry) -> KVLayout:
-    """Regions of a paged cache for byte-for-byte pulls.
-
-    A dense block (heads then tokens, HND, or tokens then heads, NHD) is one region per (plane, layer); a block whose
-    heads lie apart (vLLM's LHBNC, BHLNC) is one region per (plane, layer, head)."""
+    """Regions of a paged cache for byte-for-byte pulls. See docs/internals.md."""
     g = geometry
     regions = []
     for plane in g.planes:

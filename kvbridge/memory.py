@@ -1,8 +1,4 @@
-"""Memory regions and transfer descriptors: normalizing what callers pass, checking bounds.
-
-Descriptors are an (N, 3) int64 array of (local_addr, remote_addr, length); every check here
-is vectorized so a batch of a million descriptors costs a few numpy calls, not a Python loop.
-"""
+"""Memory regions and transfer descriptors: normalizing what callers pass, checking bounds. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -23,10 +19,7 @@ def is_tensor_like(x: Any) -> bool:
 
 
 def buffer_region(buf: Any, kind: MemoryKind, device_id: int) -> MemoryRegion:
-    """The one region a contiguous tensor or numpy array occupies, from its first to its last byte.
-
-    A non-contiguous view is refused: a transport moves bytes, not strides.
-    """
+    """The one region a contiguous tensor or numpy array occupies, first to last byte. See docs/internals.md."""
     if isinstance(buf, np.ndarray):
         contiguous, nbytes, addr = buf.flags.c_contiguous, buf.nbytes, buf.ctypes.data
     else:
@@ -126,10 +119,7 @@ class RegionIndex:
         return len(self._regions)
 
     def outside(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Indices of the ranges [addr, addr+length) not wholly inside one registered span.
-
-        A length <= 0 is outside too. Never computes addr + length: a hostile pair near 2**63 would wrap around int64.
-        """
+        """Indices of the ranges [addr, addr+length) not wholly inside one registered span. See docs/internals.md."""
         addrs = np.asarray(addrs, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         starts, ends = self._spans
@@ -190,11 +180,7 @@ L_BASE, L_BLOCK, L_PIECE, R_BASE, R_BLOCK, R_PIECE, LENGTH, PIECES = range(8)
 
 @attrs.frozen(eq=False)
 class DescriptorGroup:
-    """Regions cut into the same number of pieces per block, and the blocks (in runs) they move.
-
-    Row (region r, run j, piece k) reads `LENGTH * run[j]` bytes from
-    `R_BASE + src[j] * R_BLOCK + k * R_PIECE` into `L_BASE + dst[j] * L_BLOCK + k * L_PIECE`.
-    """
+    """Regions cut into the same number of pieces per block, and the block runs they move. See docs/internals.md."""
 
     table: np.ndarray  # (regions, 8) int64, the columns above; every row has the same PIECES
     dst: np.ndarray  # first local block of each run
@@ -226,10 +212,7 @@ class DescriptorGroup:
 
 @attrs.frozen(eq=False)
 class FactoredDescriptors:
-    """Descriptors kept factored: groups of (regions x block runs x pieces), as the planner builds them.
-
-    `MigrationBackend.transfer` checks their bounds per region (`spans`) and materializes rows batch by batch
-    (`chunks`)."""
+    """Descriptors kept factored: groups of (regions x block runs x pieces), as planned. See docs/internals.md."""
 
     groups: tuple[DescriptorGroup, ...] = ()
 
@@ -265,8 +248,6 @@ def total_bytes(desc: Descriptors | FactoredDescriptors) -> int:
 
 
 def canonical(desc: Descriptors | FactoredDescriptors) -> Descriptors:
-    """Rows in local address order with every run merged.
-
-    Two descriptor sets that move the same bytes to the same places have the same canonical form."""
+    """Rows in local address order, runs merged: descriptors moving the same bytes to the same places match."""
     rows = desc.expand() if isinstance(desc, FactoredDescriptors) else as_descriptors(desc)
     return merge_runs(rows[np.argsort(rows[:, 0], kind="stable")])

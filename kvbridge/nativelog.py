@@ -1,11 +1,4 @@
-"""Native transport libraries' logs: quiet by default.
-
-Mooncake's Transfer Engine logs with glog to stderr and reads `MC_LOG_LEVEL` (INFO, WARNING, ERROR)
-when an engine starts; NIXL reads `NIXL_LOG_LEVEL` (TRACE … FATAL) and its UCX `UCX_LOG_LEVEL` when
-loaded. `native_env` gives those variables for a kvbridge log level, so a process sets them before
-the library loads (children inherit them); an operator's own setting always wins. (kvbridge-tools
-relays its children's glog lines as log records: `kvbridge_tools.harness.nativelog`.)
-"""
+"""Native transport libraries' logs: quiet by default. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""NIC affinity: which network interfaces sit nearest to a device.
-
-A transfer is fastest through the NIC on the same PCIe switch as the device (GPUDirect RDMA crosses no
-CPU socket then). The operator's ``KVBRIDGE_NIC_<DEVICE>_<ID>`` wins, read on every call so a launcher can
-set it late; else the PCI topology from sysfs decides (docs/plugins.md, "NIC affinity").
-"""
+"""NIC affinity: which network interfaces sit nearest to a device. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -75,9 +70,7 @@ def nics_near(address: str, sysfs: Path = SYSFS) -> list[str]:
 
 
 def pci_functions(vendor: str, *, device_class: str = "", sysfs: Path = SYSFS) -> list[str]:
-    """PCI addresses of every function from a vendor (``0xcabc``), in bus order.
-
-    Optionally only those of a class prefix (``0x1200``)."""
+    """PCI addresses of a vendor's (``0xcabc``) functions in bus order, optionally of a class prefix (``0x1200``)."""
     root = sysfs / "bus" / "pci" / "devices"
     if not root.is_dir():
         return []

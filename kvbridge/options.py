@@ -1,9 +1,4 @@
-"""Plugin options: each plugin declares them once, as an attrs class; the registry checks them.
-
-Every field is made with `option()`, which carries the default, the one-line doc `kvbridge plugins NAME`
-prints and a number's bounds (docs/plugins.md, "Options"). An unknown name is an error that lists the
-valid ones, a value of the wrong type an error that names the type.
-"""
+"""Plugin options: each plugin declares them once, as attrs classes; the registry checks them. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -22,11 +17,7 @@ _DOC = "kvbridge_doc"
 
 
 def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None) -> Any:  # noqa: A002
-    """One declared option: its default, what it does, and a number's bounds.
-
-    What it does is shown by `kvbridge plugins NAME`. A number has bounds where a value outside them would fail far from
-    the cause (a zero-sized batch, a port past 65535). None always passes the bounds (an Optional option's "no limit").
-    """
+    """One declared option: its default, what it does, and a number's bounds. See docs/internals.md."""
     bounds = {"min": min, "max": max}
     if min is not None or max is not None:
         doc += f" ({_bounds_text(min, max)})"
@@ -116,11 +107,7 @@ def unknown_names(given: Iterable[str], valid: Iterable[str], *, what: str) -> N
 
 
 def parse(schema: type, given: Mapping[str, Any], *, what: str) -> Any:
-    """An instance of `schema` from `given`, each value converted to its declared type.
-
-    `what` names the plugin in errors ("backend 'tcp'"). Values may be strings (from a command
-    line): "5000" becomes 5000 for an int option.
-    """
+    """An instance of `schema` from `given`, each value converted to its declared type. See docs/internals.md."""
     if isinstance(given, schema):
         return given
     unknown_names(given, [f.name for f in attrs.fields(schema)], what=what)
@@ -141,10 +128,7 @@ def as_dict(options: Any) -> dict[str, Any]:
 
 
 def checked(schema: type, values: Mapping[str, Any]) -> Any:
-    """An instance of `schema` from values `parse` already checked, as a dict.
-
-    That is what plugin API 1 backends get in `BackendConfig.options`; names `schema` does not declare (a subclass's)
-    are left out."""
+    """An instance of `schema` from values `parse` already checked, as a dict. See docs/internals.md."""
     names = {f.name for f in attrs.fields(schema)}
     return schema(**{k: v for k, v in values.items() if k in names})
 

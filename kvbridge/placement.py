@@ -1,9 +1,4 @@
-"""Where a registered buffer lives: the one place a tensor's device picks its device plugin.
-
-A tensor's ``device.type`` (``cuda``, ``npu``, ...) names its plugin, which describes the memory and says
-how a transport reaches it; both engine adapters and `kvbridge.layout` come through here (docs/plugins.md,
-section 4). `kvbridge.memory` stays below the plugin registry: it knows host memory only.
-"""
+"""Where a registered buffer lives: the one place a tensor's device picks its device plugin. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -33,9 +28,7 @@ def _tensors(x: Any) -> list[Any]:
 
 
 def tensor_device(x: Any) -> Device | None:
-    """The device plugin owning a tensor or a list of tensors (all on one device type).
-
-    None where `x` holds no tensor (arrays, addresses)."""
+    """The device plugin owning a tensor or tensors (one device type); None for arrays and addresses."""
     types = {device_type(t) for t in _tensors(x)}
     if len(types) > 1:
         raise ConfigError(
@@ -51,11 +44,7 @@ def device_of(x: Any) -> Device:
 
 
 def for_device(x: Any, device: Device) -> list[Any]:
-    """What to register for `device`.
-
-    Tensors and arrays as they are (staging copies through them); (address, bytes) pairs and unlabelled regions as the
-    device's memory (engines that hand out addresses, like vLLM's storages, know which device they computed on; the
-    address does not say)."""
+    """What to register for `device`. See docs/internals.md."""
     items = x if isinstance(x, list) else [x]
     out: list[Any] = []
     for item in items:
@@ -68,11 +57,7 @@ def for_device(x: Any, device: Device) -> list[Any]:
 
 
 def regions_of(x: Any, device: Device | None = None) -> list[MemoryRegion]:
-    """Regions of tensors (described by their device plugin), arrays, (addr, length) pairs or regions.
-
-    `device`, when given, must be the tensors' device: a mismatch is a clear error, not a mislabelled
-    region that a transport would register with the wrong location.
-    """
+    """Regions of tensors (via their device plugin), arrays, (addr, length) pairs or regions. See docs/internals.md."""
     if isinstance(x, MemoryRegion):
         return [x]
     if is_tensor_like(x):

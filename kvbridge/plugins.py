@@ -1,11 +1,4 @@
-"""Plugin discovery and the registry of transports and devices.
-
-Built-ins are registered first through the same hooks as third-party plugins, then every
-entry point in the ``kvbridge`` group. Each plugin's hooks return specs (`kvbridge.specs`); the
-registry keeps them by name, parses a user's options against a spec's schema, and calls its factory.
-``KVBRIDGE_PLUGINS`` (allow-list; empty loads none) and ``KVBRIDGE_BLOCK_PLUGINS``, read when the registry
-is first built (never at import), choose which entry-point plugins load (docs/backends.md).
-"""
+"""Plugin discovery and the registry of transports and devices. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -55,9 +48,7 @@ OWN_DISTRIBUTIONS = {
 
 @attrs.define
 class Registration:
-    """One transport or device in the registry.
-
-    The spec its plugin returned, where it came from, and what its probe found (asked once)."""
+    """A transport or device in the registry: its plugin's spec, where it came from, its probe's answer (asked once)."""
 
     kind: str  # "backend" or "device"
     spec: TransportSpec | DeviceSpec
@@ -237,10 +228,7 @@ class PluginRegistry:
             self.add_plugin(plugin, ep.name, dist, version)
 
     def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
-        """Register `plugin` (a module or object with kvbridge hooks) with pluggy, which calls its hooks.
-
-        Keep what they return, all or nothing; a plugin that breaks the contract is listed in `refused`. Entry points
-        come here; so may an application's own plugin, or a test's."""
+        """Register `plugin` (a module or object with kvbridge hooks) with pluggy. See docs/internals.md."""
         api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
         if api not in hookspecs.API_HOOKS:
             self._refuse(
@@ -426,10 +414,7 @@ def _import_hint(exc: BaseException, dist: str) -> str:
 
 
 def _given(declared: dict[str, Any], other_kind: str) -> dict[str, Any]:
-    """An API 1 `register` call's keywords as spec fields.
-
-    None meant "the default", and both kinds took the same keywords (`memory_kind` of a backend, `capabilities` of a
-    device meant nothing)."""
+    """An API 1 `register` call's keywords as spec fields. See docs/internals.md."""
     return {k: v for k, v in declared.items() if v is not None and k != other_kind}
 
 
@@ -494,11 +479,7 @@ def create_backend(
     fault_injection: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> MigrationBackend:
-    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...).
-
-    `fault_injection` (testing only): the transport wrapped in `kvbridge.faults.FaultyBackend`, with these
-    rates (`{}`: none, for a test to `inject` later).
-    """
+    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...). See docs/internals.md."""
     rates = None if fault_injection is None else FaultRates.parse(fault_injection)  # checked before it starts
     config = BackendConfig(
         protocol=protocol,
@@ -517,11 +498,7 @@ def get_device(name: str) -> Device:
 
 
 def device_for_memory(kind: MemoryKind | str) -> Device:
-    """The device plugin whose memory is of this kind (the first registered; `cpu` for host memory).
-
-    Transports use it to ask how to register a region (`Device.location`); tensors find their plugin
-    by device type in `kvbridge.placement`.
-    """
+    """The device plugin whose memory is of this kind (first registered; `cpu` for host). See docs/internals.md."""
     kind = MemoryKind(kind)
     reg = registry()
     name = next((e.name for e in reg.devices.values() if e.memory_kind == kind), None)

@@ -1,8 +1,4 @@
-"""Engine-neutral rank wiring: which port each rank's side channel listens on, and which ones peers read.
-
-Engine adapters (vLLM's connector, LMDeploy's backend) call these instead of doing port arithmetic of their
-own; the numbering across TP, PP and DP: docs/control-plane.md ("Discovery").
-"""
+"""Rank wiring: which port each rank's side channel listens on, and which ones peers read. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Closed by default: where the shared secret comes from, and who may listen without one.
-
-A listener on an address other hosts can reach refuses to start without a secret unless the operator opts
-in to running unprotected, which is logged as a warning. Where the secret comes from, and why never from a
-command line: docs/security.md ("Where the secret comes from"). Each use of the secret signs with a key of its own
-(`derive`), so a MAC made for one use never passes for another's, and the proxy's admin token is not the secret.
-"""
+"""Closed by default: where the shared secret comes from, and who may listen without one. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -79,10 +73,7 @@ def is_loopback(host: str) -> bool:
 
 
 def check_listen(what: str, host: str, secret: str | bytes | None, *, insecure: bool = False) -> None:
-    """Refuse to listen on `host` unprotected: call before binding.
-
-    Loopback needs no secret. Elsewhere a secret is required unless `insecure`, which logs a warning.
-    """
+    """Refuse to listen on `host` unprotected: call before binding. See docs/internals.md."""
     if secret or is_loopback(host):
         return
     if insecure:

@@ -1,8 +1,4 @@
-"""What a plugin's hooks return: a typed spec for each transport and each device it provides.
-
-Specs are checked when they are made, so a mistake is reported against the plugin that made it. The
-fields, and what the registry does with them: docs/plugins.md.
-"""
+"""What a plugin's hooks return: a typed spec for each transport and each device it provides. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -62,11 +58,7 @@ def _memory_kind(value: Any) -> MemoryKind:
 
 @attrs.frozen
 class TransportSpec:
-    """One transport a plugin provides: returned (in a list) from `kvbridge_transports()`.
-
-    `factory(config, options)` builds it when a user creates it, never at import; `probe() -> str | None`
-    says why it cannot run here, `hardware() -> bool` whether what it drives is on this machine at all.
-    """
+    """One transport a plugin provides: returned (in a list) from `kvbridge_transports()`. See docs/internals.md."""
 
     name: str = attrs.field(validator=_name)
     factory: Callable[[BackendConfig, Any], MigrationBackend] = attrs.field(validator=_callable)
@@ -81,11 +73,7 @@ class TransportSpec:
 
 @attrs.frozen
 class DeviceSpec:
-    """One device a plugin provides: returned (in a list) from `kvbridge_devices()`.
-
-    `factory(options) -> Device` builds it on first use (one instance per process); `memory_kind` is what
-    transports must reach; `probe` and `hardware` as for a transport.
-    """
+    """One device a plugin provides: returned (in a list) from `kvbridge_devices()`. See docs/internals.md."""
 
     name: str = attrs.field(validator=_name)
     factory: Callable[[Any], Device] = attrs.field(validator=_callable)

@@ -1,12 +1,4 @@
-"""Device-bound transports: every device works with every transport, through one contract.
-
-`attach(backend, device)` binds a transport to one device's memory and returns something that
-honours `MigrationBackend` in full, so callers (`KVAgent`, the LMDeploy backend) never ask which:
-the backend itself (host memory, nothing to wait for), a `DeviceBackend` (the transport reaches the
-device's memory; it waits for the device around transfers) or a `StagedBackend` (bytes are copied
-through host mirrors from `Device.host_buffer`, which peers address). Which synchronization happens
-when, and what staging costs: docs/plugins.md, section 4.
-"""
+"""Device-bound transports: every device works with every transport, through one contract. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -44,12 +36,7 @@ Maker = Callable[[], MigrationBackend]
 def attach(
     backend: MigrationBackend, device: Device, *, force: bool = False, probe: Maker | None = None
 ) -> MigrationBackend:
-    """`backend` bound to `device`'s memory: itself, a `DeviceBackend` or a `StagedBackend` (see above).
-
-    `force` stages even when the transport could reach the memory (to measure or test staging). With `probe` (makes
-    another backend of the same transport), device memory the transport reaches is staged if `probe_paths` finds
-    staging faster. The returned backend owns `backend`: closing it closes both.
-    """
+    """`backend` bound to `device`'s memory: itself, a `DeviceBackend` or a `StagedBackend`. See docs/internals.md."""
     if isinstance(backend, DeviceBackend):  # bound already (by the caller): to this device, or a mistake
         if backend.device is not device:
             raise ConfigError(
@@ -89,11 +76,7 @@ _choices: dict[str, PathChoice] = {}  # per key (device/transport/protocol): eac
 
 
 def probe_paths(make: Maker, device: Device, *, key: str = "", nbytes: int = 1 << 18, rounds: int = 5) -> PathChoice:
-    """Move `nbytes` of device memory between two backends from `make`, in place and staged; the faster, cached.
-
-    A round is the serving side's `publish` (staged: its copy to the host mirror) and the read, verified byte for byte;
-    the paths take turns (what disturbs one round disturbs both), a warm-up then the best of `rounds` each. A path that
-    fails or moves other bytes is logged and counts as infinitely slow (both: in place)."""
+    """Time `nbytes` of device memory moved in place and staged by `make` backends; cached. See docs/internals.md."""
     if key in _choices:
         return _choices[key]
     best = [float("inf")] * 2
@@ -146,11 +129,7 @@ def transport(backend: MigrationBackend) -> MigrationBackend:
 
 
 class DeviceBackend(WrappingBackend):
-    """A transport that reaches a device's memory directly, with the device's synchronization around it.
-
-    It adds regions described by the device plugin, waits before a peer or this side reads device memory,
-    and a wait after bytes land.
-    """
+    """A transport reaching a device's memory directly, with the device's synchronization. See docs/internals.md."""
 
     def __init__(self, backend: MigrationBackend, device: Device) -> None:
         self.device = device
@@ -246,11 +225,7 @@ class _Mirror:
 
 
 class StagedBackend(DeviceBackend):
-    """A transport used through host mirrors of device buffers; the `MigrationBackend` contract unchanged.
-
-    Local addresses (in descriptors, `publish`, `accept`) are device addresses; peers address the
-    mirrors (`peer_addresses`, `endpoint().regions`).
-    """
+    """A transport used through host mirrors of device buffers; the contract unchanged. See docs/internals.md."""
 
     def __init__(self, backend: MigrationBackend, device: Device) -> None:
         self._mirrors: list[_Mirror] = []
@@ -430,11 +405,7 @@ def copy_ranges(
     src_offsets: Sequence[int] | np.ndarray,
     lengths: Sequence[int] | np.ndarray,
 ) -> None:
-    """``dst[d:d+n] = src[s:s+n]`` for every range, without a Python loop per range.
-
-    `dst` and `src` are flat byte buffers: numpy arrays or tensors on any device. Merged runs are copied
-    straight when few, else as one gather and one scatter in rows of the largest size dividing them all.
-    """
+    """``dst[d:d+n] = src[s:s+n]`` for every range, without a Python loop per range. See docs/internals.md."""
     runs = merge_runs(
         np.stack(
             [

@@ -1,11 +1,4 @@
-"""Who pulls what: parallel configurations of both sides and the pull plan between them.
-
-`plan()` gives, for every decode rank of the request's decode DP group, one `Pull` per prefill rank
-it reads (a head range and an arithmetic run of blocks), and for every prefill rank of the request's
-prefill DP group its release count (pulls it will receive). Rank numbering, head placement, where a
-request's blocks live and which replica a decode rank reads: docs/planning.md, which walks through
-examples.
-"""
+"""Who pulls what: parallel configurations of both sides and the pull plan between them. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -158,11 +151,7 @@ class HeadPlacement:
 
 @attrs.frozen
 class Pull:
-    """One decode rank reading one prefill rank's share of a request (its fields: docs/planning.md, "The plan").
-
-    Heads are [start, stop) ranges of each rank's local heads; block k < num_blocks is logical block
-    `first_block + k * block_step`, at `src_first + k * src_step` / `dst_first + k * dst_step` of each rank's list.
-    """
+    """One decode rank reading one prefill rank's share of a request (docs/planning.md). See docs/internals.md."""
 
     decode_rank: int
     prefill_rank: int
@@ -258,10 +247,7 @@ def plan(
     prefill_dp: int = 0,
     decode_dp: int = 0,
 ) -> Plan:
-    """Plan one request of `tokens` tokens living in `prefill_dp` and `decode_dp`.
-
-    Raises TopologyError, before anything moves, when the pair cannot be planned.
-    """
+    """Plan one request of `tokens` tokens living in `prefill_dp` and `decode_dp`. See docs/internals.md."""
     if tokens < 1:
         raise TopologyError(f"a request needs at least one token, got {tokens}")
     prefill.group(prefill_dp)

@@ -43,12 +43,7 @@ class MemoryRegion:
 
 @attrs.frozen
 class TransferCost:
-    """What moving bytes costs on a transport, as its plugin measured it.
-
-    The input of `kvbridge bench --strategy auto` (kvbridge-tools), which picks per request between sending the
-    planned descriptors and gathering them into one staging region. Unknown (None) means "do not guess":
-    descriptors go direct.
-    """
+    """What moving bytes costs on a transport, as its plugin measured it. See docs/internals.md."""
 
     bytes_per_s: float | None = None  # streaming rate of large descriptors, one peer
     descriptor_s: float | None = None  # fixed cost of one descriptor beyond its bytes

@@ -1,13 +1,4 @@
-"""Where the time goes: the slow line, and a stall watchdog that dumps every thread's stack.
-
-`slow(log, what, parts)` logs one line when the parts of a request or handover add up to `slow_ms` or more. A watched
-loop or pull holds a `Beat` from `watch(name)`: `busy()` when it leaves its wait or makes progress (one monotonic
-timestamp write), `idle()` when it is back in its wait. One daemon thread per process looks twice per `stall_s`; a beat
-busy for `stall_s` without progress gets the stacks of every thread logged (and written to a file in `stall_dir`) once
-per stall. A pull's beat is also its thread's: each side-channel answer that thread gets is progress (`progress()`: a
-peer answering "not ready" or "not offered yet" is alive, and its own watchdog watches it). The options come from the
-environment: `KVBRIDGE_SLOW_MS`, `KVBRIDGE_STALL_S`, `KVBRIDGE_STALL_DIR` (docs/operations.md).
-"""
+"""Where the time goes: the slow line, and a stall watchdog that dumps every thread's stack. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The one place where kvbridge values become bytes and back.
-
-msgpack maps of `{"v": WIRE_VERSION, "t": type name, "d": attrs fields}`, structured with
-cattrs into the expected class. Nothing is ever unpickled: a peer can only send data.
-"""
+"""The one place where kvbridge values become bytes and back. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -76,10 +72,7 @@ def to_dict(obj: Any) -> Any:
 
 
 def from_dict(data: Any, cls: type[T], *, passthrough: tuple[type[Exception], ...] = ()) -> T:
-    """Build `cls` from its plain form; raises ProtocolError naming the bad field.
-
-    Or raises the first error of a `passthrough` type a validator raised, as it is (its message already says what the
-    field takes)."""
+    """Build `cls` from its plain form; raises ProtocolError naming the bad field. See docs/internals.md."""
     try:
         return converter.structure(data, cls)
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError, OverflowError) as exc:
@@ -120,11 +113,7 @@ def decode(
     max_items: int | None = None,
     max_str: int | None = None,
 ) -> T:
-    """Parse bytes made by `encode` into `cls`, refusing anything else with a ProtocolError.
-
-    `max_items` bounds every array and map, `max_str` every string (in UTF-8 bytes), for a type known to hold
-    only small ones: the decoder refuses a message past them before building any of it (None: `max_bytes`
-    bounds them)."""
+    """Parse bytes made by `encode` into `cls`, refusing anything else with a ProtocolError. See docs/internals.md."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"expected bytes for {cls.__name__}, got {type(data).__name__}")
     if len(data) > max_bytes:

@@ -1,9 +1,4 @@
-"""`kvbridge` command line: one module per subcommand, each with `add_parser` and `run`.
-
-The library's own subcommands live here; other distributions add theirs through the entry-point group
-``kvbridge.commands`` (name = module). kvbridge-proxy adds `proxy`; kvbridge-tools adds `bench`, `chaos`,
-`trace` and `plan`: without them they exit 2 and say what to install.
-"""
+"""`kvbridge` command line: one module per subcommand, each with `add_parser` and `run`. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -17,10 +17,7 @@ from kvbridge.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
 
 @attrs.frozen
 class Check:
-    """One line of the report.
-
-    `absent` marks a plugin whose hardware is not on this machine: nothing to fix here, so it does not fail the exit
-    status."""
+    """One line of the report. See docs/internals.md."""
 
     subject: str
     ok: bool

@@ -1,8 +1,4 @@
-"""The control plane: side channel per rank, prefill leases, discovery, transfer params.
-
-The decode side of a request wired end to end, `DecodeControl`, is in `kvbridge.session.decode`.
-See docs/control-plane.md.
-"""
+"""The control plane: side channel per rank, prefill leases, discovery, transfer params. See docs/internals.md."""
 
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
 from kvbridge.control.discovery import (

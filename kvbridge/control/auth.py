@@ -1,10 +1,4 @@
-"""Optional shared-secret authentication of side-channel frames: HMAC-SHA256 plus a replay guard.
-
-With a secret, every frame carries a MAC over its canonical wire encoding, under the side channel's own key
-(`kvbridge.secret.derive`); a frame is accepted once, within `window_s` of its timestamp (the nonces seen
-inside the window are remembered).
-Without a secret nothing is signed and everything is accepted: a trusted network only.
-"""
+"""Optional shared-secret authentication of side-channel frames: HMAC-SHA256, replay guard. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd.
-
-Every rank publishes a `RankRecord` (address + readiness), HTTP servers announce `ServerRecord`s (elastic
-membership), operators write `DrainOrder`s. Each has a time to live, in the store and under its MAC; with the shared
-secret each carries an HMAC that readers check, ignoring (logged) one without it, with a bad one, expired, or under
-a key that is not its own (copied there). Key layout, peer-to-peer ports and sharing the store with Mooncake:
-docs/control-plane.md ("Discovery") and docs/elastic.md.
-"""
+"""Finding a rank's side channel: peer-to-peer by default, or a registry in redis or etcd. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -62,10 +55,7 @@ class RankRecord:
 
 @attrs.frozen
 class ServerRecord:
-    """One HTTP server of the deployment as it announces itself (docs/elastic.md).
-
-    Who, where, how much, whether it takes new requests, and until when the record holds unless renewed.
-    """
+    """One HTTP server of the deployment as it announces itself (docs/elastic.md). See docs/internals.md."""
 
     server_id: str  # unique in the deployment: an engine id
     role: str = attrs.field(validator=attrs.validators.in_(ROLES))
@@ -99,11 +89,7 @@ class DrainOrder:
 
 
 class Sealer:
-    """Signs registry records and checks them with keys derived from the shared secret (records', drain orders').
-
-    Without a secret nothing is signed and every record is taken (a trusted network only, as the side
-    channel's rule).
-    """
+    """Signs and checks registry records (and drain orders) with keys from the shared secret. See docs/internals.md."""
 
     def __init__(self, secret: str | bytes | None) -> None:
         self._key, self._orders = derive(secret, RECORDS), derive(secret, DRAIN_ORDERS)
@@ -133,10 +119,7 @@ class Sealer:
 
 
 class DiscoveryRegistry(abc.ABC):
-    """A shared directory of rank records and server records, signed with `sealer`'s keys.
-
-    The rank records this registry publishes are renewed every `rank_ttl_s / 3` on a thread of its own, until
-    `remove` or `close`: a rank that dies leaves no record behind for longer than `rank_ttl_s`."""
+    """A shared directory of rank records and server records, signed with `sealer`'s keys. See docs/internals.md."""
 
     def __init__(self, url: str, secret: str | bytes | None, rank_ttl_s: float = RANK_TTL_S) -> None:
         self.url = redacted(url)  # what errors and logs name
@@ -351,11 +334,7 @@ class RedisRegistry(DiscoveryRegistry):
 
 
 class EtcdRegistry(DiscoveryRegistry):
-    """Records as etcd v3 keys `kvbridge/ranks/<engine>/<rank>`, spoken through etcd's JSON gateway.
-
-    The gateway (`/v3/kv/*`, on the client port, etcd >= 3.4) needs no client library; this
-    uses the standard library's HTTP client only.
-    """
+    """Records as etcd v3 keys `kvbridge/ranks/<engine>/<rank>`, via etcd's JSON gateway. See docs/internals.md."""
 
     def __init__(self, url: str, *, secret: str | bytes | None = None, timeout_s: float = 5.0) -> None:
         parsed = urllib.parse.urlsplit(url)
@@ -422,10 +401,7 @@ def redacted(url: str) -> str:
 
 
 def open_registry(url: str | None, *, secret: str | bytes | None = None) -> DiscoveryRegistry | None:
-    """A registry for `redis://…` or `etcd://…`; None for peer-to-peer (None, "", "p2p", "P2PHANDSHAKE").
-
-    `secret`: the deployment's shared secret, which signs and checks its records.
-    """
+    """Registry of `redis://…` or `etcd://…`; None for p2p (None, "", "p2p", "P2PHANDSHAKE"). See docs/internals.md."""
     if not url or url.lower() in ("p2p", "p2phandshake"):
         return None
     scheme = urllib.parse.urlsplit(url).scheme.lower()
@@ -439,10 +415,7 @@ def open_registry(url: str | None, *, secret: str | bytes | None = None) -> Disc
 def resolve(
     params: KVTransferParams, rank: int, *, registry: DiscoveryRegistry | None = None, wait_s: float = 0.0
 ) -> Address:
-    """Where rank `rank` of the remote engine in `params` listens.
-
-    Its registry record (waiting up to `wait_s` for it to be ready) or, peer-to-peer, `remote_host` and `remote_port +
-    rank`."""
+    """Where rank `rank` of the remote engine in `params` listens. See docs/internals.md."""
     if registry is not None:
         if params.remote_engine_id is None:
             raise ConfigError("kv_transfer_params lack remote_engine_id, which a registry lookup needs")

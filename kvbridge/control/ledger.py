@@ -1,20 +1,4 @@
-"""Prefill-side block lifetime: leases, DONE counting, expiry and abort.
-
-`offer(request, blocks, expected_pulls)` creates a lease. Decode ranks report DONE; the blocks
-are released (the `on_release` callback) when `expected_pulls` distinct decode ranks have, when
-the lease expires, or when the request is aborted — exactly once. A prefill rank rarely knows
-the decode side's parallel config, so `expected_pulls` may be None: the first BeginPull or DONE
-that states the count (the decode side computes it from the plan) sets it. The state change is published
-*before* the callback runs, and the engine may only reuse the blocks after the callback, so a
-DONE or a lease query that still finds the lease ACTIVE proves no reuse overlapped the read
-that preceded it (fencing). Reads are also held: the blocks of a lease are released only once every
-decode rank that began a pull (a BeginPull that found the lease active) said DONE, or at the lease's
-deadline, also when the lease was aborted or its count reached first; so a decode rank whose read
-ended before the deadline it was told knows its bytes are intact without waiting for its DONE's
-answer (`LeaseStatus.reads_held`). Finished leases are kept as tombstones for a while so a late or
-duplicate DONE gets an exact answer. A release-only DONE or an abort that comes before the offer
-(the decode side can be quicker than the prefill engine's own bookkeeping) is kept and applied to it.
-"""
+"""Prefill-side block lifetime: leases, DONE counting, expiry and abort. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -76,16 +60,7 @@ FinishCallback = Callable[[Lease, LeaseState], None]
 
 
 class Ledger:
-    """Thread-safe lease table of one prefill rank.
-
-    `on_release(lease, reason)` runs once per lease, outside the ledger's lock, with reason
-    RELEASED, EXPIRED or ABORTED; keep it short (it runs on the caller's or the server's thread). A
-    lease released or aborted while a decode rank is still reading it is published at once (its DONEs
-    are answered invalid) but `on_release` waits for the readers' DONEs or the lease's deadline.
-    Callbacks added with `on_offer` run once per new lease, outside the lock, before any release; those added
-    with `on_finish` once per lease that ends (released, expired, aborted), outside the lock, as soon as its
-    new state is published (before `on_release`, which may wait for its readers).
-    """
+    """Thread-safe lease table of one prefill rank. See docs/internals.md."""
 
     def __init__(
         self,
@@ -129,9 +104,7 @@ class Ledger:
         self._offer_callbacks.append(callback)
 
     def on_finish(self, callback: FinishCallback) -> None:
-        """Call `callback(lease, state)` when a lease ends, however.
-
-        A side channel answers the queries held for it at once."""
+        """Call `callback(lease, state)` when a lease ends, however (a side channel answers held queries at once)."""
         self._finish_callbacks.append(callback)
 
     # -- prefill side ---------------------------------------------------------------------
@@ -146,15 +119,7 @@ class Ledger:
         offer_id: str = "",
         holds_reads: bool = True,
     ) -> Lease:
-        """Hold `blocks` for `request_id` until `expected_pulls` distinct decode ranks sent DONE.
-
-        `expected_pulls=0` (nobody will read this rank) releases at once; None leaves the count
-        to the decode side (stated in its BeginPull or DONE messages). `offer_id` makes the offer
-        idempotent: offering the same request with the same id and blocks again, while its lease is
-        active or remembered after it ended, returns that lease and changes nothing (the scheduler's
-        early offer and the engine step's offer of one finished request are one lease). `holds_reads=False`:
-        the engine may free the blocks without `on_release` (the lease then promises readers nothing).
-        """
+        """Hold `blocks` for `request_id` until `expected_pulls` decode ranks sent DONE. See docs/internals.md."""
         if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
         _check_size(request_id, len(blocks))
@@ -230,10 +195,7 @@ class Ledger:
         return True
 
     def hold_reads(self, request_id: str) -> bool:
-        """From now on the engine frees the active lease's blocks only through `on_release`.
-
-        For a streamed request that can no longer be preempted: its readers' reads are held (`LeaseStatus.reads_held`).
-        False, and nothing changed, when the request holds no active lease."""
+        """From now on the engine frees the active lease's blocks only through `on_release`. See docs/internals.md."""
         with self._lock:
             entry = self._active.get(request_id)
             if entry is None:
@@ -242,12 +204,7 @@ class Ledger:
         return True
 
     def abort(self, request_id: str) -> list[Hashable]:
-        """End the request's lease now; returns the side channels of the decode ranks that began pulling.
-
-        The blocks are released at once, or, while a decode rank that began a pull has not said DONE,
-        at its DONE (or the lease's deadline). An abort for a request never offered here is kept for
-        `timeout_s` and releases the offer at once.
-        """
+        """End the request's lease now; returns the side channels of decode ranks that began. See docs/internals.md."""
         with self._lock:
             entry = self._active.get(request_id)
             if entry is None and request_id not in self._finished:
@@ -307,13 +264,7 @@ class Ledger:
         *,
         blocks: Sequence[int] = (),
     ) -> LeaseStatus:
-        """A decode rank is about to read `blocks`: the lease as it stands.
-
-        Remember who to tell on abort and, if the offer left it open, the release count the decode side states.
-
-        Raises ProtocolError, and leaves the lease as it was, when `blocks` names a block the lease does
-        not hold: the decode side would read another request's KV (stale or forged transfer params).
-        """
+        """A decode rank is about to read `blocks`: the lease as it stands. See docs/internals.md."""
         self.reap()
         with self._lock:
             entry = self._active.get(request_id)
@@ -350,14 +301,7 @@ class Ledger:
             return self._status(entry, valid=entry.state is LeaseState.ACTIVE and epoch in (0, entry.lease.epoch))
 
     def done(self, request_id: str, decode_rank: str, epoch: int = 0, expected_pulls: int = 0) -> LeaseStatus:
-        """Count a DONE (idempotent per decode rank). `valid`: the blocks were not released before it.
-
-        A DONE with the wrong epoch is not counted. A duplicate of a counted DONE stays valid
-        after the release; any other DONE after a release, expiry or abort is invalid: the read
-        it reports may have overlapped a reuse of the blocks. A release-only DONE (epoch 0) for a
-        request not offered yet is kept and counted when the offer comes. Any DONE ends its rank's
-        read of the lease it names (or of every lease of the request, with epoch 0).
-        """
+        """Count a DONE (idempotent per decode rank). `valid`: blocks not released before it. See docs/internals.md."""
         self.reap()
         with self._lock:
             unheld = self._end_read(request_id, decode_rank, epoch)

@@ -1,11 +1,4 @@
-"""Elastic membership: a server keeps its `ServerRecord` alive in the registry; the proxy reads them.
-
-`Announcer` runs on the server: it renews the record every third of its time to live, so a server that
-stops (killed, hung, cut off) drops out of the registry within one TTL, and looks for an operator's drain
-order for this run (its record's random `incarnation`) each round until it takes one; `drain()`
-republishes it as draining at once, and `close()` withdraws it. `SigtermDrain` drains on SIGTERM or on
-such an order. The proxy reads the records (kvbridge-proxy's `members.py`; docs/elastic.md).
-"""
+"""Elastic membership: a server keeps its `ServerRecord` alive in the registry; proxies read. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -108,12 +101,7 @@ def freeze_heap_at_exit() -> None:
 
 
 class SigtermDrain:
-    """On SIGTERM or a drain order, marks the server draining, gives the proxy `grace_s` to see it, then stops it.
-
-    SIGTERM is then passed to the handler installed before (the engine's graceful shutdown), a second one at once. An
-    order ends with SIGTERM to the process that started this one (the engine's server, as an operator would; else this
-    one), which comes back as that second SIGTERM. Built on the main thread after the engine's handler, else inert.
-    """
+    """On SIGTERM or a drain order: mark draining, give proxies `grace_s`, then stop. See docs/internals.md."""
 
     def __init__(self, announcer: Announcer, *, grace_s: float, then: str = "the engine shuts down") -> None:
         self.announcer, self.grace_s, self.then = announcer, grace_s, then

@@ -1,9 +1,4 @@
-"""Side-channel messages: versioned attrs classes, carried inside an authenticated `Frame`.
-
-A frame names the message type in `kind` and holds the message's `kvbridge.wire` encoding in
-`body`, so the server checks size, version, authentication and schema before any handler
-runs. Every message type is listed in `REQUESTS` or `REPLIES`; anything else is refused.
-"""
+"""Side-channel messages: versioned attrs classes, carried inside an authenticated `Frame`. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -129,12 +124,7 @@ class GetInfo:
 
 @attrs.frozen
 class BeginPull:
-    """Decode rank `decode_rank` is about to read `blocks` of `request_id`; `notify_*` is its side channel.
-
-    `expected_pulls` (0: not stated) tells the prefill rank its release count when it offered the
-    request without one (the prefill side rarely knows the decode side's parallel config). `blocks`
-    must all belong to the request's lease, or the BeginPull is refused.
-    """
+    """Decode rank `decode_rank` will read `blocks` of `request_id`; `notify_*`: its channel. See docs/internals.md."""
 
     request_id: str = _id()
     decode_rank: str = _id()
@@ -150,12 +140,7 @@ class BeginPull:
 
 @attrs.frozen
 class Offer:
-    """The engine's own scheduler offers `request_id`'s finished `blocks` to this rank's ledger.
-
-    Sent as soon as the scheduler knows the request finished, ahead of the engine step that offers it
-    again (the guarantee); both carry the same `offer_id`, so the second is a no-op. Accepted only from
-    this host (and, with a secret, authenticated) by a rank whose memory needs no publishing in the step.
-    """
+    """The engine's scheduler offers `request_id`'s finished `blocks` to this rank's ledger. See docs/internals.md."""
 
     request_id: str = _id()  # the lease's id (a migrated decode request's: the proxy's migration id)
     blocks: BlockIds = _blocks()
@@ -166,10 +151,7 @@ class Offer:
 
 @attrs.frozen
 class Done:
-    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: read nothing).
-
-    `expected_pulls` (0: not stated) is the receiving rank's release count from the decode side's plan.
-    """
+    """Decode rank `decode_rank` finished reading `request_id` under lease `epoch` (0: none). See docs/internals.md."""
 
     request_id: str = _id()
     decode_rank: str = _id()
@@ -187,10 +169,7 @@ class QueryLease:
 
 @attrs.frozen
 class QueryStream:
-    """How far has prefill computed `request_id` (layer-wise streaming)? Answered with a `StreamStatus`.
-
-    `seen`: the `StreamStatus.version` the reader has; the server may hold the answer up to `wait_ms`
-    while the stream is still at that version and its lease valid (a long poll: no busy polling)."""
+    """How far has prefill computed `request_id` (layer-wise)? Answered with a `StreamStatus`. See docs/internals.md."""
 
     request_id: str = _id()
     epoch: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))
@@ -249,10 +228,7 @@ STREAM_FIRST_VERSION = 1
 
 @attrs.frozen
 class StreamStatus:
-    """A streamed request on a prefill rank.
-
-    Its lease (as `LeaseStatus`), the blocks allocated so far, the prompt's length and, per layer, how many prompt
-    tokens are computed and readable."""
+    """A streamed request on a prefill rank. See docs/internals.md."""
 
     lease: LeaseStatus
     tokens: int = attrs.field(default=0, validator=_int_in(0, MAX_EPOCH))

@@ -1,8 +1,4 @@
-"""`KVTransferParams`: the request-level metadata a PD proxy carries between prefill and decode.
-
-Its dict form uses the keys vLLM's NIXL-style connectors and proxies already pass, plus kvbridge's own;
-keys it does not know are kept in `extra` and written back (docs/control-plane.md, "KVTransferParams").
-"""
+"""`KVTransferParams`: the request metadata a PD proxy carries between prefill and decode. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -82,13 +78,7 @@ _SIZE = _check(lambda v: _int(v) and 1 <= v <= MAX_PARALLEL_SIZE, f"an integer f
 
 @attrs.frozen
 class KVTransferParams:
-    """What one side tells the other about a request's KV, through the proxy.
-
-    On the prefill request the proxy sets `do_remote_decode=True`; the prefill engine answers
-    with `do_remote_prefill=True` and where its KV is (`remote_*`), which the proxy hands to
-    the decode request. Rank r of the remote engine serves its side channel on
-    `remote_port + r` unless a registry is used (see `kvbridge.control.discovery`).
-    """
+    """What one side tells the other about a request's KV, through the proxy. See docs/internals.md."""
 
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
@@ -190,10 +180,7 @@ class KVTransferParams:
         return self.kvbridge_migration_id is not None and not self.remote_block_ids
 
     def migration_resolved(self) -> KVTransferParams:
-        """These params with a migration's lease named (its migration id); unchanged for any other request.
-
-        Raises ConfigError when a migration lacks what its pull needs (a whole-request pull, `remote_num_tokens`).
-        """
+        """These params with a migration's lease named (its migration id); others unchanged. See docs/internals.md."""
         if self.kvbridge_migration_id is None:
             return self
         if self.transfer_mode != "pull":

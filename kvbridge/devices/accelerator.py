@@ -1,9 +1,4 @@
-"""What every torch accelerator device (`cuda`, `npu`, `mlu`) does the same way (docs/plugins.md).
-
-A plugin subclasses `TorchAcceleratorDevice`, names its device and memory kind, returns its library's
-module from `accel()`, and declares its protocols and NIC affinity. Nothing here imports torch or the
-vendor library until a method runs.
-"""
+"""What every torch accelerator device (`cuda`, `npu`, `mlu`) does the same way. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""The availability checks every torch accelerator plugin (`cuda`, `npu`, `mlu`) makes the same way.
-
-`hardware` answers "is the device on this machine at all" from device nodes, without the vendor
-runtime; `library_probe` answers "can this process use it" by importing the vendor package.
-"""
+"""The availability checks every torch accelerator plugin (`cuda`, `npu`, `mlu`) shares. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -16,12 +12,7 @@ def device_nodes(pattern: str, dev: Path = Path("/dev")) -> bool:
 
 
 def library_probe(module: str, accel: str, device: str, check: str) -> str | None:
-    """Why `module` cannot drive a device here, or None.
-
-    `accel` is the module's accelerator attribute (``npu`` for ``torch_npu.npu``), `device` names the
-    device in the reason ("Ascend NPU"), `check` says what to look at when the library is there but
-    sees no device ("CANN and ASCEND_RT_VISIBLE_DEVICES").
-    """
+    """Why `module` cannot drive a device here, or None. See docs/internals.md."""
     try:
         lib = importlib.import_module(module)
     except Exception as exc:  # any import failure (missing, or built for another torch) is the reason

@@ -1,23 +1,4 @@
-"""The decode side of one request's migration, for whole-request and layer-wise pulls alike.
-
-Plan, readiness, leases, reads, landing, fenced DONEs and the notifier's release of ranks nobody reads.
-
-Both kinds run through one `PullMachine` (`kvbridge.session.machine`) and share each step: `_begin`
-(resolving -> leased: find each prefill rank, wait for it to be ready, BeginPull stating its release
-count), `_confirm` (confirming -> done / fenced / failed: the DONE rule) and `_abandon` (what a failed
-pull releases). They differ only in reading: `DecodeControl.start` hands the whole request to
-`KVAgent.pull` and returns at once, reporting on the transport's thread; `DecodeControl.stream` reads
-layer groups as prefill computes them (`kvbridge.session.layers`), on the caller's thread.
-
-A read is confirmed one of two ways. Each prefill rank holds a lease's blocks for every decode rank
-that began a pull until its DONE or the lease's deadline, whatever else happens to the lease
-(`LeaseStatus.reads_held`): a read that ended well within the deadline its BeginPull was told read
-intact bytes, so it is reported at once and its DONEs (which free the prefill blocks) go out on a thread
-of their own, retried a few times (a DONE that never arrives ends in the lease's expiry). Otherwise (a
-read that ended near or past the deadline, a prefill that promises no hold) the DONEs go out first and
-their fenced answers decide. DONEs go out even after a failed transfer, so the prefill side never waits
-for the lease to expire.
-"""
+"""The decode side of one request's migration, for whole-request and layer-wise pulls alike. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -174,9 +155,7 @@ class DecodeControl:
         return info
 
     def _session(self, machine: PullMachine, params: KVTransferParams, tokens: int) -> Session:
-        """Resolving: plan the pull and find the ranks nobody reads.
-
-        The notifier releases those, one DONE each: release count 1."""
+        """Resolving: plan the pull and find the ranks nobody reads (the notifier releases those: one DONE each)."""
         plan = self.agent.plan(prefill_parallel(params), tokens, prefill_dp=params.dp_rank)
         notify = [(self._client(params, r), 1) for r in plan.unpulled] if self.agent.rank == plan.notifier else []
         ranks = sorted({p.prefill_rank for p in plan.pulls_for(self.agent.rank)})
@@ -190,13 +169,7 @@ class DecodeControl:
         check: Callable[[int, ControlClient, RankInfo], None] | None = None,
         take: tuple[int, int] = (0, 0),
     ) -> None:
-        """Resolving -> leased: each rank's side channel and RankInfo (`check`ed), then its BeginPull.
-
-        The BeginPull waits for prefill's offer and states this rank's release count. A `whole`-request pull names the
-        blocks it reads and takes the prefill's hold from the BeginPull's answer; a layer-wise one from each rank's
-        answer that completes its stream (`LayerReader`). A migrated request's params name no blocks
-        (`lease_blocks`): the first BeginPull names none, and its answer's blocks `take` = (skip, count) are read
-        (every rank of an engine holds a request in the same block ids)."""
+        """Resolving -> leased: each rank's side channel and RankInfo (checked), BeginPull. See docs/internals.md."""
         waited = contact = begin = 0.0
         for rank in s.ranks:
             found = time.monotonic()
@@ -229,11 +202,7 @@ class DecodeControl:
         s.machine.to(PullState.LEASED)
 
     def _confirm(self, s: Session, error: BaseException | None) -> BaseException | None:
-        """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull.
-
-        Within every prefill rank's hold the bytes are intact: the DONEs only free the prefill blocks, after the report,
-        off this thread. Otherwise the fenced DONEs' answers decide (a LoadError when a lease did not hold). Returns the
-        pull's outcome: None, or the error that means recompute."""
+        """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull. See docs/internals.md."""
         s.machine.to(PullState.CONFIRMING)
         if error is not None:
             with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
@@ -247,11 +216,7 @@ class DecodeControl:
         return error
 
     def _abandon(self, s: Session, error: BaseException) -> None:
-        """This rank will not use what it read (`error`): release every rank it holds or was to read, right away.
-
-        That is what it announced, the ranks it was to read but had not announced yet (their offer may still be on its
-        way: a release-only DONE is kept until it comes) and the unread ranks. A rank whose side channel just left its
-        BeginPull unanswered (killed or stalled) gets no DONE to wait on again: its lease expires."""
+        """This rank won't use what it read: release every rank it holds or was to read. See docs/internals.md."""
         release = list(s.notify)
         for rank in s.ranks:
             if rank in s.leases:
@@ -281,15 +246,7 @@ class DecodeControl:
         *,
         skip: int = 0,
     ) -> PullHandle:
-        """Pull this rank's share of the request `params` describe into `local_blocks`.
-
-        Params naming no blocks (`lease_blocks`, a migrated request) read the lease's blocks after its first `skip`.
-
-        Returns as soon as the transfers are submitted; `on_finished(request_id, error)` reports the
-        outcome once, on the transport's thread. `machine` (made here when not given) records the
-        pull's states. Raises LoadError (no active lease: recompute), TransferTimeout (a prefill rank
-        never became ready) or the agent's errors before anything moves; later outcomes go to `on_finished`.
-        """
+        """Pull this rank's share of the request `params` describe into `local_blocks`. See docs/internals.md."""
         machine = machine or PullMachine(request_id, "pull")
         tokens = int(params.remote_num_tokens or 0)
         s: Session | None = None
@@ -334,10 +291,7 @@ class DecodeControl:
         timeout_s: float,
         cancelled: threading.Event,
     ) -> dict[str, float]:
-        """Read the request layer by layer as prefill computes it, then confirm it (`_confirm`).
-
-        Returns the read's phases (ms). Raises LoadError (recompute), TransferTimeout, or the transport's error; DONEs
-        (or release-only ones) go out in every case."""
+        """Read the request layer by layer as prefill computes it, then `_confirm` it. See docs/internals.md."""
         s = self._session(machine, params, tokens)
         reader = LayerReader(self.agent, s, local_blocks, tokens, skip, timeout_s, cancelled)
         try:
@@ -367,11 +321,7 @@ class DecodeControl:
     def _send_dones(
         self, rid: str, leases: Leases, release: Release, error: BaseException | None, *, held: bool = False
     ) -> BaseException | None:
-        """DONE to every announced lease and a release-only DONE to each of `release`; returns the pull's outcome.
-
-        The DONEs are fenced unless the pull already failed, or `held`: the read is confirmed by the prefill ranks'
-        holds. Release-only DONEs carry their release count. The outcome is None, or the error that means recompute.
-        `held` DONEs are retried (DONE_ATTEMPTS), and what they find is only logged."""
+        """DONE every announced lease, release-only DONE each of `release`; the outcome. See docs/internals.md."""
         attempts = DONE_ATTEMPTS if held else 1
         for client, epoch, count in leases.values():
             try:

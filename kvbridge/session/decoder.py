@@ -1,15 +1,4 @@
-"""A decode rank's pulls between engine steps, each on a thread of its own.
-
-They go through `DecodeControl` and are reported to the engine through the rank's `Outbox`.
-
-Whole-request pulls run on a small pool: `DecodeControl.start` returns once the transfers are submitted
-and the outcome is reported from the transport's thread as soon as the read is confirmed (this thread
-waits only to bound the pull). Layer-wise pulls last as long as prefill computes, one thread each, so a
-long prompt does not hold up other requests' pulls. A pull that fails, or whose lease did not hold
-through the read, marks its blocks as load errors (the engine recomputes or fails them). A request
-decode will not read (dropped before its blocks were allocated, or all in decode's own prefix cache) is
-aborted on the prefill side.
-"""
+"""A decode rank's pulls between engine steps, each on a thread of its own. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -91,10 +80,7 @@ class DecodeSide:
         reported = threading.Lock()  # held once the outcome went to the engine
 
         def report(_rid: str, error: BaseException | None) -> None:
-            """The pull's outcome to the engine, once.
-
-            From the transport's thread as soon as the read is confirmed, or from this thread when the pull failed
-            before or never ended."""
+            """The pull's outcome to the engine, once. See docs/internals.md."""
             if not reported.acquire(blocking=False):
                 return
             if handle is None and error is not None:  # failed before the control plane began (or ended) it
@@ -171,10 +157,7 @@ class DecodeSide:
         watchdog.slow(log, f"handover of request {request_id} on {self.control.name} from {peer}", line)
 
     def release(self, task: PullTask) -> None:
-        """Decode reads nothing of the request: free it on every prefill rank now.
-
-        Once per engine: each stage's TP rank 0 frees its stage of prefill; with another PP size, stage 0 frees every
-        stage."""
+        """Decode reads nothing of the request: free it on every prefill rank now. See docs/internals.md."""
         params = task.params
         if self.tp_rank == 0:
             stages = [self.pp_rank] if params.pp_size == self.pp_size else range(params.pp_size)

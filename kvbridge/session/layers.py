@@ -1,13 +1,4 @@
-"""The reading state of a layer-wise pull: poll each prefill rank's stream and read what is complete.
-
-Read, per group of layers that became readable together, the blocks that are complete, until every layer holds the whole
-prompt.
-
-`DecodeControl.stream` drives it through the pull's states (`kvbridge.session.machine`). Over a transport
-that may write after a failed read (`late_writes`: Mooncake TCP) each read lands in a buffer first and is
-copied into the cache once it succeeded (`kvbridge.landing`), as a whole-request pull's are. A lease that
-is not valid at any poll is a LoadError (recompute).
-"""
+"""The reading state of a layer-wise pull: poll each prefill rank's stream, read what is done. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -266,18 +257,13 @@ class LayerReader:
         self.ended = time.time()
 
     def retire(self, timeout_s: float) -> None:
-        """After a failure: wait for every read to end.
-
-        A read that failed, or still runs, may write late, so its landing buffer retires."""
+        """After a failure: wait for every read to end; a failed or running one may write late: its buffer retires."""
         settle(self.handles, timeout_s)
         for h, land in self.landings:
             land.finish(False, moved=not (h.done() and h.exception() is None))
 
     def phases(self, done_ms: float) -> dict[str, float]:
-        """The read's phases (ms).
-
-        Control, transfer (busy), hidden (while prefill computed), exposed, tail (from the last proof of compute to all
-        bytes here), done."""
+        """The read's phases (ms). See docs/internals.md."""
         # a callback may still be running when the reads settled: its transfer ended by now
         intervals = [(a, b or self.ended) for a, b in self.spans]
         busy = busy_s(intervals)

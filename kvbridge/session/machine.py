@@ -1,21 +1,4 @@
-"""The states one decode pull goes through, whole-request or layer by layer, and their record.
-
-    resolving -> leased -> reading -> landing -> confirming -> done
-        any state before done           -> fenced (a lease did not hold: recompute)
-                                        -> failed (anything else: recompute)
-
-- resolving: finding each prefill rank's side channel and its `RankInfo`;
-- leased: every BeginPull answered (each prefill rank holds the request's blocks for this rank);
-- reading: transfers submitted (layer-wise: as prefill computes the layers);
-- landing: every read ended; bytes read into landing buffers are copied into the cache
-  (`kvbridge.landing`; whole-request pulls land inside `KVAgent.pull` before this state is entered);
-- confirming: the DONEs: fenced ones decide the outcome, or the prefill ranks' hold already did.
-
-Every transition is logged at debug and stamped, and counts as progress for the stall watchdog
-(`kvbridge.watchdog`); `marks()` gives the stamps in milliseconds since the pull began, as `at_<state>_ms`,
-the keys the engine's request timeline carries (`kvbridge.session.timeline`: the `x-kvbridge-timing` header
-`kvbridge proxy` sends).
-"""
+"""The states one decode pull goes through, whole-request or layer by layer, and their record. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""What a rank records of its transfers and leases, for its engine's metrics.
-
-Plain lists of plain values (`data`), so they cross processes as they are; an engine adapter ships
-them its own way (vLLM: `KVBridgeStats` through its connector-stats path) and `reduce()`s them to
-the figures it logs. Labels are bounded: `transport` (a plugin name), `peer` (a prefill server's
-side-channel address, one per prefill instance), `reason` (a fixed set, see `failure_reason`),
-`event`; never request ids.
-"""
+"""What a rank records of its transfers and leases, for its engine's metrics. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""A prefill engine's scheduler offering finished requests to its own ranks at once (early offers).
-
-The engine step's offer is the guarantee; the early one, an `Offer` message to each of the engine's
-rank side channels, sent from a thread of its own (the scheduler never waits on a socket), only saves
-decode the wait for that step. Ranks whose memory needs publishing in the step (device memory:
-synchronize or stage) refuse it, and from then on none is sent.
-"""
+"""A prefill scheduler offering finished requests to its own ranks at once (early offers). See docs/internals.md."""
 
 from __future__ import annotations
 

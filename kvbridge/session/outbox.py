@@ -1,13 +1,4 @@
-"""What one rank tells its engine between steps, and the idle wait.
-
-Requests whose blocks may be freed (sending), requests loaded or failed (receiving), blocks that failed to load, and
-each pull's timings.
-
-An engine that only waits for transfers still steps; the adapter's `take(idle=True)` sleeps such a step
-until there is something to report, at most `idle_wait_s`, and, with only transfers in flight, at most
-`stream_idle_wait_s`: layer-wise streams always (a stream lasts as long as prefill computes), pulls where
-the engine's input queue is watched (an `Inbox`), and then a request that arrives ends the sleep at once.
-"""
+"""What one rank tells its engine between steps, and the idle wait. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -91,10 +82,7 @@ class Outbox:
         failed: Iterable[int] = (),
         timing: dict[str, float] | None = None,
     ) -> None:
-        """A pull ended: record its failed blocks and timing, and report the request received.
-
-        Its `failed` blocks are load errors, its `timing` is kept for the engine, and the request is reported received
-        where the engine waits for it (`report`)."""
+        """A pull ended: record its failed blocks and timing, and report the request received. See docs/internals.md."""
         with self._lock:
             self._load_errors.update(failed)
             if timing:
@@ -109,7 +97,7 @@ class Outbox:
             self._tell()
 
     def begin(self, stream: bool) -> None:
-        """A pull (or a layer-wise stream) is in flight: an idle step may sleep longer (see the docstring)."""
+        """A pull (or a layer-wise stream) is in flight: an idle step may sleep longer (docs/internals.md)."""
         with self._lock:
             if stream:
                 self._streams += 1
@@ -126,7 +114,7 @@ class Outbox:
     def take(self, idle: bool, pending: bool = False) -> tuple[set[str], set[str]]:
         """The requests sending and receiving finished since the last call.
 
-        In an `idle` step with nothing to report (nor `pending` elsewhere), wait first (see the docstring)."""
+        In an `idle` step with nothing to report (nor `pending` elsewhere), wait first (docs/internals.md)."""
         with self._lock:
             if idle and not (self._sent or self._recved or pending):
                 self._idle_wait()

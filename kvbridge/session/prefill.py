@@ -1,15 +1,4 @@
-"""A prefill rank's side of a session.
-
-Its side channel, the `Ledger` of the requests it holds for decode, offers, and layer-wise streams; it reports a request
-finished sending once its lease ended.
-
-Every rank serves a `ControlServer` (its `RankInfo`, readiness, and the ledger), bound at construction
-and ready once the KV cache is registered (`register`): an early peer waits instead of failing. A
-finished request may be offered twice under one offer id: early, from the engine's scheduler (an
-`Offer` message, taken where the rank's memory needs no publishing: `KVAgent.publish_is_free`), and
-from the engine's step (`offer`). The lease is one; the engine hears of its release only once the
-step's offer came, so a request the engine never handed to this rank is never reported to it.
-"""
+"""A prefill rank's side of a session. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,22 +1,4 @@
-"""A prefill rank's layer-wise streams (`"transfer": "layerwise"`).
-
-Leases offered when a request starts, per-layer readiness as the engine's forward saves each layer, and what readers are
-told.
-
-The engine adapter tells the `Producer` each step what started, grew, computed, ended or was preempted
-(a `LayerwiseMeta`), and each saved layer (`save_layer`). The lease is offered at once, keyed by the
-transfer id both servers got from the proxy, and grown block by block (`Ledger.extend`); after each
-layer's attention, that layer becomes readable up to the step's tokens once the device plugin made its
-writes visible (`KVAgent.publish`). On a device that queues work the forward only records a mark
-(`KVAgent.record`); a publisher thread waits for it and publishes, in the order the layers were saved.
-Readers (`kvbridge.session.layers`) long-poll `query` through the side channel's QueryStream.
-
-A request of one output token on an engine that runs one batch at a time cannot be preempted after
-its prompt's last layer (`StreamStart.held_at_end`), so from then on only its lease frees the blocks
-(`Ledger.hold_reads`): the answer that says so lets its readers skip the fenced DONE.
-The engine hears a stream finished (`take_finished`) only when both its lease ended and the engine
-finished the request, so blocks are never freed under a read in flight.
-"""
+"""A prefill rank's layer-wise streams (`"transfer": "layerwise"`). See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -52,12 +34,7 @@ PUBLISH_DRAIN_S = 10.0
 
 @attrs.frozen
 class StreamStart:
-    """Prefill: stream `request_id` under `transfer_id`.
-
-    `blocks` allocated so far, `computed` tokens already in the cache for every layer (prefix-cache hits), `tokens` the
-    prompt's length. `held_at_end`: the engine finishes the request in the step that ends its prompt (`max_tokens` 1,
-    one batch at a time), so from that step's last layer on only the lease frees its blocks, and readers' reads are
-    held."""
+    """Prefill: stream `request_id` under `transfer_id`. See docs/internals.md."""
 
     request_id: str
     transfer_id: str
@@ -188,11 +165,7 @@ class Producer:
         wake_interval_s: float = WAKE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """A prefill rank's stream producer; `abort` and `on_progress` tie it to the control server.
-
-        `abort(transfer_id, reason)` frees a stream's lease and tells its readers (`ControlServer.abort`);
-        `on_progress(transfer_id)` is told whenever a stream's readers are to be woken (`ControlServer.wake` answers
-        their held QueryStreams)."""
+        """A prefill rank's stream producer; `abort`, `on_progress` tie it to the server. See docs/internals.md."""
         self.ledger = ledger
         self.wake_interval_s = wake_interval_s
         self._clock = clock
@@ -278,10 +251,7 @@ class Producer:
             self._maybe_finish(tid)
 
     def save_layer(self, layer_name: str) -> None:
-        """After layer `layer_name`'s attention queued this step's KV: make it readable.
-
-        On a device that queues work (CUDA, NPU, MLU) the forward does not wait for it: the layer is published on a
-        thread of its own once the device ran it (`KVAgent.record`), so the engine keeps the device fed."""
+        """After layer `layer_name`'s attention queued this step's KV: make it readable. See docs/internals.md."""
         layer = self.layers.get(layer_name)
         if layer is None or self.agent is None:
             return
@@ -312,9 +282,7 @@ class Producer:
         self._publisher.put(mark, work)
 
     def _publish(self, w: _Saved, waited: bool = False) -> None:
-        """Make `w`'s layer readable and tell its readers.
-
-        Readable after the device's wait, or only after the staging copy once `waited`."""
+        """Make `w`'s layer readable (after the device's wait, or the staging copy once `waited`); tell its readers."""
         assert self.agent is not None
         s = w.stream
         self.agent.publish(w.blocks, layers=(w.layer,), waited=waited)
@@ -346,10 +314,7 @@ class Producer:
             self._publisher.close()
 
     def _wakes_at_step_end(self, s: _Stream) -> bool:
-        """Whether readers are woken at the end of a step that does not end the prompt.
-
-        When the next step may end it (no more tokens left than this step computed), or WAKE_INTERVAL_S after the last
-        time."""
+        """Whether readers are woken at the end of a step that does not end the prompt. See docs/internals.md."""
         now = self._clock()
         if s.tokens - s.step <= s.step - s.begun or now - s.woken_at >= self.wake_interval_s:
             s.woken_at = now

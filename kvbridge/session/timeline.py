@@ -1,34 +1,4 @@
-"""One request's timeline through `kvbridge proxy`: the `x-kvbridge-timing` header and its parts.
-
-The phases are disjoint slices of the request's life, in milliseconds, in order:
-
-- `prefill_ms`: the prefill engine, from the request's arrival to its end (queueing and computing the
-  prompt), as that engine reports it in its answer's `kv_transfer_params`;
-- `proxy_ms`: the proxy itself, from the prefill's answer to sending the decode request;
-- `dispatch_ms`, `queue_ms`, `offer_wait_ms`, `control_ms`, `transfer_ms`, `done_ms`: the decode
-  engine's pull, as its workers report it in the answer's `kv_transfer_params` (non-streamed
-  answers only: a stream ends before the request does): the engine's step carrying the pull from
-  its scheduler to its workers, waiting for a worker thread, waiting for the prefill rank to offer
-  the request (its BeginPull held until the offer landed), the rest of the side channel (finding the
-  prefill rank, BeginPull), the bytes moving, confirming the read (about nothing when the prefill
-  ranks' hold covers it and the DONEs go out after; the fenced DONEs otherwise);
-- `decode_first_token_ms`: the rest of the decode request up to its first byte back at the proxy
-  (a streamed answer's first token; a whole answer otherwise).
-
-After the phases, `control_ms` in its two parts (not summed again): `contact_ms` (finding each prefill rank's side
-channel and its RankInfo: first contact) and `begin_ms` (the BeginPulls, less the wait for the offer).
-
-Beside the phases, the decode's pull states (`kvbridge.session.machine`) as `at_<state>_ms`: when the
-slowest rank entered each state, milliseconds after its pull began (`at_done_ms`, or `at_fenced_ms` /
-`at_failed_ms` for a pull whose request was then recomputed). They are marks, not slices: they overlap
-the pull phases.
-
-`total_ms` is the proxy's own clock, from the request's arrival to the moment the header goes out,
-so the phases add up to no more than it. An error answer (503 when no server could take a phase,
-499 when the client left, a prefill's error status, 4xx for a bad body) carries the phases known
-when it was given; what the proxy cannot see (the network, the HTTP layers
-of the servers) is the difference. The KV handover is the pull phases together (`handover()`).
-"""
+"""One request's timeline through `kvbridge proxy`: the `x-kvbridge-timing` header. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""In-process transport, for testing the paths that real transports rarely take.
-
-Peers are other `LoopbackBackend` instances of the same process, found by address. Bytes move
-with `ctypes.memmove`. `die()` makes one vanish as a crashed process would; transfer faults come from
-the one injector, `kvbridge.faults` (`create_backend("loopback", fault_injection={})`).
-"""
+"""In-process transport, for testing the paths that real transports rarely take. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Pure-Python TCP transport: the reference implementation and the fallback where no Mooncake wheel exists.
-
-Every backend serves its registered memory on a listening socket, to authenticated connections only; the
-payload moves straight from and into registered memory (scatter/gather `sendmsg`, `recvmsg_into`).
-Wire format: docs/design.md ("tcp"); the handshake, its bounds against hostile peers and the transfer
-deadline: docs/security.md ("TCP transport").
-"""
+"""Pure-Python TCP transport: the reference, and the fallback where no Mooncake wheel exists. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -52,11 +46,7 @@ _IOV_CHUNK = 512  # well under IOV_MAX (1024 on Linux)
 
 
 class _Views:
-    """Memoryviews over registered regions, sliced per descriptor without copying.
-
-    A range may span regions registered back to back (`RegionIndex` merges them into one span, and so does
-    `merge_runs` with descriptors): it is served as one view per region it crosses.
-    """
+    """Memoryviews over registered regions, sliced per descriptor without copying. See docs/internals.md."""
 
     def __init__(self) -> None:
         self._by_addr: dict[int, memoryview] = {}
@@ -89,10 +79,7 @@ class _Views:
         self._starts, self._ends, self._reach, self._views = starts, ends, reach, views
 
     def slices(self, addrs: np.ndarray, lengths: np.ndarray) -> list[memoryview]:
-        """Views for ranges already checked to lie inside registered spans, in order.
-
-        A range crossing from one region into the next gets a view per region. Short (never wrong) where a range leaves
-        registered memory: the caller checks the total before sending or receiving."""
+        """Views for ranges already checked to lie inside registered spans, in order. See docs/internals.md."""
         addrs = np.asarray(addrs, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         if len(self._views) == 0:
@@ -281,10 +268,7 @@ class TcpBackend(MigrationBackend):
     # -- serving ------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        """Accept until closed.
-
-        Nothing a peer or the host does ends it: a failed accept (EMFILE: out of file descriptors) or thread start is
-        logged and retried after a pause that doubles up to a bound."""
+        """Accept until closed. See docs/internals.md."""
         pause = 0.0
         while not self._stop.is_set():
             try:
@@ -305,11 +289,7 @@ class TcpBackend(MigrationBackend):
                 self._stop.wait(pause)
 
     def _admit(self, conn: socket.socket, addr: Any) -> bool:
-        """Serve a new connection on a thread of its own.
-
-        With `max_handshakes` connections authenticating already, the oldest one of the source address that holds
-        the most is closed first: idle strangers never lock a fresh peer out, and one source's flood evicts its own
-        connections before another host's handshake in flight. False: its thread could not start (closed, logged)."""
+        """Serve a new connection on a thread of its own. See docs/internals.md."""
         host = addr[0] if isinstance(addr, tuple) and addr else ""
         with self._lock:
             victim = self._victim() if len(self._pending) >= self.options.max_handshakes else None
@@ -384,10 +364,7 @@ class TcpBackend(MigrationBackend):
             self._forget(conn)
 
     def _authenticate(self, conn: socket.socket, peer: str) -> bool:
-        """Challenge-response before anything else; False: refused.
-
-        Reads at most `_MAX_AUTH_FRAME` bytes, all of it within one `handshake_timeout` (a peer trickling a byte at a
-        time is dropped at the deadline)."""
+        """Challenge-response before anything else; False: refused. See docs/internals.md."""
         challenge = secrets.token_bytes(_CHALLENGE_BYTES)
         deadline = time.monotonic() + self.options.handshake_timeout
         try:

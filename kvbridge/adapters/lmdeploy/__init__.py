@@ -1,9 +1,4 @@
-"""LMDeploy adapter: `--migration-backend Mooncake` served by kvbridge.
-
-`register()` puts `KVBridgeMigrationBackend` in LMDeploy's `MIGRATION_BACKENDS` under `Mooncake` (replacing
-LMDeploy's own) and `KVBridge`; how kvbridge-lmdeploy calls it in every process: docs/lmdeploy.md.
-Importing this package imports LMDeploy.
-"""
+"""LMDeploy adapter: `--migration-backend Mooncake` served by kvbridge. See docs/internals.md."""
 
 from __future__ import annotations
 

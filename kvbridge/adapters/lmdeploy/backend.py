@@ -1,16 +1,4 @@
-"""`KVBridgeMigrationBackend`: LMDeploy's `MigrationBackendImpl` on any kvbridge transport.
-
-LMDeploy's CacheEngine, in each worker, builds one backend and drives it per remote engine:
-`p2p_initialize` -> `register_memory_region` (per cache pool) -> `endpoint_info` (sent to the
-peer as JSON) -> `p2p_connect` (with the peer's endpoint) -> `await p2p_migrate` (reads the
-remote `target_offset` into the local `source_offset`). It reads
-`links[remote_engine_id].remote_engine_config.num_gpu_blocks` between connect steps.
-
-One transport per protocol serves every link of the process; memory is registered once and
-unregistered when the last link that registered it is dropped. The pools are this worker's device's
-memory, reached directly or through host mirrors (`kvbridge.staging.attach`); why a staged serving
-side must `publish()`: docs/lmdeploy.md.
-"""
+"""`KVBridgeMigrationBackend`: LMDeploy's `MigrationBackendImpl` on any kvbridge transport. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -72,11 +60,7 @@ class Link:
 
 
 class KVBridgeMigrationBackend(MigrationBackendImpl):
-    """LMDeploy migration backend that moves KV blocks over a kvbridge transport.
-
-    Registered in LMDeploy's `MIGRATION_BACKENDS` as `Mooncake` and `KVBridge` by the
-    `kvbridge-lmdeploy` distribution. Configured from the environment (`AdapterSettings`).
-    """
+    """LMDeploy migration backend that moves KV blocks over a kvbridge transport. See docs/internals.md."""
 
     def __init__(self, settings: AdapterSettings | None = None) -> None:
         self.settings = settings or AdapterSettings.from_env()
@@ -261,10 +245,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     # -- migration ---------------------------------------------------------------------------
 
     async def p2p_migrate(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
-        """Read every instruct's remote bytes into local memory; returns when all have landed.
-
-        With `async_op` (or `LMDEPLOY_USE_ASYNC_MIGRATION`) the event loop runs while the transport works; otherwise
-        the call blocks the loop like LMDeploy's own backends."""
+        """Read every instruct's remote bytes into local memory; returns when all have landed. See docs/internals.md."""
         rid = assignment.remote_engine_id
         link = self._link(rid, "p2p_migrate", assignment.protocol)
         if link.peer is None:
@@ -332,10 +313,7 @@ class KVBridgeMigrationBackend(MigrationBackendImpl):
     # -- teardown ----------------------------------------------------------------------------
 
     def p2p_drop_connect(self, remote_engine_id: Any) -> None:
-        """Disconnect a remote engine and unregister memory no other link still uses.
-
-        Takes the engine id or LMDeploy's `DistServeDropConnectionRequest`.
-        """
+        """Disconnect a remote engine and unregister memory no other link still uses. See docs/internals.md."""
         rid = getattr(remote_engine_id, "remote_engine_id", remote_engine_id)
         with self._lock:
             link = self._links.pop(rid, None)

@@ -1,9 +1,4 @@
-"""The LMDeploy backend's transfer series, with the `kvbridge_transfer_*` names of the vLLM connector's.
-
-LMDeploy has no connector-stats path to hook into, so the backend records with the session layer's
-recorder (`kvbridge.session.metrics`) and sums what it recorded into cumulative counters, which an
-operator registers in the engine's Prometheus registry or reads as a dict (docs/operations.md).
-"""
+"""The LMDeploy backend's transfer series, named `kvbridge_transfer_*` as vLLM's connector's. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -20,11 +15,7 @@ FOLD_EVERY = 256  # recorded entries kept as a list before they are summed: a lo
 
 
 class TransferMetrics(TransferRecord):
-    """The session layer's transfer recorder, summed per (transport, peer) for a long-lived engine; thread-safe.
-
-    vLLM ships what its workers record to its own counters each step; LMDeploy has nothing of the kind,
-    so the recorded entries are folded into cumulative counters here (when read, or every FOLD_EVERY).
-    """
+    """The session's transfer recorder, summed per (transport, peer) for a long-lived engine. See docs/internals.md."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -68,10 +59,7 @@ class TransferMetrics(TransferRecord):
             self._retries[(transport, peer)] += n
 
     def snapshot(self) -> dict[str, Any]:
-        """The counters as a plain dict, without prometheus-client.
-
-        {"transfers": [{transport, peer, bytes, descriptors, count, seconds_sum}], "failures": [...], "retries":
-        [{transport, peer, count}]}."""
+        """The counters as a plain dict, without prometheus-client. See docs/internals.md."""
         with self._lock:
             self._fold()
             return {

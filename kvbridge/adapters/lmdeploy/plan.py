@@ -1,12 +1,4 @@
-"""LMDeploy assignment instructs -> merged transfer descriptors, vectorized.
-
-An instruct reads `length` bytes at `target_offset` of the remote region `mr_key` into
-`source_offset` of the local region with the same key. Instructs are sorted by local address
-and runs that are contiguous on both sides become one descriptor, so a request whose blocks
-are consecutive costs one descriptor per layer run instead of one per (layer, block). Cutting
-long runs to the transport's preferred piece size is the transport layer's job
-(`BackendCapabilities.max_descriptor_bytes`), not this adapter's.
-"""
+"""LMDeploy assignment instructs -> merged transfer descriptors, vectorized. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -80,10 +72,7 @@ def plan(
     *,
     engine: str,
 ) -> InstructPlan:
-    """Check every instruct against the regions on both sides and build merged descriptors.
-
-    Raises InvalidDescriptor naming the remote engine and the first offending instruct.
-    """
+    """Check every instruct against the regions on both sides and build merged descriptors. See docs/internals.md."""
     mr, src, tgt, length = instructs.T
 
     def refuse(bad: np.ndarray, why: str) -> None:

@@ -1,8 +1,4 @@
-"""How the LMDeploy adapter is configured.
-
-LMDeploy builds its migration backend with no arguments (`MIGRATION_BACKENDS.module_dict[name]()`)
-in every worker, so the settings come from the environment, read when the backend is built.
-"""
+"""How the LMDeploy adapter is configured. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -29,10 +25,7 @@ LMDEPLOY_ASYNC_ENV = "LMDEPLOY_USE_ASYNC_MIGRATION"
 
 
 def _outbound_ip() -> str:
-    """The address of the interface that routes off this host, or loopback where none does.
-
-    A UDP connect sends nothing; it only asks the kernel for a route.
-    """
+    """The address of the interface that routes off this host, or loopback where none does. See docs/internals.md."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect(("10.255.255.255", 1))
@@ -53,13 +46,7 @@ def _timeout(value: str | None) -> float | None:
 
 @attrs.frozen
 class AdapterSettings:
-    """Transport and limits for the LMDeploy migration backend.
-
-    One field per environment variable of docs/lmdeploy.md's table (`devices`: worker rank r uses
-    `devices[r % len(devices)]`; `device` None: the accelerator this process has, else `cpu`; `timeout` None: no
-    limit). `fault_injection`: TESTING ONLY, never from the environment: the transports wrapped in
-    `kvbridge.faults.FaultyBackend` with these rates (`{}`: none, for a test to `inject`).
-    """
+    """Transport and limits for the LMDeploy migration backend. See docs/internals.md."""
 
     transport: str = "mooncake"
     protocol: str | None = None

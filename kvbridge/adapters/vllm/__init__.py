@@ -1,9 +1,4 @@
-"""kvbridge for vLLM: `KVBridgeConnector` (a `KVConnectorBase_V1`) and its plugin registration.
-
-vLLM loads `register` through the `vllm.general_plugins` entry point in every process it starts, so
-`--kv-transfer-config '{"kv_connector": "KVBridgeConnector", ...}'` needs no module path. Nothing
-here imports vLLM until vLLM itself asks.
-"""
+"""kvbridge for vLLM: `KVBridgeConnector` (a `KVConnectorBase_V1`) and its registration. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""vLLM's paged KV cache as a kvbridge `KVLayout`, so `KVAgent` plans and moves it.
-
-vLLM 0.32 resolves one `KVCacheLayout` per engine (`cache_config.get_resolved_kv_cache_layout()`):
-a stride order of the logical `[L, B, H, N, C]` (layer, block, head, token, content), where a
-token's content is its K followed by its V (MLA: its latent). Every layer gets a 4-D view
-`[B, H, N, C]` of one backing allocation; in block-outermost layouts (BL*, BH*) the views interleave,
-so one block of every layer is one contiguous run. vllm-ascend instead hands a `(K, V)` tuple per
-layer, each `[B, N, H, D]` ("ascend-kv-tuple").
-
-`describe_kv_caches` takes the layout name from vLLM (never from the shapes), checks that every view
-is laid out as that name says, and returns a `PagedGeometry` (what the decode side needs to
-rearrange a peer's blocks on its device) with the regions for byte-for-byte pulls.
-"""
+"""vLLM's paged KV cache as a kvbridge `KVLayout`, so `KVAgent` plans and moves it. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -66,12 +54,7 @@ def describe_kv_caches(
     backend: str = "vLLM",
     cache_dtype: str = "auto",
 ) -> tuple[KVLayout, list[tuple[int, int]]]:
-    """The layout of vLLM's per-layer KV views and the (address, bytes) storages to register.
-
-    `cache_dtype` is vLLM's `kv_cache_dtype`: an fp8 one names the format of the (uint8) tensors.
-    Raises ConfigError naming the layout and `backend` (the attention backend) when a view is not
-    laid out as `layout` says, or is one kvbridge cannot address, before any request.
-    """
+    """The layout of vLLM's per-layer KV views and the (address, bytes) storages to register. See docs/internals.md."""
     if layout not in ORDERS:
         raise ConfigError(
             f"KV cache layout {layout!r} of {backend} is not one kvbridge can move; "

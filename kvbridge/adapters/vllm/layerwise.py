@@ -1,21 +1,4 @@
-"""Layer-wise streaming (`"transfer": "layerwise"`), vLLM's scheduler half.
-
-Decode reads each layer's KV while prefill computes the next layers, into decode blocks allocated before prefill starts.
-A pipelined pull, not a push (docs/vllm.md says why): the decode side still does every read, so leases, fenced DONEs,
-aborts and load errors are those of pull mode. The workers' halves are engine-neutral: `kvbridge.session.stream`
-(prefill) and `kvbridge.session.layers` (decode).
-
-The proxy sends the request to both servers at once with one `transfer_id` (`kvbridge proxy --transfer
-layerwise`); docs/vllm.md, "Layer-wise streaming", walks through what each side then does, step by step. Here:
-the prefill scheduler tells its workers of a request's blocks and computed prompt tokens step by step
-(`StreamStart`, chunked prefill included), and reports the request finished sending only once its lease ended
-and vLLM finished it, so blocks are never freed under a read in flight.
-
-Every vLLM layout streams: in a block-outermost one (BL*, BH*: a block holds every layer) a layer is
-read as its slice of each block. Refused at start-up in this mode: vllm-ascend (K, V) tuples, and
-context parallelism; refused at first contact (a load error naming the cause): a prefill whose KV
-arrangement differs from decode's (the landing path rearranges whole requests only).
-"""
+"""Layer-wise streaming (`"transfer": "layerwise"`), vLLM's scheduler half. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -48,9 +31,7 @@ def is_layerwise(params: dict[str, Any] | None) -> bool:
 
 
 class LayerwiseScheduler:
-    """The scheduler's part: which prefill requests stream (and how far they got), which decode ones read.
-
-    Decode requests read layer by layer."""
+    """The scheduler's part: which prefill requests stream (and how far they got), which decode ones read."""
 
     def __init__(self, block_size: int, *, enabled: bool, one_batch_at_a_time: bool = False) -> None:
         self.block_size = block_size

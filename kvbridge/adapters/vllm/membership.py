@@ -1,12 +1,4 @@
-"""A vLLM server's place in the registry (docs/elastic.md): announced while it runs, drained by SIGTERM or order.
-
-With `registry` and `advertise_url` in kv_connector_extra_config, the connector's scheduler side (in the
-engine core process) keeps the server's `ServerRecord` alive (`kvbridge.control.membership.Announcer`).
-SIGTERM (or `kvbridge drain`) marks the record draining, so the proxy sends the server nothing new, and after
-`drain_grace_s` hands the signal to vLLM (an order: SIGTERM to the API server, which passes it back), which
-with `--shutdown-timeout` above `drain_grace_s + lease_s` keeps stepping until no finished request holds
-blocks: every lease DONE or expired. The record is withdrawn when the connector shuts down.
-"""
+"""A vLLM server's place in the registry: announced while it runs, drained on SIGTERM/order. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -23,10 +23,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
-    """Per-request pull phases (milliseconds) the workers measured this step, for the request's answer.
-
-    Ranks pull in parallel, so aggregated over ranks each phase is the slowest rank's.
-    """
+    """Per-request pull phases (ms) the workers measured this step, for the request's answer. See docs/internals.md."""
 
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
 

@@ -1,13 +1,4 @@
-"""Scheduler side of KVBridgeConnector: decides what to pull and which finished requests to hold.
-
-A request's `kv_transfer_params` are checked as it arrives (`on_new_request`): a client can send any
-value straight to a vLLM server (`vllm_xargs`, a wrong type, junk values), and nothing it sends may raise
-in vLLM's scheduler. Params that do not decode are dropped, logged, and the request is served as a
-colocated server would. They are decoded into `KVTransferParams` once, when the scheduler first sees
-the request; the workers get the decoded value in a `PullTask`. The answer's params carry what
-this engine measured of the request (`kvbridge_timing`) for the proxy's timeline. A finished prefill
-request is offered twice under one offer id (docs/vllm.md, "What happens to a request", step 2).
-"""
+"""Scheduler side of KVBridgeConnector: what to pull and which finished requests to hold. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -63,11 +54,7 @@ def checked_params(request: Request) -> dict[str, Any] | None:
 
 
 class SchedulerSide:
-    """Prefill keeps a `do_remote_decode` request's blocks; decode loads a `do_remote_prefill` request's KV.
-
-    Prefill: a request that asked for `do_remote_decode` keeps its blocks after finishing and answers with the params a
-    decode needs. Decode: a request with `do_remote_prefill` loads its prompt's KV asynchronously from the prefill named
-    in its params."""
+    """Prefill keeps `do_remote_decode` requests' blocks; decode loads `do_remote_prefill`'s. See docs/internals.md."""
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, settings: Settings) -> None:
         self.engine_id = engine_id
@@ -154,11 +141,7 @@ class SchedulerSide:
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
 
     def _migrating(self, request: Request, params: dict[str, Any], block_ids: list[int]) -> bool:
-        """A decode request the proxy marked for migration and then cut: hold its blocks under its migration id.
-
-        The proxy cuts a marked stream to move it (its decode drains, or it rebalances), and sends an Abort for the
-        lease when its client left instead, so the blocks are free at once; without that Abort (the proxy died)
-        the lease ends after `lease_s`. Any other aborted request frees its blocks at once, as before."""
+        """A decode request marked for migration, then cut: hold its blocks under that id. See docs/internals.md."""
         from vllm.v1.request import RequestStatus
 
         migration = params.get("kvbridge_migration_id")

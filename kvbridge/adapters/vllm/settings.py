@@ -43,12 +43,7 @@ def _finite(low: float, high: float, *, above: bool = False) -> Any:
 
 @attrs.frozen
 class Settings:
-    """What the connector is told by the operator: every key, its default and meaning are in docs/vllm.md.
-
-    The secret itself is never a key (vLLM logs its config and the command line shows in `ps`): it comes from
-    `KVBRIDGE_SECRET`, `KVBRIDGE_SECRET_FILE` or `secret_file`. `backend_options` are the transport's own options,
-    checked when it starts; keys the connector sets itself are refused there. `fault_injection` is for tests only.
-    """
+    """What the operator tells the connector: every key, default and meaning (docs/vllm.md). See docs/internals.md."""
 
     migration_backend: str = attrs.field(default="mooncake", converter=str)
     protocol: str | None = None
@@ -93,10 +88,7 @@ class Settings:
         return (WATCHED_STREAM_IDLE_WAIT_MS if inbox_watched else STREAM_IDLE_WAIT_MS) / 1e3
 
     def transport_options(self) -> dict[str, Any]:
-        """`backend_options`, plus the secret and the insecure opt-in for a transport that declares them.
-
-        `tcp` authenticates its peers with them; Mooncake and NIXL, which authenticate nobody, are guarded with them
-        (`kvbridge.netguard`, docs/security.md). `fault_injection` where it is set."""
+        """`backend_options`, plus the secret and insecure opt-in of transports with them. See docs/internals.md."""
         from kvbridge.plugins import registry
 
         declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}

@@ -1,10 +1,4 @@
-"""Transfer statistics through vLLM's own connector-stats path.
-
-Workers record into a `KVBridgeStats` (`get_kv_connector_stats`); vLLM ships its `data` to the API server process each
-step, logs `reduce()` as "KV Transfer metrics", and hands the same `data` to the `KVBridgePromMetrics` that
-`build_prom_metrics` made, so the `kvbridge_*` series land in the server's own `/metrics` beside vLLM's. `data` holds
-only lists of plain values: it crosses processes. What is recorded, and its labels, is `kvbridge.session.metrics`'s.
-"""
+"""Transfer statistics through vLLM's own connector-stats path. See docs/internals.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Worker side of KVBridgeConnector: vLLM's hooks on one rank's engine-neutral session sides.
-
-A rank is a `PrefillSide` (its side channel, ledger, offers and layer-wise streams) and, once its KV
-cache is registered, a `DecodeSide` (its pulls), both reporting to one `Outbox` (kvbridge.session).
-This module reads the rank's place from vLLM, describes vLLM's KV tensors (`cache.py`), and maps each
-step's metadata onto those sides.
-"""
+"""Worker side of KVBridgeConnector: vLLM's hooks on one rank's engine-neutral session sides. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -243,10 +237,7 @@ class WorkerSide:
     def get_finished(
         self, _finished_req_ids: set[str], *, idle: bool = False
     ) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose blocks prefill may free, and requests decode has loaded.
-
-        In a step that computes nothing (`idle`), wait for one first (`Outbox.take`), so that the engine does not spin
-        on the cores and the GIL its transfers need."""
+        """Requests whose blocks prefill may free, and requests decode has loaded. See docs/internals.md."""
         sending, recving = self.outbox.take(idle, pending=self.prefill.has_finished_streams())
         sending |= self.prefill.take_finished_streams()
         return sending or None, recving or None
