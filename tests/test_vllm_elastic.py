@@ -10,6 +10,7 @@ minute and a half on two cores; heavy: run under /work/heavy.lock.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
@@ -377,6 +377,15 @@ def test_eight_streams_on_a_draining_decode_go_on_on_another_that_pulls_their_kv
                 s.stop()
 
 
+def _engine_core(server: Server) -> int:
+    """The pid of a vLLM server's engine core (its scheduler: stopped, it generates nothing; its workers run on)."""
+    for pid in _engine_pids(server):
+        with contextlib.suppress(OSError):
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise AssertionError(f"no engine core process under {server.url} (pid {server.pid})")
+
+
 def _engine_pids(server: Server) -> list[int]:
     """The processes a vLLM server started: its engine core and workers (where its side channels are)."""
     found, todo = [], [server.pid]
@@ -398,9 +407,9 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
 ) -> None:
     """Issue 43: B's pull of a moved stream fails, B computes the KV itself (vLLM's "recompute" policy).
 
-    Three streams on decode A move to decode B. The first's read fails (B's transport fails every read); then A's engine
-    is stopped (SIGSTOP: its side channel is silent) and the other two are cut, and A is killed (SIGKILL) while B's
-    pulls wait on it. Each stream's tokens equal a colocated server's, and the proxy reports each move `recomputed`
+    Three streams on decode A move to decode B. The first's read fails (B's transport fails every read); then B cannot
+    reach A (a partition: A's side channel is silent to it) when the other two are cut, and A is killed (SIGKILL) while
+    B's pulls wait on it. Each stream's tokens equal a colocated server's, and the proxy reports each move `recomputed`
     (log and metric), as B's answer to its pull says, not `pulled`."""
     hosts = hosts_factory(MIGRATION_HOSTS)
     model = build_tiny_llama(tmp_path / "model")
@@ -451,38 +460,48 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
                 r = client.http.post(f"{proxy.url}/admin/{action}", json={"server": server.url}, headers=admin)
                 assert r.status_code == 200, r.text
 
-            def run(numbers: list[int], between: Any) -> list[Streamed]:
-                """Stream `numbers` on A (B cordoned); with 4 tokens each, `between()`, then drain A at the proxy."""
+            def streams_on(server: Server) -> int:
+                return next(d["streams"] for d in _instances(proxy)["decode"] if d["url"] == server.url)
+
+            def run(numbers: list[int], *, unreachable: bool) -> list[Streamed]:
+                """Stream `numbers` on A (B cordoned); drain A before their first token.
+
+                With `unreachable`, B cannot reach A, and A is killed once they are cut.
+
+                A's engine core is stopped (SIGSTOP; its workers and side channel go on) until the drain is asked
+                for: the proxy cuts each stream at its first event, however slow this test is to act (in a loaded CI
+                run, a stream let run finished before the drain came)."""
                 call("cordon", b)
+                core = _engine_core(a)
+                os.kill(core, signal.SIGSTOP)
                 seen = [Streamed() for _ in numbers]
                 body = [{**client.body(texts[n]), "stream": True} for n in numbers]
                 readers = [
                     threading.Thread(target=_stream, args=(client.http, proxy.url, x, s, f"fails-{n}"))
                     for n, x, s in zip(numbers, body, seen)
                 ]
-                for t in readers:
-                    t.start()
-                wait_for(lambda: all(len(s.tokens) >= 4 for s in seen), timeout=180, what="the first tokens")
-                between()
-                call("uncordon", b)
-                call("drain", a)  # its streams move to B now
+                try:
+                    for t in readers:
+                        t.start()
+                    wait_for(lambda: streams_on(a) == len(numbers), timeout=180, what="the streams on A")
+                    call("uncordon", b)
+                    if unreachable:
+                        hosts.partition("decode_a", "decode_b")
+                    call("drain", a)  # its streams move to B at their first event
+                finally:
+                    os.kill(core, signal.SIGCONT)
+                if unreachable:
+                    wait_for(lambda: streams_on(a) == 0, timeout=60, what="the streams cut off A")
+                    for pid in _engine_pids(a):  # while B's pulls wait on A's side channel
+                        os.kill(pid, signal.SIGKILL)
                 for t in readers:
                     t.join(timeout=300)
                 assert not any(t.is_alive() for t in readers), failure_reports(proxy, b)
                 return seen
 
-            read_fails = run([0], lambda: None)
+            seen = run([0], unreachable=False)
             call("uncordon", a)
-            engine = _engine_pids(a)
-            assert engine, "A's engine processes"
-
-            def silent() -> None:
-                for pid in engine:
-                    os.kill(pid, signal.SIGSTOP)
-
-            killer = threading.Timer(2.0, lambda: [os.kill(pid, signal.SIGKILL) for pid in engine])
-            seen = read_fails + run([1, 2], lambda: (silent(), killer.start()))
-            killer.join()
+            seen += run([1, 2], unreachable=True)
             for n, (s, want) in enumerate(zip(seen, reference)):
                 assert s.done and s.tokens == want, f"stream {n} differs from colocated\n{failure_reports(proxy, b)}"
             moves = MOVED.findall(proxy.log_path.read_text())

@@ -1611,7 +1611,11 @@ class Proxy:
 
     async def instances(self) -> Any:
         state: dict[str, Any] = {
-            role: [{"url": i.label, "healthy": i.healthy, "in_flight": i.in_flight} for i in p.instances]
+            # streams: the movable streams it serves now (what a drain would move)
+            role: [
+                {"url": i.label, "healthy": i.healthy, "in_flight": i.in_flight, "streams": len(i.streams)}
+                for i in p.instances
+            ]
             for role, p in self.pools.items()
         }
         if self.members is not None:  # which servers are draining, and how many registry reads were done
