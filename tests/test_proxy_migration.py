@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,13 +24,13 @@ import pytest
 from control_helpers import redis_server, wait_for
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from test_proxy_routing import Serving
+from test_proxy_routing import Serving, Unaccepting
 
 from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.errors import ConfigError
 from kvbridge.secret import admin_token
-from kvbridge_proxy.app import Instance, Upstream, create_app
+from kvbridge_proxy.app import Instance, Proxy, Upstream, create_app
 from kvbridge_proxy.migration import MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 
@@ -523,3 +524,33 @@ def test_a_cut_goes_before_events_the_client_has_not_got_unless_the_decode_alrea
     first, cut, after, done = asyncio.run(go())
     assert first[0] == "event" and cut == ("cut", "its decode drains") and after[0] == "event"
     assert done == ("done", None), "a finished decode's stream waits for its [DONE], not for a cut"
+
+
+def test_a_move_asks_its_decode_again_when_slow_to_accept_and_takes_it_out_when_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A move's requests go to the one decode that holds the stream's KV (its pull, then its continuation).
+
+    A connect timeout is a busy server that never saw the request (in a loaded CI run one failed a moved stream): it
+    is asked once more and stays in. A refused connection is a server gone: it is taken out at once."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    refused_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with closed, Unaccepting() as busy, caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        proxy = Proxy([busy.url], [busy.url, refused_url], health_interval=60, timeout=5, connect_timeout=0.3)
+        slow, gone = proxy.pools["decode"].instances
+
+        async def send(target: Instance) -> httpx.Response | None:
+            return await proxy._send_moved(target, {"prompt": [1]}, {}, stream=False, what="pulling a moved stream")
+
+        async def both() -> list[httpx.Response | None]:
+            try:
+                return [await send(slow), await send(gone)]
+            finally:
+                await proxy.client.aclose()
+
+        assert asyncio.run(both()) == [None, None]
+    late = [m for m in caplog.messages if "did not accept the connection for pulling a moved stream" in m]
+    assert [m.endswith(": once more") for m in late] == [True, False], caplog.messages
+    assert slow.healthy and not gone.healthy
+    assert any(f"{refused_url} failed pulling a moved stream (ConnectError" in m for m in caplog.messages)

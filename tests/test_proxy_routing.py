@@ -161,8 +161,8 @@ def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: 
     assert [(p.remote_engine_id, p.block_ids) for p in handed] == [("e", (1, 2))] * 3
     assert all(b["max_tokens"] == 1 and b["kv_transfer_params"]["do_remote_decode"] for b in prefill.bodies)
     assert state["decode"] == [
-        {"url": dead, "healthy": False, "in_flight": 0, "cordoned": False},
-        {"url": decode.url, "healthy": True, "in_flight": 0, "cordoned": False},
+        {"url": dead, "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False},
+        {"url": decode.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False},
     ]
 
 
@@ -267,7 +267,7 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
         listener.close()
     assert r.status_code == 503 and url in r.json()["error"]
     assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, url)
-    assert state["decode"] == [{"url": url, "healthy": False, "in_flight": 0, "cordoned": False}]
+    assert state["decode"] == [{"url": url, "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False}]
     assert "prefill_ms=0.500" in r.headers["x-kvbridge-timing"]
 
 
@@ -423,8 +423,8 @@ def test_a_decode_slow_to_accept_stays_in_and_the_request_goes_to_the_next(
     assert len(decode.bodies) == 3
     # Slow to accept is not dead: it stays in the pool for the health probe to judge.
     assert state["decode"] == [
-        {"url": busy.url, "healthy": True, "in_flight": 0, "cordoned": False},
-        {"url": decode.url, "healthy": True, "in_flight": 0, "cordoned": False},
+        {"url": busy.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False},
+        {"url": decode.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False},
     ]
 
 
@@ -439,7 +439,7 @@ def test_only_decode_slow_to_accept_is_tried_again_then_a_503_that_says_so(
     assert r.status_code == 503
     assert f"{busy.url}, {busy.url} did not accept the connection in time" in r.json()["error"]
     assert sum("did not accept the connection in time" in m for m in caplog.messages) == 2
-    assert state["decode"] == [{"url": busy.url, "healthy": True, "in_flight": 0, "cordoned": False}]
+    assert state["decode"] == [{"url": busy.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False}]
 
 
 def test_health_checks_go_on_when_the_http_stack_raises_what_it_should_not(
@@ -533,7 +533,7 @@ def test_answers_name_no_internal_url_unless_asked(upstreams: tuple[Upstream, Up
     assert [r.status_code for r in answers] == [503, 503] and ok.status_code == 200
     for text in [*(r.text for r in answers), json.dumps(state), *(str(r.headers) for r in [*answers, ok])]:
         assert "127.0.0.1" not in text, text
-    assert state["decode"] == [{"url": "decode-0", "healthy": False, "in_flight": 0, "cordoned": False}]
+    assert state["decode"] == [{"url": "decode-0", "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False}]
     assert answers[1].json()["error"] == "no healthy decode server among ['decode-0']"
 
 

@@ -76,6 +76,7 @@ PROBE_TIMEOUT_S = 5.0
 # Seconds to open a connection to an upstream. On loopback a connect takes microseconds unless the server's
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
 CONNECT_TIMEOUT_S = 5.0
+MOVE_CONNECT_TRIES = 2  # a move's requests go to the one decode that holds its KV: a busy one is asked again
 SLOW_PROBES = 3
 # A health round probes at most this many servers at once: a thousand probes started together held the event loop
 # (requests and registry reads waited behind them).
@@ -1504,6 +1505,30 @@ class Proxy:
         log.warning("stream %s could not move off %s (%s): it ends with an error", moving.migration_id, source.url, why)
         return None
 
+    async def _send_moved(
+        self, target: Instance, body: dict[str, Any], headers: dict[str, str], *, stream: bool, what: str
+    ) -> httpx.Response | None:
+        """POST a move's request to `target`: its response, or None (logged) when it failed.
+
+        A connect timeout is a busy server that never saw the request, not a dead one (as in `send_decode`): it is
+        asked once more, since only it holds the stream's KV. Any other transport error takes it out."""
+        request = self.client.build_request("POST", f"{target.url}/v1/completions", json=body, headers=headers)
+        for attempt in range(MOVE_CONNECT_TRIES):
+            try:
+                return await self.client.send(request, stream=stream)
+            except httpx.ConnectTimeout:
+                again = attempt + 1 < MOVE_CONNECT_TRIES
+                log.warning(
+                    "decode server %s did not accept the connection for %s in time (busy?)%s",
+                    target.url,
+                    what,
+                    ": once more" if again else "",
+                )
+            except httpx.TransportError as exc:
+                self._take_out(target, f"failed {what} ({type(exc).__name__}: {exc})")
+                return None
+        return None
+
     async def _pull(self, moving: MovingStream, target: Instance, source: KVTransferParams) -> str | None:
         """Have `target` pull the stream's KV from `source` (the decode it left): what its connector reports happened.
 
@@ -1517,10 +1542,9 @@ class Proxy:
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
         target.in_flight += 1
         try:
-            resp = await self.client.post(f"{target.url}/v1/completions", json=body, headers=headers)
-        except httpx.TransportError as exc:
-            self._take_out(target, f"failed pulling a moved stream ({exc})")
-            return None
+            resp = await self._send_moved(target, body, headers, stream=False, what="pulling a moved stream")
+            if resp is None:
+                return None
         except BaseException:  # the client left: the target offers the aborted request's blocks under the migration id
             if target.identity is not None:
                 lease = attrs.evolve(target.identity, remote_request_id=moving.migration_id)
@@ -1563,17 +1587,13 @@ class Proxy:
         target.in_flight += 1
         sent = time.perf_counter()
         try:
-            resp = await self.client.send(
-                self.client.build_request("POST", f"{target.url}/v1/completions", json=body, headers=headers),
-                stream=True,
-            )
+            resp = await self._send_moved(target, body, headers, stream=True, what="taking a moved stream")
+            if resp is None:
+                target.in_flight -= 1
+                return None
             if resp.status_code != 200:
                 text = (await resp.aread())[:300]
                 await resp.aclose()
-        except httpx.TransportError as exc:
-            target.in_flight -= 1
-            self._take_out(target, f"failed taking a moved stream ({exc})")
-            return None
         except BaseException:
             target.in_flight -= 1
             raise
