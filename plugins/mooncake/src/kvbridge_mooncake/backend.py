@@ -74,6 +74,7 @@ POLL_SPIN_S, POLL_FIRST_S, POLL_CAP_S = 200e-6, 20e-6, 500e-6
 # Descriptors run roughly in the order submitted (over a few lanes per peer): a status round stops at
 # this many still running, so a round over a long batch costs a few checks, not one per descriptor.
 POLL_WINDOW = 8
+START_TRIES = 3  # engine starts that lost a port Mooncake picked to another process (`_initialize`)
 # Class names only a wheel built with that transport carries. A wheel without it silently serves an
 # unknown protocol with TCP, so the plugin checks first.
 ASCEND_TRANSPORTS = (b"HcclTransport", b"AscendDirectTransport", b"HeterogeneousRdmaTransport")
@@ -254,10 +255,8 @@ class MooncakeBackend(MigrationBackend):
         local = config.hostname
         if self.protocol == "ascend":
             local = ascend_identity(config.hostname, opts)
-        self._engine = TransferEngine()
         protocol = spec.MOONCAKE_PROTOCOL[self.protocol]
-        with self.guard.capture():
-            rc = self._engine.initialize(local, self._metadata, protocol, config.device_name)
+        rc = self._initialize(TransferEngine, local, protocol)
         if rc != 0:
             self.guard.close()
             raise ConfigError(
@@ -272,6 +271,29 @@ class MooncakeBackend(MigrationBackend):
         self._gates: dict[str, _Gate] = {}
         self.transfer_deadline_s = self._deadline
         log.info("mooncake %s engine up as %s (metadata %s)", self.protocol, self._session, redacted(self._metadata))
+
+    def _initialize(self, engine_class: Any, local: str, protocol: str) -> int:
+        """Start a TransferEngine (`self._engine`); its return code.
+
+        Mooncake picks its ports at random in 15000-17000, probing each with a bind it then closes: ranks that start
+        together on one host (a node's TP workers) can pick the same one, and the later bind raises "Address already
+        in use" (seen in CI with the connector bench's ranks). That engine is dropped and a fresh one tries again."""
+        attempt = 1
+        while True:
+            self._engine = engine_class()
+            try:
+                with self.guard.capture():
+                    return int(self._engine.initialize(local, self._metadata, protocol, self.config.device_name))
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == START_TRIES:
+                    self._engine = None
+                    self.guard.close()
+                    raise ConfigError(
+                        f"Mooncake TransferEngine.initialize({local!r}, ...) failed {attempt} times: {exc}. Mooncake "
+                        "binds ports in 15000-17000 on this host: free some there, or start fewer engines at once"
+                    ) from exc
+                log.warning("mooncake: a port it picked was taken before it bound it (%s): starting again", exc)
+                attempt += 1
 
     def _register(self, regions: Sequence[MemoryRegion]) -> None:
         done: list[int] = []
