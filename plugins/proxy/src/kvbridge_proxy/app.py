@@ -1594,6 +1594,10 @@ class Proxy:
             if resp.status_code != 200:
                 text = (await resp.aread())[:300]
                 await resp.aclose()
+        except httpx.TransportError as exc:  # reading a refusal's body
+            target.in_flight -= 1
+            self._take_out(target, f"failed taking a moved stream ({type(exc).__name__}: {exc})")
+            return None
         except BaseException:
             target.in_flight -= 1
             raise
