@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 
 import pytest
 
@@ -35,7 +36,7 @@ from kvbridge.agent import KVAgent  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.channel import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
-from kvbridge.errors import ConfigError, LayoutMismatch, LoadError  # noqa: E402
+from kvbridge.errors import ConfigError, LayoutMismatch, LoadError, ProtocolError  # noqa: E402
 from kvbridge.session.timeline import CONTROL_PARTS, PULL_PHASES  # noqa: E402
 from kvbridge.topology import ParallelConfig  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
@@ -899,3 +900,110 @@ def test_a_connector_shut_down_freezes_the_heap_at_exit_instead_of_collecting_it
     assert done.returncode == 0, done.stderr[-2000:]
     frozen = int(done.stdout.rsplit("frozen ", 1)[1])
     assert frozen > 0, done.stdout
+
+
+def _step(blocks: dict[str, list[int]], preempted: frozenset[str] = frozenset()) -> object:
+    """vLLM's scheduler output of one step that schedules `blocks`' requests (their block tables as vLLM shows them)."""
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = dict.fromkeys(blocks, 1)
+    out.total_num_scheduled_tokens = len(blocks)
+    out.preempted_req_ids = set(preempted)
+    out.kv_connector_block_state = KVConnectorBlockState(set(blocks), lambda rid: (list(blocks[rid]),), {})
+    return out
+
+
+def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_the_reader(workers: Workers) -> None:
+    """Issue 43: decode A lends the full, computed blocks of a marked request while it runs (a pre-copy stage).
+
+    Never a block that may still be written; B reads them without block ids, skipping what it holds; A's engine
+    holds the request's blocks after it ended until B's DONE, and frees them once. A BeginPull for a pre-copy with
+    nothing to lend is answered at once, and a preempted request's lent lease ends."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
+
+    source = _scheduler("kv_consumer", "prefill", workers.prefill.server.address[1])  # A: a decode
+    target = _scheduler("kv_consumer", "decode", 21001)
+    host, port = workers.prefill.server.address
+    try:
+        running = Request("a-1", list(range(3 * BLOCK + 2)), SamplingParams(max_tokens=64), None)
+        running.kv_transfer_params = {"kvbridge_migration_id": "M1"}
+        running.status = RequestStatus.RUNNING
+        assert source.get_num_new_matched_tokens(running, 0) == (0, False)
+        table = {"a-1": [1, 2, 3, 4]}
+        told = []
+        for computed in (3 * BLOCK + 2, 3 * BLOCK + 3, 3 * BLOCK + 4):  # three steps
+            running.num_computed_tokens = computed
+            meta = source.build_connector_meta(_step(table))
+            told += meta.lending.lendable
+            workers.prefill.start_load_kv(meta)
+        # the first step's count is the one known computed (the last step's may be running): 3 full blocks
+        assert [(x.migration_id, x.engine_request_id, x.blocks) for x in told] == [("M1", "a-1", (1, 2, 3))]
+
+        def precopy(rid: str, lease: str, tokens: int) -> Request:
+            r = Request(rid, list(range(tokens)), SamplingParams(max_tokens=1), None)
+            r.kv_transfer_params = {
+                "do_remote_prefill": True,
+                "remote_engine_id": "prefill",
+                "remote_host": host,
+                "remote_port": port,
+                "kvbridge_migration_id": lease,
+                "remote_num_tokens": tokens - 1,
+            }
+            return r
+
+        # B asks for the context it saw (4 blocks and 2 tokens): it reads one block less than it saw full, 3 - 1
+        stage = precopy("b-1", "M1~precopy1", 4 * BLOCK + 3)
+        count, _ = target.get_num_new_matched_tokens(stage, BLOCK)  # B's own cache holds the first block
+        assert count == 2 * BLOCK, "3 whole blocks less one, past the block B holds"
+        target.update_state_after_alloc(stage, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6)],)), count)
+        [task] = target.build_connector_meta(None).pulls
+        assert task.skip == 1 and task.params.remote_request_id == "M1~precopy1"
+        workers.decode.start_load_kv(KVBridgeMetadata(pulls=[task]))
+        workers.wait_recved("b-1")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+        got = torch.stack(list(workers.d_caches.values()))[:, [5, 6]]
+        torch.testing.assert_close(got, expected({5: 2, 6: 3}, 0, 1)[:, [5, 6]], rtol=0, atol=0)
+
+        # a second reader's lease is held while A's request ends: A holds its blocks until that lease ends
+        with ControlClient(host, port, sender="decode-c") as c:
+            status = c.begin_pull("M1~precopy2", "decode-c/0", expected_pulls=1, wait_s=5.0)
+            assert status.valid and list(status.blocks) == [1, 2, 3] and not status.reads_held
+            running.status = RequestStatus.FINISHED_STOPPED
+            assert source.request_finished(running, [1, 2, 3, 4])[0] is True, "held for the lent lease"
+            meta = source.build_connector_meta(_step({}))
+            assert meta.lending.held == ["a-1"] and meta.lending.unlend == ["M1"]
+            workers.prefill.start_load_kv(meta)
+            workers.poll()
+            assert "a-1" not in workers.sent, "freed under a reader"
+            c.done("M1~precopy2", "decode-c/0", status.epoch, expected_pulls=1)
+            workers.wait_sent("a-1")
+            # nothing is lent from a request that ended: a BeginPull for it is answered at once, holding nothing
+            begun = time.monotonic()
+            with pytest.raises(ProtocolError, match="nothing_to_lend"):
+                c.begin_pull("M1~precopy3", "decode-c/0", expected_pulls=1, wait_s=5.0)
+            assert time.monotonic() - begun < 4.0, "held for an offer that cannot come"
+        assert workers.prefill.ledger.held() == (0, 0)
+
+        # a preempted request's lent lease ends at once (its blocks are the engine's again): the reader's fence fails
+        other = Request("a-2", list(range(2 * BLOCK + 1)), SamplingParams(max_tokens=64), None)
+        other.kv_transfer_params, other.status = {"kvbridge_migration_id": "M2"}, RequestStatus.RUNNING
+        source.get_num_new_matched_tokens(other, 0)
+        for computed in (2 * BLOCK + 1, 2 * BLOCK + 2):
+            other.num_computed_tokens = computed
+            workers.prefill.start_load_kv(source.build_connector_meta(_step({"a-2": [7, 8, 9]})))
+        with ControlClient(host, port, sender="decode-c") as c:
+            status = c.begin_pull("M2~precopy1", "decode-c/0", expected_pulls=1, wait_s=5.0)
+            assert status.valid and list(status.blocks) == [7, 8]
+            workers.prefill.start_load_kv(source.build_connector_meta(_step({}, preempted=frozenset({"a-2"}))))
+            assert not c.query_lease("M2~precopy1", status.epoch).valid
+            c.done("M2~precopy1", "decode-c/0", status.epoch, expected_pulls=1, check=False)  # its read ends
+        workers.poll()
+        assert "a-2" not in workers.sent and workers.prefill.ledger.held() == (0, 0)
+        other.status = RequestStatus.FINISHED_STOPPED
+        assert source.request_finished(other, [10])[0] is False, "nothing told since the preemption: freed at once"
+    finally:
+        source.shutdown()
+        target.shutdown()

@@ -82,6 +82,8 @@ Address = tuple[str, int]
 AbortCallback = Callable[[str, str, str], None]  # request_id, origin, reason
 StreamQuery = Callable[[str, int], StreamStatus]  # request_id, epoch -> how far prefill computed it
 Timed = Callable[[str, float, float, float], None]  # kind, queued_s, wait_s, handler_s of each request answered
+# request_id -> whether a lease was lent for it now (None: it names nothing lendable); see kvbridge.session.lending
+Lender = Callable[[str], "bool | None"]
 
 T = TypeVar("T")
 
@@ -165,11 +167,13 @@ class ControlServer:
         poll_interval_s: float = 1.0,
         notify_timeout_s: float = 2.0,
         timed: Timed | None = None,
+        lender: Lender | None = None,
     ) -> None:
         """`secret`: the shared secret (`kvbridge.secret.load_secret()` reads it from the environment or a file).
 
         Required on a non-loopback `host` unless `insecure=True` (logged as a warning). `timed` is told each answered
-        request's times (for the engine's metrics)."""
+        request's times (for the engine's metrics). `lender` is asked to lend a lease a BeginPull names that nobody
+        offered (a live move's pre-copy)."""
         check_listen(f"side channel of {engine_id}/{rank}", host, secret, insecure=insecure)
         self.engine_id = engine_id
         self.rank = rank
@@ -184,6 +188,7 @@ class ControlServer:
         self._poll_ms = max(1, int(poll_interval_s * 1000))
         self._notify_timeout_s = notify_timeout_s
         self._timed = timed
+        self._lender = lender
         self._info = RegisteredMemory(engine_id=engine_id, rank=rank, ready=False)
         self.accept_offers = False
         self._parked: dict[str, list[_Parked]] = {}  # request id -> BeginPulls held for its offer
@@ -375,6 +380,9 @@ class ControlServer:
             return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
         if isinstance(msg, BeginPull):
             self._check_card(msg.card, sender)
+            lendable = self._lender is not None and self.ledger.state(msg.request_id) is LeaseState.UNKNOWN
+            if lendable and self._lender(msg.request_id) is False:  # nor will there be: not worth a wait
+                return Refused("nothing_to_lend", f"rank {self.name} runs no request {msg.request_id!r} lends from")
             if (
                 park
                 and msg.wait_ms > 0

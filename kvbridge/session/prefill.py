@@ -14,6 +14,7 @@ from kvbridge.control.channel import ControlServer
 from kvbridge.control.ledger import Lease, LeaseState, Ledger
 from kvbridge.control.messages import Offer
 from kvbridge.errors import ConfigError
+from kvbridge.session.lending import Lending, StepLending
 from kvbridge.session.outbox import Outbox, Recorder
 from kvbridge.session.stream import LayerwiseMeta, Producer
 
@@ -44,6 +45,7 @@ class PrefillSide:
         self.stats = stats
         self.ledger = Ledger(self._released, timeout_s=lease_s)
         self.ledger.on_offer(lambda lease: self.stats.record_lease("offered", 1, len(lease.blocks)))
+        self.lending = Lending(self.ledger, self.outbox.sent)
         self.producer = (
             Producer(self.ledger, self._abort, block_size, on_progress=self._progress) if layerwise else None
         )
@@ -57,6 +59,7 @@ class PrefillSide:
             insecure=insecure,
             streams=self.producer.query if self.producer is not None else None,
             timed=stats.record_request,
+            lender=self.lending.lend,
         )
         self.agent: KVAgent | None = None
         self._lock = threading.Lock()
@@ -95,7 +98,7 @@ class PrefillSide:
         engine_id = offer.engine_request_id or offer.request_id  # the id the engine frees the blocks by
         with self._lock:
             if self._released_early.pop(offer.offer_id, None) is not None:
-                self.outbox.sent(engine_id)  # the early offer was pulled and released already
+                self.lending.report_after(engine_id)  # the early offer was pulled and released already
                 return  # nothing to lease
             self._stepped[offer.offer_id] = engine_id
         # the same lease as the early offer's, if that came; the decode side states the release count
@@ -107,6 +110,12 @@ class PrefillSide:
             log.warning("request %s: %s; replacing that lease with the engine step's offer", offer.request_id, exc)
             self.ledger.abort(offer.request_id)
             self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+
+    def lend_from(self, step: StepLending) -> None:
+        """The step's news of requests a live move may pre-copy (kvbridge.session.lending)."""
+        self.lending.preempted(step.preempted)
+        self.lending.update(step.lendable)
+        self.lending.ended(step.unlend, step.held)
 
     def apply(self, meta: LayerwiseMeta) -> None:
         """The step's stream starts, growth, progress and ends."""
@@ -123,6 +132,8 @@ class PrefillSide:
     def _released(self, lease: Lease, reason: LeaseState) -> None:
         """Ledger callback (any thread): the request's blocks may be freed; the engine hears of it next."""
         self.stats.record_lease(reason.value, -1, -len(lease.blocks))
+        if self.lending.released(lease):
+            return
         if self.producer is not None and self.producer.released(lease.request_id):
             self.server.wake(lease.request_id)  # a reader's held QueryStream hears that the lease ended
             self.outbox.nudge()  # a stream: reported once the engine finished the request too (take_finished)
@@ -133,7 +144,7 @@ class PrefillSide:
                 return
             engine_id = self._stepped.pop(lease.offer_id, None)
             if engine_id is not None:
-                self.outbox.sent(engine_id)
+                self.lending.report_after(engine_id)
                 return
             self._released_early[lease.offer_id] = lease.request_id
             while len(self._released_early) > MAX_EARLY_RELEASES:  # offers no step ever confirms

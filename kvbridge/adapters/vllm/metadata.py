@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvbridge.control.messages import Offer
+from kvbridge.session.lending import StepLending
 from kvbridge.session.stream import LayerwiseMeta
 from kvbridge.session.tasks import PullTask
 
@@ -18,6 +19,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
     pulls: list[PullTask] = field(default_factory=list)
     offers: list[Offer] = field(default_factory=list)
     layerwise: LayerwiseMeta = field(default_factory=LayerwiseMeta)  # "transfer": "layerwise" only
+    lending: StepLending = field(default_factory=StepLending)  # marked running requests (a live move's pre-copy)
     idle: bool = False  # the step computes nothing: the engine is stepped only to hear of transfers
 
 

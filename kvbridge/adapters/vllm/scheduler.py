@@ -6,7 +6,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
+from kvbridge.adapters.vllm.marked import MarkedRequests
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.control.channel import ClientPool
@@ -14,6 +17,7 @@ from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError
 from kvbridge.rank_ports import group_port
+from kvbridge.session.lending import StepLending, precopied
 from kvbridge.session.offers import Offers
 from kvbridge.session.tasks import PullTask, StreamTask
 
@@ -77,6 +81,7 @@ class SchedulerSide:
         self._offers: list[Offer] = []
         self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
         self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
+        self.marked = MarkedRequests(self.block_size)
         self.layerwise = LayerwiseScheduler(
             self.block_size,
             enabled=settings.transfer == "layerwise",
@@ -98,6 +103,11 @@ class SchedulerSide:
             try:
                 decoded = KVTransferParams.from_dict(params).migration_resolved()
                 decoded.require_remote()
+                if precopied(decoded.kvbridge_migration_id or "") is not None:
+                    # a pre-copy reads whole blocks the source has surely filled: one block short of what the proxy
+                    # saw (the source may not have told its workers of the last one yet); this side computes the rest
+                    whole = max(0, int(decoded.remote_num_tokens or 0) // self.block_size - 1) * self.block_size
+                    decoded = attrs.evolve(decoded, remote_num_tokens=whole)
             except ConfigError as exc:
                 log.error("request %s: %s; its prompt is computed here instead", request.request_id, exc)
                 params["do_remote_prefill"] = False
@@ -108,6 +118,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         checked_params(request)  # also where a vLLM without on_new_request shows the request first
         self.layerwise.note_producer(request)
+        self.marked.see(request)
         decoded = self._decode_params(request)
         if decoded is not None:
             # a migrated request's source holds the KV of all but its last token (vLLM computes that one anyway)
@@ -147,7 +158,7 @@ class SchedulerSide:
         migration = params.get("kvbridge_migration_id")
         if request.status != RequestStatus.FINISHED_ABORTED or params.get("do_remote_decode") or not migration:
             return False
-        if not isinstance(migration, str) or not block_ids:
+        if not isinstance(migration, str) or not block_ids or precopied(migration) is not None:
             return False
         log.info(
             "request %s: cut for migration; %d blocks (%d tokens) offered under lease %s",
@@ -169,6 +180,7 @@ class SchedulerSide:
             pulls=self._pulls,
             offers=self._offers,
             layerwise=layerwise,
+            lending=self.marked.collect(scheduler_output) if scheduler_output is not None else StepLending(),
             idle=scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens,
         )
         self._pulls, self._offers = [], []
@@ -184,11 +196,13 @@ class SchedulerSide:
         timing = self._timings.pop(request.request_id, None)
         if not params:
             return False, None
+        cut = self._migrating(request, params, block_ids)
+        held = self.marked.finished(request, offered=cut)  # a live move may still read it (docs/elastic.md)
         if self._decode_params(request) is not None:
             # Decode dropped the request (abort) before any block was allocated: release prefill's.
             self._add_pull(request, [], report=False)
             return False, None
-        if self._migrating(request, params, block_ids):
+        if cut:
             self._offers.append(self.offering.make(params["kvbridge_migration_id"], block_ids, request.request_id))
             return True, None
         if (
@@ -201,10 +215,10 @@ class SchedulerSide:
             request, request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         )
         if streamed is False:
-            return False, None
+            return held, None
         if not params.get("do_remote_decode"):
             # A decode answers with what its workers measured of the pull, for the proxy's timeline.
-            return False, None if timing is None else KVTransferParams(kvbridge_timing=timing).to_dict()
+            return held, None if timing is None else KVTransferParams(kvbridge_timing=timing).to_dict()
         if streamed is None:  # pull mode: offer the finished request's blocks
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 return False, None  # aborted prefill: nobody will pull, free now

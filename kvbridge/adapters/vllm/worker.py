@@ -211,6 +211,7 @@ class WorkerSide:
         assert self.decode is not None
         self.apply_layerwise(meta)
         self.prefill.offer(meta.offers)
+        self.prefill.lend_from(meta.lending)
         received = time.time()
         for task in meta.pulls:
             self.decode.pull(task, received)
