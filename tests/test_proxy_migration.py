@@ -10,6 +10,7 @@ end-to-end test on real vLLM servers is tests/test_vllm_elastic.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -30,8 +31,9 @@ from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.errors import ConfigError
 from kvbridge.secret import admin_token
+from kvbridge.session.lending import precopied, precopy_id
 from kvbridge_proxy.app import Instance, Proxy, Upstream, create_app
-from kvbridge_proxy.migration import MovingStream, refusal
+from kvbridge_proxy.migration import MoveSettings, MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 
 SECRET = "proxy-migration-test-secret-0123456789"
@@ -66,7 +68,8 @@ class TokenDecode(Serving):
     in its params, as KVBridgeConnector reports it (`kvbridge_timing`). `fail_pulls`: such a request gets an error
     (vLLM's `kv_load_failure_policy="fail"`); `recompute_pulls`: its report says the pull failed (policy "recompute":
     the server computed the KV itself). `die_after`: the connection drops after that many token events (a killed
-    server). `hold_done`: [DONE] waits for this event after the last token."""
+    server). `hold_done`: [DONE] waits for this event after the last token. `precopy_wait`: a pre-copy stage's pull
+    waits for this event (at most 30 s); `precopy_dies`: the server drops a pre-copy stage's connection unanswered."""
 
     def __init__(
         self,
@@ -76,6 +79,8 @@ class TokenDecode(Serving):
         recompute_pulls: bool = False,
         die_after: int | None = None,
         hold_done: threading.Event | None = None,
+        precopy_wait: threading.Event | None = None,
+        precopy_dies: bool = False,
     ) -> None:
         self.bodies: list[dict] = []
         app = FastAPI()
@@ -92,6 +97,16 @@ class TokenDecode(Serving):
                 return {"id": "p", "choices": [{"index": 0, "text": "<0>"}], "kv_transfer_params": where}
             cid = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.bodies)}"
             if params.get("do_remote_prefill") and body.get("stream") is False:  # a moved stream's pull
+                if precopied(str(params.get("kvbridge_migration_id"))) is not None:
+                    if precopy_dies:
+
+                        async def dropped() -> Any:
+                            raise RuntimeError("killed")  # before the first byte: the connection drops
+                            yield b""
+
+                        return StreamingResponse(dropped())
+                    if precopy_wait is not None:
+                        await asyncio.to_thread(precopy_wait.wait, 30)
                 if fail_pulls:
                     return JSONResponse({"error": {"message": "KV load failed", "code": 500}}, status_code=500)
                 report = {"transfer_ms": 1.0, "at_failed_ms" if recompute_pulls else "at_done_ms": 2.0}
@@ -204,7 +219,14 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
         b_record = attrs.evolve(b_record, side_port=side.address[1] + 1, state="draining")  # every stream starts on A
         records.announce(b_record, 60)
         app = create_app(
-            [prefill.url], [], registry=url, migrate=True, health_interval=0.05, warm_up=False, expose_internals=True
+            [prefill.url],
+            [],
+            registry=url,
+            migrate=True,
+            health_interval=0.05,
+            warm_up=False,
+            expose_internals=True,
+            moves=options.get("moves"),
         )
         try:
             with Serving(app) as proxy:
@@ -440,6 +462,116 @@ def test_a_stream_that_sent_its_last_token_is_not_moved(cluster: Cluster) -> Non
     assert _metric(cluster, "pulled") == _metric(cluster, "recomputed") == 0.0
 
 
+def _stages(cluster: Cluster) -> list[dict]:
+    """The pre-copy stages B was asked to pull."""
+    asked = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]
+    return [b for b in asked if precopied(b["kv_transfer_params"].get("kvbridge_migration_id", "")) is not None]
+
+
+def _released(cluster: Cluster, lease: str) -> bool:
+    """Whether the proxy released `lease` on A: an offer of it now ends at once (the abort came first)."""
+    cluster.ledger.offer(lease, [7])
+    return (lease, LeaseState.ABORTED) in cluster.aborted
+
+
+PRECOPY = MoveSettings(tail_tokens=4)
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [{"moves": PRECOPY}, {"moves": attrs.evolve(PRECOPY, tail="pull")}],
+    indirect=True,
+    ids=["compute", "pull"],
+)
+def test_a_stream_is_pre_copied_while_it_runs_then_cut_with_its_tail_left(cluster: Cluster, request: Any) -> None:
+    """Issue 43: B pulls the context A filled while the stream runs on A; after the cut, B computes or pulls the rest.
+
+    Computed (the default), the cut needs nothing of A, whose offered blocks are released. The pre-copy stages each
+    read under a lease of their own; the move is reported pre-copied."""
+    events = _one(cluster)
+    prompt = prompt_ids("/v1/completions", {"prompt": "one stream"})
+    assert _tokens(events) == reference(prompt, MAX_TOKENS)
+    [migration] = cluster.migration_ids()
+    stages = _stages(cluster)
+    assert [s["kv_transfer_params"]["kvbridge_migration_id"] for s in stages] == [
+        precopy_id(migration, n) for n in range(1, len(stages) + 1)
+    ]
+    assert 1 <= len(stages) <= PRECOPY.stages
+    context = prompt + reference(prompt, MAX_TOKENS)
+    for s in stages:  # each the context the client had, pulled whole but for the token vLLM computes anyway
+        assert (s["stream"], s["max_tokens"], s["prompt"]) == (False, 1, context[: len(s["prompt"])])
+        assert s["kv_transfer_params"]["remote_num_tokens"] == len(s["prompt"]) - 1
+    assert len(stages[0]["prompt"]) >= len(prompt) + 3, "the context after the third event"
+    after = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list) and b not in stages]
+    resumed = after[-1]
+    assert resumed["stream"] is True and "do_remote_prefill" not in resumed["kv_transfer_params"]
+    left = len(resumed["prompt"]) - len(stages[-1]["prompt"])
+    assert left <= PRECOPY.tail_tokens + 1 or len(stages) == PRECOPY.stages, (left, len(stages))
+    if "pull" in request.node.callspec.id:
+        [cut] = after[:-1]
+        assert cut["kv_transfer_params"]["kvbridge_migration_id"] == migration and cut["stream"] is False
+        assert cut["prompt"] == resumed["prompt"]
+    else:
+        assert after == [resumed], "the tail is computed: no pull after the cut"
+        wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's offered blocks released")
+    assert (_metric(cluster, "precopied"), _metric(cluster, "pulled")) == (1.0, 0.0)
+
+
+WAIT = threading.Event()
+
+
+@pytest.mark.parametrize("cluster", [{"moves": PRECOPY, "b": {"precopy_wait": WAIT}}], indirect=True)
+def test_a_stream_that_ends_during_its_pre_copy_is_not_moved_and_its_lent_lease_released(cluster: Cluster) -> None:
+    """Issue 43: B's pre-copy stage is slow; the stream finishes on A meanwhile.
+
+    Nothing is cut, the stage's lease on A is released (so A's engine frees the request's blocks), and B's stage is
+    dropped."""
+    WAIT.clear()
+    try:
+        events = _one(cluster)
+    finally:
+        WAIT.set()
+    assert events[-1] == "[DONE]"
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    [migration] = cluster.migration_ids()
+    [stage] = _stages(cluster)
+    assert len(cluster.b.bodies) == 1, "nothing asked of B but the stage"
+    wait_for(lambda: _released(cluster, precopy_id(migration, 1)), what="the stage's lease released on A")
+    assert _metric(cluster, "precopied") == _metric(cluster, "pulled") == _metric(cluster, "recomputed") == 0.0
+
+
+@pytest.mark.parametrize("cluster", [{"moves": PRECOPY, "b": {"precopy_dies": True}}], indirect=True)
+def test_a_stream_whose_next_decode_dies_during_pre_copy_stays_and_ends_whole(cluster: Cluster) -> None:
+    """Issue 43: B drops the pre-copy stage (it died).
+
+    B is taken out, the stream finishes on A (no other decode), and the stage's lease on A is released."""
+    events = _one(cluster)
+    assert events[-1] == "[DONE]"
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    [migration] = cluster.migration_ids()
+    asked = [s["kv_transfer_params"]["kvbridge_migration_id"] for s in _stages(cluster)]
+    assert asked == [precopy_id(migration, 1)] * 2, "dropped unanswered: asked once more, then taken out"
+    wait_for(lambda: _released(cluster, precopy_id(migration, 1)), what="the stage's lease released on A")
+    assert _metric(cluster, "precopied") == _metric(cluster, "pulled") == 0.0
+
+
+@pytest.mark.parametrize(
+    "cluster", [{"moves": PRECOPY, "a": {"die_after": 8}, "b": {"precopy_wait": WAIT}}], indirect=True
+)
+def test_a_stream_whose_decode_dies_during_pre_copy_is_computed_on_the_next(cluster: Cluster) -> None:
+    """Issue 43: A dies while B's pre-copy stage runs: the stage is dropped and B computes the stream (recomputed)."""
+    WAIT.clear()
+    try:
+        events = _one(cluster)
+    finally:
+        WAIT.set()
+    assert events[-1] == "[DONE]"
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    [migration] = cluster.migration_ids()
+    wait_for(lambda: _released(cluster, precopy_id(migration, 1)), what="the stage's lease released on A")
+    assert (_metric(cluster, "recomputed"), _metric(cluster, "precopied")) == (1.0, 0.0)
+
+
 def test_a_client_that_leaves_releases_the_blocks_its_decode_offers(cluster: Cluster) -> None:
     events = _one(cluster, leave_after=5, drain=False)
     assert len(events) == 5
@@ -554,3 +686,73 @@ def test_a_move_asks_its_decode_again_when_slow_to_accept_and_takes_it_out_when_
     assert [m.endswith(": once more") for m in late] == [True, False], caplog.messages
     assert slow.healthy and not gone.healthy
     assert any(f"{refused_url} failed pulling a moved stream (ConnectError" in m for m in caplog.messages)
+
+
+class Dropping:
+    """A server on 127.0.0.1 that reads each request and drops its first `drops` connections unanswered.
+
+    As a server closing a kept-alive connection as it is reused; then it answers 200 `{}`."""
+
+    def __init__(self, drops: int) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.drops, self.seen = drops, 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                with conn:
+                    conn.settimeout(5)
+                    data = b""
+                    while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < self._length(data):
+                        data += conn.recv(65536)
+                    self.seen += 1
+                    if self.seen > self.drops:
+                        conn.sendall(
+                            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+                        )
+
+    @staticmethod
+    def _length(data: bytes) -> int:
+        head = data.split(b"\r\n\r\n", 1)[0].lower()
+        for line in head.split(b"\r\n"):
+            if line.startswith(b"content-length:"):
+                return int(line.split(b":")[1])
+        return 0
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(timeout=5)
+
+
+def test_a_move_asks_again_when_its_decode_dropped_the_connection_unanswered(caplog: pytest.LogCaptureFixture) -> None:
+    """A connection dropped before any answer is asked once more; dropped twice, the decode is taken out.
+
+    vLLM's server closes a kept-alive connection after 5 s idle; one closed as the proxy reused it failed a move."""
+    once, always = Dropping(1), Dropping(10)
+    try:
+        with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+            proxy = Proxy([once.url], [once.url, always.url], health_interval=60, timeout=5)
+            flaky, gone = proxy.pools["decode"].instances
+
+            async def both() -> list[httpx.Response | None]:
+                try:
+                    return [
+                        await proxy._send_moved(t, {"prompt": [1]}, {}, stream=False, what="taking a moved stream")
+                        for t in (flaky, gone)
+                    ]
+                finally:
+                    await proxy.client.aclose()
+
+            answered, dropped = asyncio.run(both())
+        assert answered is not None and answered.status_code == 200 and dropped is None
+        assert (once.seen, always.seen) == (2, 2)
+        assert flaky.healthy and not gone.healthy
+        assert any(f"{once.url} dropped taking a moved stream" in m and "once more" in m for m in caplog.messages)
+        assert any(f"{always.url} failed taking a moved stream (" in m for m in caplog.messages), caplog.messages
+    finally:
+        once.close()
+        always.close()

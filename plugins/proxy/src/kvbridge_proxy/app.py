@@ -62,11 +62,12 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.rank_ports import side_channel_port
 from kvbridge.secret import admin_token, load_secret
+from kvbridge.session.lending import precopy_id
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
 from kvbridge_proxy.limits import BUDGET, Admission, Budget, Limits, encoded
 from kvbridge_proxy.members import StaticMembers, open_members
-from kvbridge_proxy.migration import MovingStream, pull_outcome, refusal
+from kvbridge_proxy.migration import MOVES, MoveSettings, MovingStream, pull_outcome, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ PROBE_TIMEOUT_S = 5.0
 # Seconds to open a connection to an upstream. On loopback a connect takes microseconds unless the server's
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
 CONNECT_TIMEOUT_S = 5.0
+KEEP_ALIVE_S = 3.0
 MOVE_CONNECT_TRIES = 2  # a move's requests go to the one decode that holds its KV: a busy one is asked again
 SLOW_PROBES = 3
 # A health round probes at most this many servers at once: a thousand probes started together held the event loop
@@ -458,9 +460,15 @@ class ProxyMetrics:
         )
         self.migrations = prom.Counter(
             "kvbridge_proxy_migrations_total",
-            "Streams moved to another decode (--migrate), by outcome: pulled (the next decode read the KV), "
+            "Streams moved to another decode (--migrate), by outcome: precopied (the next decode read most of the KV "
+            "before the cut, the rest after), pulled (it read the KV after the cut), "
             "recomputed (it computed the prompt and the tokens so far), failed (the stream ended with an error).",
             ["outcome"],
+            registry=self.registry,
+        )
+        self.precopy_stages = prom.Counter(
+            "kvbridge_proxy_precopy_stages_total",
+            "Pre-copy stages of moving streams whose blocks the next decode pulled before the cut.",
             registry=self.registry,
         )
         self.handover_gap = prom.Histogram(
@@ -469,7 +477,7 @@ class ProxyMetrics:
             buckets=PHASE_BUCKETS,
             registry=self.registry,
         )
-        for outcome in ("pulled", "recomputed", "failed"):
+        for outcome in ("precopied", "pulled", "recomputed", "failed"):
             self.migrations.labels(outcome)
         for inst in (i for p in pools.values() for i in p.instances):
             self.track(inst)
@@ -517,6 +525,7 @@ class Proxy:
         migrate: bool = False,
         rebalance: Policy | None = None,
         limits: Limits | None = None,
+        moves: MoveSettings | None = None,
     ) -> None:
         if transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {transfer!r}")
@@ -530,6 +539,7 @@ class Proxy:
         self.transfer = transfer
         self.migrate = migrate or rebalance is not None  # move a draining decode's streams elsewhere (migration.py)
         self.rebalance = rebalance
+        self.moves = moves or MoveSettings()
         # layerwise: where each prefill server's side channel is (from its last answer; forgotten while it is down)
         self.identities: dict[str, KVTransferParams] = {}
         self.health_interval = health_interval
@@ -539,7 +549,9 @@ class Proxy:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             trust_env=False,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            # kept-alive connections are let go before vLLM's server closes them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s):
+            # one it closed just as it was reused fails the request sent on it
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEP_ALIVE_S),
         )
         self.metrics = ProxyMetrics(self.pools)
         # To release a prefill's lease at once when no decode took the request (else it waits lease_s), and to
@@ -1409,7 +1421,11 @@ class Proxy:
                         yield b"data: [DONE]\n\n"
                         finished = True
                         return
+                    elif kind == "cut" and self._precopies(moving, up):
+                        pass  # it goes on here while the next decode pulls what it filled; the cut comes after
                     else:  # the decode died or the cut: continue on another decode
+                        if moving.precopy is not None:
+                            moving.precopy.cancel()  # its decode died: what it lent is gone
                         moved = await self._move(moving, up, payload, pull=kind == "cut")
                         if moved is None:
                             error = {"message": f"decode server {up.decode.label} failed: {payload}", "code": 503}
@@ -1420,6 +1436,8 @@ class Proxy:
                         up = moved
                     item = await up.next()
             finally:
+                if moving.precopy is not None:
+                    moving.precopy.cancel()  # it releases what it holds
                 self._spawn(up.close() if finished else self._leave(up, moving, "its client left"))
 
         return StreamingResponse(
@@ -1450,8 +1468,9 @@ class Proxy:
         if moving.prompt is None:
             await up.close()
             return None
+        precopied, moving.precopied = moving.precopied, None
         try:
-            prefer = moving.prefer
+            prefer = precopied[0] if precopied is not None and pull else moving.prefer
             usable = prefer is not None and prefer is not source and prefer.serving
             target = prefer if usable else self.pools["decode"].pick(exclude=(source,))
         except NoInstance as exc:
@@ -1463,24 +1482,33 @@ class Proxy:
             return None
         cut = time.perf_counter()
         await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its migration id
-        pulled = source.identity if pull and up.marked else None
-        for n, identity in enumerate([pulled, None] if pulled is not None else [None]):
-            if n:  # the pull failed: the next decode computes it all
+        move = moving.move or self.moves.mode
+        offered = source.identity if pull and up.marked else None
+        # a pre-copied stream's tail is computed where its pre-copy went (MoveSettings.tail), not pulled
+        precomputed = precopied is not None and precopied[1] > 0 and precopied[0] is target
+        tail = precomputed and self.moves.tail == "compute"
+        pulled = offered if move != "recompute" and not tail else None
+        if offered is not None and pulled is None:  # nobody will read the blocks it offers
+            self._spawn(self._release_lease(attrs.evolve(offered, remote_request_id=moving.migration_id), "unread"))
+        for n, identity in enumerate([pulled, None] if pulled is not None or tail else [None]):
+            if n:  # the pull failed (or the pre-copied decode): the next decode computes it all
                 try:
                     target = self.pools["decode"].pick(exclude=(source,))
                 except NoInstance:
                     break
-            outcome = "recomputed"
+            outcome = "precopied" if tail and not n else "recomputed"
             if identity is not None:
                 reported = await self._pull(moving, target, identity)
                 if reported is None:
                     continue
                 outcome = reported
+                if outcome == "pulled" and precomputed:
+                    outcome = "precopied"
             # the KV is in the target's cache now (pulled, or computed there): the stream goes on from it
             moved = await self._resume(moving, target)
             if moved is None:
                 continue
-            if pulled is not None and outcome != "pulled":  # nobody read the offered blocks: free them now
+            if pulled is not None and outcome == "recomputed":  # nobody read the offered blocks: free them now
                 await self._release_lease(attrs.evolve(pulled, remote_request_id=moving.migration_id), "recomputed")
             gap = time.perf_counter() - cut
             self.metrics.migrations.labels(outcome).inc()
@@ -1505,50 +1533,137 @@ class Proxy:
         log.warning("stream %s could not move off %s (%s): it ends with an error", moving.migration_id, source.url, why)
         return None
 
+    def _precopies(self, moving: MovingStream, up: Upstream) -> bool:
+        """Start pre-copying a stream whose cut came, where it can be (then the cut waits for it): whether it did."""
+        source = up.decode
+        if moving.precopied is not None or not up.marked or source.identity is None:
+            return False  # (precopied: this cut's pre-copy ran already)
+        if (moving.move or self.moves.mode) != "precopy" or moving.prompt is None:
+            return False
+        if len(moving.prompt) + len(moving.generated) <= self.moves.tail_tokens:
+            return False  # as little as the cut would pull anyway
+        try:
+            prefer = moving.prefer
+            target = prefer if prefer is not None and prefer is not source and prefer.serving else None
+            target = target or self.pools["decode"].pick(exclude=(source,))
+        except NoInstance:
+            return False  # the cut finds none either, and the stream stays
+        if target.identity is None:
+            return False
+        moving.begin_precopy(asyncio.ensure_future(self._precopy(moving, source.identity, target)))
+        return True
+
+    async def _precopy(self, moving: MovingStream, source: KVTransferParams, target: Instance) -> None:
+        """Have `target` pull, in stages, the blocks the stream fills on `source` while it runs on; then cut it.
+
+        A stage pulls what its context adds; the stages end when at most `tail_tokens` are left to the cut."""
+        covered, began = 0, time.perf_counter()
+        try:
+            for stage in range(1, self.moves.stages + 1):
+                context = len(moving.prompt or ()) + len(moving.generated)
+                if covered and context - covered <= self.moves.tail_tokens:
+                    break
+                lease = precopy_id(moving.migration_id, stage)
+                outcome = None
+                try:
+                    outcome = await asyncio.wait_for(
+                        self._pull(moving, target, source, lease=lease, tokens=context), self.moves.stage_timeout_s
+                    )
+                finally:  # a lease read whole ended with its reader's DONE; any other is released here
+                    if outcome != "pulled":
+                        self._spawn(self._release_lease(attrs.evolve(source, remote_request_id=lease), "pre-copy"))
+                if outcome != "pulled":
+                    log.warning(
+                        "stream %s: pre-copy stage %d to %s %s",
+                        moving.migration_id,
+                        stage,
+                        target.url,
+                        "failed" if outcome is None else "was computed, not pulled",
+                    )
+                    break
+                covered = context
+                self.metrics.precopy_stages.inc()
+        except asyncio.TimeoutError:
+            log.warning(
+                "stream %s: a pre-copy stage to %s took over %.0f s",
+                moving.migration_id,
+                target.url,
+                self.moves.stage_timeout_s,
+            )
+        except asyncio.CancelledError:  # the stream ended or its client left: nothing is cut
+            moving.precopy = None
+            raise
+        except Exception:
+            log.exception("stream %s: pre-copy to %s failed", moving.migration_id, target.url)
+        log.info(
+            "stream %s: pre-copied %d tokens to %s in %.1f ms; cut with %d tokens",
+            moving.migration_id,
+            covered,
+            target.url,
+            (time.perf_counter() - began) * 1e3,
+            len(moving.prompt or ()) + len(moving.generated),
+        )
+        moving.end_precopy(target, covered)
+
     async def _send_moved(
         self, target: Instance, body: dict[str, Any], headers: dict[str, str], *, stream: bool, what: str
     ) -> httpx.Response | None:
         """POST a move's request to `target`: its response, or None (logged) when it failed.
 
-        A connect timeout is a busy server that never saw the request, not a dead one (as in `send_decode`): it is
-        asked once more, since only it holds the stream's KV. Any other transport error takes it out."""
+        Only `target` holds the stream's KV, so a request it may never have seen is asked once more: a connect timeout
+        (a busy server, as in `send_decode`: not taken out) and a connection that dropped before any answer (a kept-
+        alive connection the server closed as it was reused; a request it had begun was aborted with it). What fails
+        again, or fails any other way, takes it out."""
         request = self.client.build_request("POST", f"{target.url}/v1/completions", json=body, headers=headers)
         for attempt in range(MOVE_CONNECT_TRIES):
+            again = attempt + 1 < MOVE_CONNECT_TRIES
             try:
                 return await self.client.send(request, stream=stream)
             except httpx.ConnectTimeout:
-                again = attempt + 1 < MOVE_CONNECT_TRIES
                 log.warning(
                     "decode server %s did not accept the connection for %s in time (busy?)%s",
                     target.url,
                     what,
                     ": once more" if again else "",
                 )
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+                if not again:
+                    self._take_out(target, f"failed {what} ({type(exc).__name__}: {exc})")
+                    return None
+                log.warning("decode server %s dropped %s (%s): once more", target.url, what, type(exc).__name__)
             except httpx.TransportError as exc:
                 self._take_out(target, f"failed {what} ({type(exc).__name__}: {exc})")
                 return None
         return None
 
-    async def _pull(self, moving: MovingStream, target: Instance, source: KVTransferParams) -> str | None:
+    async def _pull(
+        self,
+        moving: MovingStream,
+        target: Instance,
+        source: KVTransferParams,
+        *,
+        lease: str | None = None,
+        tokens: int | None = None,
+    ) -> str | None:
         """Have `target` pull the stream's KV from `source` (the decode it left): what its connector reports happened.
 
         vLLM puts no `kv_transfer_params` in a stream, so the pull is a one-token request answered whole, whose params
         carry the target's report of its pull (`kvbridge_timing`, its pull states); the stream then goes on from the
         target's prefix cache. "pulled", "recomputed" (the pull failed and the target computed the KV itself: vLLM's
-        `kv_load_failure_policy="recompute"`), or None when the target refused or failed the request (policy "fail")."""
-        body = {**moving.resume_body(source, mark=False), "stream": False, "max_tokens": 1}
-        for key in ("min_tokens", "logprobs", "stream_options", "return_token_ids"):
-            body.pop(key, None)
+        `kv_load_failure_policy="recompute"`), or None when the target refused or failed the request (policy "fail").
+        `lease` and `tokens`: a pre-copy stage's lease and the context it reads (MovingStream.pull_body)."""
+        body = moving.pull_body(source, lease=lease, tokens=tokens)
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
+        what = "pulling a moved stream" if lease is None else "pre-copying a stream"
         target.in_flight += 1
         try:
-            resp = await self._send_moved(target, body, headers, stream=False, what="pulling a moved stream")
+            resp = await self._send_moved(target, body, headers, stream=False, what=what)
             if resp is None:
                 return None
         except BaseException:  # the client left: the target offers the aborted request's blocks under the migration id
-            if target.identity is not None:
-                lease = attrs.evolve(target.identity, remote_request_id=moving.migration_id)
-                self._spawn(self._release_lease(lease, "its client left"))
+            if target.identity is not None and lease is None:
+                lease_of = attrs.evolve(target.identity, remote_request_id=moving.migration_id)
+                self._spawn(self._release_lease(lease_of, "its client left"))
             raise
         finally:
             target.in_flight -= 1
@@ -1659,6 +1774,8 @@ class Proxy:
     async def admin(self, action: str, request: Request) -> Any:
         """`POST /admin/{cordon,uncordon,drain}` `{"server": URL or label}`, with the admin token as bearer token.
 
+        A drain may say how its streams move (`"move"`: precopy, stop-and-copy or recompute; the proxy's by default).
+
         The token is derived from the shared secret (`kvbridge proxy --admin-token`), never the secret itself.
 
         cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --migrate move its
@@ -1674,7 +1791,9 @@ class Proxy:
         body = await read_body(request)
         if isinstance(body, JSONResponse):
             return body
-        name = body.get("server")
+        name, move = body.get("server"), body.get("move")
+        if move is not None and (action != "drain" or move not in MOVES):
+            return JSONResponse({"error": f"'move' is for a drain, one of {list(MOVES)}; got {move!r}"}, 400)
         found = [i for p in self.pools.values() for i in p.instances if name in (i.url, i.label)]
         if not isinstance(name, str) or not found:
             known = [i.label for p in self.pools.values() for i in p.instances]
@@ -1683,7 +1802,7 @@ class Proxy:
             inst.cordoned = action != "uncordon"
             moved = list(inst.streams) if action == "drain" and self.migrate else []
             for stream in moved:
-                stream.request_cut("an operator drained its decode")
+                stream.request_cut("an operator drained its decode", move=move)
             log.warning(
                 "%s server %s %sed by an operator (%d streams to move)", inst.role, inst.url, action, len(moved)
             )
@@ -1711,6 +1830,7 @@ def create_app(
     migrate: bool = False,
     rebalance: Policy | None = None,
     limits: Limits | None = None,
+    moves: MoveSettings | None = None,
 ) -> FastAPI:
     """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`.
 
@@ -1720,6 +1840,7 @@ def create_app(
     `registry`: follow the servers announced there too (see the module doc).
     `migrate`: move a draining decode's streams to another decode (migration.py, docs/elastic.md).
     `rebalance`: also move streams off a decode under KV pressure by this policy (rebalance.py; implies `migrate`).
+    `moves`: how a stream moves (pre-copy, by default; migration.MoveSettings).
     `limits`: the bounds on one request and on the clients (limits.py); serve the app with `limits.server` for the
     deadlines on request heads."""
     proxy = Proxy(
@@ -1735,6 +1856,7 @@ def create_app(
         migrate=migrate,
         rebalance=rebalance,
         limits=limits,
+        moves=moves,
     )
     app = FastAPI(lifespan=proxy.lifespan)
     app.add_middleware(Admission, limits=proxy.limits)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from kvbridge.errors import ConfigError
 from kvbridge.secret import HOW_TO_SET, admin_token, load_secret
+from kvbridge_proxy.migration import MOVES, MoveSettings
 
 # Bounds on the limits' settings: far above any use, and finite (a NaN or infinite deadline is none).
 MAX_COUNT = 1 << 20
@@ -132,6 +133,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "stream whose decode dies is continued by another decode that computes it (default off)",
     )
     p.add_argument(
+        "--move",
+        choices=MOVES,
+        default="precopy",
+        help="how a stream moves (docs/elastic.md): precopy (the next decode pulls the blocks the stream filled while "
+        "it keeps running, then the rest after the cut), stop-and-copy (all of it after the cut), recompute (the next "
+        "decode computes it); default precopy",
+    )
+    p.add_argument(
+        "--precopy-stages", type=int, default=3, metavar="N", help="pre-copy stages at most before the cut (default 3)"
+    )
+    p.add_argument(
+        "--precopy-tail",
+        type=int,
+        default=64,
+        metavar="TOKENS",
+        help="cut once at most this many tokens of the stream were not pre-copied (default 64)",
+    )
+    p.add_argument(
+        "--precopy-tail-by",
+        choices=("compute", "pull"),
+        default="compute",
+        help="after a pre-copy, the next decode computes the stream's last tokens (the cut then needs nothing of the "
+        "decode it leaves) or pulls them (default compute; docs/elastic.md)",
+    )
+    p.add_argument(
         "--rebalance",
         action="store_true",
         help="with --migrate's machinery, move streams off a decode whose KV cache is at least --rebalance-above full "
@@ -244,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
         migrate=args.migrate,
         rebalance=rebalance,
         limits=limits,
+        moves=MoveSettings(
+            args.move, tail=args.precopy_tail_by, stages=args.precopy_stages, tail_tokens=args.precopy_tail
+        ),
     )
     server(app, args.host, args.port, limits).run()
     return 0

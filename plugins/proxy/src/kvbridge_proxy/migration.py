@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from kvbridge.control.params import KVTransferParams
+from kvbridge.errors import ConfigError
 
 CHAT = "/v1/chat/completions"
 # What a resumed `/v1/completions` request keeps of the client's: per-step sampling state that the prompt + generated
@@ -48,6 +49,38 @@ CARRIED = (
 )
 # Keys a delta may carry for the generated ids to spell the whole answer (a reasoning or tool parser's do not).
 PLAIN_DELTA = {"role", "content"}
+
+
+MOVES = ("precopy", "stop-and-copy", "recompute")
+
+
+@attrs.frozen
+class MoveSettings:
+    """How a stream moves (docs/elastic.md, "Pre-copy").
+
+    precopy: the next decode pulls the blocks the stream has filled while it keeps running, in up to `stages` stages,
+    until at most `tail_tokens` are left at the cut; it then computes that tail (`tail="compute"`: the cut needs
+    nothing more of the decode it leaves) or pulls it (`"pull"`). stop-and-copy: all of it is pulled after the cut.
+    recompute: the next decode computes it (what replaying the tokens costs). A stage not answered in `stage_timeout_s`
+    is given up: the cut then pulls what the stages did not."""
+
+    mode: str = attrs.field(default="precopy")
+    tail: str = attrs.field(default="compute", validator=attrs.validators.in_(("compute", "pull")))
+    stages: int = 3
+    tail_tokens: int = 64
+    stage_timeout_s: float = 30.0
+
+    @mode.validator
+    def _known(self, _attribute: Any, value: str) -> None:
+        if value not in MOVES:
+            raise ConfigError(f"a stream moves by {' or '.join(MOVES)}, not {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        if self.stages < 1 or self.tail_tokens < 0 or self.stage_timeout_s <= 0:
+            raise ConfigError(
+                f"pre-copy needs stages >= 1, tail_tokens >= 0 and stage_timeout_s > 0; got {self.stages}, "
+                f"{self.tail_tokens}, {self.stage_timeout_s}"
+            )
 
 
 def refusal(path: str, body: dict[str, Any]) -> str | None:
@@ -109,6 +142,9 @@ class MovingStream:
     cut_reason: str = ""
     _stays: bool = False  # a cut found no other decode: it finishes where it is
     prefer: Any = None  # the decode to move to (the rebalancer's pick), if it still takes requests
+    move: str | None = None  # how this cut moves it (None: the proxy's setting)
+    precopy: asyncio.Task | None = None  # the pre-copy of this cut, while it runs
+    precopied: tuple[Any, int] | None = None  # (decode, tokens) this cut's pre-copy left in that decode's cache
 
     @property
     def limit(self) -> int | None:
@@ -135,11 +171,22 @@ class MovingStream:
             }
         return out
 
-    def request_cut(self, reason: str, prefer: Any = None) -> None:
+    def request_cut(self, reason: str, prefer: Any = None, move: str | None = None) -> None:
         """Ask the relay to move this stream at its next event (it does so once the prompt's ids are known)."""
-        if self.movable and not self._stays and not self._cut.is_set():
-            self.cut_reason, self.prefer = reason, prefer
+        if self.movable and not self._stays and not self._cut.is_set() and self.precopy is None:
+            self.cut_reason, self.prefer, self.move = reason, prefer, move
             self._cut.set()
+
+    def begin_precopy(self, task: asyncio.Task) -> None:
+        """The cut waits while `task` pre-copies; it asks for the cut again when it ends."""
+        self.precopy = task
+        self._cut.clear()
+
+    def end_precopy(self, target: Any, tokens: int) -> None:
+        """The pre-copy ended, having left `tokens` in `target`'s cache (0: nothing): cut now, to `target`."""
+        self.precopy = None
+        self.precopied = (target, tokens)
+        self._cut.set()
 
     @property
     def cut_requested(self) -> bool:
@@ -158,7 +205,7 @@ class MovingStream:
         self.moves += 1
         self._resumed_at = len(self.generated)
         self._cut.clear()
-        self.cut_reason, self.prefer = "", None
+        self.cut_reason, self.prefer, self.move, self.precopied = "", None, None, None
 
     def take(self, event: dict[str, Any]) -> dict[str, Any]:
         """Record one event of the stream's upstream; return it as the client gets it."""
@@ -213,16 +260,28 @@ class MovingStream:
         out["choices"] = [{**choice, "delta": {"content": text} if text else {}, "logprobs": None}]
         return out
 
-    def resume_body(self, source: KVTransferParams | None, *, mark: bool) -> dict[str, Any]:
+    def pull_body(self, source: KVTransferParams, *, lease: str | None = None, tokens: int | None = None) -> dict:
+        """A one-token request whose decode pulls this stream's KV from `source`, answered whole with its report.
+
+        `lease`: the lease to read (a pre-copy stage's, else the cut's); `tokens`: the context's first tokens only."""
+        body = {**self.resume_body(source, mark=False, lease=lease, tokens=tokens), "stream": False, "max_tokens": 1}
+        for key in ("min_tokens", "logprobs", "stream_options", "return_token_ids"):
+            body.pop(key, None)
+        return body
+
+    def resume_body(
+        self, source: KVTransferParams | None, *, mark: bool, lease: str | None = None, tokens: int | None = None
+    ) -> dict[str, Any]:
         """The request that continues this stream on another decode.
 
         `source`: the decode it left, to pull the KV from (None: the next decode computes it). `mark`: the next
-        decode can be moved from too."""
+        decode can be moved from too. `lease` and `tokens`: as in `pull_body`."""
         assert self.prompt is not None
         body = {k: self.body[k] for k in CARRIED if k in self.body}
         if self.path != CHAT and self.body.get("logprobs") is not None:
             body["logprobs"] = self.body["logprobs"]
-        body.update(prompt=self.prompt + self.generated, stream=True, return_token_ids=True)
+        context = self.prompt + self.generated
+        body.update(prompt=context[:tokens] if tokens else context, stream=True, return_token_ids=True)
         if self.limit is not None:  # a spent stream is never moved (`spent`): at least one token is left
             body["max_tokens"] = max(1, self.limit - len(self.generated))
         if isinstance(self.body.get("min_tokens"), int):
@@ -232,7 +291,7 @@ class MovingStream:
             pull = attrs.evolve(
                 source,
                 do_remote_prefill=True,
-                kvbridge_migration_id=self.migration_id,
+                kvbridge_migration_id=lease or self.migration_id,
                 remote_num_tokens=len(body["prompt"]) - 1,  # vLLM computes the last token again anyway
                 transfer_mode="pull",
             )
