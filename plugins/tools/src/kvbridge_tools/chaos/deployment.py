@@ -90,6 +90,9 @@ class Joined:
     fault: str  # scale-out, or the drain fault it replaces a server for
 
 
+MOVES_S = 60.0  # how long an operator waits for the proxy to move a drained decode's streams before stopping it
+
+
 @attrs.define
 class Deployment:
     model: Path
@@ -105,6 +108,9 @@ class Deployment:
     drain_grace_s: float = 3.0
     registry_ttl_s: float = 6.0
     migrate: bool = False  # the proxy moves a draining decode's streams to another decode (--migrate)
+    # with hosts and a registry: a host for the registry, and `spares` hosts kept for the servers that join
+    elastic: bool = False
+    spares: int = 0
     prefill: list[Server] = attrs.field(factory=list)
     decode: list[Server] = attrs.field(factory=list)
     colocated: Server | None = None
@@ -120,14 +126,18 @@ class Deployment:
     drained: list[Drained] = attrs.field(factory=list)
     joined: list[Joined] = attrs.field(factory=list)
     _pending: set[str] = attrs.field(factory=set)  # threads of joins and drains not done yet
+    _free: list[str] = attrs.field(factory=list)  # spare hosts no server has taken yet
 
     def host_names(self) -> dict[str, list[str]]:
         """The hosts a `Hosts` for this deployment must have, by role."""
-        return {
+        names = {
             "prefill": [f"prefill{i}" for i in range(self.prefills)],
             "decode": [f"decode{i}" for i in range(self.decodes)],
             "proxy": ["proxy"],
         }
+        if self.elastic:
+            names.update(registry=["registry"], spare=[f"spare{i}" for i in range(self.spares)])
+        return names
 
     def _host(self, name: str) -> Host | None:
         return None if self.hosts is None else self.hosts[name]
@@ -177,6 +187,7 @@ class Deployment:
 
     def start(self, timeout: float = 900.0) -> None:
         names = self.host_names()
+        self._free = list(names.get("spare", [])) if self.hosts is not None else []
         self.prefill = [self._start_role("kv_producer", self._host(n)) for n in names["prefill"]]
         self.decode = [self._start_role("kv_consumer", self._host(n)) for n in names["decode"]]
         self.colocated = self._start(None, host=self._host("proxy"))
@@ -306,7 +317,14 @@ class Deployment:
         self._background(f"join-{role}-{len(self.joined)}-{time.monotonic():.3f}", self._join, role, fault)
 
     def _join(self, role: str, fault: str) -> None:
-        server = self._start_role(role)
+        host = None
+        if self.hosts is not None:
+            with self._lock:
+                if not self._free:
+                    log.error("chaos: %s: no spare host left for a %s server to join on", fault, ROLES[role])
+                    return
+                host = self.hosts[self._free.pop(0)]
+        server = self._start_role(role, host)
         log.warning("chaos: %s: %s server %s starting (pid %d)", fault, ROLES[role], server.url, server.pid)
         try:
             wait_healthy([server], timeout=600)
@@ -336,18 +354,39 @@ class Deployment:
             group.remove(server)
             drained = Drained(server, ROLES[role], fault, bound_s=self.shutdown_timeout_s + 60)
             self.drained.append(drained)
-        if fault == "drain-decode" and self.migrate:
-            # A rolling upgrade: the operator drains the decode at the proxy, which moves its streams now, then
-            # stops it. (A SIGTERM alone moves them too, once the proxy reads the record: tests/test_vllm_elastic.py.)
+        at_proxy = fault == "drain-decode" and self.migrate
+        if at_proxy:
+            # A rolling upgrade: the operator drains the decode at the proxy, which moves its streams (pre-copied
+            # while they run on), and stops it once they left. (A SIGTERM alone moves them too, once the proxy reads
+            # the record: tests/test_vllm_elastic.py.)
             self._drain_at_proxy(server)
+        self._background(f"drain-{server.port}", self._stop_drained, drained, fault, at_proxy)
+        if replace:
+            self.scale_out(role, fault)
+        return True
+
+    def _stop_drained(self, drained: Drained, fault: str, at_proxy: bool) -> None:
+        server = drained.server
+        if at_proxy:  # bounded: a stream the proxy could not move finishes on it, which the drain waits for
+            deadline = time.monotonic() + MOVES_S
+            while self._streams_on(server) and time.monotonic() < deadline:
+                time.sleep(0.2)
         log.warning("chaos: %s: SIGTERM %s (pid %d)", fault, server.url, server.pid)
         self._retired.append(self.kvbridge_counters(server))
         drained.started = time.monotonic()  # its exit is timed from the SIGTERM
         os.kill(server.pid, signal.SIGTERM)  # the API server only: vLLM passes it to its engine (docs/elastic.md)
-        self._background(f"drain-{server.port}", self._await_exit, drained)
-        if replace:
-            self.scale_out(role, fault)
-        return True
+        self._await_exit(drained)
+
+    def _streams_on(self, server: Server) -> int:
+        """The streams the proxy relays from `server` now (what an operator's drain moves)."""
+        import httpx
+
+        assert self.proxy is not None
+        try:
+            state = httpx.get(f"{self.proxy.url}/instances", timeout=10, trust_env=False).json()
+        except (httpx.HTTPError, ValueError):
+            return 0
+        return sum(i.get("streams", 0) for i in state.get("decode", []) if i.get("url") == server.url)
 
     def _await_exit(self, drained: Drained) -> None:
         server = drained.server

@@ -22,12 +22,12 @@ DROPPED = "dropped"  # the client itself gave up (disconnect/abort faults): noth
 
 # The proxy's line for each stream it moved (--migrate): kvbridge_proxy.app, `_move`.
 MOVE_LINE = re.compile(
-    r"stream \S+ \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (pulled|recomputed)\)"
+    r"stream \S+ \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (precopied|pulled|recomputed)\)"
 )
 
 
 def moves(proxy_log: str) -> dict[str, list[str]]:
-    """Each request the proxy moved, from its log: `"moved A -> B after k tokens (why, pulled|recomputed)"` per move."""
+    """Each request the proxy moved, from its log: `"moved A -> B after k tokens (why, outcome)"` per move."""
     out: dict[str, list[str]] = {}
     for rid, a, b, k, why, outcome in MOVE_LINE.findall(proxy_log):
         out.setdefault(rid, []).append(f"moved {a} -> {b} after {k} tokens ({why}, {outcome})")

@@ -176,8 +176,6 @@ def run(args: argparse.Namespace) -> int:
     if network_faults and not args.hosts:
         raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
     elastic = [f for f in args.faults if f in ELASTIC]
-    if elastic and args.hosts:
-        raise ConfigError(f"elastic faults ({', '.join(elastic)}) run on this host only: drop --hosts")
     if args.net_fault_s <= 0 or args.net_every_s <= args.net_fault_s:
         raise ConfigError("--net-fault-s must be positive and shorter than --net-every-s")
     # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
@@ -208,16 +206,20 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     network = None
+    if elastic:  # on hosts: the registry gets one, and each server that joins one kept for it
+        dep.elastic = True
+        dep.spares = _joins(args.faults, args.requests, args.seed)
     try:
         with contextlib.ExitStack() as stack:
+            if args.hosts:
+                network = _on_hosts(args, dep, stack)
             if elastic:
                 from kvbridge_tools.harness.redis import redis_server
 
-                dep.registry = stack.enter_context(redis_server(logs))  # it saves nothing there
+                where = dep.hosts["registry"] if dep.hosts is not None else None
+                dep.registry = stack.enter_context(redis_server(logs, host=where))  # it saves nothing there
                 if {"drain-decode", "scale-in"} & set(elastic):  # a drained decode's streams move (docs/elastic.md)
                     dep.migrate = True
-            if args.hosts:
-                network = _on_hosts(args, dep, stack)
             report = _play(args, dep, workload, network, logs)
     finally:
         model_dir.cleanup()
@@ -225,6 +227,14 @@ def run(args: argparse.Namespace) -> int:
     longest = max(slow_s, network.longest_s() if network else 0.0)
     report.handover_bound = transport_bound("mooncake", "tcp", {}, longest)  # the Deployment's transport
     return _finish(args, report, logs)
+
+
+def _joins(faults: list[str], requests: int, seed: int) -> int:
+    """How many servers join in a run: each scale-out, and the replacement of each drained server."""
+    from kvbridge_tools.chaos.faults import scaling, schedule
+
+    drains = sum(f.startswith("drain") for f in schedule(faults, requests, seed=seed).values())
+    return drains + sum(e == "scale-out" for e in scaling(faults, requests).values())
 
 
 def _on_hosts(args: argparse.Namespace, dep: Any, stack: contextlib.ExitStack) -> Any:
