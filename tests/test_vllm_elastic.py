@@ -490,8 +490,9 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
             reference = [client.token_ids(prefill, t) for t in texts]  # colocated: the prefill server alone
             admin = {"Authorization": f"Bearer {admin_token(SECRET)}"}
 
-            def call(action: str, server: Server) -> None:
-                r = client.http.post(f"{proxy.url}/admin/{action}", json={"server": server.url}, headers=admin)
+            def call(action: str, server: Server, **extra: str) -> None:
+                body = {"server": server.url, **extra}
+                r = client.http.post(f"{proxy.url}/admin/{action}", json=body, headers=admin)
                 assert r.status_code == 200, r.text
 
             def streams_on(server: Server) -> int:
@@ -521,7 +522,9 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
                     call("uncordon", b)
                     if unreachable:
                         hosts.partition("decode_a", "decode_b")
-                    call("drain", a)  # its streams move to B at their first event
+                    # its streams move to B at their first event, pulled after the cut (pre-copy would let them run
+                    # on while B tries: tests/test_proxy_migration.py has its failures)
+                    call("drain", a, move="stop-and-copy")
                 finally:
                     os.kill(core, signal.SIGCONT)
                 if unreachable:
