@@ -113,3 +113,19 @@ def test_noise_specs_and_their_refusals() -> None:
     assert out.returncode == 2 and "write cpu=N (N >= 1 busy processes)" in out.stderr
     out = kvbridge("bench", "--noise", "cpu=1", *QUICK)  # the pair bench has no servers to load
     assert out.returncode != 0 and "add --engine vllm --load" in out.stdout + out.stderr
+
+
+def test_the_migrate_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_cut() -> None:
+    """`kvbridge bench --engine vllm --migrate --hosts` (issue 43): refused without its engine or its hosts.
+
+    A stream's gap is from the event that brought its last token from the decode it left to the next event."""
+    from kvbridge_tools.bench.vllm_migrate import handover_gap
+
+    out = kvbridge("bench", "--migrate", "--hosts")
+    assert out.returncode != 0 and "add --engine vllm --hosts" in out.stdout + out.stderr
+    out = kvbridge("bench", "--engine", "vllm", "--migrate")
+    assert out.returncode != 0 and "add --hosts" in out.stdout + out.stderr
+    arrivals = [(0.0, 1), (0.01, 2), (0.02, 3), (0.52, 4), (0.53, 5)]
+    assert handover_gap(arrivals, 3) == pytest.approx(500.0)
+    assert handover_gap(arrivals, 5) is None, "moved after its last event: no gap to measure"
+    assert handover_gap(arrivals, 9) is None

@@ -23,6 +23,7 @@ MODES = {
     "vllm-connector": "kvbridge_tools.bench.connector",
     "compare": "kvbridge_tools.bench.compare",
     "scale": "kvbridge_tools.bench.scale",
+    "vllm-migrate": "kvbridge_tools.bench.vllm_migrate",
 }
 
 
@@ -117,6 +118,10 @@ def pick_mode(args: argparse.Namespace) -> str:
         if getattr(args, "engine", None) != "vllm":
             raise ConfigError("--load runs vLLM's serve benchmark against vLLM servers; add --engine vllm")
         return "vllm-load"
+    if getattr(args, "migrate", False):
+        if getattr(args, "engine", None) != "vllm":
+            raise ConfigError("--migrate moves streams between vLLM decode servers; add --engine vllm --hosts")
+        return "vllm-migrate"
     if getattr(args, "idle", False):
         if getattr(args, "engine", None) != "vllm":
             raise ConfigError("--idle measures vLLM servers after idle spells; add --engine vllm")
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--noise runs busy processes beside vLLM servers under load; add --engine vllm --load")
     if getattr(args, "link", None) and not getattr(args, "hosts", False):
         raise ConfigError("--link shapes the link between --hosts; add --hosts")
-    if getattr(args, "hosts", False) and mode not in ("pair", "vllm", "vllm-load"):
+    if getattr(args, "hosts", False) and mode not in ("pair", "vllm", "vllm-load", "vllm-migrate"):
         raise ConfigError(
             f"--hosts runs the pair bench, --engine vllm or --engine vllm --load (no other --engine, "
             f"--prefill/--decode or --compare-transports); not {mode}"

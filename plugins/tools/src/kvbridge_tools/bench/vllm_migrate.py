@@ -1,0 +1,361 @@
+"""`kvbridge bench --engine vllm --migrate --hosts`: the client's gap when a running stream moves, by how it moves.
+
+Hosts on one bridge (`kvbridge_tools.bench.link.placed`): a prefill server, decodes A and B (KVBridgeConnector over
+`--migration-backend`), redis, `kvbridge proxy --migrate`, and the client (this process's threads). `--link` shapes
+the prefill host's link. Each round starts 8 streams with a prompt of one context length on one decode (the other
+cordoned; the decode's engine core waits until all 8 are on it, so they run in step), and once each has 32 tokens
+an operator drains that decode at the proxy with one way to move (`"move"`: precopy, stop-and-copy, recompute).
+The next round starts on the other decode, so no server restarts and each move lands on a decode whose cache
+holds none of the round's prompts.
+
+Per round: the client's gap at the handover (its last event from the decode it left to its first from the next),
+p50 and p99 over the streams; and each decode's slowdown during the move: the median gap between a stream's events
+while the move runs over the median before it, on the decode it leaves (the drain to the cut) and on the next (its
+first 16 events over the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+from rich.progress import Progress
+
+from kvbridge.cli.output import err_console, print_json, print_table
+from kvbridge.errors import ConfigError
+from kvbridge_tools.bench.link import Link, placed
+
+MOVES = ("precopy", "stop-and-copy", "recompute")
+CONTEXTS = (256, 1024, 4096, 7800)
+STREAMS = 8
+GENERATED = 400  # tokens each stream asks for: room for a pre-copy's stages before the cut
+FIRST = 32  # tokens every stream has before the drain
+SETTLE = 16  # events on the next decode counted as "during the move"
+MOVED = re.compile(r"\(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (\w+)\)")
+COLUMNS = ["context", "move", "moved", "gap p50", "gap p99", "leaving decode slowdown", "next decode slowdown"]
+
+
+@attrs.define
+class Stream:
+    """What the client saw of one stream: each event's arrival and the tokens received by then."""
+
+    arrivals: list[tuple[float, int]] = attrs.Factory(list)
+    error: str = ""
+
+
+def check(args: argparse.Namespace) -> None:
+    if not getattr(args, "hosts", False):
+        raise ConfigError("--migrate moves streams between decodes on namespace hosts; add --hosts")
+    if getattr(args, "compare", None) is not None or getattr(args, "load", False):
+        raise ConfigError("--migrate measures kvbridge's moves alone; drop --compare and --load")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+    check(args)
+    contexts = args.lengths or list(CONTEXTS)
+    max_len = -(-(max(contexts) + GENERATED + 64) // 256) * 256
+    link = getattr(args, "link", None) or Link()
+    moves = [m for m in (args.moves or MOVES)]
+    with (
+        tempfile.TemporaryDirectory(prefix="kvbridge-bench-migrate-") as tmp,
+        placed(link, also=("decode_b", "registry", "proxy", "client")) as where,
+        Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
+    ):
+        root = Path(tmp)
+        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        model = build_tiny_llama(root / "model", TinyLlamaSpec(max_positions=max_len))
+        task = progress.add_task("rounds", total=len(contexts) * len(moves))
+        rows = _run_placed(args, where, model, logs, max_len, contexts, moves, lambda: progress.advance(task))
+    result = {
+        "engine": "vllm",
+        "migration_backend": args.migration_backend,
+        "streams": STREAMS,
+        "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+        "rows": rows,
+    }
+    if args.json:
+        print_json(result)
+    else:
+        print_table(
+            f"kvbridge bench --migrate: {STREAMS} streams moved at once, {link.describe()}",
+            COLUMNS,
+            [
+                [
+                    r["context"],
+                    r["move"],
+                    f"{r['moved']}/{STREAMS}",
+                    _ms(r["gap_ms"]["p50"]),
+                    _ms(r["gap_ms"]["p99"]),
+                    _x(r["slowdown"]["leaving"]),
+                    _x(r["slowdown"]["next"]),
+                ]
+                for r in rows
+            ],
+        )
+    return 0
+
+
+def _row(r: dict[str, Any]) -> list[Any]:
+    gap, slow = r["gap_ms"], r["slowdown"]
+    return [
+        r["context"],
+        r["move"],
+        f"{r['moved']}/{STREAMS}",
+        _ms(gap["p50"]),
+        _ms(gap["p99"]),
+        _x(slow["leaving"]),
+        _x(slow["next"]),
+    ]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} ms"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _run_placed(
+    args: argparse.Namespace,
+    where: Any,
+    model: Path,
+    logs: Path,
+    max_len: int,
+    contexts: list[int],
+    moves: list[str],
+    advance: Any,
+) -> list[dict[str, Any]]:
+    from kvbridge.secret import SECRET_ENV, admin_token
+    from kvbridge_tools.harness.redis import redis_server
+    from kvbridge_tools.harness.vllm_server import connector_config, start_proxy, start_vllm, wait_healthy
+
+    hosts = where.hosts
+    secret = where.env.get(SECRET_ENV) or os.environ[SECRET_ENV]
+    env = {**where.env, "VLLM_LOG_STATS_INTERVAL": "1"}
+    transport = {"protocol": args.protocol} if args.protocol else {}
+    with contextlib.ExitStack() as stack, hosts["client"].entered():
+        registry = stack.enter_context(redis_server(logs, host=hosts["registry"]))
+
+        def server(role: str, name: str) -> Any:
+            host = hosts[name]
+            from kvbridge_tools.harness.ports import free_port
+
+            port = free_port()
+            config = connector_config(
+                role,
+                backend=args.migration_backend,
+                registry=registry,
+                advertise_url=f"http://{host.address}:{port}",
+                drain_grace_s=3,
+                **transport,
+            )
+            s = start_vllm(
+                model, port=port, max_model_len=max_len, kv_transfer_config=config, env=env, log_dir=logs, host=host
+            )
+            stack.callback(s.stop)
+            return s
+
+        prefill, a, b = (
+            server("kv_producer", "prefill"),
+            server("kv_consumer", "decode"),
+            server("kv_consumer", "decode_b"),
+        )
+        wait_healthy([prefill, a, b], timeout=600)
+        proxy = start_proxy(
+            [],
+            [],
+            log_dir=logs,
+            host=hosts["proxy"],
+            registry=registry,
+            secret=secret,
+            migrate=True,
+            expose_internals=True,
+        )
+        stack.callback(proxy.stop)
+        bench = _Bench(proxy, str(model), {"Authorization": f"Bearer {admin_token(secret)}"})
+        bench.wait_warm(2)
+        rows = []
+        decodes = [a, b]
+        for context in contexts:
+            for move in moves:
+                source, target = decodes
+                rows.append(bench.round(context, move, source, target))
+                decodes.reverse()
+                advance()
+        return rows
+
+
+class _Bench:
+    def __init__(self, proxy: Any, model: str, admin: dict[str, str]) -> None:
+        import httpx
+
+        self.proxy, self.model, self.admin = proxy, model, admin
+        self.http = httpx.Client(timeout=httpx.Timeout(600, connect=10), trust_env=False)
+        self.rounds = 0
+        self.rng = random.Random(0)
+
+    def call(self, action: str, server: Any, **extra: str) -> None:
+        body = {"server": server.url, **extra}
+        r = self.http.post(f"{self.proxy.url}/admin/{action}", json=body, headers=self.admin)
+        if r.status_code != 200:
+            raise ConfigError(f"the proxy refused {action} of {server.url}: {r.status_code} {r.text}")
+
+    def instances(self) -> dict[str, Any]:
+        return self.http.get(f"{self.proxy.url}/instances").json()
+
+    def wait_warm(self, pairs: int) -> None:
+        _until(lambda: len(self.instances()["warmed"]) >= pairs, 300, "the proxy's warm-up of every pair")
+
+    def on(self, server: Any) -> int:
+        return sum(i["streams"] for i in self.instances()["decode"] if i["url"] == server.url)
+
+    def round(self, context: int, move: str, source: Any, target: Any) -> dict[str, Any]:
+        """8 streams of `context` prompt tokens on `source`, drained to `target` with `move`; their gaps."""
+        self.rounds += 1
+        names = [f"bench-{self.rounds}-{n}" for n in range(STREAMS)]
+        seen = [Stream() for _ in names]
+        self.call("cordon", target)
+        self.call("uncordon", source)
+        core = engine_core(source)
+        os.kill(core, signal.SIGSTOP)  # every stream on `source` before any runs: they move at the same length
+        threads = [
+            threading.Thread(target=self._stream, args=(name, context, s), daemon=True) for name, s in zip(names, seen)
+        ]
+        try:
+            for t in threads:
+                t.start()
+            _until(lambda: self.on(source) == STREAMS or any(s.error for s in seen), 600, "every stream on the decode")
+        finally:
+            os.kill(core, signal.SIGCONT)
+        _until(
+            lambda: all(s.arrivals and s.arrivals[-1][1] >= FIRST for s in seen) or any(s.error for s in seen),
+            600,
+            "the streams' first tokens",
+        )
+        self.call("uncordon", target)
+        drained = time.monotonic()
+        self.call("drain", source, move=move)
+        for t in threads:
+            t.join(timeout=600)
+        errors = [s.error for s in seen if s.error]
+        moved = {m[0]: (m[1], int(m[3]), m[5]) for m in MOVED.findall(self.proxy.log_path.read_text()) if m[0] in names}
+        gaps, leaving, settling = [], [], []
+        for name, s in zip(names, seen):
+            if name not in moved:
+                continue
+            cut = moved[name][1]
+            gap = handover_gap(s.arrivals, cut)
+            if gap is not None:
+                gaps.append(gap)
+            before = [t1 - t0 for (t0, _), (t1, _) in zip(s.arrivals, s.arrivals[1:]) if t1 < drained]
+            during = [t1 - t0 for (t0, n0), (t1, _) in zip(s.arrivals, s.arrivals[1:]) if t0 >= drained and n0 < cut]
+            after = [t1 - t0 for (t0, n0), (t1, _) in zip(s.arrivals, s.arrivals[1:]) if n0 > cut]
+            if before and during:
+                leaving.append(statistics.median(during) / statistics.median(before))
+            if len(after) > 2 * SETTLE:
+                settling.append(statistics.median(after[:SETTLE]) / statistics.median(after[SETTLE:]))
+        gaps.sort()
+        return {
+            "context": context,
+            "move": move,
+            "moved": len(moved),
+            "outcomes": sorted({m[2] for m in moved.values()}),
+            "errors": errors[:3],
+            "gap_ms": {"p50": _q(gaps, 0.5), "p99": _q(gaps, 0.99), "all": [round(g, 1) for g in gaps]},
+            "slowdown": {
+                "leaving": statistics.median(leaving) if leaving else None,
+                "next": statistics.median(settling) if settling else None,
+            },
+        }
+
+    def _stream(self, name: str, context: int, out: Stream) -> None:
+        prompt = [self.rng.randrange(1000, 30000) for _ in range(context)]
+        body = {"model": self.model, "prompt": prompt, "max_tokens": GENERATED, "temperature": 0, "ignore_eos": True}
+        body |= {"stream": True, "return_token_ids": True}
+        got = 0
+        try:
+            with self.http.stream(
+                "POST", f"{self.proxy.url}/v1/completions", json=body, headers={"x-request-id": name}
+            ) as r:
+                if r.status_code != 200:
+                    out.error = f"{r.status_code} {r.read()[:200]!r}"
+                    return
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        event = json.loads(line[len("data: ") :])
+                        if "error" in event:
+                            out.error = str(event["error"])[:200]
+                            return
+                        got += len((event.get("choices") or [{}])[0].get("token_ids") or [])
+                        out.arrivals.append((time.monotonic(), got))
+        except Exception as exc:  # a bench reports what failed, it does not stop at it
+            out.error = f"{type(exc).__name__}: {exc}"
+
+
+def handover_gap(arrivals: list[tuple[float, int]], cut: int) -> float | None:
+    """The client's gap (ms) between its last event from the decode it left (`cut` tokens by then) and the next."""
+    last = [i for i, (_, count) in enumerate(arrivals) if count == cut]
+    if not last or last[-1] + 1 >= len(arrivals):
+        return None
+    i = last[-1]
+    return (arrivals[i + 1][0] - arrivals[i][0]) * 1e3
+
+
+def engine_core(server: Any) -> int:
+    """The pid of a vLLM server's engine core: stopped, it schedules nothing; its workers and side channels run on."""
+    todo, found = [server.pid], []
+    while todo:
+        pid = todo.pop()
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                found += kids
+                todo += kids
+    for pid in found:
+        with contextlib.suppress(OSError):
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    raise ConfigError(f"no engine core process under {server.url} (pid {server.pid})")
+
+
+def _q(values: list[float], q: float) -> float | None:
+    return None if not values else round(values[min(len(values) - 1, int(q * len(values)))], 1)
+
+
+def _until(done: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise ConfigError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """Options of `--engine vllm --migrate --hosts` (it takes --engine vllm's `--lengths` as context lengths)."""
+    group.add_argument(
+        "--migrate",
+        action="store_true",
+        help="with --engine vllm --hosts: move 8 running streams at once between two decodes (kvbridge proxy "
+        "--migrate), by pre-copy, stop-and-copy and recompute, at each context length (--lengths, default "
+        f"{','.join(map(str, CONTEXTS))}); the client's gap p50/p99 and each decode's slowdown during the move "
+        "(kvbridge_tools.bench.vllm_migrate, docs/elastic.md)",
+    )
+    group.add_argument(
+        "--moves", nargs="+", choices=MOVES, default=None, help="with --migrate: the ways to move (default: all)"
+    )
