@@ -119,7 +119,7 @@ def test_the_migrate_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_cut(
     """`kvbridge bench --engine vllm --migrate --hosts` (issue 43): refused without its engine or its hosts.
 
     A stream's gap is from the event that brought its last token from the decode it left to the next event."""
-    from kvbridge_tools.bench.vllm_migrate import handover_gap
+    from kvbridge_tools.bench.vllm_migrate import handover_gap, slowdown
 
     out = kvbridge("bench", "--migrate", "--hosts")
     assert out.returncode != 0 and "add --engine vllm --hosts" in out.stdout + out.stderr
@@ -129,3 +129,8 @@ def test_the_migrate_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_cut(
     assert handover_gap(arrivals, 3) == pytest.approx(500.0)
     assert handover_gap(arrivals, 5) is None, "moved after its last event: no gap to measure"
     assert handover_gap(arrivals, 9) is None
+    # 100 tokens/s before, 25 during (its events read in one burst: gaps of zero between them)
+    steady = [(0.0, 0), (0.5, 50), (1.0, 100)]
+    burst = [(1.0, 100), (1.8, 110), (1.8, 115), (1.8, 120)]
+    assert slowdown(steady, burst) == pytest.approx(4.0)
+    assert slowdown(steady, burst[:1]) is None
