@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -253,8 +254,8 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
     while it runs on B, and only the tail after the cut.
 
     Each host has its own network namespace. Every output equals a colocated server's, none is cut, B exits holding
-    no block, and each stream's pre-copy gap (the client's time between two tokens at the handover) is shorter than
-    its own stop-and-copy gap, at a longer context."""
+    no block, and the streams' median pre-copy gap (the client's time between two tokens at the handover) is shorter
+    than their median stop-and-copy gap, at a longer context."""
     hosts = hosts_factory(MIGRATION_HOSTS)
     model = build_tiny_llama(tmp_path / "model", TinyLlamaSpec(max_positions=8192))
     logs = tmp_path / "logs"
@@ -398,8 +399,10 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             assert b_log.count("pre-copy kvbridge-mig-") >= STREAMS, failure_reports(b)  # a lease lent per stream
             assert "closing with 0 leases held (0 blocks)" in b_log, failure_reports(b)
             assert set(precopy) == set(stop_and_copy) == set(range(STREAMS)), report
-            slower = {n: (precopy[n], stop_and_copy[n]) for n in precopy if precopy[n] >= stop_and_copy[n]}
-            assert not slower, f"pre-copy was not faster than stop-and-copy for these streams (ms): {slower}"
+            # Against the same streams' stop-and-copy gaps, not a time: their medians (docs/elastic.md, Tests, says why
+            # not stream by stream, nor the worst of each)
+            pre, stop = statistics.median(precopy.values()), statistics.median(stop_and_copy.values())
+            assert pre < stop, f"pre-copy's median gap {pre:.0f} ms, stop-and-copy's {stop:.0f} ms: {report}"
             client.http.close()
         finally:
             for s in started:
