@@ -520,19 +520,26 @@ def test_a_stream_is_pre_copied_while_it_runs_then_cut_with_its_tail_left(cluste
 WAIT = threading.Event()
 
 
+def _one_whole(cluster: Cluster, stages_wait: threading.Event | None = None) -> None:
+    """`_one`, its tokens checked whole and exact; `stages_wait` (B's `precopy_wait`) holds B's stages meanwhile."""
+    if stages_wait is not None:
+        stages_wait.clear()
+    try:
+        events = _one(cluster)
+    finally:
+        if stages_wait is not None:
+            stages_wait.set()
+    assert events[-1] == "[DONE]"
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+
+
 @pytest.mark.parametrize("cluster", [{"moves": PRECOPY, "b": {"precopy_wait": WAIT}}], indirect=True)
 def test_a_stream_that_ends_during_its_pre_copy_is_not_moved_and_its_lent_lease_released(cluster: Cluster) -> None:
     """Issue 43: B's pre-copy stage is slow; the stream finishes on A meanwhile.
 
     Nothing is cut, the stage's lease on A is released (so A's engine frees the request's blocks), and B's stage is
     dropped."""
-    WAIT.clear()
-    try:
-        events = _one(cluster)
-    finally:
-        WAIT.set()
-    assert events[-1] == "[DONE]"
-    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    _one_whole(cluster, WAIT)
     [migration] = cluster.migration_ids()
     [stage] = _stages(cluster)
     assert len(cluster.b.bodies) == 1, "nothing asked of B but the stage"
@@ -545,9 +552,7 @@ def test_a_stream_whose_next_decode_dies_during_pre_copy_stays_and_ends_whole(cl
     """Issue 43: B drops the pre-copy stage (it died).
 
     B is taken out, the stream finishes on A (no other decode), and the stage's lease on A is released."""
-    events = _one(cluster)
-    assert events[-1] == "[DONE]"
-    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    _one_whole(cluster)
     [migration] = cluster.migration_ids()
     asked = [s["kv_transfer_params"]["kvbridge_migration_id"] for s in _stages(cluster)]
     assert asked == [precopy_id(migration, 1)] * 2, "dropped unanswered: asked once more, then taken out"
@@ -560,13 +565,7 @@ def test_a_stream_whose_next_decode_dies_during_pre_copy_stays_and_ends_whole(cl
 )
 def test_a_stream_whose_decode_dies_during_pre_copy_is_computed_on_the_next(cluster: Cluster) -> None:
     """Issue 43: A dies while B's pre-copy stage runs: the stage is dropped and B computes the stream (recomputed)."""
-    WAIT.clear()
-    try:
-        events = _one(cluster)
-    finally:
-        WAIT.set()
-    assert events[-1] == "[DONE]"
-    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    _one_whole(cluster, WAIT)
     [migration] = cluster.migration_ids()
     wait_for(lambda: _released(cluster, precopy_id(migration, 1)), what="the stage's lease released on A")
     assert (_metric(cluster, "recomputed"), _metric(cluster, "precopied")) == (1.0, 0.0)
