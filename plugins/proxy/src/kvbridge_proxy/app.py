@@ -1470,9 +1470,7 @@ class Proxy:
             return None
         precopied, moving.precopied = moving.precopied, None
         try:
-            prefer = precopied[0] if precopied is not None and pull else moving.prefer
-            usable = prefer is not None and prefer is not source and prefer.serving
-            target = prefer if usable else self.pools["decode"].pick(exclude=(source,))
+            target = self._next_decode(source, precopied[0] if precopied is not None and pull else moving.prefer)
         except NoInstance as exc:
             if pull:
                 log.warning("stream %s stays on %s: %s", moving.migration_id, source.url, exc)
@@ -1533,6 +1531,12 @@ class Proxy:
         log.warning("stream %s could not move off %s (%s): it ends with an error", moving.migration_id, source.url, why)
         return None
 
+    def _next_decode(self, source: Instance, prefer: Instance | None) -> Instance:
+        """Where a stream leaving `source` goes: `prefer` while it takes requests, else the pool's pick (NoInstance)."""
+        if prefer is not None and prefer is not source and prefer.serving:
+            return prefer
+        return self.pools["decode"].pick(exclude=(source,))
+
     def _precopies(self, moving: MovingStream, up: Upstream) -> bool:
         """Start pre-copying a stream whose cut came, where it can be (then the cut waits for it): whether it did."""
         source = up.decode
@@ -1543,9 +1547,7 @@ class Proxy:
         if len(moving.prompt) + len(moving.generated) <= self.moves.tail_tokens:
             return False  # as little as the cut would pull anyway
         try:
-            prefer = moving.prefer
-            target = prefer if prefer is not None and prefer is not source and prefer.serving else None
-            target = target or self.pools["decode"].pick(exclude=(source,))
+            target = self._next_decode(source, moving.prefer)
         except NoInstance:
             return False  # the cut finds none either, and the stream stays
         if target.identity is None:
