@@ -614,21 +614,24 @@ class Proxy:
         # A server that refuses connections or answers an error is down now. One that is only slow
         # to answer /health is busy (a loaded vLLM can take seconds), and taking it out would shift
         # all its traffic onto the others; it is down after SLOW_PROBES slow answers in a row.
+        why = ""
         try:
             resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
             ok, inst.slow_probes = resp.status_code == 200, 0
+            why = f" ({resp.status_code})"
         except httpx.TimeoutException:
             inst.slow_probes += 1
             ok = inst.healthy and inst.slow_probes < SLOW_PROBES
-        except httpx.HTTPError:
-            ok = False
+            why = f" ({inst.slow_probes} slow probes in a row)"
+        except httpx.HTTPError as exc:
+            ok, why = False, f" ({type(exc).__name__}: {exc})"
         except Exception as exc:  # noqa: BLE001
             # The HTTP stack's own bugs are a failed probe, not the end of health checks (seen in a chaos
             # run: httpcore raised AttributeError on a socket closed while connecting to a killed server).
             log.warning("%s server %s: health probe failed (%s: %s)", inst.role, inst.url, type(exc).__name__, exc)
             ok = False
         if ok != inst.healthy:
-            log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else "down: taken out")
+            log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else f"down: taken out{why}")
         inst.healthy = ok
 
     async def _probe_in(self, slots: asyncio.Semaphore, inst: Instance) -> None:
