@@ -122,7 +122,10 @@ class Watchdog:
         if where:
             path = Path(where, f"stall-{os.getpid()}-{self.stalls}-{time.strftime('%H%M%S')}.txt")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text + "\n")
+            # Whole or absent: whoever watches the folder (an operator's tail, a test) never reads half a dump.
+            partial = path.with_name(f".{path.name}.partial")
+            partial.write_text(text + "\n")
+            os.replace(partial, path)
             log.warning("stall stacks written to %s", path)
 
 
