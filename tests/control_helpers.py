@@ -17,11 +17,11 @@ if TYPE_CHECKING:
     from kvbridge_tools.harness.hosts import Host
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    """Poll `cond` until it holds; fail the test after `timeout` seconds."""
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str | Callable[[], str] = "condition") -> None:
+    """Poll `cond` until it holds; fail the test after `timeout` seconds, saying `what` (called then, if callable)."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         time.sleep(0.02)
 
 

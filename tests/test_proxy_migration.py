@@ -69,7 +69,8 @@ class TokenDecode(Serving):
     (vLLM's `kv_load_failure_policy="fail"`); `recompute_pulls`: its report says the pull failed (policy "recompute":
     the server computed the KV itself). `die_after`: the connection drops after that many token events (a killed
     server). `hold_done`: [DONE] waits for this event after the last token. `precopy_wait`: a pre-copy stage's pull
-    waits for this event (at most 30 s); `precopy_dies`: the server drops a pre-copy stage's connection unanswered."""
+    waits for this event (at most 30 s); `precopy_dies`: the server drops a pre-copy stage's connection unanswered,
+    and its /health fails from then on (it died)."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class TokenDecode(Serving):
         precopy_dies: bool = False,
     ) -> None:
         self.bodies: list[dict] = []
+        self.dead = False
         app = FastAPI()
 
         async def stream(path: str, request: Request) -> Any:
@@ -99,6 +101,7 @@ class TokenDecode(Serving):
             if params.get("do_remote_prefill") and body.get("stream") is False:  # a moved stream's pull
                 if precopied(str(params.get("kvbridge_migration_id"))) is not None:
                     if precopy_dies:
+                        self.dead = True  # and so it stays: its /health fails from now on
 
                         async def dropped() -> Any:
                             raise RuntimeError("killed")  # before the first byte: the connection drops
@@ -164,8 +167,8 @@ class TokenDecode(Serving):
             return await stream("/v1/chat/completions", request)
 
         @app.get("/health")
-        async def health() -> dict:
-            return {}
+        async def health() -> Any:
+            return JSONResponse({}, status_code=503 if self.dead else 200)
 
         super().__init__(app)
 
@@ -399,6 +402,32 @@ def test_an_operator_cordons_and_drains_a_decode_at_the_proxy(cluster: Cluster) 
     assert admin.post("/admin/uncordon", json={"server": cluster.a.url}, headers=auth).status_code == 200
     assert not _decode(admin, cluster.a.url)["cordoned"]
     admin.close()
+
+
+@pytest.mark.parametrize("cluster", [{"a": {"delay_s": 0.05}}], indirect=True)
+def test_a_stream_that_no_decode_could_take_moves_once_one_can(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator drains A while B drains too: the stream stays on A for now, and moves once B serves again.
+
+    (A health round that took out every other decode for a second must not keep a drained decode's streams.)"""
+    admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
+    auth = {"Authorization": f"Bearer {admin_token(SECRET)}"}
+    events: list = []
+    body = {"model": "m", "prompt": "nowhere to go yet", "max_tokens": MAX_TOKENS, "stream": True}
+
+    def drain() -> None:
+        assert admin.post("/admin/drain", json={"server": cluster.a.url}, headers=auth).status_code == 200
+        wait_for(lambda: any("stays on" in m for m in caplog.messages), what="the stream to stay on A")
+        cluster.serve_b()
+
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        _stream(cluster.proxy.url, "/v1/completions", body, events, drain)
+    admin.close()
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", body), MAX_TOKENS)
+    assert _metric(cluster, "pulled") == 1.0, caplog.messages
+    [moved] = [m for m in caplog.messages if "moved from" in m]
+    assert f"from {cluster.a.url} to {cluster.b.url}" in moved
 
 
 @pytest.mark.parametrize("cluster", [{"b": {"fail_pulls": True}}], indirect=True)

@@ -10,6 +10,7 @@ dead before the health loop has noticed it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import socket
@@ -224,6 +225,67 @@ def test_a_slow_health_answer_is_busy_not_dead(monkeypatch: pytest.MonkeyPatch, 
         state = httpx.get(f"{front.url}/instances", trust_env=False).json()
     # Fewer slow answers in a row than SLOW_PROBES never take a server out; endless ones do.
     assert state["decode"][0]["healthy"] is (slow < SLOW_PROBES)
+
+
+class DroppingHealth:
+    """A decode server's /health that drops the connection of its first `drops` probes unanswered, then answers 200."""
+
+    def __init__(self, drops: int) -> None:
+        self.drops, self.probes = drops, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+                    self.probes += 1
+                    if self.probes > self.drops:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+
+    def __enter__(self) -> DroppingHealth:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.listener.close()
+
+
+@pytest.mark.parametrize("drops", [1, 10**6])
+def test_a_health_probe_whose_connection_dropped_is_asked_again_before_the_server_is_taken_out(
+    upstreams: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture, drops: int
+) -> None:
+    """One dropped probe (a kept-alive connection the server closed as it was reused) is asked once more.
+
+    A server that drops every probe is taken out, and the log says why."""
+    prefill, _ = upstreams
+    with (
+        caplog.at_level("INFO", logger="kvbridge_proxy.app"),
+        DroppingHealth(drops) as decode,
+        Serving(create_app([prefill.url], [decode.url], health_interval=0.05, warm_up=False)) as front,
+    ):
+        deadline = time.monotonic() + 30
+        while decode.probes < 6:
+            assert time.monotonic() < deadline, "the proxy stopped probing"
+            time.sleep(0.01)
+        state = httpx.get(f"{front.url}/instances", trust_env=False).json()
+    down = [m for m in caplog.messages if decode.url in m and "down: taken out" in m]
+    assert state["decode"][0]["healthy"] is (drops == 1), caplog.messages
+    if drops == 1:
+        assert not down and any(f"{decode.url} dropped a health probe" in m for m in caplog.messages)
+    else:
+        assert len(down) == 1 and "RemoteProtocolError" in down[0], down
 
 
 def test_each_pair_is_warmed_once_both_servers_are_up() -> None:

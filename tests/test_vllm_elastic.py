@@ -359,7 +359,11 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             reach(first_move, "the first move")
             post("uncordon", b)
             post("drain", a, move="stop-and-copy")
-            wait_for(lambda: len(MOVED.findall(proxy.log_path.read_text())) == STREAMS, timeout=120, what="8 moves")
+            wait_for(
+                lambda: len(MOVED.findall(proxy.log_path.read_text())) == STREAMS,
+                timeout=120,
+                what=lambda: f"8 moves\n{failure_reports(proxy, a, b)}",
+            )
             # the second move is at a longer context than any first
             reach(max(int(m[4]) for m in MOVED.findall(proxy.log_path.read_text())) + 300, "the second move")
             hits = {b.url: b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) - hits_before[b.url]}

@@ -79,6 +79,9 @@ PROBE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
 KEEP_ALIVE_S = 3.0
 MOVE_CONNECT_TRIES = 2  # a move's requests go to the one decode that holds its KV: a busy one is asked again
+# A connection that dropped before any answer: most often a kept-alive one the server closed as it was reused. The
+# server may well be up; a request that it never answered is asked once more before it counts.
+DROPPED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
 SLOW_PROBES = 3
 # A health round probes at most this many servers at once: a thousand probes started together held the event loop
 # (requests and registry reads waited behind them).
@@ -616,7 +619,11 @@ class Proxy:
         # all its traffic onto the others; it is down after SLOW_PROBES slow answers in a row.
         why = ""
         try:
-            resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+            try:
+                resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+            except DROPPED as exc:
+                log.info("%s server %s dropped a health probe (%s): once more", inst.role, inst.url, type(exc).__name__)
+                resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
             ok, inst.slow_probes = resp.status_code == 200, 0
             why = f" ({resp.status_code})"
         except httpx.TimeoutException:
@@ -1420,6 +1427,7 @@ class Proxy:
                         yield _sse(moving.take(payload))
                         if up.decode.draining:
                             moving.request_cut("its decode drains")
+                        moving.cut_again(wanted=not up.decode.serving)
                     elif kind == "done" or moving.spent:  # (spent: its decode died after the last token: it is whole)
                         yield b"data: [DONE]\n\n"
                         finished = True
@@ -1476,8 +1484,8 @@ class Proxy:
             target = self._next_decode(source, precopied[0] if precopied is not None and pull else moving.prefer)
         except NoInstance as exc:
             if pull:
-                log.warning("stream %s stays on %s: %s", moving.migration_id, source.url, exc)
-                moving.stay()
+                log.warning("stream %s stays on %s for now: %s", moving.migration_id, source.url, exc)
+                moving.stay(self.health_interval)  # the next health round may bring one back
                 return up
             await up.close()
             return None
@@ -1631,7 +1639,7 @@ class Proxy:
                     what,
                     ": once more" if again else "",
                 )
-            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+            except DROPPED as exc:
                 if not again:
                     self._take_out(target, f"failed {what} ({type(exc).__name__}: {exc})")
                     return None

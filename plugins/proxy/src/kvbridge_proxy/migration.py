@@ -13,6 +13,7 @@ answer's id, chat deltas for a chat request, usage counted as if one server had 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from typing import Any
 
@@ -140,7 +141,7 @@ class MovingStream:
     _resumed_at: int = 0  # len(generated) when the current upstream took over: its usage counts from there
     _cut: asyncio.Event = attrs.Factory(asyncio.Event)
     cut_reason: str = ""
-    _stays: bool = False  # a cut found no other decode: it finishes where it is
+    _again_at: float = 0.0  # a cut found no other decode: it goes on where it is, and its cut is made again then
     prefer: Any = None  # the decode to move to (the rebalancer's pick), if it still takes requests
     move: str | None = None  # how this cut moves it (None: the proxy's setting)
     precopy: asyncio.Task | None = None  # the pre-copy of this cut, while it runs
@@ -173,7 +174,7 @@ class MovingStream:
 
     def request_cut(self, reason: str, prefer: Any = None, move: str | None = None) -> None:
         """Ask the relay to move this stream at its next event (it does so once the prompt's ids are known)."""
-        if self.movable and not self._stays and not self._cut.is_set() and self.precopy is None:
+        if self.movable and not self._again_at and not self._cut.is_set() and self.precopy is None:
             self.cut_reason, self.prefer, self.move = reason, prefer, move
             self._cut.set()
 
@@ -195,16 +196,29 @@ class MovingStream:
     async def wait_cut(self) -> None:
         await self._cut.wait()
 
-    def stay(self) -> None:
-        """No other decode could take it: it finishes where it is, asked to move again or not."""
-        self._stays = True
+    def stay(self, for_s: float) -> None:
+        """No other decode could take it now: it goes on where it is, and its cut is made again in `for_s`.
+
+        Not for good: in a run one health round took out every other decode (for a second) just as an operator drained
+        this one, and its streams would have stayed on it to their end."""
+        self._again_at = time.monotonic() + for_s
         self._cut.clear()
+
+    def cut_again(self, *, wanted: bool) -> None:
+        """At an event: make a cut that found no other decode again, once its wait is over.
+
+        Only while it is still `wanted` (its decode takes no requests: drained, cordoned, or down)."""
+        if self._again_at and time.monotonic() >= self._again_at:
+            self._again_at = 0.0
+            if wanted and self.movable and self.precopy is None:
+                self._cut.set()
 
     def moved(self) -> None:
         """The stream now comes from another decode: a later cut is a new one."""
         self.moves += 1
         self._resumed_at = len(self.generated)
         self._cut.clear()
+        self._again_at = 0.0
         self.cut_reason, self.prefer, self.move, self.precopied = "", None, None, None
 
     def take(self, event: dict[str, Any]) -> dict[str, Any]:
