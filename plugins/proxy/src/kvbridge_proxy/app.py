@@ -621,8 +621,13 @@ class Proxy:
         try:
             try:
                 resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
-            except DROPPED as exc:
-                log.info("%s server %s dropped a health probe (%s): once more", inst.role, inst.url, type(exc).__name__)
+            except httpx.TimeoutException:
+                raise
+            except httpx.TransportError as exc:
+                # Once more at once: a server that is gone refuses again in microseconds, while a connection that
+                # dropped (DROPPED), or a connect the kernel failed, may not say it is. In a run one round took out
+                # both idle decodes at once, with no HTTP answer, on a box starved for seconds; the next was fine.
+                log.info("%s server %s: health probe failed (%s): once more", inst.role, inst.url, type(exc).__name__)
                 resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
             ok, inst.slow_probes = resp.status_code == 200, 0
             why = f" ({resp.status_code})"
