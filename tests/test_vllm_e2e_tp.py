@@ -3,9 +3,11 @@
 The tiny model has two KV heads. TP2 -> TP1: the decode rank reads head 0 of each block from prefill
 rank 0 and head 1 from rank 1, and each prefill rank counts its one DONE. TP1 -> TP2: each decode
 rank reads its own head from the one prefill rank, which frees the blocks only after both DONEs.
-The reference is each decode server itself answering without kv_transfer_params (it computes the
-prompt locally, as a colocated server would), which saves starting more servers; prefix caching is
-off on the decode servers so that the local answers cannot reuse the pulled blocks.
+Two servers play both pairs, each in both roles (`kv_both`, as vLLM deploys NixlConnector): the TP=2 one prefills
+for the TP=1 one, and decodes for it. The reference is the decoding server itself answering without
+kv_transfer_params (it computes the prompt locally, as a colocated server would), which saves starting more servers;
+prefix caching is off on both so that the local answers cannot reuse the pulled blocks, and each pair has prompts of
+its own.
 
 Each server is on a host of its own (network namespaces), the proxies on another and the test's client
 on another; every kvbridge listener is on its host's address and the shared secret is required.
@@ -52,7 +54,7 @@ class Pair:
 @pytest.fixture(scope="module")
 def hosts(module_hosts_factory) -> Iterator[Hosts]:  # noqa: ANN001
     """The hosts, the test's own thread (its client) on "client" for the whole module."""
-    hosts = module_hosts_factory(["client", "proxy", "prefill21", "decode21", "prefill12", "decode12"])
+    hosts = module_hosts_factory(["client", "proxy", "tp2", "tp1"])
     with hosts["client"].entered():
         yield hosts
 
@@ -66,28 +68,20 @@ def pairs(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     secret.chmod(0o600)
     started: list[Server] = []
 
-    def server(host: str, role: str, tp: int, *extra: str) -> Server:
+    def server(host: str, tp: int) -> Server:
         s = start_vllm(
             model,
-            kv_transfer_config=connector(role, secret),
+            kv_transfer_config=connector("kv_both", secret),
             log_dir=root,
-            extra_args=["--tensor-parallel-size", str(tp), *extra],
+            extra_args=["--tensor-parallel-size", str(tp), "--no-enable-prefix-caching"],
             host=hosts[host],
         )
         started.append(s)
         return s
 
     try:
-        pairs = {
-            "tp2->tp1": Pair(
-                server("prefill21", "kv_producer", 2),
-                server("decode21", "kv_consumer", 1, "--no-enable-prefix-caching"),
-            ),
-            "tp1->tp2": Pair(
-                server("prefill12", "kv_producer", 1),
-                server("decode12", "kv_consumer", 2, "--no-enable-prefix-caching"),
-            ),
-        }
+        tp2, tp1 = server("tp2", 2), server("tp1", 1)
+        pairs = {"tp2->tp1": Pair(tp2, tp1), "tp1->tp2": Pair(tp1, tp2)}
         wait_healthy(started, timeout=560)
         for p in pairs.values():
             p.proxy = start_proxy([p.prefill.url], [p.decode.url], log_dir=root, host=hosts["proxy"])
@@ -104,7 +98,8 @@ def test_heterogeneous_tp_matches_local(pairs: tuple[str, dict[str, Pair]], name
     pair = by_name[name]
     assert pair.proxy is not None
     completions = Completions(model, max_tokens=16)
-    texts = [random_prompt(n, seed=5 + n) for n in (4, 33, 250, 700, 1000)]
+    seed = 5 if name == "tp2->tp1" else 55  # prompts of its own: no server answers one it saw in the other pair
+    texts = [random_prompt(n, seed=seed + n) for n in (4, 33, 250, 700, 1000)]
 
     def complete(server: Server, text: str) -> list[int]:
         return completions.token_ids(server, text, report=(pair.proxy, pair.prefill, pair.decode))
