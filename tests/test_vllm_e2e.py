@@ -210,20 +210,14 @@ def _deployment(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 @pytest.fixture(params=["mooncake", "nixl", "tcp"])
 def pd(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """The deployment over each transport, for the cases that prove greedy equality.
+    """The deployment over each transport, for the cases that prove greedy equality, one by one and at once.
 
-    tcp is the authenticated data path.
+    tcp is the authenticated data path. (One test per transport: a NIXL deployment is started per test.)
     """
     yield from _deployment(request)
 
 
-@pytest.fixture(params=["mooncake", "nixl"])
-def pd_concurrent(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    """Mooncake and NIXL, for concurrency (tcp's greedy equality is `pd`'s)."""
-    yield from _deployment(request)
-
-
-def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
+def test_pd_matches_colocated_from_short_to_near_max_len_and_eight_at_once(pd: Cluster) -> None:
     cluster = pd
     base_external = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode)
     lengths = [3, 31, 32, 33, 100, 257, 600, MAX_MODEL_LEN - MAX_TOKENS - 1]
@@ -237,6 +231,14 @@ def test_pd_matches_colocated_from_short_to_near_max_len(pd: Cluster) -> None:
     assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
     # The connector's own log lines are in the server's log, formatted as vLLM's are.
     assert "KVBridgeConnector rank 0/1" in cluster.prefill.log_path.read_text()
+
+    # Eight at once
+    texts = [random_prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
+    expected = [cluster.token_ids(cluster.colocated, t) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: cluster.token_ids(cluster.proxy, t), texts))
+    assert got == expected
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
 def _process_names(pid: int) -> list[str]:
@@ -371,16 +373,6 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     rows = json.loads(out.stdout)
     assert [r["prompt_chars"] for r in rows] == [40, 90]
     assert all(r["transfer_ms"] > 0 and r["prefill_ms"] > 0 and r["total_ms"] > 0 for r in rows), rows
-
-
-def test_eight_concurrent_requests_match(pd_concurrent: Cluster) -> None:
-    cluster = pd_concurrent
-    texts = [random_prompt(n, seed=100 + n) for n in (5, 40, 64, 150, 300, 450, 700, 900)]
-    expected = [cluster.token_ids(cluster.colocated, t) for t in texts]
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda t: cluster.token_ids(cluster.proxy, t), texts))
-    assert got == expected
-    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
 def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
