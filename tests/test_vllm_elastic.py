@@ -204,6 +204,7 @@ class Streamed:
     tokens: list[int] = attrs.Factory(list)
     arrivals: list[tuple[float, int]] = attrs.Factory(list)  # (time, tokens received so far) per event
     done: bool = False
+    finish: str | None = None  # the last finish_reason it saw
 
 
 def _stream(http: httpx.Client, url: str, body: dict, out: Streamed, name: str) -> None:
@@ -218,6 +219,7 @@ def _stream(http: httpx.Client, url: str, body: dict, out: Streamed, name: str) 
                 choice = event["choices"][0] if event["choices"] else {}
                 out.prompt = out.prompt or choice.get("prompt_token_ids") or []
                 out.tokens += choice.get("token_ids") or []
+                out.finish = choice.get("finish_reason") or out.finish
                 out.arrivals.append((time.monotonic(), len(out.tokens)))
 
 
@@ -360,7 +362,13 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
                     timeout=300,
                     what=what,
                 )
-                assert all(t.is_alive() for t in readers), f"a stream ended before {what}\n{failure_reports(proxy)}"
+                # how each ended stream ended: tokens, [DONE], finish_reason (an error event raises in its reader)
+                ended = [
+                    (n, len(s.tokens), s.done, s.finish)
+                    for n, (t, s) in enumerate(zip(readers, seen))
+                    if not t.is_alive()
+                ]
+                assert not ended, f"streams ended before {what}: {ended}\n{failure_reports(proxy)}"
 
             reach(first_move, "the first move")
             post("uncordon", b)
