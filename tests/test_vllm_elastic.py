@@ -356,9 +356,12 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             finally:
                 os.kill(core, signal.SIGCONT)
 
-            def reach(tokens: int, what: str) -> None:
+            def reach(tokens: list[int], what: str) -> None:
+                """Wait until stream n has `tokens[n]` tokens, or one ended (an error)."""
                 wait_for(
-                    lambda: all(len(s.tokens) >= tokens for s in seen) or not all(t.is_alive() for t in readers),
+                    lambda: (
+                        all(len(s.tokens) >= k for s, k in zip(seen, tokens)) or not all(t.is_alive() for t in readers)
+                    ),
                     timeout=300,
                     what=what,
                 )
@@ -370,7 +373,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
                 ]
                 assert not ended, f"streams ended before {what}: {ended}\n{failure_reports(proxy)}"
 
-            reach(first_move, "the first move")
+            reach([first_move] * STREAMS, "the first move")
             post("uncordon", b)
             post("drain", a, move="stop-and-copy")
             wait_for(
@@ -378,8 +381,12 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
                 timeout=120,
                 what=lambda: f"8 moves\n{failure_reports(proxy, a, b)}",
             )
-            # the second move is at a longer context than any first
-            reach(max(int(m[4]) for m in MOVED.findall(proxy.log_path.read_text())) + 300, "the second move")
+            # each stream's second move is at a longer context than its first. Not one count for all: the streams
+            # need not be in step (a first pull or a stop-and-copy read that stalled for seconds holds one back
+            # thousands of tokens), and one count past the furthest first move let a stream that ran ahead end
+            # before the second move (a run here).
+            firsts = {m[1]: int(m[4]) for m in MOVED.findall(proxy.log_path.read_text())}
+            reach([firsts[f"stream-{n}"] + 300 for n in range(STREAMS)], "the second move")
             hits = {b.url: b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) - hits_before[b.url]}
             post("uncordon", c)
             os.kill(b.pid, signal.SIGTERM)  # B's API server, as systemd or Kubernetes would
