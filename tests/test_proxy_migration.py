@@ -430,6 +430,50 @@ def test_a_stream_that_no_decode_could_take_moves_once_one_can(
     assert f"from {cluster.a.url} to {cluster.b.url}" in moved
 
 
+@pytest.mark.parametrize("cluster", [{"a": {"delay_s": 0.05}}], indirect=True)
+def test_a_decode_whose_record_lapsed_and_came_back_still_moves_its_streams_when_it_drains(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A's and B's records lapse and come back: A keeps its running stream, cordoned B its cordon.
+
+    The records go (their announcers stood still past the TTL) while a stream runs on A and B is cordoned; then A
+    drains: the stream stays until B is uncordoned, then moves to B.
+
+    (In a run on a starved box every record lapsed for a second at once: the proxy took A back as a new server that
+    served no stream, so A's drain moved none, and took the cordoned decode back uncordoned.)"""
+    admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
+    auth = {"Authorization": f"Bearer {admin_token(SECRET)}"}
+    urls = lambda: [d["url"] for d in admin.get("/instances").json()["decode"]]  # noqa: E731
+    events: list = []
+    body = {"model": "m", "prompt": "away and back", "max_tokens": MAX_TOKENS, "stream": True}
+
+    def lapse_and_drain() -> None:
+        [migration] = cluster.migration_ids()
+        cluster.ledger.offer(migration, [1, 2], expected_pulls=1)  # what A's connector offers at the cut
+        cluster.serve_b()
+        assert admin.post("/admin/cordon", json={"server": cluster.b.url}, headers=auth).status_code == 200
+        for record in (cluster.a_record, cluster.b_record):
+            cluster.records.withdraw(record.server_id)
+        wait_for(lambda: not urls(), what="A and B to leave the pool")
+        cluster.records.announce(attrs.evolve(cluster.a_record, expires=time.time() + 60), 60)
+        cluster.serve_b()
+        wait_for(lambda: len(urls()) == 2, what="A and B back in the pool")
+        assert _decode(admin, cluster.a.url)["streams"] == 1
+        assert _decode(admin, cluster.b.url)["cordoned"]
+        cluster.drain_a()
+        wait_for(lambda: any("stays on" in m for m in caplog.messages), what="the stream to stay on A")
+        assert admin.post("/admin/uncordon", json={"server": cluster.b.url}, headers=auth).status_code == 200
+
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        _stream(cluster.proxy.url, "/v1/completions", body, events, lapse_and_drain)
+    admin.close()
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", body), MAX_TOKENS)
+    assert _metric(cluster, "pulled") == 1.0, caplog.messages
+    assert any("back with 1 running streams" in m for m in caplog.messages), caplog.messages
+    [moved] = [m for m in caplog.messages if "moved from" in m]
+    assert f"from {cluster.a.url} to {cluster.b.url}" in moved
+
+
 @pytest.mark.parametrize("cluster", [{"b": {"fail_pulls": True}}], indirect=True)
 def test_a_pull_that_fails_is_computed_instead_and_the_offered_lease_released(cluster: Cluster) -> None:
     events = _one(cluster)

@@ -129,20 +129,32 @@ class Pool:
         self._names = itertools.count()  # a server's place in the list, never reused: its label
         self.instances = [self._new(u) for u in urls]
         self._counter = itertools.count()
+        # servers whose record lapsed while requests of theirs still ran or an operator had cordoned them, by URL:
+        # one that comes back is the same server, with its running streams (a drain must find them) and its cordon
+        self._left: dict[str, Instance] = {}
 
     def _new(self, url: str, *, announced: bool = False) -> Instance:
         url = url.rstrip("/")
         return Instance(url, self.role, url if self.expose else f"{self.role}-{next(self._names)}", announced=announced)
 
-    def join(self, url: str) -> Instance:
-        """A server announced in the registry: in rotation from now on (the health loop probes it)."""
-        inst = self._new(url, announced=True)
+    def join(self, url: str, identity: KVTransferParams | None = None) -> Instance:
+        """A server announced in the registry: in rotation from now on (the health loop probes it).
+
+        One that left with requests still running, or cordoned, and comes back with the same identity is the same
+        server: it returns with them (its streams, its count in flight) and its cordon."""
+        self._left = {u: i for u, i in self._left.items() if _remembered(i)}
+        inst = self._left.pop(url.rstrip("/"), None)
+        if inst is None or inst.identity != identity:
+            inst = self._new(url, announced=True)
+        inst.identity = identity
         self.instances.append(inst)
         return inst
 
     def leave(self, inst: Instance) -> None:
         """Out of rotation; its requests in flight finish."""
         self.instances.remove(inst)
+        if inst.announced and _remembered(inst):
+            self._left[inst.url] = inst
 
     def healthy(self) -> list[Instance]:
         """The healthy instances that take new requests; NoInstance when there are none."""
@@ -156,6 +168,11 @@ class Pool:
         if not healthy:
             raise NoInstance(f"no other healthy {self.role} server than {[i.label for i in exclude]}")
         return healthy[next(self._counter) % len(healthy)]
+
+
+def _remembered(inst: Instance) -> bool:
+    """Whether a server that left the registry is kept to come back as itself (`Pool.join`)."""
+    return bool(inst.streams or inst.in_flight or inst.cordoned)
 
 
 class NoInstance(ConfigError):
@@ -594,11 +611,11 @@ class Proxy:
                     inst.draining = record.draining
                 inst.identity = _identity(record)
         for (role, url), record in sorted(wanted.items()):
-            inst = self.pools[role].join(url)
+            inst = self.pools[role].join(url, _identity(record))
             inst.draining = record.draining
-            inst.identity = _identity(record)
             self.metrics.track(inst)
-            log.warning("%s server %s joined from the registry (capacity %d)", role, url, record.capacity)
+            back = f", back with {len(inst.streams)} running streams" if inst.streams else ""
+            log.warning("%s server %s joined from the registry (capacity %d%s)", role, url, record.capacity, back)
 
     async def read_members(self) -> None:
         """One read of the registry into the pools; a registry that cannot be read leaves them as they were."""
