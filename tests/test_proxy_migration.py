@@ -185,6 +185,7 @@ class Cluster:
     b_record: ServerRecord
     aborted: list  # (lease id, state) of every lease A's ledger ended
     ledger: Ledger
+    side: ControlServer  # A's side channel
 
     def serve_b(self) -> None:
         self.records.announce(attrs.evolve(self.b_record, state="serving", expires=time.time() + 60), 60)
@@ -236,7 +237,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
                 client = httpx.Client(base_url=proxy.url, trust_env=False, timeout=30)
                 wait_for(lambda: len(client.get("/instances").json()["decode"]) == 2, what="both decodes joined")
                 client.close()
-                yield Cluster(proxy, a, b, records, a_record, b_record, ended, ledger)
+                yield Cluster(proxy, a, b, records, a_record, b_record, ended, ledger, side)
         finally:
             records.close()
             side.close()
@@ -650,6 +651,29 @@ def test_a_client_that_leaves_releases_the_blocks_its_decode_offers(cluster: Clu
     [migration] = cluster.migration_ids()
     wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
     assert not [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)], "nothing moved"
+
+
+def test_a_release_that_got_no_answer_is_asked_again_until_the_rank_answers(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A's side channel is down when the client leaves, and comes back: the proxy's release reaches it then.
+
+    (In a run, a draining decode stood still for 15 s as the proxy released three leases it offered: each lease held
+    its blocks until it expired, past the server's shutdown timeout, and vLLM killed the engine.)"""
+    port = cluster.side.address[1]
+    cluster.side.close()
+    with caplog.at_level("INFO", logger="kvbridge_proxy.app"):
+        events = _one(cluster, leave_after=5, drain=False)
+        assert len(events) == 5
+        [migration] = cluster.migration_ids()
+        wait_for(lambda: "asking again" in caplog.text, what="a release that got no answer")
+        assert (migration, LeaseState.ABORTED) not in cluster.aborted
+        side = ControlServer("decode-a", port=port, ledger=cluster.ledger, secret=SECRET, poll_interval_s=0.01)
+        try:
+            wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+        finally:
+            side.close()
+    assert f"released request {migration}" in caplog.text
 
 
 @pytest.mark.parametrize("cluster", [{"a": {"die_after": 8}}], indirect=True)

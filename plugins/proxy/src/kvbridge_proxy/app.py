@@ -59,7 +59,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError, PeerGone, TransferTimeout
 from kvbridge.rank_ports import side_channel_port
 from kvbridge.secret import admin_token, load_secret
 from kvbridge.session.lending import precopy_id
@@ -525,6 +525,9 @@ class ProxyMetrics:
 
 
 RELEASE_TIMEOUT_S = 1.0  # a prefill rank that does not answer the release in this long keeps its lease
+# A rank that did not answer is asked again after 1, 2, 4, ... s, for this long: a stalled engine answers later, and
+# until then its lease holds blocks (a draining server waits for them: one was killed at its shutdown timeout).
+RELEASE_RETRY_S = 64.0
 
 
 class Proxy:
@@ -1028,13 +1031,15 @@ class Proxy:
 
         A prefill's lease, or a migrated stream's on the decode it left. So its blocks are free now, not when the lease
         ends. Needs the shared secret where the server has one (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's
-        environment); without it, or when the rank does not answer, the lease ends by itself."""
+        environment); without it the lease ends by itself. A rank that does not answer is asked again in the
+        background (`RELEASE_RETRY_S`); an Abort that comes before the offer it ends is kept by the rank's ledger."""
         if params.remote_request_id is None or params.remote_host is None or params.remote_port is None:
             return
         request_id = str(params.remote_request_id)
         host = str(params.remote_host)
 
-        def abort(stage: int, rank: int) -> None:
+        def abort(stage: int, rank: int, again: bool = False) -> bool:
+            """False where the rank did not answer: it is asked again."""
             # Every stage's ranks hold blocks of the request: with pp_size > 1 the later stages' too (their ports follow
             # the engine's numbering, kvbridge.rank_ports; remote_port is the engine's base, dp_rank its DP rank).
             try:
@@ -1049,6 +1054,12 @@ class Proxy:
                 with ControlClient(host, port, secret=self.secret, sender="proxy", timeout_s=RELEASE_TIMEOUT_S) as c:
                     c.abort(request_id, reason=why)
                 log.info("released request %s on stage %d rank %d (%s:%d)", request_id, stage, rank, host, port)
+                return True
+            except (TransferTimeout, PeerGone) as exc:
+                (log.info if again else log.warning)(
+                    "could not release request %s on stage %d rank %d (%s); asking again", request_id, stage, rank, exc
+                )
+                return False
             except KVBridgeError as exc:
                 log.warning(
                     "could not release request %s on stage %d rank %d (%s); its lease ends by itself%s",
@@ -1058,9 +1069,25 @@ class Proxy:
                     exc,
                     "" if self.secret else " (the proxy has no KVBRIDGE_SECRET)",
                 )
+                return True
 
-        ranks = [(s, r) for s in range(params.pp_size) for r in range(params.tp_size)]
-        await asyncio.gather(*(asyncio.to_thread(abort, s, r) for s, r in ranks))
+        async def ask(ranks: list[tuple[int, int]], again: bool = False) -> list[tuple[int, int]]:
+            done = await asyncio.gather(*(asyncio.to_thread(abort, s, r, again) for s, r in ranks))
+            return [rank for rank, ok in zip(ranks, done, strict=True) if not ok]
+
+        async def ask_again(ranks: list[tuple[int, int]]) -> None:
+            delay, until = RELEASE_TIMEOUT_S, time.monotonic() + RELEASE_RETRY_S
+            while ranks and time.monotonic() + delay < until:
+                await asyncio.sleep(delay)
+                ranks, delay = await ask(ranks, again=True), delay * 2
+            if ranks:
+                log.warning(
+                    "gave up releasing request %s on (stage, rank) %s: its lease ends by itself", request_id, ranks
+                )
+
+        left = await ask([(s, r) for s in range(params.pp_size) for r in range(params.tp_size)])
+        if left:
+            self._spawn(ask_again(left))
 
     async def _complete_parts(
         self, path: str, request: Request, parts: list[fanout.Part], timeline: Timeline, begun: float
