@@ -414,7 +414,13 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             # each stream moved twice, A to B after the cut, B to C by pre-copy, with at least 32 tokens still to go
             assert len({m[0] for m in moves}) == STREAMS and len(moves) == 2 * STREAMS, proxy_log[-4000:]
             assert sorted(m[1] for m in moves) == sorted(f"stream-{n}" for n in range(STREAMS) for _ in "ab"), moves
-            assert sorted((m[2], m[3], m[6]) for m in moves if m[2] == a.url) == [(a.url, b.url, "pulled")] * STREAMS
+            # the first moves: pulled by B, or computed on B where its pull failed (logged: A's side channel silent for
+            # 5 s on a starved box, say), as the proxy's fallback is meant to
+            first = {m[0]: m[6] for m in moves if (m[2], m[3]) == (a.url, b.url)}
+            failed = set(re.findall(rf"decode {re.escape(b.url)} failed pulling moved stream (\S+):", proxy_log))
+            assert len(first) == STREAMS, moves
+            assert first == {m: "recomputed" if m in failed else "pulled" for m in first}, (first, failed)
+            assert "pulled" in first.values(), first
             left = {m[0]: int(m[1]) for m in PRECOPIED.findall(proxy_log) if m[2] == c.url}  # its last pre-copy
             second = {m[0]: m[6] for m in moves if (m[2], m[3]) == (b.url, c.url)}
             assert set(second) == set(left) == {m[0] for m in moves}, (second, left)
