@@ -177,6 +177,9 @@ def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_
         pytest.skip(str(hosts_unavailable()))
     cmd = [sys.executable, "-m", "kvbridge", "chaos", "--hosts", "--requests", "16", "--concurrency", "4"]
     cmd += ["--faults", "scale-out,drain-decode,loss", "--lease-s", "20", "--json", "--logs", str(tmp_path / "logs")]
+    # the drained decode's stream is 1,982 tokens, seconds longer than a pre-copy even when the box stalls: at the
+    # default 1024 its 958 tokens ended 2 s after the drain reached the proxy (which came 2.9 s after its first token)
+    cmd += ["--max-model-len", "2048"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
     assert done.stdout, done.stderr[-3000:]
     out = json.loads(done.stdout)
