@@ -501,7 +501,7 @@ def test_a_pull_the_next_decode_computed_instead_is_reported_recomputed(
     wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
     assert (_metric(cluster, "recomputed"), _metric(cluster, "pulled")) == (1.0, 0.0)
     [moved] = [r.getMessage() for r in caplog.records if "moved from" in r.getMessage()]
-    assert moved.endswith("ms after the cut") and ", recomputed)" in moved, moved
+    assert "ms after the cut (closing the source " in moved and ", recomputed)" in moved, moved
     assert any("did not pull it" in r.getMessage() and "at_failed_ms" in r.getMessage() for r in caplog.records)
 
 

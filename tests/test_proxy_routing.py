@@ -704,3 +704,50 @@ def test_decode_that_answers_a_server_error_is_skipped_for_the_next(upstreams: t
         assert all(d["in_flight"] == 0 for d in state["decode"])
         (alone,), _ = _session(create_app([prefill.url], [shutting_down.url]), bodies[:1])
     assert alone.status_code == 500 and "shutdown" in alone.text
+
+
+def test_a_proxy_whose_event_loop_is_held_gets_every_stack_dumped(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, upstreams: tuple[Upstream, Upstream]
+) -> None:
+    """Issue 42: a proxy whose event loop stood still (a blocking call in a coroutine) leaves its own evidence.
+
+    A route that blocks the loop for longer than the watchdog's stall time: the dump names the loop and the frame
+    that held it, once for the stall."""
+    from kvbridge.watchdog import WATCHDOG
+
+    monkeypatch.setenv("KVBRIDGE_STALL_DIR", str(tmp_path))
+    prefill, decode = upstreams
+    release = threading.Event()
+    app = create_app([prefill.url], [decode.url], health_interval=0.05)
+
+    @app.get("/hold")
+    async def held_by_a_blocking_call() -> dict:
+        release.wait(30)  # blocks the event loop: what a synchronous call in a coroutine does
+        return {}
+
+    def loop_dumps() -> list[str]:
+        texts = [p.read_text() for p in tmp_path.glob("stall-*.txt")]
+        return [t for t in texts if "proxy event loop" in t.splitlines()[0]]
+
+    with Serving(app) as front:
+        holding = threading.Thread(target=httpx.get, args=(f"{front.url}/hold",), kwargs={"timeout": 60})
+        holding.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not loop_dumps():
+                assert time.monotonic() < deadline and holding.is_alive(), "no dump of the held event loop"
+                time.sleep(0.05)
+            looked = WATCHDOG.checked  # held through two more of the watchdog's looks: still one dump
+            while WATCHDOG.checked <= looked + WATCHDOG.stall_s:
+                assert time.monotonic() < deadline, "the watchdog stopped looking"
+                time.sleep(0.05)
+        finally:
+            release.set()
+            holding.join(30)
+        # the loop runs again: the proxy answers
+        assert httpx.get(f"{front.url}/instances", trust_env=False).status_code == 200
+    (dump,) = loop_dumps()
+    assert "in held_by_a_blocking_call" in dump and "release.wait(30)" in dump, dump
+    # the loop's thread was blocked (in the wait), neither on a CPU nor waiting for one
+    (loop,) = [line for line in dump.splitlines() if line.startswith("  proxy event loop (thread ")]
+    assert "blocked (a lock, I/O, a sleep) or stopped" in loop, dump

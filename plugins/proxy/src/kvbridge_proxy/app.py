@@ -56,6 +56,7 @@ import prometheus_client as prom
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvbridge import watchdog
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.params import KVTransferParams
@@ -78,6 +79,7 @@ PROBE_TIMEOUT_S = 5.0
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
 CONNECT_TIMEOUT_S = 5.0
 KEEP_ALIVE_S = 3.0
+HEARTBEAT_S = 0.1  # the event loop tells the stall watchdog it runs this often
 MOVE_CONNECT_TRIES = 2  # a move's requests go to the one decode that holds its KV: a busy one is asked again
 # A connection that dropped before any answer: most often a kept-alive one the server closed as it was reused. The
 # server may well be up; a request that it never answered is asked once more before it counts.
@@ -239,6 +241,20 @@ def _identity(record: ServerRecord) -> KVTransferParams | None:
 
 def _sse(event: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+
+
+async def _heartbeat() -> None:
+    """Beat the stall watchdog from the event loop.
+
+    A loop held for `stall_s` (a blocking call in a coroutine, or the process not run at all) gets every thread's stack
+    dumped, the loop's own among them, with where its seconds went (kvbridge.watchdog)."""
+    beat = watchdog.watch("proxy event loop")
+    try:
+        while True:
+            beat.busy()
+            await asyncio.sleep(HEARTBEAT_S)
+    finally:
+        watchdog.WATCHDOG.forget(beat)
 
 
 @attrs.define(eq=False)
@@ -760,7 +776,7 @@ class Proxy:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(self.health_loop())]
+        tasks = [asyncio.create_task(self.health_loop()), asyncio.create_task(_heartbeat())]
         if self.members is not None:
             tasks.append(asyncio.create_task(self.membership_loop()))
         try:
@@ -1540,6 +1556,7 @@ class Proxy:
             return None
         cut = time.perf_counter()
         await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its migration id
+        closed = time.perf_counter()
         move = moving.move or self.moves.mode
         offered = source.identity if pull and up.marked else None
         # a pre-copied stream's tail is computed where its pre-copy went (MoveSettings.tail), not pulled
@@ -1573,7 +1590,7 @@ class Proxy:
             self.metrics.handover_gap.observe(gap)
             log.warning(
                 "stream %s (request %s) moved from %s to %s after %d tokens (%s, %s): "
-                "first event %.1f ms after the cut",
+                "first event %.1f ms after the cut (closing the source %.1f ms)",
                 moving.migration_id,
                 moving.request_id,
                 source.url,
@@ -1582,6 +1599,7 @@ class Proxy:
                 why,
                 outcome,
                 gap * 1e3,
+                (closed - cut) * 1e3,
             )
             moving.moved()
             return moved

@@ -402,6 +402,7 @@ def start_proxy(
         env.update({k: v for k, v in host_env(host).items() if k != "VLLM_HOST_IP"})
     if secret is not None:
         env["KVBRIDGE_SECRET"] = secret
+    env.setdefault("KVBRIDGE_STALL_DIR", str(log_dir / f"stalls-{port}"))  # as a vLLM server's (start_vllm)
     with open(log_path, "wb") as out:
         argv = host.command(cmd) if host else cmd
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
