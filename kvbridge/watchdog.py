@@ -9,6 +9,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -44,12 +45,13 @@ def slow(logger: logging.Logger, what: str, parts: Mapping[str, float]) -> None:
 
 
 class Beat:
-    """What a watched loop or pull updates; `since` None: idle (waiting, not stalled)."""
+    """What a watched loop or pull updates; `since` None: idle (waiting, not stalled). Made on the thread it watches."""
 
-    __slots__ = ("__weakref__", "dumped", "name", "since")
+    __slots__ = ("__weakref__", "dumped", "name", "since", "tid")
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.tid = threading.get_native_id()  # its thread's CPU time and run-queue wait go in a dump
         self.since: float | None = time.monotonic()
         self.dumped: float | None = None  # the `since` of the stall already dumped
 
@@ -61,6 +63,74 @@ class Beat:
         self.since = None
 
 
+# Thread ids to (ns on a CPU, ns runnable but waiting for one): Linux's per-thread schedstat.
+Schedstat = dict[int, tuple[int, int]]
+HISTORY_S = 120.0  # how far back a dump can account for a stall's CPU time
+
+
+def schedstats() -> Schedstat:
+    """This process's threads: time each ran, and time each waited on a run queue (empty without /proc schedstat)."""
+    out: Schedstat = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ran, waited, _ = f.read().split()
+            out[int(tid)] = (int(ran), int(waited))
+        except (OSError, ValueError):  # the thread ended meanwhile, or a kernel without schedstats
+            continue
+    return out
+
+
+def _thread_name(tid: int, names: Mapping[int, str]) -> str:
+    if tid in names:
+        return names[tid]
+    try:  # a thread Python did not start (a transport's C++ I/O thread, OpenMP's): its kernel name
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip() or str(tid)
+    except OSError:
+        return str(tid)
+
+
+def account(stalled: list[Beat], before: Schedstat, after: Schedstat, window_s: float) -> str:
+    """Where the stalled threads' seconds went, with the process's busiest threads.
+
+    On a CPU, waiting for one (the box's CPUs taken), or neither (blocked on a lock, I/O or a sleep, or stopped)."""
+    if not after:
+        return "CPU time: not known (no /proc schedstat on this system)"
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    delta = {
+        tid: ((ran - before.get(tid, (0, 0))[0]) / 1e9, (waited - before.get(tid, (0, 0))[1]) / 1e9)
+        for tid, (ran, waited) in after.items()
+    }
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    ran_all, waited_all = sum(d[0] for d in delta.values()), sum(d[1] for d in delta.values())
+    lines = [
+        f"CPU time over the last {window_s:.1f} s: this process's {len(after)} threads ran {ran_all:.2f} s and waited "
+        f"{waited_all:.2f} s for a CPU; load average {load} on {os.cpu_count()} CPUs"
+    ]
+    for beat in stalled:
+        ran, waited = delta.get(beat.tid, (0.0, 0.0))
+        if ran + waited < window_s / 2:
+            verdict = "neither running nor runnable most of the time: blocked (a lock, I/O, a sleep) or stopped"
+        elif ran >= waited:
+            verdict = "busy on a CPU (a long computation, or a loop that does not yield)"
+        else:
+            verdict = "runnable but not run: the CPUs were taken by other threads or processes"
+        lines.append(
+            f"  {beat.name} (thread {_thread_name(beat.tid, names)}): ran {ran:.2f} s, waited {waited:.2f} s: {verdict}"
+        )
+    busiest = sorted(delta.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:5]
+    lines += [
+        f"  busiest: {_thread_name(tid, names)} ran {ran:.2f} s, waited {waited:.2f} s"
+        for tid, (ran, waited) in busiest
+        if ran + waited >= 0.01
+    ]
+    return "\n".join(lines)
+
+
 class Watchdog:
     """The process's one watcher thread, started with the first beat (again in a forked child)."""
 
@@ -68,6 +138,9 @@ class Watchdog:
         self.stall_s = stall_s
         self.stalls = 0  # dumps so far
         self.checked = 0.0  # monotonic time of the last look
+        # (monotonic time, schedstats) at each look: what a dump subtracts from now
+        self._samples: deque[tuple[float, Schedstat]] = deque(maxlen=min(1000, max(2, int(HISTORY_S * 2 / stall_s))))
+        self._pid = os.getpid()
         self._beats: weakref.WeakSet[Beat] = weakref.WeakSet()  # a pull dropped without its end is gone too
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -77,6 +150,9 @@ class Watchdog:
         with self._lock:
             self._beats.add(beat)
             if self._thread is None or not self._thread.is_alive():
+                if self._pid != os.getpid():  # a forked child: its threads are not its parent's
+                    self._samples.clear()
+                    self._pid = os.getpid()
                 self._thread = threading.Thread(target=self._run, name="kvbridge-watchdog", daemon=True)
                 self._thread.start()
         return beat
@@ -98,25 +174,35 @@ class Watchdog:
         now = time.monotonic()
         with self._lock:
             beats = list(self._beats)
-        stalled = []
+        stats = schedstats() if beats else {}  # before any beat is marked dumped (one who waits on that moves on)
+        stalled: list[tuple[Beat, float]] = []
         for b in beats:
             since = b.since
             if since is not None and now - since >= self.stall_s and b.dumped != since:
                 b.dumped = since
-                stalled.append(f"{b.name} ({now - since:.1f} s)")
+                stalled.append((b, since))
         if stalled:
             self.stalls += 1
-            self._dump(stalled)
+            began = min(since for _, since in stalled)
+            # the last look at or before the stall began (the oldest kept, for one longer than the history)
+            then, before = next(
+                ((t, s) for t, s in reversed(self._samples) if t <= began),
+                self._samples[0] if self._samples else (now, stats),
+            )
+            self._dump(stalled, now, account([b for b, _ in stalled], before, stats, now - then))
+        if beats:
+            self._samples.append((now, stats))
         self.checked = now
 
-    def _dump(self, stalled: list[str]) -> None:
+    def _dump(self, stalled: list[tuple[Beat, float]], now: float, accounting: str) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
-        head = f"kvbridge stall in pid {os.getpid()}: no progress in {', '.join(stalled)}; every thread's stack:"
+        what = ", ".join(f"{b.name} ({now - since:.1f} s)" for b, since in stalled)
+        head = f"kvbridge stall in pid {os.getpid()}: no progress in {what}; every thread's stack:"
         stacks = [
             f"Thread {names.get(ident, '?')} ({ident}):\n{''.join(traceback.format_stack(frame))}"
             for ident, frame in sys._current_frames().items()
         ]
-        text = "\n".join([head, *stacks])
+        text = "\n".join([head, accounting, *stacks])
         log.warning("%s", text)
         where = options().stall_dir
         if where:

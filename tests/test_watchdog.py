@@ -1,0 +1,74 @@
+"""The stall watchdog's accounting: where a stalled thread's seconds went (issue 42).
+
+Real threads that block or spin; the kernel's own per-thread counters (/proc schedstat) say what they did."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+from control_helpers import wait_for
+
+from kvbridge.watchdog import Watchdog, schedstats
+
+STALL_S = 0.3
+
+
+def _stalled(caplog: pytest.LogCaptureFixture, body: object) -> str:
+    """Run `body(beat)` on a thread of its own under a watchdog of its own; the one dump it got."""
+    dog = Watchdog(STALL_S)
+    done = threading.Event()
+
+    def run() -> None:
+        beat = dog.watch("the watched work")
+        try:
+            body(beat)  # type: ignore[operator]
+        finally:
+            dog.forget(beat)
+            done.set()
+
+    def dumps() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvbridge stall")]
+
+    with caplog.at_level(logging.WARNING, logger="kvbridge.watchdog"):
+        threading.Thread(target=run, name="watched", daemon=True).start()
+        assert done.wait(30), "the watched work did not end"
+        wait_for(dumps, timeout=10, what="the dump logged")  # (a beat is marked dumped just before its dump)
+    (dump,) = dumps()
+    return dump
+
+
+def test_the_kernel_counts_each_threads_cpu_time() -> None:
+    assert threading.get_native_id() in schedstats(), "no /proc/self/task/*/schedstat: the dumps cannot say"
+
+
+def test_a_blocked_thread_is_named_blocked_not_busy(caplog: pytest.LogCaptureFixture) -> None:
+    def blocks(beat: object) -> None:
+        released = threading.Event()
+
+        def release_once_dumped() -> None:
+            wait_for(lambda: getattr(beat, "dumped", None) is not None, timeout=20, what="the stall's dump")
+            released.set()
+
+        threading.Thread(target=release_once_dumped, daemon=True).start()
+        released.wait(30)  # blocked: neither on a CPU nor waiting for one
+
+    head, accounting, mine, *_ = _stalled(caplog, blocks).splitlines()
+    assert "no progress in the watched work" in head
+    assert accounting.startswith("CPU time over the last ") and "waited" in accounting and "load average" in accounting
+    assert "the watched work (thread watched)" in mine and "blocked (a lock, I/O, a sleep) or stopped" in mine, mine
+
+
+def test_a_spinning_thread_is_named_on_a_cpu_or_waiting_for_one(caplog: pytest.LogCaptureFixture) -> None:
+    def spins(beat: object) -> None:
+        deadline = time.monotonic() + 20
+        while getattr(beat, "dumped", None) is None and time.monotonic() < deadline:
+            pass  # never yields but for the interpreter's switch interval: always runnable
+
+    mine = _stalled(caplog, spins).splitlines()[2]
+    # on a quiet box it ran; on a loaded one it may have waited for a CPU instead: never blocked
+    assert "busy on a CPU" in mine or "runnable but not run" in mine, mine
+    ran, waited = (float(mine.split(f"{k} ")[1].split(" s")[0]) for k in ("ran", "waited"))
+    assert ran + waited >= STALL_S / 2, mine
