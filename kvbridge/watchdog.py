@@ -85,6 +85,18 @@ def schedstats() -> Schedstat:
     return out
 
 
+def box_cpu() -> tuple[float, ...]:
+    """The host's CPU seconds so far (all CPUs): (busy, idle, stolen by the hypervisor); () without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return ()
+    user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+    hz = os.sysconf("SC_CLK_TCK")
+    return ((user + nice + system + irq + softirq) / hz, (idle + iowait) / hz, steal / hz)
+
+
 def _thread_name(tid: int, names: Mapping[int, str]) -> str:
     if tid in names:
         return names[tid]
@@ -94,7 +106,13 @@ def _thread_name(tid: int, names: Mapping[int, str]) -> str:
         return str(tid)
 
 
-def account(stalled: list[Beat], before: Schedstat, after: Schedstat, window_s: float) -> str:
+def account(
+    stalled: list[Beat],
+    before: Schedstat,
+    after: Schedstat,
+    window_s: float,
+    box: tuple[tuple[float, ...], tuple[float, ...]] = ((), ()),
+) -> str:
     """Where the stalled threads' seconds went, with the process's busiest threads.
 
     On a CPU, waiting for one (the box's CPUs taken), or neither (blocked on a lock, I/O or a sleep, or stopped)."""
@@ -111,6 +129,9 @@ def account(stalled: list[Beat], before: Schedstat, after: Schedstat, window_s: 
         f"CPU time over the last {window_s:.1f} s: this process's {len(after)} threads ran {ran_all:.2f} s and waited "
         f"{waited_all:.2f} s for a CPU; load average {load} on {os.cpu_count()} CPUs"
     ]
+    if box[0] and box[1]:  # what the host's CPUs did meanwhile: a VM's vCPUs not run by its hypervisor are stolen
+        busy, idle, stolen = (b - a for a, b in zip(*box, strict=True))
+        lines[0] += f"; the host's CPUs were busy {busy:.2f} s, idle {idle:.2f} s, stolen {stolen:.2f} s"
     for beat in stalled:
         ran, waited = delta.get(beat.tid, (0.0, 0.0))
         if ran + waited < window_s / 2:
@@ -138,8 +159,10 @@ class Watchdog:
         self.stall_s = stall_s
         self.stalls = 0  # dumps so far
         self.checked = 0.0  # monotonic time of the last look
-        # (monotonic time, schedstats) at each look: what a dump subtracts from now
-        self._samples: deque[tuple[float, Schedstat]] = deque(maxlen=min(1000, max(2, int(HISTORY_S * 2 / stall_s))))
+        # (monotonic time, schedstats, box_cpu) at each look: what a dump subtracts from now
+        self._samples: deque[tuple[float, Schedstat, tuple[float, ...]]] = deque(
+            maxlen=min(1000, max(2, int(HISTORY_S * 2 / stall_s)))
+        )
         self._pid = os.getpid()
         self._beats: weakref.WeakSet[Beat] = weakref.WeakSet()  # a pull dropped without its end is gone too
         self._lock = threading.Lock()
@@ -174,7 +197,8 @@ class Watchdog:
         now = time.monotonic()
         with self._lock:
             beats = list(self._beats)
-        stats = schedstats() if beats else {}  # before any beat is marked dumped (one who waits on that moves on)
+        # before any beat is marked dumped (one who waits on that moves on)
+        stats, box = (schedstats(), box_cpu()) if beats else ({}, ())
         stalled: list[tuple[Beat, float]] = []
         for b in beats:
             since = b.since
@@ -185,13 +209,14 @@ class Watchdog:
             self.stalls += 1
             began = min(since for _, since in stalled)
             # the last look at or before the stall began (the oldest kept, for one longer than the history)
-            then, before = next(
-                ((t, s) for t, s in reversed(self._samples) if t <= began),
-                self._samples[0] if self._samples else (now, stats),
+            then, before, box_before = next(
+                (sample for sample in reversed(self._samples) if sample[0] <= began),
+                self._samples[0] if self._samples else (now, stats, box),
             )
-            self._dump(stalled, now, account([b for b, _ in stalled], before, stats, now - then))
+            accounting = account([b for b, _ in stalled], before, stats, now - then, (box_before, box))
+            self._dump(stalled, now, accounting)
         if beats:
-            self._samples.append((now, stats))
+            self._samples.append((now, stats, box))
         self.checked = now
 
     def _dump(self, stalled: list[tuple[Beat, float]], now: float, accounting: str) -> None:
