@@ -194,11 +194,12 @@ class Watchdog:
 
     def check(self) -> None:
         """Dump once for the beats stalled now that were not dumped for this stall."""
-        now = time.monotonic()
         with self._lock:
             beats = list(self._beats)
-        # before any beat is marked dumped (one who waits on that moves on)
+        # The counters before any beat is marked dumped (one who waits on that moves on), and the clock right after
+        # them: a look that itself waited for a CPU between the two would give the counters a window too short.
         stats, box = (schedstats(), box_cpu()) if beats else ({}, ())
+        now = time.monotonic()
         stalled: list[tuple[Beat, float]] = []
         for b in beats:
             since = b.since
