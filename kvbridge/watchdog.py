@@ -118,6 +118,8 @@ def account(
     On a CPU, waiting for one (the box's CPUs taken), or neither (blocked on a lock, I/O or a sleep, or stopped)."""
     if not after:
         return "CPU time: not known (no /proc schedstat on this system)"
+    if window_s <= 0:
+        return "CPU time: not known (no look before this one to count from)"
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     delta = {
         tid: ((ran - before.get(tid, (0, 0))[0]) / 1e9, (waited - before.get(tid, (0, 0))[1]) / 1e9)
@@ -176,6 +178,7 @@ class Watchdog:
                 if self._pid != os.getpid():  # a forked child: its threads are not its parent's
                     self._samples.clear()
                     self._pid = os.getpid()
+                self._sample()  # what a stall found at the first look counts from
                 self._thread = threading.Thread(target=self._run, name="kvbridge-watchdog", daemon=True)
                 self._thread.start()
         return beat
@@ -196,10 +199,9 @@ class Watchdog:
         """Dump once for the beats stalled now that were not dumped for this stall."""
         with self._lock:
             beats = list(self._beats)
-        # The counters before any beat is marked dumped (one who waits on that moves on), and the clock right after
-        # them: a look that itself waited for a CPU between the two would give the counters a window too short.
-        stats, box = (schedstats(), box_cpu()) if beats else ({}, ())
-        now = time.monotonic()
+        # Sampled before any beat is marked dumped (one who waits on that moves on), at every look: a stall's
+        # window starts at the last look before it, which an idle spell without beats must not make minutes old.
+        now, stats, box = self._sample()
         stalled: list[tuple[Beat, float]] = []
         for b in beats:
             since = b.since
@@ -211,14 +213,21 @@ class Watchdog:
             began = min(since for _, since in stalled)
             # the last look at or before the stall began (the oldest kept, for one longer than the history)
             then, before, box_before = next(
-                (sample for sample in reversed(self._samples) if sample[0] <= began),
-                self._samples[0] if self._samples else (now, stats, box),
+                (sample for sample in reversed(self._samples) if sample[0] <= began), self._samples[0]
             )
             accounting = account([b for b, _ in stalled], before, stats, now - then, (box_before, box))
             self._dump(stalled, now, accounting)
-        if beats:
-            self._samples.append((now, stats, box))
         self.checked = now
+
+    def _sample(self) -> tuple[float, Schedstat, tuple[float, ...]]:
+        """Every thread's CPU counters and the host's, kept for a later dump.
+
+        The clock is read right after the counters: a look that itself waited for a CPU between the two would give
+        them a window too short."""
+        stats, box = schedstats(), box_cpu()
+        sample = (time.monotonic(), stats, box)
+        self._samples.append(sample)
+        return sample
 
     def _dump(self, stalled: list[tuple[Beat, float]], now: float, accounting: str) -> None:
         names = {t.ident: t.name for t in threading.enumerate()}
