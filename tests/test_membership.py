@@ -351,34 +351,43 @@ def test_kvbridge_drain_lists_servers_and_refuses_an_unknown_one_or_an_unsigned_
         reg.close()
 
 
+# Its handlers only record the signal. A threading.Event set in a signal handler takes the Event's lock, which the main
+# thread holds for a moment in each of its own waits on that Event: a signal handled in that moment hangs the process
+# for good. A CI run's "server" hung so, its engine drained and its SIGTERM sent (its main thread polled
+# `got.wait(0.05)`).
 ENGINE_TREE = """
-import logging, multiprocessing, signal, sys, threading
+import logging, multiprocessing, signal, sys, time
 from kvbridge.control import open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.membership import Announcer, SigtermDrain
 
+def wait(flag, seconds):
+    deadline = time.monotonic() + seconds
+    while not flag and time.monotonic() < deadline:
+        time.sleep(0.02)
+
 def engine(url, secret, up):
     logging.basicConfig(level=logging.INFO)
-    stopped = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.set())  # as vLLM's: records it, the loop ends
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopped.append(signum))  # as vLLM's: records it, the loop ends
     record = ServerRecord("srv", "prefill", "http://127.0.0.1:1", expires=0.0)
     announcer = Announcer(open_registry(url, secret=secret), record, ttl_s=1.5)
     drain = SigtermDrain(announcer, grace_s=0.5)
     print("engine up", flush=True)
     open(up, "w").close()  # its SIGTERM handler is the drain's from now on
-    stopped.wait(120)
+    wait(stopped, 120)
     drain.close()
     announcer.close()
-    print("engine stopped:", stopped.is_set(), flush=True)
+    print("engine stopped:", bool(stopped), flush=True)
 
 if __name__ == "__main__":
-    got = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: got.set())
+    got = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     child = multiprocessing.get_context("spawn").Process(target=engine, args=sys.argv[1:])
     child.start()
-    while not got.wait(0.05) and child.is_alive():
-        pass
-    print("server got SIGTERM:", got.is_set(), flush=True)
+    while not got and child.is_alive():
+        time.sleep(0.05)
+    print("server got SIGTERM:", bool(got), flush=True)
     child.terminate()  # as vLLM's API server stops its engine core
     child.join(60)
     print("engine exit code:", child.exitcode, flush=True)
