@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -478,6 +479,38 @@ def _engine_core(server: Server) -> int:
     raise AssertionError(f"no engine core process under {server.url} (pid {server.pid})")
 
 
+# Lets a stopped process run `run_s` in every `run_s + stop_s` (SIGCONT, then SIGSTOP), for at most `for_s`, then leaves
+# it running. Its own scheduling is real-time (SCHED_FIFO) where it may be: it stops the process on time however loaded
+# the box is, which a test process (or the proxy) starved for seconds does not.
+PULSER = """
+import os, signal, sys, time
+pid, run_s, stop_s, for_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+try:
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+except PermissionError:
+    print("pulser: no real-time scheduling here; its slices may run late", file=sys.stderr)
+deadline = time.monotonic() + for_s
+while time.monotonic() < deadline:
+    os.kill(pid, signal.SIGCONT)
+    time.sleep(run_s)
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(stop_s)
+os.kill(pid, signal.SIGCONT)
+"""
+
+
+@contextlib.contextmanager
+def _pulsed(pid: int, *, run_s: float = 0.02, stop_s: float = 0.18, for_s: float = 300) -> Iterator[None]:
+    """Run a SIGSTOPped process in short slices (see PULSER) while inside; it runs on freely after."""
+    pulser = subprocess.Popen([sys.executable, "-c", PULSER, str(pid), str(run_s), str(stop_s), str(for_s)])
+    try:
+        yield
+    finally:
+        pulser.kill()
+        pulser.wait()
+        os.kill(pid, signal.SIGCONT)
+
+
 def _engine_pids(server: Server) -> list[int]:
     """The processes a vLLM server started: its engine core and workers (where its side channels are)."""
     found, todo = [], [server.pid]
@@ -561,9 +594,10 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
 
                 With `unreachable`, B cannot reach A, and A is killed once they are cut.
 
-                A's engine core is stopped (SIGSTOP; its workers and side channel go on) until the drain is asked
-                for: the proxy cuts each stream at its first event, however slow this test is to act (in a loaded CI
-                run, a stream let run finished before the drain came)."""
+                A's engine core is stopped (SIGSTOP; its workers and side channel go on) until the drain is asked for,
+                then runs in slices of 20 ms in 200 (`_pulsed`) until the proxy has cut every stream: a stream A
+                finishes is not moved, and in a loaded CI run a proxy not run for seconds saw one of them only once A
+                had generated all its tokens (a stream alone on A makes 450 tokens/s)."""
                 call("cordon", b)
                 core = _engine_core(a)
                 os.kill(core, signal.SIGSTOP)
@@ -583,10 +617,11 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
                     # its streams move to B at their first event, pulled after the cut (pre-copy would let them run
                     # on while B tries: tests/test_proxy_migration.py has its failures)
                     call("drain", a, move="stop-and-copy")
+                    with _pulsed(core):
+                        wait_for(lambda: streams_on(a) == 0, timeout=120, what="the streams cut off A")
                 finally:
                     os.kill(core, signal.SIGCONT)
                 if unreachable:
-                    wait_for(lambda: streams_on(a) == 0, timeout=60, what="the streams cut off A")
                     for pid in _engine_pids(a):  # while B's pulls wait on A's side channel
                         os.kill(pid, signal.SIGKILL)
                 for t in readers:
