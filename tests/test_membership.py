@@ -190,11 +190,16 @@ def test_proxy_follows_joins_drains_leaves_and_ignores_forged_records(
             a1.close()  # left
             px.next_rounds()
             assert px.urls("decode") == [(d2.url, False)]
-            # a server that stops renewing (a crash): its record expires, and it drops out
+            # a server that stops renewing: its record expires; it is kept while it answers health probes (its
+            # announcer may only be late), and drops out once it does not (a crash)
             a2._stop.set()  # the renewal thread ends; nothing withdraws the record
             reg = open_registry(store, secret=SECRET)
             reg.announce(a2.record, ttl_s=1)
             reg.close()
+            wait_for(lambda: "its record lapsed" in caplog.text, timeout=30, what="the record to lapse")
+            assert px.urls("decode") == [(d2.url, False)]
+            assert px.complete().headers["x-kvbridge-decode"] == d2.url  # routed to as before
+            d2.__exit__()  # the crash: it refuses connections
             wait_for(lambda: px.urls("decode") == [], timeout=30, what="the silent server to drop out")
             assert px.complete().status_code == 503
             assert px.urls("prefill") == [(prefill.url, False)]  # the static one stays
@@ -202,6 +207,42 @@ def test_proxy_follows_joins_drains_leaves_and_ignores_forged_records(
             a1.close()
             a2.close()
             forger.close()
+
+
+def test_a_healthy_server_whose_record_lapsed_stays_for_the_grace_and_one_renewed_late_stays_on(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record that lapses while its server answers health probes (its announcer was late) does not take it out yet.
+
+    Renewed within LAPSE_GRACE_S, the server simply stays; not renewed, it leaves once the grace is over."""
+    monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
+    monkeypatch.setattr(proxy, "LAPSE_GRACE_S", 60.0)
+    with (
+        Upstream("prefill") as prefill,
+        Upstream("decode") as d1,
+        RunningProxy([prefill.url], [], redis_url) as px,
+        caplog.at_level(logging.WARNING),
+    ):
+        reg = open_registry(redis_url, secret=SECRET)
+        try:
+            record = _record("d1", url=d1.url)
+            reg.announce(record, ttl_s=1)
+            wait_for(lambda: px.urls("decode") == [(d1.url, False)], timeout=30, what="the join")
+            wait_for(lambda: "its record lapsed" in caplog.text, timeout=30, what="the lapse")
+            reg.announce(record, ttl_s=60)  # renewed late
+            wait_for(lambda: "its record is back" in caplog.text, timeout=30, what="the record back")
+            assert px.urls("decode") == [(d1.url, False)]
+            monkeypatch.setattr(proxy, "LAPSE_GRACE_S", 1.0)
+            reg.withdraw("d1")
+            wait_for(lambda: px.urls("decode") == [], timeout=30, what="the grace to end")
+        finally:
+            reg.withdraw("d1")
+            reg.close()
+    said = [(r.created, r.getMessage()) for r in caplog.records if d1.url in r.getMessage()]
+    lapsed = [t for t, m in said if "its record lapsed" in m]
+    out = [t for t, m in said if "left the registry" in m]
+    assert not any("joined" in m for _, m in said[1:]), said  # it never left before the end
+    assert len(lapsed) == 2 and len(out) == 1 and out[0] - lapsed[1] >= 1.0, said
 
 
 def test_a_join_is_seen_while_a_health_round_is_still_probing(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

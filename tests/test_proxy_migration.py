@@ -32,6 +32,7 @@ from kvbridge.control.discovery import ServerRecord
 from kvbridge.errors import ConfigError
 from kvbridge.secret import admin_token
 from kvbridge.session.lending import precopied, precopy_id
+from kvbridge_proxy import app as proxy_app
 from kvbridge_proxy.app import Instance, Proxy, Upstream, create_app
 from kvbridge_proxy.migration import MoveSettings, MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
@@ -433,7 +434,7 @@ def test_a_stream_that_no_decode_could_take_moves_once_one_can(
 
 @pytest.mark.parametrize("cluster", [{"a": {"delay_s": 0.05}}], indirect=True)
 def test_a_decode_whose_record_lapsed_and_came_back_still_moves_its_streams_when_it_drains(
-    cluster: Cluster, caplog: pytest.LogCaptureFixture
+    cluster: Cluster, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A's and B's records lapse and come back: A keeps its running stream, cordoned B its cordon.
 
@@ -441,7 +442,9 @@ def test_a_decode_whose_record_lapsed_and_came_back_still_moves_its_streams_when
     drains: the stream stays until B is uncordoned, then moves to B.
 
     (In a run on a starved box every record lapsed for a second at once: the proxy took A back as a new server that
-    served no stream, so A's drain moved none, and took the cordoned decode back uncordoned.)"""
+    served no stream, so A's drain moved none, and took the cordoned decode back uncordoned. A lapsed server that
+    answers health probes is kept LAPSE_GRACE_S now; here the records stay away longer.)"""
+    monkeypatch.setattr(proxy_app, "LAPSE_GRACE_S", 0.0)
     admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
     auth = {"Authorization": f"Bearer {admin_token(SECRET)}"}
     urls = lambda: [d["url"] for d in admin.get("/instances").json()["decode"]]  # noqa: E731

@@ -88,6 +88,10 @@ SLOW_PROBES = 3
 # A health round probes at most this many servers at once: a thousand probes started together held the event loop
 # (requests and registry reads waited behind them).
 PROBES_IN_FLIGHT = 64
+# A serving server whose record lapsed stays in rotation this long while it answers health probes. A record lapses when
+# its announcer is late by two thirds of the TTL, as on a box starved for seconds: in a run every decode's record lapsed
+# at once, and a stream being moved found no decode to go to. A server that withdraws its record drained first.
+LAPSE_GRACE_S = 30.0
 REGISTRY_INTERVAL_S = 0.5  # the registry is read this often (or each health interval, if shorter): a join is seen
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a prompt near any max_model_len fits many times over
 # Levels of JSON nesting a request may have: far more than a chat request's tools schemas take, and far below
@@ -111,6 +115,7 @@ class Instance:
     # where its side channel is (from its registry record): a stream migrated off it is pulled from there
     identity: KVTransferParams | None = None
     streams: set[MovingStream] = attrs.Factory(set)  # the movable streams it serves now (--migrate)
+    lapsed: float = 0.0  # when its record was last found gone (time.monotonic()); 0.0 while it has one
 
     @property
     def serving(self) -> bool:
@@ -170,6 +175,10 @@ class Pool:
         if not healthy:
             raise NoInstance(f"no other healthy {self.role} server than {[i.label for i in exclude]}")
         return healthy[next(self._counter) % len(healthy)]
+
+
+def _since(monotonic: float) -> float:
+    return time.monotonic() - monotonic
 
 
 def _remembered(inst: Instance) -> bool:
@@ -616,7 +625,10 @@ class Proxy:
             for inst in list(pool.instances):
                 record = wanted.pop((role, inst.url), None)
                 if record is None:
+                    if inst.announced and self._lapse_kept(inst):
+                        continue
                     if inst.announced:
+                        inst.lapsed = 0.0
                         pool.leave(inst)
                         self.metrics.forget(inst)
                         self.identities.pop(inst.url, None)
@@ -625,6 +637,9 @@ class Proxy:
                     elif inst.draining:  # a static server whose record went: serving as configured
                         inst.draining = False
                     continue
+                if inst.lapsed:
+                    log.warning("%s server %s: its record is back after %.1f s", role, inst.url, _since(inst.lapsed))
+                    inst.lapsed = 0.0
                 if record.draining != inst.draining:
                     log.warning("%s server %s is %s", role, inst.url, "draining" if record.draining else "serving")
                     inst.draining = record.draining
@@ -635,6 +650,20 @@ class Proxy:
             self.metrics.track(inst)
             back = f", back with {len(inst.streams)} running streams" if inst.streams else ""
             log.warning("%s server %s joined from the registry (capacity %d%s)", role, url, record.capacity, back)
+
+    def _lapse_kept(self, inst: Instance) -> bool:
+        """Whether a server whose record is gone stays in rotation for now (LAPSE_GRACE_S)."""
+        if inst.draining or not inst.healthy:
+            return False
+        if not inst.lapsed:
+            inst.lapsed = time.monotonic()
+            log.warning(
+                "%s server %s: its record lapsed; it stays while it answers health probes, for at most %g s",
+                inst.role,
+                inst.url,
+                LAPSE_GRACE_S,
+            )
+        return _since(inst.lapsed) < LAPSE_GRACE_S
 
     async def read_members(self) -> None:
         """One read of the registry into the pools; a registry that cannot be read leaves them as they were."""

@@ -442,6 +442,19 @@ class Deployment:
             return {}
         return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvbridge_")}
 
+    def holding(self, server: Server) -> str:
+        """What a server that still holds KV blocks has running, waiting and leased, from its /metrics."""
+        import httpx
+
+        from kvbridge_tools.harness.vllm_server import parse_metrics
+
+        try:
+            got = parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text)
+        except httpx.HTTPError as exc:
+            return f"unreadable ({exc})"
+        keys = ["num_requests_running", "num_requests_waiting", "kvbridge_leases_held", "kvbridge_blocks_held"]
+        return ", ".join(f"{k} {got.get(k if k.startswith('kvbridge') else f'vllm:{k}', float('nan')):g}" for k in keys)
+
     def _drain_at_proxy(self, server: Server) -> None:
         import httpx
 

@@ -58,6 +58,7 @@ class Report:
     outcomes: list[Outcome] = attrs.field(factory=list)
     # server -> KV blocks in use after the drain (-1: its metrics could not be read)
     blocks_held: dict[str, float] = attrs.field(factory=dict)
+    holding: dict[str, str] = attrs.field(factory=dict)  # server -> what it runs, waits on and leases, if it holds any
     leases_expired: int = 0
     retries: int = 0  # transfer batches resubmitted (kvbridge_transfer_retries_total of every server)
     pulls_failed: int = 0  # pulls that failed and were recomputed (kvbridge_transfer_failures_total)
@@ -129,6 +130,7 @@ class Report:
             # request id, servers, fault, both outputs: what to look for in the logs (--logs)
             "different": [o.reason for o in self.outcomes if o.kind == DIFFERENT][:10],
             "blocks_held_after_drain": self.blocks_held,
+            "holding": self.holding,
             "leases_expired": self.leases_expired,
             "retries": self.retries,
             "pulls_failed_recomputed": self.pulls_failed,

@@ -303,6 +303,10 @@ class Runner:
                 break
             time.sleep(1)
         report.blocks_held = held
+        for server in dep.servers():
+            if held.get(server.url):
+                report.holding[server.url] = why = dep.holding(server)
+                log.warning("chaos: %s still holds %g blocks: %s", server.url, held[server.url], why)
         for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
         if dep.migrate:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
