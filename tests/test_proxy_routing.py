@@ -636,6 +636,30 @@ def test_a_decode_request_cancelled_before_it_was_taken_leaves_in_flight_at_zero
             time.sleep(0.01)
 
 
+def test_a_request_unanswered_for_long_is_logged_once_with_where_it_waits(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that waits on the proxy for LONG_WAIT_S gets a log line that says where the proxy waits for it.
+
+    (A chaos run's client waited 180 s on the proxy and no log said where.)"""
+    from kvbridge_proxy import app as proxy_app
+
+    monkeypatch.setattr(proxy_app, "LONG_WAIT_S", 0.3)
+    with (
+        Upstream("prefill") as prefill,
+        Upstream("decode", slow_complete_s=2.0) as decode,
+        Serving(create_app([prefill.url], [decode.url], health_interval=0.05, warm_up=False)) as front,
+        caplog.at_level("WARNING", logger="kvbridge_proxy.app"),
+    ):
+        body = {"model": "m", "prompt": "p", "max_tokens": 4}
+        headers = {"x-request-id": "waits-long"}
+        r = httpx.post(f"{front.url}/v1/completions", json=body, headers=headers, timeout=30, trust_env=False)
+        assert r.status_code == 200 and decode.bodies
+    said = [m for m in caplog.messages if "no answer after" in m]
+    assert len(said) == 1, caplog.messages
+    assert said[0].startswith("request waits-long: no answer after") and "send_decode" in said[0], said
+
+
 def test_layerwise_follows_a_restarted_prefill(upstreams: tuple[Upstream, Upstream]) -> None:
     # The proxy learns a prefill's identity (engine id, side channel) from its answers; a prefill that
     # restarted answers with its new one, and the next requests' decode params name it.

@@ -79,6 +79,9 @@ PROBE_TIMEOUT_S = 5.0
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
 CONNECT_TIMEOUT_S = 5.0
 KEEP_ALIVE_S = 3.0
+# A request with no answer after this long is logged once, with where it waits (its task's stack): the client sees a
+# hang, and the log must say where it is.
+LONG_WAIT_S = 60.0
 HEARTBEAT_S = 0.1  # the event loop tells the stall watchdog it runs this often
 MOVE_CONNECT_TRIES = 2  # a move's requests go to the one decode that holds its KV: a busy one is asked again
 # A connection that dropped before any answer: most often a kept-alive one the server closed as it was reused. The
@@ -175,6 +178,21 @@ class Pool:
         if not healthy:
             raise NoInstance(f"no other healthy {self.role} server than {[i.label for i in exclude]}")
         return healthy[next(self._counter) % len(healthy)]
+
+
+def _awaits(coro: Any) -> list[str]:
+    """Where a suspended coroutine waits: each frame of its chain of awaits, outermost first.
+
+    (A task's own stack shows the outermost frame only.)"""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            lines.append(f"  awaiting {coro!r}"[:300])
+            break
+        lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}')
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
 
 
 def _since(monotonic: float) -> float:
@@ -613,6 +631,9 @@ class Proxy:
                 self.members.url,
             )
         self._background: set[asyncio.Task] = set()  # clean-ups that must outlive a cancelled request
+        # requests not answered yet (their first byte): the task serving each, its id and when it came; `_long_waits`
+        self._waiting: dict[asyncio.Task, tuple[str, float]] = {}
+        self._long_waits_said: set[asyncio.Task] = set()
         self.membership_rounds = 0  # registry reads done: a test waits for one after a change
         self.health_rounds = 0  # rounds that probed every server (`kvbridge bench --scale` times them)
 
@@ -725,6 +746,7 @@ class Proxy:
                 slots = asyncio.Semaphore(PROBES_IN_FLIGHT)
                 await asyncio.gather(*(self._probe_in(slots, i) for p in self.pools.values() for i in p.instances))
                 self.health_rounds += 1
+                self._long_waits()
                 if self.rebalance is not None:
                     await self.rebalance_round(self.rebalance)
                 if self.warm_up:
@@ -959,8 +981,30 @@ class Proxy:
         client_id = request.headers.get("x-request-id")
         bad_id = client_id is not None and not REQUEST_ID.fullmatch(client_id)
         timeline = Timeline(client_id if client_id and not bad_id else str(uuid.uuid4()), begun=begun)
+        task = asyncio.current_task()
+        if task is None:  # (only outside an event loop's task)
+            return await self._complete(path, request, timeline, begun)
+        self._waiting[task] = (timeline.request_id, time.monotonic())
+        try:
+            return await self._complete(path, request, timeline, begun)
+        finally:
+            del self._waiting[task]
+            self._long_waits_said.discard(task)
+
+    def _long_waits(self) -> None:
+        """Log each request unanswered for LONG_WAIT_S, once, with the stack of the task that waits for it."""
+        now = time.monotonic()
+        for task, (request_id, since) in list(self._waiting.items()):
+            if now - since < LONG_WAIT_S or task in self._long_waits_said:
+                continue
+            self._long_waits_said.add(task)
+            where = "\n".join(_awaits(task.get_coro()))
+            log.warning("request %s: no answer after %.1f s; it waits in:\n%s", request_id, now - since, where)
+
+    async def _complete(self, path: str, request: Request, timeline: Timeline, begun: float) -> Any:
         ids = {"x-request-id": timeline.request_id}
-        if bad_id:
+        client_id = request.headers.get("x-request-id")
+        if client_id is not None and client_id != timeline.request_id:
             log.warning("refused a request to %s: x-request-id %r is not 1 to 128 printable ASCII", path, client_id)
             error = "x-request-id must be 1 to 128 printable ASCII characters, without spaces or ';'"
             return self._answer(400, error, ids, timeline)
