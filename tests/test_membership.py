@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -79,6 +80,52 @@ def test_records_are_signed_and_a_forged_or_unsigned_one_is_ignored_and_logged(
     finally:
         for reg in (ours, forger, plain):
             reg.close()
+
+
+ANNOUNCER_ALONE = """
+import logging, sys, time
+from kvbridge.control import open_registry
+from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.membership import Announcer
+
+logging.basicConfig(level=logging.INFO)
+record = ServerRecord("srv", "decode", "http://127.0.0.1:1", expires=0.0)
+announcer = Announcer(open_registry(sys.argv[1], secret=sys.argv[2]), record, ttl_s=1.5)
+first = announcer.record.expires
+while announcer.record.expires == first:  # its renewal loop runs: its next renewal is due within 0.5 s
+    time.sleep(0.01)
+print("up", flush=True)
+time.sleep(30)
+"""
+
+
+def test_an_announcer_not_run_on_time_says_its_record_was_renewed_late(store: str, tmp_path: Path) -> None:
+    """Issue 42: a server not run for longer than its renewal period (SIGSTOP, as a starved host) logs it.
+
+    With how long its record had left, so that a lapse the proxy saw has its cause in the server's log."""
+    script = tmp_path / "announcer.py"
+    script.write_text(ANNOUNCER_ALONE)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), store, SECRET], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        while proc.stdout.readline().strip() != "up":  # after the log lines before it (a dead child: EOF, "")
+            assert proc.poll() is None
+        os.kill(proc.pid, signal.SIGSTOP)  # renewals every 0.5 s: this one comes 1 s late
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        lines = []
+        deadline = time.monotonic() + 30
+        while not any("renewed" in line for line in lines) and time.monotonic() < deadline:
+            lines.append(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    [late] = [line for line in lines if "renewed" in line]
+    assert re.search(r"server srv: its record renewed \d+\.\d s late, -?\d+\.\d s before it would have lapsed", late), (
+        late
+    )
 
 
 def test_a_record_no_longer_renewed_expires_in_the_store_and_a_stale_one_is_ignored_on_read(store: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from kvbridge import watchdog
 from kvbridge.control.discovery import DiscoveryRegistry, ServerRecord
 from kvbridge.errors import ConfigError, KVBridgeError
 
@@ -55,7 +56,23 @@ class Announcer:
             self.registry.announce(self._record, self.ttl_s)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        # A renewal call that hangs gets every thread's stack dumped; one that runs late (this thread not run, the
+        # host starved) is said, with how long the record had left: a record that lapses takes the server out.
+        beat = watchdog.watch(f"registry announcer of {self._record.server_id}")
+        beat.idle()
+        every = self.ttl_s / 3
+        due = time.monotonic() + every
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            late = time.monotonic() - due
+            if late > every / 2:
+                log.warning(
+                    "server %s: its record renewed %.1f s late, %.1f s before it would have lapsed (this process "
+                    "or its host was not run on time)",
+                    self._record.server_id,
+                    late,
+                    self._record.expires - time.time(),
+                )
+            beat.busy()
             try:
                 self._renew()
                 rec = self._record
@@ -65,6 +82,10 @@ class Announcer:
                     on_order()
             except KVBridgeError as exc:  # the next round tries again; after a TTL the record is gone
                 log.warning("could not renew %s in the registry: %s", self._record.server_id, exc)
+            finally:
+                beat.idle()
+            due = time.monotonic() + every
+        watchdog.WATCHDOG.forget(beat)
 
     def drain(self) -> None:
         """Republish the record as draining: the proxy sends this server no new request."""
