@@ -660,6 +660,73 @@ def test_a_request_unanswered_for_long_is_logged_once_with_where_it_waits(
     assert said[0].startswith("request waits-long: no answer after") and "send_decode" in said[0], said
 
 
+def _holding_decode(address: str, got: threading.Event, stop: threading.Event) -> socket.socket:
+    """A decode server on `address` that answers /health and takes a completion, never to answer it."""
+    listener = socket.create_server((address, 0))
+    listener.settimeout(0.2)
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        with listener:
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                conn.settimeout(10)
+                try:
+                    head = conn.recv(65536)
+                except OSError:
+                    conn.close()
+                    continue
+                if head.startswith(b"GET /health"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}")
+                    conn.close()
+                else:
+                    held.append(conn)  # read, and never answered
+                    got.set()
+        for conn in held:
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def test_a_decode_whose_host_went_silent_mid_request_is_found_out_by_keepalive(hosts_factory: Any) -> None:
+    """The decode took a request, then its host went silent (a partition: no reset, no FIN ever comes).
+
+    The proxy's connection looks open for as long as nobody sends; the kernel's keepalive probes find it dead, and the
+    client gets an answer that names the decode instead of waiting the proxy's whole timeout. (In chaos runs two
+    requests sent to a decode as it was killed waited so, its reset lost on a lossy link.)"""
+    hosts = hosts_factory(["proxy", "decode"])
+    got, stop = threading.Event(), threading.Event()
+    with hosts["decode"].entered():
+        listener = _holding_decode(hosts["decode"].address, got, stop)
+    decode_url = f"http://{hosts['decode'].address}:{listener.getsockname()[1]}"
+    try:
+        with (
+            hosts["proxy"].entered(),
+            Upstream("prefill") as prefill,
+            Serving(create_app([prefill.url], [decode_url], health_interval=3600, warm_up=False)) as front,
+        ):
+            answer: list[httpx.Response] = []
+            body = {"model": "m", "prompt": "p", "max_tokens": 4}
+            client = threading.Thread(
+                target=lambda: answer.append(
+                    httpx.post(f"{front.url}/v1/completions", json=body, timeout=120, trust_env=False)
+                )
+            )
+            client.start()
+            assert got.wait(30), "the decode never got the request"
+            hosts.partition("proxy", "decode")
+            client.join(timeout=120)
+            assert not client.is_alive(), "the proxy still waits on a decode that is gone"
+    finally:
+        stop.set()
+    [r] = answer
+    assert r.status_code == 503 and decode_url in r.json()["error"], r.text
+
+
 def test_layerwise_follows_a_restarted_prefill(upstreams: tuple[Upstream, Upstream]) -> None:
     # The proxy learns a prefill's identity (engine id, side channel) from its answers; a prefill that
     # restarted answers with its new one, and the next requests' decode params name it.

@@ -45,6 +45,7 @@ import itertools
 import json
 import logging
 import re
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -79,6 +80,20 @@ PROBE_TIMEOUT_S = 5.0
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
 CONNECT_TIMEOUT_S = 5.0
 KEEP_ALIVE_S = 3.0
+# TCP keepalive on every upstream connection: probes after 5 s idle, every 2 s, 3 unanswered end it. A server that went
+# away without a word (killed, its reset lost on a lossy link; or its host gone) leaves a connection that looks open for
+# as long as nobody sends, and the proxy, waiting for its answer, sent nothing more: in chaos runs two requests waited
+# on a killed decode for the whole timeout. A probe is answered by the peer's kernel, however busy its server.
+KEEPALIVE = tuple(
+    (level, option, value)
+    for level, name, value in (
+        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
+        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 5),
+        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 2),
+        (socket.IPPROTO_TCP, "TCP_KEEPCNT", 3),
+    )
+    if (option := getattr(socket, name, None)) is not None
+)
 # A request with no answer after this long is logged once, with where it waits (its task's stack): the client sees a
 # hang, and the log must say where it is.
 LONG_WAIT_S = 60.0
@@ -615,9 +630,12 @@ class Proxy:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             trust_env=False,
-            # kept-alive connections are let go before vLLM's server closes them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s):
-            # one it closed just as it was reused fails the request sent on it
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEP_ALIVE_S),
+            transport=httpx.AsyncHTTPTransport(
+                # kept-alive connections are let go before vLLM's server closes them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+                # 5 s): one it closed just as it was reused fails the request sent on it
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEP_ALIVE_S),
+                socket_options=list(KEEPALIVE),
+            ),
         )
         self.metrics = ProxyMetrics(self.pools)
         # To release a prefill's lease at once when no decode took the request (else it waits lease_s), and to
