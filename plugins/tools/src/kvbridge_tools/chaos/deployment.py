@@ -256,9 +256,9 @@ class Deployment:
             if server not in group or not self._others_serve(server, group):
                 return False
             self._restarting.add(server.port)
-        log.warning("chaos: SIGKILL %s (pid %d)", server.url, server.pid)
         self._retired.append(self.kvbridge_counters(server))  # its counters end with it
         server.kill()
+        log.warning("chaos: SIGKILL %s (pid %d)", server.url, server.pid)  # after the kill: the log's timeline is true
         threading.Thread(target=self._restart, args=(server,), daemon=True, name=f"restart-{server.port}").start()
         return True
 
