@@ -279,20 +279,21 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
     pre-copy gaps of the streams it touched longer than their stop-and-copy gaps, and the next time it was the
     stop-and-copy ones. How the ways compare is the migrate bench's to measure, over rounds."""
     hosts = hosts_factory(MIGRATION_HOSTS)
-    model = build_tiny_llama(tmp_path / "model", TinyLlamaSpec(max_positions=8192))
+    model = build_tiny_llama(tmp_path / "model", TinyLlamaSpec(max_positions=16384))
     logs = tmp_path / "logs"
     logs.mkdir()
     secret_file = tmp_path / "secret"
     secret_file.write_text(SECRET)
     secret_file.chmod(0o600)
-    common = {"max_model_len": 8192, "log_dir": logs}
+    common = {"max_model_len": 16384, "log_dir": logs}
     options = {"lease_s": LEASE_S, "pull_timeout_s": 50, "secret_file": str(secret_file)}
     # Room for the slowest stream: each must still be running, 32 tokens from its end or more, at the second move.
     # The streams are not in step after the first move: one whose move was done first ran alone on B while the last
     # waited 14.7 s in a CI run (B's reads queued behind A's stalled side channel, then the proxy stood still 6.4 s);
-    # with 4,000 it ended first. Alone on B a stream makes up to 450 tokens/s (a run's leader had 5,417 at the second
-    # move after an 11 s wait): 7,800 (the model's 8,192 less the prompt) leaves about 16 s.
-    max_tokens = 7800
+    # with 4,000 it ended first. With 7,800 (a model of 8,192 positions), in a quiet CI run, the first stream moved
+    # (at 1,811 tokens) ran alone on B at about 790 tokens/s and ended in the 7.6 s until the others' second moves.
+    # Room costs nothing now (each client leaves TAIL tokens after its second move): 16,200 of a model's 16,384.
+    max_tokens = 16200
     # tokens every stream has before the first move
     first_move = 300
     started: list[Server] = []
@@ -367,7 +368,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             hits_before = {s.url: s.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for s in (b, c)}
 
             seen = [Streamed() for _ in texts]
-            # the client leaves each stream once it ran TAIL tokens on C (the streams' room, 7,800, is for the moves:
+            # the client leaves each stream once it ran TAIL tokens on C (the streams' room, 16,200, is for the moves:
             # running them to their end took as long as the rest of the test)
             enough: dict[int, int] = {}
             readers = [
@@ -422,14 +423,16 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             hits = {b.url: b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) - hits_before[b.url]}
             post("uncordon", c)
             os.kill(b.pid, signal.SIGTERM)  # B's API server, as systemd or Kubernetes would
+            moved_twice = lambda: len(MOVED.findall(proxy.log_path.read_text())) == 2 * STREAMS  # noqa: E731
             wait_for(
-                lambda: (
-                    len(MOVED.findall(proxy.log_path.read_text())) == 2 * STREAMS
-                    or not all(t.is_alive() for t in readers)
-                ),
+                lambda: moved_twice() or not all(t.is_alive() for t in readers),
                 timeout=300,
                 what=lambda: f"16 moves\n{failure_reports(proxy, b, c)}",
             )
+            ended = [
+                (n, len(s.tokens), s.done, s.finish) for n, (t, s) in enumerate(zip(readers, seen)) if not t.is_alive()
+            ]
+            assert moved_twice(), f"streams ended before their second move: {ended}\n{failure_reports(proxy, b, c)}"
             for m in MOVED.findall(proxy.log_path.read_text()):
                 if m[2] == b.url:
                     enough[int(m[1].removeprefix("stream-"))] = int(m[4]) + TAIL
