@@ -1,8 +1,6 @@
 """kvbridge: move LLM KV caches between prefill and decode engines, over pluggable transports. See docs/internals.md."""
 
-from kvbridge.backend import MigrationBackend, Peer, TransferHandle, wait_all
-from kvbridge.device import Device
-from kvbridge.errors import (
+from kvbridge.base.errors import (
     ConfigError,
     InvalidDescriptor,
     KVBridgeError,
@@ -19,9 +17,11 @@ from kvbridge.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from kvbridge.hookspecs import hookimpl
-from kvbridge.options import NoOptions, TransportOptions, option
-from kvbridge.plugins import (
+from kvbridge.base.options import NoOptions, TransportOptions, option
+from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion, PluginInfo
+from kvbridge.device.contract import Device
+from kvbridge.plugin.hookspecs import hookimpl
+from kvbridge.plugin.registry import (
     PLUGIN_API_VERSION,
     create_backend,
     get_device,
@@ -30,8 +30,8 @@ from kvbridge.plugins import (
     refused_plugins,
     reset_plugins,
 )
-from kvbridge.specs import DeviceSpec, TransportSpec
-from kvbridge.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion, PluginInfo
+from kvbridge.plugin.specs import DeviceSpec, TransportSpec
+from kvbridge.transport.contract import MigrationBackend, Peer, TransferHandle, wait_all
 
 __version__ = "0.1.0"
 
@@ -78,9 +78,9 @@ __all__ = [
 ]
 
 # Agent, KV layouts and pull planning (docs/planning.md)
-from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo  # noqa: E402
-from kvbridge.layout import KVLayout, KVRegion, check_compatible  # noqa: E402
-from kvbridge.topology import ParallelConfig, Plan, Pull, plan  # noqa: E402
+from kvbridge.agent.kv_agent import KVAgent, PullHandle, PullResult, RankInfo  # noqa: E402
+from kvbridge.plan.layout import KVLayout, KVRegion, check_compatible  # noqa: E402
+from kvbridge.plan.topology import ParallelConfig, Plan, Pull, plan  # noqa: E402
 
 __all__ += [
     "KVAgent",

@@ -60,10 +60,10 @@ def etcd_server(tmp: Path, host: Host | None = None) -> Iterator[str]:
 
 def rank_info(engine_id: str = "prefill", rank: int = 0, endpoint: bytes = b"endpoint-bytes"):  # noqa: ANN201
     """A RankInfo value (as `KVAgent.info()` makes) for a side channel to serve; addresses are made up."""
-    from kvbridge.agent import RankInfo
-    from kvbridge.layout import vllm_layout
-    from kvbridge.presets import PRESETS
-    from kvbridge.topology import ParallelConfig
+    from kvbridge.agent.kv_agent import RankInfo
+    from kvbridge.plan.layout import vllm_layout
+    from kvbridge.plan.presets import PRESETS
+    from kvbridge.plan.topology import ParallelConfig
 
     model = PRESETS["tiny-gqa"]
     layout = vllm_layout(model, 8, [0x10000 * (i + 1) for i in range(model.layers)], 4)

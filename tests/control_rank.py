@@ -3,7 +3,7 @@
 Run by `kvbridge_tools.harness.proc.Child`: a `KVAgent` on Mooncake TCP over a fingerprinted HND cache, and a side
 channel — with a lease ledger on a prefill rank, an abort handler on a decode rank.
 
-Decode ranks plan with `kvbridge.topology` (through the agent), announce each read with
+Decode ranks plan with `kvbridge.plan.topology` (through the agent), announce each read with
 BeginPull (stating the prefill rank's release count from the plan), pull with `KVAgent.pull`,
 and send fenced DONEs; the plan's notifier also releases the prefill ranks nobody reads.
 """
@@ -18,7 +18,8 @@ import time
 import attrs
 import numpy as np
 
-from kvbridge.agent import KVAgent
+from kvbridge.agent.kv_agent import KVAgent
+from kvbridge.base.errors import LoadError
 from kvbridge.control import (
     ControlClient,
     ControlServer,
@@ -28,11 +29,10 @@ from kvbridge.control import (
     open_registry,
     resolve,
 )
-from kvbridge.errors import LoadError
-from kvbridge.layout import vllm_layout
-from kvbridge.presets import PRESETS, ModelSpec
+from kvbridge.plan.layout import vllm_layout
+from kvbridge.plan.presets import PRESETS, ModelSpec
+from kvbridge.plan.topology import HeadPlacement, ParallelConfig
 from kvbridge.session.decode import DecodeControl
-from kvbridge.topology import HeadPlacement, ParallelConfig
 from kvbridge_tools.bench.shares import Share, fill, mismatches
 from kvbridge_tools.harness.proc import serve
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from kvbridge import create_backend
-from kvbridge.agent import KVAgent, PullResult, RankInfo
-from kvbridge.errors import ConfigError, LayoutMismatch, TopologyError, TransferFailed
-from kvbridge.layout import KVLayout, vllm_layout
-from kvbridge.presets import PRESETS, ModelSpec
-from kvbridge.topology import HeadPlacement, ParallelConfig
+from kvbridge.agent.kv_agent import KVAgent, PullResult, RankInfo
+from kvbridge.base.errors import ConfigError, LayoutMismatch, TopologyError, TransferFailed
+from kvbridge.plan.layout import KVLayout, vllm_layout
+from kvbridge.plan.presets import PRESETS, ModelSpec
+from kvbridge.plan.topology import HeadPlacement, ParallelConfig
 from kvbridge_tools.bench.shares import Share, fill, mismatches
 
 MODEL = PRESETS["tiny-gqa"]
@@ -171,8 +171,8 @@ def test_bad_agent_setup_is_refused_and_leaks_nothing() -> None:
 
 
 def test_rank_info_from_a_peer_is_validated() -> None:
-    from kvbridge import wire
-    from kvbridge.errors import ProtocolError
+    from kvbridge.base import wire
+    from kvbridge.base.errors import ProtocolError
 
     ((p, _),) = _agents("tp1", "prefill", 4, "loopback")
     try:

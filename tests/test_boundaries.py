@@ -26,18 +26,18 @@ ALLOWED = {
     "argparse._SubParsersAction": "type hint: argparse has no public name for what add_subparsers returns",
     "_replace": "namedtuple's documented method (urllib.parse results); the underscore only avoids field names",
     "sys._getframe": "the vLLM engine core being built up the call stack (adapters/vllm/inbox.py)",
-    "sys._current_frames": "every thread's stack for the stall watchdog (watchdog.py); faulthandler writes only to a "
-    "file descriptor and names no threads",
+    "sys._current_frames": "every thread's stack for the stall watchdog (base/watchdog.py); faulthandler writes only "
+    "to a file descriptor and names no threads",
     "_qsize": "queue.Queue's documented hook for subclasses, called under its mutex (adapters/vllm/inbox.py)",
     "KVConnectorFactory._registry": "vLLM raises on a second registration and offers no public lookup",
     "torch._C._construct_storage_from_data_pointer": "torch's only tensor-over-a-device-pointer for every "
-    "device type (devices/accelerator.py)",
+    "device type (device/accelerator.py)",
     "torch._C": "the module holding the call above",
     "REGISTRY._collector_to_names": "prometheus_client lists no registered collectors publicly; ours are "
     "unregistered after a restart in one process (adapters/vllm/stats.py)",
     # Not a third-party name: the loopback transport reaches its peer backend's registration
-    # (kvbridge/backend.py). Left to the plugin-contract rework of backend.py and transports/.
-    "remote._local": "known: transports/loopback.py, see the comment above",
+    # (kvbridge/transport/contract.py). Left to the plugin-contract rework of transport/.
+    "remote._local": "known: transport/loopback.py, see the comment above",
 }
 
 
@@ -104,48 +104,33 @@ def test_the_check_sees_private_access(tmp_path: Path) -> None:
     assert private_access(module, tmp_path) == ["kvbridge/probe.py:7: other._theirs"]
 
 
-# The library's layers, each importing only from itself and the layers before it (docs/architecture.md).
+# The library's layers, lowest first, each importing only from itself and the layers before it
+# (docs/architecture.md). A layer is a folder of kvbridge/; the tools share the top tier.
 LAYERS = (
-    (
-        "base",
-        (
-            "errors",
-            "types",
-            "options",
-            "wire",
-            "secret",
-            "metric_labels",
-            "block_ids",
-            "netguard",
-            "nativelog",
-            "nics",
-            "watchdog",
-        ),
-    ),
-    (
-        "devices and transports",
-        (
-            "device",
-            "devices",
-            "placement",
-            "memory",
-            "staging",
-            "backend",
-            "faults",
-            "transports",
-            "plugins",
-            "hookspecs",
-            "specs",
-            "builtins",
-        ),
-    ),
-    ("plan", ("layout", "topology", "descriptors", "rank_ports", "presets")),
-    ("agent", ("agent", "landing")),
+    ("base", ("base",)),
+    ("device", ("device",)),
+    ("transport", ("transport",)),
+    ("plugin", ("plugin",)),
+    ("plan", ("plan",)),
+    ("agent", ("agent",)),
     ("control", ("control",)),
     ("session", ("session",)),
     ("engines", ("adapters",)),
     ("tools", ("cli", "testing", "__main__")),
 )
+
+
+def test_the_folders_are_the_layers() -> None:
+    # kvbridge/ holds its layers' folders and nothing else but the package's own __init__ and __main__
+    named = {top for _name, tops in LAYERS for top in tops}
+    found = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    found |= {p.stem for p in ROOT.glob("*.py")} - {"__init__"}
+    assert found == named, (
+        f"kvbridge/ has {sorted(found - named)} outside the layers and lacks {sorted(named - found)}: "
+        f"put each module in its layer's folder, or name a new folder in LAYERS ({__file__})"
+    )
+
+
 # importer -> imported: why it may go against the layers
 AGAINST_THE_LAYERS: dict[tuple[str, str], str] = {}
 

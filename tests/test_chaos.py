@@ -1,6 +1,6 @@
 """`kvbridge chaos`: fault names and placement, the report's must-be-0 rules, and short real runs on vLLM (slow).
 
-The transport faults it turns on are `kvbridge.faults`'s, tested in test_faults.py.
+The transport faults it turns on are `kvbridge.transport.faults`'s, tested in test_faults.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 from kvbridge_tools.chaos.faults import PER_REQUEST, parse_faults, scaling, schedule
 from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
 

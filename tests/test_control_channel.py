@@ -11,7 +11,9 @@ import pytest
 import zmq
 from control_helpers import rank_info, wait_for
 
-from kvbridge import wire
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
+from kvbridge.base.watchdog import WATCHDOG
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame
@@ -26,8 +28,6 @@ from kvbridge.control.messages import (
     RegisteredMemory,
     StreamStatus,
 )
-from kvbridge.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
-from kvbridge.watchdog import WATCHDOG
 from kvbridge_tools.harness.ports import free_port
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -685,7 +685,7 @@ def test_a_handler_that_blocks_gets_every_stack_dumped_once_and_its_time_logged(
     (dump,) = _stall_dumps(tmp_path, "stuck/0")
     assert "side channel stuck/0 (serving loop)" in dump and "Thread kvbridge-ctl-stuck/0" in dump
     assert "in stuck_in_the_abort_handler" in dump and "release.wait(30)" in dump, "the blocking frame is named"
-    logged = [r.getMessage() for r in caplog.records if r.name == "kvbridge.watchdog"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "kvbridge.base.watchdog"]
     assert sum("kvbridge stall" in m and "stuck/0" in m for m in logged) == 1, logged
     ((_, _, wait, handler),) = [t for t in timed if t[0] == "Abort"]
     assert handler >= WATCHDOG.stall_s > wait, "blocked for the whole stall, in the handler"

@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 from control_helpers import pull_params, wait_for
 
+from kvbridge.base.errors import KVBridgeError
 from kvbridge.control import ClientPool, ControlClient
 from kvbridge.control.messages import LeaseStatus, QueryLease
-from kvbridge.errors import KVBridgeError
 from kvbridge.session.decode import DecodeControl
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child, ChildError

@@ -18,7 +18,8 @@ import attrs
 import pytest
 from control_helpers import etcd_server, rank_info, redis_server, wait_for
 
-from kvbridge import wire
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError, PeerGone, TransferTimeout
 from kvbridge.control import (
     ControlClient,
     ControlServer,
@@ -30,7 +31,6 @@ from kvbridge.control import (
     open_registry,
     resolve,
 )
-from kvbridge.errors import ConfigError, PeerGone, TransferTimeout
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child
 

@@ -21,7 +21,7 @@ from control_helpers import rank_info
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge import wire
+from kvbridge.base import wire
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.channel import _frame

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control import Lease, LeaseState, Ledger
-from kvbridge.errors import ConfigError
 
 
 class Clock:

@@ -15,7 +15,7 @@ from control_helpers import pull_params, wait_for
 from control_rank import model_with
 
 from kvbridge.control import KVTransferParams
-from kvbridge.topology import ParallelConfig, Plan, plan
+from kvbridge.plan.topology import ParallelConfig, Plan, plan
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child, ChildError
 
@@ -30,7 +30,7 @@ ENV = {
 class Cluster:
     """A prefill engine and a decode engine, each rank its own process.
 
-    The expected pulls come from the planner (`kvbridge.topology.plan`), as the decode side computes them.
+    The expected pulls come from the planner (`kvbridge.plan.topology.plan`), as the decode side computes them.
     """
 
     PREFILL_BLOCKS, DECODE_BLOCKS = 8, 6

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control import KVTransferParams
-from kvbridge.errors import ConfigError
 
 # What vLLM 0.32's NIXL pull scheduler returns from request_finished() on a prefill node
 # (nixl/pull_scheduler.py: do_remote_prefill ... transfer_mode), as a proxy forwards it.

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from control_helpers import wait_for
 
-from kvbridge.agent import KVAgent
+from kvbridge.agent.kv_agent import KVAgent
+from kvbridge.base.errors import ConfigError, LoadError, TransferFailed, TransferTimeout
 from kvbridge.control import ControlServer, KVTransferParams, LeaseState, Ledger
-from kvbridge.errors import ConfigError, LoadError, TransferFailed, TransferTimeout
-from kvbridge.layout import vllm_layout
-from kvbridge.presets import PRESETS
+from kvbridge.plan.layout import vllm_layout
+from kvbridge.plan.presets import PRESETS
+from kvbridge.plan.topology import ParallelConfig
 from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine, PullState
-from kvbridge.topology import ParallelConfig
 
 MODEL = PRESETS["tiny-gqa"]
 TOKENS = 40

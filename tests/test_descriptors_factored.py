@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.descriptors import pull_descriptors, region_table
-from kvbridge.layout import KVLayout, KVRegion, lmdeploy_layout, vllm_layout
-from kvbridge.memory import Descriptors, canonical, merge_runs
-from kvbridge.presets import ModelSpec
-from kvbridge.topology import HeadPlacement, ParallelConfig, Pull, plan
+from kvbridge.base.memory import Descriptors, canonical, merge_runs
+from kvbridge.plan.descriptors import pull_descriptors, region_table
+from kvbridge.plan.layout import KVLayout, KVRegion, lmdeploy_layout, vllm_layout
+from kvbridge.plan.presets import ModelSpec
+from kvbridge.plan.topology import HeadPlacement, ParallelConfig, Pull, plan
 
 STYLES = ["split-NHD", "split-HND", "joint-NHD", "joint-HND", "perhead-HND", "lmdeploy", "blockouter-HND"]
 
@@ -171,7 +171,7 @@ def test_a_transport_sends_factored_rows_in_batches_and_checks_their_bounds() ->
     The rows are materialized batch by batch, and a layout reaching past the peer's registration is refused.
     """
     import kvbridge
-    from kvbridge.errors import InvalidDescriptor
+    from kvbridge.base.errors import InvalidDescriptor
 
     model = ModelSpec("g", layers=3, kv_heads=4, head_dim=4, dtype="fp16", block_size=4)
     p = plan(ParallelConfig(tp=1), ParallelConfig(tp=2), model, 4 * 24)  # decode rank 0: heads 0-1 of 4

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 
 import kvbridge
-from kvbridge import staging
-from kvbridge.agent import KVAgent
-from kvbridge.errors import ConfigError
-from kvbridge.layout import vllm_layout
-from kvbridge.placement import device_of, local_device, regions_of
-from kvbridge.presets import PRESETS
+from kvbridge.agent.kv_agent import KVAgent
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.types import MemoryKind, MemoryRegion
+from kvbridge.plan.layout import vllm_layout
+from kvbridge.plan.presets import PRESETS
+from kvbridge.plan.topology import ParallelConfig
+from kvbridge.plugin.placement import device_of, local_device, regions_of
 from kvbridge.testing.standins import install_standin
-from kvbridge.topology import ParallelConfig
-from kvbridge.types import MemoryKind, MemoryRegion
+from kvbridge.transport import staging
 
 MODEL = PRESETS["tiny-gqa"]
 BLOCKS = 8
@@ -395,8 +395,8 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
     _import_vllm()
     import torch
 
-    from kvbridge.faults import FaultRates
-    from kvbridge.landing import read_logical
+    from kvbridge.agent.landing import read_logical
+    from kvbridge.transport.faults import FaultRates
     from kvbridge_tools.bench.connector_rank import Rank
     from kvbridge_tools.harness.ports import free_port
 

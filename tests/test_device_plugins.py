@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 import kvbridge
-import kvbridge.memory
-import kvbridge.placement
-from kvbridge import staging
+import kvbridge.base.memory
+import kvbridge.plugin.placement
 from kvbridge.testing.standins import install_standin
+from kvbridge.transport import staging
 
 PLUGINS = {  # device -> (distribution, vendor module or None, reason here, protocols)
     "cuda": ("kvbridge-cuda", None, "no CUDA device", ("rdma", "nvlink", "ucx")),
@@ -91,8 +91,8 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
 
     name, _, device = standin
     kv = torch.zeros(2, 16, 64, dtype=torch.bfloat16, device=f"{name}:1")
-    assert kvbridge.placement.device_of([kv, kv[1]]) is device  # found through the registry by device type
-    (region,) = kvbridge.placement.regions_of(kv)
+    assert kvbridge.plugin.placement.device_of([kv, kv[1]]) is device  # found through the registry by device type
+    (region,) = kvbridge.plugin.placement.regions_of(kv)
     assert (region.addr, region.length, region.kind, region.device_id) == (
         kv.data_ptr(),
         2 * 16 * 64 * 2,
@@ -101,9 +101,9 @@ def test_tensor_regions_carry_kind_and_device_id(standin) -> None:
     )
     assert region.kind != kvbridge.MemoryKind.DRAM
     with pytest.raises(kvbridge.ConfigError, match="regions_of"):  # below the registry: host memory only
-        kvbridge.memory.as_regions(kv)
+        kvbridge.base.memory.as_regions(kv)
     with pytest.raises(kvbridge.ConfigError, match=f"a {name} tensor .* cpu memory"):
-        kvbridge.placement.regions_of(kv, kvbridge.get_device("cpu"))
+        kvbridge.plugin.placement.regions_of(kv, kvbridge.get_device("cpu"))
 
 
 def test_protocols_decide_staging(standin) -> None:

@@ -1,7 +1,7 @@
 """Failure paths surface as documented exceptions.
 
-The faults come from the one injector (`kvbridge.faults`) around the loopback transport: counted ones a test arms
-and the rates `kvbridge chaos` sets.
+The faults come from the one injector (`kvbridge.transport.faults`) around the loopback transport: counted ones a test
+arms and the rates `kvbridge chaos` sets.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import kvbridge
-from kvbridge.errors import ConfigError, PeerGone, TransferFailed, TransferTimeout
-from kvbridge.faults import FaultRates, FaultyBackend
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.base.errors import ConfigError, PeerGone, TransferFailed, TransferTimeout
+from kvbridge.transport.faults import FaultRates, FaultyBackend
+from kvbridge.transport.loopback import LoopbackBackend
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge import hookspecs
+from kvbridge.plugin import hookspecs
 
 REPO = Path(__file__).resolve().parents[1]
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("kvbridge_")]

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from kvbridge.adapters.vllm.cache import ORDERS, byte_views, describe_kv_caches  # noqa: E402
-from kvbridge.errors import ConfigError, LayoutMismatch  # noqa: E402
-from kvbridge.landing import Receiver, direct, landing_descriptors  # noqa: E402
-from kvbridge.layout import check_compatible  # noqa: E402
+from kvbridge.agent.landing import Receiver, direct, landing_descriptors  # noqa: E402
+from kvbridge.base.errors import ConfigError, LayoutMismatch  # noqa: E402
+from kvbridge.plan.layout import check_compatible  # noqa: E402
 
 L, B, H, N, C = 2, 6, 4, 16, 8  # C: K+V elements of fp16
 
@@ -94,7 +94,7 @@ def test_a_buffer_a_failed_transfer_wrote_into_is_never_lent_again() -> None:
     # A transport call that gave up may still write later (Mooncake TCP re-sends slices queued behind a
     # dropped lane once the peer answers): that buffer must not hold the next pull's bytes.
     import kvbridge
-    from kvbridge.landing import Landed
+    from kvbridge.agent.landing import Landed
 
     kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
     backend = kvbridge.create_backend("loopback")
@@ -125,7 +125,7 @@ def test_equal_block_sizes_land_whole_blocks_past_the_prompt(src: str, dst: str)
     import ctypes
 
     import kvbridge
-    from kvbridge.topology import Pull
+    from kvbridge.plan.topology import Pull
 
     prefill, decode = views(src), views(dst)
     for t in prefill.values():
@@ -155,7 +155,7 @@ def test_context_parallel_pulls_land_each_ranks_blocks_at_their_positions(cp: in
     import ctypes
 
     import kvbridge
-    from kvbridge.topology import ParallelConfig, plan
+    from kvbridge.plan.topology import ParallelConfig, plan
 
     tokens = 5 * N - 3
     ranks = [views("LBHNC") for _ in range(cp)]
@@ -199,7 +199,7 @@ def test_a_layerwise_read_lands_the_range_and_layers_its_pull_names_from_the_who
     import attrs
 
     import kvbridge
-    from kvbridge.topology import ParallelConfig, plan
+    from kvbridge.plan.topology import ParallelConfig, plan
 
     tokens = 5 * N - 3
     prefill = views("LBHNC")
@@ -237,7 +237,7 @@ def test_host_scatter_writes_exactly_the_blocks_and_heads_named(layout: str) -> 
 
     For a head range of scattered blocks in strided views, where a wrong stride or head offset shows.
     """
-    from kvbridge.landing import write_planes
+    from kvbridge.agent.landing import write_planes
 
     rng = np.random.default_rng(7)
     ours = byte_views(views(layout), layout=layout)
@@ -258,8 +258,8 @@ def test_repeated_failed_pulls_keep_the_retired_buffers_under_their_bound(sizes:
     # Each failed pull retires its buffer (never freed: a late write may still come); past the bound the
     # next pull that must land is refused (recomputed), so memory does not grow with every failure.
     import kvbridge
-    from kvbridge.errors import LoadError
-    from kvbridge.landing import Landed
+    from kvbridge.agent.landing import Landed
+    from kvbridge.base.errors import LoadError
 
     kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
     backend = kvbridge.create_backend("loopback")

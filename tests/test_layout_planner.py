@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.descriptors import pull_descriptors
-from kvbridge.errors import LayoutMismatch
-from kvbridge.layout import BufferDesc, KVLayout, buffer_layout, check_compatible, lmdeploy_layout, vllm_layout
-from kvbridge.presets import PRESETS, ModelSpec
-from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, plan
+from kvbridge.base.errors import LayoutMismatch
+from kvbridge.plan.descriptors import pull_descriptors
+from kvbridge.plan.layout import BufferDesc, KVLayout, buffer_layout, check_compatible, lmdeploy_layout, vllm_layout
+from kvbridge.plan.presets import PRESETS, ModelSpec
+from kvbridge.plan.topology import HeadPlacement, ParallelConfig, Plan, plan
 from kvbridge_tools.bench.shares import Share, fill, mismatches
 
 

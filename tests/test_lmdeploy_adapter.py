@@ -43,8 +43,8 @@ from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assi
 
 from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend  # noqa: E402
 from kvbridge.adapters.lmdeploy.plan import instruct_array, plan  # noqa: E402
-from kvbridge.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed, TransferTimeout  # noqa: E402
-from kvbridge.types import MemoryRegion  # noqa: E402
+from kvbridge.base.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed, TransferTimeout  # noqa: E402
+from kvbridge.base.types import MemoryRegion  # noqa: E402
 from kvbridge_tools.bench import lmdeploy as lmdeploy_bench  # noqa: E402
 from kvbridge_tools.bench.lmdeploy_rank import engine_config  # noqa: E402
 from kvbridge_tools.cli import bench as bench_cli  # noqa: E402
@@ -316,7 +316,7 @@ SECRET = b"lmdeploy-test-secret-0123456789"
 
 
 def test_endpoints_are_signed_and_a_signed_peer_is_admitted_to_guarded_listeners() -> None:
-    from kvbridge import netguard
+    from kvbridge.transport import netguard
 
     prefill, decode, _src, _dst = _loopback_pair((SECRET, SECRET), ("198.51.100.77", "198.51.100.78"))
     try:
@@ -340,7 +340,7 @@ def test_endpoints_are_signed_and_a_signed_peer_is_admitted_to_guarded_listeners
 
 def _resigned(info: dict, **changes: object) -> DistServeKVTransferEndpointInfo:
     """`info` with `changes`, signed again as an engine holding SECRET signs (sorted compact JSON, HMAC-SHA256)."""
-    from kvbridge.secret import LMDEPLOY, derive
+    from kvbridge.base.secret import LMDEPLOY, derive
 
     body = {k: v for k, v in {**info, **changes}.items() if k != "mac"}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))

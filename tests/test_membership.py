@@ -25,11 +25,11 @@ import pytest
 from control_helpers import wait_for
 from test_proxy_routing import Serving, Upstream
 
-from kvbridge import wire
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError
 from kvbridge.control import RankRecord, open_registry
 from kvbridge.control.discovery import ORDERS, DrainOrder, ServerRecord
 from kvbridge.control.membership import Announcer
-from kvbridge.errors import ConfigError
 from kvbridge_proxy import app as proxy
 from kvbridge_proxy.members import StaticMembers, open_members
 

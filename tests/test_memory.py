@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbridge.memory import RegionIndex, merge_runs, split_large
-from kvbridge.types import MemoryRegion
+from kvbridge.base.memory import RegionIndex, merge_runs, split_large
+from kvbridge.base.types import MemoryRegion
 
 
 @given(st.lists(st.integers(1, 5000), min_size=1, max_size=30), st.integers(1, 700))

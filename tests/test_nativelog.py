@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvbridge.nativelog import native_env
+from kvbridge.base.nativelog import native_env
 from kvbridge_tools.harness.nativelog import classify, relay_stderr
 
 
@@ -51,4 +51,4 @@ def test_classify_keeps_real_failures_at_their_severity() -> None:
         logging.ERROR,
         "batch failed: peer closed (transport.cpp:12)",
     )
-    assert classify("INFO kvbridge.agent: pulled") is None
+    assert classify("INFO kvbridge.agent.kv_agent: pulled") is None

@@ -23,9 +23,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge import create_backend, netguard
-from kvbridge.errors import ConfigError
-from kvbridge.netguard import GuardOptions, filter_program
+from kvbridge import create_backend
+from kvbridge.base.errors import ConfigError
+from kvbridge.transport import netguard
+from kvbridge.transport.netguard import GuardOptions, filter_program
 
 NET = 0x100000  # SKF_NET_OFF: the interpreter's packet starts at the network header
 
@@ -203,7 +204,7 @@ def test_a_guarded_transport_refuses_a_routable_address_with_nobody_to_admit(
 def test_the_trust_option_is_a_warning_at_every_start_and_open_in_the_state(
     backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvbridge.netguard"):
+    with caplog.at_level(logging.WARNING, logger="kvbridge.transport.netguard"):
         be = create_backend(backend, hostname="127.0.0.1", insecure=True)
     try:
         assert "accept ANY host" in caplog.text

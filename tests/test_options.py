@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvbridge
-from kvbridge import options
-from kvbridge.errors import ConfigError
-from kvbridge.plugins import plugin_options, registry
+from kvbridge.base import options
+from kvbridge.base.errors import ConfigError
+from kvbridge.plugin.registry import plugin_options, registry
 
 
 def test_a_misspelt_setting_names_the_valid_one() -> None:

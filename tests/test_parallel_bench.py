@@ -13,7 +13,7 @@ import json
 import pytest
 from test_topology import CONTEXT_PAIRS
 
-from kvbridge.errors import TopologyError
+from kvbridge.base.errors import TopologyError
 from kvbridge_tools.bench.parallel import ParallelBench
 
 # MLA pulls never slice heads, so any layout serves; GQA pairs that slice heads use an HND layout

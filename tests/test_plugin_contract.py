@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 import kvbridge
-from kvbridge import options
-from kvbridge.errors import ConfigError
-from kvbridge.plugins import PluginRegistry
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.base import options
+from kvbridge.base.errors import ConfigError
+from kvbridge.plugin.registry import PluginRegistry
+from kvbridge.transport.loopback import LoopbackBackend
 
 API2 = """
 import attrs
 import kvbridge
-from kvbridge.devices.cpu import CpuDevice
-from kvbridge.transports.loopback import LoopbackBackend, LoopbackOptions
+from kvbridge.device.cpu import CpuDevice
+from kvbridge.transport.loopback import LoopbackBackend, LoopbackOptions
 
 KVBRIDGE_PLUGIN_API = 2
 
@@ -58,13 +58,13 @@ def kvbridge_devices():
 """
 
 # A plugin as plugin API 1 documented it: `register(...)` calls, a factory of the config alone, and a
-# backend that reads its options with kvbridge.options.parse(..., config.options).
+# backend that reads its options with kvbridge.base.options.parse(..., config.options).
 API1 = """
 import attrs
 import kvbridge
-from kvbridge.devices.cpu import CpuDevice
-from kvbridge.options import parse
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.device.cpu import CpuDevice
+from kvbridge.base.options import parse
+from kvbridge.transport.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = 1
 
@@ -213,8 +213,8 @@ def test_a_hook_that_returns_something_else_than_specs_is_refused_with_the_reaso
 ) -> None:
     source = f"""
 import kvbridge
-from kvbridge.devices.cpu import CpuDevice
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.device.cpu import CpuDevice
+from kvbridge.transport.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = 2
 

@@ -16,7 +16,7 @@ RAISES = "raise RuntimeError('plugin bug: config file missing')\n"
 
 MISSPELT = """
 import kvbridge
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.transport.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = 1
 
@@ -94,7 +94,7 @@ def test_doctor_reports_a_broken_plugin_as_a_problem(site: list[Path]) -> None:
 
 SHADOW = """
 import kvbridge
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.transport.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = 1
 
@@ -107,7 +107,7 @@ def kvbridge_register_backends(register):
 
 HALF = """
 import kvbridge
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.transport.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = 1
 
@@ -122,7 +122,7 @@ EXITS = "import sys\nsys.exit(3)\n"
 
 CRASHES = """
 import kvbridge
-from kvbridge.devices.cpu import CpuDevice
+from kvbridge.device.cpu import CpuDevice
 
 KVBRIDGE_PLUGIN_API = 1
 
@@ -141,7 +141,7 @@ CHATTY = """
 import os
 
 import kvbridge
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.transport.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = 1
 print("chatty plugin loaded")

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 import kvbridge
-from kvbridge.errors import PluginNotFound, PluginUnavailable
+from kvbridge.base.errors import PluginNotFound, PluginUnavailable
 
 REPO = Path(__file__).resolve().parents[1]
 
 PLUGIN_MODULE = """
 import kvbridge
-from kvbridge.devices.cpu import CpuDevice
-from kvbridge.transports.loopback import LoopbackBackend
+from kvbridge.device.cpu import CpuDevice
+from kvbridge.transport.loopback import LoopbackBackend
 
 KVBRIDGE_PLUGIN_API = {api}
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvbridge.adapters.vllm.cache import LAYOUT_NAMES
-from kvbridge.errors import ConfigError
-from kvbridge.presets import get_preset
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.presets import get_preset
 from kvbridge_tools.bench.pair import descriptor_count
 from kvbridge_tools.bench.pool_layout import PoolLayout, describe
 

@@ -27,10 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from test_proxy_routing import Serving, Unaccepting
 
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.secret import admin_token
 from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
 from kvbridge.control.discovery import ServerRecord
-from kvbridge.errors import ConfigError
-from kvbridge.secret import admin_token
 from kvbridge.session.lending import precopied, precopy_id
 from kvbridge_proxy import app as proxy_app
 from kvbridge_proxy.app import Instance, Proxy, Upstream, create_app

@@ -804,7 +804,7 @@ def test_a_proxy_whose_event_loop_is_held_gets_every_stack_dumped(
 
     A route that blocks the loop for longer than the watchdog's stall time: the dump names the loop and the frame
     that held it, once for the stall."""
-    from kvbridge.watchdog import WATCHDOG
+    from kvbridge.base.watchdog import WATCHDOG
 
     monkeypatch.setenv("KVBRIDGE_STALL_DIR", str(tmp_path))
     prefill, decode = upstreams

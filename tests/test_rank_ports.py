@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from kvbridge.errors import ConfigError
-from kvbridge.rank_ports import group_port, side_channel_port, stage_port
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.rank_ports import group_port, side_channel_port, stage_port
 
 
 def test_every_rank_has_its_own_port() -> None:
@@ -21,7 +21,7 @@ def test_every_rank_has_its_own_port() -> None:
 
 @pytest.mark.parametrize(("dp", "pp", "tp"), [(1, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2), (3, 4, 2), (2, 3, 1)])
 def test_reader_finds_the_rank_of_its_stage(dp: int, pp: int, tp: int) -> None:
-    from kvbridge.topology import ParallelConfig
+    from kvbridge.plan.topology import ParallelConfig
 
     published = group_port(7000, tp_size=tp, pp_size=pp)  # every DP rank publishes the engine's base
     for d, p, t in itertools.product(range(dp), range(pp), range(tp)):

@@ -17,13 +17,14 @@ import pytest
 import zmq
 from control_helpers import rank_info
 
-from kvbridge import create_backend, wire
+from kvbridge import create_backend
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError, KVBridgeError, ProtocolError
+from kvbridge.base.memory import RegionIndex
+from kvbridge.base.secret import check_listen, is_loopback, load_secret
+from kvbridge.base.types import EndpointInfo, MemoryRegion
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
-from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError
-from kvbridge.memory import RegionIndex
-from kvbridge.secret import check_listen, is_loopback, load_secret
-from kvbridge.types import EndpointInfo, MemoryRegion
 from kvbridge_tools.harness.ports import free_port
 
 SECRET = "security-test-secret-0123456789ab"
@@ -63,7 +64,7 @@ def test_tcp_transport_refuses_a_routable_address_without_a_secret_before_bindin
 
 
 def test_insecure_opt_in_is_a_logged_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvbridge.secret"):
+    with caplog.at_level(logging.WARNING, logger="kvbridge.base.secret"):
         check_listen("the side channel", "0.0.0.0", None, insecure=True)
     assert "WITHOUT authentication (insecure opt-in)" in caplog.text
     check_listen("the side channel", "0.0.0.0", SECRET)  # a secret: no complaint
@@ -120,7 +121,7 @@ def test_vllm_connector_on_a_routable_address_without_a_secret_fails_at_start_up
     path.write_text(SECRET)
     assert Settings.from_extra_config({"secret_file": str(path)}).secret == SECRET.encode()
     # Every transport that runs here gets the secret and the trust option: tcp authenticates its peers with
-    # them, Mooncake's and NIXL's listeners are guarded by them (kvbridge.netguard).
+    # them, Mooncake's and NIXL's listeners are guarded by them (kvbridge.transport.netguard).
     for backend in ("tcp", "Mooncake", "nixl"):
         settings = Settings.from_extra_config({"migration_backend": backend, "secret_file": str(path)})
         assert settings.transport_options() == {"secret": SECRET.encode(), "insecure": False}
@@ -286,9 +287,9 @@ def test_abort_call_back_goes_only_to_the_host_the_begin_pull_came_from(prefill:
 
 
 def test_decode_control_names_exactly_the_blocks_it_reads() -> None:
-    from kvbridge.presets import PRESETS
+    from kvbridge.plan.presets import PRESETS
+    from kvbridge.plan.topology import ParallelConfig, plan
     from kvbridge.session.decode import blocks_read as _blocks_read
-    from kvbridge.topology import ParallelConfig, plan
 
     model = PRESETS["tiny-gqa"]
     p = plan(ParallelConfig(tp=1, pcp=2), ParallelConfig(tp=1), model, 4 * model.block_size)
@@ -453,9 +454,9 @@ def test_each_use_of_the_secret_signs_with_a_key_of_its_own_and_never_with_the_s
     import hashlib
     import hmac
 
+    from kvbridge.base.secret import ADMIN, DRAIN_ORDERS, LMDEPLOY, RECORDS, SIDE_CHANNEL, TCP, admin_token, derive
     from kvbridge.control.channel import _frame
     from kvbridge.control.messages import Frame, GetInfo, Refused
-    from kvbridge.secret import ADMIN, DRAIN_ORDERS, LMDEPLOY, RECORDS, SIDE_CHANNEL, TCP, admin_token, derive
 
     uses = (SIDE_CHANNEL, TCP, RECORDS, DRAIN_ORDERS, LMDEPLOY, ADMIN)
     keys = [derive(SECRET, use) for use in uses]
@@ -484,7 +485,7 @@ def test_the_documented_openssl_derivation_gives_the_admin_token() -> None:
     import subprocess
     from pathlib import Path
 
-    from kvbridge.secret import admin_token
+    from kvbridge.base.secret import admin_token
 
     doc = (Path(__file__).parents[1] / "docs" / "security.md").read_text()
     [command] = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "openssl kdf" in b]
@@ -511,7 +512,7 @@ def test_the_proxys_admin_calls_take_the_derived_token_never_the_secret(monkeypa
     import httpx
     from test_proxy_routing import Serving
 
-    from kvbridge.secret import admin_token
+    from kvbridge.base.secret import admin_token
     from kvbridge_proxy.app import create_app
 
     monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)

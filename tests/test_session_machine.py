@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvbridge.errors import LoadError, TransferFailed
+from kvbridge.base.errors import LoadError, TransferFailed
 from kvbridge.session.machine import STATE_MARKS, PullMachine, PullState
 
 FORWARD = [PullState.LEASED, PullState.READING, PullState.LANDING, PullState.CONFIRMING]

@@ -1,4 +1,4 @@
-"""Host staging (kvbridge.staging) and NIC affinity (kvbridge.nics), below the conformance suites."""
+"""Host staging (kvbridge.transport.staging) and NIC affinity (kvbridge.device.nics), below the conformance suites."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import kvbridge
-from kvbridge import nics, staging
-from kvbridge.backend import MigrationBackend, Op, Peer
-from kvbridge.memory import Descriptors
+from kvbridge.base.memory import Descriptors
+from kvbridge.base.types import BackendConfig, MemoryKind
+from kvbridge.device import nics
 from kvbridge.testing.standins import install_standin
-from kvbridge.transports.loopback import LoopbackBackend
-from kvbridge.types import BackendConfig, MemoryKind
+from kvbridge.transport import staging
+from kvbridge.transport.contract import MigrationBackend, Op, Peer
+from kvbridge.transport.loopback import LoopbackBackend
 
 
 @pytest.mark.parametrize("ranges", [4, 64], ids=["few-runs", "gather-scatter"])
@@ -198,7 +199,7 @@ def test_the_path_probe_picks_the_faster_path_and_attach_follows_it(
         made.append(1)
         return _Throttled(BackendConfig(protocol="ascend"))
 
-    caplog.set_level(logging.INFO, "kvbridge.staging")
+    caplog.set_level(logging.INFO, "kvbridge.transport.staging")
     backend = staging.attach(make(), npu, probe=make)
     try:
         staged = slow == MemoryKind.NPU
@@ -244,10 +245,10 @@ def test_an_agent_given_its_transport_by_name_probes_once_per_process_when_asked
 
     Asked by the argument, else by KVBRIDGE_PATH_PROBE=1 (off by default). Which path wins here is the machine's
     business (the throttled tests above pin it): the agents follow the one logged choice, made once for both."""
-    from kvbridge.agent import KVAgent
-    from kvbridge.layout import vllm_layout
-    from kvbridge.presets import PRESETS
-    from kvbridge.topology import ParallelConfig
+    from kvbridge.agent.kv_agent import KVAgent
+    from kvbridge.plan.layout import vllm_layout
+    from kvbridge.plan.presets import PRESETS
+    from kvbridge.plan.topology import ParallelConfig
 
     monkeypatch.setattr(staging, "_choices", {})
     if env is None:
@@ -255,7 +256,7 @@ def test_an_agent_given_its_transport_by_name_probes_once_per_process_when_asked
     else:
         monkeypatch.setenv("KVBRIDGE_PATH_PROBE", env)
     probe = asked if asked is not None else env == "1"
-    caplog.set_level(logging.INFO, "kvbridge.staging")
+    caplog.set_level(logging.INFO, "kvbridge.transport.staging")
     model, blocks = PRESETS["tiny-gqa"], 4
     layer_bytes = 2 * blocks * model.kv_heads * model.block_size * model.head_dim * model.dtype_bytes
     kinds = []

@@ -4,7 +4,7 @@ Four namespace hosts: a prefill serving a patterned buffer behind a transport an
 channel, a relay, a decode holding the secret, and a stranger who knows the transport endpoint (an observer saw it
 go by) and uses the transport's own library, or plain sockets. With the default configuration the
 decode reads the buffer and the stranger can neither read it, write it, connect to the transport's
-ports (Mooncake and NIXL: `kvbridge.netguard`), pass the tcp transport's handshake, nor get the layout
+ports (Mooncake and NIXL: `kvbridge.transport.netguard`), pass the tcp transport's handshake, nor get the layout
 from the side channel. Also with the transport on hostname 127.0.0.1, where Mooncake and UCX still
 listen on every interface. With the trust option (`insecure=True`), what docs/security.md says: anyone
 who reaches the ports reads registered memory (over `tcp`, with the token the endpoint carries, which

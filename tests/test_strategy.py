@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbridge.types import TransferCost
+from kvbridge.base.types import TransferCost
 from kvbridge_mooncake.spec import capabilities
 from kvbridge_tools.strategy import choose, predict_direct
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import create_backend
-from kvbridge.transports import tcp
+from kvbridge.transport import tcp
 
 SECRET = b"tcp-fuzz-secret-0123456789abcdef"
 FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -83,7 +83,7 @@ class Listener:
 @pytest.fixture(scope="module")
 def listener() -> Iterator[Listener]:
     lst = Listener()
-    logger = logging.getLogger("kvbridge.transports.tcp")
+    logger = logging.getLogger("kvbridge.transport.tcp")
     logger.addHandler(lst.warnings)
     propagate, logger.propagate = logger.propagate, False
     try:
@@ -174,7 +174,7 @@ def test_listener_keeps_serving_and_nothing_grows(listener: Listener) -> None:
     reader.register_memory(out)
     hostile = [os.urandom(n) for n in range(0, 300, 3)] + [struct.pack("!I", 1 << 30)] * 50
     # pytest's capture handlers keep every record (and a record its exception's frames): only count here.
-    logger = logging.getLogger("kvbridge.transports.tcp")
+    logger = logging.getLogger("kvbridge.transport.tcp")
     handlers, logger.handlers = logger.handlers, [listener.warnings]
     try:
         peer = reader.connect(listener.backend.endpoint_info())
@@ -357,8 +357,8 @@ def test_accept_loop_goes_on_after_running_out_of_file_descriptors() -> None:
     try:
         info = bytes.fromhex(child.stdout.readline().strip())  # type: ignore[union-attr]
         assert info, "the child listener did not start"
-        from kvbridge import wire
-        from kvbridge.types import EndpointInfo
+        from kvbridge.base import wire
+        from kvbridge.base.types import EndpointInfo
 
         endpoint = wire.decode(info, EndpointInfo)
         port = int(endpoint.address.rpartition(":")[2])
@@ -438,8 +438,8 @@ def test_transfers_across_adjacent_regions_move_the_right_bytes(case: tuple[int,
 
 def test_a_peer_that_stalls_mid_transfer_fails_it_within_the_deadline() -> None:
     """A peer that says ok and then sends nothing: the read fails (retried once) instead of waiting for ever."""
-    from kvbridge.errors import TransferError
-    from kvbridge.types import EndpointInfo, MemoryRegion
+    from kvbridge.base.errors import TransferError
+    from kvbridge.base.types import EndpointInfo, MemoryRegion
 
     key = tcp._secret_key(SECRET)
     listener = socket.create_server(("127.0.0.1", 0))

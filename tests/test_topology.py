@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.errors import TopologyError
-from kvbridge.presets import PRESETS, ModelSpec
-from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, plan
+from kvbridge.base.errors import TopologyError
+from kvbridge.plan.presets import PRESETS, ModelSpec
+from kvbridge.plan.topology import HeadPlacement, ParallelConfig, Plan, plan
 
 # The pairs the context PR was tested on (prefill -> decode).
 CONTEXT_PAIRS = [

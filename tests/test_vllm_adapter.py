@@ -32,13 +32,13 @@ from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
-from kvbridge.agent import KVAgent  # noqa: E402
+from kvbridge.agent.kv_agent import KVAgent  # noqa: E402
+from kvbridge.base.errors import ConfigError, LayoutMismatch, LoadError, ProtocolError  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.channel import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
-from kvbridge.errors import ConfigError, LayoutMismatch, LoadError, ProtocolError  # noqa: E402
+from kvbridge.plan.topology import ParallelConfig  # noqa: E402
 from kvbridge.session.timeline import CONTROL_PARTS, PULL_PHASES  # noqa: E402
-from kvbridge.topology import ParallelConfig  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 4, 32, 64, 12
@@ -505,7 +505,7 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 def test_backend_options_reach_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
-    from kvbridge.plugins import create_backend
+    from kvbridge.plugin.registry import create_backend
 
     for var in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC", "MC_TRANSFER_TIMEOUT"):
         # The plugin sets them process-wide, and processes started later inherit them. delenv alone
@@ -513,7 +513,7 @@ def test_backend_options_reach_the_transport(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(var, "0")
         monkeypatch.delenv(var)
     s = Settings.from_extra_config({"protocol": "tcp", "backend_options": {"transfer_deadline": 7}})
-    # with the secret and the trust option, which guard Mooncake's listeners (kvbridge.netguard)
+    # with the secret and the trust option, which guard Mooncake's listeners (kvbridge.transport.netguard)
     assert s.transport_options() == {"transfer_deadline": 7, "secret": None, "insecure": False}
     backend = create_backend(s.migration_backend, protocol=s.protocol, hostname=s.host, **s.transport_options())
     try:
@@ -671,7 +671,7 @@ def test_scheduler_publishes_the_engine_base_and_offers_to_its_own_dp_ranks(dp_i
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
 
     from kvbridge.adapters.vllm.scheduler import SchedulerSide
-    from kvbridge.rank_ports import side_channel_port
+    from kvbridge.plan.rank_ports import side_channel_port
 
     extra = {"migration_backend": "loopback", "side_channel_port": 21000}
     config = VllmConfig(

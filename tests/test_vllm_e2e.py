@@ -8,7 +8,7 @@ that share the colocated server.
 Every server, the proxy and the test's client are on hosts of their own (network namespaces,
 `kvbridge_tools.harness.hosts`); every kvbridge listener is on its host's routable address, and the secret
 is required: side-channel frames are authenticated, Mooncake's and NIXL's listeners admit only hosts
-that proved it (`kvbridge.netguard`), the `tcp` transport authenticates every connection.
+that proved it (`kvbridge.transport.netguard`), the `tcp` transport authenticates every connection.
 
 The servers start once for the module (about a minute on two cores). The last test kills one
 decode server, so it runs last and the others never depend on that server alone.

@@ -32,9 +32,9 @@ httpx = pytest.importorskip("httpx")
 
 from control_helpers import redis_server, wait_for  # noqa: E402
 
+from kvbridge.base.secret import admin_token  # noqa: E402
 from kvbridge.control import open_registry  # noqa: E402
 from kvbridge.control.discovery import ServerRecord  # noqa: E402
-from kvbridge.secret import admin_token  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
 from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from kvbridge_tools.harness.vllm_server import (  # noqa: E402

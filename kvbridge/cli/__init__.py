@@ -12,8 +12,8 @@ import sys
 from importlib import metadata
 from types import FrameType
 
-from kvbridge.errors import KVBridgeError
-from kvbridge.nativelog import quiet_native_logs
+from kvbridge.base.errors import KVBridgeError
+from kvbridge.base.nativelog import quiet_native_logs
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def _load_plugins_off_stdout(probe: bool) -> None:
     """Load the plugins (and `probe` their availability) with stdout on stderr, file descriptor included.
 
     What a plugin or its native library prints as it loads (a banner) must not land in a table or in `--json` output."""
-    from kvbridge.plugins import registry
+    from kvbridge.plugin.registry import registry
 
     sys.stdout.flush()
     saved = os.dup(1)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import attrs
 
-from kvbridge import netguard, wire
+from kvbridge.base import wire
+from kvbridge.base.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
 from kvbridge.cli.output import print_json, print_table
-from kvbridge.plugins import list_backends, list_devices, refused_plugins
-from kvbridge.secret import SECRET_ENV, SECRET_FILE_ENV, load_secret
+from kvbridge.plugin.registry import list_backends, list_devices, refused_plugins
+from kvbridge.transport import netguard
 
 
 @attrs.frozen
@@ -105,7 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def probe_checks() -> list[Check]:
     """Which path (in place or staged through host memory) is faster for each device and each transport reaching it."""
-    from kvbridge import create_backend, get_device, staging
+    from kvbridge import create_backend, get_device
+    from kvbridge.transport import staging
 
     out = []
     for d in (d for d in list_devices() if d.available and get_device(d.name).synchronizes):

@@ -6,10 +6,10 @@ import argparse
 import logging
 import time
 
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.secret import HOW_TO_SET, load_secret
 from kvbridge.cli.output import print_json, print_table
 from kvbridge.control.discovery import ServerRecord, open_registry
-from kvbridge.errors import ConfigError
-from kvbridge.secret import HOW_TO_SET, load_secret
 
 log = logging.getLogger(__name__)
 

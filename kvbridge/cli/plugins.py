@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from kvbridge import wire
+from kvbridge.base import wire
+from kvbridge.base.types import PluginInfo
 from kvbridge.cli.output import print_json, print_table
-from kvbridge.plugins import list_backends, list_devices, plugin_options, refused_plugins
-from kvbridge.types import PluginInfo
+from kvbridge.plugin.registry import list_backends, list_devices, plugin_options, refused_plugins
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import attrs
 
-from kvbridge import wire
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError, ProtocolError
+from kvbridge.base.secret import SIDE_CHANNEL, derive
 from kvbridge.control.messages import Frame
-from kvbridge.errors import ConfigError, ProtocolError
-from kvbridge.secret import SIDE_CHANNEL, derive
 
 NONCE_BYTES = 16
 

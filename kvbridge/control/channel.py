@@ -9,7 +9,7 @@ with a shared secret, HMAC-authenticated with a replay guard. A bad message gets
 reply; nothing a peer sends can stop the server.
 
 Closed by default: a server on an address other hosts can reach needs the shared secret (see
-`kvbridge.secret`) or an explicit `insecure=True`. An abort is only ever sent back to the side
+`kvbridge.base.secret`) or an explicit `insecure=True`. An abort is only ever sent back to the side
 channel a BeginPull named when that address is the host the BeginPull came from (its TCP source),
 so a peer cannot make this rank connect to a third party.
 """
@@ -29,9 +29,11 @@ from typing import Any, TypeVar
 import attrs
 import zmq
 
-from kvbridge import netguard, watchdog, wire
-from kvbridge.agent import RankInfo
-from kvbridge.block_ids import BlockIds
+from kvbridge.agent.kv_agent import RankInfo
+from kvbridge.base import watchdog, wire
+from kvbridge.base.block_ids import BlockIds
+from kvbridge.base.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
+from kvbridge.base.secret import check_listen, is_loopback
 from kvbridge.control.auth import Authenticator, new_nonce
 from kvbridge.control.discovery import DiscoveryRegistry, RankRecord
 from kvbridge.control.ledger import Ledger
@@ -58,8 +60,7 @@ from kvbridge.control.messages import (
     RegisteredMemory,
     StreamStatus,
 )
-from kvbridge.errors import ConfigError, KVBridgeError, LoadError, PeerGone, ProtocolError, TransferTimeout
-from kvbridge.secret import check_listen, is_loopback
+from kvbridge.transport import netguard
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class ControlServer:
         timed: Timed | None = None,
         lender: Lender | None = None,
     ) -> None:
-        """`secret`: the shared secret (`kvbridge.secret.load_secret()` reads it from the environment or a file).
+        """`secret`: the shared secret (`kvbridge.base.secret.load_secret()` reads it from the environment or a file).
 
         Required on a non-loopback `host` unless `insecure=True` (logged as a warning). `timed` is told each answered
         request's times (for the engine's metrics). `lender` is asked to lend a lease a BeginPull names that nobody

@@ -17,10 +17,10 @@ from typing import Any
 
 import attrs
 
-from kvbridge import wire
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, ProtocolError, TransferTimeout
+from kvbridge.base.secret import DRAIN_ORDERS, RECORDS, derive
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError, KVBridgeError, PeerGone, ProtocolError, TransferTimeout
-from kvbridge.secret import DRAIN_ORDERS, RECORDS, derive
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import TypeVar
 import attrs
 import numpy as np
 
-from kvbridge.block_ids import BlockIds
+from kvbridge.base.block_ids import BlockIds
+from kvbridge.base.errors import ConfigError, ProtocolError
 from kvbridge.control.messages import MAX_BLOCKS, LeaseState, LeaseStatus
-from kvbridge.errors import ConfigError, ProtocolError
 
 _V = TypeVar("_V")
 MAX_LEASE_S = 86_400.0  # a day: blocks pinned longer are a leak, not a lease

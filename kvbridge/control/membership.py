@@ -17,9 +17,9 @@ from typing import Any
 
 import attrs
 
-from kvbridge import watchdog
+from kvbridge.base import watchdog
+from kvbridge.base.errors import ConfigError, KVBridgeError
 from kvbridge.control.discovery import DiscoveryRegistry, ServerRecord
-from kvbridge.errors import ConfigError, KVBridgeError
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import attrs
 
-from kvbridge.agent import RankInfo
-from kvbridge.block_ids import BlockIds
+from kvbridge.agent.kv_agent import RankInfo
+from kvbridge.base.block_ids import BlockIds
 
 MAX_ID_CHARS = 512  # request ids, engine ids, rank names: generous, but bounded
 # A request's blocks in one message: 2 MiB packed (8 bytes each), so a BeginPull, Offer or LeaseStatus of the
@@ -105,7 +105,7 @@ def _card_hosts(_inst: object, attr: attrs.Attribute, value: tuple[str, ...]) ->
 class PeerCard:
     """A rank's word about itself, inside a signed frame it sent: the addresses its transport reaches peers from.
 
-    A peer admits `hosts` to its guarded listeners (`kvbridge.netguard`) only from a card whose `name` (the
+    A peer admits `hosts` to its guarded listeners (`kvbridge.transport.netguard`) only from a card whose `name` (the
     rank's `engine_id/rank`) is the frame's sender and which has not `expires`d (wall-clock seconds): never the
     TCP source of a message, which a replay or a relay chooses."""
 

@@ -10,10 +10,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge import wire
-from kvbridge.block_ids import BlockIds
-from kvbridge.errors import ConfigError
-from kvbridge.topology import MAX_PARALLEL_SIZE
+from kvbridge.base import wire
+from kvbridge.base.block_ids import BlockIds
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.topology import MAX_PARALLEL_SIZE
 
 
 def _groups(value: Any) -> tuple[BlockIds, ...]:

@@ -12,18 +12,18 @@ from concurrent.futures import ThreadPoolExecutor
 import attrs
 import numpy as np
 
-from kvbridge import watchdog
-from kvbridge.agent import KVAgent, PullHandle, PullResult, RankInfo
-from kvbridge.block_ids import BlockIds, block_array
+from kvbridge.agent.kv_agent import KVAgent, PullHandle, PullResult, RankInfo
+from kvbridge.base import watchdog
+from kvbridge.base.block_ids import BlockIds, block_array
+from kvbridge.base.errors import KVBridgeError, LoadError
 from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
 from kvbridge.control.discovery import DiscoveryRegistry, resolve
 from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import KVBridgeError, LoadError
+from kvbridge.plan.topology import ParallelConfig, Plan
 from kvbridge.session.layers import LayerReader
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Recorder
-from kvbridge.topology import ParallelConfig, Plan
 
 log = logging.getLogger(__name__)
 

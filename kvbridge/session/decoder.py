@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
-from kvbridge import watchdog
+from kvbridge.base import watchdog
+from kvbridge.base.errors import ConfigError, KVBridgeError
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.rank_ports import stage_port
+from kvbridge.plan.rank_ports import stage_port
 from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Outbox, Recorder

@@ -11,18 +11,18 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
-from kvbridge.backend import TransferHandle
-from kvbridge.block_ids import block_array
+from kvbridge.base.block_ids import block_array
+from kvbridge.base.errors import KVBridgeError, LoadError, TransferTimeout
+from kvbridge.base.memory import total_bytes
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
-from kvbridge.descriptors import pull_descriptors
-from kvbridge.errors import KVBridgeError, LoadError, TransferTimeout
-from kvbridge.layout import KVLayout
-from kvbridge.memory import total_bytes
+from kvbridge.plan.descriptors import pull_descriptors
+from kvbridge.plan.layout import KVLayout
+from kvbridge.transport.contract import TransferHandle
 
 if TYPE_CHECKING:
-    from kvbridge.agent import KVAgent, RankInfo
-    from kvbridge.landing import Landed
+    from kvbridge.agent.kv_agent import KVAgent, RankInfo
+    from kvbridge.agent.landing import Landed
     from kvbridge.session.decode import Session
 
 # Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until it wakes

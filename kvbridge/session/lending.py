@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.ledger import Lease, Ledger
-from kvbridge.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ import logging
 import threading
 import time
 
-from kvbridge import watchdog
-from kvbridge.errors import LoadError
+from kvbridge.base import watchdog
+from kvbridge.base.errors import LoadError
 
 log = logging.getLogger(__name__)
 

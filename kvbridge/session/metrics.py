@@ -8,12 +8,13 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.metric_labels import failure_reason
+from kvbridge.base.metric_labels import failure_reason
 
 # pulls: [transport, peer, transfer_s, control_s, bytes, descriptors]; failures: [transport, peer, reason];
 # leases: [event] (offered, released, expired, aborted); held: [lease delta, block delta];
 # retries: [transport, peer, resubmissions] (of pulls that succeeded or failed);
-# guard: [transport, open (1: trust option, any host admitted), hosts admitted] when it changed (kvbridge.netguard);
+# guard: [transport, open (1: trust option, any host admitted), hosts admitted] when it changed
+# (kvbridge.transport.netguard);
 # phases: [phase, transport, peer, seconds] of a handover (HANDOVER_PHASES); requests: [kind, queued_s, wait_s,
 # handler_s] of a side-channel request this rank answered
 KEYS = ("pulls", "failures", "leases", "held", "retries", "guard", "phases", "requests")

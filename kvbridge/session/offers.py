@@ -7,9 +7,9 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvbridge.base.errors import KVBridgeError
 from kvbridge.control.channel import ClientPool
 from kvbridge.control.messages import Offer, Refused
-from kvbridge.errors import KVBridgeError
 
 log = logging.getLogger(__name__)
 

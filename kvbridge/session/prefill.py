@@ -8,12 +8,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvbridge import watchdog
-from kvbridge.agent import KVAgent
+from kvbridge.agent.kv_agent import KVAgent
+from kvbridge.base import watchdog
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.channel import ControlServer
 from kvbridge.control.ledger import Lease, LeaseState, Ledger
 from kvbridge.control.messages import Offer
-from kvbridge.errors import ConfigError
 from kvbridge.session.lending import Lending, StepLending
 from kvbridge.session.outbox import Outbox, Recorder
 from kvbridge.session.stream import LayerwiseMeta, Producer

@@ -16,7 +16,7 @@ from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.session.tasks import StreamTask
 
 if TYPE_CHECKING:
-    from kvbridge.agent import KVAgent
+    from kvbridge.agent.kv_agent import KVAgent
     from kvbridge.control.ledger import Ledger
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import time
 
 import attrs
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError
 
 
 @attrs.frozen

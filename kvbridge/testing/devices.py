@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import kvbridge
-from kvbridge import staging
-from kvbridge.device import Device
-from kvbridge.errors import ConfigError, InvalidDescriptor, PluginNotFound, PluginUnavailable
-from kvbridge.memory import as_regions
-from kvbridge.nics import nic_env
-from kvbridge.types import MemoryKind, MemoryRegion
+from kvbridge.base.errors import ConfigError, InvalidDescriptor, PluginNotFound, PluginUnavailable
+from kvbridge.base.memory import as_regions
+from kvbridge.base.types import MemoryKind, MemoryRegion
+from kvbridge.device.contract import Device
+from kvbridge.device.nics import nic_env
+from kvbridge.transport import staging
 
 BLOCK = 512
 BLOCKS = 12

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import kvbridge
-from kvbridge import wire
-from kvbridge.backend import MigrationBackend, Peer
-from kvbridge.errors import ConfigError, InvalidDescriptor, KVBridgeError, PluginNotFound, TransferError
-from kvbridge.types import EndpointInfo, MemoryKind
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError, InvalidDescriptor, KVBridgeError, PluginNotFound, TransferError
+from kvbridge.base.types import EndpointInfo, MemoryKind
+from kvbridge.transport.contract import MigrationBackend, Peer
 
 SIZE = 1 << 16
 

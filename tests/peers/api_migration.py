@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 import kvbridge
-from kvbridge.agent import KVAgent, RankInfo
-from kvbridge.layout import KVLayout, vllm_layout
-from kvbridge.presets import PRESETS
-from kvbridge.topology import ParallelConfig
+from kvbridge.agent.kv_agent import KVAgent, RankInfo
+from kvbridge.plan.layout import KVLayout, vllm_layout
+from kvbridge.plan.presets import PRESETS
+from kvbridge.plan.topology import ParallelConfig
 
 MODEL = PRESETS["tiny-gqa"]
 BLOCKS = 8

@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 
 import kvbridge
-from kvbridge import netguard, wire
+from kvbridge.base import wire
+from kvbridge.base.types import EndpointInfo
 from kvbridge.control import ControlClient, ControlServer, Ledger
-from kvbridge.layout import vllm_layout
-from kvbridge.presets import PRESETS
-from kvbridge.topology import ParallelConfig
-from kvbridge.types import EndpointInfo
+from kvbridge.plan.layout import vllm_layout
+from kvbridge.plan.presets import PRESETS
+from kvbridge.plan.topology import ParallelConfig
+from kvbridge.transport import netguard
 from kvbridge_tools.harness.proc import serve
 
 state: dict[str, Any] = {}
@@ -40,7 +41,7 @@ def serve_buffer(
     backend: str, hostname: str, size: int, seed: int, options: dict[str, Any], secret: str | None
 ) -> dict[str, Any]:
     """A patterned buffer registered with `backend`, its endpoint served on an authenticated side channel."""
-    from kvbridge.agent import RankInfo
+    from kvbridge.agent.kv_agent import RankInfo
 
     buf = np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
     be = kvbridge.create_backend(backend, hostname=hostname, **options)
@@ -225,7 +226,7 @@ def stranger_release() -> None:
 
 def tcp_handshake_begin(host: str, port: int) -> None:
     """Connect to kvbridge's tcp transport and read its challenge: a handshake in flight."""
-    from kvbridge.transports import tcp
+    from kvbridge.transport import tcp
 
     s = socket.create_connection((host, port), timeout=10)
     state["handshake"] = (s, tcp._recv_frame(s, tcp._MAX_AUTH_FRAME)["challenge"])
@@ -235,7 +236,7 @@ def tcp_handshake_finish(secret: str) -> bool:
     """Answer the challenge with the secret; whether the server accepted and proved the key back."""
     import hmac
 
-    from kvbridge.transports import tcp
+    from kvbridge.transport import tcp
 
     s, challenge = state.pop("handshake")
     key, mine = tcp._secret_key(secret.encode()), b"m" * 16

@@ -24,17 +24,25 @@ from lmdeploy.pytorch.disagg.conn.protocol import (
 )
 from lmdeploy.pytorch.disagg.messages import DistServeRegisterMRMessage, MigrationAssignment
 
-from kvbridge import netguard, staging, wire
 from kvbridge.adapters.lmdeploy.metrics import TransferMetrics
 from kvbridge.adapters.lmdeploy.plan import InstructPlan, describe, instruct_array, plan
 from kvbridge.adapters.lmdeploy.settings import PROTOCOL_ENV, TRANSPORT_ENV, AdapterSettings
-from kvbridge.backend import MigrationBackend, Peer, TransferHandle
-from kvbridge.device import Device
-from kvbridge.errors import ConfigError, KVBridgeError, ProtocolError, TransferError, TransferFailed, TransferTimeout
-from kvbridge.placement import local_device
-from kvbridge.plugins import create_backend, get_device, registry
-from kvbridge.secret import LMDEPLOY, derive
-from kvbridge.types import EndpointInfo, MemoryKind, MemoryRegion
+from kvbridge.base import wire
+from kvbridge.base.errors import (
+    ConfigError,
+    KVBridgeError,
+    ProtocolError,
+    TransferError,
+    TransferFailed,
+    TransferTimeout,
+)
+from kvbridge.base.secret import LMDEPLOY, derive
+from kvbridge.base.types import EndpointInfo, MemoryKind, MemoryRegion
+from kvbridge.device.contract import Device
+from kvbridge.plugin.placement import local_device
+from kvbridge.plugin.registry import create_backend, get_device, registry
+from kvbridge.transport import netguard, staging
+from kvbridge.transport.contract import MigrationBackend, Peer, TransferHandle
 
 log = logging.getLogger(__name__)
 

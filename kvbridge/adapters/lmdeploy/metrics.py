@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvbridge.metric_labels import SECONDS_BUCKETS
+from kvbridge.base.metric_labels import SECONDS_BUCKETS
 from kvbridge.session.metrics import KEYS, TransferRecord
 
 FOLD_EVERY = 256  # recorded entries kept as a list before they are summed: a long-lived backend stays bounded

@@ -9,9 +9,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.errors import InvalidDescriptor
-from kvbridge.memory import merge_runs
-from kvbridge.types import MemoryRegion
+from kvbridge.base.errors import InvalidDescriptor
+from kvbridge.base.memory import merge_runs
+from kvbridge.base.types import MemoryRegion
 
 FIELDS = ("mr_key", "source_offset", "target_offset", "length")
 _get = attrgetter(*FIELDS)

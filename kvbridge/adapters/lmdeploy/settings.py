@@ -9,8 +9,8 @@ from typing import Any
 
 import attrs
 
-from kvbridge.errors import ConfigError
-from kvbridge.secret import load_secret
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.secret import load_secret
 
 TRANSPORT_ENV = "KVBRIDGE_LMDEPLOY_TRANSPORT"
 PROTOCOL_ENV = "KVBRIDGE_LMDEPLOY_PROTOCOL"

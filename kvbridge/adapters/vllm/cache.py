@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout, PagedGeometry, PagedPlane, paged_layout
-from kvbridge.presets import ModelSpec
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.layout import KVLayout, PagedGeometry, PagedPlane, paged_layout
+from kvbridge.plan.presets import ModelSpec
 
 _DTYPES = {
     "float32": "fp32",
@@ -144,7 +144,7 @@ def _check_order(view: Any, layout: str, backend: str) -> None:
 def byte_views(kv_caches: Mapping[str, Any], *, layout: str) -> list[list[Any]]:
     """Per plane, per layer, a uint8 view `[B, H, N, content bytes]` of the cache.
 
-    What `kvbridge.landing` writes pulled blocks into, and the bench fills and checks."""
+    What `kvbridge.agent.landing` writes pulled blocks into, and the bench fills and checks."""
     entries = list(kv_caches.values())
     if layout == ASCEND_KV_TUPLE:
         return [[e[i].permute(0, 2, 1, 3).view(torch_uint8()) for e in entries] for i in (0, 1)]

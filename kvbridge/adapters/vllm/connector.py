@@ -22,8 +22,8 @@ from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
+from kvbridge.base.nativelog import quiet_native_logs
 from kvbridge.control.membership import freeze_heap_at_exit
-from kvbridge.nativelog import quiet_native_logs
 
 if TYPE_CHECKING:
     import torch

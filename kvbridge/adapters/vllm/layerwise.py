@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 from kvbridge.session.stream import LayerwiseMeta, StreamStart
 from kvbridge.session.tasks import StreamTask
 

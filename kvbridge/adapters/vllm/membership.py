@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.discovery import ServerRecord, open_registry
 from kvbridge.control.membership import Announcer, SigtermDrain
-from kvbridge.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

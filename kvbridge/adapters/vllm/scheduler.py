@@ -12,11 +12,11 @@ from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
 from kvbridge.adapters.vllm.marked import MarkedRequests
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.channel import ClientPool
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError
-from kvbridge.rank_ports import group_port
+from kvbridge.plan.rank_ports import group_port
 from kvbridge.session.lending import StepLending, precopied
 from kvbridge.session.offers import Offers
 from kvbridge.session.tasks import PullTask, StreamTask
@@ -68,7 +68,7 @@ class SchedulerSide:
         self.block_size = vllm_config.cache_config.block_size
         self.pp_size = parallel.pipeline_parallel_size  # decode refuses another PP size (each stage reads its own)
         self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
-        # published: the engine's base port; peers add a rank's global index to it (kvbridge.rank_ports)
+        # published: the engine's base port; peers add a rank's global index to it (kvbridge.plan.rank_ports)
         self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         # this engine's worker ranks (every stage and TP rank of this DP rank), told of offers at once
         own = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size, dp_index=self.dp_rank)

@@ -9,9 +9,9 @@ from typing import Any
 
 import attrs
 
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.secret import HOW_TO_SET, check_listen, load_secret
 from kvbridge.control.ledger import MAX_LEASE_S
-from kvbridge.errors import ConfigError
-from kvbridge.secret import HOW_TO_SET, check_listen, load_secret
 
 DEFAULT_SIDE_CHANNEL_PORT = 5800
 # `stream_idle_wait_ms` defaults: where the engine core's input queue is watched an arriving request
@@ -89,7 +89,7 @@ class Settings:
 
     def transport_options(self) -> dict[str, Any]:
         """`backend_options`, plus the secret and insecure opt-in of transports with them. See docs/internals.md."""
-        from kvbridge.plugins import registry
+        from kvbridge.plugin.registry import registry
 
         declared = {o.name for o in registry().backend_entry(self.migration_backend).option_infos()}
         auth = {k: v for k, v in {"secret": self.secret, "insecure": self.insecure}.items() if k in declared}

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvbridge.metric_labels import SECONDS_BUCKETS, SERIES
+from kvbridge.base.metric_labels import SECONDS_BUCKETS, SERIES
 from kvbridge.session.metrics import KEYS, TransferRecord, timed
 
 if TYPE_CHECKING:

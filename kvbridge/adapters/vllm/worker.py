@@ -6,21 +6,21 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvbridge import netguard
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, byte_views, describe_kv_caches, resolved_layout
 from kvbridge.adapters.vllm.inbox import find_engine_inbox
 from kvbridge.adapters.vllm.layerwise import check_streamable
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgeStats
-from kvbridge.agent import KVAgent
-from kvbridge.placement import device_of
-from kvbridge.rank_ports import side_channel_port
+from kvbridge.agent.kv_agent import KVAgent
+from kvbridge.plan.rank_ports import side_channel_port
+from kvbridge.plan.topology import ParallelConfig
+from kvbridge.plugin.placement import device_of
 from kvbridge.session.decode import CONTROL_TIMEOUT_S, DecodeControl
 from kvbridge.session.decoder import DecodeSide
 from kvbridge.session.outbox import Outbox
 from kvbridge.session.prefill import PrefillSide
-from kvbridge.topology import ParallelConfig
+from kvbridge.transport import netguard
 
 if TYPE_CHECKING:
     import torch

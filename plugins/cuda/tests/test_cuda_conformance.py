@@ -36,8 +36,8 @@ class TestCudaUnavailableConformance(UnavailableDeviceConformance):
 
 
 def test_what_the_plugin_decides_without_cuda(tmp_path: Path) -> None:
-    from kvbridge import staging
-    from kvbridge.types import MemoryKind
+    from kvbridge.base.types import MemoryKind
+    from kvbridge.transport import staging
     from kvbridge_cuda.device import CudaDevice
     from kvbridge_mooncake import spec
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.device import Device
+from kvbridge import Device
 from kvbridge.testing import DeviceConformance
 
 

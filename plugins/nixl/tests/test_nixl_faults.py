@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import kvbridge
-from kvbridge.errors import TransferFailed, TransferTimeout
+from kvbridge.base.errors import TransferFailed, TransferTimeout
 from kvbridge_tools.harness.proc import Child
 
 SIZE = 8 << 20

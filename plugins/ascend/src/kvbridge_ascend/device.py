@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvbridge.devices.accelerator import TorchAcceleratorDevice
-from kvbridge.errors import ConfigError
-from kvbridge.nics import pci_functions
-from kvbridge.types import MemoryKind
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.types import MemoryKind
+from kvbridge.device.accelerator import TorchAcceleratorDevice
+from kvbridge.device.nics import pci_functions
 
 HUAWEI = "0x19e5"
 VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
@@ -21,7 +21,7 @@ class NpuDevice(TorchAcceleratorDevice):
 
     Mooncake reaches it with its `ascend` transport (HCCS inside a node, the NPU's own RoCE ports
     across nodes, chosen by device id). Any other protocol, `tcp` included, goes through pinned host
-    staging (`kvbridge.staging`).
+    staging (`kvbridge.transport.staging`).
     """
 
     name = "npu"

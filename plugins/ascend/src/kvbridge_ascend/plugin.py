@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import kvbridge
-from kvbridge.devices.probes import device_nodes, library_probe
-from kvbridge.types import MemoryKind
+from kvbridge.base.types import MemoryKind
+from kvbridge.device.probes import device_nodes, library_probe
 
 KVBRIDGE_PLUGIN_API = 2
 

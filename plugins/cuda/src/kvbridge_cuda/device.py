@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvbridge.devices.accelerator import TorchAcceleratorDevice
-from kvbridge.types import MemoryKind
+from kvbridge.base.types import MemoryKind
+from kvbridge.device.accelerator import TorchAcceleratorDevice
 
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 SYS_MODULES = Path("/sys/module")
@@ -25,7 +25,7 @@ class CudaDevice(TorchAcceleratorDevice):
     which needs the nvidia-peermem module loaded; without it `rdma` is staged) and `nvlink` (GPU to
     GPU inside one node). NIXL reaches it with `ucx` where its UCX was built with CUDA (the NIXL plugin
     declares GPU memory only then), and UCX picks cuda_copy, cuda_ipc or the NIC itself. Any other
-    protocol, `tcp` included, goes through pinned host staging (`kvbridge.staging`).
+    protocol, `tcp` included, goes through pinned host staging (`kvbridge.transport.staging`).
     """
 
     name = "cuda"

@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.device import Device
-from kvbridge.types import MemoryKind
+from kvbridge import Device, MemoryKind
 
 
 class ExampleDevice(Device):

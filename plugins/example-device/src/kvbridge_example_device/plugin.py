@@ -7,7 +7,7 @@ from __future__ import annotations
 import mmap
 
 import kvbridge
-from kvbridge.types import MemoryKind
+from kvbridge import MemoryKind
 
 KVBRIDGE_PLUGIN_API = 2
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.devices.accelerator import TorchAcceleratorDevice
-from kvbridge.nics import pci_functions
-from kvbridge.types import MemoryKind
+from kvbridge.base.types import MemoryKind
+from kvbridge.device.accelerator import TorchAcceleratorDevice
+from kvbridge.device.nics import pci_functions
 
 CAMBRICON = "0xcabc"
 
@@ -16,7 +16,7 @@ class MluDevice(TorchAcceleratorDevice):
 
     Mooncake reaches it with `rdma` when Mooncake is built with MLU support (the NIC registers MLU
     memory through the Cambricon peer-memory driver, as xLLM's MLU PD path does). Any other protocol,
-    `tcp` included, goes through pinned host staging (`kvbridge.staging`).
+    `tcp` included, goes through pinned host staging (`kvbridge.transport.staging`).
     """
 
     name = "mlu"

@@ -43,14 +43,14 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from kvbridge.backend import MigrationBackend, Op, Peer
+from kvbridge.base.errors import ConfigError, PluginUnavailable, TransferFailed
+from kvbridge.base.memory import Descriptors
+from kvbridge.base.options import as_dict
+from kvbridge.base.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.control.discovery import redacted
-from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed
-from kvbridge.memory import Descriptors
-from kvbridge.netguard import Guard
-from kvbridge.options import as_dict
-from kvbridge.plugins import device_for_memory
-from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
+from kvbridge.plugin.registry import device_for_memory
+from kvbridge.transport.contract import MigrationBackend, Op, Peer
+from kvbridge.transport.netguard import Guard
 from kvbridge_mooncake import spec
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Each kvbridge protocol maps to one of Mooncake's transports, and reaches the memory kinds that
 transport reaches in the installed wheel (`mooncake.engine.SUPPORT_*` says what it was built with):
 
-- ``tcp``: host memory; device memory is staged through pinned host mirrors (`kvbridge.staging`).
+- ``tcp``: host memory; device memory is staged through pinned host mirrors (`kvbridge.transport.staging`).
 - ``rdma``: host memory, and GPU memory by GPUDirect RDMA where the wheel is built with CUDA
   (registered with its ``cuda:N`` location); MLU memory where Mooncake is built for it.
 - ``nvlink``: GPU memory between GPUs of one host, on Mooncake's intra-node NVLink transport
@@ -20,9 +20,9 @@ from typing import Any
 
 import attrs
 
-from kvbridge.netguard import GuardOptions
-from kvbridge.options import option
-from kvbridge.types import BackendCapabilities, MemoryKind, TransferCost
+from kvbridge.base.options import option
+from kvbridge.base.types import BackendCapabilities, MemoryKind, TransferCost
+from kvbridge.transport.netguard import GuardOptions
 
 PROTOCOLS = ("tcp", "rdma", "nvlink", "ascend")
 MOONCAKE_PROTOCOL = {"tcp": "tcp", "rdma": "rdma", "nvlink": "nvlink_intra", "ascend": "ascend"}

@@ -30,11 +30,11 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.backend import MigrationBackend, Op, Peer
-from kvbridge.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
-from kvbridge.memory import Descriptors
-from kvbridge.netguard import Guard
-from kvbridge.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
+from kvbridge.base.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
+from kvbridge.base.memory import Descriptors
+from kvbridge.base.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
+from kvbridge.transport.contract import MigrationBackend, Op, Peer
+from kvbridge.transport.netguard import Guard
 from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class NixlBackend(MigrationBackend):
         """`options`: `spec.NixlOptions`, parsed and checked by the registry.
 
         docs/nixl.md says what each does; its guard options say who may reach UCX's listeners, which authenticate
-        nobody: `kvbridge.netguard`."""
+        nobody: `kvbridge.transport.netguard`."""
         super().__init__(config, options)
         opts: NixlOptions = self.options  # type: ignore[assignment]
         reason = probe()

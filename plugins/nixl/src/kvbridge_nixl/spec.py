@@ -14,9 +14,9 @@ from types import ModuleType
 
 import attrs
 
-from kvbridge.netguard import GuardOptions
-from kvbridge.options import option
-from kvbridge.types import BackendCapabilities, MemoryKind
+from kvbridge.base.options import option
+from kvbridge.base.types import BackendCapabilities, MemoryKind
+from kvbridge.transport.netguard import GuardOptions
 
 # NIXL backends that move memory between two agents (kvbridge's protocols, lower case). NIXL's other
 # plugins (POSIX, GDS, GDS_MT, OBJ, ...) move memory to and from storage, which is not a peer transfer.

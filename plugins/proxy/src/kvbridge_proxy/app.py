@@ -57,13 +57,13 @@ import prometheus_client as prom
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvbridge import watchdog
+from kvbridge.base import watchdog
+from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, TransferTimeout
+from kvbridge.base.secret import admin_token, load_secret
 from kvbridge.control.channel import ControlClient
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError, KVBridgeError, PeerGone, TransferTimeout
-from kvbridge.rank_ports import side_channel_port
-from kvbridge.secret import admin_token, load_secret
+from kvbridge.plan.rank_ports import side_channel_port
 from kvbridge.session.lending import precopy_id
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
@@ -289,7 +289,7 @@ async def _heartbeat() -> None:
     """Beat the stall watchdog from the event loop.
 
     A loop held for `stall_s` (a blocking call in a coroutine, or the process not run at all) gets every thread's stack
-    dumped, the loop's own among them, with where its seconds went (kvbridge.watchdog)."""
+    dumped, the loop's own among them, with where its seconds went (kvbridge.base.watchdog)."""
     beat = watchdog.watch("proxy event loop")
     try:
         while True:
@@ -1148,7 +1148,7 @@ class Proxy:
         def abort(stage: int, rank: int, again: bool = False) -> bool:
             """False where the rank did not answer: it is asked again."""
             # Every stage's ranks hold blocks of the request: with pp_size > 1 the later stages' too (their ports follow
-            # the engine's numbering, kvbridge.rank_ports; remote_port is the engine's base, dp_rank its DP rank).
+            # the engine's numbering, kvbridge.plan.rank_ports; remote_port is the engine's base, dp_rank its DP rank).
             try:
                 port = side_channel_port(
                     int(params.remote_port),  # type: ignore[arg-type]

@@ -7,8 +7,8 @@ import math
 import sys
 from collections.abc import Callable
 
-from kvbridge.errors import ConfigError
-from kvbridge.secret import HOW_TO_SET, admin_token, load_secret
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.secret import HOW_TO_SET, admin_token, load_secret
 from kvbridge_proxy.migration import MOVES, MoveSettings
 
 # Bounds on the limits' settings: far above any use, and finite (a NaN or infinite deadline is none).

@@ -26,7 +26,7 @@ import attrs
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 from kvbridge_proxy.fanout import MAX_PARTS
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ import json
 import urllib.parse
 from pathlib import Path
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.discovery import ROLES, STATES, DiscoveryRegistry, ServerRecord, open_registry, redacted
-from kvbridge.errors import ConfigError
 
 
 class StaticMembers:

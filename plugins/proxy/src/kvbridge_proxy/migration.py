@@ -19,8 +19,8 @@ from typing import Any
 
 import attrs
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
-from kvbridge.errors import ConfigError
 
 CHAT = "/v1/chat/completions"
 # What a resumed `/v1/completions` request keeps of the client's: per-step sampling state that the prompt + generated

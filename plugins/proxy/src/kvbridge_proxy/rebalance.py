@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvbridge_proxy.app import Instance

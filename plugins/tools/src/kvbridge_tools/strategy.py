@@ -15,7 +15,7 @@ from typing import Literal
 
 import attrs
 
-from kvbridge.types import TransferCost
+from kvbridge.base.types import TransferCost
 
 Strategy = Literal["direct", "gather"]
 STRATEGIES: tuple[Strategy, ...] = ("direct", "gather")

@@ -10,8 +10,8 @@ import argparse
 import copy
 from typing import Any
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import print_json, print_table
-from kvbridge.errors import ConfigError
 from kvbridge_tools.bench import pair
 
 

@@ -29,11 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbridge.adapters.vllm.cache import FP8_CACHE_DTYPES, LAYOUT_NAMES
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import print_json, print_table
-from kvbridge.errors import ConfigError
-from kvbridge.plugins import get_device
-from kvbridge.presets import get_preset
-from kvbridge.topology import ParallelConfig
+from kvbridge.plan.presets import get_preset
+from kvbridge.plan.topology import ParallelConfig
+from kvbridge.plugin.registry import get_device
 from kvbridge_tools.bench.pair import paired_ratio, ratio_cell
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child

@@ -68,7 +68,7 @@ class Rank:
         `device`: a device plugin's name; an accelerator rank takes device `device_slot` modulo the
         devices present. `rank`: the rank in the (DP, TP) grid of pipeline stage `pp_rank` of `pp`.
         `raw_bytes`: size of the raw buffer registered beside the cache (0: none). `fault_injection`: the
-        connector's key of that name (testing only, `kvbridge.faults`).
+        connector's key of that name (testing only, `kvbridge.transport.faults`).
         """
         self.close()
         import attrs
@@ -79,9 +79,9 @@ class Rank:
         import kvbridge
         from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, FP8_CACHE_DTYPES, byte_views
         from kvbridge.adapters.vllm.connector import KVBridgeConnector
-        from kvbridge.presets import get_preset
-        from kvbridge.topology import HeadPlacement, ParallelConfig
-        from kvbridge.types import MemoryKind
+        from kvbridge.base.types import MemoryKind
+        from kvbridge.plan.presets import get_preset
+        from kvbridge.plan.topology import HeadPlacement, ParallelConfig
         from kvbridge_tools.bench.vllm_cache import allocate
 
         started = time.perf_counter()
@@ -164,8 +164,8 @@ class Rank:
 
         `sources`: per request, the prefill rank's `endpoint` and `raw_addr` and the `bytes` to read.
         """
-        from kvbridge import staging
-        from kvbridge.errors import ConfigError
+        from kvbridge.base.errors import ConfigError
+        from kvbridge.transport import staging
 
         backend_ = self._backend()
         transport = staging.transport(backend_)
@@ -209,7 +209,7 @@ class Rank:
         import torch
         from vllm.v1.request import RequestStatus
 
-        from kvbridge.landing import write_logical
+        from kvbridge.agent.landing import write_logical
         from kvbridge_tools.bench.vllm_cache import logical
 
         out = {}
@@ -233,7 +233,7 @@ class Rank:
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-        from kvbridge.landing import read_logical
+        from kvbridge.agent.landing import read_logical
         from kvbridge_tools.bench.vllm_cache import logical
 
         for r in requests:

@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from kvbridge.errors import ConfigError
-from kvbridge.secret import SECRET_ENV
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.secret import SECRET_ENV
 
 SUBNET = "198.51.100.0/24"  # a documentation range: never a real network
 

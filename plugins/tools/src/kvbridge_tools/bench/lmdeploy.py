@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import ConfigError
-from kvbridge.presets import get_preset
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.presets import get_preset
 from kvbridge_tools.harness.proc import Child
 
 log = logging.getLogger(__name__)

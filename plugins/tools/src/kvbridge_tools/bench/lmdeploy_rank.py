@@ -33,7 +33,7 @@ from lmdeploy.pytorch.engine.cache_engine.migration import (
     validate_cache_pool_layouts,
 )
 
-from kvbridge.errors import ConfigError, TransferFailed
+from kvbridge.base.errors import ConfigError, TransferFailed
 from kvbridge_tools.harness.proc import serve
 
 

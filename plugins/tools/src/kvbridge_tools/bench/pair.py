@@ -24,12 +24,12 @@ import numpy as np
 from rich.progress import Progress
 
 from kvbridge.adapters.vllm.cache import LAYOUT_NAMES
+from kvbridge.base.errors import ConfigError, PluginUnavailable
+from kvbridge.base.options import as_dict
+from kvbridge.base.types import TransferCost
 from kvbridge.cli.output import err_console, print_json, print_table
-from kvbridge.errors import ConfigError, PluginUnavailable
-from kvbridge.options import as_dict
-from kvbridge.plugins import get_device, registry
-from kvbridge.presets import get_preset
-from kvbridge.types import TransferCost
+from kvbridge.plan.presets import get_preset
+from kvbridge.plugin.registry import get_device, registry
 from kvbridge_tools.bench.link import Link, Placed, placed, report
 from kvbridge_tools.bench.pool_layout import DEFAULT_LAYOUT, describe
 from kvbridge_tools.harness.proc import Child
@@ -192,7 +192,7 @@ def _measure(
             return Child("kvbridge_tools.bench.pair_rank", name=name)
         return Child("kvbridge_tools.bench.pair_rank", name=name, prefix=where.prefix[name], env=where.env)
 
-    # Native transport logs: kept to warnings by the CLI (kvbridge.nativelog), routed by Child (harness.nativelog).
+    # Native transport logs: kept to warnings by the CLI (kvbridge.base.nativelog), routed by Child (harness.nativelog).
     prefill = child("prefill")
     decode = child("decode")
     try:

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 import kvbridge
-from kvbridge import netguard, staging
-from kvbridge.errors import ConfigError
-from kvbridge.memory import merge_runs
-from kvbridge.presets import get_preset
-from kvbridge.staging import copy_ranges
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.memory import merge_runs
+from kvbridge.plan.presets import get_preset
+from kvbridge.transport import netguard, staging
+from kvbridge.transport.staging import copy_ranges
 from kvbridge_tools.bench.fingerprint import block_values
 from kvbridge_tools.bench.pool_layout import PoolLayout
 from kvbridge_tools.harness.proc import serve

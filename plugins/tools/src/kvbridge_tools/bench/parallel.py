@@ -13,10 +13,10 @@ import argparse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import console, print_json, print_table
-from kvbridge.errors import ConfigError
-from kvbridge.presets import get_preset
-from kvbridge.topology import ParallelConfig, plan
+from kvbridge.plan.presets import get_preset
+from kvbridge.plan.topology import ParallelConfig, plan
 from kvbridge_tools.bench.parallel_rank import LAYOUTS
 from kvbridge_tools.harness.proc import Child
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.agent import KVAgent, PullResult, RankInfo
-from kvbridge.backend import MigrationBackend
-from kvbridge.layout import KVLayout, lmdeploy_layout, vllm_layout
-from kvbridge.plugins import create_backend, get_device
-from kvbridge.presets import ModelSpec, get_preset
-from kvbridge.topology import HeadPlacement, ParallelConfig
+from kvbridge.agent.kv_agent import KVAgent, PullResult, RankInfo
+from kvbridge.plan.layout import KVLayout, lmdeploy_layout, vllm_layout
+from kvbridge.plan.presets import ModelSpec, get_preset
+from kvbridge.plan.topology import HeadPlacement, ParallelConfig
+from kvbridge.plugin.registry import create_backend, get_device
+from kvbridge.transport.contract import MigrationBackend
 from kvbridge_tools.bench.shares import Share, fill, mismatches
 from kvbridge_tools.harness.proc import serve
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 
 WIDTH, HEIGHT = 760, 420
 LEFT, RIGHT, TOP, BOTTOM = 70, 230, 50, 60

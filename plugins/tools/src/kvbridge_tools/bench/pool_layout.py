@@ -18,8 +18,8 @@ import attrs
 import numpy as np
 
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, CUDA_DEFAULT_LAYOUT, LAYOUT_NAMES, ORDERS
-from kvbridge.errors import ConfigError
-from kvbridge.presets import ModelSpec
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.presets import ModelSpec
 from kvbridge_tools.bench.fingerprint import element_dtype
 
 DEFAULT_LAYOUT = CUDA_DEFAULT_LAYOUT  # what KVBridgeConnector asks vLLM for on a CUDA deployment by default

@@ -39,10 +39,10 @@ from typing import Any
 
 from rich.progress import Progress
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.control import open_registry
 from kvbridge.control.discovery import ServerRecord
-from kvbridge.errors import ConfigError
 from kvbridge_tools.bench.plot import check_path, write_chart
 from kvbridge_tools.bench.scale_rank import BLOCKS
 from kvbridge_tools.harness.etcd import etcd_server

@@ -19,13 +19,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.agent import KVAgent
+from kvbridge.agent.kv_agent import KVAgent
 from kvbridge.control import ControlServer, KVTransferParams, LeaseState, Ledger, open_registry
-from kvbridge.layout import vllm_layout
-from kvbridge.presets import PRESETS
+from kvbridge.plan.layout import vllm_layout
+from kvbridge.plan.presets import PRESETS
+from kvbridge.plan.topology import ParallelConfig
 from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine
-from kvbridge.topology import ParallelConfig
 from kvbridge_tools.harness.proc import serve
 
 MODEL = attrs.evolve(PRESETS["tiny-gqa"], kv_heads=2)  # a few KiB per block: the bench measures control, not bytes

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from kvbridge.descriptors import region_table
-from kvbridge.errors import ConfigError
-from kvbridge.layout import KVLayout
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.descriptors import region_table
+from kvbridge.plan.layout import KVLayout
 
 KIND_CODE = {"k": 1, "v": 2, "latent": 3}
 CODE_KIND = {v: k for k, v in KIND_CODE.items()}

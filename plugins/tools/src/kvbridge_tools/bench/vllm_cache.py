@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE
-from kvbridge.presets import ModelSpec
+from kvbridge.plan.presets import ModelSpec
 from kvbridge_tools.bench.fingerprint import fingerprint
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8": "float8_e4m3fn"}

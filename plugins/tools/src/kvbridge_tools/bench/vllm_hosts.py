@@ -29,9 +29,9 @@ from typing import Any
 
 from rich.progress import Progress
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import err_console, print_json, print_table
-from kvbridge.errors import ConfigError
-from kvbridge.presets import get_preset
+from kvbridge.plan.presets import get_preset
 from kvbridge.session import timeline
 from kvbridge_tools.bench.link import Link, Placed, placed
 from kvbridge_tools.bench.pair import DEFAULT_MODEL, frozen_heap, paired_ratio, quantile, ratio_cell

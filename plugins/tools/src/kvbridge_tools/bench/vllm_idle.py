@@ -35,8 +35,8 @@ from typing import Any
 
 from rich.progress import Progress
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import err_console, print_json, print_table
-from kvbridge.errors import ConfigError
 from kvbridge_tools.bench import vllm as pd
 from kvbridge_tools.bench.pair import quantile
 from kvbridge_tools.bench.vllm_load import LABELS

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import err_console, print_json, print_table
-from kvbridge.errors import ConfigError
 from kvbridge_tools.bench.link import Link, Placed
 from kvbridge_tools.bench.link import placed as hosts_for
 from kvbridge_tools.bench.load_probes import (
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 SYSTEMS = ("colocated", "kvbridge", "kvbridge-nixl", "nixl", "mooncake")
 ROUTERS = ("kvbridge", "vllm-router")
 ALTERNATION = ("auto", "resident", "restart")
-# the side channel's answer time as kvbridge's decode servers export it (kvbridge.metric_labels.SERIES)
+# the side channel's answer time as kvbridge's decode servers export it (kvbridge.base.metric_labels.SERIES)
 SIDE_CHANNEL = "kvbridge_control_seconds"
 LABELS = {
     "colocated": "colocated",

@@ -32,8 +32,8 @@ from typing import Any
 import attrs
 from rich.progress import Progress
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import err_console, print_json, print_table
-from kvbridge.errors import ConfigError
 from kvbridge_tools.bench.link import Link, placed
 
 MOVES = ("precopy", "stop-and-copy", "recompute")
@@ -164,7 +164,7 @@ def _run_placed(
     moves: list[str],
     advance: Any,
 ) -> list[dict[str, Any]]:
-    from kvbridge.secret import SECRET_ENV, admin_token
+    from kvbridge.base.secret import SECRET_ENV, admin_token
     from kvbridge_tools.harness.redis import redis_server
     from kvbridge_tools.harness.vllm_server import connector_config, start_proxy, start_vllm, wait_healthy
 

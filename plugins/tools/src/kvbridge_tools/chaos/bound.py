@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 from kvbridge.session.decode import CONTROL_TIMEOUT_S
 
 
@@ -28,7 +28,7 @@ class HandoverBound:
 
     @property
     def transfer_s(self) -> float:
-        # each attempt: the deadline and the grace the backend's watchdog adds (kvbridge.backend)
+        # each attempt: the deadline and the grace the backend's watchdog adds (kvbridge.transport.contract)
         attempt = self.transfer_deadline_s + min(1.0, self.transfer_deadline_s / 2)
         backoff = sum(self.retry_backoff_s * 2**k for k in range(self.retries))
         return attempt * (self.retries + 1) + backoff
@@ -50,8 +50,8 @@ class HandoverBound:
 
 def transport_bound(backend: str, protocol: str | None, options: dict[str, Any], fault_s: float) -> HandoverBound:
     """The bound for KVBridgeConnector over `backend` with these options (its defaults where unset)."""
-    from kvbridge.options import as_dict
-    from kvbridge.plugins import registry
+    from kvbridge.base.options import as_dict
+    from kvbridge.plugin.registry import registry
 
     parsed = as_dict(registry().backend_entry(backend).parse_options(options))
     if "transfer_deadline" not in parsed:

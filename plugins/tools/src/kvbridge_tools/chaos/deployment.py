@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvbridge.errors import ConfigError
-from kvbridge.secret import admin_token
+from kvbridge.base.errors import ConfigError
+from kvbridge.base.secret import admin_token
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.vllm_server import (
     Server,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 
 FAULTS = {
     "kill-decode": "SIGKILL a decode server while one of its streams runs, then restart it",

@@ -9,8 +9,8 @@ import argparse
 import importlib
 from typing import Any
 
-from kvbridge.errors import ConfigError
-from kvbridge.presets import PRESETS
+from kvbridge.base.errors import ConfigError
+from kvbridge.plan.presets import PRESETS
 
 # mode name -> module in kvbridge_tools.bench; each has add_arguments(group) and run(args) -> int
 MODES = {

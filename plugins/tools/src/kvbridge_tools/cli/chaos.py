@@ -164,7 +164,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.errors import ConfigError
+    from kvbridge.base.errors import ConfigError
     from kvbridge_tools.chaos.bound import transport_bound
     from kvbridge_tools.chaos.deployment import Deployment
     from kvbridge_tools.chaos.runner import Workload
@@ -239,7 +239,7 @@ def _joins(faults: list[str], requests: int, seed: int) -> int:
 
 def _on_hosts(args: argparse.Namespace, dep: Any, stack: contextlib.ExitStack) -> Any:
     """Put `dep` on namespace hosts for as long as `stack` lasts; this thread becomes the proxy host's client."""
-    from kvbridge.errors import ConfigError
+    from kvbridge.base.errors import ConfigError
     from kvbridge_tools.chaos.network import NetworkFaults
     from kvbridge_tools.harness.hosts import Hosts, hosts_unavailable
 

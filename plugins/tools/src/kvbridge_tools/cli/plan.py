@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge import topology, wire
-from kvbridge.block_ids import BlockIds, block_array
+from kvbridge.base import wire
+from kvbridge.base.block_ids import BlockIds, block_array
 from kvbridge.cli.output import console, print_json, print_table
-from kvbridge.descriptors import pull_descriptors
-from kvbridge.layout import vllm_layout
-from kvbridge.presets import PRESETS, ModelSpec, get_preset
-from kvbridge.topology import HeadPlacement, ParallelConfig, Plan, Pull, plan
+from kvbridge.plan import topology
+from kvbridge.plan.descriptors import pull_descriptors
+from kvbridge.plan.layout import vllm_layout
+from kvbridge.plan.presets import PRESETS, ModelSpec, get_preset
+from kvbridge.plan.topology import HeadPlacement, ParallelConfig, Plan, Pull, plan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -7,7 +7,7 @@ import random
 import string
 from typing import Any
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

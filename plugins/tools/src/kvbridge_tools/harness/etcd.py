@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.redis import stop
 

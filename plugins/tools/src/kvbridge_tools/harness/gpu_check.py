@@ -5,7 +5,7 @@ Each writes {status, detail, data} as JSON to FILE.
 
 They drive kvbridge's own code, nothing copied: the device conformance suite (`kvbridge.testing.devices`,
 through pytest), the pair bench (`kvbridge bench`), the landing rearrangement (`KVAgent.pull` with a
-`kvbridge.landing.Receiver`) and layer-wise publishing (`kvbridge.adapters.vllm.layerwise.Producer`).
+`kvbridge.agent.landing.Receiver`) and layer-wise publishing (`kvbridge.adapters.vllm.layerwise.Producer`).
 On the `cpu` device the same steps run on host memory, where nothing is queued: what they prove about a
 GPU is proven only where one ran them.
 """
@@ -172,7 +172,7 @@ def _bench_protocols(transport: str) -> list[str | None]:
 def _path(device: str, transport: str, protocol: str | None) -> str:
     """Whether the transport reads the device's memory in place or kvbridge stages it through host memory."""
     import kvbridge
-    from kvbridge import staging
+    from kvbridge.transport import staging
 
     if device == "cpu":
         return "host memory"
@@ -197,9 +197,9 @@ def landing(args: argparse.Namespace) -> Outcome:
     import torch
 
     from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, ORDERS, byte_views, describe_kv_caches
-    from kvbridge.agent import KVAgent
-    from kvbridge.landing import Receiver
-    from kvbridge.topology import ParallelConfig
+    from kvbridge.agent.kv_agent import KVAgent
+    from kvbridge.agent.landing import Receiver
+    from kvbridge.plan.topology import ParallelConfig
 
     layouts = [n for n in ORDERS if n != ASCEND_KV_TUPLE]
     L, B, H, N, C = LANDING_SHAPE
@@ -274,12 +274,12 @@ def layerwise(args: argparse.Namespace) -> Outcome:
     """
 
     import kvbridge
-    from kvbridge.agent import KVAgent
+    from kvbridge.agent.kv_agent import KVAgent
     from kvbridge.control.ledger import Ledger
-    from kvbridge.layout import vllm_layout
-    from kvbridge.presets import PRESETS
+    from kvbridge.plan.layout import vllm_layout
+    from kvbridge.plan.presets import PRESETS
+    from kvbridge.plan.topology import ParallelConfig
     from kvbridge.session.stream import LayerwiseMeta, Producer, StreamStart
-    from kvbridge.topology import ParallelConfig
 
     model = PRESETS["small"]
     device = kvbridge.get_device(args.device)

@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvbridge.errors import KVBridgeError, TransferTimeout
+from kvbridge.base.errors import KVBridgeError, TransferTimeout
 from kvbridge_tools.harness.nativelog import relay_stderr
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.vllm_server import BASE_ENV, Server, host_env, wait_healthy
 

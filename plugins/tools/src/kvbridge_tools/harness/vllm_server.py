@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvbridge.errors import ConfigError
+from kvbridge.base.errors import ConfigError
 from kvbridge_tools.harness.ports import free_port
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class Server:
             return f"(no log at {self.log_path})"
         errors = [line for line in text if _ERROR_LINE.search(line)][:lines]
         stalls = [str(p) for p in sorted(self.log_path.parent.glob(f"stalls-{self.port}/stall-*.txt"))]
-        tail = ["stall dumps (every thread's stack, kvbridge.watchdog):", *stalls] if stalls else []
+        tail = ["stall dumps (every thread's stack, kvbridge.base.watchdog):", *stalls] if stalls else []
         return "\n".join(["error lines:", *errors, f"last {lines} lines:", *text[-lines:], *tail])
 
     def metrics(self) -> dict[str, float]:

@@ -1,0 +1,271 @@
+"""Where the time goes: the slow line, and a stall watchdog that dumps every thread's stack. See docs/internals.md."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from kvbridge.base.options import option, parse
+
+log = logging.getLogger(__name__)
+ENV = {"slow_ms": "KVBRIDGE_SLOW_MS", "stall_s": "KVBRIDGE_STALL_S", "stall_dir": "KVBRIDGE_STALL_DIR"}
+
+
+@attrs.frozen
+class WatchOptions:
+    slow_ms: float = option(250.0, "a side-channel request or handover whose parts add up to this logs one line", min=0)
+    stall_s: float = option(1.0, "a serving loop or pull busy this long without progress dumps every stack", min=0.01)
+    stall_dir: str | None = option(None, "a directory that gets a file per stall (besides the log)")
+
+
+def options() -> WatchOptions:
+    """The options the environment sets now."""
+    given = {k: os.environ[v] for k, v in ENV.items() if os.environ.get(v)}
+    return parse(WatchOptions, given, what=f"the environment ({', '.join(ENV.values())})")
+
+
+SLOW_MS = options().slow_ms  # read once: checked on every request
+
+
+def slow(logger: logging.Logger, what: str, parts: Mapping[str, float]) -> None:
+    """One line when `parts` (ms) add up to SLOW_MS or more: `slow WHAT: TOTAL ms (part ms, ...)`."""
+    total = sum(parts.values())
+    if total >= SLOW_MS:
+        logger.warning("slow %s: %.1f ms (%s)", what, total, ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+
+
+class Beat:
+    """What a watched loop or pull updates; `since` None: idle (waiting, not stalled). Made on the thread it watches."""
+
+    __slots__ = ("__weakref__", "dumped", "name", "since", "tid")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tid = threading.get_native_id()  # its thread's CPU time and run-queue wait go in a dump
+        self.since: float | None = time.monotonic()
+        self.dumped: float | None = None  # the `since` of the stall already dumped
+
+    def busy(self) -> float:
+        self.since = now = time.monotonic()
+        return now
+
+    def idle(self) -> None:
+        self.since = None
+
+
+# Thread ids to (ns on a CPU, ns runnable but waiting for one): Linux's per-thread schedstat.
+Schedstat = dict[int, tuple[int, int]]
+HISTORY_S = 120.0  # how far back a dump can account for a stall's CPU time
+
+
+def schedstats() -> Schedstat:
+    """This process's threads: time each ran, and time each waited on a run queue (empty without /proc schedstat)."""
+    out: Schedstat = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ran, waited, _ = f.read().split()
+            out[int(tid)] = (int(ran), int(waited))
+        except (OSError, ValueError):  # the thread ended meanwhile, or a kernel without schedstats
+            continue
+    return out
+
+
+def box_cpu() -> tuple[float, ...]:
+    """The host's CPU seconds so far (all CPUs): (busy, idle, stolen by the hypervisor); () without /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return ()
+    user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+    hz = os.sysconf("SC_CLK_TCK")
+    return ((user + nice + system + irq + softirq) / hz, (idle + iowait) / hz, steal / hz)
+
+
+def _thread_name(tid: int, names: Mapping[int, str]) -> str:
+    if tid in names:
+        return names[tid]
+    try:  # a thread Python did not start (a transport's C++ I/O thread, OpenMP's): its kernel name
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip() or str(tid)
+    except OSError:
+        return str(tid)
+
+
+def account(
+    stalled: list[Beat],
+    before: Schedstat,
+    after: Schedstat,
+    window_s: float,
+    box: tuple[tuple[float, ...], tuple[float, ...]] = ((), ()),
+) -> str:
+    """Where the stalled threads' seconds went, with the process's busiest threads.
+
+    On a CPU, waiting for one (the box's CPUs taken), or neither (blocked on a lock, I/O or a sleep, or stopped)."""
+    if not after:
+        return "CPU time: not known (no /proc schedstat on this system)"
+    if window_s <= 0:
+        return "CPU time: not known (no look before this one to count from)"
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    delta = {
+        tid: ((ran - before.get(tid, (0, 0))[0]) / 1e9, (waited - before.get(tid, (0, 0))[1]) / 1e9)
+        for tid, (ran, waited) in after.items()
+    }
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    ran_all, waited_all = sum(d[0] for d in delta.values()), sum(d[1] for d in delta.values())
+    lines = [
+        f"CPU time over the last {window_s:.1f} s: this process's {len(after)} threads ran {ran_all:.2f} s and waited "
+        f"{waited_all:.2f} s for a CPU; load average {load} on {os.cpu_count()} CPUs"
+    ]
+    if box[0] and box[1]:  # what the host's CPUs did meanwhile: a VM's vCPUs not run by its hypervisor are stolen
+        busy, idle, stolen = (b - a for a, b in zip(*box, strict=True))
+        lines[0] += f"; the host's CPUs were busy {busy:.2f} s, idle {idle:.2f} s, stolen {stolen:.2f} s"
+    for beat in stalled:
+        ran, waited = delta.get(beat.tid, (0.0, 0.0))
+        if ran + waited < window_s / 2:
+            verdict = "neither running nor runnable most of the time: blocked (a lock, I/O, a sleep) or stopped"
+        elif ran >= waited:
+            verdict = "busy on a CPU (a long computation, or a loop that does not yield)"
+        else:
+            verdict = "runnable but not run: the CPUs were taken by other threads or processes"
+        lines.append(
+            f"  {beat.name} (thread {_thread_name(beat.tid, names)}): ran {ran:.2f} s, waited {waited:.2f} s: {verdict}"
+        )
+    busiest = sorted(delta.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:5]
+    lines += [
+        f"  busiest: {_thread_name(tid, names)} ran {ran:.2f} s, waited {waited:.2f} s"
+        for tid, (ran, waited) in busiest
+        if ran + waited >= 0.01
+    ]
+    return "\n".join(lines)
+
+
+class Watchdog:
+    """The process's one watcher thread, started with the first beat (again in a forked child)."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self.stalls = 0  # dumps so far
+        self.checked = 0.0  # monotonic time of the last look
+        # (monotonic time, schedstats, box_cpu) at each look: what a dump subtracts from now
+        self._samples: deque[tuple[float, Schedstat, tuple[float, ...]]] = deque(
+            maxlen=min(1000, max(2, int(HISTORY_S * 2 / stall_s)))
+        )
+        self._pid = os.getpid()
+        self._beats: weakref.WeakSet[Beat] = weakref.WeakSet()  # a pull dropped without its end is gone too
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, name: str) -> Beat:
+        beat = Beat(name)
+        with self._lock:
+            self._beats.add(beat)
+            if self._thread is None or not self._thread.is_alive():
+                if self._pid != os.getpid():  # a forked child: its threads are not its parent's
+                    self._samples.clear()
+                    self._pid = os.getpid()
+                self._sample()  # what a stall found at the first look counts from
+                self._thread = threading.Thread(target=self._run, name="kvbridge-watchdog", daemon=True)
+                self._thread.start()
+        return beat
+
+    def forget(self, beat: Beat) -> None:
+        with self._lock:
+            self._beats.discard(beat)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.stall_s / 2)  # the watchdog's own period: a beat is never waited on
+            try:
+                self.check()
+            except Exception:  # the watchdog must outlive a failed dump (a full disk)
+                log.exception("stall watchdog failed")
+
+    def check(self) -> None:
+        """Dump once for the beats stalled now that were not dumped for this stall."""
+        with self._lock:
+            beats = list(self._beats)
+        # Sampled before any beat is marked dumped (one who waits on that moves on), at every look: a stall's
+        # window starts at the last look before it, which an idle spell without beats must not make minutes old.
+        now, stats, box = self._sample()
+        stalled: list[tuple[Beat, float]] = []
+        for b in beats:
+            since = b.since
+            if since is not None and now - since >= self.stall_s and b.dumped != since:
+                b.dumped = since
+                stalled.append((b, since))
+        if stalled:
+            self.stalls += 1
+            began = min(since for _, since in stalled)
+            # the last look at or before the stall began (the oldest kept, for one longer than the history)
+            then, before, box_before = next(
+                (sample for sample in reversed(self._samples) if sample[0] <= began), self._samples[0]
+            )
+            accounting = account([b for b, _ in stalled], before, stats, now - then, (box_before, box))
+            self._dump(stalled, now, accounting)
+        self.checked = now
+
+    def _sample(self) -> tuple[float, Schedstat, tuple[float, ...]]:
+        """Every thread's CPU counters and the host's, kept for a later dump.
+
+        The clock is read right after the counters: a look that itself waited for a CPU between the two would give
+        them a window too short."""
+        stats, box = schedstats(), box_cpu()
+        sample = (time.monotonic(), stats, box)
+        self._samples.append(sample)
+        return sample
+
+    def _dump(self, stalled: list[tuple[Beat, float]], now: float, accounting: str) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        what = ", ".join(f"{b.name} ({now - since:.1f} s)" for b, since in stalled)
+        head = f"kvbridge stall in pid {os.getpid()}: no progress in {what}; every thread's stack:"
+        stacks = [
+            f"Thread {names.get(ident, '?')} ({ident}):\n{''.join(traceback.format_stack(frame))}"
+            for ident, frame in sys._current_frames().items()
+        ]
+        text = "\n".join([head, accounting, *stacks])
+        log.warning("%s", text)
+        where = options().stall_dir
+        if where:
+            path = Path(where, f"stall-{os.getpid()}-{self.stalls}-{time.strftime('%H%M%S')}.txt")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Whole or absent: whoever watches the folder (an operator's tail, a test) never reads half a dump.
+            partial = path.with_name(f".{path.name}.partial")
+            partial.write_text(text + "\n")
+            os.replace(partial, path)
+            log.warning("stall stacks written to %s", path)
+
+
+WATCHDOG = Watchdog(options().stall_s)
+_local = threading.local()
+
+
+def watch(name: str, *, this_thread: bool = False) -> Beat:
+    """A beat of this process's watchdog, busy from now (`WATCHDOG.forget` it when done, or drop it).
+
+    `this_thread`: the calling thread's beat from now on, for `progress()`."""
+    beat = WATCHDOG.watch(name)
+    if this_thread:
+        _local.beat = beat
+    return beat
+
+
+def progress() -> None:
+    """The calling thread's beat (if any) moved on."""
+    beat = getattr(_local, "beat", None)
+    if beat is not None:
+        beat.busy()

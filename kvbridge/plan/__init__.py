@@ -1,0 +1,1 @@
+"""Planning: KV layouts, who pulls what from whom, descriptors and ports."""

@@ -1,0 +1,507 @@
+"""Plugin discovery and the registry of transports and devices. See docs/internals.md."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from importlib import metadata
+from typing import Any
+
+import attrs
+import pluggy
+
+from kvbridge.base.errors import (
+    ConfigError,
+    KVBridgeError,
+    PluginAPIMismatch,
+    PluginError,
+    PluginNotFound,
+    PluginUnavailable,
+)
+from kvbridge.base.options import OptionInfo, as_dict, describe, parse, unknown_names
+from kvbridge.base.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
+from kvbridge.device.contract import Device
+from kvbridge.plugin import hookspecs
+from kvbridge.plugin.specs import DeviceSpec, TransportSpec
+from kvbridge.transport.contract import MigrationBackend
+from kvbridge.transport.faults import FaultRates, FaultyBackend
+
+log = logging.getLogger(__name__)
+
+PLUGIN_API_VERSION = 2  # the plugin API new plugins are written for; API 1 plugins still load (hookspecs)
+ENTRY_POINT_GROUP = "kvbridge"
+ALLOW_ENV = "KVBRIDGE_PLUGINS"
+BLOCK_ENV = "KVBRIDGE_BLOCK_PLUGINS"
+# the plugins kvbridge ships (plugins/ in its repository), by the name each registers
+OWN_DISTRIBUTIONS = {
+    "mooncake": "kvbridge-mooncake",
+    "nixl": "kvbridge-nixl",
+    "cuda": "kvbridge-cuda",
+    "npu": "kvbridge-ascend",
+    "mlu": "kvbridge-mlu",
+}
+
+
+@attrs.define
+class Registration:
+    """A transport or device in the registry: its plugin's spec, where it came from, its probe's answer (asked once)."""
+
+    kind: str  # "backend" or "device"
+    spec: TransportSpec | DeviceSpec
+    distribution: str
+    version: str
+    _reason: str | None = attrs.field(default=None, init=False)
+    _probed: bool = attrs.field(default=False, init=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name.lower()
+
+    @property
+    def options(self) -> type:
+        return self.spec.options
+
+    @property
+    def install_hint(self) -> str:
+        return self.spec.install_hint
+
+    @property
+    def capabilities(self) -> BackendCapabilities | None:
+        return self.spec.capabilities if isinstance(self.spec, TransportSpec) else None
+
+    @property
+    def memory_kind(self) -> MemoryKind | None:
+        return self.spec.memory_kind if isinstance(self.spec, DeviceSpec) else None
+
+    def unavailable_reason(self) -> str | None:
+        """Why this cannot run here, or None. Probed once; a probe that raises is a reason too."""
+        if not self._probed:
+            try:
+                reason = self.spec.probe() if self.spec.probe else None
+                if reason is not None and not (isinstance(reason, str) and reason):
+                    # "" would read as available in one place and not in another
+                    reason = f"its availability check returned {reason!r}, not a reason or None"
+                self._reason = reason
+            except Exception as exc:  # a probe must not take the registry down; its failure is the reason
+                self._reason = f"availability check failed: {type(exc).__name__}: {exc}"
+            self._probed = True
+        return self._reason
+
+    def _hardware_here(self) -> bool | None:
+        if self.spec.hardware is None:
+            return None
+        try:
+            return bool(self.spec.hardware())
+        except Exception:  # an unanswerable check is "unknown", never a crash of the listing
+            log.debug("hardware check of %s %s raised", self.kind, self.name, exc_info=True)
+            return None
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Around the factory: an error that is not kvbridge's names the plugin and its distribution.
+
+        A vendor runtime's RuntimeError alone does not say which plugin raised it."""
+        try:
+            yield
+        except KVBridgeError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"{self.kind} {self.name!r} from {self.distribution} {self.version} failed to start: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    def option_infos(self) -> list[OptionInfo]:
+        """The options this plugin declares."""
+        return describe(self.options)
+
+    def parse_options(self, given: Mapping[str, Any]) -> Any:
+        """`given` as an instance of the spec's options class, every value converted and checked.
+
+        The one place kvbridge parses a plugin's options (the factory gets the instance)."""
+        what = f"{self.kind} {self.name!r}"
+        # create_backend's own settings are named too: `protocl=` is a typo of `protocol`, not an option
+        settings = [f.name for f in attrs.fields(BackendConfig) if f.name != "options" and self.kind == "backend"]
+        unknown_names(given, settings + [f.name for f in attrs.fields(self.options)], what=what)
+        return parse(self.options, given, what=what)
+
+    def info(self) -> PluginInfo:
+        reason = self.unavailable_reason()
+        detail: dict[str, object] = {}
+        if self.capabilities is not None:
+            detail = {
+                "protocols": list(self.capabilities.protocols),
+                "memory": sorted(k.value for k in self.capabilities.memory_kinds),
+            }
+        elif self.memory_kind is not None:
+            detail = {"memory": self.memory_kind.value}
+        return PluginInfo(
+            kind=self.kind,
+            name=self.name,
+            available=reason is None,
+            reason=reason or "",
+            hint=self.install_hint if reason else "",
+            hardware_here=self._hardware_here(),
+            distribution=self.distribution,
+            version=self.version,
+            detail=detail,
+        )
+
+
+@attrs.define
+class _Loading:
+    """The plugin pluggy is registering (and so calling the hooks of), and what they returned so far."""
+
+    api: int
+    specs: list[TransportSpec | DeviceSpec] = attrs.field(factory=list)
+    answered: set[str] = attrs.field(factory=set)  # hooks that returned something (None is not passed on)
+
+
+def _csv(value: str | None) -> set[str] | None:
+    if value is None:
+        return None
+    return {v.strip().lower() for v in value.split(",") if v.strip()}
+
+
+class PluginRegistry:
+    """Loads plugins once and answers lookups by case-insensitive name."""
+
+    def __init__(self, *, entry_points: bool = True) -> None:
+        self.pm = pluggy.PluginManager("kvbridge")
+        self.pm.add_hookspecs(hookspecs)
+        self._sources: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
+        self.backends: dict[str, Registration] = {}
+        self.devices: dict[str, Registration] = {}
+        self.refused: list[PluginInfo] = []
+        self.skipped: list[str] = []  # entry points ALLOW_ENV/BLOCK_ENV kept from loading
+        self._devices_made: dict[str, Device] = {}
+        self._lock = threading.Lock()
+        self._loading: _Loading | None = None
+        # The hooks are historic: pluggy calls each plugin's implementations as it registers the plugin, so
+        # what comes back is known to be that plugin's, and the built-ins claim their names first whatever a
+        # plugin's tryfirst/trylast says.
+        hook = self.pm.hook
+        hook.kvbridge_transports.call_historic(result_callback=self._answer("kvbridge_transports", TransportSpec))
+        hook.kvbridge_devices.call_historic(result_callback=self._answer("kvbridge_devices", DeviceSpec))
+        hook.kvbridge_register_backends.call_historic(kwargs={"register": self._register_backend})
+        hook.kvbridge_register_devices.call_historic(kwargs={"register": self._register_device})
+
+        from kvbridge.plugin import builtins
+
+        self.add_plugin(builtins, "builtin", "kvbridge", _version("kvbridge"))
+        if entry_points:
+            self._load_entry_points()
+
+    def _load_entry_points(self) -> None:
+        allow = _csv(os.environ.get(ALLOW_ENV))
+        block = _csv(os.environ.get(BLOCK_ENV)) or set()
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist else "?"
+            version = ep.dist.version if ep.dist else "?"
+            if ep.name.lower() in block or (allow is not None and ep.name.lower() not in allow):
+                log.debug("plugin %s skipped by %s/%s", ep.name, ALLOW_ENV, BLOCK_ENV)
+                self.skipped.append(ep.name)
+                continue
+            if ep.name in self._sources:
+                first, _ = self._sources[ep.name]
+                self._refuse(
+                    ep.name,
+                    dist,
+                    version,
+                    f"its entry point name {ep.name!r} is taken by {first}",
+                    f"report it to {dist}: its entry point in the {ENTRY_POINT_GROUP!r} group needs a name of its own",
+                )
+                continue
+            try:
+                plugin = ep.load()
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: a plugin must not end the process that lists it
+                self._refuse(
+                    ep.name, dist, version, f"import failed: {type(exc).__name__}: {exc}", _import_hint(exc, dist)
+                )
+                continue
+            self.add_plugin(plugin, ep.name, dist, version)
+
+    def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
+        """Register `plugin` (a module or object with kvbridge hooks) with pluggy. See docs/internals.md."""
+        api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
+        if api not in hookspecs.API_HOOKS:
+            self._refuse(
+                name,
+                dist,
+                version,
+                f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
+                f"{' and '.join(map(str, hookspecs.API_HOOKS))}",
+                f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it",
+            )
+            return
+        self._loading = loading = _Loading(api=api)
+        try:
+            self.pm.register(plugin, name=name)
+            # Plugins already registered were checked, so anything pending belongs to this one.
+            self.pm.check_pending()
+            problem = self._contract_problem(api, {c.name for c in self.pm.get_hookcallers(plugin) or []}, loading)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # one broken plugin must not hide the others; it is listed
+            problem = self._failure(exc, dist)
+        finally:
+            self._loading = None
+        if problem is not None:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            self._refuse(name, dist, version, *problem)
+            return
+        self._sources[name] = (dist, version)
+        for spec in loading.specs:
+            kind, table = ("backend", self.backends) if isinstance(spec, TransportSpec) else ("device", self.devices)
+            entry = Registration(kind=kind, spec=spec, distribution=dist, version=version)
+            first = table.get(entry.name)
+            if first is None:
+                table[entry.name] = entry
+                continue
+            # listed as a problem of the plugin (`kvbridge plugins`, `doctor`); its other names still work
+            self._refuse(
+                name,
+                dist,
+                version,
+                f"its {kind} {entry.name!r} is not used: {first.distribution} registered that name first",
+                f"uninstall one of them (pip uninstall {dist}), or report the clash to {dist}",
+            )
+
+    @staticmethod
+    def _contract_problem(api: int, implemented: set[str], loading: _Loading) -> tuple[str, str] | None:
+        """Why the hooks a plugin implements do not fit the plugin API it declares (reason, what to change)."""
+        other = sorted(implemented - set(hookspecs.API_HOOKS[api]))
+        if other and api == 1:
+            return (
+                f"it declares plugin API 1 but implements {', '.join(other)} of plugin API 2",
+                "set KVBRIDGE_PLUGIN_API = 2 in the module its entry point names (and turn any "
+                "kvbridge_register_* hook into kvbridge_transports/kvbridge_devices, docs/plugins.md)",
+            )
+        if other:
+            return (
+                f"it declares plugin API {api} but implements {', '.join(other)}, the register hooks of plugin API 1",
+                "return the same fields as a list of kvbridge.TransportSpec from kvbridge_transports() and of "
+                "kvbridge.DeviceSpec from kvbridge_devices() (factories also take the parsed options: "
+                "factory(config, options), factory(options); docs/plugins.md), or set KVBRIDGE_PLUGIN_API = 1",
+            )
+        silent = sorted(h for h in implemented if h in hookspecs.API_HOOKS[2] and h not in loading.answered)
+        if silent:
+            return (
+                f"{', '.join(silent)} returned None",
+                "return a list of kvbridge.TransportSpec / kvbridge.DeviceSpec from it (an empty list for none)",
+            )
+        return None
+
+    @staticmethod
+    def _failure(exc: BaseException, dist: str) -> tuple[str, str]:
+        """Reason and hint for a plugin that pluggy refused or whose hook raised."""
+        if isinstance(exc, pluggy.PluginValidationError):  # a misspelt hook, a wrong argument, a wrapper
+            return (
+                f"{exc}; kvbridge hooks are {', '.join(hookspecs.API_HOOKS[2])} "
+                f"(plugin API 1: {', '.join(hookspecs.API_HOOKS[1])})",
+                f"report it to {dist}, or uninstall it: pip uninstall {dist}",
+            )
+        return f"a hook raised {type(exc).__name__}: {exc}", f"report it to {dist}"
+
+    def _answer(self, hook: str, cls: type) -> Callable[[Any], None]:
+        def take(specs: Any) -> None:
+            assert self._loading is not None, "pluggy calls historic hooks while a plugin registers"
+            if not isinstance(specs, (list, tuple)) or not all(isinstance(s, cls) for s in specs):
+                raise ConfigError(f"{hook}() must return a list of kvbridge.{cls.__name__}, got {specs!r}")
+            self._loading.answered.add(hook)
+            self._loading.specs.extend(specs)
+
+        return take
+
+    def _register_backend(self, name: str, factory: Callable[..., Any], **declared: Any) -> None:
+        """`register` of plugin API 1's kvbridge_register_backends: the same fields as a TransportSpec."""
+        if declared.get("capabilities") is None:
+            raise ConfigError(f"backend {name!r} must declare its capabilities")
+        spec = TransportSpec(name, factory, **_given(declared, "memory_kind"))
+        # an API 1 factory takes the config alone: its options are in `config.options`, checked
+        self._api1(attrs.evolve(spec, factory=lambda config, _options: factory(config)))
+
+    def _register_device(self, name: str, factory: Callable[..., Any], **declared: Any) -> None:
+        """`register` of plugin API 1's kvbridge_register_devices: the same fields as a DeviceSpec."""
+        if declared.get("memory_kind") is None:
+            raise ConfigError(f"device {name!r} must declare its memory_kind")
+        spec = DeviceSpec(name, factory, **_given(declared, "capabilities"))
+        self._api1(attrs.evolve(spec, factory=lambda _options: factory()))
+
+    def _api1(self, spec: TransportSpec | DeviceSpec) -> None:
+        assert self._loading is not None, "pluggy calls historic hooks while a plugin registers"
+        self._loading.specs.append(spec)
+
+    def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
+        log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
+        self.refused.append(
+            PluginInfo(
+                kind="plugin", name=name, available=False, reason=reason, hint=hint, distribution=dist, version=version
+            )
+        )
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def _lookup(self, table: dict[str, Registration], kind: str, name: str) -> Registration:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a {kind} name must be a non-empty string, got {name!r}")
+        entry = table.get(name.lower())
+        if entry is None:
+            for refused in self.refused:
+                if refused.name.lower() == name.lower():
+                    raise PluginAPIMismatch(
+                        f"plugin {refused.name!r} from {refused.distribution} was refused: "
+                        f"{refused.reason}. Fix: {refused.hint}"
+                    )
+            raise PluginNotFound(kind, name, table, self._not_found_hint(table, name))
+        return entry
+
+    def _not_found_hint(self, table: dict[str, Registration], name: str) -> str:
+        close = difflib.get_close_matches(name.lower(), list(table), n=1)
+        if close:
+            return f"Did you mean {close[0]!r}?"
+        if self.skipped:
+            return (
+                f"{ALLOW_ENV}/{BLOCK_ENV} kept these plugins from loading: {', '.join(self.skipped)}; "
+                "change them, or install the plugin that provides it"
+            )
+        if name.lower() in OWN_DISTRIBUTIONS:  # only kvbridge's own: a guessed package name could be anyone's
+            return f"Install it: pip install {OWN_DISTRIBUTIONS[name.lower()]}"
+        return ""
+
+    def backend_entry(self, name: str) -> Registration:
+        return self._lookup(self.backends, "backend", name)
+
+    def device_entry(self, name: str) -> Registration:
+        return self._lookup(self.devices, "device", name)
+
+    def create_backend(self, name: str, config: BackendConfig) -> MigrationBackend:
+        entry = self.backend_entry(name)
+        options = entry.parse_options(config.options)  # before the probe: a typo is reported even where it can't run
+        reason = entry.unavailable_reason()
+        if reason:
+            raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
+        with entry.starting():
+            # config.options: the same values as a dict, what plugin API 1 backends read
+            return entry.spec.factory(attrs.evolve(config, options=as_dict(options)), options)
+
+    def device(self, name: str) -> Device:
+        entry = self.device_entry(name)
+        with self._lock:
+            if entry.name not in self._devices_made:
+                reason = entry.unavailable_reason()
+                if reason:
+                    raise PluginUnavailable("device", entry.name, reason, entry.install_hint)
+                options = entry.parse_options({})  # nothing passes a device options yet: its defaults
+                with entry.starting():
+                    self._devices_made[entry.name] = entry.spec.factory(options)
+            return self._devices_made[entry.name]
+
+
+def _import_hint(exc: BaseException, dist: str) -> str:
+    if isinstance(exc, ModuleNotFoundError) and exc.name and not exc.name.startswith(dist.replace("-", "_")):
+        return f"{dist} needs the module {exc.name!r}: install {dist} with its dependencies (pip install {dist})"
+    if isinstance(exc, ImportError):
+        return f"reinstall it: pip install --force-reinstall {dist}"
+    return f"report it to {dist}, or uninstall it: pip uninstall {dist}"
+
+
+def _given(declared: dict[str, Any], other_kind: str) -> dict[str, Any]:
+    """An API 1 `register` call's keywords as spec fields. See docs/internals.md."""
+    return {k: v for k, v in declared.items() if v is not None and k != other_kind}
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+_registry: PluginRegistry | None = None
+_registry_lock = threading.Lock()
+
+
+def registry() -> PluginRegistry:
+    """The process-wide registry, built on first use."""
+    global _registry
+    with _registry_lock:
+        if _registry is None:
+            _registry = PluginRegistry()
+        return _registry
+
+
+def reset_plugins() -> None:
+    """Forget loaded plugins so the next lookup rediscovers them (tests, after pip install)."""
+    global _registry
+    with _registry_lock:
+        _registry = None
+
+
+def list_backends() -> list[PluginInfo]:
+    """Every registered transport: name, available, reason, distribution, version."""
+    return [e.info() for e in registry().backends.values()]
+
+
+def list_devices() -> list[PluginInfo]:
+    """Every registered device: name, available, reason, distribution, version."""
+    return [e.info() for e in registry().devices.values()]
+
+
+def refused_plugins() -> list[PluginInfo]:
+    """Plugins found but not loaded (wrong API version, import failure), with the reason."""
+    return list(registry().refused)
+
+
+def plugin_options(name: str) -> list[tuple[PluginInfo, list[OptionInfo]]]:
+    """Every transport and device registered under `name`, each with the options it declares."""
+    reg = registry()
+    found = [(e.info(), e.option_infos()) for table in (reg.backends, reg.devices) if (e := table.get(name.lower()))]
+    if not found:
+        reg.backend_entry(name)  # raises PluginNotFound (or why the plugin was refused)
+    return found
+
+
+def create_backend(
+    name: str,
+    *,
+    protocol: str | None = None,
+    hostname: str | None = None,
+    metadata_server: str | None = None,
+    device_name: str = "",
+    fault_injection: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> MigrationBackend:
+    """An initialized transport, chosen by case-insensitive name (`Mooncake`, `tcp`, ...). See docs/internals.md."""
+    rates = None if fault_injection is None else FaultRates.parse(fault_injection)  # checked before it starts
+    config = BackendConfig(
+        protocol=protocol,
+        hostname=hostname or "127.0.0.1",
+        metadata_server=metadata_server,
+        device_name=device_name,
+        options=dict(options),
+    )
+    backend = registry().create_backend(name, config)
+    return backend if rates is None else FaultyBackend(backend, rates)
+
+
+def get_device(name: str) -> Device:
+    """The device plugin for `cpu`, `cuda`, `npu`, `mlu`, ... (one instance per process)."""
+    return registry().device(name)
+
+
+def device_for_memory(kind: MemoryKind | str) -> Device:
+    """The device plugin whose memory is of this kind (first registered; `cpu` for host). See docs/internals.md."""
+    kind = MemoryKind(kind)
+    reg = registry()
+    name = next((e.name for e in reg.devices.values() if e.memory_kind == kind), None)
+    if name is None:
+        raise ConfigError(f"no device plugin registers {kind.value} memory; `kvbridge plugins` lists the devices")
+    return reg.device(name)

@@ -1,0 +1,544 @@
+"""The transport contract: `MigrationBackend`, its peers and its transfer handles. See docs/internals.md."""
+
+from __future__ import annotations
+
+import abc
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, ClassVar, Literal
+
+import attrs
+import numpy as np
+
+from kvbridge.base import wire
+from kvbridge.base.errors import ConfigError, KVBridgeError, TransferFailed, TransferTimeout
+from kvbridge.base.memory import (
+    Descriptors,
+    FactoredDescriptors,
+    RegionIndex,
+    as_descriptors,
+    as_regions,
+    merge_runs,
+    split_large,
+    total_bytes,
+)
+from kvbridge.base.options import TransportOptions, checked
+from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
+
+log = logging.getLogger(__name__)
+
+Op = Literal["read", "write"]
+
+
+@attrs.define(eq=False)
+class Peer:
+    """A connected remote endpoint. `handle` is whatever the transport needs to reach it."""
+
+    endpoint: EndpointInfo
+    handle: Any = None
+    regions: RegionIndex = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.regions = RegionIndex(self.endpoint.regions)
+
+    @property
+    def name(self) -> str:
+        return f"{self.endpoint.backend}://{self.endpoint.address}"
+
+
+class TransferHandle:
+    """A submitted transfer. `wait` raises the transport's error; `done` never blocks. See docs/internals.md."""
+
+    def __init__(self, future: Future, *, peer: str, descriptors: int, nbytes: int) -> None:
+        self._future = future
+        self.peer = peer
+        self.descriptors = descriptors
+        self.nbytes = nbytes
+
+    @classmethod
+    def completed(cls, *, peer: str, descriptors: int = 0, nbytes: int = 0) -> TransferHandle:
+        fut: Future = Future()
+        fut.set_result(None)
+        return cls(fut, peer=peer, descriptors=descriptors, nbytes=nbytes)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer finished; raise TransferTimeout or the transport's TransferError."""
+        try:
+            self._future.result(timeout=timeout)
+        except TimeoutError:
+            if self._future.done():  # the transport's own timeout (a TransferTimeout) says what timed out
+                raise
+            raise TransferTimeout(
+                f"transfer of {self.nbytes} bytes in {self.descriptors} descriptors with {self.peer} "
+                f"did not finish within {timeout}s; check that the peer is alive and reachable",
+                peer=self.peer,
+                cause="timeout",
+            ) from None
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    @property
+    def retries(self) -> int:
+        """Resubmissions this transfer needed (the transport's own and deadline retries); 0 until done."""
+        return _retries_of(self._future) if self._future.done() else 0
+
+
+class MigrationBackend(abc.ABC):
+    """A transport that moves bytes between registered memory of two processes. See docs/internals.md."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[BackendCapabilities]
+    #: What `options` is an instance of where the registry passes none: a backend a plugin API 1 factory
+    #: builds from the config alone takes them from `config.options`, which the registry checked already.
+    options_class: ClassVar[type[TransportOptions]] = TransportOptions
+    # Seconds a part may take before it is resubmitted once (see the module doc); None: no deadline.
+    transfer_deadline_s: float | None = None
+    DEADLINE_BYTES_PER_S = 1 << 30  # the slowest rate that still counts as progress
+
+    def __init__(self, config: BackendConfig, options: TransportOptions | None = None) -> None:
+        self.config = config
+        self.options = options if options is not None else checked(self.options_class, config.options)
+        self.protocol = config.protocol or self.capabilities.protocols[0]
+        if self.protocol not in self.capabilities.protocols:
+            raise ConfigError(
+                f"backend {self.name!r} does not support protocol {self.protocol!r}; "
+                f"choose one of {list(self.capabilities.protocols)}"
+            )
+        self._lock = threading.RLock()
+        self._local = RegionIndex()
+        self._closed = False
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _spawn(self, fn: Callable[[], None]) -> Future:
+        """Run a blocking transport call on this backend's worker threads."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=self.options.workers, thread_name_prefix=f"kvbridge-{self.name}"
+                )
+            return self._pool.submit(fn)
+
+    # -- what transports implement ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        """Make these regions readable/writable by peers (one call for the whole batch)."""
+
+    @abc.abstractmethod
+    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        """Undo `_register`."""
+
+    @abc.abstractmethod
+    def _address(self) -> str:
+        """The transport address peers connect to."""
+
+    @abc.abstractmethod
+    def _connect(self, endpoint: EndpointInfo) -> Any:
+        """Open whatever reaches the peer; the result is stored as `Peer.handle`."""
+
+    @abc.abstractmethod
+    def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
+        """Start moving `desc` (bounds-checked, at most `max_batch` rows, merged if possible). See docs/internals.md."""
+
+    def _disconnect(self, peer: Peer) -> None:
+        """Release what `_connect` opened (optional)."""
+
+    def _regions(self, x: Any) -> list[MemoryRegion]:
+        """What `register_memory` was given, as regions (host memory; a device-bound wrapper asks its device)."""
+        return as_regions(x)
+
+    def _shutdown(self) -> None:
+        """Stop threads and release the engine (optional)."""
+
+    # -- public API ------------------------------------------------------------------------
+
+    def register_memory(self, x: Any) -> list[MemoryRegion]:
+        """Register a tensor, list of tensors, numpy array or (address, length) pairs, once each."""
+        self._check_open()
+        regions = self._regions(x)
+        if not regions:
+            raise ConfigError("register_memory() got nothing to register")
+        for r in regions:
+            if r.kind not in self.capabilities.memory_kinds:
+                raise ConfigError(
+                    f"backend {self.name!r} cannot reach {r.kind.value} memory; "
+                    f"it reaches {sorted(k.value for k in self.capabilities.memory_kinds)}. "
+                    "Pick a transport that reaches it, or stage through host memory"
+                )
+        with self._lock:
+            known = {r.addr for r in self._local.regions}
+            fresh = [r for r in regions if r.addr not in known]
+            if fresh:
+                self._register(fresh)
+                self._local.add(fresh)
+        log.debug("%s registered %d regions (%d new)", self.name, len(regions), len(fresh))
+        return regions
+
+    def unregister_memory(self, x: Any) -> None:
+        """Unregister what `register_memory` registered."""
+        with self._lock:
+            removed = self._local.remove(r.addr for r in self._regions(x))
+            if removed:
+                self._unregister(removed)
+
+    @property
+    def registered(self) -> tuple[MemoryRegion, ...]:
+        return self._local.regions
+
+    def publish(self, ranges: Any = None, *, waited: bool = False) -> None:
+        """Make local bytes current for peers that read them: call before offering blocks. See docs/internals.md."""
+
+    def accept(self, ranges: Any = None) -> None:
+        """Make bytes a peer wrote into local memory visible to compute (same `ranges` as `publish`).
+
+        Nothing to do for host memory; local reads need no call: their handle completes after this."""
+
+    def peer_addresses(self, addrs: Any) -> np.ndarray:
+        """Where peers address these local addresses (the same, unless memory is staged through host mirrors)."""
+        return np.asarray(addrs, dtype=np.int64).reshape(-1)
+
+    def endpoint(self) -> EndpointInfo:
+        return EndpointInfo(
+            backend=self.name, protocol=self.protocol, address=self._address(), regions=self._local.regions
+        )
+
+    def endpoint_info(self) -> bytes:
+        """This endpoint, versioned and self-describing: what a peer passes to `connect`."""
+        self._check_open()
+        return wire.encode(self.endpoint())
+
+    def connect(self, info: bytes | EndpointInfo) -> Peer:
+        """Connect to a peer described by its `endpoint_info()`."""
+        self._check_open()
+        endpoint = info if isinstance(info, EndpointInfo) else wire.decode(info, EndpointInfo)
+        if endpoint.backend != self.name:
+            raise ConfigError(
+                f"peer endpoint is for backend {endpoint.backend!r}, this is {self.name!r}; "
+                "both sides must select the same migration backend"
+            )
+        if endpoint.protocol != self.protocol:
+            raise ConfigError(
+                f"peer {endpoint.address} speaks {endpoint.protocol!r}, this side {self.protocol!r}; "
+                "start both sides with the same protocol"
+            )
+        return Peer(endpoint=endpoint, handle=self._connect(endpoint))
+
+    def disconnect(self, peer: Peer) -> None:
+        self._disconnect(peer)
+
+    def transfer(self, peer: Peer, descriptors: Any, op: Op = "read") -> TransferHandle:
+        """Move (local_addr, remote_addr, length) descriptors as one transfer. See docs/internals.md."""
+        self._check_open()
+        if op not in ("read", "write"):
+            raise ConfigError(f"op must be 'read' or 'write', got {op!r}")
+        if not getattr(self.capabilities, op):
+            raise ConfigError(f"backend {self.name!r} does not support {op}")
+        desc = self._checked(peer, descriptors)
+        if len(desc) == 0:
+            return TransferHandle.completed(peer=peer.name)
+        return self._send(peer, desc, op)
+
+    def _checked(self, peer: Peer, descriptors: Any) -> Descriptors | FactoredDescriptors:
+        """Descriptors normalized, merged and bounds-checked against both sides' registrations."""
+        if isinstance(descriptors, FactoredDescriptors):
+            spans = [descriptors.spans(remote=False), descriptors.spans(remote=True)]
+            # One range per region holds all its rows; where it is not inside one registration (it spans
+            # two tensors, or a hole), check the rows themselves.
+            if len(self._local.outside(*spans[0])) or len(peer.regions.outside(*spans[1])):
+                return self._checked(peer, descriptors.expand())
+            return descriptors
+        return self._in_bounds(peer, merge_runs(as_descriptors(descriptors)))
+
+    def _in_bounds(self, peer: Peer, desc: Descriptors) -> Descriptors:
+        """`desc`, once every row is inside the local registration and the peer's published regions."""
+        self._local.check(desc[:, 0], desc[:, 2], side="local", peer="")
+        peer.regions.check(desc[:, 1], desc[:, 2], side="remote", peer=peer.name)
+        return desc
+
+    def _send(self, peer: Peer, desc: Descriptors | FactoredDescriptors, op: Op) -> TransferHandle:
+        """Cut checked descriptors to the transport's piece size and batch limit; submit each. See docs/internals.md."""
+        nbytes = total_bytes(desc)
+        cap = self.capabilities
+        step = cap.max_batch or len(desc)
+        chunks = desc.chunks(step) if isinstance(desc, FactoredDescriptors) else [desc]
+        parts, sent, through = [], 0, 0
+        for chunk in chunks:
+            if cap.max_descriptor_bytes:
+                chunk = split_large(chunk, cap.max_descriptor_bytes)
+            for i in range(0, len(chunk), step):
+                part = chunk[i : i + step]
+                through += int(part[:, 2].sum())
+                # A transport may run the parts one after another: each part's deadline allows for those before it.
+                parts.append(self._submit_part(peer, part, op, through))
+            sent += len(chunk)
+        future = parts[0] if len(parts) == 1 else _gather(parts)
+        return TransferHandle(future, peer=peer.name, descriptors=sent, nbytes=nbytes)
+
+    def _submit_part(self, peer: Peer, desc: Descriptors, op: Op, through: int) -> Future:
+        """Submit one part under the deadline; `through`: bytes of this transfer up to the end of this part."""
+        first = self._submit(peer, desc, op)
+        if not self.transfer_deadline_s:
+            return first
+        deadline = self.transfer_deadline_s + through / self.DEADLINE_BYTES_PER_S
+        return _DeadlineRetry(self, peer, desc, op, first, deadline).future
+
+    def raw_transfer(
+        self, peer: Peer, local_addr: int, remote_addr: int, length: int, op: Op = "read"
+    ) -> TransferHandle:
+        """One descriptor handed straight to the transport: no merging, cutting or batching. See docs/internals.md."""
+        self._check_open()
+        desc = self._in_bounds(peer, as_descriptors([(local_addr, remote_addr, length)]))
+        return TransferHandle(self._submit(peer, desc, op), peer=peer.name, descriptors=1, nbytes=int(length))
+
+    def close(self) -> None:
+        """Unregister memory and stop the transport; safe to call twice or after a peer died."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            regions = self._local.regions
+            self._local = RegionIndex()
+        try:
+            if regions:
+                self._unregister(regions)
+        except KVBridgeError as exc:
+            log.warning("%s: unregistering on close failed: %s", self.name, exc)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+            self._shutdown()
+
+    def __enter__(self) -> MigrationBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"backend {self.name!r} is closed; create a new one")
+
+
+class WrappingBackend(MigrationBackend):
+    """A transport that adds to another (`backend`, owned): every contract hook goes to it. See docs/internals.md."""
+
+    def __init__(
+        self, backend: MigrationBackend, capabilities: BackendCapabilities, options: TransportOptions | None = None
+    ) -> None:
+        self.backend = backend
+        self.name = backend.name  # type: ignore[misc]
+        self.capabilities = capabilities  # type: ignore[misc]
+        super().__init__(attrs.evolve(backend.config, protocol=backend.protocol), options)
+
+    def _register(self, regions: Sequence[MemoryRegion]) -> None:
+        self.backend.register_memory(list(regions))
+
+    def _unregister(self, regions: Sequence[MemoryRegion]) -> None:
+        self.backend.unregister_memory(list(regions))
+
+    def _address(self) -> str:
+        return self.backend.endpoint().address
+
+    def endpoint(self) -> EndpointInfo:
+        return self.backend.endpoint()  # the transport's own (a token it publishes included)
+
+    def _connect(self, endpoint: EndpointInfo) -> Any:
+        return self.backend.connect(endpoint)
+
+    def _disconnect(self, peer: Peer) -> None:
+        self.backend.disconnect(peer.handle)
+
+    def _shutdown(self) -> None:
+        self.backend.close()
+
+
+@attrs.define(eq=False)
+class _Alarm:
+    fn: Callable[[], None]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Watchdog:
+    """One thread runs the transfer deadlines' alarms: a thread per transfer would cost more than a small transfer."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, _Alarm]] = []
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+
+    def after(self, seconds: float, fn: Callable[[], None]) -> _Alarm:
+        alarm = _Alarm(fn)
+        with self._cond:
+            self._seq += 1
+            heapq.heappush(self._heap, (time.monotonic() + seconds, self._seq, alarm))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvbridge-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return alarm
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, alarm = heapq.heappop(self._heap)
+            if not alarm.cancelled:
+                try:
+                    alarm.fn()
+                except Exception:  # an alarm's bug must not stop every other deadline
+                    log.exception("transfer deadline handler failed")
+
+
+_WATCHDOG = _Watchdog()
+
+
+class _DeadlineRetry:
+    """One part of a transfer under the deadline (see the module doc). See docs/internals.md."""
+
+    def __init__(
+        self, backend: MigrationBackend, peer: Peer, desc: Descriptors, op: Op, first: Future, deadline: float
+    ) -> None:
+        self.future: Future = Future()
+        self._backend, self._peer, self._desc, self._op = backend, peer, desc, op
+        self._deadline = deadline
+        # re-entrant: cancelling a pending attempt runs its done-callback (`_settle`) in the cancelling thread
+        self._lock = threading.RLock()
+        self._attempts = [first]
+        self._retried = self._timed_out = self._stuck = False
+        self._timer = self._arm()
+        first.add_done_callback(self._settle)
+
+    def _arm(self) -> _Alarm:
+        # a grace past the deadline: a transport's own watchdog (whole seconds) fails a stuck call first
+        return _WATCHDOG.after(self._deadline + min(1.0, self._deadline / 2), self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        with self._lock:
+            if any(_succeeded(a) for a in self._attempts) or all(a.done() for a in self._attempts):
+                return
+            if self._retried:  # the retry made no progress within the deadline either
+                self._timed_out = True
+                self._attempts[-1].cancel()  # not started: it never will
+        if self._timed_out:
+            self._settle(None)
+        else:
+            self._stuck = True
+            self._retry("made no progress within the transfer deadline")
+
+    def _retry(self, why: str) -> None:
+        with self._lock:
+            if self._retried:
+                return
+            self._retried = True
+            if self._attempts[0].cancel():  # not started (held in a queue): it never will
+                self._attempts.clear()
+            self._timer.cancel()
+        log.warning(
+            "%s %s of %d descriptors with %s %s (deadline %.1fs); resubmitting it once",
+            self._backend.name,
+            self._op,
+            len(self._desc),
+            self._peer.name,
+            why,
+            self._deadline,
+        )
+        try:
+            again = self._backend._submit(self._peer, self._desc, self._op)
+        except Exception as exc:  # noqa: BLE001 - becomes the part's outcome
+            again = Future()
+            again.set_exception(exc)
+        with self._lock:
+            self._attempts.append(again)
+            self._timer = self._arm()
+        again.add_done_callback(self._settle)
+
+    def _settle(self, _f: Future | None) -> None:
+        """Retry a first attempt that failed; complete the part once every attempt has returned."""
+        with self._lock:
+            if self.future.done() or not self._attempts or not all(a.done() for a in self._attempts):
+                return
+            ok = [a for a in self._attempts if _succeeded(a)]
+            retry_now = not ok and not self._retried
+            if not retry_now and not ok and len(self._attempts) < 2 and not self._timed_out:
+                return  # the first attempt ended while its retry is being submitted
+        if retry_now:
+            self._retry(f"failed ({self._attempts[0].exception()})")
+            return
+        with self._lock:
+            if self.future.done():
+                return
+            self._timer.cancel()
+            retries = int(self._retried) + sum(_retries_of(a) for a in self._attempts if not a.cancelled())
+            if ok:
+                self.future.set_result(retries)
+                return
+            last = next((a.exception() for a in reversed(self._attempts) if not a.cancelled()), None)
+            stuck = self._stuck or self._timed_out
+            how = f"made no progress within the {self._deadline:.1f}s transfer deadline" if stuck else "failed"
+            error = (TransferTimeout if stuck else TransferFailed)(
+                f"{self._backend.name} {self._op} of {len(self._desc)} descriptors "
+                f"({int(self._desc[:, 2].sum())} bytes) with {self._peer.name} {how}, and so did its retry"
+                + (f" ({last})" if last is not None else "")
+                + "; check that the peer is alive, not stalled, and its memory is registered (the engine "
+                "recomputes or fails the request)",
+                peer=self._peer.name,
+                cause="no progress within the transfer deadline" if stuck else getattr(last, "cause", str(last)),
+                retries=retries,
+            )
+            self.future.set_exception(error)
+
+
+def _succeeded(f: Future) -> bool:
+    return f.done() and not f.cancelled() and f.exception() is None
+
+
+def _retries_of(f: Future) -> int:
+    error = f.exception()
+    return int(getattr(error, "retries", 0)) if error is not None else int(f.result() or 0)
+
+
+def _gather(parts: list[Future]) -> Future:
+    """A future that resolves when all parts have, with the first error, or to their retries summed."""
+    out: Future = Future()
+    remaining = [len(parts)]
+    lock = threading.Lock()
+
+    def _one_done(_f: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            errors = [p.exception() for p in parts if p.exception() is not None]
+            retries = sum(_retries_of(p) for p in parts)
+            if errors:
+                errors[0].retries = retries  # type: ignore[attr-defined]
+                out.set_exception(errors[0])
+            else:
+                out.set_result(retries)
+
+    for p in parts:
+        p.add_done_callback(_one_done)
+    return out
+
+
+def wait_all(handles: Sequence[TransferHandle], timeout: float | None = None) -> None:
+    """Wait for several handles against one deadline."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for h in handles:
+        h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
