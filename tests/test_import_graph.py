@@ -3,8 +3,9 @@
 Read statically with `ast` (nothing is imported, so optional dependencies need not be installed),
 from the installed packages: kvbridge and every top-level `kvbridge_*` package on the path (the
 plugins' distributions). Every import counts, a function-level one too (a lazy import hides a
-circle, it does not remove it); only imports under `if TYPE_CHECKING:` are left out. Importing
-`a.b.c` is an edge to `a.b.c` alone, not to the packages above it, as import linters count it.
+circle, it does not remove it), and one under `if TYPE_CHECKING:` too (a circle of types is still a circle: the
+two modules cannot be read apart). Importing `a.b.c` is an edge to `a.b.c` alone, not to the packages above it,
+as import linters count it.
 """
 
 from __future__ import annotations
@@ -39,23 +40,10 @@ def _modules(roots: dict[str, Path]) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            stack.extend(node.orelse)
-            continue
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        stack.extend(ast.iter_child_nodes(node))
 
 
 def _edges(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
