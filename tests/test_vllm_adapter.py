@@ -27,7 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvbridge import watchdog  # noqa: E402
+from kvbridge.base import watchdog  # noqa: E402
 from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
