@@ -236,7 +236,8 @@ class PluginRegistry:
                 self.pm.set_blocked(ep.name)
                 self.skipped.append(ep.name)
         # One name at a time: pluggy's loading stops at the first plugin that fails to import, and one broken
-        # plugin must not hide the others (it is listed, with the error).
+        # plugin must not hide the others (it is listed, with the error). Within a name it still stops: a second
+        # distribution of a name whose first fails to import is not tried.
         for name in dict.fromkeys(ep.name for ep in found):
             if self.pm.is_blocked(name):
                 continue
