@@ -295,14 +295,18 @@ def test_proxy_refuses_a_port_out_of_range_instead_of_never_listening() -> None:
 
 
 def test_a_command_plugin_that_does_not_load_leaves_the_rest_of_the_cli_working(tmp_path: Path) -> None:
-    """A `kvbridge.commands` entry point whose module is broken: `kvbridge plugins` still runs.
+    """A plugin whose `kvbridge_commands` names a broken module: `kvbridge plugins` still runs.
 
     The broken subcommand exits 2 naming the error and the fix, without a traceback.
     """
     info = tmp_path / "kvbridge_broken_command-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvbridge-broken-command\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[kvbridge.commands]\nfrobnicate = kvbridge_broken_command_xyz\n")
+    (info / "entry_points.txt").write_text("[kvbridge]\nbroken_command = kvbridge_broken_command\n")
+    (tmp_path / "kvbridge_broken_command.py").write_text(
+        "import kvbridge\n\nKVBRIDGE_PLUGIN_API = 2\n\n\n@kvbridge.hookimpl\n"
+        "def kvbridge_commands():\n    return {'frobnicate': 'kvbridge_broken_command_xyz'}\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     run = [sys.executable, "-m", "kvbridge"]
     listed = subprocess.run([*run, "plugins", "--json"], env=env, capture_output=True, text=True, timeout=120)

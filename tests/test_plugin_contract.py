@@ -1,4 +1,4 @@
-"""The plugin contract: hooks return typed specs, options are parsed once, API 1 plugins still load."""
+"""The plugin contract: hooks return typed specs, options are parsed once, a plugin of API 1 is refused."""
 
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ def kvbridge_devices():
     return [kvbridge.DeviceSpec("paged", PagedDevice, "dram", options=PageOptions)]
 """
 
-# A plugin as plugin API 1 documented it: `register(...)` calls, a factory of the config alone, and a
-# backend that reads its options with kvbridge.base.options.parse(..., config.options).
+# A plugin as plugin API 1 documented it (API 1 is no longer loaded): `register(...)` calls, a factory of the
+# config alone, and a backend that reads its options with kvbridge.base.options.parse(..., config.options).
 API1 = """
 import attrs
 import kvbridge
@@ -125,19 +125,14 @@ def test_an_api_2_factory_gets_its_options_typed_and_checked(reg: PluginRegistry
     assert reg.device_entry("paged").memory_kind == kvbridge.MemoryKind.DRAM
 
 
-def test_an_api_1_plugin_keeps_working_options_workers_and_all(reg: PluginRegistry) -> None:
+def test_an_api_1_plugin_is_refused_with_what_to_change(reg: PluginRegistry) -> None:
     reg.add_plugin(module("old", API1), "old", "kvbridge-old", "1.0")
-    assert not reg.refused
-    backend = reg.create_backend("old", kvbridge.BackendConfig(options={"depth": "5", "workers": "3"}))
-    try:
-        assert backend.depth == 5  # type: ignore[attr-defined]
-        assert backend.options.workers == 3  # the base class still honours `workers` for an API 1 backend
-        assert backend.config.options["depth"] == 5  # the checked values, as API 1 backends read them
-    finally:
-        backend.close()
-    with pytest.raises(ConfigError, match="no option 'dpth' \\(did you mean 'depth'\\?\\)"):
-        reg.create_backend("old", kvbridge.BackendConfig(options={"dpth": 5}))
-    assert reg.device("old-dev").name == "cpu"
+    info = refusal(reg, "old")
+    assert "built for kvbridge plugin API 1" in info.reason and "speaks 2" in info.reason
+    assert "install a kvbridge-old release made for plugin API 2" in info.hint
+    assert "old" not in reg.backends and "old-dev" not in reg.devices
+    with pytest.raises(kvbridge.PluginAPIMismatch, match="plugin 'old' from kvbridge-old was refused"):
+        reg.create_backend("old", kvbridge.BackendConfig())
 
 
 def test_each_option_value_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,17 +173,15 @@ def test_an_api_2_plugin_with_api_1_hooks_is_told_what_to_change(reg: PluginRegi
     info = refusal(reg, "mixed")
     assert "declares plugin API 2 but implements kvbridge_register_backends, kvbridge_register_devices" in info.reason
     assert "kvbridge.TransportSpec from kvbridge_transports()" in info.hint
-    assert "or set KVBRIDGE_PLUGIN_API = 1" in info.hint
     assert "old" not in reg.backends and "old-dev" not in reg.devices
 
 
-def test_an_api_1_plugin_with_api_2_hooks_is_told_to_declare_api_2(reg: PluginRegistry) -> None:
+def test_an_api_1_plugin_with_api_2_hooks_is_refused_as_api_1(reg: PluginRegistry) -> None:
     reg.add_plugin(
         module("early", API2.replace("KVBRIDGE_PLUGIN_API = 2", "KVBRIDGE_PLUGIN_API = 1")), "early", "d", "1"
     )
     info = refusal(reg, "early")
-    assert "declares plugin API 1 but implements kvbridge_devices, kvbridge_transports of plugin API 2" in info.reason
-    assert "set KVBRIDGE_PLUGIN_API = 2" in info.hint
+    assert "built for kvbridge plugin API 1" in info.reason
     assert "deep" not in reg.backends
 
 

@@ -18,23 +18,23 @@ MISSPELT = """
 import kvbridge
 from kvbridge.transport.loopback import LoopbackBackend
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 
 @kvbridge.hookimpl
-def kvbridge_register_backend(register):  # the hook is kvbridge_register_backends
-    register("typo", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
+def kvbridge_transport():  # the hook is kvbridge_transports
+    return [kvbridge.TransportSpec("typo", LoopbackBackend, LoopbackBackend.capabilities)]
 """
 
 WRONG_ARGUMENT = """
 import kvbridge
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 
 @kvbridge.hookimpl
-def kvbridge_register_devices(reg):  # the hook passes `register`
-    pass
+def kvbridge_devices(reg):  # the hook passes nothing
+    return []
 """
 
 
@@ -45,7 +45,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
         install_dist(tmp, "kvbridge-raises", "kvbridge_raises", RAISES),
         install_dist(tmp, "kvbridge-misspelt", "kvbridge_misspelt", MISSPELT),
         install_dist(tmp, "kvbridge-wrongarg", "kvbridge_wrongarg", WRONG_ARGUMENT),
-        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=1)),
+        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2)),
     ]
 
 
@@ -65,9 +65,10 @@ def test_plugins_lists_each_broken_plugin_with_its_distribution_and_error(site: 
     assert broken["kvbridge_raises"]["distribution"] == "kvbridge-raises"
     assert "RuntimeError: plugin bug: config file missing" in broken["kvbridge_raises"]["reason"]
     assert broken["kvbridge_misspelt"]["distribution"] == "kvbridge-misspelt"
-    assert "unknown hook 'kvbridge_register_backend'" in broken["kvbridge_misspelt"]["reason"]
-    assert "kvbridge_register_backends" in broken["kvbridge_misspelt"]["reason"]  # what it should have been
-    assert "reg" in broken["kvbridge_wrongarg"]["reason"] and "register" in broken["kvbridge_wrongarg"]["reason"]
+    assert "unknown hook 'kvbridge_transport'" in broken["kvbridge_misspelt"]["reason"]
+    assert "kvbridge_transports" in broken["kvbridge_misspelt"]["reason"]  # what it should have been
+    assert "kvbridge_devices(reg)" in broken["kvbridge_wrongarg"]["reason"]
+    assert "can not be found in the hookspec" in broken["kvbridge_wrongarg"]["reason"]
     # the good distribution beside them loaded, and nothing of the misspelt one was half-registered
     names = {r["name"]: r for r in rows if not r["broken"]}
     assert names["throwaway"]["available"] is True and "typo" not in names
@@ -96,25 +97,31 @@ SHADOW = """
 import kvbridge
 from kvbridge.transport.loopback import LoopbackBackend
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 
 @kvbridge.hookimpl(trylast=True)  # pluggy calls trylast implementations first
-def kvbridge_register_backends(register):
-    register("TCP", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
-    register("shadow-own", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
+def kvbridge_transports():
+    return [
+        kvbridge.TransportSpec("TCP", LoopbackBackend, LoopbackBackend.capabilities),
+        kvbridge.TransportSpec("shadow-own", LoopbackBackend, LoopbackBackend.capabilities),
+    ]
 """
 
 HALF = """
 import kvbridge
-from kvbridge.transport.loopback import LoopbackBackend
+from kvbridge.device.cpu import CpuDevice
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 
 @kvbridge.hookimpl
-def kvbridge_register_backends(register):
-    register("halfreg", LoopbackBackend, capabilities=LoopbackBackend.capabilities)
+def kvbridge_devices():
+    return [kvbridge.DeviceSpec("halfreg", CpuDevice, "dram")]
+
+
+@kvbridge.hookimpl
+def kvbridge_transports():
     raise RuntimeError("plugin bug after its first registration")
 """
 
@@ -124,16 +131,16 @@ CRASHES = """
 import kvbridge
 from kvbridge.device.cpu import CpuDevice
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 
 
-def _factory():
+def _factory(options):
     raise RuntimeError("vendor runtime crashed")
 
 
 @kvbridge.hookimpl
-def kvbridge_register_devices(register):
-    register("crashing-dev", _factory, memory_kind="dram")
+def kvbridge_devices():
+    return [kvbridge.DeviceSpec("crashing-dev", _factory, "dram")]
 """
 
 
@@ -143,7 +150,7 @@ import os
 import kvbridge
 from kvbridge.transport.loopback import LoopbackBackend
 
-KVBRIDGE_PLUGIN_API = 1
+KVBRIDGE_PLUGIN_API = 2
 print("chatty plugin loaded")
 os.write(1, b"native library banner\\n")
 
@@ -154,8 +161,8 @@ def _probe():
 
 
 @kvbridge.hookimpl
-def kvbridge_register_backends(register):
-    register("chatty", LoopbackBackend, capabilities=LoopbackBackend.capabilities, probe=_probe)
+def kvbridge_transports():
+    return [kvbridge.TransportSpec("chatty", LoopbackBackend, LoopbackBackend.capabilities, probe=_probe)]
 """
 
 
@@ -168,7 +175,7 @@ def unruly(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
         install_dist(tmp, "kvbridge-exits", "kvbridge_exits", EXITS),
         install_dist(tmp, "kvbridge-crashes", "kvbridge_crashes", CRASHES),
         install_dist(tmp, "kvbridge-chatty", "kvbridge_chatty", CHATTY),
-        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=1)),
+        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2)),
     ]
 
 

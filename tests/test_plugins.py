@@ -30,24 +30,32 @@ class ThrowawayBackend(LoopbackBackend):
 
 
 @kvbridge.hookimpl
-def kvbridge_register_backends(register):
-    register("Throwaway", ThrowawayBackend, capabilities=LoopbackBackend.capabilities)
-    register("needs-lib", ThrowawayBackend, capabilities=LoopbackBackend.capabilities,
-             probe=lambda: "libmissing.so.9: cannot open shared object file",
-             install_hint="apt-get install libmissing9")
+def kvbridge_transports():
+    return [
+        kvbridge.TransportSpec("Throwaway", ThrowawayBackend, LoopbackBackend.capabilities),
+        kvbridge.TransportSpec("needs-lib", ThrowawayBackend, LoopbackBackend.capabilities,
+                               probe=lambda: "libmissing.so.9: cannot open shared object file",
+                               install_hint="apt-get install libmissing9"),
+    ]
 
 
 class ThrowawayDevice(CpuDevice):
     name = "throwaway-dev"
 
 
+def _device(options):
+    return ThrowawayDevice()
+
+
 @kvbridge.hookimpl
-def kvbridge_register_devices(register):
-    register("Throwaway-Dev", ThrowawayDevice, memory_kind="dram")
-    register("gone-dev", ThrowawayDevice, memory_kind="vram", probe=lambda: "no such device",
-             install_hint="install the driver", hardware=lambda: False)
-    register("broken-dev", ThrowawayDevice, memory_kind="vram", probe=lambda: "driver too old",
-             install_hint="upgrade the driver", hardware=lambda: True)
+def kvbridge_devices():
+    return [
+        kvbridge.DeviceSpec("Throwaway-Dev", _device, "dram"),
+        kvbridge.DeviceSpec("gone-dev", _device, "vram", probe=lambda: "no such device",
+                            install_hint="install the driver", hardware=lambda: False),
+        kvbridge.DeviceSpec("broken-dev", _device, "vram", probe=lambda: "driver too old",
+                            install_hint="upgrade the driver", hardware=lambda: True),
+    ]
 """
 
 BROKEN_MODULE = "raise ImportError('libfoo.so.1: cannot open shared object file')\n"
@@ -116,7 +124,7 @@ print(json.dumps({
 def dists(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     tmp = tmp_path_factory.mktemp("dists")
     yield {
-        "good": install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=1)),
+        "good": install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2)),
         "future": install_dist(tmp, "kvbridge-future", "kvbridge_future", PLUGIN_MODULE.format(api=3)),
         "broken": install_dist(tmp, "kvbridge-broken", "kvbridge_broken", BROKEN_MODULE),
     }
@@ -143,7 +151,7 @@ def test_a_plugin_built_for_another_api_version_is_refused(dists: dict[str, Path
     got = run_kvbridge(LIST, dists["future"])
     assert "throwaway" not in got["backends"]
     reason, hint, dist = got["refused"]["kvbridge_future"]
-    assert "plugin API 3" in reason and "speaks 1 and 2" in reason and dist == "kvbridge-future"
+    assert "plugin API 3" in reason and "speaks 2" in reason and dist == "kvbridge-future"
     assert "plugin API 2" in hint
     code = """
 import json, kvbridge
@@ -238,7 +246,7 @@ def test_doctor_tells_absent_hardware_from_a_problem(dists: dict[str, Path]) -> 
     assert out.returncode == 1  # broken-dev (and needs-lib) are problems; gone-dev alone would not be
 
 
-def test_plugins_of_both_apis_load_side_by_side_through_their_entry_points(tmp_path: Path) -> None:
+def test_a_plugin_api_1_plugin_is_refused_beside_an_api_2_one_that_loads(tmp_path: Path) -> None:
     from test_plugin_contract import API1, API2
 
     site = [
@@ -247,16 +255,18 @@ def test_plugins_of_both_apis_load_side_by_side_through_their_entry_points(tmp_p
     ]
     code = """
 import json, kvbridge
-old, new = kvbridge.create_backend("old", depth="5", workers="3"), kvbridge.create_backend("Deep", depth="8")
+new = kvbridge.create_backend("Deep", depth="8")
 print(json.dumps({
-    "old": [old.depth, old.options.workers, kvbridge.get_device("old-dev").name],
     "new": [new.depth, type(new.options).__name__, kvbridge.get_device("paged").page],
     "from": {i.name: i.distribution for i in kvbridge.list_backends()},
-    "refused": [r.name for r in kvbridge.refused_plugins()],
+    "refused": {r.name: [r.reason, r.hint] for r in kvbridge.refused_plugins()},
 }))
 """
     got = run_kvbridge(code, *site)
-    assert got["refused"] == []
-    assert got["old"] == [5, 3, "cpu"], "a plugin API 1 plugin still loads, its options and workers honoured"
+    assert list(got["refused"]) == ["kvbridge_old"]
+    reason, hint = got["refused"]["kvbridge_old"]
+    assert "built for kvbridge plugin API 1" in reason and "speaks 2" in reason
+    assert "plugin API 2" in hint
+    assert "old" not in got["from"]
     assert got["new"] == [8, "DepthOptions", 4096]
-    assert got["from"]["old"] == "kvbridge-old" and got["from"]["deep"] == "kvbridge-deep"
+    assert got["from"]["deep"] == "kvbridge-deep"

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from kvbridge.base.types import TransferCost
-from kvbridge_mooncake.spec import capabilities
-from kvbridge_tools.strategy import choose, predict_direct
+from kvbridge_mooncake.spec import TCP_DESCRIPTOR_BYTES
+from kvbridge_tools.strategy import TransferCost, choose, copy_rate, predict_direct, transfer_cost
 
 MiB = 1 << 20
-TCP = capabilities("tcp", {}, frozenset()).cost
+TCP = transfer_cost("mooncake", "tcp")
 
 
-def test_mooncake_tcp_declares_its_measured_cost_and_other_protocols_none() -> None:
+def test_mooncake_tcp_has_its_measured_cost_and_other_protocols_none() -> None:
     assert TCP.descriptor_s and TCP.bytes_per_s and TCP.piece_bytes == 4 * MiB and TCP.peer_admission == 2048
-    assert capabilities("rdma", {}, frozenset()).cost == TransferCost()
+    assert TCP.piece_bytes == TCP_DESCRIPTOR_BYTES  # the plugin's pieces
+    assert transfer_cost("Mooncake", "rdma") == TransferCost() == transfer_cost("tcp", "tcp")
+    assert copy_rate("cpu") == copy_rate("cuda") == 8e9  # host memory's, as before
 
 
 def test_fragmented_request_is_gathered_and_contiguous_goes_direct() -> None:

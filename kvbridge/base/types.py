@@ -42,16 +42,6 @@ class MemoryRegion:
 
 
 @attrs.frozen
-class TransferCost:
-    """What moving bytes costs on a transport, as its plugin measured it. See docs/internals.md."""
-
-    bytes_per_s: float | None = None  # streaming rate of large descriptors, one peer
-    descriptor_s: float | None = None  # fixed cost of one descriptor beyond its bytes
-    piece_bytes: int | None = None  # descriptor size that reaches `bytes_per_s`
-    peer_admission: int | None = None  # descriptors a peer admits at once (submissions stay under it)
-
-
-@attrs.frozen
 class BackendCapabilities:
     """What a transport can do, declared at registration so hosts never guess."""
 
@@ -64,7 +54,6 @@ class BackendCapabilities:
     notifications: bool = False
     max_batch: int | None = None  # descriptors per submission; the backend splits larger batches
     max_descriptor_bytes: int | None = None  # longer descriptors are cut, so a transport's lanes run in parallel
-    cost: TransferCost = TransferCost()  # per-protocol, measured by the plugin; see TransferCost
     # A transfer that failed may still write into its destination later (Mooncake TCP re-sends slices
     # queued behind a dropped lane once the peer answers): pulls into a live cache land in a buffer first
     # (kvbridge.agent.landing), so a late write never reaches a block the engine gave back.

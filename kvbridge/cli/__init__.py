@@ -5,21 +5,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import logging
 import os
 import signal
 import sys
-from importlib import metadata
 from types import FrameType
 
 from kvbridge.base.errors import KVBridgeError
 from kvbridge.base.nativelog import quiet_native_logs
+from kvbridge.plugin.registry import PluginRegistry, registry
 
 log = logging.getLogger(__name__)
 
 # Each module defines add_parser(subparsers) and run(args) -> int.
 SUBCOMMANDS = ["plugins", "doctor", "drain"]
-COMMANDS_GROUP = "kvbridge.commands"
 # What other distributions of this repository add, and which: named here so that, without it, they say what
 # to install.
 ELSEWHERE = {
@@ -49,21 +49,21 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(f"kvbridge.cli.{name}").add_parser(sub)
     added = set(SUBCOMMANDS)
     broken: dict[str, str] = {}
-    for ep in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
-        if ep.name in added:
-            log.warning("%s: a second %r subcommand (%s) is ignored", COMMANDS_GROUP, ep.name, ep.value)
+    # what plugins add through the kvbridge_commands hook; their loading is quiet on stdout (main loads them first)
+    for command in sorted(_load_plugins_off_stdout(probe=False).commands.values(), key=lambda c: c.name):
+        if command.name in added:
+            log.warning("kvbridge_commands: a second %r subcommand (%s) is ignored", command.name, command.module)
             continue
         try:
-            module = ep.load()
+            module = importlib.import_module(command.module)
         except Exception as exc:  # a broken tools install must not take `kvbridge plugins` with it
-            dist = ep.dist.name if ep.dist is not None else "the distribution that provides it"
-            broken[ep.name] = (
-                f"`kvbridge {ep.name}` ({ep.value}) does not load: {type(exc).__name__}: {exc}; "
-                f"reinstall it: pip install --force-reinstall {dist}"
+            broken[command.name] = (
+                f"`kvbridge {command.name}` ({command.module}) does not load: {type(exc).__name__}: {exc}; "
+                f"reinstall it: pip install --force-reinstall {command.distribution}"
             )
             continue
         module.add_parser(sub)
-        added.add(ep.name)
+        added.add(command.name)
     for name in sorted(broken):
         _unavailable(sub, name, ELSEWHERE.get(name, ("a plugin's subcommand",))[0], broken[name])
     for name, (summary, dist) in ELSEWHERE.items():
@@ -92,12 +92,10 @@ def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
 
-def _load_plugins_off_stdout(probe: bool) -> None:
+def _load_plugins_off_stdout(probe: bool) -> PluginRegistry:
     """Load the plugins (and `probe` their availability) with stdout on stderr, file descriptor included.
 
     What a plugin or its native library prints as it loads (a banner) must not land in a table or in `--json` output."""
-    from kvbridge.plugin.registry import registry
-
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -111,17 +109,26 @@ def _load_plugins_off_stdout(probe: bool) -> None:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+    return reg
+
+
+def _verbosity(argv: list[str]) -> int:
+    """How many -v the options before the subcommand give (the parser needs the plugins, loaded with logging set)."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("-v", "--verbose", action="count", default=0)
+    before = list(itertools.takewhile(lambda a: a.startswith("-") and a != "--", argv))
+    return early.parse_known_args(before)[0].verbose
 
 
 def main(argv: list[str] | None = None) -> int:
+    level = {0: logging.WARNING, 1: logging.INFO}.get(_verbosity(sys.argv[1:] if argv is None else argv), logging.DEBUG)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_native_logs(level)  # before any transport library loads, here or in a child
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    level = {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    quiet_native_logs(level)  # before any transport library loads, here or in a child
     try:
         _load_plugins_off_stdout(probe=bool(getattr(args, "json", False)))
         return int(args.run(args) or 0)

@@ -20,9 +20,6 @@ class Device(abc.ABC):
     #: False where `before_transfer`/`after_transfer` have nothing to wait for (host memory), so a
     #: transport that reaches the memory is used as is, without a device-bound wrapper.
     synchronizes: ClassVar[bool] = True
-    #: Bytes per second this device gathers or scatters blocks in its own memory (kvbridge-tools' strategy);
-    #: the default is host memory's (docs/measurements/README.md).
-    copy_bytes_per_s: ClassVar[float] = 8e9
 
     def regions(self, tensor: Any) -> list[MemoryRegion]:
         """The memory a tensor occupies: one region, first to last byte, of this device. See docs/internals.md."""

@@ -2,16 +2,14 @@
 
 A plugin is a module (or object) exposed under the entry point group ``kvbridge``. It sets
 ``KVBRIDGE_PLUGIN_API = 2`` and implements hooks marked with ``kvbridge.hookimpl`` that return
-typed specs (`kvbridge.plugin.specs`). The hooks are historic: pluggy calls each plugin's hooks as the
-plugin is registered, so every spec is known to come from the plugin that returned it.
-
-Plugins written for plugin API 1 (``KVBRIDGE_PLUGIN_API = 1``) implement the two ``register``
-hooks at the end instead, and still load: the registry turns each ``register(...)`` call into a spec.
+typed specs (`kvbridge.plugin.specs`) or the subcommands it adds to the ``kvbridge`` CLI. The hooks are
+historic: pluggy calls each plugin's hooks as the plugin is registered, so every answer is known to come from
+the plugin that returned it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -22,11 +20,10 @@ if TYPE_CHECKING:
 hookspec = pluggy.HookspecMarker("kvbridge")
 hookimpl = pluggy.HookimplMarker("kvbridge")
 
-# The hooks of each plugin API version; a plugin implements only those of the version it declares.
-API_HOOKS = {
-    1: ("kvbridge_register_backends", "kvbridge_register_devices"),
-    2: ("kvbridge_devices", "kvbridge_transports"),
-}
+# The hooks of the plugin API (KVBRIDGE_PLUGIN_API = 2); a plugin implements any of them.
+HOOKS = ("kvbridge_commands", "kvbridge_devices", "kvbridge_transports")
+# Plugin API 1's hooks, gone: named so that a plugin still implementing them is told what to change.
+API_1_HOOKS = ("kvbridge_register_backends", "kvbridge_register_devices")
 
 
 @hookspec(historic=True)
@@ -55,20 +52,9 @@ def kvbridge_devices() -> Sequence[DeviceSpec]:
 
 
 @hookspec(historic=True)
-def kvbridge_register_backends(register: Callable[..., None]) -> None:
-    """Plugin API 1: register transports; implement ``kvbridge_transports`` in a new plugin.
+def kvbridge_commands() -> Mapping[str, str]:
+    """The subcommands this plugin adds to the ``kvbridge`` CLI: ``{"bench": "kvbridge_tools.cli.bench"}``.
 
-    Calls ``register(name, factory, *, capabilities, probe=None, install_hint="", hardware=None,
-    options=TransportOptions)`` once per transport, with ``factory(config: BackendConfig)``: the fields of
-    a `TransportSpec`, whose factory also takes the parsed options.
-    """
-
-
-@hookspec(historic=True)
-def kvbridge_register_devices(register: Callable[..., None]) -> None:
-    """Plugin API 1: register devices; implement ``kvbridge_devices`` in a new plugin.
-
-    Calls ``register(name, factory, *, memory_kind, probe=None, install_hint="", hardware=None,
-    options=NoOptions)`` once per device, with ``factory()``: the fields of a `DeviceSpec`, whose factory
-    also takes the parsed options.
+    Each value names a module (imported only when the CLI builds its parser, so a broken one costs its own
+    subcommand alone) with ``add_parser(subparsers)`` and ``run(args) -> int``.
     """

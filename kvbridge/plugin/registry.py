@@ -32,7 +32,7 @@ from kvbridge.transport.faults import FaultRates, FaultyBackend
 
 log = logging.getLogger(__name__)
 
-PLUGIN_API_VERSION = 2  # the plugin API new plugins are written for; API 1 plugins still load (hookspecs)
+PLUGIN_API_VERSION = 2  # the plugin API a plugin module declares (KVBRIDGE_PLUGIN_API); any other is refused
 ENTRY_POINT_GROUP = "kvbridge"
 ALLOW_ENV = "KVBRIDGE_PLUGINS"
 BLOCK_ENV = "KVBRIDGE_BLOCK_PLUGINS"
@@ -44,6 +44,9 @@ OWN_DISTRIBUTIONS = {
     "npu": "kvbridge-ascend",
     "mlu": "kvbridge-mlu",
 }
+# kvbridge's own distributions that add only subcommands (`kvbridge proxy`, `bench`, ...): ALLOW_ENV/BLOCK_ENV choose
+# which transports and devices load, and never took these commands away.
+COMMAND_DISTRIBUTIONS = {"kvbridge-proxy", "kvbridge-tools"}
 
 
 @attrs.define
@@ -156,9 +159,35 @@ class Registration:
 class _Loading:
     """The plugin pluggy is registering (and so calling the hooks of), and what they returned so far."""
 
-    api: int
     specs: list[TransportSpec | DeviceSpec] = attrs.field(factory=list)
+    commands: dict[str, str] = attrs.field(factory=dict)
     answered: set[str] = attrs.field(factory=set)  # hooks that returned something (None is not passed on)
+
+
+@attrs.frozen
+class Command:
+    """A subcommand a plugin adds to the `kvbridge` CLI (`kvbridge_commands`): its module, and whose it is."""
+
+    name: str
+    module: str
+    distribution: str
+    version: str
+
+
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager, holding back what `load_setuptools_entrypoints` loads until the registry admits it.
+
+    pluggy registers a plugin as soon as it imports it and records its distribution only afterwards; the
+    registry admits it (`PluginRegistry.add_plugin`) once its distribution is known, so that a refusal (a
+    plugin API it does not speak, a hook that raised, a name taken) names the distribution, and before
+    pluggy calls any hook of a plugin it refuses.
+    """
+
+    def register(self, plugin: object, name: str | None = None) -> str | None:
+        return name  # held: PluginRegistry._load_entry_points admits it from list_plugin_distinfo()
+
+    def admit(self, plugin: object, name: str) -> None:
+        pluggy.PluginManager.register(self, plugin, name=name)
 
 
 def _csv(value: str | None) -> set[str] | None:
@@ -171,12 +200,13 @@ class PluginRegistry:
     """Loads plugins once and answers lookups by case-insensitive name."""
 
     def __init__(self, *, entry_points: bool = True) -> None:
-        self.pm = pluggy.PluginManager("kvbridge")
+        self.pm = _PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
         self._sources: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
         self.backends: dict[str, Registration] = {}
         self.devices: dict[str, Registration] = {}
         self.refused: list[PluginInfo] = []
+        self.commands: dict[str, Command] = {}  # by name, in the order plugins registered them
         self.skipped: list[str] = []  # entry points ALLOW_ENV/BLOCK_ENV kept from loading
         self._devices_made: dict[str, Device] = {}
         self._lock = threading.Lock()
@@ -187,8 +217,7 @@ class PluginRegistry:
         hook = self.pm.hook
         hook.kvbridge_transports.call_historic(result_callback=self._answer("kvbridge_transports", TransportSpec))
         hook.kvbridge_devices.call_historic(result_callback=self._answer("kvbridge_devices", DeviceSpec))
-        hook.kvbridge_register_backends.call_historic(kwargs={"register": self._register_backend})
-        hook.kvbridge_register_devices.call_historic(kwargs={"register": self._register_device})
+        hook.kvbridge_commands.call_historic(result_callback=self._take_commands)
 
         from kvbridge.plugin import builtins
 
@@ -199,53 +228,90 @@ class PluginRegistry:
     def _load_entry_points(self) -> None:
         allow = _csv(os.environ.get(ALLOW_ENV))
         block = _csv(os.environ.get(BLOCK_ENV)) or set()
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist else "?"
-            version = ep.dist.version if ep.dist else "?"
-            if ep.name.lower() in block or (allow is not None and ep.name.lower() not in allow):
+        found = metadata.entry_points(group=ENTRY_POINT_GROUP)
+        for ep in found:
+            commands_only = ep.dist is not None and ep.dist.name in COMMAND_DISTRIBUTIONS
+            if not commands_only and (ep.name.lower() in block or (allow is not None and ep.name.lower() not in allow)):
                 log.debug("plugin %s skipped by %s/%s", ep.name, ALLOW_ENV, BLOCK_ENV)
+                self.pm.set_blocked(ep.name)
                 self.skipped.append(ep.name)
+        # One name at a time: pluggy's loading stops at the first plugin that fails to import, and one broken
+        # plugin must not hide the others (it is listed, with the error). Within a name it still stops: a second
+        # distribution of a name whose first fails to import is not tried.
+        for name in dict.fromkeys(ep.name for ep in found):
+            if self.pm.is_blocked(name):
                 continue
-            if ep.name in self._sources:
-                first, _ = self._sources[ep.name]
-                self._refuse(
-                    ep.name,
-                    dist,
-                    version,
-                    f"its entry point name {ep.name!r} is taken by {first}",
-                    f"report it to {dist}: its entry point in the {ENTRY_POINT_GROUP!r} group needs a name of its own",
-                )
+            if self.pm.has_plugin(name):  # taken by a built-in: pluggy would skip it without a word
+                for ep in found.select(name=name):
+                    self._taken_by(name, *_dist(ep))
                 continue
+            held = len(self.pm.list_plugin_distinfo())
             try:
-                plugin = ep.load()
+                self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
+                failed = None
             except KeyboardInterrupt:
                 raise
             except BaseException as exc:  # SystemExit too: a plugin must not end the process that lists it
-                self._refuse(
-                    ep.name, dist, version, f"import failed: {type(exc).__name__}: {exc}", _import_hint(exc, dist)
-                )
-                continue
-            self.add_plugin(plugin, ep.name, dist, version)
+                failed = exc
+            loaded = self.pm.list_plugin_distinfo()[held:]
+            for plugin, dist in loaded:  # two distributions of one name: pluggy loads both, the first is kept
+                if name in self._sources:
+                    self._taken_by(name, dist.project_name, dist.version)
+                else:
+                    self.add_plugin(plugin, name, dist.project_name, dist.version)
+            if failed is not None:
+                loaded_dists = {dist.project_name for _, dist in loaded}
+                ep = next((e for e in found if e.name == name and _dist(e)[0] not in loaded_dists), None)
+                dist, version = _dist(ep) if ep is not None else ("?", "?")
+                if name in self._sources:
+                    self._taken_by(name, dist, version)
+                else:
+                    reason = f"import failed: {type(failed).__name__}: {failed}"
+                    self._refuse(name, dist, version, reason, _import_hint(failed, dist))
+
+    def _taken_by(self, name: str, dist: str, version: str) -> None:
+        first, _ = self._sources[name]
+        self._refuse(
+            name,
+            dist,
+            version,
+            f"its entry point name {name!r} is taken by {first}",
+            f"report it to {dist}: its entry point in the {ENTRY_POINT_GROUP!r} group needs a name of its own",
+        )
 
     def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
         """Register `plugin` (a module or object with kvbridge hooks) with pluggy. See docs/internals.md."""
+        # Checked before pluggy registers it: pluggy would call the hooks of a plugin of another API, or
+        # only say "unknown hook" of a plugin API 1 hook; each is refused with what to change instead.
         api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
-        if api not in hookspecs.API_HOOKS:
+        if api != PLUGIN_API_VERSION:
             self._refuse(
                 name,
                 dist,
                 version,
                 f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
-                f"{' and '.join(map(str, hookspecs.API_HOOKS))}",
+                f"{PLUGIN_API_VERSION}",
                 f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it",
             )
             return
-        self._loading = loading = _Loading(api=api)
+        old = [h for h in hookspecs.API_1_HOOKS if self.pm.parse_hookimpl_opts(plugin, h) is not None]
+        if old:
+            self._refuse(
+                name,
+                dist,
+                version,
+                f"it declares plugin API {api} but implements {', '.join(old)}, the register hooks of plugin API 1",
+                "return the same fields as a list of kvbridge.TransportSpec from kvbridge_transports() and of "
+                "kvbridge.DeviceSpec from kvbridge_devices() (factories also take the parsed options: "
+                "factory(config, options), factory(options); docs/plugins.md)",
+            )
+            return
+        self._loading = loading = _Loading()
         try:
-            self.pm.register(plugin, name=name)
+            self.pm.admit(plugin, name)
             # Plugins already registered were checked, so anything pending belongs to this one.
             self.pm.check_pending()
-            problem = self._contract_problem(api, {c.name for c in self.pm.get_hookcallers(plugin) or []}, loading)
+            problem = self._contract_problem({c.name for c in self.pm.get_hookcallers(plugin) or []}, loading)
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # one broken plugin must not hide the others; it is listed
@@ -273,30 +339,23 @@ class PluginRegistry:
                 f"its {kind} {entry.name!r} is not used: {first.distribution} registered that name first",
                 f"uninstall one of them (pip uninstall {dist}), or report the clash to {dist}",
             )
+        for command, module in loading.commands.items():
+            if command in self.commands:
+                log.warning("kvbridge_commands: a second %r subcommand (%s, from %s) is ignored", command, module, dist)
+                continue
+            self.commands[command] = Command(command, module, dist, version)  # the CLI's own are kept there
 
     @staticmethod
-    def _contract_problem(api: int, implemented: set[str], loading: _Loading) -> tuple[str, str] | None:
-        """Why the hooks a plugin implements do not fit the plugin API it declares (reason, what to change)."""
-        other = sorted(implemented - set(hookspecs.API_HOOKS[api]))
-        if other and api == 1:
-            return (
-                f"it declares plugin API 1 but implements {', '.join(other)} of plugin API 2",
-                "set KVBRIDGE_PLUGIN_API = 2 in the module its entry point names (and turn any "
-                "kvbridge_register_* hook into kvbridge_transports/kvbridge_devices, docs/plugins.md)",
-            )
-        if other:
-            return (
-                f"it declares plugin API {api} but implements {', '.join(other)}, the register hooks of plugin API 1",
-                "return the same fields as a list of kvbridge.TransportSpec from kvbridge_transports() and of "
-                "kvbridge.DeviceSpec from kvbridge_devices() (factories also take the parsed options: "
-                "factory(config, options), factory(options); docs/plugins.md), or set KVBRIDGE_PLUGIN_API = 1",
-            )
-        silent = sorted(h for h in implemented if h in hookspecs.API_HOOKS[2] and h not in loading.answered)
+    def _contract_problem(implemented: set[str], loading: _Loading) -> tuple[str, str] | None:
+        """Why the hooks a plugin implements did not answer as the plugin API says (reason, what to change)."""
+        silent = sorted(h for h in implemented if h in hookspecs.HOOKS and h not in loading.answered)
         if silent:
-            return (
-                f"{', '.join(silent)} returned None",
-                "return a list of kvbridge.TransportSpec / kvbridge.DeviceSpec from it (an empty list for none)",
+            what = (
+                "a dict of subcommand names to modules"
+                if silent == ["kvbridge_commands"]
+                else ("a list of kvbridge.TransportSpec / kvbridge.DeviceSpec")
             )
+            return f"{', '.join(silent)} returned None", f"return {what} from it (an empty one for none)"
         return None
 
     @staticmethod
@@ -304,8 +363,7 @@ class PluginRegistry:
         """Reason and hint for a plugin that pluggy refused or whose hook raised."""
         if isinstance(exc, pluggy.PluginValidationError):  # a misspelt hook, a wrong argument, a wrapper
             return (
-                f"{exc}; kvbridge hooks are {', '.join(hookspecs.API_HOOKS[2])} "
-                f"(plugin API 1: {', '.join(hookspecs.API_HOOKS[1])})",
+                f"{exc}; kvbridge hooks are {', '.join(hookspecs.HOOKS)}",
                 f"report it to {dist}, or uninstall it: pip uninstall {dist}",
             )
         return f"a hook raised {type(exc).__name__}: {exc}", f"report it to {dist}"
@@ -320,24 +378,16 @@ class PluginRegistry:
 
         return take
 
-    def _register_backend(self, name: str, factory: Callable[..., Any], **declared: Any) -> None:
-        """`register` of plugin API 1's kvbridge_register_backends: the same fields as a TransportSpec."""
-        if declared.get("capabilities") is None:
-            raise ConfigError(f"backend {name!r} must declare its capabilities")
-        spec = TransportSpec(name, factory, **_given(declared, "memory_kind"))
-        # an API 1 factory takes the config alone: its options are in `config.options`, checked
-        self._api1(attrs.evolve(spec, factory=lambda config, _options: factory(config)))
-
-    def _register_device(self, name: str, factory: Callable[..., Any], **declared: Any) -> None:
-        """`register` of plugin API 1's kvbridge_register_devices: the same fields as a DeviceSpec."""
-        if declared.get("memory_kind") is None:
-            raise ConfigError(f"device {name!r} must declare its memory_kind")
-        spec = DeviceSpec(name, factory, **_given(declared, "capabilities"))
-        self._api1(attrs.evolve(spec, factory=lambda _options: factory()))
-
-    def _api1(self, spec: TransportSpec | DeviceSpec) -> None:
+    def _take_commands(self, commands: Any) -> None:
         assert self._loading is not None, "pluggy calls historic hooks while a plugin registers"
-        self._loading.specs.append(spec)
+        if not isinstance(commands, Mapping) or not all(
+            isinstance(k, str) and k and isinstance(v, str) and v for k, v in commands.items()
+        ):
+            raise ConfigError(
+                f"kvbridge_commands() must return a dict of subcommand names to modules, got {commands!r}"
+            )
+        self._loading.answered.add("kvbridge_commands")
+        self._loading.commands.update(commands)
 
     def _refuse(self, name: str, dist: str, version: str, reason: str, hint: str) -> None:
         log.warning("kvbridge plugin %s (%s %s) refused: %s", name, dist, version, reason)
@@ -389,7 +439,7 @@ class PluginRegistry:
         if reason:
             raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
         with entry.starting():
-            # config.options: the same values as a dict, what plugin API 1 backends read
+            # config.options: the same values as a dict, for a backend that reads them there
             return entry.spec.factory(attrs.evolve(config, options=as_dict(options)), options)
 
     def device(self, name: str) -> Device:
@@ -413,9 +463,8 @@ def _import_hint(exc: BaseException, dist: str) -> str:
     return f"report it to {dist}, or uninstall it: pip uninstall {dist}"
 
 
-def _given(declared: dict[str, Any], other_kind: str) -> dict[str, Any]:
-    """An API 1 `register` call's keywords as spec fields. See docs/internals.md."""
-    return {k: v for k, v in declared.items() if v is not None and k != other_kind}
+def _dist(ep: metadata.EntryPoint) -> tuple[str, str]:
+    return (ep.dist.name, ep.dist.version) if ep.dist else ("?", "?")
 
 
 def _version(dist: str) -> str:

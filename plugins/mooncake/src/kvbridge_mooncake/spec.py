@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from kvbridge.base.options import option
-from kvbridge.base.types import BackendCapabilities, MemoryKind, TransferCost
+from kvbridge.base.types import BackendCapabilities, MemoryKind
 from kvbridge.transport.netguard import GuardOptions
 
 PROTOCOLS = ("tcp", "rdma", "nvlink", "ascend")
@@ -31,15 +31,8 @@ ASCEND_ALIGNMENT = 2 << 20  # Mooncake's ascend transport (HCCL) registers memor
 # request, contiguous, paired with one 512 MiB descriptor): 1 MiB pieces 77-85 % of raw, 2 MiB 85-86 %,
 # 4 MiB 94-102 %, 8 MiB 96-100 %; at 512 tokens (64 MiB) 1 MiB 37-39 ms, 4 MiB 36 ms (docs/transfer-strategies.md).
 TCP_DESCRIPTOR_BYTES = 4 << 20
-# Measured 2026-11-23 with mooncake-transfer-engine-non-cuda 0.3.13.post1 over TCP on 127.0.0.1, two
-# processes on the project's 2-vCPU VM: 1 MiB descriptors 2.1-2.4 GB/s; about 2048 descriptors admitted
-# per peer (1024 queued + 1024 pending: a batch of 4096 was partly refused, "TCP lane queue-full", see
-# docs/design.md). The descriptor cost as the plugin submits them now (a batch of one each, polled):
-# 16.4, 17.9 and 18.7 us per descriptor beyond its bytes, 2026-11-26 (`scripts/mooncake-descriptor-cost`:
-# 16 MiB as 4 to 4096 descriptors; 13 us was declared before, from 32 KiB descriptors against 1 MiB
-# ones under the old synchronous calls). The other protocols were not measured here: no cost declared,
-# descriptors go direct.
-TCP_COST = TransferCost(bytes_per_s=2.2e9, descriptor_s=18e-6, piece_bytes=TCP_DESCRIPTOR_BYTES, peer_admission=2048)
+# What a tcp descriptor costs, as measured, is kvbridge-tools' (kvbridge_tools.strategy.TRANSFER_COSTS): only its
+# bench chooses between sending descriptors and gathering them.
 
 CAPABILITIES = BackendCapabilities(
     protocols=PROTOCOLS,
@@ -134,7 +127,6 @@ def capabilities(protocol: str, options: Mapping[str, object], built_with: froze
         memory_kinds=memory_kinds(protocol, built_with),
         max_batch=int(options.get("max_batch", CAPABILITIES.max_batch)),  # type: ignore[arg-type]
         max_descriptor_bytes=int(piece) if piece else None,  # type: ignore[arg-type]
-        cost=TCP_COST if protocol == "tcp" else TransferCost(),
         # measured on tcp (chaos run, docs/chaos.md): the binding returns -1 and frees the batch while its
         # slices stay queued behind dropped lanes, and they land once the peer answers again
         late_writes=protocol == "tcp",

@@ -1,7 +1,7 @@
 """kvbridge's tools, apart from the library: benches, chaos runs and the test harness.
 
 - `kvbridge bench`, `kvbridge chaos` and `kvbridge trace` (`kvbridge_tools.cli`), found by the `kvbridge`
-  CLI through the ``kvbridge.commands`` entry points;
+  CLI through the ``kvbridge_commands`` hook of `plugin` (entry point ``tools`` in the ``kvbridge`` group);
 - `bench`: the verified prefill -> decode migration benches and `strategy`, the gather-or-direct choice
   they make per request;
 - `chaos`: faults against a vLLM deployment behind `kvbridge proxy`;

@@ -5,8 +5,11 @@ loopback) moves a fragmented request (one descriptor per block and layer) at hal
 alternative is to gather the request's blocks on the sending side into one contiguous staging region
 (on a GPU a device kernel, `index_select` into registered device memory; here a host copy), read it in
 the transport's best piece size, and scatter it into place on the receiving side, chunk by chunk so
-copies overlap the wire. `choose` compares the two with the transport's declared `TransferCost` and the
-devices' copy rate, and says which and why. A transport that declares no cost always goes direct.
+copies overlap the wire. `choose` compares the two with the transport's measured `TransferCost` and the
+devices' copy rate, and says which and why. A transport with no cost measured always goes direct.
+
+The costs are the bench's, not the library's contract: measured per transport and protocol
+(`TRANSFER_COSTS`) and per device (`COPY_BYTES_PER_S`), each with how.
 """
 
 from __future__ import annotations
@@ -15,11 +18,46 @@ from typing import Literal
 
 import attrs
 
-from kvbridge.base.types import TransferCost
-
 Strategy = Literal["direct", "gather"]
 STRATEGIES: tuple[Strategy, ...] = ("direct", "gather")
 GATHER_CHUNK_BYTES = 16 << 20  # one pipelined step of a gathered request: copies of one overlap the next's wire
+
+
+@attrs.frozen
+class TransferCost:
+    """What moving bytes costs on a transport, as measured. See docs/transfer-strategies.md."""
+
+    bytes_per_s: float | None = None  # streaming rate of large descriptors, one peer
+    descriptor_s: float | None = None  # fixed cost of one descriptor beyond its bytes
+    piece_bytes: int | None = None  # descriptor size that reaches `bytes_per_s`
+    peer_admission: int | None = None  # descriptors a peer admits at once (submissions stay under it)
+
+
+# Per (transport, protocol). Mooncake tcp: measured 2026-11-23 with mooncake-transfer-engine-non-cuda 0.3.13.post1
+# over TCP on 127.0.0.1, two processes on the project's 2-vCPU VM: 1 MiB descriptors 2.1-2.4 GB/s; about 2048
+# descriptors admitted per peer (1024 queued + 1024 pending: a batch of 4096 was partly refused, "TCP lane
+# queue-full", see docs/design.md). The descriptor cost as the plugin submits them now (a batch of one each,
+# polled): 16.4, 17.9 and 18.7 us per descriptor beyond its bytes, 2026-11-26 (`scripts/mooncake-descriptor-cost`:
+# 16 MiB as 4 to 4096 descriptors; 13 us was declared before, from 32 KiB descriptors against 1 MiB ones under the
+# old synchronous calls). Its pieces are the plugin's own (kvbridge_mooncake.spec.TCP_DESCRIPTOR_BYTES, 4 MiB).
+# The other protocols and transports were not measured here: no cost, descriptors go direct.
+TRANSFER_COSTS: dict[tuple[str, str], TransferCost] = {
+    ("mooncake", "tcp"): TransferCost(bytes_per_s=2.2e9, descriptor_s=18e-6, piece_bytes=4 << 20, peer_admission=2048),
+}
+# Bytes per second a device gathers or scatters blocks in its own memory, per device name. Host memory as measured
+# (docs/measurements/README.md); no accelerator was measured, so every device is taken at host memory's rate.
+HOST_COPY_BYTES_PER_S = 8e9
+COPY_BYTES_PER_S: dict[str, float] = {"cpu": HOST_COPY_BYTES_PER_S}
+
+
+def transfer_cost(transport: str, protocol: str) -> TransferCost:
+    """The measured cost of `transport` over `protocol`; unknown fields (None) where nothing was measured."""
+    return TRANSFER_COSTS.get((transport.lower(), protocol), TransferCost())
+
+
+def copy_rate(device: str) -> float:
+    """How fast `device` copies within its own memory (host memory's rate where not measured)."""
+    return COPY_BYTES_PER_S.get(device.lower(), HOST_COPY_BYTES_PER_S)
 
 
 @attrs.frozen

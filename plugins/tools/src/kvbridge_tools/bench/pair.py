@@ -26,14 +26,13 @@ from rich.progress import Progress
 from kvbridge.adapters.vllm.cache import LAYOUT_NAMES
 from kvbridge.base.errors import ConfigError, PluginUnavailable
 from kvbridge.base.options import as_dict
-from kvbridge.base.types import TransferCost
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.plan.presets import get_preset
 from kvbridge.plugin.registry import get_device, registry
 from kvbridge_tools.bench.link import Link, Placed, placed, report
 from kvbridge_tools.bench.pool_layout import DEFAULT_LAYOUT, describe
 from kvbridge_tools.harness.proc import Child
-from kvbridge_tools.strategy import GATHER_CHUNK_BYTES, STRATEGIES, Choice, choose
+from kvbridge_tools.strategy import GATHER_CHUNK_BYTES, STRATEGIES, Choice, TransferCost, choose
 
 DEFAULT_MODEL = "small"
 DEFAULT_TOKENS = 2048

@@ -23,6 +23,7 @@ from kvbridge.transport.staging import copy_ranges
 from kvbridge_tools.bench.fingerprint import block_values
 from kvbridge_tools.bench.pool_layout import PoolLayout
 from kvbridge_tools.harness.proc import serve
+from kvbridge_tools.strategy import copy_rate, transfer_cost
 
 GATHER_IN_FLIGHT = 4  # chunks on the wire at once in a gathered pull (64 pieces of 1 MiB: far under admission)
 
@@ -199,7 +200,7 @@ def _get() -> Side:
 def init(**kwargs: Any) -> dict[str, Any]:
     global _side
     _side = Side(**kwargs)
-    cost = _side.backend.capabilities.cost
+    cost = transfer_cost(_side.backend.name, _side.backend.protocol)
     return {
         "endpoint": _side.backend.endpoint_info().hex(),
         "base": _side.published,
@@ -207,7 +208,7 @@ def init(**kwargs: Any) -> dict[str, Any]:
         "unit_bytes": _side.unit_bytes,
         "units_per_block": _side.layout.units_per_block,
         "cost": {k: getattr(cost, k) for k in ("bytes_per_s", "descriptor_s", "piece_bytes", "peer_admission")},
-        "copy_bytes_per_s": _side.device.copy_bytes_per_s,
+        "copy_bytes_per_s": copy_rate(_side.device.name),
         "can_gather": _side.can_gather(),
     }
 

@@ -1,1 +1,1 @@
-"""The `kvbridge` subcommands kvbridge-tools adds (entry-point group ``kvbridge.commands``)."""
+"""The `kvbridge` subcommands kvbridge-tools adds (named by the `kvbridge_commands` hook of `kvbridge_tools.plugin`)."""
