@@ -16,7 +16,8 @@ from kvbridge.agent.kv_agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.base import watchdog
 from kvbridge.base.block_ids import BlockIds, block_array
 from kvbridge.base.errors import KVBridgeError, LoadError
-from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
+from kvbridge.control.channel import ControlServer
+from kvbridge.control.client import ClientPool, ControlClient
 from kvbridge.control.discovery import DiscoveryRegistry, resolve
 from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams

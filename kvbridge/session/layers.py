@@ -14,7 +14,7 @@ import numpy as np
 from kvbridge.base.block_ids import block_array
 from kvbridge.base.errors import KVBridgeError, LoadError, TransferTimeout
 from kvbridge.base.memory import total_bytes
-from kvbridge.control.channel import ControlClient
+from kvbridge.control.client import ControlClient
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.plan.descriptors import pull_descriptors
 from kvbridge.plan.layout import KVLayout
