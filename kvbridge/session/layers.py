@@ -18,12 +18,12 @@ from kvbridge.control.client import ControlClient
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.plan.descriptors import pull_descriptors
 from kvbridge.plan.layout import KVLayout
+from kvbridge.session.pull import Session
 from kvbridge.transport.contract import TransferHandle
 
 if TYPE_CHECKING:
     from kvbridge.agent.kv_agent import KVAgent, RankInfo
     from kvbridge.agent.landing import Landed
-    from kvbridge.session.decode import Session
 
 # Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until it wakes
 # its readers (or the lease ends), at most this long, so decode reads as soon as there is something to
