@@ -230,7 +230,9 @@ class DecodeControl:
             self._begin(s, whole=True, take=(skip, len(local_blocks)))
             machine.to(PullState.READING)
             infos = [s.infos[r] for r in s.ranks]
-            handle = self.agent.pull(s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished)
+            handle = self.agent.pull(
+                s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished, plan=s.plan
+            )
             for h in handle.handles:  # each transfer that ends is progress (the stall watchdog)
                 h.add_done_callback(lambda _h: machine.beat.busy())
             return handle
