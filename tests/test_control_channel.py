@@ -16,7 +16,7 @@ from kvbridge.base.errors import ConfigError, LoadError, ProtocolError, Transfer
 from kvbridge.base.watchdog import WATCHDOG
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
-from kvbridge.control.channel import _frame
+from kvbridge.control.framing import new_frame
 from kvbridge.control.messages import (
     Ack,
     BeginPull,
@@ -236,7 +236,7 @@ def test_auth_replayed_and_stale_frames_are_refused(closing: list) -> None:
             reply = wire.decode(sock.recv(), Frame)
             return wire.decode(reply.body, Refused if reply.kind == "Refused" else RegisteredMemory)
 
-        fresh = auth.seal(_frame("GetInfo", "decode/0", wire.encode(GetInfo())))
+        fresh = auth.seal(new_frame("GetInfo", "decode/0", wire.encode(GetInfo())))
         assert ask(fresh).ready
         replayed = ask(fresh)
         assert isinstance(replayed, Refused) and "replayed" in replayed.message
@@ -300,13 +300,13 @@ def test_begin_pull_before_the_offer_is_held_and_answered_when_it_lands(closing:
     replies: list = []
     asker = threading.Thread(target=lambda: replies.append(c.request(BeginPull("r1", "decode/0", wait_ms=30_000))))
     asker.start()
-    wait_for(lambda: p.server._nparked == 1, what="the BeginPull to be held")
+    wait_for(lambda: p.server._held.nparked == 1, what="the BeginPull to be held")
     assert replies == [], "no answer before the offer"
     p.ledger.offer("r1", [4, 5], expected_pulls=1)  # the engine step's offer, from another thread
     asker.join(timeout=30)
     [status] = replies
     assert isinstance(status, LeaseStatus) and status.valid and status.blocks == (4, 5)
-    assert status.waited_ms > 0 and p.server._nparked == 0
+    assert status.waited_ms > 0 and p.server._held.nparked == 0
     # Through the client API the wait is reported too, and the lease works as before.
     assert c.done("r1", "decode/0", status.epoch).released
 
@@ -332,7 +332,7 @@ def test_held_begin_pulls_are_looked_at_when_their_offer_lands_not_on_every_mess
     ]
     for t in askers:
         t.start()
-    wait_for(lambda: p.server._nparked == 8, what="the BeginPulls to be held")
+    wait_for(lambda: p.server._held.nparked == 8, what="the BeginPulls to be held")
     looks.clear()
     other = p.client()
     closing.append(other)
@@ -341,13 +341,13 @@ def test_held_begin_pulls_are_looked_at_when_their_offer_lands_not_on_every_mess
     assert looks == [], "no held BeginPull is looked at for a message that is not its offer"
     p.ledger.offer("r3", [1], expected_pulls=1)
     wait_for(lambda: len(replies) == 1, what="the offered request's BeginPull to be answered")
-    assert set(looks) == {"r3"} and p.server._nparked == 7
+    assert set(looks) == {"r3"} and p.server._held.nparked == 7
     for i in range(8):
         if i != 3:
             p.ledger.offer(f"r{i}", [1], expected_pulls=1)
     for t in askers:
         t.join(timeout=30)
-    assert len(replies) == 8 and all(r.valid for r in replies) and p.server._nparked == 0
+    assert len(replies) == 8 and all(r.valid for r in replies) and p.server._held.nparked == 0
 
 
 def test_begin_pull_held_for_an_offer_that_never_comes_answers_unknown(closing: list) -> None:
@@ -356,7 +356,7 @@ def test_begin_pull_held_for_an_offer_that_never_comes_answers_unknown(closing: 
     closing += [p, c]
     status = c.request(BeginPull("never", "decode/0", wait_ms=50))
     assert isinstance(status, LeaseStatus) and status.state is LeaseState.UNKNOWN and not status.valid
-    assert status.waited_ms >= 50 and p.server._nparked == 0
+    assert status.waited_ms >= 50 and p.server._held.nparked == 0
     with pytest.raises(LoadError, match="no active lease"):
         c.begin_pull("never", "decode/0", wait_s=0.3)
 
@@ -373,7 +373,9 @@ def test_offer_message_needs_an_accepting_rank_this_host_and_the_secret(closing:
     closing.append(stranger)
     with pytest.raises(ProtocolError, match="without authenticating it.*unauthenticated"):
         stranger.request(offer)  # an unsigned refusal: a failure, never a reply
-    sealed = Authenticator(SECRET).seal(_frame("Offer", "prefill/scheduler", wire.encode(offer), receiver="prefill/0"))
+    sealed = Authenticator(SECRET).seal(
+        new_frame("Offer", "prefill/scheduler", wire.encode(offer), receiver="prefill/0")
+    )
     remote = wire.decode(p.server.handle(wire.encode(sealed), peer_host="10.9.8.7"), Frame)
     assert remote.kind == "Refused" and "this host" in wire.decode(remote.body, Refused).message
     assert p.ledger.active == [], "no refused offer holds blocks"
@@ -400,7 +402,7 @@ def test_a_held_query_stream_is_looked_at_again_only_when_woken(closing: list) -
     replies: list = []
     asker = threading.Thread(target=lambda: replies.append(c.query_stream("r1", seen=2, wait_s=30)))
     asker.start()
-    wait_for(lambda: p.server._nparked == 1, what="the QueryStream to be held")
+    wait_for(lambda: p.server._held.nparked == 1, what="the QueryStream to be held")
     held = len(calls)
     for _ in range(5):  # other requests, and several of the loop's 50 ms ticks
         assert other.query_lease("r1").valid
@@ -434,13 +436,13 @@ def test_query_stream_is_held_until_the_stream_changes(closing: list) -> None:
     replies: list = []
     asker = threading.Thread(target=lambda: replies.append(c.query_stream("r1", seen=3, wait_s=30)))
     asker.start()
-    wait_for(lambda: p.server._nparked == 1, what="the QueryStream to be held")
+    wait_for(lambda: p.server._held.nparked == 1, what="the QueryStream to be held")
     assert replies == [], "no answer while the stream stays at the version the reader has"
     version["r1"] = 4  # a layer saved
     p.server.wake("r1")
     asker.join(timeout=30)
     [status] = replies
-    assert status.version == 4 and status.ready == (64,) and p.server._nparked == 0
+    assert status.version == 4 and status.ready == (64,) and p.server._held.nparked == 0
     assert status.held_ms > 0, "a held answer says so: prefill was still computing when it was asked"
     # Unchanged, it is answered when its wait runs out; with its lease gone, at once.
     began = time.monotonic()
@@ -481,7 +483,7 @@ def test_side_channel_sleeps_until_something_is_due(closing: list) -> None:
 
 
 def _parked_consistent(server: ControlServer) -> bool:
-    return server._nparked == sum(len(held) for held in server._parked.values())
+    return server._held.nparked == sum(len(held) for held in server._held.parked.values())
 
 
 def test_a_failing_streams_answer_refuses_the_held_query_and_leases_still_expire(closing: list) -> None:
@@ -510,12 +512,12 @@ def test_a_failing_streams_answer_refuses_the_held_query_and_leases_still_expire
 
     asker = threading.Thread(target=ask)
     asker.start()
-    wait_for(lambda: p.server._nparked == 1, what="the QueryStream to be held")
+    wait_for(lambda: p.server._held.nparked == 1, what="the QueryStream to be held")
     broken.set()
     p.server.wake("s")  # the engine says the stream moved; its answer then raises
     asker.join(timeout=15)
     assert len(errors) == 1 and "internal" in errors[0] and "engine bug" in errors[0], errors
-    assert p.server._nparked == 0 and p.server._parked == {}
+    assert p.server._held.nparked == 0 and p.server._held.parked == {}
     wait_for(lambda: ("other", LeaseState.EXPIRED) in p.released, timeout=10, what="the other lease to expire")
 
 
@@ -527,7 +529,7 @@ def test_a_failure_part_way_through_held_requests_answers_none_twice(closing: li
     version = [1]
     p.server.streams = lambda rid, epoch: StreamStatus(p.ledger.query(rid, epoch), version=version[0])
     sent: list[int] = []
-    send = p.server._send
+    send = p.server._held._send
 
     def flaky_send(parts: list[bytes]) -> None:
         sent.append(len(parts))
@@ -546,8 +548,8 @@ def test_a_failure_part_way_through_held_requests_answers_none_twice(closing: li
     askers = [threading.Thread(target=ask, args=(c,)) for c in clients]
     for a in askers:
         a.start()
-    wait_for(lambda: p.server._nparked == 2, what="both QueryStreams to be held")
-    monkeypatch.setattr(p.server, "_send", flaky_send)
+    wait_for(lambda: p.server._held.nparked == 2, what="both QueryStreams to be held")
+    monkeypatch.setattr(p.server._held, "_send", flaky_send)
     version[0] = 2  # the stream moved
     p.server.wake("s")
     wait_for(lambda: len(sent) >= 1, what="the failed send")
@@ -558,7 +560,7 @@ def test_a_failure_part_way_through_held_requests_answers_none_twice(closing: li
     for a in askers:
         a.join(timeout=30)
     assert sorted(r is None for r in replies) == [False, True] and len(sent) == 2
-    assert p.server._nparked == 0 and p.server._parked == {}
+    assert p.server._held.nparked == 0 and p.server._held.parked == {}
 
 
 def test_a_held_query_stream_hears_at_once_that_the_server_ended_its_lease(closing: list) -> None:
@@ -578,7 +580,7 @@ def test_a_held_query_stream_hears_at_once_that_the_server_ended_its_lease(closi
         replies: list[StreamStatus] = []
         asker = threading.Thread(target=lambda rid=rid, out=replies: out.append(c.query_stream(rid, seen=0, wait_s=30)))
         asker.start()
-        wait_for(lambda: p.server._nparked == 1, what=f"the QueryStream for {rid} to be held")
+        wait_for(lambda: p.server._held.nparked == 1, what=f"the QueryStream for {rid} to be held")
         began = time.monotonic()
         end()
         asker.join(timeout=40)
@@ -587,11 +589,11 @@ def test_a_held_query_stream_hears_at_once_that_the_server_ended_its_lease(closi
 
 
 def test_the_most_blocks_a_message_may_list_fit_in_a_message() -> None:
-    from kvbridge.control.channel import MAX_MESSAGE_BYTES
+    from kvbridge.control.framing import MAX_MESSAGE_BYTES
     from kvbridge.control.messages import MAX_BLOCKS, MAX_ID_CHARS
 
     status = LeaseStatus("r" * MAX_ID_CHARS, LeaseState.ACTIVE, True, 1, range(MAX_BLOCKS))
-    framed = wire.encode(_frame("LeaseStatus", "p" * MAX_ID_CHARS, wire.encode(status), b"n" * 64))
+    framed = wire.encode(new_frame("LeaseStatus", "p" * MAX_ID_CHARS, wire.encode(status), b"n" * 64))
     assert len(framed) <= MAX_MESSAGE_BYTES
 
 
@@ -622,8 +624,9 @@ def test_abort_notifier_goes_on_after_it_could_not_open_a_socket(closing: list) 
     The error escaped the peer's drain thread and left its queue without one: every later abort for that peer
     queued for ever.
     """
-    from kvbridge.control.channel import ClientPool, _Notifier
+    from kvbridge.control.client import ClientPool
     from kvbridge.control.messages import Abort
+    from kvbridge.control.notifier import Notifier
 
     told: list[str] = []
     decode = ControlServer("decode", 0, on_abort=lambda rid, _origin, _why: told.append(rid))
@@ -631,7 +634,7 @@ def test_abort_notifier_goes_on_after_it_could_not_open_a_socket(closing: list) 
     ctx = zmq.Context()
     ctx.set(zmq.MAX_SOCKETS, 1)
     hog = ctx.socket(zmq.REQ)  # the context's one socket
-    notifier = _Notifier("prefill/0", ClientPool(timeout_s=5, context=ctx))
+    notifier = Notifier("prefill/0", ClientPool(timeout_s=5, context=ctx))
     try:
         notifier.send(decode.address, Abort("r1", "prefill/0", "lost"))
         wait_for(lambda: not notifier._queues, what="the failed notification's thread to end")

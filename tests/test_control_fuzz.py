@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvbridge.base import wire
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
-from kvbridge.control.channel import _frame
+from kvbridge.control.framing import new_frame
 from kvbridge.control.messages import REQUESTS, Abort, BeginPull, Done, Frame, GetInfo, QueryLease, Refused
 
 RANK = "prefill/0"  # the receiver every frame here names
@@ -76,7 +76,7 @@ class Rank:
         self.auth = Authenticator(SECRET)
 
     def sealed(self, msg: object, **changes: object) -> bytes:
-        frame = _frame(type(msg).__name__, "fuzzer", wire.encode(msg), receiver=RANK)
+        frame = new_frame(type(msg).__name__, "fuzzer", wire.encode(msg), receiver=RANK)
         frame = self.auth.seal(frame)
         for k, v in changes.items():
             frame = Frame(**{**wire.to_dict(frame), k: v}) if k != "raw" else frame
@@ -149,7 +149,7 @@ request_msgs = st.one_of(
 @FAST
 @given(msg=request_msgs, tamper=st.sampled_from(["no-mac", "bad-mac", "body", "kind", "ts", "sender", "receiver"]))
 def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, msg: object, tamper: str) -> None:
-    frame = rank.auth.seal(_frame(type(msg).__name__, "fuzzer", wire.encode(msg), receiver=RANK))
+    frame = rank.auth.seal(new_frame(type(msg).__name__, "fuzzer", wire.encode(msg), receiver=RANK))
     changed = {
         "no-mac": {"mac": b""},
         "bad-mac": {"mac": bytes(32)},
@@ -169,7 +169,7 @@ def test_fuzz_auth_unauthenticated_or_tampered_requests_are_refused(rank: Rank, 
 def test_fuzz_auth_signed_but_schema_invalid_bodies_are_refused(rank: Rank, kind: str, body: object) -> None:
     # Signed with the right secret, so only the schema check stands between the bytes and a handler.
     payload = msgpack.packb({"v": wire.WIRE_VERSION, "t": kind, "d": body}, use_bin_type=True)
-    frame = rank.auth.seal(_frame(kind, "fuzzer", payload, receiver=RANK))
+    frame = rank.auth.seal(new_frame(kind, "fuzzer", payload, receiver=RANK))
     if kind == "GetInfo" and body == {}:
         assert _refusal(rank.server.handle(wire.encode(frame))) is None  # the one valid body of that kind
     else:
@@ -180,14 +180,14 @@ def test_fuzz_auth_signed_but_schema_invalid_bodies_are_refused(rank: Rank, kind
 def test_fuzz_replayed_requests_are_refused(rank: Rank) -> None:
     for _ in range(200):
         payload = wire.encode(
-            rank.auth.seal(_frame("QueryLease", "fuzzer", wire.encode(QueryLease("held")), receiver=RANK))
+            rank.auth.seal(new_frame("QueryLease", "fuzzer", wire.encode(QueryLease("held")), receiver=RANK))
         )
         assert _refusal(rank.server.handle(payload)) is None
         assert "replayed" in rank.refuse(payload).message
 
 
 def test_fuzz_oversized_messages_are_refused(rank: Rank) -> None:
-    huge = rank.auth.seal(_frame("GetInfo", "fuzzer", b"\x00" * (MAX + 1), receiver=RANK))
+    huge = rank.auth.seal(new_frame("GetInfo", "fuzzer", b"\x00" * (MAX + 1), receiver=RANK))
     assert "exceeds" in rank.refuse(wire.encode(huge)).message
     # A bytes field given as a huge integer must not allocate it (cattrs would call bytes(n)).
     bomb = msgpack.packb(

@@ -201,10 +201,10 @@ def test_hostile_peer_learns_nothing_aborts_nothing_and_is_never_called_back(
 
 
 def _request_frame():  # noqa: ANN202
-    from kvbridge.control.channel import _frame
+    from kvbridge.control.framing import new_frame
     from kvbridge.control.messages import GetInfo
 
-    return _frame("GetInfo", "hostile", wire.encode(GetInfo()))
+    return new_frame("GetInfo", "hostile", wire.encode(GetInfo()))
 
 
 def test_hostile_peer_cannot_read_kv_without_the_token(prefill: Prefill) -> None:
@@ -326,14 +326,14 @@ def test_endpoint_from_the_wire_with_hostile_sizes_is_refused() -> None:
 
 def test_a_nonce_is_kept_only_until_its_frame_is_out_of_the_window() -> None:
     # Kept for twice the window, a rank refused everything past about 3,300 authenticated messages a second.
-    from kvbridge.control.channel import _frame
+    from kvbridge.control.framing import new_frame
     from kvbridge.control.messages import GetInfo
 
     now = [1000.0]
     auth = Authenticator(SECRET, window_s=30.0, max_nonces=2, clock=lambda: now[0])
 
     def frame() -> object:
-        f = _frame("GetInfo", "decode/0", wire.encode(GetInfo()))
+        f = new_frame("GetInfo", "decode/0", wire.encode(GetInfo()))
         return auth.seal(attrs.evolve(f, ts=now[0]))
 
     first = frame()
@@ -349,14 +349,14 @@ def test_a_nonce_is_kept_only_until_its_frame_is_out_of_the_window() -> None:
 
 def test_a_peer_whose_clock_runs_ahead_does_not_halve_the_nonce_table() -> None:
     """Trimmed in arrival order, one frame stamped 29 s ahead kept every nonce behind it for 59 s."""
-    from kvbridge.control.channel import _frame
+    from kvbridge.control.framing import new_frame
     from kvbridge.control.messages import GetInfo
 
     now = [1000.0]
     auth = Authenticator(SECRET, window_s=30.0, max_nonces=10, clock=lambda: now[0])
 
     def frame(ahead: float = 0.0) -> object:
-        return auth.seal(attrs.evolve(_frame("GetInfo", "decode/0", wire.encode(GetInfo())), ts=now[0] + ahead))
+        return auth.seal(attrs.evolve(new_frame("GetInfo", "decode/0", wire.encode(GetInfo())), ts=now[0] + ahead))
 
     auth.check(frame(ahead=29.0))
     for _ in range(9):
@@ -369,9 +369,9 @@ def test_a_peer_whose_clock_runs_ahead_does_not_halve_the_nonce_table() -> None:
 
 
 def _sealed(kind: str, msg: object, receiver: str) -> bytes:
-    from kvbridge.control.channel import _frame
+    from kvbridge.control.framing import new_frame
 
-    return wire.encode(Authenticator(SECRET).seal(_frame(kind, "decode/0", wire.encode(msg), receiver=receiver)))
+    return wire.encode(Authenticator(SECRET).seal(new_frame(kind, "decode/0", wire.encode(msg), receiver=receiver)))
 
 
 def test_a_frame_replayed_to_another_rank_sharing_the_secret_is_refused() -> None:
@@ -409,13 +409,13 @@ def test_a_frame_replayed_to_another_rank_sharing_the_secret_is_refused() -> Non
 
 def test_a_refusal_to_an_unauthenticated_sender_is_unsigned_and_names_no_rank(prefill: Prefill) -> None:
     """Signing it would sign a `reply_to` the sender chose (a signing oracle); a client takes it as a failure."""
-    from kvbridge.control.channel import _frame
+    from kvbridge.control.framing import new_frame
     from kvbridge.control.messages import Frame, GetInfo, Refused
 
     chosen = b"a reply_to the attacker wants signed"
-    unsigned = wire.encode(_frame("GetInfo", "hostile", wire.encode(GetInfo()), reply_to=chosen))
+    unsigned = wire.encode(new_frame("GetInfo", "hostile", wire.encode(GetInfo()), reply_to=chosen))
     forged = wire.encode(
-        Authenticator(WRONG).seal(_frame("GetInfo", "hostile", wire.encode(GetInfo()), reply_to=chosen))
+        Authenticator(WRONG).seal(new_frame("GetInfo", "hostile", wire.encode(GetInfo()), reply_to=chosen))
     )
     for payload in (unsigned, forged, b"garbage", wire.encode(GetInfo())):
         reply = wire.decode(prefill.server.handle(payload, peer_host="127.0.0.1"), Frame)
@@ -426,7 +426,7 @@ def test_a_refusal_to_an_unauthenticated_sender_is_unsigned_and_names_no_rank(pr
 
 def test_the_side_channel_queues_few_messages_per_peer(prefill: Prefill) -> None:
     """ZeroMQ's default queue (1000 messages each way per connection) let one peer park ~4 GiB of requests."""
-    from kvbridge.control.channel import MAX_MESSAGE_BYTES
+    from kvbridge.control.framing import MAX_MESSAGE_BYTES
 
     sock = prefill.server._sock
     for option in (zmq.RCVHWM, zmq.SNDHWM):
@@ -455,7 +455,7 @@ def test_each_use_of_the_secret_signs_with_a_key_of_its_own_and_never_with_the_s
     import hmac
 
     from kvbridge.base.secret import ADMIN, DRAIN_ORDERS, LMDEPLOY, RECORDS, SIDE_CHANNEL, TCP, admin_token, derive
-    from kvbridge.control.channel import _frame
+    from kvbridge.control.framing import new_frame
     from kvbridge.control.messages import Frame, GetInfo, Refused
 
     uses = (SIDE_CHANNEL, TCP, RECORDS, DRAIN_ORDERS, LMDEPLOY, ADMIN)
@@ -469,7 +469,7 @@ def test_each_use_of_the_secret_signs_with_a_key_of_its_own_and_never_with_the_s
         assert hkdf.HKDF(SHA256(), 32, salt=b"kvbridge", info=f"kvbridge/{use}".encode()).derive(SECRET.encode()) == key
     server = ControlServer("prefill", 0, secret=SECRET)
     try:
-        frame = _frame("GetInfo", "decode/0", wire.encode(GetInfo()))
+        frame = new_frame("GetInfo", "decode/0", wire.encode(GetInfo()))
         raw = hmac.new(SECRET.encode(), wire.encode(frame), hashlib.sha256).digest()
         reply = wire.decode(server.handle(wire.encode(attrs.evolve(frame, mac=raw)), peer_host="127.0.0.1"), Frame)
         assert reply.kind == "Refused" and "bad MAC" in wire.decode(reply.body, Refused).message

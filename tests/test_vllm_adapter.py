@@ -35,7 +35,7 @@ from kvbridge.agent.kv_agent import KVAgent  # noqa: E402
 from kvbridge.base import watchdog  # noqa: E402
 from kvbridge.base.errors import ConfigError, LayoutMismatch, LoadError, ProtocolError  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
-from kvbridge.control.channel import ControlClient  # noqa: E402
+from kvbridge.control.client import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
 from kvbridge.plan.topology import ParallelConfig  # noqa: E402
 from kvbridge.session.timeline import CONTROL_PARTS, PULL_PHASES  # noqa: E402

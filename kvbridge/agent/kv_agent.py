@@ -293,8 +293,12 @@ class KVAgent:
         *,
         prefill_dp: int | None = None,
         on_done: Callable[[PullResult], None] | None = None,
+        plan: Plan | None = None,
     ) -> PullHandle:
-        """Read this rank's share of a request from the prefill ranks that hold it. See docs/internals.md."""
+        """Read this rank's share of a request from the prefill ranks that hold it. See docs/internals.md.
+
+        `plan`: the request's plan where the caller made it already (`DecodeControl`); it is used when it is the plan
+        these RankInfos call for, and made again otherwise."""
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")
         prefill = remote[0].parallel
@@ -308,7 +312,7 @@ class KVAgent:
                     "holds the request with prefill_dp="
                 )
             prefill_dp = groups.pop()
-        p = self.plan(prefill, tokens, prefill_dp=prefill_dp)
+        p = self._plan_of(prefill, tokens, prefill_dp, plan)
         need = p.blocks_on("decode", self.rank)
         if len(local_blocks) < need:
             raise ConfigError(
@@ -339,6 +343,13 @@ class KVAgent:
                 land.finish(ok)
 
         return PullHandle(result, handles, on_done, after)
+
+    def _plan_of(self, prefill: ParallelConfig, tokens: int, prefill_dp: int, g: Plan | None) -> Plan:
+        """The plan of a request this rank pulls: `g` when it was made from the same inputs, else a new one."""
+        inputs = (prefill, self.parallel, self.layout.model, tokens, prefill_dp, self.coords.dp)
+        if g is not None and (g.prefill, g.decode, g.model, g.tokens, g.prefill_dp, g.decode_dp) == inputs:
+            return g
+        return self.plan(prefill, tokens, prefill_dp=prefill_dp)
 
     def _build(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -194,6 +194,23 @@ class Receiver:
         """Descriptors that land the peer's blocks of the request, and the rearrangement after them.
 
         `layers`: of those layers only (a layer-wise read, `kvbridge.adapters.vllm.layerwise`)."""
+        g = self._remote_geometry(request_id, remote)
+        src, dst, n_src, n_dst = self._blocks(request_id, pull, remote, remote_blocks, local_blocks, tokens)
+        views = self.views
+        if layers is not None:
+            keep = list(layers)
+            planes_kept = [attrs.evolve(p, layer_addrs=[p.layer_addrs[i] for i in keep]) for p in g.planes]
+            g = attrs.evolve(g, planes=planes_kept)
+            views = [[plane[i] for i in keep] for plane in views]
+        desc, planes, nbytes = landing_descriptors(g, src)
+        buf = self.acquire(nbytes, request_id)
+        desc = desc.copy()
+        desc[:, 0] += buf.data_ptr()
+        rearrange = self._rearrangement(g, planes, views, pull, dst, (n_src, n_dst), tokens)
+        return Landed(self, buf, desc, rearrange)
+
+    def _remote_geometry(self, request_id: str, remote: KVLayout) -> PagedGeometry:
+        """The prefill rank's cache geometry, checked to hold the same model as this rank's."""
         g, mine = remote.paged, self.geometry
         if g is None:
             raise ConfigError(f"request {request_id}: the prefill rank sent no cache geometry; update kvbridge there")
@@ -205,6 +222,20 @@ class Receiver:
         ):
             if a != b:
                 raise LayoutMismatch(name, a, b, f"prefill ({g.name}) and decode ({mine.name}) hold different models")
+        return g
+
+    def _blocks(
+        self,
+        request_id: str,
+        pull: Pull,
+        remote: KVLayout,
+        remote_blocks: Sequence[int],
+        local_blocks: Sequence[int],
+        tokens: int,
+    ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """The prefill and decode block ids the pull lands, and how many blocks it reads and writes."""
+        g, mine = remote.paged, self.geometry
+        assert g is not None  # checked by _remote_geometry
         if self.direct(remote):
             # Like layouts land whole blocks, each at the position the pull names on either side: the
             # request's first blocks, every `block_step`-th of a context-parallel rank, or the range a
@@ -237,16 +268,23 @@ class Receiver:
             raise ConfigError(f"request {request_id}: the pull names no block to land")
         if src.min() < 0 or src.max() >= g.num_blocks or dst.min() < 0 or dst.max() >= mine.num_blocks:
             raise ConfigError(f"request {request_id}: block ids out of range")
-        views = self.views
-        if layers is not None:
-            keep = list(layers)
-            planes_kept = [attrs.evolve(p, layer_addrs=[p.layer_addrs[i] for i in keep]) for p in g.planes]
-            g = attrs.evolve(g, planes=planes_kept)
-            views = [[plane[i] for i in keep] for plane in views]
-        desc, planes, nbytes = landing_descriptors(g, src)
-        buf = self.acquire(nbytes, request_id)
-        desc = desc.copy()
-        desc[:, 0] += buf.data_ptr()
+        return src, dst, n_src, n_dst
+
+    def _rearrangement(
+        self,
+        g: PagedGeometry,
+        planes: list[tuple[int, list[int]]],
+        views: Sequence[Sequence[Any]],
+        pull: Pull,
+        dst: np.ndarray,
+        counts: tuple[int, int],
+        tokens: int,
+    ) -> Callable[[Any], None]:
+        """What writes a landing buffer of `g`'s blocks into this rank's cache (blocks `dst`, the pull's heads).
+
+        `counts`: the prefill and decode blocks of the landing."""
+        mine = self.geometry
+        n_src, n_dst = counts
 
         def rearrange(landing: Any) -> None:
             import torch
@@ -281,7 +319,7 @@ class Receiver:
             if self.device.synchronizes:  # the rearrangement ran on the device: done before vLLM reads
                 self.device.after_transfer(self.device_id)
 
-        return Landed(self, buf, desc, rearrange)
+        return rearrange
 
     def acquire(self, nbytes: int, request_id: str = "") -> Any:
         """A registered landing buffer of at least `nbytes` (a free one, or a new one). See docs/internals.md."""

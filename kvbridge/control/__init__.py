@@ -1,6 +1,7 @@
 """The control plane: side channel per rank, prefill leases, discovery, transfer params. See docs/internals.md."""
 
-from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
+from kvbridge.control.channel import ControlServer
+from kvbridge.control.client import ClientPool, ControlClient
 from kvbridge.control.discovery import (
     DiscoveryRegistry,
     EtcdRegistry,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +15,8 @@ from kvbridge.agent.kv_agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.base import watchdog
 from kvbridge.base.block_ids import BlockIds, block_array
 from kvbridge.base.errors import KVBridgeError, LoadError
-from kvbridge.control.channel import ClientPool, ControlClient, ControlServer
+from kvbridge.control.channel import ControlServer
+from kvbridge.control.client import ClientPool, ControlClient
 from kvbridge.control.discovery import DiscoveryRegistry, resolve
 from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams
@@ -24,32 +24,16 @@ from kvbridge.plan.topology import ParallelConfig, Plan
 from kvbridge.session.layers import LayerReader
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Recorder
+from kvbridge.session.pull import Leases, Release, Session
 
 log = logging.getLogger(__name__)
 
 FinishedCallback = Callable[[str, BaseException | None], None]
-Leases = dict[int, tuple[ControlClient, int, int]]  # prefill rank -> client, lease epoch, release count
-Release = list[tuple[ControlClient, int]]  # release-only DONEs: client, release count
 
 # One side-channel message from a decode rank (a BeginPull, a DONE) waits at most this long for its answer.
 CONTROL_TIMEOUT_S = 5.0
-# A read counts as covered by the prefill's hold when it ended this much before the deadline its BeginPull
-# was told, measured from before the BeginPull was sent (so the side channel's own delays only make the
-# check stricter): far more than two hosts' monotonic clocks can drift apart over a lease (NTP keeps
-# their rates within 0.05 %).
-HOLD_SLACK_S = 0.5
-HOLD_SLACK_SHARE = 0.01
 DONE_ATTEMPTS = 3  # a DONE sent after its read was reported: tries (then the prefill's lease expires)
 DONE_RETRY_S = 0.05  # before the second try, doubling
-
-
-def hold_deadline(asked: float, status: LeaseStatus) -> float:
-    """Until when the prefill rank holds its blocks for this read; -inf when it promises no hold.
-
-    On this host's monotonic clock; `asked`: before the request `status` answers was sent."""
-    if not status.reads_held:
-        return -math.inf
-    return asked + status.remaining_s * (1 - HOLD_SLACK_SHARE) - HOLD_SLACK_S
 
 
 def blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequence[int]) -> BlockIds:
@@ -81,26 +65,6 @@ def lease_share(rid: str, url: str, status: LeaseStatus, skip: int, count: int) 
 def prefill_parallel(params: KVTransferParams) -> ParallelConfig:
     """The prefill engine's parallel layout, as its params state it."""
     return ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
-
-
-@attrs.define
-class Session:
-    """One pull under way: its machine, plan, the prefill ranks it reads and what they answered."""
-
-    machine: PullMachine
-    rid: str  # the prefill engine's request id
-    params: KVTransferParams
-    plan: Plan
-    ranks: list[int]  # prefill ranks this decode rank reads
-    notify: Release  # ranks nobody reads, released by the notifier
-    leases: Leases = attrs.field(factory=dict)
-    clients: dict[int, ControlClient] = attrs.field(factory=dict)
-    infos: dict[int, RankInfo] = attrs.field(factory=dict)
-    held_until: float = math.inf  # the earliest end of the prefill ranks' holds of the reads (-inf: no hold)
-
-    def hold(self, asked: float, status: LeaseStatus) -> None:
-        """Take a prefill rank's hold of the reads (`status` answers a request sent at `asked`)."""
-        self.held_until = min(self.held_until, hold_deadline(asked, status))
 
 
 class DecodeControl:
@@ -266,7 +230,9 @@ class DecodeControl:
             self._begin(s, whole=True, take=(skip, len(local_blocks)))
             machine.to(PullState.READING)
             infos = [s.infos[r] for r in s.ranks]
-            handle = self.agent.pull(s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished)
+            handle = self.agent.pull(
+                s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished, plan=s.plan
+            )
             for h in handle.handles:  # each transfer that ends is progress (the stall watchdog)
                 h.add_done_callback(lambda _h: machine.beat.busy())
             return handle

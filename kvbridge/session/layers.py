@@ -14,16 +14,16 @@ import numpy as np
 from kvbridge.base.block_ids import block_array
 from kvbridge.base.errors import KVBridgeError, LoadError, TransferTimeout
 from kvbridge.base.memory import total_bytes
-from kvbridge.control.channel import ControlClient
+from kvbridge.control.client import ControlClient
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.plan.descriptors import pull_descriptors
 from kvbridge.plan.layout import KVLayout
+from kvbridge.session.pull import Session
 from kvbridge.transport.contract import TransferHandle
 
 if TYPE_CHECKING:
     from kvbridge.agent.kv_agent import KVAgent, RankInfo
     from kvbridge.agent.landing import Landed
-    from kvbridge.session.decode import Session
 
 # Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until it wakes
 # its readers (or the lease ends), at most this long, so decode reads as soon as there is something to

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvbridge.base.errors import KVBridgeError
-from kvbridge.control.channel import ClientPool
+from kvbridge.control.client import ClientPool
 from kvbridge.control.messages import Offer, Refused
 
 log = logging.getLogger(__name__)

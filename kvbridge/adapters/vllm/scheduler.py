@@ -13,7 +13,7 @@ from kvbridge.adapters.vllm.marked import MarkedRequests
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.base.errors import ConfigError
-from kvbridge.control.channel import ClientPool
+from kvbridge.control.client import ClientPool
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import group_port

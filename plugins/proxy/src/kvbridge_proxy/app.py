@@ -60,7 +60,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvbridge.base import watchdog
 from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, TransferTimeout
 from kvbridge.base.secret import admin_token, load_secret
-from kvbridge.control.channel import ControlClient
+from kvbridge.control.client import ControlClient
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import side_channel_port
