@@ -26,7 +26,8 @@ from fastapi import FastAPI, Request, Response
 
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy import app as proxy
-from kvbridge_proxy.app import SLOW_PROBES
+from kvbridge_proxy import membership
+from kvbridge_proxy.membership import SLOW_PROBES
 from kvbridge_tools.harness.ports import free_port
 
 # These tests read which server answered: answers name servers by URL only with expose_internals.
@@ -212,7 +213,7 @@ def test_no_decode_accepting_releases_the_prefill_lease_at_once(
 
 @pytest.mark.parametrize("slow", [SLOW_PROBES - 1, 10**6])
 def test_a_slow_health_answer_is_busy_not_dead(monkeypatch: pytest.MonkeyPatch, slow: int) -> None:
-    monkeypatch.setattr(proxy, "PROBE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(membership, "PROBE_TIMEOUT_S", 0.05)
     with (
         Upstream("prefill") as prefill,
         Upstream("decode", slow_health=slow, slow_health_s=0.5) as decode,
@@ -642,9 +643,9 @@ def test_a_request_unanswered_for_long_is_logged_once_with_where_it_waits(
     """A client that waits on the proxy for LONG_WAIT_S gets a log line that says where the proxy waits for it.
 
     (A chaos run's client waited 180 s on the proxy and no log said where.)"""
-    from kvbridge_proxy import app as proxy_app
+    from kvbridge_proxy import relay
 
-    monkeypatch.setattr(proxy_app, "LONG_WAIT_S", 0.3)
+    monkeypatch.setattr(relay, "LONG_WAIT_S", 0.3)
     with (
         Upstream("prefill") as prefill,
         Upstream("decode", slow_complete_s=2.0) as decode,
