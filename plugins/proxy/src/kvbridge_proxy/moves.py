@@ -49,7 +49,7 @@ class Moves:
         self.handovers = handovers
         self.metrics = metrics
         self.background = background
-        self.moves = settings.moves
+        self.move_settings = settings.moves
         self.takeover = Takeover(client, membership, handovers, background)
 
     async def relay(
@@ -142,11 +142,11 @@ class Moves:
         cut = time.perf_counter()
         await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its migration id
         closed = time.perf_counter()
-        move = moving.move or self.moves.mode
+        move = moving.move or self.move_settings.mode
         offered = source.identity if pull and up.marked else None
         # a pre-copied stream's tail is computed where its pre-copy went (MoveSettings.tail), not pulled
         precomputed = precopied is not None and precopied[1] > 0 and precopied[0] is target
-        tail = precomputed and self.moves.tail == "compute"
+        tail = precomputed and self.move_settings.tail == "compute"
         pulled = offered if move != "recompute" and not tail else None
         if offered is not None and pulled is None:  # nobody will read the blocks it offers
             self.background.spawn(self._release_offer(offered, moving, "unread"))
@@ -214,9 +214,9 @@ class Moves:
         source = up.decode
         if moving.precopied is not None or not up.marked or source.identity is None:
             return False  # (precopied: this cut's pre-copy ran already)
-        if (moving.move or self.moves.mode) != "precopy" or moving.prompt is None:
+        if (moving.move or self.move_settings.mode) != "precopy" or moving.prompt is None:
             return False
-        if len(moving.prompt) + len(moving.generated) <= self.moves.tail_tokens:
+        if len(moving.prompt) + len(moving.generated) <= self.move_settings.tail_tokens:
             return False  # as little as the cut would pull anyway
         try:
             target = self._next_decode(source, moving.prefer)
@@ -233,15 +233,15 @@ class Moves:
         A stage pulls what its context adds; the stages end when at most `tail_tokens` are left to the cut."""
         covered, began = 0, time.perf_counter()
         try:
-            for stage in range(1, self.moves.stages + 1):
+            for stage in range(1, self.move_settings.stages + 1):
                 context = len(moving.prompt or ()) + len(moving.generated)
-                if covered and context - covered <= self.moves.tail_tokens:
+                if covered and context - covered <= self.move_settings.tail_tokens:
                     break
                 lease = precopy_id(moving.migration_id, stage)
                 outcome = None
                 try:
                     pulling = self.takeover.pull(moving, target, source, lease=lease, tokens=context)
-                    outcome = await asyncio.wait_for(pulling, self.moves.stage_timeout_s)
+                    outcome = await asyncio.wait_for(pulling, self.move_settings.stage_timeout_s)
                 finally:  # a lease read whole ended with its reader's DONE; any other is released here
                     if outcome != "pulled":
                         self.background.spawn(
@@ -263,7 +263,7 @@ class Moves:
                 "stream %s: a pre-copy stage to %s took over %.0f s",
                 moving.migration_id,
                 target.url,
-                self.moves.stage_timeout_s,
+                self.move_settings.stage_timeout_s,
             )
         except asyncio.CancelledError:  # the stream ended or its client left: nothing is cut
             moving.precopy = None
