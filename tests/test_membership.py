@@ -23,7 +23,6 @@ from pathlib import Path
 import httpx
 import pytest
 from control_helpers import wait_for
-from test_proxy_routing import Serving, Upstream
 
 from kvbridge.base import wire
 from kvbridge.base.errors import ConfigError
@@ -33,6 +32,7 @@ from kvbridge.control.membership import Announcer
 from kvbridge_proxy import app as proxy
 from kvbridge_proxy import membership as proxy_membership
 from kvbridge_proxy.members import StaticMembers, open_members
+from kvbridge_tools.harness.pd_servers import Serving, Upstream
 
 SECRET = secrets.token_hex(16)
 OTHER = secrets.token_hex(16)

@@ -22,10 +22,8 @@ from typing import Any
 import attrs
 import httpx
 import pytest
-from control_helpers import redis_server, wait_for
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from test_proxy_routing import Serving, Unaccepting
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import admin_token
@@ -39,6 +37,8 @@ from kvbridge_proxy.rebalance import Policy, kv_usage
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.takeover import Upstream
 from kvbridge_proxy.upstreams import Instance
+from kvbridge_tools.harness.fixtures import redis_server, wait_for
+from kvbridge_tools.harness.pd_servers import Serving, Unaccepting
 
 SECRET = "proxy-migration-test-secret-0123456789"
 MAX_TOKENS = 40
