@@ -23,7 +23,6 @@ from pathlib import Path
 import httpx
 import pytest
 from control_helpers import wait_for
-from test_proxy_routing import Serving, Upstream
 
 from kvbridge.base import wire
 from kvbridge.base.errors import ConfigError
@@ -31,7 +30,9 @@ from kvbridge.control import RankRecord, open_registry
 from kvbridge.control.discovery import ORDERS, DrainOrder, ServerRecord
 from kvbridge.control.membership import Announcer
 from kvbridge_proxy import app as proxy
+from kvbridge_proxy import membership as proxy_membership
 from kvbridge_proxy.members import StaticMembers, open_members
+from kvbridge_tools.harness.pd_servers import Serving, Upstream
 
 SECRET = secrets.token_hex(16)
 OTHER = secrets.token_hex(16)
@@ -263,7 +264,7 @@ def test_a_healthy_server_whose_record_lapsed_stays_for_the_grace_and_one_renewe
 
     Renewed within LAPSE_GRACE_S, the server simply stays; not renewed, it leaves once the grace is over."""
     monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
-    monkeypatch.setattr(proxy, "LAPSE_GRACE_S", 60.0)
+    monkeypatch.setattr(proxy_membership, "LAPSE_GRACE_S", 60.0)
     with (
         Upstream("prefill") as prefill,
         Upstream("decode") as d1,
@@ -279,7 +280,7 @@ def test_a_healthy_server_whose_record_lapsed_stays_for_the_grace_and_one_renewe
             reg.announce(record, ttl_s=60)  # renewed late
             wait_for(lambda: "its record is back" in caplog.text, timeout=30, what="the record back")
             assert px.urls("decode") == [(d1.url, False)]
-            monkeypatch.setattr(proxy, "LAPSE_GRACE_S", 1.0)
+            monkeypatch.setattr(proxy_membership, "LAPSE_GRACE_S", 1.0)
             reg.withdraw("d1")
             wait_for(lambda: px.urls("decode") == [], timeout=30, what="the grace to end")
         finally:
@@ -297,7 +298,7 @@ def test_a_join_is_seen_while_a_health_round_is_still_probing(redis_url: str, mo
 
     The registry is read apart from the health rounds, which grow with the deployment (a round probes every server)."""
     monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
-    monkeypatch.setattr(proxy, "PROBE_TIMEOUT_S", 60.0)  # the slow probe outlasts the test
+    monkeypatch.setattr(proxy_membership, "PROBE_TIMEOUT_S", 60.0)  # the slow probe outlasts the test
     with (
         socket.create_server(("127.0.0.1", 0)) as silent,  # takes connections, never answers
         Upstream("decode") as joining,

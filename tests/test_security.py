@@ -510,10 +510,10 @@ def test_the_proxys_admin_calls_take_the_derived_token_never_the_secret(monkeypa
     import sys
 
     import httpx
-    from test_proxy_routing import Serving
 
     from kvbridge.base.secret import admin_token
     from kvbridge_proxy.app import create_app
+    from kvbridge_tools.harness.pd_servers import Serving
 
     monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
     printed = subprocess.run(

@@ -648,7 +648,7 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
                     if unreachable:
                         hosts.partition("decode_a", "decode_b")
                     # its streams move to B at their first event, pulled after the cut (pre-copy would let them run
-                    # on while B tries: tests/test_proxy_migration.py has its failures)
+                    # on while B tries: plugins/proxy/tests/test_proxy_migration.py has its failures)
                     call("drain", a, move="stop-and-copy")
                     with _pulsed(core):
                         wait_for(lambda: streams_on(a) == 0, timeout=120, what="the streams cut off A")

@@ -6,10 +6,14 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, admin_token, load_secret
 from kvbridge_proxy.migration import MOVES, MoveSettings
+
+if TYPE_CHECKING:
+    from kvbridge_proxy.settings import ProxySettings
 
 # Bounds on the limits' settings: far above any use, and finite (a NaN or infinite deadline is none).
 MAX_COUNT = 1 << 20
@@ -60,6 +64,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "Round-robin over healthy instances; /health and /instances report their state.",
         epilog="example: kvbridge proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000",
     )
+    _add_servers(p)
+    _add_routing(p)
+    _add_moves(p)
+    p.add_argument(
+        "--admin-token",
+        action="store_true",
+        help="print the bearer token of the proxy's /admin calls, derived from KVBRIDGE_SECRET (or "
+        "KVBRIDGE_SECRET_FILE; the secret itself is never a token), and exit (docs/security.md)",
+    )
+    _add_limits(p)
+    p.set_defaults(run=run)
+
+
+def _add_servers(p: argparse.ArgumentParser) -> None:
+    """Which servers the proxy routes to, and where it listens."""
     p.add_argument(
         "--prefill",
         nargs="+",
@@ -85,6 +104,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+
+
+def _add_routing(p: argparse.ArgumentParser) -> None:
+    """How the proxy talks to the servers."""
     p.add_argument(
         "--health-interval",
         type=float,
@@ -124,6 +147,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "headers, /instances, error answers and /metrics labels (`kvbridge trace` and `kvbridge chaos` read them); "
         "without it they are named by role and place, e.g. decode-1",
     )
+
+
+def _add_moves(p: argparse.ArgumentParser) -> None:
+    """Moving running streams between decodes (docs/elastic.md)."""
     p.add_argument(
         "--migrate",
         action="store_true",
@@ -165,14 +192,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
     p.add_argument("--rebalance-below", type=float, default=0.4, metavar="F", help="default 0.4")
-    p.add_argument(
-        "--admin-token",
-        action="store_true",
-        help="print the bearer token of the proxy's /admin calls, derived from KVBRIDGE_SECRET (or "
-        "KVBRIDGE_SECRET_FILE; the secret itself is never a token), and exit (docs/security.md)",
-    )
-    _add_limits(p)
-    p.set_defaults(run=run)
 
 
 def _add_limits(p: argparse.ArgumentParser) -> None:
@@ -235,29 +254,13 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.admin_token:
-        token = admin_token(load_secret())
-        if token is None:
-            raise ConfigError(f"no shared secret to derive the admin token from: {HOW_TO_SET}")
-        sys.stdout.write(token + "\n")
-        return 0
-    from kvbridge_proxy.app import create_app
-    from kvbridge_proxy.limits import Limits, server
+def settings(args: argparse.Namespace) -> ProxySettings:
+    """The proxy's settings from its options."""
+    from kvbridge_proxy.limits import Limits
     from kvbridge_proxy.rebalance import Policy
+    from kvbridge_proxy.settings import ProxySettings
 
-    rebalance = Policy(args.rebalance_above, args.rebalance_below) if args.rebalance else None
-    limits = Limits(
-        max_parts=args.max_parts,
-        max_upstream_bytes=args.max_upstream_bytes,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        keep_alive_s=args.keep_alive,
-        max_connections=args.max_connections,
-        max_connections_per_client=args.max_connections_per_client,
-    )
-
-    app = create_app(
+    return ProxySettings(
         args.prefill,
         args.decode,
         health_interval=args.health_interval,
@@ -268,11 +271,32 @@ def run(args: argparse.Namespace) -> int:
         expose_internals=args.expose_internals,
         registry=args.registry,
         migrate=args.migrate,
-        rebalance=rebalance,
-        limits=limits,
+        rebalance=Policy(args.rebalance_above, args.rebalance_below) if args.rebalance else None,
+        limits=Limits(
+            max_parts=args.max_parts,
+            max_upstream_bytes=args.max_upstream_bytes,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_s=args.keep_alive,
+            max_connections=args.max_connections,
+            max_connections_per_client=args.max_connections_per_client,
+        ),
         moves=MoveSettings(
             args.move, tail=args.precopy_tail_by, stages=args.precopy_stages, tail_tokens=args.precopy_tail
         ),
     )
-    server(app, args.host, args.port, limits).run()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.admin_token:
+        token = admin_token(load_secret())
+        if token is None:
+            raise ConfigError(f"no shared secret to derive the admin token from: {HOW_TO_SET}")
+        sys.stdout.write(token + "\n")
+        return 0
+    from kvbridge_proxy.app import build_app
+    from kvbridge_proxy.limits import server
+
+    chosen = settings(args)
+    server(build_app(chosen), args.host, args.port, chosen.limits).run()
     return 0

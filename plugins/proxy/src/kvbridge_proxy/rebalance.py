@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbridge.base.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvbridge_proxy.app import Instance
     from kvbridge_proxy.migration import MovingStream
+    from kvbridge_proxy.upstreams import Instance
 
 log = logging.getLogger(__name__)
 

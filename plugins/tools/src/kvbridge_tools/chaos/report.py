@@ -20,7 +20,7 @@ HUNG = "hung"  # no answer within the bound (must be 0)
 DROPPED = "dropped"  # the client itself gave up (disconnect/abort faults): nothing to check
 
 
-# The proxy's line for each stream it moved (--migrate): kvbridge_proxy.app, `_move`.
+# The proxy's line for each stream it moved (--migrate): `Moves._moved` in kvbridge_proxy.moves (logger .app).
 MOVE_LINE = re.compile(
     r"stream \S+ \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (precopied|pulled|recomputed)\)"
 )

@@ -1,7 +1,7 @@
 """`kvbridge proxy` under abuse: slow clients, requests that fan out into gigabytes, every stage's lease released.
 
 The proxy is its app served by uvicorn as `kvbridge proxy` serves it (`limits.server`) on 127.0.0.1, in front of the
-small real upstreams of test_proxy_routing; clients are real sockets.
+small real upstreams of kvbridge_tools.harness.pd_servers; clients are real sockets.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 
 import httpx
 import pytest
-from control_helpers import wait_for
 from fastapi import FastAPI, Request, Response
-from test_proxy_routing import Serving, Upstream
 
 from kvbridge.control import ControlServer, LeaseState, Ledger
 from kvbridge_proxy import app as proxy
 from kvbridge_proxy.limits import Limits, server
+from kvbridge_tools.harness.fixtures import wait_for
+from kvbridge_tools.harness.pd_servers import Serving, Upstream
 from kvbridge_tools.harness.ports import free_port
 
 SLOW_CLIENTS = 300

@@ -22,20 +22,23 @@ from typing import Any
 import attrs
 import httpx
 import pytest
-from control_helpers import redis_server, wait_for
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from test_proxy_routing import Serving, Unaccepting
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import admin_token
 from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.session.lending import precopied, precopy_id
-from kvbridge_proxy import app as proxy_app
-from kvbridge_proxy.app import Instance, Proxy, Upstream, create_app
+from kvbridge_proxy import membership
+from kvbridge_proxy.app import Proxy, create_app
 from kvbridge_proxy.migration import MoveSettings, MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
+from kvbridge_proxy.settings import ProxySettings
+from kvbridge_proxy.takeover import Upstream
+from kvbridge_proxy.upstreams import Instance
+from kvbridge_tools.harness.fixtures import redis_server, wait_for
+from kvbridge_tools.harness.pd_servers import Serving, Unaccepting
 
 SECRET = "proxy-migration-test-secret-0123456789"
 MAX_TOKENS = 40
@@ -444,7 +447,7 @@ def test_a_decode_whose_record_lapsed_and_came_back_still_moves_its_streams_when
     (In a run on a starved box every record lapsed for a second at once: the proxy took A back as a new server that
     served no stream, so A's drain moved none, and took the cordoned decode back uncordoned. A lapsed server that
     answers health probes is kept LAPSE_GRACE_S now; here the records stay away longer.)"""
-    monkeypatch.setattr(proxy_app, "LAPSE_GRACE_S", 0.0)
+    monkeypatch.setattr(membership, "LAPSE_GRACE_S", 0.0)
     admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
     auth = {"Authorization": f"Bearer {admin_token(SECRET)}"}
     urls = lambda: [d["url"] for d in admin.get("/instances").json()["decode"]]  # noqa: E731
@@ -768,11 +771,14 @@ def test_a_move_asks_its_decode_again_when_slow_to_accept_and_takes_it_out_when_
     closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
     refused_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
     with closed, Unaccepting() as busy, caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
-        proxy = Proxy([busy.url], [busy.url, refused_url], health_interval=60, timeout=5, connect_timeout=0.3)
+        urls = [busy.url], [busy.url, refused_url]
+        settings = ProxySettings(*urls, health_interval=60, timeout=5, connect_timeout=0.3)
+        proxy = Proxy(settings)
         slow, gone = proxy.pools["decode"].instances
 
         async def send(target: Instance) -> httpx.Response | None:
-            return await proxy._send_moved(target, {"prompt": [1]}, {}, stream=False, what="pulling a moved stream")
+            what = "pulling a moved stream"
+            return await proxy.moves.takeover.send_moved(target, {"prompt": [1]}, {}, stream=False, what=what)
 
         async def both() -> list[httpx.Response | None]:
             try:
@@ -834,13 +840,14 @@ def test_a_move_asks_again_when_its_decode_dropped_the_connection_unanswered(cap
     once, always = Dropping(1), Dropping(10)
     try:
         with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
-            proxy = Proxy([once.url], [once.url, always.url], health_interval=60, timeout=5)
+            proxy = Proxy(ProxySettings([once.url], [once.url, always.url], health_interval=60, timeout=5))
             flaky, gone = proxy.pools["decode"].instances
+            what = "taking a moved stream"
 
             async def both() -> list[httpx.Response | None]:
                 try:
                     return [
-                        await proxy._send_moved(t, {"prompt": [1]}, {}, stream=False, what="taking a moved stream")
+                        await proxy.moves.takeover.send_moved(t, {"prompt": [1]}, {}, stream=False, what=what)
                         for t in (flaky, gone)
                     ]
                 finally:

@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge_proxy import app as proxy
+from kvbridge_proxy import wire
 from kvbridge_proxy.limits import Limits
+from kvbridge_proxy.wire import MAX_JSON_DEPTH, REQUEST_ID
 from kvbridge_tools.harness.ports import free_port
 
 FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -68,7 +70,7 @@ def served() -> Iterator[Proxy]:
     logger = logging.getLogger("kvbridge_proxy.app")
     logger.addHandler(p.warnings)
     mp = pytest.MonkeyPatch()
-    mp.setattr(proxy, "MAX_BODY_BYTES", LIMIT)
+    mp.setattr(wire, "MAX_BODY_BYTES", LIMIT)
     try:
         yield p
     finally:
@@ -133,7 +135,7 @@ def test_fuzz_client_set_kv_transfer_params_in_vllm_xargs(served: Proxy, body: d
 
 
 @settings(FAST, max_examples=20)
-@given(depth=st.integers(proxy.MAX_JSON_DEPTH + 1, (LIMIT - 40) // 2))
+@given(depth=st.integers(MAX_JSON_DEPTH + 1, (LIMIT - 40) // 2))
 def test_fuzz_deeply_nested_json(served: Proxy, depth: int) -> None:
     # Python's JSON decoder raises RecursionError past about 1000 levels, its encoder (the upstream request's)
     # sooner still where the stack is deeper.
@@ -142,7 +144,7 @@ def test_fuzz_deeply_nested_json(served: Proxy, depth: int) -> None:
 
 
 @FAST
-@given(rid=st.binary(min_size=1, max_size=200).filter(lambda b: not proxy.REQUEST_ID.fullmatch(b.decode("latin-1"))))
+@given(rid=st.binary(min_size=1, max_size=200).filter(lambda b: not REQUEST_ID.fullmatch(b.decode("latin-1"))))
 def test_fuzz_bad_request_ids(served: Proxy, rid: bytes) -> None:
     # Non-ASCII, spaces, ';' (the timing header's separator), too long: a 400 naming the header, not a 500.
     resp = served.refused(b'{"model": "m", "prompt": "p"}', headers={"x-request-id": rid})

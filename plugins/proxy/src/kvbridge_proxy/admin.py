@@ -1,0 +1,103 @@
+"""The proxy's own routes: `/health`, `/instances`, `/metrics` and the operator's `/admin` calls."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+import prometheus_client as prom
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvbridge.base.secret import admin_token
+from kvbridge_proxy.membership import Membership
+from kvbridge_proxy.metrics import ProxyMetrics
+from kvbridge_proxy.migration import MOVES
+from kvbridge_proxy.settings import ProxySettings
+from kvbridge_proxy.wire import read_body
+
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+
+
+class Admin:
+    """What the proxy says of itself and what an operator may tell it."""
+
+    def __init__(
+        self, settings: ProxySettings, membership: Membership, metrics: ProxyMetrics, secret: bytes | None
+    ) -> None:
+        self.membership = membership
+        self.metrics = metrics
+        self.secret = secret
+        self.migrate = settings.moving
+
+    async def health(self) -> Any:
+        ok = all(any(i.healthy for i in p.instances) for p in self.membership.pools.values())
+        return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
+
+    async def instances(self) -> Any:
+        state: dict[str, Any] = {
+            # streams: the movable streams it serves now (what a drain would move)
+            role: [
+                {"url": i.label, "healthy": i.healthy, "in_flight": i.in_flight, "streams": len(i.streams)}
+                for i in p.instances
+            ]
+            for role, p in self.membership.pools.items()
+        }
+        if self.membership.members is not None:  # which servers are draining, and how many registry reads were done
+            for role, p in self.membership.pools.items():
+                for entry, inst in zip(state[role], p.instances):
+                    entry["draining"] = inst.draining
+        for role, p in self.membership.pools.items():
+            for entry, inst in zip(state[role], p.instances):
+                entry["cordoned"] = inst.cordoned
+            state["registry_rounds"] = self.membership.membership_rounds
+        state["health_rounds"] = self.membership.health_rounds
+        labels = {i.url: i.label for p in self.membership.pools.values() for i in p.instances}
+        # (prefill, decode) pairs whose first contact is made
+        state["warmed"] = sorted((labels[p], labels[d]) for p, d in self.membership.warm if p in labels and d in labels)
+        return state
+
+    async def admin(self, action: str, request: Request) -> Any:
+        """`POST /admin/{cordon,uncordon,drain}` `{"server": URL or label}`, with the admin token as bearer token.
+
+        A drain may say how its streams move (`"move"`: precopy, stop-and-copy or recompute; the proxy's by default).
+
+        The token is derived from the shared secret (`kvbridge proxy --admin-token`), never the secret itself.
+
+        cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --migrate move its
+        streams to other decodes now. The server itself keeps running: stop it afterwards (docs/elastic.md)."""
+        if not self.secret:
+            return JSONResponse({"error": "the admin calls need the proxy's KVBRIDGE_SECRET (none is set)"}, 403)
+        token = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+        if not hmac.compare_digest(token, str(admin_token(self.secret)).encode()):
+            log.warning("refused an admin %s: bad or missing bearer token", action)
+            return JSONResponse(
+                {"error": "Authorization: Bearer <the admin token: `kvbridge proxy --admin-token`> is required"}, 401
+            )
+        body = await read_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        name, move = body.get("server"), body.get("move")
+        if move is not None and (action != "drain" or move not in MOVES):
+            return JSONResponse({"error": f"'move' is for a drain, one of {list(MOVES)}; got {move!r}"}, 400)
+        found = [i for p in self.membership.pools.values() for i in p.instances if name in (i.url, i.label)]
+        if not isinstance(name, str) or not found:
+            known = [i.label for p in self.membership.pools.values() for i in p.instances]
+            return JSONResponse({"error": f"no server {name!r}; the proxy knows {known}"}, 404)
+        for inst in found:
+            inst.cordoned = action != "uncordon"
+            moved = list(inst.streams) if action == "drain" and self.migrate else []
+            for stream in moved:
+                stream.request_cut("an operator drained its decode", move=move)
+            log.warning(
+                "%s server %s %sed by an operator (%d streams to move)", inst.role, inst.url, action, len(moved)
+            )
+        return {
+            "server": name,
+            "action": action,
+            "streams_moving": sum(len(i.streams) for i in found if action == "drain"),
+        }
+
+    async def prometheus(self) -> Response:
+        return Response(prom.generate_latest(self.metrics.registry), media_type=prom.CONTENT_TYPE_LATEST)

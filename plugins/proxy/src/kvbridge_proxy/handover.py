@@ -1,0 +1,402 @@
+"""The P/D handover: a request's prefill, then the decode that takes the KV prefill holds for it.
+
+Pull mode: prefill first, its `kv_transfer_params` into the decode request. Layer-wise: both at once with one transfer
+id. A prefill lease no decode will read is released at once (`Handovers.release_lease`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+import attrs
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, TransferTimeout
+from kvbridge.control.client import ControlClient
+from kvbridge.control.params import KVTransferParams
+from kvbridge.plan.rank_ports import side_channel_port
+from kvbridge.session.timeline import Timeline
+from kvbridge_proxy.limits import BUDGET, encoded
+from kvbridge_proxy.membership import Membership
+from kvbridge_proxy.metrics import ProxyMetrics
+from kvbridge_proxy.migration import MovingStream
+from kvbridge_proxy.settings import ProxySettings
+from kvbridge_proxy.upstreams import Background, Instance, NoInstance
+from kvbridge_proxy.wire import prefill_body, until_disconnect
+
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+
+RELEASE_TIMEOUT_S = 1.0  # a prefill rank that does not answer the release in this long keeps its lease
+# A rank that did not answer is asked again after 1, 2, 4, ... s, for this long: a stalled engine answers later, and
+# until then its lease holds blocks (a draining server waits for them: one was killed at its shutdown timeout).
+RELEASE_RETRY_S = 64.0
+
+
+class OverBudget(NoInstance):
+    """Sending the next upstream request would pass the client request's `max_upstream_bytes` (retries did)."""
+
+
+def _charge(content: bytes) -> None:
+    """Count an upstream body against the client request's budget (`limits.BUDGET`); OverBudget past it."""
+    budget = BUDGET.get()
+    over = None if budget is None else budget.charge(len(content))
+    if over is not None:
+        raise OverBudget(over)
+
+
+class DecodeFailed(Exception):
+    """The decode server took the request and then failed before answering (it died, say)."""
+
+    def __init__(self, inst: Instance, cause: httpx.TransportError) -> None:
+        detail = f"{type(cause).__name__}: {cause}" if inst.label == inst.url else type(cause).__name__
+        super().__init__(f"decode server {inst.label} failed: {detail}")
+        self.inst = inst
+
+
+@attrs.define(eq=False)
+class Handover:
+    """One P/D request whose decode answer is coming.
+
+    `resp` (streamed, not read yet), the answer's headers naming the servers (with expose_internals), when the decode
+    request was sent, and in layer-wise mode the prefill request (`computing`), cancelled when nobody reads its KV any
+    more."""
+
+    decode: Instance
+    resp: httpx.Response
+    headers: dict[str, str]
+    sent: float
+    computing: asyncio.Future | None = None
+
+    async def close(self) -> None:
+        """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode)."""
+        if self.computing is not None:
+            self.computing.cancel()
+        try:
+            await self.resp.aclose()
+        finally:
+            self.decode.in_flight -= 1
+
+
+class Handovers:
+    """Hands each P/D request from a prefill server to a decode server (`open`)."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        client: httpx.AsyncClient,
+        membership: Membership,
+        metrics: ProxyMetrics,
+        background: Background,
+        secret: bytes | None,
+    ) -> None:
+        self.client = client
+        self.membership = membership
+        self.metrics = metrics
+        self.background = background
+        self.expose = settings.expose_internals
+        self.transfer = settings.transfer
+        # To release a prefill's lease at once when no decode took the request (else it waits lease_s).
+        self.secret = secret
+
+    def _names(self, *servers: Instance) -> dict[str, str]:
+        """The headers naming the servers of an answer (`x-kvbridge-prefill`, `-decode`), with expose_internals.
+
+        Without expose_internals there are none."""
+        return {f"x-kvbridge-{i.role}": i.url for i in servers} if self.expose else {}
+
+    # -- upstream calls ------------------------------------------------------------------------
+
+    async def call_prefill(
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        params: KVTransferParams | None = None,
+        instance: Instance | None = None,
+    ) -> tuple[Instance, dict[str, Any]]:
+        """POST to a prefill server (`instance`, or round robin), trying the next one when one fails.
+
+        On a connection failure the server is taken out and the next one tried; on a server error (5xx) the
+        next one is tried. Not with `instance`: a layer-wise decode already reads from that one. A 5xx is
+        what a vLLM server answers once it began shutting down (SIGTERM), before the proxy's next registry
+        read says it is draining: no KV is held for it.
+        """
+        pool = self.membership.pools["prefill"]
+        failed: httpx.Response | None = None
+        for attempt in range(1 if instance is not None else len(pool.instances) + 1):
+            if attempt and not any(i.healthy for i in pool.instances):
+                break
+            inst = instance or pool.pick()
+            content = encoded(prefill_body(body, params))
+            _charge(content)
+            inst.in_flight += 1
+            try:
+                resp = await self.client.post(
+                    f"{inst.url}{path}", content=content, headers={**headers, "content-type": "application/json"}
+                )
+            except httpx.ConnectTimeout:
+                log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
+                continue
+            except httpx.TransportError as exc:
+                self.membership.take_out(inst, f"failed ({exc})")
+                continue
+            finally:
+                inst.in_flight -= 1
+            if resp.status_code >= 500 and instance is None:
+                log.warning("prefill server %s answered %d (shutting down?): next", inst.url, resp.status_code)
+                self.metrics.failovers.labels(inst.role).inc()
+                failed = resp
+                continue
+            resp.raise_for_status()
+            return inst, resp.json()
+        if failed is not None:
+            failed.raise_for_status()
+        raise NoInstance(f"no prefill server answered for {path}")
+
+    async def send_decode(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], moving: MovingStream | None = None
+    ) -> tuple[Instance, httpx.Response]:
+        """Start the decode request (streamed); the caller decrements the instance's in_flight.
+
+        A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
+        decode asks, so try the next one. So does one that answers a server error (5xx) at once: what a vLLM server
+        answers once it began shutting down, before the proxy's next registry read says it is draining; the last such
+        answer is returned when no other decode is left. A `moving` stream is marked for the decode picked
+        (`MovingStream.mark`)."""
+        pool = self.membership.pools["decode"]
+        late: list[str] = []
+        refused: list[Instance] = []  # answered 5xx: not tried again for this request
+        # One more try than instances: a busy server that was slow to accept gets a second chance.
+        for attempt in range(len(pool.instances) + 1):
+            if attempt and not any(i.healthy for i in pool.instances):
+                break
+            try:
+                inst = pool.pick(exclude=refused)
+            except NoInstance:
+                if refused:
+                    break
+                raise
+            payload = body if moving is None else moving.mark(body, inst.identity)
+            content = encoded(payload)
+            _charge(content)
+            upstream = self.client.build_request(
+                "POST", f"{inst.url}{path}", content=content, headers={**headers, "content-type": "application/json"}
+            )
+            inst.in_flight += 1
+            try:
+                resp = await self.client.send(upstream, stream=True)
+                if resp.status_code < 500 or not any(i.serving and i not in (*refused, inst) for i in pool.instances):
+                    return inst, resp
+                await resp.aclose()
+                inst.in_flight -= 1
+                refused.append(inst)
+                self.metrics.failovers.labels(inst.role).inc()
+                log.warning("decode server %s answered %d (shutting down?): next", inst.url, resp.status_code)
+            except httpx.ConnectError as exc:
+                inst.in_flight -= 1
+                self.membership.take_out(inst, f"refused the connection ({exc})")
+            except httpx.ConnectTimeout:
+                # Not down: its accept queue is full or this box is starved. It never saw the request;
+                # the health probe decides whether it is gone.
+                inst.in_flight -= 1
+                late.append(inst.label)
+                log.warning("decode server %s did not accept the connection in time (busy?): next", inst.url)
+            except httpx.TransportError as exc:
+                inst.in_flight -= 1
+                self.membership.take_out(inst, f"failed after taking the request ({exc})")
+                raise DecodeFailed(inst, exc) from exc
+            except BaseException:  # cancelled (the client left, or another part of its batch failed)
+                inst.in_flight -= 1
+                raise
+        slow = f" ({', '.join(late)} did not accept the connection in time)" if late else ""
+        raise NoInstance(f"no decode server accepted {path}{slow}")
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    async def open(
+        self,
+        path: str,
+        request: Request | None,
+        body: dict[str, Any],
+        timeline: Timeline,
+        moving: MovingStream | None = None,
+    ) -> Handover | JSONResponse:
+        """One P/D request, up to the decode's answer coming (a Handover), or the error answer to give."""
+        # Leases are keyed on this id (prefill's vLLM request id): never on a client's, which two may share.
+        headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
+        log.info("request %s: P/D request %s", timeline.request_id, headers["X-Request-Id"])  # the servers log this
+        try:
+            self.membership.pools[
+                "decode"
+            ].healthy()  # else prefill would hold KV that no decode reads until its lease ends
+        except NoInstance as exc:
+            return self.metrics.answer(503, str(exc), None, timeline)
+        if self.transfer == "layerwise":
+            streamed = await self._handover_layerwise(path, request, body, headers, timeline, moving)
+            if streamed is not None:
+                return streamed
+        try:
+            answer = await until_disconnect(request, self.call_prefill(path, body, headers))
+            if answer is None:
+                log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
+                return self.metrics.answer(499, "client disconnected", None, timeline)
+            prefill, first = answer
+            params = KVTransferParams.from_dict(first.get("kv_transfer_params"))
+        except NoInstance as exc:
+            return self.metrics.answer(503, str(exc), None, timeline)
+        except httpx.HTTPStatusError as exc:
+            return self.metrics.answer(exc.response.status_code, f"prefill failed: {exc.response.text}", None, timeline)
+        except ConfigError as exc:
+            return self.metrics.answer(
+                502, f"prefill server answered unusable kv_transfer_params: {exc}", None, timeline
+            )
+        prefill_done = time.perf_counter()
+        self.membership.learn(prefill.url, params)
+        timeline.add(params.kvbridge_timing, ("prefill_ms",))
+        decode_body = dict(body)
+        if first.get("kv_transfer_params"):
+            decode_body["kv_transfer_params"] = attrs.evolve(params, kvbridge_timing=None).to_dict()
+        else:
+            log.warning(
+                "prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt", timeline.request_id
+            )
+        sent = time.perf_counter()
+        timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
+        try:
+            decode, resp = await self.send_decode(path, decode_body, headers, moving)
+        except NoInstance as exc:
+            await self.release_lease(params, f"no decode took it: {exc}")
+            return self.metrics.answer(503, str(exc), self._names(prefill), timeline)
+        except DecodeFailed as exc:
+            await self.release_lease(params, f"no decode took it: {exc}")
+            return self.metrics.answer(503, str(exc), self._names(prefill, exc.inst), timeline)
+        return Handover(decode, resp, self._names(prefill, decode), sent)
+
+    async def release_lease(self, params: KVTransferParams, why: str) -> None:
+        """Tell each rank holding a lease on the request's KV that no decode will read it (an Abort, side channel).
+
+        A prefill's lease, or a migrated stream's on the decode it left. So its blocks are free now, not when the lease
+        ends. Needs the shared secret where the server has one (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's
+        environment); without it the lease ends by itself. A rank that does not answer is asked again in the
+        background (`RELEASE_RETRY_S`); an Abort that comes before the offer it ends is kept by the rank's ledger."""
+        if params.remote_request_id is None or params.remote_host is None or params.remote_port is None:
+            return
+        request_id = str(params.remote_request_id)
+        host = str(params.remote_host)
+
+        def abort(stage: int, rank: int, again: bool = False) -> bool:
+            """False where the rank did not answer: it is asked again."""
+            # Every stage's ranks hold blocks of the request: with pp_size > 1 the later stages' too (their ports follow
+            # the engine's numbering, kvbridge.plan.rank_ports; remote_port is the engine's base, dp_rank its DP rank).
+            try:
+                port = side_channel_port(
+                    int(params.remote_port),  # type: ignore[arg-type]
+                    tp_rank=rank,
+                    tp_size=params.tp_size,
+                    pp_rank=stage,
+                    pp_size=params.pp_size,
+                    dp_index=params.dp_rank,
+                )
+                with ControlClient(host, port, secret=self.secret, sender="proxy", timeout_s=RELEASE_TIMEOUT_S) as c:
+                    c.abort(request_id, reason=why)
+                log.info("released request %s on stage %d rank %d (%s:%d)", request_id, stage, rank, host, port)
+                return True
+            except (TransferTimeout, PeerGone) as exc:
+                (log.info if again else log.warning)(
+                    "could not release request %s on stage %d rank %d (%s); asking again", request_id, stage, rank, exc
+                )
+                return False
+            except KVBridgeError as exc:
+                log.warning(
+                    "could not release request %s on stage %d rank %d (%s); its lease ends by itself%s",
+                    request_id,
+                    stage,
+                    rank,
+                    exc,
+                    "" if self.secret else " (the proxy has no KVBRIDGE_SECRET)",
+                )
+                return True
+
+        async def ask(ranks: list[tuple[int, int]], again: bool = False) -> list[tuple[int, int]]:
+            done = await asyncio.gather(*(asyncio.to_thread(abort, s, r, again) for s, r in ranks))
+            return [rank for rank, ok in zip(ranks, done, strict=True) if not ok]
+
+        async def ask_again(ranks: list[tuple[int, int]]) -> None:
+            delay, until = RELEASE_TIMEOUT_S, time.monotonic() + RELEASE_RETRY_S
+            while ranks and time.monotonic() + delay < until:
+                await asyncio.sleep(delay)
+                ranks, delay = await ask(ranks, again=True), delay * 2
+            if ranks:
+                log.warning(
+                    "gave up releasing request %s on (stage, rank) %s: its lease ends by itself", request_id, ranks
+                )
+
+        left = await ask([(s, r) for s in range(params.pp_size) for r in range(params.tp_size)])
+        if left:
+            self.background.spawn(ask_again(left))
+
+    async def _handover_layerwise(
+        self,
+        path: str,
+        request: Request | None,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        timeline: Timeline,
+        moving: MovingStream | None = None,
+    ) -> Handover | JSONResponse | None:
+        """Send the request to a prefill and a decode server at once, with one transfer id.
+
+        Decode reads each layer while prefill computes the next. None: this prefill's side channel is not known yet (the
+        request goes the pull way, which tells the proxy where it is)."""
+        pool = self.membership.pools["prefill"]
+        try:
+            prefill = pool.pick()
+        except NoInstance as exc:
+            return self.metrics.answer(503, str(exc), None, timeline)
+        identity = self.membership.identities.get(prefill.url)
+        if identity is None:
+            return None
+        transfer_id = uuid.uuid4().hex  # unique even when clients reuse their x-request-id
+        mode = {"transfer_mode": "layerwise", "transfer_id": transfer_id}
+        to_prefill = KVTransferParams(do_remote_decode=True, **mode)
+        to_decode = attrs.evolve(identity, do_remote_prefill=True, remote_request_id=transfer_id, **mode)
+        computing = asyncio.ensure_future(self.call_prefill(path, body, headers, to_prefill, prefill))
+        computing.add_done_callback(lambda task: self._prefill_ended(task, prefill, timeline))
+        sent = time.perf_counter()
+        try:
+            started = await until_disconnect(
+                request, self.send_decode(path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers, moving)
+            )
+        except (NoInstance, DecodeFailed) as exc:
+            computing.cancel()  # nobody reads it: vLLM aborts the prefill request, its lease is aborted
+            names = self._names(prefill, exc.inst) if isinstance(exc, DecodeFailed) else self._names(prefill)
+            return self.metrics.answer(503, str(exc), names, timeline)
+        except BaseException:
+            computing.cancel()
+            raise
+        if started is None:
+            computing.cancel()
+            log.info("client left before decode took %s: both requests cancelled", timeline.request_id)
+            return self.metrics.answer(499, "client disconnected", None, timeline)
+        decode, resp = started
+        return Handover(decode, resp, self._names(prefill, decode), sent, computing)
+
+    def _prefill_ended(self, task: asyncio.Future, prefill: Instance, timeline: Timeline) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # the decode's stream then fails or times out, and decode recomputes
+            log.warning("layer-wise prefill of %s on %s failed: %s", timeline.request_id, prefill.url, exc)
+            return
+        _inst, answer = task.result()
+        with contextlib.suppress(ConfigError):
+            params = KVTransferParams.from_dict(answer.get("kv_transfer_params"))
+            timeline.add(params.kvbridge_timing, ("prefill_ms",))
+            self.membership.learn(prefill.url, params)  # a restarted prefill answers with its new identity

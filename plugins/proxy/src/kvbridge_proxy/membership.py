@@ -1,0 +1,323 @@
+"""The proxy's pools and who is in them: the registry's members, health probes, warm-up and rebalancing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import httpx
+
+from kvbridge.base.errors import ConfigError, KVBridgeError
+from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.params import KVTransferParams
+from kvbridge_proxy.members import StaticMembers, open_members
+from kvbridge_proxy.metrics import ProxyMetrics
+from kvbridge_proxy.rebalance import Policy, kv_usage
+from kvbridge_proxy.settings import ProxySettings
+from kvbridge_proxy.upstreams import Instance, Pool, since
+from kvbridge_proxy.wire import prefill_body
+
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+
+PROBE_TIMEOUT_S = 5.0
+SLOW_PROBES = 3
+# A health round probes at most this many servers at once: a thousand probes started together held the event loop
+# (requests and registry reads waited behind them).
+PROBES_IN_FLIGHT = 64
+# A serving server whose record lapsed stays in rotation this long while it answers health probes. A record lapses when
+# its announcer is late by two thirds of the TTL, as on a box starved for seconds: in a run every decode's record lapsed
+# at once, and a stream being moved found no decode to go to. A server that withdraws its record drained first.
+LAPSE_GRACE_S = 30.0
+REGISTRY_INTERVAL_S = 0.5  # the registry is read this often (or each health interval, if shorter): a join is seen
+
+
+def identity_of(record: ServerRecord) -> KVTransferParams | None:
+    """Where a server's KV can be pulled from, from its registry record (None: the record does not say)."""
+    if not record.side_host or not record.side_port or record.dp_size != 1:
+        return None  # with DP the proxy cannot know which engine holds a request
+    return KVTransferParams(
+        remote_engine_id=record.server_id,
+        remote_host=record.side_host,
+        remote_port=record.side_port,
+        tp_size=record.tp_size,
+        pp_size=record.pp_size,
+    )
+
+
+def pools_of(settings: ProxySettings) -> dict[str, Pool]:
+    """The pools of the servers given (`--prefill`, `--decode`); with a registry they may start empty."""
+    dynamic = settings.registry is not None
+    return {
+        role: Pool(role, urls, expose=settings.expose_internals, registry=dynamic)
+        for role, urls in (("prefill", settings.prefill), ("decode", settings.decode))
+    }
+
+
+class Membership:
+    """The pools of prefill and decode servers, kept to what is up: the registry, health probes, warm-up, rebalancing.
+
+    Also where each prefill's side channel is (layer-wise requests) and which pairs made first contact."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        pools: dict[str, Pool],
+        client: httpx.AsyncClient,
+        secret: bytes | None,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.client = client
+        self.pools = pools  # (`pools_of`)
+        metrics.watch(pools)
+        self.transfer = settings.transfer
+        self.rebalance = settings.rebalance
+        self.health_interval = settings.health_interval
+        self.warm_up = settings.warm_up
+        self.metrics = metrics
+        # layerwise: where each prefill server's side channel is (from its last answer; forgotten while it is down)
+        self.identities: dict[str, KVTransferParams] = {}
+        self.warm: set[tuple[str, str]] = set()  # (prefill, decode) pairs warmed since both were last up
+        self.warming: dict[tuple[str, str], asyncio.Task] = {}
+        # To check the registry's records.
+        self.members = None if settings.registry is None else open_members(settings.registry, secret=secret)
+        if self.members is not None and not secret and not isinstance(self.members, StaticMembers):
+            log.warning(
+                "the proxy has no KVBRIDGE_SECRET: it takes every record in %s unchecked; anyone who can write "
+                "there can add servers (docs/elastic.md)",
+                self.members.url,
+            )
+        self.membership_rounds = 0  # registry reads done: a test waits for one after a change
+        self.health_rounds = 0  # rounds that probed every server (`kvbridge bench --scale` times them)
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def sync(self, records: Sequence[ServerRecord]) -> None:
+        """Make the pools' announced servers the registry's: join the new, drop the gone, mark the draining."""
+        wanted = {(r.role, r.url.rstrip("/")): r for r in records}
+        for role, pool in self.pools.items():
+            for inst in list(pool.instances):
+                record = wanted.pop((role, inst.url), None)
+                if record is None:
+                    if inst.announced and self._lapse_kept(inst):
+                        continue
+                    if inst.announced:
+                        inst.lapsed = 0.0
+                        pool.leave(inst)
+                        self.metrics.forget(inst)
+                        self.identities.pop(inst.url, None)
+                        self.warm = {pair for pair in self.warm if inst.url not in pair}
+                        log.warning("%s server %s left the registry: taken out", role, inst.url)
+                    elif inst.draining:  # a static server whose record went: serving as configured
+                        inst.draining = False
+                    continue
+                if inst.lapsed:
+                    log.warning("%s server %s: its record is back after %.1f s", role, inst.url, since(inst.lapsed))
+                    inst.lapsed = 0.0
+                if record.draining != inst.draining:
+                    log.warning("%s server %s is %s", role, inst.url, "draining" if record.draining else "serving")
+                    inst.draining = record.draining
+                inst.identity = identity_of(record)
+        for (role, url), record in sorted(wanted.items()):
+            inst = self.pools[role].join(url, identity_of(record))
+            inst.draining = record.draining
+            self.metrics.track(inst)
+            back = f", back with {len(inst.streams)} running streams" if inst.streams else ""
+            log.warning("%s server %s joined from the registry (capacity %d%s)", role, url, record.capacity, back)
+
+    def _lapse_kept(self, inst: Instance) -> bool:
+        """Whether a server whose record is gone stays in rotation for now (LAPSE_GRACE_S)."""
+        if inst.draining or not inst.healthy:
+            return False
+        if not inst.lapsed:
+            inst.lapsed = time.monotonic()
+            log.warning(
+                "%s server %s: its record lapsed; it stays while it answers health probes, for at most %g s",
+                inst.role,
+                inst.url,
+                LAPSE_GRACE_S,
+            )
+        return since(inst.lapsed) < LAPSE_GRACE_S
+
+    async def read_members(self) -> None:
+        """One read of the registry into the pools; a registry that cannot be read leaves them as they were."""
+        assert self.members is not None
+        try:
+            records = await asyncio.to_thread(self.members.servers)
+        except KVBridgeError as exc:
+            log.warning("could not read the servers in %s (the pools stay as they are): %s", self.members.url, exc)
+            return
+        self.sync(records)
+        self.membership_rounds += 1
+
+    # -- health --------------------------------------------------------------------------------
+
+    async def probe(self, inst: Instance) -> None:
+        # A server that refuses connections or answers an error is down now. One that is only slow
+        # to answer /health is busy (a loaded vLLM can take seconds), and taking it out would shift
+        # all its traffic onto the others; it is down after SLOW_PROBES slow answers in a row.
+        why = ""
+        try:
+            try:
+                resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+            except httpx.TimeoutException:
+                raise
+            except httpx.TransportError as exc:
+                # Once more at once: a server that is gone refuses again in microseconds, while a connection that
+                # dropped (DROPPED), or a connect the kernel failed, may not say it is. In a run one round took out
+                # both idle decodes at once, with no HTTP answer, on a box starved for seconds; the next was fine.
+                log.info("%s server %s: health probe failed (%s): once more", inst.role, inst.url, type(exc).__name__)
+                resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+            ok, inst.slow_probes = resp.status_code == 200, 0
+            why = f" ({resp.status_code})"
+        except httpx.TimeoutException:
+            inst.slow_probes += 1
+            ok = inst.healthy and inst.slow_probes < SLOW_PROBES
+            why = f" ({inst.slow_probes} slow probes in a row)"
+        except httpx.HTTPError as exc:
+            ok, why = False, f" ({type(exc).__name__}: {exc})"
+        except Exception as exc:  # noqa: BLE001
+            # The HTTP stack's own bugs are a failed probe, not the end of health checks (seen in a chaos
+            # run: httpcore raised AttributeError on a socket closed while connecting to a killed server).
+            log.warning("%s server %s: health probe failed (%s: %s)", inst.role, inst.url, type(exc).__name__, exc)
+            ok = False
+        if ok != inst.healthy:
+            log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else f"down: taken out{why}")
+        inst.healthy = ok
+
+    async def _probe_in(self, slots: asyncio.Semaphore, inst: Instance) -> None:
+        async with slots:
+            await self.probe(inst)
+
+    async def health_loop(self, after_probes: Callable[[], None]) -> None:
+        """Probe every instance each `health_interval` for the proxy's lifetime; `after_probes` after each round.
+
+        A round that fails is logged and the next one runs: a dead loop would keep every server taken out since then out
+        for good."""
+        while True:
+            try:
+                slots = asyncio.Semaphore(PROBES_IN_FLIGHT)
+                await asyncio.gather(*(self._probe_in(slots, i) for p in self.pools.values() for i in p.instances))
+                self.health_rounds += 1
+                after_probes()
+                if self.rebalance is not None:
+                    await self.rebalance_round(self.rebalance)
+                if self.warm_up:
+                    self._warm_pairs()
+            except Exception:
+                log.exception("health check round failed; the next one runs in %.1fs", self.health_interval)
+            await asyncio.sleep(self.health_interval)
+
+    async def membership_loop(self) -> None:
+        """Read the registry every `REGISTRY_INTERVAL_S` (or `health_interval`, if shorter), apart from health rounds.
+
+        A health round probes every server and grows with the deployment (seconds at a thousand servers on 2 busy
+        cores): a join read in the same loop waited for it (docs/measurements/scale.md)."""
+        interval = min(self.health_interval, REGISTRY_INTERVAL_S)
+        while True:
+            try:
+                await self.read_members()
+            except Exception:  # as in the health loop: a dead loop would follow the registry no more
+                log.exception("registry round failed; the next one runs in %.1fs", interval)
+            await asyncio.sleep(interval)
+
+    async def rebalance_round(self, policy: Policy) -> None:
+        """Read every serving decode's KV cache usage and move the streams the policy picks (rebalance.py)."""
+
+        async def usage(inst: Instance) -> tuple[Instance, float | None]:
+            try:
+                resp = await self.client.get(f"{inst.url}/metrics", timeout=PROBE_TIMEOUT_S)
+                return inst, kv_usage(resp.text) if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as exc:
+                log.info("could not read %s/metrics for rebalancing: %s", inst.url, exc)
+                return inst, None
+
+        serving = [i for i in self.pools["decode"].instances if i.serving]
+        read = await asyncio.gather(*(usage(i) for i in serving))
+        streams, target = policy.plan({inst: value for inst, value in read if value is not None})
+        for stream in streams:
+            stream.request_cut("rebalancing", prefer=target)
+
+    def _warm_pairs(self) -> None:
+        """Start warming every pair of healthy servers not warmed since both were last up."""
+        for p in self.pools["prefill"].instances:
+            for d in self.pools["decode"].instances:
+                pair = (p.url, d.url)
+                if not p.healthy:
+                    self.identities.pop(p.url, None)  # it may come back restarted, with another side channel
+                if not (p.healthy and d.healthy):
+                    self.warm.discard(pair)  # a server that was down may have restarted: first contact again
+                elif p.draining or d.draining or p.cordoned or d.cordoned:
+                    continue
+                elif pair not in self.warm and pair not in self.warming:
+                    self.warming[pair] = asyncio.create_task(self.warm_pair(p, d))
+
+    async def warm_pair(self, prefill: Instance, decode: Instance) -> bool:
+        """One one-token request through the pair, so its first contact is not paid by a client's request."""
+        pair = (prefill.url, decode.url)
+        headers = {"X-Request-Id": f"kvbridge-warm-up-{uuid.uuid4().hex[:12]}"}
+        try:
+            models = await self.client.get(f"{prefill.url}/v1/models", timeout=PROBE_TIMEOUT_S)
+            models.raise_for_status()
+            body: dict[str, Any] = {"model": models.json()["data"][0]["id"], "prompt": "kvbridge", "max_tokens": 1}
+            first = await self.client.post(f"{prefill.url}/v1/completions", json=prefill_body(body), headers=headers)
+            first.raise_for_status()
+            params = first.json().get("kv_transfer_params")
+            if params:
+                decoded = KVTransferParams.from_dict(params)
+                self.learn(prefill.url, decoded)  # layer-wise: where its side channel is
+                body["kv_transfer_params"] = attrs.evolve(decoded, kvbridge_timing=None).to_dict()
+            begun = time.perf_counter()
+            (await self.client.post(f"{decode.url}/v1/completions", json=body, headers=headers)).raise_for_status()
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, ConfigError) as exc:
+            log.warning("warming %s -> %s failed (its first request pays first contact): %s", *pair, exc)
+            return False
+        finally:
+            self.warming.pop(pair, None)
+        self.warm.add(pair)
+        log.info("warmed %s -> %s (decode %.1f ms)", *pair, (time.perf_counter() - begun) * 1e3)
+        return True
+
+    def take_out(self, inst: Instance, why: str) -> None:
+        log.warning("%s server %s %s: taken out", inst.role, inst.url, why)
+        inst.healthy = False
+        self.metrics.failovers.labels(inst.role).inc()
+
+    def learn(self, prefill_url: str, params: KVTransferParams) -> None:
+        """Keep where a prefill server's side channel is, for layer-wise requests to it.
+
+        One DP rank only: with several, the proxy cannot know which one will hold a request before it answers. Each
+        answer says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
+        if self.transfer != "layerwise":
+            return
+        if None in (params.remote_engine_id, params.remote_host, params.remote_port):
+            return
+        if params.dp_size > 1:
+            if self.identities.pop(prefill_url, None) is None:
+                log.warning("prefill server %s runs DP %d: its requests stay in pull mode", prefill_url, params.dp_size)
+            return
+        identity = KVTransferParams(
+            remote_engine_id=params.remote_engine_id,
+            remote_host=params.remote_host,
+            remote_port=params.remote_port,
+            tp_size=params.tp_size,
+            pcp_size=params.pcp_size,
+            dcp_size=params.dcp_size,
+            pp_size=params.pp_size,
+        )
+        known = self.identities.get(prefill_url)
+        if known == identity:
+            return
+        self.identities[prefill_url] = identity
+        log.info(
+            "prefill server %s: engine %s, side channel %s:%s, layer-wise from now on%s",
+            prefill_url,
+            params.remote_engine_id,
+            params.remote_host,
+            params.remote_port,
+            "" if known is None else f" (it was engine {known.remote_engine_id}: restarted)",
+        )

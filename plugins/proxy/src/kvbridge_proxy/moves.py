@@ -1,0 +1,281 @@
+"""Live moves (`--migrate`, migration.py): a running stream continued on another decode when its own drains or dies.
+
+The proxy reads such a stream event by event (`Upstream`); at a cut the next decode pulls its KV from the one it leaves
+(or pre-copies most of it first, or computes it) and the stream goes on from there (docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import httpx
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvbridge.control.params import KVTransferParams
+from kvbridge.session.lending import precopy_id
+from kvbridge.session.timeline import HEADER, Timeline
+from kvbridge_proxy.handover import Handover, Handovers
+from kvbridge_proxy.membership import Membership
+from kvbridge_proxy.metrics import ProxyMetrics
+from kvbridge_proxy.migration import MovingStream
+from kvbridge_proxy.settings import ProxySettings
+from kvbridge_proxy.takeover import Takeover, Upstream
+from kvbridge_proxy.upstreams import Background, Instance, NoInstance
+from kvbridge_proxy.wire import sse, until_disconnect
+
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+
+
+class Moves:
+    """Moves running streams between decodes: relays a movable stream (`relay`) and cuts it over when asked."""
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        client: httpx.AsyncClient,
+        membership: Membership,
+        handovers: Handovers,
+        metrics: ProxyMetrics,
+        background: Background,
+    ) -> None:
+        self.client = client
+        self.membership = membership
+        self.handovers = handovers
+        self.metrics = metrics
+        self.background = background
+        self.move_settings = settings.moves
+        self.takeover = Takeover(client, membership, handovers, background)
+
+    async def relay(
+        self,
+        request: Request,
+        handover: Handover,
+        moving: MovingStream,
+        timeline: Timeline,
+        begun: float,
+        headers: dict[str, str],
+    ) -> Any:
+        """A streamed answer the proxy reads event by event, to move it to another decode when its own drains.
+
+        The move happens between two events: what the client got is what the next decode continues from."""
+        up = Upstream.open(handover.decode, handover.resp, moving, marked=handover.decode.identity is not None)
+        first = await until_disconnect(request, up.next())
+        if first is None or first[0] == "failed":
+            await self.takeover.leave(up, moving, "its client left before the first token")
+            if first is None:
+                log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
+                return self.metrics.answer(499, "client disconnected", headers, timeline)
+            handover.decode.healthy = False
+            log.warning(
+                "decode server %s failed before the first event of %s", handover.decode.url, timeline.request_id
+            )
+            return self.metrics.answer(
+                503, f"decode server {handover.decode.label} failed: {first[1]}", headers, timeline
+            )
+        self.metrics.finish(timeline, begun, handover.sent, time.perf_counter())
+        self.metrics.requests.labels("200").inc()
+
+        async def events() -> AsyncIterator[bytes]:
+            nonlocal up
+            item: tuple[str, Any] = first
+            finished = False
+            try:
+                while True:
+                    kind, payload = item
+                    if kind == "event":
+                        yield sse(moving.take(payload))
+                        if up.decode.draining:
+                            moving.request_cut("its decode drains")
+                        moving.cut_again(wanted=not up.decode.serving)
+                    elif kind == "done" or moving.spent:  # (spent: its decode died after the last token: it is whole)
+                        yield b"data: [DONE]\n\n"
+                        finished = True
+                        return
+                    elif kind == "cut" and self._precopies(moving, up):
+                        pass  # it goes on here while the next decode pulls what it filled; the cut comes after
+                    else:  # the decode died or the cut: continue on another decode
+                        if moving.precopy is not None:
+                            moving.precopy.cancel()  # its decode died: what it lent is gone
+                        moved = await self._move(moving, up, payload, pull=kind == "cut")
+                        if moved is None:
+                            error = {"message": f"decode server {up.decode.label} failed: {payload}", "code": 503}
+                            yield sse({"error": error})
+                            yield b"data: [DONE]\n\n"
+                            finished = True
+                            return
+                        up = moved
+                    item = await up.next()
+            finally:
+                if moving.precopy is not None:
+                    moving.precopy.cancel()  # it releases what it holds
+                self.background.spawn(up.close() if finished else self.takeover.leave(up, moving, "its client left"))
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={**headers, HEADER: timeline.header()}
+        )
+
+    async def _move(self, moving: MovingStream, up: Upstream, why: str, *, pull: bool) -> Upstream | None:
+        """Continue `moving` on another decode: its KV pulled from the one it leaves (`pull`), else computed there.
+
+        None when it cannot continue (nobody can take it, or the decode died before the proxy knew the prompt's ids).
+        A cut that finds no other decode leaves the stream where it is (`up`, still open)."""
+        source = up.decode
+        if moving.prompt is None:
+            await up.close()
+            return None
+        precopied, moving.precopied = moving.precopied, None
+        try:
+            target = self._next_decode(source, precopied[0] if precopied is not None and pull else moving.prefer)
+        except NoInstance as exc:
+            if pull:
+                log.warning("stream %s stays on %s for now: %s", moving.migration_id, source.url, exc)
+                moving.stay(self.membership.health_interval)  # the next health round may bring one back
+                return up
+            await up.close()
+            return None
+        cut = time.perf_counter()
+        await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its migration id
+        closed = time.perf_counter()
+        move = moving.move or self.move_settings.mode
+        offered = source.identity if pull and up.marked else None
+        # a pre-copied stream's tail is computed where its pre-copy went (MoveSettings.tail), not pulled
+        precomputed = precopied is not None and precopied[1] > 0 and precopied[0] is target
+        tail = precomputed and self.move_settings.tail == "compute"
+        pulled = offered if move != "recompute" and not tail else None
+        if offered is not None and pulled is None:  # nobody will read the blocks it offers
+            self.background.spawn(self._release_offer(offered, moving, "unread"))
+        for n, identity in enumerate([pulled, None] if pulled is not None or tail else [None]):
+            if n:  # the pull failed (or the pre-copied decode): the next decode computes it all
+                try:
+                    target = self.membership.pools["decode"].pick(exclude=(source,))
+                except NoInstance:
+                    break
+            outcome = "precopied" if tail and not n else "recomputed"
+            if identity is not None:
+                reported = await self.takeover.pull(moving, target, identity)
+                if reported is None:
+                    continue
+                outcome = reported
+                if outcome == "pulled" and precomputed:
+                    outcome = "precopied"
+            # the KV is in the target's cache now (pulled, or computed there): the stream goes on from it
+            moved = await self.takeover.resume(moving, target)
+            if moved is None:
+                continue
+            if pulled is not None and outcome == "recomputed":  # nobody read the offered blocks: free them now
+                await self._release_offer(pulled, moving, "recomputed")
+            self._moved(moving, source, target, f"{why}, {outcome}", outcome, (cut, closed))
+            return moved
+        if pulled is not None:
+            await self._release_offer(pulled, moving, "the move failed")
+        self.metrics.migrations.labels("failed").inc()
+        log.warning("stream %s could not move off %s (%s): it ends with an error", moving.migration_id, source.url, why)
+        return None
+
+    def _release_offer(self, offered: KVTransferParams, moving: MovingStream, why: str) -> Any:
+        """Release the blocks a decode offers under the stream's migration id (a coroutine)."""
+        return self.handovers.release_lease(attrs.evolve(offered, remote_request_id=moving.migration_id), why)
+
+    def _moved(
+        self, moving: MovingStream, source: Instance, target: Instance, how: str, outcome: str, cut: tuple[float, float]
+    ) -> None:
+        """Count and log a move whose next decode sent its first event; `cut`: when it began, when the source closed."""
+        gap = time.perf_counter() - cut[0]
+        self.metrics.migrations.labels(outcome).inc()
+        self.metrics.handover_gap.observe(gap)
+        log.warning(
+            "stream %s (request %s) moved from %s to %s after %d tokens (%s): "
+            "first event %.1f ms after the cut (closing the source %.1f ms)",
+            moving.migration_id,
+            moving.request_id,
+            source.url,
+            target.url,
+            len(moving.generated),
+            how,
+            gap * 1e3,
+            (cut[1] - cut[0]) * 1e3,
+        )
+        moving.moved()
+
+    def _next_decode(self, source: Instance, prefer: Instance | None) -> Instance:
+        """Where a stream leaving `source` goes: `prefer` while it takes requests, else the pool's pick (NoInstance)."""
+        if prefer is not None and prefer is not source and prefer.serving:
+            return prefer
+        return self.membership.pools["decode"].pick(exclude=(source,))
+
+    def _precopies(self, moving: MovingStream, up: Upstream) -> bool:
+        """Start pre-copying a stream whose cut came, where it can be (then the cut waits for it): whether it did."""
+        source = up.decode
+        if moving.precopied is not None or not up.marked or source.identity is None:
+            return False  # (precopied: this cut's pre-copy ran already)
+        if (moving.move or self.move_settings.mode) != "precopy" or moving.prompt is None:
+            return False
+        if len(moving.prompt) + len(moving.generated) <= self.move_settings.tail_tokens:
+            return False  # as little as the cut would pull anyway
+        try:
+            target = self._next_decode(source, moving.prefer)
+        except NoInstance:
+            return False  # the cut finds none either, and the stream stays
+        if target.identity is None:
+            return False
+        moving.begin_precopy(asyncio.ensure_future(self._precopy(moving, source.identity, target)))
+        return True
+
+    async def _precopy(self, moving: MovingStream, source: KVTransferParams, target: Instance) -> None:
+        """Have `target` pull, in stages, the blocks the stream fills on `source` while it runs on; then cut it.
+
+        A stage pulls what its context adds; the stages end when at most `tail_tokens` are left to the cut."""
+        covered, began = 0, time.perf_counter()
+        try:
+            for stage in range(1, self.move_settings.stages + 1):
+                context = len(moving.prompt or ()) + len(moving.generated)
+                if covered and context - covered <= self.move_settings.tail_tokens:
+                    break
+                lease = precopy_id(moving.migration_id, stage)
+                outcome = None
+                try:
+                    pulling = self.takeover.pull(moving, target, source, lease=lease, tokens=context)
+                    outcome = await asyncio.wait_for(pulling, self.move_settings.stage_timeout_s)
+                finally:  # a lease read whole ended with its reader's DONE; any other is released here
+                    if outcome != "pulled":
+                        self.background.spawn(
+                            self.handovers.release_lease(attrs.evolve(source, remote_request_id=lease), "pre-copy")
+                        )
+                if outcome != "pulled":
+                    log.warning(
+                        "stream %s: pre-copy stage %d to %s %s",
+                        moving.migration_id,
+                        stage,
+                        target.url,
+                        "failed" if outcome is None else "was computed, not pulled",
+                    )
+                    break
+                covered = context
+                self.metrics.precopy_stages.inc()
+        except asyncio.TimeoutError:
+            log.warning(
+                "stream %s: a pre-copy stage to %s took over %.0f s",
+                moving.migration_id,
+                target.url,
+                self.move_settings.stage_timeout_s,
+            )
+        except asyncio.CancelledError:  # the stream ended or its client left: nothing is cut
+            moving.precopy = None
+            raise
+        except Exception:
+            log.exception("stream %s: pre-copy to %s failed", moving.migration_id, target.url)
+        log.info(
+            "stream %s: pre-copied %d tokens to %s in %.1f ms; cut with %d tokens",
+            moving.migration_id,
+            covered,
+            target.url,
+            (time.perf_counter() - began) * 1e3,
+            len(moving.prompt or ()) + len(moving.generated),
+        )
+        moving.end_precopy(target, covered)
