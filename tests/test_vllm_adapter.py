@@ -28,12 +28,12 @@ from hypothesis import strategies as st  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from kvbridge import watchdog  # noqa: E402
 from kvbridge.adapters.vllm.cache import describe_kv_caches  # noqa: E402
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, PullTask  # noqa: E402
 from kvbridge.adapters.vllm.settings import Settings  # noqa: E402
 from kvbridge.adapters.vllm.worker import WorkerSide  # noqa: E402
 from kvbridge.agent.kv_agent import KVAgent  # noqa: E402
+from kvbridge.base import watchdog  # noqa: E402
 from kvbridge.base.errors import ConfigError, LayoutMismatch, LoadError, ProtocolError  # noqa: E402
 from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.channel import ControlClient  # noqa: E402
