@@ -7,6 +7,7 @@ secret), settings, and plugin registration.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
@@ -728,14 +729,14 @@ _CLIENT_PARAMS = _JSON | st.builds(
 def test_scheduler_side_never_raises_on_client_kv_transfer_params(transfer: str, params: object) -> None:
     # Anyone who reaches a vLLM server can send kv_transfer_params (vllm_xargs.kv_transfer_params is a string,
     # a number or a list): the scheduler half of the connector keeps them or drops them (served colocated),
-    # never raises inside vLLM's scheduler, and leaves vLLM a dict or None to read.
+    # never raises inside vLLM's scheduler, and leaves vLLM a dict or None to read, the dict as it came.
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.request import RequestStatus
 
     scheduler = _params_scheduler(transfer)
     request = Request("r", list(range(3 * BLOCK)), SamplingParams(max_tokens=1), None)
-    request.kv_transfer_params = params
+    request.kv_transfer_params, sent = params, copy.deepcopy(params)
     scheduler.on_new_request(request)
     assert request.kv_transfer_params is None or isinstance(request.kv_transfer_params, dict)
     count, _ = scheduler.get_num_new_matched_tokens(request, 0)
@@ -746,6 +747,7 @@ def test_scheduler_side_never_raises_on_client_kv_transfer_params(transfer: str,
     _delay, answer = scheduler.request_finished(request, [0, 1, 2])
     assert answer is None or isinstance(answer, dict)
     scheduler.build_connector_meta(None)
+    assert params == sent and request.kv_transfer_params in (None, params)
 
 
 @functools.cache

@@ -508,8 +508,8 @@ def test_scheduler_side_follows_chunked_prefill_preemption_and_finish() -> None:
         rid: SimpleNamespace(request_id=rid, kv_transfer_params=dict(params), prompt_token_ids=list(range(100)))
         for rid, params in (("a", streamed), ("b", {**streamed, "transfer_id": "u"}), ("c", {"do_remote_decode": True}))
     }
-    for r in requests.values():
-        sched.note_producer(r)
+    for rid in ("a", "b"):  # c asks for pull mode: the scheduler half notes no producer of it
+        assert sched.note_producer(requests[rid], requests[rid].kv_transfer_params["transfer_id"]) is True
     # Step 1: a and c start (a chunk of 64 tokens each), b waits.
     meta = sched.collect(
         output([new("a", [1, 2]), new("c", [3, 4])], CachedRequestData.make_empty(), {"a": 64, "c": 64})
@@ -533,13 +533,13 @@ def test_scheduler_side_follows_chunked_prefill_preemption_and_finish() -> None:
         r = SimpleNamespace(
             request_id="e", kv_transfer_params=dict(streamed), prompt_token_ids=list(range(100)), max_tokens=max_tokens
         )
-        s.note_producer(r)
+        s.note_producer(r, "t")
         meta = s.collect(output([new("e", [1, 2])], CachedRequestData.make_empty(), {"e": 64}))
         assert meta.starts[0].held_at_end is held
     off = LayerwiseScheduler(BLOCK, enabled=False)
     r = SimpleNamespace(request_id="d", kv_transfer_params=dict(streamed), prompt_token_ids=[1])
-    off.note_producer(r)
-    assert r.kv_transfer_params["transfer_mode"] == "pull" and off.producer_finished(r, normally=True) is None
+    assert off.note_producer(r, "t") is False, "served in pull mode"
+    assert off.producer_finished(r, normally=True) is None
 
 
 @pytest.mark.parametrize("transport", ["loopback", "mooncake-tcp"])

@@ -11,8 +11,6 @@ from kvbridge.session.tasks import StreamTask
 
 log = logging.getLogger(__name__)
 
-LAYERWISE = "layerwise"
-
 
 def check_streamable(layout_name: str, *, pcp: int = 1, dcp: int = 1) -> None:
     """Raise ConfigError at start-up for what layer-wise mode cannot stream, saying what to do."""
@@ -24,10 +22,6 @@ def check_streamable(layout_name: str, *, pcp: int = 1, dcp: int = 1) -> None:
         raise ConfigError(
             '"transfer": "layerwise" does not support context parallelism (PCP/DCP) yet; use "transfer": "pull"'
         )
-
-
-def is_layerwise(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("transfer_mode") == LAYERWISE  # type: ignore[union-attr]
 
 
 class LayerwiseScheduler:
@@ -47,31 +41,27 @@ class LayerwiseScheduler:
 
     # prefill
 
-    def note_producer(self, request: Any) -> None:
-        """A prefill request asking to be streamed (seen when the scheduler first considers it)."""
-        params = request.kv_transfer_params
-        if not (params and params.get("do_remote_decode") and is_layerwise(params)):
-            return
+    def note_producer(self, request: Any, transfer_id: str | None) -> bool:
+        """A prefill request asking to be streamed (seen when the scheduler first considers it).
+
+        False: this server runs pull mode, and the request is served so (offered when finished)."""
         if not self.enabled:
             log.error(
                 'request %s asks for layer-wise streaming, but this server runs "transfer": "pull"; it is '
                 "offered when finished instead (decode's read of it then times out and recomputes)",
                 request.request_id,
             )
-            params["transfer_mode"] = "pull"
-            return
-        transfer_id = params.get("transfer_id")
+            return False
         if not transfer_id:
             log.error(
                 "request %s asks for layer-wise streaming without a transfer_id; it is not streamed (the "
                 "proxy must give both sides the same transfer_id: kvbridge proxy --transfer layerwise)",
                 request.request_id,
             )
-            return
+            return True
         one_token = getattr(request, "max_tokens", None) == 1
-        self._producers.setdefault(
-            request.request_id, (str(transfer_id), len(request.prompt_token_ids or ()), one_token)
-        )
+        self._producers.setdefault(request.request_id, (transfer_id, len(request.prompt_token_ids or ()), one_token))
+        return True
 
     def collect(self, scheduler_output: Any) -> LayerwiseMeta:
         """This step's layer-wise metadata (streams started, blocks added, tokens computed, ends)."""

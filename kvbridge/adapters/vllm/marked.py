@@ -10,22 +10,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.session.lending import Lendable, StepLending, precopied
+from kvbridge.session.lending import Lendable, StepLending
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-
-def migration_of(params: Any) -> str | None:
-    """The migration id a decode request is marked with (the proxy may move it), or None."""
-    if not isinstance(params, dict) or params.get("do_remote_decode"):
-        return None
-    migration = params.get("kvbridge_migration_id")
-    if not isinstance(migration, str) or not migration or precopied(migration) is not None:
-        return None  # a pre-copy's own request is never moved, nor lent from
-    return migration
 
 
 class MarkedRequests:
@@ -42,11 +32,10 @@ class MarkedRequests:
         self._step = StepLending()
         self._blind = False  # this vLLM shows a connector no block table: nothing is lent
 
-    def see(self, request: Request) -> None:
-        migration = migration_of(request.kv_transfer_params)
-        if migration is not None:
-            self._requests[request.request_id] = request
-            self._migration[request.request_id] = migration
+    def see(self, request: Request, migration: str) -> None:
+        """A request marked with `migration` (`kvbridge.session.requests.migration_of`) is considered for a step."""
+        self._requests[request.request_id] = request
+        self._migration[request.request_id] = migration
 
     def collect(self, scheduler_output: Any) -> StepLending:
         """The step's news for the workers (and what ended since the last step)."""

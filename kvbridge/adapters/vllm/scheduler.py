@@ -6,8 +6,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
 from kvbridge.adapters.vllm.marked import MarkedRequests
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
@@ -17,8 +15,9 @@ from kvbridge.control.client import ClientPool
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import group_port
-from kvbridge.session.lending import StepLending, precopied
+from kvbridge.session.lending import StepLending
 from kvbridge.session.offers import Offers
+from kvbridge.session.requests import RequestParams
 from kvbridge.session.tasks import PullTask, StreamTask
 
 if TYPE_CHECKING:
@@ -30,21 +29,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def checked_params(request: Request) -> dict[str, Any] | None:
-    """The request's `kv_transfer_params`, or None when they are no dict or, asking for a transfer, do not decode.
+def checked_params(request: Request) -> tuple[dict[str, Any], KVTransferParams | None] | None:
+    """The request's `kv_transfer_params` and, where they ask for a transfer, their decoded form, or None.
 
-    None is also set on the request, and logged: such a request is served as a colocated server would."""
+    None where they are no dict or, asking for a transfer, do not decode: logged, and set on the request for vLLM
+    (it reads it right after `on_new_request`); such a request is served as a colocated server would."""
     params = request.kv_transfer_params
     if params is None:
         return None
     if not isinstance(params, dict):
         problem = f"kv_transfer_params must be a JSON object, got {type(params).__name__}"
     elif not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
-        return params
+        return params, None
     else:
         try:
-            KVTransferParams.from_dict(params)
-            return params
+            return params, KVTransferParams.from_dict(params)
         except ConfigError as exc:
             problem = str(exc)
     log.error(
@@ -79,7 +78,7 @@ class SchedulerSide:
         )
         self._pulls: list[PullTask] = []
         self._offers: list[Offer] = []
-        self._remote: dict[str, KVTransferParams] = {}  # decoded params of requests still to pull
+        self._requests: dict[str, RequestParams] = {}  # each request vLLM showed, until request_finished
         self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
         self.marked = MarkedRequests(self.block_size)
         self.layerwise = LayerwiseScheduler(
@@ -90,36 +89,36 @@ class SchedulerSide:
         )
 
     def on_new_request(self, request: Request) -> None:
-        """Check the request's params as it arrives (vLLM reads them itself right after)."""
-        checked_params(request)
+        """Decode the request's params as it arrives (vLLM reads them itself right after)."""
+        self._entry(request)
 
-    def _decode_params(self, request: Request) -> KVTransferParams | None:
-        """The request's params if it is still to be pulled (decoded on first sight), else None."""
-        params = checked_params(request)
-        if not params or not params.get("do_remote_prefill"):
-            return None
-        decoded = self._remote.get(request.request_id)
-        if decoded is None:
+    def _entry(self, request: Request) -> RequestParams:
+        """The request's decoded params, decoded on first sight."""
+        entry = self._requests.get(request.request_id)
+        if entry is None:
+            checked = checked_params(request)
+            entry = self._requests[request.request_id] = RequestParams.read(*(checked or (None, None)))
+        return entry
+
+    def _pull(self, request: Request, entry: RequestParams) -> KVTransferParams | None:
+        """What the request still pulls, worked out on first need; None once pulled, or (logged) where it names none."""
+        if entry.remote_prefill and entry.pull is None:
             try:
-                decoded = KVTransferParams.from_dict(params).migration_resolved()
-                decoded.require_remote()
-                if precopied(decoded.kvbridge_migration_id or "") is not None:
-                    # a pre-copy reads whole blocks the source has surely filled: one block short of what the proxy
-                    # saw (the source may not have told its workers of the last one yet); this side computes the rest
-                    whole = max(0, int(decoded.remote_num_tokens or 0) // self.block_size - 1) * self.block_size
-                    decoded = attrs.evolve(decoded, remote_num_tokens=whole)
+                entry.pull = entry.to_pull(self.block_size)
             except ConfigError as exc:
                 log.error("request %s: %s; its prompt is computed here instead", request.request_id, exc)
-                params["do_remote_prefill"] = False
-                return None
-            self._remote[request.request_id] = decoded
-        return decoded
+                entry.remote_prefill = False
+        return entry.pull
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        checked_params(request)  # also where a vLLM without on_new_request shows the request first
-        self.layerwise.note_producer(request)
-        self.marked.see(request)
-        decoded = self._decode_params(request)
+        entry = self._entry(request)  # also where a vLLM without on_new_request shows the request first
+        if entry.layerwise and entry.remote_decode:
+            assert entry.decoded is not None
+            if not self.layerwise.note_producer(request, entry.decoded.transfer_id):
+                entry.served_pulled()
+        if entry.migration_id is not None:
+            self.marked.see(request, entry.migration_id)
+        decoded = self._pull(request, entry)
         if decoded is not None:
             # a migrated request's source holds the KV of all but its last token (vLLM computes that one anyway)
             held = len(request.prompt_token_ids or ())
@@ -131,16 +130,16 @@ class SchedulerSide:
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if self._decode_params(request) is None:
+        entry = self._entry(request)
+        if self._pull(request, entry) is None:
             return
         # A full hit in decode's own prefix cache loads nothing, but prefill must still be told.
         local = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
-        self._add_pull(request, local, report=num_external_tokens > 0)
+        self._add_pull(request, entry, local, report=num_external_tokens > 0)
 
-    def _add_pull(self, request: Request, local: list[int], report: bool) -> None:
-        assert request.kv_transfer_params is not None
-        request.kv_transfer_params["do_remote_prefill"] = False  # one pull per request, also after a preemption
-        params = self._remote.pop(request.request_id)
+    def _add_pull(self, request: Request, entry: RequestParams, local: list[int], report: bool) -> None:
+        params, entry.pull, entry.remote_prefill = entry.pull, None, False  # one pull, also after a preemption
+        assert params is not None
         if params.transfer_mode == "layerwise":  # read while prefill computes: all the prompt's blocks
             tokens = len(request.prompt_token_ids or ())
             skip = max(0, -(-tokens // self.block_size) - len(local)) if local else 0
@@ -151,21 +150,18 @@ class SchedulerSide:
         except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
 
-    def _migrating(self, request: Request, params: dict[str, Any], block_ids: list[int]) -> bool:
+    def _migrating(self, request: Request, entry: RequestParams, block_ids: list[int]) -> bool:
         """A decode request marked for migration, then cut: hold its blocks under that id. See docs/internals.md."""
         from vllm.v1.request import RequestStatus
 
-        migration = params.get("kvbridge_migration_id")
-        if request.status != RequestStatus.FINISHED_ABORTED or params.get("do_remote_decode") or not migration:
-            return False
-        if not isinstance(migration, str) or not block_ids or precopied(migration) is not None:
+        if request.status != RequestStatus.FINISHED_ABORTED or entry.migration_id is None or not block_ids:
             return False
         log.info(
             "request %s: cut for migration; %d blocks (%d tokens) offered under lease %s",
             request.request_id,
             len(block_ids),
             request.num_computed_tokens,
-            migration,
+            entry.migration_id,
         )
         return True
 
@@ -192,31 +188,29 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
-        params = checked_params(request)
+        entry = self._entry(request)
+        del self._requests[request.request_id]  # vLLM calls this once, as the request leaves
         timing = self._timings.pop(request.request_id, None)
-        if not params:
+        if not entry.given:
             return False, None
-        cut = self._migrating(request, params, block_ids)
+        cut = self._migrating(request, entry, block_ids)
         held = self.marked.finished(request, offered=cut)  # a live move may still read it (docs/elastic.md)
-        if self._decode_params(request) is not None:
+        if self._pull(request, entry) is not None:
             # Decode dropped the request (abort) before any block was allocated: release prefill's.
-            self._add_pull(request, [], report=False)
+            self._add_pull(request, entry, [], report=False)
             return False, None
         if cut:
-            self._offers.append(self.offering.make(params["kvbridge_migration_id"], block_ids, request.request_id))
+            assert entry.migration_id is not None
+            self._offers.append(self.offering.make(entry.migration_id, block_ids, request.request_id))
             return True, None
-        if (
-            request.status == RequestStatus.FINISHED_ABORTED
-            and params.get("transfer_mode") == "layerwise"
-            and not params.get("do_remote_decode")
-        ):
+        if request.status == RequestStatus.FINISHED_ABORTED and entry.layerwise and not entry.remote_decode:
             self.layerwise.cancel(request.request_id)  # dropped while streaming: stop reading, abort on prefill
         streamed = self.layerwise.producer_finished(
             request, request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         )
         if streamed is False:
             return held, None
-        if not params.get("do_remote_decode"):
+        if not entry.remote_decode:
             # A decode answers with what its workers measured of the pull, for the proxy's timeline.
             return held, None if timing is None else KVTransferParams(kvbridge_timing=timing).to_dict()
         if streamed is None:  # pull mode: offer the finished request's blocks

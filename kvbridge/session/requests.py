@@ -1,0 +1,70 @@
+"""`RequestParams`: one request's `kv_transfer_params` as an engine's scheduler reads them. See docs/internals.md."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from kvbridge.control.params import KVTransferParams
+from kvbridge.session.lending import precopied
+
+
+def migration_of(params: Any) -> str | None:
+    """The migration id a decode request is marked with (the proxy may move it), or None."""
+    if not isinstance(params, Mapping) or params.get("do_remote_decode"):
+        return None
+    migration = params.get("kvbridge_migration_id")
+    if not isinstance(migration, str) or not migration or precopied(migration) is not None:
+        return None  # a pre-copy's own request is never moved, nor lent from
+    return migration
+
+
+@attrs.define
+class RequestParams:
+    """A request's params decoded once, when its engine first shows it; what changes while it runs changes here.
+
+    The engine's own dict stays as it came: a prefill request the engine cannot stream is served in pull mode, and
+    a decode request pulls once (also after a preemption), both said here."""
+
+    given: bool = False  # a dict that is not empty (and decodes, where it asks for a transfer)
+    decoded: KVTransferParams | None = None  # where they ask for a transfer (do_remote_prefill, do_remote_decode)
+    layerwise: bool = False  # transfer_mode "layerwise"
+    migration_id: str | None = None  # a decode request the proxy may move (`migration_of`)
+    remote_decode: bool = False  # prefill: a decode pulls the finished request's blocks
+    # decode: still to pull, until its pull is built or its params turn out to name nothing to pull from
+    remote_prefill: bool = False
+    pull: KVTransferParams | None = None  # what it pulls (`to_pull`), worked out on first need
+
+    @classmethod
+    def read(cls, params: Mapping[str, Any] | None, decoded: KVTransferParams | None) -> RequestParams:
+        """The entry of checked params (`decoded` where they ask for a transfer); none or empty ones: an empty one."""
+        if not params:
+            return cls()
+        return cls(
+            given=True,
+            decoded=decoded,
+            layerwise=params.get("transfer_mode") == "layerwise",
+            migration_id=migration_of(params),
+            remote_decode=decoded is not None and decoded.do_remote_decode,
+            remote_prefill=decoded is not None and decoded.do_remote_prefill,
+        )
+
+    def served_pulled(self) -> None:
+        """The engine cannot stream this request: it is served in pull mode (also the pull it may ask for)."""
+        assert self.decoded is not None
+        self.layerwise = False
+        self.decoded = attrs.evolve(self.decoded, transfer_mode="pull")
+
+    def to_pull(self, block_size: int) -> KVTransferParams:
+        """What a `do_remote_prefill` request pulls; ConfigError where its params name nothing to pull from."""
+        assert self.decoded is not None
+        decoded = self.decoded.migration_resolved()
+        decoded.require_remote()
+        if precopied(decoded.kvbridge_migration_id or "") is not None:
+            # a pre-copy reads whole blocks the source has surely filled: one block short of what the proxy saw
+            # (the source may not have told its workers of the last one yet); the reader computes the rest
+            whole = max(0, int(decoded.remote_num_tokens or 0) // block_size - 1) * block_size
+            decoded = attrs.evolve(decoded, remote_num_tokens=whole)
+        return decoded

@@ -1,0 +1,56 @@
+"""RequestParams: a request's kv_transfer_params decoded once, the engine's dict left as it came."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvbridge.base.errors import ConfigError
+from kvbridge.control import KVTransferParams
+from kvbridge.session.requests import RequestParams, migration_of
+
+REMOTE = {"remote_engine_id": "p", "remote_host": "10.0.0.1", "remote_port": 5600}
+
+
+def entry(params: dict) -> RequestParams:
+    sent = copy.deepcopy(params)
+    asks = params.get("do_remote_prefill") or params.get("do_remote_decode")
+    got = RequestParams.read(params, KVTransferParams.from_dict(params) if asks else None)
+    assert params == sent, "the engine's dict is never changed"
+    return got
+
+
+def test_none_or_empty_params_give_an_empty_entry() -> None:
+    for params in (None, {}):
+        got = RequestParams.read(params, None)
+        assert not got.given and got.decoded is None and not (got.remote_prefill or got.remote_decode)
+
+
+def test_a_prefill_request_served_in_pull_mode_says_so_in_its_entry_only() -> None:
+    params = {"do_remote_decode": True, "do_remote_prefill": True, "transfer_mode": "layerwise", **REMOTE}
+    got = entry(params)
+    assert got.given and got.layerwise and got.remote_decode and got.remote_prefill
+    got.served_pulled()
+    assert not got.layerwise and got.decoded is not None and got.decoded.transfer_mode == "pull"
+    assert params["transfer_mode"] == "layerwise"
+
+
+def test_what_a_decode_request_pulls() -> None:
+    got = entry({"do_remote_prefill": True, "remote_request_id": "r", **REMOTE})
+    assert got.to_pull(16).remote_request_id == "r"
+    # a pre-copy reads whole blocks, one short of what the proxy saw; a migration's lease is named
+    got = entry({"do_remote_prefill": True, "kvbridge_migration_id": "M~precopy1", "remote_num_tokens": 70, **REMOTE})
+    pull = got.to_pull(16)
+    assert (pull.remote_num_tokens, pull.remote_request_id) == (48, "M~precopy1")
+    with pytest.raises(ConfigError, match="lack remote_request_id"):
+        entry({"do_remote_prefill": True, **REMOTE}).to_pull(16)
+
+
+def test_migration_of_a_marked_decode_request_only() -> None:
+    assert migration_of({"kvbridge_migration_id": "M"}) == "M"
+    for params in (None, [], {"kvbridge_migration_id": 7}, {"kvbridge_migration_id": ""}):
+        assert migration_of(params) is None
+    assert migration_of({"kvbridge_migration_id": "M~precopy2"}) is None, "a pre-copy's own request"
+    assert migration_of({"kvbridge_migration_id": "M", "do_remote_decode": True}) is None
+    assert entry({"kvbridge_migration_id": "M"}).migration_id == "M"
