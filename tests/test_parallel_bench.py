@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_topology import CONTEXT_PAIRS
 
 from kvbridge.base.errors import TopologyError
-from kvbridge_tools.bench.parallel import ParallelBench
+from kvbridge_tools.bench.parallel import CONTEXT_PAIRS, ParallelBench
 
 # MLA pulls never slice heads, so any layout serves; GQA pairs that slice heads use an HND layout
 # (split-hnd, or vllm-cpu, where each head's K and V sit together), since a head slice is then one

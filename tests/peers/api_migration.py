@@ -3,7 +3,7 @@
 `python api_migration.py` is the decode side: it starts `python api_migration.py prefill` (the prefill
 side, a process of its own), pulls four of its blocks into other slots with `KVAgent.pull` and checks
 every byte. It prints one JSON line. Standard library, numpy and kvbridge only: it runs in a virtualenv
-that holds the library and nothing else (tests/test_library_alone.py).
+that holds the library and nothing else (tests/integration/test_library_alone.py).
 """
 
 from __future__ import annotations

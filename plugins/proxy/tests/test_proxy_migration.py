@@ -4,7 +4,7 @@ The decode upstreams stream one token per event from a function of the whole con
 a greedy model does, so a stream continued elsewhere from prompt + forwarded tokens must give the same tokens: any
 token lost or repeated at the cut shows. Servers announce themselves in a real redis with signed records, and the
 draining decode's side channel is a real kvbridge ControlServer with a ledger, which sees the proxy's Aborts. The
-end-to-end test on real vLLM servers is tests/test_vllm_elastic.py.
+end-to-end test on real vLLM servers is tests/e2e/test_vllm_elastic.py.
 """
 
 from __future__ import annotations

@@ -8,5 +8,5 @@
 - `harness`: what the benches, chaos runs and kvbridge's own tests start: network-namespace hosts, real
   vLLM servers, a tiny offline model, free ports, and the GPU kit behind scripts/gpu-pack and gpu-check.
 
-kvbridge never imports this package (tests/test_import_graph.py checks it).
+kvbridge never imports this package (tests/unit/test_import_graph.py checks it).
 """

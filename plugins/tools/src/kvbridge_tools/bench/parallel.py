@@ -20,6 +20,20 @@ from kvbridge.plan.topology import ParallelConfig, plan
 from kvbridge_tools.bench.parallel_rank import LAYOUTS
 from kvbridge_tools.harness.proc import Child
 
+# The pairs the context PR was tested on (prefill -> decode); the tests plan and run each.
+CONTEXT_PAIRS = [
+    ("tiny-mla", "tp8,dp2", "tp8,dp2"),
+    ("tiny-mla", "tp8,pcp2,dcp8", "tp8,dp2"),
+    ("tiny-mla", "tp8,pcp2,dcp8", "tp8,dcp4,dp2"),
+    ("tiny-mla", "tp8,pcp2,dcp4", "tp4,dcp2,dp4"),
+    ("tiny-mla", "tp8,pcp2,dcp2", "tp4,dcp4,dp4"),
+    ("tiny-mla", "tp8,pcp2", "tp4,dcp2"),
+    ("tiny-gqa", "tp8,dp2", "tp8,dp2"),
+    ("tiny-gqa", "tp8,pcp2,dcp2", "tp8,dp2"),
+    ("tiny-gqa", "tp8,pcp2,dcp2", "tp8,dcp2,dp2"),
+    ("tiny-gqa", "tp8,pcp2,dcp2", "tp4,dp4"),
+    ("tiny-gqa", "tp16,dcp2", "tp8,dcp2,dp2"),
+]
 DEFAULT_TOKENS = 2500
 CLOSE_TIMEOUT = 60.0
 

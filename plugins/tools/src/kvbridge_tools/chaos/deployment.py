@@ -358,7 +358,7 @@ class Deployment:
         if at_proxy:
             # A rolling upgrade: the operator drains the decode at the proxy, which moves its streams (pre-copied
             # while they run on), and stops it once they left. (A SIGTERM alone moves them too, once the proxy reads
-            # the record: tests/test_vllm_elastic.py.)
+            # the record: tests/e2e/test_vllm_elastic.py.)
             self._drain_at_proxy(server)
         self._background(f"drain-{server.port}", self._stop_drained, drained, fault, at_proxy)
         if replace:

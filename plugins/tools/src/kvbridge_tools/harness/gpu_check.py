@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[5]  # plugins/tools/src/kvbridge_tools/h
 OTHER_TRANSPORTS = ("mooncake", "nixl")  # carried one per call: the others' parametrizations are left out
 CONFORMANCE = {  # device -> (test file, class running DeviceConformance on it)
     "cuda": ("plugins/cuda/tests/test_cuda_conformance.py", "TestCudaConformance"),
-    "cpu": ("tests/test_conformance.py", "TestCpuConformance"),
+    "cpu": ("tests/unit/test_conformance.py", "TestCpuConformance"),
 }
 BENCH = ["--model", "small", "--tokens", "1024", "--requests", "4", "--repeat", "3"]  # 16 MiB per request
 LANDING_SHAPE = (2, 8, 4, 16, 64)  # layers, blocks, heads, tokens per block, fp16 K+V content per token

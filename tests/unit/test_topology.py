@@ -10,21 +10,7 @@ from hypothesis import strategies as st
 from kvbridge.base.errors import TopologyError
 from kvbridge.plan.presets import PRESETS, ModelSpec
 from kvbridge.plan.topology import HeadPlacement, ParallelConfig, Plan, plan
-
-# The pairs the context PR was tested on (prefill -> decode).
-CONTEXT_PAIRS = [
-    ("tiny-mla", "tp8,dp2", "tp8,dp2"),
-    ("tiny-mla", "tp8,pcp2,dcp8", "tp8,dp2"),
-    ("tiny-mla", "tp8,pcp2,dcp8", "tp8,dcp4,dp2"),
-    ("tiny-mla", "tp8,pcp2,dcp4", "tp4,dcp2,dp4"),
-    ("tiny-mla", "tp8,pcp2,dcp2", "tp4,dcp4,dp4"),
-    ("tiny-mla", "tp8,pcp2", "tp4,dcp2"),
-    ("tiny-gqa", "tp8,dp2", "tp8,dp2"),
-    ("tiny-gqa", "tp8,pcp2,dcp2", "tp8,dp2"),
-    ("tiny-gqa", "tp8,pcp2,dcp2", "tp8,dcp2,dp2"),
-    ("tiny-gqa", "tp8,pcp2,dcp2", "tp4,dp4"),
-    ("tiny-gqa", "tp16,dcp2", "tp8,dcp2,dp2"),
-]
+from kvbridge_tools.bench.parallel import CONTEXT_PAIRS
 
 
 def test_parse_and_str_round_trip() -> None:

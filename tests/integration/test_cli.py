@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KVBRIDGE = [sys.executable, "-m", "kvbridge"]
 QUICK = ["--model", "small", "--tokens", "256", "--requests", "2", "--repeat", "1"]
 

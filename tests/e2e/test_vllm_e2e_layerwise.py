@@ -6,7 +6,7 @@ layerwise`, against a colocated server with no connector, all three computing lo
 and the test's client are on hosts of their own (network namespaces); the shared secret is required.
 
 Run under the shared lock: `flock /tmp/kvbridge-heavy.lock .venv/bin/python -m pytest
-tests/test_vllm_e2e_layerwise.py`. The last test kills the decode server.
+tests/e2e/test_vllm_e2e_layerwise.py`. The last test kills the decode server.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 
 from kvbridge_tools.harness.proc import Child, ChildError
 
-PEERS = str(Path(__file__).parent / "peers")
+PEERS = str(Path(__file__).parents[1] / "peers")
 # the children import what this process imports (kvbridge_tools included), and the peers
 CHILD_PATH = os.pathsep.join(filter(None, [PEERS, os.environ.get("PYTHONPATH", "")]))
 MiB = 1 << 20

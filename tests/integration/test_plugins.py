@@ -15,7 +15,7 @@ import pytest
 import kvbridge
 from kvbridge.base.errors import PluginNotFound, PluginUnavailable
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 PLUGIN_MODULE = """
 import kvbridge

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-MIGRATION = Path(__file__).parent / "peers" / "api_migration.py"
+REPO = Path(__file__).resolve().parents[2]
+MIGRATION = Path(__file__).parents[1] / "peers" / "api_migration.py"
 # what a build from a copy leaves out: the tree's own environment and outputs, the tests and the plugins
 IGNORE = shutil.ignore_patterns(
     ".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".gpu-pack", "gpu-check-out", "tests", "plugins"

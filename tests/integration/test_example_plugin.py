@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "plugins" / "example-device"
 DIST = "kvbridge-example-device"
 QUICK = ["--model", "small", "--tokens", "256", "--requests", "2", "--repeat", "1"]

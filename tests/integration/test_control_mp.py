@@ -19,7 +19,7 @@ from kvbridge.plan.topology import ParallelConfig, Plan, plan
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child, ChildError
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/: the helpers beside the tiers
 ENV = {
     "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH", "")])),
     "NO_PROXY": "127.0.0.1,localhost",

@@ -29,7 +29,7 @@ import pytest
 from kvbridge_tools.harness.hosts import Hosts
 from kvbridge_tools.harness.proc import Child
 
-PEERS = str(Path(__file__).parent / "peers")
+PEERS = str(Path(__file__).parents[1] / "peers")
 SIZE = 1 << 20
 TRANSPORTS = ["mooncake", "nixl", "tcp"]
 GUARDED = ["mooncake", "nixl"]  # they authenticate nobody themselves

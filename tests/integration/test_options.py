@@ -138,7 +138,7 @@ def test_plugins_name_prints_options_with_defaults_and_docs() -> None:
 
 
 def test_the_options_class_in_the_plugin_docs_works_as_documented() -> None:
-    text = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
     [block] = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "class MyOptions" in b]
     scope: dict[str, object] = {}
     exec(compile(block, "docs/plugins.md", "exec"), scope)  # noqa: S102 - our own docs, to keep them true

@@ -15,7 +15,7 @@ did; until then it may still write into the destination): deadline + 5 s. The en
 Idle gaps between pulls (Mooncake#4209 reports stale lanes after a few seconds idle) are short here;
 the long ones are a manual run:
 
-    KVBRIDGE_IDLE_GAPS=5,30,60,90 .venv/bin/python -m pytest tests/test_mooncake_stall.py -k idle -q
+    KVBRIDGE_IDLE_GAPS=5,30,60,90 .venv/bin/python -m pytest tests/integration/test_mooncake_stall.py -k idle -q
 """
 
 from __future__ import annotations
@@ -202,4 +202,6 @@ def test_the_side_channel_answers_while_transfers_run_and_stall() -> None:
 
 def _child_path() -> str:
     """The peers' folder before this process's own path: the children import the same kvbridge_tools."""
-    return os.pathsep.join(filter(None, [os.path.dirname(__file__) + "/peers", os.environ.get("PYTHONPATH", "")]))
+    return os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(__file__)) + "/peers", os.environ.get("PYTHONPATH", "")])
+    )

@@ -9,7 +9,7 @@ import pytest
 
 from kvbridge.plugin import hookspecs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("kvbridge_")]
 
 

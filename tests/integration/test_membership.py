@@ -1,7 +1,7 @@
 """Elastic membership: records expire and are signed, the proxy follows joins, leaves and drains, orders drain.
 
 With real redis and etcd (started on free ports, stopped by PID) and a real proxy on 127.0.0.1 in front of
-small real HTTP upstreams (docs/elastic.md). With real vLLM servers: tests/test_vllm_elastic.py.
+small real HTTP upstreams (docs/elastic.md). With real vLLM servers: tests/e2e/test_vllm_elastic.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The BPF program is checked two ways: run by a small interpreter of the classic BPF instructions it uses
 over hypothesis-drawn packets (accepted iff the source is in an admitted network), and attached by the
-kernel to real listening sockets on loopback. Across hosts: tests/test_stranger.py.
+kernel to real listening sockets on loopback. Across hosts: tests/e2e/test_stranger.py.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from kvbridge.control import (
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/: the helpers beside the tiers
 
 
 @pytest.fixture(params=["redis", "etcd"])

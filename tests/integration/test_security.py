@@ -487,7 +487,7 @@ def test_the_documented_openssl_derivation_gives_the_admin_token() -> None:
 
     from kvbridge.base.secret import admin_token
 
-    doc = (Path(__file__).parents[1] / "docs" / "security.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "security.md").read_text()
     [command] = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.S) if "openssl kdf" in b]
     if shutil.which("openssl") is None:
         pytest.skip("no openssl here")
