@@ -20,7 +20,7 @@ import pytest
 
 from kvbridge_tools.harness import gpu_kit
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_the_cpu_dry_run_passes_every_check_and_writes_its_json(tmp_path: Path) -> None:
