@@ -32,7 +32,7 @@ from kvbridge.control import (
 from kvbridge.plan.layout import vllm_layout
 from kvbridge.plan.presets import PRESETS, ModelSpec
 from kvbridge.plan.topology import HeadPlacement, ParallelConfig
-from kvbridge.session.decode import DecodeControl
+from kvbridge.session.pull_control import PullControl
 from kvbridge_tools.bench.shares import Share, fill, mismatches
 from kvbridge_tools.harness.proc import serve
 
@@ -111,7 +111,7 @@ class Rank:
         )
         self.clients: dict[tuple[str, int], ControlClient] = {}
         self.control = (
-            DecodeControl(self.agent, self.server, secret=secret, registry=self.registry) if role == "decode" else None
+            PullControl(self.agent, self.server, secret=secret, registry=self.registry) if role == "decode" else None
         )
 
     def _on_release(self, lease: object, why: LeaseState) -> None:
@@ -211,7 +211,7 @@ def read(request_id: str, params: dict, local_blocks: list[int]) -> dict:
 
 
 def pull(request_id: str, params: dict, local_blocks: list[int]) -> str | None:
-    """The whole decode side through `DecodeControl`: returns None, or the error that means recompute."""
+    """The whole decode side through `PullControl`: returns None, or the error that means recompute."""
     with R.lock:
         R.held[request_id] = list(local_blocks)
     R.buf[:] = 0

@@ -297,7 +297,7 @@ class KVAgent:
     ) -> PullHandle:
         """Read this rank's share of a request from the prefill ranks that hold it. See docs/internals.md.
 
-        `plan`: the request's plan where the caller made it already (`DecodeControl`); it is used when it is the plan
+        `plan`: the request's plan where the caller made it already (`PullControl`); it is used when it is the plan
         these RankInfos call for, and made again otherwise."""
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")

@@ -1,6 +1,6 @@
 """One pull under way on a decode rank: its `Session` (machine, plan, leases), and how long prefill holds its reads.
 
-Shared by the whole-request pull (`kvbridge.session.decode`) and the layer-wise one (`kvbridge.session.layers`).
+Shared by the whole-request pull (`kvbridge.session.pull_control`) and the layer-wise one (`kvbridge.session.layers`).
 """
 
 from __future__ import annotations

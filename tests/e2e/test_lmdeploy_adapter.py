@@ -41,7 +41,7 @@ from lmdeploy.pytorch.disagg.messages import (  # noqa: E402
 )
 from lmdeploy.pytorch.engine.cache_engine.migration import build_cache_pool_assignments  # noqa: E402
 
-from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend  # noqa: E402
+from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeLMDeployBackend  # noqa: E402
 from kvbridge.adapters.lmdeploy.plan import instruct_array, plan  # noqa: E402
 from kvbridge.base.errors import ConfigError, InvalidDescriptor, ProtocolError, TransferFailed, TransferTimeout  # noqa: E402
 from kvbridge.base.types import MemoryRegion  # noqa: E402
@@ -106,7 +106,7 @@ def pair(module_hosts_factory) -> Iterator[tuple[Child, Child]]:  # noqa: ANN001
                 backend="Mooncake",
             )
             # The worker resolved LMDeploy's "Mooncake" through the registry to kvbridge's class.
-            assert made["backend"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
+            assert made["backend"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeLMDeployBackend"
         _handshake(prefill, decode)
         yield prefill, decode
     finally:
@@ -133,7 +133,7 @@ def _fresh(code: str, **env: str) -> str:
 
 def test_fresh_interpreter_gets_kvbridge_for_mooncake() -> None:
     names = json.loads(_fresh(_PROBE, KVBRIDGE_LMDEPLOY="1"))
-    assert names["Mooncake"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
+    assert names["Mooncake"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeLMDeployBackend"
     assert names["KVBridge"] == names["Mooncake"]
 
 
@@ -150,7 +150,7 @@ def test_either_import_order_gets_kvbridge_for_mooncake(first: str) -> None:
     )
     assert out.returncode == 0 and "could not register" not in out.stderr, out.stderr
     names = json.loads(out.stdout.strip().splitlines()[-1])
-    assert names["Mooncake"] == names["KVBridge"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeMigrationBackend"
+    assert names["Mooncake"] == names["KVBridge"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeLMDeployBackend"
 
 
 def test_env_switch_keeps_lmdeploys_own_backend() -> None:
@@ -268,7 +268,7 @@ def test_contiguous_blocks_coalesce_to_one_descriptor_per_layer() -> None:
 
 def _loopback_pair(
     keys: tuple[bytes | None, bytes | None] = (None, None), hostnames: tuple[str, str] = ("127.0.0.1", "127.0.0.1")
-) -> tuple[KVBridgeMigrationBackend, KVBridgeMigrationBackend, np.ndarray, np.ndarray]:
+) -> tuple[KVBridgeLMDeployBackend, KVBridgeLMDeployBackend, np.ndarray, np.ndarray]:
     """A prefill and a decode backend over the loopback transport, linked both ways as LMDeploy's proxy links them.
 
     `keys` (shared secrets) and `hostnames` are the prefill's and the decode's.
@@ -283,7 +283,7 @@ def _loopback_pair(
         settings = AdapterSettings(
             transport="loopback", protocol="loopback", hostname=host, timeout=10, secret=secret, fault_injection={}
         )
-        b = KVBridgeMigrationBackend(settings)
+        b = KVBridgeLMDeployBackend(settings)
         b.p2p_initialize(
             DistServeInitRequest(
                 local_engine_id=me,
@@ -549,7 +549,7 @@ def test_settings_come_from_the_environment() -> None:
 
 
 def test_a_protocol_the_transport_lacks_says_how_to_fix_it() -> None:
-    backend = KVBridgeMigrationBackend(AdapterSettings(transport="tcp", hostname="127.0.0.1"))
+    backend = KVBridgeLMDeployBackend(AdapterSettings(transport="tcp", hostname="127.0.0.1"))
     with pytest.raises(ConfigError, match="MigrationProtocol.RDMA; set KVBRIDGE_LMDEPLOY_PROTOCOL"):
         backend.p2p_initialize(
             DistServeInitRequest(

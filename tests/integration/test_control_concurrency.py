@@ -32,7 +32,7 @@ from control_helpers import pull_params, wait_for
 from kvbridge.base.errors import KVBridgeError
 from kvbridge.control import ClientPool, ControlClient
 from kvbridge.control.messages import LeaseStatus, QueryLease
-from kvbridge.session.decode import DecodeControl
+from kvbridge.session.pull_control import PullControl
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child, ChildError
 
@@ -173,7 +173,7 @@ def test_a_stopped_prefill_costs_a_pull_one_control_timeout_not_two(children: li
     prefill.call("offer", request_id="r0", blocks=blocks, tokens=8 * 16)
     assert decode.call("pull", request_id="r0", params=pull_params("r0", blocks, port), local_blocks=blocks) is None
     os.kill(prefill.pid, signal.SIGSTOP)
-    timeout = signature(DecodeControl).parameters["timeout_s"].default
+    timeout = signature(PullControl).parameters["timeout_s"].default
     began = time.monotonic()
     with pytest.raises(ChildError, match="did not answer BeginPull"):
         decode.call("pull", request_id="r1", params=pull_params("r1", blocks, port), local_blocks=blocks)

@@ -161,7 +161,7 @@ def test_done_releases_exactly_at_the_last_done_and_duplicates_are_harmless(clus
 
 @pytest.mark.slow
 def test_done_decode_control_end_to_end(cluster: Cluster) -> None:
-    """`DecodeControl` on every decode rank: pulls, fenced DONEs, notifier; every prefill rank released."""
+    """`PullControl` on every decode rank: pulls, fenced DONEs, notifier; every prefill rank released."""
     rid, blocks, local, tokens = "req-control", [4, 0, 6], [5, 1, 0], 48
     cluster.offer(rid, blocks, tokens)
     params = cluster.params(rid, blocks, tokens)

@@ -1,4 +1,4 @@
-"""DecodeControl in one process over the loopback transport (real memmoves, injected faults).
+"""PullControl in one process over the loopback transport (real memmoves, injected faults).
 
 The cases: a lease expiring during the read, a failed transfer, a prefill rank that is not ready, a read reported
 before its DONE is answered, an abort on the prefill side during a read.
@@ -22,8 +22,8 @@ from kvbridge.control import ControlServer, KVTransferParams, LeaseState, Ledger
 from kvbridge.plan.layout import vllm_layout
 from kvbridge.plan.presets import PRESETS
 from kvbridge.plan.topology import ParallelConfig
-from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine, PullState
+from kvbridge.session.pull_control import PullControl
 
 MODEL = PRESETS["tiny-gqa"]
 TOKENS = 40
@@ -70,7 +70,7 @@ class Pair:
         self.p_server = ControlServer("prefill", 0, ledger=self.ledger, poll_interval_s=0.01)
         self.d_server = ControlServer("decode", 0)
         self.d_server.register(self.decode.info())
-        self.control = DecodeControl(self.decode, self.d_server, ready_timeout_s=0.3)
+        self.control = PullControl(self.decode, self.d_server, ready_timeout_s=0.3)
         self.outcomes: list[tuple[str, BaseException | None]] = []
 
     def params(self, rid: str) -> KVTransferParams:

@@ -193,7 +193,7 @@ def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
         describe_cache_pools,
     )
 
-    from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeMigrationBackend
+    from kvbridge.adapters.lmdeploy import AdapterSettings, KVBridgeLMDeployBackend
     from kvbridge_tools.bench.lmdeploy_rank import engine_config
 
     settings = AdapterSettings(transport="mooncake", hostname="127.0.0.1", timeout=60, device="npu")
@@ -204,11 +204,11 @@ def test_lmdeploy_backend_stages_npu_pools_over_mooncake_tcp(npu: Any) -> None:
     pools["p"].copy_(
         torch.randint(0, 256, pools["p"].shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
     )
-    sides: dict[str, KVBridgeMigrationBackend] = {}
+    sides: dict[str, KVBridgeLMDeployBackend] = {}
     try:
         for me, other, device_id in (("p", "d", 0), ("d", "p", 1)):
             npu.set_device(device_id)  # each LMDeploy worker runs on its own NPU
-            b = sides[me] = KVBridgeMigrationBackend(settings)
+            b = sides[me] = KVBridgeLMDeployBackend(settings)
             b.p2p_initialize(
                 DistServeInitRequest(
                     local_engine_id=me,

@@ -289,7 +289,7 @@ def test_abort_call_back_goes_only_to_the_host_the_begin_pull_came_from(prefill:
 def test_decode_control_names_exactly_the_blocks_it_reads() -> None:
     from kvbridge.plan.presets import PRESETS
     from kvbridge.plan.topology import ParallelConfig, plan
-    from kvbridge.session.decode import blocks_read as _blocks_read
+    from kvbridge.session.pull_control import blocks_read as _blocks_read
 
     model = PRESETS["tiny-gqa"]
     p = plan(ParallelConfig(tp=1, pcp=2), ParallelConfig(tp=1), model, 4 * model.block_size)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from kvbridge.adapters.lmdeploy.backend import KVBridgeMigrationBackend, Link
+from kvbridge.adapters.lmdeploy.backend import KVBridgeLMDeployBackend, Link
 from kvbridge.adapters.lmdeploy.settings import AdapterSettings
 
 NAMES = ("Mooncake", "KVBridge")
 
 
 def register() -> None:
-    """Register `KVBridgeMigrationBackend` in LMDeploy's registry under `NAMES`, replacing what is there."""
+    """Register `KVBridgeLMDeployBackend` in LMDeploy's registry under `NAMES`, replacing what is there."""
     from lmdeploy.pytorch.disagg.backend.backend import MIGRATION_BACKENDS
 
     # mmengine refuses a name that is taken unless forced; replacing LMDeploy's Mooncake is the point.
-    MIGRATION_BACKENDS.register_module(name=list(NAMES), force=True, module=KVBridgeMigrationBackend)
+    MIGRATION_BACKENDS.register_module(name=list(NAMES), force=True, module=KVBridgeLMDeployBackend)
 
 
-__all__ = ["NAMES", "AdapterSettings", "KVBridgeMigrationBackend", "Link", "register"]
+__all__ = ["NAMES", "AdapterSettings", "KVBridgeLMDeployBackend", "Link", "register"]

@@ -1,4 +1,4 @@
-"""`KVBridgeMigrationBackend`: LMDeploy's `MigrationBackendImpl` on any kvbridge transport. See docs/internals.md."""
+"""`KVBridgeLMDeployBackend`: LMDeploy's `MigrationBackendImpl` on any kvbridge transport. See docs/internals.md."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Link:
     peer: Peer | None = None
 
 
-class KVBridgeMigrationBackend(MigrationBackendImpl):
+class KVBridgeLMDeployBackend(MigrationBackendImpl):
     """LMDeploy migration backend that moves KV blocks over a kvbridge transport. See docs/internals.md."""
 
     def __init__(self, settings: AdapterSettings | None = None) -> None:

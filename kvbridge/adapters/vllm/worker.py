@@ -16,10 +16,10 @@ from kvbridge.agent.kv_agent import KVAgent
 from kvbridge.plan.rank_ports import side_channel_port
 from kvbridge.plan.topology import ParallelConfig
 from kvbridge.plugin.placement import device_of
-from kvbridge.session.decode import CONTROL_TIMEOUT_S, DecodeControl
-from kvbridge.session.decoder import DecodeSide
+from kvbridge.session.decode_side import DecodeSide
 from kvbridge.session.outbox import Outbox
-from kvbridge.session.prefill import PrefillSide
+from kvbridge.session.prefill_side import PrefillSide
+from kvbridge.session.pull_control import CONTROL_TIMEOUT_S, PullControl
 from kvbridge.transport import netguard
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class WorkerSide:
         # One side-channel message waits at most CONTROL_TIMEOUT_S for its answer (a healthy peer answers in
         # milliseconds; one sent to a prefill that was then killed is never answered); waiting for a peer to be
         # ready or for its offer is bounded by pull_timeout_s.
-        control = DecodeControl(
+        control = PullControl(
             self.agent,
             self.server,
             secret=s.secret,
@@ -203,7 +203,7 @@ class WorkerSide:
         )
 
     @property
-    def control(self) -> DecodeControl | None:
+    def control(self) -> PullControl | None:
         return None if self.decode is None else self.decode.control
 
     def start_load_kv(self, meta: KVBridgeMetadata) -> None:

@@ -1,7 +1,7 @@
 """Many engine ranks in one process, for `kvbridge bench --scale` (`python -m kvbridge_tools.bench.scale_rank`).
 
 Each rank is what an engine rank runs, minus the engine: a `KVAgent` over a small host cache on a real transport, a
-side channel (`ControlServer`) with a lease ledger on a prefill rank, `DecodeControl` on a decode rank, and a record
+side channel (`ControlServer`) with a lease ledger on a prefill rank, `PullControl` on a decode rank, and a record
 in the registry. Packing ranks lets hundreds of them fit on a small machine; a rank shares nothing with another
 rank of its process but the process-wide ZeroMQ context its clients use, as ranks of one engine do.
 """
@@ -24,8 +24,8 @@ from kvbridge.control import ControlServer, KVTransferParams, LeaseState, Ledger
 from kvbridge.plan.layout import vllm_layout
 from kvbridge.plan.presets import PRESETS
 from kvbridge.plan.topology import ParallelConfig
-from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine
+from kvbridge.session.pull_control import PullControl
 from kvbridge_tools.harness.proc import serve
 
 MODEL = attrs.evolve(PRESETS["tiny-gqa"], kv_heads=2)  # a few KiB per block: the bench measures control, not bytes
@@ -39,7 +39,7 @@ class Rank:
     agent: KVAgent
     server: ControlServer
     ledger: Ledger | None
-    control: DecodeControl | None
+    control: PullControl | None
 
 
 RANKS: list[Rank] = []
@@ -70,7 +70,7 @@ def setup(
         ledger = Ledger(_released, timeout_s=120.0) if role == "prefill" else None
         server = ControlServer(engine_id, 0, ledger=ledger, host=host, secret=secret, registry=reg)
         server.register(agent.info())
-        control = DecodeControl(agent, server, secret=secret, registry=reg) if role == "decode" else None
+        control = PullControl(agent, server, secret=secret, registry=reg) if role == "decode" else None
         RANKS.append(Rank(engine_id, buf, agent, server, ledger, control))
     return [[r.engine_id, *r.server.address] for r in RANKS[-count:]]
 
@@ -85,7 +85,7 @@ def offer(requests: list[list[Any]]) -> int:
 
 
 def pull(jobs: list[list[Any]], concurrency: int) -> list[dict[str, Any]]:
-    """Each (rank index, local block, params) job pulled through `DecodeControl`, `concurrency` at a time.
+    """Each (rank index, local block, params) job pulled through `PullControl`, `concurrency` at a time.
 
     Returns, per job, its control time (resolving + first contact + BeginPull: `at_reading_ms`), its whole time,
     and its error, if any."""

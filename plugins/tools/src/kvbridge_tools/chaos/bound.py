@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from kvbridge.base.errors import ConfigError
-from kvbridge.session.decode import CONTROL_TIMEOUT_S
+from kvbridge.session.pull_control import CONTROL_TIMEOUT_S
 
 
 @attrs.frozen

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
-# what each rank of a kvbridge vLLM engine logs as it closes (kvbridge.session.prefill)
+# what each rank of a kvbridge vLLM engine logs as it closes (kvbridge.session.prefill_side)
 _CLOSING = re.compile(r"closing with (\d+) leases held \((\d+) blocks\)")
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 

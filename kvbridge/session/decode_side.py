@@ -13,9 +13,9 @@ from kvbridge.base import watchdog
 from kvbridge.base.errors import ConfigError, KVBridgeError
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import stage_port
-from kvbridge.session.decode import DecodeControl
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Outbox, Recorder
+from kvbridge.session.pull_control import PullControl
 from kvbridge.session.tasks import PullTask, StreamTask
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class DecodeSide:
 
     def __init__(
         self,
-        control: DecodeControl,
+        control: PullControl,
         outbox: Outbox,
         stats: Recorder,
         *,

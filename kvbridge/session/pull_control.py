@@ -67,7 +67,7 @@ def prefill_parallel(params: KVTransferParams) -> ParallelConfig:
     return ParallelConfig(tp=params.tp_size, pcp=params.pcp_size, dcp=params.dcp_size, dp=params.dp_size)
 
 
-class DecodeControl:
+class PullControl:
     """One decode rank's control plane: its agent, its side channel (told of aborts), its clients."""
 
     def __init__(
