@@ -5,7 +5,7 @@ Each writes {status, detail, data} as JSON to FILE.
 
 They drive kvbridge's own code, nothing copied: the device conformance suite (`kvbridge.testing.devices`,
 through pytest), the pair bench (`kvbridge bench`), the landing rearrangement (`KVAgent.pull` with a
-`kvbridge.agent.landing.Receiver`) and layer-wise publishing (`kvbridge.adapters.vllm.layerwise.Producer`).
+`kvbridge.agent.landing.Receiver`) and layer-wise publishing (`kvbridge.session.stream.Producer`).
 On the `cpu` device the same steps run on host memory, where nothing is queued: what they prove about a
 GPU is proven only where one ran them.
 """
