@@ -70,7 +70,8 @@ def serve_buffer(
 def _record(server: ControlServer) -> None:
     """Keep every frame the side channel receives and every reply it sends, as an observer on the wire would."""
     frames: list[bytes] = []
-    answer, seal = server._answer, server._seal
+    dispatcher = server._dispatcher  # what answers and signs each request (kvbridge.control.dispatch)
+    answer, seal = dispatcher.answer, dispatcher.seal
 
     def recording_answer(payload: bytes, peer_host: str | None, **kwargs: Any) -> Any:
         frames.append(payload)
@@ -81,7 +82,7 @@ def _record(server: ControlServer) -> None:
         frames.append(data)
         return data
 
-    server._answer, server._seal = recording_answer, recording_seal  # type: ignore[method-assign]
+    dispatcher.answer, dispatcher.seal = recording_answer, recording_seal  # type: ignore[method-assign]
     state["recorded"] = frames
 
 
