@@ -9,9 +9,11 @@ Why, whom it admits and what an address filter cannot do: docs/security.md ("Tra
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
+import heapq
 import ipaddress
 import logging
 import math
@@ -329,12 +331,20 @@ class Admission:
     An address is admitted while a hold names it, and `grace_s` after the last hold naming it ended; `admit` (the
     caller's own word) admits for the life of the process. A host whose admission the guards cannot take (the
     kernel refuses the filter) is refused with `GuardFull`; the filters stay as they were.
+
+    Every pull holds its reader's hosts and releases them, so a loaded prefill keeps a hold per request of the last
+    `grace_s`: hundreds. Each step therefore costs what it changes, never a pass over every hold: holds count the
+    hosts they name (`_refs`), ends wait in a heap, and the sweeper wakes only when the earliest end moves earlier.
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # also serializes filter updates: the filters follow one admitted set
         self._changed = threading.Condition(self._lock)
         self._holds: dict[str, _Hold] = {}
+        self._refs: collections.Counter[IPAddress] = collections.Counter()  # holds naming each address
+        self._why: dict[IPAddress, str] = {}  # why the first hold naming an address named it
+        self._ends: list[tuple[float, str]] = []  # (until, key) heap; an entry older than its hold's until is stale
+        self._wakes_at = math.inf  # when the sweeper wakes next (inf: when told)
         self._permanent: dict[IPAddress, str] = {}
         self._hosts: dict[IPAddress, str] = {}  # admitted now -> why (first reason)
         self._guards: weakref.WeakSet[Guard] = weakref.WeakSet()
@@ -370,39 +380,63 @@ class Admission:
         until = math.inf if ttl is None else now + ttl
         with self._lock:
             old = self._holds.get(key)
+            added = addrs - old.addrs if old else addrs
             self._holds[key] = _Hold(
                 addrs | (old.addrs if old else frozenset()), why, until if old is None else max(old.until, until)
             )
-            try:
-                self._apply(why)
-            except GuardFull:
-                if old is None:
-                    del self._holds[key]
-                else:
-                    self._holds[key] = old
-                raise
-            self._wake_sweeper()
+            self._count(added, why, +1)
+            if any(a not in self._hosts for a in added):  # a hold only adds: the filters change for a new host only
+                try:
+                    self._apply(why)
+                except GuardFull:
+                    self._count(added, why, -1)
+                    if old is None:
+                        del self._holds[key]
+                    else:
+                        self._holds[key] = old
+                    raise
+            self._ends_at(key)
         return tuple(addrs)
 
     def release(self, key: str) -> None:
         """`key` no longer needs its hosts: each goes `grace_s` from now, unless something else holds it."""
         with self._lock:
             hold = self._holds.get(key)
-            if hold is not None:
-                hold.until = min(hold.until, self._clock())
-                self._wake_sweeper()
+            if hold is not None and hold.until > (now := self._clock()):
+                hold.until = now
+                self._ends_at(key)
 
-    def _wanted(self, now: float) -> dict[IPAddress, str]:
+    def _count(self, addrs: Iterable[IPAddress], why: str, step: int) -> None:
+        for a in addrs:
+            self._refs[a] += step
+            if self._refs[a] <= 0:
+                del self._refs[a]
+                self._why.pop(a, None)
+            else:
+                self._why.setdefault(a, why)
+
+    def _ends_at(self, key: str) -> None:
+        """`key`'s hold has a new end: queue it, and wake the sweeper if that is before it would wake."""
+        until = self._holds[key].until
+        if until == math.inf:
+            return
+        heapq.heappush(self._ends, (until, key))
+        if self._sweeper is None or not self._sweeper.is_alive():
+            self._wakes_at = until + self.grace_s
+            self._sweeper = threading.Thread(target=self._sweep, name="kvbridge-admission", daemon=True)
+            self._sweeper.start()
+        elif until + self.grace_s < self._wakes_at:
+            self._changed.notify_all()
+
+    def _wanted(self) -> dict[IPAddress, str]:
         wanted = dict(self._permanent)
-        for hold in self._holds.values():
-            if hold.until + self.grace_s > now:
-                for a in hold.addrs:
-                    wanted.setdefault(a, hold.why)
+        for a in self._refs:
+            wanted.setdefault(a, self._why[a])
         return wanted
 
     def _apply(self, why: str) -> bool:
         """Bring the guards' filters to the admitted set as it is now (under the lock); True if it changed."""
-        wanted = self._wanted(self._clock())
+        wanted = self._wanted()
         if len(wanted) > MAX_ADMITTED:
             raise GuardFull(
                 f"kvbridge: {len(self._hosts)} hosts admitted already, at most {MAX_ADMITTED} are: not admitting "
@@ -430,29 +464,29 @@ class Admission:
         self._changed.notify_all()
         return True
 
-    def _wake_sweeper(self) -> None:
-        if self._sweeper is None or not self._sweeper.is_alive():
-            self._sweeper = threading.Thread(target=self._sweep, name="kvbridge-admission", daemon=True)
-            self._sweeper.start()
-        self._changed.notify_all()
-
     def _sweep(self) -> None:
         """Forget the holds that ended more than the grace ago, and their hosts (a thread of its own)."""
         with self._lock:
             while True:
                 now = self._clock()
-                for key, hold in list(self._holds.items()):
-                    if hold.until + self.grace_s <= now:
+                ended = False
+                while self._ends and self._ends[0][0] + self.grace_s <= now:
+                    until, key = heapq.heappop(self._ends)
+                    hold = self._holds.get(key)
+                    if hold is not None and hold.until == until:  # else stale: the hold was extended or ended later
                         del self._holds[key]
-                try:
-                    self._apply("a hold ended")  # removes hosts only: a smaller filter
-                except GuardFull as exc:
-                    log.error("kvbridge: could not drop hosts no longer held: %s", exc)
-                ends = [h.until + self.grace_s for h in self._holds.values() if h.until < math.inf]
-                if not self._holds:
-                    self._sweeper = None
+                        self._count(hold.addrs, hold.why, -1)
+                        ended = True
+                if ended:
+                    try:
+                        self._apply("a hold ended")  # removes hosts only: a smaller filter
+                    except GuardFull as exc:
+                        log.error("kvbridge: could not drop hosts no longer held: %s", exc)
+                if not self._ends:
+                    self._sweeper, self._wakes_at = None, math.inf
                     return
-                self._changed.wait(max(0.01, min(ends) - now) if ends else None)
+                self._wakes_at = self._ends[0][0] + self.grace_s
+                self._changed.wait(max(0.01, self._wakes_at - now))
 
     def hosts(self) -> tuple[IPAddress, ...]:
         with self._lock:
