@@ -6,6 +6,7 @@ import contextlib
 import difflib
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from importlib import metadata
@@ -190,6 +191,11 @@ class _PluginManager(pluggy.PluginManager):
         pluggy.PluginManager.register(self, plugin, name=name)
 
 
+def _normalized(project: str) -> str:
+    """A distribution's name as packaging compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", project).lower()
+
+
 def _csv(value: str | None) -> set[str] | None:
     if value is None:
         return None
@@ -254,7 +260,14 @@ class PluginRegistry:
             except BaseException as exc:  # SystemExit too: a plugin must not end the process that lists it
                 failed = exc
             loaded = self.pm.list_plugin_distinfo()[held:]
+            seen: set[str] = set()
             for plugin, dist in loaded:  # two distributions of one name: pluggy loads both, the first is kept
+                # One distribution found twice on the path (an editable install's metadata in site-packages and
+                # its build's egg-info beside its sources) is one plugin: importlib.metadata.entry_points() keeps
+                # the first of each distribution too, pluggy's loader reads every copy.
+                if _normalized(dist.project_name) in seen:
+                    continue
+                seen.add(_normalized(dist.project_name))
                 if name in self._sources:
                     self._taken_by(name, dist.project_name, dist.version)
                 else:

@@ -139,6 +139,15 @@ def test_a_real_installed_distribution_is_discovered_through_its_entry_point(dis
     assert list(got["devices"])[0] == "cpu"
 
 
+def test_a_distribution_found_twice_on_the_path_is_one_plugin(dists: dict[str, Path], tmp_path: Path) -> None:
+    # An editable install is found twice: its metadata in site-packages and its build's egg-info beside its sources
+    # (the repo's own plugins, as scripts/setup installs them). One distribution is one plugin, refused by nobody.
+    again = install_dist(tmp_path, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2))
+    got = run_kvbridge(LIST, dists["good"], again)
+    assert got["backends"]["throwaway"] == [True, "", "", "kvbridge-throwaway", "1.2.3"]
+    assert got["refused"] == {}
+
+
 def test_a_plugin_missing_its_native_library_is_unavailable_with_reason_and_hint(dists: dict[str, Path]) -> None:
     got = run_kvbridge(LIST, dists["good"])
     available, reason, hint, *_ = got["backends"]["needs-lib"]
