@@ -26,7 +26,7 @@ from kvbridge.control.messages import (
     Refused,
 )
 
-# The side channel's one logger, as before its modules were split: its lines and filters stay the same.
+# The side channel's one logger, whichever of its modules logs: one name for operators' filters.
 log = logging.getLogger("kvbridge.control.channel")
 
 MAX_PARKED = 4096  # BeginPulls held for their offer at once; beyond it they are answered at once (client retries)

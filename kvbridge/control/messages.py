@@ -20,7 +20,7 @@ MAX_EPOCH = (1 << 63) - 1
 MAX_WAIT_MS = 600_000
 # msgpack's bounds for a Frame and a request body: a few fields, ids (MAX_ID_CHARS characters of up to 4 UTF-8
 # bytes) and block ids packed as bytes. Garbage from a peer, authenticated or not, is refused by the decoder
-# before any of it is built (a 4 MiB list cost the serving thread a second). Replies are decoded without them:
+# before any of it is built (building a large list holds the serving thread). Replies are decoded without them:
 # a layout or a stream's per-layer counts are long arrays.
 MAX_FIELDS = 16
 MAX_ID_BYTES = 4 * MAX_ID_CHARS
