@@ -112,7 +112,7 @@ class ParallelBench:
         }
 
     def close(self) -> None:
-        """Stop both children at once: each closes one transport endpoint per rank (about 1 s each)."""
+        """Stop both children at once: each closes one transport endpoint per rank, slowly (see `parallel_rank`)."""
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda child: child.close(timeout=CLOSE_TIMEOUT), (self.decode, self.prefill)))
 
