@@ -177,8 +177,8 @@ class KVAgent:
         inner = create_backend(backend, **backend_options) if isinstance(backend, str) else backend
         # The probe's backends talk within this process: on loopback (no guard to pass), and never on the agent's port.
         name, options = backend, {**{k: v for k, v in backend_options.items() if k != "port"}, "hostname": "127.0.0.1"}
-        # Off unless asked: the probe times two endpoints of this process, not the path between hosts that was slow on
-        # the one GPU it is meant for, and starts two more transport engines (unmeasured on a GPU host).
+        # Off unless asked: the probe times two endpoints of this process, which need not be the path between hosts,
+        # and starts two more transport engines (docs/transfer-strategies.md).
         probe = os.environ.get("KVBRIDGE_PATH_PROBE") == "1" if probe is None else probe
         make = (lambda: create_backend(name, **options)) if probe and isinstance(name, str) else None
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.

@@ -93,8 +93,8 @@ def write_planes(views: Sequence[Sequence[Any]], blocks: Any, heads: tuple[int, 
                 dst[blocks] = rows
 
 
-# Host block scatters go through numpy: torch's CPU `index_put_` copies uint8 element by element, about 20x
-# slower (docs/measurements/README.md). A device tensor keeps torch's kernel.
+# Host block scatters go through numpy: torch's CPU `index_put_` copies uint8 element by element, numpy each block's
+# bytes at once (docs/measurements/README.md). A device tensor keeps torch's kernel.
 def _host_index(blocks: Any) -> np.ndarray | None:
     if isinstance(blocks, np.ndarray):
         return blocks

@@ -21,7 +21,7 @@ def block_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     try:
         return np.frombuffer(array.array("q", ids), dtype=np.int64)
     except (TypeError, OverflowError):
-        return np.asarray(ids, dtype=np.int64)  # numpy's own error, as before
+        return np.asarray(ids, dtype=np.int64)  # what array.array refuses: numpy converts it or raises its own error
 
 
 def _as_array(ids: Any) -> np.ndarray:

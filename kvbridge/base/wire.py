@@ -46,8 +46,8 @@ converter.register_structure_hook(bool, _strict_bool)
 
 
 def _strict_str(value: Any, cls: type) -> str:
-    # cattrs' default is str(value): a peer's 4 MiB list became a string of 12 MB before a length check saw it,
-    # and a number or a list passed for a host name was taken as one.
+    # cattrs' default is str(value): a peer's list would become a string larger than itself before a length check saw
+    # it, and a number or a list passed for a host name would be taken as one.
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {type(value).__name__}")
     return value if cls is str else cls(value)  # a str enum, as cattrs builds it

@@ -26,7 +26,7 @@ from kvbridge.control.messages import (
     Refused,
 )
 
-# The side channel's one logger, as before its modules were split: its lines and filters stay the same.
+# The side channel's one logger, whichever of its modules logs: one name for operators' filters.
 log = logging.getLogger("kvbridge.control.channel")
 
 MAX_PARKED = 4096  # BeginPulls held for their offer at once; beyond it they are answered at once (client retries)
@@ -118,8 +118,8 @@ class HeldRequests:
 
         Due: the held BeginPulls whose request was offered, the held QueryStreams whose request was `woken` and whose
         stream moved, and those whose wait ran out. Only requests `woken` (every offer wakes its request) or past a
-        deadline are looked at: looking at every held request each round cost a round per message times the requests
-        held, which grows with the square of the decodes waiting at once."""
+        deadline are looked at: looking at every held request each round would cost a round per message times the
+        requests held, which grows with the square of the decodes waiting at once."""
         nearest: float | None = None
         due = {rid for rid in woken if rid in self.parked}
         while self._due and self._due[0][0] <= now:

@@ -115,8 +115,9 @@ def freeze_heap_at_exit() -> None:
     """At this process's exit, freeze what is left instead of collecting it (an engine calls it as it shuts down).
 
     An exiting process gains nothing from the interpreter's final full collections, and over an engine's heap (torch,
-    the model) they took 1-3 s each on a loaded box (docs/measurements/drain.md): a drained vLLM worker outlived vLLM's
-    5 s grace and its engine core the shutdown timeout. atexit runs after the engine's own shutdown, right before them.
+    the model) they take seconds each on a loaded host (docs/measurements/drain.md): enough for a drained vLLM worker to
+    outlive vLLM's 5 s grace and its engine core the shutdown timeout. atexit runs after the engine's own shutdown,
+    right before them.
     """
     atexit.register(gc.freeze)
 

@@ -20,7 +20,7 @@ MAX_EPOCH = (1 << 63) - 1
 MAX_WAIT_MS = 600_000
 # msgpack's bounds for a Frame and a request body: a few fields, ids (MAX_ID_CHARS characters of up to 4 UTF-8
 # bytes) and block ids packed as bytes. Garbage from a peer, authenticated or not, is refused by the decoder
-# before any of it is built (a 4 MiB list cost the serving thread a second). Replies are decoded without them:
+# before any of it is built (building a large list holds the serving thread). Replies are decoded without them:
 # a layout or a stream's per-layer counts are long arrays.
 MAX_FIELDS = 16
 MAX_ID_BYTES = 4 * MAX_ID_CHARS
@@ -75,8 +75,8 @@ class Frame:
     mac: bytes = attrs.field(default=b"", validator=attrs.validators.instance_of(bytes))
     # The rank a request is for (its `engine_id/rank`), covered by the MAC: a frame recorded on its way to one
     # rank is refused by another that shares the secret. "" on a GetInfo (how a client learns the name) and
-    # on replies. Wire compatibility: added without a version bump, since the side channel needs the same
-    # kvbridge on both sides anyway. A frame from an older kvbridge decodes with "" and is refused for every
+    # on replies. Wire compatibility: the field has no version bump of its own, since the side channel needs the
+    # same kvbridge on both sides anyway. A frame from an older kvbridge decodes with "" and is refused for every
     # kind but GetInfo (it could be replayed to any rank); a newer frame is refused by an older decoder (an
     # unknown field). Either way the refusal says which.
     receiver: str = attrs.field(default="", validator=[attrs.validators.instance_of(str), _bounded_str])

@@ -12,7 +12,7 @@ from kvbridge.control.client import ClientPool
 from kvbridge.control.framing import Address
 from kvbridge.control.messages import Abort
 
-# The side channel's one logger, as before its modules were split: its lines and filters stay the same.
+# The side channel's one logger, whichever of its modules logs: one name for operators' filters.
 log = logging.getLogger("kvbridge.control.channel")
 
 MAX_NOTIFIED_PEERS = 256  # peers with abort notifications pending at once (a thread each); beyond, the leases expire

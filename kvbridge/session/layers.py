@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 # Decode asks prefill for its progress with a long poll: prefill holds the QueryStream until it wakes
 # its readers (or the lease ends), at most this long, so decode reads as soon as there is something to
-# read without busy polling (which took the prefill's GIL hundreds of times per second while it
-# computed). Longer than a step (a poll that times out costs a round trip for nothing); decode notices
+# read without busy polling (each poll answered takes the prefill's GIL from its compute).
+# Longer than a step (a poll that times out costs a round trip for nothing); decode notices
 # its own cancellation between polls.
 STREAM_WAIT_S = 0.5
 # Against a prefill that answers at once (no long poll), decode polls this often, backing off.

@@ -17,7 +17,7 @@ from kvbridge_proxy.migration import MOVES
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.wire import read_body
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 
 class Admin:

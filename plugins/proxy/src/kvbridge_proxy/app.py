@@ -14,7 +14,7 @@ failed after taking the request included. A client that disconnects closes the u
 which vLLM turns into an abort.
 
 First contact between a prefill and a decode server (decode fetching the prefill ranks' RankInfo,
-the transport's connection) costs far more than a handover (~180 ms measured on a 2-vCPU VM), so
+the transport's connection) costs far more than a handover, so
 the proxy pays it, not a client: once both servers of a pair answer /health, and again after either
 was down, it sends one one-token request through the pair (`warm_up`; logged at info, failures at
 warning).

@@ -31,11 +31,11 @@ from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
 from kvbridge_proxy.wire import prefill_body, until_disconnect
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 RELEASE_TIMEOUT_S = 1.0  # a prefill rank that does not answer the release in this long keeps its lease
 # A rank that did not answer is asked again after 1, 2, 4, ... s, for this long: a stalled engine answers later, and
-# until then its lease holds blocks (a draining server waits for them: one was killed at its shutdown timeout).
+# until then its lease holds blocks (a draining server waits for them, up to its shutdown timeout).
 RELEASE_RETRY_S = 64.0
 
 

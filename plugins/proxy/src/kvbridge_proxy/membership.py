@@ -22,16 +22,16 @@ from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Instance, Pool, since
 from kvbridge_proxy.wire import prefill_body
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 PROBE_TIMEOUT_S = 5.0
 SLOW_PROBES = 3
-# A health round probes at most this many servers at once: a thousand probes started together held the event loop
-# (requests and registry reads waited behind them).
+# A health round probes at most this many servers at once: probes all started together hold the event loop
+# (requests and registry reads wait behind them).
 PROBES_IN_FLIGHT = 64
 # A serving server whose record lapsed stays in rotation this long while it answers health probes. A record lapses when
-# its announcer is late by two thirds of the TTL, as on a box starved for seconds: in a run every decode's record lapsed
-# at once, and a stream being moved found no decode to go to. A server that withdraws its record drained first.
+# its announcer is late by two thirds of the TTL, as on a box starved for seconds: every decode's record may lapse at
+# once, and a stream being moved then finds no decode to go to. A server that withdraws its record drained first.
 LAPSE_GRACE_S = 30.0
 REGISTRY_INTERVAL_S = 0.5  # the registry is read this often (or each health interval, if shorter): a join is seen
 
@@ -168,8 +168,8 @@ class Membership:
                 raise
             except httpx.TransportError as exc:
                 # Once more at once: a server that is gone refuses again in microseconds, while a connection that
-                # dropped (DROPPED), or a connect the kernel failed, may not say it is. In a run one round took out
-                # both idle decodes at once, with no HTTP answer, on a box starved for seconds; the next was fine.
+                # dropped (DROPPED), or a connect the kernel failed, may not say it is: on a box starved for seconds one
+                # round could take out every idle server at once, with no HTTP answer.
                 log.info("%s server %s: health probe failed (%s): once more", inst.role, inst.url, type(exc).__name__)
                 resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
             ok, inst.slow_probes = resp.status_code == 200, 0
@@ -181,8 +181,8 @@ class Membership:
         except httpx.HTTPError as exc:
             ok, why = False, f" ({type(exc).__name__}: {exc})"
         except Exception as exc:  # noqa: BLE001
-            # The HTTP stack's own bugs are a failed probe, not the end of health checks (seen in a chaos
-            # run: httpcore raised AttributeError on a socket closed while connecting to a killed server).
+            # The HTTP stack's own bugs (an exception it raises on a socket closed under it) are a failed
+            # probe, not the end of health checks.
             log.warning("%s server %s: health probe failed (%s: %s)", inst.role, inst.url, type(exc).__name__, exc)
             ok = False
         if ok != inst.healthy:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from kvbridge.session.timeline import HEADER, Timeline
 from kvbridge_proxy.upstreams import Instance, Pool
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 

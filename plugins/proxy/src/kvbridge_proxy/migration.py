@@ -199,8 +199,8 @@ class MovingStream:
     def stay(self, for_s: float) -> None:
         """No other decode could take it now: it goes on where it is, and its cut is made again in `for_s`.
 
-        Not for good: in a run one health round took out every other decode (for a second) just as an operator drained
-        this one, and its streams would have stayed on it to their end."""
+        Not for good: a health round may take out every other decode for a moment just as an operator drains this one,
+        and its streams would stay on it to their end."""
         self._again_at = time.monotonic() + for_s
         self._cut.clear()
 

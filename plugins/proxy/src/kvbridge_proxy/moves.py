@@ -29,7 +29,7 @@ from kvbridge_proxy.takeover import Takeover, Upstream
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
 from kvbridge_proxy.wire import sse, until_disconnect
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 
 class Moves:

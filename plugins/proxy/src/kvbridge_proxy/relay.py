@@ -28,7 +28,7 @@ from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Instance
 from kvbridge_proxy.wire import REQUEST_ID, prefill_body, read_body, until_disconnect
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 # A request with no answer after this long is logged once, with where it waits (its task's stack): the client sees a
 # hang, and the log must say where it is.

@@ -23,7 +23,7 @@ from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.migration import MovingStream, pull_outcome
 from kvbridge_proxy.upstreams import DROPPED, Background, Instance
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 MOVE_CONNECT_TRIES = 2  # a move's requests go to the one decode that holds its KV: a busy one is asked again
 

@@ -22,8 +22,8 @@ CONNECT_TIMEOUT_S = 5.0
 KEEP_ALIVE_S = 3.0
 # TCP keepalive on every upstream connection: probes after 5 s idle, every 2 s, 3 unanswered end it. A server that went
 # away without a word (killed, its reset lost on a lossy link; or its host gone) leaves a connection that looks open for
-# as long as nobody sends, and the proxy, waiting for its answer, sent nothing more: in chaos runs two requests waited
-# on a killed decode for the whole timeout. A probe is answered by the peer's kernel, however busy its server.
+# as long as nobody sends, and the proxy, waiting for its answer, sends nothing more: a request would wait the whole
+# timeout (docs/measurements/chaos.md). A probe is answered by the peer's kernel, however busy its server.
 KEEPALIVE = tuple(
     (level, option, value)
     for level, name, value in (

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from kvbridge.control.params import KVTransferParams
 
-log = logging.getLogger("kvbridge_proxy.app")  # the proxy's log lines keep the name they had (operators filter on it)
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # a prompt near any max_model_len fits many times over
 # Levels of JSON nesting a request may have: far more than a chat request's tools schemas take, and far below

@@ -1,12 +1,12 @@
 """How to move one request: its planned descriptors as they are, or gathered through staging.
 
-A transport that pays per descriptor (Mooncake TCP: about 18 µs each beyond the bytes, measured on
-loopback) moves a fragmented request (one descriptor per block and layer) at half its speed. The
-alternative is to gather the request's blocks on the sending side into one contiguous staging region
-(on a GPU a device kernel, `index_select` into registered device memory; here a host copy), read it in
-the transport's best piece size, and scatter it into place on the receiving side, chunk by chunk so
-copies overlap the wire. `choose` compares the two with the transport's measured `TransferCost` and the
-devices' copy rate, and says which and why. A transport with no cost measured always goes direct.
+A transport that pays per descriptor (Mooncake TCP: `TRANSFER_COSTS`) moves a fragmented request (one
+descriptor per block and layer) at half its speed. The alternative is to gather the request's blocks on the
+sending side into one contiguous staging region (on a GPU a device kernel, `index_select` into registered
+device memory; here a host copy), read it in the transport's best piece size, and scatter it into place on the
+receiving side, chunk by chunk so copies overlap the wire. `choose` compares the two with the transport's
+measured `TransferCost` and the devices' copy rate, and says which and why. A transport with no cost measured
+always goes direct.
 
 The costs are the bench's, not the library's contract: measured per transport and protocol
 (`TRANSFER_COSTS`) and per device (`COPY_BYTES_PER_S`), each with how.
@@ -33,14 +33,10 @@ class TransferCost:
     peer_admission: int | None = None  # descriptors a peer admits at once (submissions stay under it)
 
 
-# Per (transport, protocol). Mooncake tcp: measured 2026-11-23 with mooncake-transfer-engine-non-cuda 0.3.13.post1
-# over TCP on 127.0.0.1, two processes on the project's 2-vCPU VM: 1 MiB descriptors 2.1-2.4 GB/s; about 2048
-# descriptors admitted per peer (1024 queued + 1024 pending: a batch of 4096 was partly refused, "TCP lane
-# queue-full", see docs/design.md). The descriptor cost as the plugin submits them now (a batch of one each,
-# polled): 16.4, 17.9 and 18.7 us per descriptor beyond its bytes, 2026-11-26 (`scripts/mooncake-descriptor-cost`:
-# 16 MiB as 4 to 4096 descriptors; 13 us was declared before, from 32 KiB descriptors against 1 MiB ones under the
-# old synchronous calls). Its pieces are the plugin's own (kvbridge_mooncake.spec.TCP_DESCRIPTOR_BYTES, 4 MiB).
-# The other protocols and transports were not measured here: no cost, descriptors go direct.
+# Per (transport, protocol), each as measured (docs/measurements/transfer-strategies.md, "The costs in
+# kvbridge_tools.strategy"). Mooncake tcp's pieces are the plugin's own (kvbridge_mooncake.spec.TCP_DESCRIPTOR_BYTES,
+# 4 MiB); its admission is the plugin's queued plus pending descriptors (docs/design.md). A transport or protocol
+# with no cost here goes direct.
 TRANSFER_COSTS: dict[tuple[str, str], TransferCost] = {
     ("mooncake", "tcp"): TransferCost(bytes_per_s=2.2e9, descriptor_s=18e-6, piece_bytes=4 << 20, peer_admission=2048),
 }

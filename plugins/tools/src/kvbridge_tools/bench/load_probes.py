@@ -51,8 +51,8 @@ def _named(self):
 
 threading.Thread._bootstrap_inner = _named
 """
-# One tiny-model vLLM server here (API server, engine core with the model and its 1 GiB KV cache): about 2.3 GiB
-# resident, measured on the project's VM; a little more for what else starts beside it.
+# One tiny-model vLLM server here (API server, engine core with the model and its 1 GiB KV cache), as resident
+# (docs/vllm.md), and a little more for what else starts beside it.
 SERVER_GIB = 2.5
 MEMORY_MARGIN_GIB = 2.0
 

@@ -370,10 +370,9 @@ def _gathered(
 def frozen_heap() -> Iterator[None]:
     """Collect once, then keep every live object out of the collector's way (`gc.freeze`) until the block ends.
 
-    A bench process that built its model holds torch and transformers (about 370,000 objects): a full collection
-    then took 250-290 ms, and one landing inside a timed request added that much to its time (a stray pair 1.5-1.8x
-    slower in every `--transfer layerwise` run, on either side). Unfrozen after: objects still frozen at exit are
-    never freed, and triton's bindings then print hundreds of "nanobind: leaked" lines.
+    A bench process that built its model holds torch and transformers: a full collection then takes hundreds of ms,
+    and one landing inside a timed request adds that much to its time (docs/measurements/vllm.md). Unfrozen after:
+    objects still frozen at exit are never freed, and triton's bindings then print hundreds of "nanobind: leaked" lines.
     """
     gc.collect()
     gc.freeze()

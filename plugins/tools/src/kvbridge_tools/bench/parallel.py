@@ -20,7 +20,8 @@ from kvbridge.plan.topology import ParallelConfig, plan
 from kvbridge_tools.bench.parallel_rank import LAYOUTS
 from kvbridge_tools.harness.proc import Child
 
-# The pairs the context PR was tested on (prefill -> decode); the tests plan and run each.
+# Context-parallel pairs (prefill -> decode), MLA and GQA, against tensor and data parallelism; the tests plan and
+# run each.
 CONTEXT_PAIRS = [
     ("tiny-mla", "tp8,dp2", "tp8,dp2"),
     ("tiny-mla", "tp8,pcp2,dcp8", "tp8,dp2"),
@@ -112,7 +113,7 @@ class ParallelBench:
         }
 
     def close(self) -> None:
-        """Stop both children at once: each closes one transport endpoint per rank (about 1 s each)."""
+        """Stop both children at once: each closes one transport endpoint per rank, slowly (see `parallel_rank`)."""
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda child: child.close(timeout=CLOSE_TIMEOUT), (self.decode, self.prefill)))
 

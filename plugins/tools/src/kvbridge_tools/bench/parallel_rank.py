@@ -33,7 +33,7 @@ class Side:
     """The ranks of one side and the requests they hold.
 
     Transport endpoints outlive a case: rank i of the next case reuses endpoint i, because
-    tearing down a Mooncake engine takes about a second (measured), which would dominate
+    tearing down a Mooncake engine is slow (docs/measurements/design-evidence.md) and would dominate
     a run of many cases with 16 ranks a side. The KV buffers are registered anew per case.
     """
 

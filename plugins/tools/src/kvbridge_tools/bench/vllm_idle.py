@@ -1,4 +1,4 @@
-"""`kvbridge bench --engine vllm --idle`: decode TTFT of the first request after an idle spell (issue 33).
+"""`kvbridge bench --engine vllm --idle`: decode TTFT of the first request after an idle spell.
 
 KVBridgeConnector over Mooncake TCP, KVBridgeConnector over NIXL and vLLM's NixlConnector each get a
 prefill + decode pair on 127.0.0.1 (the launchers of `kvbridge bench --engine vllm`), all running at

@@ -14,7 +14,7 @@ from prefill's answer, `prefill_ms` (its engine's time for the request); `ttft_v
 pairs of each pair's layer-wise / pull TTFT (which of a pair goes first alternates), and
 `ttft_vs_pull_range`, the lowest and highest pair; `ttft_vs_pull_ci90`, a 90 % bootstrap interval of
 that median (`verdict` in the table: faster or slower when the interval lies on one side of 1.0, a tie
-when it holds 1.0: on this VM one request's prefill moves by more than the effect). Prefill computes prompts in
+when it holds 1.0: one request's prefill can vary by more than the effect). Prefill computes prompts in
 chunks (`--max-num-batched-tokens`, default 256 here), so KV is readable per layer and per chunk.
 """
 
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                             row["hidden_pct"] = quantile(pct, 0.5) if pct else None
                         rows.append(row)
                     # the median and range of each pair's ratio, as the transfer bench reports raw against
-                    # kvbridge: on this VM one request's prefill moves by more than the effect
+                    # kvbridge: one request's prefill can vary by more than the effect
                     both = [p for p in pairs if len(p) == 2]
                     ratio = (
                         paired_ratio(

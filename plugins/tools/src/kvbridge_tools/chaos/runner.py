@@ -22,7 +22,7 @@ from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHE
 from kvbridge_tools.harness.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)
-HANDOVER_PHASES = ("control_ms", "transfer_ms", "done_ms")  # what the issue calls the handover
+HANDOVER_PHASES = ("control_ms", "transfer_ms", "done_ms")  # the handover (docs/chaos.md)
 
 
 @attrs.frozen

@@ -116,7 +116,7 @@ class Upstream(Serving):
 class Unaccepting:
     """A listener on 127.0.0.1 whose accept queue is full, so connects to it time out.
 
-    As to a server too busy to accept or on a starved box (the proxy's ConnectTimeout in a loaded e2e run).
+    As to a server too busy to accept or on a starved box (the proxy's ConnectTimeout).
     """
 
     def __init__(self) -> None:

@@ -189,9 +189,9 @@ def _wait_group_gone(pgid: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
-# Mooncake's no-progress deadline for test servers sharing a small box: CI runs five vLLM servers and
-# pytest on 2 vCPUs, where a server's transport thread now and then goes unscheduled past the default
-# 2 s and a healthy pull fails ("failed to read READ status frame"). Tests of the deadline itself
+# Mooncake's no-progress deadline for test servers sharing a small box (several vLLM servers and pytest
+# on two cores), where a server's transport thread can go unscheduled past the default 2 s and a healthy
+# pull would fail (docs/measurements/stalls.md). Tests of the deadline itself
 # (test_mooncake_stall, the chaos run) keep the default.
 LOADED_HOST_DEADLINE_S = 10.0
 
