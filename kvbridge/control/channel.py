@@ -43,8 +43,8 @@ from kvbridge.transport import netguard
 
 log = logging.getLogger(__name__)
 
-# Messages ZeroMQ queues per connection each way (its default, 1000, let one peer park about 4 GiB of requests
-# before the server read any). A REQ client has one request in flight per connection.
+# Messages ZeroMQ queues per connection each way: its default, 1000 messages of up to MAX_MESSAGE_BYTES, would let one
+# peer park gigabytes of requests before the server read any. A REQ client has one request in flight per connection.
 QUEUED_PER_PEER = 4
 CLOSE_GRACE_S = 0.5  # close() lets pending abort notifications go out this long, then drops them
 Timed = Callable[[str, float, float, float], None]  # kind, queued_s, wait_s, handler_s of each request answered
@@ -226,8 +226,7 @@ class ControlServer:
     def _serve(self) -> None:
         # The loop sleeps until a message, a wake-up, a held request's deadline or a lease's deadline,
         # at most poll_interval_s: on a prefill rank every wake-up takes the engine's GIL from its
-        # compute, so it wakes for nothing else (a fixed 50 ms tick cost a streaming prefill about 10
-        # GIL handoffs per second of prompt).
+        # compute, so it wakes for nothing else.
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)

@@ -47,7 +47,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.transport import netguard
 
-# The side channel's one logger, as before its modules were split: its lines and filters stay the same.
+# The side channel's one logger, whichever of its modules logs: one name for operators' filters.
 log = logging.getLogger("kvbridge.control.channel")
 
 # A client holds its (one-request-at-a-time) socket while the server holds its BeginPull: it asks for at
