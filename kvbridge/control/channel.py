@@ -37,7 +37,7 @@ from kvbridge.control.dispatch import AbortCallback, Dispatcher, Hold, Lender, S
 from kvbridge.control.framing import MAX_MESSAGE_BYTES, Address, bracketed, ipv6
 from kvbridge.control.held import HeldRequests
 from kvbridge.control.ledger import Ledger
-from kvbridge.control.messages import Abort, LeaseState, RegisteredMemory
+from kvbridge.control.messages import Abort, LeaseState, Offer, RegisteredMemory
 from kvbridge.control.notifier import Notifier
 from kvbridge.transport import netguard
 
@@ -48,6 +48,17 @@ log = logging.getLogger(__name__)
 QUEUED_PER_PEER = 4
 CLOSE_GRACE_S = 0.5  # close() lets pending abort notifications go out this long, then drops them
 Timed = Callable[[str, float, float, float], None]  # kind, queued_s, wait_s, handler_s of each request answered
+
+# This process's side channels by the address each bound: an engine whose scheduler and workers share a process
+# (vLLM's uni executor) offers to its own ranks by a call, not a message (`local_server`).
+_LOCAL: dict[Address, ControlServer] = {}
+_LOCAL_LOCK = threading.Lock()
+
+
+def local_server(host: str, port: int) -> ControlServer | None:
+    """The side channel this process serves at `host`:`port`, or None (another process, or none)."""
+    with _LOCAL_LOCK:
+        return _LOCAL.get((host, port))
 
 
 class ControlServer:
@@ -113,6 +124,8 @@ class ControlServer:
         self._ctx = zmq.Context()
         self._sock, port = _listen(self._ctx, self.name, host, port, max_message_bytes)
         self.address: Address = (host, port)
+        with _LOCAL_LOCK:
+            _LOCAL[self.address] = self
         # An offer made on another thread (the engine's step) wakes the serving loop through this pair.
         self._wake_in, wake_out = _wake_pair(self._ctx, f"inproc://kvbridge-wake-{id(self)}")
         self._stop = threading.Event()
@@ -200,6 +213,16 @@ class ControlServer:
         """
         reply_to, reply = self._dispatcher.answer(payload, peer_host, park=False)
         return self._dispatcher.seal(reply_to, reply)
+
+    def take_offer(self, offer: Offer) -> bool:
+        """An early offer from this process's own scheduler, into the ledger without a message (`local_server`).
+
+        False where this rank is not ready yet or takes offers in the engine step only, as an `Offer` message would be
+        refused. Raises what `Ledger.offer` raises."""
+        if self.ledger is None or not self._dispatcher.info.ready or not self._dispatcher.accept_offers:
+            return False
+        self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
+        return True
 
     def _offered(self, lease: Any) -> None:
         """Ledger callback (any thread): wake the serving loop if a BeginPull waits for this request."""
@@ -336,6 +359,9 @@ class ControlServer:
             if self._stop.is_set():
                 return
             self._stop.set()
+        with _LOCAL_LOCK:
+            if _LOCAL.get(self.address) is self:
+                del _LOCAL[self.address]
         self._held.nudge()  # the loop may be asleep for up to poll_interval_s
         self._thread.join(timeout=10)
         self._held.close()

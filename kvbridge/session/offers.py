@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvbridge.base.errors import KVBridgeError
+from kvbridge.control.channel import local_server
 from kvbridge.control.client import ClientPool
 from kvbridge.control.messages import Offer, Refused
 
@@ -32,14 +33,34 @@ class Offers:
         self._count += 1
         offer = Offer(request_id, tuple(blocks), f"{self._prefix}-{self._count}", engine_request_id)
         if self.early:
-            if self._sender is None:
-                self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")
-            self._sender.submit(self._send, offer)
+            others = self._take_here(offer)
+            if others and self.early:
+                if self._sender is None:
+                    self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")
+                self._sender.submit(self._send, offer, others)
         return offer
 
-    def _send(self, offer: Offer) -> None:
-        """Tell every local rank of a finished request now (the step offers it anyway)."""
+    def _take_here(self, offer: Offer) -> list[tuple[str, int]]:
+        """Offer to the ranks this process serves, by a call; the ranks left to send a message to."""
+        others = []
         for host, port in self.ranks:
+            server = local_server(host, port)
+            if server is None:
+                others.append((host, port))
+                continue
+            try:
+                if not server.take_offer(offer) and server.ready:
+                    log.info("worker rank %s:%d publishes KV in the engine step: no early offers", host, port)
+                    self.early = False
+            except KVBridgeError as exc:
+                log.debug(
+                    "early offer of %s to %s:%d refused (the step offers it): %s", offer.request_id, host, port, exc
+                )
+        return others
+
+    def _send(self, offer: Offer, ranks: Sequence[tuple[str, int]]) -> None:
+        """Tell the engine's ranks in other processes of a finished request now (the step offers it anyway)."""
+        for host, port in ranks:
             try:
                 reply = self._clients.get(host, port).request(offer)
             except KVBridgeError as exc:

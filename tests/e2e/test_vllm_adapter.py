@@ -342,8 +342,9 @@ def test_worker_early_offer_and_step_offer_are_one_lease(workers: Workers) -> No
 
 
 def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(workers: Workers) -> None:
-    # vLLM's scheduler side, as the engine core builds it, tells its worker's ledger at request_finished;
-    # the step's metadata then carries the same offer (one offer id), which changes nothing.
+    # vLLM's scheduler side, as the engine core builds it, tells its worker's ledger at request_finished: by a call
+    # where the worker shares its process (vLLM's uni executor), no message and no thread; the step's metadata then
+    # carries the same offer (one offer id), which changes nothing.
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
@@ -369,7 +370,8 @@ def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(work
         request.status, request.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 2 * BLOCK
         delay, params = scheduler.request_finished(request, [3, 4])
         assert delay and params is not None and params["remote_port"] == port
-        wait_for(lambda: workers.prefill.ledger.active == ["p12"], what="the early offer (no step yet)")
+        assert workers.prefill.ledger.active == ["p12"], "the early offer, taken by the time request_finished returns"
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("kvbridge-offer")]
         meta = scheduler.build_connector_meta(None)
         assert not meta.idle
         [offer] = meta.offers

@@ -16,6 +16,8 @@ from kvbridge.base.errors import ConfigError, LoadError, ProtocolError, Transfer
 from kvbridge.base.watchdog import WATCHDOG
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
+from kvbridge.control.channel import local_server
+from kvbridge.control.client import ClientPool
 from kvbridge.control.framing import new_frame
 from kvbridge.control.messages import (
     Ack,
@@ -28,6 +30,7 @@ from kvbridge.control.messages import (
     RegisteredMemory,
     StreamStatus,
 )
+from kvbridge.session.offers import Offers
 from kvbridge_tools.harness.ports import free_port
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -696,3 +699,28 @@ def test_a_handler_that_blocks_gets_every_stack_dumped_once_and_its_time_logged(
     assert timed[-1][0] == "GetInfo" and queued >= handler, "the GetInfo waited behind the blocked handler"
     (slow,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow Abort")]
     assert "side channel stuck/0" in slow and "(queued " in slow and ", handler " in slow
+
+
+def test_early_offers_reach_a_rank_of_this_process_by_a_call_as_a_message_would(closing: list) -> None:
+    # A scheduler sharing its process with its ranks (vLLM's uni executor) offers by a call into the rank's ledger:
+    # taken before make() returns, with no thread; refused as the Offer message would be (not ready: skipped; a rank
+    # that offers in the engine step only: early offers stop); a closed rank is reached by a message again.
+    waiting = Prefill(ready=False)
+    closing.append(waiting)
+    offers = Offers([waiting.server.address], early=True, clients=ClientPool(sender="prefill/scheduler"))
+    try:
+        offers.make("r1", [1, 2])
+        assert waiting.ledger.active == [] and offers.early, "a rank not ready yet skips it and stays asked"
+        waiting.server.register(rank_info(), accept_offers=True)
+        offer = offers.make("r2", [3, 4])
+        assert waiting.ledger.active == ["r2"] and waiting.ledger.query("r2").blocks == (3, 4)
+        assert waiting.ledger.offer("r2", (3, 4), offer_id=offer.offer_id).request_id == "r2"  # the step's: one lease
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("kvbridge-offer")]
+        waiting.server.accept_offers = False
+        offers.make("r3", [5])
+        assert waiting.ledger.active == ["r2"] and not offers.early, "offered in the step only: no early offers"
+        assert local_server(*waiting.server.address) is waiting.server
+        waiting.server.close()
+        assert local_server(*waiting.server.address) is None
+    finally:
+        offers.close()
