@@ -183,6 +183,23 @@ def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, fl
     return out
 
 
+def process_thread_cpu(pids: Iterable[int]) -> dict[str, float]:
+    """CPU seconds of every live thread of `pids`, summed by `<process name>/<thread kind>` (kinds as `thread_cpu`).
+
+    Names are the OS's (`comm`): vLLM's engine core is `VLLM::EngineCor`, its API server `python3`; Python threads
+    other than kvbridge's (named by the bench) carry their process's name."""
+    out: dict[str, float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            process = Path(f"/proc/{pid}/comm").read_text().strip()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    name = (task / "comm").read_text().strip()
+                    key = f"{process}/{_SUFFIX.sub('', '-'.join(name.split('-')[:2]))}"
+                    out[key] = out.get(key, 0.0) + _thread_seconds(task)
+    return out
+
+
 def minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     """after - before, name by name (what grew only)."""
     return {k: round(v - before.get(k, 0.0), 4) for k, v in after.items() if v - before.get(k, 0.0) > 0}

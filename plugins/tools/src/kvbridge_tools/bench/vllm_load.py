@@ -59,6 +59,7 @@ from kvbridge_tools.bench.load_probes import (
     memory_available_gib,
     minus,
     parse_noise,
+    process_thread_cpu,
     thread_cpu,
 )
 from kvbridge_tools.bench.plot import check_path
@@ -93,7 +94,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "(kvbridge_tools.bench.vllm_load)",
     )
     group.add_argument(
-        "--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0], metavar="R", help="requests/s (default 1 2 4)"
+        "--rates",
+        type=float,
+        nargs="*",
+        default=[1.0, 2.0, 4.0],
+        metavar="R",
+        help="requests/s (default 1 2 4; none: only the concurrency caps)",
     )
     group.add_argument(
         "--concurrency", type=int, nargs="*", default=[4], metavar="C", help="concurrency caps (default 4)"
@@ -395,10 +401,12 @@ def _sides(name: str, system: System) -> dict[str, Server]:
     return {"prefill": system.servers[0], "decode": system.servers[1]}
 
 
-def _threads(sides: dict[str, Server]) -> dict[str, dict[str, float]]:
+def _threads(sides: dict[str, Server], *, every: bool = False) -> dict[str, dict[str, float]]:
+    """kvbridge's threads' CPU seconds on each side; `every`: all threads', by process and thread name."""
     from kvbridge_tools.harness.vllm_server import _group_members
 
-    return {side: thread_cpu(_group_members(server.pid)) for side, server in sides.items()}
+    read = process_thread_cpu if every else thread_cpu
+    return {side: read(_group_members(server.pid)) for side, server in sides.items()}
 
 
 def _histograms(http: Any, sides: dict[str, Server]) -> dict[str, dict[str, Histogram]]:
@@ -438,7 +446,7 @@ def _round(
     sides = _sides(name, system)
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
-    hist0, threads0 = _histograms(http, sides), _threads(sides)
+    hist0, threads0, every0 = _histograms(http, sides), _threads(sides), _threads(sides, every=True)
     noise0 = noise.cpu_seconds() if noise else 0.0
     start, cpu0, router0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router)
     if noise:
@@ -450,6 +458,7 @@ def _round(
             noise.pause()
     wall = max(time.monotonic() - start, 1e-9)
     cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
+    every = {side: minus(spent, every0[side]) for side, spent in _threads(sides, every=True).items()}
     noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
     completed = int(result["completed"])
     kvbridge = name.startswith("kvbridge")
@@ -471,6 +480,11 @@ def _round(
         if own is None
         else {side: round(sum(own[side].values()) / per_request * 1e3, 2) for side in sides},
         "kvbridge_thread_cpu_s": own,
+        # every thread of each side's server, by process and thread name: where a system's CPU per request goes
+        "cpu_ms_per_request_by_thread": {
+            side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+            for side, spent in every.items()
+        },
         "side_channel_ms": summaries.get("decode", {}).get(SIDE_CHANNEL),
         "kvbridge_histograms": summaries,
     }
