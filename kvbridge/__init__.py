@@ -17,7 +17,7 @@ from kvbridge.base.errors import (
     TransferFailed,
     TransferTimeout,
 )
-from kvbridge.base.options import NoOptions, TransportOptions, option
+from kvbridge.base.options import BackendOptions, NoOptions, option
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion, PluginInfo
 from kvbridge.device.contract import Device
 from kvbridge.plugin.hookspecs import hookimpl
@@ -30,7 +30,7 @@ from kvbridge.plugin.registry import (
     refused_plugins,
     reset_plugins,
 )
-from kvbridge.plugin.specs import DeviceSpec, TransportSpec
+from kvbridge.plugin.specs import BackendSpec, DeviceSpec
 from kvbridge.transport.contract import MigrationBackend, Peer, TransferHandle, wait_all
 
 __version__ = "0.1.0"
@@ -39,6 +39,8 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "BackendCapabilities",
     "BackendConfig",
+    "BackendOptions",
+    "BackendSpec",
     "ConfigError",
     "Device",
     "DeviceSpec",
@@ -64,8 +66,6 @@ __all__ = [
     "TransferFailed",
     "TransferHandle",
     "TransferTimeout",
-    "TransportOptions",
-    "TransportSpec",
     "create_backend",
     "get_device",
     "hookimpl",

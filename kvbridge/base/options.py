@@ -56,7 +56,7 @@ class NoOptions:
 
 
 @attrs.frozen
-class TransportOptions:
+class BackendOptions:
     """Options every transport accepts (the base class reads them)."""
 
     workers: int = option(4, "threads that run this transport's blocking calls", min=1, max=1024)

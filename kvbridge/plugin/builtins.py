@@ -6,17 +6,17 @@ from kvbridge.base.options import NoOptions
 from kvbridge.base.types import MemoryKind
 from kvbridge.device.contract import Device
 from kvbridge.plugin.hookspecs import hookimpl
-from kvbridge.plugin.specs import DeviceSpec, TransportSpec
+from kvbridge.plugin.specs import BackendSpec, DeviceSpec
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @hookimpl
-def kvbridge_transports() -> list[TransportSpec]:
+def kvbridge_backends() -> list[BackendSpec]:
     from kvbridge.transport import loopback, tcp
 
     return [
-        TransportSpec(cls.name, cls, cls.capabilities, options=cls.options_class)
+        BackendSpec(cls.name, cls, cls.capabilities, options=cls.options_class)
         for cls in (tcp.TcpBackend, loopback.LoopbackBackend)
     ]
 

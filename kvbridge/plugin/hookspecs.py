@@ -1,7 +1,7 @@
 """Every hook a kvbridge plugin can implement, and nothing else.
 
 A plugin is a module (or object) exposed under the entry point group ``kvbridge``. It sets
-``KVBRIDGE_PLUGIN_API = 2`` and implements hooks marked with ``kvbridge.hookimpl`` that return
+``KVBRIDGE_PLUGIN_API = 3`` and implements hooks marked with ``kvbridge.hookimpl`` that return
 typed specs (`kvbridge.plugin.specs`) or the subcommands it adds to the ``kvbridge`` CLI. The hooks are
 historic: pluggy calls each plugin's hooks as the plugin is registered, so every answer is known to come from
 the plugin that returned it.
@@ -15,22 +15,29 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from kvbridge.plugin.specs import DeviceSpec, TransportSpec
+    from kvbridge.plugin.specs import BackendSpec, DeviceSpec
 
 hookspec = pluggy.HookspecMarker("kvbridge")
 hookimpl = pluggy.HookimplMarker("kvbridge")
 
-# The hooks of the plugin API (KVBRIDGE_PLUGIN_API = 2); a plugin implements any of them.
-HOOKS = ("kvbridge_commands", "kvbridge_devices", "kvbridge_transports")
-# Plugin API 1's hooks, gone: named so that a plugin still implementing them is told what to change.
+# The hooks of the plugin API (KVBRIDGE_PLUGIN_API = 3); a plugin implements any of them.
+HOOKS = ("kvbridge_backends", "kvbridge_commands", "kvbridge_devices")
+# Hooks of earlier plugin APIs, gone: named so that a plugin still implementing them is told what to change.
 API_1_HOOKS = ("kvbridge_register_backends", "kvbridge_register_devices")
+# Plugin API 2's transport hook, spec and options, renamed in plugin API 3 after the class they make, MigrationBackend.
+API_2_HOOKS = {"kvbridge_transports": "kvbridge_backends"}
+API_2_RENAMES = {
+    **API_2_HOOKS,
+    "kvbridge.TransportSpec": "kvbridge.BackendSpec",
+    "kvbridge.TransportOptions": "kvbridge.BackendOptions",
+}
 
 
 @hookspec(historic=True)
-def kvbridge_transports() -> Sequence[TransportSpec]:
-    """The transports this plugin provides, as a list of ``kvbridge.TransportSpec``.
+def kvbridge_backends() -> Sequence[BackendSpec]:
+    """The transports this plugin provides, as a list of ``kvbridge.BackendSpec``.
 
-    ``kvbridge.TransportSpec(name, factory, capabilities, options=TransportOptions, probe=None, install_hint="",
+    ``kvbridge.BackendSpec(name, factory, capabilities, options=BackendOptions, probe=None, install_hint="",
     hardware=None)``.
 
     ``factory(config: BackendConfig, options) -> MigrationBackend`` is called only when a user creates the

@@ -27,13 +27,13 @@ from kvbridge.base.options import OptionInfo, as_dict, describe, parse, unknown_
 from kvbridge.base.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
 from kvbridge.device.contract import Device
 from kvbridge.plugin import hookspecs
-from kvbridge.plugin.specs import DeviceSpec, TransportSpec
+from kvbridge.plugin.specs import BackendSpec, DeviceSpec
 from kvbridge.transport.contract import MigrationBackend
 from kvbridge.transport.faults import FaultRates, FaultyBackend
 
 log = logging.getLogger(__name__)
 
-PLUGIN_API_VERSION = 2  # the plugin API a plugin module declares (KVBRIDGE_PLUGIN_API); any other is refused
+PLUGIN_API_VERSION = 3  # the plugin API a plugin module declares (KVBRIDGE_PLUGIN_API); any other is refused
 ENTRY_POINT_GROUP = "kvbridge"
 ALLOW_ENV = "KVBRIDGE_PLUGINS"
 BLOCK_ENV = "KVBRIDGE_BLOCK_PLUGINS"
@@ -55,7 +55,7 @@ class Registration:
     """A transport or device in the registry: its plugin's spec, where it came from, its probe's answer (asked once)."""
 
     kind: str  # "backend" or "device"
-    spec: TransportSpec | DeviceSpec
+    spec: BackendSpec | DeviceSpec
     distribution: str
     version: str
     _reason: str | None = attrs.field(default=None, init=False)
@@ -75,7 +75,7 @@ class Registration:
 
     @property
     def capabilities(self) -> BackendCapabilities | None:
-        return self.spec.capabilities if isinstance(self.spec, TransportSpec) else None
+        return self.spec.capabilities if isinstance(self.spec, BackendSpec) else None
 
     @property
     def memory_kind(self) -> MemoryKind | None:
@@ -160,7 +160,7 @@ class Registration:
 class _Loading:
     """The plugin pluggy is registering (and so calling the hooks of), and what they returned so far."""
 
-    specs: list[TransportSpec | DeviceSpec] = attrs.field(factory=list)
+    specs: list[BackendSpec | DeviceSpec] = attrs.field(factory=list)
     commands: dict[str, str] = attrs.field(factory=dict)
     answered: set[str] = attrs.field(factory=set)  # hooks that returned something (None is not passed on)
 
@@ -221,7 +221,7 @@ class PluginRegistry:
         # what comes back is known to be that plugin's, and the built-ins claim their names first whatever a
         # plugin's tryfirst/trylast says.
         hook = self.pm.hook
-        hook.kvbridge_transports.call_historic(result_callback=self._answer("kvbridge_transports", TransportSpec))
+        hook.kvbridge_backends.call_historic(result_callback=self._answer("kvbridge_backends", BackendSpec))
         hook.kvbridge_devices.call_historic(result_callback=self._answer("kvbridge_devices", DeviceSpec))
         hook.kvbridge_commands.call_historic(result_callback=self._take_commands)
 
@@ -294,9 +294,10 @@ class PluginRegistry:
 
     def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
         """Register `plugin` (a module or object with kvbridge hooks) with pluggy. See docs/internals.md."""
-        # Checked before pluggy registers it: pluggy would call the hooks of a plugin of another API, or
-        # only say "unknown hook" of a plugin API 1 hook; each is refused with what to change instead.
+        # Checked before pluggy registers it: pluggy would call the hooks of a plugin of another API, or only say
+        # "unknown hook" of a plugin API 1 hook or of API 2's kvbridge_transports; each is refused with what to change.
         api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
+        renamed = [h for h in hookspecs.API_2_HOOKS if self.pm.parse_hookimpl_opts(plugin, h) is not None]
         if api != PLUGIN_API_VERSION:
             self._refuse(
                 name,
@@ -304,7 +305,9 @@ class PluginRegistry:
                 version,
                 f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
                 f"{PLUGIN_API_VERSION}",
-                f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it",
+                f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it"
+                # one rename away: its author is told which
+                + (f"; to port it to plugin API {PLUGIN_API_VERSION}, {_api_2_port(renamed)}" if api == 2 else ""),
             )
             return
         old = [h for h in hookspecs.API_1_HOOKS if self.pm.parse_hookimpl_opts(plugin, h) is not None]
@@ -314,9 +317,19 @@ class PluginRegistry:
                 dist,
                 version,
                 f"it declares plugin API {api} but implements {', '.join(old)}, the register hooks of plugin API 1",
-                "return the same fields as a list of kvbridge.TransportSpec from kvbridge_transports() and of "
+                "return the same fields as a list of kvbridge.BackendSpec from kvbridge_backends() and of "
                 "kvbridge.DeviceSpec from kvbridge_devices() (factories also take the parsed options: "
                 "factory(config, options), factory(options); docs/plugins.md)",
+            )
+            return
+        if renamed:  # pluggy would only say "unknown hook"
+            self._refuse(
+                name,
+                dist,
+                version,
+                f"it declares plugin API {api} but implements {', '.join(renamed)}, plugin API 2's name of "
+                f"{', '.join(hookspecs.API_2_HOOKS[h] for h in renamed)}",
+                _api_2_port(renamed),
             )
             return
         self._loading = loading = _Loading()
@@ -338,7 +351,7 @@ class PluginRegistry:
             return
         self._sources[name] = (dist, version)
         for spec in loading.specs:
-            kind, table = ("backend", self.backends) if isinstance(spec, TransportSpec) else ("device", self.devices)
+            kind, table = ("backend", self.backends) if isinstance(spec, BackendSpec) else ("device", self.devices)
             entry = Registration(kind=kind, spec=spec, distribution=dist, version=version)
             first = table.get(entry.name)
             if first is None:
@@ -366,7 +379,7 @@ class PluginRegistry:
             what = (
                 "a dict of subcommand names to modules"
                 if silent == ["kvbridge_commands"]
-                else ("a list of kvbridge.TransportSpec / kvbridge.DeviceSpec")
+                else ("a list of kvbridge.BackendSpec / kvbridge.DeviceSpec")
             )
             return f"{', '.join(silent)} returned None", f"return {what} from it (an empty one for none)"
         return None
@@ -466,6 +479,14 @@ class PluginRegistry:
                 with entry.starting():
                     self._devices_made[entry.name] = entry.spec.factory(options)
             return self._devices_made[entry.name]
+
+
+def _api_2_port(renamed: list[str]) -> str:
+    """What a plugin API 2 plugin changes to speak plugin API 3, given the renamed hooks it implements."""
+    renames = ", ".join(f"{old} to {new}" for old, new in hookspecs.API_2_RENAMES.items())
+    if renamed:
+        return f"rename {renames}, and set KVBRIDGE_PLUGIN_API = {PLUGIN_API_VERSION} (docs/plugins.md)"
+    return f"set KVBRIDGE_PLUGIN_API = {PLUGIN_API_VERSION}, and rename {renames} where it uses them (docs/plugins.md)"
 
 
 def _import_hint(exc: BaseException, dist: str) -> str:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvbridge.base.errors import ConfigError
-from kvbridge.base.options import NoOptions, TransportOptions, describe
+from kvbridge.base.options import BackendOptions, NoOptions, describe
 from kvbridge.base.types import BackendCapabilities, MemoryKind
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def _options(base: type, text: str) -> Callable[[Any, attrs.Attribute, Any], Non
 
 
 def _what(spec: Any) -> str:
-    return f"{'transport' if isinstance(spec, TransportSpec) else 'device'} {spec.name!r}"
+    return f"{'transport' if isinstance(spec, BackendSpec) else 'device'} {spec.name!r}"
 
 
 def _capabilities(spec: Any, _attr: attrs.Attribute, value: Any) -> None:
@@ -57,14 +57,14 @@ def _memory_kind(value: Any) -> MemoryKind:
 
 
 @attrs.frozen
-class TransportSpec:
-    """One transport a plugin provides: returned (in a list) from `kvbridge_transports()`. See docs/internals.md."""
+class BackendSpec:
+    """One transport a plugin provides: returned (in a list) from `kvbridge_backends()`. See docs/internals.md."""
 
     name: str = attrs.field(validator=_name)
     factory: Callable[[BackendConfig, Any], MigrationBackend] = attrs.field(validator=_callable)
     capabilities: BackendCapabilities = attrs.field(validator=_capabilities)
     options: type = attrs.field(
-        default=TransportOptions, validator=_options(TransportOptions, "a subclass of kvbridge.TransportOptions")
+        default=BackendOptions, validator=_options(BackendOptions, "a subclass of kvbridge.BackendOptions")
     )
     probe: Callable[[], str | None] | None = attrs.field(default=None, validator=_optional_callable)
     install_hint: str = ""

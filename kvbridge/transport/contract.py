@@ -26,7 +26,7 @@ from kvbridge.base.memory import (
     split_large,
     total_bytes,
 )
-from kvbridge.base.options import TransportOptions, checked
+from kvbridge.base.options import BackendOptions, checked
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -101,12 +101,12 @@ class MigrationBackend(abc.ABC):
     capabilities: ClassVar[BackendCapabilities]
     #: What `options` is an instance of where the registry passes none: a backend a plugin API 1 factory
     #: builds from the config alone takes them from `config.options`, which the registry checked already.
-    options_class: ClassVar[type[TransportOptions]] = TransportOptions
+    options_class: ClassVar[type[BackendOptions]] = BackendOptions
     # Seconds a part may take before it is resubmitted once (see the module doc); None: no deadline.
     transfer_deadline_s: float | None = None
     DEADLINE_BYTES_PER_S = 1 << 30  # the slowest rate that still counts as progress
 
-    def __init__(self, config: BackendConfig, options: TransportOptions | None = None) -> None:
+    def __init__(self, config: BackendConfig, options: BackendOptions | None = None) -> None:
         self.config = config
         self.options = options if options is not None else checked(self.options_class, config.options)
         self.protocol = config.protocol or self.capabilities.protocols[0]
@@ -334,7 +334,7 @@ class WrappingBackend(MigrationBackend):
     """A transport that adds to another (`backend`, owned): every contract hook goes to it. See docs/internals.md."""
 
     def __init__(
-        self, backend: MigrationBackend, capabilities: BackendCapabilities, options: TransportOptions | None = None
+        self, backend: MigrationBackend, capabilities: BackendCapabilities, options: BackendOptions | None = None
     ) -> None:
         self.backend = backend
         self.name = backend.name  # type: ignore[misc]

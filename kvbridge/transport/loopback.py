@@ -13,7 +13,7 @@ import attrs
 
 from kvbridge.base.errors import PeerGone
 from kvbridge.base.memory import Descriptors
-from kvbridge.base.options import TransportOptions, option
+from kvbridge.base.options import BackendOptions, option
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.transport.contract import MigrationBackend, Op, Peer
 
@@ -22,7 +22,7 @@ _ids = itertools.count(1)
 
 
 @attrs.frozen
-class LoopbackOptions(TransportOptions):
+class LoopbackOptions(BackendOptions):
     """Options of the `loopback` transport."""
 
     max_batch: int | None = option(

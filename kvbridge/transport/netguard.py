@@ -29,7 +29,7 @@ from pathlib import Path
 import attrs
 
 from kvbridge.base.errors import ConfigError
-from kvbridge.base.options import TransportOptions, option
+from kvbridge.base.options import BackendOptions, option
 from kvbridge.base.secret import HOW_TO_SET, is_loopback, load_secret
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class GuardFull(ConfigError):
 
 
 @attrs.frozen
-class GuardOptions(TransportOptions):
+class GuardOptions(BackendOptions):
     """Options of a transport whose listeners kvbridge guards (it cannot authenticate peers itself)."""
 
     secret: str | bytes | None = option(

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvbridge.base.errors import ConfigError, InvalidDescriptor, PeerGone, ProtocolError, TransferFailed
 from kvbridge.base.memory import Descriptors
-from kvbridge.base.options import TransportOptions, option
+from kvbridge.base.options import BackendOptions, option
 from kvbridge.base.secret import TCP, check_listen, derive, load_secret
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.transport import netguard
@@ -206,7 +206,7 @@ def _ranges(desc: np.ndarray) -> bytes:
 
 
 @attrs.frozen
-class TcpOptions(TransportOptions):
+class TcpOptions(BackendOptions):
     """Options of the `tcp` transport."""
 
     port: int = option(0, "TCP port this backend serves its memory on; 0 picks a free one", min=0, max=65535)

@@ -304,7 +304,7 @@ def test_a_command_plugin_that_does_not_load_leaves_the_rest_of_the_cli_working(
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvbridge-broken-command\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text("[kvbridge]\nbroken_command = kvbridge_broken_command\n")
     (tmp_path / "kvbridge_broken_command.py").write_text(
-        "import kvbridge\n\nKVBRIDGE_PLUGIN_API = 2\n\n\n@kvbridge.hookimpl\n"
+        "import kvbridge\n\nKVBRIDGE_PLUGIN_API = 3\n\n\n@kvbridge.hookimpl\n"
         "def kvbridge_commands():\n    return {'frobnicate': 'kvbridge_broken_command_xyz'}\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}

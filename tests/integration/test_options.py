@@ -60,7 +60,7 @@ def test_values_are_converted_to_the_declared_type_or_refused() -> None:
 
 def test_optional_and_bool_options() -> None:
     @attrs.frozen
-    class Opts(kvbridge.TransportOptions):
+    class Opts(kvbridge.BackendOptions):
         limit: int | None = kvbridge.option(None, "a limit")
         fast: bool = kvbridge.option(False, "go fast")
 
@@ -93,7 +93,7 @@ def test_a_number_outside_its_declared_bounds_is_refused_before_the_plugin_is_bu
 
 def test_bounds_apply_to_a_plugin_s_own_options_class_and_are_listed_with_its_docs() -> None:
     @attrs.frozen
-    class Opts(kvbridge.TransportOptions):
+    class Opts(kvbridge.BackendOptions):
         limit: int | None = kvbridge.option(None, "a limit", min=1)
         share: float = kvbridge.option(0.5, "a share", min=0, max=1)
 
@@ -119,7 +119,7 @@ def test_every_registered_plugin_declares_documented_options() -> None:
     assert {"tcp", "loopback", "mooncake"} <= set(reg.backends)
     assert {"cpu", "cuda", "npu", "mlu", "example"} <= set(reg.devices)
     for entry in reg.backends.values():
-        assert issubclass(entry.options, kvbridge.TransportOptions), entry.name
+        assert issubclass(entry.options, kvbridge.BackendOptions), entry.name
     for entry in [*reg.backends.values(), *reg.devices.values()]:
         for info in entry.option_infos():
             assert info.doc and info.type, f"{entry.kind} {entry.name} option {info.name} is undocumented"

@@ -15,13 +15,13 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.plugin.registry import PluginRegistry
 from kvbridge.transport.loopback import LoopbackBackend
 
-API2 = """
+API3 = """
 import attrs
 import kvbridge
 from kvbridge.device.cpu import CpuDevice
 from kvbridge.transport.loopback import LoopbackBackend, LoopbackOptions
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @attrs.frozen
@@ -48,8 +48,8 @@ class PagedDevice(CpuDevice):
 
 
 @kvbridge.hookimpl
-def kvbridge_transports():
-    return [kvbridge.TransportSpec("Deep", DeepBackend, LoopbackBackend.capabilities, options=DepthOptions)]
+def kvbridge_backends():
+    return [kvbridge.BackendSpec("Deep", DeepBackend, LoopbackBackend.capabilities, options=DepthOptions)]
 
 
 @kvbridge.hookimpl
@@ -70,7 +70,7 @@ KVBRIDGE_PLUGIN_API = 1
 
 
 @attrs.frozen
-class OldOptions(kvbridge.TransportOptions):
+class OldOptions(kvbridge.BackendOptions):
     depth: int = kvbridge.option(1, "descriptors in flight", min=1, max=64)
 
 
@@ -93,6 +93,16 @@ def kvbridge_register_devices(register):
 """
 
 
+# A transport plugin as plugin API 2 had it: the hook, spec and options named "transport" (plugin API 3: "backend").
+API2 = (
+    API3.replace("KVBRIDGE_PLUGIN_API = 3", "KVBRIDGE_PLUGIN_API = 2")
+    .replace("def kvbridge_backends", "def kvbridge_transports")
+    .replace("kvbridge.BackendSpec", "kvbridge.TransportSpec")
+)
+# what its author is told to change
+RENAMES = "rename kvbridge_transports to kvbridge_backends, kvbridge.TransportSpec to kvbridge.BackendSpec"
+
+
 def module(name: str, source: str) -> types.ModuleType:
     mod = types.ModuleType(name)
     exec(compile(source, f"<{name}>", "exec"), mod.__dict__)
@@ -109,8 +119,8 @@ def refusal(reg: PluginRegistry, name: str) -> kvbridge.PluginInfo:
     return info
 
 
-def test_an_api_2_factory_gets_its_options_typed_and_checked(reg: PluginRegistry) -> None:
-    reg.add_plugin(module("deep", API2), "deep", "kvbridge-deep", "2.0")
+def test_an_api_3_factory_gets_its_options_typed_and_checked(reg: PluginRegistry) -> None:
+    reg.add_plugin(module("deep", API3), "deep", "kvbridge-deep", "2.0")
     assert not reg.refused
     backend = reg.create_backend("deep", kvbridge.BackendConfig(options={"depth": "8", "workers": "2"}))
     try:
@@ -128,8 +138,8 @@ def test_an_api_2_factory_gets_its_options_typed_and_checked(reg: PluginRegistry
 def test_an_api_1_plugin_is_refused_with_what_to_change(reg: PluginRegistry) -> None:
     reg.add_plugin(module("old", API1), "old", "kvbridge-old", "1.0")
     info = refusal(reg, "old")
-    assert "built for kvbridge plugin API 1" in info.reason and "speaks 2" in info.reason
-    assert "install a kvbridge-old release made for plugin API 2" in info.hint
+    assert "built for kvbridge plugin API 1" in info.reason and "speaks 3" in info.reason
+    assert "install a kvbridge-old release made for plugin API 3" in info.hint
     assert "old" not in reg.backends and "old-dev" not in reg.devices
     with pytest.raises(kvbridge.PluginAPIMismatch, match="plugin 'old' from kvbridge-old was refused"):
         reg.create_backend("old", kvbridge.BackendConfig())
@@ -166,39 +176,71 @@ def test_each_option_value_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> No
             backend.close()
 
 
-def test_an_api_2_plugin_with_api_1_hooks_is_told_what_to_change(reg: PluginRegistry) -> None:
+def test_an_api_3_plugin_with_api_1_hooks_is_told_what_to_change(reg: PluginRegistry) -> None:
     reg.add_plugin(
-        module("mixed", API1.replace("KVBRIDGE_PLUGIN_API = 1", "KVBRIDGE_PLUGIN_API = 2")), "mixed", "d", "1"
+        module("mixed", API1.replace("KVBRIDGE_PLUGIN_API = 1", "KVBRIDGE_PLUGIN_API = 3")), "mixed", "d", "1"
     )
     info = refusal(reg, "mixed")
-    assert "declares plugin API 2 but implements kvbridge_register_backends, kvbridge_register_devices" in info.reason
-    assert "kvbridge.TransportSpec from kvbridge_transports()" in info.hint
+    assert "declares plugin API 3 but implements kvbridge_register_backends, kvbridge_register_devices" in info.reason
+    assert "kvbridge.BackendSpec from kvbridge_backends()" in info.hint
     assert "old" not in reg.backends and "old-dev" not in reg.devices
 
 
-def test_an_api_1_plugin_with_api_2_hooks_is_refused_as_api_1(reg: PluginRegistry) -> None:
+def test_an_api_1_plugin_with_api_3_hooks_is_refused_as_api_1(reg: PluginRegistry) -> None:
     reg.add_plugin(
-        module("early", API2.replace("KVBRIDGE_PLUGIN_API = 2", "KVBRIDGE_PLUGIN_API = 1")), "early", "d", "1"
+        module("early", API3.replace("KVBRIDGE_PLUGIN_API = 3", "KVBRIDGE_PLUGIN_API = 1")), "early", "d", "1"
     )
     info = refusal(reg, "early")
     assert "built for kvbridge plugin API 1" in info.reason
     assert "deep" not in reg.backends
 
 
+def test_an_api_2_transport_plugin_is_refused_and_told_the_hook_and_spec_were_renamed(reg: PluginRegistry) -> None:
+    reg.add_plugin(module("deep2", API2), "deep2", "kvbridge-deep", "2.0")
+    info = refusal(reg, "deep2")
+    assert "built for kvbridge plugin API 2" in info.reason and "speaks 3" in info.reason
+    assert "install a kvbridge-deep release made for plugin API 3" in info.hint
+    assert RENAMES in info.hint
+    assert "set KVBRIDGE_PLUGIN_API = 3" in info.hint
+    assert "deep" not in reg.backends and "paged" not in reg.devices
+
+
+def test_an_api_2_device_plugin_is_refused_and_told_to_declare_api_3(reg: PluginRegistry) -> None:
+    device_only = (
+        "import kvbridge\nfrom kvbridge.device.cpu import CpuDevice\n\nKVBRIDGE_PLUGIN_API = 2\n\n\n"
+        "@kvbridge.hookimpl\ndef kvbridge_devices():\n    return [kvbridge.DeviceSpec('paged', CpuDevice, 'dram')]\n"
+    )
+    reg.add_plugin(module("paged2", device_only), "paged2", "kvbridge-paged", "2.0")
+    info = refusal(reg, "paged2")
+    assert "built for kvbridge plugin API 2" in info.reason
+    assert "to port it to plugin API 3, set KVBRIDGE_PLUGIN_API = 3" in info.hint
+    assert "paged" not in reg.devices
+
+
+def test_an_api_3_plugin_with_the_api_2_hook_is_told_to_rename_it(reg: PluginRegistry) -> None:
+    reg.add_plugin(module("half", API2.replace("KVBRIDGE_PLUGIN_API = 2", "KVBRIDGE_PLUGIN_API = 3")), "half", "d", "1")
+    info = refusal(reg, "half")
+    assert "declares plugin API 3 but implements kvbridge_transports, plugin API 2's name of kvbridge_backends" in (
+        info.reason
+    )
+    assert RENAMES in info.hint
+    assert "deep" not in reg.backends and "paged" not in reg.devices
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ("return None", "kvbridge_transports returned None"),
-        ("return {'tcp2': 1}", "kvbridge_transports() must return a list of kvbridge.TransportSpec, got {'tcp2': 1}"),
+        ("return None", "kvbridge_backends returned None"),
+        ("return {'tcp2': 1}", "kvbridge_backends() must return a list of kvbridge.BackendSpec, got {'tcp2': 1}"),
         (
             "return [kvbridge.DeviceSpec('x', CpuDevice, 'dram')]",
-            "kvbridge_transports() must return a list of kvbridge.TransportSpec",
+            "kvbridge_backends() must return a list of kvbridge.BackendSpec",
         ),
         (
-            "return [kvbridge.TransportSpec('x', LoopbackBackend, LoopbackBackend.capabilities, options=dict)]",
-            "transport 'x' declares options=<class 'dict'>; it must be a subclass of kvbridge.TransportOptions",
+            "return [kvbridge.BackendSpec('x', LoopbackBackend, LoopbackBackend.capabilities, options=dict)]",
+            "transport 'x' declares options=<class 'dict'>; it must be a subclass of kvbridge.BackendOptions",
         ),
-        ("return [kvbridge.TransportSpec('x', 'LoopbackBackend', None)]", "transport 'x' declares factory="),
+        ("return [kvbridge.BackendSpec('x', 'LoopbackBackend', None)]", "transport 'x' declares factory="),
     ],
 )
 def test_a_hook_that_returns_something_else_than_specs_is_refused_with_the_reason(
@@ -209,7 +251,7 @@ import kvbridge
 from kvbridge.device.cpu import CpuDevice
 from kvbridge.transport.loopback import LoopbackBackend
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @kvbridge.hookimpl
@@ -218,7 +260,7 @@ def kvbridge_devices():
 
 
 @kvbridge.hookimpl
-def kvbridge_transports():
+def kvbridge_backends():
     {body}
 """
     reg.add_plugin(module("odd", source), "odd", "kvbridge-odd", "1")
@@ -230,11 +272,11 @@ def test_a_hook_wrapper_is_refused(reg: PluginRegistry) -> None:
     source = """
 import kvbridge
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @kvbridge.hookimpl(wrapper=True)
-def kvbridge_transports():
+def kvbridge_backends():
     return (yield)
 """
     reg.add_plugin(module("wraps", source), "wraps", "kvbridge-wraps", "1")
@@ -244,9 +286,9 @@ def kvbridge_transports():
 def test_specs_check_what_they_are_given() -> None:
     caps = LoopbackBackend.capabilities
     with pytest.raises(ConfigError, match="non-empty string name"):
-        kvbridge.TransportSpec("", LoopbackBackend, caps)
+        kvbridge.BackendSpec("", LoopbackBackend, caps)
     with pytest.raises(ConfigError, match="capabilities=.*kvbridge.BackendCapabilities"):
-        kvbridge.TransportSpec("x", LoopbackBackend, {"protocols": ["tcp"]})
+        kvbridge.BackendSpec("x", LoopbackBackend, {"protocols": ["tcp"]})
     with pytest.raises(ConfigError, match="memory_kind='hbm' is not one of dram, vram, npu, mlu"):
         kvbridge.DeviceSpec("x", object, "hbm")
     with pytest.raises(ConfigError, match="probe=3; it must be callable"):

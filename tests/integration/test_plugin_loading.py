@@ -18,18 +18,18 @@ MISSPELT = """
 import kvbridge
 from kvbridge.transport.loopback import LoopbackBackend
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @kvbridge.hookimpl
-def kvbridge_transport():  # the hook is kvbridge_transports
-    return [kvbridge.TransportSpec("typo", LoopbackBackend, LoopbackBackend.capabilities)]
+def kvbridge_backend():  # the hook is kvbridge_backends
+    return [kvbridge.BackendSpec("typo", LoopbackBackend, LoopbackBackend.capabilities)]
 """
 
 WRONG_ARGUMENT = """
 import kvbridge
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @kvbridge.hookimpl
@@ -45,7 +45,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
         install_dist(tmp, "kvbridge-raises", "kvbridge_raises", RAISES),
         install_dist(tmp, "kvbridge-misspelt", "kvbridge_misspelt", MISSPELT),
         install_dist(tmp, "kvbridge-wrongarg", "kvbridge_wrongarg", WRONG_ARGUMENT),
-        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2)),
+        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=3)),
     ]
 
 
@@ -65,8 +65,8 @@ def test_plugins_lists_each_broken_plugin_with_its_distribution_and_error(site: 
     assert broken["kvbridge_raises"]["distribution"] == "kvbridge-raises"
     assert "RuntimeError: plugin bug: config file missing" in broken["kvbridge_raises"]["reason"]
     assert broken["kvbridge_misspelt"]["distribution"] == "kvbridge-misspelt"
-    assert "unknown hook 'kvbridge_transport'" in broken["kvbridge_misspelt"]["reason"]
-    assert "kvbridge_transports" in broken["kvbridge_misspelt"]["reason"]  # what it should have been
+    assert "unknown hook 'kvbridge_backend'" in broken["kvbridge_misspelt"]["reason"]
+    assert "kvbridge_backends" in broken["kvbridge_misspelt"]["reason"]  # what it should have been
     assert "kvbridge_devices(reg)" in broken["kvbridge_wrongarg"]["reason"]
     assert "can not be found in the hookspec" in broken["kvbridge_wrongarg"]["reason"]
     # the good distribution beside them loaded, and nothing of the misspelt one was half-registered
@@ -97,14 +97,14 @@ SHADOW = """
 import kvbridge
 from kvbridge.transport.loopback import LoopbackBackend
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @kvbridge.hookimpl(trylast=True)  # pluggy calls trylast implementations first
-def kvbridge_transports():
+def kvbridge_backends():
     return [
-        kvbridge.TransportSpec("TCP", LoopbackBackend, LoopbackBackend.capabilities),
-        kvbridge.TransportSpec("shadow-own", LoopbackBackend, LoopbackBackend.capabilities),
+        kvbridge.BackendSpec("TCP", LoopbackBackend, LoopbackBackend.capabilities),
+        kvbridge.BackendSpec("shadow-own", LoopbackBackend, LoopbackBackend.capabilities),
     ]
 """
 
@@ -112,7 +112,7 @@ HALF = """
 import kvbridge
 from kvbridge.device.cpu import CpuDevice
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @kvbridge.hookimpl
@@ -121,7 +121,7 @@ def kvbridge_devices():
 
 
 @kvbridge.hookimpl
-def kvbridge_transports():
+def kvbridge_backends():
     raise RuntimeError("plugin bug after its first registration")
 """
 
@@ -131,7 +131,7 @@ CRASHES = """
 import kvbridge
 from kvbridge.device.cpu import CpuDevice
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 def _factory(options):
@@ -150,7 +150,7 @@ import os
 import kvbridge
 from kvbridge.transport.loopback import LoopbackBackend
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 print("chatty plugin loaded")
 os.write(1, b"native library banner\\n")
 
@@ -161,8 +161,8 @@ def _probe():
 
 
 @kvbridge.hookimpl
-def kvbridge_transports():
-    return [kvbridge.TransportSpec("chatty", LoopbackBackend, LoopbackBackend.capabilities, probe=_probe)]
+def kvbridge_backends():
+    return [kvbridge.BackendSpec("chatty", LoopbackBackend, LoopbackBackend.capabilities, probe=_probe)]
 """
 
 
@@ -175,7 +175,7 @@ def unruly(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Path]]:
         install_dist(tmp, "kvbridge-exits", "kvbridge_exits", EXITS),
         install_dist(tmp, "kvbridge-crashes", "kvbridge_crashes", CRASHES),
         install_dist(tmp, "kvbridge-chatty", "kvbridge_chatty", CHATTY),
-        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2)),
+        install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=3)),
     ]
 
 
@@ -214,3 +214,27 @@ except kvbridge.PluginError as e:
         "device 'crashing-dev' from kvbridge-crashes 1.2.3 failed to start: RuntimeError: vendor runtime crashed"
         in (out.stdout)
     )
+
+
+def test_an_api_2_plugin_is_refused_with_the_renames_and_every_other_plugin_still_listed(tmp_path: Path) -> None:
+    from test_plugin_contract import API2, RENAMES
+
+    site = [install_dist(tmp_path, "kvbridge-deep", "kvbridge_deep", API2)]  # implements kvbridge_transports
+    out = cli(site, "plugins", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    refused = {r["name"]: r for r in rows if r["broken"]}
+    assert set(refused) == {"kvbridge_deep"}
+    assert "built for kvbridge plugin API 2" in refused["kvbridge_deep"]["reason"]
+    assert RENAMES in refused["kvbridge_deep"]["hint"]
+    listed = {(r["kind"], r["name"]): r["distribution"] for r in rows if not r["broken"]}
+    assert ("backend", "deep") not in listed
+    # the built-ins and the repo's plugins (scripts/setup installs them) load as before
+    assert listed[("backend", "tcp")] == listed[("backend", "loopback")] == listed[("device", "cpu")] == "kvbridge"
+    assert listed[("backend", "mooncake")] == "kvbridge-mooncake" and listed[("backend", "nixl")] == "kvbridge-nixl"
+    assert listed[("device", "example")] == "kvbridge-example-device"
+    doctor = cli(site, "doctor", "--json")
+    checks = {c["subject"]: c for c in json.loads(doctor.stdout)}
+    assert checks["plugin kvbridge_deep"]["status"] == "PROBLEM" and RENAMES in checks["plugin kvbridge_deep"]["fix"]
+    for subject in ("backend tcp", "backend loopback", "backend mooncake", "backend nixl", "device example"):
+        assert checks[subject]["status"] == "ok", checks[subject]

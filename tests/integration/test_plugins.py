@@ -30,10 +30,10 @@ class ThrowawayBackend(LoopbackBackend):
 
 
 @kvbridge.hookimpl
-def kvbridge_transports():
+def kvbridge_backends():
     return [
-        kvbridge.TransportSpec("Throwaway", ThrowawayBackend, LoopbackBackend.capabilities),
-        kvbridge.TransportSpec("needs-lib", ThrowawayBackend, LoopbackBackend.capabilities,
+        kvbridge.BackendSpec("Throwaway", ThrowawayBackend, LoopbackBackend.capabilities),
+        kvbridge.BackendSpec("needs-lib", ThrowawayBackend, LoopbackBackend.capabilities,
                                probe=lambda: "libmissing.so.9: cannot open shared object file",
                                install_hint="apt-get install libmissing9"),
     ]
@@ -124,8 +124,8 @@ print(json.dumps({
 def dists(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     tmp = tmp_path_factory.mktemp("dists")
     yield {
-        "good": install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2)),
-        "future": install_dist(tmp, "kvbridge-future", "kvbridge_future", PLUGIN_MODULE.format(api=3)),
+        "good": install_dist(tmp, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=3)),
+        "future": install_dist(tmp, "kvbridge-future", "kvbridge_future", PLUGIN_MODULE.format(api=4)),
         "broken": install_dist(tmp, "kvbridge-broken", "kvbridge_broken", BROKEN_MODULE),
     }
 
@@ -142,7 +142,7 @@ def test_a_real_installed_distribution_is_discovered_through_its_entry_point(dis
 def test_a_distribution_found_twice_on_the_path_is_one_plugin(dists: dict[str, Path], tmp_path: Path) -> None:
     # An editable install is found twice: its metadata in site-packages and its build's egg-info beside its sources
     # (the repo's own plugins, as scripts/setup installs them). One distribution is one plugin, refused by nobody.
-    again = install_dist(tmp_path, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=2))
+    again = install_dist(tmp_path, "kvbridge-throwaway", "kvbridge_throwaway", PLUGIN_MODULE.format(api=3))
     got = run_kvbridge(LIST, dists["good"], again)
     assert got["backends"]["throwaway"] == [True, "", "", "kvbridge-throwaway", "1.2.3"]
     assert got["refused"] == {}
@@ -160,8 +160,8 @@ def test_a_plugin_built_for_another_api_version_is_refused(dists: dict[str, Path
     got = run_kvbridge(LIST, dists["future"])
     assert "throwaway" not in got["backends"]
     reason, hint, dist = got["refused"]["kvbridge_future"]
-    assert "plugin API 3" in reason and "speaks 2" in reason and dist == "kvbridge-future"
-    assert "plugin API 2" in hint
+    assert "plugin API 4" in reason and "speaks 3" in reason and dist == "kvbridge-future"
+    assert "plugin API 3" in hint
     code = """
 import json, kvbridge
 try:
@@ -255,12 +255,12 @@ def test_doctor_tells_absent_hardware_from_a_problem(dists: dict[str, Path]) -> 
     assert out.returncode == 1  # broken-dev (and needs-lib) are problems; gone-dev alone would not be
 
 
-def test_a_plugin_api_1_plugin_is_refused_beside_an_api_2_one_that_loads(tmp_path: Path) -> None:
-    from test_plugin_contract import API1, API2
+def test_a_plugin_api_1_plugin_is_refused_beside_an_api_3_one_that_loads(tmp_path: Path) -> None:
+    from test_plugin_contract import API1, API3
 
     site = [
         install_dist(tmp_path, "kvbridge-old", "kvbridge_old", API1),
-        install_dist(tmp_path, "kvbridge-deep", "kvbridge_deep", API2),
+        install_dist(tmp_path, "kvbridge-deep", "kvbridge_deep", API3),
     ]
     code = """
 import json, kvbridge
@@ -274,8 +274,8 @@ print(json.dumps({
     got = run_kvbridge(code, *site)
     assert list(got["refused"]) == ["kvbridge_old"]
     reason, hint = got["refused"]["kvbridge_old"]
-    assert "built for kvbridge plugin API 1" in reason and "speaks 2" in reason
-    assert "plugin API 2" in hint
+    assert "built for kvbridge plugin API 1" in reason and "speaks 3" in reason
+    assert "plugin API 3" in hint
     assert "old" not in got["from"]
     assert got["new"] == [8, "DepthOptions", 4096]
     assert got["from"]["deep"] == "kvbridge-deep"

@@ -14,7 +14,7 @@ HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) 
 
 
 def test_there_are_hooks_and_each_belongs_to_the_plugin_api() -> None:
-    assert HOOKS == ["kvbridge_commands", "kvbridge_devices", "kvbridge_transports"]
+    assert HOOKS == ["kvbridge_backends", "kvbridge_commands", "kvbridge_devices"]
     assert sorted(hookspecs.HOOKS) == HOOKS
 
 

@@ -8,7 +8,7 @@ import kvbridge
 from kvbridge.base.types import MemoryKind
 from kvbridge.device.probes import device_nodes, library_probe
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 INSTALL_HINT = (
     "on a machine with an Ascend NPU and CANN, in an environment built for torch-npu (it pins its own torch): "

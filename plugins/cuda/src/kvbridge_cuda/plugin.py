@@ -8,7 +8,7 @@ import kvbridge
 from kvbridge.base.types import MemoryKind
 from kvbridge.device.probes import device_nodes
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 INSTALL_HINT = (
     "run on a machine with an NVIDIA GPU and driver, in an environment with a CUDA build of torch "

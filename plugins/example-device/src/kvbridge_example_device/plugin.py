@@ -9,7 +9,7 @@ import mmap
 import kvbridge
 from kvbridge import MemoryKind
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 def probe() -> str | None:
@@ -28,7 +28,7 @@ def _factory(options: kvbridge.NoOptions) -> kvbridge.Device:
 @kvbridge.hookimpl
 def kvbridge_devices() -> list[kvbridge.DeviceSpec]:
     # `options` names the attrs class that declares the plugin's options (a device takes none: NoOptions, the
-    # default; a transport's class subclasses kvbridge.TransportOptions): `kvbridge plugins example` lists them,
+    # default; a transport's class subclasses kvbridge.BackendOptions): `kvbridge plugins example` lists them,
     # and the factory gets them parsed.
     return [
         kvbridge.DeviceSpec(

@@ -8,7 +8,7 @@ import kvbridge
 from kvbridge.base.types import MemoryKind
 from kvbridge.device.probes import device_nodes, library_probe
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 INSTALL_HINT = (
     "on a machine with a Cambricon MLU and CNToolkit, install Cambricon's torch_mlu wheel built for your torch "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import kvbridge
 from kvbridge_mooncake.spec import CAPABILITIES, INSTALL_HINT, MooncakeOptions, probe
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 def _factory(config: kvbridge.BackendConfig, options: MooncakeOptions) -> kvbridge.MigrationBackend:
@@ -15,9 +15,9 @@ def _factory(config: kvbridge.BackendConfig, options: MooncakeOptions) -> kvbrid
 
 
 @kvbridge.hookimpl
-def kvbridge_transports() -> list[kvbridge.TransportSpec]:
+def kvbridge_backends() -> list[kvbridge.BackendSpec]:
     return [
-        kvbridge.TransportSpec(
+        kvbridge.BackendSpec(
             "mooncake", _factory, CAPABILITIES, options=MooncakeOptions, probe=probe, install_hint=INSTALL_HINT
         )
     ]

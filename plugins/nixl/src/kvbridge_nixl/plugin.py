@@ -5,7 +5,7 @@ from __future__ import annotations
 import kvbridge
 from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, probe
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 def _factory(config: kvbridge.BackendConfig, options: NixlOptions) -> kvbridge.MigrationBackend:
@@ -15,9 +15,9 @@ def _factory(config: kvbridge.BackendConfig, options: NixlOptions) -> kvbridge.M
 
 
 @kvbridge.hookimpl
-def kvbridge_transports() -> list[kvbridge.TransportSpec]:
+def kvbridge_backends() -> list[kvbridge.BackendSpec]:
     return [
-        kvbridge.TransportSpec(
+        kvbridge.BackendSpec(
             "nixl", _factory, capabilities(), options=NixlOptions, probe=probe, install_hint=INSTALL_HINT
         )
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import kvbridge
 
-KVBRIDGE_PLUGIN_API = 2
+KVBRIDGE_PLUGIN_API = 3
 
 
 @kvbridge.hookimpl
