@@ -12,7 +12,9 @@ from kvbridge_tools.bench.load_probes import (
     THREAD_NAMES_PATCH,
     Noise,
     NoiseProcs,
+    engine_steps,
     histograms,
+    process_thread_cpu,
     thread_cpu,
 )
 
@@ -47,6 +49,18 @@ def test_histograms_sum_label_sets_and_a_round_is_a_difference() -> None:
     assert empty == {"count": 0, "mean_ms": None, "p50_ms": None, "p99_ms": None, "max_ms": None}
 
 
+def test_engine_steps_are_vllms_iterations_summed_over_its_engines() -> None:
+    page = PAGE + (
+        'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 12.0\n'
+        'vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 345.0\n'
+        'vllm:iteration_tokens_total_count{engine="1",model_name="m"} 3.0\n'
+        'vllm:iteration_tokens_total_sum{engine="1",model_name="m"} 5.0\n'
+        'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="m"} 2.0\n'
+    )
+    assert engine_steps(page) == (15.0, 350.0)
+    assert engine_steps(PAGE) == (0.0, 0.0)
+
+
 def test_kvbridge_threads_are_named_in_the_os_and_their_cpu_is_read(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(THREAD_NAMES_PATCH)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
@@ -77,6 +91,11 @@ def test_kvbridge_threads_are_named_in_the_os_and_their_cpu_is_read(tmp_path: Pa
         cpu = thread_cpu([proc.pid])
         assert set(cpu) == {"kvbridge-ctl", "kvbridge-pull"}  # by kind: a pool's workers under one name
         assert min(cpu.values()) > 0
+        # every thread under its process's name; one the OS knows by no name of its own ("other") by the process's
+        every = process_thread_cpu([proc.pid])
+        process = Path(f"/proc/{proc.pid}/comm").read_text().strip()
+        assert set(every) == {f"{process}/kvbridge-ctl", f"{process}/kvbridge-pull", f"{process}/{process}"}
+        assert every[f"{process}/{process}"] >= 0.05 and sum(every.values()) > sum(cpu.values())
     finally:
         proc.kill()
         proc.wait()

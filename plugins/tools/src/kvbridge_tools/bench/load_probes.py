@@ -289,6 +289,22 @@ def histograms(text: str) -> dict[str, Histogram]:
     return {name: h for name, h in out.items() if h.buckets}
 
 
+_STEPS = re.compile(r"^vllm:iteration_tokens_total_(count|sum)(\{[^}]*\})?\s+(\S+)$")
+
+
+def engine_steps(text: str) -> tuple[float, float]:
+    """vLLM's engine steps that computed tokens, and the tokens they computed, from its Prometheus text page."""
+    steps = tokens = 0.0
+    for line in text.splitlines():
+        m = _STEPS.match(line.strip())
+        if m:
+            if m.group(1) == "count":
+                steps += float(m.group(3))
+            else:
+                tokens += float(m.group(3))
+    return steps, tokens
+
+
 def memory_available_gib() -> float:
     """MemAvailable of /proc/meminfo, GiB."""
     for line in Path("/proc/meminfo").read_text().splitlines():

@@ -54,6 +54,7 @@ from kvbridge_tools.bench.load_probes import (
     SERVER_GIB,
     Histogram,
     NoiseProcs,
+    engine_steps,
     fits_resident,
     histograms,
     memory_available_gib,
@@ -409,6 +410,10 @@ def _threads(sides: dict[str, Server], *, every: bool = False) -> dict[str, dict
     return {side: read(_group_members(server.pid)) for side, server in sides.items()}
 
 
+def _steps(http: Any, sides: dict[str, Server]) -> dict[str, tuple[float, float]]:
+    return {side: engine_steps(http.get(f"{server.url}/metrics").text) for side, server in sides.items()}
+
+
 def _histograms(http: Any, sides: dict[str, Server]) -> dict[str, dict[str, Histogram]]:
     return {side: histograms(http.get(f"{server.url}/metrics").text) for side, server in sides.items()}
 
@@ -447,6 +452,7 @@ def _round(
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
     hist0, threads0, every0 = _histograms(http, sides), _threads(sides), _threads(sides, every=True)
+    steps0 = _steps(http, sides)
     noise0 = noise.cpu_seconds() if noise else 0.0
     start, cpu0, router0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router)
     if noise:
@@ -464,7 +470,8 @@ def _round(
     kvbridge = name.startswith("kvbridge")
     if kvbridge:
         _counted(http, sides["decode"], hist0["decode"], completed)
-    hist1 = _histograms(http, sides)
+    hist1, steps1 = _histograms(http, sides), _steps(http, sides)
+    steps = {side: (steps1[side][0] - steps0[side][0], steps1[side][1] - steps0[side][1]) for side in sides}
     per_request = max(completed, 1)
     own = {side: minus(threads1[side], threads0[side]) for side in sides} if kvbridge else None
     summaries = {
@@ -480,6 +487,9 @@ def _round(
         if own is None
         else {side: round(sum(own[side].values()) / per_request * 1e3, 2) for side in sides},
         "kvbridge_thread_cpu_s": own,
+        # vLLM's engine steps that computed tokens: a step costs CPU whatever its batch, so fewer, fuller ones cost less
+        "engine_steps_per_request": {side: round(n / per_request, 2) for side, (n, _) in steps.items()},
+        "tokens_per_step": {side: round(t / max(n, 1.0), 1) for side, (n, t) in steps.items()},
         # every thread of each side's server, by process and thread name: where a system's CPU per request goes
         "cpu_ms_per_request_by_thread": {
             side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
