@@ -443,11 +443,12 @@ def _round(
     slo: dict[str, float],
     noise: NoiseProcs | None,
     http: Any,
+    seed: int,
 ) -> dict[str, Any]:
     """One system at one load: its row.
 
     The serve bench's figures, CPU (servers, router, kvbridge's threads, noise) and kvbridge's histograms over
-    the round."""
+    the round. `seed`: the load's prompts, the same for every system and new to each server."""
     sides = _sides(name, system)
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
@@ -458,7 +459,7 @@ def _round(
     if noise:
         noise.resume()
     try:
-        result = serve_bench(system.url, model, load, args, log, prompts=prompts, goodput=slo)
+        result = serve_bench(system.url, model, load, args, log, prompts=prompts, goodput=slo, seed=seed)
     finally:
         if noise:
             noise.pause()
@@ -554,6 +555,9 @@ def run(args: argparse.Namespace) -> int:
             noise = NoiseProcs(args.noise, [placed.hosts["prefill"], placed.hosts["decode"]] if placed else [None])
             stack.callback(noise.close)
         start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args, placed=placed)
+        # Each load its own prompts (the SLO run takes seed 0, the warm-up 99): a prompt a server saw in an earlier
+        # round would be a prefix-cache hit there, computed by no prefill and moved to no decode.
+        seeds = {id(load): 100 + i for i, load in enumerate(loads)}
         rounds = _rounds(systems, loads, start, resident=resident, ahead=args.start_ahead)
         with contextlib.closing(rounds):
             for load, name, system, fresh in rounds:
@@ -568,7 +572,7 @@ def run(args: argparse.Namespace) -> int:
                         }
                     rows.append(
                         _round(name, system, load, args, model, bench_log, prompts=prompts, slo=slo, noise=noise,
-                               http=http)
+                               http=http, seed=seeds[id(load)])
                     )  # fmt: skip
                     if not args.json:
                         err_console.print(f"[dim]{LABELS[name]} {load.name}: done[/dim]")
