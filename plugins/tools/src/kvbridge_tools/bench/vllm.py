@@ -37,7 +37,7 @@ import re
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -155,6 +155,7 @@ def _kvbridge_pair(
     transport: str = "mooncake",
     placed: Placed | None = None,
     name_threads: bool = False,
+    extra_args: Sequence[str] = (),
 ) -> Pair:
     """KVBridgeConnector on two servers, on 127.0.0.1 or on the prefill and decode hosts of `placed`.
 
@@ -182,6 +183,7 @@ def _kvbridge_pair(
         model,
         executor=executor,
         max_model_len=max_len,
+        extra_args=extra_args,
         kv_transfer_config=config("kv_producer"),
         env=env,
         log_dir=where,
@@ -191,6 +193,7 @@ def _kvbridge_pair(
         model,
         executor=executor,
         max_model_len=max_len,
+        extra_args=extra_args,
         kv_transfer_config=config("kv_consumer"),
         env=env,
         log_dir=where,
@@ -208,7 +211,13 @@ def _kvbridge_pair(
 
 
 def _nixl_pair(
-    model: Path, logs: Path, max_len: int, executor: str, busy_poll: bool = True, placed: Placed | None = None
+    model: Path,
+    logs: Path,
+    max_len: int,
+    executor: str,
+    busy_poll: bool = True,
+    placed: Placed | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Pair:
     """VLLM's NixlConnector on two servers, on 127.0.0.1 or on the hosts of `placed`.
 
@@ -249,6 +258,7 @@ def _nixl_pair(
             model,
             executor=executor,
             max_model_len=max_len,
+            extra_args=extra_args,
             kv_transfer_config=config,
             env=env,
             log_dir=logs / "nixl",
@@ -268,7 +278,9 @@ def _nixl_pair(
     )
 
 
-def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str, placed: Placed | None = None) -> Pair:
+def _mooncake_pair(
+    model: Path, logs: Path, max_len: int, executor: str, placed: Placed | None = None, extra_args: Sequence[str] = ()
+) -> Pair:
     """vLLM's MooncakeConnector on two servers (on the hosts of `placed`, if given), over Mooncake TCP."""
     from kvbridge_tools.harness.ports import free_port
     from kvbridge_tools.harness.vllm_server import start_vllm
@@ -296,6 +308,7 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str, placed:
         model,
         executor=executor,
         max_model_len=max_len,
+        extra_args=extra_args,
         kv_transfer_config=config("kv_producer", engine_id=engine),
         env=env,
         log_dir=logs / "mooncake",
@@ -305,6 +318,7 @@ def _mooncake_pair(model: Path, logs: Path, max_len: int, executor: str, placed:
         model,
         executor=executor,
         max_model_len=max_len,
+        extra_args=extra_args,
         kv_transfer_config=config("kv_consumer"),
         env=env,
         log_dir=logs / "mooncake",

@@ -106,6 +106,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--concurrency", type=int, nargs="*", default=[4], metavar="C", help="concurrency caps (default 4)"
     )
     group.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="(default: all)")
+    group.add_argument(
+        "--prefix-caching",
+        choices=("on", "off"),
+        default="off",
+        help="vLLM's prefix caching on every server (default off: the tiny model's vocabulary of under 100 tokens "
+        "makes the serve bench's random prompts share long prefixes, and a prompt a decode holds already is moved by "
+        "no system)",
+    )
     group.add_argument("--router", choices=ROUTERS, default="kvbridge", help="routing for P/D (default kvbridge)")
     group.add_argument("--input-min", type=int, default=64, metavar="N", help="shortest prompt (default 64)")
     group.add_argument("--input-max", type=int, default=2000, metavar="N", help="longest prompt (default 2000)")
@@ -285,6 +293,7 @@ def _start(
             model_dir,
             executor=args.executor,
             max_model_len=max_len,
+            extra_args=_vllm_args(args),
             log_dir=logs / "colocated",
             host=hosts["decode"] if hosts else None,
         )
@@ -300,7 +309,7 @@ def _start(
         "nixl": functools.partial(pd._nixl_pair, busy_poll=args.nixl_busy_poll == "on"),
         "mooncake": pd._mooncake_pair,
     }[name]
-    pair = launch(model_dir, logs, max_len, args.executor, placed=placed)
+    pair = launch(model_dir, logs, max_len, args.executor, placed=placed, extra_args=_vllm_args(args))
     servers = [pair.prefill, pair.decode]
     try:
         wait_healthy(servers, timeout=600)
@@ -389,6 +398,11 @@ def _rounds(
     with contextlib.closing(_each_started([name for _, name in order], start, ahead=ahead)) as each:
         for (load, _), (name, system) in zip(order, each):
             yield load, name, system, True
+
+
+def _vllm_args(args: argparse.Namespace) -> list[str]:
+    """What every server of every system is started with beyond the harness's defaults."""
+    return [] if args.prefix_caching == "on" else ["--no-enable-prefix-caching"]
 
 
 def _warm(system: System, model: str, args: argparse.Namespace, log: Path) -> None:
@@ -586,6 +600,7 @@ def run(args: argparse.Namespace) -> int:
         "router": args.router,
         "nixl_busy_poll": args.nixl_busy_poll,
         "start_ahead": args.start_ahead,
+        "prefix_caching": args.prefix_caching,
         "alternation": "resident" if resident else "restart",
         "memory_available_gib": memory,
         "noise": None
