@@ -516,12 +516,8 @@ def _round(
     return row_of(LABELS[name], load, result, prompts, figures)
 
 
-def run(args: argparse.Namespace) -> int:
-    import httpx
-
-    from kvbridge_tools.bench.pair import frozen_heap
-    from kvbridge_tools.harness.tiny_model import build_tiny_llama
-
+def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int]:
+    """The systems (colocated first), the loads and the servers' max_model_len of checked arguments."""
     systems = list(dict.fromkeys(args.systems))
     if "colocated" not in systems:
         raise ConfigError("--systems: the SLO comes from the colocated server; keep colocated in the list")
@@ -534,10 +530,20 @@ def run(args: argparse.Namespace) -> int:
     max_len = -(-(args.input_max + args.output_len + 16) // 256) * 256
     if not args.model_dir and max_len > 2048:
         raise ConfigError(f"--input-max {args.input_max}: the tiny model holds 2048 positions; give at most 2000")
-    prompts = args.requests or 40
     loads = [Load(rate=r) for r in args.rates] + [Load(concurrency=c) for c in args.concurrency]
     if not loads:
         raise ConfigError("--rates and --concurrency: give at least one load")
+    return systems, loads, max_len
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from kvbridge_tools.bench.pair import frozen_heap
+    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+
+    systems, loads, max_len = _checked(args)
+    prompts = args.requests or 40
     if getattr(args, "plot", None):
         check_path(args.plot)
     servers = sum(1 if s == "colocated" else 2 for s in systems)
