@@ -15,7 +15,7 @@ from kvbridge.control.messages import Offer, Refused
 log = logging.getLogger(__name__)
 
 
-class Offers:
+class EarlyOffers:
     """Offer ids unique across the engine's restarts, and the early offers to `ranks` (host, port)."""
 
     def __init__(self, ranks: Sequence[tuple[str, int]], *, early: bool, clients: ClientPool) -> None:

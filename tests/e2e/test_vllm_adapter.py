@@ -692,7 +692,7 @@ def test_scheduler_publishes_the_engine_base_and_offers_to_its_own_dp_ranks(dp_i
     scheduler = SchedulerSide(config, "prefill", Settings.from_extra_config(extra))
     try:
         assert scheduler.side_channel_port == 21000
-        assert [port for _, port in scheduler.offering.ranks] == [
+        assert [port for _, port in scheduler.early_offers.ranks] == [
             side_channel_port(21000, tp_rank=t, tp_size=tp, pp_rank=p, pp_size=pp, dp_index=dp_index)
             for p in range(pp)
             for t in range(tp)

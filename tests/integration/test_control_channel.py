@@ -30,7 +30,7 @@ from kvbridge.control.messages import (
     RegisteredMemory,
     StreamStatus,
 )
-from kvbridge.session.offers import Offers
+from kvbridge.session.early_offers import EarlyOffers
 from kvbridge_tools.harness.ports import free_port
 
 SECRET = "0123456789abcdef0123456789abcdef"
@@ -707,7 +707,7 @@ def test_early_offers_reach_a_rank_of_this_process_by_a_call_as_a_message_would(
     # that offers in the engine step only: early offers stop); a closed rank is reached by a message again.
     waiting = Prefill(ready=False)
     closing.append(waiting)
-    offers = Offers([waiting.server.address], early=True, clients=ClientPool(sender="prefill/scheduler"))
+    offers = EarlyOffers([waiting.server.address], early=True, clients=ClientPool(sender="prefill/scheduler"))
     try:
         offers.make("r1", [1, 2])
         assert waiting.ledger.active == [] and offers.early, "a rank not ready yet skips it and stays asked"

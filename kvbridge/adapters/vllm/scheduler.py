@@ -15,8 +15,8 @@ from kvbridge.control.client import ClientPool
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import group_port
+from kvbridge.session.early_offers import EarlyOffers
 from kvbridge.session.lending import StepLending
-from kvbridge.session.offers import Offers
 from kvbridge.session.requests import RequestParams
 from kvbridge.session.tasks import PullTask, StreamTask
 
@@ -71,7 +71,7 @@ class SchedulerSide:
         self.side_channel_port = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size)
         # this engine's worker ranks (every stage and TP rank of this DP rank), told of offers at once
         own = group_port(settings.side_channel_port, tp_size=self.tp_size, pp_size=self.pp_size, dp_index=self.dp_rank)
-        self.offering = Offers(
+        self.early_offers = EarlyOffers(
             [(settings.host, own + i) for i in range(self.tp_size * self.pp_size)],
             early=settings.early_offer,
             clients=ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler"),
@@ -183,7 +183,7 @@ class SchedulerSide:
         return meta
 
     def shutdown(self) -> None:
-        self.offering.close()
+        self.early_offers.close()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
@@ -201,7 +201,7 @@ class SchedulerSide:
             return False, None
         if cut:
             assert entry.migration_id is not None
-            self._offers.append(self.offering.make(entry.migration_id, block_ids, request.request_id))
+            self._offers.append(self.early_offers.make(entry.migration_id, block_ids, request.request_id))
             return True, None
         if request.status == RequestStatus.FINISHED_ABORTED and entry.layerwise and not entry.remote_decode:
             self.layerwise.cancel(request.request_id)  # dropped while streaming: stop reading, abort on prefill
@@ -218,7 +218,7 @@ class SchedulerSide:
                 return False, None  # aborted prefill: nobody will pull, free now
             if not block_ids:
                 return False, None
-            self._offers.append(self.offering.make(request.request_id, block_ids))
+            self._offers.append(self.early_offers.make(request.request_id, block_ids))
         return True, KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
