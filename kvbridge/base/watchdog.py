@@ -199,8 +199,12 @@ class Watchdog:
         """Dump once for the beats stalled now that were not dumped for this stall."""
         with self._lock:
             beats = list(self._beats)
-        # Sampled before any beat is marked dumped (one who waits on that moves on), at every look: a stall's
-        # window starts at the last look before it, which an idle spell without beats must not make minutes old.
+        # A look samples only while a beat is busy: reading every thread's counters costs an engine process (tens of
+        # threads) about a millisecond of its GIL, which an idle look would take from the engine's steps for nothing.
+        if not any(b.since is not None for b in beats):
+            self.checked = time.monotonic()
+            return
+        # Sampled before any beat is marked dumped (one who waits on that moves on).
         now, stats, box = self._sample()
         stalled: list[tuple[Beat, float]] = []
         for b in beats:
@@ -210,14 +214,21 @@ class Watchdog:
                 stalled.append((b, since))
         if stalled:
             self.stalls += 1
-            began = min(since for _, since in stalled)
-            # the last look at or before the stall began (the oldest kept, for one longer than the history)
-            then, before, box_before = next(
-                (sample for sample in reversed(self._samples) if sample[0] <= began), self._samples[0]
-            )
+            then, before, box_before = self._window_start(min(since for _, since in stalled), now)
             accounting = account([b for b, _ in stalled], before, stats, now - then, (box_before, box))
             self._dump(stalled, now, accounting)
         self.checked = now
+
+    def _window_start(self, began: float, now: float) -> tuple[float, Schedstat, tuple[float, ...]]:
+        """The sample a stall's accounting counts from.
+
+        The last look at or before it began, when that look was recent; after an idle spell (no samples), the first
+        look that saw it busy; the oldest kept, for a stall longer than the history."""
+        before = next((s for s in reversed(self._samples) if s[0] <= began), None)
+        if before is not None and before[0] >= began - self.stall_s:
+            return before
+        after = next((s for s in self._samples if began < s[0] < now), None)
+        return after or before or self._samples[0]
 
     def _sample(self) -> tuple[float, Schedstat, tuple[float, ...]]:
         """Every thread's CPU counters and the host's, kept for a later dump.

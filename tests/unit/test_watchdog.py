@@ -72,3 +72,40 @@ def test_a_spinning_thread_is_named_on_a_cpu_or_waiting_for_one(caplog: pytest.L
     assert "busy on a CPU" in mine or "runnable but not run" in mine, mine
     ran, waited = (float(mine.split(f"{k} ")[1].split(" s")[0]) for k in ("ran", "waited"))
     assert ran + waited >= STALL_S / 2, mine
+
+
+def test_a_look_reads_no_thread_counters_while_every_beat_is_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading every thread's counters takes an engine process about a millisecond of its GIL: only a busy beat pays."""
+    import kvbridge.base.watchdog as watchdog
+
+    reads: list[int] = []
+    real = watchdog.schedstats
+    monkeypatch.setattr(watchdog, "schedstats", lambda: reads.append(1) or real())
+    dog = Watchdog(60.0)  # its own thread looks every 30 s: the looks here are this test's
+    beat = dog.watch("idle work")
+    beat.idle()
+    reads.clear()
+    for _ in range(5):
+        dog.check()
+    assert reads == [], "an idle process's look read every thread's counters"
+    beat.busy()
+    dog.check()
+    assert reads == [1], "a look with a busy beat took no sample for a stall to count from"
+    dog.forget(beat)
+
+
+def test_a_stall_after_an_idle_spell_is_accounted_from_the_first_look_that_saw_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    idle_s = 6 * STALL_S
+
+    def idles_then_blocks(beat: object) -> None:
+        beat.idle()  # type: ignore[attr-defined]
+        time.sleep(idle_s)  # no beat busy: the watchdog takes no sample meanwhile
+        beat.busy()  # type: ignore[attr-defined]
+        wait_for(lambda: getattr(beat, "dumped", None) is not None, timeout=20, what="the stall's dump")
+
+    accounting = _stalled(caplog, idles_then_blocks).splitlines()[1]
+    window = float(accounting.split("CPU time over the last ")[1].split(" s")[0])
+    # from a look after it began (never the idle spell's start), and at least one look before the dump
+    assert 0 < window < idle_s, accounting
