@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, admin_token, load_secret
-from kvbridge_proxy.migration import MOVES, MoveSettings
+from kvbridge_proxy.moving_stream import MOVES, MoveSettings
 
 if TYPE_CHECKING:
     from kvbridge_proxy.settings import ProxySettings
@@ -152,7 +152,7 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
 def _add_moves(p: argparse.ArgumentParser) -> None:
     """Moving running streams between decodes (docs/elastic.md)."""
     p.add_argument(
-        "--migrate",
+        "--live-moves",
         action="store_true",
         help="move each streamed request off a decode that drains to another decode, which pulls its KV (prompt and "
         "tokens so far) from the draining one and continues the stream; requests whose parameters cannot be carried "
@@ -187,7 +187,7 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rebalance",
         action="store_true",
-        help="with --migrate's machinery, move streams off a decode whose KV cache is at least --rebalance-above full "
+        help="as --live-moves does, move streams off a decode whose KV cache is at least --rebalance-above full "
         "to one at most --rebalance-below full, read from each decode's /metrics every health round (default off)",
     )
     p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
@@ -270,7 +270,7 @@ def settings(args: argparse.Namespace) -> ProxySettings:
         connect_timeout=args.connect_timeout,
         expose_internals=args.expose_internals,
         registry=args.registry,
-        migrate=args.migrate,
+        live_moves=args.live_moves,
         rebalance=Policy(args.rebalance_above, args.rebalance_below) if args.rebalance else None,
         limits=Limits(
             max_parts=args.max_parts,
