@@ -64,7 +64,7 @@ class ServerRecord:
     capacity: int = 0  # KV cache blocks (0: not said)
     state: str = attrs.field(default="serving", validator=attrs.validators.in_(STATES))
     # where its engine's rank 0 side channel listens, and its parallel sizes: what a decode needs to pull the KV
-    # of a request migrated off this server (docs/elastic.md); empty for a static entry
+    # of a request moved off this server (docs/elastic.md); empty for a static entry
     side_host: str = ""
     side_port: int = 0
     tp_size: int = 1

@@ -142,7 +142,7 @@ class BeginPull:
 class Offer:
     """The engine's scheduler offers `request_id`'s finished `blocks` to this rank's ledger. See docs/internals.md."""
 
-    request_id: str = _id()  # the lease's id (a migrated decode request's: the proxy's migration id)
+    request_id: str = _id()  # the lease's id (a moved decode request's: the proxy's move id)
     blocks: BlockIds = _blocks()
     offer_id: str = _id()
     # the engine's id of the request, reported finished sending when the lease ends; "" when it is request_id

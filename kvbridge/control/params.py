@@ -117,9 +117,9 @@ class KVTransferParams:
     )
     # layerwise: the id the proxy gave both sides (prefill's lease is keyed by it)
     transfer_id: str | None = attrs.field(default=None, validator=_STR)
-    # live decode migration (docs/elastic.md): a draining decode offers the request's blocks under this lease id
+    # a live move (docs/elastic.md): a draining decode offers the request's blocks under this lease id
     # when its stream is cut; the decode resuming it pulls that lease, its block ids taken from the lease
-    kvbridge_migration_id: str | None = attrs.field(default=None, validator=_STR)
+    kvbridge_move_id: str | None = attrs.field(default=None, validator=_STR)
     prefix_prompt_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_tuple(int))
     cache_keys: tuple[str, ...] | None = attrs.field(default=None, converter=_optional_tuple(str))
     # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,
@@ -176,23 +176,23 @@ class KVTransferParams:
 
     @property
     def lease_blocks(self) -> bool:
-        """Decode takes the block ids from the lease's answer (a migration names none)."""
-        return self.kvbridge_migration_id is not None and not self.remote_block_ids
+        """Decode takes the block ids from the lease's answer (a live move names none)."""
+        return self.kvbridge_move_id is not None and not self.remote_block_ids
 
-    def migration_resolved(self) -> KVTransferParams:
-        """These params with a migration's lease named (its migration id); others unchanged. See docs/internals.md."""
-        if self.kvbridge_migration_id is None:
+    def move_resolved(self) -> KVTransferParams:
+        """These params with a live move's lease named (its move id); others unchanged. See docs/internals.md."""
+        if self.kvbridge_move_id is None:
             return self
         if self.transfer_mode != "pull":
-            raise ConfigError("kv_transfer_params with kvbridge_migration_id need transfer_mode 'pull'")
+            raise ConfigError("kv_transfer_params with kvbridge_move_id need transfer_mode 'pull'")
         if self.remote_num_tokens is None:
             raise ConfigError(
-                "kv_transfer_params with kvbridge_migration_id lack remote_num_tokens: the proxy sets it to the "
+                "kv_transfer_params with kvbridge_move_id lack remote_num_tokens: the proxy sets it to the "
                 "resumed prompt's length less one"
             )
         if self.remote_request_id is not None:
             return self
-        return attrs.evolve(self, remote_request_id=self.kvbridge_migration_id)
+        return attrs.evolve(self, remote_request_id=self.kvbridge_move_id)
 
     def require_remote(self) -> None:
         """Raise ConfigError naming the missing keys a decode side needs to pull."""

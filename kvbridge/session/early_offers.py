@@ -29,7 +29,7 @@ class EarlyOffers:
     def make(self, request_id: str, blocks: Sequence[int], engine_request_id: str = "") -> Offer:
         """The offer of a finished request under lease id `request_id`, sent early to the ranks where they take it.
 
-        `engine_request_id`: the engine's id of the request when the lease has another (a migrated decode request)."""
+        `engine_request_id`: the engine's id of the request when the lease has another (a moved decode request)."""
         self._count += 1
         offer = Offer(request_id, tuple(blocks), f"{self._prefix}-{self._count}", engine_request_id)
         if self.early:

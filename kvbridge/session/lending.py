@@ -2,7 +2,7 @@
 
 The proxy moves a running stream off a decode A in stages (docs/elastic.md, "Pre-copy"): while A keeps decoding,
 the next decode B pulls the blocks A has filled, under a lease named `precopy_id(M, stage)` where M is the stream's
-migration id. A full block of a running request is never written again, so it can be read while the request runs.
+move id. A full block of a running request is never written again, so it can be read while the request runs.
 What must not happen is the engine freeing it under a reader: a marked request that ends is held by the engine's
 connector (`ended`) until every lease lent from it ended too.
 """
@@ -23,22 +23,22 @@ log = logging.getLogger(__name__)
 PRECOPY = "~precopy"
 
 
-def precopy_id(migration_id: str, stage: int) -> str:
-    """The lease id a pre-copy stage of migration `migration_id` reads under."""
-    return f"{migration_id}{PRECOPY}{stage}"
+def precopy_id(move_id: str, stage: int) -> str:
+    """The lease id a pre-copy stage of move `move_id` reads under."""
+    return f"{move_id}{PRECOPY}{stage}"
 
 
 def precopied(lease_id: str) -> str | None:
-    """The migration id a pre-copy lease id names, or None for any other lease id."""
-    migration, sep, stage = lease_id.rpartition(PRECOPY)
-    return migration if sep and migration and stage.isdigit() else None
+    """The move id a pre-copy lease id names, or None for any other lease id."""
+    move, sep, stage = lease_id.rpartition(PRECOPY)
+    return move if sep and move and stage.isdigit() else None
 
 
 @attrs.frozen
 class Lendable:
-    """A running request marked with migration id `migration_id`: its blocks that are full and computed."""
+    """A running request marked with move id `move_id`: its blocks that are full and computed."""
 
-    migration_id: str
+    move_id: str
     engine_request_id: str
     blocks: tuple[int, ...] = attrs.field(converter=tuple)
 
@@ -48,8 +48,8 @@ class StepLending:
     """What the workers hear of marked requests in one step."""
 
     lendable: list[Lendable] = attrs.Factory(list)
-    unlend: list[str] = attrs.Factory(list)  # migration ids: ended, nothing more to lend
-    preempted: list[str] = attrs.Factory(list)  # migration ids: their blocks were freed, lent leases end now
+    unlend: list[str] = attrs.Factory(list)  # move ids: ended, nothing more to lend
+    preempted: list[str] = attrs.Factory(list)  # move ids: their blocks were freed, lent leases end now
     held: list[str] = attrs.Factory(list)  # engine request ids held until no lent lease reads them
 
 
@@ -63,7 +63,7 @@ class Lending:
         self._ledger = ledger
         self._report = report
         self._lock = threading.Lock()
-        self._lendable: dict[str, Lendable] = {}  # migration id -> its running request's full blocks
+        self._lendable: dict[str, Lendable] = {}  # move id -> its running request's full blocks
         self._lent: dict[str, str] = {}  # lent lease id -> engine request id
         self._holds: dict[str, int] = {}  # engine request id -> lent leases not ended
         self._waiting: set[str] = set()  # engine request ids that ended and wait for their lent leases
@@ -72,17 +72,17 @@ class Lending:
         """The step's news: running marked requests whose full blocks grew."""
         with self._lock:
             for entry in lendable:
-                self._lendable[entry.migration_id] = entry
+                self._lendable[entry.move_id] = entry
 
     def lend(self, lease_id: str) -> bool | None:
         """Offer a pre-copy lease on the blocks its running request has filled: whether one was lent.
 
         None when `lease_id` names no pre-copy (the caller goes on as for any lease)."""
-        migration = precopied(lease_id)
-        if migration is None:
+        move = precopied(lease_id)
+        if move is None:
             return None
         with self._lock:
-            entry = self._lendable.get(migration)
+            entry = self._lendable.get(move)
             if entry is None or not entry.blocks:
                 log.info("pre-copy %s: no running request to lend from (it ended, or filled no block yet)", lease_id)
                 return False
@@ -127,24 +127,24 @@ class Lending:
             self._report(engine_id)
         return True
 
-    def ended(self, migration_ids: Sequence[str], engine_ids: Sequence[str]) -> None:
+    def ended(self, move_ids: Sequence[str], engine_ids: Sequence[str]) -> None:
         """The engine ended these marked requests: nothing more is lent from them.
 
         `engine_ids`: those it holds until reported, each reported now or when its last lent lease ends."""
         with self._lock:
-            for migration in migration_ids:
-                self._lendable.pop(migration, None)
+            for move in move_ids:
+                self._lendable.pop(move, None)
         for engine_id in engine_ids:
             self.report_after(engine_id)
 
-    def preempted(self, migration_ids: Sequence[str]) -> None:
+    def preempted(self, move_ids: Sequence[str]) -> None:
         """The engine freed these requests' blocks (a preemption): their lent leases end now.
 
         A read that was not over by then fails its fence (no lent lease promises a hold)."""
         with self._lock:
-            for migration in migration_ids:
-                self._lendable.pop(migration, None)
-            gone = set(migration_ids)
+            for move in move_ids:
+                self._lendable.pop(move, None)
+            gone = set(move_ids)
             ending = [lease_id for lease_id in self._lent if precopied(lease_id) in gone]
         for lease_id in ending:
             self._ledger.abort(lease_id)

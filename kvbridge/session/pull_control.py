@@ -49,7 +49,7 @@ def blocks_read(plan: Plan, decode_rank: int, prefill_rank: int, blocks: Sequenc
 def lease_share(rid: str, url: str, status: LeaseStatus, skip: int, count: int) -> BlockIds:
     """The `count` blocks after the first `skip` of the lease `status` describes; LoadError when it holds fewer.
 
-    A migrated request's source names its blocks only in its lease (docs/elastic.md)."""
+    A moved request's source names its blocks only in its lease (docs/elastic.md)."""
     blocks = status.blocks.array
     if not status.valid or len(blocks) < skip + count:
         raise LoadError(

@@ -11,14 +11,14 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge.session.lending import precopied
 
 
-def migration_of(params: Any) -> str | None:
-    """The migration id a decode request is marked with (the proxy may move it), or None."""
+def move_of(params: Any) -> str | None:
+    """The move id a decode request is marked with (the proxy may move it), or None."""
     if not isinstance(params, Mapping) or params.get("do_remote_decode"):
         return None
-    migration = params.get("kvbridge_migration_id")
-    if not isinstance(migration, str) or not migration or precopied(migration) is not None:
+    move = params.get("kvbridge_move_id")
+    if not isinstance(move, str) or not move or precopied(move) is not None:
         return None  # a pre-copy's own request is never moved, nor lent from
-    return migration
+    return move
 
 
 @attrs.define
@@ -31,7 +31,7 @@ class RequestParams:
     given: bool = False  # a dict that is not empty (and decodes, where it asks for a transfer)
     decoded: KVTransferParams | None = None  # where they ask for a transfer (do_remote_prefill, do_remote_decode)
     layerwise: bool = False  # transfer_mode "layerwise"
-    migration_id: str | None = None  # a decode request the proxy may move (`migration_of`)
+    move_id: str | None = None  # a decode request the proxy may move (`move_of`)
     remote_decode: bool = False  # prefill: a decode pulls the finished request's blocks
     # decode: still to pull, until its pull is built or its params turn out to name nothing to pull from
     remote_prefill: bool = False
@@ -46,7 +46,7 @@ class RequestParams:
             given=True,
             decoded=decoded,
             layerwise=params.get("transfer_mode") == "layerwise",
-            migration_id=migration_of(params),
+            move_id=move_of(params),
             remote_decode=decoded is not None and decoded.do_remote_decode,
             remote_prefill=decoded is not None and decoded.do_remote_prefill,
         )
@@ -60,9 +60,9 @@ class RequestParams:
     def to_pull(self, block_size: int) -> KVTransferParams:
         """What a `do_remote_prefill` request pulls; ConfigError where its params name nothing to pull from."""
         assert self.decoded is not None
-        decoded = self.decoded.migration_resolved()
+        decoded = self.decoded.move_resolved()
         decoded.require_remote()
-        if precopied(decoded.kvbridge_migration_id or "") is not None:
+        if precopied(decoded.kvbridge_move_id or "") is not None:
             # a pre-copy reads whole blocks the source has surely filled: one block short of what the proxy saw
             # (the source may not have told its workers of the last one yet); the reader computes the rest
             whole = max(0, int(decoded.remote_num_tokens or 0) // block_size - 1) * block_size

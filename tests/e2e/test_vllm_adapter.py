@@ -792,8 +792,8 @@ def _scheduler(role: str, engine: str, port: int) -> object:
     return SchedulerSide(config, engine, Settings.from_extra_config(extra))
 
 
-def test_live_migration_a_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
-    """Issue 34: A holds a marked, cut request's blocks under its migration id; B pulls them without block ids.
+def test_live_move_a_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
+    """Issue 34: A holds a marked, cut request's blocks under its move id; B pulls them without block ids.
 
     A's worker reports A's own request id finished sending once B's DONE came; B claims all but the last token. A
     marked request whose client left is released by the proxy's Abort for its lease, at once."""
@@ -809,14 +809,14 @@ def test_live_migration_a_decode_offers_a_cut_request_and_another_pulls_it(worke
         gone.kv_transfer_params, gone.status = {}, RequestStatus.FINISHED_ABORTED
         assert source.request_finished(gone, [1]) == (False, None), "unmarked: freed at once, as before"
         cut = Request("a-1", tokens[:-1], SamplingParams(max_tokens=8), None)
-        cut.kv_transfer_params = {"do_remote_prefill": False, "kvbridge_migration_id": 7}  # junk: not a lease id
+        cut.kv_transfer_params = {"do_remote_prefill": False, "kvbridge_move_id": 7}  # junk: not a lease id
         cut.status, cut.num_computed_tokens = RequestStatus.FINISHED_ABORTED, len(tokens)  # one step past the cut
         assert source.request_finished(cut, [3, 4, 5]) == (False, None)
         assert source.build_connector_meta(None).offers == []
 
         # a marked request whose client left: offered, then released by the proxy's Abort before anyone pulls
         left = Request("a-3", tokens, SamplingParams(max_tokens=8), None)
-        left.kv_transfer_params, left.status = {"kvbridge_migration_id": "M0"}, RequestStatus.FINISHED_ABORTED
+        left.kv_transfer_params, left.status = {"kvbridge_move_id": "M0"}, RequestStatus.FINISHED_ABORTED
         assert source.request_finished(left, [9]) == (True, None)
         with ControlClient(*workers.prefill.server.address, sender="proxy") as proxy:
             proxy.abort("M0", reason="its client left")  # may come before the offer: kept and applied to it
@@ -824,7 +824,7 @@ def test_live_migration_a_decode_offers_a_cut_request_and_another_pulls_it(worke
         workers.wait_sent("a-3")
         assert workers.prefill.ledger.held() == (0, 0)
 
-        cut.kv_transfer_params["kvbridge_migration_id"] = "M1"
+        cut.kv_transfer_params["kvbridge_move_id"] = "M1"
         assert source.request_finished(cut, [3, 4, 5]) == (True, None)
         [offer] = source.build_connector_meta(None).offers
         assert (offer.request_id, offer.engine_request_id, offer.blocks) == ("M1", "a-1", (3, 4, 5))
@@ -837,7 +837,7 @@ def test_live_migration_a_decode_offers_a_cut_request_and_another_pulls_it(worke
             "remote_engine_id": "prefill",
             "remote_host": host,
             "remote_port": port,
-            "kvbridge_migration_id": "M1",
+            "kvbridge_move_id": "M1",
             "remote_num_tokens": len(tokens) - 1,
         }
         count, load_async = target.get_num_new_matched_tokens(resumed, 0)
@@ -856,18 +856,18 @@ def test_live_migration_a_decode_offers_a_cut_request_and_another_pulls_it(worke
         target.shutdown()
 
 
-def test_migration_params_lacking_what_the_pull_needs_are_computed_here() -> None:
-    """A migration with no remote_num_tokens, or streamed per layer, is refused: the prompt is computed here."""
-    base = KVTransferParams(do_remote_prefill=True, kvbridge_migration_id="M", remote_num_tokens=9)
-    assert base.migration_resolved().remote_request_id == "M"
-    assert attrs.evolve(base, remote_request_id="x").migration_resolved().remote_request_id == "x"
+def test_move_params_lacking_what_the_pull_needs_are_computed_here() -> None:
+    """A live move with no remote_num_tokens, or streamed per layer, is refused: the prompt is computed here."""
+    base = KVTransferParams(do_remote_prefill=True, kvbridge_move_id="M", remote_num_tokens=9)
+    assert base.move_resolved().remote_request_id == "M"
+    assert attrs.evolve(base, remote_request_id="x").move_resolved().remote_request_id == "x"
     with pytest.raises(ConfigError, match="remote_num_tokens"):
-        attrs.evolve(base, remote_num_tokens=None).migration_resolved()
+        attrs.evolve(base, remote_num_tokens=None).move_resolved()
     with pytest.raises(ConfigError, match="transfer_mode 'pull'"):
-        attrs.evolve(base, transfer_mode="layerwise").migration_resolved()
+        attrs.evolve(base, transfer_mode="layerwise").move_resolved()
 
 
-def test_a_migration_pull_task_skips_what_decode_holds_without_naming_blocks() -> None:
+def test_a_move_pull_task_skips_what_decode_holds_without_naming_blocks() -> None:
     """A prefix hit on the resuming decode: `skip` counts the lease's leading blocks, no block ids are made up."""
     params = KVTransferParams(
         do_remote_prefill=True,
@@ -875,7 +875,7 @@ def test_a_migration_pull_task_skips_what_decode_holds_without_naming_blocks() -
         remote_request_id="M",
         remote_host="127.0.0.1",
         remote_port=9,
-        kvbridge_migration_id="M",
+        kvbridge_move_id="M",
         remote_num_tokens=3 * BLOCK + 2,
     )
     task = PullTask.from_params("b", params, [7, 8], BLOCK, report=True)
@@ -933,7 +933,7 @@ def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_
     host, port = workers.prefill.server.address
     try:
         running = Request("a-1", list(range(3 * BLOCK + 2)), SamplingParams(max_tokens=64), None)
-        running.kv_transfer_params = {"kvbridge_migration_id": "M1"}
+        running.kv_transfer_params = {"kvbridge_move_id": "M1"}
         running.status = RequestStatus.RUNNING
         assert source.get_num_new_matched_tokens(running, 0) == (0, False)
         table = {"a-1": [1, 2, 3, 4]}
@@ -944,7 +944,7 @@ def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_
             told += meta.lending.lendable
             workers.prefill.start_load_kv(meta)
         # the first step's count is the one known computed (the last step's may be running): 3 full blocks
-        assert [(x.migration_id, x.engine_request_id, x.blocks) for x in told] == [("M1", "a-1", (1, 2, 3))]
+        assert [(x.move_id, x.engine_request_id, x.blocks) for x in told] == [("M1", "a-1", (1, 2, 3))]
 
         def precopy(rid: str, lease: str, tokens: int) -> Request:
             r = Request(rid, list(range(tokens)), SamplingParams(max_tokens=1), None)
@@ -953,7 +953,7 @@ def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_
                 "remote_engine_id": "prefill",
                 "remote_host": host,
                 "remote_port": port,
-                "kvbridge_migration_id": lease,
+                "kvbridge_move_id": lease,
                 "remote_num_tokens": tokens - 1,
             }
             return r
@@ -993,7 +993,7 @@ def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_
 
         # a preempted request's lent lease ends at once (its blocks are the engine's again): the reader's fence fails
         other = Request("a-2", list(range(2 * BLOCK + 1)), SamplingParams(max_tokens=64), None)
-        other.kv_transfer_params, other.status = {"kvbridge_migration_id": "M2"}, RequestStatus.RUNNING
+        other.kv_transfer_params, other.status = {"kvbridge_move_id": "M2"}, RequestStatus.RUNNING
         source.get_num_new_matched_tokens(other, 0)
         for computed in (2 * BLOCK + 1, 2 * BLOCK + 2):
             other.num_computed_tokens = computed

@@ -243,7 +243,7 @@ MOVED = re.compile(
 PRECOPIED = re.compile(r"stream (\S+): pre-copied (\d+) tokens to (\S+) in [\d.]+ ms")
 STREAMS = 8
 TAIL = 64  # tokens each stream runs on its last decode before its client leaves
-MIGRATION_HOSTS = ["client", "proxy", "registry", "prefill", "decode_a", "decode_b", "decode_c"]
+MOVE_HOSTS = ["client", "proxy", "registry", "prefill", "decode_a", "decode_b", "decode_c"]
 
 
 def _handover_gaps(seen: list[Streamed], moves: list[tuple[str, ...]], source: str) -> dict[int, float]:
@@ -277,8 +277,8 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
     The client's gaps at each handover are written to handover.json and not asserted: in CI runs a decode whose
     process stood still for seconds (every thread, its transport's C++ ones too: docs/elastic.md, Tests) made the
     pre-copy gaps of the streams it touched longer than their stop-and-copy gaps, and the next time it was the
-    stop-and-copy ones. How the ways compare is the migrate bench's to measure, over rounds."""
-    hosts = hosts_factory(MIGRATION_HOSTS)
+    stop-and-copy ones. How the ways compare is the live moves bench's to measure, over rounds."""
+    hosts = hosts_factory(MOVE_HOSTS)
     model = build_tiny_llama(tmp_path / "model", TinyLlamaSpec(max_positions=16384))
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -307,7 +307,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
                 # prefill's side channel did not answer within 5 s), so A computes those instead, and with the
                 # transport's default deadline (2 s): with the loaded-host one a stalled read held a stream back
                 # for up to 30 s, thousands of tokens behind the others (docs/elastic.md, Tests). B and C keep
-                # vLLM's default "fail": a migration pull that fails is then seen (the proxy computes it, logged).
+                # vLLM's default "fail": a live move's pull that fails is then seen (the proxy computes it, logged).
                 is_a = name == "decode_a"
                 policy = {"load_failure_policy": "recompute"} if is_a else {}
                 config = connector_config(
@@ -316,7 +316,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
                     registry=registry,
                     advertise_url=f"http://{host.address}:{port}",
                     drain_grace_s=GRACE_S,
-                    # Records that lapse are not under test here (they are in test_proxy_migration.py): with 6 s, every
+                    # Records that lapse are not under test here (they are in test_proxy_live_moves.py): with 6 s, every
                     # record lapsed when the box stood still, and a stream whose pull failed then found no decode in
                     # the proxy's pool to be computed on, and ended with an error (a local run, 12:39 UTC 11-29)
                     registry_ttl_s=30,
@@ -337,7 +337,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
                 log_dir=logs,
                 registry=registry,
                 secret=SECRET,
-                migrate=True,
+                live_moves=True,
                 expose_internals=True,
                 host=hosts["proxy"],
             )
@@ -473,9 +473,9 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             left = {m[0]: int(m[1]) for m in PRECOPIED.findall(proxy_log) if m[2] == c.url}  # its last pre-copy
             second = {m[0]: m[6] for m in moves if (m[2], m[3]) == (b.url, c.url)}
             assert set(second) == set(left) == {m[0] for m in moves}, (second, left)
-            for migration, outcome in second.items():
-                expected = {"precopied"} if left[migration] else {"pulled", "recomputed"}
-                assert outcome in expected, (migration, outcome, left[migration], proxy_log[-4000:])
+            for move, outcome in second.items():
+                expected = {"precopied"} if left[move] else {"pulled", "recomputed"}
+                assert outcome in expected, (move, outcome, left[move], proxy_log[-4000:])
             assert "precopied" in second.values(), proxy_log[-4000:]
             assert all(first_move <= int(m[4]) <= max_tokens - 32 for m in moves), moves
             tokens_at = {(m[0], m[2]): int(m[4]) for m in moves}  # each second move at a longer context than its first
@@ -485,11 +485,11 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             assert all(n >= sum(len(s.prompt) for s in seen) for n in hits.values()), hits
             assert b.proc.returncode == 0, failure_reports(b)
             b_log = b.log_path.read_text()
-            # B offers each stream it cuts under its migration id; one whose cut reaches B after vLLM's shutdown took
+            # B offers each stream it cuts under its move id; one whose cut reaches B after vLLM's shutdown took
             # the request is ended as a plain abort, offering nothing (seen after a 10 s stall of the whole box; the
             # tail is computed on C, so nothing is lost)
-            assert 0 < b_log.count("cut for migration") <= STREAMS, failure_reports(b)
-            assert b_log.count("pre-copy kvbridge-mig-") >= STREAMS, failure_reports(b)  # a lease lent per stream
+            assert 0 < b_log.count("cut for a live move") <= STREAMS, failure_reports(b)
+            assert b_log.count("pre-copy kvbridge-move-") >= STREAMS, failure_reports(b)  # a lease lent per stream
             assert "closing with 0 leases held (0 blocks)" in b_log, failure_reports(b)
             assert set(precopy) == set(stop_and_copy) == set(range(STREAMS)), report
             client.http.close()
@@ -569,7 +569,7 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
     reach A (a partition: A's side channel is silent to it) when the other two are cut, and A is killed (SIGKILL) while
     B's pulls wait on it. Each stream's tokens equal a colocated server's, and the proxy reports each move `recomputed`
     (log and metric), as B's answer to its pull says, not `pulled`."""
-    hosts = hosts_factory(MIGRATION_HOSTS)
+    hosts = hosts_factory(MOVE_HOSTS)
     model = build_tiny_llama(tmp_path / "model")
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -602,7 +602,7 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
             prefill, a, b = servers["prefill"], servers["decode_a"], servers["decode_b"]
             wait_healthy([prefill, a, b], timeout=540)
             proxy = start_proxy(
-                [], [], log_dir=logs, registry=registry, secret=SECRET, migrate=True, expose_internals=True,
+                [], [], log_dir=logs, registry=registry, secret=SECRET, live_moves=True, expose_internals=True,
                 host=hosts["proxy"],
             )  # fmt: skip
             started.append(proxy)
@@ -648,7 +648,7 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
                     if unreachable:
                         hosts.partition("decode_a", "decode_b")
                     # its streams move to B at their first event, pulled after the cut (pre-copy would let them run
-                    # on while B tries: plugins/proxy/tests/test_proxy_migration.py has its failures)
+                    # on while B tries: plugins/proxy/tests/test_proxy_live_moves.py has its failures)
                     call("drain", a, move="stop-and-copy")
                     with _pulsed(core):
                         wait_for(lambda: streams_on(a) == 0, timeout=120, what="the streams cut off A")
@@ -671,8 +671,8 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
             assert sorted(m[1] for m in moves) == ["fails-0", "fails-1", "fails-2"], moves
             assert all((m[2], m[3], m[6]) == (a.url, b.url, "recomputed") for m in moves), moves
             metrics = httpx.get(f"{proxy.url}/metrics", timeout=10, trust_env=False).text
-            assert 'kvbridge_proxy_migrations_total{outcome="recomputed"} 3.0' in metrics
-            assert 'kvbridge_proxy_migrations_total{outcome="pulled"} 0.0' in metrics
+            assert 'kvbridge_proxy_live_moves_total{outcome="recomputed"} 3.0' in metrics
+            assert 'kvbridge_proxy_live_moves_total{outcome="pulled"} 0.0' in metrics
             client.http.close()
         finally:
             for s in started:

@@ -262,58 +262,58 @@ def test_a_request_of_a_restarted_prefill_fails_at_once_and_the_new_engine_serve
         pair.close()
 
 
-def _migration(pair: Pair, rid: str) -> KVTransferParams:
-    """What a decode resuming a migrated request gets: the lease id, the tokens, no block ids."""
-    return attrs.evolve(pair.params(rid), remote_block_ids=(), kvbridge_migration_id=rid)
+def _moved(pair: Pair, rid: str) -> KVTransferParams:
+    """What a decode resuming a moved request gets: the lease id, the tokens, no block ids."""
+    return attrs.evolve(pair.params(rid), remote_block_ids=(), kvbridge_move_id=rid)
 
 
-def test_a_migration_pull_names_no_blocks_and_reads_the_lease_prefix() -> None:
+def test_a_move_pull_names_no_blocks_and_reads_the_lease_prefix() -> None:
     """BeginPull without blocks: the blocks come from the lease (which holds one more), bytes as a named pull's."""
-    named, migrating = Pair(), Pair()
+    named, moving = Pair(), Pair()
     try:
-        for p in (named, migrating):
+        for p in (named, moving):
             p.p_server.register(p.prefill.info())
         named.ledger.offer("r1", [1, 2, 3], expected_pulls=None)
         named.start("r1").wait(10)
-        migrating.ledger.offer("M1", [1, 2, 3, 7], expected_pulls=None)  # the source computed one step past the cut
-        params = _migration(migrating, "M1")
+        moving.ledger.offer("M1", [1, 2, 3, 7], expected_pulls=None)  # the source computed one step past the cut
+        params = _moved(moving, "M1")
         assert params.lease_blocks and not len(params.block_ids)
         done: list[BaseException | None] = []
-        migrating.control.start("local-M1", params, [4, 5, 6], lambda r, e: done.append(e)).wait(10)
+        moving.control.start("local-M1", params, [4, 5, 6], lambda r, e: done.append(e)).wait(10)
         assert done == [None] and named.outcomes == [("local-r1", None)]
-        assert migrating.d_buf.any() and np.array_equal(migrating.d_buf, named.d_buf)
-        wait_for(lambda: migrating.released == [("M1", LeaseState.RELEASED)], what="release")
+        assert moving.d_buf.any() and np.array_equal(moving.d_buf, named.d_buf)
+        wait_for(lambda: moving.released == [("M1", LeaseState.RELEASED)], what="release")
     finally:
         named.close()
-        migrating.close()
+        moving.close()
 
 
-def test_a_migration_pull_skips_the_blocks_decode_holds(pair: Pair) -> None:
+def test_a_move_pull_skips_the_blocks_decode_holds(pair: Pair) -> None:
     """With `skip`, the lease's leading blocks are not read: the first local block gets the lease's second."""
     pair.p_server.register(pair.prefill.info())
     pair.ledger.offer("M2", [1, 2, 3], expected_pulls=None)
-    params = attrs.evolve(_migration(pair, "M2"), remote_num_tokens=TOKENS - MODEL.block_size)
+    params = attrs.evolve(_moved(pair, "M2"), remote_num_tokens=TOKENS - MODEL.block_size)
     pair.control.start("local-M2", params, [5, 6], lambda r, e: pair.outcomes.append((r, e)), skip=1).wait(10)
     assert pair.outcomes == [("local-M2", None)]
     assert not pair.d_buf.reshape(MODEL.layers, 2, 8, -1)[:, :, 4].any(), "block 4 (held locally) untouched"
     wait_for(lambda: pair.released == [("M2", LeaseState.RELEASED)], what="release")
 
 
-def test_a_migration_lease_shorter_than_the_read_is_a_load_error_and_released(pair: Pair) -> None:
+def test_a_move_lease_shorter_than_the_read_is_a_load_error_and_released(pair: Pair) -> None:
     """A lease holding fewer blocks than decode reads: LoadError (recompute), and the lease still ends by DONE."""
     pair.p_server.register(pair.prefill.info())
     pair.ledger.offer("M3", [1, 2], expected_pulls=None)
     with pytest.raises(LoadError, match="lease short|reads blocks 0..2"):
-        pair.control.start("local-M3", _migration(pair, "M3"), [4, 5, 6])
+        pair.control.start("local-M3", _moved(pair, "M3"), [4, 5, 6])
     wait_for(lambda: pair.released == [("M3", LeaseState.RELEASED)], what="release")
     assert pair.control.local_id("M3") is None
 
 
-def test_a_migration_lease_never_offered_is_a_load_error(pair: Pair) -> None:
+def test_a_move_lease_never_offered_is_a_load_error(pair: Pair) -> None:
     """The source never offered (not draining, or gone): after the BeginPull's wait, LoadError, nothing read."""
     pair.p_server.register(pair.prefill.info())
     with pytest.raises(LoadError, match="no active lease"):
-        pair.control.start("local-M4", _migration(pair, "M4"), [4, 5, 6])
+        pair.control.start("local-M4", _moved(pair, "M4"), [4, 5, 6])
     assert not pair.d_buf.any() and pair.control.local_id("M4") is None
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.control import KVTransferParams
-from kvbridge.session.requests import RequestParams, migration_of
+from kvbridge.session.requests import RequestParams, move_of
 
 REMOTE = {"remote_engine_id": "p", "remote_host": "10.0.0.1", "remote_port": 5600}
 
@@ -39,18 +39,18 @@ def test_a_prefill_request_served_in_pull_mode_says_so_in_its_entry_only() -> No
 def test_what_a_decode_request_pulls() -> None:
     got = entry({"do_remote_prefill": True, "remote_request_id": "r", **REMOTE})
     assert got.to_pull(16).remote_request_id == "r"
-    # a pre-copy reads whole blocks, one short of what the proxy saw; a migration's lease is named
-    got = entry({"do_remote_prefill": True, "kvbridge_migration_id": "M~precopy1", "remote_num_tokens": 70, **REMOTE})
+    # a pre-copy reads whole blocks, one short of what the proxy saw; a live move's lease is named
+    got = entry({"do_remote_prefill": True, "kvbridge_move_id": "M~precopy1", "remote_num_tokens": 70, **REMOTE})
     pull = got.to_pull(16)
     assert (pull.remote_num_tokens, pull.remote_request_id) == (48, "M~precopy1")
     with pytest.raises(ConfigError, match="lack remote_request_id"):
         entry({"do_remote_prefill": True, **REMOTE}).to_pull(16)
 
 
-def test_migration_of_a_marked_decode_request_only() -> None:
-    assert migration_of({"kvbridge_migration_id": "M"}) == "M"
-    for params in (None, [], {"kvbridge_migration_id": 7}, {"kvbridge_migration_id": ""}):
-        assert migration_of(params) is None
-    assert migration_of({"kvbridge_migration_id": "M~precopy2"}) is None, "a pre-copy's own request"
-    assert migration_of({"kvbridge_migration_id": "M", "do_remote_decode": True}) is None
-    assert entry({"kvbridge_migration_id": "M"}).migration_id == "M"
+def test_move_of_a_marked_decode_request_only() -> None:
+    assert move_of({"kvbridge_move_id": "M"}) == "M"
+    for params in (None, [], {"kvbridge_move_id": 7}, {"kvbridge_move_id": ""}):
+        assert move_of(params) is None
+    assert move_of({"kvbridge_move_id": "M~precopy2"}) is None, "a pre-copy's own request"
+    assert move_of({"kvbridge_move_id": "M", "do_remote_decode": True}) is None
+    assert entry({"kvbridge_move_id": "M"}).move_id == "M"

@@ -39,7 +39,7 @@ class Membership:
         registry = open_registry(settings.registry, secret=settings.secret)
         if registry is None:
             raise ConfigError(f'"registry": {settings.registry!r} is no registry; use redis://HOST:PORT or etcd://')
-        # the side channel is in the record so that a decode can pull what the proxy migrates off this server
+        # the side channel is in the record so that a decode can pull what the proxy moves off this server
         record = ServerRecord(
             scheduler.engine_id,
             role,
@@ -54,7 +54,7 @@ class Membership:
         )
         self.announcer = Announcer(registry, record, ttl_s=settings.registry_ttl_s)
         needed = settings.drain_grace_s + settings.lease_s
-        # a prefill holds its finished requests' leases, a decode those of the streams migrated off it
+        # a prefill holds its finished requests' leases, a decode those of the streams moved off it
         if getattr(vllm_config, "shutdown_timeout", 0) < needed:
             log.warning(
                 "vLLM's --shutdown-timeout is %s s: a SIGTERM ends this %s server before the leases it holds "

@@ -116,13 +116,13 @@ class SchedulerSide:
             assert entry.decoded is not None
             if not self.layerwise.note_producer(request, entry.decoded.transfer_id):
                 entry.served_pulled()
-        if entry.migration_id is not None:
-            self.marked.see(request, entry.migration_id)
+        if entry.move_id is not None:
+            self.marked.see(request, entry.move_id)
         decoded = self._pull(request, entry)
         if decoded is not None:
-            # a migrated request's source holds the KV of all but its last token (vLLM computes that one anyway)
+            # a moved request's source holds the KV of all but its last token (vLLM computes that one anyway)
             held = len(request.prompt_token_ids or ())
-            if decoded.kvbridge_migration_id is not None:
+            if decoded.kvbridge_move_id is not None:
                 held = min(held, int(decoded.remote_num_tokens or 0))
             count = held - num_computed_tokens
             if count > 0:
@@ -150,18 +150,18 @@ class SchedulerSide:
         except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
 
-    def _migrating(self, request: Request, entry: RequestParams, block_ids: list[int]) -> bool:
-        """A decode request marked for migration, then cut: hold its blocks under that id. See docs/internals.md."""
+    def _cut_for_move(self, request: Request, entry: RequestParams, block_ids: list[int]) -> bool:
+        """A decode request marked for a live move, then cut: hold its blocks under that id. See docs/internals.md."""
         from vllm.v1.request import RequestStatus
 
-        if request.status != RequestStatus.FINISHED_ABORTED or entry.migration_id is None or not block_ids:
+        if request.status != RequestStatus.FINISHED_ABORTED or entry.move_id is None or not block_ids:
             return False
         log.info(
-            "request %s: cut for migration; %d blocks (%d tokens) offered under lease %s",
+            "request %s: cut for a live move; %d blocks (%d tokens) offered under lease %s",
             request.request_id,
             len(block_ids),
             request.num_computed_tokens,
-            entry.migration_id,
+            entry.move_id,
         )
         return True
 
@@ -193,15 +193,15 @@ class SchedulerSide:
         timing = self._timings.pop(request.request_id, None)
         if not entry.given:
             return False, None
-        cut = self._migrating(request, entry, block_ids)
+        cut = self._cut_for_move(request, entry, block_ids)
         held = self.marked.finished(request, offered=cut)  # a live move may still read it (docs/elastic.md)
         if self._pull(request, entry) is not None:
             # Decode dropped the request (abort) before any block was allocated: release prefill's.
             self._add_pull(request, entry, [], report=False)
             return False, None
         if cut:
-            assert entry.migration_id is not None
-            self._offers.append(self.early_offers.make(entry.migration_id, block_ids, request.request_id))
+            assert entry.move_id is not None
+            self._offers.append(self.early_offers.make(entry.move_id, block_ids, request.request_id))
             return True, None
         if request.status == RequestStatus.FINISHED_ABORTED and entry.layerwise and not entry.remote_decode:
             self.layerwise.cancel(request.request_id)  # dropped while streaming: stop reading, abort on prefill

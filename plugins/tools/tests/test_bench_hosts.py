@@ -115,15 +115,15 @@ def test_noise_specs_and_their_refusals() -> None:
     assert out.returncode != 0 and "add --engine vllm --load" in out.stdout + out.stderr
 
 
-def test_the_migrate_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_cut() -> None:
-    """`kvbridge bench --engine vllm --migrate --hosts` (issue 43): refused without its engine or its hosts.
+def test_the_live_moves_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_cut() -> None:
+    """`kvbridge bench --engine vllm --live-moves --hosts` (issue 43): refused without its engine or its hosts.
 
     A stream's gap is from the event that brought its last token from the decode it left to the next event."""
-    from kvbridge_tools.bench.vllm_migrate import handover_gap, slowdown
+    from kvbridge_tools.bench.vllm_moves import handover_gap, slowdown
 
-    out = kvbridge("bench", "--migrate", "--hosts")
+    out = kvbridge("bench", "--live-moves", "--hosts")
     assert out.returncode != 0 and "add --engine vllm --hosts" in out.stdout + out.stderr
-    out = kvbridge("bench", "--engine", "vllm", "--migrate")
+    out = kvbridge("bench", "--engine", "vllm", "--live-moves")
     assert out.returncode != 0 and "add --hosts" in out.stdout + out.stderr
     arrivals = [(0.0, 1), (0.01, 2), (0.02, 3), (0.52, 4), (0.53, 5)]
     assert handover_gap(arrivals, 3) == pytest.approx(500.0)
@@ -134,3 +134,15 @@ def test_the_migrate_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_cut(
     burst = [(1.0, 100), (1.8, 110), (1.8, 115), (1.8, 120)]
     assert slowdown(steady, burst) == pytest.approx(4.0)
     assert slowdown(steady, burst[:1]) is None
+
+
+def test_the_retired_migrate_option_still_picks_the_live_moves_bench_and_names_its_new_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`kvbridge bench --migrate`, retired for `--live-moves`, works for one release, with a warning."""
+    from kvbridge.cli import build_parser
+    from kvbridge_tools.cli.bench import pick_mode
+
+    args = build_parser().parse_args(["bench", "--engine", "vllm", "--migrate", "--hosts"])
+    assert pick_mode(args) == "vllm-moves"
+    assert "--migrate is retired" in caplog.text and "use --live-moves" in caplog.text

@@ -82,11 +82,11 @@ def test_the_report_names_the_moves_of_a_request_and_the_recomputed_ones() -> No
 
     Its next decode computed what it should have pulled, and its output differed."""
     log = (
-        "12:00:01 WARNING kvbridge_proxy.app: stream kvbridge-mig-1 (request chaos-0-12) moved from http://d0:1 to "
+        "12:00:01 WARNING kvbridge_proxy.app: stream kvbridge-move-1 (request chaos-0-12) moved from http://d0:1 to "
         "http://d1:2 after 16 tokens (its decode drains, recomputed): first event 11300.0 ms after the cut\n"
-        "12:00:02 WARNING kvbridge_proxy.app: stream kvbridge-mig-2 (request chaos-0-1) moved from http://d0:1 to "
+        "12:00:02 WARNING kvbridge_proxy.app: stream kvbridge-move-2 (request chaos-0-1) moved from http://d0:1 to "
         "http://d1:2 after 3 tokens (an operator drained its decode, pulled): first event 20.0 ms after the cut\n"
-        "12:00:03 WARNING kvbridge_proxy.app: stream kvbridge-mig-3 (request chaos-0-2) moved from http://d1:2 to "
+        "12:00:03 WARNING kvbridge_proxy.app: stream kvbridge-move-3 (request chaos-0-2) moved from http://d1:2 to "
         "http://d0:1 after 90 tokens (its decode drains, precopied): first event 9.0 ms after the cut\n"
     )
     from kvbridge_tools.chaos.report import moves
@@ -194,7 +194,7 @@ def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_
     assert joined["scale-out"]["role"] == "decode" and joined["scale-out"]["took_traffic"], out
     assert joined["drain-decode"]["role"] == "decode", out  # the replacement
     # the drained decode's long stream was moved to another decode, which pulled its KV while it ran (pre-copy)
-    assert out["elastic"]["migrations"]["precopied"] >= 1 and not out["elastic"]["migrations"]["failed"], out
+    assert out["elastic"]["live_moves"]["precopied"] >= 1 and not out["elastic"]["live_moves"]["failed"], out
     assert out["network"]["injected"].get("loss"), out
     [drained] = out["elastic"]["drained"]
     assert (drained["role"], drained["exit"], drained["leases_at_close"], drained["blocks_at_close"]) == (

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from kvbridge.base.secret import admin_token
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics
-from kvbridge_proxy.migration import MOVES
+from kvbridge_proxy.moving_stream import MOVES
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.wire import read_body
 
@@ -29,7 +29,7 @@ class Admin:
         self.membership = membership
         self.metrics = metrics
         self.secret = secret
-        self.migrate = settings.moving
+        self.live_moves = settings.moving
 
     async def health(self) -> Any:
         ok = all(any(i.healthy for i in p.instances) for p in self.membership.pools.values())
@@ -65,7 +65,7 @@ class Admin:
 
         The token is derived from the shared secret (`kvbridge proxy --admin-token`), never the secret itself.
 
-        cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --migrate move its
+        cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --live-moves move its
         streams to other decodes now. The server itself keeps running: stop it afterwards (docs/elastic.md)."""
         if not self.secret:
             return JSONResponse({"error": "the admin calls need the proxy's KVBRIDGE_SECRET (none is set)"}, 403)
@@ -87,7 +87,7 @@ class Admin:
             return JSONResponse({"error": f"no server {name!r}; the proxy knows {known}"}, 404)
         for inst in found:
             inst.cordoned = action != "uncordon"
-            moved = list(inst.streams) if action == "drain" and self.migrate else []
+            moved = list(inst.streams) if action == "drain" and self.live_moves else []
             for stream in moved:
                 stream.request_cut("an operator drained its decode", move=move)
             log.warning(

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, admin_token, load_secret
-from kvbridge_proxy.migration import MOVES, MoveSettings
+from kvbridge.cli.retired import add_retired_flags
+from kvbridge_proxy.moving_stream import MOVES, MoveSettings
 
 if TYPE_CHECKING:
     from kvbridge_proxy.settings import ProxySettings
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
 MAX_COUNT = 1 << 20
 MAX_SECONDS = 86400.0
 MAX_BYTES = 1 << 40
+
+# Retired spellings of `kvbridge proxy`'s options -> their new names; each works, with a warning, for one release.
+RETIRED_OPTIONS = {"--migrate": "--live-moves"}
 
 
 def _count(top: int) -> Callable[[str], int]:
@@ -74,6 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "KVBRIDGE_SECRET_FILE; the secret itself is never a token), and exit (docs/security.md)",
     )
     _add_limits(p)
+    add_retired_flags(p, RETIRED_OPTIONS)
     p.set_defaults(run=run)
 
 
@@ -152,7 +157,7 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
 def _add_moves(p: argparse.ArgumentParser) -> None:
     """Moving running streams between decodes (docs/elastic.md)."""
     p.add_argument(
-        "--migrate",
+        "--live-moves",
         action="store_true",
         help="move each streamed request off a decode that drains to another decode, which pulls its KV (prompt and "
         "tokens so far) from the draining one and continues the stream; requests whose parameters cannot be carried "
@@ -187,7 +192,7 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rebalance",
         action="store_true",
-        help="with --migrate's machinery, move streams off a decode whose KV cache is at least --rebalance-above full "
+        help="as --live-moves does, move streams off a decode whose KV cache is at least --rebalance-above full "
         "to one at most --rebalance-below full, read from each decode's /metrics every health round (default off)",
     )
     p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
@@ -270,7 +275,7 @@ def settings(args: argparse.Namespace) -> ProxySettings:
         connect_timeout=args.connect_timeout,
         expose_internals=args.expose_internals,
         registry=args.registry,
-        migrate=args.migrate,
+        live_moves=args.live_moves,
         rebalance=Policy(args.rebalance_above, args.rebalance_below) if args.rebalance else None,
         limits=Limits(
             max_parts=args.max_parts,

@@ -26,7 +26,7 @@ from kvbridge.session.timeline import Timeline
 from kvbridge_proxy.limits import BUDGET, encoded
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics
-from kvbridge_proxy.migration import MovingStream
+from kvbridge_proxy.moving_stream import MovingStream
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
 from kvbridge_proxy.wire import prefill_body, until_disconnect
@@ -282,7 +282,7 @@ class Handovers:
     async def release_lease(self, params: KVTransferParams, why: str) -> None:
         """Tell each rank holding a lease on the request's KV that no decode will read it (an Abort, side channel).
 
-        A prefill's lease, or a migrated stream's on the decode it left. So its blocks are free now, not when the lease
+        A prefill's lease, or a moved stream's on the decode it left. So its blocks are free now, not when the lease
         ends. Needs the shared secret where the server has one (KVBRIDGE_SECRET or KVBRIDGE_SECRET_FILE in the proxy's
         environment); without it the lease ends by itself. A rank that does not answer is asked again in the
         background (`RELEASE_RETRY_S`); an Abort that comes before the offer it ends is kept by the rank's ledger."""

@@ -51,10 +51,10 @@ class ProxyMetrics:
             ["role", "upstream"],
             registry=self.registry,
         )
-        self.migrations = prom.Counter(
-            "kvbridge_proxy_migrations_total",
-            "Streams moved to another decode (--migrate), by outcome: precopied (the next decode read most of the KV "
-            "before the cut, the rest after), pulled (it read the KV after the cut), "
+        self.live_moves = prom.Counter(
+            "kvbridge_proxy_live_moves_total",
+            "Streams moved to another decode (--live-moves), by outcome: precopied (the next decode read most of the "
+            "KV before the cut, the rest after), pulled (it read the KV after the cut), "
             "recomputed (it computed the prompt and the tokens so far), failed (the stream ended with an error).",
             ["outcome"],
             registry=self.registry,
@@ -65,13 +65,13 @@ class ProxyMetrics:
             registry=self.registry,
         )
         self.handover_gap = prom.Histogram(
-            "kvbridge_proxy_migration_gap_seconds",
+            "kvbridge_proxy_live_move_gap_seconds",
             "From the cut of a moved stream to the next decode's first event.",
             buckets=PHASE_BUCKETS,
             registry=self.registry,
         )
         for outcome in ("precopied", "pulled", "recomputed", "failed"):
-            self.migrations.labels(outcome)
+            self.live_moves.labels(outcome)
 
     def watch(self, pools: dict[str, Pool]) -> None:
         """Series of the pools' upstreams from the start."""

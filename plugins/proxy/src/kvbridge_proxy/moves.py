@@ -1,7 +1,8 @@
-"""Live moves (`--migrate`, migration.py): a running stream continued on another decode when its own drains or dies.
+"""Live moves (`--live-moves`): a running stream continued on another decode when its own drains or dies.
 
-The proxy reads such a stream event by event (`Upstream`); at a cut the next decode pulls its KV from the one it leaves
-(or pre-copies most of it first, or computes it) and the stream goes on from there (docs/elastic.md).
+The proxy reads such a stream (`moving_stream.MovingStream`) event by event (`Upstream`); at a cut the next decode
+pulls its KV from the one it leaves (or pre-copies most of it first, or computes it) and the stream goes on from there
+(docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvbridge.session.timeline import HEADER, Timeline
 from kvbridge_proxy.handover import Handover, Handovers
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics
-from kvbridge_proxy.migration import MovingStream
+from kvbridge_proxy.moving_stream import MovingStream
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.takeover import Takeover, Upstream
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
@@ -134,13 +135,13 @@ class Moves:
             target = self._next_decode(source, precopied[0] if precopied is not None and pull else moving.prefer)
         except NoInstance as exc:
             if pull:
-                log.warning("stream %s stays on %s for now: %s", moving.migration_id, source.url, exc)
+                log.warning("stream %s stays on %s for now: %s", moving.move_id, source.url, exc)
                 moving.stay(self.membership.health_interval)  # the next health round may bring one back
                 return up
             await up.close()
             return None
         cut = time.perf_counter()
-        await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its migration id
+        await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its move id
         closed = time.perf_counter()
         move = moving.move or self.move_settings.mode
         offered = source.identity if pull and up.marked else None
@@ -174,25 +175,25 @@ class Moves:
             return moved
         if pulled is not None:
             await self._release_offer(pulled, moving, "the move failed")
-        self.metrics.migrations.labels("failed").inc()
-        log.warning("stream %s could not move off %s (%s): it ends with an error", moving.migration_id, source.url, why)
+        self.metrics.live_moves.labels("failed").inc()
+        log.warning("stream %s could not move off %s (%s): it ends with an error", moving.move_id, source.url, why)
         return None
 
     def _release_offer(self, offered: KVTransferParams, moving: MovingStream, why: str) -> Any:
-        """Release the blocks a decode offers under the stream's migration id (a coroutine)."""
-        return self.handovers.release_lease(attrs.evolve(offered, remote_request_id=moving.migration_id), why)
+        """Release the blocks a decode offers under the stream's move id (a coroutine)."""
+        return self.handovers.release_lease(attrs.evolve(offered, remote_request_id=moving.move_id), why)
 
     def _moved(
         self, moving: MovingStream, source: Instance, target: Instance, how: str, outcome: str, cut: tuple[float, float]
     ) -> None:
         """Count and log a move whose next decode sent its first event; `cut`: when it began, when the source closed."""
         gap = time.perf_counter() - cut[0]
-        self.metrics.migrations.labels(outcome).inc()
+        self.metrics.live_moves.labels(outcome).inc()
         self.metrics.handover_gap.observe(gap)
         log.warning(
             "stream %s (request %s) moved from %s to %s after %d tokens (%s): "
             "first event %.1f ms after the cut (closing the source %.1f ms)",
-            moving.migration_id,
+            moving.move_id,
             moving.request_id,
             source.url,
             target.url,
@@ -237,7 +238,7 @@ class Moves:
                 context = len(moving.prompt or ()) + len(moving.generated)
                 if covered and context - covered <= self.move_settings.tail_tokens:
                     break
-                lease = precopy_id(moving.migration_id, stage)
+                lease = precopy_id(moving.move_id, stage)
                 outcome = None
                 try:
                     pulling = self.takeover.pull(moving, target, source, lease=lease, tokens=context)
@@ -250,7 +251,7 @@ class Moves:
                 if outcome != "pulled":
                     log.warning(
                         "stream %s: pre-copy stage %d to %s %s",
-                        moving.migration_id,
+                        moving.move_id,
                         stage,
                         target.url,
                         "failed" if outcome is None else "was computed, not pulled",
@@ -261,7 +262,7 @@ class Moves:
         except asyncio.TimeoutError:
             log.warning(
                 "stream %s: a pre-copy stage to %s took over %.0f s",
-                moving.migration_id,
+                moving.move_id,
                 target.url,
                 self.move_settings.stage_timeout_s,
             )
@@ -269,10 +270,10 @@ class Moves:
             moving.precopy = None
             raise
         except Exception:
-            log.exception("stream %s: pre-copy to %s failed", moving.migration_id, target.url)
+            log.exception("stream %s: pre-copy to %s failed", moving.move_id, target.url)
         log.info(
             "stream %s: pre-copied %d tokens to %s in %.1f ms; cut with %d tokens",
-            moving.migration_id,
+            moving.move_id,
             covered,
             target.url,
             (time.perf_counter() - began) * 1e3,

@@ -3,7 +3,7 @@
 Each health round the proxy reads every serving decode's `/metrics` (vLLM's `vllm:kv_cache_usage_perc`, the
 fraction of its KV cache blocks in use). When the fullest is at or above `above` and the emptiest at or below
 `below`, a quarter of the fullest one's movable streams (at least one; the longest first, as they hold the most
-blocks) move to the emptiest, by the same cut and pull as a drain (migration.py). A quarter a round lets the next
+blocks) move to the emptiest, by the same cut and pull as a drain (moving_stream.py). A quarter a round lets the next
 round see what the moves did before moving more. Off unless asked for.
 """
 
@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbridge.base.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvbridge_proxy.migration import MovingStream
+    from kvbridge_proxy.moving_stream import MovingStream
     from kvbridge_proxy.upstreams import Instance
 
 log = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ from kvbridge_proxy import fanout
 from kvbridge_proxy.handover import Handover, Handovers
 from kvbridge_proxy.limits import BUDGET, Budget, encoded
 from kvbridge_proxy.metrics import ProxyMetrics
-from kvbridge_proxy.migration import MovingStream, refusal
 from kvbridge_proxy.moves import Moves
+from kvbridge_proxy.moving_stream import MovingStream, refusal
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Instance
 from kvbridge_proxy.wire import REQUEST_ID, prefill_body, read_body, until_disconnect
@@ -59,7 +59,7 @@ class Relay:
         self.metrics = metrics
         self.limits = settings.limits
         self.expose = settings.expose_internals
-        self.migrate = settings.moving  # move a draining decode's streams elsewhere (migration.py)
+        self.live_moves = settings.moving  # move a draining decode's streams elsewhere (moving_stream.py)
         # requests not answered yet (their first byte): the task serving each, its id and when it came; `long_waits`
         self._waiting: dict[asyncio.Task, tuple[str, float]] = {}
         self._long_waits_said: set[asyncio.Task] = set()
@@ -115,7 +115,7 @@ class Relay:
         if len(parts) > 1 or parts[0].body is not body:
             return await self._complete_parts(path, request, parts, timeline, begun)
         moving = None
-        if self.migrate:
+        if self.live_moves:
             why = refusal(path, body)
             if why is None:
                 moving = MovingStream(path, body, timeline.request_id)

@@ -8,7 +8,7 @@ import attrs
 
 from kvbridge.base.errors import ConfigError
 from kvbridge_proxy.limits import Limits
-from kvbridge_proxy.migration import MoveSettings
+from kvbridge_proxy.moving_stream import MoveSettings
 from kvbridge_proxy.rebalance import Policy
 from kvbridge_proxy.upstreams import CONNECT_TIMEOUT_S
 
@@ -33,9 +33,9 @@ class ProxySettings:
     `transfer="layerwise"`: prefill and decode get each request at once (docs/vllm.md).
     `expose_internals`: answers name the servers by URL (app.py's module doc).
     `registry`: follow the servers announced there too (app.py's module doc).
-    `migrate`: move a draining decode's streams to another decode (migration.py, docs/elastic.md).
-    `rebalance`: also move streams off a decode under KV pressure by this policy (rebalance.py; implies `migrate`).
-    `moves`: how a stream moves (pre-copy, by default; migration.MoveSettings).
+    `live_moves`: move a draining decode's streams to another decode (moving_stream.py, docs/elastic.md).
+    `rebalance`: also move streams off a decode under KV pressure by this policy (rebalance.py; implies `live_moves`).
+    `moves`: how a stream moves (pre-copy, by default; moving_stream.MoveSettings).
     `limits`: the bounds on one request and on the clients (limits.py); serve the app with `limits.server` for the
     deadlines on request heads."""
 
@@ -48,7 +48,7 @@ class ProxySettings:
     connect_timeout: float = CONNECT_TIMEOUT_S
     expose_internals: bool = False
     registry: str | None = None
-    migrate: bool = False
+    live_moves: bool = False
     rebalance: Policy | None = None
     limits: Limits = attrs.field(factory=Limits, converter=_limits)  # None: the defaults
     moves: MoveSettings = attrs.field(factory=MoveSettings, converter=_moves)  # None: the defaults
@@ -59,5 +59,5 @@ class ProxySettings:
 
     @property
     def moving(self) -> bool:
-        """Whether streams move off a draining decode (`migrate`, or implied by `rebalance`)."""
-        return self.migrate or self.rebalance is not None
+        """Whether streams move off a draining decode (`live_moves`, or implied by `rebalance`)."""
+        return self.live_moves or self.rebalance is not None

@@ -20,7 +20,7 @@ import httpx
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.handover import Handovers
 from kvbridge_proxy.membership import Membership
-from kvbridge_proxy.migration import MovingStream, pull_outcome
+from kvbridge_proxy.moving_stream import MovingStream, pull_outcome
 from kvbridge_proxy.upstreams import DROPPED, Background, Instance
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
@@ -33,7 +33,7 @@ class Upstream:
     """A decode's streamed answer read event by event on a task of its own, for a stream that may move.
 
     `next()` gives ("event", dict), ("done", None), ("failed", why) or, when the stream was asked to move,
-    ("cut", why). `marked`: the request carried the stream's migration id (the decode offers its blocks when cut)."""
+    ("cut", why). `marked`: the request carried the stream's move id (the decode offers its blocks when cut)."""
 
     decode: Instance
     resp: httpx.Response
@@ -141,7 +141,7 @@ class Takeover:
         """Close the stream's upstream and release the blocks its decode offers for a move that will not come."""
         await up.close()
         if up.marked and up.decode.identity is not None:
-            params = attrs.evolve(up.decode.identity, remote_request_id=moving.migration_id)
+            params = attrs.evolve(up.decode.identity, remote_request_id=moving.move_id)
             await self.handovers.release_lease(params, why)
 
     async def send_moved(
@@ -199,9 +199,9 @@ class Takeover:
             resp = await self.send_moved(target, body, headers, stream=False, what=what)
             if resp is None:
                 return None
-        except BaseException:  # the client left: the target offers the aborted request's blocks under the migration id
+        except BaseException:  # the client left: the target offers the aborted request's blocks under the move id
             if target.identity is not None and lease is None:
-                lease_of = attrs.evolve(target.identity, remote_request_id=moving.migration_id)
+                lease_of = attrs.evolve(target.identity, remote_request_id=moving.move_id)
                 self.background.spawn(self.handovers.release_lease(lease_of, "its client left"))
             raise
         finally:
@@ -216,7 +216,7 @@ class Takeover:
             log.warning(
                 "decode %s failed pulling moved stream %s: %d %s",
                 target.url,
-                moving.migration_id,
+                moving.move_id,
                 resp.status_code,
                 resp.text[:300],
             )
@@ -225,7 +225,7 @@ class Takeover:
         if outcome != "pulled":
             log.warning(
                 "stream %s: %s did not pull it from %s, it computed it (its pull: %s)",
-                moving.migration_id,
+                moving.move_id,
                 target.url,
                 source.remote_engine_id,
                 {k: v for k, v in timing.items() if k.startswith("at_")} or "not reported",
@@ -257,9 +257,7 @@ class Takeover:
             raise
         if resp.status_code != 200:
             target.in_flight -= 1
-            log.warning(
-                "decode %s refused moved stream %s: %d %s", target.url, moving.migration_id, resp.status_code, text
-            )
+            log.warning("decode %s refused moved stream %s: %d %s", target.url, moving.move_id, resp.status_code, text)
             return None
         answered = time.perf_counter()
         moved = Upstream.open(target, resp, moving, marked="kv_transfer_params" in body)
@@ -270,7 +268,7 @@ class Takeover:
             raise
         log.info(
             "stream %s: %s answered %s in %.1f ms, its first event came %.1f ms later",
-            moving.migration_id,
+            moving.move_id,
             target.url,
             headers["X-Request-Id"],
             (answered - sent) * 1e3,
@@ -278,7 +276,7 @@ class Takeover:
         )
         if first[0] != "event" or "error" in first[1]:
             await moved.close()
-            log.warning("decode server %s failed moved stream %s: %s", target.url, moving.migration_id, first[1])
+            log.warning("decode server %s failed moved stream %s: %s", target.url, moving.move_id, first[1])
             return None
         moved.push_back(first)
         return moved

@@ -14,7 +14,7 @@ import httpx
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
-from kvbridge_proxy.migration import MovingStream
+from kvbridge_proxy.moving_stream import MovingStream
 
 # Seconds to open a connection to an upstream. On loopback a connect takes microseconds unless the server's
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
@@ -50,9 +50,9 @@ class Instance:
     announced: bool = False  # it came from the registry (and leaves when its record does)
     draining: bool = False  # its record says draining: no new request
     cordoned: bool = False  # an operator said so (POST /admin/cordon): no new request
-    # where its side channel is (from its registry record): a stream migrated off it is pulled from there
+    # where its side channel is (from its registry record): a stream moved off it is pulled from there
     identity: KVTransferParams | None = None
-    streams: set[MovingStream] = attrs.Factory(set)  # the movable streams it serves now (--migrate)
+    streams: set[MovingStream] = attrs.Factory(set)  # the movable streams it serves now (--live-moves)
     lapsed: float = 0.0  # when its record was last found gone (time.monotonic()); 0.0 while it has one
 
     @property

@@ -107,7 +107,7 @@ class Deployment:
     registry: str | None = None  # redis://...: every server announces itself, the proxy follows it
     drain_grace_s: float = 3.0
     registry_ttl_s: float = 6.0
-    migrate: bool = False  # the proxy moves a draining decode's streams to another decode (--migrate)
+    live_moves: bool = False  # the proxy moves a draining decode's streams to another decode (--live-moves)
     # with hosts and a registry: a host for the registry, and `spares` hosts kept for the servers that join
     elastic: bool = False
     spares: int = 0
@@ -203,7 +203,7 @@ class Deployment:
             # it aborts the lease of a request no decode took, instead of waiting lease_s; it checks records' MACs
             secret=self._secret,
             registry=self.registry,
-            migrate=self.migrate,
+            live_moves=self.live_moves,
         )
         if announced:
             self.wait_routed([*self.prefill, *self.decode], timeout=timeout)
@@ -354,7 +354,7 @@ class Deployment:
             group.remove(server)
             drained = Drained(server, ROLES[role], fault, bound_s=self.shutdown_timeout_s + 60)
             self.drained.append(drained)
-        at_proxy = fault == "drain-decode" and self.migrate
+        at_proxy = fault == "drain-decode" and self.live_moves
         if at_proxy:
             # A rolling upgrade: the operator drains the decode at the proxy, which moves its streams (pre-copied
             # while they run on), and stops it once they left. (A SIGTERM alone moves them too, once the proxy reads

@@ -20,7 +20,7 @@ HUNG = "hung"  # no answer within the bound (must be 0)
 DROPPED = "dropped"  # the client itself gave up (disconnect/abort faults): nothing to check
 
 
-# The proxy's line for each stream it moved (--migrate): `Moves._moved` in kvbridge_proxy.moves (logger .app).
+# The proxy's line for each stream it moved (--live-moves): `Moves._moved` in kvbridge_proxy.moves (logger .app).
 MOVE_LINE = re.compile(
     r"stream \S+ \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (precopied|pulled|recomputed)\)"
 )
@@ -72,7 +72,7 @@ class Report:
     drained: list[dict[str, Any]] = attrs.field(factory=list)
     drains_unclean: int = 0  # drained servers that did not exit 0 by themselves within the bound, holding nothing
     joined: list[dict[str, Any]] = attrs.field(factory=list)
-    migrations: dict[str, float] | None = None  # the proxy's kvbridge_proxy_migrations_total by outcome
+    live_moves: dict[str, float] | None = None  # the proxy's kvbridge_proxy_live_moves_total by outcome
     moves: dict[str, list[str]] = attrs.field(factory=dict)  # request id -> the proxy's moves of it (`moves()`)
 
     def name_moves(self, request_id: Callable[[int], str]) -> None:
@@ -157,7 +157,7 @@ class Report:
             else {
                 "joined": self.joined,
                 "drained": self.drained,
-                "migrations": self.migrations,
+                "live_moves": self.live_moves,
                 # the streams whose next decode computed what it should have pulled: exact, but a pull failed
                 "recomputed": sorted(f"{rid}: {m}" for rid, ms in self.moves.items() for m in ms if "recomputed)" in m)[
                     :20

@@ -47,7 +47,7 @@ def lengths(workload: Workload, max_model_len: int) -> list[int]:
 
 
 # A drain-decode victim streams as many tokens as the model length leaves after a short prompt: long enough to be
-# running when its decode is drained, so that the proxy moves it (--migrate) rather than it finishing first.
+# running when its decode is drained, so that the proxy moves it (--live-moves) rather than it finishing first.
 MOVED_PROMPT = 64
 
 
@@ -309,8 +309,8 @@ class Runner:
                 log.warning("chaos: %s still holds %g blocks: %s", server.url, held[server.url], why)
         for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
-        if dep.migrate:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
-            report.migrations = dep.proxy_counts("kvbridge_proxy_migrations_total", "outcome")
+        if dep.live_moves:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
+            report.live_moves = dep.proxy_counts("kvbridge_proxy_live_moves_total", "outcome")
             if dep.proxy is not None and dep.proxy.log_path.exists():
                 report.moves = moves(dep.proxy.log_path.read_text(errors="replace"))
                 report.name_moves(lambda i: f"chaos-{self.workload.seed}-{i}")

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.cli.retired import add_retired_flags
 from kvbridge.plan.presets import PRESETS
 
 # mode name -> module in kvbridge_tools.bench; each has add_arguments(group) and run(args) -> int
@@ -23,8 +24,11 @@ MODES = {
     "vllm-connector": "kvbridge_tools.bench.connector",
     "compare": "kvbridge_tools.bench.compare",
     "scale": "kvbridge_tools.bench.scale",
-    "vllm-migrate": "kvbridge_tools.bench.vllm_migrate",
+    "vllm-moves": "kvbridge_tools.bench.vllm_moves",
 }
+
+# Retired spellings of `kvbridge bench`'s options -> their new names; each works, with a warning, for one release.
+RETIRED_OPTIONS = {"--migrate": "--live-moves"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -90,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
+    add_retired_flags(p, RETIRED_OPTIONS)
     p.set_defaults(run=run)
 
 
@@ -118,10 +123,10 @@ def pick_mode(args: argparse.Namespace) -> str:
         if getattr(args, "engine", None) != "vllm":
             raise ConfigError("--load runs vLLM's serve benchmark against vLLM servers; add --engine vllm")
         return "vllm-load"
-    if getattr(args, "migrate", False):
+    if getattr(args, "live_moves", False):
         if getattr(args, "engine", None) != "vllm":
-            raise ConfigError("--migrate moves streams between vLLM decode servers; add --engine vllm --hosts")
-        return "vllm-migrate"
+            raise ConfigError("--live-moves moves streams between vLLM decode servers; add --engine vllm --hosts")
+        return "vllm-moves"
     if getattr(args, "idle", False):
         if getattr(args, "engine", None) != "vllm":
             raise ConfigError("--idle measures vLLM servers after idle spells; add --engine vllm")
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--noise runs busy processes beside vLLM servers under load; add --engine vllm --load")
     if getattr(args, "link", None) and not getattr(args, "hosts", False):
         raise ConfigError("--link shapes the link between --hosts; add --hosts")
-    if getattr(args, "hosts", False) and mode not in ("pair", "vllm", "vllm-load", "vllm-migrate"):
+    if getattr(args, "hosts", False) and mode not in ("pair", "vllm", "vllm-load", "vllm-moves"):
         raise ConfigError(
             f"--hosts runs the pair bench, --engine vllm or --engine vllm --load (no other --engine, "
             f"--prefill/--decode or --compare-transports); not {mode}"

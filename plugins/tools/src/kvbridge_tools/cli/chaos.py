@@ -45,7 +45,7 @@ examples:
 With an elastic fault (scale-out, scale-in, drain-decode, drain-prefill) the run starts a redis-server: every
 prefill and decode server announces itself there (signed with the run's secret) and runs with
 --shutdown-timeout above drain_grace_s + lease_s, and the proxy routes to what is announced (--registry); with
-drain-decode or scale-in it runs with --migrate, moving a draining decode's streams to another decode.
+drain-decode or scale-in it runs with --live-moves, moving a draining decode's streams to another decode.
 Before a scale-in, and after a scale-out when no scale-in follows, no new request is sent until the servers
 being started are routed to (requests in flight go on).
 
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
                 where = dep.hosts["registry"] if dep.hosts is not None else None
                 dep.registry = stack.enter_context(redis_server(logs, host=where))  # it saves nothing there
                 if {"drain-decode", "scale-in"} & set(elastic):  # a drained decode's streams move (docs/elastic.md)
-                    dep.migrate = True
+                    dep.live_moves = True
             report = _play(args, dep, workload, network, logs)
     finally:
         model_dir.cleanup()

@@ -1,4 +1,4 @@
-"""`kvbridge proxy --migrate`: a draining decode's streams continue on another decode, against small real upstreams.
+"""`kvbridge proxy --live-moves`: a draining decode's streams continue on another decode, against small real upstreams.
 
 The decode upstreams stream one token per event from a function of the whole context (prompt and tokens so far), as
 a greedy model does, so a stream continued elsewhere from prompt + forwarded tokens must give the same tokens: any
@@ -32,7 +32,7 @@ from kvbridge.control.discovery import ServerRecord
 from kvbridge.session.lending import precopied, precopy_id
 from kvbridge_proxy import membership
 from kvbridge_proxy.app import Proxy, create_app
-from kvbridge_proxy.migration import MoveSettings, MovingStream, refusal
+from kvbridge_proxy.moving_stream import MoveSettings, MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.takeover import Upstream
@@ -40,7 +40,7 @@ from kvbridge_proxy.upstreams import Instance
 from kvbridge_tools.harness.fixtures import redis_server, wait_for
 from kvbridge_tools.harness.pd_servers import Serving, Unaccepting
 
-SECRET = "proxy-migration-test-secret-0123456789"
+SECRET = "proxy-live-moves-test-secret-0123456789"
 MAX_TOKENS = 40
 
 
@@ -103,7 +103,7 @@ class TokenDecode(Serving):
                 return {"id": "p", "choices": [{"index": 0, "text": "<0>"}], "kv_transfer_params": where}
             cid = f"{'chatcmpl' if chat else 'cmpl'}-{len(self.bodies)}"
             if params.get("do_remote_prefill") and body.get("stream") is False:  # a moved stream's pull
-                if precopied(str(params.get("kvbridge_migration_id"))) is not None:
+                if precopied(str(params.get("kvbridge_move_id"))) is not None:
                     if precopy_dies:
                         self.dead = True  # and so it stays: its /health fails from now on
 
@@ -179,7 +179,7 @@ class TokenDecode(Serving):
 
 @attrs.define
 class Cluster:
-    """A proxy with --migrate over a prefill, decodes A and B announced in redis, A's side channel live."""
+    """A proxy with --live-moves over a prefill, decodes A and B announced in redis, A's side channel live."""
 
     proxy: Serving
     a: TokenDecode
@@ -199,10 +199,8 @@ class Cluster:
         self.serve_b()
         self.records.announce(attrs.evolve(self.a_record, state="draining", expires=time.time() + 60), 60)
 
-    def migration_ids(self) -> list[str]:
-        return [
-            b["kv_transfer_params"]["kvbridge_migration_id"] for b in self.a.bodies if "prompt" in b or "messages" in b
-        ]
+    def move_ids(self) -> list[str]:
+        return [b["kv_transfer_params"]["kvbridge_move_id"] for b in self.a.bodies if "prompt" in b or "messages" in b]
 
 
 @pytest.fixture
@@ -230,7 +228,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
             [prefill.url],
             [],
             registry=url,
-            migrate=True,
+            live_moves=True,
             health_interval=0.05,
             warm_up=False,
             expose_internals=True,
@@ -339,19 +337,19 @@ def test_a_draining_decodes_streams_go_on_elsewhere_with_no_token_lost_or_repeat
                 }
             ]
     # Streams that were on A went on on B, pulling from A's side channel what the client had been sent.
-    on_a = [b for b in cluster.a.bodies if "kvbridge_migration_id" in (b.get("kv_transfer_params") or {})]
+    on_a = [b for b in cluster.a.bodies if "kvbridge_move_id" in (b.get("kv_transfer_params") or {})]
     assert on_a and len(moved_to_b) == len(pulls) == len(on_a)
     for pull, stream in zip(pulls, moved_to_b):
         params = pull["kv_transfer_params"]
         assert (params["remote_engine_id"], params["remote_port"]) == ("decode-a", cluster.a_record.side_port)
         assert params["remote_num_tokens"] == len(pull["prompt"]) - 1 and not params.get("remote_block_ids")
-        assert params["kvbridge_migration_id"] in {b["kv_transfer_params"]["kvbridge_migration_id"] for b in on_a}
+        assert params["kvbridge_move_id"] in {b["kv_transfer_params"]["kvbridge_move_id"] for b in on_a}
         assert pull["max_tokens"] == 1 and "stream_options" not in pull
         assert stream["prompt"] == pull["prompt"] and "do_remote_prefill" not in stream["kv_transfer_params"]
-        assert stream["kv_transfer_params"]["kvbridge_migration_id"] == params["kvbridge_migration_id"]
+        assert stream["kv_transfer_params"]["kvbridge_move_id"] == params["kvbridge_move_id"]
         assert stream["max_tokens"] < MAX_TOKENS and stream["return_token_ids"] is True
     metrics = httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text
-    assert f'kvbridge_proxy_migrations_total{{outcome="pulled"}} {float(len(on_a))}' in metrics
+    assert f'kvbridge_proxy_live_moves_total{{outcome="pulled"}} {float(len(on_a))}' in metrics
     assert not cluster.aborted, "a lease that was pulled is not aborted"
 
 
@@ -365,8 +363,8 @@ def _one(cluster: Cluster, *, leave_after: int | None = None, drain: bool = True
             if line.startswith("data: "):
                 events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[len("data: ") :]))
                 if len(events) == 3:
-                    [migration] = cluster.migration_ids()
-                    cluster.ledger.offer(migration, [1, 2], expected_pulls=1)  # what A's connector offers at the cut
+                    [move] = cluster.move_ids()
+                    cluster.ledger.offer(move, [1, 2], expected_pulls=1)  # what A's connector offers at the cut
                     cluster.drain_a() if drain else cluster.serve_b()
                 if leave_after is not None and len(events) == leave_after:
                     break
@@ -375,9 +373,9 @@ def _one(cluster: Cluster, *, leave_after: int | None = None, drain: bool = True
 
 def _metric(cluster: Cluster, outcome: str) -> float:
     for line in httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text.splitlines():
-        if line.startswith(f'kvbridge_proxy_migrations_total{{outcome="{outcome}"}}'):
+        if line.startswith(f'kvbridge_proxy_live_moves_total{{outcome="{outcome}"}}'):
             return float(line.split()[-1])
-    raise AssertionError(f"no migrations_total series for {outcome}")
+    raise AssertionError(f"no live_moves_total series for {outcome}")
 
 
 def _decode(admin: httpx.Client, url: str) -> dict:
@@ -455,8 +453,8 @@ def test_a_decode_whose_record_lapsed_and_came_back_still_moves_its_streams_when
     body = {"model": "m", "prompt": "away and back", "max_tokens": MAX_TOKENS, "stream": True}
 
     def lapse_and_drain() -> None:
-        [migration] = cluster.migration_ids()
-        cluster.ledger.offer(migration, [1, 2], expected_pulls=1)  # what A's connector offers at the cut
+        [move] = cluster.move_ids()
+        cluster.ledger.offer(move, [1, 2], expected_pulls=1)  # what A's connector offers at the cut
         cluster.serve_b()
         assert admin.post("/admin/cordon", json={"server": cluster.b.url}, headers=auth).status_code == 200
         for record in (cluster.a_record, cluster.b_record):
@@ -488,8 +486,8 @@ def test_a_pull_that_fails_is_computed_instead_and_the_offered_lease_released(cl
     pulled, computed = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]
     assert pulled["kv_transfer_params"]["do_remote_prefill"] is True
     assert "do_remote_prefill" not in computed.get("kv_transfer_params", {}), "the retry computes the prompt"
-    [migration] = cluster.migration_ids()
-    wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+    [move] = cluster.move_ids()
+    wait_for(lambda: (move, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
     assert (_metric(cluster, "recomputed"), _metric(cluster, "pulled")) == (1.0, 0.0)
 
 
@@ -503,8 +501,8 @@ def test_a_pull_the_next_decode_computed_instead_is_reported_recomputed(
     assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
     pull, stream = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]
     assert (pull["stream"], stream["stream"]) == (False, True) and stream["prompt"] == pull["prompt"]
-    [migration] = cluster.migration_ids()
-    wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+    [move] = cluster.move_ids()
+    wait_for(lambda: (move, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
     assert (_metric(cluster, "recomputed"), _metric(cluster, "pulled")) == (1.0, 0.0)
     [moved] = [r.getMessage() for r in caplog.records if "moved from" in r.getMessage()]
     assert "ms after the cut (closing the source " in moved and ", recomputed)" in moved, moved
@@ -545,7 +543,7 @@ def test_a_stream_that_sent_its_last_token_is_not_moved(cluster: Cluster) -> Non
 def _stages(cluster: Cluster) -> list[dict]:
     """The pre-copy stages B was asked to pull."""
     asked = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]
-    return [b for b in asked if precopied(b["kv_transfer_params"].get("kvbridge_migration_id", "")) is not None]
+    return [b for b in asked if precopied(b["kv_transfer_params"].get("kvbridge_move_id", "")) is not None]
 
 
 def _released(cluster: Cluster, lease: str) -> bool:
@@ -571,10 +569,10 @@ def test_a_stream_is_pre_copied_while_it_runs_then_cut_with_its_tail_left(cluste
     events = _one(cluster)
     prompt = prompt_ids("/v1/completions", {"prompt": "one stream"})
     assert _tokens(events) == reference(prompt, MAX_TOKENS)
-    [migration] = cluster.migration_ids()
+    [move] = cluster.move_ids()
     stages = _stages(cluster)
-    assert [s["kv_transfer_params"]["kvbridge_migration_id"] for s in stages] == [
-        precopy_id(migration, n) for n in range(1, len(stages) + 1)
+    assert [s["kv_transfer_params"]["kvbridge_move_id"] for s in stages] == [
+        precopy_id(move, n) for n in range(1, len(stages) + 1)
     ]
     assert 1 <= len(stages) <= PRECOPY.stages
     context = prompt + reference(prompt, MAX_TOKENS)
@@ -589,11 +587,11 @@ def test_a_stream_is_pre_copied_while_it_runs_then_cut_with_its_tail_left(cluste
     assert left <= PRECOPY.tail_tokens + 1 or len(stages) == PRECOPY.stages, (left, len(stages))
     if "pull" in request.node.callspec.id:
         [cut] = after[:-1]
-        assert cut["kv_transfer_params"]["kvbridge_migration_id"] == migration and cut["stream"] is False
+        assert cut["kv_transfer_params"]["kvbridge_move_id"] == move and cut["stream"] is False
         assert cut["prompt"] == resumed["prompt"]
     else:
         assert after == [resumed], "the tail is computed: no pull after the cut"
-        wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's offered blocks released")
+        wait_for(lambda: (move, LeaseState.ABORTED) in cluster.aborted, what="A's offered blocks released")
     assert (_metric(cluster, "precopied"), _metric(cluster, "pulled")) == (1.0, 0.0)
 
 
@@ -620,10 +618,10 @@ def test_a_stream_that_ends_during_its_pre_copy_is_not_moved_and_its_lent_lease_
     Nothing is cut, the stage's lease on A is released (so A's engine frees the request's blocks), and B's stage is
     dropped."""
     _one_whole(cluster, WAIT)
-    [migration] = cluster.migration_ids()
+    [move] = cluster.move_ids()
     [stage] = _stages(cluster)
     assert len(cluster.b.bodies) == 1, "nothing asked of B but the stage"
-    wait_for(lambda: _released(cluster, precopy_id(migration, 1)), what="the stage's lease released on A")
+    wait_for(lambda: _released(cluster, precopy_id(move, 1)), what="the stage's lease released on A")
     assert _metric(cluster, "precopied") == _metric(cluster, "pulled") == _metric(cluster, "recomputed") == 0.0
 
 
@@ -633,10 +631,10 @@ def test_a_stream_whose_next_decode_dies_during_pre_copy_stays_and_ends_whole(cl
 
     B is taken out, the stream finishes on A (no other decode), and the stage's lease on A is released."""
     _one_whole(cluster)
-    [migration] = cluster.migration_ids()
-    asked = [s["kv_transfer_params"]["kvbridge_migration_id"] for s in _stages(cluster)]
-    assert asked == [precopy_id(migration, 1)] * 2, "dropped unanswered: asked once more, then taken out"
-    wait_for(lambda: _released(cluster, precopy_id(migration, 1)), what="the stage's lease released on A")
+    [move] = cluster.move_ids()
+    asked = [s["kv_transfer_params"]["kvbridge_move_id"] for s in _stages(cluster)]
+    assert asked == [precopy_id(move, 1)] * 2, "dropped unanswered: asked once more, then taken out"
+    wait_for(lambda: _released(cluster, precopy_id(move, 1)), what="the stage's lease released on A")
     assert _metric(cluster, "precopied") == _metric(cluster, "pulled") == 0.0
 
 
@@ -646,16 +644,16 @@ def test_a_stream_whose_next_decode_dies_during_pre_copy_stays_and_ends_whole(cl
 def test_a_stream_whose_decode_dies_during_pre_copy_is_computed_on_the_next(cluster: Cluster) -> None:
     """Issue 43: A dies while B's pre-copy stage runs: the stage is dropped and B computes the stream (recomputed)."""
     _one_whole(cluster, WAIT)
-    [migration] = cluster.migration_ids()
-    wait_for(lambda: _released(cluster, precopy_id(migration, 1)), what="the stage's lease released on A")
+    [move] = cluster.move_ids()
+    wait_for(lambda: _released(cluster, precopy_id(move, 1)), what="the stage's lease released on A")
     assert (_metric(cluster, "recomputed"), _metric(cluster, "precopied")) == (1.0, 0.0)
 
 
 def test_a_client_that_leaves_releases_the_blocks_its_decode_offers(cluster: Cluster) -> None:
     events = _one(cluster, leave_after=5, drain=False)
     assert len(events) == 5
-    [migration] = cluster.migration_ids()
-    wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+    [move] = cluster.move_ids()
+    wait_for(lambda: (move, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
     assert not [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)], "nothing moved"
 
 
@@ -671,14 +669,14 @@ def test_a_release_that_got_no_answer_is_asked_again_until_the_rank_answers(
     with caplog.at_level("INFO", logger="kvbridge_proxy.app"):
         events = _one(cluster, leave_after=5, drain=False)
         assert len(events) == 5
-        [migration] = cluster.migration_ids()
+        [move] = cluster.move_ids()
         wait_for(lambda: "asking again" in caplog.text, what="a release that got no answer")
-        assert (migration, LeaseState.ABORTED) not in cluster.aborted
+        assert (move, LeaseState.ABORTED) not in cluster.aborted
         side = ControlServer("decode-a", port=port, ledger=cluster.ledger, secret=SECRET, poll_interval_s=0.01)
         try:
-            wait_for(lambda: (migration, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
+            wait_for(lambda: (move, LeaseState.ABORTED) in cluster.aborted, what="A's lease released")
             # the ledger aborts as the side channel answers; the proxy logs once that answer reached it
-            wait_for(lambda: f"released request {migration}" in caplog.text, what="the proxy's release logged")
+            wait_for(lambda: f"released request {move}" in caplog.text, what="the proxy's release logged")
         finally:
             side.close()
 
@@ -863,3 +861,21 @@ def test_a_move_asks_again_when_its_decode_dropped_the_connection_unanswered(cap
     finally:
         once.close()
         always.close()
+
+
+def test_the_retired_migrate_option_still_turns_live_moves_on_and_names_its_new_one(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvbridge proxy --migrate`, retired for `--live-moves`, works for one release: hidden, with a warning."""
+    from kvbridge.cli import build_parser
+    from kvbridge_proxy.cli import settings
+
+    base = ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    assert not settings(build_parser().parse_args(base)).live_moves
+    assert not caplog.text
+    args = build_parser().parse_args([*base, "--migrate"])
+    assert settings(args).live_moves and "--migrate is retired" in caplog.text and "use --live-moves" in caplog.text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["proxy", "--help"])
+    shown = capsys.readouterr().out
+    assert "--live-moves" in shown and "--migrate" not in shown

@@ -1,8 +1,8 @@
-"""Live decode migration: what the proxy keeps of a stream to move it, and the requests that move it.
+"""Live moves: what the proxy keeps of a stream to move it, and the requests that move it.
 
-With `kvbridge proxy --migrate` (docs/elastic.md) a streamed request whose parameters survive a move (`refusal`) is
+With `kvbridge proxy --live-moves` (docs/elastic.md) a streamed request whose parameters survive a move (`refusal`) is
 sent to its decode with `return_token_ids`, and, when that decode's registry record says where its side channel is,
-with a migration id M in its `kv_transfer_params`. A `MovingStream` keeps the prompt's token ids and every generated
+with a move id M in its `kv_transfer_params`. A `MovingStream` keeps the prompt's token ids and every generated
 id forwarded to the client. To move the stream the proxy stops forwarding at an event, closes the upstream (vLLM
 aborts the request; the decode's connector offers its blocks under M) and sends another decode `resume_body()`: the
 prompt and the forwarded tokens as a token-id completion whose params name M and the first decode's side channel, so
@@ -132,7 +132,7 @@ class MovingStream:
     path: str
     body: dict[str, Any]  # the client's request
     request_id: str = ""  # the client's x-request-id (or the proxy's): names the stream in the log
-    migration_id: str = attrs.field(factory=lambda: f"kvbridge-mig-{uuid.uuid4().hex}")
+    move_id: str = attrs.field(factory=lambda: f"kvbridge-move-{uuid.uuid4().hex}")
     prompt: list[int] | None = None
     generated: list[int] = attrs.Factory(list)
     movable: bool = True  # False once an event did not say its tokens, or the decode answered an error
@@ -163,12 +163,12 @@ class MovingStream:
         return bool(self.body.get("return_token_ids"))
 
     def mark(self, body: dict[str, Any], identity: KVTransferParams | None) -> dict[str, Any]:
-        """The decode request with token ids asked for, and the migration id where the decode can be pulled from."""
+        """The decode request with token ids asked for, and the move id where the decode can be pulled from."""
         out = {**body, "return_token_ids": True}
         if identity is not None:
             out["kv_transfer_params"] = {
                 **(body.get("kv_transfer_params") or {}),
-                "kvbridge_migration_id": self.migration_id,
+                "kvbridge_move_id": self.move_id,
             }
         return out
 
@@ -300,12 +300,12 @@ class MovingStream:
             body["max_tokens"] = max(1, self.limit - len(self.generated))
         if isinstance(self.body.get("min_tokens"), int):
             body["min_tokens"] = max(0, self.body["min_tokens"] - len(self.generated))
-        params: dict[str, Any] = {"kvbridge_migration_id": self.migration_id} if mark or source is not None else {}
+        params: dict[str, Any] = {"kvbridge_move_id": self.move_id} if mark or source is not None else {}
         if source is not None:
             pull = attrs.evolve(
                 source,
                 do_remote_prefill=True,
-                kvbridge_migration_id=lease or self.migration_id,
+                kvbridge_move_id=lease or self.move_id,
                 remote_num_tokens=len(body["prompt"]) - 1,  # vLLM computes the last token again anyway
                 transfer_mode="pull",
             )

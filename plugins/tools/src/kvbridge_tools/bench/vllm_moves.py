@@ -1,7 +1,7 @@
-"""`kvbridge bench --engine vllm --migrate --hosts`: the client's gap when a running stream moves, by how it moves.
+"""`kvbridge bench --engine vllm --live-moves --hosts`: the client's gap when a running stream moves, by how it moves.
 
 Hosts on one bridge (`kvbridge_tools.bench.link.placed`): a prefill server, decodes A and B (KVBridgeConnector over
-`--migration-backend`), redis, `kvbridge proxy --migrate`, and the client (this process's threads). `--link` shapes
+`--migration-backend`), redis, `kvbridge proxy --live-moves`, and the client (this process's threads). `--link` shapes
 the prefill host's link. Each round starts 8 streams with a prompt of one context length on one decode (the other
 cordoned), and once each has 32 tokens an operator drains that decode at the proxy with one way to move (`"move"`:
 precopy, stop-and-copy, recompute).
@@ -58,9 +58,9 @@ class Stream:
 
 def check(args: argparse.Namespace) -> None:
     if not getattr(args, "hosts", False):
-        raise ConfigError("--migrate moves streams between decodes on namespace hosts; add --hosts")
+        raise ConfigError("--live-moves moves streams between decodes on namespace hosts; add --hosts")
     if getattr(args, "compare", None) is not None or getattr(args, "load", False):
-        raise ConfigError("--migrate measures kvbridge's moves alone; drop --compare and --load")
+        raise ConfigError("--live-moves measures kvbridge's moves alone; drop --compare and --load")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     link = getattr(args, "link", None) or Link()
     moves = [m for m in (args.moves or MOVES)]
     with (
-        tempfile.TemporaryDirectory(prefix="kvbridge-bench-migrate-") as tmp,
+        tempfile.TemporaryDirectory(prefix="kvbridge-bench-moves-") as tmp,
         placed(link, also=("decode_b", "registry", "proxy", "client")) as where,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         print_json(result)
     else:
         print_table(
-            f"kvbridge bench --migrate: {STREAMS} streams moved at once, {link.describe()}",
+            f"kvbridge bench --live-moves: {STREAMS} streams moved at once, {link.describe()}",
             COLUMNS,
             [
                 [
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# Llumnix (OSDI '24): a migration's downtime for LLaMA-7B, 13-26 ms and flat from 256 to 8k tokens (for reference)
+# Llumnix (OSDI '24): a live move's downtime for LLaMA-7B, 13-26 ms and flat from 256 to 8k tokens (for reference)
 LLUMNIX_MS = {"Llumnix LLaMA-7B, at most (paper, GPU)": [(256, 26.0), (8192, 26.0)]}
 
 
@@ -207,7 +207,7 @@ def _run_placed(
             host=hosts["proxy"],
             registry=registry,
             secret=secret,
-            migrate=True,
+            live_moves=True,
             expose_internals=True,
         )
         stack.callback(proxy.stop)
@@ -375,15 +375,15 @@ def _until(done: Any, timeout: float, what: str) -> None:
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
-    """Options of `--engine vllm --migrate --hosts` (it takes --engine vllm's `--lengths` as context lengths)."""
+    """Options of `--engine vllm --live-moves --hosts` (it takes --engine vllm's `--lengths` as context lengths)."""
     group.add_argument(
-        "--migrate",
+        "--live-moves",
         action="store_true",
         help="with --engine vllm --hosts: move 8 running streams at once between two decodes (kvbridge proxy "
-        "--migrate), by pre-copy, stop-and-copy and recompute, at each context length (--lengths, default "
+        "--live-moves), by pre-copy, stop-and-copy and recompute, at each context length (--lengths, default "
         f"{','.join(map(str, CONTEXTS))}); the client's gap p50/p99 and each decode's slowdown during the move "
-        "(kvbridge_tools.bench.vllm_migrate, docs/elastic.md)",
+        "(kvbridge_tools.bench.vllm_moves, docs/elastic.md)",
     )
     group.add_argument(
-        "--moves", nargs="+", choices=MOVES, default=None, help="with --migrate: the ways to move (default: all)"
+        "--moves", nargs="+", choices=MOVES, default=None, help="with --live-moves: the ways to move (default: all)"
     )
