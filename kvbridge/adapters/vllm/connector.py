@@ -22,6 +22,7 @@ from kvbridge.adapters.vllm.scheduler import SchedulerSide
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
+from kvbridge.base import placement
 from kvbridge.base.nativelog import quiet_native_logs
 from kvbridge.control.membership import freeze_heap_at_exit
 
@@ -88,6 +89,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if settings.registry is not None:
                 self._membership = Membership(vllm_config, self._scheduler, kv_cache_config.num_blocks)
         else:
+            # First: the threads the worker side starts (side channel, pulls, transport) inherit the placement.
+            placement.pin_this_thread(settings.cpu_affinity)
             self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
     @classmethod

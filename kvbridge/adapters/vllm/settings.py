@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from kvbridge.base import placement
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, check_listen, load_secret
 from kvbridge.control.ledger import MAX_LEASE_S
@@ -70,6 +71,7 @@ class Settings:
     drain_grace_s: float = attrs.field(default=3.0, converter=float, validator=_finite(0.0, 600.0))
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
+    cpu_affinity: str | None = attrs.field(default=None, validator=lambda _i, _a, v: placement.check(v))
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
 
     def __attrs_post_init__(self) -> None:

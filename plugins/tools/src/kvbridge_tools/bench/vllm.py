@@ -169,7 +169,9 @@ def _kvbridge_pair(
     from kvbridge_tools.harness.vllm_server import connector_config, start_vllm
 
     def config(role: str) -> dict:
-        return connector_config(role, backend=transport)
+        # placed as NixlConnector places itself on a CPU host (its model thread on the last core of each NUMA node):
+        # the systems compared differ in their connector, not in where the kernel runs their engines
+        return connector_config(role, backend=transport, cpu_affinity="reserved")
 
     p_host, d_host, env = _hosts(placed)
     env["VLLM_LOG_STATS_INTERVAL"] = "1"
