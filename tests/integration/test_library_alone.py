@@ -115,8 +115,9 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # (issue 45): the side channel's server in five modules with one job each (channel, dispatch, held, notifier, client,
 # framing), a request's transfer params decoded once into an entry (session/requests.py), each with its own header
 # and imports; 15,842 with plugin API 3's refusal of API 2 plugins (naming each rename) and early offers taken by a
-# call where the rank's side channel shares the scheduler's process.
-LIBRARY_LINES = 15_900
+# call where the rank's side channel shares the scheduler's process; 15,967 with `cpu_affinity` (base/placement.py)
+# and the retired option spellings of live moves (cli/retired.py).
+LIBRARY_LINES = 16_000
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:
