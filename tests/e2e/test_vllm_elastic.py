@@ -272,7 +272,8 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
     Each host has its own network namespace. Every output equals a colocated server's (up to where its client left,
     TAIL tokens after its second move), none is cut, B exits holding no block, and each second move is what its
     pre-copy made it: `precopied` where the stages left tokens in C's cache, else (its first stage failed, logged)
-    pulled or computed after the cut.
+    pulled or computed after the cut. A stream that ran out on B (its max_tokens) before its second move, as one that
+    ran ahead on a starved box can, ends whole instead, with the same tokens; at least one moves twice.
 
     The client's gaps at each handover are written to handover.json and not asserted: in CI runs a decode whose
     process stood still for seconds (every thread, its transport's C++ ones too: docs/elastic.md, Tests) made the
@@ -390,22 +391,29 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             finally:
                 os.kill(core, signal.SIGCONT)
 
+            def ran_out(n: int) -> bool:
+                """Stream n ended whole, at its max_tokens (not with an error: that raises in its reader)."""
+                s = seen[n]
+                return not readers[n].is_alive() and s.done and s.finish == "length" and len(s.tokens) == max_tokens
+
+            def ended(but: Callable[[int], bool]) -> list[tuple]:
+                """How the streams that ended, other than `but` says, ended: tokens, [DONE], finish_reason."""
+                return [
+                    (n, len(s.tokens), s.done, s.finish)
+                    for n, (t, s) in enumerate(zip(readers, seen))
+                    if not t.is_alive() and not but(n)
+                ]
+
             def reach(tokens: list[int], what: str) -> None:
-                """Wait until stream n has `tokens[n]` tokens, or one ended (an error)."""
+                """Wait until stream n has `tokens[n]` tokens, or ran out, or one ended otherwise (an error)."""
                 wait_for(
-                    lambda: (
-                        all(len(s.tokens) >= k for s, k in zip(seen, tokens)) or not all(t.is_alive() for t in readers)
-                    ),
+                    lambda: all(len(seen[n].tokens) >= k or ran_out(n) for n, k in enumerate(tokens)) or ended(ran_out),
                     timeout=300,
                     what=what,
                 )
-                # how each ended stream ended: tokens, [DONE], finish_reason (an error event raises in its reader)
-                ended = [
-                    (n, len(s.tokens), s.done, s.finish)
-                    for n, (t, s) in enumerate(zip(readers, seen))
-                    if not t.is_alive()
-                ]
-                assert not ended, f"streams ended before {what}: {ended}\n{failure_reports(proxy)}"
+                # the reasons last: a CI log shows a long message's end
+                bad = ended(ran_out)
+                assert not bad, f"{failure_reports(proxy)}\nstreams ended before {what} (n, tokens, done, finish) {bad}"
 
             reach([first_move] * STREAMS, "the first move")
             post("uncordon", b)
@@ -423,16 +431,23 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             hits = {b.url: b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) - hits_before[b.url]}
             post("uncordon", c)
             os.kill(b.pid, signal.SIGTERM)  # B's API server, as systemd or Kubernetes would
-            moved_twice = lambda: len(MOVED.findall(proxy.log_path.read_text())) == 2 * STREAMS  # noqa: E731
+
+            def moved_twice(n: int) -> bool:
+                return sum(m[1] == f"stream-{n}" for m in MOVED.findall(proxy.log_path.read_text())) == 2
+
+            # A stream may run out on B before its second move: the first moves are not in step (on a box whose load
+            # stood the proxy still for 8 s, the first stream moved ran alone on B 8 s before the others came, and
+            # was thousands of tokens ahead); one that B pre-copies at 15,000 tokens can reach 16,200 while its stages
+            # run. That is a stream finishing during pre-copy: it must end whole, and with the right tokens (below).
             wait_for(
-                lambda: moved_twice() or not all(t.is_alive() for t in readers),
+                lambda: all(moved_twice(n) or not readers[n].is_alive() for n in range(STREAMS)),
                 timeout=300,
                 what=lambda: f"16 moves\n{failure_reports(proxy, b, c)}",
             )
-            ended = [
-                (n, len(s.tokens), s.done, s.finish) for n, (t, s) in enumerate(zip(readers, seen)) if not t.is_alive()
-            ]
-            assert moved_twice(), f"streams ended before their second move: {ended}\n{failure_reports(proxy, b, c)}"
+            bad = ended(lambda n: moved_twice(n) or ran_out(n))
+            assert not bad, f"{failure_reports(proxy, b, c)}\nstreams ended before their second move: {bad}"
+            twice = {n for n in range(STREAMS) if moved_twice(n)}
+            assert twice, f"{failure_reports(proxy, b, c)}\nevery stream ran out on B before its second move"
             for m in MOVED.findall(proxy.log_path.read_text()):
                 if m[2] == b.url:
                     enough[int(m[1].removeprefix("stream-"))] = int(m[4]) + TAIL
@@ -459,10 +474,13 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             (logs / "handover.json").write_text(json.dumps(report, indent=1))
             print(f"handover gaps over {STREAMS} streams: {json.dumps(report)}")
             for n, (s, want) in enumerate(zip(seen, reference)):
-                assert s.left and s.tokens == want, f"stream {n} differs from colocated\n{failure_reports(proxy, c)}"
-            # each stream moved twice, A to B after the cut, B to C by pre-copy, with at least 32 tokens still to go
-            assert len({m[0] for m in moves}) == STREAMS and len(moves) == 2 * STREAMS, proxy_log[-4000:]
-            assert sorted(m[1] for m in moves) == sorted(f"stream-{n}" for n in range(STREAMS) for _ in "ab"), moves
+                assert s.left or ran_out(n), (n, len(s.tokens), s.done, s.finish)
+                assert s.tokens == want, f"{failure_reports(proxy, c)}\nstream {n} differs from colocated"
+            # each stream moved twice (but one that ran out on B), A to B after the cut, B to C by pre-copy, with at
+            # least 32 tokens still to go
+            assert len({m[0] for m in moves}) == STREAMS and len(moves) == STREAMS + len(twice), proxy_log[-4000:]
+            names = [f"stream-{n}" for n in range(STREAMS)] + [f"stream-{n}" for n in twice]
+            assert sorted(m[1] for m in moves) == sorted(names), moves
             # the first moves: pulled by B, or computed on B where its pull failed (logged: A's side channel silent for
             # 5 s on a starved box, say), as the proxy's fallback is meant to
             first = {m[0]: m[6] for m in moves if (m[2], m[3]) == (a.url, b.url)}
@@ -472,14 +490,14 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             assert "pulled" in first.values(), first
             left = {m[0]: int(m[1]) for m in PRECOPIED.findall(proxy_log) if m[2] == c.url}  # its last pre-copy
             second = {m[0]: m[6] for m in moves if (m[2], m[3]) == (b.url, c.url)}
-            assert set(second) == set(left) == {m[0] for m in moves}, (second, left)
+            assert set(second) == set(left) == {m[0] for m in moves if m[1] in names[STREAMS:]}, (second, left)
             for move, outcome in second.items():
                 expected = {"precopied"} if left[move] else {"pulled", "recomputed"}
                 assert outcome in expected, (move, outcome, left[move], proxy_log[-4000:])
             assert "precopied" in second.values(), proxy_log[-4000:]
             assert all(first_move <= int(m[4]) <= max_tokens - 32 for m in moves), moves
             tokens_at = {(m[0], m[2]): int(m[4]) for m in moves}  # each second move at a longer context than its first
-            assert all(tokens_at[m, b.url] > tokens_at[m, a.url] for m in first), tokens_at
+            assert all(tokens_at[m, b.url] > tokens_at[m, a.url] for m in second), tokens_at
             hits[c.url] = c.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) - hits_before[c.url]
             # each loaded from its source at least every prompt (a recompute loads nothing)
             assert all(n >= sum(len(s.prompt) for s in seen) for n in hits.values()), hits
@@ -489,9 +507,9 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             # the request is ended as a plain abort, offering nothing (seen after a 10 s stall of the whole box; the
             # tail is computed on C, so nothing is lost)
             assert 0 < b_log.count("cut for a live move") <= STREAMS, failure_reports(b)
-            assert b_log.count("pre-copy kvbridge-move-") >= STREAMS, failure_reports(b)  # a lease lent per stream
+            assert b_log.count("pre-copy kvbridge-move-") >= len(twice), failure_reports(b)  # a lease lent per stream
             assert "closing with 0 leases held (0 blocks)" in b_log, failure_reports(b)
-            assert set(precopy) == set(stop_and_copy) == set(range(STREAMS)), report
+            assert set(stop_and_copy) == set(range(STREAMS)) and set(precopy) == twice, report
             client.http.close()
         finally:
             for s in started:
