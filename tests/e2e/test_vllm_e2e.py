@@ -313,11 +313,15 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     spec = TinyLlamaSpec()
     block_bytes = spec.layers * spec.kv_heads * BLOCK_SIZE * 2 * spec.head_dim * 4  # float32 K and V
     servers = [cluster.prefill, *cluster.decode]
-    # The leases of the test before end on the prefill's next steps, after that test's answers: in a CI run one was
-    # released after this test's first scrape and counted as this test's. Count from when the prefill holds none.
-    wait_for(
-        lambda: scrape(cluster.prefill).get("kvbridge_leases_held", -1) == 0, timeout=LEASE_S, what="no lease held"
-    )
+
+    # The prefill's worker records lease events between steps; they reach its /metrics with its next step. The test
+    # before's came after this test's first scrape in two CI runs (one release; an offer and its release), and were
+    # counted as this test's. So first make the prefill step (a plain request to it) until it says it holds none.
+    def settled() -> bool:
+        cluster.answer(cluster.prefill, "settle", max_tokens=1)
+        return scrape(cluster.prefill).get("kvbridge_leases_held", -1) == 0
+
+    wait_for(settled, timeout=LEASE_S, what="the prefill to hold no lease")
     before = [scrape(s) for s in servers]
     events_before = lease_events(cluster.prefill)
     loaded_blocks = 0

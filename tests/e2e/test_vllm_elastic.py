@@ -326,8 +326,13 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
                 )
                 # B drains on SIGTERM for up to --shutdown-timeout: the grace and the leases of what moved off it
                 drain = ["--shutdown-timeout", str(GRACE_S + LEASE_S + 10)] if name == "decode_b" else []
+                # The model in the engine core's process (uni), as kvbridge's benches run it: with vLLM's CPU default
+                # (mp) an engine core and its worker spin on the shared memory between them (sched_yield, for a second
+                # after each message) while its requests wait for pulls. In a local run B's two took both CPUs for 31 s
+                # while its eight pulls waited on A, whose transport threads serving them, and the proxy, got no turn
+                # (load average 39): the reads hit their deadline and the moves took 31-33 s (docs/elastic.md, Tests).
                 servers[name] = start_vllm(
-                    model, kv_transfer_config=config, port=port, host=host, extra_args=drain, **common
+                    model, kv_transfer_config=config, port=port, host=host, extra_args=drain, executor="uni", **common
                 )
                 started.append(servers[name])
             prefill, a, b, c = (servers[n] for n in ("prefill", "decode_a", "decode_b", "decode_c"))
