@@ -314,14 +314,15 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     block_bytes = spec.layers * spec.kv_heads * BLOCK_SIZE * 2 * spec.head_dim * 4  # float32 K and V
     servers = [cluster.prefill, *cluster.decode]
 
-    # The prefill's worker records lease events between steps; they reach its /metrics with its next step. The test
-    # before's came after this test's first scrape in two CI runs (one release; an offer and its release), and were
-    # counted as this test's. So first make the prefill step (a plain request to it) until it says it holds none.
+    # The prefill's worker records lease events between its engine's steps; they reach its /metrics with a later step,
+    # and an idle engine does not step. In CI runs the test before's last release was counted as this test's, and this
+    # test's last release had not reached /metrics when it read the gauges. So the prefill is made to step (a plain
+    # request to it) before each reading: first until it says it holds no lease, then until this test's are released.
     def settled() -> bool:
-        cluster.answer(cluster.prefill, "settle", max_tokens=1)
+        cluster.answer(cluster.prefill, "step", max_tokens=1)
         return scrape(cluster.prefill).get("kvbridge_leases_held", -1) == 0
 
-    wait_for(settled, timeout=LEASE_S, what="the prefill to hold no lease")
+    wait_for(settled, timeout=LEASE_S / 2, what="the prefill to hold no lease")
     before = [scrape(s) for s in servers]
     events_before = lease_events(cluster.prefill)
     loaded_blocks = 0
@@ -353,8 +354,9 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
         loaded = sum(d.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) for d in cluster.decode) - hits
         assert loaded > 0
         loaded_blocks += -(-int(loaded) // BLOCK_SIZE)
-    deadline = time.monotonic() + 60  # the prefill's lease releases reach its /metrics on its next steps
+    deadline = time.monotonic() + LEASE_S / 2  # under the lease: an expired one is not a release
     while True:
+        held = not settled()
         after = [scrape(s) for s in servers]
         moved = {
             k: sum(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(after[1:], before[1:]))
@@ -367,7 +369,7 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
         }
         events = {k: v - events_before.get(k, 0.0) for k, v in lease_events(cluster.prefill).items()}
         events = {k: v for k, v in events.items() if v}
-        if (moved["kvbridge_transfers_total"] >= 3 and events.get("released", 0) >= 3) or time.monotonic() > deadline:
+        if (moved["kvbridge_transfers_total"] >= 3 and not held) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert moved == {
@@ -383,7 +385,8 @@ def test_metrics_and_timeline_account_for_every_request(cluster: Cluster) -> Non
     assert sum(g.get("kvbridge_handover_phase_seconds_count", 0.0) for g in grew[1:]) >= 3 * 5, grew
     assert grew[0].get("kvbridge_handover_phase_seconds_count", 0.0) >= 3, "the prefill's offers"
     assert grew[0].get("kvbridge_side_channel_seconds_count", 0.0) >= 3 * 3, "three BeginPulls at least, in 3 parts"
-    assert after[0]["kvbridge_blocks_held"] == 0 and after[0]["kvbridge_leases_held"] == 0
+    gauges = {k: after[0][k] for k in ("kvbridge_blocks_held", "kvbridge_leases_held")}
+    assert gauges == {"kvbridge_blocks_held": 0, "kvbridge_leases_held": 0}, (gauges, events)
     proxy = scrape(cluster.proxy)
     assert proxy["kvbridge_proxy_phase_seconds_count"] >= 2 * 9 + 4  # each phase of each request above
     assert proxy["kvbridge_proxy_upstream_healthy"] == 3
