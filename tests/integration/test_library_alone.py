@@ -116,8 +116,10 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # framing), a request's transfer params decoded once into an entry (session/requests.py), each with its own header
 # and imports; 15,842 with plugin API 3's refusal of API 2 plugins (naming each rename) and early offers taken by a
 # call where the rank's side channel shares the scheduler's process; 15,967 with `cpu_affinity` (base/placement.py)
-# and the retired option spellings of live moves (cli/retired.py).
-LIBRARY_LINES = 16_000
+# and the retired option spellings of live moves (cli/retired.py); 16,157 with the relay of an engine's arriving
+# requests to its worker processes (session/arrivals.py: with vLLM's mp executor a decode waiting for pulls spun both
+# CPUs).
+LIBRARY_LINES = 16_250
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:

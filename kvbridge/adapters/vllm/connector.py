@@ -169,8 +169,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        idle = isinstance(meta, KVBridgeMetadata) and meta.idle
-        return self._worker.get_finished(finished_req_ids, idle=idle)
+        if not isinstance(meta, KVBridgeMetadata):
+            return self._worker.get_finished(finished_req_ids)
+        return self._worker.get_finished(finished_req_ids, idle=meta.idle, arrivals=meta.arrivals)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

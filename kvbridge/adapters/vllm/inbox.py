@@ -41,6 +41,12 @@ class EngineInbox:
 
 def find_engine_inbox() -> EngineInbox | None:
     """The input queue of the vLLM engine core being built up the call stack, or None."""
+    inbox = engine_input_queue()
+    return EngineInbox(inbox) if inbox is not None else None
+
+
+def engine_input_queue() -> queue.Queue | None:
+    """The `queue.Queue` of requests of the vLLM engine core being built up the call stack, or None."""
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
@@ -48,6 +54,6 @@ def find_engine_inbox() -> EngineInbox | None:
             c.__name__ == ENGINE_CLASS and c.__module__.startswith("vllm.") for c in type(owner).__mro__
         ):
             inbox = getattr(owner, "__dict__", {}).get("input_queue")
-            return EngineInbox(inbox) if isinstance(inbox, queue.Queue) else None
+            return inbox if isinstance(inbox, queue.Queue) else None
         frame = frame.f_back
     return None

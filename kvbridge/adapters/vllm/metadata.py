@@ -21,6 +21,7 @@ class KVBridgeMetadata(KVConnectorMetadata):
     layerwise: LayerwiseMeta = field(default_factory=LayerwiseMeta)  # "transfer": "layerwise" only
     lending: StepLending = field(default_factory=StepLending)  # marked running requests (a live move's pre-copy)
     idle: bool = False  # the step computes nothing: the engine is stepped only to hear of transfers
+    arrivals: int | None = None  # requests the engine had taken from its input queue (ArrivalRelay), where relayed
 
 
 @dataclass

@@ -6,6 +6,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.adapters.vllm.inbox import engine_input_queue
 from kvbridge.adapters.vllm.layerwise import LayerwiseScheduler
 from kvbridge.adapters.vllm.marked import MarkedRequests
 from kvbridge.adapters.vllm.metadata import KVBridgeMetadata, KVBridgeWorkerMeta
@@ -15,6 +16,7 @@ from kvbridge.control.client import ClientPool
 from kvbridge.control.messages import Offer
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import group_port
+from kvbridge.session.arrivals import ArrivalRelay
 from kvbridge.session.early_offers import EarlyOffers
 from kvbridge.session.lending import StepLending
 from kvbridge.session.requests import RequestParams
@@ -76,6 +78,9 @@ class SchedulerSide:
             early=settings.early_offer,
             clients=ClientPool(secret=settings.secret, timeout_s=1.0, sender=f"{engine_id}/scheduler"),
         )
+        # worker processes (vLLM's multiprocess executor) hear of each request that arrives: their idle steps sleep
+        inbox = engine_input_queue() if parallel.distributed_executor_backend == "mp" else None
+        self.arrivals = ArrivalRelay.to_ranks(inbox, engine_id, self.dp_rank, self.pp_size, self.tp_size)
         self._pulls: list[PullTask] = []
         self._offers: list[Offer] = []
         self._requests: dict[str, RequestParams] = {}  # each request vLLM showed, until request_finished
@@ -178,12 +183,15 @@ class SchedulerSide:
             layerwise=layerwise,
             lending=self.marked.collect(scheduler_output) if scheduler_output is not None else StepLending(),
             idle=scheduler_output is not None and not scheduler_output.total_num_scheduled_tokens,
+            arrivals=self.arrivals.consumed() if self.arrivals is not None else None,
         )
         self._pulls, self._offers = [], []
         return meta
 
     def shutdown(self) -> None:
         self.early_offers.close()
+        if self.arrivals is not None:
+            self.arrivals.close()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus

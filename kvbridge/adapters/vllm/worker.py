@@ -16,8 +16,9 @@ from kvbridge.agent.kv_agent import KVAgent
 from kvbridge.plan.rank_ports import side_channel_port
 from kvbridge.plan.topology import ParallelConfig
 from kvbridge.plugin.placement import device_of
+from kvbridge.session.arrivals import RelayedInbox
 from kvbridge.session.decode_side import DecodeSide
-from kvbridge.session.outbox import Outbox
+from kvbridge.session.outbox import Inbox, Outbox
 from kvbridge.session.prefill_side import PrefillSide
 from kvbridge.session.pull_control import CONTROL_TIMEOUT_S, PullControl
 from kvbridge.transport import netguard
@@ -55,6 +56,7 @@ class WorkerSide:
         dp_size: int = 1,
         pp_rank: int = 0,
         pp_size: int = 1,
+        relayed: bool = False,
         kv_layout: str = "LBHNC",
         mla: bool = False,
         backend_name: str = "vLLM",
@@ -74,9 +76,14 @@ class WorkerSide:
         self.rank = dp_index * tp_size + tp_rank
         self.stats = KVBridgeStats()
         self._guards_seen: list[tuple[str, bool, int]] = []
-        # the engine core's input queue, where this worker runs in its process: an idle step that may sleep
-        # long (transfers in flight) still ends the moment a request arrives
-        inbox = find_engine_inbox()
+        # the engine core's input queue (in its process, or as it tells a worker process of it): an idle step that may
+        # sleep long (transfers in flight) still ends the moment a request arrives
+        inbox: Inbox | None = find_engine_inbox()
+        self.arrivals: RelayedInbox | None = None
+        if inbox is None and relayed:
+            inbox = self.arrivals = RelayedInbox.for_rank(
+                engine_id, dp_index, pp_rank, tp_rank, settings.idle_wait_ms / 1e3
+            )
         self.outbox = Outbox(
             inbox,
             idle_wait_s=settings.idle_wait_ms / 1e3,
@@ -135,6 +142,8 @@ class WorkerSide:
             dp_size=parallel.data_parallel_size,
             pp_rank=pp_rank,
             pp_size=pp_size,
+            # a worker process of the engine core (vLLM's multiprocess executor) hears of its requests from it
+            relayed=parallel.distributed_executor_backend == "mp",
             kv_layout=resolved_layout(vllm_config),
             mla=is_mla(vllm_config, kv_cache_config),
             backend_name=str(vllm_config.attention_config.backend or "vLLM's attention backend"),
@@ -236,9 +245,13 @@ class WorkerSide:
         self.prefill.save_layer(layer_name)
 
     def get_finished(
-        self, _finished_req_ids: set[str], *, idle: bool = False
+        self, _finished_req_ids: set[str], *, idle: bool = False, arrivals: int | None = None
     ) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose blocks prefill may free, and requests decode has loaded. See docs/internals.md."""
+        """Requests whose blocks prefill may free, and requests decode has loaded. See docs/internals.md.
+
+        `arrivals`: the requests the engine core had taken from its input queue for this step (ArrivalRelay)."""
+        if self.arrivals is not None and arrivals is not None:
+            self.arrivals.step(arrivals)
         sending, recving = self.outbox.take(idle, pending=self.prefill.has_finished_streams())
         sending |= self.prefill.take_finished_streams()
         return sending or None, recving or None
@@ -252,6 +265,8 @@ class WorkerSide:
         self.prefill.close()
         if self.agent is not None:
             self.agent.close()
+        if self.arrivals is not None:
+            self.arrivals.close()
 
     def take_stats(self) -> KVBridgeStats | None:
         guards = [(g.what, g.open, g.admitted) for g in netguard.states()]
