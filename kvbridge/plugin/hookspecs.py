@@ -22,15 +22,6 @@ hookimpl = pluggy.HookimplMarker("kvbridge")
 
 # The hooks of the plugin API (KVBRIDGE_PLUGIN_API = 3); a plugin implements any of them.
 HOOKS = ("kvbridge_backends", "kvbridge_commands", "kvbridge_devices")
-# Hooks of earlier plugin APIs, gone: named so that a plugin still implementing them is told what to change.
-API_1_HOOKS = ("kvbridge_register_backends", "kvbridge_register_devices")
-# Plugin API 2's transport hook, spec and options, renamed in plugin API 3 after the class they make, MigrationBackend.
-API_2_HOOKS = {"kvbridge_transports": "kvbridge_backends"}
-API_2_RENAMES = {
-    **API_2_HOOKS,
-    "kvbridge.TransportSpec": "kvbridge.BackendSpec",
-    "kvbridge.TransportOptions": "kvbridge.BackendOptions",
-}
 
 
 @hookspec(historic=True)

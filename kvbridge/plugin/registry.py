@@ -294,10 +294,8 @@ class PluginRegistry:
 
     def add_plugin(self, plugin: object, name: str, dist: str, version: str) -> None:
         """Register `plugin` (a module or object with kvbridge hooks) with pluggy. See docs/internals.md."""
-        # Checked before pluggy registers it: pluggy would call the hooks of a plugin of another API, or only say
-        # "unknown hook" of a plugin API 1 hook or of API 2's kvbridge_transports; each is refused with what to change.
+        # Checked before pluggy registers it: pluggy would call the hooks of a plugin made for another API.
         api = getattr(plugin, "KVBRIDGE_PLUGIN_API", None)
-        renamed = [h for h in hookspecs.API_2_HOOKS if self.pm.parse_hookimpl_opts(plugin, h) is not None]
         if api != PLUGIN_API_VERSION:
             self._refuse(
                 name,
@@ -305,31 +303,8 @@ class PluginRegistry:
                 version,
                 f"built for kvbridge plugin API {api!r}, this kvbridge {_version('kvbridge')} speaks "
                 f"{PLUGIN_API_VERSION}",
-                f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it"
-                # one rename away: its author is told which
-                + (f"; to port it to plugin API {PLUGIN_API_VERSION}, {_api_2_port(renamed)}" if api == 2 else ""),
-            )
-            return
-        old = [h for h in hookspecs.API_1_HOOKS if self.pm.parse_hookimpl_opts(plugin, h) is not None]
-        if old:
-            self._refuse(
-                name,
-                dist,
-                version,
-                f"it declares plugin API {api} but implements {', '.join(old)}, the register hooks of plugin API 1",
-                "return the same fields as a list of kvbridge.BackendSpec from kvbridge_backends() and of "
-                "kvbridge.DeviceSpec from kvbridge_devices() (factories also take the parsed options: "
-                "factory(config, options), factory(options); docs/plugins.md)",
-            )
-            return
-        if renamed:  # pluggy would only say "unknown hook"
-            self._refuse(
-                name,
-                dist,
-                version,
-                f"it declares plugin API {api} but implements {', '.join(renamed)}, plugin API 2's name of "
-                f"{', '.join(hookspecs.API_2_HOOKS[h] for h in renamed)}",
-                _api_2_port(renamed),
+                f"install a {dist} release made for plugin API {PLUGIN_API_VERSION}, or a kvbridge that matches it; "
+                f"to port it, implement {', '.join(hookspecs.HOOKS)} as docs/plugins.md describes them",
             )
             return
         self._loading = loading = _Loading()
@@ -479,14 +454,6 @@ class PluginRegistry:
                 with entry.starting():
                     self._devices_made[entry.name] = entry.spec.factory(options)
             return self._devices_made[entry.name]
-
-
-def _api_2_port(renamed: list[str]) -> str:
-    """What a plugin API 2 plugin changes to speak plugin API 3, given the renamed hooks it implements."""
-    renames = ", ".join(f"{old} to {new}" for old, new in hookspecs.API_2_RENAMES.items())
-    if renamed:
-        return f"rename {renames}, and set KVBRIDGE_PLUGIN_API = {PLUGIN_API_VERSION} (docs/plugins.md)"
-    return f"set KVBRIDGE_PLUGIN_API = {PLUGIN_API_VERSION}, and rename {renames} where it uses them (docs/plugins.md)"
 
 
 def _import_hint(exc: BaseException, dist: str) -> str:

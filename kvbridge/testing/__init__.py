@@ -13,7 +13,7 @@ _SUITES = {
     "DeviceConformance": "kvbridge.testing.devices",
     "UnavailableDeviceConformance": "kvbridge.testing.devices",
     "StandInDeviceConformance": "kvbridge.testing.devices",
-    "TransportConformance": "kvbridge.testing.transports",
+    "BackendConformance": "kvbridge.testing.backends",
 }
 
 __all__ = sorted(_SUITES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-SUITES = ("DeviceConformance", "UnavailableDeviceConformance", "TransportConformance")
+SUITES = ("DeviceConformance", "UnavailableDeviceConformance", "BackendConformance")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -216,17 +216,18 @@ except kvbridge.PluginError as e:
     )
 
 
-def test_an_api_2_plugin_is_refused_with_the_renames_and_every_other_plugin_still_listed(tmp_path: Path) -> None:
-    from test_plugin_contract import API2, RENAMES
+def test_a_plugin_of_an_earlier_api_is_refused_and_every_other_plugin_still_listed(tmp_path: Path) -> None:
+    from test_plugin_contract import API3, PORT
 
-    site = [install_dist(tmp_path, "kvbridge-deep", "kvbridge_deep", API2)]  # implements kvbridge_transports
+    earlier = API3.replace("KVBRIDGE_PLUGIN_API = 3", "KVBRIDGE_PLUGIN_API = 2")
+    site = [install_dist(tmp_path, "kvbridge-deep", "kvbridge_deep", earlier)]
     out = cli(site, "plugins", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     refused = {r["name"]: r for r in rows if r["broken"]}
     assert set(refused) == {"kvbridge_deep"}
     assert "built for kvbridge plugin API 2" in refused["kvbridge_deep"]["reason"]
-    assert RENAMES in refused["kvbridge_deep"]["hint"]
+    assert PORT in refused["kvbridge_deep"]["hint"]
     listed = {(r["kind"], r["name"]): r["distribution"] for r in rows if not r["broken"]}
     assert ("backend", "deep") not in listed
     # the built-ins and the repo's plugins (scripts/setup installs them) load as before
@@ -235,6 +236,6 @@ def test_an_api_2_plugin_is_refused_with_the_renames_and_every_other_plugin_stil
     assert listed[("device", "example")] == "kvbridge-example-device"
     doctor = cli(site, "doctor", "--json")
     checks = {c["subject"]: c for c in json.loads(doctor.stdout)}
-    assert checks["plugin kvbridge_deep"]["status"] == "PROBLEM" and RENAMES in checks["plugin kvbridge_deep"]["fix"]
+    assert checks["plugin kvbridge_deep"]["status"] == "PROBLEM" and PORT in checks["plugin kvbridge_deep"]["fix"]
     for subject in ("backend tcp", "backend loopback", "backend mooncake", "backend nixl", "device example"):
         assert checks[subject]["status"] == "ok", checks[subject]

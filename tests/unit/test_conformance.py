@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.testing import DeviceConformance, TransportConformance
+from kvbridge.testing import BackendConformance, DeviceConformance
 
 
 class TestCpuConformance(DeviceConformance):
@@ -12,19 +12,19 @@ class TestCpuConformance(DeviceConformance):
     transports = (("tcp", None), ("loopback", None), ("mooncake", "tcp"), ("nixl", None))
 
 
-class TestTcpConformance(TransportConformance):
-    transport_name = "tcp"
+class TestTcpConformance(BackendConformance):
+    backend_name = "tcp"
 
 
-class TestLoopbackConformance(TransportConformance):
-    transport_name = "loopback"
+class TestLoopbackConformance(BackendConformance):
+    backend_name = "loopback"
 
     def kill(self, backend: Any) -> None:
         backend.die()
 
 
-class TestMooncakeConformance(TransportConformance):
-    transport_name = "mooncake"
+class TestMooncakeConformance(BackendConformance):
+    backend_name = "mooncake"
     protocol = "tcp"
     # fail fast on the dead-peer test: one quick retry
     options = {"retries": 1, "retry_backoff": 0.01}

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from kvbridge.testing import TransportConformance
+from kvbridge.testing import BackendConformance
 
 
-class TestNixlConformance(TransportConformance):
-    transport_name = "nixl"
+class TestNixlConformance(BackendConformance):
+    backend_name = "nixl"
     protocol = "ucx"
 
 
-class TestNixlOwnProgressThreadConformance(TransportConformance):
+class TestNixlOwnProgressThreadConformance(BackendConformance):
     """The same contract with NIXL's own (busy-polling) progress thread, the `progress_thread` option."""
 
-    transport_name = "nixl"
+    backend_name = "nixl"
     options = {"progress_thread": True}

@@ -861,21 +861,3 @@ def test_a_move_asks_again_when_its_decode_dropped_the_connection_unanswered(cap
     finally:
         once.close()
         always.close()
-
-
-def test_the_retired_migrate_option_still_turns_live_moves_on_and_names_its_new_one(
-    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """`kvbridge proxy --migrate`, retired for `--live-moves`, works for one release: hidden, with a warning."""
-    from kvbridge.cli import build_parser
-    from kvbridge_proxy.cli import settings
-
-    base = ["proxy", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
-    assert not settings(build_parser().parse_args(base)).live_moves
-    assert not caplog.text
-    args = build_parser().parse_args([*base, "--migrate"])
-    assert settings(args).live_moves and "--migrate is retired" in caplog.text and "use --live-moves" in caplog.text
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["proxy", "--help"])
-    shown = capsys.readouterr().out
-    assert "--live-moves" in shown and "--migrate" not in shown

@@ -134,15 +134,3 @@ def test_the_live_moves_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_c
     burst = [(1.0, 100), (1.8, 110), (1.8, 115), (1.8, 120)]
     assert slowdown(steady, burst) == pytest.approx(4.0)
     assert slowdown(steady, burst[:1]) is None
-
-
-def test_the_retired_migrate_option_still_picks_the_live_moves_bench_and_names_its_new_one(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """`kvbridge bench --migrate`, retired for `--live-moves`, works for one release, with a warning."""
-    from kvbridge.cli import build_parser
-    from kvbridge_tools.cli.bench import pick_mode
-
-    args = build_parser().parse_args(["bench", "--engine", "vllm", "--migrate", "--hosts"])
-    assert pick_mode(args) == "vllm-moves"
-    assert "--migrate is retired" in caplog.text and "use --live-moves" in caplog.text

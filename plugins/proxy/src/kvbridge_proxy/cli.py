@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, admin_token, load_secret
-from kvbridge.cli.retired import add_retired_flags
 from kvbridge_proxy.moving_stream import MOVES, MoveSettings
 
 if TYPE_CHECKING:
@@ -20,9 +19,6 @@ if TYPE_CHECKING:
 MAX_COUNT = 1 << 20
 MAX_SECONDS = 86400.0
 MAX_BYTES = 1 << 40
-
-# Retired spellings of `kvbridge proxy`'s options -> their new names; each works, with a warning, for one release.
-RETIRED_OPTIONS = {"--migrate": "--live-moves"}
 
 
 def _count(top: int) -> Callable[[str], int]:
@@ -78,7 +74,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "KVBRIDGE_SECRET_FILE; the secret itself is never a token), and exit (docs/security.md)",
     )
     _add_limits(p)
-    add_retired_flags(p, RETIRED_OPTIONS)
     p.set_defaults(run=run)
 
 

@@ -10,7 +10,6 @@ import importlib
 from typing import Any
 
 from kvbridge.base.errors import ConfigError
-from kvbridge.cli.retired import add_retired_flags
 from kvbridge.plan.presets import PRESETS
 
 # mode name -> module in kvbridge_tools.bench; each has add_arguments(group) and run(args) -> int
@@ -26,9 +25,6 @@ MODES = {
     "scale": "kvbridge_tools.bench.scale",
     "vllm-moves": "kvbridge_tools.bench.vllm_moves",
 }
-
-# Retired spellings of `kvbridge bench`'s options -> their new names; each works, with a warning, for one release.
-RETIRED_OPTIONS = {"--migrate": "--live-moves"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -94,7 +90,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
-    add_retired_flags(p, RETIRED_OPTIONS)
     p.set_defaults(run=run)
 
 

@@ -1,4 +1,4 @@
-"""Conformance suite for transport plugins: subclass `TransportConformance` in a ``Test...`` class (docs/plugins.md).
+"""Conformance suite for transport plugins: subclass `BackendConformance` in a ``Test...`` class (docs/plugins.md).
 
 Both backends live in the test's process and move host memory (numpy buffers); every byte moved
 is checked, and so is every byte that must not have moved.
@@ -42,10 +42,10 @@ class Wired:
         return self.a.connect(self.b.endpoint_info())
 
 
-class TransportConformance:
+class BackendConformance:
     """What every available transport plugin must do."""
 
-    transport_name: ClassVar[str]
+    backend_name: ClassVar[str]
     protocol: ClassVar[str | None] = None
     options: ClassVar[dict[str, Any]] = {}
     #: seconds a transfer may take before the suite calls it hung
@@ -54,7 +54,7 @@ class TransportConformance:
     departure_window: ClassVar[float] = 5.0
 
     def make(self) -> MigrationBackend:
-        return kvbridge.create_backend(self.transport_name, protocol=self.protocol, **self.options)
+        return kvbridge.create_backend(self.backend_name, protocol=self.protocol, **self.options)
 
     def kill(self, backend: MigrationBackend) -> None:
         """Make a backend's peers see it gone (a crashed process); closing it is the default."""
@@ -92,7 +92,7 @@ class TransportConformance:
 
     def test_registered_with_capabilities(self, pair: tuple[MigrationBackend, MigrationBackend]) -> None:
         a, _ = pair
-        info = {i.name: i for i in kvbridge.list_backends()}[self.transport_name]
+        info = {i.name: i for i in kvbridge.list_backends()}[self.backend_name]
         assert info.available, info.reason
         caps = a.capabilities
         assert caps.protocols and a.protocol in caps.protocols
@@ -102,8 +102,8 @@ class TransportConformance:
         assert info.detail["protocols"] == list(caps.protocols)
 
     def test_unknown_transport_is_plugin_not_found(self) -> None:
-        with pytest.raises(PluginNotFound, match=self.transport_name):
-            kvbridge.create_backend(f"no-such-{self.transport_name}")
+        with pytest.raises(PluginNotFound, match=self.backend_name):
+            kvbridge.create_backend(f"no-such-{self.backend_name}")
 
     def test_endpoint_info_is_self_describing(
         self, pair: tuple[MigrationBackend, MigrationBackend], buffers: tuple[np.ndarray, np.ndarray]
