@@ -8,20 +8,24 @@ proxy with a registry full of records sees a server join.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 
-def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _bench(*args: str, timeout: float = 300, tmp: Path | None = None) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "kvbridge", "bench", "--scale", "--migration-backend", "tcp", *args]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    env = dict(os.environ, TMPDIR=str(tmp)) if tmp else None
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_short_form_pulls_everything_and_the_cost_per_peer_stays_flat(tmp_path: Path) -> None:
-    plot = tmp_path / "scale.svg"
-    done = _bench("--sizes", "2x8,8x32", "--records", "200", "--json", "--plot", str(plot))
+    plot, temp = tmp_path / "scale.svg", tmp_path / "temp"
+    temp.mkdir()
+    done = _bench("--sizes", "2x8,8x32", "--records", "200", "--json", "--plot", str(plot), tmp=temp)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert not list(temp.iterdir())  # a run that passed leaves nothing behind (the proxy's log included)
     report = json.loads(done.stdout)
     small, large = report["sizes"]
     assert (small["pairs"], large["pairs"]) == (16, 128)  # every decode rank pulls from a spread of 2 (or 4)

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -350,6 +351,7 @@ def measure_membership(registry: str, secret: str, records: int, interval: float
                 for i in range(records + 1):
                     reg.withdraw(f"server{i}")
             reg.close()
+    shutil.rmtree(log_path.parent, ignore_errors=True)  # kept only where an error above names it
     return {
         "records": listed,
         "announce_ms_per_record": round(write_s * 1e3 / max(1, records), 3),
