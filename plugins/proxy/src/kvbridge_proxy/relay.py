@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import attrs
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +51,15 @@ def _awaits(coro: Any) -> list[str]:
     return lines
 
 
+@attrs.define
+class _Waiting:
+    """A request not answered yet: its id, when it came, and whether `Relay.long_waits` logged it."""
+
+    request_id: str
+    since: float
+    said: bool = False
+
+
 class Relay:
     """Serves the completion routes: each request's handover, then its answer relayed (merged, for a batch)."""
 
@@ -60,9 +70,9 @@ class Relay:
         self.limits = settings.limits
         self.expose = settings.expose_internals
         self.live_moves = settings.moving  # move a draining decode's streams elsewhere (moving_stream.py)
-        # requests not answered yet (their first byte): the task serving each, its id and when it came; `long_waits`
-        self._waiting: dict[asyncio.Task, tuple[str, float]] = {}
-        self._long_waits_said: set[asyncio.Task] = set()
+        # requests not answered yet (their first byte): the task serving each -> its id, when it came, and whether
+        # `long_waits` said so already
+        self._waiting: dict[asyncio.Task, _Waiting] = {}
 
     async def complete(self, path: str, request: Request) -> Any:
         """A completion or chat request: prefill, hand its params to a decode, relay the decode's answer.
@@ -74,28 +84,29 @@ class Relay:
         timeline = Timeline(client_id if client_id and not bad_id else str(uuid.uuid4()), begun=begun)
         task = asyncio.current_task()
         if task is None:  # (only outside an event loop's task)
-            return await self._complete(path, request, timeline, begun)
-        self._waiting[task] = (timeline.request_id, time.monotonic())
+            return await self._complete(path, request, timeline, begun, bad_id)
+        self._waiting[task] = _Waiting(timeline.request_id, time.monotonic())
         try:
-            return await self._complete(path, request, timeline, begun)
+            return await self._complete(path, request, timeline, begun, bad_id)
         finally:
             del self._waiting[task]
-            self._long_waits_said.discard(task)
 
     def long_waits(self) -> None:
         """Log each request unanswered for LONG_WAIT_S, once, with the stack of the task that waits for it."""
         now = time.monotonic()
-        for task, (request_id, since) in list(self._waiting.items()):
-            if now - since < LONG_WAIT_S or task in self._long_waits_said:
+        for task, waiting in list(self._waiting.items()):
+            if now - waiting.since < LONG_WAIT_S or waiting.said:
                 continue
-            self._long_waits_said.add(task)
+            waiting.said = True
             where = "\n".join(_awaits(task.get_coro()))
-            log.warning("request %s: no answer after %.1f s; it waits in:\n%s", request_id, now - since, where)
+            log.warning(
+                "request %s: no answer after %.1f s; it waits in:\n%s", waiting.request_id, now - waiting.since, where
+            )
 
-    async def _complete(self, path: str, request: Request, timeline: Timeline, begun: float) -> Any:
+    async def _complete(self, path: str, request: Request, timeline: Timeline, begun: float, bad_id: bool) -> Any:
         ids = {"x-request-id": timeline.request_id}
-        client_id = request.headers.get("x-request-id")
-        if client_id is not None and client_id != timeline.request_id:
+        if bad_id:
+            client_id = request.headers.get("x-request-id")
             log.warning("refused a request to %s: x-request-id %r is not 1 to 128 printable ASCII", path, client_id)
             error = "x-request-id must be 1 to 128 printable ASCII characters, without spaces or ';'"
             return self.metrics.answer(400, error, ids, timeline)
