@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.agent.landing import Receiver
+from kvbridge.agent.landing import LandingBuffers
 from kvbridge.base import wire
 from kvbridge.base.block_ids import block_array
 from kvbridge.base.errors import ConfigError, TopologyError, TransferTimeout
@@ -184,7 +184,7 @@ class KVAgent:
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
         self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage, probe=make)
         self._peers: dict[tuple[str, int], Peer] = {}
-        self.receiver: Receiver | None = None
+        self.landing_buffers: LandingBuffers | None = None
         self._lock = threading.Lock()
         self._registered: list[Any] = []
         try:
@@ -194,7 +194,7 @@ class KVAgent:
             # the devices `record` marks (once here: it runs in the engine's forward, once per layer)
             self._device_ids = sorted({r.device_id for r in self.backend.registered if r.device_id >= 0})
             if landing is not None:
-                self.receiver = Receiver(self.backend, layout, landing, self.device)
+                self.landing_buffers = LandingBuffers(self.backend, layout, landing, self.device)
         except BaseException:
             self.close()
             raise
@@ -373,8 +373,8 @@ class KVAgent:
                 blocks = remote_blocks[pull.prefill_rank]
             else:
                 blocks = remote_blocks
-            if self.receiver is not None and self.receiver.lands(info.layout, pull):
-                land = self.receiver.prepare(request_id, pull, info.layout, blocks, local_blocks, tokens)
+            if self.landing_buffers is not None and self.landing_buffers.lands(info.layout, pull):
+                land = self.landing_buffers.prepare(request_id, pull, info.layout, blocks, local_blocks, tokens)
                 landed.append(land)
                 work.append((info, self.connect(info, check=False), land.descriptors))
             else:
@@ -384,8 +384,8 @@ class KVAgent:
 
     def close(self) -> None:
         """Disconnect peers and unregister the KV tensors; close the backend if the agent created it."""
-        if self.receiver is not None:
-            self.receiver.close()
+        if self.landing_buffers is not None:
+            self.landing_buffers.close()
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
             registered, self._registered = self._registered, []

@@ -128,8 +128,8 @@ def read_logical(views: Sequence[Sequence[Any]], blocks: Any) -> Any:
 class Landed:
     """One pull's landing: its descriptors, then `finish(ok)` rearranges into the cache (or only frees)."""
 
-    def __init__(self, receiver: Receiver, buf: Any, descriptors: Descriptors, action: Any) -> None:
-        self._receiver, self._buf, self.descriptors, self._action = receiver, buf, descriptors, action
+    def __init__(self, buffers: LandingBuffers, buf: Any, descriptors: Descriptors, action: Any) -> None:
+        self._buffers, self._buf, self.descriptors, self._action = buffers, buf, descriptors, action
 
     def finish(self, ok: bool, *, moved: bool = True) -> None:
         """Rearrange into the cache when the transfer succeeded; give the buffer back. See docs/internals.md."""
@@ -138,12 +138,12 @@ class Landed:
                 self._action(self._buf)
         finally:
             if ok or not moved:
-                self._receiver.release(self._buf)
+                self._buffers.release(self._buf)
             else:
-                self._receiver.retire(self._buf)
+                self._buffers.retire(self._buf)
 
 
-class Receiver:
+class LandingBuffers:
     """A decode rank's landing buffers (registered once, reused) and the rearrangement after. See docs/internals.md."""
 
     def __init__(
@@ -157,7 +157,7 @@ class Receiver:
         max_retired_bytes: int = MAX_RETIRED_BYTES,
     ) -> None:
         if layout.paged is None:
-            raise ConfigError("a landing receiver needs a paged layout (PagedGeometry)")
+            raise ConfigError("landing buffers need a paged layout (PagedGeometry)")
         self.backend = backend
         self.layout = layout
         self.geometry = layout.paged

@@ -92,8 +92,8 @@ class LayerReader:
 
     def check(self, rank: int, client: ControlClient, info: RankInfo) -> None:
         """Before BeginPull: the prefill rank's cache can be streamed from, and how its reads land."""
-        receiver = self.agent.receiver
-        if receiver is not None and not receiver.direct(info.layout):
+        buffers = self.agent.landing_buffers
+        if buffers is not None and not buffers.direct(info.layout):
             raise LoadError(
                 f"request {self.s.rid!r}: prefill rank {rank} arranges its KV cache unlike this decode rank; "
                 'layer-wise streaming needs the same layout and block size on both sides (or "transfer": "pull")',
@@ -103,9 +103,7 @@ class LayerReader:
             )
         # A transport that may still write after a failed read (Mooncake TCP) reads into landing
         # buffers, copied into the cache once each read succeeded, as pull mode does.
-        lands = receiver is not None and all(
-            receiver.lands(info.layout, p) for p in self.pulls if p.prefill_rank == rank
-        )
+        lands = buffers is not None and all(buffers.lands(info.layout, p) for p in self.pulls if p.prefill_rank == rank)
         self.peers[rank] = (self.agent.connect(info), lands)
 
     def read(self) -> None:
@@ -220,7 +218,7 @@ class LayerReader:
             sub = attrs.evolve(p, num_blocks=b - a, **first)
             land = None
             if lands:
-                land = self.agent.receiver.prepare(
+                land = self.agent.landing_buffers.prepare(
                     self.s.rid, sub, info.layout, st.lease.blocks, self.local, self.tokens, layers=group
                 )
                 desc = land.descriptors

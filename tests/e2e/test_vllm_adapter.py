@@ -238,7 +238,11 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(
     assert held is not None and held.data["leases"] == [["offered"], ["released"]]
     assert [sum(h[i] for h in held.data["held"]) for i in (0, 1)] == [0, 0]
     # Where the time went: the pull's phases on decode, the offer and the requests answered on prefill, each a line.
-    assert [p[0] for p in stats.data["phases"]][:5] == ["offer_wait", "contact", "begin_pull", "read", "fence"]
+    # The DONE goes on a thread of its own after the read is confirmed, so its phase may be recorded before or after the
+    # pull thread records the pull's (seen before them on a loaded box).
+    phases = [p[0] for p in stats.data["phases"]]
+    assert [p for p in phases if p != "done"][:5] == ["offer_wait", "contact", "begin_pull", "read", "fence"], phases
+    assert phases.count("done") == 1, phases
     assert [p[0] for p in held.data["phases"]] == ["offer"]
     assert {"GetInfo", "BeginPull"} <= {r[0] for r in held.data["requests"]}
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slow ")]

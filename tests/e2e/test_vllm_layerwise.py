@@ -203,8 +203,8 @@ def test_layerwise_reads_over_a_transport_that_may_write_late_land_before_the_ca
     pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (scripts/setup --test)")
     s = Streams(prefill=MOONCAKE_TCP, decode=MOONCAKE_TCP, layout=layout)
     try:
-        receiver = s.decode.agent.receiver
-        assert receiver is not None and s.decode.agent.backend.capabilities.late_writes
+        buffers = s.decode.agent.landing_buffers
+        assert buffers is not None and s.decode.agent.backend.capabilities.late_writes
         remote, local, tokens = [1, 2, 3, 7], [4, 5, 9, 0], 3 * BLOCK + 16
         s.read("d1", "t1", local, tokens)
         start = StreamStart("p1", "t1", remote[:2], tokens)
@@ -217,7 +217,7 @@ def test_layerwise_reads_over_a_transport_that_may_write_late_land_before_the_ca
         assert s.decoded(local, remote)
         untouched = [b for b in range(s.d_caches[NAMES[0]].shape[0]) if b not in local]
         assert not torch.stack(list(s.d_caches.values()))[:, untouched].any(), "only the request's blocks written"
-        assert receiver.idle_bytes > 0 and receiver.retired_bytes == 0, "its buffers are back in the pool"
+        assert buffers.idle_bytes > 0 and buffers.retired_bytes == 0, "its buffers are back in the pool"
     finally:
         s.close()
 
@@ -227,15 +227,15 @@ def test_a_failed_layerwise_read_retires_its_landing_buffer_and_leaves_the_cache
     failing = {**MOONCAKE_TCP, "fault_injection": {"transfer_error": 1.0, "seed": 0}}  # inside the transport
     s = Streams(prefill=MOONCAKE_TCP, decode=failing)
     try:
-        receiver = s.decode.agent.receiver
-        assert receiver is not None
+        buffers = s.decode.agent.landing_buffers
+        assert buffers is not None
         remote, local, tokens = [1, 2, 3], [4, 5, 6], 3 * BLOCK
         s.read("d3", "t3", local, tokens)
         s.step(LayerwiseMeta(starts=[StreamStart("p3", "t3", remote, tokens)], computed={"p3": tokens}), remote)
         wait_for(lambda: s.poll() or "d3" in s.recved, what="decode to give up on the stream")
         assert s.decode.get_block_ids_with_load_errors() == set(local), "a failed stream is recomputed"
         assert not torch.stack(list(s.d_caches.values())).any(), "no byte of a failed read reached the cache"
-        assert receiver.retired_bytes > 0 and receiver.idle_bytes == 0, "a buffer a failed read used never returns"
+        assert buffers.retired_bytes > 0 and buffers.idle_bytes == 0, "a buffer a failed read used never returns"
         # the DONE after the failure ends this reader's lease: prefill may free the blocks once vLLM finished
         wait_for(lambda: s.prefill.ledger.state("t3") is not LeaseState.ACTIVE, what="the lease to end")
     finally:
@@ -594,8 +594,8 @@ def test_layerwise_heterogeneous_tp_prefill_tp2_to_decode_tp1(transport: str) ->
         got = torch.stack([d_caches[n] for n in NAMES])[:, local]
         assert torch.equal(got, expected(dict(zip(local, remote)), 0, 1)[:, local])
         assert all(w.ledger.state("t") is LeaseState.RELEASED for w in ranks)
-        receiver = decode.agent.receiver
-        landed = receiver is not None and receiver.idle_bytes > 0
+        buffers = decode.agent.landing_buffers
+        landed = buffers is not None and buffers.idle_bytes > 0
         assert landed == (transport == "mooncake-tcp"), "only a transport that may write late lands its reads"
     finally:
         decode.shutdown()

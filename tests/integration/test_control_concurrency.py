@@ -34,7 +34,7 @@ from kvbridge.control import ClientPool, ControlClient
 from kvbridge.control.messages import LeaseStatus, QueryLease
 from kvbridge.session.pull_control import PullControl
 from kvbridge_tools.harness.ports import free_port
-from kvbridge_tools.harness.proc import Child, ChildError
+from kvbridge_tools.harness.proc import Child, ChildError, stop_all_threads
 
 HERE = Path(__file__).parents[1]  # tests/: the helpers beside the tiers
 ENV = {
@@ -42,9 +42,9 @@ ENV = {
     "NO_PROXY": "127.0.0.1,localhost",
     "GLOG_minloglevel": "2",
 }
-STUCK_TIMEOUT_S = 15.0  # how long the lost and the stalled requests wait for their answers
-PROBES = 100
-PROBE_S = 2.0  # far below STUCK_TIMEOUT_S: a probe held behind a stuck request misses it
+STUCK_TIMEOUT_S = 30.0  # how long the lost and the stalled requests wait for their answers
+PROBES = 30
+PROBE_S = 10.0  # below STUCK_TIMEOUT_S: a probe held behind a stuck request misses it
 
 
 def rank(role: str, port: int = 0, blocks: int = 64) -> Child:
@@ -105,13 +105,13 @@ def test_a_lost_or_stalled_request_delays_no_other_request_while_transfers_run(c
         assert isinstance(c.request(QueryLease("warm-up")), LeaseStatus)
     errors: list[BaseException] = []
     # A request lost with the prefill's previous life: stopped with the request on its socket, then killed.
-    os.kill(prefill.pid, signal.SIGSTOP)
+    stop_all_threads(prefill.pid)
     lost = stuck_request(client, errors, port)
     prefill.kill()
     prefill = rank("prefill", port)  # the same port, as an operator's restart does
     children.append(prefill)
     # A slow peer: its answer is held as long as it stays stopped.
-    os.kill(slow.pid, signal.SIGSTOP)
+    stop_all_threads(slow.pid)
     stalled = stuck_request(slow_client, errors, slow_port)
 
     # Transfers and their control traffic against the restarted prefill, from the decode process.
@@ -145,6 +145,8 @@ def test_a_lost_or_stalled_request_delays_no_other_request_while_transfers_run(c
                 missed += 1
             latencies.append(time.monotonic() - t)
         pulls_during = len(pulled)
+        # what a probe queued behind them would have waited for: the lost and stalled requests are still unanswered
+        still_pending = lost.is_alive() and stalled.is_alive()
     finally:
         stop.set()
         transfers.join(timeout=120)
@@ -158,8 +160,8 @@ def test_a_lost_or_stalled_request_delays_no_other_request_while_transfers_run(c
         f"{missed} of {PROBES} probes not answered within {PROBE_S:.0f} s (slowest {max(latencies):.1f} s) "
         f"while a lost and a stalled request were pending: they waited on those requests"
     )
-    # A probe queued behind the lost request would be answered only after its 15 s; its own timeout is 2 s.
-    assert max(latencies) < STUCK_TIMEOUT_S / 3, f"a probe waited {max(latencies):.1f} s: behind another request"
+    # Order, not speed: every probe was answered before the requests ahead of it on the same connections were.
+    assert still_pending, f"the probes took {sum(latencies):.1f} s, past the stuck requests' {STUCK_TIMEOUT_S:.0f} s"
     assert len(errors) >= 1, "the request lost with the prefill's previous life timed out (its caller only)"
 
 
@@ -172,7 +174,7 @@ def test_a_stopped_prefill_costs_a_pull_one_control_timeout_not_two(children: li
     blocks = list(range(8))
     prefill.call("offer", request_id="r0", blocks=blocks, tokens=8 * 16)
     assert decode.call("pull", request_id="r0", params=pull_params("r0", blocks, port), local_blocks=blocks) is None
-    os.kill(prefill.pid, signal.SIGSTOP)
+    stop_all_threads(prefill.pid)
     timeout = signature(PullControl).parameters["timeout_s"].default
     began = time.monotonic()
     with pytest.raises(ChildError, match="did not answer BeginPull"):

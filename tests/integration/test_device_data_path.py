@@ -373,9 +373,9 @@ def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: s
             [{"id": "r0", "index": 0, "tokens": tokens, "blocks": blocks, "params": params["r0"]}], verify=True
         )
         assert out["bad"] == {} and out["missing"] == [] and out["load_errors"] == []
-        receiver = decode.worker._worker.agent.receiver
-        assert not receiver.direct(prefill.worker._worker.agent.info().layout)  # another layout: landed
-        (landing,) = receiver._all
+        buffers = decode.worker._worker.agent.landing_buffers
+        assert not buffers.direct(prefill.worker._worker.agent.info().layout)  # another layout: landed
+        (landing,) = buffers._all
         assert (landing.device.type, landing.device.index) == (device, 1)  # a buffer on the decode device
         if acc is not None:
             assert acc.pinned  # its host mirror (and the caches') are pinned
@@ -418,8 +418,8 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
             verify=True,
         )
         assert out["bad"] == {} and out["load_errors"] == []
-        (landing,) = agent.receiver._all  # like layouts, and still landed
-        assert agent.receiver.retired_bytes == 0 and agent.receiver.idle_bytes == landing.numel()
+        (landing,) = agent.landing_buffers._all  # like layouts, and still landed
+        assert agent.landing_buffers.retired_bytes == 0 and agent.landing_buffers.idle_bytes == landing.numel()
 
         agent.backend.inject(rates=FaultRates(transfer_error=1.0, seed=1))  # every transfer fails inside the transport
         blocks = [12, 13, 14, 15, 1, 6, 7]
@@ -429,7 +429,7 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         )
         assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
         assert torch.equal(read_logical(decode.views, torch.tensor(blocks)), before)  # not a byte written
-        assert agent.receiver.retired_bytes == landing.numel() and agent.receiver.idle_bytes == 0
+        assert agent.landing_buffers.retired_bytes == landing.numel() and agent.landing_buffers.idle_bytes == 0
     finally:
         decode.close()
         prefill.close()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from kvbridge.adapters.vllm.cache import ORDERS, byte_views, describe_kv_caches  # noqa: E402
-from kvbridge.agent.landing import Receiver, direct, landing_descriptors  # noqa: E402
+from kvbridge.agent.landing import LandingBuffers, direct, landing_descriptors  # noqa: E402
 from kvbridge.base.errors import ConfigError, LayoutMismatch  # noqa: E402
 from kvbridge.plan.layout import check_compatible  # noqa: E402
 
@@ -74,19 +74,19 @@ def test_idle_landing_buffers_are_bounded() -> None:
 
     kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
     backend = kvbridge.create_backend("loopback")
-    receiver = Receiver(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"), max_idle_bytes=3 << 20)
+    buffers = LandingBuffers(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"), max_idle_bytes=3 << 20)
     try:
-        a, b = receiver.acquire(2 << 20), receiver.acquire(1)  # 2 MiB and the 1 MiB minimum
+        a, b = buffers.acquire(2 << 20), buffers.acquire(1)  # 2 MiB and the 1 MiB minimum
         assert len(backend.registered) == 2
-        receiver.release(a)
-        receiver.release(b)  # 3 MiB idle: at the bound, both kept for reuse
-        assert receiver.idle_bytes == 3 << 20 and receiver.acquire(1 << 20) is b
-        c = receiver.acquire(1 << 20)  # none idle fits: a new one
-        receiver.release(b)
-        receiver.release(c)  # beyond the bound: unregistered and dropped
-        assert receiver.idle_bytes == 3 << 20 and len(backend.registered) == 2
+        buffers.release(a)
+        buffers.release(b)  # 3 MiB idle: at the bound, both kept for reuse
+        assert buffers.idle_bytes == 3 << 20 and buffers.acquire(1 << 20) is b
+        c = buffers.acquire(1 << 20)  # none idle fits: a new one
+        buffers.release(b)
+        buffers.release(c)  # beyond the bound: unregistered and dropped
+        assert buffers.idle_bytes == 3 << 20 and len(backend.registered) == 2
     finally:
-        receiver.close()
+        buffers.close()
         backend.close()
 
 
@@ -98,22 +98,22 @@ def test_a_buffer_a_failed_transfer_wrote_into_is_never_lent_again() -> None:
 
     kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
     backend = kvbridge.create_backend("loopback")
-    receiver = Receiver(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"))
+    buffers = LandingBuffers(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"))
     rearranged: list[object] = []
     try:
-        failed = receiver.acquire(1 << 20)
-        Landed(receiver, failed, np.zeros((0, 3), np.int64), rearranged.append).finish(False)
-        assert receiver.idle_bytes == 0 and receiver.retired_bytes == failed.numel() and not rearranged
-        assert receiver.acquire(1 << 20) is not failed  # still registered, never lent again
+        failed = buffers.acquire(1 << 20)
+        Landed(buffers, failed, np.zeros((0, 3), np.int64), rearranged.append).finish(False)
+        assert buffers.idle_bytes == 0 and buffers.retired_bytes == failed.numel() and not rearranged
+        assert buffers.acquire(1 << 20) is not failed  # still registered, never lent again
         assert len(backend.registered) == 2
-        unsent = receiver.acquire(1 << 20)  # a pull refused before any byte moved: its buffer is clean
-        Landed(receiver, unsent, np.zeros((0, 3), np.int64), rearranged.append).finish(False, moved=False)
-        assert receiver.idle_bytes == unsent.numel() and receiver.acquire(1 << 20) is unsent
-        done = receiver.acquire(1 << 20)
-        Landed(receiver, done, np.zeros((0, 3), np.int64), rearranged.append).finish(True)
-        assert rearranged == [done] and receiver.acquire(1 << 20) is done
+        unsent = buffers.acquire(1 << 20)  # a pull refused before any byte moved: its buffer is clean
+        Landed(buffers, unsent, np.zeros((0, 3), np.int64), rearranged.append).finish(False, moved=False)
+        assert buffers.idle_bytes == unsent.numel() and buffers.acquire(1 << 20) is unsent
+        done = buffers.acquire(1 << 20)
+        Landed(buffers, done, np.zeros((0, 3), np.int64), rearranged.append).finish(True)
+        assert rearranged == [done] and buffers.acquire(1 << 20) is done
     finally:
-        receiver.close()
+        buffers.close()
         backend.close()
 
 
@@ -133,15 +133,15 @@ def test_equal_block_sizes_land_whole_blocks_past_the_prompt(src: str, dst: str)
     remote, _ = describe_kv_caches(prefill, layout=src, block_size=N, tp_size=1)
     local, _ = describe_kv_caches(decode, layout=dst, block_size=N, tp_size=1)
     backend = kvbridge.create_backend("loopback")
-    receiver = Receiver(backend, local, byte_views(decode, layout=dst))
+    buffers = LandingBuffers(backend, local, byte_views(decode, layout=dst))
     pull = Pull(0, 0, (0, H), (0, H), 0, 1, 2, 0, 1, 0, 1)
     try:
-        landed = receiver.prepare("r", pull, remote, [4, 1], [0, 5], tokens=N + 3)
+        landed = buffers.prepare("r", pull, remote, [4, 1], [0, 5], tokens=N + 3)
         for dst_addr, src_addr, length in landed.descriptors.tolist():  # what the transport reads
             ctypes.memmove(dst_addr, src_addr, length)
         landed.finish(True)
     finally:
-        receiver.close()
+        buffers.close()
         backend.close()
     for name in prefill:  # every slot of both blocks, including the 13 past the prompt in the last one
         assert torch.equal(decode[name][[0, 5]], prefill[name][[4, 1]])
@@ -169,19 +169,19 @@ def test_context_parallel_pulls_land_each_ranks_blocks_at_their_positions(cp: in
     local_ids = [3, 0, 5, 1, 4]
     p = plan(ParallelConfig(pcp=cp), ParallelConfig(), local.model, tokens)
     backend = kvbridge.create_backend("mooncake", protocol="tcp", hostname="127.0.0.1")
-    receiver = Receiver(backend, local, byte_views(decode, layout="LBHNC"))
+    buffers = LandingBuffers(backend, local, byte_views(decode, layout="LBHNC"))
     try:
-        assert all(receiver.lands(remote[q.prefill_rank], q) for q in p.pulls)
+        assert all(buffers.lands(remote[q.prefill_rank], q) for q in p.pulls)
         for pull in p.pulls:
             assert pull.first_block or pull.dst_step != 1, "a context-parallel pull"
-            landed = receiver.prepare(
+            landed = buffers.prepare(
                 "r", pull, remote[pull.prefill_rank], prefill_ids[pull.prefill_rank], local_ids, tokens
             )
             for dst_addr, src_addr, length in landed.descriptors.tolist():
                 ctypes.memmove(dst_addr, src_addr, length)
             landed.finish(True)
     finally:
-        receiver.close()
+        buffers.close()
         backend.close()
     for logical, block in enumerate(local_ids):
         owner, position = logical % cp, logical // cp
@@ -212,18 +212,18 @@ def test_a_layerwise_read_lands_the_range_and_layers_its_pull_names_from_the_who
     (whole,) = plan(ParallelConfig(), ParallelConfig(), local.model, tokens).pulls
     sub = attrs.evolve(whole, num_blocks=2, src_first=2, dst_first=2)
     backend = kvbridge.create_backend("mooncake", protocol="tcp", hostname="127.0.0.1")
-    receiver = Receiver(backend, local, byte_views(decode, layout="LBHNC"))
+    buffers = LandingBuffers(backend, local, byte_views(decode, layout="LBHNC"))
     try:
-        assert receiver.lands(remote, sub)
-        landed = receiver.prepare("r", sub, remote, prefill_ids, local_ids, tokens, layers=[1])
+        assert buffers.lands(remote, sub)
+        landed = buffers.prepare("r", sub, remote, prefill_ids, local_ids, tokens, layers=[1])
         for dst_addr, src_addr, length in landed.descriptors.tolist():
             ctypes.memmove(dst_addr, src_addr, length)
         landed.finish(True)
         too_far = attrs.evolve(sub, src_first=4)
         with pytest.raises(ConfigError, match="block positions up to 5 of prefill"):
-            receiver.prepare("r", too_far, remote, prefill_ids, local_ids, tokens, layers=[1])
+            buffers.prepare("r", too_far, remote, prefill_ids, local_ids, tokens, layers=[1])
     finally:
-        receiver.close()
+        buffers.close()
         backend.close()
     for position in range(5):
         got, want = decode["layer1"][local_ids[position]], prefill["layer1"][prefill_ids[position]]
@@ -264,21 +264,21 @@ def test_repeated_failed_pulls_keep_the_retired_buffers_under_their_bound(sizes:
     kv, _ = describe_kv_caches(views("LBNHC"), layout="LBNHC", block_size=N, tp_size=1)
     backend = kvbridge.create_backend("loopback")
     bound = 8 << 20
-    receiver = Receiver(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"))
-    receiver.max_retired_bytes = bound
+    buffers = LandingBuffers(backend, kv, byte_views(views("LBNHC"), layout="LBNHC"))
+    buffers.max_retired_bytes = bound
     refused = 0
     try:
         for nbytes in sizes:
             try:
-                buf = receiver.acquire(nbytes, "r")
+                buf = buffers.acquire(nbytes, "r")
             except LoadError as exc:
                 assert "retired" in str(exc) and "recomputed" in str(exc)
                 refused += 1
                 continue
-            Landed(receiver, buf, np.zeros((0, 3), np.int64), lambda _b: None).finish(False)
-            assert receiver.retired_bytes <= bound
+            Landed(buffers, buf, np.zeros((0, 3), np.int64), lambda _b: None).finish(False)
+            assert buffers.retired_bytes <= bound
         assert sum(r.length for r in backend.registered) <= bound
-        assert refused or receiver.retired_bytes == sum(max(1 << 20, 1 << (n - 1).bit_length()) for n in sizes)
+        assert refused or buffers.retired_bytes == sum(max(1 << 20, 1 << (n - 1).bit_length()) for n in sizes)
     finally:
-        receiver.close()
+        buffers.close()
         backend.close()

@@ -5,7 +5,7 @@ Each writes {status, detail, data} as JSON to FILE.
 
 They drive kvbridge's own code, nothing copied: the device conformance suite (`kvbridge.testing.devices`,
 through pytest), the pair bench (`kvbridge bench`), the landing rearrangement (`KVAgent.pull` with a
-`kvbridge.agent.landing.Receiver`) and layer-wise publishing (`kvbridge.session.stream.Producer`).
+`kvbridge.agent.landing.LandingBuffers`) and layer-wise publishing (`kvbridge.session.stream.Producer`).
 On the `cpu` device the same steps run on host memory, where nothing is queued: what they prove about a
 GPU is proven only where one ran them.
 """
@@ -198,7 +198,7 @@ def landing(args: argparse.Namespace) -> Outcome:
 
     from kvbridge.adapters.vllm.cache import ASCEND_KV_TUPLE, ORDERS, byte_views, describe_kv_caches
     from kvbridge.agent.kv_agent import KVAgent
-    from kvbridge.agent.landing import Receiver
+    from kvbridge.agent.landing import LandingBuffers
     from kvbridge.plan.topology import ParallelConfig
 
     layouts = [n for n in ORDERS if n != ASCEND_KV_TUPLE]
@@ -223,10 +223,12 @@ def landing(args: argparse.Namespace) -> Outcome:
                 "decode", 0, ParallelConfig(), d_layout, d_storages, backend="loopback", device=args.device
             )
             stack.callback(decode.close)
-            decode.receiver = Receiver(decode.backend, d_layout, byte_views(d_kv, layout=dst), decode.device)
+            decode.landing_buffers = LandingBuffers(
+                decode.backend, d_layout, byte_views(d_kv, layout=dst), decode.device
+            )
             prefill.publish(src_blocks)
             result = decode.pull("r", [prefill.info()], src_blocks, dst_blocks, tokens).wait(30)
-            landed += decode.receiver.idle_bytes > 0
+            landed += decode.landing_buffers.idle_bytes > 0
         if result.error is not None:
             wrong.append(f"{src}->{dst}: {result.error}")
             continue

@@ -14,8 +14,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvbridge.base.errors import KVBridgeError, TransferTimeout
@@ -128,6 +130,27 @@ class Child:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stop_all_threads(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped (state T in /proc), not merely signalled.
+
+    `kill` returns before a thread that is running, or runnable on a loaded box, has stopped; until it does, it may
+    still read what the caller sends next."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue  # a thread that just ended
+        if states and all(state in "tT" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise TransferTimeout(f"process {pid} was sent SIGSTOP but its threads are still {states}")
+        time.sleep(0.005)  # polling /proc, bounded by the deadline above
 
 
 def serve(handlers: Mapping[str, Callable[..., Any]]) -> None:
