@@ -99,8 +99,8 @@ class MigrationBackend(abc.ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]
-    #: What `options` is an instance of where the registry passes none: a backend a plugin API 1 factory
-    #: builds from the config alone takes them from `config.options`, which the registry checked already.
+    #: What `options` is an instance of where none is passed (a backend built directly, not by the registry): it
+    #: takes them from `config.options`.
     options_class: ClassVar[type[BackendOptions]] = BackendOptions
     # Seconds a part may take before it is resubmitted once (see the module doc); None: no deadline.
     transfer_deadline_s: float | None = None
