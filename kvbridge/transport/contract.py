@@ -27,6 +27,7 @@ from kvbridge.base.memory import (
     total_bytes,
 )
 from kvbridge.base.options import BackendOptions, checked
+from kvbridge.base.threadname import name_in_os
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,9 @@ class MigrationBackend(abc.ABC):
         """Run a blocking transport call on this backend's worker threads."""
         with self._lock:
             if self._pool is None:
+                # named in the OS as well: a thread a native transport starts from one of these is named after it
                 self._pool = ThreadPoolExecutor(
-                    max_workers=self.options.workers, thread_name_prefix=f"kvbridge-{self.name}"
+                    max_workers=self.options.workers, thread_name_prefix=f"kvbridge-{self.name}", initializer=name_in_os
                 )
             return self._pool.submit(fn)
 

@@ -46,6 +46,7 @@ from typing import Any
 from kvbridge.base.errors import ConfigError, PluginUnavailable, TransferFailed
 from kvbridge.base.memory import Descriptors
 from kvbridge.base.options import as_dict
+from kvbridge.base.threadname import os_thread_name
 from kvbridge.base.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.control.discovery import redacted
 from kvbridge.plugin.registry import device_for_memory
@@ -218,6 +219,11 @@ class MooncakeBackend(MigrationBackend):
 
     def __init__(self, config: BackendConfig, options: spec.MooncakeOptions | None = None) -> None:
         super().__init__(config, options)
+        # Mooncake's threads start in what follows (its modules' import, the engine) and keep this thread's OS name
+        with os_thread_name(spec.NATIVE_THREAD_NAME):
+            self._start(config)
+
+    def _start(self, config: BackendConfig) -> None:
         reason = spec.probe()
         if reason:
             raise PluginUnavailable("backend", "mooncake", reason, spec.INSTALL_HINT)

@@ -21,10 +21,13 @@ from typing import Any
 import attrs
 
 from kvbridge.base.options import option
+from kvbridge.base.threadname import os_thread_name
 from kvbridge.base.types import BackendCapabilities, MemoryKind
 from kvbridge.transport.netguard import GuardOptions
 
 PROTOCOLS = ("tcp", "rdma", "nvlink", "ascend")
+# The OS name of the threads Mooncake starts (native: named after their starter, e.g. the engine's model thread)
+NATIVE_THREAD_NAME = "kvbridge-mc-io"
 MOONCAKE_PROTOCOL = {"tcp": "tcp", "rdma": "rdma", "nvlink": "nvlink_intra", "ascend": "ascend"}
 ASCEND_ALIGNMENT = 2 << 20  # Mooncake's ascend transport (HCCL) registers memory in 2 MiB pages
 # Pieces of a long descriptor. Measured with `kvbridge bench --model llama3-8b --tokens 4096` (512 MiB a
@@ -83,7 +86,8 @@ class MooncakeOptions(GuardOptions):
 def probe() -> str | None:
     """Why Mooncake cannot run here, or None."""
     try:
-        import mooncake.engine  # noqa: F401
+        with os_thread_name(NATIVE_THREAD_NAME):  # the threads its import starts are named as kvbridge's
+            import mooncake.engine  # noqa: F401
     except ImportError as exc:
         text = str(exc)
         if "libibverbs" in text:

@@ -1,0 +1,60 @@
+"""The OS name of the calling thread, for threads that native libraries start from it.
+
+A thread a C++ library starts carries the OS name (`/proc/self/task/TID/comm`) of the thread that started it. A
+transport's native I/O threads started from an engine's main thread would be named after that thread, and `top -H`,
+`py-spy` or a bench's per-thread CPU would count them with the model. Linux only: elsewhere this does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_PR_SET_NAME, _PR_GET_NAME = 15, 16
+_NAME_BYTES = 16  # the kernel's TASK_COMM_LEN, the terminating NUL included
+
+
+@functools.cache
+def _prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def os_thread_name(name: str) -> Iterator[None]:
+    """Run the block with this thread's OS name set to `name` (its first 15 bytes), restored after.
+
+    Threads started meanwhile, by native code too, keep `name`."""
+    prctl = _prctl()
+    if prctl is None:
+        yield
+        return
+    was = ctypes.create_string_buffer(_NAME_BYTES)
+    if prctl(_PR_GET_NAME, was, 0, 0, 0) != 0:
+        log.debug("could not read this thread's OS name (errno %d): not renamed", ctypes.get_errno())
+        yield
+        return
+    prctl(_PR_SET_NAME, name.encode()[: _NAME_BYTES - 1], 0, 0, 0)
+    try:
+        yield
+    finally:
+        prctl(_PR_SET_NAME, was.value, 0, 0, 0)
+
+
+def name_in_os() -> None:
+    """Give the calling thread its `threading` name in the OS too (a pool's initializer), for the threads it starts."""
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(_PR_SET_NAME, threading.current_thread().name.encode()[: _NAME_BYTES - 1], 0, 0, 0)

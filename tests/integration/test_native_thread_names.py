@@ -1,0 +1,52 @@
+"""A transport's native threads are named as kvbridge's, not after the engine thread that started the backend.
+
+Mooncake's I/O threads are C++ threads: each carries the OS name of the thread that started it. Without the plugin
+naming them, a bench's per-thread CPU (and `top -H`) counts them with the engine's model thread.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvbridge
+from kvbridge.base.threadname import os_thread_name
+from kvbridge_mooncake.spec import NATIVE_THREAD_NAME
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+
+
+def os_names() -> dict[int, str]:
+    names = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names[int(task.name)] = (task / "comm").read_text().strip()
+        except OSError:
+            continue  # a thread that just ended
+    return names
+
+
+def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -> None:
+    before = set(os_names())
+    with os_thread_name("engine-main"):  # as the engine's model thread would be named
+        a = kvbridge.create_backend("mooncake", protocol="tcp")
+        b = kvbridge.create_backend("mooncake", protocol="tcp")
+        try:
+            src, dst = np.full(1 << 20, 7, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
+            a.register_memory(dst)
+            b.register_memory(src)
+            peer = a.connect(b.endpoint_info())
+            a.transfer(peer, [(dst.ctypes.data, src.ctypes.data, src.nbytes)], "read").wait(30)
+            assert (dst == 7).all()
+            python = {t.native_id for t in threading.enumerate()}  # kvbridge's own threads are Python's
+            started = {tid: name for tid, name in os_names().items() if tid not in before and tid not in python}
+        finally:
+            a.close()
+            b.close()
+    assert started, "the backends started no thread"
+    assert "engine-main" not in started.values(), started
+    assert NATIVE_THREAD_NAME in started.values(), started
