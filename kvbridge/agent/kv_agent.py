@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 from kvbridge.agent.landing import LandingBuffers
 from kvbridge.base import wire
 from kvbridge.base.block_ids import block_array
-from kvbridge.base.errors import ConfigError, TopologyError, TransferTimeout
+from kvbridge.base.errors import ConfigError, KVBridgeError, TopologyError, TransferTimeout
 from kvbridge.base.memory import RegionIndex, total_bytes
 from kvbridge.plan.descriptors import pull_descriptors
 from kvbridge.plan.layout import KVLayout, check_compatible
@@ -121,9 +122,15 @@ class PullHandle:
         return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> PullResult:
-        """Block until every transfer finished and `on_done` ran; raise the first transfer error."""
-        wait_all(self.handles, timeout)
-        if not self._finished.wait(timeout):
+        """Block until every transfer finished and `on_done` ran; raise the first transfer error (once both hold)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            wait_all(self.handles, timeout)
+        except KVBridgeError:
+            # a failed transfer: `on_done` runs once every transfer ended, within what is left of the timeout
+            self._finished.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            raise
+        if not self._finished.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
             raise TransferTimeout(
                 f"request {self.request_id}: completion callback still running after {timeout}s",
                 request=self.request_id,
