@@ -124,13 +124,16 @@ class PullHandle:
     def wait(self, timeout: float | None = None) -> PullResult:
         """Block until every transfer finished and `on_done` ran; raise the first transfer error (once both hold)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         try:
             wait_all(self.handles, timeout)
         except KVBridgeError:
-            # a failed transfer: `on_done` runs once every transfer ended, within what is left of the timeout
-            self._finished.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self._finished.wait(left())  # a failed transfer: `on_done` runs once every transfer ended
             raise
-        if not self._finished.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if not self._finished.wait(left()):
             raise TransferTimeout(
                 f"request {self.request_id}: completion callback still running after {timeout}s",
                 request=self.request_id,
