@@ -36,6 +36,7 @@ from kvbridge.base.secret import admin_token  # noqa: E402
 from kvbridge.control import open_registry  # noqa: E402
 from kvbridge.control.discovery import ServerRecord  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
+from kvbridge_tools.harness.proc import stop_all_threads  # noqa: E402
 from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama  # noqa: E402
 from kvbridge_tools.harness.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
@@ -388,7 +389,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             # A's engine core waits (SIGSTOP) until every stream is on A, so that all run in step from their first
             # token: let go one by one, the first ran to their end before the last had its first (CI)
             core = _engine_core(a)
-            os.kill(core, signal.SIGSTOP)
+            stop_all_threads(core)
             try:
                 for t in readers:
                     t.start()
@@ -656,7 +657,7 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
                 had generated all its tokens (a stream alone on A makes 450 tokens/s)."""
                 call("cordon", b)
                 core = _engine_core(a)
-                os.kill(core, signal.SIGSTOP)
+                stop_all_threads(core)
                 seen = [Streamed() for _ in numbers]
                 body = [{**client.body(texts[n]), "stream": True} for n in numbers]
                 readers = [

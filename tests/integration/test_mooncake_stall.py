@@ -31,7 +31,7 @@ import pytest
 from test_transfer import MiB, Pair, pattern, sha
 
 from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
-from kvbridge_tools.harness.proc import Child, ChildError
+from kvbridge_tools.harness.proc import Child, ChildError, stop_all_threads
 
 SIZE = 16 * MiB
 # The retry starts at the deadline and its call returns at the latest when Mooncake's call times out
@@ -84,7 +84,7 @@ def cpu_seconds(pid: int) -> float:
 def test_a_stalled_peer_fails_the_pull_within_the_deadline_and_the_engine_recovers(pair: Pair) -> None:
     desc = scattered(64, 65536)
     pair.transfer(desc)  # the lanes are up
-    os.kill(pair.server.pid, signal.SIGSTOP)
+    stop_all_threads(pair.server.pid)  # kill returns before a running thread stops: it could serve this read
     cpu = cpu_seconds(pair.client.pid)
     err, took = timed(pair.transfer, desc)
     cpu = cpu_seconds(pair.client.pid) - cpu

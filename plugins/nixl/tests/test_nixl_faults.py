@@ -18,7 +18,7 @@ import pytest
 
 import kvbridge
 from kvbridge.base.errors import TransferFailed, TransferTimeout
-from kvbridge_tools.harness.proc import Child
+from kvbridge_tools.harness.proc import Child, stop_all_threads
 
 SIZE = 8 << 20
 
@@ -85,7 +85,7 @@ def test_a_read_a_stopped_peer_never_serves_waits_without_a_busy_core(monkeypatc
         reader.register_memory(dst)
         peer = reader.connect(bytes.fromhex(served["endpoint"]))
         reader.transfer(peer, [(dst.ctypes.data, served["base"], SIZE)]).wait(30)  # connected, and it reads
-        os.kill(peer_proc.pid, signal.SIGSTOP)
+        stop_all_threads(peer_proc.pid)  # kill returns before a running thread stops: it could serve this read
         handle = reader.transfer(peer, [(dst.ctypes.data, served["base"], SIZE)])
         thread = reader._progress.native_id
         cpu, began = _thread_cpu_s(thread), time.monotonic()
