@@ -1,8 +1,10 @@
-"""The OS name of the calling thread, for threads that native libraries start from it.
+"""Threads named in the OS, and the threads native libraries start from them.
 
-A thread a C++ library starts carries the OS name (`/proc/self/task/TID/comm`) of the thread that started it. A
-transport's native I/O threads started from an engine's main thread would be named after that thread, and `top -H`,
-`py-spy` or a bench's per-thread CPU would count them with the model. Linux only: elsewhere this does nothing.
+Python 3.11 keeps a `threading.Thread`'s name to itself: in the OS (`/proc/self/task/TID/comm`, `top -H`, `ps -L`)
+every thread of an engine process carries the process's name, so kvbridge's threads (`NamedThread`, pools with
+`name_in_os` as their initializer) name themselves there. A thread a C++ library starts carries the OS name of the
+thread that started it: a transport's native I/O threads started from an engine's main thread would be counted with
+the model (`os_thread_name`). Linux only: elsewhere this does nothing.
 """
 
 from __future__ import annotations
@@ -58,3 +60,11 @@ def name_in_os() -> None:
     prctl = _prctl()
     if prctl is not None:
         prctl(_PR_SET_NAME, threading.current_thread().name.encode()[: _NAME_BYTES - 1], 0, 0, 0)
+
+
+class NamedThread(threading.Thread):
+    """A `threading.Thread` whose name (its first 15 bytes) the OS knows too, as the threads it starts do."""
+
+    def run(self) -> None:
+        name_in_os()
+        super().run()

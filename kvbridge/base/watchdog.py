@@ -16,6 +16,7 @@ from pathlib import Path
 import attrs
 
 from kvbridge.base.options import option, parse
+from kvbridge.base.threadname import NamedThread
 
 log = logging.getLogger(__name__)
 ENV = {"slow_ms": "KVBRIDGE_SLOW_MS", "stall_s": "KVBRIDGE_STALL_S", "stall_dir": "KVBRIDGE_STALL_DIR"}
@@ -179,7 +180,7 @@ class Watchdog:
                     self._samples.clear()
                     self._pid = os.getpid()
                 self._sample()  # what a stall found at the first look counts from
-                self._thread = threading.Thread(target=self._run, name="kvbridge-watchdog", daemon=True)
+                self._thread = NamedThread(target=self._run, name="kvbridge-watchdog", daemon=True)
                 self._thread.start()
         return beat
 

@@ -30,6 +30,7 @@ from kvbridge.agent.kv_agent import RankInfo
 from kvbridge.base import watchdog
 from kvbridge.base.errors import ConfigError, KVBridgeError
 from kvbridge.base.secret import check_listen
+from kvbridge.base.threadname import NamedThread
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.client import ClientPool
 from kvbridge.control.discovery import DiscoveryRegistry, RankRecord
@@ -135,7 +136,7 @@ class ControlServer:
             ledger.on_finish(self._finished)
         self._notifier: Notifier | None = None
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name=f"kvbridge-ctl-{self.name}", daemon=True)
+        self._thread = NamedThread(target=self._serve, name=f"kvbridge-ctl-{self.name}", daemon=True)
         self._thread.start()
         try:
             self._publish()

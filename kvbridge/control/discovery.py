@@ -20,6 +20,7 @@ import attrs
 from kvbridge.base import wire
 from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, ProtocolError, TransferTimeout
 from kvbridge.base.secret import DRAIN_ORDERS, RECORDS, derive
+from kvbridge.base.threadname import NamedThread
 from kvbridge.control.params import KVTransferParams
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class DiscoveryRegistry(abc.ABC):
             self._write(key, record)
             self._mine[key] = record
             if self._renewer is None and not self._closed.is_set():
-                self._renewer = threading.Thread(target=self._renew, name="kvbridge-rank-records", daemon=True)
+                self._renewer = NamedThread(target=self._renew, name="kvbridge-rank-records", daemon=True)
                 self._renewer.start()
 
     def _write(self, key: str, record: RankRecord) -> None:

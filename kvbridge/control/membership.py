@@ -19,6 +19,7 @@ import attrs
 
 from kvbridge.base import watchdog
 from kvbridge.base.errors import ConfigError, KVBridgeError
+from kvbridge.base.threadname import NamedThread
 from kvbridge.control.discovery import DiscoveryRegistry, ServerRecord
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class Announcer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._renew()  # a server the registry cannot hear of does not start: say so now
-        self._thread = threading.Thread(target=self._loop, name=f"kvbridge-announce-{record.server_id}", daemon=True)
+        self._thread = NamedThread(target=self._loop, name=f"kvbridge-announce-{record.server_id}", daemon=True)
         self._thread.start()
         log.info("announced %s server %s at %s in %s", record.role, record.server_id, record.url, registry.url)
 
@@ -153,7 +154,7 @@ class SigtermDrain:
             if self.draining.is_set():
                 return
             self.draining.set()
-        threading.Thread(target=self._drain, args=(stop,), name="kvbridge-drain", daemon=True).start()
+        NamedThread(target=self._drain, args=(stop,), name="kvbridge-drain", daemon=True).start()
 
     def _drain(self, stop: Callable[[], Any]) -> None:
         try:

@@ -8,6 +8,7 @@ import threading
 import time
 
 from kvbridge.base.errors import KVBridgeError, TransferTimeout
+from kvbridge.base.threadname import NamedThread
 from kvbridge.control.client import ClientPool
 from kvbridge.control.framing import Address
 from kvbridge.control.messages import Abort
@@ -51,7 +52,7 @@ class Notifier:
                 )
                 return
             self._queues[addr] = collections.deque([msg])
-            thread = threading.Thread(
+            thread = NamedThread(
                 target=self._drain, args=(addr,), name=f"kvbridge-abort-{self.name}-{addr[0]}:{addr[1]}", daemon=True
             )
             self._threads.add(thread)

@@ -10,6 +10,8 @@ import socket
 import threading
 import time
 
+from kvbridge.base.threadname import NamedThread
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +47,7 @@ class ArrivalRelay:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.setblocking(False)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvbridge-arrivals", daemon=True)
+        self._thread = NamedThread(target=self._run, name="kvbridge-arrivals", daemon=True)
         self._thread.start()
         log.info("requests arriving at this engine core are told to its %d worker process(es)", len(addresses))
 
@@ -109,7 +111,7 @@ class RelayedInbox:
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(address)
-        self._thread = threading.Thread(target=self._listen, name="kvbridge-arrivals", daemon=True)
+        self._thread = NamedThread(target=self._listen, name="kvbridge-arrivals", daemon=True)
         self._thread.start()
 
     def _listen(self) -> None:

@@ -11,6 +11,7 @@ import attrs
 
 from kvbridge.base import watchdog
 from kvbridge.base.errors import ConfigError, KVBridgeError
+from kvbridge.base.threadname import name_in_os
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import stage_port
 from kvbridge.session.machine import PullMachine, PullState
@@ -56,8 +57,12 @@ class DecodeSide:
         self.tp_rank, self.pp_rank, self.pp_size = tp_rank, pp_rank, pp_size
         self.pull_timeout_s = pull_timeout_s
         self.transport = control.agent.backend.name
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull")
-        self._streams = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvbridge-stream") if layerwise else None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull", initializer=name_in_os)
+        self._streams = (
+            ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvbridge-stream", initializer=name_in_os)
+            if layerwise
+            else None
+        )
         self._lock = threading.Lock()
         self._cancels: dict[str, threading.Event] = {}  # layer-wise streams in flight
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvbridge.base.errors import KVBridgeError
+from kvbridge.base.threadname import name_in_os
 from kvbridge.control.channel import local_server
 from kvbridge.control.client import ClientPool
 from kvbridge.control.messages import Offer, Refused
@@ -36,7 +37,9 @@ class EarlyOffers:
             others = self._take_here(offer)
             if others and self.early:
                 if self._sender is None:
-                    self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-offer")
+                    self._sender = ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="kvbridge-offer", initializer=name_in_os
+                    )
                 self._sender.submit(self._send, offer, others)
         return offer
 

@@ -15,6 +15,7 @@ from kvbridge.agent.kv_agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.base import watchdog
 from kvbridge.base.block_ids import BlockIds, block_array
 from kvbridge.base.errors import KVBridgeError, LoadError
+from kvbridge.base.threadname import name_in_os
 from kvbridge.control.channel import ControlServer
 from kvbridge.control.client import ClientPool, ControlClient
 from kvbridge.control.discovery import DiscoveryRegistry, resolve
@@ -347,7 +348,9 @@ class PullControl:
         """The DONEs of a read already confirmed (its bytes held by the prefill ranks), off the caller's thread."""
         with self._lock:
             if self._later is None and not self._closed:
-                self._later = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvbridge-done")
+                self._later = ThreadPoolExecutor(
+                    max_workers=2, thread_name_prefix="kvbridge-done", initializer=name_in_os
+                )
             later = self._later
         try:
             if later is None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvbridge.base.threadname import NamedThread
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.session.tasks import StreamTask
 
@@ -104,7 +105,7 @@ class _Publisher:
         self._pending = 0
         self._closed = False
         self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kvbridge-publish", daemon=True)
+        self._thread = NamedThread(target=self._run, name="kvbridge-publish", daemon=True)
         self._thread.start()
 
     def put(self, mark: Any, work: list[_Saved]) -> None:

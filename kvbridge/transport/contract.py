@@ -27,7 +27,7 @@ from kvbridge.base.memory import (
     total_bytes,
 )
 from kvbridge.base.options import BackendOptions, checked
-from kvbridge.base.threadname import name_in_os
+from kvbridge.base.threadname import NamedThread, name_in_os
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -389,7 +389,7 @@ class _Watchdog:
             self._seq += 1
             heapq.heappush(self._heap, (time.monotonic() + seconds, self._seq, alarm))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvbridge-deadlines", daemon=True)
+                self._thread = NamedThread(target=self._run, name="kvbridge-deadlines", daemon=True)
                 self._thread.start()
             self._cond.notify()
         return alarm

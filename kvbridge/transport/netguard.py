@@ -31,6 +31,7 @@ import attrs
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.options import BackendOptions, option
 from kvbridge.base.secret import HOW_TO_SET, is_loopback, load_secret
+from kvbridge.base.threadname import NamedThread
 
 log = logging.getLogger(__name__)
 
@@ -423,7 +424,7 @@ class Admission:
         heapq.heappush(self._ends, (until, key))
         if self._sweeper is None or not self._sweeper.is_alive():
             self._wakes_at = until + self.grace_s
-            self._sweeper = threading.Thread(target=self._sweep, name="kvbridge-admission", daemon=True)
+            self._sweeper = NamedThread(target=self._sweep, name="kvbridge-admission", daemon=True)
             self._sweeper.start()
         elif until + self.grace_s < self._wakes_at:
             self._changed.notify_all()

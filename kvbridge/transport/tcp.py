@@ -26,6 +26,7 @@ from kvbridge.base.errors import ConfigError, InvalidDescriptor, PeerGone, Proto
 from kvbridge.base.memory import Descriptors
 from kvbridge.base.options import BackendOptions, option
 from kvbridge.base.secret import TCP, check_listen, derive, load_secret
+from kvbridge.base.threadname import NamedThread
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.transport import netguard
 from kvbridge.transport.contract import MigrationBackend, Op, Peer
@@ -261,7 +262,7 @@ class TcpBackend(MigrationBackend):
         # No progress within the deadline: the connection is dropped (a socket timeout after the handshake), and
         # the base class resubmits the part once (see kvbridge.transport.contract).
         self.transfer_deadline_s = opts.transfer_deadline
-        accept = threading.Thread(target=self._accept_loop, name=f"kvbridge-tcp-accept-{self._port}", daemon=True)
+        accept = NamedThread(target=self._accept_loop, name=f"kvbridge-tcp-accept-{self._port}", daemon=True)
         accept.start()
         self._server_threads.append(accept)
 
@@ -300,7 +301,7 @@ class TcpBackend(MigrationBackend):
                 victim.shutdown(socket.SHUT_RDWR)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="kvbridge-tcp-serve", daemon=True).start()
+            NamedThread(target=self._serve, args=(conn,), name="kvbridge-tcp-serve", daemon=True).start()
         except (OSError, RuntimeError) as exc:  # RuntimeError: can't start new thread
             self._forget(conn)
             log.warning("tcp transport %s: cannot serve %s: %s; closed it", self._address(), _host_port(addr), exc)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.base.threadname import name_in_os, os_thread_name
+from kvbridge.base.threadname import NamedThread, name_in_os, os_thread_name
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
 
@@ -46,3 +46,12 @@ def test_a_pool_thread_named_in_os_gives_its_name_to_the_threads_it_starts() -> 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvbridge-pool", initializer=name_in_os) as pool:
         assert pool.submit(os_name).result(10) == "kvbridge-pool_0"
         assert pool.submit(started_name).result(10) == "kvbridge-pool_0"
+
+
+def test_a_named_thread_carries_its_name_in_the_os_and_gives_it_to_the_threads_it_starts() -> None:
+    seen: list[str] = []
+    t = NamedThread(target=lambda: seen.extend([os_name(), started_name()]), name="kvbridge-named-thread")
+    t.start()
+    t.join(10)
+    assert seen == ["kvbridge-named-", "kvbridge-named-"]  # 15 bytes
+    assert os_name() != "kvbridge-named-"  # the starter keeps its own

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from kvbridge_tools.bench.load_probes import (
     NOISE_MARK,
-    THREAD_NAMES_PATCH,
     Noise,
     NoiseProcs,
     engine_steps,
@@ -62,25 +60,25 @@ def test_engine_steps_are_vllms_iterations_summed_over_its_engines() -> None:
     assert engine_steps(PAGE) == (0.0, 0.0)
 
 
-def test_kvbridge_threads_are_named_in_the_os_and_their_cpu_is_read(tmp_path: Path) -> None:
-    (tmp_path / "sitecustomize.py").write_text(THREAD_NAMES_PATCH)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+def test_kvbridge_threads_are_named_in_the_os_and_their_cpu_is_read() -> None:
+    # kvbridge's threads as the library starts them: a NamedThread, a pool named in the OS by its initializer
     probe = (
         "import sys, threading, time\n"
         "from concurrent.futures import ThreadPoolExecutor\n"
+        "from kvbridge.base.threadname import NamedThread, name_in_os\n"
         "def work():\n"
         "    t = time.thread_time()\n"
         "    while time.thread_time() - t < 0.05: pass\n"  # 50 ms of this thread's own CPU
         "    sys.stdin.readline()\n"
-        "pool = ThreadPoolExecutor(1, thread_name_prefix='kvbridge-pull')\n"
-        "for name in ('kvbridge-ctl-prefill', 'other'):\n"
-        "    threading.Thread(target=work, name=name, daemon=True).start()\n"
+        "pool = ThreadPoolExecutor(1, thread_name_prefix='kvbridge-pull', initializer=name_in_os)\n"
+        "NamedThread(target=work, name='kvbridge-ctl-prefill', daemon=True).start()\n"
+        "threading.Thread(target=work, name='other', daemon=True).start()\n"
         "pool.submit(work)\n"
         "time.sleep(0)\n"
         "print('started', flush=True)\n"
         "sys.stdin.readline()\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", probe], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", probe], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"started\n"
         process = Path(f"/proc/{proc.pid}/comm").read_text().strip()

@@ -32,6 +32,7 @@ import numpy as np
 
 from kvbridge.base.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
 from kvbridge.base.memory import Descriptors
+from kvbridge.base.threadname import NamedThread
 from kvbridge.base.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.transport.contract import MigrationBackend, Op, Peer
 from kvbridge.transport.netguard import Guard
@@ -107,7 +108,7 @@ class NixlBackend(MigrationBackend):
         self._inflight: list[_InFlight] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._progress = threading.Thread(target=self._progress_loop, name="kvbridge-nixl-progress", daemon=True)
+        self._progress = NamedThread(target=self._progress_loop, name="kvbridge-nixl-progress", daemon=True)
         self._progress.start()
         log.info(
             "nixl agent %s up with backend %s (own progress thread: %s)",

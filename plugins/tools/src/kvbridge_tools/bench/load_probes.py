@@ -4,9 +4,8 @@
   while a round is measured (stopped with SIGSTOP between rounds), killed by PID at the end.
 - CPU of kvbridge's own threads: /proc/<pid>/task/<tid>/schedstat (on-CPU nanoseconds; stat's utime + stime
   in 10 ms ticks where the kernel keeps no schedstat) of every process in a server's process group, for the
-  threads whose OS name starts with `kvbridge`. Python 3.11 keeps a `threading.Thread`'s name to
-  itself, so KVBridgeConnector's servers get `THREAD_NAMES_PATCH` as their `sitecustomize`: it gives each
-  `kvbridge*` Python thread the same name in the OS (truncated to 15 bytes) when it starts.
+  threads whose OS name starts with `kvbridge`: kvbridge names its threads in the OS (`kvbridge.base.threadname`),
+  and the native threads a transport starts from them or under `kvbridge-mc-io` (Mooncake's) carry those names.
 - kvbridge's histograms: every `kvbridge_*` histogram series in a server's /metrics, summed over label sets;
   a round's share is the difference of two scrapes, read as count, exact mean (from `_sum`), p50/p99
   (interpolated in the bucket, as Prometheus' histogram_quantile) and max (the upper bound of the highest
@@ -32,25 +31,6 @@ NOISE_MARK = "kvbridge-bench-noise"
 # a spin loop that takes one core while it runs; the mark names it in `ps` and lets a test find it by PID
 HOG = f"# {NOISE_MARK}\nwhile True:\n    pass\n"
 THREAD_PREFIX = "kvbridge"
-THREAD_NAMES_PATCH = """\
-# Written by `kvbridge bench --engine vllm --load` for KVBridgeConnector's servers only: Python 3.11 does not
-# name a thread in the OS, so kvbridge's threads (threading names `kvbridge-*`) get theirs here, as they start,
-# for the bench to read their CPU time in /proc/<pid>/task/<tid>. One prctl per thread start, nothing else.
-import ctypes
-import threading
-
-_libc = ctypes.CDLL(None)
-_inner = threading.Thread._bootstrap_inner
-
-
-def _named(self):
-    if self.name.startswith("kvbridge"):
-        _libc.prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    _inner(self)
-
-
-threading.Thread._bootstrap_inner = _named
-"""
 # One tiny-model vLLM server here (API server, engine core with the model and its 1 GiB KV cache), as resident
 # (docs/vllm.md), and a little more for what else starts beside it.
 SERVER_GIB = 2.5

@@ -154,18 +154,11 @@ def _kvbridge_pair(
     executor: str,
     transport: str = "mooncake",
     placed: Placed | None = None,
-    name_threads: bool = False,
     extra_args: Sequence[str] = (),
 ) -> Pair:
-    """KVBridgeConnector on two servers, on 127.0.0.1 or on the prefill and decode hosts of `placed`.
-
-    `name_threads`: kvbridge's threads carry their names in the OS too (`load_probes.THREAD_NAMES_PATCH` as the
-    servers' `sitecustomize`), so their CPU time can be read from /proc.
-    """
-    import os
+    """KVBridgeConnector on two servers, on 127.0.0.1 or on the prefill and decode hosts of `placed`."""
 
     from kvbridge.control.params import KVTransferParams
-    from kvbridge_tools.bench.load_probes import THREAD_NAMES_PATCH
     from kvbridge_tools.harness.vllm_server import connector_config, start_vllm
 
     def config(role: str) -> dict:
@@ -176,11 +169,6 @@ def _kvbridge_pair(
     p_host, d_host, env = _hosts(placed)
     env["VLLM_LOG_STATS_INTERVAL"] = "1"
     where = logs / f"kvbridge-{transport}"
-    if name_threads:
-        patch = where / "thread-names"
-        patch.mkdir(parents=True, exist_ok=True)
-        (patch / "sitecustomize.py").write_text(THREAD_NAMES_PATCH)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(patch), os.environ.get("PYTHONPATH", "")) if p)
     prefill = start_vllm(
         model,
         executor=executor,

@@ -304,8 +304,8 @@ def _start(
             raise
         return System(name, server.url, [server])
     launch: Callable[..., Any] = {
-        "kvbridge": functools.partial(pd._kvbridge_pair, name_threads=True),
-        "kvbridge-nixl": functools.partial(pd._kvbridge_pair, transport="nixl", name_threads=True),
+        "kvbridge": pd._kvbridge_pair,
+        "kvbridge-nixl": functools.partial(pd._kvbridge_pair, transport="nixl"),
         "nixl": functools.partial(pd._nixl_pair, busy_poll=args.nixl_busy_poll == "on"),
         "mooncake": pd._mooncake_pair,
     }[name]
