@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import kvbridge
 from kvbridge.base.threadname import NamedThread, name_in_os, os_thread_name
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
 
@@ -55,3 +59,27 @@ def test_a_named_thread_carries_its_name_in_the_os_and_gives_it_to_the_threads_i
     t.join(10)
     assert seen == ["kvbridge-named-", "kvbridge-named-"]  # 15 bytes
     assert os_name() != "kvbridge-named-"  # the starter keeps its own
+
+
+def thread_starts(root: Path) -> list[str]:
+    """Where the code under `root` starts a thread the OS would not know by name.
+
+    That is a `threading.Thread(...)`, or a `ThreadPoolExecutor(...)` with no initializer (`name_in_os`)."""
+    found = []
+    for file in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if not isinstance(node, ast.Call):
+                continue
+            called = ast.unparse(node.func)
+            pool = called.endswith("ThreadPoolExecutor") and not any(k.arg == "initializer" for k in node.keywords)
+            if called == "threading.Thread" or pool:
+                found.append(f"{file.relative_to(root.parent)}:{node.lineno} {called}")
+    return found
+
+
+def test_every_thread_the_library_and_its_plugins_start_is_named_in_the_os() -> None:
+    roots = [Path(kvbridge.__file__).parent] + [
+        p for p in (REPO / "plugins").glob("*/src/kvbridge_*") if p.name not in ("kvbridge_tools",) and p.is_dir()
+    ]
+    found = [where for root in roots for where in thread_starts(root) if "/testing/" not in where]
+    assert not found, "start these as NamedThread, or give the pool initializer=name_in_os:\n" + "\n".join(found)
