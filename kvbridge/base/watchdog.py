@@ -155,6 +155,30 @@ def account(
     return "\n".join(lines)
 
 
+def kernel_view() -> str:
+    """Every thread of this process as the kernel sees it: state, the kernel function it waits in, its syscall.
+
+    The only view of a thread with no Python stack (a transport's C++ I/O thread): blocked in `sk_wait_data` or
+    `do_epoll_wait`, or running (`R`, no wait channel)."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    lines = ["Every thread as the kernel sees it (state; wait channel; syscall number, or running):"]
+    try:
+        tids = sorted(int(t) for t in os.listdir("/proc/self/task"))
+    except OSError:
+        return lines[0] + " not known (no /proc on this system)"
+    for tid in tids:
+        task = Path(f"/proc/self/task/{tid}")
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = (task / "wchan").read_text().strip()
+            call = (task / "syscall").read_text().split()[0]
+        except (OSError, IndexError):  # ended meanwhile, or a kernel that does not say
+            continue
+        kind = "" if tid in names else ", native"
+        lines.append(f"  {_thread_name(tid, names)} ({tid}{kind}): {state}; {wchan if wchan != '0' else '-'}; {call}")
+    return "\n".join(lines)
+
+
 class Watchdog:
     """The process's one watcher thread, started with the first beat (again in a forked child)."""
 
@@ -249,7 +273,7 @@ class Watchdog:
             f"Thread {names.get(ident, '?')} ({ident}):\n{''.join(traceback.format_stack(frame))}"
             for ident, frame in sys._current_frames().items()
         ]
-        text = "\n".join([head, accounting, *stacks])
+        text = "\n".join([head, accounting, kernel_view(), *stacks])
         log.warning("%s", text)
         where = options().stall_dir
         if where:

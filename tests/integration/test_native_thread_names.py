@@ -1,7 +1,8 @@
-"""A transport's native threads are named as kvbridge's, not after the engine thread that started the backend.
+"""A transport's native threads are named as kvbridge's (not after their starter) and shown in a stall dump.
 
 Mooncake's I/O threads are C++ threads: each carries the OS name of the thread that started it. Without the plugin
-naming them, a bench's per-thread CPU (and `top -H`) counts them with the engine's model thread.
+naming them, a bench's per-thread CPU (and `top -H`) counts them with the engine's model thread. A stall dump's
+kernel view is the only view of them there is: state, wait channel, syscall.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 import kvbridge
 from kvbridge.base.threadname import os_thread_name
+from kvbridge.base.watchdog import kernel_view
 from kvbridge_mooncake.spec import NATIVE_THREAD_NAME
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
@@ -44,9 +46,14 @@ def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -
             assert (dst == 7).all()
             python = {t.native_id for t in threading.enumerate()}  # kvbridge's own threads are Python's
             started = {tid: name for tid, name in os_names().items() if tid not in before and tid not in python}
+            kernel = kernel_view().splitlines()  # what a stall dump shows of threads with no Python stack
         finally:
             a.close()
             b.close()
     assert started, "the backends started no thread"
     assert "engine-main" not in started.values(), started
     assert NATIVE_THREAD_NAME in started.values(), started
+    # each Mooncake thread in the stall dump's kernel view, as native, with its state and where it waits
+    io = [line for line in kernel if line.startswith(f"  {NATIVE_THREAD_NAME} (") and ", native): " in line]
+    assert len(io) == sum(name == NATIVE_THREAD_NAME for name in started.values()), kernel
+    assert all(line.split("): ", 1)[1][0] in "RSD" for line in io), io

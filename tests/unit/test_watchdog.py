@@ -7,11 +7,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from control_helpers import wait_for
 
-from kvbridge.base.watchdog import Watchdog, schedstats
+from kvbridge.base.watchdog import Watchdog, kernel_view, schedstats
 
 STALL_S = 0.3
 
@@ -55,10 +56,31 @@ def test_a_blocked_thread_is_named_blocked_not_busy(caplog: pytest.LogCaptureFix
         threading.Thread(target=release_once_dumped, daemon=True).start()
         released.wait(30)  # blocked: neither on a CPU nor waiting for one
 
-    head, accounting, mine, *_ = _stalled(caplog, blocks).splitlines()
+    dump = _stalled(caplog, blocks)
+    head, accounting, mine, *_ = dump.splitlines()
     assert "no progress in the watched work" in head
     assert accounting.startswith("CPU time over the last ") and "waited" in accounting and "load average" in accounting
     assert "the watched work (thread watched)" in mine and "blocked (a lock, I/O, a sleep) or stopped" in mine, mine
+    assert "Every thread as the kernel sees it" in dump, dump  # (the watched thread may be ending by then)
+
+
+def test_the_kernel_view_shows_a_blocked_thread_asleep_in_the_kernel() -> None:
+    release = threading.Event()
+    blocked = threading.Thread(target=release.wait, args=(30,), name="blocked-on-an-event", daemon=True)
+    blocked.start()
+    try:
+        # parked in the kernel (a futex wait for its Event); a thread the kernel is still waking may read R
+        wait_for(lambda: Path(f"/proc/self/task/{blocked.native_id}/stat").read_text().split(") ")[1][0] == "S")
+        head, *lines = kernel_view().splitlines()
+    finally:
+        release.set()
+        blocked.join(30)
+    assert head.startswith("Every thread as the kernel sees it")
+    (mine,) = [line for line in lines if line.startswith(f"  blocked-on-an-event ({blocked.native_id}): ")]
+    state, wchan, call = mine.split(": ", 1)[1].split("; ")
+    assert state == "S" and wchan != "-" and call.isdigit(), mine  # a Python thread: not marked native
+    me = f"  MainThread ({threading.get_native_id()}): R; -; "  # itself: running (in its read of /proc)
+    assert any(line.startswith(me) for line in lines), lines
 
 
 def test_a_spinning_thread_is_named_on_a_cpu_or_waiting_for_one(caplog: pytest.LogCaptureFixture) -> None:
