@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,30 @@ def test_noise_runs_only_when_resumed_and_is_killed_by_pid() -> None:
         assert p.returncode == -9  # SIGKILL, and reaped
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or NOISE_MARK.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_the_time_threads_wait_for_a_cpu_is_read_apart_from_the_time_they_run() -> None:
+    # two processes that each spin 0.2 s of their own CPU time on one shared CPU: each waits while the other runs
+    cpu = min(os.sched_getaffinity(0))
+    spin = (
+        "import os, time\n"
+        f"os.sched_setaffinity(0, {{{cpu}}})\n"
+        "t = time.thread_time()\n"
+        "while time.thread_time() - t < 0.2: pass\n"
+        "print('spun', flush=True)\n"
+        "input()\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in "ab"
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline() == b"spun\n"
+        pids = [p.pid for p in procs]
+        ran, waited = process_thread_cpu(pids), process_thread_cpu(pids, waited=True)
+        assert set(waited) == set(ran) and sum(ran.values()) >= 0.4, (ran, waited)
+        assert sum(waited.values()) >= 0.1 and waited != ran, f"two spinners on one CPU waited {waited} for it"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

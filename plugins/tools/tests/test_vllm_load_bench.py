@@ -183,12 +183,16 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
         assert r["server_cores"] > 0, where  # answering requests took the servers' CPU: /proc was read
         assert (r["router_cores"] is None) == (r["system"] == "colocated"), where
         assert r["noise_cores"] > 0 and r["server_cpu_ms_per_request"] > 0, where  # the busy process ran too
+        # every thread's run-queue wait beside its CPU time, side by side
+        assert set(r["cpu_wait_ms_per_request_by_thread"]) == set(r["cpu_ms_per_request_by_thread"]), where
         side_channel = r["side_channel_ms"]
         if r["system"].startswith("KVBridgeConnector"):
             own = r["kvbridge_cpu_ms_per_request"]
             assert set(own) == {"prefill", "decode"} and min(own.values()) >= 0, where
             # kvbridge's threads are named in the OS and worked: /proc read them
             assert sum(own.values()) > 0 and r["kvbridge_thread_cpu_s"]["decode"], where
+            if r["system"] == LABELS["kvbridge"]:  # Mooncake's native I/O threads count as kvbridge's, by name
+                assert "kvbridge-mc" in r["kvbridge_thread_cpu_s"]["prefill"], (where, r["kvbridge_thread_cpu_s"])
             assert r["kvbridge_histograms"]["decode"][SIDE_CHANNEL] == side_channel, where
             assert side_channel["count"] == REQUESTS, where  # one side-channel answer per pull, this round's only
             assert side_channel["mean_ms"] > 0 and 0 < side_channel["p50_ms"] <= side_channel["max_ms"], where

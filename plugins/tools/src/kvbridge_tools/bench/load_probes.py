@@ -163,11 +163,21 @@ def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, fl
     return out
 
 
-def process_thread_cpu(pids: Iterable[int]) -> dict[str, float]:
+def _runnable_seconds(task: Path) -> float:
+    """Seconds one thread was runnable but waited for a CPU (schedstat's second field; 0 where there is none)."""
+    try:
+        return int((task / "schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def process_thread_cpu(pids: Iterable[int], *, waited: bool = False) -> dict[str, float]:
     """CPU seconds of every live thread of `pids`, summed by `<process name>/<thread kind>` (kinds as `thread_cpu`).
 
-    Names are the OS's (`comm`): vLLM's engine core is `VLLM::EngineCor`, its API server `python3`; Python threads
-    other than kvbridge's (named by the bench) carry their process's name."""
+    `waited`: the seconds each was runnable but not run instead (a CPU taken by another thread or process). Names
+    are the OS's (`comm`): vLLM's engine core is `VLLM::EngineCor`, its API server `python3`; threads neither
+    kvbridge nor a native library named carry their process's name."""
+    seconds = _runnable_seconds if waited else _thread_seconds
     out: dict[str, float] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -176,7 +186,7 @@ def process_thread_cpu(pids: Iterable[int]) -> dict[str, float]:
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     name = (task / "comm").read_text().strip()
                     key = f"{process}/{_SUFFIX.sub('', '-'.join(name.split('-')[:2]))}"
-                    out[key] = out.get(key, 0.0) + _thread_seconds(task)
+                    out[key] = out.get(key, 0.0) + seconds(task)
     return out
 
 

@@ -416,10 +416,14 @@ def _sides(name: str, system: System) -> dict[str, Server]:
     return {"prefill": system.servers[0], "decode": system.servers[1]}
 
 
-def _threads(sides: dict[str, Server], *, every: bool = False) -> dict[str, dict[str, float]]:
-    """kvbridge's threads' CPU seconds on each side; `every`: all threads', by process and thread name."""
+def _threads(sides: dict[str, Server], *, every: bool = False, waited: bool = False) -> dict[str, dict[str, float]]:
+    """kvbridge's threads' CPU seconds on each side.
+
+    `every`: all threads', by process and thread name; `waited`: all threads' seconds runnable but not run."""
     from kvbridge_tools.harness.vllm_server import _group_members
 
+    if waited:
+        return {side: process_thread_cpu(_group_members(s.pid), waited=True) for side, s in sides.items()}
     read = process_thread_cpu if every else thread_cpu
     return {side: read(_group_members(server.pid)) for side, server in sides.items()}
 
@@ -467,6 +471,7 @@ def _round(
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
     hist0, threads0, every0 = _histograms(http, sides), _threads(sides), _threads(sides, every=True)
+    waited0 = _threads(sides, waited=True)
     steps0 = _steps(http, sides)
     noise0 = noise.cpu_seconds() if noise else 0.0
     start, cpu0, router0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router)
@@ -480,6 +485,7 @@ def _round(
     wall = max(time.monotonic() - start, 1e-9)
     cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
     every = {side: minus(spent, every0[side]) for side, spent in _threads(sides, every=True).items()}
+    waited = {side: minus(spent, waited0[side]) for side, spent in _threads(sides, waited=True).items()}
     noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
     completed = int(result["completed"])
     kvbridge = name.startswith("kvbridge")
@@ -509,6 +515,11 @@ def _round(
         "cpu_ms_per_request_by_thread": {
             side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
             for side, spent in every.items()
+        },
+        # the same threads' time runnable but not run: a CPU they waited for while another thread or process had it
+        "cpu_wait_ms_per_request_by_thread": {
+            side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+            for side, spent in waited.items()
         },
         "side_channel_ms": summaries.get("decode", {}).get(SIDE_CHANNEL),
         "kvbridge_histograms": summaries,
