@@ -1,18 +1,21 @@
-"""`cpu_affinity`: the CPUs an engine's model thread and kvbridge's threads run on. See docs/vllm.md.
+"""`cpu_affinity` and `io_cpus`: the CPUs an engine's model thread and kvbridge's threads run on. See docs/vllm.md.
 
 On a CPU host the model thread shares cores with the API server, the proxy and kvbridge's own threads. Left to the
 kernel it is moved between cores as they wake, and each step finds its caches cold. vLLM's NixlConnector pins it on
 CPU platforms (the last core of each NUMA node, from its worker's constructor); `cpu_affinity` lets an operator do
-the same with kvbridge, or name the cores.
+the same with kvbridge, or name the cores. kvbridge's threads (side channel, pulls, the transport's I/O threads) run
+with the model thread by default (`io_cpus: model`), or on the process's other CPUs (`others`), or on named ones: a
+transport thread that wakes to serve a read on the model's core preempts the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from kvbridge.base.errors import ConfigError
@@ -20,6 +23,8 @@ from kvbridge.base.errors import ConfigError
 log = logging.getLogger(__name__)
 
 RESERVED = "reserved"
+MODEL, OTHERS = "model", "others"  # io_cpus: with the model thread, or on the CPUs it does not run on
+_io: set[int] | None = None  # where kvbridge's threads run once placed (None: where they were started)
 _LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
 
@@ -58,17 +63,54 @@ def reserved_cpus(allowed: set[int], nodes: Mapping[int, set[int]]) -> set[int]:
     return picked or {max(allowed)}
 
 
-def pin_this_thread(value: str | None) -> set[int] | None:
-    """Pin the calling thread to the CPUs `value` names; threads it starts from now on inherit them. None: as is."""
+def check_io(value: str) -> None:
+    """Refuse an `io_cpus` that is neither `model`, `others` nor a CPU list."""
+    if value not in (MODEL, OTHERS):
+        try:
+            parse_cpus(value)
+        except ValueError:
+            raise ValueError(
+                f"io_cpus must be {MODEL!r}, {OTHERS!r} or a CPU list such as '0-2', got {value!r}"
+            ) from None
+
+
+def pin_this_thread(value: str | None, io: str = MODEL) -> set[int] | None:
+    """Pin the calling thread to the CPUs `value` names, and place kvbridge's threads by `io`. None: as is.
+
+    Threads it starts from now on inherit its CPUs; kvbridge's own move to theirs as they start (`place_io_thread`)."""
+    global _io
     if value is None:
         return None
     allowed = os.sched_getaffinity(0)
     cpus = reserved_cpus(allowed, numa_nodes()) if value == RESERVED else parse_cpus(value)
-    if not cpus <= allowed:
-        raise ConfigError(
-            f"cpu_affinity {value!r} names CPUs {sorted(cpus - allowed)} this process may not run on "
-            f"(allowed: {sorted(allowed)}); name CPUs from that list or use {RESERVED!r}"
-        )
+    io_cpus = cpus if io == MODEL else (allowed - cpus or cpus) if io == OTHERS else parse_cpus(io)
+    for what, named in (("cpu_affinity", cpus), ("io_cpus", io_cpus)):
+        if not named <= allowed:
+            raise ConfigError(
+                f"{what} names CPUs {sorted(named - allowed)} this process may not run on "
+                f"(allowed: {sorted(allowed)}); name CPUs from that list"
+            )
     os.sched_setaffinity(0, cpus)
-    log.info("cpu_affinity %s: the model thread and kvbridge's threads run on CPUs %s", value, sorted(cpus))
+    _io = None if io_cpus == cpus else io_cpus
+    log.info("cpu_affinity %s: the model thread runs on CPUs %s, kvbridge's threads on %s", value, cpus, io_cpus)
     return cpus
+
+
+def place_io_thread() -> None:
+    """Move the calling thread, one of kvbridge's starting, to kvbridge's CPUs (where `io_cpus` put them apart)."""
+    if _io is not None:
+        os.sched_setaffinity(0, _io)
+
+
+@contextlib.contextmanager
+def on_io_cpus() -> Iterator[None]:
+    """The calling thread on kvbridge's CPUs for the block, and the native threads a transport starts in it for good."""
+    if _io is None:
+        yield
+        return
+    was = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _io)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, was)

@@ -18,6 +18,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from kvbridge.base import placement
+
 log = logging.getLogger(__name__)
 
 _PR_SET_NAME, _PR_GET_NAME = 15, 16
@@ -56,7 +58,10 @@ def os_thread_name(name: str) -> Iterator[None]:
 
 
 def name_in_os() -> None:
-    """Give the calling thread its `threading` name in the OS too (a pool's initializer), for the threads it starts."""
+    """Give the calling thread its `threading` name in the OS too (a pool's initializer), for the threads it starts.
+
+    It is one of kvbridge's: it also moves to kvbridge's CPUs (`placement.place_io_thread`)."""
+    placement.place_io_thread()
     prctl = _prctl()
     if prctl is not None:
         prctl(_PR_SET_NAME, threading.current_thread().name.encode()[: _NAME_BYTES - 1], 0, 0, 0)

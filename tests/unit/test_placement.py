@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 
 from kvbridge.adapters.vllm.settings import Settings
 from kvbridge.base import placement
 from kvbridge.base.errors import ConfigError
+from kvbridge.base.threadname import NamedThread
 
 
 def test_a_cpu_list_reads_as_linux_writes_it() -> None:
@@ -73,3 +75,60 @@ def test_cpus_this_process_may_not_use_are_refused_and_nothing_changes() -> None
         return "pinned"
 
     assert f"names CPUs [{outside}] this process may not run on" in _on_a_thread(try_pin)  # type: ignore[operator]
+
+
+@pytest.fixture
+def io_apart() -> Iterator[None]:
+    yield
+    placement._io = None  # the process's placement of kvbridge's threads, set by a pin: not left for other tests
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="kvbridge's threads apart from the model need 2 CPUs")
+def test_io_cpus_others_puts_kvbridges_threads_and_the_native_ones_they_start_off_the_models_cpus(
+    io_apart: None,
+) -> None:
+    allowed = os.sched_getaffinity(0)
+
+    def affinity_of(start: type[threading.Thread]) -> set[int]:
+        seen: list[set[int]] = []
+        thread = start(target=lambda: seen.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join(30)
+        return seen[0]
+
+    def pin_then_start() -> dict[str, set[int]]:
+        cpus = placement.pin_this_thread("reserved", placement.OTHERS)
+        assert cpus is not None
+        out = {
+            "model": os.sched_getaffinity(0),
+            "kvbridge": affinity_of(NamedThread),
+            "other": affinity_of(threading.Thread),
+        }
+        with placement.on_io_cpus():  # as a transport starts its native threads: they inherit the starter's CPUs
+            out["native"] = affinity_of(threading.Thread)
+        out["after"] = os.sched_getaffinity(0)
+        return out
+
+    seen = _on_a_thread(pin_then_start)
+    model = placement.reserved_cpus(allowed, placement.numa_nodes())
+    assert seen == {
+        "model": model,
+        "kvbridge": allowed - model,
+        "other": model,
+        "native": allowed - model,
+        "after": model,
+    }
+
+
+def test_io_cpus_model_keeps_kvbridges_threads_with_the_model_and_a_bad_value_is_refused(io_apart: None) -> None:
+    def pin_then_start() -> set[int]:
+        placement.pin_this_thread("reserved")
+        seen: list[set[int]] = []
+        thread = NamedThread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join(30)
+        return seen[0]
+
+    assert _on_a_thread(pin_then_start) == placement.reserved_cpus(os.sched_getaffinity(0), placement.numa_nodes())
+    with pytest.raises(ConfigError, match="io_cpus must be 'model', 'others' or a CPU list"):
+        Settings.from_extra_config({"io_cpus": "elsewhere", "insecure": True})

@@ -53,8 +53,7 @@ def default_kv_cache_layout(settings: Settings, vllm_config: VllmConfig, *, on_c
 
     BLHNC (block-outermost: one descriptor per block) only in pull mode, on CUDA, with a model config, for a model
     that is not hybrid, and unless the operator's attention backend declares layouts without it; docs/vllm.md,
-    "Which layout the connector asks for", says why each and what it trades.
-    """
+    "Which layout the connector asks for", says why each and what it trades."""
     if settings.kv_cache_layout is not None:
         return settings.kv_cache_layout
     if settings.transfer != "pull" or not on_cuda:
@@ -89,9 +88,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             if settings.registry is not None:
                 self._membership = Membership(vllm_config, self._scheduler, kv_cache_config.num_blocks)
         else:
-            # First: the threads the worker side starts (side channel, pulls, transport) inherit the placement.
-            placement.pin_this_thread(settings.cpu_affinity)
-            self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
+            placement.pin_this_thread(settings.cpu_affinity, settings.io_cpus)  # first: the threads started after
+            with placement.on_io_cpus():  # (side channel, pulls, the transport's native ones) run on kvbridge's CPUs
+                self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

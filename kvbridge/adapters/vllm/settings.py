@@ -15,8 +15,8 @@ from kvbridge.base.secret import HOW_TO_SET, check_listen, load_secret
 from kvbridge.control.ledger import MAX_LEASE_S
 
 DEFAULT_SIDE_CHANNEL_PORT = 5800
-# `stream_idle_wait_ms` defaults: where the engine core's input queue is watched an arriving request
-# ends the wait, so it can be long; elsewhere it delays such a request by up to its length.
+# `stream_idle_wait_ms` defaults: where the engine core's input queue is watched an arriving request ends the wait,
+# so it can be long; elsewhere it delays such a request by up to its length.
 STREAM_IDLE_WAIT_MS = 20.0
 WATCHED_STREAM_IDLE_WAIT_MS = 100.0
 # transport settings the connector derives from its own keys; `backend_options` may not override them
@@ -72,6 +72,7 @@ class Settings:
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
     cpu_affinity: str | None = attrs.field(default=None, validator=lambda _i, _a, v: placement.check(v))
+    io_cpus: str = attrs.field(default=placement.MODEL, validator=lambda _i, _a, v: placement.check_io(v))
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
 
     def __attrs_post_init__(self) -> None:
