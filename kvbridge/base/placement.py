@@ -65,13 +65,8 @@ def reserved_cpus(allowed: set[int], nodes: Mapping[int, set[int]]) -> set[int]:
 
 def check_io(value: str) -> None:
     """Refuse an `io_cpus` that is neither `model`, `others` nor a CPU list."""
-    if value not in (MODEL, OTHERS):
-        try:
-            parse_cpus(value)
-        except ValueError:
-            raise ValueError(
-                f"io_cpus must be {MODEL!r}, {OTHERS!r} or a CPU list such as '0-2', got {value!r}"
-            ) from None
+    if value not in (MODEL, OTHERS) and not _LIST.match(value):
+        raise ValueError(f"io_cpus must be {MODEL!r}, {OTHERS!r} or a CPU list such as '0-2', got {value!r}")
 
 
 def pin_this_thread(value: str | None, io: str = MODEL) -> set[int] | None:
@@ -105,11 +100,8 @@ def place_io_thread() -> None:
 @contextlib.contextmanager
 def on_io_cpus() -> Iterator[None]:
     """The calling thread on kvbridge's CPUs for the block, and the native threads a transport starts in it for good."""
-    if _io is None:
-        yield
-        return
     was = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, _io)
+    place_io_thread()
     try:
         yield
     finally:
