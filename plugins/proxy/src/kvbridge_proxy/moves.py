@@ -268,6 +268,14 @@ class Moves:
             )
         except asyncio.CancelledError:  # the stream ended or its client left: nothing is cut
             moving.precopy = None
+            log.warning(
+                "stream %s ended (or its client left) during its pre-copy to %s (%d tokens pre-copied in %.1f ms): "
+                "nothing to move",
+                moving.move_id,
+                target.url,
+                covered,
+                (time.perf_counter() - began) * 1e3,
+            )
             raise
         except Exception:
             log.exception("stream %s: pre-copy to %s failed", moving.move_id, target.url)

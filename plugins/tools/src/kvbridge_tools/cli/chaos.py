@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge_tools.chaos.bound import transport_bound
     from kvbridge_tools.chaos.deployment import Deployment
     from kvbridge_tools.chaos.runner import Workload
-    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+    from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     if args.requests < 1 or args.concurrency < 1:
         raise ConfigError("--requests and --concurrency must be at least 1")
@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     if injection:
         injection["seed"] = args.seed
     dep = Deployment(
-        build_tiny_llama(Path(model_dir.name) / "model"),
+        # the model holds as many positions as the servers are given (its default is 2048)
+        build_tiny_llama(Path(model_dir.name) / "model", TinyLlamaSpec(max_positions=max(2048, args.max_model_len))),
         logs,
         max_model_len=args.max_model_len,
         lease_s=args.lease_s,
