@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 
 from kvbridge_tools.bench.load_probes import (
+    CPU_STATES,
     NOISE_MARK,
     Noise,
     NoiseProcs,
+    cpu_states,
     engine_steps,
     histograms,
     process_thread_cpu,
@@ -155,3 +157,21 @@ def test_the_time_threads_wait_for_a_cpu_is_read_apart_from_the_time_they_run() 
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+def test_each_cpus_time_by_state_grows_where_a_pinned_process_spins() -> None:
+    # a process pinned to one CPU spins 0.3 s of its own time: that CPU's user + system grow by about as much
+    cpu = max(os.sched_getaffinity(0))
+    spin = (
+        "import os, time\n"
+        f"os.sched_setaffinity(0, {{{cpu}}})\n"
+        "t = time.thread_time()\n"
+        "while time.thread_time() - t < 0.3: pass\n"
+    )
+    before = cpu_states()
+    assert f"cpu{cpu}" in before and set(before[f"cpu{cpu}"]) == set(CPU_STATES), before
+    subprocess.run([sys.executable, "-c", spin], check=True, timeout=60)
+    after = cpu_states()
+    busy = sum(after[f"cpu{cpu}"][k] - before[f"cpu{cpu}"][k] for k in ("user", "nice", "system"))
+    assert busy >= 0.25, (before[f"cpu{cpu}"], after[f"cpu{cpu}"])
+    assert all(after[c][k] >= before[c][k] for c in before for k in CPU_STATES)  # counters only grow

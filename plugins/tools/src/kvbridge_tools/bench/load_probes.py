@@ -6,6 +6,8 @@
   in 10 ms ticks where the kernel keeps no schedstat) of every process in a server's process group, for the
   threads whose OS name starts with `kvbridge`: kvbridge names its threads in the OS (`kvbridge.base.threadname`),
   and the native threads a transport starts from them or under `kvbridge-mc-io` (Mooncake's) carry those names.
+- Each CPU's time by state (/proc/stat): user and system, and what no thread's figure holds, interrupts, softirqs
+  (the network stack's receive work) and steal (the hypervisor running another VM on it).
 - kvbridge's histograms: every `kvbridge_*` histogram series in a server's /metrics, summed over label sets;
   a round's share is the difference of two scrapes, read as count, exact mean (from `_sum`), p50/p99
   (interpolated in the bucket, as Prometheus' histogram_quantile) and max (the upper bound of the highest
@@ -135,12 +137,15 @@ def process_cpu(pid: int) -> float:
 _SUFFIX = re.compile(r"_\d*$")
 
 
-def _thread_seconds(task: Path) -> float:
-    """On-CPU seconds of one thread: schedstat's nanoseconds where the kernel keeps them, else stat's ticks."""
+def _schedstat(task: Path) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of one thread.
+
+    schedstat's nanoseconds where the kernel keeps them; else stat's ticks, and no wait."""
     try:
-        return int((task / "schedstat").read_text().split()[0]) / 1e9
+        ran, waited = (task / "schedstat").read_text().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
     except (OSError, IndexError, ValueError):
-        return _stat_times(task / "stat")[1] / os.sysconf("SC_CLK_TCK")
+        return _stat_times(task / "stat")[1] / os.sysconf("SC_CLK_TCK"), 0.0
 
 
 def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, float]:
@@ -159,16 +164,8 @@ def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, fl
                     if name.startswith(prefix):
                         # by kind: `kvbridge-ctl-<peer>`, `kvbridge-tcp-accept-<port>` are one each
                         key = _SUFFIX.sub("", "-".join(name.split("-")[:2]))
-                        out[key] = out.get(key, 0.0) + _thread_seconds(task)
+                        out[key] = out.get(key, 0.0) + _schedstat(task)[0]
     return out
-
-
-def _runnable_seconds(task: Path) -> float:
-    """Seconds one thread was runnable but waited for a CPU (schedstat's second field; 0 where there is none)."""
-    try:
-        return int((task / "schedstat").read_text().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def process_thread_cpu(pids: Iterable[int], *, waited: bool = False) -> dict[str, float]:
@@ -177,7 +174,7 @@ def process_thread_cpu(pids: Iterable[int], *, waited: bool = False) -> dict[str
     `waited`: the seconds each was runnable but not run instead (a CPU taken by another thread or process). Names
     are the OS's (`comm`): vLLM's engine core is `VLLM::EngineCor`, its API server `python3`; threads neither
     kvbridge nor a native library named carry their process's name."""
-    seconds = _runnable_seconds if waited else _thread_seconds
+    field = 1 if waited else 0
     out: dict[str, float] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -186,7 +183,25 @@ def process_thread_cpu(pids: Iterable[int], *, waited: bool = False) -> dict[str
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     name = (task / "comm").read_text().strip()
                     key = f"{process}/{_SUFFIX.sub('', '-'.join(name.split('-')[:2]))}"
-                    out[key] = out.get(key, 0.0) + seconds(task)
+                    out[key] = out.get(key, 0.0) + _schedstat(task)[field]
+    return out
+
+
+# /proc/stat's per-CPU columns, in order (man 5 proc); guest time is counted in user already
+CPU_STATES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_states() -> dict[str, dict[str, float]]:
+    """Seconds each CPU of the machine spent in each state (`CPU_STATES`), from /proc/stat, by `cpuN`.
+
+    What no thread's schedstat holds: interrupts and softirqs (the network stack's receive work among them, done
+    on whichever CPU it lands), and steal (time the hypervisor gave this VM's CPU to another)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, float]] = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            out[name] = {state: int(v) / tick for state, v in zip(CPU_STATES, fields, strict=False)}
     return out
 
 

@@ -54,6 +54,7 @@ from kvbridge_tools.bench.load_probes import (
     SERVER_GIB,
     Histogram,
     NoiseProcs,
+    cpu_states,
     engine_steps,
     fits_resident,
     histograms,
@@ -474,7 +475,7 @@ def _round(
     waited0 = _threads(sides, waited=True)
     steps0 = _steps(http, sides)
     noise0 = noise.cpu_seconds() if noise else 0.0
-    start, cpu0, router0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router)
+    start, cpu0, router0, states0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router), cpu_states()
     if noise:
         noise.resume()
     try:
@@ -482,7 +483,7 @@ def _round(
     finally:
         if noise:
             noise.pause()
-    wall = max(time.monotonic() - start, 1e-9)
+    wall, states = max(time.monotonic() - start, 1e-9), cpu_states()
     cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
     every = {side: minus(spent, every0[side]) for side, spent in _threads(sides, every=True).items()}
     waited = {side: minus(spent, waited0[side]) for side, spent in _threads(sides, waited=True).items()}
@@ -520,6 +521,12 @@ def _round(
         "cpu_wait_ms_per_request_by_thread": {
             side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
             for side, spent in waited.items()
+        },
+        # each CPU of the machine (every host shares them) by state over the round, interrupts, softirqs and steal
+        # included: the time no thread's figures above hold
+        "machine_cpu_ms_per_request": {
+            cpu: {k: round((v - states0.get(cpu, {}).get(k, 0.0)) / per_request * 1e3, 2) for k, v in spent.items()}
+            for cpu, spent in states.items()
         },
         "side_channel_ms": summaries.get("decode", {}).get(SIDE_CHANNEL),
         "kvbridge_histograms": summaries,
