@@ -87,7 +87,12 @@ def pin_this_thread(value: str | None, io: str = MODEL) -> set[int] | None:
             )
     os.sched_setaffinity(0, cpus)
     _io = None if io_cpus == cpus else io_cpus
-    log.info("cpu_affinity %s: the model thread runs on CPUs %s, kvbridge's threads on %s", value, cpus, io_cpus)
+    log.info(
+        "cpu_affinity %s: the model thread runs on CPUs %s, kvbridge's threads on %s",
+        value,
+        sorted(cpus),
+        sorted(io_cpus),
+    )
     return cpus
 
 
