@@ -150,9 +150,12 @@ def test_the_time_threads_wait_for_a_cpu_is_read_apart_from_the_time_they_run() 
         for proc in procs:
             assert proc.stdout is not None and proc.stdout.readline() == b"spun\n"
         pids = [p.pid for p in procs]
-        ran, waited = process_thread_cpu(pids), process_thread_cpu(pids, waited=True)
+        ran, waited = process_thread_cpu(pids), process_thread_cpu(pids, read="waited")
         assert set(waited) == set(ran) and sum(ran.values()) >= 0.4, (ran, waited)
         assert sum(waited.values()) >= 0.1 and waited != ran, f"two spinners on one CPU waited {waited} for it"
+        # each spinner was taken off its CPU for the other and put back: at least twice each
+        slices = process_thread_cpu(pids, read="slices")
+        assert set(slices) == set(ran) and min(slices.values()) >= 2 and slices != ran, slices
     finally:
         for proc in procs:
             proc.kill()

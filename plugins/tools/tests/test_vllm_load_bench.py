@@ -185,6 +185,7 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
         assert r["noise_cores"] > 0 and r["server_cpu_ms_per_request"] > 0, where  # the busy process ran too
         # every thread's run-queue wait beside its CPU time, side by side
         assert set(r["cpu_wait_ms_per_request_by_thread"]) == set(r["cpu_ms_per_request_by_thread"]), where
+        assert set(r["cpu_slices_per_request_by_thread"]) == set(r["cpu_ms_per_request_by_thread"]), where
         # every CPU of the machine by state: the round kept them busy (the noise alone spins one)
         states = r["machine_cpu_ms_per_request"]
         assert states and all(c.removeprefix("cpu").isdigit() for c in states), (where, states)

@@ -137,15 +137,19 @@ def process_cpu(pid: int) -> float:
 _SUFFIX = re.compile(r"_\d*$")
 
 
-def _schedstat(task: Path) -> tuple[float, float]:
-    """(seconds on a CPU, seconds runnable but waiting for one) of one thread.
+# schedstat's three fields (Documentation/scheduler/sched-stats.rst), as `process_thread_cpu` reads them
+SCHEDSTAT = ("ran", "waited", "slices")
 
-    schedstat's nanoseconds where the kernel keeps them; else stat's ticks, and no wait."""
+
+def _schedstat(task: Path) -> tuple[float, float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one, times it was put on a CPU) of one thread.
+
+    schedstat's where the kernel keeps it; else stat's ticks, and no waits or slices."""
     try:
-        ran, waited = (task / "schedstat").read_text().split()[:2]
-        return int(ran) / 1e9, int(waited) / 1e9
+        ran, waited, slices = (task / "schedstat").read_text().split()[:3]
+        return int(ran) / 1e9, int(waited) / 1e9, float(slices)
     except (OSError, IndexError, ValueError):
-        return _stat_times(task / "stat")[1] / os.sysconf("SC_CLK_TCK"), 0.0
+        return _stat_times(task / "stat")[1] / os.sysconf("SC_CLK_TCK"), 0.0, 0.0
 
 
 def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, float]:
@@ -168,13 +172,14 @@ def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, fl
     return out
 
 
-def process_thread_cpu(pids: Iterable[int], *, waited: bool = False) -> dict[str, float]:
+def process_thread_cpu(pids: Iterable[int], *, read: str = "ran") -> dict[str, float]:
     """CPU seconds of every live thread of `pids`, summed by `<process name>/<thread kind>` (kinds as `thread_cpu`).
 
-    `waited`: the seconds each was runnable but not run instead (a CPU taken by another thread or process). Names
+    `read` (of `SCHEDSTAT`): `ran`, seconds on a CPU; `waited`, seconds runnable but not run instead (a CPU taken by
+    another thread or process); `slices`, the times each was put on a CPU (one wait, many preemptions: many). Names
     are the OS's (`comm`): vLLM's engine core is `VLLM::EngineCor`, its API server `python3`; threads neither
     kvbridge nor a native library named carry their process's name."""
-    field = 1 if waited else 0
+    field = SCHEDSTAT.index(read)
     out: dict[str, float] = {}
     for pid in pids:
         with contextlib.suppress(OSError):

@@ -417,16 +417,17 @@ def _sides(name: str, system: System) -> dict[str, Server]:
     return {"prefill": system.servers[0], "decode": system.servers[1]}
 
 
-def _threads(sides: dict[str, Server], *, every: bool = False, waited: bool = False) -> dict[str, dict[str, float]]:
+def _threads(sides: dict[str, Server], *, every: bool = False, read: str = "") -> dict[str, dict[str, float]]:
     """kvbridge's threads' CPU seconds on each side.
 
-    `every`: all threads', by process and thread name; `waited`: all threads' seconds runnable but not run."""
+    `every`: all threads', by process and thread name; `read`: all threads' schedstat field of that name
+    (`load_probes.SCHEDSTAT`)."""
     from kvbridge_tools.harness.vllm_server import _group_members
 
-    if waited:
-        return {side: process_thread_cpu(_group_members(s.pid), waited=True) for side, s in sides.items()}
-    read = process_thread_cpu if every else thread_cpu
-    return {side: read(_group_members(server.pid)) for side, server in sides.items()}
+    if read:
+        return {side: process_thread_cpu(_group_members(s.pid), read=read) for side, s in sides.items()}
+    read_threads = process_thread_cpu if every else thread_cpu
+    return {side: read_threads(_group_members(server.pid)) for side, server in sides.items()}
 
 
 def _steps(http: Any, sides: dict[str, Server]) -> dict[str, tuple[float, float]]:
@@ -472,7 +473,7 @@ def _round(
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
     hist0, threads0, every0 = _histograms(http, sides), _threads(sides), _threads(sides, every=True)
-    waited0 = _threads(sides, waited=True)
+    waited0, slices0 = _threads(sides, read="waited"), _threads(sides, read="slices")
     steps0 = _steps(http, sides)
     noise0 = noise.cpu_seconds() if noise else 0.0
     start, cpu0, router0, states0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router), cpu_states()
@@ -486,7 +487,8 @@ def _round(
     wall, states = max(time.monotonic() - start, 1e-9), cpu_states()
     cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
     every = {side: minus(spent, every0[side]) for side, spent in _threads(sides, every=True).items()}
-    waited = {side: minus(spent, waited0[side]) for side, spent in _threads(sides, waited=True).items()}
+    waited = {side: minus(spent, waited0[side]) for side, spent in _threads(sides, read="waited").items()}
+    slices = {side: minus(n, slices0[side]) for side, n in _threads(sides, read="slices").items()}
     noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
     completed = int(result["completed"])
     kvbridge = name.startswith("kvbridge")
@@ -521,6 +523,11 @@ def _round(
         "cpu_wait_ms_per_request_by_thread": {
             side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
             for side, spent in waited.items()
+        },
+        # the times each was put on a CPU: a thread preempted often waits often, each time for a neighbour's slice
+        "cpu_slices_per_request_by_thread": {
+            side: {k: round(v / per_request, 1) for k, v in sorted(n.items(), key=lambda kv: -kv[1])}
+            for side, n in slices.items()
         },
         # each CPU of the machine (every host shares them) by state over the round, interrupts, softirqs and steal
         # included: the time no thread's figures above hold
