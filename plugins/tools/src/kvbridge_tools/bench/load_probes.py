@@ -172,15 +172,14 @@ def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, fl
     return out
 
 
-def process_thread_cpu(pids: Iterable[int], *, read: str = "ran") -> dict[str, float]:
-    """CPU seconds of every live thread of `pids`, summed by `<process name>/<thread kind>` (kinds as `thread_cpu`).
+def process_schedstat(pids: Iterable[int]) -> dict[str, dict[str, float]]:
+    """Each `SCHEDSTAT` field of every live thread of `pids`, summed by `<process name>/<thread kind>`.
 
-    `read` (of `SCHEDSTAT`): `ran`, seconds on a CPU; `waited`, seconds runnable but not run instead (a CPU taken by
+    Kinds as `thread_cpu`. `ran`, seconds on a CPU; `waited`, seconds runnable but not run instead (a CPU taken by
     another thread or process); `slices`, the times each was put on a CPU (one wait, many preemptions: many). Names
     are the OS's (`comm`): vLLM's engine core is `VLLM::EngineCor`, its API server `python3`; threads neither
     kvbridge nor a native library named carry their process's name."""
-    field = SCHEDSTAT.index(read)
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
             process = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -188,8 +187,15 @@ def process_thread_cpu(pids: Iterable[int], *, read: str = "ran") -> dict[str, f
                 with contextlib.suppress(OSError, IndexError, ValueError):
                     name = (task / "comm").read_text().strip()
                     key = f"{process}/{_SUFFIX.sub('', '-'.join(name.split('-')[:2]))}"
-                    out[key] = out.get(key, 0.0) + _schedstat(task)[field]
+                    summed = out.setdefault(key, dict.fromkeys(SCHEDSTAT, 0.0))
+                    for read, value in zip(SCHEDSTAT, _schedstat(task), strict=True):
+                        summed[read] += value
     return out
+
+
+def process_thread_cpu(pids: Iterable[int], *, read: str = "ran") -> dict[str, float]:
+    """One field (`read`, of `SCHEDSTAT`) of `process_schedstat`: CPU seconds by default."""
+    return {key: fields[read] for key, fields in process_schedstat(pids).items()}
 
 
 # /proc/stat's per-CPU columns, in order (man 5 proc); guest time is counted in user already

@@ -51,6 +51,7 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.link import Link, Placed
 from kvbridge_tools.bench.link import placed as hosts_for
 from kvbridge_tools.bench.load_probes import (
+    SCHEDSTAT,
     SERVER_GIB,
     Histogram,
     NoiseProcs,
@@ -61,7 +62,7 @@ from kvbridge_tools.bench.load_probes import (
     memory_available_gib,
     minus,
     parse_noise,
-    process_thread_cpu,
+    process_schedstat,
     thread_cpu,
 )
 from kvbridge_tools.bench.plot import check_path
@@ -417,17 +418,29 @@ def _sides(name: str, system: System) -> dict[str, Server]:
     return {"prefill": system.servers[0], "decode": system.servers[1]}
 
 
-def _threads(sides: dict[str, Server], *, every: bool = False, read: str = "") -> dict[str, dict[str, float]]:
-    """kvbridge's threads' CPU seconds on each side.
-
-    `every`: all threads', by process and thread name; `read`: all threads' schedstat field of that name
-    (`load_probes.SCHEDSTAT`)."""
+def _threads(sides: dict[str, Server]) -> dict[str, dict[str, float]]:
+    """kvbridge's threads' CPU seconds on each side."""
     from kvbridge_tools.harness.vllm_server import _group_members
 
-    if read:
-        return {side: process_thread_cpu(_group_members(s.pid), read=read) for side, s in sides.items()}
-    read_threads = process_thread_cpu if every else thread_cpu
-    return {side: read_threads(_group_members(server.pid)) for side, server in sides.items()}
+    return {side: thread_cpu(_group_members(server.pid)) for side, server in sides.items()}
+
+
+Schedstats = dict[str, dict[str, dict[str, float]]]  # side -> process/thread -> schedstat field -> value
+
+
+def _schedstats(sides: dict[str, Server]) -> Schedstats:
+    """Every thread's schedstat on each side, by process and thread name (`load_probes.process_schedstat`)."""
+    from kvbridge_tools.harness.vllm_server import _group_members
+
+    return {side: process_schedstat(_group_members(server.pid)) for side, server in sides.items()}
+
+
+def _grown(after: Schedstats, before: Schedstats, read: str) -> dict[str, dict[str, float]]:
+    """One schedstat field's growth between two `_schedstats`, side by side."""
+    return {
+        side: minus({k: v[read] for k, v in now.items()}, {k: v[read] for k, v in before[side].items()})
+        for side, now in after.items()
+    }
 
 
 def _steps(http: Any, sides: dict[str, Server]) -> dict[str, tuple[float, float]]:
@@ -472,8 +485,7 @@ def _round(
     sides = _sides(name, system)
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
-    hist0, threads0, every0 = _histograms(http, sides), _threads(sides), _threads(sides, every=True)
-    waited0, slices0 = _threads(sides, read="waited"), _threads(sides, read="slices")
+    hist0, threads0, sched0 = _histograms(http, sides), _threads(sides), _schedstats(sides)
     steps0 = _steps(http, sides)
     noise0 = noise.cpu_seconds() if noise else 0.0
     start, cpu0, router0, states0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router), cpu_states()
@@ -486,9 +498,8 @@ def _round(
             noise.pause()
     wall, states = max(time.monotonic() - start, 1e-9), cpu_states()
     cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
-    every = {side: minus(spent, every0[side]) for side, spent in _threads(sides, every=True).items()}
-    waited = {side: minus(spent, waited0[side]) for side, spent in _threads(sides, read="waited").items()}
-    slices = {side: minus(n, slices0[side]) for side, n in _threads(sides, read="slices").items()}
+    sched1 = _schedstats(sides)
+    every, waited, slices = (_grown(sched1, sched0, read) for read in SCHEDSTAT)
     noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
     completed = int(result["completed"])
     kvbridge = name.startswith("kvbridge")
