@@ -51,7 +51,6 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.link import Link, Placed
 from kvbridge_tools.bench.link import placed as hosts_for
 from kvbridge_tools.bench.load_probes import (
-    SCHEDSTAT,
     SERVER_GIB,
     Histogram,
     NoiseProcs,
@@ -435,11 +434,24 @@ def _schedstats(sides: dict[str, Server]) -> Schedstats:
     return {side: process_schedstat(_group_members(server.pid)) for side, server in sides.items()}
 
 
-def _grown(after: Schedstats, before: Schedstats, read: str) -> dict[str, dict[str, float]]:
-    """One schedstat field's growth between two `_schedstats`, side by side."""
+def _thread_figures(before: Schedstats, after: Schedstats, per_request: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Every thread's run, wait and slices over a round, per request, by side, largest first."""
+
+    def per(read: str, scale: float, digits: int) -> dict[str, dict[str, float]]:
+        out = {}
+        for side, now in after.items():
+            grown = minus({k: v[read] for k, v in now.items()}, {k: v[read] for k, v in before[side].items()})
+            largest_first = sorted(grown.items(), key=lambda kv: -kv[1])
+            out[side] = {k: round(v / per_request * scale, digits) for k, v in largest_first}
+        return out
+
     return {
-        side: minus({k: v[read] for k, v in now.items()}, {k: v[read] for k, v in before[side].items()})
-        for side, now in after.items()
+        # every thread of each side's server, by process and thread name: where a system's CPU per request goes
+        "cpu_ms_per_request_by_thread": per("ran", 1e3, 2),
+        # the same threads' time runnable but not run: a CPU they waited for while another thread or process had it
+        "cpu_wait_ms_per_request_by_thread": per("waited", 1e3, 2),
+        # the times each was put on a CPU: a thread preempted often waits often, each time for a neighbour's slice
+        "cpu_slices_per_request_by_thread": per("slices", 1.0, 1),
     }
 
 
@@ -499,7 +511,6 @@ def _round(
     wall, states = max(time.monotonic() - start, 1e-9), cpu_states()
     cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
     sched1 = _schedstats(sides)
-    every, waited, slices = (_grown(sched1, sched0, read) for read in SCHEDSTAT)
     noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
     completed = int(result["completed"])
     kvbridge = name.startswith("kvbridge")
@@ -525,21 +536,7 @@ def _round(
         # vLLM's engine steps that computed tokens: a step costs CPU whatever its batch, so fewer, fuller ones cost less
         "engine_steps_per_request": {side: round(n / per_request, 2) for side, (n, _) in steps.items()},
         "tokens_per_step": {side: round(t / max(n, 1.0), 1) for side, (n, t) in steps.items()},
-        # every thread of each side's server, by process and thread name: where a system's CPU per request goes
-        "cpu_ms_per_request_by_thread": {
-            side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
-            for side, spent in every.items()
-        },
-        # the same threads' time runnable but not run: a CPU they waited for while another thread or process had it
-        "cpu_wait_ms_per_request_by_thread": {
-            side: {k: round(v / per_request * 1e3, 2) for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
-            for side, spent in waited.items()
-        },
-        # the times each was put on a CPU: a thread preempted often waits often, each time for a neighbour's slice
-        "cpu_slices_per_request_by_thread": {
-            side: {k: round(v / per_request, 1) for k, v in sorted(n.items(), key=lambda kv: -kv[1])}
-            for side, n in slices.items()
-        },
+        **_thread_figures(sched0, sched1, per_request),
         # each CPU of the machine (every host shares them) by state over the round, interrupts, softirqs and steal
         # included: the time no thread's figures above hold
         "machine_cpu_ms_per_request": {
