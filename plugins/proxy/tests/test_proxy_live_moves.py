@@ -612,17 +612,22 @@ def _one_whole(cluster: Cluster, stages_wait: threading.Event | None = None) -> 
 
 
 @pytest.mark.parametrize("cluster", [{"moves": PRECOPY, "b": {"precopy_wait": WAIT}}], indirect=True)
-def test_a_stream_that_ends_during_its_pre_copy_is_not_moved_and_its_lent_lease_released(cluster: Cluster) -> None:
+def test_a_stream_that_ends_during_its_pre_copy_is_not_moved_and_its_lent_lease_released(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
     """Issue 43: B's pre-copy stage is slow; the stream finishes on A meanwhile.
 
-    Nothing is cut, the stage's lease on A is released (so A's engine frees the request's blocks), and B's stage is
-    dropped."""
-    _one_whole(cluster, WAIT)
+    Nothing is cut, the stage's lease on A is released (so A's engine frees the request's blocks), B's stage is
+    dropped, and the proxy says why nothing moved."""
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        _one_whole(cluster, WAIT)
     [move] = cluster.move_ids()
     [stage] = _stages(cluster)
     assert len(cluster.b.bodies) == 1, "nothing asked of B but the stage"
     wait_for(lambda: _released(cluster, precopy_id(move, 1)), what="the stage's lease released on A")
     assert _metric(cluster, "precopied") == _metric(cluster, "pulled") == _metric(cluster, "recomputed") == 0.0
+    [ended] = [m for m in caplog.messages if "during its pre-copy" in m]
+    assert move in ended and "nothing to move" in ended, ended
 
 
 @pytest.mark.parametrize("cluster", [{"moves": PRECOPY, "b": {"precopy_dies": True}}], indirect=True)
