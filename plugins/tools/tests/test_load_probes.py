@@ -132,17 +132,19 @@ def test_noise_runs_only_when_resumed_and_is_killed_by_pid() -> None:
         assert not Path(f"/proc/{pid}").exists() or NOISE_MARK.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-def test_the_time_threads_wait_for_a_cpu_is_read_apart_from_the_time_they_run() -> None:
-    # two processes that each spin 0.2 s of their own CPU time on one shared CPU: each waits while the other runs
-    cpu = min(os.sched_getaffinity(0))
-    spin = (
+def spinner(cpu: int, seconds: float) -> str:
+    """A Python program that pins itself to `cpu` and spins until it has had `seconds` of its own CPU time."""
+    return (
         "import os, time\n"
         f"os.sched_setaffinity(0, {{{cpu}}})\n"
         "t = time.thread_time()\n"
-        "while time.thread_time() - t < 0.2: pass\n"
-        "print('spun', flush=True)\n"
-        "input()\n"
+        f"while time.thread_time() - t < {seconds}: pass\n"
     )
+
+
+def test_the_time_threads_wait_for_a_cpu_is_read_apart_from_the_time_they_run() -> None:
+    # two processes that each spin 0.2 s of their own CPU time on one shared CPU: each waits while the other runs
+    spin = spinner(min(os.sched_getaffinity(0)), 0.2) + "print('spun', flush=True)\ninput()\n"
     procs = [
         subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in "ab"
     ]
@@ -165,12 +167,7 @@ def test_the_time_threads_wait_for_a_cpu_is_read_apart_from_the_time_they_run() 
 def test_each_cpus_time_by_state_grows_where_a_pinned_process_spins() -> None:
     # a process pinned to one CPU spins 0.3 s of its own time: that CPU's user + system grow by about as much
     cpu = max(os.sched_getaffinity(0))
-    spin = (
-        "import os, time\n"
-        f"os.sched_setaffinity(0, {{{cpu}}})\n"
-        "t = time.thread_time()\n"
-        "while time.thread_time() - t < 0.3: pass\n"
-    )
+    spin = spinner(cpu, 0.3)
     before = cpu_states()
     assert f"cpu{cpu}" in before and set(before[f"cpu{cpu}"]) == set(CPU_STATES), before
     subprocess.run([sys.executable, "-c", spin], check=True, timeout=60)
