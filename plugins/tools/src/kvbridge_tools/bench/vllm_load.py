@@ -438,7 +438,7 @@ def _thread_figures(before: Schedstats, after: Schedstats, per_request: int) -> 
     """Every thread's run, wait and slices over a round, per request, by side, largest first."""
 
     def per(read: str, scale: float, digits: int) -> dict[str, dict[str, float]]:
-        out = {}
+        out: dict[str, dict[str, float]] = {}
         for side, now in after.items():
             grown = minus({k: v[read] for k, v in now.items()}, {k: v[read] for k, v in before[side].items()})
             largest_first = sorted(grown.items(), key=lambda kv: -kv[1])
