@@ -23,7 +23,7 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,32 +153,23 @@ def _schedstat(task: Path) -> tuple[float, float, float]:
 
 
 def thread_cpu(pids: Iterable[int], prefix: str = THREAD_PREFIX) -> dict[str, float]:
-    """CPU seconds of the live threads of `pids` whose OS name starts with `prefix`, summed by name.
+    """CPU seconds of the live threads of `pids` whose OS name starts with `prefix`, summed by kind.
 
-    Names count by kind, their first two dash-separated words: a pool's workers (`kvbridge-pull_0`, `_1`, ...)
-    under `kvbridge-pull`, every side channel's `kvbridge-ctl-*` under `kvbridge-ctl`. A thread that ended between two
-    readings takes its time with it: a difference of two readings is a lower bound.
+    Kinds as `process_schedstat` names them, over all of `pids`. A thread that ended between two readings takes its
+    time with it: a difference of two readings is a lower bound.
     """
-    out: dict[str, float] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                with contextlib.suppress(OSError, IndexError, ValueError):
-                    name = (task / "comm").read_text().strip()
-                    if name.startswith(prefix):
-                        # by kind: `kvbridge-ctl-<peer>`, `kvbridge-tcp-accept-<port>` are one each
-                        key = _SUFFIX.sub("", "-".join(name.split("-")[:2]))
-                        out[key] = out.get(key, 0.0) + _schedstat(task)[0]
-    return out
+    return own_threads(process_schedstat(pids), prefix)
 
 
 def process_schedstat(pids: Iterable[int]) -> dict[str, dict[str, float]]:
     """Each `SCHEDSTAT` field of every live thread of `pids`, summed by `<process name>/<thread kind>`.
 
-    Kinds as `thread_cpu`. `ran`, seconds on a CPU; `waited`, seconds runnable but not run instead (a CPU taken by
-    another thread or process); `slices`, the times each was put on a CPU (one wait, many preemptions: many). Names
-    are the OS's (`comm`): vLLM's engine core is `VLLM::EngineCor`, its API server `python3`; threads neither
-    kvbridge nor a native library named carry their process's name."""
+    A thread's kind is its OS name's first two dash-separated words: a pool's workers (`kvbridge-pull_0`, `_1`, ...)
+    under `kvbridge-pull`, every side channel's `kvbridge-ctl-*` under `kvbridge-ctl`. `ran`, seconds on a CPU;
+    `waited`, seconds runnable but not run instead (a CPU taken by another thread or process); `slices`, the times
+    each was put on a CPU (one wait, many preemptions: many). Names are the OS's (`comm`): vLLM's engine core is
+    `VLLM::EngineCor`, its API server `python3`; threads neither kvbridge nor a native library named carry their
+    process's name."""
     out: dict[str, dict[str, float]] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -190,6 +181,16 @@ def process_schedstat(pids: Iterable[int]) -> dict[str, dict[str, float]]:
                     summed = out.setdefault(key, dict.fromkeys(SCHEDSTAT, 0.0))
                     for read, value in zip(SCHEDSTAT, _schedstat(task), strict=True):
                         summed[read] += value
+    return out
+
+
+def own_threads(stats: Mapping[str, Mapping[str, float]], prefix: str = THREAD_PREFIX) -> dict[str, float]:
+    """CPU seconds of the thread kinds of a `process_schedstat` reading that start with `prefix`, over its processes."""
+    out: dict[str, float] = {}
+    for key, fields in stats.items():
+        kind = key.partition("/")[2]
+        if kind.startswith(prefix):
+            out[kind] = out.get(kind, 0.0) + fields["ran"]
     return out
 
 

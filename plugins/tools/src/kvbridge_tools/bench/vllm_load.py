@@ -60,9 +60,9 @@ from kvbridge_tools.bench.load_probes import (
     histograms,
     memory_available_gib,
     minus,
+    own_threads,
     parse_noise,
     process_schedstat,
-    thread_cpu,
 )
 from kvbridge_tools.bench.plot import check_path
 
@@ -417,13 +417,6 @@ def _sides(name: str, system: System) -> dict[str, Server]:
     return {"prefill": system.servers[0], "decode": system.servers[1]}
 
 
-def _threads(sides: dict[str, Server]) -> dict[str, dict[str, float]]:
-    """kvbridge's threads' CPU seconds on each side."""
-    from kvbridge_tools.harness.vllm_server import _group_members
-
-    return {side: thread_cpu(_group_members(server.pid)) for side, server in sides.items()}
-
-
 Schedstats = dict[str, dict[str, dict[str, float]]]  # side -> process/thread -> schedstat field -> value
 
 
@@ -497,7 +490,7 @@ def _round(
     sides = _sides(name, system)
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
-    hist0, threads0, sched0 = _histograms(http, sides), _threads(sides), _schedstats(sides)
+    hist0, sched0 = _histograms(http, sides), _schedstats(sides)
     steps0 = _steps(http, sides)
     noise0 = noise.cpu_seconds() if noise else 0.0
     start, cpu0, router0, states0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router), cpu_states()
@@ -509,8 +502,7 @@ def _round(
         if noise:
             noise.pause()
     wall, states = max(time.monotonic() - start, 1e-9), cpu_states()
-    cpu, router_cpu, threads1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _threads(sides)
-    sched1 = _schedstats(sides)
+    cpu, router_cpu, sched1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _schedstats(sides)
     noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
     completed = int(result["completed"])
     kvbridge = name.startswith("kvbridge")
@@ -519,7 +511,7 @@ def _round(
     hist1, steps1 = _histograms(http, sides), _steps(http, sides)
     steps = {side: (steps1[side][0] - steps0[side][0], steps1[side][1] - steps0[side][1]) for side in sides}
     per_request = max(completed, 1)
-    own = {side: minus(threads1[side], threads0[side]) for side in sides} if kvbridge else None
+    own = {side: minus(own_threads(sched1[side]), own_threads(sched0[side])) for side in sides} if kvbridge else None
     summaries = {
         side: {series: h.minus(hist0[side].get(series)).summary() for series, h in hist1[side].items()}
         for side in sides
