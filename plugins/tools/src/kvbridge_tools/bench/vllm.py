@@ -47,6 +47,7 @@ from rich.progress import Progress
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.pair import frozen_heap, quantile
 from kvbridge_tools.bench.plot import check_path
+from kvbridge_tools.harness.vllm_server import add_executor_argument
 
 if TYPE_CHECKING:
     from kvbridge_tools.bench.link import Placed
@@ -113,15 +114,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="layerwise: layer-wise streaming against pull mode on one KVBridgeConnector pair, with the share "
         "of the transfer hidden behind prefill compute (kvbridge_tools.bench.vllm_layerwise; default pull)",
     )
-    group.add_argument(
-        "--executor",
-        choices=["uni", "mp"],
-        default="uni",
-        help="where each vLLM server runs its model: uni, in its engine-core process (what vLLM runs for "
-        "one GPU); mp, in a worker process beside it (vLLM's choice on CPU, whose two processes spin-wait "
-        "for each other on shared memory and so take cores from the prompt's compute on a small machine) "
-        "(default uni)",
-    )
+    add_executor_argument(group)
     group.add_argument(
         "--keep-logs",
         default=None,

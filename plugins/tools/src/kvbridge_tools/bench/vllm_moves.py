@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         "engine": "vllm",
         "migration_backend": args.migration_backend,
         "streams": STREAMS,
+        "executor": args.executor,  # where each server ran its model
         "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
         "rows": rows,
     }
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print_json(result)
     else:
         print_table(
-            f"kvbridge bench --live-moves: {STREAMS} streams moved at once, {link.describe()}",
+            f"kvbridge bench --live-moves: {STREAMS} streams moved at once, {link.describe()}, "
+            f"--executor {args.executor}",
             COLUMNS,
             [
                 [
@@ -189,7 +191,14 @@ def _run_placed(
                 **transport,
             )
             s = start_vllm(
-                model, port=port, max_model_len=max_len, kv_transfer_config=config, env=env, log_dir=logs, host=host
+                model,
+                port=port,
+                max_model_len=max_len,
+                kv_transfer_config=config,
+                env=env,
+                log_dir=logs,
+                host=host,
+                executor=args.executor,
             )
             stack.callback(s.stop)
             return s

@@ -100,6 +100,7 @@ class Deployment:
     prefills: int = 2
     decodes: int = 2
     max_model_len: int = 1024
+    executor: str = "uni"  # where each server runs its model (`start_vllm`)
     lease_s: float = 30.0
     pull_timeout_s: float = 30.0
     fault_injection: dict[str, Any] | None = None
@@ -175,6 +176,7 @@ class Deployment:
             self.model,
             kv_transfer_config=config,
             max_model_len=self.max_model_len,
+            executor=self.executor,
             port=port,
             log_dir=self.logs / f"life-{self._lives}",
             env={"KVBRIDGE_SECRET": self._secret},

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge_tools.chaos.faults import ELASTIC, FAULTS, NETWORK, parse_faults
+from kvbridge_tools.harness.vllm_server import add_executor_argument
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument("--max-model-len", type=int, default=1024, help="the servers' max_model_len (default 1024)")
+    add_executor_argument(p)
     p.add_argument(
         "--lease-s",
         type=float,
@@ -193,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         build_tiny_llama(Path(model_dir.name) / "model", TinyLlamaSpec(max_positions=max(2048, args.max_model_len))),
         logs,
         max_model_len=args.max_model_len,
+        executor=args.executor,
         lease_s=args.lease_s,
         fault_injection=injection or None,
     )

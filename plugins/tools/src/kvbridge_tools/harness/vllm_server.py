@@ -45,6 +45,19 @@ BASE_ENV = {
 EXECUTORS = ("mp", "uni")
 
 
+def add_executor_argument(group: Any) -> None:
+    """`--executor` for a CLI that starts vLLM servers (an argparse parser or argument group)."""
+    group.add_argument(
+        "--executor",
+        choices=["uni", "mp"],
+        default="uni",
+        help="where each vLLM server runs its model: uni, in its engine-core process (what vLLM runs for "
+        "one GPU); mp, in a worker process beside it (vLLM's choice on CPU, whose two processes spin-wait "
+        "for each other on shared memory and so take cores from the prompt's compute on a small machine) "
+        "(default uni)",
+    )
+
+
 @attrs.define(eq=False)
 class Server:
     """One running HTTP server process (a vLLM server or `kvbridge proxy`) that we started."""
