@@ -167,6 +167,7 @@ def _run_placed(
     advance: Any,
 ) -> list[dict[str, Any]]:
     from kvbridge.base.secret import SECRET_ENV, admin_token
+    from kvbridge_tools.harness.ports import free_port
     from kvbridge_tools.harness.redis import redis_server
     from kvbridge_tools.harness.vllm_server import connector_config, start_proxy, start_vllm, wait_healthy
 
@@ -178,10 +179,7 @@ def _run_placed(
         registry = stack.enter_context(redis_server(logs, host=hosts["registry"]))
 
         def server(role: str, name: str) -> Any:
-            host = hosts[name]
-            from kvbridge_tools.harness.ports import free_port
-
-            port = free_port()
+            host, port = hosts[name], free_port()
             config = connector_config(
                 role,
                 backend=args.migration_backend,
