@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +74,10 @@ class TokenDecode(Serving):
     (vLLM's `kv_load_failure_policy="fail"`); `recompute_pulls`: its report says the pull failed (policy "recompute":
     the server computed the KV itself). `die_after`: the connection drops after that many token events (a killed
     server). `hold_done`: [DONE] waits for this event after the last token. `precopy_wait`: a pre-copy stage's pull
-    waits for this event (at most 30 s); `precopy_dies`: the server drops a pre-copy stage's connection unanswered,
-    and its /health fails from then on (it died)."""
+    waits for this event (at most 30 s), from the `precopy_wait_from`th on (counted from 0); `precopy_dies`: the
+    server drops a pre-copy stage's connection unanswered, and its /health fails from then on (it died). `arrived`:
+    when each of `bodies` came (monotonic seconds). `first_delay_s`: a stream's first event waits this much more (an
+    engine's first step); `first_sent`: (when, prompt) of each stream's first event."""
 
     def __init__(
         self,
@@ -85,15 +88,21 @@ class TokenDecode(Serving):
         die_after: int | None = None,
         hold_done: threading.Event | None = None,
         precopy_wait: threading.Event | None = None,
+        precopy_wait_from: int = 0,
         precopy_dies: bool = False,
+        first_delay_s: float = 0.0,
     ) -> None:
         self.bodies: list[dict] = []
+        self.arrived: list[float] = []
+        self.first_sent: list[tuple[float, list[int]]] = []
+        stages = itertools.count()
         self.dead = False
         app = FastAPI()
 
         async def stream(path: str, request: Request) -> Any:
             body = await request.json()
             self.bodies.append(body)
+            self.arrived.append(time.monotonic())
             chat = path.endswith("chat/completions")
             prompt = prompt_ids(path, body)
             params = body.get("kv_transfer_params") or {}
@@ -112,7 +121,7 @@ class TokenDecode(Serving):
                             yield b""
 
                         return StreamingResponse(dropped())
-                    if precopy_wait is not None:
+                    if precopy_wait is not None and next(stages) >= precopy_wait_from:
                         await asyncio.to_thread(precopy_wait.wait, 30)
                 if fail_pulls:
                     return JSONResponse({"error": {"message": "KV load failed", "code": 500}}, status_code=500)
@@ -138,7 +147,9 @@ class TokenDecode(Serving):
                 for n in range(limit):
                     if die_after is not None and n == die_after:
                         raise RuntimeError("killed")  # the server drops the connection mid-stream
-                    await asyncio.sleep(delay_s)
+                    await asyncio.sleep(delay_s + (first_delay_s if n == 0 else 0.0))
+                    if n == 0:
+                        self.first_sent.append((time.monotonic(), prompt))
                     token = next_token(context)
                     context.append(token)
                     done = "length" if n == limit - 1 else None
@@ -654,6 +665,133 @@ def test_a_stream_whose_decode_dies_during_pre_copy_is_computed_on_the_next(clus
     assert (_metric(cluster, "recomputed"), _metric(cluster, "precopied")) == (1.0, 0.0)
 
 
+def _continued(cluster: Cluster, prompt: list[int]) -> float | None:
+    """When the continuation of the stream of `prompt` reached B (None: it did not)."""
+    for body, at in zip(list(cluster.b.bodies), list(cluster.b.arrived), strict=False):
+        if body.get("stream") is True and body["prompt"][: len(prompt)] == prompt:
+            return at
+    return None
+
+
+HELD = threading.Event()
+LONG = 200  # tokens a stream asks for: it runs on A for about 4 s, through the pre-copies
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        {"moves": attrs.evolve(PRECOPY, cut_together_s=30.0), "b": {"precopy_wait": HELD, "precopy_wait_from": 1}},
+        {"moves": attrs.evolve(PRECOPY, cut_together_s=0.0), "b": {"precopy_wait": HELD, "precopy_wait_from": 1}},
+    ],
+    indirect=True,
+    ids=["together", "apart"],
+)
+def test_streams_pre_copied_to_one_decode_are_cut_together(cluster: Cluster, request: Any) -> None:
+    """Issue 43: two streams drain from A to B; B answers one's pre-copy stage at once and holds the other's.
+
+    With `cut_together_s`, the stream whose stage ended goes on on A until the other's stage ends, and only then do
+    both continuations reach B; with 0 the first is cut at once, while B still holds the other's stage."""
+    together = request.node.callspec.id == "together"
+    quick, released = [], []
+
+    def hold_one_stage(ids: dict[str, list[int]], events: dict[str, list]) -> None:
+        try:
+            wait_for(lambda: len(_stages(cluster)) == 2, what="both streams' first stages asked of B")
+            first_stage = _stages(cluster)[0]  # B answered it at once and holds the other
+            quick.extend(p for p, i in ids.items() if first_stage["prompt"][: len(i)] == i)
+            if together:  # (apart, it is cut within an event or two of its stage)
+                seen = len(events[quick[0]])
+                wait_for(lambda: len(events[quick[0]]) >= seen + 10, what="ten more events of the stream staged")
+            else:
+                wait_for(lambda: _continued(cluster, ids[quick[0]]) is not None, what="its continuation at B")
+            released.append(time.monotonic())
+        finally:
+            HELD.set()
+
+    HELD.clear()
+    ids = _two_long_streams(cluster, hold_one_stage)
+    continued = {p: _continued(cluster, i) for p, i in ids.items()}
+    assert None not in continued.values(), "both streams went on on B"
+    if together:
+        assert min(continued.values()) >= released[0], "a stream was cut while B still held the other's pre-copy"
+    else:
+        assert continued[quick[0]] < released[0], "cut at once, while B held the other's pre-copy"
+    assert _metric(cluster, "precopied") == 2.0
+
+
+def _two_long_streams(
+    cluster: Cluster, during: Callable[[dict[str, list[int]], dict[str, list]], None] | None = None
+) -> dict[str, list[int]]:
+    """Two streams of `LONG` tokens through the proxy; once both have three events A drains. Their prompts' ids.
+
+    `during(ids, events)` runs after the drain, while they stream. Each client's tokens are checked whole and exact."""
+    ids = {p: prompt_ids("/v1/completions", {"prompt": p}) for p in ("first of two", "second of two")}
+    events: dict[str, list] = {p: [] for p in ids}
+    started = threading.Barrier(3, timeout=30)
+    bodies = {p: {"model": "m", "prompt": p, "max_tokens": LONG, "stream": True} for p in ids}
+    threads = [
+        threading.Thread(
+            target=_stream,
+            args=(cluster.proxy.url, "/v1/completions", bodies[p]),
+            kwargs={"events": events[p], "started": started.wait},
+        )
+        for p in ids
+    ]
+    try:
+        for t in threads:
+            t.start()
+        started.wait()  # both streams have three events from A
+        for move in cluster.move_ids():
+            cluster.ledger.offer(move, [1, 2], expected_pulls=1)  # what A's connector offers at the cut
+        cluster.drain_a()
+        if during is not None:
+            during(ids, events)
+    finally:
+        for t in threads:
+            t.join(60)
+    for p, i in ids.items():
+        assert events[p][-1] == "[DONE]" and _tokens(events[p]) == reference(i, LONG), p
+    return ids
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        {"moves": attrs.evolve(PRECOPY, cuts_at_once=1), "b": {"first_delay_s": 1.0}},
+        {"moves": attrs.evolve(PRECOPY, cuts_at_once=2), "b": {"first_delay_s": 1.0}},
+    ],
+    indirect=True,
+    ids=["one", "two"],
+)
+def test_pre_copied_streams_are_cut_to_a_decode_one_at_a_time(cluster: Cluster, request: Any) -> None:
+    """Issue 43: two streams pre-copied from A to B, whose first step takes 1 s; cut together, then one at a time.
+
+    With `cuts_at_once=1` the second continuation reaches B only after the first one's first event left it (the
+    second stream runs on A meanwhile); with 2 both are cut at once."""
+    ids = _two_long_streams(cluster)
+    came = sorted((_continued(cluster, i), p) for p, i in ids.items())
+    (first_at, first), (second_at, _) = came
+    [first_event] = [at for at, prompt in cluster.b.first_sent if prompt[: len(ids[first])] == ids[first]]
+    if request.node.callspec.id == "one":
+        assert second_at >= first_event, "the second stream was cut before the first one's first event from B"
+    else:
+        assert second_at < first_event, "both cut at once"
+    assert _metric(cluster, "precopied") == 2.0
+
+
+def test_the_cut_together_option_reaches_the_move_settings_and_refuses_a_negative_wait() -> None:
+    import argparse
+
+    from kvbridge_proxy import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    assert cli.settings(parser.parse_args(["proxy"])).moves.cut_together_s == MoveSettings().cut_together_s == 2.0
+    assert cli.settings(parser.parse_args(["proxy", "--precopy-cut-together", "0"])).moves.cut_together_s == 0.0
+    with pytest.raises(ConfigError, match="cut_together_s >= 0"):
+        cli.settings(parser.parse_args(["proxy", "--precopy-cut-together", "-1"]))
+
+
 def test_a_client_that_leaves_releases_the_blocks_its_decode_offers(cluster: Cluster) -> None:
     events = _one(cluster, leave_after=5, drain=False)
     assert len(events) == 5
@@ -762,6 +900,30 @@ def test_a_cut_goes_before_events_the_client_has_not_got_unless_the_decode_alrea
     first, cut, after, done = asyncio.run(go())
     assert first[0] == "event" and cut == ("cut", "its decode drains") and after[0] == "event"
     assert done == ("done", None), "a finished decode's stream waits for its [DONE], not for a cut"
+
+
+def test_a_pre_copied_stream_is_cut_right_after_its_next_event_or_at_most_a_bound_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pre-copied stream's cut waits for its next event, so that the client's gap starts at the cut.
+
+    A decode that sends no event (stuck) still has its stream cut, `CUT_AT_EVENT_S` after the pre-copy ended."""
+    from kvbridge_proxy import moving_stream
+
+    monkeypatch.setattr(moving_stream, "CUT_AT_EVENT_S", 0.05)
+
+    async def go() -> tuple[bool, bool, bool, bool]:
+        at_event = MovingStream("/v1/completions", {"stream": True}, prompt=[1, 2, 3])
+        at_event.end_precopy("decode-b", 3)
+        asked_before = at_event.cut_requested
+        at_event.at_event()
+        stuck = MovingStream("/v1/completions", {"stream": True}, prompt=[1, 2, 3])
+        stuck.end_precopy("decode-b", 3)
+        asked_at_once = stuck.cut_requested
+        await asyncio.wait_for(stuck.wait_cut(), 5)
+        return asked_before, at_event.cut_requested, asked_at_once, stuck.cut_requested
+
+    assert asyncio.run(go()) == (False, True, False, True)
 
 
 def test_a_move_asks_its_decode_again_when_slow_to_accept_and_takes_it_out_when_refused(

@@ -185,6 +185,23 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
         "decode it leaves) or pulls them (default compute; docs/elastic.md)",
     )
     p.add_argument(
+        "--precopy-cut-together",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="a stream whose pre-copy ended waits, still running where it is, up to S seconds for the other streams "
+        "pre-copied to the same decode, and they are cut together: no continuation then waits on that decode behind "
+        "another's pre-copy (0: each is cut when its own pre-copy ends; default 2)",
+    )
+    p.add_argument(
+        "--precopy-cuts-at-once",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pre-copied streams cut to one decode at a time; the next is cut once the last one's first event came "
+        "from there (the others run on meanwhile), so that no continuation waits behind another's (default 1)",
+    )
+    p.add_argument(
         "--rebalance",
         action="store_true",
         help="as --live-moves does, move streams off a decode whose KV cache is at least --rebalance-above full "
@@ -282,7 +299,12 @@ def settings(args: argparse.Namespace) -> ProxySettings:
             max_connections_per_client=args.max_connections_per_client,
         ),
         moves=MoveSettings(
-            args.move, tail=args.precopy_tail_by, stages=args.precopy_stages, tail_tokens=args.precopy_tail
+            args.move,
+            tail=args.precopy_tail_by,
+            stages=args.precopy_stages,
+            tail_tokens=args.precopy_tail,
+            cut_together_s=args.precopy_cut_together,
+            cuts_at_once=args.precopy_cuts_at_once,
         ),
     )
 

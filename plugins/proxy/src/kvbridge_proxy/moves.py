@@ -8,8 +8,10 @@ pulls its KV from the one it leaves (or pre-copies most of it first, or computes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +34,10 @@ from kvbridge_proxy.wire import sse, until_disconnect
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
+# A pre-copied stream waits at most this long for its turn to be cut (`MoveSettings.cuts_at_once`): the stream before
+# it may be stuck behind a client that does not read its events, and its turn with it.
+TURN_WAIT_S = 10.0
+
 
 class Moves:
     """Moves running streams between decodes: relays a movable stream (`relay`) and cuts it over when asked."""
@@ -52,6 +58,9 @@ class Moves:
         self.background = background
         self.move_settings = settings.moves
         self.takeover = Takeover(client, membership, handovers, background)
+        self._changes: dict[str, asyncio.Event] = {}  # decode URL -> set when a stream leaving it changes
+        # decode URL -> the cuts to it under way (`MoveSettings.cuts_at_once`), while a stream holds or awaits one
+        self._cut_slots: weakref.WeakValueDictionary[str, asyncio.Semaphore] = weakref.WeakValueDictionary()
 
     async def relay(
         self,
@@ -91,6 +100,7 @@ class Moves:
                     kind, payload = item
                     if kind == "event":
                         yield sse(moving.take(payload))
+                        moving.at_event()
                         if up.decode.draining:
                             moving.request_cut("its decode drains")
                         moving.cut_again(wanted=not up.decode.serving)
@@ -103,7 +113,10 @@ class Moves:
                     else:  # the decode died or the cut: continue on another decode
                         if moving.precopy is not None:
                             moving.precopy.cancel()  # its decode died: what it lent is gone
-                        moved = await self._move(moving, up, payload, pull=kind == "cut")
+                        try:
+                            moved = await self._move(moving, up, payload, pull=kind == "cut")
+                        finally:
+                            moving.release_cut_slot()
                         if moved is None:
                             error = {"message": f"decode server {up.decode.label} failed: {payload}", "code": 503}
                             yield sse({"error": error})
@@ -115,6 +128,9 @@ class Moves:
             finally:
                 if moving.precopy is not None:
                     moving.precopy.cancel()  # it releases what it holds
+                moving.movable = False  # it is over: the streams waiting to be cut with it wait no more
+                moving.release_cut_slot()
+                self._changed(up.decode)
                 self.background.spawn(up.close() if finished else self.takeover.leave(up, moving, "its client left"))
 
         return StreamingResponse(
@@ -172,6 +188,7 @@ class Moves:
             if pulled is not None and outcome == "recomputed":  # nobody read the offered blocks: free them now
                 await self._release_offer(pulled, moving, "recomputed")
             self._moved(moving, source, target, f"{why}, {outcome}", outcome, (cut, closed))
+            self._changed(source)
             return moved
         if pulled is not None:
             await self._release_offer(pulled, moving, "the move failed")
@@ -225,18 +242,83 @@ class Moves:
             return False  # the cut finds none either, and the stream stays
         if target.identity is None:
             return False
-        moving.begin_precopy(asyncio.ensure_future(self._precopy(moving, source.identity, target)))
+        moving.begin_precopy(asyncio.ensure_future(self._precopy(moving, source, target)))
         return True
 
-    async def _precopy(self, moving: MovingStream, source: KVTransferParams, target: Instance) -> None:
+    async def _precopy(self, moving: MovingStream, source: Instance, target: Instance) -> None:
         """Have `target` pull, in stages, the blocks the stream fills on `source` while it runs on; then cut it.
 
-        A stage pulls what its context adds; the stages end when at most `tail_tokens` are left to the cut."""
-        covered, began = 0, time.perf_counter()
+        The cut waits for the other streams leaving `source` (`MoveSettings.cut_together_s`)."""
+        began, covered = time.perf_counter(), [0, 0]  # tokens the stages left in target's cache, and stages run
+        assert source.identity is not None  # (`_precopies` checked)
         try:
-            for stage in range(1, self.move_settings.stages + 1):
+            try:
+                pulled = await self._stages(moving, source.identity, target, covered, self.move_settings.stages)
+            finally:
+                moving.staged = True
+                self._changed(source)
+            staged = time.perf_counter()
+            await self._together(moving, source, staged + self.move_settings.cut_together_s)
+            slot = self._cut_slots.setdefault(target.url, asyncio.Semaphore(self.move_settings.cuts_at_once))
+            with contextlib.suppress(asyncio.TimeoutError):  # (then it is cut without a turn)
+                await asyncio.wait_for(slot.acquire(), TURN_WAIT_S)
+                moving.cut_slot = slot  # released once its move is over
+            if pulled:  # its wait made a longer tail: one stage more while it runs on keeps the cut's tail short
+                await self._stages(moving, source.identity, target, covered, 1)
+        except asyncio.CancelledError:  # the stream ended or its client left: nothing is cut
+            moving.precopy = None
+            log.warning(
+                "stream %s ended (or its client left) during its pre-copy to %s (%d tokens pre-copied in %.1f ms): "
+                "nothing to move",
+                moving.move_id,
+                target.url,
+                covered[0],
+                (time.perf_counter() - began) * 1e3,
+            )
+            raise
+        log.info(
+            "stream %s: pre-copied %d tokens to %s in %.1f ms, then waited %.1f ms for the other streams leaving %s "
+            "and its turn; cut with %d tokens",
+            moving.move_id,
+            covered[0],
+            target.url,
+            (staged - began) * 1e3,
+            (time.perf_counter() - staged) * 1e3,
+            source.url,
+            len(moving.prompt or ()) + len(moving.generated),
+        )
+        moving.end_precopy(target, covered[0])
+
+    async def _together(self, moving: MovingStream, source: Instance, deadline: float) -> None:
+        """Until `deadline` (perf_counter), wait while another stream leaving `source` has its pre-copy to come or run.
+
+        Cut together, no stream's continuation waits on the next decode behind another's pre-copy."""
+        while any(
+            other is not moving and other.precopy_pending(leaving=not source.serving) for other in source.streams
+        ):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changes.setdefault(source.url, asyncio.Event()).wait(), left)
+
+    def _changed(self, source: Instance) -> None:
+        """A stream leaving `source` ended its stages, moved or ended: the streams waiting to be cut look again."""
+        changed = self._changes.pop(source.url, None)
+        if changed is not None:
+            changed.set()
+
+    async def _stages(
+        self, moving: MovingStream, source: KVTransferParams, target: Instance, covered: list[int], stages: int
+    ) -> bool:
+        """Up to `stages` more pre-copy stages, each pulling what the context added; whether none failed.
+
+        They end when at most `tail_tokens` are left. `covered`: the tokens pulled so far, and the stages run. A stage
+        that fails or times out ends them (logged): the cut goes on."""
+        try:
+            for stage in range(covered[1] + 1, covered[1] + stages + 1):
                 context = len(moving.prompt or ()) + len(moving.generated)
-                if covered and context - covered <= self.move_settings.tail_tokens:
+                if covered[0] and context - covered[0] <= self.move_settings.tail_tokens:
                     break
                 lease = precopy_id(moving.move_id, stage)
                 outcome = None
@@ -256,8 +338,8 @@ class Moves:
                         target.url,
                         "failed" if outcome is None else "was computed, not pulled",
                     )
-                    break
-                covered = context
+                    return False
+                covered[0], covered[1] = context, stage
                 self.metrics.precopy_stages.inc()
         except asyncio.TimeoutError:
             log.warning(
@@ -266,25 +348,8 @@ class Moves:
                 target.url,
                 self.move_settings.stage_timeout_s,
             )
-        except asyncio.CancelledError:  # the stream ended or its client left: nothing is cut
-            moving.precopy = None
-            log.warning(
-                "stream %s ended (or its client left) during its pre-copy to %s (%d tokens pre-copied in %.1f ms): "
-                "nothing to move",
-                moving.move_id,
-                target.url,
-                covered,
-                (time.perf_counter() - began) * 1e3,
-            )
-            raise
-        except Exception:
+            return False
+        except Exception:  # (a cancel is no Exception: it reaches `_precopy`)
             log.exception("stream %s: pre-copy to %s failed", moving.move_id, target.url)
-        log.info(
-            "stream %s: pre-copied %d tokens to %s in %.1f ms; cut with %d tokens",
-            moving.move_id,
-            covered,
-            target.url,
-            (time.perf_counter() - began) * 1e3,
-            len(moving.prompt or ()) + len(moving.generated),
-        )
-        moving.end_precopy(target, covered)
+            return False
+        return True

@@ -53,6 +53,9 @@ PLAIN_DELTA = {"role", "content"}
 
 
 MOVES = ("precopy", "stop-and-copy", "recompute")
+# a pre-copied stream is cut right after its next event, or this many seconds after its pre-copy ended (its decode
+# may be stuck: then the cut is what frees it)
+CUT_AT_EVENT_S = 0.5
 
 
 @attrs.frozen
@@ -63,13 +66,19 @@ class MoveSettings:
     until at most `tail_tokens` are left at the cut; it then computes that tail (`tail="compute"`: the cut needs
     nothing more of the decode it leaves) or pulls it (`"pull"`). stop-and-copy: all of it is pulled after the cut.
     recompute: the next decode computes it (what replaying the tokens costs). A stage not answered in `stage_timeout_s`
-    is given up: the cut then pulls what the stages did not."""
+    is given up: the cut then pulls what the stages did not. The streams leaving one decode are cut together: one
+    whose stages ended waits, still running where it is, up to `cut_together_s` for the others' stages (0: it does
+    not), so that no continuation waits on the next decode behind another stream's pre-copy; and at most
+    `cuts_at_once` of them are cut at a time to each next decode, the next once the last one's first event came, so
+    that none waits there behind the others' continuations."""
 
     mode: str = attrs.field(default="precopy")
     tail: str = attrs.field(default="compute", validator=attrs.validators.in_(("compute", "pull")))
     stages: int = 3
     tail_tokens: int = 64
     stage_timeout_s: float = 30.0
+    cut_together_s: float = 2.0
+    cuts_at_once: int = 1
 
     @mode.validator
     def _known(self, _attribute: Any, value: str) -> None:
@@ -77,11 +86,13 @@ class MoveSettings:
             raise ConfigError(f"a stream moves by {' or '.join(MOVES)}, not {value!r}")
 
     def __attrs_post_init__(self) -> None:
-        if self.stages < 1 or self.tail_tokens < 0 or self.stage_timeout_s <= 0:
+        if min(self.stages, self.cuts_at_once) < 1 or min(self.tail_tokens, self.cut_together_s) < 0:
             raise ConfigError(
-                f"pre-copy needs stages >= 1, tail_tokens >= 0 and stage_timeout_s > 0; got {self.stages}, "
-                f"{self.tail_tokens}, {self.stage_timeout_s}"
+                f"pre-copy needs stages >= 1, tail_tokens >= 0, cut_together_s >= 0 and cuts_at_once >= 1; got "
+                f"{self.stages}, {self.tail_tokens}, {self.cut_together_s}, {self.cuts_at_once}"
             )
+        if self.stage_timeout_s <= 0:
+            raise ConfigError(f"pre-copy needs stage_timeout_s > 0; got {self.stage_timeout_s}")
 
 
 def refusal(path: str, body: dict[str, Any]) -> str | None:
@@ -142,9 +153,12 @@ class MovingStream:
     _cut: asyncio.Event = attrs.Factory(asyncio.Event)
     cut_reason: str = ""
     _again_at: float = 0.0  # a cut found no other decode: it goes on where it is, and its cut is made again then
+    _cut_soon: asyncio.TimerHandle | None = None  # a pre-copied stream's cut, due at its next event or at this
     prefer: Any = None  # the decode to move to (the rebalancer's pick), if it still takes requests
     move: str | None = None  # how this cut moves it (None: the proxy's setting)
     precopy: asyncio.Task | None = None  # the pre-copy of this cut, while it runs
+    staged: bool = False  # its pre-copy's stages ended: it waits for the other streams leaving its decode
+    cut_slot: asyncio.Semaphore | None = None  # its next decode's cut slot (`MoveSettings.cuts_at_once`), while held
     precopied: tuple[Any, int] | None = None  # (decode, tokens) this cut's pre-copy left in that decode's cache
 
     @property
@@ -180,14 +194,38 @@ class MovingStream:
 
     def begin_precopy(self, task: asyncio.Task) -> None:
         """The cut waits while `task` pre-copies; it asks for the cut again when it ends."""
-        self.precopy = task
+        self.precopy, self.staged = task, False
         self._cut.clear()
 
+    def precopy_pending(self, *, leaving: bool) -> bool:
+        """Its pre-copy's stages run, or are to come.
+
+        To come: its cut is asked for, or comes at its next event (`leaving`: its decode takes no requests)."""
+        if self.precopy is not None:
+            return not self.staged
+        return self.movable and self.precopied is None and (leaving or self._cut.is_set()) and not self._again_at
+
     def end_precopy(self, target: Any, tokens: int) -> None:
-        """The pre-copy ended, having left `tokens` in `target`'s cache (0: nothing): cut now, to `target`."""
+        """The pre-copy ended, having left `tokens` in `target`'s cache (0: nothing): cut it to `target` soon.
+
+        Right after its next event (`at_event`), so that the client's gap starts at the cut; at most `CUT_AT_EVENT_S`
+        from now."""
         self.precopy = None
         self.precopied = (target, tokens)
-        self._cut.set()
+        self._cut_soon = asyncio.get_running_loop().call_later(CUT_AT_EVENT_S, self.at_event)
+
+    def at_event(self) -> None:
+        """The client has the stream's last event: a cut its pre-copy left for this moment is made now."""
+        if self._cut_soon is not None:
+            self._cut_soon.cancel()
+            self._cut_soon = None
+            self._cut.set()
+
+    def release_cut_slot(self) -> None:
+        """Its cut is over (moved, failed or not made): the next stream may be cut to that decode."""
+        slot, self.cut_slot = self.cut_slot, None
+        if slot is not None:
+            slot.release()
 
     @property
     def cut_requested(self) -> bool:
@@ -215,6 +253,9 @@ class MovingStream:
 
     def moved(self) -> None:
         """The stream now comes from another decode: a later cut is a new one."""
+        if self._cut_soon is not None:
+            self._cut_soon.cancel()
+            self._cut_soon = None
         self.moves += 1
         self._resumed_at = len(self.generated)
         self._cut.clear()
