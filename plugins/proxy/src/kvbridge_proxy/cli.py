@@ -189,9 +189,9 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         metavar="S",
-        help="a stream whose pre-copy ended waits, still running where it is, up to S seconds for the other streams "
-        "pre-copied to the same decode, and they are cut together: no continuation then waits on that decode behind "
-        "another's pre-copy (0: each is cut when its own pre-copy ends; default 2)",
+        help="a stream whose pre-copy ended waits, still running where it is, up to S seconds for the pre-copies of "
+        "the other streams leaving its decode, and they are cut together: no continuation then waits on the next "
+        "decode behind another's pre-copy (0: each is cut when its own pre-copy ends; default 2)",
     )
     p.add_argument(
         "--precopy-cuts-at-once",

@@ -49,7 +49,7 @@ def add_executor_argument(group: Any) -> None:
     """`--executor` for a CLI that starts vLLM servers (an argparse parser or argument group)."""
     group.add_argument(
         "--executor",
-        choices=["uni", "mp"],
+        choices=EXECUTORS,
         default="uni",
         help="where each vLLM server runs its model: uni, in its engine-core process (what vLLM runs for "
         "one GPU); mp, in a worker process beside it (vLLM's choice on CPU, whose two processes spin-wait "
