@@ -29,6 +29,8 @@ from typing import Any
 
 import attrs
 
+from kvbridge_tools.harness.hosts import OWN_GROUP
+
 NOISE_MARK = "kvbridge-bench-noise"
 # a spin loop that takes one core while it runs; the mark names it in `ps` and lets a test find it by PID
 HOG = f"# {NOISE_MARK}\nwhile True:\n    pass\n"
@@ -83,7 +85,7 @@ class NoiseProcs:
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
-                        start_new_session=True,
+                        **OWN_GROUP,
                     )
                 )
                 self.where.append(host.name if host is not None else "local")

@@ -47,6 +47,7 @@ from kvbridge.control.discovery import ServerRecord
 from kvbridge_tools.bench.plot import check_path, write_chart
 from kvbridge_tools.bench.scale_rank import BLOCKS
 from kvbridge_tools.harness.etcd import etcd_server
+from kvbridge_tools.harness.hosts import OWN_GROUP
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child
 from kvbridge_tools.harness.redis import redis_server
@@ -323,7 +324,7 @@ def measure_membership(registry: str, secret: str, records: int, interval: float
         argv = [sys.executable, "-m", "kvbridge", "proxy", "--port", str(port), "--registry", registry]
         argv += ["--health-interval", str(interval), "--no-warm-up", "--expose-internals"]
         with open(log_path, "wb") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, **OWN_GROUP)
         try:
             deadline = time.monotonic() + 120
             state: dict[str, Any] = {}

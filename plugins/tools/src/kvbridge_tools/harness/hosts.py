@@ -45,6 +45,11 @@ _SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 _TOOLS = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables"}
 _CLONE_NEWNET = 0x40000000
 _STOP_S = 5.0  # a process gets this long after SIGTERM before SIGKILL
+# What every process the harness starts is given: a process group of its own (stopped as one), in the caller's
+# session. A session of its own is a scheduling group of its own too (Linux's autogroup, on by default), and there a
+# mostly idle process, the proxy, waited up to 1.25 s for a CPU while the servers' groups kept both CPUs busy:
+# docs/measurements/stalls.md, "Scheduling groups".
+OWN_GROUP: dict[str, Any] = {"process_group": 0}
 _counter = itertools.count()
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)?$", re.IGNORECASE)
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
@@ -173,7 +178,7 @@ class Host:
 
     def popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `args` inside the host (a process group of its own); it is stopped when the hosts close."""
-        kwargs.setdefault("start_new_session", True)
+        kwargs = {**OWN_GROUP, **kwargs}
         proc = subprocess.Popen(self.command(args), **kwargs)
         self._procs.append(proc)
         return proc

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbridge.base.errors import ConfigError
+from kvbridge_tools.harness.hosts import OWN_GROUP
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.vllm_server import BASE_ENV, Server, host_env, wait_healthy
 
@@ -76,7 +77,7 @@ def start_vllm_router(
         env.update({k: v for k, v in host_env(host).items() if k != "VLLM_HOST_IP"})
     with open(log_path, "wb") as out:
         argv = host.command(cmd) if host else cmd
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, **OWN_GROUP)
     log.info("started vllm-router on %s:%d (pid %d), log %s", address, port, proc.pid, log_path)
     router = Server(port=port, proc=proc, log_path=log_path, address=address)
     try:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvbridge.base.errors import ConfigError
+from kvbridge_tools.harness.hosts import OWN_GROUP
 from kvbridge_tools.harness.ports import free_port
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class Server:
 
     def _signal(self, sig: int) -> None:
         try:
-            os.killpg(self.proc.pid, sig)  # the group this server leads (start_new_session)
+            os.killpg(self.proc.pid, sig)  # the group this server leads (OWN_GROUP)
         except ProcessLookupError:
             pass
 
@@ -348,7 +349,7 @@ def start_vllm(
     full_env["TMPDIR"] = str(tmp_dir)
     with open(log_path, "wb") as out:
         argv = host.command(cmd) if host else cmd
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, **OWN_GROUP)
     log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
     address = host.address if host else "127.0.0.1"
     return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir, address=address)
@@ -418,7 +419,7 @@ def start_proxy(
     env.setdefault("KVBRIDGE_STALL_DIR", str(log_dir / f"stalls-{port}"))  # as a vLLM server's (start_vllm)
     with open(log_path, "wb") as out:
         argv = host.command(cmd) if host else cmd
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, **OWN_GROUP)
     proxy = Server(port=port, proc=proc, log_path=log_path, address=host.address if host else "127.0.0.1")
     try:
         if registry is None:  # with one, it may have no server yet: /instances answering is enough
