@@ -98,6 +98,69 @@ def box_cpu() -> tuple[float, ...]:
     return ((user + nice + system + irq + softirq) / hz, (idle + iowait) / hz, steal / hz)
 
 
+# Process ids to (name, CPU seconds so far, all its threads): every process this one can see in /proc.
+Processes = dict[int, tuple[str, float]]
+OTHERS_SHOWN = 5  # a dump names this many of the processes that ran most meanwhile
+
+
+def processes() -> Processes:
+    """Every process in /proc: its name and CPU seconds so far (`stat`'s utime + stime, in clock ticks)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out: Processes = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return out
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                text = f.read()
+            fields = text[text.rindex(")") + 2 :].split()
+            out[int(pid)] = (text[text.index("(") + 1 : text.rindex(")")], (int(fields[11]) + int(fields[12])) / hz)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return out
+
+
+def sched_group(pid: int) -> str:
+    """The groups the kernel shares CPUs between before it shares them between threads.
+
+    The process's cgroup (each systemd service, each container) and, where `kernel.sched_autogroup_enabled` is 1,
+    its autogroup (each session)."""
+    parts = []
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+        # cgroup v2's one line, or v1's cpu controller
+        cpu = [ln.split(":", 2)[2] for ln in lines if ln.split(":", 2)[1] in ("", "cpu", "cpu,cpuacct", "cpuacct,cpu")]
+        if cpu:
+            parts.append(f"cgroup {cpu[0]}")
+    except (OSError, IndexError):
+        pass
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            autogroups = f.read().strip() == "1"
+        if autogroups:
+            with open(f"/proc/{pid}/autogroup") as f:
+                parts.append(f.read().split()[0].lstrip("/"))
+    except (OSError, IndexError):
+        pass
+    return ", ".join(parts) or "group not known"
+
+
+def others(before: Processes, after: Processes, window_s: float) -> str:
+    """The processes that ran most between two looks, each with its scheduling group: who had the CPUs."""
+    ran = sorted(
+        ((cpu - before[pid][1], pid, name) for pid, (name, cpu) in after.items() if pid in before),
+        reverse=True,
+    )[:OTHERS_SHOWN]
+    shown = [f"{name} (pid {pid}; {sched_group(pid)}) {cpu:.2f} s" for cpu, pid, name in ran if cpu > 0]
+    mine = sched_group(os.getpid())
+    return f"Processes that ran most in the last {window_s:.1f} s of it (CPU seconds; this one's group: {mine}): " + (
+        ", ".join(shown) or "none measurably"
+    )
+
+
 def _thread_name(tid: int, names: Mapping[int, str]) -> str:
     if tid in names:
         return names[tid]
@@ -190,6 +253,8 @@ class Watchdog:
         self._samples: deque[tuple[float, Schedstat, tuple[float, ...]]] = deque(
             maxlen=min(1000, max(2, int(HISTORY_S * 2 / stall_s)))
         )
+        # every process's CPU at the first look that found a beat stalled half the time: what a dump counts others from
+        self._others: tuple[float, Processes] | None = None
         self._pid = os.getpid()
         self._beats: weakref.WeakSet[Beat] = weakref.WeakSet()  # a pull dropped without its end is gone too
         self._lock = threading.Lock()
@@ -232,16 +297,26 @@ class Watchdog:
         # Sampled before any beat is marked dumped (one who waits on that moves on).
         now, stats, box = self._sample()
         stalled: list[tuple[Beat, float]] = []
+        suspect = False
         for b in beats:
             since = b.since
-            if since is not None and now - since >= self.stall_s and b.dumped != since:
-                b.dumped = since
-                stalled.append((b, since))
+            if since is not None and b.dumped != since:
+                if now - since >= self.stall_s:
+                    b.dumped = since
+                    stalled.append((b, since))
+                suspect = suspect or now - since >= self.stall_s / 2
+        # Every process's counters only where a stall is likely: reading /proc whole costs a few milliseconds.
+        if suspect and self._others is None:
+            self._others = (now, processes())
         if stalled:
             self.stalls += 1
             then, before, box_before = self._window_start(min(since for _, since in stalled), now)
             accounting = account([b for b, _ in stalled], before, stats, now - then, (box_before, box))
+            if self._others is not None and self._others[0] < now:
+                accounting += "\n" + others(self._others[1], processes(), time.monotonic() - self._others[0])
             self._dump(stalled, now, accounting)
+        if not suspect or stalled:
+            self._others = None
         self.checked = now
 
     def _window_start(self, began: float, now: float) -> tuple[float, Schedstat, tuple[float, ...]]:

@@ -5,9 +5,10 @@ Real threads that block or spin; the kernel's own per-thread counters (/proc sch
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from control_helpers import wait_for
@@ -69,9 +70,19 @@ def test_the_kernel_view_shows_a_blocked_thread_asleep_in_the_kernel() -> None:
     blocked = threading.Thread(target=release.wait, args=(30,), name="blocked-on-an-event", daemon=True)
     blocked.start()
     try:
-        # parked in the kernel (a futex wait for its Event); a thread the kernel is still waking may read R
-        wait_for(lambda: Path(f"/proc/self/task/{blocked.native_id}/stat").read_text().split(") ")[1][0] == "S")
-        head, *lines = kernel_view().splitlines()
+        # Parked in the kernel (a futex wait for its Event). A thread the kernel is still waking may read R, and one
+        # that has just gone to sleep may read no wait channel for a moment: since Linux 6.12 a sleeping task whose
+        # fair share is overdrawn stays queued until it is not ("delayed dequeue"), and the kernel names no wait
+        # channel for a queued task. Seen on a loaded box (`S; -; 202`).
+        view: list[str] = []
+
+        def parked() -> bool:
+            view[:] = kernel_view().splitlines()
+            mine = [ln for ln in view if ln.startswith(f"  blocked-on-an-event ({blocked.native_id}): S; ")]
+            return bool(mine) and "; -; " not in mine[0]
+
+        wait_for(parked, timeout=10, what=lambda: f"the blocked thread parked with a wait channel: {view}")
+        head, *lines = view
     finally:
         release.set()
         blocked.join(30)
@@ -131,3 +142,25 @@ def test_a_stall_after_an_idle_spell_is_accounted_from_the_first_look_that_saw_i
     window = float(accounting.split("CPU time over the last ")[1].split(" s")[0])
     # from a look after it began (never the idle spell's start), and at least one look before the dump
     assert 0 < window < idle_s, accounting
+
+
+def test_a_dump_names_the_processes_that_had_the_cpus_and_their_scheduling_groups(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another process spinning in a session of its own (so an autogroup of its own) while a beat stands still."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+
+        def blocks(beat: object) -> None:
+            wait_for(lambda: getattr(beat, "dumped", None) is not None, timeout=20, what="the stall's dump")
+
+        dump = _stalled(caplog, blocks)
+    finally:
+        spinner.kill()
+        spinner.wait(10)
+    (line,) = [ln for ln in dump.splitlines() if ln.startswith("Processes that ran most in the last ")]
+    assert f"(pid {spinner.pid}; " in line, line
+    mine, theirs = line.split("this one's group: ")[1].split("): ", 1)
+    assert mine and mine != "group not known", line
+    spun = theirs.split(f"(pid {spinner.pid}; ")[1].split(")")[0]
+    assert spun != "group not known", line
