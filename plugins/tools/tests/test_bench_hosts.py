@@ -99,13 +99,16 @@ def test_link_without_hosts_and_hosts_outside_pair_mode_are_refused() -> None:
 
 
 def test_noise_specs_and_their_refusals() -> None:
-    assert parse_noise("cpu=1") == Noise(cpu=1) and parse_noise("cpu=3") == Noise(cpu=3)
+    assert parse_noise("cpu=1") == Noise(cpu=1) and parse_noise("cpu=3") == Noise(cpu=3, group="own")
+    assert parse_noise("group=bench, cpu=2") == Noise(cpu=2, group="bench")
     for bad, why in [
+        ("cpu=2,group=mine", "group='mine' is neither own nor bench"),
+        ("group=own", "no cpu=N asked for"),
         ("cpu=0", "cpu='0' is not a whole number of processes >= 1"),
         ("cpu=1.5", "not a whole number"),
         ("cpu", "expected KEY=VALUE"),
         ("mem=1", "unknown key 'mem'"),
-        ("", "nothing asked for"),
+        ("", "no cpu=N asked for"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_noise(bad)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from kvbridge_tools.bench.load_probes import (
     CPU_STATES,
@@ -109,8 +113,9 @@ def test_kvbridge_threads_are_named_in_the_os_and_their_cpu_is_read() -> None:
         proc.wait()
 
 
-def test_noise_runs_only_when_resumed_and_is_killed_by_pid() -> None:
-    noise = NoiseProcs(Noise(cpu=2), [None])
+@pytest.mark.parametrize("group", ["own", "bench"])
+def test_noise_runs_only_when_resumed_and_is_killed_by_pid(group: str) -> None:
+    noise = NoiseProcs(Noise(cpu=2, group=group), [None])
     try:
         pids = noise.pids
         assert len(pids) == 2 and noise.where == ["local", "local"]
@@ -124,12 +129,47 @@ def test_noise_runs_only_when_resumed_and_is_killed_by_pid() -> None:
                 noise.resume()
             assert NOISE_MARK.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
         noise.pause()
+        # own: one session, so one scheduling group, of their own (a neighbour's job); bench: the bench's session
+        sessions = {os.getsid(pid) for pid in pids}
+        assert sessions == ({noise.procs[0].pid} if group == "own" else {os.getsid(0)})
     finally:
         noise.close()
     for p in noise.procs:
-        assert p.returncode == -9  # SIGKILL, and reaped
+        assert p.returncode == (0 if group == "own" else -9)  # reaped: the leader its children, then exits
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or NOISE_MARK.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+# Run as a child subreaper (PR_SET_CHILD_SUBREAPER): the orphans come to it, and it reaps them (this box's init does
+# not reap). Its first line: the spinning PIDs; its last: "reaped" once both died of their leader's death.
+ORPHANS = """
+import ctypes, os
+ctypes.CDLL(None, use_errno=True).prctl(36, 1)
+from kvbridge_tools.bench.load_probes import Noise, NoiseProcs
+noise = NoiseProcs(Noise(cpu=2), [None])
+print(*noise.pids, flush=True)
+noise.procs[0].kill()
+noise.procs[0].wait()
+for pid in noise.pids:
+    os.waitpid(pid, 0)
+print("reaped", flush=True)
+"""
+
+
+def test_a_noise_group_dies_with_its_leader() -> None:
+    """A bench killed outright leaves no spinning process: the leader's children die with it (PR_SET_PDEATHSIG)."""
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANS], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    pids = [int(pid) for pid in proc.stdout.readline().split()]
+    try:
+        out, _ = proc.communicate(timeout=60)
+        assert len(pids) == 2 and out.split() == ["reaped"] and proc.returncode == 0
+    finally:
+        for pid in pids:  # (only where they outlived their leader: the test failed)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
 
 
 def spinner(cpu: int, seconds: float) -> str:

@@ -1,7 +1,11 @@
 """What `kvbridge bench --engine vllm --load` reads beside the serve bench: noise, thread CPU, kvbridge's histograms.
 
-- `--noise cpu=N`: N busy Python processes (a spin loop) on the prefill's and decode's hosts, running only
-  while a round is measured (stopped with SIGSTOP between rounds), killed by PID at the end.
+- `--noise cpu=N[,group=own|bench]`: N busy Python processes (a spin loop), running only while a round is
+  measured (stopped with SIGSTOP between rounds), killed by PID at the end. `group=own` (the default) is a
+  neighbour's job: the N share one session of their own, so one scheduling group (Linux's autogroup; a container's
+  or a systemd service's cgroup is one too), and the kernel shares the CPUs between it and the bench's group first.
+  `group=bench`: N more processes in the bench's session, on the prefill's and decode's hosts in turn, their threads
+  queued beside the servers' (docs/measurements/stalls.md, "Scheduling groups").
 - CPU of kvbridge's own threads: /proc/<pid>/task/<tid>/schedstat (on-CPU nanoseconds; stat's utime + stime
   in 10 ms ticks where the kernel keeps no schedstat) of every process in a server's process group, for the
   threads whose OS name starts with `kvbridge`: kvbridge names its threads in the OS (`kvbridge.base.threadname`),
@@ -34,6 +38,31 @@ from kvbridge_tools.harness.hosts import OWN_GROUP
 NOISE_MARK = "kvbridge-bench-noise"
 # a spin loop that takes one core while it runs; the mark names it in `ps` and lets a test find it by PID
 HOG = f"# {NOISE_MARK}\nwhile True:\n    pass\n"
+# `group=own`: a session leader that forks argv[1] spinning children, says their PIDs, and at the end of its stdin
+# (the bench closed it, or died) kills and reaps them. A child that outlives it (the leader SIGKILLed) dies with it:
+# PR_SET_PDEATHSIG.
+HOG_GROUP = f"""# {NOISE_MARK}
+import ctypes, os, signal, sys
+children, leader = [], os.getpid()
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != leader:  # (it died before the line above)
+            os._exit(0)
+        while True:
+            pass
+    children.append(pid)
+print(*children, flush=True)
+sys.stdin.read()
+for pid in children:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)
+"""
+GROUPS = ("own", "bench")
 THREAD_PREFIX = "kvbridge"
 # One tiny-model vLLM server here (API server, engine core with the model and its 1 GiB KV cache), as resident
 # (docs/vllm.md), and a little more for what else starts beside it.
@@ -43,60 +72,92 @@ MEMORY_MARGIN_GIB = 2.0
 
 @attrs.frozen
 class Noise:
-    """What `--noise` asks for: `cpu` busy processes."""
+    """What `--noise` asks for: `cpu` busy processes, in a scheduling group of their own or the bench's (`group`)."""
 
     cpu: int = 0
+    group: str = "own"
 
 
 def parse_noise(text: str) -> Noise:
-    """`cpu=N` (N >= 1 busy processes)."""
-    fields: dict[str, int] = {}
+    """`cpu=N` (N >= 1 busy processes), and `group=own` (default) or `group=bench`."""
+    fields: dict[str, Any] = {}
+    hint = "write cpu=N (N >= 1 busy processes), optionally with ,group=own or ,group=bench"
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
+        value = value.strip()
         try:
             if not sep:
                 raise ValueError("expected KEY=VALUE")
-            if key != "cpu":
+            if key == "cpu":
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"cpu={value!r} is not a whole number of processes >= 1")
+                fields["cpu"] = int(value)
+            elif key == "group":
+                if value not in GROUPS:
+                    raise ValueError(f"group={value!r} is neither {' nor '.join(GROUPS)}")
+                fields["group"] = value
+            else:
                 raise ValueError(f"unknown key {key!r}")
-            if not value.strip().isdigit() or int(value) < 1:
-                raise ValueError(f"cpu={value!r} is not a whole number of processes >= 1")
-            fields["cpu"] = int(value)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"--noise {text!r}: {e}; write cpu=N (N >= 1 busy processes)") from None
-    if not fields:
-        raise argparse.ArgumentTypeError(f"--noise {text!r}: nothing asked for; write cpu=N (N >= 1 busy processes)")
+            raise argparse.ArgumentTypeError(f"--noise {text!r}: {e}; {hint}") from None
+    if "cpu" not in fields:
+        raise argparse.ArgumentTypeError(f"--noise {text!r}: no cpu=N asked for; {hint}")
     return Noise(**fields)
 
 
 class NoiseProcs:
-    """The busy processes of `--noise`, placed in turn on `hosts` (None: here). Stopped until `resume`."""
+    """The busy processes of `--noise`, on `hosts` (None: here). Stopped until `resume`.
+
+    `group=bench`: one process each, placed on `hosts` in turn. `group=own`: one session leader on the first host
+    (a spin loop loads the CPUs of every namespace host alike) whose children spin; `pids` are the spinning ones."""
 
     def __init__(self, noise: Noise, hosts: Sequence[Any]) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.where: list[str] = []
+        self.group = noise.group
+        self._pids: list[int] = []
         try:
-            for i in range(noise.cpu):
-                host = hosts[i % len(hosts)]
-                argv = [sys.executable, "-c", HOG]
-                # `ip netns exec` execs in place: the PID is the spinning Python's
-                self.procs.append(
-                    subprocess.Popen(
-                        host.command(argv) if host is not None else argv,
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL,
-                        **OWN_GROUP,
+            if noise.group == "own":
+                self._start_group(noise.cpu, hosts[0])
+            else:
+                for i in range(noise.cpu):
+                    host = hosts[i % len(hosts)]
+                    # `ip netns exec` execs in place: the PID is the spinning Python's
+                    argv = [sys.executable, "-c", HOG]
+                    self.procs.append(
+                        self._popen(argv, host, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, **OWN_GROUP)
                     )
-                )
-                self.where.append(host.name if host is not None else "local")
+                    self._pids.append(self.procs[-1].pid)
+                    self.where.append(_host_name(host))
             self.pause()
         except BaseException:
             self.close()
             raise
 
+    @staticmethod
+    def _popen(argv: list[str], host: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(host.command(argv) if host is not None else argv, stderr=subprocess.DEVNULL, **kwargs)
+
+    def _start_group(self, cpu: int, host: Any) -> None:
+        leader = self._popen(
+            [sys.executable, "-c", HOG_GROUP, str(cpu)],
+            host,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # the session, so the scheduling group, of a neighbour's job
+        )
+        self.procs.append(leader)
+        assert leader.stdout is not None
+        line = leader.stdout.readline()  # (its children are forked and spinning by then)
+        self._pids = [int(pid) for pid in line.split()]
+        if len(self._pids) != cpu:
+            raise RuntimeError(f"the noise's group leader started {len(self._pids)} of {cpu} busy processes")
+        self.where = [_host_name(host)] * cpu
+
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        """The spinning processes."""
+        return list(self._pids)
 
     def _signal(self, sig: int) -> None:
         for pid in self.pids:
@@ -113,11 +174,25 @@ class NoiseProcs:
         return sum(process_cpu(pid) for pid in self.pids)
 
     def close(self) -> None:
-        """SIGKILL every one by PID (a stopped process dies of it too) and reap it."""
+        """SIGKILL every spinning one by PID (a stopped process dies of it too) and reap it.
+
+        A group's leader reaps its children once its stdin is closed, then exits."""
         self._signal(signal.SIGKILL)
         for p in self.procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            if p.stdin is not None:
+                with contextlib.suppress(OSError):
+                    p.stdin.close()
+            try:
                 p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+def _host_name(host: Any) -> str:
+    return host.name if host is not None else "local"
 
 
 def _stat_times(path: Path) -> tuple[str, int]:

@@ -26,7 +26,8 @@ groups (router apart) over each run's wall time, in cores; `idle cores` is the s
 seconds over the round's completed requests, for the whole servers and (KVBridgeConnector) for kvbridge's own
 threads on each side; the side channel's answer time is the decode's `kvbridge_control_seconds` over the
 round; every `kvbridge_*` histogram of each server goes to `--json` (`kvbridge_tools.bench.load_probes`).
-`--noise cpu=N` runs N busy processes beside the servers while each round is measured.
+`--noise cpu=N` runs N busy processes beside the servers while each round is measured, in a scheduling group of
+their own (`group=own`, a neighbour's job) or among the bench's processes (`group=bench`).
 """
 
 from __future__ import annotations
@@ -140,9 +141,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--noise",
         type=parse_noise,
         default=None,
-        metavar="cpu=N",
-        help="with --load: N busy processes (spin loops) beside the servers, on the prefill's and decode's hosts in "
-        "turn with --hosts, running while each round is measured; killed by PID at the end",
+        metavar="cpu=N[,group=own|bench]",
+        help="with --load: N busy processes (spin loops) beside the servers, running while each round is measured; "
+        "killed by PID at the end. group=own (default): a neighbour's job, one scheduling group of its own (its own "
+        "session: Linux's autogroup, as a container's cgroup); group=bench: in the bench's session, their threads "
+        "queued beside the servers'",
     )
     group.add_argument(
         "--alternate",
@@ -636,7 +639,13 @@ def run(args: argparse.Namespace) -> int:
         "memory_available_gib": memory,
         "noise": None
         if noise is None
-        else {"cpu": len(noise.pids), "pids": noise.pids, "hosts": noise.where, "running": "while each round runs"},
+        else {
+            "cpu": len(noise.pids),
+            "group": noise.group,
+            "pids": noise.pids,
+            "hosts": noise.where,
+            "running": "while each round runs",
+        },
         "input_tokens": [args.input_min, args.input_max],
         "output_tokens": args.output_len,
         "slo_ms": slo,
@@ -680,7 +689,12 @@ def print_report(report: dict[str, Any]) -> None:
     hosts = report["hosts"]
     where = "loopback" if hosts is None else f"across hosts, prefill<->decode link {hosts['link']['described']}"
     noise = report.get("noise")
-    noisy = f"; noise: {noise['cpu']} busy process(es) while measuring" if noise else ""
+    noisy = (
+        f"; noise: {noise['cpu']} busy process(es) while measuring, in "
+        f"{'a scheduling group of their own' if noise.get('group', 'bench') == 'own' else 'the bench session'}"
+        if noise
+        else ""
+    )
     print_table(
         f"vLLM under load ({report['router']} routing, {where}; "
         f"{report['input_tokens'][0]}-{report['input_tokens'][1]} tokens "
