@@ -154,6 +154,16 @@ class NoiseProcs:
             raise RuntimeError(f"the noise's group leader started {len(self._pids)} of {cpu} busy processes")
         self.where = [_host_name(host)] * cpu
 
+    def described(self) -> dict[str, Any]:
+        """What `--json` says of them."""
+        return {
+            "cpu": len(self._pids),
+            "group": self.group,
+            "pids": self.pids,
+            "hosts": self.where,
+            "running": "while each round runs",
+        }
+
     @property
     def pids(self) -> list[int]:
         """The spinning processes."""

@@ -637,15 +637,7 @@ def run(args: argparse.Namespace) -> int:
         "prefix_caching": args.prefix_caching,
         "alternation": "resident" if resident else "restart",
         "memory_available_gib": memory,
-        "noise": None
-        if noise is None
-        else {
-            "cpu": len(noise.pids),
-            "group": noise.group,
-            "pids": noise.pids,
-            "hosts": noise.where,
-            "running": "while each round runs",
-        },
+        "noise": None if noise is None else noise.described(),
         "input_tokens": [args.input_min, args.input_max],
         "output_tokens": args.output_len,
         "slo_ms": slo,
