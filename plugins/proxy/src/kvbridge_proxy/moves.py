@@ -156,60 +156,77 @@ class Moves:
                 return up
             await up.close()
             return None
-        cut = time.perf_counter()
-        await up.close()  # vLLM aborts the request; a marked one's blocks are offered under its move id
-        closed = time.perf_counter()
         move = moving.move or self.move_settings.mode
         offered = source.identity if pull and up.marked else None
         # a pre-copied stream's tail is computed where its pre-copy went (MoveSettings.tail), not pulled
         precomputed = precopied is not None and precopied[1] > 0 and precopied[0] is target
         tail = precomputed and self.move_settings.tail == "compute"
         pulled = offered if move != "recompute" and not tail else None
-        if offered is not None and pulled is None:  # nobody will read the blocks it offers
-            self.background.spawn(self._release_offer(offered, moving, "unread"))
-        for n, identity in enumerate([pulled, None] if pulled is not None or tail else [None]):
-            if n:  # the pull failed (or the pre-copied decode): the next decode computes it all
-                try:
-                    target = self.membership.pools["decode"].pick(exclude=(source,))
-                except NoInstance:
-                    break
-            outcome = "precopied" if tail and not n else "recomputed"
-            if identity is not None:
-                reported = await self.takeover.pull(moving, target, identity)
-                if reported is None:
+        cut, closed = time.perf_counter(), []
+        # vLLM aborts the request; a marked one's blocks are offered under its move id. Only a pull reads them: the
+        # continuation of a move that computes its tail (or all of it) is sent while the source closes.
+        closing = asyncio.ensure_future(up.close())
+        closing.add_done_callback(lambda _: closed.append(time.perf_counter()))
+        try:
+            if pulled is not None:
+                await closing
+            if offered is not None and pulled is None:  # nobody will read the blocks it offers
+                self.background.spawn(self._release_offer(offered, moving, "unread"))
+            for n, identity in enumerate([pulled, None] if pulled is not None or tail else [None]):
+                if n:  # the pull failed (or the pre-copied decode): the next decode computes it all
+                    try:
+                        target = self.membership.pools["decode"].pick(exclude=(source,))
+                    except NoInstance:
+                        break
+                outcome = "precopied" if tail and not n else "recomputed"
+                if identity is not None:
+                    reported = await self.takeover.pull(moving, target, identity)
+                    if reported is None:
+                        continue
+                    outcome = reported
+                    if outcome == "pulled" and precomputed:
+                        outcome = "precopied"
+                # the KV is in the target's cache now (pulled, or computed there): the stream goes on from it
+                moved = await self.takeover.resume(moving, target)
+                if moved is None:
                     continue
-                outcome = reported
-                if outcome == "pulled" and precomputed:
-                    outcome = "precopied"
-            # the KV is in the target's cache now (pulled, or computed there): the stream goes on from it
-            moved = await self.takeover.resume(moving, target)
-            if moved is None:
-                continue
-            if pulled is not None and outcome == "recomputed":  # nobody read the offered blocks: free them now
-                await self._release_offer(pulled, moving, "recomputed")
-            self._moved(moving, source, target, f"{why}, {outcome}", outcome, (cut, closed))
-            self._changed(source)
-            return moved
-        if pulled is not None:
-            await self._release_offer(pulled, moving, "the move failed")
-        self.metrics.live_moves.labels("failed").inc()
-        log.warning("stream %s could not move off %s (%s): it ends with an error", moving.move_id, source.url, why)
-        return None
+                if pulled is not None and outcome == "recomputed":  # nobody read the offered blocks: free them now
+                    await self._release_offer(pulled, moving, "recomputed")
+                self._moved(moving, source, target, f"{why}, {outcome}", outcome, (cut, closed[0] if closed else None))
+                self._changed(source)
+                return moved
+            if pulled is not None:
+                await self._release_offer(pulled, moving, "the move failed")
+            self.metrics.live_moves.labels("failed").inc()
+            log.warning("stream %s could not move off %s (%s): it ends with an error", moving.move_id, source.url, why)
+            return None
+        finally:
+            await closing
 
     def _release_offer(self, offered: KVTransferParams, moving: MovingStream, why: str) -> Any:
         """Release the blocks a decode offers under the stream's move id (a coroutine)."""
         return self.handovers.release_lease(attrs.evolve(offered, remote_request_id=moving.move_id), why)
 
     def _moved(
-        self, moving: MovingStream, source: Instance, target: Instance, how: str, outcome: str, cut: tuple[float, float]
+        self,
+        moving: MovingStream,
+        source: Instance,
+        target: Instance,
+        how: str,
+        outcome: str,
+        cut: tuple[float, float | None],
     ) -> None:
-        """Count and log a move whose next decode sent its first event; `cut`: when it began, when the source closed."""
+        """Count and log a move whose next decode sent its first event.
+
+        `cut`: when it began, and when the source closed (None: it is closing still)."""
         gap = time.perf_counter() - cut[0]
+        closing = (
+            "the source still closing" if cut[1] is None else f"closing the source {(cut[1] - cut[0]) * 1e3:.1f} ms"
+        )
         self.metrics.live_moves.labels(outcome).inc()
         self.metrics.handover_gap.observe(gap)
         log.warning(
-            "stream %s (request %s) moved from %s to %s after %d tokens (%s): "
-            "first event %.1f ms after the cut (closing the source %.1f ms)",
+            "stream %s (request %s) moved from %s to %s after %d tokens (%s): first event %.1f ms after the cut (%s)",
             moving.move_id,
             moving.request_id,
             source.url,
@@ -217,7 +234,7 @@ class Moves:
             len(moving.generated),
             how,
             gap * 1e3,
-            (cut[1] - cut[0]) * 1e3,
+            closing,
         )
         moving.moved()
 
