@@ -271,10 +271,10 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
     while it runs on B, and only the tail after the cut.
 
     Each host has its own network namespace. Every output equals a colocated server's (up to where its client left,
-    TAIL tokens after its second move), none is cut, B exits holding no block, and each second move is what its
-    pre-copy made it: `precopied` where the stages left tokens in C's cache, else (its first stage failed, logged)
-    pulled or computed after the cut. A stream that ran out on B (its max_tokens) before its second move, as one that
-    ran ahead on a starved box can, ends whole instead, with the same tokens; at least one moves twice.
+    TAIL tokens after its second move), none is cut, B exits holding no block, and every stream moves twice, its
+    second move `precopied`: its stages left tokens in C's cache, and C computed only the tail. (The test allowed a
+    stream to run out on B, or a second move pulled or computed after a failed stage, while the proxy could stand
+    still for seconds on this box: docs/measurements/stalls.md, "Scheduling groups".)
 
     The client's gaps at each handover are written to handover.json, and each stream that moved by pre-copy had a
     shorter gap at that move than at its own stop-and-copy move, measured in the same run. (Until the harness kept
@@ -444,7 +444,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             # A stream may run out on B before its second move: the first moves are not in step (on a box whose load
             # stood the proxy still for 8 s, the first stream moved ran alone on B 8 s before the others came, and
             # was thousands of tokens ahead); one that B pre-copies at 15,000 tokens can reach 16,200 while its stages
-            # run. That is a stream finishing during pre-copy: it must end whole, and with the right tokens (below).
+            # run. Waited for here, so that the test fails naming it (below) rather than at its timeout.
             wait_for(
                 lambda: all(moved_twice(n) or not readers[n].is_alive() for n in range(STREAMS)),
                 timeout=300,
@@ -453,7 +453,8 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             bad = ended(lambda n: moved_twice(n) or ran_out(n))
             assert not bad, f"{failure_reports(proxy, b, c)}\nstreams ended before their second move: {bad}"
             twice = {n for n in range(STREAMS) if moved_twice(n)}
-            assert twice, f"{failure_reports(proxy, b, c)}\nevery stream ran out on B before its second move"
+            out = sorted(set(range(STREAMS)) - twice)
+            assert not out, f"{failure_reports(proxy, b, c)}\nstreams that ran out on B before their second move: {out}"
             for m in MOVED.findall(proxy.log_path.read_text()):
                 if m[2] == b.url:
                     enough[int(m[1].removeprefix("stream-"))] = int(m[4]) + TAIL
@@ -482,7 +483,7 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             for n, (s, want) in enumerate(zip(seen, reference)):
                 assert s.left or ran_out(n), (n, len(s.tokens), s.done, s.finish)
                 assert s.tokens == want, f"{failure_reports(proxy, c)}\nstream {n} differs from colocated"
-            # each stream moved twice (but one that ran out on B), A to B after the cut, B to C by pre-copy, with at
+            # each stream moved twice, A to B after the cut, B to C by pre-copy, with at
             # least 32 tokens still to go
             assert len({m[0] for m in moves}) == STREAMS and len(moves) == STREAMS + len(twice), proxy_log[-4000:]
             names = [f"stream-{n}" for n in range(STREAMS)] + [f"stream-{n}" for n in twice]
@@ -497,10 +498,9 @@ def test_eight_streams_move_twice_by_stop_and_copy_then_by_pre_copy(
             left = {m[0]: int(m[1]) for m in PRECOPIED.findall(proxy_log) if m[2] == c.url}  # its last pre-copy
             second = {m[0]: m[6] for m in moves if (m[2], m[3]) == (b.url, c.url)}
             assert set(second) == set(left) == {m[0] for m in moves if m[1] in names[STREAMS:]}, (second, left)
-            for move, outcome in second.items():
-                expected = {"precopied"} if left[move] else {"pulled", "recomputed"}
-                assert outcome in expected, (move, outcome, left[move], proxy_log[-4000:])
-            assert "precopied" in second.values(), proxy_log[-4000:]
+            # every second move by pre-copy: its stages left tokens in C's cache, and C computed the tail
+            not_precopied = {move: (outcome, left[move]) for move, outcome in second.items() if outcome != "precopied"}
+            assert not not_precopied and all(left.values()), (not_precopied, left, proxy_log[-4000:])
             assert all(first_move <= int(m[4]) <= max_tokens - 32 for m in moves), moves
             tokens_at = {(m[0], m[2]): int(m[4]) for m in moves}  # each second move at a longer context than its first
             assert all(tokens_at[m, b.url] > tokens_at[m, a.url] for m in second), tokens_at
