@@ -21,6 +21,10 @@ from kvbridge.control.ledger import Lease, Ledger
 log = logging.getLogger(__name__)
 
 PRECOPY = "~precopy"
+# A stream's source lends the full blocks of all but this many of the tokens the proxy has seen: the step that sampled
+# the last one (N) computed token N - 1 and told the workers of the blocks of the tokens computed before the step
+# before it (N - 3: the engine's scheduler may run a step ahead of the model)
+LENT_LAG = 3
 
 
 def precopy_id(move_id: str, stage: int) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from kvbridge.control.params import KVTransferParams
-from kvbridge.session.lending import precopied
+from kvbridge.session.lending import LENT_LAG, precopied
 
 
 def move_of(params: Any) -> str | None:
@@ -63,8 +63,9 @@ class RequestParams:
         decoded = self.decoded.move_resolved()
         decoded.require_remote()
         if precopied(decoded.kvbridge_move_id or "") is not None:
-            # a pre-copy reads whole blocks the source has surely filled: one block short of what the proxy saw
-            # (the source may not have told its workers of the last one yet); the reader computes the rest
-            whole = max(0, int(decoded.remote_num_tokens or 0) // block_size - 1) * block_size
+            # a pre-copy reads the whole blocks the source's workers surely lend: the proxy saw N tokens, so the step
+            # that sampled the last one ran, and with it the news of the blocks computed two steps before it (N - 3
+            # tokens; kvbridge.adapters.vllm.marked); the reader computes the rest
+            whole = max(0, int(decoded.remote_num_tokens or 0) - LENT_LAG) // block_size * block_size
             decoded = attrs.evolve(decoded, remote_num_tokens=whole)
         return decoded

@@ -922,6 +922,35 @@ def _step(blocks: dict[str, list[int]], preempted: frozenset[str] = frozenset())
     return out
 
 
+def test_a_pre_copy_claims_exactly_the_blocks_its_source_told_its_workers_of_by_the_last_token() -> None:
+    """Issue 43: a stage reads every whole block the source's workers lend by the time the proxy saw its context.
+
+    Step by step as vLLM runs a decode: the step scheduled with c tokens computed samples token c + 2 (counting the
+    prompt) and its metadata reaches the workers before it runs. A stage the proxy starts on that context claims
+    exactly the blocks lent then: one more would fail its lease, one fewer would be computed on the reader."""
+    from vllm.v1.request import RequestStatus
+
+    from kvbridge.session.requests import RequestParams
+
+    source = _scheduler("kv_consumer", "a", 21002)
+    running = Request("a-1", list(range(BLOCK + 1)), SamplingParams(max_tokens=8 * BLOCK), None)
+    running.kv_transfer_params, running.status = {"kvbridge_move_id": "M1"}, RequestStatus.RUNNING
+    source.get_num_new_matched_tokens(running, 0)
+    lent = 0
+    claims = set()
+    for computed in range(BLOCK, 6 * BLOCK):  # one decode step each
+        running.num_computed_tokens = computed
+        for told in source.build_connector_meta(_step({"a-1": list(range(8))})).lending.lendable:
+            lent = len(told.blocks)
+        seen = computed + 2  # the context the proxy has once this step's token came
+        params = {"do_remote_prefill": True, "kvbridge_move_id": "M1~precopy1", "remote_num_tokens": seen}
+        params.update(remote_engine_id="a", remote_host="127.0.0.1", remote_port=21002)
+        claim = RequestParams.read(params, KVTransferParams.from_dict(params)).to_pull(BLOCK).remote_num_tokens
+        assert claim == lent * BLOCK, (computed, claim, lent)
+        claims.add(claim)
+    assert claims == {b * BLOCK for b in range(6)}, "the claim grows block by block"
+
+
 def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_the_reader(workers: Workers) -> None:
     """Issue 43: decode A lends the full, computed blocks of a marked request while it runs (a pre-copy stage).
 
@@ -962,10 +991,10 @@ def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_
             }
             return r
 
-        # B asks for the context it saw (4 blocks and 2 tokens): it reads one block less than it saw full, 3 - 1
+        # B asks for the context the proxy saw (4 blocks and 2 tokens): all but the last 3 tokens' whole blocks, 3
         stage = precopy("b-1", "M1~precopy1", 4 * BLOCK + 3)
         count, _ = target.get_num_new_matched_tokens(stage, BLOCK)  # B's own cache holds the first block
-        assert count == 2 * BLOCK, "3 whole blocks less one, past the block B holds"
+        assert count == 2 * BLOCK, "3 whole blocks, past the block B holds"
         target.update_state_after_alloc(stage, KVCacheBlocks(([KVCacheBlock(i) for i in (5, 6)],)), count)
         [task] = target.build_connector_meta(None).pulls
         assert task.skip == 1 and task.params.remote_request_id == "M1~precopy1"

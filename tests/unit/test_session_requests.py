@@ -39,10 +39,11 @@ def test_a_prefill_request_served_in_pull_mode_says_so_in_its_entry_only() -> No
 def test_what_a_decode_request_pulls() -> None:
     got = entry({"do_remote_prefill": True, "remote_request_id": "r", **REMOTE})
     assert got.to_pull(16).remote_request_id == "r"
-    # a pre-copy reads whole blocks, one short of what the proxy saw; a live move's lease is named
-    got = entry({"do_remote_prefill": True, "kvbridge_move_id": "M~precopy1", "remote_num_tokens": 70, **REMOTE})
-    pull = got.to_pull(16)
-    assert (pull.remote_num_tokens, pull.remote_request_id) == (48, "M~precopy1")
+    # a pre-copy reads the whole blocks of all but the last 3 tokens the proxy saw; a live move's lease is named
+    for seen, whole in ((70, 64), (67, 64), (66, 48), (2, 0)):
+        got = entry({"do_remote_prefill": True, "kvbridge_move_id": "M~precopy1", "remote_num_tokens": seen, **REMOTE})
+        pull = got.to_pull(16)
+        assert (pull.remote_num_tokens, pull.remote_request_id) == (whole, "M~precopy1"), seen
     with pytest.raises(ConfigError, match="lack remote_request_id"):
         entry({"do_remote_prefill": True, **REMOTE}).to_pull(16)
 

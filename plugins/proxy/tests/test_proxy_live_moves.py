@@ -72,7 +72,8 @@ class TokenDecode(Serving):
     A request that asks to pull KV and is not streamed (a moved stream's pull) gets one token and the pull's report
     in its params, as KVBridgeConnector reports it (`kvbridge_timing`). `fail_pulls`: such a request gets an error
     (vLLM's `kv_load_failure_policy="fail"`); `recompute_pulls`: its report says the pull failed (policy "recompute":
-    the server computed the KV itself). `die_after`: the connection drops after that many token events (a killed
+    the server computed the KV itself); `held_stages`: a pre-copy stage's report names no pull (the server held what
+    it would read). `die_after`: the connection drops after that many token events (a killed
     server). `hold_done`: [DONE] waits for this event after the last token. `precopy_wait`: a pre-copy stage's pull
     waits for this event (at most 30 s), from the `precopy_wait_from`th on (counted from 0); `precopy_dies`: the
     server drops a pre-copy stage's connection unanswered, and its /health fails from then on (it died). `arrived`:
@@ -85,6 +86,7 @@ class TokenDecode(Serving):
         delay_s: float = 0.02,
         fail_pulls: bool = False,
         recompute_pulls: bool = False,
+        held_stages: bool = False,
         die_after: int | None = None,
         hold_done: threading.Event | None = None,
         precopy_wait: threading.Event | None = None,
@@ -126,6 +128,8 @@ class TokenDecode(Serving):
                 if fail_pulls:
                     return JSONResponse({"error": {"message": "KV load failed", "code": 500}}, status_code=500)
                 report = {"transfer_ms": 1.0, "at_failed_ms" if recompute_pulls else "at_done_ms": 2.0}
+                if held_stages and precopied(str(params.get("kvbridge_move_id"))) is not None:
+                    report = {}
                 choice = {"index": 0, "text": f"<{next_token(prompt)}>", "finish_reason": "length"}
                 return {"id": cid, "choices": [choice], "kv_transfer_params": {"kvbridge_timing": report}}
             ids = bool(body.get("return_token_ids"))
@@ -604,6 +608,39 @@ def test_a_stream_is_pre_copied_while_it_runs_then_cut_with_its_tail_left(cluste
         assert after == [resumed], "the tail is computed: no pull after the cut"
         wait_for(lambda: (move, LeaseState.ABORTED) in cluster.aborted, what="A's offered blocks released")
     assert (_metric(cluster, "precopied"), _metric(cluster, "pulled")) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [{"moves": PRECOPY, "b": {"held_stages": True}}, {"moves": PRECOPY, "b": {"recompute_pulls": True}}],
+    indirect=True,
+    ids=["held", "failed"],
+)
+def test_a_stage_that_read_nothing_still_covers_its_context_and_one_whose_pull_failed_does_not(
+    cluster: Cluster, request: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 43: B held all of a stage's context but what it computed: the cut computes only the tail after it.
+
+    A stage whose pull failed ends the pre-copy instead (something is wrong with A's side), and the cut pulls."""
+    with caplog.at_level("INFO", logger="kvbridge_proxy.app"):
+        events = _one(cluster)
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    [move] = cluster.move_ids()
+    stages = _stages(cluster)
+    assert stages, "pre-copied"
+    for s in stages:  # none of them was read: each lent lease is released
+        lease = s["kv_transfer_params"]["kvbridge_move_id"]
+        wait_for(lambda lease=lease: _released(cluster, lease), what=f"{lease} released")
+    after = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list) and b not in stages]
+    logged = [r.getMessage() for r in caplog.records]
+    if request.node.callspec.id == "held":
+        assert [b["stream"] for b in after] == [True], "the tail is computed: no pull after the cut"
+        assert _metric(cluster, "precopied") == 1.0
+        assert any("held what pre-copy stage" in m for m in logged)
+        assert not any("pre-copy stage" in m and "failed" in m for m in logged)
+    else:
+        assert len(stages) == 1 and [b["stream"] for b in after] == [False, True], "the cut pulls"
+        assert any("pre-copy stage 1" in m and "its pull failed" in m for m in logged)
 
 
 WAIT = threading.Event()

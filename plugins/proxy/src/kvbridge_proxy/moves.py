@@ -347,13 +347,13 @@ class Moves:
                         self.background.spawn(
                             self.handovers.release_lease(attrs.evolve(source, remote_request_id=lease), "pre-copy")
                         )
-                if outcome != "pulled":
+                if outcome not in ("pulled", "held"):
                     log.warning(
                         "stream %s: pre-copy stage %d to %s %s",
                         moving.move_id,
                         stage,
                         target.url,
-                        "failed" if outcome is None else "was computed, not pulled",
+                        "failed" if outcome is None else "was computed, its pull failed",
                     )
                     return False
                 covered[0], covered[1] = context, stage

@@ -190,7 +190,8 @@ class Takeover:
         carry the target's report of its pull (`kvbridge_timing`, its pull states); the stream then goes on from the
         target's prefix cache. "pulled", "recomputed" (the pull failed and the target computed the KV itself: vLLM's
         `kv_load_failure_policy="recompute"`), or None when the target refused or failed the request (policy "fail").
-        `lease` and `tokens`: a pre-copy stage's lease and the context it reads (MovingStream.pull_body)."""
+        `lease` and `tokens`: a pre-copy stage's lease and the context it reads (MovingStream.pull_body); such a stage
+        that read nothing, as the target held all but what it computed of that context, is "held"."""
         body = moving.pull_body(source, lease=lease, tokens=tokens)
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
         what = "pulling a moved stream" if lease is None else "pre-copying a stream"
@@ -222,13 +223,18 @@ class Takeover:
             )
             return None
         outcome = pull_outcome(timing)
+        states = {k: v for k, v in timing.items() if k.startswith("at_")}
+        if lease is not None and not states:
+            # a stage that found nothing new to read (the reader held or computed it): it covered its context still
+            log.info("stream %s: %s held what pre-copy stage %s would read", moving.move_id, target.url, lease)
+            return "held"
         if outcome != "pulled":
             log.warning(
                 "stream %s: %s did not pull it from %s, it computed it (its pull: %s)",
                 moving.move_id,
                 target.url,
                 source.remote_engine_id,
-                {k: v for k, v in timing.items() if k.startswith("at_")} or "not reported",
+                states or "not reported",
             )
         return outcome
 
