@@ -232,12 +232,15 @@ class Rank:
         import torch
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        from vllm.v1.request import RequestStatus
 
         from kvbridge.agent.landing import read_logical
         from kvbridge_tools.bench.vllm_cache import logical
 
+        scheduled = []
         for r in requests:
             req = self._request(r["id"], r["tokens"], dict(r["params"]))
+            scheduled.append((req, list(r["blocks"])))
             count, asynchronous = self.scheduler.get_num_new_matched_tokens(req, 0)
             if count != r["tokens"] or not asynchronous:
                 raise RuntimeError(
@@ -257,6 +260,9 @@ class Rank:
             if not want <= done:
                 time.sleep(POLL_S)
         seconds = time.perf_counter() - started
+        for req, blocks in scheduled:  # each ends, as vLLM ends a decode request: its scheduler entry goes
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self.scheduler.request_finished(req, blocks)
         errors = sorted(self.worker.get_block_ids_with_load_errors())
         stats = self.worker.get_kv_connector_stats()
         data = stats.data if stats is not None else {}
