@@ -218,6 +218,10 @@ class Cluster:
         return [b["kv_transfer_params"]["kvbridge_move_id"] for b in self.a.bodies if "prompt" in b or "messages" in b]
 
 
+# A move's plumbing (the cut, the pull, the continuation) is tested as a stop-and-copy; pre-copy's tests ask for it.
+STOP_AND_COPY = MoveSettings(mode="stop-and-copy")
+
+
 @pytest.fixture
 def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     monkeypatch.setenv("KVBRIDGE_SECRET", SECRET)
@@ -247,7 +251,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
             health_interval=0.05,
             warm_up=False,
             expose_internals=True,
-            moves=options.get("moves"),
+            moves=options.get("moves", STOP_AND_COPY),
         )
         try:
             with Serving(app) as proxy:

@@ -173,9 +173,10 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--precopy-tail",
         type=int,
-        default=64,
+        default=16,
         metavar="TOKENS",
-        help="cut once at most this many tokens of the stream were not pre-copied (default 64)",
+        help="cut once at most this many tokens of the stream were not pre-copied (default 16; the next decode then "
+        "computes them and the part of a block its cache lacks)",
     )
     p.add_argument(
         "--precopy-tail-by",

@@ -75,7 +75,7 @@ class MoveSettings:
     mode: str = attrs.field(default="precopy")
     tail: str = attrs.field(default="compute", validator=attrs.validators.in_(("compute", "pull")))
     stages: int = 3
-    tail_tokens: int = 64
+    tail_tokens: int = 16
     stage_timeout_s: float = 30.0
     cut_together_s: float = 2.0
     cuts_at_once: int = 1

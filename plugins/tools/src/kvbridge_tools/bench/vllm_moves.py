@@ -61,6 +61,8 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--live-moves moves streams between decodes on namespace hosts; add --hosts")
     if getattr(args, "compare", None) is not None or getattr(args, "load", False):
         raise ConfigError("--live-moves measures kvbridge's moves alone; drop --compare and --load")
+    if (getattr(args, "precopy_tail", None) or 0) < 0:
+        raise ConfigError(f"--precopy-tail takes a number of tokens >= 0, not {args.precopy_tail}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         "migration_backend": args.migration_backend,
         "streams": STREAMS,
         "executor": args.executor,  # where each server ran its model
+        "precopy_tail": args.precopy_tail,  # the proxy's --precopy-tail; None: its default
         "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
         "rows": rows,
     }
@@ -216,6 +219,7 @@ def _run_placed(
             secret=secret,
             live_moves=True,
             expose_internals=True,
+            options=[] if args.precopy_tail is None else ["--precopy-tail", str(args.precopy_tail)],
         )
         stack.callback(proxy.stop)
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
@@ -393,4 +397,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--moves", nargs="+", choices=MOVES, default=None, help="with --live-moves: the ways to move (default: all)"
+    )
+    group.add_argument(
+        "--precopy-tail",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="with --live-moves: the proxy's --precopy-tail (a pre-copy cuts once at most this many tokens of the "
+        "stream were not pre-copied; default the proxy's)",
     )

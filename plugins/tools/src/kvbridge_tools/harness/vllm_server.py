@@ -375,13 +375,15 @@ def start_proxy(
     secret: str | None = None,
     registry: str | None = None,
     live_moves: bool = False,
+    options: Sequence[str] = (),
 ) -> Server:
     """Launch `kvbridge proxy` in front of these servers; return once it has warmed every pair.
 
     With a `registry`, whose servers it also routes to, it returns once the proxy answers: the caller waits for
     what it needs. `expose_internals`: its answers name the servers by URL (`--expose-internals`). `secret`: the
     servers' shared secret, so the proxy can abort a lease on prefill's side channel when no decode took the request.
-    `live_moves`: it moves a draining decode's streams to another decode (`--live-moves`).
+    `live_moves`: it moves a draining decode's streams to another decode (`--live-moves`). `options`: more of
+    `kvbridge proxy`'s options.
 
     The proxy's warm-up is one real handover through each prefill/decode pair (its first contact),
     so whoever counts a decode server's transfers starts after it. A proxy that does not get there
@@ -409,6 +411,7 @@ def start_proxy(
         *(["--registry", registry] if registry else []),
         *(["--expose-internals"] if expose_internals else []),
         *(["--live-moves"] if live_moves else []),
+        *options,
     ]
     env = dict(os.environ)
     env.update({k: BASE_ENV[k] for k in ("NO_PROXY", "no_proxy")})
