@@ -180,6 +180,10 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
             p50, p99 = (r[f"{m}_p{p}_ms"] for p in PERCENTILES)
             assert 0 <= p50 <= p99, (where, m)
         assert 0 <= r["goodput_rps"] <= r["throughput_rps"], where
+        # each request kept, counted within the SLO as the serve bench counts its goodput
+        mine = r["per_request"]
+        assert len(mine["good"]) == len(mine["ttft_ms"]) == REQUESTS and None not in mine["ttft_ms"], where
+        assert sum(mine["good"]) == pytest.approx(r["goodput_rps"] * r["duration_s"], abs=0.5), where
         assert r["server_cores"] > 0, where  # answering requests took the servers' CPU: /proc was read
         assert (r["router_cores"] is None) == (r["system"] == "colocated"), where
         assert r["noise_cores"] > 0 and r["server_cpu_ms_per_request"] > 0, where  # the busy process ran too
@@ -203,6 +207,15 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
             assert side_channel["mean_ms"] > 0 and 0 < side_channel["p50_ms"] <= side_channel["max_ms"], where
         else:
             assert r["kvbridge_cpu_ms_per_request"] is None and side_channel is None, where
+    # every other P/D system held against NixlConnector, request by request, at each load
+    pd = [LABELS[s] for s in SYSTEMS if s not in ("colocated", "nixl")]
+    assert sorted((c["system"], c["load"]) for c in report["comparisons"]) == sorted(
+        (system, r["load"]) for system in pd for r in rows if r["system"] == system
+    )
+    for c in report["comparisons"]:
+        for figure in (c["within_slo"], c["ttft_p99_ms"]):
+            low, high = figure["interval"]
+            assert low <= high and figure["verdict"] in ("at least", "at most", "worse", "worse, within the noise")
     for chart in (plot, plot.with_name("load-ttft.svg")):
         svg = chart.read_text()
         assert svg.startswith("<svg") and all(LABELS[s] in svg for s in SYSTEMS), chart

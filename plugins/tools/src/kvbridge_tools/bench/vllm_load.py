@@ -51,6 +51,7 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.link import Link, Placed
 from kvbridge_tools.bench.link import placed as hosts_for
+from kvbridge_tools.bench.load_compare import comparisons, each_request
 from kvbridge_tools.bench.load_probes import (
     SERVER_GIB,
     Histogram,
@@ -242,6 +243,7 @@ def serve_bench(
         "--random-range-ratio", json.dumps({"input": ratio, "output": 0.0}),
         "--num-prompts", str(prompts), "--seed", str(seed), "--temperature", "0", "--disable-tqdm",
         "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+        "--save-detailed",  # each request's figures stay in the result (nothing is saved without --save-result)
         *load.args(),
     ]  # fmt: skip
     if goodput:
@@ -540,6 +542,7 @@ def _round(
         },
         "side_channel_ms": summaries.get("decode", {}).get(SIDE_CHANNEL),
         "kvbridge_histograms": summaries,
+        "per_request": each_request(result, slo),  # paired across systems (load_compare)
     }
     return row_of(LABELS[name], load, result, prompts, figures)
 
@@ -651,6 +654,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "load_average": list(os.getloadavg()),
         "rows": rows,
+        "comparisons": comparisons(rows, LABELS["nixl"]),
     }
     if getattr(args, "plot", None):
         plot(args.plot, rows)
@@ -714,6 +718,27 @@ def print_report(report: dict[str, Any]) -> None:
             for r in report["rows"]
         ],
     )
+    if report["comparisons"]:
+        print_table(
+            f"each P/D system against {LABELS['nixl']} at each load, request by request (the same prompts at the same "
+            "offsets): the difference and its 95% bootstrap interval; 'within the noise': the interval holds 0",
+            ["system", "load", "requests", "within the SLO", "p99 TTFT ms"],
+            [
+                [
+                    c["system"],
+                    c["load"],
+                    c["requests"],
+                    _difference_cell(c["within_slo"]),
+                    _difference_cell(c["ttft_p99_ms"]),
+                ]
+                for c in report["comparisons"]
+            ],
+        )
+
+
+def _difference_cell(d: dict[str, Any]) -> str:
+    low, high = d["interval"]
+    return f"{d['difference']:+g} ({low:+g}..{high:+g}): {d['verdict']}"
 
 
 def plot(path: str, rows: list[dict[str, Any]]) -> None:
