@@ -130,6 +130,8 @@ def test_the_live_moves_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_c
     assert out.returncode != 0 and "add --hosts" in out.stdout + out.stderr
     out = kvbridge("bench", "--engine", "vllm", "--live-moves", "--hosts", "--precopy-tail", "-1")
     assert out.returncode != 0 and "--precopy-tail takes a number of tokens >= 0" in out.stdout + out.stderr
+    out = kvbridge("bench", "--engine", "vllm", "--live-moves", "--hosts", "--engine-nice", "20")
+    assert out.returncode != 0 and "--engine-nice takes 0 to 19" in out.stdout + out.stderr
     arrivals = [(0.0, 1), (0.01, 2), (0.02, 3), (0.52, 4), (0.53, 5)]
     assert handover_gap(arrivals, 3) == pytest.approx(500.0)
     assert handover_gap(arrivals, 5) is None, "moved after its last event: no gap to measure"

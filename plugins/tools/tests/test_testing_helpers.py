@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -94,6 +95,54 @@ def test_ending_a_server_ends_its_group_and_removes_its_shared_memory(tmp_path: 
         getattr(server, end)()
         assert _group_members(proc.pid) == []
         assert not segment.exists(), f"{segment} leaked after {end}"
+    finally:
+        server.stop(timeout=5)
+
+
+def test_an_engine_below_its_front_end_is_every_thread_of_its_engine_processes_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """`Server.lower_engine_priority` sets every thread of the engine core `engine_nice` below the API server.
+
+    The API server and the group's other processes keep its priority."""
+    script = textwrap.dedent("""
+        import multiprocessing as mp, os, sys, threading, time
+        def run(title):
+            with open("/proc/self/comm", "w") as comm:  # as vLLM's setproctitle names its engine core
+                comm.write(title)
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+            print(title, os.getpid(), flush=True)
+            time.sleep(600)
+        if __name__ == "__main__":
+            ctx = mp.get_context("fork")
+            for title in ("VLLM::EngineCore", "tokenizer"):
+                ctx.Process(target=run, args=(title,)).start()
+            time.sleep(600)
+    """)
+    log, main = tmp_path / "group.log", tmp_path / "group.py"
+    main.write_text(script)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(main)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = Server(port=0, proc=proc, log_path=log, engine_nice=7)
+    try:
+        deadline = time.monotonic() + 30
+        while len(log.read_text().split()) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        pids = dict(zip(*[iter(log.read_text().split())] * 2))
+        engine, other = int(pids["VLLM::EngineCore"]), int(pids["tokenizer"])
+
+        def nice_of(pid: int) -> dict[int, int]:
+            return {
+                int(t.name): os.getpriority(os.PRIO_PROCESS, int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()
+            }
+
+        base = os.getpriority(os.PRIO_PROCESS, proc.pid)
+        assert server.lower_engine_priority() == len(nice_of(engine)) == 2
+        assert set(nice_of(engine).values()) == {min(19, base + 7)}
+        assert set(nice_of(other).values()) == {base} and set(nice_of(proc.pid).values()) == {base}
     finally:
         server.stop(timeout=5)
 

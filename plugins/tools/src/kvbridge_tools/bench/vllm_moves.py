@@ -44,6 +44,9 @@ STREAMS = 8
 GENERATED = 1000
 FIRST = 32  # tokens every stream has before the drain
 SETTLE = 16  # events on the next decode counted as "during the move"
+# the engines below the front end: with three engines' compute on two vCPUs, each hop of a cut through an API server
+# or the proxy otherwise waits for a CPU (docs/elastic.md, "The front end's hops")
+ENGINE_NICE = 10
 MOVED = re.compile(r"\(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (\w+)\)")
 COLUMNS = ["context", "move", "moved", "gap p50", "gap p99", "leaving decode slowdown", "next decode slowdown"]
 
@@ -61,6 +64,8 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--live-moves moves streams between decodes on namespace hosts; add --hosts")
     if getattr(args, "compare", None) is not None or getattr(args, "load", False):
         raise ConfigError("--live-moves measures kvbridge's moves alone; drop --compare and --load")
+    if not 0 <= getattr(args, "engine_nice", 0) <= 19:
+        raise ConfigError(f"--engine-nice takes 0 to 19 (nice steps), not {args.engine_nice}")
     if (getattr(args, "precopy_tail", None) or 0) < 0:
         raise ConfigError(f"--precopy-tail takes a number of tokens >= 0, not {args.precopy_tail}")
 
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         "streams": STREAMS,
         "executor": args.executor,  # where each server ran its model
         "precopy_tail": args.precopy_tail,  # the proxy's --precopy-tail; None: its default
+        "engine_nice": args.engine_nice,  # the engines' nice steps below the front end
         "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
         "rows": rows,
     }
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(
             f"kvbridge bench --live-moves: {STREAMS} streams moved at once, {link.describe()}, "
-            f"--executor {args.executor}",
+            f"--executor {args.executor}, --engine-nice {args.engine_nice}",
             COLUMNS,
             [
                 [
@@ -200,6 +206,7 @@ def _run_placed(
                 log_dir=logs,
                 host=host,
                 executor=args.executor,
+                engine_nice=args.engine_nice,
             )
             stack.callback(s.stop)
             return s
@@ -405,4 +412,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="TOKENS",
         help="with --live-moves: the proxy's --precopy-tail (a pre-copy cuts once at most this many tokens of the "
         "stream were not pre-copied; default the proxy's)",
+    )
+    group.add_argument(
+        "--engine-nice",
+        type=int,
+        default=ENGINE_NICE,
+        metavar="N",
+        help="with --live-moves: each server's engine (its model's compute, and the connector's threads beside it) "
+        "runs N nice steps below its API server, the proxy and the client, as vLLM's CPU backend keeps cores free "
+        "for its front end (VLLM_CPU_NUM_OF_RESERVED_CPU) where a box has none to keep; 0: all alike "
+        f"(default {ENGINE_NICE}; docs/elastic.md)",
     )

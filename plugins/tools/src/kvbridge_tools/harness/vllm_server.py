@@ -44,6 +44,8 @@ BASE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 EXECUTORS = ("mp", "uni")
+# the processes that run a server's model (vLLM's process titles, as /proc/<pid>/comm cuts them to 15 bytes)
+ENGINE_TITLES = ("VLLM::EngineCor", "VLLM::Worker")
 
 
 def add_executor_argument(group: Any) -> None:
@@ -68,6 +70,7 @@ class Server:
     log_path: Path
     tmp_dir: Path | None = None  # its TMPDIR (vLLM's vllm_dist_* files), removed when it ends
     address: str = "127.0.0.1"  # where it listens: a `kvbridge_tools.harness.hosts` host's address when on one
+    engine_nice: int = 0  # its model's processes run this much below its API server, once healthy (`start_vllm`)
 
     @property
     def url(self) -> str:
@@ -107,6 +110,26 @@ class Server:
             if now <= at_most or time.monotonic() > deadline:
                 return now
             time.sleep(0.5)
+
+    def lower_engine_priority(self) -> int:
+        """Every thread of the processes that run the model `engine_nice` below the API server: how many were set.
+
+        The API server and its engine core are separate processes; only the engine's (the step's compute, and the
+        connector's threads in it) go below. Raising a nice value needs no privilege."""
+        threads = 0
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, self.proc.pid) + self.engine_nice)
+        for pid in _group_members(self.proc.pid):
+            try:
+                if not Path(f"/proc/{pid}/comm").read_text().startswith(ENGINE_TITLES):
+                    continue
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+                    threads += 1
+            except (OSError, ValueError):  # it ended meanwhile
+                continue
+        if not threads:
+            log.warning("server on port %d: no engine process found to run at nice %d", self.port, nice)
+        return threads
 
     def kill(self) -> None:
         """SIGKILL the server and its engine processes, as a crash would."""
@@ -294,6 +317,7 @@ def start_vllm(
     python: str = sys.executable,
     executor: str = "mp",
     host: Host | None = None,
+    engine_nice: int = 0,
 ) -> Server:
     """Launch a server (without waiting for it); call `wait_healthy` next.
 
@@ -302,6 +326,10 @@ def start_vllm(
 
     `executor` is where the model runs (TP 1): "mp", in a worker process beside the engine core (what
     vLLM's CPU platform picks), or "uni", in the engine core's own process (what vLLM runs for one GPU).
+
+    `engine_nice` > 0: once healthy, the processes that run its model run that much below its API server (and
+    below the proxy and the other front-end processes), the way vLLM's CPU backend keeps cores free of its compute
+    for the front end (`VLLM_CPU_NUM_OF_RESERVED_CPU`) where a box has too few cores to keep any.
     """
     if executor not in EXECUTORS:
         raise ConfigError(f"executor {executor!r}: pick one of {', '.join(EXECUTORS)}")
@@ -352,7 +380,7 @@ def start_vllm(
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, **OWN_GROUP)
     log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
     address = host.address if host else "127.0.0.1"
-    return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir, address=address)
+    return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir, address=address, engine_nice=engine_nice)
 
 
 def host_env(host: Host) -> dict[str, str]:
@@ -456,7 +484,9 @@ def _get(url: str, timeout: float = 10.0) -> Any:
 
 
 def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
-    """Poll each server's /health until it answers 200; raise with its log if it dies or times out."""
+    """Poll each server's /health until it answers 200; raise with its log if it dies or times out.
+
+    A healthy server with an `engine_nice` has its engine's priority lowered then (`Server.lower_engine_priority`)."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -471,6 +501,8 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
             try:
                 if _get(f"{server.url}/health", timeout=2.0).status_code == 200:
                     pending.remove(server)
+                    if server.engine_nice:
+                        server.lower_engine_priority()
             except httpx.HTTPError:
                 pass
         if pending and time.monotonic() > deadline:
