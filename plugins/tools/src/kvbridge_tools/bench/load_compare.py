@@ -15,6 +15,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvbridge_tools.bench import bootstrap
+
 RESAMPLES = 2000
 LEVEL = 0.95
 
@@ -70,7 +72,7 @@ def _p99(pairs: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def difference(
-    a: Sequence[Any], b: Sequence[Any], statistic: str, *, resamples: int = RESAMPLES, seed: int = 0
+    a: Sequence[Any], b: Sequence[Any], statistic: str, *, rounds: int = RESAMPLES, seed: int = 0
 ) -> Difference:
     """`statistic` ("good": requests within the SLO; "p99": p99 TTFT in ms) of `a` minus that of `b`, paired."""
     if len(a) != len(b) or not len(a):
@@ -78,12 +80,10 @@ def difference(
     of = {"good": _good, "p99": _p99}[statistic]
     x, y = (np.array([np.nan if v is None else v for v in s], dtype=float) for s in (a, b))
     value = float(of(np.arange(len(x))[None, :], x, y)[0])
-    pairs = np.random.default_rng(seed).integers(0, len(x), size=(resamples, len(x)))
     with warnings.catch_warnings():  # a resample of failed requests alone has no p99: it is left out
         warnings.simplefilter("ignore", RuntimeWarning)
-        spread = of(pairs, x, y)
-    low, high = np.nanpercentile(spread, [(1 - LEVEL) / 2 * 100, (1 + LEVEL) / 2 * 100])
-    return Difference(value, float(low), float(high))
+        spread = of(bootstrap.resamples(len(x), rounds, seed), x, y)
+    return Difference(value, *bootstrap.central(spread, LEVEL))
 
 
 def comparisons(rows: Sequence[Mapping[str, Any]], against: str) -> list[dict[str, Any]]:

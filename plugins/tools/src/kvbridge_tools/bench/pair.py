@@ -29,6 +29,7 @@ from kvbridge.base.options import as_dict
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.plan.presets import get_preset
 from kvbridge.plugin.registry import get_device, registry
+from kvbridge_tools.bench.bootstrap import central, resamples
 from kvbridge_tools.bench.link import Link, Placed, placed, report
 from kvbridge_tools.bench.pool_layout import DEFAULT_LAYOUT, describe
 from kvbridge_tools.harness.proc import Child
@@ -411,10 +412,7 @@ def median_interval(samples: list[float], confidence: float = 0.9, rounds: int =
     x = np.asarray(samples, dtype=np.float64)
     if len(x) < 2:
         return [float(x[0]), float(x[0])] if len(x) else [math.nan, math.nan]
-    picks = np.random.default_rng(0).integers(0, len(x), size=(rounds, len(x)))
-    medians = np.median(x[picks], axis=1)
-    tail = (1 - confidence) / 2
-    return [float(v) for v in np.quantile(medians, [tail, 1 - tail])]
+    return list(central(np.median(x[resamples(len(x), rounds)], axis=1), confidence))
 
 
 def ratio_cell(result: dict[str, Any]) -> str:
