@@ -40,8 +40,9 @@ MOVES = ("precopy", "stop-and-copy", "recompute")
 CONTEXTS = (256, 1024, 4096, 7800)
 STREAMS = 8
 # tokens each stream asks for: the first still runs when the last has its first tokens (their prompts end at
-# different times), with room for a pre-copy's stages before the cut
-GENERATED = 1000
+# different times), with room for a pre-copy's stages and its turn before the cut. At 7,800 tokens the first of
+# 8 streams had up to 950 tokens when its turn came: with 1,000, one of 8 ended before it (not moved) in some runs.
+GENERATED = 1500
 FIRST = 32  # tokens every stream has before the drain
 SETTLE = 16  # events on the next decode counted as "during the move"
 # the engines below the front end: with three engines' compute on two vCPUs, each hop of a cut through an API server
