@@ -166,6 +166,9 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+ROLES = (("kv_producer", "prefill"), ("kv_consumer", "decode"), ("kv_consumer", "decode_b"))  # servers, their hosts
+
+
 def _run_placed(
     args: argparse.Namespace,
     where: Any,
@@ -212,11 +215,7 @@ def _run_placed(
             stack.callback(s.stop)
             return s
 
-        prefill, a, b = (
-            server("kv_producer", "prefill"),
-            server("kv_consumer", "decode"),
-            server("kv_consumer", "decode_b"),
-        )
+        prefill, a, b = (server(role, name) for role, name in ROLES)
         wait_healthy([prefill, a, b], timeout=600)
         proxy = start_proxy(
             [],
