@@ -52,6 +52,26 @@ def test_ephemeral_start_reads_the_kernel_setting(tmp_path: Path) -> None:
     assert ephemeral_start(tmp_path / "missing") == 32768
 
 
+def _group(tmp_path: Path, script: str, *, words: int, engine_nice: int = 0) -> Server:
+    """`script` run as a server's process group (a session of its own), once its output has `words` words."""
+    log, main = tmp_path / "group.log", tmp_path / "group.py"
+    main.write_text(script)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(main)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = Server(port=0, proc=proc, log_path=log, engine_nice=engine_nice)
+    deadline = time.monotonic() + 30
+    try:
+        while len(log.read_text().split()) < words:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    except BaseException:
+        server.stop(timeout=5)
+        raise
+    return server
+
+
 @pytest.mark.parametrize("end", ["kill", "stop"])
 @pytest.mark.parametrize("mapped", [True, False])
 def test_ending_a_server_ends_its_group_and_removes_its_shared_memory(tmp_path: Path, end: str, mapped: bool) -> None:
@@ -76,18 +96,9 @@ def test_ending_a_server_ends_its_group_and_removes_its_shared_memory(tmp_path: 
             print(seg.name, p.pid, flush=True)
             time.sleep(600)
     """)
-    log, main = tmp_path / "group.log", tmp_path / "group.py"
-    main.write_text(script)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(main)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = Server(port=0, proc=proc, log_path=log)
+    server = _group(tmp_path, script, words=3)
+    log, proc = server.log_path, server.proc
     try:
-        deadline = time.monotonic() + 30
-        while len(log.read_text().split()) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
         name, child_pid = [w for w in log.read_text().split() if w != "child-ready"]
         segment = Path("/dev/shm") / name
         assert segment.exists()
@@ -119,18 +130,9 @@ def test_an_engine_below_its_front_end_is_every_thread_of_its_engine_processes_a
                 ctx.Process(target=run, args=(title,)).start()
             time.sleep(600)
     """)
-    log, main = tmp_path / "group.log", tmp_path / "group.py"
-    main.write_text(script)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(main)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = Server(port=0, proc=proc, log_path=log, engine_nice=7)
+    server = _group(tmp_path, script, words=4, engine_nice=7)
+    log, proc = server.log_path, server.proc
     try:
-        deadline = time.monotonic() + 30
-        while len(log.read_text().split()) < 4:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
         pids = dict(zip(*[iter(log.read_text().split())] * 2))
         engine, other = int(pids["VLLM::EngineCore"]), int(pids["tokenizer"])
 
