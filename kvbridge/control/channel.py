@@ -38,7 +38,7 @@ from kvbridge.control.dispatch import AbortCallback, Dispatcher, Hold, Lender, S
 from kvbridge.control.framing import MAX_MESSAGE_BYTES, Address, bracketed, ipv6
 from kvbridge.control.held import HeldRequests
 from kvbridge.control.ledger import Ledger
-from kvbridge.control.messages import Abort, LeaseState, Offer, RegisteredMemory
+from kvbridge.control.messages import Abort, Ack, LeaseState, Offer, Refused, RegisteredMemory
 from kvbridge.control.notifier import Notifier
 from kvbridge.transport import netguard
 
@@ -215,15 +215,11 @@ class ControlServer:
         reply_to, reply = self._dispatcher.answer(payload, peer_host, park=False)
         return self._dispatcher.seal(reply_to, reply)
 
-    def take_offer(self, offer: Offer) -> bool:
+    def take_offer(self, offer: Offer) -> Ack | Refused:
         """An early offer from this process's own scheduler, into the ledger without a message (`local_server`).
 
-        False where this rank is not ready yet or takes offers in the engine step only, as an `Offer` message would be
-        refused. Raises what `Ledger.offer` raises."""
-        if self.ledger is None or not self._dispatcher.info.ready or not self._dispatcher.accept_offers:
-            return False
-        self.ledger.offer(offer.request_id, offer.blocks, offer_id=offer.offer_id)
-        return True
+        Answered as the `Offer` message would be. Raises what `Ledger.offer` raises."""
+        return self._dispatcher.offer(offer)
 
     def _offered(self, lease: Any) -> None:
         """Ledger callback (any thread): wake the serving loop if a BeginPull waits for this request."""

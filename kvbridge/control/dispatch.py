@@ -253,15 +253,25 @@ class Dispatcher:
             netguard.ADMISSION.release(key)
 
     def _offer(self, msg: Offer, sender: str, peer_host: str | None) -> Ack | Refused:
-        """An offer from this engine's own scheduler, ahead of the engine step that makes it too."""
-        assert self.ledger is not None
-        if not self.accept_offers:
-            return Refused("offers_in_step", f"rank {self.name} takes offers in the engine step only")
+        """An `Offer` message: from this engine's own scheduler, so from this host."""
         if not same_host(self._host, peer_host):
             raise ProtocolError(
                 f"Offer of {msg.request_id!r} from {sender!r} at {peer_host or 'an unknown host'}: offers come from "
                 "the engine's own scheduler, on this host"
             )
+        return self.offer(msg)
+
+    def offer(self, msg: Offer) -> Ack | Refused:
+        """Take an offer from this engine's own scheduler, ahead of the engine step that makes it too.
+
+        By message or by a call in the same process (`ControlServer.take_offer`): refused alike. Raises what
+        `Ledger.offer` raises."""
+        if self.ledger is None:
+            return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
+        if not self.info.ready:
+            return Refused("not_ready", f"rank {self.name} has not registered its KV cache yet")
+        if not self.accept_offers:
+            return Refused("offers_in_step", f"rank {self.name} takes offers in the engine step only")
         self.ledger.offer(msg.request_id, msg.blocks, offer_id=msg.offer_id)
         return Ack()
 

@@ -52,9 +52,7 @@ class EarlyOffers:
                 others.append((host, port))
                 continue
             try:
-                if not server.take_offer(offer) and server.ready:
-                    log.info("worker rank %s:%d publishes KV in the engine step: no early offers", host, port)
-                    self.early = False
+                self._answered(host, port, offer, server.take_offer(offer))
             except KVBridgeError as exc:
                 log.debug(
                     "early offer of %s to %s:%d refused (the step offers it): %s", offer.request_id, host, port, exc
@@ -71,12 +69,19 @@ class EarlyOffers:
                     "early offer of %s to %s:%d failed (the step offers it): %s", offer.request_id, host, port, exc
                 )
                 continue
-            if isinstance(reply, Refused):
-                if reply.kind == "offers_in_step":
-                    log.info("worker rank %s:%d publishes KV in the engine step: no early offers", host, port)
-                    self.early = False
-                    return
-                log.debug("early offer of %s refused by %s:%d: %s", offer.request_id, host, port, reply.message)
+            self._answered(host, port, offer, reply)
+            if not self.early:
+                return
+
+    def _answered(self, host: str, port: int, offer: Offer, reply: object) -> None:
+        """A rank's answer to an early offer, by message or by call: a rank that takes offers in the step ends them."""
+        if not isinstance(reply, Refused):
+            return
+        if reply.kind == "offers_in_step":
+            log.info("worker rank %s:%d publishes KV in the engine step: no early offers", host, port)
+            self.early = False
+            return
+        log.debug("early offer of %s refused by %s:%d: %s", offer.request_id, host, port, reply.message)
 
     def close(self) -> None:
         if self._sender is not None:

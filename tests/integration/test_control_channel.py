@@ -371,6 +371,7 @@ def test_offer_message_needs_an_accepting_rank_this_host_and_the_secret(closing:
     offer = Offer("r1", (1, 2), "o-1")
     refused = good.request(offer)
     assert isinstance(refused, Refused) and refused.kind == "offers_in_step"  # off unless the engine turns it on
+    assert p.server.take_offer(offer) == refused, "by a call in the same process: refused alike"
     p.server.accept_offers = True
     stranger = p.client()  # no secret
     closing.append(stranger)
