@@ -15,11 +15,17 @@ from pathlib import Path
 
 import attrs
 
+from kvbridge.base.native_stacks import native_stacks
 from kvbridge.base.options import option, parse
 from kvbridge.base.threadname import NamedThread
 
 log = logging.getLogger(__name__)
-ENV = {"slow_ms": "KVBRIDGE_SLOW_MS", "stall_s": "KVBRIDGE_STALL_S", "stall_dir": "KVBRIDGE_STALL_DIR"}
+ENV = {
+    "slow_ms": "KVBRIDGE_SLOW_MS",
+    "stall_s": "KVBRIDGE_STALL_S",
+    "stall_dir": "KVBRIDGE_STALL_DIR",
+    "native_stacks": "KVBRIDGE_STALL_NATIVE",
+}
 
 
 @attrs.frozen
@@ -27,6 +33,9 @@ class WatchOptions:
     slow_ms: float = option(250.0, "a side-channel request or handover whose parts add up to this logs one line", min=0)
     stall_s: float = option(1.0, "a serving loop or pull busy this long without progress dumps every stack", min=0.01)
     stall_dir: str | None = option(None, "a directory that gets a file per stall (besides the log)")
+    native_stacks: bool = option(
+        True, "a dump also has each thread's native stack, read by eu-stack where it is installed (stops ~10 ms)"
+    )
 
 
 def options() -> WatchOptions:
@@ -245,8 +254,9 @@ def kernel_view() -> str:
 class Watchdog:
     """The process's one watcher thread, started with the first beat (again in a forked child)."""
 
-    def __init__(self, stall_s: float) -> None:
+    def __init__(self, stall_s: float, *, native: bool = True) -> None:
         self.stall_s = stall_s
+        self.native = native  # each thread's native stack in a dump, too (`native_stacks`)
         self.stalls = 0  # dumps so far
         self.checked = 0.0  # monotonic time of the last look
         # (monotonic time, schedstats, box_cpu) at each look: what a dump subtracts from now
@@ -348,7 +358,11 @@ class Watchdog:
             f"Thread {names.get(ident, '?')} ({ident}):\n{''.join(traceback.format_stack(frame))}"
             for ident, frame in sys._current_frames().items()
         ]
-        text = "\n".join([head, accounting, kernel_view(), *stacks])
+        parts = [head, accounting, kernel_view(), *stacks]
+        if self.native:
+            by_tid = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+            parts.append(native_stacks(lambda tid: _thread_name(tid, by_tid)))
+        text = "\n".join(parts)
         log.warning("%s", text)
         where = options().stall_dir
         if where:
@@ -361,7 +375,7 @@ class Watchdog:
             log.warning("stall stacks written to %s", path)
 
 
-WATCHDOG = Watchdog(options().stall_s)
+WATCHDOG = Watchdog(options().stall_s, native=options().native_stacks)
 _local = threading.local()
 
 

@@ -5,14 +5,18 @@ Real threads that block or spin; the kernel's own per-thread counters (/proc sch
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from control_helpers import wait_for
 
+from kvbridge.base.native_stacks import native_stacks
 from kvbridge.base.watchdog import Watchdog, kernel_view, schedstats
 
 STALL_S = 0.3
@@ -94,6 +98,41 @@ def test_the_kernel_view_shows_a_blocked_thread_asleep_in_the_kernel() -> None:
     assert any(line.startswith(me) for line in lines), lines
 
 
+def test_a_dump_has_each_threads_native_stack_down_to_the_call_it_is_blocked_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Python's stack ends at the C call; the native one says which call, and has the threads no Python started.
+    assert shutil.which("eu-stack"), "eu-stack (elfutils) not installed: run scripts/setup --test"
+    readable, writable = os.pipe()
+
+    def reads(beat: object) -> None:
+        def write_once_dumped() -> None:  # once logged: its native read comes after the beat is marked dumped
+            logged = lambda: any(r.getMessage().startswith("kvbridge stall") for r in caplog.records)  # noqa: E731
+            wait_for(logged, timeout=20, what="the stall's dump logged")
+            os.write(writable, b"x")
+
+        threading.Thread(target=write_once_dumped, daemon=True).start()
+        os.read(readable, 1)  # blocked in read(2), in C
+
+    try:
+        dump = _stalled(caplog, reads)
+    finally:
+        os.close(readable)
+        os.close(writable)
+    native = dump.split("Every thread's native stack (eu-stack):\n", 1)
+    assert len(native) == 2, dump[-2000:]
+    sections = {s.split(":\n", 1)[0]: s for s in native[1].split("\n  TID ")}
+    (mine,) = [text for head, text in sections.items() if head.endswith("(watched)")]
+    frames = [line.split()[-1] for line in mine.splitlines()[1:]]
+    assert any("read" in f for f in frames[:3]), mine  # read(2) at the top, or just under a libc wrapper
+    assert "_PyEval_EvalFrameDefault" in frames, mine  # and the interpreter under it
+
+
+def test_without_eu_stack_a_dump_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert native_stacks() == "Native stacks: not taken (eu-stack not found; install elfutils to have them)"
+
+
 def test_a_spinning_thread_is_named_on_a_cpu_or_waiting_for_one(caplog: pytest.LogCaptureFixture) -> None:
     def spins(beat: object) -> None:
         deadline = time.monotonic() + 20
@@ -148,8 +187,14 @@ def test_a_dump_names_the_processes_that_had_the_cpus_and_their_scheduling_group
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Another process spinning in a session of its own (so an autogroup of its own) while a beat stands still."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    spin = "print('spinning', flush=True)\nwhile True: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin], start_new_session=True, stdout=subprocess.PIPE)
     try:
+        # Spinning before the stall begins: an interpreter's start on a loaded box can outlast the whole stall.
+        assert spinner.stdout is not None and spinner.stdout.readline() == b"spinning\n"
+        # And run whatever else loads the box: a group of one beside a busy one got 1-10% of a CPU on this VM
+        # (docs/measurements/stalls.md, "Scheduling groups"), and another test's servers then ran most instead.
+        Path(f"/proc/{spinner.pid}/autogroup").write_text("-10")
 
         def blocks(beat: object) -> None:
             wait_for(lambda: getattr(beat, "dumped", None) is not None, timeout=20, what="the stall's dump")

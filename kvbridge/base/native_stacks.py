@@ -1,0 +1,76 @@
+"""Every thread's native stack, for a stall dump: where a transport's C++ thread, or Python inside a C call, sits.
+
+Python's own view (`sys._current_frames`) ends at the C call a thread is in, and a thread a native library started
+has no Python stack at all. `eu-stack` (elfutils) reads each thread's stack from outside through ptrace. It stops the
+process for the read: about 10 ms for a process that imported torch, where gdb's `thread apply all bt` took 13 s
+(it loads every library's symbols first). So eu-stack, and nothing when it is not installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger(__name__)
+
+TOOL = "eu-stack"
+TIMEOUT_S = 30.0  # a read that takes longer is given up: the process is stopped while it runs
+# prctl(PR_SET_PTRACER): where Linux's Yama allows ptrace of descendants only (Ubuntu's default), a child may trace
+# its parent only once the parent says so. Kernels without Yama refuse the call, and need none.
+PR_SET_PTRACER = 0x59616D61
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
+
+
+@contextlib.contextmanager
+def _traceable() -> Iterator[None]:
+    """This process traceable by its own children for the block (Yama's ptrace_scope 1); nothing elsewhere."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        allowed = libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux's libc
+        allowed = False
+    try:
+        yield
+    finally:
+        if allowed:
+            libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(0), 0, 0, 0)
+
+
+def native_stacks(name_of: Callable[[int], str] = str, pid: int | None = None, timeout_s: float = TIMEOUT_S) -> str:
+    """Each thread's native stack (`pid`: this process), each headed with its thread id and `name_of(thread id)`.
+
+    Never raises: without eu-stack, or where ptrace is not allowed, the text says so and what to do."""
+    tool = shutil.which(TOOL)
+    if tool is None:
+        return f"Native stacks: not taken ({TOOL} not found; install elfutils to have them)"
+    pid = os.getpid() if pid is None else pid
+    # A file, not a pipe: the process reading the pipe is the one stopped while eu-stack writes.
+    with tempfile.TemporaryFile() as out, _traceable():
+        try:
+            done = subprocess.run(
+                [tool, "-p", str(pid)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                timeout=timeout_s, check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"Native stacks: not taken ({TOOL}: {exc})"
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    stacks = [_named(line, name_of) for line in text.splitlines() if line.startswith(("TID ", "#"))]
+    if not stacks:
+        why = " ".join(text.split())[:300] or f"exit status {done.returncode}"
+        return f"Native stacks: not taken ({TOOL}: {why}; a container needs CAP_SYS_PTRACE for it)"
+    return "\n".join([f"Every thread's native stack ({TOOL}):", *stacks])
+
+
+def _named(line: str, name_of: Callable[[int], str]) -> str:
+    """`TID 4242:` as `TID 4242 (kvbridge-mc-io):`; a frame line as it is, indented."""
+    if not line.startswith("TID "):
+        return f"    {line}"
+    tid = line[4:].rstrip(":")
+    return f"  TID {tid} ({name_of(int(tid))}):" if tid.isdigit() else f"  {line}"
