@@ -2,8 +2,9 @@
 
 Python's own view (`sys._current_frames`) ends at the C call a thread is in, and a thread a native library started
 has no Python stack at all. `eu-stack` (elfutils) reads each thread's stack from outside through ptrace. It stops the
-process for the read: about 10 ms for a process that imported torch, where gdb's `thread apply all bt` took 13 s
-(it loads every library's symbols first). So eu-stack, and nothing when it is not installed.
+process for the read: 10 ms for a process that imported torch, 0.11 s for a vLLM engine core on a loaded box, where
+gdb's `thread apply all bt` took 13 s (it loads every library's symbols first). So eu-stack, and nothing when it is
+not installed.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class WatchOptions:
     stall_s: float = option(1.0, "a serving loop or pull busy this long without progress dumps every stack", min=0.01)
     stall_dir: str | None = option(None, "a directory that gets a file per stall (besides the log)")
     native_stacks: bool = option(
-        True, "a dump also has each thread's native stack, read by eu-stack where it is installed (stops ~10 ms)"
+        True, "a dump also has each thread's native stack, read by eu-stack where it is installed (stops it 10-110 ms)"
     )
 
 
