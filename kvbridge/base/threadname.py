@@ -13,9 +13,11 @@ import contextlib
 import ctypes
 import functools
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kvbridge.base import placement
@@ -55,6 +57,28 @@ def os_thread_name(name: str) -> Iterator[None]:
         yield
     finally:
         prctl(_PR_SET_NAME, was.value, 0, 0, 0)
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return set()
+
+
+@contextlib.contextmanager
+def native_threads_named(name: str) -> Iterator[None]:
+    """`os_thread_name(name)` for the block; then a thread it started that named itself is given `name` too.
+
+    Some libraries name their own threads (UCX's `async`): without this they are counted with nobody's."""
+    before = _thread_ids()
+    with os_thread_name(name):
+        yield
+    for tid in _thread_ids() - before:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            comm = Path(f"/proc/self/task/{tid}/comm")
+            if not comm.read_text().startswith("kvbridge"):
+                comm.write_text(name[: _NAME_BYTES - 1])
 
 
 def name_in_os() -> None:

@@ -1,8 +1,9 @@
-"""A transport's native threads are named as kvbridge's (not after their starter) and shown in a stall dump.
+"""A transport's native threads are named as kvbridge's (not after their starter, nor by their library), and dumped.
 
 Mooncake's I/O threads are C++ threads: each carries the OS name of the thread that started it. Without the plugin
-naming them, a bench's per-thread CPU (and `top -H`) counts them with the engine's model thread. A stall dump's
-kernel view is the only view of them there is: state, wait channel, syscall.
+naming them (UCX's event thread names itself `async`), a bench's per-thread CPU (and `top -H`) counts them with the
+engine's model thread, or with nobody. A stall dump's kernel view is the only view of them there is: state, wait
+channel, syscall.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kvbridge_nixl.spec import NATIVE_THREAD_NAME as NIXL_THREAD_NAME
 
 import kvbridge
 from kvbridge.base.threadname import os_thread_name
@@ -57,3 +59,25 @@ def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -
     io = [line for line in kernel if line.startswith(f"  {NATIVE_THREAD_NAME} (") and ", native): " in line]
     assert len(io) == sum(name == NATIVE_THREAD_NAME for name in started.values()), kernel
     assert all(line.split("): ", 1)[1][0] in "RSD" for line in io), io
+
+
+def test_nixl_threads_carry_kvbridge_names_even_where_ucx_names_its_own() -> None:
+    # UCX names its event thread `async` itself: named after its starter, it would still be nobody's.
+    before = set(os_names())
+    with os_thread_name("engine-main"):
+        a = kvbridge.create_backend("nixl", protocol="ucx")
+        b = kvbridge.create_backend("nixl", protocol="ucx")
+        try:
+            src, dst = np.full(1 << 20, 7, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
+            a.register_memory(dst)
+            b.register_memory(src)
+            peer = a.connect(b.endpoint_info())
+            a.transfer(peer, [(dst.ctypes.data, src.ctypes.data, src.nbytes)], "read").wait(30)
+            assert (dst == 7).all()
+            python = {t.native_id for t in threading.enumerate()}
+            started = {tid: name for tid, name in os_names().items() if tid not in before and tid not in python}
+        finally:
+            a.close()
+            b.close()
+    assert started, "the backends started no native thread"
+    assert set(started.values()) == {NIXL_THREAD_NAME}, started

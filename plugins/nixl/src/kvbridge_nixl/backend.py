@@ -32,11 +32,11 @@ import numpy as np
 
 from kvbridge.base.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
 from kvbridge.base.memory import Descriptors
-from kvbridge.base.threadname import NamedThread
+from kvbridge.base.threadname import NamedThread, native_threads_named
 from kvbridge.base.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.transport.contract import MigrationBackend, Op, Peer
 from kvbridge.transport.netguard import Guard
-from kvbridge_nixl.spec import INSTALL_HINT, NixlOptions, capabilities, nixl_api, probe
+from kvbridge_nixl.spec import INSTALL_HINT, NATIVE_THREAD_NAME, NixlOptions, capabilities, nixl_api, probe
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ class NixlBackend(MigrationBackend):
         self.guard = Guard(f"nixl {self.protocol} transport", config.hostname, opts)
         init = {"num_threads": str(opts.num_threads)} if opts.num_threads else {}
         failed: Exception | None = None
-        with self.guard.capture():
+        # UCX's threads start here; its `async` thread names itself, and is named kvbridge's again after
+        with self.guard.capture(), native_threads_named(NATIVE_THREAD_NAME):
             self._agent = api.nixl_agent(self._name, conf)
             try:
                 self._agent.create_backend(self._nixl_backend, init)

@@ -21,6 +21,8 @@ from kvbridge.transport.netguard import GuardOptions
 # NIXL backends that move memory between two agents (kvbridge's protocols, lower case). NIXL's other
 # plugins (POSIX, GDS, GDS_MT, OBJ, ...) move memory to and from storage, which is not a peer transfer.
 PEER_BACKENDS = ("UCX", "LIBFABRIC", "GPUNETIO", "UCCL")
+# The OS name of the threads NIXL and its backend library start (UCX's progress and `async` threads): kvbridge's.
+NATIVE_THREAD_NAME = "kvbridge-ucx"
 
 # The meta package `nixl` picks the variant matching the CUDA found (what vLLM imports); without it,
 # the variant wheels are tried directly.
