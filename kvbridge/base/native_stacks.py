@@ -16,31 +16,21 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 TOOL = "eu-stack"
 TIMEOUT_S = 30.0  # a read that takes longer is given up: the process is stopped while it runs
 # prctl(PR_SET_PTRACER): where Linux's Yama allows ptrace of descendants only (Ubuntu's default), a child may trace
-# its parent only once the parent says so. Kernels without Yama refuse the call, and need none.
+# its parent only once the parent names it. Kernels without Yama refuse the call, and need none.
 PR_SET_PTRACER = 0x59616D61
-PR_SET_PTRACER_ANY = ctypes.c_ulong(-1)
 
 
-@contextlib.contextmanager
-def _traceable() -> Iterator[None]:
-    """This process traceable by its own children for the block (Yama's ptrace_scope 1); nothing elsewhere."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        allowed = libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) == 0
-    except (OSError, AttributeError):  # not Linux's libc
-        allowed = False
-    try:
-        yield
-    finally:
-        if allowed:
-            libc.prctl(PR_SET_PTRACER, ctypes.c_ulong(0), 0, 0, 0)
+def _let_trace(pid: int) -> None:
+    """Let process `pid` trace this one (0: nobody again), where Yama asks for it; nothing elsewhere."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux's libc
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, ctypes.c_ulong(pid), 0, 0, 0)
 
 
 def native_stacks(name_of: Callable[[int], str] = str, pid: int | None = None, timeout_s: float = TIMEOUT_S) -> str:
@@ -52,19 +42,27 @@ def native_stacks(name_of: Callable[[int], str] = str, pid: int | None = None, t
         return f"Native stacks: not taken ({TOOL} not found; install elfutils to have them)"
     pid = os.getpid() if pid is None else pid
     # A file, not a pipe: the process reading the pipe is the one stopped while eu-stack writes.
-    with tempfile.TemporaryFile() as out, _traceable():
+    with tempfile.TemporaryFile() as out:
         try:
-            done = subprocess.run(
-                [tool, "-p", str(pid)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                timeout=timeout_s, check=False,
-            )  # fmt: skip
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            reader = subprocess.Popen(
+                [tool, "-p", str(pid)], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        except OSError as exc:
             return f"Native stacks: not taken ({TOOL}: {exc})"
+        _let_trace(reader.pid)  # before it attaches: it has only just been started
+        try:
+            reader.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            reader.kill()
+            reader.wait()
+            return f"Native stacks: not taken ({TOOL} took over {timeout_s:g} s)"
+        finally:
+            _let_trace(0)
         out.seek(0)
         text = out.read().decode(errors="replace")
     stacks = [_named(line, name_of) for line in text.splitlines() if line.startswith(("TID ", "#"))]
     if not stacks:
-        why = " ".join(text.split())[:300] or f"exit status {done.returncode}"
+        why = " ".join(text.split())[:300] or f"exit status {reader.returncode}"
         return f"Native stacks: not taken ({TOOL}: {why}; a container needs CAP_SYS_PTRACE for it)"
     return "\n".join([f"Every thread's native stack ({TOOL}):", *stacks])
 
