@@ -240,6 +240,60 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
     assert "prefill_ms=0.500" in r.headers["x-kvbridge-timing"]
 
 
+class Dying:
+    """A decode server that takes one request and dies before answering anything.
+
+    At once, after a stream's headers, or a part of the way into a whole answer's body."""
+
+    HEADS = {
+        "at once": b"",
+        "after its headers": b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+        b"transfer-encoding: chunked\r\n\r\n",
+        "mid-body": b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 400\r\n\r\n{"choices": [',
+    }
+
+    def __init__(self, when: str) -> None:
+        self.listener = socket.create_server(("127.0.0.1", free_port(span=1)))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.took = 0
+        self._thread = threading.Thread(target=self._die_once, args=(self.HEADS[when],), daemon=True)
+        self._thread.start()
+
+    def _die_once(self, head: bytes) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            self.took += 1
+            conn.sendall(head)
+
+    def close(self) -> None:
+        self._thread.join(timeout=10)
+        self.listener.close()
+
+
+@pytest.mark.parametrize(("when", "stream"), [("at once", False), ("after its headers", True), ("mid-body", False)])
+def test_a_decode_that_dies_before_answering_anything_hands_the_request_to_the_next(when: str, stream: bool) -> None:
+    # The client saw nothing of the first decode's answer, and prefill's lease still holds the KV for whichever decode
+    # asks: the same decode request goes to the next decode, and the client gets its answer, not a 503.
+    with Upstream("prefill") as prefill, Upstream("decode") as good:
+        dying = Dying(when)
+        try:
+            app = create_app([prefill.url], [dying.url, good.url])  # the first pick is the first decode listed
+            body = {"model": "m", "prompt": "p", "max_tokens": 8, "stream": stream}
+            (r,), state = _session(app, [body])
+        finally:
+            dying.close()
+    assert r.status_code == 200, r.text
+    assert dying.took == 1 and len(good.bodies) == 1, "taken by the dying decode, then by the next"
+    assert good.bodies[0]["kv_transfer_params"]["remote_request_id"] == "r", "the same decode request, prefill's KV"
+    assert r.headers["x-kvbridge-decode"] == good.url
+    assert [(d["url"], d["healthy"], d["in_flight"]) for d in state["decode"]] == [
+        (dying.url, False, 0),
+        (good.url, True, 0),
+    ]
+    assert len(prefill.bodies) == 1, "one prefill: the KV it holds is what the next decode reads"
+
+
 def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCaptureFixture) -> None:
     """Failed requests name their request and the phases known in their timing header.
 

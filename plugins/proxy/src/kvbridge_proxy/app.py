@@ -8,9 +8,10 @@ Instances are picked round-robin among the healthy ones; a health loop takes a d
 out (at once when it refuses connections, after a few timed-out probes when it is only slow) and
 puts it back when it answers again. A prefill server that answers a server error (5xx: a vLLM server
 shutting down does) is skipped for the next one. A decode server that refuses the connection is skipped for
-the next one, since prefill holds the KV for whichever decode asks. Responses name the servers
-that made them in `x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a decode server that
-failed after taking the request included. A client that disconnects closes the upstream request,
+the next one, since prefill holds the KV for whichever decode asks; so is one that took the request
+and died before the client saw anything of its answer. Responses name the servers that made them in
+`x-kvbridge-prefill` and `x-kvbridge-decode`, a 503 from a decode server that failed after taking the
+request (no other decode left) included. A client that disconnects closes the upstream request,
 which vLLM turns into an abort.
 
 First contact between a prefill and a decode server (decode fetching the prefill ranks' RankInfo,

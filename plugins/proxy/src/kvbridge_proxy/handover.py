@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -73,6 +74,9 @@ class Handover:
     headers: dict[str, str]
     sent: float
     computing: asyncio.Future | None = None
+    # The same decode request to another decode server, once this one failed before answering anything: prefill's
+    # lease still holds the KV for whichever decode asks (or, read and released already, the next one recomputes).
+    again: Callable[[], Awaitable[Handover]] | None = None
 
     async def close(self) -> None:
         """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode)."""
@@ -161,18 +165,25 @@ class Handovers:
         raise NoInstance(f"no prefill server answered for {path}")
 
     async def send_decode(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], moving: MovingStream | None = None
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        moving: MovingStream | None = None,
+        tried: list[Instance] | None = None,
     ) -> tuple[Instance, httpx.Response]:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
 
         A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
         decode asks, so try the next one. So does one that answers a server error (5xx) at once: what a vLLM server
         answers once it began shutting down, before the proxy's next registry read says it is draining; the last such
-        answer is returned when no other decode is left. A `moving` stream is marked for the decode picked
-        (`MovingStream.mark`)."""
+        answer is returned when no other decode is left. And so does one that took the request and failed before
+        answering (it died): DecodeFailed only when no other decode is left. A `moving` stream is marked for the decode
+        picked (`MovingStream.mark`). `tried`: decodes that failed this request already (added to)."""
         pool = self.membership.pools["decode"]
         late: list[str] = []
-        refused: list[Instance] = []  # answered 5xx: not tried again for this request
+        refused: list[Instance] = [] if tried is None else tried  # not tried again for this request
+        dropped: DecodeFailed | None = None
         # One more try than instances: a busy server that was slow to accept gets a second chance.
         for attempt in range(len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances):
@@ -211,12 +222,37 @@ class Handovers:
             except httpx.TransportError as exc:
                 inst.in_flight -= 1
                 self.membership.take_out(inst, f"failed after taking the request ({exc})")
-                raise DecodeFailed(inst, exc) from exc
+                refused.append(inst)
+                self.metrics.failovers.labels(inst.role).inc()
+                dropped = DecodeFailed(inst, exc)
             except BaseException:  # cancelled (the client left, or another part of its batch failed)
                 inst.in_flight -= 1
                 raise
+        if dropped is not None:
+            raise dropped
         slow = f" ({', '.join(late)} did not accept the connection in time)" if late else ""
         raise NoInstance(f"no decode server accepted {path}{slow}")
+
+    def _again(
+        self,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        moving: MovingStream | None,
+        prefill: Instance,
+        tried: list[Instance],
+    ) -> Callable[[], Awaitable[Handover]]:
+        """`Handover.again`: the decode request to a decode not in `tried` (the one just failed is added)."""
+
+        async def again() -> Handover:
+            decode, resp = await self.send_decode(path, body, headers, moving, tried)
+            sent = time.perf_counter()
+            return Handover(
+                decode, resp, self._names(prefill, decode), sent, again=self._again(*same, [*tried, decode])
+            )
+
+        same = (path, body, headers, moving, prefill)
+        return again
 
     # -- handlers ------------------------------------------------------------------------------
 
@@ -269,15 +305,17 @@ class Handovers:
             )
         sent = time.perf_counter()
         timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
+        tried: list[Instance] = []
         try:
-            decode, resp = await self.send_decode(path, decode_body, headers, moving)
+            decode, resp = await self.send_decode(path, decode_body, headers, moving, tried)
         except NoInstance as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill), timeline)
         except DecodeFailed as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill, exc.inst), timeline)
-        return Handover(decode, resp, self._names(prefill, decode), sent)
+        again = self._again(path, decode_body, headers, moving, prefill, [*tried, decode])
+        return Handover(decode, resp, self._names(prefill, decode), sent, again=again)
 
     async def release_lease(self, params: KVTransferParams, why: str) -> None:
         """Tell each rank holding a lease on the request's KV that no decode will read it (an Abort, side channel).

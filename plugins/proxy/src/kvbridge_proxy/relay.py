@@ -8,7 +8,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -20,13 +20,13 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
-from kvbridge_proxy.handover import Handover, Handovers
+from kvbridge_proxy.handover import DecodeFailed, Handover, Handovers
 from kvbridge_proxy.limits import BUDGET, Budget, encoded
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moves import Moves
 from kvbridge_proxy.moving_stream import MovingStream, refusal
 from kvbridge_proxy.settings import ProxySettings
-from kvbridge_proxy.upstreams import Instance
+from kvbridge_proxy.upstreams import Instance, NoInstance
 from kvbridge_proxy.wire import REQUEST_ID, prefill_body, read_body, until_disconnect
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
@@ -141,7 +141,9 @@ class Relay:
             answer = await self.moves.relay(request, handover, moving, timeline, begun, out_headers)
         else:
             relay = self._relay_stream if streamed else self._relay_whole
-            answer = await relay(request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers)
+            answer = await relay(
+                request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers, handover.again
+            )
         if getattr(answer, "status_code", 200) == 499 and handover.computing is not None:
             handover.computing.cancel()  # the client left: prefill stops too
         return answer
@@ -323,6 +325,29 @@ class Relay:
             events(), media_type="text/event-stream", headers={**headers, HEADER: timeline.header()}
         )
 
+    async def _resend(
+        self,
+        decode: Instance,
+        failed: httpx.TransportError,
+        again: Callable[[], Awaitable[Handover]] | None,
+        timeline: Timeline,
+    ) -> Handover | str:
+        """After `decode` failed before answering the client anything: the request on another decode, or the error."""
+        decode.healthy = False
+        log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
+        detail = f"{type(failed).__name__}: {failed}" if self.expose else type(failed).__name__
+        error = f"decode server {decode.label} failed: {detail}"
+        if again is None:
+            return error
+        try:
+            resent = await again()
+        except (NoInstance, DecodeFailed) as exc:
+            log.warning("request %s: no other decode server took it: %s", timeline.request_id, exc)
+            return f"{error}; no other decode server took it ({exc})"
+        self.metrics.failovers.labels(decode.role).inc()
+        log.warning("request %s sent again, to decode server %s", timeline.request_id, resent.decode.url)
+        return resent
+
     async def _relay_whole(
         self,
         request: Request,
@@ -332,13 +357,28 @@ class Relay:
         begun: float,
         sent: float,
         headers: dict[str, str],
+        again: Callable[[], Awaitable[Handover]] | None = None,
     ) -> Response:
-        """A non-streamed answer: read it whole, take the decode's reported pull phases from it."""
+        """A non-streamed answer: read it whole, take the decode's reported pull phases from it.
+
+        A decode that fails before its answer is whole has given the client nothing: the request goes to the next one
+        (`again`), if any."""
+        failed: httpx.TransportError | None = None
         try:
             content = await until_disconnect(request, resp.aread())
+        except httpx.TransportError as exc:  # the decode server died while answering
+            content, failed = b"", exc
         finally:
             await resp.aclose()  # also when the client left: vLLM aborts the decode request
             decode.in_flight -= 1
+        if failed is not None:
+            resent = await self._resend(decode, failed, again, timeline)
+            if isinstance(resent, Handover):
+                return await self._relay_whole(
+                    request, resent.resp, resent.decode, timeline, begun, resent.sent, {**headers, **resent.headers},
+                    resent.again,
+                )  # fmt: skip
+            return self.metrics.answer(503, resent, headers, timeline)
         if content is None:
             log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
@@ -363,8 +403,12 @@ class Relay:
         begun: float,
         sent: float,
         headers: dict[str, str],
+        again: Callable[[], Awaitable[Handover]] | None = None,
     ) -> Any:
-        """A streamed answer: the headers go out with its first chunk, so the timeline ends there."""
+        """A streamed answer: the headers go out with its first chunk, so the timeline ends there.
+
+        A decode that fails before its first chunk has given the client nothing: the request goes to the next one
+        (`again`), if any."""
         chunks = resp.aiter_raw()
         failed: httpx.TransportError | None = None
         try:
@@ -379,12 +423,13 @@ class Relay:
                 await resp.aclose()
                 decode.in_flight -= 1
         if failed is not None:
-            decode.healthy = False
-            log.warning(
-                "decode server %s failed before the first chunk of %s: %s", decode.url, timeline.request_id, failed
-            )
-            detail = f"{type(failed).__name__}: {failed}" if self.expose else type(failed).__name__
-            return self.metrics.answer(503, f"decode server {decode.label} failed: {detail}", headers, timeline)
+            resent = await self._resend(decode, failed, again, timeline)
+            if isinstance(resent, Handover):
+                return await self._relay_stream(
+                    request, resent.resp, resent.decode, timeline, begun, resent.sent, {**headers, **resent.headers},
+                    resent.again,
+                )  # fmt: skip
+            return self.metrics.answer(503, resent, headers, timeline)
         if first is None:
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
