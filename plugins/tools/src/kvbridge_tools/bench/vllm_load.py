@@ -84,7 +84,9 @@ LABELS = {
     "mooncake": "MooncakeConnector (vLLM)",
 }
 # what the table and --json report per run, from the serve bench's result
-METRICS = ("ttft", "tpot", "itl")
+# e2el, each request's whole latency: at a concurrency cap a request's time is what the others leave it, and how it
+# splits between TTFT and TPOT depends on when its decode takes it in; the sum says which system was faster.
+METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 99)
 
 
