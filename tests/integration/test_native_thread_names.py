@@ -34,11 +34,14 @@ def os_names() -> dict[int, str]:
     return names
 
 
-def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -> None:
+def threads_started(transport: str, protocol: str) -> tuple[dict[int, str], list[str]]:
+    """The OS names of the native threads two backends start and read with, started from an engine's model thread.
+
+    By thread id; and a stall dump's kernel view, taken before the backends close."""
     before = set(os_names())
     with os_thread_name("engine-main"):  # as the engine's model thread would be named
-        a = kvbridge.create_backend("mooncake", protocol="tcp")
-        b = kvbridge.create_backend("mooncake", protocol="tcp")
+        a = kvbridge.create_backend(transport, protocol=protocol)
+        b = kvbridge.create_backend(transport, protocol=protocol)
         try:
             src, dst = np.full(1 << 20, 7, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
             a.register_memory(dst)
@@ -48,10 +51,14 @@ def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -
             assert (dst == 7).all()
             python = {t.native_id for t in threading.enumerate()}  # kvbridge's own threads are Python's
             started = {tid: name for tid, name in os_names().items() if tid not in before and tid not in python}
-            kernel = kernel_view().splitlines()  # what a stall dump shows of threads with no Python stack
+            return started, kernel_view().splitlines()  # what a stall dump shows of threads with no Python stack
         finally:
             a.close()
             b.close()
+
+
+def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -> None:
+    started, kernel = threads_started("mooncake", "tcp")
     assert started, "the backends started no thread"
     assert "engine-main" not in started.values(), started
     assert NATIVE_THREAD_NAME in started.values(), started
@@ -63,21 +70,6 @@ def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -
 
 def test_nixl_threads_carry_kvbridge_names_even_where_ucx_names_its_own() -> None:
     # UCX names its event thread `async` itself: named after its starter, it would still be nobody's.
-    before = set(os_names())
-    with os_thread_name("engine-main"):
-        a = kvbridge.create_backend("nixl", protocol="ucx")
-        b = kvbridge.create_backend("nixl", protocol="ucx")
-        try:
-            src, dst = np.full(1 << 20, 7, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
-            a.register_memory(dst)
-            b.register_memory(src)
-            peer = a.connect(b.endpoint_info())
-            a.transfer(peer, [(dst.ctypes.data, src.ctypes.data, src.nbytes)], "read").wait(30)
-            assert (dst == 7).all()
-            python = {t.native_id for t in threading.enumerate()}
-            started = {tid: name for tid, name in os_names().items() if tid not in before and tid not in python}
-        finally:
-            a.close()
-            b.close()
+    started, _ = threads_started("nixl", "ucx")
     assert started, "the backends started no native thread"
     assert set(started.values()) == {NIXL_THREAD_NAME}, started
