@@ -84,8 +84,8 @@ LABELS = {
     "mooncake": "MooncakeConnector (vLLM)",
 }
 # what the table and --json report per run, from the serve bench's result
-# e2el, each request's whole latency: at a concurrency cap a request's time is what the others leave it, and how it
-# splits between TTFT and TPOT depends on when its decode takes it in; the sum says which system was faster.
+# e2el, each request's whole latency: at a concurrency cap a request's time is what the others leave it, and two
+# systems can split the same time differently between TTFT and TPOT; the sum says which one was faster.
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 99)
 
