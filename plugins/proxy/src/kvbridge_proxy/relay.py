@@ -327,26 +327,33 @@ class Relay:
 
     async def _resend(
         self,
+        relay: Callable[..., Awaitable[Any]],
+        request: Request,
         decode: Instance,
         failed: httpx.TransportError,
         again: Callable[[], Awaitable[Handover]] | None,
         timeline: Timeline,
-    ) -> Handover | str:
-        """After `decode` failed before answering the client anything: the request on another decode, or the error."""
+        begun: float,
+        headers: dict[str, str],
+    ) -> Any:
+        """After `decode` failed before answering the client anything: the request relayed from another decode.
+
+        By `relay` (`_relay_stream` or `_relay_whole`); the 503 when no other decode took it."""
         decode.healthy = False
         log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
         detail = f"{type(failed).__name__}: {failed}" if self.expose else type(failed).__name__
         error = f"decode server {decode.label} failed: {detail}"
         if again is None:
-            return error
+            return self.metrics.answer(503, error, headers, timeline)
         try:
             resent = await again()
         except (NoInstance, DecodeFailed) as exc:
             log.warning("request %s: no other decode server took it: %s", timeline.request_id, exc)
-            return f"{error}; no other decode server took it ({exc})"
+            return self.metrics.answer(503, f"{error}; no other decode server took it ({exc})", headers, timeline)
         self.metrics.failovers.labels(decode.role).inc()
         log.warning("request %s sent again, to decode server %s", timeline.request_id, resent.decode.url)
-        return resent
+        headers = {**headers, **resent.headers}
+        return await relay(request, resent.resp, resent.decode, timeline, begun, resent.sent, headers, resent.again)
 
     async def _relay_whole(
         self,
@@ -372,13 +379,7 @@ class Relay:
             await resp.aclose()  # also when the client left: vLLM aborts the decode request
             decode.in_flight -= 1
         if failed is not None:
-            resent = await self._resend(decode, failed, again, timeline)
-            if isinstance(resent, Handover):
-                return await self._relay_whole(
-                    request, resent.resp, resent.decode, timeline, begun, resent.sent, {**headers, **resent.headers},
-                    resent.again,
-                )  # fmt: skip
-            return self.metrics.answer(503, resent, headers, timeline)
+            return await self._resend(self._relay_whole, request, decode, failed, again, timeline, begun, headers)
         if content is None:
             log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
@@ -423,13 +424,7 @@ class Relay:
                 await resp.aclose()
                 decode.in_flight -= 1
         if failed is not None:
-            resent = await self._resend(decode, failed, again, timeline)
-            if isinstance(resent, Handover):
-                return await self._relay_stream(
-                    request, resent.resp, resent.decode, timeline, begun, resent.sent, {**headers, **resent.headers},
-                    resent.again,
-                )  # fmt: skip
-            return self.metrics.answer(503, resent, headers, timeline)
+            return await self._resend(self._relay_stream, request, decode, failed, again, timeline, begun, headers)
         if first is None:
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
