@@ -873,6 +873,25 @@ def test_a_stream_whose_decode_dies_is_computed_on_another(cluster: Cluster) -> 
     assert _metric(cluster, "recomputed") == 1.0
 
 
+@pytest.mark.parametrize("cluster", [{"a": {"die_after": 0}}], indirect=True)
+def test_a_movable_stream_whose_decode_dies_before_its_first_event_goes_to_the_next(cluster: Cluster) -> None:
+    # The client got nothing from A: the same decode request goes to B (prefill's KV is there for whichever asks).
+    admin = httpx.Client(base_url=cluster.proxy.url, trust_env=False, timeout=30)
+    cluster.serve_b()
+    wait_for(lambda: not _decode(admin, cluster.b.url)["draining"], what="B serving")
+    bodies = [{"model": "m", "prompt": f"stream {i}", "max_tokens": MAX_TOKENS, "stream": True} for i in range(2)]
+    streams = [[], []]
+    for body, events in zip(bodies, streams):  # A answers /health: it is picked again, and dies again
+        _stream(cluster.proxy.url, "/v1/completions", body, events)
+    admin.close()
+    for body, events in zip(bodies, streams):
+        assert _tokens(events) == reference(prompt_ids("/v1/completions", body), MAX_TOKENS)
+    assert cluster.a.bodies and len(cluster.b.bodies) == 2, "whatever A took and died on, B took"
+    for died_on in cluster.a.bodies:
+        [again] = [b for b in cluster.b.bodies if b["prompt"] == died_on["prompt"]]
+        assert again["kv_transfer_params"]["remote_request_id"] == "r", "the same decode request: prefill's KV"
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "why"),
     [

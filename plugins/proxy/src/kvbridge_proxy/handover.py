@@ -254,6 +254,23 @@ class Handovers:
         same = (path, body, headers, moving, prefill)
         return again
 
+    async def hand_on(self, handover: Handover, error: str, request_id: str) -> Handover | str:
+        """The request on the next decode, its decode having failed before the client got anything of its answer.
+
+        Else (no `Handover.again`, or no other decode took it) the text of the 503 to answer."""
+        failed = handover.decode
+        failed.healthy = False
+        if handover.again is None:
+            return error
+        try:
+            resent = await handover.again()
+        except (NoInstance, DecodeFailed) as exc:
+            log.warning("request %s: no other decode server took it: %s", request_id, exc)
+            return f"{error}; no other decode server took it ({exc})"
+        self.metrics.failovers.labels(failed.role).inc()
+        log.warning("request %s sent again, to decode server %s", request_id, resent.decode.url)
+        return resent
+
     # -- handlers ------------------------------------------------------------------------------
 
     async def open(

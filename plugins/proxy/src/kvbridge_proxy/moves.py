@@ -81,13 +81,14 @@ class Moves:
             if first is None:
                 log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
                 return self.metrics.answer(499, "client disconnected", headers, timeline)
-            handover.decode.healthy = False
             log.warning(
                 "decode server %s failed before the first event of %s", handover.decode.url, timeline.request_id
             )
-            return self.metrics.answer(
-                503, f"decode server {handover.decode.label} failed: {first[1]}", headers, timeline
-            )
+            error = f"decode server {handover.decode.label} failed: {first[1]}"
+            resent = await self.handovers.hand_on(handover, error, timeline.request_id)
+            if isinstance(resent, str):
+                return self.metrics.answer(503, resent, headers, timeline)
+            return await self.relay(request, resent, moving, timeline, begun, {**headers, **resent.headers})
         self.metrics.finish(timeline, begun, handover.sent, time.perf_counter())
         self.metrics.requests.labels("200").inc()
 

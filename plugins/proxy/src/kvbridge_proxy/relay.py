@@ -20,13 +20,12 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
-from kvbridge_proxy.handover import DecodeFailed, Handover, Handovers
+from kvbridge_proxy.handover import Handover, Handovers
 from kvbridge_proxy.limits import BUDGET, Budget, encoded
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moves import Moves
 from kvbridge_proxy.moving_stream import MovingStream, refusal
 from kvbridge_proxy.settings import ProxySettings
-from kvbridge_proxy.upstreams import Instance, NoInstance
 from kvbridge_proxy.wire import REQUEST_ID, prefill_body, read_body, until_disconnect
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
@@ -141,9 +140,7 @@ class Relay:
             answer = await self.moves.relay(request, handover, moving, timeline, begun, out_headers)
         else:
             relay = self._relay_stream if streamed else self._relay_whole
-            answer = await relay(
-                request, handover.resp, handover.decode, timeline, begun, handover.sent, out_headers, handover.again
-            )
+            answer = await relay(request, handover, timeline, begun, out_headers)
         if getattr(answer, "status_code", 200) == 499 and handover.computing is not None:
             handover.computing.cancel()  # the client left: prefill stops too
         return answer
@@ -182,9 +179,9 @@ class Relay:
             if not isinstance(failed, Handover):
                 failed.headers["x-request-id"] = timeline.request_id
                 return failed
-            return await self._relay_whole(
-                request, failed.resp, failed.decode, timeline, begun, failed.sent, {**failed.headers, **ids}
-            )
+            # a batch fails whole: its failed part is not sent again on its own
+            alone = attrs.evolve(failed, again=None)
+            return await self._relay_whole(request, alone, timeline, begun, {**failed.headers, **ids})
         timeline.phases.update(subs[0].phases)  # the first part's phases stand for the batch's
         headers = {**opened[0].headers, **ids}
         if all(h.resp.headers.get("content-type", "").startswith("text/event-stream") for h in opened):
@@ -329,47 +326,32 @@ class Relay:
         self,
         relay: Callable[..., Awaitable[Any]],
         request: Request,
-        decode: Instance,
+        handover: Handover,
         failed: httpx.TransportError,
-        again: Callable[[], Awaitable[Handover]] | None,
         timeline: Timeline,
         begun: float,
         headers: dict[str, str],
     ) -> Any:
-        """After `decode` failed before answering the client anything: the request relayed from another decode.
+        """After the decode failed before answering the client anything: the request relayed from the next decode.
 
-        By `relay` (`_relay_stream` or `_relay_whole`); the 503 when no other decode took it."""
-        decode.healthy = False
+        By `relay` (`_relay_stream` or `_relay_whole`); the 503 when no other decode took it (`Handovers.hand_on`)."""
+        decode = handover.decode
         log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
         detail = f"{type(failed).__name__}: {failed}" if self.expose else type(failed).__name__
         error = f"decode server {decode.label} failed: {detail}"
-        if again is None:
-            return self.metrics.answer(503, error, headers, timeline)
-        try:
-            resent = await again()
-        except (NoInstance, DecodeFailed) as exc:
-            log.warning("request %s: no other decode server took it: %s", timeline.request_id, exc)
-            return self.metrics.answer(503, f"{error}; no other decode server took it ({exc})", headers, timeline)
-        self.metrics.failovers.labels(decode.role).inc()
-        log.warning("request %s sent again, to decode server %s", timeline.request_id, resent.decode.url)
-        headers = {**headers, **resent.headers}
-        return await relay(request, resent.resp, resent.decode, timeline, begun, resent.sent, headers, resent.again)
+        resent = await self.handovers.hand_on(handover, error, timeline.request_id)
+        if isinstance(resent, str):
+            return self.metrics.answer(503, resent, headers, timeline)
+        return await relay(request, resent, timeline, begun, {**headers, **resent.headers})
 
     async def _relay_whole(
-        self,
-        request: Request,
-        resp: httpx.Response,
-        decode: Instance,
-        timeline: Timeline,
-        begun: float,
-        sent: float,
-        headers: dict[str, str],
-        again: Callable[[], Awaitable[Handover]] | None = None,
+        self, request: Request, handover: Handover, timeline: Timeline, begun: float, headers: dict[str, str]
     ) -> Response:
         """A non-streamed answer: read it whole, take the decode's reported pull phases from it.
 
         A decode that fails before its answer is whole has given the client nothing: the request goes to the next one
-        (`again`), if any."""
+        (`Handover.again`), if any."""
+        resp, decode, sent = handover.resp, handover.decode, handover.sent
         failed: httpx.TransportError | None = None
         try:
             content = await until_disconnect(request, resp.aread())
@@ -379,7 +361,7 @@ class Relay:
             await resp.aclose()  # also when the client left: vLLM aborts the decode request
             decode.in_flight -= 1
         if failed is not None:
-            return await self._resend(self._relay_whole, request, decode, failed, again, timeline, begun, headers)
+            return await self._resend(self._relay_whole, request, handover, failed, timeline, begun, headers)
         if content is None:
             log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
@@ -396,20 +378,13 @@ class Relay:
         )
 
     async def _relay_stream(
-        self,
-        request: Request,
-        resp: httpx.Response,
-        decode: Instance,
-        timeline: Timeline,
-        begun: float,
-        sent: float,
-        headers: dict[str, str],
-        again: Callable[[], Awaitable[Handover]] | None = None,
+        self, request: Request, handover: Handover, timeline: Timeline, begun: float, headers: dict[str, str]
     ) -> Any:
         """A streamed answer: the headers go out with its first chunk, so the timeline ends there.
 
         A decode that fails before its first chunk has given the client nothing: the request goes to the next one
-        (`again`), if any."""
+        (`Handover.again`), if any."""
+        resp, decode, sent = handover.resp, handover.decode, handover.sent
         chunks = resp.aiter_raw()
         failed: httpx.TransportError | None = None
         try:
@@ -424,7 +399,7 @@ class Relay:
                 await resp.aclose()
                 decode.in_flight -= 1
         if failed is not None:
-            return await self._resend(self._relay_stream, request, decode, failed, again, timeline, begun, headers)
+            return await self._resend(self._relay_stream, request, handover, failed, timeline, begun, headers)
         if first is None:
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
