@@ -35,7 +35,7 @@ class ProxyMetrics:
         )
         self.failovers = prom.Counter(
             "kvbridge_proxy_failovers_total",
-            "Upstreams skipped for the next one because they refused or dropped the connection.",
+            "Upstreams left for the next one: refused or dropped the connection, or died before answering anything.",
             ["role"],
             registry=self.registry,
         )
