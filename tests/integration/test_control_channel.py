@@ -689,6 +689,8 @@ def test_a_handler_that_blocks_gets_every_stack_dumped_once_and_its_time_logged(
     release.set()
     aborting.join(30)
     asking.join(30)
+    # A request's times are taken once its reply is sent: the client can have the reply a moment before they are.
+    wait_for(lambda: [t[0] for t in timed][-2:] == ["Abort", "GetInfo"], what=lambda: f"the GetInfo's times: {timed}")
     (dump,) = _stall_dumps(tmp_path, "stuck/0")
     assert "side channel stuck/0 (serving loop)" in dump and "Thread kvbridge-ctl-stuck/0" in dump
     assert "in stuck_in_the_abort_handler" in dump and "release.wait(30)" in dump, "the blocking frame is named"
