@@ -60,11 +60,31 @@ def native_stacks(name_of: Callable[[int], str] = str, pid: int | None = None, t
             _let_trace(0)
         out.seek(0)
         text = out.read().decode(errors="replace")
-    stacks = [_named(line, name_of) for line in text.splitlines() if line.startswith(("TID ", "#"))]
+    stacks = _below_python([_named(line, name_of) for line in text.splitlines() if line.startswith(("TID ", "#"))])
     if not stacks:
         why = " ".join(text.split())[:300] or f"exit status {reader.returncode}"
         return f"Native stacks: not taken ({TOOL}: {why}; a container needs CAP_SYS_PTRACE for it)"
     return "\n".join([f"Every thread's native stack ({TOOL}):", *stacks])
+
+
+# The interpreter's frame function: a Python thread's native frames past its first one are its Python stack again,
+# which the dump shows as Python (tens of frames a thread, in a process of tens of threads).
+INTERPRETER = "_PyEval_EvalFrameDefault"
+
+
+def _below_python(lines: list[str]) -> list[str]:
+    """Each thread's native frames up to its first interpreter frame (all of them for a thread with none)."""
+    out, in_python = [], False
+    for line in lines:
+        if line.startswith("  TID "):
+            in_python = False
+        elif in_python:
+            continue
+        out.append(line)
+        if INTERPRETER in line:
+            in_python = True
+            out.append("    ... (its Python stack, above)")
+    return out
 
 
 def _named(line: str, name_of: Callable[[int], str]) -> str:

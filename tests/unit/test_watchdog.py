@@ -126,6 +126,7 @@ def test_a_dump_has_each_threads_native_stack_down_to_the_call_it_is_blocked_in(
     frames = [line.split()[-1] for line in mine.splitlines()[1:]]
     assert any("read" in f for f in frames[:3]), mine  # read(2) at the top, or just under a libc wrapper
     assert "_PyEval_EvalFrameDefault" in frames, mine  # and the interpreter under it
+    assert mine.rstrip().endswith("... (its Python stack, above)"), mine  # not the interpreter's frames again
 
 
 def test_without_eu_stack_a_dump_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
