@@ -84,7 +84,7 @@ def test_records_are_signed_and_a_forged_or_unsigned_one_is_ignored_and_logged(
 
 
 ANNOUNCER_ALONE = """
-import logging, sys, time
+import logging, os, signal, sys, threading, time
 from kvbridge.control import open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.membership import Announcer
@@ -95,7 +95,20 @@ announcer = Announcer(open_registry(sys.argv[1], secret=sys.argv[2]), record, tt
 first = announcer.record.expires
 while announcer.record.expires == first:  # its renewal loop runs: its next renewal is due within 0.5 s
     time.sleep(0.01)
-print("up", flush=True)
+renewing = next(t for t in threading.enumerate() if t.name.startswith("kvbridge-announce"))
+
+def in_its_wait():  # back in the wait between renewals: the renewal call (the store's round trip) returned
+    frame, names = sys._current_frames().get(renewing.ident), []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names[:3] == ["wait", "wait", "_loop"]
+
+deadline = time.monotonic() + 10
+while not in_its_wait() and time.monotonic() < deadline:
+    time.sleep(0.001)
+print("stopping", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, while its renewal waits: not inside the store's call
 time.sleep(30)
 """
 
@@ -111,10 +124,12 @@ def test_an_announcer_not_run_on_time_says_its_record_was_renewed_late(store: st
     )
     try:
         assert proc.stdout is not None
-        while proc.stdout.readline().strip() != "up":  # after the log lines before it (a dead child: EOF, "")
+        while proc.stdout.readline().strip() != "stopping":  # after the log lines before it (a dead child: EOF, "")
             assert proc.poll() is None
-        os.kill(proc.pid, signal.SIGSTOP)  # renewals every 0.5 s: this one comes 1 s late
-        time.sleep(1.0)
+        # It stops itself while its renewal waits. A stop that lands inside the renewal's call to the store is not a
+        # late renewal but a stalled one, which the stall watchdog reports instead.
+        wait_for(lambda: Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", what="stop")
+        time.sleep(1.0)  # renewals every 0.5 s: this one comes 1 s late
         os.kill(proc.pid, signal.SIGCONT)
         lines = []
         deadline = time.monotonic() + 30
