@@ -63,8 +63,11 @@ def test_mooncake_threads_carry_kvbridge_names_from_start_and_first_transfer() -
     assert "engine-main" not in started.values(), started
     assert NATIVE_THREAD_NAME in started.values(), started
     # each Mooncake thread in the stall dump's kernel view, as native, with its state and where it waits
+    # (this test's threads only: an earlier test in the same process may have started Mooncake threads of its own)
+    mine = {tid for tid, name in started.items() if name == NATIVE_THREAD_NAME}
     io = [line for line in kernel if line.startswith(f"  {NATIVE_THREAD_NAME} (") and ", native): " in line]
-    assert len(io) == sum(name == NATIVE_THREAD_NAME for name in started.values()), kernel
+    io = [line for line in io if int(line.split("(", 1)[1].split(",", 1)[0]) in mine]
+    assert len(io) == len(mine), kernel
     assert all(line.split("): ", 1)[1][0] in "RSD" for line in io), io
 
 
