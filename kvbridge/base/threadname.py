@@ -59,11 +59,27 @@ def os_thread_name(name: str) -> Iterator[None]:
         prctl(_PR_SET_NAME, was.value, 0, 0, 0)
 
 
-def _thread_ids() -> set[int]:
+def thread_ids() -> list[int]:
+    """This process's threads as the kernel lists them, Python's and native ones (empty without /proc)."""
     try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
+        return sorted(int(t) for t in os.listdir("/proc/self/task"))
     except OSError:
-        return set()
+        return []
+
+
+def python_names() -> dict[int, str]:
+    """The `threading` name of each thread Python started, by its kernel thread id."""
+    return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+
+
+def name_of(tid: int, names: dict[int, str]) -> str:
+    """A thread's name: Python's (`names`, from `python_names`), else the kernel's (a transport's C++ I/O thread)."""
+    if tid in names:
+        return names[tid]
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip() or str(tid)
+    except OSError:  # ended meanwhile
+        return str(tid)
 
 
 @contextlib.contextmanager
@@ -71,10 +87,10 @@ def native_threads_named(name: str) -> Iterator[None]:
     """`os_thread_name(name)` for the block; then a thread it started that named itself is given `name` too.
 
     Some libraries name their own threads (UCX's `async`): without this they are counted with nobody's."""
-    before = _thread_ids()
+    before = set(thread_ids())
     with os_thread_name(name):
         yield
-    for tid in _thread_ids() - before:
+    for tid in set(thread_ids()) - before:
         with contextlib.suppress(OSError):  # ended meanwhile
             comm = Path(f"/proc/self/task/{tid}/comm")
             if not comm.read_text().startswith("kvbridge"):

@@ -17,7 +17,7 @@ import attrs
 
 from kvbridge.base.native_stacks import native_stacks
 from kvbridge.base.options import option, parse
-from kvbridge.base.threadname import NamedThread
+from kvbridge.base.threadname import NamedThread, name_of, python_names, thread_ids
 
 log = logging.getLogger(__name__)
 ENV = {
@@ -81,15 +81,11 @@ HISTORY_S = 120.0  # how far back a dump can account for a stall's CPU time
 def schedstats() -> Schedstat:
     """This process's threads: time each ran, and time each waited on a run queue (empty without /proc schedstat)."""
     out: Schedstat = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in thread_ids():
         try:
             with open(f"/proc/self/task/{tid}/schedstat") as f:
                 ran, waited, _ = f.read().split()
-            out[int(tid)] = (int(ran), int(waited))
+            out[tid] = (int(ran), int(waited))
         except (OSError, ValueError):  # the thread ended meanwhile, or a kernel without schedstats
             continue
     return out
@@ -170,15 +166,6 @@ def others(before: Processes, after: Processes, window_s: float) -> str:
     )
 
 
-def _thread_name(tid: int, names: Mapping[int, str]) -> str:
-    if tid in names:
-        return names[tid]
-    try:  # a thread Python did not start (a transport's C++ I/O thread, OpenMP's): its kernel name
-        return Path(f"/proc/self/task/{tid}/comm").read_text().strip() or str(tid)
-    except OSError:
-        return str(tid)
-
-
 def account(
     stalled: list[Beat],
     before: Schedstat,
@@ -193,7 +180,7 @@ def account(
         return "CPU time: not known (no /proc schedstat on this system)"
     if window_s <= 0:
         return "CPU time: not known (no look before this one to count from)"
-    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    names = python_names()
     delta = {
         tid: ((ran - before.get(tid, (0, 0))[0]) / 1e9, (waited - before.get(tid, (0, 0))[1]) / 1e9)
         for tid, (ran, waited) in after.items()
@@ -216,11 +203,11 @@ def account(
         else:
             verdict = "runnable but not run: the CPUs were taken by other threads or processes"
         lines.append(
-            f"  {beat.name} (thread {_thread_name(beat.tid, names)}): ran {ran:.2f} s, waited {waited:.2f} s: {verdict}"
+            f"  {beat.name} (thread {name_of(beat.tid, names)}): ran {ran:.2f} s, waited {waited:.2f} s: {verdict}"
         )
     busiest = sorted(delta.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:5]
     lines += [
-        f"  busiest: {_thread_name(tid, names)} ran {ran:.2f} s, waited {waited:.2f} s"
+        f"  busiest: {name_of(tid, names)} ran {ran:.2f} s, waited {waited:.2f} s"
         for tid, (ran, waited) in busiest
         if ran + waited >= 0.01
     ]
@@ -232,11 +219,10 @@ def kernel_view() -> str:
 
     The only view of a thread with no Python stack (a transport's C++ I/O thread): blocked in `sk_wait_data` or
     `do_epoll_wait`, or running (`R`, no wait channel)."""
-    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    names = python_names()
     lines = ["Every thread as the kernel sees it (state; wait channel; syscall number, or running):"]
-    try:
-        tids = sorted(int(t) for t in os.listdir("/proc/self/task"))
-    except OSError:
+    tids = thread_ids()
+    if not tids:
         return lines[0] + " not known (no /proc on this system)"
     for tid in tids:
         task = Path(f"/proc/self/task/{tid}")
@@ -247,7 +233,7 @@ def kernel_view() -> str:
         except (OSError, IndexError):  # ended meanwhile, or a kernel that does not say
             continue
         kind = "" if tid in names else ", native"
-        lines.append(f"  {_thread_name(tid, names)} ({tid}{kind}): {state}; {wchan if wchan != '0' else '-'}; {call}")
+        lines.append(f"  {name_of(tid, names)} ({tid}{kind}): {state}; {wchan if wchan != '0' else '-'}; {call}")
     return "\n".join(lines)
 
 
@@ -360,8 +346,8 @@ class Watchdog:
         ]
         parts = [head, accounting, kernel_view(), *stacks]
         if self.native:
-            by_tid = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
-            parts.append(native_stacks(lambda tid: _thread_name(tid, by_tid)))
+            by_tid = python_names()
+            parts.append(native_stacks(lambda tid: name_of(tid, by_tid)))
         text = "\n".join(parts)
         log.warning("%s", text)
         where = options().stall_dir
