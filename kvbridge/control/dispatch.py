@@ -180,12 +180,16 @@ class Dispatcher:
             if self._on_abort is not None:
                 self._on_abort(msg.request_id, msg.origin or sender, msg.reason)
             return Ack()
-        if not self.info.ready:
-            return Refused("not_ready", f"rank {self.name} has not registered its KV cache yet")
         if isinstance(msg, GetInfo):
-            return attrs.evolve(self.info, card=own_card(self.name)) if self._auth.enabled else self.info
-        if self.ledger is None:
-            return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
+            return self._unserved(leases=False) or (
+                attrs.evolve(self.info, card=own_card(self.name)) if self._auth.enabled else self.info
+            )
+        if isinstance(msg, Offer):  # refused or taken by `offer`, as an offer made by a call is
+            return self._offer(msg, sender, peer_host)
+        refused = self._unserved(leases=True)
+        if refused is not None:
+            return refused
+        assert self.ledger is not None
         if isinstance(msg, BeginPull):
             self._check_card(msg.card, sender)
             lendable = self._lender is not None and self.ledger.state(msg.request_id) is LeaseState.UNKNOWN
@@ -194,8 +198,6 @@ class Dispatcher:
             if park and msg.wait_ms > 0 and self.ledger.state(msg.request_id) is LeaseState.UNKNOWN:
                 return Hold(msg)
             return self.begin(msg, peer_host)
-        if isinstance(msg, Offer):
-            return self._offer(msg, sender, peer_host)
         if isinstance(msg, Done):
             return self.ledger.done(msg.request_id, msg.decode_rank, msg.epoch, msg.expected_pulls)
         if isinstance(msg, QueryLease):
@@ -266,14 +268,22 @@ class Dispatcher:
 
         By message or by a call in the same process (`ControlServer.take_offer`): refused alike. Raises what
         `Ledger.offer` raises."""
-        if self.ledger is None:
-            return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
-        if not self.info.ready:
-            return Refused("not_ready", f"rank {self.name} has not registered its KV cache yet")
+        refused = self._unserved(leases=True)
+        if refused is not None:
+            return refused
+        assert self.ledger is not None
         if not self.accept_offers:
             return Refused("offers_in_step", f"rank {self.name} takes offers in the engine step only")
         self.ledger.offer(msg.request_id, msg.blocks, offer_id=msg.offer_id)
         return Ack()
+
+    def _unserved(self, *, leases: bool) -> Refused | None:
+        """Why this rank cannot answer yet (its KV cache not registered), or at all where it needs `leases`."""
+        if not self.info.ready:
+            return Refused("not_ready", f"rank {self.name} has not registered its KV cache yet")
+        if leases and self.ledger is None:
+            return Refused("no_ledger", f"rank {self.name} holds no leases (is it a decode rank?)")
+        return None
 
     @staticmethod
     def stream_moved(msg: QueryStream, status: StreamStatus) -> bool:
