@@ -145,6 +145,7 @@ def test_noise_runs_only_when_resumed_and_is_killed_by_pid(group: str) -> None:
 ORPHANS = """
 import ctypes, os
 ctypes.CDLL(None, use_errno=True).prctl(36, 1)
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 from kvbridge_tools.bench.load_probes import Noise, NoiseProcs
 noise = NoiseProcs(Noise(cpu=2), [None])
 print(*noise.pids, flush=True)
@@ -157,7 +158,10 @@ print("reaped", flush=True)
 
 
 def test_a_noise_group_dies_with_its_leader() -> None:
-    """A bench killed outright leaves no spinning process: the leader's children die with it (PR_SET_PDEATHSIG)."""
+    """A bench killed outright leaves no spinning process: the leader's children die with it (PR_SET_PDEATHSIG).
+
+    On one CPU the leader runs ahead of the children it forks: one stopped (`pause`) before it armed PDEATHSIG
+    would outlive the leader, stopped for good, and the wait for it below would not end."""
     proc = subprocess.Popen([sys.executable, "-c", ORPHANS], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     pids = [int(pid) for pid in proc.stdout.readline().split()]

@@ -40,19 +40,32 @@ NOISE_MARK = "kvbridge-bench-noise"
 HOG = f"# {NOISE_MARK}\nwhile True:\n    pass\n"
 # `group=own`: a session leader that forks argv[1] spinning children, says their PIDs, and at the end of its stdin
 # (the bench closed it, or died) kills and reaps them. A child that outlives it (the leader SIGKILLed) dies with it:
-# PR_SET_PDEATHSIG.
+# PR_SET_PDEATHSIG. The PIDs are said only once every child has armed that: the bench stops them (SIGSTOP) as soon
+# as it reads them, and one stopped before it armed would outlive a SIGKILLed leader, stopped for good.
 HOG_GROUP = f"""# {NOISE_MARK}
 import ctypes, os, signal, sys
 children, leader = [], os.getpid()
+armed_r, armed_w = os.pipe()
 for _ in range(int(sys.argv[1])):
     pid = os.fork()
     if pid == 0:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         if os.getppid() != leader:  # (it died before the line above)
             os._exit(0)
+        os.write(armed_w, b".")
+        os.close(armed_r)
+        os.close(armed_w)
         while True:
             pass
     children.append(pid)
+os.close(armed_w)
+armed = 0
+while armed < len(children):
+    got = os.read(armed_r, len(children) - armed)
+    if not got:  # (every child that could say so has: one died before it armed)
+        sys.exit("a noise child died before it was armed to die with its leader")
+    armed += len(got)
+os.close(armed_r)
 print(*children, flush=True)
 sys.stdin.read()
 for pid in children:
@@ -148,7 +161,7 @@ class NoiseProcs:
         )
         self.procs.append(leader)
         assert leader.stdout is not None
-        line = leader.stdout.readline()  # (its children are forked and spinning by then)
+        line = leader.stdout.readline()  # (its children are forked, armed and spinning by then)
         self._pids = [int(pid) for pid in line.split()]
         if len(self._pids) != cpu:
             raise RuntimeError(f"the noise's group leader started {len(self._pids)} of {cpu} busy processes")
