@@ -105,15 +105,7 @@ class DecodeSide:
                 }
                 timing.update({k: round(v, 3) for k, v in {**phases, **machine.parts}.items()})
                 # recorded before the engine can hear of the request, so a reader of the stats then sees it
-                self.stats.record(
-                    self.transport,
-                    peer,
-                    phases["transfer_ms"] / 1e3,
-                    phases["control_ms"] / 1e3,
-                    machine.nbytes,
-                    machine.descriptors,
-                )
-                self._timed(task.request_id, peer, machine, timing)
+                self._timed(task.request_id, peer, machine, phases, timing)
             else:
                 self.stats.record_failure(self.transport, peer, error)
                 if isinstance(error, KVBridgeError):
@@ -144,8 +136,12 @@ class DecodeSide:
         if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
             self.stats.record_retries(self.transport, peer, sum(h.retries for h in handle.handles))
 
-    def _timed(self, request_id: str, peer: str, machine: PullMachine, timing: dict[str, float]) -> None:
-        """A pull's handover phases to the metrics, and one line when they add up to slow."""
+    def _timed(
+        self, request_id: str, peer: str, machine: PullMachine, phases: dict[str, float], timing: dict[str, float]
+    ) -> None:
+        """A pull that succeeded and its handover phases to the metrics, and one line when they add up to slow."""
+        transfer_s, control_s = phases["transfer_ms"] / 1e3, phases["control_ms"] / 1e3
+        self.stats.record(self.transport, peer, transfer_s, control_s, machine.nbytes, machine.descriptors)
         parts = {
             "offer_wait": machine.offer_wait_ms,
             "contact": machine.parts.get("contact_ms", 0.0),
@@ -220,15 +216,7 @@ class DecodeSide:
                 cancelled=cancelled,
             )
             timing = {"queue_ms": round(queued * 1e3, 3), **phases, **machine.parts}
-            self.stats.record(
-                self.transport,
-                peer,
-                phases["transfer_ms"] / 1e3,
-                phases["control_ms"] / 1e3,
-                machine.nbytes,
-                machine.descriptors,
-            )
-            self._timed(task.request_id, peer, machine, timing)
+            self._timed(task.request_id, peer, machine, phases, timing)
         except Exception as exc:  # a bug too must surface as a load error, never as blocks counted as loaded
             error = exc
             machine.end(exc)
