@@ -349,6 +349,7 @@ class Admission:
         self._permanent: dict[IPAddress, str] = {}
         self._hosts: dict[IPAddress, str] = {}  # admitted now -> why (first reason)
         self._guards: weakref.WeakSet[Guard] = weakref.WeakSet()
+        self._changes = 0  # grows whenever the admitted hosts or the guards change: `version`
         self.grace_s = DEFAULT_GRACE_S
         self._sweeper: threading.Thread | None = None
         self._clock = time.monotonic
@@ -458,6 +459,7 @@ class Admission:
                 g.update(self._hosts.keys())
             raise
         self._hosts = wanted
+        self._changes += 1
         if fresh:
             log.info("kvbridge: admitting %s to guarded transport listeners (%s)", ", ".join(map(str, fresh)), why)
         if gone:
@@ -501,10 +503,16 @@ class Admission:
     def track(self, guard: Guard) -> None:
         with self._lock:
             self._guards.add(guard)
+            self._changes += 1
 
     def forget(self, guard: Guard) -> None:
         with self._lock:
             self._guards.discard(guard)
+            self._changes += 1
+
+    def version(self) -> tuple[int, int]:
+        """Moves whenever `states()` may have; with the guard count, as an unclosed guard leaves when collected."""
+        return self._changes, len(self._guards)
 
     def guards(self) -> list[Guard]:
         with self._lock:
@@ -768,3 +776,24 @@ def self_test() -> str | None:
 def states() -> list[GuardState]:
     """Every guarded transport of this process, open ones included."""
     return [g.state() for g in ADMISSION.guards()]
+
+
+@attrs.define
+class StatesWatch:
+    """What changed in `states()` (ports aside) since the last look, cheap enough to ask every engine step."""
+
+    _version: tuple[int, int] | None = None
+    _seen: list[tuple[str, bool, int]] | None = None
+
+    def changed(self) -> list[GuardState] | None:
+        """Every guard's state if any changed since the last call (the first call: all of them), else None."""
+        version = ADMISSION.version()  # read before the states: a change between the two is seen next time
+        if version == self._version:
+            return None
+        self._version = version
+        now = states()
+        seen = [(g.what, g.open, g.admitted) for g in now]
+        if seen == self._seen:
+            return None
+        self._seen = seen
+        return now

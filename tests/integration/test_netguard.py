@@ -173,6 +173,37 @@ def test_a_guard_finds_the_listeners_a_library_opens_and_not_kvbridges_own() -> 
     assert all(g is not guard for g in netguard.ADMISSION.guards()), "a closed guard is forgotten"
 
 
+def test_a_states_watch_tells_every_change_of_who_is_admitted_and_nothing_else() -> None:
+    # a vLLM worker asks its watch twice a step and puts what it tells in /metrics: a change it missed would leave
+    # /metrics showing hosts admitted that are not, or the other way round
+    watch = netguard.StatesWatch()
+    assert watch.changed() == netguard.states(), "the first look tells every guard"
+    assert watch.changed() is None
+    guard = netguard.Guard("a library", "127.0.0.1", GuardOptions(admit_grace=0.0))
+    theirs = None
+    try:
+        with guard.capture():
+            theirs = _listener()
+        told = watch.changed()
+        assert guard.state() in told and told == netguard.states(), "a new guard was not told"
+        assert watch.changed() is None
+        host = str(netguard.example_hosts(4, 1)[0])
+        netguard.ADMISSION.hold("test: watch", [host], "a test")
+        told = watch.changed()
+        assert guard.state() in told and guard.state().admitted == len(netguard.ADMISSION.hosts()), told
+        netguard.ADMISSION.hold("test: watch, again", [host], "a test")  # admitted already: nothing changed
+        assert watch.changed() is None
+        netguard.ADMISSION.release("test: watch, again")
+        netguard.ADMISSION.release("test: watch")
+        assert netguard.ADMISSION.wait_until(lambda hosts: host not in map(str, hosts), 5.0)
+        assert guard.state() in watch.changed(), "a host no longer admitted was not told"
+    finally:
+        guard.close()
+        if theirs is not None:
+            theirs.close()
+    assert guard.state() not in netguard.states() and watch.changed() == netguard.states(), "a closed guard stayed"
+
+
 def test_a_guard_admits_this_hosts_own_addresses(hosts_factory) -> None:  # noqa: ANN001
     # A local peer may connect from any of the host's addresses (UCX dials every interface's): those
     # connections were dropped when only loopback and the hostname were admitted.

@@ -75,7 +75,7 @@ class WorkerSide:
         self.parallel = ParallelConfig(tp=tp_size, dp=dp_size)
         self.rank = dp_index * tp_size + tp_rank
         self.stats = KVBridgeStats()
-        self._guards_seen: list[tuple[str, bool, int]] = []
+        self._guards = netguard.StatesWatch()  # vLLM asks for stats twice a step
         # the engine core's input queue (in its process, or as it tells a worker process of it): an idle step that may
         # sleep long (transfers in flight) still ends the moment a request arrives
         inbox: Inbox | None = find_engine_inbox()
@@ -269,11 +269,8 @@ class WorkerSide:
             self.arrivals.close()
 
     def take_stats(self) -> KVBridgeStats | None:
-        guards = [(g.what, g.open, g.admitted) for g in netguard.states()]
-        if guards != self._guards_seen:  # shown in /metrics from the first stats on, then on every change
-            self._guards_seen = guards
-            for what, open_, admitted in guards:
-                self.stats.record_guard(what.split()[0], open_, admitted)
+        for g in self._guards.changed() or ():  # shown in /metrics from the first stats on, then on every change
+            self.stats.record_guard(g.what.split()[0], g.open, g.admitted)
         return None if self.stats.is_empty() else self.stats.clone_and_reset()
 
     def take_timings(self) -> KVBridgeWorkerMeta | None:
