@@ -53,7 +53,10 @@ def test_ephemeral_start_reads_the_kernel_setting(tmp_path: Path) -> None:
 
 
 def _group(tmp_path: Path, script: str, *, words: int, engine_nice: int = 0) -> Server:
-    """`script` run as a server's process group (a session of its own), once its output has `words` words."""
+    """`script` run as a server's process group (a session of its own), once its output has `words` words.
+
+    Its processes write each line with one os.write: a forked child's print writes each piece apart (strace shows
+    "title", " ", "pid", "\\n"), and two children's pieces interleaved once into fewer words than awaited."""
     log, main = tmp_path / "group.log", tmp_path / "group.py"
     main.write_text(script)
     with open(log, "wb") as out:
@@ -79,13 +82,13 @@ def test_ending_a_server_ends_its_group_and_removes_its_shared_memory(tmp_path: 
     # only the group's multiprocessing resource tracker knows it (as the sem.mp-* semaphores vLLM's
     # processes leave behind): the tracker is spared the kill and removes it.
     script = textwrap.dedent(f"""
-        import multiprocessing as mp, sys, time
+        import multiprocessing as mp, os, sys, time
         from multiprocessing import shared_memory
         def child(name):
             seg = shared_memory.SharedMemory(name=name)
             if not {mapped}:
                 seg.close()
-            print("child-ready", flush=True)
+            os.write(1, b"child-ready\\n")
             time.sleep(600)
         if __name__ == "__main__":
             seg = shared_memory.SharedMemory(create=True, size=1 << 20)
@@ -93,7 +96,7 @@ def test_ending_a_server_ends_its_group_and_removes_its_shared_memory(tmp_path: 
             p.start()
             if not {mapped}:
                 seg.close()
-            print(seg.name, p.pid, flush=True)
+            os.write(1, f"{{seg.name}} {{p.pid}}\\n".encode())
             time.sleep(600)
     """)
     server = _group(tmp_path, script, words=3)
@@ -122,7 +125,7 @@ def test_an_engine_below_its_front_end_is_every_thread_of_its_engine_processes_a
             with open("/proc/self/comm", "w") as comm:  # as vLLM's setproctitle names its engine core
                 comm.write(title)
             threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
-            print(title, os.getpid(), flush=True)
+            os.write(1, f"{title} {os.getpid()}\\n".encode())
             time.sleep(600)
         if __name__ == "__main__":
             ctx = mp.get_context("fork")
