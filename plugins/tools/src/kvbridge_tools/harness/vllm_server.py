@@ -111,6 +111,15 @@ class Server:
                 return now
             time.sleep(0.5)
 
+    def engine_pids(self) -> list[int]:
+        """The processes that run the model (vLLM's engine core, or its workers), not the API server."""
+        pids = []
+        for pid in _group_members(self.proc.pid):
+            with contextlib.suppress(OSError):  # (it ended meanwhile)
+                if Path(f"/proc/{pid}/comm").read_text().startswith(ENGINE_TITLES):
+                    pids.append(pid)
+        return pids
+
     def lower_engine_priority(self) -> int:
         """Every thread of the processes that run the model `engine_nice` below the API server: how many were set.
 
@@ -118,10 +127,8 @@ class Server:
         connector's threads in it) go below. Raising a nice value needs no privilege."""
         threads = 0
         nice = min(19, os.getpriority(os.PRIO_PROCESS, self.proc.pid) + self.engine_nice)
-        for pid in _group_members(self.proc.pid):
+        for pid in self.engine_pids():
             try:
-                if not Path(f"/proc/{pid}/comm").read_text().startswith(ENGINE_TITLES):
-                    continue
                 for task in Path(f"/proc/{pid}/task").iterdir():
                     os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
                     threads += 1
