@@ -188,7 +188,8 @@ def test_layerwise_client_leaving_mid_stream_frees_both_sides(cluster: Cluster) 
 
 def test_layerwise_decode_killed_mid_stream_frees_prefill(cluster: Cluster) -> None:
     # Both sides get the request as the proxy sends it (the prefill's side channel from a pulled probe,
-    # whose own lease then expires unread); the decode dies while prefill computes and it reads.
+    # whose own lease then expires unread); the decode dies holding blocks for the stream, and prefill computes the
+    # prompt for nobody. Prefill's engine is stopped until the decode died: the request takes about 0.1 s here.
     info = cluster.http.post(
         f"{cluster.prefill.url}/v1/completions",
         json={
@@ -222,14 +223,26 @@ def test_layerwise_decode_killed_mid_stream_frees_prefill(cluster: Cluster) -> N
             ),
         ),
     ]
-    for t in sides:
-        t.start()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (cluster.decode.kv_usage() > 0 and cluster.prefill.kv_usage() > 0):
-        time.sleep(0.01)  # decode holds blocks for the stream, prefill is computing
-    cluster.decode.kill()
+    probe = cluster.prefill.kv_usage()  # the probe's blocks, held until its lease expires
+    engines = cluster.prefill.engine_pids()
+    assert engines, cluster.report()
+    try:
+        for pid in engines:
+            stop_all_threads(pid)
+        for t in sides:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not cluster.decode.kv_usage() > 0.0:
+            assert time.monotonic() < deadline, f"decode never took blocks for the stream\n{cluster.report()}"
+            time.sleep(0.05)
+        cluster.decode.kill()
+    finally:
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
     for t in sides:
         t.join(timeout=120)
-    # Prefill finishes the prompt; nobody says DONE; the lease expires and the blocks come back.
+    # Prefill computed the prompt (its blocks beside the probe's); nobody says DONE; the lease expires and the
+    # blocks come back.
+    assert cluster.prefill.kv_usage() > probe, f"prefill holds no blocks for the stream\n{cluster.report()}"
     left = cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S * 3)
     assert left == 0.0, f"prefill still uses {left:.2%} of its KV cache\n{cluster.prefill.failure_report()}"
