@@ -55,8 +55,9 @@ def test_ephemeral_start_reads_the_kernel_setting(tmp_path: Path) -> None:
 def _group(tmp_path: Path, script: str, *, words: int, engine_nice: int = 0) -> Server:
     """`script` run as a server's process group (a session of its own), once its output has `words` words.
 
-    Its processes write each line with one os.write: a forked child's print writes each piece apart (strace shows
-    "title", " ", "pid", "\\n"), and two children's pieces interleaved once into fewer words than awaited."""
+    Its processes write each line with one os.write: with PYTHONUNBUFFERED set (as it is where CI runs), print
+    writes each piece apart (strace: "title", " ", "pid", "\\n"), and two children's pieces once interleaved into
+    fewer words than awaited."""
     log, main = tmp_path / "group.log", tmp_path / "group.py"
     main.write_text(script)
     with open(log, "wb") as out:
