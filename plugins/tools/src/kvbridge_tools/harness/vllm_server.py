@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ import attrs
 from kvbridge.base.errors import ConfigError
 from kvbridge_tools.harness.hosts import OWN_GROUP
 from kvbridge_tools.harness.ports import free_port
+from kvbridge_tools.harness.proc import stop_all_threads
 
 if TYPE_CHECKING:
     from kvbridge_tools.harness.hosts import Host
@@ -119,6 +120,21 @@ class Server:
                 if Path(f"/proc/{pid}/comm").read_text().startswith(ENGINE_TITLES):
                     pids.append(pid)
         return pids
+
+    @contextlib.contextmanager
+    def engine_stopped(self) -> Iterator[None]:
+        """Every thread of the engine processes stopped (SIGSTOP) inside the block; the API server goes on."""
+        pids = self.engine_pids()
+        if not pids:
+            raise RuntimeError(f"server on port {self.port}: no engine process to stop\n{self.failure_report()}")
+        try:
+            for pid in pids:
+                stop_all_threads(pid)
+            yield
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
     def lower_engine_priority(self) -> int:
         """Every thread of the processes that run the model `engine_nice` below the API server: how many were set.
