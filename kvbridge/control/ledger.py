@@ -57,6 +57,7 @@ class _Entry:
 ReleaseCallback = Callable[[Lease, LeaseState], None]
 OfferCallback = Callable[[Lease], None]
 FinishCallback = Callable[[Lease, LeaseState], None]
+ReadingCallback = Callable[[int], None]
 
 
 class Ledger:
@@ -98,6 +99,8 @@ class Ledger:
         self._next_epoch = int.from_bytes(os.urandom(5), "little") + 1
         self._offer_callbacks: list[OfferCallback] = []
         self._finish_callbacks: list[FinishCallback] = []
+        self._reading: set[tuple[str, int]] = set()  # (request id, epoch): begun to be read, blocks not released
+        self._reading_callbacks: list[ReadingCallback] = []
 
     def on_offer(self, callback: OfferCallback) -> None:
         """Call `callback(lease)` for every new lease (a side channel wakes the pulls waiting for it)."""
@@ -106,6 +109,22 @@ class Ledger:
     def on_finish(self, callback: FinishCallback) -> None:
         """Call `callback(lease, state)` when a lease ends, however (a side channel answers held queries at once)."""
         self._finish_callbacks.append(callback)
+
+    def on_reading(self, callback: ReadingCallback) -> None:
+        """Call `callback(count)`, lock held, when the count of leases read (first BeginPull to release) changes.
+
+        It must not block or call the ledger: a transport serves reads promptly while any is (`expect_reads`)."""
+        self._reading_callbacks.append(callback)
+
+    def _count_reading(self, key: tuple[str, int], reading: bool) -> None:
+        """Add or drop one lease being read; tell the listeners if the count changed (lock held)."""
+        before = len(self._reading)
+        (self._reading.add if reading else self._reading.discard)(key)
+        for callback in self._reading_callbacks if len(self._reading) != before else ():
+            try:
+                callback(len(self._reading))
+            except Exception:  # a listener failing must not wedge the ledger
+                log.exception("on_reading callback failed for lease %s", key[0])
 
     # -- prefill side ---------------------------------------------------------------------
 
@@ -288,6 +307,7 @@ class Ledger:
                 if watcher is not None:
                     entry.watchers[decode_rank] = watcher
                 entry.readers.add(decode_rank)
+                self._count_reading((request_id, entry.lease.epoch), True)
                 self._expect(entry, expected_pulls, decode_rank)
         return self.query(request_id)
 
@@ -422,6 +442,8 @@ class Ledger:
 
     def _release(self, entry: _Entry) -> None:
         """Hand a finished lease's blocks back to the engine (`on_release`, outside the lock)."""
+        with self._lock:
+            self._count_reading((entry.lease.request_id, entry.lease.epoch), False)
         state = entry.state
         if state is not LeaseState.RELEASED:
             log.info(

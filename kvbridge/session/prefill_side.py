@@ -77,6 +77,8 @@ class PrefillSide:
     def register(self, agent: KVAgent, layer_names: Sequence[str]) -> None:
         """The KV cache exists: serve its `RankInfo`; take early offers where publishing needs nothing."""
         self.agent = agent
+        agent.backend.expect_reads(0)  # every read of this rank's memory is announced from now on
+        self.ledger.on_reading(agent.backend.expect_reads)
         if self.producer is not None:
             self.producer.register(agent, layer_names)
         self.server.register(agent.info(), accept_offers=agent.publish_is_free)

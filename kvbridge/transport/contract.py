@@ -206,6 +206,12 @@ class MigrationBackend(abc.ABC):
 
         Nothing to do for host memory; local reads need no call: their handle completes after this."""
 
+    def expect_reads(self, leases: int) -> None:
+        """How many leases on this side's memory peers are reading now (0: none; the ledger's `on_reading` calls it).
+
+        A transport whose passive side must make progress for a peer's read to advance (NIXL over UCX TCP) serves
+        promptly while it is above 0, and only now and then otherwise. Must not block. Nothing to do for the rest."""
+
     def peer_addresses(self, addrs: Any) -> np.ndarray:
         """Where peers address these local addresses (the same, unless memory is staged through host mirrors)."""
         return np.asarray(addrs, dtype=np.int64).reshape(-1)
@@ -360,6 +366,9 @@ class WrappingBackend(MigrationBackend):
 
     def _disconnect(self, peer: Peer) -> None:
         self.backend.disconnect(peer.handle)
+
+    def expect_reads(self, leases: int) -> None:
+        self.backend.expect_reads(leases)
 
     def _shutdown(self) -> None:
         self.backend.close()

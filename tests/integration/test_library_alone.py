@@ -121,8 +121,9 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # CPUs); 16,078 once the retired spellings and plugin API 2's port hints went; 16,324 with stall dumps that name the
 # processes that had the CPUs and their scheduling groups (base/watchdog.py: a woken proxy waited a second beside the
 # servers' groups); 16,430 with each thread's native stack in a stall dump (base/native_stacks.py: where a transport's
-# C++ thread, or Python inside a C call, sits).
-LIBRARY_LINES = 16_500
+# C++ thread, or Python inside a C call, sits); 16,532 with reads announced to the transport (the ledger's
+# `on_reading`, `MigrationBackend.expect_reads`: NIXL's passive side serves a read at once, not at its idle interval).
+LIBRARY_LINES = 16_600
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:

@@ -202,6 +202,31 @@ def test_a_lease_that_starts_holding_reads_holds_an_abort_for_its_readers(ledger
     assert not ledger.hold_reads("s1") and not ledger.hold_reads("never-offered"), "only an active lease"
 
 
+def test_a_lease_is_counted_as_read_from_its_first_begin_to_the_release_of_its_blocks(
+    ledger: Ledger, clock: Clock, released: list
+) -> None:
+    # A transport serves reads promptly only while this count is above 0 (MigrationBackend.expect_reads).
+    counts: list[int] = []
+    ledger.on_reading(counts.append)
+    a = ledger.offer("a", [1], expected_pulls=2)
+    ledger.offer("b", [2], expected_pulls=1)
+    ledger.offer("c", [3], expected_pulls=1)
+    assert counts == [], "an offer nobody began to read is not read"
+    ledger.begin("a", "d0")
+    ledger.begin("a", "d1")
+    ledger.begin("b", "d0")
+    assert counts == [1, 2], "one count per lease, not per reader"
+    ledger.done("a", "d0", a.epoch)
+    assert counts == [1, 2], "d1 still reads a"
+    ledger.abort("a")  # d1 reads on: the blocks stay, and so does the count
+    assert counts == [1, 2] and released == []
+    ledger.done("a", "d1", a.epoch)
+    assert counts == [1, 2, 1] and released == [("a", LeaseState.ABORTED, (1,))]
+    clock.now += 10.0  # b's reader never said DONE: its deadline releases the blocks
+    ledger.reap()
+    assert counts == [1, 2, 1, 0] and {r[0] for r in released} == {"a", "b", "c"}
+
+
 def test_done_for_an_unknown_request_is_invalid_and_harmless(ledger: Ledger, released: list) -> None:
     status = ledger.done("never-offered", "d0", 123)
     assert status.state is LeaseState.UNKNOWN and not status.valid and released == []
@@ -335,6 +360,9 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
         log.append(("release", lease.epoch, why))
 
     ledger = Ledger(release, timeout_s=10.0, clock=clock)
+    reading: list[int] = []  # what on_reading said, in order
+    ledger.on_reading(reading.append)
+    begins: set[int] = set()  # epochs a BeginPull found active
     epochs: dict[str, int] = {}
     request_of: dict[int, str] = {}
     for op in script:
@@ -349,6 +377,7 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
             begun = ledger.begin(op[1], op[2], expected_pulls=op[3])
             if begun.valid:
                 readers.setdefault(begun.epoch, set()).add(op[2])
+                begins.add(begun.epoch)
         elif op[0] == "done":
             epoch = epochs.get(op[1], 0) if op[4] else 0
             for e, ranks in readers.items():  # the read it names ends before the DONE is sent
@@ -366,6 +395,8 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
         else:
             clock.now += op[1]
             ledger.reap()
+        unreleased = begins - {e[1] for e in log if e[0] == "release"}
+        assert (reading[-1] if reading else 0) == len(unreleased), "leases being read, miscounted"
     assert not [e for e in log if e[0] == "under a read"], "blocks released while a decode rank read them"
     releases = [e for e in log if e[0] == "release"]
     assert len({e[1] for e in releases}) == len(releases), "a lease was released twice"

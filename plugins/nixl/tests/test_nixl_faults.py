@@ -100,3 +100,34 @@ def test_a_read_a_stopped_peer_never_serves_waits_without_a_busy_core(monkeypatc
             reader.close()
         peer_proc.close()
         kvbridge.reset_plugins()
+
+
+def test_a_passive_side_serves_reads_while_its_owner_says_peers_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Over UCX TCP a read advances only as the side read from makes progress. Idle, that side progresses every
+    # `progress_interval` (here never: the fixture above shows a read then never ends); while its owner says leases
+    # are being read (`expect_reads`, from the ledger's BeginPull to the release) it serves them at once.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    kvbridge.reset_plugins()
+    passive = kvbridge.create_backend("nixl", progress_interval=3600)
+    reader = kvbridge.create_backend("nixl", transfer_timeout=600)
+    try:
+        src = np.random.default_rng(3).integers(0, 256, SIZE, dtype=np.uint8)
+        dst = np.zeros(SIZE, np.uint8)
+        passive.register_memory(src)
+        reader.register_memory(dst)
+        peer = reader.connect(passive.endpoint_info())
+        passive.expect_reads(1)
+        reader.transfer(peer, [(dst.ctypes.data, src.ctypes.data, SIZE)]).wait(60)
+        assert np.array_equal(dst, src)
+        passive.expect_reads(0)
+        assert passive._idle_interval() == 3600  # back to idle: its owner announces reads, and none is left
+        dst[:] = 0
+        passive.expect_reads(2)
+        reader.transfer(peer, [(dst.ctypes.data + i, src.ctypes.data + i, 4096) for i in range(0, SIZE, 1 << 20)]).wait(
+            60
+        )
+        assert all(np.array_equal(dst[i : i + 4096], src[i : i + 4096]) for i in range(0, SIZE, 1 << 20))
+    finally:
+        reader.close()
+        passive.close()
+        kvbridge.reset_plugins()

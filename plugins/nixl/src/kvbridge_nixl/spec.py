@@ -42,7 +42,7 @@ class NixlOptions(GuardOptions):
     progress_interval: float = option(
         # not 0: the progress loop would spin a core waiting for nothing
         0.005,
-        "seconds between progress calls while idle, when progress_thread is off",
+        "seconds between progress calls while idle without progress_thread (at least 0.1 once reads are announced)",
         min=0.0001,
         max=86400,
     )
