@@ -135,7 +135,9 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             ),
         ]
         started += decode
-        colocated = start_vllm(model, host=hosts["colocated"], **common)
+        # The reference runs its model in its engine core: a worker process beside it costs a vLLM start-up's CPU
+        # (about 7 s here) and spin-waits on shared memory, and prefill and decode[0] already cover that executor.
+        colocated = start_vllm(model, host=hosts["colocated"], executor="uni", **common)
         started.append(colocated)
         wait_healthy(started, timeout=540)
         # each pair warmed; answers name the server that made them (tests read x-kvbridge-decode)
@@ -174,6 +176,7 @@ def small_cluster(
             kv_transfer_config=connector("kv_producer", secret, backend=backend),
             host=hosts["prefill2"],
             env=UCX_OVER_THE_NETWORK,
+            executor="uni",  # the main cluster covers the connector in a worker process
             **common,
         )
         started.append(prefill)
@@ -182,6 +185,7 @@ def small_cluster(
             kv_transfer_config=connector("kv_consumer", secret, backend=backend),
             host=hosts["decode2"],
             env=UCX_OVER_THE_NETWORK,
+            executor="uni",
             **common,
         )
         started.append(decode)

@@ -94,8 +94,12 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         prefill = start_vllm(
             model, kv_transfer_config=connector("kv_producer", secret), host=hosts["prefill"], **common
         )
-        decode = start_vllm(model, kv_transfer_config=connector("kv_consumer", secret), host=hosts["decode"], **common)
-        colocated = start_vllm(model, host=hosts["colocated"], **common)
+        # Prefill saves layer by layer from a worker process (vLLM's CPU default); decode and the reference run
+        # their model in the engine core, which spares a start-up's CPU and a spin-waiting worker each.
+        decode = start_vllm(
+            model, kv_transfer_config=connector("kv_consumer", secret), host=hosts["decode"], executor="uni", **common
+        )
+        colocated = start_vllm(model, host=hosts["colocated"], executor="uni", **common)
         started += [prefill, decode, colocated]
         wait_healthy(started, timeout=540)
         # Returns after the proxy's warm-up request through the pair, so a test that counts decode's

@@ -75,6 +75,8 @@ def pairs(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
             log_dir=root,
             extra_args=["--tensor-parallel-size", str(tp), "--no-enable-prefix-caching"],
             host=hosts[host],
+            # TP 1 runs its model in the engine core: a worker beside it costs a start-up's CPU and spin-waits
+            executor="uni" if tp == 1 else "mp",
         )
         started.append(s)
         return s

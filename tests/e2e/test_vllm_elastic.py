@@ -111,7 +111,7 @@ def test_servers_join_through_the_registry_and_a_drained_prefill_exits_holding_n
             d1_config = connector_config(
                 "kv_consumer", advertise_url=f"http://127.0.0.1:{d1_port}", **joined, **options
             )
-            d1 = start_vllm(model, kv_transfer_config=d1_config, port=d1_port, **common)
+            d1 = start_vllm(model, kv_transfer_config=d1_config, port=d1_port, executor="uni", **common)
             started.append(d1)
             wait_healthy([p0, p1, d1], timeout=540)
 
@@ -627,6 +627,8 @@ def test_moves_whose_pull_fails_give_colocated_tokens_and_are_reported_recompute
                     registry_ttl_s=6,
                     **options,
                 )
+                # mp: the model runs in a worker process, where the side channel serves while the test stops the
+                # engine core (the scheduler) alone
                 servers[name] = start_vllm(model, kv_transfer_config=config, port=port, host=host, **common)
                 started.append(servers[name])
             prefill, a, b = servers["prefill"], servers["decode_a"], servers["decode_b"]

@@ -72,9 +72,9 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     started: list[Server] = []
     completions = Completions(str(model), max_tokens=MAX_TOKENS)
     try:
-        started.append(start_vllm(model, kv_transfer_config=config("kv_producer"), **common))
+        started.append(start_vllm(model, kv_transfer_config=config("kv_producer"), executor="uni", **common))
         started.append(start_vllm(model, kv_transfer_config=config("kv_consumer"), executor="uni", **common))
-        started.append(start_vllm(model, **common))
+        started.append(start_vllm(model, executor="uni", **common))
         wait_healthy(started, timeout=540)
         prefill, decode, colocated = started
         router = start_vllm_router([prefill.url], [decode.url], log_dir=logs)
