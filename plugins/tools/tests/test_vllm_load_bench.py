@@ -111,7 +111,8 @@ def test_systems_alternate_round_by_round(resident: bool) -> None:
     loads = [Load(rate=1.0), Load(rate=2.0)]
     seen = []
     with contextlib.closing(_rounds(["a", "b"], loads, start, resident=resident, ahead=False)) as rounds:  # type: ignore[arg-type]
-        for load, name, system, fresh in rounds:
+        for load, name, system, fresh, piece in rounds:
+            assert piece == 0  # one slice a load unless asked (test_load_slices)
             assert system.name == name
             seen.append((load.rate, name, fresh))
             events.append(f"measure {name}")

@@ -343,6 +343,15 @@ class Histogram:
             self.count - before.count,
         )
 
+    def plus(self, other: Histogram) -> Histogram:
+        """Both histograms' observations, bucket by bucket (one series of one server: the same bounds)."""
+        bounds = self.buckets.keys() | other.buckets.keys()
+        return Histogram(
+            {le: self.buckets.get(le, 0.0) + other.buckets.get(le, 0.0) for le in bounds},
+            self.sum + other.sum,
+            self.count + other.count,
+        )
+
     def quantile(self, q: float) -> float | None:
         """Seconds at quantile q, interpolated in its bucket (None when empty or past the last finite bound)."""
         if self.count <= 0:

@@ -61,11 +61,11 @@ from kvbridge_tools.bench.load_probes import (
     fits_resident,
     histograms,
     memory_available_gib,
-    minus,
     own_threads,
     parse_noise,
     process_schedstat,
 )
+from kvbridge_tools.bench.load_slices import Nested, Tally, grown, rotated, split
 from kvbridge_tools.bench.plot import check_path
 
 if TYPE_CHECKING:
@@ -149,6 +149,15 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "killed by PID at the end. group=own (default): a neighbour's job, one scheduling group of its own (its own "
         "session: Linux's autogroup, as a container's cgroup); group=bench: in the bench's session, their threads "
         "queued beside the servers'",
+    )
+    group.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --load: split each load's requests into K slices and let the systems take turns slice by slice, "
+        "each slice in an order rotated by one, so that the box's load changing over a load step falls on every "
+        "system alike; each row adds its system's slices up (needs resident servers; default 1)",
     )
     group.add_argument(
         "--alternate",
@@ -387,25 +396,31 @@ def _all_started(names: Sequence[str], start: Callable[[str], System]) -> Iterat
 
 
 def _rounds(
-    names: Sequence[str], loads: Sequence[Load], start: Callable[[str], System], *, resident: bool, ahead: bool
-) -> Iterator[tuple[Load, str, System, bool]]:
-    """Every (load, system) round, load step by load step, every system in each step: the systems alternate.
+    names: Sequence[str],
+    loads: Sequence[Load],
+    start: Callable[[str], System],
+    *,
+    resident: bool,
+    ahead: bool,
+    slices: int = 1,
+) -> Iterator[tuple[Load, str, System, bool, int]]:
+    """Every (load, slice, system) round, load step by load step, every system in each slice: the systems alternate.
 
-    `resident`: every system's servers start once, all up at once. Otherwise each round starts its system's
-    servers and stops them after it (the next round's starting meanwhile with `ahead`). The last item: the
-    system's servers are fresh (not yet warmed).
-    """
-    order = [(load, name) for load in loads for name in names]
+    Slice j of a load runs the systems in their order rotated by j (`load_slices.rotated`): each takes each turn
+    alike. `resident`: every system's servers start once, all up at once. Otherwise each round starts its system's
+    servers and stops them after it (the next round's starting meanwhile with `ahead`). Each item: the load, the
+    system's name, its servers, whether they are fresh (not yet warmed), the slice."""
+    order = [(load, name, j) for load in loads for j in range(slices) for name in rotated(names, j)]
     if resident:
         with _all_started(names, start) as running:
             seen: set[str] = set()
-            for load, name in order:
-                yield load, name, running[name], name not in seen
+            for load, name, j in order:
+                yield load, name, running[name], name not in seen, j
                 seen.add(name)
         return
-    with contextlib.closing(_each_started([name for _, name in order], start, ahead=ahead)) as each:
-        for (load, _), (name, system) in zip(order, each):
-            yield load, name, system, True
+    with contextlib.closing(_each_started([name for _, name, _ in order], start, ahead=ahead)) as each:
+        for (load, _, j), (name, system) in zip(order, each):
+            yield load, name, system, True, j
 
 
 def _vllm_args(args: argparse.Namespace) -> list[str]:
@@ -434,14 +449,13 @@ def _schedstats(sides: dict[str, Server]) -> Schedstats:
     return {side: process_schedstat(_group_members(server.pid)) for side, server in sides.items()}
 
 
-def _thread_figures(before: Schedstats, after: Schedstats, per_request: int) -> dict[str, dict[str, dict[str, float]]]:
-    """Every thread's run, wait and slices over a round, per request, by side, largest first."""
+def _thread_figures(threads: dict[str, Nested], per_request: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Every thread's run, wait and slices over a load's rounds (`threads`: what grew), per request, by side."""
 
     def per(read: str, scale: float, digits: int) -> dict[str, dict[str, float]]:
         out: dict[str, dict[str, float]] = {}
-        for side, now in after.items():
-            grown = minus({k: v[read] for k, v in now.items()}, {k: v[read] for k, v in before[side].items()})
-            largest_first = sorted(grown.items(), key=lambda kv: -kv[1])
+        for side, now in threads.items():
+            largest_first = sorted(((k, v[read]) for k, v in now.items() if v[read] > 0), key=lambda kv: -kv[1])
             out[side] = {k: round(v / per_request * scale, digits) for k, v in largest_first}
         return out
 
@@ -489,11 +503,13 @@ def _round(
     noise: NoiseProcs | None,
     http: Any,
     seed: int,
-) -> dict[str, Any]:
-    """One system at one load: its row.
+    tally: Tally,
+) -> None:
+    """One system at one load (or one slice of it), added to its `tally`.
 
-    The serve bench's figures, CPU (servers, router, kvbridge's threads, noise) and kvbridge's histograms over
-    the round. `seed`: the load's prompts, the same for every system and new to each server."""
+    The serve bench's result, and what grew over the round: CPU (servers, router, kvbridge's threads, noise), every
+    thread's schedstat, kvbridge's histograms, vLLM's engine steps and the machine's CPU states. `seed`: the
+    round's prompts, the same for every system and new to each server."""
     sides = _sides(name, system)
     pgids = [s.pid for s in system.servers]
     router = [system.router.pid] if system.router else []
@@ -510,43 +526,103 @@ def _round(
             noise.pause()
     wall, states = max(time.monotonic() - start, 1e-9), cpu_states()
     cpu, router_cpu, sched1 = cpu_seconds(pgids) - cpu0, cpu_seconds(router) - router0, _schedstats(sides)
-    noise_cpu = (noise.cpu_seconds() - noise0) if noise else None
-    completed = int(result["completed"])
-    kvbridge = name.startswith("kvbridge")
-    if kvbridge:
-        _counted(http, sides["decode"], hist0["decode"], completed)
+    if name.startswith("kvbridge"):
+        _counted(http, sides["decode"], hist0["decode"], int(result["completed"]))
     hist1, steps1 = _histograms(http, sides), _steps(http, sides)
-    steps = {side: (steps1[side][0] - steps0[side][0], steps1[side][1] - steps0[side][1]) for side in sides}
+    tally.add(
+        result,
+        wall_s=wall,
+        cpu_s=cpu,
+        router_cpu_s=router_cpu,
+        noise_cpu_s=(noise.cpu_seconds() - noise0) if noise else None,
+        threads=grown(sched1, sched0),
+        histograms={side: {k: h.minus(hist0[side].get(k)) for k, h in hist1[side].items()} for side in sides},
+        steps={side: (steps1[side][0] - steps0[side][0], steps1[side][1] - steps0[side][1]) for side in sides},
+        cpu_states=grown({"": states}, {"": states0})[""],
+    )
+
+
+def _row(name: str, load: Load, tally: Tally, slo: dict[str, float]) -> dict[str, Any]:
+    """A system's row at one load: the serve bench's figures over its rounds' requests, and what they cost."""
+    result = tally.result(PERCENTILES, METRICS, slo)
+    completed = int(result["completed"])
     per_request = max(completed, 1)
-    own = {side: minus(own_threads(sched1[side]), own_threads(sched0[side])) for side in sides} if kvbridge else None
-    summaries = {
-        side: {series: h.minus(hist0[side].get(series)).summary() for series, h in hist1[side].items()}
-        for side in sides
-    }
+    wall = max(tally.wall_s, 1e-9)
+    sides = list(tally.steps)
+    own = None
+    if name.startswith("kvbridge"):  # what kvbridge's own threads ran, kind by kind (the ones that ran)
+        own = {side: {k: round(v, 4) for k, v in own_threads(tally.threads[side]).items() if v > 0} for side in sides}
+    summaries = {side: {k: h.summary() for k, h in series.items()} for side, series in tally.histograms.items()}
     figures: dict[str, Any] = {
-        "server_cores": round(cpu / wall, 2),
-        "router_cores": round(router_cpu / wall, 2) if router else None,
-        "noise_cores": None if noise_cpu is None else round(noise_cpu / wall, 2),
-        "server_cpu_ms_per_request": round(cpu / per_request * 1e3, 2),
+        "slices": len(tally.results),
+        "server_cores": round(tally.cpu_s / wall, 2),
+        "router_cores": round(tally.router_cpu_s / wall, 2) if name != "colocated" else None,
+        "noise_cores": None if tally.noise_cpu_s is None else round(tally.noise_cpu_s / wall, 2),
+        "server_cpu_ms_per_request": round(tally.cpu_s / per_request * 1e3, 2),
         "kvbridge_cpu_ms_per_request": None
         if own is None
         else {side: round(sum(own[side].values()) / per_request * 1e3, 2) for side in sides},
         "kvbridge_thread_cpu_s": own,
         # vLLM's engine steps that computed tokens: a step costs CPU whatever its batch, so fewer, fuller ones cost less
-        "engine_steps_per_request": {side: round(n / per_request, 2) for side, (n, _) in steps.items()},
-        "tokens_per_step": {side: round(t / max(n, 1.0), 1) for side, (n, t) in steps.items()},
-        **_thread_figures(sched0, sched1, per_request),
-        # each CPU of the machine (every host shares them) by state over the round, interrupts, softirqs and steal
+        "engine_steps_per_request": {side: round(n / per_request, 2) for side, (n, _) in tally.steps.items()},
+        "tokens_per_step": {side: round(t / max(n, 1.0), 1) for side, (n, t) in tally.steps.items()},
+        **_thread_figures(tally.threads, per_request),
+        # each CPU of the machine (every host shares them) by state over the rounds, interrupts, softirqs and steal
         # included: the time no thread's figures above hold
         "machine_cpu_ms_per_request": {
-            cpu: {k: round((v - states0.get(cpu, {}).get(k, 0.0)) / per_request * 1e3, 2) for k, v in spent.items()}
-            for cpu, spent in states.items()
+            cpu: {k: round(v / per_request * 1e3, 2) for k, v in spent.items()}
+            for cpu, spent in tally.cpu_states.items()
         },
         "side_channel_ms": summaries.get("decode", {}).get(SIDE_CHANNEL),
         "kvbridge_histograms": summaries,
         "per_request": each_request(result, slo),  # paired across systems (load_compare)
     }
-    return row_of(LABELS[name], load, result, prompts, figures)
+    return row_of(LABELS[name], load, result, len(result["ttfts"]), figures)
+
+
+def _measured(
+    rounds: Iterator[tuple[Load, str, System, bool, int]],
+    systems: Sequence[str],
+    loads: Sequence[Load],
+    args: argparse.Namespace,
+    model: str,
+    log: Path,
+    prompts: int,
+    noise: NoiseProcs | None,
+    http: Any,
+) -> tuple[list[dict[str, Any]], dict[str, float], dict[str, float]]:
+    """Every round run: the rows (system by system at each load, its slices added up), the SLO, the idle cores."""
+    from kvbridge_tools.bench.pair import frozen_heap
+
+    slo: dict[str, float] = {}
+    idle: dict[str, float] = {}
+    slices = getattr(args, "slices", 1)
+    sizes = split(prompts, slices)
+    step = {id(load): i for i, load in enumerate(loads)}
+    tallies: dict[tuple[int, str], Tally] = {}
+    for load, name, system, fresh, j in rounds:
+        with frozen_heap():
+            if fresh:
+                _warm(system, model, args, log)
+            if name == "colocated" and not slo:
+                unloaded = serve_bench(system.url, model, Load(concurrency=1), args, log, prompts=prompts)
+                slo = {
+                    "ttft": round(args.slo_factor * float(unloaded["p99_ttft_ms"]), 1),
+                    "tpot": round(args.slo_factor * float(unloaded["p99_tpot_ms"]), 1),
+                }
+            # Each slice of each load its own prompts, the same for every system (the SLO run takes seed 0, the
+            # warm-up 99): a prompt a server saw before would be a prefix-cache hit there, moved by no system.
+            tally = tallies.setdefault((id(load), name), Tally())
+            seed = 100 + step[id(load)] * slices + j
+            _round(name, system, load, args, model, log, prompts=sizes[j], slo=slo, noise=noise, http=http,
+                   seed=seed, tally=tally)  # fmt: skip
+            if not args.json:
+                err_console.print(f"[dim]{LABELS[name]} {load.name} ({j + 1} of {slices}): done[/dim]")
+            if load is loads[-1] and j == slices - 1:  # the system's last round: its idle CPU, no request in flight
+                with cores([s.pid for s in system.servers], idle, LABELS[name]):
+                    time.sleep(args.idle_s)
+    rows = [_row(name, load, tallies[(id(load), name)], slo) for load in loads for name in systems]
+    return rows, slo, idle
 
 
 def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int]:
@@ -558,6 +634,8 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int]:
     systems.insert(0, "colocated")
     if min(args.rates, default=1) <= 0 or min(args.concurrency, default=1) <= 0:
         raise ConfigError("--rates and --concurrency must be positive")
+    if not 1 <= getattr(args, "slices", 1) <= (args.requests or 40):
+        raise ConfigError("--slices: from 1 to --requests (each slice sends at least one request)")
     range_ratio(args.input_min, args.input_max)
     # room for the longest prompt and its output (the tiny model's positions end at 2048)
     max_len = -(-(args.input_max + args.output_len + 16) // 256) * 256
@@ -572,7 +650,6 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int]:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvbridge_tools.bench.pair import frozen_heap
     from kvbridge_tools.harness.tiny_model import build_tiny_llama
 
     systems, loads, max_len = _checked(args)
@@ -583,9 +660,12 @@ def run(args: argparse.Namespace) -> int:
     memory = round(memory_available_gib(), 1)
     alternate = getattr(args, "alternate", "auto")
     resident = alternate == "resident" or (alternate == "auto" and fits_resident(servers))
-    rows: list[dict[str, Any]] = []
-    idle: dict[str, float] = {}
-    slo: dict[str, float] = {}
+    slices = getattr(args, "slices", 1)
+    if slices > 1 and not resident:
+        raise ConfigError(
+            f"--slices {slices} alternates the systems within a load, which needs every system's servers up at once: "
+            "give --alternate resident (restarting them for each slice would start every system again each time)"
+        )
     link = getattr(args, "link", None) or Link()
     noise: NoiseProcs | None = None
     with contextlib.ExitStack() as stack:
@@ -608,30 +688,9 @@ def run(args: argparse.Namespace) -> int:
             noise = NoiseProcs(args.noise, [placed.hosts["prefill"], placed.hosts["decode"]] if placed else [None])
             stack.callback(noise.close)
         start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args, placed=placed)
-        # Each load its own prompts (the SLO run takes seed 0, the warm-up 99): a prompt a server saw in an earlier
-        # round would be a prefix-cache hit there, computed by no prefill and moved to no decode.
-        seeds = {id(load): 100 + i for i, load in enumerate(loads)}
-        rounds = _rounds(systems, loads, start, resident=resident, ahead=args.start_ahead)
+        rounds = _rounds(systems, loads, start, resident=resident, ahead=args.start_ahead, slices=slices)
         with contextlib.closing(rounds):
-            for load, name, system, fresh in rounds:
-                with frozen_heap():
-                    if fresh:
-                        _warm(system, model, args, bench_log)
-                    if name == "colocated" and not slo:
-                        unloaded = serve_bench(system.url, model, Load(concurrency=1), args, bench_log, prompts=prompts)
-                        slo = {
-                            "ttft": round(args.slo_factor * float(unloaded["p99_ttft_ms"]), 1),
-                            "tpot": round(args.slo_factor * float(unloaded["p99_tpot_ms"]), 1),
-                        }
-                    rows.append(
-                        _round(name, system, load, args, model, bench_log, prompts=prompts, slo=slo, noise=noise,
-                               http=http, seed=seeds[id(load)])
-                    )  # fmt: skip
-                    if not args.json:
-                        err_console.print(f"[dim]{LABELS[name]} {load.name}: done[/dim]")
-                    if load is loads[-1]:  # the system's last round: its idle CPU, no request in flight
-                        with cores([s.pid for s in system.servers], idle, LABELS[name]):
-                            time.sleep(args.idle_s)
+            rows, slo, idle = _measured(rounds, systems, loads, args, model, bench_log, prompts, noise, http)
     report = {
         "engine": "vllm",
         "mode": "load",
@@ -641,6 +700,7 @@ def run(args: argparse.Namespace) -> int:
         "start_ahead": args.start_ahead,
         "prefix_caching": args.prefix_caching,
         "alternation": "resident" if resident else "restart",
+        "slices": slices,
         "memory_available_gib": memory,
         "noise": None if noise is None else noise.described(),
         "input_tokens": [args.input_min, args.input_max],
@@ -696,7 +756,8 @@ def print_report(report: dict[str, Any]) -> None:
     print_table(
         f"vLLM under load ({report['router']} routing, {where}; "
         f"{report['input_tokens'][0]}-{report['input_tokens'][1]} tokens "
-        f"in, {report['output_tokens']} out; systems alternated round by round, servers "
+        f"in, {report['output_tokens']} out; systems alternated round by round"
+        f"{'' if report.get('slices', 1) == 1 else ' in ' + str(report['slices']) + ' slices a load'}, servers "
         f"{'all up at once' if report['alternation'] == 'resident' else 'restarted each round'}{noisy}), ms; "
         f"goodput at SLO TTFT <= {slo.get('ttft')} ms, TPOT <= {slo.get('tpot')} ms ({report['slo_from']}); "
         "side channel: decode's kvbridge_control_seconds p50 / p99 / max (bucket bound); cores: servers (router); "
