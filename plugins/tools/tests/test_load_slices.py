@@ -7,17 +7,15 @@ one run whose duration is the slices' durations added up, must give the same fig
 from __future__ import annotations
 
 import argparse
-import contextlib
 import random
 from typing import Any
 
-import attrs
 import pytest
 
 from kvbridge.base.errors import ConfigError
 from kvbridge_tools.bench.load_probes import Histogram
 from kvbridge_tools.bench.load_slices import Tally, combined, grown, rotated, split
-from kvbridge_tools.bench.vllm_load import METRICS, PERCENTILES, Load, _checked, _rounds
+from kvbridge_tools.bench.vllm_load import METRICS, PERCENTILES, _checked
 
 SLO = {"ttft": 80.0, "tpot": 6.0}
 
@@ -125,32 +123,6 @@ def test_requests_split_into_slices_and_each_slice_turns_the_order_by_one() -> N
         ["nixl", "colocated", "kvbridge"],
         ["colocated", "kvbridge", "nixl"],
     ]
-
-
-def test_resident_systems_take_every_turn_slice_by_slice_and_start_once() -> None:
-    events: list[str] = []
-
-    @attrs.define
-    class Started:
-        name: str
-
-        def stop(self) -> None:
-            events.append(f"stop {self.name}")
-
-    def start(name: str) -> Started:
-        events.append(f"start {name}")
-        return Started(name)
-
-    loads = [Load(rate=1.0), Load(concurrency=4)]
-    rounds = _rounds(["a", "b", "c"], loads, start, resident=True, ahead=False, slices=3)  # type: ignore[arg-type]
-    with contextlib.closing(rounds):
-        seen = [(load.name, name, fresh, j) for load, name, _, fresh, j in rounds]
-    turns = [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b")]
-    assert [(load, name, j) for load, name, _, j in seen] == [
-        (load.name, name, j) for load in loads for j in range(3) for name in turns[j]
-    ]
-    assert [fresh for *_, fresh, _ in seen] == [True, True, True] + [False] * 15  # each warmed on its first turn only
-    assert sorted(events) == sorted([f"start {n}" for n in "abc"] + [f"stop {n}" for n in "abc"])
 
 
 def test_slices_are_refused_where_they_cannot_be_run() -> None:

@@ -16,7 +16,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -91,11 +93,8 @@ def test_systems_start_in_turn_and_every_started_one_is_stopped(ahead: bool) -> 
     assert sorted(stopped) == sorted(started)
 
 
-@pytest.mark.parametrize("resident", [False, True])
-def test_systems_alternate_round_by_round(resident: bool) -> None:
-    from kvbridge_tools.bench.vllm_load import _rounds
-
-    events: list[str] = []
+def logged_start(events: list[str]) -> Callable[[str], Any]:
+    """A stand-in for starting a system: what `_rounds` needs of one (its name, stop()), each start and stop logged."""
 
     @attrs.define
     class Started:
@@ -108,6 +107,15 @@ def test_systems_alternate_round_by_round(resident: bool) -> None:
         events.append(f"start {name}")
         return Started(name)
 
+    return start
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_systems_alternate_round_by_round(resident: bool) -> None:
+    from kvbridge_tools.bench.vllm_load import _rounds
+
+    events: list[str] = []
+    start = logged_start(events)
     loads = [Load(rate=1.0), Load(rate=2.0)]
     seen = []
     with contextlib.closing(_rounds(["a", "b"], loads, start, resident=resident, ahead=False)) as rounds:  # type: ignore[arg-type]
@@ -125,6 +133,23 @@ def test_systems_alternate_round_by_round(resident: bool) -> None:
     else:  # each round on servers of its own
         assert all(fresh for *_, fresh in seen)
         assert events == [e for n in ["a", "b"] * 2 for e in (f"start {n}", f"measure {n}", f"stop {n}")]
+
+
+def test_resident_systems_take_every_turn_slice_by_slice_and_start_once() -> None:
+    from kvbridge_tools.bench.vllm_load import _rounds
+
+    events: list[str] = []
+    start = logged_start(events)
+    loads = [Load(rate=1.0), Load(concurrency=4)]
+    rounds = _rounds(["a", "b", "c"], loads, start, resident=True, ahead=False, slices=3)  # type: ignore[arg-type]
+    with contextlib.closing(rounds):
+        seen = [(load.name, name, fresh, j) for load, name, _, fresh, j in rounds]
+    turns = [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b")]
+    assert [(load, name, j) for load, name, _, j in seen] == [
+        (load.name, name, j) for load in loads for j in range(3) for name in turns[j]
+    ]
+    assert [fresh for *_, fresh, _ in seen] == [True, True, True] + [False] * 15  # each warmed on its first turn only
+    assert sorted(events) == sorted([f"start {n}" for n in "abc"] + [f"stop {n}" for n in "abc"])
 
 
 def test_nixl_patch_starts_agents_without_the_progress_thread(tmp_path: Path) -> None:
