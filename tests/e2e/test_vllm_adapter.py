@@ -221,6 +221,12 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(
     torch.testing.assert_close(got, expected(dict(zip(local, remote)), 0, 1), rtol=0, atol=0)
     workers.wait_sent("p1")  # by the decode's DONE: the count (1) came from the decode side's plan
     assert workers.prefill.ledger.state("p1") is LeaseState.RELEASED
+    # Prefill releases on the DONE before it answers it; decode's DONE thread records its phase, then logs its line,
+    # after the answer. Stats taken before that line would miss the phase (seen on a loaded box).
+    done_line = "slow DONEs of request p1 from decode/0 to 127.0.0.1:"  # named by prefill's id
+    wait_for(
+        lambda: any(r.getMessage().startswith(done_line) for r in list(caplog.records)), what="decode's DONE phase"
+    )
     stats = workers.decode.take_stats()
     block_bytes = HEADS * BLOCK * 2 * HEAD_DIM * 4
     assert stats is not None and [p[4] for p in stats.data["pulls"]] == [len(local) * block_bytes * LAYERS]
@@ -239,7 +245,7 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(
     assert [sum(h[i] for h in held.data["held"]) for i in (0, 1)] == [0, 0]
     # Where the time went: the pull's phases on decode, the offer and the requests answered on prefill, each a line.
     # The DONE goes on a thread of its own after the read is confirmed, so its phase may be recorded before or after the
-    # pull thread records the pull's (seen before them on a loaded box).
+    # pull thread records the pull's (seen before them on a loaded box), but it was recorded before its line.
     phases = [p[0] for p in stats.data["phases"]]
     assert [p for p in phases if p != "done"][:5] == ["offer_wait", "contact", "begin_pull", "read", "fence"], phases
     assert phases.count("done") == 1, phases
