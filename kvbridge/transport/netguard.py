@@ -690,6 +690,14 @@ class Guard:
     def state(self) -> GuardState:
         return GuardState(self.what, self.open, self._ports, 0 if self.open else len(ADMISSION.hosts()))
 
+    def listener(self, port: int) -> socket.socket | None:
+        """A socket on the guarded listener bound to `port` (its own handle: close it), or None if there is none."""
+        with self._lock:
+            for fd in self._fds.values():
+                if _port(fd) == port:
+                    return socket.socket(fileno=os.dup(fd))
+        return None
+
     def close(self) -> None:
         """Release the guard's handles on the sockets (the library closes its own). Safe to call twice."""
         with self._lock:

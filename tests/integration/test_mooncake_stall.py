@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +32,8 @@ import numpy as np
 import pytest
 from test_transfer import MiB, Pair, pattern, sha
 
-from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S
+import kvbridge
+from kvbridge_mooncake.backend import CALL_TIMEOUT_FLOOR_S, DEFAULT_DEADLINE_S, LISTENER_STOP_WAIT_S
 from kvbridge_tools.harness.proc import Child, ChildError, stop_all_threads
 
 SIZE = 16 * MiB
@@ -205,3 +208,26 @@ def _child_path() -> str:
     return os.pathsep.join(
         filter(None, [os.path.dirname(os.path.dirname(__file__)) + "/peers", os.environ.get("PYTHONPATH", "")])
     )
+
+
+def test_a_close_wakes_the_handshake_listener_instead_of_holding_the_process_for_its_accept_period() -> None:
+    # Mooncake's handshake listener waits in accept() under a 1 s SO_RCVTIMEO between checks of its stop flag, and
+    # the engine's destructor joins it holding the GIL: a close held every thread of the process for up to 1 s.
+    # The close shortens that wait on the listener itself, and wakes the accept under way with a probe to itself.
+    backend = kvbridge.create_backend("mooncake", protocol="tcp")
+    port = backend._engine.get_rpc_port()
+
+    def accept_wait_s() -> float:
+        listener = backend.guard.listener(port)
+        assert listener is not None, f"the guard holds no listener on the engine's handshake port {port}"
+        with listener:
+            seconds, micros = struct.unpack("ll", listener.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        return seconds + micros / 1e6
+
+    try:
+        assert accept_wait_s() == 1.0  # Mooncake's own: what a close waited out
+        assert backend._stop_listener(), "the probe to the engine's own listener failed"
+        assert LISTENER_STOP_WAIT_S <= accept_wait_s() <= 0.01  # the kernel rounds it up to a clock tick (4 ms here)
+    finally:
+        backend.close()
+    assert backend.guard.listener(port) is None  # the guard let go of the listener with the engine
