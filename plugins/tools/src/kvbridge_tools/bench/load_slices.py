@@ -84,15 +84,14 @@ def _add(into: dict[str, Any], grown: Mapping[str, Any]) -> None:
             into[k] = into.get(k, 0.0) + v
 
 
+def minus(after: Nested, before: Nested) -> Nested:
+    """What each thread's (or CPU's) counters grew by: after - before (one new since before counts from 0)."""
+    return {key: {f: v - before.get(key, {}).get(f, 0.0) for f, v in fields.items()} for key, fields in after.items()}
+
+
 def grown(after: Mapping[str, Nested], before: Mapping[str, Nested]) -> dict[str, Nested]:
-    """What each thread's (or CPU's) counters grew by, side (or CPU) by side: after - before."""
-    return {
-        side: {
-            key: {f: v - before.get(side, {}).get(key, {}).get(f, 0.0) for f, v in fields.items()}
-            for key, fields in now.items()
-        }
-        for side, now in after.items()
-    }
+    """`minus`, side by side."""
+    return {side: minus(now, before.get(side, {})) for side, now in after.items()}
 
 
 @attrs.define

@@ -65,7 +65,7 @@ from kvbridge_tools.bench.load_probes import (
     parse_noise,
     process_schedstat,
 )
-from kvbridge_tools.bench.load_slices import Nested, Tally, grown, rotated, split
+from kvbridge_tools.bench.load_slices import Nested, Tally, grown, minus, rotated, split
 from kvbridge_tools.bench.plot import check_path
 
 if TYPE_CHECKING:
@@ -88,6 +88,7 @@ LABELS = {
 # systems can split the same time differently between TTFT and TPOT; the sum says which one was faster.
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 99)
+DEFAULT_REQUESTS = 40  # per system and load (`--requests`, shared with the other benches, has no default)
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -538,7 +539,7 @@ def _round(
         threads=grown(sched1, sched0),
         histograms={side: {k: h.minus(hist0[side].get(k)) for k, h in hist1[side].items()} for side in sides},
         steps={side: (steps1[side][0] - steps0[side][0], steps1[side][1] - steps0[side][1]) for side in sides},
-        cpu_states=grown({"": states}, {"": states0})[""],
+        cpu_states=minus(states, states0),
     )
 
 
@@ -625,8 +626,8 @@ def _measured(
     return rows, slo, idle
 
 
-def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int]:
-    """The systems (colocated first), the loads and the servers' max_model_len of checked arguments."""
+def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int, int]:
+    """The systems (colocated first), the loads, the servers' max_model_len and the requests per load, checked."""
     systems = list(dict.fromkeys(args.systems))
     if "colocated" not in systems:
         raise ConfigError("--systems: the SLO comes from the colocated server; keep colocated in the list")
@@ -634,7 +635,8 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int]:
     systems.insert(0, "colocated")
     if min(args.rates, default=1) <= 0 or min(args.concurrency, default=1) <= 0:
         raise ConfigError("--rates and --concurrency must be positive")
-    if not 1 <= getattr(args, "slices", 1) <= (args.requests or 40):
+    requests = args.requests or DEFAULT_REQUESTS
+    if not 1 <= getattr(args, "slices", 1) <= requests:
         raise ConfigError("--slices: from 1 to --requests (each slice sends at least one request)")
     range_ratio(args.input_min, args.input_max)
     # room for the longest prompt and its output (the tiny model's positions end at 2048)
@@ -644,7 +646,7 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int]:
     loads = [Load(rate=r) for r in args.rates] + [Load(concurrency=c) for c in args.concurrency]
     if not loads:
         raise ConfigError("--rates and --concurrency: give at least one load")
-    return systems, loads, max_len
+    return systems, loads, max_len, requests
 
 
 def run(args: argparse.Namespace) -> int:
@@ -652,8 +654,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvbridge_tools.harness.tiny_model import build_tiny_llama
 
-    systems, loads, max_len = _checked(args)
-    prompts = args.requests or 40
+    systems, loads, max_len, prompts = _checked(args)
     if getattr(args, "plot", None):
         check_path(args.plot)
     servers = sum(1 if s == "colocated" else 2 for s in systems)
