@@ -4,8 +4,9 @@ On a CPU host the model thread shares cores with the API server, the proxy and k
 kernel it is moved between cores as they wake, and each step finds its caches cold. vLLM's NixlConnector pins it on
 CPU platforms (the last core of each NUMA node, from its worker's constructor); `cpu_affinity` lets an operator do
 the same with kvbridge, or name the cores. kvbridge's threads (side channel, pulls, the transport's I/O threads) run
-with the model thread by default (`io_cpus: model`), or on the process's other CPUs (`others`), or on named ones: a
-transport thread that wakes to serve a read on the model's core preempts the model.
+on the process's other CPUs by default (`io_cpus: others`), as vLLM's CPU backend keeps cores apart from its model
+threads for everything else: a transport thread that wakes to serve a read on the model's core preempts the model.
+`model` keeps them with it; a CPU list names theirs.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def check_io(value: str) -> None:
         raise ValueError(f"io_cpus must be {MODEL!r}, {OTHERS!r} or a CPU list such as '0-2', got {value!r}")
 
 
-def pin_this_thread(value: str | None, io: str = MODEL) -> set[int] | None:
+def pin_this_thread(value: str | None, io: str) -> set[int] | None:
     """Pin the calling thread to the CPUs `value` names, and place kvbridge's threads by `io`. None: as is.
 
     Threads it starts from now on inherit its CPUs; kvbridge's own move to theirs as they start (`place_io_thread`)."""

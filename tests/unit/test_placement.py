@@ -49,7 +49,7 @@ def test_pinning_holds_for_the_thread_and_the_threads_it_starts_after() -> None:
     allowed = os.sched_getaffinity(0)
 
     def pin_then_start() -> tuple[set[int] | None, set[int], set[int]]:
-        cpus = placement.pin_this_thread("reserved")
+        cpus = placement.pin_this_thread("reserved", placement.MODEL)
         child: list[set[int]] = []
         started = threading.Thread(target=lambda: child.append(os.sched_getaffinity(0)))
         started.start()
@@ -68,7 +68,7 @@ def test_cpus_this_process_may_not_use_are_refused_and_nothing_changes() -> None
 
     def try_pin() -> str:
         try:
-            placement.pin_this_thread(str(outside))
+            placement.pin_this_thread(str(outside), placement.MODEL)
         except ConfigError as exc:
             assert os.sched_getaffinity(0) == allowed
             return str(exc)
@@ -122,7 +122,7 @@ def test_io_cpus_others_puts_kvbridges_threads_and_the_native_ones_they_start_of
 
 def test_io_cpus_model_keeps_kvbridges_threads_with_the_model_and_a_bad_value_is_refused(io_apart: None) -> None:
     def pin_then_start() -> set[int]:
-        placement.pin_this_thread("reserved")
+        placement.pin_this_thread("reserved", placement.MODEL)
         seen: list[set[int]] = []
         thread = NamedThread(target=lambda: seen.append(os.sched_getaffinity(0)))
         thread.start()
@@ -130,5 +130,6 @@ def test_io_cpus_model_keeps_kvbridges_threads_with_the_model_and_a_bad_value_is
         return seen[0]
 
     assert _on_a_thread(pin_then_start) == placement.reserved_cpus(os.sched_getaffinity(0), placement.numa_nodes())
+    assert Settings.from_extra_config({"insecure": True}).io_cpus == placement.OTHERS  # the default: apart
     with pytest.raises(ConfigError, match="io_cpus must be 'model', 'others' or a CPU list"):
         Settings.from_extra_config({"io_cpus": "elsewhere", "insecure": True})

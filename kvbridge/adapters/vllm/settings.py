@@ -72,7 +72,7 @@ class Settings:
     backend_options: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
     fault_injection: dict[str, Any] | None = None
     cpu_affinity: str | None = attrs.field(default=None, validator=lambda _i, _a, v: placement.check(v))
-    io_cpus: str = attrs.field(default=placement.MODEL, validator=lambda _i, _a, v: placement.check_io(v))
+    io_cpus: str = attrs.field(default=placement.OTHERS, validator=lambda _i, _a, v: placement.check_io(v))
     secret: bytes | None = attrs.field(default=None, repr=False)  # resolved; never in a log line
 
     def __attrs_post_init__(self) -> None:
