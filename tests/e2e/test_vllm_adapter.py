@@ -7,9 +7,11 @@ secret), settings, and plugin registration.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
+import os
 import threading
 import time
 
@@ -1050,3 +1052,79 @@ def test_pre_copy_a_running_request_lends_its_full_blocks_and_its_end_waits_for_
     finally:
         source.shutdown()
         target.shutdown()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="kvbridge's threads apart from the model need 2 CPUs")
+@pytest.mark.parametrize("transport", ["mooncake", "nixl"])
+def test_the_transports_native_threads_run_off_the_models_cpu(transport: str) -> None:
+    """A transport's native threads run on kvbridge's CPUs, not on the model thread's (`io_cpus: others`).
+
+    vLLM builds the worker connector and registers the KV caches from its model thread, which `cpu_affinity` pins;
+    the transport starts in `register_kv_caches`, and native threads inherit their starter's CPUs."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbridge.adapters.vllm.connector import KVBridgeConnector
+    from kvbridge.base import placement
+    from kvbridge.plan.presets import get_preset
+    from kvbridge_tools.bench.vllm_cache import allocate
+
+    allowed = os.sched_getaffinity(0)
+    model_cpus = placement.reserved_cpus(allowed, placement.numa_nodes())
+    vc = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role="kv_consumer",
+            engine_id="placed",
+            kv_connector_extra_config={
+                "migration_backend": transport,
+                "side_channel_port": free_port(),
+                "host": "127.0.0.1",
+                "insecure": True,
+                "cpu_affinity": "reserved",  # io_cpus: others, the default
+            },
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
+    vc.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves before it builds the workers
+    caches, kv_cache_config = allocate("LBNHC", get_preset("tiny-gqa"), 2, 16, BLOCK)
+
+    def as_vllm_does() -> tuple[dict[int, tuple[str, set[int]]], set[int]]:
+        before = set(os.listdir("/proc/self/task"))
+        worker = KVBridgeConnector(vc, KVConnectorRole.WORKER, kv_cache_config)
+        try:
+            worker.register_kv_caches(caches)
+            started = {}
+            for tid in set(os.listdir("/proc/self/task")) - before:
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+                    started[int(tid)] = (name, os.sched_getaffinity(int(tid)))
+            return started, os.sched_getaffinity(0)
+        finally:
+            worker.shutdown()
+
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(as_vllm_does())
+        except BaseException as exc:  # raised again on the test's thread
+            out.append(exc)
+
+    thread = threading.Thread(target=run)  # pinning the test's own thread would pin the rest of the session
+    try:
+        thread.start()
+        thread.join(60)
+    finally:
+        placement._io = None  # the process's placement of kvbridge's threads: not left for other tests
+    assert out, "registering the caches did not finish"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    started, model_thread = out[0]  # type: ignore[misc]
+    assert model_thread == model_cpus
+    native_name = {"mooncake": "kvbridge-mc-io", "nixl": "kvbridge-ucx"}[transport]  # the plugins' spec.py
+    native = {tid: seen for tid, seen in started.items() if seen[0] == native_name}
+    assert native, f"no native thread of {transport} started: {started}"
+    on_model = {tid: seen for tid, seen in started.items() if seen[1] & model_cpus}
+    assert not on_model, f"threads on the model's CPUs {sorted(model_cpus)}: {on_model}"

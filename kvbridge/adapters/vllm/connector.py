@@ -89,7 +89,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 self._membership = Membership(vllm_config, self._scheduler, kv_cache_config.num_blocks)
         else:
             placement.pin_this_thread(settings.cpu_affinity, settings.io_cpus)  # first: the threads started after
-            with placement.on_io_cpus():  # (side channel, pulls, the transport's native ones) run on kvbridge's CPUs
+            with placement.on_io_cpus():  # (side channel, pulls; the transport's native ones: register_kv_caches)
                 self._worker = WorkerSide.from_vllm(vllm_config, config.engine_id, settings, kv_cache_config)
 
     @classmethod
@@ -135,7 +135,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        # vLLM calls this from its model thread; the transport starts here, and its native threads inherit the
+        # starter's CPUs: kvbridge's, not the model's
+        with placement.on_io_cpus():
+            self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
