@@ -1056,11 +1056,13 @@ def test_the_transports_native_threads_run_off_the_models_cpu(transport: str) ->
 
     vLLM builds the worker connector and registers the KV caches from its model thread, which `cpu_affinity` pins;
     the transport starts in `register_kv_caches`, and native threads inherit their starter's CPUs."""
+    from kvbridge_nixl.spec import NATIVE_THREAD_NAME as NIXL_THREAD_NAME
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvbridge.adapters.vllm.connector import KVBridgeConnector
     from kvbridge.base import placement
     from kvbridge.plan.presets import get_preset
+    from kvbridge_mooncake.spec import NATIVE_THREAD_NAME as MOONCAKE_THREAD_NAME
     from kvbridge_tools.bench.vllm_cache import allocate
 
     allowed = os.sched_getaffinity(0)
@@ -1109,7 +1111,7 @@ def test_the_transports_native_threads_run_off_the_models_cpu(transport: str) ->
         raise out[0]
     started, model_thread = out[0]  # type: ignore[misc]
     assert model_thread == model_cpus
-    native_name = {"mooncake": "kvbridge-mc-io", "nixl": "kvbridge-ucx"}[transport]  # the plugins' spec.py
+    native_name = {"mooncake": MOONCAKE_THREAD_NAME, "nixl": NIXL_THREAD_NAME}[transport]
     native = {tid: seen for tid, seen in started.items() if seen[0] == native_name}
     assert native, f"no native thread of {transport} started: {started}"
     on_model = {tid: seen for tid, seen in started.items() if seen[1] & model_cpus}
