@@ -384,11 +384,7 @@ class _Alarm:
 
 
 class _Watchdog:
-    """One thread runs the transfer deadlines' alarms: a thread per transfer would cost more than a small transfer.
-
-    It is woken only for an alarm earlier than every other, and passes over the cancelled ones at the head without
-    waiting for their time: nearly every alarm is cancelled (its transfer ended in time), and a wake-up per transfer
-    would cost the engine's threads the CPU and the GIL for nothing."""
+    """One thread runs the transfer deadlines' alarms: a thread per transfer would cost more than a small transfer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -404,18 +400,13 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = NamedThread(target=self._run, name="kvbridge-deadlines", daemon=True)
                 self._thread.start()
-            elif self._heap[0][2] is alarm:  # the thread sleeps until the head's time: earlier now
-                self._cond.notify()
+            self._cond.notify()
         return alarm
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while True:
-                    while self._heap and self._heap[0][2].cancelled:
-                        heapq.heappop(self._heap)
-                    if self._heap and self._heap[0][0] <= time.monotonic():
-                        break
+                while not self._heap or self._heap[0][0] > time.monotonic():
                     self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
                 _, _, alarm = heapq.heappop(self._heap)
             if not alarm.cancelled:

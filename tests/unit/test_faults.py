@@ -6,10 +6,8 @@ arms and the rates `kvbridge chaos` sets.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import attrs
 import numpy as np
@@ -169,44 +167,6 @@ def test_a_stuck_part_is_resubmitted_once_and_completes_only_when_the_stuck_call
     assert order == ["call 0.01s returned", "call 1.5s returned", "handle done"], order
     assert handle.retries == 1
     assert (dst[:1024] == src[:1024]).all()
-
-
-def test_deadline_alarms_fire_in_time_order_and_cancelled_ones_never() -> None:
-    """The deadlines' thread sleeps until its earliest alarm: one set earlier wakes it; cancelled ones never fire."""
-    from kvbridge.transport.contract import _WATCHDOG
-
-    fired: list[str] = []
-    late = _WATCHDOG.after(60.0, lambda: fired.append("late"))
-    cancelled = [_WATCHDOG.after(0.01, lambda: fired.append("cancelled")) for _ in range(50)]
-    for alarm in cancelled:
-        alarm.cancel()
-    soon = threading.Event()
-    _WATCHDOG.after(0.05, soon.set)
-    try:
-        assert soon.wait(10), "an alarm set after a later one did not fire at its own time"
-        assert fired == []
-    finally:
-        late.cancel()
-
-
-def test_transfers_that_end_in_time_do_not_wake_the_deadlines_thread(link) -> None:
-    """Each part arms an alarm; one that ends in time only cancels it, and the thread sleeps on until its earliest."""
-    from kvbridge.transport.contract import _WATCHDOG
-
-    _, client, peer, src, dst = link
-    client.transfer_deadline_s = 5.0
-    client.transfer(peer, blocks(dst, src, n=4)).wait(10)  # the thread runs from the first alarm on
-    thread = _WATCHDOG._thread
-    assert thread is not None
-
-    def wakeups() -> int:
-        status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
-        return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
-
-    before = wakeups()
-    for _ in range(50):
-        client.transfer(peer, blocks(dst, src, n=4)).wait(10)
-    assert wakeups() - before < 10, "the deadlines' thread woke for transfers that ended in time"
 
 
 def test_a_part_stuck_twice_fails_with_the_deadline_in_its_error(link) -> None:
