@@ -384,30 +384,49 @@ class _Alarm:
 
 
 class _Watchdog:
-    """One thread runs the transfer deadlines' alarms: a thread per transfer would cost more than a small transfer."""
+    """One thread runs the transfer deadlines' alarms: a thread per transfer would cost more than a small transfer.
+
+    Nearly every alarm is cancelled (its transfer ended in time), and a wake-up per transfer would cost the engine's
+    threads the CPU and the GIL for nothing. So the thread sleeps until a time it sets itself (`_wake_at`), and
+    `after` wakes it only for an alarm due before then. When it wakes it drops the cancelled alarms at the head,
+    due or not; if that empties the heap it still sleeps until the last dropped one's time, so the next transfer's
+    alarm (due later) does not wake it either. It then wakes about once a deadline, not once a transfer.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, _Alarm]] = []
         self._seq = 0
         self._thread: threading.Thread | None = None
+        self._wake_at: float | None = None  # when the thread wakes by itself; None: only when notified
+        self.wakeups = 0  # how often the thread came back from a wait
 
     def after(self, seconds: float, fn: Callable[[], None]) -> _Alarm:
         alarm = _Alarm(fn)
+        due = time.monotonic() + seconds
         with self._cond:
             self._seq += 1
-            heapq.heappush(self._heap, (time.monotonic() + seconds, self._seq, alarm))
+            heapq.heappush(self._heap, (due, self._seq, alarm))
             if self._thread is None:
                 self._thread = NamedThread(target=self._run, name="kvbridge-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif self._wake_at is None or due < self._wake_at:
+                self._cond.notify()
         return alarm
 
     def _run(self) -> None:
+        horizon = 0.0  # the latest due time among the cancelled alarms dropped early
         while True:
             with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                while True:
+                    while self._heap and self._heap[0][2].cancelled:
+                        horizon = max(horizon, heapq.heappop(self._heap)[0])
+                    now = time.monotonic()
+                    if self._heap and self._heap[0][0] <= now:
+                        break
+                    self._wake_at = self._heap[0][0] if self._heap else (horizon if horizon > now else None)
+                    self._cond.wait(None if self._wake_at is None else self._wake_at - now)
+                    self.wakeups += 1
                 _, _, alarm = heapq.heappop(self._heap)
             if not alarm.cancelled:
                 try:

@@ -6,6 +6,7 @@ arms and the rates `kvbridge chaos` sets.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -167,6 +168,43 @@ def test_a_stuck_part_is_resubmitted_once_and_completes_only_when_the_stuck_call
     assert order == ["call 0.01s returned", "call 1.5s returned", "handle done"], order
     assert handle.retries == 1
     assert (dst[:1024] == src[:1024]).all()
+
+
+def test_deadline_alarms_fire_at_their_own_time_and_cancelled_ones_never() -> None:
+    """An alarm set after later ones, or after cancelled ones, still fires at its own time; cancelled ones never."""
+    from kvbridge.transport.contract import _WATCHDOG
+
+    fired: list[str] = []
+    late = _WATCHDOG.after(60.0, lambda: fired.append("late"))
+    try:
+        for seconds in (0.01, 30.0):  # cancelled alarms due before, then after, the one that must fire
+            for alarm in [_WATCHDOG.after(seconds, lambda: fired.append("cancelled")) for _ in range(50)]:
+                alarm.cancel()
+            soon = threading.Event()
+            _WATCHDOG.after(0.05, soon.set)
+            assert soon.wait(10), "an alarm set after later or cancelled ones did not fire at its own time"
+    finally:
+        late.cancel()
+    assert fired == []
+
+
+def test_transfers_that_end_in_time_do_not_wake_the_deadlines_thread(link) -> None:
+    """Each part arms an alarm; one that ends in time only cancels it, and the thread sleeps on.
+
+    Counted as the thread's returns from its wait: context switches would also count a late wake-up once per
+    GIL hand-off while it waits to run."""
+    from kvbridge.transport.contract import _WATCHDOG
+
+    _, client, peer, src, dst = link
+    client.transfer_deadline_s = 5.0
+    client.transfer(peer, blocks(dst, src, n=4)).wait(10)  # the thread runs from the first alarm on
+    before = _WATCHDOG.wakeups
+    started = time.monotonic()
+    for _ in range(50):
+        client.transfer(peer, blocks(dst, src, n=4)).wait(10)
+    # by design it wakes about once a deadline (5 s + 1 s of grace), whatever the number of transfers
+    allowed = 2 + int((time.monotonic() - started) / 5.0)
+    assert _WATCHDOG.wakeups - before <= allowed, "the deadlines' thread woke for transfers that ended in time"
 
 
 def test_a_part_stuck_twice_fails_with_the_deadline_in_its_error(link) -> None:
