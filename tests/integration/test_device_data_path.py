@@ -373,6 +373,7 @@ def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: s
             [{"id": "r0", "index": 0, "tokens": tokens, "blocks": blocks, "params": params["r0"]}], verify=True
         )
         assert out["bad"] == {} and out["missing"] == [] and out["load_errors"] == []
+        assert out["thread_cpu_s"].get("kvbridge-pull", 0.0) > 0  # the bench's CPU per pull counts the pull thread
         buffers = decode.worker._worker.agent.landing_buffers
         assert not buffers.direct(prefill.worker._worker.agent.info().layout)  # another layout: landed
         (landing,) = buffers._all

@@ -162,6 +162,7 @@ class ConnectorBench:
         kv_s: list[float] = []
         nbytes = 0
         descriptors: list[int] = []
+        thread_s: dict[str, float] = {}  # kvbridge's decode-side threads, by kind, over the measured rounds
         bad: dict[str, Any] = {}
         failed: dict[str, Any] = {}
         not_released: set[str] = set()
@@ -262,6 +263,9 @@ class ConnectorBench:
                 nbytes = sum(x["bytes"] for x in pulled.values())
                 kv_s.append(max(x["seconds"] for x in pulled.values()))
                 descriptors += [n for x in pulled.values() for n in x["descriptors"]]
+                for x in pulled.values():
+                    for kind, sec in x["thread_cpu_s"].items():
+                        thread_s[kind] = thread_s.get(kind, 0.0) + sec
             for side, *_ in sides:
                 for key in ranks[side]:
                     child(side, key).call("close", timeout=timeout)
@@ -294,6 +298,12 @@ class ConnectorBench:
             # per request and decode rank; the bound: 2 x layers (of a stage) x prefill blocks of the request
             "descriptors_per_request": max(descriptors, default=0),
             "descriptor_bound": 2 * stage_layers * n_p,
+            # CPU of kvbridge's own threads on the decode ranks per pull (one request on one rank), by thread kind
+            "decode_thread_cpu_ms_per_pull": {
+                kind: round(sec * 1e3 / len(descriptors), 3) for kind, sec in sorted(thread_s.items())
+            }
+            if descriptors
+            else {},
             "verified": ok if verify else None,
             "bad": bad,
             "failed": failed,
@@ -354,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
                 "of raw (per-round range)",
                 "descriptors/request",
                 "bound 2 x layers x blocks",
+                "kvbridge CPU ms/pull (decode)",
                 "verified",
             ],
             [
@@ -364,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
                     ratio_cell(r),
                     r["descriptors_per_request"],
                     r["descriptor_bound"],
+                    f"{sum(r['decode_thread_cpu_ms_per_pull'].values()):.2f}",
                     {None: "not checked", True: "yes", False: "NO"}[r["verified"]],
                 )
                 for r in results

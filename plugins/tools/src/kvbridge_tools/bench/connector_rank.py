@@ -235,8 +235,10 @@ class Rank:
         from vllm.v1.request import RequestStatus
 
         from kvbridge.agent.landing import read_logical
+        from kvbridge_tools.bench.load_probes import minus, thread_cpu
         from kvbridge_tools.bench.vllm_cache import logical
 
+        cpu_before = thread_cpu([os.getpid()])
         scheduled = []
         for r in requests:
             req = self._request(r["id"], r["tokens"], dict(r["params"]))
@@ -260,6 +262,8 @@ class Rank:
             if not want <= done:
                 time.sleep(POLL_S)
         seconds = time.perf_counter() - started
+        # kvbridge's threads of this rank over the round; DONEs sent after a pull was reported may fall in the next
+        cpu = minus(thread_cpu([os.getpid()]), cpu_before)
         for req, blocks in scheduled:  # each ends, as vLLM ends a decode request: its scheduler entry goes
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             self.scheduler.request_finished(req, blocks)
@@ -285,6 +289,7 @@ class Rank:
             "descriptors": [int(p[5]) for p in pulls],
             "sizes": [int(p[4]) for p in pulls],  # bytes per request
             "transfer_s": float(sum(p[2] for p in pulls)),
+            "thread_cpu_s": cpu,
             "bad": bad,
         }
 
