@@ -166,6 +166,17 @@ def test_dp2_on_decode_and_ascend_tuples(bench) -> None:
     _check(bench.run(prefill_layout=ASCEND_KV_TUPLE, decode_layout="LBNHC", tokens=TOKENS))
 
 
+def test_fragmented_blocks_cost_about_a_descriptor_a_block_and_still_verify(bench) -> None:
+    """--fragmented shuffles both pools, as an engine's are after a while: the descriptor count an engine sees."""
+    packed = bench.run(prefill_layout="LBNHC", decode_layout="LBNHC", tokens=TOKENS, requests=2)
+    shuffled = bench.run(prefill_layout="LBNHC", decode_layout="LBNHC", tokens=TOKENS, requests=2, fragmented=True)
+    for r in (packed, shuffled):
+        _check(r)
+        assert r["decode_thread_cpu_ms_per_pull"].get("kvbridge-pull", 0.0) > 0
+    assert shuffled["fragmented"] and not packed["fragmented"]
+    assert packed["descriptors_per_request"] < shuffled["descriptors_per_request"] <= shuffled["descriptor_bound"]
+
+
 def test_cli_json_reports_descriptors_and_verdict(capsys) -> None:
     rc = cli_main(
         [
@@ -192,3 +203,4 @@ def test_cli_json_reports_descriptors_and_verdict(capsys) -> None:
     assert rc == 0 and out["verified"] is True
     assert 0 < out["descriptors_per_request"] <= out["descriptor_bound"] and out["gbps"] > 0
     assert out["raw"]["gbps"] > 0 and out["ratio"] > 0 and out["repeat"] == 3
+    assert out["decode_thread_cpu_ms_per_pull"].get("kvbridge-pull", 0.0) > 0  # CPU a pull, by thread kind

@@ -25,8 +25,11 @@ import argparse
 import itertools
 import re
 import statistics
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import numpy as np
 
 from kvbridge.adapters.vllm.cache import FP8_CACHE_DTYPES, LAYOUT_NAMES
 from kvbridge.base.errors import ConfigError
@@ -34,7 +37,7 @@ from kvbridge.cli.output import print_json, print_table
 from kvbridge.plan.presets import get_preset
 from kvbridge.plan.topology import ParallelConfig
 from kvbridge.plugin.registry import get_device
-from kvbridge_tools.bench.pair import paired_ratio, ratio_cell
+from kvbridge_tools.bench.pair import paired_ratio, plan_blocks, ratio_cell
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.proc import Child
 
@@ -90,6 +93,27 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def block_ids(
+    requests: int, n_p: int, n_d: int, *, fragmented: bool = False, seed: int = 0
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Each request's prefill and decode block ids (`n_p`, `n_d` of them), prefill's from 1 and decode's from 2.
+
+    Fragmented: both pools shuffled, as an engine's blocks are after a while (about a descriptor a block). Else
+    prefill's in order and decode's reversed in pairs, so runs and gaps both occur."""
+    if fragmented:
+        rng = np.random.default_rng(seed)
+        return (
+            [[1 + b for b in ids] for ids in plan_blocks(requests, n_p, requests * n_p, True, rng)],
+            [[2 + b for b in ids] for ids in plan_blocks(requests, n_d, requests * n_d, True, rng)],
+        )
+    p_blocks = [list(range(1 + i * n_p, 1 + (i + 1) * n_p)) for i in range(requests)]
+    d_blocks = []
+    for i in range(requests):
+        ids = list(range(2 + i * n_d, 2 + (i + 1) * n_d))
+        d_blocks.append([b for k in range(0, len(ids), 2) for b in ids[k : k + 2][::-1]][::-1])
+    return p_blocks, d_blocks
+
+
 class ConnectorBench:
     """Rank processes for a prefill and a decode engine, reused across cases while they fit."""
 
@@ -121,6 +145,8 @@ class ConnectorBench:
         kv_cache_dtype: str = "auto",
         verify: bool = True,
         timeout: float = 300.0,
+        fragmented: bool = False,
+        seed: int = 0,
     ) -> dict[str, Any]:
         (p, p_pp), (d, d_pp) = parse_spec(prefill), parse_spec(decode)
         if p.cp > 1 or d.cp > 1 or p.dp > 1:
@@ -134,12 +160,7 @@ class ConnectorBench:
         spec = get_preset(model)
         pbs, dbs = prefill_block_size or spec.block_size, decode_block_size or spec.block_size
         n_p, n_d = -(-tokens // pbs), -(-tokens // dbs)
-        # prefill blocks in order from 1; decode blocks reversed in pairs, so runs and gaps both occur
-        p_blocks = [list(range(1 + i * n_p, 1 + (i + 1) * n_p)) for i in range(requests)]
-        d_blocks = []
-        for i in range(requests):
-            ids = list(range(2 + i * n_d, 2 + (i + 1) * n_d))
-            d_blocks.append([b for k in range(0, len(ids), 2) for b in ids[k : k + 2][::-1]][::-1])
+        p_blocks, d_blocks = block_ids(requests, n_p, n_d, fragmented=fragmented, seed=seed)
         # a decode rank reads at most every head of its stage's layers for a request: the raw buffers' size
         dtype_bytes = 1 if kv_cache_dtype in FP8_CACHE_DTYPES else spec.dtype_bytes
         stage_layers = spec.layers // p_pp
@@ -162,7 +183,7 @@ class ConnectorBench:
         kv_s: list[float] = []
         nbytes = 0
         descriptors: list[int] = []
-        thread_s: dict[str, float] = {}  # kvbridge's decode-side threads, by kind, over the measured rounds
+        thread_s: Counter[str] = Counter()  # CPU seconds of kvbridge's decode-side threads by kind, measured rounds
         bad: dict[str, Any] = {}
         failed: dict[str, Any] = {}
         not_released: set[str] = set()
@@ -264,8 +285,7 @@ class ConnectorBench:
                 kv_s.append(max(x["seconds"] for x in pulled.values()))
                 descriptors += [n for x in pulled.values() for n in x["descriptors"]]
                 for x in pulled.values():
-                    for kind, sec in x["thread_cpu_s"].items():
-                        thread_s[kind] = thread_s.get(kind, 0.0) + sec
+                    thread_s.update(x["thread_cpu_s"])
             for side, *_ in sides:
                 for key in ranks[side]:
                     child(side, key).call("close", timeout=timeout)
@@ -284,6 +304,7 @@ class ConnectorBench:
             "prefill_block_size": pbs,
             "decode_block_size": dbs,
             "tokens": tokens,
+            "fragmented": fragmented,
             "requests": requests,
             "repeat": repeat,
             "bytes": nbytes,  # one round, every decode rank
@@ -300,10 +321,8 @@ class ConnectorBench:
             "descriptor_bound": 2 * stage_layers * n_p,
             # CPU of kvbridge's own threads on the decode ranks per pull (one request on one rank), by thread kind
             "decode_thread_cpu_ms_per_pull": {
-                kind: round(sec * 1e3 / len(descriptors), 3) for kind, sec in sorted(thread_s.items())
-            }
-            if descriptors
-            else {},
+                kind: round(sec * 1e3 / max(len(descriptors), 1), 3) for kind, sec in sorted(thread_s.items())
+            },
             "verified": ok if verify else None,
             "bad": bad,
             "failed": failed,
@@ -343,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
                     repeat=args.repeat,
                     backend=args.migration_backend,
                     protocol=args.protocol,
+                    fragmented=args.fragmented,
+                    seed=args.seed,
                     device=getattr(args, "device", "cpu"),
                     kv_cache_dtype=args.kv_cache_dtype,
                     verify=args.verify,
@@ -355,7 +376,8 @@ def run(args: argparse.Namespace) -> int:
         print_table(
             f"kvbridge bench --engine vllm-connector: {r['prefill']} (block {r['prefill_block_size']}) -> "
             f"{r['decode']} (block {r['decode_block_size']}), {r['model']} (kv {r['kv_cache_dtype']}, "
-            f"{r['device']}), {r['tokens']} tokens x {r['requests']} requests, {r['bytes'] / 2**20:.2f} MiB "
+            f"{r['device']}), {r['tokens']} tokens x {r['requests']} requests"
+            f"{' (fragmented blocks)' if r['fragmented'] else ''}, {r['bytes'] / 2**20:.2f} MiB "
             f"per round, median of {r['repeat']} rounds",
             [
                 "prefill -> decode layout",

@@ -44,7 +44,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--fragmented",
         action="store_true",
-        help="shuffle block ids on both sides (worst case: no two blocks adjacent, so no run spans two blocks)",
+        help="shuffle block ids on both sides (worst case: no two blocks adjacent, so no run spans two blocks); "
+        "pair mode and --engine vllm-connector",
     )
     group.add_argument(
         "--layout",
