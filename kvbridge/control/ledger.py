@@ -288,22 +288,7 @@ class Ledger:
         with self._lock:
             entry = self._active.get(request_id)
             if entry is not None:
-                asked = BlockIds(blocks).array
-                foreign = np.unique(asked[~np.isin(asked, entry.lease.blocks.array)]).tolist()
-                if foreign:
-                    log.warning(
-                        "request %s: decode rank %s named blocks %s outside lease epoch %d: refused, lease "
-                        "left as it was",
-                        request_id,
-                        decode_rank,
-                        foreign[:8],
-                        entry.lease.epoch,
-                    )
-                    raise ProtocolError(
-                        f"BeginPull of request {request_id!r} names {len(foreign)} blocks that its lease does not "
-                        f"hold (e.g. {foreign[:4]}): refused; pass the remote_block_ids the prefill "
-                        "engine returned for this request"
-                    )
+                _check_begin(entry, decode_rank, blocks)
                 if watcher is not None:
                     entry.watchers[decode_rank] = watcher
                 entry.readers.add(decode_rank)
@@ -459,6 +444,31 @@ class Ledger:
             self._on_release(entry.lease, state)
         except Exception:  # the engine's callback failing must not wedge the ledger or the server
             log.exception("on_release callback failed for request %s", entry.lease.request_id)
+
+
+def _check_begin(entry: _Entry, decode_rank: str, blocks: Sequence[int]) -> None:
+    """Refuse a BeginPull of `entry` (leaving it as it was) that is stale or names blocks outside the lease."""
+    request_id = entry.lease.request_id
+    if decode_rank in entry.done:  # its DONE came first: a BeginPull it gave up on, served late
+        raise ProtocolError(
+            f"BeginPull of request {request_id!r} from {decode_rank} came after that rank's DONE of "
+            f"lease epoch {entry.lease.epoch}: refused as stale; a rank reads a lease once"
+        )
+    asked = BlockIds(blocks).array
+    foreign = np.unique(asked[~np.isin(asked, entry.lease.blocks.array)]).tolist()
+    if foreign:
+        log.warning(
+            "request %s: decode rank %s named blocks %s outside lease epoch %d: refused, lease left as it was",
+            request_id,
+            decode_rank,
+            foreign[:8],
+            entry.lease.epoch,
+        )
+        raise ProtocolError(
+            f"BeginPull of request {request_id!r} names {len(foreign)} blocks that its lease does not "
+            f"hold (e.g. {foreign[:4]}): refused; pass the remote_block_ids the prefill "
+            "engine returned for this request"
+        )
 
 
 def _check_size(request_id: str, nblocks: int) -> None:

@@ -26,6 +26,7 @@ from kvbridge.session.layers import LayerReader
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Recorder
 from kvbridge.session.pull import Leases, Release, Session
+from kvbridge.session.releases import OwedReleases
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class PullControl:
         self._local_ids: dict[str, str] = {}  # prefill request id -> this engine's request id, while pulling
         self._lock = threading.Lock()
         self._later: ThreadPoolExecutor | None = None  # DONEs of reads already reported
+        self._owed = OwedReleases(self.name)  # release DONEs for prefill ranks that did not answer in time
         self._closed = False
 
     # -- the steps both kinds of pull share -----------------------------------------------------
@@ -191,8 +193,9 @@ class PullControl:
             except KVBridgeError as why:
                 log.warning("request %s: cannot find prefill rank %d to release it: %s", s.rid, rank, why)
                 continue
-            if client.silent:
-                log.warning("request %s: %s does not answer; its lease expires instead", s.rid, client.url)
+            if client.silent:  # it may yet serve the BeginPull it left unanswered: release it once it answers
+                log.warning("request %s: %s does not answer; it is released once it answers", s.rid, client.url)
+                self._owed.owe(client, s.rid, s.plan.release_count(rank))
                 continue
             release.append((client, s.plan.release_count(rank)))
         self._send_dones(s.rid, s.leases, release, error)
@@ -383,4 +386,5 @@ class PullControl:
             later, self._later = self._later, None
         if later is not None:
             later.shutdown(wait=True)
+        self._owed.close(wait_s=self.clients.timeout_s)
         self.clients.close()

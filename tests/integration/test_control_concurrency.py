@@ -181,3 +181,24 @@ def test_a_stopped_prefill_costs_a_pull_one_control_timeout_not_two(children: li
         decode.call("pull", request_id="r1", params=pull_params("r1", blocks, port), local_blocks=blocks)
     took = time.monotonic() - began
     assert timeout <= took < 1.6 * timeout, f"the failed pull took {took:.1f}s with a {timeout}s control timeout"
+
+
+def test_a_beginpull_the_decode_gave_up_on_is_released_once_the_prefill_answers_again(children: list[Child]) -> None:
+    # The stopped prefill keeps the unanswered BeginPull in its socket and serves it when it resumes: the decode rank
+    # becomes a reader of a lease it will never read. Its release-only DONE, sent once the prefill answers again,
+    # ends that read; without it the blocks stayed held for the whole lease (60 s here).
+    port = free_port()
+    prefill, decode = rank("prefill", port), rank("decode")
+    children += [prefill, decode]
+    blocks = list(range(8))
+    prefill.call("offer", request_id="r0", blocks=blocks, tokens=8 * 16)
+    assert decode.call("pull", request_id="r0", params=pull_params("r0", blocks, port), local_blocks=blocks) is None
+    prefill.call("offer", request_id="r1", blocks=blocks, tokens=8 * 16)
+    stop_all_threads(prefill.pid)
+    with pytest.raises(ChildError, match="did not answer BeginPull"):
+        decode.call("pull", request_id="r1", params=pull_params("r1", blocks, port), local_blocks=blocks)
+    os.kill(prefill.pid, signal.SIGCONT)
+    released = lambda: [r for r in prefill.call("released") if r[0] == "r1"]  # noqa: E731
+    wait_for(released, timeout=20, what="the prefill to release request r1's blocks")
+    assert released() == [["r1", "released", blocks]], "released by the decode's DONE, not expired"
+    assert prefill.call("state")["active"] == []

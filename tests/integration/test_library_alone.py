@@ -122,8 +122,9 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # processes that had the CPUs and their scheduling groups (base/watchdog.py: a woken proxy waited a second beside the
 # servers' groups); 16,430 with each thread's native stack in a stall dump (base/native_stacks.py: where a transport's
 # C++ thread, or Python inside a C call, sits); 16,532 with reads announced to the transport (the ledger's
-# `on_reading`, `MigrationBackend.expect_reads`: NIXL's passive side serves a read at once, not at its idle interval).
-LIBRARY_LINES = 16_600
+# `on_reading`, `MigrationBackend.expect_reads`: NIXL's passive side serves a read at once, not at its idle interval);
+# 16,710 with the release DONEs a decode owes a prefill rank that was silent (session/releases.py).
+LIBRARY_LINES = 16_800
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:

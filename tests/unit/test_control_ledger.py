@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.base.errors import ConfigError
+from kvbridge.base.errors import ConfigError, ProtocolError
 from kvbridge.control import Lease, LeaseState, Ledger
 
 
@@ -181,6 +181,19 @@ def test_a_readers_release_only_done_vouches_for_no_read_of_its_own(ledger: Ledg
     assert ledger.state("r2") is LeaseState.ACTIVE and not ledger.done("r2", "d0", other.epoch).valid
     third = ledger.offer("r3", [7], expected_pulls=2)  # a rank that only releases stays valid
     assert ledger.done("r3", "d1", 0, expected_pulls=2).valid and ledger.done("r3", "d0", third.epoch).valid
+
+
+def test_a_beginpull_served_after_its_ranks_done_reads_nothing(ledger: Ledger, released: list) -> None:
+    # A decode rank gave up on a BeginPull its prefill left unanswered (stopped) and sent its release-only DONE; the
+    # prefill, running again, may serve the two in either order. Served second, the BeginPull must not make the rank
+    # a reader again: the lease would then be held for it after the other ranks' DONEs, until its deadline.
+    lease = ledger.offer("r1", [5], expected_pulls=2)
+    ledger.done("r1", "d0", 0, expected_pulls=2)
+    with pytest.raises(ProtocolError, match="stale"):
+        ledger.begin("r1", "d0", expected_pulls=2)
+    ledger.begin("r1", "d1", expected_pulls=2)
+    assert ledger.done("r1", "d1", lease.epoch).released
+    assert released == [("r1", LeaseState.RELEASED, (5,))]
 
 
 def test_a_lease_the_engine_may_free_by_itself_promises_no_hold(ledger: Ledger, released: list) -> None:
@@ -374,7 +387,11 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
             except ConfigError:
                 assert ledger.state(op[1]) is LeaseState.ACTIVE
         elif op[0] == "begin":
-            begun = ledger.begin(op[1], op[2], expected_pulls=op[3])
+            try:
+                begun = ledger.begin(op[1], op[2], expected_pulls=op[3])
+            except ProtocolError:  # a rank reads a lease once: after its DONE, a BeginPull is stale
+                assert ledger.state(op[1]) is LeaseState.ACTIVE
+                continue
             if begun.valid:
                 readers.setdefault(begun.epoch, set()).add(op[2])
                 begins.add(begun.epoch)
