@@ -62,11 +62,6 @@ class OwedReleases:
                 self._thread.start()
             self._cond.notify()
 
-    def pending(self) -> int:
-        """DONEs still owed."""
-        with self._cond:
-            return sum(len(p.owed) for p in self._peers.values())
-
     def close(self, wait_s: float) -> None:
         """Stop; an attempt under way ends within its client's timeout, waited for at most `wait_s` seconds."""
         with self._cond:
