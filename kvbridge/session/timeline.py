@@ -8,7 +8,9 @@ from kvbridge.session.machine import STATE_MARKS
 
 HEADER = "x-kvbridge-timing"
 PULL_PHASES = ("dispatch_ms", "queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")
-PHASES = ("prefill_ms", "proxy_ms", *PULL_PHASES, "decode_first_token_ms")
+# the proxy opening a TCP connection to an upstream for the request (none when it reused a kept-alive one)
+CONNECT_PHASES = ("prefill_connect_ms", "decode_connect_ms")
+PHASES = ("prefill_connect_ms", "prefill_ms", "proxy_ms", "decode_connect_ms", *PULL_PHASES, "decode_first_token_ms")
 CONTROL_PARTS = ("contact_ms", "begin_ms")  # control_ms in parts (`Timeline.parts`, not in the sums)
 PULL_REPORT = (*PULL_PHASES, *CONTROL_PARTS, *STATE_MARKS)  # what a decode engine reports of its pull
 

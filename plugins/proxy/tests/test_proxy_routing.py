@@ -82,9 +82,11 @@ def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upst
     (r,), state = _session(create_app([prefill.url], dead), [{"model": "m", "prompt": "p", "max_tokens": 8}])
     assert r.status_code == 503
     assert "no decode server accepted" in r.json()["error"]
-    # The error answer carries the phases known when it was given: prefill and the proxy, no decode.
+    # The error answer carries the phases known when it was given: prefill, the proxy, and the decodes' connects that
+    # failed (the last one's time); nothing of a decode's work.
     t = parse(r.headers[HEADER])
-    assert set(t.phases) == {"prefill_ms", "proxy_ms"} and t.phases["prefill_ms"] == 0.5
+    assert set(t.phases) == {"prefill_connect_ms", "prefill_ms", "proxy_ms", "decode_connect_ms"}
+    assert t.phases["prefill_ms"] == 0.5
     assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
     assert not any(d["healthy"] for d in state["decode"])
     assert state["decode"][0]["in_flight"] == 0
@@ -314,9 +316,9 @@ def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCapture
 
     r503, r400 = asyncio.run(go())
     assert r503.status_code == 503 and r400.status_code == 400 and "not JSON" in r400.json()["error"]
-    for r, rid in ((r503, "a"), (r400, "b")):
-        t = parse(r.headers[HEADER])
-        assert t.request_id == rid and t.phases == {} and t.total_ms >= 0
+    for r, rid, phases in ((r503, "a", {"prefill_connect_ms"}), (r400, "b", set())):
+        t = parse(r.headers[HEADER])  # the 503 spent its time on a refused connect to the prefill
+        assert t.request_id == rid and set(t.phases) == phases and t.total_ms >= 0
     caplog.set_level("INFO", logger="kvbridge_proxy.app")
     with (
         Upstream("prefill", slow_complete_s=2.0) as prefill,
@@ -342,7 +344,7 @@ def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCapture
 def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple[Upstream, Upstream]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvbridge.session.timeline import HEADER, PHASES, parse
+    from kvbridge.session.timeline import CONNECT_PHASES, HEADER, PHASES, parse
 
     prefill, decode = upstreams
     dead = f"http://127.0.0.1:{free_port(span=1)}"
@@ -364,7 +366,9 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
     for i, r in enumerate(answers):
         assert r.status_code == 200 and r.headers["x-request-id"] == f"r{i}"
         t = parse(r.headers[HEADER])
-        assert t.request_id == f"r{i}" and set(t.phases) == set(PHASES)
+        # the first request opened the connections (its connect phases); the others went on kept-alive ones
+        connects = set(CONNECT_PHASES) if i == 0 else set()
+        assert t.request_id == f"r{i}" and set(t.phases) == set(PHASES) - set(CONNECT_PHASES) | connects
         # What the engines reported is passed on as they said it; the proxy's own parts are measured.
         assert (t.phases["prefill_ms"], t.phases["transfer_ms"]) == (0.5, 0.3)
         assert t.marks == {"at_resolving_ms": 0.0, "at_done_ms": 0.9}, "the pull's states, apart from the phases"
@@ -378,6 +382,7 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
     }
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "total"),))] == 3
     assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "transfer"),))] == 3
+    assert samples[("kvbridge_proxy_phase_seconds_count", (("phase", "decode_connect"),))] == 1
     assert ("kvbridge_proxy_phase_seconds_count", (("phase", "at_done"),)) not in samples, "a mark is no phase"
     assert samples[("kvbridge_proxy_phase_seconds_sum", (("phase", "handover"),))] == pytest.approx(3 * 1.05e-3)
     assert samples[("kvbridge_proxy_requests_total", (("code", "200"),))] == 3
@@ -659,6 +664,51 @@ def test_a_decode_whose_host_went_silent_mid_request_is_found_out_by_keepalive(h
         stop.set()
     [r] = answer
     assert r.status_code == 503 and decode_url in r.json()["error"], r.text
+
+
+def test_a_lost_syn_to_the_decode_is_timed_as_its_connect_not_as_the_decode(hosts_factory: Any) -> None:
+    """A lost SYN-ACK is the decode's connect in the timeline, apart from the decode's own time.
+
+    On a lossy link a lost SYN or SYN-ACK costs the kernel's initial retransmission timeout, 1 s (chaos runs' longest
+    times to first token)."""
+    from kvbridge.session.timeline import HEADER, parse
+
+    hosts = hosts_factory(["proxy", "decode"])
+    with contextlib.ExitStack() as stack:
+        with hosts["decode"].entered():
+            decode = stack.enter_context(Upstream("decode", host=hosts["decode"].address))
+        port = decode.url.rsplit(":", 1)[1]
+        healed: list[float] = []
+
+        def heal_once_the_syn_left() -> None:
+            """Heal once the proxy's SYN is out (its SYN-ACK dropped): the kernel's retransmission finds the link up."""
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                out = hosts["proxy"].run(
+                    ["ss", "-Htn", "state", "syn-sent", "dport", f"= :{port}"], capture_output=True
+                )
+                if out.stdout.strip():
+                    break
+                time.sleep(0.01)
+            hosts.heal("proxy", "decode")
+            healed.append(time.monotonic())
+
+        with hosts["proxy"].entered():
+            prefill = stack.enter_context(Upstream("prefill"))
+            hosts.partition("proxy", "decode", "back")
+            healer = threading.Thread(target=heal_once_the_syn_left, daemon=True)
+            healer.start()
+            (r,), _ = _session(
+                create_app([prefill.url], [decode.url]), [{"model": "m", "prompt": "p", "max_tokens": 4}]
+            )
+        healer.join(timeout=60)
+    assert healed and r.status_code == 200, r.text
+    t = parse(r.headers[HEADER])
+    assert t.phases["decode_connect_ms"] >= 900, t.phases  # Linux's first SYN (and SYN-ACK) retransmission: 1 s
+    assert t.phases["decode_first_token_ms"] < 500 and t.phases["prefill_connect_ms"] < 500, t.phases
+    assert sum(t.phases.values()) <= t.total_ms
+    # and the kernels counted it: a SYN sent again by the proxy's host, or a SYN-ACK by the decode's
+    assert hosts.tcp_counters("proxy")["syn"] + hosts.tcp_counters("decode")["syn"] >= 1
 
 
 def test_layerwise_follows_a_restarted_prefill(upstreams: tuple[Upstream, Upstream]) -> None:

@@ -188,6 +188,7 @@ def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type
     assert out["faults_injected"].get("disconnect") and out["faults_injected"].get("abort"), out
     assert out["retries"] >= 1, "transfer-error made some pulls fail and recompute"
     assert out["network"]["injected"].get("loss") and out["network"]["injected"].get("partition"), out
+    assert out["network"]["tcp_retransmits"], "what loss and partitions cost, host by host, is in the report"
     slowest = out["slowest_ttft"]  # each of the longest times to first token, with the phases the proxy saw
     assert len(slowest) == 5 and any("prefill_ms=" in line for line in slowest), slowest
 

@@ -26,7 +26,7 @@ from kvbridge.plan.rank_ports import side_channel_port
 from kvbridge.session.timeline import Timeline
 from kvbridge_proxy.limits import BUDGET, encoded
 from kvbridge_proxy.membership import Membership
-from kvbridge_proxy.metrics import ProxyMetrics
+from kvbridge_proxy.metrics import ProxyMetrics, connect_timing
 from kvbridge_proxy.moving_stream import MovingStream
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
@@ -124,6 +124,7 @@ class Handovers:
         headers: dict[str, str],
         params: KVTransferParams | None = None,
         instance: Instance | None = None,
+        timeline: Timeline | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
         """POST to a prefill server (`instance`, or round robin), trying the next one when one fails.
 
@@ -143,7 +144,10 @@ class Handovers:
             inst.in_flight += 1
             try:
                 resp = await self.client.post(
-                    f"{inst.url}{path}", content=content, headers={**headers, "content-type": "application/json"}
+                    f"{inst.url}{path}",
+                    content=content,
+                    headers={**headers, "content-type": "application/json"},
+                    extensions=connect_timing(timeline, "prefill"),
                 )
             except httpx.ConnectTimeout:
                 log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
@@ -171,6 +175,7 @@ class Handovers:
         headers: dict[str, str],
         moving: MovingStream | None = None,
         tried: list[Instance] | None = None,
+        timeline: Timeline | None = None,
     ) -> tuple[Instance, httpx.Response]:
         """Start the decode request (streamed); the caller decrements the instance's in_flight.
 
@@ -198,7 +203,11 @@ class Handovers:
             content = encoded(payload)
             _charge(content)
             upstream = self.client.build_request(
-                "POST", f"{inst.url}{path}", content=content, headers={**headers, "content-type": "application/json"}
+                "POST",
+                f"{inst.url}{path}",
+                content=content,
+                headers={**headers, "content-type": "application/json"},
+                extensions=connect_timing(timeline, "decode"),
             )
             inst.in_flight += 1
             try:
@@ -241,14 +250,15 @@ class Handovers:
         moving: MovingStream | None,
         prefill: Instance,
         tried: list[Instance],
+        timeline: Timeline,
     ) -> Callable[[], Awaitable[Handover]]:
         """`Handover.again`: the decode request to a decode not in `tried` (the one just failed is added)."""
 
         async def again() -> Handover:
-            decode, resp = await self.send_decode(path, body, headers, moving, tried)
             sent = time.perf_counter()
+            decode, resp = await self.send_decode(path, body, headers, moving, tried, timeline)
             return Handover(
-                decode, resp, self._names(prefill, decode), sent, again=self._again(*same, [*tried, decode])
+                decode, resp, self._names(prefill, decode), sent, again=self._again(*same, [*tried, decode], timeline)
             )
 
         same = (path, body, headers, moving, prefill)
@@ -296,7 +306,7 @@ class Handovers:
             if streamed is not None:
                 return streamed
         try:
-            answer = await until_disconnect(request, self.call_prefill(path, body, headers))
+            answer = await until_disconnect(request, self.call_prefill(path, body, headers, timeline=timeline))
             if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
                 return self.metrics.answer(499, "client disconnected", None, timeline)
@@ -324,14 +334,14 @@ class Handovers:
         timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
         tried: list[Instance] = []
         try:
-            decode, resp = await self.send_decode(path, decode_body, headers, moving, tried)
+            decode, resp = await self.send_decode(path, decode_body, headers, moving, tried, timeline)
         except NoInstance as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill), timeline)
         except DecodeFailed as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill, exc.inst), timeline)
-        again = self._again(path, decode_body, headers, moving, prefill, [*tried, decode])
+        again = self._again(path, decode_body, headers, moving, prefill, [*tried, decode], timeline)
         return Handover(decode, resp, self._names(prefill, decode), sent, again=again)
 
     async def release_lease(self, params: KVTransferParams, why: str) -> None:
@@ -427,7 +437,10 @@ class Handovers:
         sent = time.perf_counter()
         try:
             started = await until_disconnect(
-                request, self.send_decode(path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers, moving)
+                request,
+                self.send_decode(
+                    path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers, moving, timeline=timeline
+                ),
             )
         except (NoInstance, DecodeFailed) as exc:
             computing.cancel()  # nobody reads it: vLLM aborts the prefill request, its lease is aborted

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any
 
 import prometheus_client as prom
 from fastapi.responses import JSONResponse
@@ -113,8 +114,28 @@ class ProxyMetrics:
 
     def finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
         """Close the timeline at the first byte of the decode's answer."""
-        decode_ms = (first_byte - sent) * 1e3
+        decode_ms = (first_byte - sent) * 1e3 - timeline.phases.get("decode_connect_ms", 0.0)
         timeline.phases["decode_first_token_ms"] = max(0.0, decode_ms - (timeline.handover_ms() or 0.0))
         timeline.total_ms = (first_byte - begun) * 1e3
         self.observe(timeline)
         log.info("kvbridge-timing %s", timeline.header())
+
+
+def connect_timing(timeline: Timeline | None, role: str) -> dict[str, Any]:
+    """httpx `extensions` for an upstream request that time its TCP connect into `timeline` as `<role>_connect_ms`.
+
+    A kept-alive connection has none, and the phase is dropped: it is the connect of the connection this request
+    went on. On a lossy link a lost SYN costs the kernel's initial retransmission timeout, a whole second."""
+    if timeline is None:
+        return {}
+    phase = f"{role}_connect_ms"
+    timeline.phases.pop(phase, None)
+    started: list[float] = []
+
+    async def trace(event: str, _info: dict[str, Any]) -> None:
+        if event == "connection.connect_tcp.started":
+            started.append(time.perf_counter())
+        elif event in ("connection.connect_tcp.complete", "connection.connect_tcp.failed") and started:
+            timeline.phases[phase] = (time.perf_counter() - started[-1]) * 1e3
+
+    return {"trace": trace}

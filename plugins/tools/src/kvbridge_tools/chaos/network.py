@@ -48,6 +48,7 @@ class NetworkFaults:
     every_s: float = 8.0
     seed: int = 0
     injected: list[Injected] = attrs.field(factory=list)
+    tcp: dict[str, dict[str, int]] = attrs.field(factory=dict)  # each host's TCP retransmissions, read at stop()
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -105,10 +106,11 @@ class NetworkFaults:
         self.injected.append(Injected(fault, f"{a}<->{d}", time.monotonic() - t0))
 
     def stop(self) -> None:
-        """End the faults and heal every link (loss removed too)."""
+        """End the faults, read each host's TCP retransmissions, and heal every link (loss removed too)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
+        self.tcp = {h.name: self.hosts.tcp_counters(h.name) for h in self.hosts}
         for a, b in self._links():
             self.hosts.heal(a, b)
             self.hosts.loss(a, b, 0)
@@ -125,4 +127,6 @@ class NetworkFaults:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"injected": self.counts(), "longest_fault_s": round(self.longest_s(), 2)}
+        # what loss and partitions cost in the kernel's retransmissions, host by host (a lost SYN: 1 s of a connect)
+        tcp = {name: c for name, c in self.tcp.items() if any(c.values())}
+        return {"injected": self.counts(), "longest_fault_s": round(self.longest_s(), 2), "tcp_retransmits": tcp}

@@ -377,6 +377,26 @@ class Hosts:
         """Every namespace these hosts made (the switch too)."""
         return list(self._made)
 
+    def tcp_counters(self, host: str) -> dict[str, int]:
+        """`host`'s TCP retransmissions since its namespace was made (its kernel's counters, per namespace).
+
+        `segments`: segments sent again; `syn`: SYNs and SYN-ACKs sent again (each a connect delayed by the
+        initial retransmission timeout, 1 s); `timeouts`: retransmission timers that fired."""
+        text = self[host].run(["cat", "/proc/net/snmp", "/proc/net/netstat"], capture_output=True, text=True).stdout
+        lines = text.splitlines()
+        values: dict[str, int] = {}
+        # each table is two lines: "Tcp: Name Name ..." then "Tcp: 1 2 ..."
+        for names, numbers in zip(lines, lines[1:], strict=False):
+            kind, _, rest = names.partition(":")
+            if numbers.startswith(f"{kind}:") and not rest.split()[0].lstrip("-").isdigit():
+                for name, n in zip(rest.split(), numbers.partition(":")[2].split(), strict=False):
+                    values[f"{kind}.{name}"] = int(n)
+        return {
+            "segments": values.get("Tcp.RetransSegs", 0),
+            "syn": values.get("TcpExt.TCPSynRetrans", 0),
+            "timeouts": values.get("TcpExt.TCPTimeouts", 0),
+        }
+
     # -- links ---------------------------------------------------------------------------------
     def shape(self, host: str, rate: str | int | None) -> None:
         """Limit `host`'s link to `rate` in both directions (tc tbf at both ends); None removes it."""

@@ -20,16 +20,18 @@ from kvbridge_tools.harness.ports import free_port
 
 
 class Serving:
-    """A uvicorn server for `app` on 127.0.0.1, in a thread, for the life of a `with` block."""
+    """A uvicorn server for `app` on `host` (127.0.0.1), in a thread, for the life of a `with` block.
 
-    def __init__(self, app: FastAPI) -> None:
-        self.port = free_port(span=1)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+    Entered inside a namespace host (`Host.entered`), it serves on that host, at its `address` as `host`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1") -> None:
+        self.host, self.port = host, free_port(span=1)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> Serving:
         self.thread.start()
@@ -54,7 +56,13 @@ class Upstream(Serving):
     and one completion token; streamed (`stream`), one chunk and, with `include_usage`, a usage chunk."""
 
     def __init__(
-        self, role: str, *, slow_health: int = 0, slow_health_s: float = 0.0, slow_complete_s: float = 0.0
+        self,
+        role: str,
+        *,
+        slow_health: int = 0,
+        slow_health_s: float = 0.0,
+        slow_complete_s: float = 0.0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.role, self.bodies, self.ids, self.health_calls = role, [], [], 0
         self.sizes: list[int] = []  # the bytes of each body it was sent
@@ -110,7 +118,7 @@ class Upstream(Serving):
                 await asyncio.sleep(slow_health_s)
             return {}
 
-        super().__init__(app)
+        super().__init__(app, host)
 
 
 class Unaccepting:
