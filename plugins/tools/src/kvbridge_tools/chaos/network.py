@@ -33,6 +33,7 @@ class Injected:
     fault: str
     between: str
     seconds: float
+    at: float = 0.0  # time.monotonic() once it was in place (loss: the whole run)
 
 
 @attrs.define
@@ -103,7 +104,7 @@ class NetworkFaults:
             self.hosts.shape(d, rate)
         else:
             raise ValueError(f"not a network fault that takes turns: {fault!r}")
-        self.injected.append(Injected(fault, f"{a}<->{d}", time.monotonic() - t0))
+        self.injected.append(Injected(fault, f"{a}<->{d}", time.monotonic() - t0, t0))
 
     def stop(self) -> None:
         """End the faults, read each host's TCP retransmissions, and heal every link (loss removed too)."""
@@ -119,6 +120,17 @@ class NetworkFaults:
     def longest_s(self) -> float:
         """The longest a fault that stops a link lasted (loss, which only slows one, counts 0)."""
         return max((i.seconds for i in self.injected), default=0.0)
+
+    def during(self, start: float, end: float) -> list[str]:
+        """The faults that took turns and were in place some time between `start` and `end` (time.monotonic()).
+
+        Each as `partition a<->b at +0.2 s for 3.0 s`, from `start`. TCP backs off its retransmissions while a link is
+        down, so a request held by a fault may go on up to a few seconds after the heal."""
+        return [
+            f"{i.fault} {i.between} at {i.at - start:+.1f} s for {i.seconds:.1f} s"
+            for i in self.injected
+            if i.fault != "loss" and i.at < end and i.at + i.seconds > start
+        ]
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

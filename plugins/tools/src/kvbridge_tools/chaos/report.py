@@ -61,6 +61,7 @@ class Outcome:
     ttft_s: float | None = None
     prompt_tokens: int = 0
     handover_s: float | None = None  # control + transfer + DONE phases (non-streamed answers carry them)
+    sent_at: float | None = None  # time.monotonic() as it was sent (with ttft_s: the window a fault may overlap)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -107,14 +108,25 @@ class Report:
             reason = o.reason.replace(", no fault)", f", {how})") if plain else f"{o.reason} [{how}]"
             self.outcomes[n] = attrs.evolve(o, reason=reason)
 
-    def slowest(self, request_id: Callable[[int], str], phases_of: dict[str, str]) -> list[str]:
-        """The SLOWEST longest times to first token, each with its fault and its phases (`timings()`)."""
+    def slowest(
+        self,
+        request_id: Callable[[int], str],
+        phases_of: dict[str, str],
+        during: Callable[[float, float], list[str]] = lambda _start, _end: [],
+    ) -> list[str]:
+        """The SLOWEST longest times to first token, each with its fault and its phases (`timings()`).
+
+        `during(start, end)`: the network faults in place while it waited for its first token, named beside its own."""
         timed = sorted((o for o in self.outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0.0))
         out = []
         for o in timed[:SLOWEST]:
+            assert o.ttft_s is not None
             rid = request_id(o.index)
             phases = phases_of.get(rid, "the proxy logged no phases of it")
-            out.append(f"{rid}: {o.ttft_s * 1e3:.0f} ms ({o.fault or 'no fault'}): {phases}")
+            faults = [o.fault] if o.fault else []
+            if o.sent_at is not None:
+                faults += during(o.sent_at, o.sent_at + o.ttft_s)
+            out.append(f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(faults) or 'no fault'}): {phases}")
         return out
 
     def handovers_over_bound(self) -> int:

@@ -150,11 +150,15 @@ class Runner:
             return list(pool.map(one, range(len(texts))))
 
     def one(self, i: int, text: str, want: str, fault: str) -> Outcome:
+        """Play request `i` (with its fault) and say how it ended."""
+        t0 = time.monotonic()
+        return attrs.evolve(self._play(i, text, want, fault, t0), sent_at=t0)
+
+    def _play(self, i: int, text: str, want: str, fault: str, t0: float) -> Outcome:
         import httpx
 
         assert self.dep.proxy is not None
         url = f"{self.dep.proxy.url}/v1/completions"
-        t0 = time.monotonic()
         ttft = None
         n = len(text)
         if fault == "abort":
@@ -177,7 +181,7 @@ class Runner:
         chunks: list[str] = []
         try:
             # One id through proxy and servers, so a request the report names can be found in their logs.
-            headers = {"X-Request-Id": f"chaos-{self.workload.seed}-{i}"}
+            headers = {"X-Request-Id": self.request_id(i)}
             with self.http.stream("POST", url, json=self.body(text, True, fault), headers=headers) as r:
                 served = self._served(r.headers)
                 if r.status_code != 200:
@@ -225,12 +229,16 @@ class Runner:
             n,
         )
 
+    def request_id(self, i: int) -> str:
+        """The `x-request-id` request `i` is sent with: one id through the proxy and the servers' logs."""
+        return f"chaos-{self.workload.seed}-{i}"
+
     def whole(self, i: int, text: str, want: str, url: str) -> Outcome:
         """A non-streamed request: its answer, and its handover from the `x-kvbridge-timing` header."""
         import httpx
 
         n = len(text)
-        request_id = f"chaos-{self.workload.seed}-{i}"
+        request_id = self.request_id(i)
         try:
             r = self.http.post(url, json=self.body(text, False), headers={"X-Request-Id": request_id})
         except httpx.TimeoutException as exc:
@@ -320,14 +328,14 @@ class Runner:
                 log.warning("chaos: %s still holds %g blocks: %s", server.url, held[server.url], why)
         for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
-        request_id = lambda i: f"chaos-{self.workload.seed}-{i}"  # noqa: E731 (the id each request was sent with)
         proxy_log = dep.proxy.log_path.read_text(errors="replace") if dep.proxy and dep.proxy.log_path.exists() else ""
-        report.slowest_ttft = report.slowest(request_id, timings(proxy_log))
+        during = self.network.during if self.network is not None else (lambda _start, _end: [])
+        report.slowest_ttft = report.slowest(self.request_id, timings(proxy_log), during)
         if dep.live_moves:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
             report.live_moves = dep.proxy_counts("kvbridge_proxy_live_moves_total", "outcome")
             if proxy_log:
                 report.moves = moves(proxy_log)
-                report.name_moves(request_id)
+                report.name_moves(self.request_id)
         report.drained = [d.as_dict() for d in dep.drained]
         report.drains_unclean = sum(1 for d in dep.drained if not d.clean)
         report.joined = [
