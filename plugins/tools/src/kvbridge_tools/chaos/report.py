@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 
+from kvbridge.base.watchdog import SLOW_MS
 from kvbridge.session import timeline
 from kvbridge_tools.chaos.bound import HandoverBound
 
@@ -30,6 +31,17 @@ MOVE_LINE = re.compile(
 # The proxy's line for each request at the first byte of its decode's answer (`Metrics.finish`, `-v`): its phases.
 TIMING_LINE = re.compile(r"kvbridge-timing (id=[^\n]*?)(?: \(answered \d+\))?$", re.MULTILINE)
 SLOWEST = 5  # the requests whose time to first token the report breaks down
+# The proxy's line naming the id the servers know a request by (its P/D request, `Handovers.open`).
+PD_LINE = re.compile(r"request (\S+): P/D request (kvbridge-[0-9a-f]+)$", re.MULTILINE)
+# A decode's line for a pull (or its DONEs) whose phases added up to SLOW_MS (`watchdog.slow`):
+# vLLM's id for it is cmpl-<the P/D request id>-<choice>-<suffix>.
+SLOW_PULL_LINE = re.compile(
+    r"slow (handover|DONEs) of request cmpl-(kvbridge-[0-9a-f]+)-\S+ .*?: ([\d.]+ ms \([^)]*\))$", re.MULTILINE
+)
+# A decode's line for a pull that failed (its request then recomputed): `DecodeSide._pull`.
+FAILED_PULL_LINE = re.compile(
+    r"request cmpl-(kvbridge-[0-9a-f]+)-\S+: (pull) from \S+ failed: (.{0,200})", re.MULTILINE
+)
 
 
 def timings(proxy_log: str) -> dict[str, str]:
@@ -40,6 +52,22 @@ def timings(proxy_log: str) -> dict[str, str]:
             out[timeline.parse(header).request_id] = header
         except ValueError:  # a line cut short by a killed proxy: nothing to break down
             continue
+    return out
+
+
+def slow_pulls(proxy_log: str, server_logs: Iterable[str]) -> dict[str, list[str]]:
+    """Each request's slow or failed pulls as its decodes logged them, by the id the client sent it with.
+
+    A decode logs a pull whose handover took SLOW_MS or more phase by phase (`watchdog.slow`), and a pull that failed
+    with its error; a pull that went well and faster has no line."""
+    ids = {pd: rid for rid, pd in PD_LINE.findall(proxy_log)}
+    out: dict[str, list[str]] = {}
+    for text in server_logs:
+        said = [(what, pd, line) for what, pd, line in SLOW_PULL_LINE.findall(text)]
+        said += [(what, pd, f"failed: {line}") for pd, what, line in FAILED_PULL_LINE.findall(text)]
+        for what, pd, line in said:
+            if pd in ids:
+                out.setdefault(ids[pd], []).append(f"{what} {line}")
     return out
 
 
@@ -113,10 +141,14 @@ class Report:
         request_id: Callable[[int], str],
         phases_of: dict[str, str],
         during: Callable[[float, float], list[str]] = lambda _start, _end: [],
+        pulls_of: dict[str, list[str]] | None = None,
     ) -> list[str]:
         """The SLOWEST longest times to first token, each with its fault and its phases (`timings()`).
 
-        `during(start, end)`: the network faults in place while it waited for its first token, named beside its own."""
+        `during(start, end)`: the network faults in place while it waited for its first token, named beside its own.
+        `pulls_of` (`slow_pulls()`): what its decode logged of a slow or failed pull, which splits a stream's time on
+        the decode (its timing has no pull phases) into the pull and the rest; None where the servers' logs were not
+        read."""
         timed = sorted((o for o in self.outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0.0))
         out = []
         for o in timed[:SLOWEST]:
@@ -126,7 +158,12 @@ class Report:
             faults = [o.fault] if o.fault else []
             if o.sent_at is not None:
                 faults += during(o.sent_at, o.sent_at + o.ttft_s)
-            out.append(f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(faults) or 'no fault'}): {phases}")
+            line = f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(faults) or 'no fault'}): {phases}"
+            if pulls_of is not None:
+                pulls = pulls_of.get(rid)
+                quick = f" | no slow pull logged (one under {SLOW_MS:.0f} ms, or none)"
+                line += f" | its decode logged: {'; '.join(pulls)}" if pulls else quick
+            out.append(line)
         return out
 
     def handovers_over_bound(self) -> int:

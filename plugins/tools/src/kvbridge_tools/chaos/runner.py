@@ -28,6 +28,7 @@ from kvbridge_tools.chaos.report import (
     Outcome,
     Report,
     moves,
+    slow_pulls,
     timings,
 )
 from kvbridge_tools.harness.tiny_model import random_prompt
@@ -330,7 +331,9 @@ class Runner:
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
         proxy_log = dep.proxy.log_path.read_text(errors="replace") if dep.proxy and dep.proxy.log_path.exists() else ""
         during = self.network.during if self.network is not None else (lambda _start, _end: [])
-        report.slowest_ttft = report.slowest(self.request_id, timings(proxy_log), during)
+        server_logs = (p.read_text(errors="replace") for p in sorted(dep.logs.rglob("vllm-*.log")))
+        pulls = slow_pulls(proxy_log, server_logs) if proxy_log else None
+        report.slowest_ttft = report.slowest(self.request_id, timings(proxy_log), during, pulls)
         if dep.live_moves:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
             report.live_moves = dep.proxy_counts("kvbridge_proxy_live_moves_total", "outcome")
             if proxy_log:
