@@ -44,6 +44,7 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.control import open_registry
 from kvbridge.control.discovery import ServerRecord
+from kvbridge.session.pull_control import CONTROL_TIMEOUT_S, DONE_ATTEMPTS
 from kvbridge_tools.bench.plot import check_path, write_chart
 from kvbridge_tools.bench.scale_rank import BLOCKS
 from kvbridge_tools.harness.etcd import etcd_server
@@ -225,6 +226,20 @@ def _per_peer(before: list[dict[str, Any]], after: list[dict[str, Any]], peers: 
     )
 
 
+def _releases(prefill: _Side, pulled: int) -> int:
+    """The leases the prefill ranks released, once the last pulls' DONEs came in (or their bound passed).
+
+    A pull is reported once its read landed; its DONE, which releases the lease, follows off the request's path, so
+    right after a round some may still be on their way. They come within the DONE's tries (`DONE_ATTEMPTS` of at most
+    `CONTROL_TIMEOUT_S` each)."""
+    deadline = time.monotonic() + DONE_ATTEMPTS * CONTROL_TIMEOUT_S + 1.0
+    while True:
+        released = sum(s["released"] for s in prefill.stats())
+        if released >= pulled or time.monotonic() > deadline:
+            return released
+        time.sleep(0.05)
+
+
 def measure_size(p: int, d: int, args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
     """One deployment size: start the ranks, run the two rounds, read the costs, stop everything."""
     prefill = _Side("prefill", p, args.ranks_per_process, setup)
@@ -240,7 +255,8 @@ def measure_size(p: int, d: int, args: argparse.Namespace, setup: dict[str, Any]
             # every pair connected: the cost per peer, before the herd's own threads and buffers come and go
             after_p, after_d = prefill.stats(), decode.stats()
             herd = _round(prefill, decode, spread, "herd", concurrency=None)
-            released = sum(s["released"] for s in prefill.stats())
+            pulled = sum(1 for r in warmed + first_all + herd if not r["error"])
+            released = _releases(prefill, pulled)
         finally:
             decode.close()
     finally:
