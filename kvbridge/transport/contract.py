@@ -389,8 +389,10 @@ class _Watchdog:
     Nearly every alarm is cancelled (its transfer ended in time), and a wake-up per transfer would cost the engine's
     threads the CPU and the GIL for nothing. So the thread sleeps until a time it sets itself (`_wake_at`), and
     `after` wakes it only for an alarm due before then. When it wakes it drops the cancelled alarms at the head,
-    due or not; if that empties the heap it still sleeps until the last dropped one's time, so the next transfer's
-    alarm (due later) does not wake it either. It then wakes about once a deadline, not once a transfer.
+    due or not; if that empties the heap it still sleeps until the latest time among those it dropped this time, so
+    the next transfer's alarm (due later) does not wake it either. It then wakes about once a deadline, not once a
+    transfer. Only this time's: a far alarm cancelled long ago (another backend's longer deadline) would otherwise
+    keep it sleeping past every new alarm, and each would wake it.
     """
 
     def __init__(self) -> None:
@@ -415,10 +417,10 @@ class _Watchdog:
         return alarm
 
     def _run(self) -> None:
-        horizon = 0.0  # the latest due time among the cancelled alarms dropped early
         while True:
             with self._cond:
                 while True:
+                    horizon = 0.0  # the latest due time among the cancelled alarms dropped early at this wake
                     while self._heap and self._heap[0][2].cancelled:
                         horizon = max(horizon, heapq.heappop(self._heap)[0])
                     now = time.monotonic()

@@ -188,6 +188,26 @@ def test_deadline_alarms_fire_at_their_own_time_and_cancelled_ones_never() -> No
     assert fired == []
 
 
+def test_an_alarm_cancelled_long_ago_far_ahead_does_not_make_each_new_alarm_wake_the_thread() -> None:
+    """A far alarm cancelled long ago does not make each nearer alarm cancelled in time wake the thread.
+
+    The far one stands for another backend's longer deadline. The thread wakes for the first near alarm, then
+    sleeps until that one's time. Each alarm is given time to be seen (the pause), so that a thread woken for it
+    would have counted the wake."""
+    from kvbridge.transport.contract import _WATCHDOG
+
+    far = _WATCHDOG.after(60.0, lambda: None)
+    far.cancel()
+    dropped = threading.Event()
+    _WATCHDOG.after(0.01, dropped.set)  # the thread wakes for it, then drops the far one
+    assert dropped.wait(10)
+    before = _WATCHDOG.wakeups
+    for _ in range(20):
+        _WATCHDOG.after(5.0, lambda: None).cancel()
+        time.sleep(0.02)
+    assert _WATCHDOG.wakeups - before <= 2, "each alarm cancelled in time woke the deadlines' thread"
+
+
 def test_transfers_that_end_in_time_do_not_wake_the_deadlines_thread(link) -> None:
     """Each part arms an alarm; one that ends in time only cancels it, and the thread sleeps on.
 

@@ -107,15 +107,16 @@ class NetworkFaults:
         self.injected.append(Injected(fault, f"{a}<->{d}", time.monotonic() - t0, t0))
 
     def stop(self) -> None:
-        """End the faults, read each host's TCP retransmissions, and heal every link (loss removed too)."""
+        """End the faults, heal every link (loss removed too), then read each host's TCP retransmissions."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        self.tcp = {h.name: self.hosts.tcp_counters(h.name) for h in self.hosts}
         for a, b in self._links():
             self.hosts.heal(a, b)
             self.hosts.loss(a, b, 0)
             self.hosts.loss(b, a, 0)
+        # after the heal: the counters are totals, and a host whose counters cannot be read must not stay partitioned
+        self.tcp = {h.name: self.hosts.tcp_counters(h.name) for h in self.hosts}
 
     def longest_s(self) -> float:
         """The longest a fault that stops a link lasted (loss, which only slows one, counts 0)."""
