@@ -371,12 +371,15 @@ def watch(name: str, *, this_thread: bool = False) -> Beat:
     `this_thread`: the calling thread's beat from now on, for `progress()`."""
     beat = WATCHDOG.watch(name)
     if this_thread:
-        _local.beat = beat
+        # weak: a pull dropped without its end must leave the watch with its last owner, not stay armed by its
+        # thread's later `progress()` calls (false stalls named for a pull long gone)
+        _local.beat = weakref.ref(beat)
     return beat
 
 
 def progress() -> None:
     """The calling thread's beat (if any) moved on."""
-    beat = getattr(_local, "beat", None)
+    ref = getattr(_local, "beat", None)
+    beat = ref() if ref is not None else None
     if beat is not None:
         beat.busy()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
 
+from kvbridge.base import watchdog
 from kvbridge.base.errors import LoadError, TransferFailed
 from kvbridge.session.machine import STATE_MARKS, PullMachine, PullState
 
@@ -41,3 +43,16 @@ def test_an_end_with_an_error_is_fenced_for_a_lease_that_did_not_hold_and_failed
     early.to(PullState.LEASED)
     with pytest.raises(RuntimeError, match="done from leased"):
         early.end(None)  # a pull is done only once confirmed
+
+
+def test_a_pull_dropped_without_its_end_is_no_longer_watched_for_stalls() -> None:
+    """Nor does its thread's next side-channel answer (`progress()`) arm it again.
+
+    Armed, the next second without an answer would dump every stack for a pull long gone."""
+    dropped = PullMachine("dropped-r9", "pull")
+    dropped.to(PullState.LEASED)
+    name = dropped.beat.name
+    del dropped
+    gc.collect()
+    watchdog.progress()  # as the next request this thread sends is answered
+    assert name not in {b.name for b in list(watchdog.WATCHDOG._beats)}
