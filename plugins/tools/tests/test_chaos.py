@@ -57,12 +57,13 @@ def test_the_report_fails_on_any_must_be_zero_figure() -> None:
         Outcome(0, MATCHED, ttft_s=0.01),
         Outcome(1, FAILED, "kill-decode", 503, "decode gone"),
         Outcome(2, DROPPED, "disconnect", ttft_s=0.03),
+        Outcome(3, FAILED, "kill-decode", None, "connection lost: RemoteProtocolError()"),
     ]
     report = Report(outcomes=clean, blocks_held={"a": 0.0, "b": 0.0})
     out = report.as_dict()
     assert report.ok and out["ok"]
-    assert (out["completed_equal"], out["failed_clear"], out["dropped_by_client"]) == (1, 1, 1)
-    assert out["failures"] == {"503 decode gone": 1}
+    assert (out["completed_equal"], out["failed_clear"], out["dropped_by_client"]) == (1, 2, 1)
+    assert out["failures"] == {"503 decode gone": 1, "no status connection lost: RemoteProtocolError()": 1}
     assert out["ttft_ms"] == {"p50": 30.0, "p99": 30.0, "max": 30.0}
     assert out["different"] == []
     named = "chaos-0-3 (p -> d, no fault): got 'a', colocated 'b'"

@@ -193,7 +193,11 @@ class Report:
         c = self.counts()
         ttft = [o.ttft_s for o in self.outcomes if o.ttft_s is not None]
         handover = [o.handover_s for o in self.outcomes if o.handover_s is not None]
-        failures = Counter(f"{o.status} {o.reason[:120]}" for o in self.outcomes if o.kind in (FAILED, UNCLEAR))
+        failures = Counter(  # a stream cut off mid-answer has no status of its own
+            f"{'no status' if o.status is None else o.status} {o.reason[:120]}"
+            for o in self.outcomes
+            if o.kind in (FAILED, UNCLEAR)
+        )
         return {
             "ok": self.ok,
             "requests": len(self.outcomes),
