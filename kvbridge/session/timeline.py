@@ -10,7 +10,17 @@ HEADER = "x-kvbridge-timing"
 PULL_PHASES = ("dispatch_ms", "queue_ms", "offer_wait_ms", "control_ms", "transfer_ms", "done_ms")
 # the proxy opening a TCP connection to an upstream for the request (none when it reused a kept-alive one)
 CONNECT_PHASES = ("prefill_connect_ms", "decode_connect_ms")
-PHASES = ("prefill_connect_ms", "prefill_ms", "proxy_ms", "decode_connect_ms", *PULL_PHASES, "decode_first_token_ms")
+# a decode that failed before the client got anything, from its request's send until the proxy sent the request on
+FAILOVER_PHASE = "decode_failed_ms"
+PHASES = (
+    "prefill_connect_ms",
+    "prefill_ms",
+    "proxy_ms",
+    FAILOVER_PHASE,
+    "decode_connect_ms",
+    *PULL_PHASES,
+    "decode_first_token_ms",
+)
 CONTROL_PARTS = ("contact_ms", "begin_ms")  # control_ms in parts (`Timeline.parts`, not in the sums)
 PULL_REPORT = (*PULL_PHASES, *CONTROL_PARTS, *STATE_MARKS)  # what a decode engine reports of its pull
 

@@ -890,6 +890,10 @@ def test_a_movable_stream_whose_decode_dies_before_its_first_event_goes_to_the_n
     for died_on in cluster.a.bodies:
         [again] = [b for b in cluster.b.bodies if b["prompt"] == died_on["prompt"]]
         assert again["kv_transfer_params"]["remote_request_id"] == "r", "the same decode request: prefill's KV"
+    # the time on A is a phase of its own in each such request's timeline, not B's time to the first token
+    metrics = httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text.splitlines()
+    [count] = [line for line in metrics if line.startswith('kvbridge_proxy_phase_seconds_count{phase="decode_failed"}')]
+    assert float(count.split()[-1]) == len(cluster.a.bodies)
 
 
 @pytest.mark.parametrize(

@@ -82,10 +82,10 @@ def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upst
     (r,), state = _session(create_app([prefill.url], dead), [{"model": "m", "prompt": "p", "max_tokens": 8}])
     assert r.status_code == 503
     assert "no decode server accepted" in r.json()["error"]
-    # The error answer carries the phases known when it was given: prefill, the proxy, and the decodes' connects that
-    # failed (the last one's time); nothing of a decode's work.
+    # The error answer carries the phases known when it was given: prefill, the proxy, and the time of the decodes
+    # that failed (both refused connects); nothing of a decode's work.
     t = parse(r.headers[HEADER])
-    assert set(t.phases) == {"prefill_connect_ms", "prefill_ms", "proxy_ms", "decode_connect_ms"}
+    assert set(t.phases) == {"prefill_connect_ms", "prefill_ms", "proxy_ms", "decode_failed_ms"}
     assert t.phases["prefill_ms"] == 0.5
     assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
     assert not any(d["healthy"] for d in state["decode"])
@@ -344,7 +344,7 @@ def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCapture
 def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple[Upstream, Upstream]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvbridge.session.timeline import CONNECT_PHASES, HEADER, PHASES, parse
+    from kvbridge.session.timeline import CONNECT_PHASES, FAILOVER_PHASE, HEADER, PHASES, parse
 
     prefill, decode = upstreams
     dead = f"http://127.0.0.1:{free_port(span=1)}"
@@ -363,16 +363,20 @@ def test_every_answer_carries_its_timeline_and_metrics_count_it(upstreams: tuple
             return answers, (await client.get("/metrics")).text
 
     answers, text = asyncio.run(go())
+    failed_over = 0
     for i, r in enumerate(answers):
         assert r.status_code == 200 and r.headers["x-request-id"] == f"r{i}"
         t = parse(r.headers[HEADER])
         # the first request opened the connections (its connect phases); the others went on kept-alive ones
         connects = set(CONNECT_PHASES) if i == 0 else set()
-        assert t.request_id == f"r{i}" and set(t.phases) == set(PHASES) - set(CONNECT_PHASES) | connects
+        expected = set(PHASES) - set(CONNECT_PHASES) - {FAILOVER_PHASE} | connects
+        assert t.request_id == f"r{i}" and set(t.phases) - {FAILOVER_PHASE} == expected
+        failed_over += FAILOVER_PHASE in t.phases
         # What the engines reported is passed on as they said it; the proxy's own parts are measured.
         assert (t.phases["prefill_ms"], t.phases["transfer_ms"]) == (0.5, 0.3)
         assert t.marks == {"at_resolving_ms": 0.0, "at_done_ms": 0.9}, "the pull's states, apart from the phases"
         assert all(v >= 0 for v in t.phases.values()) and sum(t.phases.values()) <= t.total_ms
+    assert failed_over == 1, "the request sent to the dead decode first has that attempt's time apart"
     # The engines' timing is not sent on to decode.
     assert [b.get("kv_transfer_params", {}).get("kvbridge_timing") for b in decode.bodies] == [None] * 3
     samples = {

@@ -23,7 +23,7 @@ from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, TransferT
 from kvbridge.control.client import ControlClient
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import side_channel_port
-from kvbridge.session.timeline import Timeline
+from kvbridge.session.timeline import FAILOVER_PHASE, Timeline
 from kvbridge_proxy.limits import BUDGET, encoded
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics, connect_timing
@@ -176,15 +176,16 @@ class Handovers:
         moving: MovingStream | None = None,
         tried: list[Instance] | None = None,
         timeline: Timeline | None = None,
-    ) -> tuple[Instance, httpx.Response]:
-        """Start the decode request (streamed); the caller decrements the instance's in_flight.
+    ) -> tuple[Instance, httpx.Response, float]:
+        """Start the decode request (streamed): the decode, its answer, when the request to it began (perf_counter).
 
         A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
         decode asks, so try the next one. So does one that answers a server error (5xx) at once: what a vLLM server
         answers once it began shutting down, before the proxy's next registry read says it is draining; the last such
         answer is returned when no other decode is left. And so does one that took the request and failed before
         answering (it died): DecodeFailed only when no other decode is left. A `moving` stream is marked for the decode
-        picked (`MovingStream.mark`). `tried`: decodes that failed this request already (added to)."""
+        picked (`MovingStream.mark`). `tried`: decodes that failed this request already (added to). Each failed
+        attempt's time goes to the timeline's `decode_failed_ms`. The caller decrements the instance's in_flight."""
         pool = self.membership.pools["decode"]
         late: list[str] = []
         refused: list[Instance] = [] if tried is None else tried  # not tried again for this request
@@ -210,10 +211,12 @@ class Handovers:
                 extensions=connect_timing(timeline, "decode"),
             )
             inst.in_flight += 1
+            began = time.perf_counter()
             try:
                 resp = await self.client.send(upstream, stream=True)
                 if resp.status_code < 500 or not any(i.serving and i not in (*refused, inst) for i in pool.instances):
-                    return inst, resp
+                    return inst, resp, began
+                _failed(timeline, began)
                 await resp.aclose()
                 inst.in_flight -= 1
                 refused.append(inst)
@@ -221,15 +224,18 @@ class Handovers:
                 log.warning("decode server %s answered %d (shutting down?): next", inst.url, resp.status_code)
             except httpx.ConnectError as exc:
                 inst.in_flight -= 1
+                _failed(timeline, began)
                 self.membership.take_out(inst, f"refused the connection ({exc})")
             except httpx.ConnectTimeout:
                 # Not down: its accept queue is full or this box is starved. It never saw the request;
                 # the health probe decides whether it is gone.
                 inst.in_flight -= 1
+                _failed(timeline, began)
                 late.append(inst.label)
                 log.warning("decode server %s did not accept the connection in time (busy?): next", inst.url)
             except httpx.TransportError as exc:
                 inst.in_flight -= 1
+                _failed(timeline, began)
                 self.membership.take_out(inst, f"failed after taking the request ({exc})")
                 refused.append(inst)
                 self.metrics.failovers.labels(inst.role).inc()
@@ -255,8 +261,7 @@ class Handovers:
         """`Handover.again`: the decode request to a decode not in `tried` (the one just failed is added)."""
 
         async def again() -> Handover:
-            sent = time.perf_counter()
-            decode, resp = await self.send_decode(path, body, headers, moving, tried, timeline)
+            decode, resp, sent = await self.send_decode(path, body, headers, moving, tried, timeline)
             return Handover(
                 decode, resp, self._names(prefill, decode), sent, again=self._again(*same, [*tried, decode], timeline)
             )
@@ -264,10 +269,13 @@ class Handovers:
         same = (path, body, headers, moving, prefill)
         return again
 
-    async def hand_on(self, handover: Handover, error: str, request_id: str) -> Handover | str:
+    async def hand_on(self, handover: Handover, error: str, timeline: Timeline) -> Handover | str:
         """The request on the next decode, its decode having failed before the client got anything of its answer.
 
-        Else (no `Handover.again`, or no other decode took it) the text of the 503 to answer."""
+        Else (no `Handover.again`, or no other decode took it) the text of the 503 to answer. The failed decode's time,
+        from its request's send to now, is the timeline's `decode_failed_ms` (summed over failovers)."""
+        request_id = timeline.request_id
+        _failed(timeline, handover.sent)
         failed = handover.decode
         failed.healthy = False
         if handover.again is None:
@@ -330,11 +338,10 @@ class Handovers:
             log.warning(
                 "prefill answer for %s carries no kv_transfer_params; decode recomputes the prompt", timeline.request_id
             )
-        sent = time.perf_counter()
-        timeline.phases["proxy_ms"] = (sent - prefill_done) * 1e3
+        timeline.phases["proxy_ms"] = (time.perf_counter() - prefill_done) * 1e3
         tried: list[Instance] = []
         try:
-            decode, resp = await self.send_decode(path, decode_body, headers, moving, tried, timeline)
+            decode, resp, sent = await self.send_decode(path, decode_body, headers, moving, tried, timeline)
         except NoInstance as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill), timeline)
@@ -434,7 +441,6 @@ class Handovers:
         to_decode = attrs.evolve(identity, do_remote_prefill=True, remote_request_id=transfer_id, **mode)
         computing = asyncio.ensure_future(self.call_prefill(path, body, headers, to_prefill, prefill))
         computing.add_done_callback(lambda task: self._prefill_ended(task, prefill, timeline))
-        sent = time.perf_counter()
         try:
             started = await until_disconnect(
                 request,
@@ -453,7 +459,7 @@ class Handovers:
             computing.cancel()
             log.info("client left before decode took %s: both requests cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", None, timeline)
-        decode, resp = started
+        decode, resp, sent = started
         return Handover(decode, resp, self._names(prefill, decode), sent, computing)
 
     def _prefill_ended(self, task: asyncio.Future, prefill: Instance, timeline: Timeline) -> None:
@@ -468,3 +474,13 @@ class Handovers:
             params = KVTransferParams.from_dict(answer.get("kv_transfer_params"))
             timeline.add(params.kvbridge_timing, ("prefill_ms",))
             self.membership.learn(prefill.url, params)  # a restarted prefill answers with its new identity
+
+
+def _failed(timeline: Timeline | None, began: float) -> None:
+    """A decode attempt that began at `began` failed: its time, to now, goes to the timeline's `decode_failed_ms`.
+
+    Its connect, if it made one, is part of that time, not the decode's."""
+    if timeline is not None:
+        timeline.phases.pop("decode_connect_ms", None)
+        lost = (time.perf_counter() - began) * 1e3
+        timeline.phases[FAILOVER_PHASE] = timeline.phases.get(FAILOVER_PHASE, 0.0) + lost

@@ -85,7 +85,7 @@ class Moves:
                 "decode server %s failed before the first event of %s", handover.decode.url, timeline.request_id
             )
             error = f"decode server {handover.decode.label} failed: {first[1]}"
-            resent = await self.handovers.hand_on(handover, error, timeline.request_id)
+            resent = await self.handovers.hand_on(handover, error, timeline)
             if isinstance(resent, str):
                 return self.metrics.answer(503, resent, headers, timeline)
             return await self.relay(request, resent, moving, timeline, begun, {**headers, **resent.headers})

@@ -339,7 +339,7 @@ class Relay:
         log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
         detail = f"{type(failed).__name__}: {failed}" if self.expose else type(failed).__name__
         error = f"decode server {decode.label} failed: {detail}"
-        resent = await self.handovers.hand_on(handover, error, timeline.request_id)
+        resent = await self.handovers.hand_on(handover, error, timeline)
         if isinstance(resent, str):
             return self.metrics.answer(503, resent, headers, timeline)
         return await relay(request, resent, timeline, begun, {**headers, **resent.headers})
