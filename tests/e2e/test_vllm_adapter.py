@@ -863,6 +863,48 @@ def test_live_move_a_decode_offers_a_cut_request_and_another_pulls_it(workers: W
         target.shutdown()
 
 
+def test_a_marked_request_dropped_while_its_kv_arrives_is_no_cut_and_is_freed_once() -> None:
+    """A streamed decode request (marked with a move id) whose client left while its pull ran is not offered.
+
+    In a held-out chaos run (mp executor, clients leaving) such a request was taken for a cut: its blocks were offered
+    under its move lease and held, vLLM held them too (its pull was not over), then freed them at the pull's report
+    and again at the lease's end, and its engine core stopped on `assert req_id in self.requests`."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    decode = _scheduler("kv_consumer", "decode", 21001)
+    tokens = list(range(2 * BLOCK + 3))
+
+    def pulling(rid: str) -> Request:
+        request = Request(rid, tokens, SamplingParams(max_tokens=8), None)
+        request.kv_transfer_params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "prefill",
+            "remote_host": "127.0.0.1",
+            "remote_port": 21000,
+            "kvbridge_move_id": f"M-{rid}",
+            "remote_num_tokens": len(tokens) - 1,
+        }
+        count, load_async = decode.get_num_new_matched_tokens(request, 0)
+        assert load_async
+        decode.update_state_after_alloc(request, KVCacheBlocks(([KVCacheBlock(i) for i in (6, 7, 8)],)), count)
+        return request
+
+    try:
+        arriving, arrived = pulling("d-1"), pulling("d-2")
+        assert len(decode.build_connector_meta(None).pulls) == 2
+        decode.update_connector_output(KVConnectorOutput(finished_recving={"d-2"}))  # d-2's pull landed
+        for request in (arriving, arrived):
+            request.status = RequestStatus.FINISHED_ABORTED
+        assert decode.request_finished(arriving, [6, 7, 8]) == (False, None), "vLLM frees it once its pull ends"
+        assert decode.request_finished(arrived, [6, 7, 8]) == (True, None), "a cut: held under its move lease"
+        assert [o.request_id for o in decode.build_connector_meta(None).offers] == ["M-d-2"]
+    finally:
+        decode.shutdown()
+
+
 def test_move_params_lacking_what_the_pull_needs_are_computed_here() -> None:
     """A live move with no remote_num_tokens, or streamed per layer, is refused: the prompt is computed here."""
     base = KVTransferParams(do_remote_prefill=True, kvbridge_move_id="M", remote_num_tokens=9)

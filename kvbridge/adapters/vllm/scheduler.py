@@ -85,6 +85,8 @@ class SchedulerSide:
         self._offers: list[Offer] = []
         self._requests: dict[str, RequestParams] = {}  # each request vLLM showed, until request_finished
         self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
+        # decode requests whose KV is still arriving (a pull or stream the workers report in finished_recving)
+        self._receiving: set[str] = set()
         self.marked = MarkedRequests(self.block_size)
         self.layerwise = LayerwiseScheduler(
             self.block_size,
@@ -145,6 +147,8 @@ class SchedulerSide:
     def _add_pull(self, request: Request, entry: RequestParams, local: list[int], report: bool) -> None:
         params, entry.pull, entry.remote_prefill = entry.pull, None, False  # one pull, also after a preemption
         assert params is not None
+        if report:
+            self._receiving.add(request.request_id)
         if params.transfer_mode == "layerwise":  # read while prefill computes: all the prompt's blocks
             tokens = len(request.prompt_token_ids or ())
             skip = max(0, -(-tokens // self.block_size) - len(local)) if local else 0
@@ -155,11 +159,18 @@ class SchedulerSide:
         except ConfigError as exc:  # only reachable with report=False: nothing was to be loaded
             log.error("request %s: cannot release its prefill blocks: %s", request.request_id, exc)
 
-    def _cut_for_move(self, request: Request, entry: RequestParams, block_ids: list[int]) -> bool:
-        """A decode request marked for a live move, then cut: hold its blocks under that id. See docs/internals.md."""
+    def _cut_for_move(self, request: Request, entry: RequestParams, block_ids: list[int], *, receiving: bool) -> bool:
+        """A decode request marked for a live move, then cut: hold its blocks under that id. See docs/internals.md.
+
+        Not one dropped while its KV was still arriving (`receiving`): the proxy cuts a stream only after an event, so
+        its client left; its blocks are the pull's to write, and vLLM frees them once the pull is reported. Offered,
+        they would be freed twice (the lease's end reports them too), which stops vLLM's engine on an assertion."""
         from vllm.v1.request import RequestStatus
 
         if request.status != RequestStatus.FINISHED_ABORTED or entry.move_id is None or not block_ids:
+            return False
+        if receiving:
+            log.info("request %s: dropped while its KV was still arriving: not offered for a move", request.request_id)
             return False
         log.info(
             "request %s: cut for a live move; %d blocks (%d tokens) offered under lease %s",
@@ -171,6 +182,7 @@ class SchedulerSide:
         return True
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._receiving.difference_update(output.finished_recving or ())
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVBridgeWorkerMeta):
             self._timings.update(meta.timings)
@@ -201,7 +213,7 @@ class SchedulerSide:
         timing = self._timings.pop(request.request_id, None)
         if not entry.given:
             return False, None
-        cut = self._cut_for_move(request, entry, block_ids)
+        cut = self._cut_for_move(request, entry, block_ids, receiving=request.request_id in self._receiving)
         held = self.marked.finished(request, offered=cut)  # a live move may still read it (docs/elastic.md)
         if self._pull(request, entry) is not None:
             # Decode dropped the request (abort) before any block was allocated: release prefill's.
