@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.lending import LENT_LAG, precopied
+
+log = logging.getLogger(__name__)
 
 
 def move_of(params: Any) -> str | None:
@@ -38,10 +42,21 @@ class RequestParams:
     pull: KVTransferParams | None = None  # what it pulls (`to_pull`), worked out on first need
 
     @classmethod
-    def read(cls, params: Mapping[str, Any] | None, decoded: KVTransferParams | None) -> RequestParams:
-        """The entry of checked params (`decoded` where they ask for a transfer); none or empty ones: an empty one."""
+    def read(cls, request_id: str, params: Any) -> RequestParams | None:
+        """The entry of a request's `kv_transfer_params` as they came (none or empty ones: an empty entry).
+
+        None, logged, where they are no JSON object or, asking for a transfer, do not decode: the engine then drops
+        them and serves the request as a colocated server would, so nothing a client sends raises in its scheduler."""
+        if params is not None and not isinstance(params, Mapping):
+            return cls._refused(request_id, f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
         if not params:
             return cls()
+        decoded = None
+        if params.get("do_remote_prefill") or params.get("do_remote_decode"):
+            try:
+                decoded = KVTransferParams.from_dict(params)
+            except ConfigError as exc:
+                return cls._refused(request_id, str(exc))
         return cls(
             given=True,
             decoded=decoded,
@@ -49,6 +64,15 @@ class RequestParams:
             move_id=move_of(params),
             remote_decode=decoded is not None and decoded.do_remote_decode,
             remote_prefill=decoded is not None and decoded.do_remote_prefill,
+        )
+
+    @staticmethod
+    def _refused(request_id: str, problem: str) -> None:
+        log.error(
+            "request %s: %s; served as a colocated server would, the params ignored (the proxy sets them: "
+            "kvbridge proxy, or vLLM's P/D proxies)",
+            request_id,
+            problem,
         )
 
     def served_pulled(self) -> None:

@@ -990,7 +990,9 @@ def test_a_pre_copy_claims_exactly_the_blocks_its_source_told_its_workers_of_by_
         seen = computed + 2  # the context the proxy has once this step's token came
         params = {"do_remote_prefill": True, "kvbridge_move_id": "M1~precopy1", "remote_num_tokens": seen}
         params.update(remote_engine_id="a", remote_host="127.0.0.1", remote_port=21002)
-        claim = RequestParams.read(params, KVTransferParams.from_dict(params)).to_pull(BLOCK).remote_num_tokens
+        read = RequestParams.read("b-1", params)
+        assert read is not None
+        claim = read.to_pull(BLOCK).remote_num_tokens
         assert claim == lent * BLOCK, (computed, claim, lent)
         claims.add(claim)
     assert claims == {b * BLOCK for b in range(6)}, "the claim grows block by block"

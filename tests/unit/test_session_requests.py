@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 
 from kvbridge.base.errors import ConfigError
-from kvbridge.control import KVTransferParams
 from kvbridge.session.requests import RequestParams, move_of
 
 REMOTE = {"remote_engine_id": "p", "remote_host": "10.0.0.1", "remote_port": 5600}
@@ -15,16 +15,29 @@ REMOTE = {"remote_engine_id": "p", "remote_host": "10.0.0.1", "remote_port": 560
 
 def entry(params: dict) -> RequestParams:
     sent = copy.deepcopy(params)
-    asks = params.get("do_remote_prefill") or params.get("do_remote_decode")
-    got = RequestParams.read(params, KVTransferParams.from_dict(params) if asks else None)
+    got = RequestParams.read("r", params)
     assert params == sent, "the engine's dict is never changed"
+    assert got is not None
     return got
 
 
 def test_none_or_empty_params_give_an_empty_entry() -> None:
     for params in (None, {}):
-        got = RequestParams.read(params, None)
-        assert not got.given and got.decoded is None and not (got.remote_prefill or got.remote_decode)
+        got = RequestParams.read("r", params)
+        assert got is not None and not got.given and got.decoded is None
+        assert not (got.remote_prefill or got.remote_decode)
+
+
+def test_params_that_are_no_object_or_do_not_decode_are_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    bad = (["do_remote_prefill"], "x", {"do_remote_prefill": True, "remote_port": "no port"}, {"do_remote_decode": 1.5})
+    with caplog.at_level(logging.ERROR, logger="kvbridge.session.requests"):
+        for params in bad:
+            assert RequestParams.read("r7", params) is None, params
+    assert len(caplog.records) == len(bad)
+    assert all("request r7" in r.getMessage() and "the params ignored" in r.getMessage() for r in caplog.records)
+    assert "must be a JSON object, got list" in caplog.records[0].getMessage()
+    got = RequestParams.read("r8", {"temperature": 0})  # asks for no transfer: nothing to decode
+    assert got is not None and got.given and got.decoded is None
 
 
 def test_a_prefill_request_served_in_pull_mode_says_so_in_its_entry_only() -> None:

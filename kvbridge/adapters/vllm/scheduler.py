@@ -31,33 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def checked_params(request: Request) -> tuple[dict[str, Any], KVTransferParams | None] | None:
-    """The request's `kv_transfer_params` and, where they ask for a transfer, their decoded form, or None.
-
-    None where they are no dict or, asking for a transfer, do not decode: logged, and set on the request for vLLM
-    (it reads it right after `on_new_request`); such a request is served as a colocated server would."""
-    params = request.kv_transfer_params
-    if params is None:
-        return None
-    if not isinstance(params, dict):
-        problem = f"kv_transfer_params must be a JSON object, got {type(params).__name__}"
-    elif not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
-        return params, None
-    else:
-        try:
-            return params, KVTransferParams.from_dict(params)
-        except ConfigError as exc:
-            problem = str(exc)
-    log.error(
-        "request %s: %s; served as a colocated server would, the params ignored (the proxy sets them: "
-        "kvbridge proxy, or vLLM's P/D proxies)",
-        request.request_id,
-        problem,
-    )
-    request.kv_transfer_params = None
-    return None
-
-
 class SchedulerSide:
     """Prefill keeps `do_remote_decode` requests' blocks; decode loads `do_remote_prefill`'s. See docs/internals.md."""
 
@@ -103,8 +76,10 @@ class SchedulerSide:
         """The request's decoded params, decoded on first sight."""
         entry = self._requests.get(request.request_id)
         if entry is None:
-            checked = checked_params(request)
-            entry = self._requests[request.request_id] = RequestParams.read(*(checked or (None, None)))
+            entry = RequestParams.read(request.request_id, request.kv_transfer_params)
+            if entry is None:  # logged; vLLM reads the params right after on_new_request
+                request.kv_transfer_params, entry = None, RequestParams()
+            self._requests[request.request_id] = entry
         return entry
 
     def _pull(self, request: Request, entry: RequestParams) -> KVTransferParams | None:
