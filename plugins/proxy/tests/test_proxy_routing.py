@@ -13,7 +13,10 @@ import asyncio
 import contextlib
 import functools
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -670,6 +673,20 @@ def test_a_decode_whose_host_went_silent_mid_request_is_found_out_by_keepalive(h
     assert r.status_code == 503 and decode_url in r.json()["error"], r.text
 
 
+def _heal_once_a_syn_left(hosts: Any, port: int, healed: list[float]) -> None:
+    """Heal proxy<->decode once the proxy's SYN to `port` is out (its SYN-ACK dropped, a partition "back").
+
+    The kernels' first retransmission (1 s on Linux) then finds the link up."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out = hosts["proxy"].run(["ss", "-Htn", "state", "syn-sent", "dport", f"= :{port}"], capture_output=True)
+        if out.stdout.strip():
+            break
+        time.sleep(0.01)
+    hosts.heal("proxy", "decode")
+    healed.append(time.monotonic())
+
+
 def test_a_lost_syn_to_the_decode_is_timed_as_its_connect_not_as_the_decode(hosts_factory: Any) -> None:
     """A lost SYN-ACK is the decode's connect in the timeline, apart from the decode's own time.
 
@@ -681,26 +698,12 @@ def test_a_lost_syn_to_the_decode_is_timed_as_its_connect_not_as_the_decode(host
     with contextlib.ExitStack() as stack:
         with hosts["decode"].entered():
             decode = stack.enter_context(Upstream("decode", host=hosts["decode"].address))
-        port = decode.url.rsplit(":", 1)[1]
+        port = int(decode.url.rsplit(":", 1)[1])
         healed: list[float] = []
-
-        def heal_once_the_syn_left() -> None:
-            """Heal once the proxy's SYN is out (its SYN-ACK dropped): the kernel's retransmission finds the link up."""
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                out = hosts["proxy"].run(
-                    ["ss", "-Htn", "state", "syn-sent", "dport", f"= :{port}"], capture_output=True
-                )
-                if out.stdout.strip():
-                    break
-                time.sleep(0.01)
-            hosts.heal("proxy", "decode")
-            healed.append(time.monotonic())
-
         with hosts["proxy"].entered():
             prefill = stack.enter_context(Upstream("prefill"))
             hosts.partition("proxy", "decode", "back")
-            healer = threading.Thread(target=heal_once_the_syn_left, daemon=True)
+            healer = threading.Thread(target=_heal_once_a_syn_left, args=(hosts, port, healed), daemon=True)
             healer.start()
             (r,), _ = _session(
                 create_app([prefill.url], [decode.url]), [{"model": "m", "prompt": "p", "max_tokens": 4}]
@@ -712,6 +715,65 @@ def test_a_lost_syn_to_the_decode_is_timed_as_its_connect_not_as_the_decode(host
     assert t.phases["decode_first_token_ms"] < 500 and t.phases["prefill_connect_ms"] < 500, t.phases
     assert sum(t.phases.values()) <= t.total_ms
     # and the kernels counted it: a SYN sent again by the proxy's host, or a SYN-ACK by the decode's
+    assert hosts.tcp_counters("proxy")["syn"] + hosts.tcp_counters("decode")["syn"] >= 1
+
+
+# The proxy's release in a process of its own on the proxy's host: the side-channel client's sockets belong to the
+# process's shared ZeroMQ context, whose thread (which connects them) was born in the namespace the process started in.
+RELEASE = """
+import asyncio, json, logging, sys
+from kvbridge.base.secret import load_secret
+from kvbridge.control.params import KVTransferParams
+from kvbridge_proxy.release import LeaseRelease
+from kvbridge_proxy.upstreams import Background
+said = []
+handler = logging.Handler()
+handler.emit = lambda record: said.append(record.getMessage())
+logging.getLogger("kvbridge_proxy.app").addHandler(handler)
+logging.getLogger("kvbridge_proxy.app").setLevel(logging.INFO)
+release = LeaseRelease(load_secret(), Background()).release
+asyncio.run(release(KVTransferParams.from_dict(json.loads(sys.argv[1])), "no decode took it"))
+print(json.dumps(said))
+"""
+
+
+def test_a_release_whose_syn_ack_is_lost_once_is_answered_when_first_asked(hosts_factory: Any) -> None:
+    """One SYN-ACK lost on the way to the proxy is no release timeout (the kernel sends it again after 1 s).
+
+    In an elastic chaos run (loss on every link) a release timed out at exactly the 1 s a lost SYN costs, and its
+    lease was released only when asked again."""
+    from kvbridge.control import ControlServer, LeaseState, Ledger
+
+    secret = "proxy-release-test-secret-0123456789"
+    hosts = hosts_factory(["proxy", "decode"])
+    ended: list[tuple[str, LeaseState]] = []
+    ledger = Ledger(lambda lease, why: ended.append((lease.request_id, why)), timeout_s=600)
+    ledger.offer("held-1", [3, 4], expected_pulls=1)
+    with hosts["decode"].entered():
+        side = ControlServer("prefill-0", host=hosts["decode"].address, ledger=ledger, secret=secret)
+    try:
+        params = {"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_request_id": "held-1"}
+        params |= {"remote_host": hosts["decode"].address, "remote_port": side.address[1]}
+        healed: list[float] = []
+        hosts.partition("proxy", "decode", "back")
+        healer = threading.Thread(target=_heal_once_a_syn_left, args=(hosts, side.address[1], healed), daemon=True)
+        healer.start()
+        release = hosts["proxy"].popen(
+            [sys.executable, "-c", RELEASE, json.dumps(params)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "KVBRIDGE_SECRET": secret},
+        )
+        out, _ = release.communicate(timeout=60)
+        healer.join(timeout=60)
+    finally:
+        side.close()
+    assert release.returncode == 0 and healed
+    said = json.loads(out)
+    assert not [m for m in said if "asking again" in m], said
+    assert any(m.startswith("released request held-1") for m in said), said
+    assert ended == [("held-1", LeaseState.ABORTED)]
+    # and a SYN-ACK was lost: the decode's host sent it again (or the proxy's its SYN)
     assert hosts.tcp_counters("proxy")["syn"] + hosts.tcp_counters("decode")["syn"] >= 1
 
 
