@@ -192,12 +192,13 @@ class Moves:
                 if moved is None:
                     continue
                 if pulled is not None and outcome == "recomputed":  # nobody read the offered blocks: free them now
-                    await self._release_offer(pulled, moving, "recomputed")
+                    # off the move's path: a dead source would hold the move's log and metric for the release's timeout
+                    self.background.spawn(self._release_offer(pulled, moving, "recomputed"))
                 self._moved(moving, source, target, f"{why}, {outcome}", outcome, (cut, closed[0] if closed else None))
                 self._changed(source)
                 return moved
             if pulled is not None:
-                await self._release_offer(pulled, moving, "the move failed")
+                self.background.spawn(self._release_offer(pulled, moving, "the move failed"))
             self.metrics.live_moves.labels("failed").inc()
             log.warning("stream %s could not move off %s (%s): it ends with an error", moving.move_id, source.url, why)
             return None
