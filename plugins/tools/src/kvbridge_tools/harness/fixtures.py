@@ -122,3 +122,20 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with etcd_server(tmp_path_factory.mktemp("etcd")) as url:
         yield url
+
+
+SLOW_GROUP = "slow"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the node ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the tests for `pytest -n N --dist loadgroup` (scripts/test): the slow ones run one at a time.
+
+    Each slow test starts whole servers (vLLM's take a core each and about a GiB): they take turns on one worker,
+    in collection order so that a module's servers serve all its tests, while the other workers run the quick tests
+    beside them, each module on one worker. Without pytest-xdist the marks do nothing.
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = SLOW_GROUP if item.get_closest_marker("slow") else item.nodeid.partition("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
