@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+PYTEST = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q"]
 CONFTEST = "from kvbridge_tools.harness.fixtures import pytest_collection_modifyitems\n"
 
 MODULE = """
@@ -44,7 +45,8 @@ def test_slow_tests_share_one_worker_and_a_modules_quick_tests_stay_together(tmp
     for module in ("a", "b", "c", "d"):
         (suite / f"test_{module}.py").write_text(_tests(module, slow=2, quick=3))
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-q", str(suite)],
+        # its own basetemp: a numbered one in the shared root would make pytest drop the oldest of other runs'
+        [*PYTEST, "--basetemp", str(tmp_path / "basetemp"), str(suite)],
         capture_output=True,
         text=True,
         timeout=120,
