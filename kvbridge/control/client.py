@@ -56,6 +56,9 @@ PARK_SLICE_S = 0.1
 # A decode keeps a prefill rank's transport addresses admitted this long after its last authenticated answer
 # (then the grace): the peer relation its pulls need.
 RELATION_S = 120.0
+# A request its caller may call off (`cancelled`) looks at that this often while it waits for its answer (as long
+# as a held round, so a BeginPull held for its offer wakes once more a round at most).
+CANCEL_LOOK_S = PARK_SLICE_S
 
 
 class ControlClient:
@@ -133,14 +136,16 @@ class ControlClient:
                 return
         sock.close(linger=0)
 
-    def request(self, msg: Any, timeout_s: float | None = None) -> Any:
+    def request(self, msg: Any, timeout_s: float | None = None, cancelled: threading.Event | None = None) -> Any:
         """Send one request message and return the reply message.
 
         A `Refused` is returned, not raised; an unsigned refusal where replies are signed is raised, as ProtocolError.
+        `cancelled`: once set, the wait for the answer ends with LoadError (cause "cancelled"), the peer counted as
+        silent (what it may still answer is never read).
         """
         if not self.receiver and not isinstance(msg, GetInfo):
-            self._request(GetInfo(), timeout_s)  # its signed reply names the rank
-        reply = self._request(msg, timeout_s)
+            self._request(GetInfo(), timeout_s, cancelled)  # its signed reply names the rank
+        reply = self._request(msg, timeout_s, cancelled)
         if isinstance(reply, Refused) and reply.kind == MISADDRESSED and self._learned != self.receiver:
             asked, self.receiver = self.receiver, self._learned
             if engine_of(asked) != engine_of(self._learned):
@@ -153,10 +158,10 @@ class ControlClient:
                     request=getattr(msg, "request_id", None),
                     cause="engine restarted",
                 )
-            reply = self._request(msg, timeout_s)  # another rank of the same engine now serves this address
+            reply = self._request(msg, timeout_s, cancelled)  # another rank of the engine now serves this address
         return reply
 
-    def _request(self, msg: Any, timeout_s: float | None) -> Any:
+    def _request(self, msg: Any, timeout_s: float | None, cancelled: threading.Event | None = None) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         kind = type(msg).__name__
         receiver = "" if isinstance(msg, GetInfo) else self.receiver
@@ -173,7 +178,7 @@ class ControlClient:
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
             sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
             sock.send(data)
-            data = sock.recv()
+            data = sock.recv() if cancelled is None else self._recv_unless(sock, timeout_s, cancelled, kind)
             answered = True
             watchdog.progress()  # the calling thread's pull, if any: its peer answered
         except zmq.Again:
@@ -212,6 +217,19 @@ class ControlClient:
             self._relate(reply_frame.sender, reply)
         return reply
 
+    def _recv_unless(self, sock: zmq.Socket, timeout_s: float, cancelled: threading.Event, kind: str) -> bytes:
+        """The answer on `sock` within `timeout_s` (else zmq.Again), unless `cancelled` is set first (LoadError)."""
+        deadline = time.monotonic() + timeout_s
+        while not cancelled.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise zmq.Again
+            if sock.poll(max(1, int(min(left, CANCEL_LOOK_S) * 1000)), zmq.POLLIN):
+                return sock.recv()
+        raise LoadError(
+            f"{kind} to side channel {self.url} called off before its answer came", peer=self.url, cause="cancelled"
+        )
+
     def _relate(self, sender: str, reply: Any) -> None:
         """Admit the rank's transport addresses named by its signed card, `RELATION_S` after its last answer.
 
@@ -235,7 +253,9 @@ class ControlClient:
             raise ProtocolError(f"side channel {self.url} answered {what} with {type(reply).__name__}")
         return reply
 
-    def _ready_request(self, msg: Any, wait_s: float, *, until_offered: bool = False) -> Any:
+    def _ready_request(
+        self, msg: Any, wait_s: float, *, until_offered: bool = False, cancelled: threading.Event | None = None
+    ) -> Any:
         """Send `msg`, retrying for at most `wait_s` seconds while the peer is not ready yet.
 
         With `until_offered`, also while it does not know the request yet: its offer may trail its answer to the proxy.
@@ -252,9 +272,9 @@ class ControlClient:
             if until_offered:
                 hold = max(0.0, min(PARK_SLICE_S, deadline - sent))
                 msg = attrs.evolve(msg, wait_ms=int(hold * 1000))
-                reply = self.request(msg, timeout_s=self.timeout_s + hold)
+                reply = self.request(msg, timeout_s=self.timeout_s + hold, cancelled=cancelled)
             else:
-                reply = self.request(msg)
+                reply = self.request(msg, cancelled=cancelled)
             if isinstance(reply, Refused) and reply.kind == "not_ready":
                 why = f"{reply.message} ({self.url})"
             elif until_offered and isinstance(reply, LeaseStatus) and reply.state is LeaseState.UNKNOWN:
@@ -277,7 +297,10 @@ class ControlClient:
                     peer=self.url,
                     cause="peer not ready",
                 )
-            time.sleep(delay)  # bounded by the deadline above
+            if cancelled is None:
+                time.sleep(delay)  # bounded by the deadline above
+            elif cancelled.wait(delay):
+                raise LoadError(f"{type(msg).__name__} to {self.url} called off", peer=self.url, cause="cancelled")
             delay = min(delay * 2, 0.5)
 
     def get_info(self, wait_s: float = 0.0) -> RankInfo:
@@ -300,6 +323,7 @@ class ControlClient:
         expected_pulls: int = 0,
         wait_s: float = 0.0,
         blocks: Iterable[int] = (),
+        cancelled: threading.Event | None = None,
     ) -> LeaseStatus:
         """Announce a read of `blocks` of `request_id`; raise LoadError unless its lease is active (recompute).
 
@@ -308,12 +332,14 @@ class ControlClient:
         `notify`: this rank's side channel, told if the prefill side aborts (the prefill rank remembers it
         only if it is the host this client connects from). `expected_pulls`: the prefill rank's release
         count from the plan (used when its offer left it open). `blocks`: the prefill block ids to be read;
-        a block outside the lease gets the BeginPull refused (ProtocolError).
+        a block outside the lease gets the BeginPull refused (ProtocolError). `cancelled`: once set, the wait ends
+        (LoadError, cause "cancelled"; the peer counts as silent, so a release it is owed waits until it answers).
         """
         host, port = notify or ("", 0)
         card = own_card(self.sender) if self._auth.enabled and self.sender else None
         msg = BeginPull(request_id, decode_rank, host, port, expected_pulls, BlockIds(blocks), card=card)
-        status = self._expect(self._ready_request(msg, wait_s, until_offered=True), LeaseStatus, "BeginPull")
+        reply = self._ready_request(msg, wait_s, until_offered=True, cancelled=cancelled)
+        status = self._expect(reply, LeaseStatus, "BeginPull")
         if not status.valid:
             raise LoadError(
                 f"request {request_id!r} has no active lease on {self.url} (it is {status.state.value}); "

@@ -135,8 +135,11 @@ class PullControl:
         whole: bool,
         check: Callable[[int, ControlClient, RankInfo], None] | None = None,
         take: tuple[int, int] = (0, 0),
+        cancelled: threading.Event | None = None,
     ) -> None:
-        """Resolving -> leased: each rank's side channel and RankInfo (checked), BeginPull. See docs/internals.md."""
+        """Resolving -> leased: each rank's side channel and RankInfo (checked), BeginPull. See docs/internals.md.
+
+        `cancelled`: decode dropped the request; a BeginPull still waiting for its answer stops waiting."""
         waited = contact = begin = 0.0
         for rank in s.ranks:
             found = time.monotonic()
@@ -155,6 +158,7 @@ class PullControl:
                 expected_pulls=count,
                 wait_s=self.ready_timeout_s,
                 blocks=blocks_read(s.plan, self.agent.rank, rank, s.params.block_ids) if whole else (),
+                cancelled=cancelled,
             )
             s.leases[rank] = (client, status.epoch, count)
             if whole and s.params.lease_blocks:
@@ -265,7 +269,7 @@ class PullControl:
         s = self._session(machine, params, tokens)
         reader = LayerReader(self.agent, s, local_blocks, tokens, skip, timeout_s, cancelled)
         try:
-            self._begin(s, whole=False, check=reader.check)
+            self._begin(s, whole=False, check=reader.check, cancelled=cancelled)
             machine.to(PullState.READING)
             reader.read()
             machine.to(PullState.LANDING)

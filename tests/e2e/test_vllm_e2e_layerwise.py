@@ -169,6 +169,7 @@ def test_layerwise_client_leaving_mid_stream_frees_both_sides(cluster: Cluster) 
     # whole request takes about 0.1 s here, so a client that leaves on seeing it under way came too late.
     body = json.dumps(cluster.body(random_prompt(MAX_MODEL_LEN - MAX_TOKENS - 1, seed=70), stream=True)).encode()
     proxy = urllib.parse.urlsplit(cluster.proxy.url)
+    seen = len(cluster.decode.log_path.read_bytes())
     with cluster.prefill.engine_stopped():
         with socket.create_connection((proxy.hostname, proxy.port), timeout=10) as client:
             head = f"POST /v1/completions HTTP/1.1\r\nHost: {proxy.netloc}\r\nContent-Type: application/json\r\n"
@@ -176,6 +177,12 @@ def test_layerwise_client_leaving_mid_stream_frees_both_sides(cluster: Cluster) 
             _decode_holds_blocks(cluster)
         # decode lets go while prefill cannot have sent it anything: by the leave, not by the end of the stream
         assert cluster.decode.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
+        # and its read stops waiting for the stopped prefill's answer to its BeginPull (not a timeout: its own call)
+        wait_for(
+            lambda: b"called off" in cluster.decode.log_path.read_bytes()[seen:],
+            timeout=LEASE_S / 2,
+            what=lambda: f"the decode's read called off\n{cluster.report()}",
+        )
     assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0, cluster.report()
     text = random_prompt(150, seed=71)  # and service goes on
     assert cluster.complete(cluster.proxy, text)[0] == cluster.complete(cluster.colocated, text)[0]

@@ -294,6 +294,35 @@ def test_client_times_out_on_a_silent_address(closing: list) -> None:
         c.get_info()
 
 
+def test_a_begin_pull_called_off_stops_waiting_for_a_peer_that_never_answers(closing: list) -> None:
+    # A stopped prefill engine takes the BeginPull (its kernel and ZeroMQ's I/O thread do) and never answers; the
+    # decode that dropped the request calls its wait off instead of sitting out the control timeout.
+    mute = zmq.Context.instance().socket(zmq.REP)
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    closing.append(mute)
+    c = ControlClient("127.0.0.1", port, sender="decode/0", receiver="prefill/0", timeout_s=10.0)
+    closing.append(c)
+    cancelled = threading.Event()
+    raised: list[BaseException] = []
+
+    def begin() -> None:
+        try:
+            c.begin_pull("r1", "decode/0", wait_s=10.0, cancelled=cancelled)
+        except BaseException as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=begin)
+    t.start()
+    assert mute.poll(10_000, zmq.POLLIN), "the BeginPull never reached the peer"
+    cancelled.set()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], LoadError), raised
+    assert raised[0].cause == "cancelled" and "called off" in str(raised[0])
+    assert c.silent  # a release owed to it waits until it answers
+
+
 def test_begin_pull_before_the_offer_is_held_and_answered_when_it_lands(closing: list) -> None:
     # The decode's BeginPull can arrive before the prefill engine's step offers the request: the server
     # holds it and answers as the offer lands, so the client sends one request and never polls.
