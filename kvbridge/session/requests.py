@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.control.messages import MAX_ID_CHARS
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.lending import LENT_LAG, precopied
 
@@ -40,6 +41,9 @@ class RequestParams:
     # decode: still to pull, until its pull is built or its params turn out to name nothing to pull from
     remote_prefill: bool = False
     pull: KVTransferParams | None = None  # what it pulls (`to_pull`), worked out on first need
+    # prefill in pull mode: the lease id the proxy chose (`transfer_id`), so it can release a lease whose answer it
+    # never read (its client left); None: the engine's request id
+    lease_id: str | None = None
 
     @classmethod
     def read(cls, request_id: str, params: Any) -> RequestParams | None:
@@ -64,7 +68,19 @@ class RequestParams:
             move_id=move_of(params),
             remote_decode=decoded is not None and decoded.do_remote_decode,
             remote_prefill=decoded is not None and decoded.do_remote_prefill,
+            lease_id=cls._lease_id(request_id, decoded),
         )
+
+    @staticmethod
+    def _lease_id(request_id: str, decoded: KVTransferParams | None) -> str | None:
+        """A pull-mode prefill request's `transfer_id`, where it can key a lease (else None: logged, not refused)."""
+        if decoded is None or not decoded.do_remote_decode or decoded.transfer_mode == "layerwise":
+            return None
+        tid = decoded.transfer_id
+        if tid is not None and not (0 < len(tid) <= MAX_ID_CHARS):
+            log.warning("request %s: its transfer_id is empty or over %d characters; unused", request_id, MAX_ID_CHARS)
+            return None
+        return tid
 
     @staticmethod
     def _refused(request_id: str, problem: str) -> None:

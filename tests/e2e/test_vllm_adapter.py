@@ -410,6 +410,48 @@ def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(work
         scheduler.shutdown()
 
 
+def test_a_lease_under_the_proxys_transfer_id_is_pulled_or_released_by_that_id(workers: Workers) -> None:
+    # The proxy names a pull-mode prefill request's lease (transfer_id): decode reads it by that id, and the proxy,
+    # whose client left before the prefill's answer came, releases it by that id, even before the engine offers it.
+    # The engine hears of each by its own request id.
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
+    from kvbridge.control import ControlClient
+
+    port = workers.prefill.server.address[1]
+    extra = {"migration_backend": "loopback", "side_channel_port": port}
+    scheduler = SchedulerSide(
+        connector_config("kv_producer", "prefill", extra), "prefill", Settings.from_extra_config(extra)
+    )
+
+    def finished(rid: str, transfer_id: str, blocks: list[int]) -> dict:
+        request = Request(rid, list(range(2 * BLOCK)), SamplingParams(max_tokens=1), None)
+        request.kv_transfer_params = {"do_remote_decode": True, "transfer_id": transfer_id}
+        request.status, request.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 2 * BLOCK
+        delay, params = scheduler.request_finished(request, blocks)
+        assert delay and params is not None
+        workers.prefill.start_load_kv(scheduler.build_connector_meta(None))
+        return params
+
+    try:
+        params = finished("p13", "t13", [3, 4])
+        assert params["remote_request_id"] == "t13" and workers.prefill.ledger.active == ["t13"]
+        workers.pull("d13", params, [6, 7])
+        workers.wait_recved("d13")
+        workers.wait_sent("p13")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+        with ControlClient(*workers.prefill.server.address, sender="proxy") as proxy:
+            proxy.abort("t14", reason="client left during prefill")
+        finished("p14", "t14", [5])
+        workers.wait_sent("p14")
+        assert workers.prefill.ledger.active == []
+        assert workers.prefill.take_stats().data["leases"] == [["offered"], ["released"], ["offered"], ["aborted"]]
+    finally:
+        scheduler.shutdown()
+
+
 def test_worker_lease_expiring_during_the_read_is_a_load_error() -> None:
     w = Workers(prefill={"lease_s": 1.5})
     try:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -142,7 +144,12 @@ def cluster(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         wait_healthy(started, timeout=540)
         # each pair warmed; answers name the server that made them (tests read x-kvbridge-decode)
         proxy = start_proxy(
-            [prefill.url], [d.url for d in decode], log_dir=logs, host=hosts["proxy"], expose_internals=True
+            [prefill.url],
+            [d.url for d in decode],
+            log_dir=logs,
+            host=hosts["proxy"],
+            expose_internals=True,
+            secret=SECRET,  # it releases what no decode will read
         )
         started.append(proxy)
         c = Cluster(str(model), MAX_TOKENS, prefill=prefill, decode=decode, colocated=colocated, proxy=proxy)
@@ -650,6 +657,68 @@ def test_client_disconnect_aborts_on_both_sides(cluster: Cluster) -> None:
             break
         time.sleep(0.5)
     assert running == 0, "the decode request was not aborted after the client disconnected"
+    assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
+
+
+def _bytes_from(hosts: Hosts, host: str, port: int, peer: str) -> int:
+    """Bytes `host` received on its established TCP connections to `port` from `peer`'s address (ss, in its host)."""
+    out = (
+        hosts[host]
+        .run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True)
+        .stdout
+    )
+    total, from_peer = 0, False
+    for line in out.splitlines():
+        fields = line.split()
+        if fields and ":" in fields[-1] and not line[0].isspace():  # a socket's addresses: local, then the peer's
+            from_peer = fields[-1].rsplit(":", 1)[0] == peer
+        elif from_peer:
+            total += sum(int(f.split(":", 1)[1]) for f in fields if f.startswith("bytes_received:"))
+    return total
+
+
+def test_a_client_that_leaves_as_the_prefill_answers_leaves_no_lease_behind(cluster: Cluster, hosts: Hosts) -> None:
+    # The prefill finished the request and leased its KV, and its answer cannot reach the proxy (its packets to the
+    # proxy are dropped) when the client leaves. The proxy, which never reads that answer, releases the lease by the
+    # transfer id it gave the prefill, instead of leaving its blocks held for lease_s.
+    def events() -> dict[str, float]:
+        with hosts["prefill"].entered():  # the prefill's own address from inside its host: no partition between
+            return lease_events(cluster.prefill)
+
+    before = events()
+    text = random_prompt(200, seed=90)
+    body = json.dumps(cluster.body(text)).encode()
+    proxy = urllib.parse.urlsplit(cluster.proxy.url)
+    seen = len(cluster.proxy.log_path.read_bytes())
+    received = _bytes_from(hosts, "prefill", cluster.prefill.port, hosts["proxy"].address)
+    try:
+        with socket.create_connection((proxy.hostname, proxy.port), timeout=10) as client:
+            with cluster.prefill.engine_stopped():  # the request waits in its API server; then no answer gets out
+                head = f"POST /v1/completions HTTP/1.1\r\nHost: {proxy.netloc}\r\nContent-Type: application/json\r\n"
+                client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                wait_for(
+                    lambda: (
+                        _bytes_from(hosts, "prefill", cluster.prefill.port, hosts["proxy"].address)
+                        >= received + len(text)
+                    ),
+                    timeout=60,
+                    what="the request to reach the prefill",
+                )
+                hosts.partition("prefill", "proxy", direction="forward")
+            wait_for(lambda: events().get("offered", 0) > before.get("offered", 0), timeout=60, what="the lease")
+        wait_for(
+            lambda: b"client left during prefill" in cluster.proxy.log_path.read_bytes()[seen:],
+            timeout=30,
+            what=lambda: f"the proxy to see the client leave\n{cluster.proxy.failure_report()}",
+        )
+    finally:
+        hosts.heal("prefill", "proxy")  # the release reaches the prefill once its answers get out again
+    wait_for(
+        lambda: events().get("aborted", 0) > before.get("aborted", 0),
+        timeout=LEASE_S / 2,
+        what=lambda: f"the lease released, not left to expire\n{cluster.proxy.failure_report()}",
+    )
+    assert events().get("expired", 0) == before.get("expired", 0)
     assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 

@@ -49,6 +49,22 @@ def test_a_prefill_request_served_in_pull_mode_says_so_in_its_entry_only() -> No
     assert params["transfer_mode"] == "layerwise"
 
 
+def test_a_pull_mode_prefill_request_is_leased_under_the_transfer_id_the_proxy_gave(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert entry({"do_remote_decode": True, "transfer_id": "t1"}).lease_id == "t1"
+    assert entry({"do_remote_decode": True}).lease_id is None, "no id given: the engine's request id"
+    # a stream's lease is keyed by its transfer id already; served in pull mode it stays on the engine's id
+    streamed = entry({"do_remote_decode": True, "transfer_mode": "layerwise", "transfer_id": "t2"})
+    streamed.served_pulled()
+    assert streamed.lease_id is None
+    assert entry({"do_remote_prefill": True, "transfer_id": "t3", "remote_request_id": "r", **REMOTE}).lease_id is None
+    with caplog.at_level(logging.WARNING, logger="kvbridge.session.requests"):
+        for tid in ("", "x" * 513):
+            assert entry({"do_remote_decode": True, "transfer_id": tid}).lease_id is None
+    assert ["over 512 characters; unused" in r.getMessage() for r in caplog.records] == [True, True]
+
+
 def test_what_a_decode_request_pulls() -> None:
     got = entry({"do_remote_prefill": True, "remote_request_id": "r", **REMOTE})
     assert got.to_pull(16).remote_request_id == "r"

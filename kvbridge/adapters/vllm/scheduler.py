@@ -208,16 +208,19 @@ class SchedulerSide:
         if not entry.remote_decode:
             # A decode answers with what its workers measured of the pull, for the proxy's timeline.
             return held, None if timing is None else KVTransferParams(kvbridge_timing=timing).to_dict()
+        lease_id = request.request_id
         if streamed is None:  # pull mode: offer the finished request's blocks
             if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
                 return False, None  # aborted prefill: nobody will pull, free now
             if not block_ids:
                 return False, None
-            self._offers.append(self.early_offers.make(request.request_id, block_ids))
+            lease_id = entry.lease_id or lease_id
+            engine_id = "" if lease_id == request.request_id else request.request_id
+            self._offers.append(self.early_offers.make(lease_id, block_ids, engine_id))
         return True, KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
-            remote_request_id=request.request_id,
+            remote_request_id=lease_id,
             remote_block_ids=[list(block_ids)],
             remote_host=self.settings.host,
             remote_port=self.side_channel_port,

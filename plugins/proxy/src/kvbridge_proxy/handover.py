@@ -119,8 +119,11 @@ class Handovers:
         params: KVTransferParams | None = None,
         instance: Instance | None = None,
         timeline: Timeline | None = None,
+        tried: list[Instance] | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
         """POST to a prefill server (`instance`, or round robin), trying the next one when one fails.
+
+        `tried`: each server sent the request is appended to it as it is sent.
 
         On a connection failure the server is taken out and the next one tried; on a server error (5xx) the
         next one is tried. Not with `instance`: a layer-wise decode already reads from that one. A 5xx is
@@ -136,6 +139,8 @@ class Handovers:
             content = encoded(prefill_body(body, params))
             _charge(content)
             inst.in_flight += 1
+            if tried is not None:
+                tried.append(inst)
             try:
                 resp = await self.client.post(
                     f"{inst.url}{path}",
@@ -307,10 +312,17 @@ class Handovers:
             streamed = await self._handover_layerwise(path, request, body, headers, timeline, moving)
             if streamed is not None:
                 return streamed
+        # The prefill's lease is keyed on this id too, so a lease whose answer never came back can still be released.
+        to_prefill = KVTransferParams(do_remote_decode=True, transfer_id=uuid.uuid4().hex)
+        sent_to: list[Instance] = []
         try:
-            answer = await until_disconnect(request, self.call_prefill(path, body, headers, timeline=timeline))
+            answer = await until_disconnect(
+                request, self.call_prefill(path, body, headers, to_prefill, timeline=timeline, tried=sent_to)
+            )
             if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
+                if sent_to:  # it may have finished, its answer on the way: nobody will read its KV
+                    self.background.spawn(self._release_unread(sent_to[-1], to_prefill, "client left during prefill"))
                 return self.metrics.answer(499, "client disconnected", None, timeline)
             prefill, first = answer
             params = KVTransferParams.from_dict(first.get("kv_transfer_params"))
@@ -344,6 +356,18 @@ class Handovers:
             return self.metrics.answer(503, str(exc), self._names(prefill, exc.inst), timeline)
         again = self._again(path, decode_body, headers, moving, prefill, [*tried, decode], timeline)
         return Handover(decode, resp, self._names(prefill, decode), sent, again=again)
+
+    async def _release_unread(self, prefill: Instance, sent: KVTransferParams, why: str) -> None:
+        """Release the lease `prefill` may hold under `sent.transfer_id` (an Abort before its offer is kept).
+
+        On every DP rank of the engine (the proxy does not know which took it). Where the prefill's side channel is not
+        known yet (its first request), its lease ends by itself."""
+        contact = self.membership.side_channels.get(prefill.url)
+        if contact is None:
+            log.info("prefill %s not known yet: request %s's lease ends by itself", prefill.url, sent.transfer_id)
+            return
+        for dp_rank in range(contact.dp_size):
+            await self.release_lease(attrs.evolve(contact, remote_request_id=sent.transfer_id, dp_rank=dp_rank), why)
 
     async def _handover_layerwise(
         self,

@@ -79,7 +79,9 @@ class Membership:
         self.health_interval = settings.health_interval
         self.warm_up = settings.warm_up
         self.metrics = metrics
-        # layerwise: where each prefill server's side channel is (from its last answer; forgotten while it is down)
+        # where each prefill server's side channel is (from its last answer; forgotten while it is down): every
+        # engine's, for releasing leases (`side_channels`); one-DP-rank engines' in layerwise, to stream from
+        self.side_channels: dict[str, KVTransferParams] = {}
         self.identities: dict[str, KVTransferParams] = {}
         self.warm: set[tuple[str, str]] = set()  # (prefill, decode) pairs warmed since both were last up
         self.warming: dict[tuple[str, str], asyncio.Task] = {}
@@ -110,6 +112,7 @@ class Membership:
                         pool.leave(inst)
                         self.metrics.forget(inst)
                         self.identities.pop(inst.url, None)
+                        self.side_channels.pop(inst.url, None)
                         self.warm = {pair for pair in self.warm if inst.url not in pair}
                         log.warning("%s server %s left the registry: taken out", role, inst.url)
                     elif inst.draining:  # a static server whose record went: serving as configured
@@ -247,8 +250,9 @@ class Membership:
         for p in self.pools["prefill"].instances:
             for d in self.pools["decode"].instances:
                 pair = (p.url, d.url)
-                if not p.healthy:
-                    self.identities.pop(p.url, None)  # it may come back restarted, with another side channel
+                if not p.healthy:  # it may come back restarted, with another side channel
+                    self.identities.pop(p.url, None)
+                    self.side_channels.pop(p.url, None)
                 if not (p.healthy and d.healthy):
                     self.warm.discard(pair)  # a server that was down may have restarted: first contact again
                 elif p.draining or d.draining or p.cordoned or d.cordoned:
@@ -288,13 +292,22 @@ class Membership:
         self.metrics.failovers.labels(inst.role).inc()
 
     def learn(self, prefill_url: str, params: KVTransferParams) -> None:
-        """Keep where a prefill server's side channel is, for layer-wise requests to it.
+        """Keep where a prefill server's side channel is: to release its leases, and for layer-wise requests to it.
 
-        One DP rank only: with several, the proxy cannot know which one will hold a request before it answers. Each
-        answer says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
-        if self.transfer != "layerwise":
-            return
+        Layer-wise: one DP rank only: with several, the proxy cannot know which one will hold a request before it
+        answers. Each answer says it again: a prefill that restarted (another engine id, maybe another port) is
+        followed."""
         if None in (params.remote_engine_id, params.remote_host, params.remote_port):
+            return
+        self.side_channels[prefill_url] = KVTransferParams(
+            remote_engine_id=params.remote_engine_id,
+            remote_host=params.remote_host,
+            remote_port=params.remote_port,
+            tp_size=params.tp_size,
+            pp_size=params.pp_size,
+            dp_size=params.dp_size,
+        )
+        if self.transfer != "layerwise":
             return
         if params.dp_size > 1:
             if self.identities.pop(prefill_url, None) is None:
