@@ -410,7 +410,9 @@ def test_scheduler_offers_a_finished_request_to_its_workers_before_the_step(work
         scheduler.shutdown()
 
 
-def test_a_lease_under_the_proxys_transfer_id_is_pulled_or_released_by_that_id(workers: Workers) -> None:
+def test_a_lease_under_the_proxys_transfer_id_is_pulled_or_released_by_that_id(
+    workers: Workers, caplog: pytest.LogCaptureFixture
+) -> None:
     # The proxy names a pull-mode prefill request's lease (transfer_id): decode reads it by that id, and the proxy,
     # whose client left before the prefill's answer came, releases it by that id, even before the engine offers it.
     # The engine hears of each by its own request id.
@@ -448,6 +450,19 @@ def test_a_lease_under_the_proxys_transfer_id_is_pulled_or_released_by_that_id(w
         workers.wait_sent("p14")
         assert workers.prefill.ledger.active == []
         assert workers.prefill.take_stats().data["leases"] == [["offered"], ["released"], ["offered"], ["aborted"]]
+        # a drain says what it waits for, by lease, until vLLM hears the blocks are free
+        from vllm.v1.outputs import KVConnectorOutput
+
+        scheduler.holding.draining = threading.Event()
+        scheduler.holding.draining.set()
+        with caplog.at_level(logging.INFO, logger="kvbridge.session.holding"):
+            scheduler.build_connector_meta(None)
+        [said] = [r.getMessage() for r in caplog.records if r.name == "kvbridge.session.holding"]
+        assert said.startswith("draining: 2 finished request(s) still hold blocks for a reader"), said
+        assert "the oldest, p13 (lease t13), for " in said
+        assert len(scheduler.holding) == 2
+        scheduler.update_connector_output(KVConnectorOutput(finished_sending={"p13", "p14"}))
+        assert len(scheduler.holding) == 0
     finally:
         scheduler.shutdown()
 

@@ -65,6 +65,7 @@ class Membership:
             )
         # vLLM's engine core installed its SIGTERM handler: the drain runs first, then hands the signal to it
         self.drain = SigtermDrain(self.announcer, grace_s=settings.drain_grace_s, then="vLLM shuts down")
+        scheduler.holding.draining = self.drain.draining  # the drain then says what it waits for
 
     def close(self) -> None:
         self.drain.close()

@@ -18,6 +18,7 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import group_port
 from kvbridge.session.arrivals import ArrivalRelay
 from kvbridge.session.early_offers import EarlyOffers
+from kvbridge.session.holding import Holding
 from kvbridge.session.lending import StepLending
 from kvbridge.session.requests import RequestParams
 from kvbridge.session.tasks import PullTask, StreamTask
@@ -56,6 +57,7 @@ class SchedulerSide:
         self.arrivals = ArrivalRelay.to_ranks(inbox, engine_id, self.dp_rank, self.pp_size, self.tp_size)
         self._pulls: list[PullTask] = []
         self._offers: list[Offer] = []
+        self.holding = Holding()  # what a drain waits for (`Membership` sets its `draining`)
         self._requests: dict[str, RequestParams] = {}  # each request vLLM showed, until request_finished
         self._timings: dict[str, dict[str, float]] = {}  # what the workers measured, until the request ends
         # decode requests whose KV is still arriving (a pull or stream the workers report in finished_recving)
@@ -158,11 +160,13 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._receiving.difference_update(output.finished_recving or ())
+        self.holding.freed(output.finished_sending or ())
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVBridgeWorkerMeta):
             self._timings.update(meta.timings)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
+        self.holding.report()
         layerwise = self.layerwise.collect(scheduler_output)
         meta = KVBridgeMetadata(
             pulls=self._pulls,
@@ -181,6 +185,9 @@ class SchedulerSide:
             self.arrivals.close()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.holding.finished(request.request_id, *self._finished(request, block_ids))
+
+    def _finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         entry = self._entry(request)
