@@ -110,6 +110,10 @@ class DecodeSide:
                 self.stats.record_failure(self.transport, peer, error)
                 if isinstance(error, KVBridgeError):
                     log.error("request %s: pull from %s failed: %s", task.request_id, params.remote_engine_id, error)
+            # the transfers' resubmissions (so far, where the pull timed out while they ran), also before the engine
+            # hears of the request
+            retries = machine.retries or (sum(h.retries for h in handle.handles) if handle is not None else 0)
+            self.stats.record_retries(self.transport, peer, retries)
             failed = task.local_block_ids if error is not None else ()
             self.outbox.recved(task.request_id, report=task.report, failed=failed, timing=timing)
 
@@ -133,8 +137,6 @@ class DecodeSide:
             report(task.request_id, exc)
         finally:
             self.outbox.end(stream=False)
-        if handle is not None:  # failed or not: the handles that finished say how often they were resubmitted
-            self.stats.record_retries(self.transport, peer, sum(h.retries for h in handle.handles))
 
     def _timed(
         self, request_id: str, peer: str, machine: PullMachine, phases: dict[str, float], timing: dict[str, float]

@@ -41,8 +41,9 @@ class PullMachine:
         self.begun = time.perf_counter()
         self.at: dict[PullState, float] = {PullState.RESOLVING: self.begun}
         self.error: BaseException | None = None
-        # what the reads moved and how long the BeginPulls waited for prefill's offers, for the engine's metrics
-        self.nbytes = self.descriptors = 0
+        # what the reads moved (and the resubmissions they needed) and how long the BeginPulls waited for prefill's
+        # offers, for the engine's metrics
+        self.nbytes = self.descriptors = self.retries = 0
         self.offer_wait_ms = 0.0
         self.parts: dict[str, float] = {}  # ms of the side channel's steps: contact_ms, begin_ms
         # busy() on progress (and each side-channel answer on this thread); forgotten at its end

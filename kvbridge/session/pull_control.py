@@ -225,7 +225,7 @@ class PullControl:
 
         def finished(result: PullResult) -> None:
             assert s is not None
-            machine.nbytes, machine.descriptors = result.nbytes, result.descriptors
+            machine.nbytes, machine.descriptors, machine.retries = result.nbytes, result.descriptors, result.retries
             machine.to(PullState.LANDING)  # the agent landed what it read before calling back
             error = self._confirm(s, result.error)
             if on_finished is not None:

@@ -311,12 +311,17 @@ def test_worker_counts_the_transfer_retries_of_a_pull(workers: Workers) -> None:
     backend = workers.decode.agent.backend
     backend.transfer_deadline_s = 10.0
     backend.inject(fail_completion=1)
+    # what the stats held when the engine was told of the request: a reader of them then sees its retries
+    outbox, seen = workers.decode.outbox, []
+    recved = outbox.recved
+    outbox.recved = lambda rid, **kw: (seen.append(list(workers.decode.stats.data["retries"])), recved(rid, **kw))
     workers.offer("p8", [1, 2])
     workers.pull("d8", workers.params("p8", [1, 2]), [3, 4])
     workers.wait_recved("d8")
     assert workers.decode.get_block_ids_with_load_errors() == set()
     stats = workers.decode.take_stats()
     host, port = workers.prefill.server.address
+    assert seen == [[["loopback", f"{host}:{port}", 1]]]
     assert stats is not None and stats.data["retries"] == [["loopback", f"{host}:{port}", 1]]
     assert len(stats.data["pulls"]) == 1 and not stats.data["failures"]
     assert stats.reduce()["Num retries"] == 1
