@@ -123,8 +123,11 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # servers' groups); 16,430 with each thread's native stack in a stall dump (base/native_stacks.py: where a transport's
 # C++ thread, or Python inside a C call, sits); 16,532 with reads announced to the transport (the ledger's
 # `on_reading`, `MigrationBackend.expect_reads`: NIXL's passive side serves a read at once, not at its idle interval);
-# 16,710 with the release DONEs a decode owes a prefill rank that was silent (session/releases.py).
-LIBRARY_LINES = 16_800
+# 16,710 with the release DONEs a decode owes a prefill rank that was silent (session/releases.py); 16,847 with the
+# lease id a proxy gives a pull-mode prefill request (session/requests.py: a client that leaves during prefill leaves
+# no lease), a BeginPull that a dropped stream calls off (control/client.py) and a drain that names what it waits for
+# (session/holding.py).
+LIBRARY_LINES = 16_900
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:
