@@ -660,21 +660,23 @@ def test_client_disconnect_aborts_on_both_sides(cluster: Cluster) -> None:
     assert cluster.prefill.wait_kv_usage(0.0, timeout=LEASE_S / 2) == 0.0
 
 
-def _bytes_from(hosts: Hosts, host: str, port: int, peer: str) -> int:
-    """Bytes `host` received on its established TCP connections to `port` from `peer`'s address (ss, in its host)."""
+def _received_by(hosts: Hosts, host: str, port: int, peer: str) -> dict[str, int]:
+    """Bytes `host` received on each established TCP connection to `port` from `peer`'s address, by socket (ss)."""
     out = (
         hosts[host]
-        .run(["ss", "-tinH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True)
+        .run(["ss", "-tineH", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True)
         .stdout
     )
-    total, from_peer = 0, False
+    got: dict[str, int] = {}
+    sock = None
     for line in out.splitlines():
         fields = line.split()
-        if fields and ":" in fields[-1] and not line[0].isspace():  # a socket's addresses: local, then the peer's
-            from_peer = fields[-1].rsplit(":", 1)[0] == peer
-        elif from_peer:
-            total += sum(int(f.split(":", 1)[1]) for f in fields if f.startswith("bytes_received:"))
-    return total
+        if fields and not line[0].isspace():  # Recv-Q, Send-Q, local, peer, then ino:, sk: ...
+            cookie = next((f for f in fields if f.startswith("sk:")), line)
+            sock = cookie if len(fields) > 3 and fields[3].rsplit(":", 1)[0] == peer else None
+        elif sock is not None:
+            got[sock] = sum(int(f.split(":", 1)[1]) for f in fields if f.startswith("bytes_received:"))
+    return got
 
 
 def test_a_client_that_leaves_as_the_prefill_answers_leaves_no_lease_behind(cluster: Cluster, hosts: Hosts) -> None:
@@ -690,19 +692,20 @@ def test_a_client_that_leaves_as_the_prefill_answers_leaves_no_lease_behind(clus
     body = json.dumps(cluster.body(text)).encode()
     proxy = urllib.parse.urlsplit(cluster.proxy.url)
     seen = len(cluster.proxy.log_path.read_bytes())
-    received = _bytes_from(hosts, "prefill", cluster.prefill.port, hosts["proxy"].address)
+
+    def received() -> dict[str, int]:
+        return _received_by(hosts, "prefill", cluster.prefill.port, hosts["proxy"].address)
+
+    before_bytes = received()  # per connection: the proxy's idle ones may close meanwhile
     try:
         with socket.create_connection((proxy.hostname, proxy.port), timeout=10) as client:
             with cluster.prefill.engine_stopped():  # the request waits in its API server; then no answer gets out
                 head = f"POST /v1/completions HTTP/1.1\r\nHost: {proxy.netloc}\r\nContent-Type: application/json\r\n"
                 client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
                 wait_for(
-                    lambda: (
-                        _bytes_from(hosts, "prefill", cluster.prefill.port, hosts["proxy"].address)
-                        >= received + len(text)
-                    ),
+                    lambda: any(n - before_bytes.get(sock, 0) >= len(text) for sock, n in received().items()),
                     timeout=60,
-                    what="the request to reach the prefill",
+                    what=lambda: f"the request to reach the prefill: {before_bytes} then {received()}",
                 )
                 hosts.partition("prefill", "proxy", direction="forward")
             wait_for(lambda: events().get("offered", 0) > before.get("offered", 0), timeout=60, what="the lease")
