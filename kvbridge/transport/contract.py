@@ -453,6 +453,7 @@ class _DeadlineRetry:
         self._lock = threading.RLock()
         self._attempts = [first]
         self._retried = self._timed_out = self._stuck = False
+        self._resubmitting = False  # between a retry's decision and its attempt joining `_attempts`
         self._timer = self._arm()
         first.add_done_callback(self._settle)
 
@@ -477,7 +478,7 @@ class _DeadlineRetry:
         with self._lock:
             if self._retried:
                 return
-            self._retried = True
+            self._retried = self._resubmitting = True
             if self._attempts[0].cancel():  # not started (held in a queue): it never will
                 self._attempts.clear()
             self._timer.cancel()
@@ -497,8 +498,9 @@ class _DeadlineRetry:
             again.set_exception(exc)
         with self._lock:
             self._attempts.append(again)
+            self._resubmitting = False
             self._timer = self._arm()
-        again.add_done_callback(self._settle)
+        again.add_done_callback(self._settle)  # runs at once where `again` already ended
 
     def _settle(self, _f: Future | None) -> None:
         """Retry a first attempt that failed; complete the part once every attempt has returned."""
@@ -507,8 +509,8 @@ class _DeadlineRetry:
                 return
             ok = [a for a in self._attempts if _succeeded(a)]
             retry_now = not ok and not self._retried
-            if not retry_now and not ok and len(self._attempts) < 2 and not self._timed_out:
-                return  # the first attempt ended while its retry is being submitted
+            if self._resubmitting:
+                return  # the first attempt ended while its retry is being submitted: settled once that one ends
         if retry_now:
             self._retry(f"failed ({self._attempts[0].exception()})")
             return
@@ -523,9 +525,11 @@ class _DeadlineRetry:
             last = next((a.exception() for a in reversed(self._attempts) if not a.cancelled()), None)
             stuck = self._stuck or self._timed_out
             how = f"made no progress within the {self._deadline:.1f}s transfer deadline" if stuck else "failed"
+            # a stuck part's retry may have failed outright rather than stalled as well
+            retry = "its retry failed" if stuck and not self._timed_out and last is not None else "so did its retry"
             error = (TransferTimeout if stuck else TransferFailed)(
                 f"{self._backend.name} {self._op} of {len(self._desc)} descriptors "
-                f"({int(self._desc[:, 2].sum())} bytes) with {self._peer.name} {how}, and so did its retry"
+                f"({int(self._desc[:, 2].sum())} bytes) with {self._peer.name} {how}, and {retry}"
                 + (f" ({last})" if last is not None else "")
                 + "; check that the peer is alive, not stalled, and its memory is registered (the engine "
                 "recomputes or fails the request)",

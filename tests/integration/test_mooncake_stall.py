@@ -21,6 +21,7 @@ the long ones are a manual run:
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import struct
@@ -96,7 +97,8 @@ def test_a_stalled_peer_fails_the_pull_within_the_deadline_and_the_engine_recove
     # spinning wait starves the stalled peer's transport thread where cores are shared).
     assert cpu < 0.3 * took, f"the pulling process used {cpu:.1f}s of CPU waiting {took:.1f}s on a stalled peer"
     assert isinstance(err, ChildError) and err.kind in {"TransferTimeout", "TransferFailed"}, err
-    assert "and so did its retry" in str(err) and "check that the peer is alive, not stalled" in str(err), err
+    assert re.search("and (so did its retry|its retry failed)", str(err)), err
+    assert "check that the peer is alive, not stalled" in str(err), err
     assert took < BOUND_S, f"a stalled peer held the pull {took:.1f}s (bound {BOUND_S}s)"
     desc = scattered()
     out, took = timed(pair.transfer, desc)

@@ -6,6 +6,7 @@ arms and the rates `kvbridge chaos` sets.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -263,6 +264,22 @@ def test_held_submissions_are_cancelled_at_the_deadline_and_the_transfer_fails(l
     with pytest.raises(TransferTimeout, match="made no progress within the 0.2s transfer deadline, and so did its"):
         handle.wait(5)
     assert client.submissions == 2 and handle.retries == 1 and not dst.any()  # held twice, cancelled twice
+
+
+def test_a_held_submission_whose_retry_fails_fails_the_transfer_at_once(link) -> None:
+    """A part held past the deadline (cancelled, it never started), then a retry that fails: a failure, not a hang.
+
+    `kvbridge chaos --faults slow-peer,transfer-error` met it: the part waited for an attempt it had dropped, the
+    pull hung for its whole timeout (30 s) and the prefill's lease expired."""
+    _, client, peer, src, dst = link
+    client.transfer_deadline_s = 0.2
+    # a seed whose first roll holds the submission (>= 0.5) and whose second fails the retry (< 0.5)
+    seed = next(s for s in range(100) if (r := random.Random(s)).random() >= 0.5 and r.random() < 0.5)
+    client.inject(rates=FaultRates(transfer_error=0.5, slow_peer=0.5, slow_s=30.0, seed=seed))
+    handle = client.transfer(peer, blocks(dst, src, n=1))
+    with pytest.raises(TransferTimeout, match="no progress within the 0.2s transfer deadline, and its retry failed"):
+        handle.wait(5)
+    assert client.submissions == 2 and handle.retries == 1 and not dst.any()
 
 
 def test_injected_transfer_errors_fail_inside_the_transport(link) -> None:  # type: ignore[no-untyped-def]
