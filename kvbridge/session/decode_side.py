@@ -14,7 +14,7 @@ from kvbridge.base.errors import ConfigError, KVBridgeError
 from kvbridge.base.threadname import name_in_os
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import stage_port
-from kvbridge.session.machine import PullMachine, PullState
+from kvbridge.session.machine import TERMINAL, PullMachine, PullState
 from kvbridge.session.outbox import Outbox, Recorder
 from kvbridge.session.pull_control import PullControl
 from kvbridge.session.tasks import PullTask, StreamTask
@@ -91,6 +91,9 @@ class DecodeSide:
             if handle is None and error is not None:  # failed before the control plane began (or ended) it
                 machine.end(error)
             timing = machine.marks()
+            if error is not None and machine.state not in TERMINAL:
+                # the wait gave up while a transfer still runs: the machine ends when it returns, the request now
+                timing[f"at_{PullState.FAILED.value}_ms"] = round((time.perf_counter() - machine.begun) * 1e3, 3)
             if error is None:
                 offer_wait = machine.offer_wait_ms
                 phases = {

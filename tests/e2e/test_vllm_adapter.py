@@ -327,6 +327,28 @@ def test_worker_counts_the_transfer_retries_of_a_pull(workers: Workers) -> None:
     assert stats.reduce()["Num retries"] == 1
 
 
+def test_a_pull_whose_wait_gives_up_is_reported_failed_with_when_it_gave_up() -> None:
+    """A transfer still running at the pull's timeout: the engine recomputes, and the answer says when it gave up.
+
+    The pull's machine ends only when the transfer returns, so its report had no end among its marks, and `kvbridge
+    chaos` measured no handover for it: a pull that hung 30 s went unreported."""
+    w = Workers(decode={"pull_timeout_s": 0.5})
+    try:
+        backend = w.decode.agent.backend
+        backend.transfer_deadline_s = 30.0  # the pull's own timeout gives up first
+        backend.inject(delay=3.0)
+        w.offer("p9", [1, 2])
+        w.pull("d9", w.params("p9", [1, 2]), [3, 4])
+        w.wait_recved("d9")
+        assert w.decode.get_block_ids_with_load_errors() == {3, 4}
+        meta = w.decode.take_timings()
+        assert meta is not None and 500 <= meta.timings["d9"]["at_failed_ms"] < 3000, meta.timings
+        assert "transfer_ms" not in meta.timings["d9"]
+        w.wait_sent("p9")  # the late transfer returned, and its DONE (the read is not used) released prefill
+    finally:
+        w.close()
+
+
 def test_worker_pull_waits_for_an_offer_that_trails_the_params(workers: Workers) -> None:
     # vLLM's prefill scheduler answers the proxy a step before its worker offers the request: the
     # decode's BeginPull waits (bounded by pull_timeout_s) for the offer instead of failing.

@@ -35,6 +35,7 @@ from kvbridge_tools.harness.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)
 HANDOVER_PHASES = ("control_ms", "transfer_ms", "done_ms")  # the handover (docs/chaos.md)
+FAILED_MARKS = ("at_failed_ms", "at_fenced_ms")  # a failed pull's handover: until it gave up
 
 
 @attrs.frozen
@@ -251,9 +252,12 @@ class Runner:
             return Outcome(i, FAILED if reason else UNCLEAR, "", r.status_code, reason, prompt_tokens=n)
         handover = None
         with contextlib.suppress(ValueError):
-            phases = timeline.parse(r.headers.get(timeline.HEADER, "")).phases
-            if any(p in phases for p in HANDOVER_PHASES):
-                handover = sum(phases.get(p, 0.0) for p in HANDOVER_PHASES) / 1e3
+            told = timeline.parse(r.headers.get(timeline.HEADER, ""))
+            ended = [told.marks[m] for m in FAILED_MARKS if m in told.marks]
+            if any(p in told.phases for p in HANDOVER_PHASES):
+                handover = sum(told.phases.get(p, 0.0) for p in HANDOVER_PHASES) / 1e3
+            elif ended:  # a pull that failed (its request recomputed) reports no phases, only when it gave up
+                handover = max(ended) / 1e3
         try:
             got = r.json()["choices"][0]["text"]
         except (ValueError, KeyError, IndexError, TypeError):
