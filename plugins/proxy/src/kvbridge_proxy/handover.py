@@ -387,7 +387,7 @@ class Handovers:
             prefill = pool.pick()
         except NoInstance as exc:
             return self.metrics.answer(503, str(exc), None, timeline)
-        identity = self.membership.identities.get(prefill.url)
+        identity = self.membership.identity(prefill.url)
         if identity is None:
             return None
         transfer_id = uuid.uuid4().hex  # unique even when clients reuse their x-request-id

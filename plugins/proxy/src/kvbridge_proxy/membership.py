@@ -79,10 +79,9 @@ class Membership:
         self.health_interval = settings.health_interval
         self.warm_up = settings.warm_up
         self.metrics = metrics
-        # where each prefill server's side channel is (from its last answer; forgotten while it is down): every
-        # engine's, for releasing leases (`side_channels`); one-DP-rank engines' in layerwise, to stream from
+        # where each prefill server's side channel is (from its last answer; forgotten while it is down): to release
+        # its leases, and in layerwise to stream from (`identity`)
         self.side_channels: dict[str, KVTransferParams] = {}
-        self.identities: dict[str, KVTransferParams] = {}
         self.warm: set[tuple[str, str]] = set()  # (prefill, decode) pairs warmed since both were last up
         self.warming: dict[tuple[str, str], asyncio.Task] = {}
         # To check the registry's records.
@@ -111,7 +110,6 @@ class Membership:
                         inst.lapsed = 0.0
                         pool.leave(inst)
                         self.metrics.forget(inst)
-                        self.identities.pop(inst.url, None)
                         self.side_channels.pop(inst.url, None)
                         self.warm = {pair for pair in self.warm if inst.url not in pair}
                         log.warning("%s server %s left the registry: taken out", role, inst.url)
@@ -251,7 +249,6 @@ class Membership:
             for d in self.pools["decode"].instances:
                 pair = (p.url, d.url)
                 if not p.healthy:  # it may come back restarted, with another side channel
-                    self.identities.pop(p.url, None)
                     self.side_channels.pop(p.url, None)
                 if not (p.healthy and d.healthy):
                     self.warm.discard(pair)  # a server that was down may have restarted: first contact again
@@ -294,26 +291,10 @@ class Membership:
     def learn(self, prefill_url: str, params: KVTransferParams) -> None:
         """Keep where a prefill server's side channel is: to release its leases, and for layer-wise requests to it.
 
-        Layer-wise: one DP rank only: with several, the proxy cannot know which one will hold a request before it
-        answers. Each answer says it again: a prefill that restarted (another engine id, maybe another port) is
-        followed."""
+        Each answer says it again: a prefill that restarted (another engine id, maybe another port) is followed."""
         if None in (params.remote_engine_id, params.remote_host, params.remote_port):
             return
-        self.side_channels[prefill_url] = KVTransferParams(
-            remote_engine_id=params.remote_engine_id,
-            remote_host=params.remote_host,
-            remote_port=params.remote_port,
-            tp_size=params.tp_size,
-            pp_size=params.pp_size,
-            dp_size=params.dp_size,
-        )
-        if self.transfer != "layerwise":
-            return
-        if params.dp_size > 1:
-            if self.identities.pop(prefill_url, None) is None:
-                log.warning("prefill server %s runs DP %d: its requests stay in pull mode", prefill_url, params.dp_size)
-            return
-        identity = KVTransferParams(
+        contact = KVTransferParams(
             remote_engine_id=params.remote_engine_id,
             remote_host=params.remote_host,
             remote_port=params.remote_port,
@@ -321,11 +302,15 @@ class Membership:
             pcp_size=params.pcp_size,
             dcp_size=params.dcp_size,
             pp_size=params.pp_size,
+            dp_size=params.dp_size,
         )
-        known = self.identities.get(prefill_url)
-        if known == identity:
+        known = self.side_channels.get(prefill_url)
+        self.side_channels[prefill_url] = contact
+        if self.transfer != "layerwise" or known == contact:
             return
-        self.identities[prefill_url] = identity
+        if contact.dp_size > 1:
+            log.warning("prefill server %s runs DP %d: its requests stay in pull mode", prefill_url, contact.dp_size)
+            return
         log.info(
             "prefill server %s: engine %s, side channel %s:%s, layer-wise from now on%s",
             prefill_url,
@@ -334,3 +319,11 @@ class Membership:
             params.remote_port,
             "" if known is None else f" (it was engine {known.remote_engine_id}: restarted)",
         )
+
+    def identity(self, prefill_url: str) -> KVTransferParams | None:
+        """A prefill server's side channel, for a layer-wise request to it; None: not known yet, or not layer-wise.
+
+        None too where the engine runs several DP ranks: the proxy cannot know which one will hold a request before it
+        answers."""
+        contact = self.side_channels.get(prefill_url)
+        return contact if self.transfer == "layerwise" and contact is not None and contact.dp_size == 1 else None
