@@ -32,6 +32,8 @@ NETWORK = ("partition", "flap", "loss", "bandwidth-drop")
 ELASTIC = ("scale-out", "scale-in", "drain-decode", "drain-prefill")
 # Faults a request is picked for; the others act on servers (transfer-error, slow-peer) or between requests.
 PER_REQUEST = ("kill-decode", "kill-prefill", "drain-decode", "drain-prefill", "disconnect", "abort")
+# Faults on for the whole run, at random moments: a request's own fault never names them
+ALL_RUN = ("transfer-error", "slow-peer", "loss")
 # how many per 100 requests (at least one each when asked): kills and drains restart or start a server
 PER_100 = {"kill-decode": 2, "kill-prefill": 2, "drain-decode": 1, "drain-prefill": 1, "disconnect": 8, "abort": 8}
 # requests per scale-out and per scale-in (at least one each when asked): each starts or ends a server for good

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -142,13 +142,15 @@ class Report:
         phases_of: dict[str, str],
         during: Callable[[float, float], list[str]] = lambda _start, _end: [],
         pulls_of: dict[str, list[str]] | None = None,
+        all_run: Sequence[str] = (),
     ) -> list[str]:
         """The SLOWEST longest times to first token, each with its fault and its phases (`timings()`).
 
         `during(start, end)`: the network faults in place while it waited for its first token, named beside its own.
         `pulls_of` (`slow_pulls()`): what its decode logged of a slow or failed pull, which splits a stream's time on
         the decode (its timing has no pull phases) into the pull and the rest; None where the servers' logs were not
-        read."""
+        read. `all_run`: the faults on for the whole run (`faults.ALL_RUN`), named where it had no fault of its own."""
+        quiet = "no fault" + (f" of its own; all run: {', '.join(all_run)}" if all_run else "")
         timed = sorted((o for o in self.outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0.0))
         out = []
         for o in timed[:SLOWEST]:
@@ -158,7 +160,7 @@ class Report:
             faults = [o.fault] if o.fault else []
             if o.sent_at is not None:
                 faults += during(o.sent_at, o.sent_at + o.ttft_s)
-            line = f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(faults) or 'no fault'}): {phases}"
+            line = f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(faults) or quiet}): {phases}"
             if pulls_of is not None:
                 pulls = pulls_of.get(rid)
                 quick = f" | no slow pull logged (one under {SLOW_MS:.0f} ms, or none)"

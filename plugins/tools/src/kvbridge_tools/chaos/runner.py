@@ -16,7 +16,7 @@ import attrs
 
 from kvbridge.session import timeline
 from kvbridge_tools.chaos.deployment import Deployment
-from kvbridge_tools.chaos.faults import scaling, schedule
+from kvbridge_tools.chaos.faults import ALL_RUN, scaling, schedule
 from kvbridge_tools.chaos.network import NetworkFaults
 from kvbridge_tools.chaos.report import (
     DIFFERENT,
@@ -337,7 +337,8 @@ class Runner:
         during = self.network.during if self.network is not None else (lambda _start, _end: [])
         server_logs = (p.read_text(errors="replace") for p in sorted(dep.logs.rglob("vllm-*.log")))
         pulls = slow_pulls(proxy_log, server_logs) if proxy_log else None
-        report.slowest_ttft = report.slowest(self.request_id, timings(proxy_log), during, pulls)
+        all_run = [f for f in self.workload.faults if f in ALL_RUN]
+        report.slowest_ttft = report.slowest(self.request_id, timings(proxy_log), during, pulls, all_run)
         if dep.live_moves:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
             report.live_moves = dep.proxy_counts("kvbridge_proxy_live_moves_total", "outcome")
             if proxy_log:
