@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.base.errors import ConfigError
-from kvbridge_tools.chaos.faults import PER_REQUEST, parse_faults, scaling, schedule
+from kvbridge_tools.chaos.faults import PER_REQUEST, not_injected, parse_faults, scaling, schedule
 from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
 
 
@@ -34,6 +34,13 @@ def test_every_asked_fault_lands_on_some_request_and_the_first_requests_run_clea
     assert sum(v.startswith("kill") for v in plan.values()) == 2 * 6  # 2 per 100 requests each
     assert sum(v.startswith("drain") for v in plan.values()) == 2 * 3  # 1 per 100 requests each
     assert set(schedule(["kill-decode"], 5, seed=0).values()) == {"kill-decode"}  # at least one
+
+
+def test_a_fault_asked_for_and_never_injected_is_named() -> None:
+    """A run with kill-decode beside drain-decode once drained nothing: no other decode served at its moment."""
+    asked = ["drain-decode", "kill-decode", "transfer-error", "slow-peer", "loss", "scale-out"]
+    assert not_injected(asked, {"kill-decode": 2, "loss": 12, "scale-out": 0}) == ["drain-decode", "scale-out"]
+    assert not_injected(["abort"], {"abort": 1}) == []
 
 
 def test_scale_outs_and_ins_alternate_and_a_lone_scale_out_is_waited_for_while_requests_remain() -> None:

@@ -34,6 +34,7 @@ ELASTIC = ("scale-out", "scale-in", "drain-decode", "drain-prefill")
 PER_REQUEST = ("kill-decode", "kill-prefill", "drain-decode", "drain-prefill", "disconnect", "abort")
 # Faults on for the whole run, at random moments: a request's own fault never names them
 ALL_RUN = ("transfer-error", "slow-peer", "loss")
+IN_SERVERS = ("transfer-error", "slow-peer")  # rates inside the servers' transports: not counted as injected
 # how many per 100 requests (at least one each when asked): kills and drains restart or start a server
 PER_100 = {"kill-decode": 2, "kill-prefill": 2, "drain-decode": 1, "drain-prefill": 1, "disconnect": 8, "abort": 8}
 # requests per scale-out and per scale-in (at least one each when asked): each starts or ends a server for good
@@ -82,3 +83,11 @@ def scaling(faults: list[str], requests: int) -> dict[int, str]:
             at += 1
         out.setdefault(at, event)
     return out
+
+
+def not_injected(asked: list[str], injected: dict[str, int]) -> list[str]:
+    """The faults asked for that a run never injected.
+
+    A kill or a drain whose moment found no other server of its role serving is skipped. The transports' faults
+    (`IN_SERVERS`) are not counted as injected: they show as retries and failed pulls."""
+    return [f for f in asked if not injected.get(f) and f not in IN_SERVERS]

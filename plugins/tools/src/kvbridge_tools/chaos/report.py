@@ -109,6 +109,7 @@ class Report:
     retries: int = 0  # transfer batches resubmitted (kvbridge_transfer_retries_total of every server)
     pulls_failed: int = 0  # pulls that failed and were recomputed (kvbridge_transfer_failures_total)
     faults_injected: dict[str, int] = attrs.field(factory=dict)
+    not_injected: list[str] = attrs.field(factory=list)  # asked for, never injected (`Runner.run` says why)
     restarts: int = 0
     stalls: list[str] = attrs.field(factory=list)  # the stall watchdog's dumps (every thread's stack) under the logs
     elapsed_s: float = 0.0
@@ -218,6 +219,7 @@ class Report:
             "retries": self.retries,
             "pulls_failed_recomputed": self.pulls_failed,
             "faults_injected": self.faults_injected,
+            "faults_not_injected": self.not_injected,
             "server_restarts": self.restarts,
             "stall_dumps": self.stalls,
             "ttft_ms": {

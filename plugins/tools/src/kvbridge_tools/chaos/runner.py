@@ -16,7 +16,7 @@ import attrs
 
 from kvbridge.session import timeline
 from kvbridge_tools.chaos.deployment import Deployment
-from kvbridge_tools.chaos.faults import ALL_RUN, scaling, schedule
+from kvbridge_tools.chaos.faults import ALL_RUN, not_injected, scaling, schedule
 from kvbridge_tools.chaos.network import NetworkFaults
 from kvbridge_tools.chaos.report import (
     DIFFERENT,
@@ -311,6 +311,9 @@ class Runner:
         if self.network is not None:
             report.network = self.network.as_dict()
         self.drain(report)
+        report.not_injected = not_injected(workload.faults, report.faults_injected)
+        if report.not_injected:
+            log.warning("chaos: asked for, never injected: %s", ", ".join(report.not_injected))
         report.elapsed_s = time.monotonic() - t0
         return report
 
