@@ -777,6 +777,28 @@ def test_a_release_whose_syn_ack_is_lost_once_is_answered_when_first_asked(hosts
     assert hosts.tcp_counters("proxy")["syn"] + hosts.tcp_counters("decode")["syn"] >= 1
 
 
+def test_a_prefills_side_channel_serves_its_releases_and_layer_wise_requests_only_with_one_dp_rank() -> None:
+    """One map of where each prefill's side channel is: every engine's for releases, one-DP-rank ones' for streaming."""
+
+    def told(dp_size: int, **sizes: int) -> KVTransferParams:
+        return KVTransferParams(
+            remote_engine_id="e", remote_host="192.0.2.1", remote_port=5800, dp_size=dp_size, **sizes
+        )
+
+    layerwise = proxy.Proxy(proxy.ProxySettings(["http://p"], ["http://d"], transfer="layerwise")).membership
+    assert layerwise.identity("http://p") is None  # not known before its first answer
+    layerwise.learn("http://p", told(1, tp_size=2, pcp_size=2, dcp_size=2, pp_size=2))
+    contact = layerwise.identity("http://p")
+    assert contact is not None
+    assert (contact.tp_size, contact.pcp_size, contact.dcp_size, contact.pp_size) == (2, 2, 2, 2)
+    assert contact.remote_request_id is None and contact.block_ids == ()  # where it is, nothing of the request
+    layerwise.learn("http://p", told(2))  # restarted with two DP ranks: which one holds a request is not known
+    assert layerwise.identity("http://p") is None and layerwise.side_channels["http://p"].dp_size == 2
+    pulled = proxy.Proxy(proxy.ProxySettings(["http://p"], ["http://d"])).membership
+    pulled.learn("http://p", told(1))
+    assert pulled.identity("http://p") is None and pulled.side_channels["http://p"].remote_port == 5800
+
+
 def test_layerwise_follows_a_restarted_prefill(upstreams: tuple[Upstream, Upstream]) -> None:
     # The proxy learns a prefill's identity (engine id, side channel) from its answers; a prefill that
     # restarted answers with its new one, and the next requests' decode params name it.
