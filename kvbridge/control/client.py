@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -10,6 +11,7 @@ from typing import Any
 
 import attrs
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvbridge.agent.kv_agent import RankInfo
 from kvbridge.base import watchdog, wire
@@ -59,6 +61,14 @@ RELATION_S = 120.0
 # A request its caller may call off (`cancelled`) looks at that this often while it waits for its answer (as long
 # as a held round, so a BeginPull held for its offer wakes once more a round at most).
 CANCEL_LOOK_S = PARK_SLICE_S
+# A request not answered within this has its socket's connection watched (a ZeroMQ monitor) until it is: a rank whose
+# process is gone refuses the reconnection, or closes the connection its request went out on, and the request fails
+# then instead of at its timeout. ZeroMQ hides both from a REQ socket, which reconnects in the background and keeps
+# the request queued. Past a held BeginPull's round, so a healthy answer never pays for a monitor.
+WATCH_AFTER_S = 2.5 * PARK_SLICE_S
+# A connection attempt that failed (refused: nothing listens on the port; unreachable) or a connection that closed:
+# the request cannot be answered by the process it was sent to. A partition drops packets and shows neither.
+GONE_EVENTS = zmq.EVENT_CLOSED | zmq.EVENT_DISCONNECTED
 
 
 class ControlClient:
@@ -176,9 +186,8 @@ class ControlClient:
         answered = False
         try:
             sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
-            sock.setsockopt(zmq.RCVTIMEO, max(1, int(timeout_s * 1000)))
             sock.send(data)
-            data = sock.recv() if cancelled is None else self._recv_unless(sock, timeout_s, cancelled, kind)
+            data = self._answer(sock, timeout_s, cancelled, kind)
             answered = True
             watchdog.progress()  # the calling thread's pull, if any: its peer answered
         except zmq.Again:
@@ -217,18 +226,53 @@ class ControlClient:
             self._relate(reply_frame.sender, reply)
         return reply
 
-    def _recv_unless(self, sock: zmq.Socket, timeout_s: float, cancelled: threading.Event, kind: str) -> bytes:
-        """The answer on `sock` within `timeout_s` (else zmq.Again), unless `cancelled` is set first (LoadError)."""
-        deadline = time.monotonic() + timeout_s
-        while not cancelled.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise zmq.Again
-            if sock.poll(max(1, int(min(left, CANCEL_LOOK_S) * 1000)), zmq.POLLIN):
-                return sock.recv()
-        raise LoadError(
-            f"{kind} to side channel {self.url} called off before its answer came", peer=self.url, cause="cancelled"
-        )
+    def _answer(self, sock: zmq.Socket, timeout_s: float, cancelled: threading.Event | None, kind: str) -> bytes:
+        """The answer on `sock` within `timeout_s` (else zmq.Again).
+
+        LoadError once `cancelled` is set; PeerGone where the rank's process is gone (`WATCH_AFTER_S`)."""
+        sent = time.monotonic()
+        deadline = sent + timeout_s
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        watch: zmq.Socket | None = None
+        watching = False
+        try:
+            while True:
+                if cancelled is not None and cancelled.is_set():
+                    why = f"{kind} to side channel {self.url} called off before its answer came"
+                    raise LoadError(why, peer=self.url, cause="cancelled")
+                now = time.monotonic()
+                if not watching and now - sent >= WATCH_AFTER_S:
+                    watching = True
+                    try:
+                        watch = sock.get_monitor_socket(GONE_EVENTS)
+                        poller.register(watch, zmq.POLLIN)
+                    except zmq.ZMQError as exc:  # out of sockets: the timeout still ends the wait
+                        with contextlib.suppress(zmq.ZMQError):
+                            sock.disable_monitor()
+                        log.debug("side channel %s: cannot watch the connection of %s: %s", self.url, kind, exc)
+                left = deadline - now
+                if left <= 0:
+                    raise zmq.Again
+                wait = left if watching else min(left, sent + WATCH_AFTER_S - now)
+                if cancelled is not None:
+                    wait = min(wait, CANCEL_LOOK_S)
+                ready = dict(poller.poll(max(1, int(wait * 1000))))
+                if sock in ready:
+                    return sock.recv()
+                if watch is not None and watch in ready:
+                    closed = parse_monitor_message(watch.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+                    how = "closed the connection" if closed else "refused the connection (nothing listens there now)"
+                    raise PeerGone(
+                        f"side channel {self.url} {how} before it answered {kind}: the engine rank stopped or "
+                        "restarted; check that it runs",
+                        peer=self.url,
+                        cause="disconnected" if closed else "refused",
+                    )
+        finally:
+            if watch is not None:
+                sock.disable_monitor()
+                watch.close(linger=0)
 
     def _relate(self, sender: str, reply: Any) -> None:
         """Admit the rank's transport addresses named by its signed card, `RELATION_S` after its last answer.

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 
-from kvbridge.base.errors import KVBridgeError, TransferTimeout
+from kvbridge.base.errors import KVBridgeError, PeerGone, TransferTimeout
 from kvbridge.base.threadname import NamedThread
 from kvbridge.control.client import ClientPool
 from kvbridge.control.framing import Address
@@ -71,7 +71,7 @@ class Notifier:
                     msg = queue.popleft()
                 try:
                     self._clients.get(*addr).abort(msg.request_id, origin=msg.origin, reason=msg.reason)
-                except TransferTimeout as exc:
+                except (TransferTimeout, PeerGone) as exc:  # silent or gone: the rest queued for it would be too
                     with self._lock:
                         dropped = len(queue)
                         queue.clear()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +16,7 @@ import zmq
 from control_helpers import rank_info, wait_for
 
 from kvbridge.base import wire
-from kvbridge.base.errors import ConfigError, LoadError, ProtocolError, TransferTimeout
+from kvbridge.base.errors import ConfigError, LoadError, PeerGone, ProtocolError, TransferTimeout
 from kvbridge.base.watchdog import WATCHDOG
 from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
@@ -60,7 +64,11 @@ def closing() -> Iterator[list]:
     things: list = []
     yield things
     for t in reversed(things):
-        (t.server if isinstance(t, Prefill) else t).close()
+        if isinstance(t, subprocess.Popen):
+            t.kill()
+            t.wait()
+        else:
+            (t.server if isinstance(t, Prefill) else t).close()
 
 
 def test_get_info_returns_registered_memory(closing: list) -> None:
@@ -292,6 +300,52 @@ def test_client_times_out_on_a_silent_address(closing: list) -> None:
     closing.append(c)
     with pytest.raises(TransferTimeout, match="did not answer GetInfo"):
         c.get_info()
+
+
+# A registered rank's side channel in a process of its own, on 127.0.0.1; it prints its port.
+SERVE = (
+    "import time; from control_helpers import rank_info; from kvbridge.control import ControlServer; "
+    "s = ControlServer('prefill', 0); s.register(rank_info()); print(s.address[1], flush=True); time.sleep(600)"
+)
+
+
+def test_a_request_to_a_rank_whose_process_died_fails_at_once_and_a_stopped_one_times_out(closing: list) -> None:
+    # A killed rank's connection closes and each reconnection is refused; ZeroMQ hides both from a REQ socket, so a
+    # BeginPull to a SIGKILLed prefill waited its whole timeout (5.1 s in a chaos run) before the pull could fail.
+    def serve() -> tuple[subprocess.Popen, int]:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}  # control_helpers
+        proc = subprocess.Popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True, env=env)
+        closing.append(proc)  # killed by its PID below (and by the fixture where the test fails first)
+        assert proc.stdout is not None
+        return proc, int(proc.stdout.readline())
+
+    killed, port = serve()
+    pooled = ControlClient("127.0.0.1", port, timeout_s=30.0)
+    closing.append(pooled)
+    assert pooled.get_info().rank == 0  # answered: its socket is connected and pooled
+    killed.kill()
+    killed.wait()
+    began = time.monotonic()
+    with pytest.raises(PeerGone, match="before it answered GetInfo: the engine rank stopped or restarted"):
+        pooled.get_info()
+    assert time.monotonic() - began < 10.0, "the request waited for its 30 s timeout"
+    assert pooled.silent  # what the pull's release path reads: the rank did not answer
+    fresh = ControlClient("127.0.0.1", port, timeout_s=30.0)  # never connected: refused
+    closing.append(fresh)
+    with pytest.raises(PeerGone, match="refused the connection"):
+        fresh.get_info()
+
+    # A stopped rank keeps its connection: nothing tells a stalled peer from a slow one but the timeout.
+    stopped, port = serve()
+    client = ControlClient("127.0.0.1", port, timeout_s=1.0)
+    closing.append(client)
+    assert client.get_info().rank == 0
+    stopped.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(TransferTimeout, match="did not answer GetInfo within 1.0s"):
+            client.get_info()
+    finally:
+        stopped.send_signal(signal.SIGCONT)
 
 
 def test_a_begin_pull_called_off_stops_waiting_for_a_peer_that_never_answers(closing: list) -> None:
