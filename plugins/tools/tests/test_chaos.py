@@ -165,6 +165,26 @@ def test_the_longest_times_to_first_token_name_the_network_faults_in_place_while
     assert out[1].startswith("chaos-0-2: 4000 ms (kill-decode; partition"), out
 
 
+def test_a_slow_request_whose_decode_failed_under_it_names_that_decode() -> None:
+    """A request resent after its decode was killed under it (another request's kill-decode) read "no fault"."""
+    from kvbridge_tools.chaos.report import lost_decodes
+
+    proxy_log = (
+        "2026-12-04 12:43:13,595 WARNING kvbridge_proxy.app: decode server http://198.51.100.3:27142 failed before "
+        "the first event of chaos-47-72\n"
+        "2026-12-04 12:43:13,630 WARNING kvbridge_proxy.app: request chaos-47-72 sent again, to decode server "
+        "http://198.51.100.4:32436\n"
+    )
+    lost = lost_decodes(proxy_log)
+    assert lost == {"chaos-47-72": ["http://198.51.100.3:27142"]}, lost
+    report = Report(outcomes=[Outcome(72, MATCHED, ttft_s=1.0), Outcome(73, MATCHED, ttft_s=0.5)])
+    out = report.slowest(lambda i: f"chaos-47-{i}", {}, all_run=["transfer-error"], lost=lost)
+    assert out[0].startswith(
+        "chaos-47-72: 1000 ms (its decode http://198.51.100.3:27142 failed before its first event):"
+    ), out
+    assert out[1].startswith("chaos-47-73: 500 ms (no fault of its own; all run: transfer-error):"), out
+
+
 def test_the_longest_times_to_first_token_carry_what_their_decode_logged_of_a_slow_pull() -> None:
     """A stream's timing has no pull phases: its decode's slow-pull line splits its time on the decode."""
     from kvbridge_tools.chaos.report import slow_pulls

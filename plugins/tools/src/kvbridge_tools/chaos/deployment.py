@@ -288,6 +288,21 @@ class Deployment:
         serving = [s for s in group if s.alive() and s.port not in self._restarting]
         return server in serving and len(serving) >= 2
 
+    def wait_spare(self, role: str, timeout: float) -> bool:
+        """Wait (bounded) until two servers of `role` ("prefill" or "decode") serve; False if they did not.
+
+        A kill or a drain then finds another server to fail over to (`_others_serve`), where it would be skipped."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                group = self.prefill if role == "prefill" else self.decode
+                serving = [s for s in group if s.alive() and s.port not in self._restarting]
+            if len(serving) >= 2:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
+
     def settling(self) -> bool:
         """A restart, a join or a drain is still under way."""
         with self._lock:

@@ -88,6 +88,7 @@ def scaling(faults: list[str], requests: int) -> dict[int, str]:
 def not_injected(asked: list[str], injected: dict[str, int]) -> list[str]:
     """The faults asked for that a run never injected.
 
-    A kill or a drain whose moment found no other server of its role serving is skipped. The transports' faults
+    A kill or a drain whose moment found no other server of its role serving is skipped (its request waits for one
+    first, `runner.SPARE_WAIT_S`, but another fault may take it meanwhile). The transports' faults
     (`IN_SERVERS`) are not counted as injected: they show as retries and failed pulls."""
     return [f for f in asked if not injected.get(f) and f not in IN_SERVERS]

@@ -29,6 +29,8 @@ MOVE_LINE = re.compile(
 
 
 # The proxy's line for each request at the first byte of its decode's answer (`Metrics.finish`, `-v`): its phases.
+# The proxy's line for a decode that failed a request before its first event (the request then goes to another).
+LOST_DECODE_LINE = re.compile(r"decode server (\S+) failed before the first event of (\S+)$", re.MULTILINE)
 TIMING_LINE = re.compile(r"kvbridge-timing (id=[^\n]*?)(?: \(answered \d+\))?$", re.MULTILINE)
 SLOWEST = 5  # the requests whose time to first token the report breaks down
 # The proxy's line naming the id the servers know a request by (its P/D request, `Handovers.open`).
@@ -68,6 +70,14 @@ def slow_pulls(proxy_log: str, server_logs: Iterable[str]) -> dict[str, list[str
         for what, pd, line in said:
             if pd in ids:
                 out.setdefault(ids[pd], []).append(f"{what} {line}")
+    return out
+
+
+def lost_decodes(proxy_log: str) -> dict[str, list[str]]:
+    """Each request whose decode failed before its first event (killed under it, say), the decodes' URLs in order."""
+    out: dict[str, list[str]] = {}
+    for url, rid in LOST_DECODE_LINE.findall(proxy_log):
+        out.setdefault(rid, []).append(url)
     return out
 
 
@@ -144,13 +154,15 @@ class Report:
         during: Callable[[float, float], list[str]] = lambda _start, _end: [],
         pulls_of: dict[str, list[str]] | None = None,
         all_run: Sequence[str] = (),
+        lost: dict[str, list[str]] | None = None,
     ) -> list[str]:
         """The SLOWEST longest times to first token, each with its fault and its phases (`timings()`).
 
         `during(start, end)`: the network faults in place while it waited for its first token, named beside its own.
         `pulls_of` (`slow_pulls()`): what its decode logged of a slow or failed pull, which splits a stream's time on
         the decode (its timing has no pull phases) into the pull and the rest; None where the servers' logs were not
-        read. `all_run`: the faults on for the whole run (`faults.ALL_RUN`), named where it had no fault of its own."""
+        read. `all_run`: the faults on for the whole run (`faults.ALL_RUN`), named where it had no fault of its own.
+        `lost` (`lost_decodes()`): the decodes that failed it before its first event (killed by another fault, say)."""
         quiet = "no fault" + (f" of its own; all run: {', '.join(all_run)}" if all_run else "")
         timed = sorted((o for o in self.outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0.0))
         out = []
@@ -161,6 +173,7 @@ class Report:
             faults = [o.fault] if o.fault else []
             if o.sent_at is not None:
                 faults += during(o.sent_at, o.sent_at + o.ttft_s)
+            faults += [f"its decode {url} failed before its first event" for url in (lost or {}).get(rid, [])]
             line = f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(faults) or quiet}): {phases}"
             if pulls_of is not None:
                 pulls = pulls_of.get(rid)

@@ -27,6 +27,7 @@ from kvbridge_tools.chaos.report import (
     UNCLEAR,
     Outcome,
     Report,
+    lost_decodes,
     moves,
     slow_pulls,
     timings,
@@ -58,6 +59,16 @@ def lengths(workload: Workload, max_model_len: int) -> list[int]:
     top = max_model_len - workload.max_tokens - 2
     return [max(1, min(top, int(2 ** rng.uniform(1, (top).bit_length())))) for _ in range(workload.requests)]
 
+
+# A kill or a drain is skipped unless another server of its role serves (Deployment.kill_and_restart, .drain): its
+# request is sent once one does (a restarted server back, a drained one's replacement routed to), waiting at most this.
+ROLE_OF_FAULT = {
+    "kill-prefill": "prefill",
+    "drain-prefill": "prefill",
+    "kill-decode": "decode",
+    "drain-decode": "decode",
+}
+SPARE_WAIT_S = 300.0
 
 # A drain-decode victim streams as many tokens as the model length leaves after a short prompt: long enough to be
 # running when its decode is drained, so that the proxy moves it (--live-moves) rather than it finishing first.
@@ -153,6 +164,9 @@ class Runner:
 
     def one(self, i: int, text: str, want: str, fault: str) -> Outcome:
         """Play request `i` (with its fault) and say how it ended."""
+        role = ROLE_OF_FAULT.get(fault)
+        if role is not None and not self.dep.wait_spare(role, SPARE_WAIT_S):
+            log.warning("chaos: request %d: no second %s server within %.0fs for its %s", i, role, SPARE_WAIT_S, fault)
         t0 = time.monotonic()
         return attrs.evolve(self._play(i, text, want, fault, t0), sent_at=t0)
 
@@ -341,7 +355,8 @@ class Runner:
         server_logs = (p.read_text(errors="replace") for p in sorted(dep.logs.rglob("vllm-*.log")))
         pulls = slow_pulls(proxy_log, server_logs) if proxy_log else None
         all_run = [f for f in self.workload.faults if f in ALL_RUN]
-        report.slowest_ttft = report.slowest(self.request_id, timings(proxy_log), during, pulls, all_run)
+        lost = lost_decodes(proxy_log)
+        report.slowest_ttft = report.slowest(self.request_id, timings(proxy_log), during, pulls, all_run, lost)
         if dep.live_moves:  # streams the proxy moved off a draining decode, by outcome, and each moved request's moves
             report.live_moves = dep.proxy_counts("kvbridge_proxy_live_moves_total", "outcome")
             if proxy_log:
