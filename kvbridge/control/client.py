@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -67,8 +68,9 @@ CANCEL_LOOK_S = PARK_SLICE_S
 # the request queued. Past a held BeginPull's round, so a healthy answer never pays for a monitor.
 WATCH_AFTER_S = 2.5 * PARK_SLICE_S
 # A connection attempt that failed (refused: nothing listens on the port; unreachable) or a connection that closed:
-# the request cannot be answered by the process it was sent to. A partition drops packets and shows neither.
-GONE_EVENTS = zmq.EVENT_CLOSED | zmq.EVENT_DISCONNECTED
+# the request cannot be answered by the process it was sent to. A partition drops packets and shows neither. Each
+# watch has an inproc address of its own: a socket's previous monitor frees its address only later.
+GONE_EVENTS, _WATCHES = zmq.EVENT_CLOSED | zmq.EVENT_DISCONNECTED, itertools.count()
 
 
 class ControlClient:
@@ -230,9 +232,8 @@ class ControlClient:
         """The answer on `sock` within `timeout_s` (else zmq.Again).
 
         LoadError once `cancelled` is set; PeerGone where the rank's process is gone (`WATCH_AFTER_S`)."""
-        sent = time.monotonic()
+        sent, poller = time.monotonic(), zmq.Poller()
         deadline = sent + timeout_s
-        poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         watch: zmq.Socket | None = None
         watching = False
@@ -245,7 +246,7 @@ class ControlClient:
                 if not watching and now - sent >= WATCH_AFTER_S:
                     watching = True
                     try:
-                        watch = sock.get_monitor_socket(GONE_EVENTS)
+                        watch = sock.get_monitor_socket(GONE_EVENTS, addr=f"inproc://kvbridge-watch-{next(_WATCHES)}")
                         poller.register(watch, zmq.POLLIN)
                     except zmq.ZMQError as exc:  # out of sockets: the timeout still ends the wait
                         with contextlib.suppress(zmq.ZMQError):

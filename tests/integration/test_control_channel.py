@@ -36,6 +36,7 @@ from kvbridge.control.messages import (
 )
 from kvbridge.session.early_offers import EarlyOffers
 from kvbridge_tools.harness.ports import free_port
+from kvbridge_tools.harness.proc import stop_all_threads
 
 SECRET = "0123456789abcdef0123456789abcdef"
 
@@ -323,6 +324,13 @@ def test_a_request_to_a_rank_whose_process_died_fails_at_once_and_a_stopped_one_
     pooled = ControlClient("127.0.0.1", port, timeout_s=30.0)
     closing.append(pooled)
     assert pooled.get_info().rank == 0  # answered: its socket is connected and pooled
+    # A slow answer (the rank stopped for a moment) has its connection watched, and its socket goes back to the pool:
+    # the next slow request on it is watched again.
+    stop_all_threads(killed.pid)
+    resume = threading.Timer(1.0, killed.send_signal, args=(signal.SIGCONT,))
+    resume.start()
+    assert pooled.get_info().rank == 0
+    resume.join()
     killed.kill()
     killed.wait()
     began = time.monotonic()
@@ -340,7 +348,7 @@ def test_a_request_to_a_rank_whose_process_died_fails_at_once_and_a_stopped_one_
     client = ControlClient("127.0.0.1", port, timeout_s=1.0)
     closing.append(client)
     assert client.get_info().rank == 0
-    stopped.send_signal(signal.SIGSTOP)
+    stop_all_threads(stopped.pid)  # every thread stopped, not merely signalled: a loaded box may still run one
     try:
         with pytest.raises(TransferTimeout, match="did not answer GetInfo within 1.0s"):
             client.get_info()
