@@ -263,10 +263,10 @@ class ControlClient:
                     return sock.recv()
                 if watch is not None and watch in ready:
                     closed = parse_monitor_message(watch.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
-                    how = "closed the connection" if closed else "refused the connection (nothing listens there now)"
+                    how = "closed the connection" if closed else "refused the connection"
                     raise PeerGone(
-                        f"side channel {self.url} {how} before it answered {kind}: the engine rank stopped or "
-                        "restarted; check that it runs",
+                        f"side channel {self.url} {how} before it answered {kind}: nothing serves there now (the "
+                        f"engine rank stopped or restarted{'' if closed else ', or the address is wrong'})",
                         peer=self.url,
                         cause="disconnected" if closed else "refused",
                     )

@@ -334,13 +334,13 @@ def test_a_request_to_a_rank_whose_process_died_fails_at_once_and_a_stopped_one_
     killed.kill()
     killed.wait()
     began = time.monotonic()
-    with pytest.raises(PeerGone, match="before it answered GetInfo: the engine rank stopped or restarted"):
+    with pytest.raises(PeerGone, match="before it answered GetInfo: nothing serves there now"):
         pooled.get_info()
     assert time.monotonic() - began < 10.0, "the request waited for its 30 s timeout"
     assert pooled.silent  # what the pull's release path reads: the rank did not answer
     fresh = ControlClient("127.0.0.1", port, timeout_s=30.0)  # never connected: refused
     closing.append(fresh)
-    with pytest.raises(PeerGone, match="refused the connection"):
+    with pytest.raises(PeerGone, match="refused the connection .*, or the address is wrong"):
         fresh.get_info()
 
     # A stopped rank keeps its connection: nothing tells a stalled peer from a slow one but the timeout.
