@@ -29,6 +29,7 @@ import attrs
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import admin_token
+from kvbridge_tools.chaos.server_metrics import kvbridge_counters
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.vllm_server import (
     Server,
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
     from kvbridge_tools.harness.hosts import Host, Hosts
 
 log = logging.getLogger(__name__)
-_BLOCKS = re.compile(r'num_gpu_blocks="(\d+)"')
 # what each rank of a kvbridge vLLM engine logs as it closes (kvbridge.session.prefill_side)
 _CLOSING = re.compile(r"closing with (\d+) leases held \((\d+) blocks\)")
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -258,7 +258,7 @@ class Deployment:
             if server not in group or not self._others_serve(server, group):
                 return False
             self._restarting.add(server.port)
-        self._retired.append(self.kvbridge_counters(server))  # its counters end with it
+        self._retired.append(kvbridge_counters(server))  # its counters end with it
         server.kill()
         log.warning("chaos: SIGKILL %s (pid %d)", server.url, server.pid)  # after the kill: the log's timeline is true
         threading.Thread(target=self._restart, args=(server,), daemon=True, name=f"restart-{server.port}").start()
@@ -389,7 +389,7 @@ class Deployment:
             while self._streams_on(server) and time.monotonic() < deadline:
                 time.sleep(0.2)
         log.warning("chaos: %s: SIGTERM %s (pid %d)", fault, server.url, server.pid)
-        self._retired.append(self.kvbridge_counters(server))
+        self._retired.append(kvbridge_counters(server))
         drained.started = time.monotonic()  # its exit is timed from the SIGTERM
         os.kill(server.pid, signal.SIGTERM)  # the API server only: vLLM passes it to its engine (docs/elastic.md)
         self._await_exit(drained)
@@ -428,50 +428,6 @@ class Deployment:
             drained.blocks,
         )
 
-    def blocks_in_use(self, server: Server) -> float:
-        """KV blocks the server holds now, read from its own metrics (usage x its block count).
-
-        It is -1 when the server cannot be read (then nothing proves it holds none).
-        """
-        import httpx
-
-        try:
-            text = httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text
-        except httpx.HTTPError as exc:
-            log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
-            return -1.0
-        usage = sum(
-            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")
-        )
-        m = _BLOCKS.search(text)
-        return round(usage * int(m.group(1)), 1) if m else usage
-
-    def kvbridge_counters(self, server: Server) -> dict[str, float]:
-        """The server's kvbridge_* series from its /metrics, summed over labels ({} when unreadable)."""
-        import httpx
-
-        from kvbridge_tools.harness.vllm_server import parse_metrics
-
-        try:
-            text = httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text
-        except httpx.HTTPError as exc:
-            log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
-            return {}
-        return {k: v for k, v in parse_metrics(text).items() if k.startswith("kvbridge_")}
-
-    def holding(self, server: Server) -> str:
-        """What a server that still holds KV blocks has running, waiting and leased, from its /metrics."""
-        import httpx
-
-        from kvbridge_tools.harness.vllm_server import parse_metrics
-
-        try:
-            got = parse_metrics(httpx.get(f"{server.url}/metrics", timeout=10, trust_env=False).text)
-        except httpx.HTTPError as exc:
-            return f"unreadable ({exc})"
-        keys = ["num_requests_running", "num_requests_waiting", "kvbridge_leases_held", "kvbridge_blocks_held"]
-        return ", ".join(f"{k} {got.get(k if k.startswith('kvbridge') else f'vllm:{k}', float('nan')):g}" for k in keys)
-
     def _drain_at_proxy(self, server: Server) -> None:
         import httpx
 
@@ -503,7 +459,7 @@ class Deployment:
 
     def counter(self, name: str) -> float:
         """A kvbridge counter summed over every decode and prefill server, the killed lives included."""
-        lives = [*self._retired, *(self.kvbridge_counters(s) for s in [*self.prefill, *self.decode])]
+        lives = [*self._retired, *(kvbridge_counters(s) for s in [*self.prefill, *self.decode])]
         return sum(c.get(name, 0.0) for c in lives)
 
     def log_files(self) -> list[Path]:

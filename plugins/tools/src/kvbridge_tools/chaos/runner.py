@@ -32,6 +32,7 @@ from kvbridge_tools.chaos.report import (
     slow_pulls,
     timings,
 )
+from kvbridge_tools.chaos.server_metrics import blocks_in_use, holding
 from kvbridge_tools.harness.tiny_model import random_prompt
 
 log = logging.getLogger(__name__)
@@ -339,14 +340,14 @@ class Runner:
             time.sleep(1)  # a restarted or joining server reports only once it is up; a drained one once it exited
         held: dict[str, float] = {}
         while time.monotonic() < deadline:
-            held = {s.url: dep.blocks_in_use(s) for s in dep.servers()}
+            held = {s.url: blocks_in_use(s) for s in dep.servers()}
             if not any(held.values()):
                 break
             time.sleep(1)
         report.blocks_held = held
         for server in dep.servers():
             if held.get(server.url):
-                report.holding[server.url] = why = dep.holding(server)
+                report.holding[server.url] = why = holding(server)
                 log.warning("chaos: %s still holds %g blocks: %s", server.url, held[server.url], why)
         for d in dep.drained:  # what its ranks logged holding as they closed (-1: no closing line, or still up)
             report.blocks_held[f"{d.server.url} (drained)"] = float(d.blocks)
