@@ -121,6 +121,36 @@ def test_no_decode_accepting_releases_the_prefill_lease_at_once(
         server.close()
 
 
+def test_a_warm_up_no_decode_took_releases_its_prefill_lease_at_once(upstreams: tuple[Upstream, Upstream]) -> None:
+    # A pair warmed as its decode joined, before that decode took connections, left the warm-up's lease on the prefill
+    # until lease_s (a chaos run across hosts: three expired at once, one on each prefill).
+    from kvbridge.control import ControlServer, LeaseState, Ledger
+    from kvbridge_tools.harness.fixtures import wait_for
+
+    prefill, _ = upstreams
+    released: list = []
+    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=600)
+    server = ControlServer("e", 0, ledger=ledger, poll_interval_s=0.01)
+    try:
+        ledger.offer("r", [1, 2], expected_pulls=1)
+        prefill.side_channel_port = server.address[1]
+        front = proxy.Proxy(proxy.ProxySettings([prefill.url], [f"http://127.0.0.1:{free_port(span=1)}"]))
+        pools = front.membership.pools
+
+        async def warm() -> bool:
+            try:
+                return await front.membership.warm_pair(pools["prefill"].instances[0], pools["decode"].instances[0])
+            finally:
+                await front.client.aclose()
+
+        assert not asyncio.run(warm()), "a decode that takes no connection is not warmed"
+        assert len(prefill.bodies) == 1, "the prefill computed the warm-up"
+        wait_for(lambda: bool(released), timeout=10, what="the warm-up's lease to be released")
+        assert released == [("r", LeaseState.ABORTED)]
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("slow", [SLOW_PROBES - 1, 10**6])
 def test_a_slow_health_answer_is_busy_not_dead(monkeypatch: pytest.MonkeyPatch, slow: int) -> None:
     monkeypatch.setattr(membership, "PROBE_TIMEOUT_S", 0.05)

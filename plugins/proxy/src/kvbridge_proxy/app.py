@@ -60,6 +60,7 @@ from kvbridge_proxy.membership import Membership, pools_of
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moves import Moves
 from kvbridge_proxy.relay import Relay
+from kvbridge_proxy.release import LeaseRelease
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Background, new_client
 
@@ -93,9 +94,10 @@ class Proxy:
         # registry's records, and for the admin calls.
         secret = load_secret()
         background = Background()
-        self.membership = Membership(settings, pools, self.client, secret, self.metrics)
+        release = LeaseRelease(secret, background).release
+        self.membership = Membership(settings, pools, self.client, secret, self.metrics, release)
         self.pools = self.membership.pools
-        self.handovers = Handovers(settings, self.client, self.membership, self.metrics, background, secret)
+        self.handovers = Handovers(settings, self.client, self.membership, self.metrics, background, release)
         self.moves = Moves(settings, self.client, self.membership, self.handovers, self.metrics, background)
         self.relay = Relay(settings, self.handovers, self.moves, self.metrics)
         self.admin = Admin(settings, self.membership, self.metrics, secret)

@@ -26,7 +26,7 @@ from kvbridge_proxy.limits import BUDGET, encoded
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics, connect_timing
 from kvbridge_proxy.moving_stream import MovingStream
-from kvbridge_proxy.release import LeaseRelease
+from kvbridge_proxy.release import ReleaseLease
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
 from kvbridge_proxy.wire import prefill_body, until_disconnect
@@ -92,7 +92,7 @@ class Handovers:
         membership: Membership,
         metrics: ProxyMetrics,
         background: Background,
-        secret: bytes | None,
+        release_lease: ReleaseLease,
     ) -> None:
         self.client = client
         self.membership = membership
@@ -101,7 +101,7 @@ class Handovers:
         self.expose = settings.expose_internals
         self.transfer = settings.transfer
         # To release a prefill's lease at once when no decode took the request (else it waits lease_s).
-        self.release_lease = LeaseRelease(secret, background).release
+        self.release_lease = release_lease
 
     def _names(self, *servers: Instance) -> dict[str, str]:
         """The headers naming the servers of an answer (`x-kvbridge-prefill`, `-decode`), with expose_internals.

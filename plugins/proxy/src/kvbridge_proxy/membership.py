@@ -18,6 +18,7 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.members import StaticMembers, open_members
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.rebalance import Policy, kv_usage
+from kvbridge_proxy.release import ReleaseLease
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Instance, Pool, since
 from kvbridge_proxy.wire import prefill_body
@@ -70,8 +71,10 @@ class Membership:
         client: httpx.AsyncClient,
         secret: bytes | None,
         metrics: ProxyMetrics,
+        release_lease: ReleaseLease,
     ) -> None:
         self.client = client
+        self.release_lease = release_lease  # a warm-up no decode took: its prefill's lease
         self.pools = pools  # (`pools_of`)
         metrics.watch(pools)
         self.transfer = settings.transfer
@@ -261,6 +264,7 @@ class Membership:
         """One one-token request through the pair, so its first contact is not paid by a client's request."""
         pair = (prefill.url, decode.url)
         headers = {"X-Request-Id": f"kvbridge-warm-up-{uuid.uuid4().hex[:12]}"}
+        offered: KVTransferParams | None = None
         try:
             models = await self.client.get(f"{prefill.url}/v1/models", timeout=PROBE_TIMEOUT_S)
             models.raise_for_status()
@@ -269,13 +273,15 @@ class Membership:
             first.raise_for_status()
             params = first.json().get("kv_transfer_params")
             if params:
-                decoded = KVTransferParams.from_dict(params)
+                offered = decoded = KVTransferParams.from_dict(params)
                 self.learn(prefill.url, decoded)  # layer-wise: where its side channel is
                 body["kv_transfer_params"] = attrs.evolve(decoded, kvbridge_timing=None).to_dict()
             begun = time.perf_counter()
             (await self.client.post(f"{decode.url}/v1/completions", json=body, headers=headers)).raise_for_status()
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, ConfigError) as exc:
             log.warning("warming %s -> %s failed (its first request pays first contact): %s", *pair, exc)
+            if offered is not None:  # else the prefill holds the warm-up's blocks until its lease ends
+                await self.release_lease(offered, f"warm-up failed: {exc}")
             return False
         finally:
             self.warming.pop(pair, None)

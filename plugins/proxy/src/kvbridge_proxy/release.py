@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from kvbridge.base.errors import KVBridgeError, PeerGone, TransferTimeout
 from kvbridge.control.client import ControlClient
@@ -25,6 +26,10 @@ RELEASE_TIMEOUT_S = 1.5
 # until then its lease holds blocks (a draining server waits for them, up to its shutdown timeout).
 FIRST_RETRY_S = 1.0
 RELEASE_RETRY_S = 64.0
+
+
+# `LeaseRelease.release`: what the rooms that may leave a lease unread are given.
+ReleaseLease = Callable[[KVTransferParams, str], Awaitable[None]]
 
 
 class LeaseRelease:
