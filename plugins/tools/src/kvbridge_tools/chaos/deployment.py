@@ -283,9 +283,13 @@ class Deployment:
         with self._lock:
             return bool(self._restarting)
 
+    def _serving(self, group: list[Server]) -> list[Server]:
+        """The servers of `group` that serve: alive and not restarting (held under _lock)."""
+        return [s for s in group if s.alive() and s.port not in self._restarting]
+
     def _others_serve(self, server: Server, group: list[Server]) -> bool:
         """`server` serves, and so does another server of its group (held under _lock)."""
-        serving = [s for s in group if s.alive() and s.port not in self._restarting]
+        serving = self._serving(group)
         return server in serving and len(serving) >= 2
 
     def wait_spare(self, role: str, timeout: float) -> bool:
@@ -295,8 +299,7 @@ class Deployment:
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
-                group = self.prefill if role == "prefill" else self.decode
-                serving = [s for s in group if s.alive() and s.port not in self._restarting]
+                serving = self._serving(self.prefill if role == "prefill" else self.decode)
             if len(serving) >= 2:
                 return True
             if time.monotonic() >= deadline:
