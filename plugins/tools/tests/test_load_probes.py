@@ -162,12 +162,14 @@ def test_a_noise_group_dies_with_its_leader() -> None:
 
     On one CPU the leader runs ahead of the children it forks: one stopped (`pause`) before it armed PDEATHSIG
     would outlive the leader, stopped for good, and the wait for it below would not end."""
-    proc = subprocess.Popen([sys.executable, "-c", ORPHANS], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     pids = [int(pid) for pid in proc.stdout.readline().split()]
     try:
-        out, _ = proc.communicate(timeout=60)
-        assert len(pids) == 2 and out.split() == ["reaped"] and proc.returncode == 0
+        out, err = proc.communicate(timeout=60)
+        # what it said on the way (it once ended without "reaped" in CI, and nothing said why)
+        said = f"exit {proc.returncode}, out {out!r}, err {err[-2000:]!r}"
+        assert len(pids) == 2 and out.split() == ["reaped"] and proc.returncode == 0, said
     finally:
         for pid in pids:  # (only where they outlived their leader: the test failed)
             with contextlib.suppress(ProcessLookupError):
