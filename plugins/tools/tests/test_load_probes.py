@@ -163,11 +163,13 @@ def test_a_noise_group_dies_with_its_leader() -> None:
     On one CPU the leader runs ahead of the children it forks: one stopped (`pause`) before it armed PDEATHSIG
     would outlive the leader, stopped for good, and the wait for it below would not end."""
     proc = subprocess.Popen([sys.executable, "-c", ORPHANS], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stderr is not None
     pids = [int(pid) for pid in proc.stdout.readline().split()]
     try:
-        out, err = proc.communicate(timeout=60)
-        # what it said on the way (it once ended without "reaped" in CI, and nothing said why)
+        proc.wait(timeout=60)  # (what it writes fits in a pipe)
+        # the rest through the same reader: `communicate` reads the pipe itself, past what `readline` buffered, and
+        # lost "reaped" where the script had printed it before this process read the first line (a loaded box)
+        out, err = proc.stdout.read(), proc.stderr.read()
         said = f"exit {proc.returncode}, out {out!r}, err {err[-2000:]!r}"
         assert len(pids) == 2 and out.split() == ["reaped"] and proc.returncode == 0, said
     finally:
