@@ -307,9 +307,12 @@ class Dying:
 
 
 @pytest.mark.parametrize(("when", "stream"), [("at once", False), ("after its headers", True), ("mid-body", False)])
-def test_a_decode_that_dies_before_answering_anything_hands_the_request_to_the_next(when: str, stream: bool) -> None:
+def test_a_decode_that_dies_before_answering_anything_hands_the_request_to_the_next(
+    when: str, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     # The client saw nothing of the first decode's answer, and prefill's lease still holds the KV for whichever decode
     # asks: the same decode request goes to the next decode, and the client gets its answer, not a 503.
+    caplog.set_level("WARNING", logger="kvbridge_proxy")
     with Upstream("prefill") as prefill, Upstream("decode") as good:
         dying = Dying(when)
         try:
@@ -327,6 +330,12 @@ def test_a_decode_that_dies_before_answering_anything_hands_the_request_to_the_n
         (good.url, True, 0),
     ]
     assert len(prefill.bodies) == 1, "one prefill: the KV it holds is what the next decode reads"
+    # the log ties the time lost to the decode and the request (`kvbridge chaos` reads it for a slow request)
+    from kvbridge.session.timeline import HEADER, parse
+
+    rid = parse(r.headers[HEADER]).request_id
+    said = [m for m in caplog.messages if dying.url in m and "failed" in m]
+    assert len(said) == 1 and f" {rid}" in said[0], (rid, caplog.messages)
 
 
 def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCaptureFixture) -> None:

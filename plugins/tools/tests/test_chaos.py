@@ -174,13 +174,17 @@ def test_a_slow_request_whose_decode_failed_under_it_names_that_decode() -> None
         "the first event of chaos-47-72\n"
         "2026-12-04 12:43:13,630 WARNING kvbridge_proxy.app: request chaos-47-72 sent again, to decode server "
         "http://198.51.100.4:32436\n"
+        # one that died before answering anything (`send_decode`'s line, which did not name the request before)
+        "2026-12-04 12:43:14,001 WARNING kvbridge_proxy.membership: decode server http://198.51.100.4:32436 failed "
+        "after taking request chaos-47-72 (Server disconnected without sending a response.): taken out\n"
     )
     lost = lost_decodes(proxy_log)
-    assert lost == {"chaos-47-72": ["http://198.51.100.3:27142"]}, lost
+    assert lost == {"chaos-47-72": ["http://198.51.100.3:27142", "http://198.51.100.4:32436"]}, lost
     report = Report(outcomes=[Outcome(72, MATCHED, ttft_s=1.0), Outcome(73, MATCHED, ttft_s=0.5)])
     out = report.slowest(lambda i: f"chaos-47-{i}", {}, all_run=["transfer-error"], lost=lost)
     assert out[0].startswith(
-        "chaos-47-72: 1000 ms (its decode http://198.51.100.3:27142 failed before its first event):"
+        "chaos-47-72: 1000 ms (its decode http://198.51.100.3:27142 failed before its first event; "
+        "its decode http://198.51.100.4:32436 failed before its first event):"
     ), out
     assert out[1].startswith("chaos-47-73: 500 ms (no fault of its own; all run: transfer-error):"), out
 

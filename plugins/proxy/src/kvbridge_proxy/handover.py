@@ -235,7 +235,8 @@ class Handovers:
             except httpx.TransportError as exc:
                 inst.in_flight -= 1
                 _failed(timeline, began)
-                self.membership.take_out(inst, f"failed after taking the request ({exc})")
+                # (the request named: a report ties the time it lost here to this decode)
+                self.membership.take_out(inst, f"failed after taking request {timeline.request_id} ({exc})")
                 refused.append(inst)
                 self.metrics.failovers.labels(inst.role).inc()
                 dropped = DecodeFailed(inst, exc)

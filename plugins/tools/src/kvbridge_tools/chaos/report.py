@@ -28,9 +28,11 @@ MOVE_LINE = re.compile(
 )
 
 
+# The proxy's lines for a decode that failed a request before its first event (the request then goes to another).
+LOST_DECODE_LINE = re.compile(
+    r"decode server (\S+) failed (?:before the first event of|after taking request) (\S+?)(?: \(|$)", re.MULTILINE
+)
 # The proxy's line for each request at the first byte of its decode's answer (`Metrics.finish`, `-v`): its phases.
-# The proxy's line for a decode that failed a request before its first event (the request then goes to another).
-LOST_DECODE_LINE = re.compile(r"decode server (\S+) failed before the first event of (\S+)$", re.MULTILINE)
 TIMING_LINE = re.compile(r"kvbridge-timing (id=[^\n]*?)(?: \(answered \d+\))?$", re.MULTILINE)
 SLOWEST = 5  # the requests whose time to first token the report breaks down
 # The proxy's line naming the id the servers know a request by (its P/D request, `Handovers.open`).
