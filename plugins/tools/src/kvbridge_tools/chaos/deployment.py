@@ -29,7 +29,7 @@ import attrs
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import admin_token
-from kvbridge_tools.chaos.server_metrics import kvbridge_counters
+from kvbridge_tools.chaos.server_metrics import counts_by, kvbridge_counters
 from kvbridge_tools.harness.ports import free_port
 from kvbridge_tools.harness.vllm_server import (
     Server,
@@ -446,19 +446,8 @@ class Deployment:
 
     def proxy_counts(self, name: str, label: str) -> dict[str, float] | None:
         """A counter of the proxy's /metrics by the value of one label; None when it exports no such counter."""
-        import httpx
-
         assert self.proxy is not None
-        try:
-            text = httpx.get(f"{self.proxy.url}/metrics", timeout=10, trust_env=False).text
-        except httpx.HTTPError as exc:
-            log.error("chaos: cannot read the proxy's /metrics: %s", exc)
-            return None
-        found = re.compile(rf'^{re.escape(name)}\{{.*?\b{re.escape(label)}="([^"]*)".*\}} (\S+)$', re.M).findall(text)
-        counts: dict[str, float] = {}
-        for value, number in found:
-            counts[value] = counts.get(value, 0.0) + float(number)
-        return counts or None
+        return counts_by(self.proxy, name, label)
 
     def counter(self, name: str) -> float:
         """A kvbridge counter summed over every decode and prefill server, the killed lives included."""

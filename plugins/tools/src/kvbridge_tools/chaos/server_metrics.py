@@ -1,4 +1,4 @@
-"""What a vLLM server of a chaos run holds and counts, read from its own /metrics."""
+"""What a vLLM server (or the proxy) of a chaos run holds and counts, read from its own /metrics."""
 
 from __future__ import annotations
 
@@ -21,6 +21,18 @@ def _metrics(server: Server) -> str | None:
     except httpx.HTTPError as exc:
         log.error("chaos: cannot read %s/metrics: %s", server.url, exc)
         return None
+
+
+def counts_by(server: Server, name: str, label: str) -> dict[str, float] | None:
+    """A counter's values by one of its labels, summed over the others; None when unreadable or not exported."""
+    text = _metrics(server)
+    if text is None:
+        return None
+    found = re.compile(rf'^{re.escape(name)}\{{.*?\b{re.escape(label)}="([^"]*)".*\}} (\S+)$', re.M).findall(text)
+    counts: dict[str, float] = {}
+    for value, number in found:
+        counts[value] = counts.get(value, 0.0) + float(number)
+    return counts or None
 
 
 def blocks_in_use(server: Server) -> float:
