@@ -353,3 +353,15 @@ def test_the_cli_names_the_known_faults_when_given_a_wrong_one() -> None:
     )
     assert done.returncode == 2
     assert "unknown fault(s) ['nope']; choose from" in done.stderr and "idle-gap" in done.stderr
+
+
+def test_the_cli_refuses_an_unknown_transport_before_it_starts_anything() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbridge", "chaos", "--migration-backend", "mooncak"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "mooncak" in done.stderr and "mooncake" in done.stderr, done.stderr
+    assert "vllm" not in done.stderr.lower(), "refused before any server started"

@@ -24,16 +24,17 @@ def _rules(hosts: Hosts) -> str:
 
 
 def test_the_bound_adds_the_side_channel_waits_the_transfer_attempts_and_the_fault() -> None:
-    bound = transport_bound("mooncake", "tcp", {}, fault_s=3.0)
+    bound = transport_bound("mooncake", {}, fault_s=3.0, pull_timeout_s=30.0)
     # Mooncake's defaults: a 2 s deadline (+1 s grace) per attempt, one retry after 0.05 s; 5 s per message.
     assert bound == HandoverBound(control_s=5.0, transfer_deadline_s=2.0, retries=1, retry_backoff_s=0.05, fault_s=3.0)
     assert bound.seconds == pytest.approx(2 * 5.0 + 2 * 3.0 + 0.05 + 3.0)
-    longer = transport_bound("mooncake", "tcp", {"transfer_deadline": 5, "retries": 2}, fault_s=0.0)
+    longer = transport_bound("mooncake", {"transfer_deadline": 5, "retries": 2}, fault_s=0.0, pull_timeout_s=30.0)
     assert longer.transfer_s == pytest.approx(3 * 6.0 + 0.05 + 0.1)
     # kvbridge's tcp transport declares a deadline too (30 s, no retry of its own)
-    assert transport_bound("tcp", None, {}, fault_s=0.0).transfer_deadline_s == 30.0
-    with pytest.raises(ValueError, match="no transfer_deadline"):
-        transport_bound("nixl", None, {}, fault_s=0.0)
+    assert transport_bound("tcp", {}, fault_s=0.0, pull_timeout_s=60.0).transfer_deadline_s == 30.0
+    # NIXL declares none: the decode's pull timeout ends a transfer that makes no progress
+    nixl = transport_bound("nixl", {}, fault_s=2.0, pull_timeout_s=20.0)
+    assert nixl.transfer_s == 20.0 and nixl.seconds == pytest.approx(2 * 5.0 + 20.0 + 2.0)
 
 
 def test_a_handover_over_the_bound_fails_the_run_and_both_are_reported() -> None:

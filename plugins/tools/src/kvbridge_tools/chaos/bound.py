@@ -4,8 +4,9 @@ The handover is the decode's control, transfer and DONE phases of the `x-kvbridg
 (not TTFT, which includes queueing). Each has its own limit in the code: a side-channel message
 waits at most CONTROL_TIMEOUT_S for its answer (the BeginPull, then the DONEs); a transfer that
 makes no progress within the transport's deadline (plus its grace) is resubmitted `retries` times,
-after a doubling backoff, and then fails. A network fault can stall any of them for as long as it
-lasts, once more. So a handover that takes longer than the sum waited on something nothing bounds.
+after a doubling backoff, and then fails; where a transport declares no deadline (NIXL), the decode's pull
+timeout ends its transfer. A network fault can stall any of them for as long as it lasts, once more. So a
+handover that takes longer than the sum waited on something nothing bounds.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 
 import attrs
 
-from kvbridge.base.errors import ConfigError
 from kvbridge.session.pull_control import CONTROL_TIMEOUT_S
 
 
@@ -25,9 +25,12 @@ class HandoverBound:
     retries: int
     retry_backoff_s: float
     fault_s: float
+    pull_timeout_s: float | None = None  # set for a transport with no deadline: the pull's timeout ends its transfer
 
     @property
     def transfer_s(self) -> float:
+        if self.pull_timeout_s is not None:
+            return self.pull_timeout_s
         # each attempt: the deadline and the grace the backend's watchdog adds (kvbridge.transport.contract)
         attempt = self.transfer_deadline_s + min(1.0, self.transfer_deadline_s / 2)
         backoff = sum(self.retry_backoff_s * 2**k for k in range(self.retries))
@@ -48,17 +51,19 @@ class HandoverBound:
         }
 
 
-def transport_bound(backend: str, protocol: str | None, options: dict[str, Any], fault_s: float) -> HandoverBound:
-    """The bound for KVBridgeConnector over `backend` with these options (its defaults where unset)."""
+def transport_bound(backend: str, options: dict[str, Any], fault_s: float, pull_timeout_s: float) -> HandoverBound:
+    """The bound for KVBridgeConnector over `backend` with these options (its defaults where unset).
+
+    `pull_timeout_s`: the decode's `pull_timeout_s`, which ends a transfer where the transport has no deadline."""
     from kvbridge.base.options import as_dict
     from kvbridge.plugin.registry import registry
 
     parsed = as_dict(registry().backend_entry(backend).parse_options(options))
     if "transfer_deadline" not in parsed:
-        raise ConfigError(f"transport {backend!r} declares no transfer_deadline: chaos cannot bound its handover")
+        return HandoverBound(CONTROL_TIMEOUT_S, 0.0, 0, 0.0, fault_s, pull_timeout_s=pull_timeout_s)
     return HandoverBound(
         control_s=CONTROL_TIMEOUT_S,
-        transfer_deadline_s=float(parsed.get("transfer_deadline", 0.0)),
+        transfer_deadline_s=float(parsed["transfer_deadline"]),
         retries=int(parsed.get("retries", 0)),
         retry_backoff_s=float(parsed.get("retry_backoff", 0.0)),
         fault_s=fault_s,

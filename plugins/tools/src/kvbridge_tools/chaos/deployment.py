@@ -104,6 +104,7 @@ class Deployment:
     lease_s: float = 30.0
     pull_timeout_s: float = 30.0
     fault_injection: dict[str, Any] | None = None
+    backend: str = "mooncake"  # the transport by name (Mooncake's over TCP)
     hosts: Hosts | None = None
     registry: str | None = None  # redis://...: every server announces itself, the proxy follows it
     drain_grace_s: float = 3.0
@@ -156,7 +157,7 @@ class Deployment:
             extra["fault_injection"] = self.fault_injection
         # A failed load is recomputed: a transport fault then costs time, never the request.
         policy = "recompute" if role == "kv_consumer" else None
-        return connector_config(role, load_failure_policy=policy, **extra)
+        return connector_config(role, backend=self.backend, load_failure_policy=policy, **extra)
 
     @property
     def shutdown_timeout_s(self) -> int:

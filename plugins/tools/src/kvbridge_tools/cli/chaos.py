@@ -69,7 +69,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "chaos",
         help="run a real prefill/decode deployment under injected faults and check nothing is lost",
         description=(
-            "Start 2 prefill and 2 decode vLLM servers (the tiny test model, KVBridgeConnector over Mooncake TCP) "
+            "Start 2 prefill and 2 decode vLLM servers (the tiny test model, KVBridgeConnector over "
+            "--migration-backend, Mooncake TCP by default) "
             "behind `kvbridge proxy`, plus a colocated server for the reference output; play --requests prompts "
             "from a few tokens to near max_model_len at --concurrency while injecting --faults; then drain and "
             "report how each request ended, what every server still holds, leases expired, retries and TTFT."
@@ -115,6 +116,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=(5.0, 90.0),
         metavar=("MIN", "MAX"),
         help="with idle-gap: each pause's length is drawn from this range in seconds (default 5 90)",
+    )
+    p.add_argument(
+        "--migration-backend",
+        default="mooncake",
+        metavar="NAME",
+        help="the servers' transport, by name (see `kvbridge plugins`; mooncake runs over TCP); default: mooncake",
     )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument("--max-model-len", type=int, default=1024, help="the servers' max_model_len (default 1024)")
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     elastic = [f for f in args.faults if f in ELASTIC]
     if args.net_fault_s <= 0 or args.net_every_s <= args.net_fault_s:
         raise ConfigError("--net-fault-s must be positive and shorter than --net-every-s")
+    _check_backend(args.migration_backend)
     # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
     model_dir = tempfile.TemporaryDirectory(prefix="kvbridge-chaos-model-")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvbridge-chaos-logs-"))
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         executor=args.executor,
         lease_s=args.lease_s,
         fault_injection=injection or None,
+        backend=args.migration_backend,
     )
     workload = Workload(
         args.requests,
@@ -229,8 +238,19 @@ def run(args: argparse.Namespace) -> int:
         model_dir.cleanup()
     slow_s = args.slow_s if "slow-peer" in args.faults else 0.0
     longest = max(slow_s, network.longest_s() if network else 0.0)
-    report.handover_bound = transport_bound("mooncake", "tcp", {}, longest)  # the Deployment's transport
+    report.handover_bound = transport_bound(dep.backend, {}, longest, dep.pull_timeout_s)
     return _finish(args, report, logs)
+
+
+def _check_backend(name: str) -> None:
+    """Refuse a transport that is not installed or cannot run here before any server starts (the error says why)."""
+    from kvbridge.base.errors import PluginUnavailable
+    from kvbridge.plugin.registry import registry
+
+    entry = registry().backend_entry(name)  # an unknown name: PluginNotFound names the known ones
+    reason = entry.unavailable_reason()
+    if reason:
+        raise PluginUnavailable("backend", entry.name, reason, entry.install_hint)
 
 
 def _joins(faults: list[str], requests: int, seed: int) -> int:
