@@ -163,9 +163,9 @@ class Report:
         `during(start, end)`: the network faults in place while it waited for its first token, named beside its own.
         `pulls_of` (`slow_pulls()`): what its decode logged of a slow or failed pull, which splits a stream's time on
         the decode (its timing has no pull phases) into the pull and the rest; None where the servers' logs were not
-        read. `all_run`: the faults on for the whole run (`faults.ALL_RUN`), named where it had no fault of its own.
-        `lost` (`lost_decodes()`): the decodes that failed it before its first event (killed by another fault, say)."""
-        quiet = "no fault" + (f" of its own; all run: {', '.join(all_run)}" if all_run else "")
+        read. `all_run`: the faults on for the whole run (`faults.ALL_RUN`), named after its own (a read held by
+        slow-peer during a partition is either's). `lost` (`lost_decodes()`): the decodes that failed it before its
+        first event (killed by another fault, say)."""
         timed = sorted((o for o in self.outcomes if o.ttft_s is not None), key=lambda o: -(o.ttft_s or 0.0))
         out = []
         for o in timed[:SLOWEST]:
@@ -176,7 +176,10 @@ class Report:
             if o.sent_at is not None:
                 faults += during(o.sent_at, o.sent_at + o.ttft_s)
             faults += [f"its decode {url} failed before its first event" for url in (lost or {}).get(rid, [])]
-            line = f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(faults) or quiet}): {phases}"
+            named = faults or ["no fault of its own" if all_run else "no fault"]
+            if all_run:
+                named.append(f"all run: {', '.join(all_run)}")
+            line = f"{rid}: {o.ttft_s * 1e3:.0f} ms ({'; '.join(named)}): {phases}"
             if pulls_of is not None:
                 pulls = pulls_of.get(rid)
                 quick = f" | no slow pull logged (one under {SLOW_MS:.0f} ms, or none)"
