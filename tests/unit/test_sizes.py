@@ -25,7 +25,6 @@ TOOLS_OVERSIZED = {
     "bench/pair.py:_measure": 158,
     "bench/vllm_idle.py:run": 88,
     "bench/vllm_layerwise.py:run": 134,
-    "cli/chaos.py:add_parser": 99,
 }
 
 

@@ -80,43 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--requests", type=int, default=30, help="requests to play (default 30)")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
-    p.add_argument(
-        "--faults",
-        type=_faults,
-        default=[],
-        metavar="F1,F2",
-        help=f"comma-separated faults to inject, from: {', '.join(FAULTS)} (default: none)",
-    )
-    p.add_argument(
-        "--transfer-error-rate",
-        type=float,
-        default=0.1,
-        metavar="P",
-        help="with transfer-error: fraction of decode transfers that fail in the transport (default 0.1)",
-    )
-    p.add_argument(
-        "--slow-rate",
-        type=float,
-        default=0.05,
-        metavar="P",
-        help="with slow-peer: fraction of transfers held past the deadline (default 0.05)",
-    )
-    p.add_argument(
-        "--slow-s",
-        type=float,
-        default=4.0,
-        metavar="S",
-        help="with slow-peer: seconds a held transfer waits (default 4, past the 2 s deadline and its 1 s grace)",
-    )
-    p.add_argument("--idle-gaps", type=int, default=3, metavar="N", help="with idle-gap: how many pauses (default 3)")
-    p.add_argument(
-        "--gap-range",
-        type=float,
-        nargs=2,
-        default=(5.0, 90.0),
-        metavar=("MIN", "MAX"),
-        help="with idle-gap: each pause's length is drawn from this range in seconds (default 5 90)",
-    )
+    _add_fault_arguments(p.add_argument_group("injecting faults"))
     p.add_argument(
         "--migration-backend",
         default="mooncake",
@@ -148,28 +112,76 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="keep the servers' logs here (default: a temporary folder, removed after a run that passes)",
     )
-    p.add_argument(
+    _add_host_arguments(p.add_argument_group("across hosts"))
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=run)
+
+
+def _add_fault_arguments(group: argparse._ArgumentGroup) -> None:
+    """What to inject, and how often or how long."""
+    group.add_argument(
+        "--faults",
+        type=_faults,
+        default=[],
+        metavar="F1,F2",
+        help=f"comma-separated faults to inject, from: {', '.join(FAULTS)} (default: none)",
+    )
+    group.add_argument(
+        "--transfer-error-rate",
+        type=float,
+        default=0.1,
+        metavar="P",
+        help="with transfer-error: fraction of decode transfers that fail in the transport (default 0.1)",
+    )
+    group.add_argument(
+        "--slow-rate",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="with slow-peer: fraction of transfers held past the deadline (default 0.05)",
+    )
+    group.add_argument(
+        "--slow-s",
+        type=float,
+        default=4.0,
+        metavar="S",
+        help="with slow-peer: seconds a held transfer waits (default 4, past the 2 s deadline and its 1 s grace)",
+    )
+    group.add_argument(
+        "--idle-gaps", type=int, default=3, metavar="N", help="with idle-gap: how many pauses (default 3)"
+    )
+    group.add_argument(
+        "--gap-range",
+        type=float,
+        nargs=2,
+        default=(5.0, 90.0),
+        metavar=("MIN", "MAX"),
+        help="with idle-gap: each pause's length is drawn from this range in seconds (default 5 90)",
+    )
+
+
+def _add_host_arguments(group: argparse._ArgumentGroup) -> None:
+    """--hosts, and the network faults' timing there."""
+    group.add_argument(
         "--hosts",
         action="store_true",
         help="put every prefill and decode server on a host of its own, the proxy, the colocated server and the "
         "client on another (network namespaces on 198.51.100.0/24; needs root, ip, tc, nft); network faults need it",
     )
-    p.add_argument(
+    group.add_argument(
         "--net-fault-s",
         type=float,
         default=3.0,
         metavar="S",
         help="with --hosts: how long each partition, flap and bandwidth drop lasts (default 3)",
     )
-    p.add_argument(
+    group.add_argument(
         "--net-every-s",
         type=float,
         default=8.0,
         metavar="S",
         help="with --hosts: seconds between the start of one network fault and the next (default 8)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
