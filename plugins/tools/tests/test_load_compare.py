@@ -25,6 +25,7 @@ def test_a_request_meets_the_slo_as_the_serve_bench_counts_it() -> None:
     # within; TTFT over; TPOT over; failed; both exactly at the SLO (the serve bench counts <=)
     assert got["good"] == [True, False, False, False, True]
     assert got["ttft_ms"] == [50.0, 150.0, 50.0, None, 100.0]
+    assert got["tpot_ms"] == [5.0, 5.0, 20.0, None, 10.0]
     one = each_request({"ttfts": [0.05], "itls": [[]], "output_lens": [1], "errors": [""]}, SLO)
     assert one["good"] == [True], "one token: no TPOT"
 
@@ -54,6 +55,15 @@ def test_one_request_fewer_of_two_hundred_is_within_the_noise() -> None:
     assert difference(base, worse, "good").verdict(higher_is_better=True) == "at least"
 
 
+def test_a_slower_step_shows_in_the_tpot_median_whether_or_not_the_slo_counts_it() -> None:
+    rng = np.random.default_rng(3)
+    tpot = list(rng.uniform(5.0, 7.0, 200))
+    slower = difference([t + 1.0 for t in tpot], tpot, "p50")
+    assert slower.value == pytest.approx(1.0) and slower.low > 0
+    assert slower.verdict(higher_is_better=False) == "worse"
+    assert difference([None, *tpot[1:]], tpot, "p50").verdict(higher_is_better=False) != "worse"
+
+
 def test_failed_requests_are_left_out_of_the_p99_and_pairs_must_match() -> None:
     got = difference([10.0, None, 30.0], [10.0, 20.0, 30.0], "p99")
     assert got.value == pytest.approx(0.0)
@@ -62,13 +72,18 @@ def test_failed_requests_are_left_out_of_the_p99_and_pairs_must_match() -> None:
 
 
 def test_every_pd_system_is_held_against_the_reference_at_each_load_it_ran() -> None:
-    def row(system: str, load: str, good: list[bool]) -> dict:
-        return {"system": system, "load": load, "per_request": {"good": good, "ttft_ms": [50.0] * len(good)}}
+    def row(system: str, load: str, good: list[bool], tpot_ms: float = 6.0) -> dict:
+        n = len(good)
+        return {
+            "system": system,
+            "load": load,
+            "per_request": {"good": good, "ttft_ms": [50.0] * n, "tpot_ms": [tpot_ms] * n},
+        }
 
     rows = [
         row("colocated", "rate 1", [True] * 4),
         row("NixlConnector (vLLM)", "rate 1", [True] * 4),
-        row("KVBridgeConnector", "rate 1", [True, True, True, False]),
+        row("KVBridgeConnector", "rate 1", [True, True, True, False], tpot_ms=7.5),
         row("KVBridgeConnector", "rate 2", [True] * 4),  # the reference did not run there
         row("KVBridgeConnector (nixl)", "rate 1", [True] * 3),  # not the same requests
     ]
@@ -76,4 +91,8 @@ def test_every_pd_system_is_held_against_the_reference_at_each_load_it_ran() -> 
     assert (got["system"], got["load"], got["requests"]) == ("KVBridgeConnector", "rate 1", 4)
     assert got["within_slo"]["difference"] == -1 and got["within_slo"]["verdict"].startswith("worse")
     assert got["ttft_p99_ms"] == {"difference": 0.0, "interval": [0.0, 0.0], "verdict": "at most"}
+    assert got["tpot_p50_ms"] == {"difference": 1.5, "interval": [1.5, 1.5], "verdict": "worse"}
+    del rows[1]["per_request"]["tpot_ms"]  # a row that kept no TPOTs: the other figures still compared
+    [older] = comparisons(rows, "NixlConnector (vLLM)")
+    assert "tpot_p50_ms" not in older and older["within_slo"] == got["within_slo"]
     assert comparisons(rows, "MooncakeConnector (vLLM)") == []

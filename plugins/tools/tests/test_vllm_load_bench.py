@@ -239,7 +239,7 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
         (system, r["load"]) for system in pd for r in rows if r["system"] == system
     )
     for c in report["comparisons"]:
-        for figure in (c["within_slo"], c["ttft_p99_ms"]):
+        for figure in (c["within_slo"], c["ttft_p99_ms"], c["tpot_p50_ms"]):
             low, high = figure["interval"]
             assert low <= high and figure["verdict"] in ("at least", "at most", "worse", "worse, within the noise")
     for chart in (plot, plot.with_name("load-ttft.svg")):

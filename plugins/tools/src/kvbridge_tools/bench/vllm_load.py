@@ -786,7 +786,7 @@ def print_report(report: dict[str, Any]) -> None:
         print_table(
             f"each P/D system against {LABELS['nixl']} at each load, request by request (the same prompts at the same "
             "offsets): the difference and its 95% bootstrap interval; 'within the noise': the interval holds 0",
-            ["system", "load", "requests", "within the SLO", "p99 TTFT ms"],
+            ["system", "load", "requests", "within the SLO", "p99 TTFT ms", "p50 TPOT ms"],
             [
                 [
                     c["system"],
@@ -794,6 +794,7 @@ def print_report(report: dict[str, Any]) -> None:
                     c["requests"],
                     _difference_cell(c["within_slo"]),
                     _difference_cell(c["ttft_p99_ms"]),
+                    _difference_cell(c["tpot_p50_ms"]) if "tpot_p50_ms" in c else "",
                 ]
                 for c in report["comparisons"]
             ],
