@@ -140,3 +140,16 @@ def test_slices_are_refused_where_they_cannot_be_run() -> None:
     # restarting every system for each slice is refused before anything starts
     with pytest.raises(ConfigError, match="--alternate resident"):
         vllm_load.run(parsed("--slices", "2", "--alternate", "restart", "--requests", "4"))
+
+
+def test_a_given_slo_is_parsed_and_a_malformed_one_refused() -> None:
+    from kvbridge.cli import build_parser
+
+    def parsed(*extra: str) -> argparse.Namespace:
+        return build_parser().parse_args(["bench", "--engine", "vllm", "--load", *extra])
+
+    assert parsed().slo is None
+    assert parsed("--slo", "400,8.5").slo == {"ttft": 400.0, "tpot": 8.5}
+    for bad in ("400", "400,8,1", "fast,8", "0,8", "400,-1"):
+        with pytest.raises(SystemExit):
+            parsed("--slo", bad)

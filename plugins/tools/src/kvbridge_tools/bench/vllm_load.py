@@ -19,8 +19,8 @@ Mooncake TCP, `mooncake_protocol: tcp`) behind vllm-router's Mooncake flow, whic
 bootstrap server for its engine id (`kvbridge proxy` does not speak that flow).
 
 The SLO for goodput comes from the colocated server unloaded (concurrency 1, measured first):
-`--slo-factor` times its p99 TTFT and p99 TPOT; the serve bench counts the requests within both
-(`--goodput`). CPU is the user + system time of every process in the system's servers' process
+`--slo-factor` times its p99 TTFT and p99 TPOT, or is given (`--slo`); the serve bench counts the requests within
+both (`--goodput`). CPU is the user + system time of every process in the system's servers' process
 groups (router apart) over each run's wall time, in cores; `idle cores` is the same over
 `--idle-s` seconds with no request in flight, after the system's last round. CPU per request is the same
 seconds over the round's completed requests, for the whole servers and (KVBridgeConnector) for kvbridge's own
@@ -128,6 +128,13 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--slo-factor", type=float, default=2.0, help="SLO: this times colocated's unloaded p99 TTFT/TPOT (default 2)"
     )
     group.add_argument(
+        "--slo",
+        type=slo_given,
+        metavar="TTFT_MS,TPOT_MS",
+        help="a fixed SLO for goodput (e.g. 400,8) in place of --slo-factor's, which comes from a calibration run and "
+        "moves with the box: runs on different days are then judged alike",
+    )
+    group.add_argument(
         "--nixl-busy-poll",
         choices=["on", "off"],
         default="on",
@@ -221,6 +228,17 @@ def cores(pgids: Sequence[int], out: dict[str, Any], key: str) -> Iterator[None]
     start, cpu = time.monotonic(), cpu_seconds(pgids)
     yield
     out[key] = round((cpu_seconds(pgids) - cpu) / max(time.monotonic() - start, 1e-9), 2)
+
+
+def slo_given(text: str) -> dict[str, float]:
+    """`--slo TTFT_MS,TPOT_MS`: both positive milliseconds."""
+    try:
+        ttft, tpot = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give TTFT and TPOT in ms, e.g. 400,8") from None
+    if not (ttft > 0 and tpot > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: both must be positive milliseconds")
+    return {"ttft": ttft, "tpot": tpot}
 
 
 def range_ratio(lo: int, hi: int) -> tuple[int, float]:
@@ -595,7 +613,7 @@ def _measured(
     """Every round run: the rows (system by system at each load, its slices added up), the SLO, the idle cores."""
     from kvbridge_tools.bench.pair import frozen_heap
 
-    slo: dict[str, float] = {}
+    slo: dict[str, float] = dict(getattr(args, "slo", None) or {})  # given: no calibration run
     idle: dict[str, float] = {}
     slices = getattr(args, "slices", 1)
     sizes = split(prompts, slices)
@@ -707,7 +725,7 @@ def run(args: argparse.Namespace) -> int:
         "input_tokens": [args.input_min, args.input_max],
         "output_tokens": args.output_len,
         "slo_ms": slo,
-        "slo_from": f"{args.slo_factor:g} x colocated p99 at concurrency 1",
+        "slo_from": "given (--slo)" if args.slo else f"{args.slo_factor:g} x colocated p99 at concurrency 1",
         "idle_cores": idle,
         "hosts": None
         if placed is None
