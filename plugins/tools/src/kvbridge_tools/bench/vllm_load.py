@@ -124,16 +124,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--input-min", type=int, default=64, metavar="N", help="shortest prompt (default 64)")
     group.add_argument("--input-max", type=int, default=2000, metavar="N", help="longest prompt (default 2000)")
     group.add_argument("--output-len", type=int, default=16, metavar="N", help="tokens out per request (default 16)")
-    group.add_argument(
-        "--slo-factor", type=float, default=2.0, help="SLO: this times colocated's unloaded p99 TTFT/TPOT (default 2)"
-    )
-    group.add_argument(
-        "--slo",
-        type=slo_given,
-        metavar="TTFT_MS,TPOT_MS",
-        help="a fixed SLO for goodput (e.g. 400,8) in place of --slo-factor's, which comes from a calibration run and "
-        "moves with the box: runs on different days are then judged alike",
-    )
+    _add_slo_arguments(group)
     group.add_argument(
         "--nixl-busy-poll",
         choices=["on", "off"],
@@ -228,6 +219,20 @@ def cores(pgids: Sequence[int], out: dict[str, Any], key: str) -> Iterator[None]
     start, cpu = time.monotonic(), cpu_seconds(pgids)
     yield
     out[key] = round((cpu_seconds(pgids) - cpu) / max(time.monotonic() - start, 1e-9), 2)
+
+
+def _add_slo_arguments(group: argparse._ArgumentGroup) -> None:
+    """The goodput SLO: from the calibration run (`--slo-factor`) or given (`--slo`)."""
+    group.add_argument(
+        "--slo-factor", type=float, default=2.0, help="SLO: this times colocated's unloaded p99 TTFT/TPOT (default 2)"
+    )
+    group.add_argument(
+        "--slo",
+        type=slo_given,
+        metavar="TTFT_MS,TPOT_MS",
+        help="a fixed SLO for goodput (e.g. 400,8) in place of --slo-factor's, which comes from a calibration run and "
+        "moves with the box: runs on different days are then judged alike",
+    )
 
 
 def slo_given(text: str) -> dict[str, float]:
