@@ -141,3 +141,15 @@ def test_the_live_moves_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_c
     burst = [(1.0, 100), (1.8, 110), (1.8, 115), (1.8, 120)]
     assert slowdown(steady, burst) == pytest.approx(4.0)
     assert slowdown(steady, burst[:1]) is None
+
+
+def test_split_cores_gives_prefill_and_decode_halves_and_refuses_one_cpu() -> None:
+    from kvbridge.base.errors import ConfigError
+    from kvbridge_tools.bench.link import split_cores
+    from kvbridge_tools.harness.hosts import cpu_list
+
+    assert split_cores([1, 0]) == ((0,), (1,))
+    assert split_cores(range(5)) == ((0, 1), (2, 3, 4))
+    assert cpu_list([3, 0, 1, 2, 8, 10, 9]) == "0-3,8-10"
+    with pytest.raises(ConfigError, match="--engine-cores shared"):
+        split_cores([0])

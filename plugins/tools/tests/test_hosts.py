@@ -227,3 +227,40 @@ def test_a_thread_can_enter_a_host_and_leave_it(hosts_factory: MakeHosts) -> Non
         c.sendall(b"ping")
         assert c.recv(64) == b"ping"
     assert Path("/proc/thread-self/ns/net").stat().st_ino == home  # back in this machine's own namespace
+
+
+# Prints what an engine pinning its model thread by NUMA node would read: kvbridge's view and vLLM's CPU platform's
+# (its node directories' `cpuN` entries), then the CPUs the process may run on.
+NODE_VIEW = """
+import json, os, subprocess
+from kvbridge.base import placement
+# what vLLM's CPU platform runs at start-up (it crashed on a view without the map and the links)
+subprocess.run(["lscpu", "--json", "--extended=CPU,CORE,NODE", "--online"], check=True, capture_output=True)
+node = "/sys/devices/system/node"
+dirs = sorted(d for d in os.listdir(node) if d.startswith("node") and d[4:].isdigit())
+cpus = {d: sorted(c for c in os.listdir(f"{node}/{d}") if c.startswith("cpu") and c[3:].isdigit()) for d in dirs}
+print(json.dumps([{k: sorted(v) for k, v in placement.numa_nodes().items()}, cpus, sorted(os.sched_getaffinity(0))]))
+"""
+
+
+def test_a_host_given_cpus_runs_there_and_shows_them_as_its_only_numa_node(hosts_factory: MakeHosts) -> None:
+    import json
+    import os
+
+    from kvbridge.base import placement
+    from kvbridge_tools.bench.link import split_cores
+
+    hosts = hosts_factory(["prefill", "decode"])
+    machine = sorted(os.sched_getaffinity(0))
+    mine = split_cores(machine)[0] if len(machine) > 1 else (machine[0],)
+    hosts["prefill"].cpus = mine
+    views = {}
+    for name in ("prefill", "decode"):
+        done = hosts[name].run([sys.executable, "-c", NODE_VIEW], capture_output=True, text=True, timeout=60)
+        views[name] = json.loads(done.stdout)
+    nodes, dirs, allowed = views["prefill"]
+    assert nodes == {"0": list(mine)} and dirs == {"node0": [f"cpu{c}" for c in mine]} and allowed == list(mine)
+    # a host without CPUs of its own, and this machine itself, keep the machine's nodes and every CPU
+    expected = {str(k): sorted(v) for k, v in placement.numa_nodes().items()}
+    assert expected and views["decode"][0] == expected and views["decode"][2] == machine
+    assert {str(k): sorted(v) for k, v in placement.numa_nodes().items()} == expected, "the machine's own is intact"

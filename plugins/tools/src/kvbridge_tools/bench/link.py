@@ -71,18 +71,40 @@ class Placed:
     hosts: Any = None  # the `kvbridge_tools.harness.hosts.Hosts` themselves, for a bench that starts servers there
 
 
+ENGINE_CORES = ("shared", "split")
+
+
+def split_cores(cpus: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The prefill host's CPUs and the decode host's, for `--engine-cores split`: each half of `cpus`."""
+    ordered = sorted(cpus)
+    if len(ordered) < 2:
+        raise ConfigError(
+            f"--engine-cores split gives the prefill and the decode host a core each; this process may run on "
+            f"{len(ordered)} CPU only: use --engine-cores shared"
+        )
+    half = len(ordered) // 2
+    return tuple(ordered[:half]), tuple(ordered[half:])
+
+
 @contextlib.contextmanager
-def placed(link: Link, also: Sequence[str] = ()) -> Iterator[Placed]:
+def placed(link: Link, also: Sequence[str] = (), engine_cores: str = "shared") -> Iterator[Placed]:
     """Two hosts, prefill and decode, with `link` between them; removed (processes too) on exit.
 
-    The hosts named in `also` are on the same bridge, unshaped.
+    The hosts named in `also` are on the same bridge, unshaped. `engine_cores`: "shared", every host runs on every
+    CPU and sees the machine's NUMA nodes (an engine that pins itself to a node's last core pins prefill and decode to
+    the same one); "split", the prefill host gets the first half of this process's CPUs as its own (`Host.cpus`) and
+    the decode host the rest, as two machines would; the hosts in `also` keep every CPU.
     """
     from kvbridge_tools.harness.hosts import Hosts, hosts_unavailable
 
     reason = hosts_unavailable()
     if reason:
         raise ConfigError(f"--hosts runs prefill and decode in network namespaces: {reason}")
+    if engine_cores not in ENGINE_CORES:
+        raise ConfigError(f"--engine-cores {engine_cores!r}: choose one of {', '.join(ENGINE_CORES)}")
     with Hosts(["prefill", "decode", *also], subnet=SUBNET) as hosts:
+        if engine_cores == "split":
+            hosts["prefill"].cpus, hosts["decode"].cpus = split_cores(sorted(os.sched_getaffinity(0)))
         if link.rate_bits:
             hosts.shape("prefill", link.rate_bits)  # one shaped link is the path's bottleneck
         if link.loss:

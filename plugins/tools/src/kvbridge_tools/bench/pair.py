@@ -164,7 +164,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     link = getattr(args, "link", None) or Link()
     with contextlib.ExitStack() as stack:
-        where = stack.enter_context(placed(link)) if getattr(args, "hosts", False) else None
+        where = (
+            stack.enter_context(placed(link, engine_cores=args.engine_cores)) if getattr(args, "hosts", False) else None
+        )
         result = _measure(
             args, where, common, requests, request_bytes, prefill_blocks, decode_blocks, src_plan, dst_plan
         )

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     link = getattr(args, "link", None) or Link()
     with (
         tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-hosts-") as tmp,
-        placed(link, also=("proxy", "client")) as where,
+        placed(link, also=("proxy", "client"), engine_cores=args.engine_cores) as where,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
         root = Path(tmp)

@@ -696,7 +696,7 @@ def run(args: argparse.Namespace) -> int:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvbridge-bench-load-"))
         placed = None
         if getattr(args, "hosts", False):
-            placed = stack.enter_context(hosts_for(link, also=("proxy", "client")))
+            placed = stack.enter_context(hosts_for(link, also=("proxy", "client"), engine_cores=args.engine_cores))
             # This thread (and the threads it starts: the serve bench's, the next system's start) runs on the
             # client host: the root namespace cannot reach the hosts.
             stack.enter_context(placed.hosts["client"].entered())
@@ -709,7 +709,11 @@ def run(args: argparse.Namespace) -> int:
         http = stack.enter_context(httpx.Client(timeout=30, trust_env=False))
         if getattr(args, "noise", None):
             # killed by PID whatever happens (registered before anything else can fail)
-            noise = NoiseProcs(args.noise, [placed.hosts["prefill"], placed.hosts["decode"]] if placed else [None])
+            # a neighbour's job runs on every CPU: on the engine hosts unless they have CPUs of their own
+            engines = [placed.hosts["prefill"], placed.hosts["decode"]] if placed else [None]
+            noise = NoiseProcs(
+                args.noise, [h for h in engines if not getattr(h, "cpus", ())] or [placed.hosts["proxy"]]
+            )
             stack.callback(noise.close)
         start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args, placed=placed)
         rounds = _rounds(systems, loads, start, resident=resident, ahead=args.start_ahead, slices=slices)
@@ -737,6 +741,7 @@ def run(args: argparse.Namespace) -> int:
         else {
             **{name: placed.address[name] for name in ("prefill", "decode", "proxy", "client")},
             "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+            "engine_cores": args.engine_cores,
         },
         "load_average": list(os.getloadavg()),
         "rows": rows,

@@ -65,6 +65,8 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--live-moves moves streams between decodes on namespace hosts; add --hosts")
     if getattr(args, "compare", None) is not None or getattr(args, "load", False):
         raise ConfigError("--live-moves measures kvbridge's moves alone; drop --compare and --load")
+    if getattr(args, "engine_cores", "shared") != "shared":
+        raise ConfigError("--live-moves runs three engines on two hosts' worth of CPUs: drop --engine-cores")
     if not 0 <= getattr(args, "engine_nice", 0) <= 19:
         raise ConfigError(f"--engine-nice takes 0 to 19 (nice steps), not {args.engine_nice}")
     if (getattr(args, "precopy_tail", None) or 0) < 0:

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.plan.presets import PRESETS
+from kvbridge_tools.bench.link import ENGINE_CORES
 
 # mode name -> module in kvbridge_tools.bench; each has add_arguments(group) and run(args) -> int
 MODES = {
@@ -87,6 +88,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="rate=10gbit[,loss=0.1%]",
         help="with --hosts: shape the prefill<->decode link to a rate (both ways) and drop a share of packets "
         "each way; the report gives each path's share of the rate",
+    )
+    p.add_argument(
+        "--engine-cores",
+        choices=ENGINE_CORES,
+        default="shared",
+        help="with --hosts: what each host's engine sees as its cores. shared (default): the machine's, so that "
+        "engines pinning their model thread to a NUMA node's last core (vLLM's NixlConnector on a CPU platform, "
+        "KVBridgeConnector's cpu_affinity: reserved) pin prefill and decode to the same one; split: the prefill "
+        "host sees the first half of the CPUs as its node and the decode host the rest, as separate machines "
+        "would (each engine then pins to its own; the other processes still run anywhere)",
     )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))

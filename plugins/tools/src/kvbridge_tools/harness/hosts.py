@@ -162,19 +162,60 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
+# Run inside `ip netns exec` (which gives each command a mount namespace of its own and a fresh /sys): lists the CPUs
+# $1 names (a mask in $2, each in $3) as the host's one NUMA node over the machine's own node files, as lscpu and an
+# engine read them (lscpu follows each cpuN link and needs the map and distance), then runs the rest of the command
+# on those CPUs only. Without a meminfo, vLLM sizes memory from the machine's totals, as on a host with no NUMA files.
+_OWN_CPUS = """set -e
+node=/sys/devices/system/node
+mount -t tmpfs -o size=64k,mode=755 kvbridge-node "$node"
+mkdir "$node/node0"
+for f in online possible has_cpu has_memory has_normal_memory; do echo 0 > "$node/$f"; done
+echo "$1" > "$node/node0/cpulist"
+echo "$2" > "$node/node0/cpumap"
+echo 10 > "$node/node0/distance"
+for cpu in $3; do ln -s "/sys/devices/system/cpu/cpu$cpu" "$node/node0/cpu$cpu"; done
+list=$1
+shift 3
+exec taskset -c "$list" "$@"
+"""
+
+
+def cpu_list(cpus: Iterable[int]) -> str:
+    """CPUs as Linux writes a list of them: `0-3,8`."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 @attrs.define
 class Host:
-    """One host: a network namespace with one address on the hosts' subnet and `lo` up."""
+    """One host: a network namespace with one address on the hosts' subnet and `lo` up.
+
+    `cpus`: where set, the host's own CPUs, as a machine of its own would have them: its processes run on them only
+    and see them as the machine's one NUMA node in /sys. An engine that pins its model thread to the last core of each
+    node (vLLM's NixlConnector on a CPU platform, KVBridgeConnector's `cpu_affinity: reserved`) then pins it to this
+    host's, not to the one core every host of this machine shares, and its other threads stay on this host's CPUs."""
 
     name: str
     netns: str
     address: str
     index: int
+    cpus: tuple[int, ...] = ()
     _procs: list[subprocess.Popen[Any]] = attrs.field(factory=list, repr=False)
 
     def command(self, args: Sequence[str]) -> list[str]:
-        """`args` prefixed so that it runs inside this host's namespace."""
-        return ["ip", "netns", "exec", self.netns, *args]
+        """`args` prefixed so that it runs inside this host's namespace (and on its own CPUs, where it has them)."""
+        prefix = ["ip", "netns", "exec", self.netns]
+        if self.cpus:
+            mask = f"{sum(1 << c for c in self.cpus):x}"
+            listed = " ".join(map(str, self.cpus))
+            prefix += ["sh", "-c", _OWN_CPUS, "kvbridge-host-cpus", cpu_list(self.cpus), mask, listed]
+        return [*prefix, *args]
 
     def popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `args` inside the host (a process group of its own); it is stopped when the hosts close."""

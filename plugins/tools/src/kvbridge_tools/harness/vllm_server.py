@@ -185,7 +185,14 @@ class Server:
             if pid not in trackers:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # a process SIGKILL does not end is held by the kernel: say where, not only that
+            raise RuntimeError(
+                f"server on port {self.port} (pid {self.proc.pid}) still alive 30s after SIGKILL; its group as the "
+                f"kernel sees it:\n{_kernel_states(_group_members(self.proc.pid) or [self.proc.pid])}"
+            ) from None
         deadline = time.monotonic() + 10  # a tracker exits once every process it served is gone
         while set(_group_members(self.proc.pid)) & trackers and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -217,6 +224,27 @@ def _group_members(pgid: int) -> list[int]:
         if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
             members.append(int(stat.parent.name))
     return members
+
+
+def _kernel_states(pids: Sequence[int]) -> str:
+    """Each process's name, state, wait channel and kernel stack (root reads the stack), one block each."""
+    lines = []
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        try:
+            stat = (proc / "stat").read_text()
+            wchan = (proc / "wchan").read_text().strip()
+        except OSError:
+            lines.append(f"pid {pid}: gone")
+            continue
+        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
+        try:
+            stack = (proc / "stack").read_text().strip().replace("\n", " <- ")
+        except OSError:
+            stack = "not readable"
+        waits = wchan if wchan not in ("", "0") else "-"
+        lines.append(f"pid {pid} ({name}): state {state}, waiting in {waits}; kernel stack: {stack}")
+    return "\n".join(lines)
 
 
 def _is_resource_tracker(pid: int) -> bool:
