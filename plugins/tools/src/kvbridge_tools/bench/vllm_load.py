@@ -709,11 +709,7 @@ def run(args: argparse.Namespace) -> int:
         http = stack.enter_context(httpx.Client(timeout=30, trust_env=False))
         if getattr(args, "noise", None):
             # killed by PID whatever happens (registered before anything else can fail)
-            # a neighbour's job runs on every CPU: on the engine hosts unless they have CPUs of their own
-            engines = [placed.hosts["prefill"], placed.hosts["decode"]] if placed else [None]
-            noise = NoiseProcs(
-                args.noise, [h for h in engines if not getattr(h, "cpus", ())] or [placed.hosts["proxy"]]
-            )
+            noise = NoiseProcs(args.noise, _noise_hosts(placed))
             stack.callback(noise.close)
         start = functools.partial(_start, model_dir=model_dir, logs=logs, max_len=max_len, args=args, placed=placed)
         rounds = _rounds(systems, loads, start, resident=resident, ahead=args.start_ahead, slices=slices)
@@ -754,6 +750,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_report(report)
     return 0
+
+
+def _noise_hosts(placed: Placed | None) -> list[Any]:
+    """Where `--noise` starts: the engine hosts, unless they have CPUs of their own (noise runs on every CPU)."""
+    if placed is None:
+        return [None]
+    engines = [placed.hosts["prefill"], placed.hosts["decode"]]
+    return [h for h in engines if not h.cpus] or [placed.hosts["proxy"]]
 
 
 def _side_channel_cell(r: dict[str, Any]) -> str:
