@@ -69,9 +69,10 @@ class Placed:
     address: dict[str, str]
     env: dict[str, str]
     hosts: Any = None  # the `kvbridge_tools.harness.hosts.Hosts` themselves, for a bench that starts servers there
+    engine_cores: str = "shared"  # as run: `--engine-cores`, or what its default came to
 
 
-ENGINE_CORES = ("shared", "split")
+ENGINE_CORES = ("split", "shared")
 
 
 def split_cores(cpus: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -87,24 +88,28 @@ def split_cores(cpus: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 @contextlib.contextmanager
-def placed(link: Link, also: Sequence[str] = (), engine_cores: str = "shared") -> Iterator[Placed]:
+def placed(link: Link, also: Sequence[str] = (), engine_cores: str | None = None) -> Iterator[Placed]:
     """Two hosts, prefill and decode, with `link` between them; removed (processes too) on exit.
 
-    The hosts named in `also` are on the same bridge, unshaped. `engine_cores`: "shared", every host runs on every
-    CPU and sees the machine's NUMA nodes (an engine that pins itself to a node's last core pins prefill and decode to
-    the same one); "split", the prefill host gets the first half of this process's CPUs as its own (`Host.cpus`) and
-    the decode host the rest, as two machines would; the hosts in `also` keep every CPU.
+    The hosts named in `also` are on the same bridge, unshaped. `engine_cores`: "split", the prefill host gets the
+    first half of this process's CPUs as its own (`Host.cpus`) and the decode host the rest, as two machines would;
+    "shared", every host runs on every CPU and sees the machine's NUMA nodes (an engine that pins itself to a node's
+    last core pins prefill and decode to the same one); None, split where this process has two CPUs or more. The
+    hosts in `also` keep every CPU.
     """
     from kvbridge_tools.harness.hosts import Hosts, hosts_unavailable
 
     reason = hosts_unavailable()
     if reason:
         raise ConfigError(f"--hosts runs prefill and decode in network namespaces: {reason}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if engine_cores is None:  # prefill and decode are two machines; one CPU cannot be two
+        engine_cores = "split" if len(cpus) >= 2 else "shared"
     if engine_cores not in ENGINE_CORES:
         raise ConfigError(f"--engine-cores {engine_cores!r}: choose one of {', '.join(ENGINE_CORES)}")
     with Hosts(["prefill", "decode", *also], subnet=SUBNET) as hosts:
         if engine_cores == "split":
-            hosts["prefill"].cpus, hosts["decode"].cpus = split_cores(sorted(os.sched_getaffinity(0)))
+            hosts["prefill"].cpus, hosts["decode"].cpus = split_cores(cpus)
         if link.rate_bits:
             hosts.shape("prefill", link.rate_bits)  # one shaped link is the path's bottleneck
         if link.loss:
@@ -121,6 +126,7 @@ def placed(link: Link, also: Sequence[str] = (), engine_cores: str = "shared") -
             address={h.name: h.address for h in hosts},
             env=env,
             hosts=hosts,
+            engine_cores=engine_cores,
         )
 
 

@@ -737,7 +737,7 @@ def run(args: argparse.Namespace) -> int:
         else {
             **{name: placed.address[name] for name in ("prefill", "decode", "proxy", "client")},
             "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
-            "engine_cores": args.engine_cores,
+            "engine_cores": placed.engine_cores,
         },
         "load_average": list(os.getloadavg()),
         "rows": rows,

@@ -65,7 +65,7 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--live-moves moves streams between decodes on namespace hosts; add --hosts")
     if getattr(args, "compare", None) is not None or getattr(args, "load", False):
         raise ConfigError("--live-moves measures kvbridge's moves alone; drop --compare and --load")
-    if getattr(args, "engine_cores", "shared") != "shared":
+    if getattr(args, "engine_cores", None) == "split":
         raise ConfigError("--live-moves runs three engines on two hosts' worth of CPUs: drop --engine-cores")
     if not 0 <= getattr(args, "engine_nice", 0) <= 19:
         raise ConfigError(f"--engine-nice takes 0 to 19 (nice steps), not {args.engine_nice}")
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     moves = [m for m in (args.moves or MOVES)]
     with (
         tempfile.TemporaryDirectory(prefix="kvbridge-bench-moves-") as tmp,
-        placed(link, also=("decode_b", "registry", "proxy", "client")) as where,
+        placed(link, also=("decode_b", "registry", "proxy", "client"), engine_cores="shared") as where,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
         root = Path(tmp)

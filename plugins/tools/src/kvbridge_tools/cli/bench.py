@@ -92,12 +92,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engine-cores",
         choices=ENGINE_CORES,
-        default="shared",
-        help="with --hosts: what each host's engine sees as its cores. shared (default): the machine's, so that "
-        "engines pinning their model thread to a NUMA node's last core (vLLM's NixlConnector on a CPU platform, "
-        "KVBridgeConnector's cpu_affinity: reserved) pin prefill and decode to the same one; split: the prefill "
-        "host sees the first half of the CPUs as its node and the decode host the rest, as separate machines "
-        "would (each engine then pins to its own; the other processes still run anywhere)",
+        default=None,
+        help="with --hosts: which CPUs each engine host has. split (the default where there are two CPUs or more; "
+        "not with --live-moves, whose three engines share them): the prefill host has the first half of the CPUs "
+        "as its own, seen as its one NUMA node, and the decode host the rest, as two machines would (the proxy, "
+        "the client and --noise run on every CPU); shared: every host sees and runs on the machine's CPUs, so "
+        "engines that pin their model thread to a NUMA node's last core (vLLM's NixlConnector on a CPU platform, "
+        "KVBridgeConnector's cpu_affinity: reserved) pin prefill and decode to the same one",
     )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
