@@ -217,9 +217,12 @@ class Dispatcher:
         watcher = self._watcher(msg, peer_host)
         key = self._hold_reader(msg)
         status = self.ledger.begin(msg.request_id, msg.decode_rank, watcher, msg.expected_pulls, blocks=msg.blocks)
-        if key is not None and not status.valid:
-            self.release_readers(msg.request_id)
-        return attrs.evolve(status, waited_ms=round(waited_s * 1e3, 3)) if waited_s else status
+        if not status.valid:
+            if key is not None:
+                self.release_readers(msg.request_id)
+            return attrs.evolve(status, waited_ms=round(waited_s * 1e3, 3))
+        # admitted from now to the lease's end, then for the grace (also true where no card was needed: permanent)
+        return attrs.evolve(status, waited_ms=round(waited_s * 1e3, 3), admitted_s=netguard.ADMISSION.grace_s)
 
     def _check_card(self, card: PeerCard | None, sender: str) -> None:
         """A BeginPull's card must be its sender's own, and fresh (it was signed with the frame)."""

@@ -219,6 +219,10 @@ class LeaseStatus:
     # `remaining_s`, whatever else happens to the lease: a read that ended within that time read intact
     # bytes, whether or not its DONE has been answered yet.
     reads_held: bool = False
+    # A valid answer's reader stays admitted to this rank's transport listeners at least this long from the answer
+    # (the lease ends no sooner, and the admission's grace follows it): a reader asking again within that time may
+    # start its read before the answer, and use it only once the answer says its lease held.
+    admitted_s: float = 0.0
 
 
 # A stream's version when it starts: a reader that asks with this `seen` is held until the prefill first

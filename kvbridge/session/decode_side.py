@@ -103,8 +103,9 @@ class DecodeSide:
                     # the control round trips before the transfer, less the wait for prefill's offer
                     "control_ms": max(0.0, machine.ms(PullState.RESOLVING, PullState.READING) - offer_wait),
                     "transfer_ms": machine.ms(PullState.READING, PullState.LANDING),
-                    # confirming the read (the DONEs' answers, unless the prefill's hold covered it)
-                    "done_ms": machine.ms(PullState.LANDING, PullState.DONE),
+                    # confirming the read (the DONEs' answers, unless the prefill's hold covered it); a read first
+                    # waits from landing to confirming for its BeginPulls' answers (`begin_ms`)
+                    "done_ms": machine.ms(PullState.CONFIRMING, PullState.DONE),
                 }
                 timing.update({k: round(v, 3) for k, v in {**phases, **machine.parts}.items()})
                 # recorded before the engine can hear of the request, so a reader of the stats then sees it

@@ -51,10 +51,13 @@ class PullMachine:
         self._lock = threading.Lock()  # the transport's thread may end a pull the caller's thread began
         log.debug("request %s (%s): %s", request_id, kind, self.state.value)
 
-    def to(self, state: PullState) -> None:
-        """Move to the next state; raises RuntimeError on a transition the diagram has not (a bug)."""
+    def to(self, state: PullState, *, leasing: bool = False) -> None:
+        """Move to the next state; raises RuntimeError on a transition the diagram has not (a bug).
+
+        `leasing`: resolving -> reading, the leases asked for while the read runs (a read first)."""
         with self._lock:
-            if _NEXT.get(self.state) is not state or state in TERMINAL:
+            skip = leasing and self.state is PullState.RESOLVING and state is PullState.READING
+            if (_NEXT.get(self.state) is not state and not skip) or state in TERMINAL:
                 raise RuntimeError(f"request {self.request_id}: no transition {self.state.value} -> {state.value}")
             self._enter(state)
 

@@ -22,10 +22,11 @@ from kvbridge.control.discovery import DiscoveryRegistry, resolve
 from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.topology import ParallelConfig, Plan
-from kvbridge.session.layers import LayerReader
+from kvbridge.session.layers import LayerReader, settle
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Recorder
 from kvbridge.session.pull import Leases, Release, Session
+from kvbridge.session.read_first import Admitted, HeldRead
 from kvbridge.session.releases import OwedReleases
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,14 @@ class PullControl:
         ready_timeout_s: float = 30.0,
         timeout_s: float = CONTROL_TIMEOUT_S,
         stats: Recorder | None = None,
+        read_first: bool = True,
     ) -> None:
-        """`stats` records the time of the DONEs sent after a pull was reported (the rest: `DecodeSide`)."""
+        """`stats` records the time of the DONEs sent after a pull was reported (the rest: `DecodeSide`).
+
+        `read_first`: a whole-request pull from a prefill rank that still admits this reader starts its read with
+        its BeginPull in flight, and uses it only once the answer says the lease held (docs/internals.md)."""
         self.agent = agent
+        self.read_first = read_first
         self.stats = stats
         self.server = server
         self.name = f"{agent.engine_id}/{agent.rank}"
@@ -92,6 +98,7 @@ class PullControl:
         self.ready_timeout_s = ready_timeout_s
         self.clients = ClientPool(secret=secret, timeout_s=timeout_s, sender=self.name)
         self._infos: dict[str, RankInfo] = {}  # side channel url -> its rank
+        self._admitted = Admitted()
         self._local_ids: dict[str, str] = {}  # prefill request id -> this engine's request id, while pulling
         self._lock = threading.Lock()
         self._later: ThreadPoolExecutor | None = None  # DONEs of reads already reported
@@ -111,6 +118,7 @@ class PullControl:
             info = client.get_info(wait_s=self.ready_timeout_s)
             with self._lock:
                 self._infos[client.url] = info
+            self._admitted.forget(client.url)  # another engine, or none known: nothing admits this reader yet
         if engine_id is not None and info.engine_id != engine_id:  # a stale address: not the blocks asked for
             raise LoadError(
                 f"request {rid!r}: side channel {client.url} serves engine {info.engine_id!r}, not "
@@ -136,15 +144,17 @@ class PullControl:
         check: Callable[[int, ControlClient, RankInfo], None] | None = None,
         take: tuple[int, int] = (0, 0),
         cancelled: threading.Event | None = None,
+        reading: bool = False,
     ) -> None:
         """Resolving -> leased: each rank's side channel and RankInfo (checked), BeginPull. See docs/internals.md.
 
-        `cancelled`: decode dropped the request; a BeginPull still waiting for its answer stops waiting."""
+        `cancelled`: decode dropped the request; a BeginPull still waiting for its answer stops waiting. `reading`:
+        the read began first (`_warm`): the state stays, and `begin_ms` is the wait for the answers the read left."""
         waited = contact = begin = 0.0
         for rank in s.ranks:
             found = time.monotonic()
-            client = self._client(s.params, rank)
-            info = self._info(client, s.params.remote_engine_id, s.rid)
+            client = s.clients[rank] if rank in s.clients else self._client(s.params, rank)
+            info = s.infos[rank] if rank in s.infos else self._info(client, s.params.remote_engine_id, s.rid)
             if check is not None:
                 check(rank, client, info)
             s.clients[rank], s.infos[rank] = client, info
@@ -161,6 +171,7 @@ class PullControl:
                 cancelled=cancelled,
             )
             s.leases[rank] = (client, status.epoch, count)
+            self._admitted.answered(client.url, asked, status)
             if whole and s.params.lease_blocks:
                 s.params = attrs.evolve(s.params, remote_block_ids=[lease_share(s.rid, client.url, status, *take)])
             if whole:
@@ -170,7 +181,27 @@ class PullControl:
         # first contact (the side channel's address, GetInfo); BeginPull less its wait for prefill's offer
         s.machine.parts.update(contact_ms=round(contact * 1e3, 3), begin_ms=round(max(0.0, begin * 1e3 - waited), 3))
         s.machine.offer_wait_ms = waited
-        s.machine.to(PullState.LEASED)
+        if not reading:
+            s.machine.to(PullState.LEASED)
+        else:
+            landed = s.machine.at.get(PullState.LANDING)
+            s.machine.parts["begin_ms"] = 0.0 if landed is None else round((time.perf_counter() - landed) * 1e3, 3)
+
+    def _warm(self, s: Session) -> bool:
+        """Whether `s` may read before its BeginPulls' answers (their clients and infos then in `s`).
+
+        Every rank it reads must be known, be the engine the params name, and admit this reader for a while yet."""
+        if not self.read_first or s.params.lease_blocks or not s.params.remote_engine_id:
+            return False  # a moved request's blocks are named only in its lease's answer
+        clients = {rank: self._client(s.params, rank) for rank in s.ranks}
+        with self._lock:
+            infos = {rank: self._infos.get(c.url) for rank, c in clients.items()}
+        for rank, info in infos.items():
+            url = clients[rank].url
+            if info is None or info.engine_id != s.params.remote_engine_id or not self._admitted.admits(url):
+                return False
+            s.clients[rank], s.infos[rank] = clients[rank], info
+        return True
 
     def _confirm(self, s: Session, error: BaseException | None) -> BaseException | None:
         """Landing -> confirming -> done / fenced / failed: the DONE rule, for every pull. See docs/internals.md."""
@@ -178,6 +209,7 @@ class PullControl:
         if error is not None:
             with self._lock:  # a stale endpoint (a restarted prefill) is fetched again next time
                 self._infos.clear()
+            self._admitted.forget()
         if error is None and time.monotonic() < s.held_until:
             self._send_later(s)
         else:
@@ -223,34 +255,57 @@ class PullControl:
         tokens = int(params.remote_num_tokens or 0)
         s: Session | None = None
 
-        def finished(result: PullResult) -> None:
-            assert s is not None
+        def landed(result: PullResult) -> None:
             machine.nbytes, machine.descriptors, machine.retries = result.nbytes, result.descriptors, result.retries
             machine.to(PullState.LANDING)  # the agent landed what it read before calling back
+
+        def confirm(result: PullResult) -> None:
+            assert s is not None
             error = self._confirm(s, result.error)
             if on_finished is not None:
                 on_finished(request_id, error)
 
+        def finished(result: PullResult) -> None:
+            landed(result)
+            confirm(result)
+
         with self._lock:
             self._local_ids[str(params.remote_request_id)] = request_id
+        handle: PullHandle | None = None
+        gate: HeldRead | None = None
         try:
             s = self._session(machine, params, tokens)
+            if self._warm(s):
+                gate = HeldRead(landed, confirm)
+                machine.to(PullState.READING, leasing=True)
+                handle = self._read(s, local_blocks, tokens, gate.read)
+                self._begin(s, whole=True, reading=True)
+                gate.leased()
+                return handle
             self._begin(s, whole=True, take=(skip, len(local_blocks)))
             machine.to(PullState.READING)
-            infos = [s.infos[r] for r in s.ranks]
-            handle = self.agent.pull(
-                s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=finished, plan=s.plan
-            )
-            for h in handle.handles:  # each transfer that ends is progress (the stall watchdog)
-                h.add_done_callback(lambda _h: machine.beat.busy())
-            return handle
+            return self._read(s, local_blocks, tokens, finished)
         except BaseException as exc:
             if s is None:
                 self._forget(str(params.remote_request_id))
                 machine.end(exc)
+            elif gate is not None:  # a read begun first: it must end before decode recomputes or reuses the blocks
+                gate.failed()
+                if handle is not None:
+                    settle(handle.handles, self.clients.timeout_s)
+                self._abandon(s, exc)
             elif machine.state in (PullState.RESOLVING, PullState.LEASED, PullState.READING):
                 self._abandon(s, exc)
             raise
+
+    def _read(
+        self, s: Session, local_blocks: Sequence[int], tokens: int, on_done: Callable[[PullResult], None]
+    ) -> PullHandle:
+        infos = [s.infos[r] for r in s.ranks]
+        handle = self.agent.pull(s.rid, infos, s.params.block_ids, local_blocks, tokens, on_done=on_done, plan=s.plan)
+        for h in handle.handles:  # each transfer that ends is progress (the stall watchdog)
+            h.add_done_callback(lambda _h: s.machine.beat.busy())
+        return handle
 
     # -- layer-wise pulls ------------------------------------------------------------------------
 

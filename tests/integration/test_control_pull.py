@@ -337,3 +337,97 @@ def test_a_read_that_makes_no_progress_gets_every_stack_dumped_once(
     assert pair.outcomes == [("local-r9", None)] and machine.state is PullState.DONE
     (dump,) = dumps()
     assert "in _delayed" in dump and "time.sleep(delay)" in dump, "the frame the read waits in is named"
+
+
+class HeldBeginLedger(Ledger):
+    """A real ledger whose BeginPulls wait while `answer` is clear (a prefill rank busy or far away)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.answer = threading.Event()
+        self.answer.set()
+
+    def begin(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        assert self.answer.wait(10)
+        return super().begin(*args, **kwargs)
+
+
+def _pulled(pair: Pair, rid: str) -> PullMachine:
+    """Offer `rid`, pull it, wait for its release: the pair is warm."""
+    pair.ledger.offer(rid, [1, 2, 3], expected_pulls=1)
+    machine = PullMachine(f"local-{rid}", "pull")
+    pair.start(rid, machine).wait(10)
+    wait_for(lambda: (rid, LeaseState.RELEASED) in pair.released, what="release")
+    return machine
+
+
+def test_a_read_from_a_rank_that_admits_the_reader_starts_before_its_begin_pull_is_answered() -> None:
+    """First contact waits for the answer; the next read starts with its BeginPull in flight.
+
+    It is reported only once the answer says the lease held."""
+    pair = Pair(ledger=HeldBeginLedger)
+    try:
+        pair.p_server.register(pair.prefill.info())
+        first = _pulled(pair, "r1")
+        assert PullState.LEASED in first.at, "nothing admitted this reader yet: the answer first"
+        pair.d_buf[:] = 0
+        pair.ledger.offer("r2", [1, 2, 3], expected_pulls=1)
+        pair.ledger.answer.clear()
+        second = PullMachine("local-r2", "pull")
+        handles: list = []
+        starter = threading.Thread(target=lambda: handles.append(pair.start("r2", second)))
+        starter.start()
+        wait_for(lambda: second.state is PullState.LANDING, what="the read to land while its BeginPull waits")
+        assert pair.d_buf.any() and pair.outcomes == [("local-r1", None)], "landed, not reported before the answer"
+        pair.ledger.answer.set()
+        starter.join(10)
+        handles[0].wait(10)
+        assert pair.outcomes[-1] == ("local-r2", None) and second.state is PullState.DONE
+        assert PullState.LEASED not in second.at and second.parts["begin_ms"] > 0, "the answer came after the read"
+        wait_for(lambda: ("r2", LeaseState.RELEASED) in pair.released, what="release")
+    finally:
+        pair.ledger.answer.set()
+        pair.close()
+
+
+def test_a_read_begun_first_whose_lease_did_not_hold_is_recomputed_after_it_ended(pair: Pair) -> None:
+    pair.p_server.register(pair.prefill.info())
+    _pulled(pair, "r1")
+    pair.d_buf[:] = 0
+    pair.ledger.offer("r2", [1, 2, 3], expected_pulls=1)
+    pair.p_server.abort("r2", reason="prefill engine dropped it")  # its blocks may be reused from now
+    pair.decode.backend.inject(delay=0.5)  # the read outlasts the answer
+    machine = PullMachine("local-r2", "pull")
+    with pytest.raises(LoadError, match="no active lease"):
+        pair.start("r2", machine)
+    assert pair.d_buf.any(), "the failure is reported only once the read begun first has ended"
+    assert machine.state is PullState.FENCED and PullState.READING in machine.at and PullState.LEASED not in machine.at
+    assert pair.outcomes == [("local-r1", None)], "what it read is never reported as loaded"
+    assert pair.control.local_id("r2") is None
+
+
+def test_a_reader_reads_first_only_while_it_is_surely_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the time the last answer said the rank admits this reader, or with `read_first` off: the answer first.
+
+    That time is the lease's end plus the admission's grace (`admit_grace`)."""
+    from kvbridge.session.read_first import READ_FIRST_MARGIN_S
+    from kvbridge.transport import netguard
+
+    monkeypatch.setattr(netguard.ADMISSION, "grace_s", 3.0)
+    pair = Pair()
+    try:
+        pair.p_server.register(pair.prefill.info())
+        _pulled(pair, "r1")
+        url = pair.control.clients.get(*pair.p_server.address).url
+        assert PullState.LEASED not in _pulled(pair, "r2").at
+        wait_for(
+            lambda: time.monotonic() > pair.control._admitted._until[url] - READ_FIRST_MARGIN_S,
+            what="the admission to near its end",
+        )
+        assert PullState.LEASED in _pulled(pair, "r3").at, "admission may end during the read: the answer first"
+        assert PullState.LEASED not in _pulled(pair, "r4").at, "r3's answer admitted it again"
+        pair.control.read_first = False
+        assert PullState.LEASED in _pulled(pair, "r5").at
+        assert [e for _r, e in pair.outcomes] == [None] * 5
+    finally:
+        pair.close()

@@ -126,8 +126,9 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # 16,710 with the release DONEs a decode owes a prefill rank that was silent (session/releases.py); 16,847 with the
 # lease id a proxy gives a pull-mode prefill request (session/requests.py: a client that leaves during prefill leaves
 # no lease), a BeginPull that a dropped stream calls off (control/client.py) and a drain that names what it waits for
-# (session/holding.py).
-LIBRARY_LINES = 16_900
+# (session/holding.py); 17,049 with reads begun before their BeginPull's answer where the prefill rank still admits the
+# reader (session/read_first.py: the answer's round trip left a request's time to first token).
+LIBRARY_LINES = 17_100
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:

@@ -58,6 +58,7 @@ class Settings:
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    read_first: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     idle_wait_ms: float = attrs.field(default=2.0, converter=float, validator=_finite(0.0, 60_000.0))
     stream_idle_wait_ms: float | None = attrs.field(
         default=None, converter=attrs.converters.optional(float), validator=_finite(0.0, 60_000.0)

@@ -189,6 +189,7 @@ class WorkerSide:
             secret=s.secret,
             ready_timeout_s=s.pull_timeout_s,
             timeout_s=min(s.pull_timeout_s, CONTROL_TIMEOUT_S),
+            read_first=s.read_first,
         )
         self.decode = DecodeSide(
             control,
