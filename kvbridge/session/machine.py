@@ -46,6 +46,7 @@ class PullMachine:
         self.nbytes = self.descriptors = self.retries = 0
         self.offer_wait_ms = 0.0
         self.parts: dict[str, float] = {}  # ms of the side channel's steps: contact_ms, begin_ms
+        self.read_first = False  # reading began before the BeginPulls were answered (`to(..., leasing=True)`)
         # busy() on progress (and each side-channel answer on this thread); forgotten at its end
         self.beat = watchdog.watch(f"pull of {request_id} ({kind})", this_thread=True)
         self._lock = threading.Lock()  # the transport's thread may end a pull the caller's thread began
@@ -59,6 +60,7 @@ class PullMachine:
             skip = leasing and self.state is PullState.RESOLVING and state is PullState.READING
             if (_NEXT.get(self.state) is not state and not skip) or state in TERMINAL:
                 raise RuntimeError(f"request {self.request_id}: no transition {self.state.value} -> {state.value}")
+            self.read_first = self.read_first or skip
             self._enter(state)
 
     def end(self, error: BaseException | None) -> PullState:

@@ -149,7 +149,7 @@ class PullControl:
         """Resolving -> leased: each rank's side channel and RankInfo (checked), BeginPull. See docs/internals.md.
 
         `cancelled`: decode dropped the request; a BeginPull still waiting for its answer stops waiting. `reading`:
-        the read began first (`_warm`): the state stays, and `begin_ms` is the wait for the answers the read left."""
+        the read began first (`_warm`): the state stays."""
         waited = contact = begin = 0.0
         for rank in s.ranks:
             found = time.monotonic()
@@ -183,9 +183,6 @@ class PullControl:
         s.machine.offer_wait_ms = waited
         if not reading:
             s.machine.to(PullState.LEASED)
-        else:
-            landed = s.machine.at.get(PullState.LANDING)
-            s.machine.parts["begin_ms"] = 0.0 if landed is None else round((time.perf_counter() - landed) * 1e3, 3)
 
     def _warm(self, s: Session) -> bool:
         """Whether `s` may read before its BeginPulls' answers (their clients and infos then in `s`).
