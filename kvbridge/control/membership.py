@@ -112,15 +112,22 @@ class Announcer:
 
 
 @functools.cache  # registered once per process
-def freeze_heap_at_exit() -> None:
-    """At this process's exit, freeze what is left instead of collecting it (an engine calls it as it shuts down).
-
-    An exiting process gains nothing from the interpreter's final full collections, and over an engine's heap (torch,
-    the model) they take seconds each on a loaded host (docs/measurements/drain.md): enough for a drained vLLM worker to
-    outlive vLLM's 5 s grace and its engine core the shutdown timeout. atexit runs after the engine's own shutdown,
-    right before them.
-    """
+def _freeze_at_exit() -> None:
     atexit.register(gc.freeze)
+
+
+def freeze_heap_for_exit() -> None:
+    """Freeze this process's heap now and again at its exit: an engine calls it as it shuts down, to end.
+
+    An exiting process gains nothing from full collections over an engine's heap (torch, the model), and on a loaded
+    host each takes seconds (docs/measurements/drain.md): enough for a drained vLLM worker to outlive vLLM's 5 s grace
+    and its engine core the shutdown timeout. Frozen now, the heap is skipped by the collection vLLM runs right after
+    the connector's shutdown (its model runner's); vLLM's engine core unfreezes it again before its own last
+    collection, which an engine run in-process relies on to free the model, and which stays. atexit runs after the
+    engine's own shutdown, right before the interpreter's final collections: frozen again there, they skip it too.
+    """
+    gc.freeze()
+    _freeze_at_exit()
 
 
 class SigtermDrain:

@@ -1018,8 +1018,11 @@ def test_a_move_pull_task_skips_what_decode_holds_without_naming_blocks() -> Non
     assert (whole.skip, whole.params.remote_num_tokens) == (0, 3 * BLOCK + 2)
 
 
-def test_a_connector_shut_down_freezes_the_heap_at_exit_instead_of_collecting_it() -> None:
-    """Issue 42: an engine core or worker whose connector shut down skips the interpreter's final collections."""
+def test_a_connector_shut_down_freezes_the_heap_now_and_at_exit_instead_of_collecting_it() -> None:
+    """Issue 42: a connector's shutdown spares its exiting process vLLM's next and the interpreter's final collections.
+
+    vLLM's engine core unfreezes the heap before its own last collection, which then frees it all.
+    """
     import subprocess
     import sys
 
@@ -1027,11 +1030,14 @@ def test_a_connector_shut_down_freezes_the_heap_at_exit_instead_of_collecting_it
         "import atexit, gc, os\n"
         # registered first, so it runs last: after the connector's hook, right before the final collections
         "atexit.register(lambda: os.write(1, b'frozen %d' % gc.get_freeze_count()))\n"
-        "from kvbridge.control.membership import freeze_heap_at_exit\n"
+        "from kvbridge.control.membership import freeze_heap_for_exit\n"
         "before = atexit._ncallbacks()\n"
-        "freeze_heap_at_exit()\n"
-        "freeze_heap_at_exit()\n"  # a second shutdown in the process registers nothing more
+        "freeze_heap_for_exit()\n"
+        "assert gc.get_freeze_count() > 0\n"  # vLLM's model runner collects right after the connector's shutdown
+        "gc.unfreeze()\n"  # as vLLM's engine core does before its last collection
+        "freeze_heap_for_exit()\n"  # a second shutdown in the process registers nothing more
         "assert atexit._ncallbacks() == before + 1, (before, atexit._ncallbacks())\n"
+        "gc.unfreeze()\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -24,7 +24,7 @@ from kvbridge.adapters.vllm.stats import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.adapters.vllm.worker import WorkerSide
 from kvbridge.base import placement
 from kvbridge.base.nativelog import quiet_native_logs
-from kvbridge.control.membership import freeze_heap_at_exit
+from kvbridge.control.membership import freeze_heap_for_exit
 
 if TYPE_CHECKING:
     import torch
@@ -201,7 +201,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        freeze_heap_at_exit()  # vLLM calls this as its engine core or worker shuts down: that process is ending
+        freeze_heap_for_exit()  # vLLM calls this as its engine core or worker shuts down: that process is ending
         if self._membership is not None:
             self._membership.close()
         if self._scheduler is not None:
