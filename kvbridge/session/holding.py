@@ -34,6 +34,10 @@ class Holding:
             self._held[request_id] = ((params or {}).get("remote_request_id", ""), self._clock())
         return held, params
 
+    def drains(self) -> bool:
+        """Whether the engine drains (SIGTERM or a drain order, where it is in a registry)."""
+        return self.draining is not None and self.draining.is_set()
+
     def __len__(self) -> int:
         return len(self._held)
 
@@ -43,7 +47,7 @@ class Holding:
 
     def report(self) -> None:
         """While draining: one line naming the oldest hold and how many there are, every `DRAIN_REPORT_S`."""
-        if self.draining is None or not self.draining.is_set() or not self._held:
+        if not self.drains() or not self._held:
             return
         now = self._clock()
         if now - self._reported < DRAIN_REPORT_S:

@@ -549,6 +549,47 @@ def test_worker_request_decode_will_not_read_is_aborted_on_prefill(workers: Work
     assert workers.prefill.ledger.state("p6") is LeaseState.ABORTED
 
 
+def test_a_request_refused_while_the_decode_drains_keeps_its_prefill_lease_for_the_next_decode(
+    workers: Workers,
+) -> None:
+    """While the decode drains, a refused request's prefill lease waits for the decode the proxy sends it to next.
+
+    A draining vLLM API server refuses every request (500) and has the connector free the prefill's blocks, by a
+    pre-aborted request (`abort_immediately`); the proxy sends the same lease to the next decode, which pulls it.
+    Not draining, the refusal releases it, as before.
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    decode = _scheduler("kv_consumer", "decode", free_port())
+
+    def refused(rid: str, lease: str) -> object:
+        request = Request(rid, [0], SamplingParams(max_tokens=1), None, abort_immediately=True)
+        request.kv_transfer_params = workers.params(lease, [1, 2])
+        request.status = RequestStatus.FINISHED_ABORTED
+        assert decode.request_finished(request, []) == (False, None)
+        return decode.build_connector_meta(None)
+
+    try:
+        workers.offer("p30", [1, 2])
+        workers.offer("p31", [1, 2])
+        decode.holding.draining = threading.Event()
+        decode.holding.draining.set()
+        assert refused("r30", "p30").pulls == []
+        workers.pull("d30", workers.params("p30", [1, 2]), [6, 7])  # the next decode
+        workers.wait_recved("d30")
+        workers.wait_sent("p30")
+        assert workers.decode.get_block_ids_with_load_errors() == set()
+        decode.holding.draining.clear()  # not draining: a refusal frees the prefill's blocks at once
+        meta = refused("r31", "p31")
+        assert [t.params.remote_request_id for t in meta.pulls] == ["p31"]
+        workers.decode.start_load_kv(meta)
+        workers.wait_sent("p31")
+        assert workers.prefill.ledger.state("p31") is LeaseState.ABORTED
+    finally:
+        decode.shutdown()
+
+
 def test_worker_shared_secret(tmp_path: Path) -> None:
     secret, other = tmp_path / "secret", tmp_path / "other"
     secret.write_text("s3cret-" + "x" * 16)
