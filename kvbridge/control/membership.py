@@ -111,22 +111,28 @@ class Announcer:
         self.registry.close()
 
 
+# Set once this process was told to stop (SIGTERM or a drain order, `SigtermDrain`): its engine's shutdown ends it.
+_STOPPING = threading.Event()
+
+
 @functools.cache  # registered once per process
 def _freeze_at_exit() -> None:
     atexit.register(gc.freeze)
 
 
 def freeze_heap_for_exit() -> None:
-    """Freeze this process's heap now and again at its exit: an engine calls it as it shuts down, to end.
+    """Freeze the heap at this process's exit, and at once if it was told to stop (an engine's shutdown calls it).
 
     An exiting process gains nothing from full collections over an engine's heap (torch, the model), and on a loaded
     host each takes seconds (docs/measurements/drain.md): enough for a drained vLLM worker to outlive vLLM's 5 s grace
-    and its engine core the shutdown timeout. Frozen now, the heap is skipped by the collection vLLM runs right after
-    the connector's shutdown (its model runner's); vLLM's engine core unfreezes it again before its own last
-    collection, which an engine run in-process relies on to free the model, and which stays. atexit runs after the
-    engine's own shutdown, right before the interpreter's final collections: frozen again there, they skip it too.
+    and its engine core the shutdown timeout. atexit runs after the engine's own shutdown, right before the
+    interpreter's final collections: frozen there, they skip it. In a process told to stop (vLLM's engine core, and
+    its worker with the `uni` executor), frozen at once, the heap is skipped by the collection vLLM's model runner runs
+    right after the connector's shutdown too; vLLM's engine core unfreezes it before its own last collection, which
+    stays. Not at once elsewhere: a process that shuts an engine down and lives on must collect what it leaves.
     """
-    gc.freeze()
+    if _STOPPING.is_set():
+        gc.freeze()
     _freeze_at_exit()
 
 
@@ -161,6 +167,7 @@ class SigtermDrain:
             if self.draining.is_set():
                 return
             self.draining.set()
+            _STOPPING.set()
         NamedThread(target=self._drain, args=(stop,), name="kvbridge-drain", daemon=True).start()
 
     def _drain(self, stop: Callable[[], Any]) -> None:
