@@ -38,6 +38,22 @@ class Holding:
         """Whether the engine drains (SIGTERM or a drain order, where it is in a registry)."""
         return self.draining is not None and self.draining.is_set()
 
+    def keeps_refused(self, request_id: str, refused: bool) -> bool:
+        """Whether a request the engine's server refused keeps its prefill lease: only while the engine drains.
+
+        vLLM's API server refuses every request once it shuts down (a 500) and has the connector free the prefill's
+        blocks (`refused`: vLLM's `abort_immediately`). The proxy then sends the same lease to another decode, which
+        would find it aborted and recompute. A lease no decode takes the proxy releases, or it ends at lease_s.
+        """
+        if not (refused and self.drains()):
+            return False
+        log.info(
+            "request %s refused while this server drains: its prefill lease is kept for the decode the proxy sends it "
+            "to next",
+            request_id,
+        )
+        return True
+
     def __len__(self) -> int:
         return len(self._held)
 

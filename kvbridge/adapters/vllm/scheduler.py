@@ -197,20 +197,9 @@ class SchedulerSide:
             return False, None
         cut = self._cut_for_move(request, entry, block_ids, receiving=request.request_id in self._receiving)
         held = self.marked.finished(request, offered=cut)  # a live move may still read it (docs/elastic.md)
-        if self._pull(request, entry) is not None:
-            if getattr(request, "abort_immediately", False) and self.holding.drains():
-                # Refused by vLLM's API server, which refuses every request once it shuts down (a 500) and has the
-                # connector free the prefill's blocks. The proxy sends the same lease to another decode next, which
-                # would find it aborted and recompute. A lease no decode takes the proxy releases, or it ends at
-                # lease_s (docs/elastic.md).
-                log.info(
-                    "request %s refused while this server drains: its prefill lease is kept for the decode the proxy "
-                    "sends it to next",
-                    request.request_id,
-                )
-                return False, None
-            # Decode dropped the request (abort) before any block was allocated: release prefill's.
-            self._add_pull(request, entry, [], report=False)
+        if self._pull(request, entry) is not None:  # dropped before any block was allocated: release prefill's
+            if not self.holding.keeps_refused(request.request_id, getattr(request, "abort_immediately", False)):
+                self._add_pull(request, entry, [], report=False)
             return False, None
         if cut:
             assert entry.move_id is not None
