@@ -175,6 +175,14 @@ class Dispatcher:
     def dispatch(self, msg: Any, sender: str, peer_host: str | None, *, park: bool = False) -> Any:
         """The reply to one decoded request from `sender`, or (with `park`) a `Hold` for a request to wait."""
         if isinstance(msg, Abort):
+            # said before the ledger's release line, which cannot say who ended the lease or why
+            log.info(
+                "%s: request %s aborted by %s: %s",
+                self.name,
+                msg.request_id,
+                msg.origin or sender,
+                msg.reason or "no reason given",
+            )
             if self.ledger is not None:
                 self.ledger.abort(msg.request_id)  # wakes a held QueryStream for it (on_finish)
             if self._on_abort is not None:

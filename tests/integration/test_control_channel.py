@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -173,13 +174,18 @@ def test_abort_from_prefill_reaches_the_decode_rank(closing: list) -> None:
     assert p.released == [("r1", LeaseState.ABORTED)], "its DONE ended the read"
 
 
-def test_abort_from_decode_frees_the_prefill_blocks(closing: list) -> None:
+def test_abort_from_decode_frees_the_prefill_blocks_and_says_who_and_why(
+    closing: list, caplog: pytest.LogCaptureFixture
+) -> None:
     p = Prefill()
     decode = ControlServer("decode", 0)
     closing += [p, decode]
     p.ledger.offer("r1", [1], expected_pulls=2)
-    assert decode.abort("r1", reason="stopped", peers=[p.server.address]) == 1
-    wait_for(lambda: p.released == [("r1", LeaseState.ABORTED)], what="abort at prefill")
+    with caplog.at_level(logging.INFO, logger="kvbridge.control"):
+        assert decode.abort("r1", reason="stopped", peers=[p.server.address]) == 1
+        wait_for(lambda: p.released == [("r1", LeaseState.ABORTED)], what="abort at prefill")
+    # the prefill's log names the rank that ended the lease and its reason, not only the release
+    assert any("request r1 aborted by decode/0: stopped" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_abort_to_a_vanished_peer_is_logged_not_raised(closing: list) -> None:

@@ -201,7 +201,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        freeze_heap_for_exit()  # vLLM calls this as its engine core or worker shuts down: that process is ending
+        freeze_heap_for_exit()  # at once in a process told to stop; one that goes on living, only at its exit
         if self._membership is not None:
             self._membership.close()
         if self._scheduler is not None:
