@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -57,6 +58,10 @@ class RankInfo:
     @classmethod
     def decode(cls, data: bytes) -> RankInfo:
         return wire.decode(data, cls)
+
+    def digest(self) -> str:
+        """Names this registration: a rank that registers other memory (its process restarted) has another digest."""
+        return hashlib.blake2b(self.encode(), digest_size=8).hexdigest()
 
 
 @attrs.frozen
@@ -193,7 +198,7 @@ class KVAgent:
         make = (lambda: create_backend(name, **options)) if probe and isinstance(name, str) else None
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
         self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage, probe=make)
-        self._peers: dict[tuple[str, int], Peer] = {}
+        self._peers: dict[tuple[str, int], tuple[bytes, Peer]] = {}  # (engine id, rank) -> its endpoint, connected
         self.landing_buffers: LandingBuffers | None = None
         self._lock = threading.Lock()
         self._registered: list[Any] = []
@@ -272,16 +277,20 @@ class KVAgent:
             self.device.wait_recorded(mark)
 
     def connect(self, remote: RankInfo, *, check: bool = True) -> Peer:
-        """Check the remote layout against ours and connect to its endpoint (once per rank)."""
+        """Check the remote layout against ours and connect to its endpoint (once per rank and endpoint)."""
         key = (remote.engine_id, remote.rank)
         with self._lock:
-            peer = self._peers.get(key)
-        if peer is None:
-            if check:
-                check_compatible(self.layout, remote.layout)
-            peer = self.backend.connect(remote.endpoint)
-            with self._lock:
-                self._peers[key] = peer
+            known = self._peers.get(key)
+        if known is not None and known[0] == remote.endpoint:
+            return known[1]
+        if check:
+            check_compatible(self.layout, remote.layout)
+        peer = self.backend.connect(remote.endpoint)
+        with self._lock:
+            gone, self._peers[key] = self._peers.get(key), (remote.endpoint, peer)
+        if gone is not None:  # the rank registered other memory under its engine id (it restarted): never read it
+            log.info("rank %s/%d has a new endpoint: %s replaces %s", *key, peer.name, gone[1].name)
+            self.backend.disconnect(gone[1])
         return peer
 
     def plan(self, prefill: ParallelConfig, tokens: int, prefill_dp: int = 0) -> Plan:
@@ -397,7 +406,7 @@ class KVAgent:
         if self.landing_buffers is not None:
             self.landing_buffers.close()
         with self._lock:
-            peers, self._peers = list(self._peers.values()), {}
+            peers, self._peers = [peer for _endpoint, peer in self._peers.values()], {}
             registered, self._registered = self._registered, []
         for peer in peers:
             self.backend.disconnect(peer)

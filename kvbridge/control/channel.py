@@ -181,6 +181,7 @@ class ControlServer:
             raise ConfigError(f"side channel of {self.name} cannot serve the RankInfo of {info.engine_id}/{info.rank}")
         self._dispatcher.accept_offers = accept_offers
         self._dispatcher.info = RegisteredMemory(self.engine_id, self.rank, True, info, dict(meta or {}))
+        self._dispatcher.info_digest = RankInfo.decode(info.encode()).digest()  # as a reader computes it
         self._publish()
 
     def abort(self, request_id: str, reason: str = "", peers: Iterable[Address] = ()) -> int:

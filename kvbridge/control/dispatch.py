@@ -88,6 +88,7 @@ class Dispatcher:
         """`host`: the address the side channel listens on (offers come from it)."""
         self.name = name
         self.info = info
+        self.info_digest = ""  # of `info.info`, as its readers decode it (set by `ControlServer.register`)
         self.ledger = ledger
         self.streams = streams
         self.accept_offers = False
@@ -230,7 +231,12 @@ class Dispatcher:
                 self.release_readers(msg.request_id)
             return attrs.evolve(status, waited_ms=round(waited_s * 1e3, 3))
         # admitted from now to the lease's end, then for the grace (also true where no card was needed: permanent)
-        return attrs.evolve(status, waited_ms=round(waited_s * 1e3, 3), admitted_s=netguard.ADMISSION.grace_s)
+        return attrs.evolve(
+            status,
+            waited_ms=round(waited_s * 1e3, 3),
+            admitted_s=netguard.ADMISSION.grace_s,
+            info_digest=self.info_digest,
+        )
 
     def _check_card(self, card: PeerCard | None, sender: str) -> None:
         """A BeginPull's card must be its sender's own, and fresh (it was signed with the frame)."""

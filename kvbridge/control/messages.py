@@ -223,6 +223,9 @@ class LeaseStatus:
     # (the lease ends no sooner, and the admission's grace follows it): a reader asking again within that time may
     # start its read before the answer, and use it only once the answer says its lease held.
     admitted_s: float = 0.0
+    # The digest of the RankInfo the rank serves now (`RankInfo.digest`), on a valid BeginPull's answer: a reader that
+    # holds an older one (the rank's process restarted under the same engine id) must not read with it.
+    info_digest: str = attrs.field(default="", validator=[attrs.validators.instance_of(str), _bounded_str])
 
 
 # A stream's version when it starts: a reader that asks with this `seen` is held until the prefill first

@@ -172,6 +172,10 @@ class PullControl:
             )
             s.leases[rank] = (client, status.epoch, count)
             self._admitted.answered(client.url, asked, status)
+            if status.info_digest and status.info_digest != info.digest():  # an endpoint that may be gone
+                info = s.infos[rank] = self._registered_again(s, client, status.info_digest, reading=reading)
+                if check is not None:
+                    check(rank, client, info)
             if whole and s.params.lease_blocks:
                 s.params = attrs.evolve(s.params, remote_block_ids=[lease_share(s.rid, client.url, status, *take)])
             if whole:
@@ -183,6 +187,24 @@ class PullControl:
         s.machine.offer_wait_ms = waited
         if not reading:
             s.machine.to(PullState.LEASED)
+
+    def _registered_again(self, s: Session, client: ControlClient, digest: str, *, reading: bool) -> RankInfo:
+        """The RankInfo of a rank that registered other memory under the same engine id (restarted) since it was known.
+
+        A read not begun yet uses the rank's info as it is now; one begun with the old info is discarded (recompute)."""
+        with self._lock:
+            self._infos.pop(client.url, None)
+        self._admitted.forget(client.url)
+        info = None if reading else self._info(client, s.params.remote_engine_id, s.rid)
+        if info is None or info.digest() != digest:
+            raise LoadError(
+                f"request {s.rid!r}: side channel {client.url} registered other memory since this rank learned of it "
+                "(it restarted under the same engine id); nothing read with its old RankInfo is kept; recompute",
+                peer=client.url,
+                request=s.rid,
+                cause="registered again",
+            )
+        return info
 
     def _warm(self, s: Session) -> bool:
         """Whether `s` may read before its BeginPulls' answers (their clients and infos then in `s`).

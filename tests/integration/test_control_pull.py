@@ -262,6 +262,47 @@ def test_a_request_of_a_restarted_prefill_fails_at_once_and_the_new_engine_serve
         pair.close()
 
 
+@pytest.mark.parametrize("read_first", [True, False])
+def test_a_prefill_restarted_under_the_same_engine_id_is_never_read_with_its_old_rank_info(read_first: bool) -> None:
+    """An engine id pinned in the config survives a restart; the memory the old RankInfo names does not.
+
+    The old prefill's buffer stays allocated here, so a read with the stale RankInfo would succeed and land its
+    bytes, not the restarted engine's: silently wrong KV. A read begun first with it is discarded (recompute); one
+    not begun yet reads with the new RankInfo."""
+    pair = Pair()
+    pair.control.read_first = read_first
+    restarted: list[ControlServer] = []
+    try:
+        pair.p_server.register(pair.prefill.info())
+        pair.ledger.offer("r9", [1, 2, 3], expected_pulls=None)
+        pair.start("r9").wait(10)  # the decode side now knows engine "prefill" at this address, and is admitted
+        wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="release")
+        host, port = pair.p_server.address
+        pair.p_server.close()
+        agent, buf = _agent("prefill", MODEL.kv_heads, 8)  # the same engine id, other memory
+        buf[:] = 7
+        released: list[tuple[str, LeaseState]] = []
+        new_ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=60)
+        restarted.append(ControlServer("prefill", 0, ledger=new_ledger, port=port, poll_interval_s=0.01))
+        restarted[0].register(agent.info())
+        block = pair.d_buf.size // MODEL.layers // 2 // 8  # one block of one plane of one layer
+        new_ledger.offer("r10", [1, 2, 3], expected_pulls=None)
+        if read_first:
+            with pytest.raises(LoadError, match="registered other memory"):
+                pair.start("r10").wait(10)
+            wait_for(lambda: released == [("r10", LeaseState.RELEASED)], what="the lease's release by its DONE")
+            new_ledger.offer("r11", [1, 2, 3], expected_pulls=None)
+            pair.start("r11").wait(10)  # the RankInfo was fetched again
+        else:
+            pair.start("r10").wait(10)
+        assert (pair.d_buf[4 * block : 5 * block] == 7).all(), "read from the restarted engine's memory"
+        agent.close()
+    finally:
+        for server in restarted:
+            server.close()
+        pair.close()
+
+
 def _moved(pair: Pair, rid: str) -> KVTransferParams:
     """What a decode resuming a moved request gets: the lease id, the tokens, no block ids."""
     return attrs.evolve(pair.params(rid), remote_block_ids=(), kvbridge_move_id=rid)
