@@ -599,6 +599,39 @@ def test_no_healthy_decode_sends_nothing_to_prefill(upstreams: tuple[Upstream, U
     assert prefill.bodies == []
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_server_taken_out_that_is_back_serves_before_the_next_health_round(
+    role: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where every server of a role is taken out, a request probes them before it answers 503: one may be back.
+
+    No health loop runs here (no lifespan), so without that probe the server that came back stays out for good."""
+    monkeypatch.setattr(membership, "REVIVE_INTERVAL_S", 0.0)  # the second request probes again at once
+    other = "decode" if role == "prefill" else "prefill"
+    with Upstream(other) as up:
+        late = Upstream(role)  # its port chosen, nobody listening there yet
+        urls = {role: [late.url], other: [up.url]}
+        app = create_app(urls["prefill"], urls["decode"])
+
+        async def go() -> tuple[httpx.Response, httpx.Response, dict]:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                body = {"model": "m", "prompt": "p", "max_tokens": 8}
+                down = await client.post("/v1/completions", json=body)  # refused: taken out
+                with late:
+                    with caplog.at_level("INFO", logger="kvbridge_proxy.app"):
+                        back = await client.post("/v1/completions", json=body)
+                    return down, back, (await client.get("/instances")).json()
+
+        down, back, state = asyncio.run(go())
+    assert down.status_code == 503, down.text
+    assert back.status_code == 200, back.text
+    assert back.headers[f"x-kvbridge-{role}"] == late.url
+    assert state[role][0]["healthy"] is True
+    assert any(
+        f"no {role} server was serving: 1 taken out probed at once, back: ['{late.url}']" in m for m in caplog.messages
+    )
+
+
 def test_a_decode_request_cancelled_before_it_was_taken_leaves_in_flight_at_zero() -> None:
     # Layer-wise: the client leaves while the decode server is still taking the request; the proxy cancels
     # the send, and the instance's in_flight (what /metrics and /instances show) comes back to 0.

@@ -133,9 +133,9 @@ class Handovers:
         pool = self.membership.pools["prefill"]
         failed: httpx.Response | None = None
         for attempt in range(1 if instance is not None else len(pool.instances) + 1):
-            if attempt and not any(i.healthy for i in pool.instances):
+            if attempt and not any(i.healthy for i in pool.instances) and not await self.membership.revive(pool):
                 break
-            inst = instance or pool.pick()
+            inst = instance or await self.membership.pick("prefill")
             content = encoded(prefill_body(body, params))
             _charge(content)
             inst.in_flight += 1
@@ -191,10 +191,10 @@ class Handovers:
         dropped: DecodeFailed | None = None
         # One more try than instances: a busy server that was slow to accept gets a second chance.
         for attempt in range(len(pool.instances) + 1):
-            if attempt and not any(i.healthy for i in pool.instances):
+            if attempt and not any(i.healthy for i in pool.instances) and not await self.membership.revive(pool):
                 break
             try:
-                inst = pool.pick(exclude=refused)
+                inst = await self.membership.pick("decode", exclude=refused)
             except NoInstance:
                 if refused:
                     break
@@ -303,12 +303,9 @@ class Handovers:
         # Leases are keyed on this id (prefill's vLLM request id): never on a client's, which two may share.
         headers = {"X-Request-Id": f"kvbridge-{uuid.uuid4().hex}"}
         log.info("request %s: P/D request %s", timeline.request_id, headers["X-Request-Id"])  # the servers log this
-        try:
-            self.membership.pools[
-                "decode"
-            ].healthy()  # else prefill would hold KV that no decode reads until its lease ends
-        except NoInstance as exc:
-            return self.metrics.answer(503, str(exc), None, timeline)
+        decodes = self.membership.pools["decode"]
+        if not await self.membership.revive(decodes):  # else prefill would hold KV no decode reads until its lease ends
+            return self.metrics.answer(503, str(NoInstance.among(decodes)), None, timeline)
         if self.transfer == "layerwise":
             streamed = await self._handover_layerwise(path, request, body, headers, timeline, moving)
             if streamed is not None:
@@ -383,9 +380,8 @@ class Handovers:
 
         Decode reads each layer while prefill computes the next. None: this prefill's side channel is not known yet (the
         request goes the pull way, which tells the proxy where it is)."""
-        pool = self.membership.pools["prefill"]
         try:
-            prefill = pool.pick()
+            prefill = await self.membership.pick("prefill")
         except NoInstance as exc:
             return self.metrics.answer(503, str(exc), None, timeline)
         identity = self.membership.identity(prefill.url)

@@ -20,13 +20,17 @@ from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.rebalance import Policy, kv_usage
 from kvbridge_proxy.release import ReleaseLease
 from kvbridge_proxy.settings import ProxySettings
-from kvbridge_proxy.upstreams import Instance, Pool, since
+from kvbridge_proxy.upstreams import Instance, NoInstance, Pool, since
 from kvbridge_proxy.wire import prefill_body
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 PROBE_TIMEOUT_S = 5.0
 SLOW_PROBES = 3
+# Where a request finds every server of a role taken out, those are probed at once (one may be back since the last
+# health round): each within this long, and at most once in this long per role, however many requests wait.
+REVIVE_TIMEOUT_S = 1.0
+REVIVE_INTERVAL_S = 0.2
 # A health round probes at most this many servers at once: probes all started together hold the event loop
 # (requests and registry reads wait behind them).
 PROBES_IN_FLIGHT = 64
@@ -95,6 +99,8 @@ class Membership:
                 "there can add servers (docs/elastic.md)",
                 self.members.url,
             )
+        self._reviving: dict[str, asyncio.Future[None]] = {}  # role -> its probe of the servers taken out (`pick`)
+        self._revived: dict[str, float] = {}  # role -> when that probe last ended (time.monotonic())
         self.membership_rounds = 0  # registry reads done: a test waits for one after a change
         self.health_rounds = 0  # rounds that probed every server (`kvbridge bench --scale` times them)
 
@@ -160,14 +166,52 @@ class Membership:
 
     # -- health --------------------------------------------------------------------------------
 
-    async def probe(self, inst: Instance) -> None:
+    async def pick(self, role: str, *, exclude: Sequence[Instance] = ()) -> Instance:
+        """The next serving server of `role` (`Pool.pick`). Where none is left, the ones taken out are probed first.
+
+        A server taken out stays out until the next health round (`health_interval`) finds it back, while requests
+        that find none fail in microseconds: a chaos run that killed one of two prefill servers just as the other
+        came back had 39 requests answered 503 in the 0.12 s before that round."""
+        pool = self.pools[role]
+        try:
+            return pool.pick(exclude=exclude)
+        except NoInstance:
+            if not await self.revive(pool):
+                raise
+        return pool.pick(exclude=exclude)
+
+    async def revive(self, pool: Pool) -> bool:
+        """Whether a server of `pool` serves; where none does, the ones taken out for their health are probed first.
+
+        One probe of them for every request that waits meanwhile, and none within `REVIVE_INTERVAL_S` of the last."""
+        if any(i.serving for i in pool.instances):
+            return True
+        task = self._reviving.get(pool.role)
+        if task is None:
+            down = [i for i in pool.instances if not i.healthy and not i.draining and not i.cordoned]
+            if not down or time.monotonic() - self._revived.get(pool.role, float("-inf")) < REVIVE_INTERVAL_S:
+                return any(i.serving for i in pool.instances)
+            task = self._reviving[pool.role] = asyncio.ensure_future(self._revive(pool.role, down))
+        await asyncio.shield(task)
+        return any(i.serving for i in pool.instances)
+
+    async def _revive(self, role: str, down: list[Instance]) -> None:
+        try:
+            await asyncio.gather(*(self.probe(i, timeout=REVIVE_TIMEOUT_S) for i in down))
+        finally:
+            self._revived[role] = time.monotonic()
+            del self._reviving[role]
+        back = [i.url for i in down if i.serving]
+        log.info("no %s server was serving: %d taken out probed at once, back: %s", role, len(down), back or "none")
+
+    async def probe(self, inst: Instance, *, timeout: float | None = None) -> None:
         # A server that refuses connections or answers an error is down now. One that is only slow
         # to answer /health is busy (a loaded vLLM can take seconds), and taking it out would shift
         # all its traffic onto the others; it is down after SLOW_PROBES slow answers in a row.
-        why = ""
+        why, timeout = "", timeout or PROBE_TIMEOUT_S
         try:
             try:
-                resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+                resp = await self.client.get(f"{inst.url}/health", timeout=timeout)
             except httpx.TimeoutException:
                 raise
             except httpx.TransportError as exc:
@@ -175,7 +219,7 @@ class Membership:
                 # dropped (DROPPED), or a connect the kernel failed, may not say it is: on a box starved for seconds one
                 # round could take out every idle server at once, with no HTTP answer.
                 log.info("%s server %s: health probe failed (%s): once more", inst.role, inst.url, type(exc).__name__)
-                resp = await self.client.get(f"{inst.url}/health", timeout=PROBE_TIMEOUT_S)
+                resp = await self.client.get(f"{inst.url}/health", timeout=timeout)
             ok, inst.slow_probes = resp.status_code == 200, 0
             why = f" ({resp.status_code})"
         except httpx.TimeoutException:

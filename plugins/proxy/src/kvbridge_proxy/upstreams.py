@@ -105,7 +105,7 @@ class Pool:
         """The healthy instances that take new requests; NoInstance when there are none."""
         healthy = [i for i in self.instances if i.serving]
         if not healthy:
-            raise NoInstance(f"no healthy {self.role} server among {[i.label for i in self.instances]}")
+            raise NoInstance.among(self)
         return healthy
 
     def pick(self, *, exclude: Collection[Instance] = ()) -> Instance:
@@ -126,6 +126,10 @@ def remembered(inst: Instance) -> bool:
 
 class NoInstance(ConfigError):
     """Every instance of a role is down."""
+
+    @classmethod
+    def among(cls, pool: Pool) -> NoInstance:
+        return cls(f"no healthy {pool.role} server among {[i.label for i in pool.instances]}")
 
 
 def new_client(timeout: float, connect_timeout: float) -> httpx.AsyncClient:
