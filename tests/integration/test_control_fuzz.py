@@ -265,7 +265,9 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
         finally:
             for name, (handlers, propagate) in saved.items():
                 logging.getLogger(name).handlers, logging.getLogger(name).propagate = handlers, propagate
-        assert grown < 64 * 1024, f"the side channel holds {grown} more bytes after {3 * len(hostile)} messages"
+        top = [(str(d.traceback), d.size_diff) for d in sorted(diff, key=lambda d: -d.size_diff)[:6]]
+        # the files that grew, so that a failure carries its evidence (a CI run once saw 97,818 bytes, never again)
+        assert grown < 64 * 1024, f"the side channel holds {grown} more bytes after {3 * len(hostile)} messages: {top}"
         # Multipart garbage is dropped with a warning, a message above the socket's size limit by libzmq
         # (which closes that connection); neither is answered.
         before = r.warnings.count
