@@ -6,6 +6,7 @@ before its DONE is answered, an abort on the prefill side during a read.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -224,6 +225,36 @@ def test_stale_engine_id_is_a_load_error_and_still_releases(pair: Pair) -> None:
     assert pair.released[-1] == ("r8", LeaseState.RELEASED)
 
 
+@contextlib.contextmanager
+def _restarted_prefill(pair: Pair, engine_id: str) -> Iterator[tuple[Ledger, list[tuple[str, LeaseState]]]]:
+    """The pair's prefill, closed after one request was pulled from it, and engine `engine_id` at its port.
+
+    The new engine has other memory (every byte 7). Yields its ledger and the releases that ledger reports."""
+    pair.p_server.register(pair.prefill.info())
+    pair.ledger.offer("r9", [1, 2, 3], expected_pulls=None)
+    pair.start("r9").wait(10)  # the decode side now knows engine "prefill" at this address, and is admitted
+    wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="release")
+    _host, port = pair.p_server.address
+    pair.p_server.close()
+    agent, buf = _agent(engine_id, MODEL.kv_heads, 8)
+    buf[:] = 7
+    released: list[tuple[str, LeaseState]] = []
+    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=60)
+    server = ControlServer(engine_id, 0, ledger=ledger, port=port, poll_interval_s=0.01)
+    try:
+        server.register(agent.info())
+        yield ledger, released
+    finally:
+        server.close()
+        agent.close()
+
+
+def _read_the_restarted_memory(pair: Pair) -> bool:
+    """Whether the decode's block 4 holds the restarted engine's bytes."""
+    block = pair.d_buf.size // MODEL.layers // 2 // 8  # one block of one plane of one layer
+    return bool((pair.d_buf[4 * block : 5 * block] == 7).all())
+
+
 def test_a_request_of_a_restarted_prefill_fails_at_once_and_the_new_engine_serves() -> None:
     """A prefill restarted on its address is another engine, and the new engine's requests pull.
 
@@ -231,34 +262,18 @@ def test_a_request_of_a_restarted_prefill_fails_at_once_and_the_new_engine_serve
     offer wait, `ready_timeout_s`, for a request it never had: the 30 s TTFTs of a chaos run that killed prefills).
     """
     pair = Pair()
-    restarted: list[ControlServer] = []
+    pair.control.ready_timeout_s = 60.0  # the wait a re-addressed BeginPull would sit out
     try:
-        pair.control.ready_timeout_s = 60.0  # the wait a re-addressed BeginPull would sit out
-        pair.p_server.register(pair.prefill.info())
-        pair.ledger.offer("r9", [1, 2, 3], expected_pulls=None)
-        pair.start("r9").wait(10)  # the decode side has now talked to engine "prefill" at this address
-        wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="release")
-        host, port = pair.p_server.address
-        pair.p_server.close()
-        agent, buf = _agent("prefill-2", MODEL.kv_heads, 8)
-        buf[:] = 7
-        new_ledger = Ledger(lambda lease, why: None, timeout_s=60)
-        restarted.append(ControlServer("prefill-2", 0, ledger=new_ledger, port=port, poll_interval_s=0.01))
-        restarted[0].register(agent.info())
-        begun = time.monotonic()
-        with pytest.raises(LoadError, match="now serves engine 'prefill-2'"):
-            pair.start("r10")  # the old engine's request: its KV went with it
-        assert time.monotonic() - begun < 30, "refused at once, not after the offer wait"
-        new_ledger.offer("r11", [1, 2, 3], expected_pulls=None)
-        pair.control.start("local-r11", attrs.evolve(pair.params("r11"), remote_engine_id="prefill-2"), [4, 5, 6]).wait(
-            10
-        )
-        block = pair.d_buf.size // MODEL.layers // 2 // 8  # one block of one plane of one layer
-        assert (pair.d_buf[4 * block : 5 * block] == 7).all(), "read from the restarted engine"
-        agent.close()
+        with _restarted_prefill(pair, "prefill-2") as (new_ledger, _released):
+            begun = time.monotonic()
+            with pytest.raises(LoadError, match="now serves engine 'prefill-2'"):
+                pair.start("r10")  # the old engine's request: its KV went with it
+            assert time.monotonic() - begun < 30, "refused at once, not after the offer wait"
+            new_ledger.offer("r11", [1, 2, 3], expected_pulls=None)
+            params = attrs.evolve(pair.params("r11"), remote_engine_id="prefill-2")
+            pair.control.start("local-r11", params, [4, 5, 6]).wait(10)
+            assert _read_the_restarted_memory(pair)
     finally:
-        for server in restarted:
-            server.close()
         pair.close()
 
 
@@ -271,35 +286,19 @@ def test_a_prefill_restarted_under_the_same_engine_id_is_never_read_with_its_old
     not begun yet reads with the new RankInfo."""
     pair = Pair()
     pair.control.read_first = read_first
-    restarted: list[ControlServer] = []
     try:
-        pair.p_server.register(pair.prefill.info())
-        pair.ledger.offer("r9", [1, 2, 3], expected_pulls=None)
-        pair.start("r9").wait(10)  # the decode side now knows engine "prefill" at this address, and is admitted
-        wait_for(lambda: pair.released == [("r9", LeaseState.RELEASED)], what="release")
-        host, port = pair.p_server.address
-        pair.p_server.close()
-        agent, buf = _agent("prefill", MODEL.kv_heads, 8)  # the same engine id, other memory
-        buf[:] = 7
-        released: list[tuple[str, LeaseState]] = []
-        new_ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=60)
-        restarted.append(ControlServer("prefill", 0, ledger=new_ledger, port=port, poll_interval_s=0.01))
-        restarted[0].register(agent.info())
-        block = pair.d_buf.size // MODEL.layers // 2 // 8  # one block of one plane of one layer
-        new_ledger.offer("r10", [1, 2, 3], expected_pulls=None)
-        if read_first:
-            with pytest.raises(LoadError, match="registered other memory"):
+        with _restarted_prefill(pair, "prefill") as (new_ledger, released):  # the same engine id, other memory
+            new_ledger.offer("r10", [1, 2, 3], expected_pulls=None)
+            if read_first:
+                with pytest.raises(LoadError, match="registered other memory"):
+                    pair.start("r10").wait(10)
+                wait_for(lambda: released == [("r10", LeaseState.RELEASED)], what="the lease's release by its DONE")
+                new_ledger.offer("r11", [1, 2, 3], expected_pulls=None)
+                pair.start("r11").wait(10)  # the RankInfo was fetched again
+            else:
                 pair.start("r10").wait(10)
-            wait_for(lambda: released == [("r10", LeaseState.RELEASED)], what="the lease's release by its DONE")
-            new_ledger.offer("r11", [1, 2, 3], expected_pulls=None)
-            pair.start("r11").wait(10)  # the RankInfo was fetched again
-        else:
-            pair.start("r10").wait(10)
-        assert (pair.d_buf[4 * block : 5 * block] == 7).all(), "read from the restarted engine's memory"
-        agent.close()
+            assert _read_the_restarted_memory(pair)
     finally:
-        for server in restarted:
-            server.close()
         pair.close()
 
 
