@@ -237,15 +237,17 @@ def _restarted_prefill(pair: Pair, engine_id: str) -> Iterator[tuple[Ledger, lis
     _host, port = pair.p_server.address
     pair.p_server.close()
     agent, buf = _agent(engine_id, MODEL.kv_heads, 8)
-    buf[:] = 7
-    released: list[tuple[str, LeaseState]] = []
-    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=60)
-    server = ControlServer(engine_id, 0, ledger=ledger, port=port, poll_interval_s=0.01)
     try:
-        server.register(agent.info())
-        yield ledger, released
+        buf[:] = 7
+        released: list[tuple[str, LeaseState]] = []
+        ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=60)
+        server = ControlServer(engine_id, 0, ledger=ledger, port=port, poll_interval_s=0.01)
+        try:
+            server.register(agent.info())
+            yield ledger, released
+        finally:
+            server.close()
     finally:
-        server.close()
         agent.close()
 
 
