@@ -75,6 +75,8 @@ class PullResult:
     descriptors: int
     error: BaseException | None = None
     retries: int = 0  # resubmissions its transfers needed (`TransferHandle.retries`), failed or not
+    prepare_ms: float = 0.0  # building and checking its descriptors until the transport had them all
+    land_ms: float = 0.0  # copying what landed in a buffer into the cache, after the transport ended
 
 
 class PullHandle:
@@ -109,13 +111,14 @@ class PullHandle:
 
     def _finish(self) -> None:
         error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
+        began = time.perf_counter()
         try:
             self._after(error is None)
         except Exception as exc:  # e.g. the rearrangement of landed blocks: the pull failed, recompute
             log.exception("request %s: finishing the pull failed", self.request_id)
             error = error or exc
-        retries = sum(h.retries for h in self.handles)
-        self._result = attrs.evolve(self._result, error=error, retries=retries)
+        land_ms, retries = (time.perf_counter() - began) * 1e3, sum(h.retries for h in self.handles)
+        self._result = attrs.evolve(self._result, error=error, retries=retries, land_ms=land_ms)
         if self._on_done is not None:
             try:
                 self._on_done(self._result)
@@ -318,6 +321,7 @@ class KVAgent:
 
         `plan`: the request's plan where the caller made it already (`PullControl`); it is used when it is the plan
         these RankInfos call for, and made again otherwise."""
+        began = time.perf_counter()
         if not remote:
             raise ConfigError(f"request {request_id}: no prefill RankInfos given")
         prefill = remote[0].parallel
@@ -353,7 +357,9 @@ class KVAgent:
         ndesc = sum(len(desc) for *_, desc in work)
         notify = tuple((remote[0].engine_id, r) for r in p.unpulled) if self.rank == p.notifier else ()
         log.debug("request %s: rank %d pulls %d bytes from %d ranks", request_id, self.rank, nbytes, len(pulled))
-        result = PullResult(request_id, tuple(pulled), notify, nbytes, ndesc)
+        result = PullResult(
+            request_id, tuple(pulled), notify, nbytes, ndesc, prepare_ms=(time.perf_counter() - began) * 1e3
+        )
 
         # Each handle completes once its bytes are on the device, synchronized; landed bytes still need
         # their rearrangement into this rank's cache.

@@ -67,7 +67,9 @@ SERIES = {
         "kvbridge_handover_phase_seconds",
         "histogram",
         "Each phase of a KV handover: offer (prefill: publishing and leasing a finished request), offer_wait, "
-        "contact (first contact: side-channel address, GetInfo), begin_pull, read, fence (confirming the read), done "
+        "contact (first contact: side-channel address, GetInfo), begin_pull, prepare (building the read's "
+        "descriptors), read (the transport's own time), land (copying a read that landed in a buffer into the cache), "
+        "fence (confirming the read), done "
         "(the DONEs sent after a read held by prefill was reported).",
         ("phase", *PEER),
     ),

@@ -148,6 +148,7 @@ class DecodeSide:
         """A pull that succeeded and its handover phases to the metrics, and one line when they add up to slow."""
         transfer_s, control_s = phases["transfer_ms"] / 1e3, phases["control_ms"] / 1e3
         contact, begin = machine.parts.get("contact_ms", 0.0), machine.parts.get("begin_ms", 0.0)
+        prepare, land = machine.parts.get("prepare_ms", 0.0), machine.parts.get("land_ms", 0.0)
         if machine.read_first:  # the side channel's time, though the read hid it; the request waited the rest
             control_s, begin = (contact + begin) / 1e3, machine.ms(PullState.LANDING, PullState.CONFIRMING)
         self.stats.record(self.transport, peer, transfer_s, control_s, machine.nbytes, machine.descriptors)
@@ -155,7 +156,9 @@ class DecodeSide:
             "offer_wait": machine.offer_wait_ms,
             "contact": contact,
             "begin_pull": begin,
-            "read": timing.get("transfer_ms", 0.0),
+            "prepare": prepare,  # the transfer in parts: descriptors built, the transport's time, a landed read copied
+            "read": max(0.0, timing.get("transfer_ms", 0.0) - prepare - land),
+            "land": land,
             "fence": timing.get("done_ms", 0.0),
         }
         for phase, ms in parts.items():

@@ -18,7 +18,7 @@ from kvbridge.base.metric_labels import failure_reason
 # phases: [phase, transport, peer, seconds] of a handover (HANDOVER_PHASES); requests: [kind, queued_s, wait_s,
 # handler_s] of a side-channel request this rank answered
 KEYS = ("pulls", "failures", "leases", "held", "retries", "guard", "phases", "requests")
-HANDOVER_PHASES = ("offer", "offer_wait", "contact", "begin_pull", "read", "fence", "done")
+HANDOVER_PHASES = ("offer", "offer_wait", "contact", "begin_pull", "prepare", "read", "land", "fence", "done")
 LEASE_EVENTS = ("offered", "released", "expired", "aborted")
 
 

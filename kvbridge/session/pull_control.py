@@ -276,6 +276,7 @@ class PullControl:
 
         def landed(result: PullResult) -> None:
             machine.nbytes, machine.descriptors, machine.retries = result.nbytes, result.descriptors, result.retries
+            machine.parts.update(prepare_ms=round(result.prepare_ms, 3), land_ms=round(result.land_ms, 3))
             machine.to(PullState.LANDING)  # the agent landed what it read before calling back
 
         def confirm(result: PullResult) -> None:

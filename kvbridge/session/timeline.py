@@ -21,8 +21,9 @@ PHASES = (
     *PULL_PHASES,
     "decode_first_token_ms",
 )
-CONTROL_PARTS = ("contact_ms", "begin_ms")  # control_ms in parts (`Timeline.parts`, not in the sums)
-PULL_REPORT = (*PULL_PHASES, *CONTROL_PARTS, *STATE_MARKS)  # what a decode engine reports of its pull
+# control_ms and transfer_ms in parts (`Timeline.parts`, not in the sums): contact, BeginPulls; descriptors, landing
+PARTS = ("contact_ms", "begin_ms", "prepare_ms", "land_ms")
+PULL_REPORT = (*PULL_PHASES, *PARTS, *STATE_MARKS)  # what a decode engine reports of its pull
 
 
 @attrs.define
@@ -34,13 +35,13 @@ class Timeline:
     total_ms: float = 0.0
     marks: dict[str, float] = attrs.field(factory=dict)  # at_<state>_ms: points in time, not slices
     begun: float = attrs.field(default=0.0, eq=False, repr=False)  # the proxy's perf_counter at arrival
-    parts: dict[str, float] = attrs.field(factory=dict)  # CONTROL_PARTS: slices of control_ms
+    parts: dict[str, float] = attrs.field(factory=dict)  # PARTS: slices of control_ms and transfer_ms
 
     def add(self, reported: dict[str, float] | None, names: tuple[str, ...]) -> None:
         """Take the phases (and marks, parts) `names` from what an engine reported (None: it reported nothing)."""
         for name in names:
             if reported and name in reported:
-                where = self.marks if name in STATE_MARKS else self.parts if name in CONTROL_PARTS else self.phases
+                where = self.marks if name in STATE_MARKS else self.parts if name in PARTS else self.phases
                 where[name] = max(0.0, float(reported[name]))
 
     def handover_ms(self) -> float | None:
@@ -51,7 +52,7 @@ class Timeline:
     def header(self) -> str:
         parts = [f"id={self.request_id}", f"total_ms={self.total_ms:.3f}"]
         parts += [f"{p}={self.phases[p]:.3f}" for p in PHASES if p in self.phases]
-        parts += [f"{p}={self.parts[p]:.3f}" for p in CONTROL_PARTS if p in self.parts]
+        parts += [f"{p}={self.parts[p]:.3f}" for p in PARTS if p in self.parts]
         parts += [f"{m}={self.marks[m]:.3f}" for m in STATE_MARKS if m in self.marks]
         return "; ".join(parts)
 
@@ -62,8 +63,8 @@ def parse(header: str) -> Timeline:
     try:
         request_id, total = fields.pop("id"), float(fields.pop("total_ms"))
         values = {k: float(v) for k, v in fields.items()}
-        phases = {k: v for k, v in values.items() if k not in STATE_MARKS and k not in CONTROL_PARTS}
+        phases = {k: v for k, v in values.items() if k not in STATE_MARKS and k not in PARTS}
         marks = {k: v for k, v in values.items() if k in STATE_MARKS}
-        return Timeline(request_id, phases, total, marks, parts={k: v for k, v in values.items() if k in CONTROL_PARTS})
+        return Timeline(request_id, phases, total, marks, parts={k: v for k, v in values.items() if k in PARTS})
     except KeyError as exc:
         raise ValueError(f"{HEADER} header {header!r} lacks {exc}") from None

@@ -42,7 +42,7 @@ from kvbridge.control import KVTransferParams, LeaseState  # noqa: E402
 from kvbridge.control.client import ControlClient  # noqa: E402
 from kvbridge.control.messages import Ack, Offer  # noqa: E402
 from kvbridge.plan.topology import ParallelConfig  # noqa: E402
-from kvbridge.session.timeline import CONTROL_PARTS, PULL_PHASES  # noqa: E402
+from kvbridge.session.timeline import PARTS, PULL_PHASES  # noqa: E402
 from kvbridge_tools.harness.ports import free_port  # noqa: E402
 
 LAYERS, HEADS, BLOCK, HEAD_DIM, BLOCKS = 3, 4, 32, 64, 12
@@ -256,7 +256,7 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(
     assert meta is not None and set(meta.timings) == {"d1"}
     # and its pull states, in order, through to done
     states = [f"at_{s}_ms" for s in ("resolving", "leased", "reading", "landing", "confirming", "done")]
-    assert set(meta.timings["d1"]) == {*PULL_PHASES, *CONTROL_PARTS, *states}
+    assert set(meta.timings["d1"]) == {*PULL_PHASES, *PARTS, *states}
     assert [meta.timings["d1"][s] for s in states] == sorted(meta.timings["d1"][s] for s in states)
     assert all(v >= 0 for v in meta.timings["d1"].values())
     held = workers.prefill.take_stats()
@@ -266,7 +266,8 @@ def test_worker_pull_releases_prefill_and_reports_both_sides(
     # The DONE goes on a thread of its own after the read is confirmed, so its phase may be recorded before or after the
     # pull thread records the pull's (seen before them on a loaded box), but it was recorded before its line.
     phases = [p[0] for p in stats.data["phases"]]
-    assert [p for p in phases if p != "done"][:5] == ["offer_wait", "contact", "begin_pull", "read", "fence"], phases
+    order = ["offer_wait", "contact", "begin_pull", "prepare", "read", "land", "fence"]
+    assert [p for p in phases if p != "done"][:7] == order, phases
     assert phases.count("done") == 1, phases
     assert [p[0] for p in held.data["phases"]] == ["offer"]
     assert {"GetInfo", "BeginPull"} <= {r[0] for r in held.data["requests"]}

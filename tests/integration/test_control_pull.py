@@ -112,6 +112,8 @@ def test_done_decode_control_pulls_and_releases(pair: Pair) -> None:
     pair.start("r1", machine).wait(10)
     assert pair.outcomes == [("local-r1", None)]
     assert machine.state is PullState.DONE and list(machine.at) == list(PullState)[:6], "every state, in order"
+    # the transfer's parts of kvbridge's own, reported beside it: the descriptors built, a landed read's copy (none)
+    assert machine.parts["prepare_ms"] > 0 and "land_ms" in machine.parts
     # the DONE follows the report; the count (1) came from the decode side's plan
     wait_for(lambda: pair.released == [("r1", LeaseState.RELEASED)], what="release")
     assert pair.d_buf.any() and pair.control.local_id("r1") is None

@@ -419,6 +419,9 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
             verify=True,
         )
         assert out["bad"] == {} and out["load_errors"] == []
+        # the copy out of the landing buffer is timed apart from the transport's read, as building the descriptors is
+        spent = {phase: s for phase, s in out["phases"]}
+        assert spent["prepare"] > 0 and spent["read"] > 0 and spent["land"] > 0, out["phases"]
         (landing,) = agent.landing_buffers._all  # like layouts, and still landed
         assert agent.landing_buffers.retired_bytes == 0 and agent.landing_buffers.idle_bytes == landing.numel()
 

@@ -289,6 +289,7 @@ class Rank:
             "descriptors": [int(p[5]) for p in pulls],
             "sizes": [int(p[4]) for p in pulls],  # bytes per request
             "transfer_s": float(sum(p[2] for p in pulls)),
+            "phases": [[str(p[0]), float(p[3])] for p in data.get("phases", [])],  # [phase, seconds] (HANDOVER_PHASES)
             "thread_cpu_s": cpu,
             "bad": bad,
         }
