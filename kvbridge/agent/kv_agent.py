@@ -16,7 +16,7 @@ import numpy as np
 from kvbridge.agent.landing import LandingBuffers
 from kvbridge.base import wire
 from kvbridge.base.block_ids import block_array
-from kvbridge.base.errors import ConfigError, KVBridgeError, TopologyError, TransferTimeout
+from kvbridge.base.errors import ConfigError, KVBridgeError, LoadError, TopologyError, TransferTimeout
 from kvbridge.base.memory import RegionIndex, total_bytes
 from kvbridge.plan.descriptors import pull_descriptors
 from kvbridge.plan.layout import KVLayout, check_compatible
@@ -80,20 +80,25 @@ class PullResult:
 
 
 class PullHandle:
-    """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks."""
+    """The transfers of one pull. `wait` raises the first transfer error; `done` never blocks.
+
+    `after(ok, use)` lands what was read once every transfer ended (`use`: not `abandon`ed); `buffered`: only it can."""
 
     def __init__(
         self,
         result: PullResult,
         handles: list[TransferHandle],
         on_done: Callable[[PullResult], None] | None,
-        after: Callable[[bool], None],
+        after: Callable[[bool, bool], None],
+        *,
+        buffered: bool = False,
     ) -> None:
         self.request_id = result.request_id
         self.handles = handles
         self._result = result
         self._on_done = on_done
-        self._after = after
+        self._after, self._buffered, self._abandoned = after, buffered, False
+        self._landing = threading.Lock()  # held while `after` may copy into the cache
         self._finished = threading.Event()
         self._left = len(handles)
         self._lock = threading.Lock()
@@ -113,7 +118,10 @@ class PullHandle:
         error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
         began = time.perf_counter()
         try:
-            self._after(error is None)
+            with self._landing:
+                self._after(error is None, not self._abandoned)
+                if self._abandoned and error is None:  # nothing landed: the pull's outcome says so
+                    error = LoadError(f"request {self.request_id}: its read was given up", request=self.request_id)
         except Exception as exc:  # e.g. the rearrangement of landed blocks: the pull failed, recompute
             log.exception("request %s: finishing the pull failed", self.request_id)
             error = error or exc
@@ -128,6 +136,12 @@ class PullHandle:
 
     def done(self) -> bool:
         return self._finished.is_set()
+
+    def abandon(self) -> bool:
+        """Copy nothing more into the cache; False while a direct read may still write it (wait for its handles)."""
+        with self._landing:  # a copy under way ends first
+            self._abandoned = True
+        return self._buffered or all(h.done() for h in self.handles)
 
     def wait(self, timeout: float | None = None) -> PullResult:
         """Block until every transfer finished and `on_done` ran; raise the first transfer error (once both hold)."""
@@ -363,11 +377,11 @@ class KVAgent:
 
         # Each handle completes once its bytes are on the device, synchronized; landed bytes still need
         # their rearrangement into this rank's cache.
-        def after(ok: bool) -> None:
-            for land in landed:
-                land.finish(ok)
+        def after(ok: bool, use: bool) -> None:
+            for land in landed:  # an abandoned read is not copied in; its buffer is retired only if it failed
+                land.finish(ok and use, moved=not ok)
 
-        return PullHandle(result, handles, on_done, after)
+        return PullHandle(result, handles, on_done, after, buffered=len(landed) == len(work))
 
     def _plan_of(self, prefill: ParallelConfig, tokens: int, prefill_dp: int, g: Plan | None) -> Plan:
         """The plan of a request this rank pulls: `g` when it was made from the same inputs, else a new one."""

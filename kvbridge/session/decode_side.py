@@ -135,6 +135,8 @@ class DecodeSide:
             handle = self.control.start(task.request_id, params, task.local_block_ids, report, machine, skip=task.skip)
             handle.wait(self.pull_timeout_s)
         except KVBridgeError as exc:
+            if handle is not None:  # a read that ends after the request was given up is never copied in
+                handle.abandon()
             report(task.request_id, exc)
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
             log.exception("request %s: pull from %s failed", task.request_id, params.remote_engine_id)

@@ -309,9 +309,9 @@ class PullControl:
             if s is None:
                 self._forget(str(params.remote_request_id))
                 machine.end(exc)
-            elif gate is not None:  # a read begun first: it must end before decode recomputes or reuses the blocks
+            elif gate is not None:  # a read begun first must end before decode reuses the blocks, unless it lands
                 gate.failed()
-                if handle is not None:
+                if handle is not None and not handle.abandon():
                     settle(handle.handles, self.clients.timeout_s)
                 self._abandon(s, exc)
             elif machine.state in (PullState.RESOLVING, PullState.LEASED, PullState.READING):

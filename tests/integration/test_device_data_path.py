@@ -391,7 +391,8 @@ def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: s
 def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm_takes_back() -> None:
     """Mooncake TCP may still write after a failed transfer (`late_writes`): even like layouts land in a buffer.
 
-    A failed pull leaves the decode cache untouched and retires its buffer for good.
+    A failed pull leaves the decode cache untouched and retires its buffer for good. A read begun first whose BeginPull
+    fails is given up at once, while it still runs: it is never copied in, and its buffer is lent again once it ends.
     """
     _import_vllm()
     import torch
@@ -399,20 +400,21 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
     from kvbridge.agent.landing import read_logical
     from kvbridge.transport.faults import FaultRates
     from kvbridge_tools.bench.connector_rank import Rank
+    from kvbridge_tools.harness.fixtures import wait_for
     from kvbridge_tools.harness.ports import free_port
 
     tokens = 100
     common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="mooncake", protocol="tcp")
     prefill, decode = Rank(), Rank()
     try:
-        prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=16, port=free_port(1), **common)
+        prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=24, port=free_port(1), **common)
         decode.setup(
-            side="decode", engine_id="d", layout="LBHNC", num_blocks=16, port=free_port(1), fault_injection={}, **common
+            side="decode", engine_id="d", layout="LBHNC", num_blocks=24, port=free_port(1), fault_injection={}, **common
         )
         agent = decode.worker._worker.agent
         assert agent.backend.capabilities.late_writes
         params = prefill.prefill(
-            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": list(range(1 + 7 * i, 8 + 7 * i))} for i in (0, 1)]
+            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": [*range(1 + 7 * i, 8 + 7 * i)]} for i in range(3)]
         )
         out = decode.decode(
             [{"id": "r0", "index": 0, "tokens": tokens, "blocks": [11, 3, 4, 5, 9, 8, 2], "params": params["r0"]}],
@@ -424,6 +426,20 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         assert spent["prepare"] > 0 and spent["read"] > 0 and spent["land"] > 0, out["phases"]
         (landing,) = agent.landing_buffers._all  # like layouts, and still landed
         assert agent.landing_buffers.retired_bytes == 0 and agent.landing_buffers.idle_bytes == landing.numel()
+
+        # r0's answer admits this reader: r2's read starts with its BeginPull in flight, and that fails (no lease)
+        prefill.worker._worker.server.abort(params["r2"]["remote_request_id"], reason="prefill dropped it")
+        agent.backend.inject(delay=1.5)  # the read outlasts the answer, within the transfer deadline (2 s)
+        blocks = list(range(16, 23))
+        before = read_logical(decode.views, torch.tensor(blocks)).clone()
+        out = decode.decode(
+            [{"id": "r2", "index": 2, "tokens": tokens, "blocks": blocks, "params": params["r2"]}], verify=False
+        )
+        assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
+        assert agent.landing_buffers.idle_bytes == 0, "reported only once the read had ended (it holds the buffer)"
+        wait_for(lambda: agent.landing_buffers.idle_bytes == landing.numel(), what="the given-up read to end")
+        assert torch.equal(read_logical(decode.views, torch.tensor(blocks)), before)  # never copied in
+        assert agent.landing_buffers.retired_bytes == 0  # it succeeded: nothing can write the buffer late
 
         agent.backend.inject(rates=FaultRates(transfer_error=1.0, seed=1))  # every transfer fails inside the transport
         blocks = [12, 13, 14, 15, 1, 6, 7]
