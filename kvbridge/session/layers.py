@@ -255,10 +255,13 @@ class LayerReader:
         self.ended = time.time()
 
     def retire(self, timeout_s: float) -> None:
-        """After a failure: wait for every read to end; a failed or running one may write late: its buffer retires."""
-        settle(self.handles, timeout_s)
+        """After a failure nothing is copied in: a direct read is waited for, a landed one frees its buffer as it ends.
+
+        A landed read that failed retires its buffer: it may write late."""
+        landed = {id(h) for h, _land in self.landings}
+        settle([h for h in self.handles if id(h) not in landed], timeout_s)
         for h, land in self.landings:
-            land.finish(False, moved=not (h.done() and h.exception() is None))
+            h.add_done_callback(lambda h, land=land: land.finish(False, moved=h.exception() is not None))
 
     def phases(self, done_ms: float) -> dict[str, float]:
         """The read's phases (ms). See docs/internals.md."""
