@@ -407,14 +407,14 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
     common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="mooncake", protocol="tcp")
     prefill, decode = Rank(), Rank()
     try:
-        prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=24, port=free_port(1), **common)
+        prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=32, port=free_port(1), **common)
         decode.setup(
-            side="decode", engine_id="d", layout="LBHNC", num_blocks=24, port=free_port(1), fault_injection={}, **common
+            side="decode", engine_id="d", layout="LBHNC", num_blocks=32, port=free_port(1), fault_injection={}, **common
         )
         agent = decode.worker._worker.agent
         assert agent.backend.capabilities.late_writes
         params = prefill.prefill(
-            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": [*range(1 + 7 * i, 8 + 7 * i)]} for i in range(3)]
+            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": [*range(1 + 7 * i, 8 + 7 * i)]} for i in range(4)]
         )
         out = decode.decode(
             [{"id": "r0", "index": 0, "tokens": tokens, "blocks": [11, 3, 4, 5, 9, 8, 2], "params": params["r0"]}],
@@ -440,6 +440,21 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         wait_for(lambda: agent.landing_buffers.idle_bytes == landing.numel(), what="the given-up read to end")
         assert torch.equal(read_logical(decode.views, torch.tensor(blocks)), before)  # never copied in
         assert agent.landing_buffers.retired_bytes == 0  # it succeeded: nothing can write the buffer late
+
+        # r3's wait gives up (pull_timeout_s) while its read runs: the read that then succeeds is never copied over
+        # the blocks vLLM recomputes
+        side = decode.worker._worker.decode
+        side.control.read_first, side.pull_timeout_s = False, 0.5  # the read starts after the answer, outlasts the wait
+        blocks = list(range(23, 30))
+        before = read_logical(decode.views, torch.tensor(blocks)).clone()
+        out = decode.decode(
+            [{"id": "r3", "index": 3, "tokens": tokens, "blocks": blocks, "params": params["r3"]}], verify=False
+        )
+        assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
+        wait_for(lambda: agent.landing_buffers.idle_bytes == landing.numel(), what="the given-up read to end")
+        assert torch.equal(read_logical(decode.views, torch.tensor(blocks)), before)
+        assert agent.landing_buffers.retired_bytes == 0
+        side.pull_timeout_s = 60.0
 
         agent.backend.inject(rates=FaultRates(transfer_error=1.0, seed=1))  # every transfer fails inside the transport
         blocks = [12, 13, 14, 15, 1, 6, 7]
