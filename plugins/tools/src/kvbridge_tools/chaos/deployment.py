@@ -91,6 +91,7 @@ class Joined:
 
 
 MOVES_S = 60.0  # how long an operator waits for the proxy to move a drained decode's streams before stopping it
+TEARDOWN_S = 10  # vLLM's --shutdown-timeout for a server that is not announced: it drains nothing
 
 
 @attrs.define
@@ -182,7 +183,9 @@ class Deployment:
             log_dir=self.logs / f"life-{self._lives}",
             env={"KVBRIDGE_SECRET": self._secret},
             host=host,
-            extra_args=["--shutdown-timeout", str(self.shutdown_timeout_s)] if announced else [],
+            # vLLM's default of 0 force-kills the engine core at any SIGTERM, the teardown's too: a few seconds let
+            # an unannounced server (the colocated reference among them) end its engine core itself
+            extra_args=["--shutdown-timeout", str(self.shutdown_timeout_s if announced else TEARDOWN_S)],
         )  # the secret never in the config: vLLM logs that
         self._configs[server.port] = config or {}
         self._placed[server.port] = host
