@@ -90,6 +90,11 @@ class TransferRecord:
                     "Avg number of descriptors": round(float(np.mean([p[5] for p in pulls])), 1),
                 }
             )
+            # the xfer time holds kvbridge's own work around the transport's read (NixlConnector's is NIXL's alone)
+            for phase in ("prepare", "land"):
+                spent = [p[3] for p in self.data["phases"] if p[0] == phase]
+                if spent:
+                    out[f"Avg {phase} time (ms)"] = round(float(np.mean(spent)) * 1e3, 3)
         out["Num failed transfers"] = len(self.data["failures"])
         retries = sum(r[2] for r in self.data.get("retries", ()))
         if retries:
