@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 
 from kvbridge.base import wire
-from kvbridge.base.errors import ConfigError, KVBridgeError, TransferFailed, TransferTimeout
+from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, TransferFailed, TransferTimeout
 from kvbridge.base.memory import (
     Descriptors,
     FactoredDescriptors,
@@ -508,7 +508,8 @@ class _DeadlineRetry:
             if self.future.done() or not self._attempts or not all(a.done() for a in self._attempts):
                 return
             ok = [a for a in self._attempts if _succeeded(a)]
-            retry_now = not ok and not self._retried
+            gone = any(not a.cancelled() and isinstance(a.exception(), PeerGone) for a in self._attempts)
+            retry_now = not ok and not self._retried and not gone  # nothing serves there: a retry cannot succeed
             if self._resubmitting:
                 return  # the first attempt ended while its retry is being submitted: settled once that one ends
         if retry_now:
@@ -523,6 +524,9 @@ class _DeadlineRetry:
                 self.future.set_result(retries)
                 return
             last = next((a.exception() for a in reversed(self._attempts) if not a.cancelled()), None)
+            if gone and not self._retried:
+                self.future.set_exception(last)  # not retried: the transport's own words
+                return
             stuck = self._stuck or self._timed_out
             how = f"made no progress within the {self._deadline:.1f}s transfer deadline" if stuck else "failed"
             # a stuck part's retry may have failed outright rather than stalled as well

@@ -20,6 +20,7 @@ the long ones are a manual run:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -66,7 +67,8 @@ def expected(desc: np.ndarray) -> str:
 def pair() -> Iterator[Pair]:
     p = Pair("mooncake", SIZE)
     yield p
-    os.kill(p.server.pid, signal.SIGCONT)
+    with contextlib.suppress(ProcessLookupError):  # a test may have killed it
+        os.kill(p.server.pid, signal.SIGCONT)
     p.close()
 
 
@@ -105,6 +107,19 @@ def test_a_stalled_peer_fails_the_pull_within_the_deadline_and_the_engine_recove
     assert not isinstance(out, ChildError), out
     assert out["descriptors"] == len(desc) and took < BOUND_S
     assert pair.client.call("digest") == expected(desc)
+
+
+def test_a_read_from_a_killed_peer_fails_at_once_as_peer_gone_not_retried(pair: Pair) -> None:
+    """Nothing listens on a killed peer's handshake port: the failed read is not retried on a fresh lane.
+
+    The plugin's retry and the base class's each spent Mooncake's 1 s lane reconnects: 2.1 s, then the same failure."""
+    desc = scattered(64, 65536)
+    pair.transfer(desc)  # the lanes are up
+    os.kill(pair.server.pid, signal.SIGKILL)
+    pair.server.proc.wait(timeout=30)  # dead, its sockets closed
+    err, _took = timed(pair.transfer, desc)
+    assert isinstance(err, ChildError) and err.kind == "PeerGone", err
+    assert "its transfer engine is gone" in str(err) and "retry" not in str(err), err
 
 
 def test_pulls_after_idle_gaps_and_concurrent_pulls_finish_within_the_deadline_plus_retry(pair: Pair) -> None:
