@@ -18,6 +18,7 @@ from kvbridge.session.machine import TERMINAL, PullMachine, PullState
 from kvbridge.session.outbox import Outbox, Recorder
 from kvbridge.session.pull_control import PullControl
 from kvbridge.session.tasks import PullTask, StreamTask
+from kvbridge.transport.contract import settle
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,10 @@ class DecodeSide:
             handle = self.control.start(task.request_id, params, task.local_block_ids, report, machine, skip=task.skip)
             handle.wait(self.pull_timeout_s)
         except KVBridgeError as exc:
-            if handle is not None:  # a read that ends after the request was given up is never copied in
-                handle.abandon()
+            # A landed read that ends after the request was given up is never copied in; a direct read may still
+            # write the blocks vLLM would recompute into: it is waited for (its transport's deadline ends it).
+            if handle is not None and not handle.abandon():
+                settle(handle.handles, self.pull_timeout_s, f"request {task.request_id}")
             report(task.request_id, exc)
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
             log.exception("request %s: pull from %s failed", task.request_id, params.remote_engine_id)

@@ -12,14 +12,14 @@ import attrs
 import numpy as np
 
 from kvbridge.base.block_ids import block_array
-from kvbridge.base.errors import KVBridgeError, LoadError, TransferTimeout
+from kvbridge.base.errors import LoadError, TransferTimeout
 from kvbridge.base.memory import total_bytes
 from kvbridge.control.client import ControlClient
 from kvbridge.control.messages import STREAM_FIRST_VERSION, StreamStatus
 from kvbridge.plan.descriptors import pull_descriptors
 from kvbridge.plan.layout import KVLayout
 from kvbridge.session.pull import Session
-from kvbridge.transport.contract import TransferHandle
+from kvbridge.transport.contract import TransferHandle, settle
 
 if TYPE_CHECKING:
     from kvbridge.agent.kv_agent import KVAgent, RankInfo
@@ -170,7 +170,7 @@ class LayerReader:
             elif now - round_began < POLL_MIN_S:  # answered at once, unchanged: a prefill that does not hold
                 delay = min(delay * 2, POLL_MAX_S)
                 time.sleep(delay)  # bounded by the timeout above
-        settle(self.handles, self.timeout_s)
+        settle(self.handles, self.timeout_s, f"request {rid!r}")
         error = next((e for e in (h.exception() for h in self.handles) if e is not None), None)
         if error is not None:
             raise error
@@ -259,7 +259,7 @@ class LayerReader:
 
         A landed read that failed retires its buffer: it may write late."""
         landed = {id(h) for h, _land in self.landings}
-        settle([h for h in self.handles if id(h) not in landed], timeout_s)
+        settle([h for h in self.handles if id(h) not in landed], timeout_s, f"request {self.s.rid!r}")
         for h, land in self.landings:
             h.add_done_callback(lambda h, land=land: land.finish(False, moved=h.exception() is not None))
 
@@ -278,13 +278,3 @@ class LayerReader:
             "done_ms": done_ms,
         }
         return {k: round(v, 3) for k, v in phases.items()}
-
-
-def settle(handles: Sequence[TransferHandle], timeout_s: float) -> None:
-    """Wait for every read to end, failed ones included (`wait_all` stops at the first error)."""
-    deadline = time.monotonic() + timeout_s
-    for h in handles:
-        try:
-            h.wait(max(0.0, deadline - time.monotonic()))
-        except KVBridgeError:
-            pass  # its exception() says why; a read still running after the deadline is the transport's to end

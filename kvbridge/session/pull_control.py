@@ -22,12 +22,13 @@ from kvbridge.control.discovery import DiscoveryRegistry, resolve
 from kvbridge.control.messages import LeaseStatus
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.topology import ParallelConfig, Plan
-from kvbridge.session.layers import LayerReader, settle
+from kvbridge.session.layers import LayerReader
 from kvbridge.session.machine import PullMachine, PullState
 from kvbridge.session.outbox import Recorder
 from kvbridge.session.pull import Leases, Release, Session
 from kvbridge.session.read_first import Admitted, HeldRead
 from kvbridge.session.releases import OwedReleases
+from kvbridge.transport.contract import settle
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ class PullControl:
             elif gate is not None:  # a read begun first must end before decode reuses the blocks, unless it lands
                 gate.failed()
                 if handle is not None and not handle.abandon():
-                    settle(handle.handles, self.clients.timeout_s)
+                    settle(handle.handles, self.clients.timeout_s, f"request {s.rid!r}")
                 self._abandon(s, exc)
             elif machine.state in (PullState.RESOLVING, PullState.LEASED, PullState.READING):
                 self._abandon(s, exc)

@@ -582,3 +582,25 @@ def wait_all(handles: Sequence[TransferHandle], timeout: float | None = None) ->
     deadline = None if timeout is None else time.monotonic() + timeout
     for h in handles:
         h.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+
+def settle(handles: Sequence[TransferHandle], warn_after_s: float, what: str) -> None:
+    """Wait until every transfer ended, failed ones included (`wait_all` stops at the first error).
+
+    Never gives up: a direct read still running may write the blocks it was given, so they are not anyone's to reuse
+    until it ends. The transport's own deadline ends it (NIXL's `transfer_timeout`, Mooncake's transfer deadline); a
+    read still running every `warn_after_s` is logged, saying so."""
+    began = time.monotonic()
+    for h in handles:
+        while not h.done():
+            try:
+                h.wait(warn_after_s)
+            except KVBridgeError:
+                if not h.done():
+                    log.warning(
+                        "%s: a read from %s still runs after %.1fs; its blocks stay held until it ends (the "
+                        "transport's transfer timeout ends it)",
+                        what,
+                        h.peer,
+                        time.monotonic() - began,
+                    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -465,6 +466,61 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
         assert torch.equal(read_logical(decode.views, torch.tensor(blocks)), before)  # not a byte written
         assert agent.landing_buffers.retired_bytes == landing.numel() and agent.landing_buffers.idle_bytes == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_a_direct_nixl_read_that_outlives_the_pull_timeout_ends_before_vllm_hears(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pull given up while a direct read runs is reported only once that read ended.
+
+    NIXL reads like layouts straight into the cache: reported before (`pull_timeout_s`), the read's bytes could land
+    over the blocks vLLM recomputes."""
+    _import_vllm()
+    from kvbridge_tools.bench.connector_rank import Rank
+    from kvbridge_tools.harness.ports import free_port
+
+    tokens = 100
+    common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="nixl", protocol=None)
+    prefill, decode = Rank(), Rank()
+    try:
+        prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=32, port=free_port(1), **common)
+        decode.setup(
+            side="decode", engine_id="d", layout="LBHNC", num_blocks=32, port=free_port(1), fault_injection={}, **common
+        )
+        agent = decode.worker._worker.agent
+        params = prefill.prefill(
+            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": [*range(1 + 7 * i, 8 + 7 * i)]} for i in range(3)]
+        )
+        out = decode.decode(
+            [{"id": "r0", "index": 0, "tokens": tokens, "blocks": [11, 3, 4, 5, 9, 8, 2], "params": params["r0"]}],
+            verify=True,
+        )
+        assert out["bad"] == {} and out["load_errors"] == []
+        assert agent.landing_buffers is None or not agent.landing_buffers._all  # read in place, no buffer
+
+        side = decode.worker._worker.decode
+        side.control.read_first, side.pull_timeout_s = False, 0.5  # the read starts after the answer, outlasts the wait
+        agent.backend.inject(delay=1.5)
+        blocks = list(range(23, 30))
+        with caplog.at_level(logging.WARNING, logger="kvbridge.transport.contract"):
+            out = decode.decode(
+                [{"id": "r1", "index": 1, "tokens": tokens, "blocks": blocks, "params": params["r1"]}], verify=True
+            )
+        assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
+        # vLLM recomputes these blocks from here on: the read had ended before (its bytes are all in), not after
+        assert out["bad"] == {}, "reported while the read still ran"
+        assert any("request r1" in r.getMessage() and "still runs" in r.getMessage() for r in caplog.records)
+
+        side.pull_timeout_s = 60.0
+        agent.backend.inject()  # the next pull is served as before
+        out = decode.decode(
+            [{"id": "r2", "index": 2, "tokens": tokens, "blocks": [*range(16, 23)], "params": params["r2"]}],
+            verify=True,
+        )
+        assert out["bad"] == {} and out["load_errors"] == []
     finally:
         decode.close()
         prefill.close()
