@@ -18,7 +18,6 @@ from kvbridge.session.machine import TERMINAL, PullMachine, PullState
 from kvbridge.session.outbox import Outbox, Recorder
 from kvbridge.session.pull_control import PullControl
 from kvbridge.session.tasks import PullTask, StreamTask
-from kvbridge.transport.contract import settle
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +135,18 @@ class DecodeSide:
             handle = self.control.start(task.request_id, params, task.local_block_ids, report, machine, skip=task.skip)
             handle.wait(self.pull_timeout_s)
         except KVBridgeError as exc:
-            # A landed read that ends after the request was given up is never copied in; a direct read may still
-            # write the blocks vLLM would recompute into: it is waited for (its transport's deadline ends it).
+            # A landed read that ends after the request was given up is never copied in. A direct read may still
+            # write the blocks vLLM would recompute into: the pull is reported when it ends, as every pull is (its
+            # transport's own timeout ends it), and this thread goes on to the next.
             if handle is not None and not handle.abandon():
-                settle(handle.handles, self.pull_timeout_s, f"request {task.request_id}")
-            report(task.request_id, exc)
+                log.warning(
+                    "request %s: given up while its read from %s runs (%s); it fails once the read ends",
+                    task.request_id,
+                    params.remote_engine_id,
+                    exc,
+                )
+            else:
+                report(task.request_id, exc)
         except Exception as exc:  # a bug must surface as a load error, never as unread blocks counted as loaded
             log.exception("request %s: pull from %s failed", task.request_id, params.remote_engine_id)
             report(task.request_id, exc)

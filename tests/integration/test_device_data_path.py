@@ -10,6 +10,7 @@ pull on real CUDA memory where a GPU is present and is skipped, with the reason,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -389,39 +390,58 @@ def _connector_pull(device: str, acc: Any, prefill_layout: str, decode_layout: s
         prefill.close()
 
 
-def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm_takes_back() -> None:
-    """Mooncake TCP may still write after a failed transfer (`late_writes`): even like layouts land in a buffer.
+TOKENS = 100  # 7 blocks of 16, the last partial
 
-    A failed pull leaves the decode cache untouched and retires its buffer for good. A read begun first whose BeginPull
-    fails is given up at once, while it still runs: it is never copied in, and its buffer is lent again once it ends.
-    """
+
+@contextlib.contextmanager
+def _pulled_once(backend: str, protocol: str | None, requests: int) -> Iterator[tuple[Any, Any, dict, dict]]:
+    """A prefill and a decode rank, a real KVBridgeConnector each over `backend`, and r0 pulled (checked).
+
+    The decode's transport takes injected faults; prefill holds `requests` requests r0.. of 7 blocks each. Yields both
+    ranks, every request's transfer params and r0's pull."""
     _import_vllm()
-    import torch
-
-    from kvbridge.agent.landing import read_logical
-    from kvbridge.transport.faults import FaultRates
     from kvbridge_tools.bench.connector_rank import Rank
-    from kvbridge_tools.harness.fixtures import wait_for
     from kvbridge_tools.harness.ports import free_port
 
-    tokens = 100
-    common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="mooncake", protocol="tcp")
+    common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend=backend, protocol=protocol)
     prefill, decode = Rank(), Rank()
     try:
         prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=32, port=free_port(1), **common)
         decode.setup(
             side="decode", engine_id="d", layout="LBHNC", num_blocks=32, port=free_port(1), fault_injection={}, **common
         )
-        agent = decode.worker._worker.agent
-        assert agent.backend.capabilities.late_writes
         params = prefill.prefill(
-            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": [*range(1 + 7 * i, 8 + 7 * i)]} for i in range(4)]
+            [
+                {"id": f"r{i}", "index": i, "tokens": TOKENS, "blocks": [*range(1 + 7 * i, 8 + 7 * i)]}
+                for i in range(requests)
+            ]
         )
         out = decode.decode(
-            [{"id": "r0", "index": 0, "tokens": tokens, "blocks": [11, 3, 4, 5, 9, 8, 2], "params": params["r0"]}],
+            [{"id": "r0", "index": 0, "tokens": TOKENS, "blocks": [11, 3, 4, 5, 9, 8, 2], "params": params["r0"]}],
             verify=True,
         )
         assert out["bad"] == {} and out["load_errors"] == []
+        yield prefill, decode, params, out
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm_takes_back() -> None:
+    """Mooncake TCP may still write after a failed transfer (`late_writes`): even like layouts land in a buffer.
+
+    A failed pull leaves the decode cache untouched and retires its buffer for good. A read begun first whose BeginPull
+    fails is given up at once, while it still runs: it is never copied in, and its buffer is lent again once it ends.
+    """
+    import torch
+
+    from kvbridge.agent.landing import read_logical
+    from kvbridge.transport.faults import FaultRates
+    from kvbridge_tools.harness.fixtures import wait_for
+
+    with _pulled_once("mooncake", "tcp", requests=4) as (prefill, decode, params, out):
+        agent = decode.worker._worker.agent
+        assert agent.backend.capabilities.late_writes
         # the copy out of the landing buffer is timed apart from the transport's read, as building the descriptors is
         spent = {phase: s for phase, s in out["phases"]}
         assert spent["prepare"] > 0 and spent["read"] > 0 and spent["land"] > 0, out["phases"]
@@ -434,7 +454,7 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         blocks = list(range(16, 23))
         before = read_logical(decode.views, torch.tensor(blocks)).clone()
         out = decode.decode(
-            [{"id": "r2", "index": 2, "tokens": tokens, "blocks": blocks, "params": params["r2"]}], verify=False
+            [{"id": "r2", "index": 2, "tokens": TOKENS, "blocks": blocks, "params": params["r2"]}], verify=False
         )
         assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
         assert agent.landing_buffers.idle_bytes == 0, "reported only once the read had ended (it holds the buffer)"
@@ -449,7 +469,7 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         blocks = list(range(23, 30))
         before = read_logical(decode.views, torch.tensor(blocks)).clone()
         out = decode.decode(
-            [{"id": "r3", "index": 3, "tokens": tokens, "blocks": blocks, "params": params["r3"]}], verify=False
+            [{"id": "r3", "index": 3, "tokens": TOKENS, "blocks": blocks, "params": params["r3"]}], verify=False
         )
         assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
         wait_for(lambda: agent.landing_buffers.idle_bytes == landing.numel(), what="the given-up read to end")
@@ -461,14 +481,11 @@ def test_mooncake_tcp_pulls_land_so_a_failed_one_never_writes_a_cache_block_vllm
         blocks = [12, 13, 14, 15, 1, 6, 7]
         before = read_logical(decode.views, torch.tensor(blocks)).clone()
         out = decode.decode(
-            [{"id": "r1", "index": 1, "tokens": tokens, "blocks": blocks, "params": params["r1"]}], verify=False
+            [{"id": "r1", "index": 1, "tokens": TOKENS, "blocks": blocks, "params": params["r1"]}], verify=False
         )
         assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
         assert torch.equal(read_logical(decode.views, torch.tensor(blocks)), before)  # not a byte written
         assert agent.landing_buffers.retired_bytes == landing.numel() and agent.landing_buffers.idle_bytes == 0
-    finally:
-        decode.close()
-        prefill.close()
 
 
 def test_a_direct_nixl_read_that_outlives_the_pull_timeout_ends_before_vllm_hears(
@@ -478,52 +495,30 @@ def test_a_direct_nixl_read_that_outlives_the_pull_timeout_ends_before_vllm_hear
 
     NIXL reads like layouts straight into the cache: reported before (`pull_timeout_s`), the read's bytes could land
     over the blocks vLLM recomputes."""
-    _import_vllm()
-    from kvbridge_tools.bench.connector_rank import Rank
-    from kvbridge_tools.harness.ports import free_port
-
-    tokens = 100
-    common = dict(model="tiny-gqa", tp=1, dp=1, rank=0, block_size=16, backend="nixl", protocol=None)
-    prefill, decode = Rank(), Rank()
-    try:
-        prefill.setup(side="prefill", engine_id="p", layout="LBHNC", num_blocks=32, port=free_port(1), **common)
-        decode.setup(
-            side="decode", engine_id="d", layout="LBHNC", num_blocks=32, port=free_port(1), fault_injection={}, **common
-        )
+    with _pulled_once("nixl", None, requests=3) as (_prefill, decode, params, _out):
         agent = decode.worker._worker.agent
-        params = prefill.prefill(
-            [{"id": f"r{i}", "index": i, "tokens": tokens, "blocks": [*range(1 + 7 * i, 8 + 7 * i)]} for i in range(3)]
-        )
-        out = decode.decode(
-            [{"id": "r0", "index": 0, "tokens": tokens, "blocks": [11, 3, 4, 5, 9, 8, 2], "params": params["r0"]}],
-            verify=True,
-        )
-        assert out["bad"] == {} and out["load_errors"] == []
         assert agent.landing_buffers is None or not agent.landing_buffers._all  # read in place, no buffer
 
         side = decode.worker._worker.decode
         side.control.read_first, side.pull_timeout_s = False, 0.5  # the read starts after the answer, outlasts the wait
         agent.backend.inject(delay=1.5)
         blocks = list(range(23, 30))
-        with caplog.at_level(logging.WARNING, logger="kvbridge.transport.contract"):
+        with caplog.at_level(logging.WARNING, logger="kvbridge.session.decode_side"):
             out = decode.decode(
-                [{"id": "r1", "index": 1, "tokens": tokens, "blocks": blocks, "params": params["r1"]}], verify=True
+                [{"id": "r1", "index": 1, "tokens": TOKENS, "blocks": blocks, "params": params["r1"]}], verify=True
             )
         assert out["missing"] == [] and set(out["load_errors"]) == set(blocks)
         # vLLM recomputes these blocks from here on: the read had ended before (its bytes are all in), not after
         assert out["bad"] == {}, "reported while the read still ran"
-        assert any("request r1" in r.getMessage() and "still runs" in r.getMessage() for r in caplog.records)
+        assert any("request r1: given up while its read" in r.getMessage() for r in caplog.records)
 
         side.pull_timeout_s = 60.0
         agent.backend.inject()  # the next pull is served as before
         out = decode.decode(
-            [{"id": "r2", "index": 2, "tokens": tokens, "blocks": [*range(16, 23)], "params": params["r2"]}],
+            [{"id": "r2", "index": 2, "tokens": TOKENS, "blocks": [*range(16, 23)], "params": params["r2"]}],
             verify=True,
         )
         assert out["bad"] == {} and out["load_errors"] == []
-    finally:
-        decode.close()
-        prefill.close()
 
 
 @pytest.mark.parametrize("prefill_layout,decode_layout", [("LBNHC", "BLHNC"), ("ascend-kv-tuple", "LBNHC")])
