@@ -18,6 +18,7 @@ import pytest
 
 import kvbridge
 from kvbridge.base.errors import TransferFailed, TransferTimeout
+from kvbridge_tools.harness.fixtures import wait_for
 from kvbridge_tools.harness.proc import Child, stop_all_threads
 
 SIZE = 8 << 20
@@ -25,7 +26,9 @@ SIZE = 8 << 20
 
 @pytest.fixture
 def stalled(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[tuple]:
-    """A reader (with the test's `transfer_timeout`, default 1 s) connected to a peer that never answers."""
+    """A reader (with the test's `transfer_timeout`, default 1 s) connected to a peer that never answers.
+
+    Yields the reader, the peer as it sees it, both buffers and the peer, which serves once told (`expect_reads`)."""
     monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX when each agent's backend starts
     kvbridge.reset_plugins()
     hung = kvbridge.create_backend("nixl", progress_interval=3600)  # never progresses while idle
@@ -34,14 +37,14 @@ def stalled(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
     hung.register_memory(src)
     reader.register_memory(dst)
     peer = reader.connect(hung.endpoint_info())
-    yield reader, peer, src, dst
+    yield reader, peer, src, dst, hung
     reader.close()
     hung.close()
     kvbridge.reset_plugins()
 
 
 def test_a_request_past_transfer_timeout_is_aborted_and_released(stalled: tuple) -> None:
-    reader, peer, src, dst = stalled
+    reader, peer, src, dst, _hung = stalled
     handle = reader.transfer(peer, [(dst.ctypes.data, src.ctypes.data, SIZE)])
     with pytest.raises(TransferTimeout) as err:
         handle.wait(0.05)  # the caller's own, shorter timeout first: the request goes on
@@ -52,9 +55,24 @@ def test_a_request_past_transfer_timeout_is_aborted_and_released(stalled: tuple)
     assert reader._inflight == []  # its NIXL request was released
 
 
+def test_a_read_aborted_unfinished_still_writes_its_destination_so_nixl_declares_late_writes(stalled: tuple) -> None:
+    """NIXL's release of an unfinished request does not stop it (UCX's cancel leaves an RMA get running).
+
+    Once the peer serves it, the aborted read lands whole, after its handle failed. So the plugin declares late
+    writes, and kvbridge lands every read into a live cache in a buffer first (`kvbridge.agent.landing`)."""
+    reader, peer, src, dst, hung = stalled
+    assert reader.capabilities.late_writes
+    handle = reader.transfer(peer, [(dst.ctypes.data, src.ctypes.data, SIZE)])
+    with pytest.raises(TransferTimeout, match="was aborted"):
+        handle.wait(30)
+    assert reader._inflight == [] and not dst.any()  # released, nothing written yet
+    hung.expect_reads(1)  # the peer now serves what it was asked before
+    wait_for(lambda: np.array_equal(dst, src), timeout=20, what="the aborted read's bytes to land late")
+
+
 @pytest.mark.parametrize("stalled", [600.0], indirect=True)  # only close can end the request
 def test_close_aborts_what_is_in_flight(stalled: tuple) -> None:
-    reader, peer, src, dst = stalled
+    reader, peer, src, dst, _hung = stalled
     handle = reader.transfer(peer, [(dst.ctypes.data, src.ctypes.data, SIZE)])
     assert not handle.done()
     reader.close()

@@ -114,6 +114,9 @@ def capabilities() -> BackendCapabilities:
         notifications=False,
         # one NIXL request per submission: NIXL takes the whole list in one C++ call
         max_batch=None,
+        # A request released unfinished (`transfer_timeout`, close) still writes: UCX's cancel leaves an RMA get
+        # running; over UCX TCP an aborted read landed whole once its peer served it (tests/test_nixl_faults.py).
+        late_writes=True,
     )
 
 
