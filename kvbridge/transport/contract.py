@@ -588,8 +588,7 @@ def settle(handles: Sequence[TransferHandle], warn_after_s: float, what: str) ->
     """Wait until every transfer ended, failed ones included (`wait_all` stops at the first error).
 
     Never gives up: a direct read still running may write the blocks it was given, so they are not anyone's to reuse
-    until it ends. The transport's own deadline ends it (NIXL's `transfer_timeout`, Mooncake's transfer deadline); a
-    read still running every `warn_after_s` is logged, saying so."""
+    until it ends, which the transport's own timeout bounds. A read still running every `warn_after_s` is logged."""
     began = time.monotonic()
     for h in handles:
         while not h.done():
