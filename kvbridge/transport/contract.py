@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, ClassVar, Literal
 
 import attrs
@@ -16,6 +16,7 @@ import numpy as np
 
 from kvbridge.base import wire
 from kvbridge.base.errors import ConfigError, KVBridgeError, PeerGone, TransferFailed, TransferTimeout
+from kvbridge.base.lanes import Lanes
 from kvbridge.base.memory import (
     Descriptors,
     FactoredDescriptors,
@@ -27,7 +28,7 @@ from kvbridge.base.memory import (
     total_bytes,
 )
 from kvbridge.base.options import BackendOptions, checked
-from kvbridge.base.threadname import NamedThread, name_in_os
+from kvbridge.base.threadname import NamedThread
 from kvbridge.base.types import BackendCapabilities, BackendConfig, EndpointInfo, MemoryRegion
 
 log = logging.getLogger(__name__)
@@ -119,17 +120,14 @@ class MigrationBackend(abc.ABC):
         self._lock = threading.RLock()
         self._local = RegionIndex()
         self._closed = False
-        self._pool: ThreadPoolExecutor | None = None
+        # named in the OS as well: a thread a native transport starts from one of these is named after it
+        self._lanes = Lanes(self.options.workers, f"kvbridge-{self.name}")
 
-    def _spawn(self, fn: Callable[[], None]) -> Future:
-        """Run a blocking transport call on this backend's worker threads."""
-        with self._lock:
-            if self._pool is None:
-                # named in the OS as well: a thread a native transport starts from one of these is named after it
-                self._pool = ThreadPoolExecutor(
-                    max_workers=self.options.workers, thread_name_prefix=f"kvbridge-{self.name}", initializer=name_in_os
-                )
-            return self._pool.submit(fn)
+    def _spawn(self, peer: Peer, fn: Callable[[], Any]) -> Future:
+        """Run a blocking transport call with `peer` on that peer's threads (`workers` of them at most).
+
+        A peer whose calls hang holds its own threads only (`kvbridge.base.lanes`)."""
+        return self._lanes.submit(peer.name, fn)
 
     # -- what transports implement ---------------------------------------------------------
 
@@ -323,8 +321,7 @@ class MigrationBackend(abc.ABC):
         except KVBridgeError as exc:
             log.warning("%s: unregistering on close failed: %s", self.name, exc)
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=True)
+            self._lanes.shutdown(wait=True, cancel_futures=True)
             self._shutdown()
 
     def __enter__(self) -> MigrationBackend:

@@ -108,7 +108,7 @@ class FaultyBackend(WrappingBackend):
         if fail_submit:
             raise TransferFailed(f"injected submit failure towards {peer.name}", peer=peer.name, cause="injected")
         if fail_completion or delay:
-            return self._spawn(lambda: self._delayed(peer, desc, op, delay, fail_completion))
+            return self._spawn(peer, lambda: self._delayed(peer, desc, op, delay, fail_completion))
         if roll < rates.transfer_error:
             log.warning("fault injection: failing a %s of %d descriptors with %s", op, len(desc), peer.name)
             failed: Future = Future()

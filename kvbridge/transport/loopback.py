@@ -71,7 +71,7 @@ class LoopbackBackend(MigrationBackend):
         return endpoint.address
 
     def _submit(self, peer: Peer, desc: Descriptors, op: Op) -> Future:
-        return self._spawn(lambda: self._move(peer, desc, op))
+        return self._spawn(peer, lambda: self._move(peer, desc, op))
 
     def _move(self, peer: Peer, desc: Descriptors, op: Op) -> None:
         remote = _endpoints.get(peer.handle)

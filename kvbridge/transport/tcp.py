@@ -511,7 +511,7 @@ class TcpBackend(MigrationBackend):
                 peer=peer.name,
                 cause="local views fall short",
             )
-        return self._spawn(lambda: self._exchange(peer, desc, op, local_views))
+        return self._spawn(peer, lambda: self._exchange(peer, desc, op, local_views))
 
     def _exchange(self, peer: Peer, desc: Descriptors, op: Op, local_views: list[memoryview]) -> None:
         h = peer.handle

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvbridge_tools.harness.proc import Child, ChildError
+from kvbridge_tools.harness.proc import Child, ChildError, stop_all_threads
 
 PEERS = str(Path(__file__).parents[1] / "peers")
 # the children import what this process imports (kvbridge_tools included), and the peers
@@ -118,6 +120,53 @@ def test_a_dead_peer_fails_the_transfer_instead_of_hanging(pair: Pair) -> None:
     with pytest.raises(ChildError) as err:
         pair.client.call("transfer", descriptors=[[0, 0, 4096]], op="read", remote_base=pair.s["base"], timeout=60)
     assert err.value.kind in {"TransferFailed", "PeerGone", "TransferTimeout"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reads_stalled_on_one_peer_hold_none_of_the_reads_from_another(backend: str) -> None:
+    """More reads than the transport has `workers` wait on a stopped peer; a read from another peer still runs.
+
+    With one pool of worker threads for every peer they held all of them, and a read from a healthy peer queued
+    behind them: Mooncake TCP failed it at its transfer deadline, kvbridge's TCP ran it once they had failed."""
+    import kvbridge
+
+    env = {"PYTHONPATH": CHILD_PATH}
+    stopped = Child("backend_peer", env=env, name=f"{backend}-stopped")
+    live = Child("backend_peer", env=env, name=f"{backend}-live")
+    me = kvbridge.create_backend(backend)
+    try:
+        s = stopped.call("init", backend=backend, size=16 * MiB, seed=7)
+        h = live.call("init", backend=backend, size=16 * MiB, seed=8)
+        buf = np.zeros(32 * MiB, dtype=np.uint8)
+        me.register_memory(buf)
+        to_stopped, to_live = (me.connect(bytes.fromhex(x["endpoint"])) for x in (s, h))
+
+        def read(peer, offset: int, base: int):  # type: ignore[no-untyped-def]
+            return me.transfer(peer, [[buf.ctypes.data + offset, base, MiB]])
+
+        for peer, base in ((to_stopped, s["base"]), (to_live, h["base"])):
+            read(peer, 0, base).wait(30)  # connected both ways
+        stop_all_threads(stopped.pid)
+        ended: list[str] = []
+        stuck = [read(to_stopped, (i + 1) * MiB, s["base"]) for i in range(me.options.workers + 2)]
+        for handle in stuck:
+            handle.add_done_callback(lambda _h: ended.append("stuck"))
+        healthy = read(to_live, 16 * MiB, h["base"])
+        healthy.add_done_callback(lambda _h: ended.append("healthy"))
+        healthy.wait(60)
+        assert ended[:1] == ["healthy"], f"the healthy peer's read ended after a stalled one's: {ended}"
+        assert sha(buf[16 * MiB : 17 * MiB]) == sha(pattern(16 * MiB, 8)[:MiB])
+        os.kill(stopped.pid, signal.SIGCONT)
+        for handle in stuck:  # each ends, read or failed: none is left running
+            with contextlib.suppress(kvbridge.KVBridgeError):
+                handle.wait(60)
+        assert all(handle.done() for handle in stuck)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped.pid, signal.SIGCONT)
+        me.close()
+        stopped.close()
+        live.close()
 
 
 def test_mooncake_refuses_a_metadata_server_its_wheel_cannot_speak() -> None:

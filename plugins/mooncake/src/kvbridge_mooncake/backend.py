@@ -405,7 +405,7 @@ class MooncakeBackend(MigrationBackend):
                 retries=attempt,
             )
 
-        return self._spawn(run)
+        return self._spawn(peer, run)
 
     def _transfer(self, target: str, local: list[int], remote: list[int], length: list[int], op: Op) -> int:
         """Move the descriptors; 0 or Mooncake's error code.
