@@ -194,6 +194,11 @@ class KVTransferParams:
             return self
         return attrs.evolve(self, remote_request_id=self.kvbridge_move_id)
 
+    @property
+    def server(self) -> str:
+        """`host:port` of the prefill server these params name (its rank 0's side channel): a peer's name in metrics."""
+        return f"{self.remote_host}:{self.remote_port}"
+
     def require_remote(self) -> None:
         """Raise ConfigError naming the missing keys a decode side needs to pull."""
         missing = [

@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
 from kvbridge.base import watchdog
 from kvbridge.base.errors import ConfigError, KVBridgeError
-from kvbridge.base.threadname import name_in_os
+from kvbridge.base.lanes import Lanes
 from kvbridge.control.params import KVTransferParams
 from kvbridge.plan.rank_ports import stage_port
 from kvbridge.session.machine import TERMINAL, PullMachine, PullState
@@ -20,6 +19,9 @@ from kvbridge.session.pull_control import PullControl
 from kvbridge.session.tasks import PullTask, StreamTask
 
 log = logging.getLogger(__name__)
+
+PULLS_PER_PEER = 4  # whole-request pulls from one prefill server at once
+STREAMS_PER_PEER = 32  # layer-wise streams from one prefill server at once (each waits on prefill's layers)
 
 
 def on_stage(params: KVTransferParams, stage: int) -> KVTransferParams:
@@ -57,12 +59,9 @@ class DecodeSide:
         self.tp_rank, self.pp_rank, self.pp_size = tp_rank, pp_rank, pp_size
         self.pull_timeout_s = pull_timeout_s
         self.transport = control.agent.backend.name
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvbridge-pull", initializer=name_in_os)
-        self._streams = (
-            ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvbridge-stream", initializer=name_in_os)
-            if layerwise
-            else None
-        )
+        # each prefill server's pulls on threads of their own: one that stalls holds none of another's
+        self._pulls = Lanes(PULLS_PER_PEER, "kvbridge-pull")
+        self._streams = Lanes(STREAMS_PER_PEER, "kvbridge-stream") if layerwise else None
         self._lock = threading.Lock()
         self._cancels: dict[str, threading.Event] = {}  # layer-wise streams in flight
 
@@ -74,14 +73,14 @@ class DecodeSide:
             self.release(task)
             return
         self.outbox.begin(stream=False)
-        self._pool.submit(self._pull, task, received)
+        self._pulls.submit(task.params.server, lambda: self._pull(task, received))
 
     def _pull(self, task: PullTask, received: float) -> None:
         machine = PullMachine(task.request_id, "pull")
         dispatched = max(0.0, received - task.asked_at)  # the engine's step: from its scheduler to this worker
         queued = max(0.0, time.time() - received)  # from the step to this thread
         params = task.params
-        peer = f"{params.remote_host}:{params.remote_port}"  # one per prefill server: bounded
+        peer = params.server  # one per prefill server: bounded
         reported = threading.Lock()  # held once the outcome went to the engine
 
         def report(_rid: str, error: BaseException | None) -> None:
@@ -209,7 +208,7 @@ class DecodeSide:
             with self._lock:
                 self._cancels[task.request_id] = threading.Event()
             self.outbox.begin(stream=True)
-            self._streams.submit(self._stream, task)
+            self._streams.submit(task.params.server, lambda: self._stream(task))
         else:
             self.release(PullTask(task.request_id, task.params, (), report=False))
 
@@ -223,7 +222,7 @@ class DecodeSide:
     def _stream(self, task: StreamTask) -> None:
         machine = PullMachine(task.request_id, "layerwise")
         queued = max(0.0, time.time() - task.asked_at)
-        peer = f"{task.params.remote_host}:{task.params.remote_port}"
+        peer = task.params.server
         with self._lock:
             cancelled = self._cancels[task.request_id]
         error: BaseException | None = None
@@ -255,7 +254,7 @@ class DecodeSide:
         self.outbox.recved(task.request_id, failed=failed, timing={**machine.marks(), **timing})
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pulls.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             cancels = list(self._cancels.values())
         for cancel in cancels:

@@ -6,7 +6,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 import numpy as np
@@ -15,7 +14,7 @@ from kvbridge.agent.kv_agent import KVAgent, PullHandle, PullResult, RankInfo
 from kvbridge.base import watchdog
 from kvbridge.base.block_ids import BlockIds, block_array
 from kvbridge.base.errors import KVBridgeError, LoadError
-from kvbridge.base.threadname import name_in_os
+from kvbridge.base.lanes import Lanes
 from kvbridge.control.channel import ControlServer
 from kvbridge.control.client import ClientPool, ControlClient
 from kvbridge.control.discovery import DiscoveryRegistry, resolve
@@ -102,7 +101,8 @@ class PullControl:
         self._admitted = Admitted()
         self._local_ids: dict[str, str] = {}  # prefill request id -> this engine's request id, while pulling
         self._lock = threading.Lock()
-        self._later: ThreadPoolExecutor | None = None  # DONEs of reads already reported
+        # DONEs of reads already reported, each prefill server's on threads of its own: a silent one holds no other's
+        self._later = Lanes(2, "kvbridge-done")
         self._owed = OwedReleases(self.name)  # release DONEs for prefill ranks that did not answer in time
         self._closed = False
 
@@ -422,23 +422,15 @@ class PullControl:
         begun = time.monotonic()
         self._send_dones(s.rid, s.leases, s.notify, None, held=True)
         took = time.monotonic() - begun
-        peer = f"{s.params.remote_host}:{s.params.remote_port}"
+        peer = s.params.server
         if self.stats is not None:
             self.stats.record_phase("done", self.agent.backend.name, peer, took)
         watchdog.slow(log, f"DONEs of request {s.rid} from {self.name} to {peer}", {"done": took * 1e3})
 
     def _send_later(self, s: Session) -> None:
         """The DONEs of a read already confirmed (its bytes held by the prefill ranks), off the caller's thread."""
-        with self._lock:
-            if self._later is None and not self._closed:
-                self._later = ThreadPoolExecutor(
-                    max_workers=2, thread_name_prefix="kvbridge-done", initializer=name_in_os
-                )
-            later = self._later
         try:
-            if later is None:
-                raise RuntimeError("closed")
-            later.submit(self._dones_held, s)
+            self._later.submit(s.params.server, lambda: self._dones_held(s))
         except RuntimeError:  # closing: the prefill ranks' leases expire instead
             log.warning("request %s: decode control closed before its DONEs were sent; the leases expire", s.rid)
 
@@ -463,8 +455,6 @@ class PullControl:
         """Send the DONEs still queued (each bounded by the clients' timeout and DONE_ATTEMPTS), then close."""
         with self._lock:
             self._closed = True
-            later, self._later = self._later, None
-        if later is not None:
-            later.shutdown(wait=True)
+        self._later.shutdown(wait=True)
         self._owed.close(wait_s=self.clients.timeout_s)
         self.clients.close()

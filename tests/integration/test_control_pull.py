@@ -475,3 +475,57 @@ def test_a_reader_reads_first_only_while_it_is_surely_admitted(monkeypatch: pyte
         assert [e for _r, e in pair.outcomes] == [None] * 5
     finally:
         pair.close()
+
+
+def test_a_prefill_whose_side_channel_stalls_holds_none_of_the_pulls_from_another() -> None:
+    """More pulls than a decode runs at once from one peer wait on its silent side channel; another peer's still run.
+
+    With one pool of threads for every peer, they held them all until their answers timed out."""
+    from kvbridge.session.decode_side import PULLS_PER_PEER, DecodeSide
+    from kvbridge.session.metrics import KEYS, TransferRecord
+    from kvbridge.session.outbox import Outbox
+    from kvbridge.session.tasks import PullTask
+
+    stalled = Pair(ledger=HeldBeginLedger)
+    ledger = Ledger(lambda *_: None)
+    healthy, h_buf = _agent("prefill-b", MODEL.kv_heads, 8)
+    h_buf[:] = 7
+    h_server = ControlServer("prefill-b", 0, ledger=ledger, poll_interval_s=0.01)
+    h_server.register(healthy.info())
+    stalled.p_server.register(stalled.prefill.info())
+    outbox = Outbox(None, idle_wait_s=0.01, stream_idle_wait_s=0.01)
+    # the answer stalls 10 s (HeldBeginLedger), well within this wait: the pulls wait for it, not time out
+    control = PullControl(stalled.decode, stalled.d_server, ready_timeout_s=30, timeout_s=30)
+    metrics = TransferRecord()
+    metrics.data, metrics._lock = {k: [] for k in KEYS}, threading.Lock()
+    decode = DecodeSide(control, outbox, metrics, tp_rank=0, pp_rank=0, pp_size=1, pull_timeout_s=30, layerwise=False)
+    reported: set[str] = set()
+
+    def take() -> set[str]:
+        reported.update(outbox.take(idle=False)[1])
+        return reported
+
+    try:
+        stalled.ledger.answer.clear()
+        for i in range(PULLS_PER_PEER + 1):
+            stalled.ledger.offer(f"a{i}", [1, 2, 3], expected_pulls=1)
+            decode.pull(PullTask(f"local-a{i}", stalled.params(f"a{i}"), [4, 5, 6], report=True), time.time())
+        ledger.offer("b0", [1, 2, 3], expected_pulls=1)
+        host, port = h_server.address
+        params = attrs.evolve(stalled.params("b0"), remote_engine_id="prefill-b", remote_host=host, remote_port=port)
+        decode.pull(PullTask("local-b0", params, [1, 2, 3], report=True), time.time())
+        wait_for(lambda: "local-b0" in take(), what="the healthy prefill's pull")
+        assert reported == {"local-b0"}, "the stalled prefill's pulls are still waiting for their answers"
+        assert not outbox.take_load_errors(), "the healthy prefill's pull did not fail"
+        assert [p[1] for p in metrics.data["pulls"]] == [f"{host}:{port}"] and not metrics.data["failures"]
+        block = stalled.d_buf.size // MODEL.layers // 2 // 8  # one block of one layer's K
+        assert (stalled.d_buf[block : 4 * block] == 7).all(), "its blocks came from the healthy prefill"
+        stalled.ledger.answer.set()
+        wait_for(lambda: len(take()) == PULLS_PER_PEER + 2, what="the stalled prefill's pulls, once it answers")
+        assert not outbox.take_load_errors()
+    finally:
+        stalled.ledger.answer.set()
+        decode.close()
+        stalled.close()
+        for x in (h_server, healthy):
+            x.close()
