@@ -153,6 +153,32 @@ def test_either_import_order_gets_kvbridge_for_mooncake(first: str) -> None:
     assert names["Mooncake"] == names["KVBridge"] == "kvbridge.adapters.lmdeploy.backend.KVBridgeLMDeployBackend"
 
 
+def test_the_adapter_imported_first_under_pytest_gets_kvbridge_for_mooncake(tmp_path: Path) -> None:
+    """Under pytest, pytest's assertion rewriter loads the adapter, not the finders behind it.
+
+    kvbridge ships a pytest plugin, and pytest marks every module of a plugin's distribution for rewriting, so the
+    rewriter loads each kvbridge module (an editable install's only where its egg-info is on the path: the conftest
+    marks them as an installed wheel's are). LMDeploy's registry, run inside the adapter's import, then kept
+    LMDeploy's own Mooncake backend."""
+    (tmp_path / "conftest.py").write_text('import pytest\n\npytest.register_assert_rewrite("kvbridge")\n')
+    (tmp_path / "test_order.py").write_text(
+        "def test_order():\n"
+        "    import kvbridge.adapters.lmdeploy\n"
+        "    from lmdeploy.pytorch.disagg.backend.backend import MIGRATION_BACKENDS as M\n"
+        "    name = M.get('Mooncake').__module__\n"
+        "    assert name == 'kvbridge.adapters.lmdeploy.backend', name\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_order.py")],
+        env={**os.environ, "KVBRIDGE_LMDEPLOY": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+
+
 def test_env_switch_keeps_lmdeploys_own_backend() -> None:
     names = json.loads(_fresh(_PROBE, KVBRIDGE_LMDEPLOY="0"))
     assert names["Mooncake"] == "lmdeploy.pytorch.disagg.backend.mooncake.MooncakeBackend"

@@ -6,7 +6,9 @@ finder on `sys.meta_path` (standard library only, nothing imported): when a proc
 and in every executor worker it spawns — the finder lets that module run and then calls
 `kvbridge.adapters.lmdeploy.register()`. Processes that never import LMDeploy pay nothing else.
 Where kvbridge's adapter is imported first, LMDeploy's module runs inside that import, before the
-adapter's class exists: the registration then waits until the adapter's import has finished.
+adapter's class exists: the registration then waits until the adapter's import has finished (its last
+line calls `adapter_ready()`). That holds whoever loads the adapter: pytest's assertion rewriter, which
+loads every module of a distribution with a pytest plugin (kvbridge's conformance kit), comes first.
 
 Turn it off with `KVBRIDGE_LMDEPLOY=0` (read when LMDeploy's module is imported), or uninstall
 the distribution (`pip uninstall kvbridge-lmdeploy`).
@@ -20,7 +22,6 @@ import sys
 
 TARGET = "lmdeploy.pytorch.disagg.backend"
 ADAPTER = "kvbridge.adapters.lmdeploy"
-_loading: set[str] = set()  # of TARGET and ADAPTER, those whose module is running now
 _deferred: set[str] = set()  # {TARGET} when it loaded inside the adapter's import: register after that
 ENV = "KVBRIDGE_LMDEPLOY"
 _OFF = {"0", "off", "false", "no"}
@@ -54,12 +55,25 @@ def activate() -> bool:
     return True
 
 
+def adapter_ready() -> None:
+    """The adapter's import has finished (its module calls this last): register now if LMDeploy's ran inside it."""
+    if _deferred:
+        _deferred.clear()
+        activate()
+
+
+def _adapter_loading() -> bool:
+    """Whether kvbridge's adapter is being imported and has not defined `register` yet."""
+    adapter = sys.modules.get(ADAPTER)
+    return adapter is not None and not hasattr(adapter, "register")
+
+
 # Duck-typed loader and finder: this runs at every interpreter start, which importing importlib.abc would slow.
 class _Loader:
-    """Runs the real loader, then registers kvbridge's backend (once both LMDeploy's and kvbridge's modules ran)."""
+    """Runs LMDeploy's loader, then registers kvbridge's backend (after the adapter's import, if inside it)."""
 
-    def __init__(self, loader: object, name: str) -> None:
-        self._loader, self._name = loader, name
+    def __init__(self, loader: object) -> None:
+        self._loader = loader
 
     def __getattr__(self, name: str) -> object:  # get_resource_reader, is_package, ... of the real loader
         return getattr(self._loader, name)
@@ -68,30 +82,25 @@ class _Loader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: object) -> None:
-        _loading.add(self._name)
-        try:
-            self._loader.exec_module(module)
-        finally:
-            _loading.discard(self._name)
-        if self._name == TARGET and ADAPTER in _loading:  # kvbridge's class is not defined yet
+        self._loader.exec_module(module)
+        if _adapter_loading():  # kvbridge's class is not defined yet: adapter_ready() registers it
             _deferred.add(TARGET)
-        elif self._name == TARGET or _deferred:
-            _deferred.clear()
+        else:
             activate()
 
 
 class _Finder:
-    """Finds nothing itself: wraps the loaders of TARGET and ADAPTER as the other finders find them."""
+    """Finds nothing itself: wraps the loader of TARGET as the other finders find it."""
 
     def find_spec(self, fullname: str, path: object, target: object = None) -> object:
-        if fullname not in (TARGET, ADAPTER):
+        if fullname != TARGET:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _Loader(spec.loader, fullname)
+                spec.loader = _Loader(spec.loader)
                 return spec
         return None
 
