@@ -47,9 +47,6 @@ def hosts(module_hosts_factory: Callable[..., Hosts]) -> Hosts:
 def _env(secret: str | None) -> dict[str, str]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [PEERS, os.environ.get("PYTHONPATH")]))}
     env["KVBRIDGE_SECRET"] = secret or ""
-    # These hosts share one machine's memory, which real hosts do not: held to TCP, UCX cannot take a
-    # shared-memory path around the network (docs/hosts.md).
-    env["UCX_TLS"] = "tcp"
     return env
 
 

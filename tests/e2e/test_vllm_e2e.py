@@ -83,9 +83,6 @@ class Cluster(Completions):
 
 
 HOSTS = ["client", "proxy", "prefill", "decode0", "decode1", "colocated", "prefill2", "decode2", "proxy2"]
-# These hosts share one machine's memory, which real hosts do not: held to TCP, UCX cannot take a
-# shared-memory path around the network.
-UCX_OVER_THE_NETWORK = {"UCX_TLS": "tcp"}
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +179,6 @@ def small_cluster(
             Path(cluster.model),
             kv_transfer_config=connector("kv_producer", secret, backend=backend),
             host=hosts["prefill2"],
-            env=UCX_OVER_THE_NETWORK,
             executor="uni",  # the main cluster covers the connector in a worker process
             **common,
         )
@@ -191,7 +187,6 @@ def small_cluster(
             Path(cluster.model),
             kv_transfer_config=connector("kv_consumer", secret, backend=backend),
             host=hosts["decode2"],
-            env=UCX_OVER_THE_NETWORK,
             executor="uni",
             **common,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -264,3 +265,30 @@ def test_a_host_given_cpus_runs_there_and_shows_them_as_its_only_numa_node(hosts
     expected = {str(k): sorted(v) for k, v in placement.numa_nodes().items()}
     assert expected and views["decode"][0] == expected and views["decode"][2] == machine
     assert {str(k): sorted(v) for k, v in placement.numa_nodes().items()} == expected, "the machine's own is intact"
+
+
+def test_a_nixl_read_between_hosts_crosses_the_link_so_a_partition_stops_it(hosts_factory: MakeHosts) -> None:
+    """Without UCX held to TCP, two hosts' processes share one machine's memory: a read across a partition passed."""
+    pytest.importorskip("nixl", reason="the NIXL plugin's wheel (scripts/setup --test)")
+    from kvbridge_tools.harness.proc import Child, ChildError
+
+    hosts = hosts_factory(["prefill", "decode"])
+    peers = str(Path(__file__).parents[3] / "tests" / "peers")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [peers, os.environ.get("PYTHONPATH")]))}
+    prefill = Child("backend_peer", env=env, name="prefill", prefix=hosts["prefill"].command([]))
+    decode = Child("backend_peer", env=env, name="decode", prefix=hosts["decode"].command([]))
+    try:
+        size = 8 << 20
+        served = prefill.call("init", backend="nixl", size=size, seed=7, options={"insecure": True})
+        # a read that makes no progress fails at NIXL's own transfer timeout
+        decode.call("init", backend="nixl", size=size, seed=-1, options={"insecure": True, "transfer_timeout": 2})
+        decode.call("connect", endpoint=served["endpoint"])
+        read = {"descriptors": [[0, 0, 1 << 20]], "op": "read", "remote_base": served["base"]}
+        decode.call("transfer", **read)  # connected, over the link
+        hosts.partition("prefill", "decode")
+        with pytest.raises(ChildError) as cut:
+            decode.call("transfer", **{**read, "descriptors": [[1 << 20, 1 << 20, 4 << 20]]})
+        assert cut.value.kind in {"TransferTimeout", "TransferFailed"}, cut.value
+    finally:
+        decode.close()
+        prefill.close()

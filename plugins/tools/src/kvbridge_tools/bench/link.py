@@ -118,9 +118,6 @@ def placed(link: Link, also: Sequence[str] = (), engine_cores: str | None = None
         # The workers talk across a routable address, so the side channel and tcp need a secret: a
         # fresh one per run, in the environment only (never on a command line).
         env = {SECRET_ENV: secrets.token_hex(32)} if SECRET_ENV not in os.environ else {}
-        # The hosts share this machine's memory: UCX (NIXL) would move the bytes through shared memory
-        # or cross-memory attach and never touch the link. Only its TCP transport crosses hosts here.
-        env["UCX_TLS"] = "tcp"
         yield Placed(
             prefix={h.name: h.command([]) for h in hosts},
             address={h.name: h.address for h in hosts},

@@ -166,6 +166,10 @@ def remove_leftovers() -> list[str]:
 # $1 names (a mask in $2, each in $3) as the host's one NUMA node over the machine's own node files, as lscpu and an
 # engine read them (lscpu follows each cpuN link and needs the map and distance), then runs the rest of the command
 # on those CPUs only. Without a meminfo, vLLM sizes memory from the machine's totals, as on a host with no NUMA files.
+# The hosts share this machine's memory, which real hosts do not: UCX (NIXL) would move the bytes through shared
+# memory or cross-memory attach, past the links and every fault on them (a read across a partition succeeded at
+# once). Every process on a host is held to UCX's TCP transport.
+ON_THE_LINK = {"UCX_TLS": "tcp"}
 _OWN_CPUS = """set -e
 node=/sys/devices/system/node
 mount -t tmpfs -o size=64k,mode=755 kvbridge-node "$node"
@@ -209,13 +213,15 @@ class Host:
     _procs: list[subprocess.Popen[Any]] = attrs.field(factory=list, repr=False)
 
     def command(self, args: Sequence[str]) -> list[str]:
-        """`args` prefixed so that it runs inside this host's namespace (and on its own CPUs, where it has them)."""
+        """`args` prefixed so that it runs inside this host's namespace (and on its own CPUs, where it has them).
+
+        It moves bytes to other hosts over the links only (`ON_THE_LINK`)."""
         prefix = ["ip", "netns", "exec", self.netns]
         if self.cpus:
             mask = f"{sum(1 << c for c in self.cpus):x}"
             listed = " ".join(map(str, self.cpus))
             prefix += ["sh", "-c", _OWN_CPUS, "kvbridge-host-cpus", cpu_list(self.cpus), mask, listed]
-        return [*prefix, *args]
+        return [*prefix, "env", *(f"{k}={v}" for k, v in ON_THE_LINK.items()), *args]
 
     def popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start `args` inside the host (a process group of its own); it is stopped when the hosts close."""
