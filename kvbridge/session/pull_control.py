@@ -104,7 +104,6 @@ class PullControl:
         # DONEs of reads already reported, each prefill server's on threads of its own: a silent one holds no other's
         self._later = Lanes(2, "kvbridge-done")
         self._owed = OwedReleases(self.name)  # release DONEs for prefill ranks that did not answer in time
-        self._closed = False
 
     # -- the steps both kinds of pull share -----------------------------------------------------
 
@@ -453,8 +452,6 @@ class PullControl:
 
     def close(self) -> None:
         """Send the DONEs still queued (each bounded by the clients' timeout and DONE_ATTEMPTS), then close."""
-        with self._lock:
-            self._closed = True
         self._later.shutdown(wait=True)
         self._owed.close(wait_s=self.clients.timeout_s)
         self.clients.close()
