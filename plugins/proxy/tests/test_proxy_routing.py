@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy import app as proxy
@@ -915,6 +915,40 @@ def test_prefill_that_answers_a_server_error_is_skipped_for_the_next(upstreams: 
         assert {r.headers["x-kvbridge-prefill"] for r in answers} == {prefill.url}
         (alone,), _ = _session(create_app([shutting_down.url], [decode.url]), bodies[:1])
     assert alone.status_code == 500 and "shutdown" in alone.json()["error"]
+
+
+def test_a_request_is_never_sent_twice_to_a_prefill_that_answered_it_a_server_error(
+    upstreams: tuple[Upstream, Upstream],
+) -> None:
+    """Requests in flight at once share the round robin: a retry must not land on the server that just failed it.
+
+    A chaos run (a prefill drained while 5 requests were in flight) had one client answered 500: its retries went back
+    to the shutting-down server until the attempts ran out, while the other prefill served."""
+    prefill, decode = upstreams
+    failing = FastAPI()
+    asked: list[str] = []
+    first_round = asyncio.Event()
+
+    @failing.post("/v1/completions")
+    async def fail(request: Request) -> Response:
+        asked.append((await request.json())["prompt"])
+        if len(asked) >= 3:  # half of the six: the first round's share of this server
+            first_round.set()
+        with contextlib.suppress(asyncio.TimeoutError):  # so that every retry comes after the whole first round
+            await asyncio.wait_for(first_round.wait(), 30)
+        return Response("cannot schedule new futures after shutdown", status_code=500)
+
+    async def six_at_once(app: FastAPI) -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            bodies = [{"model": "m", "prompt": f"p{n}", "max_tokens": 8} for n in range(6)]
+            return list(await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies)))
+
+    with Serving(failing) as shutting_down:
+        app = create_app([shutting_down.url, prefill.url], [decode.url])
+        answers = asyncio.run(six_at_once(app))
+    assert len(asked) == len(set(asked)) == 3, f"asked again after its 500: {asked}"
+    assert [r.status_code for r in answers] == [200] * 6, [r.text for r in answers if r.status_code != 200]
+    assert {r.headers["x-kvbridge-prefill"] for r in answers} == {prefill.url}
 
 
 def test_decode_that_answers_a_server_error_is_skipped_for_the_next(upstreams: tuple[Upstream, Upstream]) -> None:

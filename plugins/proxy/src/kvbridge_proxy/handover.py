@@ -126,16 +126,24 @@ class Handovers:
         `tried`: each server sent the request is appended to it as it is sent.
 
         On a connection failure the server is taken out and the next one tried; on a server error (5xx) the
-        next one is tried. Not with `instance`: a layer-wise decode already reads from that one. A 5xx is
-        what a vLLM server answers once it began shutting down (SIGTERM), before the proxy's next registry
-        read says it is draining: no KV is held for it.
+        next one is tried, and that server is not sent this request again. Not with `instance`: a layer-wise decode
+        already reads from that one. A 5xx is what a vLLM server answers once it began shutting down (SIGTERM),
+        before the proxy's next registry read says it is draining: no KV is held for it.
         """
         pool = self.membership.pools["prefill"]
         failed: httpx.Response | None = None
+        # Not asked again for this request: round robin is shared with every other request in flight, so without
+        # this a retry could land on the same shutting-down server until the attempts ran out (a chaos run's 500).
+        refused: list[Instance] = []
         for attempt in range(1 if instance is not None else len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances) and not await self.membership.revive(pool):
                 break
-            inst = instance or await self.membership.pick("prefill")
+            try:
+                inst = instance or await self.membership.pick("prefill", exclude=refused)
+            except NoInstance:
+                if failed is None:
+                    raise
+                break  # every serving prefill answered a server error: the client gets the last one
             content = encoded(prefill_body(body, params))
             _charge(content)
             inst.in_flight += 1
@@ -160,6 +168,7 @@ class Handovers:
                 log.warning("prefill server %s answered %d (shutting down?): next", inst.url, resp.status_code)
                 self.metrics.failovers.labels(inst.role).inc()
                 failed = resp
+                refused.append(inst)
                 continue
             resp.raise_for_status()
             return inst, resp.json()
