@@ -160,7 +160,7 @@ class Handovers:
                 log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
                 continue
             except httpx.TransportError as exc:
-                self.membership.take_out(inst, f"failed ({exc})")
+                self.membership.take_out(inst, f"failed ({type(exc).__name__}: {exc})")
                 continue
             finally:
                 inst.in_flight -= 1
@@ -233,7 +233,7 @@ class Handovers:
             except httpx.ConnectError as exc:
                 inst.in_flight -= 1
                 _failed(timeline, began)
-                self.membership.take_out(inst, f"refused the connection ({exc})")
+                self.membership.take_out(inst, f"refused the connection ({type(exc).__name__}: {exc})")
             except httpx.ConnectTimeout:
                 # Not down: its accept queue is full or this box is starved. It never saw the request;
                 # the health probe decides whether it is gone.
@@ -245,7 +245,9 @@ class Handovers:
                 inst.in_flight -= 1
                 _failed(timeline, began)
                 # (the request named: a report ties the time it lost here to this decode)
-                self.membership.take_out(inst, f"failed after taking request {timeline.request_id} ({exc})")
+                self.membership.take_out(
+                    inst, f"failed after taking request {timeline.request_id} ({type(exc).__name__}: {exc})"
+                )
                 refused.append(inst)
                 self.metrics.failovers.labels(inst.role).inc()
                 dropped = DecodeFailed(inst, exc)
