@@ -951,6 +951,41 @@ def test_a_request_is_never_sent_twice_to_a_prefill_that_answered_it_a_server_er
     assert {r.headers["x-kvbridge-prefill"] for r in answers} == {prefill.url}
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_server_error_from_the_only_server_serving_has_the_ones_taken_out_probed_first(
+    role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One server shutting down (500) and the other taken out but back: the request goes to the one that is back.
+
+    A chaos run drained one of two prefills 0.4 s after the other came back from a kill, before the proxy's health
+    round saw it back: four clients got the draining server's 500."""
+    monkeypatch.setattr(membership, "REVIVE_INTERVAL_S", 0.0)
+    other = "decode" if role == "prefill" else "prefill"
+    failing = FastAPI()
+
+    @failing.post("/v1/completions")
+    async def fail() -> Response:
+        return Response("cannot schedule new futures after shutdown", status_code=500)
+
+    with Upstream(other) as up, Serving(failing) as shutting_down:
+        late = Upstream(role)  # its port chosen, nobody listening there yet
+        urls = {role: [shutting_down.url, late.url], other: [up.url]}
+        app = create_app(urls["prefill"], urls["decode"])
+
+        async def go() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                body = {"model": "m", "prompt": "p", "max_tokens": 8}
+                down = await client.post("/v1/completions", json=body)  # `late` refused: taken out
+                with late:
+                    return down, await client.post("/v1/completions", json=body)
+
+        down, back = asyncio.run(go())
+    # before: the prefill's last 500; a decode's is let go once the next decode is tried, so none is left (503)
+    assert down.status_code == (500 if role == "prefill" else 503), down.text
+    assert back.status_code == 200, back.text
+    assert back.headers[f"x-kvbridge-{role}"] == late.url
+
+
 def test_decode_that_answers_a_server_error_is_skipped_for_the_next(upstreams: tuple[Upstream, Upstream]) -> None:
     """A decode server answering 500 before anything else is skipped for the next one, which reads the same KV.
 

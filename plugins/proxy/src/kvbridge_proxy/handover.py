@@ -222,7 +222,9 @@ class Handovers:
             began = time.perf_counter()
             try:
                 resp = await self.client.send(upstream, stream=True)
-                if resp.status_code < 500 or not any(i.serving and i not in (*refused, inst) for i in pool.instances):
+                # the last server error is the answer only where no other decode serves, once those taken out
+                # were probed (one may be back from a restart the health loop has not seen yet)
+                if resp.status_code < 500 or not await self.membership.revive(pool, exclude=[*refused, inst]):
                     return inst, resp, began
                 _failed(timeline, began)
                 await resp.aclose()

@@ -167,33 +167,39 @@ class Membership:
     # -- health --------------------------------------------------------------------------------
 
     async def pick(self, role: str, *, exclude: Sequence[Instance] = ()) -> Instance:
-        """The next serving server of `role` (`Pool.pick`). Where none is left, the ones taken out are probed first.
+        """The next serving server of `role` but `exclude` (`Pool.pick`); where none is left, those taken out first.
 
         A server taken out stays out until the next health round (`health_interval`) finds it back, while requests
         that find none fail in microseconds: a chaos run that killed one of two prefill servers just as the other
-        came back had 39 requests answered 503 in the 0.12 s before that round."""
+        came back had 39 requests answered 503 in the 0.12 s before that round. `exclude` counts as none left too:
+        the servers that already failed this request (one shutting down, answering 500, while the other was back
+        from a restart the health loop had not seen yet: four clients answered 500 in another run)."""
         pool = self.pools[role]
         try:
             return pool.pick(exclude=exclude)
         except NoInstance:
-            if not await self.revive(pool):
+            if not await self.revive(pool, exclude=exclude):
                 raise
         return pool.pick(exclude=exclude)
 
-    async def revive(self, pool: Pool) -> bool:
-        """Whether a server of `pool` serves; where none does, the ones taken out for their health are probed first.
+    async def revive(self, pool: Pool, *, exclude: Sequence[Instance] = ()) -> bool:
+        """Whether a server of `pool` but `exclude` serves; where none does, those taken out are probed first.
 
         One probe of them for every request that waits meanwhile, and none within `REVIVE_INTERVAL_S` of the last."""
-        if any(i.serving for i in pool.instances):
+
+        def serving() -> bool:
+            return any(i.serving and i not in exclude for i in pool.instances)
+
+        if serving():
             return True
         task = self._reviving.get(pool.role)
         if task is None:
             down = [i for i in pool.instances if not i.healthy and not i.draining and not i.cordoned]
             if not down or time.monotonic() - self._revived.get(pool.role, float("-inf")) < REVIVE_INTERVAL_S:
-                return any(i.serving for i in pool.instances)
+                return serving()
             task = self._reviving[pool.role] = asyncio.ensure_future(self._revive(pool.role, down))
         await asyncio.shield(task)
-        return any(i.serving for i in pool.instances)
+        return serving()
 
     async def _revive(self, role: str, down: list[Instance]) -> None:
         try:
