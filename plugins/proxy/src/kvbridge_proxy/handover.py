@@ -50,7 +50,7 @@ class DecodeFailed(Exception):
     """The decode server took the request and then failed before answering (it died, say)."""
 
     def __init__(self, inst: Instance, cause: httpx.TransportError) -> None:
-        detail = f"{type(cause).__name__}: {cause}" if inst.label == inst.url else type(cause).__name__
+        detail = _named(cause) if inst.label == inst.url else type(cause).__name__
         super().__init__(f"decode server {inst.label} failed: {detail}")
         self.inst = inst
 
@@ -160,7 +160,7 @@ class Handovers:
                 log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
                 continue
             except httpx.TransportError as exc:
-                self.membership.take_out(inst, f"failed ({type(exc).__name__}: {exc})")
+                self.membership.take_out(inst, f"failed ({_named(exc)})")
                 continue
             finally:
                 inst.in_flight -= 1
@@ -208,22 +208,12 @@ class Handovers:
                 if refused:
                     break
                 raise
-            payload = body if moving is None else moving.mark(body, inst.identity)
-            content = encoded(payload)
-            _charge(content)
-            upstream = self.client.build_request(
-                "POST",
-                f"{inst.url}{path}",
-                content=content,
-                headers={**headers, "content-type": "application/json"},
-                extensions=connect_timing(timeline, "decode"),
-            )
+            upstream = self._decode_request(inst, path, body, headers, moving, timeline)
             inst.in_flight += 1
             began = time.perf_counter()
             try:
                 resp = await self.client.send(upstream, stream=True)
-                # the last server error is the answer only where no other decode serves, once those taken out
-                # were probed (one may be back from a restart the health loop has not seen yet)
+                # a last server error is the answer only where none other serves, those taken out probed first
                 if resp.status_code < 500 or not await self.membership.revive(pool, exclude=[*refused, inst]):
                     return inst, resp, began
                 _failed(timeline, began)
@@ -235,7 +225,7 @@ class Handovers:
             except httpx.ConnectError as exc:
                 inst.in_flight -= 1
                 _failed(timeline, began)
-                self.membership.take_out(inst, f"refused the connection ({type(exc).__name__}: {exc})")
+                self.membership.take_out(inst, f"refused the connection ({_named(exc)})")
             except httpx.ConnectTimeout:
                 # Not down: its accept queue is full or this box is starved. It never saw the request;
                 # the health probe decides whether it is gone.
@@ -247,9 +237,7 @@ class Handovers:
                 inst.in_flight -= 1
                 _failed(timeline, began)
                 # (the request named: a report ties the time it lost here to this decode)
-                self.membership.take_out(
-                    inst, f"failed after taking request {timeline.request_id} ({type(exc).__name__}: {exc})"
-                )
+                self.membership.take_out(inst, f"failed after taking request {timeline.request_id} ({_named(exc)})")
                 refused.append(inst)
                 self.metrics.failovers.labels(inst.role).inc()
                 dropped = DecodeFailed(inst, exc)
@@ -260,6 +248,26 @@ class Handovers:
             raise dropped
         slow = f" ({', '.join(late)} did not accept the connection in time)" if late else ""
         raise NoInstance(f"no decode server accepted {path}{slow}")
+
+    def _decode_request(
+        self,
+        inst: Instance,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        moving: MovingStream | None,
+        timeline: Timeline | None,
+    ) -> httpx.Request:
+        """The decode request to `inst`, its body counted against the client request's budget."""
+        content = encoded(body if moving is None else moving.mark(body, inst.identity))
+        _charge(content)
+        return self.client.build_request(
+            "POST",
+            f"{inst.url}{path}",
+            content=content,
+            headers={**headers, "content-type": "application/json"},
+            extensions=connect_timing(timeline, "decode"),
+        )
 
     def _again(
         self,
@@ -439,6 +447,11 @@ class Handovers:
             params = KVTransferParams.from_dict(answer.get("kv_transfer_params"))
             timeline.add(params.kvbridge_timing, ("prefill_ms",))
             self.membership.learn(prefill.url, params)  # a restarted prefill answers with its new identity
+
+
+def _named(exc: BaseException) -> str:
+    """An error with its type: httpx's transport errors can carry an empty message."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _failed(timeline: Timeline | None, began: float) -> None:
