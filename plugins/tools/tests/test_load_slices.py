@@ -78,7 +78,7 @@ def test_slices_combined_give_vllms_figures_over_all_their_requests() -> None:
 
 def test_a_tally_of_one_slice_keeps_the_serve_benchs_own_result() -> None:
     tally = Tally()
-    only = {"completed": 3, "ttfts": [0.1] * 3}
+    only = {"completed": 3, "ttfts": [0.1] * 3, "output_lens": [2] * 3, "errors": [""] * 3, "latencies": [0.2] * 3}
     tally.add(only, wall_s=1, cpu_s=1, router_cpu_s=0, noise_cpu_s=None, threads={}, histograms={}, steps={},
               cpu_states={})  # fmt: skip
     assert tally.result(PERCENTILES, METRICS, SLO) is only
@@ -153,3 +153,23 @@ def test_a_given_slo_is_parsed_and_a_malformed_one_refused() -> None:
     for bad in ("400", "400,8,1", "fast,8", "0,8", "400,-1"):
         with pytest.raises(SystemExit):
             parsed("--slo", bad)
+
+
+def test_each_slice_keeps_its_own_medians_and_what_the_box_did_meanwhile() -> None:
+    tally = Tally()
+    for k, (ttft, steal) in enumerate([(0.05, 0.0), (0.2, 1.5)]):
+        result = {
+            "ttfts": [ttft, ttft * 3, 0.0],
+            "output_lens": [5, 5, 0],  # the third failed: not counted
+            "errors": ["", "", "boom"],
+            "latencies": [ttft + 0.04, ttft * 3 + 0.04, 0.0],
+        }
+        tally.add(result, wall_s=2.0, cpu_s=1.0, router_cpu_s=0.0, noise_cpu_s=2.0 + k, threads={}, histograms={},
+                  steps={}, cpu_states={"cpu0": {"steal": steal, "softirq": 0.1}, "cpu1": {"irq": 0.1, "idle": 1.0}},
+                  began=1000.0 + k)  # fmt: skip
+    first, second = tally.turns
+    assert (first["began"], first["requests"], first["ttft_p50_ms"]) == (1000.0, 2, pytest.approx(100.0))
+    assert first["tpot_p50_ms"] == pytest.approx(10.0) and second["ttft_p50_ms"] == pytest.approx(400.0)
+    assert (first["noise_cores"], second["noise_cores"]) == (1.0, 1.5)
+    assert (first["steal_cores"], second["steal_cores"]) == (0.0, 0.75)  # a slow slice shows what took its CPUs
+    assert first["interrupt_cores"] == pytest.approx(0.1) and first["idle_cores"] == 0.5

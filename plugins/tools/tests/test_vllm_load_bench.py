@@ -223,6 +223,10 @@ def test_every_system_serves_every_request_and_the_report_is_whole(tmp_path: Pat
         states = r["machine_cpu_ms_per_request"]
         assert states and all(c.removeprefix("cpu").isdigit() for c in states), (where, states)
         assert sum(s["user"] + s["system"] for s in states.values()) > 0, (where, states)
+        # one slice a load here: its own line holds the row's median and the noise's cores, when it ran
+        (only,) = r["by_slice"]
+        assert only["requests"] == REQUESTS and only["ttft_p50_ms"] == pytest.approx(r["ttft_p50_ms"], abs=0.01), where
+        assert only["noise_cores"] == pytest.approx(r["noise_cores"], abs=0.01) and only["began"] > 1.7e9, where
         side_channel = r["side_channel_ms"]
         if r["system"].startswith("KVBridgeConnector"):
             own = r["kvbridge_cpu_ms_per_request"]

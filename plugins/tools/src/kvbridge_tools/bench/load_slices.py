@@ -6,7 +6,9 @@ whichever system's turn it was. What each slice measured (the serve bench's requ
 threads' schedstats, kvbridge's histograms, vLLM's engine steps, the machine's CPU states) adds up in a `Tally`, and
 `combined` computes the serve bench's figures over every slice's requests as vLLM's serve bench computes them over
 one run's (`vllm.benchmarks.serve.calculate_metrics`): the slices' durations add up, since requests were sent only
-while a slice ran.
+while a slice ran. Each slice also keeps a line of its own (`Tally.turns`): when it ran, its TTFT and TPOT medians
+and what the box did meanwhile (noise, steal, interrupts), so that a slow stretch of one system's requests can be
+told apart from a slow minute of the box.
 """
 
 from __future__ import annotations
@@ -75,6 +77,38 @@ def combined(results: Sequence[Mapping[str, Any]], percentiles: Sequence[int], m
     return out
 
 
+def turn(result: Mapping[str, Any], *, began: float, wall_s: float, cpu_s: float, noise_cpu_s: float | None,
+         cpu_states: Nested) -> dict[str, float | None]:  # fmt: skip
+    """One slice's line: when it began, its completed requests' medians, and what took the box's CPUs meanwhile.
+
+    `began` in Unix seconds, TTFT and TPOT in ms; the cores the servers, the noise, the hypervisor (steal: this VM's
+    CPUs given to another) and interrupts took, and those left idle."""
+    ttfts, tpots = [], []
+    fields = ("ttfts", "output_lens", "errors", "latencies")
+    for ttft, tokens, error, latency in zip(*(result.get(k, ()) for k in fields), strict=True):
+        if error or not tokens:
+            continue
+        ttfts.append(ttft)
+        if tokens > 1:
+            tpots.append((latency - ttft) / (tokens - 1))
+    wall = max(wall_s, 1e-9)
+
+    def share(*states: str) -> float:
+        return round(sum(spent.get(s, 0.0) for spent in cpu_states.values() for s in states) / wall, 3)
+
+    return {
+        "began": round(began, 3),
+        "requests": len(ttfts),
+        "ttft_p50_ms": round(float(np.median(ttfts)) * 1e3, 2) if ttfts else None,
+        "tpot_p50_ms": round(float(np.median(tpots)) * 1e3, 3) if tpots else None,
+        "server_cores": round(cpu_s / wall, 3),
+        "noise_cores": None if noise_cpu_s is None else round(noise_cpu_s / wall, 3),
+        "steal_cores": share("steal"),
+        "interrupt_cores": share("irq", "softirq"),
+        "idle_cores": share("idle", "iowait"),
+    }
+
+
 def _add(into: dict[str, Any], grown: Mapping[str, Any]) -> None:
     """Add nested dicts of numbers key by key (`into` changes)."""
     for k, v in grown.items():
@@ -107,6 +141,7 @@ class Tally:
     histograms: dict[str, dict[str, Histogram]] = attrs.field(factory=dict)  # side -> series -> grown
     steps: dict[str, list[float]] = attrs.field(factory=dict)  # side -> [engine steps, tokens] grown
     cpu_states: Nested = attrs.field(factory=dict)  # cpuN -> state -> seconds grown
+    turns: list[dict[str, float | None]] = attrs.field(factory=list)  # each slice's own line, in order (`turn`)
 
     def add(
         self,
@@ -120,8 +155,11 @@ class Tally:
         histograms: dict[str, dict[str, Histogram]],
         steps: Mapping[str, tuple[float, float]],
         cpu_states: Nested,
+        began: float = 0.0,
     ) -> None:
-        """One slice's result and what grew while it ran."""
+        """One slice's result and what grew while it ran (from `began`, Unix seconds)."""
+        self.turns.append(turn(result, began=began, wall_s=wall_s, cpu_s=cpu_s, noise_cpu_s=noise_cpu_s,
+                               cpu_states=cpu_states))  # fmt: skip
         self.results.append(result)
         self.wall_s += wall_s
         self.cpu_s += cpu_s

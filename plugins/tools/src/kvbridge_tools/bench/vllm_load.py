@@ -156,7 +156,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         metavar="K",
         help="with --load: split each load's requests into K slices and let the systems take turns slice by slice, "
         "each slice in an order rotated by one, so that the box's load changing over a load step falls on every "
-        "system alike; each row adds its system's slices up (needs resident servers; default 1)",
+        "system alike; each row adds its system's slices up, and --json keeps each slice's own line (`by_slice`: when, "
+        "TTFT and TPOT medians, the cores noise, steal and interrupts took) (needs resident servers; default 1)",
     )
     group.add_argument(
         "--alternate",
@@ -540,7 +541,8 @@ def _round(
     hist0, sched0 = _histograms(http, sides), _schedstats(sides)
     steps0 = _steps(http, sides)
     noise0 = noise.cpu_seconds() if noise else 0.0
-    start, cpu0, router0, states0 = time.monotonic(), cpu_seconds(pgids), cpu_seconds(router), cpu_states()
+    began, start = time.time(), time.monotonic()
+    cpu0, router0, states0 = cpu_seconds(pgids), cpu_seconds(router), cpu_states()
     if noise:
         noise.resume()
     try:
@@ -563,6 +565,7 @@ def _round(
         histograms={side: {k: h.minus(hist0[side].get(k)) for k, h in hist1[side].items()} for side in sides},
         steps={side: (steps1[side][0] - steps0[side][0], steps1[side][1] - steps0[side][1]) for side in sides},
         cpu_states=minus(states, states0),
+        began=began,
     )
 
 
@@ -600,6 +603,7 @@ def _row(name: str, load: Load, tally: Tally, slo: dict[str, float]) -> dict[str
         "side_channel_ms": summaries.get("decode", {}).get(SIDE_CHANNEL),
         "kvbridge_histograms": summaries,
         "per_request": each_request(result, slo),  # paired across systems (load_compare)
+        "by_slice": tally.turns,  # each slice's own medians and what the box did meanwhile (load_slices.turn)
     }
     return row_of(LABELS[name], load, result, len(result["ttfts"]), figures)
 
