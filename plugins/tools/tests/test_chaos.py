@@ -10,13 +10,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
 from kvbridge.base.errors import ConfigError
+from kvbridge_tools.chaos.deployment import Deployment
 from kvbridge_tools.chaos.faults import PER_REQUEST, not_injected, parse_faults, scaling, schedule
 from kvbridge_tools.chaos.report import DIFFERENT, DROPPED, FAILED, HUNG, MATCHED, Outcome, Report
+from kvbridge_tools.harness.vllm_server import Server
 
 
 def test_unknown_faults_are_refused_with_the_known_ones_named() -> None:
@@ -360,3 +363,31 @@ def test_the_cli_refuses_a_wrong_name_with_the_known_ones(args: list[str], said:
         [sys.executable, "-m", "kvbridge", "chaos", *args], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 2 and all(s in done.stderr for s in said), done.stderr
+
+
+def _sleeper(tmp_path: Path, port: int) -> Server:
+    return Server(port=port, proc=subprocess.Popen(["sleep", "60"]), log_path=tmp_path / f"{port}.log")
+
+
+def test_a_kill_waits_for_a_second_server_only_while_one_is_on_its_way(tmp_path: Path) -> None:
+    """After a scale-in with no scale-out left no spare comes: the wait ends once nothing is under way, not at 300 s."""
+    only = _sleeper(tmp_path, 1)
+    dep = Deployment(model=tmp_path, logs=tmp_path, decode=[only])
+    spare = _sleeper(tmp_path, 2)
+    try:
+        assert dep.wait_spare("decode", timeout=120, quiet_s=0.5) is False  # (would block 120 s before)
+        dep._pending.add("join-decode")  # a server starting: the wait goes on past quiet_s, until it serves
+
+        def joined() -> None:
+            dep.decode.append(spare)
+            dep._pending.discard("join-decode")
+
+        timer = threading.Timer(1.5, joined)
+        timer.start()
+        assert dep.wait_spare("decode", timeout=120, quiet_s=0.5) is True
+        timer.join()
+        assert dep.wait_spare("prefill", timeout=120, quiet_s=0.5) is False  # the other role has none at all
+    finally:
+        for s in (only, spare):
+            s.proc.kill()
+            s.proc.wait()

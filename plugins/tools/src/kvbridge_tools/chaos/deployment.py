@@ -296,17 +296,22 @@ class Deployment:
         serving = self._serving(group)
         return server in serving and len(serving) >= 2
 
-    def wait_spare(self, role: str, timeout: float) -> bool:
+    def wait_spare(self, role: str, timeout: float, quiet_s: float = 10.0) -> bool:
         """Wait (bounded) until two servers of `role` ("prefill" or "decode") serve; False if they did not.
 
-        A kill or a drain then finds another server to fail over to (`_others_serve`), where it would be skipped."""
+        A kill or a drain then finds another server to fail over to (`_others_serve`), where it would be skipped.
+        Gives up early once nothing has been on its way for `quiet_s` (no restart, join or replacement under way:
+        after a scale-in with no scale-out left, no second server comes, however long the wait)."""
         deadline = time.monotonic() + timeout
+        quiet_since: float | None = None
         while True:
             with self._lock:
                 serving = self._serving(self.prefill if role == "prefill" else self.decode)
             if len(serving) >= 2:
                 return True
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            quiet_since = None if self.settling() else (quiet_since or now)
+            if now >= deadline or (quiet_since is not None and now - quiet_since >= quiet_s):
                 return False
             time.sleep(0.5)
 

@@ -62,7 +62,8 @@ def lengths(workload: Workload, max_model_len: int) -> list[int]:
 
 
 # A kill or a drain is skipped unless another server of its role serves (Deployment.kill_and_restart, .drain): its
-# request is sent once one does (a restarted server back, a drained one's replacement routed to), waiting at most this.
+# request is sent once one does (a restarted server back, a drained one's replacement routed to), waiting at most this,
+# and no longer than 10 s once nothing is on its way (Deployment.wait_spare).
 ROLE_OF_FAULT = {
     "kill-prefill": "prefill",
     "drain-prefill": "prefill",
@@ -167,7 +168,7 @@ class Runner:
         """Play request `i` (with its fault) and say how it ended."""
         role = ROLE_OF_FAULT.get(fault)
         if role is not None and not self.dep.wait_spare(role, SPARE_WAIT_S):
-            log.warning("chaos: request %d: no second %s server within %.0fs for its %s", i, role, SPARE_WAIT_S, fault)
+            log.warning("chaos: request %d: no second %s server serving or on its way for its %s", i, role, fault)
         t0 = time.monotonic()
         return attrs.evolve(self._play(i, text, want, fault, t0), sent_at=t0)
 
