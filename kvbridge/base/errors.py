@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def described(exc: BaseException) -> str:
+    """An error as a log line names it: its type, then its message where it has one (many carry none)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 class KVBridgeError(Exception):
     """Root of every error kvbridge raises on purpose."""
 

@@ -10,7 +10,7 @@ import cattrs
 import msgpack
 
 from kvbridge.base.block_ids import BlockIds
-from kvbridge.base.errors import ProtocolError
+from kvbridge.base.errors import ProtocolError, described
 
 WIRE_VERSION = 2  # 2: block ids packed (BlockIds)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -80,7 +80,7 @@ def from_dict(data: Any, cls: type[T], *, passthrough: tuple[type[Exception], ..
         if own is not None:
             raise own from None
         if isinstance(exc, cattrs.BaseValidationError):
-            detail = "; ".join(cattrs.transform_error(exc, format_exception=_describe))
+            detail = "; ".join(cattrs.transform_error(exc, format_exception=lambda exc, _type: described(exc)))
         else:
             detail = str(exc)
         raise ProtocolError(f"malformed {cls.__name__}: {detail}") from None
@@ -94,10 +94,6 @@ def _first_of(exc: BaseException, kinds: tuple[type[Exception], ...]) -> BaseExc
         if found is not None:
             return found
     return None
-
-
-def _describe(exc: BaseException, _type: Any) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def encode(obj: Any) -> bytes:

@@ -12,7 +12,7 @@ import signal
 import sys
 from types import FrameType
 
-from kvbridge.base.errors import KVBridgeError
+from kvbridge.base.errors import KVBridgeError, described
 from kvbridge.base.nativelog import quiet_native_logs
 from kvbridge.plugin.registry import PluginRegistry, registry
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(command.module)
         except Exception as exc:  # a broken tools install must not take `kvbridge plugins` with it
             broken[command.name] = (
-                f"`kvbridge {command.name}` ({command.module}) does not load: {type(exc).__name__}: {exc}; "
+                f"`kvbridge {command.name}` ({command.module}) does not load: {described(exc)}; "
                 f"reinstall it: pip install --force-reinstall {command.distribution}"
             )
             continue

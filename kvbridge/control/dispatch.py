@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from kvbridge.base import wire
-from kvbridge.base.errors import KVBridgeError, ProtocolError
+from kvbridge.base.errors import KVBridgeError, ProtocolError, described
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.framing import MISADDRESSED, Address, decode_small, new_frame, own_card, same_host
 from kvbridge.control.ledger import Ledger
@@ -155,7 +155,7 @@ class Dispatcher:
             reply = Refused("error", str(exc))
         except Exception as exc:  # a bug must cost one reply, not the server
             log.exception("%s: handler failed", self.name)
-            reply = Refused("internal", f"{type(exc).__name__}: {exc}")
+            reply = Refused("internal", described(exc))
         if timing is not None and timing.start:
             timing.end = time.monotonic()
         return reply_to, reply

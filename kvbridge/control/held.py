@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import zmq
 
-from kvbridge.base.errors import KVBridgeError, ProtocolError
+from kvbridge.base.errors import KVBridgeError, ProtocolError, described
 from kvbridge.control.dispatch import Dispatcher, Hold
 from kvbridge.control.messages import (
     BeginPull,
@@ -172,4 +172,4 @@ class HeldRequests:
             return Refused("protocol" if isinstance(exc, ProtocolError) else "error", str(exc))
         except Exception as exc:  # a bug must cost one reply, not the loop (leases depend on its reaping)
             log.exception("%s: answering a held %s for %s failed", d.name, type(p.msg).__name__, p.msg.request_id)
-            return Refused("internal", f"{type(exc).__name__}: {exc}")
+            return Refused("internal", described(exc))

@@ -22,6 +22,7 @@ from kvbridge.base.errors import (
     PluginError,
     PluginNotFound,
     PluginUnavailable,
+    described,
 )
 from kvbridge.base.options import OptionInfo, as_dict, describe, parse, unknown_names
 from kvbridge.base.types import BackendCapabilities, BackendConfig, MemoryKind, PluginInfo
@@ -91,7 +92,7 @@ class Registration:
                     reason = f"its availability check returned {reason!r}, not a reason or None"
                 self._reason = reason
             except Exception as exc:  # a probe must not take the registry down; its failure is the reason
-                self._reason = f"availability check failed: {type(exc).__name__}: {exc}"
+                self._reason = f"availability check failed: {described(exc)}"
             self._probed = True
         return self._reason
 
@@ -115,8 +116,7 @@ class Registration:
             raise
         except Exception as exc:
             raise PluginError(
-                f"{self.kind} {self.name!r} from {self.distribution} {self.version} failed to start: "
-                f"{type(exc).__name__}: {exc}"
+                f"{self.kind} {self.name!r} from {self.distribution} {self.version} failed to start: {described(exc)}"
             ) from exc
 
     def option_infos(self) -> list[OptionInfo]:
@@ -367,7 +367,7 @@ class PluginRegistry:
                 f"{exc}; kvbridge hooks are {', '.join(hookspecs.HOOKS)}",
                 f"report it to {dist}, or uninstall it: pip uninstall {dist}",
             )
-        return f"a hook raised {type(exc).__name__}: {exc}", f"report it to {dist}"
+        return f"a hook raised {described(exc)}", f"report it to {dist}"
 
     def _answer(self, hook: str, cls: type) -> Callable[[Any], None]:
         def take(specs: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge.base import wire
 from kvbridge.base.block_ids import BlockIds
-from kvbridge.base.errors import ProtocolError
+from kvbridge.base.errors import ProtocolError, described
 from kvbridge.base.types import EndpointInfo, MemoryKind, MemoryRegion
 from kvbridge.control.messages import LeaseState, LeaseStatus
 
@@ -141,3 +141,9 @@ def test_block_ids_are_an_immutable_sequence() -> None:
         ids.array[0] = 1
     back = pickle.loads(pickle.dumps(ids))  # vLLM pickles connector metadata for its workers
     assert back == ids and not back.array.flags.writeable
+
+
+def test_an_error_is_described_by_its_type_and_its_message_only_where_it_has_one() -> None:
+    # httpx's transport errors and a bare TimeoutError carry no message: a log line then still names something
+    assert described(TimeoutError()) == "TimeoutError"
+    assert described(ValueError("bad port 'x'")) == "ValueError: bad port 'x'"

@@ -628,7 +628,7 @@ def test_a_server_taken_out_that_is_back_serves_before_the_next_health_round(
     assert back.headers[f"x-kvbridge-{role}"] == late.url
     assert state[role][0]["healthy"] is True
     assert any(
-        f"no {role} server was serving: 1 taken out probed at once, back: ['{late.url}']" in m for m in caplog.messages
+        f"no {role} server left to try: 1 taken out probed at once, back: ['{late.url}']" in m for m in caplog.messages
     )
 
 

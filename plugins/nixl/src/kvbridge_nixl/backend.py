@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kvbridge.base.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout
+from kvbridge.base.errors import ConfigError, PluginUnavailable, TransferFailed, TransferTimeout, described
 from kvbridge.base.memory import Descriptors
 from kvbridge.base.threadname import NamedThread, native_threads_named
 from kvbridge.base.types import BackendConfig, EndpointInfo, MemoryKind, MemoryRegion
@@ -226,7 +226,7 @@ class NixlBackend(MigrationBackend):
             except Exception as exc:  # e.g. the peer's agent is gone or its memory was deregistered
                 if handle is not None:
                     self._release(handle, what)
-                future.set_exception(self._failed(what, peer.handle, f"{type(exc).__name__}: {exc}"))
+                future.set_exception(self._failed(what, peer.handle, described(exc)))
                 return future
             if state == "PROC":
                 self._inflight.append(_InFlight(handle, future, peer.handle, what, time.monotonic() + self._timeout))
@@ -308,7 +308,7 @@ class NixlBackend(MigrationBackend):
             try:
                 state = self._agent.check_xfer_state(item.handle)
             except Exception as exc:
-                state, cause = "ERR", f"{type(exc).__name__}: {exc}"
+                state, cause = "ERR", described(exc)
             else:
                 cause = "NIXL reported ERR"
             if state == "DONE":

@@ -19,7 +19,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from kvbridge.base.errors import ConfigError
+from kvbridge.base.errors import ConfigError, described
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import FAILOVER_PHASE, Timeline
 from kvbridge_proxy.limits import BUDGET, encoded
@@ -50,7 +50,7 @@ class DecodeFailed(Exception):
     """The decode server took the request and then failed before answering (it died, say)."""
 
     def __init__(self, inst: Instance, cause: httpx.TransportError) -> None:
-        detail = _named(cause) if inst.label == inst.url else type(cause).__name__
+        detail = described(cause) if inst.label == inst.url else type(cause).__name__
         super().__init__(f"decode server {inst.label} failed: {detail}")
         self.inst = inst
 
@@ -160,7 +160,7 @@ class Handovers:
                 log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
                 continue
             except httpx.TransportError as exc:
-                self.membership.take_out(inst, f"failed ({_named(exc)})")
+                self.membership.take_out(inst, f"failed ({described(exc)})")
                 continue
             finally:
                 inst.in_flight -= 1
@@ -225,7 +225,7 @@ class Handovers:
             except httpx.ConnectError as exc:
                 inst.in_flight -= 1
                 _failed(timeline, began)
-                self.membership.take_out(inst, f"refused the connection ({_named(exc)})")
+                self.membership.take_out(inst, f"refused the connection ({described(exc)})")
             except httpx.ConnectTimeout:
                 # Not down: its accept queue is full or this box is starved. It never saw the request;
                 # the health probe decides whether it is gone.
@@ -237,7 +237,7 @@ class Handovers:
                 inst.in_flight -= 1
                 _failed(timeline, began)
                 # (the request named: a report ties the time it lost here to this decode)
-                self.membership.take_out(inst, f"failed after taking request {timeline.request_id} ({_named(exc)})")
+                self.membership.take_out(inst, f"failed after taking request {timeline.request_id} ({described(exc)})")
                 refused.append(inst)
                 self.metrics.failovers.labels(inst.role).inc()
                 dropped = DecodeFailed(inst, exc)
@@ -447,11 +447,6 @@ class Handovers:
             params = KVTransferParams.from_dict(answer.get("kv_transfer_params"))
             timeline.add(params.kvbridge_timing, ("prefill_ms",))
             self.membership.learn(prefill.url, params)  # a restarted prefill answers with its new identity
-
-
-def _named(exc: BaseException) -> str:
-    """An error with its type: httpx's transport errors can carry an empty message."""
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _failed(timeline: Timeline | None, began: float) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import httpx
 
-from kvbridge.base.errors import ConfigError, KVBridgeError
+from kvbridge.base.errors import ConfigError, KVBridgeError, described
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.members import StaticMembers, open_members
@@ -208,7 +208,7 @@ class Membership:
             self._revived[role] = time.monotonic()
             del self._reviving[role]
         back = [i.url for i in down if i.serving]
-        log.info("no %s server was serving: %d taken out probed at once, back: %s", role, len(down), back or "none")
+        log.info("no %s server left to try: %d taken out probed at once, back: %s", role, len(down), back or "none")
 
     async def probe(self, inst: Instance, *, timeout: float | None = None) -> None:
         # A server that refuses connections or answers an error is down now. One that is only slow
@@ -233,11 +233,11 @@ class Membership:
             ok = inst.healthy and inst.slow_probes < SLOW_PROBES
             why = f" ({inst.slow_probes} slow probes in a row)"
         except httpx.HTTPError as exc:
-            ok, why = False, f" ({type(exc).__name__}: {exc})"
+            ok, why = False, f" ({described(exc)})"
         except Exception as exc:  # noqa: BLE001
             # The HTTP stack's own bugs (an exception it raises on a socket closed under it) are a failed
             # probe, not the end of health checks.
-            log.warning("%s server %s: health probe failed (%s: %s)", inst.role, inst.url, type(exc).__name__, exc)
+            log.warning("%s server %s: health probe failed (%s)", inst.role, inst.url, described(exc))
             ok = False
         if ok != inst.healthy:
             log.warning("%s server %s is %s", inst.role, inst.url, "back" if ok else f"down: taken out{why}")

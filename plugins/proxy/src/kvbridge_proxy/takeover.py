@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import httpx
 
+from kvbridge.base.errors import described
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.handover import Handovers
 from kvbridge_proxy.membership import Membership
@@ -72,7 +73,7 @@ class Upstream:
                     self.queue.put_nowait(("event", event))
             self.queue.put_nowait(("failed", "the stream ended without [DONE]"))
         except (httpx.TransportError, ValueError) as exc:
-            self.queue.put_nowait(("failed", f"{type(exc).__name__}: {exc}"))
+            self.queue.put_nowait(("failed", described(exc)))
 
     def push_back(self, item: tuple[str, Any]) -> None:
         """Put an item read ahead first again (the queue holds nothing else yet: the caller read the only one)."""
@@ -167,11 +168,11 @@ class Takeover:
                 )
             except DROPPED as exc:
                 if not again:
-                    self.membership.take_out(target, f"failed {what} ({type(exc).__name__}: {exc})")
+                    self.membership.take_out(target, f"failed {what} ({described(exc)})")
                     return None
                 log.warning("decode server %s dropped %s (%s): once more", target.url, what, type(exc).__name__)
             except httpx.TransportError as exc:
-                self.membership.take_out(target, f"failed {what} ({type(exc).__name__}: {exc})")
+                self.membership.take_out(target, f"failed {what} ({described(exc)})")
                 return None
         return None
 
@@ -256,7 +257,7 @@ class Takeover:
                 await resp.aclose()
         except httpx.TransportError as exc:  # reading a refusal's body
             target.in_flight -= 1
-            self.membership.take_out(target, f"failed taking a moved stream ({type(exc).__name__}: {exc})")
+            self.membership.take_out(target, f"failed taking a moved stream ({described(exc)})")
             return None
         except BaseException:
             target.in_flight -= 1

@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 from rich.progress import Progress
 
-from kvbridge.base.errors import ConfigError
+from kvbridge.base.errors import ConfigError, described
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.link import Link, placed
 
@@ -351,7 +351,7 @@ class _Bench:
                         got += len((event.get("choices") or [{}])[0].get("token_ids") or [])
                         out.arrivals.append((time.monotonic(), got))
         except Exception as exc:  # a bench reports what failed, it does not stop at it
-            out.error = f"{type(exc).__name__}: {exc}"
+            out.error = described(exc)
 
 
 def slowdown(steady: list[tuple[float, int]], window: list[tuple[float, int]]) -> float | None:

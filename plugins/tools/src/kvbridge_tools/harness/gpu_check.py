@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.base.errors import described
+
 REPO = Path(__file__).resolve().parents[5]  # plugins/tools/src/kvbridge_tools/harness
 OTHER_TRANSPORTS = ("mooncake", "nixl")  # carried one per call: the others' parametrizations are left out
 CONFORMANCE = {  # device -> (test file, class running DeviceConformance on it)
@@ -179,7 +181,7 @@ def _path(device: str, transport: str, protocol: str | None) -> str:
     try:
         backend = kvbridge.create_backend(transport, protocol=protocol)
     except Exception as exc:  # the bench itself says whether the transport works; this only labels the path
-        return f"path unknown ({type(exc).__name__}: {exc})"
+        return f"path unknown ({described(exc)})"
     try:
         direct = staging.reaches(kvbridge.get_device(device), backend)
     finally:
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc()
-        status, detail, data = "fail", f"{type(exc).__name__}: {exc}", {}
+        status, detail, data = "fail", described(exc), {}
     result = {"name": args.step, "status": status, "seconds": round(time.monotonic() - start, 2), "detail": detail}
     Path(args.result).write_text(json.dumps({**result, "data": data}, indent=2, default=str) + "\n")
     return 0 if status != "fail" else 1
