@@ -279,7 +279,7 @@ class PluginRegistry:
                 if name in self._sources:
                     self._taken_by(name, dist, version)
                 else:
-                    reason = f"import failed: {type(failed).__name__}: {failed}"
+                    reason = f"import failed: {described(failed)}"
                     self._refuse(name, dist, version, reason, _import_hint(failed, dist))
 
     def _taken_by(self, name: str, dist: str, version: str) -> None:

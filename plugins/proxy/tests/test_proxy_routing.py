@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy import app as proxy
@@ -1055,3 +1056,70 @@ def test_a_proxy_whose_event_loop_is_held_gets_every_stack_dumped(
     # the loop's thread was blocked (in the wait), neither on a CPU nor waiting for one
     (loop,) = [line for line in dump.splitlines() if line.startswith("  proxy event loop (thread ")]
     assert "blocked (a lock, I/O, a sleep) or stopped" in loop, dump
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_layerwise_prefill_that_fails_has_the_request_sent_again_the_pull_way(stream: bool) -> None:
+    """A layer-wise decode waits for its prefill's stream (up to its pull_timeout_s, 60 s by default, then recomputes).
+
+    When that prefill answers a server error instead (shutting down), the proxy drops the decode request and sends
+    the request the pull way to another prefill: the client does not wait the minute out."""
+    layerwise: list[str] = []
+
+    with Upstream("prefill") as failing, Upstream("prefill") as good:
+        decoding = FastAPI()
+
+        @decoding.post("/v1/completions")
+        async def complete(request: Request) -> Any:
+            body = await request.json()
+            params = body.get("kv_transfer_params") or {}
+            mode = params.get("transfer_mode")
+
+            async def ready() -> None:  # as a real decode: a layer-wise request ends once its prefill streamed it
+                if mode != "layerwise":
+                    return
+                layerwise.append(params["transfer_id"])
+                for _ in range(600):  # at most 60 s, or until the proxy dropped it (vLLM then aborts it)
+                    if await request.is_disconnected():
+                        return
+                    if any((b.get("kv_transfer_params") or {}).get("transfer_id") == params["transfer_id"]
+                           for b in good.bodies):  # fmt: skip
+                        return
+                    await asyncio.sleep(0.1)
+
+            choice = {"text": mode or "pull", "index": 0}
+            if not stream:
+                await ready()
+                return {"id": "c", "choices": [choice], "usage": {}, "kv_transfer_params": {}}
+
+            async def events() -> Any:  # the headers go out at once, the first event once the KV is in
+                await ready()
+                yield f"data: {json.dumps({'id': 'c', 'choices': [choice]})}\n\ndata: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        with Serving(decoding) as decode:
+            app = create_app([failing.url, good.url], [decode.url], transfer="layerwise", warm_up=False)
+
+            async def go() -> list[httpx.Response]:
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=30) as client:
+                    body = {"model": "m", "prompt": "p", "max_tokens": 8, "stream": stream}
+                    for _ in range(2):  # the pull way, once to each prefill: the proxy learns where both stream from
+                        assert (await client.post("/v1/completions", json=body)).status_code == 200
+                    assert len(failing.bodies) == len(good.bodies) == 1
+                    failing.fail_status = 500
+                    return list(await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4))))
+
+            answers = asyncio.run(go())
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert {r.headers["x-kvbridge-prefill"] for r in answers} == {good.url}
+
+    def modes(server: Upstream) -> list[str]:
+        return [KVTransferParams.from_dict(b["kv_transfer_params"]).transfer_mode for b in server.bodies[1:]]
+
+    failed = modes(failing)
+    assert failed and set(failed) == {"layerwise"}  # it failed layer-wise requests: the case tested
+    # each of those went the pull way to the good one; the good one's own were read layer-wise
+    assert sorted(modes(good)) == sorted(["pull"] * len(failed) + ["layerwise"] * (4 - len(failed)))
+    assert sum('"pull"' in r.text for r in answers) == len(failed)  # the decode answered those the pull way

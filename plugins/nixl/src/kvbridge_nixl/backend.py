@@ -102,7 +102,7 @@ class NixlBackend(MigrationBackend):
         if failed is not None:
             self.guard.close()
             raise ConfigError(
-                f"NIXL could not start its {self._nixl_backend} backend ({type(failed).__name__}: {failed}). "
+                f"NIXL could not start its {self._nixl_backend} backend ({described(failed)}). "
                 f"NIXL plugins on this machine: {self._agent.get_plugin_list()}; a plugin that is listed but "
                 "fails to load lacks its system library (libfabric for LIBFABRIC, DOCA for GPUNETIO). "
                 "Choose another protocol or install the library"

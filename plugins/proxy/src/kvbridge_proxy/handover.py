@@ -7,11 +7,10 @@ id. A prefill lease no decode will read is released at once (`kvbridge_proxy.rel
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse
 from kvbridge.base.errors import ConfigError, described
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import FAILOVER_PHASE, Timeline
+from kvbridge_proxy.layerwise import PrefillFailed, prefill_ended, unless_prefill_fails
 from kvbridge_proxy.limits import BUDGET, encoded
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics, connect_timing
@@ -55,6 +55,17 @@ class DecodeFailed(Exception):
         self.inst = inst
 
 
+@attrs.frozen
+class PullWay:
+    """How a request goes the pull way: to `prefer` first, never to one of `exclude`.
+
+    A layer-wise request goes so to a prefill whose side channel is not known yet (its answer tells the proxy), or
+    away from one that failed it."""
+
+    prefer: Instance | None = None
+    exclude: tuple[Instance, ...] = ()
+
+
 @attrs.define(eq=False)
 class Handover:
     """One P/D request whose decode answer is coming.
@@ -70,7 +81,7 @@ class Handover:
     computing: asyncio.Future | None = None
     # The same decode request to another decode server, once this one failed before answering anything: prefill's
     # lease still holds the KV for whichever decode asks (or, read and released already, the next one recomputes).
-    again: Callable[[], Awaitable[Handover]] | None = None
+    again: Callable[[], Awaitable[Handover | JSONResponse]] | None = None
 
     async def close(self) -> None:
         """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode)."""
@@ -120,10 +131,13 @@ class Handovers:
         instance: Instance | None = None,
         timeline: Timeline | None = None,
         tried: list[Instance] | None = None,
+        exclude: Sequence[Instance] = (),
+        prefer: Instance | None = None,
     ) -> tuple[Instance, dict[str, Any]]:
         """POST to a prefill server (`instance`, or round robin), trying the next one when one fails.
 
-        `tried`: each server sent the request is appended to it as it is sent.
+        `tried`: each server sent the request is appended to it as it is sent. `exclude`: servers that already failed
+        this request (a layer-wise prefill), not sent it again; `prefer`: the server tried first where it serves.
 
         On a connection failure the server is taken out and the next one tried; on a server error (5xx) the
         next one is tried, and that server is not sent this request again. Not with `instance`: a layer-wise decode
@@ -134,12 +148,15 @@ class Handovers:
         failed: httpx.Response | None = None
         # Not asked again for this request: round robin is shared with every other request in flight, so without
         # this a retry could land on the same shutting-down server until the attempts ran out (a chaos run's 500).
-        refused: list[Instance] = []
+        refused: list[Instance] = list(exclude)
         for attempt in range(1 if instance is not None else len(pool.instances) + 1):
             if attempt and not any(i.healthy for i in pool.instances) and not await self.membership.revive(pool):
                 break
             try:
-                inst = instance or await self.membership.pick("prefill", exclude=refused)
+                if prefer is not None and prefer.serving and prefer not in refused:
+                    inst, prefer = prefer, None
+                else:
+                    inst = instance or await self.membership.pick("prefill", exclude=refused)
             except NoInstance:
                 if failed is None:
                     raise
@@ -290,15 +307,17 @@ class Handovers:
         same = (path, body, headers, moving, prefill)
         return again
 
-    async def hand_on(self, handover: Handover, error: str, timeline: Timeline) -> Handover | str:
-        """The request on the next decode, its decode having failed before the client got anything of its answer.
+    async def hand_on(
+        self, handover: Handover, error: str, timeline: Timeline, *, prefill_failed: bool = False
+    ) -> Handover | JSONResponse | str:
+        """The request sent again (layer-wise: the pull way), its decode or prefill having failed; else the 503's text.
 
-        Else (no `Handover.again`, or no other decode took it) the text of the 503 to answer. The failed decode's time,
-        from its request's send to now, is the timeline's `decode_failed_ms` (summed over failovers)."""
+        The 503 where there is no `Handover.again` or no other decode took it; the failed attempt's time, from its
+        decode request's send on, is the timeline's `decode_failed_ms` (summed over failovers)."""
         request_id = timeline.request_id
         _failed(timeline, handover.sent)
-        failed = handover.decode
-        failed.healthy = False
+        if not prefill_failed:  # (the decode was only dropped, it failed nothing)
+            handover.decode.healthy = False
         if handover.again is None:
             return error
         try:
@@ -306,8 +325,9 @@ class Handovers:
         except (NoInstance, DecodeFailed) as exc:
             log.warning("request %s: no other decode server took it: %s", request_id, exc)
             return f"{error}; no other decode server took it ({exc})"
-        self.metrics.failovers.labels(failed.role).inc()
-        log.warning("request %s sent again, to decode server %s", request_id, resent.decode.url)
+        self.metrics.failovers.labels("prefill" if prefill_failed else "decode").inc()
+        if isinstance(resent, Handover):
+            log.warning("request %s sent again, to decode server %s", request_id, resent.decode.url)
         return resent
 
     # -- handlers ------------------------------------------------------------------------------
@@ -327,17 +347,40 @@ class Handovers:
         decodes = self.membership.pools["decode"]
         if not await self.membership.revive(decodes):  # else prefill would hold KV no decode reads until its lease ends
             return self.metrics.answer(503, str(NoInstance.among(decodes)), None, timeline)
+        way = PullWay()
         if self.transfer == "layerwise":
             streamed = await self._handover_layerwise(path, request, body, headers, timeline, moving)
-            if streamed is not None:
+            if not isinstance(streamed, PullWay):
                 return streamed
+            way = streamed
+        return await self.pull_way(path, request, body, headers, timeline, moving, way)
+
+    async def pull_way(
+        self,
+        path: str,
+        request: Request | None,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        timeline: Timeline,
+        moving: MovingStream | None = None,
+        way: PullWay = PullWay(),
+    ) -> Handover | JSONResponse:
+        """The request's prefill (as `way` says), then its decode with the KV prefill holds for it."""
         # The prefill's lease is keyed on this id too, so a lease whose answer never came back can still be released.
         to_prefill = KVTransferParams(do_remote_decode=True, transfer_id=uuid.uuid4().hex)
         sent_to: list[Instance] = []
         try:
-            answer = await until_disconnect(
-                request, self.call_prefill(path, body, headers, to_prefill, timeline=timeline, tried=sent_to)
+            sending = self.call_prefill(
+                path,
+                body,
+                headers,
+                to_prefill,
+                timeline=timeline,
+                tried=sent_to,
+                exclude=way.exclude,
+                prefer=way.prefer,
             )
+            answer = await until_disconnect(request, sending)
             if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
                 if sent_to:  # it may have finished, its answer on the way: nobody will read its KV
@@ -395,32 +438,37 @@ class Handovers:
         body: dict[str, Any],
         headers: dict[str, str],
         timeline: Timeline,
-        moving: MovingStream | None = None,
-    ) -> Handover | JSONResponse | None:
+        moving: MovingStream | None,
+    ) -> Handover | JSONResponse | PullWay:
         """Send the request to a prefill and a decode server at once, with one transfer id.
 
-        Decode reads each layer while prefill computes the next. None: this prefill's side channel is not known yet (the
-        request goes the pull way, which tells the proxy where it is)."""
+        Decode reads each layer while prefill computes the next. Else the way to send it the pull way: to this prefill,
+        whose side channel is not known yet (its answer tells the proxy where it is), or to another, as this one failed
+        before the decode answered (the decode request is dropped)."""
         try:
             prefill = await self.membership.pick("prefill")
         except NoInstance as exc:
             return self.metrics.answer(503, str(exc), None, timeline)
         identity = self.membership.identity(prefill.url)
         if identity is None:
-            return None
+            return PullWay(prefer=prefill)
         transfer_id = uuid.uuid4().hex  # unique even when clients reuse their x-request-id
         mode = {"transfer_mode": "layerwise", "transfer_id": transfer_id}
         to_prefill = KVTransferParams(do_remote_decode=True, **mode)
         to_decode = attrs.evolve(identity, do_remote_prefill=True, remote_request_id=transfer_id, **mode)
         computing = asyncio.ensure_future(self.call_prefill(path, body, headers, to_prefill, prefill))
-        computing.add_done_callback(lambda task: self._prefill_ended(task, prefill, timeline))
+        computing.add_done_callback(lambda task: prefill_ended(task, prefill, timeline, self.membership))
+        decode_body = {**body, "kv_transfer_params": to_decode.to_dict()}
         try:
             started = await until_disconnect(
                 request,
-                self.send_decode(
-                    path, {**body, "kv_transfer_params": to_decode.to_dict()}, headers, moving, timeline=timeline
+                unless_prefill_fails(
+                    computing, self.send_decode(path, decode_body, headers, moving, timeline=timeline)
                 ),
             )
+        except PrefillFailed as exc:
+            log.info("request %s: prefill %s failed (%s): the pull way", timeline.request_id, prefill.url, exc)
+            return PullWay(exclude=(prefill,))
         except (NoInstance, DecodeFailed) as exc:
             computing.cancel()  # nobody reads it: vLLM aborts the prefill request, its lease is aborted
             names = self._names(prefill, exc.inst) if isinstance(exc, DecodeFailed) else self._names(prefill)
@@ -433,20 +481,14 @@ class Handovers:
             log.info("client left before decode took %s: both requests cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", None, timeline)
         decode, resp, sent = started
-        return Handover(decode, resp, self._names(prefill, decode), sent, computing)
 
-    def _prefill_ended(self, task: asyncio.Future, prefill: Instance, timeline: Timeline) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:  # the decode's stream then fails or times out, and decode recomputes
-            log.warning("layer-wise prefill of %s on %s failed: %s", timeline.request_id, prefill.url, exc)
-            return
-        _inst, answer = task.result()
-        with contextlib.suppress(ConfigError):
-            params = KVTransferParams.from_dict(answer.get("kv_transfer_params"))
-            timeline.add(params.kvbridge_timing, ("prefill_ms",))
-            self.membership.learn(prefill.url, params)  # a restarted prefill answers with its new identity
+        async def pull_way() -> Handover | JSONResponse:  # `Handover.again`: its decode or its prefill failed first
+            failed = computing.done() and not computing.cancelled() and computing.exception() is not None
+            return await self.pull_way(
+                path, None, body, headers, timeline, moving, PullWay(exclude=(prefill,) * failed)
+            )
+
+        return Handover(decode, resp, self._names(prefill, decode), sent, computing, again=pull_way)
 
 
 def _failed(timeline: Timeline | None, began: float) -> None:

@@ -24,6 +24,7 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge.session.lending import precopy_id
 from kvbridge.session.timeline import HEADER, Timeline
 from kvbridge_proxy.handover import Handover, Handovers
+from kvbridge_proxy.layerwise import PrefillFailed, unless_prefill_fails
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moving_stream import MovingStream
@@ -75,19 +76,24 @@ class Moves:
 
         The move happens between two events: what the client got is what the next decode continues from."""
         up = Upstream.open(handover.decode, handover.resp, moving, marked=handover.decode.identity is not None)
-        first = await until_disconnect(request, up.next())
-        if first is None or first[0] == "failed":
+        try:
+            first = await until_disconnect(request, unless_prefill_fails(handover.computing, up.next()))
+        except PrefillFailed as exc:  # a layer-wise decode would wait for a stream that never comes
+            first = ("prefill failed", exc)
+        if first is None or first[0] in ("failed", "prefill failed"):
             await self.takeover.leave(up, moving, "its client left before the first token")
             if first is None:
                 log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
                 return self.metrics.answer(499, "client disconnected", headers, timeline)
-            log.warning(
-                "decode server %s failed before the first event of %s", handover.decode.url, timeline.request_id
-            )
-            error = f"decode server {handover.decode.label} failed: {first[1]}"
-            resent = await self.handovers.hand_on(handover, error, timeline)
+            prefill_failed = first[0] == "prefill failed"
+            error = f"{'layer-wise prefill' if prefill_failed else f'decode server {handover.decode.label}'} failed"
+            log.warning("request %s: %s before the first event: %s", timeline.request_id, error, first[1])
+            error += f": {first[1]}"
+            resent = await self.handovers.hand_on(handover, error, timeline, prefill_failed=prefill_failed)
             if isinstance(resent, str):
                 return self.metrics.answer(503, resent, headers, timeline)
+            if not isinstance(resent, Handover):  # the pull way's own error answer
+                return resent
             return await self.relay(request, resent, moving, timeline, begun, {**headers, **resent.headers})
         self.metrics.finish(timeline, begun, handover.sent, time.perf_counter())
         self.metrics.requests.labels("200").inc()

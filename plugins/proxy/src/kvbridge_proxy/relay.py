@@ -16,11 +16,12 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvbridge.base.errors import ConfigError
+from kvbridge.base.errors import ConfigError, described
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
 from kvbridge_proxy.handover import Handover, Handovers
+from kvbridge_proxy.layerwise import PrefillFailed, unless_prefill_fails
 from kvbridge_proxy.limits import BUDGET, Budget, encoded
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moves import Moves
@@ -335,13 +336,20 @@ class Relay:
         """After the decode failed before answering the client anything: the request relayed from the next decode.
 
         By `relay` (`_relay_stream` or `_relay_whole`); the 503 when no other decode took it (`Handovers.hand_on`)."""
-        decode = handover.decode
-        log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
-        detail = f"{type(failed).__name__}: {failed}" if self.expose else type(failed).__name__
-        error = f"decode server {decode.label} failed: {detail}"
-        resent = await self.handovers.hand_on(handover, error, timeline)
+        decode, prefill_failed = handover.decode, isinstance(failed, PrefillFailed)
+        if prefill_failed:
+            error = f"layer-wise prefill failed: {failed}"
+            log.warning("request %s: %s before decode server %s answered: the pull way", timeline.request_id, error,
+                        decode.url)  # fmt: skip
+        else:
+            log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
+            detail = described(failed) if self.expose else type(failed).__name__
+            error = f"decode server {decode.label} failed: {detail}"
+        resent = await self.handovers.hand_on(handover, error, timeline, prefill_failed=prefill_failed)
         if isinstance(resent, str):
             return self.metrics.answer(503, resent, headers, timeline)
+        if not isinstance(resent, Handover):  # the pull way's own error answer
+            return resent
         return await relay(request, resent, timeline, begun, {**headers, **resent.headers})
 
     async def _relay_whole(
@@ -354,7 +362,7 @@ class Relay:
         resp, decode, sent = handover.resp, handover.decode, handover.sent
         failed: httpx.TransportError | None = None
         try:
-            content = await until_disconnect(request, resp.aread())
+            content = await until_disconnect(request, unless_prefill_fails(handover.computing, resp.aread()))
         except httpx.TransportError as exc:  # the decode server died while answering
             content, failed = b"", exc
         finally:
@@ -388,7 +396,7 @@ class Relay:
         chunks = resp.aiter_raw()
         failed: httpx.TransportError | None = None
         try:
-            first = await until_disconnect(request, anext(chunks, b""))
+            first = await until_disconnect(request, unless_prefill_fails(handover.computing, anext(chunks, b"")))
         except httpx.TransportError as exc:  # the decode server died before its first chunk
             first, failed = None, exc
         except BaseException:

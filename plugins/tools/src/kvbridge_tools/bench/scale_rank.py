@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 
 from kvbridge.agent.kv_agent import KVAgent
+from kvbridge.base.errors import described
 from kvbridge.control import ControlServer, KVTransferParams, LeaseState, Ledger, open_registry
 from kvbridge.plan.layout import vllm_layout
 from kvbridge.plan.presets import PRESETS
@@ -116,7 +117,7 @@ def pull(jobs: list[list[Any]], concurrency: int) -> list[dict[str, Any]]:
         return {
             "control_ms": marks.get("at_reading_ms", took),
             "total_ms": took,
-            "error": None if error is None else f"{type(error).__name__}: {error}",
+            "error": None if error is None else described(error),
         }
 
     with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="scale-pull") as pool:

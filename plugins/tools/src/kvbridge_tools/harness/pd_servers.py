@@ -50,8 +50,8 @@ class Serving:
 class Upstream(Serving):
     """Answers like a vLLM server of `role` and records what it was sent.
 
-    It answers after `slow_complete_s`, records the bodies it was sent and the X-Request-Id of each, and
-    answers /health slowly (`slow_health_s`) for its first `slow_health` probes.
+    It answers after `slow_complete_s` (or at once `fail_status`, once that is set), records the bodies it was sent
+    and the X-Request-Id of each, and answers /health slowly (`slow_health_s`) for its first `slow_health` probes.
     A decode answer's choice says what it was asked (prompt, seed), its usage counts the prompt's characters
     and one completion token; streamed (`stream`), one chunk and, with `include_usage`, a usage chunk."""
 
@@ -69,6 +69,7 @@ class Upstream(Serving):
         self.side_channel_port = 5800  # where a prefill says its side channel is
         self.parallel: dict[str, int] = {}  # a prefill's tp_size, pp_size as its params say
         self.engine_id = "e"  # a prefill that restarts comes back with another
+        self.fail_status: int | None = None  # set: it answers this, as a vLLM server shutting down answers 500
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -78,6 +79,8 @@ class Upstream(Serving):
             self.sizes.append(len(raw))
             self.bodies.append(body)
             self.ids.append(request.headers.get("x-request-id"))
+            if self.fail_status is not None:
+                return Response("cannot schedule new futures after shutdown", status_code=self.fail_status)
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
                 params = {
                     "remote_engine_id": self.engine_id,
