@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from kvbridge.base.errors import ConfigError, described
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import FAILOVER_PHASE, Timeline
-from kvbridge_proxy.layerwise import PrefillFailed, prefill_ended, unless_prefill_fails
+from kvbridge_proxy.layerwise import PrefillFailed, ended_in_error, prefill_ended, unless_prefill_fails
 from kvbridge_proxy.limits import BUDGET, encoded
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics, connect_timing
@@ -316,7 +316,7 @@ class Handovers:
         decode request's send on, is the timeline's `decode_failed_ms` (summed over failovers)."""
         request_id = timeline.request_id
         _failed(timeline, handover.sent)
-        if not prefill_failed:  # (the decode was only dropped, it failed nothing)
+        if not prefill_failed:  # (where only its prefill failed, the decode was dropped, not at fault)
             handover.decode.healthy = False
         if handover.again is None:
             return error
@@ -483,10 +483,8 @@ class Handovers:
         decode, resp, sent = started
 
         async def pull_way() -> Handover | JSONResponse:  # `Handover.again`: its decode or its prefill failed first
-            failed = computing.done() and not computing.cancelled() and computing.exception() is not None
-            return await self.pull_way(
-                path, None, body, headers, timeline, moving, PullWay(exclude=(prefill,) * failed)
-            )
+            way = PullWay(exclude=(prefill,) if ended_in_error(computing) else ())
+            return await self.pull_way(path, None, body, headers, timeline, moving, way)
 
         return Handover(decode, resp, self._names(prefill, decode), sent, computing, again=pull_way)
 

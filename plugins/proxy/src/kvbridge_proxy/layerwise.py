@@ -32,6 +32,12 @@ class PrefillFailed(httpx.TransportError):
     request again the pull way, to another prefill. A transport error of the answer's, so the relays hand it on."""
 
 
+def ended_in_error(computing: asyncio.Future | None) -> bool:
+    """Whether a layer-wise prefill call ended in an error (not cancelled by the proxy)."""
+    done = computing is not None and computing.done() and not computing.cancelled()
+    return done and computing.exception() is not None
+
+
 async def unless_prefill_fails(computing: asyncio.Future | None, pending: Awaitable[T]) -> T:
     """`pending` (a layer-wise decode's answer, or part of it), unless `computing`, its prefill, fails first.
 
@@ -39,15 +45,11 @@ async def unless_prefill_fails(computing: asyncio.Future | None, pending: Awaita
     raised. A prefill that ends well, or that the proxy cancelled itself, leaves `pending` to finish."""
     if computing is None:
         return await pending
-
-    def failed() -> bool:
-        return computing.done() and not computing.cancelled() and computing.exception() is not None
-
     task = asyncio.ensure_future(pending)
     try:
-        if not failed():
+        if not ended_in_error(computing):
             await asyncio.wait({task, computing}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done() and not failed():  # the prefill ended well: the answer is coming
+        if not task.done() and not ended_in_error(computing):  # the prefill ended well: the answer is coming
             await asyncio.wait({task})
     except asyncio.CancelledError:
         task.cancel()
