@@ -524,10 +524,14 @@ class _DeadlineRetry:
             if gone and not self._retried:
                 self.future.set_exception(last)  # not retried: the transport's own words
                 return
-            stuck = self._stuck or self._timed_out
+            # every attempt stalled: by the deadline here, or by the transport's own (a socket timeout, for one)
+            stalled = self._timed_out or all(
+                isinstance(a.exception(), TransferTimeout) for a in self._attempts if not a.cancelled()
+            )
+            stuck = self._stuck or stalled
             how = f"made no progress within the {self._deadline:.1f}s transfer deadline" if stuck else "failed"
             # a stuck part's retry may have failed outright rather than stalled as well
-            retry = "its retry failed" if stuck and not self._timed_out and last is not None else "so did its retry"
+            retry = "its retry failed" if stuck and not stalled and last is not None else "so did its retry"
             error = (TransferTimeout if stuck else TransferFailed)(
                 f"{self._backend.name} {self._op} of {len(self._desc)} descriptors "
                 f"({int(self._desc[:, 2].sum())} bytes) with {self._peer.name} {how}, and {retry}"

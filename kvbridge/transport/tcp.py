@@ -22,7 +22,14 @@ import attrs
 import msgpack
 import numpy as np
 
-from kvbridge.base.errors import ConfigError, InvalidDescriptor, PeerGone, ProtocolError, TransferFailed
+from kvbridge.base.errors import (
+    ConfigError,
+    InvalidDescriptor,
+    PeerGone,
+    ProtocolError,
+    TransferFailed,
+    TransferTimeout,
+)
 from kvbridge.base.memory import Descriptors
 from kvbridge.base.options import BackendOptions, option
 from kvbridge.base.secret import TCP, check_listen, derive, load_secret
@@ -475,6 +482,13 @@ class TcpBackend(MigrationBackend):
         timeout = self.options.connect_timeout
         try:
             sock = socket.create_connection((h["host"], h["port"]), timeout=timeout)
+        except TimeoutError as exc:  # a partition or a firewall that drops: maybe for a moment
+            raise TransferTimeout(
+                f"tcp peer {name} did not answer a connection within {timeout:g}s; is the network between the hosts "
+                "up?",
+                peer=name,
+                cause=str(exc) or "connect timed out",
+            ) from None
         except OSError as exc:
             raise PeerGone(f"cannot reach tcp peer {name}: {exc}; is it running?", peer=name, cause=str(exc)) from None
         try:
@@ -492,6 +506,11 @@ class TcpBackend(MigrationBackend):
             if why:
                 hint = "use the peer's current endpoint info and the same KVBRIDGE_SECRET"
                 raise TransferFailed(f"tcp peer {name} {why}; {hint}", peer=name, cause="authentication")
+        except TimeoutError as exc:
+            sock.close()
+            raise TransferTimeout(
+                f"tcp peer {name} stalled in the handshake ({exc or 'timed out'})", peer=name, cause="handshake stalled"
+            ) from None
         except (ConnectionError, OSError, ProtocolError) as exc:
             sock.close()
             raise PeerGone(f"tcp peer {name} failed the handshake: {exc}", peer=name, cause=str(exc)) from None
@@ -531,6 +550,14 @@ class TcpBackend(MigrationBackend):
                 raise kind(f"tcp peer {peer.name} refused the {op}: {cause}", peer=peer.name, cause=cause)
             if op == "read":
                 _recvmsg_all(sock, local_views)
+        except TimeoutError:
+            # Stalled, not gone (a socket timeout is an OSError too): the base class resubmits the part once.
+            sock.close()
+            raise TransferTimeout(
+                f"tcp peer {peer.name} made no progress on a {op} for {self.options.transfer_deadline:g}s",
+                peer=peer.name,
+                cause="no progress within the transfer deadline",
+            ) from None
         except (ConnectionError, OSError) as exc:
             sock.close()
             raise PeerGone(
