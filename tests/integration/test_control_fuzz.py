@@ -6,15 +6,12 @@ serving; no lease changes, no leaked threads, sockets or memory.
 
 from __future__ import annotations
 
-import gc
-import linecache
 import logging
 import os
 import sys
 import threading
 import time
 import traceback
-import tracemalloc
 from collections.abc import Iterator
 
 import msgpack
@@ -29,6 +26,7 @@ from kvbridge.control import ControlClient, ControlServer, LeaseState, Ledger
 from kvbridge.control.auth import Authenticator
 from kvbridge.control.framing import new_frame
 from kvbridge.control.messages import REQUESTS, Abort, BeginPull, Done, Frame, GetInfo, QueryLease, Refused
+from kvbridge_tools.harness.leaks import Counted, held_after, only_to
 
 RANK = "prefill/0"  # the receiver every frame here names
 SECRET = "fuzz-secret-0123456789abcdef0123"
@@ -54,22 +52,11 @@ def _refusal(reply: bytes) -> Refused | None:
     return wire.decode(frame.body, Refused) if frame.kind == "Refused" else None
 
 
-class Warnings(logging.Handler):
-    """Counts the side channel's warnings (each refusal logs one)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
-
-
 class Rank:
     """An authenticated prefill rank holding one lease that nothing legitimate touches."""
 
     def __init__(self) -> None:
-        self.warnings = Warnings()
+        self.warnings = Counted()
         logging.getLogger("kvbridge.control.channel").addHandler(self.warnings)
         self.released: list[tuple[str, LeaseState]] = []
         self.ledger = Ledger(lambda lease, why: self.released.append((lease.request_id, why)), timeout_s=3600)
@@ -247,41 +234,21 @@ def test_fuzz_over_sockets_server_keeps_serving_and_nothing_leaks() -> None:
                 assert raw.poll(5000), "the server stopped answering"
                 assert _refusal(raw.recv()) is not None
 
+        def storms() -> None:
+            for _ in range(3):
+                storm()
+            # what a stall dump inside this window does (every thread's stack formatted), made on purpose here:
+            # a loaded box makes one at random (a CI run once counted 94,848 bytes of linecache as growth)
+            assert [traceback.format_stack(frame) for frame in sys._current_frames().values()]
+
         # pytest would keep every record: count only. The stall watchdog's too: this test's own gc.collect() and
         # tracemalloc snapshots hold the GIL, on a loaded box for over a second, and the dump of the side channel's loop
         # they held up (every thread's stack, 190 KB, kept by pytest) was once counted as the side channel's growth.
-        quiet = {"kvbridge.control.channel": r.warnings, "kvbridge.base.watchdog": logging.NullHandler()}
-        saved = {name: (logging.getLogger(name).handlers, logging.getLogger(name).propagate) for name in quiet}
-        for name, handler in quiet.items():
-            logging.getLogger(name).handlers, logging.getLogger(name).propagate = [handler], False
-        try:
+        with only_to({"kvbridge.control.channel": r.warnings, "kvbridge.base.watchdog": logging.NullHandler()}):
             storm()
-            linecache.clearcache()
-            tracemalloc.start()
-            try:
-                gc.collect()
-                before = tracemalloc.take_snapshot()
-                for _ in range(3):
-                    storm()
-                # what a stall dump inside this window does (every thread's stack formatted), made on purpose here:
-                # a loaded box makes one at random (a CI run once counted 94,848 bytes of linecache as growth)
-                assert [traceback.format_stack(frame) for frame in sys._current_frames().values()]
-                gc.collect()
-                # linecache: the source lines any traceback or stack dump in this process read, a cache bounded by
-                # the files there are, not the side channel's
-                skip = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, linecache.__file__)]
-                diff = (
-                    tracemalloc.take_snapshot().filter_traces(skip).compare_to(before.filter_traces(skip), "filename")
-                )
-                grown = sum(d.size_diff for d in diff)
-            finally:
-                tracemalloc.stop()
-        finally:
-            for name, (handlers, propagate) in saved.items():
-                logging.getLogger(name).handlers, logging.getLogger(name).propagate = handlers, propagate
-        top = [(str(d.traceback), d.size_diff) for d in sorted(diff, key=lambda d: -d.size_diff)[:6]]
-        # the files that grew, so that a failure carries its evidence (a CI run once saw 97,818 bytes, never again)
-        assert grown < 64 * 1024, f"the side channel holds {grown} more bytes after {3 * len(hostile)} messages: {top}"
+            grown = held_after(storms)
+        # the lines that grew, so that a failure carries its evidence (a CI run once saw 97,818 bytes, never again)
+        assert grown.bytes < 64 * 1024, f"the side channel holds {grown} after {3 * len(hostile)} messages"
         # Multipart garbage is dropped with a warning, a message above the socket's size limit by libzmq
         # (which closes that connection); neither is answered.
         before = r.warnings.count

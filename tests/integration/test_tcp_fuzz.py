@@ -14,7 +14,6 @@ import socket
 import struct
 import threading
 import time
-import tracemalloc
 from collections.abc import Iterator
 
 import msgpack
@@ -25,22 +24,10 @@ from hypothesis import strategies as st
 
 from kvbridge import create_backend
 from kvbridge.transport import tcp
+from kvbridge_tools.harness.leaks import Counted, held_after, only_to
 
 SECRET = b"tcp-fuzz-secret-0123456789abcdef"
 FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-
-
-class Warnings(logging.Handler):
-    """Counts kvbridge's warnings, kept from pytest's capture so thousands of them cost no memory."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-        self.last = ""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
-        self.last = record.getMessage()
 
 
 class Listener:
@@ -50,7 +37,7 @@ class Listener:
         self.backend.register_memory(self.kv)
         self.address = ("127.0.0.1", self.backend._port)
         self.key = tcp._secret_key(SECRET)
-        self.warnings = Warnings()
+        self.warnings = Counted()
 
     def exchange(self, payload: bytes, *, authenticate: bool = False) -> bytes:
         """Connect, (authenticate,) send `payload`, close our side; what the server sent until it closed."""
@@ -173,41 +160,31 @@ def test_listener_keeps_serving_and_nothing_grows(listener: Listener) -> None:
     out = np.zeros_like(listener.kv)
     reader.register_memory(out)
     hostile = [os.urandom(n) for n in range(0, 300, 3)] + [struct.pack("!I", 1 << 30)] * 50
-    # pytest's capture handlers keep every record (and a record its exception's frames): only count here.
-    logger = logging.getLogger("kvbridge.transport.tcp")
-    handlers, logger.handlers = logger.handlers, [listener.warnings]
-    try:
-        peer = reader.connect(listener.backend.endpoint_info())
-        reader.transfer(peer, [(out.ctypes.data, listener.kv.ctypes.data, out.nbytes)]).wait(10)
-        assert np.array_equal(out, listener.kv)
-        for payload in hostile:  # warm-up: caches, the accept loop's first allocations
+
+    def again() -> None:
+        for payload in hostile:
             listener.refused(payload)
-        _settle(threading.active_count())
-        threads, fds = threading.active_count(), _fds()
-        tracemalloc.start()
-        try:
-            before = tracemalloc.take_snapshot()
-            for payload in hostile:
+        _settle(threads)
+
+    try:
+        # pytest's capture handlers keep every record, and a record the frames of its exception: only count here.
+        # (pytest adds them at each test's start to every logger that does not propagate, this one too.)
+        with only_to({"kvbridge.transport.tcp": listener.warnings}):
+            peer = reader.connect(listener.backend.endpoint_info())
+            reader.transfer(peer, [(out.ctypes.data, listener.kv.ctypes.data, out.nbytes)]).wait(10)
+            assert np.array_equal(out, listener.kv)
+            for payload in hostile:  # warm-up: caches, the accept loop's first allocations
                 listener.refused(payload)
-            _settle(threads)
-            grown = _growth(before, tracemalloc.take_snapshot())
-        finally:
-            tracemalloc.stop()
-        assert threading.active_count() <= threads and _fds() <= fds, "threads or sockets leaked"
-        assert grown < 32 * 1024, f"{grown} more bytes held after {len(hostile)} hostile connections"
-        out[:] = 0
-        reader.transfer(peer, [(out.ctypes.data, listener.kv.ctypes.data, out.nbytes)]).wait(10)
-        assert np.array_equal(out, listener.kv)
+            _settle(threading.active_count())
+            threads, fds = threading.active_count(), _fds()
+            grown = held_after(again)
+            assert threading.active_count() <= threads and _fds() <= fds, "threads or sockets leaked"
+            assert grown.bytes < 32 * 1024, f"{grown} held after {len(hostile)} hostile connections"
+            out[:] = 0
+            reader.transfer(peer, [(out.ctypes.data, listener.kv.ctypes.data, out.nbytes)]).wait(10)
+            assert np.array_equal(out, listener.kv)
     finally:
-        logger.handlers = handlers
         reader.close()
-
-
-def _growth(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot) -> int:
-    """Bytes allocated between the snapshots and still held (tracemalloc's own snapshots left out)."""
-    skip = [tracemalloc.Filter(False, tracemalloc.__file__)]
-    diff = after.filter_traces(skip).compare_to(before.filter_traces(skip), "filename")
-    return sum(d.size_diff for d in diff)
 
 
 def _settle(threads: int) -> None:

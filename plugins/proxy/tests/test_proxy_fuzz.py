@@ -13,7 +13,6 @@ import asyncio
 import gc
 import json
 import logging
-import tracemalloc
 from collections.abc import Iterator
 
 import httpx
@@ -25,19 +24,11 @@ from kvbridge_proxy import app as proxy
 from kvbridge_proxy import wire
 from kvbridge_proxy.limits import Limits
 from kvbridge_proxy.wire import MAX_JSON_DEPTH, REQUEST_ID
+from kvbridge_tools.harness.leaks import Counted, held_after, only_to
 from kvbridge_tools.harness.ports import free_port
 
 FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 LIMIT = 4096  # the body limit under test (the real one is 32 MiB)
-
-
-class Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += 1
 
 
 class Proxy:
@@ -49,7 +40,7 @@ class Proxy:
             dead[:1], dead[1:], health_interval=3600, limits=Limits(max_connections_per_client=512)
         )
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://proxy")
-        self.warnings = Warnings()
+        self.warnings = Counted()
 
     def post(self, body: bytes, path: str = "/v1/completions", headers: dict | None = None) -> httpx.Response:
         headers = {"content-type": "application/json", **(headers or {})}
@@ -179,42 +170,27 @@ def test_replayed_and_concurrent_bad_requests_leave_the_proxy_serving_without_gr
     bad = [b"{", b"[]", b'{"kv_transfer_params": {"remote_host": "10.0.0.9"}}', b"\xff" * 64, b"x" * (LIMIT + 1)]
     # Built once and sent again and again: the client's URL parsing is not the proxy's memory.
     requests = [served.client.build_request("POST", "/v1/completions", content=b) for b in bad * 20]
-    logger = logging.getLogger("kvbridge_proxy.app")
-    # pytest would keep every record: only count them here.
-    handlers, propagate, logger.handlers, logger.propagate = logger.handlers, logger.propagate, [served.warnings], False
 
-    def burst() -> None:
+    def bursts(n: int) -> None:
         async def sent() -> list[httpx.Response]:
             return await asyncio.gather(*(served.client.send(r) for r in requests))
 
-        assert {r.status_code for r in served.loop.run_until_complete(sent())} == {400, 413}
+        for _ in range(n):  # the same requests again and again: each is refused the same way
+            assert {r.status_code for r in served.loop.run_until_complete(sent())} == {400, 413}
 
     # A leak grows with the requests served; a table keeps the size it grew to at the most requests at once, whenever
     # it resizes (the relay's requests waiting: 4.6 KB), and CPython keeps caches: neither is a leak, and before
     # requests were built once the client's URL parsing added ~26 KB of them. asyncio's weak set of tasks is left out
     # (a leaked task would be counted as objects).
-    skip = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "*/_weakrefset.py")]
-    try:
-        for _ in range(2):
-            burst()
-        tracemalloc.start()
-        try:
-            gc.collect()
-            objects, before = len(gc.get_objects()), tracemalloc.take_snapshot().filter_traces(skip)
-            for _ in range(3):  # the same requests again and again: each is refused the same way
-                burst()
-            gc.collect()  # responses and request scopes are freed in cycles
-            objects = len(gc.get_objects()) - objects
-            diff = tracemalloc.take_snapshot().filter_traces(skip).compare_to(before, "lineno")
-        finally:
-            tracemalloc.stop()
-        served_requests = 3 * len(requests)
-        grown = sum(d.size_diff for d in diff)
-        top = "; ".join(str(d) for d in diff[:5])
-        assert objects < served_requests / 10, f"{objects} more objects after {served_requests} bad requests"
-        assert grown < 64 * 1024, f"the proxy holds {grown} more bytes after {served_requests} bad requests: {top}"
-    finally:
-        logger.handlers, logger.propagate = handlers, propagate
+    with only_to({"kvbridge_proxy.app": served.warnings, "kvbridge.base.watchdog": logging.NullHandler()}):
+        bursts(2)
+        gc.collect()  # responses and request scopes are freed in cycles
+        objects = len(gc.get_objects())
+        grown = held_after(lambda: bursts(3), skip=["*/_weakrefset.py"])
+        objects = len(gc.get_objects()) - objects
+    served_requests = 3 * len(requests)
+    assert objects < served_requests / 10, f"{objects} more objects after {served_requests} bad requests"
+    assert grown.bytes < 64 * 1024, f"the proxy holds {grown} after {served_requests} bad requests"
     # Still serving: a well-formed request goes through to the (absent) prefill server, and health answers.
     ok = served.post(json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2}).encode())
     assert ok.status_code == 503 and "prefill" in ok.json()["error"]
