@@ -524,10 +524,8 @@ class _DeadlineRetry:
             if gone and not self._retried:
                 self.future.set_exception(last)  # not retried: the transport's own words
                 return
-            # every attempt stalled: by the deadline here, or by the transport's own (a socket timeout, for one)
-            stalled = self._timed_out or all(
-                isinstance(a.exception(), TransferTimeout) for a in self._attempts if not a.cancelled()
-            )
+            ended = [a.exception() for a in self._attempts if not a.cancelled()]
+            stalled = self._timed_out or all(isinstance(e, TransferTimeout) for e in ended)  # by the transport's, too
             stuck = self._stuck or stalled
             how = f"made no progress within the {self._deadline:.1f}s transfer deadline" if stuck else "failed"
             # a stuck part's retry may have failed outright rather than stalled as well

@@ -482,15 +482,8 @@ class TcpBackend(MigrationBackend):
         timeout = self.options.connect_timeout
         try:
             sock = socket.create_connection((h["host"], h["port"]), timeout=timeout)
-        except TimeoutError as exc:  # a partition or a firewall that drops: maybe for a moment
-            raise TransferTimeout(
-                f"tcp peer {name} did not answer a connection within {timeout:g}s; is the network between the hosts "
-                "up?",
-                peer=name,
-                cause=str(exc) or "connect timed out",
-            ) from None
         except OSError as exc:
-            raise PeerGone(f"cannot reach tcp peer {name}: {exc}; is it running?", peer=name, cause=str(exc)) from None
+            raise _lost(name, "to connect", exc) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             challenge = _recv_frame(sock, _MAX_AUTH_FRAME).get("challenge")
@@ -506,14 +499,9 @@ class TcpBackend(MigrationBackend):
             if why:
                 hint = "use the peer's current endpoint info and the same KVBRIDGE_SECRET"
                 raise TransferFailed(f"tcp peer {name} {why}; {hint}", peer=name, cause="authentication")
-        except TimeoutError as exc:
+        except (OSError, ProtocolError) as exc:
             sock.close()
-            raise TransferTimeout(
-                f"tcp peer {name} stalled in the handshake ({exc or 'timed out'})", peer=name, cause="handshake stalled"
-            ) from None
-        except (ConnectionError, OSError, ProtocolError) as exc:
-            sock.close()
-            raise PeerGone(f"tcp peer {name} failed the handshake: {exc}", peer=name, cause=str(exc)) from None
+            raise _lost(name, "in the handshake", exc) from None
         except BaseException:
             sock.close()
             raise
@@ -550,19 +538,9 @@ class TcpBackend(MigrationBackend):
                 raise kind(f"tcp peer {peer.name} refused the {op}: {cause}", peer=peer.name, cause=cause)
             if op == "read":
                 _recvmsg_all(sock, local_views)
-        except TimeoutError:
-            # Stalled, not gone (a socket timeout is an OSError too): the base class resubmits the part once.
+        except OSError as exc:
             sock.close()
-            raise TransferTimeout(
-                f"tcp peer {peer.name} made no progress on a {op} for {self.options.transfer_deadline:g}s",
-                peer=peer.name,
-                cause="no progress within the transfer deadline",
-            ) from None
-        except (ConnectionError, OSError) as exc:
-            sock.close()
-            raise PeerGone(
-                f"tcp peer {peer.name} dropped the connection during a {op}: {exc}", peer=peer.name, cause=str(exc)
-            ) from None
+            raise _lost(peer.name, f"during a {op}", exc) from None
         h["pool"].put(sock)
 
     def _disconnect(self, peer: Peer) -> None:
@@ -581,6 +559,13 @@ class TcpBackend(MigrationBackend):
                     pass
         for t in self._server_threads:
             t.join(timeout=2)
+
+
+def _lost(peer: str, when: str, exc: BaseException) -> PeerGone | TransferTimeout:
+    """A socket timeout is a stall, which the base class resubmits once; any other error, a peer gone."""
+    if isinstance(exc, TimeoutError):
+        return TransferTimeout(f"tcp peer {peer} made no progress {when} ({exc})", peer=peer, cause="stalled")
+    return PeerGone(f"tcp peer {peer} failed {when}: {exc}; is it running?", peer=peer, cause=str(exc))
 
 
 def _host_port(addr: Any) -> str:
