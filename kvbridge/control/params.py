@@ -175,16 +175,21 @@ class KVTransferParams:
         return self.remote_block_ids[0] if self.remote_block_ids else BlockIds()
 
     @property
+    def resumes_move(self) -> bool:
+        """A live move's continuation, or one of its pre-copy stages: pulled from the moved stream's lease.
+
+        A layer-wise request's move id only marks it as one the proxy may move later: its KV comes by its stream."""
+        return self.kvbridge_move_id is not None and self.transfer_mode == "pull"
+
+    @property
     def lease_blocks(self) -> bool:
         """Decode takes the block ids from the lease's answer (a live move names none)."""
-        return self.kvbridge_move_id is not None and not self.remote_block_ids
+        return self.resumes_move and not self.remote_block_ids
 
     def move_resolved(self) -> KVTransferParams:
         """These params with a live move's lease named (its move id); others unchanged. See docs/internals.md."""
-        if self.kvbridge_move_id is None:
+        if not self.resumes_move:
             return self
-        if self.transfer_mode != "pull":
-            raise ConfigError("kv_transfer_params with kvbridge_move_id need transfer_mode 'pull'")
         if self.remote_num_tokens is None:
             raise ConfigError(
                 "kv_transfer_params with kvbridge_move_id lack remote_num_tokens: the proxy sets it to the "

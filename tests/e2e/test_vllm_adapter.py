@@ -1037,14 +1037,16 @@ def test_a_marked_request_dropped_while_its_kv_arrives_is_no_cut_and_is_freed_on
 
 
 def test_move_params_lacking_what_the_pull_needs_are_computed_here() -> None:
-    """A live move with no remote_num_tokens, or streamed per layer, is refused: the prompt is computed here."""
+    """A live move with no remote_num_tokens is refused: the prompt is computed here.
+
+    A layer-wise request with a move id is no move to resume: the id marks a stream the proxy may move later."""
     base = KVTransferParams(do_remote_prefill=True, kvbridge_move_id="M", remote_num_tokens=9)
     assert base.move_resolved().remote_request_id == "M"
     assert attrs.evolve(base, remote_request_id="x").move_resolved().remote_request_id == "x"
     with pytest.raises(ConfigError, match="remote_num_tokens"):
         attrs.evolve(base, remote_num_tokens=None).move_resolved()
-    with pytest.raises(ConfigError, match="transfer_mode 'pull'"):
-        attrs.evolve(base, transfer_mode="layerwise").move_resolved()
+    marked = attrs.evolve(base, transfer_mode="layerwise", remote_num_tokens=None, remote_request_id="T")
+    assert marked.move_resolved() == marked and not marked.lease_blocks
 
 
 def test_a_move_pull_task_skips_what_decode_holds_without_naming_blocks() -> None:

@@ -84,3 +84,17 @@ def test_move_of_a_marked_decode_request_only() -> None:
     assert move_of({"kvbridge_move_id": "M~precopy2"}) is None, "a pre-copy's own request"
     assert move_of({"kvbridge_move_id": "M", "do_remote_decode": True}) is None
     assert entry({"kvbridge_move_id": "M"}).move_id == "M"
+
+
+def test_a_layerwise_decode_request_marked_movable_is_still_read_from_its_stream() -> None:
+    # The proxy with --live-moves marks each stream it may move later; layer-wise, that mark once made the decode
+    # refuse the params ("need transfer_mode 'pull'") and compute the prompt, its prefill's lease left to expire.
+    params = {"do_remote_prefill": True, "transfer_mode": "layerwise", "transfer_id": "T", "remote_request_id": "T"}
+    got = entry({**params, "kvbridge_move_id": "M", **REMOTE})
+    assert got.layerwise and got.move_id == "M", "marked: its decode lends its blocks if it is moved"
+    pull = got.to_pull(16)
+    assert (pull.transfer_mode, pull.remote_request_id) == ("layerwise", "T")
+    assert not pull.resumes_move and not pull.lease_blocks, "its blocks come from its own stream, not a moved lease"
+    # a move's continuation is pulled from the moved stream's lease, its block ids taken from there
+    resumed = entry({"do_remote_prefill": True, "kvbridge_move_id": "M", "remote_num_tokens": 40, **REMOTE})
+    assert resumed.to_pull(16).remote_request_id == "M" and resumed.to_pull(16).lease_blocks

@@ -106,7 +106,7 @@ class SchedulerSide:
         if decoded is not None:
             # a moved request's source holds the KV of all but its last token (vLLM computes that one anyway)
             held = len(request.prompt_token_ids or ())
-            if decoded.kvbridge_move_id is not None:
+            if decoded.resumes_move:
                 held = min(held, int(decoded.remote_num_tokens or 0))
             count = held - num_computed_tokens
             if count > 0:
