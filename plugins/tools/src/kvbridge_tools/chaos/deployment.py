@@ -106,6 +106,7 @@ class Deployment:
     pull_timeout_s: float = 30.0
     fault_injection: dict[str, Any] | None = None
     backend: str = "mooncake"  # the transport by name (Mooncake's over TCP)
+    transfer: str = "pull"  # or layerwise: every server and the proxy in that mode
     hosts: Hosts | None = None
     registry: str | None = None  # redis://...: every server announces itself, the proxy follows it
     drain_grace_s: float = 3.0
@@ -147,6 +148,8 @@ class Deployment:
 
     def _config(self, role: str, url: str | None = None) -> dict[str, Any]:
         extra: dict[str, Any] = {"lease_s": self.lease_s, "pull_timeout_s": self.pull_timeout_s}
+        if self.transfer != "pull":
+            extra["transfer"] = self.transfer
         if self.registry is not None and url is not None:
             extra.update(
                 registry=self.registry,
@@ -210,6 +213,7 @@ class Deployment:
             secret=self._secret,
             registry=self.registry,
             live_moves=self.live_moves,
+            transfer=self.transfer,
         )
         if announced:
             self.wait_routed([*self.prefill, *self.decode], timeout=timeout)

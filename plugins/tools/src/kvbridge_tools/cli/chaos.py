@@ -87,6 +87,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="NAME",
         help="the servers' transport, by name (see `kvbridge plugins`; mooncake runs over TCP); default: mooncake",
     )
+    p.add_argument(
+        "--transfer",
+        choices=["pull", "layerwise"],
+        default="pull",
+        help="pull: prefill, then decode with its params; layerwise: the servers and the proxy in layer-wise mode, "
+        "decode reading each layer while prefill computes, a failed prefill sent again the pull way (default pull)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument("--max-model-len", type=int, default=1024, help="the servers' max_model_len (default 1024)")
     add_executor_argument(p)
@@ -219,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         lease_s=args.lease_s,
         fault_injection=injection or None,
         backend=args.migration_backend,
+        transfer=args.transfer,
     )
     workload = Workload(
         args.requests,
