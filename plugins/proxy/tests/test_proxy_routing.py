@@ -1123,3 +1123,42 @@ def test_a_layerwise_prefill_that_fails_has_the_request_sent_again_the_pull_way(
     # each of those went the pull way to the good one; the good one's own were read layer-wise
     assert sorted(modes(good)) == sorted(["pull"] * len(failed) + ["layerwise"] * (4 - len(failed)))
     assert sum('"pull"' in r.text for r in answers) == len(failed)  # the decode answered those the pull way
+
+
+def test_a_connection_reset_as_it_opens_is_a_refused_connection_not_the_proxys_500() -> None:
+    """A connect whose socket was gone before the keepalive options were set fails as a refused connection.
+
+    httpcore sets those options after the connect; a server killed as it accepted has reset the connection by then,
+    and httpcore raised AttributeError, which the proxy answered with a 500 of its own (a layer-wise chaos run). That
+    race cannot be provoked on demand: the pool's network backend here is httpcore's own, raising what httpcore 1.0.9
+    raises then for one port."""
+    import httpcore
+
+    from kvbridge_proxy.upstreams import new_client
+
+    class ResetAsItOpens(httpcore.AnyIOBackend):
+        def __init__(self, port: int, message: str) -> None:
+            self.port, self.message = port, message
+
+        async def connect_tcp(self, host: str, port: int, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+            if port == self.port:
+                raise AttributeError(self.message)
+            return await super().connect_tcp(host, port, **kwargs)
+
+    async def get(client: httpx.AsyncClient, port: int) -> int:
+        async with client:
+            return (await client.get(f"http://127.0.0.1:{port}/health")).status_code
+
+    app = FastAPI()
+    app.get("/health")(lambda: {})
+    with Serving(app) as up:
+        dead = free_port()
+        for message, raised in (("'NoneType' object has no attribute 'setsockopt'", httpx.ConnectError),
+                                ("'NoneType' object has no attribute 'other'", AttributeError)):  # fmt: skip
+            client = new_client(5.0, 5.0)
+            client._transport._pool._network_backend = ResetAsItOpens(dead, message)  # type: ignore[attr-defined]
+            with pytest.raises(raised):
+                asyncio.run(get(client, dead))
+        client = new_client(5.0, 5.0)
+        client._transport._pool._network_backend = ResetAsItOpens(dead, "")  # type: ignore[attr-defined]
+        assert asyncio.run(get(client, up.port)) == 200, "other servers are reached as ever"

@@ -132,12 +132,28 @@ class NoInstance(ConfigError):
         return cls(f"no healthy {pool.role} server among {[i.label for i in pool.instances]}")
 
 
+class _Transport(httpx.AsyncHTTPTransport):
+    """httpx's transport, where a connection reset as it opened is a ConnectError: the next server is tried.
+
+    httpcore (1.0.9) sets the keepalive options on anyio's raw socket right after the connect. Where the server reset
+    the connection in between (killed as it accepted), that socket is gone, and its AttributeError escaped as the
+    proxy's own 500 (docs/measurements/chaos.md, layer-wise under faults)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except AttributeError as exc:
+            if "setsockopt" not in str(exc):
+                raise
+            raise httpx.ConnectError(f"the connection was reset as it opened ({exc})", request=request) from None
+
+
 def new_client(timeout: float, connect_timeout: float) -> httpx.AsyncClient:
     """The client of every upstream request."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout, connect=connect_timeout),
         trust_env=False,
-        transport=httpx.AsyncHTTPTransport(
+        transport=_Transport(
             # kept-alive connections are let go before vLLM's server closes them (VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
             # 5 s): one it closed just as it was reused fails the request sent on it
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=KEEP_ALIVE_S),
