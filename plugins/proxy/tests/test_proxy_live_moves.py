@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -250,7 +251,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.Fix
             live_moves=True,
             health_interval=0.05,
             warm_up=False,
-            expose_internals=True,
+            expose_internals=options.get("expose", True),
             moves=options.get("moves", STOP_AND_COPY),
         )
         try:
@@ -900,6 +901,20 @@ def test_a_movable_stream_whose_decode_dies_before_its_first_event_goes_to_the_n
     metrics = httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text.splitlines()
     [count] = [line for line in metrics if line.startswith('kvbridge_proxy_phase_seconds_count{phase="decode_failed"}')]
     assert float(count.split()[-1]) == len(cluster.a.bodies)
+
+
+@pytest.mark.parametrize("cluster", [{"a": {"die_after": 0}, "expose": False}], indirect=True)
+def test_a_movable_streams_error_answer_names_what_failed_but_no_address(cluster: Cluster) -> None:
+    # B drains: no other decode takes it. Without expose_internals the client reads the server's label and the kind
+    # of error, as for a stream that cannot move, never the error's text (it can carry an address).
+    body = {"model": "m", "prompt": "no other decode", "max_tokens": MAX_TOKENS, "stream": True}
+    r = httpx.post(f"{cluster.proxy.url}/v1/completions", json=body, timeout=30, trust_env=False)
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    expected = r"decode server decode-\d failed: RemoteProtocolError; no other decode server took it \(.*\)"
+    assert re.fullmatch(expected, error), error
+    assert cluster.a.bodies and not cluster.b.bodies
+    assert "127.0.0.1" not in r.text and "peer closed" not in r.text, r.text
 
 
 @pytest.mark.parametrize(

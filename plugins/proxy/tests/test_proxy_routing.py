@@ -122,6 +122,50 @@ def test_no_decode_accepting_releases_the_prefill_lease_at_once(
         server.close()
 
 
+@pytest.mark.parametrize(
+    ("transfer", "stream", "options"),
+    [
+        ("pull", True, {}),  # the decode's headers came, no event yet
+        ("pull", True, {"live_moves": True}),
+        ("pull", False, {}),  # no answer yet
+        ("layerwise", True, {}),  # the decode request not taken yet
+    ],
+)
+def test_a_client_that_leaves_before_the_decode_answered_releases_the_prefill_lease_at_once(
+    transfer: str, stream: bool, options: dict
+) -> None:
+    # vLLM's server drops a request cancelled before its engine took it, and no connector hears of it: the prefill's
+    # lease then held its blocks until it expired (a layer-wise chaos run's one expired lease).
+    from kvbridge.control import ControlServer, LeaseState, Ledger
+    from kvbridge_tools.harness.fixtures import wait_for
+
+    released: list = []
+    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=600)
+    server = ControlServer("e", 0, ledger=ledger, poll_interval_s=0.01)
+    streams = stream and transfer == "pull"  # headers at once, the first event late (else the answer late)
+    try:
+        with (
+            Upstream("prefill") as prefill,
+            Upstream("decode", **{"slow_stream_s" if streams else "slow_complete_s": 1.0}) as decode,
+            Serving(create_app([prefill.url], [decode.url], transfer=transfer, warm_up=False, **options)) as front,
+        ):
+            prefill.side_channel_port = server.address[1]
+            body = {"model": "m", "prompt": "p", "max_tokens": 4, "stream": stream}
+            first = httpx.post(f"{front.url}/v1/completions", json=body, timeout=30, trust_env=False)
+            assert first.status_code == 200  # (layer-wise: the pull way, so the proxy learns the side channel)
+            ledger.offer("r", [1, 2], expected_pulls=1)
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{front.url}/v1/completions", json=body, timeout=0.3, trust_env=False)
+            lease = "r" if transfer == "pull" else prefill.bodies[-1]["kv_transfer_params"]["transfer_id"]
+            if transfer == "layerwise":  # the prefill offers it under its transfer id (an Abort before it is kept)
+                ledger.offer(lease, [3], expected_pulls=1)
+            wait_for(lambda: bool(released), timeout=10, what="the lease to be released")
+            assert released == [(lease, LeaseState.ABORTED)]
+            assert len(decode.bodies) == 2, "the decode was sent the request the client left"
+    finally:
+        server.close()
+
+
 def test_a_warm_up_no_decode_took_releases_its_prefill_lease_at_once(upstreams: tuple[Upstream, Upstream]) -> None:
     # A pair warmed as its decode joined, before that decode took connections, left the warm-up's lease on the prefill
     # until lease_s (a chaos run across hosts: three expired at once, one on each prefill).

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -18,41 +18,20 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from kvbridge.base.errors import ConfigError, described
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
-from kvbridge.session.timeline import FAILOVER_PHASE, Timeline
+from kvbridge.session.timeline import Timeline
+from kvbridge_proxy.calls import Calls, DecodeFailed, failed_attempt
 from kvbridge_proxy.layerwise import PrefillFailed, ended_in_error, prefill_ended, unless_prefill_fails
-from kvbridge_proxy.limits import BUDGET, encoded
 from kvbridge_proxy.membership import Membership
-from kvbridge_proxy.metrics import ProxyMetrics, connect_timing
+from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moving_stream import MovingStream
 from kvbridge_proxy.release import ReleaseLease
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
-from kvbridge_proxy.wire import prefill_body, until_disconnect
+from kvbridge_proxy.wire import until_disconnect
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
-
-
-class OverBudget(NoInstance):
-    """Sending the next upstream request would pass the client request's `max_upstream_bytes` (retries did)."""
-
-
-def _charge(content: bytes) -> None:
-    """Count an upstream body against the client request's budget (`limits.BUDGET`); OverBudget past it."""
-    budget = BUDGET.get()
-    over = None if budget is None else budget.charge(len(content))
-    if over is not None:
-        raise OverBudget(over)
-
-
-class DecodeFailed(Exception):
-    """The decode server took the request and then failed before answering (it died, say)."""
-
-    def __init__(self, inst: Instance, cause: httpx.TransportError) -> None:
-        detail = described(cause) if inst.label == inst.url else type(cause).__name__
-        super().__init__(f"decode server {inst.label} failed: {detail}")
-        self.inst = inst
 
 
 @attrs.frozen
@@ -82,6 +61,17 @@ class Handover:
     # The same decode request to another decode server, once this one failed before answering anything: prefill's
     # lease still holds the KV for whichever decode asks (or, read and released already, the next one recomputes).
     again: Callable[[], Awaitable[Handover | JSONResponse]] | None = None
+    # Releases the prefill's lease in the background (`left`); a failover keeps it, as `again` reads the same lease.
+    unread: Callable[[str], None] | None = None
+
+    def left(self, why: str) -> None:
+        """Dropped before the decode answered anything (its client left): release the prefill's lease now.
+
+        The decode may never have seen the request (vLLM's server drops a request cancelled before its engine took
+        it, and no connector hears of it), so nobody else would: the lease would hold its blocks until it expired. A
+        decode reading it meanwhile is fenced: the blocks go at its DONE."""
+        if self.unread is not None:
+            self.unread(why)
 
     async def close(self) -> None:
         """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode)."""
@@ -105,7 +95,7 @@ class Handovers:
         background: Background,
         release_lease: ReleaseLease,
     ) -> None:
-        self.client = client
+        self.calls = Calls(client, membership, metrics)
         self.membership = membership
         self.metrics = metrics
         self.background = background
@@ -120,172 +110,6 @@ class Handovers:
         Without expose_internals there are none."""
         return {f"x-kvbridge-{i.role}": i.url for i in servers} if self.expose else {}
 
-    # -- upstream calls ------------------------------------------------------------------------
-
-    async def call_prefill(
-        self,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        params: KVTransferParams | None = None,
-        instance: Instance | None = None,
-        timeline: Timeline | None = None,
-        tried: list[Instance] | None = None,
-        exclude: Sequence[Instance] = (),
-        prefer: Instance | None = None,
-    ) -> tuple[Instance, dict[str, Any]]:
-        """POST to a prefill server (`instance`, or round robin), trying the next one when one fails.
-
-        `tried`: each server sent the request is appended to it as it is sent. `exclude`: servers that already failed
-        this request (a layer-wise prefill), not sent it again; `prefer`: the server tried first where it serves.
-
-        On a connection failure the server is taken out and the next one tried; on a server error (5xx) the
-        next one is tried, and that server is not sent this request again. Not with `instance`: a layer-wise decode
-        already reads from that one. A 5xx is what a vLLM server answers once it began shutting down (SIGTERM),
-        before the proxy's next registry read says it is draining: no KV is held for it.
-        """
-        pool = self.membership.pools["prefill"]
-        failed: httpx.Response | None = None
-        # Not asked again for this request: round robin is shared with every other request in flight, so without
-        # this a retry could land on the same shutting-down server until the attempts ran out (a chaos run's 500).
-        refused: list[Instance] = list(exclude)
-        for attempt in range(1 if instance is not None else len(pool.instances) + 1):
-            if attempt and not any(i.healthy for i in pool.instances) and not await self.membership.revive(pool):
-                break
-            try:
-                if prefer is not None and prefer.serving and prefer not in refused:
-                    inst, prefer = prefer, None
-                else:
-                    inst = instance or await self.membership.pick("prefill", exclude=refused)
-            except NoInstance:
-                if failed is None:
-                    raise
-                break  # every serving prefill answered a server error: the client gets the last one
-            content = encoded(prefill_body(body, params))
-            _charge(content)
-            inst.in_flight += 1
-            if tried is not None:
-                tried.append(inst)
-            try:
-                resp = await self.client.post(
-                    f"{inst.url}{path}",
-                    content=content,
-                    headers={**headers, "content-type": "application/json"},
-                    extensions=connect_timing(timeline, "prefill"),
-                )
-            except httpx.ConnectTimeout:
-                log.warning("prefill server %s did not accept the connection in time (busy?): next", inst.url)
-                continue
-            except httpx.TransportError as exc:
-                self.membership.take_out(inst, f"failed ({described(exc)})")
-                continue
-            finally:
-                inst.in_flight -= 1
-            if resp.status_code >= 500 and instance is None:
-                log.warning("prefill server %s answered %d (shutting down?): next", inst.url, resp.status_code)
-                self.metrics.failovers.labels(inst.role).inc()
-                failed = resp
-                refused.append(inst)
-                continue
-            resp.raise_for_status()
-            return inst, resp.json()
-        if failed is not None:
-            failed.raise_for_status()
-        raise NoInstance(f"no prefill server answered for {path}")
-
-    async def send_decode(
-        self,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        moving: MovingStream | None = None,
-        tried: list[Instance] | None = None,
-        timeline: Timeline | None = None,
-    ) -> tuple[Instance, httpx.Response, float]:
-        """Start the decode request (streamed): the decode, its answer, when the request to it began (perf_counter).
-
-        A decode server that refuses the connection never saw the request, and prefill still holds the KV for whichever
-        decode asks, so try the next one. So does one that answers a server error (5xx) at once: what a vLLM server
-        answers once it began shutting down, before the proxy's next registry read says it is draining; the last such
-        answer is returned when no other decode is left. And so does one that took the request and failed before
-        answering (it died): DecodeFailed only when no other decode is left. A `moving` stream is marked for the decode
-        picked (`MovingStream.mark`). `tried`: decodes that failed this request already (added to). Each failed
-        attempt's time goes to the timeline's `decode_failed_ms`. The caller decrements the instance's in_flight."""
-        pool = self.membership.pools["decode"]
-        late: list[str] = []
-        refused: list[Instance] = [] if tried is None else tried  # not tried again for this request
-        dropped: DecodeFailed | None = None
-        # One more try than instances: a busy server that was slow to accept gets a second chance.
-        for attempt in range(len(pool.instances) + 1):
-            if attempt and not any(i.healthy for i in pool.instances) and not await self.membership.revive(pool):
-                break
-            try:
-                inst = await self.membership.pick("decode", exclude=refused)
-            except NoInstance:
-                if refused:
-                    break
-                raise
-            upstream = self._decode_request(inst, path, body, headers, moving, timeline)
-            inst.in_flight += 1
-            began = time.perf_counter()
-            try:
-                resp = await self.client.send(upstream, stream=True)
-                # a last server error is the answer only where none other serves, those taken out probed first
-                if resp.status_code < 500 or not await self.membership.revive(pool, exclude=[*refused, inst]):
-                    return inst, resp, began
-                _failed(timeline, began)
-                await resp.aclose()
-                inst.in_flight -= 1
-                refused.append(inst)
-                self.metrics.failovers.labels(inst.role).inc()
-                log.warning("decode server %s answered %d (shutting down?): next", inst.url, resp.status_code)
-            except httpx.ConnectError as exc:
-                inst.in_flight -= 1
-                _failed(timeline, began)
-                self.membership.take_out(inst, f"refused the connection ({described(exc)})")
-            except httpx.ConnectTimeout:
-                # Not down: its accept queue is full or this box is starved. It never saw the request;
-                # the health probe decides whether it is gone.
-                inst.in_flight -= 1
-                _failed(timeline, began)
-                late.append(inst.label)
-                log.warning("decode server %s did not accept the connection in time (busy?): next", inst.url)
-            except httpx.TransportError as exc:
-                inst.in_flight -= 1
-                _failed(timeline, began)
-                # (the request named: a report ties the time it lost here to this decode)
-                self.membership.take_out(inst, f"failed after taking request {timeline.request_id} ({described(exc)})")
-                refused.append(inst)
-                self.metrics.failovers.labels(inst.role).inc()
-                dropped = DecodeFailed(inst, exc)
-            except BaseException:  # cancelled (the client left, or another part of its batch failed)
-                inst.in_flight -= 1
-                raise
-        if dropped is not None:
-            raise dropped
-        slow = f" ({', '.join(late)} did not accept the connection in time)" if late else ""
-        raise NoInstance(f"no decode server accepted {path}{slow}")
-
-    def _decode_request(
-        self,
-        inst: Instance,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        moving: MovingStream | None,
-        timeline: Timeline | None,
-    ) -> httpx.Request:
-        """The decode request to `inst`, its body counted against the client request's budget."""
-        content = encoded(body if moving is None else moving.mark(body, inst.identity))
-        _charge(content)
-        return self.client.build_request(
-            "POST",
-            f"{inst.url}{path}",
-            content=content,
-            headers={**headers, "content-type": "application/json"},
-            extensions=connect_timing(timeline, "decode"),
-        )
-
     def _again(
         self,
         path: str,
@@ -299,7 +123,7 @@ class Handovers:
         """`Handover.again`: the decode request to a decode not in `tried` (the one just failed is added)."""
 
         async def again() -> Handover:
-            decode, resp, sent = await self.send_decode(path, body, headers, moving, tried, timeline)
+            decode, resp, sent = await self.calls.send_decode(path, body, headers, moving, tried, timeline)
             return Handover(
                 decode, resp, self._names(prefill, decode), sent, again=self._again(*same, [*tried, decode], timeline)
             )
@@ -315,7 +139,7 @@ class Handovers:
         The 503 where there is no `Handover.again` or no other decode took it; the failed attempt's time, from its
         decode request's send on, is the timeline's `decode_failed_ms` (summed over failovers)."""
         request_id = timeline.request_id
-        _failed(timeline, handover.sent)
+        failed_attempt(timeline, handover.sent)
         if not prefill_failed:  # (where only its prefill failed, the decode was dropped, not at fault)
             handover.decode.healthy = False
         if handover.again is None:
@@ -370,7 +194,7 @@ class Handovers:
         to_prefill = KVTransferParams(do_remote_decode=True, transfer_id=uuid.uuid4().hex)
         sent_to: list[Instance] = []
         try:
-            sending = self.call_prefill(
+            sending = self.calls.call_prefill(
                 path,
                 body,
                 headers,
@@ -408,16 +232,31 @@ class Handovers:
             )
         timeline.phases["proxy_ms"] = (time.perf_counter() - prefill_done) * 1e3
         tried: list[Instance] = []
+
+        def unread(why: str) -> None:  # the lease prefill answered it holds
+            self.background.spawn(self.release_lease(params, why))
+
         try:
-            decode, resp, sent = await self.send_decode(path, decode_body, headers, moving, tried, timeline)
+            # (a decode answers a request that is not streamed only once it is whole: the client may leave before)
+            sending = self.calls.send_decode(path, decode_body, headers, moving, tried, timeline)
+            started = await until_disconnect(request, sending)
         except NoInstance as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill), timeline)
         except DecodeFailed as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill, exc.inst), timeline)
+        if started is None:
+            unread("its client left before the decode answered")
+            log.info("client left before decode answered %s: decode request cancelled", timeline.request_id)
+            return self.metrics.answer(499, "client disconnected", self._names(prefill), timeline)
+        decode, resp, sent = started
         again = self._again(path, decode_body, headers, moving, prefill, [*tried, decode], timeline)
-        return Handover(decode, resp, self._names(prefill, decode), sent, again=again)
+        return Handover(decode, resp, self._names(prefill, decode), sent, again=again, unread=unread)
+
+    def _unread(self, prefill: Instance, sent: KVTransferParams) -> Callable[[str], None]:
+        """`Handover.unread`: what `prefill` holds under `sent.transfer_id` released in the background."""
+        return lambda why: self.background.spawn(self._release_unread(prefill, sent, why))
 
     async def _release_unread(self, prefill: Instance, sent: KVTransferParams, why: str) -> None:
         """Release the lease `prefill` may hold under `sent.transfer_id` (an Abort before its offer is kept).
@@ -456,14 +295,14 @@ class Handovers:
         mode = {"transfer_mode": "layerwise", "transfer_id": transfer_id}
         to_prefill = KVTransferParams(do_remote_decode=True, **mode)
         to_decode = attrs.evolve(identity, do_remote_prefill=True, remote_request_id=transfer_id, **mode)
-        computing = asyncio.ensure_future(self.call_prefill(path, body, headers, to_prefill, prefill))
+        computing = asyncio.ensure_future(self.calls.call_prefill(path, body, headers, to_prefill, prefill))
         computing.add_done_callback(lambda task: prefill_ended(task, prefill, timeline, self.membership))
         decode_body = {**body, "kv_transfer_params": to_decode.to_dict()}
         try:
             started = await until_disconnect(
                 request,
                 unless_prefill_fails(
-                    computing, self.send_decode(path, decode_body, headers, moving, timeline=timeline)
+                    computing, self.calls.send_decode(path, decode_body, headers, moving, timeline=timeline)
                 ),
             )
         except PrefillFailed as exc:
@@ -476,8 +315,11 @@ class Handovers:
         except BaseException:
             computing.cancel()
             raise
+
+        unread = self._unread(prefill, to_prefill)
         if started is None:
             computing.cancel()
+            unread("client left before decode took it")  # (a prefill that had ended keeps its lease)
             log.info("client left before decode took %s: both requests cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", None, timeline)
         decode, resp, sent = started
@@ -486,14 +328,4 @@ class Handovers:
             way = PullWay(exclude=(prefill,) if ended_in_error(computing) else ())
             return await self.pull_way(path, None, body, headers, timeline, moving, way)
 
-        return Handover(decode, resp, self._names(prefill, decode), sent, computing, again=pull_way)
-
-
-def _failed(timeline: Timeline | None, began: float) -> None:
-    """A decode attempt that began at `began` failed: its time, to now, goes to the timeline's `decode_failed_ms`.
-
-    Its connect, if it made one, is part of that time, not the decode's."""
-    if timeline is not None:
-        timeline.phases.pop("decode_connect_ms", None)
-        lost = (time.perf_counter() - began) * 1e3
-        timeline.phases[FAILOVER_PHASE] = timeline.phases.get(FAILOVER_PHASE, 0.0) + lost
+        return Handover(decode, resp, self._names(prefill, decode), sent, computing, again=pull_way, unread=unread)

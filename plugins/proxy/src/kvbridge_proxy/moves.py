@@ -20,6 +20,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from kvbridge.base.errors import described
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.lending import precopy_id
 from kvbridge.session.timeline import HEADER, Timeline
@@ -83,13 +84,10 @@ class Moves:
         if first is None or first[0] in ("failed", "prefill failed"):
             await self.takeover.leave(up, moving, "its client left before the first token")
             if first is None:
+                handover.left("its client left before the first token")
                 log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
                 return self.metrics.answer(499, "client disconnected", headers, timeline)
-            prefill_failed = first[0] == "prefill failed"
-            error = f"{'layer-wise prefill' if prefill_failed else f'decode server {handover.decode.label}'} failed"
-            log.warning("request %s: %s before the first event: %s", timeline.request_id, error, first[1])
-            error += f": {first[1]}"
-            resent = await self.handovers.hand_on(handover, error, timeline, prefill_failed=prefill_failed)
+            resent = await self._hand_on(handover, first, timeline)
             if isinstance(resent, str):
                 return self.metrics.answer(503, resent, headers, timeline)
             if not isinstance(resent, Handover):  # the pull way's own error answer
@@ -121,11 +119,12 @@ class Moves:
                         if moving.precopy is not None:
                             moving.precopy.cancel()  # its decode died: what it lent is gone
                         try:
-                            moved = await self._move(moving, up, payload, pull=kind == "cut")
+                            why = payload if kind == "cut" else described(payload)
+                            moved = await self._move(moving, up, why, pull=kind == "cut")
                         finally:
                             moving.release_cut_slot()
                         if moved is None:
-                            error = {"message": f"decode server {up.decode.label} failed: {payload}", "code": 503}
+                            error = {"message": up.decode.failed(payload), "code": 503}
                             yield sse({"error": error})
                             yield b"data: [DONE]\n\n"
                             finished = True
@@ -143,6 +142,14 @@ class Moves:
         return StreamingResponse(
             events(), media_type="text/event-stream", headers={**headers, HEADER: timeline.header()}
         )
+
+    async def _hand_on(self, handover: Handover, failed: tuple[str, BaseException], timeline: Timeline) -> Any:
+        """The request sent again, its decode or layer-wise prefill having failed before the first event (`hand_on`)."""
+        prefill_failed, cause = failed[0] == "prefill failed", failed[1]
+        what = "layer-wise prefill" if prefill_failed else f"decode server {handover.decode.url}"
+        log.warning("request %s: %s failed before the first event: %s", timeline.request_id, what, described(cause))
+        error = f"layer-wise prefill failed: {cause}" if prefill_failed else handover.decode.failed(cause)
+        return await self.handovers.hand_on(handover, error, timeline, prefill_failed=prefill_failed)
 
     async def _move(self, moving: MovingStream, up: Upstream, why: str, *, pull: bool) -> Upstream | None:
         """Continue `moving` on another decode: its KV pulled from the one it leaves (`pull`), else computed there.

@@ -16,7 +16,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvbridge.base.errors import ConfigError, described
+from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import HEADER, PULL_REPORT, Timeline
 from kvbridge_proxy import fanout
@@ -47,6 +47,9 @@ def _awaits(coro: Any) -> list[str]:
             lines.append(f"  awaiting {coro!r}"[:300])
             break
         lines.append(f'  File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}')
+        if frame.f_code is until_disconnect.__code__ and isinstance(frame.f_locals.get("task"), asyncio.Task):
+            coro = frame.f_locals["task"].get_coro()  # it waits for its work on a task of its own: where that waits
+            continue
         coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
     return lines
 
@@ -68,7 +71,6 @@ class Relay:
         self.moves = moves
         self.metrics = metrics
         self.limits = settings.limits
-        self.expose = settings.expose_internals
         self.live_moves = settings.moving  # move a draining decode's streams elsewhere (moving_stream.py)
         # requests not answered yet (their first byte): the task serving each -> its id, when it came, and whether
         # `long_waits` said so already
@@ -294,6 +296,8 @@ class Relay:
         first = await until_disconnect(request, queue.get())
         if first is None:
             await stop(False)
+            for h in opened:
+                h.left("its client left before the first token")
             log.info("client left before the first token of %s: decode requests cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
         self.metrics.finish(timeline, begun, opened[0].sent, time.perf_counter())
@@ -343,8 +347,7 @@ class Relay:
                         decode.url)  # fmt: skip
         else:
             log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
-            detail = described(failed) if self.expose else type(failed).__name__
-            error = f"decode server {decode.label} failed: {detail}"
+            error = decode.failed(failed)
         resent = await self.handovers.hand_on(handover, error, timeline, prefill_failed=prefill_failed)
         if isinstance(resent, str):
             return self.metrics.answer(503, resent, headers, timeline)
@@ -371,6 +374,7 @@ class Relay:
         if failed is not None:
             return await self._resend(self._relay_whole, request, handover, failed, timeline, begun, headers)
         if content is None:
+            handover.left("its client left before the answer")
             log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
         with contextlib.suppress(ValueError, ConfigError, AttributeError):  # an error answer has no params
@@ -409,6 +413,7 @@ class Relay:
         if failed is not None:
             return await self._resend(self._relay_stream, request, handover, failed, timeline, begun, headers)
         if first is None:
+            handover.left("its client left before the first token")
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
         self.metrics.finish(timeline, begun, sent, time.perf_counter())

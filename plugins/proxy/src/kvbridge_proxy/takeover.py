@@ -33,7 +33,7 @@ MOVE_CONNECT_TRIES = 2  # a move's requests go to the one decode that holds its 
 class Upstream:
     """A decode's streamed answer read event by event on a task of its own, for a stream that may move.
 
-    `next()` gives ("event", dict), ("done", None), ("failed", why) or, when the stream was asked to move,
+    `next()` gives ("event", dict), ("done", None), ("failed", the error) or, when the stream was asked to move,
     ("cut", why). `marked`: the request carried the stream's move id (the decode offers its blocks when cut)."""
 
     decode: Instance
@@ -71,9 +71,9 @@ class Upstream:
                     ):
                         self.ending = True
                     self.queue.put_nowait(("event", event))
-            self.queue.put_nowait(("failed", "the stream ended without [DONE]"))
+            self.queue.put_nowait(("failed", httpx.RemoteProtocolError("the stream ended without [DONE]")))
         except (httpx.TransportError, ValueError) as exc:
-            self.queue.put_nowait(("failed", described(exc)))
+            self.queue.put_nowait(("failed", exc))
 
     def push_back(self, item: tuple[str, Any]) -> None:
         """Put an item read ahead first again (the queue holds nothing else yet: the caller read the only one)."""

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import httpx
 
-from kvbridge.base.errors import ConfigError
+from kvbridge.base.errors import ConfigError, described
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.moving_stream import MovingStream
 
@@ -59,6 +59,15 @@ class Instance:
     def serving(self) -> bool:
         """Whether it takes new requests."""
         return self.healthy and not self.draining and not self.cordoned
+
+    def failed(self, cause: BaseException | str) -> str:
+        """Its failure as clients read it: an error's text only where they may read the server's URL as well.
+
+        Without expose_internals a client learns the kind of error, not its message (which may name an address); a
+        str is the proxy's own words (why a stream was cut), shown as it is."""
+        if isinstance(cause, BaseException):
+            cause = described(cause) if self.label == self.url else type(cause).__name__
+        return f"{self.role} server {self.label} failed: {cause}"
 
 
 class Pool:

@@ -11,10 +11,12 @@ import json
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 
 from kvbridge_tools.harness.ports import free_port
 
@@ -50,7 +52,8 @@ class Serving:
 class Upstream(Serving):
     """Answers like a vLLM server of `role` and records what it was sent.
 
-    It answers after `slow_complete_s` (or at once `fail_status`, once that is set), records the bodies it was sent
+    It answers after `slow_complete_s` (or at once `fail_status`, once that is set; a stream's headers at once and its
+    first event after `slow_stream_s`, as a vLLM server streams), records the bodies it was sent
     and the X-Request-Id of each, and answers /health slowly (`slow_health_s`) for its first `slow_health` probes.
     A decode answer's choice says what it was asked (prompt, seed), its usage counts the prompt's characters
     and one completion token; streamed (`stream`), one chunk and, with `include_usage`, a usage chunk."""
@@ -62,6 +65,7 @@ class Upstream(Serving):
         slow_health: int = 0,
         slow_health_s: float = 0.0,
         slow_complete_s: float = 0.0,
+        slow_stream_s: float = 0.0,
         host: str = "127.0.0.1",
     ) -> None:
         self.role, self.bodies, self.ids, self.health_calls = role, [], [], 0
@@ -107,6 +111,13 @@ class Upstream(Serving):
                 if (body.get("stream_options") or {}).get("include_usage"):
                     events.append({"id": cmpl, "choices": [], "usage": usage})
                 sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                if slow_stream_s:
+
+                    async def late() -> AsyncIterator[str]:
+                        await asyncio.sleep(slow_stream_s)
+                        yield sse
+
+                    return StreamingResponse(late(), media_type="text/event-stream")
                 return Response(sse, media_type="text/event-stream")
             return {"id": cmpl, "choices": [choice], "usage": usage, "kv_transfer_params": params}
 
