@@ -123,16 +123,18 @@ def test_no_decode_accepting_releases_the_prefill_lease_at_once(
 
 
 @pytest.mark.parametrize(
-    ("transfer", "stream", "options"),
+    ("transfer", "stream", "batch", "options"),
     [
-        ("pull", True, {}),  # the decode's headers came, no event yet
-        ("pull", True, {"live_moves": True}),
-        ("pull", False, {}),  # no answer yet
-        ("layerwise", True, {}),  # the decode request not taken yet
+        ("pull", True, False, {}),  # the decode's headers came, no event yet
+        ("pull", True, False, {"live_moves": True}),
+        ("pull", False, False, {}),  # no answer yet
+        ("layerwise", True, False, {}),  # the decode request not taken yet
+        ("pull", False, True, {}),  # each part's decode request not answered yet
+        ("pull", True, True, {}),  # each part's headers came, no event yet
     ],
 )
 def test_a_client_that_leaves_before_the_decode_answered_releases_the_prefill_lease_at_once(
-    transfer: str, stream: bool, options: dict
+    transfer: str, stream: bool, batch: bool, options: dict
 ) -> None:
     # vLLM's server drops a request cancelled before its engine took it, and no connector hears of it: the prefill's
     # lease then held its blocks until it expired (a layer-wise chaos run's one expired lease).
@@ -150,7 +152,8 @@ def test_a_client_that_leaves_before_the_decode_answered_releases_the_prefill_le
             Serving(create_app([prefill.url], [decode.url], transfer=transfer, warm_up=False, **options)) as front,
         ):
             prefill.side_channel_port = server.address[1]
-            body = {"model": "m", "prompt": "p", "max_tokens": 4, "stream": stream}
+            prompt = ["p", "q"] if batch else "p"  # (a batch: every part's prefill answers lease "r")
+            body = {"model": "m", "prompt": prompt, "max_tokens": 4, "stream": stream}
             first = httpx.post(f"{front.url}/v1/completions", json=body, timeout=30, trust_env=False)
             assert first.status_code == 200  # (layer-wise: the pull way, so the proxy learns the side channel)
             ledger.offer("r", [1, 2], expected_pulls=1)
@@ -161,7 +164,7 @@ def test_a_client_that_leaves_before_the_decode_answered_releases_the_prefill_le
                 ledger.offer(lease, [3], expected_pulls=1)
             wait_for(lambda: bool(released), timeout=10, what="the lease to be released")
             assert released == [(lease, LeaseState.ABORTED)]
-            assert len(decode.bodies) == 2, "the decode was sent the request the client left"
+            assert len(decode.bodies) == (4 if batch else 2), "the decode was sent the request the client left"
     finally:
         server.close()
 

@@ -190,36 +190,10 @@ class Handovers:
         way: PullWay = PullWay(),
     ) -> Handover | JSONResponse:
         """The request's prefill (as `way` says), then its decode with the KV prefill holds for it."""
-        # The prefill's lease is keyed on this id too, so a lease whose answer never came back can still be released.
-        to_prefill = KVTransferParams(do_remote_decode=True, transfer_id=uuid.uuid4().hex)
-        sent_to: list[Instance] = []
-        try:
-            sending = self.calls.call_prefill(
-                path,
-                body,
-                headers,
-                to_prefill,
-                timeline=timeline,
-                tried=sent_to,
-                exclude=way.exclude,
-                prefer=way.prefer,
-            )
-            answer = await until_disconnect(request, sending)
-            if answer is None:
-                log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
-                if sent_to:  # it may have finished, its answer on the way: nobody will read its KV
-                    self.background.spawn(self._release_unread(sent_to[-1], to_prefill, "client left during prefill"))
-                return self.metrics.answer(499, "client disconnected", None, timeline)
-            prefill, first = answer
-            params = KVTransferParams.from_dict(first.get("kv_transfer_params"))
-        except NoInstance as exc:
-            return self.metrics.answer(503, str(exc), None, timeline)
-        except httpx.HTTPStatusError as exc:
-            return self.metrics.answer(exc.response.status_code, f"prefill failed: {exc.response.text}", None, timeline)
-        except ConfigError as exc:
-            return self.metrics.answer(
-                502, f"prefill server answered unusable kv_transfer_params: {exc}", None, timeline
-            )
+        prefilled = await self._prefill(path, request, body, headers, timeline, way)
+        if isinstance(prefilled, JSONResponse):
+            return prefilled
+        prefill, first, params = prefilled
         prefill_done = time.perf_counter()
         self.membership.learn(prefill.url, params)
         timeline.add(params.kvbridge_timing, ("prefill_ms",))
@@ -246,6 +220,9 @@ class Handovers:
         except DecodeFailed as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill, exc.inst), timeline)
+        except asyncio.CancelledError:  # a part of a batch whose client left
+            unread("cancelled before the decode answered")
+            raise
         if started is None:
             unread("its client left before the decode answered")
             log.info("client left before decode answered %s: decode request cancelled", timeline.request_id)
@@ -253,6 +230,51 @@ class Handovers:
         decode, resp, sent = started
         again = self._again(path, decode_body, headers, moving, prefill, [*tried, decode], timeline)
         return Handover(decode, resp, self._names(prefill, decode), sent, again=again, unread=unread)
+
+    async def _prefill(
+        self,
+        path: str,
+        request: Request | None,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        timeline: Timeline,
+        way: PullWay,
+    ) -> tuple[Instance, dict[str, Any], KVTransferParams] | JSONResponse:
+        """The pull way's prefill: the server, its answer and the params in it; or the error answer to give."""
+        # The prefill's lease is keyed on this id too, so a lease whose answer never came back can still be released.
+        to_prefill = KVTransferParams(do_remote_decode=True, transfer_id=uuid.uuid4().hex)
+        sent_to: list[Instance] = []
+        try:
+            sending = self.calls.call_prefill(
+                path,
+                body,
+                headers,
+                to_prefill,
+                timeline=timeline,
+                tried=sent_to,
+                exclude=way.exclude,
+                prefer=way.prefer,
+            )
+            answer = await until_disconnect(request, sending)
+            if answer is None:
+                log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
+                if sent_to:  # it may have finished, its answer on the way: nobody will read its KV
+                    self.background.spawn(self._release_unread(sent_to[-1], to_prefill, "client left during prefill"))
+                return self.metrics.answer(499, "client disconnected", None, timeline)
+            prefill, first = answer
+            return prefill, first, KVTransferParams.from_dict(first.get("kv_transfer_params"))
+        except NoInstance as exc:
+            return self.metrics.answer(503, str(exc), None, timeline)
+        except httpx.HTTPStatusError as exc:
+            return self.metrics.answer(exc.response.status_code, f"prefill failed: {exc.response.text}", None, timeline)
+        except ConfigError as exc:
+            return self.metrics.answer(
+                502, f"prefill server answered unusable kv_transfer_params: {exc}", None, timeline
+            )
+        except asyncio.CancelledError:  # a part of a batch whose client left: it may have finished all the same
+            if sent_to:
+                self.background.spawn(self._release_unread(sent_to[-1], to_prefill, "cancelled during prefill"))
+            raise
 
     def _unread(self, prefill: Instance, sent: KVTransferParams) -> Callable[[str], None]:
         """`Handover.unread`: what `prefill` holds under `sent.transfer_id` released in the background."""

@@ -202,7 +202,11 @@ class Relay:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._close_all([t.result() for t in tasks if not t.cancelled() and t.exception() is None])
+            opened = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+            for h in opened:
+                if isinstance(h, Handover):
+                    h.left("its client left before every part was sent")
+            await self._close_all(opened)
             raise
 
     @staticmethod
@@ -232,6 +236,7 @@ class Relay:
         contents = await until_disconnect(request, asyncio.gather(*(read(h) for h in opened)))
         if contents is None:
             for h in opened:
+                h.left("its client left before the answer")
                 if h.computing is not None:
                     h.computing.cancel()
             log.info("client left during decode of %s: decode requests cancelled", timeline.request_id)
