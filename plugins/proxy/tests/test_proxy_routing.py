@@ -169,6 +169,51 @@ def test_a_client_that_leaves_before_the_decode_answered_releases_the_prefill_le
         server.close()
 
 
+@pytest.mark.parametrize("transfer", ["pull", "layerwise"])
+@pytest.mark.parametrize("fails", ["answers 500", "drops the request"])
+def test_a_decode_that_refuses_or_drops_the_request_releases_the_prefill_lease_at_once(
+    transfer: str, fails: str
+) -> None:
+    # Nobody else would: the decode read nothing (an error answer), or died with it. Layer-wise both requests go at
+    # once, and the prefill's lease under the transfer id was left to expire.
+    from kvbridge.control import ControlServer, LeaseState, Ledger
+    from kvbridge_tools.harness.fixtures import wait_for
+
+    released: list = []
+    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=600)
+    server = ControlServer("e", 0, ledger=ledger, poll_interval_s=0.01)
+    stop = threading.Event()
+    try:
+        with contextlib.ExitStack() as stack:
+            prefill = stack.enter_context(Upstream("prefill"))
+            prefill.side_channel_port = server.address[1]
+            if fails == "answers 500":
+                decode = stack.enter_context(Upstream("decode"))
+                decode.fail_status, decode_url = 500, decode.url
+            else:
+                listener = _holding_decode("127.0.0.1", threading.Event(), stop, drop=True)
+                decode_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+            app = create_app([prefill.url], [decode_url], transfer=transfer, warm_up=False, health_interval=60)
+            front = stack.enter_context(Serving(app))
+            body = {"model": "m", "prompt": "p", "max_tokens": 4}
+            if transfer == "layerwise":  # the pull way first: the proxy learns where the prefill's side channel is
+                httpx.post(f"{front.url}/v1/completions", json=body, timeout=30, trust_env=False)
+                wait_for(lambda: httpx.get(f"{front.url}/instances", trust_env=False).json()["decode"][0]["healthy"],
+                         timeout=10, what="the decode back in rotation")  # fmt: skip
+            else:
+                ledger.offer("r", [1, 2], expected_pulls=1)
+            r = httpx.post(f"{front.url}/v1/completions", json=body, timeout=30, trust_env=False)
+            assert r.status_code == (500 if fails == "answers 500" else 503), r.text
+            lease = "r" if transfer == "pull" else prefill.bodies[-1]["kv_transfer_params"]["transfer_id"]
+            if transfer == "layerwise":
+                ledger.offer(lease, [3], expected_pulls=1)  # (an Abort before its offer is kept for it)
+            wait_for(lambda: bool(released), timeout=10, what="the lease to be released")
+            assert released == [(lease, LeaseState.ABORTED)]
+    finally:
+        stop.set()
+        server.close()
+
+
 def test_a_warm_up_no_decode_took_releases_its_prefill_lease_at_once(upstreams: tuple[Upstream, Upstream]) -> None:
     # A pair warmed as its decode joined, before that decode took connections, left the warm-up's lease on the prefill
     # until lease_s (a chaos run across hosts: three expired at once, one on each prefill).
@@ -726,8 +771,10 @@ def test_a_request_unanswered_for_long_is_logged_once_with_where_it_waits(
     assert said[0].startswith("request waits-long: no answer after") and "send_decode" in said[0], said
 
 
-def _holding_decode(address: str, got: threading.Event, stop: threading.Event) -> socket.socket:
-    """A decode server on `address` that answers /health and takes a completion, never to answer it."""
+def _holding_decode(address: str, got: threading.Event, stop: threading.Event, *, drop: bool = False) -> socket.socket:
+    """A decode server on `address` that answers /health and takes a completion, never to answer it.
+
+    `drop`: it closes the connection instead, as a server that died taking it."""
     listener = socket.create_server((address, 0))
     listener.settimeout(0.2)
     held: list[socket.socket] = []
@@ -748,6 +795,9 @@ def _holding_decode(address: str, got: threading.Event, stop: threading.Event) -
                 if head.startswith(b"GET /health"):
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}")
                     conn.close()
+                elif drop:
+                    conn.close()
+                    got.set()
                 else:
                     held.append(conn)  # read, and never answered
                     got.set()

@@ -61,20 +61,21 @@ class Handover:
     # The same decode request to another decode server, once this one failed before answering anything: prefill's
     # lease still holds the KV for whichever decode asks (or, read and released already, the next one recomputes).
     again: Callable[[], Awaitable[Handover | JSONResponse]] | None = None
-    # Releases the prefill's lease in the background (`left`); a failover keeps it, as `again` reads the same lease.
+    # Releases the prefill's lease in the background (`release_prefill`); a failover keeps it (`again` reads it).
     unread: Callable[[str], None] | None = None
 
-    def left(self, why: str) -> None:
-        """Dropped before the decode answered anything (its client left): release the prefill's lease now.
+    def release_prefill(self, why: str) -> None:
+        """Release the prefill's lease now: dropped before the decode answered anything (its client left), or refused.
 
         The decode may never have seen the request (vLLM's server drops a request cancelled before its engine took
-        it, and no connector hears of it), so nobody else would: the lease would hold its blocks until it expired. A
-        decode reading it meanwhile is fenced: the blocks go at its DONE."""
+        it, and no connector hears of it), or answered an error: nobody else would, and the lease would hold its
+        blocks until it expired. A decode reading it meanwhile is fenced: the blocks go at its DONE."""
         if self.unread is not None:
             self.unread(why)
 
-    async def close(self) -> None:
-        """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode)."""
+    async def close(self, why: str) -> None:
+        """Drop it unread: vLLM aborts the decode request (and the prefill one in layer-wise mode), the lease goes."""
+        self.release_prefill(why)
         if self.computing is not None:
             self.computing.cancel()
         try:
@@ -143,15 +144,19 @@ class Handovers:
         if not prefill_failed:  # (where only its prefill failed, the decode was dropped, not at fault)
             handover.decode.healthy = False
         if handover.again is None:
+            handover.release_prefill("its decode failed")
             return error
         try:
             resent = await handover.again()
         except (NoInstance, DecodeFailed) as exc:
+            handover.release_prefill("no other decode took it")
             log.warning("request %s: no other decode server took it: %s", request_id, exc)
             return f"{error}; no other decode server took it ({exc})"
         self.metrics.failovers.labels("prefill" if prefill_failed else "decode").inc()
         if isinstance(resent, Handover):
             log.warning("request %s sent again, to decode server %s", request_id, resent.decode.url)
+            if resent.unread is None:  # the same decode request: the same lease (a pull way has a lease of its own)
+                resent.unread = handover.unread
         return resent
 
     # -- handlers ------------------------------------------------------------------------------
@@ -320,6 +325,7 @@ class Handovers:
         computing = asyncio.ensure_future(self.calls.call_prefill(path, body, headers, to_prefill, prefill))
         computing.add_done_callback(lambda task: prefill_ended(task, prefill, timeline, self.membership))
         decode_body = {**body, "kv_transfer_params": to_decode.to_dict()}
+        unread = self._unread(prefill, to_prefill)  # (a prefill request that ended before it was cancelled: its lease)
         try:
             started = await until_disconnect(
                 request,
@@ -332,22 +338,26 @@ class Handovers:
             return PullWay(exclude=(prefill,))
         except (NoInstance, DecodeFailed) as exc:
             computing.cancel()  # nobody reads it: vLLM aborts the prefill request, its lease is aborted
+            unread("no decode took it")
             names = self._names(prefill, exc.inst) if isinstance(exc, DecodeFailed) else self._names(prefill)
             return self.metrics.answer(503, str(exc), names, timeline)
         except BaseException:
             computing.cancel()
+            unread("cancelled before decode took it")
             raise
-
-        unread = self._unread(prefill, to_prefill)
         if started is None:
             computing.cancel()
-            unread("client left before decode took it")  # (a prefill that had ended keeps its lease)
+            unread("client left before decode took it")
             log.info("client left before decode took %s: both requests cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", None, timeline)
         decode, resp, sent = started
 
         async def pull_way() -> Handover | JSONResponse:  # `Handover.again`: its decode or its prefill failed first
-            way = PullWay(exclude=(prefill,) if ended_in_error(computing) else ())
+            prefill_failed = ended_in_error(computing)
+            if not prefill_failed:  # its decode failed: nobody reads what this prefill computes (a new id goes now)
+                computing.cancel()
+                unread("its decode failed: sent the pull way")
+            way = PullWay(exclude=(prefill,) if prefill_failed else ())
             return await self.pull_way(path, None, body, headers, timeline, moving, way)
 
         return Handover(decode, resp, self._names(prefill, decode), sent, computing, again=pull_way, unread=unread)

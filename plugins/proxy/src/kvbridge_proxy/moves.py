@@ -84,7 +84,7 @@ class Moves:
         if first is None or first[0] in ("failed", "prefill failed"):
             await self.takeover.leave(up, moving, "its client left before the first token")
             if first is None:
-                handover.left("its client left before the first token")
+                handover.release_prefill("its client left before the first token")
                 log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
                 return self.metrics.answer(499, "client disconnected", headers, timeline)
             resent = await self._hand_on(handover, first, timeline)

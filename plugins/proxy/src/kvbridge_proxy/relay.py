@@ -178,7 +178,7 @@ class Relay:
         if failed is None:
             failed = next((h for h in opened if h.resp.status_code != 200), None)
         if failed is not None:  # the first error answers for the batch, as vLLM fails a batch whole
-            await self._close_all([h for h in opened if h is not failed])
+            await self._close_all([h for h in opened if h is not failed], "another part of its batch failed")
             if not isinstance(failed, Handover):
                 failed.headers["x-request-id"] = timeline.request_id
                 return failed
@@ -203,17 +203,14 @@ class Relay:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             opened = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-            for h in opened:
-                if isinstance(h, Handover):
-                    h.left("its client left before every part was sent")
-            await self._close_all(opened)
+            await self._close_all(opened, "its client left before every part was sent")
             raise
 
     @staticmethod
-    async def _close_all(opened: Sequence[Handover | JSONResponse]) -> None:
+    async def _close_all(opened: Sequence[Handover | JSONResponse], why: str) -> None:
         for h in opened:
             if isinstance(h, Handover):
-                await h.close()
+                await h.close(why)
 
     async def _merge_whole(
         self,
@@ -236,7 +233,7 @@ class Relay:
         contents = await until_disconnect(request, asyncio.gather(*(read(h) for h in opened)))
         if contents is None:
             for h in opened:
-                h.left("its client left before the answer")
+                h.release_prefill("its client left before the answer")
                 if h.computing is not None:
                     h.computing.cancel()
             log.info("client left during decode of %s: decode requests cancelled", timeline.request_id)
@@ -302,7 +299,7 @@ class Relay:
         if first is None:
             await stop(False)
             for h in opened:
-                h.left("its client left before the first token")
+                h.release_prefill("its client left before the first token")
             log.info("client left before the first token of %s: decode requests cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
         self.metrics.finish(timeline, begun, opened[0].sent, time.perf_counter())
@@ -379,9 +376,11 @@ class Relay:
         if failed is not None:
             return await self._resend(self._relay_whole, request, handover, failed, timeline, begun, headers)
         if content is None:
-            handover.left("its client left before the answer")
+            handover.release_prefill("its client left before the answer")
             log.info("client left during decode of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
+        if resp.status_code >= 400:  # the decode refused it (an error answer is whole): it reads nothing
+            handover.release_prefill(f"its decode answered {resp.status_code}")
         with contextlib.suppress(ValueError, ConfigError, AttributeError):  # an error answer has no params
             reported = KVTransferParams.from_dict(resp.json().get("kv_transfer_params")).kvbridge_timing
             timeline.add(reported, PULL_REPORT)
@@ -418,7 +417,7 @@ class Relay:
         if failed is not None:
             return await self._resend(self._relay_stream, request, handover, failed, timeline, begun, headers)
         if first is None:
-            handover.left("its client left before the first token")
+            handover.release_prefill("its client left before the first token")
             log.info("client left before the first token of %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", headers, timeline)
         self.metrics.finish(timeline, begun, sent, time.perf_counter())
