@@ -45,6 +45,21 @@ class PullWay:
     exclude: tuple[Instance, ...] = ()
 
 
+@attrs.frozen
+class PDRequest:
+    """One P/D request the proxy sends: to `path`, `body` (the decode's, once prefill answered), with `headers`.
+
+    `client`: the client's connection, watched for it leaving (None for a part of a batch, which the batch watches, or
+    a request sent again); `moving`: its stream, where it may move (`MovingStream`)."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    timeline: Timeline
+    client: Request | None = None
+    moving: MovingStream | None = None
+
+
 @attrs.define(eq=False)
 class Handover:
     """One P/D request whose decode answer is coming.
@@ -111,26 +126,19 @@ class Handovers:
         Without expose_internals there are none."""
         return {f"x-kvbridge-{i.role}": i.url for i in servers} if self.expose else {}
 
-    def _again(
-        self,
-        path: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        moving: MovingStream | None,
-        prefill: Instance,
-        tried: list[Instance],
-        timeline: Timeline,
-    ) -> Callable[[], Awaitable[Handover]]:
-        """`Handover.again`: the decode request to a decode not in `tried` (the one just failed is added)."""
+    def _again(self, pd: PDRequest, prefill: Instance, tried: list[Instance]) -> Callable[[], Awaitable[Handover]]:
+        """`Handover.again`: the decode request `pd` to a decode not in `tried` (the one just failed is added)."""
 
         async def again() -> Handover:
-            decode, resp, sent = await self.calls.send_decode(path, body, headers, moving, tried, timeline)
+            decode, resp, sent = await self._send_decode(pd, tried)
             return Handover(
-                decode, resp, self._names(prefill, decode), sent, again=self._again(*same, [*tried, decode], timeline)
+                decode, resp, self._names(prefill, decode), sent, again=self._again(pd, prefill, [*tried, decode])
             )
 
-        same = (path, body, headers, moving, prefill)
         return again
+
+    def _send_decode(self, pd: PDRequest, tried: list[Instance]) -> Awaitable[tuple[Instance, httpx.Response, float]]:
+        return self.calls.send_decode(pd.path, pd.body, pd.headers, pd.moving, tried, pd.timeline)
 
     async def hand_on(
         self, handover: Handover, error: str, timeline: Timeline, *, prefill_failed: bool = False
@@ -176,33 +184,26 @@ class Handovers:
         decodes = self.membership.pools["decode"]
         if not await self.membership.revive(decodes):  # else prefill would hold KV no decode reads until its lease ends
             return self.metrics.answer(503, str(NoInstance.among(decodes)), None, timeline)
+        pd = PDRequest(path, body, headers, timeline, request, moving)
         way = PullWay()
         if self.transfer == "layerwise":
-            streamed = await self._handover_layerwise(path, request, body, headers, timeline, moving)
+            streamed = await self._handover_layerwise(pd)
             if not isinstance(streamed, PullWay):
                 return streamed
             way = streamed
-        return await self.pull_way(path, request, body, headers, timeline, moving, way)
+        return await self.pull_way(pd, way)
 
-    async def pull_way(
-        self,
-        path: str,
-        request: Request | None,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        timeline: Timeline,
-        moving: MovingStream | None = None,
-        way: PullWay = PullWay(),
-    ) -> Handover | JSONResponse:
+    async def pull_way(self, pd: PDRequest, way: PullWay = PullWay()) -> Handover | JSONResponse:
         """The request's prefill (as `way` says), then its decode with the KV prefill holds for it."""
-        prefilled = await self._prefill(path, request, body, headers, timeline, way)
+        timeline = pd.timeline
+        prefilled = await self._prefill(pd, way)
         if isinstance(prefilled, JSONResponse):
             return prefilled
         prefill, first, params = prefilled
         prefill_done = time.perf_counter()
         self.membership.learn(prefill.url, params)
         timeline.add(params.kvbridge_timing, ("prefill_ms",))
-        decode_body = dict(body)
+        decode_body = dict(pd.body)
         if first.get("kv_transfer_params"):
             decode_body["kv_transfer_params"] = attrs.evolve(params, kvbridge_timing=None).to_dict()
         else:
@@ -217,8 +218,8 @@ class Handovers:
 
         try:
             # (a decode answers a request that is not streamed only once it is whole: the client may leave before)
-            sending = self.calls.send_decode(path, decode_body, headers, moving, tried, timeline)
-            started = await until_disconnect(request, sending)
+            decoding = attrs.evolve(pd, body=decode_body, client=None)
+            started = await until_disconnect(pd.client, self._send_decode(decoding, tried))
         except NoInstance as exc:
             await self.release_lease(params, f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill), timeline)
@@ -233,34 +234,29 @@ class Handovers:
             log.info("client left before decode answered %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", self._names(prefill), timeline)
         decode, resp, sent = started
-        again = self._again(path, decode_body, headers, moving, prefill, [*tried, decode], timeline)
+        again = self._again(decoding, prefill, [*tried, decode])
         return Handover(decode, resp, self._names(prefill, decode), sent, again=again, unread=unread)
 
     async def _prefill(
-        self,
-        path: str,
-        request: Request | None,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        timeline: Timeline,
-        way: PullWay,
+        self, pd: PDRequest, way: PullWay
     ) -> tuple[Instance, dict[str, Any], KVTransferParams] | JSONResponse:
         """The pull way's prefill: the server, its answer and the params in it; or the error answer to give."""
+        timeline = pd.timeline
         # The prefill's lease is keyed on this id too, so a lease whose answer never came back can still be released.
         to_prefill = KVTransferParams(do_remote_decode=True, transfer_id=uuid.uuid4().hex)
         sent_to: list[Instance] = []
         try:
             sending = self.calls.call_prefill(
-                path,
-                body,
-                headers,
+                pd.path,
+                pd.body,
+                pd.headers,
                 to_prefill,
                 timeline=timeline,
                 tried=sent_to,
                 exclude=way.exclude,
                 prefer=way.prefer,
             )
-            answer = await until_disconnect(request, sending)
+            answer = await until_disconnect(pd.client, sending)
             if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
                 if sent_to:  # it may have finished, its answer on the way: nobody will read its KV
@@ -297,20 +293,13 @@ class Handovers:
         for dp_rank in range(contact.dp_size):
             await self.release_lease(attrs.evolve(contact, remote_request_id=sent.transfer_id, dp_rank=dp_rank), why)
 
-    async def _handover_layerwise(
-        self,
-        path: str,
-        request: Request | None,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        timeline: Timeline,
-        moving: MovingStream | None,
-    ) -> Handover | JSONResponse | PullWay:
+    async def _handover_layerwise(self, pd: PDRequest) -> Handover | JSONResponse | PullWay:
         """Send the request to a prefill and a decode server at once, with one transfer id.
 
         Decode reads each layer while prefill computes the next. Else the way to send it the pull way: to this prefill,
         whose side channel is not known yet (its answer tells the proxy where it is), or to another, as this one failed
         before the decode answered (the decode request is dropped)."""
+        timeline = pd.timeline
         try:
             prefill = await self.membership.pick("prefill")
         except NoInstance as exc:
@@ -322,16 +311,13 @@ class Handovers:
         mode = {"transfer_mode": "layerwise", "transfer_id": transfer_id}
         to_prefill = KVTransferParams(do_remote_decode=True, **mode)
         to_decode = attrs.evolve(identity, do_remote_prefill=True, remote_request_id=transfer_id, **mode)
-        computing = asyncio.ensure_future(self.calls.call_prefill(path, body, headers, to_prefill, prefill))
+        computing = asyncio.ensure_future(self.calls.call_prefill(pd.path, pd.body, pd.headers, to_prefill, prefill))
         computing.add_done_callback(lambda task: prefill_ended(task, prefill, timeline, self.membership))
-        decode_body = {**body, "kv_transfer_params": to_decode.to_dict()}
+        decoding = attrs.evolve(pd, body={**pd.body, "kv_transfer_params": to_decode.to_dict()}, client=None)
         unread = self._unread(prefill, to_prefill)  # (a prefill request that ended before it was cancelled: its lease)
         try:
             started = await until_disconnect(
-                request,
-                unless_prefill_fails(
-                    computing, self.calls.send_decode(path, decode_body, headers, moving, timeline=timeline)
-                ),
+                pd.client, unless_prefill_fails(computing, self._send_decode(decoding, []))
             )
         except PrefillFailed as exc:
             log.info("request %s: prefill %s failed (%s): the pull way", timeline.request_id, prefill.url, exc)
@@ -358,6 +344,6 @@ class Handovers:
                 computing.cancel()
                 unread("its decode failed: sent the pull way")
             way = PullWay(exclude=(prefill,) if prefill_failed else ())
-            return await self.pull_way(path, None, body, headers, timeline, moving, way)
+            return await self.pull_way(attrs.evolve(pd, client=None), way)
 
         return Handover(decode, resp, self._names(prefill, decode), sent, computing, again=pull_way, unread=unread)
