@@ -245,6 +245,11 @@ class Handovers:
         # The prefill's lease is keyed on this id too, so a lease whose answer never came back can still be released.
         to_prefill = KVTransferParams(do_remote_decode=True, transfer_id=uuid.uuid4().hex)
         sent_to: list[Instance] = []
+
+        def unread(why: str) -> None:  # it may have finished, its answer on the way: nobody will read its KV
+            if sent_to:
+                self.background.spawn(self._release_unread(sent_to[-1], to_prefill, why))
+
         try:
             sending = self.calls.call_prefill(
                 pd.path,
@@ -259,8 +264,7 @@ class Handovers:
             answer = await until_disconnect(pd.client, sending)
             if answer is None:
                 log.info("client left during prefill of %s: prefill request cancelled", timeline.request_id)
-                if sent_to:  # it may have finished, its answer on the way: nobody will read its KV
-                    self.background.spawn(self._release_unread(sent_to[-1], to_prefill, "client left during prefill"))
+                unread("client left during prefill")
                 return self.metrics.answer(499, "client disconnected", None, timeline)
             prefill, first = answer
             return prefill, first, KVTransferParams.from_dict(first.get("kv_transfer_params"))
@@ -272,9 +276,8 @@ class Handovers:
             return self.metrics.answer(
                 502, f"prefill server answered unusable kv_transfer_params: {exc}", None, timeline
             )
-        except asyncio.CancelledError:  # a part of a batch whose client left: it may have finished all the same
-            if sent_to:
-                self.background.spawn(self._release_unread(sent_to[-1], to_prefill, "cancelled during prefill"))
+        except asyncio.CancelledError:  # a part of a batch whose client left
+            unread("cancelled during prefill")
             raise
 
     def _unread(self, prefill: Instance, sent: KVTransferParams) -> Callable[[str], None]:
