@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -44,16 +44,22 @@ def upstreams() -> Iterator[tuple[Upstream, Upstream]]:
         yield prefill, decode
 
 
-def _session(app: FastAPI, requests: list[dict]) -> tuple[list[httpx.Response], dict]:
+def _session(
+    app: FastAPI, requests: list[dict], until: Callable[[], bool] | None = None
+) -> tuple[list[httpx.Response], dict]:
     """POST each body to the proxy in one event loop, then read /instances.
 
-    One loop, because the proxy's upstream client lives in it.
+    One loop, because the proxy's upstream client lives in it. `until`: kept running after the answers until it holds
+    (10 s at most), for what the proxy does in the background.
     """
 
     async def go() -> tuple[list[httpx.Response], dict]:
         # No lifespan: the health loop never runs, so only the request path can find a dead server.
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
             answers = [await client.post("/v1/completions", json=body) for body in requests]
+            deadline = time.monotonic() + 10
+            while until is not None and not until() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             return answers, (await client.get("/instances")).json()
 
     return asyncio.run(go())
@@ -102,7 +108,6 @@ def test_no_decode_accepting_releases_the_prefill_lease_at_once(
 ) -> None:
     # The lease used to stay pinned for lease_s (600 s by default) when no decode took the request.
     from kvbridge.control import ControlServer, LeaseState, Ledger
-    from kvbridge_tools.harness.fixtures import wait_for
 
     if secret:
         monkeypatch.setenv("KVBRIDGE_SECRET", secret)
@@ -114,9 +119,9 @@ def test_no_decode_accepting_releases_the_prefill_lease_at_once(
         ledger.offer("r", [1, 2], expected_pulls=1)
         prefill.side_channel_port = server.address[1]
         dead = [f"http://127.0.0.1:{free_port(span=1)}"]
-        (r,), _ = _session(create_app([prefill.url], dead), [{"model": "m", "prompt": "p", "max_tokens": 8}])
+        body = {"model": "m", "prompt": "p", "max_tokens": 8}
+        (r,), _ = _session(create_app([prefill.url], dead), [body], until=lambda: bool(released))
         assert r.status_code == 503
-        wait_for(lambda: bool(released), timeout=10, what="the lease to be released")
         assert released == [("r", LeaseState.ABORTED)]
     finally:
         server.close()
@@ -886,6 +891,32 @@ def test_a_lost_syn_to_the_decode_is_timed_as_its_connect_not_as_the_decode(host
     assert sum(t.phases.values()) <= t.total_ms
     # and the kernels counted it: a SYN sent again by the proxy's host, or a SYN-ACK by the decode's
     assert hosts.tcp_counters("proxy")["syn"] + hosts.tcp_counters("decode")["syn"] >= 1
+
+
+def test_a_stopping_proxy_waits_for_the_releases_under_way_and_cuts_only_what_outlives_its_bound() -> None:
+    # Before, a release spawned as the proxy stopped was cancelled with its event loop: the lease held for lease_s.
+    from kvbridge_proxy.upstreams import Background
+
+    ended: list[str] = []
+
+    async def release(name: str, takes_s: float) -> None:
+        try:
+            await asyncio.sleep(takes_s)
+            ended.append(name)
+        except asyncio.CancelledError:
+            ended.append(f"{name} cut")
+            raise
+
+    async def stop() -> tuple[int, float]:
+        background = Background()
+        background.spawn(release("answered", 0.05))
+        background.spawn(release("unanswered", 60))
+        began = time.monotonic()
+        return await background.drain(1.0), time.monotonic() - began
+
+    cut, took_s = asyncio.run(stop())
+    assert (cut, sorted(ended)) == (1, ["answered", "unanswered cut"])
+    assert took_s < 30  # bounded by drain's 1 s, not by the unanswered release's 60
 
 
 # The proxy's release in a process of its own on the proxy's host: the side-channel client's sockets belong to the

@@ -60,12 +60,13 @@ from kvbridge_proxy.membership import Membership, pools_of
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moves import Moves
 from kvbridge_proxy.relay import Relay
-from kvbridge_proxy.release import LeaseRelease
+from kvbridge_proxy.release import RELEASE_TIMEOUT_S, LeaseRelease
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import Background, new_client
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 HEARTBEAT_S = 0.1  # the event loop tells the stall watchdog it runs this often
+DRAIN_RELEASES_S = 2 * RELEASE_TIMEOUT_S  # a stopping proxy waits this long for its releases: one try each, with time
 
 
 async def _heartbeat() -> None:
@@ -93,7 +94,7 @@ class Proxy:
         # To release a prefill's lease at once when no decode took the request (else it waits lease_s), to check the
         # registry's records, and for the admin calls.
         secret = load_secret()
-        background = Background()
+        self.background = background = Background()
         release = LeaseRelease(secret, background).release
         self.membership = Membership(settings, pools, self.client, secret, self.metrics, release)
         self.pools = self.membership.pools
@@ -116,6 +117,8 @@ class Proxy:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
+            # the releases just sent (a client that left as it stopped): else those leases hold blocks for lease_s
+            await self.background.drain(DRAIN_RELEASES_S)
             await self.client.aclose()
             if members is not None:
                 members.close()

@@ -126,13 +126,18 @@ class Handovers:
         Without expose_internals there are none."""
         return {f"x-kvbridge-{i.role}": i.url for i in servers} if self.expose else {}
 
-    def _again(self, pd: PDRequest, prefill: Instance, tried: list[Instance]) -> Callable[[], Awaitable[Handover]]:
-        """`Handover.again`: the decode request `pd` to a decode not in `tried` (the one just failed is added)."""
+    def _again(
+        self, pd: PDRequest, prefill: Instance, tried: list[Instance], unread: Callable[[str], None]
+    ) -> Callable[[], Awaitable[Handover]]:
+        """`Handover.again`: the decode request `pd` to a decode not in `tried` (the one just failed is added).
+
+        The same decode request reads the same lease: `unread` releases it."""
 
         async def again() -> Handover:
             decode, resp, sent = await self._send_decode(pd, tried)
+            names = self._names(prefill, decode)
             return Handover(
-                decode, resp, self._names(prefill, decode), sent, again=self._again(pd, prefill, [*tried, decode])
+                decode, resp, names, sent, again=self._again(pd, prefill, [*tried, decode], unread), unread=unread
             )
 
         return again
@@ -163,8 +168,6 @@ class Handovers:
         self.metrics.failovers.labels("prefill" if prefill_failed else "decode").inc()
         if isinstance(resent, Handover):
             log.warning("request %s sent again, to decode server %s", request_id, resent.decode.url)
-            if resent.unread is None:  # the same decode request: the same lease (a pull way has a lease of its own)
-                resent.unread = handover.unread
         return resent
 
     # -- handlers ------------------------------------------------------------------------------
@@ -221,10 +224,10 @@ class Handovers:
             decoding = attrs.evolve(pd, body=decode_body, client=None)
             started = await until_disconnect(pd.client, self._send_decode(decoding, tried))
         except NoInstance as exc:
-            await self.release_lease(params, f"no decode took it: {exc}")
+            unread(f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill), timeline)
         except DecodeFailed as exc:
-            await self.release_lease(params, f"no decode took it: {exc}")
+            unread(f"no decode took it: {exc}")
             return self.metrics.answer(503, str(exc), self._names(prefill, exc.inst), timeline)
         except asyncio.CancelledError:  # a part of a batch whose client left
             unread("cancelled before the decode answered")
@@ -234,7 +237,7 @@ class Handovers:
             log.info("client left before decode answered %s: decode request cancelled", timeline.request_id)
             return self.metrics.answer(499, "client disconnected", self._names(prefill), timeline)
         decode, resp, sent = started
-        again = self._again(decoding, prefill, [*tried, decode])
+        again = self._again(decoding, prefill, [*tried, decode], unread)
         return Handover(decode, resp, self._names(prefill, decode), sent, again=again, unread=unread)
 
     async def _prefill(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import socket
 import time
 from collections.abc import Collection, Sequence
@@ -15,6 +16,8 @@ import httpx
 from kvbridge.base.errors import ConfigError, described
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.moving_stream import MovingStream
+
+log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
 # Seconds to open a connection to an upstream. On loopback a connect takes microseconds unless the server's
 # accept queue is full or the box is starved; such a server never saw the request, so the proxy tries again.
@@ -184,3 +187,17 @@ class Background:
         task = asyncio.ensure_future(cleanup)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the clean-ups under way (a proxy stopping); cancel the rest. How many were cut.
+
+        A release cut short leaves its lease to end by itself (`lease_s`), holding its blocks till then."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        left = set(self._tasks)
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+            log.warning("stopping: %d clean-ups (lease releases) cut short after %.1f s", len(left), timeout_s)
+        return len(left)
