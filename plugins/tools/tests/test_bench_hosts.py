@@ -15,7 +15,7 @@ import pytest
 
 from kvbridge_tools.bench.link import Link, parse_link
 from kvbridge_tools.bench.load_probes import Noise, parse_noise
-from kvbridge_tools.harness.hosts import hosts_unavailable
+from kvbridge_tools.harness.hosts import hosts_unavailable, machine_congestion
 
 QUICK = ["--model", "small", "--tokens", "512", "--requests", "2", "--repeat", "1"]
 needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
@@ -37,7 +37,12 @@ def test_bench_across_two_hosts_verifies_and_reports_the_link(backend: str) -> N
     assert result["verified"] and not result["problems"]
     hosts = result["hosts"]
     assert (hosts["prefill"], hosts["decode"]) == ("198.51.100.1", "198.51.100.2")
-    assert hosts["link"] == {"rate_bits": 10**9, "loss": 0.001, "described": "1 Gbit/s, 0.10% loss each way"}
+    assert hosts["link"] == {
+        "rate_bits": 10**9,
+        "loss": 0.001,
+        "tcp_congestion": machine_congestion(),
+        "described": f"1 Gbit/s, 0.10% loss each way, TCP {machine_congestion()}",
+    }
     # Each path's share of the link is its GB/s over the rate. Above 1.5 the bytes did not cross the
     # shaped link at all (UCX moves them through shared memory unless told to use TCP).
     for path in ("kvbridge", "raw"):
@@ -80,8 +85,16 @@ def test_vllm_bench_across_four_hosts_reports_ttft_transfer_and_raw(tmp_path) ->
 def test_link_specs() -> None:
     assert parse_link("rate=10gbit,loss=0.1%") == Link(rate_bits=10 * 10**9, loss=0.001)
     assert parse_link("loss=0.01") == Link(loss=0.01)
-    assert parse_link("rate=100mbit").describe() == "0.1 Gbit/s"
-    for bad, why in [("rate=fast", "is not a rate"), ("loss=100%", "below 100"), ("speed=1gbit", "unknown key")]:
+    assert parse_link("rate=100mbit").describe() == f"0.1 Gbit/s, TCP {machine_congestion()}"
+    assert parse_link("rate=1gbit,cc=reno") == Link(rate_bits=10**9, congestion="reno")
+    assert parse_link("cc=reno").to_json()["tcp_congestion"] == "reno"
+    bad_specs = [
+        ("rate=fast", "is not a rate"),
+        ("loss=100%", "below 100"),
+        ("speed=1gbit", "unknown key"),
+        ("cc=warp", "no TCP congestion control 'warp'"),
+    ]
+    for bad, why in bad_specs:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_link(bad)
 

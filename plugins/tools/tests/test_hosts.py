@@ -126,6 +126,26 @@ def test_loss_drops_a_random_share_in_one_direction(hosts_factory: MakeHosts) ->
     assert 0.6 * n <= got <= 0.9 * n, got
 
 
+def test_a_hosts_tcp_congestion_control_is_its_own_and_its_connections_use_it(hosts_factory: MakeHosts) -> None:
+    # The machine's choice (BBR on this VM) is what every namespace starts with; a bench may set Linux's default.
+    from kvbridge_tools.harness.hosts import congestion_controls, machine_congestion
+
+    other = next((cc for cc in ("reno", "cubic") if cc != machine_congestion() and cc in congestion_controls()), None)
+    if other is None:
+        pytest.skip(f"this kernel offers no congestion control besides {machine_congestion()}")
+    hosts = hosts_factory(["prefill", "decode"])
+    hosts.congestion("prefill", other)
+    assert (hosts.tcp_congestion("prefill"), hosts.tcp_congestion("decode")) == (other, machine_congestion())
+    _server(hosts, "decode")
+    # A connection the host opens uses it (`ss -i` names each socket's congestion control).
+    probe = (
+        "import socket, subprocess, sys; s = socket.create_connection((sys.argv[1], int(sys.argv[2]))); "
+        "print(subprocess.run(['ss', '-tin', 'dport', '=', sys.argv[2]], capture_output=True, text=True).stdout)"
+    )
+    out = hosts["prefill"].run([sys.executable, "-c", probe, "198.51.100.2", str(PORT)], capture_output=True, text=True)
+    assert f" {other} " in out.stdout, out.stdout + out.stderr
+
+
 def test_shape_installs_a_rate_limit_at_both_ends_and_removes_it(hosts_factory: MakeHosts) -> None:
     hosts = hosts_factory(["prefill", "decode"])
     _server(hosts, "decode")

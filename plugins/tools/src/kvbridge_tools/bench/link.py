@@ -22,22 +22,39 @@ SUBNET = "198.51.100.0/24"  # a documentation range: never a real network
 
 @attrs.frozen
 class Link:
-    """What `--link` asks of the prefill<->decode link: a rate in bits/s and a share of packets dropped each way.
+    """What `--link` asks of the hosts: a rate in bits/s, a loss each way, every host's TCP congestion control.
 
-    A rate of None keeps the veth's own.
+    A rate of None keeps the veth's own; a congestion control of None, the machine's (namespaces inherit it).
     """
 
     rate_bits: int | None = None
     loss: float = 0.0
+    congestion: str | None = None
 
     def describe(self) -> str:
         rate = f"{self.rate_bits / 1e9:g} Gbit/s" if self.rate_bits else "unshaped"
-        return rate + (f", {self.loss:.2%} loss each way" if self.loss else "")
+        loss = f", {self.loss:.2%} loss each way" if self.loss else ""
+        return f"{rate}{loss}, TCP {self.tcp_congestion()}"
+
+    def tcp_congestion(self) -> str:
+        """The hosts' TCP congestion control: the one asked for, else the machine's."""
+        from kvbridge_tools.harness.hosts import machine_congestion
+
+        return self.congestion or machine_congestion()
+
+    def to_json(self) -> dict[str, Any]:
+        """The link as a bench result reports it."""
+        return {
+            "rate_bits": self.rate_bits,
+            "loss": self.loss,
+            "tcp_congestion": self.tcp_congestion(),
+            "described": self.describe(),
+        }
 
 
 def parse_link(text: str) -> Link:
-    """`rate=10gbit[,loss=0.1%]` (a loss without % is a fraction: loss=0.001)."""
-    from kvbridge_tools.harness.hosts import parse_rate
+    """`rate=10gbit[,loss=0.1%][,cc=cubic]` (a loss without % is a fraction: loss=0.001)."""
+    from kvbridge_tools.harness.hosts import congestion_controls, parse_rate
 
     fields: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
@@ -52,11 +69,16 @@ def parse_link(text: str) -> Link:
                 if not 0 <= share < 1:
                     raise ValueError("loss is a share of packets below 100 %")
                 fields["loss"] = share
+            elif key == "cc":
+                known = congestion_controls()
+                if known and value not in known:
+                    raise ValueError(f"this kernel has no TCP congestion control {value!r} (it has {', '.join(known)})")
+                fields["congestion"] = value
             else:
                 raise ValueError(f"unknown key {key!r}")
         except ValueError as e:
             raise argparse.ArgumentTypeError(
-                f"--link {text!r}: {e}; write rate=10gbit,loss=0.1% (keys: rate, loss)"
+                f"--link {text!r}: {e}; write rate=10gbit,loss=0.1%,cc=cubic (keys: rate, loss, cc)"
             ) from None
     return Link(**fields)
 
@@ -115,6 +137,9 @@ def placed(link: Link, also: Sequence[str] = (), engine_cores: str | None = None
         if link.loss:
             hosts.loss("prefill", "decode", link.loss)
             hosts.loss("decode", "prefill", link.loss)
+        if link.congestion:
+            for host in hosts:
+                hosts.congestion(host.name, link.congestion)
         # The workers talk across a routable address, so the side channel and tcp need a secret: a
         # fresh one per run, in the environment only (never on a command line).
         env = {SECRET_ENV: secrets.token_hex(32)} if SECRET_ENV not in os.environ else {}
@@ -133,7 +158,7 @@ def report(link: Link, address: dict[str, str], kv_gbps: float, raw_gbps: float)
     return {
         "prefill": address["prefill"],
         "decode": address["decode"],
-        "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+        "link": link.to_json(),
         "kvbridge_share_of_link": share(kv_gbps),
         "raw_share_of_link": share(raw_gbps),
     }

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         "protocol": args.protocol,
         "hosts": {
             **{name: where.address[name] for name in ("prefill", "decode", "proxy", "client")},
-            "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+            "link": link.to_json(),
         },
         "rows": rows,
     }

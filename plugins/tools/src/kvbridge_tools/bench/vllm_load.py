@@ -740,7 +740,7 @@ def run(args: argparse.Namespace) -> int:
         if placed is None
         else {
             **{name: placed.address[name] for name in ("prefill", "decode", "proxy", "client")},
-            "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+            "link": link.to_json(),
             "engine_cores": placed.engine_cores,
         },
         "load_average": list(os.getloadavg()),

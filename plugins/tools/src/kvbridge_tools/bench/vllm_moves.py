@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         "executor": args.executor,  # where each server ran its model
         "precopy_tail": args.precopy_tail,  # the proxy's --precopy-tail; None: its default
         "engine_nice": args.engine_nice,  # the engines' nice steps below the front end
-        "link": {"rate_bits": link.rate_bits, "loss": link.loss, "described": link.describe()},
+        "link": link.to_json(),
         "rows": rows,
     }
     if args.plot:

@@ -85,9 +85,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--link",
         type=_link,
         default=None,
-        metavar="rate=10gbit[,loss=0.1%]",
-        help="with --hosts: shape the prefill<->decode link to a rate (both ways) and drop a share of packets "
-        "each way; the report gives each path's share of the rate",
+        metavar="rate=10gbit[,loss=0.1%][,cc=cubic]",
+        help="with --hosts: shape the prefill<->decode link to a rate (both ways), drop a share of packets each way, "
+        "and give every host's TCP a congestion control (default: this machine's, which the report names; BBR "
+        "paces Mooncake TCP's idle lanes into 80-165 ms stalls under load: docs/measurements/vllm-load.md); the "
+        "report gives each path's share of the rate",
     )
     p.add_argument(
         "--engine-cores",

@@ -32,6 +32,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -85,6 +86,29 @@ def parse_rate(rate: str | int) -> int:
     if bits < 8000:
         raise ValueError(f"rate {rate!r} is below 8 kbit/s; pick a rate tc can shape, e.g. 100mbit")
     return bits
+
+
+CONGESTION = "net.ipv4.tcp_congestion_control"
+
+
+def _sysctl_path(name: str) -> Path:
+    return Path("/proc/sys", *name.split("."))
+
+
+def machine_congestion() -> str:
+    """The TCP congestion control of this process's network namespace (new namespaces start with it)."""
+    try:
+        return _sysctl_path(CONGESTION).read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def congestion_controls() -> list[str]:
+    """The TCP congestion controls this kernel offers (empty where it does not say)."""
+    try:
+        return _sysctl_path("net.ipv4.tcp_available_congestion_control").read_text().split()
+    except OSError:
+        return []
 
 
 def _sh(args: Sequence[str], timeout: float = 30.0, stdin: str | None = None) -> str:
@@ -462,6 +486,14 @@ class Hosts:
             _sh(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
                  "burst", str(burst), "latency", "50ms"])  # fmt: skip
         self._rates[h.name] = bits
+
+    def congestion(self, host: str, name: str) -> None:
+        """Make `host`'s TCP use congestion control `name` (`cubic`, `bbr`, ...): its own, as another machine's."""
+        _sh(["ip", "netns", "exec", self[host].netns, "sysctl", "-qw", f"{CONGESTION}={name}"])
+
+    def tcp_congestion(self, host: str) -> str:
+        """The TCP congestion control `host` uses."""
+        return _sh(["ip", "netns", "exec", self[host].netns, "cat", str(_sysctl_path(CONGESTION))]).strip()
 
     def rate(self, host: str) -> int | None:
         """The rate `host`'s link is shaped to, in bits per second, or None."""
