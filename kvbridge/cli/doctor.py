@@ -15,6 +15,8 @@ from kvbridge.cli.output import print_json, print_table
 from kvbridge.plugin.registry import list_backends, list_devices, refused_plugins
 from kvbridge.transport import netguard
 
+TCP_SYSCTLS = ("ipv4/tcp_congestion_control", "core/default_qdisc")
+
 
 @attrs.frozen
 class Check:
@@ -43,10 +45,21 @@ def machine_checks() -> list[Check]:
     nics = sorted(p.name for p in net.iterdir()) if net.is_dir() else []
     checks.append(Check("network interfaces", bool(nics), ", ".join(nics) or "none", "" if nics else "no network"))
     checks.append(guard_check())
+    checks.append(tcp_check())
     for var in ("KVBRIDGE_PLUGINS", "KVBRIDGE_BLOCK_PLUGINS"):
         if var in os.environ:
             checks.append(Check(var, True, f"set to {os.environ[var]!r}: limits which plugins load"))
     return checks
+
+
+def tcp_check(sysctl: Path = Path("/proc/sys/net")) -> Check:
+    """The host's TCP congestion control: BBR pacing without `fq` stalled Mooncake TCP's idle lanes under load."""
+    cc, qdisc = ((sysctl / f).read_text().strip() if (sysctl / f).is_file() else "?" for f in TCP_SYSCTLS)
+    detail, fix = f"{cc} (qdisc {qdisc})", ""
+    if cc == "bbr" and qdisc != "fq":  # docs/measurements/vllm-load.md, 2026-12-07
+        detail += ": reads over Mooncake TCP stalled 80-165 ms now and then on a loaded host (none with cubic)"
+        fix = "sysctl -w net.ipv4.tcp_congestion_control=cubic where a server's transport is TCP"
+    return Check("TCP congestion control", True, detail, fix)
 
 
 def guard_check() -> Check:

@@ -47,9 +47,25 @@ def test_doctor_reports_each_plugin() -> None:
     checks = {c["subject"]: c for c in json.loads(out.stdout)}
     assert checks["libibverbs"]["ok"]
     assert checks["backend mooncake"]["ok"]
+    assert checks["TCP congestion control"]["ok"]  # advice, never a problem (the machine's own choice)
     assert checks["device cuda"]["status"] == "not here" and "no CUDA device" in checks["device cuda"]["detail"]
     assert checks["device npu"]["status"] == checks["device mlu"]["status"] == "not here"
     assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize(
+    ("cc", "qdisc", "advised"), [("bbr", "pfifo_fast", True), ("bbr", "fq", False), ("cubic", "pfifo_fast", False)]
+)
+def test_doctor_advises_on_bbr_paced_by_tcp_itself(tmp_path: Path, cc: str, qdisc: str, advised: bool) -> None:
+    # A stand-in for /proc/sys/net: the host's own values are whatever this machine has.
+    from kvbridge.cli.doctor import TCP_SYSCTLS, tcp_check
+
+    for name, value in zip(TCP_SYSCTLS, (cc, qdisc), strict=True):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(value + "\n")
+    check = tcp_check(tmp_path)
+    assert check.ok and check.detail.startswith(f"{cc} (qdisc {qdisc})")
+    assert bool(check.fix) == advised and ("cubic" in check.fix) == advised
 
 
 def test_doctor_probe_says_which_path_each_device_and_transport_takes() -> None:
