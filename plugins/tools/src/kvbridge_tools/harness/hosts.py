@@ -489,7 +489,7 @@ class Hosts:
 
     def congestion(self, host: str, name: str) -> None:
         """Make `host`'s TCP use congestion control `name` (`cubic`, `bbr`, ...): its own, as another machine's."""
-        _sh(["ip", "netns", "exec", self[host].netns, "sysctl", "-qw", f"{CONGESTION}={name}"])
+        _sh(["ip", "netns", "exec", self[host].netns, "tee", str(_sysctl_path(CONGESTION))], stdin=name)
 
     def tcp_congestion(self, host: str) -> str:
         """The TCP congestion control `host` uses."""
