@@ -145,6 +145,8 @@ def test_the_live_moves_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_c
     assert out.returncode != 0 and "--precopy-tail takes a number of tokens >= 0" in out.stdout + out.stderr
     out = kvbridge("bench", "--engine", "vllm", "--live-moves", "--hosts", "--engine-nice", "20")
     assert out.returncode != 0 and "--engine-nice takes 0 to 19" in out.stdout + out.stderr
+    out = kvbridge("bench", "--engine", "vllm", "--live-moves", "--hosts", "--repeat", "0")
+    assert out.returncode != 0 and "--repeat takes a number of rounds >= 1" in out.stdout + out.stderr
     arrivals = [(0.0, 1), (0.01, 2), (0.02, 3), (0.52, 4), (0.53, 5)]
     assert handover_gap(arrivals, 3) == pytest.approx(500.0)
     assert handover_gap(arrivals, 5) is None, "moved after its last event: no gap to measure"
@@ -154,6 +156,36 @@ def test_the_live_moves_bench_needs_vllm_and_hosts_and_measures_the_gap_at_the_c
     burst = [(1.0, 100), (1.8, 110), (1.8, 115), (1.8, 120)]
     assert slowdown(steady, burst) == pytest.approx(4.0)
     assert slowdown(steady, burst[:1]) is None
+
+
+def test_the_live_moves_bench_pools_its_rounds_and_bounds_the_gaps_flatness() -> None:
+    """`--repeat N` pools the streams of N rounds a context; flatness is p50 over p50, with a bootstrap interval."""
+    from kvbridge_tools.bench.vllm_moves import Round, flatness, pooled
+
+    first = Round(gaps=[30.0, 10.0], leaving=[2.0, None], settling=[1.5], steps=[6.0, 8.0], moved=2)
+    first.outcomes.add("precopied")
+    second = Round(gaps=[20.0], steps=[None], moved=1, outcomes={"recomputed"}, errors=["a stream failed"])
+    failed = Round(errors=["timed out"])
+    row = pooled(256, "precopy", [first, second, failed])
+    assert (row["rounds"], row["moved"], row["outcomes"]) == (3, 3, ["precopied", "recomputed"])
+    assert row["gap_ms"]["all"] == [10.0, 20.0, 30.0] and row["gap_ms"]["p50"] == 20.0
+    assert row["gap_ms"]["round_p50s"] == [30.0, 20.0, None]
+    assert row["errors"] == ["a stream failed", "timed out"]
+    assert row["slowdown"] == {"leaving": 2.0, "next": 1.5} and row["next_step_ms"] == 7.0
+
+    short = pooled(256, "precopy", [Round(gaps=[10.0, 11.0, 12.0, 13.0] * 4)])
+    long = pooled(7800, "precopy", [Round(gaps=[20.0, 22.0, 24.0, 26.0] * 4)])
+    alone = pooled(256, "recompute", [Round(gaps=[100.0])])
+    flat = flatness([long, alone, short])
+    assert list(flat) == ["precopy"], "a way measured at one context has no flatness"
+    assert flat["precopy"]["from"] == 256 and flat["precopy"]["to"] == 7800
+    assert flat["precopy"]["ratio"] == pytest.approx(24.0 / 12.0)
+    low, high = flat["precopy"]["interval"]
+    assert 20.0 / 13.0 <= low <= 2.0 <= high <= 26.0 / 10.0
+    steady = flatness(
+        [pooled(256, "precopy", [Round(gaps=[10.0] * 8)]), pooled(7800, "precopy", [Round(gaps=[15.0] * 8)])]
+    )
+    assert steady["precopy"]["interval"] == [1.5, 1.5], "no spread, no width"
 
 
 def test_split_cores_gives_prefill_and_decode_halves_and_refuses_one_cpu() -> None:

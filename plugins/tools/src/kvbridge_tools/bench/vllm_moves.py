@@ -8,10 +8,13 @@ precopy, stop-and-copy, recompute).
 The next round starts on the other decode, so no server restarts and each move lands on a decode whose cache
 holds none of the round's prompts.
 
-Per round: the client's gap at the handover (its last event from the decode it left to its first from the next),
-p50 and p99 over the streams; and each decode's slowdown during the move, the median over the streams of a stream's
-token rate before over its rate during: on the decode it leaves, from the drain to the cut (the pre-copy runs then)
-against before the drain; on the next, its first 16 events against the rest.
+Per context and way, over the streams of its `--repeat` rounds (alternated: every context and way once, then again):
+the client's gap at the handover (its last event from the decode it left to its first from the next), p50 and p99;
+each decode's slowdown during the move, the median of a stream's token rate before over its rate during (on the
+decode it leaves, from the drain to the cut, where the pre-copy runs, against before the drain; on the next, its
+first 16 events against the rest); and the next decode's step, the median time a token took there after those 16,
+the unit a cut's gap is paid in. Per way, the gap's flatness: its p50 at the longest context over its p50 at the
+shortest, with a bootstrap interval over the streams.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 from rich.progress import Progress
 
 from kvbridge.base.errors import ConfigError, described
 from kvbridge.cli.output import err_console, print_json, print_table
+from kvbridge_tools.bench import bootstrap
 from kvbridge_tools.bench.link import Link, placed
 
 MOVES = ("precopy", "stop-and-copy", "recompute")
@@ -49,7 +54,17 @@ SETTLE = 16  # events on the next decode counted as "during the move"
 # or the proxy otherwise waits for a CPU (docs/elastic.md, "The front end's hops")
 ENGINE_NICE = 10
 MOVED = re.compile(r"\(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (\w+)\)")
-COLUMNS = ["context", "move", "moved", "gap p50", "gap p99", "leaving decode slowdown", "next decode slowdown"]
+COLUMNS = [
+    "context",
+    "move",
+    "moved",
+    "gap p50",
+    "gap p99",
+    "leaving decode slowdown",
+    "next decode slowdown",
+    "next decode step",
+]
+FLATNESS_LEVEL, FLATNESS_RESAMPLES = 0.95, 2000
 
 
 @attrs.define
@@ -58,6 +73,44 @@ class Stream:
 
     arrivals: list[tuple[float, int]] = attrs.Factory(list)
     error: str = ""
+
+
+@attrs.define
+class Round:
+    """What one round measured of the streams it moved, one entry a stream (None: too few events to tell)."""
+
+    gaps: list[float] = attrs.Factory(list)
+    leaving: list[float | None] = attrs.Factory(list)
+    settling: list[float | None] = attrs.Factory(list)
+    steps: list[float | None] = attrs.Factory(list)
+    moved: int = 0
+    outcomes: set[str] = attrs.Factory(set)
+    errors: list[str] = attrs.Factory(list)
+
+
+def pooled(context: int, move: str, rounds: list[Round]) -> dict[str, Any]:
+    """One report row: the streams of every round of `context` and `move` taken together."""
+    gaps = sorted(g for r in rounds for g in r.gaps)
+    step = _median([s for r in rounds for s in r.steps])
+    return {
+        "context": context,
+        "move": move,
+        "rounds": len(rounds),
+        "moved": sum(r.moved for r in rounds),
+        "outcomes": sorted(set().union(*(r.outcomes for r in rounds))),
+        "errors": [e for r in rounds for e in r.errors][:3],
+        "gap_ms": {
+            "p50": _q(gaps, 0.5),
+            "p99": _q(gaps, 0.99),
+            "all": [round(g, 1) for g in gaps],
+            "round_p50s": [_q(sorted(r.gaps), 0.5) for r in rounds],
+        },
+        "slowdown": {
+            "leaving": _median([s for r in rounds for s in r.leaving]),
+            "next": _median([s for r in rounds for s in r.settling]),
+        },
+        "next_step_ms": None if step is None else round(step, 2),
+    }
 
 
 def check(args: argparse.Namespace) -> None:
@@ -71,6 +124,8 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--engine-nice takes 0 to 19 (nice steps), not {args.engine_nice}")
     if (getattr(args, "precopy_tail", None) or 0) < 0:
         raise ConfigError(f"--precopy-tail takes a number of tokens >= 0, not {args.precopy_tail}")
+    if getattr(args, "repeat", 1) < 1:
+        raise ConfigError(f"--repeat takes a number of rounds >= 1, not {args.repeat}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         model = build_tiny_llama(root / "model", TinyLlamaSpec(max_positions=max_len))
-        task = progress.add_task("rounds", total=len(contexts) * len(moves))
+        task = progress.add_task("rounds", total=len(contexts) * len(moves) * args.repeat)
         rows = _run_placed(args, where, model, logs, max_len, contexts, moves, lambda: progress.advance(task))
     result = {
         "engine": "vllm",
@@ -104,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
         "precopy_tail": args.precopy_tail,  # the proxy's --precopy-tail; None: its default
         "engine_nice": args.engine_nice,  # the engines' nice steps below the front end
         "link": link.to_json(),
+        "repeat": args.repeat,  # rounds of each context and way, their streams pooled
         "rows": rows,
+        "flatness": flatness(rows),
     }
     if args.plot:
         plot(args.plot, rows)
@@ -112,22 +169,17 @@ def run(args: argparse.Namespace) -> int:
         print_json(result)
     else:
         print_table(
-            f"kvbridge bench --live-moves: {STREAMS} streams moved at once, {link.describe()}, "
-            f"--executor {args.executor}, --engine-nice {args.engine_nice}",
+            f"kvbridge bench --live-moves: {STREAMS} streams moved at once, {args.repeat} round(s) each, "
+            f"{link.describe()}, --executor {args.executor}, --engine-nice {args.engine_nice}",
             COLUMNS,
-            [
-                [
-                    r["context"],
-                    r["move"],
-                    f"{r['moved']}/{STREAMS}",
-                    _ms(r["gap_ms"]["p50"]),
-                    _ms(r["gap_ms"]["p99"]),
-                    _x(r["slowdown"]["leaving"]),
-                    _x(r["slowdown"]["next"]),
-                ]
-                for r in rows
-            ],
+            [_row(r) for r in rows],
         )
+        for move, flat in result["flatness"].items():
+            low, high = flat["interval"]
+            err_console.print(
+                f"{move}: gap p50 at {flat['to']:,} tokens over {flat['from']:,}: {flat['ratio']:.2f}x "
+                f"({FLATNESS_LEVEL:.0%} interval {low:.2f}-{high:.2f}x)"
+            )
     return 0
 
 
@@ -152,12 +204,42 @@ def _row(r: dict[str, Any]) -> list[Any]:
     return [
         r["context"],
         r["move"],
-        f"{r['moved']}/{STREAMS}",
+        f"{r['moved']}/{STREAMS * r['rounds']}",
         _ms(gap["p50"]),
         _ms(gap["p99"]),
         _x(slow["leaving"]),
         _x(slow["next"]),
+        "-" if r["next_step_ms"] is None else f"{r['next_step_ms']:.1f} ms",
     ]
+
+
+def flatness(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per way to move: the gap's p50 at the longest context over its p50 at the shortest, with its interval.
+
+    The interval resamples each context's streams (bootstrap, percentile method)."""
+    out = {}
+    for move in dict.fromkeys(r["move"] for r in rows):
+        measured = sorted((r for r in rows if r["move"] == move and r["gap_ms"]["all"]), key=lambda r: r["context"])
+        if len(measured) < 2 or measured[0]["context"] == measured[-1]["context"]:
+            continue
+        short, long = (np.asarray(measured[i]["gap_ms"]["all"], dtype=float) for i in (0, -1))
+        spread = _p50(long[bootstrap.resamples(len(long), FLATNESS_RESAMPLES, seed=1)]) / _p50(
+            short[bootstrap.resamples(len(short), FLATNESS_RESAMPLES, seed=2)]
+        )
+        low, high = bootstrap.central(spread, FLATNESS_LEVEL)
+        out[move] = {
+            "from": measured[0]["context"],
+            "to": measured[-1]["context"],
+            "ratio": round(float(_p50(long) / _p50(short)), 3),
+            "interval": [round(low, 3), round(high, 3)],
+        }
+    return out
+
+
+def _p50(gaps: np.ndarray) -> np.ndarray:
+    """The gaps' p50 along their last axis, as `_q` takes it."""
+    n = gaps.shape[-1]
+    return np.sort(gaps, axis=-1)[..., min(n - 1, int(0.5 * n))]
 
 
 def _ms(value: float | None) -> str:
@@ -234,20 +316,19 @@ def _run_placed(
         vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         bench = _Bench(proxy, str(model), {"Authorization": f"Bearer {admin_token(secret)}"}, vocab)
         bench.wait_warm(2)
-        rows = []
+        rounds: dict[tuple[int, str], list[Round]] = {(c, m): [] for c in contexts for m in moves}
         decodes = [a, b]
-        for context in contexts:
-            for move in moves:
-                source, target = decodes
-                try:
-                    rows.append(bench.round(context, move, source, target))
-                except ConfigError as exc:  # the round is reported as failed; the next ones still run
-                    rows.append({"context": context, "move": move, "moved": 0, "outcomes": [], "errors": [str(exc)],
-                                 "gap_ms": {"p50": None, "p99": None, "all": []},
-                                 "slowdown": {"leaving": None, "next": None}})  # fmt: skip
-                decodes.reverse()
-                advance()
-        return rows
+        for _ in range(args.repeat):
+            for context in contexts:
+                for move in moves:
+                    source, target = decodes
+                    try:
+                        rounds[context, move].append(bench.round(context, move, source, target))
+                    except ConfigError as exc:  # the round is reported as failed; the next ones still run
+                        rounds[context, move].append(Round(errors=[str(exc)]))
+                    decodes.reverse()
+                    advance()
+        return [pooled(context, move, done) for (context, move), done in rounds.items()]
 
 
 class _Bench:
@@ -282,8 +363,8 @@ class _Bench:
     def on(self, server: Any) -> int:
         return sum(i["streams"] for i in self.instances()["decode"] if i["url"] == server.url)
 
-    def round(self, context: int, move: str, source: Any, target: Any) -> dict[str, Any]:
-        """8 streams of `context` prompt tokens on `source`, drained to `target` with `move`; their gaps."""
+    def round(self, context: int, move: str, source: Any, target: Any) -> Round:
+        """8 streams of `context` prompt tokens on `source`, drained to `target` with `move`: what the client saw."""
         self.rounds += 1
         names = [f"bench-{self.rounds}-{n}" for n in range(STREAMS)]
         seen = [Stream() for _ in names]
@@ -304,31 +385,25 @@ class _Bench:
         self.call("drain", source, move=move)
         for t in threads:
             t.join(timeout=600)
-        errors = [s.error for s in seen if s.error]
         moved = {m[0]: (m[1], int(m[3]), m[5]) for m in MOVED.findall(self.proxy.log_path.read_text()) if m[0] in names}
-        gaps, leaving, settling = [], [], []
+        out = Round(
+            moved=len(moved), outcomes={m[2] for m in moved.values()}, errors=[s.error for s in seen if s.error]
+        )
         for name, s in zip(names, seen):
             if name not in moved:
                 continue
             cut = moved[name][1]
             gap = handover_gap(s.arrivals, cut)
             if gap is not None:
-                gaps.append(gap)
+                out.gaps.append(gap)
             before = [a for a in s.arrivals if a[0] < drained]
             during = [a for a in s.arrivals if a[0] >= drained and a[1] <= cut]
             after = [a for a in s.arrivals if a[1] > cut][1:]  # from B's first event
-            leaving.append(slowdown(before, during))
-            settling.append(slowdown(after[SETTLE:], after[: SETTLE + 1]))
-        gaps.sort()
-        return {
-            "context": context,
-            "move": move,
-            "moved": len(moved),
-            "outcomes": sorted({m[2] for m in moved.values()}),
-            "errors": errors[:3],
-            "gap_ms": {"p50": _q(gaps, 0.5), "p99": _q(gaps, 0.99), "all": [round(g, 1) for g in gaps]},
-            "slowdown": {"leaving": _median(leaving), "next": _median(settling)},
-        }
+            out.leaving.append(slowdown(before, during))
+            out.settling.append(slowdown(after[SETTLE:], after[: SETTLE + 1]))
+            steady = _rate(after[SETTLE:])
+            out.steps.append(None if not steady else 1e3 / steady)
+        return out
 
     def _stream(self, name: str, context: int, out: Stream) -> None:
         prompt = [self.rng.randrange(10, self.vocab) for _ in range(context)]  # past the special tokens
@@ -359,13 +434,15 @@ def slowdown(steady: list[tuple[float, int]], window: list[tuple[float, int]]) -
 
     Rates, not gaps between events: a burst of events read at once has gaps of zero."""
 
-    def rate(arrivals: list[tuple[float, int]]) -> float | None:
-        if len(arrivals) < 2 or arrivals[-1][0] <= arrivals[0][0]:
-            return None
-        return (arrivals[-1][1] - arrivals[0][1]) / (arrivals[-1][0] - arrivals[0][0])
-
-    fast, slow = rate(steady), rate(window)
+    fast, slow = _rate(steady), _rate(window)
     return None if not fast or not slow else fast / slow
+
+
+def _rate(arrivals: list[tuple[float, int]]) -> float | None:
+    """Tokens a second over a span of arrivals."""
+    if len(arrivals) < 2 or arrivals[-1][0] <= arrivals[0][0]:
+        return None
+    return (arrivals[-1][1] - arrivals[0][1]) / (arrivals[-1][0] - arrivals[0][0])
 
 
 def _median(values: list[float | None]) -> float | None:

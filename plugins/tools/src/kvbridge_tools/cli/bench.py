@@ -50,7 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, choices=sorted(PRESETS), help="KV cache shape preset")
     p.add_argument("--tokens", type=int, default=None, help="prompt tokens per request")
     p.add_argument("--requests", type=int, default=None, help="number of requests to migrate")
-    p.add_argument("--repeat", type=int, default=3, help="measured rounds; medians are reported (default: 3)")
+    p.add_argument(
+        "--repeat", type=int, default=None, help="measured rounds, medians reported (default 3; --live-moves: 1)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument(
         "--sweep-tokens",
@@ -151,6 +153,8 @@ def pick_mode(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     mode = pick_mode(args)
+    if args.repeat is None:  # a round of live moves is 8 streams at every context and way: minutes, not seconds
+        args.repeat = 1 if mode == "vllm-moves" else 3
     if getattr(args, "noise", None) and mode != "vllm-load":
         raise ConfigError("--noise runs busy processes beside vLLM servers under load; add --engine vllm --load")
     if getattr(args, "link", None) and not getattr(args, "hosts", False):
