@@ -172,6 +172,9 @@ def test_the_live_moves_bench_pools_its_rounds_and_bounds_the_gaps_flatness() ->
     assert row["gap_ms"]["round_p50s"] == [30.0, 20.0, None]
     assert row["errors"] == ["a stream failed", "timed out"]
     assert row["slowdown"] == {"leaving": 2.0, "next": 1.5} and row["next_step_ms"] == 7.0
+    assert row["split_ms"] == {"answer": None, "first_event": None}, "no cut the proxy split"
+    split = pooled(256, "precopy", [Round(answers=[5.0, 3.0, 4.0], first_events=[12.0, 30.0, 11.0])])["split_ms"]
+    assert split == {"answer": 4.0, "first_event": 12.0}
 
     short = pooled(256, "precopy", [Round(gaps=[10.0, 11.0, 12.0, 13.0] * 4)])
     long = pooled(7800, "precopy", [Round(gaps=[20.0, 22.0, 24.0, 26.0] * 4)])
@@ -186,6 +189,31 @@ def test_the_live_moves_bench_pools_its_rounds_and_bounds_the_gaps_flatness() ->
         [pooled(256, "precopy", [Round(gaps=[10.0] * 8)]), pooled(7800, "precopy", [Round(gaps=[15.0] * 8)])]
     )
     assert steady["precopy"]["interval"] == [1.5, 1.5], "no spread, no width"
+
+
+def test_the_live_moves_bench_reads_the_proxys_lines_of_a_move() -> None:
+    """What the bench takes from the proxy's log: each move's stream, cut and outcome, and the split of its cut."""
+    from kvbridge_tools.bench.vllm_moves import ANSWERED, MOVED
+
+    log = (
+        "2026-12-07 03:44:39,245 INFO kvbridge_proxy.app: stream kvbridge-move-4ea9: http://198.51.100.2:23963 "
+        "answered kvbridge-896d in 5.4 ms, its first event came 34.0 ms later\n"
+        "2026-12-07 03:44:39,245 WARNING kvbridge_proxy.app: stream kvbridge-move-4ea9 (request bench-2-6) moved "
+        "from http://198.51.100.3:31175 to http://198.51.100.2:23963 after 124 tokens (an operator drained its "
+        "decode, precopied): first event 39.6 ms after the cut (closing the source 2.7 ms)\n"
+    )
+    assert MOVED.findall(log) == [
+        (
+            "kvbridge-move-4ea9",
+            "bench-2-6",
+            "http://198.51.100.3:31175",
+            "http://198.51.100.2:23963",
+            "124",
+            "an operator drained its decode",
+            "precopied",
+        )
+    ]
+    assert ANSWERED.findall(log) == [("kvbridge-move-4ea9", "5.4", "34.0")]
 
 
 def test_split_cores_gives_prefill_and_decode_halves_and_refuses_one_cpu() -> None:

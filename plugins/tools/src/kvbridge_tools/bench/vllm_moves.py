@@ -13,7 +13,8 @@ the client's gap at the handover (its last event from the decode it left to its 
 each decode's slowdown during the move, the median of a stream's token rate before over its rate during (on the
 decode it leaves, from the drain to the cut, where the pre-copy runs, against before the drain; on the next, its
 first 16 events against the rest); and the next decode's step, the median time a token took there after those 16,
-the unit a cut's gap is paid in. Per way, the gap's flatness: its p50 at the longest context over its p50 at the
+the unit a cut's gap is paid in; and the proxy's split of each cut (p50s: the next decode's API server answering the
+continuation, then its first event). Per way, the gap's flatness: its p50 at the longest context over its p50 at the
 shortest, with a bootstrap interval over the streams.
 """
 
@@ -53,7 +54,9 @@ SETTLE = 16  # events on the next decode counted as "during the move"
 # the engines below the front end: with three engines' compute on two vCPUs, each hop of a cut through an API server
 # or the proxy otherwise waits for a CPU (docs/elastic.md, "The front end's hops")
 ENGINE_NICE = 10
-MOVED = re.compile(r"\(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (\w+)\)")
+MOVED = re.compile(r"stream (\S+) \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (\w+)\)")
+# the proxy's split of a cut: the next decode's API server answering the continuation, then its first event
+ANSWERED = re.compile(r"stream (\S+): \S+ answered \S+ in ([\d.]+) ms, its first event came ([\d.]+) ms later")
 COLUMNS = [
     "context",
     "move",
@@ -63,6 +66,7 @@ COLUMNS = [
     "leaving decode slowdown",
     "next decode slowdown",
     "next decode step",
+    "answer + first event",
 ]
 FLATNESS_LEVEL, FLATNESS_RESAMPLES = 0.95, 2000
 
@@ -83,6 +87,8 @@ class Round:
     leaving: list[float | None] = attrs.Factory(list)
     settling: list[float | None] = attrs.Factory(list)
     steps: list[float | None] = attrs.Factory(list)
+    answers: list[float] = attrs.Factory(list)  # the proxy's split of each cut (ms): the answer, then the first event
+    first_events: list[float] = attrs.Factory(list)
     moved: int = 0
     outcomes: set[str] = attrs.Factory(set)
     errors: list[str] = attrs.Factory(list)
@@ -110,6 +116,10 @@ def pooled(context: int, move: str, rounds: list[Round]) -> dict[str, Any]:
             "next": _median([s for r in rounds for s in r.settling]),
         },
         "next_step_ms": None if step is None else round(step, 2),
+        "split_ms": {  # p50s of the proxy's split: the next decode's API server's answer, then its first event
+            "answer": _q(sorted(a for r in rounds for a in r.answers), 0.5),
+            "first_event": _q(sorted(e for r in rounds for e in r.first_events), 0.5),
+        },
     }
 
 
@@ -174,11 +184,19 @@ def run(args: argparse.Namespace) -> int:
             COLUMNS,
             [_row(r) for r in rows],
         )
-        for move, flat in result["flatness"].items():
-            low, high = flat["interval"]
-            err_console.print(
-                f"{move}: gap p50 at {flat['to']:,} tokens over {flat['from']:,}: {flat['ratio']:.2f}x "
-                f"({FLATNESS_LEVEL:.0%} interval {low:.2f}-{high:.2f}x)"
+        if result["flatness"]:
+            print_table(
+                "the gap's flatness: its p50 at the longest context over its p50 at the shortest",
+                ["move", "contexts", "p50 over p50", f"{FLATNESS_LEVEL:.0%} interval"],
+                [
+                    [
+                        move,
+                        f"{f['to']} over {f['from']}",
+                        _x(f["ratio"]),
+                        f"{_x(f['interval'][0])}-{_x(f['interval'][1])}",
+                    ]
+                    for move, f in result["flatness"].items()
+                ],
             )
     return 0
 
@@ -200,7 +218,7 @@ def plot(path: str, rows: list[dict[str, Any]]) -> None:
 
 
 def _row(r: dict[str, Any]) -> list[Any]:
-    gap, slow = r["gap_ms"], r["slowdown"]
+    gap, slow, split = r["gap_ms"], r["slowdown"], r["split_ms"]
     return [
         r["context"],
         r["move"],
@@ -210,6 +228,7 @@ def _row(r: dict[str, Any]) -> list[Any]:
         _x(slow["leaving"]),
         _x(slow["next"]),
         "-" if r["next_step_ms"] is None else f"{r['next_step_ms']:.1f} ms",
+        "-" if split["answer"] is None else f"{split['answer']:.0f} + {split['first_event']:.0f} ms",
     ]
 
 
@@ -385,14 +404,19 @@ class _Bench:
         self.call("drain", source, move=move)
         for t in threads:
             t.join(timeout=600)
-        moved = {m[0]: (m[1], int(m[3]), m[5]) for m in MOVED.findall(self.proxy.log_path.read_text()) if m[0] in names}
+        log = self.proxy.log_path.read_text()
+        moved = {m[1]: (m[0], int(m[4]), m[6]) for m in MOVED.findall(log) if m[1] in names}
+        answered = {m[0]: (float(m[1]), float(m[2])) for m in ANSWERED.findall(log)}
         out = Round(
             moved=len(moved), outcomes={m[2] for m in moved.values()}, errors=[s.error for s in seen if s.error]
         )
         for name, s in zip(names, seen):
             if name not in moved:
                 continue
-            cut = moved[name][1]
+            move_id, cut = moved[name][0], moved[name][1]
+            if move_id in answered:
+                out.answers.append(answered[move_id][0])
+                out.first_events.append(answered[move_id][1])
             gap = handover_gap(s.arrivals, cut)
             if gap is not None:
                 out.gaps.append(gap)
