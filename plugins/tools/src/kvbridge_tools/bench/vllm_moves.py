@@ -404,9 +404,9 @@ class _Bench:
         self.call("drain", source, move=move)
         for t in threads:
             t.join(timeout=600)
-        log = self.proxy.log_path.read_text()
-        moved = {m[1]: (m[0], int(m[4]), m[6]) for m in MOVED.findall(log) if m[1] in names}
-        answered = {m[0]: (float(m[1]), float(m[2])) for m in ANSWERED.findall(log)}
+        proxy_log = self.proxy.log_path.read_text()
+        moved = {m[1]: (m[0], int(m[4]), m[6]) for m in MOVED.findall(proxy_log) if m[1] in names}
+        answered = {m[0]: (float(m[1]), float(m[2])) for m in ANSWERED.findall(proxy_log)}
         out = Round(
             moved=len(moved), outcomes={m[2] for m in moved.values()}, errors=[s.error for s in seen if s.error]
         )
