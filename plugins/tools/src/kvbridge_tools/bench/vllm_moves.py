@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if result["flatness"]:
             print_table(
-                "the gap's flatness: its p50 at the longest context over its p50 at the shortest",
+                "the gap's flatness: p50 at the longest context over p50 at the shortest",
                 ["move", "contexts", "p50 over p50", f"{FLATNESS_LEVEL:.0%} interval"],
                 [
                     [
