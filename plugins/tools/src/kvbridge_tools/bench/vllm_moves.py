@@ -427,6 +427,12 @@ class _Bench:
             out.settling.append(slowdown(after[SETTLE:], after[: SETTLE + 1]))
             steady = _rate(after[SETTLE:])
             out.steps.append(None if not steady else 1e3 / steady)
+        if out.moved and not out.answers:  # each cut that moved a stream logs its split: the bench no longer reads it
+            err_console.print(
+                f"no split of this round's {out.moved} cuts found in the proxy's log: check its wording against "
+                "ANSWERED (kvbridge_tools.bench.vllm_moves)",
+                markup=False,
+            )
         return out
 
     def _stream(self, name: str, context: int, out: Stream) -> None:
