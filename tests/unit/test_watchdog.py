@@ -135,14 +135,33 @@ def test_without_eu_stack_a_dump_says_what_to_install(monkeypatch: pytest.Monkey
 
 
 def test_a_spinning_thread_is_named_on_a_cpu_or_waiting_for_one(caplog: pytest.LogCaptureFixture) -> None:
-    def spins(beat: object) -> None:
-        deadline = time.monotonic() + 20
-        while getattr(beat, "dumped", None) is None and time.monotonic() < deadline:
-            pass  # never yields but for the interpreter's switch interval: always runnable
+    """A thread that spins is on a CPU or waiting for one, never "blocked", wherever the box let it spin.
 
-    mine = _stalled(caplog, spins).splitlines()[2]
-    # on a quiet box it ran; on a loaded one it may have waited for a CPU instead: never blocked
-    assert "busy on a CPU" in mine or "runnable but not run" in mine, mine
+    A box can hold a spinning thread by itself: in a clean-clone CI run on a box whose disk was 99 % full, no thread of
+    the test's process ran or waited for a CPU for 0.29 s of a 0.5 s window, and the watchdog said "neither running
+    nor runnable" (a Python thread then waits for the GIL, or for a page, in the kernel; what held it there was not
+    found). That is the watchdog telling the truth about a thread that was not let spin. So the spinner measures
+    itself with the same kernel counters, and the verdict is judged on a spin the box held for at most a tenth of its
+    time; the scenario is run again (at most 3 times) when it was held longer, never the verdict."""
+    held: list[float] = []  # per try: the share of its spin the spinner was neither running nor runnable
+
+    def spins(beat: object) -> None:
+        me = threading.get_native_id()
+        began, (ran0, waited0) = time.monotonic(), schedstats()[me]
+        deadline = began + 20
+        while getattr(beat, "dumped", None) is None and time.monotonic() < deadline:
+            pass  # never yields but for the interpreter's switch interval
+        wall, (ran, waited) = time.monotonic() - began, schedstats()[me]
+        held.append(1 - ((ran - ran0) + (waited - waited0)) / 1e9 / wall)
+
+    for _ in range(3):
+        caplog.clear()
+        mine = _stalled(caplog, spins).splitlines()[2]
+        if held[-1] <= 0.1:  # its window (a third of its spin at least) was then held under a third: not blocked
+            break
+    else:
+        pytest.fail(f"the box held the spinning thread for {', '.join(f'{h:.0%}' for h in held)} of its 3 tries")
+    assert "busy on a CPU" in mine or "runnable but not run" in mine, (mine, held)
     ran, waited = (float(mine.split(f"{k} ")[1].split(" s")[0]) for k in ("ran", "waited"))
     assert ran + waited >= STALL_S / 2, mine
 
