@@ -137,10 +137,10 @@ def test_without_eu_stack_a_dump_says_what_to_install(monkeypatch: pytest.Monkey
 def test_a_spinning_thread_is_named_on_a_cpu_or_waiting_for_one(caplog: pytest.LogCaptureFixture) -> None:
     """A thread that spins is on a CPU or waiting for one, never "blocked", wherever the box let it spin.
 
-    A box can hold a spinning thread by itself: in a clean-clone CI run on a box whose disk was 99 % full, no thread of
-    the test's process ran or waited for a CPU for 0.29 s of a 0.5 s window, and the watchdog said "neither running
-    nor runnable" (a Python thread then waits for the GIL, or for a page, in the kernel; what held it there was not
-    found). That is the watchdog telling the truth about a thread that was not let spin. So the spinner measures
+    A box can hold a spinning thread by itself: in a clean-clone CI run on a box with under 1 GB of disk left, no
+    thread of the test's process ran or waited for a CPU for 0.29 s of a 0.5 s window, and the watchdog said "neither
+    running nor runnable" (a Python thread then waits for the GIL, or for a page, in the kernel; what held it there was
+    not found). That is the watchdog telling the truth about a thread that was not let spin. So the spinner measures
     itself with the same kernel counters, and the verdict is judged on a spin the box held for at most a tenth of its
     time; the scenario is run again (at most 3 times) when it was held longer, never the verdict."""
     held: list[float] = []  # per try: the share of its spin the spinner was neither running nor runnable
