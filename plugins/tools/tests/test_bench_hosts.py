@@ -202,18 +202,18 @@ def test_the_live_moves_bench_reads_the_proxys_lines_of_a_move() -> None:
         "from http://198.51.100.3:31175 to http://198.51.100.2:23963 after 124 tokens (an operator drained its "
         "decode, precopied): first event 39.6 ms after the cut (closing the source 2.7 ms)\n"
     )
-    assert MOVED.findall(log) == [
-        (
-            "kvbridge-move-4ea9",
-            "bench-2-6",
-            "http://198.51.100.3:31175",
-            "http://198.51.100.2:23963",
-            "124",
-            "an operator drained its decode",
-            "precopied",
-        )
-    ]
-    assert ANSWERED.findall(log) == [("kvbridge-move-4ea9", "5.4", "34.0")]
+    (moved,) = MOVED.finditer(log)
+    assert moved.groupdict() == {
+        "move": "kvbridge-move-4ea9",
+        "request": "bench-2-6",
+        "source": "http://198.51.100.3:31175",
+        "target": "http://198.51.100.2:23963",
+        "tokens": "124",
+        "why": "an operator drained its decode",
+        "outcome": "precopied",
+    }
+    (answered,) = ANSWERED.finditer(log)
+    assert answered.groupdict() == {"move": "kvbridge-move-4ea9", "answer_ms": "5.4", "first_ms": "34.0"}
 
 
 def test_split_cores_gives_prefill_and_decode_halves_and_refuses_one_cpu() -> None:

@@ -54,9 +54,15 @@ SETTLE = 16  # events on the next decode counted as "during the move"
 # the engines below the front end: with three engines' compute on two vCPUs, each hop of a cut through an API server
 # or the proxy otherwise waits for a CPU (docs/elastic.md, "The front end's hops")
 ENGINE_NICE = 10
-MOVED = re.compile(r"stream (\S+) \(request (\S+)\) moved from (\S+) to (\S+) after (\d+) tokens \((.+), (\w+)\)")
+MOVED = re.compile(
+    r"stream (?P<move>\S+) \(request (?P<request>\S+)\) moved from (?P<source>\S+) to (?P<target>\S+)"
+    r" after (?P<tokens>\d+) tokens \((?P<why>.+), (?P<outcome>\w+)\)"
+)
 # the proxy's split of a cut: the next decode's API server answering the continuation, then its first event
-ANSWERED = re.compile(r"stream (\S+): \S+ answered \S+ in ([\d.]+) ms, its first event came ([\d.]+) ms later")
+ANSWERED = re.compile(
+    r"stream (?P<move>\S+): \S+ answered \S+ in (?P<answer_ms>[\d.]+) ms,"
+    r" its first event came (?P<first_ms>[\d.]+) ms later"
+)
 COLUMNS = [
     "context",
     "move",
@@ -405,8 +411,12 @@ class _Bench:
         for t in threads:
             t.join(timeout=600)
         proxy_log = self.proxy.log_path.read_text()
-        moved = {m[1]: (m[0], int(m[4]), m[6]) for m in MOVED.findall(proxy_log) if m[1] in names}
-        answered = {m[0]: (float(m[1]), float(m[2])) for m in ANSWERED.findall(proxy_log)}
+        moved = {
+            m["request"]: (m["move"], int(m["tokens"]), m["outcome"])
+            for m in MOVED.finditer(proxy_log)
+            if m["request"] in names
+        }
+        answered = {m["move"]: (float(m["answer_ms"]), float(m["first_ms"])) for m in ANSWERED.finditer(proxy_log)}
         out = Round(
             moved=len(moved), outcomes={m[2] for m in moved.values()}, errors=[s.error for s in seen if s.error]
         )
