@@ -39,7 +39,7 @@ from kvbridge.session.timeline import HEADER as TIMING_HEADER  # noqa: E402
 from kvbridge.session.timeline import parse as parse_timeline  # noqa: E402
 from kvbridge_tools.harness.fixtures import wait_for  # noqa: E402
 from kvbridge_tools.harness.hosts import Hosts  # noqa: E402
-from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
+from kvbridge_tools.harness.tiny_model import VOCAB, TinyLlamaSpec, build_tiny_llama, random_prompt  # noqa: E402
 from kvbridge_tools.harness.vllm_server import (  # noqa: E402
     LOADED_HOST_DEADLINE_S,
     Completions,
@@ -509,6 +509,31 @@ def test_batched_prompts_and_n_match_colocated(cluster: Cluster) -> None:
     assert cluster.http.post(f"{cluster.colocated.url}/v1/completions", json=greedy).status_code == 400
     left = cluster.prefill.wait_kv_usage(0.0, timeout=60)  # every part's lease ended by its DONE
     assert left == 0.0, failure_reports(cluster.prefill)
+
+
+def test_a_bad_word_is_looked_for_in_the_output_only_so_a_moved_stream_is_not_moved(cluster: Cluster) -> None:
+    """What the proxy's refusal to move a stream with `bad_words` rests on (kvbridge_proxy.moving_stream.refusal).
+
+    vLLM looks for a bad word's first tokens in the request's own output only. A continuation whose prompt ends
+    with them (a moved stream's, cut between the word's tokens) may still produce its last token, where the stream
+    left where it was could not."""
+    text = random_prompt(40, seed=97)
+    free = cluster.answer(cluster.colocated, text, max_tokens=48)["choices"][0]
+    prompt, out = free["prompt_token_ids"], free["token_ids"]
+    plain = {i for i, ch in enumerate(VOCAB) if len(ch) == 1 and ch.isprintable() and not ch.isspace()}
+    seen: set[tuple[int, int]] = set()
+    for k in range(1, len(out)):
+        pair = (out[k - 1], out[k])
+        if set(pair) <= plain and pair not in seen:
+            break
+        seen.add(pair)
+    else:
+        pytest.fail(f"no two printable tokens in a row, first seen, in {out}: pick another prompt")
+    word = VOCAB[out[k - 1]] + VOCAB[out[k]]
+    unmoved = cluster.token_ids(cluster.colocated, text, max_tokens=k + 1, bad_words=[word])
+    assert unmoved[:k] == out[:k] and unmoved[k] != out[k], (word, k, unmoved, out)
+    resumed = cluster.token_ids(cluster.colocated, "", prompt=prompt + out[:k], max_tokens=1, bad_words=[word])
+    assert resumed == [out[k]], "vLLM now looks for a bad word across the prompt too: bad_words can be carried"
 
 
 def test_concurrent_requests_sharing_an_x_request_id_match_colocated(cluster: Cluster) -> None:

@@ -31,6 +31,7 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import admin_token
 from kvbridge.control import ControlServer, LeaseState, Ledger, open_registry
 from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.params import KVTransferParams
 from kvbridge.session.lending import precopied, precopy_id
 from kvbridge_proxy import membership
 from kvbridge_proxy.app import Proxy, create_app
@@ -928,12 +929,21 @@ def test_a_movable_streams_error_answer_names_what_failed_but_no_address(cluster
         ("/v1/completions", {"response_format": {"type": "json_object"}}, "structured output"),
         ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tool calls"),
         ("/v1/chat/completions", {"logprobs": True}, "chat logprobs"),
+        ("/v1/chat/completions", {"logprob_token_ids": [5]}, "chat logprobs"),
+        # vLLM checks these against the request's own output tokens only (its sampler's `apply_bad_words` gets
+        # `output_token_ids`), which on the next decode start at the cut
+        ("/v1/completions", {"bad_words": ["ab"]}, "bad word"),
+        ("/v1/completions", {"repetition_detection": {"max_pattern_size": 4}}, "repetition detection"),
+        ("/v1/chat/completions", {"thinking_token_budget": 64}, "thinking budget"),
+        ("/v1/completions", {"watermarking": True}, "watermarking"),
+        ("/v1/completions", {"vllm_xargs": {"my_processor": 1}}, "vllm_xargs"),
     ],
 )
 def test_requests_whose_parameters_cannot_be_carried_are_not_moved(path: str, extra: dict, why: str) -> None:
     body = {"model": "m", "stream": True, "max_tokens": 4}
     assert refusal(path, body) is None
-    assert refusal(path, body | {"repetition_penalty": 1.2, "response_format": {"type": "text"}}) is None
+    harmless = {"repetition_penalty": 1.2, "response_format": {"type": "text"}, "thinking_token_budget": -1}
+    assert refusal(path, body | harmless | {"bad_words": [], "watermarking": False, "vllm_xargs": {}}) is None
     assert why in (refusal(path, body | extra) or "")
 
 
@@ -941,6 +951,26 @@ VLLM_METRICS = """# HELP vllm:kv_cache_usage_perc KV-Cache usage. 1 means 100 pe
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} %s
 """
+
+
+def test_a_continuation_carries_what_shapes_each_step_and_a_pull_only_what_it_needs() -> None:
+    body = {"model": "m", "stream": True, "max_tokens": 8, "temperature": 0, "logprobs": 2, "logprob_token_ids": [5, 6]}
+    body |= {"stream_interval": 2, "stop_token_ids": [7], "return_token_ids": False, "echo": True, "prompt": "xyz"}
+    stream = MovingStream("/v1/completions", body, prompt=[1, 2, 3], generated=[4, 5])
+    resumed = stream.resume_body(None, mark=True)
+    assert resumed["prompt"] == [1, 2, 3, 4, 5] and resumed["max_tokens"] == 6
+    assert {k: resumed[k] for k in ("logprobs", "logprob_token_ids", "stream_interval", "stop_token_ids")} == {
+        "logprobs": 2,
+        "logprob_token_ids": [5, 6],
+        "stream_interval": 2,
+        "stop_token_ids": [7],
+    }
+    assert "echo" not in resumed and resumed["return_token_ids"] is True
+    pull = stream.pull_body(KVTransferParams(remote_engine_id="a"), lease="L")
+    assert pull["max_tokens"] == 1 and pull["stream"] is False
+    assert not {"logprobs", "logprob_token_ids", "return_token_ids"} & set(pull)
+    chat = MovingStream("/v1/chat/completions", body, prompt=[1, 2, 3], generated=[4, 5])
+    assert not {"logprobs", "logprob_token_ids"} & set(chat.resume_body(None, mark=False))
 
 
 def test_the_rebalancing_policy_moves_a_quarter_of_a_full_decodes_longest_streams_to_an_idle_one() -> None:

@@ -47,6 +47,7 @@ CARRIED = (
     "priority",
     "cache_salt",
     "return_tokens_as_token_ids",
+    "stream_interval",
 )
 # Keys a delta may carry for the generated ids to spell the whole answer (a reasoning or tool parser's do not).
 PLAIN_DELTA = {"role", "content"}
@@ -107,6 +108,16 @@ def refusal(path: str, body: dict[str, Any]) -> str | None:
         return "frequency/presence penalties count output tokens only"
     if body.get("stop"):
         return "stop strings may span the cut"
+    if body.get("bad_words"):
+        return "a bad word of several tokens may span the cut"
+    if body.get("repetition_detection"):
+        return "repetition detection reads output tokens only"
+    if body.get("thinking_token_budget") not in (None, -1):
+        return "a thinking budget counts output tokens"
+    if body.get("watermarking"):
+        return "watermarking reads the output's history"
+    if body.get("vllm_xargs"):
+        return "custom extensions' arguments (vllm_xargs) may keep state over the output"
     structured = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
     response_format = body.get("response_format")
     if any(body.get(k) for k in structured) or (response_format and response_format != {"type": "text"}):
@@ -114,7 +125,7 @@ def refusal(path: str, body: dict[str, Any]) -> str | None:
     if path == CHAT:
         if body.get("tools") or body.get("functions"):
             return "tool calls are parsed over the whole output"
-        if body.get("logprobs") or body.get("top_logprobs"):
+        if body.get("logprobs") or body.get("top_logprobs") or body.get("logprob_token_ids"):
             return "chat logprobs"
     elif body.get("suffix") is not None:
         return "suffix"
@@ -320,7 +331,7 @@ class MovingStream:
 
         `lease`: the lease to read (a pre-copy stage's, else the cut's); `tokens`: the context's first tokens only."""
         body = {**self.resume_body(source, mark=False, lease=lease, tokens=tokens), "stream": False, "max_tokens": 1}
-        for key in ("min_tokens", "logprobs", "stream_options", "return_token_ids"):
+        for key in ("min_tokens", "logprobs", "logprob_token_ids", "stream_options", "return_token_ids"):
             body.pop(key, None)
         return body
 
@@ -333,8 +344,8 @@ class MovingStream:
         decode can be moved from too. `lease` and `tokens`: as in `pull_body`."""
         assert self.prompt is not None
         body = {k: self.body[k] for k in CARRIED if k in self.body}
-        if self.path != CHAT and self.body.get("logprobs") is not None:
-            body["logprobs"] = self.body["logprobs"]
+        if self.path != CHAT:
+            body |= {k: self.body[k] for k in ("logprobs", "logprob_token_ids") if self.body.get(k) is not None}
         context = self.prompt + self.generated
         body.update(prompt=context[:tokens] if tokens else context, stream=True, return_token_ids=True)
         if self.limit is not None:  # a spent stream is never moved (`spent`): at least one token is left
