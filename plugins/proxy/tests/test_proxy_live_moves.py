@@ -918,6 +918,10 @@ def test_a_movable_streams_error_answer_names_what_failed_but_no_address(cluster
     assert "127.0.0.1" not in r.text and "peer closed" not in r.text, r.text
 
 
+TEXT = {"type": "text", "text": "what is in it?"}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "why"),
     [
@@ -937,6 +941,10 @@ def test_a_movable_streams_error_answer_names_what_failed_but_no_address(cluster
         ("/v1/chat/completions", {"thinking_token_budget": 64}, "thinking budget"),
         ("/v1/completions", {"watermarking": True}, "watermarking"),
         ("/v1/completions", {"vllm_xargs": {"my_processor": 1}}, "vllm_xargs"),
+        # a continuation is token ids: an image's placeholders without the image (or its positions)
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [TEXT, IMAGE]}]}, "media"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "media"),
+        ("/v1/completions", {"prompt_embeds": "base64 of a tensor"}, "embeddings"),
     ],
 )
 def test_requests_whose_parameters_cannot_be_carried_are_not_moved(path: str, extra: dict, why: str) -> None:
@@ -944,6 +952,8 @@ def test_requests_whose_parameters_cannot_be_carried_are_not_moved(path: str, ex
     assert refusal(path, body) is None
     harmless = {"repetition_penalty": 1.2, "response_format": {"type": "text"}, "thinking_token_budget": -1}
     assert refusal(path, body | harmless | {"bad_words": [], "watermarking": False, "vllm_xargs": {}}) is None
+    texts = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [TEXT, TEXT]}]
+    assert refusal(path, body | {"messages": texts}) is None
     assert why in (refusal(path, body | extra) or "")
 
 

@@ -156,8 +156,8 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="move each streamed request off a decode that drains to another decode, which pulls its KV (prompt and "
         "tokens so far) from the draining one and continues the stream; requests whose parameters cannot be carried "
-        "(seed, stop strings, bad words, frequency/presence penalties, n > 1, tools; docs/elastic.md) finish where "
-        "they are. A stream whose decode dies is continued by another decode that computes it (default off)",
+        "(seed, stop strings, bad words, frequency/presence penalties, n > 1, tools, media; docs/elastic.md) finish "
+        "where they are. A stream whose decode dies is continued by another decode that computes it (default off)",
     )
     p.add_argument(
         "--move",

@@ -122,6 +122,8 @@ def refusal(path: str, body: dict[str, Any]) -> str | None:
     response_format = body.get("response_format")
     if any(body.get(k) for k in structured) or (response_format and response_format != {"type": "text"}):
         return "structured output keeps a grammar's state"
+    if body.get("prompt_embeds") is not None or (path == CHAT and _has_media(body.get("messages"))):
+        return "media or embeddings in the prompt: the next decode would get its token ids alone"
     if path == CHAT:
         if body.get("tools") or body.get("functions"):
             return "tool calls are parsed over the whole output"
@@ -130,6 +132,13 @@ def refusal(path: str, body: dict[str, Any]) -> str | None:
     elif body.get("suffix") is not None:
         return "suffix"
     return None
+
+
+def _has_media(messages: Any) -> bool:
+    """A chat message has a content part other than text (an image, audio, a video, a file)."""
+    contents = [m.get("content") for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    parts = [p for c in contents if isinstance(c, list) for p in c]
+    return any(not isinstance(p, dict) or p.get("type") != "text" for p in parts)
 
 
 def pull_outcome(timing: dict[str, Any]) -> str:
