@@ -44,8 +44,24 @@ def test_short_form_pulls_everything_and_the_cost_per_peer_stays_flat(tmp_path: 
     assert plot.read_text().startswith("<svg")
 
 
+def test_a_figure_with_nothing_to_measure_is_null_in_valid_json() -> None:
+    # 1 x 1: the deployment's one pair is its warm-up, so there is no first contact to give a median of
+    done = _bench("--sizes", "1x1", "--records", "0", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON (jq and JSON.parse refuse it)")
+
+    [size] = json.loads(done.stdout, parse_constant=refuse)["sizes"]
+    assert size["first_contacts"] == 0 and size["first_contact_p50_ms"] is None and size["failed"] == 0
+
+
 def test_bad_sizes_and_spreads_are_refused_with_what_to_do() -> None:
     done = _bench("--sizes", "0x4")
     assert done.returncode == 2 and "at least one prefill and one decode rank" in done.stderr
     done = _bench("--sizes", "1x1", "--spread", "9", "--records", "0")
     assert done.returncode != 0 and "--spread must be 1 to 8" in done.stderr
+    # a typo of a size is refused before it starts a process, not run until the machine is out of memory
+    done = _bench("--sizes", "2x8,100000x100000", "--records", "0", timeout=30)
+    assert done.returncode != 0 and "--sizes 100000x100000 needs about" in done.stderr, done.stderr[-2000:]
+    assert "ask for fewer ranks" in done.stderr

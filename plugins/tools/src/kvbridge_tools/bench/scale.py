@@ -45,6 +45,7 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.control import open_registry
 from kvbridge.control.discovery import ServerRecord
 from kvbridge.session.pull_control import CONTROL_TIMEOUT_S, DONE_ATTEMPTS
+from kvbridge_tools.bench.load_probes import MEMORY_MARGIN_GIB, memory_available_gib
 from kvbridge_tools.bench.plot import check_path, write_chart
 from kvbridge_tools.bench.scale_rank import BLOCKS
 from kvbridge_tools.harness.etcd import etcd_server
@@ -58,6 +59,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = "1x4,4x16,16x64,64x256"
 TOKENS = 16  # one block of the ranks' cache
+# a rank process's resident memory, and each rank's share with its peers' connections, rounded up from what the runs
+# measured (60-67 MiB a process, 79 with 16 prefill ranks of 16 peers each; docs/measurements/scale.md)
+PROCESS_MIB = 64
+RANK_MIB = 2
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -106,6 +111,22 @@ def _sizes(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"a size needs at least one prefill and one decode rank, got {item!r}")
         out.append(size)
     return out
+
+
+def _check_fits(sizes: list[tuple[int, int]], per_process: int) -> None:
+    """Refuse, before any process starts, a size whose rank processes would not fit in the memory free now."""
+
+    def mib(size: tuple[int, int]) -> int:
+        return sum(math.ceil(n / per_process) * PROCESS_MIB + n * RANK_MIB for n in size)
+
+    largest = max(sizes, key=mib)
+    need, have = mib(largest) / 1024 + MEMORY_MARGIN_GIB, memory_available_gib()
+    if need > have:
+        p, d = largest
+        raise ConfigError(
+            f"--sizes {p}x{d} needs about {need:.1f} GiB for its rank processes ({per_process} ranks to a process) and "
+            f"this machine has {have:.1f} GiB available: ask for fewer ranks"
+        )
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -417,6 +438,7 @@ def run(args: argparse.Namespace) -> int:
             f"--spread must be 1 to {BLOCKS} (a decode rank's pulls land in blocks of their own), --ranks-per-process "
             "at least 1, --records at least 0"
         )
+    _check_fits(args.sizes, args.ranks_per_process)
     if args.plot:
         check_path(args.plot)
     backend = "tcp" if args.migration_backend == "mooncake" and args.sizes[-1][1] > 64 else args.migration_backend
