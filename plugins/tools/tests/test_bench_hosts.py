@@ -109,6 +109,10 @@ def test_link_without_hosts_and_hosts_outside_pair_mode_are_refused() -> None:
     for extra, why in [(["--compare", "nixl"], "drop --compare"), (["--transfer", "layerwise"], "measures pull mode")]:
         out = kvbridge("bench", "--hosts", "--engine", "vllm", *extra)
         assert out.returncode != 0 and why in out.stdout + out.stderr
+    # --requests 0 was read as "the default" by the load bench, and -1 was refused for its --slices
+    for mode in (["--engine", "vllm", "--load", "--hosts"], []):
+        out = kvbridge("bench", *mode, "--requests", "0")
+        assert out.returncode == 2 and "--requests takes a number of requests >= 1, not 0" in out.stderr
 
 
 def test_noise_specs_and_their_refusals() -> None:

@@ -153,6 +153,10 @@ def pick_mode(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     mode = pick_mode(args)
+    if args.requests is not None and args.requests < 1:
+        raise ConfigError(
+            f"--requests takes a number of requests >= 1, not {args.requests} (leave it out: the default)"
+        )
     if args.repeat is None:  # a round of live moves is 8 streams at every context and way: minutes, not seconds
         args.repeat = 1 if mode == "vllm-moves" else 3
     if getattr(args, "noise", None) and mode != "vllm-load":
