@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,9 +18,11 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request, Response
 
+from kvbridge.base.errors import ConfigError
 from kvbridge.control import ControlServer, LeaseState, Ledger
 from kvbridge_proxy import app as proxy
 from kvbridge_proxy.limits import Limits, server
+from kvbridge_proxy.settings import ProxySettings
 from kvbridge_tools.harness.fixtures import wait_for
 from kvbridge_tools.harness.pd_servers import Serving, Upstream
 from kvbridge_tools.harness.ports import free_port
@@ -200,3 +203,14 @@ def test_the_limits_options_refuse_what_bounds_nothing() -> None:
     ):
         with pytest.raises(SystemExit):
             parser.parse_args(["proxy", *bad])
+
+
+def test_settings_refuse_a_server_that_is_no_url_and_a_wait_that_is_no_time() -> None:
+    for url in ("notaurl", "localhost:8000", "http://127.0.0.1:99999", "ftp://10.0.0.1:21", "http://:8000"):
+        with pytest.raises(ConfigError, match="write it as http://HOST:PORT"):
+            ProxySettings([url], ["http://127.0.0.1:8200"])
+    for name in ("health_interval", "timeout", "connect_timeout"):
+        for seconds in (0.0, -1.0, math.nan, math.inf):
+            with pytest.raises(ConfigError, match="takes a number of seconds > 0"):
+                ProxySettings(["http://127.0.0.1:8100"], ["http://[::1]:8200"], **{name: seconds})
+    assert ProxySettings(["https://p.example:443"], ["http://[::1]:8200"]).decode == ("http://[::1]:8200",)

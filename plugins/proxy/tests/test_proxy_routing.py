@@ -594,19 +594,27 @@ def test_health_checks_go_on_when_the_http_stack_raises_what_it_should_not(
     # An exception that is no httpx.HTTPError (here InvalidURL for a port with a space; in a chaos run,
     # httpcore's AttributeError on a socket closed mid-connect) once ended the health loop for good, and
     # every server taken out after that stayed out: 544 of 1000 requests failed "no healthy prefill".
+    # The proxy's options refuse such a URL now; a registry record's is taken as announced.
     prefill, decode = upstreams
-    broken = "http://127.0.0.1:12 34"
-    with (
-        caplog.at_level("WARNING", logger="kvbridge_proxy.app"),
-        Serving(create_app([prefill.url], [broken, decode.url], health_interval=0.01, warm_up=False)) as front,
-    ):
-        seen = decode.health_calls
-        deadline = time.monotonic() + 30
-        while decode.health_calls < seen + 5:
-            assert time.monotonic() < deadline, "the proxy stopped probing"
-            time.sleep(0.01)
-        state = httpx.get(f"{front.url}/instances", trust_env=False).json()
-    assert [d["healthy"] for d in state["decode"]] == [False, True]
+    front = proxy.Proxy(proxy.ProxySettings([prefill.url], [decode.url], health_interval=0.01, warm_up=False))
+    broken = front.membership.pools["decode"].join("http://127.0.0.1:12 34")
+
+    async def rounds(n: int) -> None:
+        loop = asyncio.create_task(front.membership.health_loop(lambda: None))
+        try:
+            deadline = time.monotonic() + 30
+            while front.membership.health_rounds < n:
+                assert time.monotonic() < deadline, "the proxy stopped probing"
+                await asyncio.sleep(0.01)
+        finally:
+            loop.cancel()
+            await front.client.aclose()
+
+    seen = decode.health_calls
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        asyncio.run(rounds(5))
+    assert decode.health_calls >= seen + 5
+    assert [d.healthy for d in front.membership.pools["decode"].instances] == [True, False] and not broken.healthy
     assert any("health probe failed (InvalidURL" in m for m in caplog.messages), caplog.messages
 
 

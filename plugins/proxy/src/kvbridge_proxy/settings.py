@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import urllib.parse
 from collections.abc import Sequence
 
 import attrs
@@ -14,6 +16,16 @@ from kvbridge_proxy.upstreams import CONNECT_TIMEOUT_S
 
 
 def _urls(urls: Sequence[str]) -> tuple[str, ...]:
+    for url in urls:
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 (raises on a port that is not one)
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(
+                f"server {url!r}: write it as http://HOST:PORT or https://HOST:PORT, e.g. http://10.0.0.1:8100"
+            )
     return tuple(urls)
 
 
@@ -56,6 +68,10 @@ class ProxySettings:
     def __attrs_post_init__(self) -> None:
         if self.transfer not in ("pull", "layerwise"):
             raise ConfigError(f"--transfer must be pull or layerwise, got {self.transfer!r}")
+        for name in ("health_interval", "timeout", "connect_timeout"):
+            seconds = getattr(self, name)
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ConfigError(f"--{name.replace('_', '-')} takes a number of seconds > 0, not {seconds}")
 
     @property
     def moving(self) -> bool:
