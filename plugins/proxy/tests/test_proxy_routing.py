@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -594,7 +595,7 @@ def test_health_checks_go_on_when_the_http_stack_raises_what_it_should_not(
     # An exception that is no httpx.HTTPError (here InvalidURL for a port with a space; in a chaos run,
     # httpcore's AttributeError on a socket closed mid-connect) once ended the health loop for good, and
     # every server taken out after that stayed out: 544 of 1000 requests failed "no healthy prefill".
-    # The proxy's options refuse such a URL now; a registry record's is taken as announced.
+    # The proxy's options and its registry refuse such a URL now: the test puts it in the pool itself.
     prefill, decode = upstreams
     front = proxy.Proxy(proxy.ProxySettings([prefill.url], [decode.url], health_interval=0.01, warm_up=False))
     broken = front.membership.pools["decode"].join("http://127.0.0.1:12 34")
@@ -616,6 +617,29 @@ def test_health_checks_go_on_when_the_http_stack_raises_what_it_should_not(
     assert decode.health_calls >= seen + 5
     assert [d.healthy for d in front.membership.pools["decode"].instances] == [True, False] and not broken.healthy
     assert any("health probe failed (InvalidURL" in m for m in caplog.messages), caplog.messages
+
+
+def test_a_registry_record_whose_url_names_no_server_is_not_taken_and_said_once(
+    upstreams: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    prefill, decode = upstreams
+    servers = tmp_path / "servers.json"
+    # an announcer that left out the scheme, beside a good record
+    servers.write_text(json.dumps([{"role": "decode", "url": decode.url}, {"role": "decode", "url": "localhost:8200"}]))
+    front = proxy.Proxy(proxy.ProxySettings([prefill.url], [], registry=f"file://{servers}", warm_up=False))
+
+    async def read_twice() -> None:
+        try:
+            await front.membership.read_members()
+            await front.membership.read_members()
+        finally:
+            await front.client.aclose()
+
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        asyncio.run(read_twice())
+    assert [i.url for i in front.membership.pools["decode"].instances] == [decode.url]
+    said = [m for m in caplog.messages if "record in the registry not taken" in m]
+    assert len(said) == 1 and "'localhost:8200': write it as http://HOST:PORT" in said[0], caplog.messages
 
 
 def _post_all(app: FastAPI, bodies: list[dict], headers: dict[str, str] | None = None) -> list[httpx.Response]:

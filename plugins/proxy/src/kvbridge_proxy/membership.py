@@ -20,7 +20,7 @@ from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.rebalance import Policy, kv_usage
 from kvbridge_proxy.release import ReleaseLease
 from kvbridge_proxy.settings import ProxySettings
-from kvbridge_proxy.upstreams import Instance, NoInstance, Pool, since
+from kvbridge_proxy.upstreams import Instance, NoInstance, Pool, since, url_problem
 from kvbridge_proxy.wire import prefill_body
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
@@ -103,6 +103,7 @@ class Membership:
         self._revived: dict[str, float] = {}  # role -> when that probe last ended (time.monotonic())
         self.membership_rounds = 0  # registry reads done: a test waits for one after a change
         self.health_rounds = 0  # rounds that probed every server (`kvbridge bench --scale` times them)
+        self._unusable: set[str] = set()  # registry records' URLs that name no server (`url_problem`), said once
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -133,6 +134,11 @@ class Membership:
                     inst.draining = record.draining
                 inst.identity = identity_of(record)
         for (role, url), record in sorted(wanted.items()):
+            if problem := url_problem(url):
+                if url not in self._unusable:  # said once: the record stays until its announcer fixes it
+                    self._unusable.add(url)
+                    log.warning("%s record in the registry not taken: %s", role, problem)
+                continue
             inst = self.pools[role].join(url, identity_of(record))
             inst.draining = record.draining
             self.metrics.track(inst)

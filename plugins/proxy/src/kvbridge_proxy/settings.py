@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import urllib.parse
 from collections.abc import Sequence
 
 import attrs
@@ -12,20 +11,13 @@ from kvbridge.base.errors import ConfigError
 from kvbridge_proxy.limits import Limits
 from kvbridge_proxy.moving_stream import MoveSettings
 from kvbridge_proxy.rebalance import Policy
-from kvbridge_proxy.upstreams import CONNECT_TIMEOUT_S
+from kvbridge_proxy.upstreams import CONNECT_TIMEOUT_S, url_problem
 
 
 def _urls(urls: Sequence[str]) -> tuple[str, ...]:
     for url in urls:
-        try:
-            parts = urllib.parse.urlsplit(url)
-            parts.port  # noqa: B018 (raises on a port that is not one)
-        except ValueError:
-            parts = None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(
-                f"server {url!r}: write it as http://HOST:PORT or https://HOST:PORT, e.g. http://10.0.0.1:8100"
-            )
+        if problem := url_problem(url):
+            raise ConfigError(problem)
     return tuple(urls)
 
 
