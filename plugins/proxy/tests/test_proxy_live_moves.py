@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import re
 import socket
 import threading
@@ -828,7 +829,7 @@ def test_pre_copied_streams_are_cut_to_a_decode_one_at_a_time(cluster: Cluster, 
     assert _metric(cluster, "precopied") == 2.0
 
 
-def test_the_cut_together_option_reaches_the_move_settings_and_refuses_a_negative_wait() -> None:
+def test_the_cut_together_option_reaches_the_move_settings_and_refuses_a_wait_that_is_no_time() -> None:
     import argparse
 
     from kvbridge_proxy import cli
@@ -837,8 +838,12 @@ def test_the_cut_together_option_reaches_the_move_settings_and_refuses_a_negativ
     cli.add_parser(parser.add_subparsers())
     assert cli.settings(parser.parse_args(["proxy"])).moves.cut_together_s == MoveSettings().cut_together_s == 2.0
     assert cli.settings(parser.parse_args(["proxy", "--precopy-cut-together", "0"])).moves.cut_together_s == 0.0
-    with pytest.raises(ConfigError, match="cut_together_s >= 0"):
-        cli.settings(parser.parse_args(["proxy", "--precopy-cut-together", "-1"]))
+    for wait in ("-1", "nan", "inf"):  # NaN compares false with every bound, so it slipped past `< 0`
+        with pytest.raises(ConfigError, match="cut_together_s from 0 seconds and finite"):
+            cli.settings(parser.parse_args(["proxy", "--precopy-cut-together", wait]))
+    for timeout in (0.0, math.nan, math.inf):
+        with pytest.raises(ConfigError, match="finite stage_timeout_s above 0"):
+            MoveSettings(stage_timeout_s=timeout)
 
 
 def test_a_client_that_leaves_releases_the_blocks_its_decode_offers(cluster: Cluster) -> None:

@@ -13,6 +13,7 @@ answer's id, chat deltas for a chat request, usage counted as if one server had 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from typing import Any
@@ -87,13 +88,16 @@ class MoveSettings:
             raise ConfigError(f"a stream moves by {' or '.join(MOVES)}, not {value!r}")
 
     def __attrs_post_init__(self) -> None:
-        if min(self.stages, self.cuts_at_once) < 1 or min(self.tail_tokens, self.cut_together_s) < 0:
+        # Written so that a NaN fails: it compares false with everything, and would wait forever or not at all.
+        if not (
+            min(self.stages, self.cuts_at_once) >= 1 and self.tail_tokens >= 0 and 0 <= self.cut_together_s < math.inf
+        ):
             raise ConfigError(
-                f"pre-copy needs stages >= 1, tail_tokens >= 0, cut_together_s >= 0 and cuts_at_once >= 1; got "
-                f"{self.stages}, {self.tail_tokens}, {self.cut_together_s}, {self.cuts_at_once}"
+                f"pre-copy needs stages >= 1, tail_tokens >= 0, cut_together_s from 0 seconds and finite, and "
+                f"cuts_at_once >= 1; got {self.stages}, {self.tail_tokens}, {self.cut_together_s}, {self.cuts_at_once}"
             )
-        if self.stage_timeout_s <= 0:
-            raise ConfigError(f"pre-copy needs stage_timeout_s > 0; got {self.stage_timeout_s}")
+        if not 0 < self.stage_timeout_s < math.inf:
+            raise ConfigError(f"pre-copy needs a finite stage_timeout_s above 0 seconds; got {self.stage_timeout_s}")
 
 
 def refusal(path: str, body: dict[str, Any]) -> str | None:
