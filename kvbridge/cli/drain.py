@@ -8,6 +8,7 @@ import time
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, load_secret
+from kvbridge.cli.numbers import real
 from kvbridge.cli.output import print_json, print_table
 from kvbridge.control.discovery import ServerRecord, open_registry
 
@@ -26,7 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("server", nargs="?", help="the server's id or URL (see --list)")
     p.add_argument("--registry", required=True, help="redis://HOST:PORT or etcd://HOST:PORT, as the servers use")
     p.add_argument("--list", action="store_true", help="list the servers in the registry and their state; no order")
-    p.add_argument("--ttl", type=float, default=60.0, help="seconds the order holds (default 60): 1 to 3600")
+    p.add_argument(
+        "--ttl",
+        type=real(low=1, high=3600, zero=True),
+        default=60.0,
+        help="seconds the order holds (default 60): 1 to 3600",
+    )
     p.add_argument("--no-wait", action="store_true", help="write the order and return, without waiting to see it taken")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(run=run)
@@ -42,8 +48,6 @@ def _show(title: str, records: list[ServerRecord], as_json: bool, state: dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 1 <= args.ttl <= 3600:  # NaN fails too
-        raise ConfigError(f"--ttl must be 1 to 3600 seconds, got {args.ttl}")
     secret = load_secret()
     registry = open_registry(args.registry, secret=secret)
     if registry is None or args.server is None and not args.list:

@@ -3,45 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, admin_token, load_secret
+from kvbridge.cli.numbers import seconds, whole
 from kvbridge_proxy.moving_stream import MOVES, MoveSettings
 
 if TYPE_CHECKING:
     from kvbridge_proxy.settings import ProxySettings
 
-# Bounds on the limits' settings: far above any use, and finite (a NaN or infinite deadline is none).
-MAX_COUNT = 1 << 20
-MAX_SECONDS = 86400.0
-MAX_BYTES = 1 << 40
-
-
-def _count(top: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if not 1 <= value <= top:
-            raise argparse.ArgumentTypeError(f"expected 1 to {top}, got {value}")
-        return value
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
-        raise argparse.ArgumentTypeError(f"expected seconds above 0 and at most {MAX_SECONDS:g}, got {text}")
-    return value
+MAX_BYTES = 1 << 40  # a bound far above any use
 
 
 def _port(text: str) -> int:
@@ -219,14 +192,14 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits", "what one client can make the proxy do; past them it answers 4xx or 503")
     g.add_argument(
         "--max-parts",
-        type=_count(MAX_COUNT),
+        type=whole(),
         default=limits.MAX_PARTS,
         metavar="N",
         help=f"P/D requests one batched or n > 1 request may become; more is a 400 (default {limits.MAX_PARTS})",
     )
     g.add_argument(
         "--max-upstream-bytes",
-        type=_count(MAX_BYTES),
+        type=whole(1, MAX_BYTES),
         default=limits.MAX_UPSTREAM_BYTES,
         metavar="B",
         help="bytes one client request may send to the servers, every prefill and decode body of every part and "
@@ -234,7 +207,7 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--header-timeout",
-        type=_seconds,
+        type=seconds,
         default=limits.HEADER_TIMEOUT_S,
         metavar="S",
         help="seconds a connection has to send its request head, from when it opens or got its last answer; then "
@@ -242,21 +215,21 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--body-timeout",
-        type=_seconds,
+        type=seconds,
         default=limits.BODY_TIMEOUT_S,
         metavar="S",
         help=f"seconds a request has to send its body after its head; then a 408 (default {limits.BODY_TIMEOUT_S:g})",
     )
     g.add_argument(
         "--keep-alive",
-        type=_seconds,
+        type=seconds,
         default=limits.KEEP_ALIVE_S,
         metavar="S",
         help=f"seconds an idle connection stays open between requests (default {limits.KEEP_ALIVE_S:g})",
     )
     g.add_argument(
         "--max-connections",
-        type=_count(MAX_COUNT),
+        type=whole(),
         default=limits.MAX_CONNECTIONS,
         metavar="N",
         help="requests in progress at once (a stream counts until it ends), and as many connections waiting to send "
@@ -264,7 +237,7 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-connections-per-client",
-        type=_count(MAX_COUNT),
+        type=whole(),
         default=limits.MAX_CONNECTIONS_PER_CLIENT,
         metavar="N",
         help="the same, per client address (clients behind one NAT or load balancer share one: raise it there) "

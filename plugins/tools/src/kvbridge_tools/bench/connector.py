@@ -33,6 +33,7 @@ import numpy as np
 
 from kvbridge.adapters.vllm.cache import FP8_CACHE_DTYPES, LAYOUT_NAMES
 from kvbridge.base.errors import ConfigError
+from kvbridge.cli.numbers import whole
 from kvbridge.cli.output import print_json, print_table
 from kvbridge.plan.presets import get_preset
 from kvbridge.plan.topology import ParallelConfig
@@ -79,14 +80,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--prefill-block-size",
-        type=int,
+        type=whole(),
         default=None,
         metavar="N",
         help="prefill tokens per block (default: the preset's)",
     )
     group.add_argument(
         "--decode-block-size",
-        type=int,
+        type=whole(),
         default=None,
         metavar="M",
         help="decode tokens per block (default: the preset's)",

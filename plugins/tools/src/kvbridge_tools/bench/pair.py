@@ -26,6 +26,7 @@ from rich.progress import Progress
 from kvbridge.adapters.vllm.cache import LAYOUT_NAMES
 from kvbridge.base.errors import ConfigError, PluginUnavailable
 from kvbridge.base.options import as_dict
+from kvbridge.cli.numbers import seconds
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.plan.presets import get_preset
 from kvbridge.plugin.registry import get_device, registry
@@ -73,7 +74,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "measure staging (it is automatic where the transport cannot, e.g. tcp for cuda)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed for --fragmented block ids")
-    group.add_argument("--timeout", type=float, default=120.0, help="seconds one request may take")
+    group.add_argument("--timeout", type=seconds, default=120.0, help="seconds one request may take")
     group.add_argument(
         "--option",
         action="append",
@@ -143,8 +144,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     spec = get_preset(args.model or DEFAULT_MODEL)
     tokens = args.tokens or DEFAULT_TOKENS
     requests = args.requests or DEFAULT_REQUESTS
-    if tokens <= 0 or requests <= 0 or args.repeat <= 0:
-        raise ConfigError("--tokens, --requests and --repeat must be positive")
     per_request = math.ceil(tokens / spec.block_size)
     prefill_blocks = requests * per_request
     decode_blocks = prefill_blocks + max(1, prefill_blocks // 4)  # asymmetric capacity, as in real pairs

@@ -41,6 +41,7 @@ from typing import Any
 from rich.progress import Progress
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.cli.numbers import whole
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.control import open_registry
 from kvbridge.control.discovery import ServerRecord
@@ -79,14 +80,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help=f"prefill x decode ranks, one run each (default {DEFAULT_SIZES})",
     )
     group.add_argument(
-        "--spread", type=int, default=4, metavar="N", help="prefill ranks each decode rank pulls from (default 4)"
+        "--spread", type=whole(), default=4, metavar="N", help="prefill ranks each decode rank pulls from (default 4)"
     )
     group.add_argument(
-        "--ranks-per-process", type=int, default=16, metavar="N", help="ranks packed in one process (default 16)"
+        "--ranks-per-process", type=whole(), default=16, metavar="N", help="ranks packed in one process (default 16)"
     )
     group.add_argument(
         "--records",
-        type=int,
+        type=whole(0),
         default=1000,
         metavar="N",
         help="server records in the registry while a join is timed (default 1000; 0 skips the proxy)",

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 from rich.progress import Progress
 
+from kvbridge.cli.numbers import whole
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.pair import frozen_heap, quantile
 from kvbridge_tools.bench.plot import check_path
@@ -87,7 +88,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     """Options of `--engine vllm` (the shared `--engine` option selects this mode)."""
     group.add_argument(
         "--lengths",
-        type=int,
+        type=whole(),
         nargs="+",
         default=None,
         metavar="N",

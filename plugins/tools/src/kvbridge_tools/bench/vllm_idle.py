@@ -36,6 +36,7 @@ from typing import Any
 from rich.progress import Progress
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.cli.numbers import real
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench import vllm as pd
 from kvbridge_tools.bench.pair import quantile
@@ -67,7 +68,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--gaps",
-        type=float,
+        type=real(zero=True),
         nargs="+",
         default=None,
         metavar="S",

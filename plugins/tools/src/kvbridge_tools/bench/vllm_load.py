@@ -37,6 +37,7 @@ import contextlib
 import functools
 import io
 import json
+import math
 import os
 import tempfile
 import time
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.cli.numbers import real, seconds, whole
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.link import Link, Placed
 from kvbridge_tools.bench.link import placed as hosts_for
@@ -102,14 +104,14 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--rates",
-        type=float,
+        type=real("requests a second", high=10000),
         nargs="*",
         default=[1.0, 2.0, 4.0],
         metavar="R",
         help="requests/s (default 1 2 4; none: only the concurrency caps)",
     )
     group.add_argument(
-        "--concurrency", type=int, nargs="*", default=[4], metavar="C", help="concurrency caps (default 4)"
+        "--concurrency", type=whole(1, 4096), nargs="*", default=[4], metavar="C", help="concurrency caps (default 4)"
     )
     group.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="(default: all)")
     group.add_argument(
@@ -121,9 +123,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "no system)",
     )
     group.add_argument("--router", choices=ROUTERS, default="kvbridge", help="routing for P/D (default kvbridge)")
-    group.add_argument("--input-min", type=int, default=64, metavar="N", help="shortest prompt (default 64)")
-    group.add_argument("--input-max", type=int, default=2000, metavar="N", help="longest prompt (default 2000)")
-    group.add_argument("--output-len", type=int, default=16, metavar="N", help="tokens out per request (default 16)")
+    group.add_argument("--input-min", type=whole(), default=64, metavar="N", help="shortest prompt (default 64)")
+    group.add_argument("--input-max", type=whole(), default=2000, metavar="N", help="longest prompt (default 2000)")
+    group.add_argument(
+        "--output-len", type=whole(), default=16, metavar="N", help="tokens out per request (default 16)"
+    )
     _add_slo_arguments(group)
     group.add_argument(
         "--nixl-busy-poll",
@@ -138,7 +142,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         help="start the next system's servers while the current one is measured: shorter, but the starting "
         "servers take CPU from the measured ones (for checks, not figures)",
     )
-    group.add_argument("--idle-s", type=float, default=2.0, help="seconds of idle CPU measured per system (default 2)")
+    group.add_argument(
+        "--idle-s", type=seconds, default=2.0, help="seconds of idle CPU measured per system (default 2)"
+    )
     group.add_argument(
         "--noise",
         type=parse_noise,
@@ -151,7 +157,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--slices",
-        type=int,
+        type=whole(),
         default=1,
         metavar="K",
         help="with --load: split each load's requests into K slices and let the systems take turns slice by slice, "
@@ -225,7 +231,10 @@ def cores(pgids: Sequence[int], out: dict[str, Any], key: str) -> Iterator[None]
 def _add_slo_arguments(group: argparse._ArgumentGroup) -> None:
     """The goodput SLO: from the calibration run (`--slo-factor`) or given (`--slo`)."""
     group.add_argument(
-        "--slo-factor", type=float, default=2.0, help="SLO: this times colocated's unloaded p99 TTFT/TPOT (default 2)"
+        "--slo-factor",
+        type=real("a factor", high=1000),
+        default=2.0,
+        help="SLO: this times colocated's unloaded p99 TTFT/TPOT (default 2)",
     )
     group.add_argument(
         "--slo",
@@ -242,8 +251,8 @@ def slo_given(text: str) -> dict[str, float]:
         ttft, tpot = (float(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give TTFT and TPOT in ms, e.g. 400,8") from None
-    if not (ttft > 0 and tpot > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: both must be positive milliseconds")
+    if not all(0 < v < math.inf for v in (ttft, tpot)):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r}: both must be positive, finite milliseconds")
     return {"ttft": ttft, "tpot": tpot}
 
 
@@ -660,8 +669,6 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int, int]
         raise ConfigError("--systems: the SLO comes from the colocated server; keep colocated in the list")
     systems.remove("colocated")
     systems.insert(0, "colocated")
-    if min(args.rates, default=1) <= 0 or min(args.concurrency, default=1) <= 0:
-        raise ConfigError("--rates and --concurrency must be positive")
     requests = args.requests or DEFAULT_REQUESTS
     if not 1 <= getattr(args, "slices", 1) <= requests:
         raise ConfigError("--slices: from 1 to --requests (each slice sends at least one request)")

@@ -38,6 +38,7 @@ import numpy as np
 from rich.progress import Progress
 
 from kvbridge.base.errors import ConfigError, described
+from kvbridge.cli.numbers import whole
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench import bootstrap
 from kvbridge_tools.bench.link import Link, placed
@@ -136,12 +137,6 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError("--live-moves measures kvbridge's moves alone; drop --compare and --load")
     if getattr(args, "engine_cores", None) == "split":
         raise ConfigError("--live-moves runs three engines on two hosts' worth of CPUs: drop --engine-cores")
-    if not 0 <= getattr(args, "engine_nice", 0) <= 19:
-        raise ConfigError(f"--engine-nice takes 0 to 19 (nice steps), not {args.engine_nice}")
-    if (getattr(args, "precopy_tail", None) or 0) < 0:
-        raise ConfigError(f"--precopy-tail takes a number of tokens >= 0, not {args.precopy_tail}")
-    if getattr(args, "repeat", 1) < 1:
-        raise ConfigError(f"--repeat takes a number of rounds >= 1, not {args.repeat}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -526,7 +521,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--precopy-tail",
-        type=int,
+        type=whole(0),
         default=None,
         metavar="TOKENS",
         help="with --live-moves: the proxy's --precopy-tail (a pre-copy cuts once at most this many tokens of the "
@@ -534,7 +529,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--engine-nice",
-        type=int,
+        type=whole(0, 19),
         default=ENGINE_NICE,
         metavar="N",
         help="with --live-moves: each server's engine (its model's compute, and the connector's threads beside it) "

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.cli.numbers import whole
 from kvbridge.plan.presets import PRESETS
 from kvbridge_tools.bench.link import ENGINE_CORES
 
@@ -48,11 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--protocol", default=None, help="transport protocol (default: the transport's first, e.g. tcp)")
     p.add_argument("--model", default=None, choices=sorted(PRESETS), help="KV cache shape preset")
-    p.add_argument("--tokens", type=int, default=None, help="prompt tokens per request")
-    p.add_argument("--requests", type=int, default=None, help="number of requests to migrate")
-    p.add_argument(
-        "--repeat", type=int, default=None, help="measured rounds, medians reported (default 3; --live-moves: 1)"
-    )
+    p.add_argument("--tokens", type=whole(), default=None, help="prompt tokens per request")
+    p.add_argument("--requests", type=whole(), default=None, help="number of requests to migrate")
+    p.add_argument("--repeat", type=whole(), help="measured rounds, medians reported (default 3; --live-moves: 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument(
         "--sweep-tokens",
@@ -153,10 +152,6 @@ def pick_mode(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     mode = pick_mode(args)
-    if args.requests is not None and args.requests < 1:
-        raise ConfigError(
-            f"--requests takes a number of requests >= 1, not {args.requests} (leave it out: the default)"
-        )
     if args.repeat is None:  # a round of live moves is 8 streams at every context and way: minutes, not seconds
         args.repeat = 1 if mode == "vllm-moves" else 3
     if getattr(args, "noise", None) and mode != "vllm-load":

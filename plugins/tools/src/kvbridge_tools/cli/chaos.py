@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvbridge.cli.numbers import real, seconds, whole
 from kvbridge_tools.chaos.faults import ELASTIC, FAULTS, NETWORK, parse_faults
 from kvbridge_tools.harness.vllm_server import add_executor_argument
 
@@ -78,8 +79,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--requests", type=int, default=30, help="requests to play (default 30)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight at once (default 4)")
+    p.add_argument("--requests", type=whole(), default=30, help="requests to play (default 30)")
+    p.add_argument("--concurrency", type=whole(1, 4096), default=4, help="requests in flight at once (default 4)")
     _add_fault_arguments(p.add_argument_group("injecting faults"))
     p.add_argument(
         "--migration-backend",
@@ -94,19 +95,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="pull: prefill, then decode with its params; layerwise: the servers and the proxy in layer-wise mode, "
         "decode reading each layer while prefill computes, a failed prefill sent again the pull way (default pull)",
     )
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
-    p.add_argument("--max-model-len", type=int, default=1024, help="the servers' max_model_len (default 1024)")
+    p.add_argument("--max-tokens", type=whole(), default=16, help="tokens generated per request (default 16)")
+    p.add_argument("--max-model-len", type=whole(), default=1024, help="the servers' max_model_len (default 1024)")
     add_executor_argument(p)
     p.add_argument(
         "--lease-s",
-        type=float,
+        type=seconds,
         default=30.0,
         metavar="S",
         help="prefill lease: how long blocks wait for a decode that never says DONE (default 30)",
     )
     p.add_argument(
         "--hang-timeout",
-        type=float,
+        type=seconds,
         default=180.0,
         metavar="S",
         help="a request with no answer within this is counted as hung (default 180)",
@@ -135,31 +136,31 @@ def _add_fault_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--transfer-error-rate",
-        type=float,
+        type=real("a share", 0, 1, zero=True),
         default=0.1,
         metavar="P",
         help="with transfer-error: fraction of decode transfers that fail in the transport (default 0.1)",
     )
     group.add_argument(
         "--slow-rate",
-        type=float,
+        type=real("a share", 0, 1, zero=True),
         default=0.05,
         metavar="P",
         help="with slow-peer: fraction of transfers held past the deadline (default 0.05)",
     )
     group.add_argument(
         "--slow-s",
-        type=float,
+        type=seconds,
         default=4.0,
         metavar="S",
         help="with slow-peer: seconds a held transfer waits (default 4, past the 2 s deadline and its 1 s grace)",
     )
     group.add_argument(
-        "--idle-gaps", type=int, default=3, metavar="N", help="with idle-gap: how many pauses (default 3)"
+        "--idle-gaps", type=whole(), default=3, metavar="N", help="with idle-gap: how many pauses (default 3)"
     )
     group.add_argument(
         "--gap-range",
-        type=float,
+        type=real(zero=True),
         nargs=2,
         default=(5.0, 90.0),
         metavar=("MIN", "MAX"),
@@ -177,14 +178,14 @@ def _add_host_arguments(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--net-fault-s",
-        type=float,
+        type=seconds,
         default=3.0,
         metavar="S",
         help="with --hosts: how long each partition, flap and bandwidth drop lasts (default 3)",
     )
     group.add_argument(
         "--net-every-s",
-        type=float,
+        type=seconds,
         default=8.0,
         metavar="S",
         help="with --hosts: seconds between the start of one network fault and the next (default 8)",
@@ -198,14 +199,14 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge_tools.chaos.runner import Workload
     from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama
 
-    if args.requests < 1 or args.concurrency < 1:
-        raise ConfigError("--requests and --concurrency must be at least 1")
     network_faults = [f for f in args.faults if f in NETWORK]
     if network_faults and not args.hosts:
         raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
     elastic = [f for f in args.faults if f in ELASTIC]
-    if args.net_fault_s <= 0 or args.net_every_s <= args.net_fault_s:
-        raise ConfigError("--net-fault-s must be positive and shorter than --net-every-s")
+    if args.net_every_s <= args.net_fault_s:
+        raise ConfigError("--net-fault-s must be shorter than --net-every-s")
+    if args.gap_range[0] > args.gap_range[1]:
+        raise ConfigError(f"--gap-range MIN MAX: MIN {args.gap_range[0]:g} is above MAX {args.gap_range[1]:g}")
     _check_backend(args.migration_backend)
     # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
     model_dir = tempfile.TemporaryDirectory(prefix="kvbridge-chaos-model-")

@@ -11,6 +11,7 @@ import numpy as np
 
 from kvbridge.base import wire
 from kvbridge.base.block_ids import BlockIds, block_array
+from kvbridge.cli.numbers import whole
 from kvbridge.cli.output import console, print_json, print_table
 from kvbridge.plan import topology
 from kvbridge.plan.descriptors import pull_descriptors
@@ -40,9 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--decode", required=True, metavar="SPEC", help="decode parallelism, e.g. tp8,dcp4,dp2")
     p.add_argument("--model", required=True, choices=sorted(PRESETS), help="model preset (KV heads, MLA or not)")
-    p.add_argument("--tokens", required=True, type=int, help="prompt tokens of the request")
-    p.add_argument("--prefill-dp", type=int, default=0, help="prefill DP group holding the request (default 0)")
-    p.add_argument("--decode-dp", type=int, default=0, help="decode DP group receiving the request (default 0)")
+    p.add_argument("--tokens", required=True, type=whole(), help="prompt tokens of the request")
+    p.add_argument("--prefill-dp", type=whole(0), default=0, help="prefill DP group holding the request (default 0)")
+    p.add_argument("--decode-dp", type=whole(0), default=0, help="decode DP group receiving the request (default 0)")
     p.add_argument(
         "--order",
         choices=["NHD", "HND"],

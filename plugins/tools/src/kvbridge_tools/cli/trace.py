@@ -8,6 +8,7 @@ import string
 from typing import Any
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.cli.numbers import whole
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,13 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model name (default: the first one the prefill server serves)")
     p.add_argument(
         "--lengths",
-        type=int,
+        type=whole(),
         nargs="+",
         default=[64, 256, 1024],
         metavar="N",
         help="prompt lengths in characters (default 64 256 1024)",
     )
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate per request (default 8)")
+    p.add_argument("--max-tokens", type=whole(), default=8, help="tokens to generate per request (default 8)")
     p.add_argument(
         "--stream",
         action="store_true",

@@ -1,0 +1,77 @@
+"""Every number a `kvbridge` command takes is refused, before anything starts, when it is no number of its kind.
+
+Each case below was once taken: NaN slipped past `< 0` checks, 0 was read as "the default", and the bench or the
+chaos run then started vLLM servers with it (a NaN request rate, no output tokens, a 0 s timeout)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from kvbridge.cli import main
+from kvbridge.cli.numbers import real, seconds, whole
+
+
+def test_whole_numbers_and_reals_keep_their_bounds_and_refuse_what_is_no_number() -> None:
+    assert whole()("1") == 1 and whole(0, 19)("19") == 19
+    for text in ("0", "1.5", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            whole()(text)
+    assert seconds("0.25") == 0.25 and real(zero=True)("0") == 0.0 and real("a share", 0, 1, zero=True)("1") == 1.0
+    for text in ("0", "-1", "nan", "inf", "-inf", "86401", "1e400", "soon"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected seconds"):
+            seconds(text)
+    assert math.isfinite(real(high=1e9)("1e9"))
+
+
+BAD = [
+    ["bench", "--tokens", "0"],
+    ["bench", "--requests", "0"],
+    ["bench", "--repeat", "0"],
+    ["bench", "--timeout", "nan"],
+    ["bench", "--timeout", "0"],
+    ["bench", "--engine", "vllm", "--lengths", "0"],
+    ["bench", "--engine", "vllm", "--load", "--rates", "nan"],
+    ["bench", "--engine", "vllm", "--load", "--rates", "inf"],
+    ["bench", "--engine", "vllm", "--load", "--concurrency", "0"],
+    ["bench", "--engine", "vllm", "--load", "--output-len", "0"],
+    ["bench", "--engine", "vllm", "--load", "--slo-factor", "nan"],
+    ["bench", "--engine", "vllm", "--load", "--slo", "inf,8"],
+    ["bench", "--engine", "vllm", "--load", "--idle-s", "-1"],
+    ["bench", "--engine", "vllm", "--load", "--slices", "0"],
+    ["bench", "--engine", "vllm", "--idle", "--gaps", "nan"],
+    ["bench", "--engine", "vllm", "--live-moves", "--hosts", "--precopy-tail", "-1"],
+    ["bench", "--engine", "vllm", "--live-moves", "--hosts", "--engine-nice", "20"],
+    ["bench", "--scale", "--spread", "0"],
+    ["bench", "--scale", "--records", "-1"],
+    ["bench", "--engine", "vllm-connector", "--decode-block-size", "0"],
+    ["chaos", "--requests", "0"],
+    ["chaos", "--max-tokens", "0"],
+    ["chaos", "--lease-s", "nan"],
+    ["chaos", "--hang-timeout", "-1"],
+    ["chaos", "--transfer-error-rate", "2"],
+    ["chaos", "--slow-rate", "nan"],
+    ["chaos", "--gap-range", "nan", "5"],
+    ["chaos", "--net-fault-s", "inf"],
+    ["plan", "--prefill", "tp1", "--decode", "tp1", "--model", "tiny-gqa", "--tokens", "0"],
+    ["trace", "http://127.0.0.1:9", "--max-tokens", "0"],
+    ["drain", "x", "--registry", "redis://127.0.0.1:9", "--ttl", "nan"],
+    ["proxy", "--max-connections", "0"],
+    ["proxy", "--header-timeout", "inf"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD, ids=lambda argv: " ".join(argv))
+def test_a_number_out_of_its_bounds_is_refused_by_name(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    option = next(a for a in reversed(argv) if a.startswith("--"))
+    assert f"argument {option}: " in capsys.readouterr().err
+
+
+def test_a_pause_range_upside_down_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["chaos", "--gap-range", "9", "1"]) == 2
+    assert "--gap-range MIN MAX: MIN 9 is above MAX 1" in capsys.readouterr().err
