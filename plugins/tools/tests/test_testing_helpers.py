@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvbridge_tools.harness.ports import ephemeral_start, free_port
-from kvbridge_tools.harness.vllm_server import Server, _group_members
+from kvbridge_tools.harness.tiny_model import build_tiny_llama
+from kvbridge_tools.harness.vllm_server import Server, _group_members, start_vllm
 
 
 def test_free_ports_are_below_the_ephemeral_range_distinct_and_bindable() -> None:
@@ -151,6 +153,26 @@ def test_an_engine_below_its_front_end_is_every_thread_of_its_engine_processes_a
         assert set(nice_of(other).values()) == {base} and set(nice_of(proc.pid).values()) == {base}
     finally:
         server.stop(timeout=5)
+
+
+@pytest.mark.slow
+def test_a_vllm_server_stopped_while_its_engine_starts_ends_without_sigkill(tmp_path: Path) -> None:
+    """A SIGTERM that lands in vLLM's engine handshake is lost: `stop` sends it again (`Server._term_again`).
+
+    Until then every bench or test stopped in a server's start-up (a Ctrl-C, a failure beside it) waited `stop`'s
+    whole 30 s and then SIGKILLed the server: its API server waited up to 600 s for an engine core the signal had
+    ended. The stop here comes once the engine core has named itself, which is in its handshake."""
+    server = start_vllm(build_tiny_llama(tmp_path / "model"), log_dir=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not server.engine_pids():
+            assert server.alive() and time.monotonic() < deadline, server.failure_report()
+            time.sleep(0.05)
+        server.stop(timeout=60)
+        assert server.proc.returncode != -signal.SIGKILL, f"SIGKILLed while starting\n{server.failure_report()}"
+        assert _group_members(server.pid) == []
+    finally:
+        server.kill()
 
 
 def test_failure_report_shows_the_root_cause_far_above_the_tail(tmp_path: Path) -> None:

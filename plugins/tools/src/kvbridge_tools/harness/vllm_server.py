@@ -47,6 +47,8 @@ BASE_ENV = {
 EXECUTORS = ("mp", "uni")
 # the processes that run a server's model (vLLM's process titles, as /proc/<pid>/comm cuts them to 15 bytes)
 ENGINE_TITLES = ("VLLM::EngineCor", "VLLM::Worker")
+# A vLLM server still starting this long after its SIGTERM gets one more (`Server._term_again`).
+LOST_TERM_S = 1.0
 
 
 def add_executor_argument(group: Any) -> None:
@@ -72,6 +74,7 @@ class Server:
     tmp_dir: Path | None = None  # its TMPDIR (vLLM's vllm_dist_* files), removed when it ends
     address: str = "127.0.0.1"  # where it listens: a `kvbridge_tools.harness.hosts` host's address when on one
     engine_nice: int = 0  # its model's processes run this much below its API server, once healthy (`start_vllm`)
+    starting: bool = False  # a vLLM server not yet seen healthy (`wait_healthy`): it may lose a SIGTERM (`_term_again`)
 
     @property
     def url(self) -> str:
@@ -177,7 +180,10 @@ class Server:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, sig)
             try:
-                self.proc.wait(timeout=timeout)
+                if sig == signal.SIGTERM and self.starting:
+                    self._term_again(timeout)
+                else:
+                    self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 log.warning("server on port %d ignored signal %d for %.0fs; killing it", self.port, sig, timeout)
         # The engine core may outlive its parent for a moment; its group is ours to end.
@@ -202,6 +208,25 @@ class Server:
             path.unlink(missing_ok=True)
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def _term_again(self, timeout: float) -> None:
+        """Wait for the SIGTERM sent; a starting server still alive after LOST_TERM_S gets one more.
+
+        TimeoutExpired once `timeout` passes. vLLM 0.32 loses a SIGTERM that lands in its engine handshake: its handler
+        raises KeyboardInterrupt there, `zmq_socket_ctx` (vllm/utils/network_utils.py) catches it, and the API server
+        goes on to wait for the engine's ready message, up to VLLM_ENGINE_READY_TIMEOUT_S (600 s). The second SIGTERM
+        lands in that wait and ends it. Only one more: a third would land in the shutdown that the second began (its
+        engine core, still starting, takes up to 5 s to be killed there) and cut its clean-up short."""
+        try:
+            self.proc.wait(timeout=min(LOST_TERM_S, timeout))
+            return
+        except subprocess.TimeoutExpired:
+            if timeout <= LOST_TERM_S:
+                raise
+        log.info("vLLM server on port %d, still starting, lost its SIGTERM: sending it again", self.port)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(timeout=timeout - LOST_TERM_S)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -431,7 +456,15 @@ def start_vllm(
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, **OWN_GROUP)
     log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
     address = host.address if host else "127.0.0.1"
-    return Server(port=port, proc=proc, log_path=log_path, tmp_dir=tmp_dir, address=address, engine_nice=engine_nice)
+    return Server(
+        port=port,
+        proc=proc,
+        log_path=log_path,
+        tmp_dir=tmp_dir,
+        address=address,
+        engine_nice=engine_nice,
+        starting=True,
+    )
 
 
 def host_env(host: Host) -> dict[str, str]:
@@ -552,6 +585,7 @@ def wait_healthy(servers: Sequence[Server], timeout: float = 600.0) -> None:
             try:
                 if _get(f"{server.url}/health", timeout=2.0).status_code == 200:
                     pending.remove(server)
+                    server.starting = False
                     if server.engine_nice:
                         server.lower_engine_priority()
             except httpx.HTTPError:
