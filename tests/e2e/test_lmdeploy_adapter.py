@@ -570,8 +570,10 @@ def test_settings_come_from_the_environment() -> None:
     assert (s.transport, s.hostname, s.timeout, s.async_migration) == ("tcp", "10.0.0.7", None, True)
     assert [s.device_for(r) for r in range(3)] == ["mlx5_0", "mlx5_1", "mlx5_0"]
     assert AdapterSettings.from_env({}).transport == "mooncake"
-    with pytest.raises(ConfigError, match="KVBRIDGE_LMDEPLOY_TIMEOUT='soon' is not a number"):
-        AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TIMEOUT": "soon"})
+    for bad in ("soon", "nan"):  # NaN was taken, a wait that neither waits nor ends
+        with pytest.raises(ConfigError, match=f"KVBRIDGE_LMDEPLOY_TIMEOUT='{bad}' is not a number"):
+            AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TIMEOUT": bad})
+    assert AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TIMEOUT": "inf"}).timeout is None  # forever, as 0 says
 
 
 def test_a_protocol_the_transport_lacks_says_how_to_fix_it() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -40,8 +41,10 @@ def _timeout(value: str | None) -> float | None:
     try:
         seconds = float(value)
     except ValueError:
-        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds (0 waits forever)") from None
-    return None if seconds <= 0 else seconds
+        seconds = math.nan
+    if math.isnan(seconds):  # NaN compares false with everything: a wait that neither waits nor ends
+        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds (0 waits forever)")
+    return None if seconds <= 0 or math.isinf(seconds) else seconds
 
 
 @attrs.frozen
