@@ -456,15 +456,7 @@ def start_vllm(
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, **OWN_GROUP)
     log.info("started vLLM on port %d (pid %d), log %s", port, proc.pid, log_path)
     address = host.address if host else "127.0.0.1"
-    return Server(
-        port=port,
-        proc=proc,
-        log_path=log_path,
-        tmp_dir=tmp_dir,
-        address=address,
-        engine_nice=engine_nice,
-        starting=True,
-    )
+    return Server(port, proc, log_path, tmp_dir, address, engine_nice, starting=True)
 
 
 def host_env(host: Host) -> dict[str, str]:
