@@ -72,6 +72,11 @@ def test_a_number_out_of_its_bounds_is_refused_by_name(argv: list[str], capsys: 
     assert f"argument {option}: " in capsys.readouterr().err
 
 
-def test_a_pause_range_upside_down_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_chaos_refuses_a_pause_range_upside_down_and_outputs_longer_than_the_servers_hold(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["chaos", "--gap-range", "9", "1"]) == 2
     assert "--gap-range MIN MAX: MIN 9 is above MAX 1" in capsys.readouterr().err
+    # every prompt would have been cut to one token, and vLLM would have refused each request as too long
+    assert main(["chaos", "--max-tokens", "1023"]) == 2
+    assert "--max-tokens 1023 leaves no room for a prompt within --max-model-len 1024" in capsys.readouterr().err

@@ -205,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
     elastic = [f for f in args.faults if f in ELASTIC]
     if args.net_every_s <= args.net_fault_s:
         raise ConfigError("--net-fault-s must be shorter than --net-every-s")
+    if args.max_tokens + 3 > args.max_model_len:  # a prompt of at least 1 token, and room to spare
+        raise ConfigError(
+            f"--max-tokens {args.max_tokens} leaves no room for a prompt within --max-model-len {args.max_model_len}: "
+            f"raise --max-model-len above {args.max_tokens + 2}"
+        )
     if args.gap_range[0] > args.gap_range[1]:
         raise ConfigError(f"--gap-range MIN MAX: MIN {args.gap_range[0]:g} is above MAX {args.gap_range[1]:g}")
     _check_backend(args.migration_backend)
