@@ -642,6 +642,35 @@ def test_a_registry_record_whose_url_names_no_server_is_not_taken_and_said_once(
     assert len(said) == 1 and "'localhost:8200': write it as http://HOST:PORT" in said[0], caplog.messages
 
 
+def test_a_registry_that_cannot_be_read_is_said_once_then_seldom_and_its_return_said(
+    upstreams: tuple[Upstream, Upstream], caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A registry the proxy cannot read was one warning a read, every 0.5 s: 7,200 lines an hour of an outage."""
+    prefill, decode = upstreams
+    servers = tmp_path / "servers.json"
+    servers.write_text("[{")  # an operator's edit, half saved
+    front = proxy.Proxy(proxy.ProxySettings([prefill.url], [], registry=f"file://{servers}", warm_up=False))
+
+    async def reads(n: int) -> None:
+        for _ in range(n):
+            await front.membership.read_members()
+
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        try:
+            asyncio.run(reads(5))
+            said = [m for m in caplog.messages if "could not read the servers" in m]
+            assert len(said) == 1 and "cannot read the server list" in said[0], caplog.messages
+            front.membership._unread_said -= membership.REGISTRY_UNREAD_SAID_S  # as if that long had passed
+            asyncio.run(reads(2))
+            assert len([m for m in caplog.messages if "could not read the servers" in m]) == 2
+            servers.write_text(json.dumps([{"role": "decode", "url": decode.url}]))
+            asyncio.run(reads(1))
+        finally:
+            asyncio.run(front.client.aclose())
+    assert [m for m in caplog.messages if "read the servers in" in m and "again, after" in m], caplog.messages
+    assert [i.url for i in front.membership.pools["decode"].instances] == [decode.url]
+
+
 def _post_all(app: FastAPI, bodies: list[dict], headers: dict[str, str] | None = None) -> list[httpx.Response]:
     """POST the bodies to the proxy at once (one event loop, as clients do concurrently)."""
 

@@ -201,3 +201,18 @@ def test_connector_config_is_what_the_connector_accepts(backend: str) -> None:
     assert settings.migration_backend.lower() == backend and settings.lease_s == 7.0
     assert settings.protocol == ("tcp" if backend == "mooncake" else None)
     assert "kv_load_failure_policy" not in connector_config("kv_producer")
+
+
+def test_a_bench_model_is_the_one_given_or_a_tiny_one_with_the_positions_asked(tmp_path: Path) -> None:
+    """A bench's model: --model-dir, else the tiny model with the positions its lengths need.
+
+    The vLLM benches built the tiny model with 2,048 positions whatever --lengths asked (vLLM then refused to start
+    with a longer max_model_len), and the live-moves bench ignored --model-dir."""
+    import json
+
+    from kvbridge_tools.harness.tiny_model import given_or_tiny
+
+    assert given_or_tiny("/models/mine", tmp_path, 100_000) == Path("/models/mine")
+    for tokens, positions in ((100, 2048), (9000, 9000)):
+        model = given_or_tiny(None, tmp_path / str(tokens), tokens)
+        assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == positions

@@ -39,6 +39,7 @@ PROBES_IN_FLIGHT = 64
 # once, and a stream being moved then finds no decode to go to. A server that withdraws its record drained first.
 LAPSE_GRACE_S = 30.0
 REGISTRY_INTERVAL_S = 0.5  # the registry is read this often (or each health interval, if shorter): a join is seen
+REGISTRY_UNREAD_SAID_S = 60.0  # a registry that stays unreadable is said again this often, not at every read
 
 
 def identity_of(record: ServerRecord) -> KVTransferParams | None:
@@ -104,6 +105,8 @@ class Membership:
         self.membership_rounds = 0  # registry reads done: a test waits for one after a change
         self.health_rounds = 0  # rounds that probed every server (`kvbridge bench --scale` times them)
         self._unusable: set[str] = set()  # registry records' URLs that name no server (`url_problem`), said once
+        self._unread_since: float | None = None  # since when the registry could not be read (`read_members`)
+        self._unread_said = 0.0  # when that was last said
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -165,10 +168,33 @@ class Membership:
         try:
             records = await asyncio.to_thread(self.members.servers)
         except KVBridgeError as exc:
-            log.warning("could not read the servers in %s (the pools stay as they are): %s", self.members.url, exc)
+            self._unreadable(exc)
             return
+        if self._unread_since is not None:
+            log.warning("read the servers in %s again, after %.1f s", self.members.url, since(self._unread_since))
+            self._unread_since = None
         self.sync(records)
         self.membership_rounds += 1
+
+    def _unreadable(self, exc: KVBridgeError) -> None:
+        """Say that the registry cannot be read: at once, then every REGISTRY_UNREAD_SAID_S while it lasts.
+
+        It is read every REGISTRY_INTERVAL_S: a registry down for an hour was 7,200 lines."""
+        assert self.members is not None
+        now = time.monotonic()
+        if self._unread_since is None:
+            self._unread_since = now
+        elif now - self._unread_said < REGISTRY_UNREAD_SAID_S:
+            return
+        self._unread_said = now
+        log.warning(
+            "could not read the servers in %s for %.0f s (the pools stay as they are; said again every %g s while it "
+            "lasts): %s",
+            self.members.url,
+            now - self._unread_since,
+            REGISTRY_UNREAD_SAID_S,
+            exc,
+        )
 
     # -- health --------------------------------------------------------------------------------
 

@@ -445,7 +445,7 @@ def _timing(answer: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+    from kvbridge_tools.harness.tiny_model import given_or_tiny
     from kvbridge_tools.harness.vllm_server import wait_healthy
 
     if getattr(args, "transfer", "pull") == "layerwise":
@@ -453,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
 
         return vllm_layerwise.run(args)
     lengths = args.lengths or list(LENGTHS)
-    # room for the longest prompt and its tokens (the tiny model's positions end at 2048)
+    # room for the longest prompt and its tokens
     max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)
     reps = args.requests or 5
     compare = args.compare or "mooncake"
@@ -475,7 +475,7 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("requests", total=len(launchers) * len(lengths) * reps)
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
-        model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
+        model = given_or_tiny(args.model_dir, root, max_len)
         for launch in launchers:
             pair = launch(model, logs, max_len, args.executor)
             try:

@@ -56,7 +56,7 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvbridge_tools.bench.vllm import LENGTHS
-    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+    from kvbridge_tools.harness.tiny_model import given_or_tiny
 
     check(args)
     lengths = args.lengths or list(LENGTHS)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
-        model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
+        model = given_or_tiny(args.model_dir, root, max_len)
         task = progress.add_task("requests", total=len(lengths) * reps)
         rows = _run_placed(args, where, model, logs, max_len, lengths, reps, lambda: progress.advance(task))
     result = {

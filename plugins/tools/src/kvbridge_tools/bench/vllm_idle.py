@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvbridge_tools.bench.pair import frozen_heap
-    from kvbridge_tools.harness.tiny_model import build_tiny_llama, random_prompt
+    from kvbridge_tools.harness.tiny_model import given_or_tiny, random_prompt
     from kvbridge_tools.harness.vllm_server import wait_healthy
 
     systems = [s for s in SYSTEMS if s in set(args.idle_systems) | {REFERENCE}]
@@ -125,8 +125,6 @@ def run(args: argparse.Namespace) -> int:
     if min(gaps) < 0 or min(lengths) <= 0 or reps <= 0:
         raise ConfigError("--gaps must be >= 0, --lengths and --requests positive")
     max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)
-    if not args.model_dir and max_len > 2048:
-        raise ConfigError(f"--lengths up to {max(lengths)}: the tiny model holds 2048 positions; give at most 2000")
     samples: dict[tuple[float, int, str], list[dict[str, Any]]] = {}
     first: dict[str, dict[str, Any]] = {}
     pairs: dict[str, pd.Pair] = {}
@@ -136,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     ):
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
-        model_dir = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
+        model_dir = given_or_tiny(args.model_dir, root, max_len)
         model = str(model_dir)
         http = httpx.Client(timeout=300, trust_env=False)
         try:

@@ -92,7 +92,7 @@ def _cell(row: dict[str, Any], col: str) -> Any:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvbridge_tools.harness.tiny_model import build_tiny_llama, random_prompt
+    from kvbridge_tools.harness.tiny_model import given_or_tiny, random_prompt
     from kvbridge_tools.harness.vllm_server import connector_config, start_vllm, wait_healthy
 
     lengths = args.lengths or [64, 256, 1024, 1900]
@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
-        model = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
         longest = max(lengths) + 2
+        model = given_or_tiny(args.model_dir, root, longest)
         common = {
             "max_model_len": max(1024, longest),
             "log_dir": logs,

@@ -673,10 +673,8 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int, int]
     if not 1 <= getattr(args, "slices", 1) <= requests:
         raise ConfigError("--slices: from 1 to --requests (each slice sends at least one request)")
     range_ratio(args.input_min, args.input_max)
-    # room for the longest prompt and its output (the tiny model's positions end at 2048)
+    # room for the longest prompt and its output
     max_len = -(-(args.input_max + args.output_len + 16) // 256) * 256
-    if not args.model_dir and max_len > 2048:
-        raise ConfigError(f"--input-max {args.input_max}: the tiny model holds 2048 positions; give at most 2000")
     loads = [Load(rate=r) for r in args.rates] + [Load(concurrency=c) for c in args.concurrency]
     if not loads:
         raise ConfigError("--rates and --concurrency: give at least one load")
@@ -686,7 +684,7 @@ def _checked(args: argparse.Namespace) -> tuple[list[str], list[Load], int, int]
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvbridge_tools.harness.tiny_model import build_tiny_llama
+    from kvbridge_tools.harness.tiny_model import given_or_tiny
 
     systems, loads, max_len, prompts = _checked(args)
     if getattr(args, "plot", None):
@@ -715,7 +713,7 @@ def run(args: argparse.Namespace) -> int:
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         bench_log = logs / "serve-bench.log"
-        model_dir = Path(args.model_dir) if args.model_dir else build_tiny_llama(root / "model")
+        model_dir = given_or_tiny(args.model_dir, root, max_len)
         model = str(model_dir)
         http = stack.enter_context(httpx.Client(timeout=30, trust_env=False))
         if getattr(args, "noise", None):

@@ -140,7 +140,7 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from kvbridge_tools.harness.tiny_model import given_or_tiny
 
     check(args)
     if args.plot:
@@ -159,11 +159,12 @@ def run(args: argparse.Namespace) -> int:
         root = Path(tmp)
         logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        model = build_tiny_llama(root / "model", TinyLlamaSpec(max_positions=max_len))
+        model = given_or_tiny(args.model_dir, root, max_len)
         task = progress.add_task("rounds", total=len(contexts) * len(moves) * args.repeat)
         rows = _run_placed(args, where, model, logs, max_len, contexts, moves, lambda: progress.advance(task))
     result = {
         "engine": "vllm",
+        "model": args.model_dir or "tiny random Llama",
         "migration_backend": args.migration_backend,
         "streams": STREAMS,
         "executor": args.executor,  # where each server ran its model

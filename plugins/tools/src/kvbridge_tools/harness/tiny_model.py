@@ -92,3 +92,10 @@ def build_tiny_llama(path: str | Path, spec: TinyLlamaSpec | None = None) -> Pat
             hf_logging.enable_progress_bar()
     build_tokenizer(path)
     return path
+
+
+def given_or_tiny(model_dir: str | None, root: Path, tokens: int) -> Path:
+    """A bench's `--model-dir`, else the tiny model built under `root` with positions for `tokens` (2,048 at least)."""
+    if model_dir:
+        return Path(model_dir)
+    return build_tiny_llama(root / "model", TinyLlamaSpec(max_positions=max(2048, tokens)))
