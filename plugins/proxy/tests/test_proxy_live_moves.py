@@ -829,18 +829,31 @@ def test_pre_copied_streams_are_cut_to_a_decode_one_at_a_time(cluster: Cluster, 
     assert _metric(cluster, "precopied") == 2.0
 
 
-def test_the_cut_together_option_reaches_the_move_settings_and_refuses_a_wait_that_is_no_time() -> None:
+def test_the_move_options_reach_the_settings_and_are_refused_when_nothing_would_read_them() -> None:
     import argparse
 
     from kvbridge_proxy import cli
 
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
-    assert cli.settings(parser.parse_args(["proxy"])).moves.cut_together_s == MoveSettings().cut_together_s == 2.0
-    assert cli.settings(parser.parse_args(["proxy", "--precopy-cut-together", "0"])).moves.cut_together_s == 0.0
+
+    def parsed(*argv: str) -> argparse.Namespace:
+        return parser.parse_args(["proxy", "--live-moves", *argv])
+
+    assert cli.settings(parsed()).moves.cut_together_s == MoveSettings().cut_together_s == 2.0
+    assert cli.settings(parsed("--precopy-cut-together", "0")).moves.cut_together_s == 0.0
     for wait in ("-1", "nan", "inf"):  # NaN compares false with every bound, so it slipped past `< 0`
         with pytest.raises(ConfigError, match="cut_together_s from 0 seconds and finite"):
-            cli.settings(parser.parse_args(["proxy", "--precopy-cut-together", wait]))
+            cli.settings(parsed("--precopy-cut-together", wait))
+    # how streams move, or when, without moving them at all: refused, not ignored
+    for argv, why in [
+        (["--move", "recompute"], "add --live-moves"),
+        (["--precopy-tail", "4"], "add --live-moves"),
+        (["--rebalance-above", "0.9"], "add --rebalance"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            cli.settings(parser.parse_args(["proxy", *argv]))
+    assert cli.settings(parser.parse_args(["proxy", "--rebalance", "--precopy-tail", "4"])).moves.tail_tokens == 4
     for timeout in (0.0, math.nan, math.inf):
         with pytest.raises(ConfigError, match="finite stage_timeout_s above 0"):
             MoveSettings(stage_timeout_s=timeout)

@@ -251,6 +251,22 @@ def settings(args: argparse.Namespace) -> ProxySettings:
     from kvbridge_proxy.rebalance import Policy
     from kvbridge_proxy.settings import ProxySettings
 
+    policy = Policy(args.rebalance_above, args.rebalance_below)
+    moves = MoveSettings(
+        args.move,
+        tail=args.precopy_tail_by,
+        stages=args.precopy_stages,
+        tail_tokens=args.precopy_tail,
+        cut_together_s=args.precopy_cut_together,
+        cuts_at_once=args.precopy_cuts_at_once,
+    )
+    # options nothing would read are refused: a user who set them expects what they say
+    if moves != MoveSettings() and not (args.live_moves or args.rebalance):
+        raise ConfigError(
+            "--move and --precopy-* say how a stream moves off a decode: add --live-moves (or --rebalance)"
+        )
+    if policy != Policy() and not args.rebalance:
+        raise ConfigError("--rebalance-above and --rebalance-below say when streams move: add --rebalance")
     return ProxySettings(
         args.prefill,
         args.decode,
@@ -262,7 +278,7 @@ def settings(args: argparse.Namespace) -> ProxySettings:
         expose_internals=args.expose_internals,
         registry=args.registry,
         live_moves=args.live_moves,
-        rebalance=Policy(args.rebalance_above, args.rebalance_below) if args.rebalance else None,
+        rebalance=policy if args.rebalance else None,
         limits=Limits(
             max_parts=args.max_parts,
             max_upstream_bytes=args.max_upstream_bytes,
@@ -272,14 +288,7 @@ def settings(args: argparse.Namespace) -> ProxySettings:
             max_connections=args.max_connections,
             max_connections_per_client=args.max_connections_per_client,
         ),
-        moves=MoveSettings(
-            args.move,
-            tail=args.precopy_tail_by,
-            stages=args.precopy_stages,
-            tail_tokens=args.precopy_tail,
-            cut_together_s=args.precopy_cut_together,
-            cuts_at_once=args.precopy_cuts_at_once,
-        ),
+        moves=moves,
     )
 
 
