@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 import pytest
 
@@ -80,3 +81,38 @@ def test_chaos_refuses_a_pause_range_upside_down_and_outputs_longer_than_the_ser
     # every prompt would have been cut to one token, and vLLM would have refused each request as too long
     assert main(["chaos", "--max-tokens", "1023"]) == 2
     assert "--max-tokens 1023 leaves no room for a prompt within --max-model-len 1024" in capsys.readouterr().err
+
+
+def test_a_bench_option_its_mode_does_not_read_is_refused_and_one_it_reads_is_taken() -> None:
+    """`kvbridge bench --rates 2` ran the pair bench and ignored --rates, as every mode did with the others' options."""
+    from kvbridge.base.errors import ConfigError
+    from kvbridge.cli import build_parser
+    from kvbridge_tools.cli.bench import check_read, pick_mode
+
+    def checked(*argv: str) -> str:
+        args = build_parser().parse_args(["bench", *argv])
+        mode = pick_mode(args)
+        check_read(args, mode)
+        return mode
+
+    taken = [
+        (
+            ["--engine", "vllm", "--load", "--rates", "2", "--concurrency", "--slices", "4", "--noise", "cpu=1"],
+            "vllm-load",
+        ),
+        (["--engine", "vllm", "--live-moves", "--hosts", "--precopy-tail", "4", "--moves", "precopy"], "vllm-moves"),
+        (["--engine", "vllm", "--idle", "--gaps", "5", "--idle-systems", "nixl"], "vllm-idle"),
+        (["--scale", "--sizes", "2x2", "--spread", "2", "--records", "0"], "scale"),
+        (["--engine", "vllm", "--lengths", "64"], "vllm"),
+    ]
+    for argv, mode in taken:
+        assert checked(*argv) == mode
+    for argv, why in [
+        (["--rates", "2"], "--rates is read by `kvbridge bench --engine vllm --load` alone"),
+        (["--engine", "vllm", "--precopy-tail", "4"], "--precopy-tail is read by `kvbridge bench --engine vllm --live"),
+        (["--engine", "vllm", "--load", "--gaps", "5"], "--gaps is read by `kvbridge bench --engine vllm --idle`"),
+        (["--sizes", "2x2"], "--sizes is read by `kvbridge bench --scale` alone: add --scale, or drop --sizes"),
+        (["--engine", "vllm", "--live-moves", "--hosts", "--concurrency"], "--concurrency is read by"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            checked(*argv)

@@ -28,6 +28,19 @@ MODES = {
     "vllm-moves": "kvbridge_tools.bench.vllm_moves",
 }
 
+# Options one mode alone reads, and how that mode is asked for: given to another, they would be ignored, so are refused.
+ONLY_IN = {
+    "vllm-load": (
+        "--engine vllm --load",
+        ("rates", "concurrency", "slices", "alternate", "slo_factor", "slo", "input_min", "input_max", "output_len")
+        + ("router", "systems", "prefix_caching", "start_ahead", "idle_s", "noise"),
+    ),
+    "vllm-moves": ("--engine vllm --live-moves --hosts", ("moves", "precopy_tail", "engine_nice")),
+    "vllm-idle": ("--engine vllm --idle", ("gaps", "idle_systems")),
+    "scale": ("--scale", ("sizes", "spread", "ranks_per_process", "records", "registry_kind")),
+}
+_DEFAULTS: dict[str, Any] = {}  # those options' defaults (`add_parser`)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -105,6 +118,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
+    _DEFAULTS.update({dest: p.get_default(dest) for _, dests in ONLY_IN.values() for dest in dests})
     p.set_defaults(run=run)
 
 
@@ -150,12 +164,20 @@ def pick_mode(args: argparse.Namespace) -> str:
     return "pair"
 
 
+def check_read(args: argparse.Namespace, mode: str) -> None:
+    """Refuse an option that `mode` would not read (`ONLY_IN`): who set it expects what it says."""
+    for owner, (how, dests) in ONLY_IN.items():
+        given = [d for d in dests if owner != mode and getattr(args, d, None) != _DEFAULTS.get(d)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} is read by `kvbridge bench {how}` alone: add {how}, or drop {flag}")
+
+
 def run(args: argparse.Namespace) -> int:
     mode = pick_mode(args)
     if args.repeat is None:  # a round of live moves is 8 streams at every context and way: minutes, not seconds
         args.repeat = 1 if mode == "vllm-moves" else 3
-    if getattr(args, "noise", None) and mode != "vllm-load":
-        raise ConfigError("--noise runs busy processes beside vLLM servers under load; add --engine vllm --load")
+    check_read(args, mode)
     if getattr(args, "link", None) and not getattr(args, "hosts", False):
         raise ConfigError("--link shapes the link between --hosts; add --hosts")
     if getattr(args, "hosts", False) and mode not in ("pair", "vllm", "vllm-load", "vllm-moves"):
