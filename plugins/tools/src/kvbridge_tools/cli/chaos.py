@@ -57,6 +57,19 @@ scale-out and the drains; on a small machine serialize it with other heavy jobs
 """
 )
 
+# Options that some faults alone read: given without one of them, they would be ignored, so they are refused.
+TIMED = ("partition", "flap", "bandwidth-drop")
+FAULT_OPTIONS = {
+    "transfer_error_rate": ("transfer-error",),
+    "slow_rate": ("slow-peer",),
+    "slow_s": ("slow-peer",),
+    "idle_gaps": ("idle-gap",),
+    "gap_range": ("idle-gap",),
+    "net_fault_s": TIMED,
+    "net_every_s": TIMED,
+}
+_DEFAULTS: dict[str, Any] = {}  # their defaults (`add_parser`)
+
 
 def _faults(text: str) -> list[str]:
     try:
@@ -122,6 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     _add_host_arguments(p.add_argument_group("across hosts"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    _DEFAULTS.update({dest: p.get_default(dest) for dest in FAULT_OPTIONS})
     p.set_defaults(run=run)
 
 
@@ -203,6 +217,15 @@ def run(args: argparse.Namespace) -> int:
     if network_faults and not args.hosts:
         raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
     elastic = [f for f in args.faults if f in ELASTIC]
+    for dest, faults in FAULT_OPTIONS.items():
+        value, default = getattr(args, dest), _DEFAULTS.get(dest)
+        if isinstance(value, (list, tuple)):  # --gap-range: a list parsed, a tuple by default
+            value, default = tuple(value), tuple(default or ())
+        if value != default and not set(faults) & set(args.faults):
+            flag = "--" + dest.replace("_", "-")
+            raise ConfigError(
+                f"{flag} is read with the {' or '.join(faults)} fault: add it to --faults, or drop {flag}"
+            )
     if args.net_every_s <= args.net_fault_s:
         raise ConfigError("--net-fault-s must be shorter than --net-every-s")
     if args.max_tokens + 3 > args.max_model_len:  # a prompt of at least 1 token, and room to spare

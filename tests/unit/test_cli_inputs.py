@@ -1,7 +1,8 @@
-"""Every number a `kvbridge` command takes is refused, before anything starts, when it is no number of its kind.
+"""What a `kvbridge` command is given is refused, before anything starts, when it cannot mean what it says.
 
 Each case below was once taken: NaN slipped past `< 0` checks, 0 was read as "the default", and the bench or the
-chaos run then started vLLM servers with it (a NaN request rate, no output tokens, a 0 s timeout)."""
+chaos run then started vLLM servers with it (a NaN request rate, no output tokens, a 0 s timeout); an option of another
+bench mode or of a fault not asked for was read by nothing."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_a_number_out_of_its_bounds_is_refused_by_name(argv: list[str], capsys: 
 def test_chaos_refuses_a_pause_range_upside_down_and_outputs_longer_than_the_servers_hold(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["chaos", "--gap-range", "9", "1"]) == 2
+    assert main(["chaos", "--faults", "idle-gap", "--gap-range", "9", "1"]) == 2
     assert "--gap-range MIN MAX: MIN 9 is above MAX 1" in capsys.readouterr().err
     # every prompt would have been cut to one token, and vLLM would have refused each request as too long
     assert main(["chaos", "--max-tokens", "1023"]) == 2
@@ -116,3 +117,14 @@ def test_a_bench_option_its_mode_does_not_read_is_refused_and_one_it_reads_is_ta
     ]:
         with pytest.raises(ConfigError, match=re.escape(why)):
             checked(*argv)
+
+
+def test_a_chaos_option_of_a_fault_not_asked_for_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, fault in [
+        (["--transfer-error-rate", "0.5"], "transfer-error"),
+        (["--slow-s", "3"], "slow-peer"),
+        (["--gap-range", "1", "2"], "idle-gap"),
+        (["--hosts", "--faults", "loss", "--net-fault-s", "1"], "partition or flap or bandwidth-drop"),
+    ]:
+        assert main(["chaos", *argv]) == 2
+        assert f"is read with the {fault} fault: add it to --faults" in capsys.readouterr().err
