@@ -104,7 +104,11 @@ def test_a_bench_option_its_mode_does_not_read_is_refused_and_one_it_reads_is_ta
         (["--engine", "vllm", "--live-moves", "--hosts", "--precopy-tail", "4", "--moves", "precopy"], "vllm-moves"),
         (["--engine", "vllm", "--idle", "--gaps", "5", "--idle-systems", "nixl"], "vllm-idle"),
         (["--scale", "--sizes", "2x2", "--spread", "2", "--records", "0"], "scale"),
-        (["--engine", "vllm", "--lengths", "64"], "vllm"),
+        (["--engine", "vllm", "--lengths", "64", "--model-dir", "/m", "--executor", "mp"], "vllm"),
+        (
+            ["--engine", "vllm", "--load", "--model-dir", "/m", "--keep-logs", "/l", "--nixl-busy-poll", "off"],
+            "vllm-load",
+        ),
     ]
     for argv, mode in taken:
         assert checked(*argv) == mode
@@ -112,8 +116,16 @@ def test_a_bench_option_its_mode_does_not_read_is_refused_and_one_it_reads_is_ta
         (["--rates", "2"], "--rates is read by `kvbridge bench --engine vllm --load` alone"),
         (["--engine", "vllm", "--precopy-tail", "4"], "--precopy-tail is read by `kvbridge bench --engine vllm --live"),
         (["--engine", "vllm", "--load", "--gaps", "5"], "--gaps is read by `kvbridge bench --engine vllm --idle`"),
-        (["--sizes", "2x2"], "--sizes is read by `kvbridge bench --scale` alone: add --scale, or drop --sizes"),
+        (
+            ["--sizes", "2x2"],
+            "--sizes is read by `kvbridge bench --scale` alone, not by the pair bench: add --scale, or drop --sizes",
+        ),
         (["--engine", "vllm", "--live-moves", "--hosts", "--concurrency"], "--concurrency is read by"),
+        (["--model-dir", "/m"], "--model-dir is read by `kvbridge bench --engine vllm` alone, not by the pair bench"),
+        (
+            ["--engine", "vllm", "--load", "--lengths", "64"],
+            "--lengths is read by `kvbridge bench --engine vllm without",
+        ),
     ]:
         with pytest.raises(ConfigError, match=re.escape(why)):
             checked(*argv)

@@ -28,17 +28,23 @@ MODES = {
     "vllm-moves": "kvbridge_tools.bench.vllm_moves",
 }
 
-# Options one mode alone reads, and how that mode is asked for: given to another, they would be ignored, so are refused.
-ONLY_IN = {
-    "vllm-load": (
+# Options that some modes alone read (the modes, how they are asked for, the options): given to another, they would be
+# ignored, so they are refused.
+VLLM_MODES = ("vllm", "vllm-load", "vllm-idle", "vllm-moves")
+ONLY_IN: list[tuple[tuple[str, ...], str, tuple[str, ...]]] = [
+    (
+        ("vllm-load",),
         "--engine vllm --load",
         ("rates", "concurrency", "slices", "alternate", "slo_factor", "slo", "input_min", "input_max", "output_len")
         + ("router", "systems", "prefix_caching", "start_ahead", "idle_s", "noise"),
     ),
-    "vllm-moves": ("--engine vllm --live-moves --hosts", ("moves", "precopy_tail", "engine_nice")),
-    "vllm-idle": ("--engine vllm --idle", ("gaps", "idle_systems")),
-    "scale": ("--scale", ("sizes", "spread", "ranks_per_process", "records", "registry_kind")),
-}
+    (("vllm-moves",), "--engine vllm --live-moves --hosts", ("moves", "precopy_tail", "engine_nice")),
+    (("vllm-idle",), "--engine vllm --idle", ("gaps", "idle_systems")),
+    (("vllm-load", "vllm-idle"), "--engine vllm --load or --idle", ("nixl_busy_poll",)),
+    (("scale",), "--scale", ("sizes", "spread", "ranks_per_process", "records", "registry_kind")),
+    (VLLM_MODES, "--engine vllm", ("model_dir", "keep_logs", "executor")),
+    (("vllm", "vllm-idle", "vllm-moves"), "--engine vllm without --load", ("lengths",)),  # --load: --input-min/-max
+]
 _DEFAULTS: dict[str, Any] = {}  # those options' defaults (`add_parser`)
 
 
@@ -118,7 +124,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     for name, module in MODES.items():
         importlib.import_module(module).add_arguments(p.add_argument_group(f"{name} mode"))
-    _DEFAULTS.update({dest: p.get_default(dest) for _, dests in ONLY_IN.values() for dest in dests})
+    _DEFAULTS.update({dest: p.get_default(dest) for _, _, dests in ONLY_IN for dest in dests})
     p.set_defaults(run=run)
 
 
@@ -166,11 +172,13 @@ def pick_mode(args: argparse.Namespace) -> str:
 
 def check_read(args: argparse.Namespace, mode: str) -> None:
     """Refuse an option that `mode` would not read (`ONLY_IN`): who set it expects what it says."""
-    for owner, (how, dests) in ONLY_IN.items():
-        given = [d for d in dests if owner != mode and getattr(args, d, None) != _DEFAULTS.get(d)]
+    for modes, how, dests in ONLY_IN:
+        given = [d for d in dests if mode not in modes and getattr(args, d, None) != _DEFAULTS.get(d)]
         if given:
             flag = "--" + given[0].replace("_", "-")
-            raise ConfigError(f"{flag} is read by `kvbridge bench {how}` alone: add {how}, or drop {flag}")
+            raise ConfigError(
+                f"{flag} is read by `kvbridge bench {how}` alone, not by the {mode} bench: add {how}, or drop {flag}"
+            )
 
 
 def run(args: argparse.Namespace) -> int:

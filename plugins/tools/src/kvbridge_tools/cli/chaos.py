@@ -206,17 +206,13 @@ def _add_host_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """Refuse, before anything starts, options that cannot mean what they say together."""
     from kvbridge.base.errors import ConfigError
-    from kvbridge_tools.chaos.bound import transport_bound
-    from kvbridge_tools.chaos.deployment import Deployment
-    from kvbridge_tools.chaos.runner import Workload
-    from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     network_faults = [f for f in args.faults if f in NETWORK]
     if network_faults and not args.hosts:
         raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
-    elastic = [f for f in args.faults if f in ELASTIC]
     for dest, faults in FAULT_OPTIONS.items():
         value, default = getattr(args, dest), _DEFAULTS.get(dest)
         if isinstance(value, (list, tuple)):  # --gap-range: a list parsed, a tuple by default
@@ -235,6 +231,16 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.gap_range[0] > args.gap_range[1]:
         raise ConfigError(f"--gap-range MIN MAX: MIN {args.gap_range[0]:g} is above MAX {args.gap_range[1]:g}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge_tools.chaos.bound import transport_bound
+    from kvbridge_tools.chaos.deployment import Deployment
+    from kvbridge_tools.chaos.runner import Workload
+    from kvbridge_tools.harness.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+    check(args)
+    elastic = [f for f in args.faults if f in ELASTIC]
     _check_backend(args.migration_backend)
     # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
     model_dir = tempfile.TemporaryDirectory(prefix="kvbridge-chaos-model-")
