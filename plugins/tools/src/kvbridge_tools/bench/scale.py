@@ -434,11 +434,8 @@ def _table(rows: list[dict[str, Any]], membership: dict[str, Any] | None) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 1 <= args.spread <= BLOCKS or args.ranks_per_process < 1 or args.records < 0:
-        raise ConfigError(
-            f"--spread must be 1 to {BLOCKS} (a decode rank's pulls land in blocks of their own), --ranks-per-process "
-            "at least 1, --records at least 0"
-        )
+    if args.spread > BLOCKS:  # (the options' types keep each at least 1, --records at least 0)
+        raise ConfigError(f"--spread must be 1 to {BLOCKS} (a decode rank's pulls land in blocks of their own)")
     _check_fits(args.sizes, args.ranks_per_process)
     if args.plot:
         check_path(args.plot)

@@ -35,7 +35,6 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvbridge.base.errors import ConfigError
 from kvbridge.cli.numbers import real
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench import vllm as pd
@@ -122,8 +121,6 @@ def run(args: argparse.Namespace) -> int:
     lengths = args.lengths or list(LENGTHS)
     gaps = args.gaps or list(GAPS)
     reps = args.requests or 20
-    if min(gaps) < 0 or min(lengths) <= 0 or reps <= 0:
-        raise ConfigError("--gaps must be >= 0, --lengths and --requests positive")
     max_len = max(1024, -(-(max(lengths) + 16) // 256) * 256)
     samples: dict[tuple[float, int, str], list[dict[str, Any]]] = {}
     first: dict[str, dict[str, Any]] = {}

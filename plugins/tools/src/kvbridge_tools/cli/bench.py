@@ -13,6 +13,7 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.cli.numbers import whole
 from kvbridge.plan.presets import PRESETS
 from kvbridge_tools.bench.link import ENGINE_CORES
+from kvbridge_tools.cli import set_options
 
 # mode name -> module in kvbridge_tools.bench; each has add_arguments(group) and run(args) -> int
 MODES = {
@@ -173,9 +174,8 @@ def pick_mode(args: argparse.Namespace) -> str:
 def check_read(args: argparse.Namespace, mode: str) -> None:
     """Refuse an option that `mode` would not read (`ONLY_IN`): who set it expects what it says."""
     for modes, how, dests in ONLY_IN:
-        given = [d for d in dests if mode not in modes and getattr(args, d, None) != _DEFAULTS.get(d)]
-        if given:
-            flag = "--" + given[0].replace("_", "-")
+        if mode not in modes and (flags := set_options(args, {d: _DEFAULTS.get(d) for d in dests})):
+            flag = flags[0]
             raise ConfigError(
                 f"{flag} is read by `kvbridge bench {how}` alone, not by the {mode} bench: add {how}, or drop {flag}"
             )

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvbridge.cli.numbers import real, seconds, whole
 from kvbridge_tools.chaos.faults import ELASTIC, FAULTS, NETWORK, parse_faults
+from kvbridge_tools.cli import set_options
 from kvbridge_tools.harness.vllm_server import add_executor_argument
 
 log = logging.getLogger(__name__)
@@ -214,11 +215,8 @@ def check(args: argparse.Namespace) -> None:
     if network_faults and not args.hosts:
         raise ConfigError(f"network faults ({', '.join(network_faults)}) act between hosts: add --hosts")
     for dest, faults in FAULT_OPTIONS.items():
-        value, default = getattr(args, dest), _DEFAULTS.get(dest)
-        if isinstance(value, (list, tuple)):  # --gap-range: a list parsed, a tuple by default
-            value, default = tuple(value), tuple(default or ())
-        if value != default and not set(faults) & set(args.faults):
-            flag = "--" + dest.replace("_", "-")
+        if not set(faults) & set(args.faults) and (flags := set_options(args, {dest: _DEFAULTS.get(dest)})):
+            flag = flags[0]
             raise ConfigError(
                 f"{flag} is read with the {' or '.join(faults)} fault: add it to --faults, or drop {flag}"
             )
