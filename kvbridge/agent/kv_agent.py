@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +17,7 @@ from kvbridge.base import wire
 from kvbridge.base.block_ids import block_array
 from kvbridge.base.errors import ConfigError, KVBridgeError, LoadError, TopologyError, TransferTimeout
 from kvbridge.base.memory import RegionIndex, total_bytes
+from kvbridge.base.options import env_flag
 from kvbridge.plan.descriptors import pull_descriptors
 from kvbridge.plan.layout import KVLayout, check_compatible
 from kvbridge.plan.topology import ParallelConfig, Plan, heads_per_rank, plan
@@ -211,7 +211,7 @@ class KVAgent:
         name, options = backend, {**{k: v for k, v in backend_options.items() if k != "port"}, "hostname": "127.0.0.1"}
         # Off unless asked: the probe times two endpoints of this process, which need not be the path between hosts,
         # and starts two more transport engines (docs/transfer-strategies.md).
-        probe = os.environ.get("KVBRIDGE_PATH_PROBE") == "1" if probe is None else probe
+        probe = env_flag("KVBRIDGE_PATH_PROBE") if probe is None else probe
         make = (lambda: create_backend(name, **options)) if probe and isinstance(name, str) else None
         # A wrapper around a caller's backend is never closed here (it would close theirs): close() unregisters.
         self.backend: MigrationBackend = staging.attach(inner, self.device, force=stage, probe=make)

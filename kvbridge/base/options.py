@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -137,6 +138,19 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+def env_flag(name: str, default: bool = False, *, env: Mapping[str, str] | None = None) -> bool:
+    """An on/off variable of `env` (the environment): 1/true/yes/on or 0/false/no/off in any case, else `default`.
+
+    Unset or empty is `default`. Any other value is refused, not read as either (`=0` meaning on surprises)."""
+    env = os.environ if env is None else env
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in _TRUE | _FALSE:
+        raise ConfigError(f"{name}={env[name]!r}: set it to 1 (or true, yes, on) or 0 (or false, no, off)")
+    return value in _TRUE
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
@@ -176,6 +190,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (bytes, bytearray)):
             raise ConfigError(f"{where} must be bytes")
         return bytes(value)
+    if typing.get_origin(tp) in (dict, Mapping) and not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping (a JSON object)")
     return value
 
 

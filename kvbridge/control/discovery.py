@@ -386,6 +386,18 @@ class EtcdRegistry(DiscoveryRegistry):
         self._post("kv/deleterange", {"key": self._b64(key)})
 
 
+def url_problem(url: str) -> str | None:
+    """What keeps `url` from naming a server's HTTP API, as a record and the proxy need it (None: nothing)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (raises on a port that is not one)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"server {url!r}: write it as http://HOST:PORT or https://HOST:PORT, e.g. http://10.0.0.1:8100"
+    return None
+
+
 def redacted(url: str) -> str:
     """`url` with any password replaced by `***`: URLs go into errors and logs.
 

@@ -574,6 +574,13 @@ def test_settings_come_from_the_environment() -> None:
         with pytest.raises(ConfigError, match=f"KVBRIDGE_LMDEPLOY_TIMEOUT='{bad}' is not a number"):
             AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TIMEOUT": bad})
     assert AdapterSettings.from_env({"KVBRIDGE_LMDEPLOY_TIMEOUT": "inf"}).timeout is None  # forever, as 0 says
+    # on/off: "0" was on (any value was) and "on" left the network untrusted; a value that is neither is refused
+    flags = {"LMDEPLOY_USE_ASYNC_MIGRATION": "0", "KVBRIDGE_LMDEPLOY_INSECURE": "on"}
+    flagged = AdapterSettings.from_env(flags)
+    assert (flagged.async_migration, flagged.insecure) == (False, True)
+    for name in flags:
+        with pytest.raises(ConfigError, match=f"{name}='enabled': set it to 1 .* or 0"):
+            AdapterSettings.from_env({name: "enabled"})
 
 
 def test_a_protocol_the_transport_lacks_says_how_to_fix_it() -> None:

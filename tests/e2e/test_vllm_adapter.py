@@ -630,14 +630,14 @@ def test_worker_side_channel_port_taken_is_refused(workers: Workers) -> None:
 def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     s = Settings.from_extra_config({"migration_backend": "Mooncake", "protocol": "tcp", "side_channel_port": "6000"})
     assert (s.migration_backend, s.protocol, s.side_channel_port) == ("Mooncake", "tcp", 6000)
-    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config keys.*'lease'"):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config has no option 'lease' .did you mean 'lease_s'"):
         Settings.from_extra_config({"lease": 3})
-    with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
+    with pytest.raises(ConfigError, match="option lease_s of .*kv_connector_extra_config .given a str. must be float"):
         Settings.from_extra_config({"lease_s": "soon"})
-    with pytest.raises(ConfigError, match="bad kv_connector_extra_config.*idle_wait_ms"):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config: idle_wait_ms must be"):
         Settings.from_extra_config({"idle_wait_ms": -1})
     assert Settings.from_extra_config({}).idle_wait_ms == 2.0
-    with pytest.raises(ConfigError, match="bad kv_connector_extra_config.*stream_idle_wait_ms"):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config: stream_idle_wait_ms must be"):
         Settings.from_extra_config({"stream_idle_wait_ms": -5})
     assert Settings.from_extra_config({"stream_idle_wait_ms": "50"}).stream_idle_wait_s(inbox_watched=True) == 0.05
     # unset: long where an arriving request ends the wait (the engine's input queue is watched), short elsewhere
@@ -654,6 +654,34 @@ def test_settings_from_extra_config(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.setenv("KVBRIDGE_SECRET", "from-the-environment-1")  # kept out of vLLM's logged config
     assert Settings.from_extra_config({}).secret == b"from-the-environment-1"
     assert "from-the-environment-1" not in repr(Settings.from_extra_config({}))
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"side_channel_port": 5800.5}, "side_channel_port of .* .given a float. must be int"),  # was cut to 5800
+        ({"side_channel_port": True}, "side_channel_port of .* .given a bool. must be int"),  # was port 1
+        ({"side_channel_port": 70000}, "side_channel_port must be a finite number at least 1 and at most 65535"),
+        ({"lease_s": True}, "lease_s of .* .given a bool. must be float"),  # was a 1 s lease
+        ({"migration_backend": None}, "migration_backend of .* .given a NoneType. must be a string"),  # was 'None'
+        ({"host": None}, "host of .* .given a NoneType. must be a string"),
+        ({"metadata_server": 5}, "metadata_server of .* .given a int. must be str"),
+        ({"fault_injection": "transfer_error"}, "fault_injection of .* .given a str. must be dict"),
+        (
+            {"server_role": "prefil"},
+            r"kv_connector_extra_config: 'server_role' must be in \('prefill', 'decode'\) .got 'prefil'.$",
+        ),
+        (
+            {"advertise_url": "decode-1:8200"},
+            "advertise_url. names no server 'decode-1:8200': write it as http://HOST:PORT",
+        ),
+    ],
+)
+def test_settings_refuse_a_value_of_the_wrong_kind_naming_the_key(extra: dict[str, Any], says: str) -> None:
+    """Each of these was taken and turned into something else, or failed later with no key named."""
+    with pytest.raises(ConfigError, match=says):
+        Settings.from_extra_config({"insecure": True, **extra})
+    assert Settings.from_extra_config({"insecure": "true", "side_channel_port": 5800.0}).side_channel_port == 5800
 
 
 def test_backend_options_reach_the_transport(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -678,7 +706,7 @@ def test_backend_options_reach_the_transport(monkeypatch: pytest.MonkeyPatch) ->
         create_backend(bogus.migration_backend, protocol="tcp", hostname="127.0.0.1", **bogus.transport_options())
     with pytest.raises(ConfigError, match=r"backend_options may not set \['protocol'\]"):
         Settings.from_extra_config({"backend_options": {"protocol": "rdma"}})
-    with pytest.raises(ConfigError, match="bad kv_connector_extra_config"):
+    with pytest.raises(ConfigError, match="option backend_options .* must be a mapping"):
         Settings.from_extra_config({"backend_options": ["transfer_deadline", 7]})
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.base.options import env_flag
 from kvbridge.base.secret import load_secret
 
 TRANSPORT_ENV = "KVBRIDGE_LMDEPLOY_TRANSPORT"
@@ -75,9 +76,10 @@ class AdapterSettings:
             devices=devices,
             device=env.get(DEVICE_ENV) or None,
             timeout=_timeout(env.get(TIMEOUT_ENV)),
-            async_migration=bool(env.get(LMDEPLOY_ASYNC_ENV)),
+            # LMDeploy's own backends take any value as on, "0" too; here it means off (`env_flag`)
+            async_migration=env_flag(LMDEPLOY_ASYNC_ENV, env=env),
             secret=load_secret(),
-            insecure=env.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes"),
+            insecure=env_flag(INSECURE_ENV, env=env),
         )
 
     def device_for(self, rank: int | None) -> str:

@@ -13,14 +13,14 @@ import attrs
 import httpx
 
 from kvbridge.base.errors import ConfigError, KVBridgeError, described
-from kvbridge.control.discovery import ServerRecord
+from kvbridge.control.discovery import ServerRecord, url_problem
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.members import StaticMembers, open_members
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.rebalance import Policy, kv_usage
 from kvbridge_proxy.release import ReleaseLease
 from kvbridge_proxy.settings import ProxySettings
-from kvbridge_proxy.upstreams import Instance, NoInstance, Pool, since, url_problem
+from kvbridge_proxy.upstreams import Instance, NoInstance, Pool, since
 from kvbridge_proxy.wire import prefill_body
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 import attrs
 
 from kvbridge.base.errors import ConfigError
+from kvbridge.control.discovery import url_problem
 from kvbridge_proxy.limits import Limits
 from kvbridge_proxy.moving_stream import MoveSettings
 from kvbridge_proxy.rebalance import Policy
-from kvbridge_proxy.upstreams import CONNECT_TIMEOUT_S, url_problem
+from kvbridge_proxy.upstreams import CONNECT_TIMEOUT_S
 
 
 def _urls(urls: Sequence[str]) -> tuple[str, ...]:

@@ -7,7 +7,6 @@ import itertools
 import logging
 import socket
 import time
-import urllib.parse
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -126,18 +125,6 @@ class Pool:
         if not healthy:
             raise NoInstance(f"no other healthy {self.role} server than {[i.label for i in exclude]}")
         return healthy[next(self._counter) % len(healthy)]
-
-
-def url_problem(url: str) -> str | None:
-    """What keeps `url` from naming a server the proxy can send to (None: nothing)."""
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 (raises on a port that is not one)
-    except ValueError:
-        parts = None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"server {url!r}: write it as http://HOST:PORT or https://HOST:PORT, e.g. http://10.0.0.1:8100"
-    return None
 
 
 def since(monotonic: float) -> float:
