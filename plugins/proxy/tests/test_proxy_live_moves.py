@@ -829,7 +829,9 @@ def test_pre_copied_streams_are_cut_to_a_decode_one_at_a_time(cluster: Cluster, 
     assert _metric(cluster, "precopied") == 2.0
 
 
-def test_the_move_options_reach_the_settings_and_are_refused_when_nothing_would_read_them() -> None:
+def test_the_move_options_reach_the_settings_and_are_refused_when_nothing_would_read_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import argparse
 
     from kvbridge_proxy import cli
@@ -844,7 +846,21 @@ def test_the_move_options_reach_the_settings_and_are_refused_when_nothing_would_
     assert cli.settings(parsed("--precopy-cut-together", "0")).moves.cut_together_s == 0.0
     for wait in ("-1", "nan", "inf"):  # NaN compares false with every bound, so it slipped past `< 0`
         with pytest.raises(ConfigError, match="cut_together_s from 0 seconds and finite"):
-            cli.settings(parsed("--precopy-cut-together", wait))
+            MoveSettings(cut_together_s=float(wait))
+    # each number is refused by argparse, naming the option (the settings' own checks named their fields)
+    for argv in (
+        ["--precopy-cut-together", "nan"],
+        ["--precopy-stages", "0"],
+        ["--precopy-tail", "-1"],
+        ["--precopy-cuts-at-once", "0"],
+        ["--rebalance-above", "1.5"],
+        ["--health-interval", "0"],
+        ["--timeout", "inf"],
+        ["--connect-timeout", "-1"],
+    ):
+        with pytest.raises(SystemExit):
+            parsed(*argv)
+        assert f"argument {argv[0]}: expected" in capsys.readouterr().err
     # how streams move, or when, without moving them at all: refused, not ignored
     for argv, why in [
         (["--move", "recompute"], "add --live-moves"),

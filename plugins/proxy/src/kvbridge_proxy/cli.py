@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.base.secret import HOW_TO_SET, admin_token, load_secret
-from kvbridge.cli.numbers import seconds, whole
+from kvbridge.cli.numbers import real, seconds, whole
 from kvbridge_proxy.moving_stream import MOVES, MoveSettings
 
 if TYPE_CHECKING:
@@ -83,15 +83,15 @@ def _add_routing(p: argparse.ArgumentParser) -> None:
     """How the proxy talks to the servers."""
     p.add_argument(
         "--health-interval",
-        type=float,
+        type=seconds,
         default=2.0,
         metavar="S",
         help="seconds between health checks of every instance (default 2)",
     )
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="upstream request timeout (default 600)")
+    p.add_argument("--timeout", type=seconds, default=600.0, metavar="S", help="upstream request timeout (default 600)")
     p.add_argument(
         "--connect-timeout",
-        type=float,
+        type=seconds,
         default=5.0,
         metavar="S",
         help="seconds to open a connection to an upstream; one that does not accept in time never saw the "
@@ -141,11 +141,15 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
         "decode computes it); default precopy",
     )
     p.add_argument(
-        "--precopy-stages", type=int, default=3, metavar="N", help="pre-copy stages at most before the cut (default 3)"
+        "--precopy-stages",
+        type=whole(),
+        default=3,
+        metavar="N",
+        help="pre-copy stages at most before the cut (default 3)",
     )
     p.add_argument(
         "--precopy-tail",
-        type=int,
+        type=whole(0),
         default=16,
         metavar="TOKENS",
         help="cut once at most this many tokens of the stream were not pre-copied (default 16; the next decode then "
@@ -160,7 +164,7 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precopy-cut-together",
-        type=float,
+        type=real(zero=True),
         default=2.0,
         metavar="S",
         help="a stream whose pre-copy ended waits, still running where it is, up to S seconds for the pre-copies of "
@@ -169,7 +173,7 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precopy-cuts-at-once",
-        type=int,
+        type=whole(),
         default=1,
         metavar="N",
         help="pre-copied streams cut to one decode at a time; the next is cut once the last one's first event came "
@@ -181,8 +185,9 @@ def _add_moves(p: argparse.ArgumentParser) -> None:
         help="as --live-moves does, move streams off a decode whose KV cache is at least --rebalance-above full "
         "to one at most --rebalance-below full, read from each decode's /metrics every health round (default off)",
     )
-    p.add_argument("--rebalance-above", type=float, default=0.8, metavar="F", help="default 0.8")
-    p.add_argument("--rebalance-below", type=float, default=0.4, metavar="F", help="default 0.4")
+    fraction = real("a fraction of the KV cache", 0.0, 1.0, zero=True)
+    p.add_argument("--rebalance-above", type=fraction, default=0.8, metavar="F", help="default 0.8")
+    p.add_argument("--rebalance-below", type=fraction, default=0.4, metavar="F", help="default 0.4")
 
 
 def _add_limits(p: argparse.ArgumentParser) -> None:
