@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvbridge_tools.bench.pair import median_interval, paired_ratio
+from kvbridge_tools.bench.stats import percentile
 
 
 def test_the_interval_holds_the_median_and_lies_within_the_range() -> None:
@@ -24,6 +25,17 @@ def test_a_clear_difference_excludes_one_and_noise_does_not() -> None:
     noisy = [0.85, 1.12, 0.93, 1.05, 0.88, 1.10, 0.97, 1.02]
     low, high = median_interval(noisy)
     assert low < 1.0 < high
+
+
+def test_one_percentile_for_every_bench_the_median_of_an_even_count_being_the_middle_twos_mean() -> None:
+    """The benches took three: nearest rank (the lower middle), the upper middle, and numpy's."""
+    import statistics
+
+    eight = [8.0, 1.0, 7.0, 2.0, 6.0, 3.0, 5.0, 4.0]
+    assert percentile(eight, 0.5) == statistics.median(eight) == 4.5
+    assert percentile(eight[:7], 0.5) == statistics.median(eight[:7]) == 5.0
+    assert 7.0 < percentile(eight, 0.99) < 8.0 and percentile(eight, 1.0) == 8.0 and percentile(eight, 0.0) == 1.0
+    assert percentile(eight, 0.99, 1) == 7.9 and percentile([], 0.5) is None
 
 
 def test_degenerate_samples() -> None:

@@ -385,12 +385,6 @@ def frozen_heap() -> Iterator[None]:
         gc.unfreeze()
 
 
-def quantile(samples: list[float], q: float) -> float:
-    """The q-quantile by nearest rank (of 8 samples: the median is the 4th, the p99 the largest)."""
-    ordered = sorted(samples)
-    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 2)
-
-
 def paired_ratio(raw_s: list[float], kv_s: list[float]) -> dict[str, Any]:
     """kvbridge's speed as a fraction of raw: the median and range over rounds of raw time / kvbridge time.
 

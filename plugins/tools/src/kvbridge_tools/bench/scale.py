@@ -49,6 +49,7 @@ from kvbridge.session.pull_control import CONTROL_TIMEOUT_S, DONE_ATTEMPTS
 from kvbridge_tools.bench.load_probes import MEMORY_MARGIN_GIB, memory_available_gib
 from kvbridge_tools.bench.plot import check_path, write_chart
 from kvbridge_tools.bench.scale_rank import BLOCKS
+from kvbridge_tools.bench.stats import percentile
 from kvbridge_tools.harness.etcd import etcd_server
 from kvbridge_tools.harness.hosts import OWN_GROUP
 from kvbridge_tools.harness.ports import free_port
@@ -128,13 +129,6 @@ def _check_fits(sizes: list[tuple[int, int]], per_process: int) -> None:
             f"--sizes {p}x{d} needs about {need:.1f} GiB for its rank processes ({per_process} ranks to a process) and "
             f"this machine has {have:.1f} GiB available: ask for fewer ranks"
         )
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class _Side:
@@ -293,11 +287,11 @@ def measure_size(p: int, d: int, args: argparse.Namespace, setup: dict[str, Any]
         "first_contacts": len(first),
         "failed": len(failed),
         "errors": failed[:5],
-        "first_contact_p50_ms": round(_pct([r["control_ms"] for r in first], 0.5), 2),
-        "first_contact_p99_ms": round(_pct([r["control_ms"] for r in first], 0.99), 2),
-        "herd_control_p50_ms": round(_pct([r["control_ms"] for r in herd], 0.5), 2),
-        "herd_control_p99_ms": round(_pct([r["control_ms"] for r in herd], 0.99), 2),
-        "herd_pull_p99_ms": round(_pct([r["total_ms"] for r in herd], 0.99), 2),
+        "first_contact_p50_ms": percentile([r["control_ms"] for r in first], 0.5, 2),
+        "first_contact_p99_ms": percentile([r["control_ms"] for r in first], 0.99, 2),
+        "herd_control_p50_ms": percentile([r["control_ms"] for r in herd], 0.5, 2),
+        "herd_control_p99_ms": percentile([r["control_ms"] for r in herd], 0.99, 2),
+        "herd_pull_p99_ms": percentile([r["total_ms"] for r in herd], 0.99, 2),
         "released": released,
     }
     # a prefill rank's peers are the decode ranks that pulled from it, and the other way round: both count the pairs

@@ -11,7 +11,8 @@ sending the decode request to that answer, so it includes the KV transfer. "tran
 each connector reports to vLLM's "KV Transfer metrics" log (kvbridge pulls, so its decode server
 logs it; Mooncake pushes, so its prefill server does; NIXL pulls). "recompute" is the decode
 server's TTFT for a prompt of that length computed locally, without PD. Every series is shown as its
-median / p99 over the requests of that length (nearest rank: of 8 requests, the p99 is the largest).
+median / p99 over the requests of that length (`bench.stats.percentile`: of 8 requests, the p99 lies between
+the two largest).
 
 For KVBridgeConnector each request's decode TTFT is also split by phase, from what its servers
 report in their answers' `kvbridge_timing`: prefill compute (the prefill engine's own time, arrival
@@ -46,8 +47,9 @@ from rich.progress import Progress
 
 from kvbridge.cli.numbers import whole
 from kvbridge.cli.output import err_console, print_json, print_table
-from kvbridge_tools.bench.pair import frozen_heap, quantile
+from kvbridge_tools.bench.pair import frozen_heap
 from kvbridge_tools.bench.plot import check_path
+from kvbridge_tools.bench.stats import percentile
 from kvbridge_tools.harness.vllm_server import add_executor_argument
 
 if TYPE_CHECKING:
@@ -432,8 +434,8 @@ def _measure(pair: Pair, model: str, lengths: list[int], reps: int, advance: Cal
         }
         for k, values in samples.items():
             if values:
-                row[k] = quantile(values, 0.5)
-                row[k.removesuffix("_ms") + "_p99_ms"] = quantile(values, 0.99)
+                row[k] = percentile(values, 0.5, 2)
+                row[k.removesuffix("_ms") + "_p99_ms"] = percentile(values, 0.99, 2)
         rows.append(row)
     http.close()
     return rows

@@ -34,8 +34,9 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge.plan.presets import get_preset
 from kvbridge.session import timeline
 from kvbridge_tools.bench.link import Link, Placed, placed
-from kvbridge_tools.bench.pair import DEFAULT_MODEL, frozen_heap, paired_ratio, quantile, ratio_cell
+from kvbridge_tools.bench.pair import DEFAULT_MODEL, frozen_heap, paired_ratio, ratio_cell
 from kvbridge_tools.bench.pool_layout import DEFAULT_LAYOUT
+from kvbridge_tools.bench.stats import percentile
 from kvbridge_tools.harness.proc import Child
 
 BYTES_COUNTER = "kvbridge_transfer_bytes_total"
@@ -259,7 +260,7 @@ def _row(
     raw_s: list[float],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """One prompt length's figures: medians and p90s (nearest rank), GB/s from the median times."""
+    """One prompt length's figures: medians and p90s (`bench.stats.percentile`), GB/s from the median times."""
     row: dict[str, Any] = {"prompt_tokens": n, "requests": reps, "pulls_failed": failed}
     if not moved:
         return row
@@ -271,15 +272,15 @@ def _row(
     row.update(
         {
             "kv_bytes": nbytes,
-            "ttft_ms": quantile(ttft, 0.5),
-            "ttft_p90_ms": quantile(ttft, 0.9),
-            "decode_ttft_ms": quantile(decode_ttft, 0.5),
-            "decode_ttft_p90_ms": quantile(decode_ttft, 0.9),
-            "transfer_ms": quantile(transfer, 0.5),
-            "transfer_p90_ms": quantile(transfer, 0.9),
+            "ttft_ms": percentile(ttft, 0.5, 2),
+            "ttft_p90_ms": percentile(ttft, 0.9, 2),
+            "decode_ttft_ms": percentile(decode_ttft, 0.5, 2),
+            "decode_ttft_p90_ms": percentile(decode_ttft, 0.9, 2),
+            "transfer_ms": percentile(transfer, 0.5, 2),
+            "transfer_p90_ms": percentile(transfer, 0.9, 2),
             "transfer_gbps": kv_gbps,
             "transfer_share_of_link": share(kv_gbps),
-            "raw_ms": quantile([s * 1e3 for s in raw_s], 0.5),
+            "raw_ms": percentile([s * 1e3 for s in raw_s], 0.5, 2),
             "raw_gbps": raw_gbps,
             "raw_share_of_link": share(raw_gbps),
             # raw seconds / transfer seconds, request by request (each raw read right after its request)

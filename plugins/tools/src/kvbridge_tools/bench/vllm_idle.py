@@ -9,7 +9,7 @@ all alike). Each system's own servers have sat idle at least the gap before its 
 the prefill request (`max_tokens` 1, `do_remote_decode`), then the decode request at once; decode TTFT
 is from sending the decode request to its answer, as in `--engine vllm`.
 
-Per (gap, length, system) the report gives decode TTFT median and p90 (nearest rank), the difference of
+Per (gap, length, system) the report gives decode TTFT median and p90 (interpolated), the difference of
 the median to NixlConnector's, and KVBridgeConnector's phases (medians of what its servers report in
 `kvbridge_timing`, split as `--engine vllm` splits them). Each pair's first request (its warm-up, the
 first contact of a fresh prefill and decode) is reported apart, with whether the decode's log shows a
@@ -38,7 +38,7 @@ from rich.progress import Progress
 from kvbridge.cli.numbers import real
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench import vllm as pd
-from kvbridge_tools.bench.pair import quantile
+from kvbridge_tools.bench.stats import percentile
 from kvbridge_tools.bench.vllm_load import LABELS
 
 SYSTEMS = ("kvbridge", "kvbridge-nixl", "nixl")
@@ -101,7 +101,7 @@ def _summary(system: str, gap: float, n: int, samples: list[dict[str, Any]]) -> 
         "prompt_tokens": n,
         "requests": len(samples),
         "decode_ttft_p50_ms": round(statistics.median(ttft), 2),
-        "decode_ttft_p90_ms": quantile(ttft, 0.9),
+        "decode_ttft_p90_ms": percentile(ttft, 0.9, 2),
         "decode_ttft_ms": [round(v, 2) for v in ttft],
     }
     phases = {k: round(statistics.median(s[k] for s in samples), 2) for k in PHASES if all(k in s for s in samples)}

@@ -31,7 +31,8 @@ from typing import Any
 from rich.progress import Progress
 
 from kvbridge.cli.output import err_console, print_json, print_table
-from kvbridge_tools.bench.pair import frozen_heap, paired_ratio, quantile
+from kvbridge_tools.bench.pair import frozen_heap, paired_ratio
+from kvbridge_tools.bench.stats import percentile
 
 CHUNK_TOKENS = 256
 
@@ -172,10 +173,10 @@ def run(args: argparse.Namespace) -> int:
                         ):
                             values = [g[key] for g in got if key in g]
                             if values:
-                                row[key] = quantile(values, 0.5)
+                                row[key] = percentile(values, 0.5, 2)
                         if mode == "layerwise":
                             pct = [100 * g["hidden_ms"] / g["transfer_ms"] for g in got if g.get("transfer_ms")]
-                            row["hidden_pct"] = quantile(pct, 0.5) if pct else None
+                            row["hidden_pct"] = percentile(pct, 0.5, 2) if pct else None
                         rows.append(row)
                     # the median and range of each pair's ratio, as the transfer bench reports raw against
                     # kvbridge: one request's prefill can vary by more than the effect

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import re
-import statistics
 import tempfile
 import threading
 import time
@@ -42,6 +41,7 @@ from kvbridge.cli.numbers import whole
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench import bootstrap
 from kvbridge_tools.bench.link import Link, placed
+from kvbridge_tools.bench.stats import percentile
 
 MOVES = ("precopy", "stop-and-copy", "recompute")
 CONTEXTS = (256, 1024, 4096, 7800)
@@ -113,10 +113,10 @@ def pooled(context: int, move: str, rounds: list[Round]) -> dict[str, Any]:
         "outcomes": sorted(set().union(*(r.outcomes for r in rounds))),
         "errors": [e for r in rounds for e in r.errors][:3],
         "gap_ms": {
-            "p50": _q(gaps, 0.5),
-            "p99": _q(gaps, 0.99),
+            "p50": percentile(gaps, 0.5, 1),
+            "p99": percentile(gaps, 0.99, 1),
             "all": [round(g, 1) for g in gaps],
-            "round_p50s": [_q(sorted(r.gaps), 0.5) for r in rounds],
+            "round_p50s": [percentile(r.gaps, 0.5, 1) for r in rounds],
         },
         "slowdown": {
             "leaving": _median([s for r in rounds for s in r.leaving]),
@@ -124,8 +124,8 @@ def pooled(context: int, move: str, rounds: list[Round]) -> dict[str, Any]:
         },
         "next_step_ms": None if step is None else round(step, 2),
         "split_ms": {  # p50s of the proxy's split: the next decode's API server's answer, then its first event
-            "answer": _q(sorted(a for r in rounds for a in r.answers), 0.5),
-            "first_event": _q(sorted(e for r in rounds for e in r.first_events), 0.5),
+            "answer": percentile([a for r in rounds for a in r.answers], 0.5, 1),
+            "first_event": percentile([e for r in rounds for e in r.first_events], 0.5, 1),
         },
     }
 
@@ -244,23 +244,17 @@ def flatness(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if len(measured) < 2 or measured[0]["context"] == measured[-1]["context"]:
             continue
         short, long = (np.asarray(measured[i]["gap_ms"]["all"], dtype=float) for i in (0, -1))
-        spread = _p50(long[bootstrap.resamples(len(long), FLATNESS_RESAMPLES, seed=1)]) / _p50(
-            short[bootstrap.resamples(len(short), FLATNESS_RESAMPLES, seed=2)]
+        spread = np.median(long[bootstrap.resamples(len(long), FLATNESS_RESAMPLES, seed=1)], axis=-1) / np.median(
+            short[bootstrap.resamples(len(short), FLATNESS_RESAMPLES, seed=2)], axis=-1
         )
         low, high = bootstrap.central(spread, FLATNESS_LEVEL)
         out[move] = {
             "from": measured[0]["context"],
             "to": measured[-1]["context"],
-            "ratio": round(float(_p50(long) / _p50(short)), 3),
+            "ratio": round(float(np.median(long) / np.median(short)), 3),
             "interval": [round(low, 3), round(high, 3)],
         }
     return out
-
-
-def _p50(gaps: np.ndarray) -> np.ndarray:
-    """The gaps' p50 along their last axis, as `_q` takes it."""
-    n = gaps.shape[-1]
-    return np.sort(gaps, axis=-1)[..., min(n - 1, int(0.5 * n))]
 
 
 def _ms(value: float | None) -> str:
@@ -482,8 +476,7 @@ def _rate(arrivals: list[tuple[float, int]]) -> float | None:
 
 
 def _median(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
+    return percentile([v for v in values if v is not None], 0.5)
 
 
 def handover_gap(arrivals: list[tuple[float, int]], cut: int) -> float | None:
@@ -493,10 +486,6 @@ def handover_gap(arrivals: list[tuple[float, int]], cut: int) -> float | None:
         return None
     i = last[-1]
     return (arrivals[i + 1][0] - arrivals[i][0]) * 1e3
-
-
-def _q(values: list[float], q: float) -> float | None:
-    return None if not values else round(values[min(len(values) - 1, int(q * len(values)))], 1)
 
 
 def _until(done: Any, timeout: float, what: str) -> None:

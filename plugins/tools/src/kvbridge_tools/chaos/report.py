@@ -11,6 +11,7 @@ import attrs
 
 from kvbridge.base.watchdog import SLOW_MS
 from kvbridge.session import timeline
+from kvbridge_tools.bench.stats import percentile
 from kvbridge_tools.chaos.bound import HandoverBound
 
 # Outcomes of one request.
@@ -102,13 +103,6 @@ class Outcome:
     prompt_tokens: int = 0
     handover_s: float | None = None  # control + transfer + DONE phases (non-streamed answers carry them)
     sent_at: float | None = None  # time.monotonic() as it was sent (with ttft_s: the window a fault may overlap)
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 @attrs.define
@@ -243,15 +237,15 @@ class Report:
             "ttft_ms": {
                 k: None if v is None else round(v * 1e3, 1)
                 for k, v in {
-                    "p50": _pct(ttft, 0.5),
-                    "p99": _pct(ttft, 0.99),
+                    "p50": percentile(ttft, 0.5),
+                    "p99": percentile(ttft, 0.99),
                     "max": max(ttft) if ttft else None,
                 }.items()
             },
             "slowest_ttft": self.slowest_ttft,
             "handover_ms": {
                 "measured": len(handover),
-                "p50": None if not handover else round(_pct(handover, 0.5) * 1e3, 1),
+                "p50": None if not handover else round(percentile(handover, 0.5) * 1e3, 1),
                 "max": None if not handover else round(max(handover) * 1e3, 1),
                 **(self.handover_bound.as_dict() if self.handover_bound else {"bound_ms": None}),
             },
