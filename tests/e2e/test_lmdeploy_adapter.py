@@ -539,12 +539,13 @@ def test_bench_runs_verified_and_reports_both_strategies(capsys: pytest.CaptureF
 
 
 @pytest.mark.parametrize("async_op", [False, True], ids=["sync", "async"])
-def test_a_stuck_transfer_times_out_naming_the_engine(async_op: bool) -> None:
-    prefill, decode, _src, _dst = _loopback_pair()
+def test_a_stuck_transfer_times_out_naming_the_engine_once_its_read_no_longer_writes(async_op: bool) -> None:
+    """The error comes once the late read ended: LMDeploy frees the blocks on it, and the read wrote them after."""
+    prefill, decode, src, dst = _loopback_pair()
     decode.settings = attrs.evolve(decode.settings, timeout=0.05)
     try:
         batch = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(7, 3)])
-        decode.transports["loopback"].inject(delay=1.0)
+        decode.transports["loopback"].inject(delay=1.0)  # the read starts 1 s after its submission
         with pytest.raises(TransferTimeout, match=r"engine 'p' failed: .*instruct #0 .* not finished within 0.05s"):
             asyncio.run(
                 decode.p2p_migrate(
@@ -552,6 +553,8 @@ def test_a_stuck_transfer_times_out_naming_the_engine(async_op: bool) -> None:
                     async_op=async_op,
                 )
             )
+        landed = dst.reshape(LAYERS, D_BLOCKS, BLOCK_BYTES)[:, 3]
+        assert np.array_equal(landed, src.reshape(LAYERS, P_BLOCKS, BLOCK_BYTES)[:, 7]), "written after the error"
     finally:
         prefill.close()
         decode.close()

@@ -42,13 +42,15 @@ from kvbridge.device.contract import Device
 from kvbridge.plugin.placement import local_device
 from kvbridge.plugin.registry import create_backend, get_device, registry
 from kvbridge.transport import netguard, staging
-from kvbridge.transport.contract import MigrationBackend, Peer, TransferHandle
+from kvbridge.transport.contract import MigrationBackend, Peer, TransferHandle, settle
 
 log = logging.getLogger(__name__)
 
 ENDPOINT_VERSION = 3  # 3: names its engine and the one it is for, expires, carries a nonce; signed with a secret
 ENDPOINT_TTL_S = 60.0  # a signed endpoint is taken once, within this long of its signing (clocks in sync: NTP)
 PROTOCOLS = {MigrationProtocol.TCP: "tcp", MigrationProtocol.RDMA: "rdma", MigrationProtocol.NVLINK: "nvlink"}
+# a failed migration whose read still runs says so this often while it waits for it (`_settle`)
+SETTLE_WARN_S = 5.0
 
 
 @attrs.define(eq=False)
@@ -293,7 +295,9 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
         return out
 
     def _wait(self, rid: str, p: InstructPlan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
-        """Block until every batch settled (one deadline for all), then raise the first failure."""
+        """Block until every batch settled (one deadline for all), then raise the first failure.
+
+        A failure is raised only once no read of the migration still runs (`_settle`)."""
         timeout = self.settings.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         failure: KVBridgeError | None = None
@@ -305,16 +309,18 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
             except TransferError as exc:
                 failure = failure or _failed(rid, p, first, count, exc)
         if failure is not None:
+            _settle(rid, submitted)
             raise failure
 
     async def _wait_async(self, rid: str, p: InstructPlan, submitted: list[tuple[TransferHandle, int, int]]) -> None:
-        """Yield to the event loop until every batch settled, then raise the first failure."""
+        """Yield to the event loop until every batch settled, then raise the first failure (as `_wait`)."""
         loop = asyncio.get_running_loop()
         waiters = [_on_loop(loop, handle) for handle, _, _ in submitted]
         try:
             await asyncio.wait_for(asyncio.gather(*waiters), self.settings.timeout)
         except asyncio.TimeoutError:
             _, first, count = next((s for s in submitted if not s[0].done()), submitted[-1])
+            await asyncio.to_thread(_settle, rid, submitted)
             raise _late(rid, p, first, count, self.settings.timeout) from None
         self._wait(rid, p, submitted)  # every handle is done: this only collects errors
 
@@ -362,6 +368,13 @@ def _no_store(what: str, transport: str) -> str:
         f"{what}() is not supported: kvbridge's LMDeploy backend migrates KV peer to peer only, and the "
         f"{transport!r} transport has no KV store; use p2p_migrate"
     )
+
+
+def _settle(rid: str, submitted: list[tuple[TransferHandle, int, int]]) -> None:
+    """Wait until every read of a failed migration ended; the transport's own transfer deadline bounds the wait.
+
+    LMDeploy frees the blocks on the error, and a read still running would write them after it did."""
+    settle([h for h, _, _ in submitted], SETTLE_WARN_S, f"KV migration from remote engine {rid!r}")
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, handle: TransferHandle) -> asyncio.Future:
