@@ -41,7 +41,9 @@ class WatchOptions:
 def options() -> WatchOptions:
     """The options the environment sets now."""
     given = {k: os.environ[v] for k, v in ENV.items() if os.environ.get(v)}
-    return parse(WatchOptions, given, what=f"the environment ({', '.join(ENV.values())})")
+    for k, value in given.items():  # each alone first: an error names the one variable that is wrong
+        parse(WatchOptions, {k: value}, what=f"{ENV[k]}={value!r}")
+    return parse(WatchOptions, given, what="the environment")
 
 
 SLOW_MS = options().slow_ms  # read once: checked on every request

@@ -229,3 +229,25 @@ def test_a_dump_names_the_processes_that_had_the_cpus_and_their_scheduling_group
     assert mine and mine != "group not known", line
     spun = theirs.split(f"(pid {spinner.pid}; ")[1].split(")")[0]
     assert spun != "group not known", line
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"KVBRIDGE_STALL_S": "nan"}, "of KVBRIDGE_STALL_S='nan' .* must be a finite number"),
+        ({"KVBRIDGE_STALL_S": "0"}, "KVBRIDGE_STALL_S='0': option stall_s must be at least 0.01"),
+        ({"KVBRIDGE_SLOW_MS": "250", "KVBRIDGE_STALL_NATIVE": "maybe"}, "of KVBRIDGE_STALL_NATIVE='maybe' .* bool"),
+    ],
+)
+def test_a_bad_variable_is_named_alone_with_its_value(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
+) -> None:
+    """The error named all four variables, whichever was wrong."""
+    from kvbridge.base.errors import ConfigError
+    from kvbridge.base.watchdog import options
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=says) as caught:
+        options()
+    assert "KVBRIDGE_STALL_DIR" not in str(caught.value)
