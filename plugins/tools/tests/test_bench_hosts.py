@@ -121,7 +121,9 @@ def test_noise_specs_and_their_refusals() -> None:
     for bad, why in [
         ("cpu=2,group=mine", "group='mine' is neither own nor bench"),
         ("group=own", "no cpu=N asked for"),
-        ("cpu=0", "cpu='0' is not a whole number of processes >= 1"),
+        ("cpu=0", "cpu='0' is not a whole number of processes from 1 to 64"),
+        ("cpu=100000", "from 1 to 64"),  # was taken: as many processes forked
+        ("cpu=2,cpu=3", "cpu is given twice"),  # was taken, the last one read
         ("cpu=1.5", "not a whole number"),
         ("cpu", "expected KEY=VALUE"),
         ("mem=1", "unknown key 'mem'"),
@@ -130,7 +132,7 @@ def test_noise_specs_and_their_refusals() -> None:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_noise(bad)
     out = kvbridge("bench", "--engine", "vllm", "--load", "--hosts", "--noise", "cpu=0")
-    assert out.returncode == 2 and "write cpu=N (N >= 1 busy processes)" in out.stderr
+    assert out.returncode == 2 and "write cpu=N (1 to 64 busy processes)" in out.stderr
     out = kvbridge("bench", "--noise", "cpu=1", *QUICK)  # the pair bench has no servers to load
     assert out.returncode != 0 and "add --engine vllm --load" in out.stdout + out.stderr
 

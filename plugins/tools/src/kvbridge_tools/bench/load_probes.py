@@ -81,6 +81,8 @@ THREAD_PREFIX = "kvbridge"
 # (docs/vllm.md), and a little more for what else starts beside it.
 SERVER_GIB = 2.5
 MEMORY_MARGIN_GIB = 2.0
+# a neighbour's job of more busy processes than this measures the kernel's scheduler, not kvbridge (and forks that many)
+MAX_NOISE_CPU = 64
 
 
 @attrs.frozen
@@ -92,18 +94,20 @@ class Noise:
 
 
 def parse_noise(text: str) -> Noise:
-    """`cpu=N` (N >= 1 busy processes), and `group=own` (default) or `group=bench`."""
+    """`cpu=N` (1 to MAX_NOISE_CPU busy processes), and `group=own` (default) or `group=bench`, each once."""
     fields: dict[str, Any] = {}
-    hint = "write cpu=N (N >= 1 busy processes), optionally with ,group=own or ,group=bench"
+    hint = f"write cpu=N (1 to {MAX_NOISE_CPU} busy processes), optionally with ,group=own or ,group=bench"
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         value = value.strip()
         try:
             if not sep:
                 raise ValueError("expected KEY=VALUE")
+            if key in fields:
+                raise ValueError(f"{key} is given twice")
             if key == "cpu":
-                if not value.isdigit() or int(value) < 1:
-                    raise ValueError(f"cpu={value!r} is not a whole number of processes >= 1")
+                if not value.isdigit() or not 1 <= int(value) <= MAX_NOISE_CPU:
+                    raise ValueError(f"cpu={value!r} is not a whole number of processes from 1 to {MAX_NOISE_CPU}")
                 fields["cpu"] = int(value)
             elif key == "group":
                 if value not in GROUPS:
