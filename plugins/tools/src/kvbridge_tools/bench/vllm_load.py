@@ -150,10 +150,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         type=parse_noise,
         default=None,
         metavar="cpu=N[,group=own|bench]",
-        help="with --load: N busy processes (spin loops, 1 to 64) beside the servers, running while each round is measured; "
-        "killed by PID at the end. group=own (default): a neighbour's job, one scheduling group of its own (its own "
-        "session: Linux's autogroup, as a container's cgroup); group=bench: in the bench's session, their threads "
-        "queued beside the servers'",
+        help="with --load: N busy processes (spin loops, 1 to 64) beside the servers, running while each round is "
+        "measured; killed by PID at the end. group=own (default): a neighbour's job, one scheduling group of its own "
+        "(its own session: Linux's autogroup, as a container's cgroup); group=bench: in the bench's session, their "
+        "threads queued beside the servers'",
     )
     group.add_argument(
         "--slices",
