@@ -93,6 +93,9 @@ def test_link_specs() -> None:
         ("loss=100%", "below 100"),
         ("speed=1gbit", "unknown key"),
         ("cc=warp", "no TCP congestion control 'warp'"),
+        ("rate=1000tbit", "above 1 tbit/s"),  # was taken, and tc refused it once the hosts were up
+        ("rate=5gbit,rate=1gbit", "rate is given twice"),  # was taken, the last one read
+        ("", "asks for nothing"),
     ]
     for bad, why in bad_specs:
         with pytest.raises(argparse.ArgumentTypeError, match=why):

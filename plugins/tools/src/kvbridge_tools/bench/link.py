@@ -57,11 +57,15 @@ def parse_link(text: str) -> Link:
     from kvbridge_tools.harness.hosts import congestion_controls, parse_rate
 
     fields: dict[str, Any] = {}
+    seen: set[str] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = part.partition("=")
         try:
             if not sep:
                 raise ValueError("expected KEY=VALUE")
+            if key in seen:
+                raise ValueError(f"{key} is given twice")
+            seen.add(key)
             if key == "rate":
                 fields["rate_bits"] = parse_rate(value)
             elif key == "loss":
@@ -80,6 +84,8 @@ def parse_link(text: str) -> Link:
             raise argparse.ArgumentTypeError(
                 f"--link {text!r}: {e}; write rate=10gbit,loss=0.1%,cc=cubic (keys: rate, loss, cc)"
             ) from None
+    if not seen:
+        raise argparse.ArgumentTypeError(f"--link {text!r} asks for nothing; write rate=10gbit,loss=0.1%,cc=cubic")
     return Link(**fields)
 
 

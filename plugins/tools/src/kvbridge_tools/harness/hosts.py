@@ -74,6 +74,9 @@ def hosts_unavailable() -> str | None:
     return None
 
 
+MAX_RATE_BITS = 10**12
+
+
 def parse_rate(rate: str | int) -> int:
     """Bits per second from an int or a tc rate such as ``"5gbit"`` or ``"100mbit"``."""
     if isinstance(rate, int) and not isinstance(rate, bool):
@@ -85,6 +88,8 @@ def parse_rate(rate: str | int) -> int:
         bits = int(float(m.group(1)) * _RATE_UNITS[(m.group(2) or "bit").lower()])
     if bits < 8000:
         raise ValueError(f"rate {rate!r} is below 8 kbit/s; pick a rate tc can shape, e.g. 100mbit")
+    if bits > MAX_RATE_BITS:  # tc's tbf refused the burst of 1 ms at the rate (over 4 GiB) once the hosts were up
+        raise ValueError(f"rate {rate!r} is above 1 tbit/s; pick a rate a NIC has, e.g. 400gbit")
     return bits
 
 
