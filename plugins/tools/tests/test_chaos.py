@@ -26,6 +26,8 @@ def test_unknown_faults_are_refused_with_the_known_ones_named() -> None:
     assert parse_faults("kill-decode, idle-gap") == ["kill-decode", "idle-gap"]
     with pytest.raises(ConfigError, match="unknown fault.*'kill-everything'.*choose from.*kill-prefill"):
         parse_faults("kill-decode,kill-everything")
+    with pytest.raises(ConfigError, match=r"fault\(s\) \['abort'\] given more than once"):
+        parse_faults("abort,disconnect,abort")  # was taken: abort's share of requests doubled
 
 
 def test_every_asked_fault_lands_on_some_request_and_the_first_requests_run_clean() -> None:

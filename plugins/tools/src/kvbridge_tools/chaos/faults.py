@@ -46,6 +46,9 @@ def parse_faults(text: str) -> list[str]:
     unknown = [f for f in names if f not in FAULTS]
     if unknown:
         raise ConfigError(f"unknown fault(s) {unknown}; choose from {sorted(FAULTS)} (comma-separated)")
+    twice = sorted({f for f in names if names.count(f) > 1})
+    if twice:  # it doubled a per-request fault's share, which no option says
+        raise ConfigError(f"fault(s) {twice} given more than once; name each once")
     return names
 
 
