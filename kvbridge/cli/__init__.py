@@ -12,6 +12,7 @@ import signal
 import sys
 from types import FrameType
 
+from kvbridge import __version__
 from kvbridge.base.errors import KVBridgeError, described
 from kvbridge.base.nativelog import quiet_native_logs
 from kvbridge.plugin.registry import PluginRegistry, registry
@@ -44,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvbridge {__version__} (`kvbridge plugins` lists each plugin's)",
+        help="print kvbridge's version and exit",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(f"kvbridge.cli.{name}").add_parser(sub)

@@ -39,6 +39,12 @@ def test_plugins_lists_the_builtins_and_mooncake() -> None:
     assert "mooncake" in table and "kvbridge-mooncake" in table
 
 
+def test_version_is_printed_as_its_neighbours_print_theirs() -> None:
+    import kvbridge as package
+
+    assert kvbridge("--version").stdout.startswith(f"kvbridge {package.__version__} ")
+
+
 def test_doctor_reports_each_plugin() -> None:
     # The repo's cuda/npu/mlu device plugins are installed; this machine has none of that hardware,
     # which is not a problem to fix, so doctor lists them as "not here" and exits 0.
