@@ -453,6 +453,9 @@ def test_streaming_and_chat_pass_through(cluster: Cluster) -> None:
     a = cluster.http.post(f"{cluster.proxy.url}/v1/chat/completions", json=chat).json()
     b = cluster.http.post(f"{cluster.colocated.url}/v1/chat/completions", json=chat).json()
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    # what an OpenAI client asks first: the model the servers serve, as vLLM lists it
+    listed = cluster.http.get(f"{cluster.proxy.url}/v1/models").json()
+    assert [m["id"] for m in listed["data"]] == [cluster.model]
 
 
 def _choices(answer: dict) -> list[tuple]:

@@ -1351,3 +1351,23 @@ def test_a_connection_reset_as_it_opens_is_a_refused_connection_not_the_proxys_5
         client = new_client(5.0, 5.0)
         client._transport._pool._network_backend = ResetAsItOpens(dead, "")  # type: ignore[attr-defined]
         assert asyncio.run(get(client, up.port)) == 200, "other servers are reached as ever"
+
+
+def test_the_models_are_listed_by_a_serving_decode_else_a_prefill_else_a_503(
+    upstreams: tuple[Upstream, Upstream],
+) -> None:
+    """OpenAI clients (the SDK's `models.list()`, many UIs) ask `GET /v1/models` first; the proxy had no such route."""
+    prefill, decode = upstreams
+    dead = f"http://127.0.0.1:{free_port(span=1)}"
+
+    async def models(app: FastAPI) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            return await client.get("/v1/models")
+
+    listed = asyncio.run(models(proxy.create_app([prefill.url], [decode.url])))
+    assert listed.status_code == 200 and listed.json()["data"][0]["id"] == "tiny"
+    fallback = asyncio.run(models(proxy.create_app([prefill.url], [dead])))  # the decode refuses: the prefill lists
+    assert fallback.status_code == 200 and fallback.json() == listed.json()
+    none = asyncio.run(models(proxy.create_app([dead], [dead])))
+    assert none.status_code == 503 and "no server serves now to list the models" in none.json()["error"]
+    assert prefill.bodies == decode.bodies == [], "listing the models sends no completion"

@@ -1,4 +1,4 @@
-"""The proxy's own routes: `/health`, `/instances`, `/metrics` and the operator's `/admin` calls."""
+"""The proxy's own routes: `/v1/models`, `/health`, `/instances`, `/metrics` and the operator's `/admin` calls."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ import hmac
 import logging
 from typing import Any
 
+import httpx
 import prometheus_client as prom
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvbridge.base.secret import admin_token
-from kvbridge_proxy.membership import Membership
+from kvbridge_proxy.membership import PROBE_TIMEOUT_S, Membership
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moving_stream import MOVES
 from kvbridge_proxy.settings import ProxySettings
+from kvbridge_proxy.upstreams import NoInstance
 from kvbridge_proxy.wire import read_body
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
@@ -34,6 +36,23 @@ class Admin:
     async def health(self) -> Any:
         ok = all(any(i.healthy for i in p.instances) for p in self.membership.pools.values())
         return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
+
+    async def models(self) -> Any:
+        """`GET /v1/models`, which OpenAI clients ask before a request: what a serving decode (else prefill) lists."""
+        for role in ("decode", "prefill"):
+            try:
+                server = self.membership.pools[role].pick()
+            except NoInstance:
+                continue
+            try:
+                answer = await self.membership.client.get(f"{server.url}/v1/models", timeout=PROBE_TIMEOUT_S)
+            except httpx.HTTPError as exc:
+                log.warning("GET /v1/models: %s server %s did not answer: %s", role, server.label, exc)
+                continue
+            if answer.status_code == 200:
+                return Response(answer.content, media_type="application/json")
+            log.warning("GET /v1/models: %s server %s answered %d", role, server.label, answer.status_code)
+        return self.metrics.answer(503, "no server serves now to list the models; see /instances")
 
     async def instances(self) -> Any:
         state: dict[str, Any] = {

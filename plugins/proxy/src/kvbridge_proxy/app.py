@@ -130,7 +130,7 @@ def create_app(prefill: Sequence[str], decode: Sequence[str], **options: Any) ->
 
 
 def build_app(settings: ProxySettings) -> FastAPI:
-    """The FastAPI app: `/v1/completions`, `/v1/chat/completions`, `/health`, `/instances`, `/metrics`, `/admin/*`.
+    """The FastAPI app: the OpenAI routes the proxy serves, and its own (ROUTES, and admin.Admin's).
 
     Serve it with `limits.server` for the deadlines on request heads (`settings.limits`)."""
     proxy = Proxy(settings)
@@ -138,6 +138,7 @@ def build_app(settings: ProxySettings) -> FastAPI:
     app.add_middleware(Admission, limits=settings.limits)
     for path in ROUTES:
         app.add_api_route(path, _bind(proxy.relay.complete, path), methods=["POST"])
+    app.add_api_route("/v1/models", proxy.admin.models, methods=["GET"])
     app.add_api_route("/health", proxy.admin.health, methods=["GET"])
     app.add_api_route("/instances", proxy.admin.instances, methods=["GET"])
     app.add_api_route("/metrics", proxy.admin.prometheus, methods=["GET"])
