@@ -287,6 +287,10 @@ def run(args: argparse.Namespace) -> int:
                 if {"drain-decode", "scale-in"} & set(elastic):  # a drained decode's streams move (docs/elastic.md)
                     dep.live_moves = True
             report = _play(args, dep, workload, network, logs)
+    except BaseException:  # (a Ctrl-C or SIGTERM too) the logs are what says why it stopped
+        if args.logs is None:
+            log.warning("chaos stopped before its report; the servers' logs are kept in %s", logs)
+        raise
     finally:
         model_dir.cleanup()
     slow_s = args.slow_s if "slow-peer" in args.faults else 0.0
