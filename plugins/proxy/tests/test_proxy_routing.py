@@ -1371,3 +1371,12 @@ def test_the_models_are_listed_by_a_serving_decode_else_a_prefill_else_a_503(
     none = asyncio.run(models(proxy.create_app([dead], [dead])))
     assert none.status_code == 503 and "no server serves now to list the models" in none.json()["error"]
     assert prefill.bodies == decode.bodies == [], "listing the models sends no completion"
+
+
+def test_a_server_named_twice_in_one_role_is_refused() -> None:
+    """It was two instances of one server: twice its share of requests, and two health checks."""
+    from kvbridge.base.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"prefill server\(s\) \['http://192.0.2.1:8100'\] given more than once"):
+        proxy.create_app(["http://192.0.2.1:8100", "http://192.0.2.1:8100/"], ["http://192.0.2.2:8200"])
+    proxy.create_app(["http://192.0.2.1:8100"], ["http://192.0.2.1:8100"])  # one kv_both server in both roles: taken

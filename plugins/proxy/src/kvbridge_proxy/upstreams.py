@@ -81,6 +81,10 @@ class Pool:
             raise ConfigError(
                 f"the proxy needs at least one {role} server URL (--{role} http://HOST:PORT) or a --registry"
             )
+        named = [url.rstrip("/") for url in urls]
+        twice = sorted({url for url in named if named.count(url) > 1})
+        if twice:  # it would be two instances of one server: twice its share of requests, and two health checks
+            raise ConfigError(f"{role} server(s) {twice} given more than once: name each server once")
         self.role = role
         self.expose = expose
         self._names = itertools.count()  # a server's place in the list, never reused: its label
