@@ -602,6 +602,12 @@ def test_bad_input_is_refused_by_the_proxy_and_harmless_straight_to_the_servers(
                 # vLLM itself refuses integers past 64 bits in extra_args, where it keeps the params
                 named = "kv_transfer_params" in r.text or "extra_args" in r.text
                 assert 400 <= r.status_code < 500 and named, (server.url, params, r.text)
+    # A request vLLM refuses (a prompt past max_model_len): vLLM's own error object through the proxy, as straight.
+    too_long = cluster.body(random_prompt(MAX_MODEL_LEN * 4, seed=96))
+    straight = cluster.http.post(f"{cluster.colocated.url}/v1/completions", json=too_long)
+    through = cluster.http.post(proxy_url, json=too_long)
+    assert straight.status_code == through.status_code == 400, (straight.text, through.text)
+    assert through.json()["error"]["type"] == straight.json()["error"]["type"], through.text
     # Every engine still serves, through the proxy (both decode servers) and straight.
     for server in [cluster.prefill, *cluster.decode, cluster.colocated]:
         assert server.alive() and cluster.token_ids(server, text) == want, failure_reports(server)

@@ -1380,3 +1380,19 @@ def test_a_server_named_twice_in_one_role_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"prefill server\(s\) \['http://192.0.2.1:8100'\] given more than once"):
         proxy.create_app(["http://192.0.2.1:8100", "http://192.0.2.1:8100/"], ["http://192.0.2.2:8200"])
     proxy.create_app(["http://192.0.2.1:8100"], ["http://192.0.2.1:8100"])  # one kv_both server in both roles: taken
+
+
+def test_a_request_the_prefill_refuses_gets_its_answer_as_the_server_gave_it(
+    upstreams: tuple[Upstream, Upstream],
+) -> None:
+    """A 4xx is the request's own fault (a prompt past max_model_len): vLLM's answer, as a server straight gives it.
+
+    It was wrapped as a string, `{"error": "prefill failed: {...}"}`, which loses vLLM's error object."""
+    prefill, decode = upstreams
+    prefill.fail_status = 400
+    (refused,), _ = _session(create_app([prefill.url], [decode.url]), [{"model": "m", "prompt": "p", "max_tokens": 4}])
+    assert refused.status_code == 400 and refused.json()["error"]["type"] == "BadRequestError"
+    assert "x-kvbridge-timing" in refused.headers and decode.bodies == []
+    prefill.fail_status = 500  # a server's own failure is named as the prefill's
+    (failed,), _ = _session(create_app([prefill.url], [decode.url]), [{"model": "m", "prompt": "p", "max_tokens": 4}])
+    assert failed.status_code == 500 and failed.json()["error"].startswith("prefill failed: ")

@@ -274,6 +274,8 @@ class Handovers:
         except NoInstance as exc:
             return self.metrics.answer(503, str(exc), None, timeline)
         except httpx.HTTPStatusError as exc:
+            if exc.response.status_code < 500:  # the request's own fault: vLLM's answer, as the server gave it
+                return self.metrics.passed_on(exc.response, timeline)
             return self.metrics.answer(exc.response.status_code, f"prefill failed: {exc.response.text}", None, timeline)
         except ConfigError as exc:
             return self.metrics.answer(

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+import httpx
 import prometheus_client as prom
 from fastapi.responses import JSONResponse
 
@@ -111,6 +112,17 @@ class ProxyMetrics:
             headers[HEADER] = timeline.header()
             log.info("kvbridge-timing %s (answered %d)", timeline.header(), code)
         return JSONResponse({"error": error}, status_code=code, headers=headers)
+
+    def passed_on(self, resp: httpx.Response, timeline: Timeline) -> JSONResponse:
+        """A server's error answer to the client as the server gave it (a 4xx: what the request itself got wrong)."""
+        self.requests.labels(str(resp.status_code)).inc()
+        timeline.total_ms = (time.perf_counter() - timeline.begun) * 1e3
+        log.info("kvbridge-timing %s (answered %d by a server)", timeline.header(), resp.status_code)
+        try:
+            body = resp.json()  # vLLM's error object
+        except ValueError:
+            body = {"error": resp.text}
+        return JSONResponse(body, status_code=resp.status_code, headers={HEADER: timeline.header()})
 
     def finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:
         """Close the timeline at the first byte of the decode's answer."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvbridge_tools.harness.ports import free_port
 
@@ -83,6 +83,9 @@ class Upstream(Serving):
             self.sizes.append(len(raw))
             self.bodies.append(body)
             self.ids.append(request.headers.get("x-request-id"))
+            if self.fail_status is not None and self.fail_status < 500:  # as vLLM refuses a request: its error object
+                error = {"message": "refused", "type": "BadRequestError", "param": None, "code": self.fail_status}
+                return JSONResponse({"error": error}, status_code=self.fail_status)
             if self.fail_status is not None:
                 return Response("cannot schedule new futures after shutdown", status_code=self.fail_status)
             if role == "prefill":  # as KVBridgeConnector reports: where the KV is, how long prefill took
