@@ -25,12 +25,14 @@ def option(default: Any, doc: str, *, min: float | None = None, max: float | Non
     return attrs.field(
         default=default,
         kw_only=True,
-        validator=_within(min, max) if min is not None or max is not None else None,
+        validator=within(min, max) if min is not None or max is not None else None,
         metadata={_DOC: doc, **{f"kvbridge_{k}": v for k, v in bounds.items() if v is not None}},
     )
 
 
-def _bounds_text(low: float | None, high: float | None) -> str:
+def _bounds_text(low: float | None, high: float | None, *, above: bool = False) -> str:
+    if above:  # (low given)
+        return f"above {_num(low)}" + ("" if high is None else f" and at most {_num(high)}")
     if low is not None and high is not None:
         return f"from {_num(low)} to {_num(high)}"
     return f"at least {_num(low)}" if low is not None else f"at most {_num(high)}"
@@ -40,13 +42,17 @@ def _num(x: float | None) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def _within(low: float | None, high: float | None) -> Any:
+def within(low: float | None, high: float | None, *, above: bool = False) -> Any:
+    """An attrs validator: a finite number from `low` (above it, with `above`) to `high`; None and other types pass.
+
+    The type is `parse`'s to check. NaN and infinity are refused: they make a wait or lease that never ends."""
+
     def check(_instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            return  # the type is parse's to check
-        # NaN compares false with every bound: it would pass them all
-        if not math.isfinite(value) or (low is not None and value < low) or (high is not None and value > high):
-            raise ConfigError(f"option {attribute.name} must be {_bounds_text(low, high)}, got {value!r}")
+            return
+        under = low is not None and (value <= low if above else value < low)
+        if not math.isfinite(value) or under or (high is not None and value > high):
+            raise ConfigError(f"option {attribute.name} must be {_bounds_text(low, high, above=above)}, got {value!r}")
 
     return check
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -11,7 +10,7 @@ import attrs
 
 from kvbridge.base import placement
 from kvbridge.base.errors import ConfigError
-from kvbridge.base.options import parse, unknown_names
+from kvbridge.base.options import parse, unknown_names, within
 from kvbridge.base.secret import HOW_TO_SET, check_listen, load_secret
 from kvbridge.control.discovery import url_problem
 from kvbridge.control.ledger import MAX_LEASE_S
@@ -28,23 +27,6 @@ _CONNECTOR_SET = frozenset(
 )
 
 
-def _finite(low: float, high: float, *, above: bool = False) -> Any:
-    """A number in [low, high] (`above`: in (low, high]); NaN and infinity are refused.
-
-    They would make a lease or a wait that never ends, or a timer that overflows."""
-
-    def check(_inst: object, attr: attrs.Attribute, value: float | None) -> None:
-        if value is None:
-            return
-        if not math.isfinite(value) or value > high or (value <= low if above else value < low):
-            raise ConfigError(
-                f"{attr.name} must be a finite number {'above' if above else 'at least'} {low:g} and at most "
-                f"{high:g}, got {value!r}"
-            )
-
-    return check
-
-
 @attrs.frozen
 class Settings:
     """What the operator tells the connector: every key, default and meaning (docs/vllm.md). See docs/internals.md."""
@@ -53,25 +35,25 @@ class Settings:
     protocol: str | None = None
     host: str = "127.0.0.1"
     # the base: every rank listens on a port above it (kvbridge.plan.rank_ports checks each is one)
-    side_channel_port: int = attrs.field(default=DEFAULT_SIDE_CHANNEL_PORT, validator=_finite(1, 65535))
+    side_channel_port: int = attrs.field(default=DEFAULT_SIDE_CHANNEL_PORT, validator=within(1, 65535))
     metadata_server: str | None = None
-    lease_s: float = attrs.field(default=120.0, validator=_finite(0.0, MAX_LEASE_S, above=True))
-    pull_timeout_s: float = attrs.field(default=60.0, validator=_finite(0.0, 86_400.0, above=True))
+    lease_s: float = attrs.field(default=120.0, validator=within(0.0, MAX_LEASE_S, above=True))
+    pull_timeout_s: float = attrs.field(default=60.0, validator=within(0.0, 86_400.0, above=True))
     kv_cache_layout: str | None = None
     secret_file: str | None = None
     insecure: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     transfer: str = attrs.field(default="pull", validator=attrs.validators.in_(("pull", "layerwise")))
     early_offer: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     read_first: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    idle_wait_ms: float = attrs.field(default=2.0, validator=_finite(0.0, 60_000.0))
-    stream_idle_wait_ms: float | None = attrs.field(default=None, validator=_finite(0.0, 60_000.0))
+    idle_wait_ms: float = attrs.field(default=2.0, validator=within(0.0, 60_000.0))
+    stream_idle_wait_ms: float | None = attrs.field(default=None, validator=within(0.0, 60_000.0))
     registry: str | None = None
     advertise_url: str | None = None
     server_role: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(("prefill", "decode")))
     )
-    registry_ttl_s: float = attrs.field(default=10.0, validator=_finite(1.0, 3600.0))
-    drain_grace_s: float = attrs.field(default=3.0, validator=_finite(0.0, 600.0))
+    registry_ttl_s: float = attrs.field(default=10.0, validator=within(1.0, 3600.0))
+    drain_grace_s: float = attrs.field(default=3.0, validator=within(0.0, 600.0))
     backend_options: dict[str, Any] = attrs.field(factory=dict)
     fault_injection: dict[str, Any] | None = None
     cpu_affinity: str | None = attrs.field(default=None, validator=lambda _i, _a, v: placement.check(v))
