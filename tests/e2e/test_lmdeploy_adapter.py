@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -558,6 +559,76 @@ def test_a_stuck_transfer_times_out_naming_the_engine_once_its_read_no_longer_wr
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_link_dropped_during_its_migration_keeps_its_peer_and_memory_until_the_reads_end() -> None:
+    """LMDeploy may drop a link while a migration on it runs: the read must still land, and then nothing is held."""
+    prefill, decode, src, dst = _loopback_pair()
+    transport = decode.transports["loopback"]
+    region = MemoryRegion(addr=dst.ctypes.data, length=dst.nbytes)
+    errors: list[BaseException] = []
+    try:
+        batch = build_cache_pool_assignments(_pools(D_BLOCKS), _pools(P_BLOCKS), [(7, 3), (9, 5)])
+        transport.inject(delay=0.5)  # the read starts 0.5 s after its submission
+
+        def migrate() -> None:
+            assignment = MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch)
+            try:
+                asyncio.run(decode.p2p_migrate(assignment))
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+        migration = threading.Thread(target=migrate)
+        migration.start()
+        for _ in range(500):  # bounded: the submission comes within milliseconds
+            if transport.submissions:
+                break
+            time.sleep(0.01)
+        assert transport.submissions == 1 and migration.is_alive(), "the read must be in flight at the drop"
+        decode.p2p_drop_connect("p")
+        assert "p" not in decode.links
+        assert [r.addr for r in transport.registered] == [region.addr], "unregistered under a read in flight"
+        # LMDeploy's proxy links the pair again while the old read still runs: the new link's memory is its own
+        _link_again(decode, prefill, dst)
+        migration.join(10)
+        assert not migration.is_alive() and errors == []
+        for p_block, d_block in ((7, 3), (9, 5)):
+            landed = dst.reshape(LAYERS, D_BLOCKS, BLOCK_BYTES)[:, d_block]
+            assert np.array_equal(landed, src.reshape(LAYERS, P_BLOCKS, BLOCK_BYTES)[:, p_block])
+        assert [r.addr for r in transport.registered] == [region.addr], "the new link's memory went with the old one"
+        decode.p2p_drop_connect("p")
+        assert transport.registered == ()
+        again = MigrationAssignment(protocol=MigrationProtocol.TCP, remote_engine_id="p", batch=batch)
+        with pytest.raises(ConfigError, match="no link to remote engine 'p'.*call p2p_initialize"):
+            asyncio.run(decode.p2p_migrate(again))
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _link_again(decode: KVBridgeLMDeployBackend, prefill: KVBridgeLMDeployBackend, dst: np.ndarray) -> None:
+    decode.p2p_initialize(
+        DistServeInitRequest(
+            local_engine_id="d",
+            local_engine_config=_cfg(D_BLOCKS),
+            remote_engine_id="p",
+            remote_engine_config=_cfg(P_BLOCKS),
+            protocol=MigrationProtocol.TCP,
+            rank=0,
+        )
+    )
+    decode.register_memory_region(
+        DistServeRegisterMRMessage(
+            protocol=MigrationProtocol.TCP,
+            remote_engine_id="p",
+            mr_key=0,
+            addr=dst.ctypes.data,
+            offset=0,
+            length=dst.nbytes,
+        )
+    )
+    info = json.dumps(prefill.endpoint_info("d", MigrationProtocol.TCP))
+    decode.p2p_connect("p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=info))
 
 
 def test_settings_come_from_the_environment() -> None:

@@ -148,8 +148,9 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # a lease was 1 s, a null backend name was 'None', an advertise_url no proxy could use was announced, and
 # LMDEPLOY_USE_ASYNC_MIGRATION=0 was on); 17,470 with an LMDeploy migration that failed settled before it raises
 # (adapters/lmdeploy/backend.py `_settle`: a late read wrote blocks LMDeploy had freed on the error) and a bad
-# watchdog variable named alone (base/watchdog.py).
-LIBRARY_LINES = 17_470
+# watchdog variable named alone (base/watchdog.py); 17,500 with a dropped LMDeploy link torn down once its migrations
+# end (adapters/lmdeploy/backend.py: its peer was disconnected and its memory unregistered under a read in flight).
+LIBRARY_LINES = 17_500
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:

@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -67,6 +67,8 @@ class Link:
     local_offsets: dict[int, int] = attrs.field(factory=dict)
     remote_regions: dict[int, MemoryRegion] = attrs.field(factory=dict)
     peer: Peer | None = None
+    migrations: int = 0  # p2p_migrate calls on this link now
+    after_migrations: list[Callable[[], None]] = attrs.field(factory=list)  # teardown their reads must not see
 
 
 class KVBridgeLMDeployBackend(MigrationBackendImpl):
@@ -77,7 +79,8 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
         self.device: Device = get_device(self.settings.device) if self.settings.device else local_device()
         self._links: dict[str, Link] = {}
         self._transports: dict[str, MigrationBackend] = {}
-        self._region_users: dict[tuple[str, int], set[str]] = {}  # (protocol, addr) -> engines
+        self._region_users: dict[tuple[str, int], set[Link]] = {}  # (protocol, addr) -> links
+        self._waiting: set[Link] = set()  # links whose teardown waits for their migrations to end
         self._lock = threading.RLock()
         self._key = derive(self.settings.secret, LMDEPLOY)  # endpoints' own key: docs/security.md
         self._taken: dict[str, float] = {}  # nonce -> expiry of each signed endpoint taken: a replay is refused
@@ -194,7 +197,7 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
             link.local_regions[req.mr_key] = region
             link.local_offsets[req.mr_key] = req.offset
             users = self._region_users.setdefault((self._protocol(link.protocol), region.addr), set())
-            users.add(link.remote_engine_id)
+            users.add(link)
 
     def endpoint_info(self, remote_engine_id: str, protocol: MigrationProtocol) -> dict[str, Any]:
         """What the peer's `p2p_connect` needs: the transport endpoint and the cache pools by mr_key."""
@@ -246,9 +249,9 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
             netguard.admit(host, f"signed endpoint of LMDeploy engine {remote_engine_id}")
         peer = link.transport.connect(endpoint)
         with self._lock:
-            if link.peer is not None:
-                link.transport.disconnect(link.peer)
-            link.peer = peer
+            old, link.peer = link.peer, peer
+            if old is not None:
+                self._after_migrations(link, lambda: link.transport.disconnect(old))
             link.remote_regions = regions
         log.info("connected to remote engine %s at %s (%d regions)", remote_engine_id, peer.name, len(regions))
 
@@ -257,7 +260,16 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
     async def p2p_migrate(self, assignment: MigrationAssignment, async_op: bool = False) -> None:
         """Read every instruct's remote bytes into local memory; returns when all have landed. See docs/internals.md."""
         rid = assignment.remote_engine_id
-        link = self._link(rid, "p2p_migrate", assignment.protocol)
+        with self._lock:
+            link = self._link(rid, "p2p_migrate", assignment.protocol)
+            link.migrations += 1
+        try:
+            await self._migrate(link, assignment, async_op)
+        finally:
+            self._migration_ended(link)
+
+    async def _migrate(self, link: Link, assignment: MigrationAssignment, async_op: bool) -> None:
+        rid = link.remote_engine_id
         if link.peer is None:
             raise ConfigError(
                 f"p2p_migrate: remote engine {rid!r} is initialized but not connected; "
@@ -327,32 +339,59 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
     # -- teardown ----------------------------------------------------------------------------
 
     def p2p_drop_connect(self, remote_engine_id: Any) -> None:
-        """Disconnect a remote engine and unregister memory no other link still uses. See docs/internals.md."""
+        """Disconnect a remote engine and unregister memory no other link uses, once its migrations end.
+
+        See docs/internals.md."""
         rid = getattr(remote_engine_id, "remote_engine_id", remote_engine_id)
         with self._lock:
             link = self._links.pop(rid, None)
             if link is None:
                 return
-            if link.peer is not None:
-                link.transport.disconnect(link.peer)
-            for region in link.local_regions.values():
-                self._release(link, region)
-        log.info("dropped the link to remote engine %s", rid)
+            if link.migrations:
+                log.info("dropping the link to remote engine %s once its %d migrations end", rid, link.migrations)
+            self._after_migrations(link, lambda: self._tear_down(link))
+
+    def _tear_down(self, link: Link) -> None:
+        if link.peer is not None:
+            link.transport.disconnect(link.peer)
+        for region in link.local_regions.values():
+            self._release(link, region)
+        log.info("dropped the link to remote engine %s", link.remote_engine_id)
+
+    def _after_migrations(self, link: Link, action: Callable[[], None]) -> None:
+        """Run `action` (under the lock) once no migration of `link` runs: its reads keep their peer and memory."""
+        if link.migrations:
+            link.after_migrations.append(action)
+            self._waiting.add(link)
+        else:
+            action()
+
+    def _migration_ended(self, link: Link) -> None:
+        with self._lock:
+            link.migrations -= 1
+            if link.migrations == 0:
+                self._waiting.discard(link)
+                actions, link.after_migrations = link.after_migrations, []
+                for action in actions:
+                    action()
 
     def _release(self, link: Link, region: MemoryRegion) -> None:
         key = (self._protocol(link.protocol), region.addr)
         users = self._region_users.get(key, set())
-        users.discard(link.remote_engine_id)
+        users.discard(link)
         if not users:
             self._region_users.pop(key, None)
             link.transport.unregister_memory(region)
 
     def close(self) -> None:
-        """Drop every link and close the transports."""
+        """Drop every link and close the transports; a migration still running then fails."""
         for rid in list(self._links):
             self.p2p_drop_connect(rid)
         with self._lock:
             transports, self._transports = self._transports, {}
+            for link in self._waiting:  # closing their transport releases their peers and memory
+                link.after_migrations.clear()
+            self._waiting.clear()
         for t in transports.values():
             t.close()
 
