@@ -74,6 +74,16 @@ def test_a_number_out_of_its_bounds_is_refused_by_name(argv: list[str], capsys: 
     assert f"argument {option}: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("url", ["notaurl", "127.0.0.1:8000", "http://", "http://h:port"])
+def test_trace_refuses_a_proxy_url_it_cannot_reach_saying_how_to_write_one(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["trace", url])
+    assert exit_.value.code == 2
+    assert "argument URL: " in (err := capsys.readouterr().err) and "write it as http://HOST:PORT" in err
+
+
 def test_chaos_refuses_a_pause_range_upside_down_and_outputs_longer_than_the_servers_hold(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

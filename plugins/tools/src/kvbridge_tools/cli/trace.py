@@ -9,6 +9,7 @@ from typing import Any
 
 from kvbridge.base.errors import ConfigError
 from kvbridge.cli.numbers import whole
+from kvbridge.control.discovery import url_problem
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "decode to first token, in ms (docs/operations.md explains each phase).",
         epilog="example: kvbridge trace http://127.0.0.1:8000 --lengths 64 512 2048",
     )
-    p.add_argument("proxy", metavar="URL", help="the proxy's base URL")
-    p.add_argument("--model", default=None, help="model name (default: the first one the prefill server serves)")
+    p.add_argument("proxy", metavar="URL", type=_url, help="the proxy's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name (default: the first one the proxy's servers serve)")
     p.add_argument(
         "--lengths",
         type=whole(),
@@ -40,17 +41,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def _url(text: str) -> str:
+    if problem := url_problem(text):
+        raise argparse.ArgumentTypeError(problem)
+    return text.rstrip("/")
+
+
 def _model(http: Any, proxy: str) -> str:
-    instances = http.get(f"{proxy}/instances").json()
-    prefill = instances["prefill"][0]["url"]
-    if not prefill.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"{proxy} names its servers by URL only with --expose-internals (it says {prefill!r}): "
-            "run it so, or pass --model"
-        )
-    models = http.get(f"{prefill}/v1/models").json()["data"]
+    models = http.get(f"{proxy}/v1/models").raise_for_status().json()["data"]
     if not models:
-        raise ConfigError(f"prefill server {prefill} serves no model; pass --model")
+        raise ConfigError(f"the servers behind {proxy} serve no model; pass --model")
     return str(models[0]["id"])
 
 
