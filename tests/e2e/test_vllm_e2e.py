@@ -508,7 +508,7 @@ def test_batched_prompts_and_n_match_colocated(cluster: Cluster) -> None:
     # What vLLM refuses, the proxy refuses alike: several choices of greedy sampling.
     greedy = {**cluster.body(prompts[0]), "n": 2}
     r = cluster.http.post(f"{cluster.proxy.url}/v1/completions", json=greedy)
-    assert r.status_code == 400 and "n must be 1 when using greedy sampling" in r.json()["error"]
+    assert r.status_code == 400 and "n must be 1 when using greedy sampling" in r.json()["error"]["message"]
     assert cluster.http.post(f"{cluster.colocated.url}/v1/completions", json=greedy).status_code == 400
     left = cluster.prefill.wait_kv_usage(0.0, timeout=60)  # every part's lease ended by its DONE
     assert left == 0.0, failure_reports(cluster.prefill)

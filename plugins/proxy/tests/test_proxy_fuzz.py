@@ -50,7 +50,9 @@ class Proxy:
         before = self.warnings.count
         resp = self.post(body, path, headers)
         assert 400 <= resp.status_code < 500, (resp.status_code, resp.text[:200], body[:60])
-        assert "error" in resp.json()
+        error = resp.json()["error"]  # vLLM's ErrorResponse, as a server's own refusal reads
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == resp.status_code, error
+        assert error["type"].endswith("Error") and isinstance(error["message"], str), error
         assert self.warnings.count > before, f"refused without a logged reason: {body[:60]!r}"
         return resp
 
@@ -113,7 +115,7 @@ def test_fuzz_truncated_requests(served: Proxy, body: dict, cut: int) -> None:
 def test_fuzz_client_set_kv_transfer_params(served: Proxy, body: dict, params: object) -> None:
     # e.g. {"remote_host": "10.0.0.9", "remote_port": 22, ...}: decode would connect where the client says.
     resp = served.refused(json.dumps({**body, "kv_transfer_params": params}).encode())
-    assert "set by the proxy" in resp.json()["error"]
+    assert "set by the proxy" in resp.json()["error"]["message"]
 
 
 @settings(FAST, max_examples=30)
@@ -122,7 +124,7 @@ def test_fuzz_client_set_kv_transfer_params_in_vllm_xargs(served: Proxy, body: d
     # vLLM merges vllm_xargs into the request's extra_args, where it reads kv_transfer_params from.
     xargs = {"vllm_xargs": {"kv_transfer_params": params}}
     resp = served.refused(json.dumps({**body, **xargs}).encode(), path)
-    assert "vllm_xargs.kv_transfer_params" in resp.json()["error"]
+    assert "vllm_xargs.kv_transfer_params" in resp.json()["error"]["message"]
 
 
 @settings(FAST, max_examples=20)
@@ -131,7 +133,7 @@ def test_fuzz_deeply_nested_json(served: Proxy, depth: int) -> None:
     # Python's JSON decoder raises RecursionError past about 1000 levels, its encoder (the upstream request's)
     # sooner still where the stack is deeper.
     resp = served.refused(f'{{"model": "m", "prompt": {"[" * depth}1{"]" * depth}}}'.encode())
-    assert resp.status_code == 400 and "nested too deeply" in resp.json()["error"]
+    assert resp.status_code == 400 and "nested too deeply" in resp.json()["error"]["message"]
 
 
 @FAST
@@ -139,7 +141,7 @@ def test_fuzz_deeply_nested_json(served: Proxy, depth: int) -> None:
 def test_fuzz_bad_request_ids(served: Proxy, rid: bytes) -> None:
     # Non-ASCII, spaces, ';' (the timing header's separator), too long: a 400 naming the header, not a 500.
     resp = served.refused(b'{"model": "m", "prompt": "p"}', headers={"x-request-id": rid})
-    assert "x-request-id" in resp.json()["error"]
+    assert "x-request-id" in resp.json()["error"]["message"]
 
 
 @FAST
@@ -156,7 +158,7 @@ def test_fuzz_bad_request_ids(served: Proxy, rid: bytes) -> None:
 def test_fuzz_what_cannot_be_split_into_pd_requests(served: Proxy, path: str, bad: dict) -> None:
     # vLLM refuses n > 1 with greedy sampling; best_of ranks candidates across choices; beam search steps.
     resp = served.refused(json.dumps({"model": "m", "prompt": "p", "messages": [], **bad}).encode(), path)
-    assert resp.json()["error"].split(":")[0] in bad
+    assert resp.json()["error"]["message"].split(":")[0] in bad
 
 
 @settings(FAST, max_examples=30)
@@ -193,6 +195,6 @@ def test_replayed_and_concurrent_bad_requests_leave_the_proxy_serving_without_gr
     assert grown.bytes < 64 * 1024, f"the proxy holds {grown} after {served_requests} bad requests"
     # Still serving: a well-formed request goes through to the (absent) prefill server, and health answers.
     ok = served.post(json.dumps({"model": "m", "prompt": "hello", "max_tokens": 2}).encode())
-    assert ok.status_code == 503 and "prefill" in ok.json()["error"]
+    assert ok.status_code == 503 and "prefill" in ok.json()["error"]["message"]
     health = served.loop.run_until_complete(served.client.get("/instances"))
     assert health.status_code == 200

@@ -115,9 +115,9 @@ def test_one_request_sends_no_more_than_the_upstream_byte_cap(upstreams: tuple[U
     body: dict[str, Any] = {"model": "m", "prompt": "p", "temperature": 1.0, "max_tokens": 2, "stop": stop}
     with Front([prefill.url], [decode.url], limits) as front, httpx.Client(timeout=30, trust_env=False) as client:
         over = client.post(f"{front.url}/v1/completions", json={**body, "n": 32, "stop": stop * 3})
-        assert over.status_code == 413 and "--max-upstream-bytes" in over.json()["error"], over.text
+        assert over.status_code == 413 and "--max-upstream-bytes" in over.json()["error"]["message"], over.text
         too_many = client.post(f"{front.url}/v1/completions", json={**body, "n": 33})
-        assert too_many.status_code == 400 and "--max-parts" in too_many.json()["error"], too_many.text
+        assert too_many.status_code == 400 and "--max-parts" in too_many.json()["error"]["message"], too_many.text
         assert prefill.sizes == [] and decode.sizes == []  # refused before anything was sent
 
         ok = client.post(f"{front.url}/v1/completions", json={**body, "n": 32})
@@ -150,7 +150,7 @@ def test_retries_count_against_the_upstream_byte_cap(upstreams: tuple[Upstream, 
         Front([shutting_down.url, prefill.url], [decode.url], Limits(max_upstream_bytes=cap)) as front,
     ):
         r = httpx.post(f"{front.url}/v1/completions", json=body, timeout=30, trust_env=False)
-    assert r.status_code == 503 and "--max-upstream-bytes" in r.json()["error"], r.text
+    assert r.status_code == 503 and "--max-upstream-bytes" in r.json()["error"]["message"], r.text
     assert len(sizes) == 1 and len(prefill.sizes) == 1 and decode.sizes == []
     assert sum(sizes) + sum(prefill.sizes) <= cap
 

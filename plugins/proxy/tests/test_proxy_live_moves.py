@@ -945,7 +945,7 @@ def test_a_movable_streams_error_answer_names_what_failed_but_no_address(cluster
     body = {"model": "m", "prompt": "no other decode", "max_tokens": MAX_TOKENS, "stream": True}
     r = httpx.post(f"{cluster.proxy.url}/v1/completions", json=body, timeout=30, trust_env=False)
     assert r.status_code == 503, r.text
-    error = r.json()["error"]
+    error = r.json()["error"]["message"]
     expected = r"decode server decode-\d failed: RemoteProtocolError; no other decode server took it \(.*\)"
     assert re.fullmatch(expected, error), error
     assert cluster.a.bodies and not cluster.b.bodies

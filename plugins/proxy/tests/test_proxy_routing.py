@@ -92,7 +92,7 @@ def test_no_decode_accepting_is_a_503_that_names_the_cause(upstreams: tuple[Upst
     dead = [f"http://127.0.0.1:{free_port(span=1)}" for _ in range(2)]
     (r,), state = _session(create_app([prefill.url], dead), [{"model": "m", "prompt": "p", "max_tokens": 8}])
     assert r.status_code == 503
-    assert "no decode server accepted" in r.json()["error"]
+    assert "no decode server accepted" in r.json()["error"]["message"]
     # The error answer carries the phases known when it was given: prefill, the proxy, and the time of the decodes
     # that failed (both refused connects); nothing of a decode's work.
     t = parse(r.headers[HEADER])
@@ -368,7 +368,7 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
     finally:
         dropper.join(timeout=10)
         listener.close()
-    assert r.status_code == 503 and url in r.json()["error"]
+    assert r.status_code == 503 and url in r.json()["error"]["message"]
     assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, url)
     assert state["decode"] == [{"url": url, "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False}]
     assert "prefill_ms=0.500" in r.headers["x-kvbridge-timing"]
@@ -456,7 +456,7 @@ def test_error_answers_carry_the_timeline_known_so_far(caplog: pytest.LogCapture
             ]
 
     r503, r400 = asyncio.run(go())
-    assert r503.status_code == 503 and r400.status_code == 400 and "not JSON" in r400.json()["error"]
+    assert r503.status_code == 503 and r400.status_code == 400 and "not JSON" in r400.json()["error"]["message"]
     for r, rid, phases in ((r503, "a", {"prefill_connect_ms"}), (r400, "b", set())):
         t = parse(r.headers[HEADER])  # the 503 spent its time on a refused connect to the prefill
         assert t.request_id == rid and set(t.phases) == phases and t.total_ms >= 0
@@ -584,7 +584,7 @@ def test_only_decode_slow_to_accept_is_tried_again_then_a_503_that_says_so(
             create_app([prefill.url], [busy.url], connect_timeout=0.3), [{"model": "m", "prompt": "p"}]
         )
     assert r.status_code == 503
-    assert f"{busy.url}, {busy.url} did not accept the connection in time" in r.json()["error"]
+    assert f"{busy.url}, {busy.url} did not accept the connection in time" in r.json()["error"]["message"]
     assert sum("did not accept the connection in time" in m for m in caplog.messages) == 2
     assert state["decode"] == [{"url": busy.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False}]
 
@@ -741,7 +741,7 @@ def test_answers_name_no_internal_url_unless_asked(upstreams: tuple[Upstream, Up
     for text in [*(r.text for r in answers), json.dumps(state), *(str(r.headers) for r in [*answers, ok])]:
         assert "127.0.0.1" not in text, text
     assert state["decode"] == [{"url": "decode-0", "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False}]
-    assert answers[1].json()["error"] == "no healthy decode server among ['decode-0']"
+    assert answers[1].json()["error"]["message"] == "no healthy decode server among ['decode-0']"
 
 
 def test_no_healthy_decode_sends_nothing_to_prefill(upstreams: tuple[Upstream, Upstream]) -> None:
@@ -754,7 +754,7 @@ def test_no_healthy_decode_sends_nothing_to_prefill(upstreams: tuple[Upstream, U
             assert time.monotonic() < deadline, "the health loop did not take the dead decode out"
             time.sleep(0.01)
         r = httpx.post(f"{front.url}/v1/completions", json={"model": "m", "prompt": "p"}, trust_env=False)
-    assert r.status_code == 503 and "no healthy decode server" in r.json()["error"]
+    assert r.status_code == 503 and "no healthy decode server" in r.json()["error"]["message"]
     assert prefill.bodies == []
 
 
@@ -906,7 +906,7 @@ def test_a_decode_whose_host_went_silent_mid_request_is_found_out_by_keepalive(h
     finally:
         stop.set()
     [r] = answer
-    assert r.status_code == 503 and decode_url in r.json()["error"], r.text
+    assert r.status_code == 503 and decode_url in r.json()["error"]["message"], r.text
 
 
 def _heal_once_a_syn_left(hosts: Any, port: int, healed: list[float]) -> None:
@@ -1104,7 +1104,7 @@ def test_prefill_that_answers_a_server_error_is_skipped_for_the_next(upstreams: 
         assert [r.status_code for r in answers] == [200, 200] and len(calls) >= 1
         assert {r.headers["x-kvbridge-prefill"] for r in answers} == {prefill.url}
         (alone,), _ = _session(create_app([shutting_down.url], [decode.url]), bodies[:1])
-    assert alone.status_code == 500 and "shutdown" in alone.json()["error"]
+    assert alone.status_code == 500 and "shutdown" in alone.json()["error"]["message"]
 
 
 def test_a_request_is_never_sent_twice_to_a_prefill_that_answered_it_a_server_error(
@@ -1369,7 +1369,7 @@ def test_the_models_are_listed_by_a_serving_decode_else_a_prefill_else_a_503(
     fallback = asyncio.run(models(proxy.create_app([prefill.url], [dead])))  # the decode refuses: the prefill lists
     assert fallback.status_code == 200 and fallback.json() == listed.json()
     none = asyncio.run(models(proxy.create_app([dead], [dead])))
-    assert none.status_code == 503 and "no server serves now to list the models" in none.json()["error"]
+    assert none.status_code == 503 and "no server serves now to list the models" in none.json()["error"]["message"]
     assert prefill.bodies == decode.bodies == [], "listing the models sends no completion"
 
 
@@ -1395,4 +1395,4 @@ def test_a_request_the_prefill_refuses_gets_its_answer_as_the_server_gave_it(
     assert "x-kvbridge-timing" in refused.headers and decode.bodies == []
     prefill.fail_status = 500  # a server's own failure is named as the prefill's
     (failed,), _ = _session(create_app([prefill.url], [decode.url]), [{"model": "m", "prompt": "p", "max_tokens": 4}])
-    assert failed.status_code == 500 and failed.json()["error"].startswith("prefill failed: ")
+    assert failed.status_code == 500 and failed.json()["error"]["message"].startswith("prefill failed: ")

@@ -17,7 +17,7 @@ from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moving_stream import MOVES
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.upstreams import NoInstance
-from kvbridge_proxy.wire import read_body
+from kvbridge_proxy.wire import error_answer, read_body
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
@@ -87,23 +87,22 @@ class Admin:
         cordon: no new request goes there; uncordon: it takes them again; drain: cordon, and with --live-moves move its
         streams to other decodes now. The server itself keeps running: stop it afterwards (docs/elastic.md)."""
         if not self.secret:
-            return JSONResponse({"error": "the admin calls need the proxy's KVBRIDGE_SECRET (none is set)"}, 403)
+            return error_answer("the admin calls need the proxy's KVBRIDGE_SECRET (none is set)", 403)
         token = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
         if not hmac.compare_digest(token, str(admin_token(self.secret)).encode()):
             log.warning("refused an admin %s: bad or missing bearer token", action)
-            return JSONResponse(
-                {"error": "Authorization: Bearer <the admin token: `kvbridge proxy --admin-token`> is required"}, 401
-            )
+            error = "Authorization: Bearer <the admin token: `kvbridge proxy --admin-token`> is required"
+            return error_answer(error, 401)
         body = await read_body(request)
         if isinstance(body, JSONResponse):
             return body
         name, move = body.get("server"), body.get("move")
         if move is not None and (action != "drain" or move not in MOVES):
-            return JSONResponse({"error": f"'move' is for a drain, one of {list(MOVES)}; got {move!r}"}, 400)
+            return error_answer(f"'move' is for a drain, one of {list(MOVES)}; got {move!r}", 400)
         found = [i for p in self.membership.pools.values() for i in p.instances if name in (i.url, i.label)]
         if not isinstance(name, str) or not found:
             known = [i.label for p in self.membership.pools.values() for i in p.instances]
-            return JSONResponse({"error": f"no server {name!r}; the proxy knows {known}"}, 404)
+            return error_answer(f"no server {name!r}; the proxy knows {known}", 404)
         for inst in found:
             inst.cordoned = action != "uncordon"
             moved = list(inst.streams) if action == "drain" and self.live_moves else []

@@ -28,6 +28,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvbridge.base.errors import ConfigError
 from kvbridge_proxy.fanout import MAX_PARTS
+from kvbridge_proxy.wire import error_body
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def _client(scope: dict[str, Any]) -> str:
 
 
 async def _answer(send: Any, status: int, error: str) -> None:
-    body = json.dumps({"error": error}).encode()
+    body = json.dumps(error_body(error, status)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers.append((b"connection", b"close"))  # the rest of its body, if any, is never read
     if status == 503:
@@ -175,7 +176,7 @@ class Admission:
 
 
 def _refusal(error: str) -> bytes:
-    body = json.dumps({"error": error}).encode()
+    body = json.dumps(error_body(error, 503)).encode()
     head = "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     head += f"content-length: {len(body)}\r\nconnection: close\r\nretry-after: 1\r\n\r\n"
     return head.encode() + body

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from kvbridge.session.timeline import HEADER, Timeline
 from kvbridge_proxy.upstreams import Instance, Pool
+from kvbridge_proxy.wire import error_answer, error_body
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
@@ -111,7 +112,7 @@ class ProxyMetrics:
             timeline.total_ms = (time.perf_counter() - timeline.begun) * 1e3
             headers[HEADER] = timeline.header()
             log.info("kvbridge-timing %s (answered %d)", timeline.header(), code)
-        return JSONResponse({"error": error}, status_code=code, headers=headers)
+        return error_answer(error, code, headers)
 
     def passed_on(self, resp: httpx.Response, timeline: Timeline) -> JSONResponse:
         """A server's error answer to the client as the server gave it (a 4xx: what the request itself got wrong)."""
@@ -121,7 +122,7 @@ class ProxyMetrics:
         try:
             body = resp.json()  # vLLM's error object
         except ValueError:
-            body = {"error": resp.text}
+            body = error_body(resp.text, resp.status_code)
         return JSONResponse(body, status_code=resp.status_code, headers={HEADER: timeline.header()})
 
     def finish(self, timeline: Timeline, begun: float, sent: float, first_byte: float) -> None:

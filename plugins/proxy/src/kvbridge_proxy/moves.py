@@ -32,7 +32,7 @@ from kvbridge_proxy.moving_stream import MovingStream
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.takeover import Takeover, Upstream
 from kvbridge_proxy.upstreams import Background, Instance, NoInstance
-from kvbridge_proxy.wire import sse, until_disconnect
+from kvbridge_proxy.wire import error_body, sse, until_disconnect
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
@@ -124,8 +124,7 @@ class Moves:
                         finally:
                             moving.release_cut_slot()
                         if moved is None:
-                            error = {"message": up.decode.failed(payload), "code": 503}
-                            yield sse({"error": error})
+                            yield sse(error_body(up.decode.failed(payload), 503))
                             yield b"data: [DONE]\n\n"
                             finished = True
                             return

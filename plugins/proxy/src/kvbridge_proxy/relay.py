@@ -27,7 +27,7 @@ from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moves import Moves
 from kvbridge_proxy.moving_stream import MovingStream, refusal
 from kvbridge_proxy.settings import ProxySettings
-from kvbridge_proxy.wire import REQUEST_ID, prefill_body, read_body, until_disconnect
+from kvbridge_proxy.wire import REQUEST_ID, error_body, prefill_body, read_body, until_disconnect
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
 
@@ -114,7 +114,8 @@ class Relay:
             return self.metrics.answer(400, error, ids, timeline)
         body = await read_body(request)
         if isinstance(body, JSONResponse):
-            return self.metrics.answer(body.status_code, json.loads(bytes(body.body))["error"], ids, timeline)
+            error = json.loads(bytes(body.body))["error"]["message"]
+            return self.metrics.answer(body.status_code, error, ids, timeline)
         try:
             parts = fanout.split(path, body, self.limits.max_parts)
         except fanout.Refused as exc:
@@ -278,7 +279,7 @@ class Relay:
                 log.warning(
                     "decode server %s failed streaming part %d of %s: %s", h.decode.url, k, timeline.request_id, exc
                 )
-                queue.put_nowait((k, {"error": {"message": f"decode server {h.decode.label} failed", "code": 503}}))
+                queue.put_nowait((k, error_body(f"decode server {h.decode.label} failed", 503)))
             finally:
                 await h.resp.aclose()
                 h.decode.in_flight -= 1

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import re
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
@@ -52,6 +53,22 @@ def prefill_body(body: dict[str, Any], params: KVTransferParams | None = None) -
     return out
 
 
+def error_body(message: str, code: int) -> dict[str, Any]:
+    """An error as vLLM's OpenAI server writes one (its `ErrorResponse`): `{"error": {message, type, param, code}}`.
+
+    A client then reads the proxy's own errors as it reads those the proxy passes on from a server."""
+    try:
+        kind = "".join(HTTPStatus(code).phrase.replace("-", " ").split())
+    except ValueError:  # 499, a client that closed its request: not in the standard's list
+        kind = "ClientClosedRequest"
+    return {"error": {"message": message, "type": kind.removesuffix("Error") + "Error", "param": None, "code": code}}
+
+
+def error_answer(message: str, code: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    """`error_body` as an HTTP answer with status `code`."""
+    return JSONResponse(error_body(message, code), status_code=code, headers=headers)
+
+
 async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
     """The request's JSON object, or a 4xx that says what is wrong (logged): bounded in size, never a 500.
 
@@ -62,28 +79,28 @@ async def read_body(request: Request) -> dict[str, Any] | JSONResponse:
         size += len(chunk)
         if size > MAX_BODY_BYTES:
             log.warning("refused a request to %s: body over %d bytes", request.url.path, MAX_BODY_BYTES)
-            return JSONResponse({"error": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
+            return error_answer(f"request body over {MAX_BODY_BYTES} bytes", 413)
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
         deep = _deeper_than(body, MAX_JSON_DEPTH)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         log.warning("refused a request to %s: body is not JSON (%s)", request.url.path, exc)
-        return JSONResponse({"error": f"the request body is not JSON: {exc}"}, status_code=400)
+        return error_answer(f"the request body is not JSON: {exc}", 400)
     except RecursionError:
         deep = True
     if deep:
         log.warning("refused a request to %s: JSON nested deeper than %d levels", request.url.path, MAX_JSON_DEPTH)
         error = f"the request body's JSON is nested too deeply (over {MAX_JSON_DEPTH} levels)"
-        return JSONResponse({"error": error}, status_code=400)
+        return error_answer(error, 400)
     if not isinstance(body, dict):
         log.warning("refused a request to %s: body is a JSON %s, not an object", request.url.path, type(body).__name__)
-        return JSONResponse({"error": "the request body must be a JSON object"}, status_code=400)
+        return error_answer("the request body must be a JSON object", 400)
     xargs = body.get("vllm_xargs")
     if "kv_transfer_params" in body or (isinstance(xargs, dict) and "kv_transfer_params" in xargs):
         where = "kv_transfer_params" if "kv_transfer_params" in body else "vllm_xargs.kv_transfer_params"
         log.warning("refused a request to %s: the client set %s", request.url.path, where)
-        return JSONResponse({"error": f"{where}: kv_transfer_params are set by the proxy, not by clients"}, 400)
+        return error_answer(f"{where}: kv_transfer_params are set by the proxy, not by clients", 400)
     return body
 
 
