@@ -660,6 +660,7 @@ def test_a_registry_that_cannot_be_read_is_said_once_then_seldom_and_its_return_
             asyncio.run(reads(5))
             said = [m for m in caplog.messages if "could not read the servers" in m]
             assert len(said) == 1 and "cannot read the server list" in said[0], caplog.messages
+            assert "(first try)" in said[0] and "for 0 s" not in said[0], said  # it had lasted no time yet
             front.membership._unread_said -= membership.REGISTRY_UNREAD_SAID_S  # as if that long had passed
             asyncio.run(reads(2))
             assert len([m for m in caplog.messages if "could not read the servers" in m]) == 2

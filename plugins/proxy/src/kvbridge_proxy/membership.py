@@ -187,11 +187,12 @@ class Membership:
         elif now - self._unread_said < REGISTRY_UNREAD_SAID_S:
             return
         self._unread_said = now
+        lasted = f"for {now - self._unread_since:.0f} s" if now > self._unread_since else "(first try)"
         log.warning(
-            "could not read the servers in %s for %.0f s (the pools stay as they are; said again every %g s while it "
+            "could not read the servers in %s %s; the pools stay as they are (said again every %g s while it "
             "lasts): %s",
             self.members.url,
-            now - self._unread_since,
+            lasted,
             REGISTRY_UNREAD_SAID_S,
             exc,
         )
