@@ -585,9 +585,21 @@ def test_a_link_dropped_during_its_migration_keeps_its_peer_and_memory_until_the
                 break
             time.sleep(0.01)
         assert transport.submissions == 1 and migration.is_alive(), "the read must be in flight at the drop"
+        moved = np.zeros_like(dst)  # the pool registered again elsewhere first: the read still lands in the old one
+        decode.register_memory_region(
+            DistServeRegisterMRMessage(
+                protocol=MigrationProtocol.TCP,
+                remote_engine_id="p",
+                mr_key=0,
+                addr=moved.ctypes.data,
+                offset=0,
+                length=moved.nbytes,
+            )
+        )
+        assert {r.addr for r in transport.registered} == {region.addr, moved.ctypes.data}
         decode.p2p_drop_connect("p")
         assert "p" not in decode.links
-        assert [r.addr for r in transport.registered] == [region.addr], "unregistered under a read in flight"
+        assert {r.addr for r in transport.registered} == {region.addr, moved.ctypes.data}, "unregistered under a read"
         # LMDeploy's proxy links the pair again while the old read still runs: the new link's memory is its own
         _link_again(decode, prefill, dst)
         migration.join(10)

@@ -192,8 +192,8 @@ class KVBridgeLMDeployBackend(MigrationBackendImpl):
                     self.device.name,
                 )
             old = link.local_regions.get(req.mr_key)
-            if old is not None and old.addr != region.addr:
-                self._release(link, old)
+            if old is not None and old.addr != region.addr:  # a pool moved: the old one may still be read into
+                self._after_migrations(link, lambda: self._release(link, old))
             link.local_regions[req.mr_key] = region
             link.local_offsets[req.mr_key] = req.offset
             users = self._region_users.setdefault((self._protocol(link.protocol), region.addr), set())
