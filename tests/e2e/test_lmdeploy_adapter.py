@@ -321,16 +321,7 @@ def _loopback_pair(
                 rank=0,
             )
         )
-        b.register_memory_region(
-            DistServeRegisterMRMessage(
-                protocol=MigrationProtocol.TCP,
-                remote_engine_id=other,
-                mr_key=0,
-                addr=arr.ctypes.data,
-                offset=0,
-                length=arr.nbytes,
-            )
-        )
+        _register_pool(b, other, arr)
         sides[me] = b
     for me, other in (("p", "d"), ("d", "p")):
         info = json.dumps(sides[other].endpoint_info(me, MigrationProtocol.TCP))
@@ -586,16 +577,7 @@ def test_a_link_dropped_during_its_migration_keeps_its_peer_and_memory_until_the
             time.sleep(0.01)
         assert transport.submissions == 1 and migration.is_alive(), "the read must be in flight at the drop"
         moved = np.zeros_like(dst)  # the pool registered again elsewhere first: the read still lands in the old one
-        decode.register_memory_region(
-            DistServeRegisterMRMessage(
-                protocol=MigrationProtocol.TCP,
-                remote_engine_id="p",
-                mr_key=0,
-                addr=moved.ctypes.data,
-                offset=0,
-                length=moved.nbytes,
-            )
-        )
+        _register_pool(decode, "p", moved)
         assert {r.addr for r in transport.registered} == {region.addr, moved.ctypes.data}
         decode.p2p_drop_connect("p")
         assert "p" not in decode.links
@@ -618,6 +600,14 @@ def test_a_link_dropped_during_its_migration_keeps_its_peer_and_memory_until_the
         decode.close()
 
 
+def _register_pool(backend: KVBridgeLMDeployBackend, remote: str, arr: np.ndarray) -> None:
+    """`arr` as the backend's cache pool 0 for its link to `remote`, as LMDeploy's CacheEngine registers a pool."""
+    pool = {"mr_key": 0, "addr": arr.ctypes.data, "offset": 0, "length": arr.nbytes}
+    backend.register_memory_region(
+        DistServeRegisterMRMessage(protocol=MigrationProtocol.TCP, remote_engine_id=remote, **pool)
+    )
+
+
 def _link_again(decode: KVBridgeLMDeployBackend, prefill: KVBridgeLMDeployBackend, dst: np.ndarray) -> None:
     decode.p2p_initialize(
         DistServeInitRequest(
@@ -629,16 +619,7 @@ def _link_again(decode: KVBridgeLMDeployBackend, prefill: KVBridgeLMDeployBacken
             rank=0,
         )
     )
-    decode.register_memory_region(
-        DistServeRegisterMRMessage(
-            protocol=MigrationProtocol.TCP,
-            remote_engine_id="p",
-            mr_key=0,
-            addr=dst.ctypes.data,
-            offset=0,
-            length=dst.nbytes,
-        )
-    )
+    _register_pool(decode, "p", dst)
     info = json.dumps(prefill.endpoint_info("d", MigrationProtocol.TCP))
     decode.p2p_connect("p", DistServeKVTransferEndpointInfo(protocol=MigrationProtocol.TCP, endpoint_info=info))
 
