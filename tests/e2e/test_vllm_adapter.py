@@ -958,6 +958,38 @@ def _scheduler(role: str, engine: str, port: int) -> object:
     return SchedulerSide(connector_config(role, engine, extra), engine, Settings.from_extra_config(extra))
 
 
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_a_decode_in_a_registry_without_prefix_caching_says_a_stream_moved_to_it_is_computed_again(
+    redis_url: str, caching: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A moved stream's pulled KV is kept in the next decode's prefix cache: without it the move computes it all."""
+    import signal
+
+    from kvbridge.adapters.vllm.membership import Membership
+    from kvbridge.adapters.vllm.scheduler import SchedulerSide
+
+    engine = f"decode-{'cached' if caching else 'uncached'}"
+    extra = {
+        "migration_backend": "loopback",
+        "side_channel_port": free_port(),
+        "early_offer": False,
+        "registry": redis_url,
+        "advertise_url": "http://127.0.0.1:8200",
+    }
+    config = connector_config("kv_consumer", engine, extra)
+    config.cache_config.enable_prefix_caching = caching
+    scheduler = SchedulerSide(config, engine, Settings.from_extra_config(extra))
+    previous = signal.getsignal(signal.SIGTERM)  # the drain hooks SIGTERM, as in vLLM's engine core
+    try:
+        with caplog.at_level("WARNING", logger="kvbridge.adapters.vllm.membership"):
+            Membership(config, scheduler, capacity=8).close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    said = [m for m in caplog.messages if "without prefix caching" in m]
+    assert len(said) == (0 if caching else 1), caplog.messages
+    assert not said or "computes its whole context again" in said[0]
+
+
 def test_live_move_a_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:
     """Issue 34: A holds a marked, cut request's blocks under its move id; B pulls them without block ids.
 

@@ -149,8 +149,10 @@ def test_kvbridge_plugins_works_and_the_tools_say_what_to_install(venv: Path) ->
 # LMDEPLOY_USE_ASYNC_MIGRATION=0 was on); 17,470 with an LMDeploy migration that failed settled before it raises
 # (adapters/lmdeploy/backend.py `_settle`: a late read wrote blocks LMDeploy had freed on the error) and a bad
 # watchdog variable named alone (base/watchdog.py); 17,500 with a dropped LMDeploy link torn down once its migrations
-# end (adapters/lmdeploy/backend.py: its peer was disconnected and its memory unregistered under a read in flight).
-LIBRARY_LINES = 17_500
+# end (adapters/lmdeploy/backend.py: its peer was disconnected and its memory unregistered under a read in flight);
+# 17,510 with a decode without prefix caching saying that streams moved to it are computed again
+# (adapters/vllm/membership.py).
+LIBRARY_LINES = 17_510
 
 
 def test_the_installed_library_is_under_its_line_bound(venv: Path) -> None:

@@ -63,6 +63,12 @@ class Membership:
                 role,
                 int(needed) + 1,
             )
+        if role == "decode" and not vllm_config.cache_config.enable_prefix_caching:
+            log.warning(
+                "this decode server runs without prefix caching: a stream moved here (a drain, a rebalance) computes "
+                "its whole context again, as the KV it pulls is kept in the prefix cache; serve it with prefix "
+                "caching on (vLLM's default: drop --no-enable-prefix-caching)"
+            )
         # vLLM's engine core installed its SIGTERM handler: the drain runs first, then hands the signal to it
         self.drain = SigtermDrain(self.announcer, grace_s=settings.drain_grace_s, then="vLLM shuts down")
         scheduler.holding.draining = self.drain.draining  # the drain then says what it waits for
