@@ -209,6 +209,11 @@ def test_settings_refuse_a_server_that_is_no_url_and_a_wait_that_is_no_time() ->
     for url in ("notaurl", "localhost:8000", "http://127.0.0.1:99999", "ftp://10.0.0.1:21", "http://:8000"):
         with pytest.raises(ConfigError, match="write it as http://HOST:PORT"):
             ProxySettings([url], ["http://127.0.0.1:8200"])
+    # an OpenAI client's base URL: every request went to /v1/v1/completions, and every health check failed
+    for url in ("http://127.0.0.1:8100/v1", "http://127.0.0.1:8100/v1/", "http://127.0.0.1:8100/?a=1"):
+        with pytest.raises(ConfigError, match=r"name the server alone, as http://127.0.0.1:8100, without a path"):
+            ProxySettings(["http://127.0.0.1:8100"], [url])
+    assert ProxySettings(["http://127.0.0.1:8100/"], ["http://127.0.0.1:8200"]).prefill == ("http://127.0.0.1:8100/",)
     for name in ("health_interval", "timeout", "connect_timeout"):
         for seconds in (0.0, -1.0, math.nan, math.inf):
             with pytest.raises(ConfigError, match="takes a number of seconds > 0"):

@@ -58,7 +58,7 @@ def _add_servers(p: argparse.ArgumentParser) -> None:
         action="extend",
         default=[],
         metavar="URL",
-        help="prefill server base URLs (repeat or list several; with --registry, none is needed)",
+        help="prefill servers as http://HOST:PORT, no /v1 (repeat or list several; with --registry, none is needed)",
     )
     p.add_argument(
         "--decode",
@@ -66,7 +66,7 @@ def _add_servers(p: argparse.ArgumentParser) -> None:
         action="extend",
         default=[],
         metavar="URL",
-        help="decode server base URLs (repeat or list several; with --registry, none is needed)",
+        help="decode servers as http://HOST:PORT, no /v1 (repeat or list several; with --registry, none is needed)",
     )
     p.add_argument(
         "--registry",
