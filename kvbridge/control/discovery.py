@@ -395,9 +395,12 @@ def url_problem(url: str) -> str | None:
         parts = None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         return f"server {url!r}: write it as http://HOST:PORT or https://HOST:PORT, e.g. http://10.0.0.1:8100"
-    if parts.path.strip("/") or parts.query or parts.fragment:  # an OpenAI base URL's /v1: requests went to /v1/v1/...
-        base = urllib.parse.urlunsplit(parts._replace(path="", query="", fragment=""))
-        return f"server {url!r}: name the server alone, as {base}, without a path: /v1/... is added to it"
+    # An OpenAI client's base URL ends in /v1: requests then went to /v1/v1/... A path before it is a server behind a
+    # path-routing gateway, and is kept.
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1") or parts.query or parts.fragment:
+        base = urllib.parse.urlunsplit(parts._replace(path=path.removesuffix("/v1"), query="", fragment=""))
+        return f"server {url!r}: write it as {base}, without /v1, a query or a fragment: /v1/... is added to it"
     return None
 
 

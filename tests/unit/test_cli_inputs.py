@@ -84,7 +84,7 @@ def test_trace_refuses_a_proxy_url_it_cannot_reach_saying_how_to_write_one(
     assert "argument URL: " in (err := capsys.readouterr().err) and "write it as http://HOST:PORT" in err
     with pytest.raises(SystemExit):
         main(["trace", "http://127.0.0.1:8000/v1"])  # it adds /v1/completions itself
-    assert "name the server alone, as http://127.0.0.1:8000, without a path" in capsys.readouterr().err
+    assert "write it as http://127.0.0.1:8000, without /v1" in capsys.readouterr().err
 
 
 def test_chaos_refuses_a_pause_range_upside_down_and_outputs_longer_than_the_servers_hold(

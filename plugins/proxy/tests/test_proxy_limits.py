@@ -211,9 +211,13 @@ def test_settings_refuse_a_server_that_is_no_url_and_a_wait_that_is_no_time() ->
             ProxySettings([url], ["http://127.0.0.1:8200"])
     # an OpenAI client's base URL: every request went to /v1/v1/completions, and every health check failed
     for url in ("http://127.0.0.1:8100/v1", "http://127.0.0.1:8100/v1/", "http://127.0.0.1:8100/?a=1"):
-        with pytest.raises(ConfigError, match=r"name the server alone, as http://127.0.0.1:8100, without a path"):
+        with pytest.raises(ConfigError, match=r"write it as http://127.0.0.1:8100, without /v1, a query"):
             ProxySettings(["http://127.0.0.1:8100"], [url])
-    assert ProxySettings(["http://127.0.0.1:8100/"], ["http://127.0.0.1:8200"]).prefill == ("http://127.0.0.1:8100/",)
+    with pytest.raises(ConfigError, match=r"write it as http://gw:80/decode-3, without /v1"):
+        ProxySettings(["http://127.0.0.1:8100"], ["http://gw:80/decode-3/v1"])
+    # a server behind a gateway that routes by path, and a trailing slash, are taken
+    taken = ProxySettings(["http://127.0.0.1:8100/"], ["http://gw:80/decode-3"])
+    assert (taken.prefill, taken.decode) == (("http://127.0.0.1:8100/",), ("http://gw:80/decode-3",))
     for name in ("health_interval", "timeout", "connect_timeout"):
         for seconds in (0.0, -1.0, math.nan, math.inf):
             with pytest.raises(ConfigError, match="takes a number of seconds > 0"):
