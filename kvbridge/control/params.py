@@ -73,6 +73,7 @@ def _dp_rank(inst: KVTransferParams, attr: attrs.Attribute, value: Any) -> None:
 
 
 _STR = _check(lambda v: isinstance(v, str), "a string", optional=True)
+_BOOL = _check(lambda v: isinstance(v, bool), "true or false", optional=True)
 _SIZE = _check(lambda v: _int(v) and 1 <= v <= MAX_PARALLEL_SIZE, f"an integer from 1 to {MAX_PARALLEL_SIZE}")
 
 
@@ -125,6 +126,9 @@ class KVTransferParams:
     # what the engine that answered measured of this request, in ms (prefill_ms; queue_ms, control_ms,
     # transfer_ms, done_ms from decode): `kvbridge proxy` assembles its timeline from it
     kvbridge_timing: dict[str, float] | None = None
+    # a decode's answer to a pulled request: whether its prefix cache keeps what it pulled for a later request, as a
+    # live move's continuation needs (vLLM's prefix caching); None: not said
+    kvbridge_prefix_cache: bool | None = attrs.field(default=None, validator=_BOOL)
     extra: dict[str, Any] = attrs.field(factory=dict)
 
     @classmethod

@@ -959,11 +959,18 @@ def _scheduler(role: str, engine: str, port: int) -> object:
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
-def test_a_decode_in_a_registry_without_prefix_caching_says_a_stream_moved_to_it_is_computed_again(
+def test_a_decode_without_prefix_caching_says_so_at_start_and_in_its_answers_to_pulled_requests(
     redis_url: str, caching: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A moved stream's pulled KV is kept in the next decode's prefix cache: without it the move computes it all."""
+    """A moved stream's pulled KV is kept in the next decode's prefix cache: without it the move computes it all.
+
+    A decode in a registry warns at its start; every decode's answer to a pulled request says whether it keeps what
+    it pulled (`kvbridge_prefix_cache`), which the proxy reads to move streams elsewhere and count them recomputed."""
     import signal
+
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import RequestStatus
 
     from kvbridge.adapters.vllm.membership import Membership
     from kvbridge.adapters.vllm.scheduler import SchedulerSide
@@ -988,6 +995,24 @@ def test_a_decode_in_a_registry_without_prefix_caching_says_a_stream_moved_to_it
     said = [m for m in caplog.messages if "without prefix caching" in m]
     assert len(said) == (0 if caching else 1), caplog.messages
     assert not said or "computes its whole context again" in said[0]
+    pulled = Request("pulled", list(range(2 * BLOCK + 1)), SamplingParams(max_tokens=1), None)
+    pulled.kv_transfer_params = KVTransferParams(
+        do_remote_prefill=True,
+        remote_engine_id="prefill",
+        remote_request_id="p-1",
+        remote_block_ids=[[4, 5]],
+        remote_host="127.0.0.1",
+        remote_port=free_port(),
+        remote_num_tokens=2 * BLOCK + 1,
+    ).to_dict()
+    scheduler.on_new_request(pulled)
+    count, _ = scheduler.get_num_new_matched_tokens(pulled, 0)
+    assert count > 0, "it pulls"
+    scheduler.update_state_after_alloc(pulled, KVCacheBlocks(([KVCacheBlock(1), KVCacheBlock(2)],)), count)
+    scheduler.build_connector_meta(None)
+    pulled.status, pulled.num_computed_tokens = RequestStatus.FINISHED_LENGTH_CAPPED, 2 * BLOCK + 1
+    _delay, answer = scheduler.request_finished(pulled, [1, 2])
+    assert KVTransferParams.from_dict(answer).kvbridge_prefix_cache is caching, answer
 
 
 def test_live_move_a_decode_offers_a_cut_request_and_another_pulls_it(workers: Workers) -> None:

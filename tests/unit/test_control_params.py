@@ -121,6 +121,7 @@ def test_params_feed_vllm_nixl_metadata_unchanged() -> None:
         ({"remote_blocks_expiry_time": "nan"}, "remote_blocks_expiry_time"),
         ({"remote_blocks_expiry_time": float("inf")}, "remote_blocks_expiry_time"),
         ({"remote_engine_id": 7}, "remote_engine_id"),
+        ({"kvbridge_prefix_cache": "false"}, "kvbridge_prefix_cache"),  # a string would read as true
     ],
 )
 def test_params_out_of_range_values_are_config_errors_naming_the_key(bad: dict, match: str) -> None:

@@ -41,6 +41,8 @@ class SchedulerSide:
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
+        # what it pulls is kept for a later request (a live move's continuation) only with prefix caching
+        self.prefix_cache = bool(vllm_config.cache_config.enable_prefix_caching)
         self.pp_size = parallel.pipeline_parallel_size  # decode refuses another PP size (each stage reads its own)
         self.dp_rank, self.dp_size = parallel.data_parallel_index, parallel.data_parallel_size
         # published: the engine's base port; peers add a rank's global index to it (kvbridge.plan.rank_ports)
@@ -207,17 +209,21 @@ class SchedulerSide:
             return True, None
         if request.status == RequestStatus.FINISHED_ABORTED and entry.layerwise and not entry.remote_decode:
             self.layerwise.cancel(request.request_id)  # dropped while streaming: stop reading, abort on prefill
-        streamed = self.layerwise.producer_finished(
-            request, request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        )
+        answered = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        streamed = self.layerwise.producer_finished(request, answered)
         if streamed is False:
             return held, None
         if not entry.remote_decode:
-            # A decode answers with what its workers measured of the pull, for the proxy's timeline.
-            return held, None if timing is None else KVTransferParams(kvbridge_timing=timing).to_dict()
+            # A decode answers with what its workers measured of the pull, for the proxy's timeline, and whether it
+            # keeps what it pulled: a live move's continuation finds it in the prefix cache, or computes it all.
+            pulled = answered and entry.decoded is not None and entry.decoded.do_remote_prefill
+            kept = self.prefix_cache if pulled else None
+            if timing is None and kept is None:
+                return held, None
+            return held, KVTransferParams(kvbridge_timing=timing, kvbridge_prefix_cache=kept).to_dict()
         lease_id = request.request_id
         if streamed is None:  # pull mode: offer the finished request's blocks
-            if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            if not answered:
                 return False, None  # aborted prefill: nobody will pull, free now
             if not block_ids:
                 return False, None

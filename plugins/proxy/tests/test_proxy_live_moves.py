@@ -72,16 +72,16 @@ class TokenDecode(Serving):
 
     Asked with `do_remote_decode`, it answers as a prefill server does.
 
-    A request that asks to pull KV and is not streamed (a moved stream's pull) gets one token and the pull's report
-    in its params, as KVBridgeConnector reports it (`kvbridge_timing`). `fail_pulls`: such a request gets an error
-    (vLLM's `kv_load_failure_policy="fail"`); `recompute_pulls`: its report says the pull failed (policy "recompute":
-    the server computed the KV itself); `held_stages`: a pre-copy stage's report names no pull (the server held what
-    it would read). `die_after`: the connection drops after that many token events (a killed
-    server). `hold_done`: [DONE] waits for this event after the last token. `precopy_wait`: a pre-copy stage's pull
-    waits for this event (at most 30 s), from the `precopy_wait_from`th on (counted from 0); `precopy_dies`: the
-    server drops a pre-copy stage's connection unanswered, and its /health fails from then on (it died). `arrived`:
-    when each of `bodies` came (monotonic seconds). `first_delay_s`: a stream's first event waits this much more (an
-    engine's first step); `first_sent`: (when, prompt) of each stream's first event."""
+    A request that asks to pull KV and is not streamed (a moved stream's pull) gets one token and the pull's report in
+    its params, as KVBridgeConnector reports it (`kvbridge_timing`). `fail_pulls`: such a request gets an error (vLLM's
+    `kv_load_failure_policy="fail"`); `recompute_pulls`: its report says the pull failed (policy "recompute": the server
+    computed the KV itself); `held_stages`: a pre-copy stage's report names no pull (the server held what it would
+    read); `uncached`: its answers say it keeps nothing it pulls (no prefix caching). `die_after`: the connection drops
+    after that many token events (a killed server). `hold_done`: [DONE] waits for this event after the last token.
+    `precopy_wait`: a pre-copy stage's pull waits for this event (at most 30 s), from the `precopy_wait_from`th on
+    (counted from 0); `precopy_dies`: the server drops a pre-copy stage's connection unanswered, and its /health fails
+    from then on (it died). `arrived`: when each of `bodies` came (monotonic seconds). `first_delay_s`: a stream's first
+    event waits this much more (an engine's first step); `first_sent`: (when, prompt) of each stream's first event."""
 
     def __init__(
         self,
@@ -90,6 +90,7 @@ class TokenDecode(Serving):
         fail_pulls: bool = False,
         recompute_pulls: bool = False,
         held_stages: bool = False,
+        uncached: bool = False,
         die_after: int | None = None,
         hold_done: threading.Event | None = None,
         precopy_wait: threading.Event | None = None,
@@ -134,7 +135,8 @@ class TokenDecode(Serving):
                 if held_stages and precopied(str(params.get("kvbridge_move_id"))) is not None:
                     report = {}
                 choice = {"index": 0, "text": f"<{next_token(prompt)}>", "finish_reason": "length"}
-                return {"id": cid, "choices": [choice], "kv_transfer_params": {"kvbridge_timing": report}}
+                said = {"kvbridge_timing": report, "kvbridge_prefix_cache": not uncached}
+                return {"id": cid, "choices": [choice], "kv_transfer_params": said}
             ids = bool(body.get("return_token_ids"))
             head = {"id": cid, "created": len(self.bodies), "model": body["model"]}
             head["object"] = "chat.completion.chunk" if chat else "text_completion"
@@ -652,6 +654,39 @@ def test_a_stage_that_read_nothing_still_covers_its_context_and_one_whose_pull_f
     else:
         assert len(stages) == 1 and [b["stream"] for b in after] == [False, True], "the cut pulls"
         assert any("pre-copy stage 1" in m and "its pull failed" in m for m in logged)
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [{"b": {"uncached": True}}, {"b": {"uncached": True}, "moves": PRECOPY}],
+    indirect=True,
+    ids=["stop-and-copy", "precopy"],
+)
+def test_a_move_to_a_decode_without_prefix_caching_is_reported_recomputed_and_pulls_nothing_once_known(
+    cluster: Cluster, request: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A decode without prefix caching keeps nothing it pulls: its continuation computes the whole context.
+
+    Its answer to the first pull (the move's, or a pre-copy stage's) says so: the move is counted recomputed, no
+    further pull or stage goes to it, A's offered blocks are released, and /instances shows it."""
+    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+        events = _one(cluster)
+    assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
+    asked = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]
+    [pull, resumed] = asked  # one pull told; nothing more is read for it (a second stage, a pull at the cut)
+    assert (pull["stream"], resumed["stream"]) == (False, True)
+    assert "do_remote_prefill" not in resumed.get("kv_transfer_params", {})
+    [move] = cluster.move_ids()
+    if request.node.callspec.id == "precopy":
+        assert precopied(pull["kv_transfer_params"]["kvbridge_move_id"]) is not None, "the first stage told"
+        wait_for(lambda: (move, LeaseState.ABORTED) in cluster.aborted, what="A's offered blocks released")
+    assert (_metric(cluster, "recomputed"), _metric(cluster, "pulled"), _metric(cluster, "precopied")) == (1, 0, 0)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(f"decode server {cluster.b.url} runs without prefix caching" in m for m in logged), logged
+    [moved] = [m for m in logged if "moved from" in m]
+    assert ", recomputed)" in moved, moved
+    with httpx.Client(base_url=cluster.proxy.url, trust_env=False) as admin:
+        assert _decode(admin, cluster.b.url)["prefix_cache"] is False
 
 
 WAIT = threading.Event()

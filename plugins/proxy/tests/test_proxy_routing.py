@@ -80,8 +80,8 @@ def test_decode_that_refuses_the_connection_is_skipped_and_taken_out(upstreams: 
     assert [(p.remote_engine_id, p.block_ids) for p in handed] == [("e", (1, 2))] * 3
     assert all(b["max_tokens"] == 1 and b["kv_transfer_params"]["do_remote_decode"] for b in prefill.bodies)
     assert state["decode"] == [
-        {"url": dead, "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False},
-        {"url": decode.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False},
+        {"url": dead, "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False, "prefix_cache": None},
+        {"url": decode.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False, "prefix_cache": None},
     ]
 
 
@@ -333,6 +333,7 @@ def test_each_pair_is_warmed_once_both_servers_are_up() -> None:
     # First contact (decode fetching prefill's RankInfo, the transport's connection) is paid by one
     # request the proxy sends through each pair, not by a client's first request.
     with Upstream("prefill") as prefill, Upstream("decode") as d1, Upstream("decode") as d2:
+        d1.prefix_cache, d2.prefix_cache = True, False  # what each decode's answer says it keeps of what it pulled
         down = f"http://127.0.0.1:{free_port(span=1)}"  # a decode server that is not up: not warmed
         with Serving(create_app([prefill.url], [d1.url, d2.url, down], health_interval=0.01)) as front:
             deadline = time.monotonic() + 30
@@ -341,6 +342,7 @@ def test_each_pair_is_warmed_once_both_servers_are_up() -> None:
                 time.sleep(0.01)
             state = httpx.get(f"{front.url}/instances", trust_env=False).json()
     assert [i["healthy"] for i in state["decode"]] == [True, True, False]
+    assert [i["prefix_cache"] for i in state["decode"]] == [True, False, None], "learned from the warm-ups' answers"
     assert len(prefill.bodies) == 2 and all(b["max_tokens"] == 1 and b["model"] == "tiny" for b in prefill.bodies)
     for d in (d1, d2):  # once each, with what prefill answered (less its timing)
         [body] = d.bodies
@@ -370,7 +372,9 @@ def test_decode_that_drops_the_request_is_a_503_naming_it(upstreams: tuple[Upstr
         listener.close()
     assert r.status_code == 503 and url in r.json()["error"]["message"]
     assert (r.headers["x-kvbridge-prefill"], r.headers["x-kvbridge-decode"]) == (prefill.url, url)
-    assert state["decode"] == [{"url": url, "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False}]
+    assert state["decode"] == [
+        {"url": url, "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False, "prefix_cache": None}
+    ]
     assert "prefill_ms=0.500" in r.headers["x-kvbridge-timing"]
 
 
@@ -570,8 +574,8 @@ def test_a_decode_slow_to_accept_stays_in_and_the_request_goes_to_the_next(
     assert len(decode.bodies) == 3
     # Slow to accept is not dead: it stays in the pool for the health probe to judge.
     assert state["decode"] == [
-        {"url": busy.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False},
-        {"url": decode.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False},
+        {"url": busy.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False, "prefix_cache": None},
+        {"url": decode.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False, "prefix_cache": None},
     ]
 
 
@@ -586,7 +590,9 @@ def test_only_decode_slow_to_accept_is_tried_again_then_a_503_that_says_so(
     assert r.status_code == 503
     assert f"{busy.url}, {busy.url} did not accept the connection in time" in r.json()["error"]["message"]
     assert sum("did not accept the connection in time" in m for m in caplog.messages) == 2
-    assert state["decode"] == [{"url": busy.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False}]
+    assert state["decode"] == [
+        {"url": busy.url, "healthy": True, "in_flight": 0, "streams": 0, "cordoned": False, "prefix_cache": None}
+    ]
 
 
 def test_health_checks_go_on_when_the_http_stack_raises_what_it_should_not(
@@ -741,7 +747,9 @@ def test_answers_name_no_internal_url_unless_asked(upstreams: tuple[Upstream, Up
     assert [r.status_code for r in answers] == [503, 503] and ok.status_code == 200
     for text in [*(r.text for r in answers), json.dumps(state), *(str(r.headers) for r in [*answers, ok])]:
         assert "127.0.0.1" not in text, text
-    assert state["decode"] == [{"url": "decode-0", "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False}]
+    assert state["decode"] == [
+        {"url": "decode-0", "healthy": False, "in_flight": 0, "streams": 0, "cordoned": False, "prefix_cache": None}
+    ]
     assert answers[1].json()["error"]["message"] == "no healthy decode server among ['decode-0']"
 
 

@@ -70,6 +70,8 @@ class Admin:
         for role, p in self.membership.pools.items():
             for entry, inst in zip(state[role], p.instances):
                 entry["cordoned"] = inst.cordoned
+                if role == "decode":  # whether it keeps what it pulls, as its answers said (None: not yet)
+                    entry["prefix_cache"] = inst.prefix_cache
             state["registry_rounds"] = self.membership.membership_rounds
         state["health_rounds"] = self.membership.health_rounds
         labels = {i.url: i.label for p in self.membership.pools.values() for i in p.instances}

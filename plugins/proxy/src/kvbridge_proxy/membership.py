@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -360,7 +361,11 @@ class Membership:
                 self.learn(prefill.url, decoded)  # layer-wise: where its side channel is
                 body["kv_transfer_params"] = attrs.evolve(decoded, kvbridge_timing=None).to_dict()
             begun = time.perf_counter()
-            (await self.client.post(f"{decode.url}/v1/completions", json=body, headers=headers)).raise_for_status()
+            answer = await self.client.post(f"{decode.url}/v1/completions", json=body, headers=headers)
+            answer.raise_for_status()
+            if offered is not None:  # it pulled: its answer says whether it keeps what it pulls (a moved stream's)
+                with contextlib.suppress(ValueError, ConfigError, AttributeError):
+                    decode.heard(KVTransferParams.from_dict(answer.json().get("kv_transfer_params")))
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, ConfigError) as exc:
             log.warning("warming %s -> %s failed (its first request pays first contact): %s", *pair, exc)
             if offered is not None:  # else the prefill holds the warm-up's blocks until its lease ends

@@ -174,7 +174,8 @@ class Moves:
         # a pre-copied stream's tail is computed where its pre-copy went (MoveSettings.tail), not pulled
         precomputed = precopied is not None and precopied[1] > 0 and precopied[0] is target
         tail = precomputed and self.move_settings.tail == "compute"
-        pulled = offered if move != "recompute" and not tail else None
+        # a decode without prefix caching keeps nothing it pulls for the continuation: it computes it all
+        pulled = offered if move != "recompute" and not tail and target.prefix_cache is not False else None
         cut, closed = time.perf_counter(), []
         # vLLM aborts the request; a marked one's blocks are offered under its move id. Only a pull reads them: the
         # continuation of a move that computes its tail (or all of it) is sent while the source closes.
@@ -206,6 +207,8 @@ class Moves:
                 if pulled is not None and outcome == "recomputed":  # nobody read the offered blocks: free them now
                     # off the move's path: a dead source would hold the move's log and metric for the release's timeout
                     self.background.spawn(self._release_offer(pulled, moving, "recomputed"))
+                if target.prefix_cache is False:  # what it read (its answer said so) is gone: it computed it all
+                    outcome = "recomputed"
                 self._moved(moving, source, target, f"{why}, {outcome}", outcome, (cut, closed[0] if closed else None))
                 self._changed(source)
                 return moved
@@ -253,10 +256,16 @@ class Moves:
         moving.moved()
 
     def _next_decode(self, source: Instance, prefer: Instance | None) -> Instance:
-        """Where a stream leaving `source` goes: `prefer` while it takes requests, else the pool's pick (NoInstance)."""
-        if prefer is not None and prefer is not source and prefer.serving:
+        """Where a stream leaving `source` goes: `prefer` while it takes requests, else the pool's pick (NoInstance).
+
+        A decode known to run without prefix caching (`Instance.heard`) only where no other takes it."""
+        pool = self.membership.pools["decode"]
+        uncached = [i for i in pool.instances if i.prefix_cache is False]
+        if prefer is not None and prefer is not source and prefer.serving and prefer not in uncached:
             return prefer
-        return self.membership.pools["decode"].pick(exclude=(source,))
+        with contextlib.suppress(NoInstance):
+            return pool.pick(exclude=(source, *uncached))
+        return pool.pick(exclude=(source,))
 
     def _precopies(self, moving: MovingStream, up: Upstream) -> bool:
         """Start pre-copying a stream whose cut came, where it can be (then the cut waits for it): whether it did."""
@@ -271,8 +280,8 @@ class Moves:
             target = self._next_decode(source, moving.prefer)
         except NoInstance:
             return False  # the cut finds none either, and the stream stays
-        if target.identity is None:
-            return False
+        if target.identity is None or target.prefix_cache is False:
+            return False  # (no prefix caching: it would keep nothing a stage pulls)
         moving.begin_precopy(asyncio.ensure_future(self._precopy(moving, source, target)))
         return True
 
@@ -361,13 +370,17 @@ class Moves:
                         self.background.spawn(
                             self.handovers.release_lease(attrs.evolve(source, remote_request_id=lease), "pre-copy")
                         )
-                if outcome not in ("pulled", "held"):
+                if outcome not in ("pulled", "held") or target.prefix_cache is False:
                     log.warning(
                         "stream %s: pre-copy stage %d to %s %s",
                         moving.move_id,
                         stage,
                         target.url,
-                        "failed" if outcome is None else "was computed, its pull failed",
+                        "failed"
+                        if outcome is None
+                        else "was computed, its pull failed"
+                        if outcome == "recomputed"
+                        else "read what its cache does not keep (it runs without prefix caching)",
                     )
                     return False
                 covered[0], covered[1] = context, stage

@@ -383,8 +383,9 @@ class Relay:
         if resp.status_code >= 400:  # the decode refused it (an error answer is whole): it reads nothing
             handover.release_prefill(f"its decode answered {resp.status_code}")
         with contextlib.suppress(ValueError, ConfigError, AttributeError):  # an error answer has no params
-            reported = KVTransferParams.from_dict(resp.json().get("kv_transfer_params")).kvbridge_timing
-            timeline.add(reported, PULL_REPORT)
+            reported = KVTransferParams.from_dict(resp.json().get("kv_transfer_params"))
+            timeline.add(reported.kvbridge_timing, PULL_REPORT)
+            decode.heard(reported)
         self.metrics.finish(timeline, begun, sent, time.perf_counter())
         self.metrics.requests.labels(str(resp.status_code)).inc()
         return Response(

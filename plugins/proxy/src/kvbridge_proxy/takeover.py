@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import httpx
 
-from kvbridge.base.errors import described
+from kvbridge.base.errors import ConfigError, described
 from kvbridge.control.params import KVTransferParams
 from kvbridge_proxy.handover import Handovers
 from kvbridge_proxy.membership import Membership
@@ -210,9 +210,10 @@ class Takeover:
             target.in_flight -= 1
         try:
             answer = resp.json()
-            timing = (answer.get("kv_transfer_params") or {}).get("kvbridge_timing") or {}
+            params = KVTransferParams.from_dict(answer.get("kv_transfer_params"))
+            timing = params.kvbridge_timing or {}
             ok = resp.status_code == 200 and "error" not in answer and isinstance(timing, dict)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, ConfigError):
             ok = False
         if not ok:
             log.warning(
@@ -223,6 +224,7 @@ class Takeover:
                 resp.text[:300],
             )
             return None
+        target.heard(params)
         outcome = pull_outcome(timing)
         states = {k: v for k, v in timing.items() if k.startswith("at_")}
         if lease is not None and not states:

@@ -57,11 +57,27 @@ class Instance:
     identity: KVTransferParams | None = None
     streams: set[MovingStream] = attrs.Factory(set)  # the movable streams it serves now (--live-moves)
     lapsed: float = 0.0  # when its record was last found gone (time.monotonic()); 0.0 while it has one
+    # a decode's answers to pulled requests say whether its prefix cache keeps what it pulls (None: not said yet):
+    # a stream moved to one that does not is computed there whole, so nothing is pulled or pre-copied for it
+    prefix_cache: bool | None = None
 
     @property
     def serving(self) -> bool:
         """Whether it takes new requests."""
         return self.healthy and not self.draining and not self.cordoned
+
+    def heard(self, answer: KVTransferParams) -> None:
+        """Take what a decode's answer to a pulled request says of its prefix cache (`prefix_cache`)."""
+        said = answer.kvbridge_prefix_cache
+        if said is None or said == self.prefix_cache:
+            return
+        self.prefix_cache = said
+        if not said:
+            log.warning(
+                "decode server %s runs without prefix caching: a stream moved to it is computed there whole, so "
+                "streams move to decodes with prefix caching where there are any, and none is pulled to it",
+                self.url,
+            )
 
     def failed(self, cause: BaseException | str) -> str:
         """Its failure as clients read it: an error's text only where they may read the server's URL as well.

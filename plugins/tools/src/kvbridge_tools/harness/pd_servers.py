@@ -74,6 +74,7 @@ class Upstream(Serving):
         self.parallel: dict[str, int] = {}  # a prefill's tp_size, pp_size as its params say
         self.engine_id = "e"  # a prefill that restarts comes back with another
         self.fail_status: int | None = None  # set: it answers this, as a vLLM server shutting down answers 500
+        self.prefix_cache: bool | None = None  # set: a decode's answer says whether it keeps what it pulled
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -98,11 +99,12 @@ class Upstream(Serving):
                     "kvbridge_timing": {"prefill_ms": 0.5},
                     **self.parallel,
                 }
-            else:  # and the decode's pull phases, in its (non-streamed) answer
+            else:  # and the decode's pull phases, in its (non-streamed) answer, and what it keeps if it says
                 phases = {"dispatch_ms": 0.0, "queue_ms": 0.1, "offer_wait_ms": 0.05, "control_ms": 0.2}
                 phases |= {"transfer_ms": 0.3, "done_ms": 0.4}
                 phases |= {"at_resolving_ms": 0.0, "at_done_ms": 0.9}  # its pull states: marks, not phases
-                params = {"kvbridge_timing": phases}
+                said = {} if self.prefix_cache is None else {"kvbridge_prefix_cache": self.prefix_cache}
+                params = {"kvbridge_timing": phases} | said
             # It takes at least as long as it says it took: the proxy's clock then bounds the phases.
             await asyncio.sleep(max(slow_complete_s, sum(params["kvbridge_timing"].values()) / 1e3))
             choice = {"text": role, "index": 0, "prompt": body.get("prompt"), "seed": body.get("seed")}
