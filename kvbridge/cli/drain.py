@@ -50,8 +50,12 @@ def _show(title: str, records: list[ServerRecord], as_json: bool, state: dict[st
 def run(args: argparse.Namespace) -> int:
     secret = load_secret()
     registry = open_registry(args.registry, secret=secret)
-    if registry is None or args.server is None and not args.list:
-        raise ConfigError("say which server to drain (--list shows them) in --registry redis://HOST:PORT or etcd://")
+    if registry is None:  # p2p: no registry, so no server to find or order
+        raise ConfigError(
+            f"--registry {args.registry}: name the servers' registry, redis://HOST:PORT or etcd://HOST:PORT"
+        )
+    if args.server is None and not args.list:
+        raise ConfigError(f"say which server to drain (--list shows the servers in {registry.url})")
     with registry:
         records = registry.servers()
         if args.list:

@@ -153,3 +153,13 @@ def test_a_chaos_option_of_a_fault_not_asked_for_is_refused(capsys: pytest.Captu
     ]:
         assert main(["chaos", *argv]) == 2
         assert f"is read with the {fault} fault: add it to --faults" in capsys.readouterr().err
+
+
+def test_drain_without_a_registry_of_servers_says_which_to_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--registry p2p` (the transports' "no registry") was told to name the server it had named."""
+    assert main(["drain", "decode-1", "--registry", "p2p"]) == 2
+    assert (
+        "--registry p2p: name the servers' registry, redis://HOST:PORT or etcd://HOST:PORT" in capsys.readouterr().err
+    )
+    assert main(["drain", "--registry", "redis://127.0.0.1:9"]) == 2
+    assert "say which server to drain (--list shows the servers in redis://127.0.0.1:9)" in capsys.readouterr().err
