@@ -669,7 +669,7 @@ def test_a_move_to_a_decode_without_prefix_caching_is_reported_recomputed_and_pu
 
     Its answer to the first pull (the move's, or a pre-copy stage's) says so: the move is counted recomputed, no
     further pull or stage goes to it, A's offered blocks are released, and /instances shows it."""
-    with caplog.at_level("WARNING", logger="kvbridge_proxy.app"):
+    with caplog.at_level("INFO", logger="kvbridge_proxy.app"):
         events = _one(cluster)
     assert _tokens(events) == reference(prompt_ids("/v1/completions", {"prompt": "one stream"}), MAX_TOKENS)
     asked = [b for b in cluster.b.bodies if isinstance(b.get("prompt"), list)]

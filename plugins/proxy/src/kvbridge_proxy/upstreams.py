@@ -72,8 +72,8 @@ class Instance:
         if said is None or said == self.prefix_cache:
             return
         self.prefix_cache = said
-        if not said:
-            log.warning(
+        if not said:  # (a move to it says so as a warning: without --live-moves nothing is lost)
+            log.info(
                 "decode server %s runs without prefix caching: a stream moved to it is computed there whole, so "
                 "streams move to decodes with prefix caching where there are any, and none is pulled to it",
                 self.url,
