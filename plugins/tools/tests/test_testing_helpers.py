@@ -216,3 +216,41 @@ def test_a_bench_model_is_the_one_given_or_a_tiny_one_with_the_positions_asked(t
     for tokens, positions in ((100, 2048), (9000, 9000)):
         model = given_or_tiny(None, tmp_path / str(tokens), tokens)
         assert json.loads((model / "config.json").read_text())["max_position_embeddings"] == positions
+
+
+def test_a_bench_run_whose_server_stalled_keeps_its_logs_and_a_quiet_one_keeps_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stall dump written under a bench's temporary logs went with them: the stall's evidence was lost.
+
+    (A chaos run that passed removed its logs with three stall dumps its report still listed.)"""
+    import logging
+    import shutil
+    import tempfile
+
+    from kvbridge.base.watchdog import Watchdog
+    from kvbridge_tools.harness.fixtures import wait_for
+    from kvbridge_tools.harness.run_logs import bench_logs
+
+    def kept() -> set[Path]:
+        return set(Path(tempfile.gettempdir()).glob("kvbridge-stalled-run-*"))
+
+    before = kept()
+    with bench_logs(None, tmp_path / "quiet") as logs:
+        (logs / "server.log").write_text("served")
+    assert kept() == before, "a run with no stall keeps nothing"
+    with caplog.at_level(logging.WARNING), bench_logs(None, tmp_path / "stalled") as logs:
+        (logs / "server.log").write_text("served, then stalled")
+        monkeypatch.setenv("KVBRIDGE_STALL_DIR", str(logs / "stalls-8200"))  # as start_vllm sets a server's
+        dog = Watchdog(0.2, native=False)
+        beat = dog.watch("a handler that blocks")  # and never comes back to its loop: no beat
+        wait_for(lambda: list((logs / "stalls-8200").glob("stall-*.txt")), timeout=20, what="the stall's dump")
+        dog.forget(beat)
+    [home] = kept() - before
+    try:
+        [dump] = home.glob("stalls-8200/stall-*.txt")
+        assert "a handler that blocks" in dump.read_text()
+        assert (home / "server.log").read_text() == "served, then stalled", "the logs it is read beside"
+        assert any(str(home) in r.getMessage() and "stall dump" in r.getMessage() for r in caplog.records)
+    finally:
+        shutil.rmtree(home)

@@ -50,6 +50,7 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.pair import frozen_heap
 from kvbridge_tools.bench.plot import check_path
 from kvbridge_tools.bench.stats import percentile
+from kvbridge_tools.harness.run_logs import bench_logs
 from kvbridge_tools.harness.vllm_server import add_executor_argument
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         "--keep-logs",
         default=None,
         metavar="DIR",
-        help="write the servers' logs under DIR and keep them (default: a temporary folder)",
+        help="write the servers' logs under DIR and keep them (default: a temporary folder, kept if a server stalled)",
     )
 
 
@@ -472,11 +473,11 @@ def run(args: argparse.Namespace) -> int:
         check_path(args.plot)
     with (
         tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-") as tmp,
+        bench_logs(args.keep_logs, Path(tmp)) as logs,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
         task = progress.add_task("requests", total=len(launchers) * len(lengths) * reps)
         root = Path(tmp)
-        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = given_or_tiny(args.model_dir, root, max_len)
         for launch in launchers:
             pair = launch(model, logs, max_len, args.executor)

@@ -38,6 +38,7 @@ from kvbridge_tools.bench.pair import DEFAULT_MODEL, frozen_heap, paired_ratio, 
 from kvbridge_tools.bench.pool_layout import DEFAULT_LAYOUT
 from kvbridge_tools.bench.stats import percentile
 from kvbridge_tools.harness.proc import Child
+from kvbridge_tools.harness.run_logs import bench_logs
 
 BYTES_COUNTER = "kvbridge_transfer_bytes_total"
 COLUMNS = ["tokens", "requests", "recomputed", "decode TTFT", "KV MiB", "transfer", "transfer GB/s", "raw GB/s",
@@ -66,11 +67,11 @@ def run(args: argparse.Namespace) -> int:
     link = getattr(args, "link", None) or Link()
     with (
         tempfile.TemporaryDirectory(prefix="kvbridge-bench-vllm-hosts-") as tmp,
+        bench_logs(args.keep_logs, Path(tmp)) as logs,
         placed(link, also=("proxy", "client"), engine_cores=args.engine_cores) as where,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
         root = Path(tmp)
-        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model = given_or_tiny(args.model_dir, root, max_len)
         task = progress.add_task("requests", total=len(lengths) * reps)
         rows = _run_placed(args, where, model, logs, max_len, lengths, reps, lambda: progress.advance(task))

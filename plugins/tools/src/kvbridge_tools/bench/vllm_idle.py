@@ -40,6 +40,7 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench import vllm as pd
 from kvbridge_tools.bench.stats import percentile
 from kvbridge_tools.bench.vllm_load import LABELS
+from kvbridge_tools.harness.run_logs import bench_logs
 
 SYSTEMS = ("kvbridge", "kvbridge-nixl", "nixl")
 REFERENCE = "nixl"  # the system every other one is compared to
@@ -127,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
     pairs: dict[str, pd.Pair] = {}
     with (
         tempfile.TemporaryDirectory(prefix="kvbridge-bench-idle-") as tmp,
+        bench_logs(args.keep_logs, Path(tmp)) as logs,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
         root = Path(tmp)
-        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         model_dir = given_or_tiny(args.model_dir, root, max_len)
         model = str(model_dir)
         http = httpx.Client(timeout=300, trust_env=False)

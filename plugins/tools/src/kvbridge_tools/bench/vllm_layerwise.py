@@ -33,6 +33,7 @@ from rich.progress import Progress
 from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench.pair import frozen_heap, paired_ratio
 from kvbridge_tools.bench.stats import percentile
+from kvbridge_tools.harness.run_logs import bench_logs
 
 CHUNK_TOKENS = 256
 
@@ -101,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     with (
         tempfile.TemporaryDirectory(prefix="kvbridge-bench-layerwise-") as tmp,
+        bench_logs(args.keep_logs, Path(tmp)) as logs,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
         root = Path(tmp)
-        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
         longest = max(lengths) + 2
         model = given_or_tiny(args.model_dir, root, longest)
         common = {

@@ -69,6 +69,7 @@ from kvbridge_tools.bench.load_probes import (
 )
 from kvbridge_tools.bench.load_slices import Nested, Tally, grown, minus, rotated, split
 from kvbridge_tools.bench.plot import check_path
+from kvbridge_tools.harness.run_logs import bench_logs
 
 if TYPE_CHECKING:
     from kvbridge_tools.harness.vllm_server import Server
@@ -710,8 +711,7 @@ def run(args: argparse.Namespace) -> int:
             # client host: the root namespace cannot reach the hosts.
             stack.enter_context(placed.hosts["client"].entered())
         root = Path(tmp)
-        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        logs = stack.enter_context(bench_logs(args.keep_logs, root))
         bench_log = logs / "serve-bench.log"
         model_dir = given_or_tiny(args.model_dir, root, max_len)
         model = str(model_dir)

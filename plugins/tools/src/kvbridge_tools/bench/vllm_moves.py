@@ -42,6 +42,7 @@ from kvbridge.cli.output import err_console, print_json, print_table
 from kvbridge_tools.bench import bootstrap
 from kvbridge_tools.bench.link import Link, placed
 from kvbridge_tools.bench.stats import percentile
+from kvbridge_tools.harness.run_logs import bench_logs
 
 MOVES = ("precopy", "stop-and-copy", "recompute")
 CONTEXTS = (256, 1024, 4096, 7800)
@@ -153,12 +154,11 @@ def run(args: argparse.Namespace) -> int:
     moves = [m for m in (args.moves or MOVES)]
     with (
         tempfile.TemporaryDirectory(prefix="kvbridge-bench-moves-") as tmp,
+        bench_logs(args.keep_logs, Path(tmp)) as logs,
         placed(link, also=("decode_b", "registry", "proxy", "client"), engine_cores="shared") as where,
         Progress(console=err_console, transient=True, disable=bool(args.json)) as progress,
     ):
         root = Path(tmp)
-        logs = Path(args.keep_logs) if args.keep_logs else root / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
         model = given_or_tiny(args.model_dir, root, max_len)
         task = progress.add_task("rounds", total=len(contexts) * len(moves) * args.repeat)
         rows = _run_placed(args, where, model, logs, max_len, contexts, moves, lambda: progress.advance(task))

@@ -132,7 +132,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="keep the servers' logs here (default: a temporary folder, removed after a run that passes)",
+        help="keep the servers' logs here (default: a temporary folder, removed after a run that passes unstalled)",
     )
     _add_host_arguments(p.add_argument_group("across hosts"))
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     check(args)
     elastic = [f for f in args.faults if f in ELASTIC]
     _check_backend(args.migration_backend)
-    # the model always goes; the servers' logs stay where --logs says, else only after a run that failed
+    # the model always goes; the servers' logs stay where --logs says, else only after a run that failed or stalled
     model_dir = tempfile.TemporaryDirectory(prefix="kvbridge-chaos-model-")
     logs = args.logs or Path(tempfile.mkdtemp(prefix="kvbridge-chaos-logs-"))
     injection = {}
@@ -371,7 +371,7 @@ def _finish(args: argparse.Namespace, report: Any, logs: Path) -> int:
     from kvbridge.cli.output import print_json, print_table
 
     out = report.as_dict()
-    if args.logs is None and report.ok:
+    if args.logs is None and report.ok and not report.stalls:  # a stall dump keeps the logs it is read beside
         shutil.rmtree(logs, ignore_errors=True)
         out["logs"] = None
     else:
