@@ -36,11 +36,12 @@ from kvbridge.control.params import KVTransferParams
 from kvbridge.session.lending import precopied, precopy_id
 from kvbridge_proxy import membership
 from kvbridge_proxy.app import Proxy, create_app
+from kvbridge_proxy.moves import next_decode
 from kvbridge_proxy.moving_stream import MoveSettings, MovingStream, refusal
 from kvbridge_proxy.rebalance import Policy, kv_usage
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.takeover import Upstream
-from kvbridge_proxy.upstreams import Instance
+from kvbridge_proxy.upstreams import Instance, NoInstance, Pool
 from kvbridge_tools.harness.fixtures import redis_server, wait_for
 from kvbridge_tools.harness.pd_servers import Serving, Unaccepting
 
@@ -1065,6 +1066,35 @@ def test_the_rebalancing_policy_moves_a_quarter_of_a_full_decodes_longest_stream
     assert policy.plan({hot: 0.9, mid: 0.5}) == ([], None)  # nobody idle enough
     with pytest.raises(ConfigError, match="rebalance-below"):
         Policy(above=0.4, below=0.6)
+
+
+def test_a_stream_moves_to_a_decode_without_prefix_caching_only_where_no_other_takes_it() -> None:
+    """A decode without prefix caching computes a moved stream whole: nothing is sent there while another takes it.
+
+    Neither a drain nor the rebalancer sends one there while a decode with prefix caching takes the stream; where
+    none does, it is used, and the rebalancer's choice among such decodes stands."""
+    pool = Pool("decode", [f"http://d{i}" for i in range(4)])
+    source, cached, plain, other = pool.instances
+    plain.prefix_cache = other.prefix_cache = False
+    for _ in range(4):  # the pool's round robin never lands on a decode without prefix caching
+        assert next_decode(pool, source, None) is cached
+    assert next_decode(pool, source, plain) is cached  # a preferred one without it is passed over
+    cached.cordoned = True
+    assert next_decode(pool, source, plain) is plain  # none with it takes the stream: the preferred one
+    assert {next_decode(pool, source, None) for _ in range(4)} == {plain, other}
+    plain.cordoned = other.cordoned = True
+    with pytest.raises(NoInstance):
+        next_decode(pool, source, None)
+
+    hot, idle_plain, busy_cached = (Instance(f"http://r{i}", "decode", f"decode-{i}") for i in range(3))
+    hot.streams.add(MovingStream("/v1/completions", {}, prompt=[1] * 10))
+    idle_plain.prefix_cache = False
+    policy = Policy(above=0.8, below=0.4)
+    # the only idle decode would compute the stream whole, and the rest of the pool is not idle: nothing moves
+    assert policy.plan({hot: 0.9, idle_plain: 0.1, busy_cached: 0.6}) == ([], None)
+    assert policy.plan({hot: 0.9, idle_plain: 0.1, busy_cached: 0.3})[1] is busy_cached
+    busy_cached.prefix_cache = False  # none keeps what it pulls: the emptiest
+    assert policy.plan({hot: 0.9, idle_plain: 0.1, busy_cached: 0.3})[1] is idle_plain
 
 
 def test_a_cut_goes_before_events_the_client_has_not_got_unless_the_decode_already_finished() -> None:

@@ -31,7 +31,7 @@ from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moving_stream import MovingStream
 from kvbridge_proxy.settings import ProxySettings
 from kvbridge_proxy.takeover import Takeover, Upstream
-from kvbridge_proxy.upstreams import Background, Instance, NoInstance
+from kvbridge_proxy.upstreams import Background, Instance, NoInstance, Pool
 from kvbridge_proxy.wire import error_body, sse, until_disconnect
 
 log = logging.getLogger("kvbridge_proxy.app")  # the proxy's one logger, whichever module logs (operators filter on it)
@@ -161,7 +161,11 @@ class Moves:
             return None
         precopied, moving.precopied = moving.precopied, None
         try:
-            target = self._next_decode(source, precopied[0] if precopied is not None and pull else moving.prefer)
+            target = next_decode(
+                self.membership.pools["decode"],
+                source,
+                precopied[0] if precopied is not None and pull else moving.prefer,
+            )
         except NoInstance as exc:
             if pull:
                 log.warning("stream %s stays on %s for now: %s", moving.move_id, source.url, exc)
@@ -255,18 +259,6 @@ class Moves:
         )
         moving.moved()
 
-    def _next_decode(self, source: Instance, prefer: Instance | None) -> Instance:
-        """Where a stream leaving `source` goes: `prefer` while it takes requests, else the pool's pick (NoInstance).
-
-        A decode known to run without prefix caching (`Instance.heard`) only where no other takes it."""
-        pool = self.membership.pools["decode"]
-        uncached = [i for i in pool.instances if i.prefix_cache is False]
-        if prefer is not None and prefer is not source and prefer.serving and prefer not in uncached:
-            return prefer
-        with contextlib.suppress(NoInstance):
-            return pool.pick(exclude=(source, *uncached))
-        return pool.pick(exclude=(source,))
-
     def _precopies(self, moving: MovingStream, up: Upstream) -> bool:
         """Start pre-copying a stream whose cut came, where it can be (then the cut waits for it): whether it did."""
         source = up.decode
@@ -277,7 +269,7 @@ class Moves:
         if len(moving.prompt) + len(moving.generated) <= self.move_settings.tail_tokens:
             return False  # as little as the cut would pull anyway
         try:
-            target = self._next_decode(source, moving.prefer)
+            target = next_decode(self.membership.pools["decode"], source, moving.prefer)
         except NoInstance:
             return False  # the cut finds none either, and the stream stays
         if target.identity is None or target.prefix_cache is False:
@@ -397,3 +389,17 @@ class Moves:
             log.exception("stream %s: pre-copy to %s failed", moving.move_id, target.url)
             return False
         return True
+
+
+def next_decode(pool: Pool, source: Instance, prefer: Instance | None) -> Instance:
+    """Where a stream leaving `source` goes: `prefer` while it takes requests, else the pool's pick (NoInstance).
+
+    A decode known to run without prefix caching (`Instance.heard`) computes a moved stream whole: it is taken only
+    where no other decode takes the stream, and then `prefer` first (the rebalancer chose it for its free blocks)."""
+    uncached = [i for i in pool.instances if i.prefix_cache is False]
+    usable = prefer if prefer is not None and prefer is not source and prefer.serving else None
+    if usable is not None and usable not in uncached:
+        return usable
+    with contextlib.suppress(NoInstance):
+        return pool.pick(exclude=(source, *uncached))
+    return usable if usable is not None else pool.pick(exclude=(source,))

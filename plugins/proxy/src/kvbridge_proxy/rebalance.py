@@ -56,7 +56,9 @@ class Policy:
         if len(usage) < 2:
             return [], None
         hot = max(usage, key=lambda i: usage[i])
-        cold = min(usage, key=lambda i: usage[i])
+        others = [i for i in usage if i is not hot]
+        # a decode without prefix caching computes a moved stream whole: one is a target only where all are
+        cold = min([i for i in others if i.prefix_cache is not False] or others, key=lambda i: usage[i])
         if usage[hot] < self.above or usage[cold] > self.below:
             return [], None
         movable = [s for s in hot.streams if s.movable and s.prompt is not None and not s.cut_requested]
