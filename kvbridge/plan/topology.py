@@ -41,11 +41,13 @@ class ParallelConfig:
         """Parse `"tp8,pcp2,dcp8"` (also `"TP8/PCP2/DCP8"`); sizes not named are 1."""
         sizes: dict[str, int] = {}
         for part in filter(None, re.split(r"[,/\s]+", spec.strip().lower())):
-            m = re.fullmatch(r"(tp|pcp|dcp|dp)=?(\d+)", part)
+            m = re.fullmatch(r"(tp|pcp|dcp|dp|pp)=?(\d+)", part)
             if not m:
                 raise TopologyError(
                     f"cannot parse {part!r} in parallel spec {spec!r}; write sizes like 'tp8,pcp2,dcp8,dp2'"
                 )
+            if m.group(1) == "pp":  # (both engines run the same --pipeline-parallel-size)
+                raise TopologyError(f"{part!r}: plan one pipeline stage (each pulls from its own stage); drop it")
             if m.group(1) in sizes:
                 raise TopologyError(f"{m.group(1)} given twice in parallel spec {spec!r}")
             sizes[m.group(1)] = int(m.group(2))
@@ -90,7 +92,7 @@ class ParallelConfig:
     def group(self, dp_rank: int) -> range:
         """The ranks of one DP group."""
         if not 0 <= dp_rank < self.dp:
-            raise TopologyError(f"dp rank {dp_rank} is outside {self} (dp {self.dp})")
+            raise TopologyError(f"dp rank {dp_rank} is outside {self}: its DP ranks are 0 to {self.dp - 1}")
         return range(dp_rank * self.group_size, (dp_rank + 1) * self.group_size)
 
     def blocks_on(self, cp_rank: int, num_blocks: int) -> int:

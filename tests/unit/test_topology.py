@@ -27,6 +27,11 @@ def test_parse_refuses_bad_specs(spec: str) -> None:
         ParallelConfig.parse(spec)
 
 
+def test_a_pipeline_size_is_refused_with_why_a_plan_has_none() -> None:
+    with pytest.raises(TopologyError, match="'pp2': plan one pipeline stage"):
+        ParallelConfig.parse("tp4,pp2")
+
+
 def test_rank_coordinates_round_trip() -> None:
     c = ParallelConfig(tp=8, pcp=2, dcp=4, dp=2)
     seen = set()
@@ -44,7 +49,7 @@ def test_heads_that_cannot_be_spread_are_refused_before_planning() -> None:
     model = ModelSpec("six", layers=1, kv_heads=6, head_dim=8)
     with pytest.raises(TopologyError, match="6 KV heads"):
         plan(ParallelConfig(tp=4), ParallelConfig(tp=2), model, 100)
-    with pytest.raises(TopologyError, match="dp rank"):
+    with pytest.raises(TopologyError, match="dp rank 2 is outside tp2,dp2: its DP ranks are 0 to 1"):
         plan(ParallelConfig(tp=2), ParallelConfig(tp=2, dp=2), PRESETS["tiny-gqa"], 100, decode_dp=2)
     with pytest.raises(TopologyError, match="at least one token"):
         plan(ParallelConfig(tp=2), ParallelConfig(tp=2), PRESETS["tiny-gqa"], 0)
