@@ -1256,12 +1256,14 @@ def test_a_proxy_whose_event_loop_is_held_gets_every_stack_dumped(
     assert "blocked (a lock, I/O, a sleep) or stopped" in loop, dump
 
 
+@pytest.mark.parametrize("status", [500, 400])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_layerwise_prefill_that_fails_has_the_request_sent_again_the_pull_way(stream: bool) -> None:
+def test_a_layerwise_prefill_that_fails_has_the_request_sent_again_the_pull_way(stream: bool, status: int) -> None:
     """A layer-wise decode waits for its prefill's stream (up to its pull_timeout_s, 60 s by default, then recomputes).
 
     When that prefill answers a server error instead (shutting down), the proxy drops the decode request and sends
-    the request the pull way to another prefill: the client does not wait the minute out."""
+    the request the pull way to another prefill: the client does not wait the minute out. A 4xx is the request's own
+    fault (vLLM refused it): the client gets it, as the pull way gives it, and nothing is sent again."""
     layerwise: list[str] = []
 
     with Upstream("prefill") as failing, Upstream("prefill") as good:
@@ -1306,18 +1308,24 @@ def test_a_layerwise_prefill_that_fails_has_the_request_sent_again_the_pull_way(
                     for _ in range(2):  # the pull way, once to each prefill: the proxy learns where both stream from
                         assert (await client.post("/v1/completions", json=body)).status_code == 200
                     assert len(failing.bodies) == len(good.bodies) == 1
-                    failing.fail_status = 500
+                    failing.fail_status = status
                     return list(await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(4))))
 
             answers = asyncio.run(go())
-    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
-    assert {r.headers["x-kvbridge-prefill"] for r in answers} == {good.url}
 
     def modes(server: Upstream) -> list[str]:
         return [KVTransferParams.from_dict(b["kv_transfer_params"]).transfer_mode for b in server.bodies[1:]]
 
     failed = modes(failing)
     assert failed and set(failed) == {"layerwise"}  # it failed layer-wise requests: the case tested
+    if status == 400:
+        refused = [r for r in answers if r.status_code == 400]
+        assert len(refused) == len(failed) and [r.status_code for r in answers].count(200) == 4 - len(failed)
+        assert {r.json()["error"]["message"] for r in refused} == {"refused"}  # vLLM's error object, passed on
+        assert modes(good) == ["layerwise"] * (4 - len(failed))  # none sent again
+        return
+    assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+    assert {r.headers["x-kvbridge-prefill"] for r in answers} == {good.url}
     # each of those went the pull way to the good one; the good one's own were read layer-wise
     assert sorted(modes(good)) == sorted(["pull"] * len(failed) + ["layerwise"] * (4 - len(failed)))
     assert sum('"pull"' in r.text for r in answers) == len(failed)  # the decode answered those the pull way

@@ -22,7 +22,13 @@ from kvbridge.base.errors import ConfigError
 from kvbridge.control.params import KVTransferParams
 from kvbridge.session.timeline import Timeline
 from kvbridge_proxy.calls import Calls, DecodeFailed, failed_attempt
-from kvbridge_proxy.layerwise import PrefillFailed, ended_in_error, prefill_ended, unless_prefill_fails
+from kvbridge_proxy.layerwise import (
+    PrefillFailed,
+    ended_in_error,
+    prefill_ended,
+    refused_by_prefill,
+    unless_prefill_fails,
+)
 from kvbridge_proxy.membership import Membership
 from kvbridge_proxy.metrics import ProxyMetrics
 from kvbridge_proxy.moving_stream import MovingStream
@@ -150,10 +156,15 @@ class Handovers:
     ) -> Handover | JSONResponse | str:
         """The request sent again (layer-wise: the pull way), its decode or prefill having failed; else the 503's text.
 
+        A layer-wise prefill's 4xx is the answer itself (`refused_by_prefill`): nothing is sent again.
+
         The 503 where there is no `Handover.again` or no other decode took it; the failed attempt's time, from its
         decode request's send on, is the timeline's `decode_failed_ms` (summed over failovers)."""
         request_id = timeline.request_id
         failed_attempt(timeline, handover.sent)
+        refused = refused_by_prefill(handover.computing) if prefill_failed else None
+        if refused is not None:
+            return self.metrics.passed_on(refused, timeline)
         if not prefill_failed:  # (where only its prefill failed, the decode was dropped, not at fault)
             handover.decode.healthy = False
         if handover.again is None:
@@ -328,6 +339,9 @@ class Handovers:
                 pd.client, unless_prefill_fails(computing, self._send_decode(decoding, []))
             )
         except PrefillFailed as exc:
+            refused = refused_by_prefill(computing)
+            if refused is not None:
+                return self.metrics.passed_on(refused, timeline)
             log.info("request %s: prefill %s failed (%s): the pull way", timeline.request_id, prefill.url, exc)
             return PullWay(exclude=(prefill,))
         except (NoInstance, DecodeFailed) as exc:

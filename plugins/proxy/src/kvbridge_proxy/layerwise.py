@@ -1,8 +1,8 @@
 """A layer-wise request's prefill, watched while its decode answers: the prefill and the decode run at once.
 
 A layer-wise decode waits for its prefill's stream (up to its `pull_timeout_s`, then recomputes), so a prefill that
-fails first (a server error while it shuts down, say) has the request sent again the pull way
-(`Handovers.hand_on`), and one that ends well tells the proxy where its side channel is.
+fails first (a server error while it shuts down, say) has the request sent again the pull way (`Handovers.hand_on`;
+a 4xx, the request's own fault, goes to the client), and one that ends well tells the proxy where its side channel is.
 """
 
 from __future__ import annotations
@@ -30,6 +30,14 @@ class PrefillFailed(httpx.TransportError):
 
     That decode waits for a stream that never comes (up to its `pull_timeout_s`), so the proxy drops it and sends the
     request again the pull way, to another prefill. A transport error of the answer's, so the relays hand it on."""
+
+
+def refused_by_prefill(computing: asyncio.Future | None) -> httpx.Response | None:
+    """The layer-wise prefill's 4xx answer, where that is how it failed.
+
+    The request's own fault: the client gets it, as the pull way gives it (sent again, it would be refused again)."""
+    exc = computing.exception() if ended_in_error(computing) else None  # type: ignore[union-attr]
+    return exc.response if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500 else None
 
 
 def ended_in_error(computing: asyncio.Future | None) -> bool:
