@@ -346,7 +346,7 @@ class Relay:
         decode, prefill_failed = handover.decode, isinstance(failed, PrefillFailed)
         if prefill_failed:
             error = f"layer-wise prefill failed: {failed}"
-            log.warning("request %s: %s before decode server %s answered: the pull way", timeline.request_id, error,
+            log.warning("request %s: %s before decode server %s answered", timeline.request_id, error,
                         decode.url)  # fmt: skip
         else:
             log.warning("decode server %s failed before answering %s: %s", decode.url, timeline.request_id, failed)
