@@ -364,14 +364,17 @@ def test_a_draining_decodes_streams_go_on_elsewhere_with_no_token_lost_or_repeat
     # Streams that were on A went on on B, pulling from A's side channel what the client had been sent.
     on_a = [b for b in cluster.a.bodies if "kvbridge_move_id" in (b.get("kv_transfer_params") or {})]
     assert on_a and len(moved_to_b) == len(pulls) == len(on_a)
-    for pull, stream in zip(pulls, moved_to_b):
+    # the streams move at once: each pull and continuation pair by move id, in whatever order B got them
+    by_move = {p["kv_transfer_params"]["kvbridge_move_id"]: p for p in pulls}
+    assert len(by_move) == len(pulls)
+    for stream in moved_to_b:
+        pull = by_move[stream["kv_transfer_params"]["kvbridge_move_id"]]
         params = pull["kv_transfer_params"]
         assert (params["remote_engine_id"], params["remote_port"]) == ("decode-a", cluster.a_record.side_port)
         assert params["remote_num_tokens"] == len(pull["prompt"]) - 1 and not params.get("remote_block_ids")
         assert params["kvbridge_move_id"] in {b["kv_transfer_params"]["kvbridge_move_id"] for b in on_a}
         assert pull["max_tokens"] == 1 and "stream_options" not in pull
         assert stream["prompt"] == pull["prompt"] and "do_remote_prefill" not in stream["kv_transfer_params"]
-        assert stream["kv_transfer_params"]["kvbridge_move_id"] == params["kvbridge_move_id"]
         assert stream["max_tokens"] < MAX_TOKENS and stream["return_token_ids"] is True
     metrics = httpx.get(f"{cluster.proxy.url}/metrics", trust_env=False).text
     assert f'kvbridge_proxy_live_moves_total{{outcome="pulled"}} {float(len(on_a))}' in metrics
