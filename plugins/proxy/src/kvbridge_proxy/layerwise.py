@@ -36,7 +36,7 @@ def refused_by_prefill(computing: asyncio.Future | None) -> httpx.Response | Non
     """The layer-wise prefill's 4xx answer, where that is how it failed.
 
     The request's own fault: the client gets it, as the pull way gives it (sent again, it would be refused again)."""
-    exc = computing.exception() if ended_in_error(computing) else None  # type: ignore[union-attr]
+    exc = computing.exception() if computing is not None and ended_in_error(computing) else None
     return exc.response if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500 else None
 
 

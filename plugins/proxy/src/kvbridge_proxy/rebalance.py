@@ -57,7 +57,7 @@ class Policy:
             return [], None
         hot = max(usage, key=lambda i: usage[i])
         others = [i for i in usage if i is not hot]
-        # a decode without prefix caching computes a moved stream whole: one is a target only where all are
+        # a decode without prefix caching computes a moved stream whole: a target only where every other one is such
         cold = min([i for i in others if i.prefix_cache is not False] or others, key=lambda i: usage[i])
         if usage[hot] < self.above or usage[cold] > self.below:
             return [], None
