@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import os
 import socket
@@ -197,7 +198,11 @@ def test_a_decode_that_refuses_or_drops_the_request_releases_the_prefill_lease_a
                 decode = stack.enter_context(Upstream("decode"))
                 decode.fail_status, decode_url = 500, decode.url
             else:
-                listener = _holding_decode("127.0.0.1", threading.Event(), stop, drop=True)
+                # it dies once the prefill has the request: a layer-wise prefill request the proxy dropped before it
+                # was sent holds no lease, and the lease the test offers would be the first request's
+                listener = _holding_decode(
+                    "127.0.0.1", threading.Event(), stop, drop=True, dies_after=lambda n: len(prefill.bodies) >= n
+                )
                 decode_url = f"http://127.0.0.1:{listener.getsockname()[1]}"
             app = create_app([prefill.url], [decode_url], transfer=transfer, warm_up=False, health_interval=60)
             front = stack.enter_context(Serving(app))
@@ -846,13 +851,17 @@ def test_a_request_unanswered_for_long_is_logged_once_with_where_it_waits(
     assert said[0].startswith("request waits-long: no answer after") and "send_decode" in said[0], said
 
 
-def _holding_decode(address: str, got: threading.Event, stop: threading.Event, *, drop: bool = False) -> socket.socket:
+def _holding_decode(
+    address: str, got: threading.Event, stop: threading.Event, *, drop: bool = False, dies_after: Any = None
+) -> socket.socket:
     """A decode server on `address` that answers /health and takes a completion, never to answer it.
 
-    `drop`: it closes the connection instead, as a server that died taking it."""
+    `drop`: it closes the connection instead, as a server that died taking it; `dies_after(n)`: it does so once that
+    holds of its n-th completion (at most 10 s on)."""
     listener = socket.create_server((address, 0))
     listener.settimeout(0.2)
     held: list[socket.socket] = []
+    taken = itertools.count(1)
 
     def serve() -> None:
         with listener:
@@ -871,6 +880,9 @@ def _holding_decode(address: str, got: threading.Event, stop: threading.Event, *
                     conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-type: application/json\r\n\r\n{}")
                     conn.close()
                 elif drop:
+                    n, until = next(taken), time.monotonic() + 10
+                    while dies_after is not None and not dies_after(n) and time.monotonic() < until:
+                        time.sleep(0.01)
                     conn.close()
                     got.set()
                 else:
