@@ -29,6 +29,7 @@ from kvbridge.control import (
     open_registry,
     resolve,
 )
+from kvbridge.control.ledger import READ_HOLD_S
 from kvbridge.plan.layout import vllm_layout
 from kvbridge.plan.presets import PRESETS, ModelSpec
 from kvbridge.plan.topology import HeadPlacement, ParallelConfig
@@ -54,6 +55,7 @@ class Rank:
         port: int = 0,
         secret: str | None = None,
         lease_timeout_s: float = 60.0,
+        read_hold_s: float = READ_HOLD_S,
         metadata_server: str | None = None,
         hostname: str = "127.0.0.1",
         registry: str | None = None,
@@ -93,7 +95,12 @@ class Rank:
         self.pending: dict[str, dict] = {}  # decode: what a read left for its DONEs
         self.skew = 0.0  # added to the ledger's clock: `advance` makes a lease expire without waiting
         self.ledger = (
-            Ledger(self._on_release, timeout_s=lease_timeout_s, clock=lambda: time.monotonic() + self.skew)
+            Ledger(
+                self._on_release,
+                timeout_s=lease_timeout_s,
+                read_hold_s=read_hold_s,
+                clock=lambda: time.monotonic() + self.skew,
+            )
             if role == "prefill"
             else None
         )

@@ -20,6 +20,11 @@ from kvbridge.control.messages import MAX_BLOCKS, LeaseState, LeaseStatus
 
 _V = TypeVar("_V")
 MAX_LEASE_S = 86_400.0  # a day: blocks pinned longer are a leak, not a lease
+# How long an answer that holds reads promises the blocks for (at most the lease's remaining time). A lease that ends
+# while a rank still reads waits for that rank's DONE or for the last promise given, not for the lease's deadline: a
+# decode that died mid-read then ties the blocks up this long, not `lease_s`. A read is milliseconds; one that ends past
+# its promise takes the fenced path (its DONE's answer decides), which costs it only a round trip.
+READ_HOLD_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,7 @@ class _Entry:
     # release pass as whole)
     unvouched: set[str] = attrs.field(factory=set)
     forget_at: float = 0.0
+    promised_until: float = 0.0  # the latest hold an answer promised a reader (the ledger's clock)
 
 
 ReleaseCallback = Callable[[Lease, LeaseState], None]
@@ -68,14 +74,16 @@ class Ledger:
         on_release: ReleaseCallback,
         *,
         timeout_s: float = 120.0,
+        read_hold_s: float = READ_HOLD_S,
         tombstone_s: float = 600.0,
         max_tombstones: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not 0 < timeout_s <= MAX_LEASE_S:  # NaN fails too: a lease that never expires; inf overflows a timer
-            raise ConfigError(f"lease timeout must be positive seconds, at most {MAX_LEASE_S:g}, got {timeout_s}")
+        _check_seconds("lease timeout", timeout_s)
+        _check_seconds("read hold", read_hold_s)
         self._on_release = on_release
         self.timeout_s = timeout_s
+        self.read_hold_s = read_hold_s
         self._tombstone_s = tombstone_s
         self._max_tombstones = max_tombstones
         self._clock = clock
@@ -92,7 +100,7 @@ class Ledger:
         # offer): request id -> forget at. The offer then releases at once.
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
         # Finished leases whose blocks a decode rank may still be reading: (request id, epoch) -> entry,
-        # released at the readers' last DONE or at the lease's deadline (its row in `_deadlines`).
+        # released at the readers' last DONE or at the last hold promised them (a row in `_deadlines`).
         self._held: dict[tuple[str, int], _Entry] = {}
         # Epochs are unique per ledger and start at a random point, so a restarted prefill
         # never confirms a lease its previous life handed out.
@@ -142,8 +150,8 @@ class Ledger:
         if expected_pulls is not None and expected_pulls < 0:
             raise ConfigError(f"expected_pulls must be >= 0, got {expected_pulls} for request {request_id!r}")
         _check_size(request_id, len(blocks))
-        if timeout_s is not None and not 0 < timeout_s <= MAX_LEASE_S:
-            raise ConfigError(f"lease timeout must be positive seconds, at most {MAX_LEASE_S:g}, got {timeout_s}")
+        if timeout_s is not None:
+            _check_seconds("lease timeout", timeout_s)
         self.reap()
         now = self._clock()
         with self._lock:
@@ -243,7 +251,7 @@ class Ledger:
                 if entry is not None and entry.lease.epoch == epoch:
                     due.append(entry)
                 held = self._held.pop((request_id, epoch), None)
-                if held is not None:  # its readers never said DONE: the deadline ends the hold
+                if held is not None:  # its readers never said DONE: the hold promised them ended
                     unheld.append(held)
         for entry in unheld:
             self._release(entry)
@@ -383,9 +391,13 @@ class Ledger:
         return unheld
 
     def _status(self, entry: _Entry, *, valid: bool, released: bool = False) -> LeaseStatus:
-        lease = entry.lease
-        remaining = max(0.0, lease.deadline - self._clock()) if entry.state is LeaseState.ACTIVE else 0.0
+        """The lease as the asker sees it; one that holds reads promises its blocks for `remaining_s` (lock held)."""
+        lease, now = entry.lease, self._clock()
+        remaining = max(0.0, lease.deadline - now) if entry.state is LeaseState.ACTIVE else 0.0
         held = valid and lease.holds_reads and entry.state is LeaseState.ACTIVE
+        if held:
+            remaining = min(remaining, self.read_hold_s)
+            entry.promised_until = max(entry.promised_until, now + remaining)
         return LeaseStatus(
             lease.request_id, entry.state, valid, lease.epoch, lease.blocks, remaining, released, reads_held=held
         )
@@ -393,7 +405,8 @@ class Ledger:
     def _finish(self, entry: _Entry, state: LeaseState) -> bool:
         """Move an active lease to `state` (published first), then call `on_release`; False if already finished.
 
-        While decode ranks are still reading it (not at expiry), hold it until their DONEs instead."""
+        While decode ranks are still reading it (not at expiry), hold it until their DONEs or the end of the last hold
+        promised them, whichever comes first."""
         now = self._clock()
         with self._lock:
             if self._active.get(entry.lease.request_id) is not entry:
@@ -403,24 +416,27 @@ class Ledger:
             entry.forget_at = now + self._tombstone_s
             self._finished[entry.lease.request_id] = entry
             _evict(self._finished, self._max_tombstones, lambda finished: finished.forget_at, now)
-            hold = state is not LeaseState.EXPIRED and bool(entry.readers)
-            if hold:  # released by their last DONE, or by reap() at the lease's deadline
+            until = min(entry.promised_until, entry.lease.deadline)
+            hold = state is not LeaseState.EXPIRED and bool(entry.readers) and until > now
+            if hold:  # released by their last DONE, or by reap() when the promise ends
                 self._held[(entry.lease.request_id, entry.lease.epoch)] = entry
+                heapq.heappush(self._deadlines, (until, entry.lease.epoch, entry.lease.request_id))
         for callback in self._finish_callbacks:
             try:
                 callback(entry.lease, state)
             except Exception:  # a listener failing must not keep the blocks from their release
                 log.exception("on_finish callback failed for request %s", entry.lease.request_id)
-        if hold:
+        if entry.readers and state is not LeaseState.EXPIRED:  # (a read past its hold is fenced by its DONE)
             log.info(
-                "lease %s epoch %d %s while %s still read it: its %d blocks are released at their DONE or in %.1fs",
+                "lease %s epoch %d %s while %s still read it: its %d blocks are released %s",
                 entry.lease.request_id,
                 entry.lease.epoch,
                 state.value,
                 sorted(entry.readers),
                 len(entry.lease.blocks),
-                entry.lease.deadline - now,
+                f"at their DONE or in {until - now:.1f}s" if hold else "now, past the hold they were told",
             )
+        if hold:
             return True
         self._release(entry)
         return True
@@ -469,6 +485,12 @@ def _check_begin(entry: _Entry, decode_rank: str, blocks: Sequence[int]) -> None
             f"hold (e.g. {foreign[:4]}): refused; pass the remote_block_ids the prefill "
             "engine returned for this request"
         )
+
+
+def _check_seconds(what: str, seconds: float) -> None:
+    """A lease's times are positive and at most MAX_LEASE_S: NaN would never expire, inf overflows a timer."""
+    if not 0 < seconds <= MAX_LEASE_S:
+        raise ConfigError(f"{what} must be positive seconds, at most {MAX_LEASE_S:g}, got {seconds}")
 
 
 def _check_size(request_id: str, nblocks: int) -> None:

@@ -48,9 +48,12 @@ PROBES = 30
 PROBE_S = 10.0  # below STUCK_TIMEOUT_S: a probe held behind a stuck request misses it
 
 
-def rank(role: str, port: int = 0, blocks: int = 64) -> Child:
-    child = Child("control_rank", env=ENV, name=f"{role}-{port}")
-    child.call("setup", role=role, engine_id=role, rank=0, parallel="tp1", kv_heads=2, blocks=blocks, port=port)
+def rank(role: str, port: int = 0, blocks: int = 64, engine_id: str = "", **setup: object) -> Child:
+    engine_id = engine_id or role
+    child = Child("control_rank", env=ENV, name=f"{engine_id}-{port}")
+    child.call(
+        "setup", role=role, engine_id=engine_id, rank=0, parallel="tp1", kv_heads=2, blocks=blocks, port=port, **setup
+    )
     child.call("register")
     return child
 
@@ -194,4 +197,29 @@ def test_a_stopped_prefill_costs_a_pull_one_control_timeout_and_is_released_once
     released = lambda: [r for r in prefill.call("released") if r[0] == "r1"]  # noqa: E731
     wait_for(released, timeout=20, what="the prefill to release request r1's blocks")
     assert released() == [["r1", "released", blocks]], "released by the decode's DONE, not expired"
+    assert prefill.call("state")["active"] == []
+
+
+def test_a_decode_killed_before_its_done_holds_the_blocks_for_its_read_hold_not_for_the_lease(
+    children: list[Child],
+) -> None:
+    # A decode rank that dies after its BeginPull never sends its DONE. The request goes on to another decode, whose
+    # DONE completes the count: the blocks wait for the dead reader only until the last hold the ledger promised ends
+    # (20 s here, READ_HOLD_S by default), not until the lease's deadline (60 s) as they did.
+    port, hold = free_port(), 20.0
+    prefill = rank("prefill", port, read_hold_s=hold)
+    dead, alive = rank("decode", engine_id="dead"), rank("decode", engine_id="alive")
+    children += [prefill, dead, alive]
+    blocks = list(range(8))
+    prefill.call("offer", request_id="r1", blocks=blocks, tokens=8 * 16)
+    params = pull_params("r1", blocks, port)
+    assert dead.call("read", request_id="r1", params=params, local_blocks=blocks)["pulled"] == [0]
+    dead.proc.kill()
+    dead.proc.wait(10)
+    alive.call("read", request_id="r1", params=params, local_blocks=blocks)
+    assert alive.call("done", request_id="r1", params=params) == [False], "a rank still reads: not released yet"
+    assert prefill.call("released") == [], "the killed rank's hold still runs"
+    prefill.call("advance", seconds=hold + 1)  # past every hold promised, well before the lease's deadline
+    wait_for(lambda: prefill.call("released"), timeout=10, what="the prefill to release r1 once the holds ended")
+    assert prefill.call("released") == [["r1", "released", blocks]]
     assert prefill.call("state")["active"] == []

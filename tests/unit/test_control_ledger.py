@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.base.errors import ConfigError, ProtocolError
-from kvbridge.control import Lease, LeaseState, Ledger
+from kvbridge.control import Lease, LeaseState, LeaseStatus, Ledger
 
 
 class Clock:
@@ -154,6 +154,53 @@ def test_a_read_never_confirmed_holds_an_aborted_lease_until_its_deadline(
     clock.now += 0.1  # the deadline that rank was told: no read can outlive it
     ledger.reap()
     assert released[-1] == ("r1", LeaseState.ABORTED, (5,)) and old.epoch != new.epoch
+
+
+def test_a_reader_that_died_ties_the_blocks_up_for_the_hold_it_was_told_not_for_the_lease(
+    clock: Clock, released: list
+) -> None:
+    # A decode rank that died mid-read never says DONE. The proxy sends the request to another decode, whose DONE
+    # reaches the count: the blocks wait for the dead reader only as long as an answer promised, not for lease_s.
+    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=120.0, clock=clock)
+    lease = ledger.offer("r1", [5], expected_pulls=1)
+    first = ledger.begin("r1", "d0")
+    assert first.reads_held and first.remaining_s == ledger.read_hold_s == 10.0, "a read's hold, not the lease's"
+    clock.now += 3.0  # d0 died; the request is sent to another decode
+    assert ledger.begin("r1", "d1").remaining_s == 10.0
+    assert ledger.done("r1", "d1", lease.epoch).valid and released == [], "d0 may still be reading"
+    clock.now += 9.9
+    ledger.reap()
+    assert released == [], "d1's hold, promised 9.9 s ago, still runs"
+    clock.now += 0.1
+    ledger.reap()
+    assert released == [("r1", LeaseState.RELEASED)] and ledger.held() == (0, 0)
+    assert not ledger.done("r1", "d0", lease.epoch).valid, "a read that outlived its hold is not confirmed"
+
+
+def test_an_abort_after_every_readers_hold_ended_releases_at_once(clock: Clock, released: list) -> None:
+    ledger = Ledger(lambda lease, why: released.append((lease.request_id, why)), timeout_s=120.0, clock=clock)
+    lease = ledger.offer("r1", [5], expected_pulls=1)
+    ledger.begin("r1", "d0")
+    clock.now += 10.0  # the proxy learns that d0 died and releases the lease
+    ledger.abort("r1")
+    assert released == [("r1", LeaseState.ABORTED)] and ledger.held() == (0, 0)
+    assert not ledger.done("r1", "d0", lease.epoch).valid
+    ledger.offer("r2", [6], expected_pulls=1)
+    ledger.begin("r2", "d0")
+    clock.now += 9.0
+    assert ledger.query("r2").remaining_s == 10.0, "a query renews the promise"
+    clock.now += 9.0
+    ledger.abort("r2")
+    assert released[-1] == ("r1", LeaseState.ABORTED) and ledger.held() == (1, 1), "held for the renewed promise"
+    clock.now += 1.0
+    ledger.reap()
+    assert released[-1] == ("r2", LeaseState.ABORTED) and ledger.held() == (0, 0)
+
+
+@pytest.mark.parametrize("hold", [0.0, -1.0, float("nan"), 1e9])
+def test_a_read_hold_outside_what_a_lease_can_be_is_refused(hold: float) -> None:
+    with pytest.raises(ConfigError, match="read hold must be positive seconds"):
+        Ledger(lambda lease, why: None, read_hold_s=hold)
 
 
 def test_a_count_reached_while_another_rank_reads_holds_until_its_done(ledger: Ledger, released: list) -> None:
@@ -347,6 +394,7 @@ ops = st.lists(
             st.booleans(),
         ),
         st.tuples(st.just("abort"), st.sampled_from("abc")),
+        st.tuples(st.just("query"), st.sampled_from("abc")),
         st.tuples(st.just("advance"), st.floats(0, 6)),
     ),
     max_size=40,
@@ -359,20 +407,24 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
     """Random offer/begin/done/abort/time sequences keep the ledger's leases and fencing.
 
     A lease is released once; after an expiry or abort no DONE of that epoch is answered valid, and after a release
-    only the duplicates of DONEs counted before it are (fencing).
+    only the duplicates of DONEs counted before it are (fencing). Its blocks are never handed back while a rank that
+    began a pull may read them within a hold an answer promised; and once every lease's time is past, none is held.
     """
     clock = Clock()
     log: list[tuple] = []  # ("release", epoch, reason), ("valid", epoch, rank), ("early", request, rank)
     readers: dict[int, set[str]] = {}  # epoch -> ranks whose BeginPull found it active, no DONE since
-    deadlines: dict[int, float] = {}
+    promised: dict[int, float] = {}  # epoch -> the latest end of a hold an answer promised
+
+    def promise(status: LeaseStatus) -> None:
+        if status.reads_held:
+            promised[status.epoch] = max(promised.get(status.epoch, 0.0), clock.now + status.remaining_s)
 
     def release(lease: Lease, why: LeaseState) -> None:
-        # the blocks are never handed back while a rank that began a pull may read them, until the deadline
-        if readers.get(lease.epoch) and clock.now < deadlines[lease.epoch]:
+        if readers.get(lease.epoch) and clock.now < promised.get(lease.epoch, 0.0):
             log.append(("under a read", lease.epoch, sorted(readers[lease.epoch])))
         log.append(("release", lease.epoch, why))
 
-    ledger = Ledger(release, timeout_s=10.0, clock=clock)
+    ledger = Ledger(release, timeout_s=10.0, read_hold_s=4.0, clock=clock)
     reading: list[int] = []  # what on_reading said, in order
     ledger.on_reading(reading.append)
     begins: set[int] = set()  # epochs a BeginPull found active
@@ -382,7 +434,7 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
         if op[0] == "offer":
             try:
                 lease = ledger.offer(op[1], [1], expected_pulls=op[2])
-                epochs[op[1]], deadlines[lease.epoch] = lease.epoch, lease.deadline
+                epochs[op[1]] = lease.epoch
                 request_of[epochs[op[1]]] = op[1]
             except ConfigError:
                 assert ledger.state(op[1]) is LeaseState.ACTIVE
@@ -392,6 +444,7 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
             except ProtocolError:  # a rank reads a lease once: after its DONE, a BeginPull is stale
                 assert ledger.state(op[1]) is LeaseState.ACTIVE
                 continue
+            promise(begun)
             if begun.valid:
                 readers.setdefault(begun.epoch, set()).add(op[2])
                 begins.add(begun.epoch)
@@ -401,6 +454,7 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
                 if e == epoch or (epoch == 0 and request_of.get(e) == op[1]):
                     ranks.discard(op[2])
             status = ledger.done(op[1], op[2], epoch, expected_pulls=op[3])
+            promise(status)
             if status.valid and status.released:  # this DONE was counted, then released the lease
                 log.insert(log.index(("release", status.epoch, LeaseState.RELEASED)), ("valid", status.epoch, op[2]))
             elif status.valid:
@@ -409,12 +463,17 @@ def test_lease_fuzz_ledger_invariants(script: list) -> None:
                 log.append(("early", op[1], op[2]))
         elif op[0] == "abort":
             ledger.abort(op[1])
+        elif op[0] == "query":
+            promise(ledger.query(op[1]))
         else:
             clock.now += op[1]
             ledger.reap()
         unreleased = begins - {e[1] for e in log if e[0] == "release"}
         assert (reading[-1] if reading else 0) == len(unreleased), "leases being read, miscounted"
     assert not [e for e in log if e[0] == "under a read"], "blocks released while a decode rank read them"
+    clock.now += 10.0
+    ledger.reap()
+    assert ledger.held() == (0, 0), "a lease held its blocks past its deadline"
     releases = [e for e in log if e[0] == "release"]
     assert len({e[1] for e in releases}) == len(releases), "a lease was released twice"
     for entry in releases:

@@ -90,7 +90,8 @@ class Handover:
 
         The decode may never have seen the request (vLLM's server drops a request cancelled before its engine took
         it, and no connector hears of it), or answered an error: nobody else would, and the lease would hold its
-        blocks until it expired. A decode reading it meanwhile is fenced: the blocks go at its DONE."""
+        blocks until it expired. A decode reading it meanwhile is fenced: the blocks go at its DONE, or when the hold
+        its answer promised ends (a decode that died says no DONE)."""
         if self.unread is not None:
             self.unread(why)
 
