@@ -15,7 +15,7 @@ import pytest
 
 from kvbridge_tools.bench.link import Link, parse_link
 from kvbridge_tools.bench.load_probes import Noise, parse_noise
-from kvbridge_tools.harness.hosts import hosts_unavailable, machine_congestion
+from kvbridge_tools.harness.hosts import congestion_problem, hosts_unavailable, machine_congestion
 
 QUICK = ["--model", "small", "--tokens", "512", "--requests", "2", "--repeat", "1"]
 needs_hosts = pytest.mark.skipif(hosts_unavailable() is not None, reason=str(hosts_unavailable()))
@@ -100,6 +100,23 @@ def test_link_specs() -> None:
     for bad, why in bad_specs:
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             parse_link(bad)
+
+
+def test_a_congestion_control_a_namespace_may_not_take_is_refused_with_the_setting_that_allows_it() -> None:
+    # Linux lets a network namespace take only the machine's allowed congestion controls (reno and the machine's
+    # default unless an admin adds more): `--link cc=cubic` on a BBR machine failed once the hosts were up, with a
+    # traceback ("tee: ...tcp_congestion_control: Operation not permitted").
+    kernel = {"available": ["reno", "bbr", "cubic"], "allowed": ["reno", "bbr"]}
+    why = congestion_problem("cubic", **kernel)
+    assert why and 'sysctl -w net.ipv4.tcp_allowed_congestion_control="reno bbr cubic"' in why
+    assert congestion_problem("bbr", **kernel) is None and congestion_problem("reno", **kernel) is None
+    assert "no TCP congestion control 'warp' (it has reno, bbr, cubic)" in str(congestion_problem("warp", **kernel))
+    restricted = [cc for cc in ("cubic", "bbr", "htcp", "vegas") if "allow it with" in str(congestion_problem(cc))]
+    for cc in restricted[:1]:  # (this machine's kernel decides whether it has one: cubic on the project's VM)
+        with pytest.raises(argparse.ArgumentTypeError, match="tcp_allowed_congestion_control"):
+            parse_link(f"cc={cc}")
+        out = kvbridge("bench", "--engine", "vllm", "--load", "--hosts", "--link", f"rate=5gbit,cc={cc}")
+        assert out.returncode == 2 and "allow it with `sysctl -w" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_link_without_hosts_and_hosts_outside_pair_mode_are_refused() -> None:

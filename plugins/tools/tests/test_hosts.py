@@ -128,12 +128,14 @@ def test_loss_drops_a_random_share_in_one_direction(hosts_factory: MakeHosts) ->
 
 def test_a_hosts_tcp_congestion_control_is_its_own_and_its_connections_use_it(hosts_factory: MakeHosts) -> None:
     # The machine's choice (BBR on this VM) is what every namespace starts with; a bench may set Linux's default.
-    from kvbridge_tools.harness.hosts import congestion_controls, machine_congestion
+    from kvbridge_tools.harness.hosts import HostsError, congestion_problem, machine_congestion
 
-    other = next((cc for cc in ("reno", "cubic") if cc != machine_congestion() and cc in congestion_controls()), None)
+    other = next((cc for cc in ("reno", "cubic") if cc != machine_congestion() and not congestion_problem(cc)), None)
     if other is None:
-        pytest.skip(f"this kernel offers no congestion control besides {machine_congestion()}")
+        pytest.skip(f"this machine lets a namespace take no congestion control besides {machine_congestion()}")
     hosts = hosts_factory(["prefill", "decode"])
+    with pytest.raises(HostsError, match="no TCP congestion control 'warp'"):  # said before any namespace is touched
+        hosts.congestion("prefill", "warp")
     hosts.congestion("prefill", other)
     assert (hosts.tcp_congestion("prefill"), hosts.tcp_congestion("decode")) == (other, machine_congestion())
     _server(hosts, "decode")

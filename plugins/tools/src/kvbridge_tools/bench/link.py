@@ -54,7 +54,7 @@ class Link:
 
 def parse_link(text: str) -> Link:
     """`rate=10gbit[,loss=0.1%][,cc=cubic]` (a loss without % is a fraction: loss=0.001)."""
-    from kvbridge_tools.harness.hosts import congestion_controls, parse_rate
+    from kvbridge_tools.harness.hosts import congestion_problem, parse_rate
 
     fields: dict[str, Any] = {}
     seen: set[str] = set()
@@ -74,18 +74,18 @@ def parse_link(text: str) -> Link:
                     raise ValueError("loss is a share of packets below 100 %")
                 fields["loss"] = share
             elif key == "cc":
-                known = congestion_controls()
-                if known and value not in known:
-                    raise ValueError(f"this kernel has no TCP congestion control {value!r} (it has {', '.join(known)})")
+                problem = congestion_problem(value)
+                if problem:
+                    raise ValueError(problem)
                 fields["congestion"] = value
             else:
                 raise ValueError(f"unknown key {key!r}")
         except ValueError as e:
             raise argparse.ArgumentTypeError(
-                f"--link {text!r}: {e}; write rate=10gbit,loss=0.1%,cc=cubic (keys: rate, loss, cc)"
+                f"--link {text!r}: {e}; write rate=10gbit,loss=0.1%,cc=NAME (keys: rate, loss, cc)"
             ) from None
     if not seen:
-        raise argparse.ArgumentTypeError(f"--link {text!r} asks for nothing; write rate=10gbit,loss=0.1%,cc=cubic")
+        raise argparse.ArgumentTypeError(f"--link {text!r} asks for nothing; write rate=10gbit,loss=0.1%,cc=NAME")
     return Link(**fields)
 
 

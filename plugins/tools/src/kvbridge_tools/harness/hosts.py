@@ -37,6 +37,8 @@ from typing import Any
 
 import attrs
 
+from kvbridge.base.errors import KVBridgeError
+
 log = logging.getLogger(__name__)
 
 PREFIX = "kvb"
@@ -56,7 +58,7 @@ _RATE = re.compile(r"^(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)?$", re.IGNOREC
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
-class HostsError(RuntimeError):
+class HostsError(KVBridgeError, RuntimeError):
     """A namespace, link or filter could not be set up or changed (the reason is in the message)."""
 
 
@@ -108,12 +110,31 @@ def machine_congestion() -> str:
         return "unknown"
 
 
-def congestion_controls() -> list[str]:
-    """The TCP congestion controls this kernel offers (empty where it does not say)."""
+def _sysctl_words(name: str) -> list[str]:
     try:
-        return _sysctl_path("net.ipv4.tcp_available_congestion_control").read_text().split()
-    except OSError:
+        return _sysctl_path(name).read_text().split()
+    except OSError:  # (where the kernel does not say, the namespace's own write says why)
         return []
+
+
+def congestion_problem(
+    name: str, *, available: list[str] | None = None, allowed: list[str] | None = None
+) -> str | None:
+    """Why a namespace host cannot take TCP congestion control `name` on this machine; None where it can.
+
+    Linux lets a network namespace other than the machine's take only the allowed ones (`-EPERM` else):
+    `net.ipv4.tcp_allowed_congestion_control`, which holds reno and the machine's default unless an admin adds more."""
+    available = _sysctl_words("net.ipv4.tcp_available_congestion_control") if available is None else available
+    allowed = _sysctl_words("net.ipv4.tcp_allowed_congestion_control") if allowed is None else allowed
+    if available and name not in available:
+        return f"this kernel has no TCP congestion control {name!r} (it has {', '.join(available)})"
+    if allowed and name not in allowed:
+        return (
+            f"this machine does not allow TCP congestion control {name!r} in a network namespace (it allows "
+            f"{', '.join(allowed)}); allow it with `sysctl -w net.ipv4.tcp_allowed_congestion_control="
+            f'"{" ".join([*allowed, name])}"`, or pick an allowed one'
+        )
+    return None
 
 
 def _sh(args: Sequence[str], timeout: float = 30.0, stdin: str | None = None) -> str:
@@ -494,6 +515,9 @@ class Hosts:
 
     def congestion(self, host: str, name: str) -> None:
         """Make `host`'s TCP use congestion control `name` (`cubic`, `bbr`, ...): its own, as another machine's."""
+        problem = congestion_problem(name)
+        if problem:
+            raise HostsError(problem)
         _sh(["ip", "netns", "exec", self[host].netns, "tee", str(_sysctl_path(CONGESTION))], stdin=name)
 
     def tcp_congestion(self, host: str) -> str:
