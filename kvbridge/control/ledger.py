@@ -434,7 +434,7 @@ class Ledger:
                 state.value,
                 sorted(entry.readers),
                 len(entry.lease.blocks),
-                f"at their DONE or in {until - now:.1f}s" if hold else "now, past the hold they were told",
+                f"at their DONE or in {until - now:.1f}s" if hold else "now: no hold promised them runs",
             )
         if hold:
             return True
